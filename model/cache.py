@@ -1,0 +1,100 @@
+"""The KV cache: an immutable pytree that a model call takes and returns.
+
+Shape letters used here and in the rest of `model/`:
+  L layers, B batch, T query length, S key length (cache capacity or source length),
+  N query heads, K kv heads, H head dim, D model dim, V vocab.
+
+Only K and V are cached. A new token's query is compared with the keys of every earlier
+token and mixes their values; no later step ever needs an earlier token's query again.
+
+Rows are right-padded: slot `s` of a row holds the token at position `s` of that row, and
+`lengths[b]` is both how many slots row `b` has filled and the position of its next token.
+Rows with different prompt lengths therefore keep their own positions with no offsets,
+and a short row wastes no capacity at its front (left padding would).
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from model.config import TransformerConfig
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Per-layer K/V of every decoder layer, stacked over layers.
+
+    Fields:
+      k, v:           [L, B, S, K, H] self-attention keys and values; S is the capacity.
+      lengths:        [B] int32, filled slots per row (= next position to write).
+      overflow:       [B] bool, set when a write did not fit; the write was skipped, never
+                      clamped (`lax.dynamic_update_slice` would silently move it).
+      cross_k, cross_v: [L, B, S_src, K, H] encoder-decoder only: the encoder output
+                      projected once per layer, read by every decoding step; else None.
+      source_lengths: [B] int32 valid source tokens per row (encoder-decoder), else None.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+    overflow: jax.Array
+    cross_k: jax.Array | None = None
+    cross_v: jax.Array | None = None
+    source_lengths: jax.Array | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the cached K/V (self and cross); the per-row counters are not counted."""
+        arrays = (self.k, self.v, self.cross_k, self.cross_v)
+        return sum(a.size * a.dtype.itemsize for a in arrays if a is not None)
+
+    @property
+    def self_attention_nbytes(self) -> int:
+        return self.k.size * self.k.dtype.itemsize + self.v.size * self.v.dtype.itemsize
+
+
+def init_cache(
+    config: TransformerConfig, batch_size: int, capacity: int, dtype=None
+) -> KVCache:
+    """An empty self-attention cache of `capacity` slots per row (cross fields unset)."""
+    if capacity < 1 or batch_size < 1:
+        raise ValueError(f"cache needs capacity >= 1 and batch_size >= 1, got {capacity=}, "
+                         f"{batch_size=}")
+    if capacity > config.max_len:
+        raise ValueError(f"cache capacity {capacity} exceeds the model's max_len {config.max_len}")
+    dtype = config.compute_dtype if dtype is None else jnp.dtype(dtype)
+    shape = (config.num_decoder_layers, batch_size, capacity, config.kv_heads, config.head_dim)
+    return KVCache(
+        k=jnp.zeros(shape, dtype),
+        v=jnp.zeros(shape, dtype),
+        lengths=jnp.zeros((batch_size,), jnp.int32),
+        overflow=jnp.zeros((batch_size,), bool),
+    )
+
+
+def write_rows(cache_BSKH: jax.Array, new_BTKH: jax.Array, starts_B: jax.Array,
+               fits_B: jax.Array) -> jax.Array:
+    """Writes `new` into each row at that row's start slot, skipping rows that do not fit.
+
+    A row fits when `start + T <= S`; then `dynamic_update_slice` never clamps. A row that
+    does not fit keeps its old contents (its caller flags it as overflowed).
+    """
+
+    def write_one(row_SKH, new_TKH, start, fits):
+        start = jnp.where(fits, start, 0)
+        old_TKH = lax.dynamic_slice_in_dim(row_SKH, start, new_TKH.shape[0], axis=0)
+        update = jnp.where(fits, new_TKH.astype(row_SKH.dtype), old_TKH)
+        return lax.dynamic_update_slice_in_dim(row_SKH, update, start, axis=0)
+
+    return jax.vmap(write_one)(cache_BSKH, new_BTKH, starts_B, fits_B)

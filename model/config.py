@@ -1,0 +1,180 @@
+"""One frozen config for both Transformer variants, with presets.
+
+The config sizes everything: it validates itself, knows its head dimension, and
+computes how many bytes a KV cache of a given length takes (`cache_size_bytes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+POSITIONAL_ENCODINGS = ("sinusoidal", "learned", "rope")
+NORM_PLACEMENTS = ("post", "pre")
+ACTIVATIONS = ("relu", "gelu", "swiglu")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Hyper-parameters of a decoder-only LM (`num_encoder_layers == 0`) or an encoder-decoder.
+
+    The defaults follow "Attention Is All You Need": sinusoidal positions, post-LayerNorm
+    (`LayerNorm(x + Sublayer(x))`) and a ReLU feed-forward network.
+    """
+
+    vocab_size: int = 4096
+    d_model: int = 384
+    num_heads: int = 6
+    num_kv_heads: int | None = None  # None: same as num_heads (MHA); 1: MQA; else GQA.
+    d_ff: int = 1536
+    num_decoder_layers: int = 6
+    num_encoder_layers: int = 0  # > 0 makes an encoder-decoder.
+    max_len: int = 1024
+    positional_encoding: str = "sinusoidal"
+    norm: str = "post"
+    activation: str = "relu"
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"
+    rope_base: float = 10000.0
+    layer_norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        problems = []
+        for name in ("vocab_size", "d_model", "num_heads", "d_ff", "num_decoder_layers", "max_len"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)} must be >= 1")
+        if self.num_encoder_layers < 0:
+            problems.append(f"num_encoder_layers={self.num_encoder_layers} must be >= 0")
+        if self.num_heads >= 1 and self.d_model % self.num_heads:
+            problems.append(f"num_heads={self.num_heads} does not divide d_model={self.d_model}")
+        kv = self.num_kv_heads
+        if kv is not None and (kv < 1 or (self.num_heads >= 1 and self.num_heads % kv)):
+            problems.append(f"num_kv_heads={kv} must be >= 1 and divide num_heads={self.num_heads}")
+        if self.positional_encoding == "rope" and self.num_heads >= 1:
+            head_dim = self.d_model // self.num_heads
+            if head_dim % 2:
+                problems.append(f"rope needs an even head_dim, got {head_dim}")
+        for name, allowed in (
+            ("positional_encoding", POSITIONAL_ENCODINGS),
+            ("norm", NORM_PLACEMENTS),
+            ("activation", ACTIVATIONS),
+            ("dtype", DTYPES),
+            ("param_dtype", DTYPES),
+        ):
+            if getattr(self, name) not in allowed:
+                problems.append(f"{name}={getattr(self, name)!r} is not one of {allowed}")
+        if not 0.0 <= self.dropout < 1.0:
+            problems.append(f"dropout={self.dropout} must be in [0, 1)")
+        if problems:
+            raise ValueError("invalid TransformerConfig: " + "; ".join(problems))
+
+    # Derived sizes -------------------------------------------------------------------------
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.num_encoder_layers > 0
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def weights_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.param_dtype)
+
+    def replace(self, **changes: Any) -> TransformerConfig:
+        return dataclasses.replace(self, **changes)
+
+    # Serialisation (JSON next to every checkpoint) -----------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TransformerConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown TransformerConfig fields: {unknown}")
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, text: str) -> TransformerConfig:
+        return cls.from_dict(json.loads(text))
+
+
+PRESETS: dict[str, TransformerConfig] = {
+    # For tests: every code path, milliseconds to compile and run.
+    "tiny": TransformerConfig(
+        vocab_size=64, d_model=32, num_heads=4, d_ff=64, num_decoder_layers=2, max_len=64
+    ),
+    # For the demo: trains in about two minutes on a 2-core CPU.
+    "small": TransformerConfig(
+        vocab_size=1024, d_model=128, num_heads=4, d_ff=512, num_decoder_layers=3, max_len=256
+    ),
+    # The size the decode benchmark uses (GPT-2-shaped, 6 layers).
+    "gpt-mini": TransformerConfig(
+        vocab_size=4096, d_model=384, num_heads=6, d_ff=1536, num_decoder_layers=6, max_len=1024
+    ),
+}
+
+
+def preset(name: str, **overrides: Any) -> TransformerConfig:
+    """Returns the named preset with `overrides` applied (e.g. `num_encoder_layers=2`)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name].replace(**overrides)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSize:
+    """Bytes of a KV cache. `self_attention` is the formula
+    `2 × length × layers × kv_heads × head_dim × bytes × batch`; `cross_attention` is the
+    encoder-decoder's cache of projected encoder K/V (0 for a decoder-only model)."""
+
+    self_attention: int
+    cross_attention: int
+
+    @property
+    def total(self) -> int:
+        return self.self_attention + self.cross_attention
+
+
+def cache_size_bytes(
+    config: TransformerConfig,
+    batch: int,
+    length: int,
+    dtype: Any = None,
+    source_length: int | None = None,
+) -> CacheSize:
+    """K and V (the 2) for every layer, kv head and position of every sequence.
+
+    `source_length` sizes the cross-attention cache of an encoder-decoder (defaults to
+    `length`). Only K and V are cached: the query of a past token is never needed again.
+    """
+    itemsize = np.dtype(dtype if dtype is not None else config.compute_dtype).itemsize
+    per_position = 2 * config.kv_heads * config.head_dim * itemsize * batch
+    self_bytes = per_position * length * config.num_decoder_layers
+    cross_bytes = 0
+    if config.is_encoder_decoder:
+        src = length if source_length is None else source_length
+        cross_bytes = per_position * src * config.num_decoder_layers
+    return CacheSize(self_bytes, cross_bytes)

@@ -1,0 +1,225 @@
+"""The two model variants: `DecoderOnlyLM` (GPT-style) and `EncoderDecoder` (the original).
+
+Every call is functional: it takes a `KVCache` (or None for a plain full forward) and returns
+`(logits, new_cache)`. Shape letters as in `model/cache.py`.
+
+A call with a cache processes T new tokens per row in parallel. With a fresh cache and the
+whole prompt this is the *prefill*: one matmul-heavy pass that fills the cache. With T = 1
+it is a *decode step*: the new token's query attends over all cached keys, and the step is
+bound by reading weights and cache from memory, not by arithmetic.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from model.cache import KVCache, init_cache
+from model.config import TransformerConfig
+from model.attention import CrossKV
+from model.layers import DecoderLayer, EncoderLayer, LayerInputs, scanned
+from model.positional import sinusoidal
+
+
+def _valid_lengths(tokens_BT: jax.Array, lengths_B: jax.Array | None) -> jax.Array:
+    if lengths_B is None:
+        return jnp.full((tokens_BT.shape[0],), tokens_BT.shape[1], jnp.int32)
+    return jnp.asarray(lengths_B, jnp.int32)
+
+
+def self_attention_inputs(starts_B, valid_B, num_queries: int, num_keys: int,
+                          capacity: int | None) -> tuple[LayerInputs, jax.Array, jax.Array]:
+    """Positions and the causal + padding mask for T new tokens written after `starts`.
+
+    Query t of row b sits at position starts[b] + t; key slot s holds position s. A query
+    sees slot s iff s <= its position and s < the row's new length. Returns the layer
+    inputs, the new lengths [B] and the rows that did not fit [B] (all False w/o cache).
+    """
+    positions_BT = starts_B[:, None] + jnp.arange(num_queries, dtype=jnp.int32)
+    new_lengths_B = starts_B + valid_B
+    slots_S = jnp.arange(num_keys, dtype=jnp.int32)
+    mask_BTS = (slots_S[None, None, :] <= positions_BT[:, :, None]) & (
+        slots_S[None, None, :] < new_lengths_B[:, None, None])
+    if capacity is None:
+        no_overflow = jnp.zeros_like(valid_B, bool)
+        return LayerInputs(positions_BT, mask_BTS), new_lengths_B, no_overflow
+    fits_B = starts_B + num_queries <= capacity
+    new_lengths_B = jnp.where(fits_B, new_lengths_B, starts_B)
+    overflowed_B = ~fits_B & (valid_B > 0)
+    return LayerInputs(positions_BT, mask_BTS, starts_B, fits_B), new_lengths_B, overflowed_B
+
+
+class Embedder(nn.Module):
+    """Token embedding (× √D, as in the paper) plus positions; `attend` gives output logits."""
+
+    config: TransformerConfig
+
+    def setup(self):
+        c = self.config
+        self.embedding = nn.Embed(
+            c.vocab_size, c.d_model, dtype=c.compute_dtype, param_dtype=c.weights_dtype,
+            embedding_init=nn.initializers.normal(stddev=c.d_model**-0.5))
+        if c.positional_encoding == "learned":
+            self.position_embedding = self.param(
+                "position_embedding", nn.initializers.normal(stddev=0.02),
+                (c.max_len, c.d_model), c.weights_dtype)
+        if not c.tie_embeddings:
+            self.unembed = nn.Dense(c.vocab_size, use_bias=False, dtype=c.compute_dtype,
+                                    param_dtype=c.weights_dtype)
+        self.dropout = nn.Dropout(c.dropout)
+
+    def __call__(self, tokens_BT, positions_BT):
+        c = self.config
+        x = self.embedding(tokens_BT) * jnp.sqrt(float(c.d_model)).astype(c.compute_dtype)
+        if c.positional_encoding == "sinusoidal":
+            x = x + sinusoidal(positions_BT, c.d_model).astype(x.dtype)
+        elif c.positional_encoding == "learned":
+            x = x + jnp.take(self.position_embedding, positions_BT, axis=0).astype(x.dtype)
+        return self.dropout(x, deterministic=not self.has_rng("dropout"))
+
+    def logits(self, x_BTD):
+        """Float32 logits [B, T, V] (sampling and losses want full precision)."""
+        if self.config.tie_embeddings:
+            return self.embedding.attend(x_BTD).astype(jnp.float32)
+        return self.unembed(x_BTD).astype(jnp.float32)
+
+
+def _final_norm(config: TransformerConfig, name: str):
+    """Pre-LN stacks end with a LayerNorm; post-LN stacks already end normalised."""
+    if config.norm == "pre":
+        return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=config.compute_dtype,
+                            param_dtype=config.weights_dtype, name=name)
+    return lambda x: x
+
+
+def _check_fits(tokens_BT, cache: KVCache | None):
+    if cache is not None and tokens_BT.shape[1] > cache.capacity:
+        raise ValueError(f"{tokens_BT.shape[1]} tokens per row cannot fit a cache of capacity "
+                         f"{cache.capacity}")
+
+
+class DecoderOnlyLM(nn.Module):
+    """GPT-style language model: embed, causal decoder layers, tied or separate unembedding."""
+
+    config: TransformerConfig
+
+    def setup(self):
+        c = self.config
+        if c.is_encoder_decoder:
+            raise ValueError(f"DecoderOnlyLM needs num_encoder_layers=0, got "
+                             f"{c.num_encoder_layers}; use EncoderDecoder")
+        self.embedder = Embedder(c)
+        self.layers = scanned(DecoderLayer, c, c.num_decoder_layers, "layers")
+        self.final_norm = _final_norm(c, "final_norm")
+
+    def __call__(self, tokens_BT, cache: KVCache | None = None, lengths_B=None):
+        """Logits [B, T, V] for `tokens` [B, T]; `lengths` [B] counts each row's valid tokens.
+
+        Without a cache, the rows start at position 0. With one, they continue at
+        `cache.lengths` and their K/V are written into the returned cache.
+        """
+        _check_fits(tokens_BT, cache)
+        valid_B = _valid_lengths(tokens_BT, lengths_B)
+        batch, num_tokens = tokens_BT.shape
+        starts_B = jnp.zeros((batch,), jnp.int32) if cache is None else cache.lengths
+        num_keys = num_tokens if cache is None else cache.capacity
+        capacity = None if cache is None else cache.capacity
+        inputs, new_lengths_B, overflowed_B = self_attention_inputs(
+            starts_B, valid_B, num_tokens, num_keys, capacity)
+        x = self.embedder(tokens_BT, inputs.positions)
+        layer_caches = {} if cache is None else {"k": cache.k, "v": cache.v}
+        x, new_kv = self.layers(x, layer_caches, inputs)
+        logits = self.embedder.logits(self.final_norm(x))
+        if cache is None:
+            return logits, None
+        return logits, cache.replace(k=new_kv[0], v=new_kv[1], lengths=new_lengths_B,
+                                     overflow=cache.overflow | overflowed_B)
+
+    def init_cache(self, batch_size: int, capacity: int, dtype=None) -> KVCache:
+        return init_cache(self.config, batch_size, capacity, dtype)
+
+
+class EncoderDecoder(nn.Module):
+    """The original Transformer. `encode` the source once; `start_decoding` projects the
+    encoder output to every layer's cross-attention K/V and puts them in a fresh cache;
+    `decode` then runs the decoder with that cache (prefill or one token per step)."""
+
+    config: TransformerConfig
+
+    def setup(self):
+        c = self.config
+        if not c.is_encoder_decoder:
+            raise ValueError("EncoderDecoder needs num_encoder_layers > 0, got 0")
+        # One embedding for source and target: the tokenizer is shared.
+        self.embedder = Embedder(c)
+        self.encoder_layers = scanned(EncoderLayer, c, c.num_encoder_layers, "encoder_layers")
+        self.encoder_norm = _final_norm(c, "encoder_norm")
+        self.cross_kv = scanned(CrossKV, c, c.num_decoder_layers, "cross_kv")
+        self.decoder_layers = scanned(DecoderLayer, c, c.num_decoder_layers, "decoder_layers")
+        self.decoder_norm = _final_norm(c, "decoder_norm")
+
+    def encode(self, source_BS, source_lengths_B=None):
+        """Encoder output [B, S, D]; padded source positions are never attended to."""
+        valid_B = _valid_lengths(source_BS, source_lengths_B)
+        length = source_BS.shape[1]
+        positions_BS = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), source_BS.shape)
+        slots_S = jnp.arange(length, dtype=jnp.int32)
+        mask_BSS = jnp.broadcast_to(slots_S[None, None, :] < valid_B[:, None, None],
+                                    (source_BS.shape[0], length, length))
+        x = self.embedder(source_BS, positions_BS)
+        x, _ = self.encoder_layers(x, LayerInputs(positions_BS, mask_BSS))
+        return self.encoder_norm(x)
+
+    def start_decoding(self, encoded_BSD, source_lengths_B, capacity: int,
+                       dtype=None) -> KVCache:
+        """A fresh cache of `capacity` target slots holding the cross-attention K/V."""
+        _, (cross_k, cross_v) = self.cross_kv(encoded_BSD)
+        cache = init_cache(self.config, encoded_BSD.shape[0], capacity, dtype)
+        return cache.replace(
+            cross_k=cross_k.astype(cache.k.dtype), cross_v=cross_v.astype(cache.v.dtype),
+            source_lengths=_valid_lengths(encoded_BSD[..., 0], source_lengths_B))
+
+    def decode(self, target_BT, cache: KVCache | None = None, lengths_B=None, *,
+               encoded_BSD=None, source_lengths_B=None):
+        """Logits [B, T, V] for target tokens and the updated cache.
+
+        With a cache (from `start_decoding`), rows continue at `cache.lengths` and read the
+        cached cross-attention K/V. Without one, the targets start at position 0 and the
+        cross K/V are projected from `encoded` here (a plain full forward, as in training).
+        """
+        _check_fits(target_BT, cache)
+        valid_B = _valid_lengths(target_BT, lengths_B)
+        batch, num_tokens = target_BT.shape
+        if cache is None:
+            if encoded_BSD is None:
+                raise ValueError("decode without a cache needs the encoder output `encoded_BSD`")
+            _, (cross_k, cross_v) = self.cross_kv(encoded_BSD)
+            source_lengths_B = _valid_lengths(encoded_BSD[..., 0], source_lengths_B)
+            starts_B, num_keys, capacity = jnp.zeros((batch,), jnp.int32), num_tokens, None
+            layer_inputs = {"cross_k": cross_k, "cross_v": cross_v}
+        else:
+            source_lengths_B = cache.source_lengths
+            starts_B, num_keys, capacity = cache.lengths, cache.capacity, cache.capacity
+            layer_inputs = {"k": cache.k, "v": cache.v, "cross_k": cache.cross_k,
+                            "cross_v": cache.cross_v}
+        inputs, new_lengths_B, overflowed_B = self_attention_inputs(
+            starts_B, valid_B, num_tokens, num_keys, capacity)
+        source_slots = jnp.arange(layer_inputs["cross_k"].shape[2], dtype=jnp.int32)
+        inputs = inputs.replace(cross_mask=jnp.broadcast_to(
+            source_slots[None, None, :] < source_lengths_B[:, None, None],
+            (batch, num_tokens, source_slots.shape[0])))
+        x = self.embedder(target_BT, inputs.positions)
+        x, new_kv = self.decoder_layers(x, layer_inputs, inputs)
+        logits = self.embedder.logits(self.decoder_norm(x))
+        if cache is None:
+            return logits, None
+        return logits, cache.replace(k=new_kv[0], v=new_kv[1], lengths=new_lengths_B,
+                                     overflow=cache.overflow | overflowed_B)
+
+    def __call__(self, source_BS, target_BT, source_lengths_B=None, target_lengths_B=None):
+        """Teacher-forced logits [B, T, V] (training): encode, then decode all targets at once."""
+        encoded = self.encode(source_BS, source_lengths_B)
+        logits, _ = self.decode(target_BT, None, target_lengths_B, encoded_BSD=encoded,
+                                source_lengths_B=source_lengths_B)
+        return logits

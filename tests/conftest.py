@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny configs and helpers that run a model with and without a cache.
+
+The helpers are jitted (the config is a static, hashable argument): eager Flax calls are
+many times slower to dispatch than a tiny model takes to compile.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import model as M
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    return M.preset("tiny")
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def run_full(config, params, tokens, lengths=None, source=None, source_lengths=None):
+    """One forward over the whole sequence without a cache: logits [B, T, V]."""
+    net = M.build_model(config)
+    if config.is_encoder_decoder:
+        return net.apply({"params": params}, source, tokens, source_lengths, lengths)
+    return net.apply({"params": params}, tokens, None, lengths)[0]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2, 3))
+def start_cache(config, params, batch, capacity, source=None, source_lengths=None):
+    """An empty cache; for an encoder-decoder it already holds the cross-attention K/V."""
+    net = M.build_model(config)
+    if not config.is_encoder_decoder:
+        return M.init_cache(config, batch, capacity)
+    encoded = net.apply({"params": params}, source, source_lengths, method=net.encode)
+    return net.apply({"params": params}, encoded, source_lengths, capacity,
+                     method=net.start_decoding)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def run_cached(config, params, tokens, cache, lengths=None):
+    """One call with a cache: (logits [B, T, V], new cache)."""
+    net = M.build_model(config)
+    if config.is_encoder_decoder:
+        return net.apply({"params": params}, tokens, cache, lengths, method=net.decode)
+    return net.apply({"params": params}, tokens, cache, lengths)
+
+
+def random_tokens(seed, shape, vocab):
+    return jax.random.randint(jax.random.key(seed), shape, 0, vocab, dtype=jnp.int32)

@@ -1,0 +1,79 @@
+"""Config validation, presets and the KV-cache size formula."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import model as M
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(d_model=30, num_heads=4), "num_heads=4 does not divide d_model=30"),
+    (dict(num_kv_heads=3), "num_kv_heads=3 must be >= 1 and divide num_heads=4"),
+    (dict(num_kv_heads=0), "num_kv_heads=0"),
+    (dict(positional_encoding="alibi"), "positional_encoding='alibi'"),
+    (dict(norm="middle"), "norm='middle'"),
+    (dict(activation="tanh"), "activation='tanh'"),
+    (dict(dtype="int8"), "dtype='int8'"),
+    (dict(dropout=1.0), "dropout=1.0"),
+    (dict(num_decoder_layers=0), "num_decoder_layers=0"),
+    (dict(d_model=36, num_heads=4, positional_encoding="rope"), "rope needs an even head_dim"),
+])
+def test_invalid_configs_raise_naming_the_problem(changes, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        M.preset("tiny", **changes)
+
+
+def test_unknown_preset_raises():
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        M.preset("huge")
+
+
+def test_gpt_mini_preset_has_benchmark_sizes():
+    c = M.preset("gpt-mini")
+    assert (c.num_decoder_layers, c.d_model, c.num_heads, c.d_ff, c.vocab_size, c.max_len) == (
+        6, 384, 6, 1536, 4096, 1024)
+
+
+def test_json_round_trip():
+    c = M.preset("tiny", num_kv_heads=2, positional_encoding="rope", num_encoder_layers=1)
+    assert M.TransformerConfig.from_json(c.to_json()) == c
+    with pytest.raises(ValueError, match="unknown TransformerConfig fields: \\['colour'\\]"):
+        M.TransformerConfig.from_dict({**c.to_dict(), "colour": "red"})
+
+
+def test_cache_size_formula_for_llama2_7b_shape():
+    # 32 layers x 32 heads x 128 head dim at 1024 tokens in float16: 512 MiB per sequence.
+    config = M.TransformerConfig(d_model=4096, num_heads=32, num_decoder_layers=32,
+                                 d_ff=11008, max_len=4096)
+    size = M.cache_size_bytes(config, batch=1, length=1024, dtype=jnp.float16)
+    assert size.self_attention == 2 * 1024 * 32 * 32 * 128 * 2 == 512 * 2**20
+    assert size.cross_attention == 0
+
+
+@pytest.mark.parametrize("kv_heads", [None, 2, 1])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_allocated_cache_bytes_equal_formula(kv_heads, dtype):
+    config = M.preset("tiny", num_kv_heads=kv_heads)
+    cache = M.init_cache(config, batch_size=3, capacity=20, dtype=dtype)
+    assert cache.k.shape == (config.num_decoder_layers, 3, 20, config.kv_heads, config.head_dim)
+    expected = 2 * 20 * config.num_decoder_layers * config.kv_heads * config.head_dim
+    expected *= jnp.dtype(dtype).itemsize * 3
+    assert cache.nbytes == M.cache_size_bytes(config, 3, 20, dtype).total == expected
+
+
+def test_encoder_decoder_cache_reports_cross_attention_separately():
+    config = M.preset("tiny", num_encoder_layers=2, num_kv_heads=2)
+    net = M.build_model(config)
+    params = M.init_params(config, jax.random.key(0))
+    encoded = jnp.zeros((2, 9, config.d_model))
+    cache = net.apply({"params": params}, encoded, None, 16, method=net.start_decoding)
+    size = M.cache_size_bytes(config, 2, 16, source_length=9)
+    assert cache.self_attention_nbytes == size.self_attention
+    assert cache.nbytes == size.total
+    assert cache.cross_k.shape == (2, 2, 9, 2, config.head_dim)
+
+
+def test_capacity_beyond_max_len_raises():
+    with pytest.raises(ValueError, match="capacity 65 exceeds the model's max_len 64"):
+        M.init_cache(M.preset("tiny"), 1, 65)

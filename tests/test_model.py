@@ -1,0 +1,161 @@
+"""Model behaviour: cached decoding equals a full forward, causality, padding, overflow."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import random_tokens, run_cached, run_full, start_cache
+
+import model as M
+
+# Every positional encoding, norm placement, activation and MHA/GQA/MQA appears at least once,
+# each in both variants.
+OPTIONS = [
+    dict(),
+    dict(positional_encoding="learned", norm="pre", activation="gelu"),
+    dict(positional_encoding="rope", num_kv_heads=2, activation="swiglu"),
+    dict(positional_encoding="rope", norm="pre", num_kv_heads=1, tie_embeddings=False),
+    dict(positional_encoding="sinusoidal", norm="pre", activation="swiglu", num_kv_heads=2),
+    dict(positional_encoding="learned", activation="relu", num_kv_heads=1),
+]
+VARIANTS = {"decoder_only": 0, "encoder_decoder": 2}
+
+
+def make(options, encoder_layers, **extra):
+    config = M.preset("tiny", num_encoder_layers=encoder_layers, **options, **extra)
+    return config, M.init_params(config, jax.random.key(0))
+
+
+def source_for(config, batch, length=7, seed=5):
+    if not config.is_encoder_decoder:
+        return None, None
+    lengths = jnp.array([length, length - 3][:batch] + [length] * max(0, batch - 2), jnp.int32)
+    return random_tokens(seed, (batch, length), config.vocab_size), lengths
+
+
+def prefill_then_steps(config, params, tokens, prompt_len, capacity, source, source_lengths):
+    cache = start_cache(config, params, tokens.shape[0], capacity, source, source_lengths)
+    logits, cache = run_cached(config, params, tokens[:, :prompt_len], cache)
+    pieces = [logits]
+    for t in range(prompt_len, tokens.shape[1]):
+        logits, cache = run_cached(config, params, tokens[:, t:t + 1], cache)
+        pieces.append(logits)
+    return jnp.concatenate(pieces, axis=1), cache
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(map(str, o.values())) or "paper")
+def test_cached_decoding_equals_full_forward(options, variant):
+    config, params = make(options, VARIANTS[variant])
+    tokens = random_tokens(1, (2, 12), config.vocab_size)
+    source, source_lengths = source_for(config, 2)
+    full = run_full(config, params, tokens, source=source, source_lengths=source_lengths)
+    cached, cache = prefill_then_steps(config, params, tokens, 5, 16, source, source_lengths)
+    np.testing.assert_allclose(cached, full, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(cache.lengths, [12, 12])
+    assert not cache.overflow.any()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_bfloat16_cached_decoding_close_to_full_forward(variant):
+    # bfloat16 keeps 8 mantissa bits (relative error ~4e-3 per rounding); the cached and the
+    # full path round in different places, so logits of unit scale agree to a few 1e-2.
+    config, params = make({}, VARIANTS[variant], dtype="bfloat16")
+    tokens = random_tokens(1, (2, 10), config.vocab_size)
+    source, source_lengths = source_for(config, 2)
+    full = run_full(config, params, tokens, source=source, source_lengths=source_lengths)
+    cached, _ = prefill_then_steps(config, params, tokens, 4, 16, source, source_lengths)
+    assert cached.dtype == jnp.float32
+    np.testing.assert_allclose(cached, full, atol=0.1, rtol=0)
+    assert float(jnp.abs(cached - full).mean()) < 0.02
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_chunked_prefill_fills_the_same_cache(variant):
+    config, params = make(OPTIONS[2], VARIANTS[variant])
+    tokens = random_tokens(2, (2, 11), config.vocab_size)
+    source, source_lengths = source_for(config, 2)
+    reference = start_cache(config, params, 2, 16, source, source_lengths)
+    _, reference = run_cached(config, params, tokens, reference)
+    for chunks in ([3, 8], [1, 5, 5], [6, 1, 4]):
+        cache = start_cache(config, params, 2, 16, source, source_lengths)
+        start = 0
+        for size in chunks:
+            _, cache = run_cached(config, params, tokens[:, start:start + size], cache)
+            start += size
+        np.testing.assert_array_equal(cache.lengths, reference.lengths)
+        np.testing.assert_allclose(cache.k[:, :, :11], reference.k[:, :, :11], atol=1e-5)
+        np.testing.assert_allclose(cache.v[:, :, :11], reference.v[:, :, :11], atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_changing_a_token_changes_no_earlier_logit(variant):
+    config, params = make(OPTIONS[1], VARIANTS[variant])
+    tokens = random_tokens(3, (1, 10), config.vocab_size)
+    source, source_lengths = source_for(config, 1)
+    before = run_full(config, params, tokens, source=source, source_lengths=source_lengths)
+    for t in (0, 4, 9):
+        changed = tokens.at[0, t].set((tokens[0, t] + 1) % config.vocab_size)
+        after = run_full(config, params, changed, source=source, source_lengths=source_lengths)
+        np.testing.assert_array_equal(after[:, :t], before[:, :t])
+        assert float(jnp.abs(after[:, t:] - before[:, t:]).max()) > 1e-4
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("options", [OPTIONS[0], OPTIONS[3]], ids=["paper", "rope-mqa"])
+def test_each_padded_row_equals_that_row_alone(options, variant):
+    config, params = make(options, VARIANTS[variant])
+    lengths = jnp.array([9, 4, 6], jnp.int32)
+    tokens = random_tokens(4, (3, 9), config.vocab_size)
+    tokens = jnp.where(jnp.arange(9) < lengths[:, None], tokens, 0)  # padding is id 0
+    source, source_lengths = source_for(config, 3)
+    full = run_full(config, params, tokens, lengths, source, source_lengths)
+    cache = start_cache(config, params, 3, 16, source, source_lengths)
+    prefill, cache = run_cached(config, params, tokens, cache, lengths)
+    np.testing.assert_array_equal(cache.lengths, lengths)
+    next_tokens = random_tokens(6, (3, 1), config.vocab_size)
+    step_logits, _ = run_cached(config, params, next_tokens, cache)
+    for row, n in enumerate(lengths.tolist()):
+        row_source = None if source is None else source[row:row + 1, :source_lengths[row]]
+        alone = run_full(config, params,
+                         jnp.concatenate([tokens[row:row + 1, :n], next_tokens[row:row + 1]], 1),
+                         source=row_source)
+        np.testing.assert_allclose(full[row, :n], alone[0, :n], atol=1e-5)
+        np.testing.assert_allclose(prefill[row, :n], alone[0, :n], atol=1e-5)
+        np.testing.assert_allclose(step_logits[row, 0], alone[0, n], atol=1e-5)
+
+
+def test_full_cache_is_flagged_and_never_overwritten():
+    config, params = make({}, 0)
+    tokens = random_tokens(7, (2, 6), config.vocab_size)
+    cache = M.init_cache(config, 2, 6)
+    _, cache = run_cached(config, params, tokens[:, :5], cache, jnp.array([5, 4], jnp.int32))
+    _, cache = run_cached(config, params, tokens[:, 5:6], cache)  # fills row 0, row 1 at 5/6
+    assert not cache.overflow.any()
+    snapshot = (np.asarray(cache.k), np.asarray(cache.v))
+    _, after = run_cached(config, params, tokens[:, :1], cache)  # row 0 is full
+    np.testing.assert_array_equal(after.overflow, [True, False])
+    np.testing.assert_array_equal(after.lengths, [6, 6])
+    np.testing.assert_array_equal(after.k[:, 0], snapshot[0][:, 0])  # no clamped write
+    np.testing.assert_array_equal(after.v[:, 0], snapshot[1][:, 0])
+    assert not np.array_equal(after.k[:, 1, 5], snapshot[0][:, 1, 5])  # row 1 was written
+
+
+def test_chunk_longer_than_capacity_raises_before_tracing():
+    config, params = make({}, 0)
+    with pytest.raises(ValueError, match="12 tokens per row cannot fit a cache of capacity 8"):
+        run_cached(config, params, jnp.zeros((1, 12), jnp.int32), M.init_cache(config, 1, 8))
+
+
+def test_wrong_variant_for_config_raises():
+    config, _ = make({}, 0)
+    with pytest.raises(ValueError, match="num_encoder_layers > 0"):
+        M.EncoderDecoder(config).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32),
+                                      jnp.zeros((1, 1), jnp.int32))
+
+
+def test_depth_is_scanned_so_params_stack_over_layers():
+    config = M.preset("tiny", num_decoder_layers=5)
+    shapes = jax.eval_shape(lambda: M.init_params(config, jax.random.key(0)))
+    kernel = shapes["layers"]["self_attention"]["query"]["kernel"]
+    assert kernel.shape == (5, config.d_model, config.num_heads, config.head_dim)

@@ -1,0 +1,1 @@
+"""Training: tokenizer, datasets and the training loop."""
