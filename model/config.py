@@ -43,6 +43,7 @@ class TransformerConfig:
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
     rope_base: float = 10000.0
+    bos_id: int = 1  # the token an encoder-decoder's target starts from
     layer_norm_eps: float = 1e-6
 
     def __post_init__(self):
@@ -70,6 +71,9 @@ class TransformerConfig:
         ):
             if getattr(self, name) not in allowed:
                 problems.append(f"{name}={getattr(self, name)!r} is not one of {allowed}")
+        if self.vocab_size >= 1 and not 0 <= self.bos_id < self.vocab_size:
+            problems.append(f"bos_id={self.bos_id} is outside the vocabulary [0, "
+                            f"{self.vocab_size})")
         if not 0.0 <= self.dropout < 1.0:
             problems.append(f"dropout={self.dropout} must be in [0, 1)")
         if problems:

@@ -1,0 +1,539 @@
+"""Tests for train.checkpoint: exact round trips, retention, atomic saves, errors, bad input.
+
+Every bad-input test also checks that the checkpoint directory is byte-for-byte and
+mtime-for-mtime what it was before the failed call: loading must never repair, create or delete.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint._src.path.atomicity as orbax_atomicity
+import pytest
+
+from train import checkpoint as ckpt
+from train.checkpoint import Checkpointer, CheckpointError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
+TOKENIZER = b"tokenizer bytes"
+
+
+def make_state(seed: int = 0, d_model: int = 8) -> dict:
+    """A small training state shaped like the trainer's, with a bfloat16 leaf and optax tuples."""
+    k_embed, k_w, k_rng = jax.random.split(jax.random.key(seed), 3)
+    params = {
+        "embed": jax.random.normal(k_embed, (16, d_model)),
+        "layer": {
+            "w": jax.random.normal(k_w, (d_model, d_model)).astype(jnp.bfloat16),
+            "b": jnp.full((d_model,), seed, jnp.float32),
+        },
+    }
+    return {
+        "params": params,
+        "opt_state": optax.adamw(1e-3).init(params),
+        "step": jnp.int32(seed),
+        "rng": jax.random.key_data(k_rng),
+        "data_position": jnp.int32(1000 + seed),
+    }
+
+
+def abstract_of(tree):
+    return jax.eval_shape(lambda: tree)
+
+
+def assert_trees_equal(actual, expected):
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    pairs = zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected), strict=True)
+    for (path, a), e in pairs:
+        name = jax.tree_util.keystr(path)
+        assert isinstance(a, jax.Array), name
+        assert a.dtype == e.dtype, name
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(e), err_msg=name)
+
+
+def save_steps(directory, steps):
+    with Checkpointer(directory, save_every=1, keep=10) as checkpointer:
+        for step in steps:
+            assert checkpointer.save(step, make_state(step))
+
+
+def step_dirs(directory) -> list[int]:
+    return sorted(int(p.name) for p in Path(directory).iterdir() if p.name.isdigit())
+
+
+def snapshot(directory) -> dict:
+    """Every file and directory under `directory` with its size and mtime."""
+    root = Path(directory)
+    entries = {}
+    for path in [root, *root.rglob("*")]:
+        info = path.stat()
+        entries[str(path.relative_to(root))] = (path.is_dir(), info.st_size, info.st_mtime_ns)
+    return entries
+
+
+@pytest.fixture
+def saved_dir(tmp_path):
+    """A checkpoint directory with metadata and steps 1 and 2 (step 2 is the latest)."""
+    directory = tmp_path / "run"
+    ckpt.write_metadata(directory, {"d_model": 8}, "lm", TOKENIZER)
+    save_steps(directory, [1, 2])
+    return directory
+
+
+# Round trips and retention ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_restore_gives_identical_arrays(tmp_path, async_save):
+    state = make_state(seed=3)
+    with Checkpointer(tmp_path, save_every=1, keep=1, async_save=async_save) as checkpointer:
+        assert checkpointer.save(3, state)
+
+    step, restored = ckpt.restore_latest(tmp_path, abstract_of(state))
+
+    assert step == 3
+    assert_trees_equal(restored, state)
+    assert restored["params"]["layer"]["w"].dtype == jnp.bfloat16
+    restored_key, saved_key = (jax.random.wrap_key_data(s["rng"]) for s in (restored, state))
+    np.testing.assert_array_equal(
+        jax.random.normal(restored_key, (4,)), jax.random.normal(saved_key, (4,))
+    )
+    assert_trees_equal(ckpt.restore_params(tmp_path, abstract_of(state["params"])), state["params"])
+
+
+def test_numpy_leaves_are_stored_as_jax_holds_them(tmp_path):
+    state = {"params": {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}, "pos": np.int64(7)}
+    with Checkpointer(tmp_path, save_every=1, keep=1) as checkpointer:
+        checkpointer.save(0, state)
+        state["params"]["w"][:] = -1  # the save already owns a copy
+
+    _, restored = ckpt.restore_latest(tmp_path, abstract_of(state))
+
+    np.testing.assert_array_equal(restored["params"]["w"], np.arange(6).reshape(2, 3))
+    assert restored["pos"].dtype == jnp.asarray(np.int64(7)).dtype
+    assert int(restored["pos"]) == 7
+
+
+def test_keeps_only_the_last_k_steps(tmp_path):
+    with Checkpointer(tmp_path, save_every=1, keep=2) as checkpointer:
+        for step in range(1, 6):
+            assert checkpointer.save(step, make_state(step))
+    assert step_dirs(tmp_path) == [4, 5]
+    step, restored = ckpt.restore_latest(tmp_path, abstract_of(make_state()))
+    assert step == 5
+    assert_trees_equal(restored, make_state(5))
+
+
+def test_maybe_save_respects_save_every_and_final_save_forces(tmp_path):
+    with Checkpointer(tmp_path, save_every=3, keep=10) as checkpointer:
+        saved = [step for step in range(1, 11) if checkpointer.maybe_save(step, make_state(step))]
+        assert saved == [3, 6, 9]
+        assert checkpointer.save(10, make_state(10), force=True)
+        # The last step is often also a due step: saving it again is a no-op, not an error.
+        assert not checkpointer.save(10, make_state(10), force=True)
+        assert not checkpointer.maybe_save(9, make_state(9))
+        with pytest.raises(ValueError, match="step 8 is older than step 10"):
+            checkpointer.save(8, make_state(8), force=True)
+        assert checkpointer.all_steps() == [3, 6, 9, 10]
+    assert step_dirs(tmp_path) == [3, 6, 9, 10]
+    assert ckpt.latest_step(tmp_path) == 10
+
+
+def test_rejects_typed_prng_keys(tmp_path):
+    with Checkpointer(tmp_path, save_every=1, keep=1) as checkpointer:
+        with pytest.raises(TypeError, match="key_data"):
+            checkpointer.save(1, {"rng": jax.random.key(0)})
+
+
+# Atomicity and failures while saving -----------------------------------------------------------
+
+_KILLED_CHILD = """
+import sys
+import jax.numpy as jnp
+import numpy as np
+from train.checkpoint import Checkpointer
+
+checkpointer = Checkpointer(sys.argv[1], save_every=1, keep=5)
+checkpointer.save(1, {"w": jnp.arange(8.0)})
+checkpointer.wait()
+big = np.random.default_rng(0).random(50_000_000, dtype=np.float32)  # 200 MB, incompressible
+checkpointer.save(2, {"w": jnp.arange(8.0) + 1, "big": jnp.asarray(big)})
+print("saving", flush=True)
+checkpointer.wait()
+print("saved", flush=True)
+"""
+
+
+def _bytes_under(path: Path) -> int | None:
+    """Total size of the files under `path`, or None once it no longer exists (renamed)."""
+    try:
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    except FileNotFoundError:
+        return None
+
+
+def test_process_killed_mid_save_leaves_previous_step_loadable(tmp_path):
+    directory = tmp_path / "run"
+    in_progress = directory / f"2{TMP_SUFFIX}"
+    with open(tmp_path / "child.log", "w+") as log:
+        child = subprocess.Popen(
+            [sys.executable, "-c", _KILLED_CHILD, str(directory)],
+            cwd=REPO_ROOT,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
+        try:
+            started = any(line.strip() == "saving" for line in child.stdout)
+            # Kill once the array bytes are streaming to disk (or, if that is missed, whenever
+            # the save happens to be), so that the kill lands in the middle of writing data.
+            deadline = time.monotonic() + 10
+            while started and time.monotonic() < deadline:
+                written = _bytes_under(in_progress)
+                if written is None or written > 8_000_000:
+                    break
+                time.sleep(0.002)
+            os.kill(child.pid, signal.SIGKILL)
+        finally:
+            child.kill()
+            child.wait(timeout=60)
+            child.stdout.close()
+        log.seek(0)
+        assert started, f"the child failed before saving step 2:\n{log.read()[-3000:]}"
+    assert child.returncode in (-signal.SIGKILL, 0)  # 0: it finished before the kill
+
+    leftovers = [p.name for p in directory.iterdir() if TMP_SUFFIX in p.name]
+    step = ckpt.latest_step(directory)
+    if step == 1:  # the normal case: the kill landed while step 2 was being written
+        assert leftovers, "a save in progress should exist only as a temporary directory"
+        _, restored = ckpt.restore_latest(directory, {"w": jax.ShapeDtypeStruct((8,), jnp.float32)})
+        np.testing.assert_array_equal(restored["w"], np.arange(8.0))
+    else:  # the background write had already been renamed into place: it must be complete
+        assert step == 2 and not leftovers
+        big = np.random.default_rng(0).random(50_000_000, dtype=np.float32)
+        _, restored = ckpt.restore_latest(directory, abstract_of({"w": jnp.zeros(8), "big": big}))
+        np.testing.assert_array_equal(restored["big"], big)
+
+    # The next writer clears the leftover and saves normally.
+    with Checkpointer(directory, save_every=1, keep=5) as checkpointer:
+        checkpointer.save(3, {"w": jnp.arange(8.0) + 3})
+    assert not [p.name for p in directory.iterdir() if TMP_SUFFIX in p.name]
+    assert ckpt.latest_step(directory) == 3
+
+
+@pytest.fixture
+def failing_finalize(monkeypatch):
+    """Makes orbax's final rename fail. Permissions cannot do it: the tests may run as root."""
+
+    async def finalize(self):
+        raise OSError(f"simulated disk failure finalizing {self.get()}")
+
+    def arm():
+        monkeypatch.setattr(orbax_atomicity.AtomicRenameTemporaryPath, "finalize", finalize)
+
+    return arm
+
+
+def test_async_save_error_surfaces_at_wait(tmp_path, failing_finalize):
+    checkpointer = Checkpointer(tmp_path, save_every=1, keep=5, async_save=True)
+    checkpointer.save(1, make_state(1))
+    checkpointer.wait()
+    failing_finalize()
+
+    assert checkpointer.save(2, make_state(2))  # returns before the background write fails
+    with pytest.raises(CheckpointError, match="saving step 2 to .* failed") as info:
+        checkpointer.wait()
+    assert isinstance(info.value.__cause__, OSError)
+    checkpointer.close()
+
+    assert step_dirs(tmp_path) == [1]
+    step, restored = ckpt.restore_latest(tmp_path, abstract_of(make_state()))
+    assert step == 1
+    assert_trees_equal(restored, make_state(1))
+
+
+def test_async_save_error_surfaces_when_leaving_the_with_block(tmp_path, failing_finalize):
+    with pytest.raises(CheckpointError, match="saving step 1"):
+        with Checkpointer(tmp_path, save_every=1, keep=5) as checkpointer:
+            failing_finalize()
+            checkpointer.save(1, make_state(1))
+    assert ckpt.latest_step(tmp_path) is None
+
+
+def test_sync_save_error_raises_from_save(tmp_path, failing_finalize):
+    failing_finalize()
+    with Checkpointer(tmp_path, save_every=1, keep=5, async_save=False) as checkpointer:
+        with pytest.raises(CheckpointError, match="saving step 1"):
+            checkpointer.save(1, make_state(1))
+
+
+# Bad input: clear errors, nothing touched ------------------------------------------------------
+
+
+def test_missing_directory_is_named_and_not_created(tmp_path):
+    missing = tmp_path / "no-such-run"
+    abstract = abstract_of(make_state())
+    for call in (
+        lambda: ckpt.restore_latest(missing, abstract),
+        lambda: ckpt.restore_params(missing, abstract["params"]),
+        lambda: ckpt.read_metadata(missing),
+    ):
+        with pytest.raises(FileNotFoundError, match=str(missing)):
+            call()
+    assert ckpt.latest_step(missing) is None
+    assert not missing.exists()
+
+
+def test_directory_without_steps(tmp_path):
+    directory = tmp_path / "run"
+    ckpt.write_metadata(directory, {"d_model": 8}, "lm", b"tok")
+    (directory / f"7{TMP_SUFFIX}").mkdir()  # an unfinished save is not a checkpoint
+    before = snapshot(directory)
+
+    with pytest.raises(CheckpointError, match=f"no checkpoint found in {directory}"):
+        ckpt.restore_latest(directory, abstract_of(make_state()))
+    with pytest.raises(CheckpointError, match=f"no checkpoint found in {directory}"):
+        ckpt.restore_params(directory, abstract_of(make_state()["params"]))
+
+    assert snapshot(directory) == before
+
+
+def _with_shape(abstract, shape):
+    abstract["params"]["embed"] = jax.ShapeDtypeStruct(shape, abstract["params"]["embed"].dtype)
+
+
+def _with_dtype(abstract, dtype):
+    abstract["params"]["embed"] = jax.ShapeDtypeStruct(abstract["params"]["embed"].shape, dtype)
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (
+            lambda a: _with_shape(a, (16, 12)),
+            r"params/embed is shape \(16, 8\) float32, wanted shape \(16, 12\) float32",
+        ),
+        (
+            lambda a: _with_dtype(a, jnp.bfloat16),
+            r"params/embed is shape \(16, 8\) float32, wanted shape \(16, 8\) bfloat16",
+        ),
+        (lambda a: a.pop("data_position"), r"data_position is saved but not wanted"),
+        (
+            lambda a: a["params"].update(extra=jax.ShapeDtypeStruct((2,), jnp.float32)),
+            r"params/extra is missing \(wanted shape \(2,\) float32\)",
+        ),
+    ],
+    ids=["shape", "dtype", "missing-in-target", "missing-in-checkpoint"],
+)
+def test_state_mismatch_names_path_leaf_and_shapes(saved_dir, change, expected):
+    abstract = abstract_of(make_state())
+    change(abstract)
+    before = snapshot(saved_dir)
+
+    with pytest.raises(CheckpointError, match=expected) as info:
+        ckpt.restore_latest(saved_dir, abstract)
+
+    assert f"checkpoint {saved_dir / '2'} does not match" in str(info.value)
+    assert snapshot(saved_dir) == before
+
+
+def test_params_of_another_config_are_refused(saved_dir):
+    before = snapshot(saved_dir)
+    wider = abstract_of(make_state(d_model=16)["params"])
+
+    with pytest.raises(CheckpointError, match=str(saved_dir / "2")) as info:
+        ckpt.restore_params(saved_dir, wider)
+
+    assert "params/embed is shape (16, 8) float32, wanted shape (16, 16) float32" in str(info.value)
+    assert snapshot(saved_dir) == before
+
+
+def _truncate(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+
+
+@pytest.mark.parametrize("damaged", ["index", "array-data"])
+def test_truncated_files_raise_checkpoint_error(tmp_path, damaged):
+    # One array: when one of several concurrent reads fails, orbax leaves the others pending,
+    # and they print "Exception ignored" whenever they are garbage collected, even at exit.
+    state = {"params": {"big": jnp.linspace(0.0, 1.0, 100_000)}}
+    with Checkpointer(tmp_path, save_every=1, keep=1) as checkpointer:
+        checkpointer.save(1, state)
+    step_path = tmp_path / "1"
+    if damaged == "index":  # the OCDBT b-tree that locates every array
+        for path in (step_path / "state" / "d").iterdir():
+            _truncate(path)
+    else:  # the chunk of the big array: only reading the values finds out
+        files = [p for p in step_path.rglob("*") if p.is_file()]
+        _truncate(max(files, key=lambda p: p.stat().st_size))
+    before = snapshot(tmp_path)
+
+    for restore in (
+        lambda: ckpt.restore_latest(tmp_path, abstract_of(state)),
+        lambda: ckpt.restore_params(tmp_path, abstract_of(state["params"])),
+    ):
+        with pytest.raises(CheckpointError, match=f"cannot read checkpoint {step_path}") as info:
+            restore()
+        assert info.value.__cause__ is not None
+
+    assert snapshot(tmp_path) == before
+
+
+def test_corrupted_array_metadata_raises_checkpoint_error(saved_dir):
+    metadata = saved_dir / "2" / "state" / "_METADATA"
+    metadata.write_bytes(metadata.read_bytes()[: metadata.stat().st_size // 2])
+    before = snapshot(saved_dir)
+
+    with pytest.raises(CheckpointError, match=str(saved_dir / "2")):
+        ckpt.restore_params(saved_dir, abstract_of(make_state()["params"]))
+
+    assert snapshot(saved_dir) == before
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ('{"format": 1, "task": "lm", "model": {', "is not valid JSON"),
+        ('{"format": 1, "model": {}}', r"is missing the keys \['task'\]"),
+        ('["format", 1]', "must hold a JSON object"),
+        ('{"format": 99, "task": "lm", "model": {}}', "has format 99"),
+    ],
+    ids=["invalid-json", "missing-key", "not-an-object", "unknown-format"],
+)
+def test_bad_config_json_is_named(saved_dir, content, expected):
+    config_path = saved_dir / ckpt.CONFIG_FILE
+    config_path.write_text(content)
+    before = snapshot(saved_dir)
+
+    with pytest.raises(ValueError, match=expected) as info:
+        ckpt.read_metadata(saved_dir)
+
+    assert str(config_path) in str(info.value)
+    assert snapshot(saved_dir) == before
+
+
+# Directory metadata ----------------------------------------------------------------------------
+
+
+def test_metadata_round_trip(tmp_path):
+    directory = tmp_path / "new" / "run"
+    config = {"d_model": 8, "num_kv_heads": None, "dtype": "bfloat16"}
+
+    ckpt.write_metadata(directory, config, "translate", b"\x00model\xff")
+
+    assert ckpt.read_metadata(directory) == (config, "translate", b"\x00model\xff")
+    assert sorted(p.name for p in directory.iterdir()) == [ckpt.CONFIG_FILE, ckpt.TOKENIZER_FILE]
+
+
+def test_failed_metadata_write_keeps_the_old_file(tmp_path, monkeypatch):
+    ckpt.write_metadata(tmp_path, {"d_model": 8}, "lm", b"old")
+
+    def fail(fd):
+        raise OSError("simulated crash before the data reached the disk")
+
+    monkeypatch.setattr(ckpt.os, "fsync", fail)
+    with pytest.raises(OSError, match="simulated crash"):
+        ckpt.write_metadata(tmp_path, {"d_model": 16}, "lm", b"old")
+    monkeypatch.undo()
+
+    assert ckpt.read_metadata(tmp_path) == ({"d_model": 8}, "lm", b"old")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt.CONFIG_FILE, ckpt.TOKENIZER_FILE]
+
+
+def test_rewriting_the_same_metadata_touches_nothing(saved_dir):
+    before = snapshot(saved_dir)
+    ckpt.write_metadata(saved_dir, {"d_model": 8}, "lm", TOKENIZER)
+    assert snapshot(saved_dir) == before
+
+
+@pytest.mark.parametrize(
+    ("config", "task", "tokenizer", "expected"),
+    [
+        ({"d_model": 16}, "lm", TOKENIZER, r"different config \(\['d_model'\] differ\)"),
+        ({"d_model": 8}, "translate", TOKENIZER, r"different config \(\['task'\] differ\)"),
+        ({"d_model": 8}, "lm", b"another tokenizer", "already holds a different tokenizer"),
+    ],
+    ids=["config", "task", "tokenizer"],
+)
+def test_metadata_of_existing_checkpoints_is_never_replaced(
+    saved_dir, config, task, tokenizer, expected
+):
+    before = snapshot(saved_dir)
+    with pytest.raises(CheckpointError, match=expected) as info:
+        ckpt.write_metadata(saved_dir, config, task, tokenizer)
+    assert str(saved_dir) in str(info.value)
+    assert snapshot(saved_dir) == before
+
+
+def test_metadata_without_checkpoints_may_be_replaced(tmp_path):
+    ckpt.write_metadata(tmp_path, {"d_model": 8}, "lm", b"old")
+    ckpt.write_metadata(tmp_path, {"d_model": 16}, "translate", b"new")
+    assert ckpt.read_metadata(tmp_path) == ({"d_model": 16}, "translate", b"new")
+
+
+def test_invalid_metadata_input_writes_nothing(tmp_path):
+    directory = tmp_path / "run"
+    with pytest.raises(ValueError, match="JSON"):
+        ckpt.write_metadata(directory, {"d_model": object()}, "lm", b"tok")
+    with pytest.raises(ValueError, match="task"):
+        ckpt.write_metadata(directory, {"d_model": 8}, "", b"tok")
+    with pytest.raises(ValueError, match="tokenizer_bytes"):
+        ckpt.write_metadata(directory, {"d_model": 8}, "lm", b"")
+    assert not directory.exists()
+
+
+# Loading for sampling --------------------------------------------------------------------------
+
+
+def _model_and_tokenizer():
+    try:
+        from model import init_params
+        from model.config import preset
+        from train.tokenizer import train_tokenizer
+    except ImportError as e:
+        pytest.skip(f"model or train.tokenizer is not importable: {e}")
+    text = "the quick brown fox jumps over the lazy dog.\n" * 20 + "pack my box with jugs\n"
+    tokenizer = train_tokenizer([text], 300)
+    config = preset("tiny", vocab_size=tokenizer.vocab_size)
+    return config, tokenizer, init_params
+
+
+def test_load_for_sampling_round_trip(tmp_path):
+    config, tokenizer, init_params = _model_and_tokenizer()
+    params = init_params(config, jax.random.key(1))
+    state = {"params": params, "opt_state": optax.adam(1e-3).init(params), "step": jnp.int32(5)}
+    ckpt.write_metadata(tmp_path, config.to_dict(), "lm", tokenizer.to_bytes())
+    with Checkpointer(tmp_path, save_every=100, keep=1) as checkpointer:
+        assert checkpointer.save(5, state, force=True)
+
+    loaded_config, loaded_tokenizer, loaded_params = ckpt.load_for_sampling(tmp_path)
+
+    assert loaded_config == config
+    assert loaded_tokenizer.to_bytes() == tokenizer.to_bytes()
+    assert loaded_tokenizer.encode("the lazy fox") == tokenizer.encode("the lazy fox")
+    assert_trees_equal(loaded_params, params)
+
+
+def test_load_for_sampling_refuses_params_of_another_config(tmp_path):
+    config, tokenizer, init_params = _model_and_tokenizer()
+    params = init_params(config, jax.random.key(1))
+    ckpt.write_metadata(tmp_path, config.replace(d_model=64).to_dict(), "lm", tokenizer.to_bytes())
+    save = {"params": params, "step": jnp.int32(1)}
+    with Checkpointer(tmp_path, save_every=1, keep=1) as checkpointer:
+        checkpointer.save(1, save)
+    before = snapshot(tmp_path)
+
+    with pytest.raises(CheckpointError, match=f"checkpoint {tmp_path / '1'} does not match"):
+        ckpt.load_for_sampling(tmp_path)
+
+    assert snapshot(tmp_path) == before
