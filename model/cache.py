@@ -59,6 +59,15 @@ class KVCache:
         arrays = (self.k, self.v, self.cross_k, self.cross_v)
         return sum(a.size * a.dtype.itemsize for a in arrays if a is not None)
 
+    def take_rows(self, rows_R: jax.Array) -> KVCache:
+        """The cache of rows `rows` [R] (repeats allowed): beam search reorders with this."""
+        by_batch = {"k": 1, "v": 1, "cross_k": 1, "cross_v": 1, "lengths": 0, "overflow": 0,
+                    "source_lengths": 0}
+        return self.replace(**{
+            name: None if getattr(self, name) is None
+            else jnp.take(getattr(self, name), rows_R, axis=axis)
+            for name, axis in by_batch.items()})
+
     @property
     def self_attention_nbytes(self) -> int:
         return self.k.size * self.k.dtype.itemsize + self.v.size * self.v.dtype.itemsize

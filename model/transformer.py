@@ -15,9 +15,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from model.attention import CrossKV
 from model.cache import KVCache, init_cache
 from model.config import TransformerConfig
-from model.attention import CrossKV
 from model.layers import DecoderLayer, EncoderLayer, LayerInputs, scanned
 from model.positional import sinusoidal
 

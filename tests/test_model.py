@@ -44,7 +44,8 @@ def prefill_then_steps(config, params, tokens, prompt_len, capacity, source, sou
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(map(str, o.values())) or "paper")
+@pytest.mark.parametrize("options", OPTIONS,
+                         ids=lambda o: "-".join(map(str, o.values())) or "paper")
 def test_cached_decoding_equals_full_forward(options, variant):
     config, params = make(options, VARIANTS[variant])
     tokens = random_tokens(1, (2, 12), config.vocab_size)

@@ -1,0 +1,196 @@
+"""Beam search inside one compiled `lax.while_loop`, for both model variants.
+
+Each of the W beams of a row is one row of the cache (batch B·W). Every step extends each
+alive beam by every token, keeps the 2W best candidates, moves those ending in EOS to the
+finished pool (scored with a length penalty) and keeps the W best others alive; the cache
+rows are then reordered by the beam each survivor came from. Shapes: B batch, W beams,
+N token buffer, V vocab.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from decode.loop import StopConditions, StopReason
+
+NEG_INF = -1e9  # finite, so that sums of "impossible" stay comparable and never NaN
+
+
+@flax.struct.dataclass
+class BeamState:
+    """The while-loop carry.
+
+    step:                scalar int32, tokens in every alive beam.
+    alive_tokens:        [B, W, N] int32.
+    alive_logprob:       [B, W] float32 summed log-probability (NEG_INF: no such beam).
+    alive_token_logprobs: [B, W, N] float32 per-token log-probabilities.
+    finished_tokens / finished_token_logprobs: [B, W, N]; finished_lengths: [B, W] int32.
+    finished_score:      [B, W] float32 length-penalised score (NEG_INF: empty slot).
+    cache:               model cache with batch B·W, row b·W + w for beam w of row b.
+    """
+
+    step: jax.Array
+    alive_tokens: jax.Array
+    alive_logprob: jax.Array
+    alive_token_logprobs: jax.Array
+    finished_tokens: jax.Array
+    finished_token_logprobs: jax.Array
+    finished_lengths: jax.Array
+    finished_score: jax.Array
+    cache: Any
+
+    @property
+    def last_tokens(self) -> jax.Array:
+        return jnp.take(self.alive_tokens, jnp.maximum(self.step - 1, 0), axis=2)
+
+
+@flax.struct.dataclass
+class BeamResult:
+    """The best hypothesis per row: tokens / logprobs [B, N], lengths / stop_reason / scores [B]."""
+
+    tokens: jax.Array
+    lengths: jax.Array
+    stop_reason: jax.Array
+    logprobs: jax.Array
+    scores: jax.Array
+
+
+def _penalised(logprob, length, length_penalty):
+    return logprob / jnp.maximum(length, 1).astype(jnp.float32) ** length_penalty
+
+
+def _top(values, k, *arrays):
+    """The k largest `values` along the last axis and the matching entries of `arrays`."""
+    top_values, index = jax.lax.top_k(values, k)
+    return top_values, [jnp.take_along_axis(a, index.reshape(index.shape + (1,) * (
+        a.ndim - index.ndim)), axis=index.ndim - 1) for a in arrays]
+
+
+def beam_step(state: BeamState, logprobs_BWV: jax.Array, stops: StopConditions,
+              length_penalty: jax.Array) -> tuple[BeamState, jax.Array]:
+    """Extends the beams by one token; returns the new state and the cache rows to gather."""
+    batch, width, vocab = logprobs_BWV.shape
+    candidates = (state.alive_logprob[..., None] + logprobs_BWV).reshape(batch, width * vocab)
+    cand_logprob, flat = jax.lax.top_k(candidates, 2 * width)  # [B, 2W]
+    origin, token = flat // vocab, flat % vocab
+    token_logprob = jnp.take_along_axis(logprobs_BWV.reshape(batch, -1), flat, axis=1)
+
+    def history(buffer_BWN, new_B2W):  # the origin beam's history plus the new entry
+        rows = jnp.take_along_axis(buffer_BWN, origin[..., None], axis=1)
+        return rows.at[:, :, state.step].set(new_B2W)
+
+    cand_tokens = history(state.alive_tokens, token)
+    cand_token_logprobs = history(state.alive_token_logprobs, token_logprob)
+    is_eos = jnp.any(token[..., None] == stops.eos_ids, axis=-1) & (cand_logprob > NEG_INF / 2)
+    length = state.step + 1
+
+    alive_logprob, (alive_tokens, alive_token_logprobs, alive_origin) = _top(
+        jnp.where(is_eos, NEG_INF, cand_logprob), width, cand_tokens, cand_token_logprobs,
+        origin)
+    new_score = jnp.where(is_eos, _penalised(cand_logprob, length, length_penalty), NEG_INF)
+    finished_score, (finished_tokens, finished_token_logprobs, finished_lengths) = _top(
+        jnp.concatenate([state.finished_score, new_score], axis=1), width,
+        jnp.concatenate([state.finished_tokens, cand_tokens], axis=1),
+        jnp.concatenate([state.finished_token_logprobs, cand_token_logprobs], axis=1),
+        jnp.concatenate([state.finished_lengths, jnp.full_like(token, length)], axis=1))
+    rows = (jnp.arange(batch)[:, None] * width + alive_origin).reshape(-1)
+    new_state = state.replace(
+        step=length, alive_tokens=alive_tokens, alive_logprob=alive_logprob,
+        alive_token_logprobs=alive_token_logprobs, finished_tokens=finished_tokens,
+        finished_token_logprobs=finished_token_logprobs, finished_lengths=finished_lengths,
+        finished_score=finished_score)
+    return new_state, rows
+
+
+def is_settled(state: BeamState, max_new_tokens, length_penalty) -> jax.Array:
+    """Per row: W hypotheses are finished and no alive beam can still beat the worst one.
+
+    Log-probabilities only fall as a beam grows, so an alive beam's best possible score is
+    its current log-probability under the most favourable length penalty ahead."""
+    best_alive = jnp.max(state.alive_logprob, axis=1)
+    longest = jnp.asarray(max_new_tokens, jnp.float32)
+    optimistic = jnp.where(length_penalty > 0, best_alive / longest ** length_penalty,
+                           best_alive)
+    return jnp.min(state.finished_score, axis=1) >= optimistic
+
+
+def beam_loop(tokens_to_logits: Callable, first_logits_BV: jax.Array, cache: Any,
+              num_beams: int, buffer_len: int, stops: StopConditions,
+              length_penalty: jax.Array) -> BeamResult:
+    """Beam search from the prefill's next-token logits; `cache` already has B·W rows."""
+    batch = first_logits_BV.shape[0]
+    only_first = jnp.where(jnp.arange(num_beams) == 0, 0.0, NEG_INF)  # beams start identical
+    state = BeamState(
+        step=jnp.zeros((), jnp.int32),
+        alive_tokens=jnp.zeros((batch, num_beams, buffer_len), jnp.int32),
+        alive_logprob=jnp.broadcast_to(only_first, (batch, num_beams)),
+        alive_token_logprobs=jnp.zeros((batch, num_beams, buffer_len), jnp.float32),
+        finished_tokens=jnp.zeros((batch, num_beams, buffer_len), jnp.int32),
+        finished_token_logprobs=jnp.zeros((batch, num_beams, buffer_len), jnp.float32),
+        finished_lengths=jnp.zeros((batch, num_beams), jnp.int32),
+        finished_score=jnp.full((batch, num_beams), NEG_INF, jnp.float32),
+        cache=cache,
+    )
+    first_BWV = jnp.repeat(jax.nn.log_softmax(first_logits_BV.astype(jnp.float32))[:, None],
+                           num_beams, axis=1)
+    state, rows = beam_step(state, first_BWV, stops, length_penalty)
+    state = state.replace(cache=state.cache.take_rows(rows))
+
+    def cond_fn(state: BeamState) -> jax.Array:
+        settled = is_settled(state, stops.max_new_tokens, length_penalty)
+        cache_full = jnp.any(state.cache.lengths >= state.cache.capacity)
+        return (state.step < stops.max_new_tokens) & ~jnp.all(settled) & ~cache_full
+
+    def body_fn(state: BeamState) -> BeamState:
+        logits, cache = tokens_to_logits(state.last_tokens.reshape(-1, 1), state.cache)
+        logprobs = jax.nn.log_softmax(logits[:, -1].astype(jnp.float32))
+        state, rows = beam_step(state.replace(cache=cache),
+                                logprobs.reshape(batch, num_beams, -1), stops, length_penalty)
+        return state.replace(cache=state.cache.take_rows(rows))
+
+    state = jax.lax.while_loop(cond_fn, body_fn, state)
+    return _best(state, stops.max_new_tokens, length_penalty)
+
+
+def _best(state: BeamState, max_new_tokens, length_penalty) -> BeamResult:
+    """Best of the finished and the still-alive hypotheses (those ran out of tokens/cache)."""
+    alive_score = jnp.where(state.alive_logprob > NEG_INF / 2,
+                            _penalised(state.alive_logprob, state.step, length_penalty), NEG_INF)
+    scores = jnp.concatenate([state.finished_score, alive_score], axis=1)
+    best = jnp.argmax(scores, axis=1)
+    def pick(a):
+        return jnp.take_along_axis(a, best.reshape((-1,) + (1,) * (a.ndim - 1)), axis=1)[:, 0]
+
+    width = state.alive_tokens.shape[1]
+    from_finished = best < width
+    return BeamResult(
+        tokens=pick(jnp.concatenate([state.finished_tokens, state.alive_tokens], 1)),
+        lengths=pick(jnp.concatenate(
+            [state.finished_lengths, jnp.full_like(state.finished_lengths, state.step)], 1)),
+        stop_reason=jnp.where(
+            from_finished, StopReason.EOS,
+            jnp.where(state.step >= max_new_tokens, StopReason.MAX_NEW_TOKENS,
+                      StopReason.CACHE_FULL)).astype(jnp.int32),
+        logprobs=pick(jnp.concatenate(
+            [state.finished_token_logprobs, state.alive_token_logprobs], 1)),
+        scores=pick(scores),
+    )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
+def beam_search(config, params, tokens_BP, lengths_B, capacity: int, buffer_len: int,
+                num_beams: int, stops: StopConditions, length_penalty) -> BeamResult:
+    """Prefill each prompt once, copy its cache to W beams, then run `beam_loop`."""
+    from decode.generate import _count_trace, model_tokens_to_logits, prefill
+
+    _count_trace("beam")
+    first_logits_BV, cache = prefill(config, params, tokens_BP, lengths_B, capacity)
+    cache = cache.take_rows(jnp.repeat(jnp.arange(tokens_BP.shape[0]), num_beams))
+    return beam_loop(model_tokens_to_logits(config, params), first_logits_BV, cache, num_beams,
+                     buffer_len, stops, length_penalty)

@@ -1,0 +1,108 @@
+"""Beam search: a hand-built model whose best sequence greedy misses, greedy equivalence
+with one beam, and hypothesis scores that match the model's own log-probabilities."""
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import run_full
+
+import decode
+import model as M
+from decode.beam import beam_loop
+from decode.loop import StopConditions, decode_loop, initial_state, record
+from decode.sampling import SamplingParams
+
+A, B, C, EOS = 0, 1, 2, 3
+START = np.log([0.5, 0.4, 0.05, 0.05])
+# Next-token probabilities by previous token. Greedy follows A (0.5, then 0.35 ...), but
+# B then EOS (0.4 * 0.9 = 0.36) beats every sequence through A.
+TRANSITIONS = np.log([
+    [0.35, 0.30, 0.15, 0.20],
+    [0.04, 0.03, 0.03, 0.90],
+    [0.01, 0.01, 0.01, 0.97],
+    [0.25, 0.25, 0.25, 0.25],
+])
+
+
+@flax.struct.dataclass
+class MarkovCache:
+    lengths: jax.Array
+    capacity: int = flax.struct.field(pytree_node=False, default=64)
+
+    def take_rows(self, rows):
+        return self.replace(lengths=self.lengths[rows])
+
+
+def markov(tokens_B1, cache):
+    return jnp.asarray(TRANSITIONS, jnp.float32)[tokens_B1], cache.replace(
+        lengths=cache.lengths + 1)
+
+
+def stops(eos_ids, max_new_tokens):
+    eos = np.full(8, -1, np.int32)
+    eos[:len(eos_ids)] = eos_ids
+    return StopConditions(jnp.asarray(eos), jnp.asarray(max_new_tokens))
+
+
+def markov_beam(num_beams, eos_ids=(EOS,), max_new_tokens=5, length_penalty=0.0):
+    first = jnp.asarray([START], jnp.float32)
+    cache = MarkovCache(jnp.ones((num_beams,), jnp.int32))
+    return beam_loop(markov, first, cache, num_beams, 8, stops(eos_ids, max_new_tokens),
+                     jnp.asarray(length_penalty, jnp.float32))
+
+
+def test_beam_search_finds_the_best_sequence_greedy_misses():
+    result = markov_beam(num_beams=2)
+    assert result.tokens[0, :int(result.lengths[0])].tolist() == [B, EOS]
+    np.testing.assert_allclose(result.scores[0], np.log(0.4 * 0.9), rtol=1e-6)
+    assert decode.StopReason(int(result.stop_reason[0])).name == "EOS"
+    np.testing.assert_allclose(result.logprobs[0, :2], np.log([0.4, 0.9]), rtol=1e-6)
+
+
+def test_one_beam_equals_greedy():
+    result = markov_beam(num_beams=1, eos_ids=(), max_new_tokens=6)
+    sampling = SamplingParams.make()
+    state = initial_state(1, 8, MarkovCache(jnp.ones((1,), jnp.int32)), jax.random.key(0))
+    state = record(state, jnp.asarray([START], jnp.float32), stops((), 6), sampling)
+    state = decode_loop(markov, state, stops((), 6), sampling, jnp.asarray(6))
+    assert result.tokens[0, :6].tolist() == state.tokens[0, :6].tolist() == [A] * 6
+    assert int(result.lengths[0]) == 6
+
+
+def test_length_penalty_prefers_longer_hypotheses():
+    # With a strong length penalty the longer sequences through A win over [B, EOS].
+    short = markov_beam(num_beams=4, length_penalty=0.0)
+    long = markov_beam(num_beams=4, length_penalty=3.0)
+    assert int(long.lengths[0]) > int(short.lengths[0]) == 2
+
+
+@pytest.mark.parametrize("encoder_layers", [0, 2])
+def test_real_model_beam_scores_are_model_logprobs(encoder_layers):
+    config = M.preset("tiny", num_encoder_layers=encoder_layers)
+    net, params = M.build_model(config), M.init_params(config, jax.random.key(3))
+    prompts = [[4, 5, 6], [7, 8, 9, 10, 11]]
+    alpha = 0.6
+    out = decode.generate(net, params, prompts, max_new_tokens=6, num_beams=3,
+                          eos_ids=(2,), length_penalty=alpha, return_logprobs=True)
+    greedy = decode.generate(net, params, prompts, max_new_tokens=6, eos_ids=(2,),
+                             return_logprobs=True)
+    single = decode.generate(net, params, prompts, max_new_tokens=6, eos_ids=(2,), num_beams=1)
+    np.testing.assert_array_equal(single.tokens, greedy.tokens)
+    for row, prompt in enumerate(prompts):
+        tokens = out.token_lists()[row]
+        if encoder_layers:
+            source, sequence = jnp.asarray([prompt]), [config.bos_id] + tokens
+        else:
+            source, sequence = None, prompt + tokens
+        logits = run_full(config, params, jnp.asarray([sequence[:-1]]), source=source)
+        logprobs = jax.nn.log_softmax(logits[0, -len(tokens):])
+        total = sum(float(logprobs[i, t]) for i, t in enumerate(tokens))
+        np.testing.assert_allclose(out.logprobs[row, :len(tokens)],
+                                   [float(logprobs[i, t]) for i, t in enumerate(tokens)],
+                                   atol=1e-4)
+        np.testing.assert_allclose(out.scores[row], total / len(tokens) ** alpha, atol=1e-4)
+        n = greedy.lengths[row]
+        greedy_score = greedy.logprobs[row, :n].sum() / n**alpha
+        assert out.scores[row] >= greedy_score - 1e-5

@@ -1,0 +1,89 @@
+"""The decode loop with a fake model whose next token is previous + 1 (mod V)."""
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from decode.loop import StopConditions, StopReason, decode_loop, initial_state, record
+from decode.sampling import SamplingParams
+
+VOCAB = 50
+
+
+@flax.struct.dataclass
+class FakeCache:
+    """Counts fed tokens per row; `capacity` is static."""
+
+    lengths: jax.Array
+    calls: jax.Array
+    capacity: int = flax.struct.field(pytree_node=False, default=100)
+
+
+def next_is_previous_plus_one(tokens_B1, cache):
+    logits = 10.0 * jax.nn.one_hot((tokens_B1 + 1) % VOCAB, VOCAB)
+    return logits, cache.replace(lengths=cache.lengths + 1, calls=cache.calls + 1)
+
+
+def run(first_tokens, *, max_new_tokens, eos_ids=(), buffer_len=16, capacity=100,
+        prompt_lengths=None):
+    batch = len(first_tokens)
+    lengths = jnp.asarray(prompt_lengths if prompt_lengths is not None else [1] * batch)
+    cache = FakeCache(lengths, jnp.zeros((), jnp.int32), capacity)
+    eos = np.full(8, -1, np.int32)
+    eos[:len(eos_ids)] = eos_ids
+    stops = StopConditions(jnp.asarray(eos), jnp.asarray(max_new_tokens))
+    sampling = SamplingParams.make()
+    state = initial_state(batch, buffer_len, cache, jax.random.key(0))
+    first_logits, _ = next_is_previous_plus_one(jnp.asarray(first_tokens)[:, None] - 1, cache)
+    state = record(state, first_logits[:, 0], stops, sampling)
+    run_loop = jax.jit(decode_loop, static_argnums=0)
+    return run_loop(next_is_previous_plus_one, state, stops, sampling, stops.max_new_tokens)
+
+
+def test_counts_up_exactly():
+    state = run([3, 10], max_new_tokens=5)
+    np.testing.assert_array_equal(state.tokens[:, :5], [[3, 4, 5, 6, 7], [10, 11, 12, 13, 14]])
+    np.testing.assert_array_equal(state.tokens[:, 5:], 0)
+    np.testing.assert_array_equal(state.lengths, [5, 5])
+    np.testing.assert_array_equal(state.stop_reason, [StopReason.MAX_NEW_TOKENS] * 2)
+    assert int(state.cache.calls) == 4  # the first token came from the prefill
+
+
+def test_each_row_stops_at_its_own_eos_and_pads_after():
+    state = run([3, 10, 40], max_new_tokens=12, eos_ids=(6, 13))
+    np.testing.assert_array_equal(state.tokens[0, :5], [3, 4, 5, 6, 0])
+    np.testing.assert_array_equal(state.tokens[1, :5], [10, 11, 12, 13, 0])
+    np.testing.assert_array_equal(state.tokens[2, :12], np.arange(40, 52) % VOCAB)
+    np.testing.assert_array_equal(state.lengths, [4, 4, 12])
+    np.testing.assert_array_equal(
+        state.stop_reason, [StopReason.EOS, StopReason.EOS, StopReason.MAX_NEW_TOKENS])
+
+
+def test_loop_exits_as_soon_as_every_row_is_done():
+    state = run([3, 4], max_new_tokens=16, eos_ids=(6,))
+    assert int(state.step) == 4  # row 0 reaches 6 after 4 tokens; no step runs after
+    assert int(state.cache.calls) == 3
+    np.testing.assert_array_equal(state.stop_reason, [StopReason.EOS, StopReason.EOS])
+
+
+def test_full_cache_stops_the_row_without_feeding_it():
+    state = run([3, 3], max_new_tokens=10, capacity=6, prompt_lengths=[2, 4])
+    # Row 0 has 4 free slots: 4 tokens fed, 5 generated; row 1 has 2 free: 3 generated.
+    np.testing.assert_array_equal(state.lengths, [5, 3])
+    np.testing.assert_array_equal(state.tokens[1, :4], [3, 4, 5, 0])
+    np.testing.assert_array_equal(state.stop_reason, [StopReason.CACHE_FULL] * 2)
+    assert int(state.step) == 6  # exits when both are done, not at max_new_tokens
+
+
+def test_step_limit_runs_a_chunk_and_resumes_identically():
+    whole = run([3], max_new_tokens=9)
+    cache = FakeCache(jnp.asarray([1]), jnp.zeros((), jnp.int32))
+    stops = StopConditions(jnp.full(8, -1, jnp.int32), jnp.asarray(9))
+    sampling = SamplingParams.make()
+    state = initial_state(1, 16, cache, jax.random.key(0))
+    state = record(state, 10.0 * jax.nn.one_hot(jnp.asarray([3]), VOCAB), stops, sampling)
+    for limit in (4, 6, 9):
+        state = decode_loop(next_is_previous_plus_one, state, stops, sampling, jnp.asarray(limit))
+        assert int(state.step) == limit
+    np.testing.assert_array_equal(state.tokens, whole.tokens)

@@ -1,0 +1,166 @@
+"""generate/stream on real models: equal to recomputing without a cache, batch == alone,
+compile once, and every bad input rejected before compiling."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import run_full
+
+import decode
+import model as M
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [3], [20, 21, 22, 23]]
+VARIANTS = {"decoder_only": 0, "encoder_decoder": 2}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def tiny(request):
+    config = M.preset("tiny", num_encoder_layers=VARIANTS[request.param],
+                      positional_encoding="rope", num_kv_heads=2)
+    return config, M.build_model(config), M.init_params(config, jax.random.key(1))
+
+
+def greedy_without_cache(config, params, prompt, steps):
+    """The textbook loop: recompute the whole sequence each step and take the argmax.
+
+    The sequence is zero-padded to a fixed width so that every step reuses one compiled
+    forward; causality makes the padding after the last real token irrelevant."""
+    width = 32
+    if config.is_encoder_decoder:
+        source = np.zeros((1, 8), np.int32)
+        source[0, :len(prompt)] = prompt
+        source_lengths = jnp.asarray([len(prompt)])
+        sequence = [config.bos_id]
+    else:
+        source = source_lengths = None
+        sequence = list(prompt)
+    generated = []
+    for _ in range(steps):
+        padded = np.zeros((1, width), np.int32)
+        padded[0, :len(sequence)] = sequence
+        logits = run_full(config, params, jnp.asarray(padded), source=source,
+                          source_lengths=source_lengths)
+        generated.append(int(jnp.argmax(logits[0, len(sequence) - 1])))
+        sequence.append(generated[-1])
+    return generated
+
+
+def test_greedy_equals_recomputing_without_cache(tiny):
+    config, net, params = tiny
+    out = decode.generate(net, params, PROMPTS, max_new_tokens=9)
+    for row, prompt in enumerate(PROMPTS):
+        assert out.tokens[row].tolist() == greedy_without_cache(config, params, prompt, 9)
+    np.testing.assert_array_equal(out.lengths, 9)
+    assert out.stop_reasons() == ["max_new_tokens"] * len(PROMPTS)
+
+
+def test_each_row_equals_the_prompt_alone(tiny):
+    _, net, params = tiny
+    eos = decode.generate(net, params, PROMPTS[:1], max_new_tokens=3).tokens[0, 2]
+    together = decode.generate(net, params, PROMPTS, max_new_tokens=7, eos_ids=(int(eos),))
+    for row, prompt in enumerate(PROMPTS):
+        alone = decode.generate(net, params, [prompt], max_new_tokens=7, eos_ids=(int(eos),))
+        assert alone.token_lists()[0] == together.token_lists()[row]
+        assert alone.stop_reasons()[0] == together.stop_reasons()[row]
+    assert together.stop_reasons()[0] == "eos" and together.lengths[0] <= 3
+
+
+def test_array_prompts_with_lengths_equal_token_lists(tiny):
+    _, net, params = tiny
+    padded = np.zeros((len(PROMPTS), 7), np.int32)
+    for i, p in enumerate(PROMPTS):
+        padded[i, :len(p)] = p
+    lengths = [len(p) for p in PROMPTS]
+    a = decode.generate(net, params, padded, lengths=lengths, max_new_tokens=5)
+    b = decode.generate(net, params, PROMPTS, max_new_tokens=5)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+
+
+def test_same_rng_same_output_different_rng_different(tiny):
+    _, net, params = tiny
+    kwargs = dict(max_new_tokens=12, temperature=1.5)
+    a = decode.generate(net, params, PROMPTS, rng=jax.random.key(7), **kwargs)
+    b = decode.generate(net, params, PROMPTS, rng=jax.random.key(7), **kwargs)
+    c = decode.generate(net, params, PROMPTS, rng=jax.random.key(8), **kwargs)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert not np.array_equal(a.tokens, c.tokens)
+
+
+def test_logprobs_are_those_of_the_model(tiny):
+    config, net, params = tiny
+    out = decode.generate(net, params, PROMPTS[:1], max_new_tokens=4, return_logprobs=True)
+    generated = out.tokens[0].tolist()
+    if config.is_encoder_decoder:
+        source, sequence = jnp.asarray([PROMPTS[0]]), [config.bos_id] + generated
+    else:
+        source, sequence = None, PROMPTS[0] + generated
+    logits = run_full(config, params, jnp.asarray([sequence[:-1]]), source=source)
+    logprobs = jax.nn.log_softmax(logits[0, -4:])
+    expected = [float(logprobs[i, t]) for i, t in enumerate(generated)]
+    np.testing.assert_allclose(out.logprobs[0], expected, atol=1e-5)
+
+
+def test_stream_equals_generate(tiny):
+    _, net, params = tiny
+    kwargs = dict(max_new_tokens=11, temperature=1.0, top_p=0.9, rng=jax.random.key(2))
+    full = decode.generate(net, params, PROMPTS, **kwargs)
+    for chunk_size in (1, 4, 32):
+        chunks = list(decode.stream(net, params, PROMPTS, chunk_size=chunk_size, **kwargs))
+        assert all(c.shape[1] <= chunk_size for c in chunks)
+        np.testing.assert_array_equal(np.concatenate(chunks, axis=1), full.tokens)
+
+
+def test_stream_stops_early_when_every_row_hits_eos(tiny):
+    _, net, params = tiny
+    first = decode.generate(net, params, PROMPTS, max_new_tokens=1).tokens[:, 0]
+    chunks = list(decode.stream(net, params, PROMPTS, max_new_tokens=30,
+                                eos_ids=tuple(set(first.tolist()))))
+    assert sum(c.shape[1] for c in chunks) == 1
+
+
+def test_twenty_calls_in_one_bucket_compile_once():
+    config = M.preset("tiny", num_kv_heads=1)
+    net, params = M.build_model(config), M.init_params(config, jax.random.key(0))
+    before = {name: decode.trace_count(name) for name in ("start", "continue")}
+    rng = np.random.default_rng(0)
+    for i in range(20):
+        prompt_lengths = rng.integers(9, 17, size=3)  # one bucket: 9..16 pads to 16
+        prompts = [rng.integers(0, 64, size=n).tolist() for n in prompt_lengths]
+        decode.generate(net, params, prompts, max_new_tokens=int(rng.integers(17, 33)),
+                        temperature=float(rng.uniform(0, 2)), top_k=int(rng.integers(0, 20)),
+                        top_p=float(rng.uniform(0.1, 1)),
+                        eos_ids=tuple(rng.integers(0, 64, size=i % 3)),
+                        rng=jax.random.key(i))
+    after = {name: decode.trace_count(name) for name in ("start", "continue")}
+    assert after == {name: count + 1 for name, count in before.items()}
+
+
+def _rejects(net, params, match, prompts=PROMPTS, **kwargs):
+    counts = [decode.trace_count(n) for n in ("start", "continue", "beam")]
+    kwargs.setdefault("max_new_tokens", 4)
+    with pytest.raises(ValueError, match=match):
+        decode.generate(net, params, prompts, **kwargs)
+    assert counts == [decode.trace_count(n) for n in ("start", "continue", "beam")]
+
+
+def test_bad_inputs_raise_before_compiling(tiny):
+    config, net, params = tiny
+    _rejects(net, params, r"temperature=-0.5 must be >= 0", temperature=-0.5)
+    _rejects(net, params, r"top_p=0.0 must be in \(0, 1\]", top_p=0.0)
+    _rejects(net, params, r"top_p=1.5", top_p=1.5)
+    _rejects(net, params, r"top_k=-1", top_k=-1)
+    _rejects(net, params, r"num_beams=0", num_beams=0)
+    _rejects(net, params, r"max_new_tokens=0", max_new_tokens=0)
+    _rejects(net, params, r"token id 64 \(prompt 1, position 2\)", prompts=[[1], [2, 3, 64]])
+    _rejects(net, params, r"token id -1", prompts=[[-1]])
+    _rejects(net, params, r"prompt 1 is empty", prompts=[[1], []])
+    _rejects(net, params, r"prompts is empty", prompts=[])
+    _rejects(net, params, r"eos id 99 is outside", eos_ids=(2, 99))
+    _rejects(net, params, r"max_len 64", max_new_tokens=64)
+    bad = jax.tree_util.tree_map(lambda x: x, params)
+    bad["embedder"]["embedding"]["embedding"] = jnp.zeros((65, config.d_model))
+    _rejects(net, bad, r"\['embedder'\]\['embedding'\]\['embedding'\] has shape \(65, 32\)",
+             prompts=[[1]])
+    missing = {k: v for k, v in params.items() if k != "embedder"}
+    _rejects(net, missing, r"is missing", prompts=[[1]])
