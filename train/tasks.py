@@ -1,0 +1,240 @@
+"""The two training pipelines: a decoder-only language model and an encoder-decoder translator.
+
+Each builds a tokenizer, the data and the model config, then runs `train.trainer.train`. The
+defaults (`LM_SETTINGS`, `TRANSLATE_SETTINGS`) are the demo settings, sized to train in about
+two minutes each on a 2-core CPU. Any field of the settings or of their `TrainConfig` can be
+overridden by keyword::
+
+    train_lm("runs/lm", steps=200, seq_len=64)
+    train_translate("runs/numbers", max_number=1000, num_heldout=100, progress=False)
+
+Shapes: N examples, T tokens per example, S source tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import decode
+import model as M
+from train import checkpoint, data, trainer
+from train.tokenizer import EOS_ID, PAD_ID, Tokenizer, train_tokenizer
+from train.trainer import TrainConfig, TrainResult, TrainTask
+
+
+@dataclasses.dataclass(frozen=True)
+class LMSettings:
+    """A decoder-only LM on windows of `seq_len` tokens; `val_fraction` of them (a fixed
+    choice) are held out for validation."""
+
+    preset: str = "small"
+    model_overrides: Mapping[str, Any] = dataclasses.field(
+        default_factory=lambda: {"num_decoder_layers": 2, "d_ff": 256})
+    vocab_size: int = 1024
+    seq_len: int = 128
+    val_fraction: float = 0.05
+    training: TrainConfig = TrainConfig(
+        steps=400, batch_size=16, learning_rate=2e-3, warmup_steps=50, eval_every=100,
+        eval_batches=8, save_every=200, keep_checkpoints=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TranslateSettings:
+    """An encoder-decoder on (source, target) text pairs. Without a TSV file the pairs are
+    the numbers below `max_number` spelled in English words, `num_heldout` of them (a fixed
+    choice) held out. Sources and targets (with EOS) are padded to `max_len` tokens. Periodic
+    evaluations decode `eval_examples` held-out sources; the final one decodes all."""
+
+    preset: str = "small"
+    model_overrides: Mapping[str, Any] = dataclasses.field(
+        default_factory=lambda: {"num_encoder_layers": 2, "num_decoder_layers": 2,
+                                 "d_model": 64, "d_ff": 256})
+    vocab_size: int = 400
+    max_number: int = 100_000
+    num_heldout: int = 1000
+    max_len: int | None = None  # None: the longest pair's
+    eval_examples: int = 250
+    training: TrainConfig = TrainConfig(
+        steps=1500, batch_size=64, learning_rate=3e-3, warmup_steps=50, eval_every=250,
+        eval_batches=4, save_every=500, keep_checkpoints=1)
+
+
+LM_SETTINGS = LMSettings()
+TRANSLATE_SETTINGS = TranslateSettings()
+
+_SPLIT_SEED = 0  # the train/validation split never changes with the training seed
+
+
+# Language model --------------------------------------------------------------------------------
+
+
+def train_lm(out_dir: str | os.PathLike, *, data_files: Sequence[str | os.PathLike] | None = None,
+             resume: bool = False, settings: LMSettings = LM_SETTINGS,
+             **overrides: Any) -> TrainResult:
+    """Trains a decoder-only LM on `data_files` (default: Python's documentation topics).
+
+    The final metrics include `val_ppl` and `unigram_ppl`, the perplexity on the same
+    validation tokens of add-one smoothed token frequencies fitted on the training tokens.
+    """
+    settings = with_overrides(settings, overrides)
+    text = data.python_docs_text() if data_files is None else data.read_text_files(data_files)
+    tokenizer = _tokenizer(out_dir, resume, [text], settings.vocab_size)
+    windows = data.pack_lm_windows(data.tokenize_documents(tokenizer, [text]), settings.seq_len)
+    train_windows, val_windows = data.split_train_val(windows, settings.val_fraction, _SPLIT_SEED)
+    unigram = unigram_perplexity(train_windows[:, 1:], val_windows[:, 1:], tokenizer.vocab_size)
+    task = TrainTask(
+        name="lm", tokenizer=tokenizer, train=lm_arrays(train_windows),
+        val=lm_arrays(val_windows), evaluate=lambda params, final: {"unigram_ppl": unigram})
+    config = _model_config(settings, tokenizer, min_len=settings.seq_len)
+    return trainer.train(config, settings.training, task, out_dir, resume=resume)
+
+
+def lm_arrays(windows_NT: np.ndarray) -> dict[str, np.ndarray]:
+    """Windows [N, T + 1] as a batch: inputs and next-token targets, each [N, T]."""
+    return {"inputs": windows_NT[:, :-1], "targets": windows_NT[:, 1:]}
+
+
+def unigram_perplexity(train_targets: np.ndarray, val_targets: np.ndarray,
+                       vocab_size: int) -> float:
+    """Perplexity on `val_targets` of add-one smoothed token frequencies of `train_targets`
+    (any shapes; PAD is ignored in both)."""
+    train_ids = train_targets[train_targets != PAD_ID].ravel()
+    val_ids = val_targets[val_targets != PAD_ID].ravel()
+    counts = np.bincount(train_ids, minlength=vocab_size).astype(np.float64)
+    log_probs = np.log((counts + 1) / (counts.sum() + vocab_size))
+    return math.exp(-log_probs[val_ids].mean())
+
+
+# Translation -----------------------------------------------------------------------------------
+
+
+def train_translate(out_dir: str | os.PathLike, *, data_tsv: str | os.PathLike | None = None,
+                    resume: bool = False, settings: TranslateSettings = TRANSLATE_SETTINGS,
+                    **overrides: Any) -> TrainResult:
+    """Trains an encoder-decoder with teacher forcing on `data_tsv` (``source<TAB>target``
+    lines) or, by default, on numbers spelled as words.
+
+    Validation loss is measured on the held-out pairs; `accuracy` is the exact-match rate of
+    greedy decoding on them (all of them in the final metrics).
+    """
+    settings = with_overrides(settings, overrides)
+    if data_tsv is None:
+        train_pairs, heldout_pairs = data.number_pairs(
+            settings.max_number, settings.num_heldout, _SPLIT_SEED)
+    else:
+        train_pairs, heldout_pairs = split_pairs(data.read_tsv_pairs(data_tsv),
+                                                 settings.num_heldout)
+    texts = [text for pair in train_pairs for text in pair]
+    tokenizer = _tokenizer(out_dir, resume, ["\n".join(texts)], settings.vocab_size)
+    max_len = settings.max_len or _longest_pair(tokenizer, [*train_pairs, *heldout_pairs])
+    config = _model_config(settings, tokenizer, min_len=max_len + 1)  # + 1: BOS starts targets
+    heldout = translation_arrays(tokenizer, heldout_pairs, max_len)
+    accuracy = functools.partial(_heldout_accuracy, config, heldout, settings.eval_examples,
+                                 max_len)
+    task = TrainTask(
+        name="translate", tokenizer=tokenizer,
+        train=translation_arrays(tokenizer, train_pairs, max_len), val=heldout,
+        evaluate=accuracy)
+    return trainer.train(config, settings.training, task, out_dir, resume=resume)
+
+
+def _longest_pair(tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]]) -> int:
+    # + 1: the EOS that ends sources and targets
+    return 1 + max(len(tokenizer.encode(text)) for pair in pairs for text in pair)
+
+
+def split_pairs(pairs: Sequence[tuple[str, str]], num_heldout: int
+                ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """A fixed random choice of `num_heldout` pairs held out; both parts keep their order."""
+    if not 0 < num_heldout < len(pairs):
+        raise ValueError(f"num_heldout={num_heldout} must be in [1, {len(pairs)}) for "
+                         f"{len(pairs)} pairs")
+    heldout = np.zeros(len(pairs), bool)
+    heldout[np.random.default_rng(_SPLIT_SEED).choice(len(pairs), num_heldout, False)] = True
+    return ([p for p, h in zip(pairs, heldout, strict=True) if not h],
+            [p for p, h in zip(pairs, heldout, strict=True) if h])
+
+
+def translation_arrays(tokenizer: Tokenizer, pairs: Sequence[tuple[Any, Any]],
+                       max_len: int) -> dict[str, np.ndarray]:
+    """Teacher-forcing batch arrays (see `train.trainer`) for (source, target) pairs.
+
+    `tokenizer` needs only `encode`; with one that returns id lists unchanged, `pairs` may be
+    (source ids, target ids).
+    """
+    source, source_lengths, inputs, targets, lengths = data.encode_pairs(
+        tokenizer, pairs, max_len)
+    return {"source": source, "source_lengths": source_lengths, "inputs": inputs,
+            "targets": targets, "lengths": lengths}
+
+
+def exact_match_accuracy(config: M.TransformerConfig, params, arrays: Mapping[str, np.ndarray],
+                         *, max_new_tokens: int, batch_size: int) -> float:
+    """Fraction of rows whose greedy decoding equals its target, EOS included.
+
+    `arrays` are `translation_arrays` (source [N, S], source_lengths [N], targets [N, T]).
+    Rows are decoded `batch_size` at a time; the last batch is padded to that size so that
+    every call reuses one compiled program.
+    """
+    net = M.build_model(config)
+    num_rows = len(arrays["source"])
+    correct = 0
+    for start in range(0, num_rows, batch_size):
+        rows = np.arange(start, start + batch_size) % num_rows
+        output = decode.generate(
+            net, params, arrays["source"][rows], lengths=arrays["source_lengths"][rows],
+            max_new_tokens=max_new_tokens, eos_ids=(EOS_ID,))
+        for row, generated in zip(rows[: num_rows - start], output.token_lists(), strict=False):
+            target = arrays["targets"][row]
+            correct += generated == target[target != PAD_ID].tolist()
+    return correct / num_rows
+
+
+def _heldout_accuracy(config, heldout, eval_examples: int, max_new_tokens: int, params,
+                      final: bool) -> dict[str, float]:
+    rows = heldout if final else {k: v[:eval_examples] for k, v in heldout.items()}
+    batch_size = min(eval_examples, len(heldout["source"]))
+    return {"accuracy": exact_match_accuracy(config, params, rows, batch_size=batch_size,
+                                             max_new_tokens=max_new_tokens)}
+
+
+# Shared ----------------------------------------------------------------------------------------
+
+
+def with_overrides(settings, overrides: Mapping[str, Any]):
+    """`settings` with fields of its own or of its `training` config replaced by name."""
+    own = {f.name for f in dataclasses.fields(settings)} - {"training"}
+    training = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(overrides) - own - training)
+    if unknown:
+        raise TypeError(f"unknown settings {unknown}; choose from {sorted(own | training)}")
+    return dataclasses.replace(
+        settings,
+        training=settings.training.replace(
+            **{k: v for k, v in overrides.items() if k in training}),
+        **{k: v for k, v in overrides.items() if k in own})
+
+
+def _tokenizer(out_dir: str | os.PathLike, resume: bool, texts: list[str],
+               vocab_size: int) -> Tokenizer:
+    # A resumed run keeps the tokenizer its checkpoints were trained with.
+    if resume and (Path(out_dir) / checkpoint.TOKENIZER_FILE).exists():
+        _, _, tokenizer_bytes = checkpoint.read_metadata(out_dir)
+        return Tokenizer.from_bytes(tokenizer_bytes)
+    return train_tokenizer(texts, vocab_size)
+
+
+def _model_config(settings, tokenizer: Tokenizer, min_len: int) -> M.TransformerConfig:
+    config = M.preset(settings.preset, **settings.model_overrides,
+                      vocab_size=tokenizer.vocab_size)
+    if config.max_len < min_len:
+        config = config.replace(max_len=min_len)
+    return config
