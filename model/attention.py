@@ -1,8 +1,11 @@
 """Scaled dot-product multi-head attention: softmax(QKᵀ/√d_k + mask)V.
 
-Shape letters: B batch, T queries, S keys, N query heads, K kv heads, H head dim, D model dim.
-With grouped-query attention (K < N) each group of N/K query heads shares one K/V head, so
-the cache holds K heads, not N.
+Shape letters: B batch, T queries, S keys, N query heads, K kv heads, G = N/K query heads per
+kv head, H head dim, D model dim. With grouped-query attention (K < N) each group of G query
+heads shares one K/V head, so the cache holds K heads, not N.
+
+Fresh keys and values come out of their projections as [B, S, K, H]; the cache stores them
+as [B, K, S, H] (see `model/cache.py`), so `attend` and `attend_cached` take each layout.
 """
 
 from __future__ import annotations
@@ -25,8 +28,36 @@ def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
     uniform average. `jax.nn.dot_product_attention` picks a fused kernel where one exists.
     """
     out = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_BTS[:, None])
+    return _zero_rows_without_keys(out, mask_BTS).astype(q_BTNH.dtype)
+
+
+def attend_cached(q_BTNH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array,
+                  mask_BTS: jax.Array) -> jax.Array:
+    """`attend` for keys and values in the cache's [B, K, S, H] layout. Returns [B, T, N, H].
+
+    Both products are batched over (B, K) with each head's [S, H] block contiguous, so they
+    read the cache in place; a decode step (T = 1) is then a matrix-vector product per head
+    that streams the cache from memory once.
+    """
+    batch, num_queries, num_heads, head_dim = q_BTNH.shape
+    kv_heads = k_BKSH.shape[1]
+    q_BKGTH = q_BTNH.reshape(batch, num_queries, kv_heads, num_heads // kv_heads, head_dim
+                             ).transpose(0, 2, 3, 1, 4)
+    logits_BKGTS = jnp.einsum("BKGTH,BKSH->BKGTS", q_BKGTH, k_BKSH,
+                              preferred_element_type=jnp.float32) / jnp.sqrt(float(head_dim))
+    logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, -jnp.inf)
+    # A row with every key masked gets -inf everywhere; any finite max keeps exp() NaN-free.
+    row_max = jnp.max(logits_BKGTS, axis=-1, keepdims=True)
+    weights = jnp.exp(logits_BKGTS - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    probs_BKGTS = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-30)
+    out_BKGTH = jnp.einsum("BKGTS,BKSH->BKGTH", probs_BKGTS.astype(v_BKSH.dtype), v_BKSH)
+    out = out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(q_BTNH.shape)
+    return _zero_rows_without_keys(out, mask_BTS).astype(q_BTNH.dtype)
+
+
+def _zero_rows_without_keys(out_BTNH, mask_BTS):
     has_key_BT = jnp.any(mask_BTS, axis=-1)
-    return jnp.where(has_key_BT[:, :, None, None], out, 0).astype(q_BTNH.dtype)
+    return jnp.where(has_key_BT[:, :, None, None], out_BTNH, 0)
 
 
 def _projection(config: TransformerConfig, heads: int, name: str) -> nn.DenseGeneral:
@@ -36,25 +67,38 @@ def _projection(config: TransformerConfig, heads: int, name: str) -> nn.DenseGen
     )
 
 
-def _output_projection(config: TransformerConfig) -> nn.DenseGeneral:
-    return nn.DenseGeneral(
-        features=config.d_model, axis=(-2, -1), use_bias=False, dtype=config.compute_dtype,
-        param_dtype=config.weights_dtype, name="out",
-    )
+class OutputProjection(nn.Module):
+    """Heads back to the model width: [B, T, N, H] -> [B, T, D] with a kernel [N, H, D].
 
-
-class SelfAttention(nn.Module):
-    """Masked self-attention that reads and writes one layer's K/V cache.
-
-    `cache_kv` is `(k, v)` of shape [B, S, K, H] or None. With a cache, the new K/V are
-    written at each row's `starts` slot and the queries attend over all S cached slots;
-    without one, they attend over the T new tokens only.
+    Computed as one [B·T, N·H] x [N·H, D] matmul: a contraction over two axes at once
+    is several times slower on some backends (XLA:CPU among them) than the same 2-D product.
     """
 
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x_BTD, positions_BT, mask_BTS, cache_kv=None, starts_B=None,
+    def __call__(self, x_BTNH):
+        c = self.config
+        kernel = self.param("kernel", nn.initializers.lecun_normal(in_axis=(0, 1), out_axis=2),
+                            (c.num_heads, c.head_dim, c.d_model), c.weights_dtype)
+        x_BTNH, kernel = nn.dtypes.promote_dtype(x_BTNH, kernel, dtype=c.compute_dtype)
+        x_BTF = x_BTNH.reshape(*x_BTNH.shape[:2], -1)
+        return x_BTF @ kernel.reshape(-1, c.d_model)
+
+
+class SelfAttention(nn.Module):
+    """Masked self-attention that reads and writes one layer of the stacked K/V cache.
+
+    `cache_kv` is `(k, v)` of shape [L, B, K, S, H] (every layer's) or None; `layer` is this
+    layer's index. With a cache, the new K/V are written at each row's `starts` slot and the
+    queries attend over all S cached slots of this layer; without one, they attend over the
+    T new tokens only.
+    """
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x_BTD, positions_BT, mask_BTS, cache_kv=None, layer=None, starts_B=None,
                  fits_B=None):
         config = self.config
         q = _projection(config, config.num_heads, "query")(x_BTD)
@@ -63,12 +107,13 @@ class SelfAttention(nn.Module):
         if config.positional_encoding == "rope":
             q = apply_rope(q, positions_BT, config.rope_base)
             k = apply_rope(k, positions_BT, config.rope_base)
-        if cache_kv is not None:
-            k = write_rows(cache_kv[0], k, starts_B, fits_B)
-            v = write_rows(cache_kv[1], v, starts_B, fits_B)
-            cache_kv = (k, v)
-        out = attend(q, k, v, mask_BTS)
-        return _output_projection(config)(out), cache_kv
+        if cache_kv is None:
+            out = attend(q, k, v, mask_BTS)
+        else:
+            cache_kv = tuple(write_rows(c, layer, new, starts_B, fits_B)
+                             for c, new in zip(cache_kv, (k, v), strict=True))
+            out = attend_cached(q, cache_kv[0][layer], cache_kv[1][layer], mask_BTS)
+        return OutputProjection(config, name="out")(out), cache_kv
 
 
 class CrossKV(nn.Module):
@@ -88,12 +133,13 @@ class CrossKV(nn.Module):
 
 
 class CrossAttention(nn.Module):
-    """Decoder queries over precomputed encoder K/V ([B, S, K, H] each)."""
+    """Decoder queries over precomputed encoder K/V: [B, S, K, H] each, or the cache's
+    [B, K, S, H] when `cached`."""
 
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x_BTD, cross_k, cross_v, mask_BTS):
+    def __call__(self, x_BTD, cross_k, cross_v, mask_BTS, cached: bool = False):
         q = _projection(self.config, self.config.num_heads, "query")(x_BTD)
-        out = attend(q, cross_k, cross_v, mask_BTS)
-        return _output_projection(self.config)(out)
+        out = (attend_cached if cached else attend)(q, cross_k, cross_v, mask_BTS)
+        return OutputProjection(self.config, name="out")(out)

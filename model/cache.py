@@ -11,6 +11,10 @@ Rows are right-padded: slot `s` of a row holds the token at position `s` of that
 `lengths[b]` is both how many slots row `b` has filled and the position of its next token.
 Rows with different prompt lengths therefore keep their own positions with no offsets,
 and a short row wastes no capacity at its front (left padding would).
+
+Each layer's K and V are laid out [B, K, S, H], heads before slots (as Hugging Face's cache
+is): attention multiplies each head's contiguous [S, H] block in place. With slots before
+heads ([B, S, K, H]) every decode step would first transpose the whole cache.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from model.config import TransformerConfig
 
@@ -28,11 +31,11 @@ class KVCache:
     """Per-layer K/V of every decoder layer, stacked over layers.
 
     Fields:
-      k, v:           [L, B, S, K, H] self-attention keys and values; S is the capacity.
+      k, v:           [L, B, K, S, H] self-attention keys and values; S is the capacity.
       lengths:        [B] int32, filled slots per row (= next position to write).
       overflow:       [B] bool, set when a write did not fit; the write was skipped, never
                       clamped (`lax.dynamic_update_slice` would silently move it).
-      cross_k, cross_v: [L, B, S_src, K, H] encoder-decoder only: the encoder output
+      cross_k, cross_v: [L, B, K, S_src, H] encoder-decoder only: the encoder output
                       projected once per layer, read by every decoding step; else None.
       source_lengths: [B] int32 valid source tokens per row (encoder-decoder), else None.
     """
@@ -47,7 +50,7 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @property
     def batch_size(self) -> int:
@@ -83,7 +86,7 @@ def init_cache(
     if capacity > config.max_len:
         raise ValueError(f"cache capacity {capacity} exceeds the model's max_len {config.max_len}")
     dtype = config.compute_dtype if dtype is None else jnp.dtype(dtype)
-    shape = (config.num_decoder_layers, batch_size, capacity, config.kv_heads, config.head_dim)
+    shape = (config.num_decoder_layers, batch_size, config.kv_heads, capacity, config.head_dim)
     return KVCache(
         k=jnp.zeros(shape, dtype),
         v=jnp.zeros(shape, dtype),
@@ -92,18 +95,21 @@ def init_cache(
     )
 
 
-def write_rows(cache_BSKH: jax.Array, new_BTKH: jax.Array, starts_B: jax.Array,
-               fits_B: jax.Array) -> jax.Array:
-    """Writes `new` into each row at that row's start slot, skipping rows that do not fit.
+def write_rows(cache_LBKSH: jax.Array, layer: jax.Array, new_BTKH: jax.Array,
+               starts_B: jax.Array, fits_B: jax.Array) -> jax.Array:
+    """Writes `new` into layer `layer` of the stacked cache, each row at its own start slot.
 
-    A row fits when `start + T <= S`; then `dynamic_update_slice` never clamps. A row that
-    does not fit keeps its old contents (its caller flags it as overflowed).
+    With one start per row this is a scatter (what `vmap` of `lax.dynamic_update_slice`
+    becomes). It updates the whole stack rather than one layer's slice, so inside the
+    layer scan and the decode loop XLA writes the T new slots in place, never copying the
+    cache. A row that does not fit (`start + T > S`) writes nothing: its slots point past
+    the end and `mode="drop"` discards them, where a clamped write would have overwritten
+    the last slots. Its caller flags the row as overflowed.
     """
-
-    def write_one(row_SKH, new_TKH, start, fits):
-        start = jnp.where(fits, start, 0)
-        old_TKH = lax.dynamic_slice_in_dim(row_SKH, start, new_TKH.shape[0], axis=0)
-        update = jnp.where(fits, new_TKH.astype(row_SKH.dtype), old_TKH)
-        return lax.dynamic_update_slice_in_dim(row_SKH, update, start, axis=0)
-
-    return jax.vmap(write_one)(cache_BSKH, new_BTKH, starts_B, fits_B)
+    capacity = cache_LBKSH.shape[3]
+    slots_BT = starts_B[:, None] + jnp.arange(new_BTKH.shape[1], dtype=starts_B.dtype)
+    slots_BT = jnp.where(fits_B[:, None], slots_BT, capacity)
+    rows_B1 = jnp.arange(new_BTKH.shape[0])[:, None]
+    # The two index arrays are split by the K slice, so the indexed block is [B, T, K, H].
+    return cache_LBKSH.at[layer, rows_B1, :, slots_BT].set(
+        new_BTKH.astype(cache_LBKSH.dtype), mode="drop")

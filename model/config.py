@@ -45,6 +45,12 @@ class TransformerConfig:
     rope_base: float = 10000.0
     bos_id: int = 1  # the token an encoder-decoder's target starts from
     layer_norm_eps: float = 1e-6
+    # True: layers are one `nn.scan` over stacked params, traced once, so compile time does
+    # not grow with depth. False: unrolled, one param tree per layer (`layers/0`, ...). A scan
+    # step slices its layer's weights out of the stack, and a backend that cannot fuse that
+    # slice into the matmul (XLA:CPU) copies them on every decode step; unrolled layers read
+    # them in place, at the price of tracing every layer.
+    scan_layers: bool = True
 
     def __post_init__(self):
         problems = []
@@ -182,3 +188,34 @@ def cache_size_bytes(
         src = length if source_length is None else source_length
         cross_bytes = per_position * src * config.num_decoder_layers
     return CacheSize(self_bytes, cross_bytes)
+
+
+def format_bytes(num_bytes: int) -> str:
+    """Bytes in binary units: 536870912 -> '512 MiB', 1536 -> '1.5 KiB'."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.4g} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def describe_cache_size(config: TransformerConfig, batch: int, length: int, dtype: Any = None,
+                        source_length: int | None = None) -> str:
+    """The cache-size formula written out with this config's numbers, per sequence and total."""
+    dtype = np.dtype(dtype if dtype is not None else config.compute_dtype)
+    per_sequence = cache_size_bytes(config, 1, length, dtype, source_length)
+    total = cache_size_bytes(config, batch, length, dtype, source_length)
+    lines = [
+        f"KV cache: {config.num_decoder_layers} layers x {config.kv_heads} kv heads x "
+        f"{config.head_dim} head dim, {length} tokens, {dtype.name} ({dtype.itemsize} bytes)",
+        f"  2 (K and V) x {length} x {config.num_decoder_layers} x {config.kv_heads} x "
+        f"{config.head_dim} x {dtype.itemsize} = {per_sequence.self_attention:,} bytes "
+        f"= {format_bytes(per_sequence.self_attention)} per sequence",
+    ]
+    if config.is_encoder_decoder:
+        src = length if source_length is None else source_length
+        lines.append(f"  cross-attention K/V of {src} source tokens: "
+                     f"{format_bytes(per_sequence.cross_attention)} per sequence")
+    lines.append(f"  batch {batch}: {format_bytes(total.total)} ({total.total:,} bytes)")
+    return "\n".join(lines)

@@ -12,6 +12,7 @@ from typing import Any
 import flax.linen as nn
 import flax.struct
 import jax
+import jax.numpy as jnp
 
 from model.attention import CrossAttention, SelfAttention
 from model.config import TransformerConfig
@@ -95,35 +96,62 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     """Masked self-attention (reading/writing the layer cache), cross-attention, FFN.
 
-    `layer` is this layer's slice of the scanned inputs: a dict with optional `k`, `v`
-    ([B, S, K, H] self-attention cache) and `cross_k`, `cross_v` ([B, S_src, K, H]).
-    Returns the updated `k`, `v` (None without a cache).
+    The carry is `(x [B, T, D], cache_kv)`: `cache_kv` is `(k, v)`, every layer's
+    self-attention cache [L, B, K, S, H], or None without a cache. It is carried whole
+    through the scan, not sliced per layer, so each layer writes its new slots in place.
+    `layer` is this layer's slice of the scanned inputs: a dict with `index` (this layer's
+    number) and, for an encoder-decoder, `cross_k`, `cross_v` ([B, S_src, K, H], or the
+    cache's [B, K, S_src, H] with a cache).
     """
 
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x_BTD, layer: dict[str, Any], inputs: LayerInputs):
+    def __call__(self, carry, layer: dict[str, Any], inputs: LayerInputs):
         c = self.config
-        cache_kv = (layer["k"], layer["v"]) if layer.get("k") is not None else None
+        x_BTD, cache_kv = carry
         attention = SelfAttention(c, name="self_attention")
         x, cache_kv = Residual(c, name="attention_block")(
             x_BTD,
-            lambda h: attention(h, inputs.positions, inputs.self_mask, cache_kv, inputs.starts,
-                                inputs.fits))
+            lambda h: attention(h, inputs.positions, inputs.self_mask, cache_kv, layer["index"],
+                                inputs.starts, inputs.fits))
         if layer.get("cross_k") is not None:
             cross = CrossAttention(c, name="cross_attention")
             x, _ = Residual(c, name="cross_block")(
-                x, lambda h: (cross(h, layer["cross_k"], layer["cross_v"], inputs.cross_mask),
-                              None))
+                x, lambda h: (cross(h, layer["cross_k"], layer["cross_v"], inputs.cross_mask,
+                                    cached=cache_kv is not None), None))
         ffn = FeedForward(c, name="ffn")
         x, _ = Residual(c, name="ffn_block")(x, lambda h: (ffn(h), None))
-        return x, cache_kv
+        return (x, cache_kv), None
+
+
+class Unrolled(nn.Module):
+    """`num_layers` copies of `layer_cls` applied one after another, each with its own params
+    (`<name>/0`, `<name>/1`, ...): the same interface as the `nn.scan` stack below."""
+
+    layer_cls: Any
+    config: TransformerConfig
+    num_layers: int
+
+    @nn.compact
+    def __call__(self, carry, *args):
+        scanned_args = args[:1] if self.layer_cls is DecoderLayer else ()
+        outputs = []
+        for i in range(self.num_layers):
+            layer_args = [jax.tree.map(lambda a, i=i: a[i], x) for x in scanned_args]
+            layer_args += args[len(scanned_args):]
+            carry, out = self.layer_cls(self.config, name=str(i))(carry, *layer_args)
+            outputs.append(out)
+        return carry, jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
 
 
 def scanned(layer_cls, config: TransformerConfig, num_layers: int, name: str):
-    """Stacks `num_layers` copies of `layer_cls` with `nn.scan`: params get a leading [L]
-    axis and the program is traced once, so compile time does not grow with depth."""
+    """`num_layers` copies of `layer_cls`, stacked with `nn.scan` when `config.scan_layers`:
+    params get a leading [L] axis and the program is traced once, so compile time does not
+    grow with depth. Otherwise the layers are unrolled (see `TransformerConfig.scan_layers`).
+    """
+    if not config.scan_layers:
+        return Unrolled(layer_cls, config, num_layers, name=name)
     in_axes = {DecoderLayer: (0, nn.broadcast), EncoderLayer: (nn.broadcast,)}.get(layer_cls, ())
     return nn.scan(
         layer_cls,

@@ -85,6 +85,11 @@ class Embedder(nn.Module):
         return self.unembed(x_BTD).astype(jnp.float32)
 
 
+def layer_indices(config: TransformerConfig) -> dict[str, jax.Array]:
+    """The decoder layers' scanned input: each layer's index into the stacked cache."""
+    return {"index": jnp.arange(config.num_decoder_layers, dtype=jnp.int32)}
+
+
 def _final_norm(config: TransformerConfig, name: str):
     """Pre-LN stacks end with a LayerNorm; post-LN stacks already end normalised."""
     if config.norm == "pre":
@@ -128,8 +133,8 @@ class DecoderOnlyLM(nn.Module):
         inputs, new_lengths_B, overflowed_B = self_attention_inputs(
             starts_B, valid_B, num_tokens, num_keys, capacity)
         x = self.embedder(tokens_BT, inputs.positions)
-        layer_caches = {} if cache is None else {"k": cache.k, "v": cache.v}
-        x, new_kv = self.layers(x, layer_caches, inputs)
+        cache_kv = None if cache is None else (cache.k, cache.v)
+        (x, new_kv), _ = self.layers((x, cache_kv), layer_indices(self.config), inputs)
         logits = self.embedder.logits(self.final_norm(x))
         if cache is None:
             return logits, None
@@ -176,8 +181,11 @@ class EncoderDecoder(nn.Module):
         """A fresh cache of `capacity` target slots holding the cross-attention K/V."""
         _, (cross_k, cross_v) = self.cross_kv(encoded_BSD)
         cache = init_cache(self.config, encoded_BSD.shape[0], capacity, dtype)
+        def cache_layout(x_LBSKH):
+            return x_LBSKH.transpose(0, 1, 3, 2, 4).astype(cache.k.dtype)
+
         return cache.replace(
-            cross_k=cross_k.astype(cache.k.dtype), cross_v=cross_v.astype(cache.v.dtype),
+            cross_k=cache_layout(cross_k), cross_v=cache_layout(cross_v),
             source_lengths=_valid_lengths(encoded_BSD[..., 0], source_lengths_B))
 
     def decode(self, target_BT, cache: KVCache | None = None, lengths_B=None, *,
@@ -197,20 +205,22 @@ class EncoderDecoder(nn.Module):
             _, (cross_k, cross_v) = self.cross_kv(encoded_BSD)
             source_lengths_B = _valid_lengths(encoded_BSD[..., 0], source_lengths_B)
             starts_B, num_keys, capacity = jnp.zeros((batch,), jnp.int32), num_tokens, None
-            layer_inputs = {"cross_k": cross_k, "cross_v": cross_v}
+            cache_kv = None
         else:
+            cross_k, cross_v = cache.cross_k, cache.cross_v
             source_lengths_B = cache.source_lengths
             starts_B, num_keys, capacity = cache.lengths, cache.capacity, cache.capacity
-            layer_inputs = {"k": cache.k, "v": cache.v, "cross_k": cache.cross_k,
-                            "cross_v": cache.cross_v}
+            cache_kv = (cache.k, cache.v)
+        layer_inputs = {**layer_indices(self.config), "cross_k": cross_k, "cross_v": cross_v}
         inputs, new_lengths_B, overflowed_B = self_attention_inputs(
             starts_B, valid_B, num_tokens, num_keys, capacity)
-        source_slots = jnp.arange(layer_inputs["cross_k"].shape[2], dtype=jnp.int32)
+        source_slots = jnp.arange(encoded_BSD.shape[1] if cache is None
+                                  else cache.cross_k.shape[3], dtype=jnp.int32)
         inputs = inputs.replace(cross_mask=jnp.broadcast_to(
             source_slots[None, None, :] < source_lengths_B[:, None, None],
             (batch, num_tokens, source_slots.shape[0])))
         x = self.embedder(target_BT, inputs.positions)
-        x, new_kv = self.decoder_layers(x, layer_inputs, inputs)
+        (x, new_kv), _ = self.decoder_layers((x, cache_kv), layer_inputs, inputs)
         logits = self.embedder.logits(self.decoder_norm(x))
         if cache is None:
             return logits, None

@@ -6,6 +6,16 @@ import numpy as np
 import pytest
 
 import model as M
+from model.attention import attend_cached
+
+
+def attend_from_cache_layout(q, k, v, mask):
+    """`attend_cached` on the same inputs moved into the cache's [B, K, S, H] layout."""
+    return attend_cached(q, *(jnp.asarray(x).transpose(0, 2, 1, 3) for x in (k, v)), mask)
+
+
+ATTENDS = pytest.mark.parametrize("attend", [M.attend, attend_from_cache_layout],
+                                  ids=["fresh", "cached"])
 
 
 def numpy_attention(q, k, v, mask):
@@ -27,8 +37,9 @@ def numpy_attention(q, k, v, mask):
     return out
 
 
+@ATTENDS
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)])
-def test_attend_matches_numpy_formula_with_masks(heads, kv_heads):
+def test_attend_matches_numpy_formula_with_masks(attend, heads, kv_heads):
     rng = np.random.default_rng(0)
     q = rng.normal(size=(2, 5, heads, 8)).astype(np.float32)
     k = rng.normal(size=(2, 7, kv_heads, 8)).astype(np.float32)
@@ -36,14 +47,15 @@ def test_attend_matches_numpy_formula_with_masks(heads, kv_heads):
     mask = rng.random((2, 5, 7)) < 0.6
     mask[0, 2] = False  # a fully masked row
     mask[1, 4] = False
-    out = np.asarray(M.attend(q, k, v, jnp.asarray(mask)))
+    out = np.asarray(attend(q, k, v, jnp.asarray(mask)))
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, numpy_attention(q, k, v, mask), atol=1e-5)
     np.testing.assert_array_equal(out[0, 2], 0.0)
     np.testing.assert_array_equal(out[1, 4], 0.0)
 
 
-def test_masked_keys_get_exactly_zero_weight():
+@ATTENDS
+def test_masked_keys_get_exactly_zero_weight(attend):
     # Huge values behind the mask would leak into the output if their weight were not 0.
     rng = np.random.default_rng(1)
     q = rng.normal(size=(1, 3, 2, 4)).astype(np.float32)
@@ -52,23 +64,25 @@ def test_masked_keys_get_exactly_zero_weight():
     mask = np.tril(np.ones((3, 6), bool), k=2)[None]
     poisoned = v.copy()
     poisoned[:, 5] = 1e30
-    clean = M.attend(q, k, v, jnp.asarray(mask))
-    np.testing.assert_array_equal(M.attend(q, k, poisoned, jnp.asarray(mask)), clean)
+    clean = attend(q, k, v, jnp.asarray(mask))
+    np.testing.assert_array_equal(attend(q, k, poisoned, jnp.asarray(mask)), clean)
 
 
-def test_bfloat16_attention_softmax_runs_in_float32():
+@ATTENDS
+def test_bfloat16_attention_softmax_runs_in_float32(attend):
     rng = np.random.default_rng(2)
     q, k, v = (rng.normal(size=(1, 4, 2, 16)).astype(np.float32) for _ in range(3))
     mask = np.ones((1, 4, 4), bool)
-    out = M.attend(*(jnp.asarray(a, jnp.bfloat16) for a in (q, k, v)), jnp.asarray(mask))
+    out = attend(*(jnp.asarray(a, jnp.bfloat16) for a in (q, k, v)), jnp.asarray(mask))
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(out, np.float32), numpy_attention(q, k, v, mask),
                                atol=0.05)
 
 
-def test_attention_gradient_is_finite_with_fully_masked_rows():
+@ATTENDS
+def test_attention_gradient_is_finite_with_fully_masked_rows(attend):
     q = jnp.ones((1, 2, 1, 4))
     kv = jnp.ones((1, 3, 1, 4))
     mask = jnp.array([[[True, False, False], [False, False, False]]])
-    grads = jax.grad(lambda q: M.attend(q, kv, kv, mask).sum())(q)
+    grads = jax.grad(lambda q: attend(q, kv, kv, mask).sum())(q)
     assert jnp.isfinite(grads).all()

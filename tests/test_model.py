@@ -17,6 +17,7 @@ OPTIONS = [
     dict(positional_encoding="rope", norm="pre", num_kv_heads=1, tie_embeddings=False),
     dict(positional_encoding="sinusoidal", norm="pre", activation="swiglu", num_kv_heads=2),
     dict(positional_encoding="learned", activation="relu", num_kv_heads=1),
+    dict(positional_encoding="rope", num_kv_heads=2, scan_layers=False),
 ]
 VARIANTS = {"decoder_only": 0, "encoder_decoder": 2}
 
@@ -85,8 +86,8 @@ def test_chunked_prefill_fills_the_same_cache(variant):
             _, cache = run_cached(config, params, tokens[:, start:start + size], cache)
             start += size
         np.testing.assert_array_equal(cache.lengths, reference.lengths)
-        np.testing.assert_allclose(cache.k[:, :, :11], reference.k[:, :, :11], atol=1e-5)
-        np.testing.assert_allclose(cache.v[:, :, :11], reference.v[:, :, :11], atol=1e-5)
+        np.testing.assert_allclose(cache.k[:, :, :, :11], reference.k[:, :, :, :11], atol=1e-5)
+        np.testing.assert_allclose(cache.v[:, :, :, :11], reference.v[:, :, :, :11], atol=1e-5)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -139,7 +140,7 @@ def test_full_cache_is_flagged_and_never_overwritten():
     np.testing.assert_array_equal(after.lengths, [6, 6])
     np.testing.assert_array_equal(after.k[:, 0], snapshot[0][:, 0])  # no clamped write
     np.testing.assert_array_equal(after.v[:, 0], snapshot[1][:, 0])
-    assert not np.array_equal(after.k[:, 1, 5], snapshot[0][:, 1, 5])  # row 1 was written
+    assert not np.array_equal(after.k[:, 1, :, 5], snapshot[0][:, 1, :, 5])  # row 1 was written
 
 
 def test_chunk_longer_than_capacity_raises_before_tracing():
@@ -160,3 +161,22 @@ def test_depth_is_scanned_so_params_stack_over_layers():
     shapes = jax.eval_shape(lambda: M.init_params(config, jax.random.key(0)))
     kernel = shapes["layers"]["self_attention"]["query"]["kernel"]
     assert kernel.shape == (5, config.d_model, config.num_heads, config.head_dim)
+
+
+def test_unrolled_layers_compute_what_scanned_layers_compute():
+    scanned = M.preset("tiny", num_decoder_layers=3, num_encoder_layers=2)
+    unrolled = scanned.replace(scan_layers=False)
+    params = M.init_params(scanned, jax.random.key(0))
+    per_layer = {name: ({str(i): jax.tree.map(lambda a, i=i: a[i], tree)
+                         for i in range(scanned.num_decoder_layers if name != "encoder_layers"
+                                        else scanned.num_encoder_layers)}
+                        if name.endswith(("layers", "cross_kv")) else tree)
+                 for name, tree in params.items()}
+    expected = jax.eval_shape(lambda: M.init_params(unrolled, jax.random.key(0)))
+    assert jax.tree.structure(per_layer) == jax.tree.structure(expected)
+    tokens = random_tokens(1, (2, 9), scanned.vocab_size)
+    source, source_lengths = source_for(scanned, 2)
+    np.testing.assert_allclose(
+        run_full(unrolled, per_layer, tokens, source=source, source_lengths=source_lengths),
+        run_full(scanned, params, tokens, source=source, source_lengths=source_lengths),
+        atol=1e-5, rtol=0)
