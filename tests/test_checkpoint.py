@@ -109,6 +109,16 @@ def test_restore_gives_identical_arrays(tmp_path, async_save):
     assert_trees_equal(ckpt.restore_params(tmp_path, abstract_of(state["params"])), state["params"])
 
 
+def test_relative_directories_save_and_restore(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    state = make_state(seed=4)
+    with Checkpointer("runs/relative", save_every=1, keep=1) as checkpointer:
+        assert checkpointer.save(2, state)
+    step, restored = ckpt.restore_latest("runs/relative", abstract_of(state))
+    assert step == 2
+    assert_trees_equal(restored, state)
+
+
 def test_numpy_leaves_are_stored_as_jax_holds_them(tmp_path):
     state = {"params": {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}, "pos": np.int64(7)}
     with Checkpointer(tmp_path, save_every=1, keep=1) as checkpointer:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -45,6 +46,16 @@ STATE_ITEM = "state"  # orbax item name of the training state inside each step d
 PARAMS_KEY = "params"  # the subtree of the training state that `restore_params` reads
 
 _MAX_LISTED_MISMATCHES = 5
+
+
+class _QuietReadOnlyNotice(logging.Filter):
+    """Readers open orbax read-only on purpose; its warning that they did is noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Given directory is read only")
+
+
+logging.getLogger("absl").addFilter(_QuietReadOnlyNotice())
 
 
 class CheckpointError(ValueError):
@@ -90,8 +101,9 @@ class Checkpointer:
             enable_async_checkpointing=async_save,
             cleanup_tmp_directories=True,
         )
+        # orbax needs an absolute path; messages keep the one the caller gave.
         self._manager = ocp.CheckpointManager(
-            self.directory, options=options, handler_registry=_handler_registry()
+            self.directory.absolute(), options=options, handler_registry=_handler_registry()
         )
         self._step_in_flight: int | None = None
         self._closed = False
@@ -423,7 +435,8 @@ def _reader(path: Path) -> Iterator[ocp.CheckpointManager]:
         enable_async_checkpointing=False,
         lightweight_initialize=True,
     )
-    manager = ocp.CheckpointManager(path, options=options, handler_registry=_handler_registry())
+    manager = ocp.CheckpointManager(path.absolute(), options=options,
+                                    handler_registry=_handler_registry())
     try:
         yield manager
     finally:
