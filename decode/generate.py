@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import jax
@@ -282,17 +282,18 @@ def generate(model, params, prompts, *, max_new_tokens: int, lengths=None,
 
 
 def stream(model, params, prompts, *, max_new_tokens: int, chunk_size: int = 8,
-           **kwargs: Any) -> Iterator[np.ndarray]:
+           **kwargs: Any) -> Generator[np.ndarray, None, GenerateOutput]:
     """Like `generate`, but yields the new tokens [B, k] after every chunk of k <= chunk_size
     steps. The same compiled loop runs a chunk at a time, carrying the cache between
     chunks; with the same rng the concatenated chunks equal `generate(...).tokens`
-    (rows that stopped yield 0)."""
+    (rows that stopped yield 0). The generator's return value (`StopIteration.value`) is
+    the `GenerateOutput` of the whole run, with lengths and stop reasons."""
     if kwargs.get("num_beams", 1) != 1:
         raise ValueError(f"stream does not support beam search (num_beams="
                          f"{kwargs['num_beams']}); use generate")
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1")
-    kwargs.pop("return_logprobs", None)
+    return_logprobs = kwargs.pop("return_logprobs", False)
     prepared = _prepare(model, params, prompts, kwargs.pop("lengths", None),
                         max_new_tokens=max_new_tokens, num_beams=1,
                         **{"temperature": 0.0, "top_k": 0, "top_p": 1.0, "eos_ids": (),
@@ -307,7 +308,7 @@ def stream(model, params, prompts, *, max_new_tokens: int, chunk_size: int = 8,
             yield np.asarray(state.tokens[:, emitted:step])
             emitted = step
         if step >= max_new_tokens or bool(jnp.all(state.done)):
-            return
+            return _output(state, max_new_tokens, return_logprobs)
         limit = jnp.asarray(min(step + chunk_size, max_new_tokens), jnp.int32)
         state = _continue(config, params, state, prepared.stops, prepared.sampling, limit)
 

@@ -1,0 +1,256 @@
+"""The decode benchmark: how fast cached generation is, and against what.
+
+For each batch size it times greedy `decode.generate` (a prefill, then one compiled
+`while_loop` of decode steps) on a model with random weights, and sets it side by side,
+in the same run, with:
+
+1. **no cache**: the textbook loop that recomputes the whole sequence for every new token.
+   Each step is one jitted forward over the tokens so far, padded to a multiple of 32 so a
+   handful of programs serve every length. Every shape the loop uses is compiled and timed
+   (median of repeats); the loop's time is the sum of its steps' times, which leaves out
+   the Python dispatch between steps (in the baseline's favour).
+2. **Hugging Face GPT-2** (`transformers` on PyTorch CPU, its own KV cache), the same sizes,
+   `generate` with `do_sample=False` and exactly the same number of new tokens. Optional:
+   `pip install -e ".[bench]"`.
+3. **the memory floor**: a decode step must read every parameter and the cached K/V once,
+   so at batch 1 it cannot take less than (parameter bytes + cache bytes) / bandwidth. The
+   bandwidth is measured here, as the best of a large reduction and a large matrix-vector
+   product. Per-token decode time is measured as the difference between two `generate`
+   calls in one compiled bucket (N and N/2 + 1 new tokens), so prefill and dispatch cancel.
+
+Prefill is matmul-bound (T tokens per weight read); a decode step at small batch reads all
+weights for one token per row, so it is memory-bound, and batching makes it cheaper per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import decode
+import model as M
+from model.config import format_bytes
+
+NO_CACHE_PAD = 32  # the no-cache loop pads the sequence to a multiple of this
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One batch size's measurements; times in seconds for the whole generation."""
+
+    batch: int
+    kvjax_seconds: float
+    decode_step_seconds: float
+    no_cache_seconds: float | None
+    hf_seconds: float | None
+    new_tokens: int
+
+    def tokens_per_second(self, seconds: float | None) -> float | None:
+        return None if seconds is None else self.batch * self.new_tokens / seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class Facts:
+    """What every row shares: the setting, the machine and the memory floor at batch 1."""
+
+    preset: str
+    prompt_len: int
+    new_tokens: int
+    param_bytes: int
+    cache_bytes_batch1: int
+    bandwidth: float  # bytes per second
+    machine: str
+    hf_note: str
+
+    @property
+    def floor_seconds(self) -> float:
+        return (self.param_bytes + self.cache_bytes_batch1) / self.bandwidth
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Bytes per second read from memory: the best of a sum and a matrix-vector product
+    over `num_bytes` of float32, each far larger than any CPU cache."""
+    cols = 8192
+    rows = num_bytes // 4 // cols
+    matrix = jax.random.normal(jax.random.key(0), (rows, cols), jnp.float32)
+    vector = jnp.ones((cols,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    gemv = jax.jit(jnp.dot)
+    best = float("inf")
+    for fn in (lambda: total(matrix), lambda: gemv(matrix, vector)):
+        jax.block_until_ready(fn())
+        best = min(best, _median_seconds(fn, repeats))
+    return matrix.size * 4 / best
+
+
+def _time_kvjax(net, params, prompts, new_tokens: int, repeats: int) -> tuple[float, float]:
+    """(seconds for `new_tokens`, seconds per decode step). Both calls share one bucket."""
+    half = new_tokens // 2 + 1
+
+    def run(n):
+        return lambda: decode.generate(net, params, prompts, max_new_tokens=n).tokens
+
+    run(new_tokens)()  # compiles the bucket both calls use
+    full = _median_seconds(run(new_tokens), repeats)
+    shorter = _median_seconds(run(half), repeats)
+    return full, (full - shorter) / (new_tokens - half)
+
+
+def _time_no_cache(config, params, prompts: np.ndarray, new_tokens: int,
+                   repeats: int) -> float:
+    """Seconds for the recompute-everything loop: sum over steps of one full forward."""
+    net = M.build_model(config)
+
+    @jax.jit
+    def next_token(params, tokens_BT, last):
+        logits_BTV, _ = net.apply({"params": params}, tokens_BT)
+        return jnp.argmax(logits_BTV[:, last], axis=-1)
+
+    batch, prompt_len = prompts.shape
+    last = jnp.asarray(prompt_len - 1)
+
+    def time_width(width: int) -> float:
+        tokens = jnp.zeros((batch, width), jnp.int32).at[:, :prompt_len].set(prompts)
+        jax.block_until_ready(next_token(params, tokens, last))  # compiles this width
+        return _median_seconds(lambda: next_token(params, tokens, last), repeats)
+
+    # Step s sees the prompt and s generated tokens, padded up to a multiple of NO_CACHE_PAD.
+    widths = [-(-(prompt_len + s) // NO_CACHE_PAD) * NO_CACHE_PAD for s in range(new_tokens)]
+    seconds = {width: time_width(width) for width in sorted(set(widths))}
+    return sum(seconds[width] for width in widths)
+
+
+def _hf_runner(config: M.TransformerConfig) -> tuple[Callable | None, str]:
+    """A function timing HF GPT-2 generate for a batch of prompts, or None and why not."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None, "not installed (pip install -e '.[bench]')"
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=config.vocab_size, n_positions=config.max_len, n_embd=config.d_model,
+        n_layer=config.num_decoder_layers, n_head=config.num_heads, n_inner=config.d_ff,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0)).eval()
+
+    def run(prompts: np.ndarray, new_tokens: int, repeats: int) -> float:
+        ids = torch.as_tensor(prompts, dtype=torch.long)
+        kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                      min_new_tokens=new_tokens, do_sample=False, use_cache=True)
+        with torch.inference_mode():
+            out = gpt2.generate(ids, **kwargs)  # warm-up
+            if out.shape[1] != prompts.shape[1] + new_tokens:
+                raise RuntimeError(f"HF generated {out.shape[1] - prompts.shape[1]} tokens")
+            return _median_seconds(lambda: gpt2.generate(ids, **kwargs), repeats)
+
+    note = (f"transformers {transformers.__version__}, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads")
+    return run, note
+
+
+def decode_benchmark(preset: str = "gpt-mini", batch_sizes: Sequence[int] = (1, 8, 32),
+                     prompt_len: int = 32, new_tokens: int = 256, repeats: int = 3, *,
+                     compare_no_cache: bool = True, compare_hf: bool = True,
+                     log: Callable[[str], None] = print) -> tuple[list[Row], Facts]:
+    """Measures every batch size; see the module docstring for what and how."""
+    if new_tokens < 4:
+        raise ValueError(f"new_tokens={new_tokens} must be >= 4 to time decode steps")
+    config = M.preset(preset)
+    if prompt_len + new_tokens > config.max_len:
+        raise ValueError(f"prompt_len {prompt_len} + new_tokens {new_tokens} exceeds the "
+                         f"{preset} max_len {config.max_len}")
+    net = M.build_model(config)
+    params = M.init_params(config, jax.random.key(0))
+    hf, hf_note = _hf_runner(config) if compare_hf else (None, "skipped")
+    rows = []
+    for batch in batch_sizes:
+        prompts = np.random.default_rng(batch).integers(
+            3, config.vocab_size, (batch, prompt_len)).astype(np.int32)
+        log(f"batch {batch}: kvjax ...")
+        seconds, step = _time_kvjax(net, params, prompts, new_tokens, repeats)
+        no_cache = hf_seconds = None
+        if compare_no_cache:
+            log(f"batch {batch}: no cache ...")
+            no_cache = _time_no_cache(config, params, prompts, new_tokens, repeats)
+        if hf is not None:
+            log(f"batch {batch}: Hugging Face GPT-2 ...")
+            hf_seconds = hf(prompts, new_tokens, repeats)
+        rows.append(Row(batch, seconds, step, no_cache, hf_seconds, new_tokens))
+    log("memory bandwidth ...")
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    # The cache a step reads, at the middle of the timed steps (N/2 + 1 .. N).
+    filled = prompt_len + (new_tokens // 2 + 1 + new_tokens) // 2
+    facts = Facts(preset, prompt_len, new_tokens, param_bytes,
+                  M.cache_size_bytes(config, 1, filled).total, measure_bandwidth(),
+                  _machine(), hf_note)
+    return rows, facts
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    return (f"{cpu}, {os.cpu_count()} cores; jax {jax.__version__} on "
+            f"{jax.default_backend()}")
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or b is None else f"{a / b:.1f}x"
+
+
+def format_table(rows: Sequence[Row], facts: Facts) -> str:
+    """A Markdown table of the rows and the facts behind them."""
+    lines = [
+        f"Greedy decode, `{facts.preset}` with random weights, {facts.prompt_len}-token "
+        f"prompt, {facts.new_tokens} new tokens. Machine: {facts.machine}.",
+        "",
+        "| batch | kvjax tokens/s | no cache tokens/s | HF GPT-2 tokens/s | vs no cache "
+        "| vs HF | decode step ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ours = r.tokens_per_second(r.kvjax_seconds)
+        no_cache = r.tokens_per_second(r.no_cache_seconds)
+        hf = r.tokens_per_second(r.hf_seconds)
+
+        def cell(value):
+            return "-" if value is None else f"{value:,.0f}"
+
+        lines.append(f"| {r.batch} | {cell(ours)} | {cell(no_cache)} | {cell(hf)} | "
+                     f"{_ratio(ours, no_cache)} | {_ratio(ours, hf)} | "
+                     f"{r.decode_step_seconds * 1e3:.2f} |")
+    floor = facts.floor_seconds
+    batch1 = [r for r in rows if r.batch == 1]
+    lines += [
+        "",
+        f"Memory floor at batch 1: {format_bytes(facts.param_bytes)} of parameters + "
+        f"{format_bytes(facts.cache_bytes_batch1)} of cache at "
+        f"{facts.bandwidth / 1e9:.1f} GB/s (measured) = {floor * 1e3:.2f} ms per token.",
+    ]
+    if batch1:
+        step = batch1[0].decode_step_seconds
+        lines.append(f"Decode step at batch 1: {step * 1e3:.2f} ms = {step / floor:.2f}x "
+                     f"the floor.")
+    lines.append(f"Hugging Face: {facts.hf_note}.")
+    return "\n".join(lines)
+

@@ -1,0 +1,257 @@
+"""The `kvjax` command line. It only parses options and calls library functions.
+
+    kvjax demo                       train both demo models, save them, show generations
+    kvjax train --task lm|translate  train one model into a checkpoint directory
+    kvjax sample --checkpoint DIR --prompt TEXT
+    kvjax cache-size                 the KV-cache size formula for a preset or given sizes
+    kvjax bench decode               decode speed against no cache, HF GPT-2 and memory
+
+A bad option or path ends with one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from collections.abc import Sequence
+
+PRESET_NAMES = ("tiny", "small", "gpt-mini")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows every option's default and keeps the descriptions' line breaks."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad option in one line (no usage dump): `kvjax train: error: ...`."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kvjax", description=__doc__, formatter_class=_Formatter)
+    parser.add_argument("--compilation-cache", metavar="DIR", default=None,
+                        help="keep compiled programs in DIR so that the next run skips "
+                             "compiling them (off when not given)")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_demo(commands)
+    _add_train(commands)
+    _add_sample(commands)
+    _add_cache_size(commands)
+    _add_bench(commands)
+    return parser
+
+
+def _command(commands, name: str, help_text: str) -> argparse.ArgumentParser:
+    return commands.add_parser(name, help=help_text, description=help_text,
+                               formatter_class=_Formatter)
+
+
+def _add_demo(commands) -> None:
+    demo = _command(commands, "demo", "Train a small LM on Python's documentation and a "
+                    "numbers-to-words translator (about 2 minutes each on 2 CPU cores), save "
+                    "both, print generations, accuracy, perplexity and decode speed.")
+    demo.add_argument("--out", default="checkpoints/demo",
+                      help="directory for the two checkpoints (a previous demo's are replaced)")
+    demo.add_argument("--steps", type=_positive, default=None,
+                      help="training steps for each model (default: the demo settings)")
+    demo.add_argument("--no-progress", action="store_true", help="no progress bars")
+    demo.set_defaults(run=_run_demo)
+
+
+def _add_train(commands) -> None:
+    train = _command(commands, "train", "Train a decoder-only LM (--task lm) or an "
+                     "encoder-decoder translator (--task translate) with checkpoints, a "
+                     "metrics JSONL file and a loss-curve PNG in --out.")
+    train.add_argument("--task", choices=("lm", "translate"), required=True,
+                       help="lm: next-token prediction on text; translate: source -> target")
+    train.add_argument("--data", nargs="+", metavar="FILE", default=None,
+                       help="lm: UTF-8 text files; translate: one TSV file of "
+                            "source<TAB>target lines (default: Python's documentation, or "
+                            "numbers spelled as English words)")
+    train.add_argument("--preset", choices=PRESET_NAMES, default=None,
+                       help="model size (default: the demo's reduced 'small' model)")
+    train.add_argument("--steps", type=_positive, default=None,
+                       help="training steps (default: the demo settings)")
+    train.add_argument("--batch-size", type=_positive, default=None,
+                       help="examples per step (default: the demo settings)")
+    train.add_argument("--seed", type=int, default=0, help="seed for init, shuffling, dropout")
+    train.add_argument("--out", default=None,
+                       help="checkpoint directory (default: runs/<task>)")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the newest checkpoint in --out")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.set_defaults(run=_run_train)
+
+
+def _add_sample(commands) -> None:
+    sample = _command(commands, "sample", "Generate from a checkpoint, streaming the text as "
+                      "it is made. For a translation checkpoint the prompt is the source.")
+    sample.add_argument("--checkpoint", required=True, metavar="DIR",
+                        help="a directory written by `kvjax train` or `kvjax demo`")
+    sample.add_argument("--prompt", required=True, help="the text to continue or translate")
+    sample.add_argument("--max-new-tokens", type=_positive, default=64,
+                        help="stop after this many tokens (fewer if the model's length ends)")
+    sample.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    sample.add_argument("--top-k", type=int, default=0, help="keep the k likeliest (0 = all)")
+    sample.add_argument("--top-p", type=float, default=1.0,
+                        help="keep the smallest set of likeliest tokens with this much mass")
+    sample.add_argument("--beams", type=_positive, default=1,
+                        help="beam search with this many beams (1 = sampling as above)")
+    sample.add_argument("--seed", type=int, default=0, help="sampling seed")
+    sample.set_defaults(run=_run_sample)
+
+
+def _add_cache_size(commands) -> None:
+    size = _command(commands, "cache-size", "Bytes of the KV cache: 2 x length x layers x "
+                    "kv_heads x head_dim x bytes per sequence, for a preset or for the sizes "
+                    "given (e.g. --layers 32 --heads 32 --head-dim 128 --dtype float16).")
+    size.add_argument("--preset", choices=PRESET_NAMES, default=None,
+                      help="take the sizes from this preset (default: gpt-mini unless "
+                           "--layers/--heads/--head-dim are given)")
+    size.add_argument("--layers", type=_positive, help="decoder layers")
+    size.add_argument("--heads", type=_positive, help="query heads")
+    size.add_argument("--kv-heads", type=_positive, help="kv heads (default: --heads)")
+    size.add_argument("--head-dim", type=_positive, help="dimension of each head")
+    size.add_argument("--encoder-layers", type=int, default=0,
+                      help="> 0: an encoder-decoder, whose cross-attention cache is shown too")
+    size.add_argument("--length", type=_positive, default=1024, help="tokens per sequence")
+    size.add_argument("--source-length", type=_positive, default=None,
+                      help="source tokens of an encoder-decoder (default: --length)")
+    size.add_argument("--batch", type=_positive, default=1, help="sequences")
+    size.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
+                      help="cache dtype (default: the model's compute dtype)")
+    size.set_defaults(run=_run_cache_size)
+
+
+def _add_bench(commands) -> None:
+    bench = _command(commands, "bench", "Benchmarks.")
+    kinds = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    decode = _command(kinds, "decode", "Greedy decode speed with random weights, with the "
+                      "ratios to no cache, to Hugging Face GPT-2 (if installed: pip install "
+                      "-e '.[bench]') and to the memory-bandwidth floor, measured in one run.")
+    decode.add_argument("--preset", choices=PRESET_NAMES, default="gpt-mini", help="model size")
+    decode.add_argument("--batch-sizes", type=_positive, nargs="+", default=[1, 8, 32],
+                        help="batch sizes to measure")
+    decode.add_argument("--prompt-len", type=_positive, default=32, help="prompt tokens")
+    decode.add_argument("--new-tokens", type=_positive, default=256, help="tokens to generate")
+    decode.add_argument("--repeats", type=_positive, default=3, help="timed runs (median)")
+    decode.add_argument("--no-hf", action="store_true", help="skip Hugging Face GPT-2")
+    decode.add_argument("--no-no-cache", action="store_true", help="skip the no-cache baseline")
+    decode.set_defaults(run=_run_bench_decode)
+
+
+# What each command runs. Imports are local: `kvjax --help` should not wait for jax.
+
+
+def _run_demo(args) -> int:
+    from kvjax.demo import run_demo
+
+    steps = {} if args.steps is None else {"steps": args.steps}
+    report = run_demo(args.out, progress=not args.no_progress, lm_overrides=steps,
+                      translate_overrides=steps)
+    return 0 if report.passed else 1
+
+
+def _run_train(args) -> int:
+    import model as M
+    from train import tasks
+
+    overrides = {"seed": args.seed, "progress": not args.no_progress}
+    if args.steps is not None:
+        overrides.update(steps=args.steps, warmup_steps=min(args.steps // 10, 100),
+                         save_every=args.steps)
+    if args.batch_size is not None:
+        overrides["batch_size"] = args.batch_size
+    if args.preset is not None:
+        encoder = M.preset(args.preset).num_decoder_layers if args.task == "translate" else 0
+        overrides.update(preset=args.preset, model_overrides={"num_encoder_layers": encoder})
+    out = args.out or f"runs/{args.task}"
+    if args.task == "lm":
+        result = tasks.train_lm(out, data_files=args.data, resume=args.resume, **overrides)
+    else:
+        if args.data is not None and len(args.data) != 1:
+            raise ValueError(f"--task translate takes one TSV file, got {len(args.data)}")
+        data_tsv = None if args.data is None else args.data[0]
+        result = tasks.train_translate(out, data_tsv=data_tsv, resume=args.resume, **overrides)
+    metrics = " ".join(f"{k}={v:.4g}" for k, v in result.metrics.items())
+    print(f"trained to step {result.step}: {metrics}\ncheckpoint: {result.out_dir}\n"
+          f"metrics: {result.metrics_path}\nloss curve: {result.loss_curve_path}")
+    return 0
+
+
+def _run_sample(args) -> int:
+    from kvjax import text
+
+    loaded = text.load(args.checkpoint)
+    if loaded.is_translation:
+        print(f"{args.prompt} -> ", end="", flush=True)
+    else:
+        print(args.prompt, end="", flush=True)
+    result = text.sample_text(
+        loaded, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, num_beams=args.beams, seed=args.seed,
+        on_text=lambda piece: print(piece, end="", flush=True))
+    print(f"\n[{len(result.tokens)} tokens in {result.seconds:.2f} s: "
+          f"{result.tokens_per_second:.1f} tokens/s (first text after "
+          f"{result.first_chunk_seconds:.2f} s, compilation included); "
+          f"stop: {result.stop_reason}]")
+    return 0
+
+
+def _run_cache_size(args) -> int:
+    import model as M
+    from model.config import describe_cache_size
+
+    given = {"num_decoder_layers": args.layers, "num_heads": args.heads,
+             "num_kv_heads": args.kv_heads}
+    if args.head_dim is not None:
+        heads = args.heads or M.preset(args.preset or "gpt-mini").num_heads
+        given["d_model"] = heads * args.head_dim
+    config = M.preset(args.preset or "gpt-mini", num_encoder_layers=args.encoder_layers,
+                      **{k: v for k, v in given.items() if v is not None})
+    print(describe_cache_size(config, args.batch, args.length, args.dtype, args.source_length))
+    return 0
+
+
+def _run_bench_decode(args) -> int:
+    from kvjax.bench import decode_benchmark, format_table
+
+    rows, facts = decode_benchmark(
+        args.preset, tuple(args.batch_sizes), args.prompt_len, args.new_tokens, args.repeats,
+        compare_no_cache=not args.no_no_cache, compare_hf=not args.no_hf)
+    print(format_table(rows, facts))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.compilation_cache:
+        from kvjax import enable_compilation_cache
+
+        enable_compilation_cache(args.compilation_cache)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("default")
+            return args.run(args)
+    except (ValueError, OSError) as error:  # CheckpointError is a ValueError
+        print(f"kvjax {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\nkvjax {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""The command line: help texts, one-line errors with exit code 2, and cache-size output."""
+
+import subprocess
+import sys
+
+import pytest
+
+import model as M
+from kvjax import cli
+from model.config import cache_size_bytes
+
+SUBCOMMANDS = (["demo"], ["train"], ["sample"], ["cache-size"], ["bench", "decode"])
+
+
+def run_cli(capsys, *argv):
+    """(exit code, stdout, stderr) of `kvjax argv...` run in this process."""
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as stop:  # argparse exits for --help and for bad options
+        code = stop.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("argv", SUBCOMMANDS, ids=" ".join)
+def test_every_subcommand_explains_its_options_with_defaults(capsys, argv):
+    code, out, _ = run_cli(capsys, *argv, "--help")
+    assert code == 0
+    options = [line for line in out.splitlines() if line.strip().startswith("--")
+               and line.strip().split()[0] != "--help"]
+    assert options, out
+    assert "(default:" in out
+
+
+def test_llama_shaped_cache_is_512_mib_per_sequence(capsys):
+    code, out, _ = run_cli(capsys, "cache-size", "--layers", "32", "--heads", "32",
+                           "--head-dim", "128", "--length", "1024", "--dtype", "float16")
+    assert code == 0
+    assert "2 (K and V) x 1024 x 32 x 32 x 128 x 2 = 536,870,912 bytes = 512 MiB per sequence" \
+        in out
+
+
+def test_cache_size_of_a_preset_follows_the_formula(capsys):
+    code, out, _ = run_cli(capsys, "cache-size", "--preset", "gpt-mini", "--length", "300",
+                           "--batch", "4", "--kv-heads", "2")
+    config = M.preset("gpt-mini", num_kv_heads=2)
+    expected = 2 * 300 * config.num_decoder_layers * 2 * config.head_dim * 4 * 4
+    assert cache_size_bytes(config, 4, 300).total == expected
+    assert code == 0 and f"({expected:,} bytes)" in out
+
+
+def test_cache_size_of_an_encoder_decoder_shows_the_cross_attention_part(capsys):
+    code, out, _ = run_cli(capsys, "cache-size", "--preset", "tiny", "--encoder-layers", "2",
+                           "--length", "10", "--source-length", "20")
+    assert code == 0 and "cross-attention K/V of 20 source tokens" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--task", "lm", "--steps", "0"], "argument --steps: must be >= 1, got 0"),
+    (["train", "--task", "poetry"], "argument --task: invalid choice: 'poetry'"),
+    (["sample", "--prompt", "x"], "the following arguments are required: --checkpoint"),
+    (["cache-size", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+])
+def test_bad_options_are_one_line_and_exit_2(capsys, argv, message):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_a_missing_checkpoint_is_one_line_naming_the_path(capsys, tmp_path):
+    missing = tmp_path / "nothing-here"
+    code, out, err = run_cli(capsys, "sample", "--checkpoint", str(missing), "--prompt", "x")
+    assert code == 2 and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and str(missing) in err, err
+    assert not missing.exists()
+
+
+def test_the_console_script_starts_without_loading_jax():
+    code = ("import sys; from kvjax.cli import build_parser; build_parser(); "
+            "sys.exit('jax' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
