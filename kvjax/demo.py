@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from kvjax import text
-from train import tasks
+from train import data, tasks
 from train.trainer import TrainResult
 
 LM_NAME = "python-docs-lm"
 TRANSLATE_NAME = "numbers-to-words"
 LM_PROMPTS = ("The for statement", "A class definition")
-NUMBERS = ("4021", "99999", "310", "77003")
+NUM_SHOWN_NUMBERS = 4
 MIN_ACCURACY = 0.95
 MAX_PPL_FRACTION_OF_UNIGRAM = 0.5
 
@@ -76,7 +76,8 @@ def run_demo(out_dir: str | os.PathLike = "checkpoints/demo", *, progress: bool 
     log("[3/4] Language model samples")
     lm_speed = _show_lm(text.load(out_dir / LM_NAME), log)
     log("[4/4] Translations of held-out numbers")
-    translate_speed = _show_translations(text.load(out_dir / TRANSLATE_NAME), log)
+    translate_speed = _show_translations(text.load(out_dir / TRANSLATE_NAME),
+                                         heldout_numbers(translate_overrides), log)
     report = DemoReport(out_dir / LM_NAME, out_dir / TRANSLATE_NAME, lm.metrics,
                         translate.metrics, lm_speed, translate_speed)
     log(summary(report))
@@ -111,9 +112,18 @@ def _show_lm(loaded: text.LoadedModel, log: Callable[[str], None]) -> float:
     return _steady_speed(results)
 
 
-def _show_translations(loaded: text.LoadedModel, log: Callable[[str], None]) -> float:
+def heldout_numbers(translate_overrides: Mapping[str, Any] | None = None) -> list[str]:
+    """A few of the numbers the translation model never saw, spread over their range."""
+    settings = tasks.with_overrides(tasks.TRANSLATE_SETTINGS, translate_overrides or {})
+    _, heldout = data.number_pairs(settings.max_number, settings.num_heldout)
+    step = max(1, len(heldout) // NUM_SHOWN_NUMBERS)
+    return [source for source, _ in heldout[step - 1::step][:NUM_SHOWN_NUMBERS]]
+
+
+def _show_translations(loaded: text.LoadedModel, numbers: list[str],
+                       log: Callable[[str], None]) -> float:
     results = []
-    for number in NUMBERS:
+    for number in numbers:
         greedy = text.sample_text(loaded, number, max_new_tokens=32)
         beam = text.sample_text(loaded, number, max_new_tokens=32, num_beams=4)
         results.append(greedy)

@@ -4,6 +4,7 @@ the quality verdicts printed. (The real settings are checked by the shipped chec
 import pytest
 
 from kvjax import demo, text
+from train import data, tasks
 
 TINY_MODEL = {"num_decoder_layers": 1, "d_model": 32, "d_ff": 64}
 LM = dict(steps=4, warmup_steps=1, eval_every=4, save_every=4, seq_len=32, vocab_size=400,
@@ -33,12 +34,21 @@ def test_demo_prints_generations_and_judges_the_quality_bars(demo_run):
     _, report, log = demo_run
     for prompt in demo.LM_PROMPTS:
         assert f"[greedy] {prompt!r}" in log and f"[sampled T=0.8 top-p 0.9] {prompt!r}" in log
-    for number in demo.NUMBERS:
+    numbers = demo.heldout_numbers(TRANSLATE)
+    assert len(numbers) == demo.NUM_SHOWN_NUMBERS
+    for number in numbers:
         assert f"{number:>6} -> greedy" in log
     # Four training steps teach nothing: both bars must be reported as failed.
     assert not report.accuracy_ok and not report.perplexity_ok and not report.passed
     assert "FAIL" in log and "PASS" not in log
     assert report.lm_tokens_per_second > 0 and report.translate_tokens_per_second > 0
+
+
+def test_shown_numbers_are_held_out():
+    train_pairs, _ = data.number_pairs(tasks.TRANSLATE_SETTINGS.max_number,
+                                       tasks.TRANSLATE_SETTINGS.num_heldout)
+    trained = {source for source, _ in train_pairs}
+    assert not trained & set(demo.heldout_numbers())
 
 
 def test_a_second_demo_replaces_the_first_whole(demo_run):
