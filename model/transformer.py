@@ -181,6 +181,7 @@ class EncoderDecoder(nn.Module):
         """A fresh cache of `capacity` target slots holding the cross-attention K/V."""
         _, (cross_k, cross_v) = self.cross_kv(encoded_BSD)
         cache = init_cache(self.config, encoded_BSD.shape[0], capacity, dtype)
+
         def cache_layout(x_LBSKH):
             return x_LBSKH.transpose(0, 1, 3, 2, 4).astype(cache.k.dtype)
 
