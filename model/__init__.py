@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from model.attention import attend
 from model.cache import KVCache, init_cache
 from model.config import PRESETS, CacheSize, TransformerConfig, cache_size_bytes, preset
-from model.transformer import DecoderOnlyLM, EncoderDecoder
+from model.transformer import DecoderOnlyLM, EncoderDecoder, unstack_layer_params
 
 
 def build_model(config: TransformerConfig) -> DecoderOnlyLM | EncoderDecoder:
@@ -30,4 +30,5 @@ def init_params(config: TransformerConfig, rng: jax.Array) -> dict:
 __all__ = [
     "PRESETS", "CacheSize", "DecoderOnlyLM", "EncoderDecoder", "KVCache", "TransformerConfig",
     "attend", "build_model", "cache_size_bytes", "init_cache", "init_params", "preset",
+    "unstack_layer_params",
 ]

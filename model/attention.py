@@ -87,12 +87,12 @@ class OutputProjection(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    """Masked self-attention that reads and writes one layer of the stacked K/V cache.
+    """Masked self-attention that reads and writes this layer's K/V in the cache.
 
-    `cache_kv` is `(k, v)` of shape [L, B, K, S, H] (every layer's) or None; `layer` is this
-    layer's index. With a cache, the new K/V are written at each row's `starts` slot and the
-    queries attend over all S cached slots of this layer; without one, they attend over the
-    T new tokens only.
+    `cache_kv` is `(k, v)`: this layer's own [B, K, S, H] buffers (`layer` None), or every
+    layer's stacked [L, B, K, S, H] with `layer` this layer's index; or None. With a cache,
+    the new K/V are written at each row's `starts` slot and the queries attend over all S
+    cached slots of this layer; without one, they attend over the T new tokens only.
     """
 
     config: TransformerConfig
@@ -101,9 +101,10 @@ class SelfAttention(nn.Module):
     def __call__(self, x_BTD, positions_BT, mask_BTS, cache_kv=None, layer=None, starts_B=None,
                  fits_B=None):
         config = self.config
-        q = _projection(config, config.num_heads, "query")(x_BTD)
-        k = _projection(config, config.kv_heads, "key")(x_BTD)
-        v = _projection(config, config.kv_heads, "value")(x_BTD)
+        # One projection to all heads, split after: one matmul streams the weights where
+        # three smaller ones would each pay a kernel launch (a decode step is many of them).
+        qkv = _projection(config, config.num_heads + 2 * config.kv_heads, "qkv")(x_BTD)
+        q, k, v = jnp.split(qkv, [config.num_heads, config.num_heads + config.kv_heads], axis=2)
         if config.positional_encoding == "rope":
             q = apply_rope(q, positions_BT, config.rope_base)
             k = apply_rope(k, positions_BT, config.rope_base)
@@ -112,7 +113,8 @@ class SelfAttention(nn.Module):
         else:
             cache_kv = tuple(write_rows(c, layer, new, starts_B, fits_B)
                              for c, new in zip(cache_kv, (k, v), strict=True))
-            out = attend_cached(q, cache_kv[0][layer], cache_kv[1][layer], mask_BTS)
+            k_BKSH, v_BKSH = cache_kv if layer is None else (c[layer] for c in cache_kv)
+            out = attend_cached(q, k_BKSH, v_BKSH, mask_BTS)
         return OutputProjection(config, name="out")(out), cache_kv
 
 
@@ -127,8 +129,8 @@ class CrossKV(nn.Module):
 
     @nn.compact
     def __call__(self, encoded_BSD):
-        k = _projection(self.config, self.config.kv_heads, "key")(encoded_BSD)
-        v = _projection(self.config, self.config.kv_heads, "value")(encoded_BSD)
+        kv = _projection(self.config, 2 * self.config.kv_heads, "kv")(encoded_BSD)
+        k, v = jnp.split(kv, 2, axis=2)
         return encoded_BSD, (k, v)
 
 

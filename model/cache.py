@@ -15,6 +15,12 @@ and a short row wastes no capacity at its front (left padding would).
 Each layer's K and V are laid out [B, K, S, H], heads before slots (as Hugging Face's cache
 is): attention multiplies each head's contiguous [S, H] block in place. With slots before
 heads ([B, S, K, H]) every decode step would first transpose the whole cache.
+
+How the layers' buffers are held follows `TransformerConfig.scan_layers`. Scanned layers
+share one stacked [L, B, K, S, H] array (a scan step can only index into a stack). Unrolled
+layers own one [B, K, S, H] array each, a tuple of L, so each layer reads its buffer where
+it lies; reading a layer out of a stack is a copy on backends that cannot fuse the slice
+into the matmul (XLA:CPU among them), and at batch 32 that copy cost a third of a step.
 """
 
 from __future__ import annotations
@@ -28,15 +34,16 @@ from model.config import TransformerConfig
 
 @flax.struct.dataclass
 class KVCache:
-    """Per-layer K/V of every decoder layer, stacked over layers.
+    """Per-layer K/V of every decoder layer.
 
     Fields:
-      k, v:           [L, B, K, S, H] self-attention keys and values; S is the capacity.
+      k, v:           self-attention keys and values, [L, B, K, S, H] stacked (scanned
+                      layers) or a tuple of L [B, K, S, H] arrays (unrolled); S is the capacity.
       lengths:        [B] int32, filled slots per row (= next position to write).
       overflow:       [B] bool, set when a write did not fit; the write was skipped, never
                       clamped (`lax.dynamic_update_slice` would silently move it).
-      cross_k, cross_v: [L, B, K, S_src, H] encoder-decoder only: the encoder output
-                      projected once per layer, read by every decoding step; else None.
+      cross_k, cross_v: encoder-decoder only, held like k and v with S_src slots: the encoder
+                      output projected once per layer, read by every decoding step; else None.
       source_lengths: [B] int32 valid source tokens per row (encoder-decoder), else None.
     """
 
@@ -50,30 +57,32 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[3]
+        return jax.tree.leaves(self.k)[0].shape[-2]
 
     @property
     def batch_size(self) -> int:
-        return self.k.shape[1]
+        return self.lengths.shape[0]
 
     @property
     def nbytes(self) -> int:
         """Bytes of the cached K/V (self and cross); the per-row counters are not counted."""
-        arrays = (self.k, self.v, self.cross_k, self.cross_v)
-        return sum(a.size * a.dtype.itemsize for a in arrays if a is not None)
-
-    def take_rows(self, rows_R: jax.Array) -> KVCache:
-        """The cache of rows `rows` [R] (repeats allowed): beam search reorders with this."""
-        by_batch = {"k": 1, "v": 1, "cross_k": 1, "cross_v": 1, "lengths": 0, "overflow": 0,
-                    "source_lengths": 0}
-        return self.replace(**{
-            name: None if getattr(self, name) is None
-            else jnp.take(getattr(self, name), rows_R, axis=axis)
-            for name, axis in by_batch.items()})
+        return _nbytes((self.k, self.v, self.cross_k, self.cross_v))
 
     @property
     def self_attention_nbytes(self) -> int:
-        return self.k.size * self.k.dtype.itemsize + self.v.size * self.v.dtype.itemsize
+        return _nbytes((self.k, self.v))
+
+    def take_rows(self, rows_R: jax.Array) -> KVCache:
+        """The cache of rows `rows` [R] (repeats allowed): beam search reorders with this."""
+
+        def take(x):  # K/V buffers end in [B, K, S, H]; the per-row counters are [B]
+            return jnp.take(x, rows_R, axis=x.ndim - 4 if x.ndim >= 4 else 0)
+
+        return jax.tree.map(take, self)
+
+
+def _nbytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def init_cache(
@@ -86,30 +95,38 @@ def init_cache(
     if capacity > config.max_len:
         raise ValueError(f"cache capacity {capacity} exceeds the model's max_len {config.max_len}")
     dtype = config.compute_dtype if dtype is None else jnp.dtype(dtype)
-    shape = (config.num_decoder_layers, batch_size, config.kv_heads, capacity, config.head_dim)
+    layer_shape = (batch_size, config.kv_heads, capacity, config.head_dim)
+
+    def buffers():
+        if config.scan_layers:
+            return jnp.zeros((config.num_decoder_layers, *layer_shape), dtype)
+        return tuple(jnp.zeros(layer_shape, dtype) for _ in range(config.num_decoder_layers))
+
     return KVCache(
-        k=jnp.zeros(shape, dtype),
-        v=jnp.zeros(shape, dtype),
+        k=buffers(),
+        v=buffers(),
         lengths=jnp.zeros((batch_size,), jnp.int32),
         overflow=jnp.zeros((batch_size,), bool),
     )
 
 
-def write_rows(cache_LBKSH: jax.Array, layer: jax.Array, new_BTKH: jax.Array,
+def write_rows(buffer: jax.Array, layer: jax.Array | None, new_BTKH: jax.Array,
                starts_B: jax.Array, fits_B: jax.Array) -> jax.Array:
-    """Writes `new` into layer `layer` of the stacked cache, each row at its own start slot.
+    """Writes `new` into one layer's K or V, each row at its own start slot.
 
+    `buffer` is that layer's [B, K, S, H] (`layer` None) or the stack [L, B, K, S, H] with
+    `layer` its index: the whole stack is updated rather than a slice of it, so inside the
+    layer scan and the decode loop XLA writes the T new slots in place, never copying.
     With one start per row this is a scatter (what `vmap` of `lax.dynamic_update_slice`
-    becomes). It updates the whole stack rather than one layer's slice, so inside the
-    layer scan and the decode loop XLA writes the T new slots in place, never copying the
-    cache. A row that does not fit (`start + T > S`) writes nothing: its slots point past
+    becomes). A row that does not fit (`start + T > S`) writes nothing: its slots point past
     the end and `mode="drop"` discards them, where a clamped write would have overwritten
     the last slots. Its caller flags the row as overflowed.
     """
-    capacity = cache_LBKSH.shape[3]
+    capacity = buffer.shape[-2]
     slots_BT = starts_B[:, None] + jnp.arange(new_BTKH.shape[1], dtype=starts_B.dtype)
     slots_BT = jnp.where(fits_B[:, None], slots_BT, capacity)
     rows_B1 = jnp.arange(new_BTKH.shape[0])[:, None]
     # The two index arrays are split by the K slice, so the indexed block is [B, T, K, H].
-    return cache_LBKSH.at[layer, rows_B1, :, slots_BT].set(
-        new_BTKH.astype(cache_LBKSH.dtype), mode="drop")
+    index = (rows_B1, slice(None), slots_BT) if layer is None else (
+        layer, rows_B1, slice(None), slots_BT)
+    return buffer.at[index].set(new_BTKH.astype(buffer.dtype), mode="drop")

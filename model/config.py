@@ -45,11 +45,15 @@ class TransformerConfig:
     rope_base: float = 10000.0
     bos_id: int = 1  # the token an encoder-decoder's target starts from
     layer_norm_eps: float = 1e-6
-    # True: layers are one `nn.scan` over stacked params, traced once, so compile time does
-    # not grow with depth. False: unrolled, one param tree per layer (`layers/0`, ...). A scan
-    # step slices its layer's weights out of the stack, and a backend that cannot fuse that
-    # slice into the matmul (XLA:CPU) copies them on every decode step; unrolled layers read
-    # them in place, at the price of tracing every layer.
+    # True: layers are one `nn.scan` over stacked params and one stacked KV cache, traced
+    # once, so compile time does not grow with depth. False: unrolled, one param tree
+    # (`layers/0`, ...) and one cache buffer per layer, at the price of tracing every layer
+    # (`unstack_layer_params` converts). A scan step slices its layer's weights and cache out
+    # of the stacks, and a backend that cannot fuse those slices into the matmuls (XLA:CPU)
+    # copies them on every decode step; unrolled layers read them in place. On a 2-core CPU
+    # `gpt-mini` decodes 1.7x faster unrolled at batch 32 and about as fast at batch 1 (see
+    # `kvjax bench decode`); compiling `generate` takes 2.5 s scanned, 3.3 s unrolled, and
+    # at 24 layers 3 s against 10 s.
     scan_layers: bool = True
 
     def __post_init__(self):

@@ -12,7 +12,6 @@ from typing import Any
 import flax.linen as nn
 import flax.struct
 import jax
-import jax.numpy as jnp
 
 from model.attention import CrossAttention, SelfAttention
 from model.config import TransformerConfig
@@ -96,12 +95,12 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     """Masked self-attention (reading/writing the layer cache), cross-attention, FFN.
 
-    The carry is `(x [B, T, D], cache_kv)`: `cache_kv` is `(k, v)`, every layer's
-    self-attention cache [L, B, K, S, H], or None without a cache. It is carried whole
-    through the scan, not sliced per layer, so each layer writes its new slots in place.
-    `layer` is this layer's slice of the scanned inputs: a dict with `index` (this layer's
-    number) and, for an encoder-decoder, `cross_k`, `cross_v` ([B, S_src, K, H], or the
-    cache's [B, K, S_src, H] with a cache).
+    The carry is `(x [B, T, D], cache_kv)`: `cache_kv` is `(k, v)`, either every layer's
+    stacked self-attention cache [L, B, K, S, H] (scanned layers: carried whole, not sliced
+    per layer, so each layer writes its new slots in place) or this layer's own [B, K, S, H]
+    buffers (unrolled layers); None without a cache. `layer` holds this layer's inputs: its
+    `index` into a stacked cache (scanned only) and, for an encoder-decoder, `cross_k` and
+    `cross_v` ([B, S_src, K, H], or the cache's [B, K, S_src, H] with a cache).
     """
 
     config: TransformerConfig
@@ -113,8 +112,8 @@ class DecoderLayer(nn.Module):
         attention = SelfAttention(c, name="self_attention")
         x, cache_kv = Residual(c, name="attention_block")(
             x_BTD,
-            lambda h: attention(h, inputs.positions, inputs.self_mask, cache_kv, layer["index"],
-                                inputs.starts, inputs.fits))
+            lambda h: attention(h, inputs.positions, inputs.self_mask, cache_kv,
+                                layer.get("index"), inputs.starts, inputs.fits))
         if layer.get("cross_k") is not None:
             cross = CrossAttention(c, name="cross_attention")
             x, _ = Residual(c, name="cross_block")(
@@ -127,7 +126,13 @@ class DecoderLayer(nn.Module):
 
 class Unrolled(nn.Module):
     """`num_layers` copies of `layer_cls` applied one after another, each with its own params
-    (`<name>/0`, `<name>/1`, ...): the same interface as the `nn.scan` stack below."""
+    (`<name>/0`, `<name>/1`, ...), in place of the `nn.scan` stack below.
+
+    Decoder layers take a list of per-layer inputs (one dict each) where the scan takes one
+    dict of stacked arrays, and their cache carry `(k, v)` holds a tuple of per-layer
+    buffers: layer i reads and writes `(k[i], v[i])`. Per-layer outputs come back as tuples
+    over layers (CrossKV's K/V, held that way in the cache).
+    """
 
     layer_cls: Any
     config: TransformerConfig
@@ -135,14 +140,21 @@ class Unrolled(nn.Module):
 
     @nn.compact
     def __call__(self, carry, *args):
-        scanned_args = args[:1] if self.layer_cls is DecoderLayer else ()
         outputs = []
         for i in range(self.num_layers):
-            layer_args = [jax.tree.map(lambda a, i=i: a[i], x) for x in scanned_args]
-            layer_args += args[len(scanned_args):]
-            carry, out = self.layer_cls(self.config, name=str(i))(carry, *layer_args)
+            layer = self.layer_cls(self.config, name=str(i))
+            if self.layer_cls is not DecoderLayer:
+                carry, out = layer(carry, *args)
+            else:
+                x, cache_kv = carry
+                own_kv = None if cache_kv is None else tuple(c[i] for c in cache_kv)
+                (x, own_kv), out = layer((x, own_kv), args[0][i], *args[1:])
+                if cache_kv is not None:
+                    cache_kv = tuple(c[:i] + (new,) + c[i + 1:]
+                                     for c, new in zip(cache_kv, own_kv, strict=True))
+                carry = (x, cache_kv)
             outputs.append(out)
-        return carry, jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
+        return carry, jax.tree.map(lambda *per_layer: per_layer, *outputs)
 
 
 def scanned(layer_cls, config: TransformerConfig, num_layers: int, name: str):

@@ -81,13 +81,42 @@ class Embedder(nn.Module):
     def logits(self, x_BTD):
         """Float32 logits [B, T, V] (sampling and losses want full precision)."""
         if self.config.tie_embeddings:
-            return self.embedding.attend(x_BTD).astype(jnp.float32)
+            table_VD, x_BTD = nn.dtypes.promote_dtype(self.embedding.embedding, x_BTD,
+                                                      dtype=self.config.compute_dtype)
+            # The table as the left operand: a matrix-vector product streams the rows of a
+            # row-major [V, D] matrix as they lie, where `x @ table.T` had XLA:CPU copy a
+            # transposed table on every decode step.
+            return jnp.einsum("VD,BTD->BTV", table_VD, x_BTD).astype(jnp.float32)
         return self.unembed(x_BTD).astype(jnp.float32)
 
 
-def layer_indices(config: TransformerConfig) -> dict[str, jax.Array]:
-    """The decoder layers' scanned input: each layer's index into the stacked cache."""
-    return {"index": jnp.arange(config.num_decoder_layers, dtype=jnp.int32)}
+def decoder_layer_inputs(config: TransformerConfig, cross_k=None, cross_v=None):
+    """What each decoder layer gets besides the carry: its cross-attention K/V (or None).
+
+    Scanned layers take one dict of stacked arrays, with each layer's `index` into the
+    stacked cache; unrolled layers take a list of one dict per layer (see `Unrolled`).
+    """
+    if config.scan_layers:
+        return {"index": jnp.arange(config.num_decoder_layers, dtype=jnp.int32),
+                "cross_k": cross_k, "cross_v": cross_v}
+    return [{"cross_k": None if cross_k is None else cross_k[i],
+             "cross_v": None if cross_v is None else cross_v[i]}
+            for i in range(config.num_decoder_layers)]
+
+
+def unstack_layer_params(config: TransformerConfig, params):
+    """A scanned model's params ([L, ...] stacks per layer stack) as the same model's with
+    `scan_layers=False` (`<stack>/0`, `<stack>/1`, ...): the same weights, unrolled."""
+    def num_layers(name: str) -> int:
+        return config.num_encoder_layers if name == "encoder_layers" else (
+            config.num_decoder_layers)
+
+    def unstack(name: str, tree):
+        if not name.endswith(("layers", "cross_kv")):
+            return tree
+        return {str(i): jax.tree.map(lambda a, i=i: a[i], tree) for i in range(num_layers(name))}
+
+    return {name: unstack(name, tree) for name, tree in params.items()}
 
 
 def _final_norm(config: TransformerConfig, name: str):
@@ -134,7 +163,7 @@ class DecoderOnlyLM(nn.Module):
             starts_B, valid_B, num_tokens, num_keys, capacity)
         x = self.embedder(tokens_BT, inputs.positions)
         cache_kv = None if cache is None else (cache.k, cache.v)
-        (x, new_kv), _ = self.layers((x, cache_kv), layer_indices(self.config), inputs)
+        (x, new_kv), _ = self.layers((x, cache_kv), decoder_layer_inputs(self.config), inputs)
         logits = self.embedder.logits(self.final_norm(x))
         if cache is None:
             return logits, None
@@ -182,11 +211,12 @@ class EncoderDecoder(nn.Module):
         _, (cross_k, cross_v) = self.cross_kv(encoded_BSD)
         cache = init_cache(self.config, encoded_BSD.shape[0], capacity, dtype)
 
-        def cache_layout(x_LBSKH):
-            return x_LBSKH.transpose(0, 1, 3, 2, 4).astype(cache.k.dtype)
+        def cache_layout(x_BSKH):  # -> [B, K, S, H], per layer or stacked as the cache is
+            return jnp.swapaxes(x_BSKH, -3, -2).astype(jax.tree.leaves(cache.k)[0].dtype)
 
         return cache.replace(
-            cross_k=cache_layout(cross_k), cross_v=cache_layout(cross_v),
+            cross_k=jax.tree.map(cache_layout, cross_k),
+            cross_v=jax.tree.map(cache_layout, cross_v),
             source_lengths=_valid_lengths(encoded_BSD[..., 0], source_lengths_B))
 
     def decode(self, target_BT, cache: KVCache | None = None, lengths_B=None, *,
@@ -212,11 +242,12 @@ class EncoderDecoder(nn.Module):
             source_lengths_B = cache.source_lengths
             starts_B, num_keys, capacity = cache.lengths, cache.capacity, cache.capacity
             cache_kv = (cache.k, cache.v)
-        layer_inputs = {**layer_indices(self.config), "cross_k": cross_k, "cross_v": cross_v}
+        layer_inputs = decoder_layer_inputs(self.config, cross_k, cross_v)
         inputs, new_lengths_B, overflowed_B = self_attention_inputs(
             starts_B, valid_B, num_tokens, num_keys, capacity)
         source_slots = jnp.arange(encoded_BSD.shape[1] if cache is None
-                                  else cache.cross_k.shape[3], dtype=jnp.int32)
+                                  else jax.tree.leaves(cache.cross_k)[0].shape[-2],
+                                  dtype=jnp.int32)
         inputs = inputs.replace(cross_mask=jnp.broadcast_to(
             source_slots[None, None, :] < source_lengths_B[:, None, None],
             (batch, num_tokens, source_slots.shape[0])))

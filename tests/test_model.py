@@ -159,19 +159,16 @@ def test_wrong_variant_for_config_raises():
 def test_depth_is_scanned_so_params_stack_over_layers():
     config = M.preset("tiny", num_decoder_layers=5)
     shapes = jax.eval_shape(lambda: M.init_params(config, jax.random.key(0)))
-    kernel = shapes["layers"]["self_attention"]["query"]["kernel"]
-    assert kernel.shape == (5, config.d_model, config.num_heads, config.head_dim)
+    kernel = shapes["layers"]["self_attention"]["qkv"]["kernel"]
+    assert kernel.shape == (5, config.d_model, config.num_heads + 2 * config.kv_heads,
+                            config.head_dim)
 
 
 def test_unrolled_layers_compute_what_scanned_layers_compute():
     scanned = M.preset("tiny", num_decoder_layers=3, num_encoder_layers=2)
     unrolled = scanned.replace(scan_layers=False)
     params = M.init_params(scanned, jax.random.key(0))
-    per_layer = {name: ({str(i): jax.tree.map(lambda a, i=i: a[i], tree)
-                         for i in range(scanned.num_decoder_layers if name != "encoder_layers"
-                                        else scanned.num_encoder_layers)}
-                        if name.endswith(("layers", "cross_kv")) else tree)
-                 for name, tree in params.items()}
+    per_layer = M.unstack_layer_params(scanned, params)
     expected = jax.eval_shape(lambda: M.init_params(unrolled, jax.random.key(0)))
     assert jax.tree.structure(per_layer) == jax.tree.structure(expected)
     tokens = random_tokens(1, (2, 9), scanned.vocab_size)
@@ -180,3 +177,36 @@ def test_unrolled_layers_compute_what_scanned_layers_compute():
         run_full(unrolled, per_layer, tokens, source=source, source_lengths=source_lengths),
         run_full(scanned, params, tokens, source=source, source_lengths=source_lengths),
         atol=1e-5, rtol=0)
+
+
+def test_unrolled_layers_own_one_cache_buffer_each():
+    config = M.preset("tiny", num_decoder_layers=3, num_kv_heads=2, scan_layers=False)
+    cache = M.init_cache(config, batch_size=2, capacity=10)
+    assert len(cache.k) == len(cache.v) == 3
+    assert all(k.shape == (2, 2, 10, config.head_dim) for k in cache.k + cache.v)
+    assert cache.capacity == 10 and cache.batch_size == 2
+    assert cache.nbytes == M.cache_size_bytes(config, 2, 10).total
+    reordered = cache.replace(lengths=jnp.array([3, 7], jnp.int32)).take_rows(jnp.array([1, 1, 0]))
+    np.testing.assert_array_equal(reordered.lengths, [7, 7, 3])
+    assert reordered.k[2].shape == (3, 2, 10, config.head_dim)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_unrolled_cache_holds_what_the_scanned_cache_holds(variant):
+    scanned, params = make({"num_kv_heads": 2}, VARIANTS[variant])
+    unrolled = scanned.replace(scan_layers=False)
+    tokens = random_tokens(2, (2, 7), scanned.vocab_size)
+    source, source_lengths = source_for(scanned, 2)
+    lengths = jnp.array([7, 4], jnp.int32)
+    caches, logits = {}, {}
+    for config, p in ((scanned, params), (unrolled, M.unstack_layer_params(scanned, params))):
+        cache = start_cache(config, p, 2, 12, source, source_lengths)
+        _, cache = run_cached(config, p, tokens, cache, lengths)
+        step = run_cached(config, p, tokens[:, :1], cache)
+        logits[config.scan_layers], caches[config.scan_layers] = step
+    np.testing.assert_allclose(logits[False], logits[True], atol=1e-5)
+    for layer in range(scanned.num_decoder_layers):
+        for name in ("k", "v") + (("cross_k", "cross_v") if variant == "encoder_decoder" else ()):
+            np.testing.assert_allclose(getattr(caches[False], name)[layer],
+                                       getattr(caches[True], name)[layer], atol=1e-5)
+    np.testing.assert_array_equal(caches[False].lengths, caches[True].lengths)
