@@ -1,13 +1,15 @@
 """The decode benchmark: how fast cached generation is, and against what.
 
 For each batch size it times greedy `decode.generate` (a prefill, then one compiled
-`while_loop` of decode steps) on a model with random weights, and sets it side by side,
-in the same run, with:
+`while_loop` of decode steps) on a model with random weights, once with scanned layers
+(one stacked cache and stacked weights, sliced per layer) and once with unrolled layers
+(one buffer per layer, read in place): see `TransformerConfig.scan_layers`. It sets them
+side by side, in the same run, with:
 
 1. **no cache**: the textbook loop that recomputes the whole sequence for every new token.
    Each step is one jitted forward over the tokens so far, padded to a multiple of 32 so a
    handful of programs serve every length. Every shape the loop uses is compiled and timed
-   (median of repeats); the loop's time is the sum of its steps' times, which leaves out
+   (best of repeats); the loop's time is the sum of its steps' times, which leaves out
    the Python dispatch between steps (in the baseline's favour).
 2. **Hugging Face GPT-2** (`transformers` on PyTorch CPU, its own KV cache), the same sizes,
    `generate` with `do_sample=False` and exactly the same number of new tokens. Optional:
@@ -18,6 +20,9 @@ in the same run, with:
    product. Per-token decode time is measured as the difference between two `generate`
    calls in one compiled bucket (N and N/2 + 1 new tokens), so prefill and dispatch cancel.
 
+Every time is the best of `repeats` runs, for every contender alike: on a shared machine
+the slower runs measure the neighbours.
+
 Prefill is matmul-bound (T tokens per weight read); a decode step at small batch reads all
 weights for one token per row, so it is memory-bound, and batching makes it cheaper per token.
 """
@@ -27,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
-import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -44,9 +48,11 @@ NO_CACHE_PAD = 32  # the no-cache loop pads the sequence to a multiple of this
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One batch size's measurements; times in seconds for the whole generation."""
+    """One batch size and layer mode's measurements; times in seconds for the whole generation.
+    The baselines do not depend on the layer mode: rows of one batch size share them."""
 
     batch: int
+    layers: str
     kvjax_seconds: float
     decode_step_seconds: float
     no_cache_seconds: float | None
@@ -75,13 +81,13 @@ class Facts:
         return (self.param_bytes + self.cache_bytes_batch1) / self.bandwidth
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def measure_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
@@ -96,7 +102,7 @@ def measure_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
     best = float("inf")
     for fn in (lambda: total(matrix), lambda: gemv(matrix, vector)):
         jax.block_until_ready(fn())
-        best = min(best, _median_seconds(fn, repeats))
+        best = min(best, _best_seconds(fn, repeats))
     return matrix.size * 4 / best
 
 
@@ -108,8 +114,8 @@ def _time_kvjax(net, params, prompts, new_tokens: int, repeats: int) -> tuple[fl
         return lambda: decode.generate(net, params, prompts, max_new_tokens=n).tokens
 
     run(new_tokens)()  # compiles the bucket both calls use
-    full = _median_seconds(run(new_tokens), repeats)
-    shorter = _median_seconds(run(half), repeats)
+    full = _best_seconds(run(new_tokens), repeats)
+    shorter = _best_seconds(run(half), repeats)
     return full, (full - shorter) / (new_tokens - half)
 
 
@@ -129,7 +135,7 @@ def _time_no_cache(config, params, prompts: np.ndarray, new_tokens: int,
     def time_width(width: int) -> float:
         tokens = jnp.zeros((batch, width), jnp.int32).at[:, :prompt_len].set(prompts)
         jax.block_until_ready(next_token(params, tokens, last))  # compiles this width
-        return _median_seconds(lambda: next_token(params, tokens, last), repeats)
+        return _best_seconds(lambda: next_token(params, tokens, last), repeats)
 
     # Step s sees the prompt and s generated tokens, padded up to a multiple of NO_CACHE_PAD.
     widths = [-(-(prompt_len + s) // NO_CACHE_PAD) * NO_CACHE_PAD for s in range(new_tokens)]
@@ -157,33 +163,47 @@ def _hf_runner(config: M.TransformerConfig) -> tuple[Callable | None, str]:
             out = gpt2.generate(ids, **kwargs)  # warm-up
             if out.shape[1] != prompts.shape[1] + new_tokens:
                 raise RuntimeError(f"HF generated {out.shape[1] - prompts.shape[1]} tokens")
-            return _median_seconds(lambda: gpt2.generate(ids, **kwargs), repeats)
+            return _best_seconds(lambda: gpt2.generate(ids, **kwargs), repeats)
 
     note = (f"transformers {transformers.__version__}, torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads")
     return run, note
 
 
+LAYER_MODES = ("scanned", "unrolled")
+
+
 def decode_benchmark(preset: str = "gpt-mini", batch_sizes: Sequence[int] = (1, 8, 32),
                      prompt_len: int = 32, new_tokens: int = 256, repeats: int = 3, *,
-                     compare_no_cache: bool = True, compare_hf: bool = True,
+                     layer_modes: Sequence[str] = LAYER_MODES, compare_no_cache: bool = True,
+                     compare_hf: bool = True,
                      log: Callable[[str], None] = print) -> tuple[list[Row], Facts]:
-    """Measures every batch size; see the module docstring for what and how."""
+    """Measures every batch size and layer mode; see the module docstring for what and how."""
     if new_tokens < 4:
         raise ValueError(f"new_tokens={new_tokens} must be >= 4 to time decode steps")
     config = M.preset(preset)
     if prompt_len + new_tokens > config.max_len:
         raise ValueError(f"prompt_len {prompt_len} + new_tokens {new_tokens} exceeds the "
                          f"{preset} max_len {config.max_len}")
-    net = M.build_model(config)
+    unknown = sorted(set(layer_modes) - set(LAYER_MODES))
+    if unknown or not layer_modes:
+        raise ValueError(f"layer modes {unknown or list(layer_modes)} not in {LAYER_MODES}")
+    config = config.replace(scan_layers=True)
     params = M.init_params(config, jax.random.key(0))
+    models = {"scanned": (config, params),
+              "unrolled": (config.replace(scan_layers=False),
+                           M.unstack_layer_params(config, params))}
     hf, hf_note = _hf_runner(config) if compare_hf else (None, "skipped")
     rows = []
     for batch in batch_sizes:
         prompts = np.random.default_rng(batch).integers(
             3, config.vocab_size, (batch, prompt_len)).astype(np.int32)
-        log(f"batch {batch}: kvjax ...")
-        seconds, step = _time_kvjax(net, params, prompts, new_tokens, repeats)
+        timed = {}
+        for mode in layer_modes:
+            log(f"batch {batch}: kvjax, {mode} layers ...")
+            mode_config, mode_params = models[mode]
+            timed[mode] = _time_kvjax(M.build_model(mode_config), mode_params, prompts,
+                                      new_tokens, repeats)
         no_cache = hf_seconds = None
         if compare_no_cache:
             log(f"batch {batch}: no cache ...")
@@ -191,7 +211,8 @@ def decode_benchmark(preset: str = "gpt-mini", batch_sizes: Sequence[int] = (1, 
         if hf is not None:
             log(f"batch {batch}: Hugging Face GPT-2 ...")
             hf_seconds = hf(prompts, new_tokens, repeats)
-        rows.append(Row(batch, seconds, step, no_cache, hf_seconds, new_tokens))
+        rows += [Row(batch, mode, seconds, step, no_cache, hf_seconds, new_tokens)
+                 for mode, (seconds, step) in timed.items()]
     log("memory bandwidth ...")
     param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     # The cache a step reads, at the middle of the timed steps (N/2 + 1 .. N).
@@ -224,9 +245,9 @@ def format_table(rows: Sequence[Row], facts: Facts) -> str:
         f"Greedy decode, `{facts.preset}` with random weights, {facts.prompt_len}-token "
         f"prompt, {facts.new_tokens} new tokens. Machine: {facts.machine}.",
         "",
-        "| batch | kvjax tokens/s | no cache tokens/s | HF GPT-2 tokens/s | vs no cache "
-        "| vs HF | decode step ms |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| batch | layers | kvjax tokens/s | no cache tokens/s | HF GPT-2 tokens/s "
+        "| vs no cache | vs HF | decode step ms |",
+        "|---:|:---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         ours = r.tokens_per_second(r.kvjax_seconds)
@@ -236,7 +257,7 @@ def format_table(rows: Sequence[Row], facts: Facts) -> str:
         def cell(value):
             return "-" if value is None else f"{value:,.0f}"
 
-        lines.append(f"| {r.batch} | {cell(ours)} | {cell(no_cache)} | {cell(hf)} | "
+        lines.append(f"| {r.batch} | {r.layers} | {cell(ours)} | {cell(no_cache)} | {cell(hf)} | "
                      f"{_ratio(ours, no_cache)} | {_ratio(ours, hf)} | "
                      f"{r.decode_step_seconds * 1e3:.2f} |")
     floor = facts.floor_seconds
@@ -247,10 +268,10 @@ def format_table(rows: Sequence[Row], facts: Facts) -> str:
         f"{format_bytes(facts.cache_bytes_batch1)} of cache at "
         f"{facts.bandwidth / 1e9:.1f} GB/s (measured) = {floor * 1e3:.2f} ms per token.",
     ]
-    if batch1:
-        step = batch1[0].decode_step_seconds
-        lines.append(f"Decode step at batch 1: {step * 1e3:.2f} ms = {step / floor:.2f}x "
-                     f"the floor.")
+    for r in batch1:
+        step = r.decode_step_seconds
+        lines.append(f"Decode step at batch 1, {r.layers} layers: {step * 1e3:.2f} ms = "
+                     f"{step / floor:.2f}x the floor.")
     lines.append(f"Hugging Face: {facts.hf_note}.")
     return "\n".join(lines)
 

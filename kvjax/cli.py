@@ -16,7 +16,8 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-PRESET_NAMES = ("tiny", "small", "gpt-mini")
+PRESET_NAMES = ("tiny", "small", "gpt-mini")  # model.PRESETS, named here to keep jax unloaded
+LAYER_MODES = ("scanned", "unrolled")  # kvjax.bench.LAYER_MODES
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
@@ -145,7 +146,9 @@ def _add_bench(commands) -> None:
                         help="batch sizes to measure")
     decode.add_argument("--prompt-len", type=_positive, default=32, help="prompt tokens")
     decode.add_argument("--new-tokens", type=_positive, default=256, help="tokens to generate")
-    decode.add_argument("--repeats", type=_positive, default=3, help="timed runs (median)")
+    decode.add_argument("--repeats", type=_positive, default=3, help="timed runs (best)")
+    decode.add_argument("--layers", choices=LAYER_MODES, nargs="+", default=list(LAYER_MODES),
+                        help="layer modes to time: scanned (stacked) and/or unrolled")
     decode.add_argument("--no-hf", action="store_true", help="skip Hugging Face GPT-2")
     decode.add_argument("--no-no-cache", action="store_true", help="skip the no-cache baseline")
     decode.set_defaults(run=_run_bench_decode)
@@ -229,7 +232,8 @@ def _run_bench_decode(args) -> int:
 
     rows, facts = decode_benchmark(
         args.preset, tuple(args.batch_sizes), args.prompt_len, args.new_tokens, args.repeats,
-        compare_no_cache=not args.no_no_cache, compare_hf=not args.no_hf)
+        layer_modes=tuple(args.layers), compare_no_cache=not args.no_no_cache,
+        compare_hf=not args.no_hf)
     print(format_table(rows, facts))
     return 0
 

@@ -49,4 +49,3 @@ def run_cached(config, params, tokens, cache, lengths=None):
 
 def random_tokens(seed, shape, vocab):
     return jax.random.randint(jax.random.key(seed), shape, 0, vocab, dtype=jnp.int32)
-

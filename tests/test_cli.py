@@ -79,3 +79,19 @@ def test_the_console_script_starts_without_loading_jax():
     code = ("import sys; from kvjax.cli import build_parser; build_parser(); "
             "sys.exit('jax' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_the_cli_choices_are_the_librarys():
+    from kvjax import bench
+    assert cli.PRESET_NAMES == tuple(M.PRESETS)
+    assert cli.LAYER_MODES == bench.LAYER_MODES
+
+
+def test_decode_benchmark_times_both_layer_modes_on_the_same_weights():
+    from kvjax import bench
+    rows, facts = bench.decode_benchmark("tiny", batch_sizes=(2,), prompt_len=4, new_tokens=8,
+                                         repeats=1, compare_hf=False, log=lambda _: None)
+    assert [(r.batch, r.layers) for r in rows] == [(2, "scanned"), (2, "unrolled")]
+    assert rows[0].no_cache_seconds == rows[1].no_cache_seconds > 0
+    table = bench.format_table(rows, facts)
+    assert "| 2 | scanned |" in table and "| 2 | unrolled |" in table
