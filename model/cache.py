@@ -60,6 +60,15 @@ class KVCache:
         return jax.tree.leaves(self.k)[0].shape[-2]
 
     @property
+    def source_length(self) -> int:
+        """S_src, the source slots of the cross-attention K/V (encoder-decoder only)."""
+        return jax.tree.leaves(self.cross_k)[0].shape[-2]
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return jax.tree.leaves(self.k)[0].dtype
+
+    @property
     def batch_size(self) -> int:
         return self.lengths.shape[0]
 

@@ -212,7 +212,7 @@ class EncoderDecoder(nn.Module):
         cache = init_cache(self.config, encoded_BSD.shape[0], capacity, dtype)
 
         def cache_layout(x_BSKH):  # -> [B, K, S, H], per layer or stacked as the cache is
-            return jnp.swapaxes(x_BSKH, -3, -2).astype(jax.tree.leaves(cache.k)[0].dtype)
+            return jnp.swapaxes(x_BSKH, -3, -2).astype(cache.dtype)
 
         return cache.replace(
             cross_k=jax.tree.map(cache_layout, cross_k),
@@ -246,8 +246,7 @@ class EncoderDecoder(nn.Module):
         inputs, new_lengths_B, overflowed_B = self_attention_inputs(
             starts_B, valid_B, num_tokens, num_keys, capacity)
         source_slots = jnp.arange(encoded_BSD.shape[1] if cache is None
-                                  else jax.tree.leaves(cache.cross_k)[0].shape[-2],
-                                  dtype=jnp.int32)
+                                  else cache.source_length, dtype=jnp.int32)
         inputs = inputs.replace(cross_mask=jnp.broadcast_to(
             source_slots[None, None, :] < source_lengths_B[:, None, None],
             (batch, num_tokens, source_slots.shape[0])))
