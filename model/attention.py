@@ -40,18 +40,28 @@ def attend_cached(q_BTNH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array,
     that streams the cache from memory once.
     """
     batch, num_queries, num_heads, head_dim = q_BTNH.shape
-    kv_heads = k_BKSH.shape[1]
-    q_BKGTH = q_BTNH.reshape(batch, num_queries, kv_heads, num_heads // kv_heads, head_dim
-                             ).transpose(0, 2, 3, 1, 4)
-    logits_BKGTS = jnp.einsum("BKGTH,BKSH->BKGTS", q_BKGTH, k_BKSH,
-                              preferred_element_type=jnp.float32) / jnp.sqrt(float(head_dim))
+    kv_heads, capacity = k_BKSH.shape[1], k_BKSH.shape[2]
+    group = num_heads // kv_heads
+    # (B, K) merged into one batch axis X of heads and (G, T) into M query rows. With the
+    # two batch axes (B, K) and B = 1, XLA:CPU dropped the unit axis and then copied K
+    # transposed before every product; with one batch axis both products read the cache
+    # in place at every batch size.
+    q_XMH = q_BTNH.reshape(batch, num_queries, kv_heads, group, head_dim).transpose(
+        0, 2, 3, 1, 4).reshape(batch * kv_heads, group * num_queries, head_dim)
+    k_XSH = k_BKSH.reshape(batch * kv_heads, capacity, head_dim)
+    v_XSH = v_BKSH.reshape(batch * kv_heads, capacity, head_dim)
+    logits_XMS = jnp.einsum("XMH,XSH->XMS", q_XMH, k_XSH,
+                            preferred_element_type=jnp.float32) / jnp.sqrt(float(head_dim))
+    logits_BKGTS = logits_XMS.reshape(batch, kv_heads, group, num_queries, capacity)
     logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, -jnp.inf)
     # A row with every key masked gets -inf everywhere; any finite max keeps exp() NaN-free.
     row_max = jnp.max(logits_BKGTS, axis=-1, keepdims=True)
     weights = jnp.exp(logits_BKGTS - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
     probs_BKGTS = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-30)
-    out_BKGTH = jnp.einsum("BKGTS,BKSH->BKGTH", probs_BKGTS.astype(v_BKSH.dtype), v_BKSH)
-    out = out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(q_BTNH.shape)
+    probs_XMS = probs_BKGTS.reshape(batch * kv_heads, group * num_queries, capacity)
+    out_XMH = jnp.einsum("XMS,XSH->XMH", probs_XMS.astype(v_BKSH.dtype), v_XSH)
+    out = out_XMH.reshape(batch, kv_heads, group, num_queries, head_dim).transpose(
+        0, 3, 1, 2, 4).reshape(q_BTNH.shape)
     return _zero_rows_without_keys(out, mask_BTS).astype(q_BTNH.dtype)
 
 
