@@ -44,8 +44,8 @@ def attend_cached(q_BTNH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array,
     group = num_heads // kv_heads
     # (B, K) merged into one batch axis X of heads and (G, T) into M query rows. With the
     # two batch axes (B, K) and B = 1, XLA:CPU dropped the unit axis and then copied K
-    # transposed before every product; with one batch axis both products read the cache
-    # in place at every batch size.
+    # transposed before every product; with one batch axis the products take K and V as
+    # they lie in the cache.
     q_XMH = q_BTNH.reshape(batch, num_queries, kv_heads, group, head_dim).transpose(
         0, 2, 3, 1, 4).reshape(batch * kv_heads, group * num_queries, head_dim)
     k_XSH = k_BKSH.reshape(batch * kv_heads, capacity, head_dim)
