@@ -119,6 +119,28 @@ def init_cache(
     )
 
 
+def check_cache(config: TransformerConfig, cache: KVCache, batch: int, num_tokens: int):
+    """Raises a ValueError naming what does not match before a call with `cache` traces on.
+
+    A cache built for the other `scan_layers` setting, another batch size or other heads
+    would otherwise fail deep inside a layer with a bare shape error."""
+    layer_shape = (batch, config.kv_heads, cache.capacity, config.head_dim)
+    layers = config.num_decoder_layers
+    expected = ((layers, *layer_shape),) if config.scan_layers else (layer_shape,) * layers
+    layout = ("one stacked [L, B, K, S, H] array (scan_layers=True)" if config.scan_layers
+              else f"a tuple of {layers} [B, K, S, H] arrays (scan_layers=False)")
+    for name in ("k", "v"):
+        buffers = getattr(cache, name)
+        found = tuple(jnp.shape(b) for b in buffers) if isinstance(buffers, tuple) else (
+            jnp.shape(buffers),)
+        if found != expected:
+            raise ValueError(f"cache.{name} has shapes {list(found)}, but this model with a "
+                             f"batch of {batch} needs {layout}: {list(expected)}")
+    if num_tokens > cache.capacity:
+        raise ValueError(f"{num_tokens} tokens per row cannot fit a cache of capacity "
+                         f"{cache.capacity}")
+
+
 def write_rows(buffer: jax.Array, layer: jax.Array | None, new_BTKH: jax.Array,
                starts_B: jax.Array, fits_B: jax.Array) -> jax.Array:
     """Writes `new` into one layer's K or V, each row at its own start slot.

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from model.attention import CrossKV
-from model.cache import KVCache, init_cache
+from model.cache import KVCache, check_cache, init_cache
 from model.config import TransformerConfig
 from model.layers import DecoderLayer, EncoderLayer, LayerInputs, scanned
 from model.positional import sinusoidal
@@ -127,12 +127,6 @@ def _final_norm(config: TransformerConfig, name: str):
     return lambda x: x
 
 
-def _check_fits(tokens_BT, cache: KVCache | None):
-    if cache is not None and tokens_BT.shape[1] > cache.capacity:
-        raise ValueError(f"{tokens_BT.shape[1]} tokens per row cannot fit a cache of capacity "
-                         f"{cache.capacity}")
-
-
 class DecoderOnlyLM(nn.Module):
     """GPT-style language model: embed, causal decoder layers, tied or separate unembedding."""
 
@@ -153,7 +147,8 @@ class DecoderOnlyLM(nn.Module):
         Without a cache, the rows start at position 0. With one, they continue at
         `cache.lengths` and their K/V are written into the returned cache.
         """
-        _check_fits(tokens_BT, cache)
+        if cache is not None:
+            check_cache(self.config, cache, *tokens_BT.shape)
         valid_B = _valid_lengths(tokens_BT, lengths_B)
         batch, num_tokens = tokens_BT.shape
         starts_B = jnp.zeros((batch,), jnp.int32) if cache is None else cache.lengths
@@ -227,7 +222,8 @@ class EncoderDecoder(nn.Module):
         cached cross-attention K/V. Without one, the targets start at position 0 and the
         cross K/V are projected from `encoded` here (a plain full forward, as in training).
         """
-        _check_fits(target_BT, cache)
+        if cache is not None:
+            check_cache(self.config, cache, *target_BT.shape)
         valid_B = _valid_lengths(target_BT, lengths_B)
         batch, num_tokens = target_BT.shape
         if cache is None:

@@ -149,6 +149,26 @@ def test_chunk_longer_than_capacity_raises_before_tracing():
         run_cached(config, params, jnp.zeros((1, 12), jnp.int32), M.init_cache(config, 1, 8))
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cache_of_another_layout_or_batch_raises_naming_it(variant):
+    scanned, params = make({}, VARIANTS[variant])
+    unrolled = scanned.replace(scan_layers=False)
+    per_layer = M.unstack_layer_params(scanned, params)
+    source, source_lengths = source_for(scanned, 2)
+    tokens = jnp.zeros((2, 1), jnp.int32)
+    layers = scanned.num_decoder_layers
+    stacked_cache = start_cache(scanned, params, 2, 8, source, source_lengths)
+    per_layer_cache = start_cache(unrolled, per_layer, 2, 8, source, source_lengths)
+    with pytest.raises(ValueError, match=r"cache.k has shapes \[\(2, 4, 8, 8\)(, \(2, 4, 8, 8\))"
+                       r"{%d}\], but .* one stacked \[L, B, K, S, H\] array" % (layers - 1)):
+        run_cached(scanned, params, tokens, per_layer_cache)
+    with pytest.raises(ValueError, match=r"cache.k has shapes \[\(%d, 2, 4, 8, 8\)\], but .* a "
+                       r"tuple of %d \[B, K, S, H\] arrays" % (layers, layers)):
+        run_cached(unrolled, per_layer, tokens, stacked_cache)
+    with pytest.raises(ValueError, match=r"with a batch of 3 needs"):
+        run_cached(scanned, params, jnp.zeros((3, 1), jnp.int32), stacked_cache)
+
+
 def test_wrong_variant_for_config_raises():
     config, _ = make({}, 0)
     with pytest.raises(ValueError, match="num_encoder_layers > 0"):
