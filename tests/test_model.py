@@ -159,11 +159,12 @@ def test_cache_of_another_layout_or_batch_raises_naming_it(variant):
     layers = scanned.num_decoder_layers
     stacked_cache = start_cache(scanned, params, 2, 8, source, source_lengths)
     per_layer_cache = start_cache(unrolled, per_layer, 2, 8, source, source_lengths)
-    with pytest.raises(ValueError, match=r"cache.k has shapes \[\(2, 4, 8, 8\)(, \(2, 4, 8, 8\))"
-                       r"{%d}\], but .* one stacked \[L, B, K, S, H\] array" % (layers - 1)):
+    one_layer = r"\(2, 4, 8, 8\)"
+    with pytest.raises(ValueError, match=rf"cache.k has shapes \[{one_layer}(, {one_layer}){{"
+                       rf"{layers - 1}}}\], but .* one stacked \[L, B, K, S, H\] array"):
         run_cached(scanned, params, tokens, per_layer_cache)
-    with pytest.raises(ValueError, match=r"cache.k has shapes \[\(%d, 2, 4, 8, 8\)\], but .* a "
-                       r"tuple of %d \[B, K, S, H\] arrays" % (layers, layers)):
+    with pytest.raises(ValueError, match=rf"cache.k has shapes \[\({layers}, 2, 4, 8, 8\)\], "
+                       rf"but .* a tuple of {layers} \[B, K, S, H\] arrays"):
         run_cached(unrolled, per_layer, tokens, stacked_cache)
     with pytest.raises(ValueError, match=r"with a batch of 3 needs"):
         run_cached(scanned, params, jnp.zeros((3, 1), jnp.int32), stacked_cache)
