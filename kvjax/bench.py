@@ -19,6 +19,10 @@ side by side, in the same run, with:
    bandwidth is measured here, as the best of a large reduction and a large matrix-vector
    product. Per-token decode time is measured as the difference between two `generate`
    calls in one compiled bucket (N and N/2 + 1 new tokens), so prefill and dispatch cancel.
+4. **the weights alone**: the same step's matrix-vector products and nothing else, chained
+   in one compiled loop: how fast this backend streams the weights through the kernels a
+   batch-1 step is made of. Between it and the floor lies the backend; between the step
+   and it lies kvjax (attention, the cache write, sampling, dispatch).
 
 Every time is the best of `repeats` runs, for every contender alike: on a shared machine
 the slower runs measure the neighbours.
@@ -73,6 +77,7 @@ class Facts:
     param_bytes: int
     cache_bytes_batch1: int
     bandwidth: float  # bytes per second
+    weights_only_seconds: float  # a batch-1 step's matrix-vector products alone
     machine: str
     hf_note: str
 
@@ -104,6 +109,50 @@ def measure_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
         jax.block_until_ready(fn())
         best = min(best, _best_seconds(fn, repeats))
     return matrix.size * 4 / best
+
+
+def step_matrices(config: M.TransformerConfig, params) -> list[jax.Array]:
+    """Every weight matrix a decode step multiplies, 2-D: [in, out] for `x @ W`, except the
+    tied embedding table, which the logits multiply as `table @ x` ([V, D]). Together they
+    are all the params with two or more axes (biases and norms are vectors)."""
+    if config.is_encoder_decoder:
+        raise ValueError("step_matrices is for decoder-only models: an encoder's weights are "
+                         "not read by a decode step")
+    matrices = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(M.unstack_layer_params(config, params)):
+        if leaf.ndim < 2:
+            continue
+        name = jax.tree_util.keystr(path)
+        if leaf.ndim == 3 and leaf.shape[-1] == config.d_model and "out" in name:
+            leaf = leaf.reshape(-1, config.d_model)  # [N, H, D]: the heads are the input
+        matrices.append(leaf.reshape(leaf.shape[0], -1))
+    return matrices
+
+
+def time_weights_only_step(config: M.TransformerConfig, params, repeats: int,
+                           steps: int = 64) -> float:
+    """Seconds per batch-1 step for the step's matrix-vector products alone.
+
+    Each product feeds the next (one running vector), so they run one after another as in
+    the model, inside one compiled loop of `steps` iterations. No attention, no cache, no
+    sampling: this is how fast this backend streams the weights with the kernels a batch-1
+    decode step is made of, the best a step could do on it."""
+    matrices = step_matrices(config, params)
+    tied = config.tie_embeddings
+    width = max(max(m.shape) for m in matrices)
+
+    @jax.jit
+    def run(matrices):
+        def body(_, x):
+            for i, w in enumerate(matrices):
+                table = tied and i == 0 and w.shape == (config.vocab_size, config.d_model)
+                y = w @ x[:w.shape[1]] if table else x[:w.shape[0]] @ w
+                x = x.at[:y.shape[0]].add(1e-3 * y)
+            return x
+        return jax.lax.fori_loop(0, steps, body, jnp.ones((width,), matrices[0].dtype))
+
+    jax.block_until_ready(run(matrices))
+    return _best_seconds(lambda: run(matrices), repeats) / steps
 
 
 def _time_kvjax(net, params, prompts, new_tokens: int, repeats: int) -> tuple[float, float]:
@@ -217,9 +266,10 @@ def decode_benchmark(preset: str = "gpt-mini", batch_sizes: Sequence[int] = (1, 
     param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     # The cache a step reads, at the middle of the timed steps (N/2 + 1 .. N).
     filled = prompt_len + (new_tokens // 2 + 1 + new_tokens) // 2
+    log("weights alone ...")
     facts = Facts(preset, prompt_len, new_tokens, param_bytes,
                   M.cache_size_bytes(config, 1, filled).total, measure_bandwidth(),
-                  _machine(), hf_note)
+                  time_weights_only_step(config, params, repeats), _machine(), hf_note)
     return rows, facts
 
 
@@ -268,10 +318,16 @@ def format_table(rows: Sequence[Row], facts: Facts) -> str:
         f"{format_bytes(facts.cache_bytes_batch1)} of cache at "
         f"{facts.bandwidth / 1e9:.1f} GB/s (measured) = {floor * 1e3:.2f} ms per token.",
     ]
+    weights = facts.weights_only_seconds
+    matrix_bytes = facts.param_bytes  # vectors (biases, norms) are a rounding error here
+    lines.append(
+        f"Weights alone: a batch-1 step's matrix-vector products, chained in one compiled "
+        f"loop with nothing else, take {weights * 1e3:.2f} ms "
+        f"({matrix_bytes / weights / 1e9:.1f} GB/s) = {weights / floor:.2f}x the floor.")
     for r in batch1:
         step = r.decode_step_seconds
         lines.append(f"Decode step at batch 1, {r.layers} layers: {step * 1e3:.2f} ms = "
-                     f"{step / floor:.2f}x the floor.")
+                     f"{step / floor:.2f}x the floor = {step / weights:.2f}x the weights alone.")
     lines.append(f"Hugging Face: {facts.hf_note}.")
     return "\n".join(lines)
 

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import jax
 import pytest
 
 import model as M
@@ -95,3 +96,19 @@ def test_decode_benchmark_times_both_layer_modes_on_the_same_weights():
     assert rows[0].no_cache_seconds == rows[1].no_cache_seconds > 0
     table = bench.format_table(rows, facts)
     assert "| 2 | scanned |" in table and "| 2 | unrolled |" in table
+    assert facts.weights_only_seconds > 0
+    assert f"take {facts.weights_only_seconds * 1e3:.2f} ms" in table
+
+
+def test_weights_alone_multiplies_every_matrix_parameter_once():
+    from kvjax import bench
+    config = M.preset("tiny", num_heads=1, num_kv_heads=1)  # qkv is [D, 3, D]: not an output
+    params = M.init_params(config, jax.random.key(0))
+    matrices = bench.step_matrices(config, params)
+    leaves = jax.tree.leaves(M.unstack_layer_params(config, params))  # per layer, unstacked
+    assert sum(m.size for m in matrices) == sum(x.size for x in leaves if x.ndim >= 2)
+    shapes = sorted(m.shape for m in matrices)
+    d, f, v, layers = config.d_model, config.d_ff, config.vocab_size, config.num_decoder_layers
+    assert shapes == sorted([(v, d)] + [(d, 3 * d), (d, d), (d, f), (f, d)] * layers)
+    with pytest.raises(ValueError, match="decoder-only"):
+        bench.step_matrices(config.replace(num_encoder_layers=1), params)
