@@ -51,7 +51,7 @@ class TransformerConfig:
     # (`unstack_layer_params` converts). A scan step slices its layer's weights and cache out
     # of the stacks, and a backend that cannot fuse those slices into the matmuls (XLA:CPU)
     # copies them on every decode step; unrolled layers read them in place. On a 2-core CPU
-    # `gpt-mini` decodes about 1.6x faster unrolled at batch 32 and faster scanned at batch
+    # `gpt-mini` decodes 1.6-2.1x faster unrolled at batch 32 and faster scanned at batch
     # 1 (see `kvjax bench decode` and the README); compiling `generate` takes 2.5 s scanned,
     # 3.3 s unrolled, and at 24 layers 3 s against 10 s.
     scan_layers: bool = True
