@@ -21,8 +21,8 @@ side by side, in the same run, with:
    calls in one compiled bucket (N and N/2 + 1 new tokens), so prefill and dispatch cancel.
 4. **the weights alone**: the same step's matrix-vector products and nothing else, chained
    in one compiled loop: how fast this backend streams the weights through the kernels a
-   batch-1 step is made of. Between it and the floor lies the backend; between the step
-   and it lies kvjax (attention, the cache write, sampling, dispatch).
+   batch-1 step is made of. The gap from the floor to it is the backend's; what a step
+   takes beyond it is spent on attention, the cache write, sampling and the layer stack.
 
 Every time is the best of `repeats` runs, for every contender alike: on a shared machine
 the slower runs measure the neighbours.
@@ -111,21 +111,22 @@ def measure_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
     return matrix.size * 4 / best
 
 
-def step_matrices(config: M.TransformerConfig, params) -> list[jax.Array]:
-    """Every weight matrix a decode step multiplies, 2-D: [in, out] for `x @ W`, except the
-    tied embedding table, which the logits multiply as `table @ x` ([V, D]). Together they
-    are all the params with two or more axes (biases and norms are vectors)."""
+def step_matrices(config: M.TransformerConfig, params) -> list[tuple[jax.Array, bool]]:
+    """Every weight matrix a decoder-only model's decode step multiplies, as `(matrix,
+    on_the_left)`: each kernel as a 2-D [in, out] for `x @ W` (an output projection's
+    [N, H, D] is [N·H, D]), and with tied embeddings the table, which the logits multiply
+    as `table @ x` ([V, D]). Embedding rows that are only looked up are not multiplied."""
     if config.is_encoder_decoder:
         raise ValueError("step_matrices is for decoder-only models: an encoder's weights are "
                          "not read by a decode step")
     matrices = []
     for path, leaf in jax.tree_util.tree_leaves_with_path(M.unstack_layer_params(config, params)):
-        if leaf.ndim < 2:
-            continue
-        name = jax.tree_util.keystr(path)
-        if leaf.ndim == 3 and leaf.shape[-1] == config.d_model and "out" in name:
-            leaf = leaf.reshape(-1, config.d_model)  # [N, H, D]: the heads are the input
-        matrices.append(leaf.reshape(leaf.shape[0], -1))
+        names = [getattr(key, "key", None) for key in path]
+        if names[-1] == "kernel":
+            inputs = leaf.shape[:2] if names[-2] == "out" else leaf.shape[:1]  # [N, H, D]
+            matrices.append((leaf.reshape(int(np.prod(inputs)), -1), False))
+        elif names[-1] == "embedding" and config.tie_embeddings:
+            matrices.append((leaf, True))
     return matrices
 
 
@@ -135,24 +136,23 @@ def time_weights_only_step(config: M.TransformerConfig, params, repeats: int,
 
     Each product feeds the next (one running vector), so they run one after another as in
     the model, inside one compiled loop of `steps` iterations. No attention, no cache, no
-    sampling: this is how fast this backend streams the weights with the kernels a batch-1
-    decode step is made of, the best a step could do on it."""
+    sampling, no layer stack: how fast this backend streams the weights through the kernels
+    a batch-1 decode step is made of, with nothing else in the way."""
     matrices = step_matrices(config, params)
-    tied = config.tie_embeddings
-    width = max(max(m.shape) for m in matrices)
+    width = max(max(w.shape) for w, _ in matrices)
 
     @jax.jit
-    def run(matrices):
+    def run(weights):
         def body(_, x):
-            for i, w in enumerate(matrices):
-                table = tied and i == 0 and w.shape == (config.vocab_size, config.d_model)
-                y = w @ x[:w.shape[1]] if table else x[:w.shape[0]] @ w
+            for w, (_, on_the_left) in zip(weights, matrices, strict=True):
+                y = w @ x[:w.shape[1]] if on_the_left else x[:w.shape[0]] @ w
                 x = x.at[:y.shape[0]].add(1e-3 * y)
             return x
-        return jax.lax.fori_loop(0, steps, body, jnp.ones((width,), matrices[0].dtype))
+        return jax.lax.fori_loop(0, steps, body, jnp.ones((width,), weights[0].dtype))
 
-    jax.block_until_ready(run(matrices))
-    return _best_seconds(lambda: run(matrices), repeats) / steps
+    weights = [w for w, _ in matrices]
+    jax.block_until_ready(run(weights))
+    return _best_seconds(lambda: run(weights), repeats) / steps
 
 
 def _time_kvjax(net, params, prompts, new_tokens: int, repeats: int) -> tuple[float, float]:
@@ -319,11 +319,11 @@ def format_table(rows: Sequence[Row], facts: Facts) -> str:
         f"{facts.bandwidth / 1e9:.1f} GB/s (measured) = {floor * 1e3:.2f} ms per token.",
     ]
     weights = facts.weights_only_seconds
-    matrix_bytes = facts.param_bytes  # vectors (biases, norms) are a rounding error here
     lines.append(
         f"Weights alone: a batch-1 step's matrix-vector products, chained in one compiled "
         f"loop with nothing else, take {weights * 1e3:.2f} ms "
-        f"({matrix_bytes / weights / 1e9:.1f} GB/s) = {weights / floor:.2f}x the floor.")
+        f"({facts.param_bytes / weights / 1e9:.1f} GB/s of parameters) = "
+        f"{weights / floor:.2f}x the floor.")
     for r in batch1:
         step = r.decode_step_seconds
         lines.append(f"Decode step at batch 1, {r.layers} layers: {step * 1e3:.2f} ms = "

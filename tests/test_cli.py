@@ -102,13 +102,19 @@ def test_decode_benchmark_times_both_layer_modes_on_the_same_weights():
 
 def test_weights_alone_multiplies_every_matrix_parameter_once():
     from kvjax import bench
-    config = M.preset("tiny", num_heads=1, num_kv_heads=1)  # qkv is [D, 3, D]: not an output
+    # One head: qkv is [D, 3, D], which is not an output projection. Every size distinct.
+    config = M.preset("tiny", num_heads=1, num_kv_heads=1, vocab_size=80, max_len=40)
     params = M.init_params(config, jax.random.key(0))
     matrices = bench.step_matrices(config, params)
     leaves = jax.tree.leaves(M.unstack_layer_params(config, params))  # per layer, unstacked
-    assert sum(m.size for m in matrices) == sum(x.size for x in leaves if x.ndim >= 2)
-    shapes = sorted(m.shape for m in matrices)
+    assert sum(w.size for w, _ in matrices) == sum(x.size for x in leaves if x.ndim >= 2)
     d, f, v, layers = config.d_model, config.d_ff, config.vocab_size, config.num_decoder_layers
-    assert shapes == sorted([(v, d)] + [(d, 3 * d), (d, d), (d, f), (f, d)] * layers)
+    assert sorted((w.shape, left) for w, left in matrices) == sorted(
+        [((v, d), True)] + [((d, 3 * d), False), ((d, d), False), ((d, f), False),
+                            ((f, d), False)] * layers)
+    untied = config.replace(tie_embeddings=False, positional_encoding="learned")
+    shapes = [w.shape for w, left in bench.step_matrices(
+        untied, M.init_params(untied, jax.random.key(0))) if not left]
+    assert (d, v) in shapes and (v, d) not in shapes and (config.max_len, d) not in shapes
     with pytest.raises(ValueError, match="decoder-only"):
         bench.step_matrices(config.replace(num_encoder_layers=1), params)
