@@ -1,8 +1,9 @@
 """Generation: prefill + one compiled `lax.while_loop` decode, sampling, beam search, streaming."""
 
-from decode.generate import GenerateOutput, generate, stream, trace_count
-from decode.loop import DecodeState, StopReason, decode_loop
-from decode.sampling import SamplingParams, filter_logits, sample
+from .generate import GenerateOutput, generate, stream
+from .loop import DecodeState, StopReason, decode_loop
+from .sampling import SamplingParams, filter_logits, sample
+from .tracing import trace_count
 
 __all__ = [
     "DecodeState", "GenerateOutput", "SamplingParams", "StopReason", "decode_loop",

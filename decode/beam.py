@@ -17,7 +17,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from decode.loop import StopConditions, StopReason
+from kvjax import model as M
+
+from .loop import StopConditions, StopReason
+from .tracing import count_trace
 
 NEG_INF = -1e9  # finite, so that sums of "impossible" stay comparable and never NaN
 
@@ -187,10 +190,8 @@ def _best(state: BeamState, max_new_tokens, length_penalty) -> BeamResult:
 def beam_search(config, params, tokens_BP, lengths_B, capacity: int, buffer_len: int,
                 num_beams: int, stops: StopConditions, length_penalty) -> BeamResult:
     """Prefill each prompt once, copy its cache to W beams, then run `beam_loop`."""
-    from decode.generate import _count_trace, model_tokens_to_logits, prefill
-
-    _count_trace("beam")
-    first_logits_BV, cache = prefill(config, params, tokens_BP, lengths_B, capacity)
+    count_trace("beam")
+    first_logits_BV, cache = M.prefill(config, params, tokens_BP, lengths_B, capacity)
     cache = cache.take_rows(jnp.repeat(jnp.arange(tokens_BP.shape[0]), num_beams))
-    return beam_loop(model_tokens_to_logits(config, params), first_logits_BV, cache, num_beams,
+    return beam_loop(M.step_fn(config, params), first_logits_BV, cache, num_beams,
                      buffer_len, stops, length_penalty)

@@ -21,9 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import model as M
-from decode import beam
-from decode.loop import (
+from kvjax import model as M
+
+from . import beam
+from .loop import (
     DecodeState,
     StopConditions,
     StopReason,
@@ -31,7 +32,8 @@ from decode.loop import (
     initial_state,
     record,
 )
-from decode.sampling import SamplingParams
+from .sampling import SamplingParams
+from .tracing import count_trace
 
 MAX_EOS_IDS = 8  # eos ids travel as a fixed-size array so their number never recompiles
 MIN_BUCKET = 8
@@ -59,19 +61,6 @@ class GenerateOutput:
 def bucket(n: int, limit: int) -> int:
     """The smallest power of two >= n (at least MIN_BUCKET), capped at `limit`."""
     return min(max(MIN_BUCKET, 1 << max(0, n - 1).bit_length()), limit)
-
-
-_TRACE_COUNTS: dict[str, int] = {}
-
-
-def trace_count(name: str) -> int:
-    """How many times the compiled program `name` ('start', 'continue', 'beam') was traced.
-    Every trace is a compilation, so tests use this to check that calls reuse programs."""
-    return _TRACE_COUNTS.get(name, 0)
-
-
-def _count_trace(name: str) -> None:
-    _TRACE_COUNTS[name] = _TRACE_COUNTS.get(name, 0) + 1
 
 
 # Validation ------------------------------------------------------------------------------
@@ -117,13 +106,7 @@ def validate(config: M.TransformerConfig, params, tokens: np.ndarray, lengths: n
                          f"outside the vocabulary [0, {config.vocab_size})")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    target_len = 1 if config.is_encoder_decoder else int(lengths.max())
-    source_note = "" if not config.is_encoder_decoder else " (after the start token)"
-    if target_len + max_new_tokens > config.max_len:
-        raise ValueError(f"prompt length {target_len}{source_note} + max_new_tokens "
-                         f"{max_new_tokens} exceeds the model's max_len {config.max_len}")
-    if config.is_encoder_decoder and int(lengths.max()) > config.max_len:
-        raise ValueError(f"source length {int(lengths.max())} exceeds max_len {config.max_len}")
+    M.check_prompt_length(config, int(lengths.max()), max_new_tokens)
     if not temperature >= 0:
         raise ValueError(f"temperature={temperature} must be >= 0")
     if not 0 < top_p <= 1:
@@ -165,40 +148,11 @@ def check_params(config: M.TransformerConfig, params) -> None:
 # Compiled programs -----------------------------------------------------------------------
 
 
-def model_tokens_to_logits(config: M.TransformerConfig, params):
-    """The only view of the model that the decode loop gets."""
-    net = M.build_model(config)
-    if config.is_encoder_decoder:
-        return lambda tokens, cache: net.apply({"params": params}, tokens, cache,
-                                               method=net.decode)
-    return lambda tokens, cache: net.apply({"params": params}, tokens, cache)
-
-
-def prefill(config: M.TransformerConfig, params, tokens_BP, lengths_B, capacity: int):
-    """Fills a fresh cache from the prompts; returns (logits of the next token [B, V], cache).
-
-    Decoder-only: the prompt is the start of the sequence. Encoder-decoder: the prompt is
-    the source; it is encoded once and the target starts from BOS.
-    """
-    net = M.build_model(config)
-    batch = tokens_BP.shape[0]
-    if config.is_encoder_decoder:
-        encoded = net.apply({"params": params}, tokens_BP, lengths_B, method=net.encode)
-        cache = net.apply({"params": params}, encoded, lengths_B, capacity,
-                          method=net.start_decoding)
-        bos = jnp.full((batch, 1), config.bos_id, jnp.int32)
-        logits_B1V, cache = net.apply({"params": params}, bos, cache, method=net.decode)
-        return logits_B1V[:, 0], cache
-    cache = M.init_cache(config, batch, capacity)
-    logits_BPV, cache = net.apply({"params": params}, tokens_BP, cache, lengths_B)
-    return logits_BPV[jnp.arange(batch), lengths_B - 1], cache
-
-
 @functools.partial(jax.jit, static_argnums=(0, 5, 6))
 def _start(config, params, tokens_BP, lengths_B, rng, capacity: int, buffer_len: int,
            stops: StopConditions, sampling: SamplingParams) -> DecodeState:
-    _count_trace("start")
-    logits_BV, cache = prefill(config, params, tokens_BP, lengths_B, capacity)
+    count_trace("start")
+    logits_BV, cache = M.prefill(config, params, tokens_BP, lengths_B, capacity)
     state = initial_state(tokens_BP.shape[0], buffer_len, cache, rng)
     return record(state, logits_BV, stops, sampling)
 
@@ -206,9 +160,8 @@ def _start(config, params, tokens_BP, lengths_B, rng, capacity: int, buffer_len:
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
 def _continue(config, params, state: DecodeState, stops: StopConditions,
               sampling: SamplingParams, step_limit) -> DecodeState:
-    _count_trace("continue")
-    return decode_loop(model_tokens_to_logits(config, params), state, stops, sampling,
-                       step_limit)
+    count_trace("continue")
+    return decode_loop(M.step_fn(config, params), state, stops, sampling, step_limit)
 
 
 # Public API ------------------------------------------------------------------------------
@@ -226,9 +179,9 @@ class _Prepared:
     rng: jax.Array
 
 
-def _prepare(model, params, prompts, lengths, *, max_new_tokens, temperature, top_k, top_p,
+def _prepare(net, params, prompts, lengths, *, max_new_tokens, temperature, top_k, top_p,
              eos_ids, num_beams, rng) -> _Prepared:
-    config = model.config
+    config = net.config
     tokens, lengths = _prompt_array(prompts, lengths)
     eos_ids = tuple(int(e) for e in eos_ids)
     validate(config, params, tokens, lengths, max_new_tokens=max_new_tokens,
@@ -237,8 +190,7 @@ def _prepare(model, params, prompts, lengths, *, max_new_tokens, temperature, to
     prompt_len = int(lengths.max())
     padded_len = bucket(prompt_len, config.max_len)
     buffer_len = bucket(max_new_tokens, config.max_len)
-    target_prompt = 1 if config.is_encoder_decoder else padded_len  # BOS starts the target
-    capacity = min(target_prompt + buffer_len, config.max_len)
+    capacity = min(M.prompt_slots(config, padded_len) + buffer_len, config.max_len)
     padded = np.zeros((tokens.shape[0], padded_len), np.int32)
     padded[:, :tokens.shape[1]] = np.where(
         np.arange(tokens.shape[1])[None] < lengths[:, None], tokens, 0)[:, :padded_len]
@@ -253,7 +205,7 @@ def _prepare(model, params, prompts, lengths, *, max_new_tokens, temperature, to
     )
 
 
-def generate(model, params, prompts, *, max_new_tokens: int, lengths=None,
+def generate(net, params, prompts, *, max_new_tokens: int, lengths=None,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              eos_ids: Sequence[int] = (), num_beams: int = 1, length_penalty: float = 1.0,
              rng: jax.Array | None = None, return_logprobs: bool = False) -> GenerateOutput:
@@ -264,10 +216,10 @@ def generate(model, params, prompts, *, max_new_tokens: int, lengths=None,
     from BOS. `num_beams > 1` runs beam search (sampling settings are then ignored) and
     scores hypotheses by sum(logprobs) / length**length_penalty.
     """
-    prepared = _prepare(model, params, prompts, lengths, max_new_tokens=max_new_tokens,
+    prepared = _prepare(net, params, prompts, lengths, max_new_tokens=max_new_tokens,
                         temperature=temperature, top_k=top_k, top_p=top_p, eos_ids=eos_ids,
                         num_beams=num_beams, rng=rng)
-    config = model.config
+    config = net.config
     if num_beams > 1:
         result = beam.beam_search(
             config, params, prepared.tokens, prepared.lengths, prepared.capacity,
@@ -281,7 +233,7 @@ def generate(model, params, prompts, *, max_new_tokens: int, lengths=None,
     return _output(state, max_new_tokens, return_logprobs)
 
 
-def stream(model, params, prompts, *, max_new_tokens: int, chunk_size: int = 8,
+def stream(net, params, prompts, *, max_new_tokens: int, chunk_size: int = 8,
            **kwargs: Any) -> Generator[np.ndarray, None, GenerateOutput]:
     """Like `generate`, but yields the new tokens [B, k] after every chunk of k <= chunk_size
     steps. The same compiled loop runs a chunk at a time, carrying the cache between
@@ -294,11 +246,11 @@ def stream(model, params, prompts, *, max_new_tokens: int, chunk_size: int = 8,
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1")
     return_logprobs = kwargs.pop("return_logprobs", False)
-    prepared = _prepare(model, params, prompts, kwargs.pop("lengths", None),
+    prepared = _prepare(net, params, prompts, kwargs.pop("lengths", None),
                         max_new_tokens=max_new_tokens, num_beams=1,
                         **{"temperature": 0.0, "top_k": 0, "top_p": 1.0, "eos_ids": (),
                            "rng": None, **kwargs})
-    config = model.config
+    config = net.config
     state = _start(config, params, prepared.tokens, prepared.lengths, prepared.rng,
                    prepared.capacity, prepared.buffer_len, prepared.stops, prepared.sampling)
     emitted = 0

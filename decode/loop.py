@@ -17,7 +17,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from decode.sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample
 
 TokensToLogits = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
 

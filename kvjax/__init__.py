@@ -1,7 +1,10 @@
 """kvjax: a small, fast, readable Transformer library in JAX/Flax with an explicit KV cache.
 
-The library lives in three packages, `model`, `decode` and `train`; this one holds the
-command line (`kvjax.cli`), the demo and the helpers that span them.
+One import package with three subpackages: `kvjax.model` (the modules, the config and the
+KV cache), `kvjax.decode` (generation) and `kvjax.train` (data and the training loop).
+Beside them: what inference and training share (`kvjax.tokenizer`, `kvjax.checkpoint`),
+text-in/text-out sampling (`kvjax.text`), the command line (`kvjax.cli`), the demo and the
+benchmark. Importing `kvjax` itself loads none of them.
 """
 
 from __future__ import annotations

@@ -43,9 +43,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import decode
-import model as M
-from model.config import format_bytes
+from kvjax import decode
+from kvjax import model as M
+from kvjax.model.config import format_bytes
 
 NO_CACHE_PAD = 32  # the no-cache loop pads the sequence to a multiple of this
 
@@ -171,11 +171,9 @@ def _time_kvjax(net, params, prompts, new_tokens: int, repeats: int) -> tuple[fl
 def _time_no_cache(config, params, prompts: np.ndarray, new_tokens: int,
                    repeats: int) -> float:
     """Seconds for the recompute-everything loop: sum over steps of one full forward."""
-    net = M.build_model(config)
-
     @jax.jit
     def next_token(params, tokens_BT, last):
-        logits_BTV, _ = net.apply({"params": params}, tokens_BT)
+        logits_BTV = M.teacher_forced_logits(config, params, {"inputs": tokens_BT})
         return jnp.argmax(logits_BTV[:, last], axis=-1)
 
     batch, prompt_len = prompts.shape

@@ -167,8 +167,8 @@ def _run_demo(args) -> int:
 
 
 def _run_train(args) -> int:
-    import model as M
-    from train import tasks
+    from kvjax import model as M
+    from kvjax.train import tasks
 
     overrides = {"seed": args.seed, "progress": not args.no_progress}
     if args.steps is not None:
@@ -213,8 +213,8 @@ def _run_sample(args) -> int:
 
 
 def _run_cache_size(args) -> int:
-    import model as M
-    from model.config import describe_cache_size
+    from kvjax import model as M
+    from kvjax.model.config import describe_cache_size
 
     given = {"num_decoder_layers": args.layers, "num_heads": args.heads,
              "num_kv_heads": args.kv_heads}

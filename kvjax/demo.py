@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from kvjax import text
-from train import data, tasks
-from train.trainer import TrainResult
+from kvjax.train import data, tasks
+from kvjax.train.trainer import TrainResult
 
 LM_NAME = "python-docs-lm"
 TRANSLATE_NAME = "numbers-to-words"

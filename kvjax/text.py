@@ -22,10 +22,9 @@ from typing import Any
 import jax
 import numpy as np
 
-import decode
-import model as M
-from train import checkpoint
-from train.tokenizer import EOS_ID, Tokenizer
+from kvjax import checkpoint, decode
+from kvjax import model as M
+from kvjax.tokenizer import EOS_ID, Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,14 +110,8 @@ def sample_text(loaded: LoadedModel, prompt: str, *, max_new_tokens: int = 64,
 
 def _room(config: M.TransformerConfig, prompt_len: int) -> int:
     """How many tokens fit after the prompt; a prompt that leaves none is an error."""
-    used = 1 if config.is_encoder_decoder else prompt_len  # the target starts from BOS
-    if config.is_encoder_decoder and prompt_len > config.max_len:
-        raise ValueError(f"the prompt is {prompt_len} tokens; this model reads at most "
-                         f"{config.max_len}")
-    if used >= config.max_len:
-        raise ValueError(f"the prompt is {prompt_len} tokens; this model's max_len "
-                         f"{config.max_len} leaves no room to generate")
-    return config.max_len - used
+    M.check_prompt_length(config, prompt_len)
+    return config.max_len - M.prompt_slots(config, prompt_len)
 
 
 def _stream_text(tokenizer: Tokenizer, chunks: Iterator[np.ndarray],

@@ -14,9 +14,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model.cache import write_rows
-from model.config import TransformerConfig
-from model.positional import apply_rope
+from .cache import write_rows
+from .config import TransformerConfig
+from .positional import apply_rope
 
 
 def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,

@@ -29,7 +29,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from model.config import TransformerConfig
+from .config import TransformerConfig
 
 
 @flax.struct.dataclass

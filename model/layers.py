@@ -13,8 +13,8 @@ import flax.linen as nn
 import flax.struct
 import jax
 
-from model.attention import CrossAttention, SelfAttention
-from model.config import TransformerConfig
+from .attention import CrossAttention, SelfAttention
+from .config import TransformerConfig
 
 
 @flax.struct.dataclass

@@ -15,11 +15,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model.attention import CrossKV
-from model.cache import KVCache, check_cache, init_cache
-from model.config import TransformerConfig
-from model.layers import DecoderLayer, EncoderLayer, LayerInputs, scanned
-from model.positional import sinusoidal
+from .attention import CrossKV
+from .cache import KVCache, check_cache, init_cache
+from .config import TransformerConfig
+from .layers import DecoderLayer, EncoderLayer, LayerInputs, scanned
+from .positional import sinusoidal
 
 
 def _valid_lengths(tokens_BT: jax.Array, lengths_B: jax.Array | None) -> jax.Array:
@@ -165,8 +165,21 @@ class DecoderOnlyLM(nn.Module):
         return logits, cache.replace(k=new_kv[0], v=new_kv[1], lengths=new_lengths_B,
                                      overflow=cache.overflow | overflowed_B)
 
-    def init_cache(self, batch_size: int, capacity: int, dtype=None) -> KVCache:
-        return init_cache(self.config, batch_size, capacity, dtype)
+    def prefill(self, prompt_BP, prompt_lengths_B, capacity: int):
+        """A fresh cache of `capacity` slots filled with the prompts, and the logits of each
+        row's next token [B, V] (read at its last valid prompt position)."""
+        cache = init_cache(self.config, prompt_BP.shape[0], capacity)
+        logits_BPV, cache = self(prompt_BP, cache, prompt_lengths_B)
+        return logits_BPV[jnp.arange(prompt_BP.shape[0]), prompt_lengths_B - 1], cache
+
+    def step(self, tokens_BT, cache: KVCache, lengths_B=None):
+        """`(logits [B, T, V], cache)` for T new tokens per row after what the cache holds;
+        `lengths` [B] counts each row's valid new tokens (default: all T)."""
+        return self(tokens_BT, cache, lengths_B)
+
+    def teacher_forced(self, batch):
+        """Logits [B, T, V] for a training batch: `inputs` [B, T], optional `lengths` [B]."""
+        return self(batch["inputs"], None, batch.get("lengths"))[0]
 
 
 class EncoderDecoder(nn.Module):
@@ -255,8 +268,30 @@ class EncoderDecoder(nn.Module):
                                      overflow=cache.overflow | overflowed_B)
 
     def __call__(self, source_BS, target_BT, source_lengths_B=None, target_lengths_B=None):
-        """Teacher-forced logits [B, T, V] (training): encode, then decode all targets at once."""
+        """`(logits [B, T, V], None)` for teacher-forced targets: encode, then decode all
+        targets at once. The second item is the cache, as for `DecoderOnlyLM`; a full
+        forward keeps none."""
         encoded = self.encode(source_BS, source_lengths_B)
-        logits, _ = self.decode(target_BT, None, target_lengths_B, encoded_BSD=encoded,
-                                source_lengths_B=source_lengths_B)
-        return logits
+        return self.decode(target_BT, None, target_lengths_B, encoded_BSD=encoded,
+                           source_lengths_B=source_lengths_B)
+
+    def prefill(self, source_BS, source_lengths_B, capacity: int):
+        """Encodes the sources once, puts their cross-attention K/V in a fresh cache of
+        `capacity` target slots and feeds BOS: returns the first target token's logits
+        [B, V] and the cache."""
+        encoded = self.encode(source_BS, source_lengths_B)
+        cache = self.start_decoding(encoded, source_lengths_B, capacity)
+        bos_B1 = jnp.full((source_BS.shape[0], 1), self.config.bos_id, jnp.int32)
+        logits_B1V, cache = self.decode(bos_B1, cache)
+        return logits_B1V[:, 0], cache
+
+    def step(self, tokens_BT, cache: KVCache, lengths_B=None):
+        """`(logits [B, T, V], cache)` for T new target tokens per row (`lengths` as for
+        `DecoderOnlyLM.step`)."""
+        return self.decode(tokens_BT, cache, lengths_B)
+
+    def teacher_forced(self, batch):
+        """Logits [B, T, V] for a training batch: `source` [B, S], `source_lengths` [B],
+        `inputs` [B, T] (the targets shifted right) and `lengths` [B]."""
+        return self(batch["source"], batch["inputs"], batch.get("source_lengths"),
+                    batch.get("lengths"))[0]

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import model as M
+from kvjax import model as M
 
 
 @pytest.fixture(scope="session")
@@ -21,10 +21,9 @@ def tiny_config():
 @functools.partial(jax.jit, static_argnums=0)
 def run_full(config, params, tokens, lengths=None, source=None, source_lengths=None):
     """One forward over the whole sequence without a cache: logits [B, T, V]."""
-    net = M.build_model(config)
-    if config.is_encoder_decoder:
-        return net.apply({"params": params}, source, tokens, source_lengths, lengths)
-    return net.apply({"params": params}, tokens, None, lengths)[0]
+    batch = {"inputs": tokens, "lengths": lengths, "source": source,
+             "source_lengths": source_lengths}
+    return M.teacher_forced_logits(config, params, batch)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2, 3))
@@ -42,9 +41,7 @@ def start_cache(config, params, batch, capacity, source=None, source_lengths=Non
 def run_cached(config, params, tokens, cache, lengths=None):
     """One call with a cache: (logits [B, T, V], new cache)."""
     net = M.build_model(config)
-    if config.is_encoder_decoder:
-        return net.apply({"params": params}, tokens, cache, lengths, method=net.decode)
-    return net.apply({"params": params}, tokens, cache, lengths)
+    return net.apply({"params": params}, tokens, cache, lengths, method=net.step)
 
 
 def random_tokens(seed, shape, vocab):

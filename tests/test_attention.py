@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kvjax.model.attention import attend_cached
 
-import model as M
-from model.attention import attend_cached
+from kvjax import model as M
 
 
 def attend_from_cache_layout(q, k, v, mask):

@@ -1,4 +1,4 @@
-"""Tests for train.checkpoint: exact round trips, retention, atomic saves, errors, bad input.
+"""Tests for kvjax.checkpoint: exact round trips, retention, atomic saves, errors, bad input.
 
 Every bad-input test also checks that the checkpoint directory is byte-for-byte and
 mtime-for-mtime what it was before the failed call: loading must never repair, create or delete.
@@ -18,8 +18,8 @@ import optax
 import orbax.checkpoint._src.path.atomicity as orbax_atomicity
 import pytest
 
-from train import checkpoint as ckpt
-from train.checkpoint import Checkpointer, CheckpointError
+from kvjax import checkpoint as ckpt
+from kvjax.checkpoint import Checkpointer, CheckpointError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
@@ -169,7 +169,7 @@ _KILLED_CHILD = """
 import sys
 import jax.numpy as jnp
 import numpy as np
-from train.checkpoint import Checkpointer
+from kvjax.checkpoint import Checkpointer
 
 checkpointer = Checkpointer(sys.argv[1], save_every=1, keep=5)
 checkpointer.save(1, {"w": jnp.arange(8.0)})
@@ -506,12 +506,11 @@ def test_invalid_metadata_input_writes_nothing(tmp_path):
 
 
 def _model_and_tokenizer():
-    try:
-        from model import init_params
-        from model.config import preset
-        from train.tokenizer import train_tokenizer
-    except ImportError as e:
-        pytest.skip(f"model or train.tokenizer is not importable: {e}")
+    from kvjax.model import init_params
+    from kvjax.model.config import preset
+
+    from kvjax.tokenizer import train_tokenizer
+
     text = "the quick brown fox jumps over the lazy dog.\n" * 20 + "pack my box with jugs\n"
     tokenizer = train_tokenizer([text], 300)
     config = preset("tiny", vocab_size=tokenizer.vocab_size)

@@ -5,10 +5,10 @@ import sys
 
 import jax
 import pytest
+from kvjax.model.config import cache_size_bytes
 
-import model as M
 from kvjax import cli
-from model.config import cache_size_bytes
+from kvjax import model as M
 
 SUBCOMMANDS = (["demo"], ["train"], ["sample"], ["cache-size"], ["bench", "decode"])
 

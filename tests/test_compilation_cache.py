@@ -19,8 +19,8 @@ def count(name, **_):
 jax.monitoring.register_event_listener(count)
 from kvjax import enable_compilation_cache
 enable_compilation_cache(sys.argv[1])
-import decode
-import model as M
+from kvjax import decode
+from kvjax import model as M
 config = M.preset("tiny")
 decode.generate(M.build_model(config), M.init_params(config, jax.random.key(0)), [[1, 2, 3]],
                 max_new_tokens=4)

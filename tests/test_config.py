@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import model as M
+from kvjax import model as M
 
 
 @pytest.mark.parametrize("changes,message", [

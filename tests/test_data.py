@@ -2,8 +2,7 @@
 
 import numpy as np
 import pytest
-
-from train.data import (
+from kvjax.train.data import (
     Batches,
     encode_pairs,
     number_pairs,
@@ -18,7 +17,8 @@ from train.data import (
     split_train_val,
     tokenize_documents,
 )
-from train.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+from kvjax.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 # ---------------------------------------------------------------------------------------------
 # Text

@@ -4,9 +4,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from decode.loop import StopConditions, StopReason, decode_loop, initial_state, record
-from decode.sampling import SamplingParams
+from kvjax.decode.loop import StopConditions, StopReason, decode_loop, initial_state, record
+from kvjax.decode.sampling import SamplingParams
 
 VOCAB = 50
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from conftest import run_full
 
-import decode
-import model as M
+from kvjax import decode
+from kvjax import model as M
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [3], [20, 21, 22, 23]]
 VARIANTS = {"decoder_only": 0, "encoder_decoder": 2}

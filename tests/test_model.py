@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import random_tokens, run_cached, run_full, start_cache
 
-import model as M
+from kvjax import model as M
 
 # Every positional encoding, norm placement, activation and MHA/GQA/MQA appears at least once,
 # each in both variants.

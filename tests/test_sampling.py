@@ -5,8 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from decode.sampling import SamplingParams, filter_logits, sample
+from kvjax.decode.sampling import SamplingParams, filter_logits, sample
 
 LOGITS = np.array([2.0, 1.5, 1.2, 0.4, 0.1, -0.3, -1.0, -2.5], np.float32)
 # Upper 0.1% points of the chi-square distribution by degrees of freedom.

@@ -5,12 +5,11 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from kvjax.train import data, tasks
+from kvjax.train.trainer import validation_loss
 
-import decode
-from kvjax import cli, text
-from train import data, tasks
-from train.tokenizer import EOS_ID
-from train.trainer import validation_loss
+from kvjax import cli, decode, text
+from kvjax.tokenizer import EOS_ID
 
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 LM = CHECKPOINTS / "python-docs-lm"

@@ -1,12 +1,12 @@
-"""Tests for train.tokenizer: losslessness, special ids, persistence and training behaviour."""
+"""Tests for kvjax.tokenizer: losslessness, special ids, persistence and training behaviour."""
 
 import warnings
 
 import numpy as np
 import pytest
+from kvjax.train.data import python_docs_text, train_tokenizer_from_files
 
-from train.data import python_docs_text
-from train.tokenizer import (
+from kvjax.tokenizer import (
     BOS_ID,
     EOS_ID,
     MIN_VOCAB_SIZE,
@@ -14,7 +14,6 @@ from train.tokenizer import (
     UNK_ID,
     Tokenizer,
     train_tokenizer,
-    train_tokenizer_from_files,
 )
 
 VOCAB_SIZE = 384

@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kvjax.train import data, tasks, trainer
+from kvjax.train.trainer import TrainConfig, TrainTask
 
-import decode
-import model as M
-from train import checkpoint, data, tasks, trainer
-from train.tokenizer import EOS_ID, PAD_ID, train_tokenizer
-from train.trainer import TrainConfig, TrainTask
+from kvjax import checkpoint, decode
+from kvjax import model as M
+from kvjax.tokenizer import EOS_ID, PAD_ID, train_tokenizer
 
 COPY_STEPS = 200
 COPY_CONFIG = TrainConfig(

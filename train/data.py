@@ -10,12 +10,12 @@ Shapes: B examples, T tokens per example.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pydoc_data.topics import topics
 
 import numpy as np
 
-from train.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from kvjax.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_tokenizer
 
 # ---------------------------------------------------------------------------------------------
 # Text
@@ -40,6 +40,17 @@ def read_text_file(path: str | os.PathLike) -> str:
     if not text:
         raise ValueError(f"{path} is empty")
     return text
+
+
+def train_tokenizer_from_files(
+    paths: Iterable[str | os.PathLike], vocab_size: int, **kwargs
+) -> Tokenizer:
+    """``train_tokenizer`` on UTF-8 text files, one document per file."""
+    def documents() -> Iterator[str]:
+        for path in paths:
+            yield read_text_file(path)
+
+    return train_tokenizer(documents(), vocab_size, **kwargs)
 
 
 def read_text_files(paths: Iterable[str | os.PathLike]) -> str:

@@ -23,11 +23,12 @@ from typing import Any
 
 import numpy as np
 
-import decode
-import model as M
-from train import checkpoint, data, trainer
-from train.tokenizer import EOS_ID, PAD_ID, Tokenizer, train_tokenizer
-from train.trainer import TrainConfig, TrainResult, TrainTask
+from kvjax import checkpoint, decode
+from kvjax import model as M
+from kvjax.tokenizer import EOS_ID, PAD_ID, Tokenizer, train_tokenizer
+
+from . import data, trainer
+from .trainer import TrainConfig, TrainResult, TrainTask
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,7 @@ an uninterrupted run has.
 
 An output directory holds::
 
-    config.json, tokenizer.model   what the checkpoints need to be used (train.checkpoint)
+    config.json, tokenizer.model   what the checkpoints need to be used (kvjax.checkpoint)
     <step>/                        checkpoints: params, optimizer state, step, rng, data position
     metrics.jsonl                  one JSON object per logged step
     loss_curve.png                 training and validation loss, redrawn at the end of a run
@@ -37,10 +37,11 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-import model as M
-from train import checkpoint
-from train.data import Batches
-from train.tokenizer import PAD_ID, Tokenizer
+from kvjax import checkpoint
+from kvjax import model as M
+from kvjax.tokenizer import PAD_ID, Tokenizer
+
+from .data import Batches
 
 METRICS_FILE = "metrics.jsonl"
 LOSS_CURVE_FILE = "loss_curve.png"
@@ -159,17 +160,6 @@ def cross_entropy_sum(logits_BTV, targets_BT, label_smoothing: float = 0.0):
     return (nll_BT * weights_BT).sum(), weights_BT.sum()
 
 
-def model_logits(config: M.TransformerConfig, params, batch: Batch, dropout_rng=None):
-    """Teacher-forced logits [B, T, V]; dropout is on iff `dropout_rng` is given."""
-    net = M.build_model(config)
-    rngs = None if dropout_rng is None else {"dropout": dropout_rng}
-    if config.is_encoder_decoder:
-        return net.apply({"params": params}, batch["source"], batch["inputs"],
-                         batch["source_lengths"], batch["lengths"], rngs=rngs)
-    return net.apply({"params": params}, batch["inputs"], None, batch.get("lengths"),
-                     rngs=rngs)[0]
-
-
 # Optimizer and compiled steps ------------------------------------------------------------------
 
 
@@ -219,7 +209,7 @@ def train_step(model_config: M.TransformerConfig, train_config: TrainConfig, sta
     dropout_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
     def loss_fn(params):
-        logits = model_logits(model_config, params, batch, dropout_rng)
+        logits = M.teacher_forced_logits(model_config, params, batch, dropout_rng)
         total, count = cross_entropy_sum(logits, batch["targets"], train_config.label_smoothing)
         return total / jnp.maximum(count, 1.0)
 
@@ -231,7 +221,7 @@ def train_step(model_config: M.TransformerConfig, train_config: TrainConfig, sta
 
 @functools.partial(jax.jit, static_argnums=0)
 def _loss_sum(model_config: M.TransformerConfig, params, batch: Batch):
-    return cross_entropy_sum(model_logits(model_config, params, batch), batch["targets"])
+    return cross_entropy_sum(M.teacher_forced_logits(model_config, params, batch), batch["targets"])
 
 
 def validation_loss(model_config: M.TransformerConfig, params, val: Mapping[str, np.ndarray],

@@ -402,8 +402,8 @@ def load_for_sampling(directory: str | os.PathLike) -> tuple[Any, Any, Any]:
     The params are checked against the shapes `model.init_params` gives for the stored config.
     """
     # Imported here so that saving and restoring training state does not depend on them.
-    from model import TransformerConfig, init_params
-    from train.tokenizer import Tokenizer
+    from kvjax.model import TransformerConfig, init_params
+    from kvjax.tokenizer import Tokenizer
 
     path = _existing_directory(directory)
     config_dict, _task, tokenizer_bytes = read_metadata(path)

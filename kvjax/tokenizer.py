@@ -15,7 +15,7 @@ import io
 import os
 import tempfile
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 
 import sentencepiece as spm
 
@@ -250,17 +250,3 @@ def train_tokenizer(
             stacklevel=2,
         )
     return tokenizer
-
-
-def train_tokenizer_from_files(
-    paths: Iterable[str | os.PathLike], vocab_size: int, **kwargs
-) -> Tokenizer:
-    """``train_tokenizer`` on UTF-8 text files, one document per file."""
-    # Imported here because train.data imports this module.
-    from train.data import read_text_file
-
-    def documents() -> Iterator[str]:
-        for path in paths:
-            yield read_text_file(path)
-
-    return train_tokenizer(documents(), vocab_size, **kwargs)

@@ -1,0 +1,83 @@
+"""The model as generation and training see it, the same for both variants.
+
+  prefill(config, params, prompt [B, P], prompt_lengths [B], capacity) -> (logits [B, V], cache)
+  step_fn(config, params)(tokens [B, T], cache) -> (logits [B, T, V], cache)
+  teacher_forced_logits(config, params, batch) -> logits [B, T, V]
+
+A decoder-only LM's prompt is the start of the sequence it continues; an encoder-decoder's
+prompt is its source, and the target it writes starts from BOS. `prompt_slots` and
+`check_prompt_length` say what that means for the cache, so no caller needs to ask which
+variant it holds.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from .cache import KVCache
+from .config import TransformerConfig
+from .transformer import DecoderOnlyLM, EncoderDecoder
+
+
+def build_model(config: TransformerConfig) -> DecoderOnlyLM | EncoderDecoder:
+    """The variant the config describes: an encoder-decoder iff `num_encoder_layers > 0`."""
+    return EncoderDecoder(config) if config.is_encoder_decoder else DecoderOnlyLM(config)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def init_params(config: TransformerConfig, rng: jax.Array) -> dict:
+    """Randomly initialised params (a pytree) for `build_model(config)`.
+
+    Jitted: tracing Flax's init eagerly is slower than compiling it."""
+    net = build_model(config)
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    batch = {"inputs": tokens, "source": tokens}
+    return net.init(rng, batch, method=net.teacher_forced)["params"]
+
+
+def prefill(config: TransformerConfig, params, prompt_BP: jax.Array,
+            prompt_lengths_B: jax.Array, capacity: int) -> tuple[jax.Array, KVCache]:
+    """The whole prompt batch in one parallel pass that fills a fresh cache of `capacity`
+    target slots; returns the logits of each row's first new token [B, V] and the cache."""
+    net = build_model(config)
+    return net.apply({"params": params}, prompt_BP, prompt_lengths_B, capacity,
+                     method=net.prefill)
+
+
+def step_fn(config: TransformerConfig, params):
+    """`tokens_to_logits(tokens [B, T], cache) -> (logits [B, T, V], cache)`: the only view
+    of the model that the decode loops get."""
+    net = build_model(config)
+    return lambda tokens, cache: net.apply({"params": params}, tokens, cache, method=net.step)
+
+
+def teacher_forced_logits(config: TransformerConfig, params, batch, dropout_rng=None):
+    """Logits [B, T, V] of a training batch (see `teacher_forced` of each variant for its
+    keys); dropout is on iff `dropout_rng` is given."""
+    net = build_model(config)
+    rngs = None if dropout_rng is None else {"dropout": dropout_rng}
+    return net.apply({"params": params}, batch, rngs=rngs, method=net.teacher_forced)
+
+
+def prompt_slots(config: TransformerConfig, prompt_length: int) -> int:
+    """Target cache slots a prompt of `prompt_length` tokens fills before generation: all of
+    them for an LM, one (BOS) for an encoder-decoder, whose prompt is the source."""
+    return 1 if config.is_encoder_decoder else prompt_length
+
+
+def check_prompt_length(config: TransformerConfig, prompt_length: int,
+                        max_new_tokens: int = 1) -> None:
+    """Raises a ValueError unless a prompt of `prompt_length` tokens and `max_new_tokens`
+    generated after it fit the model's `max_len`."""
+    if prompt_length > config.max_len:
+        raise ValueError(f"prompt length {prompt_length} exceeds the model's max_len "
+                         f"{config.max_len}")
+    used = prompt_slots(config, prompt_length)
+    if used + max_new_tokens > config.max_len:
+        start = " (the target starts from BOS)" if config.is_encoder_decoder else ""
+        raise ValueError(f"prompt length {prompt_length} + max_new_tokens {max_new_tokens} "
+                         f"needs {used + max_new_tokens} target positions{start}, more than "
+                         f"the model's max_len {config.max_len}")
