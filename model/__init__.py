@@ -12,7 +12,8 @@ from .interface import (
     step_fn,
     teacher_forced_logits,
 )
-from .transformer import DecoderOnlyLM, EncoderDecoder, unstack_layer_params
+from .layers import unstack_layer_params
+from .transformer import DecoderOnlyLM, EncoderDecoder
 
 __all__ = [
     "PRESETS", "CacheSize", "DecoderOnlyLM", "EncoderDecoder", "KVCache", "TransformerConfig",

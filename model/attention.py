@@ -42,10 +42,9 @@ def attend_cached(q_BTNH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array,
     batch, num_queries, num_heads, head_dim = q_BTNH.shape
     kv_heads, capacity = k_BKSH.shape[1], k_BKSH.shape[2]
     group = num_heads // kv_heads
-    # (B, K) merged into one batch axis X of heads and (G, T) into M query rows. With the
-    # two batch axes (B, K) and B = 1, XLA:CPU dropped the unit axis and then copied K
-    # transposed before every product; with one batch axis the products take K and V as
-    # they lie in the cache.
+    # (B, K) merged into one batch axis X of heads and (G, T) into M query rows: with one
+    # batch axis the products take K and V as they lie in the cache. With two, (B, K), a
+    # backend that drops a unit B axis (XLA:CPU does) copies K transposed for every product.
     q_XMH = q_BTNH.reshape(batch, num_queries, kv_heads, group, head_dim).transpose(
         0, 2, 3, 1, 4).reshape(batch * kv_heads, group * num_queries, head_dim)
     k_XSH = k_BKSH.reshape(batch * kv_heads, capacity, head_dim)
@@ -81,7 +80,7 @@ class OutputProjection(nn.Module):
     """Heads back to the model width: [B, T, N, H] -> [B, T, D] with a kernel [N, H, D].
 
     Computed as one [B·T, N·H] x [N·H, D] matmul: a contraction over two axes at once
-    is several times slower on some backends (XLA:CPU among them) than the same 2-D product.
+    is slower on some backends (XLA:CPU among them) than the same 2-D product.
     """
 
     config: TransformerConfig
@@ -99,10 +98,10 @@ class OutputProjection(nn.Module):
 class SelfAttention(nn.Module):
     """Masked self-attention that reads and writes this layer's K/V in the cache.
 
-    `cache_kv` is `(k, v)`: this layer's own [B, K, S, H] buffers (`layer` None), or every
-    layer's stacked [L, B, K, S, H] with `layer` this layer's index; or None. With a cache,
-    the new K/V are written at each row's `starts` slot and the queries attend over all S
-    cached slots of this layer; without one, they attend over the T new tokens only.
+    `cache_kv` is `(k, v)`, the stacks [L, B, K, S, H] that hold this layer at index `layer`
+    (see `model/cache.py`), or None. With a cache, the new K/V are written at each row's
+    `starts` slot and the queries attend over all S cached slots of this layer; without one,
+    they attend over the T new tokens only.
     """
 
     config: TransformerConfig
@@ -121,10 +120,9 @@ class SelfAttention(nn.Module):
         if cache_kv is None:
             out = attend(q, k, v, mask_BTS)
         else:
-            cache_kv = tuple(write_rows(c, layer, new, starts_B, fits_B)
-                             for c, new in zip(cache_kv, (k, v), strict=True))
-            k_BKSH, v_BKSH = cache_kv if layer is None else (c[layer] for c in cache_kv)
-            out = attend_cached(q, k_BKSH, v_BKSH, mask_BTS)
+            cache_kv = tuple(write_rows(stack, layer, new, starts_B, fits_B)
+                             for stack, new in zip(cache_kv, (k, v), strict=True))
+            out = attend_cached(q, cache_kv[0][layer], cache_kv[1][layer], mask_BTS)
         return OutputProjection(config, name="out")(out), cache_kv
 
 
@@ -132,16 +130,17 @@ class CrossKV(nn.Module):
     """Projects the encoder output to one decoder layer's cross-attention K and V, [B, S, K, H].
 
     Run once per source, then held in the cache: decoding steps never re-project it.
-    Shaped for `nn.scan` over layers: the encoder output is the (unchanged) carry.
+    A layer of a `LayerStack`: the encoder output passes through unchanged.
     """
 
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, encoded_BSD):
+    def __call__(self, carry, layer, shared):
+        encoded_BSD, _ = carry
         kv = _projection(self.config, 2 * self.config.kv_heads, "kv")(encoded_BSD)
         k, v = jnp.split(kv, 2, axis=2)
-        return encoded_BSD, (k, v)
+        return carry, {"cross_k": k, "cross_v": v}
 
 
 class CrossAttention(nn.Module):

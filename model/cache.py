@@ -16,11 +16,11 @@ Each layer's K and V are laid out [B, K, S, H], heads before slots (as Hugging F
 is): attention multiplies each head's contiguous [S, H] block in place. With slots before
 heads ([B, S, K, H]) every decode step would first transpose the whole cache.
 
-How the layers' buffers are held follows `TransformerConfig.scan_layers`. Scanned layers
-share one stacked [L, B, K, S, H] array (a scan step can only index into a stack). Unrolled
-layers own one [B, K, S, H] array each, a tuple of L, so each layer reads its buffer where
-it lies; reading a layer out of a stack is a copy on backends that cannot fuse the slice
-into the matmul (XLA:CPU among them), and at batch 32 that copy cost a third of a step.
+Each layer's K and V are held as a tuple of stacks, `config.layer_stacks(L)`: one stack
+[L, B, K, S, H] of every layer when layers are scanned (a scan step can only index into a
+stack), or L stacks [1, B, K, S, H] of one layer each when they are unrolled, so each layer
+reads its own buffer where it lies instead of a slice of a larger array. Layer code sees the
+same thing either way: its stack and its index in it.
 """
 
 from __future__ import annotations
@@ -37,22 +37,22 @@ class KVCache:
     """Per-layer K/V of every decoder layer.
 
     Fields:
-      k, v:           self-attention keys and values, [L, B, K, S, H] stacked (scanned
-                      layers) or a tuple of L [B, K, S, H] arrays (unrolled); S is the capacity.
+      k, v:           self-attention keys and values: a tuple of stacks [L_i, B, K, S, H]
+                      (`config.layer_stacks`, see above); S is the capacity.
       lengths:        [B] int32, filled slots per row (= next position to write).
       overflow:       [B] bool, set when a write did not fit; the write was skipped, never
                       clamped (`lax.dynamic_update_slice` would silently move it).
-      cross_k, cross_v: encoder-decoder only, held like k and v with S_src slots: the encoder
+      cross_k, cross_v: encoder-decoder only, held as k and v with S_src slots: the encoder
                       output projected once per layer, read by every decoding step; else None.
       source_lengths: [B] int32 valid source tokens per row (encoder-decoder), else None.
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
     lengths: jax.Array
     overflow: jax.Array
-    cross_k: jax.Array | None = None
-    cross_v: jax.Array | None = None
+    cross_k: tuple[jax.Array, ...] | None = None
+    cross_v: tuple[jax.Array, ...] | None = None
     source_lengths: jax.Array | None = None
 
     @property
@@ -84,8 +84,8 @@ class KVCache:
     def take_rows(self, rows_R: jax.Array) -> KVCache:
         """The cache of rows `rows` [R] (repeats allowed): beam search reorders with this."""
 
-        def take(x):  # K/V buffers end in [B, K, S, H]; the per-row counters are [B]
-            return jnp.take(x, rows_R, axis=x.ndim - 4 if x.ndim >= 4 else 0)
+        def take(x):  # K/V stacks are [L_i, B, K, S, H]; the per-row counters are [B]
+            return jnp.take(x, rows_R, axis=1 if x.ndim == 5 else 0)
 
         return jax.tree.map(take, self)
 
@@ -107,9 +107,8 @@ def init_cache(
     layer_shape = (batch_size, config.kv_heads, capacity, config.head_dim)
 
     def buffers():
-        if config.scan_layers:
-            return jnp.zeros((config.num_decoder_layers, *layer_shape), dtype)
-        return tuple(jnp.zeros(layer_shape, dtype) for _ in range(config.num_decoder_layers))
+        return tuple(jnp.zeros((n, *layer_shape), dtype)
+                     for n in config.layer_stacks(config.num_decoder_layers))
 
     return KVCache(
         k=buffers(),
@@ -125,39 +124,37 @@ def check_cache(config: TransformerConfig, cache: KVCache, batch: int, num_token
     A cache built for the other `scan_layers` setting, another batch size or other heads
     would otherwise fail deep inside a layer with a bare shape error."""
     layer_shape = (batch, config.kv_heads, cache.capacity, config.head_dim)
-    layers = config.num_decoder_layers
-    expected = ((layers, *layer_shape),) if config.scan_layers else (layer_shape,) * layers
-    layout = ("one stacked [L, B, K, S, H] array (scan_layers=True)" if config.scan_layers
-              else f"a tuple of {layers} [B, K, S, H] arrays (scan_layers=False)")
+    stacks = config.layer_stacks(config.num_decoder_layers)
+    expected = [(n, *layer_shape) for n in stacks]
     for name in ("k", "v"):
         buffers = getattr(cache, name)
-        found = tuple(jnp.shape(b) for b in buffers) if isinstance(buffers, tuple) else (
-            jnp.shape(buffers),)
+        found = ([jnp.shape(b) for b in buffers] if isinstance(buffers, tuple | list)
+                 else [jnp.shape(buffers)])
         if found != expected:
-            raise ValueError(f"cache.{name} has shapes {list(found)}, but this model with a "
-                             f"batch of {batch} needs {layout}: {list(expected)}")
+            raise ValueError(
+                f"cache.{name} has shapes {found}, but this model (scan_layers="
+                f"{config.scan_layers}) with a batch of {batch} needs a tuple of "
+                f"{len(stacks)} [L_i, B, K, S, H] stacks: {expected}")
     if num_tokens > cache.capacity:
         raise ValueError(f"{num_tokens} tokens per row cannot fit a cache of capacity "
                          f"{cache.capacity}")
 
 
-def write_rows(buffer: jax.Array, layer: jax.Array | None, new_BTKH: jax.Array,
-               starts_B: jax.Array, fits_B: jax.Array) -> jax.Array:
-    """Writes `new` into one layer's K or V, each row at its own start slot.
+def write_rows(stack: jax.Array, layer, new_BTKH: jax.Array, starts_B: jax.Array,
+               fits_B: jax.Array) -> jax.Array:
+    """Writes `new` into the K or V of layer `layer` of `stack` [L, B, K, S, H], each row at
+    its own start slot.
 
-    `buffer` is that layer's [B, K, S, H] (`layer` None) or the stack [L, B, K, S, H] with
-    `layer` its index: the whole stack is updated rather than a slice of it, so inside the
-    layer scan and the decode loop XLA writes the T new slots in place, never copying.
-    With one start per row this is a scatter (what `vmap` of `lax.dynamic_update_slice`
-    becomes). A row that does not fit (`start + T > S`) writes nothing: its slots point past
-    the end and `mode="drop"` discards them, where a clamped write would have overwritten
-    the last slots. Its caller flags the row as overflowed.
+    The whole stack is updated rather than a slice of it, so inside the layer scan and the
+    decode loop XLA writes the T new slots in place, never copying. With one start per row
+    this is a scatter (what `vmap` of `lax.dynamic_update_slice` becomes). A row that does
+    not fit (`start + T > S`) writes nothing: its slots point past the end and `mode="drop"`
+    discards them, where a clamped write would have overwritten the last slots. Its caller
+    flags the row as overflowed.
     """
-    capacity = buffer.shape[-2]
+    capacity = stack.shape[-2]
     slots_BT = starts_B[:, None] + jnp.arange(new_BTKH.shape[1], dtype=starts_B.dtype)
     slots_BT = jnp.where(fits_B[:, None], slots_BT, capacity)
     rows_B1 = jnp.arange(new_BTKH.shape[0])[:, None]
     # The two index arrays are split by the K slice, so the indexed block is [B, T, K, H].
-    index = (rows_B1, slice(None), slots_BT) if layer is None else (
-        layer, rows_B1, slice(None), slots_BT)
-    return buffer.at[index].set(new_BTKH.astype(buffer.dtype), mode="drop")
+    return stack.at[layer, rows_B1, :, slots_BT].set(new_BTKH.astype(stack.dtype), mode="drop")

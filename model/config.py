@@ -45,15 +45,10 @@ class TransformerConfig:
     rope_base: float = 10000.0
     bos_id: int = 1  # the token an encoder-decoder's target starts from
     layer_norm_eps: float = 1e-6
-    # True: layers are one `nn.scan` over stacked params and one stacked KV cache, traced
-    # once, so compile time does not grow with depth. False: unrolled, one param tree
-    # (`layers/0`, ...) and one cache buffer per layer, at the price of tracing every layer
-    # (`unstack_layer_params` converts). A scan step slices its layer's weights and cache out
-    # of the stacks, and a backend that cannot fuse those slices into the matmuls (XLA:CPU)
-    # copies them on every decode step; unrolled layers read them in place. On a 2-core CPU
-    # `gpt-mini` decodes 1.6-2.1x faster unrolled at batch 32 and faster scanned at batch
-    # 1 (see `kvjax bench decode` and the README); compiling `generate` takes 2.5 s scanned,
-    # 3.3 s unrolled, and at 24 layers 3 s against 10 s.
+    # How a stack of layers is held (see `layer_stacks`): True, one `nn.scan` over stacked
+    # params and one stacked cache buffer, traced once, so compile time does not grow with
+    # depth; False, unrolled layers with their own params (`layers/0`, ...) and their own
+    # cache buffers, which each layer reads where it lies. `unstack_layer_params` converts.
     scan_layers: bool = True
 
     def __post_init__(self):
@@ -103,6 +98,13 @@ class TransformerConfig:
     def is_encoder_decoder(self) -> bool:
         return self.num_encoder_layers > 0
 
+    def layer_stacks(self, num_layers: int) -> tuple[int, ...]:
+        """How many layers each stack of a `num_layers` stack holds: everything held per
+        layer (cache buffers, cross-attention K/V) is a tuple of arrays with a leading axis
+        of that many layers. One stack of all layers when `scan_layers`, else one per layer.
+        """
+        return (num_layers,) if self.scan_layers else (1,) * num_layers
+
     @property
     def compute_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.dtype)
@@ -140,7 +142,7 @@ PRESETS: dict[str, TransformerConfig] = {
     "tiny": TransformerConfig(
         vocab_size=64, d_model=32, num_heads=4, d_ff=64, num_decoder_layers=2, max_len=64
     ),
-    # For the demo: trains in about two minutes on a 2-core CPU.
+    # For the demo: a few minutes of training on a laptop CPU.
     "small": TransformerConfig(
         vocab_size=1024, d_model=128, num_heads=4, d_ff=512, num_decoder_layers=3, max_len=256
     ),

@@ -1,7 +1,11 @@
 """Transformer layers: feed-forward network, residual + LayerNorm, encoder and decoder layers.
 
-Shape letters as in `model/cache.py`. Layers are written for `nn.scan`: they take the
-running activations as the carry and return `(x, per-layer output)`.
+Shape letters as in `model/cache.py`. Every layer has one signature, written for `nn.scan`:
+`layer((x, own), inputs, shared) -> ((x, own), output)`, where `own` is what the layer reads
+and updates in place in the arrays held per layer (the cache), `inputs` are its own inputs
+(always its `index` in its stack) and `shared` is what every layer of the stack gets.
+`LayerStack` and `run_layers` hold layers scanned or unrolled; nothing else needs to know
+which.
 Dropout is active exactly when the caller passes a `'dropout'` rng.
 """
 
@@ -12,6 +16,7 @@ from typing import Any
 import flax.linen as nn
 import flax.struct
 import jax
+import jax.numpy as jnp
 
 from .attention import CrossAttention, SelfAttention
 from .config import TransformerConfig
@@ -83,24 +88,24 @@ class EncoderLayer(nn.Module):
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x_BSD, inputs: LayerInputs):
+    def __call__(self, carry, layer: dict[str, Any], inputs: LayerInputs):
+        x_BSD, _ = carry
         attention = SelfAttention(self.config, name="self_attention")
         x, _ = Residual(self.config, name="attention_block")(
             x_BSD, lambda h: attention(h, inputs.positions, inputs.self_mask))
         ffn = FeedForward(self.config, name="ffn")
         x, _ = Residual(self.config, name="ffn_block")(x, lambda h: (ffn(h), None))
-        return x, None
+        return (x, None), None
 
 
 class DecoderLayer(nn.Module):
     """Masked self-attention (reading/writing the layer cache), cross-attention, FFN.
 
-    The carry is `(x [B, T, D], cache_kv)`: `cache_kv` is `(k, v)`, either every layer's
-    stacked self-attention cache [L, B, K, S, H] (scanned layers: carried whole, not sliced
-    per layer, so each layer writes its new slots in place) or this layer's own [B, K, S, H]
-    buffers (unrolled layers); None without a cache. `layer` holds this layer's inputs: its
-    `index` into a stacked cache (scanned only) and, for an encoder-decoder, `cross_k` and
-    `cross_v` ([B, S_src, K, H], or the cache's [B, K, S_src, H] with a cache).
+    The carry is `(x [B, T, D], cache_kv)`: `cache_kv` is `(k, v)`, the self-attention cache
+    stacks [L, B, K, S, H] that hold this layer at `layer["index"]`, carried whole so that
+    each layer writes its new slots in place (None without a cache). For an encoder-decoder
+    `layer` also holds this layer's `cross_k` and `cross_v`: [B, S_src, K, H], or the cache's
+    [B, K, S_src, H] with a cache.
     """
 
     config: TransformerConfig
@@ -113,7 +118,7 @@ class DecoderLayer(nn.Module):
         x, cache_kv = Residual(c, name="attention_block")(
             x_BTD,
             lambda h: attention(h, inputs.positions, inputs.self_mask, cache_kv,
-                                layer.get("index"), inputs.starts, inputs.fits))
+                                layer["index"], inputs.starts, inputs.fits))
         if layer.get("cross_k") is not None:
             cross = CrossAttention(c, name="cross_attention")
             x, _ = Residual(c, name="cross_block")(
@@ -126,49 +131,71 @@ class DecoderLayer(nn.Module):
 
 class Unrolled(nn.Module):
     """`num_layers` copies of `layer_cls` applied one after another, each with its own params
-    (`<name>/0`, `<name>/1`, ...), in place of the `nn.scan` stack below.
-
-    Decoder layers take a list of per-layer inputs (one dict each) where the scan takes one
-    dict of stacked arrays, and their cache carry `(k, v)` holds a tuple of per-layer
-    buffers: layer i reads and writes `(k[i], v[i])`. Per-layer outputs come back as tuples
-    over layers (CrossKV's K/V, held that way in the cache).
-    """
+    (`<name>/0`, `<name>/1`, ...) and its own stack of one layer (`run_layers`)."""
 
     layer_cls: Any
     config: TransformerConfig
     num_layers: int
 
     @nn.compact
-    def __call__(self, carry, *args):
-        outputs = []
+    def __call__(self, x, stacked, per_layer, shared):
+        stacked, outputs = list(stacked) if stacked is not None else None, []
         for i in range(self.num_layers):
-            layer = self.layer_cls(self.config, name=str(i))
-            if self.layer_cls is not DecoderLayer:
-                carry, out = layer(carry, *args)
-            else:
-                x, cache_kv = carry
-                own_kv = None if cache_kv is None else tuple(c[i] for c in cache_kv)
-                (x, own_kv), out = layer((x, own_kv), args[0][i], *args[1:])
-                if cache_kv is not None:
-                    cache_kv = tuple(c[:i] + (new,) + c[i + 1:]
-                                     for c, new in zip(cache_kv, own_kv, strict=True))
-                carry = (x, cache_kv)
-            outputs.append(out)
-        return carry, jax.tree.map(lambda *per_layer: per_layer, *outputs)
+            inputs = {"index": 0} if per_layer is None else {
+                "index": 0, **jax.tree.map(lambda a: a[0], per_layer[i])}
+            own = None if stacked is None else stacked[i]
+            (x, own), out = self.layer_cls(self.config, name=str(i))((x, own), inputs, shared)
+            if stacked is not None:
+                stacked[i] = own
+            outputs.append(jax.tree.map(lambda a: a[None], out))
+        return x, None if stacked is None else tuple(stacked), tuple(outputs)
 
 
-def scanned(layer_cls, config: TransformerConfig, num_layers: int, name: str):
-    """`num_layers` copies of `layer_cls`, stacked with `nn.scan` when `config.scan_layers`:
-    params get a leading [L] axis and the program is traced once, so compile time does not
-    grow with depth. Otherwise the layers are unrolled (see `TransformerConfig.scan_layers`).
-    """
+def layer_stack(layer_cls, config: TransformerConfig, num_layers: int, name: str) -> nn.Module:
+    """`num_layers` copies of `layer_cls`, held as `config.layer_stacks` says: stacked with
+    `nn.scan` when `config.scan_layers` (params get a leading [L] axis and the program is
+    traced once, so compile time does not grow with depth), else `Unrolled`. Call it with
+    `run_layers`."""
     if not config.scan_layers:
         return Unrolled(layer_cls, config, num_layers, name=name)
-    in_axes = {DecoderLayer: (0, nn.broadcast), EncoderLayer: (nn.broadcast,)}.get(layer_cls, ())
     return nn.scan(
         layer_cls,
         variable_axes={"params": 0},
         split_rngs={"params": True, "dropout": True},
-        in_axes=in_axes,
+        in_axes=(0, nn.broadcast),
         length=num_layers,
     )(config, name=name)
+
+
+def run_layers(config: TransformerConfig, layers: nn.Module, num_layers: int, x,
+               stacked=None, per_layer=None, shared=None):
+    """Applies a `layer_stack` to `x`; returns `(x, stacked, outputs)`.
+
+    `stacked` (e.g. the cache's K/V) and `per_layer` (e.g. cross-attention K/V) are tuples
+    over the stacks of `config.layer_stacks(num_layers)`, each item a pytree of arrays with
+    a leading axis of that stack's layers; None for none. A layer gets the stack of
+    `stacked` that holds it whole, with its index, and its own slice of `per_layer`. The
+    layers' outputs come back held the same way.
+    """
+    if not config.scan_layers:
+        return layers(x, stacked, per_layer, shared)
+    inputs = {"index": jnp.arange(num_layers, dtype=jnp.int32),
+              **({} if per_layer is None else per_layer[0])}
+    own = None if stacked is None else stacked[0]
+    (x, own), outputs = layers((x, own), inputs, shared)
+    return x, None if own is None else (own,), (outputs,)
+
+
+def unstack_layer_params(config: TransformerConfig, params):
+    """A scanned model's params ([L, ...] stacks per layer stack) as the same model's with
+    `scan_layers=False` (`<stack>/0`, `<stack>/1`, ...): the same weights, unrolled."""
+    def num_layers(name: str) -> int:
+        return config.num_encoder_layers if name == "encoder_layers" else (
+            config.num_decoder_layers)
+
+    def unstack(name: str, tree):
+        if not name.endswith(("layers", "cross_kv")):
+            return tree
+        return {str(i): jax.tree.map(lambda a, i=i: a[i], tree) for i in range(num_layers(name))}
+
+    return {name: unstack(name, tree) for name, tree in params.items()}

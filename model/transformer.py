@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from .attention import CrossKV
 from .cache import KVCache, check_cache, init_cache
 from .config import TransformerConfig
-from .layers import DecoderLayer, EncoderLayer, LayerInputs, scanned
+from .layers import DecoderLayer, EncoderLayer, LayerInputs, layer_stack, run_layers
 from .positional import sinusoidal
 
 
@@ -84,39 +84,25 @@ class Embedder(nn.Module):
             table_VD, x_BTD = nn.dtypes.promote_dtype(self.embedding.embedding, x_BTD,
                                                       dtype=self.config.compute_dtype)
             # The table as the left operand: a matrix-vector product streams the rows of a
-            # row-major [V, D] matrix as they lie, where `x @ table.T` had XLA:CPU copy a
+            # row-major [V, D] matrix as they lie; `x @ table.T` makes XLA:CPU copy a
             # transposed table on every decode step.
             return jnp.einsum("VD,BTD->BTV", table_VD, x_BTD).astype(jnp.float32)
         return self.unembed(x_BTD).astype(jnp.float32)
 
 
-def decoder_layer_inputs(config: TransformerConfig, cross_k=None, cross_v=None):
-    """What each decoder layer gets besides the carry: its cross-attention K/V (or None).
-
-    Scanned layers take one dict of stacked arrays, with each layer's `index` into the
-    stacked cache; unrolled layers take a list of one dict per layer (see `Unrolled`).
-    """
-    if config.scan_layers:
-        return {"index": jnp.arange(config.num_decoder_layers, dtype=jnp.int32),
-                "cross_k": cross_k, "cross_v": cross_v}
-    return [{"cross_k": None if cross_k is None else cross_k[i],
-             "cross_v": None if cross_v is None else cross_v[i]}
-            for i in range(config.num_decoder_layers)]
+def _stacked_kv(cache: KVCache | None):
+    """The cache's self-attention K/V as `run_layers` holds them: one `(k, v)` per stack."""
+    return None if cache is None else tuple(zip(cache.k, cache.v, strict=True))
 
 
-def unstack_layer_params(config: TransformerConfig, params):
-    """A scanned model's params ([L, ...] stacks per layer stack) as the same model's with
-    `scan_layers=False` (`<stack>/0`, `<stack>/1`, ...): the same weights, unrolled."""
-    def num_layers(name: str) -> int:
-        return config.num_encoder_layers if name == "encoder_layers" else (
-            config.num_decoder_layers)
+def _with_new_kv(cache: KVCache, stacked, new_lengths_B, overflowed_B) -> KVCache:
+    k, v = (tuple(kv[i] for kv in stacked) for i in (0, 1))
+    return cache.replace(k=k, v=v, lengths=new_lengths_B, overflow=cache.overflow | overflowed_B)
 
-    def unstack(name: str, tree):
-        if not name.endswith(("layers", "cross_kv")):
-            return tree
-        return {str(i): jax.tree.map(lambda a, i=i: a[i], tree) for i in range(num_layers(name))}
 
-    return {name: unstack(name, tree) for name, tree in params.items()}
+def _cross_inputs(cross_k, cross_v):
+    """Cross-attention K/V (tuples of stacks) as `run_layers`' per-layer inputs."""
+    return tuple({"cross_k": k, "cross_v": v} for k, v in zip(cross_k, cross_v, strict=True))
 
 
 def _final_norm(config: TransformerConfig, name: str):
@@ -138,7 +124,7 @@ class DecoderOnlyLM(nn.Module):
             raise ValueError(f"DecoderOnlyLM needs num_encoder_layers=0, got "
                              f"{c.num_encoder_layers}; use EncoderDecoder")
         self.embedder = Embedder(c)
-        self.layers = scanned(DecoderLayer, c, c.num_decoder_layers, "layers")
+        self.layers = layer_stack(DecoderLayer, c, c.num_decoder_layers, "layers")
         self.final_norm = _final_norm(c, "final_norm")
 
     def __call__(self, tokens_BT, cache: KVCache | None = None, lengths_B=None):
@@ -157,13 +143,12 @@ class DecoderOnlyLM(nn.Module):
         inputs, new_lengths_B, overflowed_B = self_attention_inputs(
             starts_B, valid_B, num_tokens, num_keys, capacity)
         x = self.embedder(tokens_BT, inputs.positions)
-        cache_kv = None if cache is None else (cache.k, cache.v)
-        (x, new_kv), _ = self.layers((x, cache_kv), decoder_layer_inputs(self.config), inputs)
+        x, stacked, _ = run_layers(self.config, self.layers, self.config.num_decoder_layers, x,
+                                   _stacked_kv(cache), shared=inputs)
         logits = self.embedder.logits(self.final_norm(x))
         if cache is None:
             return logits, None
-        return logits, cache.replace(k=new_kv[0], v=new_kv[1], lengths=new_lengths_B,
-                                     overflow=cache.overflow | overflowed_B)
+        return logits, _with_new_kv(cache, stacked, new_lengths_B, overflowed_B)
 
     def prefill(self, prompt_BP, prompt_lengths_B, capacity: int):
         """A fresh cache of `capacity` slots filled with the prompts, and the logits of each
@@ -195,10 +180,12 @@ class EncoderDecoder(nn.Module):
             raise ValueError("EncoderDecoder needs num_encoder_layers > 0, got 0")
         # One embedding for source and target: the tokenizer is shared.
         self.embedder = Embedder(c)
-        self.encoder_layers = scanned(EncoderLayer, c, c.num_encoder_layers, "encoder_layers")
+        self.encoder_layers = layer_stack(EncoderLayer, c, c.num_encoder_layers,
+                                          "encoder_layers")
         self.encoder_norm = _final_norm(c, "encoder_norm")
-        self.cross_kv = scanned(CrossKV, c, c.num_decoder_layers, "cross_kv")
-        self.decoder_layers = scanned(DecoderLayer, c, c.num_decoder_layers, "decoder_layers")
+        self.cross_kv = layer_stack(CrossKV, c, c.num_decoder_layers, "cross_kv")
+        self.decoder_layers = layer_stack(DecoderLayer, c, c.num_decoder_layers,
+                                          "decoder_layers")
         self.decoder_norm = _final_norm(c, "decoder_norm")
 
     def encode(self, source_BS, source_lengths_B=None):
@@ -210,17 +197,26 @@ class EncoderDecoder(nn.Module):
         mask_BSS = jnp.broadcast_to(slots_S[None, None, :] < valid_B[:, None, None],
                                     (source_BS.shape[0], length, length))
         x = self.embedder(source_BS, positions_BS)
-        x, _ = self.encoder_layers(x, LayerInputs(positions_BS, mask_BSS))
+        x, _, _ = run_layers(self.config, self.encoder_layers, self.config.num_encoder_layers,
+                             x, shared=LayerInputs(positions_BS, mask_BSS))
         return self.encoder_norm(x)
+
+    def _cross_kv(self, encoded_BSD):
+        """Every decoder layer's cross-attention K and V of the encoder output: tuples of
+        stacks [L_i, B, S, K, H]."""
+        _, _, per_layer = run_layers(self.config, self.cross_kv, self.config.num_decoder_layers,
+                                     encoded_BSD)
+        return (tuple(out["cross_k"] for out in per_layer),
+                tuple(out["cross_v"] for out in per_layer))
 
     def start_decoding(self, encoded_BSD, source_lengths_B, capacity: int,
                        dtype=None) -> KVCache:
         """A fresh cache of `capacity` target slots holding the cross-attention K/V."""
-        _, (cross_k, cross_v) = self.cross_kv(encoded_BSD)
+        cross_k, cross_v = self._cross_kv(encoded_BSD)
         cache = init_cache(self.config, encoded_BSD.shape[0], capacity, dtype)
 
-        def cache_layout(x_BSKH):  # -> [B, K, S, H], per layer or stacked as the cache is
-            return jnp.swapaxes(x_BSKH, -3, -2).astype(cache.dtype)
+        def cache_layout(x_LBSKH):  # -> [L_i, B, K, S, H], as the cache holds K and V
+            return jnp.swapaxes(x_LBSKH, -3, -2).astype(cache.dtype)
 
         return cache.replace(
             cross_k=jax.tree.map(cache_layout, cross_k),
@@ -242,16 +238,13 @@ class EncoderDecoder(nn.Module):
         if cache is None:
             if encoded_BSD is None:
                 raise ValueError("decode without a cache needs the encoder output `encoded_BSD`")
-            _, (cross_k, cross_v) = self.cross_kv(encoded_BSD)
+            cross_k, cross_v = self._cross_kv(encoded_BSD)
             source_lengths_B = _valid_lengths(encoded_BSD[..., 0], source_lengths_B)
             starts_B, num_keys, capacity = jnp.zeros((batch,), jnp.int32), num_tokens, None
-            cache_kv = None
         else:
             cross_k, cross_v = cache.cross_k, cache.cross_v
             source_lengths_B = cache.source_lengths
             starts_B, num_keys, capacity = cache.lengths, cache.capacity, cache.capacity
-            cache_kv = (cache.k, cache.v)
-        layer_inputs = decoder_layer_inputs(self.config, cross_k, cross_v)
         inputs, new_lengths_B, overflowed_B = self_attention_inputs(
             starts_B, valid_B, num_tokens, num_keys, capacity)
         source_slots = jnp.arange(encoded_BSD.shape[1] if cache is None
@@ -260,12 +253,13 @@ class EncoderDecoder(nn.Module):
             source_slots[None, None, :] < source_lengths_B[:, None, None],
             (batch, num_tokens, source_slots.shape[0])))
         x = self.embedder(target_BT, inputs.positions)
-        (x, new_kv), _ = self.decoder_layers((x, cache_kv), layer_inputs, inputs)
+        x, stacked, _ = run_layers(self.config, self.decoder_layers,
+                                   self.config.num_decoder_layers, x, _stacked_kv(cache),
+                                   _cross_inputs(cross_k, cross_v), inputs)
         logits = self.embedder.logits(self.decoder_norm(x))
         if cache is None:
             return logits, None
-        return logits, cache.replace(k=new_kv[0], v=new_kv[1], lengths=new_lengths_B,
-                                     overflow=cache.overflow | overflowed_B)
+        return logits, _with_new_kv(cache, stacked, new_lengths_B, overflowed_B)
 
     def __call__(self, source_BS, target_BT, source_lengths_B=None, target_lengths_B=None):
         """`(logits [B, T, V], None)` for teacher-forced targets: encode, then decode all

@@ -86,8 +86,9 @@ def test_chunked_prefill_fills_the_same_cache(variant):
             _, cache = run_cached(config, params, tokens[:, start:start + size], cache)
             start += size
         np.testing.assert_array_equal(cache.lengths, reference.lengths)
-        np.testing.assert_allclose(cache.k[:, :, :, :11], reference.k[:, :, :, :11], atol=1e-5)
-        np.testing.assert_allclose(cache.v[:, :, :, :11], reference.v[:, :, :, :11], atol=1e-5)
+        for name in ("k", "v"):
+            (stack,), (expected,) = getattr(cache, name), getattr(reference, name)
+            np.testing.assert_allclose(stack[..., :11, :], expected[..., :11, :], atol=1e-5)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -134,13 +135,13 @@ def test_full_cache_is_flagged_and_never_overwritten():
     _, cache = run_cached(config, params, tokens[:, :5], cache, jnp.array([5, 4], jnp.int32))
     _, cache = run_cached(config, params, tokens[:, 5:6], cache)  # fills row 0, row 1 at 5/6
     assert not cache.overflow.any()
-    snapshot = (np.asarray(cache.k), np.asarray(cache.v))
+    snapshot = (np.asarray(cache.k[0]), np.asarray(cache.v[0]))
     _, after = run_cached(config, params, tokens[:, :1], cache)  # row 0 is full
     np.testing.assert_array_equal(after.overflow, [True, False])
     np.testing.assert_array_equal(after.lengths, [6, 6])
-    np.testing.assert_array_equal(after.k[:, 0], snapshot[0][:, 0])  # no clamped write
-    np.testing.assert_array_equal(after.v[:, 0], snapshot[1][:, 0])
-    assert not np.array_equal(after.k[:, 1, :, 5], snapshot[0][:, 1, :, 5])  # row 1 was written
+    np.testing.assert_array_equal(after.k[0][:, 0], snapshot[0][:, 0])  # no clamped write
+    np.testing.assert_array_equal(after.v[0][:, 0], snapshot[1][:, 0])
+    assert not np.array_equal(after.k[0][:, 1, :, 5], snapshot[0][:, 1, :, 5])  # row 1 written
 
 
 def test_chunk_longer_than_capacity_raises_before_tracing():
@@ -159,12 +160,13 @@ def test_cache_of_another_layout_or_batch_raises_naming_it(variant):
     layers = scanned.num_decoder_layers
     stacked_cache = start_cache(scanned, params, 2, 8, source, source_lengths)
     per_layer_cache = start_cache(unrolled, per_layer, 2, 8, source, source_lengths)
-    one_layer = r"\(2, 4, 8, 8\)"
+    one_layer = r"\(1, 2, 4, 8, 8\)"
     with pytest.raises(ValueError, match=rf"cache.k has shapes \[{one_layer}(, {one_layer}){{"
-                       rf"{layers - 1}}}\], but .* one stacked \[L, B, K, S, H\] array"):
+                       rf"{layers - 1}}}\], but .*scan_layers=True.* a tuple of 1 "
+                       rf"\[L_i, B, K, S, H\] stacks: \[\({layers}, 2, 4, 8, 8\)\]"):
         run_cached(scanned, params, tokens, per_layer_cache)
     with pytest.raises(ValueError, match=rf"cache.k has shapes \[\({layers}, 2, 4, 8, 8\)\], "
-                       rf"but .* a tuple of {layers} \[B, K, S, H\] arrays"):
+                       rf"but .*scan_layers=False.* a tuple of {layers} \[L_i, B, K, S, H\]"):
         run_cached(unrolled, per_layer, tokens, stacked_cache)
     with pytest.raises(ValueError, match=r"with a batch of 3 needs"):
         run_cached(scanned, params, jnp.zeros((3, 1), jnp.int32), stacked_cache)
@@ -204,12 +206,12 @@ def test_unrolled_layers_own_one_cache_buffer_each():
     config = M.preset("tiny", num_decoder_layers=3, num_kv_heads=2, scan_layers=False)
     cache = M.init_cache(config, batch_size=2, capacity=10)
     assert len(cache.k) == len(cache.v) == 3
-    assert all(k.shape == (2, 2, 10, config.head_dim) for k in cache.k + cache.v)
+    assert all(k.shape == (1, 2, 2, 10, config.head_dim) for k in cache.k + cache.v)
     assert cache.capacity == 10 and cache.batch_size == 2
     assert cache.nbytes == M.cache_size_bytes(config, 2, 10).total
     reordered = cache.replace(lengths=jnp.array([3, 7], jnp.int32)).take_rows(jnp.array([1, 1, 0]))
     np.testing.assert_array_equal(reordered.lengths, [7, 7, 3])
-    assert reordered.k[2].shape == (3, 2, 10, config.head_dim)
+    assert reordered.k[2].shape == (1, 3, 2, 10, config.head_dim)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -228,6 +230,6 @@ def test_unrolled_cache_holds_what_the_scanned_cache_holds(variant):
     np.testing.assert_allclose(logits[False], logits[True], atol=1e-5)
     for layer in range(scanned.num_decoder_layers):
         for name in ("k", "v") + (("cross_k", "cross_v") if variant == "encoder_decoder" else ()):
-            np.testing.assert_allclose(getattr(caches[False], name)[layer],
-                                       getattr(caches[True], name)[layer], atol=1e-5)
+            np.testing.assert_allclose(getattr(caches[False], name)[layer][0],
+                                       getattr(caches[True], name)[0][layer], atol=1e-5)
     np.testing.assert_array_equal(caches[False].lengths, caches[True].lengths)

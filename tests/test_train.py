@@ -231,6 +231,30 @@ def test_learning_rate_warms_up_then_decays():
     assert float(schedule(100)) == pytest.approx(1e-3)
 
 
+def test_weight_decay_takes_the_same_step_for_scanned_and_unrolled_layers():
+    """Stacked over scanned layers, biases and LayerNorm scales are [L, D]: chosen by rank
+    they would be decayed there and not in the same model unrolled."""
+    scanned = M.preset("tiny", num_encoder_layers=1, num_decoder_layers=2)
+    unrolled = scanned.replace(scan_layers=False)
+    params = M.init_params(scanned, jax.random.key(0))
+    params = jax.tree.map(lambda p: p + 0.5, params)  # no param at zero: decay moves each
+    optimizer = trainer.make_optimizer(TrainConfig(steps=10, warmup_steps=0, weight_decay=0.5))
+
+    def one_step(p):  # with zero gradients, the update is the weight decay alone
+        updates, _ = optimizer.update(jax.tree.map(jnp.zeros_like, p), optimizer.init(p), p)
+        return updates
+
+    moved_scanned = M.unstack_layer_params(scanned, one_step(params))
+    moved_unrolled = one_step(M.unstack_layer_params(scanned, params))
+    assert jax.tree.structure(moved_unrolled) == jax.tree.structure(
+        jax.eval_shape(lambda: M.init_params(unrolled, jax.random.key(0))))
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(moved_scanned),
+                            jax.tree.leaves(moved_unrolled), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, err_msg=jax.tree_util.keystr(path))
+        name = path[-1].key
+        assert bool(np.any(np.asarray(a) != 0)) == (name in trainer.DECAYED_PARAMS), name
+
+
 def test_invalid_train_config_names_the_field():
     with pytest.raises(ValueError, match="warmup_steps=10 must be in"):
         TrainConfig(steps=10, warmup_steps=10)

@@ -54,9 +54,10 @@ class TrainConfig:
     """How to train: optimizer, schedule, evaluation, logging and checkpointing.
 
     The learning rate rises linearly from 0 over `warmup_steps`, then follows a cosine down to
-    `learning_rate * final_lr_fraction` at `steps`. Weight decay applies to matrices only (not to
-    biases or norm scales). Periodic evaluations use the first `eval_batches` validation batches
-    (0: all of them); the final one always uses all.
+    `learning_rate * final_lr_fraction` at `steps`. Weight decay applies to kernels and
+    embedding tables only (`decay_mask`), not to biases or norm scales. Periodic evaluations
+    use the first `eval_batches` validation batches (0: all of them); the final one always
+    uses all.
     """
 
     steps: int = 1000
@@ -169,14 +170,24 @@ def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
         decay_steps=config.steps, end_value=config.learning_rate * config.final_lr_fraction)
 
 
-def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
-    def is_matrix(params):
-        return jax.tree.map(lambda p: p.ndim >= 2, params)
+DECAYED_PARAMS = ("kernel", "embedding", "position_embedding")
 
+
+def decay_mask(params) -> Any:
+    """True for the params weight decay applies to: kernels and embedding tables, chosen by
+    name. Biases and LayerNorm scales are not decayed, whatever their rank: stacked over
+    scanned layers they are [L, D], as a kernel of an unrolled layer is."""
+    def decayed(path, _):
+        return getattr(path[-1], "key", None) in DECAYED_PARAMS
+
+    return jax.tree_util.tree_map_with_path(decayed, params)
+
+
+def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     return optax.chain(
         optax.clip_by_global_norm(config.clip_norm),
         optax.adamw(learning_rate_schedule(config), b1=config.adam_b1, b2=config.adam_b2,
-                    weight_decay=config.weight_decay, mask=is_matrix),
+                    weight_decay=config.weight_decay, mask=decay_mask),
     )
 
 
