@@ -91,6 +91,9 @@ def _add_train(commands) -> None:
                        help="checkpoint directory (default: runs/<task>)")
     train.add_argument("--resume", action="store_true",
                        help="continue from the newest checkpoint in --out")
+    train.add_argument("--mesh", default=None, metavar="data=N,model=M",
+                       help="split each batch over N devices and the heads and FFN over M "
+                            "(default: every device on data)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(run=_run_train)
 
@@ -180,6 +183,7 @@ def _run_train(args) -> int:
         encoder = M.preset(args.preset).num_decoder_layers if args.task == "translate" else 0
         overrides.update(preset=args.preset, model_overrides={"num_encoder_layers": encoder})
     out = args.out or f"runs/{args.task}"
+    overrides["mesh"] = _mesh(args.mesh)
     if args.task == "lm":
         result = tasks.train_lm(out, data_files=args.data, resume=args.resume, **overrides)
     else:
@@ -191,6 +195,18 @@ def _run_train(args) -> int:
     print(f"trained to step {result.step}: {metrics}\ncheckpoint: {result.out_dir}\n"
           f"metrics: {result.metrics_path}\nloss curve: {result.loss_curve_path}")
     return 0
+
+
+def _mesh(spec: str | None):
+    """The mesh `--mesh` asks for; without it every device on `data`, or None on one device
+    (which needs no mesh)."""
+    import jax
+
+    from kvjax import parallel
+
+    if spec is None and jax.device_count() == 1:
+        return None
+    return parallel.make_mesh(spec)
 
 
 def _run_sample(args) -> int:
