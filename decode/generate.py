@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import model as M
+from kvjax import parallel
 
 from . import beam
 from .loop import (
@@ -34,6 +35,8 @@ from .loop import (
 )
 from .sampling import SamplingParams
 from .tracing import count_trace
+
+Mesh = jax.sharding.Mesh
 
 MAX_EOS_IDS = 8  # eos ids travel as a fixed-size array so their number never recompiles
 MIN_BUCKET = 8
@@ -148,20 +151,34 @@ def check_params(config: M.TransformerConfig, params) -> None:
 # Compiled programs -----------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6))
+@functools.partial(jax.jit, static_argnums=(0, 5, 6), static_argnames="mesh")
 def _start(config, params, tokens_BP, lengths_B, rng, capacity: int, buffer_len: int,
-           stops: StopConditions, sampling: SamplingParams) -> DecodeState:
+           stops: StopConditions, sampling: SamplingParams, mesh=None) -> DecodeState:
     count_trace("start")
     logits_BV, cache = M.prefill(config, params, tokens_BP, lengths_B, capacity)
     state = initial_state(tokens_BP.shape[0], buffer_len, cache, rng)
-    return record(state, logits_BV, stops, sampling)
+    return parallel.constrain_rows(record(state, logits_BV, stops, sampling), mesh)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+@functools.partial(jax.jit, static_argnums=0, static_argnames="mesh", donate_argnums=2)
 def _continue(config, params, state: DecodeState, stops: StopConditions,
-              sampling: SamplingParams, step_limit) -> DecodeState:
+              sampling: SamplingParams, step_limit, mesh=None) -> DecodeState:
     count_trace("continue")
-    return decode_loop(M.step_fn(config, params), state, stops, sampling, step_limit)
+    state = parallel.constrain_rows(state, mesh)
+    return decode_loop(parallel.keep_rows(M.step_fn(config, params), mesh), state, stops,
+                       sampling, step_limit)
+
+
+def placement(config: M.TransformerConfig, params, mesh=None):
+    """`(mesh, params)` to generate with: `mesh` if given, else the one `params` are sharded
+    over; None, with `params` as they are, on a single device. The params are placed on the
+    mesh by `parallel.state_shardings`; a ValueError names a `model` axis that does not
+    divide the heads or d_ff."""
+    mesh = parallel.mesh_of(params) if mesh is None else mesh
+    if mesh is None or mesh.size == 1:
+        return None, params
+    parallel.check_model_axis(config, mesh)
+    return mesh, parallel.shard_params(params, mesh)
 
 
 # Public API ------------------------------------------------------------------------------
@@ -180,7 +197,7 @@ class _Prepared:
 
 
 def _prepare(net, params, prompts, lengths, *, max_new_tokens, temperature, top_k, top_p,
-             eos_ids, num_beams, rng) -> _Prepared:
+             eos_ids, num_beams, rng, mesh=None) -> _Prepared:
     config = net.config
     tokens, lengths = _prompt_array(prompts, lengths)
     eos_ids = tuple(int(e) for e in eos_ids)
@@ -196,9 +213,18 @@ def _prepare(net, params, prompts, lengths, *, max_new_tokens, temperature, top_
         np.arange(tokens.shape[1])[None] < lengths[:, None], tokens, 0)[:, :padded_len]
     eos = np.full(MAX_EOS_IDS, -1, np.int32)
     eos[:len(eos_ids)] = eos_ids
+    batch, lengths = tokens.shape[0], np.asarray(lengths, np.int32)
+    if mesh is not None:
+        # Rows split evenly over `data`: a batch that does not divide is filled up with
+        # copies of its last row, which finish when it does and are dropped from the output.
+        fill = -batch % mesh.shape[parallel.DATA]
+        padded = np.concatenate([padded, np.repeat(padded[-1:], fill, axis=0)])
+        lengths = np.concatenate([lengths, np.repeat(lengths[-1:], fill)])
+        padded = jax.device_put(padded, parallel.rows(mesh, 2))
+        lengths = jax.device_put(lengths, parallel.rows(mesh))
     return _Prepared(
         tokens=jnp.asarray(padded), lengths=jnp.asarray(lengths, jnp.int32),
-        batch=tokens.shape[0], capacity=capacity, buffer_len=buffer_len,
+        batch=batch, capacity=capacity, buffer_len=buffer_len,
         stops=StopConditions(jnp.asarray(eos), jnp.asarray(max_new_tokens, jnp.int32)),
         sampling=SamplingParams.make(temperature, top_k, top_p),
         rng=jax.random.key(0) if rng is None else rng,
@@ -208,29 +234,37 @@ def _prepare(net, params, prompts, lengths, *, max_new_tokens, temperature, top_
 def generate(net, params, prompts, *, max_new_tokens: int, lengths=None,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              eos_ids: Sequence[int] = (), num_beams: int = 1, length_penalty: float = 1.0,
-             rng: jax.Array | None = None, return_logprobs: bool = False) -> GenerateOutput:
+             rng: jax.Array | None = None, return_logprobs: bool = False,
+             mesh: Mesh | None = None) -> GenerateOutput:
     """Generates up to `max_new_tokens` per prompt.
 
     `prompts`: a list of token-id lists (lengths may differ) or an int array [B, P] with
     `lengths` [B]. For an `EncoderDecoder` they are the source sequences and decoding starts
     from BOS. `num_beams > 1` runs beam search (sampling settings are then ignored) and
     scores hypotheses by sum(logprobs) / length**length_penalty.
+
+    On many devices (`mesh`, or the mesh `params` are sharded over; see `placement`) the
+    rows and their cache are split over `data` and the kv heads over `model`; the tokens are
+    the ones one device makes.
     """
+    mesh, params = placement(net.config, params, mesh)
     prepared = _prepare(net, params, prompts, lengths, max_new_tokens=max_new_tokens,
                         temperature=temperature, top_k=top_k, top_p=top_p, eos_ids=eos_ids,
-                        num_beams=num_beams, rng=rng)
+                        num_beams=num_beams, rng=rng, mesh=mesh)
     config = net.config
     if num_beams > 1:
         result = beam.beam_search(
             config, params, prepared.tokens, prepared.lengths, prepared.capacity,
             prepared.buffer_len, num_beams, prepared.stops,
-            jnp.asarray(length_penalty, jnp.float32))
-        return _output(result, max_new_tokens, return_logprobs, scores=result.scores)
+            jnp.asarray(length_penalty, jnp.float32), mesh=mesh)
+        return _output(result, max_new_tokens, return_logprobs, prepared.batch,
+                       scores=result.scores)
     state = _start(config, params, prepared.tokens, prepared.lengths, prepared.rng,
-                   prepared.capacity, prepared.buffer_len, prepared.stops, prepared.sampling)
+                   prepared.capacity, prepared.buffer_len, prepared.stops, prepared.sampling,
+                   mesh=mesh)
     state = _continue(config, params, state, prepared.stops, prepared.sampling,
-                      prepared.stops.max_new_tokens)
-    return _output(state, max_new_tokens, return_logprobs)
+                      prepared.stops.max_new_tokens, mesh=mesh)
+    return _output(state, max_new_tokens, return_logprobs, prepared.batch)
 
 
 def stream(net, params, prompts, *, max_new_tokens: int, chunk_size: int = 8,
@@ -246,28 +280,35 @@ def stream(net, params, prompts, *, max_new_tokens: int, chunk_size: int = 8,
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1")
     return_logprobs = kwargs.pop("return_logprobs", False)
+    mesh, params = placement(net.config, params, kwargs.pop("mesh", None))
     prepared = _prepare(net, params, prompts, kwargs.pop("lengths", None),
-                        max_new_tokens=max_new_tokens, num_beams=1,
+                        max_new_tokens=max_new_tokens, num_beams=1, mesh=mesh,
                         **{"temperature": 0.0, "top_k": 0, "top_p": 1.0, "eos_ids": (),
                            "rng": None, **kwargs})
     config = net.config
     state = _start(config, params, prepared.tokens, prepared.lengths, prepared.rng,
-                   prepared.capacity, prepared.buffer_len, prepared.stops, prepared.sampling)
+                   prepared.capacity, prepared.buffer_len, prepared.stops, prepared.sampling,
+                   mesh=mesh)
     emitted = 0
     while True:
         step = int(state.step)
         if step > emitted:
-            yield np.asarray(state.tokens[:, emitted:step])
+            yield np.asarray(state.tokens[:prepared.batch, emitted:step])
             emitted = step
         if step >= max_new_tokens or bool(jnp.all(state.done)):
-            return _output(state, max_new_tokens, return_logprobs)
+            return _output(state, max_new_tokens, return_logprobs, prepared.batch)
         limit = jnp.asarray(min(step + chunk_size, max_new_tokens), jnp.int32)
-        state = _continue(config, params, state, prepared.stops, prepared.sampling, limit)
+        state = _continue(config, params, state, prepared.stops, prepared.sampling, limit,
+                          mesh=mesh)
 
 
-def _output(state, max_new_tokens: int, return_logprobs: bool, scores=None) -> GenerateOutput:
-    tokens = np.asarray(state.tokens)[:, :max_new_tokens]
-    logprobs = np.asarray(state.logprobs)[:, :max_new_tokens] if return_logprobs else None
-    return GenerateOutput(tokens=tokens, lengths=np.asarray(state.lengths),
-                          stop_reason=np.asarray(state.stop_reason), logprobs=logprobs,
-                          scores=None if scores is None else np.asarray(scores))
+def _output(state, max_new_tokens: int, return_logprobs: bool, batch: int,
+            scores=None) -> GenerateOutput:
+    """The first `batch` rows (the rest filled up a batch split over devices)."""
+    def real(array, columns=None):
+        return np.asarray(array)[:batch, :columns] if columns else np.asarray(array)[:batch]
+
+    logprobs = real(state.logprobs, max_new_tokens) if return_logprobs else None
+    return GenerateOutput(tokens=real(state.tokens, max_new_tokens),
+                          lengths=real(state.lengths), stop_reason=real(state.stop_reason),
+                          logprobs=logprobs, scores=None if scores is None else real(scores))

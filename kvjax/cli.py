@@ -5,6 +5,7 @@
     kvjax sample --checkpoint DIR --prompt TEXT
     kvjax cache-size                 the KV-cache size formula for a preset or given sizes
     kvjax bench decode               decode speed against no cache, HF GPT-2 and memory
+    kvjax bench train                training tokens/s against PyTorch eager
 
 A bad option or path ends with one line on stderr and exit code 2.
 """
@@ -154,7 +155,25 @@ def _add_bench(commands) -> None:
                         help="layer modes to time: scanned (stacked) and/or unrolled")
     decode.add_argument("--no-hf", action="store_true", help="skip Hugging Face GPT-2")
     decode.add_argument("--no-no-cache", action="store_true", help="skip the no-cache baseline")
+    decode.add_argument("--devices", type=_positive, default=1,
+                        help="also time kvjax with each batch split over this many devices "
+                             "(on a CPU, host devices), in rows beside the one-device rows")
     decode.set_defaults(run=_run_bench_decode)
+    train = _command(kinds, "train", "Training tokens/s of kvjax's train step against "
+                     "PyTorch eager (Hugging Face GPT-2 of the same sizes, AdamW, clipping; "
+                     "if installed: pip install -e '.[bench]'), measured in one run.")
+    train.add_argument("--preset", choices=PRESET_NAMES, default="gpt-mini", help="model size")
+    train.add_argument("--batch-size", type=_positive, default=8, help="sequences per step")
+    train.add_argument("--seq-len", type=_positive, default=256, help="tokens per sequence")
+    train.add_argument("--steps", type=_positive, default=5, help="steps per timed run")
+    train.add_argument("--repeats", type=_positive, default=3, help="timed runs (best)")
+    train.add_argument("--layers", choices=LAYER_MODES, nargs="+", default=list(LAYER_MODES),
+                       help="layer modes to time: scanned (stacked) and/or unrolled")
+    train.add_argument("--devices", type=_positive, default=1,
+                       help="also time kvjax with each batch split over this many devices "
+                            "(on a CPU, host devices)")
+    train.add_argument("--no-torch", action="store_true", help="skip PyTorch")
+    train.set_defaults(run=_run_bench_train)
 
 
 # What each command runs. Imports are local: `kvjax --help` should not wait for jax.
@@ -249,14 +268,37 @@ def _run_bench_decode(args) -> int:
     rows, facts = decode_benchmark(
         args.preset, tuple(args.batch_sizes), args.prompt_len, args.new_tokens, args.repeats,
         layer_modes=tuple(args.layers), compare_no_cache=not args.no_no_cache,
-        compare_hf=not args.no_hf)
+        compare_hf=not args.no_hf, devices=args.devices)
     print(format_table(rows, facts))
     return 0
+
+
+def _run_bench_train(args) -> int:
+    from kvjax.bench_train import format_train_table, train_benchmark
+
+    rows, setting = train_benchmark(
+        args.preset, args.batch_size, args.seq_len, args.steps, args.repeats,
+        devices=args.devices, layer_modes=tuple(args.layers), compare_torch=not args.no_torch)
+    print(format_train_table(rows, setting))
+    return 0
+
+
+def _host_devices(count: int) -> None:
+    """Lets the CPU backend show `count` devices, where it would show one. XLA reads this
+    when JAX starts, so it must be set before jax is first imported (in this process it is
+    not yet, unless `main` is called from a program that imported it)."""
+    import os
+
+    flag = f"--xla_force_host_platform_device_count={count}"
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "devices", 1) > 1:
+        _host_devices(args.devices)
     if args.compilation_cache:
         from kvjax import enable_compilation_cache
 

@@ -166,6 +166,48 @@ def shard_batch(batch: dict[str, Any], mesh: Mesh) -> dict[str, jax.Array]:
             for key, value in batch.items()}
 
 
+def constrain_rows(tree: Any, mesh: Mesh | None) -> Any:
+    """`tree` (a decode loop's state, its cache inside) held with its rows split over `data`
+    and each KV-cache stack's kv heads over `model`; unchanged without a mesh.
+
+    Inside a compiled program this pins the layout of what the decode loop carries from one
+    step to the next, so XLA never moves a row to another device between steps. Every array
+    with an axis has the batch first, except the K/V stacks [L, B, K, S, H] of a `KVCache`.
+    """
+    if mesh is None:
+        return tree
+
+    def place(leaf):
+        if isinstance(leaf, M.KVCache):
+            stacks = PartitionSpec(None, DATA, MODEL)  # [L, B, K, S, H]
+            kv = {name: jax.tree.map(lambda a: _constrain(a, mesh, stacks), getattr(leaf, name))
+                  for name in ("k", "v", "cross_k", "cross_v")}
+            counters = {name: jax.tree.map(lambda a: _constrain(a, mesh, PartitionSpec(DATA)),
+                                           getattr(leaf, name))
+                        for name in ("lengths", "overflow", "source_lengths")}
+            return leaf.replace(**kv, **counters)
+        return _constrain(leaf, mesh, PartitionSpec(DATA) if leaf.ndim else PartitionSpec())
+
+    return jax.tree.map(place, tree, is_leaf=lambda x: isinstance(x, M.KVCache))
+
+
+def keep_rows(tokens_to_logits, mesh: Mesh | None):
+    """A decode loop's `tokens_to_logits(tokens, cache) -> (logits, cache)` whose returned
+    cache keeps its layout (`constrain_rows`), so a loop's carry stays where it started."""
+    if mesh is None:
+        return tokens_to_logits
+
+    def step(tokens_BT, cache):
+        logits_BTV, cache = tokens_to_logits(tokens_BT, cache)
+        return logits_BTV, constrain_rows(cache, mesh)
+
+    return step
+
+
+def _constrain(x: jax.Array, mesh: Mesh, spec: PartitionSpec) -> jax.Array:
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
 def mesh_of(tree: Any) -> Mesh | None:
     """The mesh the arrays of `tree` are sharded over, if any is a `NamedSharding`."""
     for leaf in jax.tree.leaves(tree):
