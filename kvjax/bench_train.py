@@ -78,7 +78,8 @@ def _torch_step(config: M.TransformerConfig, batch_np: dict) -> tuple[Callable |
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=config.vocab_size, n_positions=config.max_len, n_embd=config.d_model,
         n_layer=config.num_decoder_layers, n_head=config.num_heads, n_inner=config.d_ff,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).train()
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        pad_token_id=0)).train()
     optimizer = torch.optim.AdamW(gpt2.parameters(), lr=1e-3, betas=(0.9, 0.98),
                                   weight_decay=0.01)
     inputs = torch.as_tensor(batch_np["inputs"], dtype=torch.long)
