@@ -28,8 +28,9 @@ KERNEL_NAME = "kvjax-notebooks"
 def run(path: Path, *, ci: bool, timeout: int = 600,
         record_timing: bool = False) -> nbformat.NotebookNode:
     """Executes the notebook at `path`; raises `nbclient.exceptions.CellExecutionError` naming
-    the failing cell. Cell timestamps are recorded only if asked: saved, they would change every
-    cell's metadata on every run."""
+    the failing cell. Each cell's stdout and stderr are saved as one output each, as they end up
+    on screen (a progress bar's redraws collapse into its final line). Cell timestamps are
+    recorded only if asked: saved, they would change every cell's metadata on every run."""
     notebook = nbformat.read(path, as_version=4)
     with tempfile.TemporaryDirectory() as jupyter_dir, tempfile.TemporaryDirectory() as work:
         spec_dir = Path(jupyter_dir) / "kernels" / KERNEL_NAME
@@ -42,7 +43,7 @@ def run(path: Path, *, ci: bool, timeout: int = 600,
         os.environ.update(env)  # read by the kernel spec lookup and inherited by the kernel
         try:
             client = NotebookClient(notebook, kernel_name=KERNEL_NAME, timeout=timeout,
-                                    record_timing=record_timing,
+                                    record_timing=record_timing, coalesce_streams=True,
                                     resources={"metadata": {"path": work}})
             client.execute()
         finally:
