@@ -23,7 +23,7 @@ import numpy as np
 
 from kvjax import model as M
 
-from . import beam
+from . import beam, checks
 from .loop import (
     DecodeState,
     StopConditions,
@@ -64,31 +64,6 @@ def bucket(n: int, limit: int) -> int:
 
 
 # Validation ------------------------------------------------------------------------------
-
-
-def _prompt_array(prompts, lengths) -> tuple[np.ndarray, np.ndarray]:
-    if isinstance(prompts, np.ndarray | jax.Array):
-        tokens = np.asarray(prompts)
-        if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(f"prompts must be an int array [batch, length], got dtype "
-                             f"{tokens.dtype} and shape {tokens.shape}")
-        if lengths is None:
-            lengths = np.full(tokens.shape[0], tokens.shape[1])
-        lengths = np.asarray(lengths, np.int64)
-        if lengths.shape != (tokens.shape[0],) or (lengths > tokens.shape[1]).any():
-            raise ValueError(f"lengths {lengths.tolist()} do not fit prompts of shape "
-                             f"{tokens.shape}")
-        return tokens, lengths
-    if lengths is not None:
-        raise ValueError("lengths are only given with an array of prompts, not token lists")
-    rows = [list(p) for p in prompts]
-    if not rows:
-        raise ValueError("prompts is empty: give at least one prompt")
-    lengths = np.array([len(r) for r in rows], np.int64)
-    tokens = np.zeros((len(rows), max(1, lengths.max())), np.int64)
-    for i, row in enumerate(rows):
-        tokens[i, :len(row)] = row
-    return tokens, lengths
 
 
 def validate(config: M.TransformerConfig, params, tokens: np.ndarray, lengths: np.ndarray, *,
@@ -182,8 +157,13 @@ class _Prepared:
 def _prepare(net, params, prompts, lengths, *, max_new_tokens, temperature, top_k, top_p,
              eos_ids, num_beams, rng) -> _Prepared:
     config = net.config
-    tokens, lengths = _prompt_array(prompts, lengths)
-    eos_ids = tuple(int(e) for e in eos_ids)
+    tokens, lengths = checks.prompt_array(prompts, lengths)
+    max_new_tokens = checks.integer("max_new_tokens", max_new_tokens, 1)
+    temperature = checks.real("temperature", temperature, lambda t: t >= 0, ">= 0")
+    top_k = checks.integer("top_k", top_k, 0)
+    top_p = checks.real("top_p", top_p, lambda p: 0 < p <= 1, "in (0, 1]")
+    num_beams = checks.integer("num_beams", num_beams, 1)
+    eos_ids = checks.token_ids("eos_ids", eos_ids)
     validate(config, params, tokens, lengths, max_new_tokens=max_new_tokens,
              temperature=temperature, top_k=top_k, top_p=top_p, eos_ids=eos_ids,
              num_beams=num_beams)
@@ -216,6 +196,7 @@ def generate(net, params, prompts, *, max_new_tokens: int, lengths=None,
     from BOS. `num_beams > 1` runs beam search (sampling settings are then ignored) and
     scores hypotheses by sum(logprobs) / length**length_penalty.
     """
+    length_penalty = checks.real("length_penalty", length_penalty, lambda _: True, "finite")
     prepared = _prepare(net, params, prompts, lengths, max_new_tokens=max_new_tokens,
                         temperature=temperature, top_k=top_k, top_p=top_p, eos_ids=eos_ids,
                         num_beams=num_beams, rng=rng)
@@ -243,8 +224,7 @@ def stream(net, params, prompts, *, max_new_tokens: int, chunk_size: int = 8,
     if kwargs.get("num_beams", 1) != 1:
         raise ValueError(f"stream does not support beam search (num_beams="
                          f"{kwargs['num_beams']}); use generate")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+    chunk_size = checks.integer("chunk_size", chunk_size, 1)
     return_logprobs = kwargs.pop("return_logprobs", False)
     prepared = _prepare(net, params, prompts, kwargs.pop("lengths", None),
                         max_new_tokens=max_new_tokens, num_beams=1,
