@@ -5,6 +5,7 @@ directory, and a run record that `--resume` holds to.
 All runs share one tiny model and one step count, so they share one compiled train step.
 """
 
+import dataclasses
 import json
 import os
 import signal
@@ -190,7 +191,7 @@ def test_a_second_trainer_on_the_same_directory_is_refused(setup, tmp_path):
 
 def test_resume_refuses_other_steps_or_data_unless_allowed(setup, full_run, tmp_path):
     config, task = setup
-    other_data = TrainTask(**{**task.__dict__, "data": {"windows": "repeat-1"}})
+    other_data = dataclasses.replace(task, data={"windows": "repeat-1"})
     with pytest.raises(checkpoint.CheckpointError, match=r"other data \(windows: "):
         trainer.train(config, TRAIN, other_data, full_run.out_dir, resume=True)
     with pytest.raises(checkpoint.CheckpointError, match=r"other settings \(steps: 30 then, 40 "
@@ -203,7 +204,7 @@ def test_resume_refuses_other_steps_or_data_unless_allowed(setup, full_run, tmp_
 def test_resume_with_allowed_changes_records_them(setup, tmp_path):
     config, task = setup
     trainer.train(config, TRAIN, task, tmp_path, stop_after=3)
-    other_data = TrainTask(**{**task.__dict__, "data": {"windows": "repeat-1"}})
+    other_data = dataclasses.replace(task, data={"windows": "repeat-1"})
     trainer.train(config, TRAIN, other_data, tmp_path, resume=True, stop_after=6,
                   allow_changes=True)
     record = json.loads((tmp_path / trainer.RUN_FILE).read_text())
@@ -213,7 +214,7 @@ def test_resume_with_allowed_changes_records_them(setup, tmp_path):
 
 def test_no_validation_set_means_no_validation_metrics(setup, tmp_path):
     config, task = setup
-    no_val = TrainTask(**{**task.__dict__, "val": {k: v[:0] for k, v in task.val.items()}})
+    no_val = dataclasses.replace(task, val={k: v[:0] for k, v in task.val.items()})
     result = trainer.train(config, TRAIN, no_val, tmp_path, stop_after=5)
     assert "val_loss" not in result.metrics and "val_ppl" not in result.metrics
 
