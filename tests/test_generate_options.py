@@ -105,3 +105,45 @@ def test_equal_logit_biases_share_one_compilation(lm):
     decode.generate(net, params, PROMPTS, max_new_tokens=4,
                     logit_processors=[decode.LogitBias.of({9: -1.0, 3: 2.0})])
     assert decode.trace_count("continue") == before
+
+
+def test_num_samples_prefills_each_prompt_once(lm, monkeypatch):
+    config, _, params = lm
+    config = config.replace(max_len=48)  # a config of its own, so that `_start` traces here
+    net = M.build_model(config)
+    prefill_batches = []
+
+    def counting_prefill(config, params, prompts_BP, *args):
+        prefill_batches.append(prompts_BP.shape[0])
+        return real_prefill(config, params, prompts_BP, *args)
+
+    real_prefill = M.prefill
+    monkeypatch.setattr(M, "prefill", counting_prefill)
+    sampled = decode.generate(net, params, PROMPTS[:2], max_new_tokens=8, num_samples=3,
+                              temperature=1.5, rng=jax.random.key(0))
+    greedy = decode.generate(net, params, PROMPTS[:2], max_new_tokens=8, num_samples=3)
+    assert prefill_batches == [2]  # one program, one prefill of the 2 prompts, for 6 rows
+    alone = decode.generate(net, params, PROMPTS[:2], max_new_tokens=8)
+    np.testing.assert_array_equal(greedy.tokens, np.repeat(alone.tokens, 3, axis=0))
+    assert sampled.tokens.shape == (6, 8)
+    for prompt in range(2):
+        rows = sampled.tokens[3 * prompt:3 * prompt + 3]
+        assert len({tuple(r) for r in rows}) == 3  # the samples are drawn independently
+
+
+def test_samples_of_one_prompt_follow_the_models_distribution(lm):
+    """n samples of one token from one prompt: chi-square against softmax(logits / T) over
+    the most likely tokens (the rest pooled)."""
+    config, net, params = lm
+    draws = 2_000
+    out = decode.generate(net, params, [PROMPTS[0]], max_new_tokens=1, num_samples=draws,
+                          temperature=0.5, rng=jax.random.key(4))
+    logits = np.asarray(run_full(config, params, jnp.asarray([PROMPTS[0]]))[0, -1]) / 0.5
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    top = np.argsort(-probs)[:4]
+    expected = np.append(probs[top], 1 - probs[top].sum()) * draws
+    counts = np.bincount(out.tokens[:, 0], minlength=config.vocab_size)
+    observed = np.append(counts[top], draws - counts[top].sum())
+    chi2 = np.sum((observed - expected) ** 2 / expected)
+    assert chi2 < 18.467, (observed, expected)  # 4 degrees of freedom, upper 0.1%
