@@ -107,6 +107,17 @@ def _add_sample(commands) -> None:
     sample.add_argument("--top-k", type=int, default=0, help="keep the k likeliest (0 = all)")
     sample.add_argument("--top-p", type=float, default=1.0,
                         help="keep the smallest set of likeliest tokens with this much mass")
+    sample.add_argument("--min-p", type=float, default=0.0,
+                        help="keep tokens at least this fraction as likely as the likeliest")
+    sample.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="> 1 makes tokens already in the prompt or output less likely")
+    sample.add_argument("--no-repeat-ngram-size", type=int, default=0,
+                        help="n > 0: never repeat an n-gram of the prompt or output")
+    sample.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                        help="end the text before this string (repeatable; \\n and \\t "
+                             "are a newline and a tab)")
+    sample.add_argument("--num-samples", type=_positive, default=1,
+                        help="samples of the prompt, from one prefill")
     sample.add_argument("--beams", type=_positive, default=1,
                         help="beam search with this many beams (1 = sampling as above)")
     sample.add_argument("--seed", type=int, default=0, help="sampling seed")
@@ -201,15 +212,32 @@ def _run_sample(args) -> int:
         print(f"{args.prompt} -> ", end="", flush=True)
     else:
         print(args.prompt, end="", flush=True)
-    result = text.sample_text(
-        loaded, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, num_beams=args.beams, seed=args.seed,
-        on_text=lambda piece: print(piece, end="", flush=True))
-    print(f"\n[{len(result.tokens)} tokens in {result.seconds:.2f} s: "
-          f"{result.tokens_per_second:.1f} tokens/s (first text after "
-          f"{result.first_chunk_seconds:.2f} s, compilation included); "
-          f"stop: {result.stop_reason}]")
+    settings = dict(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        no_repeat_ngram_size=args.no_repeat_ngram_size, num_beams=args.beams, seed=args.seed,
+        stop=[_unescape(s) for s in args.stop])
+    if args.num_samples == 1:
+        result = text.sample_text(loaded, args.prompt, **settings,
+                                  on_text=lambda piece: print(piece, end="", flush=True))
+        print(f"\n[{len(result.tokens)} tokens in {result.seconds:.2f} s: "
+              f"{result.tokens_per_second:.1f} tokens/s (first text after "
+              f"{result.first_chunk_seconds:.2f} s, compilation included); "
+              f"stop: {result.stop_reason}]")
+        return 0
+    print()  # samples are printed whole, each after its own header
+    results = text.sample_texts(loaded, args.prompt, num_samples=args.num_samples, **settings)
+    for i, result in enumerate(results):
+        print(f"--- sample {i + 1} of {len(results)} ({len(result.tokens)} tokens; stop: "
+              f"{result.stop_reason}) ---\n{result.text}")
+    total = sum(len(r.tokens) for r in results)
+    print(f"[{total} tokens in {results[0].seconds:.2f} s, compilation included]")
     return 0
+
+
+def _unescape(text: str) -> str:
+    """A --stop value with \\n and \\t (as a shell passes them) turned into the characters."""
+    return text.replace("\\n", "\n").replace("\\t", "\t")
 
 
 def _run_cache_size(args) -> int:

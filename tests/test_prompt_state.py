@@ -22,13 +22,13 @@ def tiny(request):
 
 
 @pytest.fixture(scope="module")
-def lm():
+def tiny_lm():
     config = M.preset("tiny", positional_encoding="rope", num_kv_heads=2)
     return config, M.build_model(config), M.init_params(config, jax.random.key(1))
 
 
-def test_continuing_with_new_tokens_equals_the_concatenated_prompt(lm):
-    _, net, params = lm
+def test_continuing_with_new_tokens_equals_the_concatenated_prompt(tiny_lm):
+    _, net, params = tiny_lm
     state = decode.prefill(net, params, PROMPTS, capacity=48)
     continued = decode.generate(net, params, NEW, state=state, max_new_tokens=8,
                                 return_logprobs=True)
@@ -38,8 +38,8 @@ def test_continuing_with_new_tokens_equals_the_concatenated_prompt(lm):
     np.testing.assert_allclose(continued.logprobs, whole.logprobs, atol=1e-4)
 
 
-def test_one_state_serves_many_continuations(lm):
-    _, net, params = lm
+def test_one_state_serves_many_continuations(tiny_lm):
+    _, net, params = tiny_lm
     state = decode.prefill(net, params, PROMPTS)
     before = decode.trace_count("prefill")
     for seed in (3, 4, 3):
@@ -89,8 +89,8 @@ def test_continuing_without_new_tokens_equals_one_longer_generation(tiny):
                                   whole.tokens)
 
 
-def test_continuations_compile_once_per_bucket(lm):
-    _, net, params = lm
+def test_continuations_compile_once_per_bucket(tiny_lm):
+    _, net, params = tiny_lm
     state = decode.prefill(net, params, PROMPTS, capacity=64)
     rng = np.random.default_rng(0)
     counts = None
@@ -114,8 +114,8 @@ def _refuses(net, params, state, match, new=None, **kwargs):
     assert counts == [decode.trace_count(n) for n in ("resume", "continue", "start")]
 
 
-def test_a_state_is_refused_with_another_model_params_or_too_little_room(lm):
-    config, net, params = lm
+def test_a_state_is_refused_with_another_model_params_or_too_little_room(tiny_lm):
+    config, net, params = tiny_lm
     state = decode.prefill(net, params, PROMPTS, capacity=16)
     copied = jax.tree.map(lambda x: x + 0, params)
     _refuses(net, copied, state, "params are not the ones the state was made with")
