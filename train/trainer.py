@@ -546,8 +546,8 @@ def _check_same_record(out_dir: Path, old: Mapping[str, Any], new: Mapping[str, 
                                 f"{json.dumps(now.get(k))} now" for k in differ)
             raise checkpoint.CheckpointError(
                 f"cannot resume: the run in {out_dir} was started with other {what} "
-                f"({details}); the schedule and the batches depend on them. Allow the change "
-                "explicitly (--allow-changes) to continue anyway")
+                f"({details}); the learning-rate schedule and the batches depend on them. "
+                "Allow the change explicitly (--allow-changes) to continue anyway")
 
 
 def _check_same_run(out_dir: Path, model_config: M.TransformerConfig, task: TrainTask) -> None:
@@ -637,7 +637,7 @@ class MetricsLog:
         records = self.read()
         kept = [r for r in records if r["step"] <= keep_through_step]
         if len(kept) != len(records):
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+            checkpoint.write_atomically(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self.last_step = kept[-1]["step"] if kept else keep_through_step
 
     def read(self) -> list[dict[str, Any]]:
