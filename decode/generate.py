@@ -180,6 +180,8 @@ class _Prepared:
 def _prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams, rng,
              num_samples=1, logit_processors=(), state=None, **settings) -> _Prepared:
     config = net.config
+    if state is not None:
+        prompt_state.check_is_state(state)
     if state is not None and prompts is None:
         prompts = [[] for _ in range(state.batch_size)]
     tokens, lengths = checks.prompt_array(prompts, lengths)

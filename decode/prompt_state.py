@@ -98,6 +98,9 @@ def resume(config, params, cache, next_logits_BV, context_BC, context_lengths_B,
         cache, next_logits_BV, context_BC, context_lengths_B = (
             cache.take_rows(rows), next_logits_BV[rows], context_BC[rows],
             context_lengths_B[rows])
+    elif not num_new:
+        # The loop updates its cache in place (donated), so it must not be the kept one.
+        cache = jax.tree.map(jnp.copy, cache)
     state = initial_state(batch * num_samples, buffer_len, cache, rng, context_BC,
                           context_lengths_B)
     return record(state, next_logits_BV, stops, sampling, processors)
@@ -121,12 +124,16 @@ def keep(config, params, state: DecodeState):
     return cache, logits_B1V[:, 0], context_BC, state.context_lengths
 
 
-def check_continuation(config: M.TransformerConfig, params, state: PromptState,
-                       new_lengths: np.ndarray, max_new_tokens: int) -> None:
-    """Raises a ValueError naming what stops `state` from being continued as asked."""
+def check_is_state(state) -> None:
     if not isinstance(state, PromptState):
         raise ValueError(f"state must be a PromptState (from decode.prefill or "
                          f"generate(..., return_state=True)), got {type(state).__name__}")
+
+
+def check_continuation(config: M.TransformerConfig, params, state: PromptState,
+                       new_lengths: np.ndarray, max_new_tokens: int) -> None:
+    """Raises a ValueError naming what stops `state` from being continued as asked."""
+    check_is_state(state)
     if state.config != config:
         raise ValueError(f"state was made with another model: its config is {state.config}, "
                          f"this model's is {config}")
@@ -143,11 +150,14 @@ def check_continuation(config: M.TransformerConfig, params, state: PromptState,
     if overflowed.size:
         raise ValueError(f"row {overflowed[0]} of the state filled its cache (capacity "
                          f"{state.capacity}): it cannot be continued")
+    # Every token but the last one generated is fed, so n new tokens and m generated ones
+    # take n + m - 1 slots; the new tokens are fed padded to the longest row's number.
     longest = int(new_lengths.max())
     for row, (n_held, n_new) in enumerate(zip(held, new_lengths, strict=True)):
-        if n_held + max(longest, n_new + max_new_tokens) > state.capacity:
+        needed = n_held + max(longest, n_new + max_new_tokens - 1)
+        if needed > state.capacity:
             raise ValueError(
                 f"row {row} holds {n_held} tokens; with {n_new} new tokens (the longest row "
-                f"has {longest}) and max_new_tokens={max_new_tokens} it needs "
-                f"{n_held + max(longest, n_new + max_new_tokens)} cache slots, more than the "
-                f"state's capacity {state.capacity} (decode.prefill(..., capacity=...) sets it)")
+                f"has {longest}) and max_new_tokens={max_new_tokens} it needs {needed} cache "
+                f"slots, more than the state's capacity {state.capacity} "
+                f"(decode.prefill(..., capacity=...) sets it)")

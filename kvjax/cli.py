@@ -158,6 +158,17 @@ def _add_sample(commands) -> None:
                         help="keep the k likeliest (0 = all)")
     sample.add_argument("--top-p", type=float, default=1.0,
                         help="keep the smallest set of likeliest tokens with this much mass")
+    sample.add_argument("--min-p", type=float, default=0.0,
+                        help="keep tokens at least this fraction as likely as the likeliest")
+    sample.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="> 1 makes tokens already in the prompt or output less likely")
+    sample.add_argument("--no-repeat-ngram-size", type=_count, default=0,
+                        help="n > 0: never repeat an n-gram of the prompt or output")
+    sample.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                        help="end the text before this string (repeatable; \\n and \\t "
+                             "are a newline and a tab)")
+    sample.add_argument("--num-samples", type=_positive, default=1,
+                        help="samples of the prompt, from one prefill")
     sample.add_argument("--beams", type=_positive, default=1,
                         help="beam search with this many beams (1 = sampling as above)")
     sample.add_argument("--seed", type=_seed, default=0, help="sampling seed")
@@ -275,20 +286,39 @@ def _run_sample(args) -> int:
         print(f"{args.prompt} -> ", end="", flush=True)
     else:
         print(args.prompt, end="", flush=True)
-    try:
-        result = text.sample_text(
-            loaded, args.prompt, max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-            num_beams=args.beams, seed=args.seed,
-            on_text=lambda piece: print(piece, end="", flush=True))
-    finally:
-        print(flush=True)  # whatever happens, the echoed line ends before anything else
-    compiled = (f"; compilation {result.compile_seconds:.2f} s not included"
-                if result.compile_seconds > 0 else "")
-    print(f"[{len(result.tokens)} tokens in {result.decode_seconds:.2f} s: "
-          f"{result.tokens_per_second:.1f} tokens/s{compiled}; first text after "
-          f"{result.first_chunk_seconds:.2f} s; stop: {result.stop_reason}]")
+    settings = dict(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        no_repeat_ngram_size=args.no_repeat_ngram_size, num_beams=args.beams, seed=args.seed,
+        stop=[_unescape(s) for s in args.stop])
+    if args.num_samples == 1:
+        try:
+            result = text.sample_text(loaded, args.prompt, **settings,
+                                      on_text=lambda piece: print(piece, end="", flush=True))
+        finally:
+            print(flush=True)  # whatever happens, the echoed line ends before anything else
+        results = [result]
+    else:
+        print()  # samples are printed whole, each after its own header
+        results = text.sample_texts(loaded, args.prompt, num_samples=args.num_samples,
+                                    **settings)
+        for i, result in enumerate(results):
+            print(f"--- sample {i + 1} of {len(results)} ({len(result.tokens)} tokens; stop: "
+                  f"{result.stop_reason}) ---\n{result.text}")
+    first = results[0]
+    total = sum(len(r.tokens) for r in results)
+    compiled = (f"; compilation {first.compile_seconds:.2f} s not included"
+                if first.compile_seconds > 0 else "")
+    stops = "/".join(sorted({r.stop_reason for r in results}))
+    print(f"[{total} tokens in {first.decode_seconds:.2f} s: "
+          f"{total / max(first.decode_seconds, 1e-9):.1f} tokens/s{compiled}; first text after "
+          f"{first.first_chunk_seconds:.2f} s; stop: {stops}]")
     return 0
+
+
+def _unescape(text: str) -> str:
+    """A --stop value with \\n and \\t (as a shell passes them) turned into the characters."""
+    return text.replace("\\n", "\n").replace("\\t", "\t")
 
 
 def _run_cache_size(args) -> int:

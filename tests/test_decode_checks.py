@@ -35,10 +35,10 @@ def traces():
     (np.zeros((1, 3), np.float32), {}, r"must be an int array \[batch, length\], got dtype "
                                        r"float32"),
     ([[5, 6, 7]], {"num_beams": 2.0}, r"num_beams=2.0 must be an int"),
-    ([[5, 6, 7]], {"temperature": "0.5"}, r"temperature='0.5' must be a number"),
+    ([[5, 6, 7]], {"temperature": "0.5"}, r"temperature='0.5' must be a real number"),
     ([[5, 6, 7]], {"temperature": float("nan")}, r"temperature=nan must be finite"),
     ([[5, 6, 7]], {"temperature": float("inf")}, r"temperature=inf must be finite"),
-    ([[5, 6, 7]], {"top_k": True}, r"top_k=True must be a number"),
+    ([[5, 6, 7]], {"top_k": True}, r"top_k=True must be an int"),
     ([[5, 6, 7]], {"top_p": float("inf")}, r"top_p=inf must be finite"),
     ([[5, 6, 7]], {"length_penalty": float("nan")}, r"length_penalty=nan must be finite"),
 ])
