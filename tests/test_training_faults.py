@@ -236,9 +236,12 @@ def test_no_validation_set_means_no_validation_metrics(faults_task, tmp_path):
 
 
 def test_invalid_train_config_types_are_named():
-    for field, value in [("steps", 10.5), ("steps", True), ("save_every", "3"),
-                         ("learning_rate", "1e-3"), ("seed", 2**64)]:
-        with pytest.raises(ValueError, match=field):
+    for field, value, message in [
+            ("steps", 10.5, "must be an int"), ("steps", True, "must be an int"),
+            ("steps", -1, "must be >= 1"), ("save_every", "3", "must be an int"),
+            ("learning_rate", "1e-3", "must be a number"), ("seed", 2**64, "must be < 2"),
+            ("seed", "1", "must be an int"), ("clip_norm", float("inf"), "must be finite")]:
+        with pytest.raises(ValueError, match=f"{field}=.* {message}"):
             TrainConfig(**{field: value})
 
 

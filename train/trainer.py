@@ -94,13 +94,13 @@ class TrainConfig:
             value = getattr(self, name)
             if name == "save_every" and value is None:
                 continue
+            minimum = 0 if name in ("warmup_steps", "eval_batches", "seed") else 1
             if isinstance(value, bool) or not isinstance(value, int | np.integer):
                 problems.append(f"{name}={value!r} must be an int")
-            elif value < 0 or (value < 1 and name not in ("warmup_steps", "eval_batches",
-                                                          "seed")):
-                problems.append(f"{name}={value} must be >= {0 if value < 0 else 1}")
-        if self.seed >= 2**63:
-            problems.append(f"seed={self.seed} must be < 2**63")
+            elif value < minimum:
+                problems.append(f"{name}={value} must be >= {minimum}")
+            elif name == "seed" and value >= 2**63:
+                problems.append(f"seed={value} must be < 2**63")
         for name in ("learning_rate", "final_lr_fraction", "weight_decay", "clip_norm",
                      "adam_b1", "adam_b2", "label_smoothing"):
             value = getattr(self, name)
