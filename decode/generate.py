@@ -25,7 +25,7 @@ import numpy as np
 
 from kvjax import model as M
 
-from . import beam, prompt_state
+from . import beam, checks, prompt_state
 from .loop import (
     DecodeState,
     StopConditions,
@@ -72,31 +72,6 @@ def bucket(n: int, limit: int) -> int:
 
 
 # Validation ------------------------------------------------------------------------------
-
-
-def _prompt_array(prompts, lengths) -> tuple[np.ndarray, np.ndarray]:
-    if isinstance(prompts, np.ndarray | jax.Array):
-        tokens = np.asarray(prompts)
-        if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(f"prompts must be an int array [batch, length], got dtype "
-                             f"{tokens.dtype} and shape {tokens.shape}")
-        if lengths is None:
-            lengths = np.full(tokens.shape[0], tokens.shape[1])
-        lengths = np.asarray(lengths, np.int64)
-        if lengths.shape != (tokens.shape[0],) or (lengths > tokens.shape[1]).any():
-            raise ValueError(f"lengths {lengths.tolist()} do not fit prompts of shape "
-                             f"{tokens.shape}")
-        return tokens, lengths
-    if lengths is not None:
-        raise ValueError("lengths are only given with an array of prompts, not token lists")
-    rows = [list(p) for p in prompts]
-    if not rows:
-        raise ValueError("prompts is empty: give at least one prompt")
-    lengths = np.array([len(r) for r in rows], np.int64)
-    tokens = np.zeros((len(rows), max(1, lengths.max())), np.int64)
-    for i, row in enumerate(rows):
-        tokens[i, :len(row)] = row
-    return tokens, lengths
 
 
 def validate(config: M.TransformerConfig, params, tokens: np.ndarray, lengths: np.ndarray, *,
@@ -209,8 +184,10 @@ def _prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beam
         prompt_state.check_is_state(state)
     if state is not None and prompts is None:
         prompts = [[] for _ in range(state.batch_size)]
-    tokens, lengths = _prompt_array(prompts, lengths)
-    eos_ids = tuple(int(e) for e in eos_ids)
+    tokens, lengths = checks.prompt_array(prompts, lengths)
+    max_new_tokens = checks.integer("max_new_tokens", max_new_tokens, 1)
+    num_beams = checks.integer("num_beams", num_beams, 1)
+    eos_ids = checks.token_ids("eos_ids", eos_ids)
     validate(config, params, tokens, lengths, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
              num_beams=num_beams, continuing=state is not None)
     check_num_samples(num_samples)
@@ -265,8 +242,8 @@ def prefill(net, params, prompts, *, lengths=None, capacity: int | None = None) 
     row (default: the model's `max_len`) and keeps it: `generate(net, params, new_tokens,
     state=...)` then continues each row without prefilling it again."""
     config = net.config
-    tokens, lengths = _prompt_array(prompts, lengths)
-    capacity = config.max_len if capacity is None else capacity
+    tokens, lengths = checks.prompt_array(prompts, lengths)
+    capacity = config.max_len if capacity is None else checks.integer("capacity", capacity, 1)
     if not 1 <= capacity <= config.max_len:
         raise ValueError(f"capacity={capacity} must be in [1, max_len={config.max_len}]")
     validate(config, params, tokens, lengths, max_new_tokens=1, eos_ids=(), num_beams=1)
@@ -302,6 +279,7 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
     prefilled again. `num_beams > 1` runs beam search (sampling settings are then ignored)
     and scores hypotheses by sum(logprobs) / length**length_penalty.
     """
+    length_penalty = checks.real("length_penalty", length_penalty, lambda _: True, "finite")
     prepared = _prepare(net, params, prompts, lengths, max_new_tokens=max_new_tokens,
                         eos_ids=eos_ids, num_beams=num_beams, rng=rng, num_samples=num_samples,
                         logit_processors=logit_processors, state=state,
@@ -334,8 +312,7 @@ def stream(net, params, prompts=None, *, max_new_tokens: int, chunk_size: int = 
     if kwargs.get("num_beams", 1) != 1:
         raise ValueError(f"stream does not support beam search (num_beams="
                          f"{kwargs['num_beams']}); use generate")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+    chunk_size = checks.integer("chunk_size", chunk_size, 1)
     return_logprobs = kwargs.pop("return_logprobs", False)
     return_state = kwargs.pop("return_state", False)
     prepared = _prepare(net, params, prompts, kwargs.pop("lengths", None),

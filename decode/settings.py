@@ -6,39 +6,48 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import jax
 import numpy as np
 
+from . import checks
 from .processors import LogitProcessor
 from .sampling import SamplingParams
 
 # name: (integer-valued, test, what the test requires)
 RULES: dict[str, tuple[bool, Callable[[float], bool], str]] = {
-    "temperature": (False, lambda v: v >= 0, "must be >= 0"),
-    "top_k": (True, lambda v: v >= 0, "must be >= 0 (0 means no limit)"),
-    "top_p": (False, lambda v: 0 < v <= 1, "must be in (0, 1]"),
-    "min_p": (False, lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-    "repetition_penalty": (False, lambda v: v > 0, "must be > 0 (1 means off)"),
-    "no_repeat_ngram_size": (True, lambda v: v >= 0, "must be >= 0 (0 means off)"),
+    "temperature": (False, lambda v: v >= 0, ">= 0"),
+    "top_k": (True, lambda v: v >= 0, ">= 0 (0 means no limit)"),
+    "top_p": (False, lambda v: 0 < v <= 1, "in (0, 1]"),
+    "min_p": (False, lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "repetition_penalty": (False, lambda v: v > 0, "> 0 (1 means off)"),
+    "no_repeat_ngram_size": (True, lambda v: v >= 0, ">= 0 (0 means off)"),
 }
 
 
 def per_row(name: str, value, batch: int) -> np.ndarray:
-    """`value` (a scalar or one per prompt) as a float64 array [batch], each entry checked."""
+    """`value` (a scalar or one per prompt) as a float64 array [batch], each entry checked:
+    an int where the setting counts something, a finite real otherwise."""
     integer, test, requirement = RULES[name]
-    array = np.asarray(value, np.float64) if not isinstance(value, str) else None
-    if array is None or array.ndim > 1:
-        raise ValueError(f"{name}={value!r} must be a number or a list of one per prompt")
-    if array.ndim == 1 and array.shape[0] != batch:
-        raise ValueError(f"{name} has {array.shape[0]} values {array.tolist()} for {batch} "
-                         f"prompts: give one value or one per prompt")
-    for i, v in enumerate(np.atleast_1d(array)):
-        label = name if array.ndim == 0 else f"{name}[{i}]"
-        shown = int(v) if integer and float(v).is_integer() else float(v)
-        if not test(v):
-            raise ValueError(f"{label}={shown} {requirement}")
-        if integer and not float(v).is_integer():
-            raise ValueError(f"{label}={shown} must be an integer")
-    return np.broadcast_to(array, (batch,))
+    scalar = not isinstance(value, list | tuple | np.ndarray | jax.Array) or np.ndim(value) == 0
+    if not scalar and np.ndim(value) != 1:
+        raise ValueError(f"{name} must be a number or a list of one per prompt, got shape "
+                         f"{np.shape(value)}")
+    entries = [value.item() if hasattr(value, "item") else value] if scalar else \
+        np.asarray(value).tolist()
+    if not scalar and len(entries) != batch:
+        raise ValueError(f"{name} has {len(entries)} values {entries} for {batch} prompts: "
+                         f"give one value or one per prompt")
+    checked = []
+    for i, entry in enumerate(entries):
+        label = name if scalar else f"{name}[{i}]"
+        if integer:
+            entry = checks.integer(label, entry, 0)
+            if not test(entry):
+                raise ValueError(f"{label}={entry} must be {requirement}")
+        else:
+            entry = checks.real(label, entry, test, requirement)
+        checked.append(entry)
+    return np.broadcast_to(np.asarray(checked, np.float64), (batch,))
 
 
 def sampling_params(batch: int, num_samples: int = 1, **settings) -> SamplingParams:

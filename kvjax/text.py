@@ -13,6 +13,7 @@ streaming it chunk by chunk. Both variants are served:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -24,7 +25,10 @@ import numpy as np
 
 from kvjax import checkpoint, decode
 from kvjax import model as M
+from kvjax.decode import checks
 from kvjax.tokenizer import EOS_ID, Tokenizer
+
+MAX_SEED = 2**63 - 1  # jax.random.key takes a signed 64-bit seed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,10 +59,14 @@ def load(directory: str | os.PathLike) -> LoadedModel:
 class SampleResult:
     """The generated text and how it ended.
 
-    `stop_reason` is 'eos', 'max_new_tokens', 'cache_full' or 'stop_string' (the text then
-    ends before the first stop string, and `tokens` end with the token that completed it).
-    `seconds` runs from the call to the last token, the first call's compilation included;
-    `first_chunk_seconds` is the time to the first streamed text (prefill and compilation).
+    `seconds` runs from the call to the last token; `compile_seconds` is the part of it spent
+    tracing and compiling (0 once the programs are compiled), so `tokens_per_second` is the
+    speed of prefill and decoding alone. `first_chunk_seconds` is the time to the first
+    streamed text (prefill and compilation). `stop_reason` is `decode`'s ('eos',
+    'max_new_tokens', 'cache_full'), 'stop_string' (the text then ends before the first stop
+    string, and `tokens` end with the token that completed it), or 'max_len' when the model's
+    length ended generation before the `max_new_tokens` asked for; `max_new_tokens` is what
+    was generated at most.
     """
 
     text: str
@@ -66,10 +74,46 @@ class SampleResult:
     stop_reason: str
     seconds: float
     first_chunk_seconds: float
+    compile_seconds: float = 0.0
+    max_new_tokens: int | None = None
+
+    @property
+    def decode_seconds(self) -> float:
+        return max(self.seconds - self.compile_seconds, 0.0)
 
     @property
     def tokens_per_second(self) -> float:
-        return len(self.tokens) / max(self.seconds, 1e-9)
+        return len(self.tokens) / max(self.decode_seconds, 1e-9)
+
+
+# jax reports the time it spends on each of these; together they are the compilation.
+_COMPILE_EVENTS = frozenset({
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+})
+
+
+@contextlib.contextmanager
+def _compile_time() -> Iterator[list[float]]:
+    """Yields [seconds]: the compile time jax reports while the block runs."""
+    total = [0.0]
+
+    def listener(event: str, duration: float, **_: Any) -> None:
+        if event in _COMPILE_EVENTS:
+            total[0] += duration
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield total
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def room(loaded: LoadedModel, prompt: str) -> int:
+    """The most tokens the model's length leaves after `prompt`; a prompt that leaves none
+    is a ValueError."""
+    return _room(loaded.config, len(prompt_tokens(loaded, prompt)))
 
 
 def prompt_tokens(loaded: LoadedModel, prompt: str) -> list[int]:
@@ -112,25 +156,31 @@ def sample_texts(loaded: LoadedModel, prompt: str, *, num_samples: int = 1,
     knows its answer at the end, so with `num_beams > 1` the text arrives in one piece.
     """
     stop = check_stop_strings(stop)
+    num_samples = checks.integer("num_samples", num_samples, 1)
+    max_new_tokens = checks.integer("max_new_tokens", max_new_tokens, 1)
+    num_beams = checks.integer("num_beams", num_beams, 1)
+    chunk_size = checks.integer("chunk_size", chunk_size, 1)
+    seed = checks.integer("seed", seed, 0, MAX_SEED)
+    if num_beams > 1 and num_samples != 1:
+        raise ValueError(f"num_samples={num_samples} does not go with beam search")
     tokens = prompt_tokens(loaded, prompt)
-    max_new_tokens = min(max_new_tokens, _room(loaded.config, len(tokens)))
-    settings = dict(max_new_tokens=max_new_tokens, eos_ids=(EOS_ID,),
-                    rng=jax.random.key(seed), **sampling)
+    limit = min(max_new_tokens, _room(loaded.config, len(tokens)))
+    settings = dict(max_new_tokens=limit, eos_ids=(EOS_ID,), rng=jax.random.key(seed),
+                    **sampling)
     on_text = on_text or (lambda row, piece: None)
     rows = [_RowText(loaded.tokenizer, stop) for _ in range(num_samples)]
-    start = time.perf_counter()
-    if num_beams > 1:
-        if num_samples != 1:
-            raise ValueError(f"num_samples={num_samples} does not go with beam search")
-        output = decode.generate(loaded.net, loaded.params, [tokens], num_beams=num_beams,
-                                 **settings)
-        first = time.perf_counter() - start
-        rows[0].add(output.token_lists()[0])
-    else:
-        chunks = decode.stream(loaded.net, loaded.params, [tokens], chunk_size=chunk_size,
-                               num_samples=num_samples, **settings)
-        output, first = _stream_rows(rows, chunks, on_text, start)
-    seconds = time.perf_counter() - start
+    with _compile_time() as compiling:
+        start = time.perf_counter()
+        if num_beams > 1:
+            output = decode.generate(loaded.net, loaded.params, [tokens], num_beams=num_beams,
+                                     **settings)
+            first = time.perf_counter() - start
+            rows[0].add(output.token_lists()[0])
+        else:
+            chunks = decode.stream(loaded.net, loaded.params, [tokens], chunk_size=chunk_size,
+                                   num_samples=num_samples, **settings)
+            output, first = _stream_rows(rows, chunks, on_text, start)
+        seconds = time.perf_counter() - start
     results = []
     for i, row in enumerate(rows):
         if row.stopped:
@@ -138,7 +188,10 @@ def sample_texts(loaded: LoadedModel, prompt: str, *, num_samples: int = 1,
         else:
             generated, reason = output.token_lists()[i], output.stop_reasons()[i]
             row.finish(generated)
-        results.append(SampleResult(row.text, generated, reason, seconds, first))
+            if reason == "max_new_tokens" and limit < max_new_tokens:
+                reason = "max_len"  # the model's length, not the caller's limit, ended it
+        results.append(SampleResult(row.text, generated, reason, seconds, first, compiling[0],
+                                    limit))
         if num_beams > 1:
             on_text(i, row.text)
         elif row.text.startswith(row.sent) and len(row.text) > len(row.sent):
