@@ -151,6 +151,22 @@ def test_sigterm_saves_the_current_step_and_the_resumed_run_is_identical(
     assert_identical(final_params(tmp_path), final_params(full_run.out_dir))
 
 
+def test_ctrl_c_saves_the_current_step_too(faults_task, tmp_path, monkeypatch):
+    config, task = faults_task
+    real_step, calls = trainer.train_step, []
+
+    def step_then_ctrl_c(*args):
+        calls.append(1)
+        if len(calls) == 5:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_step(*args)
+
+    monkeypatch.setattr(trainer, "train_step", step_then_ctrl_c)
+    with pytest.raises(TrainingInterrupted, match="SIGINT: saved a checkpoint at step 5") as info:
+        trainer.train(config, TRAIN, task, tmp_path)
+    assert info.value.exit_code == 130 and checkpoint.latest_step(tmp_path) == 5
+
+
 # NaN guard -------------------------------------------------------------------------------------
 
 
@@ -220,7 +236,24 @@ def test_no_validation_set_means_no_validation_metrics(faults_task, tmp_path):
 
 
 def test_invalid_train_config_types_are_named():
-    for field, value in [("steps", 10.5), ("steps", True), ("save_every", "3"),
-                         ("learning_rate", "1e-3"), ("seed", 2**64)]:
-        with pytest.raises(ValueError, match=field):
+    for field, value, message in [
+            ("steps", 10.5, "must be an int"), ("steps", True, "must be an int"),
+            ("steps", -1, "must be >= 1"), ("save_every", "3", "must be an int"),
+            ("learning_rate", "1e-3", "must be a number"), ("seed", 2**64, "must be < 2"),
+            ("seed", "1", "must be an int"), ("clip_norm", float("inf"), "must be finite")]:
+        with pytest.raises(ValueError, match=f"{field}=.* {message}"):
             TrainConfig(**{field: value})
+
+
+def test_an_lm_without_validation_text_reports_no_validation_metrics(tmp_path):
+    """val_fraction=0 once reported val_ppl=1.0 and unigram_ppl=nan. (The settings are
+    test_train.py's end-to-end run's, so that the two can share a compilation.)"""
+    text_file = tmp_path / "text.txt"
+    text_file.write_text(data.python_docs_text()[:40_000], encoding="utf-8")
+    result = tasks.train_lm(tmp_path / "lm", data_files=[text_file], preset="tiny",
+                            model_overrides={}, vocab_size=400, seq_len=32, batch_size=8,
+                            val_fraction=0.0, steps=8, warmup_steps=2, eval_every=4,
+                            save_every=4, progress=False)
+    assert result.step == 8 and result.metrics == {}
+    records = [json.loads(line) for line in (tmp_path / "lm" / trainer.METRICS_FILE).open()]
+    assert records and not any("val_loss" in r or "unigram_ppl" in r for r in records)
