@@ -96,10 +96,20 @@ def record(state: DecodeState, logits_BV: jax.Array, stops: StopConditions,
         last_tokens=token_B,
         logprobs=state.logprobs.at[:, state.step].set(jnp.where(running_B, logprob_B, 0.0)),
         stop_reason=stop_reason.astype(jnp.int32),
-        context=state.context.at[jnp.arange(token_B.shape[0]), jnp.where(
-            running_B, state.context_lengths, state.context.shape[1])].set(token_B, mode="drop"),
+        context=_append(state.context, jnp.where(
+            running_B, state.context_lengths, state.context.shape[1]), token_B),
         context_lengths=state.context_lengths + running_B,
     )
+
+
+def _append(context_BC: jax.Array, slots_B: jax.Array, token_B: jax.Array) -> jax.Array:
+    """Writes each row's token at its slot (a slot past the end writes nothing). Mapped over
+    rows, the scatter has the batch as its batch axis: rows split over devices are written
+    where they lie, without gathering every row's slot first."""
+    def write(row_C, slot, token):
+        return row_C.at[slot].set(token, mode="drop")
+
+    return jax.vmap(write)(context_BC, slots_B, token_B)
 
 
 def initial_state(batch: int, buffer_len: int, cache: Any, rng: jax.Array,
