@@ -97,9 +97,8 @@ def _from_array(tokens: np.ndarray, lengths: Any) -> tuple[np.ndarray, np.ndarra
     if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"prompts must be an int array [batch, length], got dtype "
                          f"{tokens.dtype} and shape {tokens.shape}")
-    if tokens.shape[0] == 0 or tokens.shape[1] == 0:
-        raise ValueError(f"prompts is empty (shape {tokens.shape}): give at least one prompt "
-                         "of at least one token")
+    if tokens.shape[0] == 0:  # rows without tokens are named by `validate`
+        raise ValueError(f"prompts is empty (shape {tokens.shape}): give at least one prompt")
     if lengths is None:
         lengths = np.full(tokens.shape[0], tokens.shape[1])
     lengths = np.asarray(lengths)

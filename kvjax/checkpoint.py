@@ -213,8 +213,11 @@ def _handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
 
 def _checksums(tree: Any) -> dict[str, str]:
     """SHA-256 of each leaf's bytes (C order, as stored), keyed by its '/'-joined path."""
-    return {"/".join(key): hashlib.sha256(np.ascontiguousarray(leaf).tobytes()).hexdigest()
-            for key, leaf in _flat(jax.device_get(tree)).items()}
+    return {"/".join(key): _sha256(leaf) for key, leaf in _flat(jax.device_get(tree)).items()}
+
+
+def _sha256(array: Any) -> str:
+    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
 
 
 def _json_round_trip(value: Any, what: str) -> Any:
@@ -550,7 +553,8 @@ def _verify(step_path: Path, manifest: dict[str, Any] | None, restored: Any) -> 
     """Checksums (where the step has a manifest) and finiteness of every restored array."""
     leaves = _flat(jax.device_get(restored))
     if manifest is not None:
-        for name, actual in _checksums(restored).items():
+        for key, leaf in leaves.items():
+            name, actual = "/".join(key), _sha256(leaf)
             expected = manifest["sha256"].get(name)
             if expected is None:
                 raise CheckpointError(

@@ -51,7 +51,7 @@ def random_tokens(seed, shape, vocab):
 # Fixtures that train or load a model once per module; with pytest-xdist (`-n auto`, and
 # `--dist loadgroup` from pyproject.toml) the tests sharing one run on the same worker, so
 # it is computed once per run rather than once per worker.
-SHARED_EXPENSIVE_FIXTURES = ("demo_run", "copy_run", "lm", "numbers")
+SHARED_EXPENSIVE_FIXTURES = ("demo_run", "copy_run", "lm", "numbers", "faults_task")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -31,12 +31,14 @@ def traces():
     ([[5, 6, 7]], {"max_new_tokens": 3.5}, r"max_new_tokens=3.5 must be an int"),
     ([[5, 6, 7]], {"max_new_tokens": True}, r"max_new_tokens=True must be an int"),
     (np.zeros((0, 3), np.int32), {}, r"prompts is empty \(shape \(0, 3\)\)"),
-    (np.zeros((2, 0), np.int32), {}, r"prompts is empty \(shape \(2, 0\)\)"),
+    (np.zeros((2, 0), np.int32), {}, r"prompt 0 is empty"),
     (np.zeros((1, 3), np.float32), {}, r"must be an int array \[batch, length\], got dtype "
                                        r"float32"),
     ([[5, 6, 7]], {"num_beams": 2.0}, r"num_beams=2.0 must be an int"),
     ([[5, 6, 7]], {"temperature": "0.5"}, r"temperature='0.5' must be a real number"),
     ([[5, 6, 7]], {"temperature": float("nan")}, r"temperature=nan must be finite"),
+    ([[5, 6, 7]], {"temperature": float("inf")}, r"temperature=inf must be finite"),
+    ([[5, 6, 7]], {"top_k": True}, r"top_k=True must be an int"),
     ([[5, 6, 7]], {"top_p": float("inf")}, r"top_p=inf must be finite"),
     ([[5, 6, 7]], {"length_penalty": float("nan")}, r"length_penalty=nan must be finite"),
 ])

@@ -41,13 +41,13 @@ def make_task(tokenizer: Tokenizer) -> tuple[M.TransformerConfig, TrainTask]:
 
 
 @pytest.fixture(scope="module")
-def setup():
+def faults_task():
     return make_task(train_tokenizer([TEXT], 300))
 
 
 @pytest.fixture(scope="module")
-def full_run(setup, tmp_path_factory):
-    config, task = setup
+def full_run(faults_task, tmp_path_factory):
+    config, task = faults_task
     return trainer.train(config, TRAIN, task, tmp_path_factory.mktemp("full"))
 
 
@@ -109,8 +109,8 @@ def run_child(tmp_path: Path, task: TrainTask, kill_before: int, signum: int):
 
 
 def test_sigkill_late_in_a_run_resumes_from_a_periodic_checkpoint_bit_identical(
-        setup, full_run, tmp_path):
-    config, task = setup
+        faults_task, full_run, tmp_path):
+    config, task = faults_task
     out, child = run_child(tmp_path, task, kill_before=26, signum=signal.SIGKILL)
     assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
     # Killed during step 26 of 30: the checkpoint at 24, or at 21 if the background write of
@@ -126,8 +126,8 @@ def test_sigkill_late_in_a_run_resumes_from_a_periodic_checkpoint_bit_identical(
 
 
 def test_sigterm_saves_the_current_step_and_the_resumed_run_is_identical(
-        setup, full_run, tmp_path, monkeypatch):
-    config, task = setup
+        faults_task, full_run, tmp_path, monkeypatch):
+    config, task = faults_task
     real_step, calls = trainer.train_step, []
 
     def step_then_signal(*args):
@@ -151,11 +151,27 @@ def test_sigterm_saves_the_current_step_and_the_resumed_run_is_identical(
     assert_identical(final_params(tmp_path), final_params(full_run.out_dir))
 
 
+def test_ctrl_c_saves_the_current_step_too(faults_task, tmp_path, monkeypatch):
+    config, task = faults_task
+    real_step, calls = trainer.train_step, []
+
+    def step_then_ctrl_c(*args):
+        calls.append(1)
+        if len(calls) == 5:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_step(*args)
+
+    monkeypatch.setattr(trainer, "train_step", step_then_ctrl_c)
+    with pytest.raises(TrainingInterrupted, match="SIGINT: saved a checkpoint at step 5") as info:
+        trainer.train(config, TRAIN, task, tmp_path)
+    assert info.value.exit_code == 130 and checkpoint.latest_step(tmp_path) == 5
+
+
 # NaN guard -------------------------------------------------------------------------------------
 
 
-def test_a_diverging_run_stops_with_an_error_and_saves_no_nan(setup, tmp_path):
-    config, task = setup
+def test_a_diverging_run_stops_with_an_error_and_saves_no_nan(faults_task, tmp_path):
+    config, task = faults_task
     with pytest.raises(TrainingDiverged, match=r"training diverged: the (loss at step \d+ is "
                        r"(nan|inf)|params after step \d+ are not finite)") as info:
         trainer.train(config, TRAIN.replace(learning_rate=1e6), task, tmp_path)
@@ -172,8 +188,8 @@ def test_a_diverging_run_stops_with_an_error_and_saves_no_nan(setup, tmp_path):
 # One trainer per directory; run records ---------------------------------------------------------
 
 
-def test_a_second_trainer_on_the_same_directory_is_refused(setup, tmp_path):
-    config, task = setup
+def test_a_second_trainer_on_the_same_directory_is_refused(faults_task, tmp_path):
+    config, task = faults_task
     holder = subprocess.Popen(
         [sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1], 'a'); "
          "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); sys.stdin.read()",
@@ -189,8 +205,8 @@ def test_a_second_trainer_on_the_same_directory_is_refused(setup, tmp_path):
     assert checkpoint.latest_step(tmp_path) is None
 
 
-def test_resume_refuses_other_steps_or_data_unless_allowed(setup, full_run, tmp_path):
-    config, task = setup
+def test_resume_refuses_other_steps_or_data_unless_allowed(faults_task, full_run, tmp_path):
+    config, task = faults_task
     other_data = dataclasses.replace(task, data={"windows": "repeat-1"})
     with pytest.raises(checkpoint.CheckpointError, match=r"other data \(windows: "):
         trainer.train(config, TRAIN, other_data, full_run.out_dir, resume=True)
@@ -201,8 +217,8 @@ def test_resume_refuses_other_steps_or_data_unless_allowed(setup, full_run, tmp_
     assert record["training"]["steps"] == STEPS  # the refused calls changed nothing
 
 
-def test_resume_with_allowed_changes_records_them(setup, tmp_path):
-    config, task = setup
+def test_resume_with_allowed_changes_records_them(faults_task, tmp_path):
+    config, task = faults_task
     trainer.train(config, TRAIN, task, tmp_path, stop_after=3)
     other_data = dataclasses.replace(task, data={"windows": "repeat-1"})
     trainer.train(config, TRAIN, other_data, tmp_path, resume=True, stop_after=6,
@@ -212,15 +228,32 @@ def test_resume_with_allowed_changes_records_them(setup, tmp_path):
     assert record["resumed_with_changes_at_step"] == 3
 
 
-def test_no_validation_set_means_no_validation_metrics(setup, tmp_path):
-    config, task = setup
+def test_no_validation_set_means_no_validation_metrics(faults_task, tmp_path):
+    config, task = faults_task
     no_val = dataclasses.replace(task, val={k: v[:0] for k, v in task.val.items()})
     result = trainer.train(config, TRAIN, no_val, tmp_path, stop_after=5)
     assert "val_loss" not in result.metrics and "val_ppl" not in result.metrics
 
 
 def test_invalid_train_config_types_are_named():
-    for field, value in [("steps", 10.5), ("steps", True), ("save_every", "3"),
-                         ("learning_rate", "1e-3"), ("seed", 2**64)]:
-        with pytest.raises(ValueError, match=field):
+    for field, value, message in [
+            ("steps", 10.5, "must be an int"), ("steps", True, "must be an int"),
+            ("steps", -1, "must be >= 1"), ("save_every", "3", "must be an int"),
+            ("learning_rate", "1e-3", "must be a number"), ("seed", 2**64, "must be < 2"),
+            ("seed", "1", "must be an int"), ("clip_norm", float("inf"), "must be finite")]:
+        with pytest.raises(ValueError, match=f"{field}=.* {message}"):
             TrainConfig(**{field: value})
+
+
+def test_an_lm_without_validation_text_reports_no_validation_metrics(tmp_path):
+    """val_fraction=0 once reported val_ppl=1.0 and unigram_ppl=nan. (The settings are
+    test_train.py's end-to-end run's, so that the two can share a compilation.)"""
+    text_file = tmp_path / "text.txt"
+    text_file.write_text(data.python_docs_text()[:40_000], encoding="utf-8")
+    result = tasks.train_lm(tmp_path / "lm", data_files=[text_file], preset="tiny",
+                            model_overrides={}, vocab_size=400, seq_len=32, batch_size=8,
+                            val_fraction=0.0, steps=8, warmup_steps=2, eval_every=4,
+                            save_every=4, progress=False)
+    assert result.step == 8 and result.metrics == {}
+    records = [json.loads(line) for line in (tmp_path / "lm" / trainer.METRICS_FILE).open()]
+    assert records and not any("val_loss" in r or "unigram_ppl" in r for r in records)
