@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import model as M
+from kvjax import parallel
 
 from .loop import StopConditions, StopReason
 from .tracing import count_trace
@@ -186,12 +187,17 @@ def _best(state: BeamState, max_new_tokens, length_penalty) -> BeamResult:
     )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6), static_argnames="mesh")
 def beam_search(config, params, tokens_BP, lengths_B, capacity: int, buffer_len: int,
-                num_beams: int, stops: StopConditions, length_penalty) -> BeamResult:
-    """Prefill each prompt once, copy its cache to W beams, then run `beam_loop`."""
+                num_beams: int, stops: StopConditions, length_penalty, mesh=None) -> BeamResult:
+    """Prefill each prompt once, copy its cache to W beams, then run `beam_loop`.
+
+    With a `mesh`, the B·W cache rows are split over `data` (the W beams of a row together,
+    when `data` divides B) and the kv heads over `model`."""
     count_trace("beam")
     first_logits_BV, cache = M.prefill(config, params, tokens_BP, lengths_B, capacity)
     cache = cache.take_rows(jnp.repeat(jnp.arange(tokens_BP.shape[0]), num_beams))
-    return beam_loop(M.step_fn(config, params), first_logits_BV, cache, num_beams,
-                     buffer_len, stops, length_penalty)
+    if mesh is not None:
+        cache = parallel.constrain_rows(cache, mesh)
+    return beam_loop(parallel.keep_rows(M.step_fn(config, params), mesh), first_logits_BV,
+                     cache, num_beams, buffer_len, stops, length_penalty)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import model as M
+from kvjax import parallel
 
 from . import beam, checks, prompt_state
 from .loop import (
@@ -39,6 +40,8 @@ from .prompt_state import PromptState
 from .sampling import SamplingParams
 from .settings import check_num_samples, check_processors, sampling_params
 from .tracing import count_trace
+
+Mesh = jax.sharding.Mesh
 
 MAX_EOS_IDS = 8  # eos ids travel as a fixed-size array so their number never recompiles
 MIN_BUCKET = 8
@@ -128,10 +131,10 @@ def check_params(config: M.TransformerConfig, params) -> None:
 # Compiled programs -----------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6, 9, 10))
+@functools.partial(jax.jit, static_argnums=(0, 5, 6, 9, 10), static_argnames="mesh")
 def _start(config, params, tokens_BP, lengths_B, rng, capacity: int, buffer_len: int,
            stops: StopConditions, sampling: SamplingParams, num_samples: int,
-           processors: tuple[LogitProcessor, ...]) -> DecodeState:
+           processors: tuple[LogitProcessor, ...], mesh=None) -> DecodeState:
     """Prefills each prompt once, copies its cache to its `num_samples` rows and samples
     every row's first token."""
     count_trace("start")
@@ -144,16 +147,29 @@ def _start(config, params, tokens_BP, lengths_B, rng, capacity: int, buffer_len:
         context_BC, context_lengths_B = context_BC[rows], context_lengths_B[rows]
     state = initial_state(context_BC.shape[0], buffer_len, cache, rng, context_BC,
                           context_lengths_B)
-    return record(state, logits_BV, stops, sampling, processors)
+    return parallel.constrain_rows(record(state, logits_BV, stops, sampling, processors), mesh)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=2)
+@functools.partial(jax.jit, static_argnums=(0, 6), static_argnames="mesh", donate_argnums=2)
 def _continue(config, params, state: DecodeState, stops: StopConditions,
               sampling: SamplingParams, step_limit,
-              processors: tuple[LogitProcessor, ...]) -> DecodeState:
+              processors: tuple[LogitProcessor, ...], mesh=None) -> DecodeState:
     count_trace("continue")
-    return decode_loop(M.step_fn(config, params), state, stops, sampling, step_limit,
-                       processors)
+    state = parallel.constrain_rows(state, mesh)
+    return decode_loop(parallel.keep_rows(M.step_fn(config, params), mesh), state, stops,
+                       sampling, step_limit, processors)
+
+
+def placement(config: M.TransformerConfig, params, mesh=None):
+    """`(mesh, params)` to generate with: `mesh` if given, else the one `params` are sharded
+    over; None, with `params` as they are, on a single device. The params are placed on the
+    mesh by `parallel.state_shardings`; a ValueError names a `model` axis that does not
+    divide the heads or d_ff."""
+    mesh = parallel.mesh_of(params) if mesh is None else mesh
+    if mesh is None or mesh.size == 1:
+        return None, params
+    parallel.check_model_axis(config, mesh)
+    return mesh, parallel.shard_params(params, mesh)
 
 
 # Public API ------------------------------------------------------------------------------
@@ -175,11 +191,21 @@ class _Prepared:
     num_samples: int
     processors: tuple[LogitProcessor, ...]
     state: PromptState | None
+    mesh: Mesh | None = None
+
+    @property
+    def rows(self) -> int:
+        """Rows of the output: the rest filled up a batch split over devices."""
+        return self.batch * self.num_samples
 
 
 def _prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams, rng,
-             num_samples=1, logit_processors=(), state=None, **settings) -> _Prepared:
+             num_samples=1, logit_processors=(), state=None, mesh=None,
+             **settings) -> _Prepared:
     config = net.config
+    if mesh is not None and state is not None:
+        raise ValueError("generation from a state (state=...) runs on one device; it does "
+                         "not take a mesh or params sharded over one")
     if state is not None:
         prompt_state.check_is_state(state)
     if state is not None and prompts is None:
@@ -217,12 +243,24 @@ def _prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beam
         np.arange(tokens.shape[1])[None] < lengths[:, None], tokens, 0)[:, :width]
     eos = np.full(MAX_EOS_IDS, -1, np.int32)
     eos[:len(eos_ids)] = eos_ids
+    batch, lengths = tokens.shape[0], np.asarray(lengths, np.int32)
+    if mesh is not None:
+        # Rows split evenly over `data`: a batch that does not divide is filled up with
+        # copies of its last row, which finish when it does and are dropped from the output.
+        fill = -batch % mesh.shape[parallel.DATA]
+
+        def filled(array, copies):
+            return np.concatenate([array, np.repeat(np.asarray(array)[-1:], copies, axis=0)])
+
+        padded = jax.device_put(filled(padded, fill), parallel.rows(mesh, 2))
+        lengths = jax.device_put(filled(lengths, fill), parallel.rows(mesh))
+        sampling = jax.tree.map(lambda a: filled(a, fill * num_samples), sampling)
     return _Prepared(
         tokens=jnp.asarray(padded), lengths=jnp.asarray(lengths, jnp.int32),
-        batch=tokens.shape[0], capacity=capacity, buffer_len=buffer_len,
+        batch=batch, capacity=capacity, buffer_len=buffer_len,
         stops=StopConditions(jnp.asarray(eos), jnp.asarray(max_new_tokens, jnp.int32)),
         sampling=sampling, rng=jax.random.key(0) if rng is None else rng,
-        num_samples=num_samples, processors=processors, state=state,
+        num_samples=num_samples, processors=processors, state=state, mesh=mesh,
     )
 
 
@@ -230,7 +268,7 @@ def _begin(config, params, p: _Prepared) -> DecodeState:
     """The decode state after each row's first token: from a prefill, or from `p.state`."""
     if p.state is None:
         return _start(config, params, p.tokens, p.lengths, p.rng, p.capacity, p.buffer_len,
-                      p.stops, p.sampling, p.num_samples, p.processors)
+                      p.stops, p.sampling, p.num_samples, p.processors, mesh=p.mesh)
     s = p.state
     return prompt_state.resume(
         config, params, s.cache, s.next_logits, s.context, s.context_lengths, p.tokens,
@@ -266,7 +304,7 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
              eos_ids: Sequence[int] = (), num_beams: int = 1, length_penalty: float = 1.0,
              num_samples: int = 1, state: PromptState | None = None,
              return_state: bool = False, rng: jax.Array | None = None,
-             return_logprobs: bool = False) -> GenerateOutput:
+             return_logprobs: bool = False, mesh: Mesh | None = None) -> GenerateOutput:
     """Generates up to `max_new_tokens` per prompt.
 
     `prompts`: a list of token-id lists (lengths may differ) or an int array [B, P] with
@@ -278,11 +316,19 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
     `prompts` are the tokens to append to each of its rows (None: nothing) and nothing is
     prefilled again. `num_beams > 1` runs beam search (sampling settings are then ignored)
     and scores hypotheses by sum(logprobs) / length**length_penalty.
+
+    On many devices (`mesh`, or the mesh `params` are sharded over; see `placement`) the
+    rows and their cache are split over `data` and the kv heads over `model`; the tokens are
+    the ones one device makes.
     """
     length_penalty = checks.real("length_penalty", length_penalty, lambda _: True, "finite")
+    mesh, params = placement(net.config, params, mesh)
+    if mesh is not None and return_state:
+        raise ValueError("return_state=True runs on one device; it does not take a mesh or "
+                         "params sharded over one")
     prepared = _prepare(net, params, prompts, lengths, max_new_tokens=max_new_tokens,
                         eos_ids=eos_ids, num_beams=num_beams, rng=rng, num_samples=num_samples,
-                        logit_processors=logit_processors, state=state,
+                        logit_processors=logit_processors, state=state, mesh=mesh,
                         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                         repetition_penalty=repetition_penalty,
                         no_repeat_ngram_size=no_repeat_ngram_size)
@@ -293,12 +339,13 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
         result = beam.beam_search(
             config, params, prepared.tokens, prepared.lengths, prepared.capacity,
             prepared.buffer_len, num_beams, prepared.stops,
-            jnp.asarray(length_penalty, jnp.float32))
-        return _output(result, max_new_tokens, return_logprobs, scores=result.scores)
+            jnp.asarray(length_penalty, jnp.float32), mesh=mesh)
+        return _output(result, max_new_tokens, return_logprobs, prepared.batch,
+                       scores=result.scores)
     decode_state = _begin(config, params, prepared)
     decode_state = _continue(config, params, decode_state, prepared.stops, prepared.sampling,
-                             prepared.stops.max_new_tokens, prepared.processors)
-    return _output(decode_state, max_new_tokens, return_logprobs,
+                             prepared.stops.max_new_tokens, prepared.processors, mesh=mesh)
+    return _output(decode_state, max_new_tokens, return_logprobs, prepared.rows,
                    state_out=_kept(config, params, decode_state) if return_state else None)
 
 
@@ -315,8 +362,12 @@ def stream(net, params, prompts=None, *, max_new_tokens: int, chunk_size: int = 
     chunk_size = checks.integer("chunk_size", chunk_size, 1)
     return_logprobs = kwargs.pop("return_logprobs", False)
     return_state = kwargs.pop("return_state", False)
+    mesh, params = placement(net.config, params, kwargs.pop("mesh", None))
+    if mesh is not None and return_state:
+        raise ValueError("return_state=True runs on one device; it does not take a mesh or "
+                         "params sharded over one")
     prepared = _prepare(net, params, prompts, kwargs.pop("lengths", None),
-                        max_new_tokens=max_new_tokens, num_beams=1,
+                        max_new_tokens=max_new_tokens, num_beams=1, mesh=mesh,
                         **{"eos_ids": (), "rng": None, **kwargs})
     config = net.config
     state = _begin(config, params, prepared)
@@ -324,25 +375,28 @@ def stream(net, params, prompts=None, *, max_new_tokens: int, chunk_size: int = 
     while True:
         step = int(state.step)
         if step > emitted:
-            yield np.asarray(state.tokens[:, emitted:step])
+            yield np.asarray(state.tokens[:prepared.rows, emitted:step])
             emitted = step
         if step >= max_new_tokens or bool(jnp.all(state.done)):
-            return _output(state, max_new_tokens, return_logprobs,
+            return _output(state, max_new_tokens, return_logprobs, prepared.rows,
                            state_out=_kept(config, params, state) if return_state else None)
         limit = jnp.asarray(min(step + chunk_size, max_new_tokens), jnp.int32)
         state = _continue(config, params, state, prepared.stops, prepared.sampling, limit,
-                          prepared.processors)
+                          prepared.processors, mesh=mesh)
 
 
 def _kept(config, params, state: DecodeState) -> PromptState:
     return PromptState(config, params, *prompt_state.keep(config, params, state))
 
 
-def _output(state, max_new_tokens: int, return_logprobs: bool, scores=None,
+def _output(state, max_new_tokens: int, return_logprobs: bool, rows: int, scores=None,
             state_out: PromptState | None = None) -> GenerateOutput:
-    tokens = np.asarray(state.tokens)[:, :max_new_tokens]
-    logprobs = np.asarray(state.logprobs)[:, :max_new_tokens] if return_logprobs else None
-    return GenerateOutput(tokens=tokens, lengths=np.asarray(state.lengths),
-                          stop_reason=np.asarray(state.stop_reason), logprobs=logprobs,
-                          scores=None if scores is None else np.asarray(scores),
+    """The first `rows` rows (the rest filled up a batch split over devices)."""
+    def real(array, columns=None):
+        return np.asarray(array)[:rows, :columns] if columns else np.asarray(array)[:rows]
+
+    logprobs = real(state.logprobs, max_new_tokens) if return_logprobs else None
+    return GenerateOutput(tokens=real(state.tokens, max_new_tokens),
+                          lengths=real(state.lengths), stop_reason=real(state.stop_reason),
+                          logprobs=logprobs, scores=None if scores is None else real(scores),
                           state=state_out)

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import decode
+from kvjax import decode, parallel
 from kvjax import model as M
 from kvjax.model.config import format_bytes
 
@@ -62,6 +62,11 @@ class Row:
     no_cache_seconds: float | None
     hf_seconds: float | None
     new_tokens: int
+    devices: int = 1  # kvjax's rows split over this many devices (`data` of a mesh)
+
+    @property
+    def label(self) -> str:
+        return self.layers if self.devices == 1 else f"{self.layers}, {self.devices} devices"
 
     def tokens_per_second(self, seconds: float | None) -> float | None:
         return None if seconds is None else self.batch * self.new_tokens / seconds
@@ -155,12 +160,17 @@ def time_weights_only_step(config: M.TransformerConfig, params, repeats: int,
     return _best_seconds(lambda: run(weights), repeats) / steps
 
 
-def _time_kvjax(net, params, prompts, new_tokens: int, repeats: int) -> tuple[float, float]:
-    """(seconds for `new_tokens`, seconds per decode step). Both calls share one bucket."""
+def _time_kvjax(net, params, prompts, new_tokens: int, repeats: int,
+                mesh=None) -> tuple[float, float]:
+    """(seconds for `new_tokens`, seconds per decode step). Both calls share one bucket.
+    With a `mesh`, the rows are split over its `data` devices."""
     half = new_tokens // 2 + 1
+    if mesh is not None:  # placed once, outside the timed calls
+        params = parallel.shard_params(params, mesh)
 
     def run(n):
-        return lambda: decode.generate(net, params, prompts, max_new_tokens=n).tokens
+        return lambda: decode.generate(net, params, prompts, max_new_tokens=n,
+                                       mesh=mesh).tokens
 
     run(new_tokens)()  # compiles the bucket both calls use
     full = _best_seconds(run(new_tokens), repeats)
@@ -223,9 +233,14 @@ LAYER_MODES = ("scanned", "unrolled")
 def decode_benchmark(preset: str = "gpt-mini", batch_sizes: Sequence[int] = (1, 8, 32),
                      prompt_len: int = 32, new_tokens: int = 256, repeats: int = 3, *,
                      layer_modes: Sequence[str] = LAYER_MODES, compare_no_cache: bool = True,
-                     compare_hf: bool = True,
+                     compare_hf: bool = True, devices: int = 1,
                      log: Callable[[str], None] = print) -> tuple[list[Row], Facts]:
-    """Measures every batch size and layer mode; see the module docstring for what and how."""
+    """Measures every batch size and layer mode; see the module docstring for what and how.
+
+    With `devices > 1`, kvjax is also timed with every batch split over that many devices
+    (`data` of a mesh; on a CPU, host devices: see `kvjax.cli`), in rows of its own beside
+    the one-device rows. Each device then holds all the weights and its share of the rows.
+    """
     if new_tokens < 4:
         raise ValueError(f"new_tokens={new_tokens} must be >= 4 to time decode steps")
     config = M.preset(preset)
@@ -235,6 +250,13 @@ def decode_benchmark(preset: str = "gpt-mini", batch_sizes: Sequence[int] = (1, 
     unknown = sorted(set(layer_modes) - set(LAYER_MODES))
     if unknown or not layer_modes:
         raise ValueError(f"layer modes {unknown or list(layer_modes)} not in {LAYER_MODES}")
+    if devices > jax.device_count():
+        raise ValueError(f"devices={devices} but JAX sees {jax.device_count()} "
+                         f"({jax.devices()[0].platform}); on a CPU, start with XLA_FLAGS="
+                         f"--xla_force_host_platform_device_count={devices}")
+    meshes = {1: None}
+    if devices > 1:
+        meshes[devices] = parallel.make_mesh(f"data={devices}", jax.devices()[:devices])
     config = config.replace(scan_layers=True)
     params = M.init_params(config, jax.random.key(0))
     models = {"scanned": (config, params),
@@ -247,10 +269,11 @@ def decode_benchmark(preset: str = "gpt-mini", batch_sizes: Sequence[int] = (1, 
             3, config.vocab_size, (batch, prompt_len)).astype(np.int32)
         timed = {}
         for mode in layer_modes:
-            log(f"batch {batch}: kvjax, {mode} layers ...")
-            mode_config, mode_params = models[mode]
-            timed[mode] = _time_kvjax(M.build_model(mode_config), mode_params, prompts,
-                                      new_tokens, repeats)
+            for count, mesh in meshes.items():
+                log(f"batch {batch}: kvjax, {mode} layers, {count} device(s) ...")
+                mode_config, mode_params = models[mode]
+                timed[mode, count] = _time_kvjax(M.build_model(mode_config), mode_params,
+                                                 prompts, new_tokens, repeats, mesh)
         no_cache = hf_seconds = None
         if compare_no_cache:
             log(f"batch {batch}: no cache ...")
@@ -258,8 +281,8 @@ def decode_benchmark(preset: str = "gpt-mini", batch_sizes: Sequence[int] = (1, 
         if hf is not None:
             log(f"batch {batch}: Hugging Face GPT-2 ...")
             hf_seconds = hf(prompts, new_tokens, repeats)
-        rows += [Row(batch, mode, seconds, step, no_cache, hf_seconds, new_tokens)
-                 for mode, (seconds, step) in timed.items()]
+        rows += [Row(batch, mode, seconds, step, no_cache, hf_seconds, new_tokens, count)
+                 for (mode, count), (seconds, step) in timed.items()]
     log("memory bandwidth ...")
     param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     # The cache a step reads, at the middle of the timed steps (N/2 + 1 .. N).
@@ -305,7 +328,7 @@ def format_table(rows: Sequence[Row], facts: Facts) -> str:
         def cell(value):
             return "-" if value is None else f"{value:,.0f}"
 
-        lines.append(f"| {r.batch} | {r.layers} | {cell(ours)} | {cell(no_cache)} | {cell(hf)} | "
+        lines.append(f"| {r.batch} | {r.label} | {cell(ours)} | {cell(no_cache)} | {cell(hf)} | "
                      f"{_ratio(ours, no_cache)} | {_ratio(ours, hf)} | "
                      f"{r.decode_step_seconds * 1e3:.2f} |")
     floor = facts.floor_seconds
@@ -324,7 +347,7 @@ def format_table(rows: Sequence[Row], facts: Facts) -> str:
         f"{weights / floor:.2f}x the floor.")
     for r in batch1:
         step = r.decode_step_seconds
-        lines.append(f"Decode step at batch 1, {r.layers} layers: {step * 1e3:.2f} ms = "
+        lines.append(f"Decode step at batch 1, {r.label} layers: {step * 1e3:.2f} ms = "
                      f"{step / floor:.2f}x the floor = {step / weights:.2f}x the weights alone.")
     lines.append(f"Hugging Face: {facts.hf_note}.")
     return "\n".join(lines)

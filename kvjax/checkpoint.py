@@ -502,11 +502,13 @@ def _shown(value: Any) -> str:
     return "missing" if value is _MISSING else json.dumps(value)
 
 
-def load_for_sampling(directory: str | os.PathLike) -> tuple[Any, Any, Any]:
+def load_for_sampling(directory: str | os.PathLike, mesh: Any = None) -> tuple[Any, Any, Any]:
     """Returns `(TransformerConfig, Tokenizer, params)` from the newest step in `directory`.
 
     `config.json` and the tokenizer are checked against the step's manifest and the params
     against the shapes `model.init_params` gives for the config, their checksums and NaN.
+    With a `mesh` (`kvjax.parallel.make_mesh`) the params are read straight into its layout
+    (`parallel.state_shardings`), whatever mesh saved them; without one, onto one device.
     """
     # Imported here so that saving and restoring training state does not depend on them.
     from kvjax.model import TransformerConfig, init_params
@@ -529,6 +531,11 @@ def load_for_sampling(directory: str | os.PathLike) -> tuple[Any, Any, Any]:
             f"vocab_size is {config.vocab_size}"
         )
     abstract_params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    if mesh is not None:
+        from kvjax import parallel
+
+        parallel.check_model_axis(config, mesh)
+        abstract_params = parallel.abstract_on(abstract_params, mesh)
     return config, tokenizer, _restore_params(path, abstract_params)[1]
 
 

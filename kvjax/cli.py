@@ -5,6 +5,7 @@
     kvjax sample --checkpoint DIR --prompt TEXT
     kvjax cache-size                 the KV-cache size formula for a preset or given sizes
     kvjax bench decode               decode speed against no cache, HF GPT-2 and memory
+    kvjax bench train                training tokens/s against PyTorch eager
 
 A bad option, path or input ends with one line on stderr and exit code 2. A training run
 stopped by Ctrl-C or SIGTERM saves a checkpoint first and exits with 130 or 143; a run whose
@@ -141,6 +142,9 @@ def _add_train(commands) -> None:
     train.add_argument("--allow-changes", action="store_true",
                        help="with --resume: accept other data or other --steps and schedule "
                             "settings than the run was started with")
+    train.add_argument("--mesh", default=None, metavar="data=N,model=M",
+                       help="split each batch over N devices and the heads and FFN over M "
+                            "(default: every device on data)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(run=_run_train)
 
@@ -213,7 +217,25 @@ def _add_bench(commands) -> None:
                         help="layer modes to time: scanned (stacked) and/or unrolled")
     decode.add_argument("--no-hf", action="store_true", help="skip Hugging Face GPT-2")
     decode.add_argument("--no-no-cache", action="store_true", help="skip the no-cache baseline")
+    decode.add_argument("--devices", type=_positive, default=1,
+                        help="also time kvjax with each batch split over this many devices "
+                             "(on a CPU, host devices), in rows beside the one-device rows")
     decode.set_defaults(run=_run_bench_decode)
+    train = _command(kinds, "train", "Training tokens/s of kvjax's train step against "
+                     "PyTorch eager (Hugging Face GPT-2 of the same sizes, AdamW, clipping; "
+                     "if installed: pip install -e '.[bench]'), measured in one run.")
+    train.add_argument("--preset", choices=PRESET_NAMES, default="gpt-mini", help="model size")
+    train.add_argument("--batch-size", type=_positive, default=8, help="sequences per step")
+    train.add_argument("--seq-len", type=_positive, default=256, help="tokens per sequence")
+    train.add_argument("--steps", type=_positive, default=5, help="steps per timed run")
+    train.add_argument("--repeats", type=_positive, default=3, help="timed runs (best)")
+    train.add_argument("--layers", choices=LAYER_MODES, nargs="+", default=list(LAYER_MODES),
+                       help="layer modes to time: scanned (stacked) and/or unrolled")
+    train.add_argument("--devices", type=_positive, default=1,
+                       help="also time kvjax with each batch split over this many devices "
+                            "(on a CPU, host devices)")
+    train.add_argument("--no-torch", action="store_true", help="skip PyTorch")
+    train.set_defaults(run=_run_bench_train)
 
 
 # What each command runs. Imports are local: `kvjax --help` should not wait for jax.
@@ -255,6 +277,7 @@ def _run_train(args) -> int:
         raise ValueError("--allow-changes only applies with --resume")
     out = args.out or f"runs/{args.task}"
     common = dict(resume=args.resume, allow_changes=args.allow_changes)
+    overrides["mesh"] = _mesh(args.mesh)
     if args.task == "lm":
         if args.heldout is not None:
             raise ValueError("--heldout applies to --task translate (an LM holds out 5% of "
@@ -271,6 +294,18 @@ def _run_train(args) -> int:
     print(f"trained to step {result.step}: {metrics}\ncheckpoint: {result.out_dir}\n"
           f"metrics: {result.metrics_path}\nloss curve: {result.loss_curve_path}")
     return 0
+
+
+def _mesh(spec: str | None):
+    """The mesh `--mesh` asks for; without it every device on `data`, or None on one device
+    (which needs no mesh)."""
+    import jax
+
+    from kvjax import parallel
+
+    if spec is None and jax.device_count() == 1:
+        return None
+    return parallel.make_mesh(spec)
 
 
 def _run_sample(args) -> int:
@@ -342,14 +377,35 @@ def _run_bench_decode(args) -> int:
     rows, facts = decode_benchmark(
         args.preset, tuple(args.batch_sizes), args.prompt_len, args.new_tokens, args.repeats,
         layer_modes=tuple(args.layers), compare_no_cache=not args.no_no_cache,
-        compare_hf=not args.no_hf)
+        compare_hf=not args.no_hf, devices=args.devices)
     print(format_table(rows, facts))
     return 0
+
+
+def _run_bench_train(args) -> int:
+    from kvjax.bench_train import format_train_table, train_benchmark
+
+    rows, setting = train_benchmark(
+        args.preset, args.batch_size, args.seq_len, args.steps, args.repeats,
+        devices=args.devices, layer_modes=tuple(args.layers), compare_torch=not args.no_torch)
+    print(format_train_table(rows, setting))
+    return 0
+
+
+def _host_devices(count: int) -> None:
+    """Lets the CPU backend show `count` devices, where it would show one. XLA reads this
+    when JAX starts, so it must be set before jax is first imported (in this process it is
+    not yet, unless `main` is called from a program that imported it)."""
+    flag = f"--xla_force_host_platform_device_count={count}"
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "devices", 1) > 1:
+        _host_devices(args.devices)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("default")

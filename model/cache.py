@@ -147,14 +147,24 @@ def write_rows(stack: jax.Array, layer, new_BTKH: jax.Array, starts_B: jax.Array
 
     The whole stack is updated rather than a slice of it, so inside the layer scan and the
     decode loop XLA writes the T new slots in place, never copying. With one start per row
-    this is a scatter (what `vmap` of `lax.dynamic_update_slice` becomes). A row that does
-    not fit (`start + T > S`) writes nothing: its slots point past the end and `mode="drop"`
-    discards them, where a clamped write would have overwritten the last slots. Its caller
-    flags the row as overflowed.
+    this is a scatter (what `vmap` of `lax.dynamic_update_slice` becomes), with B as its
+    batch axis: row b of `new` goes to row b of the stack, so a stack split over devices by
+    rows is written where it lies, without gathering the indices or the new K/V. A row that
+    does not fit (`start + T > S`) writes nothing: its slots point past the end and the
+    scatter drops them, where a clamped write would have overwritten the last slots. Its
+    caller flags the row as overflowed.
     """
     capacity = stack.shape[-2]
     slots_BT = starts_B[:, None] + jnp.arange(new_BTKH.shape[1], dtype=starts_B.dtype)
     slots_BT = jnp.where(fits_B[:, None], slots_BT, capacity)
-    rows_B1 = jnp.arange(new_BTKH.shape[0])[:, None]
-    # The two index arrays are split by the K slice, so the indexed block is [B, T, K, H].
-    return stack.at[layer, rows_B1, :, slots_BT].set(new_BTKH.astype(stack.dtype), mode="drop")
+    layer_BT = jnp.broadcast_to(jnp.asarray(layer, slots_BT.dtype), slots_BT.shape)
+    indices_BT2 = jnp.stack([layer_BT, slots_BT], axis=-1)  # (layer, slot) of each new token
+    numbers = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=(2, 3),  # K, H of new [B, T, K, H]
+        inserted_window_dims=(0, 3),  # one layer, one slot per token
+        scatter_dims_to_operand_dims=(0, 3),
+        operand_batching_dims=(1,),  # B of the stack ...
+        scatter_indices_batching_dims=(0,))  # ... is B of the indices
+    return jax.lax.scatter(stack, indices_BT2, new_BTKH.astype(stack.dtype), numbers,
+                           indices_are_sorted=True, unique_indices=True,
+                           mode=jax.lax.GatherScatterMode.FILL_OR_DROP)

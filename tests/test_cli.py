@@ -10,7 +10,8 @@ from kvjax.model.config import cache_size_bytes
 from kvjax import cli
 from kvjax import model as M
 
-SUBCOMMANDS = (["demo"], ["train"], ["sample"], ["cache-size"], ["bench", "decode"])
+SUBCOMMANDS = (["demo"], ["train"], ["sample"], ["cache-size"], ["bench", "decode"],
+               ["bench", "train"])
 
 
 def run_cli(capsys, *argv):
@@ -118,3 +119,22 @@ def test_weights_alone_multiplies_every_matrix_parameter_once():
     assert (d, v) in shapes and (v, d) not in shapes and (config.max_len, d) not in shapes
     with pytest.raises(ValueError, match="decoder-only"):
         bench.step_matrices(config.replace(num_encoder_layers=1), params)
+
+
+def test_decode_benchmark_on_more_devices_than_jax_sees_names_the_flag():
+    from kvjax import bench
+    with pytest.raises(ValueError, match="xla_force_host_platform_device_count=64"):
+        bench.decode_benchmark("tiny", batch_sizes=(2,), prompt_len=4, new_tokens=8,
+                               devices=64, log=lambda _: None)
+
+
+def test_train_benchmark_times_both_layer_modes_and_prints_a_table(capsys, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "")  # restored after: --devices sets it for this process
+    code, out, _ = run_cli(capsys, "bench", "train", "--preset", "tiny", "--batch-size", "2",
+                           "--seq-len", "8", "--steps", "1", "--repeats", "1", "--no-torch")
+    assert code == 0
+    assert "| kvjax, scanned layers, 1 device |" in out
+    assert "| kvjax, unrolled layers, 1 device |" in out
+    code, _, err = run_cli(capsys, "bench", "train", "--preset", "tiny", "--seq-len", "8",
+                           "--devices", "64")
+    assert code == 2 and "xla_force_host_platform_device_count=64" in err

@@ -8,6 +8,8 @@ overridden by keyword::
     train_lm("runs/lm", steps=200, seq_len=64)
     train_translate("runs/numbers", max_number=1000, num_heldout=100, progress=False)
 
+`mesh` (`kvjax.parallel.make_mesh`) trains on many devices (see `train.trainer.train`).
+
 Shapes: N examples, T tokens per example, S source tokens.
 """
 
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from jax.sharding import Mesh
 
 from kvjax import checkpoint, decode
 from kvjax import model as M
@@ -80,7 +83,8 @@ _SPLIT_SEED = 0  # the train/validation split never changes with the training se
 
 def train_lm(out_dir: str | os.PathLike, *, data_files: Sequence[str | os.PathLike] | None = None,
              resume: bool = False, allow_changes: bool = False,
-             settings: LMSettings = LM_SETTINGS, **overrides: Any) -> TrainResult:
+             settings: LMSettings = LM_SETTINGS, mesh: Mesh | None = None,
+             **overrides: Any) -> TrainResult:
     """Trains a decoder-only LM on `data_files` (default: Python's documentation topics).
 
     The final metrics include `val_ppl` and `unigram_ppl`, the perplexity on the same
@@ -104,7 +108,7 @@ def train_lm(out_dir: str | os.PathLike, *, data_files: Sequence[str | os.PathLi
         data={**sources, "seq_len": settings.seq_len, "val_fraction": settings.val_fraction})
     config = _model_config(settings, tokenizer, min_len=settings.seq_len)
     return trainer.train(config, settings.training, task, out_dir, resume=resume,
-                         allow_changes=allow_changes)
+                         allow_changes=allow_changes, mesh=mesh)
 
 
 def lm_arrays(windows_NT: np.ndarray) -> dict[str, np.ndarray]:
@@ -128,7 +132,7 @@ def unigram_perplexity(train_targets: np.ndarray, val_targets: np.ndarray,
 
 def train_translate(out_dir: str | os.PathLike, *, data_tsv: str | os.PathLike | None = None,
                     resume: bool = False, allow_changes: bool = False,
-                    settings: TranslateSettings = TRANSLATE_SETTINGS,
+                    settings: TranslateSettings = TRANSLATE_SETTINGS, mesh: Mesh | None = None,
                     **overrides: Any) -> TrainResult:
     """Trains an encoder-decoder with teacher forcing on `data_tsv` (``source<TAB>target``
     lines) or, by default, on numbers spelled as words.
@@ -161,7 +165,7 @@ def train_translate(out_dir: str | os.PathLike, *, data_tsv: str | os.PathLike |
         train=translation_arrays(tokenizer, train_pairs, max_len), val=heldout,
         evaluate=accuracy, data={**sources, "num_heldout": num_heldout})
     return trainer.train(config, settings.training, task, out_dir, resume=resume,
-                         allow_changes=allow_changes)
+                         allow_changes=allow_changes, mesh=mesh)
 
 
 def default_heldout(num_pairs: int, num_heldout: int | None) -> int:

@@ -41,9 +41,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from kvjax import checkpoint
+from kvjax import checkpoint, parallel
 from kvjax import model as M
 from kvjax.tokenizer import PAD_ID, Tokenizer
 
@@ -255,10 +256,13 @@ def _update_config(config: TrainConfig) -> TrainConfig:
                           keep_checkpoints=1, progress=False)
 
 
-def init_state(model_config: M.TransformerConfig, train_config: TrainConfig) -> TrainState:
-    """The state before the first step: fresh params and optimizer state for the seed."""
-    return _init_state(model_config, _update_config(train_config),
-                       jax.random.key(train_config.seed))
+def init_state(model_config: M.TransformerConfig, train_config: TrainConfig,
+               mesh: Mesh | None = None) -> TrainState:
+    """The state before the first step: fresh params and optimizer state for the seed, laid
+    out on `mesh` by `parallel.state_shardings` when one is given."""
+    state = _init_state(model_config, _update_config(train_config),
+                        jax.random.key(train_config.seed))
+    return state if mesh is None else parallel.shard_params(state, mesh)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -270,10 +274,16 @@ def _init_state(model_config: M.TransformerConfig, update_config: TrainConfig,
                       step=jnp.zeros((), jnp.int32), rng=jax.random.key_data(base_rng))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=2)
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames="mesh", donate_argnums=2)
 def train_step(model_config: M.TransformerConfig, train_config: TrainConfig, state: TrainState,
-               batch: Batch) -> tuple[TrainState, jax.Array]:
-    """One AdamW update on `batch`; returns the new state and the batch's mean loss."""
+               batch: Batch, mesh: Mesh | None = None) -> tuple[TrainState, jax.Array]:
+    """One AdamW update on `batch`; returns the new state and the batch's mean loss.
+
+    With a `mesh`, the state comes in laid out by `parallel.state_shardings` and the batch
+    split over `data` (`parallel.shard_batch`); the new state leaves with the same layout,
+    so every step runs one compiled program. The loss and gradients are sums over the whole
+    batch, which XLA reduces across devices: the same numbers as on one device.
+    """
     dropout_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
     def loss_fn(params):
@@ -284,7 +294,10 @@ def train_step(model_config: M.TransformerConfig, train_config: TrainConfig, sta
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
     updates, opt_state = make_optimizer(train_config).update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    return state.replace(params=params, opt_state=opt_state, step=state.step + 1), loss
+    state = state.replace(params=params, opt_state=opt_state, step=state.step + 1)
+    if mesh is not None:
+        state = jax.lax.with_sharding_constraint(state, parallel.state_shardings(state, mesh))
+    return state, loss
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -320,7 +333,7 @@ def _chunks(arrays: Mapping[str, np.ndarray], size: int, max_chunks: int) -> Ite
 
 def train(model_config: M.TransformerConfig, train_config: TrainConfig, task: TrainTask,
           out_dir: str | Path, *, resume: bool = False, stop_after: int | None = None,
-          allow_changes: bool = False) -> TrainResult:
+          allow_changes: bool = False, mesh: Mesh | None = None) -> TrainResult:
     """Trains `model_config` on `task`, writing checkpoints and metrics into `out_dir`.
 
     With `resume`, continues from the newest checkpoint in `out_dir`, which must have been
@@ -333,15 +346,26 @@ def train(model_config: M.TransformerConfig, train_config: TrainConfig, task: Tr
     Raises `TrainingDiverged` on a non-finite loss or params (saving nothing from that step
     on) and, after saving a checkpoint at the current step, `TrainingInterrupted` on SIGINT or
     SIGTERM. Another process training into `out_dir` at the same time is refused.
+
+    With a `mesh` (`parallel.make_mesh`), every batch of `train_config.batch_size` rows is
+    split over its `data` axis and the params and optimizer state over its `model` axis;
+    checkpoints are saved sharded and a resumed run restores onto this mesh, whichever mesh
+    saved them.
     """
+    if mesh is not None:
+        parallel.check_batch(train_config.batch_size, mesh)
+        parallel.check_model_axis(model_config, mesh)
     out_dir = Path(out_dir)
     with _exclusive(out_dir), _deferred_signals() as signals:
-        state = _start_state(model_config, train_config, task, out_dir, resume, allow_changes)
-        return _run(model_config, train_config, task, out_dir, state, stop_after, signals)
+        state = _start_state(model_config, train_config, task, out_dir, resume, allow_changes,
+                             mesh)
+        return _run(model_config, train_config, task, out_dir, state, stop_after, signals,
+                    mesh)
 
 
 def _run(model_config, train_config: TrainConfig, task: TrainTask, out_dir: Path,
-         state: TrainState, stop_after: int | None, signals: _Signals) -> TrainResult:
+         state: TrainState, stop_after: int | None, signals: _Signals,
+         mesh: Mesh | None) -> TrainResult:
     update_config = _update_config(train_config)
     start = int(state.step)
     end = train_config.steps if stop_after is None else min(stop_after, train_config.steps)
@@ -361,7 +385,9 @@ def _run(model_config, train_config: TrainConfig, task: TrainTask, out_dir: Path
                                       manifest=manifest) as checkpointer:
         for step in range(start + 1, end + 1):
             batch = dict(zip(task.train.keys(), batches.batch(step - 1), strict=True))
-            state, losses[step] = train_step(model_config, update_config, state, batch)
+            placed = batch if mesh is None else parallel.shard_batch(batch, mesh)
+            state, losses[step] = train_step(model_config, update_config, state, placed,
+                                             mesh=mesh)
             meter.add_tokens(int(np.count_nonzero(batch["targets"] != PAD_ID)))
             if signals.received is not None:
                 guard.check(losses, state)
@@ -486,7 +512,7 @@ def _exclusive(out_dir: Path) -> Iterator[None]:
 
 
 def _start_state(model_config, train_config, task: TrainTask, out_dir: Path,
-                 resume: bool, allow_changes: bool) -> TrainState:
+                 resume: bool, allow_changes: bool, mesh: Mesh | None) -> TrainState:
     saved_step = checkpoint.latest_step(out_dir)
     if saved_step is not None and not resume:
         raise checkpoint.CheckpointError(
@@ -509,8 +535,10 @@ def _start_state(model_config, train_config, task: TrainTask, out_dir: Path,
                               task.tokenizer.to_bytes())
     if not resume:
         checkpoint.write_atomically(out_dir / RUN_FILE, json.dumps(record, indent=2) + "\n")
-        return init_state(model_config, train_config)
+        return init_state(model_config, train_config, mesh)
     abstract = jax.eval_shape(lambda: _checkpoint_tree(init_state(model_config, train_config)))
+    if mesh is not None:
+        abstract = parallel.abstract_on(abstract, mesh)
     _, tree = checkpoint.restore_latest(out_dir, abstract)
     return TrainState(params=tree["params"], opt_state=tree["opt_state"],
                       step=tree["data_position"], rng=tree["rng"])

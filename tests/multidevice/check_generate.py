@@ -1,0 +1,109 @@
+"""Generation on 8 devices: the tokens one device makes, rows padded, no per-step gathers."""
+
+import importlib
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from kvjax import decode, parallel
+from kvjax import model as M
+
+G = importlib.import_module("kvjax.decode.generate")  # the module, not the function
+
+VARIANTS = {
+    "lm scanned": M.preset("tiny", num_kv_heads=2),
+    "lm unrolled": M.preset("tiny", num_kv_heads=2, scan_layers=False),
+    "translate scanned": M.preset("tiny", num_encoder_layers=1),
+    "translate unrolled": M.preset("tiny", num_encoder_layers=1, scan_layers=False),
+}
+# 5 rows: they do not divide data=4 or data=8, so the batch is filled up.
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [3], [20, 21, 22, 23]]
+NEW = 12
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def model(request):
+    config = VARIANTS[request.param]
+    return M.build_model(config), M.init_params(config, jax.random.key(0))
+
+
+@pytest.fixture(scope="module", params=["lm scanned", "translate unrolled"])
+def some_model(request):  # each variant once, each layer layout once: compiles cost here
+    config = VARIANTS[request.param]
+    return M.build_model(config), M.init_params(config, jax.random.key(0))
+
+
+def test_greedy_tokens_equal_one_device(model):
+    net, params = model
+    mesh = parallel.make_mesh("data=4,model=2")
+    want = decode.generate(net, params, PROMPTS, max_new_tokens=NEW, eos_ids=(2,))
+    got = decode.generate(net, params, PROMPTS, max_new_tokens=NEW, eos_ids=(2,), mesh=mesh)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.lengths, want.lengths)
+    assert got.stop_reasons() == want.stop_reasons()
+    # Params already on the mesh carry it: no `mesh` argument needed.
+    on_mesh = parallel.shard_params(params, mesh)
+    again = decode.generate(net, on_mesh, PROMPTS, max_new_tokens=NEW, eos_ids=(2,))
+    np.testing.assert_array_equal(again.tokens, want.tokens)
+
+
+def test_sampled_stream_and_beam_tokens_equal_one_device(some_model):
+    net, params = some_model
+    mesh = parallel.make_mesh("data=4,model=2")
+    settings = dict(max_new_tokens=NEW, temperature=1.0, top_k=20, rng=jax.random.key(3))
+    want = decode.generate(net, params, PROMPTS, **settings)
+    got = decode.generate(net, params, PROMPTS, mesh=mesh, **settings)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    chunks = list(decode.stream(net, params, PROMPTS, chunk_size=5, mesh=mesh, **settings))
+    np.testing.assert_array_equal(np.concatenate(chunks, axis=1), want.tokens)
+    want = decode.generate(net, params, PROMPTS[:4], max_new_tokens=NEW, num_beams=3)
+    got = decode.generate(net, params, PROMPTS[:4], max_new_tokens=NEW, num_beams=3,
+                          mesh=mesh)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.scores, want.scores, rtol=1e-5)
+
+
+def decode_loop_hlo(config, params, mesh, batch=8):
+    """The compiled decode loop of a `generate` call on `mesh`, as HLO text."""
+    net = M.build_model(config)
+    mesh, params = G.placement(config, params, mesh)
+    prepared = G._prepare(net, params, PROMPTS[:1] * batch, None, max_new_tokens=NEW,
+                          temperature=0.0, top_k=0, top_p=1.0, eos_ids=(), num_beams=1,
+                          rng=None, mesh=mesh)
+    state = G._start(config, params, prepared.tokens, prepared.lengths, prepared.rng,
+                     prepared.capacity, prepared.buffer_len, prepared.stops,
+                     prepared.sampling, mesh=mesh)
+    return G._continue.lower(config, params, state, prepared.stops, prepared.sampling,
+                             prepared.stops.max_new_tokens, mesh=mesh).compile().as_text()
+
+
+def collectives(hlo: str, op: str) -> list[str]:
+    return re.findall(rf"= (\S+) {op}\(", hlo)
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_decode_loop_gathers_no_index_arrays(scan_layers):
+    """The cache write is a scatter batched over rows: each device writes its own rows with
+    its own indices. On `data` alone a step needs no gather at all; with `model` too, none
+    of an integer array (the attention and the split of the fused QKV projection gather
+    float activations there)."""
+    config = M.preset("tiny", scan_layers=scan_layers)
+    params = M.init_params(config, jax.random.key(0))
+    hlo = decode_loop_hlo(config, params, parallel.make_mesh("data=8"))
+    assert collectives(hlo, "all-gather") == [] and collectives(hlo, "all-to-all") == []
+    hlo = decode_loop_hlo(config, params, parallel.make_mesh("data=4,model=2"))
+    gathered = collectives(hlo, "all-gather") + collectives(hlo, "collective-permute")
+    assert gathered and all(shape.startswith(("f32", "bf16")) for shape in gathered), gathered
+
+
+def test_decode_benchmark_adds_rows_split_over_two_devices():
+    from kvjax import bench
+
+    rows, facts = bench.decode_benchmark(
+        "tiny", batch_sizes=(3,), prompt_len=4, new_tokens=8, repeats=1,
+        layer_modes=("scanned",), compare_no_cache=False, compare_hf=False, devices=2,
+        log=lambda _: None)
+    assert [(r.batch, r.label) for r in rows] == [(3, "scanned"), (3, "scanned, 2 devices")]
+    assert "| 3 | scanned, 2 devices |" in bench.format_table(rows, facts)
