@@ -50,10 +50,15 @@ class TransformerConfig:
     # depth; False, unrolled layers with their own params (`layers/0`, ...) and their own
     # cache buffers, which each layer reads where it lies. `unstack_layer_params` converts.
     scan_layers: bool = True
+    # Slots per block of decode attention (`attend_blocks`): a step reads the cache in blocks
+    # up to the longest row, so a smaller block wastes less past that row's end and a larger
+    # one pays the per-block overhead fewer times.
+    attention_block: int = 64
 
     def __post_init__(self):
         problems = []
-        for name in ("vocab_size", "d_model", "num_heads", "d_ff", "num_decoder_layers", "max_len"):
+        for name in ("vocab_size", "d_model", "num_heads", "d_ff", "num_decoder_layers", "max_len",
+                     "attention_block"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be >= 1")
         if self.num_encoder_layers < 0:

@@ -118,3 +118,22 @@ def test_weights_alone_multiplies_every_matrix_parameter_once():
     assert (d, v) in shapes and (v, d) not in shapes and (config.max_len, d) not in shapes
     with pytest.raises(ValueError, match="decoder-only"):
         bench.step_matrices(config.replace(num_encoder_layers=1), params)
+
+
+def test_fill_sweep_times_every_way_and_plots_it(tmp_path):
+    from kvjax import fill_sweep
+    rows = fill_sweep.fill_sweep("tiny", batch=2, capacity=16, fills=(4, 16), repeats=1,
+                                 steps=2, log=lambda _: None)
+    assert [(r.layers, r.filled) for r in rows] == [
+        (mode, filled) for mode in ("scanned", "unrolled") for filled in (4, 16)]
+    assert all(r.capacity_seconds > 0 and r.tight_seconds > 0 and r.whole_seconds > 0
+               for r in rows)
+    assert "| unrolled | 16 |" in fill_sweep.format_sweep(rows, 2, 16, 64)
+    fill_sweep.plot_sweep(rows, str(tmp_path / "sweep.png"), 2, 16)
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_decode_rejects_a_sweep_fill_past_the_capacity_before_timing(capsys):
+    assert cli.main(["bench", "decode", "--preset", "tiny", "--sweep-capacity", "32",
+                     "--sweep-fills", "8", "40"]) == 2
+    assert "filled lengths [40] must be in [1, 32]" in capsys.readouterr().err
