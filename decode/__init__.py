@@ -1,11 +1,14 @@
 """Generation: prefill + one compiled `lax.while_loop` decode, sampling, beam search, streaming."""
 
-from .generate import GenerateOutput, generate, stream
+from .generate import GenerateOutput, generate, prefill, stream
 from .loop import DecodeState, StopReason, decode_loop
+from .processors import LogitBias, LogitProcessor, ProcessorState, forbid_tokens
+from .prompt_state import PromptState
 from .sampling import SamplingParams, filter_logits, sample
 from .tracing import trace_count
 
 __all__ = [
-    "DecodeState", "GenerateOutput", "SamplingParams", "StopReason", "decode_loop",
-    "filter_logits", "generate", "sample", "stream", "trace_count",
+    "DecodeState", "GenerateOutput", "LogitBias", "LogitProcessor", "ProcessorState",
+    "PromptState", "SamplingParams", "StopReason", "decode_loop", "filter_logits",
+    "forbid_tokens", "generate", "prefill", "sample", "stream", "trace_count",
 ]

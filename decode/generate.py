@@ -5,9 +5,11 @@ compiled), pads the prompts into a bucketed shape, and runs two compiled program
   1. `_start`: the prefill — the whole prompt batch through the model in one parallel call
      that fills the cache — and the first sampled token;
   2. `_continue`: the decode `lax.while_loop` (see `decode/loop.py`).
-Sampling settings, eos ids and max_new_tokens are traced values and prompt length, token
-budget and cache capacity are rounded up to powers of two, so calls that differ only in
-those compile nothing new. Shape letters: B batch, P padded prompt length, N token buffer.
+Sampling settings (one value per row), eos ids and max_new_tokens are traced values and
+prompt length, token budget and cache capacity are rounded up to powers of two, so calls
+that differ only in those compile nothing new. `num_samples` copies each prefilled prompt's
+cache to its samples' rows; `prompt_state.py` continues a kept `PromptState` instead of
+prefilling. Shape letters: B batch, P padded prompt length, N token buffer, V vocab.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 
 from kvjax import model as M
 
-from . import beam
+from . import beam, checks, prompt_state
 from .loop import (
     DecodeState,
     StopConditions,
@@ -32,7 +34,10 @@ from .loop import (
     initial_state,
     record,
 )
+from .processors import LogitProcessor
+from .prompt_state import PromptState
 from .sampling import SamplingParams
+from .settings import check_num_samples, check_processors, sampling_params
 from .tracing import count_trace
 
 MAX_EOS_IDS = 8  # eos ids travel as a fixed-size array so their number never recompiles
@@ -43,13 +48,16 @@ MIN_BUCKET = 8
 class GenerateOutput:
     """tokens [B, N] (0 after a row stops), lengths [B] (the stopping EOS counted),
     stop_reason [B] (`StopReason` values), logprobs [B, N] or None.
-    For beam search, `scores` [B] holds each best hypothesis's length-penalised score."""
+    For beam search, `scores` [B] holds each best hypothesis's length-penalised score.
+    With `num_samples` n, row b·n + j is sample j of prompt b. `state` (with
+    `return_state=True`) continues every row after its generated tokens."""
 
     tokens: np.ndarray
     lengths: np.ndarray
     stop_reason: np.ndarray
     logprobs: np.ndarray | None = None
     scores: np.ndarray | None = None
+    state: PromptState | None = None
 
     def token_lists(self) -> list[list[int]]:
         return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths, strict=True)]
@@ -66,36 +74,13 @@ def bucket(n: int, limit: int) -> int:
 # Validation ------------------------------------------------------------------------------
 
 
-def _prompt_array(prompts, lengths) -> tuple[np.ndarray, np.ndarray]:
-    if isinstance(prompts, np.ndarray | jax.Array):
-        tokens = np.asarray(prompts)
-        if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(f"prompts must be an int array [batch, length], got dtype "
-                             f"{tokens.dtype} and shape {tokens.shape}")
-        if lengths is None:
-            lengths = np.full(tokens.shape[0], tokens.shape[1])
-        lengths = np.asarray(lengths, np.int64)
-        if lengths.shape != (tokens.shape[0],) or (lengths > tokens.shape[1]).any():
-            raise ValueError(f"lengths {lengths.tolist()} do not fit prompts of shape "
-                             f"{tokens.shape}")
-        return tokens, lengths
-    if lengths is not None:
-        raise ValueError("lengths are only given with an array of prompts, not token lists")
-    rows = [list(p) for p in prompts]
-    if not rows:
-        raise ValueError("prompts is empty: give at least one prompt")
-    lengths = np.array([len(r) for r in rows], np.int64)
-    tokens = np.zeros((len(rows), max(1, lengths.max())), np.int64)
-    for i, row in enumerate(rows):
-        tokens[i, :len(row)] = row
-    return tokens, lengths
-
-
 def validate(config: M.TransformerConfig, params, tokens: np.ndarray, lengths: np.ndarray, *,
-             max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-             eos_ids: Sequence[int], num_beams: int) -> None:
-    """Raises a ValueError naming the first bad input; runs before any compilation."""
-    if (lengths < 1).any():
+             max_new_tokens: int, eos_ids: Sequence[int], num_beams: int,
+             continuing: bool = False) -> None:
+    """Raises a ValueError naming the first bad input; runs before any compilation.
+    Sampling settings are checked by `settings.py`. When `continuing` a state, the prompts
+    are the tokens to append, which may be empty, and the state's cache bounds the length."""
+    if (lengths < 1).any() and not continuing:
         raise ValueError(f"prompt {int(np.argmin(lengths))} is empty: every prompt needs at "
                          f"least one token")
     valid = np.arange(tokens.shape[1])[None] < lengths[:, None]
@@ -106,13 +91,8 @@ def validate(config: M.TransformerConfig, params, tokens: np.ndarray, lengths: n
                          f"outside the vocabulary [0, {config.vocab_size})")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    M.check_prompt_length(config, int(lengths.max()), max_new_tokens)
-    if not temperature >= 0:
-        raise ValueError(f"temperature={temperature} must be >= 0")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p={top_p} must be in (0, 1]")
-    if top_k < 0:
-        raise ValueError(f"top_k={top_k} must be >= 0 (0 means no limit)")
+    if not continuing:
+        M.check_prompt_length(config, int(lengths.max()), max_new_tokens)
     if num_beams < 1:
         raise ValueError(f"num_beams={num_beams} must be >= 1")
     if len(eos_ids) > MAX_EOS_IDS:
@@ -148,23 +128,38 @@ def check_params(config: M.TransformerConfig, params) -> None:
 # Compiled programs -----------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6))
+@functools.partial(jax.jit, static_argnums=(0, 5, 6, 9, 10))
 def _start(config, params, tokens_BP, lengths_B, rng, capacity: int, buffer_len: int,
-           stops: StopConditions, sampling: SamplingParams) -> DecodeState:
+           stops: StopConditions, sampling: SamplingParams, num_samples: int,
+           processors: tuple[LogitProcessor, ...]) -> DecodeState:
+    """Prefills each prompt once, copies its cache to its `num_samples` rows and samples
+    every row's first token."""
     count_trace("start")
     logits_BV, cache = M.prefill(config, params, tokens_BP, lengths_B, capacity)
-    state = initial_state(tokens_BP.shape[0], buffer_len, cache, rng)
-    return record(state, logits_BV, stops, sampling)
+    context_BC, context_lengths_B = prompt_state.prompt_context(
+        config, tokens_BP, lengths_B, M.prompt_slots(config, tokens_BP.shape[1]) + buffer_len)
+    if num_samples > 1:
+        rows = jnp.repeat(jnp.arange(tokens_BP.shape[0]), num_samples)
+        logits_BV, cache = logits_BV[rows], cache.take_rows(rows)
+        context_BC, context_lengths_B = context_BC[rows], context_lengths_B[rows]
+    state = initial_state(context_BC.shape[0], buffer_len, cache, rng, context_BC,
+                          context_lengths_B)
+    return record(state, logits_BV, stops, sampling, processors)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=2)
 def _continue(config, params, state: DecodeState, stops: StopConditions,
-              sampling: SamplingParams, step_limit) -> DecodeState:
+              sampling: SamplingParams, step_limit,
+              processors: tuple[LogitProcessor, ...]) -> DecodeState:
     count_trace("continue")
-    return decode_loop(M.step_fn(config, params), state, stops, sampling, step_limit)
+    return decode_loop(M.step_fn(config, params), state, stops, sampling, step_limit,
+                       processors)
 
 
 # Public API ------------------------------------------------------------------------------
+
+SAMPLING_DEFAULTS = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
+                         repetition_penalty=1.0, no_repeat_ngram_size=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,63 +172,137 @@ class _Prepared:
     stops: StopConditions
     sampling: SamplingParams
     rng: jax.Array
+    num_samples: int
+    processors: tuple[LogitProcessor, ...]
+    state: PromptState | None
 
 
-def _prepare(net, params, prompts, lengths, *, max_new_tokens, temperature, top_k, top_p,
-             eos_ids, num_beams, rng) -> _Prepared:
+def _prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams, rng,
+             num_samples=1, logit_processors=(), state=None, **settings) -> _Prepared:
     config = net.config
-    tokens, lengths = _prompt_array(prompts, lengths)
-    eos_ids = tuple(int(e) for e in eos_ids)
-    validate(config, params, tokens, lengths, max_new_tokens=max_new_tokens,
-             temperature=temperature, top_k=top_k, top_p=top_p, eos_ids=eos_ids,
-             num_beams=num_beams)
-    prompt_len = int(lengths.max())
-    padded_len = bucket(prompt_len, config.max_len)
+    if state is not None:
+        prompt_state.check_is_state(state)
+    if state is not None and prompts is None:
+        prompts = [[] for _ in range(state.batch_size)]
+    tokens, lengths = checks.prompt_array(prompts, lengths)
+    max_new_tokens = checks.integer("max_new_tokens", max_new_tokens, 1)
+    num_beams = checks.integer("num_beams", num_beams, 1)
+    eos_ids = checks.token_ids("eos_ids", eos_ids)
+    validate(config, params, tokens, lengths, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+             num_beams=num_beams, continuing=state is not None)
+    check_num_samples(num_samples)
+    processors = check_processors(logit_processors)
+    settings = {**SAMPLING_DEFAULTS, **settings}
+    sampling = sampling_params(tokens.shape[0], num_samples, **settings)
+    if num_beams > 1:
+        changed = [name for name in ("repetition_penalty", "no_repeat_ngram_size")
+                   if np.any(np.asarray(settings[name]) != SAMPLING_DEFAULTS[name])]
+        changed += ["logit_processors"] * bool(processors) + ["num_samples"] * (num_samples > 1)
+        changed += ["state"] * (state is not None)
+        if changed:
+            raise ValueError(f"beam search (num_beams={num_beams}) does not take {changed[0]}")
     buffer_len = bucket(max_new_tokens, config.max_len)
-    capacity = min(M.prompt_slots(config, padded_len) + buffer_len, config.max_len)
+    if state is not None:
+        prompt_state.check_continuation(config, params, state, lengths, max_new_tokens)
+        room = state.capacity - int(np.asarray(state.cache.lengths).max())
+        padded_len = min(bucket(int(lengths.max()), config.max_len), room)
+        padded_len = 0 if lengths.max() == 0 else padded_len
+        capacity = state.capacity
+    else:
+        padded_len = bucket(int(lengths.max()), config.max_len)
+        capacity = min(M.prompt_slots(config, padded_len) + buffer_len, config.max_len)
     padded = np.zeros((tokens.shape[0], padded_len), np.int32)
-    padded[:, :tokens.shape[1]] = np.where(
-        np.arange(tokens.shape[1])[None] < lengths[:, None], tokens, 0)[:, :padded_len]
+    width = min(tokens.shape[1], padded_len)
+    padded[:, :width] = np.where(
+        np.arange(tokens.shape[1])[None] < lengths[:, None], tokens, 0)[:, :width]
     eos = np.full(MAX_EOS_IDS, -1, np.int32)
     eos[:len(eos_ids)] = eos_ids
     return _Prepared(
         tokens=jnp.asarray(padded), lengths=jnp.asarray(lengths, jnp.int32),
         batch=tokens.shape[0], capacity=capacity, buffer_len=buffer_len,
         stops=StopConditions(jnp.asarray(eos), jnp.asarray(max_new_tokens, jnp.int32)),
-        sampling=SamplingParams.make(temperature, top_k, top_p),
-        rng=jax.random.key(0) if rng is None else rng,
+        sampling=sampling, rng=jax.random.key(0) if rng is None else rng,
+        num_samples=num_samples, processors=processors, state=state,
     )
 
 
-def generate(net, params, prompts, *, max_new_tokens: int, lengths=None,
-             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+def _begin(config, params, p: _Prepared) -> DecodeState:
+    """The decode state after each row's first token: from a prefill, or from `p.state`."""
+    if p.state is None:
+        return _start(config, params, p.tokens, p.lengths, p.rng, p.capacity, p.buffer_len,
+                      p.stops, p.sampling, p.num_samples, p.processors)
+    s = p.state
+    return prompt_state.resume(
+        config, params, s.cache, s.next_logits, s.context, s.context_lengths, p.tokens,
+        p.lengths, p.rng, p.buffer_len, p.stops, p.sampling, p.num_samples, p.processors)
+
+
+def prefill(net, params, prompts, *, lengths=None, capacity: int | None = None) -> PromptState:
+    """Prefills `prompts` (as for `generate`) into a cache of at least `capacity` slots per
+    row (default: the model's `max_len`) and keeps it: `generate(net, params, new_tokens,
+    state=...)` then continues each row without prefilling it again."""
+    config = net.config
+    tokens, lengths = checks.prompt_array(prompts, lengths)
+    capacity = config.max_len if capacity is None else checks.integer("capacity", capacity, 1)
+    if not 1 <= capacity <= config.max_len:
+        raise ValueError(f"capacity={capacity} must be in [1, max_len={config.max_len}]")
+    validate(config, params, tokens, lengths, max_new_tokens=1, eos_ids=(), num_beams=1)
+    padded_len = bucket(int(lengths.max()), config.max_len)
+    capacity = bucket(max(capacity, M.prompt_slots(config, int(lengths.max())) + 1),
+                      config.max_len)
+    padded_len = min(padded_len, capacity)
+    padded = np.zeros((tokens.shape[0], padded_len), np.int32)
+    width = min(tokens.shape[1], padded_len)
+    padded[:, :width] = np.where(
+        np.arange(tokens.shape[1])[None] < lengths[:, None], tokens, 0)[:, :width]
+    fields = prompt_state.prefill_state(config, params, jnp.asarray(padded),
+                                        jnp.asarray(lengths, jnp.int32), capacity)
+    return PromptState(config, params, *fields)
+
+
+def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
+             temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+             no_repeat_ngram_size=0, logit_processors: Sequence[LogitProcessor] = (),
              eos_ids: Sequence[int] = (), num_beams: int = 1, length_penalty: float = 1.0,
-             rng: jax.Array | None = None, return_logprobs: bool = False) -> GenerateOutput:
+             num_samples: int = 1, state: PromptState | None = None,
+             return_state: bool = False, rng: jax.Array | None = None,
+             return_logprobs: bool = False) -> GenerateOutput:
     """Generates up to `max_new_tokens` per prompt.
 
     `prompts`: a list of token-id lists (lengths may differ) or an int array [B, P] with
     `lengths` [B]. For an `EncoderDecoder` they are the source sequences and decoding starts
-    from BOS. `num_beams > 1` runs beam search (sampling settings are then ignored) and
-    scores hypotheses by sum(logprobs) / length**length_penalty.
+    from BOS. The sampling settings (see `SamplingParams`) take one value for every row or
+    a list of one per prompt. `logit_processors` are applied after the built-in penalties
+    (see `decode/processors.py`). `num_samples` draws that many samples of each prompt from
+    one prefill. With `state` (from `prefill`, or a previous call's `return_state=True`),
+    `prompts` are the tokens to append to each of its rows (None: nothing) and nothing is
+    prefilled again. `num_beams > 1` runs beam search (sampling settings are then ignored)
+    and scores hypotheses by sum(logprobs) / length**length_penalty.
     """
+    length_penalty = checks.real("length_penalty", length_penalty, lambda _: True, "finite")
     prepared = _prepare(net, params, prompts, lengths, max_new_tokens=max_new_tokens,
-                        temperature=temperature, top_k=top_k, top_p=top_p, eos_ids=eos_ids,
-                        num_beams=num_beams, rng=rng)
+                        eos_ids=eos_ids, num_beams=num_beams, rng=rng, num_samples=num_samples,
+                        logit_processors=logit_processors, state=state,
+                        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                        repetition_penalty=repetition_penalty,
+                        no_repeat_ngram_size=no_repeat_ngram_size)
     config = net.config
     if num_beams > 1:
+        if return_state:
+            raise ValueError("beam search does not return a state (return_state=True)")
         result = beam.beam_search(
             config, params, prepared.tokens, prepared.lengths, prepared.capacity,
             prepared.buffer_len, num_beams, prepared.stops,
             jnp.asarray(length_penalty, jnp.float32))
         return _output(result, max_new_tokens, return_logprobs, scores=result.scores)
-    state = _start(config, params, prepared.tokens, prepared.lengths, prepared.rng,
-                   prepared.capacity, prepared.buffer_len, prepared.stops, prepared.sampling)
-    state = _continue(config, params, state, prepared.stops, prepared.sampling,
-                      prepared.stops.max_new_tokens)
-    return _output(state, max_new_tokens, return_logprobs)
+    decode_state = _begin(config, params, prepared)
+    decode_state = _continue(config, params, decode_state, prepared.stops, prepared.sampling,
+                             prepared.stops.max_new_tokens, prepared.processors)
+    return _output(decode_state, max_new_tokens, return_logprobs,
+                   state_out=_kept(config, params, decode_state) if return_state else None)
 
 
-def stream(net, params, prompts, *, max_new_tokens: int, chunk_size: int = 8,
+def stream(net, params, prompts=None, *, max_new_tokens: int, chunk_size: int = 8,
            **kwargs: Any) -> Generator[np.ndarray, None, GenerateOutput]:
     """Like `generate`, but yields the new tokens [B, k] after every chunk of k <= chunk_size
     steps. The same compiled loop runs a chunk at a time, carrying the cache between
@@ -243,16 +312,14 @@ def stream(net, params, prompts, *, max_new_tokens: int, chunk_size: int = 8,
     if kwargs.get("num_beams", 1) != 1:
         raise ValueError(f"stream does not support beam search (num_beams="
                          f"{kwargs['num_beams']}); use generate")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+    chunk_size = checks.integer("chunk_size", chunk_size, 1)
     return_logprobs = kwargs.pop("return_logprobs", False)
+    return_state = kwargs.pop("return_state", False)
     prepared = _prepare(net, params, prompts, kwargs.pop("lengths", None),
                         max_new_tokens=max_new_tokens, num_beams=1,
-                        **{"temperature": 0.0, "top_k": 0, "top_p": 1.0, "eos_ids": (),
-                           "rng": None, **kwargs})
+                        **{"eos_ids": (), "rng": None, **kwargs})
     config = net.config
-    state = _start(config, params, prepared.tokens, prepared.lengths, prepared.rng,
-                   prepared.capacity, prepared.buffer_len, prepared.stops, prepared.sampling)
+    state = _begin(config, params, prepared)
     emitted = 0
     while True:
         step = int(state.step)
@@ -260,14 +327,22 @@ def stream(net, params, prompts, *, max_new_tokens: int, chunk_size: int = 8,
             yield np.asarray(state.tokens[:, emitted:step])
             emitted = step
         if step >= max_new_tokens or bool(jnp.all(state.done)):
-            return _output(state, max_new_tokens, return_logprobs)
+            return _output(state, max_new_tokens, return_logprobs,
+                           state_out=_kept(config, params, state) if return_state else None)
         limit = jnp.asarray(min(step + chunk_size, max_new_tokens), jnp.int32)
-        state = _continue(config, params, state, prepared.stops, prepared.sampling, limit)
+        state = _continue(config, params, state, prepared.stops, prepared.sampling, limit,
+                          prepared.processors)
 
 
-def _output(state, max_new_tokens: int, return_logprobs: bool, scores=None) -> GenerateOutput:
+def _kept(config, params, state: DecodeState) -> PromptState:
+    return PromptState(config, params, *prompt_state.keep(config, params, state))
+
+
+def _output(state, max_new_tokens: int, return_logprobs: bool, scores=None,
+            state_out: PromptState | None = None) -> GenerateOutput:
     tokens = np.asarray(state.tokens)[:, :max_new_tokens]
     logprobs = np.asarray(state.logprobs)[:, :max_new_tokens] if return_logprobs else None
     return GenerateOutput(tokens=tokens, lengths=np.asarray(state.lengths),
                           stop_reason=np.asarray(state.stop_reason), logprobs=logprobs,
-                          scores=None if scores is None else np.asarray(scores))
+                          scores=None if scores is None else np.asarray(scores),
+                          state=state_out)

@@ -1,7 +1,8 @@
-"""Choosing the next token from logits: greedy, temperature, top-k and top-p, combinable.
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p and min-p, combinable.
 
-Every setting is a traced value, so changing it never recompiles. Filtering and sampling run
-in float32. Shapes: B batch, V vocab.
+Every setting is a traced value with one entry per row, so changing it (or mixing greedy and
+sampled rows in one batch) never recompiles. Filtering and sampling run in float32.
+Shapes: B batch, V vocab.
 """
 
 from __future__ import annotations
@@ -13,53 +14,84 @@ import jax.numpy as jnp
 
 @flax.struct.dataclass
 class SamplingParams:
-    """Scalars shared by every row.
+    """Per-row settings, each [B] (a scalar is broadcast to every row).
 
     temperature: 0 means greedy (argmax); otherwise logits are divided by it.
     top_k: keep the k most likely tokens (0 = no limit; 1 = greedy).
     top_p: keep the smallest set of most likely tokens whose probability reaches p: the token
            whose cumulative probability crosses p is kept, and so is the argmax (1 = no limit).
+    min_p: keep the tokens whose probability is at least min_p times the most likely
+           token's (after temperature; 0 = no limit).
+    repetition_penalty: for tokens already in the row's context (prompt and output), positive
+           logits are divided by it and negative ones multiplied (1 = off). See processors.py.
+    no_repeat_ngram_size: n > 0 bans every token that would repeat an n-gram of the row's
+           context (0 = off). See processors.py.
     """
 
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
+    min_p: jax.Array
+    repetition_penalty: jax.Array
+    no_repeat_ngram_size: jax.Array
 
     @classmethod
-    def make(cls, temperature=0.0, top_k=0, top_p=1.0) -> SamplingParams:
-        return cls(jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
-                   jnp.asarray(top_p, jnp.float32))
+    def make(cls, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+             no_repeat_ngram_size=0, batch: int | None = None) -> SamplingParams:
+        """Scalars or [B] arrays; with `batch`, every field is broadcast to [batch], so that
+        scalar and per-row settings share one compiled program."""
+
+        def field(value, dtype):
+            value = jnp.asarray(value, dtype)
+            return value if batch is None else jnp.broadcast_to(value, (batch,))
+
+        return cls(field(temperature, jnp.float32), field(top_k, jnp.int32),
+                   field(top_p, jnp.float32), field(min_p, jnp.float32),
+                   field(repetition_penalty, jnp.float32),
+                   field(no_repeat_ngram_size, jnp.int32))
+
+    def rows(self, batch: int) -> SamplingParams:
+        """Every field as a [batch] array."""
+        return jax.tree.map(lambda x: jnp.broadcast_to(x, (batch,)), self)
 
     @property
     def is_greedy(self) -> jax.Array:
+        """Per row (the shape of the fields): whether the row takes the argmax."""
         return (self.temperature == 0) | (self.top_k == 1)
 
 
 def filter_logits(logits_BV: jax.Array, params: SamplingParams) -> jax.Array:
-    """Temperature-scaled logits with the tokens outside top-k and top-p set to -inf."""
-    logits_BV = logits_BV.astype(jnp.float32) / jnp.maximum(params.temperature, 1e-6)
-    vocab = logits_BV.shape[-1]
+    """Temperature-scaled logits with the tokens outside top-k, top-p and min-p set to -inf."""
+    batch, vocab = logits_BV.shape
+    params = params.rows(batch)
+    logits_BV = logits_BV.astype(jnp.float32) / jnp.maximum(params.temperature, 1e-6)[:, None]
     sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
-    k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab)
-    kth_largest_B = sorted_BV[:, k - 1]
+    k_B = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab)
+    in_top_k_BV = jnp.arange(vocab)[None] < k_B[:, None]
+    kth_largest_B = jnp.take_along_axis(sorted_BV, k_B[:, None] - 1, axis=-1)[:, 0]
     # Nucleus over the top-k survivors: keep a sorted token while the probability mass
     # before it is still below p, so the token that crosses p is kept and the first always is.
-    sorted_BV = jnp.where(jnp.arange(vocab) < k, sorted_BV, -jnp.inf)
+    sorted_BV = jnp.where(in_top_k_BV, sorted_BV, -jnp.inf)
     probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
     mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
-    keep_BV = (mass_before_BV < params.top_p) & (jnp.arange(vocab) < k)
+    keep_BV = (mass_before_BV < params.top_p[:, None]) & in_top_k_BV
     smallest_kept_B = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1)
-    threshold_B = jnp.maximum(kth_largest_B, smallest_kept_B)
+    # min-p: p / p_max >= min_p  <=>  logit >= max logit + log(min_p); log(0) = -inf keeps all.
+    min_p_floor_B = sorted_BV[:, 0] + jnp.log(params.min_p)
+    threshold_B = jnp.maximum(jnp.maximum(kth_largest_B, smallest_kept_B), min_p_floor_B)
     return jnp.where(logits_BV >= threshold_B[:, None], logits_BV, -jnp.inf)
 
 
 def sample(logits_BV: jax.Array, rng: jax.Array, params: SamplingParams) -> jax.Array:
-    """Next token ids [B]. Greedy settings skip the sort and the random draw altogether."""
+    """Next token ids [B]. Greedy rows take the argmax; when every row is greedy, the sort
+    and the random draw are skipped altogether."""
+    greedy_B = jnp.broadcast_to(params.is_greedy, logits_BV.shape[:1])
 
     def draw(logits):
-        return jax.random.categorical(rng, filter_logits(logits, params), axis=-1)
+        drawn = jax.random.categorical(rng, filter_logits(logits, params), axis=-1)
+        return jnp.where(greedy_B, jnp.argmax(logits, axis=-1), drawn)
 
     def argmax(logits):
         return jnp.argmax(logits, axis=-1)
 
-    return jax.lax.cond(params.is_greedy, argmax, draw, logits_BV).astype(jnp.int32)
+    return jax.lax.cond(jnp.all(greedy_B), argmax, draw, logits_BV).astype(jnp.int32)

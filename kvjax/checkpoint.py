@@ -6,6 +6,8 @@ A checkpoint directory holds the training state at a few steps plus what is need
         config.json                  {"format": 1, "task": "lm", "model": {...TransformerConfig...}}
         tokenizer.model              the serialized sentencepiece model
         <step>/state/...             the training state at <step> (orbax StandardSave)
+        <step>/manifest/...          SHA-256 of every array of that state, the model config and
+                                     the tokenizer's hash (orbax JsonSave; older steps lack it)
         <step>.orbax-checkpoint-tmp/ a save in progress, or one killed mid-way: never read
 
 Saves are atomic. Orbax writes a step into `<step>.orbax-checkpoint-tmp`, writes
@@ -14,6 +16,12 @@ names that are not plain integers, so a process killed mid-save leaves the previ
 loadable and the half-written one invisible. The next `Checkpointer` on the directory deletes
 such leftovers. `config.json` and `tokenizer.model` are written to a temporary file in the same
 directory and moved into place with `os.replace`, so they are either old or new, never partial.
+
+Every restore checks what it read: each array against the SHA-256 its step's manifest holds
+(so a flipped byte in the data, or a bit-rotted file, is an error naming the array, never a
+silently wrong model) and every floating-point array for NaN and infinity. A `config.json` or
+tokenizer that disagrees with the copy in the manifest is an error naming the fields that differ.
+Checkpoints written before manifests existed still load, with the finiteness check only.
 
 Restores always take an abstract target (a pytree of `jax.ShapeDtypeStruct`, e.g. from
 `jax.eval_shape`) and compare it leaf by leaf with the checkpoint's metadata before reading any
@@ -26,6 +34,7 @@ anything. Every failure names the path it concerns; orbax or tensorstore errors 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -43,6 +52,8 @@ CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.model"
 METADATA_FORMAT = 1
 STATE_ITEM = "state"  # orbax item name of the training state inside each step directory
+MANIFEST_ITEM = "manifest"  # orbax item name of the step's checksums and metadata copy
+MANIFEST_FORMAT = 1
 PARAMS_KEY = "params"  # the subtree of the training state that `restore_params` reads
 
 _MAX_LISTED_MISMATCHES = 5
@@ -79,10 +90,15 @@ class Checkpointer:
     `wait()` blocks until that write is on disk and raises `CheckpointError` if it failed, as do
     `close()`, leaving the `with` block, and the next `save`. Not thread-safe; one writer per
     directory.
+
+    Each step also gets a manifest: the SHA-256 of every array's bytes (taken before the
+    write starts), plus `manifest`, JSON data stored verbatim with every step (the trainer
+    puts the model config, the task and the tokenizer's hash there, see `manifest_metadata`).
     """
 
     def __init__(
-        self, directory: str | os.PathLike, *, save_every: int, keep: int, async_save: bool = True
+        self, directory: str | os.PathLike, *, save_every: int, keep: int, async_save: bool = True,
+        manifest: Mapping[str, Any] | None = None,
     ):
         if save_every < 1:
             raise ValueError(f"save_every must be >= 1, got {save_every}")
@@ -93,6 +109,7 @@ class Checkpointer:
             raise NotADirectoryError(f"checkpoint directory {self.directory} is not a directory")
         self.save_every = save_every
         self.keep = keep
+        self._manifest = _json_round_trip(dict(manifest or {}), "manifest")
         options = ocp.CheckpointManagerOptions(
             # The policies replace the deprecated `save_interval_steps`/`max_to_keep`; a bare
             # interval policy also drops orbax's default "always save the first step".
@@ -135,8 +152,10 @@ class Checkpointer:
                 f"step {step} is older than step {latest}, the latest in {self.directory}"
             )
         stored = _as_stored(state)
+        manifest = {**self._manifest, "format": MANIFEST_FORMAT, "sha256": _checksums(stored)}
         self.wait()
-        args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardSave(stored)})
+        args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardSave(stored),
+                                     MANIFEST_ITEM: ocp.args.JsonSave(manifest)})
         try:
             self._manager.save(step, args=args, force=True)
         except Exception as e:
@@ -187,7 +206,33 @@ def _handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     for args_type in (ocp.args.StandardSave, ocp.args.StandardRestore, ocp.args.PyTreeRestore):
         registry.add(STATE_ITEM, args_type)
+    for args_type in (ocp.args.JsonSave, ocp.args.JsonRestore):
+        registry.add(MANIFEST_ITEM, args_type)
     return registry
+
+
+def _checksums(tree: Any) -> dict[str, str]:
+    """SHA-256 of each leaf's bytes (C order, as stored), keyed by its '/'-joined path."""
+    return {"/".join(key): _sha256(leaf) for key, leaf in _flat(jax.device_get(tree)).items()}
+
+
+def _sha256(array: Any) -> str:
+    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
+
+
+def _json_round_trip(value: Any, what: str) -> Any:
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{what} cannot be written as JSON: {e}") from e
+
+
+def manifest_metadata(config_dict: Mapping[str, Any], task: str,
+                      tokenizer_bytes: bytes) -> dict[str, Any]:
+    """What a trainer stores in every step's manifest: the model config and task (as
+    `config.json` holds them) and the SHA-256 of the tokenizer file."""
+    return {"task": task, "model": _json_round_trip(dict(config_dict), "config_dict"),
+            "tokenizer_sha256": hashlib.sha256(bytes(tokenizer_bytes)).hexdigest()}
 
 
 def _as_stored(state: Any) -> Any:
@@ -268,9 +313,9 @@ def write_metadata(
 
     path.mkdir(parents=True, exist_ok=True)
     if write_config:
-        _write_atomically(config_path, (text + "\n").encode("utf-8"))
+        write_atomically(config_path, (text + "\n").encode("utf-8"))
     if write_tokenizer:
-        _write_atomically(tokenizer_path, tokenizer_bytes)
+        write_atomically(tokenizer_path, tokenizer_bytes)
 
 
 def read_metadata(directory: str | os.PathLike) -> tuple[dict[str, Any], str, bytes]:
@@ -320,7 +365,13 @@ def _refuse_if_steps(directory: Path, path: Path, what: str) -> None:
         )
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
+def write_atomically(path: str | os.PathLike, data: bytes | str) -> None:
+    """Replaces the file at `path` with `data` (str is written as UTF-8) so that a reader or a
+    crash sees the old content or the new, never a part: a temporary file in the same
+    directory, flushed to disk, then `os.replace`."""
+    path = Path(path)
+    if isinstance(data, str):
+        data = data.encode("utf-8")
     fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.chmod(tmp_name, 0o644)  # mkstemp's 0600 would make the file private
@@ -360,14 +411,17 @@ def restore_latest(directory: str | os.PathLike, abstract_state: Any) -> tuple[i
     `abstract_state` gives the structure, shapes and dtypes wanted (e.g.
     `jax.eval_shape(make_state)`); the result has its structure with `jax.Array` leaves.
     Raises `FileNotFoundError` if the directory is missing and `CheckpointError` if it holds no
-    step, if the saved arrays do not match `abstract_state`, or if they cannot be read.
+    step, if the saved arrays do not match `abstract_state`, if they cannot be read, if one
+    differs from its checksum in the step's manifest, or if one holds NaN or infinity.
     """
     path = _existing_directory(directory)
     target = _restore_target(abstract_state)
     with _reader(path) as manager:
         step = _newest_step(manager, path)
         _check_matches(path / str(step), _saved_leaves(manager, path, step), _flat(target))
+        manifest = _manifest(manager, path, step)
         state = _restore(manager, path, step, ocp.args.StandardRestore(target))
+    _verify(path / str(step), manifest, state)
     return step, state
 
 
@@ -376,7 +430,10 @@ def restore_params(directory: str | os.PathLike, abstract_params: Any) -> Any:
 
     Contract and errors as `restore_latest`, with `abstract_params` describing only the params.
     """
-    path = _existing_directory(directory)
+    return _restore_params(_existing_directory(directory), abstract_params)[1]
+
+
+def _restore_params(path: Path, abstract_params: Any) -> tuple[int, Any]:
     target = {PARAMS_KEY: _restore_target(abstract_params)}
     with _reader(path) as manager:
         step = _newest_step(manager, path)
@@ -386,6 +443,7 @@ def restore_params(directory: str | os.PathLike, abstract_params: Any) -> Any:
             if key[:1] == (PARAMS_KEY,)
         }
         _check_matches(path / str(step), saved, _flat(target))
+        manifest = _manifest(manager, path, step)
         # partial_restore leaves every array outside `target` (the optimizer state) unread.
         args = ocp.args.PyTreeRestore(
             item=target,
@@ -393,13 +451,62 @@ def restore_params(directory: str | os.PathLike, abstract_params: Any) -> Any:
             partial_restore=True,
         )
         restored = _restore(manager, path, step, args)
-    return restored[PARAMS_KEY]
+    _verify(path / str(step), manifest, restored)
+    return step, restored[PARAMS_KEY]
+
+
+def read_manifest(directory: str | os.PathLike) -> dict[str, Any] | None:
+    """The manifest of the newest step in `directory` (see `Checkpointer`), or None for a step
+    saved without one. Raises `CheckpointError` if there is no step or the manifest is damaged."""
+    path = _existing_directory(directory)
+    with _reader(path) as manager:
+        return _manifest(manager, path, _newest_step(manager, path))
+
+
+def check_metadata(directory: str | os.PathLike) -> None:
+    """Raises `CheckpointError` if `config.json` or `tokenizer.model` in `directory` disagree
+    with the copy the newest step's manifest holds, naming the config fields that differ.
+    A step without a manifest (or one saved without metadata) is not checked."""
+    path = _existing_directory(directory)
+    manifest = read_manifest(path)
+    if manifest is None or "model" not in manifest:
+        return
+    model, task, tokenizer_bytes = read_metadata(path)
+    config_path = path / CONFIG_FILE
+    stored_model = manifest["model"]
+    if not isinstance(stored_model, dict):
+        raise CheckpointError(f"the manifest of {path}'s newest step is damaged ('model')")
+    differ = sorted(k for k in model.keys() | stored_model.keys()
+                    if model.get(k, _MISSING) != stored_model.get(k, _MISSING))
+    if manifest.get("task", task) != task:
+        differ.insert(0, "task")
+    if differ:
+        details = ", ".join(
+            f"{k}: {_shown(model.get(k, _MISSING) if k != 'task' else task)} in the file, "
+            f"{_shown(stored_model.get(k, _MISSING) if k != 'task' else manifest['task'])} "
+            "in the checkpoint" for k in differ)
+        raise CheckpointError(
+            f"{config_path} disagrees with the config stored in the checkpoint ({details}); "
+            "the params were trained with the stored one")
+    wanted_hash = manifest.get("tokenizer_sha256")
+    if wanted_hash is not None and hashlib.sha256(tokenizer_bytes).hexdigest() != wanted_hash:
+        raise CheckpointError(
+            f"{path / TOKENIZER_FILE} is not the tokenizer the checkpoint was trained with "
+            "(its SHA-256 differs from the one stored in the checkpoint)")
+
+
+_MISSING = object()
+
+
+def _shown(value: Any) -> str:
+    return "missing" if value is _MISSING else json.dumps(value)
 
 
 def load_for_sampling(directory: str | os.PathLike) -> tuple[Any, Any, Any]:
     """Returns `(TransformerConfig, Tokenizer, params)` from the newest step in `directory`.
 
-    The params are checked against the shapes `model.init_params` gives for the stored config.
+    `config.json` and the tokenizer are checked against the step's manifest and the params
+    against the shapes `model.init_params` gives for the config, their checksums and NaN.
     """
     # Imported here so that saving and restoring training state does not depend on them.
     from kvjax.model import TransformerConfig, init_params
@@ -407,6 +514,7 @@ def load_for_sampling(directory: str | os.PathLike) -> tuple[Any, Any, Any]:
 
     path = _existing_directory(directory)
     config_dict, _task, tokenizer_bytes = read_metadata(path)
+    check_metadata(path)
     try:
         config = TransformerConfig.from_dict(config_dict)
     except (TypeError, ValueError) as e:
@@ -421,7 +529,47 @@ def load_for_sampling(directory: str | os.PathLike) -> tuple[Any, Any, Any]:
             f"vocab_size is {config.vocab_size}"
         )
     abstract_params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
-    return config, tokenizer, restore_params(path, abstract_params)
+    return config, tokenizer, _restore_params(path, abstract_params)[1]
+
+
+def _manifest(manager: ocp.CheckpointManager, path: Path, step: int) -> dict[str, Any] | None:
+    step_path = path / str(step)
+    if not (step_path / MANIFEST_ITEM).is_dir():
+        return None  # saved before manifests existed
+    try:
+        restored = manager.restore(
+            step, args=ocp.args.Composite(**{MANIFEST_ITEM: ocp.args.JsonRestore()}))
+        manifest = restored[MANIFEST_ITEM]
+    except Exception as e:
+        raise CheckpointError(
+            f"cannot read checkpoint {step_path} (its manifest): {_describe(e)}") from e
+    if (not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT
+            or not isinstance(manifest.get("sha256"), dict)):
+        raise CheckpointError(f"checkpoint {step_path} has a damaged or unknown manifest")
+    return manifest
+
+
+def _verify(step_path: Path, manifest: dict[str, Any] | None, restored: Any) -> None:
+    """Checksums (where the step has a manifest) and finiteness of every restored array."""
+    leaves = _flat(jax.device_get(restored))
+    if manifest is not None:
+        for key, leaf in leaves.items():
+            name, actual = "/".join(key), _sha256(leaf)
+            expected = manifest["sha256"].get(name)
+            if expected is None:
+                raise CheckpointError(
+                    f"checkpoint {step_path}: {name} has no checksum in the manifest")
+            if actual != expected:
+                raise CheckpointError(
+                    f"checkpoint {step_path} is corrupted: the data of {name} does not match "
+                    "the checksum saved with it")
+    for key, leaf in leaves.items():
+        array = np.asarray(leaf)
+        if jnp.issubdtype(array.dtype, jnp.inexact):  # bfloat16 included
+            if not np.isfinite(array.astype(np.float32)).all():
+                raise CheckpointError(
+                    f"checkpoint {step_path}: {'/'.join(key)} holds NaN or infinite values; "
+                    "it is not loaded")
 
 
 @contextlib.contextmanager

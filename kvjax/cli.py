@@ -6,16 +6,20 @@
     kvjax cache-size                 the KV-cache size formula for a preset or given sizes
     kvjax bench decode               decode speed against no cache, HF GPT-2 and memory
 
-A bad option or path ends with one line on stderr and exit code 2.
+A bad option, path or input ends with one line on stderr and exit code 2. A training run
+stopped by Ctrl-C or SIGTERM saves a checkpoint first and exits with 130 or 143; a run whose
+loss diverges exits with 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from collections.abc import Sequence
 
+MAX_SEED = 2**63 - 1  # kvjax.text.MAX_SEED: jax.random.key takes a signed 64-bit seed
 PRESET_NAMES = ("tiny", "small", "gpt-mini")  # model.PRESETS, named here to keep jax unloaded
 LAYER_MODES = ("scanned", "unrolled")  # kvjax.bench.LAYER_MODES
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -37,6 +41,33 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _seed(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**63 - 1], got {value}")
+    return value
+
+
+def _positive_real(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+# Names for argparse's messages ("invalid _seed value: 'x'" reads better as "invalid int").
+for _type, _name in ((_positive, "int"), (_count, "int"), (_seed, "int"),
+                     (_positive_real, "number")):
+    _type.__name__ = _name
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +97,9 @@ def _add_demo(commands) -> None:
                       help="directory for the two checkpoints (a previous demo's are replaced)")
     demo.add_argument("--steps", type=_positive, default=None,
                       help="training steps for each model (default: the demo settings)")
+    demo.add_argument("--warmup-steps", type=_count, default=None,
+                      help="learning-rate warmup steps (default: 50, or a tenth of --steps "
+                           "if that is less)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
     demo.set_defaults(run=_run_demo)
 
@@ -86,11 +120,27 @@ def _add_train(commands) -> None:
                        help="training steps (default: the demo settings)")
     train.add_argument("--batch-size", type=_positive, default=None,
                        help="examples per step (default: the demo settings)")
-    train.add_argument("--seed", type=int, default=0, help="seed for init, shuffling, dropout")
+    train.add_argument("--learning-rate", type=_positive_real, default=None,
+                       help="peak learning rate (default: the demo settings)")
+    train.add_argument("--warmup-steps", type=_count, default=None,
+                       help="learning-rate warmup steps (default: 50, or a tenth of --steps "
+                            "if that is less)")
+    train.add_argument("--save-every", type=_positive, default=None,
+                       help="steps between checkpoints (default: a tenth of --steps); one is "
+                            "also saved at the end and on Ctrl-C or SIGTERM")
+    train.add_argument("--heldout", type=_count, default=None,
+                       help="translate: pairs held out for validation and accuracy (default: "
+                            "a tenth of the pairs, at most 1000; 0: none)")
+    train.add_argument("--seed", type=_seed, default=0,
+                       help="seed for init, shuffling, dropout")
     train.add_argument("--out", default=None,
                        help="checkpoint directory (default: runs/<task>)")
     train.add_argument("--resume", action="store_true",
-                       help="continue from the newest checkpoint in --out")
+                       help="continue from the newest checkpoint in --out, with the data and "
+                            "settings it was started with (recorded in its run.json)")
+    train.add_argument("--allow-changes", action="store_true",
+                       help="with --resume: accept other data or other --steps and schedule "
+                            "settings than the run was started with")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(run=_run_train)
 
@@ -104,12 +154,24 @@ def _add_sample(commands) -> None:
     sample.add_argument("--max-new-tokens", type=_positive, default=64,
                         help="stop after this many tokens (fewer if the model's length ends)")
     sample.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    sample.add_argument("--top-k", type=int, default=0, help="keep the k likeliest (0 = all)")
+    sample.add_argument("--top-k", type=_count, default=0,
+                        help="keep the k likeliest (0 = all)")
     sample.add_argument("--top-p", type=float, default=1.0,
                         help="keep the smallest set of likeliest tokens with this much mass")
+    sample.add_argument("--min-p", type=float, default=0.0,
+                        help="keep tokens at least this fraction as likely as the likeliest")
+    sample.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="> 1 makes tokens already in the prompt or output less likely")
+    sample.add_argument("--no-repeat-ngram-size", type=_count, default=0,
+                        help="n > 0: never repeat an n-gram of the prompt or output")
+    sample.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                        help="end the text before this string (repeatable; \\n and \\t "
+                             "are a newline and a tab)")
+    sample.add_argument("--num-samples", type=_positive, default=1,
+                        help="samples of the prompt, from one prefill")
     sample.add_argument("--beams", type=_positive, default=1,
                         help="beam search with this many beams (1 = sampling as above)")
-    sample.add_argument("--seed", type=int, default=0, help="sampling seed")
+    sample.add_argument("--seed", type=_seed, default=0, help="sampling seed")
     sample.set_defaults(run=_run_sample)
 
 
@@ -169,12 +231,23 @@ def _add_bench(commands) -> None:
 # What each command runs. Imports are local: `kvjax --help` should not wait for jax.
 
 
+def _schedule(args) -> dict:
+    """--steps and --warmup-steps as training overrides; warmup scales down with few steps."""
+    overrides = {}
+    if args.steps is not None:
+        overrides["steps"] = args.steps
+        overrides["warmup_steps"] = min(50, args.steps // 10)
+    if args.warmup_steps is not None:
+        overrides["warmup_steps"] = args.warmup_steps
+    return overrides
+
+
 def _run_demo(args) -> int:
     from kvjax.demo import run_demo
 
-    steps = {} if args.steps is None else {"steps": args.steps}
-    report = run_demo(args.out, progress=not args.no_progress, lm_overrides=steps,
-                      translate_overrides=steps)
+    overrides = _schedule(args)
+    report = run_demo(args.out, progress=not args.no_progress, lm_overrides=overrides,
+                      translate_overrides=overrides)
     return 0 if report.passed else 1
 
 
@@ -182,23 +255,30 @@ def _run_train(args) -> int:
     from kvjax import model as M
     from kvjax.train import tasks
 
-    overrides = {"seed": args.seed, "progress": not args.no_progress}
-    if args.steps is not None:
-        overrides.update(steps=args.steps, warmup_steps=min(args.steps // 10, 100),
-                         save_every=args.steps)
-    if args.batch_size is not None:
-        overrides["batch_size"] = args.batch_size
+    overrides = {"seed": args.seed, "progress": not args.no_progress, **_schedule(args)}
+    for option, name in (("batch_size", "batch_size"), ("learning_rate", "learning_rate"),
+                         ("save_every", "save_every")):
+        if getattr(args, option) is not None:
+            overrides[name] = getattr(args, option)
     if args.preset is not None:
         encoder = M.preset(args.preset).num_decoder_layers if args.task == "translate" else 0
         overrides.update(preset=args.preset, model_overrides={"num_encoder_layers": encoder})
+    if args.allow_changes and not args.resume:
+        raise ValueError("--allow-changes only applies with --resume")
     out = args.out or f"runs/{args.task}"
+    common = dict(resume=args.resume, allow_changes=args.allow_changes)
     if args.task == "lm":
-        result = tasks.train_lm(out, data_files=args.data, resume=args.resume, **overrides)
+        if args.heldout is not None:
+            raise ValueError("--heldout applies to --task translate (an LM holds out 5% of "
+                             "its text windows)")
+        result = tasks.train_lm(out, data_files=args.data, **common, **overrides)
     else:
         if args.data is not None and len(args.data) != 1:
             raise ValueError(f"--task translate takes one TSV file, got {len(args.data)}")
+        if args.heldout is not None:
+            overrides["num_heldout"] = args.heldout
         data_tsv = None if args.data is None else args.data[0]
-        result = tasks.train_translate(out, data_tsv=data_tsv, resume=args.resume, **overrides)
+        result = tasks.train_translate(out, data_tsv=data_tsv, **common, **overrides)
     metrics = " ".join(f"{k}={v:.4g}" for k, v in result.metrics.items())
     print(f"trained to step {result.step}: {metrics}\ncheckpoint: {result.out_dir}\n"
           f"metrics: {result.metrics_path}\nloss curve: {result.loss_curve_path}")
@@ -209,19 +289,48 @@ def _run_sample(args) -> int:
     from kvjax import text
 
     loaded = text.load(args.checkpoint)
+    room = text.room(loaded, args.prompt)  # a prompt too long fails here, before the echo
+    if args.max_new_tokens > room:
+        print(f"kvjax sample: --max-new-tokens {args.max_new_tokens} does not fit the model's "
+              f"length ({loaded.config.max_len} tokens) after this prompt; generating at most "
+              f"{room}", file=sys.stderr)
     if loaded.is_translation:
         print(f"{args.prompt} -> ", end="", flush=True)
     else:
         print(args.prompt, end="", flush=True)
-    result = text.sample_text(
-        loaded, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, num_beams=args.beams, seed=args.seed,
-        on_text=lambda piece: print(piece, end="", flush=True))
-    print(f"\n[{len(result.tokens)} tokens in {result.seconds:.2f} s: "
-          f"{result.tokens_per_second:.1f} tokens/s (first text after "
-          f"{result.first_chunk_seconds:.2f} s, compilation included); "
-          f"stop: {result.stop_reason}]")
+    settings = dict(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        no_repeat_ngram_size=args.no_repeat_ngram_size, num_beams=args.beams, seed=args.seed,
+        stop=[_unescape(s) for s in args.stop])
+    if args.num_samples == 1:
+        try:
+            result = text.sample_text(loaded, args.prompt, **settings,
+                                      on_text=lambda piece: print(piece, end="", flush=True))
+        finally:
+            print(flush=True)  # whatever happens, the echoed line ends before anything else
+        results = [result]
+    else:
+        print()  # samples are printed whole, each after its own header
+        results = text.sample_texts(loaded, args.prompt, num_samples=args.num_samples,
+                                    **settings)
+        for i, result in enumerate(results):
+            print(f"--- sample {i + 1} of {len(results)} ({len(result.tokens)} tokens; stop: "
+                  f"{result.stop_reason}) ---\n{result.text}")
+    first = results[0]
+    total = sum(len(r.tokens) for r in results)
+    compiled = (f"; compilation {first.compile_seconds:.2f} s not included"
+                if first.compile_seconds > 0 else "")
+    stops = "/".join(sorted({r.stop_reason for r in results}))
+    print(f"[{total} tokens in {first.decode_seconds:.2f} s: "
+          f"{total / max(first.decode_seconds, 1e-9):.1f} tokens/s{compiled}; first text after "
+          f"{first.first_chunk_seconds:.2f} s; stop: {stops}]")
     return 0
+
+
+def _unescape(text: str) -> str:
+    """A --stop value with \\n and \\t (as a shell passes them) turned into the characters."""
+    return text.replace("\\n", "\n").replace("\\t", "\t")
 
 
 def _run_cache_size(args) -> int:
@@ -266,21 +375,71 @@ def _run_bench_decode(args) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.compilation_cache:
-        from kvjax import enable_compilation_cache
-
-        enable_compilation_cache(args.compilation_cache)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("default")
+            if args.compilation_cache:
+                _enable_compilation_cache(args.compilation_cache)
             return args.run(args)
     except (ValueError, OSError) as error:  # CheckpointError is a ValueError
-        print(f"kvjax {args.command}: error: {error}", file=sys.stderr)
-        return 2
+        return _fail(args, error, 2)
     except KeyboardInterrupt:
         print(f"\nkvjax {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as error:
+        from kvjax.train.trainer import TrainingDiverged, TrainingInterrupted
+
+        if isinstance(error, TrainingInterrupted):
+            return _fail(args, error, error.exit_code)
+        if isinstance(error, TrainingDiverged):
+            return _fail(args, error, 1)
+        raise
+
+
+def _fail(args, error: BaseException, code: int) -> int:
+    message = " ".join(str(error).split())  # one line, whatever the message holds
+    print(f"kvjax {args.command}: error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def _enable_compilation_cache(directory: str) -> None:
+    from kvjax import enable_compilation_cache
+
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise NotADirectoryError(f"--compilation-cache {directory} is not a directory")
+    try:
+        enable_compilation_cache(directory)
+    except OSError as e:
+        raise OSError(f"--compilation-cache {directory} cannot be used: "
+                      f"{e.strerror or e}") from None
+    probe = os.path.join(directory, f".kvjax-write-test-{os.getpid()}")
+    try:
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise OSError(f"--compilation-cache {directory} is not writable: "
+                      f"{e.strerror or e}") from None
+
+
+def _quiet_orbax_leftovers(unraisable) -> None:
+    """Drops what orbax's background reads print when they are garbage-collected after a
+    failed read, whose error was already reported in one line: "Event loop is closed", and
+    the same read error again from each pending coroutine. Anything else is shown."""
+    error, source = unraisable.exc_value, unraisable.object
+    code = getattr(source, "cr_code", None)
+    if isinstance(error, RuntimeError) and "Event loop is closed" in str(error):
+        return
+    if code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename:
+        return
+    sys.__unraisablehook__(unraisable)
+
+
+def console_main() -> None:
+    """The `kvjax` console script: `main` with asyncio's shutdown noise filtered."""
+    sys.unraisablehook = _quiet_orbax_leftovers
+    sys.exit(main())
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

@@ -115,7 +115,8 @@ def _show_lm(loaded: text.LoadedModel, log: Callable[[str], None]) -> float:
 def heldout_numbers(translate_overrides: Mapping[str, Any] | None = None) -> list[str]:
     """A few of the numbers the translation model never saw, spread over their range."""
     settings = tasks.with_overrides(tasks.TRANSLATE_SETTINGS, translate_overrides or {})
-    _, heldout = data.number_pairs(settings.max_number, settings.num_heldout)
+    num_heldout = tasks.default_heldout(settings.max_number, settings.num_heldout)
+    _, heldout = data.number_pairs(settings.max_number, num_heldout)
     step = max(1, len(heldout) // NUM_SHOWN_NUMBERS)
     return [source for source, _ in heldout[step - 1::step][:NUM_SHOWN_NUMBERS]]
 

@@ -13,10 +13,11 @@ streaming it chunk by chunk. Both variants are served:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -24,7 +25,10 @@ import numpy as np
 
 from kvjax import checkpoint, decode
 from kvjax import model as M
+from kvjax.decode import checks
 from kvjax.tokenizer import EOS_ID, Tokenizer
+
+MAX_SEED = 2**63 - 1  # jax.random.key takes a signed 64-bit seed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +59,14 @@ def load(directory: str | os.PathLike) -> LoadedModel:
 class SampleResult:
     """The generated text and how it ended.
 
-    `seconds` runs from the call to the last token, the first call's compilation included;
-    `first_chunk_seconds` is the time to the first streamed text (prefill and compilation).
+    `seconds` runs from the call to the last token; `compile_seconds` is the part of it spent
+    tracing and compiling (0 once the programs are compiled), so `tokens_per_second` is the
+    speed of prefill and decoding alone. `first_chunk_seconds` is the time to the first
+    streamed text (prefill and compilation). `stop_reason` is `decode`'s ('eos',
+    'max_new_tokens', 'cache_full'), 'stop_string' (the text then ends before the first stop
+    string, and `tokens` end with the token that completed it), or 'max_len' when the model's
+    length ended generation before the `max_new_tokens` asked for; `max_new_tokens` is what
+    was generated at most.
     """
 
     text: str
@@ -64,10 +74,46 @@ class SampleResult:
     stop_reason: str
     seconds: float
     first_chunk_seconds: float
+    compile_seconds: float = 0.0
+    max_new_tokens: int | None = None
+
+    @property
+    def decode_seconds(self) -> float:
+        return max(self.seconds - self.compile_seconds, 0.0)
 
     @property
     def tokens_per_second(self) -> float:
-        return len(self.tokens) / max(self.seconds, 1e-9)
+        return len(self.tokens) / max(self.decode_seconds, 1e-9)
+
+
+# jax reports the time it spends on each of these; together they are the compilation.
+_COMPILE_EVENTS = frozenset({
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+})
+
+
+@contextlib.contextmanager
+def _compile_time() -> Iterator[list[float]]:
+    """Yields [seconds]: the compile time jax reports while the block runs."""
+    total = [0.0]
+
+    def listener(event: str, duration: float, **_: Any) -> None:
+        if event in _COMPILE_EVENTS:
+            total[0] += duration
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield total
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def room(loaded: LoadedModel, prompt: str) -> int:
+    """The most tokens the model's length leaves after `prompt`; a prompt that leaves none
+    is a ValueError."""
+    return _room(loaded.config, len(prompt_tokens(loaded, prompt)))
 
 
 def prompt_tokens(loaded: LoadedModel, prompt: str) -> list[int]:
@@ -76,36 +122,81 @@ def prompt_tokens(loaded: LoadedModel, prompt: str) -> list[int]:
     return ids + [EOS_ID] if loaded.is_translation else [EOS_ID] + ids
 
 
-def sample_text(loaded: LoadedModel, prompt: str, *, max_new_tokens: int = 64,
-                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                num_beams: int = 1, seed: int = 0,
-                on_text: Callable[[str], None] | None = None,
-                chunk_size: int = 8) -> SampleResult:
+def check_stop_strings(stop: str | Sequence[str]) -> tuple[str, ...]:
+    """`stop` as a tuple of strings (one string is one stop string); none may be empty."""
+    stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    for i, text in enumerate(stop):
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"stop string {i} ({text!r}) must be a non-empty string")
+    return stop
+
+
+def sample_text(loaded: LoadedModel, prompt: str, *, on_text: Callable[[str], None] | None = None,
+                **kwargs: Any) -> SampleResult:
     """Generates from `prompt`, calling `on_text` with each new piece of text as it is made.
 
-    Sampling arguments are those of `decode.generate`. Beam search only knows its answer at
-    the end, so with `num_beams > 1` the text arrives in one piece.
+    Keyword arguments are those of `sample_texts` (less `num_samples`).
     """
+    on_row = None if on_text is None else (lambda _, piece: on_text(piece))
+    return sample_texts(loaded, prompt, num_samples=1, on_text=on_row, **kwargs)[0]
+
+
+def sample_texts(loaded: LoadedModel, prompt: str, *, num_samples: int = 1,
+                 max_new_tokens: int = 64, stop: str | Sequence[str] = (),
+                 num_beams: int = 1, seed: int = 0,
+                 on_text: Callable[[int, str], None] | None = None, chunk_size: int = 8,
+                 **sampling: Any) -> list[SampleResult]:
+    """`num_samples` generations from `prompt` (one prefill), calling `on_text(sample,
+    piece)` with each new piece of text as it is made.
+
+    `sampling` takes `decode.generate`'s settings (temperature, top_k, top_p, min_p,
+    repetition_penalty, no_repeat_ngram_size, logit_processors). A sample stops at its
+    first `stop` string, which neither the streamed pieces nor the returned text include;
+    text that might begin a stop string is held back until it cannot. Beam search only
+    knows its answer at the end, so with `num_beams > 1` the text arrives in one piece.
+    """
+    stop = check_stop_strings(stop)
+    num_samples = checks.integer("num_samples", num_samples, 1)
+    max_new_tokens = checks.integer("max_new_tokens", max_new_tokens, 1)
+    num_beams = checks.integer("num_beams", num_beams, 1)
+    chunk_size = checks.integer("chunk_size", chunk_size, 1)
+    seed = checks.integer("seed", seed, 0, MAX_SEED)
+    if num_beams > 1 and num_samples != 1:
+        raise ValueError(f"num_samples={num_samples} does not go with beam search")
     tokens = prompt_tokens(loaded, prompt)
-    max_new_tokens = min(max_new_tokens, _room(loaded.config, len(tokens)))
-    settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                    top_p=top_p, eos_ids=(EOS_ID,), rng=jax.random.key(seed))
-    on_text = on_text or (lambda _: None)
-    start = time.perf_counter()
-    if num_beams > 1:
-        output = decode.generate(loaded.net, loaded.params, [tokens], num_beams=num_beams,
-                                 **settings)
-        first = time.perf_counter() - start
-    else:
-        chunks = decode.stream(loaded.net, loaded.params, [tokens], chunk_size=chunk_size,
-                               **settings)
-        output, first = _stream_text(loaded.tokenizer, chunks, on_text, start)
-    seconds = time.perf_counter() - start
-    generated = output.token_lists()[0]
-    text = loaded.tokenizer.decode(_until_eos(generated))
-    if num_beams > 1:
-        on_text(text)
-    return SampleResult(text, generated, output.stop_reasons()[0], seconds, first)
+    limit = min(max_new_tokens, _room(loaded.config, len(tokens)))
+    settings = dict(max_new_tokens=limit, eos_ids=(EOS_ID,), rng=jax.random.key(seed),
+                    **sampling)
+    on_text = on_text or (lambda row, piece: None)
+    rows = [_RowText(loaded.tokenizer, stop) for _ in range(num_samples)]
+    with _compile_time() as compiling:
+        start = time.perf_counter()
+        if num_beams > 1:
+            output = decode.generate(loaded.net, loaded.params, [tokens], num_beams=num_beams,
+                                     **settings)
+            first = time.perf_counter() - start
+            rows[0].add(output.token_lists()[0])
+        else:
+            chunks = decode.stream(loaded.net, loaded.params, [tokens], chunk_size=chunk_size,
+                                   num_samples=num_samples, **settings)
+            output, first = _stream_rows(rows, chunks, on_text, start)
+        seconds = time.perf_counter() - start
+    results = []
+    for i, row in enumerate(rows):
+        if row.stopped:
+            generated, reason = row.ids, "stop_string"
+        else:
+            generated, reason = output.token_lists()[i], output.stop_reasons()[i]
+            row.finish(generated)
+            if reason == "max_new_tokens" and limit < max_new_tokens:
+                reason = "max_len"  # the model's length, not the caller's limit, ended it
+        results.append(SampleResult(row.text, generated, reason, seconds, first, compiling[0],
+                                    limit))
+        if num_beams > 1:
+            on_text(i, row.text)
+        elif row.text.startswith(row.sent) and len(row.text) > len(row.sent):
+            on_text(i, row.text[len(row.sent):])
+    return results
 
 
 def _room(config: M.TransformerConfig, prompt_len: int) -> int:
@@ -114,14 +205,63 @@ def _room(config: M.TransformerConfig, prompt_len: int) -> int:
     return config.max_len - M.prompt_slots(config, prompt_len)
 
 
-def _stream_text(tokenizer: Tokenizer, chunks: Iterator[np.ndarray],
-                 on_text: Callable[[str], None], start: float):
-    """Feeds `on_text` the text of each chunk of row 0; returns (GenerateOutput, seconds to
-    the first chunk). Text is decoded from all tokens so far and only its new suffix is sent,
-    so a character split over byte pieces of two chunks comes out whole."""
-    ids: list[int] = []
-    sent = ""
+class _RowText:
+    """One sample's text as its tokens arrive: what is safe to show, and the first stop string.
+
+    Text is decoded from all tokens so far and only its new suffix is sent, so a character
+    split over byte pieces of two chunks comes out whole; a suffix that could still grow
+    into a stop string waits."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.ids: list[int] = []
+        self.sent = ""
+        self.text = ""
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(_until_eos(ids))
+
+    def _stop_at(self, text: str) -> int | None:
+        found = [text.find(s) for s in self.stop if s in text]
+        return min(found) if found else None
+
+    def add(self, new_ids: list[int]) -> str:
+        """Takes the next tokens; returns the new text that is safe to show."""
+        if self.stopped:
+            return ""
+        checked = len(self.ids)
+        self.ids.extend(new_ids)
+        text = self._decode(self.ids)
+        cut = self._stop_at(text)
+        if cut is not None:
+            # The tokens up to the first one whose text completes a stop string.
+            while self._stop_at(self._decode(self.ids[:checked + 1])) is None:
+                checked += 1
+            self.ids = self.ids[:checked + 1]
+            self.text, self.stopped = text[:cut], True
+            safe = self.text
+        else:
+            safe = text.rstrip("\ufffd")  # an unfinished UTF-8 sequence waits for its bytes
+            held = max((k for s in self.stop for k in range(1, len(s))
+                        if safe.endswith(s[:k])), default=0)
+            safe = safe[:len(safe) - held]
+        if safe.startswith(self.sent) and len(safe) > len(self.sent):
+            piece, self.sent = safe[len(self.sent):], safe
+            return piece
+        return ""
+
+    def finish(self, ids: list[int]) -> None:
+        """The row ended without a stop string: its text is that of all its tokens."""
+        self.ids, self.text = ids, self._decode(ids)
+
+
+def _stream_rows(rows: list[_RowText], chunks: Iterator[np.ndarray],
+                 on_text: Callable[[int, str], None], start: float):
+    """Feeds each row's chunks to its `_RowText` and `on_text`; returns (GenerateOutput or
+    None if every row met a stop string first, seconds to the first chunk)."""
     first = None
+    output = None
     while True:
         try:
             chunk = next(chunks)
@@ -130,15 +270,13 @@ def _stream_text(tokenizer: Tokenizer, chunks: Iterator[np.ndarray],
             break
         if first is None:
             first = time.perf_counter() - start
-        ids.extend(chunk[0].tolist())
-        text = tokenizer.decode(_until_eos(ids))
-        stable = text.rstrip("\ufffd")  # an unfinished UTF-8 sequence waits for its bytes
-        if stable.startswith(sent) and len(stable) > len(sent):
-            on_text(stable[len(sent):])
-            sent = stable
-    final = tokenizer.decode(_until_eos(output.token_lists()[0]))
-    if final.startswith(sent) and len(final) > len(sent):
-        on_text(final[len(sent):])
+        for i, row in enumerate(rows):
+            piece = row.add(chunk[i].tolist())
+            if piece:
+                on_text(i, piece)
+        if all(row.stopped for row in rows):
+            chunks.close()  # every sample has its answer: stop generating
+            break
     return output, first if first is not None else time.perf_counter() - start
 
 

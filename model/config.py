@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
 import jax.numpy as jnp
@@ -56,7 +57,9 @@ class TransformerConfig:
     attention_block: int = 64
 
     def __post_init__(self):
-        problems = []
+        problems = _type_problems(self)
+        if problems:  # the range checks below assume the types
+            raise ValueError("invalid TransformerConfig: " + "; ".join(problems))
         for name in ("vocab_size", "d_model", "num_heads", "d_ff", "num_decoder_layers", "max_len",
                      "attention_block"):
             if getattr(self, name) < 1:
@@ -72,13 +75,7 @@ class TransformerConfig:
             head_dim = self.d_model // self.num_heads
             if head_dim % 2:
                 problems.append(f"rope needs an even head_dim, got {head_dim}")
-        for name, allowed in (
-            ("positional_encoding", POSITIONAL_ENCODINGS),
-            ("norm", NORM_PLACEMENTS),
-            ("activation", ACTIVATIONS),
-            ("dtype", DTYPES),
-            ("param_dtype", DTYPES),
-        ):
+        for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
                 problems.append(f"{name}={getattr(self, name)!r} is not one of {allowed}")
         if self.vocab_size >= 1 and not 0 <= self.bos_id < self.vocab_size:
@@ -86,6 +83,9 @@ class TransformerConfig:
                             f"{self.vocab_size})")
         if not 0.0 <= self.dropout < 1.0:
             problems.append(f"dropout={self.dropout} must be in [0, 1)")
+        for name in ("rope_base", "layer_norm_eps"):
+            if not 0 < getattr(self, name) < math.inf:
+                problems.append(f"{name}={getattr(self, name)} must be > 0 and finite")
         if problems:
             raise ValueError("invalid TransformerConfig: " + "; ".join(problems))
 
@@ -140,6 +140,45 @@ class TransformerConfig:
     @classmethod
     def from_json(cls, text: str) -> TransformerConfig:
         return cls.from_dict(json.loads(text))
+
+
+_INT_FIELDS = ("vocab_size", "d_model", "num_heads", "d_ff", "num_decoder_layers",
+               "num_encoder_layers", "max_len", "bos_id", "attention_block")
+_REAL_FIELDS = ("dropout", "rope_base", "layer_norm_eps")
+_BOOL_FIELDS = ("tie_embeddings", "scan_layers")
+_CHOICES = {"positional_encoding": POSITIONAL_ENCODINGS, "norm": NORM_PLACEMENTS,
+            "activation": ACTIVATIONS, "dtype": DTYPES, "param_dtype": DTYPES}
+
+
+def _type_problems(config: TransformerConfig) -> list[str]:
+    """What is of the wrong type: a bool is not an int, "128" is not an int, 64.5 is not an
+    int. NumPy integers and reals are accepted and stored as Python int and float, so that
+    the config stays hashable and JSON-serialisable."""
+    problems = []
+
+    def check(name: str, kinds: tuple, convert, what: str) -> None:
+        value = getattr(config, name)
+        if isinstance(value, kinds) and not isinstance(value, bool | np.bool_):
+            object.__setattr__(config, name, convert(value))
+        else:
+            problems.append(f"{name}={value!r} must be {what}")
+
+    for name in _INT_FIELDS:
+        check(name, (int, np.integer), int, "an int")
+    if config.num_kv_heads is not None:
+        check("num_kv_heads", (int, np.integer), int, "an int or None")
+    for name in _REAL_FIELDS:
+        check(name, (int, float, np.integer, np.floating), float, "a real number")
+    for name in _BOOL_FIELDS:
+        value = getattr(config, name)
+        if not isinstance(value, bool | np.bool_):
+            problems.append(f"{name}={value!r} must be True or False")
+        else:
+            object.__setattr__(config, name, bool(value))
+    for name in _CHOICES:
+        if not isinstance(getattr(config, name), str):
+            problems.append(f"{name}={getattr(config, name)!r} must be a string")
+    return problems
 
 
 PRESETS: dict[str, TransformerConfig] = {

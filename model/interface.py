@@ -1,7 +1,7 @@
 """The model as generation and training see it, the same for both variants.
 
   prefill(config, params, prompt [B, P], prompt_lengths [B], capacity) -> (logits [B, V], cache)
-  step_fn(config, params)(tokens [B, T], cache) -> (logits [B, T, V], cache)
+  step_fn(config, params)(tokens [B, T], cache[, lengths [B]]) -> (logits [B, T, V], cache)
   teacher_forced_logits(config, params, batch) -> logits [B, T, V]
 
 A decoder-only LM's prompt is the start of the sequence it continues; an encoder-decoder's
@@ -48,10 +48,11 @@ def prefill(config: TransformerConfig, params, prompt_BP: jax.Array,
 
 
 def step_fn(config: TransformerConfig, params):
-    """`tokens_to_logits(tokens [B, T], cache) -> (logits [B, T, V], cache)`: the only view
-    of the model that the decode loops get."""
+    """`tokens_to_logits(tokens [B, T], cache, lengths [B] = all T) -> (logits [B, T, V],
+    cache)`: the only view of the model that the decode loops get."""
     net = build_model(config)
-    return lambda tokens, cache: net.apply({"params": params}, tokens, cache, method=net.step)
+    return lambda tokens, cache, lengths=None: net.apply({"params": params}, tokens, cache,
+                                                         lengths, method=net.step)
 
 
 def teacher_forced_logits(config: TransformerConfig, params, batch, dropout_rng=None):

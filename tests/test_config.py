@@ -78,3 +78,30 @@ def test_encoder_decoder_cache_reports_cross_attention_separately():
 def test_capacity_beyond_max_len_raises():
     with pytest.raises(ValueError, match="capacity 65 exceeds the model's max_len 64"):
         M.init_cache(M.preset("tiny"), 1, 65)
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(vocab_size=64.5), "vocab_size=64.5 must be an int"),
+    (dict(d_model="128"), "d_model='128' must be an int"),
+    (dict(num_heads=True), "num_heads=True must be an int"),
+    (dict(num_kv_heads=2.0), "num_kv_heads=2.0 must be an int or None"),
+    (dict(layer_norm_eps=-1), "layer_norm_eps=-1.0 must be > 0"),
+    (dict(layer_norm_eps=float("nan")), "layer_norm_eps=nan must be > 0"),
+    (dict(rope_base=0), "rope_base=0.0 must be > 0"),
+    (dict(dropout="0.1"), "dropout='0.1' must be a real number"),
+    (dict(tie_embeddings=1), "tie_embeddings=1 must be True or False"),
+    (dict(scan_layers="yes"), "scan_layers='yes' must be True or False"),
+    (dict(activation=["relu"]), "activation=\\['relu'\\] must be a string"),
+    (dict(bos_id=None), "bos_id=None must be an int"),
+])
+def test_every_field_is_type_and_range_checked(changes, message):
+    with pytest.raises(ValueError, match=message):
+        M.preset("tiny", **changes)
+
+
+def test_numpy_scalars_are_stored_as_python_numbers():
+    import numpy as np
+    config = M.preset("tiny", vocab_size=np.int64(80), dropout=np.float32(0.5), rope_base=10)
+    assert type(config.vocab_size) is int and type(config.dropout) is float
+    assert config == M.preset("tiny", vocab_size=80, dropout=0.5, rope_base=10.0)
+    assert M.TransformerConfig.from_json(config.to_json()) == config

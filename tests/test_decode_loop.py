@@ -86,3 +86,37 @@ def test_step_limit_runs_a_chunk_and_resumes_identically():
         state = decode_loop(next_is_previous_plus_one, state, stops, sampling, jnp.asarray(limit))
         assert int(state.step) == limit
     np.testing.assert_array_equal(state.tokens, whole.tokens)
+
+
+def fixed_preferences(tokens_B1, cache):
+    """Whatever came before, the same logits: token 0 is liked most, then 1, 2, ..."""
+    logits = jnp.broadcast_to(jnp.linspace(3.0, -3.0, VOCAB), (tokens_B1.shape[0], 1, VOCAB))
+    return logits, cache.replace(lengths=cache.lengths + 1, calls=cache.calls + 1)
+
+
+def test_penalties_steer_the_loop_exactly():
+    """Greedy with the CTRL penalty against a NumPy replay; and a 1-gram ban makes every
+    token new. The context starts with a prompt [1], which the penalties also see."""
+    steps, penalty = 12, 4.0
+    cache = FakeCache(jnp.asarray([1, 1]), jnp.zeros((), jnp.int32))
+    stops = StopConditions(jnp.full(8, -1, jnp.int32), jnp.asarray(steps))
+    sampling = SamplingParams.make(repetition_penalty=[penalty, 1.0],
+                                   no_repeat_ngram_size=[0, 1], batch=2)
+    context = jnp.zeros((2, 1 + 16), jnp.int32).at[:, 0].set(1)
+    state = initial_state(2, 16, cache, jax.random.key(0), context, jnp.asarray([1, 1]))
+    first, _ = fixed_preferences(jnp.zeros((2, 1), jnp.int32), cache)
+    state = record(state, first[:, 0], stops, sampling)
+    state = jax.jit(decode_loop, static_argnums=0)(fixed_preferences, state, stops, sampling,
+                                                    stops.max_new_tokens)
+    base = np.linspace(3.0, -3.0, VOCAB).astype(np.float32)
+    seen, expected = {1}, []
+    for _ in range(steps):
+        logits = base.copy()
+        for t in seen:
+            logits[t] = logits[t] / penalty if logits[t] > 0 else logits[t] * penalty
+        expected.append(int(np.argmax(logits)))
+        seen.add(expected[-1])
+    np.testing.assert_array_equal(state.tokens[0, :steps], expected)
+    np.testing.assert_array_equal(state.tokens[1, :steps], [0] + list(range(2, steps + 1)))
+    np.testing.assert_array_equal(state.context[0, :1 + steps], [1] + expected)
+    np.testing.assert_array_equal(state.context_lengths, [1 + steps] * 2)

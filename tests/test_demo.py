@@ -45,8 +45,9 @@ def test_demo_prints_generations_and_judges_the_quality_bars(demo_run):
 
 
 def test_shown_numbers_are_held_out():
-    train_pairs, _ = data.number_pairs(tasks.TRANSLATE_SETTINGS.max_number,
-                                       tasks.TRANSLATE_SETTINGS.num_heldout)
+    settings = tasks.TRANSLATE_SETTINGS
+    train_pairs, _ = data.number_pairs(
+        settings.max_number, tasks.default_heldout(settings.max_number, settings.num_heldout))
     trained = {source for source, _ in train_pairs}
     assert not trained & set(demo.heldout_numbers())
 

@@ -131,6 +131,14 @@ def test_stream_stops_early_when_every_row_hits_eos(tiny):
     assert sum(c.shape[1] for c in chunks) == 1
 
 
+def _setting(rng, i, low, high, integer=False):
+    """A scalar on even calls, one value per row (of 3) on odd ones."""
+    draw = rng.integers if integer else rng.uniform
+    values = draw(low, high, size=3)
+    values = [int(v) for v in values] if integer else values.tolist()
+    return values if i % 2 else values[0]
+
+
 def test_twenty_calls_in_one_bucket_compile_once():
     config = M.preset("tiny", num_kv_heads=1)
     net, params = M.build_model(config), M.init_params(config, jax.random.key(0))
@@ -139,9 +147,14 @@ def test_twenty_calls_in_one_bucket_compile_once():
     for i in range(20):
         prompt_lengths = rng.integers(9, 17, size=3)  # one bucket: 9..16 pads to 16
         prompts = [rng.integers(0, 64, size=n).tolist() for n in prompt_lengths]
+        temperature = _setting(rng, i, 0, 2)
+        if i % 4 == 1:
+            temperature[0] = 0.0  # a greedy row among sampled ones
         decode.generate(net, params, prompts, max_new_tokens=int(rng.integers(17, 33)),
-                        temperature=float(rng.uniform(0, 2)), top_k=int(rng.integers(0, 20)),
-                        top_p=float(rng.uniform(0.1, 1)),
+                        temperature=temperature, top_k=_setting(rng, i, 0, 20, True),
+                        top_p=_setting(rng, i, 0.1, 1), min_p=_setting(rng, i, 0, 0.5),
+                        repetition_penalty=_setting(rng, i, 0.5, 2),
+                        no_repeat_ngram_size=_setting(rng, i, 0, 4, True),
                         eos_ids=tuple(rng.integers(0, 64, size=i % 3)),
                         rng=jax.random.key(i))
     after = {name: decode.trace_count(name) for name in ("start", "continue")}
@@ -162,6 +175,18 @@ def test_bad_inputs_raise_before_compiling(tiny):
     _rejects(net, params, r"top_p=0.0 must be in \(0, 1\]", top_p=0.0)
     _rejects(net, params, r"top_p=1.5", top_p=1.5)
     _rejects(net, params, r"top_k=-1", top_k=-1)
+    _rejects(net, params, r"top_k=2.5 must be an integer", top_k=2.5)
+    _rejects(net, params, r"min_p=1.5 must be in \[0, 1\]", min_p=1.5)
+    _rejects(net, params, r"min_p\[1\]=-0.1 must be in \[0, 1\]", min_p=[0, -0.1, 0, 0])
+    _rejects(net, params, r"repetition_penalty=0.0 must be > 0", repetition_penalty=0.0)
+    _rejects(net, params, r"no_repeat_ngram_size=-1", no_repeat_ngram_size=-1)
+    _rejects(net, params, r"temperature has 3 values \[0.0, 1.0, 1.0\] for 4 prompts",
+             temperature=[0.0, 1.0, 1.0])
+    _rejects(net, params, r"temperature\[2\]=-1.0 must be >= 0", temperature=[0, 1, -1, 1])
+    _rejects(net, params, r"num_samples=0 must be an integer >= 1", num_samples=0)
+    _rejects(net, params, r"beam search \(num_beams=2\) does not take repetition_penalty",
+             num_beams=2, repetition_penalty=1.2)
+    _rejects(net, params, r"logit processor 3 is not callable", logit_processors=[3])
     _rejects(net, params, r"num_beams=0", num_beams=0)
     _rejects(net, params, r"max_new_tokens=0", max_new_tokens=0)
     _rejects(net, params, r"token id 64 \(prompt 1, position 2\)", prompts=[[1], [2, 3, 64]])

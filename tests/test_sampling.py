@@ -1,5 +1,6 @@
-"""Sampling: greedy, and the empirical frequencies of temperature / top-k / top-p draws
-against the exactly computed filtered distribution (chi-square at a fixed seed)."""
+"""Sampling: greedy, and the empirical frequencies of temperature / top-k / top-p / min-p
+draws against the exactly computed filtered distribution (chi-square at a fixed seed), one
+setting at a time and all at once with one setting per row."""
 
 import jax
 import jax.numpy as jnp
@@ -12,9 +13,10 @@ LOGITS = np.array([2.0, 1.5, 1.2, 0.4, 0.1, -0.3, -1.0, -2.5], np.float32)
 CHI2_999 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322}
 
 
-def reference_distribution(logits, temperature, top_k, top_p):
+def reference_distribution(logits, temperature, top_k=0, top_p=1.0, min_p=0.0):
     """Softmax(logits / T) restricted to the top k, then to the smallest prefix (by
-    probability) whose mass reaches p, the crossing token included; renormalised."""
+    probability) whose mass reaches p, the crossing token included, and to the tokens with
+    at least min_p times the largest probability; renormalised."""
     probs = np.exp(logits / temperature - np.max(logits / temperature))
     order = np.argsort(-probs)
     keep = np.zeros(len(logits), bool)
@@ -27,6 +29,7 @@ def reference_distribution(logits, temperature, top_k, top_p):
             break
         keep[token] = True
         mass += p
+    keep &= probs >= min_p * probs.max()
     filtered = np.where(keep, probs, 0.0)
     return filtered / filtered.sum()
 
@@ -38,6 +41,9 @@ SETTINGS = [
     dict(temperature=1.0, top_k=0, top_p=0.6),
     dict(temperature=1.7, top_k=5, top_p=0.8),
     dict(temperature=1.0, top_k=0, top_p=0.05),  # only the argmax survives
+    dict(temperature=1.0, min_p=0.2),
+    dict(temperature=1.5, min_p=0.3),
+    dict(temperature=1.0, top_k=6, top_p=0.95, min_p=0.1),
 ]
 
 
@@ -77,3 +83,34 @@ def test_rows_are_sampled_independently():
     logits = jnp.zeros((4, 1000))
     tokens = sample(logits, jax.random.key(0), SamplingParams.make(temperature=1.0))
     assert len(set(np.asarray(tokens).tolist())) == 4
+
+
+def test_one_setting_per_row_draws_each_rows_distribution():
+    """All SETTINGS at once, one per row, plus a greedy row: each row's frequencies match its
+    own reference distribution, and the greedy row always takes the argmax."""
+    rows = SETTINGS + [dict(temperature=0.0)]
+    per_row = {name: [r.get(name, default) for r in rows] for name, default in
+               dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0).items()}
+    params = SamplingParams.make(**per_row, batch=len(rows))
+    logits = jnp.broadcast_to(jnp.asarray(LOGITS), (len(rows), len(LOGITS)))
+    draws = 4_000
+    keys = jax.random.split(jax.random.key(99), draws)
+    tokens = np.asarray(jax.jit(jax.vmap(lambda k: sample(logits, k, params)))(keys))
+    for row, settings in enumerate(SETTINGS):
+        expected = reference_distribution(LOGITS, **settings)
+        counts = np.bincount(tokens[:, row], minlength=len(LOGITS))
+        assert (counts[expected == 0] == 0).all(), (row, counts)
+        support = expected > 0
+        if support.sum() > 1:
+            chi2 = np.sum((counts[support] - draws * expected[support]) ** 2
+                          / (draws * expected[support]))
+            assert chi2 < CHI2_999[int(support.sum()) - 1], (row, chi2, counts)
+    assert (tokens[:, -1] == np.argmax(LOGITS)).all()
+
+
+def test_min_p_keeps_tokens_at_least_min_p_times_the_top_probability():
+    probs = np.asarray(jax.nn.softmax(jnp.asarray(LOGITS)))
+    for min_p in (0.0, 0.05, 0.3, 0.61, 1.0):
+        filtered = filter_logits(jnp.asarray(LOGITS)[None], SamplingParams.make(
+            temperature=1.0, min_p=min_p))
+        np.testing.assert_array_equal(np.isfinite(filtered[0]), probs >= min_p * probs.max())

@@ -240,6 +240,7 @@ def test_weight_decay_takes_the_same_step_for_scanned_and_unrolled_layers():
     params = jax.tree.map(lambda p: p + 0.5, params)  # no param at zero: decay moves each
     optimizer = trainer.make_optimizer(TrainConfig(steps=10, warmup_steps=0, weight_decay=0.5))
 
+    @jax.jit  # one program per tree structure, not one per eager op and leaf shape
     def one_step(p):  # with zero gradients, the update is the weight decay alone
         updates, _ = optimizer.update(jax.tree.map(jnp.zeros_like, p), optimizer.init(p), p)
         return updates

@@ -9,6 +9,7 @@ Shapes: B examples, T tokens per example.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from pydoc_data.topics import topics
@@ -27,9 +28,11 @@ def python_docs_text() -> str:
 
 
 def read_text_file(path: str | os.PathLike) -> str:
-    """The contents of a UTF-8 text file; raises if it is missing, unreadable or empty."""
+    """The contents of a UTF-8 text file; raises if it is missing, unreadable or empty.
+
+    A byte-order mark at the start (as some editors write) is not part of the text."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             text = f.read()
     except FileNotFoundError:
         raise FileNotFoundError(f"text file not found: {path}") from None
@@ -40,6 +43,21 @@ def read_text_file(path: str | os.PathLike) -> str:
     if not text:
         raise ValueError(f"{path} is empty")
     return text
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def describe_files(paths: Iterable[str | os.PathLike]) -> list[dict[str, str]]:
+    """[{"name": file name, "sha256": hash of its bytes}] in order, for a run's record. The
+    name without its directory, so that a moved file is still the same data."""
+    described = []
+    for path in paths:
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+        described.append({"name": os.path.basename(path), "sha256": digest})
+    return described
 
 
 def train_tokenizer_from_files(

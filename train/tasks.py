@@ -44,15 +44,16 @@ class LMSettings:
     val_fraction: float = 0.05
     training: TrainConfig = TrainConfig(
         steps=400, batch_size=16, learning_rate=2e-3, warmup_steps=50, eval_every=100,
-        eval_batches=8, save_every=200, keep_checkpoints=1)
+        eval_batches=8, keep_checkpoints=1)
 
 
 @dataclasses.dataclass(frozen=True)
 class TranslateSettings:
     """An encoder-decoder on (source, target) text pairs. Without a TSV file the pairs are
-    the numbers below `max_number` spelled in English words, `num_heldout` of them (a fixed
-    choice) held out. Sources and targets (with EOS) are padded to `max_len` tokens. Periodic
-    evaluations decode `eval_examples` held-out sources; the final one decodes all."""
+    the numbers below `max_number` spelled in English words. `num_heldout` pairs (a fixed
+    choice; None: a tenth of them, at most 1000; 0: none, and no validation) are held out.
+    Sources and targets (with EOS) are padded to `max_len` tokens. Periodic evaluations
+    decode `eval_examples` held-out sources; the final one decodes all."""
 
     preset: str = "small"
     model_overrides: Mapping[str, Any] = dataclasses.field(
@@ -60,12 +61,12 @@ class TranslateSettings:
                                  "d_model": 64, "d_ff": 256})
     vocab_size: int = 400
     max_number: int = 100_000
-    num_heldout: int = 1000
+    num_heldout: int | None = None
     max_len: int | None = None  # None: the longest pair's
     eval_examples: int = 250
     training: TrainConfig = TrainConfig(
         steps=1500, batch_size=64, learning_rate=3e-3, warmup_steps=50, eval_every=250,
-        eval_batches=4, save_every=500, keep_checkpoints=1)
+        eval_batches=4, keep_checkpoints=1)
 
 
 LM_SETTINGS = LMSettings()
@@ -78,8 +79,8 @@ _SPLIT_SEED = 0  # the train/validation split never changes with the training se
 
 
 def train_lm(out_dir: str | os.PathLike, *, data_files: Sequence[str | os.PathLike] | None = None,
-             resume: bool = False, settings: LMSettings = LM_SETTINGS,
-             **overrides: Any) -> TrainResult:
+             resume: bool = False, allow_changes: bool = False,
+             settings: LMSettings = LM_SETTINGS, **overrides: Any) -> TrainResult:
     """Trains a decoder-only LM on `data_files` (default: Python's documentation topics).
 
     The final metrics include `val_ppl` and `unigram_ppl`, the perplexity on the same
@@ -90,12 +91,20 @@ def train_lm(out_dir: str | os.PathLike, *, data_files: Sequence[str | os.PathLi
     tokenizer = _tokenizer(out_dir, resume, [text], settings.vocab_size)
     windows = data.pack_lm_windows(data.tokenize_documents(tokenizer, [text]), settings.seq_len)
     train_windows, val_windows = data.split_train_val(windows, settings.val_fraction, _SPLIT_SEED)
-    unigram = unigram_perplexity(train_windows[:, 1:], val_windows[:, 1:], tokenizer.vocab_size)
+    evaluate = None
+    if len(val_windows):  # without validation text there is nothing to compare against
+        unigram = unigram_perplexity(train_windows[:, 1:], val_windows[:, 1:],
+                                     tokenizer.vocab_size)
+        evaluate = lambda params, final: {"unigram_ppl": unigram}  # noqa: E731
+    sources = {"files": data.describe_files(data_files)} if data_files is not None else {
+        "python_docs_sha256": data.sha256_text(text)}
     task = TrainTask(
         name="lm", tokenizer=tokenizer, train=lm_arrays(train_windows),
-        val=lm_arrays(val_windows), evaluate=lambda params, final: {"unigram_ppl": unigram})
+        val=lm_arrays(val_windows), evaluate=evaluate,
+        data={**sources, "seq_len": settings.seq_len, "val_fraction": settings.val_fraction})
     config = _model_config(settings, tokenizer, min_len=settings.seq_len)
-    return trainer.train(config, settings.training, task, out_dir, resume=resume)
+    return trainer.train(config, settings.training, task, out_dir, resume=resume,
+                         allow_changes=allow_changes)
 
 
 def lm_arrays(windows_NT: np.ndarray) -> dict[str, np.ndarray]:
@@ -118,7 +127,8 @@ def unigram_perplexity(train_targets: np.ndarray, val_targets: np.ndarray,
 
 
 def train_translate(out_dir: str | os.PathLike, *, data_tsv: str | os.PathLike | None = None,
-                    resume: bool = False, settings: TranslateSettings = TRANSLATE_SETTINGS,
+                    resume: bool = False, allow_changes: bool = False,
+                    settings: TranslateSettings = TRANSLATE_SETTINGS,
                     **overrides: Any) -> TrainResult:
     """Trains an encoder-decoder with teacher forcing on `data_tsv` (``source<TAB>target``
     lines) or, by default, on numbers spelled as words.
@@ -128,23 +138,35 @@ def train_translate(out_dir: str | os.PathLike, *, data_tsv: str | os.PathLike |
     """
     settings = with_overrides(settings, overrides)
     if data_tsv is None:
+        num_heldout = default_heldout(settings.max_number, settings.num_heldout)
         train_pairs, heldout_pairs = data.number_pairs(
-            settings.max_number, settings.num_heldout, _SPLIT_SEED)
+            settings.max_number, num_heldout, _SPLIT_SEED)
+        sources = {"max_number": settings.max_number}
     else:
-        train_pairs, heldout_pairs = split_pairs(data.read_tsv_pairs(data_tsv),
-                                                 settings.num_heldout)
+        pairs = data.read_tsv_pairs(data_tsv)
+        num_heldout = default_heldout(len(pairs), settings.num_heldout)
+        train_pairs, heldout_pairs = split_pairs(pairs, num_heldout)
+        sources = {"files": data.describe_files([data_tsv])}
     texts = [text for pair in train_pairs for text in pair]
     tokenizer = _tokenizer(out_dir, resume, ["\n".join(texts)], settings.vocab_size)
     max_len = settings.max_len or _longest_pair(tokenizer, [*train_pairs, *heldout_pairs])
     config = _model_config(settings, tokenizer, min_len=max_len + 1)  # + 1: BOS starts targets
     heldout = translation_arrays(tokenizer, heldout_pairs, max_len)
-    accuracy = functools.partial(_heldout_accuracy, config, heldout, settings.eval_examples,
-                                 max_len)
+    accuracy = None
+    if heldout_pairs:
+        accuracy = functools.partial(_heldout_accuracy, config, heldout, settings.eval_examples,
+                                     max_len)
     task = TrainTask(
         name="translate", tokenizer=tokenizer,
         train=translation_arrays(tokenizer, train_pairs, max_len), val=heldout,
-        evaluate=accuracy)
-    return trainer.train(config, settings.training, task, out_dir, resume=resume)
+        evaluate=accuracy, data={**sources, "num_heldout": num_heldout})
+    return trainer.train(config, settings.training, task, out_dir, resume=resume,
+                         allow_changes=allow_changes)
+
+
+def default_heldout(num_pairs: int, num_heldout: int | None) -> int:
+    """`num_heldout`, or by default a tenth of the pairs, at most 1000."""
+    return min(1000, num_pairs // 10) if num_heldout is None else num_heldout
 
 
 def _longest_pair(tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]]) -> int:
@@ -155,9 +177,11 @@ def _longest_pair(tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]]) -> int
 def split_pairs(pairs: Sequence[tuple[str, str]], num_heldout: int
                 ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """A fixed random choice of `num_heldout` pairs held out; both parts keep their order."""
-    if not 0 < num_heldout < len(pairs):
-        raise ValueError(f"num_heldout={num_heldout} must be in [1, {len(pairs)}) for "
-                         f"{len(pairs)} pairs")
+    if isinstance(num_heldout, bool) or not isinstance(num_heldout, int | np.integer):
+        raise ValueError(f"num_heldout={num_heldout!r} must be an int")
+    if not 0 <= num_heldout < len(pairs):
+        raise ValueError(f"num_heldout={num_heldout} must be in [0, {len(pairs)}) for "
+                         f"{len(pairs)} pairs: at least one pair must be left to train on")
     heldout = np.zeros(len(pairs), bool)
     heldout[np.random.default_rng(_SPLIT_SEED).choice(len(pairs), num_heldout, False)] = True
     return ([p for p, h in zip(pairs, heldout, strict=True) if not h],

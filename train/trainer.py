@@ -12,6 +12,8 @@ An output directory holds::
     config.json, tokenizer.model   what the checkpoints need to be used (kvjax.checkpoint)
     <step>/                        checkpoints: params, optimizer state, step, rng, data position
     metrics.jsonl                  one JSON object per logged step
+    run.json                       what the run was started with: data, steps, schedule
+    .lock                          held (flock) by the one process training into the directory
     loss_curve.png                 training and validation loss, redrawn at the end of a run
 
 Batches are dicts of arrays. Both variants have ``inputs`` [B, T] (decoder input tokens) and
@@ -21,10 +23,14 @@ batch also has ``source`` [B, S], ``source_lengths`` [B] and ``lengths`` [B] (de
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import functools
 import json
 import math
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -45,6 +51,8 @@ from .data import Batches
 
 METRICS_FILE = "metrics.jsonl"
 LOSS_CURVE_FILE = "loss_curve.png"
+RUN_FILE = "run.json"
+LOCK_FILE = ".lock"
 
 Batch = Mapping[str, np.ndarray]
 
@@ -57,7 +65,8 @@ class TrainConfig:
     `learning_rate * final_lr_fraction` at `steps`. Weight decay applies to kernels and
     embedding tables only (`decay_mask`), not to biases or norm scales. Periodic evaluations
     use the first `eval_batches` validation batches (0: all of them); the final one always
-    uses all.
+    uses all. A checkpoint is saved every `save_every` steps (None: a tenth of `steps`), at the
+    end, and at the current step when the process gets SIGINT or SIGTERM.
     """
 
     steps: int = 1000
@@ -73,7 +82,7 @@ class TrainConfig:
     eval_every: int = 200
     eval_batches: int = 8
     log_every: int = 10
-    save_every: int = 500
+    save_every: int | None = None
     keep_checkpoints: int = 2
     seed: int = 0
     progress: bool = True  # the tqdm bar; off for tests and logs
@@ -81,9 +90,26 @@ class TrainConfig:
     def __post_init__(self):
         problems = []
         for name in ("steps", "batch_size", "eval_every", "log_every", "save_every",
-                     "keep_checkpoints"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name}={getattr(self, name)} must be >= 1")
+                     "keep_checkpoints", "warmup_steps", "eval_batches", "seed"):
+            value = getattr(self, name)
+            if name == "save_every" and value is None:
+                continue
+            minimum = 0 if name in ("warmup_steps", "eval_batches", "seed") else 1
+            if isinstance(value, bool) or not isinstance(value, int | np.integer):
+                problems.append(f"{name}={value!r} must be an int")
+            elif value < minimum:
+                problems.append(f"{name}={value} must be >= {minimum}")
+            elif name == "seed" and value >= 2**63:
+                problems.append(f"seed={value} must be < 2**63")
+        for name in ("learning_rate", "final_lr_fraction", "weight_decay", "clip_norm",
+                     "adam_b1", "adam_b2", "label_smoothing"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float | np.number):
+                problems.append(f"{name}={value!r} must be a number")
+            elif not math.isfinite(value):
+                problems.append(f"{name}={value} must be finite")
+        if problems:
+            raise ValueError("invalid TrainConfig: " + "; ".join(problems))
         if not 0 <= self.warmup_steps < self.steps:
             problems.append(f"warmup_steps={self.warmup_steps} must be in [0, steps={self.steps})")
         if self.eval_batches < 0:
@@ -100,6 +126,34 @@ class TrainConfig:
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
 
+    @property
+    def save_interval(self) -> int:
+        """Steps between checkpoints: `save_every`, or a tenth of the run (at least 1)."""
+        return self.save_every if self.save_every is not None else max(1, self.steps // 10)
+
+
+# The fields that decide what a run computes; `--resume` refuses to change them silently.
+TRAJECTORY_FIELDS = ("steps", "batch_size", "learning_rate", "warmup_steps",
+                     "final_lr_fraction", "weight_decay", "clip_norm", "adam_b1", "adam_b2",
+                     "label_smoothing", "seed")
+
+
+class TrainingDiverged(RuntimeError):
+    """The training loss became NaN or infinite; the message names the step and the last good
+    checkpoint. Nothing after the last finite step is saved."""
+
+
+class TrainingInterrupted(Exception):
+    """SIGINT or SIGTERM arrived during training; a checkpoint was saved at `step`."""
+
+    def __init__(self, message: str, step: int, signum: int):
+        super().__init__(message)
+        self.step, self.signum = step, signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainTask:
@@ -112,6 +166,9 @@ class TrainTask:
     train: Mapping[str, np.ndarray]
     val: Mapping[str, np.ndarray]
     evaluate: Callable[[Any, bool], dict[str, float]] | None = None
+    # What the data is, as run.json records it (file names and SHA-256 hashes, split
+    # settings); a resumed run must have the same unless changes are allowed.
+    data: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +251,7 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
 def _update_config(config: TrainConfig) -> TrainConfig:
     # train_step is compiled per TrainConfig; resetting the fields it does not read lets runs
     # that differ only in them (seed, evaluation, logging, saving) share one compilation.
-    return config.replace(seed=0, eval_every=1, eval_batches=0, log_every=1, save_every=1,
+    return config.replace(seed=0, eval_every=1, eval_batches=0, log_every=1, save_every=None,
                           keep_checkpoints=1, progress=False)
 
 
@@ -262,18 +319,29 @@ def _chunks(arrays: Mapping[str, np.ndarray], size: int, max_chunks: int) -> Ite
 
 
 def train(model_config: M.TransformerConfig, train_config: TrainConfig, task: TrainTask,
-          out_dir: str | Path, *, resume: bool = False, stop_after: int | None = None
-          ) -> TrainResult:
+          out_dir: str | Path, *, resume: bool = False, stop_after: int | None = None,
+          allow_changes: bool = False) -> TrainResult:
     """Trains `model_config` on `task`, writing checkpoints and metrics into `out_dir`.
 
     With `resume`, continues from the newest checkpoint in `out_dir`, which must have been
-    written for the same model config, task and tokenizer; without it, `out_dir` must hold no
-    checkpoint. `stop_after` ends the run after that step as if interrupted there (with a
-    checkpoint, a final evaluation and the loss curve); the schedule still spans
-    `train_config.steps`, so a resumed run continues it.
+    written for the same model config, task and tokenizer, and (unless `allow_changes`) the
+    same data and trajectory settings (`TRAJECTORY_FIELDS`, recorded in run.json); without it,
+    `out_dir` must hold no checkpoint. `stop_after` ends the run after that step as if
+    interrupted there (with a checkpoint, a final evaluation and the loss curve); the schedule
+    still spans `train_config.steps`, so a resumed run continues it.
+
+    Raises `TrainingDiverged` on a non-finite loss or params (saving nothing from that step
+    on) and, after saving a checkpoint at the current step, `TrainingInterrupted` on SIGINT or
+    SIGTERM. Another process training into `out_dir` at the same time is refused.
     """
     out_dir = Path(out_dir)
-    state = _start_state(model_config, train_config, task, out_dir, resume)
+    with _exclusive(out_dir), _deferred_signals() as signals:
+        state = _start_state(model_config, train_config, task, out_dir, resume, allow_changes)
+        return _run(model_config, train_config, task, out_dir, state, stop_after, signals)
+
+
+def _run(model_config, train_config: TrainConfig, task: TrainTask, out_dir: Path,
+         state: TrainState, stop_after: int | None, signals: _Signals) -> TrainResult:
     update_config = _update_config(train_config)
     start = int(state.step)
     end = train_config.steps if stop_after is None else min(stop_after, train_config.steps)
@@ -281,22 +349,37 @@ def train(model_config: M.TransformerConfig, train_config: TrainConfig, task: Tr
     log = MetricsLog(out_dir / METRICS_FILE, keep_through_step=start)
     schedule = learning_rate_schedule(train_config)
     losses: dict[int, jax.Array] = {}
+    guard = _DivergenceGuard(out_dir, start)
     meter = _Throughput()
     bar = tqdm(total=end, initial=start, disable=not train_config.progress, unit="step",
                dynamic_ncols=True)
     metrics: dict[str, float] = {}
-    with bar, checkpoint.Checkpointer(out_dir, save_every=train_config.save_every,
-                                      keep=train_config.keep_checkpoints) as checkpointer:
+    manifest = checkpoint.manifest_metadata(model_config.to_dict(), task.name,
+                                            task.tokenizer.to_bytes())
+    with bar, checkpoint.Checkpointer(out_dir, save_every=train_config.save_interval,
+                                      keep=train_config.keep_checkpoints,
+                                      manifest=manifest) as checkpointer:
         for step in range(start + 1, end + 1):
             batch = dict(zip(task.train.keys(), batches.batch(step - 1), strict=True))
             state, losses[step] = train_step(model_config, update_config, state, batch)
             meter.add_tokens(int(np.count_nonzero(batch["targets"] != PAD_ID)))
-            if step % train_config.save_every == 0:
+            if signals.received is not None:
+                guard.check(losses, state)
+                checkpointer.save(step, _checkpoint_tree(state), force=True)
+                checkpointer.wait()
+                name = signal.Signals(signals.received).name
+                raise TrainingInterrupted(
+                    f"interrupted by {name}: saved a checkpoint at step {step} in {out_dir}; "
+                    "continue with --resume", step, signals.received)
+            if step % train_config.save_interval == 0:
+                guard.check(losses, state)
                 checkpointer.save(step, _checkpoint_tree(_copy(state)))
+                guard.saved(step)
             final = step == end
             evaluate = final or step % train_config.eval_every == 0
             if not (evaluate or step % train_config.log_every == 0):
                 continue
+            guard.check(losses, state)
             record = {"step": step, "loss": _mean_since_last_record(losses, log.last_step),
                       "lr": float(schedule(step - 1)), "tokens_per_sec": meter.rate()}
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}")
@@ -307,6 +390,7 @@ def train(model_config: M.TransformerConfig, train_config: TrainConfig, task: Tr
                 bar.write(_describe(record))
                 meter.restart()  # evaluation time is not training throughput
             log.write(record)
+        guard.check(losses, state)
         if not metrics:  # nothing left to run: the checkpoint was already at `end`
             metrics = _evaluate(model_config, train_config, task, state.params, True)
         checkpointer.save(int(state.step), _checkpoint_tree(state), force=True)
@@ -316,25 +400,154 @@ def train(model_config: M.TransformerConfig, train_config: TrainConfig, task: Tr
                        metrics=metrics)
 
 
+class _DivergenceGuard:
+    """Raises `TrainingDiverged` if a loss since the last check, or a param, is not finite.
+    Checked before every save and log record only, so that steps are not synchronised one by
+    one with the device."""
+
+    def __init__(self, out_dir: Path, start: int):
+        self.out_dir, self.checked_through, self.last_saved = out_dir, start, start or None
+
+    def saved(self, step: int) -> None:
+        self.last_saved = step
+
+    def check(self, losses: Mapping[int, jax.Array], state: TrainState) -> None:
+        steps = [step for step in losses if step > self.checked_through]
+        values = np.asarray(jax.device_get([losses[step] for step in steps]), np.float64)
+        bad = np.flatnonzero(~np.isfinite(values))
+        if bad.size:
+            self._raise(f"the loss at step {steps[bad[0]]} is {values[bad[0]]}")
+        if not bool(_all_finite(state.params)):
+            self._raise(f"the params after step {int(state.step)} are not finite")
+        self.checked_through = max(steps, default=self.checked_through)
+
+    def _raise(self, what: str):
+        if self.last_saved is None:
+            last = "no checkpoint was saved"
+        else:
+            last = f"the last good checkpoint is step {self.last_saved} in {self.out_dir}"
+        raise TrainingDiverged(f"training diverged: {what}; nothing from that step on was "
+                               f"saved, {last} (try a lower learning rate)")
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+class _Signals:
+    """The first SIGINT/SIGTERM received while training (None while none was)."""
+
+    received: int | None = None
+
+
+@contextlib.contextmanager
+def _deferred_signals() -> Iterator[_Signals]:
+    """While training, SIGINT and SIGTERM only set a flag, which the loop reads after each
+    step to save a checkpoint before it stops. A second Ctrl-C stops at once. Signals can be
+    caught only in the main thread; elsewhere they keep their handlers."""
+    signals = _Signals()
+    if threading.current_thread() is not threading.main_thread():
+        yield signals
+        return
+
+    def handler(signum, frame):
+        if signals.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        signals.received = signum
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield signals
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def _exclusive(out_dir: Path) -> Iterator[None]:
+    """Holds an exclusive lock on `out_dir/.lock` (flock: released by the kernel when the
+    process ends, however it ends), so that two runs never write one directory."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NotADirectoryError(f"output directory {out_dir} is not a directory")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lock_path = out_dir / LOCK_FILE
+    with open(lock_path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise checkpoint.CheckpointError(
+                f"{out_dir} is in use by another training run (it holds {lock_path}); wait "
+                "for it to end or choose another output directory") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _start_state(model_config, train_config, task: TrainTask, out_dir: Path,
-                 resume: bool) -> TrainState:
+                 resume: bool, allow_changes: bool) -> TrainState:
     saved_step = checkpoint.latest_step(out_dir)
     if saved_step is not None and not resume:
         raise checkpoint.CheckpointError(
             f"{out_dir} already holds checkpoints (latest step {saved_step}); resume them or "
             "choose a new directory")
+    record = run_record(train_config, task)
     if resume:
         if saved_step is None:
             raise checkpoint.CheckpointError(f"cannot resume: {out_dir} holds no checkpoint")
         _check_same_run(out_dir, model_config, task)
+        checkpoint.check_metadata(out_dir)
+        old = _read_run_record(out_dir)
+        if old is not None and not allow_changes:
+            _check_same_record(out_dir, old, record)
+        if old != record:
+            if old is not None:
+                record["resumed_with_changes_at_step"] = saved_step
+            checkpoint.write_atomically(out_dir / RUN_FILE, json.dumps(record, indent=2) + "\n")
     checkpoint.write_metadata(out_dir, model_config.to_dict(), task.name,
                               task.tokenizer.to_bytes())
     if not resume:
+        checkpoint.write_atomically(out_dir / RUN_FILE, json.dumps(record, indent=2) + "\n")
         return init_state(model_config, train_config)
     abstract = jax.eval_shape(lambda: _checkpoint_tree(init_state(model_config, train_config)))
     _, tree = checkpoint.restore_latest(out_dir, abstract)
     return TrainState(params=tree["params"], opt_state=tree["opt_state"],
                       step=tree["data_position"], rng=tree["rng"])
+
+
+def run_record(train_config: TrainConfig, task: TrainTask) -> dict[str, Any]:
+    """What run.json records: the task's data description and the trajectory settings."""
+    training = {name: getattr(train_config, name) for name in TRAJECTORY_FIELDS}
+    return json.loads(json.dumps({"task": task.name, "data": dict(task.data),
+                                  "training": training}))
+
+
+def _read_run_record(out_dir: Path) -> dict[str, Any] | None:
+    path = out_dir / RUN_FILE
+    if not path.exists():
+        return None  # written before run.json existed
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise checkpoint.CheckpointError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(record, dict):
+        raise checkpoint.CheckpointError(f"{path} must hold a JSON object")
+    record.pop("resumed_with_changes_at_step", None)
+    return record
+
+
+def _check_same_record(out_dir: Path, old: Mapping[str, Any], new: Mapping[str, Any]) -> None:
+    for part, what in (("data", "data"), ("training", "settings")):
+        before, now = old.get(part, {}), new[part]
+        differ = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+        if differ:
+            details = "; ".join(f"{k}: {json.dumps(before.get(k))} then, "
+                                f"{json.dumps(now.get(k))} now" for k in differ)
+            raise checkpoint.CheckpointError(
+                f"cannot resume: the run in {out_dir} was started with other {what} "
+                f"({details}); the learning-rate schedule and the batches depend on them. "
+                "Allow the change explicitly (--allow-changes) to continue anyway")
 
 
 def _check_same_run(out_dir: Path, model_config: M.TransformerConfig, task: TrainTask) -> None:
@@ -374,8 +587,10 @@ def _copy(state: TrainState) -> TrainState:
 def _evaluate(model_config, train_config: TrainConfig, task: TrainTask, params,
               final: bool) -> dict[str, float]:
     max_batches = 0 if final else train_config.eval_batches
-    metrics = validation_loss(model_config, params, task.val, train_config.batch_size,
-                              max_batches)
+    metrics = {}
+    if task.val and len(next(iter(task.val.values()))):  # no validation set, no val metrics
+        metrics = validation_loss(model_config, params, task.val, train_config.batch_size,
+                                  max_batches)
     if task.evaluate is not None:
         metrics.update(task.evaluate(params, final))
     return metrics
@@ -422,7 +637,7 @@ class MetricsLog:
         records = self.read()
         kept = [r for r in records if r["step"] <= keep_through_step]
         if len(kept) != len(records):
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+            checkpoint.write_atomically(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self.last_step = kept[-1]["step"] if kept else keep_through_step
 
     def read(self) -> list[dict[str, Any]]:

@@ -1,0 +1,123 @@
+"""Logit processors: traced functions `(logits [B, V], state) -> logits [B, V]` that change the
+next-token logits before sampling, without forking the decode loop.
+
+The loop applies the built-in ones (repetition penalty, no-repeat n-gram; settings in
+`SamplingParams`, off by default) and then the caller's, in order. A processor is a static
+argument of the compiled programs: pass the same object (or an equal frozen dataclass, such
+as `LogitBias`) to reuse a compilation; every setting that should vary per call belongs in a
+traced value. Processors change what is sampled; the logprobs the loop reports stay those
+of the model. Shapes: B batch, C context buffer, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from .sampling import SamplingParams
+
+
+@flax.struct.dataclass
+class ProcessorState:
+    """What a processor may read.
+
+    context:         [B, C] int32 each row's tokens so far, right-padded: the prompt (for an
+                     encoder-decoder, whose prompt is its source, the BOS its target starts
+                     from) followed by the tokens generated so far.
+    context_lengths: [B] int32 valid tokens of each row's context.
+    step:            scalar int32, tokens generated so far in this call.
+    settings:        the per-row `SamplingParams`.
+    """
+
+    context: jax.Array
+    context_lengths: jax.Array
+    step: jax.Array
+    settings: SamplingParams
+
+    def scatter_to_vocab(self, values_BC: jax.Array, vocab: int) -> jax.Array:
+        """[B, V] bool: token v of row b is True iff some valid context slot holding v is."""
+        rows_B1 = jnp.arange(self.context.shape[0])[:, None]
+        valid_BC = jnp.arange(self.context.shape[1])[None] < self.context_lengths[:, None]
+        return jnp.zeros((self.context.shape[0], vocab), bool).at[rows_B1, self.context].max(
+            values_BC & valid_BC, mode="drop")
+
+
+LogitProcessor = Callable[[jax.Array, ProcessorState], jax.Array]
+
+
+def repetition_penalty(logits_BV: jax.Array, state: ProcessorState) -> jax.Array:
+    """The CTRL penalty (as Hugging Face applies it): the logit of every token already in the
+    row's context is divided by the penalty if positive and multiplied by it if negative."""
+    penalty_B1 = state.settings.repetition_penalty[:, None]
+
+    def penalise(logits_BV):
+        seen_BV = state.scatter_to_vocab(jnp.ones(state.context.shape, bool), logits_BV.shape[1])
+        penalised_BV = jnp.where(logits_BV > 0, logits_BV / penalty_B1, logits_BV * penalty_B1)
+        return jnp.where(seen_BV, penalised_BV, logits_BV)
+
+    return jax.lax.cond(jnp.any(penalty_B1 != 1), penalise, lambda x: x, logits_BV)
+
+
+def no_repeat_ngram(logits_BV: jax.Array, state: ProcessorState) -> jax.Array:
+    """Bans (-inf) every token that would complete an n-gram already in the row's context,
+    n = `no_repeat_ngram_size` (0 = off): the tokens that followed an earlier occurrence of
+    the row's last n - 1 tokens."""
+    n_B = state.settings.no_repeat_ngram_size
+    context_BC, length_B = state.context, state.context_lengths
+    slots_C = jnp.arange(context_BC.shape[1])
+
+    def ban(logits_BV):
+        # follows_BC[b, j]: the n-gram ending at slot j starts with the row's last n-1 tokens,
+        # so its last token, context[b, j], is banned. Checked one offset i at a time.
+        def same_at_offset(i, follows_BC):
+            earlier_BC = jnp.take_along_axis(
+                context_BC, jnp.clip(slots_C[None] - 1 - i, 0, None), axis=1)
+            recent_B = jnp.take_along_axis(
+                context_BC, jnp.clip(length_B - 1 - i, 0, None)[:, None], axis=1)
+            return follows_BC & ((i >= n_B - 1)[:, None] | (earlier_BC == recent_B))
+
+        follows_BC = (n_B[:, None] > 0) & (slots_C[None] >= n_B[:, None] - 1)
+        follows_BC = jax.lax.fori_loop(0, jnp.max(n_B) - 1, same_at_offset, follows_BC)
+        banned_BV = state.scatter_to_vocab(follows_BC, logits_BV.shape[1])
+        return jnp.where(banned_BV, -jnp.inf, logits_BV)
+
+    return jax.lax.cond(jnp.any(n_B > 0), ban, lambda x: x, logits_BV)
+
+
+BUILT_IN: tuple[LogitProcessor, ...] = (repetition_penalty, no_repeat_ngram)
+
+
+def apply_processors(logits_BV: jax.Array, state: ProcessorState,
+                     processors: Sequence[LogitProcessor] = ()) -> jax.Array:
+    """float32 logits after the built-in processors and then `processors`, in order."""
+    logits_BV = logits_BV.astype(jnp.float32)
+    state = state.replace(settings=state.settings.rows(logits_BV.shape[0]))
+    for processor in (*BUILT_IN, *processors):
+        logits_BV = processor(logits_BV, state)
+    return logits_BV
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitBias:
+    """Adds `bias[token]` to a token's logit in every row; -inf forbids the token.
+    Hashable by value, so equal biases share one compiled program."""
+
+    bias: tuple[tuple[int, float], ...]
+
+    @classmethod
+    def of(cls, bias: dict[int, float]) -> LogitBias:
+        return cls(tuple(sorted((int(t), float(b)) for t, b in bias.items())))
+
+    def __call__(self, logits_BV: jax.Array, state: ProcessorState) -> jax.Array:
+        tokens, values = zip(*self.bias, strict=True) if self.bias else ((), ())
+        return logits_BV.at[:, jnp.asarray(tokens, jnp.int32)].add(
+            jnp.asarray(values, jnp.float32))
+
+
+def forbid_tokens(token_ids: Sequence[int]) -> LogitBias:
+    """A processor that never lets `token_ids` be sampled."""
+    return LogitBias.of({int(t): -jnp.inf for t in token_ids})

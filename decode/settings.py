@@ -1,0 +1,79 @@
+"""Per-row generation settings from what a caller passes: a scalar for every row or one value
+per prompt. Each value is checked in Python (a ValueError names it before anything compiles)
+and every field becomes a [B] array, so scalar and per-row calls share one compiled program."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+from . import checks
+from .processors import LogitProcessor
+from .sampling import SamplingParams
+
+# name: (integer-valued, test, what the test requires)
+RULES: dict[str, tuple[bool, Callable[[float], bool], str]] = {
+    "temperature": (False, lambda v: v >= 0, ">= 0"),
+    "top_k": (True, lambda v: v >= 0, ">= 0 (0 means no limit)"),
+    "top_p": (False, lambda v: 0 < v <= 1, "in (0, 1]"),
+    "min_p": (False, lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "repetition_penalty": (False, lambda v: v > 0, "> 0 (1 means off)"),
+    "no_repeat_ngram_size": (True, lambda v: v >= 0, ">= 0 (0 means off)"),
+}
+
+
+def per_row(name: str, value, batch: int) -> np.ndarray:
+    """`value` (a scalar or one per prompt) as a float64 array [batch], each entry checked:
+    an int where the setting counts something, a finite real otherwise."""
+    integer, test, requirement = RULES[name]
+    scalar = not isinstance(value, list | tuple | np.ndarray | jax.Array) or np.ndim(value) == 0
+    if not scalar and np.ndim(value) != 1:
+        raise ValueError(f"{name} must be a number or a list of one per prompt, got shape "
+                         f"{np.shape(value)}")
+    entries = [value.item() if hasattr(value, "item") else value] if scalar else \
+        np.asarray(value).tolist()
+    if not scalar and len(entries) != batch:
+        raise ValueError(f"{name} has {len(entries)} values {entries} for {batch} prompts: "
+                         f"give one value or one per prompt")
+    checked = []
+    for i, entry in enumerate(entries):
+        label = name if scalar else f"{name}[{i}]"
+        if integer:
+            entry = checks.integer(label, entry, 0)
+            if not test(entry):
+                raise ValueError(f"{label}={entry} must be {requirement}")
+        else:
+            entry = checks.real(label, entry, test, requirement)
+        checked.append(entry)
+    return np.broadcast_to(np.asarray(checked, np.float64), (batch,))
+
+
+def sampling_params(batch: int, num_samples: int = 1, **settings) -> SamplingParams:
+    """Checked `SamplingParams` with [batch * num_samples] fields (a prompt's value repeated
+    for each of its samples); `settings` are `SamplingParams.make`'s keyword arguments."""
+    rows = {name: np.repeat(per_row(name, value, batch), num_samples)
+            for name, value in settings.items()}
+    return SamplingParams.make(**rows, batch=batch * num_samples)
+
+
+def check_processors(processors: Sequence[LogitProcessor]) -> tuple[LogitProcessor, ...]:
+    """The processors as a tuple, each callable and hashable (compiled programs key on them)."""
+    processors = tuple(processors)
+    for processor in processors:
+        if not callable(processor):
+            raise ValueError(f"logit processor {processor!r} is not callable")
+        try:
+            hash(processor)
+        except TypeError as error:
+            raise ValueError(f"logit processor {processor!r} must be hashable (a function or "
+                             f"a frozen dataclass): {error}") from None
+    return processors
+
+
+def check_num_samples(num_samples: int) -> None:
+    if not isinstance(num_samples, int | np.integer) or num_samples < 1:
+        raise ValueError(f"num_samples={num_samples} must be an integer >= 1")
+
+

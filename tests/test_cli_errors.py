@@ -1,0 +1,183 @@
+"""Every misuse of the command line ends with one line on stderr, on its own line, and a known
+exit code; `kvjax sample` reports what it measured and why it stopped."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+from kvjax.train import data, tasks, trainer
+
+from kvjax import cli, text
+from kvjax import model as M
+
+CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
+NUMBERS = CHECKPOINTS / "numbers-to-words"
+
+
+def run_cli(capsys, *argv):
+    """(exit code, stdout, stderr) of `kvjax argv...` run in this process."""
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as stop:
+        code = stop.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_line(err: str, *fragments: str) -> None:
+    lines = err.splitlines()
+    assert len(lines) == 1 and err.endswith("\n"), err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["--compilation-cache", "pyproject.toml", "cache-size"], ["is not a directory"]),
+    (["--compilation-cache", "pyproject.toml/below", "cache-size"], ["pyproject.toml/below"]),
+    (["train", "--task", "lm", "--seed", "99999999999999999999999"], ["argument --seed"]),
+    (["sample", "--checkpoint", "x", "--prompt", "x", "--seed", "-1"], ["argument --seed"]),
+    (["sample", "--checkpoint", "x", "--prompt", "x", "--top-k", "-2"], ["argument --top-k"]),
+    (["train", "--task", "lm", "--learning-rate", "nan"], ["argument --learning-rate"]),
+    (["train", "--task", "lm", "--allow-changes"], ["--allow-changes only applies with"]),
+    (["train", "--task", "lm", "--heldout", "5"], ["--heldout applies to --task translate"]),
+    (["demo", "--warmup-steps", "-1"], ["argument --warmup-steps: must be >= 0"]),
+])
+def test_misuse_is_one_line_with_exit_code_2(capsys, monkeypatch, argv, fragments):
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2 and out == ""
+    assert_one_line(err, *fragments)
+
+
+def test_a_damaged_checkpoint_is_one_line_from_the_console_script(tmp_path):
+    """A failed orbax read leaves pending reads that print 'Event loop is closed' or their own
+    copy of the error when collected; the console entry point keeps stderr to one line."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(NUMBERS, damaged)
+    for path in (damaged / "1500" / "state" / "ocdbt.process_0" / "d").iterdir():
+        os.truncate(path, path.stat().st_size // 2)
+    child = subprocess.run(
+        [sys.executable, "-c", "from kvjax.cli import console_main; console_main()", "sample",
+         "--checkpoint", str(damaged), "--prompt", "12"],
+        capture_output=True, text=True, timeout=300)
+    assert child.returncode == 2
+    assert_one_line(child.stderr, f"cannot read checkpoint {damaged / '1500'}")
+
+
+def test_a_prompt_too_long_fails_before_anything_is_echoed(capsys):
+    code, out, err = run_cli(capsys, "sample", "--checkpoint", str(NUMBERS),
+                             "--prompt", "9" * 3000)
+    assert code == 2 and out == ""
+    assert_one_line(err, "max_len")
+
+
+def test_training_stops_map_to_exit_codes(capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise trainer.TrainingInterrupted("interrupted by SIGTERM: saved a checkpoint at step "
+                                          "7 in runs/x; continue with --resume", 7, 15)
+
+    monkeypatch.setattr(tasks, "train_lm", interrupted)
+    code, _, err = run_cli(capsys, "train", "--task", "lm")
+    assert code == 143
+    assert_one_line(err, "saved a checkpoint at step 7")
+
+    def diverged(*args, **kwargs):
+        raise trainer.TrainingDiverged("training diverged: the loss at step 3 is nan; ...")
+
+    monkeypatch.setattr(tasks, "train_lm", diverged)
+    code, _, err = run_cli(capsys, "train", "--task", "lm")
+    assert code == 1
+    assert_one_line(err, "training diverged: the loss at step 3 is nan")
+
+
+def test_train_passes_the_new_options_through(capsys, monkeypatch):
+    seen = {}
+
+    def fake_translate(out, *, data_tsv, **kwargs):
+        seen.update(kwargs, out=out, data_tsv=data_tsv)
+        return trainer.TrainResult(out_dir=Path(out), step=1, losses={}, metrics={})
+
+    monkeypatch.setattr(tasks, "train_translate", fake_translate)
+    code, _, _ = run_cli(capsys, "train", "--task", "translate", "--data", "p.tsv", "--steps",
+                         "300", "--save-every", "25", "--heldout", "0", "--learning-rate",
+                         "1e-4", "--resume", "--allow-changes")
+    assert code == 0
+    assert (seen["steps"], seen["warmup_steps"], seen["save_every"]) == (300, 30, 25)
+    assert (seen["num_heldout"], seen["learning_rate"]) == (0, 1e-4)
+    assert seen["resume"] and seen["allow_changes"] and seen["data_tsv"] == "p.tsv"
+    settings = tasks.with_overrides(tasks.TRANSLATE_SETTINGS, {
+        k: v for k, v in seen.items() if k not in ("out", "data_tsv", "resume", "allow_changes")})
+    assert settings.training.save_interval == 25
+
+
+@pytest.mark.parametrize("steps, warmup", [(10, 1), (300, 30), (5000, 50), (1, 0)])
+def test_few_steps_scale_the_warmup_down(steps, warmup):
+    args = cli.build_parser().parse_args(["demo", "--steps", str(steps)])
+    overrides = cli._schedule(args)
+    assert overrides == {"steps": steps, "warmup_steps": warmup}
+    for settings in (tasks.LM_SETTINGS, tasks.TRANSLATE_SETTINGS):
+        tasks.with_overrides(settings, overrides)  # a valid TrainConfig
+
+
+def test_small_tsv_files_hold_out_a_tenth(tmp_path):
+    assert tasks.default_heldout(50, None) == 5
+    assert tasks.default_heldout(100_000, None) == 1000
+    assert tasks.default_heldout(50, 0) == 0
+    pairs = [(str(n), data.number_to_words(n)) for n in range(50)]
+    train_pairs, heldout = tasks.split_pairs(pairs, 0)
+    assert train_pairs == pairs and heldout == []
+    with pytest.raises(ValueError, match=r"num_heldout=50 must be in \[0, 50\)"):
+        tasks.split_pairs(pairs, 50)
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_source(tmp_path):
+    path = tmp_path / "pairs.tsv"
+    path.write_bytes("\ufeff1\tone\n2\ttwo\n".encode())
+    assert data.read_tsv_pairs(path) == [("1", "one"), ("2", "two")]
+    text_file = tmp_path / "text.txt"
+    text_file.write_bytes("\ufeffHello".encode())
+    assert data.read_text_file(text_file) == "Hello"
+
+
+class _Tokenizer:
+    vocab_size = 64
+
+    @staticmethod
+    def encode(text):
+        return [5 + ord(c) % 50 for c in text]
+
+    @staticmethod
+    def decode(ids):
+        return "".join(chr(65 + i % 26) for i in ids)
+
+
+def test_sample_reports_speed_without_compilation_and_a_max_len_stop():
+    config = M.preset("tiny")
+    loaded = text.LoadedModel(config, _Tokenizer(), M.init_params(config, jax.random.key(3)),
+                              "memory")
+    room = text.room(loaded, "abc")
+    assert room == config.max_len - 4  # EOS + 3 prompt tokens
+    first = text.sample_text(loaded, "abc", max_new_tokens=10_000, seed=7)
+    assert first.max_new_tokens == room
+    assert len(first.tokens) == room and first.stop_reason == "max_len"
+    assert 0 < first.compile_seconds < first.seconds
+    again = text.sample_text(loaded, "abc", max_new_tokens=10_000, seed=7)
+    assert again.tokens == first.tokens
+    assert again.compile_seconds == 0  # compiled once
+    assert again.tokens_per_second == pytest.approx(len(again.tokens) / again.seconds)
+    exact = text.sample_text(loaded, "abc", max_new_tokens=room, seed=7)
+    assert exact.stop_reason == "max_new_tokens"  # the caller's limit, not the model's
+
+
+def test_sample_announces_a_clamped_max_new_tokens(capsys):
+    code, out, err = run_cli(capsys, "sample", "--checkpoint", str(NUMBERS), "--prompt",
+                             "4021", "--max-new-tokens", "100000")
+    assert code == 0
+    assert_one_line(err, "--max-new-tokens 100000 does not fit", "generating at most")
+    assert out.startswith("4021 -> four thousand twenty-one\n")
+    assert "compilation" in out and "stop: eos" in out
