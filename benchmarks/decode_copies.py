@@ -5,7 +5,8 @@
 A decode step should write its new slot in place and read the cache where it lies; a copy
 of a whole [L_i, B, K, S, H] buffer inside the loop costs as much as reading the cache again.
 This compiles (without running) a loop of decode steps and counts the `copy` instructions
-whose shape is a cache buffer's, in XLA's optimised program for this backend.
+whose shape is a cache buffer's, in XLA's optimised program for this backend: the loop body
+is compiled once, so each of them runs at every step.
 """
 
 import argparse
@@ -49,8 +50,8 @@ def main() -> None:
         for batch in args.batch_sizes:
             copies = cache_buffer_copies(config, batch, args.capacity)
             layout = "scanned" if scan_layers else "unrolled"
-            print(f"{layout} layers, batch {batch}: {copies} copies of a whole cache buffer "
-                  f"in a loop of 4 decode steps")
+            print(f"{layout} layers, batch {batch}: {copies} copy instructions of a whole "
+                  f"cache buffer in the compiled decode loop")
 
 
 if __name__ == "__main__":
