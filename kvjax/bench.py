@@ -45,6 +45,7 @@ import numpy as np
 
 from kvjax import decode, parallel
 from kvjax import model as M
+from kvjax.decode.generate import bucket
 from kvjax.model.config import format_bytes
 
 NO_CACHE_PAD = 32  # the no-cache loop pads the sequence to a multiple of this
@@ -233,13 +234,16 @@ LAYER_MODES = ("scanned", "unrolled")
 def decode_benchmark(preset: str = "gpt-mini", batch_sizes: Sequence[int] = (1, 8, 32),
                      prompt_len: int = 32, new_tokens: int = 256, repeats: int = 3, *,
                      layer_modes: Sequence[str] = LAYER_MODES, compare_no_cache: bool = True,
-                     compare_hf: bool = True, devices: int = 1,
+                     compare_hf: bool = True, devices: int = 1, whole_cache: bool = False,
                      log: Callable[[str], None] = print) -> tuple[list[Row], Facts]:
     """Measures every batch size and layer mode; see the module docstring for what and how.
 
     With `devices > 1`, kvjax is also timed with every batch split over that many devices
     (`data` of a mesh; on a CPU, host devices: see `kvjax.cli`), in rows of its own beside
     the one-device rows. Each device then holds all the weights and its share of the rows.
+    `whole_cache` adds a row per layer mode whose decode steps read every cache slot, filled
+    or not, as one block (`attention_block` = max_len): what each step read before decode
+    attention went block by block.
     """
     if new_tokens < 4:
         raise ValueError(f"new_tokens={new_tokens} must be >= 4 to time decode steps")
@@ -262,6 +266,10 @@ def decode_benchmark(preset: str = "gpt-mini", batch_sizes: Sequence[int] = (1, 
     models = {"scanned": (config, params),
               "unrolled": (config.replace(scan_layers=False),
                            M.unstack_layer_params(config, params))}
+    if whole_cache:
+        models |= {f"{mode}, whole cache": (c.replace(attention_block=c.max_len), p)
+                   for mode, (c, p) in list(models.items())}
+        layer_modes = [m for mode in layer_modes for m in (mode, f"{mode}, whole cache")]
     hf, hf_note = _hf_runner(config) if compare_hf else (None, "skipped")
     rows = []
     for batch in batch_sizes:
@@ -349,6 +357,14 @@ def format_table(rows: Sequence[Row], facts: Facts) -> str:
         step = r.decode_step_seconds
         lines.append(f"Decode step at batch 1, {r.label} layers: {step * 1e3:.2f} ms = "
                      f"{step / floor:.2f}x the floor = {step / weights:.2f}x the weights alone.")
+    if any(r.layers.endswith("whole cache") for r in rows):
+        capacity = bucket(facts.prompt_len, 1 << 30) + bucket(facts.new_tokens, 1 << 30)
+        filled = facts.prompt_len + (facts.new_tokens // 2 + 1 + facts.new_tokens) // 2
+        lines.append(
+            f"Whole cache: generate gives each row {capacity} slots; over the timed steps "
+            f"(tokens {facts.new_tokens // 2 + 2} to {facts.new_tokens}) the rows hold "
+            f"{filled} on average, so a step that reads every slot reads "
+            f"{1 - filled / capacity:.0%} empty ones.")
     lines.append(f"Hugging Face: {facts.hf_note}.")
     return "\n".join(lines)
 

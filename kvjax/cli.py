@@ -220,6 +220,18 @@ def _add_bench(commands) -> None:
     decode.add_argument("--devices", type=_positive, default=1,
                         help="also time kvjax with each batch split over this many devices "
                              "(on a CPU, host devices), in rows beside the one-device rows")
+    decode.add_argument("--whole-cache", action="store_true",
+                        help="also time each layer mode reading every cache slot at each step "
+                             "(as before decode attention read only filled blocks)")
+    decode.add_argument("--no-sweep", action="store_true",
+                        help="skip the sweep of step time against filled cache slots")
+    decode.add_argument("--sweep-batch", type=_positive, default=32, help="rows in the sweep")
+    decode.add_argument("--sweep-capacity", type=_positive, default=1024,
+                        help="cache slots in the sweep")
+    decode.add_argument("--sweep-fills", type=_positive, nargs="+",
+                        default=[64, 128, 256, 512, 1024], help="filled slots to time")
+    decode.add_argument("--sweep-plot", default="decode_sweep.png",
+                        help="where to write the sweep's PNG plot")
     decode.set_defaults(run=_run_bench_decode)
     train = _command(kinds, "train", "Training tokens/s of kvjax's train step against "
                      "PyTorch eager (Hugging Face GPT-2 of the same sizes, AdamW, clipping; "
@@ -373,12 +385,25 @@ def _run_cache_size(args) -> int:
 
 def _run_bench_decode(args) -> int:
     from kvjax.bench import decode_benchmark, format_table
+    from kvjax.fill_sweep import check_sweep
 
+    if not args.no_sweep:  # before minutes of timing, not after
+        check_sweep(args.preset, args.sweep_capacity, args.sweep_fills)
     rows, facts = decode_benchmark(
         args.preset, tuple(args.batch_sizes), args.prompt_len, args.new_tokens, args.repeats,
         layer_modes=tuple(args.layers), compare_no_cache=not args.no_no_cache,
-        compare_hf=not args.no_hf, devices=args.devices)
+        compare_hf=not args.no_hf, devices=args.devices, whole_cache=args.whole_cache)
     print(format_table(rows, facts))
+    if not args.no_sweep:
+        from kvjax import model as M
+        from kvjax.fill_sweep import fill_sweep, format_sweep, plot_sweep
+
+        sweep = fill_sweep(args.preset, args.sweep_batch, args.sweep_capacity,
+                           tuple(args.sweep_fills), tuple(args.layers), args.repeats)
+        block = M.preset(args.preset).attention_block
+        print("\n" + format_sweep(sweep, args.sweep_batch, args.sweep_capacity, block))
+        plot_sweep(sweep, args.sweep_plot, args.sweep_batch, args.sweep_capacity)
+        print(f"plot: {args.sweep_plot}")
     return 0
 
 

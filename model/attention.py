@@ -5,7 +5,16 @@ kv head, H head dim, D model dim. With grouped-query attention (K < N) each grou
 heads shares one K/V head, so the cache holds K heads, not N.
 
 Fresh keys and values come out of their projections as [B, S, K, H]; the cache stores them
-as [B, K, S, H] (see `model/cache.py`), so `attend` and `attend_cached` take each layout.
+as [B, K, S, H] (see `model/cache.py`): `attend` takes the first, `attend_blocks` the second.
+
+What runs where: a call without a cache, and the prefill (the prompt into an empty cache),
+attend over the new tokens' K/V with `jax.nn.dot_product_attention(implementation=None)`.
+In jax 0.10.2 None still means XLA's own ops on every backend, GPU included (its source says
+automatic selection is to come); cuDNN's fused kernel runs only when asked for by name
+(`implementation="cudnn"`, float16/bfloat16 on an NVIDIA GPU), which this module does not
+do. A call that reads the cache (decode steps, a chunk after the prefill, cross-attention
+over the cached source) runs `attend_blocks`, which reads only the blocks of slots that
+some row has filled.
 """
 
 from __future__ import annotations
@@ -25,43 +34,89 @@ def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
 
     Masked keys get exactly zero weight; the softmax runs in float32 for every input dtype.
     A query row with no key to attend to (all masked) returns zeros rather than NaN or a
-    uniform average. `jax.nn.dot_product_attention` picks a fused kernel where one exists.
+    uniform average.
     """
     out = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_BTS[:, None])
     return _zero_rows_without_keys(out, mask_BTS).astype(q_BTNH.dtype)
 
 
-def attend_cached(q_BTNH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array,
-                  mask_BTS: jax.Array) -> jax.Array:
-    """`attend` for keys and values in the cache's [B, K, S, H] layout. Returns [B, T, N, H].
+def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, layer,
+                  mask_BTS: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
+    """`attend` over layer `layer` of the cache's stacks [L, B, K, S, H], reading only the
+    blocks of `block_size` slots up to the last slot that `mask` lets any query see.
 
-    Both products are batched over (B, K) with each head's [S, H] block contiguous, so they
-    read the cache in place; a decode step (T = 1) is then a matrix-vector product per head
-    that streams the cache from memory once.
+    Returns the output [B, T, N, H] and how many blocks the loop ran (a scalar).
+    The blocks run in a `lax.while_loop` whose trip count, ceil(last seen slot / block), is
+    a traced value: a decode loop compiles once and each step pays for what is filled, not
+    for the capacity. The softmax is the online one (FlashAttention's recurrence): per query
+    a running max m, a running sum l of exp(logit - m) and an accumulator of the weighted
+    values, both rescaled by exp(m_old - m_new) whenever a block raises the max. Slots a
+    query may not see get exactly zero weight, and their values are zeroed before the
+    product, so whatever unused slots hold (even NaN) cannot reach the output; a query
+    that sees no slot at all returns zeros.
+
+    Each block is sliced straight out of the stack, so a scanned layer reads its blocks
+    without first copying its whole layer out of the stack.
     """
     batch, num_queries, num_heads, head_dim = q_BTNH.shape
-    kv_heads, capacity = k_BKSH.shape[1], k_BKSH.shape[2]
-    group = num_heads // kv_heads
+    _, _, kv_heads, capacity, _ = k_LBKSH.shape
+    group, block = num_heads // kv_heads, min(block_size, capacity)
+    heads, rows = batch * kv_heads, group * num_queries
     # (B, K) merged into one batch axis X of heads and (G, T) into M query rows: with one
-    # batch axis the products take K and V as they lie in the cache. With two, (B, K), a
-    # backend that drops a unit B axis (XLA:CPU does) copies K transposed for every product.
-    q_XMH = q_BTNH.reshape(batch, num_queries, kv_heads, group, head_dim).transpose(
-        0, 2, 3, 1, 4).reshape(batch * kv_heads, group * num_queries, head_dim)
-    k_XSH = k_BKSH.reshape(batch * kv_heads, capacity, head_dim)
-    v_XSH = v_BKSH.reshape(batch * kv_heads, capacity, head_dim)
-    logits_XMS = jnp.einsum("XMH,XSH->XMS", q_XMH, k_XSH,
-                            preferred_element_type=jnp.float32) / jnp.sqrt(float(head_dim))
-    logits_BKGTS = logits_XMS.reshape(batch, kv_heads, group, num_queries, capacity)
-    logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, -jnp.inf)
-    # A row with every key masked gets -inf everywhere; any finite max keeps exp() NaN-free.
-    row_max = jnp.max(logits_BKGTS, axis=-1, keepdims=True)
-    weights = jnp.exp(logits_BKGTS - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-    probs_BKGTS = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-30)
-    probs_XMS = probs_BKGTS.reshape(batch * kv_heads, group * num_queries, capacity)
-    out_XMH = jnp.einsum("XMS,XSH->XMH", probs_XMS.astype(v_BKSH.dtype), v_XSH)
+    # batch axis the products take each block as it is sliced. With two, (B, K), a backend
+    # that drops a unit B axis (XLA:CPU does) copies K transposed for every product.
+    q_XMH = (q_BTNH.reshape(batch, num_queries, kv_heads, group, head_dim)
+             .transpose(0, 2, 3, 1, 4).reshape(heads, rows, head_dim))
+    q_XMH = q_XMH.astype(jnp.float32) / jnp.sqrt(float(head_dim))
+    slots_S = jnp.arange(capacity, dtype=jnp.int32)
+    last_seen = jnp.max(jnp.where(mask_BTS, slots_S + 1, 0))
+    num_blocks = (last_seen + block - 1) // block
+
+    def read_block(stack_LBKSH, start):  # -> [X, C, H], C = block slots
+        # The stack goes into the loop as it is, not reshaped: at batch 1 XLA:CPU fuses the
+        # cache write into a reshape of it and into the loop's carry separately, and must
+        # then copy the whole stack for each of the two.
+        return jax.lax.dynamic_slice(stack_LBKSH, (layer, 0, 0, start, 0),
+                                     (1, batch, kv_heads, block, head_dim)).reshape(
+                                         heads, block, head_dim)
+
+    def body(carry):
+        index, max_BKGT, sum_BKGT, acc_XMH = carry
+        # The last block starts early when `block` does not divide the capacity; the slots
+        # before `first` were read by the block before it and are masked here.
+        first = index * block
+        start = jnp.minimum(first, capacity - block)
+        seen_BTC = jax.lax.dynamic_slice(mask_BTS, (0, 0, start), (batch, num_queries, block))
+        seen_BTC &= start + jnp.arange(block, dtype=jnp.int32) >= first
+        logits_XMC = jnp.einsum("XMH,XCH->XMC", q_XMH.astype(k_LBKSH.dtype),
+                                read_block(k_LBKSH, start), preferred_element_type=jnp.float32)
+        logits_BKGTC = jnp.where(seen_BTC[:, None, None],
+                                 logits_XMC.reshape(batch, kv_heads, group, num_queries, block),
+                                 -jnp.inf)
+        new_max = jnp.maximum(max_BKGT, jnp.max(logits_BKGTC, axis=-1))
+        # While a query has seen no slot its max is -inf; subtract 0 then, so exp() gives 0.
+        shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+        rescale_BKGT = jnp.exp(max_BKGT - shift)
+        weights_BKGTC = jnp.exp(logits_BKGTC - shift[..., None])
+        sum_BKGT = sum_BKGT * rescale_BKGT + jnp.sum(weights_BKGTC, axis=-1)
+        any_seen_BC = jnp.any(seen_BTC, axis=1)[:, None, :, None]
+        v_BKCH = read_block(v_LBKSH, start).reshape(batch, kv_heads, block, head_dim)
+        v_XCH = jnp.where(any_seen_BC, v_BKCH, 0).reshape(heads, block, head_dim)
+        update_XMH = jnp.einsum("XMC,XCH->XMH",
+                                weights_BKGTC.reshape(heads, rows, block).astype(v_XCH.dtype),
+                                v_XCH, preferred_element_type=jnp.float32)
+        acc_XMH = acc_XMH * rescale_BKGT.reshape(heads, rows, 1) + update_XMH
+        return index + 1, new_max, sum_BKGT, acc_XMH
+
+    stats_shape = (batch, kv_heads, group, num_queries)
+    init = (jnp.zeros((), jnp.int32), jnp.full(stats_shape, -jnp.inf, jnp.float32),
+            jnp.zeros(stats_shape, jnp.float32), jnp.zeros((heads, rows, head_dim), jnp.float32))
+    blocks_run, _, sum_BKGT, acc_XMH = jax.lax.while_loop(
+        lambda carry: carry[0] < num_blocks, body, init)
+    out_XMH = acc_XMH / jnp.where(sum_BKGT > 0, sum_BKGT, 1.0).reshape(heads, rows, 1)
     out = out_XMH.reshape(batch, kv_heads, group, num_queries, head_dim).transpose(
         0, 3, 1, 2, 4).reshape(q_BTNH.shape)
-    return _zero_rows_without_keys(out, mask_BTS).astype(q_BTNH.dtype)
+    return out.astype(q_BTNH.dtype), blocks_run
 
 
 def _zero_rows_without_keys(out_BTNH, mask_BTS):
@@ -100,15 +155,16 @@ class SelfAttention(nn.Module):
 
     `cache_kv` is `(k, v)`, the stacks [L, B, K, S, H] that hold this layer at index `layer`
     (see `model/cache.py`), or None. With a cache, the new K/V are written at each row's
-    `starts` slot and the queries attend over all S cached slots of this layer; without one,
-    they attend over the T new tokens only.
+    `starts` slot and the queries attend over the filled blocks of this layer's cached slots
+    (`attend_blocks`); without one, or when `fresh` says the cache held nothing before this
+    call (the prefill), they attend over the T new tokens only.
     """
 
     config: TransformerConfig
 
     @nn.compact
     def __call__(self, x_BTD, positions_BT, mask_BTS, cache_kv=None, layer=None, starts_B=None,
-                 fits_B=None):
+                 fits_B=None, fresh: bool = False):
         config = self.config
         # One projection to all heads, split after: one matmul streams the weights where
         # three smaller ones would each pay a kernel launch (a decode step is many of them).
@@ -117,12 +173,13 @@ class SelfAttention(nn.Module):
         if config.positional_encoding == "rope":
             q = apply_rope(q, positions_BT, config.rope_base)
             k = apply_rope(k, positions_BT, config.rope_base)
-        if cache_kv is None:
-            out = attend(q, k, v, mask_BTS)
-        else:
+        if cache_kv is not None:
             cache_kv = tuple(write_rows(stack, layer, new, starts_B, fits_B)
                              for stack, new in zip(cache_kv, (k, v), strict=True))
-            out = attend_cached(q, cache_kv[0][layer], cache_kv[1][layer], mask_BTS)
+        if cache_kv is None or fresh:
+            out = attend(q, k, v, mask_BTS[..., :k.shape[1]])
+        else:
+            out, _ = attend_blocks(q, *cache_kv, layer, mask_BTS, config.attention_block)
         return OutputProjection(config, name="out")(out), cache_kv
 
 
@@ -145,12 +202,17 @@ class CrossKV(nn.Module):
 
 class CrossAttention(nn.Module):
     """Decoder queries over precomputed encoder K/V: [B, S, K, H] each, or the cache's
-    [B, K, S, H] when `cached`."""
+    [B, K, S, H] when `cached`, read block by block up to the longest source
+    (`attend_blocks`)."""
 
     config: TransformerConfig
 
     @nn.compact
     def __call__(self, x_BTD, cross_k, cross_v, mask_BTS, cached: bool = False):
         q = _projection(self.config, self.config.num_heads, "query")(x_BTD)
-        out = (attend_cached if cached else attend)(q, cross_k, cross_v, mask_BTS)
+        if cached:
+            out, _ = attend_blocks(q, cross_k[None], cross_v[None], 0, mask_BTS,
+                                   self.config.attention_block)
+        else:
+            out = attend(q, cross_k, cross_v, mask_BTS)
         return OutputProjection(self.config, name="out")(out)

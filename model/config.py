@@ -51,12 +51,17 @@ class TransformerConfig:
     # depth; False, unrolled layers with their own params (`layers/0`, ...) and their own
     # cache buffers, which each layer reads where it lies. `unstack_layer_params` converts.
     scan_layers: bool = True
+    # Slots per block of decode attention (`attend_blocks`): a step reads the cache in blocks
+    # up to the longest row, so a smaller block wastes less past that row's end and a larger
+    # one pays the per-block overhead fewer times.
+    attention_block: int = 64
 
     def __post_init__(self):
         problems = _type_problems(self)
         if problems:  # the range checks below assume the types
             raise ValueError("invalid TransformerConfig: " + "; ".join(problems))
-        for name in ("vocab_size", "d_model", "num_heads", "d_ff", "num_decoder_layers", "max_len"):
+        for name in ("vocab_size", "d_model", "num_heads", "d_ff", "num_decoder_layers", "max_len",
+                     "attention_block"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be >= 1")
         if self.num_encoder_layers < 0:
@@ -138,7 +143,7 @@ class TransformerConfig:
 
 
 _INT_FIELDS = ("vocab_size", "d_model", "num_heads", "d_ff", "num_decoder_layers",
-               "num_encoder_layers", "max_len", "bos_id")
+               "num_encoder_layers", "max_len", "bos_id", "attention_block")
 _REAL_FIELDS = ("dropout", "rope_base", "layer_norm_eps")
 _BOOL_FIELDS = ("tie_embeddings", "scan_layers")
 _CHOICES = {"positional_encoding": POSITIONAL_ENCODINGS, "norm": NORM_PLACEMENTS,

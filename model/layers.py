@@ -31,6 +31,8 @@ class LayerInputs:
     starts:    [B] slot where each row's new K/V are written (None without a cache).
     fits:      [B] whether those T slots fit in the cache (None without a cache).
     cross_mask: [B, T, S_src] valid source keys (encoder-decoder only).
+    fresh:     static; True when the cache held nothing before this call (the prefill), so
+               self-attention needs only the new tokens' K/V and reads nothing back.
     """
 
     positions: jax.Array
@@ -38,6 +40,7 @@ class LayerInputs:
     starts: jax.Array | None = None
     fits: jax.Array | None = None
     cross_mask: jax.Array | None = None
+    fresh: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 class FeedForward(nn.Module):
@@ -118,7 +121,7 @@ class DecoderLayer(nn.Module):
         x, cache_kv = Residual(c, name="attention_block")(
             x_BTD,
             lambda h: attention(h, inputs.positions, inputs.self_mask, cache_kv,
-                                layer["index"], inputs.starts, inputs.fits))
+                                layer["index"], inputs.starts, inputs.fits, inputs.fresh))
         if layer.get("cross_k") is not None:
             cross = CrossAttention(c, name="cross_attention")
             x, _ = Residual(c, name="cross_block")(

@@ -127,21 +127,24 @@ class DecoderOnlyLM(nn.Module):
         self.layers = layer_stack(DecoderLayer, c, c.num_decoder_layers, "layers")
         self.final_norm = _final_norm(c, "final_norm")
 
-    def __call__(self, tokens_BT, cache: KVCache | None = None, lengths_B=None):
+    def __call__(self, tokens_BT, cache: KVCache | None = None, lengths_B=None,
+                 fresh: bool = False):
         """Logits [B, T, V] for `tokens` [B, T]; `lengths` [B] counts each row's valid tokens.
 
         Without a cache, the rows start at position 0. With one, they continue at
-        `cache.lengths` and their K/V are written into the returned cache.
+        `cache.lengths` and their K/V are written into the returned cache; `fresh` says the
+        cache is empty, so attention needs only the new tokens (the prefill).
         """
         if cache is not None:
             check_cache(self.config, cache, *tokens_BT.shape)
         valid_B = _valid_lengths(tokens_BT, lengths_B)
         batch, num_tokens = tokens_BT.shape
         starts_B = jnp.zeros((batch,), jnp.int32) if cache is None else cache.lengths
-        num_keys = num_tokens if cache is None else cache.capacity
+        num_keys = num_tokens if cache is None or fresh else cache.capacity
         capacity = None if cache is None else cache.capacity
         inputs, new_lengths_B, overflowed_B = self_attention_inputs(
             starts_B, valid_B, num_tokens, num_keys, capacity)
+        inputs = inputs.replace(fresh=fresh)
         x = self.embedder(tokens_BT, inputs.positions)
         x, stacked, _ = run_layers(self.config, self.layers, self.config.num_decoder_layers, x,
                                    _stacked_kv(cache), shared=inputs)
@@ -154,7 +157,7 @@ class DecoderOnlyLM(nn.Module):
         """A fresh cache of `capacity` slots filled with the prompts, and the logits of each
         row's next token [B, V] (read at its last valid prompt position)."""
         cache = init_cache(self.config, prompt_BP.shape[0], capacity)
-        logits_BPV, cache = self(prompt_BP, cache, prompt_lengths_B)
+        logits_BPV, cache = self(prompt_BP, cache, prompt_lengths_B, fresh=True)
         return logits_BPV[jnp.arange(prompt_BP.shape[0]), prompt_lengths_B - 1], cache
 
     def step(self, tokens_BT, cache: KVCache, lengths_B=None):

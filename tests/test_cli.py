@@ -138,3 +138,22 @@ def test_train_benchmark_times_both_layer_modes_and_prints_a_table(capsys, monke
     code, _, err = run_cli(capsys, "bench", "train", "--preset", "tiny", "--seq-len", "8",
                            "--devices", "64")
     assert code == 2 and "xla_force_host_platform_device_count=64" in err
+
+
+def test_fill_sweep_times_every_way_and_plots_it(tmp_path):
+    from kvjax import fill_sweep
+    rows = fill_sweep.fill_sweep("tiny", batch=2, capacity=16, fills=(4, 16), repeats=1,
+                                 steps=2, log=lambda _: None)
+    assert [(r.layers, r.filled) for r in rows] == [
+        (mode, filled) for mode in ("scanned", "unrolled") for filled in (4, 16)]
+    assert all(r.capacity_seconds > 0 and r.tight_seconds > 0 and r.whole_seconds > 0
+               for r in rows)
+    assert "| unrolled | 16 |" in fill_sweep.format_sweep(rows, 2, 16, 64)
+    fill_sweep.plot_sweep(rows, str(tmp_path / "sweep.png"), 2, 16)
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_decode_rejects_a_sweep_fill_past_the_capacity_before_timing(capsys):
+    assert cli.main(["bench", "decode", "--preset", "tiny", "--sweep-capacity", "32",
+                     "--sweep-fills", "8", "40"]) == 2
+    assert "filled lengths [40] must be in [1, 32]" in capsys.readouterr().err

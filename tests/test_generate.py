@@ -175,7 +175,7 @@ def test_bad_inputs_raise_before_compiling(tiny):
     _rejects(net, params, r"top_p=0.0 must be in \(0, 1\]", top_p=0.0)
     _rejects(net, params, r"top_p=1.5", top_p=1.5)
     _rejects(net, params, r"top_k=-1", top_k=-1)
-    _rejects(net, params, r"top_k=2.5 must be an integer", top_k=2.5)
+    _rejects(net, params, r"top_k=2.5 must be an int, not a float", top_k=2.5)
     _rejects(net, params, r"min_p=1.5 must be in \[0, 1\]", min_p=1.5)
     _rejects(net, params, r"min_p\[1\]=-0.1 must be in \[0, 1\]", min_p=[0, -0.1, 0, 0])
     _rejects(net, params, r"repetition_penalty=0.0 must be > 0", repetition_penalty=0.0)

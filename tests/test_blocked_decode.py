@@ -1,0 +1,177 @@
+"""Decode attention in blocks of cache slots (`attend_blocks`): equal to full attention and to
+the NumPy formula, blind to what unused slots hold, and running fewer blocks for short rows."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import random_tokens, run_cached, run_full, start_cache
+from kvjax.model import attention
+from test_attention import numpy_attention
+
+from kvjax import decode
+from kvjax import model as M
+
+blocked = jax.jit(attention.attend_blocks, static_argnums=5)
+
+
+def relative_error(out, reference):
+    return float(np.max(np.abs(np.asarray(out, np.float64) - reference)) /
+                 np.max(np.abs(reference)))
+
+
+def cache_inputs(seed, batch, queries, heads, kv_heads, capacity, lengths, dim=8):
+    """Queries [B, T, N, H], a cache stack [1, B, K, S, H] of K and V, and the decode mask
+    [B, T, S] of rows filled to `lengths` whose T queries are the last T filled slots."""
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(batch, queries, heads, dim)).astype(np.float32)
+    k, v = (rng.normal(size=(1, batch, kv_heads, capacity, dim)).astype(np.float32)
+            for _ in range(2))
+    positions = np.asarray(lengths)[:, None] - queries + np.arange(queries)
+    mask = np.arange(capacity)[None, None] <= positions[:, :, None]
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("block", [1, 4, 5, 64])
+def test_blocks_equal_full_attention_and_the_formula(heads, kv_heads, block):
+    # Rows of different lengths, 2 queries each (a chunk after the prefill), a capacity that
+    # 4 and 5 do not divide evenly past the longest row (17 slots), and a block larger than
+    # the capacity.
+    lengths = [17, 3, 9]
+    q, k, v, mask = cache_inputs(0, 3, 2, heads, kv_heads, 24, lengths)
+    out, blocks = blocked(q, k, v, 0, mask, block)
+    fresh_k, fresh_v = (x[0].transpose(0, 2, 1, 3) for x in (k, v))  # [B, S, K, H]
+    full = np.asarray(M.attend(q, fresh_k, fresh_v, jnp.asarray(mask)))
+    assert relative_error(out, full) <= 1e-5
+    assert relative_error(out, numpy_attention(q, fresh_k, fresh_v, mask)) <= 1e-5
+    assert int(blocks) == -(-17 // min(block, 24))
+
+
+def test_rows_without_keys_give_zeros_and_no_nan():
+    q, k, v, mask = cache_inputs(1, 3, 1, 4, 2, 16, [5, 1, 12])
+    mask[1] = False  # row 1 may see nothing
+    out, _ = blocked(q, k, v, 0, mask, 4)
+    assert np.isfinite(out).all()
+    np.testing.assert_array_equal(out[1], 0.0)
+    _, none_run = blocked(q, k, v, 0, np.zeros_like(mask), 4)
+    assert int(none_run) == 0
+
+
+def test_nan_in_unused_slots_changes_nothing():
+    lengths = np.array([6, 2, 11])
+    q, k, v, mask = cache_inputs(2, 3, 1, 4, 1, 16, lengths)
+    unused = np.arange(16)[None, None, None, :, None] >= lengths[None, :, None, None, None]
+    poisoned = [np.where(unused, np.nan, x) for x in (k, v)]
+    np.testing.assert_array_equal(blocked(q, *poisoned, 0, mask, 4)[0],
+                                  blocked(q, k, v, 0, mask, 4)[0])
+
+
+def test_reads_blocks_of_the_stack_at_a_traced_layer():
+    lengths = [7, 4]
+    q, k, v, mask = cache_inputs(3, 2, 1, 4, 2, 12, lengths)
+    stack_k, stack_v = (np.concatenate([np.full_like(x, np.nan), x, -x]) for x in (k, v))
+    expected, _ = blocked(q, k, v, 0, mask, 4)
+    np.testing.assert_array_equal(blocked(q, stack_k, stack_v, jnp.int32(1), mask, 4)[0],
+                                  expected)
+
+
+# Whole models: decode steps, the encoder-decoder's cross-attention and beam search. -----
+
+VARIANTS = {"decoder_only": 0, "encoder_decoder": 2}
+LAYOUTS = {"scanned": True, "unrolled": False}
+
+
+def small_blocks(variant, layout, block=3, **extra):
+    config = M.preset("tiny", num_encoder_layers=VARIANTS[variant], scan_layers=LAYOUTS[layout],
+                      positional_encoding="rope", num_kv_heads=2, attention_block=block, **extra)
+    return config, M.init_params(config, jax.random.key(0))
+
+
+def padded_source(config, batch):
+    if not config.is_encoder_decoder:
+        return None, None
+    # 8 source slots, rows of 8 and 3 valid tokens: cross-attention runs blocks of 3 over
+    # padding (slots 3..7 of row 1) and over slots a row has but the other does not.
+    return random_tokens(5, (batch, 8), config.vocab_size), jnp.array([8, 3], jnp.int32)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_blocked_decode_steps_equal_the_full_forward(variant, layout):
+    config, params = small_blocks(variant, layout)
+    tokens = random_tokens(1, (2, 11), config.vocab_size)
+    lengths = jnp.array([4, 2], jnp.int32)  # rows of different lengths after the prefill
+    source, source_lengths = padded_source(config, 2)
+    full = run_full(config, params, tokens, source=source, source_lengths=source_lengths)
+    cache = start_cache(config, params, 2, 16, source, source_lengths)
+    _, cache = run_cached(config, params, tokens[:, :4], cache, lengths)
+    for t in range(7):  # row 0 feeds tokens 4.., row 1 tokens 2..
+        step = jnp.stack([tokens[0, 4 + t], tokens[1, 2 + t]])[:, None]
+        logits, cache = run_cached(config, params, step, cache)
+        for row, position in enumerate((4 + t, 2 + t)):
+            assert relative_error(logits[row, 0], np.asarray(full[row, position])) <= 1e-5
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_model_step_ignores_nan_in_unused_cache_slots(layout):
+    config, params = small_blocks("decoder_only", layout)
+    tokens = random_tokens(2, (2, 6), config.vocab_size)
+    cache = start_cache(config, params, 2, 16)
+    _, cache = run_cached(config, params, tokens, cache, jnp.array([6, 2], jnp.int32))
+    unused = jnp.arange(16)[None, :, None] >= cache.lengths[:, None, None]  # [B, S, 1]
+
+    def poison(stack):  # [L, B, K, S, H]
+        return jnp.where(unused[None, :, None], jnp.nan, stack)
+
+    poisoned = cache.replace(k=tuple(map(poison, cache.k)), v=tuple(map(poison, cache.v)))
+    step = tokens[:, :1]
+    np.testing.assert_array_equal(run_cached(config, params, step, poisoned)[0],
+                                  run_cached(config, params, step, cache)[0])
+
+
+def test_a_step_runs_fewer_blocks_when_rows_are_short(monkeypatch):
+    """Counts the blocks each layer's loop runs with a debug callback in a small model."""
+    counts = []
+
+    def counting(*args):
+        out, blocks = attend_blocks(*args)
+        jax.debug.callback(lambda n: counts.append(int(n)), blocks)
+        return out, blocks
+
+    attend_blocks = attention.attend_blocks
+    monkeypatch.setattr(attention, "attend_blocks", counting)
+    config, params = small_blocks("decoder_only", "scanned", block=4, max_len=48)
+    step = jax.jit(lambda tokens, cache: M.step_fn(config, params)(tokens, cache))
+    blocks = []
+    for filled in ([2, 3], [2, 30]):
+        cache = M.init_cache(config, 2, 40).replace(lengths=jnp.array(filled, jnp.int32))
+        jax.block_until_ready(step(jnp.ones((2, 1), jnp.int32), cache))
+        jax.effects_barrier()
+        blocks.append(set(counts))
+        counts.clear()
+    # After the step the rows hold 3 and 4 slots (one block of 4), then 3 and 31 (8 blocks);
+    # every layer's loop runs as many of the 10 blocks of the capacity.
+    assert blocks == [{1}, {8}]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_block_size_changes_no_generated_token_or_beam_score(variant):
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15]]
+    results = []
+    for block in (2, 64):
+        config, params = small_blocks(variant, "scanned", block=block)
+        net = M.build_model(config)
+        greedy = decode.generate(net, params, prompts, max_new_tokens=6)
+        beams = decode.generate(net, params, prompts, max_new_tokens=6, num_beams=3)
+        results.append((greedy, beams))
+    (greedy_2, beams_2), (greedy_64, beams_64) = results
+    np.testing.assert_array_equal(greedy_2.tokens, greedy_64.tokens)
+    np.testing.assert_array_equal(beams_2.tokens, beams_64.tokens)
+    np.testing.assert_allclose(beams_2.scores, beams_64.scores, rtol=1e-5)
+
+
+def test_attention_block_must_be_positive():
+    with pytest.raises(ValueError, match="attention_block=0 must be >= 1"):
+        M.preset("tiny", attention_block=0)
+
