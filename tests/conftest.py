@@ -46,17 +46,3 @@ def run_cached(config, params, tokens, cache, lengths=None):
 
 def random_tokens(seed, shape, vocab):
     return jax.random.randint(jax.random.key(seed), shape, 0, vocab, dtype=jnp.int32)
-
-
-# Fixtures that train or load a model once per module; with pytest-xdist (`-n auto`, and
-# `--dist loadgroup` from pyproject.toml) the tests sharing one run on the same worker, so
-# it is computed once per run rather than once per worker.
-SHARED_EXPENSIVE_FIXTURES = ("demo_run", "copy_run", "lm", "numbers", "faults_task")
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        shared = [name for name in SHARED_EXPENSIVE_FIXTURES
-                  if name in getattr(item, "fixturenames", ())]
-        if shared:
-            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}:{shared[0]}"))
