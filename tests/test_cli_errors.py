@@ -111,7 +111,8 @@ def test_train_passes_the_new_options_through(capsys, monkeypatch):
     assert (seen["num_heldout"], seen["learning_rate"]) == (0, 1e-4)
     assert seen["resume"] and seen["allow_changes"] and seen["data_tsv"] == "p.tsv"
     settings = tasks.with_overrides(tasks.TRANSLATE_SETTINGS, {
-        k: v for k, v in seen.items() if k not in ("out", "data_tsv", "resume", "allow_changes")})
+        k: v for k, v in seen.items()
+        if k not in ("out", "data_tsv", "resume", "allow_changes", "mesh")})
     assert settings.training.save_interval == 25
 
 

@@ -85,11 +85,11 @@ out, kill_before, signum = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 config, task = t.make_task(Tokenizer.from_bytes(Path(sys.argv[4]).read_bytes()))
 step_fn, calls = trainer.train_step, [0]
 
-def killing_step(*args):
+def killing_step(*args, **kwargs):
     calls[0] += 1
     if calls[0] == kill_before:
         os.kill(os.getpid(), signum)
-    return step_fn(*args)
+    return step_fn(*args, **kwargs)
 
 trainer.train_step = killing_step
 trainer.train(config, t.TRAIN, task, out)
@@ -130,11 +130,11 @@ def test_sigterm_saves_the_current_step_and_the_resumed_run_is_identical(
     config, task = faults_task
     real_step, calls = trainer.train_step, []
 
-    def step_then_signal(*args):
+    def step_then_signal(*args, **kwargs):
         calls.append(1)
         if len(calls) == 17:
             os.kill(os.getpid(), signal.SIGTERM)  # arrives during step 17
-        return real_step(*args)
+        return real_step(*args, **kwargs)
 
     monkeypatch.setattr(trainer, "train_step", step_then_signal)
     handler = signal.getsignal(signal.SIGTERM)
@@ -155,11 +155,11 @@ def test_ctrl_c_saves_the_current_step_too(faults_task, tmp_path, monkeypatch):
     config, task = faults_task
     real_step, calls = trainer.train_step, []
 
-    def step_then_ctrl_c(*args):
+    def step_then_ctrl_c(*args, **kwargs):
         calls.append(1)
         if len(calls) == 5:
             os.kill(os.getpid(), signal.SIGINT)
-        return real_step(*args)
+        return real_step(*args, **kwargs)
 
     monkeypatch.setattr(trainer, "train_step", step_then_ctrl_c)
     with pytest.raises(TrainingInterrupted, match="SIGINT: saved a checkpoint at step 5") as info:
