@@ -46,3 +46,36 @@ def run_cached(config, params, tokens, cache, lengths=None):
 
 def random_tokens(seed, shape, vocab):
     return jax.random.randint(jax.random.key(seed), shape, 0, vocab, dtype=jnp.int32)
+
+
+# Generation tests: both variants, and a decoder-only LM, with RoPE and grouped-query attention.
+VARIANTS = {"decoder_only": 0, "encoder_decoder": 2}  # name: encoder layers
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def tiny(request):
+    """(config, model, params) of each variant."""
+    config = M.preset("tiny", num_encoder_layers=VARIANTS[request.param],
+                      positional_encoding="rope", num_kv_heads=2)
+    return config, M.build_model(config), M.init_params(config, jax.random.key(1))
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    """(config, model, params) of a decoder-only LM."""
+    config = M.preset("tiny", positional_encoding="rope", num_kv_heads=2)
+    return config, M.build_model(config), M.init_params(config, jax.random.key(1))
+
+
+class FakeTokenizer:
+    """Enough of `Tokenizer` for `text.LoadedModel`: printable text, no model file."""
+
+    vocab_size = 64
+
+    @staticmethod
+    def encode(text):
+        return [5 + ord(c) % 50 for c in text]
+
+    @staticmethod
+    def decode(ids):
+        return "".join(chr(65 + i % 26) for i in ids)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from conftest import FakeTokenizer
 from kvjax.train import data, tasks, trainer
 
 from kvjax import cli, text
@@ -145,21 +146,9 @@ def test_a_byte_order_mark_is_not_part_of_the_first_source(tmp_path):
     assert data.read_text_file(text_file) == "Hello"
 
 
-class _Tokenizer:
-    vocab_size = 64
-
-    @staticmethod
-    def encode(text):
-        return [5 + ord(c) % 50 for c in text]
-
-    @staticmethod
-    def decode(ids):
-        return "".join(chr(65 + i % 26) for i in ids)
-
-
 def test_sample_reports_speed_without_compilation_and_a_max_len_stop():
     config = M.preset("tiny")
-    loaded = text.LoadedModel(config, _Tokenizer(), M.init_params(config, jax.random.key(3)),
+    loaded = text.LoadedModel(config, FakeTokenizer(), M.init_params(config, jax.random.key(3)),
                               "memory")
     room = text.room(loaded, "abc")
     assert room == config.max_len - 4  # EOS + 3 prompt tokens

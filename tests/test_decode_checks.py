@@ -4,6 +4,7 @@ compiling anything: float token ids and counts, flat lists, strings, empty array
 import jax
 import numpy as np
 import pytest
+from conftest import FakeTokenizer
 from kvjax.decode import checks
 
 from kvjax import decode, text
@@ -68,18 +69,6 @@ def test_numpy_ints_and_int_arrays_are_accepted():
     assert checks.real("top_p", 1, lambda p: 0 < p <= 1, "in (0, 1]") == 1.0
 
 
-class _Tokenizer:
-    vocab_size = 64
-
-    @staticmethod
-    def encode(text):
-        return [5 + ord(c) % 50 for c in text]
-
-    @staticmethod
-    def decode(ids):
-        return "".join(chr(i) for i in ids)
-
-
 @pytest.mark.parametrize("kwargs, message", [
     ({"num_beams": 0}, r"num_beams=0 must be >= 1"),
     ({"num_beams": 2.0}, r"num_beams=2.0 must be an int"),
@@ -89,7 +78,7 @@ class _Tokenizer:
 ])
 def test_sample_text_refuses_bad_settings(tiny, kwargs, message):
     net, params = tiny
-    loaded = text.LoadedModel(net.config, _Tokenizer(), params, "memory")
+    loaded = text.LoadedModel(net.config, FakeTokenizer(), params, "memory")
     before = traces()
     with pytest.raises(ValueError, match=message):
         text.sample_text(loaded, "hi", **kwargs)

@@ -11,16 +11,6 @@ from kvjax import decode
 from kvjax import model as M
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [3], [20, 21, 22, 23]]
-VARIANTS = {"decoder_only": 0, "encoder_decoder": 2}
-
-
-@pytest.fixture(scope="module", params=list(VARIANTS))
-def tiny(request):
-    config = M.preset("tiny", num_encoder_layers=VARIANTS[request.param],
-                      positional_encoding="rope", num_kv_heads=2)
-    return config, M.build_model(config), M.init_params(config, jax.random.key(1))
-
-
 def greedy_without_cache(config, params, prompt, steps):
     """The textbook loop: recompute the whole sequence each step and take the argmax.
 

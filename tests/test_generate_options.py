@@ -13,12 +13,6 @@ from kvjax import model as M
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [3], [20, 21, 22, 23]]
 
 
-@pytest.fixture(scope="module")
-def tiny_lm():
-    config = M.preset("tiny", positional_encoding="rope", num_kv_heads=2)
-    return config, M.build_model(config), M.init_params(config, jax.random.key(1))
-
-
 def test_greedy_rows_of_a_mixed_batch_equal_an_all_greedy_batch(tiny_lm):
     _, net, params = tiny_lm
     greedy = decode.generate(net, params, PROMPTS, max_new_tokens=8)

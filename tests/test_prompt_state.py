@@ -11,22 +11,6 @@ from kvjax import model as M
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15]]
 NEW = [[30, 31], [40, 41, 42, 43, 44]]
-VARIANTS = {"decoder_only": 0, "encoder_decoder": 2}
-
-
-@pytest.fixture(scope="module", params=list(VARIANTS))
-def tiny(request):
-    config = M.preset("tiny", num_encoder_layers=VARIANTS[request.param],
-                      positional_encoding="rope", num_kv_heads=2)
-    return config, M.build_model(config), M.init_params(config, jax.random.key(1))
-
-
-@pytest.fixture(scope="module")
-def tiny_lm():
-    config = M.preset("tiny", positional_encoding="rope", num_kv_heads=2)
-    return config, M.build_model(config), M.init_params(config, jax.random.key(1))
-
-
 def test_continuing_with_new_tokens_equals_the_concatenated_prompt(tiny_lm):
     _, net, params = tiny_lm
     state = decode.prefill(net, params, PROMPTS, capacity=48)
