@@ -4,13 +4,38 @@ The helpers are jitted (the config is a static, hashable argument): eager Flax c
 many times slower to dispatch than a tiny model takes to compile.
 """
 
+import atexit
 import functools
+import os
+import shutil
+import tempfile
 
-import jax
-import jax.numpy as jnp
-import pytest
+# One persistent compilation cache for the whole run, made by the first process that loads
+# this file (pytest, or xdist's controller) and inherited through the environment by the
+# xdist workers, the 8-device subprocesses and the notebook kernels: a program that another
+# test file, worker or process already compiled is loaded instead of compiled again.
+# The directory is new for every run and deleted after it, so a run never reads programs
+# from an earlier one.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache_dir = tempfile.mkdtemp(prefix="kvjax-tests-xla-")
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
-from kvjax import model as M
+# Most of the suite's time is XLA compiling hundreds of small programs, and on CPU LLVM's
+# optimizations are most of that. The tests check what programs compute, not how fast, so
+# they skip them (the HLO passes, which decide fusions, copies and collectives, all run).
+# Inherited by every subprocess, like the cache above.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_backend_optimization_level=0").strip()
+
+import jax  # noqa: E402  (after the environment above, which it reads when it starts)
+import jax.numpy as jnp  # noqa: E402
+import pytest  # noqa: E402
+
+from kvjax import model as M  # noqa: E402
 
 
 @pytest.fixture(scope="session")
