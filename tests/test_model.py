@@ -202,6 +202,21 @@ def test_unrolled_layers_compute_what_scanned_layers_compute():
         atol=1e-5, rtol=0)
 
 
+def test_stacking_unrolled_params_inverts_unstacking():
+    scanned = M.preset("tiny", num_decoder_layers=3, num_encoder_layers=2, scan_layers=True)
+    params = M.init_params(scanned, jax.random.key(0))
+    unrolled, per_layer = M.with_layer_layout(scanned, params, scan_layers=False)
+    assert unrolled == scanned.replace(scan_layers=False)
+    expected = M.unstack_layer_params(scanned, params)
+    assert jax.tree.structure(per_layer) == jax.tree.structure(expected)
+    back_config, back = M.with_layer_layout(unrolled, per_layer, scan_layers=True)
+    assert back_config == scanned
+    assert jax.tree.structure(back) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert M.with_layer_layout(scanned, params, scan_layers=True) == (scanned, params)
+
+
 def test_unrolled_layers_own_one_cache_buffer_each():
     config = M.preset("tiny", num_decoder_layers=3, num_kv_heads=2, scan_layers=False)
     cache = M.init_cache(config, batch_size=2, capacity=10)
