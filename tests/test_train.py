@@ -234,7 +234,7 @@ def test_learning_rate_warms_up_then_decays():
 def test_weight_decay_takes_the_same_step_for_scanned_and_unrolled_layers():
     """Stacked over scanned layers, biases and LayerNorm scales are [L, D]: chosen by rank
     they would be decayed there and not in the same model unrolled."""
-    scanned = M.preset("tiny", num_encoder_layers=1, num_decoder_layers=2)
+    scanned = M.preset("tiny", num_encoder_layers=1, num_decoder_layers=2, scan_layers=True)
     unrolled = scanned.replace(scan_layers=False)
     params = M.init_params(scanned, jax.random.key(0))
     params = jax.tree.map(lambda p: p + 0.5, params)  # no param at zero: decay moves each
