@@ -126,7 +126,8 @@ def step_matrices(config: M.TransformerConfig, params) -> list[tuple[jax.Array, 
         raise ValueError("step_matrices is for decoder-only models: an encoder's weights are "
                          "not read by a decode step")
     matrices = []
-    for path, leaf in jax.tree_util.tree_leaves_with_path(M.unstack_layer_params(config, params)):
+    per_layer = M.with_layer_layout(config, params, scan_layers=False)[1]
+    for path, leaf in jax.tree_util.tree_leaves_with_path(per_layer):
         names = [getattr(key, "key", None) for key in path]
         if names[-1] == "kernel":
             inputs = leaf.shape[:2] if names[-2] == "out" else leaf.shape[:1]  # [N, H, D]

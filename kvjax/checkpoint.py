@@ -502,16 +502,21 @@ def _shown(value: Any) -> str:
     return "missing" if value is _MISSING else json.dumps(value)
 
 
-def load_for_sampling(directory: str | os.PathLike, mesh: Any = None) -> tuple[Any, Any, Any]:
+def load_for_sampling(directory: str | os.PathLike, mesh: Any = None, *,
+                      scan_layers: bool | None = None) -> tuple[Any, Any, Any]:
     """Returns `(TransformerConfig, Tokenizer, params)` from the newest step in `directory`.
 
     `config.json` and the tokenizer are checked against the step's manifest and the params
     against the shapes `model.init_params` gives for the config, their checksums and NaN.
     With a `mesh` (`kvjax.parallel.make_mesh`) the params are read straight into its layout
     (`parallel.state_shardings`), whatever mesh saved them; without one, onto one device.
+
+    The layers come back held as `scan_layers` says (None: `TransformerConfig`'s default,
+    unrolled), whichever way the checkpoint stores them (its `config.json` says which); the
+    returned config says how they are held (`model.with_layer_layout` converts).
     """
     # Imported here so that saving and restoring training state does not depend on them.
-    from kvjax.model import TransformerConfig, init_params
+    from kvjax.model import TransformerConfig, init_params, with_layer_layout
     from kvjax.tokenizer import Tokenizer
 
     path = _existing_directory(directory)
@@ -536,7 +541,14 @@ def load_for_sampling(directory: str | os.PathLike, mesh: Any = None) -> tuple[A
 
         parallel.check_model_axis(config, mesh)
         abstract_params = parallel.abstract_on(abstract_params, mesh)
-    return config, tokenizer, _restore_params(path, abstract_params)[1]
+    params = _restore_params(path, abstract_params)[1]
+    if scan_layers is None:
+        scan_layers = TransformerConfig.scan_layers
+    if scan_layers != config.scan_layers:
+        config, params = with_layer_layout(config, params, scan_layers)
+        if mesh is not None:
+            params = parallel.shard_params(params, mesh)
+    return config, tokenizer, params
 
 
 def _manifest(manager: ocp.CheckpointManager, path: Path, step: int) -> dict[str, Any] | None:

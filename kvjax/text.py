@@ -49,9 +49,11 @@ class LoadedModel:
         return self.config.is_encoder_decoder
 
 
-def load(directory: str | os.PathLike) -> LoadedModel:
-    """The newest checkpoint in `directory`; raises `CheckpointError` naming any problem."""
-    config, tokenizer, params = checkpoint.load_for_sampling(directory)
+def load(directory: str | os.PathLike, *, scan_layers: bool | None = None) -> LoadedModel:
+    """The newest checkpoint in `directory`, its layers held as `scan_layers` says (None:
+    the default layout, whichever the checkpoint stores); raises `CheckpointError` naming
+    any problem."""
+    config, tokenizer, params = checkpoint.load_for_sampling(directory, scan_layers=scan_layers)
     return LoadedModel(config, tokenizer, params, os.fspath(directory))
 
 

@@ -12,12 +12,12 @@ from .interface import (
     step_fn,
     teacher_forced_logits,
 )
-from .layers import unstack_layer_params
+from .layers import stack_layer_params, unstack_layer_params, with_layer_layout
 from .transformer import DecoderOnlyLM, EncoderDecoder
 
 __all__ = [
     "PRESETS", "CacheSize", "DecoderOnlyLM", "EncoderDecoder", "KVCache", "TransformerConfig",
     "attend", "build_model", "cache_size_bytes", "check_prompt_length", "init_cache",
     "init_params", "prefill", "preset", "prompt_slots", "step_fn", "teacher_forced_logits",
-    "unstack_layer_params",
+    "stack_layer_params", "unstack_layer_params", "with_layer_layout",
 ]

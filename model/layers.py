@@ -189,16 +189,44 @@ def run_layers(config: TransformerConfig, layers: nn.Module, num_layers: int, x,
     return x, None if own is None else (own,), (outputs,)
 
 
+def _layer_stack_names(config: TransformerConfig, params) -> dict[str, int]:
+    """The params' layer stacks (names ending in `layers` or `cross_kv`) -> layers in each."""
+    return {name: config.num_encoder_layers if name == "encoder_layers" else
+            config.num_decoder_layers
+            for name in params if name.endswith(("layers", "cross_kv"))}
+
+
 def unstack_layer_params(config: TransformerConfig, params):
     """A scanned model's params ([L, ...] stacks per layer stack) as the same model's with
     `scan_layers=False` (`<stack>/0`, `<stack>/1`, ...): the same weights, unrolled."""
-    def num_layers(name: str) -> int:
-        return config.num_encoder_layers if name == "encoder_layers" else (
-            config.num_decoder_layers)
+    stacks = _layer_stack_names(config, params)
 
     def unstack(name: str, tree):
-        if not name.endswith(("layers", "cross_kv")):
+        if name not in stacks:
             return tree
-        return {str(i): jax.tree.map(lambda a, i=i: a[i], tree) for i in range(num_layers(name))}
+        return {str(i): jax.tree.map(lambda a, i=i: a[i], tree) for i in range(stacks[name])}
 
     return {name: unstack(name, tree) for name, tree in params.items()}
+
+
+def stack_layer_params(config: TransformerConfig, params):
+    """The inverse of `unstack_layer_params`: an unrolled model's params as the same model's
+    with `scan_layers=True`."""
+    stacks = _layer_stack_names(config, params)
+
+    def stack(name: str, tree):
+        if name not in stacks:
+            return tree
+        layers = [tree[str(i)] for i in range(stacks[name])]
+        return jax.tree.map(lambda *a: jnp.stack(a), *layers)
+
+    return {name: stack(name, tree) for name, tree in params.items()}
+
+
+def with_layer_layout(config: TransformerConfig, params, scan_layers: bool):
+    """`(config, params)` of the same model held scanned (`scan_layers=True`) or unrolled:
+    unchanged when they are held so already, else converted."""
+    if scan_layers == config.scan_layers:
+        return config, params
+    convert = unstack_layer_params if config.scan_layers else stack_layer_params
+    return config.replace(scan_layers=scan_layers), convert(config, params)

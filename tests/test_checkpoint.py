@@ -533,6 +533,28 @@ def test_load_for_sampling_round_trip(tmp_path):
     assert_trees_equal(loaded_params, params)
 
 
+@pytest.mark.parametrize("saved_scanned", [True, False])
+def test_load_for_sampling_holds_the_layers_as_asked_whichever_way_they_were_saved(
+        tmp_path, saved_scanned):
+    from kvjax import model as M
+
+    config, tokenizer, init_params = _model_and_tokenizer()
+    config = config.replace(scan_layers=saved_scanned)
+    params = init_params(config, jax.random.key(1))
+    ckpt.write_metadata(tmp_path, config.to_dict(), "lm", tokenizer.to_bytes())
+    with Checkpointer(tmp_path, save_every=1, keep=1) as checkpointer:
+        checkpointer.save(1, {"params": params, "step": jnp.int32(1)})
+
+    default_config, _, default_params = ckpt.load_for_sampling(tmp_path)
+    assert default_config == config.replace(scan_layers=M.TransformerConfig.scan_layers)
+    for scan_layers in (True, False):
+        loaded_config, _, loaded_params = ckpt.load_for_sampling(tmp_path, scan_layers=scan_layers)
+        assert loaded_config == config.replace(scan_layers=scan_layers)
+        assert_trees_equal(loaded_params, M.with_layer_layout(config, params, scan_layers)[1])
+        if scan_layers == default_config.scan_layers:
+            assert_trees_equal(loaded_params, default_params)
+
+
 def test_load_for_sampling_refuses_params_of_another_config(tmp_path):
     config, tokenizer, init_params = _model_and_tokenizer()
     params = init_params(config, jax.random.key(1))

@@ -104,10 +104,13 @@ def test_decode_benchmark_times_both_layer_modes_on_the_same_weights():
 def test_weights_alone_multiplies_every_matrix_parameter_once():
     from kvjax import bench
     # One head: qkv is [D, 3, D], which is not an output projection. Every size distinct.
-    config = M.preset("tiny", num_heads=1, num_kv_heads=1, vocab_size=80, max_len=40)
+    config = M.preset("tiny", num_heads=1, num_kv_heads=1, vocab_size=80, max_len=40,
+                      scan_layers=True)
     params = M.init_params(config, jax.random.key(0))
     matrices = bench.step_matrices(config, params)
     leaves = jax.tree.leaves(M.unstack_layer_params(config, params))  # per layer, unstacked
+    unrolled = bench.step_matrices(*M.with_layer_layout(config, params, scan_layers=False))
+    assert [w.shape for w, _ in unrolled] == [w.shape for w, _ in matrices]
     assert sum(w.size for w, _ in matrices) == sum(x.size for x in leaves if x.ndim >= 2)
     d, f, v, layers = config.d_model, config.d_ff, config.vocab_size, config.num_decoder_layers
     assert sorted((w.shape, left) for w, left in matrices) == sorted(

@@ -57,7 +57,8 @@ def test_allocated_cache_bytes_equal_formula(kv_heads, dtype):
     config = M.preset("tiny", num_kv_heads=kv_heads)
     cache = M.init_cache(config, batch_size=3, capacity=20, dtype=dtype)
     assert [k.shape for k in cache.k] == [
-        (config.num_decoder_layers, 3, config.kv_heads, 20, config.head_dim)]
+        (layers, 3, config.kv_heads, 20, config.head_dim)
+        for layers in config.layer_stacks(config.num_decoder_layers)]
     expected = 2 * 20 * config.num_decoder_layers * config.kv_heads * config.head_dim
     expected *= jnp.dtype(dtype).itemsize * 3
     assert cache.nbytes == M.cache_size_bytes(config, 3, 20, dtype).total == expected
@@ -72,7 +73,8 @@ def test_encoder_decoder_cache_reports_cross_attention_separately():
     size = M.cache_size_bytes(config, 2, 16, source_length=9)
     assert cache.self_attention_nbytes == size.self_attention
     assert cache.nbytes == size.total
-    assert [k.shape for k in cache.cross_k] == [(2, 2, 2, 9, config.head_dim)]
+    assert [k.shape for k in cache.cross_k] == [
+        (layers, 2, 2, 9, config.head_dim) for layers in config.layer_stacks(2)]
 
 
 def test_capacity_beyond_max_len_raises():

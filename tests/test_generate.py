@@ -45,16 +45,17 @@ def test_greedy_equals_recomputing_without_cache(tiny):
     assert out.stop_reasons() == ["max_new_tokens"] * len(PROMPTS)
 
 
-def test_unrolled_layers_generate_what_scanned_layers_generate(tiny):
+def test_scanned_layers_generate_what_unrolled_layers_generate(tiny):
     config, net, params = tiny
-    unrolled = config.replace(scan_layers=False)
-    net_unrolled, params_unrolled = M.build_model(unrolled), M.unstack_layer_params(config, params)
+    assert not config.scan_layers  # the default
+    scanned, params_scanned = M.with_layer_layout(config, params, scan_layers=True)
+    net_scanned = M.build_model(scanned)
     for kwargs in (dict(), dict(temperature=0.9, top_k=20, rng=jax.random.key(3)),
                    dict(num_beams=3)):
-        scanned_out = decode.generate(net, params, PROMPTS, max_new_tokens=6, **kwargs)
-        unrolled_out = decode.generate(net_unrolled, params_unrolled, PROMPTS,
-                                       max_new_tokens=6, **kwargs)
-        np.testing.assert_array_equal(unrolled_out.tokens, scanned_out.tokens)
+        unrolled_out = decode.generate(net, params, PROMPTS, max_new_tokens=6, **kwargs)
+        scanned_out = decode.generate(net_scanned, params_scanned, PROMPTS, max_new_tokens=6,
+                                      **kwargs)
+        np.testing.assert_array_equal(scanned_out.tokens, unrolled_out.tokens)
 
 
 def test_each_row_equals_the_prompt_alone(tiny):

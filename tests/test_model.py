@@ -17,7 +17,7 @@ OPTIONS = [
     dict(positional_encoding="rope", norm="pre", num_kv_heads=1, tie_embeddings=False),
     dict(positional_encoding="sinusoidal", norm="pre", activation="swiglu", num_kv_heads=2),
     dict(positional_encoding="learned", activation="relu", num_kv_heads=1),
-    dict(positional_encoding="rope", num_kv_heads=2, scan_layers=False),
+    dict(positional_encoding="rope", num_kv_heads=2, scan_layers=True),
 ]
 VARIANTS = {"decoder_only": 0, "encoder_decoder": 2}
 
@@ -87,8 +87,9 @@ def test_chunked_prefill_fills_the_same_cache(variant):
             start += size
         np.testing.assert_array_equal(cache.lengths, reference.lengths)
         for name in ("k", "v"):
-            (stack,), (expected,) = getattr(cache, name), getattr(reference, name)
-            np.testing.assert_allclose(stack[..., :11, :], expected[..., :11, :], atol=1e-5)
+            for stack, expected in zip(getattr(cache, name), getattr(reference, name),
+                                       strict=True):
+                np.testing.assert_allclose(stack[..., :11, :], expected[..., :11, :], atol=1e-5)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -152,7 +153,7 @@ def test_chunk_longer_than_capacity_raises_before_tracing():
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_cache_of_another_layout_or_batch_raises_naming_it(variant):
-    scanned, params = make({}, VARIANTS[variant])
+    scanned, params = make({"scan_layers": True}, VARIANTS[variant])
     unrolled = scanned.replace(scan_layers=False)
     per_layer = M.unstack_layer_params(scanned, params)
     source, source_lengths = source_for(scanned, 2)
@@ -179,8 +180,8 @@ def test_wrong_variant_for_config_raises():
                                       jnp.zeros((1, 1), jnp.int32))
 
 
-def test_depth_is_scanned_so_params_stack_over_layers():
-    config = M.preset("tiny", num_decoder_layers=5)
+def test_scanned_layers_stack_their_params_over_layers():
+    config = M.preset("tiny", num_decoder_layers=5, scan_layers=True)
     shapes = jax.eval_shape(lambda: M.init_params(config, jax.random.key(0)))
     kernel = shapes["layers"]["self_attention"]["qkv"]["kernel"]
     assert kernel.shape == (5, config.d_model, config.num_heads + 2 * config.kv_heads,
@@ -188,7 +189,7 @@ def test_depth_is_scanned_so_params_stack_over_layers():
 
 
 def test_unrolled_layers_compute_what_scanned_layers_compute():
-    scanned = M.preset("tiny", num_decoder_layers=3, num_encoder_layers=2)
+    scanned = M.preset("tiny", num_decoder_layers=3, num_encoder_layers=2, scan_layers=True)
     unrolled = scanned.replace(scan_layers=False)
     params = M.init_params(scanned, jax.random.key(0))
     per_layer = M.unstack_layer_params(scanned, params)
@@ -200,6 +201,21 @@ def test_unrolled_layers_compute_what_scanned_layers_compute():
         run_full(unrolled, per_layer, tokens, source=source, source_lengths=source_lengths),
         run_full(scanned, params, tokens, source=source, source_lengths=source_lengths),
         atol=1e-5, rtol=0)
+
+
+def test_stacking_unrolled_params_inverts_unstacking():
+    scanned = M.preset("tiny", num_decoder_layers=3, num_encoder_layers=2, scan_layers=True)
+    params = M.init_params(scanned, jax.random.key(0))
+    unrolled, per_layer = M.with_layer_layout(scanned, params, scan_layers=False)
+    assert unrolled == scanned.replace(scan_layers=False)
+    expected = M.unstack_layer_params(scanned, params)
+    assert jax.tree.structure(per_layer) == jax.tree.structure(expected)
+    back_config, back = M.with_layer_layout(unrolled, per_layer, scan_layers=True)
+    assert back_config == scanned
+    assert jax.tree.structure(back) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert M.with_layer_layout(scanned, params, scan_layers=True) == (scanned, params)
 
 
 def test_unrolled_layers_own_one_cache_buffer_each():
@@ -216,7 +232,7 @@ def test_unrolled_layers_own_one_cache_buffer_each():
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_unrolled_cache_holds_what_the_scanned_cache_holds(variant):
-    scanned, params = make({"num_kv_heads": 2}, VARIANTS[variant])
+    scanned, params = make({"num_kv_heads": 2, "scan_layers": True}, VARIANTS[variant])
     unrolled = scanned.replace(scan_layers=False)
     tokens = random_tokens(2, (2, 7), scanned.vocab_size)
     source, source_lengths = source_for(scanned, 2)

@@ -8,7 +8,8 @@ import pytest
 from kvjax.train import data, tasks
 from kvjax.train.trainer import validation_loss
 
-from kvjax import cli, decode, text
+from kvjax import checkpoint, cli, decode, text
+from kvjax import model as M
 from kvjax.tokenizer import EOS_ID
 
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
@@ -33,6 +34,21 @@ def test_each_checkpoint_holds_its_variant_and_a_lossless_tokenizer(lm, numbers)
         sample = "def f(x):\n    return x ** 2  # ünïcödé ✓"
         assert loaded.tokenizer.decode(loaded.tokenizer.encode(sample)) == sample
         assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(loaded.params))
+
+
+def test_scanned_checkpoints_load_in_the_default_layout_and_decode_the_same_tokens(lm, numbers):
+    """Both were saved with scanned layers; loading holds them in the default layout, and
+    greedy decoding gives the tokens it gives with the layers held as they were saved."""
+    for loaded, prompts in ((lm, ["The for statement", "A class"]), (numbers, ["4021", "77003"])):
+        assert checkpoint.read_metadata(loaded.directory)[0]["scan_layers"] is True
+        assert loaded.config.scan_layers == M.TransformerConfig.scan_layers
+        as_saved = text.load(loaded.directory, scan_layers=True)
+        assert as_saved.config == loaded.config.replace(scan_layers=True)
+        tokens = [text.prompt_tokens(loaded, prompt) for prompt in prompts]
+        outputs = [decode.generate(model.net, model.params, tokens, max_new_tokens=12,
+                                   eos_ids=(EOS_ID,)) for model in (loaded, as_saved)]
+        np.testing.assert_array_equal(outputs[0].tokens, outputs[1].tokens)
+        np.testing.assert_array_equal(outputs[0].lengths, outputs[1].lengths)
 
 
 def test_greedy_translation_of_held_out_numbers_is_right(numbers):

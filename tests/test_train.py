@@ -234,7 +234,7 @@ def test_learning_rate_warms_up_then_decays():
 def test_weight_decay_takes_the_same_step_for_scanned_and_unrolled_layers():
     """Stacked over scanned layers, biases and LayerNorm scales are [L, D]: chosen by rank
     they would be decayed there and not in the same model unrolled."""
-    scanned = M.preset("tiny", num_encoder_layers=1, num_decoder_layers=2)
+    scanned = M.preset("tiny", num_encoder_layers=1, num_decoder_layers=2, scan_layers=True)
     unrolled = scanned.replace(scan_layers=False)
     params = M.init_params(scanned, jax.random.key(0))
     params = jax.tree.map(lambda p: p + 0.5, params)  # no param at zero: decay moves each
@@ -283,14 +283,24 @@ TINY_TRAINING = {"steps": 8, "warmup_steps": 2, "eval_every": 4, "save_every": 4
 
 
 def test_train_lm_end_to_end(tmp_path):
+    """Trained in the layout that is not the default, resumed in the layout it was saved in,
+    loaded for sampling in the default one."""
     text_file = tmp_path / "text.txt"
     text_file.write_text(data.python_docs_text()[:40_000], encoding="utf-8")
     out_dir = tmp_path / "lm"
-    result = tasks.train_lm(out_dir, data_files=[text_file], preset="tiny", model_overrides={},
-                            vocab_size=400, seq_len=32, batch_size=8, **TINY_TRAINING)
+    other_layout = not M.TransformerConfig.scan_layers
+    settings = dict(data_files=[text_file], preset="tiny", vocab_size=400, seq_len=32,
+                    batch_size=8, **TINY_TRAINING)
+    result = tasks.train_lm(out_dir, model_overrides={"scan_layers": other_layout}, **settings)
     assert result.step == 8 and sorted(result.losses) == list(range(1, 9))
     assert result.metrics["val_ppl"] > 1 and result.metrics["unigram_ppl"] > 1
+    settings["steps"] = 10
+    resumed = tasks.train_lm(out_dir, model_overrides={}, resume=True, allow_changes=True,
+                             **settings)
+    assert resumed.step == 10 and sorted(resumed.losses) == [9, 10]
+    assert checkpoint.read_metadata(out_dir)[0]["scan_layers"] == other_layout
     config, tokenizer, params = checkpoint.load_for_sampling(out_dir)
+    assert config.scan_layers == M.TransformerConfig.scan_layers
     assert not config.is_encoder_decoder and config.vocab_size == tokenizer.vocab_size
     prompt = tokenizer.encode("The ")
     output = decode.generate(M.build_model(config), params, [prompt], max_new_tokens=5)

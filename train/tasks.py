@@ -106,7 +106,7 @@ def train_lm(out_dir: str | os.PathLike, *, data_files: Sequence[str | os.PathLi
         name="lm", tokenizer=tokenizer, train=lm_arrays(train_windows),
         val=lm_arrays(val_windows), evaluate=evaluate,
         data={**sources, "seq_len": settings.seq_len, "val_fraction": settings.val_fraction})
-    config = _model_config(settings, tokenizer, min_len=settings.seq_len)
+    config = _model_config(settings, tokenizer, settings.seq_len, out_dir, resume)
     return trainer.train(config, settings.training, task, out_dir, resume=resume,
                          allow_changes=allow_changes, mesh=mesh)
 
@@ -154,7 +154,8 @@ def train_translate(out_dir: str | os.PathLike, *, data_tsv: str | os.PathLike |
     texts = [text for pair in train_pairs for text in pair]
     tokenizer = _tokenizer(out_dir, resume, ["\n".join(texts)], settings.vocab_size)
     max_len = settings.max_len or _longest_pair(tokenizer, [*train_pairs, *heldout_pairs])
-    config = _model_config(settings, tokenizer, min_len=max_len + 1)  # + 1: BOS starts targets
+    # + 1: BOS starts targets
+    config = _model_config(settings, tokenizer, max_len + 1, out_dir, resume)
     heldout = translation_arrays(tokenizer, heldout_pairs, max_len)
     accuracy = None
     if heldout_pairs:
@@ -261,9 +262,17 @@ def _tokenizer(out_dir: str | os.PathLike, resume: bool, texts: list[str],
     return train_tokenizer(texts, vocab_size)
 
 
-def _model_config(settings, tokenizer: Tokenizer, min_len: int) -> M.TransformerConfig:
+def _model_config(settings, tokenizer: Tokenizer, min_len: int, out_dir: str | os.PathLike,
+                  resume: bool) -> M.TransformerConfig:
     config = M.preset(settings.preset, **settings.model_overrides,
                       vocab_size=tokenizer.vocab_size)
     if config.max_len < min_len:
         config = config.replace(max_len=min_len)
+    # A resumed run keeps the layer layout its checkpoints are stored in (scanned ones were
+    # the default once), unless the settings ask for one.
+    if (resume and "scan_layers" not in settings.model_overrides
+            and (Path(out_dir) / checkpoint.CONFIG_FILE).exists()):
+        saved, _, _ = checkpoint.read_metadata(out_dir)
+        if "scan_layers" in saved:
+            config = config.replace(scan_layers=saved["scan_layers"])
     return config

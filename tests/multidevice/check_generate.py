@@ -13,9 +13,9 @@ from kvjax import model as M
 G = importlib.import_module("kvjax.decode.generate")  # the module, not the function
 
 VARIANTS = {
-    "lm scanned": M.preset("tiny", num_kv_heads=2),
+    "lm scanned": M.preset("tiny", num_kv_heads=2, scan_layers=True),
     "lm unrolled": M.preset("tiny", num_kv_heads=2, scan_layers=False),
-    "translate scanned": M.preset("tiny", num_encoder_layers=1),
+    "translate scanned": M.preset("tiny", num_encoder_layers=1, scan_layers=True),
     "translate unrolled": M.preset("tiny", num_encoder_layers=1, scan_layers=False),
 }
 # 5 rows: they do not divide data=4 or data=8, so the batch is filled up.

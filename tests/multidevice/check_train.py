@@ -43,8 +43,9 @@ def translate_task(tokenizer):
 
 
 VARIANTS = {
-    # Dropout on: its masks must not depend on how the batch is split.
-    "lm": (lambda v: M.preset("tiny", vocab_size=v, dropout=0.1), lm_task),
+    # Dropout on: its masks must not depend on how the batch is split. Saved scanned, so
+    # loading for sampling (unrolled) converts the layers after reading them onto a mesh.
+    "lm": (lambda v: M.preset("tiny", vocab_size=v, dropout=0.1, scan_layers=True), lm_task),
     "translate": (lambda v: M.preset("tiny", vocab_size=v, num_encoder_layers=1,
                                      scan_layers=False), translate_task),
 }
