@@ -40,37 +40,96 @@ def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
     return _zero_rows_without_keys(out, mask_BTS).astype(q_BTNH.dtype)
 
 
+# Per slot, a block of the loop below costs XLA:CPU about three times what one product over
+# the whole cache does (each block is copied out of the cache before its products), so a
+# step whose filled blocks cover more than this share of the capacity reads all of it.
+WHOLE_CACHE_SHARE = 1 / 3
+
+
 def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, layer,
-                  mask_BTS: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
+                  mask_BTS: jax.Array, block_size: int,
+                  whole_share: float = WHOLE_CACHE_SHARE) -> tuple[jax.Array, jax.Array]:
     """`attend` over layer `layer` of the cache's stacks [L, B, K, S, H], reading only the
     blocks of `block_size` slots up to the last slot that `mask` lets any query see.
 
-    Returns the output [B, T, N, H] and how many blocks the loop ran (a scalar).
-    The blocks run in a `lax.while_loop` whose trip count, ceil(last seen slot / block), is
-    a traced value: a decode loop compiles once and each step pays for what is filled, not
-    for the capacity. The softmax is the online one (FlashAttention's recurrence): per query
-    a running max m, a running sum l of exp(logit - m) and an accumulator of the weighted
-    values, both rescaled by exp(m_old - m_new) whenever a block raises the max. Slots a
-    query may not see get exactly zero weight, and their values are zeroed before the
-    product, so whatever unused slots hold (even NaN) cannot reach the output; a query
+    Returns the output [B, T, N, H] and how many blocks of the capacity were read (a scalar).
+    The number of blocks, ceil(last seen slot / block), is a traced value: a decode loop
+    compiles once and each step pays for what is filled, not for the capacity. When those
+    blocks cover more than `whole_share` of the capacity, one product over every slot
+    costs less than the loop (`_attend_whole`); otherwise the blocks run in a
+    `lax.while_loop` (`_attend_filled_blocks`). Either way slots a query may not see get
+    exactly zero weight, whatever they hold (even NaN) cannot reach the output, and a query
     that sees no slot at all returns zeros.
-
-    Each block is sliced straight out of the stack, so a scanned layer reads its blocks
-    without first copying its whole layer out of the stack.
     """
     batch, num_queries, num_heads, head_dim = q_BTNH.shape
     _, _, kv_heads, capacity, _ = k_LBKSH.shape
     group, block = num_heads // kv_heads, min(block_size, capacity)
-    heads, rows = batch * kv_heads, group * num_queries
     # (B, K) merged into one batch axis X of heads and (G, T) into M query rows: with one
     # batch axis the products take each block as it is sliced. With two, (B, K), a backend
     # that drops a unit B axis (XLA:CPU does) copies K transposed for every product.
     q_XMH = (q_BTNH.reshape(batch, num_queries, kv_heads, group, head_dim)
-             .transpose(0, 2, 3, 1, 4).reshape(heads, rows, head_dim))
+             .transpose(0, 2, 3, 1, 4).reshape(batch * kv_heads, group * num_queries, head_dim))
     q_XMH = q_XMH.astype(jnp.float32) / jnp.sqrt(float(head_dim))
     slots_S = jnp.arange(capacity, dtype=jnp.int32)
     last_seen = jnp.max(jnp.where(mask_BTS, slots_S + 1, 0))
     num_blocks = (last_seen + block - 1) // block
+    all_blocks = -(-capacity // block)
+    args = (q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS)
+    out_XMH, blocks_read = jax.lax.cond(
+        num_blocks * block > whole_share * capacity,
+        lambda: (_attend_whole(*args), jnp.asarray(all_blocks, jnp.int32)),
+        lambda: (_attend_filled_blocks(*args, block, num_blocks), num_blocks))
+    out = out_XMH.reshape(batch, kv_heads, group, num_queries, head_dim).transpose(
+        0, 3, 1, 2, 4).reshape(q_BTNH.shape)
+    return out.astype(q_BTNH.dtype), blocks_read
+
+
+def _attend_whole(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS):
+    """Softmax attention over every slot of the layer in two products. Returns [X, M, H]."""
+    _, batch, kv_heads, capacity, head_dim = k_LBKSH.shape
+    num_queries = mask_BTS.shape[1]
+    group = q_XMH.shape[1] // num_queries
+    k_XSH = jax.lax.dynamic_index_in_dim(k_LBKSH, layer, keepdims=False).reshape(
+        -1, capacity, head_dim)
+    v_BKSH = jax.lax.dynamic_index_in_dim(v_LBKSH, layer, keepdims=False)
+    logits_XMS = jnp.einsum("XMH,XSH->XMS", q_XMH.astype(k_XSH.dtype), k_XSH,
+                            preferred_element_type=jnp.float32)
+    logits_BKGTS = jnp.where(mask_BTS[:, None, None],
+                             logits_XMS.reshape(batch, kv_heads, group, num_queries, capacity),
+                             -jnp.inf)
+    top = jnp.max(logits_BKGTS, axis=-1, keepdims=True)
+    weights = jnp.exp(logits_BKGTS - jnp.where(jnp.isfinite(top), top, 0.0))
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    weights_XMS = (weights / jnp.where(total > 0, total, 1.0)).reshape(logits_XMS.shape)
+
+    def mix(v_BKSH):
+        return jnp.einsum("XMS,XSH->XMH", weights_XMS.astype(v_BKSH.dtype),
+                          v_BKSH.reshape(-1, capacity, head_dim),
+                          preferred_element_type=jnp.float32)
+
+    # Unseen slots have weight exactly 0, so only a non-finite value in one can reach the
+    # output (0 * NaN). Zeroing them first would copy the whole V; instead the rare output
+    # that is not finite is mixed again from a copy with the unseen slots zeroed.
+    out_XMH = mix(v_BKSH)
+    seen_B1S1 = jnp.any(mask_BTS, axis=1)[:, None, :, None]
+    return jax.lax.cond(jnp.all(jnp.isfinite(out_XMH)), lambda: out_XMH,
+                        lambda: mix(jnp.where(seen_B1S1, v_BKSH, 0)))
+
+
+def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, block, num_blocks):
+    """The online softmax (FlashAttention's recurrence) over the first `num_blocks` blocks
+    of `block` slots, in a `lax.while_loop`. Returns [X, M, H].
+
+    Per query it keeps a running max m, a running sum l of exp(logit - m) and an
+    accumulator of the weighted values, both rescaled by exp(m_old - m_new) whenever a block
+    raises the max. The values of unseen slots are zeroed before their product. Each block
+    is sliced straight out of the stack, so a scanned layer reads its blocks without first
+    copying its whole layer out of the stack.
+    """
+    _, batch, kv_heads, capacity, head_dim = k_LBKSH.shape
+    heads, rows, _ = q_XMH.shape
+    num_queries = mask_BTS.shape[1]
+    group = rows // num_queries
 
     def read_block(stack_LBKSH, start):  # -> [X, C, H], C = block slots
         # The stack goes into the loop as it is, not reshaped: at batch 1 XLA:CPU fuses the
@@ -111,12 +170,9 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
     stats_shape = (batch, kv_heads, group, num_queries)
     init = (jnp.zeros((), jnp.int32), jnp.full(stats_shape, -jnp.inf, jnp.float32),
             jnp.zeros(stats_shape, jnp.float32), jnp.zeros((heads, rows, head_dim), jnp.float32))
-    blocks_run, _, sum_BKGT, acc_XMH = jax.lax.while_loop(
+    _, _, sum_BKGT, acc_XMH = jax.lax.while_loop(
         lambda carry: carry[0] < num_blocks, body, init)
-    out_XMH = acc_XMH / jnp.where(sum_BKGT > 0, sum_BKGT, 1.0).reshape(heads, rows, 1)
-    out = out_XMH.reshape(batch, kv_heads, group, num_queries, head_dim).transpose(
-        0, 3, 1, 2, 4).reshape(q_BTNH.shape)
-    return out.astype(q_BTNH.dtype), blocks_run
+    return acc_XMH / jnp.where(sum_BKGT > 0, sum_BKGT, 1.0).reshape(heads, rows, 1)
 
 
 def _zero_rows_without_keys(out_BTNH, mask_BTS):

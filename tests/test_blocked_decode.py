@@ -12,7 +12,10 @@ from test_attention import numpy_attention
 from kvjax import decode
 from kvjax import model as M
 
-blocked = jax.jit(attention.attend_blocks, static_argnums=5)
+blocked = jax.jit(attention.attend_blocks, static_argnums=5, static_argnames="whole_share")
+# `whole_share` settings that force each of the two ways to read the cache: the loop over the
+# filled blocks, or one product over every slot.
+WAYS = pytest.mark.parametrize("share", [float("inf"), 0.0], ids=["blocks", "whole"])
 
 
 def relative_error(out, reference):
@@ -34,46 +37,61 @@ def cache_inputs(seed, batch, queries, heads, kv_heads, capacity, lengths, dim=8
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("block", [1, 4, 5, 64])
-def test_blocks_equal_full_attention_and_the_formula(heads, kv_heads, block):
+@WAYS
+def test_blocks_equal_full_attention_and_the_formula(heads, kv_heads, block, share):
     # Rows of different lengths, 2 queries each (a chunk after the prefill), a capacity that
     # 4 and 5 do not divide evenly past the longest row (17 slots), and a block larger than
     # the capacity.
     lengths = [17, 3, 9]
     q, k, v, mask = cache_inputs(0, 3, 2, heads, kv_heads, 24, lengths)
-    out, blocks = blocked(q, k, v, 0, mask, block)
+    out, blocks = blocked(q, k, v, 0, mask, block, whole_share=share)
     fresh_k, fresh_v = (x[0].transpose(0, 2, 1, 3) for x in (k, v))  # [B, S, K, H]
     full = np.asarray(M.attend(q, fresh_k, fresh_v, jnp.asarray(mask)))
     assert relative_error(out, full) <= 1e-5
     assert relative_error(out, numpy_attention(q, fresh_k, fresh_v, mask)) <= 1e-5
-    assert int(blocks) == -(-17 // min(block, 24))
+    filled = 17 if share == float("inf") else 24  # the whole way reads every block
+    assert int(blocks) == -(-filled // min(block, 24))
 
 
-def test_rows_without_keys_give_zeros_and_no_nan():
+@WAYS
+def test_rows_without_keys_give_zeros_and_no_nan(share):
     q, k, v, mask = cache_inputs(1, 3, 1, 4, 2, 16, [5, 1, 12])
     mask[1] = False  # row 1 may see nothing
-    out, _ = blocked(q, k, v, 0, mask, 4)
+    out, _ = blocked(q, k, v, 0, mask, 4, whole_share=share)
     assert np.isfinite(out).all()
     np.testing.assert_array_equal(out[1], 0.0)
-    _, none_run = blocked(q, k, v, 0, np.zeros_like(mask), 4)
-    assert int(none_run) == 0
+    out, none_run = blocked(q, k, v, 0, np.zeros_like(mask), 4, whole_share=share)
+    np.testing.assert_array_equal(out, 0.0)
+    assert int(none_run) == 0  # nothing to see: nothing read, whatever the share
 
 
-def test_nan_in_unused_slots_changes_nothing():
+@WAYS
+def test_nan_in_unused_slots_changes_nothing(share):
     lengths = np.array([6, 2, 11])
     q, k, v, mask = cache_inputs(2, 3, 1, 4, 1, 16, lengths)
     unused = np.arange(16)[None, None, None, :, None] >= lengths[None, :, None, None, None]
     poisoned = [np.where(unused, np.nan, x) for x in (k, v)]
-    np.testing.assert_array_equal(blocked(q, *poisoned, 0, mask, 4)[0],
-                                  blocked(q, k, v, 0, mask, 4)[0])
+    out = blocked(q, *poisoned, 0, mask, 4, whole_share=share)[0]
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, blocked(q, k, v, 0, mask, 4, whole_share=share)[0],
+                               rtol=1e-6, atol=1e-7)
 
 
-def test_reads_blocks_of_the_stack_at_a_traced_layer():
+@WAYS
+def test_reads_blocks_of_the_stack_at_a_traced_layer(share):
     lengths = [7, 4]
     q, k, v, mask = cache_inputs(3, 2, 1, 4, 2, 12, lengths)
     stack_k, stack_v = (np.concatenate([np.full_like(x, np.nan), x, -x]) for x in (k, v))
-    expected, _ = blocked(q, k, v, 0, mask, 4)
-    np.testing.assert_array_equal(blocked(q, stack_k, stack_v, jnp.int32(1), mask, 4)[0],
-                                  expected)
+    expected, _ = blocked(q, k, v, 0, mask, 4, whole_share=share)
+    out = blocked(q, stack_k, stack_v, jnp.int32(1), mask, 4, whole_share=share)[0]
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_the_two_ways_agree():
+    q, k, v, mask = cache_inputs(4, 3, 2, 4, 2, 24, [17, 3, 9])
+    by_blocks, _ = blocked(q, k, v, 0, mask, 4, whole_share=float("inf"))
+    whole, _ = blocked(q, k, v, 0, mask, 4, whole_share=0.0)
+    assert relative_error(by_blocks, np.asarray(whole, np.float64)) <= 1e-6
 
 
 # Whole models: decode steps, the encoder-decoder's cross-attention and beam search. -----
@@ -144,15 +162,17 @@ def test_a_step_runs_fewer_blocks_when_rows_are_short(monkeypatch):
     config, params = small_blocks("decoder_only", "scanned", block=4, max_len=48)
     step = jax.jit(lambda tokens, cache: M.step_fn(config, params)(tokens, cache))
     blocks = []
-    for filled in ([2, 3], [2, 30]):
+    for filled in ([2, 3], [2, 8], [2, 30]):
         cache = M.init_cache(config, 2, 40).replace(lengths=jnp.array(filled, jnp.int32))
         jax.block_until_ready(step(jnp.ones((2, 1), jnp.int32), cache))
         jax.effects_barrier()
         blocks.append(set(counts))
         counts.clear()
-    # After the step the rows hold 3 and 4 slots (one block of 4), then 3 and 31 (8 blocks);
-    # every layer's loop runs as many of the 10 blocks of the capacity.
-    assert blocks == [{1}, {8}]
+    # After the step the rows hold 3 and 4 slots (one block of 4), then 3 and 9 (3 blocks):
+    # every layer reads that many of the 10 blocks of the capacity. At 3 and 31 (8 blocks,
+    # more than `WHOLE_CACHE_SHARE` of the capacity) it reads all 10 in one product.
+    assert attention.WHOLE_CACHE_SHARE * 40 < 8 * 4
+    assert blocks == [{1}, {3}, {10}]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
