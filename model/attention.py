@@ -42,7 +42,10 @@ def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
 
 # Per slot, a block of the loop below costs XLA:CPU about three times what one product over
 # the whole cache does (each block is copied out of the cache before its products), so a
-# step whose filled blocks cover more than this share of the capacity reads all of it.
+# step whose filled blocks cover more than this share of a layer's capacity reads all of it.
+# A stack of several layers (scanned layers) is always read by blocks: a product over one
+# of its layers copies that whole layer out of the stack first, which costs more than the
+# blocks.
 WHOLE_CACHE_SHARE = 1 / 3
 
 
@@ -55,9 +58,9 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
     Returns the output [B, T, N, H] and how many blocks of the capacity were read (a scalar).
     The number of blocks, ceil(last seen slot / block), is a traced value: a decode loop
     compiles once and each step pays for what is filled, not for the capacity. When those
-    blocks cover more than `whole_share` of the capacity, one product over every slot
-    costs less than the loop (`_attend_whole`); otherwise the blocks run in a
-    `lax.while_loop` (`_attend_filled_blocks`). Either way slots a query may not see get
+    blocks cover more than `whole_share` of the capacity and the stack holds one layer, one
+    product over every slot costs less than the loop (`_attend_whole`); otherwise the blocks
+    run in a `lax.while_loop` (`_attend_filled_blocks`). Either way slots a query may not see get
     exactly zero weight, whatever they hold (even NaN) cannot reach the output, and a query
     that sees no slot at all returns zeros.
     """
@@ -75,13 +78,22 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
     num_blocks = (last_seen + block - 1) // block
     all_blocks = -(-capacity // block)
     args = (q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS)
+    if k_LBKSH.shape[0] > 1:
+        out_XMH = _attend_filled_blocks(*args, block, num_blocks)
+        return _to_BTNH(out_XMH, q_BTNH), num_blocks
     out_XMH, blocks_read = jax.lax.cond(
         num_blocks * block > whole_share * capacity,
         lambda: (_attend_whole(*args), jnp.asarray(all_blocks, jnp.int32)),
         lambda: (_attend_filled_blocks(*args, block, num_blocks), num_blocks))
-    out = out_XMH.reshape(batch, kv_heads, group, num_queries, head_dim).transpose(
-        0, 3, 1, 2, 4).reshape(q_BTNH.shape)
-    return out.astype(q_BTNH.dtype), blocks_read
+    return _to_BTNH(out_XMH, q_BTNH), blocks_read
+
+
+def _to_BTNH(out_XMH, q_BTNH):
+    """The [X, M, H] output back in the query's [B, T, N, H] layout and dtype."""
+    batch, num_queries, num_heads, head_dim = q_BTNH.shape
+    kv_heads = out_XMH.shape[0] // batch
+    out = out_XMH.reshape(batch, kv_heads, num_heads // kv_heads, num_queries, head_dim)
+    return out.transpose(0, 3, 1, 2, 4).reshape(q_BTNH.shape).astype(q_BTNH.dtype)
 
 
 def _attend_whole(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS):

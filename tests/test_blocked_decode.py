@@ -76,14 +76,15 @@ def test_nan_in_unused_slots_changes_nothing(share):
     np.testing.assert_array_equal(out, blocked(q, k, v, 0, mask, 4, whole_share=share)[0])
 
 
-@WAYS
-def test_reads_blocks_of_the_stack_at_a_traced_layer(share):
+def test_reads_blocks_of_the_stack_at_a_traced_layer():
     lengths = [7, 4]
     q, k, v, mask = cache_inputs(3, 2, 1, 4, 2, 12, lengths)
     stack_k, stack_v = (np.concatenate([np.full_like(x, np.nan), x, -x]) for x in (k, v))
-    expected, _ = blocked(q, k, v, 0, mask, 4, whole_share=share)
-    out = blocked(q, stack_k, stack_v, jnp.int32(1), mask, 4, whole_share=share)[0]
+    expected, _ = blocked(q, k, v, 0, mask, 4, whole_share=float("inf"))
+    # A stack of several layers is read by blocks even when the whole-layer way is asked for.
+    out, blocks = blocked(q, stack_k, stack_v, jnp.int32(1), mask, 4, whole_share=0.0)
     np.testing.assert_array_equal(out, expected)
+    assert int(blocks) == 2
 
 
 def test_the_two_ways_agree():
@@ -147,7 +148,8 @@ def test_model_step_ignores_nan_in_unused_cache_slots(layout):
                                   run_cached(config, params, step, cache)[0])
 
 
-def test_a_step_runs_fewer_blocks_when_rows_are_short(monkeypatch):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_step_runs_fewer_blocks_when_rows_are_short(monkeypatch, layout):
     """Counts the blocks each layer's loop runs with a debug callback in a small model."""
     counts = []
 
@@ -158,7 +160,7 @@ def test_a_step_runs_fewer_blocks_when_rows_are_short(monkeypatch):
 
     attend_blocks = attention.attend_blocks
     monkeypatch.setattr(attention, "attend_blocks", counting)
-    config, params = small_blocks("decoder_only", "scanned", block=4, max_len=48)
+    config, params = small_blocks("decoder_only", layout, block=4, max_len=48)
     step = jax.jit(lambda tokens, cache: M.step_fn(config, params)(tokens, cache))
     blocks = []
     for filled in ([2, 3], [2, 8], [2, 30]):
@@ -168,10 +170,11 @@ def test_a_step_runs_fewer_blocks_when_rows_are_short(monkeypatch):
         blocks.append(set(counts))
         counts.clear()
     # After the step the rows hold 3 and 4 slots (one block of 4), then 3 and 9 (3 blocks):
-    # every layer reads that many of the 10 blocks of the capacity. At 3 and 31 (8 blocks,
-    # more than `WHOLE_CACHE_SHARE` of the capacity) it reads all 10 in one product.
+    # every layer reads that many of the 10 blocks of the capacity. At 3 and 31 it reads 8
+    # blocks from a scanned stack; unrolled, 8 blocks are more than `WHOLE_CACHE_SHARE` of
+    # the layer, so it reads all 10 in one product.
     assert attention.WHOLE_CACHE_SHARE * 40 < 8 * 4
-    assert blocks == [{1}, {3}, {10}]
+    assert blocks == [{1}, {3}, {8 if layout == "scanned" else 10}]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
