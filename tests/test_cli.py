@@ -89,18 +89,6 @@ def test_the_cli_choices_are_the_librarys():
     assert cli.LAYER_MODES == bench.LAYER_MODES
 
 
-def test_decode_benchmark_times_both_layer_modes_on_the_same_weights():
-    from kvjax import bench
-    rows, facts = bench.decode_benchmark("tiny", batch_sizes=(2,), prompt_len=4, new_tokens=8,
-                                         repeats=1, compare_hf=False, log=lambda _: None)
-    assert [(r.batch, r.layers) for r in rows] == [(2, "scanned"), (2, "unrolled")]
-    assert rows[0].no_cache_seconds == rows[1].no_cache_seconds > 0
-    table = bench.format_table(rows, facts)
-    assert "| 2 | scanned |" in table and "| 2 | unrolled |" in table
-    assert facts.weights_only_seconds > 0
-    assert f"take {facts.weights_only_seconds * 1e3:.2f} ms" in table
-
-
 def test_weights_alone_multiplies_every_matrix_parameter_once():
     from kvjax import bench
     # One head: qkv is [D, 3, D], which is not an output projection. Every size distinct.

@@ -50,8 +50,9 @@ def test_scanned_layers_generate_what_unrolled_layers_generate(tiny):
     assert not config.scan_layers  # the default
     scanned, params_scanned = M.with_layer_layout(config, params, scan_layers=True)
     net_scanned = M.build_model(scanned)
-    for kwargs in (dict(), dict(temperature=0.9, top_k=20, rng=jax.random.key(3)),
-                   dict(num_beams=3)):
+    # Sampling draws from the same logits whatever the layout; greedy and beam search
+    # (which reorders the cache) are what could tell the layouts apart.
+    for kwargs in (dict(), dict(num_beams=3)):
         unrolled_out = decode.generate(net, params, PROMPTS, max_new_tokens=6, **kwargs)
         scanned_out = decode.generate(net_scanned, params_scanned, PROMPTS, max_new_tokens=6,
                                       **kwargs)

@@ -43,10 +43,16 @@ def test_greedy_tokens_equal_one_device(model):
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_array_equal(got.lengths, want.lengths)
     assert got.stop_reasons() == want.stop_reasons()
-    # Params already on the mesh carry it: no `mesh` argument needed.
+
+
+def test_params_on_a_mesh_carry_it():
+    config = VARIANTS["lm unrolled"]
+    net, params = M.build_model(config), M.init_params(config, jax.random.key(0))
+    mesh = parallel.make_mesh("data=4,model=2")
+    want = decode.generate(net, params, PROMPTS, max_new_tokens=NEW, mesh=mesh)
     on_mesh = parallel.shard_params(params, mesh)
-    again = decode.generate(net, on_mesh, PROMPTS, max_new_tokens=NEW, eos_ids=(2,))
-    np.testing.assert_array_equal(again.tokens, want.tokens)
+    got = decode.generate(net, on_mesh, PROMPTS, max_new_tokens=NEW)  # no `mesh` argument
+    np.testing.assert_array_equal(got.tokens, want.tokens)
 
 
 def test_sampled_stream_and_beam_tokens_equal_one_device(some_model):
@@ -96,12 +102,17 @@ def test_decode_loop_gathers_no_index_arrays(scan_layers):
     assert gathered and not [s for s in gathered if s.startswith(("s32", "u32"))], gathered
 
 
-def test_decode_benchmark_adds_rows_split_over_two_devices():
+def test_decode_benchmark_times_both_layer_modes_beside_two_devices():
     from kvjax import bench
 
-    rows, facts = bench.decode_benchmark(
-        "tiny", batch_sizes=(3,), prompt_len=4, new_tokens=8, repeats=1,
-        layer_modes=("scanned",), compare_no_cache=False, compare_hf=False, devices=2,
-        log=lambda _: None)
-    assert [(r.batch, r.label) for r in rows] == [(3, "scanned"), (3, "scanned, 2 devices")]
-    assert "| 3 | scanned, 2 devices |" in bench.format_table(rows, facts)
+    rows, facts = bench.decode_benchmark("tiny", batch_sizes=(3,), prompt_len=4, new_tokens=8,
+                                         repeats=1, compare_hf=False, devices=2,
+                                         log=lambda _: None)
+    assert [(r.batch, r.label) for r in rows] == [
+        (3, "scanned"), (3, "scanned, 2 devices"), (3, "unrolled"), (3, "unrolled, 2 devices")]
+    # One set of weights: recomputing without a cache is timed once for every row.
+    assert len({r.no_cache_seconds for r in rows}) == 1 and rows[0].no_cache_seconds > 0
+    table = bench.format_table(rows, facts)
+    assert "| 3 | scanned, 2 devices |" in table and "| 3 | unrolled |" in table
+    assert facts.weights_only_seconds > 0
+    assert f"take {facts.weights_only_seconds * 1e3:.2f} ms" in table
