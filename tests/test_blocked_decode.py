@@ -76,14 +76,25 @@ def test_nan_in_unused_slots_changes_nothing(share):
     np.testing.assert_array_equal(out, blocked(q, k, v, 0, mask, 4, whole_share=share)[0])
 
 
-def test_reads_blocks_of_the_stack_at_a_traced_layer():
+@WAYS
+def test_reads_blocks_of_the_stack_at_a_traced_layer(share):
     lengths = [7, 4]
     q, k, v, mask = cache_inputs(3, 2, 1, 4, 2, 12, lengths)
     stack_k, stack_v = (np.concatenate([np.full_like(x, np.nan), x, -x]) for x in (k, v))
-    expected, _ = blocked(q, k, v, 0, mask, 4, whole_share=float("inf"))
-    # A stack of several layers is read by blocks even when the whole-layer way is asked for.
-    out, blocks = blocked(q, stack_k, stack_v, jnp.int32(1), mask, 4, whole_share=0.0)
+    expected, _ = blocked(q, k, v, 0, mask, 4, whole_share=share)
+    out = blocked(q, stack_k, stack_v, jnp.int32(1), mask, 4, whole_share=share)[0]
     np.testing.assert_array_equal(out, expected)
+
+
+def test_a_large_stack_is_read_by_blocks_only():
+    # Layers of 2 x 4 x 1024 x 64 float32 (2 MiB): copying one out of the stack for the
+    # whole-layer product would cost more than the blocks it saves.
+    q, k, v, mask = cache_inputs(6, 2, 1, 4, 4, 1024, [70, 5], dim=64)
+    assert k[0].nbytes > attention.STACKED_WHOLE_MAX_BYTES
+    stack_k, stack_v = (np.concatenate([x, -x]) for x in (k, v))
+    expected, _ = blocked(q, k, v, 0, mask, 64, whole_share=float("inf"))
+    out, blocks = blocked(q, stack_k, stack_v, jnp.int32(0), mask, 64, whole_share=0.0)
+    assert relative_error(out, np.asarray(expected, np.float64)) <= 1e-6
     assert int(blocks) == 2
 
 
@@ -148,8 +159,7 @@ def test_model_step_ignores_nan_in_unused_cache_slots(layout):
                                   run_cached(config, params, step, cache)[0])
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_step_runs_fewer_blocks_when_rows_are_short(monkeypatch, layout):
+def test_a_step_runs_fewer_blocks_when_rows_are_short(monkeypatch):
     """Counts the blocks each layer's loop runs with a debug callback in a small model."""
     counts = []
 
@@ -160,7 +170,7 @@ def test_a_step_runs_fewer_blocks_when_rows_are_short(monkeypatch, layout):
 
     attend_blocks = attention.attend_blocks
     monkeypatch.setattr(attention, "attend_blocks", counting)
-    config, params = small_blocks("decoder_only", layout, block=4, max_len=48)
+    config, params = small_blocks("decoder_only", "scanned", block=4, max_len=48)
     step = jax.jit(lambda tokens, cache: M.step_fn(config, params)(tokens, cache))
     blocks = []
     for filled in ([2, 3], [2, 8], [2, 30]):
@@ -170,11 +180,10 @@ def test_a_step_runs_fewer_blocks_when_rows_are_short(monkeypatch, layout):
         blocks.append(set(counts))
         counts.clear()
     # After the step the rows hold 3 and 4 slots (one block of 4), then 3 and 9 (3 blocks):
-    # every layer reads that many of the 10 blocks of the capacity. At 3 and 31 it reads 8
-    # blocks from a scanned stack; unrolled, 8 blocks are more than `WHOLE_CACHE_SHARE` of
-    # the layer, so it reads all 10 in one product.
+    # every layer reads that many of the 10 blocks of the capacity. At 3 and 31 (8 blocks,
+    # more than `WHOLE_CACHE_SHARE` of the capacity) it reads all 10 in one product.
     assert attention.WHOLE_CACHE_SHARE * 40 < 8 * 4
-    assert blocks == [{1}, {3}, {8 if layout == "scanned" else 10}]
+    assert blocks == [{1}, {3}, {10}]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
