@@ -211,10 +211,16 @@ def cross_entropy_sum(logits_BTV, targets_BT, label_smoothing: float = 0.0):
     With label smoothing e, a token's loss is (1 - e) * -log p(target) + e * mean_v -log p(v),
     the cross-entropy against (1 - e) * one_hot(target) + e / V.
     """
-    log_probs_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
-    nll_BT = -jnp.take_along_axis(log_probs_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    logits_BTV = logits_BTV.astype(jnp.float32)
+    log_total_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+    # The target's logit as a product with its one-hot row rather than a gather: the
+    # gather's gradient is a scatter, which XLA:CPU runs as a pass of its own over [B, T, V]
+    # before the gradient's transposing copy; the one-hot product fuses into that copy.
+    one_hot_BTV = jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=logits_BTV.dtype)
+    nll_BT = log_total_BT - jnp.sum(logits_BTV * one_hot_BTV, axis=-1)
     if label_smoothing:
-        nll_BT = (1 - label_smoothing) * nll_BT - label_smoothing * log_probs_BTV.mean(-1)
+        mean_log_prob_BT = logits_BTV.mean(-1) - log_total_BT
+        nll_BT = (1 - label_smoothing) * nll_BT - label_smoothing * mean_log_prob_BT
     weights_BT = (targets_BT != PAD_ID).astype(jnp.float32)
     return (nll_BT * weights_BT).sum(), weights_BT.sum()
 
