@@ -356,7 +356,7 @@ def format_table(rows: Sequence[Row], facts: Facts) -> str:
         f"{weights / floor:.2f}x the floor.")
     for r in batch1:
         step = r.decode_step_seconds
-        lines.append(f"Decode step at batch 1, {r.label} layers: {step * 1e3:.2f} ms = "
+        lines.append(f"Decode step at batch 1 ({r.label}): {step * 1e3:.2f} ms = "
                      f"{step / floor:.2f}x the floor = {step / weights:.2f}x the weights alone.")
     if any(r.layers.endswith("whole cache") for r in rows):
         capacity = bucket(facts.prompt_len, 1 << 30) + bucket(facts.new_tokens, 1 << 30)
