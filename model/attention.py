@@ -44,10 +44,10 @@ def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
 # the whole cache does (each block is copied out of the cache before its products), so a
 # step whose filled blocks cover more than this share of a layer's capacity reads all of it.
 WHOLE_CACHE_SHARE = 1 / 3
-# A product over one layer of a stack of several (scanned layers) first copies that layer
-# out of the stack. For a layer of K larger than this the copy costs more than the blocks it
-# would save, so such a stack is always read by blocks; a smaller one (a few rows) is read
-# like a single layer.
+# A stack of several layers (scanned layers) gets no per-step choice. A product over one of
+# its layers first copies that layer out of the stack: for a layer of K larger than this the
+# copy costs more than the blocks it would save, so the stack is always read by blocks; a
+# smaller layer (a few rows) is always read whole, which costs less than choosing.
 STACKED_WHOLE_MAX_BYTES = 1 << 20
 
 
@@ -61,8 +61,9 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
     The number of blocks, ceil(last seen slot / block), is a traced value: a decode loop
     compiles once and each step pays for what is filled, not for the capacity. When those
     blocks cover more than `whole_share` of the capacity, one product over every slot costs
-    less than the loop (`_attend_whole`), unless the layer must first be copied out of a
-    large stack; otherwise the blocks run in a `lax.while_loop` (`_attend_filled_blocks`).
+    less than the loop (`_attend_whole`); otherwise the blocks run in a `lax.while_loop`
+    (`_attend_filled_blocks`). A stack of several layers is read one way at every step, by
+    its layers' size (`STACKED_WHOLE_MAX_BYTES`).
     Either way slots a query may not see get exactly zero weight, whatever they hold (even
     NaN) cannot reach the output, and a query that sees no slot at all returns zeros.
     """
@@ -80,10 +81,11 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
     num_blocks = (last_seen + block - 1) // block
     all_blocks = -(-capacity // block)
     args = (q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS)
-    layer_bytes = k_LBKSH.size // k_LBKSH.shape[0] * k_LBKSH.dtype.itemsize
-    if k_LBKSH.shape[0] > 1 and layer_bytes > STACKED_WHOLE_MAX_BYTES:
-        out_XMH = _attend_filled_blocks(*args, block, num_blocks)
-        return _to_BTNH(out_XMH, q_BTNH), num_blocks
+    if k_LBKSH.shape[0] > 1:
+        layer_bytes = k_LBKSH.size // k_LBKSH.shape[0] * k_LBKSH.dtype.itemsize
+        if layer_bytes > STACKED_WHOLE_MAX_BYTES:
+            return _to_BTNH(_attend_filled_blocks(*args, block, num_blocks), q_BTNH), num_blocks
+        return _to_BTNH(_attend_whole(*args), q_BTNH), jnp.asarray(all_blocks, jnp.int32)
     out_XMH, blocks_read = jax.lax.cond(
         num_blocks * block > whole_share * capacity,
         lambda: (_attend_whole(*args), jnp.asarray(all_blocks, jnp.int32)),
