@@ -28,6 +28,8 @@ def test_demo_saves_both_checkpoints_where_sampling_finds_them(demo_run):
     assert sorted(p.name for p in out.iterdir()) == sorted([demo.LM_NAME, demo.TRANSLATE_NAME])
     assert not text.load(report.lm_dir).is_translation
     assert text.load(report.translate_dir).is_translation
+    assert 0 <= report.translate_metrics["accuracy"] <= 1
+    assert report.translate_metrics["val_loss"] > 0
 
 
 def test_demo_prints_generations_and_judges_the_quality_bars(demo_run):

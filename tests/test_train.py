@@ -308,20 +308,6 @@ def test_train_lm_end_to_end(tmp_path):
     assert isinstance(tokenizer.decode(output.token_lists()[0]), str)
 
 
-def test_train_translate_end_to_end(tmp_path):
-    out_dir = tmp_path / "numbers"
-    result = tasks.train_translate(
-        out_dir, preset="tiny", model_overrides={"num_encoder_layers": 1}, max_number=300,
-        num_heldout=20, eval_examples=8, vocab_size=300, batch_size=16, **TINY_TRAINING)
-    assert 0 <= result.metrics["accuracy"] <= 1 and result.metrics["val_loss"] > 0
-    config, tokenizer, params = checkpoint.load_for_sampling(out_dir)
-    assert config.is_encoder_decoder
-    source = tokenizer.encode("123") + [EOS_ID]
-    output = decode.generate(M.build_model(config), params, [source], max_new_tokens=4,
-                             eos_ids=(EOS_ID,))
-    assert 1 <= len(output.token_lists()[0]) <= 4
-
-
 def test_exact_match_accuracy_counts_rows_equal_to_their_target(monkeypatch):
     answers = {5: [6, 5, EOS_ID], 7: [9, 9, EOS_ID], 8: [4, 4, 4]}  # 8: stopped without EOS
 
