@@ -15,8 +15,10 @@ loss diverges exits with 1.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+import traceback
 import warnings
 from collections.abc import Sequence
 
@@ -478,6 +480,10 @@ def _enable_compilation_cache(directory: str) -> None:
                       f"{e.strerror or e}") from None
 
 
+def _in_orbax(filename: str) -> bool:
+    return f"{os.sep}orbax{os.sep}" in filename
+
+
 def _quiet_orbax_leftovers(unraisable) -> None:
     """Drops what orbax's background reads print when they are garbage-collected after a
     failed read, whose error was already reported in one line: "Event loop is closed", and
@@ -486,14 +492,26 @@ def _quiet_orbax_leftovers(unraisable) -> None:
     code = getattr(source, "cr_code", None)
     if isinstance(error, RuntimeError) and "Event loop is closed" in str(error):
         return
-    if code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename:
+    if code is not None and _in_orbax(code.co_filename):
         return
     sys.__unraisablehook__(unraisable)
+
+
+def _not_an_orbax_leftover(record: logging.LogRecord) -> bool:
+    """A filter for the `asyncio` logger: False for its report of an orbax read whose
+    exception no one retrieved ("... exception was never retrieved"), the same failed read
+    that was already reported in one line; True for everything else."""
+    error = record.exc_info[1] if record.exc_info else None
+    if error is None or "never retrieved" not in record.getMessage():
+        return True
+    frames = traceback.extract_tb(error.__traceback__)
+    return not any(_in_orbax(frame.filename) for frame in frames)
 
 
 def console_main() -> None:
     """The `kvjax` console script: `main` with asyncio's shutdown noise filtered."""
     sys.unraisablehook = _quiet_orbax_leftovers
+    logging.getLogger("asyncio").addFilter(_not_an_orbax_leftover)
     sys.exit(main())
 
 

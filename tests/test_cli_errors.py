@@ -1,6 +1,7 @@
 """Every misuse of the command line ends with one line on stderr, on its own line, and a known
 exit code; `kvjax sample` reports what it measured and why it stopped."""
 
+import logging
 import os
 import shutil
 import subprocess
@@ -68,6 +69,29 @@ def test_a_damaged_checkpoint_is_one_line_from_the_console_script(tmp_path):
         capture_output=True, text=True, timeout=300)
     assert child.returncode == 2
     assert_one_line(child.stderr, f"cannot read checkpoint {damaged / '1500'}")
+
+
+def _never_retrieved_record(error_in_file: str) -> logging.LogRecord:
+    """What asyncio logs for a gathered read whose exception no one retrieved, for an
+    exception raised by code in `error_in_file`."""
+    namespace = {}
+    exec(compile("def read():\n    raise ValueError('OUT_OF_RANGE')\n", error_in_file, "exec"),
+         namespace)
+    try:
+        namespace["read"]()
+    except ValueError as error:
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 0,
+                                 "_GatheringFuture exception was never retrieved", None,
+                                 (type(error), error, error.__traceback__))
+
+
+def test_the_console_script_drops_only_orbax_reads_no_one_retrieved():
+    orbax_file = os.path.join(os.sep, "site-packages", "orbax", "checkpoint", "serialization.py")
+    assert not cli._not_an_orbax_leftover(_never_retrieved_record(orbax_file))
+    assert cli._not_an_orbax_leftover(_never_retrieved_record(__file__))
+    other = logging.LogRecord("asyncio", logging.ERROR, __file__, 0, "Task was destroyed",
+                              None, None)
+    assert cli._not_an_orbax_leftover(other)
 
 
 def test_a_prompt_too_long_fails_before_anything_is_echoed(capsys):
