@@ -125,10 +125,14 @@ def _attend_whole(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS):
                           preferred_element_type=jnp.float32)
 
     # Unseen slots have weight exactly 0, so only a non-finite value in one can reach the
-    # output (0 * NaN). Zeroing them first would copy the whole V; instead the rare output
-    # that is not finite is mixed again from a copy with the unseen slots zeroed.
-    out_XMH = mix(v_BKSH)
+    # output (0 * NaN): V is read with them zeroed. A layer of a stack of several is copied
+    # out of the stack before its product anyway, and the zeroing rides along with that
+    # copy. A single layer is read in place, where zeroing would copy the whole V; there the
+    # rare output that is not finite is mixed again from a copy with the unseen slots zeroed.
     seen_B1S1 = jnp.any(mask_BTS, axis=1)[:, None, :, None]
+    if v_LBKSH.shape[0] > 1:
+        return mix(jnp.where(seen_B1S1, v_BKSH, 0))
+    out_XMH = mix(v_BKSH)
     return jax.lax.cond(jnp.all(jnp.isfinite(out_XMH)), lambda: out_XMH,
                         lambda: mix(jnp.where(seen_B1S1, v_BKSH, 0)))
 

@@ -79,7 +79,10 @@ def test_nan_in_unused_slots_changes_nothing(share):
 def test_reads_a_stack_of_small_layers_whole_at_a_traced_layer():
     lengths = [7, 4]
     q, k, v, mask = cache_inputs(3, 2, 1, 4, 2, 12, lengths)
-    stack_k, stack_v = (np.concatenate([np.full_like(x, np.nan), x, -x]) for x in (k, v))
+    # The layer read, poisoned past each row's length, between a NaN layer and another one.
+    unused_1B1S1 = np.arange(12)[:, None] >= np.reshape(lengths, (1, -1, 1, 1, 1))
+    stack_k, stack_v = (np.concatenate([np.full_like(x, np.nan), np.where(unused_1B1S1, np.nan, x),
+                                        -x]) for x in (k, v))
     expected, _ = blocked(q, k, v, 0, mask, 4, whole_share=0.0)  # the one layer, read whole
     out, blocks = blocked(q, stack_k, stack_v, jnp.int32(1), mask, 4, whole_share=float("inf"))
     np.testing.assert_array_equal(out, expected)
