@@ -96,7 +96,18 @@ def apply_processors(logits_BV: jax.Array, state: ProcessorState,
     """float32 logits after the built-in processors and then `processors`, in order."""
     logits_BV = logits_BV.astype(jnp.float32)
     state = state.replace(settings=state.settings.rows(logits_BV.shape[0]))
-    for processor in (*BUILT_IN, *processors):
+
+    def built_in(logits_BV):
+        for processor in BUILT_IN:
+            logits_BV = processor(logits_BV, state)
+        return logits_BV
+
+    # Off by default: then one cond skips them all, not one cond per processor at every
+    # decode step.
+    settings = state.settings
+    any_on = jnp.any(settings.repetition_penalty != 1) | jnp.any(settings.no_repeat_ngram_size > 0)
+    logits_BV = jax.lax.cond(any_on, built_in, lambda x: x, logits_BV)
+    for processor in processors:
         logits_BV = processor(logits_BV, state)
     return logits_BV
 
