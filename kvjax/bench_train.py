@@ -1,6 +1,6 @@
 """The training benchmark: training tokens per second, kvjax against PyTorch eager.
 
-kvjax runs `train.trainer.train_step` (AdamW, global-norm clipping, one compiled step) on
+kvjax runs `kvjax.train.update.train_step` (AdamW, global-norm clipping, one compiled step) on
 a decoder-only LM of a preset's sizes with random tokens, on one device and, with
 `devices > 1`, with each batch split over that many devices (`data` of a mesh; on a CPU,
 host devices). PyTorch runs Hugging Face's GPT-2 of the same sizes in eager mode with the
@@ -52,17 +52,18 @@ def _best_step_seconds(step: Callable[[], object], steps: int, repeats: int) -> 
 
 
 def _kvjax_step(config: M.TransformerConfig, batch_np: dict, mesh) -> Callable[[], object]:
-    from kvjax.train import trainer
+    from kvjax.train import update
+    from kvjax.train.config import TrainConfig
 
-    train_config = trainer.TrainConfig(steps=10_000, batch_size=len(batch_np["inputs"]),
-                                       warmup_steps=10, progress=False)
-    update_config = trainer._update_config(train_config)
-    holder = {"state": trainer.init_state(config, train_config, mesh)}
+    train_config = TrainConfig(steps=10_000, batch_size=len(batch_np["inputs"]), warmup_steps=10,
+                               progress=False)
+    step_config = update.compiled_fields(train_config)
+    holder = {"state": update.init_state(config, train_config, mesh)}
     batch = batch_np if mesh is None else parallel.shard_batch(batch_np, mesh)
 
     def step():
-        holder["state"], loss = trainer.train_step(config, update_config, holder["state"],
-                                                   batch, mesh=mesh)
+        holder["state"], loss = update.train_step(config, step_config, holder["state"], batch,
+                                                  mesh=mesh)
         return loss
 
     return step

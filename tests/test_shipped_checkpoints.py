@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 from kvjax.train import data, tasks
-from kvjax.train.trainer import validation_loss
+from kvjax.train.update import validation_loss
 
 from kvjax import checkpoint, cli, decode, text
 from kvjax import model as M

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kvjax.train import data, tasks, trainer
-from kvjax.train.trainer import TrainConfig, TrainTask
+from kvjax.train import data, run_dir, tasks, trainer, update
+from kvjax.train.config import TrainConfig, TrainTask
 
 from kvjax import checkpoint, decode
 from kvjax import model as M
@@ -123,7 +123,7 @@ def test_resumed_run_continues_with_identical_losses(copy_model, copy_task, copy
     assert sorted(first.losses) == list(range(1, half + 1))
     assert checkpoint.latest_step(tmp_path) == half
     # A run killed after its checkpoint leaves records the resumed run must replace.
-    with open(tmp_path / trainer.METRICS_FILE, "a") as f:
+    with open(tmp_path / run_dir.METRICS_FILE, "a") as f:
         f.write(json.dumps({"step": half + 30, "loss": -1.0}) + "\n")
 
     resumed = trainer.train(copy_model, COPY_CONFIG, copy_task, tmp_path, resume=True)
@@ -139,14 +139,14 @@ def test_resumed_run_continues_with_identical_losses(copy_model, copy_task, copy
 def test_dropout_key_is_derived_from_the_step(copy_model, copy_task, copy_run):
     # The shared run trains with dropout, so the resume test above also shows that dropout is
     # reproduced. Here: the key really changes the update, and it depends on the step only.
-    state = trainer.init_state(copy_model, COPY_CONFIG)
+    state = update.init_state(copy_model, COPY_CONFIG)
     batch = {key: value[:32] for key, value in copy_task.train.items()}
-    step_config = trainer._update_config(COPY_CONFIG)
+    step_config = update.compiled_fields(COPY_CONFIG)
 
     def loss_at(step: int, seed: int) -> float:
         rng = jax.random.key_data(jax.random.key(seed))
         start = jax.tree.map(jnp.copy, state.replace(step=jnp.int32(step), rng=rng))
-        return float(trainer.train_step(copy_model, step_config, start, batch)[1])
+        return float(update.train_step(copy_model, step_config, start, batch)[1])
 
     assert loss_at(3, seed=0) == loss_at(3, seed=0)
     assert loss_at(3, seed=0) != loss_at(4, seed=0)
@@ -157,7 +157,7 @@ def test_dropout_key_is_derived_from_the_step(copy_model, copy_task, copy_run):
 
 
 def read_records(out_dir: Path) -> list[dict]:
-    lines = (out_dir / trainer.METRICS_FILE).read_text().splitlines()
+    lines = (out_dir / run_dir.METRICS_FILE).read_text().splitlines()
     return [json.loads(line) for line in lines]
 
 
@@ -214,17 +214,17 @@ def test_cross_entropy_is_the_masked_mean(label_smoothing):
     targets = rng.integers(1, 11, size=(3, 5))
     targets[0, 3:] = PAD_ID
     targets[2, 1:] = PAD_ID
-    total, count = trainer.cross_entropy_sum(logits, targets, label_smoothing)
+    total, count = update.cross_entropy_sum(logits, targets, label_smoothing)
     assert count == 9
     expected = numpy_cross_entropy(logits.astype(np.float64), targets, label_smoothing)
     np.testing.assert_allclose(total / count, expected, rtol=1e-5)
     logits[targets == PAD_ID] = 100.0  # what the model says at padding does not count
-    assert trainer.cross_entropy_sum(logits, targets, label_smoothing)[0] == pytest.approx(total)
+    assert update.cross_entropy_sum(logits, targets, label_smoothing)[0] == pytest.approx(total)
 
 
 def test_learning_rate_warms_up_then_decays():
     config = TrainConfig(steps=100, learning_rate=1e-2, warmup_steps=10, final_lr_fraction=0.1)
-    schedule = trainer.learning_rate_schedule(config)
+    schedule = update.learning_rate_schedule(config)
     assert float(schedule(0)) == 0.0
     assert float(schedule(5)) == pytest.approx(5e-3)
     assert float(schedule(10)) == pytest.approx(1e-2)
@@ -238,7 +238,7 @@ def test_weight_decay_takes_the_same_step_for_scanned_and_unrolled_layers():
     unrolled = scanned.replace(scan_layers=False)
     params = M.init_params(scanned, jax.random.key(0))
     params = jax.tree.map(lambda p: p + 0.5, params)  # no param at zero: decay moves each
-    optimizer = trainer.make_optimizer(TrainConfig(steps=10, warmup_steps=0, weight_decay=0.5))
+    optimizer = update.make_optimizer(TrainConfig(steps=10, warmup_steps=0, weight_decay=0.5))
 
     @jax.jit  # one program per tree structure, not one per eager op and leaf shape
     def one_step(p):  # with zero gradients, the update is the weight decay alone
@@ -253,7 +253,7 @@ def test_weight_decay_takes_the_same_step_for_scanned_and_unrolled_layers():
                             jax.tree.leaves(moved_unrolled), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, err_msg=jax.tree_util.keystr(path))
         name = path[-1].key
-        assert bool(np.any(np.asarray(a) != 0)) == (name in trainer.DECAYED_PARAMS), name
+        assert bool(np.any(np.asarray(a) != 0)) == (name in update.DECAYED_PARAMS), name
 
 
 def test_invalid_train_config_names_the_field():

@@ -16,8 +16,9 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from kvjax.train import data, tasks, trainer
-from kvjax.train.trainer import TrainConfig, TrainingDiverged, TrainingInterrupted, TrainTask
+from kvjax.train import data, run_dir, tasks, trainer
+from kvjax.train.config import TrainConfig, TrainTask
+from kvjax.train.trainer import TrainingDiverged, TrainingInterrupted
 
 from kvjax import checkpoint
 from kvjax import model as M
@@ -68,7 +69,7 @@ def test_checkpoints_every_tenth_of_the_run_by_default(full_run):
     assert TRAIN.save_every is None and TRAIN.save_interval == 3
     assert saved_steps(full_run.out_dir) == [27, 30]  # keep_checkpoints=2 of 3, 6, ..., 30
     assert TrainConfig(steps=5, warmup_steps=0).save_interval == 1
-    record = json.loads((full_run.out_dir / trainer.RUN_FILE).read_text())
+    record = json.loads((full_run.out_dir / run_dir.RUN_FILE).read_text())
     assert record["training"]["steps"] == STEPS and record["data"] == {"windows": "repeat-0"}
 
 
@@ -182,7 +183,7 @@ def test_a_diverging_run_stops_with_an_error_and_saves_no_nan(faults_task, tmp_p
         assert all(np.isfinite(np.asarray(x)).all() for x in leaves)
     else:
         assert "no checkpoint was saved" in str(info.value)
-    assert not (tmp_path / trainer.LOSS_CURVE_FILE).exists()
+    assert not (tmp_path / run_dir.LOSS_CURVE_FILE).exists()
 
 
 # One trainer per directory; run records ---------------------------------------------------------
@@ -193,7 +194,7 @@ def test_a_second_trainer_on_the_same_directory_is_refused(faults_task, tmp_path
     holder = subprocess.Popen(
         [sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1], 'a'); "
          "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); sys.stdin.read()",
-         str(tmp_path / trainer.LOCK_FILE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+         str(tmp_path / run_dir.LOCK_FILE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
@@ -213,7 +214,7 @@ def test_resume_refuses_other_steps_or_data_unless_allowed(faults_task, full_run
     with pytest.raises(checkpoint.CheckpointError, match=r"other settings \(steps: 30 then, 40 "
                        r"now\).*--allow-changes"):
         trainer.train(config, TRAIN.replace(steps=40), task, full_run.out_dir, resume=True)
-    record = json.loads((full_run.out_dir / trainer.RUN_FILE).read_text())
+    record = json.loads((full_run.out_dir / run_dir.RUN_FILE).read_text())
     assert record["training"]["steps"] == STEPS  # the refused calls changed nothing
 
 
@@ -223,7 +224,7 @@ def test_resume_with_allowed_changes_records_them(faults_task, tmp_path):
     other_data = dataclasses.replace(task, data={"windows": "repeat-1"})
     trainer.train(config, TRAIN, other_data, tmp_path, resume=True, stop_after=6,
                   allow_changes=True)
-    record = json.loads((tmp_path / trainer.RUN_FILE).read_text())
+    record = json.loads((tmp_path / run_dir.RUN_FILE).read_text())
     assert record["data"] == {"windows": "repeat-1"}
     assert record["resumed_with_changes_at_step"] == 3
 
@@ -255,5 +256,5 @@ def test_an_lm_without_validation_text_reports_no_validation_metrics(tmp_path):
                             val_fraction=0.0, steps=8, warmup_steps=2, eval_every=4,
                             save_every=4, progress=False)
     assert result.step == 8 and result.metrics == {}
-    records = [json.loads(line) for line in (tmp_path / "lm" / trainer.METRICS_FILE).open()]
+    records = [json.loads(line) for line in (tmp_path / "lm" / run_dir.METRICS_FILE).open()]
     assert records and not any("val_loss" in r or "unigram_ppl" in r for r in records)

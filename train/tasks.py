@@ -1,6 +1,6 @@
 """The two training pipelines: a decoder-only language model and an encoder-decoder translator.
 
-Each builds a tokenizer, the data and the model config, then runs `train.trainer.train`. The
+Each builds a tokenizer, the data and the model config, then runs `trainer.train`. The
 defaults (`LM_SETTINGS`, `TRANSLATE_SETTINGS`) are the demo settings, sized to train in about
 two minutes each on a 2-core CPU. Any field of the settings or of their `TrainConfig` can be
 overridden by keyword::
@@ -8,7 +8,7 @@ overridden by keyword::
     train_lm("runs/lm", steps=200, seq_len=64)
     train_translate("runs/numbers", max_number=1000, num_heldout=100, progress=False)
 
-`mesh` (`kvjax.parallel.make_mesh`) trains on many devices (see `train.trainer.train`).
+`mesh` (`kvjax.parallel.make_mesh`) trains on many devices (see `trainer.train`).
 
 Shapes: N examples, T tokens per example, S source tokens.
 """
@@ -31,7 +31,8 @@ from kvjax import model as M
 from kvjax.tokenizer import EOS_ID, PAD_ID, Tokenizer, train_tokenizer
 
 from . import data, trainer
-from .trainer import TrainConfig, TrainResult, TrainTask
+from .config import TrainConfig, TrainTask
+from .trainer import TrainResult
 
 
 @dataclasses.dataclass(frozen=True)

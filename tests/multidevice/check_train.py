@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 from kvjax.train import data, tasks, trainer
-from kvjax.train.trainer import TrainConfig, TrainTask
+from kvjax.train.config import TrainConfig, TrainTask
 
 from kvjax import checkpoint, parallel
 from kvjax import model as M

@@ -1,0 +1,172 @@
+"""One training update: the loss, the optimizer, and the compiled step and evaluation.
+
+`train_step` is one AdamW update with a linear warmup into a cosine decay and global-norm
+gradient clipping; `validation_loss` is the mean cross-entropy over a validation set. Batches
+are dicts of arrays as `kvjax.train.trainer` describes them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from kvjax import model as M
+from kvjax import parallel
+from kvjax.tokenizer import PAD_ID
+
+from .config import TrainConfig
+
+Batch = Mapping[str, np.ndarray]
+
+
+@flax.struct.dataclass
+class TrainState:
+    """params and opt_state (pytrees), step int32[] (updates done = index of the next batch),
+    rng uint32[2] (key data of the run's base key; step s uses fold_in(rng, s))."""
+
+    params: Any
+    opt_state: Any
+    step: jax.Array
+    rng: jax.Array
+
+
+# Loss ------------------------------------------------------------------------------------------
+
+
+def cross_entropy_sum(logits_BTV, targets_BT, label_smoothing: float = 0.0):
+    """(sum of per-token losses, number of non-PAD targets); PAD targets count for nothing.
+
+    With label smoothing e, a token's loss is (1 - e) * -log p(target) + e * mean_v -log p(v),
+    the cross-entropy against (1 - e) * one_hot(target) + e / V.
+    """
+    logits_BTV = logits_BTV.astype(jnp.float32)
+    log_total_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+    # The target's logit as a product with its one-hot row rather than a gather: the
+    # gather's gradient is a scatter, which XLA:CPU runs as a pass of its own over [B, T, V]
+    # before the gradient's transposing copy; the one-hot product fuses into that copy.
+    one_hot_BTV = jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=logits_BTV.dtype)
+    nll_BT = log_total_BT - jnp.sum(logits_BTV * one_hot_BTV, axis=-1)
+    if label_smoothing:
+        mean_log_prob_BT = logits_BTV.mean(-1) - log_total_BT
+        nll_BT = (1 - label_smoothing) * nll_BT - label_smoothing * mean_log_prob_BT
+    weights_BT = (targets_BT != PAD_ID).astype(jnp.float32)
+    return (nll_BT * weights_BT).sum(), weights_BT.sum()
+
+
+# Optimizer and compiled steps ------------------------------------------------------------------
+
+
+def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=config.learning_rate, warmup_steps=config.warmup_steps,
+        decay_steps=config.steps, end_value=config.learning_rate * config.final_lr_fraction)
+
+
+DECAYED_PARAMS = ("kernel", "embedding", "position_embedding")
+
+
+def decay_mask(params) -> Any:
+    """True for the params weight decay applies to: kernels and embedding tables, chosen by
+    name. Biases and LayerNorm scales are not decayed, whatever their rank: stacked over
+    scanned layers they are [L, D], as a kernel of an unrolled layer is."""
+    def decayed(path, _):
+        return getattr(path[-1], "key", None) in DECAYED_PARAMS
+
+    return jax.tree_util.tree_map_with_path(decayed, params)
+
+
+def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
+    return optax.chain(
+        optax.clip_by_global_norm(config.clip_norm),
+        optax.adamw(learning_rate_schedule(config), b1=config.adam_b1, b2=config.adam_b2,
+                    weight_decay=config.weight_decay, mask=decay_mask),
+    )
+
+
+def compiled_fields(config: TrainConfig) -> TrainConfig:
+    """`config` with the fields `train_step` does not read reset: `train_step` is compiled per
+    TrainConfig, so runs that differ only in them (seed, evaluation, logging, saving) share
+    one compilation."""
+    return config.replace(seed=0, eval_every=1, eval_batches=0, log_every=1, save_every=None,
+                          keep_checkpoints=1, progress=False)
+
+
+def init_state(model_config: M.TransformerConfig, train_config: TrainConfig,
+               mesh: Mesh | None = None) -> TrainState:
+    """The state before the first step: fresh params and optimizer state for the seed, laid
+    out on `mesh` by `parallel.state_shardings` when one is given."""
+    state = _init_state(model_config, compiled_fields(train_config),
+                        jax.random.key(train_config.seed))
+    return state if mesh is None else parallel.shard_params(state, mesh)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _init_state(model_config: M.TransformerConfig, step_config: TrainConfig,
+                seed_key: jax.Array) -> TrainState:
+    params_rng, base_rng = jax.random.split(seed_key)
+    params = M.init_params(model_config, params_rng)
+    return TrainState(params=params, opt_state=make_optimizer(step_config).init(params),
+                      step=jnp.zeros((), jnp.int32), rng=jax.random.key_data(base_rng))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames="mesh", donate_argnums=2)
+def train_step(model_config: M.TransformerConfig, train_config: TrainConfig, state: TrainState,
+               batch: Batch, mesh: Mesh | None = None) -> tuple[TrainState, jax.Array]:
+    """One AdamW update on `batch`; returns the new state and the batch's mean loss.
+
+    With a `mesh`, the state comes in laid out by `parallel.state_shardings` and the batch
+    split over `data` (`parallel.shard_batch`); the new state leaves with the same layout,
+    so every step runs one compiled program. The loss and gradients are sums over the whole
+    batch, which XLA reduces across devices: the same numbers as on one device.
+    """
+    dropout_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+
+    def loss_fn(params):
+        logits = M.teacher_forced_logits(model_config, params, batch, dropout_rng)
+        total, count = cross_entropy_sum(logits, batch["targets"], train_config.label_smoothing)
+        return total / jnp.maximum(count, 1.0)
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    updates, opt_state = make_optimizer(train_config).update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    state = state.replace(params=params, opt_state=opt_state, step=state.step + 1)
+    if mesh is not None:
+        state = jax.lax.with_sharding_constraint(state, parallel.state_shardings(state, mesh))
+    return state, loss
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _loss_sum(model_config: M.TransformerConfig, params, batch: Batch):
+    return cross_entropy_sum(M.teacher_forced_logits(model_config, params, batch), batch["targets"])
+
+
+def validation_loss(model_config: M.TransformerConfig, params, val: Mapping[str, np.ndarray],
+                    batch_size: int, max_batches: int = 0) -> dict[str, float]:
+    """Mean cross-entropy per non-PAD target token over the validation set and its exp."""
+    total = count = 0.0
+    for batch in _chunks(val, batch_size, max_batches):
+        batch_total, batch_count = _loss_sum(model_config, params, batch)
+        total, count = total + float(batch_total), count + float(batch_count)
+    loss = total / max(count, 1.0)
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
+
+
+def _chunks(arrays: Mapping[str, np.ndarray], size: int, max_chunks: int) -> Iterator[dict]:
+    # Every chunk has `size` rows, so one compiled program serves them all: the last one is
+    # filled up with earlier rows whose targets are all PAD, which count for nothing.
+    num_examples = len(next(iter(arrays.values())))
+    starts = range(0, num_examples, size)
+    for start in starts[:max_chunks] if max_chunks else starts:
+        positions = np.arange(start, start + size)
+        chunk = {key: value[positions % num_examples] for key, value in arrays.items()}
+        chunk["targets"][positions >= num_examples] = PAD_ID
+        yield chunk
