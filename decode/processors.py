@@ -103,7 +103,7 @@ def apply_processors(logits_BV: jax.Array, state: ProcessorState,
         return logits_BV
 
     # Off by default: then one cond skips them all, not one cond per processor at every
-    # decode step.
+    # decode step. A new built-in adds its own setting's test here.
     settings = state.settings
     any_on = jnp.any(settings.repetition_penalty != 1) | jnp.any(settings.no_repeat_ngram_size > 0)
     logits_BV = jax.lax.cond(any_on, built_in, lambda x: x, logits_BV)

@@ -1,4 +1,4 @@
-"""The files of a training run's output directory besides its checkpoints.
+"""The files of a training run's output directory besides its checkpoints::
 
     run.json          what the run was started with (`run_record`): a resumed run must match it
     metrics.jsonl     one JSON object per logged step (`MetricsLog`)
