@@ -59,7 +59,11 @@ def repetition_penalty(logits_BV: jax.Array, state: ProcessorState) -> jax.Array
         penalised_BV = jnp.where(logits_BV > 0, logits_BV / penalty_B1, logits_BV * penalty_B1)
         return jnp.where(seen_BV, penalised_BV, logits_BV)
 
-    return jax.lax.cond(jnp.any(penalty_B1 != 1), penalise, lambda x: x, logits_BV)
+    return jax.lax.cond(_penalty_on(state.settings), penalise, lambda x: x, logits_BV)
+
+
+def _penalty_on(settings: SamplingParams) -> jax.Array:
+    return jnp.any(settings.repetition_penalty != 1)
 
 
 def no_repeat_ngram(logits_BV: jax.Array, state: ProcessorState) -> jax.Array:
@@ -85,7 +89,11 @@ def no_repeat_ngram(logits_BV: jax.Array, state: ProcessorState) -> jax.Array:
         banned_BV = state.scatter_to_vocab(follows_BC, logits_BV.shape[1])
         return jnp.where(banned_BV, -jnp.inf, logits_BV)
 
-    return jax.lax.cond(jnp.any(n_B > 0), ban, lambda x: x, logits_BV)
+    return jax.lax.cond(_no_repeat_ngram_on(state.settings), ban, lambda x: x, logits_BV)
+
+
+def _no_repeat_ngram_on(settings: SamplingParams) -> jax.Array:
+    return jnp.any(settings.no_repeat_ngram_size > 0)
 
 
 BUILT_IN: tuple[LogitProcessor, ...] = (repetition_penalty, no_repeat_ngram)
@@ -103,9 +111,8 @@ def apply_processors(logits_BV: jax.Array, state: ProcessorState,
         return logits_BV
 
     # Off by default: then one cond skips them all, not one cond per processor at every
-    # decode step. A new built-in adds its own setting's test here.
-    settings = state.settings
-    any_on = jnp.any(settings.repetition_penalty != 1) | jnp.any(settings.no_repeat_ngram_size > 0)
+    # decode step.
+    any_on = _penalty_on(state.settings) | _no_repeat_ngram_on(state.settings)
     logits_BV = jax.lax.cond(any_on, built_in, lambda x: x, logits_BV)
     for processor in processors:
         logits_BV = processor(logits_BV, state)
