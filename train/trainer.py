@@ -104,8 +104,8 @@ def train(model_config: M.TransformerConfig, train_config: TrainConfig, task: Tr
 
     With `resume`, continues from the newest checkpoint in `out_dir`, which must have been
     written for the same model config, task and tokenizer, and (unless `allow_changes`) the
-    same data and trajectory settings (`TRAJECTORY_FIELDS`, recorded in run.json); without it,
-    `out_dir` must hold no checkpoint. `stop_after` ends the run after that step as if
+    same data and trajectory settings (`config.TRAJECTORY_FIELDS`, recorded in run.json);
+    without it, `out_dir` must hold no checkpoint. `stop_after` ends the run after that step as if
     interrupted there (with a checkpoint, a final evaluation and the loss curve); the schedule
     still spans `train_config.steps`, so a resumed run continues it.
 
