@@ -29,8 +29,8 @@ def run_on_devices(path: Path, tmp_path: Path) -> subprocess.CompletedProcess:
 
 
 # The longest file runs from a module of its own (test_multi_device_generate.py): xdist hands
-# out whole modules, and one module of all three would be a minute and a half that one
-# worker runs alone at the end of the suite while the other waits.
+# out whole modules, and one module of all three (a minute and a half) could leave one worker
+# running it alone at the end of the suite while the other waits.
 ON_THEIR_OWN = ("check_generate.py",)
 
 
