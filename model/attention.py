@@ -129,12 +129,14 @@ def _attend_whole(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS):
     # out of the stack before its product anyway, and the zeroing rides along with that
     # copy. A single layer is read in place, where zeroing would copy the whole V; there the
     # rare output that is not finite is mixed again from a copy with the unseen slots zeroed.
-    seen_B1S1 = jnp.any(mask_BTS, axis=1)[:, None, :, None]
-    if v_LBKSH.shape[0] > 1:
+    def mix_seen():
+        seen_B1S1 = jnp.any(mask_BTS, axis=1)[:, None, :, None]
         return mix(jnp.where(seen_B1S1, v_BKSH, 0))
+
+    if v_LBKSH.shape[0] > 1:
+        return mix_seen()
     out_XMH = mix(v_BKSH)
-    return jax.lax.cond(jnp.all(jnp.isfinite(out_XMH)), lambda: out_XMH,
-                        lambda: mix(jnp.where(seen_B1S1, v_BKSH, 0)))
+    return jax.lax.cond(jnp.all(jnp.isfinite(out_XMH)), lambda: out_XMH, mix_seen)
 
 
 def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, block, num_blocks):
