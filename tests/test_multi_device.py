@@ -44,7 +44,3 @@ def check_on_eight_devices(name: str, tmp_path: Path) -> None:
                                         if p.name not in ON_THEIR_OWN))
 def test_on_eight_devices(name, tmp_path):
     check_on_eight_devices(name, tmp_path)
-
-
-def test_every_file_on_its_own_exists():
-    assert all((HERE / name).exists() for name in ON_THEIR_OWN)
