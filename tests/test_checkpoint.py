@@ -451,7 +451,7 @@ def test_failed_metadata_write_keeps_the_old_file(tmp_path, monkeypatch):
     def fail(fd):
         raise OSError("simulated crash before the data reached the disk")
 
-    monkeypatch.setattr(ckpt.os, "fsync", fail)
+    monkeypatch.setattr(os, "fsync", fail)
     with pytest.raises(OSError, match="simulated crash"):
         ckpt.write_metadata(tmp_path, {"d_model": 16}, "lm", b"old")
     monkeypatch.undo()
