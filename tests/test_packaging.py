@@ -2,6 +2,7 @@
 else at the top level of site-packages."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -9,13 +10,23 @@ from pathlib import Path
 import jax
 
 REPO = Path(__file__).resolve().parents[1]
+SOURCE_FILES = ("pyproject.toml", "README.md")  # what setuptools reads to build the package
+SOURCE_FOLDERS = ("kvjax", "model", "decode", "train")
 
 
 def test_a_regular_install_is_one_import_package(tmp_path):
+    # Built from a copy: setuptools writes its build/ folder beside the sources it builds.
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in SOURCE_FILES:
+        shutil.copy2(REPO / name, source / name)
+    for name in SOURCE_FOLDERS:
+        shutil.copytree(REPO / name, source / name,
+                        ignore=shutil.ignore_patterns("__pycache__"))
     target = tmp_path / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--no-compile", "--target", str(target), str(REPO)],
+         "--no-compile", "--target", str(target), str(source)],
         check=True, capture_output=True, timeout=300)
     assert sorted(p.name for p in target.iterdir() if not p.name.endswith(".dist-info")) == [
         "bin", "kvjax"]
