@@ -68,8 +68,6 @@ class TrainConfig:
             raise ValueError("invalid TrainConfig: " + "; ".join(problems))
         if not 0 <= self.warmup_steps < self.steps:
             problems.append(f"warmup_steps={self.warmup_steps} must be in [0, steps={self.steps})")
-        if self.eval_batches < 0:
-            problems.append(f"eval_batches={self.eval_batches} must be >= 0 (0: all)")
         if not self.learning_rate > 0:
             problems.append(f"learning_rate={self.learning_rate} must be > 0")
         if not 0 <= self.label_smoothing < 1:
@@ -96,7 +94,7 @@ TRAJECTORY_FIELDS = ("steps", "batch_size", "learning_rate", "warmup_steps",
 
 @dataclasses.dataclass(frozen=True)
 class TrainTask:
-    """What a run learns from. `train` and `val` map batch keys (see the module docstring) to
+    """What a run learns from. `train` and `val` map batch keys (see `kvjax.train.trainer`) to
     arrays sharing their first axis. `evaluate(params, final)` returns extra metrics at each
     evaluation (`final` is True at the end of the run, where it may do more work)."""
 
