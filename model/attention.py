@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from .cache import write_rows
 from .config import TransformerConfig
-from .positional import apply_rope
+from .positional import apply_rope, rope_frequencies
 
 
 def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
@@ -204,14 +204,16 @@ def _zero_rows_without_keys(out_BTNH, mask_BTS):
 
 
 def _projection(config: TransformerConfig, heads: int, name: str) -> nn.DenseGeneral:
+    """[B, T, D] -> [B, T, heads, H]: a kernel [D, heads, H], a bias [heads, H] if `qkv_bias`."""
     return nn.DenseGeneral(
-        features=(heads, config.head_dim), use_bias=False, dtype=config.compute_dtype,
-        param_dtype=config.weights_dtype, name=name,
+        features=(heads, config.head_dim), use_bias=config.qkv_bias,
+        dtype=config.compute_dtype, param_dtype=config.weights_dtype, name=name,
     )
 
 
 class OutputProjection(nn.Module):
-    """Heads back to the model width: [B, T, N, H] -> [B, T, D] with a kernel [N, H, D].
+    """Heads back to the model width: [B, T, N, H] -> [B, T, D] with a kernel [N, H, D]
+    (and a bias [D] if `out_bias`).
 
     Computed as one [B·T, N·H] x [N·H, D] matmul: a contraction over two axes at once
     is slower on some backends (XLA:CPU among them) than the same 2-D product.
@@ -226,7 +228,12 @@ class OutputProjection(nn.Module):
                             (c.num_heads, c.head_dim, c.d_model), c.weights_dtype)
         x_BTNH, kernel = nn.dtypes.promote_dtype(x_BTNH, kernel, dtype=c.compute_dtype)
         x_BTF = x_BTNH.reshape(*x_BTNH.shape[:2], -1)
-        return x_BTF @ kernel.reshape(-1, c.d_model)
+        out_BTD = x_BTF @ kernel.reshape(-1, c.d_model)
+        if c.out_bias:
+            bias = self.param("bias", nn.initializers.zeros_init(), (c.d_model,),
+                              c.weights_dtype)
+            out_BTD = out_BTD + bias.astype(out_BTD.dtype)
+        return out_BTD
 
 
 class SelfAttention(nn.Module):
@@ -250,8 +257,9 @@ class SelfAttention(nn.Module):
         qkv = _projection(config, config.num_heads + 2 * config.kv_heads, "qkv")(x_BTD)
         q, k, v = jnp.split(qkv, [config.num_heads, config.num_heads + config.kv_heads], axis=2)
         if config.positional_encoding == "rope":
-            q = apply_rope(q, positions_BT, config.rope_base)
-            k = apply_rope(k, positions_BT, config.rope_base)
+            inv_freq = rope_frequencies(config)
+            q = apply_rope(q, positions_BT, inv_freq)
+            k = apply_rope(k, positions_BT, inv_freq)
         if cache_kv is not None:
             cache_kv = tuple(write_rows(stack, layer, new, starts_B, fits_B)
                              for stack, new in zip(cache_kv, (k, v), strict=True))

@@ -16,8 +16,18 @@ import numpy as np
 
 POSITIONAL_ENCODINGS = ("sinusoidal", "learned", "rope")
 NORM_PLACEMENTS = ("post", "pre")
-ACTIVATIONS = ("relu", "gelu", "swiglu")
+NORM_TYPES = ("layernorm", "rmsnorm")
+# "gelu" is the tanh approximation (GPT-2's "gelu_new"), "gelu_exact" the erf form; "silu"
+# (swish) is ungated, "swiglu" is silu(W1 x) * W3 x (Llama's gated feed-forward network).
+ACTIVATIONS = ("relu", "gelu", "gelu_exact", "silu", "swiglu")
 DTYPES = ("float32", "bfloat16", "float16")
+# "interleaved": sin and cos of each frequency side by side (the paper's PE(pos, 2i),
+# PE(pos, 2i + 1)); "halves": every sine, then every cosine (Marian, fairseq).
+SINUSOID_LAYOUTS = ("interleaved", "halves")
+# How RoPE's frequencies are stretched for contexts longer than the training length:
+# "linear" divides every frequency by the factor; "llama3" divides only the low ones and
+# blends in between (Llama 3.1/3.2).
+ROPE_SCALINGS = ("none", "linear", "llama3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +67,22 @@ class TransformerConfig:
     # up to the longest row, so a smaller block wastes less past that row's end and a larger
     # one pays the per-block overhead fewer times.
     attention_block: int = 64
+    # Options that imported architectures need (`kvjax.hf`). Their defaults are the model
+    # above, and `to_dict` leaves out whichever is at its default, so a config.json written
+    # before they existed reads back equal.
+    head_dim: int | None = None  # None: d_model // num_heads
+    qkv_bias: bool = False  # biases on the query/key/value projections (GPT-2, Qwen2)
+    out_bias: bool = False  # a bias on the attention output projection (GPT-2)
+    ffn_bias: bool = True  # biases in the feed-forward network (Llama has none)
+    norm_type: str = "layernorm"  # or "rmsnorm": x * rsqrt(mean(x²) + eps) * w
+    scale_embeddings: bool = True  # multiply token embeddings by √D (the paper, Marian)
+    logits_bias: bool = False  # an additive bias [V] on the output logits (Marian)
+    sinusoid_layout: str = "interleaved"
+    rope_scaling: str = "none"
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original/low are divided
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original/high are kept
+    rope_original_max_len: int = 8192  # llama3: the context length the model was trained at
 
     def __post_init__(self):
         problems = _type_problems(self)
@@ -68,15 +94,20 @@ class TransformerConfig:
                 problems.append(f"{name}={getattr(self, name)} must be >= 1")
         if self.num_encoder_layers < 0:
             problems.append(f"num_encoder_layers={self.num_encoder_layers} must be >= 0")
-        if self.num_heads >= 1 and self.d_model % self.num_heads:
-            problems.append(f"num_heads={self.num_heads} does not divide d_model={self.d_model}")
+        if self.head_dim is None:
+            if self.num_heads >= 1 and self.d_model % self.num_heads:
+                problems.append(f"num_heads={self.num_heads} does not divide "
+                                f"d_model={self.d_model} (or give head_dim)")
+        elif self.head_dim < 1:
+            problems.append(f"head_dim={self.head_dim} must be >= 1")
         kv = self.num_kv_heads
         if kv is not None and (kv < 1 or (self.num_heads >= 1 and self.num_heads % kv)):
             problems.append(f"num_kv_heads={kv} must be >= 1 and divide num_heads={self.num_heads}")
         if self.positional_encoding == "rope" and self.num_heads >= 1:
-            head_dim = self.d_model // self.num_heads
+            head_dim = self.head_dim or self.d_model // self.num_heads
             if head_dim % 2:
                 problems.append(f"rope needs an even head_dim, got {head_dim}")
+        problems += _rope_scaling_problems(self)
         for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
                 problems.append(f"{name}={getattr(self, name)!r} is not one of {allowed}")
@@ -85,21 +116,19 @@ class TransformerConfig:
                             f"{self.vocab_size})")
         if not 0.0 <= self.dropout < 1.0:
             problems.append(f"dropout={self.dropout} must be in [0, 1)")
-        for name in ("rope_base", "layer_norm_eps"):
+        for name in ("rope_base", "layer_norm_eps", "rope_scaling_factor"):
             if not 0 < getattr(self, name) < math.inf:
                 problems.append(f"{name}={getattr(self, name)} must be > 0 and finite")
         if problems:
             raise ValueError("invalid TransformerConfig: " + "; ".join(problems))
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
 
     # Derived sizes -------------------------------------------------------------------------
 
     @property
     def kv_heads(self) -> int:
         return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.num_heads
 
     @property
     def is_encoder_decoder(self) -> bool:
@@ -121,12 +150,22 @@ class TransformerConfig:
         return jnp.dtype(self.param_dtype)
 
     def replace(self, **changes: Any) -> TransformerConfig:
+        """A copy with `changes`; a head_dim that was d_model // num_heads follows new sizes."""
+        if "head_dim" not in changes and self.head_dim == self.d_model // self.num_heads:
+            changes["head_dim"] = None
         return dataclasses.replace(self, **changes)
 
     # Serialisation (JSON next to every checkpoint) -----------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field, less the imported-architecture options at their defaults."""
+        values = dataclasses.asdict(self)
+        for name, default in _OPTION_DEFAULTS.items():
+            if values[name] == default:
+                del values[name]
+        if values["head_dim"] == self.d_model // self.num_heads:
+            del values["head_dim"]
+        return values
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -145,11 +184,38 @@ class TransformerConfig:
 
 
 _INT_FIELDS = ("vocab_size", "d_model", "num_heads", "d_ff", "num_decoder_layers",
-               "num_encoder_layers", "max_len", "bos_id", "attention_block")
-_REAL_FIELDS = ("dropout", "rope_base", "layer_norm_eps")
-_BOOL_FIELDS = ("tie_embeddings", "scan_layers")
+               "num_encoder_layers", "max_len", "bos_id", "attention_block",
+               "rope_original_max_len")
+_REAL_FIELDS = ("dropout", "rope_base", "layer_norm_eps", "rope_scaling_factor",
+                "rope_low_freq_factor", "rope_high_freq_factor")
+_BOOL_FIELDS = ("tie_embeddings", "scan_layers", "qkv_bias", "out_bias", "ffn_bias",
+                "scale_embeddings", "logits_bias")
 _CHOICES = {"positional_encoding": POSITIONAL_ENCODINGS, "norm": NORM_PLACEMENTS,
-            "activation": ACTIVATIONS, "dtype": DTYPES, "param_dtype": DTYPES}
+            "activation": ACTIVATIONS, "dtype": DTYPES, "param_dtype": DTYPES,
+            "norm_type": NORM_TYPES, "sinusoid_layout": SINUSOID_LAYOUTS,
+            "rope_scaling": ROPE_SCALINGS}
+# The options written to config.json only when set (see `to_dict`); head_dim is left out
+# when it is d_model // num_heads.
+_OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
+    "qkv_bias", "out_bias", "ffn_bias", "norm_type", "scale_embeddings", "logits_bias",
+    "sinusoid_layout", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor",
+    "rope_high_freq_factor", "rope_original_max_len")}
+
+
+def _rope_scaling_problems(config: TransformerConfig) -> list[str]:
+    if config.rope_scaling == "none" or not isinstance(config.rope_scaling, str):
+        return []
+    problems = []
+    if config.positional_encoding != "rope":
+        problems.append(f"rope_scaling={config.rope_scaling!r} needs positional_encoding='rope'")
+    if config.rope_scaling == "llama3":
+        low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+        if not 0 < low < high < math.inf:
+            problems.append(f"llama3 rope scaling needs 0 < rope_low_freq_factor ({low}) < "
+                            f"rope_high_freq_factor ({high})")
+        if config.rope_original_max_len < 1:
+            problems.append(f"rope_original_max_len={config.rope_original_max_len} must be >= 1")
+    return problems
 
 
 def _type_problems(config: TransformerConfig) -> list[str]:
@@ -167,8 +233,9 @@ def _type_problems(config: TransformerConfig) -> list[str]:
 
     for name in _INT_FIELDS:
         check(name, (int, np.integer), int, "an int")
-    if config.num_kv_heads is not None:
-        check("num_kv_heads", (int, np.integer), int, "an int or None")
+    for name in ("num_kv_heads", "head_dim"):
+        if getattr(config, name) is not None:
+            check(name, (int, np.integer), int, "an int or None")
     for name in _REAL_FIELDS:
         check(name, (int, float, np.integer, np.floating), float, "a real number")
     for name in _BOOL_FIELDS:

@@ -43,6 +43,15 @@ class LayerInputs:
     fresh: bool = flax.struct.field(pytree_node=False, default=False)
 
 
+_ACTIVATIONS = {
+    "relu": nn.relu,
+    "gelu": lambda x: nn.gelu(x, approximate=True),
+    "gelu_exact": lambda x: nn.gelu(x, approximate=False),
+    "silu": nn.silu,
+    "swiglu": nn.silu,  # of W1 x, gated by W3 x
+}
+
+
 class FeedForward(nn.Module):
     """Position-wise FFN: W2 act(W1 x), or W2 (silu(W1 x) * W3 x) for SwiGLU. [B,T,D]->[B,T,D]."""
 
@@ -53,29 +62,49 @@ class FeedForward(nn.Module):
         c = self.config
 
         def dense(features, name):
-            return nn.Dense(features, dtype=c.compute_dtype, param_dtype=c.weights_dtype,
-                            name=name)
+            return nn.Dense(features, use_bias=c.ffn_bias, dtype=c.compute_dtype,
+                            param_dtype=c.weights_dtype, name=name)
 
-        h = dense(c.d_ff, "wi")(x_BTD)
+        h = _ACTIVATIONS[c.activation](dense(c.d_ff, "wi")(x_BTD))
         if c.activation == "swiglu":
-            h = nn.silu(h) * dense(c.d_ff, "wi_gate")(x_BTD)
-        elif c.activation == "gelu":
-            h = nn.gelu(h)
-        else:
-            h = nn.relu(h)
+            h = h * dense(c.d_ff, "wi_gate")(x_BTD)
         return dense(c.d_model, "wo")(h)
 
 
+class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x²) + eps) * scale over the last axis, normalised in float32 and cast
+    back before the scale (as Llama does)."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+        scale = self.param("scale", nn.initializers.ones_init(), (x.shape[-1],),
+                           c.weights_dtype)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True)
+                                     + c.layer_norm_eps)
+        return normed.astype(c.compute_dtype) * scale.astype(c.compute_dtype)
+
+
+def make_norm(config: TransformerConfig, name: str) -> nn.Module:
+    """The normalisation `config.norm_type` names: LayerNorm (scale and bias) or RMSNorm."""
+    if config.norm_type == "rmsnorm":
+        return RMSNorm(config, name=name)
+    return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=config.compute_dtype,
+                        param_dtype=config.weights_dtype, name=name)
+
+
 class Residual(nn.Module):
-    """x + Sublayer(x) with LayerNorm after (`post`, the paper) or before (`pre`) the sublayer."""
+    """x + Sublayer(x) with the norm after (`post`, the paper) or before (`pre`) the sublayer."""
 
     config: TransformerConfig
 
     @nn.compact
     def __call__(self, x, sublayer):
         c = self.config
-        norm = nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=c.compute_dtype,
-                            param_dtype=c.weights_dtype, name="norm")
+        norm = make_norm(c, "norm")
         dropout = nn.Dropout(c.dropout)
         deterministic = not self.has_rng("dropout")
         if c.norm == "pre":

@@ -6,31 +6,67 @@ different positions (each row's prompt has its own length).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from .config import TransformerConfig
 
 
-def sinusoidal(positions_BT: jax.Array, d_model: int) -> jax.Array:
-    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...). Returns [B, T, D] f32."""
+def sinusoidal(positions_BT: jax.Array, d_model: int, layout: str = "interleaved") -> jax.Array:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...). Returns [B, T, D] f32.
+
+    `layout="halves"` writes the same values as every sine column, then every cosine column
+    (Marian's layout). An odd width gets one sine more than cosines.
+    """
+    positions = positions_BT.astype(jnp.float32)[..., None]
+    if layout == "halves":
+        sines, cosines = (d_model + 1) // 2, d_model // 2
+        inv_freq = 1.0 / (10000.0 ** (np.arange(sines, dtype=np.float64) * 2.0 / d_model))
+        angles = positions * jnp.asarray(inv_freq, jnp.float32)  # [B, T, ceil(D/2)]
+        return jnp.concatenate([jnp.sin(angles), jnp.cos(angles[..., :cosines])], axis=-1)
     pairs = d_model // 2
     inv_freq = 1.0 / (10000.0 ** (jnp.arange(pairs, dtype=jnp.float32) * 2.0 / d_model))
-    angles = positions_BT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    angles = positions * inv_freq  # [B, T, D/2]
     interleaved = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)
     pe = interleaved.reshape(*positions_BT.shape, 2 * pairs)
     if d_model % 2:  # an odd width gets one last sine column
-        last = jnp.sin(positions_BT.astype(jnp.float32)[..., None] / 10000.0)
-        pe = jnp.concatenate([pe, last], axis=-1)
+        pe = jnp.concatenate([pe, jnp.sin(positions / 10000.0)], axis=-1)
     return pe
 
 
-def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, base: float) -> jax.Array:
-    """Rotates each (x[i], x[i + H/2]) pair by the angle pos * base^(-2i/H).
+def rope_frequencies(config: TransformerConfig) -> np.ndarray:
+    """RoPE's inverse frequencies [H/2] (float64): base^(-2i/H), stretched as
+    `config.rope_scaling` says.
+
+    llama3: wavelengths (2π / frequency) longer than original_len / low_freq_factor are
+    divided by the factor, those shorter than original_len / high_freq_factor are kept, and
+    the ones between are blended linearly in original_len / wavelength.
+    """
+    head_dim = config.head_dim
+    inv_freq = 1.0 / config.rope_base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    factor = config.rope_scaling_factor
+    if config.rope_scaling == "linear":
+        return inv_freq / factor
+    if config.rope_scaling == "llama3":
+        original = float(config.rope_original_max_len)
+        low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+        wavelength = 2 * math.pi / inv_freq
+        smooth = np.clip((original / wavelength - low) / (high - low), 0.0, 1.0)
+        return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return inv_freq
+
+
+def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotates each (x[i], x[i + H/2]) pair by the angle pos * inv_freq[i]
+    (`rope_frequencies`).
 
     The dot product of a rotated query and a rotated key then depends only on their
     distance, so keys can be rotated once when they are written to the cache.
     """
-    half = x_BTNH.shape[-1] // 2
-    inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / x_BTNH.shape[-1])
+    inv_freq = jnp.asarray(inv_freq, jnp.float32)
     angles = positions_BT.astype(jnp.float32)[..., None, None] * inv_freq  # [B, T, 1, H/2]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from .attention import CrossKV
 from .cache import KVCache, check_cache, init_cache
 from .config import TransformerConfig
-from .layers import DecoderLayer, EncoderLayer, LayerInputs, layer_stack, run_layers
+from .layers import DecoderLayer, EncoderLayer, LayerInputs, layer_stack, make_norm, run_layers
 from .positional import sinusoidal
 
 
@@ -51,7 +51,8 @@ def self_attention_inputs(starts_B, valid_B, num_queries: int, num_keys: int,
 
 
 class Embedder(nn.Module):
-    """Token embedding (× √D, as in the paper) plus positions; `attend` gives output logits."""
+    """Token embedding (× √D, as in the paper, unless `scale_embeddings` is off) plus
+    positions; `logits` gives the output logits (plus a learned bias if `logits_bias`)."""
 
     config: TransformerConfig
 
@@ -67,13 +68,18 @@ class Embedder(nn.Module):
         if not c.tie_embeddings:
             self.unembed = nn.Dense(c.vocab_size, use_bias=False, dtype=c.compute_dtype,
                                     param_dtype=c.weights_dtype)
+        if c.logits_bias:
+            self.logits_bias = self.param("logits_bias", nn.initializers.zeros_init(),
+                                          (c.vocab_size,), c.weights_dtype)
         self.dropout = nn.Dropout(c.dropout)
 
     def __call__(self, tokens_BT, positions_BT):
         c = self.config
-        x = self.embedding(tokens_BT) * jnp.sqrt(float(c.d_model)).astype(c.compute_dtype)
+        x = self.embedding(tokens_BT)
+        if c.scale_embeddings:
+            x = x * jnp.sqrt(float(c.d_model)).astype(c.compute_dtype)
         if c.positional_encoding == "sinusoidal":
-            x = x + sinusoidal(positions_BT, c.d_model).astype(x.dtype)
+            x = x + sinusoidal(positions_BT, c.d_model, c.sinusoid_layout).astype(x.dtype)
         elif c.positional_encoding == "learned":
             x = x + jnp.take(self.position_embedding, positions_BT, axis=0).astype(x.dtype)
         return self.dropout(x, deterministic=not self.has_rng("dropout"))
@@ -86,8 +92,12 @@ class Embedder(nn.Module):
             # The table as the left operand: a matrix-vector product streams the rows of a
             # row-major [V, D] matrix as they lie; `x @ table.T` makes XLA:CPU copy a
             # transposed table on every decode step.
-            return jnp.einsum("VD,BTD->BTV", table_VD, x_BTD).astype(jnp.float32)
-        return self.unembed(x_BTD).astype(jnp.float32)
+            logits = jnp.einsum("VD,BTD->BTV", table_VD, x_BTD).astype(jnp.float32)
+        else:
+            logits = self.unembed(x_BTD).astype(jnp.float32)
+        if self.config.logits_bias:
+            logits = logits + self.logits_bias.astype(jnp.float32)
+        return logits
 
 
 def _stacked_kv(cache: KVCache | None):
@@ -106,10 +116,9 @@ def _cross_inputs(cross_k, cross_v):
 
 
 def _final_norm(config: TransformerConfig, name: str):
-    """Pre-LN stacks end with a LayerNorm; post-LN stacks already end normalised."""
+    """Pre-LN stacks end with a norm; post-LN stacks already end normalised."""
     if config.norm == "pre":
-        return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=config.compute_dtype,
-                            param_dtype=config.weights_dtype, name=name)
+        return make_norm(config, name)
     return lambda x: x
 
 

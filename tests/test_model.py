@@ -8,16 +8,20 @@ from conftest import random_tokens, run_cached, run_full, start_cache
 
 from kvjax import model as M
 
-# Every positional encoding, norm placement, activation and MHA/GQA/MQA appears at least once,
-# each in both variants.
+# Every positional encoding, norm placement and type, activation, MHA/GQA/MQA and the options
+# imported models need appears at least once, each in both variants.
 OPTIONS = [
     dict(),
     dict(positional_encoding="learned", norm="pre", activation="gelu"),
     dict(positional_encoding="rope", num_kv_heads=2, activation="swiglu"),
-    dict(positional_encoding="rope", norm="pre", num_kv_heads=1, tie_embeddings=False),
-    dict(positional_encoding="sinusoidal", norm="pre", activation="swiglu", num_kv_heads=2),
-    dict(positional_encoding="learned", activation="relu", num_kv_heads=1),
-    dict(positional_encoding="rope", num_kv_heads=2, scan_layers=True),
+    dict(positional_encoding="rope", norm="pre", num_kv_heads=1, tie_embeddings=False,
+         rope_scaling="llama3", rope_scaling_factor=4.0, rope_original_max_len=8),
+    dict(positional_encoding="sinusoidal", norm="pre", activation="swiglu", num_kv_heads=2,
+         norm_type="rmsnorm", head_dim=12, qkv_bias=True, ffn_bias=False,
+         scale_embeddings=False, sinusoid_layout="halves"),
+    dict(positional_encoding="learned", activation="gelu_exact", num_kv_heads=1,
+         out_bias=True, logits_bias=True),
+    dict(positional_encoding="rope", num_kv_heads=2, scan_layers=True, activation="silu"),
 ]
 VARIANTS = {"decoder_only": 0, "encoder_decoder": 2}
 
