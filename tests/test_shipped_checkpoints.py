@@ -1,5 +1,9 @@
-"""The checkpoints committed under checkpoints/: they load, and they do what their README says."""
+"""The checkpoints committed under checkpoints/: they load, verified against their manifests,
+and they do what their README says."""
 
+import re
+import shutil
+import warnings
 from pathlib import Path
 
 import jax
@@ -15,6 +19,10 @@ from kvjax.tokenizer import EOS_ID
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 LM = CHECKPOINTS / "python-docs-lm"
 NUMBERS = CHECKPOINTS / "numbers-to-words"
+EMBEDDING = "params/embedder/embedding/embedding"
+# Where the embedding's data lies in each checkpoint's largest data file, as a fraction of the
+# file's size; the file also holds the optimizer state, which sampling does not read.
+EMBEDDING_DATA = {LM: 0.65, NUMBERS: 0.27}
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +100,62 @@ def test_streamed_text_pieces_add_up_to_the_result(lm):
     again = text.sample_text(lm, "The for statement", max_new_tokens=40, temperature=0.8,
                              top_p=0.9, seed=3)
     assert again.tokens == result.tokens
+
+
+def test_the_shipped_checkpoints_carry_manifests_and_load_without_a_warning():
+    for directory in (LM, NUMBERS):
+        manifest = checkpoint.read_manifest(directory)
+        assert manifest is not None and manifest["model"] == checkpoint.read_metadata(directory)[0]
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            checkpoint.load_for_sampling(directory)
+        assert not record, [str(w.message) for w in record]
+
+
+@pytest.mark.parametrize("source", [LM, NUMBERS], ids=lambda path: path.name)
+def test_flipped_bytes_in_a_shipped_checkpoint_are_an_error_naming_the_array(tmp_path, capsys,
+                                                                            source):
+    damaged = tmp_path / source.name
+    shutil.copytree(source, damaged)
+    step = checkpoint.latest_step(damaged)
+    files = (damaged / str(step) / "state" / "ocdbt.process_0" / "d").iterdir()
+    biggest = max(files, key=lambda path: path.stat().st_size)
+    data = bytearray(biggest.read_bytes())
+    start = int(EMBEDDING_DATA[source] * len(data))
+    data[start:start + 64] = bytes(b ^ 0xFF for b in data[start:start + 64])
+    biggest.write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=re.escape(f"{damaged / str(step)} is corrupted: the data of "
+                                       f"{EMBEDDING} does not match")):
+        checkpoint.load_for_sampling(damaged)
+    assert cli.main(["sample", "--checkpoint", str(damaged), "--prompt", "12"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    assert len(captured.err.splitlines()) == 1 and EMBEDDING in captured.err, captured.err
+
+
+def test_a_checkpoint_without_a_manifest_loads_with_one_warning_until_it_gets_one(tmp_path,
+                                                                                 capsys):
+    copy = tmp_path / NUMBERS.name
+    shutil.copytree(NUMBERS, copy)
+    shutil.rmtree(copy / "1500" / checkpoint.MANIFEST_ITEM)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        checkpoint.load_for_sampling(copy)
+    assert [w.category for w in record] == [checkpoint.UnverifiedCheckpointWarning]
+    message = str(record[0].message)
+    assert f"checkpoint {copy} step 1500 has no manifest" in message
+    assert "cannot be verified" in message
+    assert cli.main(["sample", "--checkpoint", str(copy), "--prompt", "4021"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("4021 -> four thousand twenty-one\n")
+    assert captured.err.splitlines() == [f"kvjax sample: warning: {message}"]
+
+    assert checkpoint.write_manifest(copy) == 1500
+    assert checkpoint.read_manifest(copy) == checkpoint.read_manifest(NUMBERS)  # as shipped
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        checkpoint.load_for_sampling(copy)
+    assert not record, [str(w.message) for w in record]
+    with pytest.raises(checkpoint.CheckpointError, match="already has a manifest"):
+        checkpoint.write_manifest(copy)

@@ -7,7 +7,8 @@ A checkpoint directory holds the training state at a few steps plus what is need
         tokenizer.model              the serialized sentencepiece model
         <step>/state/...             the training state at <step> (orbax StandardSave)
         <step>/manifest/...          SHA-256 of every array of that state, the model config and
-                                     the tokenizer's hash (orbax JsonSave; older steps lack it)
+                                     the tokenizer's hash (orbax JsonSave; steps saved before
+                                     manifests existed lack it until `write_manifest`)
         <step>.orbax-checkpoint-tmp/ a save in progress, or one killed mid-way: never read
 
 Saves are atomic. Orbax writes a step into `<step>.orbax-checkpoint-tmp`, writes
@@ -21,7 +22,11 @@ Every restore checks what it read: each array against the SHA-256 its step's man
 (so a flipped byte in the data, or a bit-rotted file, is an error naming the array, never a
 silently wrong model) and every floating-point array for NaN and infinity. A `config.json` or
 tokenizer that disagrees with the copy in the manifest is an error naming the fields that differ.
-Checkpoints written before manifests existed still load, with the finiteness check only.
+A checkpoint whose newest step was saved before manifests existed still loads, with the
+finiteness check only and an `UnverifiedCheckpointWarning` (one line naming the directory and
+the step) saying that its data cannot be verified. `write_manifest` gives such a step, once it
+is known to be good, the manifest a save writes now; the shipped checkpoints under
+`checkpoints/` got theirs that way.
 
 Restores always take an abstract target (a pytree of `jax.ShapeDtypeStruct`, e.g. from
 `jax.eval_shape`) and compare it leaf by leaf with the checkpoint's metadata before reading any
@@ -30,9 +35,9 @@ padded or truncated. Readers open orbax read-only: loading never creates, rewrit
 anything. Every failure names the path it concerns; orbax or tensorstore errors are wrapped in
 `CheckpointError` with the original exception chained.
 
-One file per part: `save.py` (`Checkpointer`), `restore.py` (the newest step, checked),
-`metadata.py` (`config.json` and `tokenizer.model`), `load.py` (config, tokenizer and params
-for sampling), `layout.py` (the names on disk and what the others share).
+One file per part: `save.py` (`Checkpointer`, `write_manifest`), `restore.py` (the newest
+step, checked), `metadata.py` (`config.json` and `tokenizer.model`), `load.py` (config,
+tokenizer and params for sampling), `layout.py` (the names on disk and what the others share).
 """
 
 from .layout import (
@@ -42,11 +47,18 @@ from .layout import (
     STATE_ITEM,
     TOKENIZER_FILE,
     CheckpointError,
+    UnverifiedCheckpointWarning,
 )
 from .load import load_for_sampling
 from .metadata import check_metadata, read_metadata, write_atomically, write_metadata
-from .restore import latest_step, read_manifest, restore_latest, restore_params
-from .save import Checkpointer, manifest_metadata
+from .restore import (
+    abstract_saved_state,
+    latest_step,
+    read_manifest,
+    restore_latest,
+    restore_params,
+)
+from .save import Checkpointer, manifest_metadata, write_manifest
 
 __all__ = [
     "CONFIG_FILE",
@@ -56,6 +68,8 @@ __all__ = [
     "TOKENIZER_FILE",
     "CheckpointError",
     "Checkpointer",
+    "UnverifiedCheckpointWarning",
+    "abstract_saved_state",
     "check_metadata",
     "latest_step",
     "load_for_sampling",
@@ -65,5 +79,6 @@ __all__ = [
     "restore_latest",
     "restore_params",
     "write_atomically",
+    "write_manifest",
     "write_metadata",
 ]

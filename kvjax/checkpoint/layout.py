@@ -31,6 +31,10 @@ class CheckpointError(ValueError):
     """A checkpoint directory that cannot be written or read as asked; the message names it."""
 
 
+class UnverifiedCheckpointWarning(UserWarning):
+    """A step restored without a manifest: its arrays could not be checked against checksums."""
+
+
 class _QuietReadOnlyNotice(logging.Filter):
     """Readers open orbax read-only on purpose; its warning that they did is noise."""
 

@@ -2,12 +2,14 @@
 
 Every restore takes an abstract target (a pytree of `jax.ShapeDtypeStruct`, e.g. from
 `jax.eval_shape`) and compares it leaf by leaf with the checkpoint's metadata before reading
-any array, then checks each array against its step's manifest and for NaN and infinity.
+any array, then checks each array against its step's manifest and for NaN and infinity. A step
+without a manifest is restored with a warning that its data could not be verified.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from .layout import (
     PARAMS_KEY,
     STATE_ITEM,
     CheckpointError,
+    UnverifiedCheckpointWarning,
     describe,
     existing_directory,
     flat,
@@ -49,7 +52,8 @@ def restore_latest(directory: str | os.PathLike, abstract_state: Any) -> tuple[i
     `jax.eval_shape(make_state)`); the result has its structure with `jax.Array` leaves.
     Raises `FileNotFoundError` if the directory is missing and `CheckpointError` if it holds no
     step, if the saved arrays do not match `abstract_state`, if they cannot be read, if one
-    differs from its checksum in the step's manifest, or if one holds NaN or infinity.
+    differs from its checksum in the step's manifest, or if one holds NaN or infinity. A step
+    saved without a manifest loads with an `UnverifiedCheckpointWarning` naming it.
     """
     path = existing_directory(directory)
     target = _restore_target(abstract_state)
@@ -59,6 +63,8 @@ def restore_latest(directory: str | os.PathLike, abstract_state: Any) -> tuple[i
         manifest = _manifest(manager, path, step)
         state = _restore(manager, path, step, ocp.args.StandardRestore(target))
     _verify(path / str(step), manifest, state)
+    if manifest is None:
+        _warn_unverified(path, step)
     return step, state
 
 
@@ -86,7 +92,19 @@ def restore_params(directory: str | os.PathLike, abstract_params: Any) -> Any:
         )
         restored = _restore(manager, path, step, args)
     _verify(path / str(step), manifest, restored)
+    if manifest is None:
+        _warn_unverified(path, step)
     return restored[PARAMS_KEY]
+
+
+def abstract_saved_state(directory: str | os.PathLike) -> Any:
+    """The newest step's state as saved, as a pytree of `jax.ShapeDtypeStruct`: a target for
+    `restore_latest` that needs no model or optimizer to build. Containers come back as orbax
+    stores them (dicts and lists), under the same names the step's manifest uses."""
+    path = existing_directory(directory)
+    with reader(path) as manager:
+        tree = _saved_tree(manager, path, _newest_step(manager, path))
+    return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype), tree)
 
 
 def read_manifest(directory: str | os.PathLike) -> dict[str, Any] | None:
@@ -112,6 +130,14 @@ def _manifest(manager: ocp.CheckpointManager, path: Path, step: int) -> dict[str
             or not isinstance(manifest.get("sha256"), dict)):
         raise CheckpointError(f"checkpoint {step_path} has a damaged or unknown manifest")
     return manifest
+
+
+def _warn_unverified(path: Path, step: int) -> None:
+    # stacklevel 3: the line that called restore_latest or restore_params.
+    warnings.warn(
+        f"checkpoint {path} step {step} has no manifest, so its data cannot be verified "
+        "against checksums (only checked for NaN and infinity)",
+        UnverifiedCheckpointWarning, stacklevel=3)
 
 
 def _verify(step_path: Path, manifest: dict[str, Any] | None, restored: Any) -> None:
@@ -167,6 +193,10 @@ def _restore_target(abstract: Any) -> Any:
 
 
 def _saved_leaves(manager: ocp.CheckpointManager, path: Path, step: int) -> dict[tuple, Any]:
+    return ocp.tree.to_flat_dict(_saved_tree(manager, path, step))
+
+
+def _saved_tree(manager: ocp.CheckpointManager, path: Path, step: int) -> Any:
     step_path = path / str(step)
     try:
         item = manager.metadata(step).item_metadata[STATE_ITEM]
@@ -176,7 +206,7 @@ def _saved_leaves(manager: ocp.CheckpointManager, path: Path, step: int) -> dict
         ) from e
     if item is None:
         raise CheckpointError(f"checkpoint {step_path} holds no '{STATE_ITEM}' item")
-    return ocp.tree.to_flat_dict(item.tree)
+    return item.tree
 
 
 def _check_matches(step_path: Path, saved: dict[tuple, Any], wanted: dict[tuple, Any]) -> None:

@@ -1,10 +1,14 @@
-"""Saving: `Checkpointer` writes a training state every few steps, atomically, in the background."""
+"""Saving: `Checkpointer` writes a training state every few steps, atomically, in the background;
+`write_manifest` gives a step saved before manifests existed the one a save writes now."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import shutil
+import tempfile
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,12 +22,16 @@ from .layout import (
     MANIFEST_ITEM,
     STATE_ITEM,
     CheckpointError,
+    UnverifiedCheckpointWarning,
     describe,
+    existing_directory,
     flat,
     handler_registry,
     leaf_name,
     sha256,
 )
+from .metadata import read_metadata
+from .restore import abstract_saved_state, latest_step, restore_latest
 
 
 class Checkpointer:
@@ -102,7 +110,7 @@ class Checkpointer:
                 f"step {step} is older than step {latest}, the latest in {self.directory}"
             )
         stored = _as_stored(state)
-        manifest = {**self._manifest, "format": MANIFEST_FORMAT, "sha256": _checksums(stored)}
+        manifest = _step_manifest(self._manifest, stored)
         self.wait()
         args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardSave(stored),
                                      MANIFEST_ITEM: ocp.args.JsonSave(manifest)})
@@ -148,6 +156,58 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"Checkpointer for {self.directory} is closed")
+
+
+def write_manifest(directory: str | os.PathLike) -> int:
+    """Writes the manifest a `Checkpointer` of today would have saved with the newest step of
+    `directory`, a step saved without one; returns the step.
+
+    The checksums are those of the arrays as they are now on disk, so they vouch only for what
+    the step holds today: run this on a checkpoint known to be good (it loads, and samples or
+    scores as it should), after which any change to its data is caught. The metadata part is
+    what the trainer stores (`manifest_metadata` of `config.json` and `tokenizer.model`). The
+    step's arrays and files are left as they are: the manifest is written into a temporary
+    directory beside them and renamed into place, then the whole step is read back and checked
+    against it. Raises `CheckpointError` if the step already has a manifest, or if it cannot be
+    read or holds NaN or infinity (then nothing is written).
+    """
+    path = existing_directory(directory)
+    step = latest_step(path)
+    if step is None:
+        raise CheckpointError(f"no checkpoint found in {path}: it holds no finalized step")
+    step_path = path / str(step)
+    if (step_path / MANIFEST_ITEM).exists():
+        raise CheckpointError(f"checkpoint {step_path} already has a manifest")
+    config_dict, task, tokenizer_bytes = read_metadata(path)
+    abstract = abstract_saved_state(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnverifiedCheckpointWarning)  # the step has none yet
+        restored_step, state = restore_latest(path, abstract)
+    if restored_step != step:
+        raise CheckpointError(f"{path} gained step {restored_step} while its manifest was made")
+    manifest = _step_manifest(manifest_metadata(config_dict, task, tokenizer_bytes),
+                              _as_stored(state))
+    _write_manifest_item(step_path, manifest)
+    restore_latest(path, abstract)  # a manifest that disagrees with the data fails here, not later
+    return step
+
+
+def _write_manifest_item(step_path: Path, manifest: dict[str, Any]) -> None:
+    # The handler a save uses for this item, so that the file is the one a save writes.
+    handler = handler_registry().get(MANIFEST_ITEM, ocp.args.JsonSave)
+    staging = Path(tempfile.mkdtemp(dir=step_path, prefix=f".{MANIFEST_ITEM}.", suffix=".tmp"))
+    try:
+        os.chmod(staging, 0o755)  # mkdtemp's 0700 would make the item private
+        handler.save(staging, args=ocp.args.JsonSave(manifest))
+        os.rename(staging, step_path / MANIFEST_ITEM)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _step_manifest(metadata: Mapping[str, Any], stored: Any) -> dict[str, Any]:
+    """The manifest saved with a step: `metadata` (see `Checkpointer`) and the checksums."""
+    return {**metadata, "format": MANIFEST_FORMAT, "sha256": _checksums(stored)}
 
 
 def _checksums(tree: Any) -> dict[str, str]:
