@@ -36,7 +36,7 @@ def test_a_regular_install_is_one_import_package(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), str(dependencies)])}
     script = """
 import importlib
-import kvjax.decode, kvjax.model, kvjax.train, kvjax.text
+import kvjax.cli, kvjax.decode, kvjax.model, kvjax.train, kvjax.text
 print(kvjax.model.__file__)
 for name in ("model", "decode", "train"):
     try:

@@ -1,0 +1,117 @@
+"""The `kvjax` command line. It only parses options and calls library functions.
+
+    kvjax demo                       train both demo models, save them, show generations
+    kvjax train --task lm|translate  train one model into a checkpoint directory
+    kvjax sample --checkpoint DIR --prompt TEXT
+    kvjax cache-size                 the KV-cache size formula for a preset or given sizes
+    kvjax bench decode               decode speed against no cache, HF GPT-2 and memory
+    kvjax bench train                training tokens/s against PyTorch eager
+
+A bad option, path or input ends with one line on stderr and exit code 2. A training run
+stopped by Ctrl-C or SIGTERM saves a checkpoint first and exits with 130 or 143; a run whose
+loss diverges exits with 1.
+"""
+
+# The docstring above is `kvjax --help`'s description. Each command is a module here with an
+# `add_<command>(commands)` that builds its parser and sets `run`, the function it calls;
+# `common.py` holds what they share and `errors.py` how failures are reported. A command's
+# imports of jax and the library happen when it runs: `kvjax --help` should not wait for jax.
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+
+from .bench import add_bench
+from .cache_size import add_cache_size
+from .common import LAYER_MODES, PRESET_NAMES, Formatter, Parser, schedule
+from .demo import add_demo
+from .errors import fail, not_an_orbax_leftover, one_line_warnings, quiet_orbax_leftovers
+from .sample import add_sample
+from .train import add_train
+
+# In the order `kvjax --help` lists them.
+COMMANDS = (add_demo, add_train, add_sample, add_cache_size, add_bench)
+
+# Where these were before the commands became modules of their own.
+_schedule = schedule
+_not_an_orbax_leftover = not_an_orbax_leftover
+
+__all__ = ["COMMANDS", "LAYER_MODES", "PRESET_NAMES", "build_parser", "console_main", "main"]
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="kvjax", description=__doc__, formatter_class=Formatter)
+    parser.add_argument("--compilation-cache", metavar="DIR", default=None,
+                        help="keep compiled programs in DIR so that the next run skips "
+                             "compiling them (off when not given)")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add_command in COMMANDS:
+        add_command(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "devices", 1) > 1:
+        _host_devices(args.devices)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("default")
+            warnings.showwarning = one_line_warnings(args.command, warnings.showwarning)
+            if args.compilation_cache:
+                _enable_compilation_cache(args.compilation_cache)
+            return args.run(args)
+    except (ValueError, OSError) as error:  # CheckpointError is a ValueError
+        return fail(args.command, error, 2)
+    except KeyboardInterrupt:
+        print(f"\nkvjax {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:
+        from kvjax.train.trainer import TrainingDiverged, TrainingInterrupted
+
+        if isinstance(error, TrainingInterrupted):
+            return fail(args.command, error, error.exit_code)
+        if isinstance(error, TrainingDiverged):
+            return fail(args.command, error, 1)
+        raise
+
+
+def console_main() -> None:
+    """The `kvjax` console script: `main` with asyncio's shutdown noise filtered."""
+    sys.unraisablehook = quiet_orbax_leftovers
+    logging.getLogger("asyncio").addFilter(not_an_orbax_leftover)
+    sys.exit(main())
+
+
+def _host_devices(count: int) -> None:
+    """Lets the CPU backend show `count` devices, where it would show one. XLA reads this
+    when JAX starts, so it must be set before jax is first imported (in this process it is
+    not yet, unless `main` is called from a program that imported it)."""
+    flag = f"--xla_force_host_platform_device_count={count}"
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+
+
+def _enable_compilation_cache(directory: str) -> None:
+    from kvjax import enable_compilation_cache
+
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise NotADirectoryError(f"--compilation-cache {directory} is not a directory")
+    try:
+        enable_compilation_cache(directory)
+    except OSError as e:
+        raise OSError(f"--compilation-cache {directory} cannot be used: "
+                      f"{e.strerror or e}") from None
+    probe = os.path.join(directory, f".kvjax-write-test-{os.getpid()}")
+    try:
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise OSError(f"--compilation-cache {directory} is not writable: "
+                      f"{e.strerror or e}") from None

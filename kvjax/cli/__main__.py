@@ -1,0 +1,5 @@
+"""`python -m kvjax.cli`, as the `kvjax` console script."""
+
+from . import console_main
+
+console_main()

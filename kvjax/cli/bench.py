@@ -1,0 +1,97 @@
+"""`kvjax bench decode` and `kvjax bench train`: speed against baselines, in one run each."""
+
+from __future__ import annotations
+
+from .common import LAYER_MODES, PRESET_NAMES, add_command, positive
+
+
+def add_bench(commands) -> None:
+    bench = add_command(commands, "bench", "Benchmarks.")
+    kinds = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    _add_decode(kinds)
+    _add_train(kinds)
+
+
+def _add_decode(kinds) -> None:
+    decode = add_command(kinds, "decode", "Greedy decode speed with random weights, with the "
+                         "ratios to no cache, to Hugging Face GPT-2 (if installed: pip install "
+                         "-e '.[bench]') and to the memory-bandwidth floor, measured in one "
+                         "run.")
+    decode.add_argument("--preset", choices=PRESET_NAMES, default="gpt-mini", help="model size")
+    decode.add_argument("--batch-sizes", type=positive, nargs="+", default=[1, 8, 32],
+                        help="batch sizes to measure")
+    decode.add_argument("--prompt-len", type=positive, default=32, help="prompt tokens")
+    decode.add_argument("--new-tokens", type=positive, default=256, help="tokens to generate")
+    decode.add_argument("--repeats", type=positive, default=3, help="timed runs (best)")
+    decode.add_argument("--layers", choices=LAYER_MODES, nargs="+", default=list(LAYER_MODES),
+                        help="layer modes to time: scanned (stacked) and/or unrolled")
+    decode.add_argument("--no-hf", action="store_true", help="skip Hugging Face GPT-2")
+    decode.add_argument("--no-no-cache", action="store_true", help="skip the no-cache baseline")
+    decode.add_argument("--devices", type=positive, default=1,
+                        help="also time kvjax with each batch split over this many devices "
+                             "(on a CPU, host devices), in rows beside the one-device rows")
+    decode.add_argument("--whole-cache", action="store_true",
+                        help="also time each layer mode reading every cache slot at each step "
+                             "(as before decode attention read only filled blocks)")
+    decode.add_argument("--no-sweep", action="store_true",
+                        help="skip the sweep of step time against filled cache slots")
+    decode.add_argument("--sweep-batch", type=positive, default=32, help="rows in the sweep")
+    decode.add_argument("--sweep-capacity", type=positive, default=1024,
+                        help="cache slots in the sweep")
+    decode.add_argument("--sweep-fills", type=positive, nargs="+",
+                        default=[64, 128, 256, 512, 1024], help="filled slots to time")
+    decode.add_argument("--sweep-plot", default="decode_sweep.png",
+                        help="where to write the sweep's PNG plot")
+    decode.set_defaults(run=run_bench_decode)
+
+
+def _add_train(kinds) -> None:
+    train = add_command(kinds, "train", "Training tokens/s of kvjax's train step against "
+                        "PyTorch eager (Hugging Face GPT-2 of the same sizes, AdamW, clipping; "
+                        "if installed: pip install -e '.[bench]'), measured in one run.")
+    train.add_argument("--preset", choices=PRESET_NAMES, default="gpt-mini", help="model size")
+    train.add_argument("--batch-size", type=positive, default=8, help="sequences per step")
+    train.add_argument("--seq-len", type=positive, default=256, help="tokens per sequence")
+    train.add_argument("--steps", type=positive, default=5, help="steps per timed run")
+    train.add_argument("--repeats", type=positive, default=3, help="timed runs (best)")
+    train.add_argument("--layers", choices=LAYER_MODES, nargs="+", default=list(LAYER_MODES),
+                       help="layer modes to time: scanned (stacked) and/or unrolled")
+    train.add_argument("--devices", type=positive, default=1,
+                       help="also time kvjax with each batch split over this many devices "
+                            "(on a CPU, host devices)")
+    train.add_argument("--no-torch", action="store_true", help="skip PyTorch")
+    train.set_defaults(run=run_bench_train)
+
+
+def run_bench_decode(args) -> int:
+    from kvjax.bench import decode_benchmark, format_table
+    from kvjax.fill_sweep import check_sweep
+
+    if not args.no_sweep:  # before minutes of timing, not after
+        check_sweep(args.preset, args.sweep_capacity, args.sweep_fills)
+    rows, facts = decode_benchmark(
+        args.preset, tuple(args.batch_sizes), args.prompt_len, args.new_tokens, args.repeats,
+        layer_modes=tuple(args.layers), compare_no_cache=not args.no_no_cache,
+        compare_hf=not args.no_hf, devices=args.devices, whole_cache=args.whole_cache)
+    print(format_table(rows, facts))
+    if not args.no_sweep:
+        from kvjax import model as M
+        from kvjax.fill_sweep import fill_sweep, format_sweep, plot_sweep
+
+        sweep = fill_sweep(args.preset, args.sweep_batch, args.sweep_capacity,
+                           tuple(args.sweep_fills), tuple(args.layers), args.repeats)
+        block = M.preset(args.preset).attention_block
+        print("\n" + format_sweep(sweep, args.sweep_batch, args.sweep_capacity, block))
+        plot_sweep(sweep, args.sweep_plot, args.sweep_batch, args.sweep_capacity)
+        print(f"plot: {args.sweep_plot}")
+    return 0
+
+
+def run_bench_train(args) -> int:
+    from kvjax.bench_train import format_train_table, train_benchmark
+
+    rows, setting = train_benchmark(
+        args.preset, args.batch_size, args.seq_len, args.steps, args.repeats,
+        devices=args.devices, layer_modes=tuple(args.layers), compare_torch=not args.no_torch)
+    print(format_train_table(rows, setting))
+    return 0

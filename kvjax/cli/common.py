@@ -1,0 +1,73 @@
+"""What the commands share: the parser classes, argument types and choices, and how a command
+is added. Nothing here imports jax, so that `kvjax --help` answers at once."""
+
+from __future__ import annotations
+
+import argparse
+
+MAX_SEED = 2**63 - 1  # kvjax.text.MAX_SEED: jax.random.key takes a signed 64-bit seed
+PRESET_NAMES = ("tiny", "small", "gpt-mini")  # model.PRESETS, named here to keep jax unloaded
+LAYER_MODES = ("scanned", "unrolled")  # kvjax.bench.LAYER_MODES
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows every option's default and keeps the descriptions' line breaks."""
+
+
+class Parser(argparse.ArgumentParser):
+    """Reports a bad option in one line (no usage dump): `kvjax train: error: ...`."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def seed(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**63 - 1], got {value}")
+    return value
+
+
+def positive_real(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+# Names for argparse's messages ("invalid seed value: 'x'" reads better as "invalid int").
+for _type, _name in ((positive, "int"), (count, "int"), (seed, "int"),
+                     (positive_real, "number")):
+    _type.__name__ = _name
+
+
+def add_command(commands, name: str, help_text: str) -> argparse.ArgumentParser:
+    """A subcommand's parser, described by `help_text` in `kvjax --help` and its own help."""
+    return commands.add_parser(name, help=help_text, description=help_text,
+                               formatter_class=Formatter)
+
+
+def schedule(args) -> dict:
+    """--steps and --warmup-steps as training overrides; warmup scales down with few steps."""
+    overrides = {}
+    if args.steps is not None:
+        overrides["steps"] = args.steps
+        overrides["warmup_steps"] = min(50, args.steps // 10)
+    if args.warmup_steps is not None:
+        overrides["warmup_steps"] = args.warmup_steps
+    return overrides

@@ -1,0 +1,85 @@
+"""`kvjax sample`: text from a checkpoint, streamed as it is made."""
+
+from __future__ import annotations
+
+import sys
+
+from .common import add_command, count, positive, seed
+
+
+def add_sample(commands) -> None:
+    sample = add_command(commands, "sample", "Generate from a checkpoint, streaming the text "
+                         "as it is made. For a translation checkpoint the prompt is the source.")
+    sample.add_argument("--checkpoint", required=True, metavar="DIR",
+                        help="a directory written by `kvjax train` or `kvjax demo`")
+    sample.add_argument("--prompt", required=True, help="the text to continue or translate")
+    sample.add_argument("--max-new-tokens", type=positive, default=64,
+                        help="stop after this many tokens (fewer if the model's length ends)")
+    sample.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    sample.add_argument("--top-k", type=count, default=0,
+                        help="keep the k likeliest (0 = all)")
+    sample.add_argument("--top-p", type=float, default=1.0,
+                        help="keep the smallest set of likeliest tokens with this much mass")
+    sample.add_argument("--min-p", type=float, default=0.0,
+                        help="keep tokens at least this fraction as likely as the likeliest")
+    sample.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="> 1 makes tokens already in the prompt or output less likely")
+    sample.add_argument("--no-repeat-ngram-size", type=count, default=0,
+                        help="n > 0: never repeat an n-gram of the prompt or output")
+    sample.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                        help="end the text before this string (repeatable; \\n and \\t "
+                             "are a newline and a tab)")
+    sample.add_argument("--num-samples", type=positive, default=1,
+                        help="samples of the prompt, from one prefill")
+    sample.add_argument("--beams", type=positive, default=1,
+                        help="beam search with this many beams (1 = sampling as above)")
+    sample.add_argument("--seed", type=seed, default=0, help="sampling seed")
+    sample.set_defaults(run=run_sample)
+
+
+def run_sample(args) -> int:
+    from kvjax import text
+
+    loaded = text.load(args.checkpoint)
+    room = text.room(loaded, args.prompt)  # a prompt too long fails here, before the echo
+    if args.max_new_tokens > room:
+        print(f"kvjax sample: --max-new-tokens {args.max_new_tokens} does not fit the model's "
+              f"length ({loaded.config.max_len} tokens) after this prompt; generating at most "
+              f"{room}", file=sys.stderr)
+    if loaded.is_translation:
+        print(f"{args.prompt} -> ", end="", flush=True)
+    else:
+        print(args.prompt, end="", flush=True)
+    settings = dict(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        no_repeat_ngram_size=args.no_repeat_ngram_size, num_beams=args.beams, seed=args.seed,
+        stop=[_unescape(s) for s in args.stop])
+    if args.num_samples == 1:
+        try:
+            result = text.sample_text(loaded, args.prompt, **settings,
+                                      on_text=lambda piece: print(piece, end="", flush=True))
+        finally:
+            print(flush=True)  # whatever happens, the echoed line ends before anything else
+        results = [result]
+    else:
+        print()  # samples are printed whole, each after its own header
+        results = text.sample_texts(loaded, args.prompt, num_samples=args.num_samples,
+                                    **settings)
+        for i, result in enumerate(results):
+            print(f"--- sample {i + 1} of {len(results)} ({len(result.tokens)} tokens; stop: "
+                  f"{result.stop_reason}) ---\n{result.text}")
+    first = results[0]
+    total = sum(len(r.tokens) for r in results)
+    compiled = (f"; compilation {first.compile_seconds:.2f} s not included"
+                if first.compile_seconds > 0 else "")
+    stops = "/".join(sorted({r.stop_reason for r in results}))
+    print(f"[{total} tokens in {first.decode_seconds:.2f} s: "
+          f"{total / max(first.decode_seconds, 1e-9):.1f} tokens/s{compiled}; first text after "
+          f"{first.first_chunk_seconds:.2f} s; stop: {stops}]")
+    return 0
+
+
+def _unescape(text: str) -> str:
+    """A --stop value with \\n and \\t (as a shell passes them) turned into the characters."""
+    return text.replace("\\n", "\n").replace("\\t", "\t")

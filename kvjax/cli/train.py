@@ -1,0 +1,96 @@
+"""`kvjax train`: one model trained into a checkpoint directory."""
+
+from __future__ import annotations
+
+from .common import PRESET_NAMES, add_command, count, positive, positive_real, schedule, seed
+
+
+def add_train(commands) -> None:
+    train = add_command(commands, "train", "Train a decoder-only LM (--task lm) or an "
+                        "encoder-decoder translator (--task translate) with checkpoints, a "
+                        "metrics JSONL file and a loss-curve PNG in --out.")
+    train.add_argument("--task", choices=("lm", "translate"), required=True,
+                       help="lm: next-token prediction on text; translate: source -> target")
+    train.add_argument("--data", nargs="+", metavar="FILE", default=None,
+                       help="lm: UTF-8 text files; translate: one TSV file of "
+                            "source<TAB>target lines (default: Python's documentation, or "
+                            "numbers spelled as English words)")
+    train.add_argument("--preset", choices=PRESET_NAMES, default=None,
+                       help="model size (default: the demo's reduced 'small' model)")
+    train.add_argument("--steps", type=positive, default=None,
+                       help="training steps (default: the demo settings)")
+    train.add_argument("--batch-size", type=positive, default=None,
+                       help="examples per step (default: the demo settings)")
+    train.add_argument("--learning-rate", type=positive_real, default=None,
+                       help="peak learning rate (default: the demo settings)")
+    train.add_argument("--warmup-steps", type=count, default=None,
+                       help="learning-rate warmup steps (default: 50, or a tenth of --steps "
+                            "if that is less)")
+    train.add_argument("--save-every", type=positive, default=None,
+                       help="steps between checkpoints (default: a tenth of --steps); one is "
+                            "also saved at the end and on Ctrl-C or SIGTERM")
+    train.add_argument("--heldout", type=count, default=None,
+                       help="translate: pairs held out for validation and accuracy (default: "
+                            "a tenth of the pairs, at most 1000; 0: none)")
+    train.add_argument("--seed", type=seed, default=0,
+                       help="seed for init, shuffling, dropout")
+    train.add_argument("--out", default=None,
+                       help="checkpoint directory (default: runs/<task>)")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the newest checkpoint in --out, with the data and "
+                            "settings it was started with (recorded in its run.json)")
+    train.add_argument("--allow-changes", action="store_true",
+                       help="with --resume: accept other data or other --steps and schedule "
+                            "settings than the run was started with")
+    train.add_argument("--mesh", default=None, metavar="data=N,model=M",
+                       help="split each batch over N devices and the heads and FFN over M "
+                            "(default: every device on data)")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.set_defaults(run=run_train)
+
+
+def run_train(args) -> int:
+    from kvjax import model as M
+    from kvjax.train import tasks
+
+    overrides = {"seed": args.seed, "progress": not args.no_progress, **schedule(args)}
+    for option, name in (("batch_size", "batch_size"), ("learning_rate", "learning_rate"),
+                         ("save_every", "save_every")):
+        if getattr(args, option) is not None:
+            overrides[name] = getattr(args, option)
+    if args.preset is not None:
+        encoder = M.preset(args.preset).num_decoder_layers if args.task == "translate" else 0
+        overrides.update(preset=args.preset, model_overrides={"num_encoder_layers": encoder})
+    if args.allow_changes and not args.resume:
+        raise ValueError("--allow-changes only applies with --resume")
+    out = args.out or f"runs/{args.task}"
+    common = dict(resume=args.resume, allow_changes=args.allow_changes)
+    overrides["mesh"] = _mesh(args.mesh)
+    if args.task == "lm":
+        if args.heldout is not None:
+            raise ValueError("--heldout applies to --task translate (an LM holds out 5% of "
+                             "its text windows)")
+        result = tasks.train_lm(out, data_files=args.data, **common, **overrides)
+    else:
+        if args.data is not None and len(args.data) != 1:
+            raise ValueError(f"--task translate takes one TSV file, got {len(args.data)}")
+        if args.heldout is not None:
+            overrides["num_heldout"] = args.heldout
+        data_tsv = None if args.data is None else args.data[0]
+        result = tasks.train_translate(out, data_tsv=data_tsv, **common, **overrides)
+    metrics = " ".join(f"{k}={v:.4g}" for k, v in result.metrics.items())
+    print(f"trained to step {result.step}: {metrics}\ncheckpoint: {result.out_dir}\n"
+          f"metrics: {result.metrics_path}\nloss curve: {result.loss_curve_path}")
+    return 0
+
+
+def _mesh(spec: str | None):
+    """The mesh `--mesh` asks for; without it every device on `data`, or None on one device
+    (which needs no mesh)."""
+    import jax
+
+    from kvjax import parallel
+
+    if spec is None and jax.device_count() == 1:
+        return None
+    return parallel.make_mesh(spec)
