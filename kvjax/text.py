@@ -4,11 +4,15 @@
 turns a prompt into tokens, runs the compiled generation API and turns tokens back into text,
 streaming it chunk by chunk. Both variants are served:
 
-- a language model continues the prompt. Its training text is a stream of documents each
-  followed by EOS, so the prompt is fed after an EOS, as the start of a new document, and
-  generation stops at the next EOS;
-- a translation model (encoder-decoder) reads the prompt as the source (plus EOS, as in
-  training) and writes the target from BOS until EOS.
+- a language model continues the prompt, fed after the tokenizer's `document_prefix`: for
+  kvjax's own LMs an EOS, since their training text is a stream of documents each followed
+  by EOS, so the prompt starts a new document; for a Hugging Face model what its tokenizer
+  puts in front of a text (Llama's BOS, nothing for GPT-2);
+- a translation model (encoder-decoder) reads the prompt as the source, followed by the
+  tokenizer's `source_suffix` (EOS, as in training), and writes the target from BOS.
+
+Either stops at the first of the tokenizer's `stop_ids`. Everything goes through the
+`kvjax.tokenizer.TextTokenizer` interface, so a model's origin needs no branch here.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import numpy as np
 from kvjax import checkpoint, decode
 from kvjax import model as M
 from kvjax.decode import checks
-from kvjax.tokenizer import EOS_ID, Tokenizer
+from kvjax.tokenizer import TextTokenizer
 
 MAX_SEED = 2**63 - 1  # jax.random.key takes a signed 64-bit seed
 
@@ -36,7 +40,7 @@ class LoadedModel:
     """A checkpoint ready for sampling: the model config, its module, tokenizer and params."""
 
     config: M.TransformerConfig
-    tokenizer: Tokenizer
+    tokenizer: TextTokenizer
     params: Any
     directory: str
 
@@ -50,10 +54,17 @@ class LoadedModel:
 
 
 def load(directory: str | os.PathLike, *, scan_layers: bool | None = None) -> LoadedModel:
-    """The newest checkpoint in `directory`, its layers held as `scan_layers` says (None:
-    the default layout, whichever the checkpoint stores); raises `CheckpointError` naming
-    any problem."""
-    config, tokenizer, params = checkpoint.load_for_sampling(directory, scan_layers=scan_layers)
+    """The model in `directory`: the newest step of a kvjax checkpoint, or a Hugging Face
+    model directory (`kvjax.hf.load_pretrained`), its layers held as `scan_layers` says
+    (None: the default layout, whichever the checkpoint stores); raises `CheckpointError`
+    or ValueError naming any problem."""
+    from kvjax import hf
+
+    if hf.is_hf_directory(directory):
+        config, tokenizer, params = hf.load_pretrained(directory, scan_layers=scan_layers)
+    else:
+        config, tokenizer, params = checkpoint.load_for_sampling(directory,
+                                                                 scan_layers=scan_layers)
     return LoadedModel(config, tokenizer, params, os.fspath(directory))
 
 
@@ -120,8 +131,19 @@ def room(loaded: LoadedModel, prompt: str) -> int:
 
 def prompt_tokens(loaded: LoadedModel, prompt: str) -> list[int]:
     """The token ids the model is given for `prompt` (see the module docstring)."""
-    ids = loaded.tokenizer.encode(prompt)
-    return ids + [EOS_ID] if loaded.is_translation else [EOS_ID] + ids
+    tokenizer = loaded.tokenizer
+    ids = tokenizer.encode(prompt)
+    if loaded.is_translation:
+        return ids + list(tokenizer.source_suffix)
+    tokens = list(tokenizer.document_prefix) + ids
+    if not tokens:
+        # An LM needs a token to predict from: an empty prompt starts from BOS (GPT-2's
+        # <|endoftext|>), as transformers' generate does.
+        if tokenizer.bos_id is None:
+            raise ValueError("an empty prompt needs a BOS token to start from, and this "
+                             "tokenizer has none")
+        tokens = [tokenizer.bos_id]
+    return tokens
 
 
 def check_stop_strings(stop: str | Sequence[str]) -> tuple[str, ...]:
@@ -167,8 +189,8 @@ def sample_texts(loaded: LoadedModel, prompt: str, *, num_samples: int = 1,
         raise ValueError(f"num_samples={num_samples} does not go with beam search")
     tokens = prompt_tokens(loaded, prompt)
     limit = min(max_new_tokens, _room(loaded.config, len(tokens)))
-    settings = dict(max_new_tokens=limit, eos_ids=(EOS_ID,), rng=jax.random.key(seed),
-                    **sampling)
+    settings = dict(max_new_tokens=limit, eos_ids=tuple(loaded.tokenizer.stop_ids),
+                    rng=jax.random.key(seed), **sampling)
     on_text = on_text or (lambda row, piece: None)
     rows = [_RowText(loaded.tokenizer, stop) for _ in range(num_samples)]
     with _compile_time() as compiling:
@@ -214,15 +236,16 @@ class _RowText:
     split over byte pieces of two chunks comes out whole; a suffix that could still grow
     into a stop string waits."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]):
+    def __init__(self, tokenizer: TextTokenizer, stop: tuple[str, ...]):
         self.tokenizer, self.stop = tokenizer, stop
+        self.stop_ids = frozenset(tokenizer.stop_ids)
         self.ids: list[int] = []
         self.sent = ""
         self.text = ""
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(_until_eos(ids))
+        return self.tokenizer.decode(_until_stop(ids, self.stop_ids))
 
     def _stop_at(self, text: str) -> int | None:
         found = [text.find(s) for s in self.stop if s in text]
@@ -282,5 +305,6 @@ def _stream_rows(rows: list[_RowText], chunks: Iterator[np.ndarray],
     return output, first if first is not None else time.perf_counter() - start
 
 
-def _until_eos(ids: list[int]) -> list[int]:
-    return ids[:ids.index(EOS_ID)] if EOS_ID in ids else ids
+def _until_stop(ids: list[int], stop_ids: frozenset[int]) -> list[int]:
+    """`ids` up to their first stop id."""
+    return next((ids[:k] for k, i in enumerate(ids) if i in stop_ids), ids)

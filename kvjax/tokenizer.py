@@ -7,6 +7,10 @@ own piece, and any character outside the learned vocabulary is spelled as its UT
 The special ids are the same for every tokenizer, so model code can rely on them::
 
     PAD_ID = 0, BOS_ID = 1, EOS_ID = 2, UNK_ID = 3
+
+`TextTokenizer` is the interface that sampling (`kvjax.text`, the CLI, the notebooks) sees: this
+module's `Tokenizer` and the tokenizers of Hugging Face directories (`kvjax.hf.tokenizers`) both
+satisfy it, and `tokenizer_from_bytes` reads back what either's `to_bytes` wrote.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 import tempfile
 import warnings
 from collections.abc import Iterable, Sequence
+from typing import Protocol, runtime_checkable
 
 import sentencepiece as spm
 
@@ -38,6 +43,71 @@ _MODEL_TYPES = ("bpe", "unigram")
 
 def _byte_piece(byte: int) -> str:
     return f"<0x{byte:02X}>"
+
+
+@runtime_checkable
+class TextTokenizer(Protocol):
+    """Text to token ids and back, and the ids that frame a model's input and end its output.
+
+    - `vocab_size`: how many ids the tokenizer can produce (its largest id + 1, added tokens
+      included); a model's vocabulary must be at least this large.
+    - `pad_id`, `bos_id`, `eos_id`: the tokenizer's special ids, None where it has no such
+      token (GPT-2 has no padding token, Qwen2 and Marian no BOS).
+    - `encode(text)`: the ids of `text` with no special ids added around it. A special
+      token's string inside the text is read as that token where the tokenizer does so
+      (Hugging Face tokenizers do; kvjax's own spell `</s>` as plain text).
+    - `decode(ids)`: the text of `ids` (any 1-D sequence or array) with special tokens left
+      out; an id outside the vocabulary is a ValueError naming it.
+    - `stop_ids`: the ids that end generation, `eos_id` first (plus a Hugging Face model's
+      `generation_config.json` `eos_token_id`s).
+    - `document_prefix`: what a language model's prompt starts with. kvjax's own LMs are
+      trained on documents each followed by EOS, so theirs is `(EOS_ID,)`; a Hugging Face
+      model's is what its tokenizer adds in front of a text (Llama: `(bos,)`, GPT-2: `()`).
+    - `source_suffix`: what an encoder-decoder's source ends with (kvjax: `(EOS_ID,)`,
+      Marian: `(eos,)`).
+    - `to_bytes()`: a serialization that `tokenizer_from_bytes` turns back into an equal
+      tokenizer (no pickle).
+    """
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def pad_id(self) -> int | None: ...
+
+    @property
+    def bos_id(self) -> int | None: ...
+
+    @property
+    def eos_id(self) -> int | None: ...
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def document_prefix(self) -> tuple[int, ...]: ...
+
+    @property
+    def source_suffix(self) -> tuple[int, ...]: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+    def to_bytes(self) -> bytes: ...
+
+
+def tokenizer_from_bytes(data: bytes) -> TextTokenizer:
+    """The tokenizer that `to_bytes` serialized: kvjax's own (a sentencepiece ModelProto) or
+    a Hugging Face one (a JSON bundle, see `kvjax.hf.tokenizers`); raises ValueError if
+    `data` is neither."""
+    data = bytes(data)
+    # A serialized ModelProto starts with a protobuf field tag, never with "{".
+    if data[:1] == b"{":
+        from kvjax.hf.tokenizers import from_bundle
+
+        return from_bundle(data)
+    return Tokenizer(data)
 
 
 class Tokenizer:
@@ -120,6 +190,19 @@ class Tokenizer:
     @property
     def unk_id(self) -> int:
         return UNK_ID
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return (EOS_ID,)
+
+    @property
+    def document_prefix(self) -> tuple[int, ...]:
+        # Training streams documents each followed by EOS, so a new document follows an EOS.
+        return (EOS_ID,)
+
+    @property
+    def source_suffix(self) -> tuple[int, ...]:
+        return (EOS_ID,)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, without BOS or EOS."""

@@ -95,9 +95,12 @@ def tiny_lm():
 
 
 class FakeTokenizer:
-    """Enough of `Tokenizer` for `text.LoadedModel`: printable text, no model file."""
+    """Enough of `TextTokenizer` for `text.LoadedModel`: printable text, no model file; its
+    ids around a prompt are those of kvjax's own tokenizers."""
 
     vocab_size = 64
+    pad_id, bos_id, eos_id = 0, 1, 2
+    stop_ids = document_prefix = source_suffix = (2,)
 
     @staticmethod
     def encode(text):

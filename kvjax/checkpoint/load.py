@@ -27,7 +27,7 @@ def load_for_sampling(directory: str | os.PathLike, mesh: Any = None, *,
     """
     # Imported here so that saving and restoring training state does not depend on them.
     from kvjax.model import TransformerConfig, init_params, with_layer_layout
-    from kvjax.tokenizer import Tokenizer
+    from kvjax.tokenizer import tokenizer_from_bytes
 
     path = existing_directory(directory)
     config_dict, _task, tokenizer_bytes = read_metadata(path)
@@ -37,7 +37,7 @@ def load_for_sampling(directory: str | os.PathLike, mesh: Any = None, *,
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"config file {path / CONFIG_FILE}: invalid model config: {e}") from e
     try:
-        tokenizer = Tokenizer.from_bytes(tokenizer_bytes)
+        tokenizer = tokenizer_from_bytes(tokenizer_bytes)
     except ValueError as e:
         raise CheckpointError(f"tokenizer file {path / TOKENIZER_FILE}: {e}") from e
     if tokenizer.vocab_size > config.vocab_size:

@@ -1,0 +1,94 @@
+"""Pretrained models from local Hugging Face directories: GPT-2, Llama, Qwen2 and Marian.
+
+    config, tokenizer, params = kvjax.hf.load_pretrained("path/to/gpt2")
+
+A directory in the Hugging Face layout holds `config.json`, `model.safetensors` (or shards
+named by `model.safetensors.index.json`) and the tokenizer's files. Nothing is downloaded:
+fetch a model yourself (e.g. `huggingface-cli download gpt2 --local-dir gpt2`). The loaded
+model runs through the same interface, cache and decode loop as kvjax's own.
+
+One module per part: `config.py` (config.json to `TransformerConfig`, refusing what is not
+implemented), `weights.py` (safetensors to params), `tokenizers.py` (tokenizer.json and
+tokenizer.model, as transformers reads them) and `marian_tokenizer.py` (Marian's pair of
+sentencepiece models), `convert.py` (the model written as a kvjax checkpoint).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kvjax import model as M
+
+from .config import SUPPORTED_MODEL_TYPES, UnsupportedModelError, read_hf_config, to_kvjax_config
+from .weights import INDEX_FILE, SINGLE_FILE, WeightFiles, load_params
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "UnsupportedModelError", "is_hf_directory", "load_model",
+           "load_pretrained", "read_hf_config", "to_kvjax_config"]
+
+
+def is_hf_directory(directory: str | os.PathLike) -> bool:
+    """Whether `directory` looks like a Hugging Face model (config.json and safetensors) rather
+    than a kvjax checkpoint."""
+    path = Path(directory)
+    return (path / "config.json").is_file() and (
+        (path / SINGLE_FILE).is_file() or (path / INDEX_FILE).is_file()
+        or (path / "pytorch_model.bin").is_file())
+
+
+def load_pretrained(directory: str | os.PathLike, *, dtype: str | None = None, mesh=None,
+                    scan_layers: bool | None = None) -> tuple[M.TransformerConfig, Any, Any]:
+    """`(config, tokenizer, params)` of the model in a local Hugging Face directory.
+
+    `dtype` is the params' and the computation's ("float32", the default, or "bfloat16");
+    with a `mesh` (`kvjax.parallel.make_mesh`) the params are placed in its layout, else on
+    the default device. Layers come back held as `scan_layers` says (None: unrolled).
+    Raises `UnsupportedModelError` (a ValueError) for a model or setting kvjax does not
+    implement, and ValueError/FileNotFoundError naming a missing or misshapen file or tensor;
+    a tokenizer with more ids than the model's vocabulary is refused.
+    """
+    from .tokenizers import load_tokenizer
+
+    config, model_type, files = _config_and_files(directory, dtype)
+    tokenizer = load_tokenizer(directory)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(f"{directory}: the tokenizer has {tokenizer.vocab_size} ids but the "
+                         f"model's vocab_size is {config.vocab_size}")
+    config, params = _params(config, model_type, files, mesh, scan_layers)
+    return config, tokenizer, params
+
+
+def load_model(directory: str | os.PathLike, *, dtype: str | None = None, mesh=None,
+               scan_layers: bool | None = None) -> tuple[M.TransformerConfig, Any]:
+    """`(config, params)` as `load_pretrained` reads them, without the tokenizer (a
+    directory may then have none)."""
+    config, model_type, files = _config_and_files(directory, dtype)
+    return _params(config, model_type, files, mesh, scan_layers)
+
+
+def _config_and_files(directory, dtype: str | None):
+    hf = read_hf_config(directory)
+    source = str(Path(directory) / "config.json")
+    if hf.get("model_type") not in SUPPORTED_MODEL_TYPES:  # before reading any weights
+        to_kvjax_config(hf, tied=True, source=source)
+    files = WeightFiles(directory)
+    config = to_kvjax_config(hf, tied="lm_head.weight" not in files, dtype=dtype or "float32",
+                             source=source)
+    return config, hf["model_type"], files
+
+
+def _params(config: M.TransformerConfig, model_type: str, files: WeightFiles, mesh,
+            scan_layers: bool | None):
+    params = load_params(config, model_type, files, jnp.dtype(config.param_dtype))
+    if scan_layers:
+        config, params = M.with_layer_layout(config, params, True)
+    if mesh is None:
+        return config, jax.device_put(params)
+    from kvjax import parallel
+
+    parallel.check_model_axis(config, mesh)
+    return config, parallel.shard_params(params, mesh)

@@ -1,0 +1,240 @@
+"""A Hugging Face `config.json` as a `TransformerConfig`, refusing what kvjax does not run.
+
+Every key of the file is either read, known to change nothing in inference (training-time
+dropout, labels, caching switches, bookkeeping), checked to hold the one value kvjax
+implements, or refused: a key this module does not know, with a value that is not empty,
+false or null, is an error naming it. A loader that silently ignores, say, `rope_scaling`
+gives a model that runs and writes worse text; this one stops and says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from kvjax.model import TransformerConfig
+
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "qwen2", "marian")
+
+
+class UnsupportedModelError(ValueError):
+    """The directory holds a model, or a setting of one, that kvjax does not implement."""
+
+
+# Keys that change nothing in inference: dropout (kvjax imports models for inference and
+# fine-tunes them without dropout), initialisation, heads for other tasks, caching and
+# output switches, token ids the tokenizer and generation_config.json own, bookkeeping.
+_INFERENCE_NEUTRAL = frozenset({
+    "_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype",
+    "use_cache", "output_attentions", "output_hidden_states", "return_dict", "id2label",
+    "label2id", "problem_type", "chunk_size_feed_forward", "is_decoder", "add_cross_attention",
+    "initializer_range", "init_std", "bos_token_id", "eos_token_id", "pad_token_id",
+    "sep_token_id", "forced_eos_token_id", "forced_bos_token_id", "tokenizer_class",
+    "task_specific_params", "prefix", "finetuning_task", "use_bfloat16", "torchscript",
+    "pruned_heads", "tf_legacy_loss", "tie_encoder_decoder", "max_length", "min_length",
+    "num_beams", "bad_words_ids", "do_sample", "early_stopping", "length_penalty",
+    "no_repeat_ngram_size", "num_return_sequences", "temperature", "top_k", "top_p",
+    "repetition_penalty", "transformers.js_config", "is_llama_config", "model_type",
+    "tie_word_embeddings",  # tied or not follows the weight files (lm_head present or not)
+    "attn_pdrop", "embd_pdrop", "resid_pdrop", "attention_dropout", "dropout",
+    "activation_dropout", "classifier_dropout", "classif_dropout", "summary_activation",
+    "summary_first_dropout", "summary_proj_to_labels", "summary_type", "summary_use_proj",
+    "encoder_layerdrop", "decoder_layerdrop", "pretraining_tp", "num_hidden_layers",
+    "max_window_layers",  # read only with sliding windows, which are refused
+    "gradient_checkpointing", "scale_attn_weights",
+    # Marian: transformers' Marian reads none of these (its layers are always post-LN, its
+    # positions always static sinusoids), so the same model runs here.
+    "normalize_before", "add_final_layer_norm", "normalize_embedding",
+    "static_position_embeddings", "extra_pos_embeddings", "add_bias_logits",
+})
+
+_ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu_fast": "gelu",
+                "gelu": "gelu_exact", "relu": "relu", "silu": "silu", "swish": "silu"}
+
+
+def read_hf_config(directory: str | os.PathLike) -> dict[str, Any]:
+    """The parsed `config.json` of a Hugging Face model directory."""
+    path = Path(directory) / "config.json"
+    if not Path(directory).is_dir():
+        raise FileNotFoundError(f"{directory} is not a directory")
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{directory} has no config.json: not a Hugging Face model "
+                                "directory") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return values
+
+
+def to_kvjax_config(hf: dict[str, Any], *, tied: bool, dtype: str = "float32",
+                    source: str = "config.json") -> TransformerConfig:
+    """The `TransformerConfig` of the model `hf` (a parsed config.json) describes.
+
+    `tied` says whether the output layer is the embedding table (the weight files hold no
+    separate `lm_head.weight`). Raises `UnsupportedModelError` naming what is not supported.
+    """
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(f"{source}: model_type {model_type!r} is not supported; "
+                                    f"kvjax loads {', '.join(SUPPORTED_MODEL_TYPES)}")
+    reader = _Reader(hf, source)
+    fields = {"gpt2": _gpt2, "llama": _llama, "qwen2": _qwen2, "marian": _marian}[model_type](
+        reader)
+    reader.refuse_unread()
+    try:
+        return TransformerConfig(**fields, tie_embeddings=tied, dtype=dtype, param_dtype=dtype,
+                                 dropout=0.0)
+    except ValueError as e:
+        raise UnsupportedModelError(f"{source}: {e}") from None
+
+
+class _Reader:
+    """Reads keys of a config.json and remembers which were read."""
+
+    def __init__(self, values: dict[str, Any], source: str):
+        self.values, self.source, self.read = values, source, set()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.read.add(key)
+        value = self.values.get(key)
+        return default if value is None else value
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ValueError(f"{self.source} has no {key!r}")
+        return value
+
+    def expect(self, key: str, wanted: Any, default: Any, why: str) -> None:
+        """Refuses the model unless `key` (or `default` when absent) is `wanted`."""
+        value = self.get(key, default)
+        if value != wanted:
+            raise UnsupportedModelError(f"{self.source}: {key}={json.dumps(value)} is not "
+                                        f"supported ({why})")
+
+    def activation(self, key: str, default: str) -> str:
+        name = self.get(key, default)
+        if name not in _ACTIVATIONS:
+            raise UnsupportedModelError(f"{self.source}: {key}={name!r} is not supported; "
+                                        f"kvjax runs {sorted(_ACTIVATIONS)}")
+        return _ACTIVATIONS[name]
+
+    def refuse_unread(self) -> None:
+        unknown = sorted(key for key, value in self.values.items()
+                         if key not in self.read and key not in _INFERENCE_NEUTRAL
+                         and value not in (None, False, 0, "", [], {}))
+        if unknown:
+            shown = ", ".join(f"{key}={json.dumps(self.values[key])}" for key in unknown)
+            raise UnsupportedModelError(
+                f"{self.source}: kvjax does not implement {shown}; it refuses a setting it "
+                "would otherwise ignore")
+
+
+def _gpt2(c: _Reader) -> dict[str, Any]:
+    width = c.require("n_embd")
+    c.expect("scale_attn_by_inverse_layer_idx", False, False, "attention scaled by layer")
+    c.expect("reorder_and_upcast_attn", False, False, "kvjax computes softmax in float32")
+    c.expect("is_encoder_decoder", False, False, "GPT-2 is decoder-only")
+    return dict(
+        vocab_size=c.require("vocab_size"), d_model=width, num_heads=c.require("n_head"),
+        d_ff=c.get("n_inner") or 4 * width, num_decoder_layers=c.require("n_layer"),
+        max_len=c.require("n_positions"), positional_encoding="learned", norm="pre",
+        activation=c.activation("activation_function", "gelu_new"),
+        layer_norm_eps=c.get("layer_norm_epsilon", 1e-5), qkv_bias=True, out_bias=True,
+        scale_embeddings=False)
+
+
+def _rope(c: _Reader) -> dict[str, Any]:
+    """RoPE's base and scaling from `rope_parameters` (transformers 5) or the older
+    `rope_theta` and `rope_scaling`."""
+    params = {**(c.get("rope_scaling") or {}), **(c.get("rope_parameters") or {})}
+    base = params.get("rope_theta", c.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    fields: dict[str, Any] = {"positional_encoding": "rope", "rope_base": float(base)}
+    known = {"rope_theta", "rope_type", "type"}
+    if kind == "linear":
+        fields.update(rope_scaling="linear", rope_scaling_factor=params["factor"])
+        known |= {"factor"}
+    elif kind == "llama3":
+        fields.update(rope_scaling="llama3", rope_scaling_factor=params["factor"],
+                      rope_low_freq_factor=params["low_freq_factor"],
+                      rope_high_freq_factor=params["high_freq_factor"],
+                      rope_original_max_len=params["original_max_position_embeddings"])
+        known |= {"factor", "low_freq_factor", "high_freq_factor",
+                  "original_max_position_embeddings"}
+    elif kind != "default":
+        raise UnsupportedModelError(f"{c.source}: rope scaling of type {kind!r} is not "
+                                    "supported; kvjax implements 'default', 'linear' and "
+                                    "'llama3'")
+    extra = {k: v for k, v in params.items() if k not in known and v not in (None, 1.0)}
+    if extra:
+        raise UnsupportedModelError(f"{c.source}: rope settings {json.dumps(extra)} are not "
+                                    f"supported for rope type {kind!r}")
+    for key in ("rope_interleaved",):  # pairs (x[2i], x[2i+1]) instead of halves
+        c.expect(key, False, False, "kvjax rotates the halves (x[i], x[i + H/2])")
+    return fields
+
+
+def _llama_like(c: _Reader, *, qkv_bias: bool, out_bias: bool, ffn_bias: bool):
+    width, heads = c.require("hidden_size"), c.require("num_attention_heads")
+    c.expect("is_encoder_decoder", False, False, "decoder-only model")
+    return dict(
+        vocab_size=c.require("vocab_size"), d_model=width, num_heads=heads,
+        num_kv_heads=c.get("num_key_value_heads", heads), head_dim=c.get("head_dim"),
+        d_ff=c.require("intermediate_size"), num_decoder_layers=c.require("num_hidden_layers"),
+        max_len=c.require("max_position_embeddings"), norm="pre", norm_type="rmsnorm",
+        layer_norm_eps=c.get("rms_norm_eps", 1e-6),
+        activation=_gated(c.activation("hidden_act", "silu"), c.source),
+        qkv_bias=qkv_bias, out_bias=out_bias, ffn_bias=ffn_bias, scale_embeddings=False,
+        **_rope(c))
+
+
+def _gated(activation: str, source: str) -> str:
+    if activation != "silu":
+        raise UnsupportedModelError(f"{source}: a gated feed-forward network with "
+                                    f"{activation} is not supported (only SiLU: SwiGLU)")
+    return "swiglu"
+
+
+def _llama(c: _Reader) -> dict[str, Any]:
+    bias = bool(c.get("attention_bias", False))
+    return _llama_like(c, qkv_bias=bias, out_bias=bias, ffn_bias=bool(c.get("mlp_bias", False)))
+
+
+def _qwen2(c: _Reader) -> dict[str, Any]:
+    c.expect("use_sliding_window", False, False, "sliding-window attention")
+    c.get("sliding_window")  # read only when use_sliding_window is on
+    layer_types = c.get("layer_types") or []
+    sliding = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
+    if sliding:
+        raise UnsupportedModelError(f"{c.source}: layers {sliding} use "
+                                    f"{layer_types[sliding[0]]!r}; kvjax runs full attention")
+    return _llama_like(c, qkv_bias=True, out_bias=False, ffn_bias=False)
+
+
+def _marian(c: _Reader) -> dict[str, Any]:
+    width = c.require("d_model")
+    heads = c.require("encoder_attention_heads")
+    for encoder_key, decoder_key in (("encoder_attention_heads", "decoder_attention_heads"),
+                                     ("encoder_ffn_dim", "decoder_ffn_dim")):
+        c.expect(decoder_key, c.get(encoder_key), c.get(encoder_key),
+                 f"kvjax's encoder and decoder share {encoder_key.split('_', 1)[1]}")
+    c.expect("share_encoder_decoder_embeddings", True, True,
+             "kvjax's encoder and decoder share one embedding table")
+    vocab = c.require("vocab_size")
+    c.expect("decoder_vocab_size", vocab, vocab, "one vocabulary for source and target")
+    c.expect("is_encoder_decoder", True, True, "Marian is an encoder-decoder")
+    return dict(
+        vocab_size=vocab, d_model=width, num_heads=heads, d_ff=c.require("encoder_ffn_dim"),
+        num_encoder_layers=c.require("encoder_layers"),
+        num_decoder_layers=c.require("decoder_layers"),
+        max_len=c.require("max_position_embeddings"), positional_encoding="sinusoidal",
+        sinusoid_layout="halves", norm="post", layer_norm_eps=1e-5,
+        activation=c.activation("activation_function", "swish"), qkv_bias=True, out_bias=True,
+        scale_embeddings=bool(c.get("scale_embedding", False)), logits_bias=True,
+        bos_id=c.get("decoder_start_token_id", c.get("pad_token_id")))

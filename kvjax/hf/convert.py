@@ -1,0 +1,41 @@
+"""A Hugging Face directory written as a kvjax checkpoint (`kvjax import-hf DIR OUT`).
+
+The checkpoint is what `kvjax train` writes, so everything that reads one reads it:
+`config.json` (the task and the model config), `tokenizer.model` (the tokenizer's files
+bundled, see `kvjax.tokenizer.tokenizer_from_bytes`) and step 0 holding the params with an
+integrity manifest of their checksums.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from kvjax import checkpoint
+
+from . import load_pretrained
+
+
+def import_checkpoint(hf_directory: str | os.PathLike, out: str | os.PathLike, *,
+                      dtype: str | None = None) -> Path:
+    """Reads the model in `hf_directory` (`load_pretrained`) and saves it into `out` as a
+    kvjax checkpoint at step 0; returns `out`. `out` must not hold checkpoint steps yet.
+
+    The task recorded is "translate" for an encoder-decoder, else "lm", as `kvjax train`
+    records it; nothing is written when reading the model fails.
+    """
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"{out} is not a directory")
+    if out.is_dir() and checkpoint.latest_step(out) is not None:
+        raise checkpoint.CheckpointError(f"{out} already holds checkpoint steps; import into a "
+                                         "new directory")
+    config, tokenizer, params = load_pretrained(hf_directory, dtype=dtype)
+    task = "translate" if config.is_encoder_decoder else "lm"
+    config_dict, tokenizer_bytes = config.to_dict(), tokenizer.to_bytes()
+    checkpoint.write_metadata(out, config_dict, task, tokenizer_bytes)
+    manifest = checkpoint.manifest_metadata(config_dict, task, tokenizer_bytes)
+    with checkpoint.Checkpointer(out, save_every=1, keep=1, async_save=False,
+                                 manifest=manifest) as saver:
+        saver.save(0, {checkpoint.PARAMS_KEY: params}, force=True)
+    return out

@@ -1,0 +1,390 @@
+"""Tokenizers of Hugging Face model directories, behind kvjax's `TextTokenizer` interface.
+
+`load_tokenizer(directory)` gives the ids transformers 5's `AutoTokenizer` gives, reading
+the directory by the files present:
+
+- `tokenizer.json` (GPT-2, SmolLM, Qwen2, Llama 3, TinyLlama): run by the `tokenizers`
+  package, with what its post-processor puts around a text (transformers ignores
+  `add_bos_token` then): Llama 3 starts with `<|begin_of_text|>`, GPT-2 with nothing. For a
+  GPT2Tokenizer, Qwen2Tokenizer (which any qwen2 model gets) or LlamaTokenizer, transformers
+  takes only the vocabulary, merges and post-processor from the file and builds the rest in
+  code; so does kvjax. A "LlamaTokenizer" whose file is byte-level (Llama 3) runs as written.
+- `tokenizer.model` alone, for a LlamaTokenizer (Llama 2 style): transformers 5 does not run
+  sentencepiece. It reads the pieces, in id order, as a byte-fallback BPE vocabulary, derives
+  merges from it (lowest merged id first) and splits with Metaspace, ignoring the model's
+  normalizer spec; kvjax builds the same. A BPE model then gives sentencepiece's pieces but
+  for spaces (no dummy prefix doubles a leading space); a unigram model is read as BPE too
+  (mostly a piece per character). `legacy: true` puts the `▁` prefix after each special
+  token as well, `legacy: false` (default) only at the start, `add_prefix_space: false`
+  nowhere. BOS goes first if `add_bos_token` is true (a missing key: false, as there).
+- Marian (`source.spm`, `target.spm`, `vocab.json`), as `MarianTokenizer`: text is split at
+  special tokens, a leading `>>xx<<` code kept whole, the rest cut into source.spm pieces
+  mapped through vocab.json (a piece not in it is `<unk>`); `</s>` ends the source. Decoding
+  maps ids back through vocab.json and joins the pieces with source.spm, as transformers
+  5.23 does unless `separate_vocabs` (then target_vocab.json and target.spm); `<unk>` is
+  special there, so decoding leaves it out.
+
+Special tokens come from tokenizer.json, tokenizer_config.json (or special_tokens_map.json)
+and the defaults of the class transformers would pick; `stop_ids` add generation_config.json's
+`eos_token_id`. `to_bytes` is a JSON bundle of the files read, which `from_bundle` (and
+`kvjax.tokenizer.tokenizer_from_bytes`) reads back: {"format": "kvjax-hf-tokenizer",
+"version": 1, "kind", "tokenizer_class", "files": {name: {"text" or "base64": ...}}}.
+The `tokenizers` package is needed for all but Marian.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .marian_tokenizer import SPACE, MarianBackend, clean_up_spaces
+
+BUNDLE_FORMAT = "kvjax-hf-tokenizer"
+BUNDLE_VERSION = 1
+
+# kind -> the files it needs, in the order transformers prefers them.
+_KINDS = {"marian": ("source.spm", "target.spm", "vocab.json"),
+          "tokenizer.json": ("tokenizer.json",), "tokenizer.model": ("tokenizer.model",)}
+_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+               "target_vocab.json")
+_BINARY_SUFFIXES = (".model", ".spm")
+_LOOKED_FOR = "tokenizer.json, tokenizer.model, or source.spm + target.spm + vocab.json"
+
+_NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+          "mask_token")
+# The special tokens a transformers class assumes where tokenizer_config.json names none.
+_END = "<|endoftext|>"
+_CLASS_DEFAULTS = {
+    "GPT2Tokenizer": {"bos_token": _END, "eos_token": _END, "unk_token": _END},
+    "Qwen2Tokenizer": {"eos_token": _END, "pad_token": _END, "unk_token": _END},
+    "LlamaTokenizer": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"},
+    "MarianTokenizer": {"eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"},
+}
+# The class transformers picks by config.json's model_type when tokenizer_config.json names
+# none (for "llama" it has none: the generic backend).
+_MODEL_TYPE_CLASSES = {"gpt2": "GPT2Tokenizer", "qwen2": "Qwen2Tokenizer",
+                       "marian": "MarianTokenizer"}
+
+
+class HFTokenizer:
+    """A Hugging Face directory's tokenizer as a `kvjax.tokenizer.TextTokenizer`; see the
+    module docstring for what it reproduces. Made by `load_tokenizer` or `from_bundle`."""
+
+    def __init__(self, kind: str, tokenizer_class: str, files: dict[str, bytes]):
+        self.kind, self.tokenizer_class = kind, tokenizer_class
+        self._files = dict(files)
+        config = _json_file(files, "tokenizer_config.json")
+        if "added_tokens_decoder" not in config:  # transformers reads the older file then
+            config = {**config, **_json_file(files, "special_tokens_map.json")}
+        named = {key: _token_spec(config.get(key, _CLASS_DEFAULTS.get(tokenizer_class, {})
+                                             .get(key))) for key in _NAMED}
+        # Other "*_token" strings (image_token, ...) are special tokens too.
+        named.update({key: _token_spec(value) for key, value in config.items()
+                      if key.endswith("_token") and key not in named and isinstance(value, str)})
+        if kind == "marian":
+            self._backend = MarianBackend(files, config, named, _extra_specials(config) or [])
+        else:
+            self._backend = _TokenizersBackend(kind, tokenizer_class, files, config, named)
+        self._known = known = self._backend.known_ids
+        self.vocab_size = int(known.size)
+        ids = {key: self._backend.token_id(spec) for key, spec in named.items()}
+        self.pad_id, self.bos_id = ids["pad_token"], ids["bos_token"]
+        self.eos_id, self.unk_id = ids["eos_token"], ids["unk_token"]
+        self.document_prefix, self.source_suffix = self._backend.affixes(self.eos_id)
+        generation = _json_file(files, "generation_config.json").get("eos_token_id", [])
+        stops = [self.eos_id] * (self.eos_id is not None) + (
+            [generation] if isinstance(generation, int) else list(generation or []))
+        for i in stops:
+            if not isinstance(i, int) or not 0 <= i < self.vocab_size or not known[i]:
+                raise ValueError(f"generation_config.json eos_token_id {i!r} is not a token id")
+        self.stop_ids: tuple[int, ...] = tuple(dict.fromkeys(stops))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, no special ids added; special-token strings in it are read as
+        their ids."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be str, got {type(text).__name__}")
+        return self._backend.encode(text)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids` (any 1-D sequence or array), special tokens left out."""
+        ids = [int(i) for i in ids]
+        for i in ids:
+            if not 0 <= i < self.vocab_size or not self._known[i]:
+                raise ValueError(f"token id {i} is outside the vocabulary [0, {self.vocab_size})")
+        return self._backend.decode(ids)
+
+    def to_bytes(self) -> bytes:
+        files = {name: {"base64": base64.b64encode(data).decode("ascii")}
+                 if name.endswith(_BINARY_SUFFIXES) else {"text": data.decode("utf-8")}
+                 for name, data in sorted(self._files.items())}
+        bundle = {"format": BUNDLE_FORMAT, "version": BUNDLE_VERSION, "kind": self.kind,
+                  "tokenizer_class": self.tokenizer_class, "files": files}
+        return json.dumps(bundle, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+    def __repr__(self) -> str:
+        return (f"HFTokenizer(kind={self.kind!r}, tokenizer_class={self.tokenizer_class!r}, "
+                f"vocab_size={self.vocab_size})")
+
+
+def load_tokenizer(directory: str | os.PathLike) -> HFTokenizer:
+    """The tokenizer of the Hugging Face model in `directory`; a directory without one, or
+    with one that cannot be read, is a one-line ValueError naming it."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not a directory")
+    kind = next((k for k, needed in _KINDS.items()
+                 if all((path / name).is_file() for name in needed)), None)
+    if kind is None:
+        raise ValueError(f"{path} has no Hugging Face tokenizer (looked for {_LOOKED_FOR})")
+    files = {name: (path / name).read_bytes() for name in _KINDS[kind] + _SIDE_FILES
+             if (path / name).is_file()}
+    try:
+        model_type = json.loads((path / "config.json").read_text("utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        model_type = None
+    try:
+        tokenizer_class = _tokenizer_class(kind, files, model_type)
+    except ValueError as e:  # a malformed tokenizer_config.json included
+        raise ValueError(f"{path}: {_one_line(e)}") from None
+    return _build(kind, tokenizer_class, files, str(path))
+
+
+def from_bundle(data: bytes) -> HFTokenizer:
+    """The tokenizer whose `to_bytes` gave `data`."""
+    try:
+        bundle = json.loads(bytes(data).decode("utf-8"))
+        if bundle.get("format") != BUNDLE_FORMAT or bundle.get("version") != BUNDLE_VERSION:
+            raise ValueError(f"format {bundle.get('format')!r} version {bundle.get('version')!r}")
+        files = {name: base64.b64decode(entry["base64"], validate=True) if "base64" in entry
+                 else entry["text"].encode("utf-8") for name, entry in bundle["files"].items()}
+        kind, tokenizer_class = bundle["kind"], bundle["tokenizer_class"]
+    except Exception as e:  # any malformation is the same error to the caller
+        raise ValueError(f"not a {BUNDLE_FORMAT} bundle: {_one_line(e)}") from None
+    if kind not in _KINDS:
+        raise ValueError(f"not a {BUNDLE_FORMAT} bundle: unknown kind {kind!r}")
+    return _build(kind, tokenizer_class, files, "tokenizer bundle")
+
+
+def _build(kind: str, tokenizer_class: str, files: dict[str, bytes], where: str) -> HFTokenizer:
+    try:
+        return HFTokenizer(kind, tokenizer_class, files)
+    except ImportError as e:
+        raise ImportError(f"{where}: reading a {kind} tokenizer needs the `tokenizers` package "
+                          f"(pip install tokenizers): {e}") from None
+    except Exception as e:  # tokenizers raises a plain Exception for a bad file
+        raise ValueError(f"{where}: cannot read its {kind} tokenizer: {_one_line(e)}") from None
+
+
+def _one_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines() or [""]
+    # A ValueError's message says what is wrong; for others (KeyError 'model') the type does.
+    return lines[0] if isinstance(error, ValueError) else f"{type(error).__name__}: {lines[0]}"
+
+
+def _tokenizer_class(kind: str, files: dict[str, bytes], model_type: str | None) -> str:
+    """The class transformers would load the directory with, as far as kvjax cares: it
+    decides the default special tokens and which pipeline is built in code."""
+    declared = _json_file(files, "tokenizer_config.json").get("tokenizer_class")
+    name = (declared or "").removesuffix("Fast") or _MODEL_TYPE_CLASSES.get(model_type, "")
+    if model_type == "qwen2":  # transformers overrides any class a qwen2 model names
+        name = "Qwen2Tokenizer"
+    if kind == "marian":
+        return "MarianTokenizer"
+    if kind == "tokenizer.model":
+        # transformers reads other classes' sentencepiece models by their own rules.
+        if name != "LlamaTokenizer":
+            raise ValueError(f"tokenizer.model is read for a LlamaTokenizer only (named by "
+                             f"tokenizer_config.json's tokenizer_class), not for "
+                             f"{name or 'a directory that names no class'}")
+        return name
+    # transformers loads a "LlamaTokenizer" whose tokenizer.json is byte-level (Llama 3) as
+    # written instead: LlamaTokenizer would impose Metaspace.
+    if name == "LlamaTokenizer" and b'"ByteLevel"' in files["tokenizer.json"]:
+        return "TokenizersBackend"
+    return name or "TokenizersBackend"
+
+
+def _json_file(files: dict[str, bytes], name: str) -> dict[str, Any]:
+    value = json.loads(files[name].decode("utf-8")) if name in files else {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} holds a {type(value).__name__}, not an object")
+    return value
+
+
+def _token_spec(value: Any) -> dict[str, Any] | None:
+    """A special token as tokenizer_config.json writes it (a string or an AddedToken's
+    fields), as AddedToken fields; None for none."""
+    if isinstance(value, str):
+        return {"content": value}
+    fields = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
+    return None if value is None else {k: v for k, v in value.items() if k in fields}
+
+
+def _extra_specials(config: dict[str, Any]) -> list[dict[str, Any]] | None:
+    extra = config.get("extra_special_tokens") or config.get("additional_special_tokens")
+    if isinstance(extra, dict):  # {"image_token": "<image>"}: special tokens by name
+        extra = list(extra.values())
+    return None if extra is None else [_token_spec(t) for t in extra]
+
+
+class _TokenizersBackend:
+    """A `tokenizers.Tokenizer` set up as transformers' TokenizersBackend sets it up."""
+
+    def __init__(self, kind: str, tokenizer_class: str, files: dict[str, bytes],
+                 config: dict[str, Any], named: dict[str, dict | None]):
+        from tokenizers import Tokenizer, processors
+
+        added = config.get("added_tokens_decoder")
+        extra = _extra_specials(config)
+        if kind == "tokenizer.json":
+            text = files["tokenizer.json"].decode("utf-8")
+            tokenizer = Tokenizer.from_str(text)
+            if tokenizer_class in _REBUILT:
+                data = json.loads(text)
+                merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
+                          for m in data["model"]["merges"]]
+                rebuilt = _REBUILT[tokenizer_class](data["model"]["vocab"], merges, config)
+                rebuilt.post_processor = tokenizer.post_processor
+                if added is None:  # then transformers takes them from tokenizer.json
+                    added = {t["id"]: t for t in data.get("added_tokens", [])}
+                tokenizer = rebuilt
+        else:
+            from sentencepiece import sentencepiece_model_pb2
+
+            proto = sentencepiece_model_pb2.ModelProto()
+            proto.ParseFromString(files["tokenizer.model"])
+            if not proto.pieces:
+                raise ValueError("tokenizer.model has no pieces")
+            vocab = {piece.piece: i for i, piece in enumerate(proto.pieces)}
+            tokenizer = _llama_pipeline(vocab, _merges(vocab), config)
+            if extra is None:  # control pieces are special, user-defined ones plain
+                extra = [{"content": p.piece, "normalized": False, "special": p.type == 3}
+                         for p in proto.pieces if p.type in (3, 4)]
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
+        _add_tokens(tokenizer, added or {}, named, extra or [])
+        if kind == "tokenizer.model":  # transformers' template from add_bos/eos_token
+            ends = [(named[k], bool(config.get(f"add_{k}"))) for k in ("bos_token", "eos_token")]
+            ends = [spec["content"] if spec and on else None for spec, on in ends]
+            tokenizer.post_processor = processors.TemplateProcessing(
+                single=" ".join(t for t in (ends[0], "$A", ends[1]) if t),
+                special_tokens=[(t, tokenizer.token_to_id(t)) for t in ends if t])
+        self._tokenizer = tokenizer
+        self._clean_up = (bool(config.get("clean_up_tokenization_spaces"))
+                          and type(tokenizer.model).__name__ != "BPE")
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        self.known_ids = np.zeros(max(vocab.values(), default=-1) + 1, bool)
+        self.known_ids[list(vocab.values())] = True
+
+    def token_id(self, spec: dict | None) -> int | None:
+        return None if spec is None else self._tokenizer.token_to_id(spec["content"])
+
+    def affixes(self, eos_id: int | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """What transformers' `encode(text)` (special tokens added) puts around the text."""
+        plain = self._tokenizer.encode("a", add_special_tokens=False).ids
+        full = self._tokenizer.encode("a", add_special_tokens=True).ids
+        for start in range(len(full) - len(plain) + 1):
+            if full[start:start + len(plain)] == plain:
+                return tuple(full[:start]), tuple(full[start + len(plain):])
+        raise ValueError(f"its post-processor changes the text's own ids ({plain} -> {full})")
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        text = self._tokenizer.decode(ids, skip_special_tokens=True)
+        return clean_up_spaces(text) if self._clean_up else text
+
+
+def _byte_level_pipeline(vocab: dict[str, int], merges: list[tuple[str, str]],
+                         config: dict[str, Any], qwen2: bool = False):
+    """transformers 5's GPT2Tokenizer (ByteLevel's own split) or Qwen2Tokenizer (NFC, then
+    Qwen2's split, then ByteLevel)."""
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+
+    tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None,
+                              continuing_subword_prefix="", end_of_word_suffix="",
+                              fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=bool(config.get("add_prefix_space")),
+                                          use_regex=not qwen2)
+    if qwen2:
+        tokenizer.normalizer = normalizers.NFC()
+        byte_level = pre_tokenizers.Sequence([pre_tokenizers.Split(
+            Regex(_QWEN2_SPLIT), behavior="isolated", invert=False), byte_level])
+    tokenizer.pre_tokenizer = byte_level
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _llama_pipeline(vocab: dict[str, int], merges: list[tuple[str, str]],
+                    config: dict[str, Any]):
+    """transformers 5's LlamaTokenizer: byte-fallback BPE, Metaspace, no normalizer."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+
+    prefix = config.get("add_prefix_space")
+    prefix = True if prefix is None else bool(prefix)
+    scheme = ("always" if config.get("legacy") else "first") if prefix else "never"
+    tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
+                              dropout=None))
+    tokenizer.normalizer = None
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE,
+                                                       prepend_scheme=scheme, split=False)
+    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    tokenizer.decoder = decoders.Sequence(
+        steps + [decoders.Strip(content=" ", left=1)] * prefix)
+    return tokenizer
+
+
+# The classes whose pipeline transformers 5 builds in code from tokenizer.json's vocabulary
+# and merges, leaving the file's normalizer, pre-tokenizer and decoder unused.
+_REBUILT = {"GPT2Tokenizer": _byte_level_pipeline, "LlamaTokenizer": _llama_pipeline,
+            "Qwen2Tokenizer": lambda *args: _byte_level_pipeline(*args, qwen2=True)}
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+                r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """BPE merges of a vocabulary, as transformers derives them from a sentencepiece model:
+    every split of every piece into two pieces, ordered by the merged piece's id."""
+    merges = []
+    for piece, rank in vocab.items():
+        local = [(piece[:k], piece[k:], rank) for k in range(1, len(piece))
+                 if piece[:k] in vocab and piece[k:] in vocab]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])))
+    return [(left, right) for left, right, _ in merges]
+
+
+def _add_tokens(tokenizer, added: dict, named: dict[str, dict | None],
+                extra: list[dict]) -> None:
+    """The added and special tokens, in the order transformers adds them (which decides the
+    ids of tokens new to the vocabulary): tokenizer_config.json's added tokens, then the
+    named special tokens, then the extra ones, each unless already there."""
+    from tokenizers import AddedToken
+
+    def token(spec: dict, special: bool) -> AddedToken:
+        fields = {k: v for k, v in spec.items() if k != "id"}
+        if special or len(fields) == 1:  # a bare string is a special token
+            fields["special"] = True
+        return AddedToken(**fields)
+
+    present = tokenizer.get_added_tokens_decoder().values()
+    reprs, contents = {repr(t) for t in present}, {t.content for t in present}
+    new = [token(spec, False) for _, spec in sorted((int(i), s) for i, s in added.items())]
+    new = [t for t in new if repr(t) not in reprs]
+    contents |= {t.content for t in new}
+    named_specs = [spec for spec in named.values() if spec is not None]
+    for spec, special in [(s, True) for s in named_specs] + [(s, False) for s in extra]:
+        if spec["content"] not in contents:
+            new.append(token(spec, special))
+            contents.add(spec["content"])
+    tokenizer.add_tokens(new)

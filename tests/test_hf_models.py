@@ -1,0 +1,214 @@
+"""Pretrained models from Hugging Face directories compute what `transformers` computes.
+
+The directories under tests/fixtures/hf_models are tiny random models that
+tests/fixtures/make_hf_models.py built and saved with `transformers`, with the logits,
+greedy and beam-search tokens `transformers` computed from them. Where transformers is
+installed, the last test builds them again and checks the stored expectations.
+"""
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from kvjax import decode, hf
+from kvjax import model as M
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf_models"
+NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian")
+MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
+               "marian": "marian"}
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    cache = {}
+
+    def load(name):
+        if name not in cache:
+            cache[name] = hf.load_pretrained(FIXTURES / name)
+        return cache[name]
+
+    return load
+
+
+def expected(name):
+    directory = FIXTURES / name
+    return (json.loads((directory / "expected.json").read_text()),
+            load_file(str(directory / "expected.safetensors")))
+
+
+def teacher_forced(config, params, record, i):
+    if config.is_encoder_decoder:
+        batch = {"source": jnp.array([record["prompts"][i]]),
+                 "inputs": jnp.array([record["targets"][i]])}
+    else:
+        batch = {"inputs": jnp.array([record["prompts"][i]])}
+    return np.asarray(M.teacher_forced_logits(config, params, batch))[0]
+
+
+def relative_error(got, want):
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_and_generation_equal_transformers(loaded, name):
+    config, tokenizer, params = loaded(name)
+    record, logits = expected(name)
+    assert config.tie_embeddings == (name in ("gpt2", "llama_mqa", "marian"))
+    for i in range(len(record["prompts"])):
+        assert relative_error(teacher_forced(config, params, record, i),
+                              logits[f"logits_{i}"]) <= 1e-5
+    net = M.build_model(config)
+    settings = dict(max_new_tokens=record["max_new_tokens"], eos_ids=(record["eos_id"],))
+    # The prompts have different lengths and run as one ragged batch.
+    greedy = decode.generate(net, params, record["prompts"], **settings)
+    assert greedy.token_lists() == record["greedy"]
+    beam = decode.generate(net, params, record["prompts"], num_beams=record["num_beams"],
+                           **settings)
+    assert beam.token_lists() == record["beam"]
+    assert record["beam"] != record["greedy"]  # the beams found something else to prefer
+
+
+def test_scanned_layers_load_the_same_model(loaded):
+    config, _, params = loaded("llama_gqa")
+    scanned_config, _, scanned = hf.load_pretrained(FIXTURES / "llama_gqa", scan_layers=True)
+    assert scanned_config.scan_layers
+    record, logits = expected("llama_gqa")
+    assert relative_error(teacher_forced(scanned_config, scanned, record, 1),
+                          logits["logits_1"]) <= 1e-5
+
+
+def test_bfloat16_weights_load_as_asked():
+    config, _, params = hf.load_pretrained(FIXTURES / "llama_mqa", dtype="bfloat16")
+    assert config.dtype == config.param_dtype == "bfloat16"
+    assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype("bfloat16")}
+    record, logits = expected("llama_mqa")
+    # The files hold bfloat16 weights; only the computation rounds differently.
+    assert relative_error(teacher_forced(config, params, record, 0), logits["logits_0"]) < 0.05
+
+
+# Bad input: each is one error naming the problem, raised before anything is computed.
+
+
+def copy_of(name, tmp_path):
+    target = tmp_path / name
+    shutil.copytree(FIXTURES / name, target)
+    return target
+
+
+def edit_config(directory, **changes):
+    path = directory / "config.json"
+    values = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            values.pop(key, None)
+        else:
+            values[key] = value
+    path.write_text(json.dumps(values))
+
+
+@pytest.mark.parametrize("name, changes, message", [
+    ("gpt2", dict(model_type="bert"),
+     "model_type 'bert' is not supported; kvjax loads gpt2, llama, qwen2, marian"),
+    ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
+                                        "rope_theta": 10000.0}),
+     "rope scaling of type 'yarn' is not supported"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16),
+     "use_sliding_window=true is not supported (sliding-window attention)"),
+    ("llama_mqa", dict(rope_interleaved=True), "rope_interleaved=true is not supported"),
+    ("gpt2", dict(scale_attn_by_inverse_layer_idx=True),
+     "scale_attn_by_inverse_layer_idx=true is not supported"),
+    ("llama_mqa", dict(some_new_trick=4), "kvjax does not implement some_new_trick=4"),
+    ("llama_mqa", dict(hidden_act="gelu"), "a gated feed-forward network with gelu_exact"),
+    ("marian", dict(share_encoder_decoder_embeddings=False),
+     "share_encoder_decoder_embeddings=false is not supported"),
+])
+def test_unsupported_settings_are_refused(tmp_path, name, changes, message):
+    directory = copy_of(name, tmp_path)
+    edit_config(directory, **changes)
+    with pytest.raises(hf.UnsupportedModelError) as error:
+        hf.load_pretrained(directory)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_a_directory_without_config_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        hf.load_pretrained(tmp_path)
+
+
+def rewrite_tensor(path, name, transform):
+    tensors = load_file(str(path))
+    tensors = {k: v for k, v in ((k, transform(v) if k == name else v)
+                                 for k, v in tensors.items()) if v is not None}
+    save_file(tensors, str(path))
+
+
+@pytest.mark.parametrize("transform, message", [
+    (lambda v: None, "tensor transformer.h.1.mlp.c_fc.weight is missing"),
+    (lambda v: v[:, :-1], "tensor transformer.h.1.mlp.c_fc.weight has shape [32, 127], the "
+                          "config needs [32, 128]"),
+])
+def test_a_missing_or_misshapen_tensor_is_named(tmp_path, transform, message):
+    directory = copy_of("gpt2", tmp_path)
+    rewrite_tensor(directory / "model.safetensors", "transformer.h.1.mlp.c_fc.weight", transform)
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        hf.load_pretrained(directory)
+
+
+def test_a_tensor_the_model_does_not_use_is_refused(tmp_path):
+    directory = copy_of("gpt2", tmp_path)
+    path = directory / "model.safetensors"
+    tensors = load_file(str(path))
+    save_file({**tensors, "h.0.attn.extra_scale": np.ones(4, np.float32)}, str(path))
+    with pytest.raises(ValueError, match=r"tensors \['h.0.attn.extra_scale'\] .*are not part"):
+        hf.load_pretrained(directory)
+
+
+def test_a_truncated_file_is_named(tmp_path):
+    directory = copy_of("gpt2", tmp_path)
+    path = directory / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-1000])
+    with pytest.raises(ValueError, match="model.safetensors is not a readable safetensors file"):
+        hf.load_pretrained(directory)
+
+
+def test_an_index_naming_a_missing_shard_is_named(tmp_path):
+    directory = copy_of("qwen2", tmp_path)
+    shard = sorted(directory.glob("model-0000*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=f"names the shard {shard.name}, which is missing"):
+        hf.load_pretrained(directory)
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused(tmp_path):
+    directory = copy_of("gpt2", tmp_path)
+    edit_config(directory, vocab_size=16)
+    path = directory / "model.safetensors"
+    rewrite_tensor(path, "transformer.wte.weight", lambda v: v[:16])
+    with pytest.raises(ValueError, match="the tokenizer has .* ids but the model's vocab_size "
+                                         "is 16"):
+        hf.load_pretrained(directory)
+
+
+def test_fixtures_are_what_transformers_computes(tmp_path):
+    pytest.importorskip("transformers")
+    spec = importlib.util.spec_from_file_location("make_hf_models",
+                                                  FIXTURES.parent / "make_hf_models.py")
+    make_hf_models = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_hf_models)
+    make_hf_models.main(tmp_path)
+    for name in NAMES:
+        fresh = json.loads((tmp_path / name / "expected.json").read_text())
+        record, logits = expected(name)
+        assert fresh == record, name
+        fresh_logits = load_file(str(tmp_path / name / "expected.safetensors"))
+        for key, value in logits.items():
+            np.testing.assert_allclose(fresh_logits[key], value, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,254 @@
+"""Tokenizers of Hugging Face directories (kvjax.hf.tokenizers) against transformers.
+
+tests/fixtures/hf_tokenizers/ holds tiny tokenizer directories in the Hugging Face layout,
+each with an expected.json of what transformers' AutoTokenizer gives for it (written by
+tests/fixtures/make_hf_tokenizers.py, which the last test reruns where transformers is
+installed). transformers itself is not needed here.
+"""
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import pytest
+
+from kvjax import model as M
+from kvjax import text
+from kvjax.hf.tokenizers import HFTokenizer, load_tokenizer
+from kvjax.tokenizer import EOS_ID, TextTokenizer, Tokenizer, tokenizer_from_bytes
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf_tokenizers"
+NAMES = ("byte_bpe", "byte_bpe_bos", "spm_bpe", "spm_unigram", "marian")
+OWN = Path(__file__).resolve().parent.parent / "checkpoints" / "python-docs-lm"
+# Characters spelled by several tokens each (rare in the fixtures' training text).
+MULTIBYTE = "ŧħæŧ 한국어 👨‍👩‍👧 ok 中文"
+
+
+def expected(name: str) -> dict:
+    return json.loads((FIXTURES / name / "expected.json").read_text(encoding="utf-8"))
+
+
+def has_tokenizers() -> bool:
+    try:
+        import tokenizers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def all_loaded() -> dict[str, HFTokenizer]:
+    """Every fixture's tokenizer that can be read here: all but Marian need `tokenizers`."""
+    return {name: load_tokenizer(FIXTURES / name) for name in NAMES
+            if name == "marian" or has_tokenizers()}
+
+
+@pytest.fixture
+def loaded(all_loaded) -> dict[str, HFTokenizer]:
+    if len(all_loaded) < len(NAMES):
+        pytest.skip("the tokenizers package is not installed")
+    return all_loaded
+
+
+def one(all_loaded, name: str) -> HFTokenizer:
+    if name not in all_loaded:
+        pytest.skip("the tokenizers package is not installed")
+    return all_loaded[name]
+
+
+@pytest.fixture(scope="module")
+def own() -> Tokenizer:
+    return Tokenizer.load(OWN / "tokenizer.model")
+
+
+def one_line_error(excinfo, *parts: str) -> None:
+    message = str(excinfo.value)
+    assert "\n" not in message, message
+    for part in parts:
+        assert part in message, message
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_ids_are_transformers_ids(all_loaded, name):
+    tokenizer, want = one(all_loaded, name), expected(name)
+    for text_, ids, framed in zip(want["texts"], want["ids"], want["ids_with_special_tokens"],
+                                  strict=True):
+        assert tokenizer.encode(text_) == ids, repr(text_)
+        # What transformers adds with add_special_tokens=True is the prefix and suffix.
+        framed_here = [*tokenizer.document_prefix, *ids, *tokenizer.source_suffix]
+        assert framed_here == framed, repr(text_)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_decoding_is_transformers_decoding(all_loaded, name):
+    tokenizer, want = one(all_loaded, name), expected(name)
+    for framed, decoded in zip(want["ids_with_special_tokens"], want["decoded"], strict=True):
+        assert tokenizer.decode(framed) == decoded
+    for ids, decoded in zip(want["random_ids"], want["random_decoded"], strict=True):
+        assert tokenizer.decode(ids) == decoded, ids
+    round_trips = [t for t, d in zip(want["texts"], want["decoded"], strict=True) if t == d]
+    assert len(round_trips) >= 5
+    for text_ in round_trips:
+        assert tokenizer.decode(tokenizer.encode(text_)) == text_
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_special_ids_and_vocab_size(all_loaded, name):
+    tokenizer, want = one(all_loaded, name), expected(name)
+    assert isinstance(tokenizer, TextTokenizer)
+    specials = want["special_ids"]
+    assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id, tokenizer.unk_id) == (
+        specials["bos"], specials["eos"], specials["pad"], specials["unk"])
+    assert tokenizer.vocab_size == want["length"]
+    assert tokenizer.stop_ids[0] == tokenizer.eos_id
+    for bad in (-1, tokenizer.vocab_size):
+        with pytest.raises(ValueError, match=f"token id {bad} is outside") as excinfo:
+            tokenizer.decode([5, bad])
+        one_line_error(excinfo)
+
+
+def test_what_frames_a_prompt(loaded, own):
+    frames = {name: (t.document_prefix, t.source_suffix, t.stop_ids)
+              for name, t in loaded.items()}
+    assert frames["byte_bpe"] == ((), (), (0,))  # GPT-2 adds nothing; <|endoftext|> ends
+    bos = loaded["byte_bpe_bos"]
+    # Llama 3: the post-processor's BOS; generation_config.json's two end ids.
+    assert frames["byte_bpe_bos"] == ((bos.bos_id,), (), (bos.eos_id, bos.eos_id + 1))
+    assert frames["spm_bpe"] == ((1,), (), (2,))  # add_bos_token: true
+    assert frames["spm_unigram"] == ((), (), (2,))  # no add_bos_token: transformers 5 adds none
+    assert frames["marian"] == ((), (0,), (0,))
+    assert (own.document_prefix, own.source_suffix, own.stop_ids) == ((EOS_ID,),) * 3
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bytes_round_trip(all_loaded, name):
+    tokenizer, want = one(all_loaded, name), expected(name)
+    data = tokenizer.to_bytes()
+    assert json.loads(data)["format"] == "kvjax-hf-tokenizer"
+    again = tokenizer_from_bytes(data)
+    assert isinstance(again, HFTokenizer) and again.to_bytes() == data
+    for text_ in want["texts"]:
+        assert again.encode(text_) == tokenizer.encode(text_)
+    for ids in want["random_ids"]:
+        assert again.decode(ids) == tokenizer.decode(ids)
+    fields = ("vocab_size", "pad_id", "bos_id", "eos_id", "stop_ids", "document_prefix",
+              "source_suffix")
+    assert [getattr(again, f) for f in fields] == [getattr(tokenizer, f) for f in fields]
+
+
+def test_own_tokenizer_keeps_its_bytes(own):
+    data = own.to_bytes()
+    assert data == (OWN / "tokenizer.model").read_bytes()
+    again = tokenizer_from_bytes(data)
+    assert isinstance(again, Tokenizer) and isinstance(again, TextTokenizer)
+    assert again.encode("The for statement") == own.encode("The for statement")
+
+
+@pytest.mark.parametrize("name", ["byte_bpe", "spm_bpe"])
+def test_streaming_never_shows_a_broken_character(all_loaded, name):
+    tokenizer = one(all_loaded, name)
+    ids = tokenizer.encode(MULTIBYTE)
+    partial = [tokenizer.decode(ids[:k]) for k in range(1, len(ids))]
+    assert any(p.endswith("\ufffd") for p in partial)  # some character is really split
+    row = text._RowText(tokenizer, ())
+    pieces = [row.add([i]) for i in ids + [tokenizer.eos_id] + ids]
+    row.finish(row.ids)
+    pieces.append(row.text[len(row.sent):])
+    assert not any("\ufffd" in p for p in pieces)
+    assert "".join(pieces) == row.text == MULTIBYTE  # and nothing after the stop id
+
+
+def loaded_model(tokenizer, translation: bool) -> text.LoadedModel:
+    config = SimpleNamespace(is_encoder_decoder=translation)
+    return text.LoadedModel(config, tokenizer, params=None, directory="")
+
+
+def test_prompt_tokens_follow_the_tokenizer(loaded, own, tmp_path):
+    for tokenizer in [own, *loaded.values()]:
+        ids = tokenizer.encode("Hello world")
+        assert text.prompt_tokens(loaded_model(tokenizer, False), "Hello world") == [
+            *tokenizer.document_prefix, *ids]
+        assert text.prompt_tokens(loaded_model(tokenizer, True), "Hello world") == [
+            *ids, *tokenizer.source_suffix]
+    assert text.prompt_tokens(loaded_model(own, False), "") == [EOS_ID]
+    assert text.prompt_tokens(loaded_model(loaded["byte_bpe"], False), "") == [0]  # BOS
+    no_bos = tmp_path / "no_bos"
+    shutil.copytree(FIXTURES / "byte_bpe", no_bos)
+    config = json.loads((no_bos / "tokenizer_config.json").read_text())
+    (no_bos / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": None}))
+    with pytest.raises(ValueError, match="empty prompt needs a BOS"):
+        text.prompt_tokens(loaded_model(load_tokenizer(no_bos), False), "")
+
+
+def test_sampling_streams_and_stops_through_the_interface(all_loaded):
+    tokenizer = one(all_loaded, "spm_bpe")
+    config = M.preset("tiny", vocab_size=tokenizer.vocab_size)
+    params = M.init_params(config, jax.random.key(0))
+    lm = text.LoadedModel(config, tokenizer, params, "")
+    pieces = []
+    result = text.sample_text(lm, "Hello", max_new_tokens=24, temperature=1.0, seed=3,
+                              on_text=pieces.append)
+    assert "".join(pieces) == result.text
+    ends = [k for k, i in enumerate(result.tokens) if i in tokenizer.stop_ids]
+    assert result.text == tokenizer.decode(result.tokens[:ends[0]] if ends else result.tokens)
+    assert result.stop_reason == ("eos" if ends else "max_new_tokens")
+
+
+def test_directories_without_a_usable_tokenizer(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing"):
+        load_tokenizer(tmp_path / "missing")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError) as excinfo:
+        load_tokenizer(empty)
+    one_line_error(excinfo, str(empty), "tokenizer.json", "tokenizer.model", "source.spm")
+    cases = {
+        "bad_json": ("byte_bpe", "tokenizer.json", b'{"model": 3}'),
+        "bad_model": ("spm_bpe", "tokenizer.model", b"not a sentencepiece model"),
+        "bad_config": ("spm_bpe", "tokenizer_config.json", b"[1, 2"),
+        "bad_spm": ("marian", "source.spm", b"\x00\x01"),
+    }
+    for case, (source, name, content) in cases.items():
+        if source != "marian" and not has_tokenizers():
+            continue
+        directory = tmp_path / case
+        shutil.copytree(FIXTURES / source, directory)
+        (directory / name).write_bytes(content)
+        with pytest.raises(ValueError) as excinfo:
+            load_tokenizer(directory)
+        one_line_error(excinfo, str(directory))
+    if not has_tokenizers():
+        return
+    unnamed = tmp_path / "unnamed"
+    unnamed.mkdir()
+    shutil.copy(FIXTURES / "spm_bpe" / "tokenizer.model", unnamed)
+    with pytest.raises(ValueError, match="LlamaTokenizer only") as excinfo:
+        load_tokenizer(unnamed)
+    one_line_error(excinfo, str(unnamed))
+
+
+def test_bad_bundles_are_one_line_errors():
+    for data in (b"{not json", b'{"format": "something else"}', b"{}",
+                 b'{"format": "kvjax-hf-tokenizer", "version": 1, "kind": "x", '
+                 b'"tokenizer_class": "y", "files": {}}'):
+        with pytest.raises(ValueError) as excinfo:
+            tokenizer_from_bytes(data)
+        one_line_error(excinfo, "kvjax-hf-tokenizer")
+    with pytest.raises(ValueError, match="sentencepiece"):
+        tokenizer_from_bytes(b"\x0a\x03abc")
+
+
+@pytest.mark.filterwarnings("ignore:Recommended. pip install sacremoses")
+def test_fixtures_are_what_transformers_computes(tmp_path):
+    pytest.importorskip("transformers")
+    script = FIXTURES.parent / "make_hf_tokenizers.py"
+    spec = importlib.util.spec_from_file_location("make_hf_tokenizers", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(tmp_path / "fresh")
+    for name in NAMES:
+        fresh = json.loads((tmp_path / "fresh" / name / "expected.json").read_text("utf-8"))
+        assert fresh == expected(name), name
