@@ -204,31 +204,65 @@ def _time_no_cache(config, params, prompts: np.ndarray, new_tokens: int,
     return sum(seconds[width] for width in widths)
 
 
-def _hf_runner(config: M.TransformerConfig) -> tuple[Callable | None, str]:
-    """A function timing HF GPT-2 generate for a batch of prompts, or None and why not."""
+def _hf_runner(config: M.TransformerConfig,
+               hf_dir: str | None = None) -> tuple[Callable | None, str]:
+    """A function timing `transformers` generate for a batch of prompts, or None and why
+    not: the model in `hf_dir` (the very weights kvjax runs), else a GPT-2 of the preset's
+    sizes with random weights."""
     try:
         import torch
         import transformers
     except ImportError:
         return None, "not installed (pip install -e '.[bench]')"
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=config.vocab_size, n_positions=config.max_len, n_embd=config.d_model,
-        n_layer=config.num_decoder_layers, n_head=config.num_heads, n_inner=config.d_ff,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0)).eval()
+    if hf_dir is not None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            hf_dir, dtype=torch.float32).eval()
+    else:
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=config.vocab_size, n_positions=config.max_len, n_embd=config.d_model,
+            n_layer=config.num_decoder_layers, n_head=config.num_heads, n_inner=config.d_ff,
+            bos_token_id=0, eos_token_id=0, pad_token_id=0)).eval()
 
     def run(prompts: np.ndarray, new_tokens: int, repeats: int) -> float:
         ids = torch.as_tensor(prompts, dtype=torch.long)
         kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                      min_new_tokens=new_tokens, do_sample=False, use_cache=True)
+                      min_new_tokens=new_tokens, do_sample=False, use_cache=True,
+                      pad_token_id=0)
         with torch.inference_mode():
-            out = gpt2.generate(ids, **kwargs)  # warm-up
+            out = model.generate(ids, **kwargs)  # warm-up
             if out.shape[1] != prompts.shape[1] + new_tokens:
                 raise RuntimeError(f"HF generated {out.shape[1] - prompts.shape[1]} tokens")
-            return _best_seconds(lambda: gpt2.generate(ids, **kwargs), repeats)
+            return _best_seconds(lambda: model.generate(ids, **kwargs), repeats)
 
     note = (f"transformers {transformers.__version__}, torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads")
     return run, note
+
+
+def write_random_gpt2(directory: str | os.PathLike) -> str:
+    """Writes GPT-2 small (124M parameters) with random weights as a Hugging Face directory
+    (`save_pretrained`, safetensors) and returns its path; needs transformers."""
+    import transformers
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config())
+    model.save_pretrained(directory)
+    return os.fspath(directory)
+
+
+def _benchmark_model(preset: str, hf_dir: str | None) -> tuple[str, M.TransformerConfig, dict]:
+    """(name, scanned config, scanned params): a preset with random weights, or the
+    decoder-only model in a Hugging Face directory."""
+    if hf_dir is None:
+        config = M.preset(preset).replace(scan_layers=True)
+        return f"{preset} with random weights", config, M.init_params(config, jax.random.key(0))
+    from kvjax import hf
+
+    config, params = hf.load_model(hf_dir, scan_layers=True)
+    if config.is_encoder_decoder:
+        raise ValueError(f"{hf_dir} holds an encoder-decoder; the decode benchmark times "
+                         "decoder-only models")
+    name = os.path.basename(os.path.normpath(hf_dir))
+    return f"{name} (Hugging Face directory)", config, params
 
 
 LAYER_MODES = ("scanned", "unrolled")
@@ -238,6 +272,7 @@ def decode_benchmark(preset: str = "gpt-mini", batch_sizes: Sequence[int] = (1, 
                      prompt_len: int = 32, new_tokens: int = 256, repeats: int = 3, *,
                      layer_modes: Sequence[str] = LAYER_MODES, compare_no_cache: bool = True,
                      compare_hf: bool = True, devices: int = 1, whole_cache: bool = False,
+                     hf_dir: str | None = None,
                      log: Callable[[str], None] = print) -> tuple[list[Row], Facts]:
     """Measures every batch size and layer mode; see the module docstring for what and how.
 
@@ -246,14 +281,15 @@ def decode_benchmark(preset: str = "gpt-mini", batch_sizes: Sequence[int] = (1, 
     the one-device rows. Each device then holds all the weights and its share of the rows.
     `whole_cache` adds a row per layer mode whose decode steps read every cache slot, filled
     or not, as one block (`attention_block` = max_len): what each step read before decode
-    attention went block by block.
+    attention went block by block. With `hf_dir` the model is the one in that Hugging Face
+    directory (`preset` is then unused), and transformers runs the same weights.
     """
     if new_tokens < 4:
         raise ValueError(f"new_tokens={new_tokens} must be >= 4 to time decode steps")
-    config = M.preset(preset)
+    name, config, params = _benchmark_model(preset, hf_dir)
     if prompt_len + new_tokens > config.max_len:
         raise ValueError(f"prompt_len {prompt_len} + new_tokens {new_tokens} exceeds the "
-                         f"{preset} max_len {config.max_len}")
+                         f"{name} max_len {config.max_len}")
     unknown = sorted(set(layer_modes) - set(LAYER_MODES))
     if unknown or not layer_modes:
         raise ValueError(f"layer modes {unknown or list(layer_modes)} not in {LAYER_MODES}")
@@ -264,8 +300,6 @@ def decode_benchmark(preset: str = "gpt-mini", batch_sizes: Sequence[int] = (1, 
     meshes = {1: None}
     if devices > 1:
         meshes[devices] = parallel.make_mesh(f"data={devices}", jax.devices()[:devices])
-    config = config.replace(scan_layers=True)
-    params = M.init_params(config, jax.random.key(0))
     models = {"scanned": (config, params),
               "unrolled": (config.replace(scan_layers=False),
                            M.unstack_layer_params(config, params))}
@@ -273,7 +307,7 @@ def decode_benchmark(preset: str = "gpt-mini", batch_sizes: Sequence[int] = (1, 
         models |= {f"{mode}, whole cache": (c.replace(attention_block=c.max_len), p)
                    for mode, (c, p) in list(models.items())}
         layer_modes = [m for mode in layer_modes for m in (mode, f"{mode}, whole cache")]
-    hf, hf_note = _hf_runner(config) if compare_hf else (None, "skipped")
+    hf, hf_note = _hf_runner(config, hf_dir) if compare_hf else (None, "skipped")
     rows = []
     for batch in batch_sizes:
         prompts = np.random.default_rng(batch).integers(
@@ -290,7 +324,7 @@ def decode_benchmark(preset: str = "gpt-mini", batch_sizes: Sequence[int] = (1, 
             log(f"batch {batch}: no cache ...")
             no_cache = _time_no_cache(config, params, prompts, new_tokens, repeats)
         if hf is not None:
-            log(f"batch {batch}: Hugging Face GPT-2 ...")
+            log(f"batch {batch}: Hugging Face transformers ...")
             hf_seconds = hf(prompts, new_tokens, repeats)
         rows += [Row(batch, mode, seconds, step, no_cache, hf_seconds, new_tokens, count)
                  for (mode, count), (seconds, step) in timed.items()]
@@ -299,7 +333,7 @@ def decode_benchmark(preset: str = "gpt-mini", batch_sizes: Sequence[int] = (1, 
     # The cache a step reads, at the middle of the timed steps (N/2 + 1 .. N).
     filled = prompt_len + (new_tokens // 2 + 1 + new_tokens) // 2
     log("weights alone ...")
-    facts = Facts(preset, prompt_len, new_tokens, param_bytes,
+    facts = Facts(name, prompt_len, new_tokens, param_bytes,
                   M.cache_size_bytes(config, 1, filled).total, measure_bandwidth(),
                   time_weights_only_step(config, params, repeats), _machine(), hf_note)
     return rows, facts
@@ -324,10 +358,10 @@ def _ratio(a: float | None, b: float | None) -> str:
 def format_table(rows: Sequence[Row], facts: Facts) -> str:
     """A Markdown table of the rows and the facts behind them."""
     lines = [
-        f"Greedy decode, `{facts.preset}` with random weights, {facts.prompt_len}-token "
+        f"Greedy decode, `{facts.preset}`, {facts.prompt_len}-token "
         f"prompt, {facts.new_tokens} new tokens. Machine: {facts.machine}.",
         "",
-        "| batch | layers | kvjax tokens/s | no cache tokens/s | HF GPT-2 tokens/s "
+        "| batch | layers | kvjax tokens/s | no cache tokens/s | HF tokens/s "
         "| vs no cache | vs HF | decode step ms |",
         "|---:|:---|---:|---:|---:|---:|---:|---:|",
     ]

@@ -10,8 +10,8 @@ from kvjax.model.config import cache_size_bytes
 from kvjax import cli
 from kvjax import model as M
 
-SUBCOMMANDS = (["demo"], ["train"], ["sample"], ["cache-size"], ["bench", "decode"],
-               ["bench", "train"])
+SUBCOMMANDS = (["demo"], ["train"], ["sample"], ["import-hf"], ["cache-size"],
+               ["bench", "decode"], ["bench", "train"])
 
 
 def run_cli(capsys, *argv):

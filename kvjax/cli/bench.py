@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 from .common import LAYER_MODES, PRESET_NAMES, add_command, positive
 
 
@@ -25,7 +28,14 @@ def _add_decode(kinds) -> None:
     decode.add_argument("--repeats", type=positive, default=3, help="timed runs (best)")
     decode.add_argument("--layers", choices=LAYER_MODES, nargs="+", default=list(LAYER_MODES),
                         help="layer modes to time: scanned (stacked) and/or unrolled")
-    decode.add_argument("--no-hf", action="store_true", help="skip Hugging Face GPT-2")
+    decode.add_argument("--no-hf", action="store_true", help="skip Hugging Face transformers")
+    model = decode.add_mutually_exclusive_group()
+    model.add_argument("--hf-dir", metavar="DIR", default=None,
+                       help="time the decoder-only model in this Hugging Face directory "
+                            "instead of --preset; transformers runs the same weights (no sweep)")
+    model.add_argument("--random-gpt2", action="store_true",
+                       help="as --hf-dir, on GPT-2 small (124M) with random weights written "
+                            "to a temporary directory first (needs transformers; no sweep)")
     decode.add_argument("--no-no-cache", action="store_true", help="skip the no-cache baseline")
     decode.add_argument("--devices", type=positive, default=1,
                         help="also time kvjax with each batch split over this many devices "
@@ -67,14 +77,22 @@ def run_bench_decode(args) -> int:
     from kvjax.bench import decode_benchmark, format_table
     from kvjax.fill_sweep import check_sweep
 
-    if not args.no_sweep:  # before minutes of timing, not after
+    sweep = not (args.no_sweep or args.hf_dir or args.random_gpt2)  # the sweep is per preset
+    if sweep:  # before minutes of timing, not after
         check_sweep(args.preset, args.sweep_capacity, args.sweep_fills)
-    rows, facts = decode_benchmark(
-        args.preset, tuple(args.batch_sizes), args.prompt_len, args.new_tokens, args.repeats,
-        layer_modes=tuple(args.layers), compare_no_cache=not args.no_no_cache,
-        compare_hf=not args.no_hf, devices=args.devices, whole_cache=args.whole_cache)
+    with tempfile.TemporaryDirectory() as scratch:
+        hf_dir = args.hf_dir
+        if args.random_gpt2:
+            from kvjax.bench import write_random_gpt2
+
+            hf_dir = write_random_gpt2(os.path.join(scratch, "gpt2-small-random-weights"))
+        rows, facts = decode_benchmark(
+            args.preset, tuple(args.batch_sizes), args.prompt_len, args.new_tokens,
+            args.repeats, layer_modes=tuple(args.layers), compare_no_cache=not args.no_no_cache,
+            compare_hf=not args.no_hf, devices=args.devices, whole_cache=args.whole_cache,
+            hf_dir=hf_dir)
     print(format_table(rows, facts))
-    if not args.no_sweep:
+    if sweep:
         from kvjax import model as M
         from kvjax.fill_sweep import fill_sweep, format_sweep, plot_sweep
 

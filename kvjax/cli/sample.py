@@ -11,7 +11,8 @@ def add_sample(commands) -> None:
     sample = add_command(commands, "sample", "Generate from a checkpoint, streaming the text "
                          "as it is made. For a translation checkpoint the prompt is the source.")
     sample.add_argument("--checkpoint", required=True, metavar="DIR",
-                        help="a directory written by `kvjax train` or `kvjax demo`")
+                        help="a directory written by `kvjax train`, `kvjax demo` or "
+                             "`kvjax import-hf`, or a Hugging Face model directory")
     sample.add_argument("--prompt", required=True, help="the text to continue or translate")
     sample.add_argument("--max-new-tokens", type=positive, default=64,
                         help="stop after this many tokens (fewer if the model's length ends)")

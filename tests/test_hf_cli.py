@@ -1,0 +1,88 @@
+"""Imported models on the command line: `kvjax sample` reads a Hugging Face directory as it
+reads a kvjax checkpoint, and `kvjax import-hf` writes one that samples the same tokens."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvjax import checkpoint, cli, text
+from kvjax.hf import convert
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf_models"
+
+
+def run_cli(capsys, *argv):
+    """(exit code, stdout, stderr) of `kvjax argv...` run in this process."""
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as stop:
+        code = stop.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("name, options", [
+    ("gpt2", ["--temperature", "0.9", "--top-k", "20", "--seed", "3"]),
+    ("marian", ["--beams", "3"]),
+])
+def test_import_hf_then_sample_gives_the_same_tokens(capsys, tmp_path, name, options):
+    out = tmp_path / "imported"
+    code, stdout, err = run_cli(capsys, "import-hf", str(FIXTURES / name), str(out))
+    assert code == 0, err
+    assert stdout.strip() == f"wrote {out}"
+    results = []
+    for directory in (FIXTURES / name, out):
+        code, stdout, err = run_cli(capsys, "sample", "--checkpoint", str(directory),
+                                    "--prompt", "Hello there", "--max-new-tokens", "6", *options)
+        assert code == 0, err
+        results.append(stdout.rsplit("\n[", 1)[0])  # the text, without the timing line
+    assert results[0] == results[1]
+    # The checkpoint holds the same model: config, tokenizer and params, verified.
+    config, tokenizer, params = checkpoint.load_for_sampling(out)
+    imported = text.load(FIXTURES / name)
+    assert config == imported.config
+    assert tokenizer.encode("Hello there") == imported.tokenizer.encode("Hello there")
+    assert checkpoint.read_manifest(out) is not None
+    for a, b in zip(jax_leaves(params), jax_leaves(imported.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+def test_import_hf_of_a_bad_directory_is_one_line_and_writes_nothing(capsys, tmp_path):
+    source = tmp_path / "model"
+    shutil.copytree(FIXTURES / "gpt2", source)
+    values = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**values, "model_type": "t5"}))
+    out = tmp_path / "out"
+    code, stdout, err = run_cli(capsys, "import-hf", str(source), str(out))
+    assert code == 2 and stdout == ""
+    assert err.strip().count("\n") == 0
+    assert "model_type 't5' is not supported; kvjax loads gpt2, llama, qwen2, marian" in err
+    assert not out.exists()
+    code, _, err = run_cli(capsys, "import-hf", str(tmp_path / "nowhere"), str(out))
+    assert code == 2 and "is not a directory" in err and not out.exists()
+
+
+def test_sample_of_an_unsupported_model_is_one_line(capsys, tmp_path):
+    source = tmp_path / "model"
+    shutil.copytree(FIXTURES / "llama_mqa", source)
+    values = json.loads((source / "config.json").read_text())
+    values["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+    (source / "config.json").write_text(json.dumps(values))
+    code, _, err = run_cli(capsys, "sample", "--checkpoint", str(source), "--prompt", "x")
+    assert code == 2
+    assert err.strip().count("\n") == 0 and "rope scaling of type 'dynamic'" in err
+
+
+def test_import_hf_refuses_a_directory_with_checkpoints(tmp_path):
+    out = convert.import_checkpoint(FIXTURES / "llama_mqa", tmp_path / "ckpt")
+    with pytest.raises(checkpoint.CheckpointError, match="already holds checkpoint steps"):
+        convert.import_checkpoint(FIXTURES / "llama_mqa", out)
