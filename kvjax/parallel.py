@@ -33,9 +33,12 @@ AXES = (DATA, MODEL)
 # Kernels of the fused projections are [D, heads, H]; the output projection is [N, H, D].
 _RULES: dict[tuple[str, str], tuple[str | None, ...]] = {
     ("qkv", "kernel"): (None, MODEL, None),  # [D, N + 2K, H]
+    ("qkv", "bias"): (MODEL, None),  # [N + 2K, H]
     ("query", "kernel"): (None, MODEL, None),  # [D, N, H] cross-attention queries
+    ("query", "bias"): (MODEL, None),
     ("kv", "kernel"): (None, MODEL, None),  # [D, 2K, H] cross-attention keys and values
-    ("out", "kernel"): (MODEL, None, None),  # [N, H, D]
+    ("kv", "bias"): (MODEL, None),
+    ("out", "kernel"): (MODEL, None, None),  # [N, H, D]; its bias [D] is added after the sum
     ("wi", "kernel"): (None, MODEL),  # [D, F]
     ("wi", "bias"): (MODEL,),  # [F]
     ("wi_gate", "kernel"): (None, MODEL),

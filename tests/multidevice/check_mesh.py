@@ -1,11 +1,14 @@
 """The mesh and the param layout: sizes, sharding rules and the bad-input errors."""
 
+import json
+from pathlib import Path
+
 import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from kvjax import decode, hf, parallel
 from kvjax import model as M
-from kvjax import parallel
 
 
 def test_default_mesh_puts_every_device_on_data():
@@ -75,3 +78,16 @@ def test_train_command_refuses_a_mesh_larger_than_the_host(tmp_path, capsys):
     assert code == 2
     assert "mesh data=4,model=4 needs 16 devices, but only 8 exist" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_pretrained_model_loads_onto_a_mesh_and_makes_its_tokens():
+    directory = Path(__file__).parents[1] / "fixtures" / "hf_models" / "qwen2"
+    mesh = parallel.make_mesh("data=4,model=2")
+    config, _, params = hf.load_pretrained(directory, mesh=mesh)
+    attention = params["layers"]["0"]["self_attention"]
+    assert attention["qkv"]["bias"].sharding.spec == P("model", None)
+    assert attention["qkv"]["kernel"].sharding.spec == P(None, "model", None)
+    record = json.loads((directory / "expected.json").read_text())
+    out = decode.generate(M.build_model(config), params, record["prompts"],
+                          max_new_tokens=record["max_new_tokens"], eos_ids=(record["eos_id"],))
+    assert out.token_lists() == record["greedy"]  # what transformers generated
