@@ -43,7 +43,8 @@ _INFERENCE_NEUTRAL = frozenset({
     "summary_first_dropout", "summary_proj_to_labels", "summary_type", "summary_use_proj",
     "encoder_layerdrop", "decoder_layerdrop", "pretraining_tp", "num_hidden_layers",
     "max_window_layers",  # read only with sliding windows, which are refused
-    "gradient_checkpointing", "scale_attn_weights",
+    "gradient_checkpointing", "scale_attn_weights", "_num_labels", "output_past",
+    "_attn_implementation", "_attn_implementation_autoset",
     # Marian: transformers' Marian reads none of these (its layers are always post-LN, its
     # positions always static sinusoids), so the same model runs here.
     "normalize_before", "add_final_layer_norm", "normalize_embedding",
@@ -140,10 +141,12 @@ def _gpt2(c: _Reader) -> dict[str, Any]:
     c.expect("scale_attn_by_inverse_layer_idx", False, False, "attention scaled by layer")
     c.expect("reorder_and_upcast_attn", False, False, "kvjax computes softmax in float32")
     c.expect("is_encoder_decoder", False, False, "GPT-2 is decoder-only")
+    positions = c.require("n_positions")
+    c.expect("n_ctx", positions, positions, "older files repeat n_positions as n_ctx")
     return dict(
         vocab_size=c.require("vocab_size"), d_model=width, num_heads=c.require("n_head"),
         d_ff=c.get("n_inner") or 4 * width, num_decoder_layers=c.require("n_layer"),
-        max_len=c.require("n_positions"), positional_encoding="learned", norm="pre",
+        max_len=positions, positional_encoding="learned", norm="pre",
         activation=c.activation("activation_function", "gelu_new"),
         layer_norm_eps=c.get("layer_norm_epsilon", 1e-5), qkv_bias=True, out_bias=True,
         scale_embeddings=False)
