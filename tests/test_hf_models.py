@@ -6,6 +6,7 @@ greedy and beam-search tokens `transformers` computed from them. Where transform
 installed, the last test builds them again and checks the stored expectations.
 """
 
+import functools
 import importlib.util
 import json
 import shutil
@@ -44,13 +45,28 @@ def expected(name):
             load_file(str(directory / "expected.safetensors")))
 
 
-def teacher_forced(config, params, record, i):
+@functools.partial(jax.jit, static_argnums=0)
+def _teacher_forced(config, params, batch):
+    return M.teacher_forced_logits(config, params, batch)
+
+
+def teacher_forced(config, params, record):
+    """Each prompt's logits [T_i, V] (Marian: of `targets[i]` given source i), from one
+    compiled forward over the padded batch."""
+    def padded(rows):
+        lengths = [len(row) for row in rows]
+        tokens = np.zeros((len(rows), max(lengths)), np.int32)
+        for i, row in enumerate(rows):
+            tokens[i, :len(row)] = row
+        return tokens, np.array(lengths, np.int32)
+
+    rows = record["targets"] if config.is_encoder_decoder else record["prompts"]
+    inputs, lengths = padded(rows)
+    batch = {"inputs": inputs, "lengths": lengths}
     if config.is_encoder_decoder:
-        batch = {"source": jnp.array([record["prompts"][i]]),
-                 "inputs": jnp.array([record["targets"][i]])}
-    else:
-        batch = {"inputs": jnp.array([record["prompts"][i]])}
-    return np.asarray(M.teacher_forced_logits(config, params, batch))[0]
+        batch["source"], batch["source_lengths"] = padded(record["prompts"])
+    logits = np.asarray(_teacher_forced(config, params, batch))
+    return [logits[i, :n] for i, n in enumerate(lengths)]
 
 
 def relative_error(got, want):
@@ -62,9 +78,8 @@ def test_logits_and_generation_equal_transformers(loaded, name):
     config, tokenizer, params = loaded(name)
     record, logits = expected(name)
     assert config.tie_embeddings == (name in ("gpt2", "llama_mqa", "marian"))
-    for i in range(len(record["prompts"])):
-        assert relative_error(teacher_forced(config, params, record, i),
-                              logits[f"logits_{i}"]) <= 1e-5
+    for i, got in enumerate(teacher_forced(config, params, record)):
+        assert relative_error(got, logits[f"logits_{i}"]) <= 1e-5
     net = M.build_model(config)
     settings = dict(max_new_tokens=record["max_new_tokens"], eos_ids=(record["eos_id"],))
     # The prompts have different lengths and run as one ragged batch.
@@ -76,12 +91,11 @@ def test_logits_and_generation_equal_transformers(loaded, name):
     assert record["beam"] != record["greedy"]  # the beams found something else to prefer
 
 
-def test_scanned_layers_load_the_same_model(loaded):
-    config, _, params = loaded("llama_gqa")
+def test_scanned_layers_load_the_same_model():
     scanned_config, _, scanned = hf.load_pretrained(FIXTURES / "llama_gqa", scan_layers=True)
     assert scanned_config.scan_layers
     record, logits = expected("llama_gqa")
-    assert relative_error(teacher_forced(scanned_config, scanned, record, 1),
+    assert relative_error(teacher_forced(scanned_config, scanned, record)[1],
                           logits["logits_1"]) <= 1e-5
 
 
@@ -91,7 +105,7 @@ def test_bfloat16_weights_load_as_asked():
     assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype("bfloat16")}
     record, logits = expected("llama_mqa")
     # The files hold bfloat16 weights; only the computation rounds differently.
-    assert relative_error(teacher_forced(config, params, record, 0), logits["logits_0"]) < 0.05
+    assert relative_error(teacher_forced(config, params, record)[0], logits["logits_0"]) < 0.05
 
 
 # Bad input: each is one error naming the problem, raised before anything is computed.
