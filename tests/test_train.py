@@ -197,13 +197,12 @@ def test_resume_without_a_checkpoint_is_refused(copy_model, copy_task, tmp_path)
         trainer.train(copy_model, COPY_CONFIG, copy_task, tmp_path, resume=True)
 
 
-def numpy_cross_entropy(logits, targets, label_smoothing):
+def numpy_cross_entropy(logits, targets, mask, label_smoothing):
     shifted = logits - logits.max(-1, keepdims=True)
     log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
     vocab = logits.shape[-1]
     wanted = (1 - label_smoothing) * np.eye(vocab)[targets] + label_smoothing / vocab
     per_token = -(wanted * log_probs).sum(-1)
-    mask = targets != PAD_ID
     return per_token[mask].sum() / mask.sum()
 
 
@@ -214,12 +213,15 @@ def test_cross_entropy_is_the_masked_mean(label_smoothing):
     targets = rng.integers(1, 11, size=(3, 5))
     targets[0, 3:] = PAD_ID
     targets[2, 1:] = PAD_ID
-    total, count = update.cross_entropy_sum(logits, targets, label_smoothing)
+    weights = (targets != PAD_ID).astype(np.float32)
+    total, count = update.cross_entropy_sum(logits, targets, weights, label_smoothing)
     assert count == 9
-    expected = numpy_cross_entropy(logits.astype(np.float64), targets, label_smoothing)
+    expected = numpy_cross_entropy(logits.astype(np.float64), targets, weights > 0,
+                                   label_smoothing)
     np.testing.assert_allclose(total / count, expected, rtol=1e-5)
-    logits[targets == PAD_ID] = 100.0  # what the model says at padding does not count
-    assert update.cross_entropy_sum(logits, targets, label_smoothing)[0] == pytest.approx(total)
+    logits[weights == 0] = 100.0  # what the model says at padding does not count
+    assert update.cross_entropy_sum(logits, targets, weights, label_smoothing)[0] == (
+        pytest.approx(total))
 
 
 def test_learning_rate_warms_up_then_decays():
@@ -265,10 +267,10 @@ def test_invalid_train_config_names_the_field():
 
 
 def test_unigram_perplexity_is_add_one_smoothed():
-    train_targets = np.array([[4, 4, 5], [4, 0, 0]])  # PAD (0) is not counted
+    train_targets = np.array([[4, 4, 5], [4, 0, 0]])  # 0 is a token like any other
     val_targets = np.array([[4, 6]])
     vocab = 8
-    p4, p6 = (3 + 1) / (4 + vocab), (0 + 1) / (4 + vocab)
+    p4, p6 = (3 + 1) / (6 + vocab), (0 + 1) / (6 + vocab)
     assert tasks.unigram_perplexity(train_targets, val_targets, vocab) == pytest.approx(
         math.exp(-(math.log(p4) + math.log(p6)) / 2))
 

@@ -4,11 +4,18 @@ Text comes from Python's own documentation (shipped with CPython) or from files 
 translation pairs come from integers spelled as English words or from a TSV file; the synthetic
 tasks are generated from a seed. Everything is turned into fixed-shape int32 numpy arrays.
 
+The ids that frame text in an example (what separates documents, ends a source, starts and
+ends a target) are a `Framing`: kvjax's own by default, a model's own (`Framing.of`) for any
+other tokenizer. Padding is filler whose value means nothing: which positions count is said
+by lengths and weights, never by a token id, since an imported vocabulary uses id 0 (kvjax's
+PAD) as a real token.
+
 Shapes: B examples, T tokens per example.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -16,7 +23,40 @@ from pydoc_data.topics import topics
 
 import numpy as np
 
-from kvjax.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_tokenizer
+from kvjax.tokenizer import BOS_ID, EOS_ID, PAD_ID, TextTokenizer, Tokenizer, train_tokenizer
+
+# ---------------------------------------------------------------------------------------------
+# Framing
+
+
+@dataclasses.dataclass(frozen=True)
+class Framing:
+    """The special ids around text in training examples, as a model expects them.
+
+    - `document_prefix`: what precedes each document of a language model's stream (what its
+      prompts start with: kvjax's EOS, Llama's BOS, nothing for GPT-2);
+    - `eos_id`: what ends each document and each target (None: nothing ends a document);
+    - `source_suffix`: what ends an encoder-decoder's source;
+    - `decoder_start`: the first decoder input of a target (the model config's `bos_id`;
+      Marian's is its pad id).
+    """
+
+    document_prefix: tuple[int, ...]
+    eos_id: int | None
+    source_suffix: tuple[int, ...]
+    decoder_start: int
+
+    @classmethod
+    def of(cls, tokenizer: TextTokenizer, decoder_start: int) -> Framing:
+        """The framing of a model with this tokenizer whose config's `bos_id` is
+        `decoder_start`; kvjax's own tokenizers with kvjax's configs give `KVJAX_FRAMING`."""
+        return cls(tuple(tokenizer.document_prefix), tokenizer.eos_id,
+                   tuple(tokenizer.source_suffix), decoder_start)
+
+
+KVJAX_FRAMING = Framing(document_prefix=(EOS_ID,), eos_id=EOS_ID, source_suffix=(EOS_ID,),
+                        decoder_start=BOS_ID)
+
 
 # ---------------------------------------------------------------------------------------------
 # Text
@@ -83,12 +123,25 @@ def read_text_files(paths: Iterable[str | os.PathLike]) -> str:
 # Language modelling
 
 
-def tokenize_documents(tokenizer: Tokenizer, docs: Iterable[str]) -> np.ndarray:
-    """One int32 token stream [N] of all ``docs``, each followed by EOS."""
+def tokenize_documents(tokenizer, docs: Iterable[str],
+                       framing: Framing = KVJAX_FRAMING) -> np.ndarray:
+    """One int32 token stream [N] of all ``docs``, each after ``framing.document_prefix`` and
+    followed by its ``eos_id`` (if any). ``tokenizer`` needs only ``encode``.
+
+    The stream starts as if a document had just ended, and a prefix that the stream already
+    ends with is not repeated: where the prefix is the eos itself (kvjax's own framing) that
+    gives ``doc EOS doc EOS ...``; Llama's gives ``BOS doc EOS BOS doc EOS ...`` and GPT-2's
+    ``doc EOS doc EOS ...``.
+    """
+    prefix = list(framing.document_prefix)
+    eos = [] if framing.eos_id is None else [framing.eos_id]
     ids: list[int] = []
     for doc in docs:
+        before = ids or eos
+        if prefix and before[-len(prefix):] != prefix:
+            ids.extend(prefix)
         ids.extend(tokenizer.encode(doc))
-        ids.append(EOS_ID)
+        ids.extend(eos)
     return np.asarray(ids, dtype=np.int32)
 
 
@@ -262,7 +315,8 @@ def pad_sequences(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Right-pads ``seqs`` to (tokens [B, T], lengths [B]), both int32.
 
-    T is ``length`` if given, else the longest sequence.
+    T is ``length`` if given, else the longest sequence. The lengths, not ``pad_id``, say
+    where each row ends.
     """
     lengths = np.asarray([len(s) for s in seqs], dtype=np.int32)
     longest = int(lengths.max(initial=0))
@@ -278,18 +332,22 @@ def pad_sequences(
 
 
 def encode_pairs(
-    tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]], max_len: int
+    tokenizer, pairs: Sequence[tuple[str, str]], max_len: int,
+    framing: Framing = KVJAX_FRAMING,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Teacher-forcing arrays for an encoder-decoder, all padded to ``max_len`` with PAD.
 
     Returns (src_tokens [B, max_len], src_lengths [B], tgt_in [B, max_len],
     tgt_out [B, max_len], tgt_lengths [B]) where, per pair, the source is
-    ``encode(src) + [EOS]``, the decoder input ``[BOS] + encode(tgt)`` and the decoder target
-    ``encode(tgt) + [EOS]``. A pair that does not fit raises ValueError naming its index.
+    ``encode(src) + source_suffix``, the decoder input ``[decoder_start] + encode(tgt)`` and
+    the decoder target ``encode(tgt) + [eos_id]`` (ids of ``framing``; ``tokenizer`` needs
+    only ``encode``). A pair that does not fit raises ValueError naming its index.
     """
+    if framing.eos_id is None:
+        raise ValueError("translation targets need an eos id to end with; the framing has none")
     sources, targets_in, targets_out = [], [], []
     for index, (src, tgt) in enumerate(pairs):
-        src_ids = tokenizer.encode(src) + [EOS_ID]
+        src_ids = tokenizer.encode(src) + list(framing.source_suffix)
         tgt_ids = tokenizer.encode(tgt)
         if len(src_ids) > max_len or len(tgt_ids) + 1 > max_len:
             raise ValueError(
@@ -297,12 +355,17 @@ def encode_pairs(
                 f"tokens, more than max_len={max_len}: {(src, tgt)!r}"
             )
         sources.append(src_ids)
-        targets_in.append([BOS_ID] + tgt_ids)
-        targets_out.append(tgt_ids + [EOS_ID])
+        targets_in.append([framing.decoder_start] + tgt_ids)
+        targets_out.append(tgt_ids + [framing.eos_id])
     src_tokens, src_lengths = pad_sequences(sources, PAD_ID, max_len)
     tgt_in, tgt_lengths = pad_sequences(targets_in, PAD_ID, max_len)
     tgt_out, _ = pad_sequences(targets_out, PAD_ID, max_len)
     return src_tokens, src_lengths, tgt_in, tgt_out, tgt_lengths
+
+
+def length_weights(lengths: np.ndarray, width: int) -> np.ndarray:
+    """float32 [B, width]: 1 at the first ``lengths[b]`` positions of row b, 0 after."""
+    return (np.arange(width) < np.asarray(lengths)[:, None]).astype(np.float32)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The files of a training run's output directory besides its checkpoints::
 
-    run.json          what the run was started with (`run_record`): a resumed run must match it
+    run.json          what the run was started with (`run_record`): a resumed run must match it;
+                      for a run started from another checkpoint's params, which (`INIT_FROM`)
     metrics.jsonl     one JSON object per logged step (`MetricsLog`)
     loss_curve.png    training and validation loss (`plot_loss_curve`)
     .lock             held (flock) by the one process training into the directory (`exclusive`)
@@ -24,6 +25,10 @@ METRICS_FILE = "metrics.jsonl"
 LOSS_CURVE_FILE = "loss_curve.png"
 RUN_FILE = "run.json"
 LOCK_FILE = ".lock"
+# run.json's record of the checkpoint a run took its first params from: {"checkpoint": its
+# absolute path, "step": the step read}. Not compared on resume: the run's own checkpoints
+# hold the params from then on.
+INIT_FROM = "init_from"
 
 
 @contextlib.contextmanager
@@ -85,24 +90,27 @@ def check_same_record(out_dir: Path, old: Mapping[str, Any], new: Mapping[str, A
                 "Allow the change explicitly (--allow-changes) to continue anyway")
 
 
-def check_same_run(out_dir: Path, model_config: M.TransformerConfig, task: TrainTask) -> None:
+def check_same_run(out_dir: Path, model_config: M.TransformerConfig, task: TrainTask,
+                   action: str = "cannot resume") -> None:
+    """Raises `CheckpointError` (starting with `action`) unless the checkpoint directory
+    `out_dir` was written for this model config, task and tokenizer."""
     saved_model, saved_task, saved_tokenizer = checkpoint.read_metadata(out_dir)
     wanted = json.loads(json.dumps(model_config.to_dict()))  # as config.json stores it
     config_path = out_dir / checkpoint.CONFIG_FILE
     if saved_task != task.name:
         raise checkpoint.CheckpointError(
-            f"cannot resume: {config_path} is for task {saved_task!r}, not {task.name!r}")
+            f"{action}: {config_path} is for task {saved_task!r}, not {task.name!r}")
     if saved_model != wanted:
         differ = sorted(k for k in saved_model.keys() | wanted.keys()
                         if saved_model.get(k) != wanted.get(k))
         details = ", ".join(f"{k}: saved {saved_model.get(k)!r}, requested {wanted.get(k)!r}"
                             for k in differ)
         raise checkpoint.CheckpointError(
-            f"cannot resume: the model config in {config_path} differs from the requested "
+            f"{action}: the model config in {config_path} differs from the requested "
             f"one ({details})")
     if saved_tokenizer != task.tokenizer.to_bytes():
         raise checkpoint.CheckpointError(
-            f"cannot resume: {out_dir / checkpoint.TOKENIZER_FILE} differs from the tokenizer "
+            f"{action}: {out_dir / checkpoint.TOKENIZER_FILE} differs from the tokenizer "
             "of the requested run")
 
 

@@ -10,6 +10,12 @@ overridden by keyword::
 
 `mesh` (`kvjax.parallel.make_mesh`) trains on many devices (see `trainer.train`).
 
+`init_from` fine-tunes a checkpoint of the same task (kvjax's own, or a pretrained model that
+`kvjax import-hf` wrote) instead of training a new model: its config and tokenizer are used
+as they are and its params are the starting point::
+
+    train_lm("runs/ft", data_files=["my.txt"], init_from="gpt2-kvjax", steps=200)
+
 Shapes: N examples, T tokens per example, S source tokens.
 """
 
@@ -26,11 +32,11 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
-from kvjax import checkpoint, decode
+from kvjax import checkpoint, decode, hf
 from kvjax import model as M
-from kvjax.tokenizer import EOS_ID, PAD_ID, Tokenizer, train_tokenizer
+from kvjax.tokenizer import EOS_ID, TextTokenizer, Tokenizer, tokenizer_from_bytes, train_tokenizer
 
-from . import data, trainer
+from . import data, run_dir, trainer
 from .config import TrainConfig, TrainTask
 from .trainer import TrainResult
 
@@ -83,18 +89,27 @@ _SPLIT_SEED = 0  # the train/validation split never changes with the training se
 
 
 def train_lm(out_dir: str | os.PathLike, *, data_files: Sequence[str | os.PathLike] | None = None,
-             resume: bool = False, allow_changes: bool = False,
-             settings: LMSettings = LM_SETTINGS, mesh: Mesh | None = None,
-             **overrides: Any) -> TrainResult:
+             init_from: str | os.PathLike | None = None, resume: bool = False,
+             allow_changes: bool = False, settings: LMSettings = LM_SETTINGS,
+             mesh: Mesh | None = None, **overrides: Any) -> TrainResult:
     """Trains a decoder-only LM on `data_files` (default: Python's documentation topics).
 
     The final metrics include `val_ppl` and `unigram_ppl`, the perplexity on the same
     validation tokens of add-one smoothed token frequencies fitted on the training tokens.
+    Fine-tuning (`init_from`) cuts windows of at most the model's `max_len` tokens.
     """
+    pretrained = _pretrained(out_dir, "lm", init_from, resume, overrides)
     settings = with_overrides(settings, overrides)
     text = data.python_docs_text() if data_files is None else data.read_text_files(data_files)
-    tokenizer = _tokenizer(out_dir, resume, [text], settings.vocab_size)
-    windows = data.pack_lm_windows(data.tokenize_documents(tokenizer, [text]), settings.seq_len)
+    if pretrained is None:
+        tokenizer = _tokenizer(out_dir, resume, [text], settings.vocab_size)
+        config = _model_config(settings, tokenizer, settings.seq_len, out_dir, resume)
+    else:
+        config, tokenizer = pretrained
+        settings = dataclasses.replace(settings, seq_len=min(settings.seq_len, config.max_len))
+    framing = data.Framing.of(tokenizer, config.bos_id)
+    windows = data.pack_lm_windows(data.tokenize_documents(tokenizer, [text], framing),
+                                   settings.seq_len)
     train_windows, val_windows = data.split_train_val(windows, settings.val_fraction, _SPLIT_SEED)
     evaluate = None
     if len(val_windows):  # without validation text there is nothing to compare against
@@ -107,22 +122,23 @@ def train_lm(out_dir: str | os.PathLike, *, data_files: Sequence[str | os.PathLi
         name="lm", tokenizer=tokenizer, train=lm_arrays(train_windows),
         val=lm_arrays(val_windows), evaluate=evaluate,
         data={**sources, "seq_len": settings.seq_len, "val_fraction": settings.val_fraction})
-    config = _model_config(settings, tokenizer, settings.seq_len, out_dir, resume)
     return trainer.train(config, settings.training, task, out_dir, resume=resume,
-                         allow_changes=allow_changes, mesh=mesh)
+                         allow_changes=allow_changes, mesh=mesh, init_from=init_from)
 
 
 def lm_arrays(windows_NT: np.ndarray) -> dict[str, np.ndarray]:
-    """Windows [N, T + 1] as a batch: inputs and next-token targets, each [N, T]."""
-    return {"inputs": windows_NT[:, :-1], "targets": windows_NT[:, 1:]}
+    """Windows [N, T + 1] as a batch: inputs and next-token targets, each [N, T], and their
+    weights (every target of a window counts)."""
+    targets = windows_NT[:, 1:]
+    return {"inputs": windows_NT[:, :-1], "targets": targets,
+            "weights": np.ones(targets.shape, np.float32)}
 
 
 def unigram_perplexity(train_targets: np.ndarray, val_targets: np.ndarray,
                        vocab_size: int) -> float:
     """Perplexity on `val_targets` of add-one smoothed token frequencies of `train_targets`
-    (any shapes; PAD is ignored in both)."""
-    train_ids = train_targets[train_targets != PAD_ID].ravel()
-    val_ids = val_targets[val_targets != PAD_ID].ravel()
+    (any shapes; every id counts, as every target of an LM window does)."""
+    train_ids, val_ids = np.ravel(train_targets), np.ravel(val_targets)
     counts = np.bincount(train_ids, minlength=vocab_size).astype(np.float64)
     log_probs = np.log((counts + 1) / (counts.sum() + vocab_size))
     return math.exp(-log_probs[val_ids].mean())
@@ -132,15 +148,18 @@ def unigram_perplexity(train_targets: np.ndarray, val_targets: np.ndarray,
 
 
 def train_translate(out_dir: str | os.PathLike, *, data_tsv: str | os.PathLike | None = None,
-                    resume: bool = False, allow_changes: bool = False,
+                    init_from: str | os.PathLike | None = None, resume: bool = False,
+                    allow_changes: bool = False,
                     settings: TranslateSettings = TRANSLATE_SETTINGS, mesh: Mesh | None = None,
                     **overrides: Any) -> TrainResult:
     """Trains an encoder-decoder with teacher forcing on `data_tsv` (``source<TAB>target``
     lines) or, by default, on numbers spelled as words.
 
     Validation loss is measured on the held-out pairs; `accuracy` is the exact-match rate of
-    greedy decoding on them (all of them in the final metrics).
+    greedy decoding on them (all of them in the final metrics). Fine-tuning (`init_from`)
+    needs every pair to fit the model's `max_len`, the target after its decoder start.
     """
+    pretrained = _pretrained(out_dir, "translate", init_from, resume, overrides)
     settings = with_overrides(settings, overrides)
     if data_tsv is None:
         num_heldout = default_heldout(settings.max_number, settings.num_heldout)
@@ -153,21 +172,29 @@ def train_translate(out_dir: str | os.PathLike, *, data_tsv: str | os.PathLike |
         train_pairs, heldout_pairs = split_pairs(pairs, num_heldout)
         sources = {"files": data.describe_files([data_tsv])}
     texts = [text for pair in train_pairs for text in pair]
-    tokenizer = _tokenizer(out_dir, resume, ["\n".join(texts)], settings.vocab_size)
+    if pretrained is None:
+        tokenizer = _tokenizer(out_dir, resume, ["\n".join(texts)], settings.vocab_size)
+    else:
+        config, tokenizer = pretrained
     max_len = settings.max_len or _longest_pair(tokenizer, [*train_pairs, *heldout_pairs])
-    # + 1: BOS starts targets
-    config = _model_config(settings, tokenizer, max_len + 1, out_dir, resume)
-    heldout = translation_arrays(tokenizer, heldout_pairs, max_len)
+    # + 1: the decoder start begins targets
+    if pretrained is None:
+        config = _model_config(settings, tokenizer, max_len + 1, out_dir, resume)
+    elif max_len + 1 > config.max_len:
+        raise ValueError(f"the pairs need {max_len} tokens and the target its decoder start "
+                         f"before them, more than the model's max_len={config.max_len}")
+    framing = data.Framing.of(tokenizer, config.bos_id)
+    heldout = translation_arrays(tokenizer, heldout_pairs, max_len, framing)
     accuracy = None
     if heldout_pairs:
         accuracy = functools.partial(_heldout_accuracy, config, heldout, settings.eval_examples,
-                                     max_len)
+                                     max_len, (framing.eos_id,))
     task = TrainTask(
         name="translate", tokenizer=tokenizer,
-        train=translation_arrays(tokenizer, train_pairs, max_len), val=heldout,
+        train=translation_arrays(tokenizer, train_pairs, max_len, framing), val=heldout,
         evaluate=accuracy, data={**sources, "num_heldout": num_heldout})
     return trainer.train(config, settings.training, task, out_dir, resume=resume,
-                         allow_changes=allow_changes, mesh=mesh)
+                         allow_changes=allow_changes, mesh=mesh, init_from=init_from)
 
 
 def default_heldout(num_pairs: int, num_heldout: int | None) -> int:
@@ -175,9 +202,11 @@ def default_heldout(num_pairs: int, num_heldout: int | None) -> int:
     return min(1000, num_pairs // 10) if num_heldout is None else num_heldout
 
 
-def _longest_pair(tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]]) -> int:
-    # + 1: the EOS that ends sources and targets
-    return 1 + max(len(tokenizer.encode(text)) for pair in pairs for text in pair)
+def _longest_pair(tokenizer: TextTokenizer, pairs: Sequence[tuple[str, str]]) -> int:
+    # The source suffix ends sources; + 1: the eos that ends targets.
+    suffix = len(tokenizer.source_suffix)
+    return max(max(len(tokenizer.encode(source)) + suffix, len(tokenizer.encode(target)) + 1)
+               for source, target in pairs)
 
 
 def split_pairs(pairs: Sequence[tuple[str, str]], num_heldout: int
@@ -194,24 +223,29 @@ def split_pairs(pairs: Sequence[tuple[str, str]], num_heldout: int
             [p for p, h in zip(pairs, heldout, strict=True) if h])
 
 
-def translation_arrays(tokenizer: Tokenizer, pairs: Sequence[tuple[Any, Any]],
-                       max_len: int) -> dict[str, np.ndarray]:
-    """Teacher-forcing batch arrays (see `train.trainer`) for (source, target) pairs.
+def translation_arrays(tokenizer, pairs: Sequence[tuple[Any, Any]], max_len: int,
+                       framing: data.Framing = data.KVJAX_FRAMING) -> dict[str, np.ndarray]:
+    """Teacher-forcing batch arrays (see `train.trainer`) for (source, target) pairs, framed
+    by `framing`'s ids (`data.encode_pairs`); a target's weights are 1 up to its length.
 
     `tokenizer` needs only `encode`; with one that returns id lists unchanged, `pairs` may be
     (source ids, target ids).
     """
     source, source_lengths, inputs, targets, lengths = data.encode_pairs(
-        tokenizer, pairs, max_len)
+        tokenizer, pairs, max_len, framing)
     return {"source": source, "source_lengths": source_lengths, "inputs": inputs,
-            "targets": targets, "lengths": lengths}
+            "targets": targets, "lengths": lengths,
+            "weights": data.length_weights(lengths, targets.shape[1])}
 
 
 def exact_match_accuracy(config: M.TransformerConfig, params, arrays: Mapping[str, np.ndarray],
-                         *, max_new_tokens: int, batch_size: int) -> float:
-    """Fraction of rows whose greedy decoding equals its target, EOS included.
+                         *, max_new_tokens: int, batch_size: int,
+                         eos_ids: tuple[int, ...] = (EOS_ID,)) -> float:
+    """Fraction of rows whose greedy decoding (stopped by `eos_ids`) equals its target, the
+    eos included.
 
-    `arrays` are `translation_arrays` (source [N, S], source_lengths [N], targets [N, T]).
+    `arrays` are `translation_arrays` (source [N, S], source_lengths [N], targets [N, T],
+    lengths [N]).
     Rows are decoded `batch_size` at a time; the last batch is padded to that size so that
     every call reuses one compiled program.
     """
@@ -222,19 +256,18 @@ def exact_match_accuracy(config: M.TransformerConfig, params, arrays: Mapping[st
         rows = np.arange(start, start + batch_size) % num_rows
         output = decode.generate(
             net, params, arrays["source"][rows], lengths=arrays["source_lengths"][rows],
-            max_new_tokens=max_new_tokens, eos_ids=(EOS_ID,))
+            max_new_tokens=max_new_tokens, eos_ids=eos_ids)
         for row, generated in zip(rows[: num_rows - start], output.token_lists(), strict=False):
-            target = arrays["targets"][row]
-            correct += generated == target[target != PAD_ID].tolist()
+            correct += generated == arrays["targets"][row, : arrays["lengths"][row]].tolist()
     return correct / num_rows
 
 
-def _heldout_accuracy(config, heldout, eval_examples: int, max_new_tokens: int, params,
-                      final: bool) -> dict[str, float]:
+def _heldout_accuracy(config, heldout, eval_examples: int, max_new_tokens: int,
+                      eos_ids: tuple[int, ...], params, final: bool) -> dict[str, float]:
     rows = heldout if final else {k: v[:eval_examples] for k, v in heldout.items()}
     batch_size = min(eval_examples, len(heldout["source"]))
     return {"accuracy": exact_match_accuracy(config, params, rows, batch_size=batch_size,
-                                             max_new_tokens=max_new_tokens)}
+                                             max_new_tokens=max_new_tokens, eos_ids=eos_ids)}
 
 
 # Shared ----------------------------------------------------------------------------------------
@@ -252,6 +285,50 @@ def with_overrides(settings, overrides: Mapping[str, Any]):
         training=settings.training.replace(
             **{k: v for k, v in overrides.items() if k in training}),
         **{k: v for k, v in overrides.items() if k in own})
+
+
+# What a fine-tuning run takes from its checkpoint; these settings would build another model.
+_MODEL_SETTINGS = ("preset", "model_overrides", "vocab_size")
+
+
+def _pretrained(out_dir: str | os.PathLike, task: str, init_from: str | os.PathLike | None,
+                resume: bool, overrides: Mapping[str, Any]
+                ) -> tuple[M.TransformerConfig, TextTokenizer] | None:
+    """(config, tokenizer) of a fine-tuning run: `init_from`'s for a new run, its own
+    directory's for a resumed one (run.json says whether it started from a checkpoint);
+    None for a run that trains a model of its own."""
+    record = run_dir.read_run_record(Path(out_dir)) if resume and Path(out_dir).is_dir() else None
+    if record is not None and run_dir.INIT_FROM in record:
+        source = Path(out_dir)
+        if init_from is not None and checkpoint.read_metadata(init_from) != (
+                checkpoint.read_metadata(source)):
+            raise checkpoint.CheckpointError(
+                f"cannot resume: {out_dir} was started from "
+                f"{record[run_dir.INIT_FROM].get('checkpoint')}, not from {init_from}")
+    elif init_from is not None:
+        if hf.is_hf_directory(init_from):
+            raise ValueError(f"{init_from} is a Hugging Face model directory; write it as a "
+                             f"kvjax checkpoint first (kvjax import-hf {init_from} OUT) and "
+                             "start from that")
+        if resume and record is not None:
+            raise checkpoint.CheckpointError(
+                f"cannot resume {out_dir} from init_from {init_from}: it was not started from "
+                "a checkpoint")
+        source = Path(init_from)
+    else:
+        return None
+    given = sorted(set(overrides) & set(_MODEL_SETTINGS))
+    if given:
+        raise ValueError(f"{', '.join(given)} cannot be set when fine-tuning a checkpoint: its "
+                         "model and tokenizer are used as they are")
+    config_dict, saved_task, tokenizer_bytes = checkpoint.read_metadata(source)
+    if saved_task != task:
+        raise ValueError(f"{source} holds a {saved_task!r} model; it cannot start a {task!r} "
+                         "run")
+    try:
+        return M.TransformerConfig.from_dict(config_dict), tokenizer_from_bytes(tokenizer_bytes)
+    except (TypeError, ValueError) as e:
+        raise checkpoint.CheckpointError(f"{source}: {e}") from e
 
 
 def _tokenizer(out_dir: str | os.PathLike, resume: bool, texts: list[str],

@@ -19,9 +19,12 @@ An output directory holds::
 The configs are in `config`, one update (loss, optimizer, compiled step) in `update`, and the
 files of the directory besides the checkpoints in `run_dir`.
 
-Batches are dicts of arrays. Both variants have ``inputs`` [B, T] (decoder input tokens) and
-``targets`` [B, T] (the next tokens; PAD where there is nothing to predict). An encoder-decoder
-batch also has ``source`` [B, S], ``source_lengths`` [B] and ``lengths`` [B] (decoder inputs).
+Batches are dicts of arrays. Both variants have ``inputs`` [B, T] (decoder input tokens),
+``targets`` [B, T] (the next tokens) and ``weights`` [B, T] (float32: how much each target
+counts in the loss, 1 or 0 where there is nothing to predict; without it every target counts).
+No token id marks padding: an imported vocabulary uses every id, 0 included. An
+encoder-decoder batch also has ``source`` [B, S], ``source_lengths`` [B] and ``lengths`` [B]
+(decoder inputs).
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ from tqdm.auto import tqdm
 
 from kvjax import checkpoint, parallel
 from kvjax import model as M
-from kvjax.tokenizer import PAD_ID
 
 from . import run_dir
 from .config import TrainConfig, TrainTask
@@ -53,6 +55,7 @@ from .update import (
     compiled_fields,
     init_state,
     learning_rate_schedule,
+    target_weights,
     train_step,
     validation_loss,
 )
@@ -99,7 +102,8 @@ class TrainResult:
 
 def train(model_config: M.TransformerConfig, train_config: TrainConfig, task: TrainTask,
           out_dir: str | Path, *, resume: bool = False, stop_after: int | None = None,
-          allow_changes: bool = False, mesh: Mesh | None = None) -> TrainResult:
+          allow_changes: bool = False, mesh: Mesh | None = None,
+          init_from: str | Path | None = None) -> TrainResult:
     """Trains `model_config` on `task`, writing checkpoints and metrics into `out_dir`.
 
     With `resume`, continues from the newest checkpoint in `out_dir`, which must have been
@@ -108,6 +112,12 @@ def train(model_config: M.TransformerConfig, train_config: TrainConfig, task: Tr
     without it, `out_dir` must hold no checkpoint. `stop_after` ends the run after that step as if
     interrupted there (with a checkpoint, a final evaluation and the loss curve); the schedule
     still spans `train_config.steps`, so a resumed run continues it.
+
+    With `init_from` (a checkpoint directory written for the same model config, task and
+    tokenizer: kvjax's own, or a pretrained model `kvjax.hf.convert` imported), a new run
+    starts from the params of its newest step, restored with their checksums checked, and a
+    fresh optimizer at step 0; run.json records where they came from. A resumed run continues
+    from its own checkpoints and keeps that record; `init_from` is not read then.
 
     Raises `TrainingDiverged` on a non-finite loss or params (saving nothing from that step
     on) and, after saving a checkpoint at the current step, `TrainingInterrupted` on SIGINT or
@@ -124,7 +134,7 @@ def train(model_config: M.TransformerConfig, train_config: TrainConfig, task: Tr
     out_dir = Path(out_dir)
     with run_dir.exclusive(out_dir), _deferred_signals() as signals:
         state = _start_state(model_config, train_config, task, out_dir, resume, allow_changes,
-                             mesh)
+                             mesh, init_from)
         return _run(model_config, train_config, task, out_dir, state, stop_after, signals,
                     mesh)
 
@@ -154,7 +164,7 @@ def _run(model_config, train_config: TrainConfig, task: TrainTask, out_dir: Path
             placed = batch if mesh is None else parallel.shard_batch(batch, mesh)
             state, losses[step] = train_step(model_config, step_config, state, placed,
                                              mesh=mesh)
-            meter.add_tokens(int(np.count_nonzero(batch["targets"] != PAD_ID)))
+            meter.add_tokens(int(np.count_nonzero(target_weights(batch))))
             if signals.received is not None:
                 guard.check(losses, state)
                 checkpointer.save(step, _checkpoint_tree(state), force=True)
@@ -257,7 +267,8 @@ def _deferred_signals() -> Iterator[_Signals]:
 
 
 def _start_state(model_config, train_config, task: TrainTask, out_dir: Path,
-                 resume: bool, allow_changes: bool, mesh: Mesh | None) -> TrainState:
+                 resume: bool, allow_changes: bool, mesh: Mesh | None,
+                 init_from: str | Path | None) -> TrainState:
     saved_step = checkpoint.latest_step(out_dir)
     if saved_step is not None and not resume:
         raise checkpoint.CheckpointError(
@@ -270,23 +281,41 @@ def _start_state(model_config, train_config, task: TrainTask, out_dir: Path,
         run_dir.check_same_run(out_dir, model_config, task)
         checkpoint.check_metadata(out_dir)
         old = run_dir.read_run_record(out_dir)
+        if old is not None and run_dir.INIT_FROM in old:
+            record[run_dir.INIT_FROM] = old[run_dir.INIT_FROM]
         if old is not None and not allow_changes:
             run_dir.check_same_record(out_dir, old, record)
         if old != record:
             if old is not None:
                 record["resumed_with_changes_at_step"] = saved_step
             run_dir.write_run_record(out_dir, record)
+    params = None
+    if not resume and init_from is not None:
+        params, record[run_dir.INIT_FROM] = _initial_params(init_from, model_config, task, mesh)
     checkpoint.write_metadata(out_dir, model_config.to_dict(), task.name,
                               task.tokenizer.to_bytes())
     if not resume:
         run_dir.write_run_record(out_dir, record)
-        return init_state(model_config, train_config, mesh)
+        return init_state(model_config, train_config, mesh, params=params)
     abstract = jax.eval_shape(lambda: _checkpoint_tree(init_state(model_config, train_config)))
     if mesh is not None:
         abstract = parallel.abstract_on(abstract, mesh)
     _, tree = checkpoint.restore_latest(out_dir, abstract)
     return TrainState(params=tree["params"], opt_state=tree["opt_state"],
                       step=tree["data_position"], rng=tree["rng"])
+
+
+def _initial_params(init_from: str | Path, model_config, task: TrainTask,
+                    mesh: Mesh | None) -> tuple[Any, dict[str, Any]]:
+    """The params of the newest step in `init_from`, and what run.json records of them."""
+    path = Path(init_from)
+    run_dir.check_same_run(path, model_config, task, action=f"cannot start from {path}")
+    checkpoint.check_metadata(path)
+    abstract = jax.eval_shape(lambda: M.init_params(model_config, jax.random.key(0)))
+    if mesh is not None:
+        abstract = parallel.abstract_on(abstract, mesh)
+    params = checkpoint.restore_params(path, abstract)
+    return params, {"checkpoint": str(path.resolve()), "step": checkpoint.latest_step(path)}
 
 
 def _checkpoint_tree(state: TrainState) -> dict[str, Any]:

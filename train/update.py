@@ -21,7 +21,6 @@ from jax.sharding import Mesh
 
 from kvjax import model as M
 from kvjax import parallel
-from kvjax.tokenizer import PAD_ID
 
 from .config import TrainConfig
 
@@ -42,8 +41,10 @@ class TrainState:
 # Loss ------------------------------------------------------------------------------------------
 
 
-def cross_entropy_sum(logits_BTV, targets_BT, label_smoothing: float = 0.0):
-    """(sum of per-token losses, number of non-PAD targets); PAD targets count for nothing.
+def cross_entropy_sum(logits_BTV, targets_BT, weights_BT, label_smoothing: float = 0.0):
+    """(sum of per-token losses times `weights_BT`, sum of `weights_BT`): a target counts as
+    much as its weight, 1 for a real one and 0 for padding. No target id is special, since an
+    imported vocabulary's id 0 is a real token.
 
     With label smoothing e, a token's loss is (1 - e) * -log p(target) + e * mean_v -log p(v),
     the cross-entropy against (1 - e) * one_hot(target) + e / V.
@@ -58,8 +59,15 @@ def cross_entropy_sum(logits_BTV, targets_BT, label_smoothing: float = 0.0):
     if label_smoothing:
         mean_log_prob_BT = logits_BTV.mean(-1) - log_total_BT
         nll_BT = (1 - label_smoothing) * nll_BT - label_smoothing * mean_log_prob_BT
-    weights_BT = (targets_BT != PAD_ID).astype(jnp.float32)
+    weights_BT = jnp.asarray(weights_BT, jnp.float32)
     return (nll_BT * weights_BT).sum(), weights_BT.sum()
+
+
+def target_weights(batch: Batch):
+    """The batch's `weights` [B, T], or ones where it has none (every target counts)."""
+    if "weights" in batch:
+        return batch["weights"]
+    return np.ones(np.shape(batch["targets"]), np.float32)
 
 
 # Optimizer and compiled steps ------------------------------------------------------------------
@@ -101,11 +109,15 @@ def compiled_fields(config: TrainConfig) -> TrainConfig:
 
 
 def init_state(model_config: M.TransformerConfig, train_config: TrainConfig,
-               mesh: Mesh | None = None) -> TrainState:
-    """The state before the first step: fresh params and optimizer state for the seed, laid
-    out on `mesh` by `parallel.state_shardings` when one is given."""
-    state = _init_state(model_config, compiled_fields(train_config),
-                        jax.random.key(train_config.seed))
+               mesh: Mesh | None = None, params: Any = None) -> TrainState:
+    """The state before the first step: fresh params (or `params`, e.g. a checkpoint's to
+    fine-tune) and a fresh optimizer state for the seed, laid out on `mesh` by
+    `parallel.state_shardings` when one is given."""
+    step_config, seed_key = compiled_fields(train_config), jax.random.key(train_config.seed)
+    if params is None:
+        state = _init_state(model_config, step_config, seed_key)
+    else:
+        state = _state_for_params(step_config, params, seed_key)
     return state if mesh is None else parallel.shard_params(state, mesh)
 
 
@@ -114,6 +126,16 @@ def _init_state(model_config: M.TransformerConfig, step_config: TrainConfig,
                 seed_key: jax.Array) -> TrainState:
     params_rng, base_rng = jax.random.split(seed_key)
     params = M.init_params(model_config, params_rng)
+    return TrainState(params=params, opt_state=make_optimizer(step_config).init(params),
+                      step=jnp.zeros((), jnp.int32), rng=jax.random.key_data(base_rng))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _state_for_params(step_config: TrainConfig, params, seed_key: jax.Array) -> TrainState:
+    # One compiled program, so that every leaf of the state is placed alike and the first
+    # train_step's program serves the later ones. The base key is the one fresh params
+    # leave, so dropout does not depend on where the params came from.
+    _, base_rng = jax.random.split(seed_key)
     return TrainState(params=params, opt_state=make_optimizer(step_config).init(params),
                       step=jnp.zeros((), jnp.int32), rng=jax.random.key_data(base_rng))
 
@@ -132,7 +154,8 @@ def train_step(model_config: M.TransformerConfig, train_config: TrainConfig, sta
 
     def loss_fn(params):
         logits = M.teacher_forced_logits(model_config, params, batch, dropout_rng)
-        total, count = cross_entropy_sum(logits, batch["targets"], train_config.label_smoothing)
+        total, count = cross_entropy_sum(logits, batch["targets"], target_weights(batch),
+                                         train_config.label_smoothing)
         return total / jnp.maximum(count, 1.0)
 
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
@@ -146,12 +169,14 @@ def train_step(model_config: M.TransformerConfig, train_config: TrainConfig, sta
 
 @functools.partial(jax.jit, static_argnums=0)
 def _loss_sum(model_config: M.TransformerConfig, params, batch: Batch):
-    return cross_entropy_sum(M.teacher_forced_logits(model_config, params, batch), batch["targets"])
+    logits = M.teacher_forced_logits(model_config, params, batch)
+    return cross_entropy_sum(logits, batch["targets"], target_weights(batch))
 
 
 def validation_loss(model_config: M.TransformerConfig, params, val: Mapping[str, np.ndarray],
                     batch_size: int, max_batches: int = 0) -> dict[str, float]:
-    """Mean cross-entropy per non-PAD target token over the validation set and its exp."""
+    """Mean cross-entropy per counted target token (`target_weights`) over the validation
+    set, and its exp."""
     total = count = 0.0
     for batch in _chunks(val, batch_size, max_batches):
         batch_total, batch_count = _loss_sum(model_config, params, batch)
@@ -162,11 +187,12 @@ def validation_loss(model_config: M.TransformerConfig, params, val: Mapping[str,
 
 def _chunks(arrays: Mapping[str, np.ndarray], size: int, max_chunks: int) -> Iterator[dict]:
     # Every chunk has `size` rows, so one compiled program serves them all: the last one is
-    # filled up with earlier rows whose targets are all PAD, which count for nothing.
+    # filled up with earlier rows whose weights are all 0, which count for nothing.
     num_examples = len(next(iter(arrays.values())))
     starts = range(0, num_examples, size)
     for start in starts[:max_chunks] if max_chunks else starts:
         positions = np.arange(start, start + size)
         chunk = {key: value[positions % num_examples] for key, value in arrays.items()}
-        chunk["targets"][positions >= num_examples] = PAD_ID
+        chunk["weights"] = np.array(target_weights(chunk), np.float32)
+        chunk["weights"][positions >= num_examples] = 0.0
         yield chunk

@@ -17,6 +17,10 @@ def add_train(commands) -> None:
                             "numbers spelled as English words)")
     train.add_argument("--preset", choices=PRESET_NAMES, default=None,
                        help="model size (default: the demo's reduced 'small' model)")
+    train.add_argument("--init-from", metavar="CHECKPOINT", default=None,
+                       help="fine-tune this checkpoint of the same task (one of kvjax's, or "
+                            "one that kvjax import-hf wrote): its model and tokenizer, its "
+                            "params as the start, a fresh optimizer")
     train.add_argument("--steps", type=positive, default=None,
                        help="training steps (default: the demo settings)")
     train.add_argument("--batch-size", type=positive, default=None,
@@ -58,6 +62,9 @@ def run_train(args) -> int:
                          ("save_every", "save_every")):
         if getattr(args, option) is not None:
             overrides[name] = getattr(args, option)
+    if args.init_from is not None and args.preset is not None:
+        raise ValueError("--preset does not apply with --init-from: the model is the "
+                         "checkpoint's")
     if args.preset is not None:
         encoder = M.preset(args.preset).num_decoder_layers if args.task == "translate" else 0
         overrides.update(preset=args.preset, model_overrides={"num_encoder_layers": encoder})
@@ -65,6 +72,8 @@ def run_train(args) -> int:
         raise ValueError("--allow-changes only applies with --resume")
     out = args.out or f"runs/{args.task}"
     common = dict(resume=args.resume, allow_changes=args.allow_changes)
+    if args.init_from is not None:
+        common["init_from"] = args.init_from
     overrides["mesh"] = _mesh(args.mesh)
     if args.task == "lm":
         if args.heldout is not None:

@@ -1,0 +1,179 @@
+"""`kvjax train --init-from`: fine-tuning kvjax's own checkpoints and imported pretrained ones.
+
+The imported models are the tiny Hugging Face fixtures of tests/fixtures/hf_models, written
+as kvjax checkpoints once per module; every run is a few steps long.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kvjax.train import data, run_dir, tasks, trainer, update
+from kvjax.train.config import TrainConfig, TrainTask
+
+from kvjax import checkpoint, cli, text
+from kvjax import model as M
+from kvjax.hf.convert import import_checkpoint
+from kvjax.tokenizer import EOS_ID, tokenizer_from_bytes, train_tokenizer
+
+HF_MODELS = Path(__file__).resolve().parent / "fixtures" / "hf_models"
+TEXT = data.python_docs_text()[:3000]
+PAIRS = "".join(f"{n}\t{data.number_to_words(n)}\n" for n in range(40))
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """name -> a kvjax checkpoint of that Hugging Face fixture, made on first use."""
+    root, made = tmp_path_factory.mktemp("imported"), {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = import_checkpoint(HF_MODELS / name, root / name)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def own_tokenizer():
+    return train_tokenizer([TEXT], 400)
+
+
+def run_cli(capsys, *argv):
+    """(exit code, stdout, stderr) of `kvjax argv...` run in this process."""
+    code = cli.main([str(arg) for arg in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+# The data pipeline with other tokenizers ------------------------------------------------------
+
+
+def test_an_imported_vocabularys_id_0_counts_in_the_loss():
+    # GPT-2's "!" is id 0, kvjax's PAD: only the weights may say what counts.
+    logits = np.random.default_rng(0).normal(size=(1, 3, 7)).astype(np.float32)
+    batch = tasks.lm_arrays(np.array([[5, 0, 3, 0]]))
+    weights = update.target_weights(batch)
+    total, count = update.cross_entropy_sum(logits, batch["targets"], weights)
+    assert count == 3
+    moved = logits.copy()
+    moved[0, 0, 0] += 2.0  # the logit of the target id 0 at position 0
+    assert update.cross_entropy_sum(moved, batch["targets"], weights)[0] < total
+    # A batch without weights counts every target too.
+    del batch["weights"]
+    assert float(update.cross_entropy_sum(logits, batch["targets"],
+                                          update.target_weights(batch))[1]) == 3
+
+
+def test_documents_are_framed_as_each_model_expects(imported, own_tokenizer):
+    def stream(tokenizer, bos_id=1):
+        framing = data.Framing.of(tokenizer, bos_id)
+        return data.tokenize_documents(tokenizer, ["ab", "c"], framing).tolist()
+
+    own = own_tokenizer
+    assert data.Framing.of(own, 1) == data.KVJAX_FRAMING
+    a, b = own.encode("ab"), own.encode("c")
+    assert stream(own) == [*a, EOS_ID, *b, EOS_ID]  # the stream kvjax's LMs always had
+    llama = tokenizer_from_bytes(checkpoint.read_metadata(imported("llama_gqa"))[2])
+    a, b = llama.encode("ab"), llama.encode("c")
+    assert stream(llama) == [llama.bos_id, *a, llama.eos_id, llama.bos_id, *b, llama.eos_id]
+    gpt2 = tokenizer_from_bytes(checkpoint.read_metadata(imported("gpt2"))[2])
+    a, b = gpt2.encode("ab"), gpt2.encode("c")
+    assert stream(gpt2) == [*a, gpt2.eos_id, *b, gpt2.eos_id]
+
+
+def test_marian_targets_start_from_its_decoder_start_and_end_with_its_eos(imported):
+    config_dict, _, tokenizer_bytes = checkpoint.read_metadata(imported("marian"))
+    config, tokenizer = M.TransformerConfig.from_dict(config_dict), tokenizer_from_bytes(
+        tokenizer_bytes)
+    framing = data.Framing.of(tokenizer, config.bos_id)
+    arrays = tasks.translation_arrays(tokenizer, [("one", "eins zwei")], 12, framing)
+    source, target = tokenizer.encode("one"), tokenizer.encode("eins zwei")
+    length = len(target) + 1
+    assert arrays["source"][0, : arrays["source_lengths"][0]].tolist() == [
+        *source, *tokenizer.source_suffix]
+    assert arrays["inputs"][0, :length].tolist() == [config.bos_id, *target]
+    assert arrays["targets"][0, :length].tolist() == [*target, tokenizer.eos_id]
+    assert arrays["weights"][0].tolist() == [1.0] * length + [0.0] * (12 - length)
+
+
+# Fine-tuning runs ------------------------------------------------------------------------------
+
+
+def test_fine_tuning_imported_gpt2_lowers_the_loss_and_saves_a_loadable_run(
+        imported, tmp_path, capsys):
+    source = imported("gpt2")
+    (tmp_path / "my.txt").write_text(TEXT, encoding="utf-8")
+    out = tmp_path / "ft"
+    result = tasks.train_lm(out, data_files=[tmp_path / "my.txt"], init_from=source, steps=10,
+                            warmup_steps=1, batch_size=4, save_every=10, progress=False)
+    assert np.mean([result.losses[step] for step in (8, 9, 10)]) < result.losses[1] - 0.1
+    run = json.loads((out / run_dir.RUN_FILE).read_text())
+    assert run[run_dir.INIT_FROM] == {"checkpoint": str(source.resolve()), "step": 0}
+    assert run["data"]["seq_len"] == 64  # the model's max_len, below the default 128
+
+    assert checkpoint.read_metadata(out) == checkpoint.read_metadata(source)
+    config, tokenizer, _ = checkpoint.load_for_sampling(out)
+    assert config == checkpoint.load_for_sampling(source)[0]
+    assert tokenizer.to_bytes() == checkpoint.read_metadata(source)[2]
+    lm = text.load(out)
+    assert lm.config == config and lm.tokenizer.to_bytes() == tokenizer.to_bytes()
+
+    # Resumed as any run: the config and tokenizer are the run's own, the record is kept.
+    code, stdout, _ = run_cli(capsys, "train", "--task", "lm", "--data", tmp_path / "my.txt",
+                              "--out", out, "--resume", "--allow-changes", "--steps", 12,
+                              "--warmup-steps", 1, "--batch-size", 4, "--save-every", 10,
+                              "--no-progress")
+    assert code == 0 and "trained to step 12" in stdout
+    assert json.loads((out / run_dir.RUN_FILE).read_text())[run_dir.INIT_FROM] == (
+        run[run_dir.INIT_FROM])
+
+
+def test_fine_tuning_imported_marian_trains_and_loads(imported, tmp_path):
+    (tmp_path / "pairs.tsv").write_text(PAIRS, encoding="utf-8")
+    result = tasks.train_translate(
+        tmp_path / "ft", data_tsv=tmp_path / "pairs.tsv", init_from=imported("marian"),
+        num_heldout=0, steps=4, warmup_steps=1, batch_size=8, save_every=4, progress=False)
+    assert result.step == 4 and all(np.isfinite(list(result.losses.values())))
+    config = checkpoint.load_for_sampling(tmp_path / "ft")[0]
+    assert config.is_encoder_decoder and config.bos_id == 283
+
+
+def test_fine_tuning_a_kvjax_checkpoint_starts_from_its_params(own_tokenizer, tmp_path):
+    tokenizer = own_tokenizer
+    windows = data.pack_lm_windows(data.tokenize_documents(tokenizer, [TEXT]), 16)
+    task = TrainTask(name="lm", tokenizer=tokenizer, train=tasks.lm_arrays(windows),
+                     val={})
+    config = M.preset("tiny", vocab_size=tokenizer.vocab_size)
+    train_config = TrainConfig(steps=3, batch_size=8, warmup_steps=1, learning_rate=1e-2,
+                               save_every=3, progress=False)
+    first = trainer.train(config, train_config, task, tmp_path / "first")
+    again = trainer.train(config, train_config, task, tmp_path / "again",
+                          init_from=tmp_path / "first")
+
+    _, _, params = checkpoint.load_for_sampling(tmp_path / "first")
+    batch = dict(zip(task.train, data.Batches(tuple(task.train.values()), 8, 0).batch(0),
+                     strict=True))
+    loss = update.validation_loss(config, params, batch, batch_size=8)["val_loss"]
+    assert again.losses[1] == pytest.approx(loss, rel=1e-5)
+    assert again.losses[1] < first.losses[1] - 0.1  # not a fresh init's loss
+    assert json.loads((tmp_path / "again" / run_dir.RUN_FILE).read_text())[
+        run_dir.INIT_FROM]["step"] == 3
+
+
+# Misuse -----------------------------------------------------------------------------------------
+
+
+def test_init_from_another_task_or_with_a_preset_is_one_line_and_exit_2(imported, capsys,
+                                                                         tmp_path):
+    source = imported("gpt2")
+    code, out, err = run_cli(capsys, "train", "--task", "translate", "--init-from", source,
+                             "--out", tmp_path / "x")
+    assert code == 2 and out == "" and len(err.splitlines()) == 1
+    assert "'lm'" in err and "'translate'" in err and str(source) in err
+    code, out, err = run_cli(capsys, "train", "--task", "lm", "--init-from", source,
+                             "--preset", "tiny", "--out", tmp_path / "x")
+    assert code == 2 and out == "" and len(err.splitlines()) == 1
+    assert "--preset" in err and "--init-from" in err
+    assert not (tmp_path / "x").exists()
