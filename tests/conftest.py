@@ -71,6 +71,18 @@ def run_cached(config, params, tokens, cache, lengths=None):
     return net.apply({"params": params}, tokens, cache, lengths, method=net.step)
 
 
+def run_cli(capsys, *argv):
+    """(exit code, stdout, stderr) of `kvjax argv...` run in this process."""
+    from kvjax import cli
+
+    try:
+        code = cli.main([str(arg) for arg in argv])
+    except SystemExit as stop:  # argparse exits for --help and for bad options
+        code = stop.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
 def random_tokens(seed, shape, vocab):
     return jax.random.randint(jax.random.key(seed), shape, 0, vocab, dtype=jnp.int32)
 

@@ -5,6 +5,7 @@ import sys
 
 import jax
 import pytest
+from conftest import run_cli
 from kvjax.model.config import cache_size_bytes
 
 from kvjax import cli
@@ -13,15 +14,6 @@ from kvjax import model as M
 SUBCOMMANDS = (["demo"], ["train"], ["sample"], ["import-hf"], ["cache-size"],
                ["bench", "decode"], ["bench", "train"])
 
-
-def run_cli(capsys, *argv):
-    """(exit code, stdout, stderr) of `kvjax argv...` run in this process."""
-    try:
-        code = cli.main(list(argv))
-    except SystemExit as stop:  # argparse exits for --help and for bad options
-        code = stop.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 @pytest.mark.parametrize("argv", SUBCOMMANDS, ids=" ".join)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import jax
 import pytest
-from conftest import FakeTokenizer
+from conftest import FakeTokenizer, run_cli
 from kvjax.train import data, tasks, trainer
 
 from kvjax import cli, text
@@ -19,15 +19,6 @@ from kvjax import model as M
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 NUMBERS = CHECKPOINTS / "numbers-to-words"
 
-
-def run_cli(capsys, *argv):
-    """(exit code, stdout, stderr) of `kvjax argv...` run in this process."""
-    try:
-        code = cli.main(list(argv))
-    except SystemExit as stop:
-        code = stop.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def assert_one_line(err: str, *fragments: str) -> None:

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_cli
 from kvjax.train import data, run_dir, tasks, trainer, update
 from kvjax.train.config import TrainConfig, TrainTask
 
-from kvjax import checkpoint, cli, text
+from kvjax import checkpoint, text
 from kvjax import model as M
 from kvjax.hf.convert import import_checkpoint
 from kvjax.tokenizer import EOS_ID, tokenizer_from_bytes, train_tokenizer
@@ -38,13 +39,6 @@ def imported(tmp_path_factory):
 @pytest.fixture(scope="module")
 def own_tokenizer():
     return train_tokenizer([TEXT], 400)
-
-
-def run_cli(capsys, *argv):
-    """(exit code, stdout, stderr) of `kvjax argv...` run in this process."""
-    code = cli.main([str(arg) for arg in argv])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 # The data pipeline with other tokenizers ------------------------------------------------------

@@ -7,21 +7,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_cli
 
-from kvjax import checkpoint, cli, text
+from kvjax import checkpoint, text
 from kvjax.hf import convert
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf_models"
 
-
-def run_cli(capsys, *argv):
-    """(exit code, stdout, stderr) of `kvjax argv...` run in this process."""
-    try:
-        code = cli.main(list(argv))
-    except SystemExit as stop:
-        code = stop.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 @pytest.mark.parametrize("name, options", [
