@@ -35,6 +35,7 @@ class WeightFiles:
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
         self._file_of: dict[str, Path] = {}
+        self._handles: dict[Path, Any] = {}  # one open file each, its header parsed once
         index = self.directory / INDEX_FILE
         if index.exists():
             try:
@@ -58,13 +59,14 @@ class WeightFiles:
             for key in self._open(path).keys():
                 self._file_of[key] = path
 
-    @staticmethod
-    def _open(path: Path):
-        try:
-            return safe_open(str(path), framework="flax")
-        except (SafetensorError, OSError) as e:
-            raise ValueError(f"{path} is not a readable safetensors file (truncated or "
-                             f"damaged?): {e}") from None
+    def _open(self, path: Path):
+        if path not in self._handles:
+            try:
+                self._handles[path] = safe_open(str(path), framework="flax")
+            except (SafetensorError, OSError) as e:
+                raise ValueError(f"{path} is not a readable safetensors file (truncated or "
+                                 f"damaged?): {e}") from None
+        return self._handles[path]
 
     def names(self) -> set[str]:
         return set(self._file_of)
