@@ -310,11 +310,8 @@ def _initial_params(init_from: str | Path, model_config, task: TrainTask,
     """The params of the newest step in `init_from`, and what run.json records of them."""
     path = Path(init_from)
     run_dir.check_same_run(path, model_config, task, action=f"cannot start from {path}")
-    checkpoint.check_metadata(path)
-    abstract = jax.eval_shape(lambda: M.init_params(model_config, jax.random.key(0)))
-    if mesh is not None:
-        abstract = parallel.abstract_on(abstract, mesh)
-    params = checkpoint.restore_params(path, abstract)
+    _, _, params = checkpoint.load_for_sampling(path, mesh,
+                                                scan_layers=model_config.scan_layers)
     return params, {"checkpoint": str(path.resolve()), "step": checkpoint.latest_step(path)}
 
 
