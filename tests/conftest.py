@@ -4,31 +4,17 @@ The helpers are jitted (the config is a static, hashable argument): eager Flax c
 many times slower to dispatch than a tiny model takes to compile.
 """
 
-import atexit
 import functools
 import os
-import shutil
-import tempfile
 
-# One persistent compilation cache for the whole run, made by the first process that loads
-# this file (pytest, or xdist's controller) and inherited through the environment by the
-# xdist workers, the 8-device subprocesses and the notebook kernels: a program that another
-# test file, worker or process already compiled is loaded instead of compiled again.
-# The directory is new for every run and deleted after it, so a run never reads programs
-# from an earlier one.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    _cache_dir = tempfile.mkdtemp(prefix="kvjax-tests-xla-")
-    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
-    # Programs that compile faster than this are compiled again where needed rather than
-    # serialized and written for every run: the cache keeps the ones worth sharing.
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.3"
-    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+# No persistent compilation cache: jax 0.10.2 sometimes crashes (a segmentation fault in
+# `executable.serialize()`, inside `compilation_cache.put_executable_and_time`) while writing
+# an entry, which takes a whole xdist worker down. Each process compiles what it runs.
 
 # Most of the suite's time is XLA compiling hundreds of small programs, and on CPU LLVM's
 # optimizations are most of that. The tests check what programs compute, not how fast, so
 # they skip them (the HLO passes, which decide fusions, copies and collectives, all run).
-# Inherited by every subprocess, like the cache above.
+# Inherited by every subprocess through the environment.
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_backend_optimization_level=0").strip()
