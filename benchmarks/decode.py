@@ -1,13 +1,407 @@
-"""Decode speed: kvjax vs. no cache, vs. Hugging Face GPT-2, vs. the memory floor.
+"""The decode benchmark: how fast cached generation is, and against what.
 
-    python benchmarks/decode.py [--batch-sizes 1 8 32] [--no-hf] ...
+For each batch size it times greedy `decode.generate` (a prefill, then one compiled
+`while_loop` of decode steps) on a model with random weights, once with scanned layers
+(one stacked cache and stacked weights, sliced per layer) and once with unrolled layers
+(one buffer per layer, read in place): see `TransformerConfig.scan_layers`. It sets them
+side by side, in the same run, with:
 
-The same as `kvjax bench decode`; the measurement lives in `kvjax.bench`.
+1. **no cache**: the textbook loop that recomputes the whole sequence for every new token.
+   Each step is one jitted forward over the tokens so far, padded to a multiple of 32 so a
+   handful of programs serve every length. Every shape the loop uses is compiled and timed
+   (best of repeats); the loop's time is the sum of its steps' times, which leaves out
+   the Python dispatch between steps (in the baseline's favour).
+2. **Hugging Face GPT-2** (`transformers` on PyTorch CPU, its own KV cache), the same sizes,
+   `generate` with `do_sample=False` and exactly the same number of new tokens. Optional:
+   `pip install -e ".[bench]"`.
+3. **the memory floor**: a decode step must read every parameter and the cached K/V once,
+   so at batch 1 it cannot take less than (parameter bytes + cache bytes) / bandwidth. The
+   bandwidth is measured here, as the best of a large reduction and a large matrix-vector
+   product. Per-token decode time is measured as the difference between two `generate`
+   calls in one compiled bucket (N and N/2 + 1 new tokens), so prefill and dispatch cancel.
+4. **the weights alone**: the same step's matrix-vector products and nothing else, chained
+   in one compiled loop: how fast this backend streams the weights through the kernels a
+   batch-1 step is made of. The gap from the floor to it is the backend's; what a step
+   takes beyond it is spent on attention, the cache write, sampling and the layer stack.
+
+Every time is the best of `repeats` runs, for every contender alike: on a shared machine
+the slower runs measure the neighbours.
+
+Prefill is matmul-bound (T tokens per weight read); a decode step at small batch reads all
+weights for one token per row, so it is memory-bound, and batching makes it cheaper per token.
 """
 
-import sys
+from __future__ import annotations
 
-from kvjax.cli import main
+import dataclasses
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
 
-if __name__ == "__main__":
-    sys.exit(main(["bench", "decode", *sys.argv[1:]]))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from kvjax.decode.generate import bucket
+from kvjax.model.config import format_bytes
+
+from kvjax import decode, parallel
+from kvjax import model as M
+
+NO_CACHE_PAD = 32  # the no-cache loop pads the sequence to a multiple of this
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One batch size and layer mode's measurements; times in seconds for the whole generation.
+    The baselines do not depend on the layer mode: rows of one batch size share them."""
+
+    batch: int
+    layers: str
+    kvjax_seconds: float
+    decode_step_seconds: float
+    no_cache_seconds: float | None
+    hf_seconds: float | None
+    new_tokens: int
+    devices: int = 1  # kvjax's rows split over this many devices (`data` of a mesh)
+
+    @property
+    def label(self) -> str:
+        return self.layers if self.devices == 1 else f"{self.layers}, {self.devices} devices"
+
+    def tokens_per_second(self, seconds: float | None) -> float | None:
+        return None if seconds is None else self.batch * self.new_tokens / seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class Facts:
+    """What every row shares: the setting, the machine and the memory floor at batch 1."""
+
+    preset: str
+    prompt_len: int
+    new_tokens: int
+    param_bytes: int
+    cache_bytes_batch1: int
+    bandwidth: float  # bytes per second
+    weights_only_seconds: float  # a batch-1 step's matrix-vector products alone
+    machine: str
+    hf_note: str
+
+    @property
+    def floor_seconds(self) -> float:
+        return (self.param_bytes + self.cache_bytes_batch1) / self.bandwidth
+
+
+def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Bytes per second read from memory: the best of a sum and a matrix-vector product
+    over `num_bytes` of float32, each far larger than any CPU cache."""
+    cols = 8192
+    rows = num_bytes // 4 // cols
+    # Only the bytes read count, not their values: filling with ones takes a memset's time
+    # where random numbers would take seconds.
+    matrix = jnp.ones((rows, cols), jnp.float32)
+    vector = jnp.ones((cols,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    gemv = jax.jit(jnp.dot)
+    best = float("inf")
+    for fn in (lambda: total(matrix), lambda: gemv(matrix, vector)):
+        jax.block_until_ready(fn())
+        best = min(best, _best_seconds(fn, repeats))
+    return matrix.size * 4 / best
+
+
+def step_matrices(config: M.TransformerConfig, params) -> list[tuple[jax.Array, bool]]:
+    """Every weight matrix a decoder-only model's decode step multiplies, as `(matrix,
+    on_the_left)`: each kernel as a 2-D [in, out] for `x @ W` (an output projection's
+    [N, H, D] is [N·H, D]), and with tied embeddings the table, which the logits multiply
+    as `table @ x` ([V, D]). Embedding rows that are only looked up are not multiplied."""
+    if config.is_encoder_decoder:
+        raise ValueError("step_matrices is for decoder-only models: an encoder's weights are "
+                         "not read by a decode step")
+    matrices = []
+    per_layer = M.with_layer_layout(config, params, scan_layers=False)[1]
+    for path, leaf in jax.tree_util.tree_leaves_with_path(per_layer):
+        names = [getattr(key, "key", None) for key in path]
+        if names[-1] == "kernel":
+            inputs = leaf.shape[:2] if names[-2] == "out" else leaf.shape[:1]  # [N, H, D]
+            matrices.append((leaf.reshape(int(np.prod(inputs)), -1), False))
+        elif names[-1] == "embedding" and config.tie_embeddings:
+            matrices.append((leaf, True))
+    return matrices
+
+
+def time_weights_only_step(config: M.TransformerConfig, params, repeats: int,
+                           steps: int = 64) -> float:
+    """Seconds per batch-1 step for the step's matrix-vector products alone.
+
+    Each product feeds the next (one running vector), so they run one after another as in
+    the model, inside one compiled loop of `steps` iterations. No attention, no cache, no
+    sampling, no layer stack: how fast this backend streams the weights through the kernels
+    a batch-1 decode step is made of, with nothing else in the way."""
+    matrices = step_matrices(config, params)
+    width = max(max(w.shape) for w, _ in matrices)
+
+    @jax.jit
+    def run(weights):
+        def body(_, x):
+            for w, (_, on_the_left) in zip(weights, matrices, strict=True):
+                y = w @ x[:w.shape[1]] if on_the_left else x[:w.shape[0]] @ w
+                x = x.at[:y.shape[0]].add(1e-3 * y)
+            return x
+        return jax.lax.fori_loop(0, steps, body, jnp.ones((width,), weights[0].dtype))
+
+    weights = [w for w, _ in matrices]
+    jax.block_until_ready(run(weights))
+    return _best_seconds(lambda: run(weights), repeats) / steps
+
+
+def _time_kvjax(net, params, prompts, new_tokens: int, repeats: int,
+                mesh=None) -> tuple[float, float]:
+    """(seconds for `new_tokens`, seconds per decode step). Both calls share one bucket.
+    With a `mesh`, the rows are split over its `data` devices."""
+    half = new_tokens // 2 + 1
+    if mesh is not None:  # placed once, outside the timed calls
+        params = parallel.shard_params(params, mesh)
+
+    def run(n):
+        return lambda: decode.generate(net, params, prompts, max_new_tokens=n,
+                                       mesh=mesh).tokens
+
+    run(new_tokens)()  # compiles the bucket both calls use
+    full = _best_seconds(run(new_tokens), repeats)
+    shorter = _best_seconds(run(half), repeats)
+    return full, (full - shorter) / (new_tokens - half)
+
+
+def _time_no_cache(config, params, prompts: np.ndarray, new_tokens: int,
+                   repeats: int) -> float:
+    """Seconds for the recompute-everything loop: sum over steps of one full forward."""
+    @jax.jit
+    def next_token(params, tokens_BT, last):
+        logits_BTV = M.teacher_forced_logits(config, params, {"inputs": tokens_BT})
+        return jnp.argmax(logits_BTV[:, last], axis=-1)
+
+    batch, prompt_len = prompts.shape
+    last = jnp.asarray(prompt_len - 1)
+
+    def time_width(width: int) -> float:
+        tokens = jnp.zeros((batch, width), jnp.int32).at[:, :prompt_len].set(prompts)
+        jax.block_until_ready(next_token(params, tokens, last))  # compiles this width
+        return _best_seconds(lambda: next_token(params, tokens, last), repeats)
+
+    # Step s sees the prompt and s generated tokens, padded up to a multiple of NO_CACHE_PAD.
+    widths = [-(-(prompt_len + s) // NO_CACHE_PAD) * NO_CACHE_PAD for s in range(new_tokens)]
+    seconds = {width: time_width(width) for width in sorted(set(widths))}
+    return sum(seconds[width] for width in widths)
+
+
+def _hf_runner(config: M.TransformerConfig,
+               hf_dir: str | None = None) -> tuple[Callable | None, str]:
+    """A function timing `transformers` generate for a batch of prompts, or None and why
+    not: the model in `hf_dir` (the very weights kvjax runs), else a GPT-2 of the preset's
+    sizes with random weights."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None, "not installed (pip install -e '.[bench]')"
+    if hf_dir is not None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            hf_dir, dtype=torch.float32).eval()
+    else:
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=config.vocab_size, n_positions=config.max_len, n_embd=config.d_model,
+            n_layer=config.num_decoder_layers, n_head=config.num_heads, n_inner=config.d_ff,
+            bos_token_id=0, eos_token_id=0, pad_token_id=0)).eval()
+
+    def run(prompts: np.ndarray, new_tokens: int, repeats: int) -> float:
+        ids = torch.as_tensor(prompts, dtype=torch.long)
+        kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                      min_new_tokens=new_tokens, do_sample=False, use_cache=True,
+                      pad_token_id=0)
+        with torch.inference_mode():
+            out = model.generate(ids, **kwargs)  # warm-up
+            if out.shape[1] != prompts.shape[1] + new_tokens:
+                raise RuntimeError(f"HF generated {out.shape[1] - prompts.shape[1]} tokens")
+            return _best_seconds(lambda: model.generate(ids, **kwargs), repeats)
+
+    note = (f"transformers {transformers.__version__}, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads")
+    return run, note
+
+
+def write_random_gpt2(directory: str | os.PathLike) -> str:
+    """Writes GPT-2 small (124M parameters) with random weights as a Hugging Face directory
+    (`save_pretrained`, safetensors) and returns its path; needs transformers."""
+    import transformers
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config())
+    model.save_pretrained(directory)
+    return os.fspath(directory)
+
+
+def _benchmark_model(preset: str, hf_dir: str | None) -> tuple[str, M.TransformerConfig, dict]:
+    """(name, scanned config, scanned params): a preset with random weights, or the
+    decoder-only model in a Hugging Face directory."""
+    if hf_dir is None:
+        config = M.preset(preset).replace(scan_layers=True)
+        return f"{preset} with random weights", config, M.init_params(config, jax.random.key(0))
+    from kvjax import hf
+
+    config, params = hf.load_model(hf_dir, scan_layers=True)
+    if config.is_encoder_decoder:
+        raise ValueError(f"{hf_dir} holds an encoder-decoder; the decode benchmark times "
+                         "decoder-only models")
+    name = os.path.basename(os.path.normpath(hf_dir))
+    return f"{name} (Hugging Face directory)", config, params
+
+
+LAYER_MODES = ("scanned", "unrolled")
+
+
+def decode_benchmark(preset: str = "gpt-mini", batch_sizes: Sequence[int] = (1, 8, 32),
+                     prompt_len: int = 32, new_tokens: int = 256, repeats: int = 3, *,
+                     layer_modes: Sequence[str] = LAYER_MODES, compare_no_cache: bool = True,
+                     compare_hf: bool = True, devices: int = 1, whole_cache: bool = False,
+                     hf_dir: str | None = None,
+                     log: Callable[[str], None] = print) -> tuple[list[Row], Facts]:
+    """Measures every batch size and layer mode; see the module docstring for what and how.
+
+    With `devices > 1`, kvjax is also timed with every batch split over that many devices
+    (`data` of a mesh; on a CPU, host devices: see `kvjax.cli`), in rows of its own beside
+    the one-device rows. Each device then holds all the weights and its share of the rows.
+    `whole_cache` adds a row per layer mode whose decode steps read every cache slot, filled
+    or not, as one block (`attention_block` = max_len): what each step read before decode
+    attention went block by block. With `hf_dir` the model is the one in that Hugging Face
+    directory (`preset` is then unused), and transformers runs the same weights.
+    """
+    if new_tokens < 4:
+        raise ValueError(f"new_tokens={new_tokens} must be >= 4 to time decode steps")
+    name, config, params = _benchmark_model(preset, hf_dir)
+    if prompt_len + new_tokens > config.max_len:
+        raise ValueError(f"prompt_len {prompt_len} + new_tokens {new_tokens} exceeds the "
+                         f"{name} max_len {config.max_len}")
+    unknown = sorted(set(layer_modes) - set(LAYER_MODES))
+    if unknown or not layer_modes:
+        raise ValueError(f"layer modes {unknown or list(layer_modes)} not in {LAYER_MODES}")
+    if devices > jax.device_count():
+        raise ValueError(f"devices={devices} but JAX sees {jax.device_count()} "
+                         f"({jax.devices()[0].platform}); on a CPU, start with XLA_FLAGS="
+                         f"--xla_force_host_platform_device_count={devices}")
+    meshes = {1: None}
+    if devices > 1:
+        meshes[devices] = parallel.make_mesh(f"data={devices}", jax.devices()[:devices])
+    models = {"scanned": (config, params),
+              "unrolled": (config.replace(scan_layers=False),
+                           M.unstack_layer_params(config, params))}
+    if whole_cache:
+        models |= {f"{mode}, whole cache": (c.replace(attention_block=c.max_len), p)
+                   for mode, (c, p) in list(models.items())}
+        layer_modes = [m for mode in layer_modes for m in (mode, f"{mode}, whole cache")]
+    hf, hf_note = _hf_runner(config, hf_dir) if compare_hf else (None, "skipped")
+    rows = []
+    for batch in batch_sizes:
+        prompts = np.random.default_rng(batch).integers(
+            3, config.vocab_size, (batch, prompt_len)).astype(np.int32)
+        timed = {}
+        for mode in layer_modes:
+            for count, mesh in meshes.items():
+                log(f"batch {batch}: kvjax, {mode} layers, {count} device(s) ...")
+                mode_config, mode_params = models[mode]
+                timed[mode, count] = _time_kvjax(M.build_model(mode_config), mode_params,
+                                                 prompts, new_tokens, repeats, mesh)
+        no_cache = hf_seconds = None
+        if compare_no_cache:
+            log(f"batch {batch}: no cache ...")
+            no_cache = _time_no_cache(config, params, prompts, new_tokens, repeats)
+        if hf is not None:
+            log(f"batch {batch}: Hugging Face transformers ...")
+            hf_seconds = hf(prompts, new_tokens, repeats)
+        rows += [Row(batch, mode, seconds, step, no_cache, hf_seconds, new_tokens, count)
+                 for (mode, count), (seconds, step) in timed.items()]
+    log("memory bandwidth ...")
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    # The cache a step reads, at the middle of the timed steps (N/2 + 1 .. N).
+    filled = prompt_len + (new_tokens // 2 + 1 + new_tokens) // 2
+    log("weights alone ...")
+    facts = Facts(name, prompt_len, new_tokens, param_bytes,
+                  M.cache_size_bytes(config, 1, filled).total, measure_bandwidth(),
+                  time_weights_only_step(config, params, repeats), _machine(), hf_note)
+    return rows, facts
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    return (f"{cpu}, {os.cpu_count()} cores; jax {jax.__version__} on "
+            f"{jax.default_backend()}")
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or b is None else f"{a / b:.1f}x"
+
+
+def format_table(rows: Sequence[Row], facts: Facts) -> str:
+    """A Markdown table of the rows and the facts behind them."""
+    lines = [
+        f"Greedy decode, `{facts.preset}`, {facts.prompt_len}-token "
+        f"prompt, {facts.new_tokens} new tokens. Machine: {facts.machine}.",
+        "",
+        "| batch | layers | kvjax tokens/s | no cache tokens/s | HF tokens/s "
+        "| vs no cache | vs HF | decode step ms |",
+        "|---:|:---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ours = r.tokens_per_second(r.kvjax_seconds)
+        no_cache = r.tokens_per_second(r.no_cache_seconds)
+        hf = r.tokens_per_second(r.hf_seconds)
+
+        def cell(value):
+            return "-" if value is None else f"{value:,.0f}"
+
+        lines.append(f"| {r.batch} | {r.label} | {cell(ours)} | {cell(no_cache)} | {cell(hf)} | "
+                     f"{_ratio(ours, no_cache)} | {_ratio(ours, hf)} | "
+                     f"{r.decode_step_seconds * 1e3:.2f} |")
+    floor = facts.floor_seconds
+    batch1 = [r for r in rows if r.batch == 1]
+    lines += [
+        "",
+        f"Memory floor at batch 1: {format_bytes(facts.param_bytes)} of parameters + "
+        f"{format_bytes(facts.cache_bytes_batch1)} of cache at "
+        f"{facts.bandwidth / 1e9:.1f} GB/s (measured) = {floor * 1e3:.2f} ms per token.",
+    ]
+    weights = facts.weights_only_seconds
+    lines.append(
+        f"Weights alone: a batch-1 step's matrix-vector products, chained in one compiled "
+        f"loop with nothing else, take {weights * 1e3:.2f} ms "
+        f"({facts.param_bytes / weights / 1e9:.1f} GB/s of parameters) = "
+        f"{weights / floor:.2f}x the floor.")
+    for r in batch1:
+        step = r.decode_step_seconds
+        lines.append(f"Decode step at batch 1 ({r.label}): {step * 1e3:.2f} ms = "
+                     f"{step / floor:.2f}x the floor = {step / weights:.2f}x the weights alone.")
+    if any(r.layers.endswith("whole cache") for r in rows):
+        capacity = bucket(facts.prompt_len, 1 << 30) + bucket(facts.new_tokens, 1 << 30)
+        filled = facts.prompt_len + (facts.new_tokens // 2 + 1 + facts.new_tokens) // 2
+        lines.append(
+            f"Whole cache: generate gives each row {capacity} slots; over the timed steps "
+            f"(tokens {facts.new_tokens // 2 + 2} to {facts.new_tokens}) the rows hold "
+            f"{filled} on average, so a step that reads every slot reads "
+            f"{1 - filled / capacity:.0%} empty ones.")
+    lines.append(f"Hugging Face: {facts.hf_note}.")
+    return "\n".join(lines)
+

@@ -76,13 +76,13 @@ def test_the_console_script_starts_without_loading_jax():
 
 
 def test_the_cli_choices_are_the_librarys():
-    from kvjax import bench
+    from kvjax.benchmarks import decode as bench
     assert cli.PRESET_NAMES == tuple(M.PRESETS)
     assert cli.LAYER_MODES == bench.LAYER_MODES
 
 
 def test_weights_alone_multiplies_every_matrix_parameter_once():
-    from kvjax import bench
+    from kvjax.benchmarks import decode as bench
     # One head: qkv is [D, 3, D], which is not an output projection. Every size distinct.
     config = M.preset("tiny", num_heads=1, num_kv_heads=1, vocab_size=80, max_len=40,
                       scan_layers=True)
@@ -105,7 +105,7 @@ def test_weights_alone_multiplies_every_matrix_parameter_once():
 
 
 def test_decode_benchmark_on_more_devices_than_jax_sees_names_the_flag():
-    from kvjax import bench
+    from kvjax.benchmarks import decode as bench
     with pytest.raises(ValueError, match="xla_force_host_platform_device_count=64"):
         bench.decode_benchmark("tiny", batch_sizes=(2,), prompt_len=4, new_tokens=8,
                                devices=64, log=lambda _: None)
@@ -124,7 +124,7 @@ def test_train_benchmark_times_both_layer_modes_and_prints_a_table(capsys, monke
 
 
 def test_fill_sweep_times_every_way_and_plots_it(tmp_path):
-    from kvjax import fill_sweep
+    from kvjax.benchmarks import fill_sweep
     rows = fill_sweep.fill_sweep("tiny", batch=2, capacity=16, fills=(4, 16), repeats=1,
                                  steps=2, log=lambda _: None)
     assert [(r.layers, r.filled) for r in rows] == [

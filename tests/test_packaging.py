@@ -1,5 +1,5 @@
-"""kvjax installs as one import package: kvjax.model, kvjax.decode, kvjax.train, and nothing
-else at the top level of site-packages."""
+"""kvjax installs as one import package: kvjax.model, kvjax.decode, kvjax.train,
+kvjax.benchmarks, and nothing else at the top level of site-packages."""
 
 import os
 import shutil
@@ -11,7 +11,7 @@ import jax
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE_FILES = ("pyproject.toml", "README.md")  # what setuptools reads to build the package
-SOURCE_FOLDERS = ("kvjax", "model", "decode", "train")
+SOURCE_FOLDERS = ("kvjax", "model", "decode", "train", "benchmarks")
 
 
 def test_a_regular_install_is_one_import_package(tmp_path):
@@ -36,9 +36,9 @@ def test_a_regular_install_is_one_import_package(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), str(dependencies)])}
     script = """
 import importlib
-import kvjax.cli, kvjax.decode, kvjax.model, kvjax.train, kvjax.text
+import kvjax.benchmarks.decode, kvjax.cli, kvjax.decode, kvjax.model, kvjax.train, kvjax.text
 print(kvjax.model.__file__)
-for name in ("model", "decode", "train"):
+for name in ("model", "decode", "train", "benchmarks"):
     try:
         importlib.import_module(name)
     except ModuleNotFoundError:

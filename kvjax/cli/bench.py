@@ -74,8 +74,8 @@ def _add_train(kinds) -> None:
 
 
 def run_bench_decode(args) -> int:
-    from kvjax.bench import decode_benchmark, format_table
-    from kvjax.fill_sweep import check_sweep
+    from kvjax.benchmarks.decode import decode_benchmark, format_table
+    from kvjax.benchmarks.fill_sweep import check_sweep
 
     sweep = not (args.no_sweep or args.hf_dir or args.random_gpt2)  # the sweep is per preset
     if sweep:  # before minutes of timing, not after
@@ -83,7 +83,7 @@ def run_bench_decode(args) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         hf_dir = args.hf_dir
         if args.random_gpt2:
-            from kvjax.bench import write_random_gpt2
+            from kvjax.benchmarks.decode import write_random_gpt2
 
             hf_dir = write_random_gpt2(os.path.join(scratch, "gpt2-small-random-weights"))
         rows, facts = decode_benchmark(
@@ -94,7 +94,7 @@ def run_bench_decode(args) -> int:
     print(format_table(rows, facts))
     if sweep:
         from kvjax import model as M
-        from kvjax.fill_sweep import fill_sweep, format_sweep, plot_sweep
+        from kvjax.benchmarks.fill_sweep import fill_sweep, format_sweep, plot_sweep
 
         sweep = fill_sweep(args.preset, args.sweep_batch, args.sweep_capacity,
                            tuple(args.sweep_fills), tuple(args.layers), args.repeats)
@@ -106,7 +106,7 @@ def run_bench_decode(args) -> int:
 
 
 def run_bench_train(args) -> int:
-    from kvjax.bench_train import format_train_table, train_benchmark
+    from kvjax.benchmarks.train import format_train_table, train_benchmark
 
     rows, setting = train_benchmark(
         args.preset, args.batch_size, args.seq_len, args.steps, args.repeats,

@@ -7,7 +7,7 @@ import argparse
 
 MAX_SEED = 2**63 - 1  # kvjax.text.MAX_SEED: jax.random.key takes a signed 64-bit seed
 PRESET_NAMES = ("tiny", "small", "gpt-mini")  # model.PRESETS, named here to keep jax unloaded
-LAYER_MODES = ("scanned", "unrolled")  # kvjax.bench.LAYER_MODES
+LAYER_MODES = ("scanned", "unrolled")  # kvjax.benchmarks.decode.LAYER_MODES
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 

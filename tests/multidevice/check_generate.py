@@ -103,7 +103,7 @@ def test_decode_loop_gathers_no_index_arrays(scan_layers):
 
 
 def test_decode_benchmark_times_both_layer_modes_beside_two_devices():
-    from kvjax import bench
+    from kvjax.benchmarks import decode as bench
 
     rows, facts = bench.decode_benchmark("tiny", batch_sizes=(3,), prompt_len=4, new_tokens=8,
                                          repeats=1, compare_hf=False, devices=2,

@@ -21,7 +21,7 @@ import numpy as np
 from kvjax import model as M
 from kvjax import parallel
 
-from .bench import _machine
+from .decode import _machine
 
 LAYER_MODES = ("scanned", "unrolled")
 
