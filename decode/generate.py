@@ -27,6 +27,7 @@ from kvjax import model as M
 from kvjax import parallel
 
 from . import beam, checks, prompt_state
+from . import speculative as spec
 from .loop import (
     DecodeState,
     StopConditions,
@@ -53,7 +54,8 @@ class GenerateOutput:
     stop_reason [B] (`StopReason` values), logprobs [B, N] or None.
     For beam search, `scores` [B] holds each best hypothesis's length-penalised score.
     With `num_samples` n, row b·n + j is sample j of prompt b. `state` (with
-    `return_state=True`) continues every row after its generated tokens."""
+    `return_state=True`) continues every row after its generated tokens. `speculation`
+    (with `speculative=...`) counts drafted and accepted tokens and the loop's model calls."""
 
     tokens: np.ndarray
     lengths: np.ndarray
@@ -61,6 +63,7 @@ class GenerateOutput:
     logprobs: np.ndarray | None = None
     scores: np.ndarray | None = None
     state: PromptState | None = None
+    speculation: spec.SpeculationStats | None = None
 
     def token_lists(self) -> list[list[int]]:
         return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths, strict=True)]
@@ -192,6 +195,7 @@ class _Prepared:
     processors: tuple[LogitProcessor, ...]
     state: PromptState | None
     mesh: Mesh | None = None
+    speculative: spec.Speculative | None = None
 
     @property
     def rows(self) -> int:
@@ -200,7 +204,7 @@ class _Prepared:
 
 
 def _prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams, rng,
-             num_samples=1, logit_processors=(), state=None, mesh=None,
+             num_samples=1, logit_processors=(), state=None, mesh=None, speculative=None,
              **settings) -> _Prepared:
     config = net.config
     if mesh is not None and state is not None:
@@ -218,6 +222,9 @@ def _prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beam
              num_beams=num_beams, continuing=state is not None)
     check_num_samples(num_samples)
     processors = check_processors(logit_processors)
+    if speculative is not None:
+        spec.check_supported(speculative, num_beams=num_beams, processors=processors,
+                             settings=settings, defaults=SAMPLING_DEFAULTS)
     settings = {**SAMPLING_DEFAULTS, **settings}
     sampling = sampling_params(tokens.shape[0], num_samples, **settings)
     if num_beams > 1:
@@ -261,6 +268,7 @@ def _prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beam
         stops=StopConditions(jnp.asarray(eos), jnp.asarray(max_new_tokens, jnp.int32)),
         sampling=sampling, rng=jax.random.key(0) if rng is None else rng,
         num_samples=num_samples, processors=processors, state=state, mesh=mesh,
+        speculative=speculative,
     )
 
 
@@ -304,7 +312,8 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
              eos_ids: Sequence[int] = (), num_beams: int = 1, length_penalty: float = 1.0,
              num_samples: int = 1, state: PromptState | None = None,
              return_state: bool = False, rng: jax.Array | None = None,
-             return_logprobs: bool = False, mesh: Mesh | None = None) -> GenerateOutput:
+             return_logprobs: bool = False, mesh: Mesh | None = None,
+             speculative: spec.Speculative | None = None) -> GenerateOutput:
     """Generates up to `max_new_tokens` per prompt.
 
     `prompts`: a list of token-id lists (lengths may differ) or an int array [B, P] with
@@ -320,6 +329,10 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
     On many devices (`mesh`, or the mesh `params` are sharded over; see `placement`) the
     rows and their cache are split over `data` and the kv heads over `model`; the tokens are
     the ones one device makes.
+
+    `speculative` (a `Speculative`) drafts tokens by prompt lookup and verifies them in one
+    model call (see `decode/speculative.py`): greedy output is unchanged, sampled output
+    keeps its distribution.
     """
     length_penalty = checks.real("length_penalty", length_penalty, lambda _: True, "finite")
     mesh, params = placement(net.config, params, mesh)
@@ -331,7 +344,7 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
                         logit_processors=logit_processors, state=state, mesh=mesh,
                         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                         repetition_penalty=repetition_penalty,
-                        no_repeat_ngram_size=no_repeat_ngram_size)
+                        no_repeat_ngram_size=no_repeat_ngram_size, speculative=speculative)
     config = net.config
     if num_beams > 1:
         if return_state:
@@ -343,10 +356,12 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
         return _output(result, max_new_tokens, return_logprobs, prepared.batch,
                        scores=result.scores)
     decode_state = _begin(config, params, prepared)
-    decode_state = _continue(config, params, decode_state, prepared.stops, prepared.sampling,
-                             prepared.stops.max_new_tokens, prepared.processors, mesh=mesh)
+    decode_state, stats = _run(config, params, decode_state, prepared,
+                               prepared.stops.max_new_tokens, spec.no_stats(
+                                   decode_state.lengths.shape[0]))
     return _output(decode_state, max_new_tokens, return_logprobs, prepared.rows,
-                   state_out=_kept(config, params, decode_state) if return_state else None)
+                   state_out=_kept(config, params, decode_state) if return_state else None,
+                   speculation=stats if prepared.speculative else None)
 
 
 def stream(net, params, prompts=None, *, max_new_tokens: int, chunk_size: int = 8,
@@ -371,18 +386,32 @@ def stream(net, params, prompts=None, *, max_new_tokens: int, chunk_size: int = 
                         **{"eos_ids": (), "rng": None, **kwargs})
     config = net.config
     state = _begin(config, params, prepared)
+    stats = spec.no_stats(state.lengths.shape[0])
     emitted = 0
     while True:
-        step = int(state.step)
+        step = min(int(state.step), max_new_tokens, emitted + chunk_size)
         if step > emitted:
             yield np.asarray(state.tokens[:prepared.rows, emitted:step])
             emitted = step
         if step >= max_new_tokens or bool(jnp.all(state.done)):
             return _output(state, max_new_tokens, return_logprobs, prepared.rows,
-                           state_out=_kept(config, params, state) if return_state else None)
+                           state_out=_kept(config, params, state) if return_state else None,
+                           speculation=stats if prepared.speculative else None)
         limit = jnp.asarray(min(step + chunk_size, max_new_tokens), jnp.int32)
-        state = _continue(config, params, state, prepared.stops, prepared.sampling, limit,
-                          prepared.processors, mesh=mesh)
+        state, stats = _run(config, params, state, prepared, limit, stats)
+
+
+def _run(config, params, state: DecodeState, p: _Prepared, limit,
+         stats: spec.SpeculationStats) -> tuple[DecodeState, spec.SpeculationStats]:
+    """The decode loop up to `limit` tokens: plain, or speculative with `p.speculative`."""
+    if p.speculative is None:
+        return _continue(config, params, state, p.stops, p.sampling, limit, p.processors,
+                         mesh=p.mesh), stats
+    carry = spec.continue_speculative(
+        config, params, state, stats, p.stops, p.sampling, limit,
+        p.speculative.num_draft_tokens, jnp.asarray(p.speculative.ngram_size, jnp.int32),
+        mesh=p.mesh)
+    return carry.decode, carry.stats
 
 
 def _kept(config, params, state: DecodeState) -> PromptState:
@@ -390,7 +419,8 @@ def _kept(config, params, state: DecodeState) -> PromptState:
 
 
 def _output(state, max_new_tokens: int, return_logprobs: bool, rows: int, scores=None,
-            state_out: PromptState | None = None) -> GenerateOutput:
+            state_out: PromptState | None = None,
+            speculation: spec.SpeculationStats | None = None) -> GenerateOutput:
     """The first `rows` rows (the rest filled up a batch split over devices)."""
     def real(array, columns=None):
         return np.asarray(array)[:rows, :columns] if columns else np.asarray(array)[:rows]
@@ -399,4 +429,7 @@ def _output(state, max_new_tokens: int, return_logprobs: bool, rows: int, scores
     return GenerateOutput(tokens=real(state.tokens, max_new_tokens),
                           lengths=real(state.lengths), stop_reason=real(state.stop_reason),
                           logprobs=logprobs, scores=None if scores is None else real(scores),
-                          state=state_out)
+                          state=state_out, speculation=None if speculation is None else
+                          spec.SpeculationStats(real(speculation.drafted),
+                                                real(speculation.accepted),
+                                                int(speculation.steps)))

@@ -74,7 +74,9 @@ def filter_logits(logits_BV: jax.Array, params: SamplingParams) -> jax.Array:
     sorted_BV = jnp.where(in_top_k_BV, sorted_BV, -jnp.inf)
     probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
     mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
-    keep_BV = (mass_before_BV < params.top_p[:, None]) & in_top_k_BV
+    # top_p = 1 keeps everything: in float32 the running sum can reach 1 before the tail.
+    keep_BV = ((mass_before_BV < params.top_p[:, None]) | (params.top_p[:, None] >= 1)
+               ) & in_top_k_BV
     smallest_kept_B = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1)
     # min-p: p / p_max >= min_p  <=>  logit >= max logit + log(min_p); log(0) = -inf keeps all.
     min_p_floor_B = sorted_BV[:, 0] + jnp.log(params.min_p)

@@ -175,16 +175,18 @@ def constrain_rows(tree: Any, mesh: Mesh | None) -> Any:
 
     Inside a compiled program this pins the layout of what the decode loop carries from one
     step to the next, so XLA never moves a row to another device between steps. Every array
-    with an axis has the batch first, except the K/V stacks [L, B, K, S, H] of a `KVCache`.
+    with an axis has the batch first, except the K/V stacks [L, B, K, S, H] of a `KVCache`
+    and an int8 cache's scales [L, B, K, S].
     """
     if mesh is None:
         return tree
 
     def place(leaf):
         if isinstance(leaf, M.KVCache):
-            stacks = PartitionSpec(None, DATA, MODEL)  # [L, B, K, S, H]
+            stacks = PartitionSpec(None, DATA, MODEL)  # [L, B, K, S, H], scales [L, B, K, S]
             kv = {name: jax.tree.map(lambda a: _constrain(a, mesh, stacks), getattr(leaf, name))
-                  for name in ("k", "v", "cross_k", "cross_v")}
+                  for name in ("k", "v", "cross_k", "cross_v", "k_scale", "v_scale",
+                               "cross_k_scale", "cross_v_scale")}
             counters = {name: jax.tree.map(lambda a: _constrain(a, mesh, PartitionSpec(DATA)),
                                            getattr(leaf, name))
                         for name in ("lengths", "overflow", "source_lengths")}

@@ -79,7 +79,8 @@ class SampleResult:
     'max_new_tokens', 'cache_full'), 'stop_string' (the text then ends before the first stop
     string, and `tokens` end with the token that completed it), or 'max_len' when the model's
     length ended generation before the `max_new_tokens` asked for; `max_new_tokens` is what
-    was generated at most.
+    was generated at most. `speculation` (with `speculative=...`) counts the call's drafted
+    and accepted tokens (one entry per sample) and its decode model calls.
     """
 
     text: str
@@ -89,6 +90,7 @@ class SampleResult:
     first_chunk_seconds: float
     compile_seconds: float = 0.0
     max_new_tokens: int | None = None
+    speculation: decode.SpeculationStats | None = None
 
     @property
     def decode_seconds(self) -> float:
@@ -214,8 +216,9 @@ def sample_texts(loaded: LoadedModel, prompt: str, *, num_samples: int = 1,
             row.finish(generated)
             if reason == "max_new_tokens" and limit < max_new_tokens:
                 reason = "max_len"  # the model's length, not the caller's limit, ended it
+        speculation = None if output is None else output.speculation
         results.append(SampleResult(row.text, generated, reason, seconds, first, compiling[0],
-                                    limit))
+                                    limit, speculation))
         if num_beams > 1:
             on_text(i, row.text)
         elif row.text.startswith(row.sent) and len(row.text) > len(row.sent):

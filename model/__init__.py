@@ -13,11 +13,12 @@ from .interface import (
     teacher_forced_logits,
 )
 from .layers import stack_layer_params, unstack_layer_params, with_layer_layout
+from .precision import with_precision
 from .transformer import DecoderOnlyLM, EncoderDecoder
 
 __all__ = [
     "PRESETS", "CacheSize", "DecoderOnlyLM", "EncoderDecoder", "KVCache", "TransformerConfig",
     "attend", "build_model", "cache_size_bytes", "check_prompt_length", "init_cache",
     "init_params", "prefill", "preset", "prompt_slots", "step_fn", "teacher_forced_logits",
-    "stack_layer_params", "unstack_layer_params", "with_layer_layout",
+    "stack_layer_params", "unstack_layer_params", "with_layer_layout", "with_precision",
 ]

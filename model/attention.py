@@ -15,6 +15,12 @@ automatic selection is to come); cuDNN's fused kernel runs only when asked for b
 do. A call that reads the cache (decode steps, a chunk after the prefill, cross-attention
 over the cached source) runs `attend_blocks`, which reads only the blocks of slots that
 some row has filled.
+
+With an int8 cache (`model/quantize.py`) `attend_blocks` always reads by blocks and applies
+the scales block by block, to the logits and to the weights, and the prefill attends over
+its new K/V as the cache holds them (quantised and dequantised), so that a token's output
+does not depend on whether it came in the prefill or a later step: one prefill over a whole
+sequence equals a shorter prefill followed by decode steps, as it does with a float cache.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import jax.numpy as jnp
 from .cache import write_rows
 from .config import TransformerConfig
 from .positional import apply_rope, rope_frequencies
+from .quantize import quantize, round_trip
 
 
 def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
@@ -53,17 +60,22 @@ STACKED_WHOLE_MAX_BYTES = 1 << 20
 
 def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, layer,
                   mask_BTS: jax.Array, block_size: int,
-                  whole_share: float = WHOLE_CACHE_SHARE) -> tuple[jax.Array, jax.Array]:
+                  whole_share: float = WHOLE_CACHE_SHARE,
+                  scales: tuple[jax.Array, jax.Array] | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
     """`attend` over layer `layer` of the cache's stacks [L, B, K, S, H], reading only the
     blocks of `block_size` slots up to the last slot that `mask` lets any query see.
+    `scales` are an int8 cache's (k_scale, v_scale) stacks [L, B, K, S] (None for floats):
+    the keys and values attended to are then `k * k_scale` and `v * v_scale`.
 
     Returns the output [B, T, N, H] and how many blocks of the capacity were read (a scalar).
     The number of blocks, ceil(last seen slot / block), is a traced value: a decode loop
-    compiles once and each step pays for what is filled, not for the capacity. When those
-    blocks cover more than `whole_share` of the capacity, one product over every slot costs
-    less than the loop (`_attend_whole`); otherwise the blocks run in a `lax.while_loop`
-    (`_attend_filled_blocks`). A stack of several layers is read one way at every step, by
-    its layers' size (`STACKED_WHOLE_MAX_BYTES`).
+    compiles once and each step pays for what is filled, not for the capacity. For a float
+    cache, when those blocks cover more than `whole_share` of the capacity, one product over
+    every slot costs less than the loop (`_attend_whole`); otherwise the blocks run in a
+    `lax.while_loop` (`_attend_filled_blocks`). A stack of several layers is read one way at
+    every step, by its layers' size (`STACKED_WHOLE_MAX_BYTES`). An int8 cache is always
+    read by blocks.
     Either way slots a query may not see get exactly zero weight, whatever they hold (even
     NaN) cannot reach the output, and a query that sees no slot at all returns zeros.
     """
@@ -80,6 +92,14 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
     last_seen = jnp.max(jnp.where(mask_BTS, slots_S + 1, 0))
     num_blocks = (last_seen + block - 1) // block
     all_blocks = -(-capacity // block)
+    if scales is not None:
+        # An int8 cache is always read by blocks: a product over a whole layer would first
+        # convert all of it to float32 (XLA:CPU does not fuse the conversion into the
+        # product), a float copy of the layer at every step; a block converts only its own
+        # slots and copies a quarter of the bytes of a float32 block (README, performance).
+        blocks = _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, block,
+                                       num_blocks, scales)
+        return _to_BTNH(blocks, q_BTNH), num_blocks
     args = (q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS)
     if k_LBKSH.shape[0] > 1:
         layer_bytes = k_LBKSH.size // k_LBKSH.shape[0] * k_LBKSH.dtype.itemsize
@@ -139,7 +159,8 @@ def _attend_whole(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS):
     return jax.lax.cond(jnp.all(jnp.isfinite(out_XMH)), lambda: out_XMH, mix_seen)
 
 
-def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, block, num_blocks):
+def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, block, num_blocks,
+                          scales=None):
     """The online softmax (FlashAttention's recurrence) over the first `num_blocks` blocks
     of `block` slots, in a `lax.while_loop`. Returns [X, M, H].
 
@@ -147,12 +168,16 @@ def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, block, num_b
     accumulator of the weighted values, both rescaled by exp(m_old - m_new) whenever a block
     raises the max. The values of unseen slots are zeroed before their product. Each block
     is sliced straight out of the stack, so a scanned layer reads its blocks without first
-    copying its whole layer out of the stack.
+    copying its whole layer out of the stack. With `scales` (an int8 cache's) a block is
+    converted to float32 as it is read, and its scales are applied to its logits and to its
+    weights; an unseen slot's weight stays exactly 0 whatever its scale holds.
     """
     _, batch, kv_heads, capacity, head_dim = k_LBKSH.shape
     heads, rows, _ = q_XMH.shape
     num_queries = mask_BTS.shape[1]
     group = rows // num_queries
+
+    dtype = jnp.float32 if scales is not None else k_LBKSH.dtype
 
     def read_block(stack_LBKSH, start):  # -> [X, C, H], C = block slots
         # The stack goes into the loop as it is, not reshaped: at batch 1 XLA:CPU fuses the
@@ -160,7 +185,12 @@ def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, block, num_b
         # then copy the whole stack for each of the two.
         return jax.lax.dynamic_slice(stack_LBKSH, (layer, 0, 0, start, 0),
                                      (1, batch, kv_heads, block, head_dim)).reshape(
-                                         heads, block, head_dim)
+                                         heads, block, head_dim).astype(dtype)
+
+    def read_scales(scale_LBKS, start):  # -> [B, K, 1, 1, C], as the block's logits
+        return jax.lax.dynamic_slice(scale_LBKS, (layer, 0, 0, start),
+                                     (1, batch, kv_heads, block)).reshape(
+                                         batch, kv_heads, 1, 1, block)
 
     def body(carry):
         index, max_BKGT, sum_BKGT, acc_XMH = carry
@@ -170,11 +200,12 @@ def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, block, num_b
         start = jnp.minimum(first, capacity - block)
         seen_BTC = jax.lax.dynamic_slice(mask_BTS, (0, 0, start), (batch, num_queries, block))
         seen_BTC &= start + jnp.arange(block, dtype=jnp.int32) >= first
-        logits_XMC = jnp.einsum("XMH,XCH->XMC", q_XMH.astype(k_LBKSH.dtype),
+        logits_XMC = jnp.einsum("XMH,XCH->XMC", q_XMH.astype(dtype),
                                 read_block(k_LBKSH, start), preferred_element_type=jnp.float32)
-        logits_BKGTC = jnp.where(seen_BTC[:, None, None],
-                                 logits_XMC.reshape(batch, kv_heads, group, num_queries, block),
-                                 -jnp.inf)
+        logits_BKGTC = logits_XMC.reshape(batch, kv_heads, group, num_queries, block)
+        if scales is not None:
+            logits_BKGTC = logits_BKGTC * read_scales(scales[0], start)
+        logits_BKGTC = jnp.where(seen_BTC[:, None, None], logits_BKGTC, -jnp.inf)
         new_max = jnp.maximum(max_BKGT, jnp.max(logits_BKGTC, axis=-1))
         # While a query has seen no slot its max is -inf; subtract 0 then, so exp() gives 0.
         shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
@@ -184,8 +215,12 @@ def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, block, num_b
         any_seen_BC = jnp.any(seen_BTC, axis=1)[:, None, :, None]
         v_BKCH = read_block(v_LBKSH, start).reshape(batch, kv_heads, block, head_dim)
         v_XCH = jnp.where(any_seen_BC, v_BKCH, 0).reshape(heads, block, head_dim)
+        mixed_BKGTC = weights_BKGTC
+        if scales is not None:
+            mixed_BKGTC = jnp.where(seen_BTC[:, None, None],
+                                    weights_BKGTC * read_scales(scales[1], start), 0.0)
         update_XMH = jnp.einsum("XMC,XCH->XMH",
-                                weights_BKGTC.reshape(heads, rows, block).astype(v_XCH.dtype),
+                                mixed_BKGTC.reshape(heads, rows, block).astype(v_XCH.dtype),
                                 v_XCH, preferred_element_type=jnp.float32)
         acc_XMH = acc_XMH * rescale_BKGT.reshape(heads, rows, 1) + update_XMH
         return index + 1, new_max, sum_BKGT, acc_XMH
@@ -240,10 +275,11 @@ class SelfAttention(nn.Module):
     """Masked self-attention that reads and writes this layer's K/V in the cache.
 
     `cache_kv` is `(k, v)`, the stacks [L, B, K, S, H] that hold this layer at index `layer`
-    (see `model/cache.py`), or None. With a cache, the new K/V are written at each row's
-    `starts` slot and the queries attend over the filled blocks of this layer's cached slots
-    (`attend_blocks`); without one, or when `fresh` says the cache held nothing before this
-    call (the prefill), they attend over the T new tokens only.
+    (see `model/cache.py`), or `(k, v, k_scale, v_scale)` for an int8 cache, or None. With a
+    cache, the new K/V are written at each row's `starts` slot and the queries attend over
+    the filled blocks of this layer's cached slots (`attend_blocks`); without one, or when
+    `fresh` says the cache held nothing before this call (the prefill), they attend over the
+    T new tokens only: with an int8 cache, over them as the cache holds them.
     """
 
     config: TransformerConfig
@@ -260,13 +296,21 @@ class SelfAttention(nn.Module):
             inv_freq = rope_frequencies(config)
             q = apply_rope(q, positions_BT, inv_freq)
             k = apply_rope(k, positions_BT, inv_freq)
+        quantized = cache_kv is not None and len(cache_kv) == 4
         if cache_kv is not None:
-            cache_kv = tuple(write_rows(stack, layer, new, starts_B, fits_B)
-                             for stack, new in zip(cache_kv, (k, v), strict=True))
+            new = (k, v)
+            if quantized:
+                (k_int8, k_scale), (v_int8, v_scale) = quantize(k), quantize(v)
+                new = (k_int8, v_int8, k_scale, v_scale)
+            cache_kv = tuple(write_rows(stack, layer, fresh_kv, starts_B, fits_B)
+                             for stack, fresh_kv in zip(cache_kv, new, strict=True))
         if cache_kv is None or fresh:
+            if quantized:
+                k, v = round_trip(k), round_trip(v)
             out = attend(q, k, v, mask_BTS[..., :k.shape[1]])
         else:
-            out, _ = attend_blocks(q, *cache_kv, layer, mask_BTS, config.attention_block)
+            out, _ = attend_blocks(q, *cache_kv[:2], layer, mask_BTS, config.attention_block,
+                                   scales=cache_kv[2:] or None)
         return OutputProjection(config, name="out")(out), cache_kv
 
 
@@ -290,16 +334,17 @@ class CrossKV(nn.Module):
 class CrossAttention(nn.Module):
     """Decoder queries over precomputed encoder K/V: [B, S, K, H] each, or the cache's
     [B, K, S, H] when `cached`, read block by block up to the longest source
-    (`attend_blocks`)."""
+    (`attend_blocks`), with their scales [B, K, S] from an int8 cache."""
 
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x_BTD, cross_k, cross_v, mask_BTS, cached: bool = False):
+    def __call__(self, x_BTD, cross_k, cross_v, mask_BTS, cached: bool = False, scales=None):
         q = _projection(self.config, self.config.num_heads, "query")(x_BTD)
         if cached:
+            scales = None if scales is None else tuple(s[None] for s in scales)
             out, _ = attend_blocks(q, cross_k[None], cross_v[None], 0, mask_BTS,
-                                   self.config.attention_block)
+                                   self.config.attention_block, scales=scales)
         else:
             out = attend(q, cross_k, cross_v, mask_BTS)
         return OutputProjection(self.config, name="out")(out)

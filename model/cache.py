@@ -21,6 +21,10 @@ Each layer's K and V are held as a tuple of stacks, `config.layer_stacks(L)`: on
 stack), or L stacks [1, B, K, S, H] of one layer each when they are unrolled, so each layer
 reads its own buffer where it lies instead of a slice of a larger array. Layer code sees the
 same thing either way: its stack and its index in it.
+
+An int8 cache (`cache_dtype="int8"`, `model/quantize.py`) holds K and V as int8 and, next to
+each stack, a stack of float32 scales [L_i, B, K, S], one per token and kv head. The scales
+are written with the values, by the same scatter, and taken, sharded and counted with them.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from .config import TransformerConfig
+from .config import CACHE_SCALE_DTYPE, TransformerConfig
 
 
 @flax.struct.dataclass
@@ -45,6 +49,9 @@ class KVCache:
       cross_k, cross_v: encoder-decoder only, held as k and v with S_src slots: the encoder
                       output projected once per layer, read by every decoding step; else None.
       source_lengths: [B] int32 valid source tokens per row (encoder-decoder), else None.
+      k_scale, v_scale, cross_k_scale, cross_v_scale: an int8 cache's float32 scales of k,
+                      v, cross_k and cross_v, [L_i, B, K, S] stacks held as those are;
+                      None for a float cache.
     """
 
     k: tuple[jax.Array, ...]
@@ -54,6 +61,10 @@ class KVCache:
     cross_k: tuple[jax.Array, ...] | None = None
     cross_v: tuple[jax.Array, ...] | None = None
     source_lengths: jax.Array | None = None
+    k_scale: tuple[jax.Array, ...] | None = None
+    v_scale: tuple[jax.Array, ...] | None = None
+    cross_k_scale: tuple[jax.Array, ...] | None = None
+    cross_v_scale: tuple[jax.Array, ...] | None = None
 
     @property
     def capacity(self) -> int:
@@ -69,23 +80,30 @@ class KVCache:
         return jax.tree.leaves(self.k)[0].dtype
 
     @property
+    def quantized(self) -> bool:
+        """Whether K and V are int8 with scales (`model/quantize.py`)."""
+        return self.k_scale is not None
+
+    @property
     def batch_size(self) -> int:
         return self.lengths.shape[0]
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the cached K/V (self and cross); the per-row counters are not counted."""
-        return _nbytes((self.k, self.v, self.cross_k, self.cross_v))
+        """Bytes of the cached K/V (self and cross) and their scales; the per-row counters
+        are not counted."""
+        return _nbytes((self.k, self.v, self.cross_k, self.cross_v, self.k_scale, self.v_scale,
+                        self.cross_k_scale, self.cross_v_scale))
 
     @property
     def self_attention_nbytes(self) -> int:
-        return _nbytes((self.k, self.v))
+        return _nbytes((self.k, self.v, self.k_scale, self.v_scale))
 
     def take_rows(self, rows_R: jax.Array) -> KVCache:
         """The cache of rows `rows` [R] (repeats allowed): beam search reorders with this."""
 
-        def take(x):  # K/V stacks are [L_i, B, K, S, H]; the per-row counters are [B]
-            return jnp.take(x, rows_R, axis=1 if x.ndim == 5 else 0)
+        def take(x):  # K/V [L_i, B, K, S, H] and scales [L_i, B, K, S]; counters are [B]
+            return jnp.take(x, rows_R, axis=0 if x.ndim == 1 else 1)
 
         return jax.tree.map(take, self)
 
@@ -97,24 +115,30 @@ def _nbytes(tree) -> int:
 def init_cache(
     config: TransformerConfig, batch_size: int, capacity: int, dtype=None
 ) -> KVCache:
-    """An empty self-attention cache of `capacity` slots per row (cross fields unset)."""
+    """An empty self-attention cache of `capacity` slots per row (cross fields unset), of
+    `dtype` (default: `config.kv_cache_dtype`); an int8 one holds scales as well."""
     if capacity < 1 or batch_size < 1:
         raise ValueError(f"cache needs capacity >= 1 and batch_size >= 1, got {capacity=}, "
                          f"{batch_size=}")
     if capacity > config.max_len:
         raise ValueError(f"cache capacity {capacity} exceeds the model's max_len {config.max_len}")
-    dtype = config.compute_dtype if dtype is None else jnp.dtype(dtype)
+    dtype = config.kv_cache_dtype if dtype is None else jnp.dtype(dtype)
     layer_shape = (batch_size, config.kv_heads, capacity, config.head_dim)
 
-    def buffers():
-        return tuple(jnp.zeros((n, *layer_shape), dtype)
+    def buffers(shape, buffer_dtype):
+        return tuple(jnp.zeros((n, *shape), buffer_dtype)
                      for n in config.layer_stacks(config.num_decoder_layers))
 
+    scales = {}
+    if dtype == jnp.int8:
+        scales = {name: buffers(layer_shape[:-1], CACHE_SCALE_DTYPE)
+                  for name in ("k_scale", "v_scale")}
     return KVCache(
-        k=buffers(),
-        v=buffers(),
+        k=buffers(layer_shape, dtype),
+        v=buffers(layer_shape, dtype),
         lengths=jnp.zeros((batch_size,), jnp.int32),
         overflow=jnp.zeros((batch_size,), bool),
+        **scales,
     )
 
 
@@ -135,6 +159,9 @@ def check_cache(config: TransformerConfig, cache: KVCache, batch: int, num_token
                 f"cache.{name} has shapes {found}, but this model (scan_layers="
                 f"{config.scan_layers}) with a batch of {batch} needs a tuple of "
                 f"{len(stacks)} [L_i, B, K, S, H] stacks: {expected}")
+    if cache.quantized != (cache.dtype == jnp.int8):
+        raise ValueError(f"a cache of {cache.dtype} K/V needs scales exactly when it is int8; "
+                         f"this one has {'' if cache.quantized else 'no '}scales")
     if num_tokens > cache.capacity:
         raise ValueError(f"{num_tokens} tokens per row cannot fit a cache of capacity "
                          f"{cache.capacity}")
@@ -143,7 +170,8 @@ def check_cache(config: TransformerConfig, cache: KVCache, batch: int, num_token
 def write_rows(stack: jax.Array, layer, new_BTKH: jax.Array, starts_B: jax.Array,
                fits_B: jax.Array) -> jax.Array:
     """Writes `new` into the K or V of layer `layer` of `stack` [L, B, K, S, H], each row at
-    its own start slot.
+    its own start slot. An int8 cache's scales [L, B, K, S] are written the same way, from
+    `new` [B, T, K].
 
     The whole stack is updated rather than a slice of it, so inside the layer scan and the
     decode loop XLA writes the T new slots in place, never copying. With one start per row
@@ -160,7 +188,7 @@ def write_rows(stack: jax.Array, layer, new_BTKH: jax.Array, starts_B: jax.Array
     layer_BT = jnp.broadcast_to(jnp.asarray(layer, slots_BT.dtype), slots_BT.shape)
     indices_BT2 = jnp.stack([layer_BT, slots_BT], axis=-1)  # (layer, slot) of each new token
     numbers = jax.lax.ScatterDimensionNumbers(
-        update_window_dims=(2, 3),  # K, H of new [B, T, K, H]
+        update_window_dims=tuple(range(2, new_BTKH.ndim)),  # K, H of new [B, T, K, H]
         inserted_window_dims=(0, 3),  # one layer, one slot per token
         scatter_dims_to_operand_dims=(0, 3),
         operand_batching_dims=(1,),  # B of the stack ...

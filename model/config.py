@@ -21,6 +21,11 @@ NORM_TYPES = ("layernorm", "rmsnorm")
 # (swish) is ungated, "swiglu" is silu(W1 x) * W3 x (Llama's gated feed-forward network).
 ACTIVATIONS = ("relu", "gelu", "gelu_exact", "silu", "swiglu")
 DTYPES = ("float32", "bfloat16", "float16")
+# What the KV cache may hold: a float dtype, or "int8" with a float32 scale per (token, kv
+# head) (`model/quantize.py`).
+CACHE_DTYPES = (*DTYPES, "int8")
+# The dtype of the int8 cache's scales, counted by `cache_size_bytes`.
+CACHE_SCALE_DTYPE = np.dtype(np.float32)
 # "interleaved": sin and cos of each frequency side by side (the paper's PE(pos, 2i),
 # PE(pos, 2i + 1)); "halves": every sine, then every cosine (Marian, fairseq).
 SINUSOID_LAYOUTS = ("interleaved", "halves")
@@ -83,6 +88,9 @@ class TransformerConfig:
     rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original/low are divided
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original/high are kept
     rope_original_max_len: int = 8192  # llama3: the context length the model was trained at
+    # What the KV cache stores; None: the compute dtype. "int8" stores K and V as int8 with a
+    # float32 scale per (token, kv head), dequantised block by block as attention reads them.
+    cache_dtype: str | None = None
 
     def __post_init__(self):
         problems = _type_problems(self)
@@ -108,6 +116,9 @@ class TransformerConfig:
             if head_dim % 2:
                 problems.append(f"rope needs an even head_dim, got {head_dim}")
         problems += _rope_scaling_problems(self)
+        if self.cache_dtype is not None and self.cache_dtype not in CACHE_DTYPES:
+            problems.append(f"cache_dtype={self.cache_dtype!r} is not None or one of "
+                            f"{CACHE_DTYPES}")
         for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
                 problems.append(f"{name}={getattr(self, name)!r} is not one of {allowed}")
@@ -149,6 +160,11 @@ class TransformerConfig:
     def weights_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.param_dtype)
 
+    @property
+    def kv_cache_dtype(self) -> jnp.dtype:
+        """What the KV cache stores: `cache_dtype`, else the compute dtype."""
+        return jnp.dtype(self.cache_dtype or self.dtype)
+
     def replace(self, **changes: Any) -> TransformerConfig:
         """A copy with `changes`; a head_dim that was d_model // num_heads follows new sizes."""
         if "head_dim" not in changes and self.head_dim == self.d_model // self.num_heads:
@@ -158,7 +174,8 @@ class TransformerConfig:
     # Serialisation (JSON next to every checkpoint) -----------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field, less the imported-architecture options at their defaults."""
+        """Every field, less the imported-architecture options and `cache_dtype` at their
+        defaults."""
         values = dataclasses.asdict(self)
         for name, default in _OPTION_DEFAULTS.items():
             if values[name] == default:
@@ -194,12 +211,13 @@ _CHOICES = {"positional_encoding": POSITIONAL_ENCODINGS, "norm": NORM_PLACEMENTS
             "activation": ACTIVATIONS, "dtype": DTYPES, "param_dtype": DTYPES,
             "norm_type": NORM_TYPES, "sinusoid_layout": SINUSOID_LAYOUTS,
             "rope_scaling": ROPE_SCALINGS}
-# The options written to config.json only when set (see `to_dict`); head_dim is left out
+# The options written to config.json only when set (see `to_dict`): the imported
+# architectures' and the cache dtype; head_dim is left out
 # when it is d_model // num_heads.
 _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "qkv_bias", "out_bias", "ffn_bias", "norm_type", "scale_embeddings", "logits_bias",
     "sinusoid_layout", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor",
-    "rope_high_freq_factor", "rope_original_max_len")}
+    "rope_high_freq_factor", "rope_original_max_len", "cache_dtype")}
 
 
 def _rope_scaling_problems(config: TransformerConfig) -> list[str]:
@@ -247,6 +265,8 @@ def _type_problems(config: TransformerConfig) -> list[str]:
     for name in _CHOICES:
         if not isinstance(getattr(config, name), str):
             problems.append(f"{name}={getattr(config, name)!r} must be a string")
+    if config.cache_dtype is not None and not isinstance(config.cache_dtype, str):
+        problems.append(f"cache_dtype={config.cache_dtype!r} must be a string or None")
     return problems
 
 
@@ -276,8 +296,10 @@ def preset(name: str, **overrides: Any) -> TransformerConfig:
 @dataclasses.dataclass(frozen=True)
 class CacheSize:
     """Bytes of a KV cache. `self_attention` is the formula
-    `2 × length × layers × kv_heads × head_dim × bytes × batch`; `cross_attention` is the
-    encoder-decoder's cache of projected encoder K/V (0 for a decoder-only model)."""
+    `2 × length × layers × kv_heads × (head_dim × bytes + scale bytes) × batch`, where an
+    int8 cache adds a float32 scale per (token, kv head) and a float one adds nothing;
+    `cross_attention` is the encoder-decoder's cache of projected encoder K/V (0 for a
+    decoder-only model)."""
 
     self_attention: int
     cross_attention: int
@@ -285,6 +307,16 @@ class CacheSize:
     @property
     def total(self) -> int:
         return self.self_attention + self.cross_attention
+
+
+def _cache_dtype(config: TransformerConfig, dtype: Any) -> np.dtype:
+    """`dtype` (a name or dtype), else the config's cache dtype."""
+    return np.dtype(dtype if dtype is not None else config.kv_cache_dtype)
+
+
+def scale_bytes(dtype: Any) -> int:
+    """Bytes of the scale held with each (token, kv head) of a cache of `dtype`."""
+    return CACHE_SCALE_DTYPE.itemsize if np.dtype(dtype) == np.int8 else 0
 
 
 def cache_size_bytes(
@@ -296,11 +328,13 @@ def cache_size_bytes(
 ) -> CacheSize:
     """K and V (the 2) for every layer, kv head and position of every sequence.
 
-    `source_length` sizes the cross-attention cache of an encoder-decoder (defaults to
-    `length`). Only K and V are cached: the query of a past token is never needed again.
+    `dtype` defaults to the config's `kv_cache_dtype`. `source_length` sizes the
+    cross-attention cache of an encoder-decoder (defaults to `length`). Only K and V are
+    cached: the query of a past token is never needed again.
     """
-    itemsize = np.dtype(dtype if dtype is not None else config.compute_dtype).itemsize
-    per_position = 2 * config.kv_heads * config.head_dim * itemsize * batch
+    dtype = _cache_dtype(config, dtype)
+    per_head = config.head_dim * dtype.itemsize + scale_bytes(dtype)
+    per_position = 2 * config.kv_heads * per_head * batch
     self_bytes = per_position * length * config.num_decoder_layers
     cross_bytes = 0
     if config.is_encoder_decoder:
@@ -322,14 +356,18 @@ def format_bytes(num_bytes: int) -> str:
 def describe_cache_size(config: TransformerConfig, batch: int, length: int, dtype: Any = None,
                         source_length: int | None = None) -> str:
     """The cache-size formula written out with this config's numbers, per sequence and total."""
-    dtype = np.dtype(dtype if dtype is not None else config.compute_dtype)
+    dtype = _cache_dtype(config, dtype)
     per_sequence = cache_size_bytes(config, 1, length, dtype, source_length)
     total = cache_size_bytes(config, batch, length, dtype, source_length)
+    scale = scale_bytes(dtype)
+    per_head = (f"({config.head_dim} x {dtype.itemsize} + {scale})" if scale
+                else f"{config.head_dim} x {dtype.itemsize}")
     lines = [
         f"KV cache: {config.num_decoder_layers} layers x {config.kv_heads} kv heads x "
-        f"{config.head_dim} head dim, {length} tokens, {dtype.name} ({dtype.itemsize} bytes)",
+        f"{config.head_dim} head dim, {length} tokens, {dtype.name} ({dtype.itemsize} bytes"
+        + (f", and a {CACHE_SCALE_DTYPE.name} scale per token and kv head)" if scale else ")"),
         f"  2 (K and V) x {length} x {config.num_decoder_layers} x {config.kv_heads} x "
-        f"{config.head_dim} x {dtype.itemsize} = {per_sequence.self_attention:,} bytes "
+        f"{per_head} = {per_sequence.self_attention:,} bytes "
         f"= {format_bytes(per_sequence.self_attention)} per sequence",
     ]
     if config.is_encoder_decoder:

@@ -137,7 +137,8 @@ class DecoderLayer(nn.Module):
     stacks [L, B, K, S, H] that hold this layer at `layer["index"]`, carried whole so that
     each layer writes its new slots in place (None without a cache). For an encoder-decoder
     `layer` also holds this layer's `cross_k` and `cross_v`: [B, S_src, K, H], or the cache's
-    [B, K, S_src, H] with a cache.
+    [B, K, S_src, H] with a cache (and, from an int8 cache, `cross_k_scale` and
+    `cross_v_scale` [B, K, S_src]).
     """
 
     config: TransformerConfig
@@ -155,10 +156,18 @@ class DecoderLayer(nn.Module):
             cross = CrossAttention(c, name="cross_attention")
             x, _ = Residual(c, name="cross_block")(
                 x, lambda h: (cross(h, layer["cross_k"], layer["cross_v"], inputs.cross_mask,
-                                    cached=cache_kv is not None), None))
+                                    cached=cache_kv is not None,
+                                    scales=_cross_scales(layer)), None))
         ffn = FeedForward(c, name="ffn")
         x, _ = Residual(c, name="ffn_block")(x, lambda h: (ffn(h), None))
         return (x, cache_kv), None
+
+
+def _cross_scales(layer: dict[str, Any]):
+    """An int8 cache's (cross_k_scale, cross_v_scale) of this layer, else None."""
+    if layer.get("cross_k_scale") is None:
+        return None
+    return layer["cross_k_scale"], layer["cross_v_scale"]
 
 
 class Unrolled(nn.Module):

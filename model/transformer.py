@@ -20,6 +20,7 @@ from .cache import KVCache, check_cache, init_cache
 from .config import TransformerConfig
 from .layers import DecoderLayer, EncoderLayer, LayerInputs, layer_stack, make_norm, run_layers
 from .positional import sinusoidal
+from .quantize import quantize
 
 
 def _valid_lengths(tokens_BT: jax.Array, lengths_B: jax.Array | None) -> jax.Array:
@@ -100,19 +101,34 @@ class Embedder(nn.Module):
         return logits
 
 
+_KV_FIELDS = ("k", "v")
+_QUANTIZED_KV_FIELDS = ("k", "v", "k_scale", "v_scale")
+
+
 def _stacked_kv(cache: KVCache | None):
-    """The cache's self-attention K/V as `run_layers` holds them: one `(k, v)` per stack."""
-    return None if cache is None else tuple(zip(cache.k, cache.v, strict=True))
+    """The cache's self-attention K/V as `run_layers` holds them: one `(k, v)` per stack, or
+    `(k, v, k_scale, v_scale)` for an int8 cache."""
+    if cache is None:
+        return None
+    fields = _QUANTIZED_KV_FIELDS if cache.quantized else _KV_FIELDS
+    return tuple(zip(*(getattr(cache, name) for name in fields), strict=True))
 
 
 def _with_new_kv(cache: KVCache, stacked, new_lengths_B, overflowed_B) -> KVCache:
-    k, v = (tuple(kv[i] for kv in stacked) for i in (0, 1))
-    return cache.replace(k=k, v=v, lengths=new_lengths_B, overflow=cache.overflow | overflowed_B)
+    fields = _QUANTIZED_KV_FIELDS if cache.quantized else _KV_FIELDS
+    new = {name: tuple(kv[i] for kv in stacked) for i, name in enumerate(fields)}
+    return cache.replace(**new, lengths=new_lengths_B, overflow=cache.overflow | overflowed_B)
 
 
-def _cross_inputs(cross_k, cross_v):
-    """Cross-attention K/V (tuples of stacks) as `run_layers`' per-layer inputs."""
-    return tuple({"cross_k": k, "cross_v": v} for k, v in zip(cross_k, cross_v, strict=True))
+def _cross_inputs(cross_k, cross_v, cross_k_scale=None, cross_v_scale=None):
+    """Cross-attention K/V (tuples of stacks), and an int8 cache's scales of them, as
+    `run_layers`' per-layer inputs."""
+    inputs = tuple({"cross_k": k, "cross_v": v} for k, v in zip(cross_k, cross_v, strict=True))
+    if cross_k_scale is None:
+        return inputs
+    return tuple({**layer, "cross_k_scale": k_scale, "cross_v_scale": v_scale}
+                 for layer, k_scale, v_scale in zip(inputs, cross_k_scale, cross_v_scale,
+                                                    strict=True))
 
 
 def _final_norm(config: TransformerConfig, name: str):
@@ -230,9 +246,16 @@ class EncoderDecoder(nn.Module):
         def cache_layout(x_LBSKH):  # -> [L_i, B, K, S, H], as the cache holds K and V
             return jnp.swapaxes(x_LBSKH, -3, -2).astype(cache.dtype)
 
+        scales = {}
+        if cache.quantized:  # values [L_i, B, S, K, H] -> int8, scales [L_i, B, K, S]
+            (cross_k, k_scale), (cross_v, v_scale) = (
+                zip(*map(quantize, stacks), strict=True) for stacks in (cross_k, cross_v))
+            scales = {name: tuple(jnp.swapaxes(s, -2, -1) for s in stacks)
+                      for name, stacks in (("cross_k_scale", k_scale),
+                                           ("cross_v_scale", v_scale))}
         return cache.replace(
-            cross_k=jax.tree.map(cache_layout, cross_k),
-            cross_v=jax.tree.map(cache_layout, cross_v),
+            cross_k=tuple(map(cache_layout, cross_k)),
+            cross_v=tuple(map(cache_layout, cross_v)), **scales,
             source_lengths=_valid_lengths(encoded_BSD[..., 0], source_lengths_B))
 
     def decode(self, target_BT, cache: KVCache | None = None, lengths_B=None, *,
@@ -251,10 +274,12 @@ class EncoderDecoder(nn.Module):
             if encoded_BSD is None:
                 raise ValueError("decode without a cache needs the encoder output `encoded_BSD`")
             cross_k, cross_v = self._cross_kv(encoded_BSD)
+            cross_scales = (None, None)
             source_lengths_B = _valid_lengths(encoded_BSD[..., 0], source_lengths_B)
             starts_B, num_keys, capacity = jnp.zeros((batch,), jnp.int32), num_tokens, None
         else:
             cross_k, cross_v = cache.cross_k, cache.cross_v
+            cross_scales = (cache.cross_k_scale, cache.cross_v_scale)
             source_lengths_B = cache.source_lengths
             starts_B, num_keys, capacity = cache.lengths, cache.capacity, cache.capacity
         inputs, new_lengths_B, overflowed_B = self_attention_inputs(
@@ -267,7 +292,7 @@ class EncoderDecoder(nn.Module):
         x = self.embedder(target_BT, inputs.positions)
         x, stacked, _ = run_layers(self.config, self.decoder_layers,
                                    self.config.num_decoder_layers, x, _stacked_kv(cache),
-                                   _cross_inputs(cross_k, cross_v), inputs)
+                                   _cross_inputs(cross_k, cross_v, *cross_scales), inputs)
         logits = self.embedder.logits(self.decoder_norm(x))
         if cache is None:
             return logits, None

@@ -166,8 +166,8 @@ def test_a_step_runs_fewer_blocks_when_rows_are_short(monkeypatch):
     """Counts the blocks each layer's loop runs with a debug callback in a small model."""
     counts = []
 
-    def counting(*args):
-        out, blocks = attend_blocks(*args)
+    def counting(*args, **kwargs):
+        out, blocks = attend_blocks(*args, **kwargs)
         jax.debug.callback(lambda n: counts.append(int(n)), blocks)
         return out, blocks
 

@@ -53,7 +53,7 @@ def test_cache_size_of_an_encoder_decoder_shows_the_cross_attention_part(capsys)
     (["train", "--task", "lm", "--steps", "0"], "argument --steps: must be >= 1, got 0"),
     (["train", "--task", "poetry"], "argument --task: invalid choice: 'poetry'"),
     (["sample", "--prompt", "x"], "the following arguments are required: --checkpoint"),
-    (["cache-size", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+    (["cache-size", "--dtype", "int4"], "argument --dtype: invalid choice: 'int4'"),
 ])
 def test_bad_options_are_one_line_and_exit_2(capsys, argv, message):
     code, out, err = run_cli(capsys, *argv)

@@ -11,7 +11,7 @@ import jax
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE_FILES = ("pyproject.toml", "README.md")  # what setuptools reads to build the package
-SOURCE_FOLDERS = ("kvjax", "model", "decode", "train", "benchmarks")
+SOURCE_FOLDERS = ("kvjax", "model", "decode", "train", "benchmarks", "serve")
 
 
 def test_a_regular_install_is_one_import_package(tmp_path):

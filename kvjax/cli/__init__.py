@@ -3,6 +3,7 @@
     kvjax demo                       train both demo models, save them, show generations
     kvjax train --task lm|translate  train one model into a checkpoint directory
     kvjax sample --checkpoint DIR --prompt TEXT   (a kvjax checkpoint or a Hugging Face model)
+    kvjax serve --checkpoint DIR     an OpenAI-compatible server with continuous batching
     kvjax import-hf DIR OUT          a Hugging Face model directory as a kvjax checkpoint
     kvjax cache-size                 the KV-cache size formula for a preset or given sizes
     kvjax bench decode               decode speed against no cache, HF GPT-2 and memory
@@ -33,10 +34,12 @@ from .demo import add_demo
 from .errors import fail, not_an_orbax_leftover, one_line_warnings, quiet_orbax_leftovers
 from .import_hf import add_import_hf
 from .sample import add_sample
+from .serve import add_serve
 from .train import add_train
 
 # In the order `kvjax --help` lists them.
-COMMANDS = (add_demo, add_train, add_sample, add_import_hf, add_cache_size, add_bench)
+COMMANDS = (add_demo, add_train, add_sample, add_serve, add_import_hf, add_cache_size,
+            add_bench)
 
 # Where these were before the commands became modules of their own.
 _schedule = schedule

@@ -1,11 +1,22 @@
-"""`kvjax bench decode` and `kvjax bench train`: speed against baselines, in one run each."""
+"""`kvjax bench decode`, `kvjax bench train` and `kvjax bench serve`: speed against baselines,
+in one run each; `kvjax bench precision`: each precision's memory, speed and quality;
+`kvjax bench speculative`: speculative decoding against plain greedy."""
 
 from __future__ import annotations
 
 import os
 import tempfile
 
-from .common import LAYER_MODES, PRESET_NAMES, add_command, positive
+from .common import (
+    CACHE_DTYPE_NAMES,
+    DTYPE_NAMES,
+    LAYER_MODES,
+    PRESET_NAMES,
+    add_command,
+    positive,
+    positive_real,
+    seed,
+)
 
 
 def add_bench(commands) -> None:
@@ -13,6 +24,9 @@ def add_bench(commands) -> None:
     kinds = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     _add_decode(kinds)
     _add_train(kinds)
+    _add_speculative(kinds)
+    _add_precision(kinds)
+    _add_serve(kinds)
 
 
 def _add_decode(kinds) -> None:
@@ -29,6 +43,12 @@ def _add_decode(kinds) -> None:
     decode.add_argument("--layers", choices=LAYER_MODES, nargs="+", default=list(LAYER_MODES),
                         help="layer modes to time: scanned (stacked) and/or unrolled")
     decode.add_argument("--no-hf", action="store_true", help="skip Hugging Face transformers")
+    decode.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
+                        help="kvjax's params, compute and cache dtype (default: float32; "
+                             "transformers and the sweep stay float32)")
+    decode.add_argument("--cache-dtype", choices=CACHE_DTYPE_NAMES, default=None,
+                        help="kvjax's KV cache dtype; int8 adds a float32 scale per token "
+                             "and kv head (default: --dtype)")
     model = decode.add_mutually_exclusive_group()
     model.add_argument("--hf-dir", metavar="DIR", default=None,
                        help="time the decoder-only model in this Hugging Face directory "
@@ -73,6 +93,88 @@ def _add_train(kinds) -> None:
     train.set_defaults(run=run_bench_train)
 
 
+def _add_serve(kinds) -> None:
+    serve = add_command(kinds, "serve", "Continuous batching (kvjax.serve's engine) against "
+                        "fixed batches of decode.generate on requests with mixed lengths "
+                        "arriving over time: tokens/s, time to first token and inter-token "
+                        "latency, measured in one run.")
+    serve.add_argument("--preset", choices=PRESET_NAMES, default="small", help="model size")
+    serve.add_argument("--requests", type=positive, default=128, help="requests to serve")
+    serve.add_argument("--rate", type=positive_real, default=50.0,
+                       help="mean arrivals per second (Poisson)")
+    serve.add_argument("--prompt-lengths", type=positive, nargs=2, default=[8, 64],
+                       metavar=("MIN", "MAX"), help="prompt tokens, uniform in [MIN, MAX]")
+    serve.add_argument("--output-lengths", type=positive, nargs=2, default=[8, 128],
+                       metavar=("MIN", "MAX"), help="tokens to generate, uniform in [MIN, MAX]")
+    serve.add_argument("--long-tail", action="store_true",
+                       help="output lengths log-uniform in [MIN, MAX] (many short, few long)")
+    serve.add_argument("--max-slots", type=positive, default=16, help="the engine's slots")
+    serve.add_argument("--chunk-size", type=positive, default=8,
+                       help="the engine's decode steps per chunk")
+    serve.add_argument("--batch", type=positive, default=16,
+                       help="requests per decode.generate call in the baseline")
+    serve.add_argument("--seed", type=seed, default=0, help="workload and weights seed")
+    serve.set_defaults(run=run_bench_serve)
+
+
+def run_bench_serve(args) -> int:
+    from kvjax.benchmarks.serve import serve_benchmark
+
+    print(serve_benchmark(args.preset, args.requests, args.rate, tuple(args.prompt_lengths),
+                          tuple(args.output_lengths), args.max_slots, args.chunk_size,
+                          args.batch, args.seed, args.long_tail))
+    return 0
+
+
+def _add_precision(kinds) -> None:
+    precision = add_command(kinds, "precision", "float32, bfloat16 and an int8 KV cache side "
+                            "by side: cache bytes per sequence, decode tokens/s with a long "
+                            "cache (random weights), and the shipped LM's perplexity and "
+                            "greedy agreement and the shipped translator's accuracy.")
+    precision.add_argument("--preset", choices=PRESET_NAMES, default="gpt-mini",
+                           help="model size of the cache and speed columns")
+    precision.add_argument("--batch", type=positive, default=32, help="rows decoding")
+    precision.add_argument("--filled", type=positive, default=1024,
+                           help="filled slots of each row's cache while timing")
+    precision.add_argument("--repeats", type=positive, default=3, help="timed runs (best)")
+    precision.add_argument("--no-quality", action="store_true",
+                           help="skip the shipped models' perplexity, agreement and accuracy")
+    precision.set_defaults(run=run_bench_precision)
+
+
+def _add_speculative(kinds) -> None:
+    speculative = add_command(
+        kinds, "speculative", "Greedy tokens/s with prompt-lookup speculative decoding against "
+        "plain greedy, on a task whose output copies its prompt and one whose does not; with "
+        "the acceptance rate and a check that both give the same tokens.")
+    speculative.add_argument("--checkpoint", default="checkpoints/python-docs-lm",
+                             metavar="DIR", help="the model (the shipped Python-docs LM)")
+    speculative.add_argument("--preset", choices=PRESET_NAMES, default=None,
+                             help="a model of this size with random weights instead")
+    speculative.add_argument("--batch-sizes", type=positive, nargs="+", default=[1, 8],
+                             help="batch sizes to measure")
+    speculative.add_argument("--prompt-len", type=positive, default=96,
+                             help="tokens of each passage")
+    speculative.add_argument("--new-tokens", type=positive, default=96,
+                             help="tokens to generate")
+    speculative.add_argument("--num-draft-tokens", type=positive, default=4,
+                             help="tokens drafted per step")
+    speculative.add_argument("--ngram-size", type=positive, default=2,
+                             help="suffix length looked up in the context")
+    speculative.add_argument("--repeats", type=positive, default=3, help="timed runs (best)")
+    speculative.set_defaults(run=run_bench_speculative)
+
+
+def run_bench_speculative(args) -> int:
+    from kvjax.benchmarks.speculative import format_table, speculative_benchmark
+
+    rows = speculative_benchmark(args.checkpoint, args.preset, tuple(args.batch_sizes),
+                                 args.prompt_len, args.new_tokens, args.num_draft_tokens,
+                                 args.ngram_size, args.repeats)
+    print(format_table(rows, args.num_draft_tokens, args.ngram_size))
+    return 0
+
+
 def run_bench_decode(args) -> int:
     from kvjax.benchmarks.decode import decode_benchmark, format_table
     from kvjax.benchmarks.fill_sweep import check_sweep
@@ -90,7 +192,7 @@ def run_bench_decode(args) -> int:
             args.preset, tuple(args.batch_sizes), args.prompt_len, args.new_tokens,
             args.repeats, layer_modes=tuple(args.layers), compare_no_cache=not args.no_no_cache,
             compare_hf=not args.no_hf, devices=args.devices, whole_cache=args.whole_cache,
-            hf_dir=hf_dir)
+            hf_dir=hf_dir, dtype=args.dtype, cache_dtype=args.cache_dtype)
     print(format_table(rows, facts))
     if sweep:
         from kvjax import model as M
@@ -112,4 +214,12 @@ def run_bench_train(args) -> int:
         args.preset, args.batch_size, args.seq_len, args.steps, args.repeats,
         devices=args.devices, layer_modes=tuple(args.layers), compare_torch=not args.no_torch)
     print(format_train_table(rows, setting))
+    return 0
+
+
+def run_bench_precision(args) -> int:
+    from kvjax.benchmarks.precision import precision_report
+
+    print(precision_report(args.preset, args.batch, args.filled, args.repeats,
+                           quality=not args.no_quality))
     return 0

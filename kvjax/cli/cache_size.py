@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from .common import DTYPE_NAMES, PRESET_NAMES, add_command, positive
+from .common import CACHE_DTYPE_NAMES, PRESET_NAMES, add_command, positive
 
 
 def add_cache_size(commands) -> None:
     size = add_command(commands, "cache-size", "Bytes of the KV cache: 2 x length x layers x "
-                       "kv_heads x head_dim x bytes per sequence, for a preset or for the "
+                       "kv_heads x head_dim x bytes per sequence (int8: x (head_dim + 4), a "
+                       "float32 scale per token and kv head), for a preset or for the "
                        "sizes given (e.g. --layers 32 --heads 32 --head-dim 128 --dtype "
                        "float16).")
     size.add_argument("--preset", choices=PRESET_NAMES, default=None,
@@ -23,7 +24,7 @@ def add_cache_size(commands) -> None:
     size.add_argument("--source-length", type=positive, default=None,
                       help="source tokens of an encoder-decoder (default: --length)")
     size.add_argument("--batch", type=positive, default=1, help="sequences")
-    size.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
+    size.add_argument("--dtype", choices=CACHE_DTYPE_NAMES, default=None,
                       help="cache dtype (default: the model's compute dtype)")
     size.set_defaults(run=run_cache_size)
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
-from .common import add_command, count, positive, seed
+from .common import CACHE_DTYPE_NAMES, DTYPE_NAMES, add_command, count, positive, seed
 
 
 def add_sample(commands) -> None:
@@ -35,6 +36,20 @@ def add_sample(commands) -> None:
     sample.add_argument("--beams", type=positive, default=1,
                         help="beam search with this many beams (1 = sampling as above)")
     sample.add_argument("--seed", type=seed, default=0, help="sampling seed")
+    sample.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
+                        help="params, compute and cache dtype (default: the checkpoint's)")
+    sample.add_argument("--cache-dtype", choices=CACHE_DTYPE_NAMES, default=None,
+                        help="KV cache dtype; int8 stores K and V as int8 with a float32 scale "
+                             "per token and kv head (default: --dtype)")
+    sample.add_argument("--speculative", choices=["ngram"], default=None,
+                        help="ngram: draft tokens by prompt lookup (a copy of what follows the "
+                             "latest earlier occurrence of the last --ngram-size tokens) and "
+                             "verify them in one model call; greedy output is unchanged, "
+                             "sampled output keeps its distribution")
+    sample.add_argument("--num-draft-tokens", type=positive, default=4,
+                        help="tokens drafted per step with --speculative")
+    sample.add_argument("--ngram-size", type=positive, default=2,
+                        help="suffix length looked up with --speculative ngram")
     sample.set_defaults(run=run_sample)
 
 
@@ -42,6 +57,18 @@ def run_sample(args) -> int:
     from kvjax import text
 
     loaded = text.load(args.checkpoint)
+    if args.dtype is not None or args.cache_dtype is not None:
+        from kvjax import model as M
+
+        config, params = M.with_precision(loaded.config, loaded.params, args.dtype,
+                                          args.cache_dtype)
+        loaded = dataclasses.replace(loaded, config=config, params=params)
+    speculative = None  # checked before the echo, as the prompt is
+    if args.speculative:
+        from kvjax import decode
+
+        speculative = decode.Speculative(args.speculative, args.num_draft_tokens,
+                                         args.ngram_size)
     room = text.room(loaded, args.prompt)  # a prompt too long fails here, before the echo
     if args.max_new_tokens > room:
         print(f"kvjax sample: --max-new-tokens {args.max_new_tokens} does not fit the model's "
@@ -56,6 +83,8 @@ def run_sample(args) -> int:
         top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
         no_repeat_ngram_size=args.no_repeat_ngram_size, num_beams=args.beams, seed=args.seed,
         stop=[_unescape(s) for s in args.stop])
+    if speculative is not None:
+        settings["speculative"] = speculative
     if args.num_samples == 1:
         try:
             result = text.sample_text(loaded, args.prompt, **settings,
@@ -78,6 +107,12 @@ def run_sample(args) -> int:
     print(f"[{total} tokens in {first.decode_seconds:.2f} s: "
           f"{total / max(first.decode_seconds, 1e-9):.1f} tokens/s{compiled}; first text after "
           f"{first.first_chunk_seconds:.2f} s; stop: {stops}]")
+    if first.speculation is not None:
+        drafted, accepted = int(first.speculation.drafted.sum()), int(
+            first.speculation.accepted.sum())
+        print(f"[speculative {args.speculative}: {accepted} of {drafted} drafted tokens "
+              f"accepted ({first.speculation.acceptance_rate:.0%}); "
+              f"{int(first.speculation.steps)} decode steps]")
     return 0
 
 

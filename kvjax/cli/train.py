@@ -17,6 +17,9 @@ def add_train(commands) -> None:
                             "numbers spelled as English words)")
     train.add_argument("--preset", choices=PRESET_NAMES, default=None,
                        help="model size (default: the demo's reduced 'small' model)")
+    train.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                       help="compute dtype: bfloat16 is mixed precision (params, optimizer "
+                            "state, loss and softmax stay float32) (default: float32)")
     train.add_argument("--init-from", metavar="CHECKPOINT", default=None,
                        help="fine-tune this checkpoint of the same task (one of kvjax's, or "
                             "one that kvjax import-hf wrote): its model and tokenizer, its "
@@ -68,6 +71,13 @@ def run_train(args) -> int:
     if args.preset is not None:
         encoder = M.preset(args.preset).num_decoder_layers if args.task == "translate" else 0
         overrides.update(preset=args.preset, model_overrides={"num_encoder_layers": encoder})
+    if args.dtype is not None:
+        if args.init_from is not None:
+            raise ValueError("--dtype does not apply with --init-from: the model is the "
+                             "checkpoint's")
+        settings = tasks.LM_SETTINGS if args.task == "lm" else tasks.TRANSLATE_SETTINGS
+        model = overrides.get("model_overrides", settings.model_overrides)
+        overrides["model_overrides"] = {**model, "dtype": args.dtype}
     if args.allow_changes and not args.resume:
         raise ValueError("--allow-changes only applies with --resume")
     out = args.out or f"runs/{args.task}"

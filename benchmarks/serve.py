@@ -1,0 +1,188 @@
+"""The serving benchmark: continuous batching against fixed batches of `decode.generate`.
+
+A workload of requests with mixed prompt and output lengths arrives over time (Poisson
+arrivals, a fixed seed) at a model with random weights, all greedy with no stop id, so each
+request makes exactly its `max_tokens`. Two contenders serve it:
+
+1. **the engine** (`kvjax.serve.Engine`, on its own thread): each request is submitted at its
+   arrival time; its first token (TTFT) and each later one (inter-token latency) are timed
+   as the engine hands them out, a chunk at a time.
+2. **fixed batches**: the requests in arrival order, `batch` at a time, each batch one
+   `decode.generate` call (every row runs until the batch's longest request is done, and the
+   next batch starts only then, and not before its last request has arrived). The calls are
+   timed for real and laid out on the arrivals' timeline; a request's first token is seen
+   when its batch returns (generate does not stream), and its inter-token latency is the
+   batch's time per step.
+
+Throughput counts the tokens the requests asked for, over the time from the first arrival
+to the last answer. Every program both contenders use is compiled before the timed run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import jax
+import numpy as np
+from kvjax.decode.generate import bucket
+from kvjax.serve import Engine, GenerationRequest
+
+from kvjax import decode
+from kvjax import model as M
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    arrivals: list[float]  # seconds after the start
+
+    @property
+    def useful_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+
+def make_workload(config: M.TransformerConfig, num_requests: int, rate: float,
+                  prompt_range: tuple[int, int], output_range: tuple[int, int],
+                  seed: int = 0, long_tail: bool = False) -> Workload:
+    """Uniform prompt lengths and output lengths in the (inclusive) ranges; with `long_tail`
+    the output lengths are log-uniform instead (many short answers, a few long ones, as in
+    chat logs). Poisson arrivals at `rate` requests per second."""
+    if prompt_range[1] + output_range[1] > config.max_len:
+        raise ValueError(f"the longest prompt ({prompt_range[1]}) and output "
+                         f"({output_range[1]}) need {prompt_range[1] + output_range[1]} "
+                         f"positions, more than the model's max_len {config.max_len}")
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(prompt_range[0], prompt_range[1] + 1, num_requests)
+    prompts = [rng.integers(3, config.vocab_size, n).tolist() for n in lengths]
+    if long_tail:
+        low, high = np.log(output_range[0]), np.log(output_range[1] + 1)
+        outputs = np.exp(rng.uniform(low, high, num_requests)).astype(int).tolist()
+    else:
+        outputs = rng.integers(output_range[0], output_range[1] + 1, num_requests).tolist()
+    arrivals = np.cumsum(rng.exponential(1 / rate, num_requests)).tolist()
+    return Workload(prompts, outputs, arrivals)
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    name: str
+    tokens: int
+    seconds: float
+    ttft: np.ndarray  # per request
+    itl: np.ndarray  # per token after the first
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds
+
+
+def run_engine(config, params, workload: Workload, max_slots: int, chunk_size: int) -> Result:
+    engine = Engine(config, params, max_slots=max_slots, chunk_size=chunk_size,
+                    max_queue=len(workload.prompts))
+    engine.warm_up(len(p) for p in workload.prompts)
+    first, last, gaps, errors = {}, {}, [], []
+    done = threading.Semaphore(0)
+
+    def listener(i):
+        def on_delta(delta):
+            now = time.perf_counter()
+            if isinstance(delta, Exception):
+                errors.append(delta)
+                done.release()
+                return
+            if delta.token_ids:
+                if i not in first:
+                    first[i] = now
+                    gaps.extend([0.0] * (len(delta.token_ids) - 1))
+                else:
+                    gaps.extend([(now - last[i]) / len(delta.token_ids)] *
+                                len(delta.token_ids))
+                last[i] = now
+            if delta.finish_reason:
+                done.release()
+        return on_delta
+
+    engine.start()
+    start = time.perf_counter()
+    for i, (prompt, max_tokens, arrival) in enumerate(zip(
+            workload.prompts, workload.max_tokens, workload.arrivals, strict=True)):
+        time.sleep(max(0.0, start + arrival - time.perf_counter()))
+        engine.submit(GenerationRequest(tuple(prompt), max_tokens=max_tokens), listener(i))
+    for _ in workload.prompts:
+        done.acquire()
+    end = time.perf_counter()
+    engine.close()
+    if errors:
+        raise RuntimeError(f"the engine failed: {errors[0]!r}")
+    ttft = np.array([first[i] - (start + a) for i, a in enumerate(workload.arrivals)])
+    return Result(f"engine ({max_slots} slots, chunk {chunk_size})", workload.useful_tokens,
+                  end - start, ttft, np.array(gaps))
+
+
+def run_fixed_batches(config, params, workload: Workload, batch: int) -> Result:
+    net = M.build_model(config)
+    groups = [range(i, min(i + batch, len(workload.prompts)))
+              for i in range(0, len(workload.prompts), batch)]
+
+    def call(group):
+        return decode.generate(net, params, [workload.prompts[i] for i in group],
+                               max_new_tokens=max(workload.max_tokens[i] for i in group))
+
+    seen = set()
+    for group in groups:  # compile every shape the batches use
+        shape = (len(group), bucket(max(len(workload.prompts[i]) for i in group),
+                                    config.max_len),
+                 bucket(max(workload.max_tokens[i] for i in group), config.max_len))
+        if shape not in seen:
+            seen.add(shape)
+            jax.block_until_ready(call(group).tokens)
+    clock, ttft, itl = 0.0, np.zeros(len(workload.prompts)), []
+    for group in groups:
+        begin = max(clock, workload.arrivals[group[-1]])
+        started = time.perf_counter()
+        output = call(group)
+        seconds = time.perf_counter() - started
+        clock = begin + seconds
+        steps = int(output.lengths.max())
+        for i in group:
+            ttft[i] = clock - workload.arrivals[i]
+            itl.extend([seconds / steps] * (workload.max_tokens[i] - 1))
+    return Result(f"fixed batches of {batch} (decode.generate)", workload.useful_tokens,
+                  clock - workload.arrivals[0], ttft, np.array(itl))
+
+
+def format_results(results: list[Result], workload: Workload, setting: str) -> str:
+    def ms(values, q):
+        return f"{1000 * np.percentile(values, q):.1f}" if len(values) else "-"
+
+    lines = [setting, f"{len(workload.prompts)} requests, {workload.useful_tokens} tokens "
+             f"asked for, arriving over {workload.arrivals[-1]:.1f} s",
+             "| contender | tokens/s | wall s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | "
+             "ITL p99 ms |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r.name} | {r.tokens_per_second:.0f} | {r.seconds:.2f} | "
+                     f"{ms(r.ttft, 50)} | {ms(r.ttft, 99)} | {ms(r.itl, 50)} | "
+                     f"{ms(r.itl, 99)} |")
+    if len(results) > 1:
+        lines.append(f"throughput ratio, {results[0].name} / {results[1].name}: "
+                     f"{results[0].tokens_per_second / results[1].tokens_per_second:.2f}x")
+    return "\n".join(lines)
+
+
+def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, output_range,
+                    max_slots: int, chunk_size: int, batch: int, seed: int = 0,
+                    long_tail: bool = False) -> str:
+    config = M.preset(preset)
+    params = M.init_params(config, jax.random.key(seed))
+    workload = make_workload(config, num_requests, rate, prompt_range, output_range, seed,
+                             long_tail)
+    results = [run_engine(config, params, workload, max_slots, chunk_size),
+               run_fixed_batches(config, params, workload, batch)]
+    setting = (f"preset {preset}, random weights, greedy; prompts {prompt_range[0]}-"
+               f"{prompt_range[1]} tokens, outputs {output_range[0]}-{output_range[1]} "
+               f"({'log-uniform' if long_tail else 'uniform'}), "
+               f"Poisson arrivals at {rate:g}/s (seed {seed}); {jax.devices()[0].device_kind}")
+    return format_results(results, workload, setting)

@@ -1,0 +1,46 @@
+"""`kvjax serve`: an OpenAI-compatible HTTP server for a checkpoint (see `kvjax.serve`)."""
+
+from __future__ import annotations
+
+from .common import add_command, positive
+
+
+def add_serve(commands) -> None:
+    serve = add_command(commands, "serve", "Serve a checkpoint over OpenAI's API "
+                        "(/v1/completions, /v1/chat/completions, /v1/models, /health, "
+                        "/metrics) with continuous batching.")
+    serve.add_argument("--checkpoint", required=True, metavar="DIR",
+                       help="a kvjax checkpoint or a Hugging Face model directory (decoder-only)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free)")
+    serve.add_argument("--model-name", default=None,
+                       help="the model's name in the API (default: the directory's name)")
+    serve.add_argument("--max-slots", type=positive, default=16,
+                       help="requests generating at once (rows of the decode batch)")
+    serve.add_argument("--max-queue", type=positive, default=64,
+                       help="requests waiting for a slot; more are answered 429")
+    serve.add_argument("--max-len", type=positive, default=None,
+                       help="tokens per slot, prompt and output (default: the model's max_len)")
+    serve.add_argument("--chunk-size", type=positive, default=8,
+                       help="decode steps between admitting and emitting")
+    serve.add_argument("--prefill-batch", type=positive, default=8,
+                       help="waiting prompts prefilled together")
+    serve.add_argument("--warm-up", action="store_true",
+                       help="compile every program (each prompt-length bucket and prefill "
+                            "batch) before listening, so that no request waits for a "
+                            "compilation (default: compile each when a request first needs it)")
+    serve.set_defaults(run=run_serve)
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    from kvjax import text
+    from kvjax.serve.server import build_app
+
+    loaded = text.load(args.checkpoint)
+    app = build_app(loaded, model_name=args.model_name, max_slots=args.max_slots,
+                    max_queue=args.max_queue, max_len=args.max_len, chunk_size=args.chunk_size,
+                    prefill_batch=args.prefill_batch, warm_up=args.warm_up)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0

@@ -1,0 +1,11 @@
+"""Serving: a continuous-batching engine and an OpenAI-compatible HTTP server (`kvjax serve`).
+
+`engine.Engine` keeps a fixed number of decode slots busy with requests that join and leave
+between chunks of compiled decode steps (`slots.py`); `server.build_app` puts it behind
+`/v1/completions` and `/v1/chat/completions`. Nothing here is imported by `kvjax` itself.
+"""
+
+from .engine import Engine, QueueFull, Ticket
+from .requests import Delta, GenerationRequest
+
+__all__ = ["Delta", "Engine", "GenerationRequest", "QueueFull", "Ticket"]

@@ -1,0 +1,150 @@
+"""The engine's `Delta`s as OpenAI's JSON: whole answers, stream chunks and usage.
+
+One `Answer` gathers a request's choices as deltas arrive; `completion`/`chat_completion`
+give the final object, `chunk` one server-sent event's object for one delta.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from typing import Any
+
+from kvjax.tokenizer import TextTokenizer
+
+from .protocol import Parsed
+from .requests import Delta
+
+
+@dataclasses.dataclass
+class Choice:
+    text: str = ""
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    # The echoed prompt's tokens, their logprobs and top logprobs (None for the first).
+    prompt: tuple[list, list, list] = dataclasses.field(default_factory=lambda: ([], [], []))
+
+
+class Answer:
+    """The choices of one parsed request; choice `prompt * n + sample`."""
+
+    def __init__(self, parsed: Parsed, tokenizer: TextTokenizer):
+        self.parsed, self.tokenizer = parsed, tokenizer
+        self.n = parsed.requests[0].n
+        self.choices = [Choice(text=parsed.echo[i // self.n])
+                        for i in range(len(parsed.requests) * self.n)]
+        self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def set_prompt_logprobs(self, prompt: int, tokens, logprobs, top) -> None:
+        """The logprobs of prompt `prompt`'s own tokens, reported before its choices'."""
+        for choice in self.choices[prompt * self.n:(prompt + 1) * self.n]:
+            choice.prompt = (list(tokens), logprobs, top)
+
+    def index(self, prompt: int, delta: Delta) -> int:
+        return prompt * self.n + delta.index
+
+    def add(self, prompt: int, delta: Delta) -> None:
+        choice = self.choices[self.index(prompt, delta)]
+        choice.text += delta.text
+        choice.tokens += delta.token_ids
+        choice.logprobs += delta.logprobs
+        choice.top_logprobs += delta.top_logprobs
+        if delta.finish_reason:
+            choice.finish_reason = "length" if delta.finish_reason == "length" else "stop"
+
+    @property
+    def done(self) -> bool:
+        return all(c.finish_reason for c in self.choices)
+
+    def usage(self) -> dict:
+        prompt = sum(len(r.prompt) for r in self.parsed.requests)
+        completion = sum(len(c.tokens) for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    def _token(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def _logprobs(self, tokens, logprobs, top, offset: int = 0) -> Any:
+        """The `logprobs` of a choice or of a delta, in the API's format (None if off)."""
+        if not self.parsed.logprobs:
+            return None
+        strings = [self._token(t) for t in tokens]
+        tops = [None if pairs is None else [(self._token(t), lp) for t, lp in pairs]
+                for pairs in top]
+        if self.parsed.chat:
+            def entry(text, logprob):
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+            return {"content": [
+                {**entry(s, lp), "top_logprobs": [entry(t, tlp) for t, tlp in pairs]}
+                for s, lp, pairs in zip(strings, logprobs, tops, strict=True)]}
+        offsets = []
+        for s in strings:
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": strings, "token_logprobs": logprobs,
+                "top_logprobs": [None if pairs is None else dict(pairs) for pairs in tops],
+                "text_offset": offsets}
+
+    def final(self) -> dict:
+        """The whole answer (no streaming)."""
+        choices = []
+        for i, c in enumerate(self.choices):
+            tokens, logprobs, top = c.prompt
+            logprobs = self._logprobs(tokens + c.tokens, logprobs + c.logprobs,
+                                      top + c.top_logprobs)
+            if self.parsed.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
+                                "logprobs": logprobs, "finish_reason": c.finish_reason})
+            else:
+                choices.append({"index": i, "text": c.text, "logprobs": logprobs,
+                                "finish_reason": c.finish_reason})
+        return {"id": self.id, "object": "chat.completion" if self.parsed.chat
+                else "text_completion", "created": self.created, "model": self.parsed.model,
+                "choices": choices, "usage": self.usage()}
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
+        chunk = {"id": self.id, "object": "chat.completion.chunk" if self.parsed.chat
+                 else "text_completion", "created": self.created, "model": self.parsed.model,
+                 "choices": choices}
+        if self.parsed.include_usage:
+            chunk["usage"] = usage
+        return chunk
+
+    def opening_chunks(self) -> list[dict]:
+        """What a stream starts with: the assistant role of each chat choice, the echoed
+        prompt of each completion choice (if echo)."""
+        if self.parsed.chat:
+            return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}])
+                    for i in range(len(self.choices))]
+        return [self._chunk([{"index": i, "text": c.text,
+                              "logprobs": self._logprobs(*c.prompt) if c.prompt[0] else None,
+                              "finish_reason": None}])
+                for i, c in enumerate(self.choices) if c.text or c.prompt[0]]
+
+    def chunk(self, prompt: int, delta: Delta) -> dict | None:
+        """The stream chunk of `delta` (after `add`), or None if it carries nothing."""
+        if not (delta.text or delta.finish_reason or (self.parsed.logprobs and delta.token_ids)):
+            return None
+        index = self.index(prompt, delta)
+        choice = self.choices[index]
+        finish = choice.finish_reason if delta.finish_reason else None
+        offset = len(choice.text) - len(delta.text)
+        logprobs = self._logprobs(delta.token_ids, delta.logprobs, delta.top_logprobs, offset)
+        if self.parsed.chat:
+            content = {"content": delta.text} if delta.text else {}
+            entry = {"index": index, "delta": content, "logprobs": logprobs,
+                     "finish_reason": finish}
+        else:
+            entry = {"index": index, "text": delta.text, "logprobs": logprobs,
+                     "finish_reason": finish}
+        return self._chunk([entry])
+
+    def usage_chunk(self) -> dict:
+        return self._chunk([], self.usage())

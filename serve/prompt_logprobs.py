@@ -1,0 +1,46 @@
+"""The logprobs of a prompt's own tokens, which `echo` with `logprobs` reports (evaluation
+harnesses score a text this way: `max_tokens` 0, `echo`, `logprobs`).
+
+One teacher-forced pass over the prompt, its length bucketed as a prefill's is. Shape letters:
+P padded prompt length, V vocab, W top logprobs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from kvjax.decode.generate import bucket
+from kvjax.decode.tracing import count_trace
+
+from kvjax import model as M
+
+from .slots import MAX_TOP_LOGPROBS
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _scores(config: M.TransformerConfig, params, tokens_1P, length_1):
+    """(logprob [P - 1] of each token after the first, top logprobs and ids [P - 1, W])."""
+    count_trace("serve_prompt_logprobs")
+    logits_PV = M.teacher_forced_logits(config, params, {"inputs": tokens_1P,
+                                                         "lengths": length_1})[0]
+    logprobs_PV = jax.nn.log_softmax(logits_PV.astype(jnp.float32))[:-1]
+    chosen_P = jnp.take_along_axis(logprobs_PV, tokens_1P[0, 1:, None], axis=-1)[:, 0]
+    top_PW, ids_PW = jax.lax.top_k(logprobs_PV, min(MAX_TOP_LOGPROBS, config.vocab_size))
+    return chosen_P, top_PW, ids_PW
+
+
+def prompt_logprobs(config: M.TransformerConfig, params, prompt: tuple[int, ...], top: int
+                    ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+    """Each prompt token's logprob given the tokens before it, and the `top` likeliest
+    (id, logprob) there; None for the first token, which nothing predicts."""
+    padded = np.zeros((1, bucket(len(prompt), config.max_len)), np.int32)
+    padded[0, :len(prompt)] = prompt
+    chosen, values, ids = jax.device_get(_scores(config, params, padded,
+                                                 np.array([len(prompt)], np.int32)))
+    count = len(prompt) - 1
+    tops = [list(zip(ids[t, :top].tolist(), values[t, :top].tolist(), strict=True))
+            for t in range(count)]
+    return [None, *chosen[:count].tolist()], [None, *tops]

@@ -1,0 +1,197 @@
+"""OpenAI's request bodies as engine requests, and the engine's output as OpenAI's answers.
+
+`parse` checks every field it knows for its JSON type (a wrong type is an `APIError` 400
+naming the field) and builds one `GenerationRequest` per prompt; the ranges of the values
+are checked by `GenerationRequest.checked`, whose ValueError the server answers with a 400
+as well. Fields this server does not implement with a value other than their no-op one
+(`presence_penalty`, `frequency_penalty`, `logit_bias`, `best_of`, `suffix`, tools) are a
+400 naming them, never ignored; fields it does not know are ignored, as OpenAI's API does.
+`max_tokens` 0 is accepted with `echo` (the answer is the prompt, with its logprobs if asked).
+Sampling defaults are OpenAI's: temperature 1, top_p 1; kvjax's extra settings (`top_k`,
+`min_p`, `repetition_penalty`, `no_repeat_ngram_size`) are read where given, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from kvjax import text as T
+
+from . import chat
+from .requests import GenerationRequest
+
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's `{"error": {...}}` with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": None}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Parsed:
+    """A request as the server runs it: one `GenerationRequest` per prompt (their samples
+    are choices `prompt * n + sample`), the text each choice starts with (its prompt if
+    `echo_prompt`, whose tokens' logprobs then come first if `logprobs`), how to answer."""
+
+    chat: bool
+    model: str
+    requests: tuple[GenerationRequest, ...]
+    echo: tuple[str, ...]
+    echo_prompt: bool
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+
+
+_NUMBER, _INT, _BOOL, _STR = (int, float), (int,), (bool,), (str,)
+
+
+def _get(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        wanted = {_NUMBER: "a number", _INT: "an integer", _BOOL: "a boolean",
+                  _STR: "a string"}.get(kinds, "/".join(k.__name__ for k in kinds))
+        raise APIError(400, f"{name}={value!r} must be {wanted}", name)
+    return value
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for name, off in (("presence_penalty", 0), ("frequency_penalty", 0), ("logit_bias", {}),
+                      ("suffix", ""), ("tools", []), ("response_format", {"type": "text"})):
+        if body.get(name) not in (None, off):
+            raise APIError(400, f"{name}={body[name]!r} is not supported by this server "
+                                f"(kvjax has repetition_penalty and no_repeat_ngram_size)", name)
+    if body.get("best_of") not in (None, body.get("n", 1)):
+        raise APIError(400, f"best_of={body['best_of']!r} is not supported: use n", "best_of")
+
+
+def _top_k(body: dict) -> int:
+    """kvjax's top_k (0 = no limit) from the request's, where vLLM's -1 also means none."""
+    top_k = _get(body, "top_k", _INT, 0)
+    return 0 if top_k == -1 else top_k
+
+
+def _stops(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise APIError(400, f"stop={stop!r} must be a string or a list of strings", "stop")
+    return tuple(stop)
+
+
+def _completion_prompts(loaded: T.LoadedModel, prompt: Any) -> tuple[list[tuple], list[str]]:
+    """(token ids, text) of each prompt: a string, a list of strings, a list of token ids
+    or a list of such lists."""
+    def is_ids(value):
+        return (isinstance(value, list) and bool(value)
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
+
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif is_ids(prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt or not all(
+            isinstance(p, str) or is_ids(p) for p in prompt):
+        raise APIError(400, "prompt must be a string, a list of strings, a list of token ids "
+                            "or a list of such lists", "prompt")
+    ids, texts = [], []
+    for p in prompt:
+        if isinstance(p, str):
+            ids.append(tuple(T.prompt_tokens(loaded, p)))
+            texts.append(p)
+        else:
+            ids.append(tuple(p))
+            texts.append(_decode(loaded, p))
+    return ids, texts
+
+
+def _decode(loaded: T.LoadedModel, ids) -> str:
+    try:
+        return loaded.tokenizer.decode(ids)
+    except ValueError as error:
+        raise APIError(400, str(error), "prompt") from None
+
+
+def _chat_prompt(loaded: T.LoadedModel, messages: Any) -> tuple[int, ...]:
+    try:
+        text, templated = chat.render(loaded.tokenizer, messages)
+    except ValueError as error:
+        raise APIError(400, str(error), "messages") from None
+    if templated:
+        return tuple(loaded.tokenizer.encode(text))
+    return tuple(T.prompt_tokens(loaded, text))
+
+
+def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
+          chat_api: bool) -> Parsed:
+    """The request in `body` (already JSON-decoded) for /v1/chat/completions if `chat_api`,
+    else for /v1/completions."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    model = _get(body, "model", _STR)
+    if model is None:
+        raise APIError(400, "model is required: the name /v1/models lists", "model")
+    if model != served_name:
+        raise APIError(404, f"The model `{model}` does not exist: this server serves "
+                            f"`{served_name}`", "model", kind="not_found_error")
+    _refuse_unsupported(body)
+    stream = _get(body, "stream", _BOOL, False)
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise APIError(400, "stream_options must be an object", "stream_options")
+    include_usage = bool(options.get("include_usage", False))
+    if chat_api:
+        prompts, echo, echo_prompt = [_chat_prompt(loaded, body.get("messages"))], [""], False
+        max_tokens = _get(body, "max_completion_tokens", _INT,
+                          _get(body, "max_tokens", _INT))
+        want_logprobs = _get(body, "logprobs", _BOOL, False)
+        top = _get(body, "top_logprobs", _INT, 0)
+        if top and not want_logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+    else:
+        if "prompt" not in body:
+            raise APIError(400, "prompt is required", "prompt")
+        prompts, texts = _completion_prompts(loaded, body["prompt"])
+        max_tokens = _get(body, "max_tokens", _INT)
+        top = _get(body, "logprobs", _INT)
+        want_logprobs = top is not None
+        if want_logprobs and not 0 <= top <= MAX_COMPLETION_LOGPROBS:
+            raise APIError(400, f"logprobs={top} must be in [0, {MAX_COMPLETION_LOGPROBS}]",
+                           "logprobs")
+        echo_prompt = _get(body, "echo", _BOOL, False)
+        echo = texts if echo_prompt else [""] * len(prompts)
+    settings = dict(
+        n=_get(body, "n", _INT, 1), temperature=_get(body, "temperature", _NUMBER, 1.0),
+        top_p=_get(body, "top_p", _NUMBER, 1.0), top_k=_top_k(body),
+        min_p=_get(body, "min_p", _NUMBER, 0.0),
+        repetition_penalty=_get(body, "repetition_penalty", _NUMBER, 1.0),
+        no_repeat_ngram_size=_get(body, "no_repeat_ngram_size", _INT, 0),
+        seed=_get(body, "seed", _INT), stop=_stops(body), logprobs=top or 0,
+        stop_ids=tuple(loaded.tokenizer.stop_ids))
+    requests = []
+    for ids in prompts:
+        room = capacity - len(ids)
+        if room < 1:
+            raise APIError(400, f"the prompt has {len(ids)} tokens: it leaves no room in a "
+                                f"slot of {capacity} tokens", "prompt")
+        default = room if chat_api else min(16, room)
+        requests.append(GenerationRequest(ids, max_tokens=default if max_tokens is None
+                                          else max_tokens, **settings))
+    return Parsed(chat_api, model, tuple(requests), tuple(echo), echo_prompt, stream,
+                  include_usage, want_logprobs)

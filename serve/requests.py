@@ -1,0 +1,106 @@
+"""What a caller asks the engine for, checked before it is queued, and what comes back.
+
+A `GenerationRequest` holds token ids and settings; `checked` raises a ValueError naming the
+first bad value (the server answers it with a 400), so nothing that reaches a slot can fail
+there. The engine answers with `Delta`s, one per sample each time the sample has new tokens,
+the last one with its `finish_reason`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+
+from kvjax.decode import checks
+from kvjax.decode.settings import per_row
+
+from kvjax.text import MAX_SEED, check_stop_strings
+
+from .slots import MAX_STOP_IDS, MAX_TOP_LOGPROBS
+
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                   "no_repeat_ngram_size")
+INTEGER_FIELDS = ("top_k", "no_repeat_ngram_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt and how to continue it.
+
+    prompt:      token ids, as the model reads them (any prefix such as BOS included).
+    max_tokens:  at most this many new tokens per sample; prompt + max_tokens must fit a
+                 slot's capacity.
+    n:           samples of the prompt, from one prefill.
+    temperature, top_k, top_p, min_p, repetition_penalty, no_repeat_ngram_size: as
+                 `decode.generate` takes them.
+    stop_ids:    token ids that end a sample (included in its tokens, not in its text).
+    stop:        strings that end a sample's text (neither streamed nor returned).
+    seed:        the sample's tokens depend on it and on nothing else the batch holds;
+                 None draws one.
+    logprobs:    top logprobs to report per token (0: only the chosen token's).
+    """
+
+    prompt: tuple[int, ...]
+    max_tokens: int = 16
+    n: int = 1
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    stop_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    logprobs: int = 0
+
+    def checked(self, vocab_size: int, capacity: int) -> GenerationRequest:
+        """This request with its seed drawn if None; a ValueError names the first bad value."""
+        prompt = checks.token_ids("prompt", self.prompt)
+        if not prompt:
+            raise ValueError("the prompt is empty: it needs at least one token")
+        for token in prompt:
+            if not 0 <= token < vocab_size:
+                raise ValueError(f"prompt token id {token} is outside the vocabulary "
+                                 f"[0, {vocab_size})")
+        max_tokens = checks.integer("max_tokens", self.max_tokens, 1)
+        if len(prompt) + max_tokens > capacity:
+            raise ValueError(f"the prompt has {len(prompt)} tokens and max_tokens is "
+                             f"{max_tokens}: {len(prompt) + max_tokens} tokens do not fit a "
+                             f"slot's capacity of {capacity}")
+        checks.integer("n", self.n, 1)
+        for name in SAMPLING_FIELDS:
+            per_row(name, getattr(self, name), 1)
+        stop_ids = checks.token_ids("stop_ids", self.stop_ids)
+        if len(stop_ids) > MAX_STOP_IDS:
+            raise ValueError(f"at most {MAX_STOP_IDS} stop ids, got {len(stop_ids)}")
+        for token in stop_ids:
+            if not 0 <= token < vocab_size:
+                raise ValueError(f"stop id {token} is outside the vocabulary [0, {vocab_size})")
+        stop = check_stop_strings(self.stop)
+        seed = secrets.randbelow(MAX_SEED) if self.seed is None else self.seed
+        checks.integer("seed", seed, 0, MAX_SEED)
+        checks.integer("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
+        return dataclasses.replace(self, prompt=prompt, stop_ids=stop_ids, stop=stop,
+                                   seed=seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    """New output of sample `index` of a request.
+
+    token_ids:    the new tokens (a stop id that ended the sample included).
+    text:         the new text that is safe to show: never a piece of a stop string, never
+                  half of a UTF-8 character ("" without a tokenizer).
+    logprobs:     the model's logprob of each new token.
+    top_logprobs: per new token, the request's `logprobs` likeliest (id, logprob) pairs.
+    finish_reason: None while the sample goes on; then 'stop' (a stop id or string),
+                  'length' (max_tokens or the slot's capacity) or 'cancelled'.
+    """
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    finish_reason: str | None = None

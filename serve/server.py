@@ -1,0 +1,217 @@
+"""The OpenAI-compatible HTTP server: a Starlette app in front of one `Engine`.
+
+  POST /v1/completions, POST /v1/chat/completions   (stream: server-sent events ending
+                                                     with `data: [DONE]`)
+  GET /v1/models, GET /health, GET /metrics (Prometheus)
+
+The engine runs on its own thread; each request's deltas reach the event loop through
+`call_soon_threadsafe`, so nothing here blocks it. A full queue is a 429 with Retry-After;
+a client that goes away (streaming or not) has its request cancelled, which frees its slots
+within one chunk. Errors are OpenAI's `{"error": {...}}` objects (see `protocol.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import time
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvjax.text import LoadedModel
+
+from .answers import Answer
+from .engine import Engine, QueueFull
+from .metrics import ServeMetrics
+from .prompt_logprobs import prompt_logprobs
+from .protocol import APIError, Parsed, parse
+
+RETRY_AFTER_SECONDS = 1
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: int = 16,
+              max_queue: int = 64, max_len: int | None = None, chunk_size: int = 8,
+              prefill_batch: int = 8, warm_up: bool = False) -> Starlette:
+    """The app serving `loaded` as `model_name` (default: its directory's name). The engine
+    starts with the app (its lifespan), after compiling every program it can need if
+    `warm_up`, and stops with it."""
+    metrics = ServeMetrics()
+    engine = Engine(loaded.config, loaded.params, tokenizer=loaded.tokenizer,
+                    max_slots=max_slots, max_len=max_len, chunk_size=chunk_size,
+                    max_queue=max_queue, prefill_batch=prefill_batch, metrics=metrics)
+    name = model_name or os.path.basename(os.path.normpath(loaded.directory)) or "kvjax"
+    created = int(time.time())
+
+    async def models(_: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "kvjax",
+             "max_model_len": engine.capacity}]})
+
+    async def health(_: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok", "live_slots": engine.live_slots,
+                             "queue_length": engine.queue_length})
+
+    async def metrics_text(_: Request) -> Response:
+        return Response(metrics.exposition(), media_type=metrics.content_type)
+
+    async def completions(request: Request) -> Response:
+        return await _generate(request, chat_api=False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(request, chat_api=True)
+
+    async def _generate(request: Request, chat_api: bool) -> Response:
+        try:
+            raw = await request.body()
+            try:
+                body = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                raise APIError(400, f"the request body is not valid JSON: {error}") from None
+            parsed = parse(body, loaded, name, engine.capacity, chat_api=chat_api)
+            answer = Answer(parsed, loaded.tokenizer)
+            if parsed.echo_prompt and parsed.logprobs:
+                for prompt, generation in enumerate(parsed.requests):
+                    scores = await asyncio.to_thread(
+                        prompt_logprobs, loaded.config, loaded.params, generation.prompt,
+                        generation.logprobs)
+                    answer.set_prompt_logprobs(prompt, generation.prompt, *scores)
+            if parsed.echo_prompt and all(r.max_tokens == 0 for r in parsed.requests):
+                metrics.count_request("completed")
+                return JSONResponse(_echo_only(answer))
+            events: asyncio.Queue = asyncio.Queue()
+            tickets = _submit(parsed, events, asyncio.get_running_loop())
+        except QueueFull as error:
+            metrics.count_request("rejected")
+            return error_response(APIError(
+                429, f"{error}; retry after {RETRY_AFTER_SECONDS} s", kind="rate_limit_error",
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)}))
+        except APIError as error:
+            metrics.count_request("invalid")
+            return error_response(error)
+        except ValueError as error:
+            metrics.count_request("invalid")
+            return error_response(APIError(400, str(error)))
+        if parsed.stream:
+            return StreamingResponse(_stream(answer, events, tickets),
+                                     media_type="text/event-stream")
+        return await _whole(request, answer, events, tickets)
+
+    def _submit(parsed: Parsed, events: asyncio.Queue, loop) -> list:
+        tickets = []
+        try:
+            for prompt, generation in enumerate(parsed.requests):
+                def on_delta(delta, prompt=prompt):
+                    loop.call_soon_threadsafe(events.put_nowait, (prompt, delta))
+
+                tickets.append(engine.submit(generation, on_delta))
+        except (QueueFull, ValueError):
+            for ticket in tickets:
+                ticket.cancel()
+            raise
+        return tickets
+
+    async def _next(answer: Answer, events: asyncio.Queue):
+        """The next (prompt, delta), added to `answer`; an engine failure is raised."""
+        prompt, delta = await events.get()
+        if isinstance(delta, Exception):
+            raise delta
+        answer.add(prompt, delta)
+        return prompt, delta
+
+    async def _whole(request: Request, answer: Answer, events, tickets) -> Response:
+        async def collect():
+            while not answer.done:
+                await _next(answer, events)
+
+        collector = asyncio.ensure_future(collect())
+        watcher = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not collector.done():
+                for ticket in tickets:
+                    ticket.cancel()
+                metrics.count_request("disconnected")
+                return Response(status_code=499)
+            try:
+                collector.result()
+            except Exception as error:  # noqa: BLE001 - the engine failed: answer with it
+                metrics.count_request("error")
+                return error_response(APIError(500, f"generation failed: {error!r}",
+                                               kind="server_error"))
+            metrics.count_request("completed")
+            return JSONResponse(answer.final())
+        finally:
+            collector.cancel()
+            watcher.cancel()
+
+    async def _stream(answer: Answer, events, tickets):
+        outcome = "disconnected"  # unless the stream gets to its end
+        try:
+            for chunk in answer.opening_chunks():
+                yield _event(chunk)
+            while not answer.done:
+                try:
+                    prompt, delta = await _next(answer, events)
+                except Exception as error:  # noqa: BLE001 - the stream is already open
+                    outcome = "error"
+                    yield _event(APIError(500, f"generation failed: {error!r}",
+                                          kind="server_error").body())
+                    return
+                chunk = answer.chunk(prompt, delta)
+                if chunk is not None:
+                    yield _event(chunk)
+            if answer.parsed.include_usage:
+                yield _event(answer.usage_chunk())
+            yield "data: [DONE]\n\n"
+            outcome = "completed"
+        finally:
+            if not answer.done:  # the client went away (or the engine failed)
+                for ticket in tickets:
+                    ticket.cancel()
+            metrics.count_request(outcome)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        if warm_up:
+            engine.warm_up()
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.close()
+
+    app = Starlette(routes=[
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics_text, methods=["GET"]),
+    ], lifespan=lifespan)
+    app.state.engine, app.state.metrics, app.state.model_name = engine, metrics, name
+    return app
+
+
+def _event(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def _echo_only(answer: Answer) -> dict:
+    """`echo` with max_tokens 0: each choice is its prompt."""
+    for choice in answer.choices:
+        choice.finish_reason = "length"
+    return answer.final()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,160 @@
+"""The continuous-batching engine: each request's tokens are those it gets alone, whatever
+shares the batch, joins it or leaves it; slots are reused without compiling."""
+
+import numpy as np
+import pytest
+from conftest import FakeTokenizer
+from kvjax.decode.tracing import trace_count
+from kvjax.serve import Engine, GenerationRequest, QueueFull
+
+from kvjax import decode
+
+SLOTS, CHUNK = 4, 4
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_lm):
+    config, _, params = tiny_lm
+    return Engine(config, params, max_slots=SLOTS, chunk_size=CHUNK, max_queue=8,
+                  prefill_batch=4, tokenizer=FakeTokenizer())
+
+
+class Collector:
+    """Every delta of one request, by sample."""
+
+    def __init__(self):
+        self.deltas = []
+
+    def __call__(self, delta):
+        assert not isinstance(delta, Exception), delta
+        self.deltas.append(delta)
+
+    def tokens(self, index=0):
+        return [t for d in self.deltas if d.index == index for t in d.token_ids]
+
+    def text(self, index=0):
+        return "".join(d.text for d in self.deltas if d.index == index)
+
+    def finish(self, index=0):
+        ends = [d.finish_reason for d in self.deltas if d.index == index and d.finish_reason]
+        assert len(ends) == 1, ends
+        return ends[0]
+
+
+def prompt(seed, length, vocab=64):
+    return tuple(int(t) for t in np.random.default_rng(seed).integers(3, vocab, length))
+
+
+def alone(tiny_lm, request):
+    _, net, params = tiny_lm
+    return decode.generate(net, params, [list(request.prompt)],
+                           max_new_tokens=request.max_tokens,
+                           eos_ids=request.stop_ids).token_lists()[0]
+
+
+def test_greedy_requests_equal_generate_alone_while_others_join_and_leave(engine, tiny_lm):
+    # (prompt length, max_tokens): one prompt bucket and token buffer for `generate`.
+    shapes = [(3, 6), (5, 8), (8, 3), (6, 8), (7, 5), (2, 7)]
+    requests = [GenerationRequest(prompt(i, n), max_tokens=m) for i, (n, m) in enumerate(shapes)]
+    # Request 3 stops at a token it makes on its way: a stop id ends it early.
+    free_run = alone(tiny_lm, requests[3])
+    requests[3] = GenerationRequest(requests[3].prompt, max_tokens=8, stop_ids=(free_run[2],))
+    expected = [alone(tiny_lm, r) for r in requests]
+    collectors = [Collector() for _ in requests]
+    for request, collector in zip(requests[:3], collectors[:3], strict=True):
+        engine.submit(request, collector)
+    engine.step()  # requests 0 and 1 are mid-flight, 2 is done; 3 and 4 join, 5 waits
+    assert [len(c.tokens()) for c in collectors[:3]] == [1 + CHUNK, 1 + CHUNK, 3]
+    assert engine.live_slots == 2
+    for request, collector in zip(requests[3:], collectors[3:], strict=True):
+        engine.submit(request, collector)
+    engine.run_until_idle()
+    assert [c.tokens() for c in collectors] == expected
+    assert len(expected[3]) == free_run.index(free_run[2]) + 1
+    assert collectors[3].finish() == "stop"
+    assert [c.finish() for c in collectors[:3]] == ["length"] * 3
+    assert engine.live_slots == 0 and engine.queue_length == 0
+
+
+def test_a_seeded_sample_is_the_same_whatever_shares_the_batch(engine):
+    request = GenerationRequest(prompt(10, 6), max_tokens=8, temperature=1.0, top_k=20,
+                                repetition_penalty=1.3, seed=7)
+    by_itself = Collector()
+    engine.submit(request, by_itself)
+    engine.run_until_idle()
+
+    crowd = [Collector() for _ in range(3)]
+    for i, collector in enumerate(crowd):  # they take the slots request had alone
+        engine.submit(GenerationRequest(prompt(20 + i, 4 + 3 * i), max_tokens=6 + i,
+                                        temperature=0.8, seed=i), collector)
+    engine.step()
+    among_others = Collector()
+    engine.submit(GenerationRequest(request.prompt, max_tokens=8, temperature=1.0, top_k=20,
+                                    repetition_penalty=1.3, seed=7, n=2), among_others)
+    engine.run_until_idle()
+    assert len(by_itself.tokens()) == 8
+    assert among_others.tokens(0) == by_itself.tokens()  # sample 0 of n uses the seed as is
+    assert among_others.tokens(1) != by_itself.tokens()  # the second sample draws its own
+
+
+def test_after_warming_up_serving_compiles_nothing_new(engine):
+    engine.warm_up(prompt_lengths=range(1, 9))  # every row count, one length bucket
+    before = {name: trace_count(name) for name in ("serve_insert", "serve_chunk", "prefill")}
+    collectors = [Collector() for _ in range(SLOTS + 2)]
+    for i, collector in enumerate(collectors):  # every slot, some twice; 1-4 rows prefilled
+        engine.submit(GenerationRequest(prompt(40 + i, 2 + i % 6), max_tokens=3 + i,
+                                        temperature=0.5 * (i % 2), top_p=0.9, seed=i), collector)
+    engine.run_until_idle()
+    assert all(len(c.tokens()) == 3 + i for i, c in enumerate(collectors))
+    assert {name: trace_count(name) for name in before} == before
+
+
+def test_a_stop_string_ends_the_text_before_it_and_never_leaks(engine, tiny_lm):
+    request = GenerationRequest(prompt(50, 4), max_tokens=8)
+    tokens = alone(tiny_lm, request)
+    text = FakeTokenizer.decode(tokens)
+    stop = text[5:7]
+    cut = text.index(stop)
+    collector = Collector()
+    engine.submit(GenerationRequest(request.prompt, max_tokens=8, stop=(stop, "never")),
+                  collector)
+    engine.run_until_idle()
+    assert collector.text() == text[:cut]
+    assert collector.finish() == "stop"
+    # The tokens end with the one that completed the stop string.
+    assert collector.tokens() == tokens[:cut + len(stop)]
+
+
+def test_a_cancelled_request_frees_its_slot_within_one_chunk(engine):
+    collector = Collector()
+    ticket = engine.submit(GenerationRequest(prompt(60, 3), max_tokens=40), collector)
+    engine.step()
+    assert engine.live_slots == 1
+    ticket.cancel()
+    engine.step()
+    assert engine.live_slots == 0
+    assert collector.finish() == "cancelled"
+    assert len(collector.tokens()) == 1 + CHUNK
+
+
+def test_bad_requests_are_refused_naming_the_value(engine):
+    with pytest.raises(ValueError, match="60 tokens and max_tokens is 8: 68 tokens do not fit "
+                                         "a slot's capacity of 64"):
+        engine.submit(GenerationRequest(prompt(0, 60), max_tokens=8), Collector())
+    with pytest.raises(ValueError, match="top_p=1.5 must be in"):
+        engine.submit(GenerationRequest(prompt(0, 3), top_p=1.5), Collector())
+    with pytest.raises(ValueError, match="token id 64 is outside"):
+        engine.submit(GenerationRequest((5, 64)), Collector())
+    with pytest.raises(ValueError, match="n=5 is more than the engine's 4 slots"):
+        engine.submit(GenerationRequest((5, 6), n=5), Collector())
+
+
+def test_a_full_queue_refuses_more(engine):
+    tickets = [engine.submit(GenerationRequest((5, 6), max_tokens=1), Collector())
+               for _ in range(engine.max_queue)]
+    with pytest.raises(QueueFull, match="max_queue=8"):
+        engine.submit(GenerationRequest((5, 6)), Collector())
+    for ticket in tickets:
+        ticket.cancel()
+    engine.run_until_idle()
+    assert engine.queue_length == 0 and engine.live_slots == 0

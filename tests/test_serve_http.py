@@ -1,0 +1,295 @@
+"""The HTTP server, in-process on 127.0.0.1 with an ephemeral port, through the official
+`openai` client and raw `httpx`: answers equal `decode.generate` run alone, streaming, errors,
+backpressure and disconnects."""
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import uvicorn
+from conftest import FakeTokenizer
+from kvjax.serve import GenerationRequest, chat
+from kvjax.serve.server import build_app
+
+from kvjax import decode
+from kvjax.text import LoadedModel, prompt_tokens
+
+MODEL = "tiny-lm"
+TIMEOUT = 30.0
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_lm):
+    config, _, params = tiny_lm
+    return LoadedModel(config, FakeTokenizer(), params, f"/checkpoints/{MODEL}")
+
+
+@pytest.fixture(scope="module")
+def server(loaded):
+    """The base URL of a running server, and its app."""
+    app = build_app(loaded, max_slots=4, max_queue=64, chunk_size=4, prefill_batch=4)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + TIMEOUT
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}", app
+    server.should_exit = True
+    thread.join(TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", timeout=TIMEOUT,
+                         max_retries=0)
+
+
+def expected_text(loaded, prompt, max_tokens):
+    """What greedy `decode.generate` makes from `prompt` alone, as text."""
+    tokens = decode.generate(loaded.net, loaded.params, [prompt_tokens(loaded, prompt)],
+                             max_new_tokens=max_tokens,
+                             eos_ids=loaded.tokenizer.stop_ids).token_lists()[0]
+    return FakeTokenizer.decode([t for t in tokens if t not in loaded.tokenizer.stop_ids])
+
+
+def live_slots(url):
+    text = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
+    return float(next(line.split()[1] for line in text.splitlines()
+                      if line.startswith("kvjax_live_slots ")))
+
+
+def test_concurrent_completions_each_equal_generate_alone(server, client, loaded):
+    rng = np.random.default_rng(0)
+    prompts = ["".join(chr(97 + int(c)) for c in rng.integers(0, 26, rng.integers(1, 8)))
+               for _ in range(16)]
+    lengths = [int(m) for m in rng.integers(1, 8, len(prompts))]
+
+    async def ask_all():
+        async with openai.AsyncOpenAI(base_url=f"{server[0]}/v1", api_key="unused",
+                                      timeout=TIMEOUT, max_retries=0) as aclient:
+            async def ask(prompt, max_tokens, delay):
+                await asyncio.sleep(delay)  # arriving at random times
+                return await aclient.completions.create(
+                    model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
+
+            return await asyncio.gather(*(
+                ask(p, m, float(d)) for p, m, d in zip(prompts, lengths,
+                                                     rng.uniform(0, 0.2, len(prompts)),
+                                                     strict=True)))
+
+    answers = asyncio.run(ask_all())
+    for prompt, max_tokens, answer in zip(prompts, lengths, answers, strict=True):
+        assert answer.choices[0].text == expected_text(loaded, prompt, max_tokens)
+        assert answer.usage.prompt_tokens == len(prompt) + 1  # the document prefix
+    assert live_slots(server[0]) == 0
+
+
+def test_chat_streams_the_text_it_answers_whole_with_usage_last(client):
+    settings = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                    temperature=0.9, seed=3, n=2)
+    whole = client.chat.completions.create(**settings)
+    chunks = list(client.chat.completions.create(**settings, stream=True,
+                                                 stream_options={"include_usage": True}))
+    texts = {0: "", 1: ""}
+    for chunk in chunks[:-1]:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert [texts[i] for i in (0, 1)] == [c.message.content for c in whole.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == \
+        whole.usage.completion_tokens
+    # "user: hi\nassistant:" after the document prefix
+    assert whole.usage.prompt_tokens == 1 + len("user: hi\nassistant:")
+
+
+def test_logprobs_are_the_models_and_include_the_chosen_token(client, loaded):
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        temperature=0, logprobs=True, top_logprobs=3)
+    content = answer.choices[0].logprobs.content
+    assert len(content) == answer.usage.completion_tokens
+    for entry in content:  # greedy: the chosen token is the likeliest
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+    completion = client.completions.create(model=MODEL, prompt="abc", max_tokens=4,
+                                           temperature=0, logprobs=2)
+    assert len(completion.choices[0].logprobs.token_logprobs) == 4
+
+
+def test_echo_scores_a_text_as_cached_decoding_does(client, loaded):
+    """The prompt logprobs of a text that greedy decoding wrote equal decoding's own."""
+    start = prompt_tokens(loaded, "ab")
+    made = decode.generate(loaded.net, loaded.params, [start], max_new_tokens=4,
+                           return_logprobs=True)
+    assert made.lengths[0] == 4
+    text = start + made.tokens[0].tolist()
+    answer = client.completions.create(model=MODEL, prompt=text, max_tokens=0, echo=True,
+                                       logprobs=1)
+    logprobs = answer.choices[0].logprobs
+    assert answer.choices[0].text == FakeTokenizer.decode(text)  # echo: the prompt as given
+    assert logprobs.token_logprobs[0] is None and len(logprobs.token_logprobs) == len(text)
+    np.testing.assert_allclose(logprobs.token_logprobs[-4:], made.logprobs[0], atol=1e-4)
+    for chosen, top in zip(logprobs.token_logprobs[-4:], logprobs.top_logprobs[-4:],
+                           strict=True):
+        assert max(top.values()) == pytest.approx(chosen, abs=1e-4)  # greedy took the top
+
+
+def test_stream_framing_is_server_sent_events_ending_with_done(server):
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 5, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server[0]}/v1/completions", json=body,
+                      timeout=TIMEOUT) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in events)
+    assert events[-1] == "data: [DONE]"
+    last = json.loads(events[-2][len("data: "):])
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] <= 5
+    finishes = [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events[:-2]]
+    assert finishes[-1] in ("stop", "length") and not any(finishes[:-1])
+
+
+def test_under_load_every_request_is_answered_once_and_no_slot_leaks(server):
+    url, count, clients = server[0], 120, 24
+    rng = np.random.default_rng(1)
+    bodies = [{"model": MODEL, "prompt": "x" * int(rng.integers(1, 8)),
+               "max_tokens": int(rng.integers(1, 8)), "temperature": 0.7, "seed": i,
+               "stream": bool(i % 2)} for i in range(count)]
+
+    async def load():
+        gate = asyncio.Semaphore(clients)
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as http:
+            async def send(body):
+                async with gate:
+                    response = await http.post("/v1/completions", json=body)
+                    if not body["stream"]:
+                        return response.status_code, [response.json()["choices"][0]]
+                    events = [line[6:] for line in response.text.splitlines() if line]
+                    assert events[-1] == "[DONE]"
+                    return response.status_code, [json.loads(e)["choices"][0]
+                                                  for e in events[:-1]]
+
+            return await asyncio.gather(*(send(b) for b in bodies))
+
+    answers = asyncio.run(load())
+    assert all(status == 200 for status, _ in answers)
+    for body, (_, choices) in zip(bodies, answers, strict=True):
+        finishes = [c["finish_reason"] for c in choices if c["finish_reason"]]
+        assert len(finishes) == 1 and finishes[0] in ("stop", "length")
+        assert len("".join(c["text"] for c in choices)) <= body["max_tokens"]
+    assert live_slots(url) == 0
+    assert metric(url, "kvjax_queue_length") == 0
+
+
+@pytest.mark.parametrize("body, status, message", [
+    ("{not json", 400, "not valid JSON"),
+    ({"model": MODEL, "prompt": "a", "temperature": "hot"}, 400, "temperature='hot' must be "
+                                                                 "a number"),
+    ({"model": MODEL, "prompt": "a", "top_p": 1.5}, 400, "top_p=1.5 must be in (0, 1]"),
+    ({"model": MODEL, "prompt": "a" * 60, "max_tokens": 8}, 400, "61 tokens and max_tokens "
+                                                                 "is 8"),
+    ({"model": MODEL, "prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty=0.5 is "
+                                                                   "not supported"),
+    ({"model": MODEL, "prompt": "a", "n": 0}, 400, "n=0 must be >= 1"),
+    ({"model": MODEL, "prompt": "a", "stop": [1]}, 400, "stop=[1] must be a string"),
+    ({"model": "gpt-4", "prompt": "a"}, 404, "The model `gpt-4` does not exist"),
+])
+def test_bad_requests_get_openai_errors_naming_the_value(server, body, status, message):
+    content = body if isinstance(body, str) else json.dumps(body)
+    response = httpx.post(f"{server[0]}/v1/completions", content=content, timeout=TIMEOUT,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == status
+    assert message in response.json()["error"]["message"]
+
+
+def test_chat_uses_the_tokenizers_template_or_the_plain_one():
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    assert chat.render(FakeTokenizer(), messages) == (
+        "system: Be brief.\nuser: hi\nassistant:", False)
+
+    class Templated(FakeTokenizer):
+        chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+    assert chat.render(Templated(), messages) == (
+        "<system>Be brief.<user>hi<assistant>", True)
+    with pytest.raises(ValueError, match=r"messages\[1\].role='robot' must be one of"):
+        chat.render(FakeTokenizer(), [messages[0], {"role": "robot", "content": "x"}])
+
+
+def test_the_client_sees_an_unknown_model_as_not_found(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user",
+                                                                 "content": "hi"}])
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_a_full_queue_answers_429_with_retry_after(loaded):
+    # An app whose engine is not running (no lifespan): what is queued stays queued.
+    app = build_app(loaded, max_slots=4, max_queue=2, chunk_size=4)
+    engine = app.state.engine
+    for _ in range(2):
+        engine.submit(GenerationRequest((5, 6)), lambda delta: None)
+
+    async def post():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            return await http.post("/v1/completions", json={"model": MODEL, "prompt": "a"})
+
+    response = asyncio.run(post())
+    assert response.status_code == 429
+    assert response.headers["retry-after"] == "1"
+    assert "max_queue=2" in response.json()["error"]["message"]
+
+
+@pytest.fixture
+def slow_engine(server, monkeypatch):
+    """The server's engine taking 50 ms more per chunk, so a request outlives a disconnect."""
+    engine = server[1].state.engine
+    decode_chunk = engine._decode_chunk
+
+    def slow():
+        time.sleep(0.05)
+        decode_chunk()
+
+    monkeypatch.setattr(engine, "_decode_chunk", slow)
+    return engine
+
+
+def metric(url, name):
+    text = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name))
+
+
+def wait_for_free_slots(url):
+    deadline = time.monotonic() + TIMEOUT
+    while live_slots(url) != 0:
+        assert time.monotonic() < deadline, "a slot stayed taken"
+        time.sleep(0.02)
+
+
+def test_a_client_that_disconnects_frees_its_slot(server, slow_engine):
+    url = server[0]
+    generated = metric(url, "kvjax_generated_tokens_total")
+    # Greedy: this prompt makes no stop id in 56 tokens, so only a disconnect ends it early.
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 56, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT) as response:
+        next(response.iter_lines())  # the first token's chunk: the request holds a slot
+    wait_for_free_slots(url)
+    # Not streaming: the client gives up waiting.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=0.3)
+    wait_for_free_slots(url)
+    assert metric(url, 'kvjax_requests_total{outcome="disconnected"}') == 2
+    assert metric(url, "kvjax_generated_tokens_total") - generated < 2 * 56
