@@ -199,15 +199,21 @@ def insert(state: SlotState, prefix_cache: M.KVCache, next_logits_PV, context_PC
     def put(all_B, new_R):  # rows of `new` into the slots
         return all_B.at[slots_R].set(new_R, mode="drop", unique_indices=True)
 
-    def put_kv(stack_LBKSH, prefix_LPKSH):  # the prefix's first slots of each slot's row
-        index = (slice(None), slots_R, slice(None), slice(0, prefix_LPKSH.shape[3]))
-        return stack_LBKSH.at[index].set(jnp.take(prefix_LPKSH, rows_R, axis=1), mode="drop",
+    def put_kv(stack_LBKS_, prefix_LPKS_):  # the prefix's first slots of each slot's row
+        # [L, B, K, S, H] values or, for an int8 cache, [L, B, K, S] scales.
+        index = (slice(None), slots_R, slice(None), slice(0, prefix_LPKS_.shape[3]))
+        return stack_LBKS_.at[index].set(jnp.take(prefix_LPKS_, rows_R, axis=1), mode="drop",
                                          unique_indices=True)
+
+    def put_stacks(stacks, prefix_stacks):
+        return None if stacks is None else tuple(map(put_kv, stacks, prefix_stacks))
 
     cache = state.cache
     cache = cache.replace(
-        k=tuple(map(put_kv, cache.k, prefix_cache.k)),
-        v=tuple(map(put_kv, cache.v, prefix_cache.v)),
+        k=put_stacks(cache.k, prefix_cache.k),
+        v=put_stacks(cache.v, prefix_cache.v),
+        k_scale=put_stacks(cache.k_scale, prefix_cache.k_scale),
+        v_scale=put_stacks(cache.v_scale, prefix_cache.v_scale),
         lengths=put(cache.lengths, prefix_cache.lengths[rows_R]),
         overflow=put(cache.overflow, jnp.zeros(rows_R.shape, bool)))
     context_RC = jnp.pad(context_PC[rows_R],

@@ -8,6 +8,7 @@ from kvjax.decode.tracing import trace_count
 from kvjax.serve import Engine, GenerationRequest, QueueFull
 
 from kvjax import decode
+from kvjax import model as M
 
 SLOTS, CHUNK = 4, 4
 
@@ -158,3 +159,26 @@ def test_a_full_queue_refuses_more(engine):
         ticket.cancel()
     engine.run_until_idle()
     assert engine.queue_length == 0 and engine.live_slots == 0
+
+
+def test_an_int8_cache_serves_what_generate_makes_with_it(tiny_lm):
+    # The slots hold the prefix's int8 values and their scales: a slot that got the values
+    # without the scales would attend over garbage from its first step.
+    config, _, params = tiny_lm
+    config, params = M.with_precision(config, params, cache_dtype="int8")
+    engine = Engine(config, params, max_slots=2, chunk_size=CHUNK, max_queue=4,
+                    prefill_batch=2, tokenizer=FakeTokenizer())
+    requests = [GenerationRequest(prompt(20 + i, n), max_tokens=6)
+                for i, n in enumerate((4, 7, 5))]
+    net = M.build_model(config)
+    alone = [decode.generate(net, params, [list(r.prompt)], max_new_tokens=r.max_tokens,
+                             return_logprobs=True) for r in requests]
+    collectors = [Collector() for _ in requests]
+    for request, collector in zip(requests, collectors, strict=True):
+        engine.submit(request, collector)
+    engine.run_until_idle()
+    assert [c.tokens() for c in collectors] == [out.token_lists()[0] for out in alone]
+    # A random model's greedy tokens barely depend on the prompt; its logprobs do.
+    for collector, out in zip(collectors, alone, strict=True):
+        logprobs = [p for d in collector.deltas for p in d.logprobs]
+        np.testing.assert_allclose(logprobs, out.logprobs[0, :len(logprobs)], atol=1e-5)
