@@ -11,8 +11,9 @@ from kvjax.model.config import cache_size_bytes
 from kvjax import cli
 from kvjax import model as M
 
-SUBCOMMANDS = (["demo"], ["train"], ["sample"], ["import-hf"], ["cache-size"],
-               ["bench", "decode"], ["bench", "train"])
+SUBCOMMANDS = (["demo"], ["train"], ["sample"], ["serve"], ["import-hf"], ["cache-size"],
+               ["bench", "decode"], ["bench", "train"], ["bench", "serve"],
+               ["bench", "speculative"], ["bench", "precision"])
 
 
 

@@ -92,6 +92,14 @@ def test_sample_streams_a_translation_from_the_command_line(capsys):
     assert "stop: eos" in out
 
 
+def test_sample_with_an_int8_cache_and_speculation_translates_the_same(capsys):
+    assert cli.main(["sample", "--checkpoint", str(NUMBERS), "--prompt", "4021",
+                     "--cache-dtype", "int8", "--speculative", "ngram"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("4021 -> four thousand twenty-one\n"), out
+    assert "[speculative ngram: " in out and " drafted tokens accepted (" in out, out
+
+
 def test_streamed_text_pieces_add_up_to_the_result(lm):
     pieces = []
     result = text.sample_text(lm, "The for statement", max_new_tokens=40, temperature=0.8,

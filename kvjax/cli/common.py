@@ -63,6 +63,27 @@ def add_command(commands, name: str, help_text: str) -> argparse.ArgumentParser:
                                formatter_class=Formatter)
 
 
+def add_precision(parser: argparse.ArgumentParser) -> None:
+    """--dtype and --cache-dtype, applied to a loaded model by `with_precision`."""
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
+                        help="params, compute and cache dtype (default: the checkpoint's)")
+    parser.add_argument("--cache-dtype", choices=CACHE_DTYPE_NAMES, default=None,
+                        help="KV cache dtype; int8 stores K and V as int8 with a float32 scale "
+                             "per token and kv head (default: --dtype)")
+
+
+def with_precision(loaded, args):
+    """`loaded` (a `kvjax.text.LoadedModel`) in the precision --dtype/--cache-dtype ask for."""
+    if args.dtype is None and args.cache_dtype is None:
+        return loaded
+    import dataclasses
+
+    from kvjax import model as M
+
+    config, params = M.with_precision(loaded.config, loaded.params, args.dtype, args.cache_dtype)
+    return dataclasses.replace(loaded, config=config, params=params)
+
+
 def schedule(args) -> dict:
     """--steps and --warmup-steps as training overrides; warmup scales down with few steps."""
     overrides = {}

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
-from .common import CACHE_DTYPE_NAMES, DTYPE_NAMES, add_command, count, positive, seed
+from .common import add_command, add_precision, count, positive, seed, with_precision
 
 
 def add_sample(commands) -> None:
@@ -36,11 +35,7 @@ def add_sample(commands) -> None:
     sample.add_argument("--beams", type=positive, default=1,
                         help="beam search with this many beams (1 = sampling as above)")
     sample.add_argument("--seed", type=seed, default=0, help="sampling seed")
-    sample.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
-                        help="params, compute and cache dtype (default: the checkpoint's)")
-    sample.add_argument("--cache-dtype", choices=CACHE_DTYPE_NAMES, default=None,
-                        help="KV cache dtype; int8 stores K and V as int8 with a float32 scale "
-                             "per token and kv head (default: --dtype)")
+    add_precision(sample)
     sample.add_argument("--speculative", choices=["ngram"], default=None,
                         help="ngram: draft tokens by prompt lookup (a copy of what follows the "
                              "latest earlier occurrence of the last --ngram-size tokens) and "
@@ -56,13 +51,7 @@ def add_sample(commands) -> None:
 def run_sample(args) -> int:
     from kvjax import text
 
-    loaded = text.load(args.checkpoint)
-    if args.dtype is not None or args.cache_dtype is not None:
-        from kvjax import model as M
-
-        config, params = M.with_precision(loaded.config, loaded.params, args.dtype,
-                                          args.cache_dtype)
-        loaded = dataclasses.replace(loaded, config=config, params=params)
+    loaded = with_precision(text.load(args.checkpoint), args)
     speculative = None  # checked before the echo, as the prompt is
     if args.speculative:
         from kvjax import decode

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import add_command, positive
+from .common import add_command, add_precision, positive, with_precision
 
 
 def add_serve(commands) -> None:
@@ -29,6 +29,7 @@ def add_serve(commands) -> None:
                        help="compile every program (each prompt-length bucket and prefill "
                             "batch) before listening, so that no request waits for a "
                             "compilation (default: compile each when a request first needs it)")
+    add_precision(serve)
     serve.set_defaults(run=run_serve)
 
 
@@ -38,7 +39,7 @@ def run_serve(args) -> int:
     from kvjax import text
     from kvjax.serve.server import build_app
 
-    loaded = text.load(args.checkpoint)
+    loaded = with_precision(text.load(args.checkpoint), args)
     app = build_app(loaded, model_name=args.model_name, max_slots=args.max_slots,
                     max_queue=args.max_queue, max_len=args.max_len, chunk_size=args.chunk_size,
                     prefill_batch=args.prefill_batch, warm_up=args.warm_up)
