@@ -1,7 +1,10 @@
 """Chat messages as one prompt text.
 
 A tokenizer that brings a chat template (a Jinja2 string in `chat_template`, as Hugging Face
-tokenizers carry) renders the messages its own way, with `add_generation_prompt=True`.
+tokenizers carry) renders the messages its own way, as transformers' `apply_chat_template`
+does with `add_generation_prompt=True`: the same sandboxed environment and helpers, the
+tokenizer's named special tokens (`bos_token`, `eos_token`, ...) as variables. Each
+message reaches the template as {"role", "content"}, its content as one string.
 kvjax's own models were trained on plain text, so they get the plain template: each message
 on its own line as `role: content`, then `assistant:` for the model to continue,
 
@@ -13,6 +16,9 @@ on its own line as `role: content`, then `assistant:` for the model to continue,
 
 from __future__ import annotations
 
+import datetime
+import functools
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,12 +63,65 @@ def render(tokenizer: Any, messages: Sequence[Any]) -> tuple[str, bool]:
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         return plain_prompt(pairs), False
+    special = getattr(tokenizer, "special_tokens", None)
+    if special is None:
+        special = {name: getattr(tokenizer, name, "") or "" for name in ("bos_token", "eos_token")}
+    import jinja2
+
+    try:
+        text = _compiled(template).render(
+            messages=[{"role": r, "content": c} for r, c in pairs], tools=None, documents=None,
+            add_generation_prompt=True, **special)
+    except jinja2.TemplateError as error:  # raise_exception's message included
+        raise ValueError(f"the model's chat template refused these messages: {error}") from None
+    return text, True
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(template: str):
+    """`template` compiled in the environment transformers renders chat templates in: a
+    sandbox (templates come with downloaded models), blocks trimmed, loop controls,
+    `raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII text, and a
+    `{% generation %}` block that renders its body."""
+    import jinja2
+    import jinja2.ext
     import jinja2.sandbox
 
-    environment = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True,
-                                                               lstrip_blocks=True)
-    text = environment.from_string(template).render(
-        messages=[{"role": r, "content": c} for r, c in pairs], add_generation_prompt=True,
-        bos_token=getattr(tokenizer, "bos_token", "") or "",
-        eos_token=getattr(tokenizer, "eos_token", "") or "")
-    return text, True
+    def raise_exception(message):
+        raise jinja2.TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)
+
+    environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True,
+        extensions=[_generation_block(), jinja2.ext.loopcontrols])
+    environment.filters["tojson"] = tojson
+    environment.globals["raise_exception"] = raise_exception
+    environment.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    try:
+        return environment.from_string(template)
+    except jinja2.TemplateSyntaxError as error:
+        raise ValueError(f"the model's chat template does not parse: {error}") from None
+
+
+def _generation_block():
+    """The `{% generation %}...{% endgeneration %}` tag (transformers marks the assistant's
+    tokens with it, for training masks): here it renders what it holds."""
+    import jinja2.ext
+    import jinja2.nodes
+
+    class GenerationBlock(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            line = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [],
+                                          body).set_lineno(line)
+
+        def _body(self, caller):
+            return caller()
+
+    return GenerationBlock

@@ -25,12 +25,13 @@ from collections.abc import Callable, Iterable
 
 import jax
 import numpy as np
-from kvjax.decode.generate import bucket
+from kvjax.decode.generate import bucket, placement
 from kvjax.decode.loop import StopReason
 from kvjax.decode.prompt_state import prefill_state
 from kvjax.decode.sampling import SamplingParams
 
 from kvjax import model as M
+from kvjax import parallel
 from kvjax.text import _RowText as RowText  # one sample's text, stop strings and all
 from kvjax.tokenizer import TextTokenizer
 
@@ -77,12 +78,14 @@ class Engine:
     stop strings can end it. Up to `prefill_batch` waiting prompts are prefilled in one
     call (the number rounded up to a power of two: a few programs serve every count).
     `metrics` (optional, see `metrics.ServeMetrics`) is told of the load, first tokens and
-    token times."""
+    token times. On a `mesh` (or the one `params` are sharded over) the slots are split over
+    its `data` axis, each device decoding its share, and the params over `model` by
+    `kvjax.parallel`'s rules; `max_slots` must be a multiple of `data`."""
 
     def __init__(self, config: M.TransformerConfig, params, *,
                  tokenizer: TextTokenizer | None = None, max_slots: int = 16,
                  max_len: int | None = None, chunk_size: int = 8, max_queue: int = 64,
-                 prefill_batch: int = 8, metrics=None):
+                 prefill_batch: int = 8, metrics=None, mesh=None):
         capacity = config.max_len if max_len is None else max_len
         for name, value in (("max_slots", max_slots), ("max_len", capacity),
                             ("chunk_size", chunk_size), ("max_queue", max_queue),
@@ -91,11 +94,17 @@ class Engine:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
         if capacity > config.max_len:
             raise ValueError(f"max_len={capacity} exceeds the model's max_len {config.max_len}")
+        on = parallel.mesh_of(params) if mesh is None else mesh
+        if on is not None and max_slots % on.shape[parallel.DATA]:
+            raise ValueError(f"max_slots={max_slots} must be a multiple of the mesh's "
+                             f"data={on.shape[parallel.DATA]}: each device holds as many "
+                             f"slots")
+        self.mesh, params = placement(config, params, mesh)
         self.config, self.params, self.tokenizer = config, params, tokenizer
         self.capacity, self.chunk_size, self.max_queue = capacity, chunk_size, max_queue
         self.prefill_batch = prefill_batch
         self.metrics = metrics
-        self.state = slots.empty_state(config, max_slots, capacity)
+        self.state = slots.empty_state(config, max_slots, capacity, self.mesh)
         self._slots: list[_Sample | None] = [None] * max_slots
         self._pending: collections.deque[Ticket] = collections.deque()
         self._wake = threading.Condition()
@@ -146,11 +155,13 @@ class Engine:
             self.state, _ = slots.insert(  # slot `max_slots`: compiled, nothing inserted
                 self.state, *prefilled, np.zeros(count, np.int32),
                 np.full(count, self.max_slots, np.int32),
-                _row_settings([(GenerationRequest((0,), seed=0), 0)] * count))
+                _row_settings([(GenerationRequest((0,), seed=0), 0)] * count),
+                mesh=self.mesh)
         self.state, _ = slots.decode_chunk(self.config, self.params, self.state,
                                            np.zeros(self.max_slots, bool), np.bool_(False),
-                                           self.chunk_size)
-        self.state = slots.empty_state(self.config, self.max_slots, self.capacity)
+                                           self.chunk_size, mesh=self.mesh)
+        self.state = slots.empty_state(self.config, self.max_slots, self.capacity,
+                                       self.mesh)
 
     def start(self) -> None:
         """Runs the loop on a thread of its own until `close`."""
@@ -246,7 +257,8 @@ class Engine:
             self.state, first = slots.insert(
                 self.state, *prefilled, np.array([r for r, _, _ in group] + [0] * spare,
                                                  np.int32),
-                np.array(group_slots + [self.max_slots] * spare, np.int32), settings)
+                np.array(group_slots + [self.max_slots] * spare, np.int32), settings,
+                mesh=self.mesh)
             first = jax.device_get(first)
             for k, ((_, ticket, index), slot) in enumerate(zip(group, group_slots,
                                                                strict=True)):
@@ -260,7 +272,8 @@ class Engine:
         keep = np.array([s is not None and not s.ticket.cancelled for s in self._slots])
         want_top = any(s is not None and s.ticket.request.logprobs for s in self._slots)
         self.state, emitted = slots.decode_chunk(self.config, self.params, self.state,
-                                                 keep, np.bool_(want_top), self.chunk_size)
+                                                 keep, np.bool_(want_top), self.chunk_size,
+                                                 mesh=self.mesh)
         emitted = jax.device_get(emitted)
         for slot, sample in enumerate(self._slots):
             if sample is None:
@@ -329,7 +342,8 @@ class Engine:
             self._pending.clear()
         tickets.update({id(s.ticket): s.ticket for s in self._slots if s is not None})
         self._slots = [None] * self.max_slots
-        self.state = slots.empty_state(self.config, self.max_slots, self.capacity)
+        self.state = slots.empty_state(self.config, self.max_slots, self.capacity,
+                                       self.mesh)
         for ticket in tickets.values():
             ticket.on_delta(error)
 

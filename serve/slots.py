@@ -30,6 +30,7 @@ from kvjax.decode.sampling import SamplingParams, filter_logits
 from kvjax.decode.tracing import count_trace
 
 from kvjax import model as M
+from kvjax import parallel
 
 MAX_STOP_IDS = 8  # stop ids travel as a fixed-size row so their number never recompiles
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat; completions ask for at most 5
@@ -103,11 +104,20 @@ def seed_key(seed: int) -> np.ndarray:
     return np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
 
 
-def empty_state(config: M.TransformerConfig, num_slots: int, capacity: int) -> SlotState:
-    """Every slot free."""
+def empty_state(config: M.TransformerConfig, num_slots: int, capacity: int,
+                mesh=None) -> SlotState:
+    """Every slot free; on `mesh`, made in the layout the programs keep it in (slots split
+    over `data`, kv heads over `model`: `parallel.constrain_rows`), so that their first call
+    compiles for the layout every later one sees."""
     if config.is_encoder_decoder:
         raise ValueError("the serving engine runs decoder-only language models; this "
                          "checkpoint is an encoder-decoder")
+    if mesh is None:
+        return _free_slots(config, num_slots, capacity)
+    return _free_slots_on(config, num_slots, capacity, mesh)
+
+
+def _free_slots(config: M.TransformerConfig, num_slots: int, capacity: int) -> SlotState:
     def zeros():  # one buffer per field: the programs donate each of them
         return jnp.zeros((num_slots,), jnp.int32)
 
@@ -122,6 +132,11 @@ def empty_state(config: M.TransformerConfig, num_slots: int, capacity: int) -> S
         running=jnp.zeros((num_slots,), bool),
         stop_reason=zeros(),
     )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _free_slots_on(config: M.TransformerConfig, num_slots: int, capacity: int, mesh):
+    return parallel.constrain_rows(_free_slots(config, num_slots, capacity), mesh)
 
 
 def choose(logits_BV, context_BC, context_lengths_B, sampling: SamplingParams, keys_B2,
@@ -182,15 +197,16 @@ def _record(state: SlotState, token_B, live_B) -> SlotState:
     )
 
 
-@functools.partial(jax.jit, donate_argnums=0)
+@functools.partial(jax.jit, donate_argnums=0, static_argnames="mesh")
 def insert(state: SlotState, prefix_cache: M.KVCache, next_logits_PV, context_PC,
-           context_lengths_P, rows_R, slots_R, settings: RowSettings):
+           context_lengths_P, rows_R, slots_R, settings: RowSettings, mesh=None):
     """The state with R samples inserted and their first tokens sampled, and those tokens'
     `Emitted` [R, 1]. Sample r is prompt `rows[r]` of P prefilled ones (`prefix_cache`,
     whose capacity is at most the slots', the logits of each prompt's next token, its
     context), inserted into slot `slots[r]`; a slot past the last one inserts nothing
     (padding). What a slot's row held past the prompt is left: its length masks it. The rows and
-    slots are traced: any prompts into any slots is one program per (P, R)."""
+    slots are traced: any prompts into any slots is one program per (P, R). On `mesh` the
+    state keeps its layout (see `empty_state`)."""
     count_trace("serve_insert")
     keys_R2 = jax.vmap(lambda seed, sample: jax.random.key_data(
         jax.random.fold_in(jax.random.wrap_key_data(seed), sample)))(settings.seed,
@@ -235,7 +251,7 @@ def insert(state: SlotState, prefix_cache: M.KVCache, next_logits_PV, context_PC
         next_logits_PV[rows_R], context_RC, context_lengths_R, settings.sampling, keys_R2,
         jnp.zeros(rows_R.shape, jnp.int32))
     token_B = jnp.zeros(state.num_slots, jnp.int32).at[slots_R].set(token_R, mode="drop")
-    state = _record(state, token_B, live_B)
+    state = parallel.constrain_rows(_record(state, token_B, live_B), mesh)
     in_range_R = jnp.minimum(slots_R, state.num_slots - 1)
     first = Emitted(tokens=token_R[:, None], logprobs=logprob_R[:, None],
                     top_ids=top_ids_RW[:, None], top_logprobs=top_logprobs_RW[:, None],
@@ -244,12 +260,13 @@ def insert(state: SlotState, prefix_cache: M.KVCache, next_logits_PV, context_PC
     return state, first
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=2)
+@functools.partial(jax.jit, static_argnums=(0, 5), static_argnames="mesh", donate_argnums=2)
 def decode_chunk(config: M.TransformerConfig, params, state: SlotState, keep_B, want_top,
-                 steps: int):
+                 steps: int, mesh=None):
     """Up to `steps` decode steps over every running slot (after stopping those whose `keep`
     is False): (state, `Emitted` [B, steps]). The top logprobs are left out (zeros) unless
-    `want_top` (a traced bool): some request asked for them."""
+    `want_top` (a traced bool): some request asked for them. On `mesh` each device steps
+    its own slots, the state kept in its layout (see `empty_state`)."""
     count_trace("serve_chunk")
     running_B = state.running & keep_B
     # A free slot's cache row holds nothing the attention needs to read.
@@ -263,7 +280,11 @@ def decode_chunk(config: M.TransformerConfig, params, state: SlotState, keep_B, 
         top_logprobs=jnp.zeros((batch, steps, width), jnp.float32),
         counts=jnp.zeros((batch,), jnp.int32), running=running_B,
         stop_reason=state.stop_reason)
-    tokens_to_logits = M.step_fn(config, params)
+    step_fn = M.step_fn(config, params)
+
+    def tokens_to_logits(tokens_B1, cache, lengths_B):  # the cache kept in its layout
+        logits_B1V, cache = step_fn(tokens_B1, cache, lengths_B)
+        return logits_B1V, parallel.constrain_rows(cache, mesh)
 
     def cond_fn(carry):
         step, state, _ = carry
@@ -289,8 +310,9 @@ def decode_chunk(config: M.TransformerConfig, params, state: SlotState, keep_B, 
             top_ids=emitted.top_ids.at[:, step].set(top_ids_BW),
             top_logprobs=emitted.top_logprobs.at[:, step].set(top_logprobs_BW),
             counts=emitted.counts + live_B)
-        return step + 1, state, emitted
+        return step + 1, parallel.constrain_rows(state, mesh), emitted
 
     _, state, emitted = jax.lax.while_loop(
-        cond_fn, body_fn, (jnp.zeros((), jnp.int32), state, emitted))
+        cond_fn, body_fn, (jnp.zeros((), jnp.int32), parallel.constrain_rows(state, mesh),
+                           emitted))
     return state, emitted.replace(running=state.running, stop_reason=state.stop_reason)

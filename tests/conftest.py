@@ -9,7 +9,10 @@ import os
 
 # No persistent compilation cache: jax 0.10.2 sometimes crashes (a segmentation fault in
 # `executable.serialize()`, inside `compilation_cache.put_executable_and_time`) while writing
-# an entry, which takes a whole xdist worker down. Each process compiles what it runs.
+# an entry, which takes a whole xdist worker down. Each process compiles what it runs: the
+# command line's default cache (`kvjax sample`, `kvjax serve`) is off here and in every
+# subprocess, and never fills the user's cache directory.
+os.environ["KVJAX_COMPILATION_CACHE"] = "off"
 
 # Most of the suite's time is XLA compiling hundreds of small programs, and on CPU LLVM's
 # optimizations are most of that. The tests check what programs compute, not how fast, so

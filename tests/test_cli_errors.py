@@ -39,6 +39,7 @@ def assert_one_line(err: str, *fragments: str) -> None:
     (["train", "--task", "lm", "--allow-changes"], ["--allow-changes only applies with"]),
     (["train", "--task", "lm", "--heldout", "5"], ["--heldout applies to --task translate"]),
     (["demo", "--warmup-steps", "-1"], ["argument --warmup-steps: must be >= 0"]),
+    (["serve", "--checkpoint", "x", "--mesh", "data=3"], ["mesh data=3 needs 3 devices"]),
 ])
 def test_misuse_is_one_line_with_exit_code_2(capsys, monkeypatch, argv, fragments):
     monkeypatch.chdir(Path(__file__).resolve().parent.parent)

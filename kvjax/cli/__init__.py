@@ -27,9 +27,11 @@ import sys
 import warnings
 from collections.abc import Sequence
 
+from . import compilation_cache
 from .bench import add_bench
 from .cache_size import add_cache_size
 from .common import LAYER_MODES, PRESET_NAMES, Formatter, Parser, schedule
+from .compilation_cache import ENVIRONMENT_VARIABLE
 from .demo import add_demo
 from .errors import fail, not_an_orbax_leftover, one_line_warnings, quiet_orbax_leftovers
 from .import_hf import add_import_hf
@@ -50,9 +52,14 @@ __all__ = ["COMMANDS", "LAYER_MODES", "PRESET_NAMES", "build_parser", "console_m
 
 def build_parser() -> Parser:
     parser = Parser(prog="kvjax", description=__doc__, formatter_class=Formatter)
-    parser.add_argument("--compilation-cache", metavar="DIR", default=None,
-                        help="keep compiled programs in DIR so that the next run skips "
-                             "compiling them (off when not given)")
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument("--compilation-cache", metavar="DIR", default=None,
+                       help="keep compiled programs in DIR so that the next run skips "
+                            "compiling them (default: sample and serve keep them in "
+                            "$XDG_CACHE_HOME/kvjax/jax or ~/.cache/kvjax/jax, or in "
+                            f"${ENVIRONMENT_VARIABLE} (off: nowhere); other commands nowhere)")
+    cache.add_argument("--no-compilation-cache", action="store_true",
+                       help="compile every program anew, keeping none")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add_command in COMMANDS:
         add_command(commands)
@@ -68,8 +75,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("default")
             warnings.showwarning = one_line_warnings(args.command, warnings.showwarning)
-            if args.compilation_cache:
-                _enable_compilation_cache(args.compilation_cache)
+            directory, named = compilation_cache.choose(
+                args.command, args.compilation_cache, args.no_compilation_cache, os.environ)
+            if directory is not None:
+                compilation_cache.use(directory, named)
             return args.run(args)
     except (ValueError, OSError) as error:  # CheckpointError is a ValueError
         return fail(args.command, error, 2)
@@ -100,23 +109,3 @@ def _host_devices(count: int) -> None:
     flag = f"--xla_force_host_platform_device_count={count}"
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
-
-
-def _enable_compilation_cache(directory: str) -> None:
-    from kvjax import enable_compilation_cache
-
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise NotADirectoryError(f"--compilation-cache {directory} is not a directory")
-    try:
-        enable_compilation_cache(directory)
-    except OSError as e:
-        raise OSError(f"--compilation-cache {directory} cannot be used: "
-                      f"{e.strerror or e}") from None
-    probe = os.path.join(directory, f".kvjax-write-test-{os.getpid()}")
-    try:
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as e:
-        raise OSError(f"--compilation-cache {directory} is not writable: "
-                      f"{e.strerror or e}") from None

@@ -29,6 +29,9 @@ def add_serve(commands) -> None:
                        help="compile every program (each prompt-length bucket and prefill "
                             "batch) before listening, so that no request waits for a "
                             "compilation (default: compile each when a request first needs it)")
+    serve.add_argument("--mesh", default=None, metavar="data=N,model=M",
+                       help="split the slots over N devices and the heads and FFN over M "
+                            "(--max-slots a multiple of N; default: one device)")
     add_precision(serve)
     serve.set_defaults(run=run_serve)
 
@@ -36,12 +39,13 @@ def add_serve(commands) -> None:
 def run_serve(args) -> int:
     import uvicorn
 
-    from kvjax import text
+    from kvjax import parallel, text
     from kvjax.serve.server import build_app
 
+    mesh = None if args.mesh is None else parallel.make_mesh(args.mesh)
     loaded = with_precision(text.load(args.checkpoint), args)
     app = build_app(loaded, model_name=args.model_name, max_slots=args.max_slots,
                     max_queue=args.max_queue, max_len=args.max_len, chunk_size=args.chunk_size,
-                    prefill_batch=args.prefill_batch, warm_up=args.warm_up)
+                    prefill_batch=args.prefill_batch, warm_up=args.warm_up, mesh=mesh)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0

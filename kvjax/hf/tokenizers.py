@@ -26,9 +26,12 @@ the directory by the files present:
 
 Special tokens come from tokenizer.json, tokenizer_config.json (or special_tokens_map.json)
 and the defaults of the class transformers would pick; `stop_ids` add generation_config.json's
-`eos_token_id`. `to_bytes` is a JSON bundle of the files read, which `from_bundle` (and
-`kvjax.tokenizer.tokenizer_from_bytes`) reads back: {"format": "kvjax-hf-tokenizer",
-"version": 1, "kind", "tokenizer_class", "files": {name: {"text" or "base64": ...}}}.
+`eos_token_id`. `chat_template` is the template `apply_chat_template` would render (from
+chat_template.jinja or tokenizer_config.json; `kvjax.serve.chat` renders it as transformers
+does), with `special_tokens` its named tokens' texts. `to_bytes` is a JSON bundle of the
+files read, which `from_bundle` (and `kvjax.tokenizer.tokenizer_from_bytes`) reads back:
+{"format": "kvjax-hf-tokenizer", "version": 1, "kind", "tokenizer_class", "files": {name:
+{"text" or "base64": ...}}}.
 The `tokenizers` package is needed for all but Marian.
 """
 
@@ -52,7 +55,7 @@ BUNDLE_VERSION = 1
 _KINDS = {"marian": ("source.spm", "target.spm", "vocab.json"),
           "tokenizer.json": ("tokenizer.json",), "tokenizer.model": ("tokenizer.model",)}
 _SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-               "target_vocab.json")
+               "target_vocab.json", "chat_template.jinja")
 _BINARY_SUFFIXES = (".model", ".spm")
 _LOOKED_FOR = "tokenizer.json, tokenizer.model, or source.spm + target.spm + vocab.json"
 
@@ -87,6 +90,9 @@ class HFTokenizer:
         # Other "*_token" strings (image_token, ...) are special tokens too.
         named.update({key: _token_spec(value) for key, value in config.items()
                       if key.endswith("_token") and key not in named and isinstance(value, str)})
+        # What a chat template reads besides the messages: {"bos_token": "<s>", ...}.
+        self.special_tokens = {key: spec["content"] for key, spec in named.items() if spec}
+        self.chat_template = _chat_template(files, config)
         if kind == "marian":
             self._backend = MarianBackend(files, config, named, _extra_specials(config) or [])
         else:
@@ -216,6 +222,19 @@ def _json_file(files: dict[str, bytes], name: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError(f"{name} holds a {type(value).__name__}, not an object")
     return value
+
+
+def _chat_template(files: dict[str, bytes], config: dict[str, Any]) -> str | None:
+    """The Jinja2 chat template transformers uses by default: chat_template.jinja, else
+    tokenizer_config.json's `chat_template`, a string or a list of named templates (then the
+    one named "default"); None for none."""
+    if "chat_template.jinja" in files:
+        return files["chat_template.jinja"].decode("utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template
+                         if isinstance(t, dict) and t.get("name") == "default"), None)
+    return template if isinstance(template, str) and template else None
 
 
 def _token_spec(value: Any) -> dict[str, Any] | None:

@@ -1,0 +1,59 @@
+"""The serving engine on a mesh: slots split over `data`, heads over `model`; every request
+gets the tokens the one-device engine gives it."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec
+from kvjax.serve import Engine, GenerationRequest
+
+from kvjax import model as M
+from kvjax import parallel
+
+SLOTS, CHUNK = 4, 4
+CONFIG = M.preset("tiny", positional_encoding="rope", num_kv_heads=2)
+
+
+def prompt(seed, length):
+    return tuple(int(t) for t in np.random.default_rng(seed).integers(3, 64, length))
+
+
+# Greedy requests of mixed lengths (one stopping at an id), two seeded samples, n=2: more
+# than the slots, so some wait for others to leave.
+REQUESTS = [GenerationRequest(prompt(i, 2 + i % 5), max_tokens=3 + 2 * i) for i in range(5)]
+REQUESTS[1] = GenerationRequest(REQUESTS[1].prompt, max_tokens=9, stop_ids=(7, 9, 11))
+REQUESTS += [GenerationRequest(prompt(9, 4), max_tokens=6, temperature=0.9, top_k=10,
+                               seed=3, n=2)]
+
+
+def serve(engine):
+    """Every request's tokens, by sample, submitted in two waves."""
+    deltas = [[] for _ in REQUESTS]
+    for i, request in enumerate(REQUESTS):
+        engine.submit(request, deltas[i].append)
+        if i == 2:
+            engine.step()
+    engine.run_until_idle()
+    assert engine.live_slots == 0
+    return [[[t for d in ds if d.index == k for t in d.token_ids] for k in range(r.n)]
+            for r, ds in zip(REQUESTS, deltas, strict=True)]
+
+
+def test_a_mesh_engine_gives_every_request_the_one_device_tokens():
+    params = M.init_params(CONFIG, jax.random.key(1))
+    want = serve(Engine(CONFIG, params, max_slots=SLOTS, chunk_size=CHUNK, prefill_batch=1))
+    mesh = parallel.make_mesh("data=2,model=2", jax.devices()[:4])
+    engine = Engine(CONFIG, params, max_slots=SLOTS, chunk_size=CHUNK, prefill_batch=1,
+                    mesh=mesh)
+    assert serve(engine) == want
+    assert sum(len(t) for ts in want for t in ts) > 30
+    # The slots stayed split: each data shard holds its own half of the cache rows.
+    stack = engine.state.cache.k[0]
+    assert stack.sharding.spec == PartitionSpec(None, parallel.DATA, parallel.MODEL)
+    assert engine.state.running.sharding.spec == PartitionSpec(parallel.DATA)
+
+
+def test_slots_must_divide_over_data():
+    mesh = parallel.make_mesh("data=4,model=2")
+    with pytest.raises(ValueError, match="max_slots=6 must be a multiple of the mesh's data=4"):
+        Engine(CONFIG, M.init_params(CONFIG, jax.random.key(1)), max_slots=6, mesh=mesh)

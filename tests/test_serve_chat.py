@@ -1,0 +1,115 @@
+"""Chat templates of imported models: `kvjax.serve.chat.render` against transformers'
+`apply_chat_template`, on a tiny Hugging Face tokenizer directory (tests/fixtures) given a
+ChatML-style template that uses what transformers' environment provides."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from kvjax.serve import chat
+
+from kvjax.hf.tokenizers import from_bundle, load_tokenizer
+
+pytest.importorskip("tokenizers")
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "hf_tokenizers" / "byte_bpe"
+
+TEMPLATE = (
+    "{{- bos_token }}\n"
+    "{%- for message in messages %}\n"
+    "{%- if message['role'] == 'tool' %}"
+    "{{ raise_exception('no tool messages here, got ' + (message['content'] | tojson)) }}"
+    "{% endif %}\n"
+    "{%- if loop.first and message['role'] != 'system' %}\n"
+    "<|im_start|>system\nYou are helpful.<|im_end|>\n"
+    "{% endif %}\n"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] | trim }}"
+    "{{ eos_token }}{% endgeneration %}{% else %}{{ message['content'] | trim }}{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}\n"
+    "{%- if add_generation_prompt %}\n<|im_start|>assistant\n{% endif %}")
+MESSAGES = [{"role": "user", "content": "  Grüße! What is a KV cache? "},
+            {"role": "assistant", "content": "Keys and values."},
+            {"role": "user", "content": [{"type": "text", "text": "Why "},
+                                         {"type": "text", "text": "keep them?"}]}]
+# The same messages with their content as strings, as transformers takes them.
+PLAIN_MESSAGES = MESSAGES[:2] + [{"role": "user", "content": "Why keep them?"}]
+# What transformers 5.23's apply_chat_template(PLAIN_MESSAGES, add_generation_prompt=True,
+# tokenize=False) renders (byte_bpe: GPT2Tokenizer, bos and eos <|endoftext|>).
+EXPECTED = ("<|endoftext|><|im_start|>system\nYou are helpful.<|im_end|>\n"
+            "<|im_start|>user\nGrüße! What is a KV cache?<|im_end|>\n"
+            "<|im_start|>assistant\nKeys and values.<|endoftext|><|im_end|>\n"
+            "<|im_start|>user\nWhy keep them?<|im_end|>\n"
+            "<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="module")
+def directory(tmp_path_factory):
+    """byte_bpe with the template in tokenizer_config.json."""
+    out = tmp_path_factory.mktemp("chat") / "byte_bpe"
+    shutil.copytree(FIXTURE, out)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                           "chat_template": TEMPLATE}))
+    return out
+
+
+def test_the_template_renders_as_transformers_renders_it(directory):
+    tokenizer = load_tokenizer(directory)
+    assert tokenizer.chat_template == TEMPLATE
+    text, templated = chat.render(tokenizer, MESSAGES)
+    assert templated and text == EXPECTED
+    # The special tokens in the text are read as their ids, once each.
+    ids = tokenizer.encode(text)
+    assert ids.count(tokenizer.encode("<|im_start|>")[0]) == 5
+    assert ids.count(tokenizer.eos_id) == 2
+    # An import-hf checkpoint keeps the tokenizer as a bundle: the template travels with it.
+    assert chat.render(from_bundle(tokenizer.to_bytes()), MESSAGES) == (EXPECTED, True)
+
+
+def test_transformers_renders_the_same_text_and_ids(directory):
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.AutoTokenizer.from_pretrained(directory)
+    assert theirs.apply_chat_template(PLAIN_MESSAGES, add_generation_prompt=True,
+                                      tokenize=False) == EXPECTED
+    ours = load_tokenizer(directory)
+    their_ids = theirs.apply_chat_template(PLAIN_MESSAGES, add_generation_prompt=True,
+                                           tokenize=True, return_dict=False)
+    assert ours.encode(chat.render(ours, MESSAGES)[0]) == list(their_ids)
+
+
+def test_chat_template_jinja_wins_and_a_list_names_its_default(directory, tmp_path):
+    both = tmp_path / "both"
+    shutil.copytree(directory, both)
+    (both / "chat_template.jinja").write_text("{{ messages[0]['content'] }}|{{ eos_token }}")
+    assert chat.render(load_tokenizer(both), MESSAGES[:1])[0] == (
+        "  Grüße! What is a KV cache? |<|endoftext|>")
+    listed = tmp_path / "listed"
+    shutil.copytree(directory, listed)
+    config = json.loads((listed / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "tool_use", "template": "tools"},
+                               {"name": "default", "template": "default {{ bos_token }}"}]
+    (listed / "tokenizer_config.json").write_text(json.dumps(config))
+    assert chat.render(load_tokenizer(listed), MESSAGES[:1]) == (
+        "default <|endoftext|>", True)
+
+
+def test_a_template_that_refuses_or_escapes_is_a_value_error(directory):
+    tokenizer = load_tokenizer(directory)
+    with pytest.raises(ValueError, match='refused these messages: no tool messages here, '
+                                         'got "ü"'):
+        chat.render(tokenizer, [{"role": "tool", "content": "ü"}])
+
+    class Escaping:
+        chat_template = "{{ messages.__class__.__mro__ }}"
+
+    with pytest.raises(ValueError, match="refused these messages: access to attribute"):
+        chat.render(Escaping(), MESSAGES)
+
+    class Broken:
+        chat_template = "{% for m in messages %}"
+
+    with pytest.raises(ValueError, match="chat template does not parse"):
+        chat.render(Broken(), MESSAGES)
