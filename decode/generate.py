@@ -25,6 +25,7 @@ import numpy as np
 
 from kvjax import model as M
 from kvjax import parallel
+from kvjax.distributed import host_arrays
 
 from . import beam, checks, prompt_state
 from . import speculative as spec
@@ -328,7 +329,8 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
 
     On many devices (`mesh`, or the mesh `params` are sharded over; see `placement`) the
     rows and their cache are split over `data` and the kv heads over `model`; the tokens are
-    the ones one device makes.
+    the ones one device makes. A mesh may span several processes (`kvjax.distributed`): every
+    process calls `generate` with the same arguments and gets the whole output.
 
     `speculative` (a `Speculative`) drafts tokens by prompt lookup and verifies them in one
     model call (see `decode/speculative.py`): greedy output is unchanged, sampled output
@@ -391,7 +393,7 @@ def stream(net, params, prompts=None, *, max_new_tokens: int, chunk_size: int = 
     while True:
         step = min(int(state.step), max_new_tokens, emitted + chunk_size)
         if step > emitted:
-            yield np.asarray(state.tokens[:prepared.rows, emitted:step])
+            yield host_arrays(state.tokens)[:prepared.rows, emitted:step]
             emitted = step
         if step >= max_new_tokens or bool(jnp.all(state.done)):
             return _output(state, max_new_tokens, return_logprobs, prepared.rows,
@@ -421,9 +423,11 @@ def _kept(config, params, state: DecodeState) -> PromptState:
 def _output(state, max_new_tokens: int, return_logprobs: bool, rows: int, scores=None,
             state_out: PromptState | None = None,
             speculation: spec.SpeculationStats | None = None) -> GenerateOutput:
-    """The first `rows` rows (the rest filled up a batch split over devices)."""
+    """The first `rows` rows (the rest filled up a batch split over devices), whole on
+    every process of a job of several."""
     def real(array, columns=None):
-        return np.asarray(array)[:rows, :columns] if columns else np.asarray(array)[:rows]
+        array = host_arrays(array)
+        return array[:rows, :columns] if columns else array[:rows]
 
     logprobs = real(state.logprobs, max_new_tokens) if return_logprobs else None
     return GenerateOutput(tokens=real(state.tokens, max_new_tokens),

@@ -12,6 +12,10 @@ writes one by hand.
 On a single device the mesh is 1 x 1 and every sharding is a no-op. Tests emulate 8
 devices on a CPU with `XLA_FLAGS=--xla_force_host_platform_device_count=8`, set before
 JAX starts.
+
+With several processes (`kvjax.distributed.initialize`) the mesh spans every process's
+devices, each process's devices side by side on `data`, so that a process holds a
+contiguous block of a batch's rows (`local_rows`) and builds only those (`shard_batch`).
 """
 
 from __future__ import annotations
@@ -71,13 +75,15 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 def make_mesh(spec: str | dict[str, int] | None = None,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A `data` x `model` mesh over `devices` (default: all of them).
+    """A `data` x `model` mesh over `devices` (default: all of them, every process's).
 
     `spec` is `"data=N,model=M"` or a dict; a left-out axis takes the devices the other
     leaves (`None`: every device on `data`). Raises a ValueError naming the numbers if the
     mesh asks for more devices than there are or its sizes do not multiply to the count.
     """
-    devices = list(jax.devices() if devices is None else devices)
+    if devices is None:  # each process's devices together, in the order of the processes
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    devices = list(devices)
     sizes = parse_mesh(spec) if isinstance(spec, str) else dict(spec or {})
     count = len(devices)
     for name, size in sizes.items():
@@ -163,9 +169,26 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def local_rows(batch_size: int, mesh: Mesh) -> slice:
+    """The rows of a batch of `batch_size` that this process's devices hold when it is split
+    over `data`: all of them with one process. Raises a ValueError if they are not one block
+    (a mesh whose `data` axis interleaves processes' devices)."""
+    check_batch(batch_size, mesh)
+    held = rows(mesh).addressable_devices_indices_map((batch_size,)).values()
+    starts = {index[0].indices(batch_size)[:2] for index in held}
+    start, stop = min(s for s, _ in starts), max(e for _, e in starts)
+    if sum(e - s for s, e in starts) != stop - start:
+        raise ValueError(f"process {jax.process_index()}'s devices hold rows {sorted(starts)} "
+                         "of a batch, not one block: lay the mesh out with each process's "
+                         "devices side by side on data (make_mesh does)")
+    return slice(start, stop)
+
+
 def shard_batch(batch: dict[str, Any], mesh: Mesh) -> dict[str, jax.Array]:
-    """A training batch (a dict of [B, ...] arrays) with its rows split over `data`."""
-    return {key: jax.device_put(value, rows(mesh, np.ndim(value)))
+    """A training batch (a dict of [B, ...] arrays) with its rows split over `data`. With
+    several processes each passes only its own rows (`local_rows`), the batch is theirs
+    together."""
+    return {key: jax.make_array_from_process_local_data(rows(mesh, np.ndim(value)), value)
             for key, value in batch.items()}
 
 

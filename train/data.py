@@ -222,12 +222,13 @@ class Batches:
             self._cached_epoch = epoch
         return self._cached_order
 
-    def batch(self, step: int) -> Examples:
-        """The examples [batch_size, ...] of training step ``step`` (0-based)."""
+    def batch(self, step: int, part: slice = slice(None)) -> Examples:
+        """The examples [batch_size, ...] of training step ``step`` (0-based), or only the
+        rows ``part`` of them (a process's share of a batch split over several)."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         epoch, index = divmod(step, self.steps_per_epoch)
-        rows = self._order(epoch)[index * self.batch_size : (index + 1) * self.batch_size]
+        rows = self._order(epoch)[index * self.batch_size : (index + 1) * self.batch_size][part]
         if isinstance(self.examples, tuple):
             return tuple(a[rows] for a in self.examples)
         return self.examples[rows]

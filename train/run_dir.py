@@ -32,12 +32,16 @@ INIT_FROM = "init_from"
 
 
 @contextlib.contextmanager
-def exclusive(out_dir: Path) -> Iterator[None]:
+def exclusive(out_dir: Path, lock: bool = True) -> Iterator[None]:
     """Holds an exclusive lock on `out_dir/.lock` (flock: released by the kernel when the
-    process ends, however it ends), so that two runs never write one directory."""
+    process ends, however it ends), so that two runs never write one directory. Of a job of
+    several processes, process 0 holds it for all (`lock=False` in the others)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise NotADirectoryError(f"output directory {out_dir} is not a directory")
     out_dir.mkdir(parents=True, exist_ok=True)
+    if not lock:
+        yield
+        return
     lock_path = out_dir / LOCK_FILE
     with open(lock_path, "a") as lock:
         try:
@@ -117,10 +121,14 @@ def check_same_run(out_dir: Path, model_config: M.TransformerConfig, task: Train
 class MetricsLog:
     """Appends one JSON object per line to `path`. Records after `keep_through_step` (left by a
     run interrupted after its last checkpoint) are dropped first, so that a resumed run's file
-    reads as one run."""
+    reads as one run. With `write=False` (a process other than a job's first) it only keeps
+    `last_step` and leaves the file alone."""
 
-    def __init__(self, path: Path, keep_through_step: int):
-        self.path = path
+    def __init__(self, path: Path, keep_through_step: int, write: bool = True):
+        self.path, self.writes = path, write
+        self.last_step = keep_through_step
+        if not write:
+            return
         records = self.read()
         kept = [r for r in records if r["step"] <= keep_through_step]
         if len(kept) != len(records):
@@ -134,8 +142,9 @@ class MetricsLog:
         return [json.loads(line) for line in lines if line.strip()]
 
     def write(self, record: Mapping[str, Any]) -> None:
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        if self.writes:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
         self.last_step = record["step"]
 
 

@@ -16,6 +16,12 @@ An output directory holds::
     .lock                          held (flock) by the one process training into the directory
     loss_curve.png                 training and validation loss, redrawn at the end of a run
 
+A job of several processes (`kvjax.distributed`) runs `train` in every one of them with a
+mesh over all their devices: each process builds only its rows of each batch, every
+process writes its shards of each checkpoint, and process 0 alone holds the lock and
+writes the other files. A SIGTERM to any of them (a preemption notice) stops all of them
+after the same step, with a checkpoint.
+
 The configs are in `config`, one update (loss, optimizer, compiled step) in `update`, and the
 files of the directory besides the checkpoints in `run_dir`.
 
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import signal
 import threading
 import time
@@ -44,7 +51,7 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from kvjax import checkpoint, parallel
+from kvjax import checkpoint, distributed, parallel
 from kvjax import model as M
 
 from . import run_dir
@@ -126,17 +133,32 @@ def train(model_config: M.TransformerConfig, train_config: TrainConfig, task: Tr
     With a `mesh` (`parallel.make_mesh`), every batch of `train_config.batch_size` rows is
     split over its `data` axis and the params and optimizer state over its `model` axis;
     checkpoints are saved sharded and a resumed run restores onto this mesh, whichever mesh
-    saved them.
+    saved them. In a job of several processes every process calls `train` with the same
+    arguments (a ValueError says if they differ); the mesh defaults to all their devices.
     """
+    if mesh is None and distributed.is_multiprocess():
+        mesh = parallel.make_mesh()  # every process's devices: one job
     if mesh is not None:
         parallel.check_batch(train_config.batch_size, mesh)
         parallel.check_model_axis(model_config, mesh)
     out_dir = Path(out_dir)
-    with run_dir.exclusive(out_dir), _deferred_signals() as signals:
+    if distributed.is_multiprocess():
+        distributed.check_same("model config, task, tokenizer or training settings",
+                               _fingerprint(model_config, train_config, task, resume, stop_after))
+    with run_dir.exclusive(out_dir, lock=distributed.is_primary()), \
+            _deferred_signals() as signals:
         state = _start_state(model_config, train_config, task, out_dir, resume, allow_changes,
                              mesh, init_from)
         return _run(model_config, train_config, task, out_dir, state, stop_after, signals,
                     mesh)
+
+
+def _fingerprint(model_config, train_config: TrainConfig, task: TrainTask, resume: bool,
+                 stop_after: int | None) -> bytes:
+    """What every process of a job must agree on, as bytes."""
+    settings = [model_config.to_dict(), run_dir.run_record(train_config, task), resume,
+                stop_after]
+    return json.dumps(settings, sort_keys=True).encode() + task.tokenizer.to_bytes()
 
 
 def _run(model_config, train_config: TrainConfig, task: TrainTask, out_dir: Path,
@@ -146,13 +168,16 @@ def _run(model_config, train_config: TrainConfig, task: TrainTask, out_dir: Path
     start = int(state.step)
     end = train_config.steps if stop_after is None else min(stop_after, train_config.steps)
     batches = Batches(tuple(task.train.values()), train_config.batch_size, train_config.seed)
-    log = run_dir.MetricsLog(out_dir / run_dir.METRICS_FILE, keep_through_step=start)
+    own_rows = slice(None) if mesh is None else parallel.local_rows(train_config.batch_size, mesh)
+    primary = distributed.is_primary()
+    log = run_dir.MetricsLog(out_dir / run_dir.METRICS_FILE, keep_through_step=start,
+                             write=primary)
     schedule = learning_rate_schedule(train_config)
     losses: dict[int, jax.Array] = {}
     guard = _DivergenceGuard(out_dir, start)
     meter = _Throughput()
-    bar = tqdm(total=end, initial=start, disable=not train_config.progress, unit="step",
-               dynamic_ncols=True)
+    bar = tqdm(total=end, initial=start, disable=not (train_config.progress and primary),
+               unit="step", dynamic_ncols=True)
     metrics: dict[str, float] = {}
     manifest = checkpoint.manifest_metadata(model_config.to_dict(), task.name,
                                             task.tokenizer.to_bytes())
@@ -160,12 +185,13 @@ def _run(model_config, train_config: TrainConfig, task: TrainTask, out_dir: Path
                                       keep=train_config.keep_checkpoints,
                                       manifest=manifest) as checkpointer:
         for step in range(start + 1, end + 1):
-            batch = dict(zip(task.train.keys(), batches.batch(step - 1), strict=True))
+            batch = dict(zip(task.train.keys(), batches.batch(step - 1, own_rows), strict=True))
             placed = batch if mesh is None else parallel.shard_batch(batch, mesh)
             state, losses[step] = train_step(model_config, step_config, state, placed,
                                              mesh=mesh)
-            meter.add_tokens(int(np.count_nonzero(target_weights(batch))))
-            if signals.received is not None:
+            # Counted on this process's rows: with several, an estimate of the whole batch's.
+            meter.add_tokens(int(np.count_nonzero(target_weights(batch))) * jax.process_count())
+            if signals.stop_after(step):
                 guard.check(losses, state)
                 checkpointer.save(step, _checkpoint_tree(state), force=True)
                 checkpointer.wait()
@@ -196,7 +222,8 @@ def _run(model_config, train_config: TrainConfig, task: TrainTask, out_dir: Path
         if not metrics:  # nothing left to run: the checkpoint was already at `end`
             metrics = _evaluate(model_config, train_config, task, state.params, True)
         checkpointer.save(int(state.step), _checkpoint_tree(state), force=True)
-    run_dir.plot_loss_curve(log.read(), out_dir / run_dir.LOSS_CURVE_FILE)
+    if primary:
+        run_dir.plot_loss_curve(log.read(), out_dir / run_dir.LOSS_CURVE_FILE)
     return TrainResult(out_dir=out_dir, step=int(state.step),
                        losses={step: float(loss) for step, loss in losses.items()},
                        metrics=metrics)
@@ -242,14 +269,27 @@ class _Signals:
 
     received: int | None = None
 
+    def stop_after(self, step: int) -> bool:
+        """Whether to save and stop after `step`. With several processes, JAX's preemption
+        notifier catches SIGTERM in any of them and they agree on the step to stop after."""
+        if distributed.is_multiprocess():
+            from jax.experimental import multihost_utils
+
+            if multihost_utils.reached_preemption_sync_point(step):
+                self.received = signal.SIGTERM
+        return self.received is not None
+
 
 @contextlib.contextmanager
 def _deferred_signals() -> Iterator[_Signals]:
     """While training, SIGINT and SIGTERM only set a flag, which the loop reads after each
     step to save a checkpoint before it stops. A second Ctrl-C stops at once. Signals can be
-    caught only in the main thread; elsewhere they keep their handlers."""
+    caught only in the main thread; elsewhere they keep their handlers. With several
+    processes they keep them too: SIGTERM is JAX's (see `_Signals.stop_after`), and Ctrl-C
+    ends a process at once, as one step cannot be agreed on for it."""
     signals = _Signals()
-    if threading.current_thread() is not threading.main_thread():
+    if (threading.current_thread() is not threading.main_thread()
+            or distributed.is_multiprocess()):
         yield signals
         return
 
@@ -288,14 +328,17 @@ def _start_state(model_config, train_config, task: TrainTask, out_dir: Path,
         if old != record:
             if old is not None:
                 record["resumed_with_changes_at_step"] = saved_step
-            run_dir.write_run_record(out_dir, record)
+            if distributed.is_primary():
+                run_dir.write_run_record(out_dir, record)
     params = None
     if not resume and init_from is not None:
         params, record[run_dir.INIT_FROM] = _initial_params(init_from, model_config, task, mesh)
-    checkpoint.write_metadata(out_dir, model_config.to_dict(), task.name,
-                              task.tokenizer.to_bytes())
+    if distributed.is_primary():
+        checkpoint.write_metadata(out_dir, model_config.to_dict(), task.name,
+                                  task.tokenizer.to_bytes())
+        if not resume:
+            run_dir.write_run_record(out_dir, record)
     if not resume:
-        run_dir.write_run_record(out_dir, record)
         return init_state(model_config, train_config, mesh, params=params)
     abstract = jax.eval_shape(lambda: _checkpoint_tree(init_state(model_config, train_config)))
     if mesh is not None:

@@ -35,6 +35,12 @@ padded or truncated. Readers open orbax read-only: loading never creates, rewrit
 anything. Every failure names the path it concerns; orbax or tensorstore errors are wrapped in
 `CheckpointError` with the original exception chained.
 
+In a job of several processes (`kvjax.distributed`) every process saves and restores each
+step together: each writes the shards on its own devices (`state/ocdbt.process_<i>`), process
+0 writes the rest (metadata, the manifest, whose checksums are of the whole arrays, gathered)
+and renames the step into place once every process's shards are written. Finding and
+checking steps is each process's own business.
+
 One file per part: `save.py` (`Checkpointer`, `write_manifest`), `restore.py` (the newest
 step, checked), `metadata.py` (`config.json` and `tokenizer.model`), `load.py` (config,
 tokenizer and params for sampling), `layout.py` (the names on disk and what the others share).

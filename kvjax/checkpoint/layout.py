@@ -61,12 +61,17 @@ def reader(path: Path) -> Iterator[ocp.CheckpointManager]:
     """An orbax manager on `path` that never creates, rewrites or deletes anything."""
     # read_only also turns off create, cleanup of temporary directories and deletion; the other
     # values are the ones read_only would otherwise force, with a warning each.
+    # Of a job of several processes, a reader is this process's alone: orbax's barriers
+    # would otherwise wait for every process to read the same directory at the same time.
+    own = jax.process_index()
     options = ocp.CheckpointManagerOptions(
         read_only=True,
         create=False,
         save_interval_steps=0,
         enable_async_checkpointing=False,
         lightweight_initialize=True,
+        multiprocessing_options=ocp.options.MultiprocessingOptions(
+            primary_host=own, active_processes={own}),
     )
     manager = ocp.CheckpointManager(path.absolute(), options=options,
                                     handler_registry=handler_registry())

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from kvjax.distributed import host_arrays
+
 from .layout import (
     MANIFEST_FORMAT,
     MANIFEST_ITEM,
@@ -142,7 +144,7 @@ def _warn_unverified(path: Path, step: int) -> None:
 
 def _verify(step_path: Path, manifest: dict[str, Any] | None, restored: Any) -> None:
     """Checksums (where the step has a manifest) and finiteness of every restored array."""
-    leaves = flat(jax.device_get(restored))
+    leaves = flat(host_arrays(restored))  # with several processes, every one must call
     if manifest is not None:
         for key, leaf in leaves.items():
             name, actual = "/".join(key), sha256(leaf)

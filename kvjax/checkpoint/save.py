@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from kvjax.distributed import host_arrays
+
 from .layout import (
     MANIFEST_FORMAT,
     MANIFEST_ITEM,
@@ -212,7 +214,7 @@ def _step_manifest(metadata: Mapping[str, Any], stored: Any) -> dict[str, Any]:
 
 def _checksums(tree: Any) -> dict[str, str]:
     """SHA-256 of each leaf's bytes (C order, as stored), keyed by its '/'-joined path."""
-    return {"/".join(key): sha256(leaf) for key, leaf in flat(jax.device_get(tree)).items()}
+    return {"/".join(key): sha256(leaf) for key, leaf in flat(host_arrays(tree)).items()}
 
 
 def _json_round_trip(value: Any, what: str) -> Any:

@@ -52,13 +52,31 @@ def add_train(commands) -> None:
     train.add_argument("--mesh", default=None, metavar="data=N,model=M",
                        help="split each batch over N devices and the heads and FFN over M "
                             "(default: every device on data)")
+    several = train.add_argument_group(
+        "several processes", "one job over several processes (hosts), each started with the "
+        "same options and its own --process-id; on a TPU pod slice, SLURM or Open MPI JAX "
+        "finds these itself")
+    several.add_argument("--coordinator", metavar="HOST:PORT", default=None,
+                         help="address of process 0, which serves the job's coordination "
+                              "there (default: $KVJAX_COORDINATOR)")
+    several.add_argument("--num-processes", type=positive, default=None,
+                         help="processes in the job (default: $KVJAX_NUM_PROCESSES)")
+    several.add_argument("--process-id", type=count, default=None,
+                         help="this process's number, 0 ... N-1 (default: $KVJAX_PROCESS_ID)")
+    several.add_argument("--cpu-devices", type=positive, default=None,
+                         help="CPU devices per process, to run several processes on one "
+                              "machine without accelerators")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(run=run_train)
 
 
 def run_train(args) -> int:
+    from kvjax import distributed
     from kvjax import model as M
     from kvjax.train import tasks
+
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                           cpu_devices=args.cpu_devices)
 
     overrides = {"seed": args.seed, "progress": not args.no_progress, **schedule(args)}
     for option, name in (("batch_size", "batch_size"), ("learning_rate", "learning_rate"),
@@ -97,6 +115,8 @@ def run_train(args) -> int:
             overrides["num_heldout"] = args.heldout
         data_tsv = None if args.data is None else args.data[0]
         result = tasks.train_translate(out, data_tsv=data_tsv, **common, **overrides)
+    if not distributed.is_primary():
+        return 0
     metrics = " ".join(f"{k}={v:.4g}" for k, v in result.metrics.items())
     print(f"trained to step {result.step}: {metrics}\ncheckpoint: {result.out_dir}\n"
           f"metrics: {result.metrics_path}\nloss curve: {result.loss_curve_path}")
