@@ -1,4 +1,8 @@
-"""`kvjax bench speculative`: greedy tokens/s with prompt-lookup drafts against plain greedy.
+"""`kvjax bench speculative`: greedy tokens/s with speculative decoding against plain greedy.
+
+The drafts come from prompt lookup, or from a draft model: another checkpoint with the same
+tokenizer (`draft_checkpoint`; the target's own directory gives the upper bound on
+acceptance) or the target's first `draft_layers` layers.
 
 Two tasks on the shipped Python-docs LM, each prompt a passage of CPython's own
 documentation (`pydoc_data.topics`, what the model was trained on):
@@ -18,6 +22,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from kvjax.decode import draft_model
 
 from kvjax import decode, text
 from kvjax import model as M
@@ -82,12 +87,28 @@ def _model(checkpoint: str, preset: str | None):
     return M.build_model(config), M.init_params(config, jax.random.key(0)), None
 
 
+def drafting(net, params, num_draft_tokens: int, ngram_size: int,
+             draft_checkpoint: str | None, draft_layers: int | None) -> decode.Speculative:
+    """Prompt lookup, or the draft model that `draft_checkpoint` or `draft_layers` name."""
+    if draft_checkpoint is not None:
+        draft = text.load(draft_checkpoint)
+        draft_net, draft_params = draft.net, draft.params
+    elif draft_layers is not None:
+        draft_net, draft_params = draft_model.first_layers(net.config, params, draft_layers)
+    else:
+        return decode.Speculative("ngram", num_draft_tokens, ngram_size)
+    return decode.Speculative("draft", num_draft_tokens, draft_model=draft_net,
+                              draft_params=draft_params)
+
+
 def speculative_benchmark(checkpoint: str = DEFAULT_CHECKPOINT, preset: str | None = None,
                           batch_sizes: Sequence[int] = (1, 8), prompt_len: int = 96,
                           new_tokens: int = 96, num_draft_tokens: int = 4, ngram_size: int = 2,
-                          repeats: int = 3) -> list[Row]:
+                          repeats: int = 3, draft_checkpoint: str | None = None,
+                          draft_layers: int | None = None) -> list[Row]:
     net, params, loaded = _model(checkpoint, preset)
-    drafts = decode.Speculative("ngram", num_draft_tokens, ngram_size)
+    drafts = drafting(net, params, num_draft_tokens, ngram_size, draft_checkpoint,
+                      draft_layers)
     table = []
     for task in ("copying", "fresh"):
         for batch in batch_sizes:
@@ -108,9 +129,12 @@ def speculative_benchmark(checkpoint: str = DEFAULT_CHECKPOINT, preset: str | No
     return table
 
 
-def format_table(rows: Sequence[Row], num_draft_tokens: int, ngram_size: int) -> str:
-    lines = [f"greedy decoding, prompt lookup with k={num_draft_tokens} drafted tokens and "
-             f"n={ngram_size}",
+def format_table(rows: Sequence[Row], num_draft_tokens: int, ngram_size: int,
+                 drafts_from: str | None = None) -> str:
+    """`drafts_from` names the draft model; None: prompt lookup with `ngram_size`."""
+    method = (f"prompt lookup (n={ngram_size})" if drafts_from is None
+              else f"the draft model {drafts_from}")
+    lines = [f"greedy decoding, k={num_draft_tokens} tokens drafted by {method}",
              "| task | batch | plain tokens/s | speculative tokens/s | speed-up | acceptance "
              "| tokens per model call | same tokens |",
              "|---|---|---|---|---|---|---|---|"]

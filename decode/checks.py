@@ -7,12 +7,16 @@ names the argument, the bad value and what was expected. Nothing is rounded or t
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+from kvjax import model as M
 
 _PROMPTS = "prompts must be a list of token-id lists or an int array [batch, length]"
 
@@ -109,3 +113,25 @@ def _from_array(tokens: np.ndarray, lengths: Any) -> tuple[np.ndarray, np.ndarra
         raise ValueError(f"lengths {lengths.tolist()} do not fit prompts of shape "
                          f"{tokens.shape}")
     return tokens, lengths
+
+
+@functools.lru_cache(maxsize=32)
+def _expected_params(config: M.TransformerConfig) -> dict:
+    shapes = jax.eval_shape(lambda: M.init_params(config, jax.random.key(0)))
+    return dict(jax.tree_util.tree_leaves_with_path(shapes))
+
+
+def check_params(config: M.TransformerConfig, params) -> None:
+    """Raises a ValueError naming the first param whose presence, shape or dtype differs."""
+    want = _expected_params(config)
+    have = dict(jax.tree_util.tree_leaves_with_path(params))
+    for path in sorted(set(want) | set(have), key=jax.tree_util.keystr):
+        name = jax.tree_util.keystr(path)
+        if path not in have:
+            raise ValueError(f"params do not match the model: {name} is missing")
+        if path not in want:
+            raise ValueError(f"params do not match the model: unexpected {name}")
+        w, h = want[path], have[path]
+        if tuple(h.shape) != w.shape or jnp.dtype(h.dtype) != w.dtype:
+            raise ValueError(f"params do not match the model: {name} has shape {tuple(h.shape)} "
+                             f"{jnp.dtype(h.dtype)}, the model needs {w.shape} {w.dtype}")

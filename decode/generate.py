@@ -107,29 +107,7 @@ def validate(config: M.TransformerConfig, params, tokens: np.ndarray, lengths: n
     for eos in eos_ids:
         if not 0 <= eos < config.vocab_size:
             raise ValueError(f"eos id {eos} is outside the vocabulary [0, {config.vocab_size})")
-    check_params(config, params)
-
-
-@functools.lru_cache(maxsize=32)
-def _expected_params(config: M.TransformerConfig) -> dict:
-    shapes = jax.eval_shape(lambda: M.init_params(config, jax.random.key(0)))
-    return dict(jax.tree_util.tree_leaves_with_path(shapes))
-
-
-def check_params(config: M.TransformerConfig, params) -> None:
-    """Raises a ValueError naming the first param whose presence, shape or dtype differs."""
-    want = _expected_params(config)
-    have = dict(jax.tree_util.tree_leaves_with_path(params))
-    for path in sorted(set(want) | set(have), key=jax.tree_util.keystr):
-        name = jax.tree_util.keystr(path)
-        if path not in have:
-            raise ValueError(f"params do not match the model: {name} is missing")
-        if path not in want:
-            raise ValueError(f"params do not match the model: unexpected {name}")
-        w, h = want[path], have[path]
-        if tuple(h.shape) != w.shape or jnp.dtype(h.dtype) != w.dtype:
-            raise ValueError(f"params do not match the model: {name} has shape {tuple(h.shape)} "
-                             f"{jnp.dtype(h.dtype)}, the model needs {w.shape} {w.dtype}")
+    checks.check_params(config, params)
 
 
 # Compiled programs -----------------------------------------------------------------------
@@ -224,8 +202,9 @@ def _prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beam
     check_num_samples(num_samples)
     processors = check_processors(logit_processors)
     if speculative is not None:
-        spec.check_supported(speculative, num_beams=num_beams, processors=processors,
-                             settings=settings, defaults=SAMPLING_DEFAULTS)
+        spec.check_supported(speculative, config, num_beams=num_beams, processors=processors,
+                             settings=settings, defaults=SAMPLING_DEFAULTS, state=state,
+                             mesh=mesh, prompt_length=int(lengths.max()))
     settings = {**SAMPLING_DEFAULTS, **settings}
     sampling = sampling_params(tokens.shape[0], num_samples, **settings)
     if num_beams > 1:
@@ -332,9 +311,9 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
     the ones one device makes. A mesh may span several processes (`kvjax.distributed`): every
     process calls `generate` with the same arguments and gets the whole output.
 
-    `speculative` (a `Speculative`) drafts tokens by prompt lookup and verifies them in one
-    model call (see `decode/speculative.py`): greedy output is unchanged, sampled output
-    keeps its distribution.
+    `speculative` (a `Speculative`) drafts tokens by prompt lookup or with a draft model and
+    verifies them in one model call (see `decode/speculative.py`): greedy output is
+    unchanged, sampled output keeps its distribution.
     """
     length_penalty = checks.real("length_penalty", length_penalty, lambda _: True, "finite")
     mesh, params = placement(net.config, params, mesh)
@@ -357,13 +336,11 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
             jnp.asarray(length_penalty, jnp.float32), mesh=mesh)
         return _output(result, max_new_tokens, return_logprobs, prepared.batch,
                        scores=result.scores)
-    decode_state = _begin(config, params, prepared)
-    decode_state, stats = _run(config, params, decode_state, prepared,
-                               prepared.stops.max_new_tokens, spec.no_stats(
-                                   decode_state.lengths.shape[0]))
-    return _output(decode_state, max_new_tokens, return_logprobs, prepared.rows,
-                   state_out=_kept(config, params, decode_state) if return_state else None,
-                   speculation=stats if prepared.speculative else None)
+    carry = _run(config, params, spec.start(prepared, _begin(config, params, prepared)),
+                 prepared, prepared.stops.max_new_tokens)
+    return _output(carry.decode, max_new_tokens, return_logprobs, prepared.rows,
+                   state_out=_kept(config, params, carry.decode) if return_state else None,
+                   speculation=carry.stats if prepared.speculative else None)
 
 
 def stream(net, params, prompts=None, *, max_new_tokens: int, chunk_size: int = 8,
@@ -387,10 +364,10 @@ def stream(net, params, prompts=None, *, max_new_tokens: int, chunk_size: int = 
                         max_new_tokens=max_new_tokens, num_beams=1, mesh=mesh,
                         **{"eos_ids": (), "rng": None, **kwargs})
     config = net.config
-    state = _begin(config, params, prepared)
-    stats = spec.no_stats(state.lengths.shape[0])
+    carry = spec.start(prepared, _begin(config, params, prepared))
     emitted = 0
     while True:
+        state = carry.decode
         step = min(int(state.step), max_new_tokens, emitted + chunk_size)
         if step > emitted:
             yield host_arrays(state.tokens)[:prepared.rows, emitted:step]
@@ -398,22 +375,18 @@ def stream(net, params, prompts=None, *, max_new_tokens: int, chunk_size: int = 
         if step >= max_new_tokens or bool(jnp.all(state.done)):
             return _output(state, max_new_tokens, return_logprobs, prepared.rows,
                            state_out=_kept(config, params, state) if return_state else None,
-                           speculation=stats if prepared.speculative else None)
+                           speculation=carry.stats if prepared.speculative else None)
         limit = jnp.asarray(min(step + chunk_size, max_new_tokens), jnp.int32)
-        state, stats = _run(config, params, state, prepared, limit, stats)
+        carry = _run(config, params, carry, prepared, limit)
 
 
-def _run(config, params, state: DecodeState, p: _Prepared, limit,
-         stats: spec.SpeculationStats) -> tuple[DecodeState, spec.SpeculationStats]:
+def _run(config, params, carry: spec.SpeculativeState, p: _Prepared, limit
+         ) -> spec.SpeculativeState:
     """The decode loop up to `limit` tokens: plain, or speculative with `p.speculative`."""
     if p.speculative is None:
-        return _continue(config, params, state, p.stops, p.sampling, limit, p.processors,
-                         mesh=p.mesh), stats
-    carry = spec.continue_speculative(
-        config, params, state, stats, p.stops, p.sampling, limit,
-        p.speculative.num_draft_tokens, jnp.asarray(p.speculative.ngram_size, jnp.int32),
-        mesh=p.mesh)
-    return carry.decode, carry.stats
+        return carry.replace(decode=_continue(config, params, carry.decode, p.stops, p.sampling,
+                                              limit, p.processors, mesh=p.mesh))
+    return spec.run(config, params, carry, p, limit)
 
 
 def _kept(config, params, state: DecodeState) -> PromptState:

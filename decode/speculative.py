@@ -1,26 +1,30 @@
-"""Speculative decoding by prompt lookup, inside the compiled decode loop.
+"""Speculative decoding inside the compiled decode loop: prompt-lookup or draft-model drafts.
 
-Each iteration drafts up to k tokens per row with no second model: the k tokens that
-followed the latest earlier occurrence of the row's last n tokens in its context (prompt
-and output), preferring the latest one that k known tokens follow. One model call of
+Each iteration drafts up to k tokens per row, either with no second model (prompt lookup,
+`prompt_lookup.py`: the k tokens that followed the latest earlier occurrence of the row's
+last n tokens in its context) or with a draft model, a smaller model with the same
+vocabulary and its own cache, carried in the loop (`draft_model.py`). One model call of
 T = k + 1 tokens per row (the newest token, then the draft) verifies the whole draft
 through the cache; each row keeps the longest prefix of its draft that the model would
 have chosen itself, plus the model's own token after it, so one call emits 1 to k + 1
-tokens. Rollback is not advancing: the cache's `lengths` are set to what
-each row accepted, and the K/V written past it are overwritten later, unread.
+tokens. Rollback is not advancing: the caches' `lengths` are set to what each row
+accepted, and the K/V written past it are overwritten later, unread.
 
 Greedy rows emit exactly what plain greedy decoding emits. Sampled rows use rejection
-sampling; a prompt-lookup draft is a point mass q = δ(x), so the draft token is accepted
-with probability p(x) and otherwise the token is drawn from p with x removed and
-renormalised, where p is the target distribution after every sampling filter. The output
-is then distributed exactly as plain sampling's (not sample-for-sample equal).
+sampling: draft x, drawn from q, is accepted with probability min(1, p(x) / q(x)), and the
+first rejected one is replaced by a draw from max(p - q, 0), renormalised, where p and q
+are the target's and the draft's distributions after every sampling filter; after k
+accepted drafts the next token is drawn from p. A prompt-lookup draft is a point mass
+q = δ(x): accepted with probability p(x), else replaced by a draw from p without x. The
+output is then distributed exactly as plain sampling's (not sample-for-sample equal).
 
 `num_draft_tokens` (k) is static: it sets T, the shape of the verifying call. `ngram_size`
-(n, at most MAX_NGRAM_SIZE) is traced. The model sees T = k + 1 tokens only when some running
-row has a draft and every running row has room for all k + 1 in its cache (a write that
-does not fit is skipped whole, never clamped); otherwise the iteration is a plain
-one-token step, so a batch with nothing to draft pays for no verification, and rows near
-the end of their cache finish one token at a time, as without speculation.
+(n, at most MAX_NGRAM_SIZE) and the draft's params are traced. The model sees T = k + 1
+tokens only when some running row has a draft and every running row has room for all
+k + 1 in its cache (and the draft in its own; a write that does not fit is skipped whole,
+never clamped); otherwise the iteration is a plain one-token step, so a batch with nothing
+to draft pays for no verification, and rows near the end of their cache finish one token
+at a time, as without speculation.
 
 Shape letters: B batch, N token buffer, C context buffer, K draft length k, T = K + 1,
 V vocab.
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import flax.struct
 import jax
@@ -39,26 +44,38 @@ import numpy as np
 from kvjax import model as M
 from kvjax import parallel
 
+from . import draft_model
 from .loop import DecodeState, StopConditions, StopReason, TokensToLogits
+from .prompt_lookup import MAX_NGRAM_SIZE, ngram_drafts
 from .sampling import SamplingParams, filter_logits
 from .tracing import count_trace
 
-MAX_NGRAM_SIZE = 8  # n is traced; the match unrolls this many comparisons
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")
 
 
 @dataclasses.dataclass(frozen=True)
 class Speculative:
-    """How to draft. method: 'ngram' (prompt lookup); num_draft_tokens: k drafted tokens
-    per row and step; ngram_size: n, the length of the suffix looked up in the context."""
+    """How to draft. method: 'ngram' (prompt lookup) or 'draft' (a draft model);
+    num_draft_tokens: k drafted tokens per row and step; ngram_size: n, the length of the
+    suffix looked up in the context ('ngram' only); draft_model, draft_params: the draft
+    model (a kvjax model with the target's vocabulary and variant) and its params ('draft'
+    only, see `draft_model.py`)."""
 
     method: str = "ngram"
     num_draft_tokens: int = 4
     ngram_size: int = 2
+    draft_model: Any = dataclasses.field(default=None, compare=False)
+    draft_params: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"speculative method {self.method!r} is not one of {METHODS}")
+        is_model = isinstance(self.draft_model, M.DecoderOnlyLM | M.EncoderDecoder)
+        if self.method == "draft" and not (is_model and self.draft_params is not None):
+            raise ValueError(f"speculative method 'draft' needs draft_model (a kvjax model, got "
+                             f"{type(self.draft_model).__name__}) and draft_params")
+        if self.method != "draft" and not (self.draft_model is None is self.draft_params):
+            raise ValueError(f"speculative method {self.method!r} takes no draft model")
         for name, value, top in (("num_draft_tokens", self.num_draft_tokens, 64),
                                  ("ngram_size", self.ngram_size, MAX_NGRAM_SIZE)):
             if (not isinstance(value, int | np.integer) or isinstance(value, bool)
@@ -83,50 +100,26 @@ class SpeculationStats:
 @flax.struct.dataclass
 class SpeculativeState:
     """The loop carry: the plain loop's state (its `step` is the number of leading
-    tokens every row has settled, see `settled`) and the statistics."""
+    tokens every row has settled, see `settled`), the statistics and, with a draft model,
+    its cache (holding a prefix of each row's context; None for prompt lookup)."""
 
     decode: DecodeState
     stats: SpeculationStats
-
-
-def ngram_drafts(context_BC: jax.Array, lengths_B: jax.Array, ngram_size: jax.Array,
-                 num_draft: int) -> tuple[jax.Array, jax.Array]:
-    """(drafts [B, K], valid drafts [B]): per row, the K tokens after the latest earlier
-    occurrence of its last `ngram_size` tokens that has K tokens after it (else after the
-    latest occurrence, cut at the end of the context)."""
-    batch, width = context_BC.shape
-    padded_BC = jnp.pad(context_BC, ((0, 0), (0, MAX_NGRAM_SIZE + num_draft)))
-    starts_C = jnp.arange(width)
-    # An occurrence at i ends before the suffix starts and leaves a token to draft.
-    match_BC = (starts_C[None] + ngram_size < lengths_B[:, None]) & (
-        lengths_B[:, None] >= ngram_size)
-    for m in range(MAX_NGRAM_SIZE):
-        suffix_slot_B = jnp.clip(lengths_B - ngram_size + m, 0, width - 1)
-        suffix_B = jnp.take_along_axis(context_BC, suffix_slot_B[:, None], axis=1)[:, 0]
-        equal_BC = padded_BC[:, m:m + width] == suffix_B[:, None]
-        match_BC &= (m >= ngram_size) | equal_BC
-    # The latest occurrence followed by k known tokens, else the latest one: in a periodic
-    # stretch the latest occurrence overlaps the suffix and has too few tokens after it.
-    full_BC = starts_C[None] + ngram_size + num_draft <= lengths_B[:, None]
-    score_BC = jnp.where(match_BC, starts_C[None] + jnp.where(full_BC, width, 0), -1)
-    best_B = jnp.max(score_BC, axis=1)
-    latest_B = jnp.where(best_B >= width, best_B - width, best_B)
-    first_B = latest_B + ngram_size
-    slots_BK = first_B[:, None] + jnp.arange(num_draft)
-    drafts_BK = jnp.take_along_axis(padded_BC, jnp.clip(slots_BK, 0, padded_BC.shape[1] - 1),
-                                    axis=1)
-    valid_B = jnp.where(latest_B >= 0, jnp.clip(lengths_B - first_B, 0, num_draft), 0)
-    return drafts_BK, valid_B
+    draft_cache: M.KVCache | None = None
 
 
 def choose(logits_BTV: jax.Array, drafts_BK: jax.Array, valid_B: jax.Array,
-           sampling: SamplingParams, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
+           sampling: SamplingParams, rng: jax.Array, draft_probs_BKV: jax.Array | None = None
+           ) -> tuple[jax.Array, jax.Array]:
     """(tokens [B, T], accepted [B]): row b emits tokens[b, :accepted[b] + 1], its first
     `accepted` drafts followed by one token of the model's.
 
     logits[:, t] are the model's logits after the newest token and the first t drafts.
     Greedy rows accept a draft iff it is the argmax. Sampled rows accept draft x with
-    probability p(x) and replace the first rejected one by a draw from p without x."""
+    probability min(1, p(x) / q(x)) and replace the first rejected one by a draw from
+    max(p - q, 0), renormalised; q is `draft_probs` (the draft model's filtered
+    distributions) or, without them, a point mass on x: accept with p(x), draw from p
+    without x."""
     batch, num_tokens, vocab = logits_BTV.shape
     num_draft = num_tokens - 1
     greedy_B = jnp.broadcast_to(sampling.is_greedy, (batch,))
@@ -145,12 +138,23 @@ def choose(logits_BTV: jax.Array, drafts_BK: jax.Array, valid_B: jax.Array,
         p_draft_BK = jnp.take_along_axis(probs_BKV, drafts_BK[..., None], axis=-1)[..., 0]
         accept_rng, draw_rng = jax.random.split(rng)
         uniform_BK = jax.random.uniform(accept_rng, (batch, num_draft))
-        keep_BK = drafted_BK & (uniform_BK < p_draft_BK)
-        # A rejected draft is removed from its position's distribution; positions without
-        # a draft (and the one after the last draft) draw from p itself.
-        rejected_BTV = jnp.pad(drafted_BK, ((0, 0), (0, 1)))[..., None] & (
-            jnp.arange(vocab) == jnp.pad(drafts_BK, ((0, 0), (0, 1)))[..., None])
-        residual_BTV = jnp.where(rejected_BTV, -jnp.inf, filtered_BTV)
+        if draft_probs_BKV is None:
+            keep_BK = drafted_BK & (uniform_BK < p_draft_BK)
+            # A rejected draft is removed from its position's distribution; positions
+            # without a draft (and the one after the last draft) draw from p itself.
+            rejected_BTV = jnp.pad(drafted_BK, ((0, 0), (0, 1)))[..., None] & (
+                jnp.arange(vocab) == jnp.pad(drafts_BK, ((0, 0), (0, 1)))[..., None])
+            residual_BTV = jnp.where(rejected_BTV, -jnp.inf, filtered_BTV)
+        else:
+            q_draft_BK = jnp.take_along_axis(draft_probs_BKV, drafts_BK[..., None],
+                                             axis=-1)[..., 0]
+            keep_BK = drafted_BK & (uniform_BK * q_draft_BK < p_draft_BK)
+            excess_BKV = jnp.maximum(probs_BKV - draft_probs_BKV, 0.0)
+            # p = q up to rounding leaves no excess; a rejection there is rounding too.
+            use_excess_BK = drafted_BK & (jnp.sum(excess_BKV, axis=-1) > 0)
+            residual_BKV = jnp.where(use_excess_BK[..., None], jnp.log(excess_BKV),
+                                     filtered_BTV[:, :num_draft])
+            residual_BTV = jnp.concatenate([residual_BKV, filtered_BTV[:, num_draft:]], axis=1)
         drawn_BT = jax.random.categorical(draw_rng, residual_BTV, axis=-1).astype(jnp.int32)
         return (jnp.where(greedy_B[:, None], argmax_BT, drawn_BT),
                 jnp.where(greedy_B[:, None], drafted_BK & (drafts_BK == argmax_BT[:, :-1]),
@@ -214,10 +218,29 @@ def speculative_loop(tokens_to_logits: TokensToLogits, state: DecodeState,
                      stats: SpeculationStats, stops: StopConditions,
                      sampling: SamplingParams, step_limit: jax.Array, num_draft: int,
                      ngram_size: jax.Array) -> SpeculativeState:
+    """`drafting_loop` with prompt-lookup drafts; it verifies only when some row has one."""
+
+    def propose(state, draft_cache, fits, rng):
+        drafts_BK, valid_B = ngram_drafts(state.context, state.context_lengths, ngram_size,
+                                          num_draft)
+        valid_B = jnp.where(state.done, 0, valid_B)
+        return drafts_BK, valid_B, jnp.any(valid_B > 0) & fits, None, draft_cache
+
+    return drafting_loop(tokens_to_logits, SpeculativeState(state, stats), stops, sampling,
+                         step_limit, num_draft, propose)
+
+
+def drafting_loop(tokens_to_logits: TokensToLogits, carry: SpeculativeState,
+                  stops: StopConditions, sampling: SamplingParams, step_limit: jax.Array,
+                  num_draft: int, propose) -> SpeculativeState:
     """Runs verify steps until every row is done or has `step_limit` tokens.
 
     `tokens_to_logits(tokens [B, T], cache, lengths [B])` is the model's step; rows that
-    have stopped are fed with zero valid tokens, so their cache never grows."""
+    have stopped are fed with zero valid tokens, so their cache never grows.
+    `propose(state, draft_cache, fits, rng) -> (drafts [B, K], valid drafts [B], speculate,
+    draft probabilities [B, K, V] or None, draft_cache)` drafts; `fits` says every running
+    row has room for K + 1 more tokens. Only if `speculate` does the model verify; else the
+    iteration is a plain one-token step."""
 
     def cond_fn(carry: SpeculativeState) -> jax.Array:
         decode = carry.decode
@@ -230,10 +253,9 @@ def speculative_loop(tokens_to_logits: TokensToLogits, state: DecodeState,
         state = state.replace(stop_reason=jnp.where(
             ~state.done & (room_B < 1), StopReason.CACHE_FULL, state.stop_reason))
         running_B = ~state.done
-        drafts_BK, valid_B = ngram_drafts(state.context, state.context_lengths, ngram_size,
-                                          num_draft)
-        valid_B = jnp.where(running_B, valid_B, 0)
-        rng = jax.random.fold_in(state.rng, stats.steps + 1)
+        draft_rng, choose_rng = jax.random.split(jax.random.fold_in(state.rng, stats.steps + 1))
+        drafts_BK, valid_B, speculate, draft_probs_BKV, draft_cache = propose(
+            state, carry.draft_cache, jnp.all(~running_B | (room_B > num_draft)), draft_rng)
 
         def feed(cache, drafts_BK):
             fed_BT = jnp.concatenate([state.last_tokens[:, None], drafts_BK], axis=1)
@@ -244,23 +266,26 @@ def speculative_loop(tokens_to_logits: TokensToLogits, state: DecodeState,
             padding = num_draft + 1 - fed_BT.shape[1]
             return jnp.pad(logits_BTV, ((0, 0), (0, padding), (0, 0))), cache
 
-        worth_it = jnp.any(valid_B > 0) & jnp.all(~running_B | (room_B > num_draft))
-        logits_BTV, cache = either_call(worth_it, lambda cache: feed(cache, drafts_BK),
+        logits_BTV, cache = either_call(speculate, lambda cache: feed(cache, drafts_BK),
                                         lambda cache: feed(cache, drafts_BK[:, :0]),
                                         state.cache)
-        valid_B = jnp.where(worth_it, valid_B, 0)
-        tokens_BT, accepted_B = choose(logits_BTV, drafts_BK, valid_B, sampling, rng)
+        valid_B = jnp.where(speculate, valid_B, 0)
+        tokens_BT, accepted_B = choose(logits_BTV, drafts_BK, valid_B, sampling, choose_rng,
+                                       draft_probs_BKV)
         new_state, _ = advance(state.replace(cache=cache), old_lengths_B, logits_BTV,
                                tokens_BT, accepted_B, stops)
         accepted_B = jnp.minimum(accepted_B, new_state.lengths - state.lengths)
-        state = new_state
+        if draft_cache is not None:
+            # The draft keeps what it was fed of the accepted context (the target's cache).
+            draft_cache = draft_cache.replace(
+                lengths=jnp.minimum(draft_cache.lengths, new_state.cache.lengths))
         stats = SpeculationStats(
             drafted=stats.drafted + valid_B,
             accepted=stats.accepted + accepted_B,
             steps=stats.steps + 1)
-        return SpeculativeState(state, stats)
+        return SpeculativeState(new_state, stats, draft_cache)
 
-    return jax.lax.while_loop(cond_fn, body_fn, SpeculativeState(state, stats))
+    return jax.lax.while_loop(cond_fn, body_fn, carry)
 
 
 def either_call(pred: jax.Array, if_true, if_false, cache):
@@ -280,8 +305,8 @@ def either_call(pred: jax.Array, if_true, if_false, cache):
 
 
 def no_stats(batch: int) -> SpeculationStats:
-    zeros = jnp.zeros((batch,), jnp.int32)
-    return SpeculationStats(zeros, zeros, jnp.zeros((), jnp.int32))
+    return SpeculationStats(jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32),
+                            jnp.zeros((), jnp.int32))  # distinct buffers: they are donated
 
 
 @functools.partial(jax.jit, static_argnums=(0, 7), static_argnames="mesh",
@@ -302,12 +327,80 @@ def continue_speculative(config, params, state: DecodeState, stats: SpeculationS
                             step_limit, num_draft, ngram_size)
 
 
-def check_supported(speculative, *, num_beams: int, processors, settings: dict,
-                    defaults: dict) -> Speculative:
+def draft_model_loop(tokens_to_logits: TokensToLogits, draft_step: TokensToLogits,
+                     carry: SpeculativeState, stops: StopConditions, sampling: SamplingParams,
+                     step_limit: jax.Array, num_draft: int) -> SpeculativeState:
+    """`drafting_loop` with a draft model's drafts: `draft_step` is its `tokens_to_logits`
+    and `carry.draft_cache` its cache (see `draft_model.py`). Every running row drafts K
+    tokens; the model verifies whenever both caches have room for them."""
+
+    def propose(state, draft_cache, fits, rng):
+        # The draft's last call writes slot context_length + K - 2 of its cache.
+        fits &= jnp.all(state.done | (
+            state.context_lengths + num_draft - 1 <= draft_cache.capacity))
+        drafts_BK, probs_BKV, draft_cache = draft_model.propose(
+            draft_step, draft_cache, state.context, state.context_lengths, ~state.done, fits,
+            sampling, rng, num_draft)
+        return drafts_BK, jnp.where(state.done, 0, num_draft), fits, probs_BKV, draft_cache
+
+    return drafting_loop(tokens_to_logits, carry, stops, sampling, step_limit, num_draft,
+                         propose)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2, 8), donate_argnums=4)
+def continue_with_draft(config, params, draft_config, draft_params, carry: SpeculativeState,
+                        stops: StopConditions, sampling: SamplingParams, step_limit,
+                        num_draft: int) -> SpeculativeState:
+    """`generate`'s decode program with a draft model's drafts."""
+    count_trace("speculative_draft")
+    carry = carry.replace(decode=carry.decode.replace(step=settled(carry.decode)))
+    return draft_model_loop(M.step_fn(config, params), M.step_fn(draft_config, draft_params),
+                            carry, stops, sampling, step_limit, num_draft)
+
+
+def start(prepared, state: DecodeState) -> SpeculativeState:
+    """`run`'s first carry, after `generate`'s start (`prepared` is its checked call): no
+    statistics yet and, with a draft model, the draft's cache after the prompts."""
+    stats, speculative = no_stats(state.lengths.shape[0]), prepared.speculative
+    if speculative is None or speculative.method != "draft":
+        return SpeculativeState(state, stats)
+    draft_config = speculative.draft_model.config
+    cache = draft_model.start(draft_config, speculative.draft_params, prepared.tokens,
+                              prepared.lengths,
+                              draft_model.draft_capacity(draft_config, prepared.capacity),
+                              prepared.num_samples)
+    return SpeculativeState(state, stats, cache)
+
+
+def run(config, params, carry: SpeculativeState, prepared, step_limit) -> SpeculativeState:
+    """The decode loop of `prepared.speculative`'s method, up to `step_limit` tokens."""
+    speculative = prepared.speculative
+    if speculative.method == "draft":
+        return continue_with_draft(
+            config, params, speculative.draft_model.config, speculative.draft_params, carry,
+            prepared.stops, prepared.sampling, step_limit, speculative.num_draft_tokens)
+    return continue_speculative(
+        config, params, carry.decode, carry.stats, prepared.stops, prepared.sampling,
+        step_limit, speculative.num_draft_tokens,
+        jnp.asarray(speculative.ngram_size, jnp.int32), mesh=prepared.mesh)
+
+
+def check_supported(speculative, config: M.TransformerConfig, *, num_beams: int, processors,
+                    settings: dict, defaults: dict, prompt_length: int, state=None,
+                    mesh=None) -> Speculative:
     """`speculative` checked against the other settings of a call."""
     if not isinstance(speculative, Speculative):
         raise ValueError(f"speculative must be a decode.Speculative, got "
                          f"{type(speculative).__name__}")
+    if speculative.method == "draft":
+        if state is not None:
+            raise ValueError("speculation with a draft model starts from prompts: it does not "
+                             "take a state (state=...)")
+        if mesh is not None:
+            raise ValueError("speculation with a draft model runs on one device; it does not "
+                             "take a mesh or params sharded over one")
+        draft_model.check_draft(config, speculative.draft_model.config,
+                                speculative.draft_params, prompt_length)
     if num_beams != 1:
         raise ValueError(f"speculative decoding does not go with beam search "
                          f"(num_beams={num_beams})")

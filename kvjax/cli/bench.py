@@ -144,9 +144,9 @@ def _add_precision(kinds) -> None:
 
 def _add_speculative(kinds) -> None:
     speculative = add_command(
-        kinds, "speculative", "Greedy tokens/s with prompt-lookup speculative decoding against "
-        "plain greedy, on a task whose output copies its prompt and one whose does not; with "
-        "the acceptance rate and a check that both give the same tokens.")
+        kinds, "speculative", "Greedy tokens/s with speculative decoding (prompt lookup or a "
+        "draft model) against plain greedy, on a task whose output copies its prompt and one "
+        "whose does not; with the acceptance rate and a check that both give the same tokens.")
     speculative.add_argument("--checkpoint", default="checkpoints/python-docs-lm",
                              metavar="DIR", help="the model (the shipped Python-docs LM)")
     speculative.add_argument("--preset", choices=PRESET_NAMES, default=None,
@@ -161,6 +161,12 @@ def _add_speculative(kinds) -> None:
                              help="tokens drafted per step")
     speculative.add_argument("--ngram-size", type=positive, default=2,
                              help="suffix length looked up in the context")
+    drafts = speculative.add_mutually_exclusive_group()
+    drafts.add_argument("--draft-checkpoint", metavar="DIR", default=None,
+                        help="draft with this model (same tokenizer) instead of prompt lookup; "
+                             "the --checkpoint itself gives the upper bound on acceptance")
+    drafts.add_argument("--draft-layers", type=positive, default=None, metavar="N",
+                        help="draft with the model's first N layers instead of prompt lookup")
     speculative.add_argument("--repeats", type=positive, default=3, help="timed runs (best)")
     speculative.set_defaults(run=run_bench_speculative)
 
@@ -170,8 +176,11 @@ def run_bench_speculative(args) -> int:
 
     rows = speculative_benchmark(args.checkpoint, args.preset, tuple(args.batch_sizes),
                                  args.prompt_len, args.new_tokens, args.num_draft_tokens,
-                                 args.ngram_size, args.repeats)
-    print(format_table(rows, args.num_draft_tokens, args.ngram_size))
+                                 args.ngram_size, args.repeats, args.draft_checkpoint,
+                                 args.draft_layers)
+    drafts_from = (args.draft_checkpoint if args.draft_layers is None
+                   else f"of the first {args.draft_layers} layer(s)")
+    print(format_table(rows, args.num_draft_tokens, args.ngram_size, drafts_from))
     return 0
 
 

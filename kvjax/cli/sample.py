@@ -36,11 +36,15 @@ def add_sample(commands) -> None:
                         help="beam search with this many beams (1 = sampling as above)")
     sample.add_argument("--seed", type=seed, default=0, help="sampling seed")
     add_precision(sample)
-    sample.add_argument("--speculative", choices=["ngram"], default=None,
-                        help="ngram: draft tokens by prompt lookup (a copy of what follows the "
-                             "latest earlier occurrence of the last --ngram-size tokens) and "
-                             "verify them in one model call; greedy output is unchanged, "
-                             "sampled output keeps its distribution")
+    sample.add_argument("--speculative", choices=["ngram", "draft"], default=None,
+                        help="draft tokens and verify them in one model call; greedy output "
+                             "is unchanged, sampled output keeps its distribution. ngram: by "
+                             "prompt lookup (a copy of what follows the latest earlier "
+                             "occurrence of the last --ngram-size tokens); draft: with the "
+                             "smaller model of --draft-checkpoint")
+    sample.add_argument("--draft-checkpoint", metavar="DIR", default=None,
+                        help="the draft model of --speculative draft, loaded as --checkpoint "
+                             "is; it must have the same tokenizer")
     sample.add_argument("--num-draft-tokens", type=positive, default=4,
                         help="tokens drafted per step with --speculative")
     sample.add_argument("--ngram-size", type=positive, default=2,
@@ -56,8 +60,14 @@ def run_sample(args) -> int:
     if args.speculative:
         from kvjax import decode
 
+        draft_model = draft_params = None
+        if args.speculative == "draft":
+            draft = _draft(args, loaded)
+            draft_model, draft_params = draft.net, draft.params
         speculative = decode.Speculative(args.speculative, args.num_draft_tokens,
-                                         args.ngram_size)
+                                         args.ngram_size, draft_model, draft_params)
+    elif args.draft_checkpoint is not None:
+        raise ValueError("--draft-checkpoint is the draft model of --speculative draft")
     room = text.room(loaded, args.prompt)  # a prompt too long fails here, before the echo
     if args.max_new_tokens > room:
         print(f"kvjax sample: --max-new-tokens {args.max_new_tokens} does not fit the model's "
@@ -103,6 +113,22 @@ def run_sample(args) -> int:
               f"accepted ({first.speculation.acceptance_rate:.0%}); "
               f"{int(first.speculation.steps)} decode steps]")
     return 0
+
+
+def _draft(args, loaded):
+    """The --draft-checkpoint model, in --dtype, checked to share the target's tokenizer."""
+    from kvjax import text
+    from kvjax.decode import draft_model
+
+    if args.draft_checkpoint is None:
+        raise ValueError("--speculative draft needs a --draft-checkpoint")
+    draft = with_precision(text.load(args.draft_checkpoint), args)
+    draft_model.check_draft(loaded.config, draft.config, draft.params, prompt_length=1)
+    if draft.tokenizer.to_bytes() != loaded.tokenizer.to_bytes():
+        raise ValueError(f"the tokenizer of --draft-checkpoint {args.draft_checkpoint} differs "
+                         f"from the one of --checkpoint {args.checkpoint}: the draft's token "
+                         f"ids must mean the target's tokens")
+    return draft
 
 
 def _unescape(text: str) -> str:
