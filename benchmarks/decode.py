@@ -223,19 +223,31 @@ def _hf_runner(config: M.TransformerConfig,
             n_layer=config.num_decoder_layers, n_head=config.num_heads, n_inner=config.d_ff,
             bos_token_id=0, eos_token_id=0, pad_token_id=0)).eval()
 
+    # On the kind of device kvjax runs on, so the ratio compares like with like.
+    on_gpu = jax.default_backend() == "gpu" and torch.cuda.is_available()
+    device = torch.device("cuda" if on_gpu else "cpu")
+    model = model.to(device)
+
+    def generate(ids, kwargs):
+        out = model.generate(ids, **kwargs)
+        if on_gpu:
+            torch.cuda.synchronize()
+        return out
+
     def run(prompts: np.ndarray, new_tokens: int, repeats: int) -> float:
-        ids = torch.as_tensor(prompts, dtype=torch.long)
+        ids = torch.as_tensor(prompts, dtype=torch.long, device=device)
         kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                       min_new_tokens=new_tokens, do_sample=False, use_cache=True,
                       pad_token_id=0)
         with torch.inference_mode():
-            out = model.generate(ids, **kwargs)  # warm-up
+            out = generate(ids, kwargs)  # warm-up
             if out.shape[1] != prompts.shape[1] + new_tokens:
                 raise RuntimeError(f"HF generated {out.shape[1] - prompts.shape[1]} tokens")
-            return _best_seconds(lambda: model.generate(ids, **kwargs), repeats)
+            return _best_seconds(lambda: generate(ids, kwargs), repeats)
 
-    note = (f"transformers {transformers.__version__}, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads")
+    where = (torch.cuda.get_device_name(device) if on_gpu
+             else f"{torch.get_num_threads()} threads")
+    note = f"transformers {transformers.__version__}, torch {torch.__version__}, {where}"
     return run, note
 
 
@@ -351,8 +363,10 @@ def _machine() -> str:
         cpu = names[0] if names else cpu
     except OSError:
         pass
-    return (f"{cpu}, {os.cpu_count()} cores; jax {jax.__version__} on "
-            f"{jax.default_backend()}")
+    backend = jax.default_backend()
+    if backend != "cpu":
+        backend += f" ({jax.devices()[0].device_kind})"
+    return f"{cpu}, {os.cpu_count()} cores; jax {jax.__version__} on {backend}"
 
 
 def _ratio(a: float | None, b: float | None) -> str:
