@@ -14,78 +14,26 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import orbax.checkpoint._src.path.atomicity as orbax_atomicity
 import pytest
+from checkpoint_support import (
+    abstract_of,
+    assert_trees_equal,
+    make_saved_dir,
+    make_state,
+    snapshot,
+    step_dirs,
+)
 
 from kvjax import checkpoint as ckpt
 from kvjax.checkpoint import Checkpointer, CheckpointError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
-TOKENIZER = b"tokenizer bytes"
-
-
-def make_state(seed: int = 0, d_model: int = 8) -> dict:
-    """A small training state shaped like the trainer's, with a bfloat16 leaf and optax tuples."""
-    k_embed, k_w, k_rng = jax.random.split(jax.random.key(seed), 3)
-    params = {
-        "embed": jax.random.normal(k_embed, (16, d_model)),
-        "layer": {
-            "w": jax.random.normal(k_w, (d_model, d_model)).astype(jnp.bfloat16),
-            "b": jnp.full((d_model,), seed, jnp.float32),
-        },
-    }
-    return {
-        "params": params,
-        "opt_state": optax.adamw(1e-3).init(params),
-        "step": jnp.int32(seed),
-        "rng": jax.random.key_data(k_rng),
-        "data_position": jnp.int32(1000 + seed),
-    }
-
-
-def abstract_of(tree):
-    return jax.eval_shape(lambda: tree)
-
-
-def assert_trees_equal(actual, expected):
-    assert jax.tree.structure(actual) == jax.tree.structure(expected)
-    pairs = zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected), strict=True)
-    for (path, a), e in pairs:
-        name = jax.tree_util.keystr(path)
-        assert isinstance(a, jax.Array), name
-        assert a.dtype == e.dtype, name
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(e), err_msg=name)
-
-
-def save_steps(directory, steps):
-    with Checkpointer(directory, save_every=1, keep=10) as checkpointer:
-        for step in steps:
-            assert checkpointer.save(step, make_state(step))
-
-
-def step_dirs(directory) -> list[int]:
-    return sorted(int(p.name) for p in Path(directory).iterdir() if p.name.isdigit())
-
-
-def snapshot(directory) -> dict:
-    """Every file and directory under `directory` with its size and mtime."""
-    root = Path(directory)
-    entries = {}
-    for path in [root, *root.rglob("*")]:
-        info = path.stat()
-        entries[str(path.relative_to(root))] = (path.is_dir(), info.st_size, info.st_mtime_ns)
-    return entries
-
 
 @pytest.fixture
 def saved_dir(tmp_path):
-    """A checkpoint directory with metadata and steps 1 and 2 (step 2 is the latest)."""
-    directory = tmp_path / "run"
-    ckpt.write_metadata(directory, {"d_model": 8}, "lm", TOKENIZER)
-    save_steps(directory, [1, 2])
-    return directory
+    return make_saved_dir(tmp_path)
 
 
 # Round trips and retention ---------------------------------------------------------------------
@@ -430,141 +378,3 @@ def test_bad_config_json_is_named(saved_dir, content, expected):
 
     assert str(config_path) in str(info.value)
     assert snapshot(saved_dir) == before
-
-
-# Directory metadata ----------------------------------------------------------------------------
-
-
-def test_metadata_round_trip(tmp_path):
-    directory = tmp_path / "new" / "run"
-    config = {"d_model": 8, "num_kv_heads": None, "dtype": "bfloat16"}
-
-    ckpt.write_metadata(directory, config, "translate", b"\x00model\xff")
-
-    assert ckpt.read_metadata(directory) == (config, "translate", b"\x00model\xff")
-    assert sorted(p.name for p in directory.iterdir()) == [ckpt.CONFIG_FILE, ckpt.TOKENIZER_FILE]
-
-
-def test_failed_metadata_write_keeps_the_old_file(tmp_path, monkeypatch):
-    ckpt.write_metadata(tmp_path, {"d_model": 8}, "lm", b"old")
-
-    def fail(fd):
-        raise OSError("simulated crash before the data reached the disk")
-
-    monkeypatch.setattr(os, "fsync", fail)
-    with pytest.raises(OSError, match="simulated crash"):
-        ckpt.write_metadata(tmp_path, {"d_model": 16}, "lm", b"old")
-    monkeypatch.undo()
-
-    assert ckpt.read_metadata(tmp_path) == ({"d_model": 8}, "lm", b"old")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt.CONFIG_FILE, ckpt.TOKENIZER_FILE]
-
-
-def test_rewriting_the_same_metadata_touches_nothing(saved_dir):
-    before = snapshot(saved_dir)
-    ckpt.write_metadata(saved_dir, {"d_model": 8}, "lm", TOKENIZER)
-    assert snapshot(saved_dir) == before
-
-
-@pytest.mark.parametrize(
-    ("config", "task", "tokenizer", "expected"),
-    [
-        ({"d_model": 16}, "lm", TOKENIZER, r"different config \(\['d_model'\] differ\)"),
-        ({"d_model": 8}, "translate", TOKENIZER, r"different config \(\['task'\] differ\)"),
-        ({"d_model": 8}, "lm", b"another tokenizer", "already holds a different tokenizer"),
-    ],
-    ids=["config", "task", "tokenizer"],
-)
-def test_metadata_of_existing_checkpoints_is_never_replaced(
-    saved_dir, config, task, tokenizer, expected
-):
-    before = snapshot(saved_dir)
-    with pytest.raises(CheckpointError, match=expected) as info:
-        ckpt.write_metadata(saved_dir, config, task, tokenizer)
-    assert str(saved_dir) in str(info.value)
-    assert snapshot(saved_dir) == before
-
-
-def test_metadata_without_checkpoints_may_be_replaced(tmp_path):
-    ckpt.write_metadata(tmp_path, {"d_model": 8}, "lm", b"old")
-    ckpt.write_metadata(tmp_path, {"d_model": 16}, "translate", b"new")
-    assert ckpt.read_metadata(tmp_path) == ({"d_model": 16}, "translate", b"new")
-
-
-def test_invalid_metadata_input_writes_nothing(tmp_path):
-    directory = tmp_path / "run"
-    with pytest.raises(ValueError, match="JSON"):
-        ckpt.write_metadata(directory, {"d_model": object()}, "lm", b"tok")
-    with pytest.raises(ValueError, match="task"):
-        ckpt.write_metadata(directory, {"d_model": 8}, "", b"tok")
-    with pytest.raises(ValueError, match="tokenizer_bytes"):
-        ckpt.write_metadata(directory, {"d_model": 8}, "lm", b"")
-    assert not directory.exists()
-
-
-# Loading for sampling --------------------------------------------------------------------------
-
-
-def _model_and_tokenizer():
-    from kvjax.model import init_params
-    from kvjax.model.config import preset
-
-    from kvjax.tokenizer import train_tokenizer
-
-    text = "the quick brown fox jumps over the lazy dog.\n" * 20 + "pack my box with jugs\n"
-    tokenizer = train_tokenizer([text], 300)
-    config = preset("tiny", vocab_size=tokenizer.vocab_size)
-    return config, tokenizer, init_params
-
-
-def test_load_for_sampling_round_trip(tmp_path):
-    config, tokenizer, init_params = _model_and_tokenizer()
-    params = init_params(config, jax.random.key(1))
-    state = {"params": params, "opt_state": optax.adam(1e-3).init(params), "step": jnp.int32(5)}
-    ckpt.write_metadata(tmp_path, config.to_dict(), "lm", tokenizer.to_bytes())
-    with Checkpointer(tmp_path, save_every=100, keep=1) as checkpointer:
-        assert checkpointer.save(5, state, force=True)
-
-    loaded_config, loaded_tokenizer, loaded_params = ckpt.load_for_sampling(tmp_path)
-
-    assert loaded_config == config
-    assert loaded_tokenizer.to_bytes() == tokenizer.to_bytes()
-    assert loaded_tokenizer.encode("the lazy fox") == tokenizer.encode("the lazy fox")
-    assert_trees_equal(loaded_params, params)
-
-
-@pytest.mark.parametrize("saved_scanned", [True, False])
-def test_load_for_sampling_holds_the_layers_as_asked_whichever_way_they_were_saved(
-        tmp_path, saved_scanned):
-    from kvjax import model as M
-
-    config, tokenizer, init_params = _model_and_tokenizer()
-    config = config.replace(scan_layers=saved_scanned)
-    params = init_params(config, jax.random.key(1))
-    ckpt.write_metadata(tmp_path, config.to_dict(), "lm", tokenizer.to_bytes())
-    with Checkpointer(tmp_path, save_every=1, keep=1) as checkpointer:
-        checkpointer.save(1, {"params": params, "step": jnp.int32(1)})
-
-    default_config, _, default_params = ckpt.load_for_sampling(tmp_path)
-    assert default_config == config.replace(scan_layers=M.TransformerConfig.scan_layers)
-    for scan_layers in (True, False):
-        loaded_config, _, loaded_params = ckpt.load_for_sampling(tmp_path, scan_layers=scan_layers)
-        assert loaded_config == config.replace(scan_layers=scan_layers)
-        assert_trees_equal(loaded_params, M.with_layer_layout(config, params, scan_layers)[1])
-        if scan_layers == default_config.scan_layers:
-            assert_trees_equal(loaded_params, default_params)
-
-
-def test_load_for_sampling_refuses_params_of_another_config(tmp_path):
-    config, tokenizer, init_params = _model_and_tokenizer()
-    params = init_params(config, jax.random.key(1))
-    ckpt.write_metadata(tmp_path, config.replace(d_model=64).to_dict(), "lm", tokenizer.to_bytes())
-    save = {"params": params, "step": jnp.int32(1)}
-    with Checkpointer(tmp_path, save_every=1, keep=1) as checkpointer:
-        checkpointer.save(1, save)
-    before = snapshot(tmp_path)
-
-    with pytest.raises(CheckpointError, match=f"checkpoint {tmp_path / '1'} does not match"):
-        ckpt.load_for_sampling(tmp_path)
-
-    assert snapshot(tmp_path) == before
