@@ -88,7 +88,8 @@ def _model(checkpoint: str, preset: str | None):
 
 
 def drafting(net, params, num_draft_tokens: int, ngram_size: int,
-             draft_checkpoint: str | None, draft_layers: int | None) -> decode.Speculative:
+             draft_checkpoint: str | None, draft_layers: int | None,
+             min_tokens_per_call: float = 2.0) -> decode.Speculative:
     """Prompt lookup, or the draft model that `draft_checkpoint` or `draft_layers` name."""
     if draft_checkpoint is not None:
         draft = text.load(draft_checkpoint)
@@ -96,19 +97,22 @@ def drafting(net, params, num_draft_tokens: int, ngram_size: int,
     elif draft_layers is not None:
         draft_net, draft_params = draft_model.first_layers(net.config, params, draft_layers)
     else:
-        return decode.Speculative("ngram", num_draft_tokens, ngram_size)
+        return decode.Speculative("ngram", num_draft_tokens, ngram_size,
+                                  min_tokens_per_call=min_tokens_per_call)
     return decode.Speculative("draft", num_draft_tokens, draft_model=draft_net,
-                              draft_params=draft_params)
+                              draft_params=draft_params,
+                              min_tokens_per_call=min_tokens_per_call)
 
 
 def speculative_benchmark(checkpoint: str = DEFAULT_CHECKPOINT, preset: str | None = None,
                           batch_sizes: Sequence[int] = (1, 8), prompt_len: int = 96,
                           new_tokens: int = 96, num_draft_tokens: int = 4, ngram_size: int = 2,
                           repeats: int = 3, draft_checkpoint: str | None = None,
-                          draft_layers: int | None = None) -> list[Row]:
+                          draft_layers: int | None = None,
+                          min_tokens_per_call: float = 2.0) -> list[Row]:
     net, params, loaded = _model(checkpoint, preset)
     drafts = drafting(net, params, num_draft_tokens, ngram_size, draft_checkpoint,
-                      draft_layers)
+                      draft_layers, min_tokens_per_call)
     table = []
     for task in ("copying", "fresh"):
         for batch in batch_sizes:

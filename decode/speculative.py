@@ -26,6 +26,11 @@ never clamped); otherwise the iteration is a plain one-token step, so a batch wi
 to draft pays for no verification, and rows near the end of their cache finish one token
 at a time, as without speculation.
 
+Drafting turns itself off where it does not pay: while the moving average of the tokens a
+verifying call emitted per running row (from k + 1 at the start) is below
+`min_tokens_per_call` (default 2: a call of k + 1 tokens costs about two of one on a CPU),
+iterations are plain steps, but for a verifying probe every `PROBE_EVERY` iterations.
+
 Shape letters: B batch, N token buffer, C context buffer, K draft length k, T = K + 1,
 V vocab.
 """
@@ -51,6 +56,8 @@ from .sampling import SamplingParams, filter_logits
 from .tracing import count_trace
 
 METHODS = ("ngram", "draft")
+PROBE_EVERY = 8  # with drafting off, one iteration in this many still verifies its drafts
+RECENT_WEIGHT = 0.25  # of the newest verifying call in the moving average
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,13 +66,15 @@ class Speculative:
     num_draft_tokens: k drafted tokens per row and step; ngram_size: n, the length of the
     suffix looked up in the context ('ngram' only); draft_model, draft_params: the draft
     model (a kvjax model with the target's vocabulary and variant) and its params ('draft'
-    only, see `draft_model.py`)."""
+    only, see `draft_model.py`); min_tokens_per_call: drafting pays from this many tokens
+    per verifying call and row (see above; 0: always draft)."""
 
     method: str = "ngram"
     num_draft_tokens: int = 4
     ngram_size: int = 2
     draft_model: Any = dataclasses.field(default=None, compare=False)
     draft_params: Any = dataclasses.field(default=None, compare=False, repr=False)
+    min_tokens_per_call: float = 2.0
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -81,6 +90,11 @@ class Speculative:
             if (not isinstance(value, int | np.integer) or isinstance(value, bool)
                     or not 1 <= value <= top):
                 raise ValueError(f"{name}={value!r} must be an integer in [1, {top}]")
+        bound, value = self.num_draft_tokens + 1, self.min_tokens_per_call
+        if not (isinstance(value, int | float | np.number) and not isinstance(value, bool)
+                and 0 <= value <= bound):
+            raise ValueError(f"min_tokens_per_call={value!r} must be a number in [0, "
+                             f"num_draft_tokens + 1 = {bound}]")
 
 
 @flax.struct.dataclass
@@ -101,11 +115,13 @@ class SpeculationStats:
 class SpeculativeState:
     """The loop carry: the plain loop's state (its `step` is the number of leading
     tokens every row has settled, see `settled`), the statistics and, with a draft model,
-    its cache (holding a prefix of each row's context; None for prompt lookup)."""
+    its cache (holding a prefix of each row's context; None for prompt lookup), and the
+    moving average of the tokens a verifying call emitted per running row (None: k + 1)."""
 
     decode: DecodeState
     stats: SpeculationStats
     draft_cache: M.KVCache | None = None
+    tokens_per_call: jax.Array | None = None
 
 
 def choose(logits_BTV: jax.Array, drafts_BK: jax.Array, valid_B: jax.Array,
@@ -217,7 +233,8 @@ def advance(state: DecodeState, old_cache_lengths_B: jax.Array, logits_BTV: jax.
 def speculative_loop(tokens_to_logits: TokensToLogits, state: DecodeState,
                      stats: SpeculationStats, stops: StopConditions,
                      sampling: SamplingParams, step_limit: jax.Array, num_draft: int,
-                     ngram_size: jax.Array) -> SpeculativeState:
+                     ngram_size: jax.Array, min_tokens_per_call=0.0,
+                     tokens_per_call=None) -> SpeculativeState:
     """`drafting_loop` with prompt-lookup drafts; it verifies only when some row has one."""
 
     def propose(state, draft_cache, fits, rng):
@@ -226,21 +243,22 @@ def speculative_loop(tokens_to_logits: TokensToLogits, state: DecodeState,
         valid_B = jnp.where(state.done, 0, valid_B)
         return drafts_BK, valid_B, jnp.any(valid_B > 0) & fits, None, draft_cache
 
-    return drafting_loop(tokens_to_logits, SpeculativeState(state, stats), stops, sampling,
-                         step_limit, num_draft, propose)
+    carry = SpeculativeState(state, stats, tokens_per_call=tokens_per_call)
+    return drafting_loop(tokens_to_logits, carry, stops, sampling, step_limit, num_draft,
+                         propose, min_tokens_per_call)
 
 
 def drafting_loop(tokens_to_logits: TokensToLogits, carry: SpeculativeState,
                   stops: StopConditions, sampling: SamplingParams, step_limit: jax.Array,
-                  num_draft: int, propose) -> SpeculativeState:
+                  num_draft: int, propose, min_tokens_per_call=0.0) -> SpeculativeState:
     """Runs verify steps until every row is done or has `step_limit` tokens.
 
     `tokens_to_logits(tokens [B, T], cache, lengths [B])` is the model's step; rows that
     have stopped are fed with zero valid tokens, so their cache never grows.
     `propose(state, draft_cache, fits, rng) -> (drafts [B, K], valid drafts [B], speculate,
-    draft probabilities [B, K, V] or None, draft_cache)` drafts; `fits` says every running
-    row has room for K + 1 more tokens. Only if `speculate` does the model verify; else the
-    iteration is a plain one-token step."""
+    draft probabilities [B, K, V] or None, draft_cache)` drafts; `fits` says drafting pays
+    (see the module docstring) and every running row has room for K + 1 more tokens. Only
+    if `speculate` does the model verify; else the iteration is a plain one-token step."""
 
     def cond_fn(carry: SpeculativeState) -> jax.Array:
         decode = carry.decode
@@ -254,8 +272,11 @@ def drafting_loop(tokens_to_logits: TokensToLogits, carry: SpeculativeState,
             ~state.done & (room_B < 1), StopReason.CACHE_FULL, state.stop_reason))
         running_B = ~state.done
         draft_rng, choose_rng = jax.random.split(jax.random.fold_in(state.rng, stats.steps + 1))
+        pays = ((carry.tokens_per_call >= min_tokens_per_call)
+                | (stats.steps % PROBE_EVERY == PROBE_EVERY - 1))
         drafts_BK, valid_B, speculate, draft_probs_BKV, draft_cache = propose(
-            state, carry.draft_cache, jnp.all(~running_B | (room_B > num_draft)), draft_rng)
+            state, carry.draft_cache, pays & jnp.all(~running_B | (room_B > num_draft)),
+            draft_rng)
 
         def feed(cache, drafts_BK):
             fed_BT = jnp.concatenate([state.last_tokens[:, None], drafts_BK], axis=1)
@@ -283,8 +304,13 @@ def drafting_loop(tokens_to_logits: TokensToLogits, carry: SpeculativeState,
             drafted=stats.drafted + valid_B,
             accepted=stats.accepted + accepted_B,
             steps=stats.steps + 1)
-        return SpeculativeState(new_state, stats, draft_cache)
+        emitted = jnp.sum(jnp.where(running_B, accepted_B + 1, 0)) / jnp.maximum(running_B.sum(), 1)
+        tokens_per_call = jnp.where(speculate, (1 - RECENT_WEIGHT) * carry.tokens_per_call
+                                    + RECENT_WEIGHT * emitted, carry.tokens_per_call)
+        return SpeculativeState(new_state, stats, draft_cache, tokens_per_call)
 
+    if carry.tokens_per_call is None:
+        carry = carry.replace(tokens_per_call=jnp.asarray(num_draft + 1, jnp.float32))
     return jax.lax.while_loop(cond_fn, body_fn, carry)
 
 
@@ -313,7 +339,8 @@ def no_stats(batch: int) -> SpeculationStats:
                    donate_argnums=2)
 def continue_speculative(config, params, state: DecodeState, stats: SpeculationStats,
                          stops: StopConditions, sampling: SamplingParams, step_limit,
-                         num_draft: int, ngram_size, mesh=None) -> SpeculativeState:
+                         num_draft: int, ngram_size, tokens_per_call, min_tokens_per_call,
+                         mesh=None) -> SpeculativeState:
     """`generate`'s decode program with prompt-lookup drafts (see the module docstring)."""
     count_trace("speculative")
     state = parallel.constrain_rows(state, mesh)
@@ -324,12 +351,14 @@ def continue_speculative(config, params, state: DecodeState, stats: SpeculationS
         return logits_BTV, parallel.constrain_rows(cache, mesh)
 
     return speculative_loop(step, state.replace(step=settled(state)), stats, stops, sampling,
-                            step_limit, num_draft, ngram_size)
+                            step_limit, num_draft, ngram_size, min_tokens_per_call,
+                            tokens_per_call)
 
 
 def draft_model_loop(tokens_to_logits: TokensToLogits, draft_step: TokensToLogits,
                      carry: SpeculativeState, stops: StopConditions, sampling: SamplingParams,
-                     step_limit: jax.Array, num_draft: int) -> SpeculativeState:
+                     step_limit: jax.Array, num_draft: int, min_tokens_per_call=0.0
+                     ) -> SpeculativeState:
     """`drafting_loop` with a draft model's drafts: `draft_step` is its `tokens_to_logits`
     and `carry.draft_cache` its cache (see `draft_model.py`). Every running row drafts K
     tokens; the model verifies whenever both caches have room for them."""
@@ -344,45 +373,51 @@ def draft_model_loop(tokens_to_logits: TokensToLogits, draft_step: TokensToLogit
         return drafts_BK, jnp.where(state.done, 0, num_draft), fits, probs_BKV, draft_cache
 
     return drafting_loop(tokens_to_logits, carry, stops, sampling, step_limit, num_draft,
-                         propose)
+                         propose, min_tokens_per_call)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2, 8), donate_argnums=4)
 def continue_with_draft(config, params, draft_config, draft_params, carry: SpeculativeState,
                         stops: StopConditions, sampling: SamplingParams, step_limit,
-                        num_draft: int) -> SpeculativeState:
+                        num_draft: int, min_tokens_per_call) -> SpeculativeState:
     """`generate`'s decode program with a draft model's drafts."""
     count_trace("speculative_draft")
     carry = carry.replace(decode=carry.decode.replace(step=settled(carry.decode)))
     return draft_model_loop(M.step_fn(config, params), M.step_fn(draft_config, draft_params),
-                            carry, stops, sampling, step_limit, num_draft)
+                            carry, stops, sampling, step_limit, num_draft, min_tokens_per_call)
 
 
 def start(prepared, state: DecodeState) -> SpeculativeState:
     """`run`'s first carry, after `generate`'s start (`prepared` is its checked call): no
     statistics yet and, with a draft model, the draft's cache after the prompts."""
     stats, speculative = no_stats(state.lengths.shape[0]), prepared.speculative
-    if speculative is None or speculative.method != "draft":
+    if speculative is None:
         return SpeculativeState(state, stats)
+    optimistic = jnp.asarray(speculative.num_draft_tokens + 1, jnp.float32)
+    if speculative.method != "draft":
+        return SpeculativeState(state, stats, tokens_per_call=optimistic)
     draft_config = speculative.draft_model.config
     cache = draft_model.start(draft_config, speculative.draft_params, prepared.tokens,
                               prepared.lengths,
                               draft_model.draft_capacity(draft_config, prepared.capacity),
                               prepared.num_samples)
-    return SpeculativeState(state, stats, cache)
+    return SpeculativeState(state, stats, cache, optimistic)
 
 
 def run(config, params, carry: SpeculativeState, prepared, step_limit) -> SpeculativeState:
     """The decode loop of `prepared.speculative`'s method, up to `step_limit` tokens."""
     speculative = prepared.speculative
+    threshold = jnp.asarray(speculative.min_tokens_per_call, jnp.float32)
     if speculative.method == "draft":
         return continue_with_draft(
             config, params, speculative.draft_model.config, speculative.draft_params, carry,
-            prepared.stops, prepared.sampling, step_limit, speculative.num_draft_tokens)
+            prepared.stops, prepared.sampling, step_limit, speculative.num_draft_tokens,
+            threshold)
     return continue_speculative(
         config, params, carry.decode, carry.stats, prepared.stops, prepared.sampling,
         step_limit, speculative.num_draft_tokens,
-        jnp.asarray(speculative.ngram_size, jnp.int32), mesh=prepared.mesh)
+        jnp.asarray(speculative.ngram_size, jnp.int32), carry.tokens_per_call, threshold,
+        mesh=prepared.mesh)
 
 
 def check_supported(speculative, config: M.TransformerConfig, *, num_beams: int, processors,

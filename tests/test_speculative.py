@@ -83,6 +83,10 @@ def test_speculative_settings_are_checked():
         decode.Speculative(method="tree")
     with pytest.raises(ValueError, match="ngram_size=9"):
         decode.Speculative(ngram_size=9)
+    with pytest.raises(ValueError, match=r"min_tokens_per_call=6 .* \+ 1 = 5\]"):
+        decode.Speculative(min_tokens_per_call=6)
+    with pytest.raises(ValueError, match="min_tokens_per_call='2'"):
+        decode.Speculative(min_tokens_per_call="2")
 
 
 # A fake model: the next token depends only on the fed one ----------------------------------
@@ -282,7 +286,8 @@ def test_compiled_loop_writes_the_cache_in_place(tiny_lm):
     state = generate_module._begin(config, params, prepared)
     hlo = spec.continue_speculative.lower(
         config, params, state, spec.no_stats(len(PROMPTS)), prepared.stops, prepared.sampling,
-        prepared.stops.max_new_tokens, 4, jnp.asarray(2)).compile().as_text()
+        prepared.stops.max_new_tokens, 4, jnp.asarray(2), jnp.float32(5),
+        jnp.float32(2)).compile().as_text()
     shapes = {"f32[" + ",".join(map(str, b.shape)) + "]" for b in state.cache.k}
     copies = [m for m in re.finditer(r"= (f32\[[\d,]+\])\{[^}]*\} copy\(", hlo)
               if m.group(1) in shapes]

@@ -44,11 +44,12 @@ def fake_caches(prompts):
 
 
 @jax.jit
-def run_draft(table, draft_table, state, draft_cache, stops, sampling):
+def run_draft(table, draft_table, state, draft_cache, stops, sampling,
+              min_tokens_per_call=0.0):
     carry = spec.SpeculativeState(state.replace(step=spec.settled(state)),
                                   spec.no_stats(state.lengths.shape[0]), draft_cache)
     return spec.draft_model_loop(fake_model(table), fake_model(draft_table), carry, stops,
-                                 sampling, stops.max_new_tokens, NUM_DRAFT)
+                                 sampling, stops.max_new_tokens, NUM_DRAFT, min_tokens_per_call)
 
 
 @jax.jit
@@ -97,6 +98,33 @@ def test_fake_draft_greedy_equals_plain_greedy(draft, eos_ids, max_new_tokens, t
         assert missed.sum() > ROWS and stats.accepted[greedy].sum() > 0
     if eos_ids == (5,):
         assert fast.decode.stop_reason[0] == StopReason.EOS
+
+
+# Always wrong: it skips one.
+ALWAYS_WRONG = 10.0 * jax.nn.one_hot((jnp.arange(CYCLE) + 2) % CYCLE, CYCLE)
+
+
+def test_drafting_turns_off_where_it_does_not_pay():
+    # With drafting always on (threshold 0) row 2 verifies k drafts at every call that has
+    # room for them. A draft that is always wrong makes the moving average of tokens per
+    # call fall below 2 after 3 calls (3 -> 2.5 -> 2.1 -> 1.8); after that only every 8th
+    # iteration verifies, a probe. A draft that is always right keeps it at 3, and drafting
+    # on. The output is plain greedy's in every case.
+    prompts = FAKE_PROMPTS * (ROWS // len(FAKE_PROMPTS))
+    stops = stops_of((), 24)
+    sampling = SamplingParams.make(batch=ROWS)
+    state, draft_cache = fake_caches(prompts)
+    plain = run_plain(CYCLE_TABLE, state, stops, sampling)
+    verifying = {}
+    for name, draft in [("wrong", ALWAYS_WRONG), ("right", CYCLE_TABLE)]:
+        for threshold in (0.0, 2.0):
+            fast = run_draft(CYCLE_TABLE, draft, state, draft_cache, stops, sampling,
+                             threshold)
+            np.testing.assert_array_equal(fast.decode.tokens, plain.tokens)
+            verifying[name, threshold] = int(fast.stats.drafted[2]) // NUM_DRAFT
+    assert verifying["wrong", 0.0] >= 16
+    assert 3 + 1 <= verifying["wrong", 2.0] <= 3 + 24 // spec.PROBE_EVERY
+    assert verifying["right", 2.0] == verifying["right", 0.0]
 
 
 # Sampling: the first tokens' distribution is the target's ----------------------------------
@@ -186,7 +214,7 @@ def test_greedy_equals_plain_generate_with_a_truncated_draft(tiny_lm):
     net = M.build_model(config)
     draft_net, draft_params = draft_model.first_layers(config, params, 1)
     speculative = decode.Speculative("draft", 4, draft_model=draft_net,
-                                     draft_params=draft_params)
+                                     draft_params=draft_params, min_tokens_per_call=0)
     plain, fast = assert_same_as_plain(net, params, speculative, 30)
     stats = fast.speculation
     assert 0 < stats.accepted.sum() < 0.8 * stats.drafted.sum()  # a poor draft

@@ -161,6 +161,9 @@ def _add_speculative(kinds) -> None:
                              help="tokens drafted per step")
     speculative.add_argument("--ngram-size", type=positive, default=2,
                              help="suffix length looked up in the context")
+    speculative.add_argument("--min-tokens-per-call", type=float, default=2.0,
+                             help="drafting turns off below this moving average of tokens "
+                                  "a verifying call emits per row (0: always draft)")
     drafts = speculative.add_mutually_exclusive_group()
     drafts.add_argument("--draft-checkpoint", metavar="DIR", default=None,
                         help="draft with this model (same tokenizer) instead of prompt lookup; "
@@ -177,7 +180,7 @@ def run_bench_speculative(args) -> int:
     rows = speculative_benchmark(args.checkpoint, args.preset, tuple(args.batch_sizes),
                                  args.prompt_len, args.new_tokens, args.num_draft_tokens,
                                  args.ngram_size, args.repeats, args.draft_checkpoint,
-                                 args.draft_layers)
+                                 args.draft_layers, args.min_tokens_per_call)
     drafts_from = (args.draft_checkpoint if args.draft_layers is None
                    else f"of the first {args.draft_layers} layer(s)")
     print(format_table(rows, args.num_draft_tokens, args.ngram_size, drafts_from))

@@ -49,6 +49,9 @@ def add_sample(commands) -> None:
                         help="tokens drafted per step with --speculative")
     sample.add_argument("--ngram-size", type=positive, default=2,
                         help="suffix length looked up with --speculative ngram")
+    sample.add_argument("--min-tokens-per-call", type=float, default=2.0,
+                        help="with --speculative, drafting turns off below this moving "
+                             "average of tokens a verifying call emits per row (0: always)")
     sample.set_defaults(run=run_sample)
 
 
@@ -65,7 +68,8 @@ def run_sample(args) -> int:
             draft = _draft(args, loaded)
             draft_model, draft_params = draft.net, draft.params
         speculative = decode.Speculative(args.speculative, args.num_draft_tokens,
-                                         args.ngram_size, draft_model, draft_params)
+                                         args.ngram_size, draft_model, draft_params,
+                                         args.min_tokens_per_call)
     elif args.draft_checkpoint is not None:
         raise ValueError("--draft-checkpoint is the draft model of --speculative draft")
     room = text.room(loaded, args.prompt)  # a prompt too long fails here, before the echo
