@@ -218,10 +218,7 @@ def _hf_runner(config: M.TransformerConfig,
         model = transformers.AutoModelForCausalLM.from_pretrained(
             hf_dir, dtype=torch.float32).eval()
     else:
-        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            vocab_size=config.vocab_size, n_positions=config.max_len, n_embd=config.d_model,
-            n_layer=config.num_decoder_layers, n_head=config.num_heads, n_inner=config.d_ff,
-            bos_token_id=0, eos_token_id=0, pad_token_id=0)).eval()
+        model = random_gpt2(config)
 
     # On the kind of device kvjax runs on, so the ratio compares like with like.
     on_gpu = jax.default_backend() == "gpu" and torch.cuda.is_available()
@@ -249,6 +246,17 @@ def _hf_runner(config: M.TransformerConfig,
              else f"{torch.get_num_threads()} threads")
     note = f"transformers {transformers.__version__}, torch {torch.__version__}, {where}"
     return run, note
+
+
+def random_gpt2(config: M.TransformerConfig):
+    """A Hugging Face GPT-2 of the preset's sizes with random weights (not kvjax's weights:
+    the contenders share sizes, not numbers), in eval mode; needs transformers."""
+    import transformers
+
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=config.vocab_size, n_positions=config.max_len, n_embd=config.d_model,
+        n_layer=config.num_decoder_layers, n_head=config.num_heads, n_inner=config.d_ff,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0)).eval()
 
 
 def write_random_gpt2(directory: str | os.PathLike) -> str:

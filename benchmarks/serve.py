@@ -1,8 +1,9 @@
-"""The serving benchmark: continuous batching against fixed batches of `decode.generate`.
+"""The serving benchmark: continuous batching against fixed batches of `decode.generate`
+and, where `transformers` is installed, against its own continuous batching.
 
 A workload of requests with mixed prompt and output lengths arrives over time (Poisson
 arrivals, a fixed seed) at a model with random weights, all greedy with no stop id, so each
-request makes exactly its `max_tokens`. Two contenders serve it:
+request makes exactly its `max_tokens`. Two contenders serve it, three with `transformers`:
 
 1. **the engine** (`kvjax.serve.Engine`, on its own thread): each request is submitted at its
    arrival time; its first token (TTFT) and each later one (inter-token latency) are timed
@@ -13,9 +14,11 @@ request makes exactly its `max_tokens`. Two contenders serve it:
    timed for real and laid out on the arrivals' timeline; a request's first token is seen
    when its batch returns (generate does not stream), and its inter-token latency is the
    batch's time per step.
+3. **`transformers` continuous batching** (`ContinuousBatchingManager`, GPT-2 of the same
+   sizes, PyTorch): see `serve_transformers`.
 
 Throughput counts the tokens the requests asked for, over the time from the first arrival
-to the last answer. Every program both contenders use is compiled before the timed run.
+to the last answer. Every contender compiles or warms up before the timed run.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -119,7 +123,7 @@ def run_engine(config, params, workload: Workload, max_slots: int, chunk_size: i
         raise RuntimeError(f"the engine failed: {errors[0]!r}")
     ttft = np.array([first[i] - (start + a) for i, a in enumerate(workload.arrivals)])
     return Result(f"engine ({max_slots} slots, chunk {chunk_size})", workload.useful_tokens,
-                  end - start, ttft, np.array(gaps))
+                  end - (start + workload.arrivals[0]), ttft, np.array(gaps))
 
 
 def run_fixed_batches(config, params, workload: Workload, batch: int) -> Result:
@@ -154,7 +158,8 @@ def run_fixed_batches(config, params, workload: Workload, batch: int) -> Result:
                   clock - workload.arrivals[0], ttft, np.array(itl))
 
 
-def format_results(results: list[Result], workload: Workload, setting: str) -> str:
+def format_results(results: list[Result], workload: Workload, setting: str,
+                   notes: Sequence[str] = ()) -> str:
     def ms(values, q):
         return f"{1000 * np.percentile(values, q):.1f}" if len(values) else "-"
 
@@ -166,23 +171,35 @@ def format_results(results: list[Result], workload: Workload, setting: str) -> s
         lines.append(f"| {r.name} | {r.tokens_per_second:.0f} | {r.seconds:.2f} | "
                      f"{ms(r.ttft, 50)} | {ms(r.ttft, 99)} | {ms(r.itl, 50)} | "
                      f"{ms(r.itl, 99)} |")
-    if len(results) > 1:
-        lines.append(f"throughput ratio, {results[0].name} / {results[1].name}: "
-                     f"{results[0].tokens_per_second / results[1].tokens_per_second:.2f}x")
+    for other in results[1:]:
+        lines.append(f"throughput ratio, {results[0].name} / {other.name}: "
+                     f"{results[0].tokens_per_second / other.tokens_per_second:.2f}x")
+    lines += notes
     return "\n".join(lines)
 
 
 def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, output_range,
                     max_slots: int, chunk_size: int, batch: int, seed: int = 0,
-                    long_tail: bool = False) -> str:
+                    long_tail: bool = False, compare_transformers: bool = True) -> str:
     config = M.preset(preset)
     params = M.init_params(config, jax.random.key(seed))
     workload = make_workload(config, num_requests, rate, prompt_range, output_range, seed,
                              long_tail)
     results = [run_engine(config, params, workload, max_slots, chunk_size),
                run_fixed_batches(config, params, workload, batch)]
+    notes = []
+    if compare_transformers:
+        from kvjax.benchmarks import serve_transformers
+
+        missing = serve_transformers.transformers_missing()
+        if missing:
+            notes.append(f"transformers continuous batching: {missing}")
+        else:
+            results.append(serve_transformers.run_transformers_continuous_batching(
+                config, workload, max_slots))
+            notes.append(serve_transformers.versions())
     setting = (f"preset {preset}, random weights, greedy; prompts {prompt_range[0]}-"
                f"{prompt_range[1]} tokens, outputs {output_range[0]}-{output_range[1]} "
                f"({'log-uniform' if long_tail else 'uniform'}), "
                f"Poisson arrivals at {rate:g}/s (seed {seed}); {jax.devices()[0].device_kind}")
-    return format_results(results, workload, setting)
+    return format_results(results, workload, setting, notes)

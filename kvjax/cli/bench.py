@@ -95,7 +95,8 @@ def _add_train(kinds) -> None:
 
 def _add_serve(kinds) -> None:
     serve = add_command(kinds, "serve", "Continuous batching (kvjax.serve's engine) against "
-                        "fixed batches of decode.generate on requests with mixed lengths "
+                        "fixed batches of decode.generate and, where it is installed, "
+                        "transformers' continuous batching, on requests with mixed lengths "
                         "arriving over time: tokens/s, time to first token and inter-token "
                         "latency, measured in one run.")
     serve.add_argument("--preset", choices=PRESET_NAMES, default="small", help="model size")
@@ -114,6 +115,8 @@ def _add_serve(kinds) -> None:
     serve.add_argument("--batch", type=positive, default=16,
                        help="requests per decode.generate call in the baseline")
     serve.add_argument("--seed", type=seed, default=0, help="workload and weights seed")
+    serve.add_argument("--no-hf", action="store_true",
+                       help="skip transformers' continuous batching")
     serve.set_defaults(run=run_bench_serve)
 
 
@@ -122,7 +125,8 @@ def run_bench_serve(args) -> int:
 
     print(serve_benchmark(args.preset, args.requests, args.rate, tuple(args.prompt_lengths),
                           tuple(args.output_lengths), args.max_slots, args.chunk_size,
-                          args.batch, args.seed, args.long_tail))
+                          args.batch, args.seed, args.long_tail,
+                          compare_transformers=not args.no_hf))
     return 0
 
 

@@ -1,0 +1,33 @@
+"""`kvjax bench serve`'s report and its `transformers` contender."""
+
+import numpy as np
+import pytest
+from kvjax.benchmarks.serve import Result, Workload, format_results, make_workload
+
+from kvjax import model as M
+
+
+def test_each_throughput_ratio_names_the_contender_it_divides_by():
+    workload = Workload(prompts=[[5, 6], [7]], max_tokens=[3, 5], arrivals=[0.0, 0.5])
+    results = [Result(name, 8, seconds, np.array([0.1, 0.2]), np.array([0.01] * 6))
+               for name, seconds in (("engine", 1.0), ("batches", 2.0), ("hf", 4.0))]
+    lines = format_results(results, workload, "setting").splitlines()
+    ratios = [line for line in lines if line.startswith("throughput ratio")]
+    assert ratios == ["throughput ratio, engine / batches: 2.00x",
+                      "throughput ratio, engine / hf: 4.00x"]
+    assert "| hf | 2 | 4.00 | 150.0 |" in "\n".join(lines)
+
+
+def test_transformers_continuous_batching_times_every_requested_token():
+    pytest.importorskip("transformers")
+    from kvjax.benchmarks.serve_transformers import run_transformers_continuous_batching
+
+    config = M.preset("tiny")
+    workload = make_workload(config, 6, rate=200.0, prompt_range=(2, 9),
+                             output_range=(1, 7), seed=3)
+    result = run_transformers_continuous_batching(config, workload, max_slots=4)
+    assert result.tokens == sum(workload.max_tokens)
+    assert len(result.ttft) == 6 and np.all(result.ttft > 0)
+    # one gap between each pair of consecutive tokens of a request
+    assert len(result.itl) == sum(workload.max_tokens) - 6 and np.all(result.itl >= 0)
+    assert result.seconds >= workload.arrivals[-1] - workload.arrivals[0]
