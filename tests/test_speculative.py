@@ -194,9 +194,9 @@ SAMPLE_VOCAB = 4
 SAMPLE_LOGITS = np.asarray(jax.random.normal(jax.random.key(7), (SAMPLE_VOCAB,) * 2)) * 1.5
 
 
-def target_probs(temperature, top_k):
+def filtered_probs(logits, temperature, top_k):
     """[V, V] float64: p(next | previous) after temperature and top-k."""
-    logits = SAMPLE_LOGITS.astype(np.float64) / temperature
+    logits = logits.astype(np.float64) / temperature
     if top_k:
         kth = np.sort(logits, axis=1)[:, -top_k][:, None]
         logits = np.where(logits >= kth, logits, -np.inf)
@@ -216,7 +216,7 @@ def test_sampled_first_tokens_follow_the_target_distribution(temperature, top_k)
     tokens = np.asarray(out.decode.tokens[:, :emitted])
     cells = (tokens * SAMPLE_VOCAB ** np.arange(emitted)).sum(axis=1)
     counts = np.bincount(cells, minlength=SAMPLE_VOCAB ** emitted)
-    p = target_probs(temperature, top_k)
+    p = filtered_probs(SAMPLE_LOGITS, temperature, top_k)
     # The joint probability of (x1, x2, x3), indexed as `cells` counts them (x1 fastest).
     expected = np.einsum("a,ab,bc->abc", p[prompt[-1]], p, p).transpose(2, 1, 0).ravel()
     assert (counts[expected == 0] == 0).all(), "drew a token the filters exclude"

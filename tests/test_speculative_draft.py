@@ -20,6 +20,7 @@ from test_speculative import (
     FakeCache,
     fake_model,
     fake_state,
+    filtered_probs,
     stops_of,
 )
 
@@ -133,16 +134,6 @@ def test_drafting_turns_off_where_it_does_not_pay():
 TARGET_LOGITS, DRAFT_LOGITS = (
     np.asarray(jax.random.normal(jax.random.key(seed), (CYCLE, CYCLE))) * 1.5
     for seed in (7, 11))
-
-
-def filtered_probs(logits, temperature, top_k):
-    """[V, V] float64: p(next | previous) after temperature and top-k."""
-    logits = logits.astype(np.float64) / temperature
-    if top_k:
-        kth = np.sort(logits, axis=1)[:, -top_k][:, None]
-        logits = np.where(logits >= kth, logits, -np.inf)
-    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
-    return probs / probs.sum(axis=1, keepdims=True)
 
 
 @pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (0.7, 2)])
