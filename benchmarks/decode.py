@@ -220,8 +220,7 @@ def _hf_runner(config: M.TransformerConfig,
     else:
         model = random_gpt2(config)
 
-    # On the kind of device kvjax runs on, so the ratio compares like with like.
-    on_gpu = jax.default_backend() == "gpu" and torch.cuda.is_available()
+    on_gpu = torch_on_gpu()
     device = torch.device("cuda" if on_gpu else "cpu")
     model = model.to(device)
 
@@ -246,6 +245,14 @@ def _hf_runner(config: M.TransformerConfig,
              else f"{torch.get_num_threads()} threads")
     note = f"transformers {transformers.__version__}, torch {torch.__version__}, {where}"
     return run, note
+
+
+def torch_on_gpu() -> bool:
+    """Whether PyTorch contenders run on the GPU: where kvjax runs on one, so that ratios
+    compare like with like; needs torch."""
+    import torch
+
+    return jax.default_backend() == "gpu" and torch.cuda.is_available()
 
 
 def random_gpt2(config: M.TransformerConfig):

@@ -30,9 +30,8 @@ import math
 import os
 import time
 
-import jax
 import numpy as np
-from kvjax.benchmarks.decode import random_gpt2
+from kvjax.benchmarks.decode import random_gpt2, torch_on_gpu
 from kvjax.benchmarks.serve import Result, Workload
 
 WARM_UP_REQUESTS = 4
@@ -54,7 +53,7 @@ def versions() -> str:
     import torch
     import transformers
 
-    on_gpu = jax.default_backend() == "gpu" and torch.cuda.is_available()
+    on_gpu = torch_on_gpu()
     where = torch.cuda.get_device_name() if on_gpu else f"{torch.get_num_threads()} threads"
     return (f"transformers {transformers.__version__}, torch {torch.__version__} ({where}); "
             "GPT-2 of the preset's sizes with its own random weights")
@@ -69,7 +68,7 @@ def run_transformers_continuous_batching(config, workload: Workload, max_slots: 
     import transformers
 
     torch.set_num_threads(os.cpu_count() or 1)
-    on_gpu = jax.default_backend() == "gpu" and torch.cuda.is_available()
+    on_gpu = torch_on_gpu()
     model = random_gpt2(config).to("cuda" if on_gpu else "cpu")
     longest_prompt = max(len(p) for p in workload.prompts)
     longest = longest_prompt + max(workload.max_tokens)
