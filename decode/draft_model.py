@@ -6,9 +6,10 @@ target; an encoder-decoder draft, given the same source, for an encoder-decoder 
 and its cache holds a prefix of the row's context, the target's positions at the same
 slots. At the start of an iteration it lags the context by one token (the newest, which the
 target has not seen either) or two (when the target accepted every draft, the last draft
-and the target's bonus token after it, as in Hugging Face's assisted generation): one call
-of T = 2 tokens (one or two valid per row) catches it up and gives the first draft's
-distribution, and k - 1 calls of one token give the others. After the target's
+and the target's bonus token after it, as in Hugging Face's assisted generation), or more
+after iterations where drafting was off (`catch_up` feeds those first): one call of T = 2
+tokens (one or two valid per row) catches it up and gives the first draft's distribution,
+and k - 1 calls of one token give the others. After the target's
 verdict the caller rolls the draft's cache back to the accepted context by setting its
 `lengths`: the cache then holds what the target's holds, or all of it but the last draft.
 
@@ -31,6 +32,8 @@ from kvjax import model as M
 from . import checks
 from .sampling import SamplingParams, filter_logits
 from .tracing import count_trace
+
+CATCH_UP_TOKENS = 16  # fed to a lagging draft per call
 
 
 def check_draft(config: M.TransformerConfig, draft_config: M.TransformerConfig, draft_params,
@@ -104,16 +107,40 @@ def draw(logits_BV: jax.Array, sampling: SamplingParams, rng: jax.Array
     return jax.lax.cond(jnp.all(greedy_B), greedy, sampled, logits_BV)
 
 
+def catch_up(draft_step, cache: M.KVCache, context_BC: jax.Array, context_lengths_B: jax.Array,
+             running_B: jax.Array) -> M.KVCache:
+    """The draft's cache fed each running row's context up to its last two tokens, as far
+    as it has room: after plain iterations, which do not run the draft, it lags by more.
+    CATCH_UP_TOKENS go in per call while they fit, then one at a time (a write of T tokens
+    needs T free slots, however few of them are valid)."""
+    width = context_BC.shape[1]
+
+    def feed(num_tokens):
+        def to_feed(cache):
+            lag_B = context_lengths_B - 2 - cache.lengths
+            fits_B = cache.lengths + num_tokens <= cache.capacity
+            return jnp.where(running_B & fits_B, jnp.clip(lag_B, 0, num_tokens), 0)
+
+        def call(cache):
+            slots_BT = jnp.clip(cache.lengths[:, None] + jnp.arange(num_tokens), 0, width - 1)
+            tokens_BT = jnp.take_along_axis(context_BC, slots_BT, axis=1)
+            return draft_step(tokens_BT, cache, to_feed(cache))[1]
+
+        return lambda cache: jax.lax.while_loop(lambda c: jnp.any(to_feed(c) > 0), call, cache)
+
+    return feed(1)(feed(CATCH_UP_TOKENS)(cache))
+
+
 def propose(draft_step, cache: M.KVCache, context_BC: jax.Array, context_lengths_B: jax.Array,
             running_B: jax.Array, speculate: jax.Array, sampling: SamplingParams,
             rng: jax.Array, num_draft: int) -> tuple[jax.Array, jax.Array, M.KVCache]:
     """(drafts [B, K], q [B, K, V], cache): K tokens per running row, drawn one at a time.
 
-    `draft_step(tokens [B, T], cache, lengths [B])` is the draft model's step. The first
-    call feeds the one or two tokens of the context the draft has not seen (T = 2), and
-    runs whatever `speculate` says, so that the draft keeps up with the context through
-    plain steps too; the K - 1 calls of one token after it run only if `speculate`. A row
+    `draft_step(tokens [B, T], cache, lengths [B])` is the draft model's step. After
+    `catch_up`, the first call feeds the one or two tokens of the context the draft has not
+    seen (T = 2); the K - 1 calls of one token after it run only if `speculate`. A row
     whose cache has no room for the first call's two tokens is fed none."""
+    cache = catch_up(draft_step, cache, context_BC, context_lengths_B, running_B)
     batch, width = context_BC.shape
     behind_B = jnp.clip(context_lengths_B - cache.lengths, 0, 2)
     unseen_B2 = jnp.take_along_axis(

@@ -7,7 +7,7 @@ vocabulary and its own cache, carried in the loop (`draft_model.py`). One model 
 T = k + 1 tokens per row (the newest token, then the draft) verifies the whole draft
 through the cache; each row keeps the longest prefix of its draft that the model would
 have chosen itself, plus the model's own token after it, so one call emits 1 to k + 1
-tokens. Rollback is not advancing: the caches' `lengths` are set to what each row
+tokens (`acceptance.py`). Rollback is not advancing: the caches' `lengths` are set to what each row
 accepted, and the K/V written past it are overwritten later, unread.
 
 Greedy rows emit exactly what plain greedy decoding emits. Sampled rows use rejection
@@ -26,10 +26,12 @@ never clamped); otherwise the iteration is a plain one-token step, so a batch wi
 to draft pays for no verification, and rows near the end of their cache finish one token
 at a time, as without speculation.
 
-Drafting turns itself off where it does not pay: while the moving average of the tokens a
-verifying call emitted per running row (from k + 1 at the start) is below
+Drafting turns itself off where it does not pay: while some running row's moving average
+of the tokens it emitted per verifying call (from k + 1 at the start) is below
 `min_tokens_per_call` (default 2: a call of k + 1 tokens costs about two of one on a CPU),
-iterations are plain steps, but for a verifying probe every `PROBE_EVERY` iterations.
+iterations are plain steps that draft nothing (what the plain loop's step does), but for a
+verifying probe every `PROBE_EVERY` iterations, then every 16, up to every `MAX_PROBE_GAP`
+while the probes find that drafting still does not pay (`Pacing`).
 
 Shape letters: B batch, N token buffer, C context buffer, K draft length k, T = K + 1,
 V vocab.
@@ -50,13 +52,15 @@ from kvjax import model as M
 from kvjax import parallel
 
 from . import draft_model
+from .acceptance import advance, choose, settled
 from .loop import DecodeState, StopConditions, StopReason, TokensToLogits
 from .prompt_lookup import MAX_NGRAM_SIZE, ngram_drafts
-from .sampling import SamplingParams, filter_logits
+from .sampling import SamplingParams, sample
 from .tracing import count_trace
 
 METHODS = ("ngram", "draft")
-PROBE_EVERY = 8  # with drafting off, one iteration in this many still verifies its drafts
+PROBE_EVERY = 8  # with drafting off, one iteration in this many still verifies its drafts,
+MAX_PROBE_GAP = 32  # or fewer, down to one in this many, while the probes find it does not pay
 RECENT_WEIGHT = 0.25  # of the newest verifying call in the moving average
 
 
@@ -112,129 +116,70 @@ class SpeculationStats:
 
 
 @flax.struct.dataclass
+class Pacing:
+    """When drafting pays. tokens_per_call: [B] float32, the moving average of the tokens
+    each row emitted per verifying call (from k + 1); probe_gap: int32 scalar, while
+    drafting is off, one iteration in this many verifies, a probe (from PROBE_EVERY, doubled
+    by each probe that leaves drafting off, up to MAX_PROBE_GAP); since_verifying: int32
+    scalar, plain iterations since the last verifying one.
+
+    Drafting pays while every running row's average reaches the threshold: a verifying call
+    costs the whole batch the same, and the batch is done only when its slowest row is."""
+
+    tokens_per_call: jax.Array
+    probe_gap: jax.Array
+    since_verifying: jax.Array
+
+    @classmethod
+    def optimistic(cls, num_draft: int, batch: int) -> Pacing:
+        return cls(jnp.full((batch,), num_draft + 1, jnp.float32),
+                   jnp.asarray(PROBE_EVERY, jnp.int32), jnp.zeros((), jnp.int32))
+
+    def drafting_on(self, running_B: jax.Array, min_tokens_per_call) -> jax.Array:
+        return jnp.all(~running_B | (self.tokens_per_call >= min_tokens_per_call))
+
+    def pays(self, running_B: jax.Array, min_tokens_per_call) -> jax.Array:
+        """Whether the next iteration should verify: drafting is on, or a probe is due."""
+        return (self.drafting_on(running_B, min_tokens_per_call)
+                | (self.since_verifying + 1 >= self.probe_gap))
+
+    def after_verifying(self, emitted_B: jax.Array, running_B: jax.Array,
+                        min_tokens_per_call) -> Pacing:
+        """After a call that verified drafts: each running row emitted `emitted_B` tokens.
+        A probe's result replaces the averages, which are from before the plain stretch."""
+        was_on = self.drafting_on(running_B, min_tokens_per_call)
+        blended_B = (1 - RECENT_WEIGHT) * self.tokens_per_call + RECENT_WEIGHT * emitted_B
+        average_B = jnp.where(running_B, jnp.where(was_on, blended_B, emitted_B),
+                              self.tokens_per_call)
+        now_on = self.replace(tokens_per_call=average_B).drafting_on(running_B,
+                                                                     min_tokens_per_call)
+        gap = jnp.where(now_on | was_on, PROBE_EVERY,
+                        jnp.minimum(2 * self.probe_gap, MAX_PROBE_GAP))
+        return Pacing(average_B.astype(jnp.float32), gap.astype(jnp.int32),
+                      jnp.zeros((), jnp.int32))
+
+    def after_plain(self) -> Pacing:
+        return self.replace(since_verifying=self.since_verifying + 1)
+
+
+@flax.struct.dataclass
 class SpeculativeState:
     """The loop carry: the plain loop's state (its `step` is the number of leading
     tokens every row has settled, see `settled`), the statistics and, with a draft model,
     its cache (holding a prefix of each row's context; None for prompt lookup), and the
-    moving average of the tokens a verifying call emitted per running row (None: k + 1)."""
+    `Pacing` of drafting (None: not started)."""
 
     decode: DecodeState
     stats: SpeculationStats
     draft_cache: M.KVCache | None = None
-    tokens_per_call: jax.Array | None = None
-
-
-def choose(logits_BTV: jax.Array, drafts_BK: jax.Array, valid_B: jax.Array,
-           sampling: SamplingParams, rng: jax.Array, draft_probs_BKV: jax.Array | None = None
-           ) -> tuple[jax.Array, jax.Array]:
-    """(tokens [B, T], accepted [B]): row b emits tokens[b, :accepted[b] + 1], its first
-    `accepted` drafts followed by one token of the model's.
-
-    logits[:, t] are the model's logits after the newest token and the first t drafts.
-    Greedy rows accept a draft iff it is the argmax. Sampled rows accept draft x with
-    probability min(1, p(x) / q(x)) and replace the first rejected one by a draw from
-    max(p - q, 0), renormalised; q is `draft_probs` (the draft model's filtered
-    distributions) or, without them, a point mass on x: accept with p(x), draw from p
-    without x."""
-    batch, num_tokens, vocab = logits_BTV.shape
-    num_draft = num_tokens - 1
-    greedy_B = jnp.broadcast_to(sampling.is_greedy, (batch,))
-    argmax_BT = jnp.argmax(logits_BTV, axis=-1).astype(jnp.int32)
-    drafted_BK = jnp.arange(num_draft)[None] < valid_B[:, None]
-
-    def greedy(_):
-        return argmax_BT, drafted_BK & (drafts_BK == argmax_BT[:, :num_draft])
-
-    def sampled(_):
-        rows = sampling.rows(batch)
-        per_token = jax.tree.map(lambda x: jnp.repeat(x, num_tokens), rows)
-        filtered_BTV = filter_logits(logits_BTV.reshape(-1, vocab), per_token).reshape(
-            batch, num_tokens, vocab)
-        probs_BKV = jax.nn.softmax(filtered_BTV[:, :num_draft], axis=-1)
-        p_draft_BK = jnp.take_along_axis(probs_BKV, drafts_BK[..., None], axis=-1)[..., 0]
-        accept_rng, draw_rng = jax.random.split(rng)
-        uniform_BK = jax.random.uniform(accept_rng, (batch, num_draft))
-        if draft_probs_BKV is None:
-            keep_BK = drafted_BK & (uniform_BK < p_draft_BK)
-            # A rejected draft is removed from its position's distribution; positions
-            # without a draft (and the one after the last draft) draw from p itself.
-            rejected_BTV = jnp.pad(drafted_BK, ((0, 0), (0, 1)))[..., None] & (
-                jnp.arange(vocab) == jnp.pad(drafts_BK, ((0, 0), (0, 1)))[..., None])
-            residual_BTV = jnp.where(rejected_BTV, -jnp.inf, filtered_BTV)
-        else:
-            q_draft_BK = jnp.take_along_axis(draft_probs_BKV, drafts_BK[..., None],
-                                             axis=-1)[..., 0]
-            keep_BK = drafted_BK & (uniform_BK * q_draft_BK < p_draft_BK)
-            excess_BKV = jnp.maximum(probs_BKV - draft_probs_BKV, 0.0)
-            # p = q up to rounding leaves no excess; a rejection there is rounding too.
-            use_excess_BK = drafted_BK & (jnp.sum(excess_BKV, axis=-1) > 0)
-            residual_BKV = jnp.where(use_excess_BK[..., None], jnp.log(excess_BKV),
-                                     filtered_BTV[:, :num_draft])
-            residual_BTV = jnp.concatenate([residual_BKV, filtered_BTV[:, num_draft:]], axis=1)
-        drawn_BT = jax.random.categorical(draw_rng, residual_BTV, axis=-1).astype(jnp.int32)
-        return (jnp.where(greedy_B[:, None], argmax_BT, drawn_BT),
-                jnp.where(greedy_B[:, None], drafted_BK & (drafts_BK == argmax_BT[:, :-1]),
-                          keep_BK))
-
-    model_BT, keep_BK = jax.lax.cond(jnp.all(greedy_B), greedy, sampled, None)
-    accepted_B = jnp.sum(jnp.cumprod(keep_BK, axis=1), axis=1).astype(jnp.int32)
-    positions_T = jnp.arange(num_tokens)
-    draft_BT = jnp.pad(drafts_BK, ((0, 0), (0, 1)))
-    tokens_BT = jnp.where(positions_T[None] < accepted_B[:, None], draft_BT, model_BT)
-    return tokens_BT, accepted_B
-
-
-def settled(state: DecodeState) -> jax.Array:
-    """Leading tokens that every row has settled: a stopped row's are all settled."""
-    return jnp.min(jnp.where(state.done, state.tokens.shape[1], state.lengths))
-
-
-def advance(state: DecodeState, old_cache_lengths_B: jax.Array, logits_BTV: jax.Array,
-            tokens_BT: jax.Array, accepted_B: jax.Array, stops: StopConditions
-            ) -> tuple[DecodeState, jax.Array]:
-    """Appends each running row's accepted tokens, cut after an eos and at max_new_tokens,
-    and sets its cache length to the tokens it now has fed. Returns the state and the
-    tokens each row emitted [B]."""
-    batch, num_tokens = tokens_BT.shape
-    running_B = ~state.done
-    positions_T = jnp.arange(num_tokens)
-    is_eos_BT = jnp.any(tokens_BT[..., None] == stops.eos_ids, axis=-1)
-    first_eos_B = jnp.min(jnp.where(is_eos_BT, positions_T[None], num_tokens), axis=1)
-    emitted_B = jnp.minimum(jnp.minimum(accepted_B, first_eos_B) + 1,
-                            stops.max_new_tokens - state.lengths)
-    emitted_B = jnp.where(running_B, emitted_B, 0)
-    kept_BT = positions_T[None] < emitted_B[:, None]
-    eos_B = jnp.any(kept_BT & is_eos_BT, axis=1)
-    full_B = state.lengths + emitted_B >= stops.max_new_tokens
-    stop_reason_B = jnp.where(running_B & eos_B, StopReason.EOS, jnp.where(
-        running_B & full_B, StopReason.MAX_NEW_TOKENS, state.stop_reason))
-    logprobs_BT = jnp.take_along_axis(jax.nn.log_softmax(logits_BTV.astype(jnp.float32)),
-                                      tokens_BT[..., None], axis=-1)[..., 0]
-    rows_B1 = jnp.arange(batch)[:, None]
-
-    def put(buffer, starts_B, values_BT):
-        slots_BT = jnp.where(kept_BT, starts_B[:, None] + positions_T, buffer.shape[1])
-        return buffer.at[rows_B1, slots_BT].set(values_BT, mode="drop")
-
-    newest_B = jnp.take_along_axis(tokens_BT, jnp.maximum(emitted_B - 1, 0)[:, None], 1)[:, 0]
-    cache = state.cache.replace(lengths=old_cache_lengths_B + emitted_B)
-    state = state.replace(
-        tokens=put(state.tokens, state.lengths, tokens_BT),
-        logprobs=put(state.logprobs, state.lengths, logprobs_BT),
-        context=put(state.context, state.context_lengths, tokens_BT),
-        lengths=state.lengths + emitted_B,
-        context_lengths=state.context_lengths + emitted_B,
-        last_tokens=jnp.where(running_B, newest_B, 0),
-        stop_reason=stop_reason_B.astype(jnp.int32),
-        cache=cache)
-    return state.replace(step=settled(state)), emitted_B
+    pacing: Pacing | None = None
 
 
 def speculative_loop(tokens_to_logits: TokensToLogits, state: DecodeState,
                      stats: SpeculationStats, stops: StopConditions,
                      sampling: SamplingParams, step_limit: jax.Array, num_draft: int,
                      ngram_size: jax.Array, min_tokens_per_call=0.0,
-                     tokens_per_call=None) -> SpeculativeState:
+                     pacing: Pacing | None = None) -> SpeculativeState:
     """`drafting_loop` with prompt-lookup drafts; it verifies only when some row has one."""
 
     def propose(state, draft_cache, fits, rng):
@@ -243,7 +188,7 @@ def speculative_loop(tokens_to_logits: TokensToLogits, state: DecodeState,
         valid_B = jnp.where(state.done, 0, valid_B)
         return drafts_BK, valid_B, jnp.any(valid_B > 0) & fits, None, draft_cache
 
-    carry = SpeculativeState(state, stats, tokens_per_call=tokens_per_call)
+    carry = SpeculativeState(state, stats, pacing=pacing)
     return drafting_loop(tokens_to_logits, carry, stops, sampling, step_limit, num_draft,
                          propose, min_tokens_per_call)
 
@@ -251,83 +196,111 @@ def speculative_loop(tokens_to_logits: TokensToLogits, state: DecodeState,
 def drafting_loop(tokens_to_logits: TokensToLogits, carry: SpeculativeState,
                   stops: StopConditions, sampling: SamplingParams, step_limit: jax.Array,
                   num_draft: int, propose, min_tokens_per_call=0.0) -> SpeculativeState:
-    """Runs verify steps until every row is done or has `step_limit` tokens.
+    """Runs iterations until every row is done or has `step_limit` tokens.
 
     `tokens_to_logits(tokens [B, T], cache, lengths [B])` is the model's step; rows that
-    have stopped are fed with zero valid tokens, so their cache never grows.
-    `propose(state, draft_cache, fits, rng) -> (drafts [B, K], valid drafts [B], speculate,
-    draft probabilities [B, K, V] or None, draft_cache)` drafts; `fits` says drafting pays
-    (see the module docstring) and every running row has room for K + 1 more tokens. Only
-    if `speculate` does the model verify; else the iteration is a plain one-token step."""
+    have stopped are fed with zero valid tokens, so their cache never grows. An iteration
+    verifies when drafting pays (`Pacing`) and every running row has room for K + 1 more
+    tokens; `propose(state, draft_cache, fits, rng) -> (drafts [B, K], valid drafts [B],
+    speculate, draft probabilities [B, K, V] or None, draft_cache)` then drafts, and only if
+    `speculate` does the model see them (else one token per row). The other iterations are
+    plain one-token steps that leave a draft model alone (`propose` catches it up)."""
 
     def cond_fn(carry: SpeculativeState) -> jax.Array:
         decode = carry.decode
         return (settled(decode) < step_limit) & ~jnp.all(decode.done)
 
     def body_fn(carry: SpeculativeState) -> SpeculativeState:
-        state, stats = carry.decode, carry.stats
+        state, stats, pacing = carry.decode, carry.stats, carry.pacing
         old_lengths_B = state.cache.lengths
         room_B = state.cache.capacity - old_lengths_B
         state = state.replace(stop_reason=jnp.where(
             ~state.done & (room_B < 1), StopReason.CACHE_FULL, state.stop_reason))
         running_B = ~state.done
         draft_rng, choose_rng = jax.random.split(jax.random.fold_in(state.rng, stats.steps + 1))
-        pays = ((carry.tokens_per_call >= min_tokens_per_call)
-                | (stats.steps % PROBE_EVERY == PROBE_EVERY - 1))
-        drafts_BK, valid_B, speculate, draft_probs_BKV, draft_cache = propose(
-            state, carry.draft_cache, pays & jnp.all(~running_B | (room_B > num_draft)),
-            draft_rng)
 
-        def feed(cache, drafts_BK):
-            fed_BT = jnp.concatenate([state.last_tokens[:, None], drafts_BK], axis=1)
-            fed_lengths_B = jnp.where(running_B, fed_BT.shape[1], 0)
-            logits_BTV, cache = tokens_to_logits(fed_BT, cache, fed_lengths_B)
-            # A plain step's logits fill only the first of the T positions: with no valid
-            # draft, nothing after it is read.
-            padding = num_draft + 1 - fed_BT.shape[1]
-            return jnp.pad(logits_BTV, ((0, 0), (0, padding), (0, 0))), cache
+        def finish(carry, new_state, valid_B, accepted_B):
+            accepted_B = jnp.minimum(accepted_B, new_state.lengths - carry.decode.lengths)
+            draft_cache = carry.draft_cache
+            if draft_cache is not None:
+                # The draft keeps what it was fed of the accepted context (the target's cache).
+                draft_cache = draft_cache.replace(
+                    lengths=jnp.minimum(draft_cache.lengths, new_state.cache.lengths))
+            stats = SpeculationStats(drafted=carry.stats.drafted + valid_B,
+                                     accepted=carry.stats.accepted + accepted_B,
+                                     steps=carry.stats.steps + 1)
+            return SpeculativeState(new_state, stats, draft_cache, carry.pacing), accepted_B
 
-        logits_BTV, cache = either_call(speculate, lambda cache: feed(cache, drafts_BK),
-                                        lambda cache: feed(cache, drafts_BK[:, :0]),
-                                        state.cache)
-        valid_B = jnp.where(speculate, valid_B, 0)
-        tokens_BT, accepted_B = choose(logits_BTV, drafts_BK, valid_B, sampling, choose_rng,
-                                       draft_probs_BKV)
-        new_state, _ = advance(state.replace(cache=cache), old_lengths_B, logits_BTV,
-                               tokens_BT, accepted_B, stops)
-        accepted_B = jnp.minimum(accepted_B, new_state.lengths - state.lengths)
-        if draft_cache is not None:
-            # The draft keeps what it was fed of the accepted context (the target's cache).
-            draft_cache = draft_cache.replace(
-                lengths=jnp.minimum(draft_cache.lengths, new_state.cache.lengths))
-        stats = SpeculationStats(
-            drafted=stats.drafted + valid_B,
-            accepted=stats.accepted + accepted_B,
-            steps=stats.steps + 1)
-        emitted = jnp.sum(jnp.where(running_B, accepted_B + 1, 0)) / jnp.maximum(running_B.sum(), 1)
-        tokens_per_call = jnp.where(speculate, (1 - RECENT_WEIGHT) * carry.tokens_per_call
-                                    + RECENT_WEIGHT * emitted, carry.tokens_per_call)
-        return SpeculativeState(new_state, stats, draft_cache, tokens_per_call)
+        # The branches read the state from their operand, never from the closure: a cache
+        # read from outside the loops that choose between them would be copied.
+        def verifying(carry):
+            state = carry.decode
+            drafts_BK, valid_B, speculate, draft_probs_BKV, draft_cache = propose(
+                state, carry.draft_cache, jnp.asarray(True), draft_rng)
 
-    if carry.tokens_per_call is None:
-        carry = carry.replace(tokens_per_call=jnp.asarray(num_draft + 1, jnp.float32))
+            def feed(cache, drafts_BK):
+                fed_BT = jnp.concatenate([state.last_tokens[:, None], drafts_BK], axis=1)
+                fed_lengths_B = jnp.where(running_B, fed_BT.shape[1], 0)
+                logits_BTV, cache = tokens_to_logits(fed_BT, cache, fed_lengths_B)
+                # A plain step's logits fill only the first of the T positions: with no
+                # valid draft, nothing after it is read.
+                padding = num_draft + 1 - fed_BT.shape[1]
+                return jnp.pad(logits_BTV, ((0, 0), (0, padding), (0, 0))), cache
+
+            logits_BTV, cache = either_call(speculate, lambda cache: feed(cache, drafts_BK),
+                                            lambda cache: feed(cache, drafts_BK[:, :0]),
+                                            state.cache)
+            valid_B = jnp.where(speculate, valid_B, 0)
+            tokens_BT, accepted_B = choose(logits_BTV, drafts_BK, valid_B, sampling,
+                                           choose_rng, draft_probs_BKV)
+            new_state, _ = advance(state.replace(cache=cache), old_lengths_B, logits_BTV,
+                                   tokens_BT, accepted_B, stops)
+            carry, accepted_B = finish(carry.replace(draft_cache=draft_cache), new_state,
+                                       valid_B, accepted_B)
+            return carry.replace(pacing=jax.tree.map(
+                functools.partial(jnp.where, speculate),
+                pacing.after_verifying(accepted_B + 1, running_B, min_tokens_per_call),
+                pacing.after_plain()))
+
+        def plain(carry):
+            # What the plain decode loop's step does, one token per running row.
+            state = carry.decode
+            logits_B1V, cache = tokens_to_logits(state.last_tokens[:, None], state.cache,
+                                                 running_B.astype(jnp.int32))
+            token_B = sample(logits_B1V[:, 0], choose_rng, sampling)
+            zeros_B = jnp.zeros_like(old_lengths_B)
+            new_state, _ = advance(state.replace(cache=cache), old_lengths_B, logits_B1V,
+                                   token_B[:, None], zeros_B, stops)
+            carry, _ = finish(carry, new_state, zeros_B, zeros_B)
+            return carry.replace(pacing=pacing.after_plain())
+
+        verify = (pacing.pays(running_B, min_tokens_per_call)
+                  & jnp.all(~running_B | (room_B > num_draft)))
+        return in_place_cond(verify, verifying, plain, carry.replace(decode=state))
+
+    if carry.pacing is None:
+        carry = carry.replace(pacing=Pacing.optimistic(num_draft,
+                                                      carry.decode.lengths.shape[0]))
     return jax.lax.while_loop(cond_fn, body_fn, carry)
 
 
-def either_call(pred: jax.Array, if_true, if_false, cache):
-    """`lax.cond(pred, if_true, if_false, cache)` for two model calls `cache -> (logits
-    [B, T, V], cache)`, as two while loops of at most one iteration: XLA updates the cache
+def in_place_cond(pred: jax.Array, if_true, if_false, operand):
+    """`lax.cond(pred, if_true, if_false, operand)` for functions whose result has the
+    operand's structure, as two while loops of at most one iteration: XLA updates a cache
     in place through a while loop, where a conditional copies it whole."""
-    def once(call):
-        def body(carry):
-            return (*call(carry[1]), jnp.asarray(False))
-        return body
+    def once(branch):
+        return lambda carry: (branch(carry[0]), jnp.asarray(False))
 
+    carry = jax.lax.while_loop(lambda c: c[1] & pred, once(if_true), (operand, jnp.asarray(True)))
+    return jax.lax.while_loop(lambda c: c[1] & ~pred, once(if_false), carry)[0]
+
+
+def either_call(pred: jax.Array, if_true, if_false, cache):
+    """`in_place_cond` for two model calls `cache -> (logits [B, T, V], cache)`."""
     logits = jax.eval_shape(if_true, cache)[0]
-    carry = (jnp.zeros(logits.shape, logits.dtype), cache, jnp.asarray(True))
-    carry = jax.lax.while_loop(lambda c: c[2] & pred, once(if_true), carry)
-    carry = jax.lax.while_loop(lambda c: c[2] & ~pred, once(if_false), carry)
-    return carry[0], carry[1]
+    zeros = jnp.zeros(logits.shape, logits.dtype)
+    return in_place_cond(pred, lambda carry: if_true(carry[1]),
+                         lambda carry: if_false(carry[1]), (zeros, cache))
 
 
 def no_stats(batch: int) -> SpeculationStats:
@@ -339,7 +312,7 @@ def no_stats(batch: int) -> SpeculationStats:
                    donate_argnums=2)
 def continue_speculative(config, params, state: DecodeState, stats: SpeculationStats,
                          stops: StopConditions, sampling: SamplingParams, step_limit,
-                         num_draft: int, ngram_size, tokens_per_call, min_tokens_per_call,
+                         num_draft: int, ngram_size, pacing: Pacing, min_tokens_per_call,
                          mesh=None) -> SpeculativeState:
     """`generate`'s decode program with prompt-lookup drafts (see the module docstring)."""
     count_trace("speculative")
@@ -351,8 +324,7 @@ def continue_speculative(config, params, state: DecodeState, stats: SpeculationS
         return logits_BTV, parallel.constrain_rows(cache, mesh)
 
     return speculative_loop(step, state.replace(step=settled(state)), stats, stops, sampling,
-                            step_limit, num_draft, ngram_size, min_tokens_per_call,
-                            tokens_per_call)
+                            step_limit, num_draft, ngram_size, min_tokens_per_call, pacing)
 
 
 def draft_model_loop(tokens_to_logits: TokensToLogits, draft_step: TokensToLogits,
@@ -393,9 +365,9 @@ def start(prepared, state: DecodeState) -> SpeculativeState:
     stats, speculative = no_stats(state.lengths.shape[0]), prepared.speculative
     if speculative is None:
         return SpeculativeState(state, stats)
-    optimistic = jnp.asarray(speculative.num_draft_tokens + 1, jnp.float32)
+    optimistic = Pacing.optimistic(speculative.num_draft_tokens, state.lengths.shape[0])
     if speculative.method != "draft":
-        return SpeculativeState(state, stats, tokens_per_call=optimistic)
+        return SpeculativeState(state, stats, pacing=optimistic)
     draft_config = speculative.draft_model.config
     cache = draft_model.start(draft_config, speculative.draft_params, prepared.tokens,
                               prepared.lengths,
@@ -416,7 +388,7 @@ def run(config, params, carry: SpeculativeState, prepared, step_limit) -> Specul
     return continue_speculative(
         config, params, carry.decode, carry.stats, prepared.stops, prepared.sampling,
         step_limit, speculative.num_draft_tokens,
-        jnp.asarray(speculative.ngram_size, jnp.int32), carry.tokens_per_call, threshold,
+        jnp.asarray(speculative.ngram_size, jnp.int32), carry.pacing, threshold,
         mesh=prepared.mesh)
 
 

@@ -277,8 +277,9 @@ def test_scanned_layers_and_streaming(tiny_lm):
 
 
 def test_compiled_loop_writes_the_cache_in_place(tiny_lm):
-    """The verifying and the plain call are chosen between without a `lax.cond`, through
-    which XLA would copy every cache buffer at every step."""
+    """The verifying and the plain iteration, and the verifying and the one-token call, are
+    chosen between without a `lax.cond`, through which XLA would copy every cache buffer at
+    every step."""
     config, net, params = tiny_lm
     prepared = generate_module._prepare(
         net, params, PROMPTS, None, max_new_tokens=30, eos_ids=(), num_beams=1, rng=None,
@@ -286,7 +287,7 @@ def test_compiled_loop_writes_the_cache_in_place(tiny_lm):
     state = generate_module._begin(config, params, prepared)
     hlo = spec.continue_speculative.lower(
         config, params, state, spec.no_stats(len(PROMPTS)), prepared.stops, prepared.sampling,
-        prepared.stops.max_new_tokens, 4, jnp.asarray(2), jnp.float32(5),
+        prepared.stops.max_new_tokens, 4, jnp.asarray(2), spec.Pacing.optimistic(4, len(PROMPTS)),
         jnp.float32(2)).compile().as_text()
     shapes = {"f32[" + ",".join(map(str, b.shape)) + "]" for b in state.cache.k}
     copies = [m for m in re.finditer(r"= (f32\[[\d,]+\])\{[^}]*\} copy\(", hlo)
