@@ -5,7 +5,8 @@ a bounded queue of requests waiting for them. One host loop repeats:
   1. admit: while the oldest waiting request's `n` samples fit the free slots, prefill its
      prompt once (length bucketed, `decode`'s prefill program) and insert it into `n` slots,
      each sample with its first token;
-  2. decode one chunk of `chunk_size` steps over every slot (one compiled `while_loop`);
+  2. decode one chunk of `chunk_size` steps over every slot (one compiled `while_loop`),
+     and while it runs, emit the first tokens of the samples just inserted;
   3. emit each sample's new tokens and text to its request's callback, and free the slots of
      samples that finished, met a stop string or whose request was cancelled.
 A request therefore waits at most one chunk to join, and a cancelled one holds its slots at
@@ -107,6 +108,8 @@ class Engine:
         self.state = slots.empty_state(config, max_slots, capacity, self.mesh)
         self._slots: list[_Sample | None] = [None] * max_slots
         self._pending: collections.deque[Ticket] = collections.deque()
+        # Inserts whose first tokens are not yet sent: (Emitted [R, 1], [(slot, sample)]).
+        self._unsent: list[tuple[slots.Emitted, list[tuple[int, _Sample]]]] = []
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -189,6 +192,7 @@ class Engine:
         self._admit()
         if self.live_slots:
             self._decode_chunk()
+        self._send_first_tokens()
         self._report_load()
         return bool(self._pending or self.live_slots)
 
@@ -259,14 +263,23 @@ class Engine:
                                                  np.int32),
                 np.array(group_slots + [self.max_slots] * spare, np.int32), settings,
                 mesh=self.mesh)
-            first = jax.device_get(first)
-            for k, ((_, ticket, index), slot) in enumerate(zip(group, group_slots,
-                                                               strict=True)):
+            placed = []
+            for (_, ticket, index), slot in zip(group, group_slots, strict=True):
                 text = (None if self.tokenizer is None
                         else RowText(self.tokenizer, ticket.request.stop))
-                sample = _Sample(ticket, index, text)
-                self._slots[slot] = sample
-                self._emit(slot, sample, first, k)
+                self._slots[slot] = _Sample(ticket, index, text)
+                placed.append((slot, self._slots[slot]))
+            self._unsent.append((first, placed))
+
+    def _send_first_tokens(self) -> None:
+        """Hands out the first tokens of the samples inserted since the last call: the
+        chunk after their insert is dispatched first, so the host does this while it runs."""
+        unsent, self._unsent = self._unsent, []
+        for first, placed in unsent:
+            first = jax.device_get(first)
+            for row, (slot, sample) in enumerate(placed):
+                if self._slots[slot] is sample:
+                    self._emit(slot, sample, first, row)
 
     def _decode_chunk(self) -> None:
         keep = np.array([s is not None and not s.ticket.cancelled for s in self._slots])
@@ -274,6 +287,7 @@ class Engine:
         self.state, emitted = slots.decode_chunk(self.config, self.params, self.state,
                                                  keep, np.bool_(want_top), self.chunk_size,
                                                  mesh=self.mesh)
+        self._send_first_tokens()  # before the chunk's tokens, which come after them
         emitted = jax.device_get(emitted)
         for slot, sample in enumerate(self._slots):
             if sample is None:
@@ -342,6 +356,7 @@ class Engine:
             self._pending.clear()
         tickets.update({id(s.ticket): s.ticket for s in self._slots if s is not None})
         self._slots = [None] * self.max_slots
+        self._unsent = []
         self.state = slots.empty_state(self.config, self.max_slots, self.capacity,
                                        self.mesh)
         for ticket in tickets.values():
