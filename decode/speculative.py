@@ -206,82 +206,93 @@ def drafting_loop(tokens_to_logits: TokensToLogits, carry: SpeculativeState,
     `speculate` does the model see them (else one token per row). The other iterations are
     plain one-token steps that leave a draft model alone (`propose` catches it up)."""
 
-    def cond_fn(carry: SpeculativeState) -> jax.Array:
+    def unfinished(carry: SpeculativeState) -> jax.Array:
         decode = carry.decode
         return (settled(decode) < step_limit) & ~jnp.all(decode.done)
 
+    def begin(carry: SpeculativeState):
+        """(carry, running rows [B], draft key, choose key): rows with no free slot stop."""
+        state = carry.decode
+        full_B = ~state.done & (state.cache.lengths >= state.cache.capacity)
+        state = state.replace(stop_reason=jnp.where(full_B, StopReason.CACHE_FULL,
+                                                    state.stop_reason))
+        keys = jax.random.split(jax.random.fold_in(state.rng, carry.stats.steps + 1))
+        return carry.replace(decode=state), ~state.done, keys[0], keys[1]
+
+    def should_verify(carry: SpeculativeState) -> jax.Array:
+        cache = carry.decode.cache
+        running_B = ~carry.decode.done & (cache.lengths < cache.capacity)
+        return (carry.pacing.pays(running_B, min_tokens_per_call)
+                & jnp.all(~running_B | (cache.capacity - cache.lengths > num_draft)))
+
+    def finish(carry, new_state, valid_B, accepted_B):
+        accepted_B = jnp.minimum(accepted_B, new_state.lengths - carry.decode.lengths)
+        draft_cache = carry.draft_cache
+        if draft_cache is not None:
+            # The draft keeps what it was fed of the accepted context (the target's cache).
+            draft_cache = draft_cache.replace(
+                lengths=jnp.minimum(draft_cache.lengths, new_state.cache.lengths))
+        stats = SpeculationStats(drafted=carry.stats.drafted + valid_B,
+                                 accepted=carry.stats.accepted + accepted_B,
+                                 steps=carry.stats.steps + 1)
+        return SpeculativeState(new_state, stats, draft_cache, carry.pacing), accepted_B
+
+    def verifying(carry: SpeculativeState) -> SpeculativeState:
+        carry, running_B, draft_rng, choose_rng = begin(carry)
+        state, pacing = carry.decode, carry.pacing
+        drafts_BK, valid_B, speculate, draft_probs_BKV, draft_cache = propose(
+            state, carry.draft_cache, jnp.asarray(True), draft_rng)
+
+        def feed(cache, drafts_BK):
+            fed_BT = jnp.concatenate([state.last_tokens[:, None], drafts_BK], axis=1)
+            fed_lengths_B = jnp.where(running_B, fed_BT.shape[1], 0)
+            logits_BTV, cache = tokens_to_logits(fed_BT, cache, fed_lengths_B)
+            # A plain step's logits fill only the first of the T positions: with no valid
+            # draft, nothing after it is read.
+            padding = num_draft + 1 - fed_BT.shape[1]
+            return jnp.pad(logits_BTV, ((0, 0), (0, padding), (0, 0))), cache
+
+        logits_BTV, cache = either_call(speculate, lambda cache: feed(cache, drafts_BK),
+                                        lambda cache: feed(cache, drafts_BK[:, :0]),
+                                        state.cache)
+        valid_B = jnp.where(speculate, valid_B, 0)
+        tokens_BT, accepted_B = choose(logits_BTV, drafts_BK, valid_B, sampling, choose_rng,
+                                       draft_probs_BKV)
+        new_state, _ = advance(state.replace(cache=cache), state.cache.lengths, logits_BTV,
+                               tokens_BT, accepted_B, stops)
+        carry, accepted_B = finish(carry.replace(draft_cache=draft_cache), new_state,
+                                   valid_B, accepted_B)
+        return carry.replace(pacing=jax.tree.map(
+            functools.partial(jnp.where, speculate),
+            pacing.after_verifying(accepted_B + 1, running_B, min_tokens_per_call),
+            pacing.after_plain()))
+
+    def plain(carry: SpeculativeState) -> SpeculativeState:
+        # What the plain decode loop's step does: one token per running row, no drafting.
+        carry, running_B, _, choose_rng = begin(carry)
+        state = carry.decode
+        logits_B1V, cache = tokens_to_logits(state.last_tokens[:, None], state.cache,
+                                             running_B.astype(jnp.int32))
+        token_B = sample(logits_B1V[:, 0], choose_rng, sampling)
+        zeros_B = jnp.zeros_like(running_B, jnp.int32)
+        new_state, _ = advance(state.replace(cache=cache), state.cache.lengths, logits_B1V,
+                               token_B[:, None], zeros_B, stops)
+        carry, _ = finish(carry, new_state, zeros_B, zeros_B)
+        return carry.replace(pacing=carry.pacing.after_plain())
+
     def body_fn(carry: SpeculativeState) -> SpeculativeState:
-        state, stats, pacing = carry.decode, carry.stats, carry.pacing
-        old_lengths_B = state.cache.lengths
-        room_B = state.cache.capacity - old_lengths_B
-        state = state.replace(stop_reason=jnp.where(
-            ~state.done & (room_B < 1), StopReason.CACHE_FULL, state.stop_reason))
-        running_B = ~state.done
-        draft_rng, choose_rng = jax.random.split(jax.random.fold_in(state.rng, stats.steps + 1))
-
-        def finish(carry, new_state, valid_B, accepted_B):
-            accepted_B = jnp.minimum(accepted_B, new_state.lengths - carry.decode.lengths)
-            draft_cache = carry.draft_cache
-            if draft_cache is not None:
-                # The draft keeps what it was fed of the accepted context (the target's cache).
-                draft_cache = draft_cache.replace(
-                    lengths=jnp.minimum(draft_cache.lengths, new_state.cache.lengths))
-            stats = SpeculationStats(drafted=carry.stats.drafted + valid_B,
-                                     accepted=carry.stats.accepted + accepted_B,
-                                     steps=carry.stats.steps + 1)
-            return SpeculativeState(new_state, stats, draft_cache, carry.pacing), accepted_B
-
-        # The branches read the state from their operand, never from the closure: a cache
-        # read from outside the loops that choose between them would be copied.
-        def verifying(carry):
-            state = carry.decode
-            drafts_BK, valid_B, speculate, draft_probs_BKV, draft_cache = propose(
-                state, carry.draft_cache, jnp.asarray(True), draft_rng)
-
-            def feed(cache, drafts_BK):
-                fed_BT = jnp.concatenate([state.last_tokens[:, None], drafts_BK], axis=1)
-                fed_lengths_B = jnp.where(running_B, fed_BT.shape[1], 0)
-                logits_BTV, cache = tokens_to_logits(fed_BT, cache, fed_lengths_B)
-                # A plain step's logits fill only the first of the T positions: with no
-                # valid draft, nothing after it is read.
-                padding = num_draft + 1 - fed_BT.shape[1]
-                return jnp.pad(logits_BTV, ((0, 0), (0, padding), (0, 0))), cache
-
-            logits_BTV, cache = either_call(speculate, lambda cache: feed(cache, drafts_BK),
-                                            lambda cache: feed(cache, drafts_BK[:, :0]),
-                                            state.cache)
-            valid_B = jnp.where(speculate, valid_B, 0)
-            tokens_BT, accepted_B = choose(logits_BTV, drafts_BK, valid_B, sampling,
-                                           choose_rng, draft_probs_BKV)
-            new_state, _ = advance(state.replace(cache=cache), old_lengths_B, logits_BTV,
-                                   tokens_BT, accepted_B, stops)
-            carry, accepted_B = finish(carry.replace(draft_cache=draft_cache), new_state,
-                                       valid_B, accepted_B)
-            return carry.replace(pacing=jax.tree.map(
-                functools.partial(jnp.where, speculate),
-                pacing.after_verifying(accepted_B + 1, running_B, min_tokens_per_call),
-                pacing.after_plain()))
-
-        def plain(carry):
-            # What the plain decode loop's step does, one token per running row.
-            state = carry.decode
-            logits_B1V, cache = tokens_to_logits(state.last_tokens[:, None], state.cache,
-                                                 running_B.astype(jnp.int32))
-            token_B = sample(logits_B1V[:, 0], choose_rng, sampling)
-            zeros_B = jnp.zeros_like(old_lengths_B)
-            new_state, _ = advance(state.replace(cache=cache), old_lengths_B, logits_B1V,
-                                   token_B[:, None], zeros_B, stops)
-            carry, _ = finish(carry, new_state, zeros_B, zeros_B)
-            return carry.replace(pacing=pacing.after_plain())
-
-        verify = (pacing.pays(running_B, min_tokens_per_call)
-                  & jnp.all(~running_B | (room_B > num_draft)))
-        return in_place_cond(verify, verifying, plain, carry.replace(decode=state))
+        # Plain steps in a loop of their own, as many as come before the next verifying
+        # iteration: each costs what a step of the plain decode loop costs (no branch, no
+        # second loop per step, which on a GPU each wait for the host).
+        carry = jax.lax.while_loop(lambda c: unfinished(c) & ~should_verify(c), plain, carry)
+        return jax.lax.while_loop(lambda c: c[1] & unfinished(c[0]),
+                                  lambda c: (verifying(c[0]), jnp.asarray(False)),
+                                  (carry, jnp.asarray(True)))[0]
 
     if carry.pacing is None:
         carry = carry.replace(pacing=Pacing.optimistic(num_draft,
                                                       carry.decode.lengths.shape[0]))
-    return jax.lax.while_loop(cond_fn, body_fn, carry)
+    return jax.lax.while_loop(unfinished, body_fn, carry)
 
 
 def in_place_cond(pred: jax.Array, if_true, if_false, operand):
