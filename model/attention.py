@@ -13,8 +13,9 @@ In jax 0.10.2 None still means XLA's own ops on every backend, GPU included (its
 automatic selection is to come); cuDNN's fused kernel runs only when asked for by name
 (`implementation="cudnn"`, float16/bfloat16 on an NVIDIA GPU), which this module does not
 do. A call that reads the cache (decode steps, a chunk after the prefill, cross-attention
-over the cached source) runs `attend_blocks`, which reads only the blocks of slots that
-some row has filled.
+over the cached source) runs `attend_blocks`, which on a CPU reads only the blocks of slots
+that some row has filled, and on an accelerator reads a layer of up to 64 MiB in one pass
+(there a loop iteration or a branch waits for the host, and costs more than the reading).
 
 With an int8 cache (`model/quantize.py`) `attend_blocks` always reads by blocks and applies
 the scales block by block, to the logits and to the weights, and the prefill attends over
@@ -56,13 +57,23 @@ WHOLE_CACHE_SHARE = 1 / 3
 # copy costs more than the blocks it would save, so the stack is always read by blocks; a
 # smaller layer (a few rows) is always read whole, which costs less than choosing.
 STACKED_WHOLE_MAX_BYTES = 1 << 20
+# On an accelerator each iteration of a loop, and each conditional, waits for the host to
+# read its predicate (a GPU: some 10 µs, the time it takes to read tens of MB), so a layer
+# up to this size is read in one pass with no branch and no loop: every slot, unseen ones
+# zeroed. On a CPU a loop iteration costs next to nothing and the blocks above pay.
+ACCELERATOR_ONE_READ_MAX_BYTES = 64 << 20
+
+
+def one_read_max_bytes() -> int:
+    """The largest layer of the cache `attend_blocks` reads in one pass by default."""
+    return 0 if jax.default_backend() == "cpu" else ACCELERATOR_ONE_READ_MAX_BYTES
 
 
 def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, layer,
                   mask_BTS: jax.Array, block_size: int,
                   whole_share: float = WHOLE_CACHE_SHARE,
-                  scales: tuple[jax.Array, jax.Array] | None = None
-                  ) -> tuple[jax.Array, jax.Array]:
+                  scales: tuple[jax.Array, jax.Array] | None = None,
+                  one_read_bytes: int | None = None) -> tuple[jax.Array, jax.Array]:
     """`attend` over layer `layer` of the cache's stacks [L, B, K, S, H], reading only the
     blocks of `block_size` slots up to the last slot that `mask` lets any query see.
     `scales` are an int8 cache's (k_scale, v_scale) stacks [L, B, K, S] (None for floats):
@@ -75,7 +86,9 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
     every slot costs less than the loop (`_attend_whole`); otherwise the blocks run in a
     `lax.while_loop` (`_attend_filled_blocks`). A stack of several layers is read one way at
     every step, by its layers' size (`STACKED_WHOLE_MAX_BYTES`). An int8 cache is always
-    read by blocks.
+    read by blocks. A layer of at most `one_read_bytes` (default `one_read_max_bytes()`:
+    none on a CPU, up to 64 MiB on an accelerator) is read in one pass over all of it, with
+    no loop and no conditional, float or int8.
     Either way slots a query may not see get exactly zero weight, whatever they hold (even
     NaN) cannot reach the output, and a query that sees no slot at all returns zeros.
     """
@@ -92,6 +105,16 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
     last_seen = jnp.max(jnp.where(mask_BTS, slots_S + 1, 0))
     num_blocks = (last_seen + block - 1) // block
     all_blocks = -(-capacity // block)
+    layer_bytes = k_LBKSH.size // k_LBKSH.shape[0] * k_LBKSH.dtype.itemsize
+    if one_read_bytes is None:
+        one_read_bytes = one_read_max_bytes()
+    if layer_bytes <= one_read_bytes:
+        if scales is None:
+            out_XMH = _attend_whole(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, zero_unseen=True)
+        else:  # one block of every slot: the loop's body, run once
+            out_XMH = _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, capacity,
+                                            1, scales)
+        return _to_BTNH(out_XMH, q_BTNH), jnp.asarray(all_blocks, jnp.int32)
     if scales is not None:
         # An int8 cache is always read by blocks: a product over a whole layer would first
         # convert all of it to float32 (XLA:CPU does not fuse the conversion into the
@@ -102,7 +125,6 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
         return _to_BTNH(blocks, q_BTNH), num_blocks
     args = (q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS)
     if k_LBKSH.shape[0] > 1:
-        layer_bytes = k_LBKSH.size // k_LBKSH.shape[0] * k_LBKSH.dtype.itemsize
         if layer_bytes > STACKED_WHOLE_MAX_BYTES:
             return _to_BTNH(_attend_filled_blocks(*args, block, num_blocks), q_BTNH), num_blocks
         return _to_BTNH(_attend_whole(*args), q_BTNH), jnp.asarray(all_blocks, jnp.int32)
@@ -121,8 +143,9 @@ def _to_BTNH(out_XMH, q_BTNH):
     return out.transpose(0, 3, 1, 2, 4).reshape(q_BTNH.shape).astype(q_BTNH.dtype)
 
 
-def _attend_whole(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS):
-    """Softmax attention over every slot of the layer in two products. Returns [X, M, H]."""
+def _attend_whole(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, zero_unseen: bool = False):
+    """Softmax attention over every slot of the layer in two products. Returns [X, M, H].
+    `zero_unseen`: V is always read with unseen slots zeroed (below), never conditionally."""
     _, batch, kv_heads, capacity, head_dim = k_LBKSH.shape
     num_queries = mask_BTS.shape[1]
     group = q_XMH.shape[1] // num_queries
@@ -153,7 +176,7 @@ def _attend_whole(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS):
         seen_B1S1 = jnp.any(mask_BTS, axis=1)[:, None, :, None]
         return mix(jnp.where(seen_B1S1, v_BKSH, 0))
 
-    if v_LBKSH.shape[0] > 1:
+    if v_LBKSH.shape[0] > 1 or zero_unseen:
         return mix_seen()
     out_XMH = mix(v_BKSH)
     return jax.lax.cond(jnp.all(jnp.isfinite(out_XMH)), lambda: out_XMH, mix_seen)
@@ -162,7 +185,8 @@ def _attend_whole(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS):
 def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, block, num_blocks,
                           scales=None):
     """The online softmax (FlashAttention's recurrence) over the first `num_blocks` blocks
-    of `block` slots, in a `lax.while_loop`. Returns [X, M, H].
+    of `block` slots, in a `lax.while_loop` (no loop when one block holds every slot).
+    Returns [X, M, H].
 
     Per query it keeps a running max m, a running sum l of exp(logit - m) and an
     accumulator of the weighted values, both rescaled by exp(m_old - m_new) whenever a block
@@ -228,8 +252,11 @@ def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, block, num_b
     stats_shape = (batch, kv_heads, group, num_queries)
     init = (jnp.zeros((), jnp.int32), jnp.full(stats_shape, -jnp.inf, jnp.float32),
             jnp.zeros(stats_shape, jnp.float32), jnp.zeros((heads, rows, head_dim), jnp.float32))
-    _, _, sum_BKGT, acc_XMH = jax.lax.while_loop(
-        lambda carry: carry[0] < num_blocks, body, init)
+    if block == capacity:  # one block holds every slot: no loop
+        _, _, sum_BKGT, acc_XMH = body(init)
+    else:
+        _, _, sum_BKGT, acc_XMH = jax.lax.while_loop(
+            lambda carry: carry[0] < num_blocks, body, init)
     return acc_XMH / jnp.where(sum_BKGT > 0, sum_BKGT, 1.0).reshape(heads, rows, 1)
 
 

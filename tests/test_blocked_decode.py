@@ -1,6 +1,8 @@
 """Decode attention in blocks of cache slots (`attend_blocks`): equal to full attention and to
 the NumPy formula, blind to what unused slots hold, and running fewer blocks for short rows."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,11 @@ from test_attention import numpy_attention
 from kvjax import decode
 from kvjax import model as M
 
-blocked = jax.jit(attention.attend_blocks, static_argnums=5, static_argnames="whole_share")
+# With no layer read in one pass (a CPU's default) on every backend, so that `whole_share`
+# chooses; `one_read_bytes=ONE_READ` reads any layer in one pass (an accelerator's default).
+blocked = jax.jit(functools.partial(attention.attend_blocks, one_read_bytes=0),
+                  static_argnums=5, static_argnames=("whole_share", "one_read_bytes"))
+ONE_READ = 1 << 40
 # `whole_share` settings that force each of the two ways to read the cache: the loop over the
 # filled blocks, or one product over every slot.
 WAYS = pytest.mark.parametrize("share", [float("inf"), 0.0], ids=["blocks", "whole"])
@@ -101,6 +107,25 @@ def test_reads_a_stack_of_large_layers_by_blocks_at_a_traced_layer():
     assert int(blocks) == 2
 
 
+def test_one_read_equals_the_formula_and_ignores_unused_slots():
+    # What an accelerator runs: every slot in one pass, NaN in the unused ones changing
+    # nothing, a row that sees nothing giving zeros.
+    lengths = np.array([17, 3, 9])
+    q, k, v, mask = cache_inputs(7, 3, 2, 4, 2, 24, lengths)
+    mask[1] = False
+    out, blocks = blocked(q, k, v, 0, mask, 4, one_read_bytes=ONE_READ)
+    fresh_k, fresh_v = (x[0].transpose(0, 2, 1, 3) for x in (k, v))
+    assert relative_error(out, numpy_attention(q, fresh_k, fresh_v, mask)) <= 1e-5
+    np.testing.assert_array_equal(out[1], 0.0)
+    assert int(blocks) == 6  # all of them
+    unused = np.arange(24)[None, None, None, :, None] >= lengths[None, :, None, None, None]
+    poisoned = [np.where(unused, np.nan, x) for x in (k, v)]
+    np.testing.assert_array_equal(blocked(q, *poisoned, 0, mask, 4, one_read_bytes=ONE_READ)[0],
+                                  out)
+    assert attention.one_read_max_bytes() == (
+        0 if jax.default_backend() == "cpu" else attention.ACCELERATOR_ONE_READ_MAX_BYTES)
+
+
 def test_the_two_ways_agree():
     q, k, v, mask = cache_inputs(4, 3, 2, 4, 2, 24, [17, 3, 9])
     by_blocks, _ = blocked(q, k, v, 0, mask, 4, whole_share=float("inf"))
@@ -143,6 +168,29 @@ def test_blocked_decode_steps_equal_the_full_forward(variant, layout):
         logits, cache = run_cached(config, params, step, cache)
         for row, position in enumerate((4 + t, 2 + t)):
             assert relative_error(logits[row, 0], np.asarray(full[row, position])) <= 1e-5
+
+
+@pytest.mark.parametrize("cache_dtype", [None, "int8"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_steps_reading_in_one_pass_equal_reading_by_blocks(variant, cache_dtype,
+                                                                  monkeypatch):
+    # What an accelerator runs, on this backend: every layer's cache read in one pass.
+    config, params = small_blocks(variant, "unrolled", cache_dtype=cache_dtype)
+    tokens = random_tokens(3, (2, 9), config.vocab_size)
+    source, source_lengths = padded_source(config, 2)
+    outputs = []
+    for one_read in (0, ONE_READ):
+        monkeypatch.setattr(attention, "one_read_max_bytes", lambda one_read=one_read: one_read)
+        cached = jax.jit(run_cached.__wrapped__, static_argnums=0)  # traced anew
+        cache = start_cache(config, params, 2, 16, source, source_lengths)
+        logits, cache = cached(config, params, tokens[:, :4], cache, jnp.array([4, 2]))
+        steps = []
+        for t in range(5):
+            logits, cache = cached(config, params, tokens[:, 4 + t:5 + t], cache)
+            steps.append(np.asarray(logits))
+        outputs.append(np.stack(steps))
+    assert np.isfinite(outputs[1]).all()
+    assert relative_error(outputs[1], outputs[0].astype(np.float64)) <= 1e-5
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -14,7 +14,7 @@ from kvjax.model import quantize
 from kvjax.train import update
 from kvjax.train.config import TrainConfig
 from test_attention import numpy_attention
-from test_blocked_decode import blocked, cache_inputs, relative_error
+from test_blocked_decode import ONE_READ, blocked, cache_inputs, relative_error
 
 from kvjax import model as M
 from kvjax import text
@@ -60,18 +60,21 @@ def quantized_inputs(seed, lengths, kv_heads, capacity=24, poison=True):
     return q, (k8, v8), (k_scale, v_scale), mask
 
 
+@pytest.mark.parametrize("one_read", [0, ONE_READ], ids=["blocks", "one_read"])
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
-def test_int8_attention_equals_the_formula_over_the_dequantised_cache(kv_heads):
-    # Ragged rows, 2 queries each, unused slots holding random values and NaN scales.
+def test_int8_attention_equals_the_formula_over_the_dequantised_cache(kv_heads, one_read):
+    # Ragged rows, 2 queries each, unused slots holding random values and NaN scales; read
+    # by blocks (a CPU) or in one pass (an accelerator).
     lengths = [17, 3, 9]
     q, (k8, v8), scales, mask = quantized_inputs(0, lengths, kv_heads)
-    out, blocks = blocked(q, k8, v8, 0, mask, 4, scales=scales)
+    out, blocks = blocked(q, k8, v8, 0, mask, 4, scales=scales, one_read_bytes=one_read)
     assert np.isfinite(out).all()
     k, v = (np.nan_to_num(x.astype(np.float64) * s[..., None])[0].transpose(0, 2, 1, 3)
             for x, s in ((k8, scales[0]), (v8, scales[1])))
     # float32 products against a float64 evaluation of the formula
     assert relative_error(out, numpy_attention(q.astype(np.float64), k, v, mask)) <= 1e-6
-    assert int(blocks) == 5  # the 17 filled slots' blocks of 4, of the 6 of the capacity
+    # the 17 filled slots' blocks of 4, of the 6 of the capacity; all 6 in one pass
+    assert int(blocks) == (6 if one_read else 5)
 
 
 def test_int8_attention_reads_by_blocks_and_ignores_unused_slots():
