@@ -83,10 +83,9 @@ class Result:
         return self.tokens / self.seconds
 
 
-def run_engine(config, params, workload: Workload, max_slots: int, chunk_size: int,
-               overlap: bool | None = None) -> Result:
+def run_engine(config, params, workload: Workload, max_slots: int, chunk_size: int) -> Result:
     engine = Engine(config, params, max_slots=max_slots, chunk_size=chunk_size,
-                    max_queue=len(workload.prompts), overlap=overlap)
+                    max_queue=len(workload.prompts))
     engine.warm_up(len(p) for p in workload.prompts)
     first, last, gaps, errors = {}, {}, [], []
     done = threading.Semaphore(0)
@@ -123,8 +122,7 @@ def run_engine(config, params, workload: Workload, max_slots: int, chunk_size: i
     if errors:
         raise RuntimeError(f"the engine failed: {errors[0]!r}")
     ttft = np.array([first[i] - (start + a) for i, a in enumerate(workload.arrivals)])
-    name = f"engine ({max_slots} slots, chunk {chunk_size}{', overlapped' * engine.overlap})"
-    return Result(name, workload.useful_tokens,
+    return Result(f"engine ({max_slots} slots, chunk {chunk_size})", workload.useful_tokens,
                   end - (start + workload.arrivals[0]), ttft, np.array(gaps))
 
 
@@ -182,13 +180,12 @@ def format_results(results: list[Result], workload: Workload, setting: str,
 
 def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, output_range,
                     max_slots: int, chunk_size: int, batch: int, seed: int = 0,
-                    long_tail: bool = False, compare_transformers: bool = True,
-                    overlap: bool | None = None) -> str:
+                    long_tail: bool = False, compare_transformers: bool = True) -> str:
     config = M.preset(preset)
     params = M.init_params(config, jax.random.key(seed))
     workload = make_workload(config, num_requests, rate, prompt_range, output_range, seed,
                              long_tail)
-    results = [run_engine(config, params, workload, max_slots, chunk_size, overlap),
+    results = [run_engine(config, params, workload, max_slots, chunk_size),
                run_fixed_batches(config, params, workload, batch)]
     notes = []
     if compare_transformers:

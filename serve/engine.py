@@ -79,18 +79,14 @@ class Engine:
     stop strings can end it. Up to `prefill_batch` waiting prompts are prefilled in one
     call (the number rounded up to a power of two: a few programs serve every count).
     `metrics` (optional, see `metrics.ServeMetrics`) is told of the load, first tokens and
-    token times. With `overlap` (default: on an accelerator, not on a CPU) each chunk is
-    dispatched before the previous one's tokens are handed out, so the device does not
-    wait for the host; a slot that frees then takes its next request a chunk later. On a
-    `mesh` (or the one `params` are sharded over) the slots are split over its `data` axis,
-    each device decoding its share, and the params over `model` by `kvjax.parallel`'s
-    rules; `max_slots` must be a multiple of `data`."""
+    token times. On a `mesh` (or the one `params` are sharded over) the slots are split over
+    its `data` axis, each device decoding its share, and the params over `model` by
+    `kvjax.parallel`'s rules; `max_slots` must be a multiple of `data`."""
 
     def __init__(self, config: M.TransformerConfig, params, *,
                  tokenizer: TextTokenizer | None = None, max_slots: int = 16,
                  max_len: int | None = None, chunk_size: int = 8, max_queue: int = 64,
-                 prefill_batch: int = 8, metrics=None, mesh=None,
-                 overlap: bool | None = None):
+                 prefill_batch: int = 8, metrics=None, mesh=None):
         capacity = config.max_len if max_len is None else max_len
         for name, value in (("max_slots", max_slots), ("max_len", capacity),
                             ("chunk_size", chunk_size), ("max_queue", max_queue),
@@ -108,15 +104,12 @@ class Engine:
         self.config, self.params, self.tokenizer = config, params, tokenizer
         self.capacity, self.chunk_size, self.max_queue = capacity, chunk_size, max_queue
         self.prefill_batch = prefill_batch
-        self.overlap = jax.default_backend() != "cpu" if overlap is None else bool(overlap)
         self.metrics = metrics
         self.state = slots.empty_state(config, max_slots, capacity, self.mesh)
         self._slots: list[_Sample | None] = [None] * max_slots
         self._pending: collections.deque[Ticket] = collections.deque()
         # Inserts whose first tokens are not yet sent: (Emitted [R, 1], [(slot, sample)]).
         self._unsent: list[tuple[slots.Emitted, list[tuple[int, _Sample]]]] = []
-        # With `overlap`, the chunk dispatched last turn: (Emitted, the slots it ran).
-        self._in_flight: tuple[slots.Emitted, list[_Sample | None]] | None = None
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -195,24 +188,18 @@ class Engine:
     # The loop ------------------------------------------------------------------------
 
     def step(self) -> bool:
-        """Admits what fits, decodes one chunk and emits; returns whether work remains.
-        With `overlap`, the chunk is dispatched and the previous one's tokens are emitted
-        while it runs."""
+        """Admits what fits, decodes one chunk and emits; returns whether work remains."""
         self._admit()
-        chunk = self._dispatch_chunk() if self.live_slots else None
-        self._send_first_tokens()  # before the chunk's tokens, which come after them
-        if self.overlap:
-            chunk, self._in_flight = self._in_flight, chunk
-        if chunk is not None:
-            self._take_chunk(*chunk)
+        if self.live_slots:
+            self._decode_chunk()
+        self._send_first_tokens()
         self._report_load()
-        return bool(self._pending or self.live_slots or self._in_flight)
+        return bool(self._pending or self.live_slots)
 
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not (self._stopping or self._pending or self.live_slots
-                           or self._in_flight):
+                while not (self._stopping or self._pending or self.live_slots):
                     self._wake.wait()
                 if self._stopping:
                     return
@@ -294,20 +281,16 @@ class Engine:
                 if self._slots[slot] is sample:
                     self._emit(slot, sample, first, row)
 
-    def _dispatch_chunk(self) -> tuple[slots.Emitted, list[_Sample | None]]:
+    def _decode_chunk(self) -> None:
         keep = np.array([s is not None and not s.ticket.cancelled for s in self._slots])
         want_top = any(s is not None and s.ticket.request.logprobs for s in self._slots)
         self.state, emitted = slots.decode_chunk(self.config, self.params, self.state,
                                                  keep, np.bool_(want_top), self.chunk_size,
                                                  mesh=self.mesh)
-        return emitted, list(self._slots)
-
-    def _take_chunk(self, emitted: slots.Emitted, ran: list[_Sample | None]) -> None:
-        """Emits a chunk's tokens to the samples it ran that still hold their slots (one
-        may have met a stop string, or been cancelled, since)."""
+        self._send_first_tokens()  # before the chunk's tokens, which come after them
         emitted = jax.device_get(emitted)
         for slot, sample in enumerate(self._slots):
-            if sample is None or sample is not ran[slot]:
+            if sample is None:
                 continue
             if sample.ticket.cancelled:
                 self._finish(slot, sample, Delta(sample.index, [], "", [], [], "cancelled"))
@@ -373,7 +356,7 @@ class Engine:
             self._pending.clear()
         tickets.update({id(s.ticket): s.ticket for s in self._slots if s is not None})
         self._slots = [None] * self.max_slots
-        self._unsent, self._in_flight = [], None
+        self._unsent = []
         self.state = slots.empty_state(self.config, self.max_slots, self.capacity,
                                        self.mesh)
         for ticket in tickets.values():

@@ -13,13 +13,11 @@ from kvjax import model as M
 SLOTS, CHUNK = 4, 4
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["serial", "overlap"])
-def engine(tiny_lm, request):
-    """An engine that hands out each chunk's tokens before the next one runs, or while it
-    runs (`overlap`, the default on accelerators)."""
+@pytest.fixture(scope="module")
+def engine(tiny_lm):
     config, _, params = tiny_lm
     return Engine(config, params, max_slots=SLOTS, chunk_size=CHUNK, max_queue=8,
-                  prefill_batch=4, tokenizer=FakeTokenizer(), overlap=request.param)
+                  prefill_batch=4, tokenizer=FakeTokenizer())
 
 
 class Collector:
@@ -66,8 +64,7 @@ def test_greedy_requests_equal_generate_alone_while_others_join_and_leave(engine
     collectors = [Collector() for _ in requests]
     for request, collector in zip(requests[:3], collectors[:3], strict=True):
         engine.submit(request, collector)
-    for _ in range(1 + engine.overlap):  # overlapping, a chunk's tokens come a turn later
-        engine.step()  # requests 0 and 1 are mid-flight, 2 is done; 3 and 4 join, 5 waits
+    engine.step()  # requests 0 and 1 are mid-flight, 2 is done; 3 and 4 join, 5 waits
     assert [len(c.tokens()) for c in collectors[:3]] == [1 + CHUNK, 1 + CHUNK, 3]
     assert engine.live_slots == 2
     for request, collector in zip(requests[3:], collectors[3:], strict=True):
@@ -138,8 +135,7 @@ def test_a_cancelled_request_frees_its_slot_within_one_chunk(engine):
     engine.step()
     assert engine.live_slots == 0
     assert collector.finish() == "cancelled"
-    # Overlapping, the chunk that ran while it was cancelled is not handed out.
-    assert len(collector.tokens()) == 1 + (0 if engine.overlap else CHUNK)
+    assert len(collector.tokens()) == 1 + CHUNK
 
 
 def test_bad_requests_are_refused_naming_the_value(engine):

@@ -255,13 +255,13 @@ def test_a_full_queue_answers_429_with_retry_after(loaded):
 def slow_engine(server, monkeypatch):
     """The server's engine taking 50 ms more per chunk, so a request outlives a disconnect."""
     engine = server[1].state.engine
-    dispatch_chunk = engine._dispatch_chunk
+    decode_chunk = engine._decode_chunk
 
     def slow():
         time.sleep(0.05)
-        return dispatch_chunk()
+        decode_chunk()
 
-    monkeypatch.setattr(engine, "_dispatch_chunk", slow)
+    monkeypatch.setattr(engine, "_decode_chunk", slow)
     return engine
 
 

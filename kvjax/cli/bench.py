@@ -11,10 +11,8 @@ from .common import (
     CACHE_DTYPE_NAMES,
     DTYPE_NAMES,
     LAYER_MODES,
-    OVERLAP,
     PRESET_NAMES,
     add_command,
-    add_overlap,
     positive,
     positive_real,
     seed,
@@ -119,7 +117,6 @@ def _add_serve(kinds) -> None:
     serve.add_argument("--seed", type=seed, default=0, help="workload and weights seed")
     serve.add_argument("--no-hf", action="store_true",
                        help="skip transformers' continuous batching")
-    add_overlap(serve)
     serve.set_defaults(run=run_bench_serve)
 
 
@@ -129,8 +126,7 @@ def run_bench_serve(args) -> int:
     print(serve_benchmark(args.preset, args.requests, args.rate, tuple(args.prompt_lengths),
                           tuple(args.output_lengths), args.max_slots, args.chunk_size,
                           args.batch, args.seed, args.long_tail,
-                          compare_transformers=not args.no_hf,
-                          overlap=OVERLAP[args.overlap]))
+                          compare_transformers=not args.no_hf))
     return 0
 
 

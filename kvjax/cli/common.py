@@ -72,15 +72,6 @@ def add_precision(parser: argparse.ArgumentParser) -> None:
                              "per token and kv head (default: --dtype)")
 
 
-OVERLAP = {"auto": None, "on": True, "off": False}  # --overlap: the engine's `overlap`
-
-
-def add_overlap(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--overlap", choices=tuple(OVERLAP), default="auto",
-                        help="dispatch each decode chunk before handing out the previous "
-                             "one's tokens (auto: on an accelerator, not on a CPU)")
-
-
 def with_precision(loaded, args):
     """`loaded` (a `kvjax.text.LoadedModel`) in the precision --dtype/--cache-dtype ask for."""
     if args.dtype is None and args.cache_dtype is None:

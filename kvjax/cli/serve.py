@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import OVERLAP, add_command, add_overlap, add_precision, positive, with_precision
+from .common import add_command, add_precision, positive, with_precision
 
 
 def add_serve(commands) -> None:
@@ -32,7 +32,6 @@ def add_serve(commands) -> None:
     serve.add_argument("--mesh", default=None, metavar="data=N,model=M",
                        help="split the slots over N devices and the heads and FFN over M "
                             "(--max-slots a multiple of N; default: one device)")
-    add_overlap(serve)
     add_precision(serve)
     serve.set_defaults(run=run_serve)
 
@@ -47,7 +46,6 @@ def run_serve(args) -> int:
     loaded = with_precision(text.load(args.checkpoint), args)
     app = build_app(loaded, model_name=args.model_name, max_slots=args.max_slots,
                     max_queue=args.max_queue, max_len=args.max_len, chunk_size=args.chunk_size,
-                    prefill_batch=args.prefill_batch, warm_up=args.warm_up, mesh=mesh,
-                    overlap=OVERLAP[args.overlap])
+                    prefill_batch=args.prefill_batch, warm_up=args.warm_up, mesh=mesh)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
