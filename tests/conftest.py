@@ -5,7 +5,10 @@ many times slower to dispatch than a tiny model takes to compile.
 """
 
 import functools
+import importlib.metadata
 import os
+import tomllib
+from pathlib import Path
 
 # No persistent compilation cache: jax 0.10.2 sometimes crashes (a segmentation fault in
 # `executable.serialize()`, inside `compilation_cache.put_executable_and_time`) while writing
@@ -18,10 +21,19 @@ os.environ["KVJAX_COMPILATION_CACHE"] = "off"
 # programs compute, not how fast, so on CPU they skip LLVM's optimizations and emit fusions
 # with XLA's older elemental emitter, which compiles in about half the time of the MLIR
 # fusion emitters (the HLO passes, which decide fusions, copies and collectives, all run).
-# Inherited by every subprocess through the environment.
-for flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
-    if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+# Inherited by every subprocess through the environment. Only with the pinned jaxlib these
+# were measured on: an XLA that does not know a flag in XLA_FLAGS aborts the process (jax
+# 0.11.2's CUDA build takes every worker down before a test runs).
+def _pinned_jaxlib() -> str:
+    project = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    pins = tomllib.loads(project.read_text())["project"]["dependencies"]
+    return next(pin.split("==")[1] for pin in pins if pin.startswith("jaxlib=="))
+
+
+if importlib.metadata.version("jaxlib") == _pinned_jaxlib():
+    for flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
+        if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
 
 import jax  # noqa: E402  (after the environment above, which it reads when it starts)
 import jax.numpy as jnp  # noqa: E402
