@@ -153,12 +153,14 @@ class DecoderOnlyLM(nn.Module):
         self.final_norm = _final_norm(c, "final_norm")
 
     def __call__(self, tokens_BT, cache: KVCache | None = None, lengths_B=None,
-                 fresh: bool = False):
+                 fresh: bool = False, logits_at_B=None):
         """Logits [B, T, V] for `tokens` [B, T]; `lengths` [B] counts each row's valid tokens.
 
         Without a cache, the rows start at position 0. With one, they continue at
         `cache.lengths` and their K/V are written into the returned cache; `fresh` says the
-        cache is empty, so attention needs only the new tokens (the prefill).
+        cache is empty, so attention needs only the new tokens (the prefill). `logits_at`
+        [B] (indices into T) asks for one token's logits per row, [B, 1, V]: the others'
+        are never computed (the unembedding is a large part of a prefill).
         """
         if cache is not None:
             check_cache(self.config, cache, *tokens_BT.shape)
@@ -173,6 +175,8 @@ class DecoderOnlyLM(nn.Module):
         x = self.embedder(tokens_BT, inputs.positions)
         x, stacked, _ = run_layers(self.config, self.layers, self.config.num_decoder_layers, x,
                                    _stacked_kv(cache), shared=inputs)
+        if logits_at_B is not None:
+            x = jnp.take_along_axis(x, logits_at_B[:, None, None], axis=1)
         logits = self.embedder.logits(self.final_norm(x))
         if cache is None:
             return logits, None
@@ -182,8 +186,9 @@ class DecoderOnlyLM(nn.Module):
         """A fresh cache of `capacity` slots filled with the prompts, and the logits of each
         row's next token [B, V] (read at its last valid prompt position)."""
         cache = init_cache(self.config, prompt_BP.shape[0], capacity)
-        logits_BPV, cache = self(prompt_BP, cache, prompt_lengths_B, fresh=True)
-        return logits_BPV[jnp.arange(prompt_BP.shape[0]), prompt_lengths_B - 1], cache
+        logits_B1V, cache = self(prompt_BP, cache, prompt_lengths_B, fresh=True,
+                                 logits_at_B=jnp.maximum(prompt_lengths_B - 1, 0))
+        return logits_B1V[:, 0], cache
 
     def step(self, tokens_BT, cache: KVCache, lengths_B=None):
         """`(logits [B, T, V], cache)` for T new tokens per row after what the cache holds;
