@@ -107,7 +107,7 @@ def drafting(net, params, num_draft_tokens: int, ngram_size: int,
 def speculative_benchmark(checkpoint: str = DEFAULT_CHECKPOINT, preset: str | None = None,
                           batch_sizes: Sequence[int] = (1, 8), prompt_len: int = 96,
                           new_tokens: int = 96, num_draft_tokens: int = 4, ngram_size: int = 2,
-                          repeats: int = 3, draft_checkpoint: str | None = None,
+                          repeats: int = 10, draft_checkpoint: str | None = None,
                           draft_layers: int | None = None,
                           min_tokens_per_call: float = 2.0) -> list[Row]:
     net, params, loaded = _model(checkpoint, preset)

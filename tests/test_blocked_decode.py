@@ -91,7 +91,9 @@ def test_reads_a_stack_of_small_layers_whole_at_a_traced_layer():
                                         -x]) for x in (k, v))
     expected, _ = blocked(q, k, v, 0, mask, 4, whole_share=0.0)  # the one layer, read whole
     out, blocks = blocked(q, stack_k, stack_v, jnp.int32(1), mask, 4, whole_share=float("inf"))
-    np.testing.assert_array_equal(out, expected)
+    # Two programs: equal to rounding (bit for bit on a CPU, not on a GPU), and no NaN.
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-6)
     assert int(blocks) == 3  # all of them, whatever `whole_share` says
 
 

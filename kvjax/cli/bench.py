@@ -174,7 +174,7 @@ def _add_speculative(kinds) -> None:
                              "the --checkpoint itself gives the upper bound on acceptance")
     drafts.add_argument("--draft-layers", type=positive, default=None, metavar="N",
                         help="draft with the model's first N layers instead of prompt lookup")
-    speculative.add_argument("--repeats", type=positive, default=3, help="timed runs (best)")
+    speculative.add_argument("--repeats", type=positive, default=10, help="timed runs (best)")
     speculative.set_defaults(run=run_bench_speculative)
 
 
