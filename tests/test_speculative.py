@@ -204,6 +204,16 @@ def filtered_probs(logits, temperature, top_k):
     return probs / probs.sum(axis=1, keepdims=True)
 
 
+def first_tokens_histogram(tokens, vocab, probs, last_prompt_token):
+    """(counts, probabilities) of the rows' first three generated tokens [rows, 3] over the
+    vocab ** 3 cells of (x1, x2, x3), x1 fastest: observed, and exact for a chain of
+    next-token distributions `probs` [V, V] (float64) after `last_prompt_token`."""
+    cells = (tokens * vocab ** np.arange(3)).sum(axis=1)
+    counts = np.bincount(cells, minlength=vocab ** 3)
+    joint = np.einsum("a,ab,bc->abc", probs[last_prompt_token], probs, probs)
+    return counts, joint.transpose(2, 1, 0).ravel()
+
+
 @pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (0.7, 3)])
 def test_sampled_first_tokens_follow_the_target_distribution(temperature, top_k):
     rows, emitted = 6000, 3
@@ -213,12 +223,9 @@ def test_sampled_first_tokens_follow_the_target_distribution(temperature, top_k)
     out = run_speculative(jnp.asarray(SAMPLE_LOGITS, jnp.float32), state,
                           stops_of((), emitted), sampling, jnp.asarray(2), 3)
     assert int(out.stats.accepted.sum()) > 0 and int(out.stats.drafted.sum()) > rows
-    tokens = np.asarray(out.decode.tokens[:, :emitted])
-    cells = (tokens * SAMPLE_VOCAB ** np.arange(emitted)).sum(axis=1)
-    counts = np.bincount(cells, minlength=SAMPLE_VOCAB ** emitted)
-    p = filtered_probs(SAMPLE_LOGITS, temperature, top_k)
-    # The joint probability of (x1, x2, x3), indexed as `cells` counts them (x1 fastest).
-    expected = np.einsum("a,ab,bc->abc", p[prompt[-1]], p, p).transpose(2, 1, 0).ravel()
+    counts, expected = first_tokens_histogram(
+        np.asarray(out.decode.tokens[:, :emitted]), SAMPLE_VOCAB,
+        filtered_probs(SAMPLE_LOGITS, temperature, top_k), prompt[-1])
     assert (counts[expected == 0] == 0).all(), "drew a token the filters exclude"
     support = expected > 0
     chi2 = np.sum((counts[support] - rows * expected[support]) ** 2 /

@@ -21,6 +21,7 @@ from test_speculative import (
     fake_model,
     fake_state,
     filtered_probs,
+    first_tokens_histogram,
     stops_of,
 )
 
@@ -190,12 +191,9 @@ def test_sampled_first_tokens_follow_the_target_distribution(temperature, top_k)
                     stops_of((), emitted), sampling)
     accepted, drafted = int(out.stats.accepted.sum()), int(out.stats.drafted.sum())
     assert 0 < accepted < drafted, (accepted, drafted)  # both paths taken
-    tokens = np.asarray(out.decode.tokens[:, :emitted])
-    cells = (tokens * CYCLE ** np.arange(emitted)).sum(axis=1)
-    counts = np.bincount(cells, minlength=CYCLE ** emitted)
-    p = filtered_probs(TARGET_LOGITS, temperature, top_k)
-    # The joint probability of (x1, x2, x3), indexed as `cells` counts them (x1 fastest).
-    expected = np.einsum("a,ab,bc->abc", p[prompt[-1]], p, p).transpose(2, 1, 0).ravel()
+    counts, expected = first_tokens_histogram(
+        np.asarray(out.decode.tokens[:, :emitted]), CYCLE,
+        filtered_probs(TARGET_LOGITS, temperature, top_k), prompt[-1])
     assert (counts[expected == 0] == 0).all(), "drew a token the filters exclude"
     statistic, limit = chi_square(counts, expected, ROWS)
     assert statistic < limit, (statistic, limit)
