@@ -83,7 +83,8 @@ class Result:
         return self.tokens / self.seconds
 
 
-def run_engine(config, params, workload: Workload, max_slots: int, chunk_size: int) -> Result:
+def run_engine(config, params, workload: Workload, max_slots: int,
+               chunk_size: int | None = None) -> Result:
     engine = Engine(config, params, max_slots=max_slots, chunk_size=chunk_size,
                     max_queue=len(workload.prompts))
     engine.warm_up(len(p) for p in workload.prompts)
@@ -122,7 +123,7 @@ def run_engine(config, params, workload: Workload, max_slots: int, chunk_size: i
     if errors:
         raise RuntimeError(f"the engine failed: {errors[0]!r}")
     ttft = np.array([first[i] - (start + a) for i, a in enumerate(workload.arrivals)])
-    return Result(f"engine ({max_slots} slots, chunk {chunk_size})", workload.useful_tokens,
+    return Result(f"engine ({max_slots} slots, chunk {engine.chunk_size})", workload.useful_tokens,
                   end - (start + workload.arrivals[0]), ttft, np.array(gaps))
 
 
@@ -179,7 +180,7 @@ def format_results(results: list[Result], workload: Workload, setting: str,
 
 
 def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, output_range,
-                    max_slots: int, chunk_size: int, batch: int, seed: int = 0,
+                    max_slots: int, chunk_size: int | None, batch: int, seed: int = 0,
                     long_tail: bool = False, compare_transformers: bool = True) -> str:
     config = M.preset(preset)
     params = M.init_params(config, jax.random.key(seed))

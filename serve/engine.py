@@ -1,17 +1,21 @@
 """Continuous batching: requests join and leave a running batch of decode slots.
 
-The engine owns `max_slots` slots in one cache of `max_len` positions each (`slots.py`) and
-a bounded queue of requests waiting for them. One host loop repeats:
-  1. admit: while the oldest waiting request's `n` samples fit the free slots, prefill its
-     prompt once (length bucketed, `decode`'s prefill program) and insert it into `n` slots,
-     each sample with its first token;
-  2. decode one chunk of `chunk_size` steps over every slot (one compiled `while_loop`),
-     and while it runs, emit the first tokens of the samples just inserted;
-  3. emit each sample's new tokens and text to its request's callback, and free the slots of
-     samples that finished, met a stop string or whose request was cancelled.
-A request therefore waits at most one chunk to join, and a cancelled one holds its slots at
-most one chunk longer. `start` runs the loop on its own thread; `step` runs one turn of it
-where the caller is (tests, benchmarks).
+The engine owns `max_slots` slots in one cache of `max_len` positions each, as many staged
+rows beside them, and a bounded queue of requests waiting for those (`slots.py`). Each
+turn of its host loop:
+  1. stages: while the oldest waiting request's `n` samples fit the free staged rows,
+     prefills its prompt once (length bucketed, `decode`'s prefill program) and writes it
+     into `n` staged rows, each sample with its first token;
+  2. dispatches one chunk of `chunk_size` decode steps over every slot (`chunk.py`): on the
+     device, each slot that frees is taken at once by the oldest staged sample, and the
+     chunk ends early if a slot frees with none staged while requests wait on the host;
+  3. while that chunk runs, hands out what the previous chunk and the staging made: each
+     sample's new tokens and text go to its request's callback; a sample that met a stop
+     string or whose request was cancelled is stopped on the device with the next chunk.
+Slots wait for no host turn, so a chunk can be long; a request waits for one turn to be
+staged, and a cancelled one runs at most one chunk longer. `start` runs the loop on its own
+thread; `step` runs one turn and hands out all it made, where the caller is (tests,
+benchmarks).
 """
 
 from __future__ import annotations
@@ -29,15 +33,14 @@ import numpy as np
 from kvjax.decode.generate import bucket, placement
 from kvjax.decode.loop import StopReason
 from kvjax.decode.prompt_state import prefill_state
-from kvjax.decode.sampling import SamplingParams
 
 from kvjax import model as M
 from kvjax import parallel
 from kvjax.text import _RowText as RowText  # one sample's text, stop strings and all
 from kvjax.tokenizer import TextTokenizer
 
-from . import slots
-from .requests import INTEGER_FIELDS, SAMPLING_FIELDS, Delta, GenerationRequest
+from . import chunk, slots
+from .requests import Delta, GenerationRequest, row_settings
 
 OnDelta = Callable[[Delta | Exception], None]
 
@@ -63,13 +66,23 @@ class Ticket:
 
 @dataclasses.dataclass
 class _Sample:
-    """Sample `index` of a ticket, generating in a slot."""
+    """Sample `index` of a ticket, with its id on the device (staged or in a slot)."""
 
     ticket: Ticket
     index: int
+    id: int
     text: RowText | None
     tokens: list[int] = dataclasses.field(default_factory=list)
     last_emitted: float = 0.0
+
+
+@dataclasses.dataclass
+class _Dispatched:
+    """A program's `Emitted`, not yet handed out, and the staged rows it filled."""
+
+    emitted: slots.Emitted
+    staged_rows: list[int]
+    is_chunk: bool
 
 
 class Engine:
@@ -81,13 +94,18 @@ class Engine:
     `metrics` (optional, see `metrics.ServeMetrics`) is told of the load, first tokens and
     token times. On a `mesh` (or the one `params` are sharded over) the slots are split over
     its `data` axis, each device decoding its share, and the params over `model` by
-    `kvjax.parallel`'s rules; `max_slots` must be a multiple of `data`."""
+    `kvjax.parallel`'s rules; `max_slots` must be a multiple of `data`. The staged rows
+    take as much memory as the slots: the cache is twice `max_slots` rows. `chunk_size`
+    defaults to `default_chunk_size()`."""
 
     def __init__(self, config: M.TransformerConfig, params, *,
                  tokenizer: TextTokenizer | None = None, max_slots: int = 16,
-                 max_len: int | None = None, chunk_size: int = 8, max_queue: int = 64,
+                 max_len: int | None = None, chunk_size: int | None = None,
+                 max_queue: int = 64,
                  prefill_batch: int = 8, metrics=None, mesh=None):
         capacity = config.max_len if max_len is None else max_len
+        if chunk_size is None:
+            chunk_size = default_chunk_size()
         for name, value in (("max_slots", max_slots), ("max_len", capacity),
                             ("chunk_size", chunk_size), ("max_queue", max_queue),
                             ("prefill_batch", prefill_batch)):
@@ -105,28 +123,34 @@ class Engine:
         self.capacity, self.chunk_size, self.max_queue = capacity, chunk_size, max_queue
         self.prefill_batch = prefill_batch
         self.metrics = metrics
-        self.state = slots.empty_state(config, max_slots, capacity, self.mesh)
-        self._slots: list[_Sample | None] = [None] * max_slots
+        self.max_slots = self.num_staged = max_slots  # a request's n samples fit when staged
         self._pending: collections.deque[Ticket] = collections.deque()
-        # Inserts whose first tokens are not yet sent: (Emitted [R, 1], [(slot, sample)]).
-        self._unsent: list[tuple[slots.Emitted, list[tuple[int, _Sample]]]] = []
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.state = slots.empty_state(self.config, self.max_slots, self.num_staged,
+                                       self.capacity, self.mesh)
+        self._samples: dict[int, _Sample] = {}  # by id: staged, in a slot, or in flight
+        self._next_id = 0
+        self._free_staged = list(range(self.num_staged))
+        self._dispatched: list[_Dispatched] = []
+        self._to_stop: list[int] = []  # ids the host ended that the device may still run
+        self._live = self._waiting = 0
 
     # The caller's side -----------------------------------------------------------------
 
     @property
-    def max_slots(self) -> int:
-        return len(self._slots)
-
-    @property
     def live_slots(self) -> int:
-        return sum(sample is not None for sample in self._slots)
+        """Slots decoding a sample, as of the last chunk handed out."""
+        return self._live
 
     @property
     def queue_length(self) -> int:
-        return len(self._pending)
+        """Requests waiting to be staged, and samples staged waiting for a slot."""
+        return len(self._pending) + self._waiting
 
     def submit(self, request: GenerationRequest, on_delta: OnDelta) -> Ticket:
         """Queues `request`; a ValueError names a bad value, `QueueFull` says to retry."""
@@ -155,16 +179,15 @@ class Engine:
             prefilled = prefill_state(self.config, self.params,
                                       np.zeros((count, length), np.int32),
                                       np.ones(count, np.int32), length)
-            self.state, _ = slots.insert(  # slot `max_slots`: compiled, nothing inserted
+            self.state, _ = slots.insert(  # row `num_staged`: compiled, nothing staged
                 self.state, *prefilled, np.zeros(count, np.int32),
-                np.full(count, self.max_slots, np.int32),
-                _row_settings([(GenerationRequest((0,), seed=0), 0)] * count),
+                np.full(count, self.num_staged, np.int32), np.zeros(count, np.int32),
+                row_settings([(GenerationRequest((0,), seed=0), 0)] * count),
                 mesh=self.mesh)
-        self.state, _ = slots.decode_chunk(self.config, self.params, self.state,
-                                           np.zeros(self.max_slots, bool), np.bool_(False),
-                                           self.chunk_size, mesh=self.mesh)
-        self.state = slots.empty_state(self.config, self.max_slots, self.capacity,
-                                       self.mesh)
+        self.state, _ = chunk.decode_chunk(self.config, self.params, self.state,
+                                           self._cancel_ids(), np.bool_(False),
+                                           np.bool_(False), self.chunk_size, mesh=self.mesh)
+        self._reset()
 
     def start(self) -> None:
         """Runs the loop on a thread of its own until `close`."""
@@ -188,23 +211,22 @@ class Engine:
     # The loop ------------------------------------------------------------------------
 
     def step(self) -> bool:
-        """Admits what fits, decodes one chunk and emits; returns whether work remains."""
-        self._admit()
-        if self.live_slots:
-            self._decode_chunk()
-        self._send_first_tokens()
-        self._report_load()
-        return bool(self._pending or self.live_slots)
+        """One turn, handing out everything it made; returns whether work remains."""
+        self._turn(overlap=False)
+        return self._busy()
+
+    def _busy(self) -> bool:
+        return bool(self._pending or self._samples or self._dispatched)
 
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not (self._stopping or self._pending or self.live_slots):
+                while not (self._stopping or self._busy()):
                     self._wake.wait()
                 if self._stopping:
                     return
             try:
-                self.step()
+                self._turn(overlap=True)
             except Exception as error:  # noqa: BLE001 - every request hears of it
                 logging.getLogger(__name__).exception("the engine failed; its requests end")
                 self._fail_all(error)
@@ -213,16 +235,52 @@ class Engine:
         with self._wake:
             self._wake.notify()
 
-    def _admit(self) -> None:
+    def _turn(self, overlap: bool) -> None:
+        """Stages what fits, dispatches a chunk and hands out what earlier programs made;
+        with `overlap`, the chunk's own tokens wait for the next turn, so that the host's
+        work here runs while the device decodes."""
+        self._end_cancelled()
         while tickets := self._admissible():
-            self._insert(tickets)
+            self._stage(tickets)
+        keep = 0  # programs left in flight
+        if self._samples or self._to_stop:
+            want_top = any(s.ticket.request.logprobs for s in self._samples.values())
+            self.state, emitted = chunk.decode_chunk(
+                self.config, self.params, self.state, self._cancel_ids(),
+                np.bool_(want_top), np.bool_(bool(self._pending)), self.chunk_size,
+                mesh=self.mesh)
+            self._to_stop = []
+            self._dispatched.append(_Dispatched(emitted, [], is_chunk=True))
+            keep = int(overlap)
+        while len(self._dispatched) > keep:
+            self._hand_out(self._dispatched.pop(0))
+        self._report_load()
+
+    def _cancel_ids(self) -> np.ndarray:
+        """The ids the next chunk stops [B + Q] (-2 pads: no sample has it)."""
+        ids = np.full(self.max_slots + self.num_staged, -2, np.int32)
+        ids[:len(self._to_stop)] = self._to_stop
+        return ids
+
+    def _end_cancelled(self) -> None:
+        for sample in list(self._samples.values()):
+            if sample.ticket.cancelled:
+                self._finish(sample, Delta(sample.index, [], "", [], [], "cancelled"))
+                self._to_stop.append(sample.id)
 
     def _admissible(self) -> list[Ticket]:
-        """Takes the oldest queued tickets whose samples fit the free slots (at most
-        `prefill_batch`, prefilled together); cancelled ones are answered and dropped."""
+        """Takes the oldest queued tickets whose samples fit the free staged rows (at most
+        `prefill_batch`, prefilled together); cancelled ones are answered and dropped.
+
+        While enough samples are staged to keep the slots busy and more tickets wait than
+        the free rows take, it waits for rows to free: a prefill of a few prompts costs
+        almost what one of `prefill_batch` does."""
         taken, dropped = [], []
         with self._wake:
-            free = self._slots.count(None)
+            free = len(self._free_staged)
+            if (free < self.prefill_batch and len(self._pending) >= self.prefill_batch
+                    and self._waiting >= max(1, self.max_slots // 4)):
+                free = 0
             while self._pending and len(taken) < self.prefill_batch:
                 ticket = self._pending[0]
                 if not ticket.cancelled and ticket.request.n > free:
@@ -238,9 +296,9 @@ class Engine:
                 ticket.on_delta(Delta(index, [], "", [], [], "cancelled"))
         return taken
 
-    def _insert(self, tickets: list[Ticket]) -> None:
+    def _stage(self, tickets: list[Ticket]) -> None:
         """Prefills the tickets' prompts in one call (rows and length bucketed; spare rows
-        repeat the first) and inserts each prompt into a free slot per sample."""
+        repeat the first) and writes each prompt into a free staged row per sample."""
         prompts = [ticket.request.prompt for ticket in tickets]
         rows = min(1 << (len(prompts) - 1).bit_length(), self.prefill_batch)
         padded = np.zeros((rows, bucket(max(map(len, prompts)), self.capacity)), np.int32)
@@ -248,60 +306,57 @@ class Engine:
         for row, prompt in enumerate(prompts + [prompts[0]] * (rows - len(prompts))):
             padded[row, :len(prompt)] = prompt
             lengths[row] = len(prompt)
-        # The prompts' cache holds only them: the insert writes it into the slots' rows.
+        # The prompts' cache holds only them: the insert writes it into the staged rows.
         prefilled = prefill_state(self.config, self.params, padded, lengths, padded.shape[1])
-        free = [b for b, sample in enumerate(self._slots) if sample is None]
         entries = [(row, ticket, index) for row, ticket in enumerate(tickets)
                    for index in range(ticket.request.n)]
         for start in range(0, len(entries), rows):  # `rows` samples per insert
             group = entries[start:start + rows]
-            group_slots = [free.pop(0) for _ in group]
-            spare = rows - len(group)  # padding: slot `max_slots` inserts nothing
-            settings = _row_settings([(t.request, i) for _, t, i in group + group[:1] * spare])
-            self.state, first = slots.insert(
-                self.state, *prefilled, np.array([r for r, _, _ in group] + [0] * spare,
-                                                 np.int32),
-                np.array(group_slots + [self.max_slots] * spare, np.int32), settings,
-                mesh=self.mesh)
-            placed = []
-            for (_, ticket, index), slot in zip(group, group_slots, strict=True):
+            staged = [self._free_staged.pop(0) for _ in group]
+            ids = []
+            for _, ticket, index in group:
                 text = (None if self.tokenizer is None
                         else RowText(self.tokenizer, ticket.request.stop))
-                self._slots[slot] = _Sample(ticket, index, text)
-                placed.append((slot, self._slots[slot]))
-            self._unsent.append((first, placed))
+                sample = _Sample(ticket, index, self._next_id, text)
+                self._samples[sample.id] = sample
+                ids.append(sample.id)
+                self._next_id = (self._next_id + 1) % slots.ID_SPACE
+            spare = rows - len(group)  # padding: row `num_staged` stages nothing
+            settings = row_settings([(t.request, i) for _, t, i in group + group[:1] * spare])
+            self.state, first = slots.insert(
+                self.state, *prefilled,
+                np.array([r for r, _, _ in group] + [0] * spare, np.int32),
+                np.array(staged + [self.num_staged] * spare, np.int32),
+                np.array(ids + [0] * spare, np.int32), settings, mesh=self.mesh)
+            self._dispatched.append(_Dispatched(first, staged, is_chunk=False))
+            self._waiting += len(group)
 
-    def _send_first_tokens(self) -> None:
-        """Hands out the first tokens of the samples inserted since the last call: the
-        chunk after their insert is dispatched first, so the host does this while it runs."""
-        unsent, self._unsent = self._unsent, []
-        for first, placed in unsent:
-            first = jax.device_get(first)
-            for row, (slot, sample) in enumerate(placed):
-                if self._slots[slot] is sample:
-                    self._emit(slot, sample, first, row)
+    def _hand_out(self, dispatched: _Dispatched) -> None:
+        """Hands each sample what a program made, in order, and learns which staged rows
+        are free: those not waiting after it, and not filled by a program after it."""
+        emitted = jax.device_get(dispatched.emitted)
+        owner = emitted.owner
+        for row in np.flatnonzero((owner != slots.NO_SAMPLE).any(axis=1)):
+            steps = np.flatnonzero(owner[row] != slots.NO_SAMPLE)
+            ids = owner[row, steps]
+            for run in np.split(steps, np.flatnonzero(np.diff(ids)) + 1):
+                sample = self._samples.get(int(owner[row, run[0]]))
+                if sample is not None:  # else the host ended it (cancelled, stop string)
+                    self._emit(sample, emitted, row, run[emitted.made[row, run]],
+                               int(emitted.reason[row, run[-1]]))
+        filled = {r for later in self._dispatched for r in later.staged_rows}
+        self._free_staged = [r for r in range(self.num_staged)
+                             if not emitted.waiting[r] and r not in filled]
+        self._waiting = int(emitted.waiting.sum()) + len(filled)
+        if dispatched.is_chunk:
+            self._live = int(emitted.live)
 
-    def _decode_chunk(self) -> None:
-        keep = np.array([s is not None and not s.ticket.cancelled for s in self._slots])
-        want_top = any(s is not None and s.ticket.request.logprobs for s in self._slots)
-        self.state, emitted = slots.decode_chunk(self.config, self.params, self.state,
-                                                 keep, np.bool_(want_top), self.chunk_size,
-                                                 mesh=self.mesh)
-        self._send_first_tokens()  # before the chunk's tokens, which come after them
-        emitted = jax.device_get(emitted)
-        for slot, sample in enumerate(self._slots):
-            if sample is None:
-                continue
-            if sample.ticket.cancelled:
-                self._finish(slot, sample, Delta(sample.index, [], "", [], [], "cancelled"))
-            elif emitted.counts[slot] or not emitted.running[slot]:
-                self._emit(slot, sample, emitted, slot)
-
-    def _emit(self, slot: int, sample: _Sample, emitted: slots.Emitted, row: int) -> None:
-        """Hands the sample its new tokens (row `row` of `emitted`) and frees its slot if it
-        is done: a stop id, its token budget, its slot's capacity or a stop string."""
-        count = int(emitted.counts[row])
-        ids = emitted.tokens[row, :count].tolist()
+    def _emit(self, sample: _Sample, emitted: slots.Emitted, row: int, steps: np.ndarray,
+              reason: int) -> None:
+        """Hands the sample the tokens row `row` of `emitted` made for it at `steps`, and
+        ends it if it is done: a stop id, its token budget, its slot's capacity (`reason`,
+        after them) or a stop string."""
+        ids = emitted.tokens[row, steps].tolist()
         finish = None
         piece = ""
         if sample.text is not None:
@@ -309,27 +364,30 @@ class Engine:
             if sample.text.stopped:  # a stop string: its tokens end with the one completing it
                 ids = ids[:len(sample.text.ids) - len(sample.tokens)]
                 finish = "stop"
-        if finish is None and not emitted.running[row]:
-            finish = "stop" if emitted.stop_reason[row] == StopReason.EOS else "length"
+                if reason == StopReason.RUNNING:
+                    self._to_stop.append(sample.id)
+        if finish is None and reason != StopReason.RUNNING:
+            finish = "stop" if reason == StopReason.EOS else "length"
             if sample.text is not None:
                 sent = sample.text.sent
                 sample.text.finish(sample.tokens + ids)
                 piece += sample.text.text[len(sent):]
         top = sample.ticket.request.logprobs
+        steps = steps[:len(ids)]
         delta = Delta(
-            sample.index, ids, piece, emitted.logprobs[row, :len(ids)].tolist(),
+            sample.index, ids, piece, emitted.logprobs[row, steps].tolist(),
             [list(zip(emitted.top_ids[row, k, :top].tolist(),
                       emitted.top_logprobs[row, k, :top].tolist(), strict=True))
-             for k in range(len(ids))], finish)
+             for k in steps], finish)
         self._observe(sample, len(ids))
         sample.tokens.extend(ids)
         if finish is None:
             sample.ticket.on_delta(delta)
         else:
-            self._finish(slot, sample, delta)
+            self._finish(sample, delta)
 
-    def _finish(self, slot: int, sample: _Sample, delta: Delta) -> None:
-        self._slots[slot] = None
+    def _finish(self, sample: _Sample, delta: Delta) -> None:
+        del self._samples[sample.id]
         sample.ticket.unfinished -= 1
         sample.ticket.on_delta(delta)
 
@@ -354,25 +412,15 @@ class Engine:
         with self._wake:
             tickets = {id(t): t for t in self._pending}
             self._pending.clear()
-        tickets.update({id(s.ticket): s.ticket for s in self._slots if s is not None})
-        self._slots = [None] * self.max_slots
-        self._unsent = []
-        self.state = slots.empty_state(self.config, self.max_slots, self.capacity,
-                                       self.mesh)
+        tickets.update({id(s.ticket): s.ticket for s in self._samples.values()})
+        self._reset()
         for ticket in tickets.values():
             ticket.on_delta(error)
 
 
-def _row_settings(samples: list[tuple[GenerationRequest, int]]) -> slots.RowSettings:
-    """Samples (request, index) as slots hold them (NumPy, so nothing runs eagerly)."""
-    stop_ids = np.full((len(samples), slots.MAX_STOP_IDS), -1, np.int32)
-    for row, (request, _) in enumerate(samples):
-        stop_ids[row, :len(request.stop_ids)] = request.stop_ids
-    sampling = SamplingParams(**{
-        name: np.array([getattr(request, name) for request, _ in samples],
-                       np.int32 if name in INTEGER_FIELDS else np.float32)
-        for name in SAMPLING_FIELDS})
-    return slots.RowSettings(
-        max_tokens=np.array([r.max_tokens for r, _ in samples], np.int32), stop_ids=stop_ids,
-        seed=np.stack([slots.seed_key(r.seed) for r, _ in samples]),
-        sample=np.array([index for _, index in samples], np.int32), sampling=sampling)
+def default_chunk_size() -> int:
+    """Decode steps per chunk: 16 on a CPU, 64 on an accelerator. On a CPU a host turn costs
+    little beside a step, and longer chunks gained nothing measurable; on a GPU each turn
+    costs the device several steps' time (on an H100, `small`, the long-tailed workload run
+    turn by turn: 27,459 tokens/s with chunks of 16, 40,856 with 64)."""
+    return 16 if jax.default_backend() == "cpu" else 64

@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 import secrets
 
+import numpy as np
 from kvjax.decode import checks
+from kvjax.decode.sampling import SamplingParams
 from kvjax.decode.settings import per_row
 
 from kvjax.text import MAX_SEED, check_stop_strings
 
-from .slots import MAX_STOP_IDS, MAX_TOP_LOGPROBS
+from .slots import MAX_STOP_IDS, MAX_TOP_LOGPROBS, RowSettings, seed_key
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                    "no_repeat_ngram_size")
@@ -104,3 +106,18 @@ class Delta:
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]]
     finish_reason: str | None = None
+
+
+def row_settings(samples: list[tuple[GenerationRequest, int]]) -> RowSettings:
+    """Samples (request, index) as slots hold them (NumPy, so nothing runs eagerly)."""
+    stop_ids = np.full((len(samples), MAX_STOP_IDS), -1, np.int32)
+    for row, (request, _) in enumerate(samples):
+        stop_ids[row, :len(request.stop_ids)] = request.stop_ids
+    sampling = SamplingParams(**{
+        name: np.array([getattr(request, name) for request, _ in samples],
+                       np.int32 if name in INTEGER_FIELDS else np.float32)
+        for name in SAMPLING_FIELDS})
+    return RowSettings(
+        max_tokens=np.array([r.max_tokens for r, _ in samples], np.int32), stop_ids=stop_ids,
+        seed=np.stack([seed_key(r.seed) for r, _ in samples]),
+        sample=np.array([index for _, index in samples], np.int32), sampling=sampling)

@@ -39,7 +39,7 @@ def error_response(error: APIError) -> JSONResponse:
 
 
 def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: int = 16,
-              max_queue: int = 64, max_len: int | None = None, chunk_size: int = 8,
+              max_queue: int = 64, max_len: int | None = None, chunk_size: int | None = None,
               prefill_batch: int = 8, warm_up: bool = False, mesh=None) -> Starlette:
     """The app serving `loaded` as `model_name` (default: its directory's name). The engine
     starts with the app (its lifespan), after compiling every program it can need if

@@ -1,19 +1,24 @@
-"""The engine's device side: every slot's decode state in one pytree, and the two compiled
-programs that change it.
+"""The engine's device side: its state in one pytree, and the two compiled programs that
+change it.
 
-  insert(state, prefix, rows, slots) writes prefilled prompts into slots (traced indices)
-                                    and samples their first tokens;
-  decode_chunk(state, keep, ...)    runs up to `steps` decode steps over every slot in one
-                                    `lax.while_loop` and returns the tokens each slot made.
+The state (`EngineState`) holds two sets of rows of one layout (`SlotState`): the slots,
+which decode, and the staged rows, samples prefilled and waiting for a slot.
+
+  insert(state, prefix, rows, staged, ids) writes prefilled prompts into staged rows
+                                    (traced indices) and samples their first tokens;
+  decode_chunk(state, cancel, ...)  (`chunk.py`) runs up to `steps` decode steps over every
+                                    slot in one `lax.while_loop`, moving a staged sample into
+                                    each slot that frees on the way, and returns the tokens.
 
 Both donate the state, so the cache is updated where it lies and never copied. Everything
 a slot's request chose (sampling settings, stop ids, token budget, random key) is a row of
 a traced array, so requests come and go without compiling anything. A slot samples token g
 of its request with `fold_in(request key, g)`: its tokens do not depend on which other
-requests share the batch.
+requests share the batch. Every sample has an id (`ID_SPACE`), which the tokens it made
+carry back to the host.
 
-Shape letters: B slots, S cache slots per row (capacity), C context buffer (= S), E stop
-ids per slot, K steps per chunk, W top logprobs kept per token, V vocab.
+Shape letters: B slots, Q staged rows, S cache slots per row (capacity), C context buffer
+(= S), E stop ids per slot, K steps per chunk, W top logprobs kept per token, V vocab.
 """
 
 from __future__ import annotations
@@ -34,6 +39,10 @@ from kvjax import parallel
 
 MAX_STOP_IDS = 8  # stop ids travel as a fixed-size row so their number never recompiles
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat; completions ask for at most 5
+# Sample ids cycle through [0, ID_SPACE): staged samples are admitted in the order of their
+# ids counted from the last one admitted, which stays right however often the ids wrap.
+ID_SPACE = 1 << 30
+NO_SAMPLE = -1  # the id of a row that holds none
 
 
 @flax.struct.dataclass
@@ -51,6 +60,7 @@ class SlotState:
     context_lengths: [B] int32.
     running:         [B] bool the slot holds a request that is still generating.
     stop_reason:     [B] int32 `StopReason` of the slot's last request.
+    owner:           [B] int32 the id of the sample the row holds (`NO_SAMPLE`: none yet).
     """
 
     cache: M.KVCache
@@ -64,10 +74,22 @@ class SlotState:
     context_lengths: jax.Array
     running: jax.Array
     stop_reason: jax.Array
+    owner: jax.Array
 
     @property
     def num_slots(self) -> int:
         return self.running.shape[0]
+
+
+@flax.struct.dataclass
+class EngineState:
+    """slots: the decoding rows [B]; staged: prefilled samples [Q], each waiting for a slot
+    while its `running` is set (its first token sampled, its prompt in its cache row);
+    last_admitted: [] int32 the id of the sample that took a slot last."""
+
+    slots: SlotState
+    staged: SlotState
+    last_admitted: jax.Array
 
 
 @flax.struct.dataclass
@@ -85,17 +107,22 @@ class RowSettings:
 
 @flax.struct.dataclass
 class Emitted:
-    """Tokens the slots made: tokens [B, K], logprobs [B, K] (the model's, before any
-    penalty), top_ids and top_logprobs [B, K, W] and counts [B]: slot b made
-    tokens[b, :counts[b]]. `running` and `stop_reason` [B] are the slots' state after them."""
+    """What N rows made in K steps. At step k row n served the sample `owner[n, k]`
+    (`NO_SAMPLE`: none), which made `tokens[n, k]` if `made[n, k]` (not when its slot was
+    full) and then stood at `reason[n, k]` (a `StopReason`; RUNNING: it goes on). A row serves
+    one sample for consecutive steps, then maybe another. logprobs [N, K] are the model's,
+    before any penalty; top_ids and top_logprobs [N, K, W]. After the steps `live` [] slots
+    are running and `waiting` [Q] tells which staged rows still wait for a slot."""
 
     tokens: jax.Array
+    owner: jax.Array
+    made: jax.Array
+    reason: jax.Array
     logprobs: jax.Array
     top_ids: jax.Array
     top_logprobs: jax.Array
-    counts: jax.Array
-    running: jax.Array
-    stop_reason: jax.Array
+    live: jax.Array
+    waiting: jax.Array
 
 
 def seed_key(seed: int) -> np.ndarray:
@@ -104,39 +131,48 @@ def seed_key(seed: int) -> np.ndarray:
     return np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
 
 
-def empty_state(config: M.TransformerConfig, num_slots: int, capacity: int,
-                mesh=None) -> SlotState:
-    """Every slot free; on `mesh`, made in the layout the programs keep it in (slots split
-    over `data`, kv heads over `model`: `parallel.constrain_rows`), so that their first call
-    compiles for the layout every later one sees."""
+def empty_state(config: M.TransformerConfig, num_slots: int, num_staged: int, capacity: int,
+                mesh=None) -> EngineState:
+    """Every slot and staged row free; on `mesh`, made in the layout the programs keep it in
+    (rows split over `data`, kv heads over `model`: `parallel.constrain_rows`), so that their
+    first call compiles for the layout every later one sees."""
     if config.is_encoder_decoder:
         raise ValueError("the serving engine runs decoder-only language models; this "
                          "checkpoint is an encoder-decoder")
     if mesh is None:
-        return _free_slots(config, num_slots, capacity)
-    return _free_slots_on(config, num_slots, capacity, mesh)
+        return _free_state(config, num_slots, num_staged, capacity)
+    return _free_state_on(config, num_slots, num_staged, capacity, mesh)
 
 
-def _free_slots(config: M.TransformerConfig, num_slots: int, capacity: int) -> SlotState:
+def _free_state(config: M.TransformerConfig, num_slots: int, num_staged: int,
+                capacity: int) -> EngineState:
+    return EngineState(slots=_free_rows(config, num_slots, capacity),
+                       staged=_free_rows(config, num_staged, capacity),
+                       last_admitted=jnp.full((), NO_SAMPLE, jnp.int32))
+
+
+def _free_rows(config: M.TransformerConfig, rows: int, capacity: int) -> SlotState:
     def zeros():  # one buffer per field: the programs donate each of them
-        return jnp.zeros((num_slots,), jnp.int32)
+        return jnp.zeros((rows,), jnp.int32)
 
     return SlotState(
-        cache=M.init_cache(config, num_slots, capacity),
+        cache=M.init_cache(config, rows, capacity),
         last_tokens=zeros(), generated=zeros(), max_tokens=zeros(),
-        stop_ids=jnp.full((num_slots, MAX_STOP_IDS), -1, jnp.int32),
-        keys=jnp.zeros((num_slots, 2), jnp.uint32),
-        sampling=SamplingParams.make(batch=num_slots),
-        context=jnp.zeros((num_slots, capacity), jnp.int32),
+        stop_ids=jnp.full((rows, MAX_STOP_IDS), -1, jnp.int32),
+        keys=jnp.zeros((rows, 2), jnp.uint32),
+        sampling=SamplingParams.make(batch=rows),
+        context=jnp.zeros((rows, capacity), jnp.int32),
         context_lengths=zeros(),
-        running=jnp.zeros((num_slots,), bool),
+        running=jnp.zeros((rows,), bool),
         stop_reason=zeros(),
+        owner=jnp.full((rows,), NO_SAMPLE, jnp.int32),
     )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _free_slots_on(config: M.TransformerConfig, num_slots: int, capacity: int, mesh):
-    return parallel.constrain_rows(_free_slots(config, num_slots, capacity), mesh)
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _free_state_on(config: M.TransformerConfig, num_slots: int, num_staged: int,
+                   capacity: int, mesh):
+    return parallel.constrain_rows(_free_state(config, num_slots, num_staged, capacity), mesh)
 
 
 def choose(logits_BV, context_BC, context_lengths_B, sampling: SamplingParams, keys_B2,
@@ -174,8 +210,8 @@ def choose(logits_BV, context_BC, context_lengths_B, sampling: SamplingParams, k
     return token_B, logprob_B, top_logprobs_BW, top_ids_BW
 
 
-def _record(state: SlotState, token_B, live_B) -> SlotState:
-    """Takes the new token of every `live` slot and stops those it ends."""
+def record(state: SlotState, token_B, live_B) -> SlotState:
+    """Takes the new token of every `live` row and stops those it ends."""
     token_B = jnp.where(live_B, token_B, 0)
     is_stop_B = jnp.any(token_B[:, None] == state.stop_ids, axis=-1)
     generated_B = state.generated + live_B
@@ -198,33 +234,35 @@ def _record(state: SlotState, token_B, live_B) -> SlotState:
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="mesh")
-def insert(state: SlotState, prefix_cache: M.KVCache, next_logits_PV, context_PC,
-           context_lengths_P, rows_R, slots_R, settings: RowSettings, mesh=None):
-    """The state with R samples inserted and their first tokens sampled, and those tokens'
-    `Emitted` [R, 1]. Sample r is prompt `rows[r]` of P prefilled ones (`prefix_cache`,
-    whose capacity is at most the slots', the logits of each prompt's next token, its
-    context), inserted into slot `slots[r]`; a slot past the last one inserts nothing
-    (padding). What a slot's row held past the prompt is left: its length masks it. The rows and
-    slots are traced: any prompts into any slots is one program per (P, R). On `mesh` the
-    state keeps its layout (see `empty_state`)."""
+def insert(state: EngineState, prefix_cache: M.KVCache, next_logits_PV, context_PC,
+           context_lengths_P, rows_R, staged_R, ids_R, settings: RowSettings, mesh=None):
+    """The state with R samples staged and their first tokens sampled, and those tokens'
+    `Emitted` [R, 1]. Sample r, with id `ids[r]`, is prompt `rows[r]` of P prefilled ones
+    (`prefix_cache`, whose capacity is at most the rows', the logits of each prompt's next
+    token, its context), written into staged row `staged[r]`; a row past the last one stages
+    nothing (padding). What a row held past the prompt is left: its length masks it. A
+    sample that its first token ends waits for no slot. The indices are traced: any prompts
+    into any rows is one program per (P, R). On `mesh` the state keeps its layout (see
+    `empty_state`)."""
     count_trace("serve_insert")
+    rows = state.staged
     keys_R2 = jax.vmap(lambda seed, sample: jax.random.key_data(
         jax.random.fold_in(jax.random.wrap_key_data(seed), sample)))(settings.seed,
                                                                    settings.sample)
 
-    def put(all_B, new_R):  # rows of `new` into the slots
-        return all_B.at[slots_R].set(new_R, mode="drop", unique_indices=True)
+    def put(all_Q, new_R):  # rows of `new` into the staged rows
+        return all_Q.at[staged_R].set(new_R, mode="drop", unique_indices=True)
 
-    def put_kv(stack_LBKS_, prefix_LPKS_):  # the prefix's first slots of each slot's row
-        # [L, B, K, S, H] values or, for an int8 cache, [L, B, K, S] scales.
-        index = (slice(None), slots_R, slice(None), slice(0, prefix_LPKS_.shape[3]))
-        return stack_LBKS_.at[index].set(jnp.take(prefix_LPKS_, rows_R, axis=1), mode="drop",
+    def put_kv(stack_LQKS_, prefix_LPKS_):  # the prefix's first slots of each staged row
+        # [L, Q, K, S, H] values or, for an int8 cache, [L, Q, K, S] scales.
+        index = (slice(None), staged_R, slice(None), slice(0, prefix_LPKS_.shape[3]))
+        return stack_LQKS_.at[index].set(jnp.take(prefix_LPKS_, rows_R, axis=1), mode="drop",
                                          unique_indices=True)
 
     def put_stacks(stacks, prefix_stacks):
         return None if stacks is None else tuple(map(put_kv, stacks, prefix_stacks))
 
-    cache = state.cache
+    cache = rows.cache
     cache = cache.replace(
         k=put_stacks(cache.k, prefix_cache.k),
         v=put_stacks(cache.v, prefix_cache.v),
@@ -233,86 +271,33 @@ def insert(state: SlotState, prefix_cache: M.KVCache, next_logits_PV, context_PC
         lengths=put(cache.lengths, prefix_cache.lengths[rows_R]),
         overflow=put(cache.overflow, jnp.zeros(rows_R.shape, bool)))
     context_RC = jnp.pad(context_PC[rows_R],
-                         ((0, 0), (0, state.context.shape[1] - context_PC.shape[1])))
+                         ((0, 0), (0, rows.context.shape[1] - context_PC.shape[1])))
     context_lengths_R = context_lengths_P[rows_R]
-    live_B = jnp.any(jnp.arange(state.num_slots)[:, None] == slots_R[None], axis=1)
-    state = state.replace(
+    new_Q = jnp.any(jnp.arange(rows.num_slots)[:, None] == staged_R[None], axis=1)
+    rows = rows.replace(
         cache=cache,
-        generated=put(state.generated, jnp.zeros(rows_R.shape, jnp.int32)),
-        max_tokens=put(state.max_tokens, settings.max_tokens),
-        stop_ids=put(state.stop_ids, settings.stop_ids),
-        keys=put(state.keys, keys_R2),
-        sampling=jax.tree.map(put, state.sampling, settings.sampling),
-        context=put(state.context, context_RC),
-        context_lengths=put(state.context_lengths, context_lengths_R),
-        running=state.running | live_B,
-        stop_reason=jnp.where(live_B, StopReason.RUNNING, state.stop_reason))
+        generated=put(rows.generated, jnp.zeros(rows_R.shape, jnp.int32)),
+        max_tokens=put(rows.max_tokens, settings.max_tokens),
+        stop_ids=put(rows.stop_ids, settings.stop_ids),
+        keys=put(rows.keys, keys_R2),
+        sampling=jax.tree.map(put, rows.sampling, settings.sampling),
+        context=put(rows.context, context_RC),
+        context_lengths=put(rows.context_lengths, context_lengths_R),
+        running=rows.running | new_Q,
+        stop_reason=jnp.where(new_Q, StopReason.RUNNING, rows.stop_reason),
+        owner=put(rows.owner, ids_R))
     token_R, logprob_R, top_logprobs_RW, top_ids_RW = choose(
         next_logits_PV[rows_R], context_RC, context_lengths_R, settings.sampling, keys_R2,
         jnp.zeros(rows_R.shape, jnp.int32))
-    token_B = jnp.zeros(state.num_slots, jnp.int32).at[slots_R].set(token_R, mode="drop")
-    state = parallel.constrain_rows(_record(state, token_B, live_B), mesh)
-    in_range_R = jnp.minimum(slots_R, state.num_slots - 1)
-    first = Emitted(tokens=token_R[:, None], logprobs=logprob_R[:, None],
-                    top_ids=top_ids_RW[:, None], top_logprobs=top_logprobs_RW[:, None],
-                    counts=jnp.ones(rows_R.shape, jnp.int32),
-                    running=state.running[in_range_R], stop_reason=state.stop_reason[in_range_R])
+    token_Q = jnp.zeros(rows.num_slots, jnp.int32).at[staged_R].set(token_R, mode="drop")
+    rows = record(rows, token_Q, new_Q)
+    state = parallel.constrain_rows(state.replace(staged=rows), mesh)
+    in_range_R = staged_R < rows.num_slots
+    reason_R = rows.stop_reason[jnp.minimum(staged_R, rows.num_slots - 1)]
+    first = Emitted(tokens=token_R[:, None],
+                    owner=jnp.where(in_range_R, ids_R, NO_SAMPLE)[:, None],
+                    made=in_range_R[:, None], reason=reason_R[:, None],
+                    logprobs=logprob_R[:, None], top_ids=top_ids_RW[:, None],
+                    top_logprobs=top_logprobs_RW[:, None],
+                    live=jnp.sum(state.slots.running, dtype=jnp.int32), waiting=rows.running)
     return state, first
-
-
-@functools.partial(jax.jit, static_argnums=(0, 5), static_argnames="mesh", donate_argnums=2)
-def decode_chunk(config: M.TransformerConfig, params, state: SlotState, keep_B, want_top,
-                 steps: int, mesh=None):
-    """Up to `steps` decode steps over every running slot (after stopping those whose `keep`
-    is False): (state, `Emitted` [B, steps]). The top logprobs are left out (zeros) unless
-    `want_top` (a traced bool): some request asked for them. On `mesh` each device steps
-    its own slots, the state kept in its layout (see `empty_state`)."""
-    count_trace("serve_chunk")
-    running_B = state.running & keep_B
-    # A free slot's cache row holds nothing the attention needs to read.
-    state = state.replace(running=running_B, cache=state.cache.replace(
-        lengths=jnp.where(running_B, state.cache.lengths, 0)))
-    batch, width = state.num_slots, min(MAX_TOP_LOGPROBS, config.vocab_size)
-    emitted = Emitted(
-        tokens=jnp.zeros((batch, steps), jnp.int32),
-        logprobs=jnp.zeros((batch, steps), jnp.float32),
-        top_ids=jnp.zeros((batch, steps, width), jnp.int32),
-        top_logprobs=jnp.zeros((batch, steps, width), jnp.float32),
-        counts=jnp.zeros((batch,), jnp.int32), running=running_B,
-        stop_reason=state.stop_reason)
-    step_fn = M.step_fn(config, params)
-
-    def tokens_to_logits(tokens_B1, cache, lengths_B):  # the cache kept in its layout
-        logits_B1V, cache = step_fn(tokens_B1, cache, lengths_B)
-        return logits_B1V, parallel.constrain_rows(cache, mesh)
-
-    def cond_fn(carry):
-        step, state, _ = carry
-        return (step < steps) & jnp.any(state.running)
-
-    def body_fn(carry):
-        step, state, emitted = carry
-        full_B = state.running & (state.cache.lengths >= state.cache.capacity)
-        state = state.replace(
-            running=state.running & ~full_B,
-            stop_reason=jnp.where(full_B, StopReason.CACHE_FULL, state.stop_reason))
-        live_B = state.running
-        # Stopped slots are fed nothing: their cache rows neither grow nor overflow.
-        logits_B1V, cache = tokens_to_logits(state.last_tokens[:, None], state.cache,
-                                             live_B.astype(jnp.int32))
-        token_B, logprob_B, top_logprobs_BW, top_ids_BW = choose(
-            logits_B1V[:, 0], state.context, state.context_lengths, state.sampling,
-            state.keys, state.generated, want_top)
-        state = _record(state.replace(cache=cache), token_B, live_B)
-        emitted = emitted.replace(
-            tokens=emitted.tokens.at[:, step].set(jnp.where(live_B, token_B, 0)),
-            logprobs=emitted.logprobs.at[:, step].set(logprob_B),
-            top_ids=emitted.top_ids.at[:, step].set(top_ids_BW),
-            top_logprobs=emitted.top_logprobs.at[:, step].set(top_logprobs_BW),
-            counts=emitted.counts + live_B)
-        return step + 1, parallel.constrain_rows(state, mesh), emitted
-
-    _, state, emitted = jax.lax.while_loop(
-        cond_fn, body_fn, (jnp.zeros((), jnp.int32), parallel.constrain_rows(state, mesh),
-                           emitted))
-    return state, emitted.replace(running=state.running, stop_reason=state.stop_reason)

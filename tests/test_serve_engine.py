@@ -182,3 +182,60 @@ def test_an_int8_cache_serves_what_generate_makes_with_it(tiny_lm):
     for collector, out in zip(collectors, alone, strict=True):
         logprobs = [p for d in collector.deltas for p in d.logprobs]
         np.testing.assert_allclose(logprobs, out.logprobs[0, :len(logprobs)], atol=1e-5)
+
+
+def test_a_slot_that_frees_mid_chunk_takes_the_next_staged_sample_at_once(tiny_lm):
+    # Two slots, chunks of 8 steps: C frees the slot A left after two steps, and D takes it
+    # two steps later, all within one chunk.
+    config, _, params = tiny_lm
+    engine = Engine(config, params, max_slots=2, chunk_size=8, max_queue=4, prefill_batch=2)
+    long, a, c, d = (GenerationRequest(prompt(70 + i, 3 + i), max_tokens=m)
+                     for i, m in enumerate((30, 3, 3, 3)))
+    collectors = [Collector() for _ in range(4)]
+    engine.submit(long, collectors[0])
+    engine.submit(a, collectors[1])
+    engine.step()
+    assert collectors[1].finish() == "length" and engine.live_slots == 1
+    engine.submit(c, collectors[2])
+    engine.submit(d, collectors[3])
+    engine.step()
+    assert [len(c.tokens()) for c in collectors] == [1 + 8 + 8, 3, 3, 3]
+    assert [c.tokens() for c in collectors[1:]] == [alone(tiny_lm, r) for r in (a, c, d)]
+    engine.run_until_idle()
+    assert collectors[0].tokens() == alone(tiny_lm, long)
+
+
+def test_a_cancelled_staged_sample_never_takes_a_slot(engine):
+    busy = [Collector() for _ in range(SLOTS)]
+    tickets = [engine.submit(GenerationRequest(prompt(80 + i, 4), max_tokens=40), c)
+               for i, c in enumerate(busy)]
+    waiting = Collector()
+    tickets.append(engine.submit(GenerationRequest(prompt(90, 5), max_tokens=40), waiting))
+    engine.step()  # the busy ones take the staged rows, then the slots
+    engine.step()  # the last one is staged: its first token, and it waits
+    assert engine.live_slots == SLOTS and engine.queue_length == 1
+    assert len(waiting.tokens()) == 1
+    tickets[-1].cancel()
+    engine.step()
+    assert waiting.finish() == "cancelled" and len(waiting.tokens()) == 1
+    assert engine.queue_length == 0 and engine.live_slots == SLOTS
+    for ticket in tickets[:-1]:
+        ticket.cancel()
+    engine.run_until_idle()
+    assert engine.live_slots == 0
+
+
+def test_a_chunk_ends_when_a_free_slot_can_only_be_fed_by_the_host(tiny_lm):
+    # Two slots and two staged rows: C waits on the host while A and B fill them. When A
+    # ends after two steps nothing is staged for its slot, so the chunk stops there.
+    config, _, params = tiny_lm
+    engine = Engine(config, params, max_slots=2, chunk_size=8, max_queue=4, prefill_batch=1)
+    requests = [GenerationRequest(prompt(100 + i, 4), max_tokens=m)
+                for i, m in enumerate((3, 20, 20))]
+    collectors = [Collector() for _ in requests]
+    for request, collector in zip(requests, collectors, strict=True):
+        engine.submit(request, collector)
+    engine.step()
+    assert [len(c.tokens()) for c in collectors] == [3, 3, 0]
+    engine.run_until_idle()
+    assert [c.tokens() for c in collectors] == [alone(tiny_lm, r) for r in requests]

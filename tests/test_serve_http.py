@@ -253,15 +253,15 @@ def test_a_full_queue_answers_429_with_retry_after(loaded):
 
 @pytest.fixture
 def slow_engine(server, monkeypatch):
-    """The server's engine taking 50 ms more per chunk, so a request outlives a disconnect."""
+    """The server's engine taking 50 ms more per turn, so a request outlives a disconnect."""
     engine = server[1].state.engine
-    decode_chunk = engine._decode_chunk
+    turn = engine._turn
 
-    def slow():
+    def slow(**kwargs):
         time.sleep(0.05)
-        decode_chunk()
+        turn(**kwargs)
 
-    monkeypatch.setattr(engine, "_decode_chunk", slow)
+    monkeypatch.setattr(engine, "_turn", slow)
     return engine
 
 

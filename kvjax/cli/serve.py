@@ -21,8 +21,10 @@ def add_serve(commands) -> None:
                        help="requests waiting for a slot; more are answered 429")
     serve.add_argument("--max-len", type=positive, default=None,
                        help="tokens per slot, prompt and output (default: the model's max_len)")
-    serve.add_argument("--chunk-size", type=positive, default=8,
-                       help="decode steps between admitting and emitting")
+    serve.add_argument("--chunk-size", type=positive, default=None,
+                       help="decode steps between the host's turns (handing out tokens, "
+                            "staging requests); slots refill within a chunk (default: 16 "
+                            "on a CPU, 64 on an accelerator)")
     serve.add_argument("--prefill-batch", type=positive, default=8,
                        help="waiting prompts prefilled together")
     serve.add_argument("--warm-up", action="store_true",

@@ -47,10 +47,11 @@ def test_a_mesh_engine_gives_every_request_the_one_device_tokens():
                     mesh=mesh)
     assert serve(engine) == want
     assert sum(len(t) for ts in want for t in ts) > 30
-    # The slots stayed split: each data shard holds its own half of the cache rows.
-    stack = engine.state.cache.k[0]
-    assert stack.sharding.spec == PartitionSpec(None, parallel.DATA, parallel.MODEL)
-    assert engine.state.running.sharding.spec == PartitionSpec(parallel.DATA)
+    # The slots and staged rows stayed split: each data shard holds its own half of them.
+    for rows in (engine.state.slots, engine.state.staged):
+        stack = rows.cache.k[0]
+        assert stack.sharding.spec == PartitionSpec(None, parallel.DATA, parallel.MODEL)
+        assert rows.running.sharding.spec == PartitionSpec(parallel.DATA)
 
 
 def test_slots_must_divide_over_data():

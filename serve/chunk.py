@@ -1,0 +1,181 @@
+"""The engine's decode chunk: up to `steps` decode steps over every slot, in one compiled
+program, with each slot that frees on the way taken at once by the oldest staged sample.
+
+Admission happens on the device, between steps, so a chunk can be long without slots
+standing idle until it ends: the host's turns (handing out tokens, prefilling and staging
+what arrived) only need to come often enough to keep samples staged. The program is two
+nested `lax.while_loop`s: the inner one decodes while no slot is free with a sample waiting;
+the outer one then moves staged samples into the free slots (`admit`) and decodes on.
+
+Shape letters as in `slots.py`: B slots, Q staged rows, M ids to cancel, K steps, W top
+logprobs kept per token.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from kvjax.decode.loop import StopReason
+from kvjax.decode.tracing import count_trace
+
+from kvjax import model as M
+from kvjax import parallel
+
+from .slots import (
+    ID_SPACE,
+    MAX_TOP_LOGPROBS,
+    NO_SAMPLE,
+    Emitted,
+    EngineState,
+    SlotState,
+    choose,
+    record,
+)
+
+COPY_BLOCK = 128  # cache positions a staged prompt is copied into its slot by
+
+
+def admit(state: EngineState) -> EngineState:
+    """Moves the oldest waiting staged sample into the first free slot (some must be both).
+
+    Its prompt's cache positions are copied by blocks of `COPY_BLOCK`, as many as its length
+    needs, so a slot of long capacity costs no more to fill than its prompt is long."""
+    slots, staged = state.slots, state.staged
+    age_Q = (staged.owner - state.last_admitted - 1) & (ID_SPACE - 1)
+    row = jnp.argmin(jnp.where(staged.running, age_Q, ID_SPACE))
+    slot = jnp.argmin(slots.running)  # False first: a free slot
+
+    def take(slots_B, staged_Q):
+        return slots_B.at[slot].set(staged_Q[row])
+
+    rest = jax.tree.map(take, slots.replace(cache=None), staged.replace(cache=None))
+    cache, from_cache = slots.cache, staged.cache
+    names = [name for name in ("k", "v", "k_scale", "v_scale") if getattr(cache, name)]
+    # [L, B, K, S, H] values or, for an int8 cache, [L, B, K, S] scales.
+    targets = tuple(stack for name in names for stack in getattr(cache, name))
+    sources = tuple(stack for name in names for stack in getattr(from_cache, name))
+    capacity = cache.capacity
+    block = min(COPY_BLOCK, capacity)
+
+    def copy_block(j, targets):
+        # The last block may reach past the capacity: both starts clamp alike, so it copies
+        # the same positions (some again) from the staged row to the slot.
+        start = jnp.minimum(j * block, capacity - block)
+
+        def copy(target, source):
+            tail = (0,) * (source.ndim - 4)
+            piece = jax.lax.dynamic_slice(source, (0, row, 0, start, *tail),
+                                          (source.shape[0], 1, source.shape[2], block,
+                                           *source.shape[4:]))
+            return jax.lax.dynamic_update_slice(target, piece, (0, slot, 0, start, *tail))
+
+        return tuple(map(copy, targets, sources))
+
+    length = from_cache.lengths[row]
+    targets = jax.lax.fori_loop(0, (length + block - 1) // block, copy_block, targets)
+    copied, offset = {}, 0
+    for name in names:
+        count = len(getattr(cache, name))
+        copied[name] = targets[offset:offset + count]
+        offset += count
+    cache = cache.replace(**copied, lengths=cache.lengths.at[slot].set(length),
+                          overflow=cache.overflow.at[slot].set(False))
+    return EngineState(slots=rest.replace(cache=cache),
+                       staged=staged.replace(running=staged.running.at[row].set(False)),
+                       last_admitted=staged.owner[row])
+
+
+def _slot_free_and_sample_waiting(state: EngineState):
+    return jnp.any(~state.slots.running) & jnp.any(state.staged.running)
+
+
+def _starving(state: EngineState, queued):
+    """A slot is free, no sample is staged, and the host holds requests: only the host's
+    turn can feed the slot, so the chunk ends."""
+    return queued & jnp.any(~state.slots.running) & ~jnp.any(state.staged.running)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6), static_argnames="mesh", donate_argnums=2)
+def decode_chunk(config: M.TransformerConfig, params, state: EngineState, cancel_M,
+                 want_top, queued, steps: int, mesh=None) -> tuple[EngineState, Emitted]:
+    """Up to `steps` decode steps over every running slot, after stopping every sample (in a
+    slot or staged) whose id is in `cancel` (-2 pads): (state, `Emitted` [B, steps]). A slot
+    that is free before a step takes the oldest staged sample, if one waits; if none does
+    and `queued` (a traced bool: the host holds requests to stage), the chunk ends. The top
+    logprobs are left out (zeros) unless `want_top` (a traced bool): some request asked for
+    them. On `mesh` each device steps its own slots, the state kept in its layout (see
+    `slots.empty_state`)."""
+    count_trace("serve_chunk")
+
+    def stop_cancelled(rows: SlotState) -> SlotState:
+        cancelled = jnp.any(rows.owner[:, None] == cancel_M[None], axis=1)
+        return rows.replace(running=rows.running & ~cancelled)
+
+    state = state.replace(slots=stop_cancelled(state.slots),
+                          staged=stop_cancelled(state.staged))
+    batch, width = state.slots.num_slots, min(MAX_TOP_LOGPROBS, config.vocab_size)
+    emitted = Emitted(
+        tokens=jnp.zeros((batch, steps), jnp.int32),
+        owner=jnp.full((batch, steps), NO_SAMPLE, jnp.int32),
+        made=jnp.zeros((batch, steps), bool),
+        reason=jnp.zeros((batch, steps), jnp.int32),
+        logprobs=jnp.zeros((batch, steps), jnp.float32),
+        top_ids=jnp.zeros((batch, steps, width), jnp.int32),
+        top_logprobs=jnp.zeros((batch, steps, width), jnp.float32),
+        live=jnp.zeros((), jnp.int32), waiting=state.staged.running)
+    step_fn = M.step_fn(config, params)
+
+    def decoding(carry):
+        step, state, _ = carry
+        return ((step < steps) & jnp.any(state.slots.running)
+                & ~_slot_free_and_sample_waiting(state) & ~_starving(state, queued))
+
+    def decode_step(carry):
+        step, state, emitted = carry
+        slots = state.slots
+        full_B = slots.running & (slots.cache.lengths >= slots.cache.capacity)
+        slots = slots.replace(
+            running=slots.running & ~full_B,
+            stop_reason=jnp.where(full_B, StopReason.CACHE_FULL, slots.stop_reason))
+        live_B = slots.running
+        # Stopped slots are fed nothing: their cache rows neither grow nor overflow.
+        logits_B1V, cache = step_fn(slots.last_tokens[:, None], slots.cache,
+                                    live_B.astype(jnp.int32))
+        token_B, logprob_B, top_logprobs_BW, top_ids_BW = choose(
+            logits_B1V[:, 0], slots.context, slots.context_lengths, slots.sampling,
+            slots.keys, slots.generated, want_top)
+        slots = record(slots.replace(cache=cache), token_B, live_B)
+        served_B = live_B | full_B
+        emitted = emitted.replace(
+            tokens=emitted.tokens.at[:, step].set(jnp.where(live_B, token_B, 0)),
+            owner=emitted.owner.at[:, step].set(jnp.where(served_B, slots.owner, NO_SAMPLE)),
+            made=emitted.made.at[:, step].set(live_B),
+            reason=emitted.reason.at[:, step].set(
+                jnp.where(served_B, slots.stop_reason, StopReason.RUNNING)),
+            logprobs=emitted.logprobs.at[:, step].set(logprob_B),
+            top_ids=emitted.top_ids.at[:, step].set(top_ids_BW),
+            top_logprobs=emitted.top_logprobs.at[:, step].set(top_logprobs_BW))
+        return step + 1, parallel.constrain_rows(state.replace(slots=slots), mesh), emitted
+
+    def admit_and_decode(carry):
+        step, state, emitted = carry
+        state = jax.lax.while_loop(_slot_free_and_sample_waiting, admit, state)
+        slots = state.slots
+        # A free slot's cache row holds nothing the attention needs to read.
+        slots = slots.replace(cache=slots.cache.replace(
+            lengths=jnp.where(slots.running, slots.cache.lengths, 0)))
+        state = parallel.constrain_rows(state.replace(slots=slots), mesh)
+        return jax.lax.while_loop(decoding, decode_step, (step, state, emitted))
+
+    def unfinished(carry):
+        step, state, _ = carry
+        return ((step < steps) & ~_starving(state, queued)
+                & (jnp.any(state.slots.running) | _slot_free_and_sample_waiting(state)))
+
+    _, state, emitted = jax.lax.while_loop(
+        unfinished, admit_and_decode,
+        (jnp.zeros((), jnp.int32), parallel.constrain_rows(state, mesh), emitted))
+    return state, emitted.replace(live=jnp.sum(state.slots.running, dtype=jnp.int32),
+                                  waiting=state.staged.running)
