@@ -112,7 +112,7 @@ def _add_serve(kinds) -> None:
     serve.add_argument("--max-slots", type=positive, default=16, help="the engine's slots")
     serve.add_argument("--chunk-size", type=positive, default=None,
                        help="the engine's decode steps per chunk (default: the engine's, "
-                            "16 on a CPU, 64 on an accelerator)")
+                            "8 on a CPU, 64 on an accelerator)")
     serve.add_argument("--batch", type=positive, default=16,
                        help="requests per decode.generate call in the baseline")
     serve.add_argument("--seed", type=seed, default=0, help="workload and weights seed")

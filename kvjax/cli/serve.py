@@ -23,7 +23,7 @@ def add_serve(commands) -> None:
                        help="tokens per slot, prompt and output (default: the model's max_len)")
     serve.add_argument("--chunk-size", type=positive, default=None,
                        help="decode steps between the host's turns (handing out tokens, "
-                            "staging requests); slots refill within a chunk (default: 16 "
+                            "staging requests); slots refill within a chunk (default: 8 "
                             "on a CPU, 64 on an accelerator)")
     serve.add_argument("--prefill-batch", type=positive, default=8,
                        help="waiting prompts prefilled together")
