@@ -6,6 +6,7 @@ import pytest
 from conftest import FakeTokenizer
 from kvjax.decode.tracing import trace_count
 from kvjax.serve import Engine, GenerationRequest, QueueFull
+from kvjax.serve.engine import prompt_bucket
 
 from kvjax import decode
 from kvjax import model as M
@@ -239,3 +240,9 @@ def test_a_chunk_ends_when_a_free_slot_can_only_be_fed_by_the_host(tiny_lm):
     assert [len(c.tokens()) for c in collectors] == [3, 3, 0]
     engine.run_until_idle()
     assert [c.tokens() for c in collectors] == [alone(tiny_lm, r) for r in requests]
+
+
+def test_a_prompt_is_padded_to_the_next_power_of_two_or_halfway_step():
+    steps = [8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+    for n in range(1, 300):
+        assert prompt_bucket(n, 300) == min([s for s in steps if s >= n] + [300]), n
