@@ -249,7 +249,8 @@ class Engine:
                 self.config, self.params, self.state, self._cancel_ids(),
                 np.bool_(want_top), np.bool_(bool(self._pending)), self.chunk_size,
                 mesh=self.mesh)
-            self._to_stop = []
+            # Ids past what one chunk's list holds go with the next chunk.
+            self._to_stop = self._to_stop[self.max_slots + self.num_staged:]
             self._dispatched.append(_Dispatched(emitted, [], is_chunk=True))
             keep = int(overlap)
         while len(self._dispatched) > keep:
@@ -257,9 +258,11 @@ class Engine:
         self._report_load()
 
     def _cancel_ids(self) -> np.ndarray:
-        """The ids the next chunk stops [B + Q] (-2 pads: no sample has it)."""
+        """The ids the next chunk stops [B + Q] (-2 pads: no sample has it); more wait for
+        the chunk after (samples a chunk in flight ended can still be on the host's list)."""
         ids = np.full(self.max_slots + self.num_staged, -2, np.int32)
-        ids[:len(self._to_stop)] = self._to_stop
+        to_stop = self._to_stop[:len(ids)]
+        ids[:len(to_stop)] = to_stop
         return ids
 
     def _end_cancelled(self) -> None:

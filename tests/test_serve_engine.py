@@ -246,3 +246,13 @@ def test_a_prompt_is_padded_to_the_next_power_of_two_or_halfway_step():
     steps = [8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
     for n in range(1, 300):
         assert prompt_bucket(n, 300) == min([s for s in steps if s >= n] + [300]), n
+
+
+def test_more_samples_to_stop_than_a_chunk_takes_wait_for_the_next(engine):
+    # With a chunk in flight the host can hold ended samples beyond the B + Q a chunk's
+    # cancel list holds; the rest go with the next chunk instead of failing the engine.
+    engine._to_stop = list(range(10_000, 10_000 + 2 * SLOTS + 3))
+    engine.step()
+    assert engine._to_stop == list(range(10_000 + 2 * SLOTS, 10_000 + 2 * SLOTS + 3))
+    engine.step()
+    assert engine._to_stop == [] and engine.live_slots == 0
