@@ -1,7 +1,8 @@
 """Serving: a continuous-batching engine and an OpenAI-compatible HTTP server (`kvjax serve`).
 
 `engine.Engine` keeps a fixed number of decode slots busy with requests that join and leave
-between chunks of compiled decode steps (`slots.py`); `server.build_app` puts it behind
+a running batch: the host prefills them into staged rows (`slots.py`) and the compiled decode
+chunk moves each into a slot as one frees (`chunk.py`); `server.build_app` puts it behind
 `/v1/completions` and `/v1/chat/completions`. Nothing here is imported by `kvjax` itself.
 """
 
