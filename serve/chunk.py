@@ -53,9 +53,8 @@ def admit(state: EngineState) -> EngineState:
     rest = jax.tree.map(take, slots.replace(cache=None), staged.replace(cache=None))
     cache, from_cache = slots.cache, staged.cache
     names = [name for name in ("k", "v", "k_scale", "v_scale") if getattr(cache, name)]
-    # [L, B, K, S, H] values or, for an int8 cache, [L, B, K, S] scales.
-    targets = tuple(stack for name in names for stack in getattr(cache, name))
-    sources = tuple(stack for name in names for stack in getattr(from_cache, name))
+    # By name, tuples of [L, B, K, S, H] values or, for an int8 cache, [L, B, K, S] scales.
+    sources = {name: getattr(from_cache, name) for name in names}
     capacity = cache.capacity
     block = min(COPY_BLOCK, capacity)
 
@@ -71,15 +70,11 @@ def admit(state: EngineState) -> EngineState:
                                            *source.shape[4:]))
             return jax.lax.dynamic_update_slice(target, piece, (0, slot, 0, start, *tail))
 
-        return tuple(map(copy, targets, sources))
+        return jax.tree.map(copy, targets, sources)
 
     length = from_cache.lengths[row]
-    targets = jax.lax.fori_loop(0, (length + block - 1) // block, copy_block, targets)
-    copied, offset = {}, 0
-    for name in names:
-        count = len(getattr(cache, name))
-        copied[name] = targets[offset:offset + count]
-        offset += count
+    copied = jax.lax.fori_loop(0, (length + block - 1) // block, copy_block,
+                               {name: getattr(cache, name) for name in names})
     cache = cache.replace(**copied, lengths=cache.lengths.at[slot].set(length),
                           overflow=cache.overflow.at[slot].set(False))
     return EngineState(slots=rest.replace(cache=cache),

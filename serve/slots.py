@@ -7,7 +7,7 @@ which decode, and the staged rows, samples prefilled and waiting for a slot.
   insert(state, prefix, rows, staged, ids) writes prefilled prompts into staged rows
                                     (traced indices) and samples their first tokens;
   decode_chunk(state, cancel, ...)  (`chunk.py`) runs up to `steps` decode steps over every
-                                    slot in one `lax.while_loop`, moving a staged sample into
+                                    slot in nested `lax.while_loop`s, moving a staged sample into
                                     each slot that frees on the way, and returns the tokens.
 
 Both donate the state, so the cache is updated where it lies and never copied. Everything
