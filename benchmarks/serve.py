@@ -18,7 +18,9 @@ request makes exactly its `max_tokens`. Two contenders serve it, three with `tra
    sizes, PyTorch): see `serve_transformers`.
 
 Throughput counts the tokens the requests asked for, over the time from the first arrival
-to the last answer. Every contender compiles or warms up before the timed run.
+to the last answer. Every contender compiles or warms up before the timed runs. The engine
+and the fixed batches run `repeats` times in turn: each one's median run is reported, and
+the ratio of each repeat's pair.
 """
 
 from __future__ import annotations
@@ -159,6 +161,22 @@ def run_fixed_batches(config, params, workload: Workload, batch: int) -> Result:
                   clock - workload.arrivals[0], ttft, np.array(itl))
 
 
+def median_run(runs: Sequence[Result]) -> Result:
+    """The run of median throughput (the lower middle one of an even number)."""
+    ranked = sorted(runs, key=lambda r: r.tokens_per_second)
+    return ranked[(len(ranked) - 1) // 2]
+
+
+def ratio_line(engine_runs: Sequence[Result], other_runs: Sequence[Result]) -> str:
+    """Each repeat's throughput ratio (the two contenders run one after the other), and
+    their median."""
+    ratios = [e.tokens_per_second / o.tokens_per_second
+              for e, o in zip(engine_runs, other_runs, strict=True)]
+    return (f"throughput ratio in each of {len(ratios)} repeats, {engine_runs[0].name} / "
+            f"{other_runs[0].name}: {', '.join(f'{r:.2f}x' for r in ratios)} "
+            f"(median {np.median(ratios):.2f}x)")
+
+
 def format_results(results: list[Result], workload: Workload, setting: str,
                    notes: Sequence[str] = ()) -> str:
     def ms(values, q):
@@ -181,14 +199,21 @@ def format_results(results: list[Result], workload: Workload, setting: str,
 
 def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, output_range,
                     max_slots: int, chunk_size: int | None, batch: int, seed: int = 0,
-                    long_tail: bool = False, compare_transformers: bool = True) -> str:
+                    long_tail: bool = False, compare_transformers: bool = True,
+                    repeats: int = 3) -> str:
+    """The report: each contender's run of median throughput among `repeats` (the engine and
+    the fixed batches take turns, so that both see the machine's drift alike), then the
+    ratio in each repeat; transformers' contender runs once."""
     config = M.preset(preset)
     params = M.init_params(config, jax.random.key(seed))
     workload = make_workload(config, num_requests, rate, prompt_range, output_range, seed,
                              long_tail)
-    results = [run_engine(config, params, workload, max_slots, chunk_size),
-               run_fixed_batches(config, params, workload, batch)]
-    notes = []
+    engine_runs, batch_runs = [], []
+    for _ in range(repeats):
+        engine_runs.append(run_engine(config, params, workload, max_slots, chunk_size))
+        batch_runs.append(run_fixed_batches(config, params, workload, batch))
+    results = [median_run(engine_runs), median_run(batch_runs)]
+    notes = [ratio_line(engine_runs, batch_runs)] if repeats > 1 else []
     if compare_transformers:
         from kvjax.benchmarks import serve_transformers
 

@@ -31,3 +31,18 @@ def test_transformers_continuous_batching_times_every_requested_token():
     # one gap between each pair of consecutive tokens of a request
     assert len(result.itl) == sum(workload.max_tokens) - 6 and np.all(result.itl >= 0)
     assert result.seconds >= workload.arrivals[-1] - workload.arrivals[0]
+
+
+def test_the_report_takes_each_contenders_median_run_and_every_repeats_ratio():
+    from kvjax.benchmarks.serve import median_run, ratio_line
+
+    def run(name, seconds):
+        return Result(name, 100, seconds, np.array([0.1]), np.array([0.01]))
+
+    engine = [run("engine", s) for s in (1.0, 2.0, 4.0)]
+    batches = [run("batches", s) for s in (2.0, 5.0, 4.0)]
+    assert median_run(engine).seconds == 2.0 and median_run(batches).seconds == 4.0
+    assert median_run(engine[:2]).seconds == 2.0  # the lower of an even number's middle two
+    assert ratio_line(engine, batches) == (
+        "throughput ratio in each of 3 repeats, engine / batches: 2.00x, 2.50x, 1.00x "
+        "(median 2.00x)")

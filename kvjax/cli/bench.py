@@ -98,7 +98,8 @@ def _add_serve(kinds) -> None:
                         "fixed batches of decode.generate and, where it is installed, "
                         "transformers' continuous batching, on requests with mixed lengths "
                         "arriving over time: tokens/s, time to first token and inter-token "
-                        "latency, measured in one run.")
+                        "latency; the engine and the fixed batches take turns --repeats "
+                        "times (median).")
     serve.add_argument("--preset", choices=PRESET_NAMES, default="small", help="model size")
     serve.add_argument("--requests", type=positive, default=128, help="requests to serve")
     serve.add_argument("--rate", type=positive_real, default=50.0,
@@ -118,6 +119,8 @@ def _add_serve(kinds) -> None:
     serve.add_argument("--seed", type=seed, default=0, help="workload and weights seed")
     serve.add_argument("--no-hf", action="store_true",
                        help="skip transformers' continuous batching")
+    serve.add_argument("--repeats", type=positive, default=3,
+                       help="runs of the engine and the fixed batches, in turn (median)")
     serve.set_defaults(run=run_bench_serve)
 
 
@@ -127,7 +130,7 @@ def run_bench_serve(args) -> int:
     print(serve_benchmark(args.preset, args.requests, args.rate, tuple(args.prompt_lengths),
                           tuple(args.output_lengths), args.max_slots, args.chunk_size,
                           args.batch, args.seed, args.long_tail,
-                          compare_transformers=not args.no_hf))
+                          compare_transformers=not args.no_hf, repeats=args.repeats))
     return 0
 
 
