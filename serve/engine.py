@@ -1,7 +1,8 @@
 """Continuous batching: requests join and leave a running batch of decode slots.
 
-The engine owns `max_slots` slots in one cache of `max_len` positions each, as many staged
-rows beside them, and a bounded queue of requests waiting for those (`slots.py`). Each
+The engine owns `max_slots` slots in one cache of `max_len` positions each, `max_staged`
+staged rows beside them (as many by default), and a bounded queue of requests waiting for
+those (`slots.py`). Each
 turn of its host loop:
   1. stages: while the oldest waiting request's `n` samples fit the free staged rows,
      prefills its prompt once (length bucketed, `decode`'s prefill program) and writes it
@@ -94,36 +95,44 @@ class Engine:
     `metrics` (optional, see `metrics.ServeMetrics`) is told of the load, first tokens and
     token times. On a `mesh` (or the one `params` are sharded over) the slots are split over
     its `data` axis, each device decoding its share, and the params over `model` by
-    `kvjax.parallel`'s rules; `max_slots` must be a multiple of `data`. The staged rows
-    take as much memory as the slots: the cache is twice `max_slots` rows. `chunk_size`
+    `kvjax.parallel`'s rules; `max_slots` and `max_staged` must be multiples of `data`.
+
+    The cache holds `max_slots + max_staged` rows of `max_len` positions: the staged rows,
+    where prompts wait prefilled for a slot, take as much memory per row as the slots.
+    `max_staged` (default `max_slots`) bounds how many slots one chunk can refill and a
+    request's `n`; fewer staged rows leave more memory to slots, and a chunk then ends
+    sooner for the host to stage more when many requests finish in it. `chunk_size`
     defaults to `default_chunk_size()`."""
 
     def __init__(self, config: M.TransformerConfig, params, *,
                  tokenizer: TextTokenizer | None = None, max_slots: int = 16,
-                 max_len: int | None = None, chunk_size: int | None = None,
-                 max_queue: int = 64,
+                 max_staged: int | None = None, max_len: int | None = None,
+                 chunk_size: int | None = None, max_queue: int = 64,
                  prefill_batch: int = 8, metrics=None, mesh=None):
         capacity = config.max_len if max_len is None else max_len
         if chunk_size is None:
             chunk_size = default_chunk_size()
-        for name, value in (("max_slots", max_slots), ("max_len", capacity),
-                            ("chunk_size", chunk_size), ("max_queue", max_queue),
-                            ("prefill_batch", prefill_batch)):
+        if max_staged is None:
+            max_staged = max_slots
+        for name, value in (("max_slots", max_slots), ("max_staged", max_staged),
+                            ("max_len", capacity), ("chunk_size", chunk_size),
+                            ("max_queue", max_queue), ("prefill_batch", prefill_batch)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
         if capacity > config.max_len:
             raise ValueError(f"max_len={capacity} exceeds the model's max_len {config.max_len}")
         on = parallel.mesh_of(params) if mesh is None else mesh
-        if on is not None and max_slots % on.shape[parallel.DATA]:
-            raise ValueError(f"max_slots={max_slots} must be a multiple of the mesh's "
-                             f"data={on.shape[parallel.DATA]}: each device holds as many "
-                             f"slots")
+        for name, rows in (("max_slots", max_slots), ("max_staged", max_staged)):
+            if on is not None and rows % on.shape[parallel.DATA]:
+                raise ValueError(f"{name}={rows} must be a multiple of the mesh's "
+                                 f"data={on.shape[parallel.DATA]}: each device holds as "
+                                 f"many of those rows")
         self.mesh, params = placement(config, params, mesh)
         self.config, self.params, self.tokenizer = config, params, tokenizer
         self.capacity, self.chunk_size, self.max_queue = capacity, chunk_size, max_queue
         self.prefill_batch = prefill_batch
         self.metrics = metrics
-        self.max_slots = self.num_staged = max_slots  # a request's n samples fit when staged
+        self.max_slots, self.num_staged = max_slots, max_staged
         self._pending: collections.deque[Ticket] = collections.deque()
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -155,8 +164,9 @@ class Engine:
     def submit(self, request: GenerationRequest, on_delta: OnDelta) -> Ticket:
         """Queues `request`; a ValueError names a bad value, `QueueFull` says to retry."""
         request = request.checked(self.config.vocab_size, self.capacity)
-        if request.n > self.max_slots:
-            raise ValueError(f"n={request.n} is more than the engine's {self.max_slots} slots")
+        for rows, what in ((self.max_slots, "slots"), (self.num_staged, "staged rows")):
+            if request.n > rows:  # a request's samples are staged together
+                raise ValueError(f"n={request.n} is more than the engine's {rows} {what}")
         ticket = Ticket(self, request, on_delta)
         with self._wake:
             if len(self._pending) >= self.max_queue:
@@ -280,8 +290,8 @@ class Engine:
         almost what one of `prefill_batch` does."""
         taken, dropped = [], []
         with self._wake:
-            free = len(self._free_staged)
-            if (free < self.prefill_batch and len(self._pending) >= self.prefill_batch
+            free, batch = len(self._free_staged), min(self.prefill_batch, self.num_staged)
+            if (free < batch and len(self._pending) >= batch
                     and self._waiting >= max(1, self.max_slots // 4)):
                 free = 0
             while self._pending and len(taken) < self.prefill_batch:

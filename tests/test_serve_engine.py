@@ -242,6 +242,28 @@ def test_a_chunk_ends_when_a_free_slot_can_only_be_fed_by_the_host(tiny_lm):
     assert [c.tokens() for c in collectors] == [alone(tiny_lm, r) for r in requests]
 
 
+def test_fewer_staged_rows_than_slots_serve_every_request_as_alone(tiny_lm):
+    # One staged row for three slots: each request waits on the host until the row frees,
+    # chunks end early to stage the next, and nothing is lost or changed.
+    config, _, params = tiny_lm
+    engine = Engine(config, params, max_slots=3, max_staged=1, chunk_size=CHUNK, max_queue=8,
+                    prefill_batch=2)
+    assert engine.state.staged.running.shape == (1,)
+    assert engine.state.staged.cache.k[0].shape[1] == 1  # one row of cache memory
+    requests = [GenerationRequest(prompt(110 + i, 2 + i), max_tokens=m)
+                for i, m in enumerate((9, 2, 6, 11, 3))]
+    collectors = [Collector() for _ in requests]
+    for request, collector in zip(requests, collectors, strict=True):
+        engine.submit(request, collector)
+    engine.run_until_idle()
+    assert [c.tokens() for c in collectors] == [alone(tiny_lm, r) for r in requests]
+    assert engine.live_slots == 0 and engine.queue_length == 0
+    with pytest.raises(ValueError, match="n=2 is more than the engine's 1 staged rows"):
+        engine.submit(GenerationRequest((5, 6), n=2), Collector())
+    with pytest.raises(ValueError, match="max_staged=0 must be an int >= 1"):
+        Engine(config, params, max_slots=2, max_staged=0)
+
+
 def test_a_prompt_is_padded_to_the_next_power_of_two_or_halfway_step():
     steps = [8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
     for n in range(1, 300):

@@ -13,7 +13,13 @@ CACHE_DTYPE_NAMES = (*DTYPE_NAMES, "int8")  # model.config.CACHE_DTYPES
 
 
 class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Shows every option's default and keeps the descriptions' line breaks."""
+    """Shows every option's default and keeps the descriptions' line breaks. An option whose
+    default is None says in its own help what it then does."""
+
+    def _get_help_string(self, action):
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
 
 
 class Parser(argparse.ArgumentParser):

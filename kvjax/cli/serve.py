@@ -17,6 +17,9 @@ def add_serve(commands) -> None:
                        help="the model's name in the API (default: the directory's name)")
     serve.add_argument("--max-slots", type=positive, default=16,
                        help="requests generating at once (rows of the decode batch)")
+    serve.add_argument("--max-staged", type=positive, default=None,
+                       help="prefilled requests waiting on the device for a slot; each "
+                            "staged row takes a slot's cache memory (default: --max-slots)")
     serve.add_argument("--max-queue", type=positive, default=64,
                        help="requests waiting for a slot; more are answered 429")
     serve.add_argument("--max-len", type=positive, default=None,
@@ -33,7 +36,8 @@ def add_serve(commands) -> None:
                             "compilation (default: compile each when a request first needs it)")
     serve.add_argument("--mesh", default=None, metavar="data=N,model=M",
                        help="split the slots over N devices and the heads and FFN over M "
-                            "(--max-slots a multiple of N; default: one device)")
+                            "(--max-slots and --max-staged multiples of N; default: one "
+                            "device)")
     add_precision(serve)
     serve.set_defaults(run=run_serve)
 
@@ -47,7 +51,8 @@ def run_serve(args) -> int:
     mesh = None if args.mesh is None else parallel.make_mesh(args.mesh)
     loaded = with_precision(text.load(args.checkpoint), args)
     app = build_app(loaded, model_name=args.model_name, max_slots=args.max_slots,
-                    max_queue=args.max_queue, max_len=args.max_len, chunk_size=args.chunk_size,
+                    max_staged=args.max_staged, max_queue=args.max_queue,
+                    max_len=args.max_len, chunk_size=args.chunk_size,
                     prefill_batch=args.prefill_batch, warm_up=args.warm_up, mesh=mesh)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0

@@ -54,7 +54,10 @@ def test_a_mesh_engine_gives_every_request_the_one_device_tokens():
         assert rows.running.sharding.spec == PartitionSpec(parallel.DATA)
 
 
-def test_slots_must_divide_over_data():
+def test_slots_and_staged_rows_must_divide_over_data():
     mesh = parallel.make_mesh("data=4,model=2")
     with pytest.raises(ValueError, match="max_slots=6 must be a multiple of the mesh's data=4"):
         Engine(CONFIG, M.init_params(CONFIG, jax.random.key(1)), max_slots=6, mesh=mesh)
+    with pytest.raises(ValueError, match="max_staged=2 must be a multiple of the mesh's data=4"):
+        Engine(CONFIG, M.init_params(CONFIG, jax.random.key(1)), max_slots=8, max_staged=2,
+               mesh=mesh)
