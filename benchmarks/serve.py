@@ -86,8 +86,9 @@ class Result:
 
 
 def run_engine(config, params, workload: Workload, max_slots: int,
-               chunk_size: int | None = None) -> Result:
-    engine = Engine(config, params, max_slots=max_slots, chunk_size=chunk_size,
+               chunk_size: int | None = None, max_len: int | None = None) -> Result:
+    """The engine with `max_slots` slots of `max_len` positions (default: the model's)."""
+    engine = Engine(config, params, max_slots=max_slots, max_len=max_len, chunk_size=chunk_size,
                     max_queue=len(workload.prompts))
     engine.warm_up(len(p) for p in workload.prompts)
     first, last, gaps, errors = {}, {}, [], []
@@ -125,7 +126,8 @@ def run_engine(config, params, workload: Workload, max_slots: int,
     if errors:
         raise RuntimeError(f"the engine failed: {errors[0]!r}")
     ttft = np.array([first[i] - (start + a) for i, a in enumerate(workload.arrivals)])
-    return Result(f"engine ({max_slots} slots, chunk {engine.chunk_size})", workload.useful_tokens,
+    return Result(f"engine ({max_slots} slots of {engine.capacity}, chunk {engine.chunk_size})",
+                  workload.useful_tokens,
                   end - (start + workload.arrivals[0]), ttft, np.array(gaps))
 
 
@@ -200,17 +202,27 @@ def format_results(results: list[Result], workload: Workload, setting: str,
 def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, output_range,
                     max_slots: int, chunk_size: int | None, batch: int, seed: int = 0,
                     long_tail: bool = False, compare_transformers: bool = True,
-                    repeats: int = 3) -> str:
+                    repeats: int = 3, max_len: int | None = None) -> str:
     """The report: each contender's run of median throughput among `repeats` (the engine and
     the fixed batches take turns, so that both see the machine's drift alike), then the
-    ratio in each repeat; transformers' contender runs once."""
+    ratio in each repeat; transformers' contender runs once. The engine's slots hold
+    `max_len` positions, by default the workload's longest prompt plus its longest output:
+    a deployment sizes its slots to the longest request it accepts, as each fixed batch
+    sizes its cache to its own longest."""
     config = M.preset(preset)
     params = M.init_params(config, jax.random.key(seed))
     workload = make_workload(config, num_requests, rate, prompt_range, output_range, seed,
                              long_tail)
+    longest = prompt_range[1] + output_range[1]
+    if max_len is None:
+        max_len = longest
+    elif max_len < longest:
+        raise ValueError(f"max_len={max_len} is shorter than the longest request "
+                         f"({prompt_range[1]} prompt + {output_range[1]} output tokens)")
     engine_runs, batch_runs = [], []
     for _ in range(repeats):
-        engine_runs.append(run_engine(config, params, workload, max_slots, chunk_size))
+        engine_runs.append(run_engine(config, params, workload, max_slots, chunk_size,
+                                      max_len))
         batch_runs.append(run_fixed_batches(config, params, workload, batch))
     results = [median_run(engine_runs), median_run(batch_runs)]
     notes = [ratio_line(engine_runs, batch_runs)] if repeats > 1 else []

@@ -40,6 +40,8 @@ def assert_one_line(err: str, *fragments: str) -> None:
     (["train", "--task", "lm", "--heldout", "5"], ["--heldout applies to --task translate"]),
     (["demo", "--warmup-steps", "-1"], ["argument --warmup-steps: must be >= 0"]),
     (["serve", "--checkpoint", "x", "--mesh", "data=3"], ["mesh data=3 needs 3 devices"]),
+    (["bench", "serve", "--max-len", "100", "--no-hf"],
+     ["max_len=100 is shorter than the longest request (64 prompt + 128 output tokens)"]),
 ])
 def test_misuse_is_one_line_with_exit_code_2(capsys, monkeypatch, argv, fragments):
     monkeypatch.chdir(Path(__file__).resolve().parent.parent)

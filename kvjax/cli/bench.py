@@ -111,6 +111,10 @@ def _add_serve(kinds) -> None:
     serve.add_argument("--long-tail", action="store_true",
                        help="output lengths log-uniform in [MIN, MAX] (many short, few long)")
     serve.add_argument("--max-slots", type=positive, default=16, help="the engine's slots")
+    serve.add_argument("--max-len", type=positive, default=None,
+                       help="positions per engine slot (default: the longest prompt plus the "
+                            "longest output, as a deployment sizes its slots to the longest "
+                            "request it accepts)")
     serve.add_argument("--chunk-size", type=positive, default=None,
                        help="the engine's decode steps per chunk (default: the engine's, "
                             "8 on a CPU, 64 on an accelerator)")
@@ -130,7 +134,8 @@ def run_bench_serve(args) -> int:
     print(serve_benchmark(args.preset, args.requests, args.rate, tuple(args.prompt_lengths),
                           tuple(args.output_lengths), args.max_slots, args.chunk_size,
                           args.batch, args.seed, args.long_tail,
-                          compare_transformers=not args.no_hf, repeats=args.repeats))
+                          compare_transformers=not args.no_hf, repeats=args.repeats,
+                          max_len=args.max_len))
     return 0
 
 
