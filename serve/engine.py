@@ -2,8 +2,7 @@
 
 The engine owns `max_slots` slots in one cache of `max_len` positions each, `max_staged`
 staged rows beside them (as many by default), and a bounded queue of requests waiting for
-those (`slots.py`). Each
-turn of its host loop:
+those (`slots.py`). Each turn of its host loop:
   1. stages: while the oldest waiting request's `n` samples fit the free staged rows,
      prefills its prompt once (length bucketed, `decode`'s prefill program) and writes it
      into `n` staged rows, each sample with its first token;
@@ -97,12 +96,10 @@ class Engine:
     its `data` axis, each device decoding its share, and the params over `model` by
     `kvjax.parallel`'s rules; `max_slots` and `max_staged` must be multiples of `data`.
 
-    The cache holds `max_slots + max_staged` rows of `max_len` positions: the staged rows,
-    where prompts wait prefilled for a slot, take as much memory per row as the slots.
-    `max_staged` (default `max_slots`) bounds how many slots one chunk can refill and a
-    request's `n`; fewer staged rows leave more memory to slots, and a chunk then ends
-    sooner for the host to stage more when many requests finish in it. `chunk_size`
-    defaults to `default_chunk_size()`."""
+    The cache holds `max_slots + max_staged` rows of `max_len` positions (a step may read
+    all of a slot's: size it to the longest request accepted). `max_staged` (default
+    `max_slots`) bounds a request's `n` and the slots a chunk can refill before the host
+    stages more; fewer leave more memory to slots. `chunk_size`: `default_chunk_size()`."""
 
     def __init__(self, config: M.TransformerConfig, params, *,
                  tokenizer: TextTokenizer | None = None, max_slots: int = 16,
