@@ -39,7 +39,7 @@ from kvjax import parallel
 from kvjax.text import _RowText as RowText  # one sample's text, stop strings and all
 from kvjax.tokenizer import TextTokenizer
 
-from . import chunk, slots
+from . import chunk, memory, slots
 from .requests import Delta, GenerationRequest, row_settings
 
 OnDelta = Callable[[Delta | Exception], None]
@@ -97,7 +97,8 @@ class Engine:
     `kvjax.parallel`'s rules; `max_slots` and `max_staged` must be multiples of `data`.
 
     The cache holds `max_slots + max_staged` rows of `max_len` positions (a step may read
-    all of a slot's: size it to the longest request accepted). `max_staged` (default
+    all of a slot's: size it to the longest request accepted), refused before it is
+    allocated where it would not fit the device's free memory (`memory.py`). `max_staged` (default
     `max_slots`) bounds a request's `n` and the slots a chunk can refill before the host
     stages more; fewer leave more memory to slots. `chunk_size`: `default_chunk_size()`."""
 
@@ -109,8 +110,7 @@ class Engine:
         capacity = config.max_len if max_len is None else max_len
         if chunk_size is None:
             chunk_size = default_chunk_size()
-        if max_staged is None:
-            max_staged = max_slots
+        max_staged = max_slots if max_staged is None else max_staged
         for name, value in (("max_slots", max_slots), ("max_staged", max_staged),
                             ("max_len", capacity), ("chunk_size", chunk_size),
                             ("max_queue", max_queue), ("prefill_batch", prefill_batch)):
@@ -127,9 +127,9 @@ class Engine:
         self.mesh, params = placement(config, params, mesh)
         self.config, self.params, self.tokenizer = config, params, tokenizer
         self.capacity, self.chunk_size, self.max_queue = capacity, chunk_size, max_queue
-        self.prefill_batch = prefill_batch
-        self.metrics = metrics
+        self.prefill_batch, self.metrics = prefill_batch, metrics
         self.max_slots, self.num_staged = max_slots, max_staged
+        memory.check_cache_fits(config, max_slots + max_staged, capacity, self.mesh)
         self._pending: collections.deque[Ticket] = collections.deque()
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None

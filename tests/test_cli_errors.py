@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import pytest
 from conftest import FakeTokenizer, run_cli
+from kvjax.serve import memory
 from kvjax.train import data, tasks, trainer
 
 from kvjax import cli, text
@@ -40,6 +41,11 @@ def assert_one_line(err: str, *fragments: str) -> None:
     (["train", "--task", "lm", "--heldout", "5"], ["--heldout applies to --task translate"]),
     (["demo", "--warmup-steps", "-1"], ["argument --warmup-steps: must be >= 0"]),
     (["serve", "--checkpoint", "x", "--mesh", "data=3"], ["mesh data=3 needs 3 devices"]),
+    pytest.param(
+        ["serve", "--checkpoint", "checkpoints/python-docs-lm", "--max-slots", "1000000000"],
+        ["the engine's cache of 2000000000 rows x max_len=", "lower max_len (none is small"],
+        marks=pytest.mark.skipif(memory.free_bytes(jax.devices("cpu")[0]) is None,
+                                 reason="this machine does not say how much memory is free")),
     (["bench", "serve", "--max-len", "100", "--no-hf"],
      ["max_len=100 is shorter than the longest request (64 prompt + 128 output tokens)"]),
 ])

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
-from kvjax.serve import Engine, GenerationRequest
+from kvjax.serve import Engine, GenerationRequest, memory
 
 from kvjax import model as M
 from kvjax import parallel
@@ -52,6 +52,19 @@ def test_a_mesh_engine_gives_every_request_the_one_device_tokens():
         stack = rows.cache.k[0]
         assert stack.sharding.spec == PartitionSpec(None, parallel.DATA, parallel.MODEL)
         assert rows.running.sharding.spec == PartitionSpec(parallel.DATA)
+    # The memory check counts what one device holds: its rows' K/V of its kv heads, and
+    # their context.
+    first = mesh.devices.flat[0]
+    held = sum(shard.data.nbytes for rows in (engine.state.slots, engine.state.staged)
+               for leaf in (*rows.cache.k, *rows.cache.v, rows.context)
+               for shard in leaf.addressable_shards if shard.device == first)
+    per_row = memory.bytes_per_position(CONFIG, mesh) * engine.capacity
+    assert held == per_row * 2 * SLOTS // 2
+    memory.check_cache_fits(CONFIG, 2 * SLOTS, engine.capacity, mesh,
+                            free=int(held / memory.CACHE_SHARE) + 1)
+    with pytest.raises(ValueError, match="on each device"):
+        memory.check_cache_fits(CONFIG, 2 * SLOTS, engine.capacity, mesh,
+                                free=int(held / memory.CACHE_SHARE) - 1)
 
 
 def test_slots_and_staged_rows_must_divide_over_data():

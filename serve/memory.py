@@ -1,0 +1,81 @@
+"""Whether the engine's cache fits its devices' memory, checked before it is allocated.
+
+The engine allocates every slot and staged row at full length up front. Its `max_len`
+defaults to the model's, which for an imported model is its whole context (32k-128k
+positions): 32 rows of such a cache can take hundreds of GiB. Allocated blindly, that fails
+deep inside XLA, or on a CPU pushes the machine into swap; checked here, it is refused with
+the sizes and the longest `max_len` that would fit.
+"""
+
+from __future__ import annotations
+
+import jax
+from kvjax.model.config import format_bytes
+
+from kvjax import model as M
+from kvjax import parallel
+
+# The cache may take this share of what is free when the engine starts: the prefill's and a
+# step's activations and XLA's scratch space need the rest.
+CACHE_SHARE = 0.9
+CONTEXT_BYTES = 4  # int32 context tokens per row and position, which the penalties read
+
+
+def free_bytes(device: jax.Device) -> int | None:
+    """Bytes free on `device`: its allocator's limit less what is in use (GPU, TPU), or on a
+    CPU the host's available memory (Linux's MemAvailable); None where neither is known."""
+    stats = device.memory_stats()
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    if device.platform != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def bytes_per_position(config: M.TransformerConfig, mesh=None) -> float:
+    """Bytes one row of the engine's state takes per position on the device holding it: its
+    K/V (kv heads split over `model` on a mesh) and its context token. Per row, so rows
+    split over `data` are counted where they lie."""
+    kv = M.cache_size_bytes(config, 1, 1).total
+    if mesh is not None:
+        kv /= mesh.shape[parallel.MODEL]
+    return kv + CONTEXT_BYTES
+
+
+def check_cache_fits(config: M.TransformerConfig, rows: int, capacity: int, mesh=None,
+                     free: int | None = None) -> None:
+    """Raises ValueError when `rows` rows of `capacity` positions take more than
+    `CACHE_SHARE` of the `free` bytes of the device that holds the most of them (default:
+    measured on the mesh's local devices, or the default device), naming the sizes, the
+    longest capacity that fits and the most rows that do. Does nothing where free memory is
+    unknown."""
+    devices = jax.local_devices() if mesh is None else list(mesh.local_devices)
+    if free is None:
+        known = [f for f in map(free_bytes, devices[:1] if mesh is None else devices)
+                 if f is not None]
+        if not known:
+            return
+        free = min(known)
+    rows_per_device = rows if mesh is None else -(-rows // mesh.shape[parallel.DATA])
+    per_position = bytes_per_position(config, mesh) * rows_per_device
+    need, budget = per_position * capacity, CACHE_SHARE * free
+    if need <= budget:
+        return
+    length_fits = int(budget // per_position) // 64 * 64
+    rows_fit = int(budget // (per_position / rows_per_device * capacity)) * (
+        1 if mesh is None else mesh.shape[parallel.DATA])
+    where = "each device" if mesh is not None else str(devices[0])
+    raise ValueError(
+        f"the engine's cache of {rows} rows x max_len={capacity} positions takes "
+        f"{format_bytes(int(need))} on {where}, more than {CACHE_SHARE:.0%} of its "
+        f"{format_bytes(free)} free: lower max_len ("
+        + (f"{length_fits} at most" if length_fits else "none is small enough")
+        + f" for {rows} rows) or max_slots + max_staged ({rows_fit} at most for "
+        f"max_len={capacity})")

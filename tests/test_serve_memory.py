@@ -1,0 +1,50 @@
+"""The engine refuses a cache larger than its device's free memory before allocating it,
+naming the sizes and the longest max_len that fits."""
+
+import jax
+import numpy as np
+import pytest
+from kvjax.serve import Engine, memory
+
+from kvjax import model as M
+
+
+def test_bytes_per_position_is_what_the_engine_allocates(tiny_lm):
+    config, _, params = tiny_lm
+    engine = Engine(config, params, max_slots=2, max_staged=1, max_len=32)
+    rows = engine.state.slots, engine.state.staged
+    allocated = sum(leaf.nbytes for r in rows for leaf in jax.tree.leaves((r.cache.k, r.cache.v)))
+    allocated += sum(r.context.nbytes for r in rows)
+    assert allocated == memory.bytes_per_position(config) * 3 * 32
+
+
+def test_a_cache_that_does_not_fit_is_refused_with_the_longest_that_does():
+    config = M.preset("gpt-mini")
+    per_row = memory.bytes_per_position(config)  # 2 x 6 layers x 6 heads x 64 x 4 + 4
+    assert per_row == 2 * 6 * 6 * 64 * 4 + 4
+    free = int(32 * per_row * 1000 / memory.CACHE_SHARE) + 1  # 32 rows of 1,000 positions
+    memory.check_cache_fits(config, 32, 1000, free=free)
+    with pytest.raises(ValueError, match=r"32 rows x max_len=1024 positions takes 576.1 MiB "
+                                         r"on .*, more than 90% of its 625.1 MiB free: lower "
+                                         r"max_len \(960 at most for 32 rows\) or max_slots "
+                                         r"\+ max_staged \(31 at most for max_len=1024\)"):
+        memory.check_cache_fits(config, 32, 1024, free=free)
+    memory.check_cache_fits(config, 32, 960, free=free)  # what it suggests fits
+    memory.check_cache_fits(config, 31, 1024, free=free)
+    with pytest.raises(ValueError, match=r"none is small enough for 100000 rows\) or max_slots "
+                                         r"\+ max_staged \(31 at most"):
+        memory.check_cache_fits(config, 100_000, 1024, free=free)
+
+
+def test_the_engine_checks_before_allocating(tiny_lm, monkeypatch):
+    config, _, params = tiny_lm
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 10_000)
+    with pytest.raises(ValueError, match="lower max_len"):
+        Engine(config, params, max_slots=2, max_len=64)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: None)  # unknown: no check
+    Engine(config, params, max_slots=2, max_len=64)
+
+
+def test_a_cpu_reports_the_hosts_available_memory():
+    free = memory.free_bytes(jax.devices("cpu")[0])
+    assert free is None or 0 < free <= np.iinfo(np.int64).max
