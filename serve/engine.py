@@ -98,9 +98,9 @@ class Engine:
 
     The cache holds `max_slots + max_staged` rows of `max_len` positions (a step may read
     all of a slot's: size it to the longest request accepted), refused before it is
-    allocated where it would not fit the device's free memory (`memory.py`). `max_staged` (default
-    `max_slots`) bounds a request's `n` and the slots a chunk can refill before the host
-    stages more; fewer leave more memory to slots. `chunk_size`: `default_chunk_size()`."""
+    allocated if it would not fit the device's free memory (`memory.py`). `max_staged`
+    (default `max_slots`) bounds a request's `n` and the slots a chunk can refill before
+    the host stages more; fewer leave slots more memory. `chunk_size`: `default_chunk_size()`."""
 
     def __init__(self, config: M.TransformerConfig, params, *,
                  tokenizer: TextTokenizer | None = None, max_slots: int = 16,

@@ -56,21 +56,19 @@ def check_cache_fits(config: M.TransformerConfig, rows: int, capacity: int, mesh
     measured on the mesh's local devices, or the default device), naming the sizes, the
     longest capacity that fits and the most rows that do. Does nothing where free memory is
     unknown."""
-    devices = jax.local_devices() if mesh is None else list(mesh.local_devices)
+    devices = jax.local_devices()[:1] if mesh is None else list(mesh.local_devices)
     if free is None:
-        known = [f for f in map(free_bytes, devices[:1] if mesh is None else devices)
-                 if f is not None]
+        known = [f for f in map(free_bytes, devices) if f is not None]
         if not known:
             return
         free = min(known)
-    rows_per_device = rows if mesh is None else -(-rows // mesh.shape[parallel.DATA])
-    per_position = bytes_per_position(config, mesh) * rows_per_device
-    need, budget = per_position * capacity, CACHE_SHARE * free
+    data = 1 if mesh is None else mesh.shape[parallel.DATA]
+    rows_per_device, per_position = -(-rows // data), bytes_per_position(config, mesh)
+    need, budget = per_position * rows_per_device * capacity, CACHE_SHARE * free
     if need <= budget:
         return
-    length_fits = int(budget // per_position) // 64 * 64
-    rows_fit = int(budget // (per_position / rows_per_device * capacity)) * (
-        1 if mesh is None else mesh.shape[parallel.DATA])
+    length_fits = int(budget // (per_position * rows_per_device)) // 64 * 64
+    rows_fit = int(budget // (per_position * capacity)) * data
     where = "each device" if mesh is not None else str(devices[0])
     raise ValueError(
         f"the engine's cache of {rows} rows x max_len={capacity} positions takes "
