@@ -5,34 +5,35 @@ many times slower to dispatch than a tiny model takes to compile.
 """
 
 import functools
-import importlib.metadata
 import os
-import tomllib
-from pathlib import Path
+import subprocess
+import sys
 
-# No persistent compilation cache: jax 0.10.2 sometimes crashes (a segmentation fault in
-# `executable.serialize()`, inside `compilation_cache.put_executable_and_time`) while writing
-# an entry, which takes a whole xdist worker down. Each process compiles what it runs: the
-# command line's default cache (`kvjax sample`, `kvjax serve`) is off here and in every
-# subprocess, and never fills the user's cache directory.
+# No persistent compilation cache: each process compiles what it runs. The command line's
+# default cache (`kvjax sample`, `kvjax serve`) is off here and in every subprocess, and never
+# fills the user's cache directory.
 os.environ["KVJAX_COMPILATION_CACHE"] = "off"
 
 # Most of the suite's time is XLA compiling hundreds of small programs. The tests check what
-# programs compute, not how fast, so on CPU they skip LLVM's optimizations and emit fusions
-# with XLA's older elemental emitter, which compiles in about half the time of the MLIR
-# fusion emitters (the HLO passes, which decide fusions, copies and collectives, all run).
-# Inherited by every subprocess through the environment. Only with the pinned jaxlib these
-# were measured on: an XLA that does not know a flag in XLA_FLAGS aborts the process (jax
-# 0.11.2's CUDA build takes every worker down before a test runs).
-def _pinned_jaxlib() -> str:
-    project = Path(__file__).resolve().parents[1] / "pyproject.toml"
-    pins = tomllib.loads(project.read_text())["project"]["dependencies"]
-    return next(pin.split("==")[1] for pin in pins if pin.startswith("jaxlib=="))
+# programs compute, not how fast, so they skip LLVM's optimizations, and on a jaxlib that still
+# has it, emit CPU fusions with XLA's older elemental emitter (about half the compile time of
+# the MLIR fusion emitters). Inherited by every subprocess through the environment. An XLA that
+# does not know a flag in XLA_FLAGS aborts the process, so each flag is tried in a throwaway
+# process first, once per session (the workers inherit the result).
+FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 
 
-if importlib.metadata.version("jaxlib") == _pinned_jaxlib():
-    for flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
-        if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+def _xla_accepts(flag: str) -> bool:
+    env = {**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
+    probe = "import jax, jax.numpy as jnp; jax.jit(jnp.sin)(jnp.ones(2)).block_until_ready()"
+    return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                          timeout=120).returncode == 0
+
+
+if "KVJAX_TEST_FLAGS_CHECKED" not in os.environ:
+    os.environ["KVJAX_TEST_FLAGS_CHECKED"] = "1"
+    for flag in FAST_COMPILE_FLAGS:
+        if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", "") and _xla_accepts(flag):
             os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
 
 import jax  # noqa: E402  (after the environment above, which it reads when it starts)
@@ -73,6 +74,23 @@ def pytest_xdist_make_scheduler(config, log):
             for scope in [scope for scope, unit in workload.items() if all(unit.values())]:
                 del workload[scope]
             return super().remove_node(node)
+
+        def add_node_collection(self, node, collection):
+            # A worker started after a crash collects the test files as they are then. xdist
+            # takes its collection only if it equals the first worker's item for item;
+            # otherwise it leaves the worker out and then fails (KeyError) giving it work.
+            # Work goes to a worker by test id, so the same tests in another order serve as
+            # well; other tests (test files edited during the run) are named instead.
+            if self.collection_is_completed and list(collection) != self.collection:
+                if sorted(collection) != sorted(self.collection):
+                    extra = sorted(set(collection) - set(self.collection))[:5]
+                    missing = sorted(set(self.collection) - set(collection))[:5]
+                    raise RuntimeError(f"worker {node.gateway.id} started after a crash "
+                                       f"collected other tests: {extra} more, {missing} "
+                                       "fewer")
+                self.registered_collections[node] = list(collection)
+                return
+            super().add_node_collection(node, collection)
 
     return RequeueUnfinishedFiles(config, log)
 
@@ -192,3 +210,28 @@ class FakeTokenizer:
     @staticmethod
     def decode(ids):
         return "".join(chr(65 + i % 26) for i in ids)
+
+
+def serve_app(app, timeout: float = 30.0, **options):
+    """(base URL, stop) of `app` served by uvicorn in a thread of this process, on 127.0.0.1
+    at an ephemeral port; `options` go to `uvicorn.Config` (e.g. `http=` a protocol)."""
+    import threading
+    import time
+
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                           **options))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+
+    def stop():
+        server.should_exit = True
+        thread.join(timeout)
+
+    return f"http://127.0.0.1:{port}", stop

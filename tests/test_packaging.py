@@ -1,6 +1,7 @@
 """kvjax installs as one import package: kvjax.model, kvjax.decode, kvjax.train,
 kvjax.benchmarks, and nothing else at the top level of site-packages."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -49,3 +50,79 @@ for name in ("model", "decode", "train", "benchmarks"):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == str(target / "kvjax" / "model" / "__init__.py")
+
+
+NOTEBOOK = REPO / "notebooks" / "01_quickstart.ipynb"
+
+
+def test_the_notebooks_install_cell_keeps_the_runtimes_jax(tmp_path):
+    """A runtime that already holds jax (Colab's, a GPU image's) runs a notebook's first cell:
+    kvjax is cloned and installed, and pip keeps the jax it found. The runtime is a fresh
+    virtual environment that sees this environment's packages, except kvjax, through a .pth
+    file, as if they were its own; no network (pip finds no index and nothing to build with
+    but what is there)."""
+    dependencies = Path(jax.__file__).parents[1]
+    shared = tmp_path / "runtime-packages"
+    shared.mkdir()
+    for entry in dependencies.iterdir():
+        if not (entry.name.lower().startswith(("kvjax", "__editable__")) or entry.suffix == ".pth"):
+            (shared / entry.name).symlink_to(entry)
+    runtime = tmp_path / "runtime"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(runtime)], check=True,
+                   timeout=120)
+    python = runtime / "bin" / "python"
+    where = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    site = Path(subprocess.run([python, "-c", where], check=True, capture_output=True,
+                               text=True).stdout.strip())
+    (site / "runtime-packages.pth").write_text(f"{shared}\n")
+    before = _versions(python, tmp_path)
+    assert before["kvjax"] is None and before["jax"] == jax.__version__
+
+    # The repository a user would clone: this working tree's sources, committed.
+    origin = tmp_path / "origin"
+    origin.mkdir()
+    for name in SOURCE_FILES:
+        shutil.copy2(REPO / name, origin / name)
+    for name in SOURCE_FOLDERS:
+        shutil.copytree(REPO / name, origin / name, ignore=shutil.ignore_patterns("__pycache__"))
+    git = ["git", "-c", "user.name=test", "-c", "user.email=test@localhost"]
+    for command in (["init", "-q"], ["add", "."], ["commit", "-q", "-m", "sources"]):
+        subprocess.run([*git, *command], cwd=origin, check=True, capture_output=True)
+
+    cell = json.loads(NOTEBOOK.read_text())["cells"]
+    source = "".join(next(c for c in cell if c["cell_type"] == "code")["source"])
+    assert 'KVJAX_REPO_URL = ""' in source
+    source = source.replace('KVJAX_REPO_URL = ""', f"KVJAX_REPO_URL = {str(origin)!r}")
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_NO_BUILD_ISOLATION": "0",
+           "PIP_DISABLE_PIP_VERSION_CHECK": "1", "KVJAX_NOTEBOOK_CI": "1"}
+    env.pop("PYTHONPATH", None)
+    run = subprocess.run([python, "-c", source], cwd=work, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"jax {jax.__version__}" in run.stdout
+    after = _versions(python, tmp_path)
+    assert after["kvjax"] is not None
+    assert after["jax"] == before["jax"] and after["jaxlib"] == before["jaxlib"]
+    assert after["jax_path"] == before["jax_path"] == str(shared / "jax" / "__init__.py")
+    assert not list(site.glob("jax*")), "pip installed a jax of its own"
+
+
+def _versions(python, cwd) -> dict:
+    """What `python` finds installed, run away from the repository (`python -c` looks in its
+    working directory first, and a source tree holds kvjax.egg-info)."""
+    script = """
+import importlib.metadata as md, importlib.util, json
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+spec = importlib.util.find_spec("jax")
+print(json.dumps({"kvjax": version("kvjax"), "jax": version("jax"), "jaxlib": version("jaxlib"),
+                  "jax_path": spec and spec.origin}))
+"""
+    out = subprocess.run([python, "-c", script], check=True, capture_output=True, text=True,
+                         timeout=120, cwd=cwd)
+    return json.loads(out.stdout)
