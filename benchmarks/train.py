@@ -12,6 +12,7 @@ counts, for every contender alike. Tokens per second count every input token of 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable
 
@@ -51,12 +52,13 @@ def _best_step_seconds(step: Callable[[], object], steps: int, repeats: int) -> 
     return best
 
 
-def _kvjax_step(config: M.TransformerConfig, batch_np: dict, mesh) -> Callable[[], object]:
+def _kvjax_step(config: M.TransformerConfig, batch_np: dict, mesh,
+                deterministic: bool = True) -> Callable[[], object]:
     from kvjax.train import update
     from kvjax.train.config import TrainConfig
 
     train_config = TrainConfig(steps=10_000, batch_size=len(batch_np["inputs"]), warmup_steps=10,
-                               progress=False)
+                               progress=False, deterministic=deterministic)
     step_config = update.compiled_fields(train_config)
     holder = {"state": update.init_state(config, train_config, mesh)}
     batch = batch_np if mesh is None else parallel.shard_batch(batch_np, mesh)
@@ -103,8 +105,10 @@ def _torch_step(config: M.TransformerConfig, batch_np: dict) -> tuple[Callable |
 def train_benchmark(preset: str = "gpt-mini", batch_size: int = 8, seq_len: int = 256,
                     steps: int = 5, repeats: int = 3, *, devices: int = 1,
                     layer_modes: tuple[str, ...] = LAYER_MODES, compare_torch: bool = True,
+                    deterministic: tuple[bool, ...] = (True,),
                     log: Callable[[str], None] = print) -> tuple[list[TrainRow], str]:
-    """Times every contender; returns the rows and a line naming the setting and machine."""
+    """Times every contender; returns the rows and a line naming the setting and machine.
+    kvjax runs once for each setting of `TrainConfig.deterministic` in `deterministic`."""
     config = M.preset(preset)
     if seq_len > config.max_len:
         raise ValueError(f"seq_len {seq_len} exceeds the {preset} max_len {config.max_len}")
@@ -125,10 +129,12 @@ def train_benchmark(preset: str = "gpt-mini", batch_size: int = 8, seq_len: int 
     rows = []
     for mode in layer_modes:
         mode_config = config.replace(scan_layers=mode == "scanned")
-        for count, mesh in meshes.items():
-            name = f"kvjax, {mode} layers, {count} device{'s' if count > 1 else ''}"
+        for (count, mesh), exact in itertools.product(meshes.items(), deterministic):
+            name = (f"kvjax, {mode} layers, {count} device{'s' if count > 1 else ''}"
+                    f"{'' if exact else ', not deterministic'}")
             log(f"{name} ...")
-            seconds = _best_step_seconds(_kvjax_step(mode_config, batch, mesh), steps, repeats)
+            seconds = _best_step_seconds(_kvjax_step(mode_config, batch, mesh, exact), steps,
+                                         repeats)
             rows.append(TrainRow(name, seconds, batch_size * seq_len))
     step, note = _torch_step(config, batch) if compare_torch else (None, "skipped")
     if step is not None:

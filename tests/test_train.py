@@ -136,6 +136,29 @@ def test_resumed_run_continues_with_identical_losses(copy_model, copy_task, copy
     assert all(r["loss"] > 0 for r in records)
 
 
+def test_deterministic_steps_compile_with_xlas_deterministic_ops():
+    """A GPU's step gets XLA's deterministic-ops option; this backend's XLA knows the option by
+    that name (it refuses names it does not know), and a step compiled with it computes what
+    the default step does. Other backends are deterministic without options."""
+    options = update.DETERMINISTIC_COMPILER_OPTIONS["gpu"]
+    assert update._compiled_step(True, "cpu") is update._compiled_step(True, "cpu")
+    assert update._compiled_step(True, "cpu") is not update._compiled_step(True, "gpu")
+    with pytest.raises(Exception, match="xla_gpu_no_such_option"):
+        jax.jit(jnp.sum, compiler_options={"xla_gpu_no_such_option": True})(jnp.ones(3))
+    config = M.preset("tiny")
+    train_config = TrainConfig(steps=10, batch_size=2, warmup_steps=1, progress=False)
+    batch = {"inputs": np.full((2, 8), 5, np.int32), "targets": np.full((2, 8), 6, np.int32)}
+    step_config = update.compiled_fields(train_config)
+    losses = []
+    for step in (update._compiled_step(True, "gpu"), update._compiled_step(False, "gpu")):
+        state = update.init_state(config, train_config)
+        losses.append(float(step(config, step_config, state, batch)[1]))
+    assert options == {"xla_gpu_deterministic_ops": True}
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+    with pytest.raises(ValueError, match="deterministic='yes' must be a bool"):
+        TrainConfig(deterministic="yes")
+
+
 def test_dropout_key_is_derived_from_the_step(copy_model, copy_task, copy_run):
     # The shared run trains with dropout, so the resume test above also shows that dropout is
     # reproduced. Here: the key really changes the update, and it depends on the step only.

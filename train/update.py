@@ -140,7 +140,6 @@ def _state_for_params(step_config: TrainConfig, params, seed_key: jax.Array) -> 
                       step=jnp.zeros((), jnp.int32), rng=jax.random.key_data(base_rng))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames="mesh", donate_argnums=2)
 def train_step(model_config: M.TransformerConfig, train_config: TrainConfig, state: TrainState,
                batch: Batch, mesh: Mesh | None = None) -> tuple[TrainState, jax.Array]:
     """One AdamW update on `batch`; returns the new state and the batch's mean loss.
@@ -148,8 +147,28 @@ def train_step(model_config: M.TransformerConfig, train_config: TrainConfig, sta
     With a `mesh`, the state comes in laid out by `parallel.state_shardings` and the batch
     split over `data` (`parallel.shard_batch`); the new state leaves with the same layout,
     so every step runs one compiled program. The loss and gradients are sums over the whole
-    batch, which XLA reduces across devices: the same numbers as on one device.
+    batch, which XLA reduces across devices: the same numbers as on one device. The state's
+    buffers are donated: `state` cannot be used after the call.
     """
+    step = _compiled_step(train_config.deterministic, jax.default_backend())
+    return step(model_config, train_config, state, batch, mesh=mesh)
+
+
+# XLA's switch for run-to-run determinism on a GPU; the other backends run deterministically.
+DETERMINISTIC_COMPILER_OPTIONS = {"gpu": {"xla_gpu_deterministic_ops": True}}
+
+
+@functools.cache
+def _compiled_step(deterministic: bool, backend: str):
+    """The jitted `_train_step`, compiled with the deterministic options of `backend` or not.
+    Compiler options belong to a jitted function, so each setting is one of its own."""
+    options = DETERMINISTIC_COMPILER_OPTIONS.get(backend) if deterministic else None
+    return jax.jit(_train_step, static_argnums=(0, 1), static_argnames="mesh",
+                   donate_argnums=2, compiler_options=options)
+
+
+def _train_step(model_config: M.TransformerConfig, train_config: TrainConfig, state: TrainState,
+                batch: Batch, mesh: Mesh | None = None) -> tuple[TrainState, jax.Array]:
     dropout_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
     def loss_fn(params):

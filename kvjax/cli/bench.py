@@ -90,6 +90,9 @@ def _add_train(kinds) -> None:
                        help="also time kvjax with each batch split over this many devices "
                             "(on a CPU, host devices)")
     train.add_argument("--no-torch", action="store_true", help="skip PyTorch")
+    train.add_argument("--deterministic", choices=("on", "off", "both"), default="on",
+                       help="kvjax's step with XLA's deterministic ops on a GPU (as kvjax train "
+                            "runs by default), without them, or both to measure their cost")
     train.set_defaults(run=run_bench_train)
 
 
@@ -237,7 +240,8 @@ def run_bench_train(args) -> int:
 
     rows, setting = train_benchmark(
         args.preset, args.batch_size, args.seq_len, args.steps, args.repeats,
-        devices=args.devices, layer_modes=tuple(args.layers), compare_torch=not args.no_torch)
+        devices=args.devices, layer_modes=tuple(args.layers), compare_torch=not args.no_torch,
+        deterministic={"on": (True,), "off": (False,), "both": (True, False)}[args.deterministic])
     print(format_train_table(rows, setting))
     return 0
 
