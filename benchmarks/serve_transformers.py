@@ -38,13 +38,23 @@ WARM_UP_REQUESTS = 4
 PAGE_SIZE = 256  # tokens per cache block, transformers' default
 
 
+# The oldest transformers this contender was run with: its continuous-batching API (manager
+# warm-up, per-request timestamps) changed between releases before it.
+OLDEST_TRANSFORMERS = (5, 23)
+
+
 def transformers_missing() -> str | None:
     """Why the contender cannot run here, or None when it can."""
     try:
         import torch  # noqa: F401
-        import transformers  # noqa: F401
+        import transformers
     except ImportError:
         return "not installed (pip install -e '.[bench]')"
+    release = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+    if release < OLDEST_TRANSFORMERS:
+        oldest = ".".join(map(str, OLDEST_TRANSFORMERS))
+        return (f"transformers {transformers.__version__} is older than {oldest}, whose "
+                "continuous-batching API this contender uses")
     return None
 
 

@@ -19,8 +19,13 @@ def test_each_throughput_ratio_names_the_contender_it_divides_by():
 
 
 def test_transformers_continuous_batching_times_every_requested_token():
-    pytest.importorskip("transformers")
-    from kvjax.benchmarks.serve_transformers import run_transformers_continuous_batching
+    from kvjax.benchmarks.serve_transformers import (
+        run_transformers_continuous_batching,
+        transformers_missing,
+    )
+
+    if (missing := transformers_missing()) is not None:
+        pytest.skip(f"transformers' continuous batching: {missing}")
 
     config = M.preset("tiny")
     workload = make_workload(config, 6, rate=200.0, prompt_range=(2, 9),
