@@ -2,7 +2,14 @@
 
 from .attention import attend
 from .cache import KVCache, init_cache
-from .config import PRESETS, CacheSize, TransformerConfig, cache_size_bytes, preset
+from .config import (
+    PRESETS,
+    SPEED_ONLY_FIELDS,
+    CacheSize,
+    TransformerConfig,
+    cache_size_bytes,
+    preset,
+)
 from .interface import (
     build_model,
     check_prompt_length,
@@ -17,7 +24,8 @@ from .precision import with_precision
 from .transformer import DecoderOnlyLM, EncoderDecoder
 
 __all__ = [
-    "PRESETS", "CacheSize", "DecoderOnlyLM", "EncoderDecoder", "KVCache", "TransformerConfig",
+    "PRESETS", "SPEED_ONLY_FIELDS", "CacheSize", "DecoderOnlyLM", "EncoderDecoder", "KVCache",
+    "TransformerConfig",
     "attend", "build_model", "cache_size_bytes", "check_prompt_length", "init_cache",
     "init_params", "prefill", "preset", "prompt_slots", "step_fn", "teacher_forced_logits",
     "stack_layer_params", "unstack_layer_params", "with_layer_layout", "with_precision",

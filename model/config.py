@@ -200,6 +200,10 @@ class TransformerConfig:
         return cls.from_dict(json.loads(text))
 
 
+# Fields that set how fast a model runs, never what it computes: two configs that differ only
+# in them hold the same model (a checkpoint trained with one fine-tunes or resumes with another).
+SPEED_ONLY_FIELDS = ("attention_block",)
+
 _INT_FIELDS = ("vocab_size", "d_model", "num_heads", "d_ff", "num_decoder_layers",
                "num_encoder_layers", "max_len", "bos_id", "attention_block",
                "rope_original_max_len")

@@ -99,11 +99,17 @@ def check_same_run(out_dir: Path, model_config: M.TransformerConfig, task: Train
     """Raises `CheckpointError` (starting with `action`) unless the checkpoint directory
     `out_dir` was written for this model config, task and tokenizer."""
     saved_model, saved_task, saved_tokenizer = checkpoint.read_metadata(out_dir)
-    wanted = json.loads(json.dumps(model_config.to_dict()))  # as config.json stores it
     config_path = out_dir / checkpoint.CONFIG_FILE
     if saved_task != task.name:
         raise checkpoint.CheckpointError(
             f"{action}: {config_path} is for task {saved_task!r}, not {task.name!r}")
+    # Compared as configs, not as files: a field an older config.json leaves out holds its
+    # default, and settings that change how fast, not what, a model computes may differ.
+    try:
+        saved_model = _computed_fields(M.TransformerConfig.from_dict(saved_model))
+    except (TypeError, ValueError) as error:
+        raise checkpoint.CheckpointError(f"{action}: {config_path}: {error}") from error
+    wanted = _computed_fields(model_config)
     if saved_model != wanted:
         differ = sorted(k for k in saved_model.keys() | wanted.keys()
                         if saved_model.get(k) != wanted.get(k))
@@ -116,6 +122,12 @@ def check_same_run(out_dir: Path, model_config: M.TransformerConfig, task: Train
         raise checkpoint.CheckpointError(
             f"{action}: {out_dir / checkpoint.TOKENIZER_FILE} differs from the tokenizer "
             "of the requested run")
+
+
+def _computed_fields(config: M.TransformerConfig) -> dict:
+    """The config as config.json stores it, less the fields that only set how it is run."""
+    stored = json.loads(json.dumps(config.to_dict()))
+    return {k: v for k, v in stored.items() if k not in M.SPEED_ONLY_FIELDS}
 
 
 class MetricsLog:
