@@ -21,6 +21,17 @@ from kvjax import model as M
 _PROMPTS = "prompts must be a list of token-id lists or an int array [batch, length]"
 
 
+INT32_MAX = 2**31 - 1  # the largest value of an int32, the dtype of counts on the device
+
+
+class InvalidValue(ValueError):
+    """A ValueError about one argument, named in `name` (e.g. "top_k" or "top_p[1]")."""
+
+    def __init__(self, name: str, message: str):
+        super().__init__(message)
+        self.name = name
+
+
 def is_int(value: Any) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
 
@@ -28,25 +39,37 @@ def is_int(value: Any) -> bool:
 def integer(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
     """`value` as an int; it must be an int (not a float or bool) in [minimum, maximum]."""
     if not is_int(value):
-        raise ValueError(f"{name}={value!r} must be an int, not a {type(value).__name__}")
+        raise InvalidValue(name, f"{name}={value!r} must be an int, not a "
+                                 f"{type(value).__name__}")
     if value < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}")
+        raise InvalidValue(name, f"{name}={value} must be >= {minimum}")
     if maximum is not None and value > maximum:
-        raise ValueError(f"{name}={value} must be <= {maximum}")
+        raise InvalidValue(name, f"{name}={value} must be <= {maximum}")
     return int(value)
 
 
-def real(name: str, value: Any, ok: Callable[[float], bool], expected: str) -> float:
+def real(name: str, value: Any, ok: Callable[[float], bool], expected: str,
+         stored_as: Any = None) -> float:
     """`value` as a float; it must be a finite real number for which `ok` holds (`expected`
-    says which, e.g. "in (0, 1]"; NaN and infinity are refused whatever `ok` says)."""
+    says which, e.g. "in (0, 1]"; NaN and infinity are refused whatever `ok` says). With
+    `stored_as` (a dtype such as float32, that of the compiled code), the value rounded to
+    it must pass too: 1e-50 is > 0, but 0 in float32."""
     if isinstance(value, bool | np.bool_) or not isinstance(value, int | float | np.integer |
                                                              np.floating):
-        raise ValueError(f"{name}={value!r} must be a real number, not a {type(value).__name__}")
+        raise InvalidValue(name, f"{name}={value!r} must be a real number, not a "
+                                 f"{type(value).__name__}")
     value = float(value)
     if not math.isfinite(value):
-        raise ValueError(f"{name}={value} must be finite")
+        raise InvalidValue(name, f"{name}={value} must be finite")
     if not ok(value):
-        raise ValueError(f"{name}={value} must be {expected}")
+        raise InvalidValue(name, f"{name}={value} must be {expected}")
+    if stored_as is not None:
+        with np.errstate(over="ignore", under="ignore"):
+            stored = float(np.asarray(value, stored_as))
+        if not (math.isfinite(stored) and ok(stored)):
+            raise InvalidValue(name, f"{name}={value} is {stored} as "
+                                     f"{np.dtype(stored_as).name}, the dtype it is used in, "
+                                     f"where it must be {expected} too")
     return value
 
 

@@ -26,26 +26,27 @@ RULES: dict[str, tuple[bool, Callable[[float], bool], str]] = {
 
 def per_row(name: str, value, batch: int) -> np.ndarray:
     """`value` (a scalar or one per prompt) as a float64 array [batch], each entry checked:
-    an int where the setting counts something, a finite real otherwise."""
+    an int within int32 where the setting counts something, otherwise a finite real that
+    keeps its required range in float32 (the dtypes the compiled code uses)."""
     integer, test, requirement = RULES[name]
     scalar = not isinstance(value, list | tuple | np.ndarray | jax.Array) or np.ndim(value) == 0
     if not scalar and np.ndim(value) != 1:
-        raise ValueError(f"{name} must be a number or a list of one per prompt, got shape "
-                         f"{np.shape(value)}")
+        raise checks.InvalidValue(name, f"{name} must be a number or a list of one per "
+                                        f"prompt, got shape {np.shape(value)}")
     entries = [value.item() if hasattr(value, "item") else value] if scalar else \
         np.asarray(value).tolist()
     if not scalar and len(entries) != batch:
-        raise ValueError(f"{name} has {len(entries)} values {entries} for {batch} prompts: "
-                         f"give one value or one per prompt")
+        raise checks.InvalidValue(name, f"{name} has {len(entries)} values {entries} for "
+                                        f"{batch} prompts: give one value or one per prompt")
     checked = []
     for i, entry in enumerate(entries):
         label = name if scalar else f"{name}[{i}]"
-        if integer:
-            entry = checks.integer(label, entry, 0)
+        if integer:  # int32 on the device
+            entry = checks.integer(label, entry, 0, checks.INT32_MAX)
             if not test(entry):
-                raise ValueError(f"{label}={entry} must be {requirement}")
+                raise checks.InvalidValue(label, f"{label}={entry} must be {requirement}")
         else:
-            entry = checks.real(label, entry, test, requirement)
+            entry = checks.real(label, entry, test, requirement, np.float32)
         checked.append(entry)
     return np.broadcast_to(np.asarray(checked, np.float64), (batch,))
 

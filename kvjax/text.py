@@ -246,6 +246,7 @@ class _RowText:
         self.sent = ""
         self.text = ""
         self.stopped = False
+        self._starts = [_StopStart(s) for s in stop]
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(_until_stop(ids, self.stop_ids))
@@ -271,8 +272,7 @@ class _RowText:
             safe = self.text
         else:
             safe = text.rstrip("\ufffd")  # an unfinished UTF-8 sequence waits for its bytes
-            held = max((k for s in self.stop for k in range(1, len(s))
-                        if safe.endswith(s[:k])), default=0)
+            held = max((start.held(safe) for start in self._starts), default=0)
             safe = safe[:len(safe) - held]
         if safe.startswith(self.sent) and len(safe) > len(self.sent):
             piece, self.sent = safe[len(self.sent):], safe
@@ -282,6 +282,46 @@ class _RowText:
     def finish(self, ids: list[int]) -> None:
         """The row ended without a stop string: its text is that of all its tokens."""
         self.ids, self.text = ids, self._decode(ids)
+
+
+class _StopStart:
+    """How much of the end of a growing text could be the start of one stop string: the
+    longest end of the text that is a proper prefix of `stop`. A Knuth-Morris-Pratt
+    automaton reads each new character once (the text is only re-read when it changes
+    before its end), so holding text back costs time linear in the text and the stop
+    string, not the product of their lengths."""
+
+    def __init__(self, stop: str):
+        self.pattern = stop[:-1]  # a whole stop string is found, not held
+        self._fallback: list[int] | None = None  # built on first use: O(len(stop))
+        self._read, self._state = "", 0
+
+    def held(self, text: str) -> int:
+        if not self.pattern:
+            return 0
+        if not text.startswith(self._read):
+            self._read, self._state = "", 0
+        pattern, fallback, state = self.pattern, self._failure(), self._state
+        for char in text[len(self._read):]:
+            while state and (state == len(pattern) or char != pattern[state]):
+                state = fallback[state - 1]
+            if state < len(pattern) and char == pattern[state]:
+                state += 1
+        self._read, self._state = text, state
+        return state
+
+    def _failure(self) -> list[int]:
+        """For each prefix of the pattern, its longest proper prefix that is also its end."""
+        if self._fallback is None:
+            pattern, table, k = self.pattern, [0] * len(self.pattern), 0
+            for i in range(1, len(pattern)):
+                while k and pattern[i] != pattern[k]:
+                    k = table[k - 1]
+                if pattern[i] == pattern[k]:
+                    k += 1
+                table[i] = k
+            self._fallback = table
+        return self._fallback
 
 
 def _stream_rows(rows: list[_RowText], chunks: Iterator[np.ndarray],

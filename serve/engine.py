@@ -30,7 +30,8 @@ from collections.abc import Callable, Iterable
 
 import jax
 import numpy as np
-from kvjax.decode.generate import MIN_BUCKET, placement
+from kvjax.decode import checks
+from kvjax.decode.generate import placement
 from kvjax.decode.loop import StopReason
 from kvjax.decode.prompt_state import prefill_state
 
@@ -100,7 +101,8 @@ class Engine:
     all of a slot's: size it to the longest request accepted), refused before it is
     allocated if it would not fit the device's free memory (`memory.py`). `max_staged`
     (default `max_slots`) bounds a request's `n` and the slots a chunk can refill before
-    the host stages more; fewer leave slots more memory. `chunk_size`: `default_chunk_size()`."""
+    the host stages more; fewer leave slots more memory. `chunk_size`: by default
+    `chunk.default_chunk_size()`."""
 
     def __init__(self, config: M.TransformerConfig, params, *,
                  tokenizer: TextTokenizer | None = None, max_slots: int = 16,
@@ -109,7 +111,7 @@ class Engine:
                  prefill_batch: int = 8, metrics=None, mesh=None):
         capacity = config.max_len if max_len is None else max_len
         if chunk_size is None:
-            chunk_size = default_chunk_size()
+            chunk_size = chunk.default_chunk_size()
         max_staged = max_slots if max_staged is None else max_staged
         for name, value in (("max_slots", max_slots), ("max_staged", max_staged),
                             ("max_len", capacity), ("chunk_size", chunk_size),
@@ -158,13 +160,19 @@ class Engine:
         """Requests waiting to be staged, and samples staged waiting for a slot."""
         return len(self._pending) + self._waiting
 
-    def submit(self, request: GenerationRequest, on_delta: OnDelta) -> Ticket:
-        """Queues `request`; a ValueError names a bad value, `QueueFull` says to retry."""
+    def check(self, request: GenerationRequest) -> GenerationRequest:
+        """`request` as `submit` queues it (seed drawn); a `checks.InvalidValue` names the
+        first value this engine can never serve."""
         request = request.checked(self.config.vocab_size, self.capacity)
         for rows, what in ((self.max_slots, "slots"), (self.num_staged, "staged rows")):
             if request.n > rows:  # a request's samples are staged together
-                raise ValueError(f"n={request.n} is more than the engine's {rows} {what}")
-        ticket = Ticket(self, request, on_delta)
+                raise checks.InvalidValue("n", f"n={request.n} is more than the engine's "
+                                               f"{rows} {what}")
+        return request
+
+    def submit(self, request: GenerationRequest, on_delta: OnDelta) -> Ticket:
+        """Queues `request`; a ValueError names a bad value, `QueueFull` says to retry."""
+        ticket = Ticket(self, self.check(request), on_delta)
         with self._wake:
             if len(self._pending) >= self.max_queue:
                 raise QueueFull(f"{len(self._pending)} requests are waiting for a slot, as "
@@ -179,7 +187,7 @@ class Engine:
         for a compilation: the prefill of every prompt-length bucket (of `prompt_lengths`,
         default every length a slot holds) and the insert at every row count, the chunk."""
         lengths = range(1, self.capacity) if prompt_lengths is None else prompt_lengths
-        buckets = sorted({prompt_bucket(n, self.capacity) for n in lengths})
+        buckets = sorted({slots.prompt_bucket(n, self.capacity) for n in lengths})
         rows = sorted({min(1 << k, self.prefill_batch)
                        for k in range(self.prefill_batch.bit_length() + 1)})
         for count, length in itertools.product(rows, buckets):
@@ -311,7 +319,8 @@ class Engine:
         repeat the first) and writes each prompt into a free staged row per sample."""
         prompts = [ticket.request.prompt for ticket in tickets]
         rows = min(1 << (len(prompts) - 1).bit_length(), self.prefill_batch)
-        padded = np.zeros((rows, prompt_bucket(max(map(len, prompts)), self.capacity)), np.int32)
+        length = slots.prompt_bucket(max(map(len, prompts)), self.capacity)
+        padded = np.zeros((rows, length), np.int32)
         lengths = np.full(rows, len(prompts[0]), np.int32)
         for row, prompt in enumerate(prompts + [prompts[0]] * (rows - len(prompts))):
             padded[row, :len(prompt)] = prompt
@@ -351,9 +360,14 @@ class Engine:
             ids = owner[row, steps]
             for run in np.split(steps, np.flatnonzero(np.diff(ids)) + 1):
                 sample = self._samples.get(int(owner[row, run[0]]))
-                if sample is not None:  # else the host ended it (cancelled, stop string)
+                if sample is None:  # the host ended it (cancelled, stop string, failed)
+                    continue
+                try:
                     self._emit(sample, emitted, row, run[emitted.made[row, run]],
                                int(emitted.reason[row, run[-1]]))
+                except Exception as error:  # noqa: BLE001 - it ends this request alone
+                    logging.getLogger(__name__).exception("a request failed; it ends")
+                    self._fail(sample.ticket, error)
         filled = {r for later in self._dispatched for r in later.staged_rows}
         self._free_staged = [r for r in range(self.num_staged)
                              if not emitted.waiting[r] and r not in filled]
@@ -417,6 +431,14 @@ class Engine:
         if self.metrics is not None:
             self.metrics.set_load(self.queue_length, self.live_slots)
 
+    def _fail(self, ticket: Ticket, error: Exception) -> None:
+        """Ends one request with `error` (its slots free with the next chunk), no other."""
+        for sample in [s for s in self._samples.values() if s.ticket is ticket]:
+            del self._samples[sample.id]
+            self._to_stop.append(sample.id)
+        ticket.cancelled = True
+        ticket.on_delta(error)
+
     def _fail_all(self, error: Exception) -> None:
         """Ends every queued and live request with `error` and starts from free slots."""
         with self._wake:
@@ -426,24 +448,3 @@ class Engine:
         self._reset()
         for ticket in tickets.values():
             ticket.on_delta(error)
-
-
-def default_chunk_size() -> int:
-    """Decode steps per chunk: 8 on a CPU, 64 on an accelerator. On a CPU a host turn costs
-    little beside a step: longer chunks gained no throughput and only delayed first tokens
-    (`small` at 50 requests/s: TTFT p50 15.6 ms with 8, 30 ms with 16). On a GPU each turn
-    costs the device several steps' time (an H100, `small`, the long-tailed workload run
-    turn by turn: 27,459 tokens/s with chunks of 16, 40,856 with 64)."""
-    return 8 if jax.default_backend() == "cpu" else 64
-
-
-def prompt_bucket(n: int, limit: int) -> int:
-    """The length a prompt of n tokens is padded to for its prefill: the smallest power of
-    two or 1.5 times one that holds it (at least `MIN_BUCKET`, at most `limit`). A prefill
-    pads every prompt of its batch to the longest one's bucket; the halfway steps cut that
-    padding from up to half the work to up to a third, for a few more programs."""
-    size = MIN_BUCKET
-    while size < n:
-        power = 1 << (size.bit_length() - 1)  # the power of two at or below `size`
-        size = power * 3 // 2 if size == power and power >= 16 else power * 2
-    return min(size, limit)

@@ -28,14 +28,26 @@ class APIError(Exception):
     """An error answered as OpenAI's `{"error": {...}}` with `status`."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error", headers: dict | None = None):
+                 kind: str = "invalid_request_error", headers: dict | None = None,
+                 code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
-        self.headers = headers or {}
+        self.headers, self.code = headers or {}, code
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": None}}
+                          "code": self.code}}
+
+    @classmethod
+    def invalid(cls, error: ValueError, chat: bool) -> APIError:
+        """A 400 for a value the checks refused, naming the request's field where the error
+        names one (`checks.InvalidValue`)."""
+        field = getattr(error, "name", None)
+        if field is not None:
+            field = field.split("[")[0]  # "top_p[1]": one of a list's values
+            field = {"logprobs": "top_logprobs" if chat else "logprobs",
+                     "stop_ids": None}.get(field, field)
+        return cls(400, str(error), field)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +69,12 @@ class Parsed:
 _NUMBER, _INT, _BOOL, _STR = (int, float), (int,), (bool,), (str,)
 
 
+def _shown(value: Any, limit: int = 80) -> str:
+    """`value`'s repr for an error message, cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def _get(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
     value = body.get(name)
     if value is None:
@@ -64,7 +82,7 @@ def _get(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
         wanted = {_NUMBER: "a number", _INT: "an integer", _BOOL: "a boolean",
                   _STR: "a string"}.get(kinds, "/".join(k.__name__ for k in kinds))
-        raise APIError(400, f"{name}={value!r} must be {wanted}", name)
+        raise APIError(400, f"{name}={_shown(value)} must be {wanted}", name)
     return value
 
 
@@ -72,10 +90,11 @@ def _refuse_unsupported(body: dict) -> None:
     for name, off in (("presence_penalty", 0), ("frequency_penalty", 0), ("logit_bias", {}),
                       ("suffix", ""), ("tools", []), ("response_format", {"type": "text"})):
         if body.get(name) not in (None, off):
-            raise APIError(400, f"{name}={body[name]!r} is not supported by this server "
+            raise APIError(400, f"{name}={_shown(body[name])} is not supported by this server "
                                 f"(kvjax has repetition_penalty and no_repeat_ngram_size)", name)
     if body.get("best_of") not in (None, body.get("n", 1)):
-        raise APIError(400, f"best_of={body['best_of']!r} is not supported: use n", "best_of")
+        raise APIError(400, f"best_of={_shown(body['best_of'])} is not supported: use n",
+                       "best_of")
 
 
 def _top_k(body: dict) -> int:
@@ -84,20 +103,27 @@ def _top_k(body: dict) -> int:
     return 0 if top_k == -1 else top_k
 
 
-def _stops(body: dict) -> tuple[str, ...]:
+def _stops(body: dict, max_count: int, max_chars: int) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
         return ()
-    if isinstance(stop, str):
-        return (stop,)
+    stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise APIError(400, f"stop={stop!r} must be a string or a list of strings", "stop")
+        raise APIError(400, f"stop={_shown(stop)} must be a string or a list of strings",
+                       "stop")
+    if len(stop) > max_count:
+        raise APIError(400, f"stop has {len(stop)} strings: at most {max_count}", "stop")
+    for i, text in enumerate(stop):
+        if len(text) > max_chars:
+            raise APIError(400, f"stop string {i} has {len(text)} characters: at most "
+                                f"{max_chars}", "stop")
     return tuple(stop)
 
 
-def _completion_prompts(loaded: T.LoadedModel, prompt: Any) -> tuple[list[tuple], list[str]]:
+def _completion_prompts(loaded: T.LoadedModel, prompt: Any,
+                        max_prompts: int) -> tuple[list[tuple], list[str]]:
     """(token ids, text) of each prompt: a string, a list of strings, a list of token ids
-    or a list of such lists."""
+    or a list of such lists; at most `max_prompts` of them."""
     def is_ids(value):
         return (isinstance(value, list) and bool(value)
                 and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
@@ -106,6 +132,9 @@ def _completion_prompts(loaded: T.LoadedModel, prompt: Any) -> tuple[list[tuple]
         prompt = [prompt]
     elif is_ids(prompt):
         prompt = [prompt]
+    if isinstance(prompt, list) and len(prompt) > max_prompts:
+        raise APIError(400, f"prompt holds {len(prompt)} prompts: at most {max_prompts}, "
+                            "the requests this server queues at once", "prompt")
     if not isinstance(prompt, list) or not prompt or not all(
             isinstance(p, str) or is_ids(p) for p in prompt):
         raise APIError(400, "prompt must be a string, a list of strings, a list of token ids "
@@ -139,9 +168,10 @@ def _chat_prompt(loaded: T.LoadedModel, messages: Any) -> tuple[int, ...]:
 
 
 def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
-          chat_api: bool) -> Parsed:
+          chat_api: bool, max_prompts: int = 64, max_stop_strings: int = 16,
+          max_stop_chars: int = 1024) -> Parsed:
     """The request in `body` (already JSON-decoded) for /v1/chat/completions if `chat_api`,
-    else for /v1/completions."""
+    else for /v1/completions, within the given bounds (see `limits.Limits`)."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     model = _get(body, "model", _STR)
@@ -167,7 +197,7 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
     else:
         if "prompt" not in body:
             raise APIError(400, "prompt is required", "prompt")
-        prompts, texts = _completion_prompts(loaded, body["prompt"])
+        prompts, texts = _completion_prompts(loaded, body["prompt"], max_prompts)
         max_tokens = _get(body, "max_tokens", _INT)
         top = _get(body, "logprobs", _INT)
         want_logprobs = top is not None
@@ -182,7 +212,8 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
         min_p=_get(body, "min_p", _NUMBER, 0.0),
         repetition_penalty=_get(body, "repetition_penalty", _NUMBER, 1.0),
         no_repeat_ngram_size=_get(body, "no_repeat_ngram_size", _INT, 0),
-        seed=_get(body, "seed", _INT), stop=_stops(body), logprobs=top or 0,
+        seed=_get(body, "seed", _INT), stop=_stops(body, max_stop_strings, max_stop_chars),
+        logprobs=top or 0,
         stop_ids=tuple(loaded.tokenizer.stop_ids))
     requests = []
     for ids in prompts:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -27,6 +28,7 @@ from kvjax.text import LoadedModel
 
 from .answers import Answer
 from .engine import Engine, QueueFull
+from .limits import Limits, authorized, read_json
 from .metrics import ServeMetrics
 from .prompt_logprobs import prompt_logprobs
 from .protocol import APIError, Parsed, parse
@@ -41,11 +43,12 @@ def error_response(error: APIError) -> JSONResponse:
 def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: int = 16,
               max_staged: int | None = None, max_queue: int = 64, max_len: int | None = None,
               chunk_size: int | None = None, prefill_batch: int = 8, warm_up: bool = False,
-              mesh=None) -> Starlette:
+              mesh=None, api_key: str | None = None, limits: Limits | None = None) -> Starlette:
     """The app serving `loaded` as `model_name` (default: its directory's name). The engine
     starts with the app (its lifespan), after compiling every program it can need if
     `warm_up`, and stops with it. On a `mesh` the slots are split over its devices (see
-    `Engine`)."""
+    `Engine`). With an `api_key`, /v1/ answers only requests that carry it; `limits` bound
+    what a request may ask (`limits.Limits`)."""
     metrics = ServeMetrics()
     engine = Engine(loaded.config, loaded.params, tokenizer=loaded.tokenizer,
                     max_slots=max_slots, max_staged=max_staged, max_len=max_len,
@@ -54,7 +57,14 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
     name = model_name or os.path.basename(os.path.normpath(loaded.directory)) or "kvjax"
     created = int(time.time())
 
-    async def models(_: Request) -> JSONResponse:
+    limits = limits or Limits()
+    max_prompts = limits.max_prompts or max_queue
+
+    async def models(request: Request) -> JSONResponse:
+        try:
+            authorized(request, api_key)
+        except APIError as error:
+            return error_response(error)
         return JSONResponse({"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "kvjax",
              "max_model_len": engine.capacity}]})
@@ -74,12 +84,11 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
 
     async def _generate(request: Request, chat_api: bool) -> Response:
         try:
-            raw = await request.body()
-            try:
-                body = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                raise APIError(400, f"the request body is not valid JSON: {error}") from None
-            parsed = parse(body, loaded, name, engine.capacity, chat_api=chat_api)
+            authorized(request, api_key)
+            body = await read_json(request, limits)
+            # Off the event loop: tokenizing many or long prompts must not stall other
+            # requests' streams, nor /health.
+            parsed = await asyncio.to_thread(_parse_and_check, body, chat_api)
             answer = Answer(parsed, loaded.tokenizer)
             if parsed.echo_prompt and parsed.logprobs:
                 for prompt, generation in enumerate(parsed.requests):
@@ -102,11 +111,26 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
             return error_response(error)
         except ValueError as error:
             metrics.count_request("invalid")
-            return error_response(APIError(400, str(error)))
+            return error_response(APIError.invalid(error, chat_api))
         if parsed.stream:
             return StreamingResponse(_stream(answer, events, tickets),
                                      media_type="text/event-stream")
         return await _whole(request, answer, events, tickets)
+
+    def _parse_and_check(body, chat_api: bool) -> Parsed:
+        """The parsed request with every prompt's request checked as the engine will take it
+        (the echo-only answer, which never reaches the engine, included)."""
+        parsed = parse(body, loaded, name, engine.capacity, chat_api=chat_api,
+                       max_prompts=max_prompts, max_stop_strings=limits.max_stop_strings,
+                       max_stop_chars=limits.max_stop_chars)
+        try:
+            checked = tuple(
+                dataclasses.replace(engine.check(dataclasses.replace(r, max_tokens=1)),
+                                    max_tokens=r.max_tokens) if r.max_tokens == 0
+                else engine.check(r) for r in parsed.requests)
+        except UnicodeError as error:  # a tokenizer refusing text: the client's
+            raise APIError(400, f"the text cannot be tokenized: {error}", "prompt") from None
+        return dataclasses.replace(parsed, requests=checked)
 
     def _submit(parsed: Parsed, events: asyncio.Queue, loop) -> list:
         tickets = []

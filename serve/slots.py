@@ -29,6 +29,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from kvjax.decode.generate import MIN_BUCKET
 from kvjax.decode.loop import StopReason
 from kvjax.decode.processors import ProcessorState, apply_processors
 from kvjax.decode.sampling import SamplingParams, filter_logits
@@ -301,3 +302,15 @@ def insert(state: EngineState, prefix_cache: M.KVCache, next_logits_PV, context_
                     top_logprobs=top_logprobs_RW[:, None],
                     live=jnp.sum(state.slots.running, dtype=jnp.int32), waiting=rows.running)
     return state, first
+
+
+def prompt_bucket(n: int, limit: int) -> int:
+    """The length a prompt of n tokens is padded to for its prefill: the smallest power of
+    two or 1.5 times one that holds it (at least `MIN_BUCKET`, at most `limit`). A prefill
+    pads every prompt of its batch to the longest one's bucket; the halfway steps cut that
+    padding from up to half the work to up to a third, for a few more programs."""
+    size = MIN_BUCKET
+    while size < n:
+        power = 1 << (size.bit_length() - 1)  # the power of two at or below `size`
+        size = power * 3 // 2 if size == power and power >= 16 else power * 2
+    return min(size, limit)

@@ -42,6 +42,13 @@ def traces():
     ([[5, 6, 7]], {"top_k": True}, r"top_k=True must be an int"),
     ([[5, 6, 7]], {"top_p": float("inf")}, r"top_p=inf must be finite"),
     ([[5, 6, 7]], {"length_penalty": float("nan")}, r"length_penalty=nan must be finite"),
+    # Each setting within the dtype the compiled code holds it in: int32 counts, float32 reals.
+    ([[5, 6, 7]], {"top_k": 2**31}, r"top_k=2147483648 must be <= 2147483647"),
+    ([[5, 6, 7]], {"no_repeat_ngram_size": 2**40}, r"no_repeat_ngram_size=1099511627776"),
+    ([[5, 6, 7]], {"top_p": 1e-50}, r"top_p=1e-50 is 0.0 as float32, .* in \(0, 1\] too"),
+    ([[5, 6, 7], [8]], {"repetition_penalty": [1.0, 1e-46]},
+     r"repetition_penalty\[1\]=1e-46 is 0.0 as float32"),
+    ([[5, 6, 7]], {"temperature": 1e39}, r"temperature=1e\+39 is inf as float32"),
 ])
 def test_generate_refuses_before_compiling(tiny, prompts, kwargs, message):
     net, params = tiny

@@ -6,7 +6,7 @@ import pytest
 from conftest import FakeTokenizer
 from kvjax.decode.tracing import trace_count
 from kvjax.serve import Engine, GenerationRequest, QueueFull
-from kvjax.serve.engine import prompt_bucket
+from kvjax.serve.slots import prompt_bucket
 
 from kvjax import decode
 from kvjax import model as M

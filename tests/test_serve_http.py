@@ -4,15 +4,13 @@ backpressure and disconnects."""
 
 import asyncio
 import json
-import threading
 import time
 
 import httpx
 import numpy as np
 import openai
 import pytest
-import uvicorn
-from conftest import FakeTokenizer
+from conftest import FakeTokenizer, serve_app
 from kvjax.serve import GenerationRequest, chat
 from kvjax.serve.server import build_app
 
@@ -33,17 +31,9 @@ def loaded(tiny_lm):
 def server(loaded):
     """The base URL of a running server, and its app."""
     app = build_app(loaded, max_slots=4, max_queue=64, chunk_size=4, prefill_batch=4)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + TIMEOUT
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}", app
-    server.should_exit = True
-    thread.join(TIMEOUT)
+    url, stop = serve_app(app, TIMEOUT)
+    yield url, app
+    stop()
 
 
 @pytest.fixture(scope="module")

@@ -95,3 +95,32 @@ def test_bad_sampling_options_end_with_one_line(capsys, option, message):
         code = stop.code
     err = capsys.readouterr().err
     assert code == 2 and message in err, err
+
+
+def test_text_held_back_is_the_longest_end_that_starts_a_stop_string():
+    """`_StopStart` against the definition, on random texts that grow (and now and then
+    change before their end, as decoded text can), and in time linear in the text."""
+    import random
+    import time
+
+    def longest(text_, stop):
+        return max((k for k in range(1, len(stop)) if text_.endswith(stop[:k])), default=0)
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        stop = "".join(rng.choice("ab") for _ in range(rng.randint(1, 7)))
+        start, text_ = text._StopStart(stop), ""
+        for _ in range(rng.randint(1, 6)):
+            if text_ and rng.random() < 0.2:
+                text_ = text_[:rng.randint(0, len(text_))]
+            text_ += "".join(rng.choice("abc") for _ in range(rng.randint(0, 5)))
+            assert start.held(text_) == longest(text_, stop), (stop, text_)
+    # A 200,000-character stop string the text keeps almost completing: the quadratic
+    # definition would compare 2e10 characters per call.
+    stop = "x" * 200_000
+    start, began = text._StopStart(stop), time.perf_counter()
+    grown = "y"
+    for _ in range(50):
+        grown += "x" * 3000
+        assert start.held(grown) == len(grown) - 1
+    assert time.perf_counter() - began < 10

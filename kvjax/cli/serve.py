@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 from .common import add_command, add_precision, positive, with_precision
+
+API_KEY_VARIABLE = "KVJAX_API_KEY"
 
 
 def add_serve(commands) -> None:
@@ -40,6 +45,10 @@ def add_serve(commands) -> None:
                        help="split the slots over N devices and the heads and FFN over M "
                             "(--max-slots and --max-staged multiples of N; default: one "
                             "device)")
+    serve.add_argument("--api-key", default=None, metavar="KEY",
+                       help="answer /v1/ requests only with 'Authorization: Bearer KEY', as "
+                            "OpenAI's clients send their api_key (default: $KVJAX_API_KEY; "
+                            "none: anyone who reaches the port may use it)")
     add_precision(serve)
     serve.set_defaults(run=run_serve)
 
@@ -48,13 +57,34 @@ def run_serve(args) -> int:
     import uvicorn
 
     from kvjax import parallel, text
+    from kvjax.serve.limits import Limits, header_timeout_protocol
     from kvjax.serve.server import build_app
 
+    api_key = args.api_key or os.environ.get(API_KEY_VARIABLE) or None
+    if api_key is None and not is_loopback(args.host):
+        print(f"kvjax serve: warning: listening on {args.host} with no API key: anyone who "
+              f"can reach the port may use the model (set --api-key or ${API_KEY_VARIABLE})",
+              file=sys.stderr)
     mesh = None if args.mesh is None else parallel.make_mesh(args.mesh)
     loaded = with_precision(text.load(args.checkpoint), args)
+    limits = Limits()
     app = build_app(loaded, model_name=args.model_name, max_slots=args.max_slots,
                     max_staged=args.max_staged, max_queue=args.max_queue,
                     max_len=args.max_len, chunk_size=args.chunk_size,
-                    prefill_batch=args.prefill_batch, warm_up=args.warm_up, mesh=mesh)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+                    prefill_batch=args.prefill_batch, warm_up=args.warm_up, mesh=mesh,
+                    api_key=api_key, limits=limits)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
+                http=header_timeout_protocol(limits.header_timeout))
     return 0
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name) only takes connections from this machine."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
