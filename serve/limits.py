@@ -47,14 +47,20 @@ async def read_json(request: Request, limits: Limits) -> Any:
                                      limits.read_timeout)
     except TimeoutError:
         raise APIError(408, f"the body did not arrive within {limits.read_timeout:g} s") from None
+    # Off the event loop: decoding and walking megabytes of JSON must not stall other
+    # requests' streams, nor /health.
+    return await asyncio.to_thread(_decode, raw, limits.max_json_depth)
+
+
+def _decode(raw: bytes, max_depth: int) -> Any:
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise APIError(400, f"the request body is not valid JSON: {error}") from None
     except RecursionError:
-        raise APIError(400, f"the JSON body is nested more than {limits.max_json_depth} "
-                            "levels deep") from None
-    _check_tree(body, limits.max_json_depth)
+        raise APIError(400, f"the JSON body is nested more than {max_depth} levels "
+                            "deep") from None
+    _check_tree(body, max_depth)
     return body
 
 
