@@ -8,11 +8,10 @@ Fresh keys and values come out of their projections as [B, S, K, H]; the cache s
 as [B, K, S, H] (see `model/cache.py`): `attend` takes the first, `attend_blocks` the second.
 
 What runs where: a call without a cache, and the prefill (the prompt into an empty cache),
-attend over the new tokens' K/V with `jax.nn.dot_product_attention(implementation=None)`.
-In jax 0.10.2 None still means XLA's own ops on every backend, GPU included (its source says
-automatic selection is to come); cuDNN's fused kernel runs only when asked for by name
-(`implementation="cudnn"`, float16/bfloat16 on an NVIDIA GPU), which this module does not
-do. A call that reads the cache (decode steps, a chunk after the prefill, cross-attention
+attend over the new tokens' K/V with `jax.nn.dot_product_attention(implementation=None)`,
+which leaves the choice of kernel to jax; cuDNN's fused kernel runs only where jax picks it
+or it is asked for by name (`implementation="cudnn"`, float16/bfloat16 on an NVIDIA GPU),
+which this module does not do. A call that reads the cache (decode steps, a chunk after the prefill, cross-attention
 over the cached source) runs `attend_blocks`, which on a CPU reads only the blocks of slots
 that some row has filled, and on an accelerator reads a layer of up to 64 MiB in one pass
 (there a loop iteration or a branch waits for the host, and costs more than the reading).
@@ -119,7 +118,7 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
         # An int8 cache is always read by blocks: a product over a whole layer would first
         # convert all of it to float32 (XLA:CPU does not fuse the conversion into the
         # product), a float copy of the layer at every step; a block converts only its own
-        # slots and copies a quarter of the bytes of a float32 block (README, performance).
+        # slots and copies a quarter of the bytes of a float32 block (benchmarks/README.md).
         blocks = _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, block,
                                        num_blocks, scales)
         return _to_BTNH(blocks, q_BTNH), num_blocks

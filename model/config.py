@@ -64,7 +64,7 @@ class TransformerConfig:
     # How a stack of layers is held (see `layer_stacks`). False (the default): unrolled
     # layers with their own params (`layers/0`, ...) and their own cache buffers, so each
     # layer reads its weights and its cache where they lie; decoding and training are faster
-    # this way (README, performance). True: one `nn.scan` over stacked [L, ...] params and
+    # this way (benchmarks/README.md). True: one `nn.scan` over stacked [L, ...] params and
     # one stacked cache buffer, traced once, so compile time does not grow with depth; worth
     # it for deep models. `unstack_layer_params`/`stack_layer_params` convert between them.
     scan_layers: bool = False

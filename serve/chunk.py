@@ -178,8 +178,6 @@ def decode_chunk(config: M.TransformerConfig, params, state: EngineState, cancel
 
 def default_chunk_size() -> int:
     """Decode steps per chunk: 8 on a CPU, 64 on an accelerator. On a CPU a host turn costs
-    little beside a step: longer chunks gained no throughput and only delayed first tokens
-    (`small` at 50 requests/s: TTFT p50 15.6 ms with 8, 30 ms with 16). On a GPU each turn
-    costs the device several steps' time (an H100, `small`, the long-tailed workload run
-    turn by turn: 27,459 tokens/s with chunks of 16, 40,856 with 64)."""
+    little beside a step, so longer chunks only delay first tokens; on an accelerator each
+    turn costs the device several steps' time (measured in benchmarks/README.md)."""
     return 8 if jax.default_backend() == "cpu" else 64
