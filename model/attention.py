@@ -11,10 +11,11 @@ What runs where: a call without a cache, and the prefill (the prompt into an emp
 attend over the new tokens' K/V with `jax.nn.dot_product_attention(implementation=None)`,
 which leaves the choice of kernel to jax; cuDNN's fused kernel runs only where jax picks it
 or it is asked for by name (`implementation="cudnn"`, float16/bfloat16 on an NVIDIA GPU),
-which this module does not do. A call that reads the cache (decode steps, a chunk after the prefill, cross-attention
-over the cached source) runs `attend_blocks`, which on a CPU reads only the blocks of slots
-that some row has filled, and on an accelerator reads a layer of up to 64 MiB in one pass
-(there a loop iteration or a branch waits for the host, and costs more than the reading).
+which this module does not do. A call that reads the cache (decode steps, a chunk after the
+prefill, cross-attention over the cached source) runs `attend_blocks`, which on a CPU reads
+only the blocks of slots that some row has filled, and on an accelerator reads a layer of up
+to 64 MiB in one pass (there a loop iteration or a branch waits for the host, and costs more
+than the reading).
 
 With an int8 cache (`model/quantize.py`) `attend_blocks` always reads by blocks and applies
 the scales block by block, to the logits and to the weights, and the prefill attends over
