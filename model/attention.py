@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from .cache import write_rows
 from .config import TransformerConfig
+from .norms import RMSNorm
 from .positional import apply_rope, rope_frequencies
 from .quantize import quantize, round_trip
 
@@ -319,6 +320,8 @@ class SelfAttention(nn.Module):
         # three smaller ones would each pay a kernel launch (a decode step is many of them).
         qkv = _projection(config, config.num_heads + 2 * config.kv_heads, "qkv")(x_BTD)
         q, k, v = jnp.split(qkv, [config.num_heads, config.num_heads + config.kv_heads], axis=2)
+        if config.qk_norm:
+            q, k = RMSNorm(config, name="q_norm")(q), RMSNorm(config, name="k_norm")(k)
         if config.positional_encoding == "rope":
             inv_freq = rope_frequencies(config)
             q = apply_rope(q, positions_BT, inv_freq)

@@ -91,6 +91,10 @@ class TransformerConfig:
     # What the KV cache stores; None: the compute dtype. "int8" stores K and V as int8 with a
     # float32 scale per (token, kv head), dequantised block by block as attention reads them.
     cache_dtype: str | None = None
+    qk_norm: bool = False  # RMSNorm over each head's query and key, before RoPE (Qwen3)
+    # Self-attention sees only the last `sliding_window` positions (itself included; Mistral).
+    # None: all earlier positions. The cache still holds every position of a row.
+    sliding_window: int | None = None
 
     def __post_init__(self):
         problems = _type_problems(self)
@@ -108,6 +112,8 @@ class TransformerConfig:
                                 f"d_model={self.d_model} (or give head_dim)")
         elif self.head_dim < 1:
             problems.append(f"head_dim={self.head_dim} must be >= 1")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            problems.append(f"sliding_window={self.sliding_window} must be >= 1 or None")
         kv = self.num_kv_heads
         if kv is not None and (kv < 1 or (self.num_heads >= 1 and self.num_heads % kv)):
             problems.append(f"num_kv_heads={kv} must be >= 1 and divide num_heads={self.num_heads}")
@@ -210,7 +216,7 @@ _INT_FIELDS = ("vocab_size", "d_model", "num_heads", "d_ff", "num_decoder_layers
 _REAL_FIELDS = ("dropout", "rope_base", "layer_norm_eps", "rope_scaling_factor",
                 "rope_low_freq_factor", "rope_high_freq_factor")
 _BOOL_FIELDS = ("tie_embeddings", "scan_layers", "qkv_bias", "out_bias", "ffn_bias",
-                "scale_embeddings", "logits_bias")
+                "scale_embeddings", "logits_bias", "qk_norm")
 _CHOICES = {"positional_encoding": POSITIONAL_ENCODINGS, "norm": NORM_PLACEMENTS,
             "activation": ACTIVATIONS, "dtype": DTYPES, "param_dtype": DTYPES,
             "norm_type": NORM_TYPES, "sinusoid_layout": SINUSOID_LAYOUTS,
@@ -221,7 +227,8 @@ _CHOICES = {"positional_encoding": POSITIONAL_ENCODINGS, "norm": NORM_PLACEMENTS
 _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "qkv_bias", "out_bias", "ffn_bias", "norm_type", "scale_embeddings", "logits_bias",
     "sinusoid_layout", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor",
-    "rope_high_freq_factor", "rope_original_max_len", "cache_dtype")}
+    "rope_high_freq_factor", "rope_original_max_len", "cache_dtype", "qk_norm",
+    "sliding_window")}
 
 
 def _rope_scaling_problems(config: TransformerConfig) -> list[str]:
@@ -255,7 +262,7 @@ def _type_problems(config: TransformerConfig) -> list[str]:
 
     for name in _INT_FIELDS:
         check(name, (int, np.integer), int, "an int")
-    for name in ("num_kv_heads", "head_dim"):
+    for name in ("num_kv_heads", "head_dim", "sliding_window"):
         if getattr(config, name) is not None:
             check(name, (int, np.integer), int, "an int or None")
     for name in _REAL_FIELDS:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from .attention import CrossAttention, SelfAttention
 from .config import TransformerConfig
+from .norms import make_norm
 
 
 @flax.struct.dataclass
@@ -69,31 +70,6 @@ class FeedForward(nn.Module):
         if c.activation == "swiglu":
             h = h * dense(c.d_ff, "wi_gate")(x_BTD)
         return dense(c.d_model, "wo")(h)
-
-
-class RMSNorm(nn.Module):
-    """x * rsqrt(mean(x²) + eps) * scale over the last axis, normalised in float32 and cast
-    back before the scale (as Llama does)."""
-
-    config: TransformerConfig
-
-    @nn.compact
-    def __call__(self, x):
-        c = self.config
-        scale = self.param("scale", nn.initializers.ones_init(), (x.shape[-1],),
-                           c.weights_dtype)
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True)
-                                     + c.layer_norm_eps)
-        return normed.astype(c.compute_dtype) * scale.astype(c.compute_dtype)
-
-
-def make_norm(config: TransformerConfig, name: str) -> nn.Module:
-    """The normalisation `config.norm_type` names: LayerNorm (scale and bias) or RMSNorm."""
-    if config.norm_type == "rmsnorm":
-        return RMSNorm(config, name=name)
-    return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=config.compute_dtype,
-                        param_dtype=config.weights_dtype, name=name)
 
 
 class Residual(nn.Module):

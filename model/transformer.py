@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from .attention import CrossKV
 from .cache import KVCache, check_cache, init_cache
 from .config import TransformerConfig
-from .layers import DecoderLayer, EncoderLayer, LayerInputs, layer_stack, make_norm, run_layers
+from .layers import DecoderLayer, EncoderLayer, LayerInputs, layer_stack, run_layers
+from .norms import make_norm
 from .positional import sinusoidal
 from .quantize import quantize
 
@@ -30,18 +31,22 @@ def _valid_lengths(tokens_BT: jax.Array, lengths_B: jax.Array | None) -> jax.Arr
 
 
 def self_attention_inputs(starts_B, valid_B, num_queries: int, num_keys: int,
-                          capacity: int | None) -> tuple[LayerInputs, jax.Array, jax.Array]:
+                          capacity: int | None, window: int | None = None,
+                          ) -> tuple[LayerInputs, jax.Array, jax.Array]:
     """Positions and the causal + padding mask for T new tokens written after `starts`.
 
     Query t of row b sits at position starts[b] + t; key slot s holds position s. A query
-    sees slot s iff s <= its position and s < the row's new length. Returns the layer
-    inputs, the new lengths [B] and the rows that did not fit [B] (all False w/o cache).
+    sees slot s iff s <= its position and s < the row's new length, and with a sliding
+    `window`, iff s > its position - window. Returns the layer inputs, the new lengths [B]
+    and the rows that did not fit [B] (all False w/o cache).
     """
     positions_BT = starts_B[:, None] + jnp.arange(num_queries, dtype=jnp.int32)
     new_lengths_B = starts_B + valid_B
     slots_S = jnp.arange(num_keys, dtype=jnp.int32)
     mask_BTS = (slots_S[None, None, :] <= positions_BT[:, :, None]) & (
         slots_S[None, None, :] < new_lengths_B[:, None, None])
+    if window is not None:
+        mask_BTS &= slots_S[None, None, :] > positions_BT[:, :, None] - window
     if capacity is None:
         no_overflow = jnp.zeros_like(valid_B, bool)
         return LayerInputs(positions_BT, mask_BTS), new_lengths_B, no_overflow
@@ -170,7 +175,7 @@ class DecoderOnlyLM(nn.Module):
         num_keys = num_tokens if cache is None or fresh else cache.capacity
         capacity = None if cache is None else cache.capacity
         inputs, new_lengths_B, overflowed_B = self_attention_inputs(
-            starts_B, valid_B, num_tokens, num_keys, capacity)
+            starts_B, valid_B, num_tokens, num_keys, capacity, self.config.sliding_window)
         inputs = inputs.replace(fresh=fresh)
         x = self.embedder(tokens_BT, inputs.positions)
         x, stacked, _ = run_layers(self.config, self.layers, self.config.num_decoder_layers, x,
@@ -288,7 +293,7 @@ class EncoderDecoder(nn.Module):
             source_lengths_B = cache.source_lengths
             starts_B, num_keys, capacity = cache.lengths, cache.capacity, cache.capacity
         inputs, new_lengths_B, overflowed_B = self_attention_inputs(
-            starts_B, valid_B, num_tokens, num_keys, capacity)
+            starts_B, valid_B, num_tokens, num_keys, capacity, self.config.sliding_window)
         source_slots = jnp.arange(encoded_BSD.shape[1] if cache is None
                                   else cache.source_length, dtype=jnp.int32)
         inputs = inputs.replace(cross_mask=jnp.broadcast_to(

@@ -22,9 +22,9 @@ from kvjax import decode, hf
 from kvjax import model as M
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf_models"
-NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian")
+NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
-               "marian": "marian"}
+               "marian": "marian", "qwen3": "qwen3", "mistral": "mistral"}
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,9 @@ def relative_error(got, want):
 def test_logits_and_generation_equal_transformers(loaded, name):
     config, tokenizer, params = loaded(name)
     record, logits = expected(name)
-    assert config.tie_embeddings == (name in ("gpt2", "llama_mqa", "marian"))
+    assert config.tie_embeddings == (name in ("gpt2", "llama_mqa", "marian", "qwen3"))
+    assert config.qk_norm == (name == "qwen3")
+    assert config.sliding_window == (4 if name == "mistral" else None)
     for i, got in enumerate(teacher_forced(config, params, record)):
         assert relative_error(got, logits[f"logits_{i}"]) <= 1e-5
     net = M.build_model(config)
@@ -130,12 +132,15 @@ def edit_config(directory, **changes):
 
 @pytest.mark.parametrize("name, changes, message", [
     ("gpt2", dict(model_type="bert"),
-     "model_type 'bert' is not supported; kvjax loads gpt2, llama, qwen2, marian"),
+     "model_type 'bert' is not supported; kvjax loads gpt2, llama, mistral, qwen2, qwen3, "
+     "marian"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
                                         "rope_theta": 10000.0}),
      "rope scaling of type 'yarn' is not supported"),
     ("qwen2", dict(use_sliding_window=True, sliding_window=16),
      "use_sliding_window=true is not supported (sliding-window attention)"),
+    ("qwen3", dict(layer_types=["full_attention", "sliding_attention"]),
+     "layers [1] use 'sliding_attention'; kvjax runs full attention"),
     ("llama_mqa", dict(rope_interleaved=True), "rope_interleaved=true is not supported"),
     ("gpt2", dict(scale_attn_by_inverse_layer_idx=True),
      "scale_attn_by_inverse_layer_idx=true is not supported"),

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvjax.model import TransformerConfig
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "qwen2", "marian")
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "marian")
 
 
 class UnsupportedModelError(ValueError):
@@ -84,8 +84,8 @@ def to_kvjax_config(hf: dict[str, Any], *, tied: bool, dtype: str = "float32",
         raise UnsupportedModelError(f"{source}: model_type {model_type!r} is not supported; "
                                     f"kvjax loads {', '.join(SUPPORTED_MODEL_TYPES)}")
     reader = _Reader(hf, source)
-    fields = {"gpt2": _gpt2, "llama": _llama, "qwen2": _qwen2, "marian": _marian}[model_type](
-        reader)
+    fields = {"gpt2": _gpt2, "llama": _llama, "mistral": _mistral, "qwen2": _qwen2,
+              "qwen3": _qwen3, "marian": _marian}[model_type](reader)
     reader.refuse_unread()
     try:
         return TransformerConfig(**fields, tie_embeddings=tied, dtype=dtype, param_dtype=dtype,
@@ -209,7 +209,9 @@ def _llama(c: _Reader) -> dict[str, Any]:
     return _llama_like(c, qkv_bias=bias, out_bias=bias, ffn_bias=bool(c.get("mlp_bias", False)))
 
 
-def _qwen2(c: _Reader) -> dict[str, Any]:
+def _full_attention_layers(c: _Reader) -> None:
+    """Refuses Qwen's per-layer sliding windows (`use_sliding_window` with `layer_types`):
+    kvjax gives every layer the same attention."""
     c.expect("use_sliding_window", False, False, "sliding-window attention")
     c.get("sliding_window")  # read only when use_sliding_window is on
     layer_types = c.get("layer_types") or []
@@ -217,7 +219,26 @@ def _qwen2(c: _Reader) -> dict[str, Any]:
     if sliding:
         raise UnsupportedModelError(f"{c.source}: layers {sliding} use "
                                     f"{layer_types[sliding[0]]!r}; kvjax runs full attention")
+
+
+def _qwen2(c: _Reader) -> dict[str, Any]:
+    _full_attention_layers(c)
     return _llama_like(c, qkv_bias=True, out_bias=False, ffn_bias=False)
+
+
+def _qwen3(c: _Reader) -> dict[str, Any]:
+    """Qwen2's architecture with RMSNorm over each head's query and key and, by default, no
+    biases."""
+    _full_attention_layers(c)
+    bias = bool(c.get("attention_bias", False))
+    return {**_llama_like(c, qkv_bias=bias, out_bias=bias, ffn_bias=False), "qk_norm": True}
+
+
+def _mistral(c: _Reader) -> dict[str, Any]:
+    """Llama's architecture where every layer attends over the last `sliding_window`
+    positions (null: all of them)."""
+    return {**_llama_like(c, qkv_bias=False, out_bias=False, ffn_bias=False),
+            "sliding_window": c.get("sliding_window")}
 
 
 def _marian(c: _Reader) -> dict[str, Any]:

@@ -138,8 +138,8 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
         raise ValueError("load_params builds unrolled layers; convert with "
                          "model.with_layer_layout")
     params = _Params(config, files, dtype)
-    mapper = {"gpt2": _gpt2, "llama": _llama_like, "qwen2": _llama_like,
-              "marian": _marian}[model_type]
+    mapper = {"gpt2": _gpt2, "llama": _llama_like, "mistral": _llama_like,
+              "qwen2": _llama_like, "qwen3": _llama_like, "marian": _marian}[model_type]
     ignorable = mapper(config, params)
     return params.tree(ignorable)
 
@@ -221,6 +221,10 @@ def _llama_like(c: M.TransformerConfig, p: _Params):
         _fused(p, dst + "self_attention/qkv", [
             _linear(p, f"{src}self_attn.{name}_proj", heads, h, d, c.qkv_bias)
             for name, heads in (("q", c.num_heads), ("k", c.kv_heads), ("v", c.kv_heads))])
+        if c.qk_norm:
+            for name in ("q_norm", "k_norm"):
+                p.set(f"{dst}self_attention/{name}/scale",
+                      p.read(f"{src}self_attn.{name}.weight", (h,)))
         _output(p, src + "self_attn.o_proj", dst + "self_attention/out", c)
         _dense(p, src + "mlp.gate_proj", dst + "ffn/wi", (f, d), c.ffn_bias)
         _dense(p, src + "mlp.up_proj", dst + "ffn/wi_gate", (f, d), c.ffn_bias)
