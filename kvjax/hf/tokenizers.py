@@ -72,7 +72,7 @@ _CLASS_DEFAULTS = {
 # The class transformers picks by config.json's model_type when tokenizer_config.json names
 # none (for "llama" it has none: the generic backend).
 _MODEL_TYPE_CLASSES = {"gpt2": "GPT2Tokenizer", "qwen2": "Qwen2Tokenizer",
-                       "marian": "MarianTokenizer"}
+                       "qwen3": "Qwen2Tokenizer", "marian": "MarianTokenizer"}
 
 
 class HFTokenizer:
