@@ -141,3 +141,20 @@ def test_bench_decode_rejects_a_sweep_fill_past_the_capacity_before_timing(capsy
     assert cli.main(["bench", "decode", "--preset", "tiny", "--sweep-capacity", "32",
                      "--sweep-fills", "8", "40"]) == 2
     assert "filled lengths [40] must be in [1, 32]" in capsys.readouterr().err
+
+
+def test_serving_beyond_loopback_without_a_key_warns(capsys, monkeypatch):
+    """`kvjax serve` says so before it loads anything when anyone who reaches the port could
+    use the model (the checkpoint here does not exist, so the command ends right after)."""
+    from kvjax.cli.serve import is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
+    assert not is_loopback("example.internal")
+    monkeypatch.delenv("KVJAX_API_KEY", raising=False)
+    for host, key, warned in (("0.0.0.0", None, True), ("0.0.0.0", "k", False),
+                              ("127.0.0.1", None, False)):
+        argv = ["serve", "--checkpoint", "/nonexistent/kvjax-model", "--host", host]
+        code, _, err = run_cli(capsys, *argv, *(["--api-key", key] if key else []))
+        assert code == 2 and "/nonexistent/kvjax-model" in err
+        assert ("no API key" in err) == warned, (host, key, err)
