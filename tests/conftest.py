@@ -4,6 +4,7 @@ The helpers are jitted (the config is a static, hashable argument): eager Flax c
 many times slower to dispatch than a tiny model takes to compile.
 """
 
+import collections
 import functools
 import os
 import subprocess
@@ -93,6 +94,27 @@ def pytest_xdist_make_scheduler(config, log):
             super().add_node_collection(node, collection)
 
     return RequeueUnfinishedFiles(config, log)
+
+
+# The files that take longest go to the workers first, so that no worker is left running a
+# long file while the other has nothing to do (longest first); the rest follow by their
+# number of tests, as xdist orders them (`--no-loadscope-reorder` keeps this order).
+SLOW_FILES_FIRST = ("test_model.py", "test_notebooks.py", "test_train.py",
+                    "test_blocked_decode.py", "test_prompt_state.py", "test_generate.py",
+                    "test_multi_device.py", "test_speculative.py", "test_multi_process.py",
+                    "test_hf_models.py", "test_generate_options.py", "test_finetune.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    counts = collections.Counter(item.path.name for item in items)
+
+    def rank(item):
+        name = item.path.name
+        if name in SLOW_FILES_FIRST:
+            return SLOW_FILES_FIRST.index(name), 0
+        return len(SLOW_FILES_FIRST), -counts[name]
+
+    items.sort(key=rank)  # stable: each file's tests keep their order
 
 
 def pytest_runtest_logreport(report):
