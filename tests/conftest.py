@@ -257,3 +257,26 @@ def serve_app(app, timeout: float = 30.0, **options):
         thread.join(timeout)
 
     return f"http://127.0.0.1:{port}", stop
+
+
+SERVED_MODEL = "tiny-lm"  # the name the tiny LM is served under in the server tests
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded(tiny_lm):
+    """The tiny LM as the server holds a checkpoint: a `LoadedModel` with `FakeTokenizer`."""
+    from kvjax.text import LoadedModel
+
+    config, _, params = tiny_lm
+    return LoadedModel(config, FakeTokenizer(), params, f"/checkpoints/{SERVED_MODEL}")
+
+
+def greedy_text(loaded, prompt, max_tokens):
+    """What greedy `decode.generate` makes from the text `prompt` alone, as text."""
+    from kvjax import decode
+    from kvjax.text import prompt_tokens
+
+    tokens = decode.generate(loaded.net, loaded.params, [prompt_tokens(loaded, prompt)],
+                             max_new_tokens=max_tokens,
+                             eos_ids=loaded.tokenizer.stop_ids).token_lists()[0]
+    return FakeTokenizer.decode([t for t in tokens if t not in loaded.tokenizer.stop_ids])

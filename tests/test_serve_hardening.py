@@ -11,22 +11,18 @@ import time
 
 import httpx
 import pytest
-from conftest import FakeTokenizer, serve_app
+from conftest import SERVED_MODEL, greedy_text, serve_app
 from kvjax.serve.limits import Limits, header_timeout_protocol
 from kvjax.serve.server import build_app
 
-from kvjax import decode
-from kvjax.text import LoadedModel, prompt_tokens
-
-MODEL = "tiny-lm"
+MODEL = SERVED_MODEL
 TIMEOUT = 30.0
 MAX_QUEUE = 8
 
 
 @pytest.fixture(scope="module")
-def loaded(tiny_lm):
-    config, _, params = tiny_lm
-    return LoadedModel(config, FakeTokenizer(), params, f"/checkpoints/{MODEL}")
+def loaded(tiny_loaded):
+    return tiny_loaded
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +31,6 @@ def url(loaded):
     base, stop = serve_app(app)
     yield base
     stop()
-
-
-def expected_text(loaded, prompt, max_tokens):
-    tokens = decode.generate(loaded.net, loaded.params, [prompt_tokens(loaded, prompt)],
-                             max_new_tokens=max_tokens,
-                             eos_ids=loaded.tokenizer.stop_ids).token_lists()[0]
-    return FakeTokenizer.decode([t for t in tokens if t not in loaded.tokenizer.stop_ids])
 
 
 def completion(**fields):
@@ -97,7 +86,7 @@ def rss_bytes() -> int:
 
 
 def test_bad_requests_are_refused_alone_while_good_ones_stream(url, loaded):
-    expected = expected_text(loaded, "abc", 6)
+    expected = greedy_text(loaded, "abc", 6)
     assert post(url, "completions", completion()).json()["choices"][0]["text"] == expected
     peak_before = rss_bytes()
 
@@ -140,7 +129,7 @@ def test_bad_requests_are_refused_alone_while_good_ones_stream(url, loaded):
 
     health_waits = []
     streamed, answers = asyncio.run(run())
-    assert streamed == [expected_text(loaded, "xyz", 12)] * 4
+    assert streamed == [greedy_text(loaded, "xyz", 12)] * 4
     # The heaviest bodies (2,000,000 prompts, 100,000 levels) are decoded, checked and refused
     # off the event loop: the server keeps answering meanwhile (a bound that only a stalled
     # loop misses, not a timing).
@@ -251,7 +240,7 @@ def test_an_error_in_one_requests_host_work_ends_that_request_alone(url, loaded,
     good, failed, other = asyncio.run(run())
     assert failed.status_code == 500 and "the matcher failed" in failed.json()["error"][
         "message"]
-    assert good.json()["choices"][0]["text"] == expected_text(loaded, "xyz", 12)
-    assert other.json()["choices"][0]["text"] == expected_text(loaded, "qrs", 12)
+    assert good.json()["choices"][0]["text"] == greedy_text(loaded, "xyz", 12)
+    assert other.json()["choices"][0]["text"] == greedy_text(loaded, "qrs", 12)
     health = httpx.get(f"{url}/health", timeout=TIMEOUT).json()
     assert health["live_slots"] == 0

@@ -10,21 +10,20 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from conftest import FakeTokenizer, serve_app
+from conftest import SERVED_MODEL, FakeTokenizer, greedy_text, serve_app
 from kvjax.serve import GenerationRequest, chat
 from kvjax.serve.server import build_app
 
 from kvjax import decode
-from kvjax.text import LoadedModel, prompt_tokens
+from kvjax.text import prompt_tokens
 
-MODEL = "tiny-lm"
+MODEL = SERVED_MODEL
 TIMEOUT = 30.0
 
 
 @pytest.fixture(scope="module")
-def loaded(tiny_lm):
-    config, _, params = tiny_lm
-    return LoadedModel(config, FakeTokenizer(), params, f"/checkpoints/{MODEL}")
+def loaded(tiny_loaded):
+    return tiny_loaded
 
 
 @pytest.fixture(scope="module")
@@ -40,14 +39,6 @@ def server(loaded):
 def client(server):
     return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", timeout=TIMEOUT,
                          max_retries=0)
-
-
-def expected_text(loaded, prompt, max_tokens):
-    """What greedy `decode.generate` makes from `prompt` alone, as text."""
-    tokens = decode.generate(loaded.net, loaded.params, [prompt_tokens(loaded, prompt)],
-                             max_new_tokens=max_tokens,
-                             eos_ids=loaded.tokenizer.stop_ids).token_lists()[0]
-    return FakeTokenizer.decode([t for t in tokens if t not in loaded.tokenizer.stop_ids])
 
 
 def live_slots(url):
@@ -77,7 +68,7 @@ def test_concurrent_completions_each_equal_generate_alone(server, client, loaded
 
     answers = asyncio.run(ask_all())
     for prompt, max_tokens, answer in zip(prompts, lengths, answers, strict=True):
-        assert answer.choices[0].text == expected_text(loaded, prompt, max_tokens)
+        assert answer.choices[0].text == greedy_text(loaded, prompt, max_tokens)
         assert answer.usage.prompt_tokens == len(prompt) + 1  # the document prefix
     assert live_slots(server[0]) == 0
 
