@@ -21,13 +21,8 @@ MAX_QUEUE = 8
 
 
 @pytest.fixture(scope="module")
-def loaded(tiny_loaded):
-    return tiny_loaded
-
-
-@pytest.fixture(scope="module")
-def url(loaded):
-    app = build_app(loaded, max_slots=2, max_queue=MAX_QUEUE, chunk_size=4, prefill_batch=2)
+def url(tiny_loaded):
+    app = build_app(tiny_loaded, max_slots=2, max_queue=MAX_QUEUE, chunk_size=4, prefill_batch=2)
     base, stop = serve_app(app)
     yield base
     stop()
@@ -85,8 +80,8 @@ def rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def test_bad_requests_are_refused_alone_while_good_ones_stream(url, loaded):
-    expected = greedy_text(loaded, "abc", 6)
+def test_bad_requests_are_refused_alone_while_good_ones_stream(url, tiny_loaded):
+    expected = greedy_text(tiny_loaded, "abc", 6)
     assert post(url, "completions", completion()).json()["choices"][0]["text"] == expected
     peak_before = rss_bytes()
 
@@ -129,7 +124,7 @@ def test_bad_requests_are_refused_alone_while_good_ones_stream(url, loaded):
 
     health_waits = []
     streamed, answers = asyncio.run(run())
-    assert streamed == [greedy_text(loaded, "xyz", 12)] * 4
+    assert streamed == [greedy_text(tiny_loaded, "xyz", 12)] * 4
     # The heaviest bodies (2,000,000 prompts, 100,000 levels) are decoded, checked and refused
     # off the event loop: the server keeps answering meanwhile (a bound that only a stalled
     # loop misses, not a timing).
@@ -162,8 +157,8 @@ def test_only_json_bodies_are_taken(url):
     assert "access-control-allow-origin" not in {k.lower() for k in answer.headers}
 
 
-def test_a_body_past_the_limit_is_413_and_the_app_keeps_serving(loaded):
-    app = build_app(loaded, max_slots=2, max_queue=4, chunk_size=4,
+def test_a_body_past_the_limit_is_413_and_the_app_keeps_serving(tiny_loaded):
+    app = build_app(tiny_loaded, max_slots=2, max_queue=4, chunk_size=4,
                     limits=Limits(max_body_bytes=2000))
 
     async def run():
@@ -180,8 +175,8 @@ def test_a_body_past_the_limit_is_413_and_the_app_keeps_serving(loaded):
     assert small.status_code == 200 and small.json()["choices"][0]["text"] == "abc"
 
 
-def test_an_api_key_is_required_where_one_is_set(loaded):
-    app = build_app(loaded, max_slots=2, max_queue=4, chunk_size=4, api_key="s3cret")
+def test_an_api_key_is_required_where_one_is_set(tiny_loaded):
+    app = build_app(tiny_loaded, max_slots=2, max_queue=4, chunk_size=4, api_key="s3cret")
     base, stop = serve_app(app)
     try:
         for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):
@@ -197,8 +192,8 @@ def test_an_api_key_is_required_where_one_is_set(loaded):
         stop()
 
 
-def test_idle_and_half_sent_connections_are_closed(loaded):
-    app = build_app(loaded, max_slots=2, max_queue=4, chunk_size=4)
+def test_idle_and_half_sent_connections_are_closed(tiny_loaded):
+    app = build_app(tiny_loaded, max_slots=2, max_queue=4, chunk_size=4)
     base, stop = serve_app(app, http=header_timeout_protocol(0.5))
     host, port = base.removeprefix("http://").split(":")
     try:
@@ -214,7 +209,7 @@ def test_idle_and_half_sent_connections_are_closed(loaded):
         stop()
 
 
-def test_an_error_in_one_requests_host_work_ends_that_request_alone(url, loaded, monkeypatch):
+def test_an_error_in_one_requests_host_work_ends_that_request_alone(url, tiny_loaded, monkeypatch):
     # A stop-string matcher that fails for one request's stop string, on the engine's thread.
     from kvjax import text
 
@@ -240,7 +235,7 @@ def test_an_error_in_one_requests_host_work_ends_that_request_alone(url, loaded,
     good, failed, other = asyncio.run(run())
     assert failed.status_code == 500 and "the matcher failed" in failed.json()["error"][
         "message"]
-    assert good.json()["choices"][0]["text"] == greedy_text(loaded, "xyz", 12)
-    assert other.json()["choices"][0]["text"] == greedy_text(loaded, "qrs", 12)
+    assert good.json()["choices"][0]["text"] == greedy_text(tiny_loaded, "xyz", 12)
+    assert other.json()["choices"][0]["text"] == greedy_text(tiny_loaded, "qrs", 12)
     health = httpx.get(f"{url}/health", timeout=TIMEOUT).json()
     assert health["live_slots"] == 0

@@ -22,14 +22,9 @@ TIMEOUT = 30.0
 
 
 @pytest.fixture(scope="module")
-def loaded(tiny_loaded):
-    return tiny_loaded
-
-
-@pytest.fixture(scope="module")
-def server(loaded):
+def server(tiny_loaded):
     """The base URL of a running server, and its app."""
-    app = build_app(loaded, max_slots=4, max_queue=64, chunk_size=4, prefill_batch=4)
+    app = build_app(tiny_loaded, max_slots=4, max_queue=64, chunk_size=4, prefill_batch=4)
     url, stop = serve_app(app, TIMEOUT)
     yield url, app
     stop()
@@ -47,7 +42,7 @@ def live_slots(url):
                       if line.startswith("kvjax_live_slots ")))
 
 
-def test_concurrent_completions_each_equal_generate_alone(server, client, loaded):
+def test_concurrent_completions_each_equal_generate_alone(server, client, tiny_loaded):
     rng = np.random.default_rng(0)
     prompts = ["".join(chr(97 + int(c)) for c in rng.integers(0, 26, rng.integers(1, 8)))
                for _ in range(16)]
@@ -68,7 +63,7 @@ def test_concurrent_completions_each_equal_generate_alone(server, client, loaded
 
     answers = asyncio.run(ask_all())
     for prompt, max_tokens, answer in zip(prompts, lengths, answers, strict=True):
-        assert answer.choices[0].text == greedy_text(loaded, prompt, max_tokens)
+        assert answer.choices[0].text == greedy_text(tiny_loaded, prompt, max_tokens)
         assert answer.usage.prompt_tokens == len(prompt) + 1  # the document prefix
     assert live_slots(server[0]) == 0
 
@@ -90,7 +85,7 @@ def test_chat_streams_the_text_it_answers_whole_with_usage_last(client):
     assert whole.usage.prompt_tokens == 1 + len("user: hi\nassistant:")
 
 
-def test_logprobs_are_the_models_and_include_the_chosen_token(client, loaded):
+def test_logprobs_are_the_models_and_include_the_chosen_token(client, tiny_loaded):
     answer = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
         temperature=0, logprobs=True, top_logprobs=3)
@@ -105,10 +100,10 @@ def test_logprobs_are_the_models_and_include_the_chosen_token(client, loaded):
     assert len(completion.choices[0].logprobs.token_logprobs) == 4
 
 
-def test_echo_scores_a_text_as_cached_decoding_does(client, loaded):
+def test_echo_scores_a_text_as_cached_decoding_does(client, tiny_loaded):
     """The prompt logprobs of a text that greedy decoding wrote equal decoding's own."""
-    start = prompt_tokens(loaded, "ab")
-    made = decode.generate(loaded.net, loaded.params, [start], max_new_tokens=4,
+    start = prompt_tokens(tiny_loaded, "ab")
+    made = decode.generate(tiny_loaded.net, tiny_loaded.params, [start], max_new_tokens=4,
                            return_logprobs=True)
     assert made.lengths[0] == 4
     text = start + made.tokens[0].tolist()
@@ -214,9 +209,9 @@ def test_the_client_sees_an_unknown_model_as_not_found(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
-def test_a_full_queue_answers_429_with_retry_after(loaded):
+def test_a_full_queue_answers_429_with_retry_after(tiny_loaded):
     # An app whose engine is not running (no lifespan): what is queued stays queued.
-    app = build_app(loaded, max_slots=4, max_queue=2, chunk_size=4)
+    app = build_app(tiny_loaded, max_slots=4, max_queue=2, chunk_size=4)
     engine = app.state.engine
     for _ in range(2):
         engine.submit(GenerationRequest((5, 6)), lambda delta: None)
