@@ -37,10 +37,11 @@ from .loop import (
     initial_state,
     record,
 )
+from .plan import ON_DEVICE, LoopPlan, default_plan
 from .processors import LogitProcessor
 from .prompt_state import PromptState
 from .sampling import SamplingParams
-from .settings import check_num_samples, check_processors, sampling_params
+from .settings import check_num_samples, check_processors, checked_rows
 from .tracing import count_trace
 
 Mesh = jax.sharding.Mesh
@@ -113,10 +114,11 @@ def validate(config: M.TransformerConfig, params, tokens: np.ndarray, lengths: n
 # Compiled programs -----------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6, 9, 10), static_argnames="mesh")
+@functools.partial(jax.jit, static_argnums=(0, 5, 6, 9, 10), static_argnames=("mesh", "plan"))
 def _start(config, params, tokens_BP, lengths_B, rng, capacity: int, buffer_len: int,
            stops: StopConditions, sampling: SamplingParams, num_samples: int,
-           processors: tuple[LogitProcessor, ...], mesh=None) -> DecodeState:
+           processors: tuple[LogitProcessor, ...], mesh=None,
+           plan: LoopPlan = ON_DEVICE) -> DecodeState:
     """Prefills each prompt once, copies its cache to its `num_samples` rows and samples
     every row's first token."""
     count_trace("start")
@@ -129,17 +131,20 @@ def _start(config, params, tokens_BP, lengths_B, rng, capacity: int, buffer_len:
         context_BC, context_lengths_B = context_BC[rows], context_lengths_B[rows]
     state = initial_state(context_BC.shape[0], buffer_len, cache, rng, context_BC,
                           context_lengths_B)
-    return parallel.constrain_rows(record(state, logits_BV, stops, sampling, processors), mesh)
+    return parallel.constrain_rows(record(state, logits_BV, stops, sampling, processors, plan),
+                                   mesh)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6), static_argnames="mesh", donate_argnums=2)
+@functools.partial(jax.jit, static_argnums=(0, 6), static_argnames=("mesh", "plan"),
+                   donate_argnums=2)
 def _continue(config, params, state: DecodeState, stops: StopConditions,
               sampling: SamplingParams, step_limit,
-              processors: tuple[LogitProcessor, ...], mesh=None) -> DecodeState:
+              processors: tuple[LogitProcessor, ...], mesh=None,
+              plan: LoopPlan = ON_DEVICE) -> DecodeState:
     count_trace("continue")
     state = parallel.constrain_rows(state, mesh)
     return decode_loop(parallel.keep_rows(M.step_fn(config, params), mesh), state, stops,
-                       sampling, step_limit, processors)
+                       sampling, step_limit, processors, plan)
 
 
 def placement(config: M.TransformerConfig, params, mesh=None):
@@ -175,6 +180,7 @@ class _Prepared:
     state: PromptState | None
     mesh: Mesh | None = None
     speculative: spec.Speculative | None = None
+    plan: LoopPlan = ON_DEVICE
 
     @property
     def rows(self) -> int:
@@ -206,7 +212,8 @@ def _prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beam
                              settings=settings, defaults=SAMPLING_DEFAULTS, state=state,
                              mesh=mesh, prompt_length=int(lengths.max()))
     settings = {**SAMPLING_DEFAULTS, **settings}
-    sampling = sampling_params(tokens.shape[0], num_samples, **settings)
+    rows = checked_rows(tokens.shape[0], num_samples, **settings)
+    sampling = SamplingParams.make(**rows, batch=tokens.shape[0] * num_samples)
     if num_beams > 1:
         changed = [name for name in ("repetition_penalty", "no_repeat_ngram_size")
                    if np.any(np.asarray(settings[name]) != SAMPLING_DEFAULTS[name])]
@@ -248,7 +255,7 @@ def _prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beam
         stops=StopConditions(jnp.asarray(eos), jnp.asarray(max_new_tokens, jnp.int32)),
         sampling=sampling, rng=jax.random.key(0) if rng is None else rng,
         num_samples=num_samples, processors=processors, state=state, mesh=mesh,
-        speculative=speculative,
+        speculative=speculative, plan=default_plan(rows),
     )
 
 
@@ -256,11 +263,13 @@ def _begin(config, params, p: _Prepared) -> DecodeState:
     """The decode state after each row's first token: from a prefill, or from `p.state`."""
     if p.state is None:
         return _start(config, params, p.tokens, p.lengths, p.rng, p.capacity, p.buffer_len,
-                      p.stops, p.sampling, p.num_samples, p.processors, mesh=p.mesh)
+                      p.stops, p.sampling, p.num_samples, p.processors, mesh=p.mesh,
+                      plan=p.plan)
     s = p.state
     return prompt_state.resume(
         config, params, s.cache, s.next_logits, s.context, s.context_lengths, p.tokens,
-        p.lengths, p.rng, p.buffer_len, p.stops, p.sampling, p.num_samples, p.processors)
+        p.lengths, p.rng, p.buffer_len, p.stops, p.sampling, p.num_samples, p.processors,
+        p.plan)
 
 
 def prefill(net, params, prompts, *, lengths=None, capacity: int | None = None) -> PromptState:
@@ -385,7 +394,7 @@ def _run(config, params, carry: spec.SpeculativeState, p: _Prepared, limit
     """The decode loop up to `limit` tokens: plain, or speculative with `p.speculative`."""
     if p.speculative is None:
         return carry.replace(decode=_continue(config, params, carry.decode, p.stops, p.sampling,
-                                              limit, p.processors, mesh=p.mesh))
+                                              limit, p.processors, mesh=p.mesh, plan=p.plan))
     return spec.run(config, params, carry, p, limit)
 
 

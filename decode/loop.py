@@ -1,4 +1,5 @@
-"""The decode loop: one `lax.while_loop` that feeds one token per row per iteration.
+"""The decode loop: a `lax.while_loop` that feeds one token per row per step, and checks
+whether to go on after every step, or after every `plan.steps_per_check` steps (`plan.py`).
 
 The loop sees the model only through `tokens_to_logits(tokens [B, 1], cache) -> (logits
 [B, 1, V], cache)`, so it runs unchanged with a fake model in tests. The cache must expose
@@ -18,6 +19,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from .plan import ON_DEVICE, LoopPlan
 from .processors import LogitProcessor, ProcessorState, apply_processors
 from .sampling import SamplingParams, sample
 
@@ -73,16 +75,17 @@ class StopConditions:
 
 
 def record(state: DecodeState, logits_BV: jax.Array, stops: StopConditions,
-           sampling: SamplingParams, processors: tuple[LogitProcessor, ...] = ()
-           ) -> DecodeState:
-    """Samples the next token of every running row and decides which rows stop."""
+           sampling: SamplingParams, processors: tuple[LogitProcessor, ...] = (),
+           plan: LoopPlan = ON_DEVICE, active: jax.Array | None = None) -> DecodeState:
+    """Samples the next token of every running row and decides which rows stop. With
+    `active` (a traced bool) False, nothing changes but slots past what is recorded."""
     rng = jax.random.fold_in(state.rng, state.step)
     processed_BV = apply_processors(logits_BV, ProcessorState(
-        state.context, state.context_lengths, state.step, sampling), processors)
-    token_B = sample(processed_BV, rng, sampling)
+        state.context, state.context_lengths, state.step, sampling), processors, plan)
+    token_B = sample(processed_BV, rng, sampling, plan.sampled)
     logprob_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BV.astype(jnp.float32)),
                                     token_B[:, None], axis=-1)[:, 0]
-    running_B = ~state.done
+    running_B = ~state.done if active is None else ~state.done & active
     token_B = jnp.where(running_B, token_B, 0)
     is_eos_B = jnp.any(token_B[:, None] == stops.eos_ids[None, :], axis=-1)
     reached_max = state.step + 1 >= stops.max_new_tokens
@@ -90,10 +93,10 @@ def record(state: DecodeState, logits_BV: jax.Array, stops: StopConditions,
         running_B & is_eos_B, StopReason.EOS,
         jnp.where(running_B & reached_max, StopReason.MAX_NEW_TOKENS, state.stop_reason))
     return state.replace(
-        step=state.step + 1,
+        step=state.step + (1 if active is None else active.astype(jnp.int32)),
         tokens=state.tokens.at[:, state.step].set(token_B),
         lengths=state.lengths + running_B,
-        last_tokens=token_B,
+        last_tokens=token_B if active is None else jnp.where(active, token_B, state.last_tokens),
         logprobs=state.logprobs.at[:, state.step].set(jnp.where(running_B, logprob_B, 0.0)),
         stop_reason=stop_reason.astype(jnp.int32),
         context=_append(state.context, jnp.where(
@@ -137,25 +140,45 @@ def initial_state(batch: int, buffer_len: int, cache: Any, rng: jax.Array,
 
 def decode_loop(tokens_to_logits: TokensToLogits, state: DecodeState, stops: StopConditions,
                 sampling: SamplingParams, step_limit: jax.Array,
-                processors: tuple[LogitProcessor, ...] = ()) -> DecodeState:
+                processors: tuple[LogitProcessor, ...] = (),
+                plan: LoopPlan = ON_DEVICE) -> DecodeState:
     """Runs decode steps until every row is done or `step_limit` tokens exist.
 
-    Each iteration feeds every row's newest token, which writes its K/V into the cache,
-    and samples the next one. A row whose cache has no free slot stops with CACHE_FULL
-    before it is fed, so nothing is ever written past the capacity.
-    `step_limit` (traced) lets streaming run the same loop a chunk at a time. `processors`
-    change the logits before sampling (see processors.py).
+    Each step feeds every row's newest token, which writes its K/V into the cache, and
+    samples the next one. A row whose cache has no free slot stops with CACHE_FULL before it
+    is fed, so nothing is ever written past the capacity. `step_limit` (traced) lets
+    streaming run the same loop a chunk at a time. `processors` change the logits before
+    sampling (see processors.py).
+
+    With `plan.steps_per_check` k > 1 each iteration runs k steps in a loop of known trip
+    count. A step taken once every row is done or `step_limit` is reached is inactive: it
+    feeds every row a token of length 0 (the cache's lengths stay; the K/V written past
+    them are overwritten before anything reads them) and records nothing, so the outputs
+    are those of one step per iteration. `tokens_to_logits` must then take the per-row
+    lengths as `model.step` does.
     """
 
     def cond_fn(state: DecodeState) -> jax.Array:
         return (state.step < step_limit) & ~jnp.all(state.done)
 
-    def body_fn(state: DecodeState) -> DecodeState:
+    def step(state: DecodeState, active: jax.Array | None = None) -> DecodeState:
+        running_B = ~state.done if active is None else ~state.done & active
         cache_full_B = state.cache.lengths >= state.cache.capacity
         state = state.replace(stop_reason=jnp.where(
-            ~state.done & cache_full_B, StopReason.CACHE_FULL, state.stop_reason))
-        logits_B1V, cache = tokens_to_logits(state.last_tokens[:, None], state.cache)
+            running_B & cache_full_B, StopReason.CACHE_FULL, state.stop_reason))
+        tokens_B1 = state.last_tokens[:, None]
+        if active is None:
+            logits_B1V, cache = tokens_to_logits(tokens_B1, state.cache)
+        else:
+            fed_B = jnp.broadcast_to(active.astype(jnp.int32), state.lengths.shape)
+            logits_B1V, cache = tokens_to_logits(tokens_B1, state.cache, fed_B)
         return record(state.replace(cache=cache), logits_B1V[:, -1], stops, sampling,
-                      processors)
+                      processors, plan, active)
+
+    def body_fn(state: DecodeState) -> DecodeState:
+        if plan.steps_per_check == 1:
+            return step(state)
+        return jax.lax.fori_loop(0, plan.steps_per_check,
+                                 lambda _, state: step(state, cond_fn(state)), state)
 
     return jax.lax.while_loop(cond_fn, body_fn, state)

@@ -18,6 +18,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from .plan import ON_DEVICE, LoopPlan
 from .sampling import SamplingParams
 
 
@@ -52,14 +53,16 @@ LogitProcessor = Callable[[jax.Array, ProcessorState], jax.Array]
 def repetition_penalty(logits_BV: jax.Array, state: ProcessorState) -> jax.Array:
     """The CTRL penalty (as Hugging Face applies it): the logit of every token already in the
     row's context is divided by the penalty if positive and multiplied by it if negative."""
+    return jax.lax.cond(_penalty_on(state.settings), _penalise, lambda x, _: x, logits_BV,
+                        state)
+
+
+def _penalise(logits_BV: jax.Array, state: ProcessorState) -> jax.Array:
+    """The penalty on every row: a row whose penalty is 1 keeps its logits exactly."""
     penalty_B1 = state.settings.repetition_penalty[:, None]
-
-    def penalise(logits_BV):
-        seen_BV = state.scatter_to_vocab(jnp.ones(state.context.shape, bool), logits_BV.shape[1])
-        penalised_BV = jnp.where(logits_BV > 0, logits_BV / penalty_B1, logits_BV * penalty_B1)
-        return jnp.where(seen_BV, penalised_BV, logits_BV)
-
-    return jax.lax.cond(_penalty_on(state.settings), penalise, lambda x: x, logits_BV)
+    seen_BV = state.scatter_to_vocab(jnp.ones(state.context.shape, bool), logits_BV.shape[1])
+    penalised_BV = jnp.where(logits_BV > 0, logits_BV / penalty_B1, logits_BV * penalty_B1)
+    return jnp.where(seen_BV, penalised_BV, logits_BV)
 
 
 def _penalty_on(settings: SamplingParams) -> jax.Array:
@@ -70,26 +73,33 @@ def no_repeat_ngram(logits_BV: jax.Array, state: ProcessorState) -> jax.Array:
     """Bans (-inf) every token that would complete an n-gram already in the row's context,
     n = `no_repeat_ngram_size` (0 = off): the tokens that followed an earlier occurrence of
     the row's last n - 1 tokens."""
+    def ban(logits_BV):
+        return _ban_ngrams(logits_BV, state, jnp.max(state.settings.no_repeat_ngram_size))
+
+    return jax.lax.cond(_no_repeat_ngram_on(state.settings), ban, lambda x: x, logits_BV)
+
+
+def _ban_ngrams(logits_BV: jax.Array, state: ProcessorState, bound) -> jax.Array:
+    """The ban on every row, for sizes up to `bound` (traced, or a static int that makes the
+    loop's trip count known): a row whose size is 0 keeps its logits."""
     n_B = state.settings.no_repeat_ngram_size
     context_BC, length_B = state.context, state.context_lengths
     slots_C = jnp.arange(context_BC.shape[1])
 
-    def ban(logits_BV):
-        # follows_BC[b, j]: the n-gram ending at slot j starts with the row's last n-1 tokens,
-        # so its last token, context[b, j], is banned. Checked one offset i at a time.
-        def same_at_offset(i, follows_BC):
-            earlier_BC = jnp.take_along_axis(
-                context_BC, jnp.clip(slots_C[None] - 1 - i, 0, None), axis=1)
-            recent_B = jnp.take_along_axis(
-                context_BC, jnp.clip(length_B - 1 - i, 0, None)[:, None], axis=1)
-            return follows_BC & ((i >= n_B - 1)[:, None] | (earlier_BC == recent_B))
+    # follows_BC[b, j]: the n-gram ending at slot j starts with the row's last n-1 tokens,
+    # so its last token, context[b, j], is banned. Checked one offset i at a time; offsets
+    # at or past a row's n - 1 leave it as it is.
+    def same_at_offset(i, follows_BC):
+        earlier_BC = jnp.take_along_axis(
+            context_BC, jnp.clip(slots_C[None] - 1 - i, 0, None), axis=1)
+        recent_B = jnp.take_along_axis(
+            context_BC, jnp.clip(length_B - 1 - i, 0, None)[:, None], axis=1)
+        return follows_BC & ((i >= n_B - 1)[:, None] | (earlier_BC == recent_B))
 
-        follows_BC = (n_B[:, None] > 0) & (slots_C[None] >= n_B[:, None] - 1)
-        follows_BC = jax.lax.fori_loop(0, jnp.max(n_B) - 1, same_at_offset, follows_BC)
-        banned_BV = state.scatter_to_vocab(follows_BC, logits_BV.shape[1])
-        return jnp.where(banned_BV, -jnp.inf, logits_BV)
-
-    return jax.lax.cond(_no_repeat_ngram_on(state.settings), ban, lambda x: x, logits_BV)
+    follows_BC = (n_B[:, None] > 0) & (slots_C[None] >= n_B[:, None] - 1)
+    follows_BC = jax.lax.fori_loop(0, bound - 1, same_at_offset, follows_BC)
+    banned_BV = state.scatter_to_vocab(follows_BC, logits_BV.shape[1])
+    return jnp.where(banned_BV, -jnp.inf, logits_BV)
 
 
 def _no_repeat_ngram_on(settings: SamplingParams) -> jax.Array:
@@ -100,10 +110,20 @@ BUILT_IN: tuple[LogitProcessor, ...] = (repetition_penalty, no_repeat_ngram)
 
 
 def apply_processors(logits_BV: jax.Array, state: ProcessorState,
-                     processors: Sequence[LogitProcessor] = ()) -> jax.Array:
-    """float32 logits after the built-in processors and then `processors`, in order."""
+                     processors: Sequence[LogitProcessor] = (),
+                     plan: LoopPlan = ON_DEVICE) -> jax.Array:
+    """float32 logits after the built-in processors and then `processors`, in order.
+    `plan` says whether the built-in ones are on, or leaves it to the device (`plan.py`)."""
     logits_BV = logits_BV.astype(jnp.float32)
     state = state.replace(settings=state.settings.rows(logits_BV.shape[0]))
+    if plan.penalty is not None:
+        if plan.penalty:
+            logits_BV = _penalise(logits_BV, state)
+        if plan.ngram_bound:
+            logits_BV = _ban_ngrams(logits_BV, state, plan.ngram_bound)
+        for processor in processors:
+            logits_BV = processor(logits_BV, state)
+        return logits_BV
 
     def built_in(logits_BV):
         for processor in BUILT_IN:

@@ -23,6 +23,7 @@ import numpy as np
 from kvjax import model as M
 
 from .loop import DecodeState, StopConditions, initial_state, record
+from .plan import ON_DEVICE, LoopPlan
 from .sampling import SamplingParams
 from .tracing import count_trace
 
@@ -75,10 +76,11 @@ def prefill_state(config, params, tokens_BP, lengths_B, capacity: int):
     return (cache, logits_BV, *prompt_context(config, tokens_BP, lengths_B, capacity))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 9, 12, 13))
+@functools.partial(jax.jit, static_argnums=(0, 9, 12, 13, 14))
 def resume(config, params, cache, next_logits_BV, context_BC, context_lengths_B, new_BT,
            new_lengths_B, rng, buffer_len: int, stops: StopConditions,
-           sampling: SamplingParams, num_samples: int, processors: tuple) -> DecodeState:
+           sampling: SamplingParams, num_samples: int, processors: tuple,
+           plan: LoopPlan = ON_DEVICE) -> DecodeState:
     """Feeds the new tokens [B, T] (`new_lengths` valid; T may be 0) after the state's and
     samples each row's first token, as `generate`'s start does after a prefill."""
     count_trace("resume")
@@ -103,7 +105,7 @@ def resume(config, params, cache, next_logits_BV, context_BC, context_lengths_B,
         cache = jax.tree.map(jnp.copy, cache)
     state = initial_state(batch * num_samples, buffer_len, cache, rng, context_BC,
                           context_lengths_B)
-    return record(state, next_logits_BV, stops, sampling, processors)
+    return record(state, next_logits_BV, stops, sampling, processors, plan)
 
 
 @functools.partial(jax.jit, static_argnums=0)

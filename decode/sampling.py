@@ -84,9 +84,11 @@ def filter_logits(logits_BV: jax.Array, params: SamplingParams) -> jax.Array:
     return jnp.where(logits_BV >= threshold_B[:, None], logits_BV, -jnp.inf)
 
 
-def sample(logits_BV: jax.Array, rng: jax.Array, params: SamplingParams) -> jax.Array:
+def sample(logits_BV: jax.Array, rng: jax.Array, params: SamplingParams,
+           some_sampled: bool | None = None) -> jax.Array:
     """Next token ids [B]. Greedy rows take the argmax; when every row is greedy, the sort
-    and the random draw are skipped altogether."""
+    and the random draw are skipped altogether: as the device finds at every call, or as
+    `some_sampled` (known to the host, see `plan.py`) says."""
     greedy_B = jnp.broadcast_to(params.is_greedy, logits_BV.shape[:1])
 
     def draw(logits):
@@ -96,4 +98,6 @@ def sample(logits_BV: jax.Array, rng: jax.Array, params: SamplingParams) -> jax.
     def argmax(logits):
         return jnp.argmax(logits, axis=-1)
 
+    if some_sampled is not None:
+        return (draw if some_sampled else argmax)(logits_BV).astype(jnp.int32)
     return jax.lax.cond(jnp.all(greedy_B), argmax, draw, logits_BV).astype(jnp.int32)

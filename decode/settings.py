@@ -11,7 +11,6 @@ import numpy as np
 
 from . import checks
 from .processors import LogitProcessor
-from .sampling import SamplingParams
 
 # name: (integer-valued, test, what the test requires)
 RULES: dict[str, tuple[bool, Callable[[float], bool], str]] = {
@@ -51,12 +50,11 @@ def per_row(name: str, value, batch: int) -> np.ndarray:
     return np.broadcast_to(np.asarray(checked, np.float64), (batch,))
 
 
-def sampling_params(batch: int, num_samples: int = 1, **settings) -> SamplingParams:
-    """Checked `SamplingParams` with [batch * num_samples] fields (a prompt's value repeated
-    for each of its samples); `settings` are `SamplingParams.make`'s keyword arguments."""
-    rows = {name: np.repeat(per_row(name, value, batch), num_samples)
+def checked_rows(batch: int, num_samples: int = 1, **settings) -> dict[str, np.ndarray]:
+    """Each of `settings` (`SamplingParams.make`'s keyword arguments) checked, as a
+    [batch * num_samples] array (a prompt's value repeated for each of its samples)."""
+    return {name: np.repeat(per_row(name, value, batch), num_samples)
             for name, value in settings.items()}
-    return SamplingParams.make(**rows, batch=batch * num_samples)
 
 
 def check_processors(processors: Sequence[LogitProcessor]) -> tuple[LogitProcessor, ...]:

@@ -1,0 +1,144 @@
+"""decode/plan.py: the loop an accelerator runs (several steps per check for the end, every
+decision made on the host) gives exactly what the loop a CPU runs (one step per check, every
+decision a `lax.cond`) gives, for every setting, stop and way of calling it."""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kvjax.decode.loop import StopConditions, StopReason, decode_loop, initial_state, record
+from kvjax.decode.plan import ON_DEVICE, LoopPlan, default_plan
+from kvjax.decode.sampling import SamplingParams
+
+from kvjax import decode
+from kvjax import model as M
+
+generate_module = sys.modules["kvjax.decode.generate"]  # the package's `generate` is the function
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [3], [20, 21, 22, 23]]
+SETTINGS = {
+    "greedy": {},
+    "mixed": dict(temperature=[0.0, 1.5, 0.7, 1.0], top_k=[0, 5, 0, 1], top_p=[1.0, 0.9, 0.8, 1.0],
+                  min_p=[0.0, 0.0, 0.1, 0.0]),
+    "processors": dict(temperature=[0.0, 1.0, 0.0, 0.5], repetition_penalty=[1.0, 1.3, 2.0, 1.0],
+                       no_repeat_ngram_size=[0, 2, 3, 1]),
+}
+
+
+@pytest.fixture
+def host_plan(monkeypatch):
+    """generate plans on the host as on an accelerator, with 3 steps per check (a number
+    that divides none of the budgets below)."""
+    monkeypatch.setattr(generate_module, "default_plan",
+                        lambda rows: LoopPlan.for_rows(rows, steps_per_check=3))
+
+
+def _run_both(monkeypatch, call):
+    on_device = call()
+    monkeypatch.setattr(generate_module, "default_plan",
+                        lambda rows: LoopPlan.for_rows(rows, steps_per_check=3))
+    return on_device, call()
+
+
+def _assert_same(a: decode.GenerateOutput, b: decode.GenerateOutput):
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.lengths, b.lengths)
+    np.testing.assert_array_equal(a.stop_reason, b.stop_reason)
+    np.testing.assert_array_equal(a.logprobs, b.logprobs)
+
+
+@pytest.mark.parametrize("settings", list(SETTINGS))
+def test_generate_gives_the_same_output_with_either_plan(tiny, monkeypatch, settings):
+    _, net, params = tiny
+
+    def run(**kwargs):  # 10 tokens: not a multiple of the 3 steps per check
+        return decode.generate(net, params, PROMPTS, max_new_tokens=10, rng=jax.random.key(3),
+                               return_logprobs=True, **SETTINGS[settings], **kwargs)
+
+    eos = int(run().tokens[3, 4])  # stops row 3 early, and maybe others
+    on_device, on_host = _run_both(monkeypatch, lambda: run(eos_ids=(eos,)))
+    _assert_same(on_device, on_host)
+    assert StopReason.EOS in on_device.stop_reason
+
+
+def test_stream_chunks_and_a_continued_state_are_the_same_with_either_plan(tiny_lm,
+                                                                         monkeypatch):
+    _, net, params = tiny_lm
+    settings = SETTINGS["processors"]
+
+    def run():
+        chunks = decode.stream(net, params, PROMPTS, max_new_tokens=11, chunk_size=4,
+                               rng=jax.random.key(1), return_state=True, **settings)
+        pieces = []
+        try:
+            while True:
+                pieces.append(next(chunks))
+        except StopIteration as stop:
+            first = stop.value
+        later = decode.generate(net, params, [[8], [], [30, 31], [2]], state=first.state,
+                                max_new_tokens=5, rng=jax.random.key(2), return_logprobs=True,
+                                **settings)
+        return [p.tolist() for p in pieces], first, later
+
+    (chunks_a, first_a, later_a), (chunks_b, first_b, later_b) = _run_both(monkeypatch, run)
+    assert chunks_a == chunks_b and [len(c[0]) for c in chunks_a] == [1, 4, 4, 2]
+    np.testing.assert_array_equal(first_a.tokens, first_b.tokens)
+    _assert_same(later_a, later_b)
+
+
+def test_rows_that_fill_their_cache_stop_at_the_same_step_with_either_plan(tiny_lm):
+    config, _, params = tiny_lm
+    prompts = jnp.asarray([[4, 5, 6, 7, 8, 9], [4, 5, 0, 0, 0, 0]], jnp.int32)
+    lengths = jnp.asarray([6, 2], jnp.int32)
+    stops = StopConditions(jnp.full((8,), -1, jnp.int32), jnp.asarray(32, jnp.int32))
+    sampling = SamplingParams.make(batch=2)
+
+    def run(plan):
+        logits_BV, cache = M.prefill(config, params, prompts, lengths, 12)
+        state = record(initial_state(2, 32, cache, jax.random.key(0)), logits_BV, stops,
+                       sampling)
+        return decode_loop(M.step_fn(config, params), state, stops, sampling,
+                           jnp.asarray(32), plan=plan)
+
+    on_device = run(ON_DEVICE)
+    on_host = run(LoopPlan.for_rows({}, steps_per_check=4))
+    assert on_device.stop_reason.tolist() == [StopReason.CACHE_FULL] * 2
+    for name in ("step", "tokens", "lengths", "logprobs", "stop_reason", "context_lengths"):
+        np.testing.assert_array_equal(getattr(on_device, name), getattr(on_host, name))
+    np.testing.assert_array_equal(on_device.cache.lengths, on_host.cache.lengths)
+    np.testing.assert_array_equal(on_device.cache.overflow, on_host.cache.overflow)
+
+
+def test_the_host_decides_only_what_the_rows_use():
+    def rows(**settings):
+        return {name: np.asarray(value) for name, value in settings.items()}
+
+    assert LoopPlan.for_rows(rows(temperature=[0.0, 0.0])) == LoopPlan(
+        steps_per_check=8, sampled=False, penalty=False, ngram_bound=0)
+    # top_k = 1 is greedy whatever the temperature
+    assert not LoopPlan.for_rows(rows(temperature=[1.0, 0.0], top_k=[1, 0])).sampled
+    assert LoopPlan.for_rows(rows(temperature=[0.0, 0.5])).sampled
+    assert LoopPlan.for_rows(rows(repetition_penalty=[1.0, 1.1])).penalty
+    assert [LoopPlan.for_rows(rows(no_repeat_ngram_size=[n, 0])).ngram_bound
+            for n in (0, 1, 2, 3, 5, 8)] == [0, 1, 2, 4, 8, 8]
+
+
+def test_a_cpu_decides_on_the_device_and_an_accelerator_on_the_host():
+    plan = default_plan({"temperature": np.asarray([0.5])})
+    if jax.default_backend() == "cpu":
+        assert plan == ON_DEVICE
+    else:
+        assert plan.sampled and plan.steps_per_check > 1
+
+
+def test_each_plan_compiles_once(tiny_lm, host_plan):
+    _, net, params = tiny_lm
+    # 17 to 32 new tokens: a bucket no other test here compiles
+    calls = [dict(temperature=0.0), dict(temperature=0.0, max_new_tokens=17),
+             dict(temperature=0.8), dict(temperature=[0.0, 0.9, 1.0, 0.3]),
+             dict(repetition_penalty=1.2), dict(repetition_penalty=1.5, temperature=0.4)]
+    before = decode.trace_count("continue")
+    for kwargs in calls:
+        decode.generate(net, params, PROMPTS, **{"max_new_tokens": 30, **kwargs})
+    assert decode.trace_count("continue") == before + 4  # greedy, sampled, and each penalised
