@@ -33,6 +33,7 @@ weights for one token per row, so it is memory-bound, and batching makes it chea
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import platform
@@ -43,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from kvjax.decode.generate import bucket
+from kvjax.decode.plan import ACCELERATOR_STEPS_PER_CHECK, ON_DEVICE, LoopPlan, Planner, planned_by
 from kvjax.model.config import format_bytes
 
 from kvjax import decode, parallel
@@ -164,10 +166,26 @@ def time_weights_only_step(config: M.TransformerConfig, params, repeats: int,
     return _best_seconds(lambda: run(weights), repeats) / steps
 
 
-def _time_kvjax(net, params, prompts, new_tokens: int, repeats: int,
-                mesh=None) -> tuple[float, float]:
+def parse_loop(name: str) -> Planner | None:
+    """A `--loops` name as a planner for `decode.plan.planned_by` (None: the default):
+    'device', 'host' or 'host:K' (K steps per check for the end)."""
+    if name == "default":
+        return None
+    if name == "device":
+        return lambda rows: ON_DEVICE
+    kind, _, steps = name.partition(":")
+    if kind == "host" and (not steps or steps.isdigit() and int(steps) >= 1):
+        steps_per_check = int(steps) if steps else ACCELERATOR_STEPS_PER_CHECK
+        return lambda rows: LoopPlan.for_rows(rows, steps_per_check)
+    raise ValueError(f"decode loop {name!r} is not default, device, host or host:K "
+                     f"(K >= 1 steps per check)")
+
+
+def _time_kvjax(net, params, prompts, new_tokens: int, repeats: int, mesh=None,
+                planner: Planner | None = None) -> tuple[float, float]:
     """(seconds for `new_tokens`, seconds per decode step). Both calls share one bucket.
-    With a `mesh`, the rows are split over its `data` devices."""
+    With a `mesh`, the rows are split over its `data` devices; with a `planner`, the loop
+    is planned by it."""
     half = new_tokens // 2 + 1
     if mesh is not None:  # placed once, outside the timed calls
         params = parallel.shard_params(params, mesh)
@@ -176,9 +194,10 @@ def _time_kvjax(net, params, prompts, new_tokens: int, repeats: int,
         return lambda: decode.generate(net, params, prompts, max_new_tokens=n,
                                        mesh=mesh).tokens
 
-    run(new_tokens)()  # compiles the bucket both calls use
-    full = _best_seconds(run(new_tokens), repeats)
-    shorter = _best_seconds(run(half), repeats)
+    with contextlib.nullcontext() if planner is None else planned_by(planner):
+        run(new_tokens)()  # compiles the bucket both calls use
+        full = _best_seconds(run(new_tokens), repeats)
+        shorter = _best_seconds(run(half), repeats)
     return full, (full - shorter) / (new_tokens - half)
 
 
@@ -204,11 +223,11 @@ def _time_no_cache(config, params, prompts: np.ndarray, new_tokens: int,
     return sum(seconds[width] for width in widths)
 
 
-def _hf_runner(config: M.TransformerConfig,
-               hf_dir: str | None = None) -> tuple[Callable | None, str]:
+def _hf_runner(config: M.TransformerConfig, hf_dir: str | None = None,
+               dtype: str = "float32") -> tuple[Callable | None, str]:
     """A function timing `transformers` generate for a batch of prompts, or None and why
-    not: the model in `hf_dir` (the very weights kvjax runs), else a GPT-2 of the preset's
-    sizes with random weights."""
+    not: the model in `hf_dir` (the very weights kvjax runs, in `dtype`), else a GPT-2 of
+    the preset's sizes with random weights in float32."""
     try:
         import torch
         import transformers
@@ -216,7 +235,7 @@ def _hf_runner(config: M.TransformerConfig,
         return None, "not installed (pip install -e '.[bench]')"
     if hf_dir is not None:
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            hf_dir, dtype=torch.float32).eval()
+            hf_dir, dtype=getattr(torch, dtype)).eval()
     else:
         model = random_gpt2(config)
 
@@ -243,7 +262,9 @@ def _hf_runner(config: M.TransformerConfig,
 
     where = (torch.cuda.get_device_name(device) if on_gpu
              else f"{torch.get_num_threads()} threads")
-    note = f"transformers {transformers.__version__}, torch {torch.__version__}, {where}"
+    precision = dtype if hf_dir is not None else "float32"
+    note = (f"transformers {transformers.__version__}, torch {torch.__version__}, {where}, "
+            f"{precision}, {getattr(model.config, '_attn_implementation', None)} attention")
     return run, note
 
 
@@ -266,12 +287,45 @@ def random_gpt2(config: M.TransformerConfig):
         bos_token_id=0, eos_token_id=0, pad_token_id=0)).eval()
 
 
-def write_random_gpt2(directory: str | os.PathLike) -> str:
-    """Writes GPT-2 small (124M parameters) with random weights as a Hugging Face directory
-    (`save_pretrained`, safetensors) and returns its path; needs transformers."""
+def _random_hf_configs():
+    """name -> a transformers config of a published model's sizes (its architecture,
+    widths, heads, vocabulary, RoPE and tying), for `write_random_hf`."""
+    import transformers as T
+
+    return {
+        "gpt2": T.GPT2Config(),  # GPT-2 small, 124M parameters
+        "llama-1b": T.LlamaConfig(  # Llama-3.2-1B
+            vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+            num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+            max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192},
+            bos_token_id=128000, eos_token_id=128001),
+        "qwen2-0.5b": T.Qwen2Config(  # Qwen2-0.5B
+            vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+            num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+            rms_norm_eps=1e-6, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            bos_token_id=151643, eos_token_id=151643),
+    }
+
+
+RANDOM_HF_MODELS = ("gpt2", "llama-1b", "qwen2-0.5b")
+
+
+def write_random_hf(name: str, directory: str | os.PathLike, dtype: str = "float32") -> str:
+    """Writes the model `name` (one of RANDOM_HF_MODELS) with random weights in `dtype` as a
+    Hugging Face directory (`save_pretrained`, safetensors) and returns its path; needs
+    torch and transformers. The weights are drawn on the GPU where torch has one."""
+    import torch
     import transformers
 
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config())
+    config = _random_hf_configs()[name]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=getattr(torch, dtype))
     model.save_pretrained(directory)
     return os.fspath(directory)
 
@@ -301,6 +355,7 @@ def decode_benchmark(preset: str = "gpt-mini", batch_sizes: Sequence[int] = (1, 
                      compare_hf: bool = True, devices: int = 1, whole_cache: bool = False,
                      hf_dir: str | None = None, dtype: str | None = None,
                      cache_dtype: str | None = None,
+                     loops: dict[str, Planner | None] | None = None,
                      log: Callable[[str], None] = print) -> tuple[list[Row], Facts]:
     """Measures every batch size and layer mode; see the module docstring for what and how.
 
@@ -312,7 +367,9 @@ def decode_benchmark(preset: str = "gpt-mini", batch_sizes: Sequence[int] = (1, 
     attention went block by block. With `hf_dir` the model is the one in that Hugging Face
     directory (`preset` is then unused), and transformers runs the same weights.
     `dtype` and `cache_dtype` run kvjax (and its no-cache baseline) in that precision
-    (`M.with_precision`); transformers stays float32.
+    (`M.with_precision`); transformers runs a Hugging Face directory in `dtype` too, and the
+    preset's random GPT-2 in float32. `loops` (name -> `parse_loop(name)`) times kvjax
+    with each decode loop, in rows of its own (default: this backend's loop alone).
     """
     if new_tokens < 4:
         raise ValueError(f"new_tokens={new_tokens} must be >= 4 to time decode steps")
@@ -338,7 +395,8 @@ def decode_benchmark(preset: str = "gpt-mini", batch_sizes: Sequence[int] = (1, 
         models |= {f"{mode}, whole cache": (c.replace(attention_block=c.max_len), p)
                    for mode, (c, p) in list(models.items())}
         layer_modes = [m for mode in layer_modes for m in (mode, f"{mode}, whole cache")]
-    hf, hf_note = _hf_runner(config, hf_dir) if compare_hf else (None, "skipped")
+    hf, hf_note = (_hf_runner(config, hf_dir, dtype or "float32") if compare_hf
+                   else (None, "skipped"))
     rows = []
     for batch in batch_sizes:
         prompts = np.random.default_rng(batch).integers(
@@ -346,10 +404,13 @@ def decode_benchmark(preset: str = "gpt-mini", batch_sizes: Sequence[int] = (1, 
         timed = {}
         for mode in layer_modes:
             for count, mesh in meshes.items():
-                log(f"batch {batch}: kvjax, {mode} layers, {count} device(s) ...")
-                mode_config, mode_params = models[mode]
-                timed[mode, count] = _time_kvjax(M.build_model(mode_config), mode_params,
-                                                 prompts, new_tokens, repeats, mesh)
+                for loop, planner in (loops or {"default": None}).items():
+                    label = mode if loop == "default" else f"{mode}, {loop} loop"
+                    log(f"batch {batch}: kvjax, {label}, {count} device(s) ...")
+                    mode_config, mode_params = models[mode]
+                    timed[label, count] = _time_kvjax(M.build_model(mode_config), mode_params,
+                                                      prompts, new_tokens, repeats, mesh,
+                                                      planner)
         no_cache = hf_seconds = None
         if compare_no_cache:
             log(f"batch {batch}: no cache ...")
@@ -427,7 +488,7 @@ def format_table(rows: Sequence[Row], facts: Facts) -> str:
         step = r.decode_step_seconds
         lines.append(f"Decode step at batch 1 ({r.label}): {step * 1e3:.2f} ms = "
                      f"{step / floor:.2f}x the floor = {step / weights:.2f}x the weights alone.")
-    if any(r.layers.endswith("whole cache") for r in rows):
+    if any("whole cache" in r.layers for r in rows):
         capacity = bucket(facts.prompt_len, 1 << 30) + bucket(facts.new_tokens, 1 << 30)
         filled = facts.prompt_len + (facts.new_tokens // 2 + 1 + facts.new_tokens) // 2
         lines.append(

@@ -16,7 +16,9 @@ batch uses, at most eight, each compiled once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Callable, Iterator
 
 import jax
 import numpy as np
@@ -52,10 +54,28 @@ class LoopPlan:
 
 
 ON_DEVICE = LoopPlan()  # every decision traced, the end checked after every step
+Planner = Callable[[dict[str, np.ndarray]], LoopPlan]
+_planner: Planner | None = None
 
 
 def default_plan(rows: dict[str, np.ndarray]) -> LoopPlan:
-    """`ON_DEVICE` on a CPU, `LoopPlan.for_rows(rows)` on an accelerator."""
+    """`ON_DEVICE` on a CPU, `LoopPlan.for_rows(rows)` on an accelerator (or what the
+    planner of an enclosing `planned_by` returns)."""
+    if _planner is not None:
+        return _planner(rows)
     if jax.default_backend() == "cpu":
         return ON_DEVICE
     return LoopPlan.for_rows(rows)
+
+
+@contextlib.contextmanager
+def planned_by(planner: Planner) -> Iterator[None]:
+    """Within it, `generate` and `stream` plan their loops with `planner(rows)`: how the
+    benchmarks compare one loop with another on one machine, and the tests run an
+    accelerator's loop on a CPU."""
+    global _planner
+    previous, _planner = _planner, planner
+    try:
+        yield
+    finally:
+        _planner = previous

@@ -10,6 +10,7 @@ from kvjax.model.config import cache_size_bytes
 
 from kvjax import cli
 from kvjax import model as M
+from kvjax.cli import common
 
 SUBCOMMANDS = (["demo"], ["train"], ["sample"], ["serve"], ["import-hf"], ["cache-size"],
                ["bench", "decode"], ["bench", "train"], ["bench", "serve"],
@@ -80,6 +81,7 @@ def test_the_cli_choices_are_the_librarys():
     from kvjax.benchmarks import decode as bench
     assert cli.PRESET_NAMES == tuple(M.PRESETS)
     assert cli.LAYER_MODES == bench.LAYER_MODES
+    assert common.RANDOM_HF_MODELS == bench.RANDOM_HF_MODELS
 
 
 def test_weights_alone_multiplies_every_matrix_parameter_once():
@@ -110,6 +112,37 @@ def test_decode_benchmark_on_more_devices_than_jax_sees_names_the_flag():
     with pytest.raises(ValueError, match="xla_force_host_platform_device_count=64"):
         bench.decode_benchmark("tiny", batch_sizes=(2,), prompt_len=4, new_tokens=8,
                                devices=64, log=lambda _: None)
+
+
+def test_decode_benchmark_times_each_loop_in_a_row_of_its_own():
+    from kvjax.benchmarks import decode as bench
+    loops = {name: bench.parse_loop(name) for name in ("default", "device", "host:3")}
+    rows, facts = bench.decode_benchmark(
+        "tiny", batch_sizes=(2,), prompt_len=4, new_tokens=8, repeats=1,
+        layer_modes=("scanned",), compare_no_cache=False, compare_hf=False, loops=loops,
+        log=lambda _: None)
+    assert [r.label for r in rows] == ["scanned", "scanned, device loop", "scanned, host:3 loop"]
+    assert all(r.kvjax_seconds > 0 for r in rows)
+    assert "| 2 | scanned, host:3 loop |" in bench.format_table(rows, facts)
+    for bad in ("host:0", "host:x", "fast"):
+        with pytest.raises(ValueError, match=f"decode loop {bad!r}"):
+            bench.parse_loop(bad)
+
+
+# The published models' parameter counts.
+PUBLISHED_PARAMETERS = {"gpt2": 124_439_808, "llama-1b": 1_235_814_400,
+                        "qwen2-0.5b": 494_032_768}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED_PARAMETERS))
+def test_the_random_hf_models_have_the_published_sizes(name):
+    pytest.importorskip("transformers")
+    from kvjax.benchmarks import decode as bench
+
+    from kvjax.hf.config import to_kvjax_config
+    config = to_kvjax_config(bench._random_hf_configs()[name].to_dict(), tied=True)
+    shapes = jax.eval_shape(lambda: M.init_params(config, jax.random.key(0)))
+    assert sum(x.size for x in jax.tree.leaves(shapes)) == PUBLISHED_PARAMETERS[name]
 
 
 def test_train_benchmark_times_both_layer_modes_and_prints_a_table(capsys, monkeypatch):

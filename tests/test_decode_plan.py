@@ -2,20 +2,17 @@
 decision made on the host) gives exactly what the loop a CPU runs (one step per check, every
 decision a `lax.cond`) gives, for every setting, stop and way of calling it."""
 
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from kvjax.decode.loop import StopConditions, StopReason, decode_loop, initial_state, record
-from kvjax.decode.plan import ON_DEVICE, LoopPlan, default_plan
+from kvjax.decode.plan import ON_DEVICE, LoopPlan, default_plan, planned_by
 from kvjax.decode.sampling import SamplingParams
 
 from kvjax import decode
 from kvjax import model as M
 
-generate_module = sys.modules["kvjax.decode.generate"]  # the package's `generate` is the function
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [3], [20, 21, 22, 23]]
 SETTINGS = {
     "greedy": {},
@@ -26,19 +23,16 @@ SETTINGS = {
 }
 
 
-@pytest.fixture
-def host_plan(monkeypatch):
-    """generate plans on the host as on an accelerator, with 3 steps per check (a number
-    that divides none of the budgets below)."""
-    monkeypatch.setattr(generate_module, "default_plan",
-                        lambda rows: LoopPlan.for_rows(rows, steps_per_check=3))
+def host_plan(rows):
+    """As an accelerator plans, with 3 steps per check (a number that divides none of the
+    budgets below)."""
+    return LoopPlan.for_rows(rows, steps_per_check=3)
 
 
-def _run_both(monkeypatch, call):
+def _run_both(call):
     on_device = call()
-    monkeypatch.setattr(generate_module, "default_plan",
-                        lambda rows: LoopPlan.for_rows(rows, steps_per_check=3))
-    return on_device, call()
+    with planned_by(host_plan):
+        return on_device, call()
 
 
 def _assert_same(a: decode.GenerateOutput, b: decode.GenerateOutput):
@@ -49,7 +43,7 @@ def _assert_same(a: decode.GenerateOutput, b: decode.GenerateOutput):
 
 
 @pytest.mark.parametrize("settings", list(SETTINGS))
-def test_generate_gives_the_same_output_with_either_plan(tiny, monkeypatch, settings):
+def test_generate_gives_the_same_output_with_either_plan(tiny, settings):
     _, net, params = tiny
 
     def run(**kwargs):  # 10 tokens: not a multiple of the 3 steps per check
@@ -57,13 +51,12 @@ def test_generate_gives_the_same_output_with_either_plan(tiny, monkeypatch, sett
                                return_logprobs=True, **SETTINGS[settings], **kwargs)
 
     eos = int(run().tokens[3, 4])  # stops row 3 early, and maybe others
-    on_device, on_host = _run_both(monkeypatch, lambda: run(eos_ids=(eos,)))
+    on_device, on_host = _run_both(lambda: run(eos_ids=(eos,)))
     _assert_same(on_device, on_host)
     assert StopReason.EOS in on_device.stop_reason
 
 
-def test_stream_chunks_and_a_continued_state_are_the_same_with_either_plan(tiny_lm,
-                                                                         monkeypatch):
+def test_stream_chunks_and_a_continued_state_are_the_same_with_either_plan(tiny_lm):
     _, net, params = tiny_lm
     settings = SETTINGS["processors"]
 
@@ -81,7 +74,7 @@ def test_stream_chunks_and_a_continued_state_are_the_same_with_either_plan(tiny_
                                 **settings)
         return [p.tolist() for p in pieces], first, later
 
-    (chunks_a, first_a, later_a), (chunks_b, first_b, later_b) = _run_both(monkeypatch, run)
+    (chunks_a, first_a, later_a), (chunks_b, first_b, later_b) = _run_both(run)
     assert chunks_a == chunks_b and [len(c[0]) for c in chunks_a] == [1, 4, 4, 2]
     np.testing.assert_array_equal(first_a.tokens, first_b.tokens)
     _assert_same(later_a, later_b)
@@ -132,13 +125,14 @@ def test_a_cpu_decides_on_the_device_and_an_accelerator_on_the_host():
         assert plan.sampled and plan.steps_per_check > 1
 
 
-def test_each_plan_compiles_once(tiny_lm, host_plan):
+def test_each_plan_compiles_once(tiny_lm):
     _, net, params = tiny_lm
     # 17 to 32 new tokens: a bucket no other test here compiles
     calls = [dict(temperature=0.0), dict(temperature=0.0, max_new_tokens=17),
              dict(temperature=0.8), dict(temperature=[0.0, 0.9, 1.0, 0.3]),
              dict(repetition_penalty=1.2), dict(repetition_penalty=1.5, temperature=0.4)]
     before = decode.trace_count("continue")
-    for kwargs in calls:
-        decode.generate(net, params, PROMPTS, **{"max_new_tokens": 30, **kwargs})
+    with planned_by(host_plan):
+        for kwargs in calls:
+            decode.generate(net, params, PROMPTS, **{"max_new_tokens": 30, **kwargs})
     assert decode.trace_count("continue") == before + 4  # greedy, sampled, and each penalised

@@ -12,6 +12,7 @@ from .common import (
     DTYPE_NAMES,
     LAYER_MODES,
     PRESET_NAMES,
+    RANDOM_HF_MODELS,
     add_command,
     positive,
     positive_real,
@@ -53,9 +54,15 @@ def _add_decode(kinds) -> None:
     model.add_argument("--hf-dir", metavar="DIR", default=None,
                        help="time the decoder-only model in this Hugging Face directory "
                             "instead of --preset; transformers runs the same weights (no sweep)")
-    model.add_argument("--random-gpt2", action="store_true",
-                       help="as --hf-dir, on GPT-2 small (124M) with random weights written "
-                            "to a temporary directory first (needs transformers; no sweep)")
+    model.add_argument("--random-hf", choices=RANDOM_HF_MODELS, default=None,
+                       help="as --hf-dir, on a model of this published model's sizes with "
+                            "random weights (in --dtype), written by transformers to a "
+                            "temporary directory first (needs the bench extra; no sweep)")
+    decode.add_argument("--loops", nargs="+", default=["default"], metavar="LOOP",
+                        help="decode loops to time side by side: default (this backend's), "
+                             "device (decisions on the device, the end checked every step), "
+                             "host or host:K (decided on the host, the end checked every K "
+                             "steps)")
     decode.add_argument("--no-no-cache", action="store_true", help="skip the no-cache baseline")
     decode.add_argument("--devices", type=positive, default=1,
                         help="also time kvjax with each batch split over this many devices "
@@ -204,23 +211,27 @@ def run_bench_speculative(args) -> int:
 
 
 def run_bench_decode(args) -> int:
-    from kvjax.benchmarks.decode import decode_benchmark, format_table
+    from kvjax.benchmarks.decode import decode_benchmark, format_table, parse_loop
     from kvjax.benchmarks.fill_sweep import check_sweep
 
-    sweep = not (args.no_sweep or args.hf_dir or args.random_gpt2)  # the sweep is per preset
+    sweep = not (args.no_sweep or args.hf_dir or args.random_hf)  # the sweep is per preset
     if sweep:  # before minutes of timing, not after
         check_sweep(args.preset, args.sweep_capacity, args.sweep_fills)
+    loops = {name: parse_loop(name) for name in args.loops}  # a bad name fails first
     with tempfile.TemporaryDirectory() as scratch:
         hf_dir = args.hf_dir
-        if args.random_gpt2:
-            from kvjax.benchmarks.decode import write_random_gpt2
+        if args.random_hf:
+            from kvjax.benchmarks.decode import write_random_hf
 
-            hf_dir = write_random_gpt2(os.path.join(scratch, "gpt2-small-random-weights"))
+            print(f"writing {args.random_hf} with random weights ...")
+            hf_dir = write_random_hf(args.random_hf,
+                                     os.path.join(scratch, f"{args.random_hf}-random-weights"),
+                                     args.dtype or "float32")
         rows, facts = decode_benchmark(
             args.preset, tuple(args.batch_sizes), args.prompt_len, args.new_tokens,
             args.repeats, layer_modes=tuple(args.layers), compare_no_cache=not args.no_no_cache,
             compare_hf=not args.no_hf, devices=args.devices, whole_cache=args.whole_cache,
-            hf_dir=hf_dir, dtype=args.dtype, cache_dtype=args.cache_dtype)
+            hf_dir=hf_dir, dtype=args.dtype, cache_dtype=args.cache_dtype, loops=loops)
     print(format_table(rows, facts))
     if sweep:
         from kvjax import model as M
