@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from kvjax.decode.generate import bucket
-from kvjax.decode.plan import ACCELERATOR_STEPS_PER_CHECK, ON_DEVICE, LoopPlan, Planner, planned_by
+from kvjax.decode.plan import ON_DEVICE, STEPS_PER_CHECK, LoopPlan, Planner, planned_by
 from kvjax.model.config import format_bytes
 
 from kvjax import decode, parallel
@@ -104,8 +104,9 @@ def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
 
 
 def measure_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
-    """Bytes per second read from memory: the best of a sum and a matrix-vector product
-    over `num_bytes` of float32, each far larger than any CPU cache."""
+    """Bytes per second moved through memory: the best of a sum and a matrix-vector product
+    over `num_bytes` of float32, each far larger than any CPU cache, and of a copy of them
+    (bytes read and written; a GPU's reductions fall well short of its bandwidth)."""
     cols = 8192
     rows = num_bytes // 4 // cols
     # Only the bytes read count, not their values: filling with ones takes a memset's time
@@ -114,11 +115,13 @@ def measure_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
     vector = jnp.ones((cols,), jnp.float32)
     total = jax.jit(jnp.sum)
     gemv = jax.jit(jnp.dot)
-    best = float("inf")
-    for fn in (lambda: total(matrix), lambda: gemv(matrix, vector)):
+    copy = jax.jit(lambda m: m + 1.0)
+    best = 0.0
+    for fn, moved in ((lambda: total(matrix), 1), (lambda: gemv(matrix, vector), 1),
+                      (lambda: copy(matrix), 2)):
         jax.block_until_ready(fn())
-        best = min(best, _best_seconds(fn, repeats))
-    return matrix.size * 4 / best
+        best = max(best, moved * matrix.size * 4 / _best_seconds(fn, repeats))
+    return best
 
 
 def step_matrices(config: M.TransformerConfig, params) -> list[tuple[jax.Array, bool]]:
@@ -175,7 +178,7 @@ def parse_loop(name: str) -> Planner | None:
         return lambda rows: ON_DEVICE
     kind, _, steps = name.partition(":")
     if kind == "host" and (not steps or steps.isdigit() and int(steps) >= 1):
-        steps_per_check = int(steps) if steps else ACCELERATOR_STEPS_PER_CHECK
+        steps_per_check = int(steps) if steps else STEPS_PER_CHECK
         return lambda rows: LoopPlan.for_rows(rows, steps_per_check)
     raise ValueError(f"decode loop {name!r} is not default, device, host or host:K "
                      f"(K >= 1 steps per check)")

@@ -1,17 +1,20 @@
-"""What the host decides about a decode loop before compiling it, so that on an accelerator the
-loop's step holds no `lax.cond` and the loop checks for its end only every few steps.
+"""How a decode loop is planned: what the device decides at every step, or the host once.
 
-XLA:GPU runs a `while_loop` whose trip count it cannot know by copying the predicate to the
-host and waiting for it at every iteration, and every `lax.cond` the same way: the device then
-idles while the host reads a flag and launches the next kernels. A CPU pays nothing for
-either. So on a CPU (`ON_DEVICE`) every decision stays traced: the loop checks its
-end after every step, and the step skips sampling's sort when every row is greedy, and the
-built-in processors when they are off, with a `lax.cond`, so any mix of settings runs one
-compiled program. On an accelerator (`LoopPlan.for_rows`) the host, which holds every row's
-setting before anything runs, decides which of those parts the step needs, and the loop
-runs `steps_per_check` steps (a fixed-count inner loop, a done row or a step past the limit
-changing nothing) per check of its end: one compiled program per combination of the parts a
-batch uses, at most eight, each compiled once.
+`ON_DEVICE`, the plan `generate` and `stream` run, keeps every decision traced: the loop
+checks for its end after every step, and the step skips sampling's sort when every row is
+greedy, and the built-in processors when they are off, with a `lax.cond`, so any mix of
+settings runs one compiled program.
+
+`LoopPlan.for_rows` is the other way. XLA:GPU runs a `while_loop` whose trip count it cannot
+know by copying the predicate to the host and waiting for it at every iteration, and a
+`lax.cond` the same way. The host, which holds every row's setting before anything runs,
+decides which parts the step needs (no `lax.cond` left in it), and the loop runs
+`steps_per_check` steps per check for its end, in an inner loop of known trip count (a done
+row, or a step past the limit, changes nothing): one compiled program per combination of the
+parts a batch uses, at most eight. Its outputs are exactly `ON_DEVICE`'s. It is not the
+default because it has not measured faster: on a GPU the per-step checks cost less than what
+the fixed-count loop adds (benchmarks/README.md). `planned_by` runs it, and
+`kvjax bench decode --loops device host:K` times both on one machine.
 """
 
 from __future__ import annotations
@@ -20,10 +23,9 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
 
-import jax
 import numpy as np
 
-ACCELERATOR_STEPS_PER_CHECK = 8  # decode steps per check for the end on an accelerator
+STEPS_PER_CHECK = 8  # what `LoopPlan.for_rows` runs unless told otherwise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +42,7 @@ class LoopPlan:
 
     @classmethod
     def for_rows(cls, rows: dict[str, np.ndarray],
-                 steps_per_check: int = ACCELERATOR_STEPS_PER_CHECK) -> LoopPlan:
+                 steps_per_check: int = STEPS_PER_CHECK) -> LoopPlan:
         """Decided from checked per-row settings (`SamplingParams.make`'s keyword arguments,
         one value per row; absent ones at their defaults)."""
         def setting(name, default):
@@ -59,13 +61,9 @@ _planner: Planner | None = None
 
 
 def default_plan(rows: dict[str, np.ndarray]) -> LoopPlan:
-    """`ON_DEVICE` on a CPU, `LoopPlan.for_rows(rows)` on an accelerator (or what the
-    planner of an enclosing `planned_by` returns)."""
-    if _planner is not None:
-        return _planner(rows)
-    if jax.default_backend() == "cpu":
-        return ON_DEVICE
-    return LoopPlan.for_rows(rows)
+    """The plan `generate` and `stream` run: `ON_DEVICE`, or what the planner of an
+    enclosing `planned_by` returns."""
+    return ON_DEVICE if _planner is None else _planner(rows)
 
 
 @contextlib.contextmanager

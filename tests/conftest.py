@@ -146,9 +146,12 @@ def full_float32_matmuls():
     """The tests hold code paths to each other and to NumPy at float32 tolerances. On GPUs
     jax's default matmul precision rounds float32 inputs to TF32 (about 1e-3 relative), a
     speed setting of the backend that kvjax leaves to its users; the tests ask for full
-    float32. (A fixture, so that the backend starts after every conftest has set it up.)"""
+    float32. (A fixture, so that the backend starts after every conftest has set it up.)
+    Processes the tests start read it from the environment: a run checked against one in a
+    child process must multiply as it does."""
     if jax.default_backend() != "cpu":
         jax.config.update("jax_default_matmul_precision", "highest")
+        os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
 
 
 @pytest.fixture(scope="session")

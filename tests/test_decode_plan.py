@@ -1,6 +1,6 @@
-"""decode/plan.py: the loop an accelerator runs (several steps per check for the end, every
-decision made on the host) gives exactly what the loop a CPU runs (one step per check, every
-decision a `lax.cond`) gives, for every setting, stop and way of calling it."""
+"""decode/plan.py: the loop planned on the host (several steps per check for the end, no
+`lax.cond`) gives exactly what the default loop (one step per check, every decision a
+`lax.cond` on the device) gives, for every setting, stop and way of calling it."""
 
 import jax
 import jax.numpy as jnp
@@ -16,15 +16,15 @@ from kvjax import model as M
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [3], [20, 21, 22, 23]]
 SETTINGS = {
     "greedy": {},
+    # sampled and greedy rows (top_k = 1 is greedy), every filter, both built-in processors
     "mixed": dict(temperature=[0.0, 1.5, 0.7, 1.0], top_k=[0, 5, 0, 1], top_p=[1.0, 0.9, 0.8, 1.0],
-                  min_p=[0.0, 0.0, 0.1, 0.0]),
-    "processors": dict(temperature=[0.0, 1.0, 0.0, 0.5], repetition_penalty=[1.0, 1.3, 2.0, 1.0],
-                       no_repeat_ngram_size=[0, 2, 3, 1]),
+                  min_p=[0.0, 0.0, 0.1, 0.0], repetition_penalty=[1.0, 1.3, 2.0, 1.0],
+                  no_repeat_ngram_size=[0, 2, 3, 1]),
 }
 
 
 def host_plan(rows):
-    """As an accelerator plans, with 3 steps per check (a number that divides none of the
+    """Planned on the host, with 3 steps per check (a number that divides none of the
     budgets below)."""
     return LoopPlan.for_rows(rows, steps_per_check=3)
 
@@ -58,7 +58,7 @@ def test_generate_gives_the_same_output_with_either_plan(tiny, settings):
 
 def test_stream_chunks_and_a_continued_state_are_the_same_with_either_plan(tiny_lm):
     _, net, params = tiny_lm
-    settings = SETTINGS["processors"]
+    settings = SETTINGS["mixed"]
 
     def run():
         chunks = decode.stream(net, params, PROMPTS, max_new_tokens=11, chunk_size=4,
@@ -117,12 +117,12 @@ def test_the_host_decides_only_what_the_rows_use():
             for n in (0, 1, 2, 3, 5, 8)] == [0, 1, 2, 4, 8, 8]
 
 
-def test_a_cpu_decides_on_the_device_and_an_accelerator_on_the_host():
-    plan = default_plan({"temperature": np.asarray([0.5])})
-    if jax.default_backend() == "cpu":
-        assert plan == ON_DEVICE
-    else:
-        assert plan.sampled and plan.steps_per_check > 1
+def test_generate_decides_on_the_device_unless_planned_otherwise():
+    rows = {"temperature": np.asarray([0.5])}
+    assert default_plan(rows) == ON_DEVICE
+    with planned_by(host_plan):
+        assert default_plan(rows) == LoopPlan(3, sampled=True, penalty=False, ngram_bound=0)
+    assert default_plan(rows) == ON_DEVICE
 
 
 def test_each_plan_compiles_once(tiny_lm):

@@ -24,7 +24,7 @@ from kvjax.tokenizer import EOS_ID, PAD_ID, train_tokenizer
 COPY_STEPS = 200
 COPY_CONFIG = TrainConfig(
     steps=COPY_STEPS, batch_size=32, learning_rate=3e-3, warmup_steps=20, eval_every=100,
-    log_every=20, save_every=100, keep_checkpoints=2, progress=False)
+    log_every=20, save_every=100, keep_checkpoints=2, progress=False, deterministic=True)
 TEXT = "the quick brown fox jumps over the lazy dog.\nPack my box with five dozen jugs!\n" * 40
 
 

@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 STEPS = 30
 TRAIN = TrainConfig(steps=STEPS, batch_size=8, learning_rate=3e-3, warmup_steps=3,
                     eval_every=STEPS, eval_batches=1, log_every=5, keep_checkpoints=2,
-                    progress=False)
+                    progress=False, deterministic=True)
 TEXT = "the quick brown fox jumps over the lazy dog.\nPack my box with five dozen jugs!\n" * 20
 
 

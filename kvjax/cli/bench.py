@@ -97,9 +97,10 @@ def _add_train(kinds) -> None:
                        help="also time kvjax with each batch split over this many devices "
                             "(on a CPU, host devices)")
     train.add_argument("--no-torch", action="store_true", help="skip PyTorch")
-    train.add_argument("--deterministic", choices=("on", "off", "both"), default="on",
+    train.add_argument("--deterministic", choices=("on", "off", "both"), default="off",
                        help="kvjax's step with XLA's deterministic ops on a GPU (as kvjax train "
-                            "runs by default), without them, or both to measure their cost")
+                            "--deterministic runs it), without them (its default), or both to "
+                            "measure their cost")
     train.set_defaults(run=run_bench_train)
 
 

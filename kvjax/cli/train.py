@@ -66,11 +66,12 @@ def add_train(commands) -> None:
     several.add_argument("--cpu-devices", type=positive, default=None,
                          help="CPU devices per process, to run several processes on one "
                               "machine without accelerators")
-    train.add_argument("--no-deterministic", action="store_true",
-                       help="let a GPU use its faster run-to-run varying kernels (atomic "
-                            "scatter-adds, autotuned matmuls): the same seed then gives losses "
-                            "that differ in the last digits, and --resume no longer continues "
-                            "bit-identically (CPUs and TPUs are deterministic either way)")
+    train.add_argument("--deterministic", action="store_true",
+                       help="on a GPU, compile the step with XLA's deterministic ops, at some "
+                            "cost in speed: the same seed then gives bit-identical losses and "
+                            "--resume continues bit-identically (without it a GPU's losses "
+                            "differ in the last digits; CPUs and TPUs are deterministic "
+                            "either way)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(run=run_train)
 
@@ -84,7 +85,7 @@ def run_train(args) -> int:
                            cpu_devices=args.cpu_devices)
 
     overrides = {"seed": args.seed, "progress": not args.no_progress,
-                 "deterministic": not args.no_deterministic, **schedule(args)}
+                 "deterministic": args.deterministic, **schedule(args)}
     for option, name in (("batch_size", "batch_size"), ("learning_rate", "learning_rate"),
                          ("save_every", "save_every")):
         if getattr(args, option) is not None:
