@@ -99,9 +99,11 @@ def pytest_xdist_make_scheduler(config, log):
 # The files that take longest go to the workers first, so that no worker is left running a
 # long file while the other has nothing to do (longest first); the rest follow by their
 # number of tests, as xdist orders them (`--no-loadscope-reorder` keeps this order).
-SLOW_FILES_FIRST = ("test_model.py", "test_notebooks.py", "test_train.py",
+SLOW_FILES_FIRST = ("test_multi_device_generate.py", "test_multi_device.py",
+                    "test_multi_process.py", "test_notebooks.py", "test_demo.py",
+                    "test_model.py", "test_train.py",
                     "test_blocked_decode.py", "test_prompt_state.py", "test_generate.py",
-                    "test_multi_device.py", "test_speculative.py", "test_multi_process.py",
+                    "test_speculative.py",
                     "test_hf_models.py", "test_generate_options.py", "test_finetune.py")
 
 

@@ -6,6 +6,7 @@ import sys
 import jax
 import pytest
 from conftest import run_cli
+from kvjax.decode.plan import ON_DEVICE
 from kvjax.model.config import cache_size_bytes
 
 from kvjax import cli
@@ -116,14 +117,15 @@ def test_decode_benchmark_on_more_devices_than_jax_sees_names_the_flag():
 
 def test_decode_benchmark_times_each_loop_in_a_row_of_its_own():
     from kvjax.benchmarks import decode as bench
-    loops = {name: bench.parse_loop(name) for name in ("default", "device", "host:3")}
+    loops = {name: bench.parse_loop(name) for name in ("default", "host:3")}
     rows, facts = bench.decode_benchmark(
         "tiny", batch_sizes=(2,), prompt_len=4, new_tokens=8, repeats=1,
         layer_modes=("scanned",), compare_no_cache=False, compare_hf=False, loops=loops,
         log=lambda _: None)
-    assert [r.label for r in rows] == ["scanned", "scanned, device loop", "scanned, host:3 loop"]
+    assert [r.label for r in rows] == ["scanned", "scanned, host:3 loop"]
     assert all(r.kvjax_seconds > 0 for r in rows)
     assert "| 2 | scanned, host:3 loop |" in bench.format_table(rows, facts)
+    assert bench.parse_loop("device")({}) == ON_DEVICE
     for bad in ("host:0", "host:x", "fast"):
         with pytest.raises(ValueError, match=f"decode loop {bad!r}"):
             bench.parse_loop(bad)

@@ -5,7 +5,6 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from kvjax.decode.loop import StopConditions, StopReason, decode_loop, initial_state, record
 from kvjax.decode.plan import ON_DEVICE, LoopPlan, default_plan, planned_by
 from kvjax.decode.sampling import SamplingParams
@@ -14,13 +13,11 @@ from kvjax import decode
 from kvjax import model as M
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [3], [20, 21, 22, 23]]
-SETTINGS = {
-    "greedy": {},
-    # sampled and greedy rows (top_k = 1 is greedy), every filter, both built-in processors
-    "mixed": dict(temperature=[0.0, 1.5, 0.7, 1.0], top_k=[0, 5, 0, 1], top_p=[1.0, 0.9, 0.8, 1.0],
-                  min_p=[0.0, 0.0, 0.1, 0.0], repetition_penalty=[1.0, 1.3, 2.0, 1.0],
-                  no_repeat_ngram_size=[0, 2, 3, 1]),
-}
+# Sampled and greedy rows (top_k = 1 is greedy), every filter and both built-in processors;
+# the all-greedy plan is compared in the cache test below.
+SETTINGS = dict(temperature=[0.0, 1.5, 0.7, 1.0], top_k=[0, 5, 0, 1], top_p=[1.0, 0.9, 0.8, 1.0],
+                min_p=[0.0, 0.0, 0.1, 0.0], repetition_penalty=[1.0, 1.3, 2.0, 1.0],
+                no_repeat_ngram_size=[0, 2, 3, 1])
 
 
 def host_plan(rows):
@@ -42,13 +39,12 @@ def _assert_same(a: decode.GenerateOutput, b: decode.GenerateOutput):
     np.testing.assert_array_equal(a.logprobs, b.logprobs)
 
 
-@pytest.mark.parametrize("settings", list(SETTINGS))
-def test_generate_gives_the_same_output_with_either_plan(tiny, settings):
+def test_generate_gives_the_same_output_with_either_plan(tiny):
     _, net, params = tiny
 
     def run(**kwargs):  # 10 tokens: not a multiple of the 3 steps per check
         return decode.generate(net, params, PROMPTS, max_new_tokens=10, rng=jax.random.key(3),
-                               return_logprobs=True, **SETTINGS[settings], **kwargs)
+                               return_logprobs=True, **SETTINGS, **kwargs)
 
     eos = int(run().tokens[3, 4])  # stops row 3 early, and maybe others
     on_device, on_host = _run_both(lambda: run(eos_ids=(eos,)))
@@ -58,7 +54,7 @@ def test_generate_gives_the_same_output_with_either_plan(tiny, settings):
 
 def test_stream_chunks_and_a_continued_state_are_the_same_with_either_plan(tiny_lm):
     _, net, params = tiny_lm
-    settings = SETTINGS["mixed"]
+    settings = SETTINGS
 
     def run():
         chunks = decode.stream(net, params, PROMPTS, max_new_tokens=11, chunk_size=4,
@@ -129,10 +125,9 @@ def test_each_plan_compiles_once(tiny_lm):
     _, net, params = tiny_lm
     # 17 to 32 new tokens: a bucket no other test here compiles
     calls = [dict(temperature=0.0), dict(temperature=0.0, max_new_tokens=17),
-             dict(temperature=0.8), dict(temperature=[0.0, 0.9, 1.0, 0.3]),
-             dict(repetition_penalty=1.2), dict(repetition_penalty=1.5, temperature=0.4)]
+             dict(temperature=[0.0, 0.9, 1.0, 0.3])]
     before = decode.trace_count("continue")
     with planned_by(host_plan):
         for kwargs in calls:
             decode.generate(net, params, PROMPTS, **{"max_new_tokens": 30, **kwargs})
-    assert decode.trace_count("continue") == before + 4  # greedy, sampled, and each penalised
+    assert decode.trace_count("continue") == before + 2  # greedy, then sampled

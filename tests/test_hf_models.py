@@ -22,9 +22,9 @@ from kvjax import decode, hf
 from kvjax import model as M
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf_models"
-NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral")
+NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral", "phi3")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
-               "marian": "marian", "qwen3": "qwen3", "mistral": "mistral"}
+               "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3"}
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_logits_and_generation_equal_transformers(loaded, name):
     record, logits = expected(name)
     assert config.tie_embeddings == (name in ("gpt2", "llama_mqa", "marian", "qwen3"))
     assert config.qk_norm == (name == "qwen3")
-    assert config.sliding_window == (4 if name == "mistral" else None)
+    assert config.sliding_window == {"mistral": 4, "phi3": 6}.get(name)
     for i, got in enumerate(teacher_forced(config, params, record)):
         assert relative_error(got, logits[f"logits_{i}"]) <= 1e-5
     net = M.build_model(config)
@@ -132,8 +132,8 @@ def edit_config(directory, **changes):
 
 @pytest.mark.parametrize("name, changes, message", [
     ("gpt2", dict(model_type="bert"),
-     "model_type 'bert' is not supported; kvjax loads gpt2, llama, mistral, qwen2, qwen3, "
-     "marian"),
+     "model_type 'bert' is not supported; kvjax loads gpt2, llama, mistral, phi3, qwen2, "
+     "qwen3, marian"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
                                         "rope_theta": 10000.0}),
      "rope scaling of type 'yarn' is not supported"),
@@ -142,6 +142,10 @@ def edit_config(directory, **changes):
     ("qwen3", dict(layer_types=["full_attention", "sliding_attention"]),
      "layers [1] use 'sliding_attention'; kvjax runs full attention"),
     ("llama_mqa", dict(rope_interleaved=True), "rope_interleaved=true is not supported"),
+    ("phi3", dict(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                   "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}),
+     "rope scaling of type 'longrope' is not supported"),
+    ("phi3", dict(partial_rotary_factor=0.75), "partial_rotary_factor=0.75 is not supported"),
     ("gpt2", dict(scale_attn_by_inverse_layer_idx=True),
      "scale_attn_by_inverse_layer_idx=true is not supported"),
     ("llama_mqa", dict(some_new_trick=4), "kvjax does not implement some_new_trick=4"),

@@ -1,5 +1,5 @@
-"""Pretrained models from local Hugging Face directories: GPT-2, Llama, Mistral, Qwen2, Qwen3
-and Marian.
+"""Pretrained models from local Hugging Face directories: GPT-2, Llama, Mistral, Phi-3, Qwen2,
+Qwen3 and Marian.
 
     config, tokenizer, params = kvjax.hf.load_pretrained("path/to/gpt2")
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvjax.model import TransformerConfig
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "marian")
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "phi3", "qwen2", "qwen3", "marian")
 
 
 class UnsupportedModelError(ValueError):
@@ -84,8 +84,8 @@ def to_kvjax_config(hf: dict[str, Any], *, tied: bool, dtype: str = "float32",
         raise UnsupportedModelError(f"{source}: model_type {model_type!r} is not supported; "
                                     f"kvjax loads {', '.join(SUPPORTED_MODEL_TYPES)}")
     reader = _Reader(hf, source)
-    fields = {"gpt2": _gpt2, "llama": _llama, "mistral": _mistral, "qwen2": _qwen2,
-              "qwen3": _qwen3, "marian": _marian}[model_type](reader)
+    fields = {"gpt2": _gpt2, "llama": _llama, "mistral": _mistral, "phi3": _phi3,
+              "qwen2": _qwen2, "qwen3": _qwen3, "marian": _marian}[model_type](reader)
     reader.refuse_unread()
     try:
         return TransformerConfig(**fields, tie_embeddings=tied, dtype=dtype, param_dtype=dtype,
@@ -237,6 +237,17 @@ def _qwen3(c: _Reader) -> dict[str, Any]:
 def _mistral(c: _Reader) -> dict[str, Any]:
     """Llama's architecture where every layer attends over the last `sliding_window`
     positions (null: all of them)."""
+    return {**_llama_like(c, qkv_bias=False, out_bias=False, ffn_bias=False),
+            "sliding_window": c.get("sliding_window")}
+
+
+def _phi3(c: _Reader) -> dict[str, Any]:
+    """Mistral's architecture (an optional sliding window) whose files hold q, k and v in one
+    projection and the gate and up projections in another. RoPE must turn every dimension
+    (`partial_rotary_factor` 1) and not be scaled: the long-context variants' `longrope` is
+    refused by `_rope`."""
+    c.get("original_max_position_embeddings")  # read by longrope scaling only
+    c.expect("partial_rotary_factor", 1.0, 1.0, "kvjax's RoPE turns every dimension")
     return {**_llama_like(c, qkv_bias=False, out_bias=False, ffn_bias=False),
             "sliding_window": c.get("sliding_window")}
 

@@ -11,6 +11,7 @@ weights), so a mismatch is an error naming the tensor, never a silently random l
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable
@@ -139,7 +140,8 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
                          "model.with_layer_layout")
     params = _Params(config, files, dtype)
     mapper = {"gpt2": _gpt2, "llama": _llama_like, "mistral": _llama_like,
-              "qwen2": _llama_like, "qwen3": _llama_like, "marian": _marian}[model_type]
+              "phi3": functools.partial(_llama_like, fused=True), "qwen2": _llama_like,
+              "qwen3": _llama_like, "marian": _marian}[model_type]
     ignorable = mapper(config, params)
     return params.tree(ignorable)
 
@@ -209,7 +211,9 @@ def _dense(p: _Params, name: str, dst: str, shape_out_in, bias: bool) -> None:
         p.set(dst + "/bias", p.read(name + ".bias", shape_out_in[:1]))
 
 
-def _llama_like(c: M.TransformerConfig, p: _Params):
+def _llama_like(c: M.TransformerConfig, p: _Params, fused: bool = False):
+    """Llama and its kin. `fused` (Phi-3): q, k and v are rows of one `qkv_proj`, and the gate
+    and up projections the two halves of one `gate_up_proj`."""
     d, h, f = c.d_model, c.head_dim, c.d_ff
     p.set("embedder/embedding/embedding", p.read("model.embed_tokens.weight",
                                                  (c.vocab_size, d)))
@@ -218,16 +222,27 @@ def _llama_like(c: M.TransformerConfig, p: _Params):
         p.set(dst + "attention_block/norm/scale", p.read(src + "input_layernorm.weight", (d,)))
         p.set(dst + "ffn_block/norm/scale",
               p.read(src + "post_attention_layernorm.weight", (d,)))
-        _fused(p, dst + "self_attention/qkv", [
-            _linear(p, f"{src}self_attn.{name}_proj", heads, h, d, c.qkv_bias)
-            for name, heads in (("q", c.num_heads), ("k", c.kv_heads), ("v", c.kv_heads))])
+        if fused:  # rows: the q heads, then the k heads, then the v heads
+            heads = c.num_heads + 2 * c.kv_heads
+            p.set(dst + "self_attention/qkv/kernel", p.read(
+                src + "self_attn.qkv_proj.weight", (heads * h, d)).T.reshape(d, heads, h))
+        else:
+            _fused(p, dst + "self_attention/qkv", [
+                _linear(p, f"{src}self_attn.{name}_proj", heads, h, d, c.qkv_bias)
+                for name, heads in (("q", c.num_heads), ("k", c.kv_heads),
+                                    ("v", c.kv_heads))])
         if c.qk_norm:
             for name in ("q_norm", "k_norm"):
                 p.set(f"{dst}self_attention/{name}/scale",
                       p.read(f"{src}self_attn.{name}.weight", (h,)))
         _output(p, src + "self_attn.o_proj", dst + "self_attention/out", c)
-        _dense(p, src + "mlp.gate_proj", dst + "ffn/wi", (f, d), c.ffn_bias)
-        _dense(p, src + "mlp.up_proj", dst + "ffn/wi_gate", (f, d), c.ffn_bias)
+        if fused:  # the gate's rows, then the up projection's
+            gate_up = p.read(src + "mlp.gate_up_proj.weight", (2 * f, d))
+            p.set(dst + "ffn/wi/kernel", gate_up[:f].T)
+            p.set(dst + "ffn/wi_gate/kernel", gate_up[f:].T)
+        else:
+            _dense(p, src + "mlp.gate_proj", dst + "ffn/wi", (f, d), c.ffn_bias)
+            _dense(p, src + "mlp.up_proj", dst + "ffn/wi_gate", (f, d), c.ffn_bias)
         _dense(p, src + "mlp.down_proj", dst + "ffn/wo", (d, f), c.ffn_bias)
     p.set("final_norm/scale", p.read("model.norm.weight", (d,)))
     _unembed(c, p, "lm_head.weight")
