@@ -6,7 +6,7 @@ with (greedy) or accepts by rejection sampling, plus one token of the model's ow
 it, and `advance` appends what each row kept to its tokens and context, cut at an eos or
 `max_new_tokens`, and sets its cache length to match (see `speculative.py`).
 
-Shape letters: B batch, K draft length k, T = K + 1, V vocab.
+Shape letters: B batch, J draft length k, T = J + 1, V vocab.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from .loop import DecodeState, StopConditions, StopReason
 from .sampling import SamplingParams, filter_logits
 
 
-def choose(logits_BTV: jax.Array, drafts_BK: jax.Array, valid_B: jax.Array,
+def choose(logits_BTV: jax.Array, drafts_BJ: jax.Array, valid_B: jax.Array,
            sampling: SamplingParams, rng: jax.Array, draft_probs_BKV: jax.Array | None = None
            ) -> tuple[jax.Array, jax.Array]:
     """(tokens [B, T], accepted [B]): row b emits tokens[b, :accepted[b] + 1], its first
@@ -34,46 +34,46 @@ def choose(logits_BTV: jax.Array, drafts_BK: jax.Array, valid_B: jax.Array,
     num_draft = num_tokens - 1
     greedy_B = jnp.broadcast_to(sampling.is_greedy, (batch,))
     argmax_BT = jnp.argmax(logits_BTV, axis=-1).astype(jnp.int32)
-    drafted_BK = jnp.arange(num_draft)[None] < valid_B[:, None]
+    drafted_BJ = jnp.arange(num_draft)[None] < valid_B[:, None]
 
     def greedy(_):
-        return argmax_BT, drafted_BK & (drafts_BK == argmax_BT[:, :num_draft])
+        return argmax_BT, drafted_BJ & (drafts_BJ == argmax_BT[:, :num_draft])
 
     def sampled(_):
         rows = sampling.rows(batch)
         per_token = jax.tree.map(lambda x: jnp.repeat(x, num_tokens), rows)
         filtered_BTV = filter_logits(logits_BTV.reshape(-1, vocab), per_token).reshape(
             batch, num_tokens, vocab)
-        probs_BKV = jax.nn.softmax(filtered_BTV[:, :num_draft], axis=-1)
-        p_draft_BK = jnp.take_along_axis(probs_BKV, drafts_BK[..., None], axis=-1)[..., 0]
+        probs_BJV = jax.nn.softmax(filtered_BTV[:, :num_draft], axis=-1)
+        p_draft_BK = jnp.take_along_axis(probs_BJV, drafts_BJ[..., None], axis=-1)[..., 0]
         accept_rng, draw_rng = jax.random.split(rng)
-        uniform_BK = jax.random.uniform(accept_rng, (batch, num_draft))
+        uniform_BJ = jax.random.uniform(accept_rng, (batch, num_draft))
         if draft_probs_BKV is None:
-            keep_BK = drafted_BK & (uniform_BK < p_draft_BK)
+            keep_BJ = drafted_BJ & (uniform_BJ < p_draft_BK)
             # A rejected draft is removed from its position's distribution; positions
             # without a draft (and the one after the last draft) draw from p itself.
-            rejected_BTV = jnp.pad(drafted_BK, ((0, 0), (0, 1)))[..., None] & (
-                jnp.arange(vocab) == jnp.pad(drafts_BK, ((0, 0), (0, 1)))[..., None])
+            rejected_BTV = jnp.pad(drafted_BJ, ((0, 0), (0, 1)))[..., None] & (
+                jnp.arange(vocab) == jnp.pad(drafts_BJ, ((0, 0), (0, 1)))[..., None])
             residual_BTV = jnp.where(rejected_BTV, -jnp.inf, filtered_BTV)
         else:
-            q_draft_BK = jnp.take_along_axis(draft_probs_BKV, drafts_BK[..., None],
+            q_draft_BK = jnp.take_along_axis(draft_probs_BKV, drafts_BJ[..., None],
                                              axis=-1)[..., 0]
-            keep_BK = drafted_BK & (uniform_BK * q_draft_BK < p_draft_BK)
-            excess_BKV = jnp.maximum(probs_BKV - draft_probs_BKV, 0.0)
+            keep_BJ = drafted_BJ & (uniform_BJ * q_draft_BK < p_draft_BK)
+            excess_BJV = jnp.maximum(probs_BJV - draft_probs_BKV, 0.0)
             # p = q up to rounding leaves no excess; a rejection there is rounding too.
-            use_excess_BK = drafted_BK & (jnp.sum(excess_BKV, axis=-1) > 0)
-            residual_BKV = jnp.where(use_excess_BK[..., None], jnp.log(excess_BKV),
+            use_excess_BK = drafted_BJ & (jnp.sum(excess_BJV, axis=-1) > 0)
+            residual_BJV = jnp.where(use_excess_BK[..., None], jnp.log(excess_BJV),
                                      filtered_BTV[:, :num_draft])
-            residual_BTV = jnp.concatenate([residual_BKV, filtered_BTV[:, num_draft:]], axis=1)
+            residual_BTV = jnp.concatenate([residual_BJV, filtered_BTV[:, num_draft:]], axis=1)
         drawn_BT = jax.random.categorical(draw_rng, residual_BTV, axis=-1).astype(jnp.int32)
         return (jnp.where(greedy_B[:, None], argmax_BT, drawn_BT),
-                jnp.where(greedy_B[:, None], drafted_BK & (drafts_BK == argmax_BT[:, :-1]),
-                          keep_BK))
+                jnp.where(greedy_B[:, None], drafted_BJ & (drafts_BJ == argmax_BT[:, :-1]),
+                          keep_BJ))
 
-    model_BT, keep_BK = jax.lax.cond(jnp.all(greedy_B), greedy, sampled, None)
-    accepted_B = jnp.sum(jnp.cumprod(keep_BK, axis=1), axis=1).astype(jnp.int32)
+    model_BT, keep_BJ = jax.lax.cond(jnp.all(greedy_B), greedy, sampled, None)
+    accepted_B = jnp.sum(jnp.cumprod(keep_BJ, axis=1), axis=1).astype(jnp.int32)
     positions_T = jnp.arange(num_tokens)
-    draft_BT = jnp.pad(drafts_BK, ((0, 0), (0, 1)))
+    draft_BT = jnp.pad(drafts_BJ, ((0, 0), (0, 1)))
     tokens_BT = jnp.where(positions_T[None] < accepted_B[:, None], draft_BT, model_BT)
     return tokens_BT, accepted_B
 

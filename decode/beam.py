@@ -4,7 +4,7 @@ Each of the W beams of a row is one row of the cache (batch B·W). Every step ex
 alive beam by every token, keeps the 2W best candidates, moves those ending in EOS to the
 finished pool (scored with a length penalty) and keeps the W best others alive; the cache
 rows are then reordered by the beam each survivor came from. Shapes: B batch, W beams,
-N token buffer, V vocab.
+O token buffer, V vocab.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class BeamState:
 
 @flax.struct.dataclass
 class BeamResult:
-    """The best hypothesis per row: tokens / logprobs [B, N], lengths / stop_reason / scores [B]."""
+    """The best hypothesis per row: tokens / logprobs [B, O], lengths / stop_reason / scores [B]."""
 
     tokens: jax.Array
     lengths: jax.Array
@@ -85,8 +85,8 @@ def beam_step(state: BeamState, logprobs_BWV: jax.Array, stops: StopConditions,
     origin, token = flat // vocab, flat % vocab
     token_logprob = jnp.take_along_axis(logprobs_BWV.reshape(batch, -1), flat, axis=1)
 
-    def history(buffer_BWN, new_B2W):  # the origin beam's history plus the new entry
-        rows = jnp.take_along_axis(buffer_BWN, origin[..., None], axis=1)
+    def history(buffer_BWO, new_B2W):  # the origin beam's history plus the new entry
+        rows = jnp.take_along_axis(buffer_BWO, origin[..., None], axis=1)
         return rows.at[:, :, state.step].set(new_B2W)
 
     cand_tokens = history(state.alive_tokens, token)

@@ -17,7 +17,7 @@ Each draft is drawn from q, the draft's distribution after the row's sampling fi
 (temperature, top-k, top-p, min-p), which rejection sampling needs next to the target's p;
 greedy rows take the argmax and need no q.
 
-Shape letters: B batch, C context buffer, K draft length k, V vocab.
+Shape letters: B batch, C context buffer, J draft length k, V vocab.
 """
 
 from __future__ import annotations
@@ -134,11 +134,11 @@ def catch_up(draft_step, cache: M.KVCache, context_BC: jax.Array, context_length
 def propose(draft_step, cache: M.KVCache, context_BC: jax.Array, context_lengths_B: jax.Array,
             running_B: jax.Array, speculate: jax.Array, sampling: SamplingParams,
             rng: jax.Array, num_draft: int) -> tuple[jax.Array, jax.Array, M.KVCache]:
-    """(drafts [B, K], q [B, K, V], cache): K tokens per running row, drawn one at a time.
+    """(drafts [B, J], q [B, J, V], cache): J tokens per running row, drawn one at a time.
 
     `draft_step(tokens [B, T], cache, lengths [B])` is the draft model's step. After
     `catch_up`, the first call feeds the one or two tokens of the context the draft has not
-    seen (T = 2); the K - 1 calls of one token after it run only if `speculate`. A row
+    seen (T = 2); the J - 1 calls of one token after it run only if `speculate`. A row
     whose cache has no room for the first call's two tokens is fed none."""
     cache = catch_up(draft_step, cache, context_BC, context_lengths_B, running_B)
     batch, width = context_BC.shape
@@ -150,17 +150,17 @@ def propose(draft_step, cache: M.KVCache, context_BC: jax.Array, context_lengths
     newest_B = jnp.maximum(behind_B - 1, 0)
     logits_BV = jnp.take_along_axis(logits_B2V, newest_B[:, None, None], axis=1)[:, 0]
     token_B, q_BV = draw(logits_BV, sampling, jax.random.fold_in(rng, 0))
-    drafts_BK = jnp.zeros((batch, num_draft), jnp.int32).at[:, 0].set(token_B)
-    q_BKV = jnp.zeros((batch, num_draft, q_BV.shape[-1]), jnp.float32).at[:, 0].set(q_BV)
+    drafts_BJ = jnp.zeros((batch, num_draft), jnp.int32).at[:, 0].set(token_B)
+    q_BJV = jnp.zeros((batch, num_draft, q_BV.shape[-1]), jnp.float32).at[:, 0].set(q_BV)
 
     def next_draft(i, carry):
-        drafts_BK, q_BKV, cache = carry
-        logits_B1V, cache = draft_step(drafts_BK[:, i - 1, None], cache,
+        drafts_BJ, q_BJV, cache = carry
+        logits_B1V, cache = draft_step(drafts_BJ[:, i - 1, None], cache,
                                        running_B.astype(jnp.int32))
         token_B, q_BV = draw(logits_B1V[:, 0], sampling, jax.random.fold_in(rng, i))
-        return drafts_BK.at[:, i].set(token_B), q_BKV.at[:, i].set(q_BV), cache
+        return drafts_BJ.at[:, i].set(token_B), q_BJV.at[:, i].set(q_BV), cache
 
     # A loop with a traced trip count: XLA updates the cache in place through it, where a
     # conditional would copy it.
     return jax.lax.fori_loop(1, jnp.where(speculate, num_draft, 1), next_draft,
-                             (drafts_BK, q_BKV, cache))
+                             (drafts_BJ, q_BJV, cache))

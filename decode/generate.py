@@ -9,7 +9,7 @@ Sampling settings (one value per row), eos ids and max_new_tokens are traced val
 prompt length, token budget and cache capacity are rounded up to powers of two, so calls
 that differ only in those compile nothing new. `num_samples` copies each prefilled prompt's
 cache to its samples' rows; `prompt_state.py` continues a kept `PromptState` instead of
-prefilling. Shape letters: B batch, P padded prompt length, N token buffer, V vocab.
+prefilling. Shape letters: B batch, P padded prompt length, O token buffer, V vocab.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ MIN_BUCKET = 8
 
 @dataclasses.dataclass(frozen=True)
 class GenerateOutput:
-    """tokens [B, N] (0 after a row stops), lengths [B] (the stopping EOS counted),
-    stop_reason [B] (`StopReason` values), logprobs [B, N] or None.
+    """tokens [B, O] (0 after a row stops), lengths [B] (the stopping EOS counted),
+    stop_reason [B] (`StopReason` values), logprobs [B, O] or None.
     For beam search, `scores` [B] holds each best hypothesis's length-penalised score.
     With `num_samples` n, row b·n + j is sample j of prompt b. `state` (with
     `return_state=True`) continues every row after its generated tokens. `speculation`

@@ -5,8 +5,8 @@ The loop sees the model only through `tokens_to_logits(tokens [B, 1], cache) -> 
 [B, 1, V], cache)`, so it runs unchanged with a fake model in tests. The cache must expose
 `lengths` [B] (filled slots) and `capacity`, as `model.KVCache` does.
 
-Shape letters: B batch, N token-buffer length (bucketed max_new_tokens), C context buffer
-(prompt slots + N), V vocab.
+Shape letters: B batch, O token-buffer length (bucketed max_new_tokens), C context buffer
+(prompt slots + O), V vocab.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ class DecodeState:
     """The while-loop carry.
 
     step:        scalar int32, tokens generated so far (the next one goes to `tokens[:, step]`).
-    tokens:      [B, N] int32 generated tokens; 0 after a row stops.
+    tokens:      [B, O] int32 generated tokens; 0 after a row stops.
     lengths:     [B] int32 tokens each row generated, its stopping EOS included.
     last_tokens: [B] int32 the newest token of each row (fed at the next step).
-    logprobs:    [B, N] float32 log-probability of each generated token under the model.
+    logprobs:    [B, O] float32 log-probability of each generated token under the model.
     stop_reason: [B] int32 `StopReason`; RUNNING until the row stops.
     cache:       the model's cache pytree, updated in place by XLA (never copied).
     rng:         the base key; step t samples with `fold_in(rng, t)`, so no key is reused.

@@ -4,7 +4,7 @@ A row's draft is the k tokens that followed the latest earlier occurrence of its
 tokens in its context (prompt and output), as Hugging Face's prompt-lookup decoding
 proposes, computed for the whole batch at once inside the compiled loop. n is traced.
 
-Shape letters: B batch, C context buffer, K draft length k.
+Shape letters: B batch, C context buffer, J draft length k.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ MAX_NGRAM_SIZE = 8  # n is traced; the match unrolls this many comparisons
 
 def ngram_drafts(context_BC: jax.Array, lengths_B: jax.Array, ngram_size: jax.Array,
                  num_draft: int) -> tuple[jax.Array, jax.Array]:
-    """(drafts [B, K], valid drafts [B]): per row, the K tokens after the latest earlier
-    occurrence of its last `ngram_size` tokens that has K tokens after it (else after the
+    """(drafts [B, J], valid drafts [B]): per row, the J tokens after the latest earlier
+    occurrence of its last `ngram_size` tokens that has J tokens after it (else after the
     latest occurrence, cut at the end of the context)."""
     batch, width = context_BC.shape
     padded_BC = jnp.pad(context_BC, ((0, 0), (0, MAX_NGRAM_SIZE + num_draft)))
@@ -38,8 +38,8 @@ def ngram_drafts(context_BC: jax.Array, lengths_B: jax.Array, ngram_size: jax.Ar
     best_B = jnp.max(score_BC, axis=1)
     latest_B = jnp.where(best_B >= width, best_B - width, best_B)
     first_B = latest_B + ngram_size
-    slots_BK = first_B[:, None] + jnp.arange(num_draft)
-    drafts_BK = jnp.take_along_axis(padded_BC, jnp.clip(slots_BK, 0, padded_BC.shape[1] - 1),
+    slots_BJ = first_B[:, None] + jnp.arange(num_draft)
+    drafts_BJ = jnp.take_along_axis(padded_BC, jnp.clip(slots_BJ, 0, padded_BC.shape[1] - 1),
                                     axis=1)
     valid_B = jnp.where(latest_B >= 0, jnp.clip(lengths_B - first_B, 0, num_draft), 0)
-    return drafts_BK, valid_B
+    return drafts_BJ, valid_B

@@ -33,7 +33,7 @@ iterations are plain steps that draft nothing (what the plain loop's step does),
 verifying probe every `PROBE_EVERY` iterations, then every 16, up to every `MAX_PROBE_GAP`
 while the probes find that drafting still does not pay (`Pacing`).
 
-Shape letters: B batch, N token buffer, C context buffer, K draft length k, T = K + 1,
+Shape letters: B batch, O token buffer, C context buffer, J draft length k, T = J + 1,
 V vocab.
 """
 
@@ -183,10 +183,10 @@ def speculative_loop(tokens_to_logits: TokensToLogits, state: DecodeState,
     """`drafting_loop` with prompt-lookup drafts; it verifies only when some row has one."""
 
     def propose(state, draft_cache, fits, rng):
-        drafts_BK, valid_B = ngram_drafts(state.context, state.context_lengths, ngram_size,
+        drafts_BJ, valid_B = ngram_drafts(state.context, state.context_lengths, ngram_size,
                                           num_draft)
         valid_B = jnp.where(state.done, 0, valid_B)
-        return drafts_BK, valid_B, jnp.any(valid_B > 0) & fits, None, draft_cache
+        return drafts_BJ, valid_B, jnp.any(valid_B > 0) & fits, None, draft_cache
 
     carry = SpeculativeState(state, stats, pacing=pacing)
     return drafting_loop(tokens_to_logits, carry, stops, sampling, step_limit, num_draft,
@@ -200,9 +200,9 @@ def drafting_loop(tokens_to_logits: TokensToLogits, carry: SpeculativeState,
 
     `tokens_to_logits(tokens [B, T], cache, lengths [B])` is the model's step; rows that
     have stopped are fed with zero valid tokens, so their cache never grows. An iteration
-    verifies when drafting pays (`Pacing`) and every running row has room for K + 1 more
-    tokens; `propose(state, draft_cache, fits, rng) -> (drafts [B, K], valid drafts [B],
-    speculate, draft probabilities [B, K, V] or None, draft_cache)` then drafts, and only if
+    verifies when drafting pays (`Pacing`) and every running row has room for J + 1 more
+    tokens; `propose(state, draft_cache, fits, rng) -> (drafts [B, J], valid drafts [B],
+    speculate, draft probabilities [B, J, V] or None, draft_cache)` then drafts, and only if
     `speculate` does the model see them (else one token per row). The other iterations are
     plain one-token steps that leave a draft model alone (`propose` catches it up)."""
 
@@ -240,11 +240,11 @@ def drafting_loop(tokens_to_logits: TokensToLogits, carry: SpeculativeState,
     def verifying(carry: SpeculativeState) -> SpeculativeState:
         carry, running_B, draft_rng, choose_rng = begin(carry)
         state, pacing = carry.decode, carry.pacing
-        drafts_BK, valid_B, speculate, draft_probs_BKV, draft_cache = propose(
+        drafts_BJ, valid_B, speculate, draft_probs_BKV, draft_cache = propose(
             state, carry.draft_cache, jnp.asarray(True), draft_rng)
 
-        def feed(cache, drafts_BK):
-            fed_BT = jnp.concatenate([state.last_tokens[:, None], drafts_BK], axis=1)
+        def feed(cache, drafts_BJ):
+            fed_BT = jnp.concatenate([state.last_tokens[:, None], drafts_BJ], axis=1)
             fed_lengths_B = jnp.where(running_B, fed_BT.shape[1], 0)
             logits_BTV, cache = tokens_to_logits(fed_BT, cache, fed_lengths_B)
             # A plain step's logits fill only the first of the T positions: with no valid
@@ -252,11 +252,11 @@ def drafting_loop(tokens_to_logits: TokensToLogits, carry: SpeculativeState,
             padding = num_draft + 1 - fed_BT.shape[1]
             return jnp.pad(logits_BTV, ((0, 0), (0, padding), (0, 0))), cache
 
-        logits_BTV, cache = either_call(speculate, lambda cache: feed(cache, drafts_BK),
-                                        lambda cache: feed(cache, drafts_BK[:, :0]),
+        logits_BTV, cache = either_call(speculate, lambda cache: feed(cache, drafts_BJ),
+                                        lambda cache: feed(cache, drafts_BJ[:, :0]),
                                         state.cache)
         valid_B = jnp.where(speculate, valid_B, 0)
-        tokens_BT, accepted_B = choose(logits_BTV, drafts_BK, valid_B, sampling, choose_rng,
+        tokens_BT, accepted_B = choose(logits_BTV, drafts_BJ, valid_B, sampling, choose_rng,
                                        draft_probs_BKV)
         new_state, _ = advance(state.replace(cache=cache), state.cache.lengths, logits_BTV,
                                tokens_BT, accepted_B, stops)
@@ -343,17 +343,17 @@ def draft_model_loop(tokens_to_logits: TokensToLogits, draft_step: TokensToLogit
                      step_limit: jax.Array, num_draft: int, min_tokens_per_call=0.0
                      ) -> SpeculativeState:
     """`drafting_loop` with a draft model's drafts: `draft_step` is its `tokens_to_logits`
-    and `carry.draft_cache` its cache (see `draft_model.py`). Every running row drafts K
+    and `carry.draft_cache` its cache (see `draft_model.py`). Every running row drafts J
     tokens; the model verifies whenever both caches have room for them."""
 
     def propose(state, draft_cache, fits, rng):
-        # The draft's last call writes slot context_length + K - 2 of its cache.
+        # The draft's last call writes slot context_length + J - 2 of its cache.
         fits &= jnp.all(state.done | (
             state.context_lengths + num_draft - 1 <= draft_cache.capacity))
-        drafts_BK, probs_BKV, draft_cache = draft_model.propose(
+        drafts_BJ, probs_BJV, draft_cache = draft_model.propose(
             draft_step, draft_cache, state.context, state.context_lengths, ~state.done, fits,
             sampling, rng, num_draft)
-        return drafts_BK, jnp.where(state.done, 0, num_draft), fits, probs_BKV, draft_cache
+        return drafts_BJ, jnp.where(state.done, 0, num_draft), fits, probs_BJV, draft_cache
 
     return drafting_loop(tokens_to_logits, carry, stops, sampling, step_limit, num_draft,
                          propose, min_tokens_per_call)

@@ -204,7 +204,7 @@ def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, block, num_b
 
     dtype = jnp.float32 if scales is not None else k_LBKSH.dtype
 
-    def read_block(stack_LBKSH, start):  # -> [X, C, H], C = block slots
+    def read_block(stack_LBKSH, start):  # -> [X, U, H], U = block slots
         # The stack goes into the loop as it is, not reshaped: at batch 1 XLA:CPU fuses the
         # cache write into a reshape of it and into the loop's carry separately, and must
         # then copy the whole stack for each of the two.
@@ -212,7 +212,7 @@ def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, block, num_b
                                      (1, batch, kv_heads, block, head_dim)).reshape(
                                          heads, block, head_dim).astype(dtype)
 
-    def read_scales(scale_LBKS, start):  # -> [B, K, 1, 1, C], as the block's logits
+    def read_scales(scale_LBKS, start):  # -> [B, K, 1, 1, U], as the block's logits
         return jax.lax.dynamic_slice(scale_LBKS, (layer, 0, 0, start),
                                      (1, batch, kv_heads, block)).reshape(
                                          batch, kv_heads, 1, 1, block)
@@ -223,30 +223,30 @@ def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, block, num_b
         # before `first` were read by the block before it and are masked here.
         first = index * block
         start = jnp.minimum(first, capacity - block)
-        seen_BTC = jax.lax.dynamic_slice(mask_BTS, (0, 0, start), (batch, num_queries, block))
-        seen_BTC &= start + jnp.arange(block, dtype=jnp.int32) >= first
-        logits_XMC = jnp.einsum("XMH,XCH->XMC", q_XMH.astype(dtype),
+        seen_BTU = jax.lax.dynamic_slice(mask_BTS, (0, 0, start), (batch, num_queries, block))
+        seen_BTU &= start + jnp.arange(block, dtype=jnp.int32) >= first
+        logits_XMU = jnp.einsum("XMH,XUH->XMU", q_XMH.astype(dtype),
                                 read_block(k_LBKSH, start), preferred_element_type=jnp.float32)
-        logits_BKGTC = logits_XMC.reshape(batch, kv_heads, group, num_queries, block)
+        logits_BKGTU = logits_XMU.reshape(batch, kv_heads, group, num_queries, block)
         if scales is not None:
-            logits_BKGTC = logits_BKGTC * read_scales(scales[0], start)
-        logits_BKGTC = jnp.where(seen_BTC[:, None, None], logits_BKGTC, -jnp.inf)
-        new_max = jnp.maximum(max_BKGT, jnp.max(logits_BKGTC, axis=-1))
+            logits_BKGTU = logits_BKGTU * read_scales(scales[0], start)
+        logits_BKGTU = jnp.where(seen_BTU[:, None, None], logits_BKGTU, -jnp.inf)
+        new_max = jnp.maximum(max_BKGT, jnp.max(logits_BKGTU, axis=-1))
         # While a query has seen no slot its max is -inf; subtract 0 then, so exp() gives 0.
         shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
         rescale_BKGT = jnp.exp(max_BKGT - shift)
-        weights_BKGTC = jnp.exp(logits_BKGTC - shift[..., None])
-        sum_BKGT = sum_BKGT * rescale_BKGT + jnp.sum(weights_BKGTC, axis=-1)
-        any_seen_BC = jnp.any(seen_BTC, axis=1)[:, None, :, None]
-        v_BKCH = read_block(v_LBKSH, start).reshape(batch, kv_heads, block, head_dim)
-        v_XCH = jnp.where(any_seen_BC, v_BKCH, 0).reshape(heads, block, head_dim)
-        mixed_BKGTC = weights_BKGTC
+        weights_BKGTU = jnp.exp(logits_BKGTU - shift[..., None])
+        sum_BKGT = sum_BKGT * rescale_BKGT + jnp.sum(weights_BKGTU, axis=-1)
+        any_seen_BC = jnp.any(seen_BTU, axis=1)[:, None, :, None]
+        v_BKUH = read_block(v_LBKSH, start).reshape(batch, kv_heads, block, head_dim)
+        v_XUH = jnp.where(any_seen_BC, v_BKUH, 0).reshape(heads, block, head_dim)
+        mixed_BKGTU = weights_BKGTU
         if scales is not None:
-            mixed_BKGTC = jnp.where(seen_BTC[:, None, None],
-                                    weights_BKGTC * read_scales(scales[1], start), 0.0)
-        update_XMH = jnp.einsum("XMC,XCH->XMH",
-                                mixed_BKGTC.reshape(heads, rows, block).astype(v_XCH.dtype),
-                                v_XCH, preferred_element_type=jnp.float32)
+            mixed_BKGTU = jnp.where(seen_BTU[:, None, None],
+                                    weights_BKGTU * read_scales(scales[1], start), 0.0)
+        update_XMH = jnp.einsum("XMU,XUH->XMH",
+                                mixed_BKGTU.reshape(heads, rows, block).astype(v_XUH.dtype),
+                                v_XUH, preferred_element_type=jnp.float32)
         acc_XMH = acc_XMH * rescale_BKGT.reshape(heads, rows, 1) + update_XMH
         return index + 1, new_max, sum_BKGT, acc_XMH
 

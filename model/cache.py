@@ -1,8 +1,8 @@
 """The KV cache: an immutable pytree that a model call takes and returns.
 
-Shape letters used here and in the rest of `model/`:
+Shape letters used here and in the rest of `model/` (all of them: docs/shapes.md):
   L layers, B batch, T query length, S key length (cache capacity or source length),
-  N query heads, K kv heads, H head dim, D model dim, V vocab.
+  N query heads, K kv heads, H head dim, D model dim, V vocab, R rows picked.
 
 Only K and V are cached. A new token's query is compared with the keys of every earlier
 token and mixes their values; no later step ever needs an earlier token's query again.

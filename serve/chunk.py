@@ -7,7 +7,7 @@ what arrived) only need to come often enough to keep samples staged. The program
 nested `lax.while_loop`s: the inner one decodes while no slot is free with a sample waiting;
 the outer one then moves staged samples into the free slots (`admit`) and decodes on.
 
-Shape letters as in `slots.py`: B slots, Q staged rows, M ids to cancel, K steps, W top
+Shape letters as in `slots.py`: B slots, Q staged rows, I ids to cancel, O steps, A top
 logprobs kept per token.
 """
 
@@ -93,7 +93,7 @@ def _starving(state: EngineState, queued):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6), static_argnames="mesh", donate_argnums=2)
-def decode_chunk(config: M.TransformerConfig, params, state: EngineState, cancel_M,
+def decode_chunk(config: M.TransformerConfig, params, state: EngineState, cancel_I,
                  want_top, queued, steps: int, mesh=None) -> tuple[EngineState, Emitted]:
     """Up to `steps` decode steps over every running slot, after stopping every sample (in a
     slot or staged) whose id is in `cancel` (-2 pads): (state, `Emitted` [B, steps]). A slot
@@ -105,7 +105,7 @@ def decode_chunk(config: M.TransformerConfig, params, state: EngineState, cancel
     count_trace("serve_chunk")
 
     def stop_cancelled(rows: SlotState) -> SlotState:
-        cancelled = jnp.any(rows.owner[:, None] == cancel_M[None], axis=1)
+        cancelled = jnp.any(rows.owner[:, None] == cancel_I[None], axis=1)
         return rows.replace(running=rows.running & ~cancelled)
 
     state = state.replace(slots=stop_cancelled(state.slots),
@@ -138,7 +138,7 @@ def decode_chunk(config: M.TransformerConfig, params, state: EngineState, cancel
         # Stopped slots are fed nothing: their cache rows neither grow nor overflow.
         logits_B1V, cache = step_fn(slots.last_tokens[:, None], slots.cache,
                                     live_B.astype(jnp.int32))
-        token_B, logprob_B, top_logprobs_BW, top_ids_BW = choose(
+        token_B, logprob_B, top_logprobs_BA, top_ids_BA = choose(
             logits_B1V[:, 0], slots.context, slots.context_lengths, slots.sampling,
             slots.keys, slots.generated, want_top)
         slots = record(slots.replace(cache=cache), token_B, live_B)
@@ -150,8 +150,8 @@ def decode_chunk(config: M.TransformerConfig, params, state: EngineState, cancel
             reason=emitted.reason.at[:, step].set(
                 jnp.where(served_B, slots.stop_reason, StopReason.RUNNING)),
             logprobs=emitted.logprobs.at[:, step].set(logprob_B),
-            top_ids=emitted.top_ids.at[:, step].set(top_ids_BW),
-            top_logprobs=emitted.top_logprobs.at[:, step].set(top_logprobs_BW))
+            top_ids=emitted.top_ids.at[:, step].set(top_ids_BA),
+            top_logprobs=emitted.top_logprobs.at[:, step].set(top_logprobs_BA))
         return step + 1, parallel.constrain_rows(state.replace(slots=slots), mesh), emitted
 
     def admit_and_decode(carry):

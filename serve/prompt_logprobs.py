@@ -2,7 +2,7 @@
 harnesses score a text this way: `max_tokens` 0, `echo`, `logprobs`).
 
 One teacher-forced pass over the prompt, its length bucketed as a prefill's is. Shape letters:
-P padded prompt length, V vocab, W top logprobs.
+P padded prompt length, V vocab, A top logprobs.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ def _scores(config: M.TransformerConfig, params, tokens_1P, length_1):
                                                          "lengths": length_1})[0]
     logprobs_PV = jax.nn.log_softmax(logits_PV.astype(jnp.float32))[:-1]
     chosen_P = jnp.take_along_axis(logprobs_PV, tokens_1P[0, 1:, None], axis=-1)[:, 0]
-    top_PW, ids_PW = jax.lax.top_k(logprobs_PV, min(MAX_TOP_LOGPROBS, config.vocab_size))
-    return chosen_P, top_PW, ids_PW
+    top_PA, ids_PA = jax.lax.top_k(logprobs_PV, min(MAX_TOP_LOGPROBS, config.vocab_size))
+    return chosen_P, top_PA, ids_PA
 
 
 def prompt_logprobs(config: M.TransformerConfig, params, prompt: tuple[int, ...], top: int

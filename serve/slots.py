@@ -18,7 +18,8 @@ requests share the batch. Every sample has an id (`ID_SPACE`), which the tokens 
 carry back to the host.
 
 Shape letters: B slots, Q staged rows, S cache slots per row (capacity), C context buffer
-(= S), E stop ids per slot, K steps per chunk, W top logprobs kept per token, V vocab.
+(= S), E stop ids per slot, O steps per chunk, A top logprobs kept per token, R samples
+staged in one call, P padded prompt length, V vocab.
 """
 
 from __future__ import annotations
@@ -108,11 +109,11 @@ class RowSettings:
 
 @flax.struct.dataclass
 class Emitted:
-    """What N rows made in K steps. At step k row n served the sample `owner[n, k]`
-    (`NO_SAMPLE`: none), which made `tokens[n, k]` if `made[n, k]` (not when its slot was
-    full) and then stood at `reason[n, k]` (a `StopReason`; RUNNING: it goes on). A row serves
-    one sample for consecutive steps, then maybe another. logprobs [N, K] are the model's,
-    before any penalty; top_ids and top_logprobs [N, K, W]. After the steps `live` [] slots
+    """What B rows made in O steps. At step o row b served the sample `owner[b, o]`
+    (`NO_SAMPLE`: none), which made `tokens[b, o]` if `made[b, o]` (not when its slot was
+    full) and then stood at `reason[b, o]` (a `StopReason`; RUNNING: it goes on). A row serves
+    one sample for consecutive steps, then maybe another. logprobs [B, O] are the model's,
+    before any penalty; top_ids and top_logprobs [B, O, A]. After the steps `live` [] slots
     are running and `waiting` [Q] tells which staged rows still wait for a slot."""
 
     tokens: jax.Array
@@ -200,15 +201,15 @@ def choose(logits_BV, context_BC, context_lengths_B, sampling: SamplingParams, k
     width = min(MAX_TOP_LOGPROBS, logits_BV.shape[-1])
 
     def top(logprobs_BV):
-        values_BW, ids_BW = jax.lax.top_k(logprobs_BV, width)
-        return values_BW, ids_BW.astype(jnp.int32)
+        values_BA, ids_BA = jax.lax.top_k(logprobs_BV, width)
+        return values_BA, ids_BA.astype(jnp.int32)
 
     def nothing(logprobs_BV):
         batch = logprobs_BV.shape[0]
         return jnp.zeros((batch, width), jnp.float32), jnp.zeros((batch, width), jnp.int32)
 
-    top_logprobs_BW, top_ids_BW = jax.lax.cond(want_top, top, nothing, logprobs_BV)
-    return token_B, logprob_B, top_logprobs_BW, top_ids_BW
+    top_logprobs_BA, top_ids_BA = jax.lax.cond(want_top, top, nothing, logprobs_BV)
+    return token_B, logprob_B, top_logprobs_BA, top_ids_BA
 
 
 def record(state: SlotState, token_B, live_B) -> SlotState:
@@ -287,7 +288,7 @@ def insert(state: EngineState, prefix_cache: M.KVCache, next_logits_PV, context_
         running=rows.running | new_Q,
         stop_reason=jnp.where(new_Q, StopReason.RUNNING, rows.stop_reason),
         owner=put(rows.owner, ids_R))
-    token_R, logprob_R, top_logprobs_RW, top_ids_RW = choose(
+    token_R, logprob_R, top_logprobs_RA, top_ids_RA = choose(
         next_logits_PV[rows_R], context_RC, context_lengths_R, settings.sampling, keys_R2,
         jnp.zeros(rows_R.shape, jnp.int32))
     token_Q = jnp.zeros(rows.num_slots, jnp.int32).at[staged_R].set(token_R, mode="drop")
@@ -298,8 +299,8 @@ def insert(state: EngineState, prefix_cache: M.KVCache, next_logits_PV, context_
     first = Emitted(tokens=token_R[:, None],
                     owner=jnp.where(in_range_R, ids_R, NO_SAMPLE)[:, None],
                     made=in_range_R[:, None], reason=reason_R[:, None],
-                    logprobs=logprob_R[:, None], top_ids=top_ids_RW[:, None],
-                    top_logprobs=top_logprobs_RW[:, None],
+                    logprobs=logprob_R[:, None], top_ids=top_ids_RA[:, None],
+                    top_logprobs=top_logprobs_RA[:, None],
                     live=jnp.sum(state.slots.running, dtype=jnp.int32), waiting=rows.running)
     return state, first
 

@@ -83,6 +83,8 @@ def test_the_cli_choices_are_the_librarys():
     assert cli.PRESET_NAMES == tuple(M.PRESETS)
     assert cli.LAYER_MODES == bench.LAYER_MODES
     assert common.RANDOM_HF_MODELS == bench.RANDOM_HF_MODELS
+    from kvjax.benchmarks import train as train_bench
+    assert common.TRAIN_SHAPES == tuple(train_bench.SHAPES)
 
 
 def test_weights_alone_multiplies_every_matrix_parameter_once():
@@ -154,9 +156,23 @@ def test_train_benchmark_times_both_layer_modes_and_prints_a_table(capsys, monke
     assert code == 0
     assert "| kvjax, scanned layers, 1 device |" in out
     assert "| kvjax, unrolled layers, 1 device |" in out
+    mfu = [float(line.split("|")[4].strip(" %")) for line in out.splitlines()
+           if line.startswith("| kvjax")]
+    assert len(mfu) == 2 and all(0 < value < 100 for value in mfu)
+    assert "TFLOP/s." in out
     code, _, err = run_cli(capsys, "bench", "train", "--preset", "tiny", "--seq-len", "8",
                            "--devices", "64")
     assert code == 2 and "xla_force_host_platform_device_count=64" in err
+
+
+def test_model_flops_are_nanogpts_count_for_the_published_shapes():
+    from kvjax.benchmarks import train as bench
+    # GPT-2 small: 124,439,808 parameters, of which 1024 x 768 positions are looked up.
+    assert bench.model_flops_per_token(bench.SHAPES["gpt2-small"], 1024) == (
+        6 * (124_439_808 - 1024 * 768) + 12 * 12 * 12 * 64 * 1024)
+    # Llama-3.2-1B: 1,235,814,400 parameters, the embedding table tied to the output layer.
+    assert bench.model_flops_per_token(bench.SHAPES["llama-1b"], 2048) == (
+        6 * 1_235_814_400 + 12 * 16 * 32 * 64 * 2048)
 
 
 def test_fill_sweep_times_every_way_and_plots_it(tmp_path):

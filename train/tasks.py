@@ -16,7 +16,7 @@ as they are and its params are the starting point::
 
     train_lm("runs/ft", data_files=["my.txt"], init_from="gpt2-kvjax", steps=200)
 
-Shapes: N examples, T tokens per example, S source tokens.
+Shapes: B examples, T tokens per example, S source tokens.
 """
 
 from __future__ import annotations
@@ -126,11 +126,11 @@ def train_lm(out_dir: str | os.PathLike, *, data_files: Sequence[str | os.PathLi
                          allow_changes=allow_changes, mesh=mesh, init_from=init_from)
 
 
-def lm_arrays(windows_NT: np.ndarray) -> dict[str, np.ndarray]:
+def lm_arrays(windows_BT: np.ndarray) -> dict[str, np.ndarray]:
     """Windows [N, T + 1] as a batch: inputs and next-token targets, each [N, T], and their
     weights (every target of a window counts)."""
-    targets = windows_NT[:, 1:]
-    return {"inputs": windows_NT[:, :-1], "targets": targets,
+    targets = windows_BT[:, 1:]
+    return {"inputs": windows_BT[:, :-1], "targets": targets,
             "weights": np.ones(targets.shape, np.float32)}
 
 

@@ -13,6 +13,7 @@ from .common import (
     LAYER_MODES,
     PRESET_NAMES,
     RANDOM_HF_MODELS,
+    TRAIN_SHAPES,
     add_command,
     positive,
     positive_real,
@@ -83,10 +84,18 @@ def _add_decode(kinds) -> None:
 
 
 def _add_train(kinds) -> None:
-    train = add_command(kinds, "train", "Training tokens/s of kvjax's train step against "
-                        "PyTorch eager (Hugging Face GPT-2 of the same sizes, AdamW, clipping; "
-                        "if installed: pip install -e '.[bench]'), measured in one run.")
+    train = add_command(kinds, "train", "Training tokens/s and MFU of kvjax's train step "
+                        "against PyTorch (Hugging Face's model of the same sizes, AdamW, "
+                        "clipping; if installed: pip install -e '.[bench]'), measured in one "
+                        "run.")
     train.add_argument("--preset", choices=PRESET_NAMES, default="gpt-mini", help="model size")
+    train.add_argument("--shape", choices=TRAIN_SHAPES, default=None,
+                       help="instead of --preset, a published model's shape with random "
+                            "weights (transformers' Llama for llama-1b, else its GPT-2)")
+    train.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                       help="compute dtype (params stay float32; PyTorch under autocast)")
+    train.add_argument("--torch-compile", action="store_true",
+                       help="also time PyTorch through torch.compile")
     train.add_argument("--batch-size", type=positive, default=8, help="sequences per step")
     train.add_argument("--seq-len", type=positive, default=256, help="tokens per sequence")
     train.add_argument("--steps", type=positive, default=5, help="steps per timed run")
@@ -250,11 +259,12 @@ def run_bench_decode(args) -> int:
 def run_bench_train(args) -> int:
     from kvjax.benchmarks.train import format_train_table, train_benchmark
 
-    rows, setting = train_benchmark(
-        args.preset, args.batch_size, args.seq_len, args.steps, args.repeats,
+    rows, setting, peak = train_benchmark(
+        args.shape or args.preset, args.batch_size, args.seq_len, args.steps, args.repeats,
         devices=args.devices, layer_modes=tuple(args.layers), compare_torch=not args.no_torch,
-        deterministic={"on": (True,), "off": (False,), "both": (True, False)}[args.deterministic])
-    print(format_train_table(rows, setting))
+        deterministic={"on": (True,), "off": (False,), "both": (True, False)}[args.deterministic],
+        dtype=args.dtype, torch_compile=args.torch_compile)
+    print(format_train_table(rows, setting, peak))
     return 0
 
 
