@@ -59,12 +59,9 @@ class PromptState:
 
 def prompt_context(config: M.TransformerConfig, tokens_BP: jax.Array, lengths_B: jax.Array,
                    width: int) -> tuple[jax.Array, jax.Array]:
-    """The context [B, width] a prefill leaves (the prompt, or BOS for an encoder-decoder)."""
-    batch = tokens_BP.shape[0]
-    if config.is_encoder_decoder:
-        tokens_BP = jnp.full((batch, 1), config.bos_id, jnp.int32)
-        lengths_B = jnp.ones((batch,), jnp.int32)
-    context_BC = jnp.zeros((batch, width), jnp.int32)
+    """The context [B, width] a prefill leaves (`model.target_start`)."""
+    tokens_BP, lengths_B = M.target_start(config, tokens_BP, lengths_B)
+    context_BC = jnp.zeros((tokens_BP.shape[0], width), jnp.int32)
     return context_BC.at[:, :tokens_BP.shape[1]].set(tokens_BP), lengths_B
 
 

@@ -50,7 +50,7 @@ class LoadedModel:
 
     @property
     def is_translation(self) -> bool:
-        return self.config.is_encoder_decoder
+        return M.prompt_is_source(self.config)
 
 
 def load(directory: str | os.PathLike, *, scan_layers: bool | None = None) -> LoadedModel:

@@ -15,8 +15,10 @@ from .interface import (
     check_prompt_length,
     init_params,
     prefill,
+    prompt_is_source,
     prompt_slots,
     step_fn,
+    target_start,
     teacher_forced_logits,
 )
 from .layers import stack_layer_params, unstack_layer_params, with_layer_layout
@@ -27,6 +29,7 @@ __all__ = [
     "PRESETS", "SPEED_ONLY_FIELDS", "CacheSize", "DecoderOnlyLM", "EncoderDecoder", "KVCache",
     "TransformerConfig",
     "attend", "build_model", "cache_size_bytes", "check_prompt_length", "init_cache",
-    "init_params", "prefill", "preset", "prompt_slots", "step_fn", "teacher_forced_logits",
+    "init_params", "prefill", "preset", "prompt_is_source", "prompt_slots", "step_fn",
+    "target_start", "teacher_forced_logits",
     "stack_layer_params", "unstack_layer_params", "with_layer_layout", "with_precision",
 ]

@@ -63,6 +63,22 @@ def teacher_forced_logits(config: TransformerConfig, params, batch, dropout_rng=
     return net.apply({"params": params}, batch, rngs=rngs, method=net.teacher_forced)
 
 
+def prompt_is_source(config: TransformerConfig) -> bool:
+    """Whether a prompt is a source the model encodes and answers (an encoder-decoder, e.g. a
+    translator) rather than the start of the text it continues (a language model)."""
+    return config.is_encoder_decoder
+
+
+def target_start(config: TransformerConfig, prompt_BP: jax.Array, prompt_lengths_B: jax.Array
+                 ) -> tuple[jax.Array, jax.Array]:
+    """The target tokens a prefill leaves in the cache, [B, P'] and their lengths [B]: the
+    prompt itself for an LM; BOS alone for an encoder-decoder, whose prompt is its source."""
+    if not config.is_encoder_decoder:
+        return prompt_BP, prompt_lengths_B
+    batch = prompt_BP.shape[0]
+    return (jnp.full((batch, 1), config.bos_id, jnp.int32), jnp.ones((batch,), jnp.int32))
+
+
 def prompt_slots(config: TransformerConfig, prompt_length: int) -> int:
     """Target cache slots a prompt of `prompt_length` tokens fills before generation: all of
     them for an LM, one (BOS) for an encoder-decoder, whose prompt is the source."""

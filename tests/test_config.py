@@ -107,3 +107,14 @@ def test_numpy_scalars_are_stored_as_python_numbers():
     assert type(config.vocab_size) is int and type(config.dropout) is float
     assert config == M.preset("tiny", vocab_size=80, dropout=0.5, rope_base=10.0)
     assert M.TransformerConfig.from_json(config.to_json()) == config
+
+
+def test_the_interface_says_where_a_target_starts():
+    prompts, lengths = jnp.asarray([[5, 6, 7], [8, 0, 0]]), jnp.asarray([3, 1])
+    lm, translator = M.preset("tiny"), M.preset("tiny", num_encoder_layers=1, bos_id=3)
+    assert not M.prompt_is_source(lm) and M.prompt_is_source(translator)
+    tokens, starts = M.target_start(lm, prompts, lengths)
+    assert tokens is prompts and starts is lengths
+    tokens, starts = M.target_start(translator, prompts, lengths)
+    assert tokens.tolist() == [[3], [3]] and starts.tolist() == [1, 1]
+    assert [M.prompt_slots(c, 3) for c in (lm, translator)] == [3, 1]

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from kvjax import checkpoint
+from kvjax import model as M
 
 from . import load_pretrained
 
@@ -31,7 +32,7 @@ def import_checkpoint(hf_directory: str | os.PathLike, out: str | os.PathLike, *
         raise checkpoint.CheckpointError(f"{out} already holds checkpoint steps; import into a "
                                          "new directory")
     config, tokenizer, params = load_pretrained(hf_directory, dtype=dtype)
-    task = "translate" if config.is_encoder_decoder else "lm"
+    task = "translate" if M.prompt_is_source(config) else "lm"
     config_dict, tokenizer_bytes = config.to_dict(), tokenizer.to_bytes()
     checkpoint.write_metadata(out, config_dict, task, tokenizer_bytes)
     manifest = checkpoint.manifest_metadata(config_dict, task, tokenizer_bytes)
