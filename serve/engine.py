@@ -37,7 +37,7 @@ from kvjax.decode.prompt_state import prefill_state
 
 from kvjax import model as M
 from kvjax import parallel
-from kvjax.text import _RowText as RowText  # one sample's text, stop strings and all
+from kvjax.detokenize import RowText
 from kvjax.tokenizer import TextTokenizer
 
 from . import chunk, memory, slots

@@ -16,7 +16,8 @@ from kvjax.decode import checks
 from kvjax.decode.sampling import SamplingParams
 from kvjax.decode.settings import per_row
 
-from kvjax.text import MAX_SEED, check_stop_strings
+from kvjax.detokenize import check_stop_strings
+from kvjax.text import MAX_SEED
 
 from .slots import MAX_STOP_IDS, MAX_TOP_LOGPROBS, RowSettings, seed_key
 

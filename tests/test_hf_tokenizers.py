@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import jax
 import pytest
 
+from kvjax import detokenize, text
 from kvjax import model as M
-from kvjax import text
 from kvjax.hf.tokenizers import HFTokenizer, load_tokenizer
 from kvjax.tokenizer import EOS_ID, TextTokenizer, Tokenizer, tokenizer_from_bytes
 
@@ -153,7 +153,7 @@ def test_streaming_never_shows_a_broken_character(all_loaded, name):
     ids = tokenizer.encode(MULTIBYTE)
     partial = [tokenizer.decode(ids[:k]) for k in range(1, len(ids))]
     assert any(p.endswith("\ufffd") for p in partial)  # some character is really split
-    row = text._RowText(tokenizer, ())
+    row = detokenize.RowText(tokenizer, ())
     pieces = [row.add([i]) for i in ids + [tokenizer.eos_id] + ids]
     row.finish(row.ids)
     pieces.append(row.text[len(row.sent):])

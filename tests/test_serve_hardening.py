@@ -211,16 +211,16 @@ def test_idle_and_half_sent_connections_are_closed(tiny_loaded):
 
 def test_an_error_in_one_requests_host_work_ends_that_request_alone(url, tiny_loaded, monkeypatch):
     # A stop-string matcher that fails for one request's stop string, on the engine's thread.
-    from kvjax import text
+    from kvjax import detokenize
 
-    held = text._StopStart.held
+    held = detokenize.StopStart.held
 
     def failing(self, text_so_far):
         if self.pattern.startswith("BOOM"):
             raise RuntimeError("the matcher failed")
         return held(self, text_so_far)
 
-    monkeypatch.setattr(text._StopStart, "held", failing)
+    monkeypatch.setattr(detokenize.StopStart, "held", failing)
 
     async def run():
         async with httpx.AsyncClient(timeout=TIMEOUT) as http:

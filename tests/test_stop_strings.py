@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kvjax import cli, text
+from kvjax import cli, detokenize, text
 
 LM = Path(__file__).resolve().parent.parent / "checkpoints" / "python-docs-lm"
 PROMPT = "The for statement"
@@ -98,7 +98,7 @@ def test_bad_sampling_options_end_with_one_line(capsys, option, message):
 
 
 def test_text_held_back_is_the_longest_end_that_starts_a_stop_string():
-    """`_StopStart` against the definition, on random texts that grow (and now and then
+    """`StopStart` against the definition, on random texts that grow (and now and then
     change before their end, as decoded text can), and in time linear in the text."""
     import random
     import time
@@ -109,7 +109,7 @@ def test_text_held_back_is_the_longest_end_that_starts_a_stop_string():
     rng = random.Random(0)
     for _ in range(2000):
         stop = "".join(rng.choice("ab") for _ in range(rng.randint(1, 7)))
-        start, text_ = text._StopStart(stop), ""
+        start, text_ = detokenize.StopStart(stop), ""
         for _ in range(rng.randint(1, 6)):
             if text_ and rng.random() < 0.2:
                 text_ = text_[:rng.randint(0, len(text_))]
@@ -118,7 +118,7 @@ def test_text_held_back_is_the_longest_end_that_starts_a_stop_string():
     # A 200,000-character stop string the text keeps almost completing: the quadratic
     # definition would compare 2e10 characters per call.
     stop = "x" * 200_000
-    start, began = text._StopStart(stop), time.perf_counter()
+    start, began = detokenize.StopStart(stop), time.perf_counter()
     grown = "y"
     for _ in range(50):
         grown += "x" * 3000
