@@ -107,6 +107,62 @@ class KVCache:
 
         return jax.tree.map(take, self)
 
+    def _self_attention(self) -> dict[str, tuple[jax.Array, ...]]:
+        """The self-attention stacks by field name: K/V [L_i, B, K, S, H] and, for an int8
+        cache, the scales [L_i, B, K, S]."""
+        return {name: getattr(self, name) for name in ("k", "v", "k_scale", "v_scale")
+                if getattr(self, name) is not None}
+
+    def put_rows(self, source: KVCache, rows_R: jax.Array, into_R: jax.Array) -> KVCache:
+        """Rows `rows` [R] of `source`, a cache of at most this one's capacity, written into
+        rows `into` [R] of this one: their first `source.capacity` slots and their lengths,
+        not overflowed. A row of `into` past the last one writes nothing (padding); what a row
+        held past the new length stays, masked by it. Self-attention only."""
+        def put(stack_LBKS_, source_LPKS_):
+            index = (slice(None), into_R, slice(None), slice(0, source_LPKS_.shape[3]))
+            return stack_LBKS_.at[index].set(jnp.take(source_LPKS_, rows_R, axis=1),
+                                             mode="drop", unique_indices=True)
+
+        def put_counter(all_B, new_R):
+            return all_B.at[into_R].set(new_R, mode="drop", unique_indices=True)
+
+        sources = source._self_attention()
+        return self.replace(
+            **{name: tuple(map(put, stacks, sources[name]))
+               for name, stacks in self._self_attention().items()},
+            lengths=put_counter(self.lengths, source.lengths[rows_R]),
+            overflow=put_counter(self.overflow, jnp.zeros(rows_R.shape, bool)))
+
+    def copy_row(self, source: KVCache, row: jax.Array, into: jax.Array,
+                 block: int) -> KVCache:
+        """Row `row` of `source`, a cache of this one's capacity, copied into row `into`
+        (both traced scalars): by blocks of `block` slots, only as many as its length needs,
+        so a row of long capacity costs no more to fill than it is filled. Self-attention
+        only."""
+        capacity = self.capacity
+        block = min(block, capacity)
+        sources = source._self_attention()
+
+        def copy_block(j, targets):
+            # The last block may reach past the capacity: both starts clamp alike, so it
+            # copies the same slots (some again) from `row` to `into`.
+            start = jnp.minimum(j * block, capacity - block)
+
+            def copy(target, stack):
+                tail = (0,) * (stack.ndim - 4)
+                piece = jax.lax.dynamic_slice(stack, (0, row, 0, start, *tail),
+                                              (stack.shape[0], 1, stack.shape[2], block,
+                                               *stack.shape[4:]))
+                return jax.lax.dynamic_update_slice(target, piece, (0, into, 0, start, *tail))
+
+            return jax.tree.map(copy, targets, sources)
+
+        length = source.lengths[row]
+        copied = jax.lax.fori_loop(0, (length + block - 1) // block, copy_block,
+                                   self._self_attention())
+        return self.replace(**copied, lengths=self.lengths.at[into].set(length),
+                            overflow=self.overflow.at[into].set(False))
+
 
 def _nbytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))

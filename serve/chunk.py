@@ -51,32 +51,7 @@ def admit(state: EngineState) -> EngineState:
         return slots_B.at[slot].set(staged_Q[row])
 
     rest = jax.tree.map(take, slots.replace(cache=None), staged.replace(cache=None))
-    cache, from_cache = slots.cache, staged.cache
-    names = [name for name in ("k", "v", "k_scale", "v_scale") if getattr(cache, name)]
-    # By name, tuples of [L, B, K, S, H] values or, for an int8 cache, [L, B, K, S] scales.
-    sources = {name: getattr(from_cache, name) for name in names}
-    capacity = cache.capacity
-    block = min(COPY_BLOCK, capacity)
-
-    def copy_block(j, targets):
-        # The last block may reach past the capacity: both starts clamp alike, so it copies
-        # the same positions (some again) from the staged row to the slot.
-        start = jnp.minimum(j * block, capacity - block)
-
-        def copy(target, source):
-            tail = (0,) * (source.ndim - 4)
-            piece = jax.lax.dynamic_slice(source, (0, row, 0, start, *tail),
-                                          (source.shape[0], 1, source.shape[2], block,
-                                           *source.shape[4:]))
-            return jax.lax.dynamic_update_slice(target, piece, (0, slot, 0, start, *tail))
-
-        return jax.tree.map(copy, targets, sources)
-
-    length = from_cache.lengths[row]
-    copied = jax.lax.fori_loop(0, (length + block - 1) // block, copy_block,
-                               {name: getattr(cache, name) for name in names})
-    cache = cache.replace(**copied, lengths=cache.lengths.at[slot].set(length),
-                          overflow=cache.overflow.at[slot].set(False))
+    cache = slots.cache.copy_row(staged.cache, row, slot, COPY_BLOCK)
     return EngineState(slots=rest.replace(cache=cache),
                        staged=staged.replace(running=staged.running.at[row].set(False)),
                        last_admitted=staged.owner[row])

@@ -255,23 +255,7 @@ def insert(state: EngineState, prefix_cache: M.KVCache, next_logits_PV, context_
     def put(all_Q, new_R):  # rows of `new` into the staged rows
         return all_Q.at[staged_R].set(new_R, mode="drop", unique_indices=True)
 
-    def put_kv(stack_LQKS_, prefix_LPKS_):  # the prefix's first slots of each staged row
-        # [L, Q, K, S, H] values or, for an int8 cache, [L, Q, K, S] scales.
-        index = (slice(None), staged_R, slice(None), slice(0, prefix_LPKS_.shape[3]))
-        return stack_LQKS_.at[index].set(jnp.take(prefix_LPKS_, rows_R, axis=1), mode="drop",
-                                         unique_indices=True)
-
-    def put_stacks(stacks, prefix_stacks):
-        return None if stacks is None else tuple(map(put_kv, stacks, prefix_stacks))
-
-    cache = rows.cache
-    cache = cache.replace(
-        k=put_stacks(cache.k, prefix_cache.k),
-        v=put_stacks(cache.v, prefix_cache.v),
-        k_scale=put_stacks(cache.k_scale, prefix_cache.k_scale),
-        v_scale=put_stacks(cache.v_scale, prefix_cache.v_scale),
-        lengths=put(cache.lengths, prefix_cache.lengths[rows_R]),
-        overflow=put(cache.overflow, jnp.zeros(rows_R.shape, bool)))
+    cache = rows.cache.put_rows(prefix_cache, rows_R, staged_R)
     context_RC = jnp.pad(context_PC[rows_R],
                          ((0, 0), (0, rows.context.shape[1] - context_PC.shape[1])))
     context_lengths_R = context_lengths_P[rows_R]
