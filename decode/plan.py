@@ -12,9 +12,8 @@ decides which parts the step needs (no `lax.cond` left in it), and the loop runs
 `steps_per_check` steps per check for its end, in an inner loop of known trip count (a done
 row, or a step past the limit, changes nothing): one compiled program per combination of the
 parts a batch uses, at most eight. Its outputs are exactly `ON_DEVICE`'s. It is not the
-default because it has not measured faster: on a GPU the per-step checks cost less than what
-the fixed-count loop adds (benchmarks/README.md). `planned_by` runs it, and
-`kvjax bench decode --loops device host:K` times both on one machine.
+default because it has not measured faster on a GPU (benchmarks/README.md). `planned_by` runs
+it, and `kvjax bench decode --loops device host:K` times both on one machine.
 """
 
 from __future__ import annotations

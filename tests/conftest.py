@@ -68,13 +68,24 @@ def pytest_xdist_make_scheduler(config, log):
     class RequeueUnfinishedFiles(LoadFileScheduling):
         """xdist (3.8) puts every file a crashed worker held back in the queue, finished
         ones too; a fresh worker handed a finished file runs nothing, is never given more,
-        and the session waits forever. Only files with tests left go back."""
+        and the session waits forever. Only files with tests left go back, and a fresh
+        worker gets enough tests to start on (`_reschedule`)."""
 
         def remove_node(self, node):
             workload = self.assigned_work.get(node, {})
             for scope in [scope for scope, unit in workload.items() if all(unit.values())]:
                 del workload[scope]
             return super().remove_node(node)
+
+        def _reschedule(self, node):
+            # A worker runs a test only once it holds the next one or has been told to stop,
+            # and xdist hands out one file at a time: a worker started after a crash, given
+            # a file of one test while files still wait (the other worker already told to
+            # stop), would wait forever. A worker with work always holds two tests or all.
+            super()._reschedule(node)
+            while (not node.shutting_down and self.workqueue
+                   and self._pending_of(self.assigned_work[node]) < 2):
+                self._assign_work_unit(node)
 
         def add_node_collection(self, node, collection):
             # A worker started after a crash collects the test files as they are then. xdist
