@@ -24,11 +24,9 @@ side by side, in the same run, with:
    batch-1 step is made of. The gap from the floor to it is the backend's; what a step
    takes beyond it is spent on attention, the cache write, sampling and the layer stack.
 
-Every time is the best of `repeats` runs, for every contender alike: on a shared machine
-the slower runs measure the neighbours.
-
-Prefill is matmul-bound (T tokens per weight read); a decode step at small batch reads all
-weights for one token per row, so it is memory-bound, and batching makes it cheaper per token.
+Every time is the best of `repeats` runs, for every contender alike (on a shared machine the
+slower runs measure the neighbours). Prefill is matmul-bound (T tokens per weight read); a
+decode step at small batch reads every weight for one token per row: it is memory-bound.
 """
 
 from __future__ import annotations
@@ -49,6 +47,8 @@ from kvjax.model.config import format_bytes
 
 from kvjax import decode, parallel
 from kvjax import model as M
+
+from .random_hf import random_gpt2
 
 NO_CACHE_PAD = 32  # the no-cache loop pads the sequence to a multiple of this
 
@@ -170,8 +170,7 @@ def time_weights_only_step(config: M.TransformerConfig, params, repeats: int,
 
 
 def parse_loop(name: str) -> Planner | None:
-    """A `--loops` name as a planner for `decode.plan.planned_by` (None: the default):
-    'device', 'host' or 'host:K' (K steps per check for the end)."""
+    """A `--loops` name (default, device, host, host:K) as a planner for `planned_by`."""
     if name == "default":
         return None
     if name == "device":
@@ -277,60 +276,6 @@ def torch_on_gpu() -> bool:
     import torch
 
     return jax.default_backend() == "gpu" and torch.cuda.is_available()
-
-
-def random_gpt2(config: M.TransformerConfig):
-    """A Hugging Face GPT-2 of the preset's sizes with random weights (not kvjax's weights:
-    the contenders share sizes, not numbers), in eval mode; needs transformers."""
-    import transformers
-
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=config.vocab_size, n_positions=config.max_len, n_embd=config.d_model,
-        n_layer=config.num_decoder_layers, n_head=config.num_heads, n_inner=config.d_ff,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0)).eval()
-
-
-def _random_hf_configs():
-    """name -> a transformers config of a published model's sizes (its architecture,
-    widths, heads, vocabulary, RoPE and tying), for `write_random_hf`."""
-    import transformers as T
-
-    return {
-        "gpt2": T.GPT2Config(),  # GPT-2 small, 124M parameters
-        "llama-1b": T.LlamaConfig(  # Llama-3.2-1B
-            vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-            num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-            max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
-            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
-                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                             "original_max_position_embeddings": 8192},
-            bos_token_id=128000, eos_token_id=128001),
-        "qwen2-0.5b": T.Qwen2Config(  # Qwen2-0.5B
-            vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-            num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-            rms_norm_eps=1e-6, tie_word_embeddings=True,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-            bos_token_id=151643, eos_token_id=151643),
-    }
-
-
-RANDOM_HF_MODELS = ("gpt2", "llama-1b", "qwen2-0.5b")
-
-
-def write_random_hf(name: str, directory: str | os.PathLike, dtype: str = "float32") -> str:
-    """Writes the model `name` (one of RANDOM_HF_MODELS) with random weights in `dtype` as a
-    Hugging Face directory (`save_pretrained`, safetensors) and returns its path; needs
-    torch and transformers. The weights are drawn on the GPU where torch has one."""
-    import torch
-    import transformers
-
-    config = _random_hf_configs()[name]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(
-            config, dtype=getattr(torch, dtype))
-    model.save_pretrained(directory)
-    return os.fspath(directory)
 
 
 def _benchmark_model(preset: str, hf_dir: str | None) -> tuple[str, M.TransformerConfig, dict]:

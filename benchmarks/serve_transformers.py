@@ -31,7 +31,8 @@ import os
 import time
 
 import numpy as np
-from kvjax.benchmarks.decode import random_gpt2, torch_on_gpu
+from kvjax.benchmarks.decode import torch_on_gpu
+from kvjax.benchmarks.random_hf import random_gpt2
 from kvjax.benchmarks.serve import Result, Workload
 
 WARM_UP_REQUESTS = 4

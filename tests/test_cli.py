@@ -82,7 +82,8 @@ def test_the_cli_choices_are_the_librarys():
     from kvjax.benchmarks import decode as bench
     assert cli.PRESET_NAMES == tuple(M.PRESETS)
     assert cli.LAYER_MODES == bench.LAYER_MODES
-    assert common.RANDOM_HF_MODELS == bench.RANDOM_HF_MODELS
+    from kvjax.benchmarks import random_hf
+    assert common.RANDOM_HF_MODELS == random_hf.RANDOM_HF_MODELS
     from kvjax.benchmarks import train as train_bench
     assert common.TRAIN_SHAPES == tuple(train_bench.SHAPES)
 
@@ -141,10 +142,10 @@ PUBLISHED_PARAMETERS = {"gpt2": 124_439_808, "llama-1b": 1_235_814_400,
 @pytest.mark.parametrize("name", list(PUBLISHED_PARAMETERS))
 def test_the_random_hf_models_have_the_published_sizes(name):
     pytest.importorskip("transformers")
-    from kvjax.benchmarks import decode as bench
+    from kvjax.benchmarks import random_hf
 
     from kvjax.hf.config import to_kvjax_config
-    config = to_kvjax_config(bench._random_hf_configs()[name].to_dict(), tied=True)
+    config = to_kvjax_config(random_hf._random_hf_configs()[name].to_dict(), tied=True)
     shapes = jax.eval_shape(lambda: M.init_params(config, jax.random.key(0)))
     assert sum(x.size for x in jax.tree.leaves(shapes)) == PUBLISHED_PARAMETERS[name]
 

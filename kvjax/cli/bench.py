@@ -231,7 +231,7 @@ def run_bench_decode(args) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         hf_dir = args.hf_dir
         if args.random_hf:
-            from kvjax.benchmarks.decode import write_random_hf
+            from kvjax.benchmarks.random_hf import write_random_hf
 
             print(f"writing {args.random_hf} with random weights ...")
             hf_dir = write_random_hf(args.random_hf,
