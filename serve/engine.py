@@ -377,9 +377,8 @@ class Engine:
 
     def _emit(self, sample: _Sample, emitted: slots.Emitted, row: int, steps: np.ndarray,
               reason: int) -> None:
-        """Hands the sample the tokens row `row` of `emitted` made for it at `steps`, and
-        ends it if it is done: a stop id, its token budget, its slot's capacity (`reason`,
-        after them) or a stop string."""
+        """Hands the sample the tokens row `row` of `emitted` made for it at `steps`; ends it
+        at a stop id, its token budget, its slot's capacity (`reason`) or a stop string."""
         ids = emitted.tokens[row, steps].tolist()
         finish = None
         piece = ""
