@@ -317,7 +317,7 @@ def decode_benchmark(preset: str = "gpt-mini", batch_sizes: Sequence[int] = (1, 
     `dtype` and `cache_dtype` run kvjax (and its no-cache baseline) in that precision
     (`M.with_precision`); transformers runs a Hugging Face directory in `dtype` too, and the
     preset's random GPT-2 in float32. `loops` (name -> `parse_loop(name)`) times kvjax
-    with each decode loop, in rows of its own (default: this backend's loop alone).
+    with each decode loop, in rows of its own (default: `generate`'s loop alone).
     """
     if new_tokens < 4:
         raise ValueError(f"new_tokens={new_tokens} must be >= 4 to time decode steps")

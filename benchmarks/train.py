@@ -33,7 +33,7 @@ import numpy as np
 from kvjax import model as M
 from kvjax import parallel
 
-from .decode import _machine
+from .decode import _best_seconds, _machine
 
 LAYER_MODES = ("scanned", "unrolled")
 
@@ -101,12 +101,7 @@ def measure_matmul_peak(dtype: str = "float32", repeats: int = 5) -> float:
     b = jax.random.normal(jax.random.key(1), (size, size), dtype)
     product = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
     jax.block_until_ready(product(a, b))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(product(a, b))
-        best = min(best, time.perf_counter() - start)
-    return 2.0 * size**3 / best
+    return 2.0 * size**3 / _best_seconds(lambda: product(a, b), repeats)
 
 
 def _best_step_seconds(step: Callable[[], object], steps: int, repeats: int) -> float:

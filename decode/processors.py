@@ -116,24 +116,21 @@ def apply_processors(logits_BV: jax.Array, state: ProcessorState,
     `plan` says whether the built-in ones are on, or leaves it to the device (`plan.py`)."""
     logits_BV = logits_BV.astype(jnp.float32)
     state = state.replace(settings=state.settings.rows(logits_BV.shape[0]))
-    if plan.penalty is not None:
+    if plan.penalty is None:
+        def built_in(logits_BV):
+            for processor in BUILT_IN:
+                logits_BV = processor(logits_BV, state)
+            return logits_BV
+
+        # Off by default: then one cond skips them all, not one cond per processor at every
+        # decode step.
+        any_on = _penalty_on(state.settings) | _no_repeat_ngram_on(state.settings)
+        logits_BV = jax.lax.cond(any_on, built_in, lambda x: x, logits_BV)
+    else:  # decided on the host
         if plan.penalty:
             logits_BV = _penalise(logits_BV, state)
         if plan.ngram_bound:
             logits_BV = _ban_ngrams(logits_BV, state, plan.ngram_bound)
-        for processor in processors:
-            logits_BV = processor(logits_BV, state)
-        return logits_BV
-
-    def built_in(logits_BV):
-        for processor in BUILT_IN:
-            logits_BV = processor(logits_BV, state)
-        return logits_BV
-
-    # Off by default: then one cond skips them all, not one cond per processor at every
-    # decode step.
-    any_on = _penalty_on(state.settings) | _no_repeat_ngram_on(state.settings)
-    logits_BV = jax.lax.cond(any_on, built_in, lambda x: x, logits_BV)
     for processor in processors:
         logits_BV = processor(logits_BV, state)
     return logits_BV

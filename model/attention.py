@@ -237,9 +237,9 @@ def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, block, num_b
         rescale_BKGT = jnp.exp(max_BKGT - shift)
         weights_BKGTU = jnp.exp(logits_BKGTU - shift[..., None])
         sum_BKGT = sum_BKGT * rescale_BKGT + jnp.sum(weights_BKGTU, axis=-1)
-        any_seen_BC = jnp.any(seen_BTU, axis=1)[:, None, :, None]
+        any_seen_BU = jnp.any(seen_BTU, axis=1)[:, None, :, None]
         v_BKUH = read_block(v_LBKSH, start).reshape(batch, kv_heads, block, head_dim)
-        v_XUH = jnp.where(any_seen_BC, v_BKUH, 0).reshape(heads, block, head_dim)
+        v_XUH = jnp.where(any_seen_BU, v_BKUH, 0).reshape(heads, block, head_dim)
         mixed_BKGTU = weights_BKGTU
         if scales is not None:
             mixed_BKGTU = jnp.where(seen_BTU[:, None, None],

@@ -97,7 +97,7 @@ class KVCache:
 
     @property
     def self_attention_nbytes(self) -> int:
-        return _nbytes((self.k, self.v, self.k_scale, self.v_scale))
+        return _nbytes(self._self_attention())
 
     def take_rows(self, rows_R: jax.Array) -> KVCache:
         """The cache of rows `rows` [R] (repeats allowed): beam search reorders with this."""

@@ -60,7 +60,7 @@ def _add_decode(kinds) -> None:
                             "random weights (in --dtype), written by transformers to a "
                             "temporary directory first (needs the bench extra; no sweep)")
     decode.add_argument("--loops", nargs="+", default=["default"], metavar="LOOP",
-                        help="decode loops to time side by side: default (this backend's), "
+                        help="decode loops to time side by side: default (what generate runs), "
                              "device (decisions on the device, the end checked every step), "
                              "host or host:K (decided on the host, the end checked every K "
                              "steps)")
