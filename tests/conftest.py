@@ -214,6 +214,17 @@ def random_tokens(seed, shape, vocab):
     return jax.random.randint(jax.random.key(seed), shape, 0, vocab, dtype=jnp.int32)
 
 
+def drain(generator):
+    """(everything `generator` yields, as a list; what it returns): `decode.stream`'s chunks
+    and its `GenerateOutput`."""
+    items = []
+    while True:
+        try:
+            items.append(next(generator))
+        except StopIteration as stop:
+            return items, stop.value
+
+
 # Generation tests: both variants, and a decoder-only LM, with RoPE and grouped-query attention.
 VARIANTS = {"decoder_only": 0, "encoder_decoder": 2}  # name: encoder layers
 

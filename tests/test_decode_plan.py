@@ -5,6 +5,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+from conftest import drain
 from kvjax.decode.loop import StopConditions, StopReason, decode_loop, initial_state, record
 from kvjax.decode.plan import ON_DEVICE, LoopPlan, default_plan, planned_by
 from kvjax.decode.sampling import SamplingParams
@@ -57,14 +58,9 @@ def test_stream_chunks_and_a_continued_state_are_the_same_with_either_plan(tiny_
     settings = SETTINGS
 
     def run():
-        chunks = decode.stream(net, params, PROMPTS, max_new_tokens=11, chunk_size=4,
-                               rng=jax.random.key(1), return_state=True, **settings)
-        pieces = []
-        try:
-            while True:
-                pieces.append(next(chunks))
-        except StopIteration as stop:
-            first = stop.value
+        pieces, first = drain(decode.stream(net, params, PROMPTS, max_new_tokens=11,
+                                            chunk_size=4, rng=jax.random.key(1),
+                                            return_state=True, **settings))
         later = decode.generate(net, params, [[8], [], [30, 31], [2]], state=first.state,
                                 max_new_tokens=5, rng=jax.random.key(2), return_logprobs=True,
                                 **settings)

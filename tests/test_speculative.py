@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import drain
 from kvjax.decode import speculative as spec
 from kvjax.decode.loop import StopConditions, StopReason, decode_loop, initial_state
 from kvjax.decode.sampling import SamplingParams, filter_logits
@@ -269,14 +270,9 @@ def test_scanned_layers_and_streaming(tiny_lm):
     # Row 0 fills its cache to 3 slots of the capacity (40): its last tokens come from
     # plain steps, since a draft would not fit.
     plain = decode.generate(net, params, PROMPTS, max_new_tokens=30)
-    chunks = decode.stream(M.build_model(scanned), params_scanned, PROMPTS, max_new_tokens=30,
-                           chunk_size=8, speculative=DRAFTS)
-    pieces = []
-    try:
-        while True:
-            pieces.append(next(chunks))
-    except StopIteration as stop:
-        streamed = stop.value
+    pieces, streamed = drain(decode.stream(M.build_model(scanned), params_scanned, PROMPTS,
+                                           max_new_tokens=30, chunk_size=8,
+                                           speculative=DRAFTS))
     assert all(piece.shape[1] <= 8 for piece in pieces)
     np.testing.assert_array_equal(np.concatenate(pieces, axis=1), plain.tokens)
     np.testing.assert_array_equal(streamed.tokens, plain.tokens)
