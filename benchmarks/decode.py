@@ -18,7 +18,8 @@ side by side, in the same run, with:
    so at batch 1 it cannot take less than (parameter bytes + cache bytes) / bandwidth. The
    bandwidth is measured here, as the best of a large reduction and a large matrix-vector
    product. Per-token decode time is measured as the difference between two `generate`
-   calls in one compiled bucket (N and N/2 + 1 new tokens), so prefill and dispatch cancel.
+   calls in one compiled bucket (N and the fewest new tokens sharing N's token buffer), so
+   prefill and dispatch cancel.
 4. **the weights alone**: the same step's matrix-vector products and nothing else, chained
    in one compiled loop: how fast this backend streams the weights through the kernels a
    batch-1 step is made of. The gap from the floor to it is the backend's; what a step
@@ -41,7 +42,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from kvjax.decode.generate import bucket
+from kvjax.decode.buckets import bucket, smallest_sharing
 from kvjax.decode.plan import ON_DEVICE, STEPS_PER_CHECK, LoopPlan, Planner, planned_by
 from kvjax.model.config import format_bytes
 
@@ -188,7 +189,7 @@ def _time_kvjax(net, params, prompts, new_tokens: int, repeats: int, mesh=None,
     """(seconds for `new_tokens`, seconds per decode step). Both calls share one bucket.
     With a `mesh`, the rows are split over its `data` devices; with a `planner`, the loop
     is planned by it."""
-    half = new_tokens // 2 + 1
+    half = smallest_sharing(new_tokens, net.config.max_len)
     if mesh is not None:  # placed once, outside the timed calls
         params = parallel.shard_params(params, mesh)
 

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from kvjax.decode.generate import bucket
+from kvjax.decode.buckets import bucket
 from kvjax.serve import Engine, GenerationRequest
 
 from kvjax import decode

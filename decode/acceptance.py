@@ -19,7 +19,7 @@ from .sampling import SamplingParams, filter_logits
 
 
 def choose(logits_BTV: jax.Array, drafts_BJ: jax.Array, valid_B: jax.Array,
-           sampling: SamplingParams, rng: jax.Array, draft_probs_BKV: jax.Array | None = None
+           sampling: SamplingParams, keys_B: jax.Array, draft_probs_BKV: jax.Array | None = None
            ) -> tuple[jax.Array, jax.Array]:
     """(tokens [B, T], accepted [B]): row b emits tokens[b, :accepted[b] + 1], its first
     `accepted` drafts followed by one token of the model's.
@@ -29,7 +29,7 @@ def choose(logits_BTV: jax.Array, drafts_BJ: jax.Array, valid_B: jax.Array,
     probability min(1, p(x) / q(x)) and replace the first rejected one by a draw from
     max(p - q, 0), renormalised; q is `draft_probs` (the draft model's filtered
     distributions) or, without them, a point mass on x: accept with p(x), draw from p
-    without x."""
+    without x. Row b draws with its key `keys_B[b]` alone."""
     batch, num_tokens, vocab = logits_BTV.shape
     num_draft = num_tokens - 1
     greedy_B = jnp.broadcast_to(sampling.is_greedy, (batch,))
@@ -46,8 +46,8 @@ def choose(logits_BTV: jax.Array, drafts_BJ: jax.Array, valid_B: jax.Array,
             batch, num_tokens, vocab)
         probs_BJV = jax.nn.softmax(filtered_BTV[:, :num_draft], axis=-1)
         p_draft_BK = jnp.take_along_axis(probs_BJV, drafts_BJ[..., None], axis=-1)[..., 0]
-        accept_rng, draw_rng = jax.random.split(rng)
-        uniform_BJ = jax.random.uniform(accept_rng, (batch, num_draft))
+        accept_keys_B, draw_keys_B = jax.vmap(jax.random.split, out_axes=1)(keys_B)
+        uniform_BJ = jax.vmap(lambda key: jax.random.uniform(key, (num_draft,)))(accept_keys_B)
         if draft_probs_BKV is None:
             keep_BJ = drafted_BJ & (uniform_BJ < p_draft_BK)
             # A rejected draft is removed from its position's distribution; positions
@@ -65,7 +65,7 @@ def choose(logits_BTV: jax.Array, drafts_BJ: jax.Array, valid_B: jax.Array,
             residual_BJV = jnp.where(use_excess_BK[..., None], jnp.log(excess_BJV),
                                      filtered_BTV[:, :num_draft])
             residual_BTV = jnp.concatenate([residual_BJV, filtered_BTV[:, num_draft:]], axis=1)
-        drawn_BT = jax.random.categorical(draw_rng, residual_BTV, axis=-1).astype(jnp.int32)
+        drawn_BT = jax.vmap(jax.random.categorical)(draw_keys_B, residual_BTV).astype(jnp.int32)
         return (jnp.where(greedy_B[:, None], argmax_BT, drawn_BT),
                 jnp.where(greedy_B[:, None], drafted_BJ & (drafts_BJ == argmax_BT[:, :-1]),
                           keep_BJ))

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from kvjax import model as M
 
 from . import checks
-from .sampling import SamplingParams, filter_logits
+from .sampling import SamplingParams, filter_logits, token_keys
 from .tracing import count_trace
 
 CATCH_UP_TOKENS = 16  # fed to a lagging draft per call
@@ -88,7 +88,7 @@ def start(draft_config, draft_params, tokens_BP, lengths_B, capacity: int,
     return cache
 
 
-def draw(logits_BV: jax.Array, sampling: SamplingParams, rng: jax.Array
+def draw(logits_BV: jax.Array, sampling: SamplingParams, keys_B: jax.Array
          ) -> tuple[jax.Array, jax.Array]:
     """(token [B], q [B, V]): the argmax for greedy rows, else a draw from q = the softmax of
     the filtered logits. When every row is greedy, q is zeros and no filter runs."""
@@ -98,7 +98,7 @@ def draw(logits_BV: jax.Array, sampling: SamplingParams, rng: jax.Array
 
     def sampled(logits_BV):
         filtered_BV = filter_logits(logits_BV, sampling)
-        drawn_B = jax.random.categorical(rng, filtered_BV, axis=-1).astype(jnp.int32)
+        drawn_B = jax.vmap(jax.random.categorical)(keys_B, filtered_BV).astype(jnp.int32)
         return jnp.where(greedy_B, argmax_B, drawn_B), jax.nn.softmax(filtered_BV, axis=-1)
 
     def greedy(logits_BV):
@@ -133,7 +133,7 @@ def catch_up(draft_step, cache: M.KVCache, context_BC: jax.Array, context_length
 
 def propose(draft_step, cache: M.KVCache, context_BC: jax.Array, context_lengths_B: jax.Array,
             running_B: jax.Array, speculate: jax.Array, sampling: SamplingParams,
-            rng: jax.Array, num_draft: int) -> tuple[jax.Array, jax.Array, M.KVCache]:
+            keys_B: jax.Array, num_draft: int) -> tuple[jax.Array, jax.Array, M.KVCache]:
     """(drafts [B, J], q [B, J, V], cache): J tokens per running row, drawn one at a time.
 
     `draft_step(tokens [B, T], cache, lengths [B])` is the draft model's step. After
@@ -149,7 +149,7 @@ def propose(draft_step, cache: M.KVCache, context_BC: jax.Array, context_lengths
     logits_B2V, cache = draft_step(unseen_B2, cache, jnp.where(running_B & fits_B, behind_B, 0))
     newest_B = jnp.maximum(behind_B - 1, 0)
     logits_BV = jnp.take_along_axis(logits_B2V, newest_B[:, None, None], axis=1)[:, 0]
-    token_B, q_BV = draw(logits_BV, sampling, jax.random.fold_in(rng, 0))
+    token_B, q_BV = draw(logits_BV, sampling, token_keys(keys_B, 0))
     drafts_BJ = jnp.zeros((batch, num_draft), jnp.int32).at[:, 0].set(token_B)
     q_BJV = jnp.zeros((batch, num_draft, q_BV.shape[-1]), jnp.float32).at[:, 0].set(q_BV)
 
@@ -157,7 +157,7 @@ def propose(draft_step, cache: M.KVCache, context_BC: jax.Array, context_lengths
         drafts_BJ, q_BJV, cache = carry
         logits_B1V, cache = draft_step(drafts_BJ[:, i - 1, None], cache,
                                        running_B.astype(jnp.int32))
-        token_B, q_BV = draw(logits_B1V[:, 0], sampling, jax.random.fold_in(rng, i))
+        token_B, q_BV = draw(logits_B1V[:, 0], sampling, token_keys(keys_B, i))
         return drafts_BJ.at[:, i].set(token_B), q_BJV.at[:, i].set(q_BV), cache
 
     # A loop with a traced trip count: XLA updates the cache in place through it, where a

@@ -6,8 +6,8 @@ compiled), pads the prompts into a bucketed shape, and runs two compiled program
      that fills the cache — and the first sampled token;
   2. `_continue`: the decode `lax.while_loop` (see `decode/loop.py`).
 Sampling settings (one value per row), eos ids and max_new_tokens are traced values and
-prompt length, token budget and cache capacity are rounded up to powers of two, so calls
-that differ only in those compile nothing new. `num_samples` copies each prefilled prompt's
+prompt length, token budget and cache capacity are rounded up to buckets (`buckets.py`), so
+calls that differ only in those compile nothing new. `num_samples` copies each prefilled prompt's
 cache to its samples' rows; `prompt_state.py` continues a kept `PromptState` instead of
 prefilling. Shape letters: B batch, P padded prompt length, O token buffer, V vocab.
 """
@@ -29,6 +29,7 @@ from kvjax.distributed import host_arrays
 
 from . import beam, checks, prompt_state
 from . import speculative as spec
+from .buckets import bucket
 from .loop import (
     DecodeState,
     StopConditions,
@@ -40,14 +41,13 @@ from .loop import (
 from .plan import ON_DEVICE, LoopPlan, default_plan
 from .processors import LogitProcessor
 from .prompt_state import PromptState
-from .sampling import SamplingParams
+from .sampling import SamplingParams, as_keys, row_keys
 from .settings import check_num_samples, check_processors, checked_rows
 from .tracing import count_trace
 
 Mesh = jax.sharding.Mesh
 
 MAX_EOS_IDS = 8  # eos ids travel as a fixed-size array so their number never recompiles
-MIN_BUCKET = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,11 +72,6 @@ class GenerateOutput:
 
     def stop_reasons(self) -> list[str]:
         return [StopReason(int(r)).name.lower() for r in self.stop_reason]
-
-
-def bucket(n: int, limit: int) -> int:
-    """The smallest power of two >= n (at least MIN_BUCKET), capped at `limit`."""
-    return min(max(MIN_BUCKET, 1 << max(0, n - 1).bit_length()), limit)
 
 
 # Validation ------------------------------------------------------------------------------
@@ -120,7 +115,7 @@ def _start(config, params, tokens_BP, lengths_B, rng, capacity: int, buffer_len:
            processors: tuple[LogitProcessor, ...], mesh=None,
            plan: LoopPlan = ON_DEVICE) -> DecodeState:
     """Prefills each prompt once, copies its cache to its `num_samples` rows and samples
-    every row's first token."""
+    every row's first token. `rng` is one key, or one per prompt (`sampling.row_keys`)."""
     count_trace("start")
     logits_BV, cache = M.prefill(config, params, tokens_BP, lengths_B, capacity)
     context_BC, context_lengths_B = prompt_state.prompt_context(
@@ -129,7 +124,8 @@ def _start(config, params, tokens_BP, lengths_B, rng, capacity: int, buffer_len:
         rows = jnp.repeat(jnp.arange(tokens_BP.shape[0]), num_samples)
         logits_BV, cache = logits_BV[rows], cache.take_rows(rows)
         context_BC, context_lengths_B = context_BC[rows], context_lengths_B[rows]
-    state = initial_state(context_BC.shape[0], buffer_len, cache, rng, context_BC,
+    keys_B = row_keys(rng, tokens_BP.shape[0], num_samples)
+    state = initial_state(context_BC.shape[0], buffer_len, cache, keys_B, context_BC,
                           context_lengths_B)
     return parallel.constrain_rows(record(state, logits_BV, stops, sampling, processors, plan),
                                    mesh)
@@ -200,6 +196,7 @@ def _prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beam
     if state is not None and prompts is None:
         prompts = [[] for _ in range(state.batch_size)]
     tokens, lengths = checks.prompt_array(prompts, lengths)
+    rng = as_keys(rng, tokens.shape[0])
     max_new_tokens = checks.integer("max_new_tokens", max_new_tokens, 1)
     num_beams = checks.integer("num_beams", num_beams, 1)
     eos_ids = checks.token_ids("eos_ids", eos_ids)
@@ -249,11 +246,13 @@ def _prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beam
         padded = jax.device_put(filled(padded, fill), parallel.rows(mesh, 2))
         lengths = jax.device_put(filled(lengths, fill), parallel.rows(mesh))
         sampling = jax.tree.map(lambda a: filled(a, fill * num_samples), sampling)
+        if rng.ndim:
+            rng = jnp.concatenate([rng, jnp.repeat(rng[-1:], fill)])
     return _Prepared(
         tokens=jnp.asarray(padded), lengths=jnp.asarray(lengths, jnp.int32),
         batch=batch, capacity=capacity, buffer_len=buffer_len,
         stops=StopConditions(jnp.asarray(eos), jnp.asarray(max_new_tokens, jnp.int32)),
-        sampling=sampling, rng=jax.random.key(0) if rng is None else rng,
+        sampling=sampling, rng=rng,
         num_samples=num_samples, processors=processors, state=state, mesh=mesh,
         speculative=speculative, plan=default_plan(rows),
     )
@@ -314,6 +313,11 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
     `prompts` are the tokens to append to each of its rows (None: nothing) and nothing is
     prefilled again. `num_beams > 1` runs beam search (sampling settings are then ignored)
     and scores hypotheses by sum(logprobs) / length**length_penalty.
+
+    `rng` (default key 0) is one key for the batch or one key per prompt [B]; each row
+    draws with a key of its own (`sampling.row_keys`), so a prompt's samples depend on its
+    key and its position in `prompts`, never on the other prompts. With one key per prompt,
+    a prompt samples the same tokens in any batch.
 
     On many devices (`mesh`, or the mesh `params` are sharded over; see `placement`) the
     rows and their cache are split over `data` and the kv heads over `model`; the tokens are

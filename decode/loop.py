@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from .plan import ON_DEVICE, LoopPlan
 from .processors import LogitProcessor, ProcessorState, apply_processors
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample, token_keys
 
 TokensToLogits = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
 
@@ -44,7 +44,8 @@ class DecodeState:
     logprobs:    [B, O] float32 log-probability of each generated token under the model.
     stop_reason: [B] int32 `StopReason`; RUNNING until the row stops.
     cache:       the model's cache pytree, updated in place by XLA (never copied).
-    rng:         the base key; step t samples with `fold_in(rng, t)`, so no key is reused.
+    keys:        [B] each row's key (`sampling.row_keys`); step t samples with
+                 `fold_in(key, t)`, so no key is reused and no row's draw depends on another.
     context:     [B, C] int32 each row's tokens so far, which logit processors read: the
                  prompt (BOS for an encoder-decoder) and the generated tokens (`ProcessorState`).
     context_lengths: [B] int32 valid tokens of each row's context.
@@ -57,7 +58,7 @@ class DecodeState:
     logprobs: jax.Array
     stop_reason: jax.Array
     cache: Any
-    rng: jax.Array
+    keys: jax.Array
     context: jax.Array
     context_lengths: jax.Array
 
@@ -79,10 +80,10 @@ def record(state: DecodeState, logits_BV: jax.Array, stops: StopConditions,
            plan: LoopPlan = ON_DEVICE, active: jax.Array | None = None) -> DecodeState:
     """Samples the next token of every running row and decides which rows stop. With
     `active` (a traced bool) False, nothing changes but slots past what is recorded."""
-    rng = jax.random.fold_in(state.rng, state.step)
     processed_BV = apply_processors(logits_BV, ProcessorState(
         state.context, state.context_lengths, state.step, sampling), processors, plan)
-    token_B = sample(processed_BV, rng, sampling, plan.sampled)
+    token_B = sample(processed_BV, token_keys(state.keys, state.step), sampling,
+                     plan.sampled)
     logprob_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BV.astype(jnp.float32)),
                                     token_B[:, None], axis=-1)[:, 0]
     running_B = ~state.done if active is None else ~state.done & active
@@ -115,7 +116,7 @@ def _append(context_BC: jax.Array, slots_B: jax.Array, token_B: jax.Array) -> ja
     return jax.vmap(write)(context_BC, slots_B, token_B)
 
 
-def initial_state(batch: int, buffer_len: int, cache: Any, rng: jax.Array,
+def initial_state(batch: int, buffer_len: int, cache: Any, keys_B: jax.Array,
                   context_BC: jax.Array | None = None,
                   context_lengths_B: jax.Array | None = None) -> DecodeState:
     """The state before the first token. `context` [B, C] holds each row's tokens so far
@@ -132,7 +133,7 @@ def initial_state(batch: int, buffer_len: int, cache: Any, rng: jax.Array,
         logprobs=jnp.zeros((batch, buffer_len), jnp.float32),
         stop_reason=jnp.zeros((batch,), jnp.int32),
         cache=cache,
-        rng=rng,
+        keys=keys_B,
         context=jnp.asarray(context_BC, jnp.int32),
         context_lengths=jnp.asarray(context_lengths_B, jnp.int32),
     )

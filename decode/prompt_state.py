@@ -24,7 +24,7 @@ from kvjax import model as M
 
 from .loop import DecodeState, StopConditions, initial_state, record
 from .plan import ON_DEVICE, LoopPlan
-from .sampling import SamplingParams
+from .sampling import SamplingParams, row_keys
 from .tracing import count_trace
 
 
@@ -100,7 +100,8 @@ def resume(config, params, cache, next_logits_BV, context_BC, context_lengths_B,
     elif not num_new:
         # The loop updates its cache in place (donated), so it must not be the kept one.
         cache = jax.tree.map(jnp.copy, cache)
-    state = initial_state(batch * num_samples, buffer_len, cache, rng, context_BC,
+    state = initial_state(batch * num_samples, buffer_len, cache,
+                          row_keys(rng, batch, num_samples), context_BC,
                           context_lengths_B)
     return record(state, next_logits_BV, stops, sampling, processors, plan)
 

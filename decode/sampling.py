@@ -2,7 +2,12 @@
 
 Every setting is a traced value with one entry per row, so changing it (or mixing greedy and
 sampled rows in one batch) never recompiles. Filtering and sampling run in float32.
-Shapes: B batch, V vocab.
+
+Each row draws with a key of its own (`row_keys`): the t-th token of a row is drawn with
+`fold_in(row key, t)`, so what a row samples depends on its key, its logits and its settings,
+never on the other rows of its batch. `generate` and the server's engine draw the same way:
+a request served with seed s makes the tokens `generate` makes with `rng=[seed_key(s)]`.
+Shapes: B batch, V vocab, P prompts.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @flax.struct.dataclass
@@ -84,16 +90,17 @@ def filter_logits(logits_BV: jax.Array, params: SamplingParams) -> jax.Array:
     return jnp.where(logits_BV >= threshold_B[:, None], logits_BV, -jnp.inf)
 
 
-def sample(logits_BV: jax.Array, rng: jax.Array, params: SamplingParams,
+def sample(logits_BV: jax.Array, keys_B: jax.Array, params: SamplingParams,
            some_sampled: bool | None = None) -> jax.Array:
-    """Next token ids [B]. Greedy rows take the argmax; when every row is greedy, the sort
-    and the random draw are skipped altogether: as the device finds at every call, or as
-    `some_sampled` (known to the host, see `plan.py`) says."""
+    """Next token ids [B]: row b draws with `keys_B[b]` (this token's key, `token_keys`).
+    Greedy rows take the argmax; when every row is greedy, the sort and the random draw are
+    skipped altogether: as the device finds at every call, or as `some_sampled` (known to
+    the host, see `plan.py`) says."""
     greedy_B = jnp.broadcast_to(params.is_greedy, logits_BV.shape[:1])
 
     def draw(logits):
-        drawn = jax.random.categorical(rng, filter_logits(logits, params), axis=-1)
-        return jnp.where(greedy_B, jnp.argmax(logits, axis=-1), drawn)
+        drawn_B = jax.vmap(jax.random.categorical)(keys_B, filter_logits(logits, params))
+        return jnp.where(greedy_B, jnp.argmax(logits, axis=-1), drawn_B)
 
     def argmax(logits):
         return jnp.argmax(logits, axis=-1)
@@ -101,3 +108,53 @@ def sample(logits_BV: jax.Array, rng: jax.Array, params: SamplingParams,
     if some_sampled is not None:
         return (draw if some_sampled else argmax)(logits_BV).astype(jnp.int32)
     return jax.lax.cond(jnp.all(greedy_B), argmax, draw, logits_BV).astype(jnp.int32)
+
+
+# Keys ------------------------------------------------------------------------------------
+
+
+def seed_key(seed: int) -> np.ndarray:
+    """The key data [2] uint32 of a 64-bit `seed` (`jax.random.wrap_key_data` makes it a
+    key): both halves count, where `jax.random.key` with 64-bit types off keeps only the low
+    32 bits, so seeds 5 and 2**32 + 5 would coincide. For seeds below 2**31 it is the data
+    of `jax.random.key(seed)`."""
+    return np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
+
+
+def sample_key(prompt_key: jax.Array, sample: jax.Array) -> jax.Array:
+    """The key of sample `sample` (0, 1, ...) of a prompt drawn with `prompt_key`."""
+    return jax.random.fold_in(prompt_key, sample)
+
+
+def row_keys(rng: jax.Array, num_prompts: int, num_samples: int = 1) -> jax.Array:
+    """Each row's key [P * N], prompt-major (row p * N + n is sample n of prompt p).
+
+    `rng` is one key per prompt [P], or one key [] for all: prompt p then draws with
+    `fold_in(rng, p)`, so its tokens depend on its index but not on the other prompts."""
+    if rng.ndim == 0:
+        rng = jax.vmap(jax.random.fold_in, (None, 0))(rng, jnp.arange(num_prompts))
+    per_sample = jax.vmap(jax.vmap(sample_key, (None, 0)), (0, None))(
+        rng, jnp.arange(num_samples))
+    return per_sample.reshape(-1)
+
+
+def token_keys(keys_B: jax.Array, position) -> jax.Array:
+    """The keys [B] each row draws its token number `position` (a scalar or [B]) with."""
+    return jax.vmap(jax.random.fold_in)(keys_B, jnp.broadcast_to(position, keys_B.shape))
+
+
+def as_keys(rng, num_prompts: int) -> jax.Array:
+    """`rng` (None: key 0) as typed keys, one [] or one per prompt [P]: raw uint32 key data
+    is wrapped. A ValueError names any other shape."""
+    if rng is None:
+        return jax.random.key(0)
+    rng = jnp.asarray(rng) if not isinstance(rng, jax.Array) else rng
+    if not jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        if rng.dtype != jnp.uint32 or rng.ndim not in (1, 2):
+            raise ValueError(f"rng must be a jax.random key, or one per prompt; got an array "
+                             f"of {rng.dtype} with shape {rng.shape}")
+        rng = jax.random.wrap_key_data(rng)
+    if rng.shape not in ((), (num_prompts,)):
+        raise ValueError(f"rng holds keys of shape {rng.shape}: give one key, or one per "
+                         f"prompt ({num_prompts},)")
+    return rng

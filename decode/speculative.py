@@ -55,7 +55,7 @@ from . import draft_model
 from .acceptance import advance, choose, settled
 from .loop import DecodeState, StopConditions, StopReason, TokensToLogits
 from .prompt_lookup import MAX_NGRAM_SIZE, ngram_drafts
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample, token_keys
 from .tracing import count_trace
 
 METHODS = ("ngram", "draft")
@@ -182,7 +182,7 @@ def speculative_loop(tokens_to_logits: TokensToLogits, state: DecodeState,
                      pacing: Pacing | None = None) -> SpeculativeState:
     """`drafting_loop` with prompt-lookup drafts; it verifies only when some row has one."""
 
-    def propose(state, draft_cache, fits, rng):
+    def propose(state, draft_cache, fits, keys_B):
         drafts_BJ, valid_B = ngram_drafts(state.context, state.context_lengths, ngram_size,
                                           num_draft)
         valid_B = jnp.where(state.done, 0, valid_B)
@@ -201,7 +201,7 @@ def drafting_loop(tokens_to_logits: TokensToLogits, carry: SpeculativeState,
     `tokens_to_logits(tokens [B, T], cache, lengths [B])` is the model's step; rows that
     have stopped are fed with zero valid tokens, so their cache never grows. An iteration
     verifies when drafting pays (`Pacing`) and every running row has room for J + 1 more
-    tokens; `propose(state, draft_cache, fits, rng) -> (drafts [B, J], valid drafts [B],
+    tokens; `propose(state, draft_cache, fits, keys [B]) -> (drafts [B, J], valid drafts [B],
     speculate, draft probabilities [B, J, V] or None, draft_cache)` then drafts, and only if
     `speculate` does the model see them (else one token per row). The other iterations are
     plain one-token steps that leave a draft model alone (`propose` catches it up)."""
@@ -211,13 +211,14 @@ def drafting_loop(tokens_to_logits: TokensToLogits, carry: SpeculativeState,
         return (settled(decode) < step_limit) & ~jnp.all(decode.done)
 
     def begin(carry: SpeculativeState):
-        """(carry, running rows [B], draft key, choose key): rows with no free slot stop."""
+        """(carry, running rows [B], draft keys [B], choose keys [B]): rows with no free
+        slot stop."""
         state = carry.decode
         full_B = ~state.done & (state.cache.lengths >= state.cache.capacity)
         state = state.replace(stop_reason=jnp.where(full_B, StopReason.CACHE_FULL,
                                                     state.stop_reason))
-        keys = jax.random.split(jax.random.fold_in(state.rng, carry.stats.steps + 1))
-        return carry.replace(decode=state), ~state.done, keys[0], keys[1]
+        keys_B2 = jax.vmap(jax.random.split)(token_keys(state.keys, carry.stats.steps + 1))
+        return carry.replace(decode=state), ~state.done, keys_B2[:, 0], keys_B2[:, 1]
 
     def should_verify(carry: SpeculativeState) -> jax.Array:
         cache = carry.decode.cache
@@ -238,10 +239,10 @@ def drafting_loop(tokens_to_logits: TokensToLogits, carry: SpeculativeState,
         return SpeculativeState(new_state, stats, draft_cache, carry.pacing), accepted_B
 
     def verifying(carry: SpeculativeState) -> SpeculativeState:
-        carry, running_B, draft_rng, choose_rng = begin(carry)
+        carry, running_B, draft_keys_B, choose_keys_B = begin(carry)
         state, pacing = carry.decode, carry.pacing
         drafts_BJ, valid_B, speculate, draft_probs_BKV, draft_cache = propose(
-            state, carry.draft_cache, jnp.asarray(True), draft_rng)
+            state, carry.draft_cache, jnp.asarray(True), draft_keys_B)
 
         def feed(cache, drafts_BJ):
             fed_BT = jnp.concatenate([state.last_tokens[:, None], drafts_BJ], axis=1)
@@ -256,7 +257,7 @@ def drafting_loop(tokens_to_logits: TokensToLogits, carry: SpeculativeState,
                                         lambda cache: feed(cache, drafts_BJ[:, :0]),
                                         state.cache)
         valid_B = jnp.where(speculate, valid_B, 0)
-        tokens_BT, accepted_B = choose(logits_BTV, drafts_BJ, valid_B, sampling, choose_rng,
+        tokens_BT, accepted_B = choose(logits_BTV, drafts_BJ, valid_B, sampling, choose_keys_B,
                                        draft_probs_BKV)
         new_state, _ = advance(state.replace(cache=cache), state.cache.lengths, logits_BTV,
                                tokens_BT, accepted_B, stops)
@@ -269,11 +270,11 @@ def drafting_loop(tokens_to_logits: TokensToLogits, carry: SpeculativeState,
 
     def plain(carry: SpeculativeState) -> SpeculativeState:
         # What the plain decode loop's step does: one token per running row, no drafting.
-        carry, running_B, _, choose_rng = begin(carry)
+        carry, running_B, _, choose_keys_B = begin(carry)
         state = carry.decode
         logits_B1V, cache = tokens_to_logits(state.last_tokens[:, None], state.cache,
                                              running_B.astype(jnp.int32))
-        token_B = sample(logits_B1V[:, 0], choose_rng, sampling)
+        token_B = sample(logits_B1V[:, 0], choose_keys_B, sampling)
         zeros_B = jnp.zeros_like(running_B, jnp.int32)
         new_state, _ = advance(state.replace(cache=cache), state.cache.lengths, logits_B1V,
                                token_B[:, None], zeros_B, stops)
@@ -346,13 +347,13 @@ def draft_model_loop(tokens_to_logits: TokensToLogits, draft_step: TokensToLogit
     and `carry.draft_cache` its cache (see `draft_model.py`). Every running row drafts J
     tokens; the model verifies whenever both caches have room for them."""
 
-    def propose(state, draft_cache, fits, rng):
+    def propose(state, draft_cache, fits, keys_B):
         # The draft's last call writes slot context_length + J - 2 of its cache.
         fits &= jnp.all(state.done | (
             state.context_lengths + num_draft - 1 <= draft_cache.capacity))
         drafts_BJ, probs_BJV, draft_cache = draft_model.propose(
             draft_step, draft_cache, state.context, state.context_lengths, ~state.done, fits,
-            sampling, rng, num_draft)
+            sampling, keys_B, num_draft)
         return drafts_BJ, jnp.where(state.done, 0, num_draft), fits, probs_BJV, draft_cache
 
     return drafting_loop(tokens_to_logits, carry, stops, sampling, step_limit, num_draft,

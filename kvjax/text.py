@@ -30,6 +30,7 @@ import numpy as np
 from kvjax import checkpoint, decode
 from kvjax import model as M
 from kvjax.decode import checks
+from kvjax.decode.sampling import seed_key
 from kvjax.detokenize import RowText, check_stop_strings
 from kvjax.tokenizer import TextTokenizer
 
@@ -172,6 +173,8 @@ def sample_texts(loaded: LoadedModel, prompt: str, *, num_samples: int = 1,
     first `stop` string, which neither the streamed pieces nor the returned text include;
     text that might begin a stop string is held back until it cannot. Beam search only
     knows its answer at the end, so with `num_beams > 1` the text arrives in one piece.
+    `seed` is the prompt's key (`decode.sampling.seed_key`), as the server's `seed` is: the
+    same prompt, settings and seed sample the same text here and there.
     """
     stop = check_stop_strings(stop)
     num_samples = checks.integer("num_samples", num_samples, 1)
@@ -184,7 +187,7 @@ def sample_texts(loaded: LoadedModel, prompt: str, *, num_samples: int = 1,
     tokens = prompt_tokens(loaded, prompt)
     limit = min(max_new_tokens, _room(loaded.config, len(tokens)))
     settings = dict(max_new_tokens=limit, eos_ids=tuple(loaded.tokenizer.stop_ids),
-                    rng=jax.random.key(seed), **sampling)
+                    rng=jax.random.wrap_key_data(seed_key(seed))[None], **sampling)
     on_text = on_text or (lambda row, piece: None)
     rows = [RowText(loaded.tokenizer, stop) for _ in range(num_samples)]
     with _compile_time() as compiling:

@@ -12,10 +12,9 @@ those (`slots.py`). Each turn of its host loop:
   3. while that chunk runs, hands out what the previous chunk and the staging made: each
      sample's new tokens and text go to its request's callback; a sample that met a stop
      string or whose request was cancelled is stopped on the device with the next chunk.
-Slots wait for no host turn, so a chunk can be long; a request waits for one turn to be
-staged, and a cancelled one runs at most one chunk longer. `start` runs the loop on its own
-thread; `step` runs one turn and hands out all it made, where the caller is (tests,
-benchmarks).
+Slots wait for no host turn, so a chunk can be long; a request waits one turn to be staged,
+a cancelled one runs at most one chunk longer. `start` runs the loop on its own thread;
+`step` runs one turn and hands out all it made where the caller is (tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ from collections.abc import Callable, Iterable
 import jax
 import numpy as np
 from kvjax.decode import checks
+from kvjax.decode.buckets import bucket
 from kvjax.decode.generate import placement
 from kvjax.decode.loop import StopReason
 from kvjax.decode.prompt_state import prefill_state
@@ -187,7 +187,7 @@ class Engine:
         for a compilation: the prefill of every prompt-length bucket (of `prompt_lengths`,
         default every length a slot holds) and the insert at every row count, the chunk."""
         lengths = range(1, self.capacity) if prompt_lengths is None else prompt_lengths
-        buckets = sorted({slots.prompt_bucket(n, self.capacity) for n in lengths})
+        buckets = sorted({bucket(n, self.capacity) for n in lengths})
         rows = sorted({min(1 << k, self.prefill_batch)
                        for k in range(self.prefill_batch.bit_length() + 1)})
         for count, length in itertools.product(rows, buckets):
@@ -319,7 +319,7 @@ class Engine:
         repeat the first) and writes each prompt into a free staged row per sample."""
         prompts = [ticket.request.prompt for ticket in tickets]
         rows = min(1 << (len(prompts) - 1).bit_length(), self.prefill_batch)
-        length = slots.prompt_bucket(max(map(len, prompts)), self.capacity)
+        length = bucket(max(map(len, prompts)), self.capacity)
         padded = np.zeros((rows, length), np.int32)
         lengths = np.full(rows, len(prompts[0]), np.int32)
         for row, prompt in enumerate(prompts + [prompts[0]] * (rows - len(prompts))):

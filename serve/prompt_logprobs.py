@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from kvjax.decode.generate import bucket
+from kvjax.decode.buckets import bucket
 from kvjax.decode.tracing import count_trace
 
 from kvjax import model as M

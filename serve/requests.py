@@ -13,13 +13,13 @@ import secrets
 
 import numpy as np
 from kvjax.decode import checks
-from kvjax.decode.sampling import SamplingParams
+from kvjax.decode.sampling import SamplingParams, seed_key
 from kvjax.decode.settings import per_row
 
 from kvjax.detokenize import check_stop_strings
 from kvjax.text import MAX_SEED
 
-from .slots import MAX_STOP_IDS, MAX_TOP_LOGPROBS, RowSettings, seed_key
+from .slots import MAX_STOP_IDS, MAX_TOP_LOGPROBS, RowSettings
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                    "no_repeat_ngram_size")

@@ -12,10 +12,10 @@ which decode, and the staged rows, samples prefilled and waiting for a slot.
 
 Both donate the state, so the cache is updated where it lies and never copied. Everything
 a slot's request chose (sampling settings, stop ids, token budget, random key) is a row of
-a traced array, so requests come and go without compiling anything. A slot samples token g
-of its request with `fold_in(request key, g)`: its tokens do not depend on which other
-requests share the batch. Every sample has an id (`ID_SPACE`), which the tokens it made
-carry back to the host.
+a traced array, so requests come and go without compiling anything. A slot samples with
+`decode`'s sampler and keys (`decode.sampling`): its tokens do not depend on which other
+requests share the batch, and equal those `generate` makes with the request's key. Every
+sample has an id (`ID_SPACE`), which the tokens it made carry back to the host.
 
 Shape letters: B slots, Q staged rows, S cache slots per row (capacity), C context buffer
 (= S), E stop ids per slot, O steps per chunk, A top logprobs kept per token, R samples
@@ -29,11 +29,9 @@ import functools
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
-from kvjax.decode.generate import MIN_BUCKET
 from kvjax.decode.loop import StopReason
 from kvjax.decode.processors import ProcessorState, apply_processors
-from kvjax.decode.sampling import SamplingParams, filter_logits
+from kvjax.decode.sampling import SamplingParams, sample, sample_key, token_keys
 from kvjax.decode.tracing import count_trace
 
 from kvjax import model as M
@@ -97,8 +95,8 @@ class EngineState:
 @flax.struct.dataclass
 class RowSettings:
     """The settings of R samples as slots hold them: max_tokens [R], stop_ids [R, E], seed
-    [R, 2] uint32 (`seed_key`), sample [R] (each sample's index among its request's n,
-    folded into its key) and sampling with [R] fields."""
+    [R, 2] uint32 (the request's prompt key, `decode.sampling.seed_key`), sample [R] (each
+    sample's index among its request's n, `sample_key`) and sampling with [R] fields."""
 
     max_tokens: jax.Array
     stop_ids: jax.Array
@@ -125,12 +123,6 @@ class Emitted:
     top_logprobs: jax.Array
     live: jax.Array
     waiting: jax.Array
-
-
-def seed_key(seed: int) -> np.ndarray:
-    """The key data [2] uint32 of a 64-bit `seed`: both halves count (`jax.random.key` with
-    64-bit types off keeps only the low 32 bits, so seeds 5 and 2**32 + 5 would coincide)."""
-    return np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
 
 
 def empty_state(config: M.TransformerConfig, num_slots: int, num_staged: int, capacity: int,
@@ -181,21 +173,12 @@ def choose(logits_BV, context_BC, context_lengths_B, sampling: SamplingParams, k
            positions_B, want_top=True):
     """(token [B], logprob [B], top_logprobs [B, W], top_ids [B, W]): each row's next token
     as `decode` samples it (built-in penalties, then greedy or top-k/p, min-p), drawn with
-    the row's own key folded with its position. The top W are zeros unless `want_top`."""
+    the row's own key folded with its position (`decode.sampling`). The top W are zeros
+    unless `want_top`."""
     processed_BV = apply_processors(logits_BV, ProcessorState(
         context_BC, context_lengths_B, jnp.zeros((), jnp.int32), sampling))
-    greedy_B = sampling.is_greedy
-
-    def draw(logits_BV):
-        def one(key, position, row_V):
-            key = jax.random.fold_in(jax.random.wrap_key_data(key), position)
-            return jax.random.categorical(key, row_V)
-
-        drawn_B = jax.vmap(one)(keys_B2, positions_B, filter_logits(logits_BV, sampling))
-        return jnp.where(greedy_B, jnp.argmax(logits_BV, axis=-1), drawn_B)
-
-    token_B = jax.lax.cond(jnp.all(greedy_B), lambda x: jnp.argmax(x, axis=-1), draw,
-                           processed_BV).astype(jnp.int32)
+    token_B = sample(processed_BV, token_keys(jax.random.wrap_key_data(keys_B2), positions_B),
+                     sampling)
     logprobs_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32))
     logprob_B = jnp.take_along_axis(logprobs_BV, token_B[:, None], axis=-1)[:, 0]
     width = min(MAX_TOP_LOGPROBS, logits_BV.shape[-1])
@@ -248,9 +231,8 @@ def insert(state: EngineState, prefix_cache: M.KVCache, next_logits_PV, context_
     `empty_state`)."""
     count_trace("serve_insert")
     rows = state.staged
-    keys_R2 = jax.vmap(lambda seed, sample: jax.random.key_data(
-        jax.random.fold_in(jax.random.wrap_key_data(seed), sample)))(settings.seed,
-                                                                   settings.sample)
+    keys_R2 = jax.random.key_data(jax.vmap(sample_key)(
+        jax.random.wrap_key_data(settings.seed), settings.sample))
 
     def put(all_Q, new_R):  # rows of `new` into the staged rows
         return all_Q.at[staged_R].set(new_R, mode="drop", unique_indices=True)
@@ -287,15 +269,3 @@ def insert(state: EngineState, prefix_cache: M.KVCache, next_logits_PV, context_
                     top_logprobs=top_logprobs_RA[:, None],
                     live=jnp.sum(state.slots.running, dtype=jnp.int32), waiting=rows.running)
     return state, first
-
-
-def prompt_bucket(n: int, limit: int) -> int:
-    """The length a prompt of n tokens is padded to for its prefill: the smallest power of
-    two or 1.5 times one that holds it (at least `MIN_BUCKET`, at most `limit`). A prefill
-    pads every prompt of its batch to the longest one's bucket; the halfway steps cut that
-    padding from up to half the work to up to a third, for a few more programs."""
-    size = MIN_BUCKET
-    while size < n:
-        power = 1 << (size.bit_length() - 1)  # the power of two at or below `size`
-        size = power * 3 // 2 if size == power and power >= 16 else power * 2
-    return min(size, limit)

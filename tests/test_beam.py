@@ -9,7 +9,7 @@ import pytest
 from conftest import run_full
 from kvjax.decode.beam import beam_loop
 from kvjax.decode.loop import StopConditions, decode_loop, initial_state, record
-from kvjax.decode.sampling import SamplingParams
+from kvjax.decode.sampling import SamplingParams, row_keys
 
 from kvjax import decode
 from kvjax import model as M
@@ -64,7 +64,8 @@ def test_beam_search_finds_the_best_sequence_greedy_misses():
 def test_one_beam_equals_greedy():
     result = markov_beam(num_beams=1, eos_ids=(), max_new_tokens=6)
     sampling = SamplingParams.make()
-    state = initial_state(1, 8, MarkovCache(jnp.ones((1,), jnp.int32)), jax.random.key(0))
+    state = initial_state(1, 8, MarkovCache(jnp.ones((1,), jnp.int32)),
+                          row_keys(jax.random.key(0), 1))
     state = record(state, jnp.asarray([START], jnp.float32), stops((), 6), sampling)
     state = decode_loop(markov, state, stops((), 6), sampling, jnp.asarray(6))
     assert result.tokens[0, :6].tolist() == state.tokens[0, :6].tolist() == [A] * 6

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from kvjax.decode.loop import StopConditions, StopReason, decode_loop, initial_state, record
-from kvjax.decode.sampling import SamplingParams
+from kvjax.decode.sampling import SamplingParams, row_keys
 
 VOCAB = 50
 
@@ -33,7 +33,7 @@ def run(first_tokens, *, max_new_tokens, eos_ids=(), buffer_len=16, capacity=100
     eos[:len(eos_ids)] = eos_ids
     stops = StopConditions(jnp.asarray(eos), jnp.asarray(max_new_tokens))
     sampling = SamplingParams.make()
-    state = initial_state(batch, buffer_len, cache, jax.random.key(0))
+    state = initial_state(batch, buffer_len, cache, row_keys(jax.random.key(0), batch))
     first_logits, _ = next_is_previous_plus_one(jnp.asarray(first_tokens)[:, None] - 1, cache)
     state = record(state, first_logits[:, 0], stops, sampling)
     run_loop = jax.jit(decode_loop, static_argnums=0)
@@ -80,7 +80,7 @@ def test_step_limit_runs_a_chunk_and_resumes_identically():
     cache = FakeCache(jnp.asarray([1]), jnp.zeros((), jnp.int32))
     stops = StopConditions(jnp.full(8, -1, jnp.int32), jnp.asarray(9))
     sampling = SamplingParams.make()
-    state = initial_state(1, 16, cache, jax.random.key(0))
+    state = initial_state(1, 16, cache, row_keys(jax.random.key(0), 1))
     state = record(state, 10.0 * jax.nn.one_hot(jnp.asarray([3]), VOCAB), stops, sampling)
     for limit in (4, 6, 9):
         state = decode_loop(next_is_previous_plus_one, state, stops, sampling, jnp.asarray(limit))
@@ -103,7 +103,8 @@ def test_penalties_steer_the_loop_exactly():
     sampling = SamplingParams.make(repetition_penalty=[penalty, 1.0],
                                    no_repeat_ngram_size=[0, 1], batch=2)
     context = jnp.zeros((2, 1 + 16), jnp.int32).at[:, 0].set(1)
-    state = initial_state(2, 16, cache, jax.random.key(0), context, jnp.asarray([1, 1]))
+    state = initial_state(2, 16, cache, row_keys(jax.random.key(0), 2), context,
+                          jnp.asarray([1, 1]))
     first, _ = fixed_preferences(jnp.zeros((2, 1), jnp.int32), cache)
     state = record(state, first[:, 0], stops, sampling)
     state = jax.jit(decode_loop, static_argnums=0)(fixed_preferences, state, stops, sampling,

@@ -8,7 +8,7 @@ import numpy as np
 from conftest import drain
 from kvjax.decode.loop import StopConditions, StopReason, decode_loop, initial_state, record
 from kvjax.decode.plan import ON_DEVICE, LoopPlan, default_plan, planned_by
-from kvjax.decode.sampling import SamplingParams
+from kvjax.decode.sampling import SamplingParams, row_keys
 
 from kvjax import decode
 from kvjax import model as M
@@ -81,8 +81,8 @@ def test_rows_that_fill_their_cache_stop_at_the_same_step_with_either_plan(tiny_
 
     def run(plan):
         logits_BV, cache = M.prefill(config, params, prompts, lengths, 12)
-        state = record(initial_state(2, 32, cache, jax.random.key(0)), logits_BV, stops,
-                       sampling)
+        state = initial_state(2, 32, cache, row_keys(jax.random.key(0), 2))
+        state = record(state, logits_BV, stops, sampling)
         return decode_loop(M.step_fn(config, params), state, stops, sampling,
                            jnp.asarray(32), plan=plan)
 

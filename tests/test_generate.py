@@ -89,6 +89,13 @@ def test_same_rng_same_output_different_rng_different(tiny):
     c = decode.generate(net, params, PROMPTS, rng=jax.random.key(8), **kwargs)
     np.testing.assert_array_equal(a.tokens, b.tokens)
     assert not np.array_equal(a.tokens, c.tokens)
+    # One key per prompt: a prompt samples the same tokens in any batch and at any place.
+    keys = jax.random.split(jax.random.key(9), len(PROMPTS))
+    together = decode.generate(net, params, PROMPTS, rng=keys, **kwargs).token_lists()
+    reversed_rows = decode.generate(net, params, PROMPTS[::-1], rng=keys[::-1], **kwargs)
+    assert reversed_rows.token_lists()[::-1] == together
+    alone = decode.generate(net, params, PROMPTS[1:2], rng=keys[1:2], **kwargs).token_lists()
+    assert alone == together[1:2]
 
 
 def test_logprobs_are_those_of_the_model(tiny):

@@ -6,7 +6,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kvjax.decode.sampling import SamplingParams, filter_logits, sample
+from kvjax.decode.sampling import (
+    SamplingParams,
+    as_keys,
+    filter_logits,
+    row_keys,
+    sample,
+    seed_key,
+)
 
 LOGITS = np.array([2.0, 1.5, 1.2, 0.4, 0.1, -0.3, -1.0, -2.5], np.float32)
 # Upper 0.1% points of the chi-square distribution by degrees of freedom.
@@ -53,7 +60,8 @@ def test_sample_frequencies_match_filtered_distribution(settings):
     draws = 20_000
     params = SamplingParams.make(**settings)
     keys = jax.random.split(jax.random.key(1234), draws)
-    tokens = jax.jit(jax.vmap(lambda k: sample(jnp.asarray(LOGITS)[None], k, params)[0]))(keys)
+    tokens = jax.jit(jax.vmap(
+        lambda k: sample(jnp.asarray(LOGITS)[None], k[None], params)[0]))(keys)
     counts = np.bincount(np.asarray(tokens), minlength=len(LOGITS))
     assert (counts[expected == 0] == 0).all(), "drew a token the filters exclude"
     support = expected > 0
@@ -75,14 +83,47 @@ def test_filter_keeps_exactly_the_reference_support():
 @pytest.mark.parametrize("settings", [dict(temperature=0.0), dict(temperature=2.0, top_k=1)])
 def test_greedy_settings_take_the_argmax(settings):
     logits = jax.random.normal(jax.random.key(0), (16, 100))
-    tokens = sample(logits, jax.random.key(1), SamplingParams.make(**settings))
+    tokens = sample(logits, jax.random.split(jax.random.key(1), 16),
+                    SamplingParams.make(**settings))
     np.testing.assert_array_equal(tokens, jnp.argmax(logits, axis=-1))
 
 
-def test_rows_are_sampled_independently():
-    logits = jnp.zeros((4, 1000))
-    tokens = sample(logits, jax.random.key(0), SamplingParams.make(temperature=1.0))
-    assert len(set(np.asarray(tokens).tolist())) == 4
+def test_each_row_draws_with_its_own_key_alone():
+    """A row's token depends on its key, logits and settings, not on the other rows: rows
+    drawn in a batch equal each drawn alone, and rows with distinct keys differ."""
+    logits = jax.random.normal(jax.random.key(3), (4, 1000))
+    keys = jax.random.split(jax.random.key(0), 4)
+    params = SamplingParams.make(temperature=1.0, batch=4)
+    together = np.asarray(sample(logits, keys, params))
+    alone = [int(sample(logits[b:b + 1], keys[b:b + 1], SamplingParams.make(temperature=1.0))[0])
+             for b in range(4)]
+    assert together.tolist() == alone
+    flat = np.asarray(sample(jnp.zeros((4, 1000)), keys, params))
+    assert len(set(flat.tolist())) == 4
+
+
+def test_row_keys_give_each_prompt_and_sample_its_own_key():
+    """One key for the batch: prompt p draws with fold_in(rng, p); one key per prompt: with
+    that key. Sample n of a prompt folds n in. Keys of distinct rows differ."""
+    rng = jax.random.key(7)
+    data = np.asarray(jax.random.key_data(row_keys(rng, 2, 3)))
+    prompt_1 = jax.random.fold_in(rng, 1)
+    np.testing.assert_array_equal(data[4], jax.random.key_data(jax.random.fold_in(prompt_1, 1)))
+    assert len({tuple(row) for row in data.tolist()}) == 6
+    per_prompt = row_keys(jnp.stack([prompt_1, rng]), 2, 3)
+    np.testing.assert_array_equal(jax.random.key_data(per_prompt[:3]), data[3:])
+    np.testing.assert_array_equal(seed_key(5), jax.random.key_data(jax.random.key(5)))
+    assert seed_key(2**32 + 5).tolist() == [1, 5]
+
+
+@pytest.mark.parametrize(("rng", "message"), [
+    (np.zeros(3, np.float32), "rng must be a jax.random key.*float32 with shape \\(3,\\)"),
+    (jax.random.split(jax.random.key(0), 3), "keys of shape \\(3,\\): give one key, or one "
+                                              "per prompt \\(2,\\)"),
+])
+def test_keys_of_the_wrong_kind_or_number_are_refused(rng, message):
+    with pytest.raises(ValueError, match=message):
+        as_keys(rng, 2)
 
 
 def test_one_setting_per_row_draws_each_rows_distribution():
@@ -95,7 +136,8 @@ def test_one_setting_per_row_draws_each_rows_distribution():
     logits = jnp.broadcast_to(jnp.asarray(LOGITS), (len(rows), len(LOGITS)))
     draws = 4_000
     keys = jax.random.split(jax.random.key(99), draws)
-    tokens = np.asarray(jax.jit(jax.vmap(lambda k: sample(logits, k, params)))(keys))
+    tokens = np.asarray(jax.jit(jax.vmap(
+        lambda k: sample(logits, jax.random.split(k, len(rows)), params)))(keys))
     for row, settings in enumerate(SETTINGS):
         expected = reference_distribution(LOGITS, **settings)
         counts = np.bincount(tokens[:, row], minlength=len(LOGITS))

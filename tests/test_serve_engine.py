@@ -1,12 +1,13 @@
 """The continuous-batching engine: each request's tokens are those it gets alone, whatever
 shares the batch, joins it or leaves it; slots are reused without compiling."""
 
+import jax
 import numpy as np
 import pytest
 from conftest import FakeTokenizer
+from kvjax.decode.sampling import seed_key
 from kvjax.decode.tracing import trace_count
 from kvjax.serve import Engine, GenerationRequest, QueueFull
-from kvjax.serve.slots import prompt_bucket
 
 from kvjax import decode
 from kvjax import model as M
@@ -78,7 +79,7 @@ def test_greedy_requests_equal_generate_alone_while_others_join_and_leave(engine
     assert engine.live_slots == 0 and engine.queue_length == 0
 
 
-def test_a_seeded_sample_is_the_same_whatever_shares_the_batch(engine):
+def test_a_seeded_sample_is_the_same_whatever_shares_the_batch(engine, tiny_lm):
     request = GenerationRequest(prompt(10, 6), max_tokens=8, temperature=1.0, top_k=20,
                                 repetition_penalty=1.3, seed=7)
     by_itself = Collector()
@@ -95,8 +96,15 @@ def test_a_seeded_sample_is_the_same_whatever_shares_the_batch(engine):
                                     repetition_penalty=1.3, seed=7, n=2), among_others)
     engine.run_until_idle()
     assert len(by_itself.tokens()) == 8
-    assert among_others.tokens(0) == by_itself.tokens()  # sample 0 of n uses the seed as is
+    assert among_others.tokens(0) == by_itself.tokens()  # sample 0 of n is the first sample
     assert among_others.tokens(1) != by_itself.tokens()  # the second sample draws its own
+    # `generate` draws the same way: the seed is the prompt's key, whatever else it samples.
+    _, net, params = tiny_lm
+    keys = jax.random.wrap_key_data(np.stack([seed_key(3), seed_key(7)]))
+    made = decode.generate(net, params, [list(prompt(11, 5)), list(request.prompt)],
+                           max_new_tokens=8, temperature=1.0, top_k=20, repetition_penalty=1.3,
+                           num_samples=2, rng=keys).token_lists()
+    assert made[2:] == [among_others.tokens(0), among_others.tokens(1)]
 
 
 def test_after_warming_up_serving_compiles_nothing_new(engine):
@@ -262,12 +270,6 @@ def test_fewer_staged_rows_than_slots_serve_every_request_as_alone(tiny_lm):
         engine.submit(GenerationRequest((5, 6), n=2), Collector())
     with pytest.raises(ValueError, match="max_staged=0 must be an int >= 1"):
         Engine(config, params, max_slots=2, max_staged=0)
-
-
-def test_a_prompt_is_padded_to_the_next_power_of_two_or_halfway_step():
-    steps = [8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
-    for n in range(1, 300):
-        assert prompt_bucket(n, 300) == min([s for s in steps if s >= n] + [300]), n
 
 
 def test_more_samples_to_stop_than_a_chunk_takes_wait_for_the_next(engine):

@@ -14,7 +14,7 @@ import pytest
 from conftest import drain
 from kvjax.decode import speculative as spec
 from kvjax.decode.loop import StopConditions, StopReason, decode_loop, initial_state
-from kvjax.decode.sampling import SamplingParams, filter_logits
+from kvjax.decode.sampling import SamplingParams, filter_logits, row_keys
 
 from kvjax import decode
 from kvjax import model as M
@@ -126,8 +126,8 @@ def fake_state(prompts, capacity, buffer_len=32, seed=0):
         context[row, :len(prompt)] = prompt
     lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
     cache = FakeCache(lengths - 1, jnp.zeros(batch, bool), capacity)
-    state = initial_state(batch, buffer_len, cache, jax.random.key(seed), jnp.asarray(context),
-                          lengths)
+    state = initial_state(batch, buffer_len, cache, row_keys(jax.random.key(seed), batch),
+                          jnp.asarray(context), lengths)
     return state.replace(last_tokens=jnp.asarray([p[-1] for p in prompts], jnp.int32))
 
 

@@ -1,0 +1,17 @@
+"""One bucketing rule for every padded shape: powers of two and the steps halfway between."""
+
+from kvjax.decode.buckets import bucket, smallest_sharing
+
+STEPS = [8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+
+
+def test_a_length_is_padded_to_the_next_power_of_two_or_halfway_step():
+    for n in range(1, 300):
+        assert bucket(n, 300) == min([s for s in STEPS if s >= n] + [300]), n
+
+
+def test_the_smallest_length_sharing_a_bucket_is_one_past_the_bucket_below():
+    for n in range(1, 300):
+        below = max([s for s in STEPS if s < bucket(n, 300)], default=0)
+        assert smallest_sharing(n, 300) == max(below + 1, 1), n
+        assert bucket(smallest_sharing(n, 300), 300) == bucket(n, 300)
