@@ -2,16 +2,18 @@
 
 The engine owns `max_slots` slots in one cache of `max_len` positions each, `max_staged`
 staged rows beside them (as many by default), and a bounded queue of requests waiting for
-those (`slots.py`). Each turn of its host loop:
+those (`slots.py`). The engine schedules; what the programs make is handed out by
+`output.py`. Each turn of its host loop:
+  0. scores the prompts whose logprobs were asked for (`score_prompt`);
   1. stages: while the oldest waiting request's `n` samples fit the free staged rows,
      prefills its prompt once (length bucketed, `decode`'s prefill program) and writes it
      into `n` staged rows, each sample with its first token;
   2. dispatches one chunk of `chunk_size` decode steps over every slot (`chunk.py`): on the
      device, each slot that frees is taken at once by the oldest staged sample, and the
      chunk ends early if a slot frees with none staged while requests wait on the host;
-  3. while that chunk runs, hands out what the previous chunk and the staging made: each
-     sample's new tokens and text go to its request's callback; a sample that met a stop
-     string or whose request was cancelled is stopped on the device with the next chunk.
+  3. while that chunk runs, hands out what the previous chunk and the staging made
+     (`Outputs`): each sample's new tokens and text go to its request's callback; a sample
+     that met a stop string or whose request was cancelled stops with the next chunk.
 Slots wait for no host turn, so a chunk can be long; a request waits one turn to be staged,
 a cancelled one runs at most one chunk longer. `start` runs the loop on its own thread;
 `step` runs one turn and hands out all it made where the caller is (tests, benchmarks).
@@ -20,30 +22,29 @@ a cancelled one runs at most one chunk longer. `start` runs the loop on its own 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import jax
 import numpy as np
 from kvjax.decode import checks
 from kvjax.decode.buckets import bucket
 from kvjax.decode.generate import placement
-from kvjax.decode.loop import StopReason
 from kvjax.decode.prompt_state import prefill_state
 
 from kvjax import model as M
 from kvjax import parallel
-from kvjax.detokenize import RowText
 from kvjax.tokenizer import TextTokenizer
 
 from . import chunk, memory, slots
+from .output import OnDelta, Outputs
+from .prompt_logprobs import prompt_logprobs
 from .requests import Delta, GenerationRequest, row_settings
-
-OnDelta = Callable[[Delta | Exception], None]
 
 
 class QueueFull(Exception):
@@ -63,18 +64,6 @@ class Ticket:
     def cancel(self) -> None:
         self.cancelled = True
         self.engine._notify()
-
-
-@dataclasses.dataclass
-class _Sample:
-    """Sample `index` of a ticket, with its id on the device (staged or in a slot)."""
-
-    ticket: Ticket
-    index: int
-    id: int
-    text: RowText | None
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    last_emitted: float = 0.0
 
 
 @dataclasses.dataclass
@@ -133,6 +122,7 @@ class Engine:
         self.max_slots, self.num_staged = max_slots, max_staged
         memory.check_cache_fits(config, max_slots + max_staged, capacity, self.mesh)
         self._pending: collections.deque[Ticket] = collections.deque()
+        self._scoring: collections.deque = collections.deque()  # (prompt, top, future)
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -141,11 +131,10 @@ class Engine:
     def _reset(self) -> None:
         self.state = slots.empty_state(self.config, self.max_slots, self.num_staged,
                                        self.capacity, self.mesh)
-        self._samples: dict[int, _Sample] = {}  # by id: staged, in a slot, or in flight
+        self.outputs = Outputs(self.tokenizer, self.metrics)  # the samples, by id
         self._next_id = 0
         self._free_staged = list(range(self.num_staged))
         self._dispatched: list[_Dispatched] = []
-        self._to_stop: list[int] = []  # ids the host ended that the device may still run
         self._live = self._waiting = 0
 
     # The caller's side -----------------------------------------------------------------
@@ -181,6 +170,20 @@ class Engine:
             self._wake.notify()
         self._report_load()
         return ticket
+
+    def score_prompt(self, prompt: tuple[int, ...], top: int) -> concurrent.futures.Future:
+        """A future of `prompt_logprobs(config, params, prompt, top)`, computed on the
+        engine's thread between chunks: one thread dispatches every program, in one order
+        (as the processes of a model served over many hosts must). `QueueFull` when
+        `max_queue` prompts already wait."""
+        future = concurrent.futures.Future()
+        with self._wake:
+            if len(self._scoring) >= self.max_queue:
+                raise QueueFull(f"{len(self._scoring)} prompts are waiting to be scored, as "
+                                f"many as the queue holds (max_queue={self.max_queue})")
+            self._scoring.append((prompt, top, future))
+            self._wake.notify()
+        return future
 
     def warm_up(self, prompt_lengths: Iterable[int] | None = None) -> None:
         """Compiles what serving can need before the loop starts, so that no request waits
@@ -231,7 +234,7 @@ class Engine:
         return self._busy()
 
     def _busy(self) -> bool:
-        return bool(self._pending or self._samples or self._dispatched)
+        return bool(self._pending or self._scoring or self.outputs.samples or self._dispatched)
 
     def _run(self) -> None:
         while True:
@@ -254,37 +257,40 @@ class Engine:
         """Stages what fits, dispatches a chunk and hands out what earlier programs made;
         with `overlap`, the chunk's own tokens wait for the next turn, so that the host's
         work here runs while the device decodes."""
-        self._end_cancelled()
+        self._score_prompts()
+        self.outputs.end_cancelled()
         while tickets := self._admissible():
             self._stage(tickets)
         keep = 0  # programs left in flight
-        if self._samples or self._to_stop:
-            want_top = any(s.ticket.request.logprobs for s in self._samples.values())
+        if self.outputs.samples or self.outputs.to_stop:
             self.state, emitted = chunk.decode_chunk(
                 self.config, self.params, self.state, self._cancel_ids(),
-                np.bool_(want_top), np.bool_(bool(self._pending)), self.chunk_size,
-                mesh=self.mesh)
+                np.bool_(self.outputs.want_top()), np.bool_(bool(self._pending)),
+                self.chunk_size, mesh=self.mesh)
             # Ids past what one chunk's list holds go with the next chunk.
-            self._to_stop = self._to_stop[self.max_slots + self.num_staged:]
+            del self.outputs.to_stop[:self.max_slots + self.num_staged]
             self._dispatched.append(_Dispatched(emitted, [], is_chunk=True))
             keep = int(overlap)
         while len(self._dispatched) > keep:
             self._hand_out(self._dispatched.pop(0))
         self._report_load()
 
+    def _score_prompts(self) -> None:
+        while self._scoring:
+            prompt, top, future = self._scoring.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(prompt_logprobs(self.config, self.params, prompt, top))
+                except Exception as error:  # noqa: BLE001 - it ends this request alone
+                    future.set_exception(error)
+
     def _cancel_ids(self) -> np.ndarray:
         """The ids the next chunk stops [B + Q] (-2 pads: no sample has it); more wait for
         the chunk after (samples a chunk in flight ended can still be on the host's list)."""
         ids = np.full(self.max_slots + self.num_staged, -2, np.int32)
-        to_stop = self._to_stop[:len(ids)]
+        to_stop = self.outputs.to_stop[:len(ids)]
         ids[:len(to_stop)] = to_stop
         return ids
-
-    def _end_cancelled(self) -> None:
-        for sample in list(self._samples.values()):
-            if sample.ticket.cancelled:
-                self._finish(sample, Delta(sample.index, [], "", [], [], "cancelled"))
-                self._to_stop.append(sample.id)
 
     def _admissible(self) -> list[Ticket]:
         """Takes the oldest queued tickets whose samples fit the free staged rows (at most
@@ -334,11 +340,8 @@ class Engine:
             staged = [self._free_staged.pop(0) for _ in group]
             ids = []
             for _, ticket, index in group:
-                text = (None if self.tokenizer is None
-                        else RowText(self.tokenizer, ticket.request.stop))
-                sample = _Sample(ticket, index, self._next_id, text)
-                self._samples[sample.id] = sample
-                ids.append(sample.id)
+                self.outputs.add(ticket, index, self._next_id)
+                ids.append(self._next_id)
                 self._next_id = (self._next_id + 1) % slots.ID_SPACE
             spare = rows - len(group)  # padding: row `num_staged` stages nothing
             settings = row_settings([(t.request, i) for _, t, i in group + group[:1] * spare])
@@ -351,23 +354,10 @@ class Engine:
             self._waiting += len(group)
 
     def _hand_out(self, dispatched: _Dispatched) -> None:
-        """Hands each sample what a program made, in order, and learns which staged rows
+        """Hands each sample what a program made (`Outputs`) and learns which staged rows
         are free: those not waiting after it, and not filled by a program after it."""
         emitted = jax.device_get(dispatched.emitted)
-        owner = emitted.owner
-        for row in np.flatnonzero((owner != slots.NO_SAMPLE).any(axis=1)):
-            steps = np.flatnonzero(owner[row] != slots.NO_SAMPLE)
-            ids = owner[row, steps]
-            for run in np.split(steps, np.flatnonzero(np.diff(ids)) + 1):
-                sample = self._samples.get(int(owner[row, run[0]]))
-                if sample is None:  # the host ended it (cancelled, stop string, failed)
-                    continue
-                try:
-                    self._emit(sample, emitted, row, run[emitted.made[row, run]],
-                               int(emitted.reason[row, run[-1]]))
-                except Exception as error:  # noqa: BLE001 - it ends this request alone
-                    logging.getLogger(__name__).exception("a request failed; it ends")
-                    self._fail(sample.ticket, error)
+        self.outputs.hand_out(emitted)
         filled = {r for later in self._dispatched for r in later.staged_rows}
         self._free_staged = [r for r in range(self.num_staged)
                              if not emitted.waiting[r] and r not in filled]
@@ -375,75 +365,16 @@ class Engine:
         if dispatched.is_chunk:
             self._live = int(emitted.live)
 
-    def _emit(self, sample: _Sample, emitted: slots.Emitted, row: int, steps: np.ndarray,
-              reason: int) -> None:
-        """Hands the sample the tokens row `row` of `emitted` made for it at `steps`; ends it
-        at a stop id, its token budget, its slot's capacity (`reason`) or a stop string."""
-        ids = emitted.tokens[row, steps].tolist()
-        finish = None
-        piece = ""
-        if sample.text is not None:
-            piece = sample.text.add(ids)
-            if sample.text.stopped:  # a stop string: its tokens end with the one completing it
-                ids = ids[:len(sample.text.ids) - len(sample.tokens)]
-                finish = "stop"
-                if reason == StopReason.RUNNING:
-                    self._to_stop.append(sample.id)
-        if finish is None and reason != StopReason.RUNNING:
-            finish = "stop" if reason == StopReason.EOS else "length"
-            if sample.text is not None:
-                sent = sample.text.sent
-                sample.text.finish(sample.tokens + ids)
-                piece += sample.text.text[len(sent):]
-        top = sample.ticket.request.logprobs
-        steps = steps[:len(ids)]
-        delta = Delta(
-            sample.index, ids, piece, emitted.logprobs[row, steps].tolist(),
-            [list(zip(emitted.top_ids[row, k, :top].tolist(),
-                      emitted.top_logprobs[row, k, :top].tolist(), strict=True))
-             for k in steps], finish)
-        self._observe(sample, len(ids))
-        sample.tokens.extend(ids)
-        if finish is None:
-            sample.ticket.on_delta(delta)
-        else:
-            self._finish(sample, delta)
-
-    def _finish(self, sample: _Sample, delta: Delta) -> None:
-        del self._samples[sample.id]
-        sample.ticket.unfinished -= 1
-        sample.ticket.on_delta(delta)
-
-    def _observe(self, sample: _Sample, count: int) -> None:
-        """Tells the metrics when a sample's first token came, or how long each new one took."""
-        if not count:
-            return
-        now = time.perf_counter()
-        if self.metrics is not None:
-            if not sample.last_emitted:
-                self.metrics.observe_first_token(now - sample.ticket.submitted)
-            else:
-                self.metrics.observe_tokens(count, (now - sample.last_emitted) / count)
-        sample.last_emitted = now
-
     def _report_load(self) -> None:
         if self.metrics is not None:
             self.metrics.set_load(self.queue_length, self.live_slots)
-
-    def _fail(self, ticket: Ticket, error: Exception) -> None:
-        """Ends one request with `error` (its slots free with the next chunk), no other."""
-        for sample in [s for s in self._samples.values() if s.ticket is ticket]:
-            del self._samples[sample.id]
-            self._to_stop.append(sample.id)
-        ticket.cancelled = True
-        ticket.on_delta(error)
 
     def _fail_all(self, error: Exception) -> None:
         """Ends every queued and live request with `error` and starts from free slots."""
         with self._wake:
             tickets = {id(t): t for t in self._pending}
             self._pending.clear()
-        tickets.update({id(s.ticket): s.ticket for s in self._samples.values()})
+        tickets.update({id(s.ticket): s.ticket for s in self.outputs.samples.values()})
         self._reset()
         for ticket in tickets.values():
             ticket.on_delta(error)

@@ -30,7 +30,6 @@ from .answers import Answer
 from .engine import Engine, QueueFull
 from .limits import Limits, authorized, read_json
 from .metrics import ServeMetrics
-from .prompt_logprobs import prompt_logprobs
 from .protocol import APIError, Parsed, parse
 
 RETRY_AFTER_SECONDS = 1
@@ -92,9 +91,8 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
             answer = Answer(parsed, loaded.tokenizer)
             if parsed.echo_prompt and parsed.logprobs:
                 for prompt, generation in enumerate(parsed.requests):
-                    scores = await asyncio.to_thread(
-                        prompt_logprobs, loaded.config, loaded.params, generation.prompt,
-                        generation.logprobs)
+                    scores = await asyncio.wrap_future(
+                        engine.score_prompt(generation.prompt, generation.logprobs))
                     answer.set_prompt_logprobs(prompt, generation.prompt, *scores)
             if parsed.echo_prompt and all(r.max_tokens == 0 for r in parsed.requests):
                 metrics.count_request("completed")

@@ -275,8 +275,23 @@ def test_fewer_staged_rows_than_slots_serve_every_request_as_alone(tiny_lm):
 def test_more_samples_to_stop_than_a_chunk_takes_wait_for_the_next(engine):
     # With a chunk in flight the host can hold ended samples beyond the B + Q a chunk's
     # cancel list holds; the rest go with the next chunk instead of failing the engine.
-    engine._to_stop = list(range(10_000, 10_000 + 2 * SLOTS + 3))
+    engine.outputs.to_stop = list(range(10_000, 10_000 + 2 * SLOTS + 3))
     engine.step()
-    assert engine._to_stop == list(range(10_000 + 2 * SLOTS, 10_000 + 2 * SLOTS + 3))
+    assert engine.outputs.to_stop == list(range(10_000 + 2 * SLOTS, 10_000 + 2 * SLOTS + 3))
     engine.step()
-    assert engine._to_stop == [] and engine.live_slots == 0
+    assert engine.outputs.to_stop == [] and engine.live_slots == 0
+
+
+def test_prompt_scores_are_computed_on_the_engines_turn_and_queue_bounded(engine, tiny_lm):
+    """Prompt logprobs run where every other program is dispatched: in a turn of the
+    engine's loop, never on the caller's thread; more than `max_queue` waiting is a 429."""
+    from kvjax.serve.prompt_logprobs import prompt_logprobs
+
+    config, _, params = tiny_lm
+    futures = [engine.score_prompt(prompt(60 + i, 5), 3) for i in range(8)]
+    with pytest.raises(QueueFull, match="8 prompts are waiting to be scored"):
+        engine.score_prompt(prompt(70, 5), 3)
+    assert not any(f.done() for f in futures)
+    engine.step()
+    for i, future in enumerate(futures):
+        assert future.result(timeout=0) == prompt_logprobs(config, params, prompt(60 + i, 5), 3)

@@ -1,0 +1,145 @@
+"""The engine's output side: the samples on the device, and what their tokens become.
+
+The engine (`engine.py`) schedules: it admits requests, stages their samples and dispatches
+the programs. What those programs made comes here, as an `Emitted` pulled to the host: each
+sample's new tokens are detokenized, checked against its stop strings, timed for the metrics
+and handed to its request's callback as a `Delta`; a sample that ended on the host (a stop
+string, a cancel, a failure) goes on the list of ids the next chunk stops on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+from kvjax.decode.loop import StopReason
+
+from kvjax.detokenize import RowText
+from kvjax.tokenizer import TextTokenizer
+
+from . import slots
+from .requests import Delta
+
+if TYPE_CHECKING:
+    from .engine import Ticket
+
+OnDelta = Callable[[Delta | Exception], None]
+
+
+@dataclasses.dataclass
+class Sample:
+    """Sample `index` of a ticket, with its id on the device (staged or in a slot)."""
+
+    ticket: Ticket
+    index: int
+    id: int
+    text: RowText | None
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    last_emitted: float = 0.0
+
+
+class Outputs:
+    """The samples the device holds, by id, and the ids the host ended (`to_stop`) that
+    the device may still run. `tokenizer` (optional) turns tokens into text, so that stop
+    strings can end a sample; `metrics` (optional) hears of first tokens and token times."""
+
+    def __init__(self, tokenizer: TextTokenizer | None = None, metrics=None):
+        self.tokenizer, self.metrics = tokenizer, metrics
+        self.samples: dict[int, Sample] = {}
+        self.to_stop: list[int] = []
+
+    def add(self, ticket: Ticket, index: int, sample_id: int) -> None:
+        """A sample staged on the device under `sample_id`."""
+        text = None if self.tokenizer is None else RowText(self.tokenizer,
+                                                           ticket.request.stop)
+        self.samples[sample_id] = Sample(ticket, index, sample_id, text)
+
+    def want_top(self) -> bool:
+        """Whether some sample reports top logprobs."""
+        return any(s.ticket.request.logprobs for s in self.samples.values())
+
+    def end_cancelled(self) -> None:
+        for sample in list(self.samples.values()):
+            if sample.ticket.cancelled:
+                self._finish(sample, Delta(sample.index, [], "", [], [], "cancelled"))
+                self.to_stop.append(sample.id)
+
+    def hand_out(self, emitted: slots.Emitted) -> None:
+        """Hands each sample what a program made (`emitted`, on the host), in order."""
+        owner = emitted.owner
+        for row in np.flatnonzero((owner != slots.NO_SAMPLE).any(axis=1)):
+            steps = np.flatnonzero(owner[row] != slots.NO_SAMPLE)
+            ids = owner[row, steps]
+            for run in np.split(steps, np.flatnonzero(np.diff(ids)) + 1):
+                sample = self.samples.get(int(owner[row, run[0]]))
+                if sample is None:  # the host ended it (cancelled, stop string, failed)
+                    continue
+                try:
+                    self._emit(sample, emitted, row, run[emitted.made[row, run]],
+                               int(emitted.reason[row, run[-1]]))
+                except Exception as error:  # noqa: BLE001 - it ends this request alone
+                    logging.getLogger(__name__).exception("a request failed; it ends")
+                    self.fail(sample.ticket, error)
+
+    def _emit(self, sample: Sample, emitted: slots.Emitted, row: int, steps: np.ndarray,
+              reason: int) -> None:
+        """Hands the sample the tokens row `row` of `emitted` made for it at `steps`; ends it
+        at a stop id, its token budget, its slot's capacity (`reason`) or a stop string."""
+        ids = emitted.tokens[row, steps].tolist()
+        finish = None
+        piece = ""
+        if sample.text is not None:
+            piece = sample.text.add(ids)
+            if sample.text.stopped:  # a stop string: its tokens end with the one completing it
+                ids = ids[:len(sample.text.ids) - len(sample.tokens)]
+                finish = "stop"
+                if reason == StopReason.RUNNING:
+                    self.to_stop.append(sample.id)
+        if finish is None and reason != StopReason.RUNNING:
+            finish = "stop" if reason == StopReason.EOS else "length"
+            if sample.text is not None:
+                sent = sample.text.sent
+                sample.text.finish(sample.tokens + ids)
+                piece += sample.text.text[len(sent):]
+        top = sample.ticket.request.logprobs
+        steps = steps[:len(ids)]
+        delta = Delta(
+            sample.index, ids, piece, emitted.logprobs[row, steps].tolist(),
+            [list(zip(emitted.top_ids[row, k, :top].tolist(),
+                      emitted.top_logprobs[row, k, :top].tolist(), strict=True))
+             for k in steps], finish)
+        self._observe(sample, len(ids))
+        sample.tokens.extend(ids)
+        if finish is None:
+            sample.ticket.on_delta(delta)
+        else:
+            self._finish(sample, delta)
+
+    def _finish(self, sample: Sample, delta: Delta) -> None:
+        del self.samples[sample.id]
+        sample.ticket.unfinished -= 1
+        sample.ticket.on_delta(delta)
+
+    def _observe(self, sample: Sample, count: int) -> None:
+        """Tells the metrics when a sample's first token came, or how long each new one took."""
+        if not count:
+            return
+        now = time.perf_counter()
+        if self.metrics is not None:
+            if not sample.last_emitted:
+                self.metrics.observe_first_token(now - sample.ticket.submitted)
+            else:
+                self.metrics.observe_tokens(count, (now - sample.last_emitted) / count)
+        sample.last_emitted = now
+
+    def fail(self, ticket: Ticket, error: Exception) -> None:
+        """Ends one request with `error` (its slots free with the next chunk), no other."""
+        for sample in [s for s in self.samples.values() if s.ticket is ticket]:
+            del self.samples[sample.id]
+            self.to_stop.append(sample.id)
+        ticket.cancelled = True
+        ticket.on_delta(error)
