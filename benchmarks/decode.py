@@ -17,9 +17,8 @@ side by side, in the same run, with:
 3. **the memory floor**: a decode step must read every parameter and the cached K/V once,
    so at batch 1 it cannot take less than (parameter bytes + cache bytes) / bandwidth. The
    bandwidth is measured here, as the best of a large reduction and a large matrix-vector
-   product. Per-token decode time is measured as the difference between two `generate`
-   calls in one compiled bucket (N and the fewest new tokens sharing N's token buffer), so
-   prefill and dispatch cancel.
+   product. Per-token decode time is the difference between two `generate` calls in one
+   compiled bucket (N and the fewest new tokens sharing its buffer): prefill and dispatch cancel.
 4. **the weights alone**: the same step's matrix-vector products and nothing else, chained
    in one compiled loop: how fast this backend streams the weights through the kernels a
    batch-1 step is made of. The gap from the floor to it is the backend's; what a step
@@ -42,12 +41,12 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from kvjax.decode.buckets import bucket, smallest_sharing
-from kvjax.decode.plan import ON_DEVICE, STEPS_PER_CHECK, LoopPlan, Planner, planned_by
-from kvjax.model.config import format_bytes
 
 from kvjax import decode, parallel
 from kvjax import model as M
+from kvjax.decode.buckets import bucket, smallest_sharing
+from kvjax.decode.plan import ON_DEVICE, STEPS_PER_CHECK, LoopPlan, Planner, planned_by
+from kvjax.model.config import format_bytes
 
 from .random_hf import random_gpt2
 

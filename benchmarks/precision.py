@@ -23,10 +23,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from kvjax.model.config import format_bytes
 
 from kvjax import decode, text
 from kvjax import model as M
+from kvjax.model.config import format_bytes
 
 from .fill_sweep import _Timed
 
@@ -130,9 +130,8 @@ def lm_quality(loaded: text.LoadedModel, windows: np.ndarray, new_tokens: int = 
 
 def translator_accuracy(loaded: text.LoadedModel, count: int = 1000) -> dict[str, float]:
     """Greedy exact-match accuracy on `count` held-out numbers per setting."""
-    from kvjax.train import data, tasks
-
     from kvjax.tokenizer import EOS_ID
+    from kvjax.train import data, tasks
 
     settings = tasks.TRANSLATE_SETTINGS
     _, heldout = data.number_pairs(settings.max_number,

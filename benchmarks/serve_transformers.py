@@ -31,9 +31,10 @@ import os
 import time
 
 import numpy as np
+
 from kvjax.benchmarks.decode import torch_on_gpu
 from kvjax.benchmarks.random_hf import random_gpt2
-from kvjax.benchmarks.serve import Result, Workload
+from kvjax.benchmarks.workload import Result, Workload
 
 WARM_UP_REQUESTS = 4
 PAGE_SIZE = 256  # tokens per cache block, transformers' default

@@ -22,10 +22,10 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from kvjax.decode import draft_model
 
 from kvjax import decode, text
 from kvjax import model as M
+from kvjax.decode import draft_model
 
 DEFAULT_CHECKPOINT = "checkpoints/python-docs-lm"
 

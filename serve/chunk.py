@@ -17,11 +17,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from kvjax.decode.loop import StopReason
-from kvjax.decode.tracing import count_trace
 
 from kvjax import model as M
 from kvjax import parallel
+from kvjax.decode.loop import StopReason
+from kvjax.decode.tracing import count_trace
 
 from .slots import (
     ID_SPACE,

@@ -27,43 +27,27 @@ import dataclasses
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Iterable
 
 import jax
 import numpy as np
+
+from kvjax import model as M
+from kvjax import parallel
 from kvjax.decode import checks
 from kvjax.decode.buckets import bucket
 from kvjax.decode.generate import placement
 from kvjax.decode.prompt_state import prefill_state
-
-from kvjax import model as M
-from kvjax import parallel
 from kvjax.tokenizer import TextTokenizer
 
 from . import chunk, memory, slots
-from .output import OnDelta, Outputs
+from .output import OnDelta, Outputs, Ticket
 from .prompt_logprobs import prompt_logprobs
 from .requests import Delta, GenerationRequest, row_settings
 
 
 class QueueFull(Exception):
     """The queue of requests waiting for a slot is full: try again later."""
-
-
-class Ticket:
-    """A submitted request: `on_delta` gets its `Delta`s (or the exception that ended it),
-    from the engine's thread; `cancel()` frees its slots within one chunk."""
-
-    def __init__(self, engine: Engine, request: GenerationRequest, on_delta: OnDelta):
-        self.engine, self.request, self.on_delta = engine, request, on_delta
-        self.submitted = time.perf_counter()
-        self.cancelled = False
-        self.unfinished = request.n
-
-    def cancel(self) -> None:
-        self.cancelled = True
-        self.engine._notify()
 
 
 @dataclasses.dataclass
@@ -161,7 +145,7 @@ class Engine:
 
     def submit(self, request: GenerationRequest, on_delta: OnDelta) -> Ticket:
         """Queues `request`; a ValueError names a bad value, `QueueFull` says to retry."""
-        ticket = Ticket(self, self.check(request), on_delta)
+        ticket = Ticket(self.check(request), on_delta, self._notify)
         with self._wake:
             if len(self._pending) >= self.max_queue:
                 raise QueueFull(f"{len(self._pending)} requests are waiting for a slot, as "

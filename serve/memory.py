@@ -10,10 +10,10 @@ the sizes and the longest `max_len` that would fit.
 from __future__ import annotations
 
 import jax
-from kvjax.model.config import format_bytes
 
 from kvjax import model as M
 from kvjax import parallel
+from kvjax.model.config import format_bytes
 
 # The cache may take this share of what is free when the engine starts: the prefill's and a
 # step's activations and XLA's scratch space need the rest.

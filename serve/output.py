@@ -13,21 +13,34 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
-from kvjax.decode.loop import StopReason
 
+from kvjax.decode.loop import StopReason
 from kvjax.detokenize import RowText
 from kvjax.tokenizer import TextTokenizer
 
 from . import slots
-from .requests import Delta
-
-if TYPE_CHECKING:
-    from .engine import Ticket
+from .requests import Delta, GenerationRequest
 
 OnDelta = Callable[[Delta | Exception], None]
+
+
+class Ticket:
+    """A submitted request: `on_delta` gets its `Delta`s (or the exception that ended it),
+    from the engine's thread; `cancel()` frees its slots within one chunk (`wake` tells
+    the engine)."""
+
+    def __init__(self, request: GenerationRequest, on_delta: OnDelta,
+                 wake: Callable[[], None] = lambda: None):
+        self.request, self.on_delta, self._wake = request, on_delta, wake
+        self.submitted = time.perf_counter()
+        self.cancelled = False
+        self.unfinished = request.n
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self._wake()
 
 
 @dataclasses.dataclass

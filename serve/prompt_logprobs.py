@@ -12,10 +12,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from kvjax.decode.buckets import bucket
-from kvjax.decode.tracing import count_trace
 
 from kvjax import model as M
+from kvjax.decode.buckets import bucket
+from kvjax.decode.tracing import count_trace
 
 from .slots import MAX_TOP_LOGPROBS
 

@@ -12,10 +12,10 @@ import dataclasses
 import secrets
 
 import numpy as np
+
 from kvjax.decode import checks
 from kvjax.decode.sampling import SamplingParams, seed_key
 from kvjax.decode.settings import per_row
-
 from kvjax.detokenize import check_stop_strings
 from kvjax.text import MAX_SEED
 

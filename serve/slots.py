@@ -29,13 +29,13 @@ import functools
 import flax.struct
 import jax
 import jax.numpy as jnp
+
+from kvjax import model as M
+from kvjax import parallel
 from kvjax.decode.loop import StopReason
 from kvjax.decode.processors import ProcessorState, apply_processors
 from kvjax.decode.sampling import SamplingParams, sample, sample_key, token_keys
 from kvjax.decode.tracing import count_trace
-
-from kvjax import model as M
-from kvjax import parallel
 
 MAX_STOP_IDS = 8  # stop ids travel as a fixed-size row so their number never recompiles
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat; completions ask for at most 5

@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kvjax.model.attention import attend_blocks
 
 from kvjax import model as M
+from kvjax.model.attention import attend_blocks
 
 
 def attend_from_cache_layout(q, k, v, mask):

@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import run_full
-from kvjax.decode.beam import beam_loop
-from kvjax.decode.loop import StopConditions, decode_loop, initial_state, record
-from kvjax.decode.sampling import SamplingParams, row_keys
 
 from kvjax import decode
 from kvjax import model as M
+from kvjax.decode.beam import beam_loop
+from kvjax.decode.loop import StopConditions, decode_loop, initial_state, record
+from kvjax.decode.sampling import SamplingParams, row_keys
 
 A, B, C, EOS = 0, 1, 2, 3
 START = np.log([0.5, 0.4, 0.05, 0.05])

@@ -2,9 +2,10 @@
 
 import numpy as np
 import pytest
-from kvjax.benchmarks.serve import Result, Workload, format_results, make_workload
 
 from kvjax import model as M
+from kvjax.benchmarks.serve import format_results
+from kvjax.benchmarks.workload import Result, Workload, make_workload
 
 
 def test_each_throughput_ratio_names_the_contender_it_divides_by():

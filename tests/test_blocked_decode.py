@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import random_tokens, run_cached, run_full, start_cache
-from kvjax.model import attention
 from test_attention import numpy_attention
 
 from kvjax import decode
 from kvjax import model as M
+from kvjax.model import attention
 
 # With no layer read in one pass (a CPU's default) on every backend, so that `whole_share`
 # chooses; `one_read_bytes=ONE_READ` reads any layer in one pass (an accelerator's default).

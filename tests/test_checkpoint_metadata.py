@@ -95,7 +95,6 @@ def test_invalid_metadata_input_writes_nothing(tmp_path):
 def _model_and_tokenizer():
     from kvjax.model import init_params
     from kvjax.model.config import preset
-
     from kvjax.tokenizer import train_tokenizer
 
     text = "the quick brown fox jumps over the lazy dog.\n" * 20 + "pack my box with jugs\n"

@@ -6,12 +6,12 @@ import sys
 import jax
 import pytest
 from conftest import run_cli
-from kvjax.decode.plan import ON_DEVICE
-from kvjax.model.config import cache_size_bytes
 
 from kvjax import cli
 from kvjax import model as M
 from kvjax.cli import common
+from kvjax.decode.plan import ON_DEVICE
+from kvjax.model.config import cache_size_bytes
 
 SUBCOMMANDS = (["demo"], ["train"], ["sample"], ["serve"], ["import-hf"], ["cache-size"],
                ["bench", "decode"], ["bench", "train"], ["bench", "serve"],
@@ -143,7 +143,6 @@ PUBLISHED_PARAMETERS = {"gpt2": 124_439_808, "llama-1b": 1_235_814_400,
 def test_the_random_hf_models_have_the_published_sizes(name):
     pytest.importorskip("transformers")
     from kvjax.benchmarks import random_hf
-
     from kvjax.hf.config import to_kvjax_config
     config = to_kvjax_config(random_hf._random_hf_configs()[name].to_dict(), tied=True)
     shapes = jax.eval_shape(lambda: M.init_params(config, jax.random.key(0)))

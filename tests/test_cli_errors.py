@@ -11,11 +11,11 @@ from pathlib import Path
 import jax
 import pytest
 from conftest import FakeTokenizer, run_cli
-from kvjax.serve import memory
-from kvjax.train import data, tasks, trainer
 
 from kvjax import cli, text
 from kvjax import model as M
+from kvjax.serve import memory
+from kvjax.train import data, tasks, trainer
 
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 NUMBERS = CHECKPOINTS / "numbers-to-words"

@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+
+from kvjax.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from kvjax.train.data import (
     Batches,
     encode_pairs,
@@ -17,8 +19,6 @@ from kvjax.train.data import (
     split_train_val,
     tokenize_documents,
 )
-
-from kvjax.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 # ---------------------------------------------------------------------------------------------
 # Text

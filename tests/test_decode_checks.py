@@ -5,10 +5,10 @@ import jax
 import numpy as np
 import pytest
 from conftest import FakeTokenizer
-from kvjax.decode import checks
 
 from kvjax import decode, text
 from kvjax import model as M
+from kvjax.decode import checks
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from kvjax.decode.loop import StopConditions, StopReason, decode_loop, initial_state, record
 from kvjax.decode.sampling import SamplingParams, row_keys
 

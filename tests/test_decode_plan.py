@@ -6,12 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from conftest import drain
-from kvjax.decode.loop import StopConditions, StopReason, decode_loop, initial_state, record
-from kvjax.decode.plan import ON_DEVICE, LoopPlan, default_plan, planned_by
-from kvjax.decode.sampling import SamplingParams, row_keys
 
 from kvjax import decode
 from kvjax import model as M
+from kvjax.decode.loop import StopConditions, StopReason, decode_loop, initial_state, record
+from kvjax.decode.plan import ON_DEVICE, LoopPlan, default_plan, planned_by
+from kvjax.decode.sampling import SamplingParams, row_keys
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [3], [20, 21, 22, 23]]
 # Sampled and greedy rows (top_k = 1 is greedy), every filter and both built-in processors;

@@ -2,9 +2,9 @@
 the quality verdicts printed. (The real settings are checked by the shipped checkpoints.)"""
 
 import pytest
-from kvjax.train import data, tasks
 
 from kvjax import demo, text
+from kvjax.train import data, tasks
 
 TINY_MODEL = {"num_decoder_layers": 1, "d_model": 32, "d_ff": 64}
 LM = dict(steps=4, warmup_steps=1, eval_every=4, save_every=4, seq_len=32, vocab_size=400,

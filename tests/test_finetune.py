@@ -11,13 +11,13 @@ import jax
 import numpy as np
 import pytest
 from conftest import run_cli
-from kvjax.train import data, run_dir, tasks, trainer, update
-from kvjax.train.config import TrainConfig, TrainTask
 
 from kvjax import checkpoint, text
 from kvjax import model as M
 from kvjax.hf.convert import import_checkpoint
 from kvjax.tokenizer import EOS_ID, tokenizer_from_bytes, train_tokenizer
+from kvjax.train import data, run_dir, tasks, trainer, update
+from kvjax.train.config import TrainConfig, TrainTask
 
 HF_MODELS = Path(__file__).resolve().parent / "fixtures" / "hf_models"
 TEXT = data.python_docs_text()[:3000]

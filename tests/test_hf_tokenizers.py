@@ -1,4 +1,4 @@
-"""Tokenizers of Hugging Face directories (kvjax.hf.tokenizers) against transformers.
+"""Tokenizers of Hugging Face directories (kvjax.tokenizer.huggingface) against transformers.
 
 tests/fixtures/hf_tokenizers/ holds tiny tokenizer directories in the Hugging Face layout,
 each with an expected.json of what transformers' AutoTokenizer gives for it (written by
@@ -17,8 +17,8 @@ import pytest
 
 from kvjax import detokenize, text
 from kvjax import model as M
-from kvjax.hf.tokenizers import HFTokenizer, load_tokenizer
 from kvjax.tokenizer import EOS_ID, TextTokenizer, Tokenizer, tokenizer_from_bytes
+from kvjax.tokenizer.huggingface import HFTokenizer, load_tokenizer
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf_tokenizers"
 NAMES = ("byte_bpe", "byte_bpe_bos", "spm_bpe", "spm_unigram", "marian")

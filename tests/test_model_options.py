@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kvjax.model.norms import RMSNorm
-from kvjax.model.positional import apply_rope, rope_frequencies, sinusoidal
 
 from kvjax import model as M
+from kvjax.model.norms import RMSNorm
+from kvjax.model.positional import apply_rope, rope_frequencies, sinusoidal
 
 OPTION_FIELDS = ("head_dim", "qkv_bias", "out_bias", "ffn_bias", "norm_type",
                  "scale_embeddings", "logits_bias", "sinusoid_layout", "rope_scaling",

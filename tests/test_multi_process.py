@@ -23,9 +23,9 @@ import jax
 import numpy as np
 import pytest
 from conftest import run_cli
-from kvjax.train import run_dir
 
 from kvjax import checkpoint, distributed
+from kvjax.train import run_dir
 
 HERE = Path(__file__).parent / "multiprocess"
 TIMEOUT = 300  # seconds for a launch

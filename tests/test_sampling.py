@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from kvjax.decode.sampling import (
     SamplingParams,
     as_keys,

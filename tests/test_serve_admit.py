@@ -4,9 +4,9 @@ prompt's cache, however the sample ids wrap."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-from kvjax.serve import chunk, slots
 
 from kvjax import model as M
+from kvjax.serve import chunk, slots
 
 
 def staged_state(config, ids, lengths, rng):

@@ -7,9 +7,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from kvjax.serve import chat
 
-from kvjax.hf.tokenizers import from_bundle, load_tokenizer
+from kvjax.serve import chat
+from kvjax.tokenizer.huggingface import from_bundle, load_tokenizer
 
 pytest.importorskip("tokenizers")
 

@@ -5,12 +5,12 @@ import jax
 import numpy as np
 import pytest
 from conftest import FakeTokenizer
-from kvjax.decode.sampling import seed_key
-from kvjax.decode.tracing import trace_count
-from kvjax.serve import Engine, GenerationRequest, QueueFull
 
 from kvjax import decode
 from kvjax import model as M
+from kvjax.decode.sampling import seed_key
+from kvjax.decode.tracing import trace_count
+from kvjax.serve import Engine, GenerationRequest, QueueFull
 
 SLOTS, CHUNK = 4, 4
 

@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 from conftest import SERVED_MODEL, greedy_text, serve_app
+
 from kvjax.serve.limits import Limits, header_timeout_protocol
 from kvjax.serve.server import build_app
 

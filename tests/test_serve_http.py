@@ -11,10 +11,10 @@ import numpy as np
 import openai
 import pytest
 from conftest import SERVED_MODEL, FakeTokenizer, greedy_text, serve_app
-from kvjax.serve import GenerationRequest, chat
-from kvjax.serve.server import build_app
 
 from kvjax import decode
+from kvjax.serve import GenerationRequest, chat
+from kvjax.serve.server import build_app
 from kvjax.text import prompt_tokens
 
 MODEL = SERVED_MODEL

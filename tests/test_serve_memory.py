@@ -5,9 +5,9 @@ import sys
 
 import jax
 import pytest
-from kvjax.serve import Engine, memory
 
 from kvjax import model as M
+from kvjax.serve import Engine, memory
 
 
 def test_bytes_per_position_is_what_the_engine_allocates(tiny_lm):

@@ -9,12 +9,12 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from kvjax.train import data, tasks
-from kvjax.train.update import validation_loss
 
 from kvjax import checkpoint, cli, decode, text
 from kvjax import model as M
 from kvjax.tokenizer import EOS_ID
+from kvjax.train import data, tasks
+from kvjax.train.update import validation_loss
 
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 LM = CHECKPOINTS / "python-docs-lm"

@@ -12,12 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import drain
-from kvjax.decode import speculative as spec
-from kvjax.decode.loop import StopConditions, StopReason, decode_loop, initial_state
-from kvjax.decode.sampling import SamplingParams, filter_logits, row_keys
 
 from kvjax import decode
 from kvjax import model as M
+from kvjax.decode import speculative as spec
+from kvjax.decode.loop import StopConditions, StopReason, decode_loop, initial_state
+from kvjax.decode.sampling import SamplingParams, filter_logits, row_keys
 
 generate_module = importlib.import_module("kvjax.decode.generate")
 

@@ -8,10 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import run_cli
-from kvjax.decode import draft_model
-from kvjax.decode import speculative as spec
-from kvjax.decode.loop import StopReason, decode_loop
-from kvjax.decode.sampling import SamplingParams
 from test_speculative import (
     CYCLE,
     CYCLE_TABLE,
@@ -27,6 +23,10 @@ from test_speculative import (
 
 from kvjax import decode
 from kvjax import model as M
+from kvjax.decode import draft_model
+from kvjax.decode import speculative as spec
+from kvjax.decode.loop import StopReason, decode_loop
+from kvjax.decode.sampling import SamplingParams
 
 # Fake models: the next token depends only on the fed one -----------------------------------
 

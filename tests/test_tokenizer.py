@@ -4,7 +4,6 @@ import warnings
 
 import numpy as np
 import pytest
-from kvjax.train.data import python_docs_text, train_tokenizer_from_files
 
 from kvjax.tokenizer import (
     BOS_ID,
@@ -15,6 +14,7 @@ from kvjax.tokenizer import (
     Tokenizer,
     train_tokenizer,
 )
+from kvjax.train.data import python_docs_text, train_tokenizer_from_files
 
 VOCAB_SIZE = 384
 

@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kvjax.train import data, run_dir, tasks, trainer, update
-from kvjax.train.config import TrainConfig, TrainTask
 
 from kvjax import checkpoint, decode
 from kvjax import model as M
 from kvjax.tokenizer import EOS_ID, PAD_ID, train_tokenizer
+from kvjax.train import data, run_dir, tasks, trainer, update
+from kvjax.train.config import TrainConfig, TrainTask
 
 COPY_STEPS = 200
 COPY_CONFIG = TrainConfig(

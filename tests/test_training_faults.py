@@ -16,13 +16,13 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from kvjax.train import data, run_dir, tasks, trainer
-from kvjax.train.config import TrainConfig, TrainTask
-from kvjax.train.trainer import TrainingDiverged, TrainingInterrupted
 
 from kvjax import checkpoint
 from kvjax import model as M
 from kvjax.tokenizer import Tokenizer, train_tokenizer
+from kvjax.train import data, run_dir, tasks, trainer
+from kvjax.train.config import TrainConfig, TrainTask
+from kvjax.train.trainer import TrainingDiverged, TrainingInterrupted
 
 HERE = Path(__file__).resolve().parent
 STEPS = 30

@@ -9,9 +9,10 @@ fetch a model yourself (e.g. `huggingface-cli download gpt2 --local-dir gpt2`). 
 model runs through the same interface, cache and decode loop as kvjax's own.
 
 One module per part: `config.py` (config.json to `TransformerConfig`, refusing what is not
-implemented), `weights.py` (safetensors to params), `tokenizers.py` (tokenizer.json and
-tokenizer.model, as transformers reads them) and `marian_tokenizer.py` (Marian's pair of
-sentencepiece models), `convert.py` (the model written as a kvjax checkpoint).
+implemented), `weights.py` (safetensors to params), `convert.py` (the model written as a kvjax
+checkpoint). The tokenizers of these directories are tokenizers like kvjax's own and live
+beside it: `kvjax.tokenizer.huggingface` (tokenizer.json and tokenizer.model, as transformers
+reads them) and `kvjax.tokenizer.marian` (Marian's pair of sentencepiece models).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def load_pretrained(directory: str | os.PathLike, *, dtype: str | None = None, m
     implement, and ValueError/FileNotFoundError naming a missing or misshapen file or tensor;
     a tokenizer with more ids than the model's vocabulary is refused.
     """
-    from .tokenizers import load_tokenizer
+    from kvjax.tokenizer.huggingface import load_tokenizer
 
     config, model_type, files = _config_and_files(directory, dtype)
     tokenizer = load_tokenizer(directory)

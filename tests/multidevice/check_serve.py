@@ -5,10 +5,10 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
-from kvjax.serve import Engine, GenerationRequest, memory
 
 from kvjax import model as M
 from kvjax import parallel
+from kvjax.serve import Engine, GenerationRequest, memory
 
 SLOTS, CHUNK = 4, 4
 CONFIG = M.preset("tiny", positional_encoding="rope", num_kv_heads=2)

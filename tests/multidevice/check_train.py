@@ -3,12 +3,12 @@
 import jax
 import numpy as np
 import pytest
-from kvjax.train import data, tasks, trainer
-from kvjax.train.config import TrainConfig, TrainTask
 
 from kvjax import checkpoint, parallel
 from kvjax import model as M
 from kvjax.tokenizer import train_tokenizer
+from kvjax.train import data, tasks, trainer
+from kvjax.train.config import TrainConfig, TrainTask
 
 STEPS = 20
 CONFIG = TrainConfig(steps=STEPS, batch_size=8, learning_rate=3e-3, warmup_steps=2,

@@ -59,9 +59,9 @@ def main(argv):
 
 def run(out: Path, args) -> dict:
     import jax
-    from kvjax.train import tasks, trainer
 
     from kvjax import parallel
+    from kvjax.train import tasks, trainer
 
     mesh = parallel.make_mesh()  # data=4, over both processes where there are two
     report = {"processes": jax.process_count(), "devices": jax.device_count(),
@@ -100,9 +100,8 @@ def generated(directory: Path) -> dict:
 
 
 def resume(directory: Path, text: str) -> dict:
-    from kvjax.train import tasks
-
     from kvjax import checkpoint, parallel
+    from kvjax.train import tasks
 
     ended = directory.with_name(directory.name + ".ended")
     wait_for(ended)
@@ -144,11 +143,10 @@ class _IdTokenizer:
 
 
 def translate_variant():
-    from kvjax.train import data, tasks
-    from kvjax.train.config import TrainConfig, TrainTask
-
     from kvjax import model as M
     from kvjax.tokenizer import train_tokenizer
+    from kvjax.train import data, tasks
+    from kvjax.train.config import TrainConfig, TrainTask
 
     tokenizer = train_tokenizer(["the quick brown fox jumps over the lazy dog.\n" * 40], 300)
     pairs = data.reverse_task(96, seq_len=5, vocab_low=4, vocab_high=14, seed=0)

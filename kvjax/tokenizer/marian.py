@@ -1,4 +1,4 @@
-"""transformers' MarianTokenizer for `kvjax.hf.tokenizers` (whose docstring says what is
+"""transformers' MarianTokenizer for `kvjax.tokenizer.huggingface` (whose docstring says what is
 matched): source text to ids, target ids to text."""
 
 from __future__ import annotations

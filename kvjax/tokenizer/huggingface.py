@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from .marian_tokenizer import SPACE, MarianBackend, clean_up_spaces
+from .marian import SPACE, MarianBackend, clean_up_spaces
 
 BUNDLE_FORMAT = "kvjax-hf-tokenizer"
 BUNDLE_VERSION = 1

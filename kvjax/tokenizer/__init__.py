@@ -9,7 +9,7 @@ The special ids are the same for every tokenizer, so model code can rely on them
     PAD_ID = 0, BOS_ID = 1, EOS_ID = 2, UNK_ID = 3
 
 `TextTokenizer` is the interface that sampling (`kvjax.text`, the CLI, the notebooks) sees: this
-module's `Tokenizer` and the tokenizers of Hugging Face directories (`kvjax.hf.tokenizers`) both
+module's `Tokenizer` and the tokenizers of Hugging Face directories (`huggingface.py`) both
 satisfy it, and `tokenizer_from_bytes` reads back what either's `to_bytes` wrote.
 """
 
@@ -23,6 +23,8 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 import sentencepiece as spm
+
+from .huggingface import from_bundle
 
 PAD_ID = 0
 BOS_ID = 1
@@ -99,13 +101,11 @@ class TextTokenizer(Protocol):
 
 def tokenizer_from_bytes(data: bytes) -> TextTokenizer:
     """The tokenizer that `to_bytes` serialized: kvjax's own (a sentencepiece ModelProto) or
-    a Hugging Face one (a JSON bundle, see `kvjax.hf.tokenizers`); raises ValueError if
+    a Hugging Face one (a JSON bundle, see `huggingface.py`); raises ValueError if
     `data` is neither."""
     data = bytes(data)
     # A serialized ModelProto starts with a protobuf field tag, never with "{".
     if data[:1] == b"{":
-        from kvjax.hf.tokenizers import from_bundle
-
         return from_bundle(data)
     return Tokenizer(data)
 
