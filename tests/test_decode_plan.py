@@ -119,8 +119,8 @@ def test_generate_decides_on_the_device_unless_planned_otherwise():
 
 def test_each_plan_compiles_once(tiny_lm):
     _, net, params = tiny_lm
-    # 17 to 32 new tokens: a bucket no other test here compiles
-    calls = [dict(temperature=0.0), dict(temperature=0.0, max_new_tokens=17),
+    # 25 to 32 new tokens: a bucket no other test here compiles
+    calls = [dict(temperature=0.0), dict(temperature=0.0, max_new_tokens=25),
              dict(temperature=[0.0, 0.9, 1.0, 0.3])]
     before = decode.trace_count("continue")
     with planned_by(host_plan):

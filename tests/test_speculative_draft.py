@@ -255,7 +255,7 @@ def test_greedy_equals_plain_generate_with_a_truncated_draft(tiny_lm):
     counts = [decode.trace_count(name) for name in names]
     # eos and max_new_tokens (traced) inside a draft.
     assert_same_as_plain(net, params, speculative, 30, eos_ids=(int(plain.tokens[1, 9]),))
-    assert_same_as_plain(net, params, speculative, 23)
+    assert_same_as_plain(net, params, speculative, 26)
     both_layers = draft_model.first_layers(config, params, 2)[1]["layers"]
     second_layer = {**draft_params, "layers": {"0": both_layers["1"]}}
     other = decode.Speculative("draft", 4, draft_model=draft_net, draft_params=second_layer)
