@@ -5,7 +5,7 @@
     python notebooks/run_notebooks.py --ci --no-save  # the test suite's small size, a dry run
 
 The kernel is this Python (`sys.executable`) and runs in a temporary directory, so whatever a
-notebook writes there is deleted afterwards. tests/test_notebooks.py runs them the same way.
+notebook writes there is deleted afterwards. tests/e2e/test_notebooks.py runs them the same way.
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ def pytest_xdist_make_scheduler(config, log):
 SLOW_FILES_FIRST = ("test_multi_device_generate.py", "test_multi_device.py",
                     "test_multi_process.py", "test_notebooks.py", "test_demo.py",
                     "test_model.py", "test_train.py",
-                    "test_blocked_decode.py", "test_prompt_state.py", "test_generate.py",
+                    "test_attention_blocks.py", "test_prompt_state.py", "test_generate.py",
                     "test_speculative.py",
                     "test_hf_models.py", "test_generate_options.py", "test_finetune.py")
 

@@ -21,7 +21,7 @@ from safetensors.numpy import load_file, save_file
 from kvjax import decode, hf
 from kvjax import model as M
 
-FIXTURES = Path(__file__).parent / "fixtures" / "hf_models"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf_models"
 NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral", "phi3")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3"}

@@ -28,7 +28,7 @@ from checkpoint_support import (
 from kvjax import checkpoint as ckpt
 from kvjax.checkpoint import Checkpointer, CheckpointError
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOK_DIR = Path(__file__).resolve().parents[2] / "notebooks"
 NOTEBOOKS = ["01_quickstart.ipynb", "02_kv_cache_from_scratch.ipynb",
              "03_train_your_own.ipynb", "04_pretrained.ipynb"]
 KERNEL_NAME = "kvjax-notebook-test"

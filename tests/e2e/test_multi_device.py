@@ -1,4 +1,4 @@
-"""Runs the tests in `tests/multidevice/` on 8 emulated CPU devices.
+"""Runs the tests in `tests/e2e/multidevice/` on 8 emulated CPU devices.
 
 JAX fixes its device count when it starts, and this process started it with one device, so
 each file runs in its own pytest process with
@@ -25,7 +25,7 @@ def run_on_devices(path: Path, tmp_path: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", str(path),
          "--basetemp", str(tmp_path / "basetemp")],
-        capture_output=True, text=True, timeout=600, env=env, cwd=HERE.parent.parent)
+        capture_output=True, text=True, timeout=600, env=env, cwd=HERE.parents[2])
 
 
 # The longest file runs from a module of its own (test_multi_device_generate.py): xdist hands

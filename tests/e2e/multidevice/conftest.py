@@ -1,4 +1,4 @@
-"""Run by `tests/test_multi_device.py` with 8 emulated devices; refuses to run with fewer."""
+"""Run by `tests/e2e/test_multi_device.py` with 8 emulated devices; refuses to run with fewer."""
 
 import jax
 import pytest
@@ -8,4 +8,4 @@ import pytest
 def eight_devices():
     if jax.device_count() != 8:
         pytest.fail(f"these tests need 8 devices, JAX has {jax.device_count()}: run them "
-                    "through tests/test_multi_device.py")
+                    "through tests/e2e/test_multi_device.py")

@@ -1,4 +1,4 @@
-"""Runs the files of `tests/multidevice/` that test_multi_device.py leaves to a module of
+"""Runs the files of `tests/e2e/multidevice/` that test_multi_device.py leaves to a module of
 their own (`ON_THEIR_OWN`) on 8 emulated CPU devices, so that they can run beside the others.
 A file missing there fails here: its pytest process finds nothing to run."""
 

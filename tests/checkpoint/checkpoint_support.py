@@ -1,4 +1,4 @@
-"""Checkpoint test helpers shared by test_checkpoint.py and test_checkpoint_metadata.py."""
+"""Checkpoint test helpers shared by test_checkpoint.py and test_metadata.py."""
 
 from pathlib import Path
 

@@ -1,4 +1,4 @@
-"""One training job, run by `tests/test_multi_process.py` in one process with 4 CPU devices
+"""One training job, run by `tests/e2e/test_multi_process.py` in one process with 4 CPU devices
 (`--name one --cpu-devices 4`) and in each of 2 processes with 2 (`--coordinator ...`).
 
 It trains both variants for 20 steps on a mesh over every device, loads an LM checkpoint

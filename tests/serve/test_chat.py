@@ -13,7 +13,7 @@ from kvjax.tokenizer.huggingface import from_bundle, load_tokenizer
 
 pytest.importorskip("tokenizers")
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "hf_tokenizers" / "byte_bpe"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "hf_tokenizers" / "byte_bpe"
 
 TEMPLATE = (
     "{{- bos_token }}\n"

@@ -10,7 +10,7 @@ import pytest
 
 from kvjax.cli import compilation_cache
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import sys

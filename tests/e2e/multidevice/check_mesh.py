@@ -81,7 +81,7 @@ def test_train_command_refuses_a_mesh_larger_than_the_host(tmp_path, capsys):
 
 
 def test_a_pretrained_model_loads_onto_a_mesh_and_makes_its_tokens():
-    directory = Path(__file__).parents[1] / "fixtures" / "hf_models" / "qwen2"
+    directory = Path(__file__).parents[2] / "fixtures" / "hf_models" / "qwen2"
     mesh = parallel.make_mesh("data=4,model=2")
     config, _, params = hf.load_pretrained(directory, mesh=mesh)
     attention = params["layers"]["0"]["self_attention"]

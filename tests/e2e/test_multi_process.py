@@ -46,7 +46,7 @@ def start(argv, log: Path) -> subprocess.Popen:
     with open(log, "w") as out:
         return subprocess.Popen([sys.executable, HERE / "job.py", *map(str, argv)],
                                 stdout=out, stderr=subprocess.STDOUT, env=env,
-                                cwd=HERE.parent.parent)
+                                cwd=HERE.parents[2])
 
 
 def watch(one, victim, survivor, ended: Path) -> tuple[dict, float | None]:

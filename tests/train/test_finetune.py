@@ -19,7 +19,7 @@ from kvjax.tokenizer import EOS_ID, tokenizer_from_bytes, train_tokenizer
 from kvjax.train import data, run_dir, tasks, trainer, update
 from kvjax.train.config import TrainConfig, TrainTask
 
-HF_MODELS = Path(__file__).resolve().parent / "fixtures" / "hf_models"
+HF_MODELS = Path(__file__).resolve().parents[1] / "fixtures" / "hf_models"
 TEXT = data.python_docs_text()[:3000]
 PAIRS = "".join(f"{n}\t{data.number_to_words(n)}\n" for n in range(40))
 
@@ -157,7 +157,7 @@ def test_fine_tuning_a_kvjax_checkpoint_starts_from_its_params(own_tokenizer, tm
         run_dir.INIT_FROM]["step"] == 3
 
 
-SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints"
+SHIPPED = Path(__file__).resolve().parents[2] / "checkpoints"
 
 
 @pytest.mark.parametrize("task, name, data_option", [

@@ -15,7 +15,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SOURCE_FILES = ("pyproject.toml", "README.md")  # what setuptools reads to build the package
 SOURCE_FOLDERS = ("kvjax", "model", "decode", "train", "benchmarks", "serve")
 

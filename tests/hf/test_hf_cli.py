@@ -12,12 +12,12 @@ from conftest import run_cli
 from kvjax import checkpoint, text
 from kvjax.hf import convert
 
-FIXTURES = Path(__file__).parent / "fixtures" / "hf_models"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf_models"
 
 
 
 # Sampled, so that equal text means equal params, tokenizer and settings; a translator's
-# import is read back in tests/test_finetune.py, its beams in tests/test_hf_models.py.
+# import is read back in tests/train/test_finetune.py, its beams in tests/hf/test_hf_models.py.
 @pytest.mark.parametrize("name, options", [
     ("gpt2", ["--temperature", "0.9", "--top-k", "20", "--seed", "3"]),
 ])

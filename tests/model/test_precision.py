@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import random_tokens, run_cached, run_cli, run_full, start_cache
 from test_attention import numpy_attention
-from test_blocked_decode import ONE_READ, blocked, cache_inputs, relative_error
+from test_attention_blocks import ONE_READ, blocked, cache_inputs, relative_error
 
 from kvjax import model as M
 from kvjax import text
@@ -19,7 +19,7 @@ from kvjax.model import quantize
 from kvjax.train import update
 from kvjax.train.config import TrainConfig
 
-LM = Path(__file__).resolve().parent.parent / "checkpoints" / "python-docs-lm"
+LM = Path(__file__).resolve().parents[2] / "checkpoints" / "python-docs-lm"
 
 
 def numpy_quantize(x):

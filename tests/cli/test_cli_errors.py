@@ -17,7 +17,7 @@ from kvjax import model as M
 from kvjax.serve import memory
 from kvjax.train import data, tasks, trainer
 
-CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
+CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
 NUMBERS = CHECKPOINTS / "numbers-to-words"
 
 
@@ -50,7 +50,7 @@ def assert_one_line(err: str, *fragments: str) -> None:
      ["max_len=100 is shorter than the longest request (64 prompt + 128 output tokens)"]),
 ])
 def test_misuse_is_one_line_with_exit_code_2(capsys, monkeypatch, argv, fragments):
-    monkeypatch.chdir(Path(__file__).resolve().parent.parent)
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
     code, out, err = run_cli(capsys, *argv)
     assert code == 2 and out == ""
     assert_one_line(err, *fragments)

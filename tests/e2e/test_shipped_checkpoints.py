@@ -16,7 +16,7 @@ from kvjax.tokenizer import EOS_ID
 from kvjax.train import data, tasks
 from kvjax.train.update import validation_loss
 
-CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
+CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
 LM = CHECKPOINTS / "python-docs-lm"
 NUMBERS = CHECKPOINTS / "numbers-to-words"
 EMBEDDING = "params/embedder/embedding/embedding"

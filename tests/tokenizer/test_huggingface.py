@@ -20,9 +20,9 @@ from kvjax import model as M
 from kvjax.tokenizer import EOS_ID, TextTokenizer, Tokenizer, tokenizer_from_bytes
 from kvjax.tokenizer.huggingface import HFTokenizer, load_tokenizer
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf_tokenizers"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf_tokenizers"
 NAMES = ("byte_bpe", "byte_bpe_bos", "spm_bpe", "spm_unigram", "marian")
-OWN = Path(__file__).resolve().parent.parent / "checkpoints" / "python-docs-lm"
+OWN = Path(__file__).resolve().parents[2] / "checkpoints" / "python-docs-lm"
 # Characters spelled by several tokens each (rare in the fixtures' training text).
 MULTIBYTE = "ŧħæŧ 한국어 👨‍👩‍👧 ok 中文"
 
