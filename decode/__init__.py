@@ -1,6 +1,6 @@
-"""Generation: prefill + one compiled `lax.while_loop` decode, sampling, beam search, streaming."""
+"""Generation: prefill + one compiled `lax.while_loop` decode, sampling, streaming; beam search."""
 
-from .generate import GenerateOutput, generate, prefill, stream
+from .generate import GenerateOutput, beam_search, generate, prefill, stream
 from .loop import DecodeState, StopReason, decode_loop
 from .processors import LogitBias, LogitProcessor, ProcessorState, forbid_tokens
 from .prompt_state import PromptState
@@ -11,6 +11,6 @@ from .tracing import trace_count
 __all__ = [
     "DecodeState", "GenerateOutput", "LogitBias", "LogitProcessor", "ProcessorState",
     "PromptState", "SamplingParams", "SpeculationStats", "Speculative", "StopReason",
-    "decode_loop", "filter_logits", "forbid_tokens", "generate", "prefill", "sample", "stream",
-    "trace_count",
+    "beam_search", "decode_loop", "filter_logits", "forbid_tokens", "generate", "prefill",
+    "sample", "stream", "trace_count",
 ]

@@ -1,7 +1,9 @@
-"""The generation API: `generate` and `stream`, for both model variants.
+"""The generation API: `generate`, `stream`, `beam_search` and `prefill`, for both model
+variants.
 
 A call validates its inputs in Python (a ValueError names the bad value before anything is
-compiled), pads the prompts into a bucketed shape, and runs two compiled programs:
+compiled) and pads the prompts into a bucketed shape (`prepare.py`), then runs two compiled
+programs:
   1. `_start`: the prefill — the whole prompt batch through the model in one parallel call
      that fills the cache — and the first sampled token;
   2. `_continue`: the decode `lax.while_loop` (see `decode/loop.py`).
@@ -38,16 +40,12 @@ from .loop import (
     initial_state,
     record,
 )
-from .plan import ON_DEVICE, LoopPlan, default_plan
+from .plan import ON_DEVICE, LoopPlan
+from .prepare import Mesh, Prepared, placement, prepare, validate
 from .processors import LogitProcessor
 from .prompt_state import PromptState
-from .sampling import SamplingParams, as_keys, row_keys
-from .settings import check_num_samples, check_processors, checked_rows
+from .sampling import SamplingParams, row_keys
 from .tracing import count_trace
-
-Mesh = jax.sharding.Mesh
-
-MAX_EOS_IDS = 8  # eos ids travel as a fixed-size array so their number never recompiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,38 +70,6 @@ class GenerateOutput:
 
     def stop_reasons(self) -> list[str]:
         return [StopReason(int(r)).name.lower() for r in self.stop_reason]
-
-
-# Validation ------------------------------------------------------------------------------
-
-
-def validate(config: M.TransformerConfig, params, tokens: np.ndarray, lengths: np.ndarray, *,
-             max_new_tokens: int, eos_ids: Sequence[int], num_beams: int,
-             continuing: bool = False) -> None:
-    """Raises a ValueError naming the first bad input; runs before any compilation.
-    Sampling settings are checked by `settings.py`. When `continuing` a state, the prompts
-    are the tokens to append, which may be empty, and the state's cache bounds the length."""
-    if (lengths < 1).any() and not continuing:
-        raise ValueError(f"prompt {int(np.argmin(lengths))} is empty: every prompt needs at "
-                         f"least one token")
-    valid = np.arange(tokens.shape[1])[None] < lengths[:, None]
-    bad = valid & ((tokens < 0) | (tokens >= config.vocab_size))
-    if bad.any():
-        row, col = map(int, np.argwhere(bad)[0])
-        raise ValueError(f"token id {int(tokens[row, col])} (prompt {row}, position {col}) is "
-                         f"outside the vocabulary [0, {config.vocab_size})")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    if not continuing:
-        M.check_prompt_length(config, int(lengths.max()), max_new_tokens)
-    if num_beams < 1:
-        raise ValueError(f"num_beams={num_beams} must be >= 1")
-    if len(eos_ids) > MAX_EOS_IDS:
-        raise ValueError(f"at most {MAX_EOS_IDS} eos ids, got {len(eos_ids)}")
-    for eos in eos_ids:
-        if not 0 <= eos < config.vocab_size:
-            raise ValueError(f"eos id {eos} is outside the vocabulary [0, {config.vocab_size})")
-    checks.check_params(config, params)
 
 
 # Compiled programs -----------------------------------------------------------------------
@@ -143,122 +109,9 @@ def _continue(config, params, state: DecodeState, stops: StopConditions,
                        sampling, step_limit, processors, plan)
 
 
-def placement(config: M.TransformerConfig, params, mesh=None):
-    """`(mesh, params)` to generate with: `mesh` if given, else the one `params` are sharded
-    over; None, with `params` as they are, on a single device. The params are placed on the
-    mesh by `parallel.state_shardings`; a ValueError names a `model` axis that does not
-    divide the heads or d_ff."""
-    mesh = parallel.mesh_of(params) if mesh is None else mesh
-    if mesh is None or mesh.size == 1:
-        return None, params
-    parallel.check_model_axis(config, mesh)
-    return mesh, parallel.shard_params(params, mesh)
-
-
 # Public API ------------------------------------------------------------------------------
 
-SAMPLING_DEFAULTS = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
-                         repetition_penalty=1.0, no_repeat_ngram_size=0)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Prepared:
-    tokens: jax.Array
-    lengths: jax.Array
-    batch: int
-    capacity: int
-    buffer_len: int
-    stops: StopConditions
-    sampling: SamplingParams
-    rng: jax.Array
-    num_samples: int
-    processors: tuple[LogitProcessor, ...]
-    state: PromptState | None
-    mesh: Mesh | None = None
-    speculative: spec.Speculative | None = None
-    plan: LoopPlan = ON_DEVICE
-
-    @property
-    def rows(self) -> int:
-        """Rows of the output: the rest filled up a batch split over devices."""
-        return self.batch * self.num_samples
-
-
-def _prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams, rng,
-             num_samples=1, logit_processors=(), state=None, mesh=None, speculative=None,
-             **settings) -> _Prepared:
-    config = net.config
-    if mesh is not None and state is not None:
-        raise ValueError("generation from a state (state=...) runs on one device; it does "
-                         "not take a mesh or params sharded over one")
-    if state is not None:
-        prompt_state.check_is_state(state)
-    if state is not None and prompts is None:
-        prompts = [[] for _ in range(state.batch_size)]
-    tokens, lengths = checks.prompt_array(prompts, lengths)
-    rng = as_keys(rng, tokens.shape[0])
-    max_new_tokens = checks.integer("max_new_tokens", max_new_tokens, 1)
-    num_beams = checks.integer("num_beams", num_beams, 1)
-    eos_ids = checks.token_ids("eos_ids", eos_ids)
-    validate(config, params, tokens, lengths, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-             num_beams=num_beams, continuing=state is not None)
-    check_num_samples(num_samples)
-    processors = check_processors(logit_processors)
-    if speculative is not None:
-        spec.check_supported(speculative, config, num_beams=num_beams, processors=processors,
-                             settings=settings, defaults=SAMPLING_DEFAULTS, state=state,
-                             mesh=mesh, prompt_length=int(lengths.max()))
-    settings = {**SAMPLING_DEFAULTS, **settings}
-    rows = checked_rows(tokens.shape[0], num_samples, **settings)
-    sampling = SamplingParams.make(**rows, batch=tokens.shape[0] * num_samples)
-    if num_beams > 1:
-        changed = [name for name in ("repetition_penalty", "no_repeat_ngram_size")
-                   if np.any(np.asarray(settings[name]) != SAMPLING_DEFAULTS[name])]
-        changed += ["logit_processors"] * bool(processors) + ["num_samples"] * (num_samples > 1)
-        changed += ["state"] * (state is not None)
-        if changed:
-            raise ValueError(f"beam search (num_beams={num_beams}) does not take {changed[0]}")
-    buffer_len = bucket(max_new_tokens, config.max_len)
-    if state is not None:
-        prompt_state.check_continuation(config, params, state, lengths, max_new_tokens)
-        room = state.capacity - int(np.asarray(state.cache.lengths).max())
-        padded_len = min(bucket(int(lengths.max()), config.max_len), room)
-        padded_len = 0 if lengths.max() == 0 else padded_len
-        capacity = state.capacity
-    else:
-        padded_len = bucket(int(lengths.max()), config.max_len)
-        capacity = min(M.prompt_slots(config, padded_len) + buffer_len, config.max_len)
-    padded = np.zeros((tokens.shape[0], padded_len), np.int32)
-    width = min(tokens.shape[1], padded_len)
-    padded[:, :width] = np.where(
-        np.arange(tokens.shape[1])[None] < lengths[:, None], tokens, 0)[:, :width]
-    eos = np.full(MAX_EOS_IDS, -1, np.int32)
-    eos[:len(eos_ids)] = eos_ids
-    batch, lengths = tokens.shape[0], np.asarray(lengths, np.int32)
-    if mesh is not None:
-        # Rows split evenly over `data`: a batch that does not divide is filled up with
-        # copies of its last row, which finish when it does and are dropped from the output.
-        fill = -batch % mesh.shape[parallel.DATA]
-
-        def filled(array, copies):
-            return np.concatenate([array, np.repeat(np.asarray(array)[-1:], copies, axis=0)])
-
-        padded = jax.device_put(filled(padded, fill), parallel.rows(mesh, 2))
-        lengths = jax.device_put(filled(lengths, fill), parallel.rows(mesh))
-        sampling = jax.tree.map(lambda a: filled(a, fill * num_samples), sampling)
-        if rng.ndim:
-            rng = jnp.concatenate([rng, jnp.repeat(rng[-1:], fill)])
-    return _Prepared(
-        tokens=jnp.asarray(padded), lengths=jnp.asarray(lengths, jnp.int32),
-        batch=batch, capacity=capacity, buffer_len=buffer_len,
-        stops=StopConditions(jnp.asarray(eos), jnp.asarray(max_new_tokens, jnp.int32)),
-        sampling=sampling, rng=rng,
-        num_samples=num_samples, processors=processors, state=state, mesh=mesh,
-        speculative=speculative, plan=default_plan(rows),
-    )
-
-
-def _begin(config, params, p: _Prepared) -> DecodeState:
+def _begin(config, params, p: Prepared) -> DecodeState:
     """The decode state after each row's first token: from a prefill, or from `p.state`."""
     if p.state is None:
         return _start(config, params, p.tokens, p.lengths, p.rng, p.capacity, p.buffer_len,
@@ -297,8 +150,7 @@ def prefill(net, params, prompts, *, lengths=None, capacity: int | None = None) 
 def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
              temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
              no_repeat_ngram_size=0, logit_processors: Sequence[LogitProcessor] = (),
-             eos_ids: Sequence[int] = (), num_beams: int = 1, length_penalty: float = 1.0,
-             num_samples: int = 1, state: PromptState | None = None,
+             eos_ids: Sequence[int] = (), num_samples: int = 1, state: PromptState | None = None,
              return_state: bool = False, rng: jax.Array | None = None,
              return_logprobs: bool = False, mesh: Mesh | None = None,
              speculative: spec.Speculative | None = None) -> GenerateOutput:
@@ -311,8 +163,7 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
     (see `decode/processors.py`). `num_samples` draws that many samples of each prompt from
     one prefill. With `state` (from `prefill`, or a previous call's `return_state=True`),
     `prompts` are the tokens to append to each of its rows (None: nothing) and nothing is
-    prefilled again. `num_beams > 1` runs beam search (sampling settings are then ignored)
-    and scores hypotheses by sum(logprobs) / length**length_penalty.
+    prefilled again. `beam_search` keeps the likeliest hypotheses instead of sampling.
 
     `rng` (default key 0) is one key for the batch or one key per prompt [B]; each row
     draws with a key of its own (`sampling.row_keys`), so a prompt's samples depend on its
@@ -328,32 +179,42 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
     verifies them in one model call (see `decode/speculative.py`): greedy output is
     unchanged, sampled output keeps its distribution.
     """
-    length_penalty = checks.real("length_penalty", length_penalty, lambda _: True, "finite")
     mesh, params = placement(net.config, params, mesh)
     if mesh is not None and return_state:
         raise ValueError("return_state=True runs on one device; it does not take a mesh or "
                          "params sharded over one")
-    prepared = _prepare(net, params, prompts, lengths, max_new_tokens=max_new_tokens,
-                        eos_ids=eos_ids, num_beams=num_beams, rng=rng, num_samples=num_samples,
-                        logit_processors=logit_processors, state=state, mesh=mesh,
-                        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                        repetition_penalty=repetition_penalty,
-                        no_repeat_ngram_size=no_repeat_ngram_size, speculative=speculative)
+    prepared = prepare(net, params, prompts, lengths, max_new_tokens=max_new_tokens,
+                       eos_ids=eos_ids, num_beams=1, rng=rng, num_samples=num_samples,
+                       logit_processors=logit_processors, state=state, mesh=mesh,
+                       temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                       repetition_penalty=repetition_penalty,
+                       no_repeat_ngram_size=no_repeat_ngram_size, speculative=speculative)
     config = net.config
-    if num_beams > 1:
-        if return_state:
-            raise ValueError("beam search does not return a state (return_state=True)")
-        result = beam.beam_search(
-            config, params, prepared.tokens, prepared.lengths, prepared.capacity,
-            prepared.buffer_len, num_beams, prepared.stops,
-            jnp.asarray(length_penalty, jnp.float32), mesh=mesh)
-        return _output(result, max_new_tokens, return_logprobs, prepared.batch,
-                       scores=result.scores)
     carry = _run(config, params, spec.start(prepared, _begin(config, params, prepared)),
                  prepared, prepared.stops.max_new_tokens)
     return _output(carry.decode, max_new_tokens, return_logprobs, prepared.rows,
                    state_out=_kept(config, params, carry.decode) if return_state else None,
                    speculation=carry.stats if prepared.speculative else None)
+
+
+def beam_search(net, params, prompts, *, max_new_tokens: int, num_beams: int,
+                length_penalty: float = 1.0, eos_ids: Sequence[int] = (), lengths=None,
+                return_logprobs: bool = False, mesh: Mesh | None = None) -> GenerateOutput:
+    """The `num_beams` likeliest continuations of each prompt, best first: each step keeps
+    the best `num_beams` hypotheses by their summed logprobs, and finished ones are scored
+    by sum(logprobs) / length**length_penalty (`decode/beam.py`). Returns the best per
+    prompt, with its score in `scores`. Prompts, eos ids, lengths and `mesh` are as for
+    `generate`; one compiled loop, greedy in what it keeps, so there is no sampling."""
+    length_penalty = checks.real("length_penalty", length_penalty, lambda _: True, "finite")
+    mesh, params = placement(net.config, params, mesh)
+    prepared = prepare(net, params, prompts, lengths, max_new_tokens=max_new_tokens,
+                       eos_ids=eos_ids, num_beams=num_beams, rng=None, mesh=mesh)
+    result = beam.beam_search(
+        net.config, params, prepared.tokens, prepared.lengths, prepared.capacity,
+        prepared.buffer_len, prepared.num_beams, prepared.stops,
+        jnp.asarray(length_penalty, jnp.float32), mesh=mesh)
+    return _output(result, max_new_tokens, return_logprobs, prepared.batch,
+                   scores=result.scores)
 
 
 def stream(net, params, prompts=None, *, max_new_tokens: int, chunk_size: int = 8,
@@ -363,9 +224,6 @@ def stream(net, params, prompts=None, *, max_new_tokens: int, chunk_size: int = 
     chunks; with the same rng the concatenated chunks equal `generate(...).tokens`
     (rows that stopped yield 0). The generator's return value (`StopIteration.value`) is
     the `GenerateOutput` of the whole run, with lengths and stop reasons."""
-    if kwargs.get("num_beams", 1) != 1:
-        raise ValueError(f"stream does not support beam search (num_beams="
-                         f"{kwargs['num_beams']}); use generate")
     chunk_size = checks.integer("chunk_size", chunk_size, 1)
     return_logprobs = kwargs.pop("return_logprobs", False)
     return_state = kwargs.pop("return_state", False)
@@ -373,9 +231,9 @@ def stream(net, params, prompts=None, *, max_new_tokens: int, chunk_size: int = 
     if mesh is not None and return_state:
         raise ValueError("return_state=True runs on one device; it does not take a mesh or "
                          "params sharded over one")
-    prepared = _prepare(net, params, prompts, kwargs.pop("lengths", None),
-                        max_new_tokens=max_new_tokens, num_beams=1, mesh=mesh,
-                        **{"eos_ids": (), "rng": None, **kwargs})
+    prepared = prepare(net, params, prompts, kwargs.pop("lengths", None),
+                       max_new_tokens=max_new_tokens, num_beams=1, mesh=mesh,
+                       **{"eos_ids": (), "rng": None, **kwargs})
     config = net.config
     carry = spec.start(prepared, _begin(config, params, prepared))
     emitted = 0
@@ -393,7 +251,7 @@ def stream(net, params, prompts=None, *, max_new_tokens: int, chunk_size: int = 
         carry = _run(config, params, carry, prepared, limit)
 
 
-def _run(config, params, carry: spec.SpeculativeState, p: _Prepared, limit
+def _run(config, params, carry: spec.SpeculativeState, p: Prepared, limit
          ) -> spec.SpeculativeState:
     """The decode loop up to `limit` tokens: plain, or speculative with `p.speculative`."""
     if p.speculative is None:

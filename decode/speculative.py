@@ -404,7 +404,7 @@ def run(config, params, carry: SpeculativeState, prepared, step_limit) -> Specul
         mesh=prepared.mesh)
 
 
-def check_supported(speculative, config: M.TransformerConfig, *, num_beams: int, processors,
+def check_supported(speculative, config: M.TransformerConfig, *, processors,
                     settings: dict, defaults: dict, prompt_length: int, state=None,
                     mesh=None) -> Speculative:
     """`speculative` checked against the other settings of a call."""
@@ -420,9 +420,6 @@ def check_supported(speculative, config: M.TransformerConfig, *, num_beams: int,
                              "take a mesh or params sharded over one")
         draft_model.check_draft(config, speculative.draft_model.config,
                                 speculative.draft_params, prompt_length)
-    if num_beams != 1:
-        raise ValueError(f"speculative decoding does not go with beam search "
-                         f"(num_beams={num_beams})")
     if processors:
         raise ValueError("speculative decoding does not take logit_processors: they would "
                          "see a context that does not yet hold the draft")

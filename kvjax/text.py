@@ -30,6 +30,7 @@ import numpy as np
 from kvjax import checkpoint, decode
 from kvjax import model as M
 from kvjax.decode import checks
+from kvjax.decode.prepare import SAMPLING_DEFAULTS
 from kvjax.decode.sampling import seed_key
 from kvjax.detokenize import RowText, check_stop_strings
 from kvjax.tokenizer import TextTokenizer
@@ -193,8 +194,14 @@ def sample_texts(loaded: LoadedModel, prompt: str, *, num_samples: int = 1,
     with _compile_time() as compiling:
         start = time.perf_counter()
         if num_beams > 1:
-            output = decode.generate(loaded.net, loaded.params, [tokens], num_beams=num_beams,
-                                     **settings)
+            changed = sorted(name for name, value in sampling.items()
+                             if np.any(np.asarray(value) != SAMPLING_DEFAULTS.get(name)))
+            if changed:
+                raise ValueError(f"beam search (num_beams={num_beams}) does not sample: it "
+                                 f"takes no {changed[0]}")
+            output = decode.beam_search(loaded.net, loaded.params, [tokens],
+                                        num_beams=num_beams, max_new_tokens=limit,
+                                        eos_ids=settings["eos_ids"])
             first = time.perf_counter() - start
             rows[0].add(output.token_lists()[0])
         else:

@@ -36,7 +36,7 @@ from kvjax import model as M
 from kvjax import parallel
 from kvjax.decode import checks
 from kvjax.decode.buckets import bucket
-from kvjax.decode.generate import placement
+from kvjax.decode.prepare import placement
 from kvjax.decode.prompt_state import prefill_state
 from kvjax.tokenizer import TextTokenizer
 

@@ -85,11 +85,12 @@ def test_real_model_beam_scores_are_model_logprobs(encoder_layers):
     net, params = M.build_model(config), M.init_params(config, jax.random.key(3))
     prompts = [[4, 5, 6], [7, 8, 9, 10, 11]]
     alpha = 0.6
-    out = decode.generate(net, params, prompts, max_new_tokens=6, num_beams=3,
-                          eos_ids=(2,), length_penalty=alpha, return_logprobs=True)
+    out = decode.beam_search(net, params, prompts, max_new_tokens=6, num_beams=3,
+                             eos_ids=(2,), length_penalty=alpha, return_logprobs=True)
     greedy = decode.generate(net, params, prompts, max_new_tokens=6, eos_ids=(2,),
                              return_logprobs=True)
-    single = decode.generate(net, params, prompts, max_new_tokens=6, eos_ids=(2,), num_beams=1)
+    single = decode.beam_search(net, params, prompts, max_new_tokens=6, eos_ids=(2,),
+                                num_beams=1)
     np.testing.assert_array_equal(single.tokens, greedy.tokens)
     for row, prompt in enumerate(prompts):
         tokens = out.token_lists()[row]

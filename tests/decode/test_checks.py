@@ -35,13 +35,11 @@ def traces():
     (np.zeros((2, 0), np.int32), {}, r"prompt 0 is empty"),
     (np.zeros((1, 3), np.float32), {}, r"must be an int array \[batch, length\], got dtype "
                                        r"float32"),
-    ([[5, 6, 7]], {"num_beams": 2.0}, r"num_beams=2.0 must be an int"),
     ([[5, 6, 7]], {"temperature": "0.5"}, r"temperature='0.5' must be a real number"),
     ([[5, 6, 7]], {"temperature": float("nan")}, r"temperature=nan must be finite"),
     ([[5, 6, 7]], {"temperature": float("inf")}, r"temperature=inf must be finite"),
     ([[5, 6, 7]], {"top_k": True}, r"top_k=True must be an int"),
     ([[5, 6, 7]], {"top_p": float("inf")}, r"top_p=inf must be finite"),
-    ([[5, 6, 7]], {"length_penalty": float("nan")}, r"length_penalty=nan must be finite"),
     # Each setting within the dtype the compiled code holds it in: int32 counts, float32 reals.
     ([[5, 6, 7]], {"top_k": 2**31}, r"top_k=2147483648 must be <= 2147483647"),
     ([[5, 6, 7]], {"no_repeat_ngram_size": 2**40}, r"no_repeat_ngram_size=1099511627776"),
@@ -56,6 +54,21 @@ def test_generate_refuses_before_compiling(tiny, prompts, kwargs, message):
     kwargs = {"max_new_tokens": 4, **kwargs}
     with pytest.raises(ValueError, match=message):
         decode.generate(net, params, prompts, **kwargs)
+    assert traces() == before
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"num_beams": 2.0}, r"num_beams=2.0 must be an int"),
+    ({"num_beams": 0}, r"num_beams=0 must be >= 1"),
+    ({"length_penalty": float("nan")}, r"length_penalty=nan must be finite"),
+    ({"eos_ids": (2.7,)}, r"eos_ids: 2.7 is not an int token id"),
+])
+def test_beam_search_refuses_before_compiling(tiny, kwargs, message):
+    net, params = tiny
+    before = traces()
+    with pytest.raises(ValueError, match=message):
+        decode.beam_search(net, params, [[5, 6, 7]], **{"max_new_tokens": 4, "num_beams": 2,
+                                                         **kwargs})
     assert traces() == before
 
 
@@ -82,6 +95,8 @@ def test_numpy_ints_and_int_arrays_are_accepted():
     ({"max_new_tokens": 0}, r"max_new_tokens=0 must be >= 1"),
     ({"seed": 1.5}, r"seed=1.5 must be an int"),
     ({"chunk_size": 0}, r"chunk_size=0 must be >= 1"),
+    ({"num_beams": 2, "temperature": 0.8}, r"beam search \(num_beams=2\) does not sample: it "
+                                           r"takes no temperature"),
 ])
 def test_sample_text_refuses_bad_settings(tiny, kwargs, message):
     net, params = tiny

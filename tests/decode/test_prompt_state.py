@@ -111,5 +111,4 @@ def test_a_state_is_refused_with_another_model_params_or_too_little_room(tiny_lm
     _refuses(net, params, state, r"row 1 holds 7 tokens; with 3 new tokens .* needs 17 cache "
              r"slots, more than the state's capacity 16", new=[[1], [2, 3, 4]], max_new_tokens=8)
     _refuses(net, params, state, "temperature has 3 values", temperature=[1, 1, 1])
-    _refuses(net, params, state, "beam search", num_beams=2)
     _refuses(net, params, "not a state", "state must be a PromptState")

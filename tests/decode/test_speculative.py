@@ -17,6 +17,7 @@ from kvjax import decode
 from kvjax import model as M
 from kvjax.decode import speculative as spec
 from kvjax.decode.loop import StopConditions, StopReason, decode_loop, initial_state
+from kvjax.decode.prepare import prepare
 from kvjax.decode.sampling import SamplingParams, filter_logits, row_keys
 
 generate_module = importlib.import_module("kvjax.decode.generate")
@@ -284,9 +285,8 @@ def test_compiled_loop_writes_the_cache_in_place(tiny_lm):
     chosen between without a `lax.cond`, through which XLA would copy every cache buffer at
     every step."""
     config, net, params = tiny_lm
-    prepared = generate_module._prepare(
-        net, params, PROMPTS, None, max_new_tokens=30, eos_ids=(), num_beams=1, rng=None,
-        speculative=DRAFTS)
+    prepared = prepare(net, params, PROMPTS, None, max_new_tokens=30, eos_ids=(), num_beams=1,
+                       rng=None, speculative=DRAFTS)
     state = generate_module._begin(config, params, prepared)
     hlo = spec.continue_speculative.lower(
         config, params, state, spec.no_stats(len(PROMPTS)), prepared.stops, prepared.sampling,
@@ -300,8 +300,7 @@ def test_compiled_loop_writes_the_cache_in_place(tiny_lm):
 
 def test_settings_speculation_cannot_take_are_refused(tiny_lm):
     _, net, params = tiny_lm
-    for bad, match in ((dict(num_beams=2), "beam"), (dict(repetition_penalty=1.2),
-                                                    "repetition_penalty"),
+    for bad, match in ((dict(repetition_penalty=1.2), "repetition_penalty"),
                        (dict(logit_processors=[decode.forbid_tokens([3])]), "logit_proc"),
                        (dict(), "decode.Speculative")):
         speculative = "ngram" if match == "decode.Speculative" else DRAFTS

@@ -87,8 +87,8 @@ def test_logits_and_generation_equal_transformers(loaded, name):
     # The prompts have different lengths and run as one ragged batch.
     greedy = decode.generate(net, params, record["prompts"], **settings)
     assert greedy.token_lists() == record["greedy"]
-    beam = decode.generate(net, params, record["prompts"], num_beams=record["num_beams"],
-                           **settings)
+    beam = decode.beam_search(net, params, record["prompts"], num_beams=record["num_beams"],
+                              **settings)
     assert beam.token_lists() == record["beam"]
     assert record["beam"] != record["greedy"]  # the beams found something else to prefer
 

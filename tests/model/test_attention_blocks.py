@@ -253,7 +253,7 @@ def test_block_size_changes_no_generated_token_or_beam_score(variant):
         config, params = small_blocks(variant, "unrolled", block=block)
         net = M.build_model(config)
         greedy = decode.generate(net, params, prompts, max_new_tokens=20)
-        beams = decode.generate(net, params, prompts, max_new_tokens=20, num_beams=3)
+        beams = decode.beam_search(net, params, prompts, max_new_tokens=20, num_beams=3)
         results.append((greedy, beams))
     (greedy_2, beams_2), (greedy_64, beams_64) = results
     np.testing.assert_array_equal(greedy_2.tokens, greedy_64.tokens)

@@ -11,6 +11,7 @@ from kvjax import decode, parallel
 from kvjax import model as M
 
 G = importlib.import_module("kvjax.decode.generate")  # the module, not the function
+P = importlib.import_module("kvjax.decode.prepare")
 
 VARIANTS = {
     "lm scanned": M.preset("tiny", num_kv_heads=2, scan_layers=True),
@@ -66,9 +67,9 @@ def test_sampled_stream_and_beam_tokens_equal_one_device(some_model):
     np.testing.assert_array_equal(got.tokens, want.tokens)
     chunks = list(decode.stream(net, params, PROMPTS, chunk_size=5, mesh=mesh, **settings))
     np.testing.assert_array_equal(np.concatenate(chunks, axis=1), want.tokens)
-    want = decode.generate(net, params, PROMPTS[:4], max_new_tokens=NEW, num_beams=3)
-    got = decode.generate(net, params, PROMPTS[:4], max_new_tokens=NEW, num_beams=3,
-                          mesh=mesh)
+    want = decode.beam_search(net, params, PROMPTS[:4], max_new_tokens=NEW, num_beams=3)
+    got = decode.beam_search(net, params, PROMPTS[:4], max_new_tokens=NEW, num_beams=3,
+                             mesh=mesh)
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_allclose(got.scores, want.scores, rtol=1e-5)
 
@@ -76,9 +77,9 @@ def test_sampled_stream_and_beam_tokens_equal_one_device(some_model):
 def decode_loop_hlo(config, params, mesh, batch=8):
     """The compiled decode loop of a `generate` call on `mesh`, as HLO text."""
     net = M.build_model(config)
-    mesh, params = G.placement(config, params, mesh)
-    prepared = G._prepare(net, params, PROMPTS[:1] * batch, None, max_new_tokens=NEW,
-                          eos_ids=(), num_beams=1, rng=None, mesh=mesh)
+    mesh, params = P.placement(config, params, mesh)
+    prepared = P.prepare(net, params, PROMPTS[:1] * batch, None, max_new_tokens=NEW,
+                         eos_ids=(), num_beams=1, rng=None, mesh=mesh)
     state = G._begin(config, params, prepared)
     return G._continue.lower(config, params, state, prepared.stops, prepared.sampling,
                              prepared.stops.max_new_tokens, prepared.processors,

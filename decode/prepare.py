@@ -1,0 +1,168 @@
+"""What every generation call does before compiling anything: its inputs checked (a
+ValueError names the first bad value), its prompts padded to a bucket (`buckets.py`), its
+settings made traced arrays, and where it runs (one device, or a mesh) decided.
+`Prepared` holds the result, which `generate`, `stream` and `beam_search` run, and
+`speculative.py` reads. Shape letters: B batch, P padded prompt length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import model as M
+from kvjax import parallel
+
+from . import checks, prompt_state
+from . import speculative as spec
+from .buckets import bucket
+from .loop import StopConditions
+from .plan import ON_DEVICE, LoopPlan, default_plan
+from .processors import LogitProcessor
+from .prompt_state import PromptState
+from .sampling import SamplingParams, as_keys
+from .settings import check_num_samples, check_processors, checked_rows
+
+Mesh = jax.sharding.Mesh
+
+MAX_EOS_IDS = 8  # eos ids travel as a fixed-size array so their number never recompiles
+
+
+def validate(config: M.TransformerConfig, params, tokens: np.ndarray, lengths: np.ndarray, *,
+             max_new_tokens: int, eos_ids: Sequence[int], num_beams: int,
+             continuing: bool = False) -> None:
+    """Raises a ValueError naming the first bad input; runs before any compilation.
+    Sampling settings are checked by `settings.py`. When `continuing` a state, the prompts
+    are the tokens to append, which may be empty, and the state's cache bounds the length."""
+    if (lengths < 1).any() and not continuing:
+        raise ValueError(f"prompt {int(np.argmin(lengths))} is empty: every prompt needs at "
+                         f"least one token")
+    valid = np.arange(tokens.shape[1])[None] < lengths[:, None]
+    bad = valid & ((tokens < 0) | (tokens >= config.vocab_size))
+    if bad.any():
+        row, col = map(int, np.argwhere(bad)[0])
+        raise ValueError(f"token id {int(tokens[row, col])} (prompt {row}, position {col}) is "
+                         f"outside the vocabulary [0, {config.vocab_size})")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if not continuing:
+        M.check_prompt_length(config, int(lengths.max()), max_new_tokens)
+    if num_beams < 1:
+        raise ValueError(f"num_beams={num_beams} must be >= 1")
+    if len(eos_ids) > MAX_EOS_IDS:
+        raise ValueError(f"at most {MAX_EOS_IDS} eos ids, got {len(eos_ids)}")
+    for eos in eos_ids:
+        if not 0 <= eos < config.vocab_size:
+            raise ValueError(f"eos id {eos} is outside the vocabulary [0, {config.vocab_size})")
+    checks.check_params(config, params)
+
+
+def placement(config: M.TransformerConfig, params, mesh=None):
+    """`(mesh, params)` to generate with: `mesh` if given, else the one `params` are sharded
+    over; None, with `params` as they are, on a single device. The params are placed on the
+    mesh by `parallel.state_shardings`; a ValueError names a `model` axis that does not
+    divide the heads or d_ff."""
+    mesh = parallel.mesh_of(params) if mesh is None else mesh
+    if mesh is None or mesh.size == 1:
+        return None, params
+    parallel.check_model_axis(config, mesh)
+    return mesh, parallel.shard_params(params, mesh)
+
+
+SAMPLING_DEFAULTS = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
+                         repetition_penalty=1.0, no_repeat_ngram_size=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    tokens: jax.Array
+    lengths: jax.Array
+    batch: int
+    capacity: int
+    buffer_len: int
+    stops: StopConditions
+    sampling: SamplingParams
+    rng: jax.Array
+    num_samples: int
+    processors: tuple[LogitProcessor, ...]
+    state: PromptState | None
+    mesh: Mesh | None = None
+    speculative: spec.Speculative | None = None
+    plan: LoopPlan = ON_DEVICE
+    num_beams: int = 1
+
+    @property
+    def rows(self) -> int:
+        """Rows of the output: the rest filled up a batch split over devices."""
+        return self.batch * self.num_samples
+
+
+def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams, rng,
+             num_samples=1, logit_processors=(), state=None, mesh=None, speculative=None,
+             **settings) -> Prepared:
+    config = net.config
+    if mesh is not None and state is not None:
+        raise ValueError("generation from a state (state=...) runs on one device; it does "
+                         "not take a mesh or params sharded over one")
+    if state is not None:
+        prompt_state.check_is_state(state)
+    if state is not None and prompts is None:
+        prompts = [[] for _ in range(state.batch_size)]
+    tokens, lengths = checks.prompt_array(prompts, lengths)
+    rng = as_keys(rng, tokens.shape[0])
+    max_new_tokens = checks.integer("max_new_tokens", max_new_tokens, 1)
+    num_beams = checks.integer("num_beams", num_beams, 1)
+    eos_ids = checks.token_ids("eos_ids", eos_ids)
+    validate(config, params, tokens, lengths, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+             num_beams=num_beams, continuing=state is not None)
+    check_num_samples(num_samples)
+    processors = check_processors(logit_processors)
+    if speculative is not None:
+        spec.check_supported(speculative, config, processors=processors,
+                             settings=settings, defaults=SAMPLING_DEFAULTS, state=state,
+                             mesh=mesh, prompt_length=int(lengths.max()))
+    settings = {**SAMPLING_DEFAULTS, **settings}
+    rows = checked_rows(tokens.shape[0], num_samples, **settings)
+    sampling = SamplingParams.make(**rows, batch=tokens.shape[0] * num_samples)
+    buffer_len = bucket(max_new_tokens, config.max_len)
+    if state is not None:
+        prompt_state.check_continuation(config, params, state, lengths, max_new_tokens)
+        room = state.capacity - int(np.asarray(state.cache.lengths).max())
+        padded_len = min(bucket(int(lengths.max()), config.max_len), room)
+        padded_len = 0 if lengths.max() == 0 else padded_len
+        capacity = state.capacity
+    else:
+        padded_len = bucket(int(lengths.max()), config.max_len)
+        capacity = min(M.prompt_slots(config, padded_len) + buffer_len, config.max_len)
+    padded = np.zeros((tokens.shape[0], padded_len), np.int32)
+    width = min(tokens.shape[1], padded_len)
+    padded[:, :width] = np.where(
+        np.arange(tokens.shape[1])[None] < lengths[:, None], tokens, 0)[:, :width]
+    eos = np.full(MAX_EOS_IDS, -1, np.int32)
+    eos[:len(eos_ids)] = eos_ids
+    batch, lengths = tokens.shape[0], np.asarray(lengths, np.int32)
+    if mesh is not None:
+        # Rows split evenly over `data`: a batch that does not divide is filled up with
+        # copies of its last row, which finish when it does and are dropped from the output.
+        fill = -batch % mesh.shape[parallel.DATA]
+
+        def filled(array, copies):
+            return np.concatenate([array, np.repeat(np.asarray(array)[-1:], copies, axis=0)])
+
+        padded = jax.device_put(filled(padded, fill), parallel.rows(mesh, 2))
+        lengths = jax.device_put(filled(lengths, fill), parallel.rows(mesh))
+        sampling = jax.tree.map(lambda a: filled(a, fill * num_samples), sampling)
+        if rng.ndim:
+            rng = jnp.concatenate([rng, jnp.repeat(rng[-1:], fill)])
+    return Prepared(
+        tokens=jnp.asarray(padded), lengths=jnp.asarray(lengths, jnp.int32),
+        batch=batch, capacity=capacity, buffer_len=buffer_len,
+        stops=StopConditions(jnp.asarray(eos), jnp.asarray(max_new_tokens, jnp.int32)),
+        sampling=sampling, rng=rng,
+        num_samples=num_samples, processors=processors, state=state, mesh=mesh,
+        speculative=speculative, plan=default_plan(rows), num_beams=num_beams,
+    )
