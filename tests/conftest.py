@@ -43,7 +43,7 @@ import pytest  # noqa: E402
 
 from kvjax import model as M  # noqa: E402
 
-# XLA:CPU in jax 0.10.2 now and then crashes (a segmentation fault inside
+# XLA:CPU (jax 0.10.2 to 0.12) now and then crashes (a segmentation fault inside
 # `backend_compile_and_load`) while compiling a program that compiles fine on its own, and
 # the crash takes an xdist worker down. xdist puts what that worker had left of its file
 # back in the queue for a fresh worker; the test that was running is reported as a rerun
