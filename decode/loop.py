@@ -88,25 +88,36 @@ def record(state: DecodeState, logits_BV: jax.Array, stops: StopConditions,
                                     token_B[:, None], axis=-1)[:, 0]
     running_B = ~state.done if active is None else ~state.done & active
     token_B = jnp.where(running_B, token_B, 0)
-    is_eos_B = jnp.any(token_B[:, None] == stops.eos_ids[None, :], axis=-1)
-    reached_max = state.step + 1 >= stops.max_new_tokens
-    stop_reason = jnp.where(
-        running_B & is_eos_B, StopReason.EOS,
-        jnp.where(running_B & reached_max, StopReason.MAX_NEW_TOKENS, state.stop_reason))
+    stop_reason, _ = stop_reasons(running_B, token_B, stops.eos_ids[None, :],
+                                  state.step + 1 >= stops.max_new_tokens, state.stop_reason)
     return state.replace(
         step=state.step + (1 if active is None else active.astype(jnp.int32)),
         tokens=state.tokens.at[:, state.step].set(token_B),
         lengths=state.lengths + running_B,
         last_tokens=token_B if active is None else jnp.where(active, token_B, state.last_tokens),
         logprobs=state.logprobs.at[:, state.step].set(jnp.where(running_B, logprob_B, 0.0)),
-        stop_reason=stop_reason.astype(jnp.int32),
-        context=_append(state.context, jnp.where(
+        stop_reason=stop_reason,
+        context=append_context(state.context, jnp.where(
             running_B, state.context_lengths, state.context.shape[1]), token_B),
         context_lengths=state.context_lengths + running_B,
     )
 
 
-def _append(context_BC: jax.Array, slots_B: jax.Array, token_B: jax.Array) -> jax.Array:
+def stop_reasons(running_B: jax.Array, token_B: jax.Array, stop_ids_BE: jax.Array,
+                 reached_max_B: jax.Array, stop_reason_B: jax.Array
+                 ) -> tuple[jax.Array, jax.Array]:
+    """(each row's stop reason [B], which running rows end [B]) after the running rows took
+    `token`: EOS if it is one of the row's stop ids (-1 pads), MAX_NEW_TOKENS if the row
+    reached its budget; other rows keep theirs. The decode loop and the server's slots
+    (`serve/slots.py`) both end rows here."""
+    is_stop_B = jnp.any(token_B[:, None] == stop_ids_BE, axis=-1)
+    reason_B = jnp.where(running_B & is_stop_B, StopReason.EOS,
+                         jnp.where(running_B & reached_max_B, StopReason.MAX_NEW_TOKENS,
+                                   stop_reason_B))
+    return reason_B.astype(jnp.int32), running_B & (is_stop_B | reached_max_B)
+
+
+def append_context(context_BC: jax.Array, slots_B: jax.Array, token_B: jax.Array) -> jax.Array:
     """Writes each row's token at its slot (a slot past the end writes nothing). Mapped over
     rows, the scatter has the batch as its batch axis: rows split over devices are written
     where they lie, without gathering every row's slot first."""

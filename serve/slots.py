@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from kvjax import model as M
 from kvjax import parallel
-from kvjax.decode.loop import StopReason
+from kvjax.decode.loop import StopReason, append_context, stop_reasons
 from kvjax.decode.processors import ProcessorState, apply_processors
 from kvjax.decode.sampling import SamplingParams, sample, sample_key, token_keys
 from kvjax.decode.tracing import count_trace
@@ -196,24 +196,19 @@ def choose(logits_BV, context_BC, context_lengths_B, sampling: SamplingParams, k
 
 
 def record(state: SlotState, token_B, live_B) -> SlotState:
-    """Takes the new token of every `live` row and stops those it ends."""
+    """Takes the new token of every `live` row and stops those it ends, as the decode loop
+    does (`decode.loop.stop_reasons`, `append_context`)."""
     token_B = jnp.where(live_B, token_B, 0)
-    is_stop_B = jnp.any(token_B[:, None] == state.stop_ids, axis=-1)
     generated_B = state.generated + live_B
-    reached_max_B = generated_B >= state.max_tokens
-    stop_reason = jnp.where(
-        live_B & is_stop_B, StopReason.EOS,
-        jnp.where(live_B & reached_max_B, StopReason.MAX_NEW_TOKENS, state.stop_reason))
-    width = state.context.shape[1]
-    slots_B = jnp.where(live_B, state.context_lengths, width)
-    context = jax.vmap(lambda row, slot, token: row.at[slot].set(token, mode="drop"))(
-        state.context, slots_B, token_B)
+    stop_reason_B, ends_B = stop_reasons(live_B, token_B, state.stop_ids,
+                                         generated_B >= state.max_tokens, state.stop_reason)
+    slots_B = jnp.where(live_B, state.context_lengths, state.context.shape[1])
     return state.replace(
         last_tokens=jnp.where(live_B, token_B, state.last_tokens),
         generated=generated_B,
-        stop_reason=stop_reason.astype(jnp.int32),
-        running=state.running & ~(live_B & (is_stop_B | reached_max_B)),
-        context=context,
+        stop_reason=stop_reason_B,
+        running=state.running & ~ends_B,
+        context=append_context(state.context, slots_B, token_B),
         context_lengths=state.context_lengths + live_B,
     )
 
