@@ -41,7 +41,7 @@ from .loop import (
     record,
 )
 from .plan import ON_DEVICE, LoopPlan
-from .prepare import Mesh, Prepared, placement, prepare, validate
+from .prepare import Mesh, Prepared, pad_prompts, placement, prepare, validate
 from .processors import LogitProcessor
 from .prompt_state import PromptState
 from .sampling import SamplingParams, row_keys
@@ -138,10 +138,7 @@ def prefill(net, params, prompts, *, lengths=None, capacity: int | None = None) 
     capacity = bucket(max(capacity, M.prompt_slots(config, int(lengths.max())) + 1),
                       config.max_len)
     padded_len = min(padded_len, capacity)
-    padded = np.zeros((tokens.shape[0], padded_len), np.int32)
-    width = min(tokens.shape[1], padded_len)
-    padded[:, :width] = np.where(
-        np.arange(tokens.shape[1])[None] < lengths[:, None], tokens, 0)[:, :width]
+    padded = pad_prompts(tokens, lengths, padded_len)
     fields = prompt_state.prefill_state(config, params, jnp.asarray(padded),
                                         jnp.asarray(lengths, jnp.int32), capacity)
     return PromptState(config, params, *fields)

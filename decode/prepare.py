@@ -61,6 +61,16 @@ def validate(config: M.TransformerConfig, params, tokens: np.ndarray, lengths: n
     checks.check_params(config, params)
 
 
+def pad_prompts(tokens: np.ndarray, lengths: np.ndarray, padded_len: int) -> np.ndarray:
+    """Prompts [B, padded_len] int32: each row's valid tokens, zeros after them (and past
+    the end, cut where `padded_len` is shorter than the array)."""
+    padded = np.zeros((tokens.shape[0], padded_len), np.int32)
+    width = min(tokens.shape[1], padded_len)
+    padded[:, :width] = np.where(
+        np.arange(tokens.shape[1])[None] < lengths[:, None], tokens, 0)[:, :width]
+    return padded
+
+
 def placement(config: M.TransformerConfig, params, mesh=None):
     """`(mesh, params)` to generate with: `mesh` if given, else the one `params` are sharded
     over; None, with `params` as they are, on a single device. The params are placed on the
@@ -138,10 +148,7 @@ def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams
     else:
         padded_len = bucket(int(lengths.max()), config.max_len)
         capacity = min(M.prompt_slots(config, padded_len) + buffer_len, config.max_len)
-    padded = np.zeros((tokens.shape[0], padded_len), np.int32)
-    width = min(tokens.shape[1], padded_len)
-    padded[:, :width] = np.where(
-        np.arange(tokens.shape[1])[None] < lengths[:, None], tokens, 0)[:, :width]
+    padded = pad_prompts(tokens, lengths, padded_len)
     eos = np.full(MAX_EOS_IDS, -1, np.int32)
     eos[:len(eos_ids)] = eos_ids
     batch, lengths = tokens.shape[0], np.asarray(lengths, np.int32)
