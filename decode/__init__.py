@@ -5,12 +5,13 @@ from .loop import DecodeState, StopReason, decode_loop
 from .processors import LogitBias, LogitProcessor, ProcessorState, forbid_tokens
 from .prompt_state import PromptState
 from .sampling import SamplingParams, filter_logits, sample
+from .settings import GREEDY, Sampling
 from .speculative import SpeculationStats, Speculative
 from .tracing import trace_count
 
 __all__ = [
-    "DecodeState", "GenerateOutput", "LogitBias", "LogitProcessor", "ProcessorState",
-    "PromptState", "SamplingParams", "SpeculationStats", "Speculative", "StopReason",
+    "GREEDY", "DecodeState", "GenerateOutput", "LogitBias", "LogitProcessor", "ProcessorState",
+    "PromptState", "Sampling", "SamplingParams", "SpeculationStats", "Speculative", "StopReason",
     "beam_search", "decode_loop", "filter_logits", "forbid_tokens", "generate", "prefill",
     "sample", "stream", "trace_count",
 ]

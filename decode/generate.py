@@ -45,6 +45,7 @@ from .prepare import Mesh, Prepared, pad_prompts, placement, prepare, validate
 from .processors import LogitProcessor
 from .prompt_state import PromptState
 from .sampling import SamplingParams, row_keys
+from .settings import GREEDY, Sampling
 from .tracing import count_trace
 
 
@@ -145,8 +146,7 @@ def prefill(net, params, prompts, *, lengths=None, capacity: int | None = None) 
 
 
 def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
-             temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
-             no_repeat_ngram_size=0, logit_processors: Sequence[LogitProcessor] = (),
+             sampling: Sampling = GREEDY, logit_processors: Sequence[LogitProcessor] = (),
              eos_ids: Sequence[int] = (), num_samples: int = 1, state: PromptState | None = None,
              return_state: bool = False, rng: jax.Array | None = None,
              return_logprobs: bool = False, mesh: Mesh | None = None,
@@ -155,12 +155,13 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
 
     `prompts`: a list of token-id lists (lengths may differ) or an int array [B, P] with
     `lengths` [B]. For an `EncoderDecoder` they are the source sequences and decoding starts
-    from BOS. The sampling settings (see `SamplingParams`) take one value for every row or
-    a list of one per prompt. `logit_processors` are applied after the built-in penalties
-    (see `decode/processors.py`). `num_samples` draws that many samples of each prompt from
-    one prefill. With `state` (from `prefill`, or a previous call's `return_state=True`),
-    `prompts` are the tokens to append to each of its rows (None: nothing) and nothing is
-    prefilled again. `beam_search` keeps the likeliest hypotheses instead of sampling.
+    from BOS. `sampling` (a `Sampling`; greedy by default) says how each row chooses its
+    tokens, with one value for every prompt or one per prompt. `logit_processors` are
+    applied after the built-in penalties (see `decode/processors.py`). `num_samples` draws
+    that many samples of each prompt from one prefill. With `state` (from `prefill`, or a
+    previous call's `return_state=True`), `prompts` are the tokens to append to each of its
+    rows (None: nothing) and nothing is prefilled again. `beam_search` keeps the likeliest
+    hypotheses instead of sampling.
 
     `rng` (default key 0) is one key for the batch or one key per prompt [B]; each row
     draws with a key of its own (`sampling.row_keys`), so a prompt's samples depend on its
@@ -182,16 +183,15 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
                          "params sharded over one")
     prepared = prepare(net, params, prompts, lengths, max_new_tokens=max_new_tokens,
                        eos_ids=eos_ids, num_beams=1, rng=rng, num_samples=num_samples,
-                       logit_processors=logit_processors, state=state, mesh=mesh,
-                       temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                       repetition_penalty=repetition_penalty,
-                       no_repeat_ngram_size=no_repeat_ngram_size, speculative=speculative)
+                       sampling=sampling, logit_processors=logit_processors, state=state,
+                       mesh=mesh, speculative=speculative)
     config = net.config
-    carry = _run(config, params, spec.start(prepared, _begin(config, params, prepared)),
-                 prepared, prepared.stops.max_new_tokens)
-    return _output(carry.decode, max_new_tokens, return_logprobs, prepared.rows,
-                   state_out=_kept(config, params, carry.decode) if return_state else None,
-                   speculation=carry.stats if prepared.speculative else None)
+    carry = _run(config, params, _first(config, params, prepared), prepared,
+                 prepared.stops.max_new_tokens)
+    state = _decode_state(carry)
+    return _output(state, max_new_tokens, return_logprobs, prepared.rows,
+                   state_out=_kept(config, params, state) if return_state else None,
+                   speculation=_stats(carry))
 
 
 def beam_search(net, params, prompts, *, max_new_tokens: int, num_beams: int,
@@ -232,10 +232,10 @@ def stream(net, params, prompts=None, *, max_new_tokens: int, chunk_size: int = 
                        max_new_tokens=max_new_tokens, num_beams=1, mesh=mesh,
                        **{"eos_ids": (), "rng": None, **kwargs})
     config = net.config
-    carry = spec.start(prepared, _begin(config, params, prepared))
+    carry = _first(config, params, prepared)
     emitted = 0
     while True:
-        state = carry.decode
+        state = _decode_state(carry)
         step = min(int(state.step), max_new_tokens, emitted + chunk_size)
         if step > emitted:
             yield host_arrays(state.tokens)[:prepared.rows, emitted:step]
@@ -243,18 +243,37 @@ def stream(net, params, prompts=None, *, max_new_tokens: int, chunk_size: int = 
         if step >= max_new_tokens or bool(jnp.all(state.done)):
             return _output(state, max_new_tokens, return_logprobs, prepared.rows,
                            state_out=_kept(config, params, state) if return_state else None,
-                           speculation=carry.stats if prepared.speculative else None)
+                           speculation=_stats(carry))
         limit = jnp.asarray(min(step + chunk_size, max_new_tokens), jnp.int32)
         carry = _run(config, params, carry, prepared, limit)
 
 
-def _run(config, params, carry: spec.SpeculativeState, p: Prepared, limit
-         ) -> spec.SpeculativeState:
+Carry = DecodeState | spec.SpeculativeState  # the loop's state: plain, or speculative
+
+
+def _first(config, params, p: Prepared) -> Carry:
+    """The loop's first carry: the state after each row's first token, with the draft's
+    start where `p.speculative` drafts."""
+    state = _begin(config, params, p)
+    if p.speculative is None:
+        return state
+    return p.speculative.start(state, p.tokens, p.lengths, p.capacity, p.num_samples)
+
+
+def _run(config, params, carry: Carry, p: Prepared, limit) -> Carry:
     """The decode loop up to `limit` tokens: plain, or speculative with `p.speculative`."""
     if p.speculative is None:
-        return carry.replace(decode=_continue(config, params, carry.decode, p.stops, p.sampling,
-                                              limit, p.processors, mesh=p.mesh, plan=p.plan))
-    return spec.run(config, params, carry, p, limit)
+        return _continue(config, params, carry, p.stops, p.sampling, limit, p.processors,
+                         mesh=p.mesh, plan=p.plan)
+    return p.speculative.run(config, params, carry, p.stops, p.sampling, limit, p.mesh)
+
+
+def _decode_state(carry: Carry) -> DecodeState:
+    return carry.decode if isinstance(carry, spec.SpeculativeState) else carry
+
+
+def _stats(carry: Carry) -> spec.SpeculationStats | None:
+    return carry.stats if isinstance(carry, spec.SpeculativeState) else None
 
 
 def _kept(config, params, state: DecodeState) -> PromptState:

@@ -25,7 +25,7 @@ from .plan import ON_DEVICE, LoopPlan, default_plan
 from .processors import LogitProcessor
 from .prompt_state import PromptState
 from .sampling import SamplingParams, as_keys
-from .settings import check_num_samples, check_processors, checked_rows
+from .settings import GREEDY, Sampling, check_num_samples, check_processors
 
 Mesh = jax.sharding.Mesh
 
@@ -83,10 +83,6 @@ def placement(config: M.TransformerConfig, params, mesh=None):
     return mesh, parallel.shard_params(params, mesh)
 
 
-SAMPLING_DEFAULTS = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
-                         repetition_penalty=1.0, no_repeat_ngram_size=0)
-
-
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     tokens: jax.Array
@@ -112,9 +108,11 @@ class Prepared:
 
 
 def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams, rng,
-             num_samples=1, logit_processors=(), state=None, mesh=None, speculative=None,
-             **settings) -> Prepared:
+             num_samples=1, sampling: Sampling = GREEDY, logit_processors=(), state=None,
+             mesh=None, speculative=None) -> Prepared:
     config = net.config
+    if not isinstance(sampling, Sampling):
+        raise ValueError(f"sampling must be a decode.Sampling, got {type(sampling).__name__}")
     if mesh is not None and state is not None:
         raise ValueError("generation from a state (state=...) runs on one device; it does "
                          "not take a mesh or params sharded over one")
@@ -132,12 +130,10 @@ def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams
     check_num_samples(num_samples)
     processors = check_processors(logit_processors)
     if speculative is not None:
-        spec.check_supported(speculative, config, processors=processors,
-                             settings=settings, defaults=SAMPLING_DEFAULTS, state=state,
-                             mesh=mesh, prompt_length=int(lengths.max()))
-    settings = {**SAMPLING_DEFAULTS, **settings}
-    rows = checked_rows(tokens.shape[0], num_samples, **settings)
-    sampling = SamplingParams.make(**rows, batch=tokens.shape[0] * num_samples)
+        spec.check_supported(speculative, config, processors=processors, sampling=sampling,
+                             state=state, mesh=mesh, prompt_length=int(lengths.max()))
+    rows = sampling.rows(tokens.shape[0], num_samples)
+    params_rows = SamplingParams.make(**rows, batch=tokens.shape[0] * num_samples)
     buffer_len = bucket(max_new_tokens, config.max_len)
     if state is not None:
         prompt_state.check_continuation(config, params, state, lengths, max_new_tokens)
@@ -162,14 +158,14 @@ def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams
 
         padded = jax.device_put(filled(padded, fill), parallel.rows(mesh, 2))
         lengths = jax.device_put(filled(lengths, fill), parallel.rows(mesh))
-        sampling = jax.tree.map(lambda a: filled(a, fill * num_samples), sampling)
+        params_rows = jax.tree.map(lambda a: filled(a, fill * num_samples), params_rows)
         if rng.ndim:
             rng = jnp.concatenate([rng, jnp.repeat(rng[-1:], fill)])
     return Prepared(
         tokens=jnp.asarray(padded), lengths=jnp.asarray(lengths, jnp.int32),
         batch=batch, capacity=capacity, buffer_len=buffer_len,
         stops=StopConditions(jnp.asarray(eos), jnp.asarray(max_new_tokens, jnp.int32)),
-        sampling=sampling, rng=rng,
+        sampling=params_rows, rng=rng,
         num_samples=num_samples, processors=processors, state=state, mesh=mesh,
         speculative=speculative, plan=default_plan(rows), num_beams=num_beams,
     )

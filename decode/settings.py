@@ -4,6 +4,7 @@ and every field becomes a [B] array, so scalar and per-row calls share one compi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import jax
@@ -11,6 +12,63 @@ import numpy as np
 
 from . import checks
 from .processors import LogitProcessor
+from .sampling import SamplingParams
+
+Setting = float | int | Sequence[float] | Sequence[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How each row chooses its next token: `generate`'s, `stream`'s and the server's
+    settings. Each field is one value for every prompt or a sequence of one per prompt
+    (kept as a tuple, so a `Sampling` is hashable); every value is checked when it is made.
+    The defaults are greedy decoding with nothing filtered or penalised (`GREEDY`).
+
+    temperature: 0 takes the argmax; otherwise logits are divided by it and a token drawn.
+    top_k: keep the k likeliest tokens (0 = no limit; 1 = greedy).
+    top_p: keep the smallest set of likeliest tokens whose probability reaches p (1 = all).
+    min_p: keep tokens at least min_p times as likely as the likeliest (0 = all).
+    repetition_penalty: tokens already in the row's context have positive logits divided
+        and negative ones multiplied by it (1 = off).
+    no_repeat_ngram_size: n > 0 bans every token that would repeat an n-gram of the row's
+        context (0 = off).
+    See `sampling.SamplingParams`, the traced [B] form a compiled program takes.
+    """
+
+    temperature: Setting = 0.0
+    top_k: Setting = 0
+    top_p: Setting = 1.0
+    min_p: Setting = 0.0
+    repetition_penalty: Setting = 1.0
+    no_repeat_ngram_size: Setting = 0
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            scalar = _is_scalar(value)
+            entries = per_row(field.name, value, 1 if scalar else len(value)).tolist()
+            if RULES[field.name][0]:  # counts: ints
+                entries = [int(v) for v in entries]
+            object.__setattr__(self, field.name, entries[0] if scalar else tuple(entries))
+
+    def changed(self) -> tuple[str, ...]:
+        """The names of the settings that differ from greedy decoding's (for any prompt)."""
+        return tuple(f.name for f in dataclasses.fields(self)
+                     if np.any(np.asarray(getattr(self, f.name)) != f.default))
+
+    def rows(self, batch: int, num_samples: int = 1) -> dict[str, np.ndarray]:
+        """Every setting as a [batch * num_samples] array (a prompt's value repeated for each
+        of its samples); a ValueError names a setting with one value per prompt for another
+        number of prompts."""
+        return checked_rows(batch, num_samples, **dataclasses.asdict(self))
+
+    def params(self, batch: int, num_samples: int = 1) -> SamplingParams:
+        """The traced form of `rows` that compiled programs take."""
+        return SamplingParams.make(**self.rows(batch, num_samples), batch=batch * num_samples)
+
+
+def _is_scalar(value) -> bool:
+    return not isinstance(value, list | tuple | np.ndarray | jax.Array) or np.ndim(value) == 0
 
 # name: (integer-valued, test, what the test requires)
 RULES: dict[str, tuple[bool, Callable[[float], bool], str]] = {
@@ -28,7 +86,7 @@ def per_row(name: str, value, batch: int) -> np.ndarray:
     an int within int32 where the setting counts something, otherwise a finite real that
     keeps its required range in float32 (the dtypes the compiled code uses)."""
     integer, test, requirement = RULES[name]
-    scalar = not isinstance(value, list | tuple | np.ndarray | jax.Array) or np.ndim(value) == 0
+    scalar = _is_scalar(value)
     if not scalar and np.ndim(value) != 1:
         raise checks.InvalidValue(name, f"{name} must be a number or a list of one per "
                                         f"prompt, got shape {np.shape(value)}")
@@ -51,7 +109,7 @@ def per_row(name: str, value, batch: int) -> np.ndarray:
 
 
 def checked_rows(batch: int, num_samples: int = 1, **settings) -> dict[str, np.ndarray]:
-    """Each of `settings` (`SamplingParams.make`'s keyword arguments) checked, as a
+    """Each of `settings` (`Sampling`'s fields) checked, as a
     [batch * num_samples] array (a prompt's value repeated for each of its samples)."""
     return {name: np.repeat(per_row(name, value, batch), num_samples)
             for name, value in settings.items()}
@@ -76,3 +134,4 @@ def check_num_samples(num_samples: int) -> None:
         raise ValueError(f"num_samples={num_samples} must be an integer >= 1")
 
 
+GREEDY = Sampling()

@@ -100,6 +100,18 @@ class Speculative:
             raise ValueError(f"min_tokens_per_call={value!r} must be a number in [0, "
                              f"num_draft_tokens + 1 = {bound}]")
 
+    def start(self, state: DecodeState, prompts_BP: jax.Array, lengths_B: jax.Array,
+              capacity: int, num_samples: int = 1) -> SpeculativeState:
+        """The loop's first carry after the prefill that made `state` from the prompts [B, P]
+        (`capacity`: the target's cache slots per row): no statistics yet and, with a draft
+        model, the draft's cache after the prompts."""
+        return _start(self, state, prompts_BP, lengths_B, capacity, num_samples)
+
+    def run(self, config, params, carry: SpeculativeState, stops: StopConditions,
+            sampling: SamplingParams, step_limit, mesh=None) -> SpeculativeState:
+        """The compiled decode loop of this method, from `carry` up to `step_limit` tokens."""
+        return _run(self, config, params, carry, stops, sampling, step_limit, mesh)
+
 
 @flax.struct.dataclass
 class SpeculationStats:
@@ -371,41 +383,34 @@ def continue_with_draft(config, params, draft_config, draft_params, carry: Specu
                             carry, stops, sampling, step_limit, num_draft, min_tokens_per_call)
 
 
-def start(prepared, state: DecodeState) -> SpeculativeState:
-    """`run`'s first carry, after `generate`'s start (`prepared` is its checked call): no
-    statistics yet and, with a draft model, the draft's cache after the prompts."""
-    stats, speculative = no_stats(state.lengths.shape[0]), prepared.speculative
-    if speculative is None:
-        return SpeculativeState(state, stats)
+def _start(speculative: Speculative, state: DecodeState, prompts_BP, lengths_B, capacity: int,
+           num_samples: int) -> SpeculativeState:
+    stats = no_stats(state.lengths.shape[0])
     optimistic = Pacing.optimistic(speculative.num_draft_tokens, state.lengths.shape[0])
     if speculative.method != "draft":
         return SpeculativeState(state, stats, pacing=optimistic)
     draft_config = speculative.draft_model.config
-    cache = draft_model.start(draft_config, speculative.draft_params, prepared.tokens,
-                              prepared.lengths,
-                              draft_model.draft_capacity(draft_config, prepared.capacity),
-                              prepared.num_samples)
+    cache = draft_model.start(draft_config, speculative.draft_params, prompts_BP, lengths_B,
+                              draft_model.draft_capacity(draft_config, capacity), num_samples)
     return SpeculativeState(state, stats, cache, optimistic)
 
 
-def run(config, params, carry: SpeculativeState, prepared, step_limit) -> SpeculativeState:
-    """The decode loop of `prepared.speculative`'s method, up to `step_limit` tokens."""
-    speculative = prepared.speculative
+def _run(speculative: Speculative, config, params, carry: SpeculativeState,
+         stops: StopConditions, sampling: SamplingParams, step_limit, mesh=None
+         ) -> SpeculativeState:
     threshold = jnp.asarray(speculative.min_tokens_per_call, jnp.float32)
     if speculative.method == "draft":
         return continue_with_draft(
             config, params, speculative.draft_model.config, speculative.draft_params, carry,
-            prepared.stops, prepared.sampling, step_limit, speculative.num_draft_tokens,
-            threshold)
+            stops, sampling, step_limit, speculative.num_draft_tokens, threshold)
     return continue_speculative(
-        config, params, carry.decode, carry.stats, prepared.stops, prepared.sampling,
-        step_limit, speculative.num_draft_tokens,
-        jnp.asarray(speculative.ngram_size, jnp.int32), carry.pacing, threshold,
-        mesh=prepared.mesh)
+        config, params, carry.decode, carry.stats, stops, sampling, step_limit,
+        speculative.num_draft_tokens, jnp.asarray(speculative.ngram_size, jnp.int32),
+        carry.pacing, threshold, mesh=mesh)
 
 
 def check_supported(speculative, config: M.TransformerConfig, *, processors,
-                    settings: dict, defaults: dict, prompt_length: int, state=None,
+                    sampling, prompt_length: int, state=None,
                     mesh=None) -> Speculative:
     """`speculative` checked against the other settings of a call."""
     if not isinstance(speculative, Speculative):
@@ -424,7 +429,8 @@ def check_supported(speculative, config: M.TransformerConfig, *, processors,
         raise ValueError("speculative decoding does not take logit_processors: they would "
                          "see a context that does not yet hold the draft")
     for name in ("repetition_penalty", "no_repeat_ngram_size"):
-        if np.any(np.asarray(settings.get(name, defaults[name])) != defaults[name]):
+        if name in sampling.changed():
             raise ValueError(f"speculative decoding does not take {name}="
-                             f"{settings[name]} (it reads the context the draft changes)")
+                             f"{getattr(sampling, name)} (it reads the context the draft "
+                             "changes)")
     return speculative

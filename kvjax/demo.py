@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from kvjax import text
+from kvjax import decode, text
 from kvjax.train import data, tasks
 from kvjax.train.trainer import TrainResult
 
@@ -105,7 +105,8 @@ def _show_lm(loaded: text.LoadedModel, log: Callable[[str], None]) -> float:
     results = []
     for prompt in LM_PROMPTS:
         for label, settings in (("greedy", {}),
-                                ("sampled T=0.8 top-p 0.9", dict(temperature=0.8, top_p=0.9))):
+                                ("sampled T=0.8 top-p 0.9",
+                                 dict(sampling=decode.Sampling(temperature=0.8, top_p=0.9)))):
             result = text.sample_text(loaded, prompt, max_new_tokens=48, **settings)
             results.append(result)
             log(f"  [{label}] {prompt!r} -> {prompt + result.text!r}")

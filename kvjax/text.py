@@ -30,7 +30,6 @@ import numpy as np
 from kvjax import checkpoint, decode
 from kvjax import model as M
 from kvjax.decode import checks
-from kvjax.decode.prepare import SAMPLING_DEFAULTS
 from kvjax.decode.sampling import seed_key
 from kvjax.detokenize import RowText, check_stop_strings
 from kvjax.tokenizer import TextTokenizer
@@ -165,15 +164,16 @@ def sample_texts(loaded: LoadedModel, prompt: str, *, num_samples: int = 1,
                  max_new_tokens: int = 64, stop: str | Sequence[str] = (),
                  num_beams: int = 1, seed: int = 0,
                  on_text: Callable[[int, str], None] | None = None, chunk_size: int = 8,
-                 **sampling: Any) -> list[SampleResult]:
+                 sampling: decode.Sampling = decode.GREEDY,
+                 logit_processors: Sequence[decode.LogitProcessor] = (),
+                 speculative: decode.Speculative | None = None) -> list[SampleResult]:
     """`num_samples` generations from `prompt` (one prefill), calling `on_text(sample,
     piece)` with each new piece of text as it is made.
 
-    `sampling` takes `decode.generate`'s settings (temperature, top_k, top_p, min_p,
-    repetition_penalty, no_repeat_ngram_size, logit_processors). A sample stops at its
-    first `stop` string, which neither the streamed pieces nor the returned text include;
-    text that might begin a stop string is held back until it cannot. Beam search only
-    knows its answer at the end, so with `num_beams > 1` the text arrives in one piece.
+    `sampling`, `logit_processors` and `speculative` are `decode.generate`'s. A sample
+    stops at its first `stop` string, which neither the streamed pieces nor the returned
+    text include; text that might begin a stop string is held back until it cannot. Beam
+    search only knows its answer at the end, so with `num_beams > 1` the text arrives in one piece.
     `seed` is the prompt's key (`decode.sampling.seed_key`), as the server's `seed` is: the
     same prompt, settings and seed sample the same text here and there.
     """
@@ -188,14 +188,15 @@ def sample_texts(loaded: LoadedModel, prompt: str, *, num_samples: int = 1,
     tokens = prompt_tokens(loaded, prompt)
     limit = min(max_new_tokens, _room(loaded.config, len(tokens)))
     settings = dict(max_new_tokens=limit, eos_ids=tuple(loaded.tokenizer.stop_ids),
-                    rng=jax.random.wrap_key_data(seed_key(seed))[None], **sampling)
+                    rng=jax.random.wrap_key_data(seed_key(seed))[None], sampling=sampling,
+                    logit_processors=logit_processors, speculative=speculative)
     on_text = on_text or (lambda row, piece: None)
     rows = [RowText(loaded.tokenizer, stop) for _ in range(num_samples)]
     with _compile_time() as compiling:
         start = time.perf_counter()
         if num_beams > 1:
-            changed = sorted(name for name, value in sampling.items()
-                             if np.any(np.asarray(value) != SAMPLING_DEFAULTS.get(name)))
+            changed = sorted(sampling.changed()) + ["logit_processors"] * bool(
+                logit_processors) + ["speculative"] * (speculative is not None)
             if changed:
                 raise ValueError(f"beam search (num_beams={num_beams}) does not sample: it "
                                  f"takes no {changed[0]}")

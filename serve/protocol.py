@@ -17,6 +17,7 @@ import dataclasses
 from typing import Any
 
 from kvjax import text as T
+from kvjax.decode.settings import Sampling
 
 from . import chat
 from .requests import GenerationRequest
@@ -207,11 +208,12 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
         echo_prompt = _get(body, "echo", _BOOL, False)
         echo = texts if echo_prompt else [""] * len(prompts)
     settings = dict(
-        n=_get(body, "n", _INT, 1), temperature=_get(body, "temperature", _NUMBER, 1.0),
-        top_p=_get(body, "top_p", _NUMBER, 1.0), top_k=_top_k(body),
-        min_p=_get(body, "min_p", _NUMBER, 0.0),
-        repetition_penalty=_get(body, "repetition_penalty", _NUMBER, 1.0),
-        no_repeat_ngram_size=_get(body, "no_repeat_ngram_size", _INT, 0),
+        n=_get(body, "n", _INT, 1),
+        sampling=Sampling(temperature=_get(body, "temperature", _NUMBER, 1.0),
+                          top_p=_get(body, "top_p", _NUMBER, 1.0), top_k=_top_k(body),
+                          min_p=_get(body, "min_p", _NUMBER, 0.0),
+                          repetition_penalty=_get(body, "repetition_penalty", _NUMBER, 1.0),
+                          no_repeat_ngram_size=_get(body, "no_repeat_ngram_size", _INT, 0)),
         seed=_get(body, "seed", _INT), stop=_stops(body, max_stop_strings, max_stop_chars),
         logprobs=top or 0,
         stop_ids=tuple(loaded.tokenizer.stop_ids))

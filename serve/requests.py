@@ -15,15 +15,11 @@ import numpy as np
 
 from kvjax.decode import checks
 from kvjax.decode.sampling import SamplingParams, seed_key
-from kvjax.decode.settings import per_row
+from kvjax.decode.settings import GREEDY, Sampling
 from kvjax.detokenize import check_stop_strings
 from kvjax.text import MAX_SEED
 
 from .slots import MAX_STOP_IDS, MAX_TOP_LOGPROBS, RowSettings
-
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                   "no_repeat_ngram_size")
-INTEGER_FIELDS = ("top_k", "no_repeat_ngram_size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,8 +30,8 @@ class GenerationRequest:
     max_tokens:  at most this many new tokens per sample; prompt + max_tokens must fit a
                  slot's capacity.
     n:           samples of the prompt, from one prefill.
-    temperature, top_k, top_p, min_p, repetition_penalty, no_repeat_ngram_size: as
-                 `decode.generate` takes them.
+    sampling:    how each sample chooses its tokens, as `decode.generate` takes it (one
+                 value per setting).
     stop_ids:    token ids that end a sample (included in its tokens, not in its text).
     stop:        strings that end a sample's text (neither streamed nor returned).
     seed:        the sample's tokens depend on it and on nothing else the batch holds;
@@ -46,12 +42,7 @@ class GenerationRequest:
     prompt: tuple[int, ...]
     max_tokens: int = 16
     n: int = 1
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    no_repeat_ngram_size: int = 0
+    sampling: Sampling = GREEDY
     stop_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     seed: int | None = None
@@ -72,8 +63,13 @@ class GenerationRequest:
                              f"{max_tokens}: {len(prompt) + max_tokens} tokens do not fit a "
                              f"slot's capacity of {capacity}")
         checks.integer("n", self.n, 1)
-        for name in SAMPLING_FIELDS:
-            per_row(name, getattr(self, name), 1)
+        if not isinstance(self.sampling, Sampling):
+            raise ValueError(f"sampling must be a decode.Sampling, got "
+                             f"{type(self.sampling).__name__}")
+        for name, value in dataclasses.asdict(self.sampling).items():
+            if isinstance(value, tuple):
+                raise checks.InvalidValue(name, f"{name}={list(value)}: a request takes one "
+                                                "value per setting")
         stop_ids = checks.token_ids("stop_ids", self.stop_ids)
         if len(stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} stop ids, got {len(stop_ids)}")
@@ -115,9 +111,9 @@ def row_settings(samples: list[tuple[GenerationRequest, int]]) -> RowSettings:
     for row, (request, _) in enumerate(samples):
         stop_ids[row, :len(request.stop_ids)] = request.stop_ids
     sampling = SamplingParams(**{
-        name: np.array([getattr(request, name) for request, _ in samples],
-                       np.int32 if name in INTEGER_FIELDS else np.float32)
-        for name in SAMPLING_FIELDS})
+        name: np.array([getattr(request.sampling, name) for request, _ in samples],
+                       np.int32 if isinstance(default, int) else np.float32)
+        for name, default in dataclasses.asdict(GREEDY).items()})
     return RowSettings(
         max_tokens=np.array([r.max_tokens for r, _ in samples], np.int32), stop_ids=stop_ids,
         seed=np.stack([seed_key(r.seed) for r, _ in samples]),

@@ -5,6 +5,7 @@ many times slower to dispatch than a tiny model takes to compile.
 """
 
 import collections
+import dataclasses
 import functools
 import os
 import subprocess
@@ -213,6 +214,17 @@ def run_cli(capsys, *argv):
         code = stop.code
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+def with_sampling(**kwargs):
+    """`kwargs` with `decode.Sampling`'s fields among them gathered into one
+    `sampling=decode.Sampling(...)`: how the refusal tables write a bad setting beside a
+    call's other arguments. Called inside `pytest.raises`, as `Sampling` checks its values."""
+    from kvjax import decode
+
+    names = {field.name for field in dataclasses.fields(decode.Sampling)}
+    settings = {name: kwargs.pop(name) for name in list(kwargs) if name in names}
+    return {**kwargs, "sampling": decode.Sampling(**settings)} if settings else kwargs
 
 
 def random_tokens(seed, shape, vocab):

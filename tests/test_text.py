@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kvjax import cli, detokenize, text
+from kvjax import cli, decode, detokenize, text
 
 LM = Path(__file__).resolve().parent.parent / "checkpoints" / "python-docs-lm"
 PROMPT = "The for statement"
@@ -54,7 +54,8 @@ def test_text_that_could_begin_a_stop_string_is_held_back_until_it_cannot(lm, fu
 
 def test_several_samples_each_stop_at_their_own_stop_string(lm):
     results = text.sample_texts(lm, PROMPT, num_samples=3, max_new_tokens=30,
-                                temperature=1.0, min_p=0.05, repetition_penalty=1.2,
+                                sampling=decode.Sampling(temperature=1.0, min_p=0.05,
+                                                         repetition_penalty=1.2),
                                 stop=[" the", "."], seed=1)
     assert len(results) == 3 and len({tuple(r.tokens) for r in results}) == 3
     for result in results:

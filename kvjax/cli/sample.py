@@ -59,10 +59,15 @@ def run_sample(args) -> int:
     from kvjax import text
 
     loaded = with_precision(text.load(args.checkpoint), args)
-    speculative = None  # checked before the echo, as the prompt is
-    if args.speculative:
-        from kvjax import decode
+    from kvjax import decode
 
+    # Checked before the echo, as the prompt is.
+    sampling = decode.Sampling(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        no_repeat_ngram_size=args.no_repeat_ngram_size)
+    speculative = None
+    if args.speculative:
         draft_model = draft_params = None
         if args.speculative == "draft":
             draft = _draft(args, loaded)
@@ -81,13 +86,9 @@ def run_sample(args) -> int:
         print(f"{args.prompt} -> ", end="", flush=True)
     else:
         print(args.prompt, end="", flush=True)
-    settings = dict(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-        no_repeat_ngram_size=args.no_repeat_ngram_size, num_beams=args.beams, seed=args.seed,
-        stop=[_unescape(s) for s in args.stop])
-    if speculative is not None:
-        settings["speculative"] = speculative
+    settings = dict(max_new_tokens=args.max_new_tokens, num_beams=args.beams, seed=args.seed,
+                    sampling=sampling, speculative=speculative,
+                    stop=[_unescape(s) for s in args.stop])
     if args.num_samples == 1:
         try:
             result = text.sample_text(loaded, args.prompt, **settings,

@@ -4,7 +4,7 @@ compiling anything: float token ids and counts, flat lists, strings, empty array
 import jax
 import numpy as np
 import pytest
-from conftest import FakeTokenizer
+from conftest import FakeTokenizer, with_sampling
 
 from kvjax import decode, text
 from kvjax import model as M
@@ -53,7 +53,7 @@ def test_generate_refuses_before_compiling(tiny, prompts, kwargs, message):
     before = traces()
     kwargs = {"max_new_tokens": 4, **kwargs}
     with pytest.raises(ValueError, match=message):
-        decode.generate(net, params, prompts, **kwargs)
+        decode.generate(net, params, prompts, **with_sampling(**kwargs))
     assert traces() == before
 
 
@@ -103,5 +103,5 @@ def test_sample_text_refuses_bad_settings(tiny, kwargs, message):
     loaded = text.LoadedModel(net.config, FakeTokenizer(), params, "memory")
     before = traces()
     with pytest.raises(ValueError, match=message):
-        text.sample_text(loaded, "hi", **kwargs)
+        text.sample_text(loaded, "hi", **with_sampling(**kwargs))
     assert traces() == before

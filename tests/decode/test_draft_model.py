@@ -260,7 +260,8 @@ def test_greedy_equals_plain_generate_with_a_truncated_draft(tiny_lm):
     second_layer = {**draft_params, "layers": {"0": both_layers["1"]}}
     other = decode.Speculative("draft", 4, draft_model=draft_net, draft_params=second_layer)
     sampled = decode.generate(net, params, [p[::-1] for p in PROMPTS], max_new_tokens=30,
-                              temperature=0.8, top_p=0.9, speculative=other,
+                              sampling=decode.Sampling(temperature=0.8, top_p=0.9),
+                              speculative=other,
                               rng=jax.random.key(2))
     assert (sampled.lengths == 30).all() and sampled.speculation.drafted.sum() > 0
     # Streamed a chunk at a time, the draft's cache carried between chunks.

@@ -1,11 +1,12 @@
 """generate/stream on real models: equal to recomputing without a cache, batch == alone,
 compile once, and every bad input rejected before compiling."""
 
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import run_full
+from conftest import run_full, with_sampling
 
 from kvjax import decode
 from kvjax import model as M
@@ -82,7 +83,7 @@ def test_array_prompts_with_lengths_equal_token_lists(tiny):
 
 def test_same_rng_same_output_different_rng_different(tiny):
     _, net, params = tiny
-    kwargs = dict(max_new_tokens=12, temperature=1.5)
+    kwargs = dict(max_new_tokens=12, sampling=decode.Sampling(temperature=1.5))
     a = decode.generate(net, params, PROMPTS, rng=jax.random.key(7), **kwargs)
     b = decode.generate(net, params, PROMPTS, rng=jax.random.key(7), **kwargs)
     c = decode.generate(net, params, PROMPTS, rng=jax.random.key(8), **kwargs)
@@ -113,7 +114,8 @@ def test_logprobs_are_those_of_the_model(tiny):
 
 def test_stream_equals_generate(tiny):
     _, net, params = tiny
-    kwargs = dict(max_new_tokens=11, temperature=1.0, top_p=0.9, rng=jax.random.key(2))
+    kwargs = dict(max_new_tokens=11, sampling=decode.Sampling(temperature=1.0, top_p=0.9),
+                  rng=jax.random.key(2))
     full = decode.generate(net, params, PROMPTS, **kwargs)
     for chunk_size in (1, 4, 32):
         chunks = list(decode.stream(net, params, PROMPTS, chunk_size=chunk_size, **kwargs))
@@ -149,10 +151,11 @@ def test_twenty_calls_in_one_bucket_compile_once():
         if i % 4 == 1:
             temperature[0] = 0.0  # a greedy row among sampled ones
         decode.generate(net, params, prompts, max_new_tokens=int(rng.integers(25, 33)),
-                        temperature=temperature, top_k=_setting(rng, i, 0, 20, True),
-                        top_p=_setting(rng, i, 0.1, 1), min_p=_setting(rng, i, 0, 0.5),
-                        repetition_penalty=_setting(rng, i, 0.5, 2),
-                        no_repeat_ngram_size=_setting(rng, i, 0, 4, True),
+                        sampling=decode.Sampling(
+                            temperature=temperature, top_k=_setting(rng, i, 0, 20, True),
+                            top_p=_setting(rng, i, 0.1, 1), min_p=_setting(rng, i, 0, 0.5),
+                            repetition_penalty=_setting(rng, i, 0.5, 2),
+                            no_repeat_ngram_size=_setting(rng, i, 0, 4, True)),
                         eos_ids=tuple(rng.integers(0, 64, size=i % 3)),
                         rng=jax.random.key(i))
     after = {name: decode.trace_count(name) for name in ("start", "continue")}
@@ -163,7 +166,7 @@ def _rejects(net, params, match, prompts=PROMPTS, **kwargs):
     counts = [decode.trace_count(n) for n in ("start", "continue", "beam")]
     kwargs.setdefault("max_new_tokens", 4)
     with pytest.raises(ValueError, match=match):
-        decode.generate(net, params, prompts, **kwargs)
+        decode.generate(net, params, prompts, **with_sampling(**kwargs))
     assert counts == [decode.trace_count(n) for n in ("start", "continue", "beam")]
 
 

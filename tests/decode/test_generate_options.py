@@ -17,7 +17,8 @@ def test_greedy_rows_of_a_mixed_batch_equal_an_all_greedy_batch(tiny_lm):
     _, net, params = tiny_lm
     greedy = decode.generate(net, params, PROMPTS, max_new_tokens=8)
     mixed = decode.generate(net, params, PROMPTS, max_new_tokens=8, rng=jax.random.key(5),
-                            temperature=[0.0, 2.0, 0.0, 2.0], top_k=[0, 0, 0, 1])
+                            sampling=decode.Sampling(temperature=[0.0, 2.0, 0.0, 2.0],
+                                                     top_k=[0, 0, 0, 1]))
     np.testing.assert_array_equal(mixed.tokens[[0, 2, 3]], greedy.tokens[[0, 2, 3]])
     assert not np.array_equal(mixed.tokens[1], greedy.tokens[1])  # sampled at T=2
 
@@ -41,7 +42,7 @@ def test_repetition_penalty_equals_the_reference(tiny_lm):
     config, net, params = tiny_lm
     plain = decode.generate(net, params, PROMPTS[:2], max_new_tokens=10)
     out = decode.generate(net, params, PROMPTS[:2], max_new_tokens=10,
-                          repetition_penalty=[3.0, 1.0])
+                          sampling=decode.Sampling(repetition_penalty=[3.0, 1.0]))
     assert out.tokens[0].tolist() == penalised_greedy_reference(
         config, params, PROMPTS[0], 10, 3.0)
     np.testing.assert_array_equal(out.tokens[1], plain.tokens[1])  # penalty 1 is off
@@ -50,8 +51,8 @@ def test_repetition_penalty_equals_the_reference(tiny_lm):
 
 def test_no_repeat_ngram_size_one_never_repeats_a_context_token(tiny_lm):
     _, net, params = tiny_lm
-    out = decode.generate(net, params, PROMPTS, max_new_tokens=12, no_repeat_ngram_size=1,
-                          temperature=1.0, rng=jax.random.key(3))
+    out = decode.generate(net, params, PROMPTS, max_new_tokens=12, rng=jax.random.key(3),
+                          sampling=decode.Sampling(temperature=1.0, no_repeat_ngram_size=1))
     for prompt, generated in zip(PROMPTS, out.token_lists(), strict=True):
         assert len(set(prompt + generated)) == len(prompt) + len(generated)
 
@@ -65,7 +66,8 @@ def test_no_repeat_ngram_leaves_no_ngram_twice(tiny_lm, n):
     _, net, params = tiny_lm
     loop = [[7, 8] * 6, [1, 2, 3] * 4]  # prompts that invite repeating them
     plain = decode.generate(net, params, loop, max_new_tokens=24)
-    out = decode.generate(net, params, loop, max_new_tokens=24, no_repeat_ngram_size=n)
+    out = decode.generate(net, params, loop, max_new_tokens=24,
+                          sampling=decode.Sampling(no_repeat_ngram_size=n))
     assert any(len(set(ngrams(p + g, n))) < len(ngrams(p + g, n))
                for p, g in zip(loop, plain.token_lists(), strict=True))
     for prompt, generated in zip(loop, out.token_lists(), strict=True):
@@ -114,7 +116,8 @@ def test_num_samples_prefills_each_prompt_once(tiny_lm, monkeypatch):
     real_prefill = M.prefill
     monkeypatch.setattr(M, "prefill", counting_prefill)
     sampled = decode.generate(net, params, PROMPTS[:2], max_new_tokens=8, num_samples=3,
-                              temperature=1.5, rng=jax.random.key(0))
+                              sampling=decode.Sampling(temperature=1.5),
+                              rng=jax.random.key(0))
     greedy = decode.generate(net, params, PROMPTS[:2], max_new_tokens=8, num_samples=3)
     assert prefill_batches == [2]  # one program, one prefill of the 2 prompts, for 6 rows
     alone = decode.generate(net, params, PROMPTS[:2], max_new_tokens=8)
@@ -131,7 +134,8 @@ def test_samples_of_one_prompt_follow_the_models_distribution(tiny_lm):
     config, net, params = tiny_lm
     draws = 2_000
     out = decode.generate(net, params, [PROMPTS[0]], max_new_tokens=1, num_samples=draws,
-                          temperature=0.5, rng=jax.random.key(4))
+                          sampling=decode.Sampling(temperature=0.5),
+                          rng=jax.random.key(4))
     logits = np.asarray(run_full(config, params, jnp.asarray([PROMPTS[0]]))[0, -1]) / 0.5
     probs = np.exp(logits - logits.max())
     probs /= probs.sum()

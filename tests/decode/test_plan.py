@@ -16,9 +16,10 @@ from kvjax.decode.sampling import SamplingParams, row_keys
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [3], [20, 21, 22, 23]]
 # Sampled and greedy rows (top_k = 1 is greedy), every filter and both built-in processors;
 # the all-greedy plan is compared in the cache test below.
-SETTINGS = dict(temperature=[0.0, 1.5, 0.7, 1.0], top_k=[0, 5, 0, 1], top_p=[1.0, 0.9, 0.8, 1.0],
-                min_p=[0.0, 0.0, 0.1, 0.0], repetition_penalty=[1.0, 1.3, 2.0, 1.0],
-                no_repeat_ngram_size=[0, 2, 3, 1])
+SETTINGS = dict(sampling=decode.Sampling(
+    temperature=[0.0, 1.5, 0.7, 1.0], top_k=[0, 5, 0, 1], top_p=[1.0, 0.9, 0.8, 1.0],
+    min_p=[0.0, 0.0, 0.1, 0.0], repetition_penalty=[1.0, 1.3, 2.0, 1.0],
+    no_repeat_ngram_size=[0, 2, 3, 1]))
 
 
 def host_plan(rows):
@@ -120,8 +121,9 @@ def test_generate_decides_on_the_device_unless_planned_otherwise():
 def test_each_plan_compiles_once(tiny_lm):
     _, net, params = tiny_lm
     # 25 to 32 new tokens: a bucket no other test here compiles
-    calls = [dict(temperature=0.0), dict(temperature=0.0, max_new_tokens=25),
-             dict(temperature=[0.0, 0.9, 1.0, 0.3])]
+    calls = [dict(sampling=decode.Sampling(temperature=0.0)),
+             dict(sampling=decode.Sampling(temperature=0.0), max_new_tokens=25),
+             dict(sampling=decode.Sampling(temperature=[0.0, 0.9, 1.0, 0.3]))]
     before = decode.trace_count("continue")
     with planned_by(host_plan):
         for kwargs in calls:

@@ -26,14 +26,16 @@ def test_one_state_serves_many_continuations(tiny_lm):
     _, net, params = tiny_lm
     state = decode.prefill(net, params, PROMPTS)
     before = decode.trace_count("prefill")
-    kwargs = dict(max_new_tokens=6, temperature=1.0, rng=jax.random.key(3))
+    kwargs = dict(max_new_tokens=6, sampling=decode.Sampling(temperature=1.0),
+                  rng=jax.random.key(3))
     fresh = decode.generate(net, params, PROMPTS, **kwargs)
     for _ in range(2):  # the state is still whole after the first continuation
         from_state = decode.generate(net, params, state=state, **kwargs)
         np.testing.assert_array_equal(from_state.tokens, fresh.tokens)
     assert decode.trace_count("prefill") == before
     samples = decode.generate(net, params, state=state, max_new_tokens=6, num_samples=2,
-                              temperature=1.0, rng=jax.random.key(3))
+                              sampling=decode.Sampling(temperature=1.0),
+                              rng=jax.random.key(3))
     assert samples.tokens.shape == (4, 6)
 
 
@@ -81,9 +83,11 @@ def test_continuations_compile_once_per_bucket(tiny_lm):
     for i in range(20):
         new = [rng.integers(0, 64, size=rng.integers(1, 9)).tolist() for _ in PROMPTS]
         decode.generate(net, params, new, state=state, max_new_tokens=int(rng.integers(9, 17)),
-                        temperature=[float(rng.uniform(0, 2)), 0.0], top_p=0.9,
-                        min_p=float(rng.uniform(0, 0.3)), repetition_penalty=[1.0, 1.3],
-                        no_repeat_ngram_size=int(i % 3), rng=jax.random.key(i),
+                        sampling=decode.Sampling(
+                            temperature=[float(rng.uniform(0, 2)), 0.0], top_p=0.9,
+                            min_p=float(rng.uniform(0, 0.3)), repetition_penalty=[1.0, 1.3],
+                            no_repeat_ngram_size=int(i % 3)),
+                        rng=jax.random.key(i),
                         return_state=bool(i % 2))
         now = [decode.trace_count(n) for n in ("resume", "continue", "keep")]
         if i == 1:
@@ -110,5 +114,6 @@ def test_a_state_is_refused_with_another_model_params_or_too_little_room(tiny_lm
              new=[[1], [2], [3]])
     _refuses(net, params, state, r"row 1 holds 7 tokens; with 3 new tokens .* needs 17 cache "
              r"slots, more than the state's capacity 16", new=[[1], [2, 3, 4]], max_new_tokens=8)
-    _refuses(net, params, state, "temperature has 3 values", temperature=[1, 1, 1])
+    _refuses(net, params, state, "temperature has 3 values",
+             sampling=decode.Sampling(temperature=[1, 1, 1]))
     _refuses(net, params, "not a state", "state must be a PromptState")

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import drain
+from conftest import drain, with_sampling
 
 from kvjax import decode
 from kvjax import model as M
@@ -306,5 +306,5 @@ def test_settings_speculation_cannot_take_are_refused(tiny_lm):
         speculative = "ngram" if match == "decode.Speculative" else DRAFTS
         with pytest.raises(ValueError, match=match):
             decode.generate(net, params, PROMPTS, max_new_tokens=4, speculative=speculative,
-                            **bad)
+                            **with_sampling(**bad))
 

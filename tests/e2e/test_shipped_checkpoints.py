@@ -102,11 +102,12 @@ def test_sample_with_an_int8_cache_and_speculation_translates_the_same(capsys):
 
 def test_streamed_text_pieces_add_up_to_the_result(lm):
     pieces = []
-    result = text.sample_text(lm, "The for statement", max_new_tokens=40, temperature=0.8,
-                              top_p=0.9, seed=3, on_text=pieces.append, chunk_size=4)
+    sampling = decode.Sampling(temperature=0.8, top_p=0.9)
+    result = text.sample_text(lm, "The for statement", max_new_tokens=40, sampling=sampling,
+                              seed=3, on_text=pieces.append, chunk_size=4)
     assert len(pieces) > 1 and "".join(pieces) == result.text
-    again = text.sample_text(lm, "The for statement", max_new_tokens=40, temperature=0.8,
-                             top_p=0.9, seed=3)
+    again = text.sample_text(lm, "The for statement", max_new_tokens=40, sampling=sampling,
+                             seed=3)
     assert again.tokens == result.tokens
 
 

@@ -8,6 +8,7 @@ from conftest import FakeTokenizer
 
 from kvjax import decode
 from kvjax import model as M
+from kvjax.decode import Sampling
 from kvjax.decode.sampling import seed_key
 from kvjax.decode.tracing import trace_count
 from kvjax.serve import Engine, GenerationRequest, QueueFull
@@ -80,8 +81,8 @@ def test_greedy_requests_equal_generate_alone_while_others_join_and_leave(engine
 
 
 def test_a_seeded_sample_is_the_same_whatever_shares_the_batch(engine, tiny_lm):
-    request = GenerationRequest(prompt(10, 6), max_tokens=8, temperature=1.0, top_k=20,
-                                repetition_penalty=1.3, seed=7)
+    sampling = Sampling(temperature=1.0, top_k=20, repetition_penalty=1.3)
+    request = GenerationRequest(prompt(10, 6), max_tokens=8, sampling=sampling, seed=7)
     by_itself = Collector()
     engine.submit(request, by_itself)
     engine.run_until_idle()
@@ -89,11 +90,12 @@ def test_a_seeded_sample_is_the_same_whatever_shares_the_batch(engine, tiny_lm):
     crowd = [Collector() for _ in range(3)]
     for i, collector in enumerate(crowd):  # they take the slots request had alone
         engine.submit(GenerationRequest(prompt(20 + i, 4 + 3 * i), max_tokens=6 + i,
-                                        temperature=0.8, seed=i), collector)
+                                        sampling=Sampling(temperature=0.8), seed=i),
+                      collector)
     engine.step()
     among_others = Collector()
-    engine.submit(GenerationRequest(request.prompt, max_tokens=8, temperature=1.0, top_k=20,
-                                    repetition_penalty=1.3, seed=7, n=2), among_others)
+    engine.submit(GenerationRequest(request.prompt, max_tokens=8, sampling=sampling, seed=7,
+                                    n=2), among_others)
     engine.run_until_idle()
     assert len(by_itself.tokens()) == 8
     assert among_others.tokens(0) == by_itself.tokens()  # sample 0 of n is the first sample
@@ -102,8 +104,8 @@ def test_a_seeded_sample_is_the_same_whatever_shares_the_batch(engine, tiny_lm):
     _, net, params = tiny_lm
     keys = jax.random.wrap_key_data(np.stack([seed_key(3), seed_key(7)]))
     made = decode.generate(net, params, [list(prompt(11, 5)), list(request.prompt)],
-                           max_new_tokens=8, temperature=1.0, top_k=20, repetition_penalty=1.3,
-                           num_samples=2, rng=keys).token_lists()
+                           max_new_tokens=8, sampling=sampling, num_samples=2,
+                           rng=keys).token_lists()
     assert made[2:] == [among_others.tokens(0), among_others.tokens(1)]
 
 
@@ -113,7 +115,8 @@ def test_after_warming_up_serving_compiles_nothing_new(engine):
     collectors = [Collector() for _ in range(SLOTS + 2)]
     for i, collector in enumerate(collectors):  # every slot, some twice; 1-4 rows prefilled
         engine.submit(GenerationRequest(prompt(40 + i, 2 + i % 6), max_tokens=3 + i,
-                                        temperature=0.5 * (i % 2), top_p=0.9, seed=i), collector)
+                                        sampling=Sampling(temperature=0.5 * (i % 2),
+                                                          top_p=0.9), seed=i), collector)
     engine.run_until_idle()
     assert all(len(c.tokens()) == 3 + i for i, c in enumerate(collectors))
     assert {name: trace_count(name) for name in before} == before
@@ -152,7 +155,11 @@ def test_bad_requests_are_refused_naming_the_value(engine):
                                          "a slot's capacity of 64"):
         engine.submit(GenerationRequest(prompt(0, 60), max_tokens=8), Collector())
     with pytest.raises(ValueError, match="top_p=1.5 must be in"):
-        engine.submit(GenerationRequest(prompt(0, 3), top_p=1.5), Collector())
+        engine.submit(GenerationRequest(prompt(0, 3), sampling=Sampling(top_p=1.5)),
+                      Collector())
+    with pytest.raises(ValueError, match=r"top_p=\[0.5, 0.9\]: a request takes one value"):
+        engine.submit(GenerationRequest(prompt(0, 3), sampling=Sampling(top_p=[0.5, 0.9])),
+                      Collector())
     with pytest.raises(ValueError, match="token id 64 is outside"):
         engine.submit(GenerationRequest((5, 64)), Collector())
     with pytest.raises(ValueError, match="n=5 is more than the engine's 4 slots"):

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import jax
 import pytest
 
-from kvjax import detokenize, text
+from kvjax import decode, detokenize, text
 from kvjax import model as M
 from kvjax.tokenizer import EOS_ID, TextTokenizer, Tokenizer, tokenizer_from_bytes
 from kvjax.tokenizer.huggingface import HFTokenizer, load_tokenizer
@@ -189,7 +189,8 @@ def test_sampling_streams_and_stops_through_the_interface(all_loaded):
     params = M.init_params(config, jax.random.key(0))
     lm = text.LoadedModel(config, tokenizer, params, "")
     pieces = []
-    result = text.sample_text(lm, "Hello", max_new_tokens=24, temperature=1.0, seed=3,
+    result = text.sample_text(lm, "Hello", max_new_tokens=24, seed=3,
+                              sampling=decode.Sampling(temperature=1.0),
                               on_text=pieces.append)
     assert "".join(pieces) == result.text
     ends = [k for k, i in enumerate(result.tokens) if i in tokenizer.stop_ids]

@@ -61,7 +61,8 @@ def test_params_on_a_mesh_carry_it():
 def test_sampled_stream_and_beam_tokens_equal_one_device(some_model):
     net, params = some_model
     mesh = parallel.make_mesh("data=4,model=2")
-    settings = dict(max_new_tokens=NEW, temperature=1.0, top_k=20, rng=jax.random.key(3))
+    settings = dict(max_new_tokens=NEW, sampling=decode.Sampling(temperature=1.0, top_k=20),
+                    rng=jax.random.key(3))
     want = decode.generate(net, params, PROMPTS, **settings)
     got = decode.generate(net, params, PROMPTS, mesh=mesh, **settings)
     np.testing.assert_array_equal(got.tokens, want.tokens)

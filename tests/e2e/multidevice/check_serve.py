@@ -8,6 +8,7 @@ from jax.sharding import PartitionSpec
 
 from kvjax import model as M
 from kvjax import parallel
+from kvjax.decode import Sampling
 from kvjax.serve import Engine, GenerationRequest, memory
 
 SLOTS, CHUNK = 4, 4
@@ -22,8 +23,8 @@ def prompt(seed, length):
 # than the slots, so some wait for others to leave.
 REQUESTS = [GenerationRequest(prompt(i, 2 + i % 5), max_tokens=3 + 2 * i) for i in range(5)]
 REQUESTS[1] = GenerationRequest(REQUESTS[1].prompt, max_tokens=9, stop_ids=(7, 9, 11))
-REQUESTS += [GenerationRequest(prompt(9, 4), max_tokens=6, temperature=0.9, top_k=10,
-                               seed=3, n=2)]
+REQUESTS += [GenerationRequest(prompt(9, 4), max_tokens=6,
+                               sampling=Sampling(temperature=0.9, top_k=10), seed=3, n=2)]
 
 
 def serve(engine):
