@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from kvjax.model import LoRA
 from kvjax.tokenizer import Tokenizer
 
 
@@ -29,6 +30,9 @@ class TrainConfig:
     same seed gives bit-identical losses and a resumed run continues bit-identically there as
     on a CPU or TPU, where it changes nothing. It is off by default because it costs a GPU a
     noticeable share of every step (`kvjax bench train --deterministic both` measures it).
+
+    `lora` trains low-rank adapters on the chosen kernels of a frozen base checkpoint instead
+    of every param (`kvjax.train.lora`); the run must start from that base (`init_from`).
     """
 
     steps: int = 1000
@@ -49,6 +53,7 @@ class TrainConfig:
     seed: int = 0
     progress: bool = True  # the tqdm bar; off for tests and logs
     deterministic: bool = False
+    lora: LoRA | None = None
 
     def __post_init__(self):
         problems = []
@@ -71,6 +76,8 @@ class TrainConfig:
                 problems.append(f"{name}={value!r} must be a number")
             elif not math.isfinite(value):
                 problems.append(f"{name}={value} must be finite")
+        if self.lora is not None and not isinstance(self.lora, LoRA):
+            problems.append(f"lora={self.lora!r} must be a kvjax.model.LoRA or None")
         if not isinstance(self.deterministic, bool):
             problems.append(f"deterministic={self.deterministic!r} must be a bool")
         if problems:

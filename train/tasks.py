@@ -91,12 +91,14 @@ _SPLIT_SEED = 0  # the train/validation split never changes with the training se
 def train_lm(out_dir: str | os.PathLike, *, data_files: Sequence[str | os.PathLike] | None = None,
              init_from: str | os.PathLike | None = None, resume: bool = False,
              allow_changes: bool = False, settings: LMSettings = LM_SETTINGS,
-             mesh: Mesh | None = None, **overrides: Any) -> TrainResult:
+             mesh: Mesh | None = None, stop_after: int | None = None,
+             **overrides: Any) -> TrainResult:
     """Trains a decoder-only LM on `data_files` (default: Python's documentation topics).
 
     The final metrics include `val_ppl` and `unigram_ppl`, the perplexity on the same
     validation tokens of add-one smoothed token frequencies fitted on the training tokens.
     Fine-tuning (`init_from`) cuts windows of at most the model's `max_len` tokens.
+    `stop_after` ends the run early as `trainer.train`'s does.
     """
     pretrained = _pretrained(out_dir, "lm", init_from, resume, overrides)
     settings = with_overrides(settings, overrides)
@@ -123,7 +125,8 @@ def train_lm(out_dir: str | os.PathLike, *, data_files: Sequence[str | os.PathLi
         val=lm_arrays(val_windows), evaluate=evaluate,
         data={**sources, "seq_len": settings.seq_len, "val_fraction": settings.val_fraction})
     return trainer.train(config, settings.training, task, out_dir, resume=resume,
-                         allow_changes=allow_changes, mesh=mesh, init_from=init_from)
+                         allow_changes=allow_changes, mesh=mesh, init_from=init_from,
+                         stop_after=stop_after)
 
 
 def lm_arrays(windows_BT: np.ndarray) -> dict[str, np.ndarray]:
@@ -151,7 +154,7 @@ def train_translate(out_dir: str | os.PathLike, *, data_tsv: str | os.PathLike |
                     init_from: str | os.PathLike | None = None, resume: bool = False,
                     allow_changes: bool = False,
                     settings: TranslateSettings = TRANSLATE_SETTINGS, mesh: Mesh | None = None,
-                    **overrides: Any) -> TrainResult:
+                    stop_after: int | None = None, **overrides: Any) -> TrainResult:
     """Trains an encoder-decoder with teacher forcing on `data_tsv` (``source<TAB>target``
     lines) or, by default, on numbers spelled as words.
 
@@ -194,7 +197,8 @@ def train_translate(out_dir: str | os.PathLike, *, data_tsv: str | os.PathLike |
         train=translation_arrays(tokenizer, train_pairs, max_len, framing), val=heldout,
         evaluate=accuracy, data={**sources, "num_heldout": num_heldout})
     return trainer.train(config, settings.training, task, out_dir, resume=resume,
-                         allow_changes=allow_changes, mesh=mesh, init_from=init_from)
+                         allow_changes=allow_changes, mesh=mesh, init_from=init_from,
+                         stop_after=stop_after)
 
 
 def default_heldout(num_pairs: int, num_heldout: int | None) -> int:

@@ -54,7 +54,7 @@ from tqdm.auto import tqdm
 from kvjax import checkpoint, distributed, parallel
 from kvjax import model as M
 
-from . import run_dir
+from . import lora, run_dir
 from .config import TrainConfig, TrainTask
 from .data import Batches
 from .update import (
@@ -126,6 +126,10 @@ def train(model_config: M.TransformerConfig, train_config: TrainConfig, task: Tr
     fresh optimizer at step 0; run.json records where they came from. A resumed run continues
     from its own checkpoints and keeps that record; `init_from` is not read then.
 
+    With `train_config.lora`, the run trains LoRA adapters on the params of `init_from`,
+    which stay frozen (`kvjax.train.lora`): its checkpoints hold the adapters alone, and a
+    resumed run reads the base again from where config.json says, checking it is the same.
+
     Raises `TrainingDiverged` on a non-finite loss or params (saving nothing from that step
     on) and, after saving a checkpoint at the current step, `TrainingInterrupted` on SIGINT or
     SIGTERM. Another process training into `out_dir` at the same time is refused.
@@ -147,10 +151,10 @@ def train(model_config: M.TransformerConfig, train_config: TrainConfig, task: Tr
                                _fingerprint(model_config, train_config, task, resume, stop_after))
     with run_dir.exclusive(out_dir, lock=distributed.is_primary()), \
             _deferred_signals() as signals:
-        state = _start_state(model_config, train_config, task, out_dir, resume, allow_changes,
-                             mesh, init_from)
-        return _run(model_config, train_config, task, out_dir, state, stop_after, signals,
-                    mesh)
+        state, base = _start_state(model_config, train_config, task, out_dir, resume,
+                                   allow_changes, mesh, init_from)
+        return _run(model_config, train_config, task, out_dir, state, base, stop_after,
+                    signals, mesh)
 
 
 def _fingerprint(model_config, train_config: TrainConfig, task: TrainTask, resume: bool,
@@ -162,7 +166,7 @@ def _fingerprint(model_config, train_config: TrainConfig, task: TrainTask, resum
 
 
 def _run(model_config, train_config: TrainConfig, task: TrainTask, out_dir: Path,
-         state: TrainState, stop_after: int | None, signals: _Signals,
+         state: TrainState, base, stop_after: int | None, signals: _Signals,
          mesh: Mesh | None) -> TrainResult:
     step_config = compiled_fields(train_config)
     start = int(state.step)
@@ -180,7 +184,13 @@ def _run(model_config, train_config: TrainConfig, task: TrainTask, out_dir: Path
                unit="step", dynamic_ncols=True)
     metrics: dict[str, float] = {}
     manifest = checkpoint.manifest_metadata(model_config.to_dict(), task.name,
-                                            task.tokenizer.to_bytes())
+                                            task.tokenizer.to_bytes(),
+                                            checkpoint.read_lora(out_dir))
+
+    def metrics_now(final: bool) -> dict[str, float]:
+        params = lora.model_params(model_config, train_config, state.params, base)
+        return _evaluate(model_config, train_config, task, params, final)
+
     with bar, checkpoint.Checkpointer(out_dir, save_every=train_config.save_interval,
                                       keep=train_config.keep_checkpoints,
                                       manifest=manifest) as checkpointer:
@@ -188,7 +198,7 @@ def _run(model_config, train_config: TrainConfig, task: TrainTask, out_dir: Path
             batch = dict(zip(task.train.keys(), batches.batch(step - 1, own_rows), strict=True))
             placed = batch if mesh is None else parallel.shard_batch(batch, mesh)
             state, losses[step] = train_step(model_config, step_config, state, placed,
-                                             mesh=mesh)
+                                             mesh=mesh, base=base)
             # Counted on this process's rows: with several, an estimate of the whole batch's.
             meter.add_tokens(int(np.count_nonzero(target_weights(batch))) * jax.process_count())
             if signals.stop_after(step):
@@ -213,14 +223,14 @@ def _run(model_config, train_config: TrainConfig, task: TrainTask, out_dir: Path
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}")
             bar.update(step - bar.n)
             if evaluate:
-                metrics = _evaluate(model_config, train_config, task, state.params, final)
+                metrics = metrics_now(final)
                 record.update(metrics)
                 bar.write(_describe(record))
                 meter.restart()  # evaluation time is not training throughput
             log.write(record)
         guard.check(losses, state)
         if not metrics:  # nothing left to run: the checkpoint was already at `end`
-            metrics = _evaluate(model_config, train_config, task, state.params, True)
+            metrics = metrics_now(True)
         checkpointer.save(int(state.step), _checkpoint_tree(state), force=True)
     if primary:
         run_dir.plot_loss_curve(log.read(), out_dir / run_dir.LOSS_CURVE_FILE)
@@ -308,7 +318,8 @@ def _deferred_signals() -> Iterator[_Signals]:
 
 def _start_state(model_config, train_config, task: TrainTask, out_dir: Path,
                  resume: bool, allow_changes: bool, mesh: Mesh | None,
-                 init_from: str | Path | None) -> TrainState:
+                 init_from: str | Path | None) -> tuple[TrainState, Any]:
+    """The state to start from, and the frozen base params of a LoRA run (else None)."""
     saved_step = checkpoint.latest_step(out_dir)
     if saved_step is not None and not resume:
         raise checkpoint.CheckpointError(
@@ -330,22 +341,36 @@ def _start_state(model_config, train_config, task: TrainTask, out_dir: Path,
                 record["resumed_with_changes_at_step"] = saved_step
             if distributed.is_primary():
                 run_dir.write_run_record(out_dir, record)
-    params = None
-    if not resume and init_from is not None:
+    params = base = lora_record = None
+    if train_config.lora is not None:
+        source = (record.get(run_dir.INIT_FROM) or {}).get("checkpoint") if resume else init_from
+        if source is not None:
+            run_dir.check_same_run(Path(source), model_config, task,
+                                   action=f"cannot start from {source}")
+        base, record[run_dir.INIT_FROM] = lora.load_base(source, model_config, train_config,
+                                                         mesh)
+        if resume:
+            lora.check_same_base(out_dir, record[run_dir.INIT_FROM])
+        else:
+            params = lora.init_adapters(model_config, train_config, base)
+        lora_record = lora.record(train_config, record[run_dir.INIT_FROM])
+    elif not resume and init_from is not None:
         params, record[run_dir.INIT_FROM] = _initial_params(init_from, model_config, task, mesh)
     if distributed.is_primary():
         checkpoint.write_metadata(out_dir, model_config.to_dict(), task.name,
-                                  task.tokenizer.to_bytes())
+                                  task.tokenizer.to_bytes(), lora_record)
         if not resume:
             run_dir.write_run_record(out_dir, record)
     if not resume:
-        return init_state(model_config, train_config, mesh, params=params)
-    abstract = jax.eval_shape(lambda: _checkpoint_tree(init_state(model_config, train_config)))
+        return init_state(model_config, train_config, mesh, params=params), base
+    trained = None if base is None else lora.adapter_shapes(model_config, train_config, base)
+    abstract = jax.eval_shape(lambda p: _checkpoint_tree(
+        init_state(model_config, train_config, params=p)), trained)
     if mesh is not None:
         abstract = parallel.abstract_on(abstract, mesh)
     _, tree = checkpoint.restore_latest(out_dir, abstract)
     return TrainState(params=tree["params"], opt_state=tree["opt_state"],
-                      step=tree["data_position"], rng=tree["rng"])
+                      step=tree["data_position"], rng=tree["rng"]), base
 
 
 def _initial_params(init_from: str | Path, model_config, task: TrainTask,

@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 
 from kvjax import model as M
 from kvjax import parallel
+from kvjax.model.lora import merge as merge_lora
 
 from .config import TrainConfig
 
@@ -79,7 +80,7 @@ def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
         decay_steps=config.steps, end_value=config.learning_rate * config.final_lr_fraction)
 
 
-DECAYED_PARAMS = ("kernel", "embedding", "position_embedding")
+DECAYED_PARAMS = ("kernel", "embedding", "position_embedding", "lora_a", "lora_b")
 
 
 def decay_mask(params) -> Any:
@@ -141,8 +142,13 @@ def _state_for_params(step_config: TrainConfig, params, seed_key: jax.Array) -> 
 
 
 def train_step(model_config: M.TransformerConfig, train_config: TrainConfig, state: TrainState,
-               batch: Batch, mesh: Mesh | None = None) -> tuple[TrainState, jax.Array]:
+               batch: Batch, mesh: Mesh | None = None, base: Any = None
+               ) -> tuple[TrainState, jax.Array]:
     """One AdamW update on `batch`; returns the new state and the batch's mean loss.
+
+    With `train_config.lora`, `state.params` are the adapters and `base` the frozen params
+    they adapt: the loss is the merged model's (`model.lora.merge`), and only the adapters
+    have gradients and moments.
 
     With a `mesh`, the state comes in laid out by `parallel.state_shardings` and the batch
     split over `data` (`parallel.shard_batch`); the new state leaves with the same layout,
@@ -151,7 +157,7 @@ def train_step(model_config: M.TransformerConfig, train_config: TrainConfig, sta
     buffers are donated: `state` cannot be used after the call.
     """
     step = _compiled_step(train_config.deterministic, jax.default_backend())
-    return step(model_config, train_config, state, batch, mesh=mesh)
+    return step(model_config, train_config, state, batch, base, mesh=mesh)
 
 
 # XLA's switch for run-to-run determinism on a GPU; the other backends run deterministically.
@@ -168,10 +174,13 @@ def _compiled_step(deterministic: bool, backend: str):
 
 
 def _train_step(model_config: M.TransformerConfig, train_config: TrainConfig, state: TrainState,
-                batch: Batch, mesh: Mesh | None = None) -> tuple[TrainState, jax.Array]:
+                batch: Batch, base: Any = None, mesh: Mesh | None = None
+                ) -> tuple[TrainState, jax.Array]:
     dropout_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
     def loss_fn(params):
+        if train_config.lora is not None:
+            params = merge_lora(model_config, base, params, train_config.lora)
         logits = M.teacher_forced_logits(model_config, params, batch, dropout_rng)
         total, count = cross_entropy_sum(logits, batch["targets"], target_weights(batch),
                                          train_config.label_smoothing)

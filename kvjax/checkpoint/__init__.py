@@ -56,15 +56,22 @@ from .layout import (
     UnverifiedCheckpointWarning,
 )
 from .load import load_for_sampling
-from .metadata import check_metadata, read_metadata, write_atomically, write_metadata
+from .metadata import (
+    check_metadata,
+    read_lora,
+    read_metadata,
+    write_atomically,
+    write_metadata,
+)
 from .restore import (
     abstract_saved_state,
     latest_step,
+    params_digest,
     read_manifest,
     restore_latest,
     restore_params,
 )
-from .save import Checkpointer, manifest_metadata, write_manifest
+from .save import Checkpointer, manifest_metadata, write_manifest, write_model
 
 __all__ = [
     "CONFIG_FILE",
@@ -79,6 +86,9 @@ __all__ = [
     "check_metadata",
     "latest_step",
     "load_for_sampling",
+    "params_digest",
+    "read_lora",
+    "write_model",
     "manifest_metadata",
     "read_manifest",
     "read_metadata",

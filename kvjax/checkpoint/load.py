@@ -8,12 +8,13 @@ from typing import Any
 import jax
 
 from .layout import CONFIG_FILE, TOKENIZER_FILE, CheckpointError, existing_directory
-from .metadata import check_metadata, read_metadata
-from .restore import restore_params
+from .metadata import check_metadata, read_lora, read_metadata
+from .restore import params_digest, restore_params
 
 
 def load_for_sampling(directory: str | os.PathLike, mesh: Any = None, *,
-                      scan_layers: bool | None = None) -> tuple[Any, Any, Any]:
+                      scan_layers: bool | None = None,
+                      lora: str | os.PathLike | None = None) -> tuple[Any, Any, Any]:
     """Returns `(TransformerConfig, Tokenizer, params)` from the newest step in `directory`.
 
     `config.json` and the tokenizer are checked against the step's manifest and the params
@@ -24,6 +25,11 @@ def load_for_sampling(directory: str | os.PathLike, mesh: Any = None, *,
     The layers come back held as `scan_layers` says (None: `TransformerConfig`'s default,
     unrolled), whichever way the checkpoint stores them (its `config.json` says which); the
     returned config says how they are held (`model.with_layer_layout` converts).
+
+    With `lora`, a directory of LoRA adapters trained on this checkpoint (`kvjax train
+    --lora-rank`), the params come back with the adapters merged in (`model.lora.merge`).
+    The adapters must name this checkpoint's params as their base (by their checksums); a
+    directory of adapters given as `directory` is refused with a message naming its base.
     """
     # Imported here so that saving and restoring training state does not depend on them.
     from kvjax.model import TransformerConfig, init_params, with_layer_layout
@@ -32,6 +38,13 @@ def load_for_sampling(directory: str | os.PathLike, mesh: Any = None, *,
     path = existing_directory(directory)
     config_dict, _task, tokenizer_bytes = read_metadata(path)
     check_metadata(path)
+    adapters_of = read_lora(path)
+    if adapters_of is not None:
+        base = (adapters_of.get("base") or {}).get("checkpoint", "the base checkpoint")
+        raise CheckpointError(
+            f"{path} holds LoRA adapters, not a whole model: load the checkpoint they were "
+            f"trained on with them (kvjax sample --checkpoint {base} --lora {path}, or "
+            f"text.load({str(base)!r}, lora={str(path)!r}))")
     try:
         config = TransformerConfig.from_dict(config_dict)
     except (TypeError, ValueError) as e:
@@ -52,6 +65,8 @@ def load_for_sampling(directory: str | os.PathLike, mesh: Any = None, *,
         parallel.check_model_axis(config, mesh)
         abstract_params = parallel.abstract_on(abstract_params, mesh)
     params = restore_params(path, abstract_params)
+    if lora is not None:
+        config, params = _with_adapters(path, config, params, lora)
     if scan_layers is None:
         scan_layers = TransformerConfig.scan_layers
     if scan_layers != config.scan_layers:
@@ -59,3 +74,35 @@ def load_for_sampling(directory: str | os.PathLike, mesh: Any = None, *,
         if mesh is not None:
             params = parallel.shard_params(params, mesh)
     return config, tokenizer, params
+
+
+def _with_adapters(base_path, config, params, adapter_dir) -> tuple[Any, Any]:
+    """(config, params) of the base with the adapters in `adapter_dir` merged in, held in the
+    layer layout the adapters were trained in."""
+    from kvjax.model import TransformerConfig, with_layer_layout
+    from kvjax.model import lora as L
+
+    path = existing_directory(adapter_dir)
+    record = read_lora(path)
+    if record is None:
+        raise CheckpointError(f"{path} holds no LoRA adapters (its {CONFIG_FILE} has no "
+                              "'lora'): it is a checkpoint of a whole model")
+    check_metadata(path)
+    try:
+        settings = L.LoRA.from_dict(record)
+        trained = TransformerConfig.from_dict(read_metadata(path)[0])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path / CONFIG_FILE}: invalid LoRA record: {e}") from e
+    wanted = (record.get("base") or {}).get("params_sha256")
+    if wanted is not None and params_digest(base_path) != wanted:
+        raise CheckpointError(
+            f"the LoRA adapters in {path} were trained on other params than those of "
+            f"{base_path} (their base was {record['base'].get('checkpoint')}, step "
+            f"{record['base'].get('step')})")
+    if trained.replace(scan_layers=config.scan_layers) != config:
+        raise CheckpointError(f"the LoRA adapters in {path} were trained for another model "
+                              f"config than the one of {base_path}")
+    if config.scan_layers != trained.scan_layers:
+        config, params = with_layer_layout(config, params, trained.scan_layers)
+    adapters = restore_params(path, L.adapter_shapes(config, params, settings))
+    return config, L.merge(config, params, adapters, settings)

@@ -29,8 +29,11 @@ def write_metadata(
     config_dict: Mapping[str, Any],
     task: str,
     tokenizer_bytes: bytes,
+    lora: Mapping[str, Any] | None = None,
 ) -> None:
     """Writes `config.json` (`task` and the model config) and `tokenizer.model` into `directory`.
+    For a run that trains LoRA adapters on a base checkpoint, `lora` (the adapters' settings
+    and their base, see `kvjax.train.lora`) goes into `config.json` too.
 
     Creates the directory if needed; each file is replaced atomically. Writing what is already
     there changes nothing, so a resumed run may call this again. Different content is refused
@@ -42,16 +45,20 @@ def write_metadata(
     if not isinstance(tokenizer_bytes, bytes | bytearray | memoryview) or not tokenizer_bytes:
         raise ValueError("tokenizer_bytes must be the non-empty serialized tokenizer model")
     tokenizer_bytes = bytes(tokenizer_bytes)
+    contents = {"format": METADATA_FORMAT, "task": task, "model": dict(config_dict)}
+    if lora is not None:
+        contents["lora"] = dict(lora)
     try:
         text = json.dumps(
-            {"format": METADATA_FORMAT, "task": task, "model": dict(config_dict)},
+            contents,
             indent=2,
             sort_keys=True,
             allow_nan=False,
         )
     except (TypeError, ValueError) as e:
         raise ValueError(f"config_dict cannot be written as JSON: {e}") from e
-    model = json.loads(text)["model"]  # as it will read back (tuples become lists, ...)
+    written = json.loads(text)  # as it will read back (tuples become lists, ...)
+    model = written["model"]
 
     path = Path(directory)
     if path.exists() and not path.is_dir():
@@ -60,12 +67,15 @@ def write_metadata(
     write_config = write_tokenizer = True
     if config_path.exists():
         old_model, old_task = _read_config(config_path)
-        write_config = (old_model, old_task) != (model, task)
+        old_lora = read_lora(path)
+        write_config = (old_model, old_task, old_lora) != (model, task, written.get("lora"))
         if write_config:
             keys = old_model.keys() | model.keys()
             changed = sorted(k for k in keys if old_model.get(k) != model.get(k))
             if old_task != task:
                 changed.insert(0, "task")
+            if old_lora != written.get("lora"):
+                changed.insert(0, "lora")
             _refuse_if_steps(path, config_path, f"config ({changed} differ)")
     if tokenizer_path.exists():
         write_tokenizer = tokenizer_path.read_bytes() != tokenizer_bytes
@@ -91,6 +101,17 @@ def read_metadata(directory: str | os.PathLike) -> tuple[dict[str, Any], str, by
     if not tokenizer_bytes:
         raise CheckpointError(f"tokenizer file {tokenizer_path} is empty")
     return config, task, tokenizer_bytes
+
+
+def read_lora(directory: str | os.PathLike) -> dict[str, Any] | None:
+    """The LoRA record `config.json` holds (`write_metadata`), or None for a checkpoint of a
+    whole model."""
+    path = Path(directory) / CONFIG_FILE
+    _read_config(path)
+    lora = json.loads(path.read_text(encoding="utf-8")).get("lora")
+    if lora is not None and not isinstance(lora, dict):
+        raise CheckpointError(f"config file {path}: 'lora' must be a JSON object")
+    return lora
 
 
 def _read_config(path: Path) -> tuple[dict[str, Any], str]:
@@ -179,6 +200,11 @@ def check_metadata(directory: str | os.PathLike) -> None:
         raise CheckpointError(
             f"{config_path} disagrees with the config stored in the checkpoint ({details}); "
             "the params were trained with the stored one")
+    if manifest.get("lora") != read_lora(path):
+        raise CheckpointError(
+            f"{config_path} disagrees with the LoRA settings stored in the checkpoint "
+            f"({_shown(read_lora(path))} in the file, {_shown(manifest.get('lora'))} in the "
+            "checkpoint); the adapters were trained with the stored ones")
     wanted_hash = manifest.get("tokenizer_sha256")
     if wanted_hash is not None and hashlib.sha256(tokenizer_bytes).hexdigest() != wanted_hash:
         raise CheckpointError(

@@ -8,6 +8,7 @@ without a manifest is restored with a warning that its data could not be verifie
 
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from pathlib import Path
@@ -115,6 +116,18 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any] | None:
     path = existing_directory(directory)
     with reader(path) as manager:
         return _manifest(manager, path, _newest_step(manager, path))
+
+
+def params_digest(directory: str | os.PathLike) -> str | None:
+    """One SHA-256 over the checksums of the params of the newest step in `directory`, as its
+    manifest holds them (None without a manifest): what LoRA adapters record of the base they
+    were trained on, whichever layer layout it is loaded in."""
+    manifest = read_manifest(directory)
+    if manifest is None:
+        return None
+    entries = sorted(f"{key} {value}" for key, value in manifest["sha256"].items()
+                     if key.startswith(f"{PARAMS_KEY}/"))
+    return hashlib.sha256("\n".join(entries).encode()).hexdigest()
 
 
 def _manifest(manager: ocp.CheckpointManager, path: Path, step: int) -> dict[str, Any] | None:

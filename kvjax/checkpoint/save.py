@@ -22,6 +22,7 @@ from kvjax.distributed import host_arrays
 from .layout import (
     MANIFEST_FORMAT,
     MANIFEST_ITEM,
+    PARAMS_KEY,
     STATE_ITEM,
     CheckpointError,
     UnverifiedCheckpointWarning,
@@ -32,7 +33,7 @@ from .layout import (
     leaf_name,
     sha256,
 )
-from .metadata import read_metadata
+from .metadata import read_metadata, write_metadata
 from .restore import abstract_saved_state, latest_step, restore_latest
 
 
@@ -224,12 +225,33 @@ def _json_round_trip(value: Any, what: str) -> Any:
         raise ValueError(f"{what} cannot be written as JSON: {e}") from e
 
 
-def manifest_metadata(config_dict: Mapping[str, Any], task: str,
-                      tokenizer_bytes: bytes) -> dict[str, Any]:
-    """What a trainer stores in every step's manifest: the model config and task (as
-    `config.json` holds them) and the SHA-256 of the tokenizer file."""
-    return {"task": task, "model": _json_round_trip(dict(config_dict), "config_dict"),
-            "tokenizer_sha256": hashlib.sha256(bytes(tokenizer_bytes)).hexdigest()}
+def write_model(out: str | os.PathLike, config_dict: Mapping[str, Any], task: str,
+                tokenizer_bytes: bytes, params: Any) -> Path:
+    """Saves a whole model into the new checkpoint directory `out` at step 0: its
+    config.json, tokenizer and params, with a manifest (what `kvjax import-hf` and `kvjax
+    merge-lora` write). `out` must not hold checkpoint steps yet."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"{out} is not a directory")
+    if out.is_dir() and latest_step(out) is not None:
+        raise CheckpointError(f"{out} already holds checkpoint steps; write into a new "
+                              "directory")
+    write_metadata(out, config_dict, task, tokenizer_bytes)
+    manifest = manifest_metadata(config_dict, task, tokenizer_bytes)
+    with Checkpointer(out, save_every=1, keep=1, async_save=False, manifest=manifest) as saver:
+        saver.save(0, {PARAMS_KEY: params}, force=True)
+    return out
+
+
+def manifest_metadata(config_dict: Mapping[str, Any], task: str, tokenizer_bytes: bytes,
+                      lora: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What a trainer stores in every step's manifest: the model config and task (and the
+    LoRA record) as `config.json` holds them, and the SHA-256 of the tokenizer file."""
+    metadata = {"task": task, "model": _json_round_trip(dict(config_dict), "config_dict"),
+                "tokenizer_sha256": hashlib.sha256(bytes(tokenizer_bytes)).hexdigest()}
+    if lora is not None:
+        metadata["lora"] = _json_round_trip(dict(lora), "lora")
+    return metadata
 
 
 def _as_stored(state: Any) -> Any:

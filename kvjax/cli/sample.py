@@ -13,6 +13,9 @@ def add_sample(commands) -> None:
     sample.add_argument("--checkpoint", required=True, metavar="DIR",
                         help="a directory written by `kvjax train`, `kvjax demo` or "
                              "`kvjax import-hf`, or a Hugging Face model directory")
+    sample.add_argument("--lora", metavar="DIR", default=None,
+                        help="LoRA adapters trained on --checkpoint (kvjax train "
+                             "--lora-rank), merged into it")
     sample.add_argument("--prompt", required=True, help="the text to continue or translate")
     sample.add_argument("--max-new-tokens", type=positive, default=64,
                         help="stop after this many tokens (fewer if the model's length ends)")
@@ -58,7 +61,7 @@ def add_sample(commands) -> None:
 def run_sample(args) -> int:
     from kvjax import text
 
-    loaded = with_precision(text.load(args.checkpoint), args)
+    loaded = with_precision(text.load(args.checkpoint, lora=args.lora), args)
     from kvjax import decode
 
     # Checked before the echo, as the prompt is.

@@ -16,6 +16,9 @@ def add_serve(commands) -> None:
                         "/metrics) with continuous batching.")
     serve.add_argument("--checkpoint", required=True, metavar="DIR",
                        help="a kvjax checkpoint or a Hugging Face model directory (decoder-only)")
+    serve.add_argument("--lora", metavar="DIR", default=None,
+                       help="LoRA adapters trained on --checkpoint (kvjax train --lora-rank), "
+                            "merged into it")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free)")
     serve.add_argument("--model-name", default=None,
@@ -66,7 +69,7 @@ def run_serve(args) -> int:
               f"can reach the port may use the model (set --api-key or ${API_KEY_VARIABLE})",
               file=sys.stderr)
     mesh = None if args.mesh is None else parallel.make_mesh(args.mesh)
-    loaded = with_precision(text.load(args.checkpoint), args)
+    loaded = with_precision(text.load(args.checkpoint, lora=args.lora), args)
     limits = Limits()
     app = build_app(loaded, model_name=args.model_name, max_slots=args.max_slots,
                     max_staged=args.max_staged, max_queue=args.max_queue,

@@ -24,6 +24,17 @@ def add_train(commands) -> None:
                        help="fine-tune this checkpoint of the same task (one of kvjax's, or "
                             "one that kvjax import-hf wrote): its model and tokenizer, its "
                             "params as the start, a fresh optimizer")
+    lora = train.add_argument_group(
+        "LoRA", "train low-rank adapters on a frozen --init-from checkpoint instead of every "
+        "weight: --out then holds the adapters alone (sample or serve them with --lora, "
+        "or write the merged model with kvjax merge-lora)")
+    lora.add_argument("--lora-rank", type=positive, default=None, metavar="R",
+                      help="the adapters' rank")
+    lora.add_argument("--lora-alpha", type=positive_real, default=None, metavar="A",
+                      help="the update is scaled by A / R (default: A = R)")
+    lora.add_argument("--lora-targets", nargs="+", default=None, metavar="NAME",
+                      help="kernels to adapt: q k v o (attention), wi wi_gate wo "
+                           "(feed-forward) (default: q v)")
     train.add_argument("--steps", type=positive, default=None,
                        help="training steps (default: the demo settings)")
     train.add_argument("--batch-size", type=positive, default=None,
@@ -103,6 +114,11 @@ def run_train(args) -> int:
         settings = tasks.LM_SETTINGS if args.task == "lm" else tasks.TRANSLATE_SETTINGS
         model = overrides.get("model_overrides", settings.model_overrides)
         overrides["model_overrides"] = {**model, "dtype": args.dtype}
+    if args.lora_rank is not None:
+        overrides["lora"] = M.LoRA(args.lora_rank, args.lora_alpha,
+                                   tuple(args.lora_targets or M.lora.DEFAULT_TARGETS))
+    elif args.lora_alpha is not None or args.lora_targets is not None:
+        raise ValueError("--lora-alpha and --lora-targets need --lora-rank")
     if args.allow_changes and not args.resume:
         raise ValueError("--allow-changes only applies with --resume")
     out = args.out or f"runs/{args.task}"

@@ -26,17 +26,9 @@ def import_checkpoint(hf_directory: str | os.PathLike, out: str | os.PathLike, *
     records it; nothing is written when reading the model fails.
     """
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise NotADirectoryError(f"{out} is not a directory")
-    if out.is_dir() and checkpoint.latest_step(out) is not None:
+    if out.is_dir() and checkpoint.latest_step(out) is not None:  # before reading the model
         raise checkpoint.CheckpointError(f"{out} already holds checkpoint steps; import into a "
                                          "new directory")
     config, tokenizer, params = load_pretrained(hf_directory, dtype=dtype)
     task = "translate" if M.prompt_is_source(config) else "lm"
-    config_dict, tokenizer_bytes = config.to_dict(), tokenizer.to_bytes()
-    checkpoint.write_metadata(out, config_dict, task, tokenizer_bytes)
-    manifest = checkpoint.manifest_metadata(config_dict, task, tokenizer_bytes)
-    with checkpoint.Checkpointer(out, save_every=1, keep=1, async_save=False,
-                                 manifest=manifest) as saver:
-        saver.save(0, {checkpoint.PARAMS_KEY: params}, force=True)
-    return out
+    return checkpoint.write_model(out, config.to_dict(), task, tokenizer.to_bytes(), params)

@@ -1,0 +1,185 @@
+"""Low-rank adapters (LoRA, Hu et al. 2021): a frozen kernel W plus a trained update
+(alpha / r) · A B, with A [in, r] and B [r, out] for a rank r much smaller than in and out.
+
+The adapters are a pytree of their own, beside the params: for every layer, one
+`{"lora_a", "lora_b"}` pair per target under the layer's path and the target's name, e.g.
+`adapters["layers"]["0"]["self_attention"]["q"]`. `merge` returns the params with every
+target's kernel replaced by W + (alpha / r) · A B, so one forward serves training (the
+gradient flows to A and B only), sampling and serving, and `kvjax merge-lora` writes the sum.
+B starts at zero, so the merged params start equal to the base, bit for bit.
+
+Targets, by the names of `kvjax.model` (Hugging Face's in brackets):
+  q, k, v (q_proj, k_proj, v_proj): the query, key and value heads of self-attention, slices
+      of its fused `qkv` kernel [D, N + 2K, H];
+  o (o_proj): self-attention's output kernel [N, H, D];
+  wi, wi_gate, wo (gate_proj, up_proj, down_proj; GPT-2's c_fc and c_proj): the
+      feed-forward kernels.
+Both variants' self-attention and feed-forward layers take them (an encoder-decoder's
+encoder and decoder alike); cross-attention is left as it is. With scanned layers every
+array gains the leading layer axis L. Shape letters: D model width, N query heads, K kv heads,
+H head width, R rank, I and O a kernel's input and output width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import TransformerConfig
+
+TARGETS = ("q", "k", "v", "o", "wi", "wi_gate", "wo")
+DEFAULT_TARGETS = ("q", "v")  # PEFT's default for Llama's and GPT-2's attention
+# target: (module holding it, its kernel's name, input axes of the kernel)
+_KERNELS = {"q": ("self_attention", "qkv", 1), "k": ("self_attention", "qkv", 1),
+            "v": ("self_attention", "qkv", 1), "o": ("self_attention", "out", 2),
+            "wi": ("ffn", "wi", 1), "wi_gate": ("ffn", "wi_gate", 1), "wo": ("ffn", "wo", 1)}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRA:
+    """rank: r; alpha: the update is scaled by alpha / r (None: alpha = r, a scale of 1, as
+    PEFT's defaults r = 8, alpha = 8 give); targets: which kernels get adapters (`TARGETS`)."""
+
+    rank: int
+    alpha: float | None = None
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+
+    def __post_init__(self):
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int | np.integer) \
+                or self.rank < 1:
+            raise ValueError(f"LoRA rank={self.rank!r} must be an int >= 1")
+        if self.alpha is not None and not (isinstance(self.alpha, int | float)
+                                           and math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"LoRA alpha={self.alpha!r} must be a number > 0")
+        targets = tuple(self.targets)
+        unknown = [t for t in targets if t not in TARGETS]
+        if unknown or not targets or len(set(targets)) != len(targets):
+            raise ValueError(f"LoRA targets {list(targets)} must be distinct names among "
+                             f"{list(TARGETS)}" + (f"; {unknown[0]!r} is not" if unknown else ""))
+        object.__setattr__(self, "rank", int(self.rank))
+        object.__setattr__(self, "targets", tuple(t for t in TARGETS if t in targets))
+
+    @property
+    def scale(self) -> float:
+        return (self.rank if self.alpha is None else self.alpha) / self.rank
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LoRA:
+        return cls(d["rank"], d.get("alpha"), tuple(d.get("targets", DEFAULT_TARGETS)))
+
+
+def init_adapters(config: TransformerConfig, params, lora: LoRA, rng: jax.Array):
+    """Fresh adapters for `params`: A drawn uniformly from ±1/sqrt(I) (PEFT's Kaiming
+    initialisation), B zero, both float32. A ValueError names a target the model lacks."""
+    adapters: dict = {}
+    sites = list(_sites(config, params, lora))
+    for i, (path, target, kernel) in enumerate(sites):
+        in_width, out_width, lead = _widths(config, target, kernel)
+        bound = 1 / math.sqrt(in_width)
+        a = jax.random.uniform(jax.random.fold_in(rng, i), (*lead, in_width, lora.rank),
+                               jnp.float32, -bound, bound)
+        b = jnp.zeros((*lead, lora.rank, out_width), jnp.float32)
+        _set(adapters, (*path, target), {"lora_a": a, "lora_b": b})
+    return adapters
+
+
+def merge(config: TransformerConfig, params, adapters, lora: LoRA):
+    """`params` with each target's kernel W replaced by W + scale · A B (summed in float32,
+    held in W's dtype); everything else is the same array. Traceable: training
+    differentiates through it to the adapters."""
+    merged = jax.tree.map(lambda x: x, params)  # new containers, the same arrays
+    for path, target, _ in _sites(config, params, lora):
+        pair = _get(adapters, (*path, target))
+        delta = lora.scale * jnp.matmul(jnp.asarray(pair["lora_a"], jnp.float32),
+                                        jnp.asarray(pair["lora_b"], jnp.float32))
+        module, name, _ = _KERNELS[target]
+        current = _get(merged, (*path, module, name, "kernel"))
+        updated = current.astype(jnp.float32)
+        if name == "qkv":
+            start, width = _qkv_heads(config, target)
+            delta = delta.reshape(*delta.shape[:-1], width, config.head_dim)
+            updated = updated.at[..., start:start + width, :].add(delta)
+        else:
+            updated = updated + delta.reshape(current.shape)
+        _set(merged, (*path, module, name, "kernel"), updated.astype(current.dtype))
+    return merged
+
+
+def adapter_shapes(config: TransformerConfig, params, lora: LoRA):
+    """The adapters `init_adapters` makes, as `jax.ShapeDtypeStruct`s (nothing computed)."""
+    return jax.eval_shape(lambda: init_adapters(config, params, lora, jax.random.key(0)))
+
+
+def count(adapters) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(adapters))
+
+
+def _sites(config: TransformerConfig, params, lora: LoRA
+           ) -> Iterator[tuple[tuple[str, ...], str, Any]]:
+    """(path of a layer, target, its kernel) for every layer holding a target's module."""
+    found = set()
+    for path, layer in _layers(params, ()):
+        for target in lora.targets:
+            module, name, _ = _KERNELS[target]
+            kernel = layer.get(module, {}).get(name, {}).get("kernel")
+            if kernel is None:
+                continue
+            if not jnp.issubdtype(kernel.dtype, jnp.floating):
+                raise ValueError(f"LoRA needs floating-point kernels; {'/'.join(path)}/"
+                                 f"{module}/{name} holds {kernel.dtype}")
+            found.add(target)
+            yield path, target, kernel
+    missing = [t for t in lora.targets if t not in found]
+    if missing:
+        raise ValueError(f"LoRA target {missing[0]!r} is not in this model (its layers have "
+                         f"no {'/'.join(_KERNELS[missing[0]][:2])} kernel)")
+
+
+def _layers(tree, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], dict]]:
+    """Every subtree holding a layer's self-attention or feed-forward module."""
+    if not isinstance(tree, dict):
+        return
+    if "self_attention" in tree or "ffn" in tree:
+        yield path, tree
+        return
+    for key in sorted(tree):
+        yield from _layers(tree[key], (*path, key))
+
+
+def _widths(config: TransformerConfig, target: str, kernel) -> tuple[int, int, tuple]:
+    """(I, O, leading stack axes) of a target's A and B."""
+    _, name, in_axes = _KERNELS[target]
+    base_ndim = 3 if name in ("qkv", "out") else 2
+    lead = tuple(kernel.shape[:kernel.ndim - base_ndim])
+    shape = kernel.shape[len(lead):]
+    in_width = int(np.prod(shape[:in_axes]))
+    if name == "qkv":
+        return in_width, _qkv_heads(config, target)[1] * config.head_dim, lead
+    return in_width, int(np.prod(shape[in_axes:])), lead
+
+
+def _qkv_heads(config: TransformerConfig, target: str) -> tuple[int, int]:
+    """(first head, number of heads) of q, k or v within the fused qkv kernel."""
+    n, k = config.num_heads, config.kv_heads
+    return {"q": (0, n), "k": (n, k), "v": (n + k, k)}[target]
+
+
+def _get(tree, path: Sequence[str]):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set(tree: dict, path: Sequence[str], value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value

@@ -1,0 +1,115 @@
+"""LoRA fine-tuning of the shipped LM (`kvjax train --lora-rank`): only the adapters train and
+are saved, a resumed run continues bit-identically, and sampling with the adapters equals
+sampling the checkpoint `kvjax merge-lora` writes."""
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import run_cli
+
+from kvjax import checkpoint, decode, text
+from kvjax import model as M
+from kvjax.train import data, lora, run_dir, tasks
+
+BASE = Path(__file__).resolve().parents[2] / "checkpoints" / "python-docs-lm"
+SETTINGS = dict(steps=6, warmup_steps=1, batch_size=4, learning_rate=1e-2, save_every=3,
+                progress=False, lora=M.LoRA(4, 8.0, ("q", "v", "wo")))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "docs.txt"
+    path.write_text(data.python_docs_text()[:3000], encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def run(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora") / "run"
+    return out, tasks.train_lm(out, data_files=[corpus], init_from=BASE, **SETTINGS)
+
+
+def flat_names(tree):
+    return {"/".join(str(getattr(k, "key", k)) for k in path)
+            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def test_only_the_adapters_train_and_the_checkpoint_holds_them_alone(run):
+    out, result = run
+    losses = [result.losses[step] for step in sorted(result.losses)]
+    assert np.mean(losses[-2:]) < losses[0] - 0.05
+    saved = checkpoint.abstract_saved_state(out)
+    assert {name.rsplit("/", 1)[-1] for name in flat_names(saved["params"])} == {
+        "lora_a", "lora_b"}
+    _, _, base = checkpoint.load_for_sampling(BASE)
+    adapter_sizes = sum(x.size for x in jax.tree.leaves(saved["params"]))
+    moments = sum(x.size for x in jax.tree.leaves(saved["opt_state"]))
+    assert moments <= 2 * adapter_sizes + 8  # Adam's two moments of the adapters, and counts
+    assert adapter_sizes < sum(x.size for x in jax.tree.leaves(base)) / 10
+    record = json.loads((out / "config.json").read_text())["lora"]
+    assert record == {"rank": 4, "alpha": 8.0, "targets": ["q", "v", "wo"],
+                      "base": {"checkpoint": str(BASE.resolve()), "step": 400,
+                               "params_sha256": checkpoint.params_digest(BASE)}}
+    # The merged model is the base but for the adapted kernels, which moved.
+    _, _, merged = checkpoint.load_for_sampling(BASE, lora=out)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(base)[0]:
+        name = jax.tree_util.keystr(path)
+        got = merged
+        for key in path:
+            got = got[key.key]
+        adapted = "'qkv'" in name and "kernel" in name or "'wo'" in name and "kernel" in name
+        assert np.array_equal(leaf, got) != adapted, name
+
+
+def test_a_resumed_run_continues_bit_identically(run, corpus, tmp_path):
+    _, whole = run
+    out = tmp_path / "halves"
+    first = tasks.train_lm(out, data_files=[corpus], init_from=BASE, stop_after=3, **SETTINGS)
+    second = tasks.train_lm(out, data_files=[corpus], resume=True, **SETTINGS)
+    assert {**first.losses, **second.losses} == whole.losses
+    restored = [checkpoint.restore_params(path, checkpoint.abstract_saved_state(path)["params"])
+                for path in (run[0], out)]
+    for a, b in zip(*map(jax.tree.leaves, restored), strict=True):
+        assert np.array_equal(a, b)
+    assert json.loads((out / run_dir.RUN_FILE).read_text())[run_dir.INIT_FROM][
+        "params_sha256"] == checkpoint.params_digest(BASE)
+
+
+def test_sampling_with_the_adapters_equals_the_merged_checkpoint(run, capsys, tmp_path):
+    out, _ = run
+    merged_dir = tmp_path / "merged"
+    code, stdout, err = run_cli(capsys, "merge-lora", "--checkpoint", BASE, "--lora", out,
+                                "--out", merged_dir)
+    assert code == 0, err
+    with_adapters = text.load(BASE, lora=out)
+    merged = text.load(merged_dir)
+    for a, b in zip(jax.tree.leaves(with_adapters.params), jax.tree.leaves(merged.params),
+                    strict=True):
+        assert np.array_equal(a, b)
+    prompt = text.prompt_tokens(merged, "The for statement")
+    tokens = [decode.generate(lm.net, lm.params, [prompt], max_new_tokens=12).token_lists()
+              for lm in (with_adapters, merged, text.load(BASE))]
+    assert tokens[0] == tokens[1] != tokens[2]  # the adapters change what the model says
+    args = ["sample", "--prompt", "The for statement", "--max-new-tokens", 12]
+    code, sampled, err = run_cli(capsys, *args, "--checkpoint", BASE, "--lora", out)
+    assert code == 0, err
+    assert sampled.splitlines()[0] == run_cli(capsys, *args, "--checkpoint", merged_dir)[1] \
+        .splitlines()[0]
+
+
+def test_misuse_is_one_line_naming_the_fix(run, corpus, capsys, tmp_path):
+    out, _ = run
+    code, _, err = run_cli(capsys, "sample", "--checkpoint", out, "--prompt", "x")
+    assert code == 2 and f"--checkpoint {BASE.resolve()} --lora {out}" in err
+    code, _, err = run_cli(capsys, "train", "--task", "lm", "--data", corpus, "--lora-rank", 4,
+                           "--steps", 2, "--out", tmp_path / "no-base", "--no-progress")
+    assert code == 2 and "give the checkpoint to adapt" in err
+    other = BASE.parent / "numbers-to-words"
+    with pytest.raises(checkpoint.CheckpointError, match="trained on other params"):
+        text.load(other, lora=out)
+    with pytest.raises(checkpoint.CheckpointError, match="holds no LoRA adapters"):
+        lora.merge_into_checkpoint(BASE, BASE, tmp_path / "never")
+    assert not (tmp_path / "never").exists()

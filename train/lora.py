@@ -1,0 +1,85 @@
+"""Training LoRA adapters on a frozen base checkpoint (`TrainConfig.lora`).
+
+The training state's params are the adapters only (`model.lora`): the optimizer keeps its
+moments for them alone and a checkpoint holds only them. The base params are read from the
+checkpoint the run starts from and never change; every step differentiates the loss of the
+merged params (base + scale · A B) with respect to the adapters. `config.json` of the run
+records the LoRA settings and the base: its path, step and the SHA-256 over its params'
+checksums (`checkpoint.params_digest`), so a resumed run, `kvjax sample --lora` and
+`kvjax merge-lora` check that they hold the same base.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from kvjax import checkpoint
+from kvjax import model as M
+from kvjax.model import lora as L
+
+from .config import TrainConfig
+
+
+def load_base(source: str | Path | None, model_config: M.TransformerConfig,
+              train_config: TrainConfig, mesh=None) -> tuple[Any, dict[str, Any]]:
+    """(base params, what config.json records of them) from the checkpoint `source`."""
+    if source is None:
+        raise ValueError("LoRA trains adapters on a base model: give the checkpoint to adapt "
+                         "(init_from, --init-from)")
+    path = Path(source)
+    _, _, params = checkpoint.load_for_sampling(path, mesh, scan_layers=model_config.scan_layers)
+    return params, {"checkpoint": str(path.resolve()), "step": checkpoint.latest_step(path),
+                    "params_sha256": checkpoint.params_digest(path)}
+
+
+def record(train_config: TrainConfig, base: dict[str, Any]) -> dict[str, Any]:
+    """The `lora` entry of a run's config.json: the settings and the base."""
+    return {**train_config.lora.to_dict(), "base": base}
+
+
+def check_same_base(out_dir: Path, base: dict[str, Any]) -> None:
+    """Refuses to resume adapters on another base than they were trained on."""
+    saved = (checkpoint.read_lora(out_dir) or {}).get("base") or {}
+    if saved.get("params_sha256") != base["params_sha256"]:
+        raise checkpoint.CheckpointError(
+            f"cannot resume {out_dir}: its adapters were trained on the params of "
+            f"{saved.get('checkpoint')} (step {saved.get('step')}), and {base['checkpoint']} "
+            "now holds other params")
+
+
+def init_adapters(model_config: M.TransformerConfig, train_config: TrainConfig, base) -> Any:
+    """Fresh adapters for the run's seed."""
+    key = jax.random.fold_in(jax.random.key(train_config.seed), 1)
+    return L.init_adapters(model_config, base, train_config.lora, key)
+
+
+def adapter_shapes(model_config: M.TransformerConfig, train_config: TrainConfig, base) -> Any:
+    return L.adapter_shapes(model_config, base, train_config.lora)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def merged(model_config: M.TransformerConfig, base, adapters, lora: M.LoRA) -> Any:
+    """The params the model runs with: the base with the adapters merged in."""
+    return L.merge(model_config, base, adapters, lora)
+
+
+def model_params(model_config: M.TransformerConfig, train_config: TrainConfig, params,
+                 base) -> Any:
+    """The params a run's state stands for: its params, or the base with its adapters."""
+    if train_config.lora is None:
+        return params
+    return merged(model_config, base, params, train_config.lora)
+
+
+def merge_into_checkpoint(base: str | Path, adapters: str | Path, out: str | Path) -> Path:
+    """Writes the base checkpoint with the adapters merged in as a whole model into the new
+    directory `out` (what `kvjax merge-lora` does): its config.json, tokenizer and task are
+    the base's, its layers unrolled (the default layout)."""
+    config, tokenizer, params = checkpoint.load_for_sampling(base, lora=adapters)
+    _, task, _ = checkpoint.read_metadata(base)
+    return checkpoint.write_model(out, config.to_dict(), task, tokenizer.to_bytes(), params)
+
