@@ -35,6 +35,7 @@ from .config import TransformerConfig
 
 TARGETS = ("q", "k", "v", "o", "wi", "wi_gate", "wo")
 DEFAULT_TARGETS = ("q", "v")  # PEFT's default for Llama's and GPT-2's attention
+BASE_DTYPES = ("float32", "bfloat16", "float16")
 # target: (module holding it, its kernel's name, input axes of the kernel)
 _KERNELS = {"q": ("self_attention", "qkv", 1), "k": ("self_attention", "qkv", 1),
             "v": ("self_attention", "qkv", 1), "o": ("self_attention", "out", 2),
@@ -44,11 +45,14 @@ _KERNELS = {"q": ("self_attention", "qkv", 1), "k": ("self_attention", "qkv", 1)
 @dataclasses.dataclass(frozen=True)
 class LoRA:
     """rank: r; alpha: the update is scaled by alpha / r (None: alpha = r, a scale of 1, as
-    PEFT's defaults r = 8, alpha = 8 give); targets: which kernels get adapters (`TARGETS`)."""
+    PEFT's defaults r = 8, alpha = 8 give); targets: which kernels get adapters (`TARGETS`);
+    base_dtype: the dtype training holds the frozen base in (None: as stored; "bfloat16"
+    halves its memory, as QLoRA-style recipes hold it in low precision)."""
 
     rank: int
     alpha: float | None = None
     targets: tuple[str, ...] = DEFAULT_TARGETS
+    base_dtype: str | None = None
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int | np.integer) \
@@ -62,6 +66,9 @@ class LoRA:
         if unknown or not targets or len(set(targets)) != len(targets):
             raise ValueError(f"LoRA targets {list(targets)} must be distinct names among "
                              f"{list(TARGETS)}" + (f"; {unknown[0]!r} is not" if unknown else ""))
+        if self.base_dtype not in (None, *BASE_DTYPES):
+            raise ValueError(f"LoRA base_dtype={self.base_dtype!r} must be one of "
+                             f"{list(BASE_DTYPES)} or None")
         object.__setattr__(self, "rank", int(self.rank))
         object.__setattr__(self, "targets", tuple(t for t in TARGETS if t in targets))
 
@@ -70,11 +77,13 @@ class LoRA:
         return (self.rank if self.alpha is None else self.alpha) / self.rank
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets)}
+        return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets),
+                "base_dtype": self.base_dtype}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LoRA:
-        return cls(d["rank"], d.get("alpha"), tuple(d.get("targets", DEFAULT_TARGETS)))
+        return cls(d["rank"], d.get("alpha"), tuple(d.get("targets", DEFAULT_TARGETS)),
+                   d.get("base_dtype"))
 
 
 def init_adapters(config: TransformerConfig, params, lora: LoRA, rng: jax.Array):
@@ -92,10 +101,11 @@ def init_adapters(config: TransformerConfig, params, lora: LoRA, rng: jax.Array)
     return adapters
 
 
-def merge(config: TransformerConfig, params, adapters, lora: LoRA):
-    """`params` with each target's kernel W replaced by W + scale · A B (summed in float32,
-    held in W's dtype); everything else is the same array. Traceable: training
-    differentiates through it to the adapters."""
+def merge(config: TransformerConfig, params, adapters, lora: LoRA, keep_dtype: bool = True):
+    """`params` with each target's kernel W replaced by W + scale · A B, summed in float32
+    and held in W's dtype (`keep_dtype`) or in float32, which keeps a small update whole
+    over a low-precision base (how training runs it). Everything else is the same array.
+    Traceable: training differentiates through it to the adapters."""
     merged = jax.tree.map(lambda x: x, params)  # new containers, the same arrays
     for path, target, _ in _sites(config, params, lora):
         pair = _get(adapters, (*path, target))
@@ -110,7 +120,8 @@ def merge(config: TransformerConfig, params, adapters, lora: LoRA):
             updated = updated.at[..., start:start + width, :].add(delta)
         else:
             updated = updated + delta.reshape(current.shape)
-        _set(merged, (*path, module, name, "kernel"), updated.astype(current.dtype))
+        _set(merged, (*path, module, name, "kernel"),
+             updated.astype(current.dtype) if keep_dtype else updated)
     return merged
 
 

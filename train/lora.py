@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from kvjax import checkpoint
 from kvjax import model as M
@@ -32,8 +33,19 @@ def load_base(source: str | Path | None, model_config: M.TransformerConfig,
                          "(init_from, --init-from)")
     path = Path(source)
     _, _, params = checkpoint.load_for_sampling(path, mesh, scan_layers=model_config.scan_layers)
+    params = as_base(params, train_config.lora)
     return params, {"checkpoint": str(path.resolve()), "step": checkpoint.latest_step(path),
                     "params_sha256": checkpoint.params_digest(path)}
+
+
+def as_base(params, lora: M.LoRA):
+    """`params` held as the frozen base of a LoRA run: floating-point arrays in
+    `lora.base_dtype` where it names one."""
+    if lora.base_dtype is None:
+        return params
+    dtype = jnp.dtype(lora.base_dtype)
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
 
 def record(train_config: TrainConfig, base: dict[str, Any]) -> dict[str, Any]:

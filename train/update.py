@@ -180,7 +180,8 @@ def _train_step(model_config: M.TransformerConfig, train_config: TrainConfig, st
 
     def loss_fn(params):
         if train_config.lora is not None:
-            params = merge_lora(model_config, base, params, train_config.lora)
+            params = merge_lora(model_config, base, params, train_config.lora,
+                                keep_dtype=False)
         logits = M.teacher_forced_logits(model_config, params, batch, dropout_rng)
         total, count = cross_entropy_sum(logits, batch["targets"], target_weights(batch),
                                          train_config.label_smoothing)

@@ -106,6 +106,15 @@ def _add_train(kinds) -> None:
                        help="also time kvjax with each batch split over this many devices "
                             "(on a CPU, host devices)")
     train.add_argument("--no-torch", action="store_true", help="skip PyTorch")
+    train.add_argument("--lora", action="store_true",
+                       help="instead: LoRA against full fine-tuning on the same model, "
+                            "tokens/s and each step's peak memory")
+    train.add_argument("--lora-rank", type=positive, default=8, help="with --lora: the rank")
+    train.add_argument("--lora-base-dtype", choices=("float32", "bfloat16"), nargs="+",
+                       default=["float32", "bfloat16"],
+                       help="with --lora: the dtypes to hold the frozen base in, one run each")
+    train.add_argument("--lora-targets", nargs="+", default=None, metavar="NAME",
+                       help="with --lora: the kernels to adapt (default: q v)")
     train.add_argument("--deterministic", choices=("on", "off", "both"), default="off",
                        help="kvjax's step with XLA's deterministic ops on a GPU (as kvjax train "
                             "--deterministic runs it), without them (its default), or both to "
@@ -258,6 +267,17 @@ def run_bench_decode(args) -> int:
 
 def run_bench_train(args) -> int:
     from kvjax.benchmarks.train import format_train_table, train_benchmark
+
+    if args.lora:
+        from kvjax.benchmarks.train_lora import format_lora_table, lora_benchmark
+        from kvjax.model.lora import DEFAULT_TARGETS
+
+        rows, setting = lora_benchmark(
+            args.shape or args.preset, args.batch_size, args.seq_len, args.lora_rank,
+            tuple(args.lora_targets or DEFAULT_TARGETS), args.steps, args.repeats, args.dtype,
+            tuple(None if d == "float32" else d for d in args.lora_base_dtype))
+        print(format_lora_table(rows, setting))
+        return 0
 
     rows, setting, peak = train_benchmark(
         args.shape or args.preset, args.batch_size, args.seq_len, args.steps, args.repeats,

@@ -35,6 +35,9 @@ def add_train(commands) -> None:
     lora.add_argument("--lora-targets", nargs="+", default=None, metavar="NAME",
                       help="kernels to adapt: q k v o (attention), wi wi_gate wo "
                            "(feed-forward) (default: q v)")
+    lora.add_argument("--lora-base-dtype", choices=("float32", "bfloat16"), default=None,
+                      help="hold the frozen base in this dtype while training (bfloat16: "
+                           "half its memory) (default: as the checkpoint stores it)")
     train.add_argument("--steps", type=positive, default=None,
                        help="training steps (default: the demo settings)")
     train.add_argument("--batch-size", type=positive, default=None,
@@ -116,9 +119,11 @@ def run_train(args) -> int:
         overrides["model_overrides"] = {**model, "dtype": args.dtype}
     if args.lora_rank is not None:
         overrides["lora"] = M.LoRA(args.lora_rank, args.lora_alpha,
-                                   tuple(args.lora_targets or M.lora.DEFAULT_TARGETS))
-    elif args.lora_alpha is not None or args.lora_targets is not None:
-        raise ValueError("--lora-alpha and --lora-targets need --lora-rank")
+                                   tuple(args.lora_targets or M.lora.DEFAULT_TARGETS),
+                                   args.lora_base_dtype)
+    elif any(v is not None for v in (args.lora_alpha, args.lora_targets,
+                                     args.lora_base_dtype)):
+        raise ValueError("--lora-alpha, --lora-targets and --lora-base-dtype need --lora-rank")
     if args.allow_changes and not args.resume:
         raise ValueError("--allow-changes only applies with --resume")
     out = args.out or f"runs/{args.task}"

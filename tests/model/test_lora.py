@@ -104,3 +104,29 @@ def test_adapters_have_the_rank_and_widths_of_their_kernels():
 def test_bad_settings_are_refused_naming_them(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_training_merges_over_a_low_precision_base_in_float32():
+    config, params = lm()
+    base = jax.tree.map(lambda x: x.astype(np.dtype("bfloat16")), params)
+    lora = M.LoRA(2, targets=("o",), base_dtype="bfloat16")
+    adapters = jax.tree.map(lambda x: x * 1e-2, with_random_b(
+        L.init_adapters(config, base, lora, jax.random.key(1))))
+    kept = L.merge(config, base, adapters, lora)
+    widened = L.merge(config, base, adapters, lora, keep_dtype=False)
+    out = ("layers", "0", "self_attention", "out", "kernel")
+
+    def at(tree):
+        for key in out:
+            tree = tree[key]
+        return tree
+
+    pair = adapters["layers"]["0"]["o"]
+    update = np.asarray(pair["lora_a"]) @ np.asarray(pair["lora_b"])
+    assert at(kept).dtype == np.dtype("bfloat16") and at(widened).dtype == np.float32
+    # an update below bfloat16's resolution of the kernel survives only in float32
+    gained = np.asarray(at(widened), np.float64) - np.asarray(at(base), np.float64)
+    np.testing.assert_allclose(gained, update.reshape(gained.shape), rtol=1e-3, atol=3e-8)
+    lost = np.asarray(at(kept), np.float64) - np.asarray(at(base), np.float64)
+    assert np.mean(lost == 0) > 0.5
+    assert M.LoRA.from_dict(lora.to_dict()) == lora

@@ -50,7 +50,7 @@ def test_only_the_adapters_train_and_the_checkpoint_holds_them_alone(run):
     assert moments <= 2 * adapter_sizes + 8  # Adam's two moments of the adapters, and counts
     assert adapter_sizes < sum(x.size for x in jax.tree.leaves(base)) / 10
     record = json.loads((out / "config.json").read_text())["lora"]
-    assert record == {"rank": 4, "alpha": 8.0, "targets": ["q", "v", "wo"],
+    assert record == {"rank": 4, "alpha": 8.0, "targets": ["q", "v", "wo"], "base_dtype": None,
                       "base": {"checkpoint": str(BASE.resolve()), "step": 400,
                                "params_sha256": checkpoint.params_digest(BASE)}}
     # The merged model is the base but for the adapted kernels, which moved.

@@ -1,0 +1,116 @@
+"""LoRA against full fine-tuning: training tokens per second and peak memory of one step.
+
+Both run `kvjax.train.update.train_step` on the same model, batch and AdamW: full
+fine-tuning updates every param (the optimizer holds two moments of each); LoRA
+(`TrainConfig.lora`) trains adapters on the chosen kernels of frozen base params. The peak
+memory of a step is what XLA's compiled program needs at once (`memory_analysis`):
+its arguments (params, base, optimizer state, batch) and outputs, less those the step
+writes in place of its donated inputs, plus its temporaries (gradients, activations);
+the same count on every backend, and on a GPU what the device must hold for the step.
+Timing is as in `benchmarks/train.py`: warmed up, then the best of `repeats` runs of
+`steps` steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from kvjax import model as M
+from kvjax.model.config import format_bytes
+
+from .decode import _machine
+from .train import _best_step_seconds, model_config
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraRow:
+    name: str
+    step_seconds: float
+    tokens_per_step: int
+    peak_bytes: int
+    trained_params: int
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_per_step / self.step_seconds
+
+
+def peak_bytes(compiled) -> int:
+    """What a compiled program holds at once: arguments and outputs (less the outputs
+    written over donated arguments) and temporaries."""
+    stats = compiled.memory_analysis()
+    return int(stats.argument_size_in_bytes + stats.output_size_in_bytes
+               - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+
+
+def _contender(config: M.TransformerConfig, batch: dict, lora: M.LoRA | None
+               ) -> tuple[Callable[[], object], int, int]:
+    """(one step, the step's peak bytes, the number of trained params)."""
+    from kvjax.train import lora as train_lora
+    from kvjax.train import update
+    from kvjax.train.config import TrainConfig
+
+    train_config = TrainConfig(steps=10_000, batch_size=len(batch["inputs"]), warmup_steps=10,
+                               progress=False, lora=lora)
+    step_config = update.compiled_fields(train_config)
+    base = None
+    params = M.init_params(config, jax.random.key(0))
+    if lora is not None:
+        base = train_lora.as_base(params, lora)
+        params = train_lora.init_adapters(config, train_config, params)
+    holder = {"state": update.init_state(config, train_config, params=params)}
+    compiled = update._compiled_step(False, jax.default_backend()).lower(
+        config, step_config, holder["state"], batch, base).compile()
+
+    def step():
+        holder["state"], loss = update.train_step(config, step_config, holder["state"], batch,
+                                                  base=base)
+        return loss
+
+    trained = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(holder["state"].params))
+    return step, peak_bytes(compiled), trained
+
+
+def lora_benchmark(preset: str = "gpt2-small", batch_size: int = 4, seq_len: int = 256,
+                   rank: int = 8, targets: tuple[str, ...] = M.lora.DEFAULT_TARGETS,
+                   steps: int = 3, repeats: int = 2, dtype: str = "float32",
+                   base_dtypes: tuple[str | None, ...] = (None, "bfloat16"),
+                   log: Callable[[str], None] = print) -> tuple[list[LoraRow], str]:
+    """Full fine-tuning, then LoRA of `rank` on `targets` over a base held in each of
+    `base_dtypes` (None: as the params are, float32); returns the rows and a line naming
+    the setting and machine."""
+    config = model_config(preset).replace(dtype=dtype, scan_layers=True)
+    if seq_len > config.max_len:
+        raise ValueError(f"seq_len {seq_len} exceeds the {preset} max_len {config.max_len}")
+    tokens = np.random.default_rng(0).integers(3, config.vocab_size, (batch_size, seq_len + 1))
+    batch = {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)}
+    rows = []
+    contenders = [("full fine-tuning", None)] + [
+        (f"LoRA r={rank} on {', '.join(targets)}, {base or 'float32'} base",
+         M.LoRA(rank, None, targets, base)) for base in base_dtypes]
+    for name, lora in contenders:
+        log(f"{name} ...")
+        step, peak, trained = _contender(config, batch, lora)
+        rows.append(LoraRow(name, _best_step_seconds(step, steps, repeats),
+                            batch_size * seq_len, peak, trained))
+        del step  # the state's buffers go before the next contender's
+    setting = (f"Fine-tuning, `{preset}` sizes in {dtype} (float32 params), batch "
+               f"{batch_size} x {seq_len} tokens, AdamW with clipping; best of {repeats} x "
+               f"{steps} steps. Machine: {_machine()}.")
+    return rows, setting
+
+
+def format_lora_table(rows: list[LoraRow], setting: str) -> str:
+    full = rows[0]
+    lines = [setting, "", "| contender | trained params | tokens/s | peak memory of a step "
+             "| vs full: speed | vs full: memory |", "|:---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r.name} | {r.trained_params:,} | {r.tokens_per_second:,.0f} | "
+                     f"{format_bytes(r.peak_bytes)} | "
+                     f"{r.tokens_per_second / full.tokens_per_second:.2f}x | "
+                     f"{r.peak_bytes / full.peak_bytes:.0%} |")
+    return "\n".join(lines)
