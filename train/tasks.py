@@ -34,6 +34,7 @@ from jax.sharding import Mesh
 
 from kvjax import checkpoint, decode, hf
 from kvjax import model as M
+from kvjax.hf.convert import import_checkpoint
 from kvjax.tokenizer import EOS_ID, TextTokenizer, Tokenizer, tokenizer_from_bytes, train_tokenizer
 
 from . import data, run_dir, trainer
@@ -100,6 +101,7 @@ def train_lm(out_dir: str | os.PathLike, *, data_files: Sequence[str | os.PathLi
     Fine-tuning (`init_from`) cuts windows of at most the model's `max_len` tokens.
     `stop_after` ends the run early as `trainer.train`'s does.
     """
+    init_from = _as_checkpoint(init_from, out_dir, resume)
     pretrained = _pretrained(out_dir, "lm", init_from, resume, overrides)
     settings = with_overrides(settings, overrides)
     text = data.python_docs_text() if data_files is None else data.read_text_files(data_files)
@@ -162,6 +164,7 @@ def train_translate(out_dir: str | os.PathLike, *, data_tsv: str | os.PathLike |
     greedy decoding on them (all of them in the final metrics). Fine-tuning (`init_from`)
     needs every pair to fit the model's `max_len`, the target after its decoder start.
     """
+    init_from = _as_checkpoint(init_from, out_dir, resume)
     pretrained = _pretrained(out_dir, "translate", init_from, resume, overrides)
     settings = with_overrides(settings, overrides)
     if data_tsv is None:
@@ -291,6 +294,25 @@ def with_overrides(settings, overrides: Mapping[str, Any]):
         **{k: v for k, v in overrides.items() if k in own})
 
 
+# Where a run started from a Hugging Face model directory keeps it as a kvjax checkpoint.
+IMPORTED_BASE = "base"
+
+
+def _as_checkpoint(init_from: str | os.PathLike | None, out_dir: str | os.PathLike,
+                   resume: bool) -> str | os.PathLike | None:
+    """`init_from`; for a Hugging Face model directory, the kvjax checkpoint of it that a new
+    run writes into `<out_dir>/base` (`kvjax import-hf`) and starts from, so that its record,
+    a resumed run and LoRA adapters name a checkpoint that stays where it is."""
+    if init_from is None or resume or not hf.is_hf_directory(init_from):
+        return init_from
+    base = Path(out_dir) / IMPORTED_BASE
+    if base.exists():
+        raise checkpoint.CheckpointError(
+            f"{base} already exists: a run started from a Hugging Face directory imports it "
+            "there; choose a new output directory")
+    return import_checkpoint(init_from, base)
+
+
 # What a fine-tuning run takes from its checkpoint; these settings would build another model.
 _MODEL_SETTINGS = ("preset", "model_overrides", "vocab_size")
 
@@ -310,10 +332,6 @@ def _pretrained(out_dir: str | os.PathLike, task: str, init_from: str | os.PathL
                 f"cannot resume: {out_dir} was started from "
                 f"{record[run_dir.INIT_FROM].get('checkpoint')}, not from {init_from}")
     elif init_from is not None:
-        if hf.is_hf_directory(init_from):
-            raise ValueError(f"{init_from} is a Hugging Face model directory; write it as a "
-                             f"kvjax checkpoint first (kvjax import-hf {init_from} OUT) and "
-                             "start from that")
         if resume and record is not None:
             raise checkpoint.CheckpointError(
                 f"cannot resume {out_dir} from init_from {init_from}: it was not started from "

@@ -21,9 +21,10 @@ def add_train(commands) -> None:
                        help="compute dtype: bfloat16 is mixed precision (params, optimizer "
                             "state, loss and softmax stay float32) (default: float32)")
     train.add_argument("--init-from", metavar="CHECKPOINT", default=None,
-                       help="fine-tune this checkpoint of the same task (one of kvjax's, or "
-                            "one that kvjax import-hf wrote): its model and tokenizer, its "
-                            "params as the start, a fresh optimizer")
+                       help="fine-tune this checkpoint of the same task (one of kvjax's, one "
+                            "that kvjax import-hf wrote, or a Hugging Face model directory, "
+                            "which is imported into OUT/base first): its model and tokenizer, "
+                            "its params as the start, a fresh optimizer")
     lora = train.add_argument_group(
         "LoRA", "train low-rank adapters on a frozen --init-from checkpoint instead of every "
         "weight: --out then holds the adapters alone (sample or serve them with --lora, "

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import run_cli
 
-from kvjax import checkpoint, text
+from kvjax import checkpoint, hf, text
 from kvjax import model as M
 from kvjax.hf.convert import import_checkpoint
 from kvjax.tokenizer import EOS_ID, tokenizer_from_bytes, train_tokenizer
@@ -123,6 +123,26 @@ def test_fine_tuning_imported_gpt2_lowers_the_loss_and_saves_a_loadable_run(
     assert code == 0 and "trained to step 12" in stdout
     assert json.loads((out / run_dir.RUN_FILE).read_text())[run_dir.INIT_FROM] == (
         run[run_dir.INIT_FROM])
+
+
+def test_a_hugging_face_directory_is_imported_into_the_run_and_fine_tuned(tmp_path):
+    (tmp_path / "my.txt").write_text(TEXT, encoding="utf-8")
+    out = tmp_path / "ft"
+    result = tasks.train_lm(out, data_files=[tmp_path / "my.txt"], init_from=HF_MODELS / "gpt2",
+                            steps=3, warmup_steps=1, batch_size=4, save_every=3,
+                            progress=False, lora=M.LoRA(2))
+    base = out / tasks.IMPORTED_BASE
+    assert result.step == 3 and checkpoint.latest_step(base) == 0
+    record = json.loads((out / run_dir.RUN_FILE).read_text())[run_dir.INIT_FROM]
+    assert record["checkpoint"] == str(base.resolve())
+    _, _, imported_params = checkpoint.load_for_sampling(base)
+    _, _, hf_params = hf.load_pretrained(HF_MODELS / "gpt2")
+    for a, b in zip(jax.tree.leaves(imported_params), jax.tree.leaves(hf_params), strict=True):
+        assert np.array_equal(a, b)
+    assert text.load(base, lora=out).config == text.load(HF_MODELS / "gpt2").config
+    with pytest.raises(checkpoint.CheckpointError, match="base already exists"):
+        tasks.train_lm(out, data_files=[tmp_path / "my.txt"], init_from=HF_MODELS / "gpt2",
+                       steps=3, progress=False)
 
 
 def test_fine_tuning_imported_marian_trains_and_loads(imported, tmp_path):
