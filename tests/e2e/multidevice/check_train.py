@@ -112,6 +112,22 @@ def test_run_resumed_on_another_mesh_continues_with_the_same_losses(runs, tmp_pa
     assert_close({**first.losses, **resumed.losses}, results["one device"].losses)
 
 
+def test_lora_on_a_mesh_trains_as_on_one_device(runs, tmp_path):
+    # The adapters are replicated and the frozen base is sharded as its params are.
+    config, task, results = runs
+    settings = CONFIG.replace(steps=4, warmup_steps=1, eval_every=4, save_every=4,
+                              lora=M.LoRA(2, targets=("q", "v", "wo")))
+    base = results["one device"].out_dir
+    one = trainer.train(config, settings, task, tmp_path / "one", init_from=base)
+    split = trainer.train(config, settings, task, tmp_path / "split", init_from=base,
+                          mesh=parallel.make_mesh("data=2,model=4"))
+    assert_close(split.losses, one.losses)
+    adapters = [checkpoint.restore_params(run.out_dir, checkpoint.abstract_saved_state(
+        run.out_dir)["params"]) for run in (one, split)]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 *adapters)
+
+
 def test_batch_that_does_not_split_is_refused_before_compiling(tokenizer, tmp_path):
     config = M.preset("tiny", vocab_size=tokenizer.vocab_size)
     with pytest.raises(ValueError, match="batch size 12 is not divisible by the mesh's data=8"):
