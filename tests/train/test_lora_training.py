@@ -101,10 +101,14 @@ def test_sampling_with_the_adapters_equals_the_merged_checkpoint(run, capsys, tm
         .splitlines()[0]
 
 
-def test_misuse_is_one_line_naming_the_fix(run, corpus, capsys, tmp_path):
+def test_misuse_is_one_line_naming_the_fix(run, corpus, capsys, tmp_path, monkeypatch):
     out, _ = run
     code, _, err = run_cli(capsys, "sample", "--checkpoint", out, "--prompt", "x")
     assert code == 2 and f"--checkpoint {BASE.resolve()} --lora {out}" in err
+    # `serve` reads --lora before it builds a server; none may start here.
+    monkeypatch.setattr("kvjax.serve.server.build_app", pytest.fail)
+    code, _, err = run_cli(capsys, "serve", "--checkpoint", BASE, "--lora", BASE)
+    assert code == 2 and "holds no LoRA adapters" in err
     code, _, err = run_cli(capsys, "train", "--task", "lm", "--data", corpus, "--lora-rank", 4,
                            "--steps", 2, "--out", tmp_path / "no-base", "--no-progress")
     assert code == 2 and "give the checkpoint to adapt" in err
