@@ -105,12 +105,28 @@ class Speculative:
         """The loop's first carry after the prefill that made `state` from the prompts [B, P]
         (`capacity`: the target's cache slots per row): no statistics yet and, with a draft
         model, the draft's cache after the prompts."""
-        return _start(self, state, prompts_BP, lengths_B, capacity, num_samples)
+        stats = no_stats(state.lengths.shape[0])
+        optimistic = Pacing.optimistic(self.num_draft_tokens, state.lengths.shape[0])
+        if self.method != "draft":
+            return SpeculativeState(state, stats, pacing=optimistic)
+        draft_config = self.draft_model.config
+        cache = draft_model.start(draft_config, self.draft_params, prompts_BP, lengths_B,
+                                  draft_model.draft_capacity(draft_config, capacity),
+                                  num_samples)
+        return SpeculativeState(state, stats, cache, optimistic)
 
     def run(self, config, params, carry: SpeculativeState, stops: StopConditions,
             sampling: SamplingParams, step_limit, mesh=None) -> SpeculativeState:
         """The compiled decode loop of this method, from `carry` up to `step_limit` tokens."""
-        return _run(self, config, params, carry, stops, sampling, step_limit, mesh)
+        threshold = jnp.asarray(self.min_tokens_per_call, jnp.float32)
+        if self.method == "draft":
+            return continue_with_draft(
+                config, params, self.draft_model.config, self.draft_params, carry, stops,
+                sampling, step_limit, self.num_draft_tokens, threshold)
+        return continue_speculative(
+            config, params, carry.decode, carry.stats, stops, sampling, step_limit,
+            self.num_draft_tokens, jnp.asarray(self.ngram_size, jnp.int32), carry.pacing,
+            threshold, mesh=mesh)
 
 
 @flax.struct.dataclass
@@ -381,32 +397,6 @@ def continue_with_draft(config, params, draft_config, draft_params, carry: Specu
     carry = carry.replace(decode=carry.decode.replace(step=settled(carry.decode)))
     return draft_model_loop(M.step_fn(config, params), M.step_fn(draft_config, draft_params),
                             carry, stops, sampling, step_limit, num_draft, min_tokens_per_call)
-
-
-def _start(speculative: Speculative, state: DecodeState, prompts_BP, lengths_B, capacity: int,
-           num_samples: int) -> SpeculativeState:
-    stats = no_stats(state.lengths.shape[0])
-    optimistic = Pacing.optimistic(speculative.num_draft_tokens, state.lengths.shape[0])
-    if speculative.method != "draft":
-        return SpeculativeState(state, stats, pacing=optimistic)
-    draft_config = speculative.draft_model.config
-    cache = draft_model.start(draft_config, speculative.draft_params, prompts_BP, lengths_B,
-                              draft_model.draft_capacity(draft_config, capacity), num_samples)
-    return SpeculativeState(state, stats, cache, optimistic)
-
-
-def _run(speculative: Speculative, config, params, carry: SpeculativeState,
-         stops: StopConditions, sampling: SamplingParams, step_limit, mesh=None
-         ) -> SpeculativeState:
-    threshold = jnp.asarray(speculative.min_tokens_per_call, jnp.float32)
-    if speculative.method == "draft":
-        return continue_with_draft(
-            config, params, speculative.draft_model.config, speculative.draft_params, carry,
-            stops, sampling, step_limit, speculative.num_draft_tokens, threshold)
-    return continue_speculative(
-        config, params, carry.decode, carry.stats, stops, sampling, step_limit,
-        speculative.num_draft_tokens, jnp.asarray(speculative.ngram_size, jnp.int32),
-        carry.pacing, threshold, mesh=mesh)
 
 
 def check_supported(speculative, config: M.TransformerConfig, *, processors,
