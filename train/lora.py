@@ -25,17 +25,12 @@ from kvjax.model import lora as L
 from .config import TrainConfig
 
 
-def load_base(source: str | Path | None, model_config: M.TransformerConfig,
-              train_config: TrainConfig, mesh=None) -> tuple[Any, dict[str, Any]]:
-    """(base params, what config.json records of them) from the checkpoint `source`."""
+def base_checkpoint(source: str | Path | None) -> str | Path:
+    """The checkpoint a LoRA run adapts; a ValueError says to give one."""
     if source is None:
         raise ValueError("LoRA trains adapters on a base model: give the checkpoint to adapt "
                          "(init_from, --init-from)")
-    path = Path(source)
-    _, _, params = checkpoint.load_for_sampling(path, mesh, scan_layers=model_config.scan_layers)
-    params = as_base(params, train_config.lora)
-    return params, {"checkpoint": str(path.resolve()), "step": checkpoint.latest_step(path),
-                    "params_sha256": checkpoint.params_digest(path)}
+    return source
 
 
 def as_base(params, lora: M.LoRA):
@@ -67,10 +62,6 @@ def init_adapters(model_config: M.TransformerConfig, train_config: TrainConfig, 
     """Fresh adapters for the run's seed."""
     key = jax.random.fold_in(jax.random.key(train_config.seed), 1)
     return L.init_adapters(model_config, base, train_config.lora, key)
-
-
-def adapter_shapes(model_config: M.TransformerConfig, train_config: TrainConfig, base) -> Any:
-    return L.adapter_shapes(model_config, base, train_config.lora)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))

@@ -151,10 +151,10 @@ def train(model_config: M.TransformerConfig, train_config: TrainConfig, task: Tr
                                _fingerprint(model_config, train_config, task, resume, stop_after))
     with run_dir.exclusive(out_dir, lock=distributed.is_primary()), \
             _deferred_signals() as signals:
-        state, base = _start_state(model_config, train_config, task, out_dir, resume,
-                                   allow_changes, mesh, init_from)
-        return _run(model_config, train_config, task, out_dir, state, base, stop_after,
-                    signals, mesh)
+        state, base, lora_record = _start_state(model_config, train_config, task, out_dir,
+                                                resume, allow_changes, mesh, init_from)
+        return _run(model_config, train_config, task, out_dir, state, base, lora_record,
+                    stop_after, signals, mesh)
 
 
 def _fingerprint(model_config, train_config: TrainConfig, task: TrainTask, resume: bool,
@@ -166,8 +166,8 @@ def _fingerprint(model_config, train_config: TrainConfig, task: TrainTask, resum
 
 
 def _run(model_config, train_config: TrainConfig, task: TrainTask, out_dir: Path,
-         state: TrainState, base, stop_after: int | None, signals: _Signals,
-         mesh: Mesh | None) -> TrainResult:
+         state: TrainState, base, lora_record: dict[str, Any] | None,
+         stop_after: int | None, signals: _Signals, mesh: Mesh | None) -> TrainResult:
     step_config = compiled_fields(train_config)
     start = int(state.step)
     end = train_config.steps if stop_after is None else min(stop_after, train_config.steps)
@@ -184,8 +184,7 @@ def _run(model_config, train_config: TrainConfig, task: TrainTask, out_dir: Path
                unit="step", dynamic_ncols=True)
     metrics: dict[str, float] = {}
     manifest = checkpoint.manifest_metadata(model_config.to_dict(), task.name,
-                                            task.tokenizer.to_bytes(),
-                                            checkpoint.read_lora(out_dir))
+                                            task.tokenizer.to_bytes(), lora_record)
 
     def metrics_now(final: bool) -> dict[str, float]:
         params = lora.model_params(model_config, train_config, state.params, base)
@@ -318,8 +317,9 @@ def _deferred_signals() -> Iterator[_Signals]:
 
 def _start_state(model_config, train_config, task: TrainTask, out_dir: Path,
                  resume: bool, allow_changes: bool, mesh: Mesh | None,
-                 init_from: str | Path | None) -> tuple[TrainState, Any]:
-    """The state to start from, and the frozen base params of a LoRA run (else None)."""
+                 init_from: str | Path | None) -> tuple[TrainState, Any, dict[str, Any] | None]:
+    """The state to start from, and for a LoRA run its frozen base params and the record
+    config.json and the manifests keep of the adapters (else None, None)."""
     saved_step = checkpoint.latest_step(out_dir)
     if saved_step is not None and not resume:
         raise checkpoint.CheckpointError(
@@ -344,11 +344,11 @@ def _start_state(model_config, train_config, task: TrainTask, out_dir: Path,
     params = base = lora_record = None
     if train_config.lora is not None:
         source = (record.get(run_dir.INIT_FROM) or {}).get("checkpoint") if resume else init_from
-        if source is not None:
-            run_dir.check_same_run(Path(source), model_config, task,
-                                   action=f"cannot start from {source}")
-        base, record[run_dir.INIT_FROM] = lora.load_base(source, model_config, train_config,
-                                                         mesh)
+        base, base_record = _initial_params(lora.base_checkpoint(source), model_config, task,
+                                            mesh)
+        base = lora.as_base(base, train_config.lora)
+        record[run_dir.INIT_FROM] = {**base_record,
+                                     "params_sha256": checkpoint.params_digest(source)}
         if resume:
             lora.check_same_base(out_dir, record[run_dir.INIT_FROM])
         else:
@@ -362,15 +362,16 @@ def _start_state(model_config, train_config, task: TrainTask, out_dir: Path,
         if not resume:
             run_dir.write_run_record(out_dir, record)
     if not resume:
-        return init_state(model_config, train_config, mesh, params=params), base
-    trained = None if base is None else lora.adapter_shapes(model_config, train_config, base)
+        return init_state(model_config, train_config, mesh, params=params), base, lora_record
+    trained = None if base is None else M.lora.adapter_shapes(model_config, base,
+                                                             train_config.lora)
     abstract = jax.eval_shape(lambda p: _checkpoint_tree(
         init_state(model_config, train_config, params=p)), trained)
     if mesh is not None:
         abstract = parallel.abstract_on(abstract, mesh)
     _, tree = checkpoint.restore_latest(out_dir, abstract)
     return TrainState(params=tree["params"], opt_state=tree["opt_state"],
-                      step=tree["data_position"], rng=tree["rng"]), base
+                      step=tree["data_position"], rng=tree["rng"]), base, lora_record
 
 
 def _initial_params(init_from: str | Path, model_config, task: TrainTask,
