@@ -66,8 +66,7 @@ def write_metadata(
     config_path, tokenizer_path = path / CONFIG_FILE, path / TOKENIZER_FILE
     write_config = write_tokenizer = True
     if config_path.exists():
-        old_model, old_task = _read_config(config_path)
-        old_lora = read_lora(path)
+        old_model, old_task, old_lora = _read_config(config_path)
         write_config = (old_model, old_task, old_lora) != (model, task, written.get("lora"))
         if write_config:
             keys = old_model.keys() | model.keys()
@@ -92,7 +91,7 @@ def write_metadata(
 def read_metadata(directory: str | os.PathLike) -> tuple[dict[str, Any], str, bytes]:
     """Returns `(config_dict, task, tokenizer_bytes)` as `write_metadata` stored them."""
     path = existing_directory(directory)
-    config, task = _read_config(path / CONFIG_FILE)
+    config, task, _ = _read_config(path / CONFIG_FILE)
     tokenizer_path = path / TOKENIZER_FILE
     try:
         tokenizer_bytes = tokenizer_path.read_bytes()
@@ -106,15 +105,11 @@ def read_metadata(directory: str | os.PathLike) -> tuple[dict[str, Any], str, by
 def read_lora(directory: str | os.PathLike) -> dict[str, Any] | None:
     """The LoRA record `config.json` holds (`write_metadata`), or None for a checkpoint of a
     whole model."""
-    path = Path(directory) / CONFIG_FILE
-    _read_config(path)
-    lora = json.loads(path.read_text(encoding="utf-8")).get("lora")
-    if lora is not None and not isinstance(lora, dict):
-        raise CheckpointError(f"config file {path}: 'lora' must be a JSON object")
-    return lora
+    return _read_config(Path(directory) / CONFIG_FILE)[2]
 
 
-def _read_config(path: Path) -> tuple[dict[str, Any], str]:
+def _read_config(path: Path) -> tuple[dict[str, Any], str, dict[str, Any] | None]:
+    """(model config, task, LoRA record or None) of a config.json, each checked."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -135,7 +130,10 @@ def _read_config(path: Path) -> tuple[dict[str, Any], str]:
         raise CheckpointError(f"config file {path}: 'task' must be a non-empty string")
     if not isinstance(data["model"], dict):
         raise CheckpointError(f"config file {path}: 'model' must be a JSON object")
-    return data["model"], data["task"]
+    lora = data.get("lora")
+    if lora is not None and not isinstance(lora, dict):
+        raise CheckpointError(f"config file {path}: 'lora' must be a JSON object")
+    return data["model"], data["task"], lora
 
 
 def _refuse_if_steps(directory: Path, path: Path, what: str) -> None:
