@@ -59,11 +59,9 @@ def add_sample(commands) -> None:
 
 
 def run_sample(args) -> int:
-    from kvjax import text
+    from kvjax import decode, text
 
     loaded = with_precision(text.load(args.checkpoint, lora=args.lora), args)
-    from kvjax import decode
-
     # Checked before the echo, as the prompt is.
     sampling = decode.Sampling(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
