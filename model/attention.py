@@ -33,20 +33,45 @@ import jax.numpy as jnp
 from .cache import write_rows
 from .config import TransformerConfig
 from .norms import RMSNorm
-from .positional import apply_rope, rope_frequencies
+from .positional import apply_rope, layer_rope_frequencies
 from .quantize import quantize, round_trip
 
 
+def soft_cap(logits: jax.Array, cap: float | None) -> jax.Array:
+    """cap · tanh(logits / cap): logits squashed into (-cap, cap), unchanged for None."""
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
 def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
-           mask_BTS: jax.Array) -> jax.Array:
+           mask_BTS: jax.Array, scale: float | None = None,
+           softcap: float | None = None) -> jax.Array:
     """softmax(QKᵀ/√H + mask)V with a boolean mask (True = may attend). Returns [B, T, N, H].
 
+    `scale` replaces 1/√H; `softcap` caps the scaled logits (`soft_cap`) before the mask.
     Masked keys get exactly zero weight; the softmax runs in float32 for every input dtype.
     A query row with no key to attend to (all masked) returns zeros rather than NaN or a
     uniform average.
     """
-    out = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_BTS[:, None])
-    return _zero_rows_without_keys(out, mask_BTS).astype(q_BTNH.dtype)
+    if softcap is None:
+        out = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_BTS[:, None],
+                                           scale=scale)
+        return _zero_rows_without_keys(out, mask_BTS).astype(q_BTNH.dtype)
+    # jax's attention has no cap: the same softmax, written out.
+    batch, num_queries, num_heads, head_dim = q_BTNH.shape
+    kv_heads = k_BSKH.shape[2]
+    q_BTKGH = q_BTNH.reshape(batch, num_queries, kv_heads, num_heads // kv_heads, head_dim)
+    logits_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH,
+                              preferred_element_type=jnp.float32)
+    logits_BKGTS = soft_cap(logits_BKGTS * (head_dim**-0.5 if scale is None else scale),
+                            softcap)
+    logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, -jnp.inf)
+    top = jnp.max(logits_BKGTS, axis=-1, keepdims=True)
+    weights = jnp.exp(logits_BKGTS - jnp.where(jnp.isfinite(top), top, 0.0))
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    weights_BKGTS = weights / jnp.where(total > 0, total, 1.0)
+    out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", weights_BKGTS.astype(v_BSKH.dtype), v_BSKH,
+                           preferred_element_type=jnp.float32)
+    return out_BTKGH.reshape(q_BTNH.shape).astype(q_BTNH.dtype)
 
 
 # Per slot, a block of the loop below costs XLA:CPU about three times what one product over
@@ -74,11 +99,13 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
                   mask_BTS: jax.Array, block_size: int,
                   whole_share: float = WHOLE_CACHE_SHARE,
                   scales: tuple[jax.Array, jax.Array] | None = None,
-                  one_read_bytes: int | None = None) -> tuple[jax.Array, jax.Array]:
+                  one_read_bytes: int | None = None, scale: float | None = None,
+                  softcap: float | None = None) -> tuple[jax.Array, jax.Array]:
     """`attend` over layer `layer` of the cache's stacks [L, B, K, S, H], reading only the
     blocks of `block_size` slots up to the last slot that `mask` lets any query see.
     `scales` are an int8 cache's (k_scale, v_scale) stacks [L, B, K, S] (None for floats):
-    the keys and values attended to are then `k * k_scale` and `v * v_scale`.
+    the keys and values attended to are then `k * k_scale` and `v * v_scale`. `scale` and
+    `softcap` are `attend`'s.
 
     Returns the output [B, T, N, H] and how many blocks of the capacity were read (a scalar).
     The number of blocks, ceil(last seen slot / block), is a traced value: a decode loop
@@ -101,7 +128,8 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
     # that drops a unit B axis (XLA:CPU does) copies K transposed for every product.
     q_XMH = (q_BTNH.reshape(batch, num_queries, kv_heads, group, head_dim)
              .transpose(0, 2, 3, 1, 4).reshape(batch * kv_heads, group * num_queries, head_dim))
-    q_XMH = q_XMH.astype(jnp.float32) / jnp.sqrt(float(head_dim))
+    q_XMH = q_XMH.astype(jnp.float32)
+    q_XMH = q_XMH / jnp.sqrt(float(head_dim)) if scale is None else q_XMH * scale
     slots_S = jnp.arange(capacity, dtype=jnp.int32)
     last_seen = jnp.max(jnp.where(mask_BTS, slots_S + 1, 0))
     num_blocks = (last_seen + block - 1) // block
@@ -111,20 +139,21 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
         one_read_bytes = one_read_max_bytes()
     if layer_bytes <= one_read_bytes:
         if scales is None:
-            out_XMH = _attend_whole(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, zero_unseen=True)
+            out_XMH = _attend_whole(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap,
+                                    zero_unseen=True)
         else:  # one block of every slot: the loop's body, run once
-            out_XMH = _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, capacity,
-                                            1, scales)
+            out_XMH = _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap,
+                                            capacity, 1, scales)
         return _to_BTNH(out_XMH, q_BTNH), jnp.asarray(all_blocks, jnp.int32)
     if scales is not None:
         # An int8 cache is always read by blocks: a product over a whole layer would first
         # convert all of it to float32 (XLA:CPU does not fuse the conversion into the
         # product), a float copy of the layer at every step; a block converts only its own
         # slots and copies a quarter of the bytes of a float32 block (benchmarks/README.md).
-        blocks = _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, block,
-                                       num_blocks, scales)
+        blocks = _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap,
+                                       block, num_blocks, scales)
         return _to_BTNH(blocks, q_BTNH), num_blocks
-    args = (q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS)
+    args = (q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap)
     if k_LBKSH.shape[0] > 1:
         if layer_bytes > STACKED_WHOLE_MAX_BYTES:
             return _to_BTNH(_attend_filled_blocks(*args, block, num_blocks), q_BTNH), num_blocks
@@ -144,8 +173,9 @@ def _to_BTNH(out_XMH, q_BTNH):
     return out.transpose(0, 3, 1, 2, 4).reshape(q_BTNH.shape).astype(q_BTNH.dtype)
 
 
-def _attend_whole(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, zero_unseen: bool = False):
-    """Softmax attention over every slot of the layer in two products. Returns [X, M, H].
+def _attend_whole(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap, zero_unseen: bool = False):
+    """Softmax attention over every slot of the layer in two products, its logits capped
+    by `softcap` (None: not). Returns [X, M, H].
     `zero_unseen`: V is always read with unseen slots zeroed (below), never conditionally."""
     _, batch, kv_heads, capacity, head_dim = k_LBKSH.shape
     num_queries = mask_BTS.shape[1]
@@ -153,8 +183,8 @@ def _attend_whole(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, zero_unseen: bool = 
     k_XSH = jax.lax.dynamic_index_in_dim(k_LBKSH, layer, keepdims=False).reshape(
         -1, capacity, head_dim)
     v_BKSH = jax.lax.dynamic_index_in_dim(v_LBKSH, layer, keepdims=False)
-    logits_XMS = jnp.einsum("XMH,XSH->XMS", q_XMH.astype(k_XSH.dtype), k_XSH,
-                            preferred_element_type=jnp.float32)
+    logits_XMS = soft_cap(jnp.einsum("XMH,XSH->XMS", q_XMH.astype(k_XSH.dtype), k_XSH,
+                                     preferred_element_type=jnp.float32), softcap)
     logits_BKGTS = jnp.where(mask_BTS[:, None, None],
                              logits_XMS.reshape(batch, kv_heads, group, num_queries, capacity),
                              -jnp.inf)
@@ -183,8 +213,8 @@ def _attend_whole(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, zero_unseen: bool = 
     return jax.lax.cond(jnp.all(jnp.isfinite(out_XMH)), lambda: out_XMH, mix_seen)
 
 
-def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, block, num_blocks,
-                          scales=None):
+def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap, block,
+                          num_blocks, scales=None):
     """The online softmax (FlashAttention's recurrence) over the first `num_blocks` blocks
     of `block` slots, in a `lax.while_loop` (no loop when one block holds every slot).
     Returns [X, M, H].
@@ -195,7 +225,8 @@ def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, block, num_b
     is sliced straight out of the stack, so a scanned layer reads its blocks without first
     copying its whole layer out of the stack. With `scales` (an int8 cache's) a block is
     converted to float32 as it is read, and its scales are applied to its logits and to its
-    weights; an unseen slot's weight stays exactly 0 whatever its scale holds.
+    weights; an unseen slot's weight stays exactly 0 whatever its scale holds. The logits
+    are capped by `softcap` (None: not) after the scales.
     """
     _, batch, kv_heads, capacity, head_dim = k_LBKSH.shape
     heads, rows, _ = q_XMH.shape
@@ -230,6 +261,7 @@ def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, block, num_b
         logits_BKGTU = logits_XMU.reshape(batch, kv_heads, group, num_queries, block)
         if scales is not None:
             logits_BKGTU = logits_BKGTU * read_scales(scales[0], start)
+        logits_BKGTU = soft_cap(logits_BKGTU, softcap)
         logits_BKGTU = jnp.where(seen_BTU[:, None, None], logits_BKGTU, -jnp.inf)
         new_max = jnp.maximum(max_BKGT, jnp.max(logits_BKGTU, axis=-1))
         # While a query has seen no slot its max is -inf; subtract 0 then, so exp() gives 0.
@@ -307,14 +339,16 @@ class SelfAttention(nn.Module):
     cache, the new K/V are written at each row's `starts` slot and the queries attend over
     the filled blocks of this layer's cached slots (`attend_blocks`); without one, or when
     `fresh` says the cache held nothing before this call (the prefill), they attend over the
-    T new tokens only: with an int8 cache, over them as the cache holds them.
+    T new tokens only: with an int8 cache, over them as the cache holds them. `local` says
+    the layer attends over a sliding window (`TransformerConfig.is_local_layer`; traced for
+    scanned layers), which picks its RoPE.
     """
 
     config: TransformerConfig
 
     @nn.compact
     def __call__(self, x_BTD, positions_BT, mask_BTS, cache_kv=None, layer=None, starts_B=None,
-                 fits_B=None, fresh: bool = False):
+                 fits_B=None, fresh: bool = False, local=False):
         config = self.config
         # One projection to all heads, split after: one matmul streams the weights where
         # three smaller ones would each pay a kernel launch (a decode step is many of them).
@@ -323,7 +357,7 @@ class SelfAttention(nn.Module):
         if config.qk_norm:
             q, k = RMSNorm(config, name="q_norm")(q), RMSNorm(config, name="k_norm")(k)
         if config.positional_encoding == "rope":
-            inv_freq = rope_frequencies(config)
+            inv_freq = layer_rope_frequencies(config, local)
             q = apply_rope(q, positions_BT, inv_freq)
             k = apply_rope(k, positions_BT, inv_freq)
         quantized = cache_kv is not None and len(cache_kv) == 4
@@ -337,10 +371,12 @@ class SelfAttention(nn.Module):
         if cache_kv is None or fresh:
             if quantized:
                 k, v = round_trip(k), round_trip(v)
-            out = attend(q, k, v, mask_BTS[..., :k.shape[1]])
+            out = attend(q, k, v, mask_BTS[..., :k.shape[1]], config.attention_scale,
+                         config.attention_softcap)
         else:
             out, _ = attend_blocks(q, *cache_kv[:2], layer, mask_BTS, config.attention_block,
-                                   scales=cache_kv[2:] or None)
+                                   scales=cache_kv[2:] or None, scale=config.attention_scale,
+                                   softcap=config.attention_softcap)
         return OutputProjection(config, name="out")(out), cache_kv
 
 

@@ -18,8 +18,10 @@ POSITIONAL_ENCODINGS = ("sinusoidal", "learned", "rope")
 NORM_PLACEMENTS = ("post", "pre")
 NORM_TYPES = ("layernorm", "rmsnorm")
 # "gelu" is the tanh approximation (GPT-2's "gelu_new"), "gelu_exact" the erf form; "silu"
-# (swish) is ungated, "swiglu" is silu(W1 x) * W3 x (Llama's gated feed-forward network).
-ACTIVATIONS = ("relu", "gelu", "gelu_exact", "silu", "swiglu")
+# (swish) is ungated, "swiglu" is silu(W1 x) * W3 x (Llama's gated feed-forward network),
+# "geglu" is gelu(W1 x) * W3 x with the tanh GELU (Gemma's).
+ACTIVATIONS = ("relu", "gelu", "gelu_exact", "silu", "swiglu", "geglu")
+GATED_ACTIVATIONS = ("swiglu", "geglu")
 DTYPES = ("float32", "bfloat16", "float16")
 # What the KV cache may hold: a float dtype, or "int8" with a float32 scale per (token, kv
 # head) (`model/quantize.py`).
@@ -95,6 +97,23 @@ class TransformerConfig:
     # Self-attention sees only the last `sliding_window` positions (itself included; Mistral).
     # None: all earlier positions. The cache still holds every position of a row.
     sliding_window: int | None = None
+    # Decoder layers (0-based) that attend over every earlier position although
+    # `sliding_window` is set: Gemma 2 and 3 alternate local and global layers.
+    full_attention_layers: tuple[int, ...] = ()
+    # RoPE base of the sliding-window layers, which then turn unscaled (Gemma 3: 10000 where
+    # its global layers use 1e6 and a linear scaling). None: the same RoPE in every layer.
+    local_rope_base: float | None = None
+    # RMSNorm multiplies by (1 + scale), its scale starting at 0, in float32 (Gemma).
+    norm_unit_offset: bool = False
+    # A second norm on each sublayer's output before the residual sum (pre-norm only):
+    # x + norm2(Sublayer(norm1(x))), Gemma 2 and 3's "sandwich".
+    sandwich_norms: bool = False
+    # What multiplies QKᵀ; None: 1/√head_dim (Gemma: query_pre_attn_scalar^-1/2).
+    attention_scale: float | None = None
+    # Soft caps: logits -> cap · tanh(logits / cap), for attention (before the mask) and for
+    # the output logits (Gemma 2). None: no cap.
+    attention_softcap: float | None = None
+    logits_softcap: float | None = None
 
     def __post_init__(self):
         problems = _type_problems(self)
@@ -114,6 +133,7 @@ class TransformerConfig:
             problems.append(f"head_dim={self.head_dim} must be >= 1")
         if self.sliding_window is not None and self.sliding_window < 1:
             problems.append(f"sliding_window={self.sliding_window} must be >= 1 or None")
+        problems += _layer_kind_problems(self)
         kv = self.num_kv_heads
         if kv is not None and (kv < 1 or (self.num_heads >= 1 and self.num_heads % kv)):
             problems.append(f"num_kv_heads={kv} must be >= 1 and divide num_heads={self.num_heads}")
@@ -133,9 +153,10 @@ class TransformerConfig:
                             f"{self.vocab_size})")
         if not 0.0 <= self.dropout < 1.0:
             problems.append(f"dropout={self.dropout} must be in [0, 1)")
-        for name in ("rope_base", "layer_norm_eps", "rope_scaling_factor"):
-            if not 0 < getattr(self, name) < math.inf:
-                problems.append(f"{name}={getattr(self, name)} must be > 0 and finite")
+        for name in ("rope_base", "layer_norm_eps", "rope_scaling_factor", *_OPTIONAL_REALS):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < math.inf:
+                problems.append(f"{name}={value} must be > 0 and finite")
         if problems:
             raise ValueError("invalid TransformerConfig: " + "; ".join(problems))
         if self.head_dim is None:
@@ -150,6 +171,10 @@ class TransformerConfig:
     @property
     def is_encoder_decoder(self) -> bool:
         return self.num_encoder_layers > 0
+
+    def is_local_layer(self, number: int) -> bool:
+        """Whether decoder layer `number` (0-based) attends over a sliding window."""
+        return self.sliding_window is not None and number not in self.full_attention_layers
 
     def layer_stacks(self, num_layers: int) -> tuple[int, ...]:
         """How many layers each stack of a `num_layers` stack holds: everything held per
@@ -216,7 +241,9 @@ _INT_FIELDS = ("vocab_size", "d_model", "num_heads", "d_ff", "num_decoder_layers
 _REAL_FIELDS = ("dropout", "rope_base", "layer_norm_eps", "rope_scaling_factor",
                 "rope_low_freq_factor", "rope_high_freq_factor")
 _BOOL_FIELDS = ("tie_embeddings", "scan_layers", "qkv_bias", "out_bias", "ffn_bias",
-                "scale_embeddings", "logits_bias", "qk_norm")
+                "scale_embeddings", "logits_bias", "qk_norm", "norm_unit_offset",
+                "sandwich_norms")
+_OPTIONAL_REALS = ("local_rope_base", "attention_scale", "attention_softcap", "logits_softcap")
 _CHOICES = {"positional_encoding": POSITIONAL_ENCODINGS, "norm": NORM_PLACEMENTS,
             "activation": ACTIVATIONS, "dtype": DTYPES, "param_dtype": DTYPES,
             "norm_type": NORM_TYPES, "sinusoid_layout": SINUSOID_LAYOUTS,
@@ -228,7 +255,30 @@ _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "qkv_bias", "out_bias", "ffn_bias", "norm_type", "scale_embeddings", "logits_bias",
     "sinusoid_layout", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor",
     "rope_high_freq_factor", "rope_original_max_len", "cache_dtype", "qk_norm",
-    "sliding_window")}
+    "sliding_window", "full_attention_layers", "local_rope_base", "norm_unit_offset",
+    "sandwich_norms", "attention_scale", "attention_softcap", "logits_softcap")}
+
+
+def _layer_kind_problems(config: TransformerConfig) -> list[str]:
+    """What is wrong with the per-layer attention options and the norms Gemma needs."""
+    problems = []
+    layers = config.full_attention_layers
+    if layers:
+        if config.sliding_window is None:
+            problems.append(f"full_attention_layers={list(layers)} needs a sliding_window")
+        if list(layers) != sorted(set(layers)) or not all(
+                0 <= i < config.num_decoder_layers for i in layers):
+            problems.append(f"full_attention_layers={list(layers)} must be distinct layer "
+                            f"numbers in [0, {config.num_decoder_layers}), in order")
+    if config.local_rope_base is not None and (config.sliding_window is None
+                                               or config.positional_encoding != "rope"):
+        problems.append(f"local_rope_base={config.local_rope_base} needs rope and a "
+                        "sliding_window")
+    if config.norm_unit_offset and config.norm_type != "rmsnorm":
+        problems.append("norm_unit_offset needs norm_type='rmsnorm'")
+    if config.sandwich_norms and config.norm != "pre":
+        problems.append("sandwich_norms needs norm='pre'")
+    return problems
 
 
 def _rope_scaling_problems(config: TransformerConfig) -> list[str]:
@@ -267,6 +317,15 @@ def _type_problems(config: TransformerConfig) -> list[str]:
             check(name, (int, np.integer), int, "an int or None")
     for name in _REAL_FIELDS:
         check(name, (int, float, np.integer, np.floating), float, "a real number")
+    for name in _OPTIONAL_REALS:
+        if getattr(config, name) is not None:
+            check(name, (int, float, np.integer, np.floating), float, "a real number or None")
+    layers = config.full_attention_layers
+    if isinstance(layers, tuple | list) and all(
+            isinstance(i, int | np.integer) and not isinstance(i, bool) for i in layers):
+        object.__setattr__(config, "full_attention_layers", tuple(int(i) for i in layers))
+    else:
+        problems.append(f"full_attention_layers={layers!r} must be a list of ints")
     for name in _BOOL_FIELDS:
         value = getattr(config, name)
         if not isinstance(value, bool | np.bool_):

@@ -3,7 +3,8 @@
 Shape letters as in `model/cache.py`. Every layer has one signature, written for `nn.scan`:
 `layer((x, own), inputs, shared) -> ((x, own), output)`, where `own` is what the layer reads
 and updates in place in the arrays held per layer (the cache), `inputs` are its own inputs
-(always its `index` in its stack) and `shared` is what every layer of the stack gets.
+(always its `index` in its stack and its `number` in the model) and `shared` is what every
+layer of the stack gets.
 `LayerStack` and `run_layers` hold layers scanned or unrolled; nothing else needs to know
 which.
 Dropout is active exactly when the caller passes a `'dropout'` rng.
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from .attention import CrossAttention, SelfAttention
-from .config import TransformerConfig
+from .config import GATED_ACTIVATIONS, TransformerConfig
 from .norms import make_norm
 
 
@@ -28,7 +29,10 @@ class LayerInputs:
     """What every layer of a stack shares for one call.
 
     positions: [B, T] position of each new token.
-    self_mask: [B, T, S] True where a query may attend a key (causal + padding).
+    self_mask: [B, T, S] True where a query may attend a key (causal + padding, and the
+               sliding window if the config has one).
+    full_mask: [B, T, S] the same without the window, for `config.full_attention_layers`
+               (None when there are none).
     starts:    [B] slot where each row's new K/V are written (None without a cache).
     fits:      [B] whether those T slots fit in the cache (None without a cache).
     cross_mask: [B, T, S_src] valid source keys (encoder-decoder only).
@@ -38,6 +42,7 @@ class LayerInputs:
 
     positions: jax.Array
     self_mask: jax.Array
+    full_mask: jax.Array | None = None
     starts: jax.Array | None = None
     fits: jax.Array | None = None
     cross_mask: jax.Array | None = None
@@ -50,11 +55,13 @@ _ACTIVATIONS = {
     "gelu_exact": lambda x: nn.gelu(x, approximate=False),
     "silu": nn.silu,
     "swiglu": nn.silu,  # of W1 x, gated by W3 x
+    "geglu": lambda x: nn.gelu(x, approximate=True),  # of W1 x, gated by W3 x
 }
 
 
 class FeedForward(nn.Module):
-    """Position-wise FFN: W2 act(W1 x), or W2 (silu(W1 x) * W3 x) for SwiGLU. [B,T,D]->[B,T,D]."""
+    """Position-wise FFN: W2 act(W1 x), or W2 (act(W1 x) * W3 x) for the gated ones (SwiGLU,
+    GeGLU). [B,T,D]->[B,T,D]."""
 
     config: TransformerConfig
 
@@ -67,13 +74,14 @@ class FeedForward(nn.Module):
                             param_dtype=c.weights_dtype, name=name)
 
         h = _ACTIVATIONS[c.activation](dense(c.d_ff, "wi")(x_BTD))
-        if c.activation == "swiglu":
+        if c.activation in GATED_ACTIVATIONS:
             h = h * dense(c.d_ff, "wi_gate")(x_BTD)
         return dense(c.d_model, "wo")(h)
 
 
 class Residual(nn.Module):
-    """x + Sublayer(x) with the norm after (`post`, the paper) or before (`pre`) the sublayer."""
+    """x + Sublayer(x) with the norm after (`post`, the paper) or before (`pre`) the sublayer;
+    with `sandwich_norms`, x + post_norm(Sublayer(norm(x)))."""
 
     config: TransformerConfig
 
@@ -85,6 +93,8 @@ class Residual(nn.Module):
         deterministic = not self.has_rng("dropout")
         if c.norm == "pre":
             out, extra = sublayer(norm(x))
+            if c.sandwich_norms:
+                out = make_norm(c, "post_norm")(out)
             return x + dropout(out, deterministic=deterministic), extra
         out, extra = sublayer(x)
         return norm(x + dropout(out, deterministic=deterministic)), extra
@@ -123,11 +133,12 @@ class DecoderLayer(nn.Module):
     def __call__(self, carry, layer: dict[str, Any], inputs: LayerInputs):
         c = self.config
         x_BTD, cache_kv = carry
+        mask_BTS, local = _attention_kind(c, layer["number"], inputs)
         attention = SelfAttention(c, name="self_attention")
         x, cache_kv = Residual(c, name="attention_block")(
             x_BTD,
-            lambda h: attention(h, inputs.positions, inputs.self_mask, cache_kv,
-                                layer["index"], inputs.starts, inputs.fits, inputs.fresh))
+            lambda h: attention(h, inputs.positions, mask_BTS, cache_kv, layer["index"],
+                                inputs.starts, inputs.fits, inputs.fresh, local))
         if layer.get("cross_k") is not None:
             cross = CrossAttention(c, name="cross_attention")
             x, _ = Residual(c, name="cross_block")(
@@ -137,6 +148,19 @@ class DecoderLayer(nn.Module):
         ffn = FeedForward(c, name="ffn")
         x, _ = Residual(c, name="ffn_block")(x, lambda h: (ffn(h), None))
         return (x, cache_kv), None
+
+
+def _attention_kind(config: TransformerConfig, number, inputs: LayerInputs):
+    """`(mask [B, T, S], local)` of decoder layer `number`: whether it attends over the
+    sliding window, and the mask that says so. `number` is an int for unrolled layers (the
+    choice is made while tracing) and traced for scanned ones (a select)."""
+    if inputs.full_mask is None:
+        return inputs.self_mask, config.sliding_window is not None
+    if isinstance(number, int):
+        local = config.is_local_layer(number)
+        return (inputs.self_mask if local else inputs.full_mask), local
+    local = ~jnp.isin(number, jnp.asarray(config.full_attention_layers, jnp.int32))
+    return jnp.where(local, inputs.self_mask, inputs.full_mask), local
 
 
 def _cross_scales(layer: dict[str, Any]):
@@ -158,8 +182,8 @@ class Unrolled(nn.Module):
     def __call__(self, x, stacked, per_layer, shared):
         stacked, outputs = list(stacked) if stacked is not None else None, []
         for i in range(self.num_layers):
-            inputs = {"index": 0} if per_layer is None else {
-                "index": 0, **jax.tree.map(lambda a: a[0], per_layer[i])}
+            inputs = {"index": 0, "number": i, **({} if per_layer is None else
+                                                  jax.tree.map(lambda a: a[0], per_layer[i]))}
             own = None if stacked is None else stacked[i]
             (x, own), out = self.layer_cls(self.config, name=str(i))((x, own), inputs, shared)
             if stacked is not None:
@@ -196,8 +220,8 @@ def run_layers(config: TransformerConfig, layers: nn.Module, num_layers: int, x,
     """
     if not config.scan_layers:
         return layers(x, stacked, per_layer, shared)
-    inputs = {"index": jnp.arange(num_layers, dtype=jnp.int32),
-              **({} if per_layer is None else per_layer[0])}
+    numbers = jnp.arange(num_layers, dtype=jnp.int32)
+    inputs = {"index": numbers, "number": numbers, **({} if per_layer is None else per_layer[0])}
     own = None if stacked is None else stacked[0]
     (x, own), outputs = layers((x, own), inputs, shared)
     return x, None if own is None else (own,), (outputs,)

@@ -11,18 +11,21 @@ from .config import TransformerConfig
 
 class RMSNorm(nn.Module):
     """x * rsqrt(mean(x²) + eps) * scale over the last axis, normalised in float32 and cast
-    back before the scale (as Llama does)."""
+    back before the scale (as Llama does). With `norm_unit_offset` it multiplies by
+    (1 + scale) instead, the scale starting at 0, and casts after (as Gemma does)."""
 
     config: TransformerConfig
 
     @nn.compact
     def __call__(self, x):
         c = self.config
-        scale = self.param("scale", nn.initializers.ones_init(), (x.shape[-1],),
-                           c.weights_dtype)
+        init = nn.initializers.zeros_init() if c.norm_unit_offset else nn.initializers.ones_init()
+        scale = self.param("scale", init, (x.shape[-1],), c.weights_dtype)
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True)
                                      + c.layer_norm_eps)
+        if c.norm_unit_offset:
+            return (normed * (1.0 + scale.astype(jnp.float32))).astype(c.compute_dtype)
         return normed.astype(c.compute_dtype) * scale.astype(c.compute_dtype)
 
 

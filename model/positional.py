@@ -37,6 +37,18 @@ def sinusoidal(positions_BT: jax.Array, d_model: int, layout: str = "interleaved
     return pe
 
 
+def layer_rope_frequencies(config: TransformerConfig, local) -> jax.Array | np.ndarray:
+    """The inverse frequencies of a layer that attends over a sliding window (`local`) or
+    not: `rope_frequencies`, or with a `local_rope_base` the local layers' own. `local` is
+    a bool, or traced for scanned layers (then a select between the two)."""
+    if config.local_rope_base is None:
+        return rope_frequencies(config)
+    own = rope_frequencies(config.replace(rope_base=config.local_rope_base, rope_scaling="none"))
+    if isinstance(local, bool):
+        return own if local else rope_frequencies(config)
+    return jnp.where(local, own.astype(np.float32), rope_frequencies(config).astype(np.float32))
+
+
 def rope_frequencies(config: TransformerConfig) -> np.ndarray:
     """RoPE's inverse frequencies [H/2] (float64): base^(-2i/H), stretched as
     `config.rope_scaling` says.

@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .attention import CrossKV
+from .attention import CrossKV, soft_cap
 from .cache import KVCache, check_cache, init_cache
 from .config import TransformerConfig
 from .layers import DecoderLayer, EncoderLayer, LayerInputs, layer_stack, run_layers
@@ -30,30 +30,33 @@ def _valid_lengths(tokens_BT: jax.Array, lengths_B: jax.Array | None) -> jax.Arr
     return jnp.asarray(lengths_B, jnp.int32)
 
 
-def self_attention_inputs(starts_B, valid_B, num_queries: int, num_keys: int,
-                          capacity: int | None, window: int | None = None,
+def self_attention_inputs(config: TransformerConfig, starts_B, valid_B, num_queries: int,
+                          num_keys: int, capacity: int | None,
                           ) -> tuple[LayerInputs, jax.Array, jax.Array]:
     """Positions and the causal + padding mask for T new tokens written after `starts`.
 
     Query t of row b sits at position starts[b] + t; key slot s holds position s. A query
     sees slot s iff s <= its position and s < the row's new length, and with a sliding
-    `window`, iff s > its position - window. Returns the layer inputs, the new lengths [B]
-    and the rows that did not fit [B] (all False w/o cache).
+    window, iff s > its position - window (the full mask, for layers that see everything,
+    rides along when some do). Returns the layer inputs, the new lengths [B] and the rows
+    that did not fit [B] (all False w/o cache).
     """
+    window = config.sliding_window
     positions_BT = starts_B[:, None] + jnp.arange(num_queries, dtype=jnp.int32)
     new_lengths_B = starts_B + valid_B
     slots_S = jnp.arange(num_keys, dtype=jnp.int32)
     mask_BTS = (slots_S[None, None, :] <= positions_BT[:, :, None]) & (
         slots_S[None, None, :] < new_lengths_B[:, None, None])
+    full_mask_BTS = mask_BTS if config.full_attention_layers else None
     if window is not None:
         mask_BTS &= slots_S[None, None, :] > positions_BT[:, :, None] - window
+    inputs = LayerInputs(positions_BT, mask_BTS, full_mask_BTS)
     if capacity is None:
-        no_overflow = jnp.zeros_like(valid_B, bool)
-        return LayerInputs(positions_BT, mask_BTS), new_lengths_B, no_overflow
+        return inputs, new_lengths_B, jnp.zeros_like(valid_B, bool)
     fits_B = starts_B + num_queries <= capacity
     new_lengths_B = jnp.where(fits_B, new_lengths_B, starts_B)
     overflowed_B = ~fits_B & (valid_B > 0)
-    return LayerInputs(positions_BT, mask_BTS, starts_B, fits_B), new_lengths_B, overflowed_B
+    return inputs.replace(starts=starts_B, fits=fits_B), new_lengths_B, overflowed_B
 
 
 class Embedder(nn.Module):
@@ -103,7 +106,7 @@ class Embedder(nn.Module):
             logits = self.unembed(x_BTD).astype(jnp.float32)
         if self.config.logits_bias:
             logits = logits + self.logits_bias.astype(jnp.float32)
-        return logits
+        return soft_cap(logits, self.config.logits_softcap)
 
 
 _KV_FIELDS = ("k", "v")
@@ -175,7 +178,7 @@ class DecoderOnlyLM(nn.Module):
         num_keys = num_tokens if cache is None or fresh else cache.capacity
         capacity = None if cache is None else cache.capacity
         inputs, new_lengths_B, overflowed_B = self_attention_inputs(
-            starts_B, valid_B, num_tokens, num_keys, capacity, self.config.sliding_window)
+            self.config, starts_B, valid_B, num_tokens, num_keys, capacity)
         inputs = inputs.replace(fresh=fresh)
         x = self.embedder(tokens_BT, inputs.positions)
         x, stacked, _ = run_layers(self.config, self.layers, self.config.num_decoder_layers, x,
@@ -293,7 +296,7 @@ class EncoderDecoder(nn.Module):
             source_lengths_B = cache.source_lengths
             starts_B, num_keys, capacity = cache.lengths, cache.capacity, cache.capacity
         inputs, new_lengths_B, overflowed_B = self_attention_inputs(
-            starts_B, valid_B, num_tokens, num_keys, capacity, self.config.sliding_window)
+            self.config, starts_B, valid_B, num_tokens, num_keys, capacity)
         source_slots = jnp.arange(encoded_BSD.shape[1] if cache is None
                                   else cache.source_length, dtype=jnp.int32)
         inputs = inputs.replace(cross_mask=jnp.broadcast_to(

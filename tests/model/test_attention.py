@@ -20,15 +20,19 @@ ATTENDS = pytest.mark.parametrize("attend", [M.attend, attend_from_cache_layout]
                                   ids=["fresh", "cached"])
 
 
-def numpy_attention(q, k, v, mask):
-    """q [B,T,N,H], k/v [B,S,K,H], mask [B,T,S] bool; the textbook formula, head by head."""
+def numpy_attention(q, k, v, mask, scale=None, cap=None):
+    """q [B,T,N,H], k/v [B,S,K,H], mask [B,T,S] bool; the textbook formula, head by head,
+    the logits scaled by `scale` (default 1/√H) and soft-capped at `cap` (None: not)."""
     batch, queries, heads, dim = q.shape
     kv_heads = k.shape[2]
     out = np.zeros_like(q, dtype=np.float64)
     for b in range(batch):
         for n in range(heads):
             g = n // (heads // kv_heads)
-            scores = q[b, :, n] @ k[b, :, g].T / np.sqrt(dim)
+            scores = q[b, :, n] @ k[b, :, g].T / np.sqrt(dim) if scale is None else (
+                q[b, :, n].astype(np.float64) @ k[b, :, g].T * scale)
+            if cap is not None:
+                scores = cap * np.tanh(scores / cap)
             scores = np.where(mask[b], scores, -np.inf)
             for t in range(queries):
                 if not mask[b, t].any():
