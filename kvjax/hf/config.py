@@ -16,7 +16,8 @@ from typing import Any
 
 from kvjax.model import TransformerConfig
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "phi3", "qwen2", "qwen3", "marian")
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "phi3", "qwen2", "qwen3", "gemma2",
+                         "gemma3_text", "marian")
 
 
 class UnsupportedModelError(ValueError):
@@ -45,6 +46,7 @@ _INFERENCE_NEUTRAL = frozenset({
     "max_window_layers",  # read only with sliding windows, which are refused
     "gradient_checkpointing", "scale_attn_weights", "_num_labels", "output_past",
     "_attn_implementation", "_attn_implementation_autoset",
+    "cache_implementation",  # Gemma's "hybrid" cache: how transformers holds it
     # Marian: transformers' Marian reads none of these (its layers are always post-LN, its
     # positions always static sinusoids), so the same model runs here.
     "normalize_before", "add_final_layer_norm", "normalize_embedding",
@@ -85,7 +87,8 @@ def to_kvjax_config(hf: dict[str, Any], *, tied: bool, dtype: str = "float32",
                                     f"kvjax loads {', '.join(SUPPORTED_MODEL_TYPES)}")
     reader = _Reader(hf, source)
     fields = {"gpt2": _gpt2, "llama": _llama, "mistral": _mistral, "phi3": _phi3,
-              "qwen2": _qwen2, "qwen3": _qwen3, "marian": _marian}[model_type](reader)
+              "qwen2": _qwen2, "qwen3": _qwen3, "gemma2": _gemma2, "gemma3_text": _gemma3,
+              "marian": _marian}[model_type](reader)
     reader.refuse_unread()
     try:
         return TransformerConfig(**fields, tie_embeddings=tied, dtype=dtype, param_dtype=dtype,
@@ -156,7 +159,15 @@ def _rope(c: _Reader) -> dict[str, Any]:
     """RoPE's base and scaling from `rope_parameters` (transformers 5) or the older
     `rope_theta` and `rope_scaling`."""
     params = {**(c.get("rope_scaling") or {}), **(c.get("rope_parameters") or {})}
-    base = params.get("rope_theta", c.get("rope_theta", 10000.0))
+    fields = _rope_fields(params, c.get("rope_theta", 10000.0), c.source)
+    for key in ("rope_interleaved",):  # pairs (x[2i], x[2i+1]) instead of halves
+        c.expect(key, False, False, "kvjax rotates the halves (x[i], x[i + H/2])")
+    return fields
+
+
+def _rope_fields(params: dict[str, Any], base: float, source: str) -> dict[str, Any]:
+    """The config fields of one set of RoPE parameters (`base` where they name none)."""
+    base = params.get("rope_theta", base)
     kind = params.get("rope_type", params.get("type", "default"))
     fields: dict[str, Any] = {"positional_encoding": "rope", "rope_base": float(base)}
     known = {"rope_theta", "rope_type", "type"}
@@ -171,19 +182,18 @@ def _rope(c: _Reader) -> dict[str, Any]:
         known |= {"factor", "low_freq_factor", "high_freq_factor",
                   "original_max_position_embeddings"}
     elif kind != "default":
-        raise UnsupportedModelError(f"{c.source}: rope scaling of type {kind!r} is not "
+        raise UnsupportedModelError(f"{source}: rope scaling of type {kind!r} is not "
                                     "supported; kvjax implements 'default', 'linear' and "
                                     "'llama3'")
     extra = {k: v for k, v in params.items() if k not in known and v not in (None, 1.0)}
     if extra:
-        raise UnsupportedModelError(f"{c.source}: rope settings {json.dumps(extra)} are not "
+        raise UnsupportedModelError(f"{source}: rope settings {json.dumps(extra)} are not "
                                     f"supported for rope type {kind!r}")
-    for key in ("rope_interleaved",):  # pairs (x[2i], x[2i+1]) instead of halves
-        c.expect(key, False, False, "kvjax rotates the halves (x[i], x[i + H/2])")
     return fields
 
 
-def _llama_like(c: _Reader, *, qkv_bias: bool, out_bias: bool, ffn_bias: bool):
+def _llama_like(c: _Reader, *, qkv_bias: bool, out_bias: bool, ffn_bias: bool,
+                activation_key: str = "hidden_act", rope: dict[str, Any] | None = None):
     width, heads = c.require("hidden_size"), c.require("num_attention_heads")
     c.expect("is_encoder_decoder", False, False, "decoder-only model")
     return dict(
@@ -192,16 +202,18 @@ def _llama_like(c: _Reader, *, qkv_bias: bool, out_bias: bool, ffn_bias: bool):
         d_ff=c.require("intermediate_size"), num_decoder_layers=c.require("num_hidden_layers"),
         max_len=c.require("max_position_embeddings"), norm="pre", norm_type="rmsnorm",
         layer_norm_eps=c.get("rms_norm_eps", 1e-6),
-        activation=_gated(c.activation("hidden_act", "silu"), c.source),
+        activation=_gated(c.activation(activation_key, "silu"), c.source),
         qkv_bias=qkv_bias, out_bias=out_bias, ffn_bias=ffn_bias, scale_embeddings=False,
-        **_rope(c))
+        **(_rope(c) if rope is None else rope))
 
 
 def _gated(activation: str, source: str) -> str:
-    if activation != "silu":
+    gated = {"silu": "swiglu", "gelu": "geglu"}
+    if activation not in gated:
         raise UnsupportedModelError(f"{source}: a gated feed-forward network with "
-                                    f"{activation} is not supported (only SiLU: SwiGLU)")
-    return "swiglu"
+                                    f"{activation} is not supported (SiLU: SwiGLU, tanh GELU: "
+                                    "GeGLU)")
+    return gated[activation]
 
 
 def _llama(c: _Reader) -> dict[str, Any]:
@@ -250,6 +262,73 @@ def _phi3(c: _Reader) -> dict[str, Any]:
     c.expect("partial_rotary_factor", 1.0, 1.0, "kvjax's RoPE turns every dimension")
     return {**_llama_like(c, qkv_bias=False, out_bias=False, ffn_bias=False),
             "sliding_window": c.get("sliding_window")}
+
+
+def _gemma(c: _Reader, rope: dict[str, Any], default_pattern: int) -> dict[str, Any]:
+    """What Gemma 2 and 3 share: Llama's layout with √D-scaled embeddings, (1 + w) RMSNorms
+    around each sublayer as well as before it, GeGLU, 1/√query_pre_attn_scalar as the
+    attention scale, optional soft caps, and sliding-window layers among global ones
+    (`layer_types`, or every `sliding_window_pattern`-th layer global in older files)."""
+    c.get("hidden_act")  # transformers' Gemma reads hidden_activation only
+    c.expect("use_bidirectional_attention", False, False, "kvjax's Gemma is causal")
+    bias = bool(c.get("attention_bias", False))
+    fields = _llama_like(c, qkv_bias=bias, out_bias=bias, ffn_bias=False,
+                         activation_key="hidden_activation", rope=rope)
+    layers = fields["num_decoder_layers"]
+    pattern = c.get("sliding_window_pattern", c.get("_sliding_window_pattern", default_pattern))
+    layer_types = c.get("layer_types") or [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+        for i in range(layers)]
+    unknown = sorted({kind for kind in layer_types}
+                     - {"full_attention", "sliding_attention"})
+    if unknown or len(layer_types) != layers:
+        raise UnsupportedModelError(f"{c.source}: layer_types={json.dumps(layer_types)} must "
+                                    f"name 'full_attention' or 'sliding_attention' for each "
+                                    f"of the {layers} layers")
+    window = c.get("sliding_window")
+    c.expect("sliding_window_size", window, window, "older files repeat sliding_window")
+    full = tuple(i for i, kind in enumerate(layer_types) if kind == "full_attention")
+    if window is None:
+        if len(full) < layers:
+            raise UnsupportedModelError(f"{c.source}: sliding_attention layers need a "
+                                        "sliding_window")
+        full = ()
+    return {**fields, "scale_embeddings": True, "norm_unit_offset": True,
+            "sandwich_norms": True, "sliding_window": window, "full_attention_layers": full,
+            "attention_scale": float(c.require("query_pre_attn_scalar")) ** -0.5,
+            "attention_softcap": c.get("attn_logit_softcapping"),
+            "logits_softcap": c.get("final_logit_softcapping")}
+
+
+def _gemma2(c: _Reader) -> dict[str, Any]:
+    """Gemma 2: every other layer global, soft caps on attention and output logits."""
+    return _gemma(c, _rope(c), default_pattern=2)
+
+
+def _gemma3(c: _Reader) -> dict[str, Any]:
+    """Gemma 3's text model: Gemma 2's layers with (1 + w) RMSNorm over each head's query
+    and key, every sixth layer global by default, and RoPE of their own for the local
+    layers (`rope_parameters` per layer type, or the older `rope_theta`, `rope_scaling` of
+    the global layers and `rope_local_base_freq`)."""
+    params = c.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+        unknown = sorted(set(params) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise UnsupportedModelError(f"{c.source}: rope_parameters for {unknown} are not "
+                                        "supported")
+    else:
+        full, local = {**(c.get("rope_scaling") or {}), **params}, {}
+    rope = _rope_fields(full, c.get("rope_theta", 1000000.0), c.source)
+    local_rope = _rope_fields(local, c.get("rope_local_base_freq", 10000.0), c.source)
+    if local_rope.get("rope_scaling", "none") != "none":
+        raise UnsupportedModelError(f"{c.source}: scaled RoPE on sliding_attention layers is "
+                                    "not supported")
+    c.expect("rope_interleaved", False, False, "kvjax rotates the halves (x[i], x[i + H/2])")
+    fields = {**_gemma(c, rope, default_pattern=6), "qk_norm": True}
+    if fields["sliding_window"] is not None:
+        fields["local_rope_base"] = local_rope["rope_base"]
+    return fields
 
 
 def _marian(c: _Reader) -> dict[str, Any]:

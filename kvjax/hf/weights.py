@@ -141,7 +141,8 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
     params = _Params(config, files, dtype)
     mapper = {"gpt2": _gpt2, "llama": _llama_like, "mistral": _llama_like,
               "phi3": functools.partial(_llama_like, fused=True), "qwen2": _llama_like,
-              "qwen3": _llama_like, "marian": _marian}[model_type]
+              "qwen3": _llama_like, "gemma2": _llama_like, "gemma3_text": _llama_like,
+              "marian": _marian}[model_type]
     ignorable = mapper(config, params)
     return params.tree(ignorable)
 
@@ -211,17 +212,27 @@ def _dense(p: _Params, name: str, dst: str, shape_out_in, bias: bool) -> None:
         p.set(dst + "/bias", p.read(name + ".bias", shape_out_in[:1]))
 
 
+# kvjax's norm -> the file's, per layer. Llama's "post_attention_layernorm" is the norm before
+# the FFN; Gemma's is the one on the attention's output.
+_NORMS = {"attention_block/norm": "input_layernorm", "ffn_block/norm": "post_attention_layernorm"}
+_SANDWICH_NORMS = {"attention_block/norm": "input_layernorm",
+                   "attention_block/post_norm": "post_attention_layernorm",
+                   "ffn_block/norm": "pre_feedforward_layernorm",
+                   "ffn_block/post_norm": "post_feedforward_layernorm"}
+
+
 def _llama_like(c: M.TransformerConfig, p: _Params, fused: bool = False):
-    """Llama and its kin. `fused` (Phi-3): q, k and v are rows of one `qkv_proj`, and the gate
-    and up projections the two halves of one `gate_up_proj`."""
+    """Llama and its kin, Gemma's extra norms included. `fused` (Phi-3): q, k and v are rows
+    of one `qkv_proj`, and the gate and up projections the two halves of one
+    `gate_up_proj`."""
     d, h, f = c.d_model, c.head_dim, c.d_ff
     p.set("embedder/embedding/embedding", p.read("model.embed_tokens.weight",
                                                  (c.vocab_size, d)))
     for i in range(c.num_decoder_layers):
         src, dst = f"model.layers.{i}.", f"layers/{i}/"
-        p.set(dst + "attention_block/norm/scale", p.read(src + "input_layernorm.weight", (d,)))
-        p.set(dst + "ffn_block/norm/scale",
-              p.read(src + "post_attention_layernorm.weight", (d,)))
+        norms = _SANDWICH_NORMS if c.sandwich_norms else _NORMS
+        for kvjax_name, hf_name in norms.items():
+            p.set(f"{dst}{kvjax_name}/scale", p.read(f"{src}{hf_name}.weight", (d,)))
         if fused:  # rows: the q heads, then the k heads, then the v heads
             heads = c.num_heads + 2 * c.kv_heads
             p.set(dst + "self_attention/qkv/kernel", p.read(

@@ -20,6 +20,7 @@ FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf_models"
 # import is read back in tests/train/test_finetune.py, its beams in tests/hf/test_hf_models.py.
 @pytest.mark.parametrize("name, options", [
     ("gpt2", ["--temperature", "0.9", "--top-k", "20", "--seed", "3"]),
+    ("gemma3_text", ["--temperature", "0.8", "--top-p", "0.9", "--seed", "5"]),
 ])
 def test_import_hf_then_sample_gives_the_same_tokens(capsys, tmp_path, name, options):
     out = tmp_path / "imported"
@@ -59,7 +60,7 @@ def test_import_hf_of_a_bad_directory_is_one_line_and_writes_nothing(capsys, tmp
     assert code == 2 and stdout == ""
     assert err.strip().count("\n") == 0
     assert ("model_type 't5' is not supported; kvjax loads gpt2, llama, mistral, phi3, qwen2, "
-            "qwen3, marian") in err
+            "qwen3, gemma2, gemma3_text, marian") in err
     assert not out.exists()
     code, _, err = run_cli(capsys, "import-hf", str(tmp_path / "nowhere"), str(out))
     assert code == 2 and "is not a directory" in err and not out.exists()

@@ -22,9 +22,11 @@ from kvjax import decode, hf
 from kvjax import model as M
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf_models"
-NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral", "phi3")
+NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral", "phi3",
+         "gemma2", "gemma3_text")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
-               "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3"}
+               "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
+               "gemma2": "gemma2", "gemma3_text": "gemma3_text"}
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +79,11 @@ def relative_error(got, want):
 def test_logits_and_generation_equal_transformers(loaded, name):
     config, tokenizer, params = loaded(name)
     record, logits = expected(name)
-    assert config.tie_embeddings == (name in ("gpt2", "llama_mqa", "marian", "qwen3"))
-    assert config.qk_norm == (name == "qwen3")
-    assert config.sliding_window == {"mistral": 4, "phi3": 6}.get(name)
+    assert config.tie_embeddings == (name in ("gpt2", "llama_mqa", "marian", "qwen3", "gemma2"))
+    assert config.qk_norm == (name in ("qwen3", "gemma3_text"))
+    assert config.sliding_window == {"mistral": 4, "phi3": 6, "gemma2": 4,
+                                     "gemma3_text": 5}.get(name)
+    assert config.full_attention_layers == {"gemma2": (1,), "gemma3_text": (2,)}.get(name, ())
     for i, got in enumerate(teacher_forced(config, params, record)):
         assert relative_error(got, logits[f"logits_{i}"]) <= 1e-5
     net = M.build_model(config)
@@ -133,7 +137,7 @@ def edit_config(directory, **changes):
 @pytest.mark.parametrize("name, changes, message", [
     ("gpt2", dict(model_type="bert"),
      "model_type 'bert' is not supported; kvjax loads gpt2, llama, mistral, phi3, qwen2, "
-     "qwen3, marian"),
+     "qwen3, gemma2, gemma3_text, marian"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
                                         "rope_theta": 10000.0}),
      "rope scaling of type 'yarn' is not supported"),
@@ -152,6 +156,16 @@ def edit_config(directory, **changes):
     ("llama_mqa", dict(hidden_act="gelu"), "a gated feed-forward network with gelu_exact"),
     ("marian", dict(share_encoder_decoder_embeddings=False),
      "share_encoder_decoder_embeddings=false is not supported"),
+    ("gemma3_text", dict(use_bidirectional_attention=True),
+     "use_bidirectional_attention=true is not supported (kvjax's Gemma is causal)"),
+    ("gemma2", dict(layer_types=["sliding_attention", "chunked_attention", "full_attention"]),
+     "must name 'full_attention' or 'sliding_attention' for each of the 3 layers"),
+    ("gemma2", dict(sliding_window=None), "sliding_attention layers need a sliding_window"),
+    ("gemma2", dict(hidden_activation="gelu"), "a gated feed-forward network with gelu_exact"),
+    ("gemma3_text", dict(rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
+     "scaled RoPE on sliding_attention layers is not supported"),
 ])
 def test_unsupported_settings_are_refused(tmp_path, name, changes, message):
     directory = copy_of(name, tmp_path)
@@ -160,6 +174,18 @@ def test_unsupported_settings_are_refused(tmp_path, name, changes, message):
         hf.load_pretrained(directory)
     assert message in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_older_gemma3_files_name_their_rope_and_layers_the_older_way(tmp_path):
+    """Files written before transformers 5 give the global layers' RoPE as rope_theta and
+    rope_scaling, the local layers' base as rope_local_base_freq, and every
+    sliding_window_pattern-th layer global instead of layer_types."""
+    directory = copy_of("gemma3_text", tmp_path)
+    edit_config(directory, layer_types=None, _sliding_window_pattern=None, rope_parameters=None,
+                sliding_window_pattern=3, rope_theta=100000.0, rope_local_base_freq=10000.0,
+                rope_scaling={"rope_type": "linear", "factor": 2.0})
+    config, _, _ = hf.load_pretrained(directory)
+    assert config == hf.load_pretrained(FIXTURES / "gemma3_text")[0]
 
 
 def test_a_directory_without_config_is_named(tmp_path):

@@ -113,3 +113,28 @@ def test_a_template_that_refuses_or_escapes_is_a_value_error(directory):
 
     with pytest.raises(ValueError, match="chat template does not parse"):
         chat.render(Broken(), MESSAGES)
+
+
+# Gemma 3's template (tests/fixtures/chat_templates/gemma3.jinja, in the gemma3_text fixture):
+# a system message joins the first user turn, the assistant is "model", roles must alternate.
+GEMMA = Path(__file__).resolve().parents[1] / "fixtures" / "hf_models" / "gemma3_text"
+GEMMA_MESSAGES = [{"role": "system", "content": "Answer briefly."}, *PLAIN_MESSAGES]
+# What transformers 5.24's apply_chat_template(GEMMA_MESSAGES, add_generation_prompt=True,
+# tokenize=False) renders (spm_bpe: bos <s>).
+GEMMA_EXPECTED = ("<s><start_of_turn>user\nAnswer briefly.\n\nGrüße! What is a KV cache?"
+                  "<end_of_turn>\n<start_of_turn>model\nKeys and values.<end_of_turn>\n"
+                  "<start_of_turn>user\nWhy keep them?<end_of_turn>\n<start_of_turn>model\n")
+
+
+def test_gemmas_template_renders_as_transformers_renders_it():
+    tokenizer = load_tokenizer(GEMMA)
+    assert chat.render(tokenizer, GEMMA_MESSAGES) == (GEMMA_EXPECTED, True)
+    with pytest.raises(ValueError, match="Conversation roles must alternate"):
+        chat.render(tokenizer, PLAIN_MESSAGES[:1] * 2)
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.AutoTokenizer.from_pretrained(GEMMA)
+    assert theirs.apply_chat_template(GEMMA_MESSAGES, add_generation_prompt=True,
+                                      tokenize=False) == GEMMA_EXPECTED
+    their_ids = theirs.apply_chat_template(GEMMA_MESSAGES, add_generation_prompt=True,
+                                           tokenize=True, return_dict=False)
+    assert tokenizer.encode(GEMMA_EXPECTED) == list(their_ids)
