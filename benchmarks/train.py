@@ -116,23 +116,50 @@ def _best_step_seconds(step: Callable[[], object], steps: int, repeats: int) -> 
     return best
 
 
-def _kvjax_step(config: M.TransformerConfig, batch_np: dict, mesh,
-                deterministic: bool = False) -> Callable[[], object]:
+@dataclasses.dataclass(frozen=True)
+class KvjaxStep:
+    """One compiled training step of kvjax, ready to run on its own state and batch."""
+
+    run: Callable[[], jax.Array]  # one step; returns its loss
+    peak_bytes: int  # what the compiled step holds at once (`peak_bytes`)
+    trained_params: int  # params with gradients: every param, or LoRA's adapters
+
+
+def peak_bytes(compiled) -> int:
+    """What a compiled program holds at once: arguments and outputs (less the outputs
+    written over donated arguments) and temporaries."""
+    stats = compiled.memory_analysis()
+    return int(stats.argument_size_in_bytes + stats.output_size_in_bytes
+               - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+
+
+def kvjax_step(config: M.TransformerConfig, batch_np: dict, mesh=None,
+               deterministic: bool = False, lora: M.LoRA | None = None) -> KvjaxStep:
+    """`kvjax.train.update`'s step on fresh params (LoRA's adapters on them as a frozen base
+    with `lora`), compiled once ahead of time: the program timed is the one measured."""
+    from kvjax.train import lora as train_lora
     from kvjax.train import update
     from kvjax.train.config import TrainConfig
 
     train_config = TrainConfig(steps=10_000, batch_size=len(batch_np["inputs"]), warmup_steps=10,
-                               progress=False, deterministic=deterministic)
+                               progress=False, deterministic=deterministic, lora=lora)
     step_config = update.compiled_fields(train_config)
-    holder = {"state": update.init_state(config, train_config, mesh)}
+    params = base = None
+    if lora is not None:
+        base = train_lora.as_base(M.init_params(config, jax.random.key(0)), lora)
+        params = train_lora.init_adapters(config, train_config, base)
+    state = update.init_state(config, train_config, mesh, params=params)
     batch = batch_np if mesh is None else parallel.shard_batch(batch_np, mesh)
+    compiled = update._compiled_step(deterministic, jax.default_backend()).lower(
+        config, step_config, state, batch, base, mesh=mesh).compile()
+    trained = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+    holder = {"state": state}
 
-    def step():
-        holder["state"], loss = update.train_step(config, step_config, holder["state"], batch,
-                                                  mesh=mesh)
+    def run():
+        holder["state"], loss = compiled(holder["state"], batch, base)
         return loss
 
-    return step
+    return KvjaxStep(run, peak_bytes(compiled), trained)
 
 
 def _torch_model(config: M.TransformerConfig, shape: str | None):
@@ -238,7 +265,7 @@ def train_benchmark(preset: str = "gpt-mini", batch_size: int = 8, seq_len: int 
             name = (f"kvjax, {mode} layers, {count} device{'s' if count > 1 else ''}"
                     f"{', deterministic' if exact else ''}")
             log(f"{name} ...")
-            seconds = _best_step_seconds(_kvjax_step(mode_config, batch, mesh, exact), steps,
+            seconds = _best_step_seconds(kvjax_step(mode_config, batch, mesh, exact).run, steps,
                                          repeats)
             rows.append(TrainRow(name, seconds, batch_size * seq_len, flops))
     shape = preset if preset in SHAPES else None

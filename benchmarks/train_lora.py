@@ -16,14 +16,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-import jax
 import numpy as np
 
 from kvjax import model as M
 from kvjax.model.config import format_bytes
 
 from .decode import _machine
-from .train import _best_step_seconds, model_config
+from .train import _best_step_seconds, kvjax_step, model_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,42 +36,6 @@ class LoraRow:
     @property
     def tokens_per_second(self) -> float:
         return self.tokens_per_step / self.step_seconds
-
-
-def peak_bytes(compiled) -> int:
-    """What a compiled program holds at once: arguments and outputs (less the outputs
-    written over donated arguments) and temporaries."""
-    stats = compiled.memory_analysis()
-    return int(stats.argument_size_in_bytes + stats.output_size_in_bytes
-               - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
-
-
-def _contender(config: M.TransformerConfig, batch: dict, lora: M.LoRA | None
-               ) -> tuple[Callable[[], object], int, int]:
-    """(one step, the step's peak bytes, the number of trained params)."""
-    from kvjax.train import lora as train_lora
-    from kvjax.train import update
-    from kvjax.train.config import TrainConfig
-
-    train_config = TrainConfig(steps=10_000, batch_size=len(batch["inputs"]), warmup_steps=10,
-                               progress=False, lora=lora)
-    step_config = update.compiled_fields(train_config)
-    base = None
-    params = M.init_params(config, jax.random.key(0))
-    if lora is not None:
-        base = train_lora.as_base(params, lora)
-        params = train_lora.init_adapters(config, train_config, params)
-    holder = {"state": update.init_state(config, train_config, params=params)}
-    compiled = update._compiled_step(False, jax.default_backend()).lower(
-        config, step_config, holder["state"], batch, base).compile()
-
-    def step():
-        holder["state"], loss = update.train_step(config, step_config, holder["state"], batch,
-                                                  base=base)
-        return loss
-
-    trained = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(holder["state"].params))
-    return step, peak_bytes(compiled), trained
 
 
 def lora_benchmark(preset: str = "gpt2-small", batch_size: int = 4, seq_len: int = 256,
@@ -94,9 +57,9 @@ def lora_benchmark(preset: str = "gpt2-small", batch_size: int = 4, seq_len: int
          M.LoRA(rank, None, targets, base)) for base in base_dtypes]
     for name, lora in contenders:
         log(f"{name} ...")
-        step, peak, trained = _contender(config, batch, lora)
-        rows.append(LoraRow(name, _best_step_seconds(step, steps, repeats),
-                            batch_size * seq_len, peak, trained))
+        step = kvjax_step(config, batch, lora=lora)
+        rows.append(LoraRow(name, _best_step_seconds(step.run, steps, repeats),
+                            batch_size * seq_len, step.peak_bytes, step.trained_params))
         del step  # the state's buffers go before the next contender's
     setting = (f"Fine-tuning, `{preset}` sizes in {dtype} (float32 params), batch "
                f"{batch_size} x {seq_len} tokens, AdamW with clipping; best of {repeats} x "
