@@ -177,10 +177,7 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
     verifies them in one model call (see `decode/speculative.py`): greedy output is
     unchanged, sampled output keeps its distribution.
     """
-    mesh, params = placement(net.config, params, mesh)
-    if mesh is not None and return_state:
-        raise ValueError("return_state=True runs on one device; it does not take a mesh or "
-                         "params sharded over one")
+    mesh, params = _placement(net.config, params, mesh, return_state)
     prepared = prepare(net, params, prompts, lengths, max_new_tokens=max_new_tokens,
                        eos_ids=eos_ids, num_beams=1, rng=rng, num_samples=num_samples,
                        sampling=sampling, logit_processors=logit_processors, state=state,
@@ -188,10 +185,8 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
     config = net.config
     carry = _run(config, params, _first(config, params, prepared), prepared,
                  prepared.stops.max_new_tokens)
-    state = _decode_state(carry)
-    return _output(state, max_new_tokens, return_logprobs, prepared.rows,
-                   state_out=_kept(config, params, state) if return_state else None,
-                   speculation=_stats(carry))
+    return _finish(config, params, carry, prepared.rows, max_new_tokens, return_logprobs,
+                   return_state)
 
 
 def beam_search(net, params, prompts, *, max_new_tokens: int, num_beams: int,
@@ -224,10 +219,7 @@ def stream(net, params, prompts=None, *, max_new_tokens: int, chunk_size: int = 
     chunk_size = checks.integer("chunk_size", chunk_size, 1)
     return_logprobs = kwargs.pop("return_logprobs", False)
     return_state = kwargs.pop("return_state", False)
-    mesh, params = placement(net.config, params, kwargs.pop("mesh", None))
-    if mesh is not None and return_state:
-        raise ValueError("return_state=True runs on one device; it does not take a mesh or "
-                         "params sharded over one")
+    mesh, params = _placement(net.config, params, kwargs.pop("mesh", None), return_state)
     prepared = prepare(net, params, prompts, kwargs.pop("lengths", None),
                        max_new_tokens=max_new_tokens, num_beams=1, mesh=mesh,
                        **{"eos_ids": (), "rng": None, **kwargs})
@@ -241,14 +233,32 @@ def stream(net, params, prompts=None, *, max_new_tokens: int, chunk_size: int = 
             yield host_arrays(state.tokens)[:prepared.rows, emitted:step]
             emitted = step
         if step >= max_new_tokens or bool(jnp.all(state.done)):
-            return _output(state, max_new_tokens, return_logprobs, prepared.rows,
-                           state_out=_kept(config, params, state) if return_state else None,
-                           speculation=_stats(carry))
+            return _finish(config, params, carry, prepared.rows, max_new_tokens,
+                           return_logprobs, return_state)
         limit = jnp.asarray(min(step + chunk_size, max_new_tokens), jnp.int32)
         carry = _run(config, params, carry, prepared, limit)
 
 
 Carry = DecodeState | spec.SpeculativeState  # the loop's state: plain, or speculative
+
+
+def _placement(config, params, mesh: Mesh | None, return_state: bool):
+    """`placement`, refusing `return_state` on a mesh: a kept state lives on one device."""
+    mesh, params = placement(config, params, mesh)
+    if mesh is not None and return_state:
+        raise ValueError("return_state=True runs on one device; it does not take a mesh or "
+                         "params sharded over one")
+    return mesh, params
+
+
+def _finish(config, params, carry: Carry, rows: int, max_new_tokens: int,
+            return_logprobs: bool, return_state: bool) -> GenerateOutput:
+    """The output of a finished loop for its first `rows` rows, with the state to continue
+    from if asked."""
+    state = _decode_state(carry)
+    return _output(state, max_new_tokens, return_logprobs, rows,
+                   state_out=_kept(config, params, state) if return_state else None,
+                   speculation=_stats(carry))
 
 
 def _first(config, params, p: Prepared) -> Carry:
