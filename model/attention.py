@@ -64,11 +64,7 @@ def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
                               preferred_element_type=jnp.float32)
     logits_BKGTS = soft_cap(logits_BKGTS * (head_dim**-0.5 if scale is None else scale),
                             softcap)
-    logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, -jnp.inf)
-    top = jnp.max(logits_BKGTS, axis=-1, keepdims=True)
-    weights = jnp.exp(logits_BKGTS - jnp.where(jnp.isfinite(top), top, 0.0))
-    total = jnp.sum(weights, axis=-1, keepdims=True)
-    weights_BKGTS = weights / jnp.where(total > 0, total, 1.0)
+    weights_BKGTS = _masked_softmax(logits_BKGTS, mask_BTS)
     out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", weights_BKGTS.astype(v_BSKH.dtype), v_BSKH,
                            preferred_element_type=jnp.float32)
     return out_BTKGH.reshape(q_BTNH.shape).astype(q_BTNH.dtype)
@@ -185,13 +181,9 @@ def _attend_whole(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap, zero_unseen
     v_BKSH = jax.lax.dynamic_index_in_dim(v_LBKSH, layer, keepdims=False)
     logits_XMS = soft_cap(jnp.einsum("XMH,XSH->XMS", q_XMH.astype(k_XSH.dtype), k_XSH,
                                      preferred_element_type=jnp.float32), softcap)
-    logits_BKGTS = jnp.where(mask_BTS[:, None, None],
-                             logits_XMS.reshape(batch, kv_heads, group, num_queries, capacity),
-                             -jnp.inf)
-    top = jnp.max(logits_BKGTS, axis=-1, keepdims=True)
-    weights = jnp.exp(logits_BKGTS - jnp.where(jnp.isfinite(top), top, 0.0))
-    total = jnp.sum(weights, axis=-1, keepdims=True)
-    weights_XMS = (weights / jnp.where(total > 0, total, 1.0)).reshape(logits_XMS.shape)
+    weights_XMS = _masked_softmax(
+        logits_XMS.reshape(batch, kv_heads, group, num_queries, capacity), mask_BTS
+    ).reshape(logits_XMS.shape)
 
     def mix(v_BKSH):
         return jnp.einsum("XMS,XSH->XMH", weights_XMS.astype(v_BKSH.dtype),
@@ -291,6 +283,16 @@ def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap, blo
         _, _, sum_BKGT, acc_XMH = jax.lax.while_loop(
             lambda carry: carry[0] < num_blocks, body, init)
     return acc_XMH / jnp.where(sum_BKGT > 0, sum_BKGT, 1.0).reshape(heads, rows, 1)
+
+
+def _masked_softmax(logits_BKGTS: jax.Array, mask_BTS: jax.Array) -> jax.Array:
+    """softmax over S of the logits where `mask` allows, in float32: masked slots get
+    exactly 0, and a query that may see no slot gets all zeros (no NaN)."""
+    logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, -jnp.inf)
+    top = jnp.max(logits_BKGTS, axis=-1, keepdims=True)
+    weights = jnp.exp(logits_BKGTS - jnp.where(jnp.isfinite(top), top, 0.0))
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    return weights / jnp.where(total > 0, total, 1.0)
 
 
 def _zero_rows_without_keys(out_BTNH, mask_BTS):

@@ -160,9 +160,13 @@ def _rope(c: _Reader) -> dict[str, Any]:
     `rope_theta` and `rope_scaling`."""
     params = {**(c.get("rope_scaling") or {}), **(c.get("rope_parameters") or {})}
     fields = _rope_fields(params, c.get("rope_theta", 10000.0), c.source)
-    for key in ("rope_interleaved",):  # pairs (x[2i], x[2i+1]) instead of halves
-        c.expect(key, False, False, "kvjax rotates the halves (x[i], x[i + H/2])")
+    _rotated_halves(c)
     return fields
+
+
+def _rotated_halves(c: _Reader) -> None:
+    """Refuses RoPE that turns the pairs (x[2i], x[2i+1]) instead of the halves."""
+    c.expect("rope_interleaved", False, False, "kvjax rotates the halves (x[i], x[i + H/2])")
 
 
 def _rope_fields(params: dict[str, Any], base: float, source: str) -> dict[str, Any]:
@@ -279,8 +283,7 @@ def _gemma(c: _Reader, rope: dict[str, Any], default_pattern: int) -> dict[str, 
     layer_types = c.get("layer_types") or [
         "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
         for i in range(layers)]
-    unknown = sorted({kind for kind in layer_types}
-                     - {"full_attention", "sliding_attention"})
+    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
     if unknown or len(layer_types) != layers:
         raise UnsupportedModelError(f"{c.source}: layer_types={json.dumps(layer_types)} must "
                                     f"name 'full_attention' or 'sliding_attention' for each "
@@ -324,7 +327,7 @@ def _gemma3(c: _Reader) -> dict[str, Any]:
     if local_rope.get("rope_scaling", "none") != "none":
         raise UnsupportedModelError(f"{c.source}: scaled RoPE on sliding_attention layers is "
                                     "not supported")
-    c.expect("rope_interleaved", False, False, "kvjax rotates the halves (x[i], x[i + H/2])")
+    _rotated_halves(c)
     fields = {**_gemma(c, rope, default_pattern=6), "qk_norm": True}
     if fields["sliding_window"] is not None:
         fields["local_rope_base"] = local_rope["rope_base"]
