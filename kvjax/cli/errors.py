@@ -31,7 +31,7 @@ def one_line_warnings(command: str, show: Callable) -> Callable:
 
 
 def _in_orbax(filename: str) -> bool:
-    return f"{os.sep}orbax{os.sep}" in filename
+    return any(f"{os.sep}{package}{os.sep}" in filename for package in ("orbax", "tensorstore"))
 
 
 def quiet_orbax_leftovers(unraisable) -> None:
@@ -50,9 +50,11 @@ def quiet_orbax_leftovers(unraisable) -> None:
 def not_an_orbax_leftover(record: logging.LogRecord) -> bool:
     """A filter for the `asyncio` logger: False for its report of an orbax read whose
     exception no one retrieved ("... exception was never retrieved"), the same failed read
-    that was already reported in one line; True for everything else."""
+    that was already reported in one line; True for everything else. A read that tensorstore
+    failed in native code carries no Python frames at all: no Python code raised it, so it is
+    a leftover of that read too."""
     error = record.exc_info[1] if record.exc_info else None
     if error is None or "never retrieved" not in record.getMessage():
         return True
     frames = traceback.extract_tb(error.__traceback__)
-    return not any(_in_orbax(frame.filename) for frame in frames)
+    return bool(frames) and not any(_in_orbax(frame.filename) for frame in frames)

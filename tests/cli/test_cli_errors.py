@@ -94,6 +94,15 @@ def test_the_console_script_drops_only_orbax_reads_no_one_retrieved():
     assert cli._not_an_orbax_leftover(other)
 
 
+def test_the_console_script_drops_a_read_failed_in_native_code():
+    """tensorstore sets a failed read on its future from C++: the exception has no frames."""
+    error = ValueError('OUT_OF_RANGE: Error reading "params.wo/0.0" in OCDBT database')
+    native = logging.LogRecord("asyncio", logging.ERROR, __file__, 0,
+                               "Future exception was never retrieved", None,
+                               (type(error), error, None))
+    assert not cli._not_an_orbax_leftover(native)
+
+
 def test_a_prompt_too_long_fails_before_anything_is_echoed(capsys):
     code, out, err = run_cli(capsys, "sample", "--checkpoint", str(NUMBERS),
                              "--prompt", "9" * 3000)
