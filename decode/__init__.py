@@ -1,5 +1,7 @@
-"""Generation: prefill + one compiled `lax.while_loop` decode, sampling, streaming; beam search."""
+"""Generation: prefill + one compiled `lax.while_loop` decode, sampling, streaming, constrained
+output; beam search."""
 
+from .constraints import Choice, JsonSchema, Regex, TokenAutomaton, compile_constraint
 from .generate import GenerateOutput, beam_search, generate, prefill, stream
 from .loop import DecodeState, StopReason, decode_loop
 from .processors import LogitBias, LogitProcessor, ProcessorState, forbid_tokens
@@ -10,8 +12,9 @@ from .speculative import SpeculationStats, Speculative
 from .tracing import trace_count
 
 __all__ = [
-    "GREEDY", "DecodeState", "GenerateOutput", "LogitBias", "LogitProcessor", "ProcessorState",
-    "PromptState", "Sampling", "SamplingParams", "SpeculationStats", "Speculative", "StopReason",
-    "beam_search", "decode_loop", "filter_logits", "forbid_tokens", "generate", "prefill",
-    "sample", "stream", "trace_count",
+    "GREEDY", "Choice", "DecodeState", "GenerateOutput", "JsonSchema", "LogitBias",
+    "LogitProcessor", "ProcessorState", "PromptState", "Regex", "Sampling", "SamplingParams",
+    "SpeculationStats", "Speculative", "StopReason", "TokenAutomaton", "beam_search",
+    "compile_constraint", "decode_loop", "filter_logits", "forbid_tokens", "generate",
+    "prefill", "sample", "stream", "trace_count",
 ]

@@ -31,6 +31,7 @@ from kvjax.distributed import host_arrays
 
 from . import beam, checks, prompt_state
 from . import speculative as spec
+from .automaton import RowConstraints
 from .buckets import bucket
 from .loop import (
     DecodeState,
@@ -41,7 +42,15 @@ from .loop import (
     record,
 )
 from .plan import ON_DEVICE, LoopPlan
-from .prepare import Mesh, Prepared, pad_prompts, placement, prepare, validate
+from .prepare import (
+    Constrained,
+    Mesh,
+    Prepared,
+    pad_prompts,
+    placement,
+    prepare,
+    validate,
+)
 from .processors import LogitProcessor
 from .prompt_state import PromptState
 from .sampling import SamplingParams, row_keys
@@ -80,9 +89,11 @@ class GenerateOutput:
 def _start(config, params, tokens_BP, lengths_B, rng, capacity: int, buffer_len: int,
            stops: StopConditions, sampling: SamplingParams, num_samples: int,
            processors: tuple[LogitProcessor, ...], mesh=None,
-           plan: LoopPlan = ON_DEVICE) -> DecodeState:
+           plan: LoopPlan = ON_DEVICE, constraints: RowConstraints | None = None
+           ) -> DecodeState:
     """Prefills each prompt once, copies its cache to its `num_samples` rows and samples
-    every row's first token. `rng` is one key, or one per prompt (`sampling.row_keys`)."""
+    every row's first token. `rng` is one key, or one per prompt (`sampling.row_keys`);
+    `constraints` has one row per sample."""
     count_trace("start")
     logits_BV, cache = M.prefill(config, params, tokens_BP, lengths_B, capacity)
     context_BC, context_lengths_B = prompt_state.prompt_context(
@@ -93,7 +104,7 @@ def _start(config, params, tokens_BP, lengths_B, rng, capacity: int, buffer_len:
         context_BC, context_lengths_B = context_BC[rows], context_lengths_B[rows]
     keys_B = row_keys(rng, tokens_BP.shape[0], num_samples)
     state = initial_state(context_BC.shape[0], buffer_len, cache, keys_B, context_BC,
-                          context_lengths_B)
+                          context_lengths_B, constraints)
     return parallel.constrain_rows(record(state, logits_BV, stops, sampling, processors, plan),
                                    mesh)
 
@@ -117,12 +128,12 @@ def _begin(config, params, p: Prepared) -> DecodeState:
     if p.state is None:
         return _start(config, params, p.tokens, p.lengths, p.rng, p.capacity, p.buffer_len,
                       p.stops, p.sampling, p.num_samples, p.processors, mesh=p.mesh,
-                      plan=p.plan)
+                      plan=p.plan, constraints=p.constraints)
     s = p.state
     return prompt_state.resume(
         config, params, s.cache, s.next_logits, s.context, s.context_lengths, p.tokens,
         p.lengths, p.rng, p.buffer_len, p.stops, p.sampling, p.num_samples, p.processors,
-        p.plan)
+        p.plan, p.constraints)
 
 
 def prefill(net, params, prompts, *, lengths=None, capacity: int | None = None) -> PromptState:
@@ -150,7 +161,8 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
              eos_ids: Sequence[int] = (), num_samples: int = 1, state: PromptState | None = None,
              return_state: bool = False, rng: jax.Array | None = None,
              return_logprobs: bool = False, mesh: Mesh | None = None,
-             speculative: spec.Speculative | None = None) -> GenerateOutput:
+             speculative: spec.Speculative | None = None,
+             constraint: Constrained = None) -> GenerateOutput:
     """Generates up to `max_new_tokens` per prompt.
 
     `prompts`: a list of token-id lists (lengths may differ) or an int array [B, P] with
@@ -176,12 +188,18 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
     `speculative` (a `Speculative`) drafts tokens by prompt lookup or with a draft model and
     verifies them in one model call (see `decode/speculative.py`): greedy output is
     unchanged, sampled output keeps its distribution.
+
+    `constraint` (a `TokenAutomaton` from `compile_constraint`, one for every prompt or a
+    sequence of one or None per prompt) keeps a row's text inside a regular expression, a
+    list of choices or a JSON Schema: each step allows only the tokens that keep it there,
+    and the automaton's end id (which must be among `eos_ids`) only once the text is
+    complete (`decode/constraints.py`).
     """
     mesh, params = _placement(net.config, params, mesh, return_state)
     prepared = prepare(net, params, prompts, lengths, max_new_tokens=max_new_tokens,
                        eos_ids=eos_ids, num_beams=1, rng=rng, num_samples=num_samples,
                        sampling=sampling, logit_processors=logit_processors, state=state,
-                       mesh=mesh, speculative=speculative)
+                       mesh=mesh, speculative=speculative, constraint=constraint)
     config = net.config
     carry = _run(config, params, _first(config, params, prepared), prepared,
                  prepared.stops.max_new_tokens)

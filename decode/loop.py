@@ -19,6 +19,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from .automaton import RowConstraints
 from .plan import ON_DEVICE, LoopPlan
 from .processors import LogitProcessor, ProcessorState, apply_processors
 from .sampling import SamplingParams, sample, token_keys
@@ -49,6 +50,8 @@ class DecodeState:
     context:     [B, C] int32 each row's tokens so far, which logit processors read: the
                  prompt (BOS for an encoder-decoder) and the generated tokens (`ProcessorState`).
     context_lengths: [B] int32 valid tokens of each row's context.
+    constraints: each row's token automaton and its state (`automaton.py`), or None when no
+                 row is constrained.
     """
 
     step: jax.Array
@@ -61,6 +64,7 @@ class DecodeState:
     keys: jax.Array
     context: jax.Array
     context_lengths: jax.Array
+    constraints: RowConstraints | None = None
 
     @property
     def done(self) -> jax.Array:
@@ -82,6 +86,8 @@ def record(state: DecodeState, logits_BV: jax.Array, stops: StopConditions,
     `active` (a traced bool) False, nothing changes but slots past what is recorded."""
     processed_BV = apply_processors(logits_BV, ProcessorState(
         state.context, state.context_lengths, state.step, sampling), processors, plan)
+    if state.constraints is not None:
+        processed_BV = state.constraints.mask(processed_BV)
     token_B = sample(processed_BV, token_keys(state.keys, state.step), sampling,
                      plan.sampled)
     logprob_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BV.astype(jnp.float32)),
@@ -100,6 +106,8 @@ def record(state: DecodeState, logits_BV: jax.Array, stops: StopConditions,
         context=append_context(state.context, jnp.where(
             running_B, state.context_lengths, state.context.shape[1]), token_B),
         context_lengths=state.context_lengths + running_B,
+        constraints=None if state.constraints is None else
+        state.constraints.advance(token_B, running_B),
     )
 
 
@@ -129,10 +137,11 @@ def append_context(context_BC: jax.Array, slots_B: jax.Array, token_B: jax.Array
 
 def initial_state(batch: int, buffer_len: int, cache: Any, keys_B: jax.Array,
                   context_BC: jax.Array | None = None,
-                  context_lengths_B: jax.Array | None = None) -> DecodeState:
+                  context_lengths_B: jax.Array | None = None,
+                  constraints: RowConstraints | None = None) -> DecodeState:
     """The state before the first token. `context` [B, C] holds each row's tokens so far
     (`context_lengths` valid) with room for the ones to come; without it the context starts
-    empty with room for `buffer_len`."""
+    empty with room for `buffer_len`. `constraints`: the rows' automata, if any."""
     if context_BC is None:
         context_BC = jnp.zeros((batch, buffer_len), jnp.int32)
         context_lengths_B = jnp.zeros((batch,), jnp.int32)
@@ -147,6 +156,7 @@ def initial_state(batch: int, buffer_len: int, cache: Any, keys_B: jax.Array,
         keys=keys_B,
         context=jnp.asarray(context_BC, jnp.int32),
         context_lengths=jnp.asarray(context_lengths_B, jnp.int32),
+        constraints=constraints,
     )
 
 

@@ -17,9 +17,11 @@ import numpy as np
 from kvjax import model as M
 from kvjax import parallel
 
-from . import checks, prompt_state
+from . import automaton, checks, prompt_state
 from . import speculative as spec
+from .automaton import RowConstraints
 from .buckets import bucket
+from .constraints import TokenAutomaton
 from .loop import StopConditions
 from .plan import ON_DEVICE, LoopPlan, default_plan
 from .processors import LogitProcessor
@@ -100,6 +102,7 @@ class Prepared:
     speculative: spec.Speculative | None = None
     plan: LoopPlan = ON_DEVICE
     num_beams: int = 1
+    constraints: RowConstraints | None = None
 
     @property
     def rows(self) -> int:
@@ -109,7 +112,7 @@ class Prepared:
 
 def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams, rng,
              num_samples=1, sampling: Sampling = GREEDY, logit_processors=(), state=None,
-             mesh=None, speculative=None) -> Prepared:
+             mesh=None, speculative=None, constraint: Constrained = None) -> Prepared:
     config = net.config
     if not isinstance(sampling, Sampling):
         raise ValueError(f"sampling must be a decode.Sampling, got {type(sampling).__name__}")
@@ -132,6 +135,8 @@ def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams
     if speculative is not None:
         spec.check_supported(speculative, config, processors=processors, sampling=sampling,
                              state=state, mesh=mesh, prompt_length=int(lengths.max()))
+    automata = row_automata(constraint, tokens.shape[0], config.vocab_size, eos_ids,
+                            speculative=speculative, mesh=mesh)
     rows = sampling.rows(tokens.shape[0], num_samples)
     params_rows = SamplingParams.make(**rows, batch=tokens.shape[0] * num_samples)
     buffer_len = bucket(max_new_tokens, config.max_len)
@@ -168,4 +173,40 @@ def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams
         sampling=params_rows, rng=rng,
         num_samples=num_samples, processors=processors, state=state, mesh=mesh,
         speculative=speculative, plan=default_plan(rows), num_beams=num_beams,
+        constraints=automaton.for_rows([a for a in automata for _ in range(num_samples)]),
     )
+
+
+Constrained = TokenAutomaton | Sequence[TokenAutomaton | None] | None
+
+
+def row_automata(constraint: Constrained, batch: int, vocab_size: int, eos_ids, *,
+                 speculative=None, mesh=None) -> list[TokenAutomaton | None]:
+    """Each prompt's automaton (None: unconstrained), checked against the model and the
+    call's other settings."""
+    if constraint is None:
+        return [None] * batch
+    if isinstance(constraint, TokenAutomaton):
+        constraint = [constraint] * batch
+    constraint = list(constraint)
+    if len(constraint) != batch:
+        raise ValueError(f"constraint has {len(constraint)} entries for {batch} prompts")
+    for i, one in enumerate(constraint):
+        if one is None:
+            continue
+        if not isinstance(one, TokenAutomaton):
+            raise ValueError(f"constraint {i} must be a TokenAutomaton (decode."
+                             f"compile_constraint) or None, got {type(one).__name__}")
+        if one.vocab_size > vocab_size:
+            raise ValueError(f"constraint {i} was compiled for {one.vocab_size} token ids; "
+                             f"the model has {vocab_size}")
+        if one.end_id not in eos_ids:
+            raise ValueError(f"constraint {i} ends with id {one.end_id}, which is not among "
+                             f"eos_ids {tuple(eos_ids)}: its rows could never stop")
+    if any(c is not None for c in constraint):
+        if speculative is not None:
+            raise ValueError("constrained rows do not take speculative decoding")
+        if mesh is not None:
+            raise ValueError("constrained rows run on one device; they do not take a mesh "
+                             "or params sharded over one")
+    return constraint

@@ -22,6 +22,7 @@ import numpy as np
 
 from kvjax import model as M
 
+from .automaton import RowConstraints
 from .loop import DecodeState, StopConditions, initial_state, record
 from .plan import ON_DEVICE, LoopPlan
 from .sampling import SamplingParams, row_keys
@@ -77,7 +78,8 @@ def prefill_state(config, params, tokens_BP, lengths_B, capacity: int):
 def resume(config, params, cache, next_logits_BV, context_BC, context_lengths_B, new_BT,
            new_lengths_B, rng, buffer_len: int, stops: StopConditions,
            sampling: SamplingParams, num_samples: int, processors: tuple,
-           plan: LoopPlan = ON_DEVICE) -> DecodeState:
+           plan: LoopPlan = ON_DEVICE, constraints: RowConstraints | None = None
+           ) -> DecodeState:
     """Feeds the new tokens [B, T] (`new_lengths` valid; T may be 0) after the state's and
     samples each row's first token, as `generate`'s start does after a prefill."""
     count_trace("resume")
@@ -102,7 +104,7 @@ def resume(config, params, cache, next_logits_BV, context_BC, context_lengths_B,
         cache = jax.tree.map(jnp.copy, cache)
     state = initial_state(batch * num_samples, buffer_len, cache,
                           row_keys(rng, batch, num_samples), context_BC,
-                          context_lengths_B)
+                          context_lengths_B, constraints)
     return record(state, next_logits_BV, stops, sampling, processors, plan)
 
 

@@ -24,6 +24,7 @@ from typing import Protocol, runtime_checkable
 
 import sentencepiece as spm
 
+from . import token_bytes
 from .huggingface import from_bundle
 
 PAD_ID = 0
@@ -97,6 +98,12 @@ class TextTokenizer(Protocol):
     def decode(self, ids: Iterable[int]) -> str: ...
 
     def to_bytes(self) -> bytes: ...
+
+    def token_bytes(self) -> list[bytes | None]:
+        """[vocab_size] the bytes each id stands for, None for special tokens (for
+        constrained decoding; `token_bytes.py`). A ValueError where the tokenizer's pieces
+        do not say their bytes."""
+        ...
 
 
 def tokenizer_from_bytes(data: bytes) -> TextTokenizer:
@@ -227,6 +234,13 @@ class Tokenizer:
                 raise ValueError(f"token id {i} is outside the vocabulary [0, {vocab_size})")
             kept.append(i)
         return self._processor.decode(kept)
+
+    def token_bytes(self) -> list[bytes | None]:
+        """[vocab_size] the bytes each id stands for; None for PAD, BOS, EOS and UNK."""
+        p = self._processor
+        return token_bytes.table(self.vocab_size, (
+            (i, None if p.is_control(i) or p.is_unknown(i) else
+             token_bytes.byte_fallback(p.id_to_piece(i))) for i in range(self.vocab_size)))
 
     def id_to_piece(self, i: int) -> str:
         if not 0 <= i < self.vocab_size:

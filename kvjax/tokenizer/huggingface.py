@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from . import token_bytes
 from .marian import SPACE, MarianBackend, clean_up_spaces
 
 BUNDLE_FORMAT = "kvjax-hf-tokenizer"
@@ -125,6 +126,11 @@ class HFTokenizer:
             if not 0 <= i < self.vocab_size or not self._known[i]:
                 raise ValueError(f"token id {i} is outside the vocabulary [0, {self.vocab_size})")
         return self._backend.decode(ids)
+
+    def token_bytes(self) -> list[bytes | None]:
+        """[vocab_size] the bytes each id stands for, None for special tokens
+        (`token_bytes.py`)."""
+        return self._backend.token_bytes(self.vocab_size)
 
     def to_bytes(self) -> bytes:
         files = {name: {"base64": base64.b64encode(data).decode("ascii")}
@@ -316,6 +322,21 @@ class _TokenizersBackend:
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def token_bytes(self, size: int) -> list[bytes | None]:
+        decoder = json.dumps(json.loads(self._tokenizer.to_str()).get("decoder"))
+        if '"ByteLevel"' in decoder:
+            spell = token_bytes.byte_level
+        elif '"ByteFallback"' in decoder:
+            spell = token_bytes.byte_fallback
+        else:
+            raise ValueError(f"cannot tell the bytes of this tokenizer's tokens: its decoder "
+                             f"is neither byte-level nor byte-fallback ({decoder[:80]})")
+        pieces = [(i, spell(piece)) for piece, i in
+                  self._tokenizer.get_vocab(with_added_tokens=False).items()]
+        pieces += [(i, None if added.special else added.content.encode("utf-8"))
+                   for i, added in self._tokenizer.get_added_tokens_decoder().items()]
+        return token_bytes.table(size, pieces)
 
     def decode(self, ids: list[int]) -> str:
         text = self._tokenizer.decode(ids, skip_special_tokens=True)

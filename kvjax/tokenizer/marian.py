@@ -23,6 +23,10 @@ def clean_up_spaces(text: str) -> str:
 class MarianBackend:
     """transformers' MarianTokenizer, encoding source text and decoding target ids."""
 
+    def token_bytes(self, size: int) -> list[bytes | None]:
+        raise ValueError("constrained decoding does not take a Marian tokenizer: its target "
+                         "pieces are joined by a sentencepiece model, not spelled byte by byte")
+
     def __init__(self, files: dict[str, bytes], config: dict[str, Any],
                  named: dict[str, dict | None], extra: list[dict]):
         """`named`: the named special tokens (bos_token, ...) as AddedToken fields, None

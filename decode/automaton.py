@@ -1,0 +1,102 @@
+"""Token automata inside the compiled loop: the tables of a batch's constraints
+(`constraints.py`) as traced arrays, and each row's state.
+
+Every distinct automaton of a batch goes into one table, its states numbered after the
+previous one's; a row holds its state in that table, or -1 without a constraint. A step
+masks the logits of each constrained row to the tokens its state allows and then moves the
+row along the token it took: a gather of at most `width` allowed tokens per row and a
+scatter into the vocabulary, no dense states x vocabulary mask and no host round trip.
+Table sizes are rounded up to powers of two, so another constraint of similar size
+compiles nothing new. Shape letters: B batch, V vocab, A allowed tokens per state (the
+bucketed `width`), S states, E transitions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .constraints import TokenAutomaton
+
+UNCONSTRAINED = -1
+
+
+@flax.struct.dataclass
+class RowConstraints:
+    """state: [B] int32 each row's state (-1: unconstrained); starts, counts: [S] int32;
+    tokens, next_states: [E] int32 (see `TokenAutomaton`); width: the most tokens a state
+    allows, rounded up (static)."""
+
+    state: jax.Array
+    starts: jax.Array
+    counts: jax.Array
+    tokens: jax.Array
+    next_states: jax.Array
+    width: int = flax.struct.field(pytree_node=False)
+
+    def _allowed(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """([B, A] token ids, [B, A] their places in the table, [B, A] which are real)."""
+        state_B = jnp.maximum(self.state, 0)
+        slot_A = jnp.arange(self.width)
+        place_BA = self.starts[state_B][:, None] + slot_A
+        real_BA = slot_A < self.counts[state_B][:, None]
+        place_BA = jnp.minimum(place_BA, self.tokens.shape[0] - 1)
+        return self.tokens[place_BA], place_BA, real_BA
+
+    def mask(self, logits_BV: jax.Array) -> jax.Array:
+        """-inf on every token a constrained row's state does not allow."""
+        tokens_BA, _, real_BA = self._allowed()
+        batch, vocab = logits_BV.shape
+        allowed_BV = jnp.zeros((batch, vocab), bool).at[
+            jnp.arange(batch)[:, None], jnp.where(real_BA, tokens_BA, vocab)].set(
+            True, mode="drop")
+        banned_BV = (self.state >= 0)[:, None] & ~allowed_BV
+        return jnp.where(banned_BV, -jnp.inf, logits_BV)
+
+    def advance(self, token_B: jax.Array, moved_B: jax.Array) -> RowConstraints:
+        """Each constrained row in `moved_B` [B] bool after taking `token_B`."""
+        tokens_BA, place_BA, real_BA = self._allowed()
+        match_BA = real_BA & (tokens_BA == token_B[:, None])
+        place_B = jnp.take_along_axis(place_BA, jnp.argmax(match_BA, axis=1)[:, None],
+                                      axis=1)[:, 0]
+        moves_B = moved_B & (self.state >= 0) & jnp.any(match_BA, axis=1)
+        return self.replace(state=jnp.where(moves_B, self.next_states[place_B], self.state))
+
+
+def _power_of_two(n: int, least: int = 1) -> int:
+    return max(least, 1 << max(n - 1, 0).bit_length())
+
+
+def for_rows(automata: Sequence[TokenAutomaton | None]) -> RowConstraints | None:
+    """The tables of every row's automaton (None: unconstrained) and each row's initial
+    state; None when no row has one, so an unconstrained batch carries nothing."""
+    distinct: dict[int, TokenAutomaton] = {}
+    for automaton in automata:
+        if automaton is not None:
+            distinct.setdefault(id(automaton), automaton)
+    if not distinct:
+        return None
+    first_state, first_edge, states, edges = {}, {}, 0, 0
+    for key, automaton in distinct.items():
+        first_state[key], first_edge[key] = states, edges
+        states += automaton.num_states
+        edges += automaton.tokens.size
+    starts = np.zeros(_power_of_two(states, 16), np.int32)
+    counts = np.zeros_like(starts)
+    tokens = np.zeros(_power_of_two(edges, 16), np.int32)
+    next_states = np.zeros_like(tokens)
+    for key, automaton in distinct.items():
+        s, e = first_state[key], first_edge[key]
+        starts[s:s + automaton.num_states] = automaton.starts + e
+        counts[s:s + automaton.num_states] = automaton.counts
+        tokens[e:e + automaton.tokens.size] = automaton.tokens
+        next_states[e:e + automaton.tokens.size] = automaton.next_states + s
+    state = np.array([UNCONSTRAINED if a is None else first_state[id(a)] + a.initial
+                      for a in automata], np.int32)
+    return RowConstraints(jnp.asarray(state), jnp.asarray(starts), jnp.asarray(counts),
+                          jnp.asarray(tokens), jnp.asarray(next_states),
+                          width=_power_of_two(int(counts.max()), 8))

@@ -1,0 +1,163 @@
+"""Constrained rows in the compiled loop: greedy equals the argmax over the allowed tokens of
+the model's uncached logits, walked through the same automaton in Python; an unconstrained
+row beside them is untouched; every sampled output that ends is valid JSON for its schema
+(checked by `jsonschema`); another schema of the same table sizes compiles nothing."""
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import jsonschema
+import numpy as np
+import pytest
+from conftest import drain, run_full
+
+from kvjax import decode, text
+
+CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "python-docs-lm"
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 10},
+    "kind": {"enum": ["list", "dict", "set", None]},
+    "sizes": {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3},
+    "ok": {"type": "boolean"}}, "required": ["name", "kind", "sizes"]}
+NESTED = {"type": "object", "properties": {
+    "id": {"type": "string", "pattern": "[a-f0-9]{4}"},
+    "where": {"type": "object", "properties": {
+        "line": {"type": "integer"}, "file": {"type": "string", "maxLength": 8}},
+        "required": ["line"]},
+    "score": {"anyOf": [{"type": "number"}, {"type": "null"}]}},
+    "required": ["id", "where"]}
+LISTS = {"type": "array", "items": {"$ref": "#/$defs/pair"}, "maxItems": 2,
+         "$defs": {"pair": {"type": "array", "prefixItems": [{"type": "boolean"},
+                                                             {"const": "x"}]}}}
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return text.load(CHECKPOINT)
+
+
+def prompt(lm, words):
+    return list(lm.tokenizer.document_prefix) + lm.tokenizer.encode(words)
+
+
+def reference_greedy(lm, prompt_ids, automaton, steps):
+    """The textbook loop, constrained: the whole sequence recomputed without a cache, the
+    logits of tokens the automaton's state does not allow set to -inf, the argmax taken."""
+    config, width = lm.net.config, 128
+    sequence, state, generated = list(prompt_ids), automaton.initial, []
+    for _ in range(steps):
+        padded = np.zeros((1, width), np.int32)
+        padded[0, :len(sequence)] = sequence
+        logits = np.asarray(run_full(config, lm.params, jnp.asarray(padded)))[0, len(sequence) - 1]
+        masked = np.full_like(logits, -np.inf)
+        allowed = automaton.allowed(state)
+        masked[allowed] = logits[allowed]
+        token = int(np.argmax(masked))
+        generated.append(token)
+        if token == automaton.end_id:
+            break
+        state = automaton.next_state(state, token)
+        sequence.append(token)
+    return generated
+
+
+def test_greedy_equals_the_argmax_over_allowed_tokens_and_other_rows_are_untouched(lm):
+    tok = lm.tokenizer
+    person = decode.compile_constraint(decode.JsonSchema(PERSON), tok)
+    choice = decode.compile_constraint(decode.Choice(["for", "for each", "while"]), tok)
+    prompts = [prompt(lm, "The for statement"), prompt(lm, "A loop"),
+               prompt(lm, "The list type")]
+    out = decode.generate(lm.net, lm.params, prompts, max_new_tokens=40, eos_ids=tok.stop_ids,
+                          constraint=[person, choice, None])
+    alone = decode.generate(lm.net, lm.params, prompts[2:], max_new_tokens=40,
+                            eos_ids=tok.stop_ids)
+    rows = out.token_lists()
+    assert rows[0] == reference_greedy(lm, prompts[0], person, 40)
+    assert rows[1] == reference_greedy(lm, prompts[1], choice, 40)
+    assert tok.decode(rows[1]) in ("for", "for each", "while")
+    assert rows[2] == alone.token_lists()[0]
+
+
+@pytest.mark.parametrize("schema", [PERSON, NESTED, LISTS], ids=["flat", "nested", "refs"])
+def test_every_sampled_output_that_ends_is_valid_json_for_its_schema(lm, schema):
+    tok = lm.tokenizer
+    automaton = decode.compile_constraint(decode.JsonSchema(schema), tok)
+    prompts = [prompt(lm, words) for words in ("The", "import json", "def f(x):", "Return")]
+    ended = 0
+    for seed in range(3):
+        out = decode.generate(lm.net, lm.params, prompts, max_new_tokens=96,
+                              eos_ids=tok.stop_ids, constraint=automaton, num_samples=2,
+                              sampling=decode.Sampling(temperature=1.0),
+                              rng=jax.random.key(seed))
+        for row, reason in zip(out.token_lists(), out.stop_reasons(), strict=True):
+            if reason == "eos":
+                jsonschema.validate(json.loads(tok.decode(row)), schema)
+                ended += 1
+    assert ended >= 20  # of 24: a sample may run out of tokens inside a long number
+
+
+def test_sampling_filters_stream_and_samples_keep_to_the_constraint(lm):
+    tok = lm.tokenizer
+    automaton = decode.compile_constraint(decode.Regex("(yes|no|maybe), [0-9]{2}"), tok)
+    prompts = [prompt(lm, "Is it"), prompt(lm, "Answer")]
+    kwargs = dict(max_new_tokens=12, eos_ids=tok.stop_ids, constraint=automaton,
+                  num_samples=3, rng=jax.random.key(7),
+                  sampling=decode.Sampling(temperature=1.3, top_k=(5, 0), top_p=(1.0, 0.8),
+                                           repetition_penalty=1.2))
+    out = decode.generate(lm.net, lm.params, prompts, **kwargs)
+    chunks, streamed = drain(decode.stream(lm.net, lm.params, prompts, chunk_size=3,
+                                           **kwargs))
+    joined = np.concatenate(chunks, axis=1)  # it ends when every row has
+    np.testing.assert_array_equal(joined, out.tokens[:, :joined.shape[1]])
+    np.testing.assert_array_equal(streamed.tokens, out.tokens)
+    for row in out.token_lists():
+        words, number = tok.decode(row).split(", ")
+        assert words in ("yes", "no", "maybe") and len(number) == 2 and number.isdigit()
+    assert out.stop_reasons() == ["eos"] * 6
+
+
+def test_another_schema_of_the_same_table_sizes_compiles_nothing(lm):
+    tok = lm.tokenizer
+    prompts = [prompt(lm, "x = ")]
+    first = decode.compile_constraint(decode.Regex("[0-9]{3}"), tok)
+    second = decode.compile_constraint(decode.Regex("[0-9]{2}"), tok)
+    assert first.num_states != second.num_states and first.tokens.size != second.tokens.size
+    decode.generate(lm.net, lm.params, prompts, max_new_tokens=8, eos_ids=tok.stop_ids,
+                    constraint=first)
+    before = decode.trace_count("start"), decode.trace_count("continue")
+    out = decode.generate(lm.net, lm.params, prompts, max_new_tokens=8, eos_ids=tok.stop_ids,
+                          constraint=second)
+    assert (decode.trace_count("start"), decode.trace_count("continue")) == before
+    assert tok.decode(out.token_lists()[0]).isdigit()
+
+
+def test_a_kept_prompt_continues_under_a_constraint(lm):
+    tok = lm.tokenizer
+    automaton = decode.compile_constraint(decode.Choice(["True", "False"]), tok)
+    words = prompt(lm, "The value is")
+    state = decode.prefill(lm.net, lm.params, [words])
+    kept = decode.generate(lm.net, lm.params, None, state=state, max_new_tokens=6,
+                           eos_ids=tok.stop_ids, constraint=automaton)
+    fresh = decode.generate(lm.net, lm.params, [words], max_new_tokens=6,
+                            eos_ids=tok.stop_ids, constraint=automaton)
+    assert kept.token_lists() == fresh.token_lists()
+    assert tok.decode(kept.token_lists()[0]) in ("True", "False")
+
+
+def test_misused_constraints_are_named(lm):
+    tok = lm.tokenizer
+    automaton = decode.compile_constraint(decode.Regex("a+"), tok)
+    prompts = [prompt(lm, "a")]
+    cases = [
+        (dict(eos_ids=()), "not among eos_ids"),
+        (dict(eos_ids=tok.stop_ids, constraint=[automaton, None]), "2 entries for 1 prompts"),
+        (dict(eos_ids=tok.stop_ids, constraint=["a+"]), "must be a TokenAutomaton"),
+        (dict(eos_ids=tok.stop_ids,
+              speculative=decode.Speculative(num_draft_tokens=2)), "speculative"),
+    ]
+    for kwargs, message in cases:
+        kwargs = {"constraint": automaton, **kwargs}
+        with pytest.raises(ValueError, match=message):
+            decode.generate(lm.net, lm.params, prompts, max_new_tokens=4, **kwargs)

@@ -1,0 +1,144 @@
+"""Constraints compiled to token automata: the tokens each state allows spell exactly the
+texts of the language (checked against Python's `re`), the JSON Schema keywords an automaton
+cannot enforce are refused by name, and the bytes of each tokenizer's tokens."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from kvjax import decode, text
+from kvjax.tokenizer import huggingface
+
+ROOT = Path(__file__).resolve().parents[2]
+HF_MODELS = ROOT / "tests" / "fixtures" / "hf_models"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return text.load(ROOT / "checkpoints" / "python-docs-lm").tokenizer
+
+
+def texts_of(automaton, token_bytes, limit):
+    """Every complete text the automaton accepts in at most `limit` tokens, by walking it."""
+    done, frontier = set(), [(automaton.initial, b"")]
+    for _ in range(limit):
+        following = []
+        for state, so_far in frontier:
+            for token in automaton.allowed(state).tolist():
+                if token == automaton.end_id:
+                    done.add(so_far)
+                else:
+                    following.append((automaton.next_state(state, token),
+                                      so_far + token_bytes[token]))
+        frontier = following
+    return done
+
+
+def test_a_choice_allows_exactly_its_options(tokenizer):
+    options = ["yes", "no", "not sure (a+b)*"]
+    automaton = decode.compile_constraint(decode.Choice(options), tokenizer)
+    assert texts_of(automaton, tokenizer.token_bytes(), 20) == {o.encode() for o in options}
+
+
+def test_a_regex_allows_only_matching_texts_and_every_short_one(tokenizer):
+    pattern = "[ab]{1,3}c?"
+    automaton = decode.compile_constraint(decode.Regex(pattern), tokenizer)
+    accepted = texts_of(automaton, tokenizer.token_bytes(), 5)
+    assert all(re.fullmatch(pattern, t.decode()) for t in accepted)
+    letters = [a + b + c for a in ("", "a", "b") for b in ("", "a", "b") for c in ("a", "b")]
+    assert {(w + e).encode() for w in letters for e in ("", "c")} <= accepted
+
+
+def test_the_end_id_is_allowed_only_where_the_text_is_complete(tokenizer):
+    automaton = decode.compile_constraint(decode.Regex("ab"), tokenizer)
+    ends = [s for s in range(automaton.num_states)
+            if tokenizer.eos_id in automaton.allowed(s).tolist()]
+    for state in range(automaton.num_states):
+        allowed = automaton.allowed(state).tolist()
+        assert all(t not in tokenizer.stop_ids or t == automaton.end_id for t in allowed)
+    # "ab" then the end, and nothing else, from the ends' state.
+    assert len(ends) == 1 and automaton.allowed(ends[0]).tolist() == [tokenizer.eos_id]
+
+
+def test_compiling_again_reuses_the_automaton(tokenizer):
+    schema = {"type": "object", "properties": {"x": {"type": "boolean"}}, "required": ["x"]}
+    first = decode.compile_constraint(decode.JsonSchema(schema), tokenizer)
+    assert decode.compile_constraint(decode.JsonSchema(json.dumps(schema)), tokenizer) is first
+    assert decode.compile_constraint(decode.JsonSchema(schema), tokenizer,
+                                     end_id=tokenizer.eos_id) is first
+
+
+@pytest.mark.parametrize("schema, keyword, where", [
+    ({"type": "integer", "minimum": 3}, "minimum", "#/minimum"),
+    ({"type": "object", "properties": {"n": {"type": "number", "multipleOf": 2}}},
+     "multipleOf", "#/properties/n/multipleOf"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems",
+     "#/uniqueItems"),
+    ({"type": "object", "patternProperties": {"^a": {}}}, "patternProperties",
+     "#/patternProperties"),
+    ({"anyOf": [{"type": "string"}, {"not": {"type": "null"}}]}, "not", "#/anyOf/1/not"),
+    ({"oneOf": [{"type": "string"}]}, "oneOf", "#/oneOf"),
+])
+def test_a_keyword_an_automaton_cannot_enforce_is_named(schema, keyword, where):
+    with pytest.raises(ValueError, match=f"keyword '{keyword}' \\(at {where}\\)"):
+        decode.JsonSchema(schema)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: decode.JsonSchema("{not json"), "not JSON"),
+    (lambda: decode.JsonSchema([1]), "is an object"),
+    (lambda: decode.Choice([]), "at least one option"),
+    (lambda: decode.Choice(["a", ""]), "choice 1"),
+    (lambda: decode.Regex(""), "non-empty"),
+])
+def test_a_bad_constraint_is_a_clear_error(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_a_format_outlines_cannot_spell_and_a_text_the_vocabulary_cannot_are_errors(tokenizer):
+    with pytest.raises(ValueError, match="Format zzz"):
+        decode.compile_constraint(decode.JsonSchema({"type": "string", "format": "zzz"}),
+                                  tokenizer)
+    with pytest.raises(ValueError, match="cannot compile Regex for this vocabulary"):
+        decode.compile_constraint(decode.Regex("\u0000\u0001\u0002"), _NoBytes(tokenizer))
+
+
+class _NoBytes:
+    """A tokenizer none of whose tokens stands for a control character."""
+
+    def __init__(self, inner):
+        self.eos_id, self.vocab_size, self.stop_ids = inner.eos_id, inner.vocab_size, ()
+        self._bytes = [b if b and b[0] >= 32 else None for b in inner.token_bytes()]
+
+    def token_bytes(self):
+        return self._bytes
+
+
+def test_sentencepiece_tokens_spell_what_they_decode_to(tokenizer):
+    pieces = tokenizer.token_bytes()
+    ids = tokenizer.encode("for x in range(10):\n    print(x, 'é')  # ünïcode")
+    assert b"".join(pieces[i] for i in ids).decode() == tokenizer.decode(ids)
+    assert [pieces[i] for i in (0, 1, 2, 3)] == [None] * 4
+
+
+@pytest.mark.parametrize("directory", [
+    HF_MODELS / "gpt2", HF_MODELS / "qwen3", HF_MODELS / "llama_gqa",
+    ROOT / "tests" / "fixtures" / "hf_tokenizers" / "byte_bpe_bos",
+    ROOT / "tests" / "fixtures" / "hf_tokenizers" / "spm_bpe"], ids=lambda d: d.name)
+def test_hugging_face_tokens_spell_what_they_decode_to(directory):
+    tok = huggingface.load_tokenizer(directory)
+    pieces = tok.token_bytes()
+    ids = tok.encode("Hello, wörld! 12 + 3 = 15\n\tdef f(): return 'ok'")
+    spelled = b"".join(pieces[i] for i in ids).decode()
+    # A Llama-2-style decoder drops the one space its Metaspace put in front.
+    assert spelled in (tok.decode(ids), " " + tok.decode(ids))
+    assert all(pieces[i] is None for i in tok.stop_ids)
+
+
+def test_a_marian_tokenizer_is_refused_by_name():
+    tok = huggingface.load_tokenizer(HF_MODELS / "marian")
+    with pytest.raises(ValueError, match="Marian"):
+        decode.compile_constraint(decode.Regex("a"), tok)
