@@ -171,11 +171,15 @@ def sample_texts(loaded: LoadedModel, prompt: str, *, num_samples: int = 1,
                  on_text: Callable[[int, str], None] | None = None, chunk_size: int = 8,
                  sampling: decode.Sampling = decode.GREEDY,
                  logit_processors: Sequence[decode.LogitProcessor] = (),
-                 speculative: decode.Speculative | None = None) -> list[SampleResult]:
+                 speculative: decode.Speculative | None = None,
+                 constraint: decode.Regex | decode.Choice | decode.JsonSchema | None = None
+                 ) -> list[SampleResult]:
     """`num_samples` generations from `prompt` (one prefill), calling `on_text(sample,
     piece)` with each new piece of text as it is made.
 
-    `sampling`, `logit_processors` and `speculative` are `decode.generate`'s. A sample
+    `sampling`, `logit_processors` and `speculative` are `decode.generate`'s; `constraint`
+    (a `decode.Regex`, `Choice` or `JsonSchema`) keeps every sample's text inside it,
+    compiled for the model's tokenizer (`decode.compile_constraint`). A sample
     stops at its first `stop` string, which neither the streamed pieces nor the returned
     text include; text that might begin a stop string is held back until it cannot. Beam
     search only knows its answer at the end, so with `num_beams > 1` the text arrives in one piece.
@@ -195,13 +199,16 @@ def sample_texts(loaded: LoadedModel, prompt: str, *, num_samples: int = 1,
     settings = dict(max_new_tokens=limit, eos_ids=tuple(loaded.tokenizer.stop_ids),
                     rng=jax.random.wrap_key_data(seed_key(seed))[None], sampling=sampling,
                     logit_processors=logit_processors, speculative=speculative)
+    if constraint is not None:
+        settings["constraint"] = decode.compile_constraint(constraint, loaded.tokenizer)
     on_text = on_text or (lambda row, piece: None)
     rows = [RowText(loaded.tokenizer, stop) for _ in range(num_samples)]
     with _compile_time() as compiling:
         start = time.perf_counter()
         if num_beams > 1:
             changed = sorted(sampling.changed()) + ["logit_processors"] * bool(
-                logit_processors) + ["speculative"] * (speculative is not None)
+                logit_processors) + ["speculative"] * (speculative is not None) + [
+                "constraint"] * (constraint is not None)
             if changed:
                 raise ValueError(f"beam search (num_beams={num_beams}) does not sample: it "
                                  f"takes no {changed[0]}")

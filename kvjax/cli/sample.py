@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from .common import add_command, add_precision, count, positive, seed, with_precision
 
@@ -55,6 +56,14 @@ def add_sample(commands) -> None:
     sample.add_argument("--min-tokens-per-call", type=float, default=2.0,
                         help="with --speculative, drafting turns off below this moving "
                              "average of tokens a verifying call emits per row (0: always)")
+    shape = sample.add_mutually_exclusive_group()
+    shape.add_argument("--regex", metavar="PATTERN", default=None,
+                       help="the generated text matches PATTERN (Rust regex syntax)")
+    shape.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                       help="the generated text is one of these (repeat the option)")
+    shape.add_argument("--json-schema", metavar="FILE|JSON", default=None,
+                       help="the generated text is JSON valid against this schema (a file, "
+                            "or the schema's text)")
     sample.set_defaults(run=run_sample)
 
 
@@ -78,6 +87,9 @@ def run_sample(args) -> int:
                                          args.min_tokens_per_call)
     elif args.draft_checkpoint is not None:
         raise ValueError("--draft-checkpoint is the draft model of --speculative draft")
+    constraint = _constraint(args)
+    if constraint is not None:  # a schema it cannot compile fails here, before the echo
+        decode.compile_constraint(constraint, loaded.tokenizer)
     room = text.room(loaded, args.prompt)  # a prompt too long fails here, before the echo
     if args.max_new_tokens > room:
         print(f"kvjax sample: --max-new-tokens {args.max_new_tokens} does not fit the model's "
@@ -88,7 +100,7 @@ def run_sample(args) -> int:
     else:
         print(args.prompt, end="", flush=True)
     settings = dict(max_new_tokens=args.max_new_tokens, num_beams=args.beams, seed=args.seed,
-                    sampling=sampling, speculative=speculative,
+                    sampling=sampling, speculative=speculative, constraint=constraint,
                     stop=[_unescape(s) for s in args.stop])
     if args.num_samples == 1:
         try:
@@ -135,6 +147,25 @@ def _draft(args, loaded):
                          f"from the one of --checkpoint {args.checkpoint}: the draft's token "
                          f"ids must mean the target's tokens")
     return draft
+
+
+def _constraint(args):
+    """The --regex, --choice or --json-schema constraint, or None."""
+    from kvjax import decode
+
+    if args.regex is not None:
+        return decode.Regex(args.regex)
+    if args.choice is not None:
+        return decode.Choice(args.choice)
+    if args.json_schema is None:
+        return None
+    schema = args.json_schema
+    if not schema.lstrip().startswith("{"):
+        try:
+            schema = Path(schema).read_text(encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"cannot read --json-schema {args.json_schema}: {e}") from None
+    return decode.JsonSchema(schema)
 
 
 def _unescape(text: str) -> str:

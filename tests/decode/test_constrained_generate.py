@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import jsonschema
 import numpy as np
 import pytest
-from conftest import drain, run_full
+from conftest import drain, run_cli, run_full
 
 from kvjax import decode, text
 
@@ -161,3 +161,26 @@ def test_misused_constraints_are_named(lm):
         kwargs = {"constraint": automaton, **kwargs}
         with pytest.raises(ValueError, match=message):
             decode.generate(lm.net, lm.params, prompts, max_new_tokens=4, **kwargs)
+
+
+def test_sample_text_and_the_command_line_keep_to_a_constraint(lm, capsys, tmp_path):
+    schema = {"type": "object", "properties": {"kind": {"enum": ["list", "dict"]},
+                                               "ok": {"type": "boolean"}},
+              "required": ["kind", "ok"]}
+    result = text.sample_text(lm, "The for statement", max_new_tokens=60,
+                              constraint=decode.JsonSchema(schema))
+    assert result.stop_reason == "eos"
+    jsonschema.validate(json.loads(result.text), schema)
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(schema))
+    code, out, _ = run_cli(capsys, "sample", "--checkpoint", CHECKPOINT, "--prompt", "The for "
+                           "statement", "--max-new-tokens", 60, "--json-schema", schema_file)
+    assert code == 0 and out.splitlines()[0] == "The for statement" + result.text
+    numbers = CHECKPOINT.parent / "numbers-to-words"
+    code, out, _ = run_cli(capsys, "sample", "--checkpoint", numbers, "--prompt", "4021",
+                           "--choice", "four thousand twenty-one", "--choice", "nine")
+    assert code == 0 and out.splitlines()[0] in ("4021 -> four thousand twenty-one",
+                                                 "4021 -> nine")
+    code, out, err = run_cli(capsys, "sample", "--checkpoint", CHECKPOINT, "--prompt", "x",
+                             "--json-schema", '{"type": "integer", "maximum": 3}')
+    assert code == 2 and out == "" and "'maximum'" in err
