@@ -7,8 +7,8 @@ masks the logits of each constrained row to the tokens its state allows and then
 row along the token it took: a gather of at most `width` allowed tokens per row and a
 scatter into the vocabulary, no dense states x vocabulary mask and no host round trip.
 Table sizes are rounded up to powers of two, so another constraint of similar size
-compiles nothing new. Shape letters: B batch, V vocab, A allowed tokens per state (the
-bucketed `width`), S states, E transitions.
+compiles nothing new. Shape letters: B batch, V vocab, Y tokens a state allows (the
+bucketed `width`); the tables are one-dimensional, over states or over transitions.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ UNCONSTRAINED = -1
 
 @flax.struct.dataclass
 class RowConstraints:
-    """state: [B] int32 each row's state (-1: unconstrained); starts, counts: [S] int32;
-    tokens, next_states: [E] int32 (see `TokenAutomaton`); width: the most tokens a state
-    allows, rounded up (static)."""
+    """state: [B] int32 each row's state (-1: unconstrained); starts, counts: int32 per
+    state; tokens, next_states: int32 per transition (see `TokenAutomaton`); width: the
+    most tokens a state allows, rounded up (static)."""
 
     state: jax.Array
     starts: jax.Array
@@ -39,31 +39,31 @@ class RowConstraints:
     width: int = flax.struct.field(pytree_node=False)
 
     def _allowed(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """([B, A] token ids, [B, A] their places in the table, [B, A] which are real)."""
+        """([B, Y] token ids, [B, Y] their places in the table, [B, Y] which are real)."""
         state_B = jnp.maximum(self.state, 0)
-        slot_A = jnp.arange(self.width)
-        place_BA = self.starts[state_B][:, None] + slot_A
-        real_BA = slot_A < self.counts[state_B][:, None]
-        place_BA = jnp.minimum(place_BA, self.tokens.shape[0] - 1)
-        return self.tokens[place_BA], place_BA, real_BA
+        slot_Y = jnp.arange(self.width)
+        place_BY = self.starts[state_B][:, None] + slot_Y
+        real_BY = slot_Y < self.counts[state_B][:, None]
+        place_BY = jnp.minimum(place_BY, self.tokens.shape[0] - 1)
+        return self.tokens[place_BY], place_BY, real_BY
 
     def mask(self, logits_BV: jax.Array) -> jax.Array:
         """-inf on every token a constrained row's state does not allow."""
-        tokens_BA, _, real_BA = self._allowed()
+        tokens_BY, _, real_BY = self._allowed()
         batch, vocab = logits_BV.shape
         allowed_BV = jnp.zeros((batch, vocab), bool).at[
-            jnp.arange(batch)[:, None], jnp.where(real_BA, tokens_BA, vocab)].set(
+            jnp.arange(batch)[:, None], jnp.where(real_BY, tokens_BY, vocab)].set(
             True, mode="drop")
         banned_BV = (self.state >= 0)[:, None] & ~allowed_BV
         return jnp.where(banned_BV, -jnp.inf, logits_BV)
 
     def advance(self, token_B: jax.Array, moved_B: jax.Array) -> RowConstraints:
         """Each constrained row in `moved_B` [B] bool after taking `token_B`."""
-        tokens_BA, place_BA, real_BA = self._allowed()
-        match_BA = real_BA & (tokens_BA == token_B[:, None])
-        place_B = jnp.take_along_axis(place_BA, jnp.argmax(match_BA, axis=1)[:, None],
+        tokens_BY, place_BY, real_BY = self._allowed()
+        match_BY = real_BY & (tokens_BY == token_B[:, None])
+        place_B = jnp.take_along_axis(place_BY, jnp.argmax(match_BY, axis=1)[:, None],
                                       axis=1)[:, 0]
-        moves_B = moved_B & (self.state >= 0) & jnp.any(match_BA, axis=1)
+        moves_B = moved_B & (self.state >= 0) & jnp.any(match_BY, axis=1)
         return self.replace(state=jnp.where(moves_B, self.next_states[place_B], self.state))
 
 

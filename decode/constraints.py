@@ -10,7 +10,7 @@ with it, all traced (`automaton.py`); nothing goes back to the host per token.
 
 Compiled automata are cached per (constraint, tokenizer, end id). JSON Schema keywords that
 the automaton cannot enforce (`minimum`, `uniqueItems`, ...) are refused by name rather than
-ignored, so every complete output validates. Shape letters: S states, E transitions.
+ignored, so every complete output validates.
 """
 
 from __future__ import annotations
@@ -138,10 +138,10 @@ class TokenAutomaton:
     end_id: int
     vocab_size: int
     initial: int
-    starts: np.ndarray       # [S] int32
-    counts: np.ndarray       # [S] int32
-    tokens: np.ndarray       # [E] int32
-    next_states: np.ndarray  # [E] int32
+    starts: np.ndarray       # int32 per state
+    counts: np.ndarray       # int32 per state
+    tokens: np.ndarray       # int32 per transition
+    next_states: np.ndarray  # int32 per transition
 
     @property
     def num_states(self) -> int:

@@ -1,6 +1,7 @@
 """`kvjax bench decode`, `kvjax bench train` and `kvjax bench serve`: speed against baselines,
 in one run each; `kvjax bench precision`: each precision's memory, speed and quality;
-`kvjax bench speculative`: speculative decoding against plain greedy."""
+`kvjax bench speculative`: speculative decoding against plain greedy; `kvjax bench structured`:
+constrained rows against free ones."""
 
 from __future__ import annotations
 
@@ -29,6 +30,34 @@ def add_bench(commands) -> None:
     _add_speculative(kinds)
     _add_precision(kinds)
     _add_serve(kinds)
+    _add_structured(kinds)
+
+
+def _add_structured(kinds) -> None:
+    structured = add_command(
+        kinds, "structured", "The greedy decode step of rows held to a JSON Schema against "
+        "free rows, and the time to compile each schema into a token automaton.")
+    structured.add_argument("--checkpoint", default="checkpoints/python-docs-lm",
+                            metavar="DIR", help="the model and tokenizer (the shipped LM)")
+    structured.add_argument("--batch-sizes", type=positive, nargs="+", default=[1, 32],
+                            help="batch sizes to measure")
+    structured.add_argument("--new-tokens", type=positive, default=64, help="steps per call")
+    structured.add_argument("--repeats", type=positive, default=3, help="timed runs (best)")
+    structured.add_argument("--schema", default="flat", help="which schema the step table "
+                            "holds rows to (flat, nested, 'any object')")
+    structured.set_defaults(run=run_bench_structured)
+
+
+def run_bench_structured(args) -> int:
+    from kvjax.benchmarks.structured import SCHEMAS, format_tables, structured_benchmark
+
+    if args.schema not in SCHEMAS:
+        raise ValueError(f"--schema {args.schema!r} is none of {sorted(SCHEMAS)}")
+    steps, builds = structured_benchmark(args.checkpoint, tuple(args.batch_sizes),
+                                         new_tokens=args.new_tokens, repeats=args.repeats,
+                                         schema=args.schema)
+    print(format_tables(steps, builds, args.schema))
+    return 0
 
 
 def _add_decode(kinds) -> None:
