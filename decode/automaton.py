@@ -14,6 +14,7 @@ bucketed `width`); the tables are one-dimensional, over states or over transitio
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import flax.struct
 import jax
@@ -38,33 +39,42 @@ class RowConstraints:
     next_states: jax.Array
     width: int = flax.struct.field(pytree_node=False)
 
-    def _allowed(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """([B, Y] token ids, [B, Y] their places in the table, [B, Y] which are real)."""
+    def allowed(self) -> Allowed:
+        """The tokens each row's state allows, which `mask` and `advance` both read: one
+        gather per step."""
         state_B = jnp.maximum(self.state, 0)
         slot_Y = jnp.arange(self.width)
         place_BY = self.starts[state_B][:, None] + slot_Y
         real_BY = slot_Y < self.counts[state_B][:, None]
         place_BY = jnp.minimum(place_BY, self.tokens.shape[0] - 1)
-        return self.tokens[place_BY], place_BY, real_BY
+        return Allowed(self.tokens[place_BY], place_BY, real_BY)
 
-    def mask(self, logits_BV: jax.Array) -> jax.Array:
+    def mask(self, logits_BV: jax.Array, allowed: Allowed) -> jax.Array:
         """-inf on every token a constrained row's state does not allow."""
-        tokens_BY, _, real_BY = self._allowed()
         batch, vocab = logits_BV.shape
         allowed_BV = jnp.zeros((batch, vocab), bool).at[
-            jnp.arange(batch)[:, None], jnp.where(real_BY, tokens_BY, vocab)].set(
-            True, mode="drop")
+            jnp.arange(batch)[:, None], jnp.where(allowed.real_BY, allowed.tokens_BY, vocab)
+        ].set(True, mode="drop")
         banned_BV = (self.state >= 0)[:, None] & ~allowed_BV
         return jnp.where(banned_BV, -jnp.inf, logits_BV)
 
-    def advance(self, token_B: jax.Array, moved_B: jax.Array) -> RowConstraints:
+    def advance(self, token_B: jax.Array, moved_B: jax.Array,
+                allowed: Allowed) -> RowConstraints:
         """Each constrained row in `moved_B` [B] bool after taking `token_B`."""
-        tokens_BY, place_BY, real_BY = self._allowed()
-        match_BY = real_BY & (tokens_BY == token_B[:, None])
-        place_B = jnp.take_along_axis(place_BY, jnp.argmax(match_BY, axis=1)[:, None],
-                                      axis=1)[:, 0]
+        match_BY = allowed.real_BY & (allowed.tokens_BY == token_B[:, None])
+        place_B = jnp.take_along_axis(allowed.place_BY,
+                                      jnp.argmax(match_BY, axis=1)[:, None], axis=1)[:, 0]
         moves_B = moved_B & (self.state >= 0) & jnp.any(match_BY, axis=1)
         return self.replace(state=jnp.where(moves_B, self.next_states[place_B], self.state))
+
+
+class Allowed(NamedTuple):
+    """tokens_BY: the allowed token ids; place_BY: their places in the tables; real_BY:
+    which of the `width` places are the state's (the rest pad)."""
+
+    tokens_BY: jax.Array
+    place_BY: jax.Array
+    real_BY: jax.Array
 
 
 def _power_of_two(n: int, least: int = 1) -> int:

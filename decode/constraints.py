@@ -206,7 +206,7 @@ def _vocabulary(tokenizer, end_id: int):
     from outlines_core import Vocabulary
 
     by_bytes: dict[bytes, list[int]] = collections.defaultdict(list)
-    stop_ids = set(getattr(tokenizer, "stop_ids", ())) | {end_id}
+    stop_ids = set(tokenizer.stop_ids) | {end_id}
     for i, data in enumerate(tokenizer.token_bytes()):
         if data and i not in stop_ids:
             by_bytes[data].append(i)
@@ -224,10 +224,11 @@ def _build(constraint: Constraint, vocabulary, end_id: int, vocab_size: int) -> 
         raise ValueError(f"cannot compile {type(constraint).__name__} for this vocabulary: "
                          f"{message}") from None
     finals = set(index.get_final_states())
-    complete = {s for s, edges in index.get_transitions().items() if vocab_size in edges}
+    transitions = index.get_transitions()  # a copy of the whole index on every call
+    complete = {s for s, out in transitions.items() if vocab_size in out}
     edges = {s: {t: n for t, n in out.items() if t < vocab_size and t != end_id
                  and n not in finals}
-             for s, out in index.get_transitions().items() if s not in finals}
+             for s, out in transitions.items() if s not in finals}
     # Drop the states that lead nowhere but to the sentinel, until none is left.
     while dead := {n for out in edges.values() for n in out.values()
                    if not edges.get(n) and n not in complete}:

@@ -23,10 +23,6 @@ def clean_up_spaces(text: str) -> str:
 class MarianBackend:
     """transformers' MarianTokenizer, encoding source text and decoding target ids."""
 
-    def token_bytes(self, size: int) -> list[bytes | None]:
-        raise ValueError("constrained decoding does not take a Marian tokenizer: its target "
-                         "pieces are joined by a sentencepiece model, not spelled byte by byte")
-
     def __init__(self, files: dict[str, bytes], config: dict[str, Any],
                  named: dict[str, dict | None], extra: list[dict]):
         """`named`: the named special tokens (bos_token, ...) as AddedToken fields, None
@@ -94,6 +90,10 @@ class MarianBackend:
                 for piece in code + self._source.encode(segment, out_type=str):
                     ids.append(self._added.get(piece, self._vocab.get(piece, self._unk_id)))
         return ids
+
+    def token_bytes(self, size: int) -> list[bytes | None]:
+        raise ValueError("constrained decoding does not take a Marian tokenizer: its target "
+                         "pieces are joined by a sentencepiece model, not spelled byte by byte")
 
     def decode(self, ids: list[int]) -> str:
         pieces = [self._added_pieces.get(i) or self._pieces.get(i) or self._joiner.id_to_piece(i)

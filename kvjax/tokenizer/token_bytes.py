@@ -17,7 +17,8 @@ import functools
 import re
 from collections.abc import Iterable
 
-SPACE_SYMBOL = "\u2581"
+from .marian import SPACE
+
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -44,7 +45,7 @@ def byte_fallback(piece: str) -> bytes:
     match = _BYTE_PIECE.fullmatch(piece)
     if match:
         return bytes([int(match.group(1), 16)])
-    return piece.replace(SPACE_SYMBOL, " ").encode("utf-8")
+    return piece.replace(SPACE, " ").encode("utf-8")
 
 
 def table(size: int, pieces: Iterable[tuple[int, bytes | None]]) -> list[bytes | None]:
