@@ -68,7 +68,7 @@ def prompts_of(task: str, rows: list[list[int]], repeat: int) -> list[list[int]]
     return rows
 
 
-def _best(run, repeats: int) -> tuple[float, decode.GenerateOutput]:
+def best_of(run, repeats: int) -> tuple[float, decode.GenerateOutput]:
     output = run()  # compiles
     best = float("inf")
     for _ in range(repeats):
@@ -123,8 +123,8 @@ def speculative_benchmark(checkpoint: str = DEFAULT_CHECKPOINT, preset: str | No
                 return decode.generate(net, params, prompts,
                                        max_new_tokens=new_tokens, speculative=speculative)
 
-            plain_s, plain = _best(run, repeats)
-            fast_s, fast = _best(lambda: run(drafts), repeats)
+            plain_s, plain = best_of(run, repeats)
+            fast_s, fast = best_of(lambda: run(drafts), repeats)
             generated = int(plain.lengths.sum())
             stats = fast.speculation
             table.append(Row(task, batch, generated / plain_s, generated / fast_s,

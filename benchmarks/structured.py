@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from kvjax import decode, text
 from kvjax.tokenizer import tokenizer_from_bytes
 
-from .speculative import DEFAULT_CHECKPOINT, passages
+from .speculative import DEFAULT_CHECKPOINT, best_of, passages
 
 SCHEMAS = {
     "flat": {"type": "object", "properties": {
@@ -57,13 +57,10 @@ class BuildRow:
 
 
 def _best_step(run, repeats: int) -> tuple[float, decode.GenerateOutput]:
-    output = run()  # compiles
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        output = run()
-        best = min(best, (time.perf_counter() - start) / max(int(output.lengths.max()), 1))
-    return best, output
+    """Seconds per step of `run`'s fastest call, by the steps its longest row ran (the same
+    every call: greedy), and its output."""
+    seconds, output = best_of(run, repeats)
+    return seconds / max(int(output.lengths.max()), 1), output
 
 
 def structured_benchmark(checkpoint: str = DEFAULT_CHECKPOINT,
