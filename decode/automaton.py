@@ -77,7 +77,7 @@ class Allowed(NamedTuple):
     real_BY: jax.Array
 
 
-def _power_of_two(n: int, least: int = 1) -> int:
+def power_of_two(n: int, least: int = 1) -> int:
     return max(least, 1 << max(n - 1, 0).bit_length())
 
 
@@ -95,9 +95,9 @@ def for_rows(automata: Sequence[TokenAutomaton | None]) -> RowConstraints | None
         first_state[key], first_edge[key] = states, edges
         states += automaton.num_states
         edges += automaton.tokens.size
-    starts = np.zeros(_power_of_two(states, 16), np.int32)
+    starts = np.zeros(power_of_two(states, 16), np.int32)
     counts = np.zeros_like(starts)
-    tokens = np.zeros(_power_of_two(edges, 16), np.int32)
+    tokens = np.zeros(power_of_two(edges, 16), np.int32)
     next_states = np.zeros_like(tokens)
     for key, automaton in distinct.items():
         s, e = first_state[key], first_edge[key]
@@ -109,4 +109,4 @@ def for_rows(automata: Sequence[TokenAutomaton | None]) -> RowConstraints | None
                       for a in automata], np.int32)
     return RowConstraints(jnp.asarray(state), jnp.asarray(starts), jnp.asarray(counts),
                           jnp.asarray(tokens), jnp.asarray(next_states),
-                          width=_power_of_two(int(counts.max()), 8))
+                          width=power_of_two(int(counts.max()), 8))

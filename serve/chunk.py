@@ -52,9 +52,9 @@ def admit(state: EngineState) -> EngineState:
 
     rest = jax.tree.map(take, slots.replace(cache=None), staged.replace(cache=None))
     cache = slots.cache.copy_row(staged.cache, row, slot, COPY_BLOCK)
-    return EngineState(slots=rest.replace(cache=cache),
-                       staged=staged.replace(running=staged.running.at[row].set(False)),
-                       last_admitted=staged.owner[row])
+    return state.replace(slots=rest.replace(cache=cache),
+                         staged=staged.replace(running=staged.running.at[row].set(False)),
+                         last_admitted=staged.owner[row])
 
 
 def _slot_free_and_sample_waiting(state: EngineState):
@@ -113,9 +113,11 @@ def decode_chunk(config: M.TransformerConfig, params, state: EngineState, cancel
         # Stopped slots are fed nothing: their cache rows neither grow nor overflow.
         logits_B1V, cache = step_fn(slots.last_tokens[:, None], slots.cache,
                                     live_B.astype(jnp.int32))
-        token_B, logprob_B, top_logprobs_BA, top_ids_BA = choose(
+        token_B, logprob_B, top_logprobs_BA, top_ids_BA, constraint_state_B = choose(
             logits_B1V[:, 0], slots.context, slots.context_lengths, slots.sampling,
-            slots.keys, slots.generated, want_top)
+            slots.keys, slots.generated, want_top, state.constraints(slots), live_B)
+        if constraint_state_B is not None:
+            slots = slots.replace(constraint_state=constraint_state_B)
         slots = record(slots.replace(cache=cache), token_B, live_B)
         served_B = live_B | full_B
         emitted = emitted.replace(

@@ -40,7 +40,7 @@ from kvjax.decode.prepare import placement
 from kvjax.decode.prompt_state import prefill_state
 from kvjax.tokenizer import TextTokenizer
 
-from . import chunk, memory, slots
+from . import chunk, constrained, memory, slots
 from .output import OnDelta, Outputs, Ticket
 from .prompt_logprobs import prompt_logprobs
 from .requests import Delta, GenerationRequest, row_settings
@@ -116,6 +116,7 @@ class Engine:
         self.state = slots.empty_state(self.config, self.max_slots, self.num_staged,
                                        self.capacity, self.mesh)
         self.outputs = Outputs(self.tokenizer, self.metrics)  # the samples, by id
+        self._tables = constrained.TableKeeper()
         self._next_id = 0
         self._free_staged = list(range(self.num_staged))
         self._dispatched: list[_Dispatched] = []
@@ -137,6 +138,9 @@ class Engine:
         """`request` as `submit` queues it (seed drawn); a `checks.InvalidValue` names the
         first value this engine can never serve."""
         request = request.checked(self.config.vocab_size, self.capacity)
+        if request.constraint is not None and self.mesh is not None:
+            raise checks.InvalidValue("constraint", "constrained requests run on one device; "
+                                                    "this engine is served over a mesh")
         for rows, what in ((self.max_slots, "slots"), (self.num_staged, "staged rows")):
             if request.n > rows:  # a request's samples are staged together
                 raise checks.InvalidValue("n", f"n={request.n} is more than the engine's "
@@ -317,6 +321,7 @@ class Engine:
             lengths[row] = len(prompt)
         # The prompts' cache holds only them: the insert writes it into the staged rows.
         prefilled = prefill_state(self.config, self.params, padded, lengths, padded.shape[1])
+        initial = self._place_constraints(tickets)
         entries = [(row, ticket, index) for row, ticket in enumerate(tickets)
                    for index in range(ticket.request.n)]
         for start in range(0, len(entries), rows):  # `rows` samples per insert
@@ -328,7 +333,8 @@ class Engine:
                 ids.append(self._next_id)
                 self._next_id = (self._next_id + 1) % slots.ID_SPACE
             spare = rows - len(group)  # padding: row `num_staged` stages nothing
-            settings = row_settings([(t.request, i) for _, t, i in group + group[:1] * spare])
+            settings = row_settings([(t.request, i) for _, t, i in group + group[:1] * spare],
+                                    [initial[r] for r, _, _ in group + group[:1] * spare])
             self.state, first = slots.insert(
                 self.state, *prefilled,
                 np.array([r for r, _, _ in group] + [0] * spare, np.int32),
@@ -336,6 +342,18 @@ class Engine:
                 np.array(ids + [0] * spare, np.int32), settings, mesh=self.mesh)
             self._dispatched.append(_Dispatched(first, staged, is_chunk=False))
             self._waiting += len(group)
+
+    def _place_constraints(self, tickets: list[Ticket]) -> list[int]:
+        """Each ticket's automaton placed in the engine's tables: its initial state there
+        (-1: unconstrained). Those the samples on the device follow stay."""
+        staging = [t.request.constraint for t in tickets if t.request.constraint is not None]
+        in_use = staging + [s.ticket.request.constraint for s in self.outputs.samples.values()
+                            if s.ticket.request.constraint is not None]
+        for automaton in staging:
+            self.state = self._tables.place(automaton, in_use, self.state)
+        # Read after all are placed: placing one can move those placed before it.
+        return [-1 if t.request.constraint is None
+                else self._tables.initial_state(t.request.constraint) for t in tickets]
 
     def _hand_out(self, dispatched: _Dispatched) -> None:
         """Hands each sample what a program made (`Outputs`) and learns which staged rows

@@ -14,6 +14,7 @@ import secrets
 import numpy as np
 
 from kvjax.decode import checks
+from kvjax.decode.constraints import TokenAutomaton
 from kvjax.decode.sampling import SamplingParams, seed_key
 from kvjax.decode.settings import GREEDY, Sampling
 from kvjax.detokenize import check_stop_strings
@@ -37,6 +38,8 @@ class GenerationRequest:
     seed:        the sample's tokens depend on it and on nothing else the batch holds;
                  None draws one.
     logprobs:    top logprobs to report per token (0: only the chosen token's).
+    constraint:  the automaton every sample's tokens follow (`decode.compile_constraint`),
+                 or None; its end id must be one of `stop_ids`.
     """
 
     prompt: tuple[int, ...]
@@ -47,6 +50,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     logprobs: int = 0
+    constraint: TokenAutomaton | None = None
 
     def checked(self, vocab_size: int, capacity: int) -> GenerationRequest:
         """This request with its seed drawn if None; a ValueError names the first bad value."""
@@ -80,8 +84,25 @@ class GenerationRequest:
         seed = secrets.randbelow(MAX_SEED) if self.seed is None else self.seed
         checks.integer("seed", seed, 0, MAX_SEED)
         checks.integer("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
+        if self.constraint is not None:
+            _check_constraint(self.constraint, vocab_size, stop_ids)
         return dataclasses.replace(self, prompt=prompt, stop_ids=stop_ids, stop=stop,
                                    seed=seed)
+
+
+def _check_constraint(automaton, vocab_size: int, stop_ids: tuple[int, ...]) -> None:
+    if not isinstance(automaton, TokenAutomaton):
+        raise checks.InvalidValue("constraint", f"constraint must be a TokenAutomaton (decode."
+                                                f"compile_constraint), got "
+                                                f"{type(automaton).__name__}")
+    if automaton.vocab_size > vocab_size:
+        raise checks.InvalidValue("constraint", f"the constraint was compiled for "
+                                                f"{automaton.vocab_size} token ids; the model "
+                                                f"has {vocab_size}")
+    if automaton.end_id not in stop_ids:
+        raise checks.InvalidValue("constraint", f"the constraint ends with id "
+                                                f"{automaton.end_id}, which is not among "
+                                                f"stop_ids {stop_ids}: it could never stop")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +126,12 @@ class Delta:
     finish_reason: str | None = None
 
 
-def row_settings(samples: list[tuple[GenerationRequest, int]]) -> RowSettings:
-    """Samples (request, index) as slots hold them (NumPy, so nothing runs eagerly)."""
+def row_settings(samples: list[tuple[GenerationRequest, int]],
+                 constraint_states: list[int] | None = None) -> RowSettings:
+    """Samples (request, index) as slots hold them (NumPy, so nothing runs eagerly), each
+    with its initial state in the engine's constraint tables (default: unconstrained)."""
+    if constraint_states is None:
+        constraint_states = [-1] * len(samples)
     stop_ids = np.full((len(samples), MAX_STOP_IDS), -1, np.int32)
     for row, (request, _) in enumerate(samples):
         stop_ids[row, :len(request.stop_ids)] = request.stop_ids
@@ -117,4 +142,5 @@ def row_settings(samples: list[tuple[GenerationRequest, int]]) -> RowSettings:
     return RowSettings(
         max_tokens=np.array([r.max_tokens for r, _ in samples], np.int32), stop_ids=stop_ids,
         seed=np.stack([seed_key(r.seed) for r, _ in samples]),
-        sample=np.array([index for _, index in samples], np.int32), sampling=sampling)
+        sample=np.array([index for _, index in samples], np.int32), sampling=sampling,
+        constraint_state=np.array(constraint_states, np.int32))

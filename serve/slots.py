@@ -32,10 +32,13 @@ import jax.numpy as jnp
 
 from kvjax import model as M
 from kvjax import parallel
+from kvjax.decode.automaton import UNCONSTRAINED, RowConstraints
 from kvjax.decode.loop import StopReason, append_context, stop_reasons
 from kvjax.decode.processors import ProcessorState, apply_processors
 from kvjax.decode.sampling import SamplingParams, sample, sample_key, token_keys
 from kvjax.decode.tracing import count_trace
+
+from .constrained import ConstraintTables
 
 MAX_STOP_IDS = 8  # stop ids travel as a fixed-size row so their number never recompiles
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat; completions ask for at most 5
@@ -61,6 +64,8 @@ class SlotState:
     running:         [B] bool the slot holds a request that is still generating.
     stop_reason:     [B] int32 `StopReason` of the slot's last request.
     owner:           [B] int32 the id of the sample the row holds (`NO_SAMPLE`: none yet).
+    constraint_state: [B] int32 the row's state in the engine's `ConstraintTables`
+                     (-1: unconstrained).
     """
 
     cache: M.KVCache
@@ -75,6 +80,7 @@ class SlotState:
     running: jax.Array
     stop_reason: jax.Array
     owner: jax.Array
+    constraint_state: jax.Array
 
     @property
     def num_slots(self) -> int:
@@ -85,24 +91,33 @@ class SlotState:
 class EngineState:
     """slots: the decoding rows [B]; staged: prefilled samples [Q], each waiting for a slot
     while its `running` is set (its first token sampled, its prompt in its cache row);
-    last_admitted: [] int32 the id of the sample that took a slot last."""
+    last_admitted: [] int32 the id of the sample that took a slot last; tables: the
+    automata of the constrained samples (`constrained.py`), None while no request asked for
+    one."""
 
     slots: SlotState
     staged: SlotState
     last_admitted: jax.Array
+    tables: ConstraintTables | None = None
+
+    def constraints(self, rows: SlotState) -> RowConstraints | None:
+        """`rows`' constraints, None without tables."""
+        return None if self.tables is None else self.tables.for_rows(rows.constraint_state)
 
 
 @flax.struct.dataclass
 class RowSettings:
     """The settings of R samples as slots hold them: max_tokens [R], stop_ids [R, E], seed
     [R, 2] uint32 (the request's prompt key, `decode.sampling.seed_key`), sample [R] (each
-    sample's index among its request's n, `sample_key`) and sampling with [R] fields."""
+    sample's index among its request's n, `sample_key`), sampling with [R] fields and
+    constraint_state [R] (the initial state of its automaton in the tables; -1: none)."""
 
     max_tokens: jax.Array
     stop_ids: jax.Array
     seed: jax.Array
     sample: jax.Array
     sampling: SamplingParams
+    constraint_state: jax.Array
 
 
 @flax.struct.dataclass
@@ -160,6 +175,7 @@ def _free_rows(config: M.TransformerConfig, rows: int, capacity: int) -> SlotSta
         running=jnp.zeros((rows,), bool),
         stop_reason=zeros(),
         owner=jnp.full((rows,), NO_SAMPLE, jnp.int32),
+        constraint_state=jnp.full((rows,), UNCONSTRAINED, jnp.int32),
     )
 
 
@@ -170,15 +186,22 @@ def _free_state_on(config: M.TransformerConfig, num_slots: int, num_staged: int,
 
 
 def choose(logits_BV, context_BC, context_lengths_B, sampling: SamplingParams, keys_B2,
-           positions_B, want_top=True):
-    """(token [B], logprob [B], top_logprobs [B, W], top_ids [B, W]): each row's next token
-    as `decode` samples it (built-in penalties, then greedy or top-k/p, min-p), drawn with
-    the row's own key folded with its position (`decode.sampling`). The top W are zeros
-    unless `want_top`."""
+           positions_B, want_top=True, constraints: RowConstraints | None = None,
+           live_B=None):
+    """(token [B], logprob [B], top_logprobs [B, W], top_ids [B, W], constraint_state [B]
+    or None): each row's next token as `decode` samples it (built-in penalties, the row's
+    constraint, then greedy or top-k/p, min-p), drawn with the row's own key folded with its
+    position (`decode.sampling`), and each `live` row's constraint state after it. The top W
+    are zeros unless `want_top`."""
     processed_BV = apply_processors(logits_BV, ProcessorState(
         context_BC, context_lengths_B, jnp.zeros((), jnp.int32), sampling))
+    if constraints is not None:
+        allowed = constraints.allowed()
+        processed_BV = constraints.mask(processed_BV, allowed)
     token_B = sample(processed_BV, token_keys(jax.random.wrap_key_data(keys_B2), positions_B),
                      sampling)
+    constraint_state_B = None if constraints is None else (
+        constraints.advance(token_B, live_B, allowed).state)
     logprobs_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32))
     logprob_B = jnp.take_along_axis(logprobs_BV, token_B[:, None], axis=-1)[:, 0]
     width = min(MAX_TOP_LOGPROBS, logits_BV.shape[-1])
@@ -192,7 +215,7 @@ def choose(logits_BV, context_BC, context_lengths_B, sampling: SamplingParams, k
         return jnp.zeros((batch, width), jnp.float32), jnp.zeros((batch, width), jnp.int32)
 
     top_logprobs_BA, top_ids_BA = jax.lax.cond(want_top, top, nothing, logprobs_BV)
-    return token_B, logprob_B, top_logprobs_BA, top_ids_BA
+    return token_B, logprob_B, top_logprobs_BA, top_ids_BA, constraint_state_B
 
 
 def record(state: SlotState, token_B, live_B) -> SlotState:
@@ -249,9 +272,14 @@ def insert(state: EngineState, prefix_cache: M.KVCache, next_logits_PV, context_
         running=rows.running | new_Q,
         stop_reason=jnp.where(new_Q, StopReason.RUNNING, rows.stop_reason),
         owner=put(rows.owner, ids_R))
-    token_R, logprob_R, top_logprobs_RA, top_ids_RA = choose(
+    constraints = None if state.tables is None else state.tables.for_rows(
+        settings.constraint_state)
+    token_R, logprob_R, top_logprobs_RA, top_ids_RA, constraint_state_R = choose(
         next_logits_PV[rows_R], context_RC, context_lengths_R, settings.sampling, keys_R2,
-        jnp.zeros(rows_R.shape, jnp.int32))
+        jnp.zeros(rows_R.shape, jnp.int32), constraints=constraints,
+        live_B=jnp.ones(rows_R.shape, bool))
+    if constraints is not None:
+        rows = rows.replace(constraint_state=put(rows.constraint_state, constraint_state_R))
     token_Q = jnp.zeros(rows.num_slots, jnp.int32).at[staged_R].set(token_R, mode="drop")
     rows = record(rows, token_Q, new_Q)
     state = parallel.constrain_rows(state.replace(staged=rows), mesh)
