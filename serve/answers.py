@@ -1,7 +1,10 @@
 """The engine's `Delta`s as OpenAI's JSON: whole answers, stream chunks and usage.
 
-One `Answer` gathers a request's choices as deltas arrive; `completion`/`chat_completion`
-give the final object, `chunk` one server-sent event's object for one delta.
+One `Answer` gathers a request's choices as deltas arrive; `final` gives the whole answer,
+`chunk` one server-sent event's object for one delta. A chat request with tools that the
+model may call has its choices' text read for calls (`tools.Tools.calls`) when they finish:
+its stream holds each choice's text back and sends it, or its calls, in the choice's last
+chunk.
 """
 
 from __future__ import annotations
@@ -99,14 +102,28 @@ class Answer:
             logprobs = self._logprobs(tokens + c.tokens, logprobs + c.logprobs,
                                       top + c.top_logprobs)
             if self.parsed.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
-                                "logprobs": logprobs, "finish_reason": c.finish_reason})
+                message, finish = self._message(c)
+                choices.append({"index": i, "message": {"role": "assistant", **message},
+                                "logprobs": logprobs, "finish_reason": finish})
             else:
                 choices.append({"index": i, "text": c.text, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason})
         return {"id": self.id, "object": "chat.completion" if self.parsed.chat
                 else "text_completion", "created": self.created, "model": self.parsed.model,
                 "choices": choices, "usage": self.usage()}
+
+    @property
+    def _reads_calls(self) -> bool:
+        return self.parsed.tools is not None and self.parsed.tools.choice != "none"
+
+    def _message(self, choice: Choice) -> tuple[dict, str | None]:
+        """(the message's content and calls, its finish reason) of a finished chat choice."""
+        if not self._reads_calls:
+            return {"content": choice.text}, choice.finish_reason
+        content, calls = self.parsed.tools.calls(choice.text)
+        if not calls:
+            return {"content": content}, choice.finish_reason
+        return {"content": content, "tool_calls": calls}, "tool_calls"
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         chunk = {"id": self.id, "object": "chat.completion.chunk" if self.parsed.chat
@@ -134,6 +151,8 @@ class Answer:
             return None
         index = self.index(prompt, delta)
         choice = self.choices[index]
+        if self.parsed.chat and self._reads_calls:
+            return self._whole_choice_chunk(index) if delta.finish_reason else None
         finish = choice.finish_reason if delta.finish_reason else None
         offset = len(choice.text) - len(delta.text)
         logprobs = self._logprobs(delta.token_ids, delta.logprobs, delta.top_logprobs, offset)
@@ -145,6 +164,19 @@ class Answer:
             entry = {"index": index, "text": delta.text, "logprobs": logprobs,
                      "finish_reason": finish}
         return self._chunk([entry])
+
+    def _whole_choice_chunk(self, index: int) -> dict:
+        """A finished choice's text or calls in one chunk (OpenAI's delta format: each call
+        with its `index`)."""
+        choice = self.choices[index]
+        message, finish = self._message(choice)
+        delta = {} if message["content"] is None else {"content": message["content"]}
+        if "tool_calls" in message:
+            delta["tool_calls"] = [{"index": i, **call}
+                                   for i, call in enumerate(message["tool_calls"])]
+        logprobs = self._logprobs(choice.tokens, choice.logprobs, choice.top_logprobs)
+        return self._chunk([{"index": index, "delta": delta, "logprobs": logprobs,
+                             "finish_reason": finish}])
 
     def usage_chunk(self) -> dict:
         return self._chunk([], self.usage())

@@ -3,10 +3,14 @@
 A tokenizer that brings a chat template (a Jinja2 string in `chat_template`, as Hugging Face
 tokenizers carry) renders the messages its own way, as transformers' `apply_chat_template`
 does with `add_generation_prompt=True`: the same sandboxed environment and helpers, the
-tokenizer's named special tokens (`bos_token`, `eos_token`, ...) as variables. Each
-message reaches the template as {"role", "content"}, its content as one string.
-kvjax's own models were trained on plain text, so they get the plain template: each message
-on its own line as `role: content`, then `assistant:` for the model to continue,
+tokenizer's named special tokens (`bos_token`, `eos_token`, ...) as variables, and the
+request's `tools` (`tools.py`). Each message reaches the template as {"role", "content"},
+its content as one string, with an assistant's `tool_calls` (their JSON arguments as
+objects, as templates read them) and a tool message's `tool_call_id` and `name`.
+kvjax's own models were trained on plain text, so they get the plain template: the tools
+as one JSON line, each message on its own line as `role: content` (an assistant's calls
+after its content, each as `<tool_call>{"name": ..., "arguments": ...}</tool_call>`), then
+`assistant:` for the model to continue,
 
     system: You answer in one line.
     user: What is a KV cache?
@@ -49,29 +53,75 @@ def message_text(message: Any, index: int) -> tuple[str, str]:
     return role, content
 
 
-def plain_prompt(messages: Sequence[tuple[str, str]]) -> str:
-    """The plain template (see the module docstring)."""
-    return "".join(f"{role}: {content}\n" for role, content in messages) + "assistant:"
+def plain_prompt(messages: Sequence[tuple[str, str]] | Sequence[dict],
+                 tools: list[dict] | None = None) -> str:
+    """The plain template (see the module docstring) of (role, content) pairs or of
+    messages as templates get them."""
+    listed = json.dumps(tools, ensure_ascii=False, separators=(",", ":"))
+    lines = [] if not tools else [f"tools: {listed}\n"]
+    for message in messages:
+        if isinstance(message, tuple):
+            message = {"role": message[0], "content": message[1]}
+        calls = "".join("<tool_call>" + json.dumps(
+            {"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+            ensure_ascii=False) + "</tool_call>" for c in message.get("tool_calls", ()))
+        lines.append(f"{message['role']}: {message['content']}{calls}\n")
+    return "".join(lines) + "assistant:"
 
 
-def render(tokenizer: Any, messages: Sequence[Any]) -> tuple[str, bool]:
-    """(prompt text, whether it came from the tokenizer's own template). A template's text
-    already holds the special tokens it wants, so it is encoded with no prefix added."""
+def template_message(message: dict, index: int) -> dict:
+    """A checked chat message as a template reads it (see the module docstring)."""
+    role, content = message_text(message, index)
+    entry = {"role": role, "content": content}
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if role != "assistant" or not isinstance(calls, list):
+            raise ValueError(f"messages[{index}].tool_calls must be a list, on an assistant "
+                             f"message")
+        entry["tool_calls"] = [_template_call(call, index, j) for j, call in enumerate(calls)]
+    for name in ("tool_call_id", "name"):
+        if isinstance(message.get(name), str):
+            entry[name] = message[name]
+    return entry
+
+
+def _template_call(call: Any, index: int, j: int) -> dict:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+        raise ValueError(f"messages[{index}].tool_calls[{j}] must be {{'type': 'function', "
+                         f"'function': {{'name': ..., 'arguments': ...}}}}")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            raise ValueError(f"messages[{index}].tool_calls[{j}].function.arguments is not "
+                             f"JSON") from None
+    return {**call, "type": "function",
+            "function": {"name": function["name"], "arguments": arguments}}
+
+
+def render(tokenizer: Any, messages: Sequence[Any],
+           tools: list[dict] | None = None) -> tuple[str, bool]:
+    """(prompt text, whether it came from the tokenizer's own template), with `tools`
+    (OpenAI's, or None) shown to the model. A template's text already holds the special
+    tokens it wants, so it is encoded with no prefix added."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of chat messages")
-    pairs = [message_text(m, i) for i, m in enumerate(messages)]
+    entries = [template_message(m, i) for i, m in enumerate(messages)]
     template = getattr(tokenizer, "chat_template", None)
+    if tools:  # as transformers picks it: a template named "tool_use" renders tools
+        template = getattr(tokenizer, "tool_chat_template", None) or template
     if not template:
-        return plain_prompt(pairs), False
+        return plain_prompt(entries, tools), False
     special = getattr(tokenizer, "special_tokens", None)
     if special is None:
         special = {name: getattr(tokenizer, name, "") or "" for name in ("bos_token", "eos_token")}
     import jinja2
 
     try:
-        text = _compiled(template).render(
-            messages=[{"role": r, "content": c} for r, c in pairs], tools=None, documents=None,
-            add_generation_prompt=True, **special)
+        text = _compiled(template).render(messages=entries, tools=tools or None,
+                                          documents=None, add_generation_prompt=True, **special)
     except jinja2.TemplateError as error:  # raise_exception's message included
         raise ValueError(f"the model's chat template refused these messages: {error}") from None
     return text, True

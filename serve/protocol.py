@@ -4,11 +4,14 @@
 naming the field) and builds one `GenerationRequest` per prompt; the ranges of the values
 are checked by `GenerationRequest.checked`, whose ValueError the server answers with a 400
 as well. Fields this server does not implement with a value other than their no-op one
-(`presence_penalty`, `frequency_penalty`, `logit_bias`, `best_of`, `suffix`, tools) are a
-400 naming them, never ignored; fields it does not know are ignored, as OpenAI's API does.
+(`presence_penalty`, `frequency_penalty`, `logit_bias`, `best_of`, `suffix`; tools on
+/v1/completions) are a 400 naming them, never ignored; fields it does not know are ignored,
+as OpenAI's API does.
 `max_tokens` 0 is accepted with `echo` (the answer is the prompt, with its logprobs if asked).
 Sampling defaults are OpenAI's: temperature 1, top_p 1; kvjax's extra settings (`top_k`,
 `min_p`, `repetition_penalty`, `no_repeat_ngram_size`) are read where given, as vLLM does.
+Structured output (`response_format`, `structured_outputs`) and tools are read by
+`structured.py` and `tools.py`.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from typing import Any
 from kvjax import text as T
 from kvjax.decode.settings import Sampling
 
-from . import chat
+from . import chat, structured
 from .requests import GenerationRequest
+from .tools import Tools, parse_tools
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
 
@@ -65,6 +69,7 @@ class Parsed:
     stream: bool
     include_usage: bool
     logprobs: bool
+    tools: Tools | None = None
 
 
 _NUMBER, _INT, _BOOL, _STR = (int, float), (int,), (bool,), (str,)
@@ -87,12 +92,17 @@ def _get(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
     return value
 
 
-def _refuse_unsupported(body: dict) -> None:
-    for name, off in (("presence_penalty", 0), ("frequency_penalty", 0), ("logit_bias", {}),
-                      ("suffix", ""), ("tools", []), ("response_format", {"type": "text"})):
+def _refuse_unsupported(body: dict, chat_api: bool) -> None:
+    unsupported = [("presence_penalty", 0), ("frequency_penalty", 0), ("logit_bias", {}),
+                   ("suffix", "")]
+    if not chat_api:
+        unsupported += [("tools", []), ("tool_choice", "none")]
+    for name, off in unsupported:
         if body.get(name) not in (None, off):
+            hint = ("tools are for /v1/chat/completions" if name.startswith("tool") else
+                    "kvjax has repetition_penalty and no_repeat_ngram_size")
             raise APIError(400, f"{name}={_shown(body[name])} is not supported by this server "
-                                f"(kvjax has repetition_penalty and no_repeat_ngram_size)", name)
+                                f"({hint})", name)
     if body.get("best_of") not in (None, body.get("n", 1)):
         raise APIError(400, f"best_of={_shown(body['best_of'])} is not supported: use n",
                        "best_of")
@@ -158,9 +168,11 @@ def _decode(loaded: T.LoadedModel, ids) -> str:
         raise APIError(400, str(error), "prompt") from None
 
 
-def _chat_prompt(loaded: T.LoadedModel, messages: Any) -> tuple[int, ...]:
+def _chat_prompt(loaded: T.LoadedModel, messages: Any,
+                 tools: Tools | None) -> tuple[int, ...]:
     try:
-        text, templated = chat.render(loaded.tokenizer, messages)
+        text, templated = chat.render(loaded.tokenizer, messages,
+                                      None if tools is None else tools.for_template())
     except ValueError as error:
         raise APIError(400, str(error), "messages") from None
     if templated:
@@ -181,14 +193,17 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
     if model != served_name:
         raise APIError(404, f"The model `{model}` does not exist: this server serves "
                             f"`{served_name}`", "model", kind="not_found_error")
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, chat_api)
+    tools = parse_tools(body) if chat_api else None
+    constraint, field = structured.requested(body, tools)
     stream = _get(body, "stream", _BOOL, False)
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise APIError(400, "stream_options must be an object", "stream_options")
     include_usage = bool(options.get("include_usage", False))
     if chat_api:
-        prompts, echo, echo_prompt = [_chat_prompt(loaded, body.get("messages"))], [""], False
+        prompts = [_chat_prompt(loaded, body.get("messages"), tools)]
+        echo, echo_prompt = [""], False
         max_tokens = _get(body, "max_completion_tokens", _INT,
                           _get(body, "max_tokens", _INT))
         want_logprobs = _get(body, "logprobs", _BOOL, False)
@@ -216,7 +231,9 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
                           no_repeat_ngram_size=_get(body, "no_repeat_ngram_size", _INT, 0)),
         seed=_get(body, "seed", _INT), stop=_stops(body, max_stop_strings, max_stop_chars),
         logprobs=top or 0,
-        stop_ids=tuple(loaded.tokenizer.stop_ids))
+        stop_ids=tuple(loaded.tokenizer.stop_ids),
+        constraint=None if constraint is None else structured.compiled(
+            constraint, field, loaded.tokenizer))
     requests = []
     for ids in prompts:
         room = capacity - len(ids)
@@ -227,4 +244,4 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
         requests.append(GenerationRequest(ids, max_tokens=default if max_tokens is None
                                           else max_tokens, **settings))
     return Parsed(chat_api, model, tuple(requests), tuple(echo), echo_prompt, stream,
-                  include_usage, want_logprobs)
+                  include_usage, want_logprobs, tools)

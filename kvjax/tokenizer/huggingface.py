@@ -94,6 +94,7 @@ class HFTokenizer:
         # What a chat template reads besides the messages: {"bos_token": "<s>", ...}.
         self.special_tokens = {key: spec["content"] for key, spec in named.items() if spec}
         self.chat_template = _chat_template(files, config)
+        self.tool_chat_template = _chat_template(files, config, "tool_use")
         if kind == "marian":
             self._backend = MarianBackend(files, config, named, _extra_specials(config) or [])
         else:
@@ -230,16 +231,20 @@ def _json_file(files: dict[str, bytes], name: str) -> dict[str, Any]:
     return value
 
 
-def _chat_template(files: dict[str, bytes], config: dict[str, Any]) -> str | None:
+def _chat_template(files: dict[str, bytes], config: dict[str, Any],
+                   name: str = "default") -> str | None:
     """The Jinja2 chat template transformers uses by default: chat_template.jinja, else
     tokenizer_config.json's `chat_template`, a string or a list of named templates (then the
-    one named "default"); None for none."""
-    if "chat_template.jinja" in files:
+    one named "default"); None for none. With another `name`, only the template of that
+    name in such a list ("tool_use": the one transformers renders tools with)."""
+    if "chat_template.jinja" in files and name == "default":
         return files["chat_template.jinja"].decode("utf-8")
     template = config.get("chat_template")
     if isinstance(template, list):
         template = next((t.get("template") for t in template
-                         if isinstance(t, dict) and t.get("name") == "default"), None)
+                         if isinstance(t, dict) and t.get("name") == name), None)
+    elif name != "default":
+        return None
     return template if isinstance(template, str) and template else None
 
 

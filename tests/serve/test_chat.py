@@ -138,3 +138,49 @@ def test_gemmas_template_renders_as_transformers_renders_it():
     their_ids = theirs.apply_chat_template(GEMMA_MESSAGES, add_generation_prompt=True,
                                            tokenize=True, return_dict=False)
     assert tokenizer.encode(GEMMA_EXPECTED) == list(their_ids)
+
+
+# A Hermes/Qwen-style tool template: the tools as JSON lines, an assistant's calls in
+# <tool_call> tags, tool results as their own turns.
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n{% for tool in tools %}"
+    "{{ tool | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}"
+    "{%- for call in message.tool_calls or [] %}\n<tool_call>\n{\"name\": "
+    "\"{{ call.function.name }}\", \"arguments\": {{ call.function.arguments | tojson }}}"
+    "\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Wetter",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string"}}}}}]
+TOOL_MESSAGES = [{"role": "user", "content": "Weather in Zürich?"},
+                 {"role": "assistant", "content": "", "tool_calls": [
+                     {"id": "call_1", "type": "function", "function": {
+                         "name": "get_weather", "arguments": {"city": "Zürich"}}}]},
+                 {"role": "tool", "tool_call_id": "call_1", "content": "12 °C"}]
+TOOL_EXPECTED = (
+    "<|im_start|>system\n# Tools\n"
+    '{"type": "function", "function": {"name": "get_weather", "description": "Wetter", '
+    '"parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}\n'
+    "<|im_end|>\n<|im_start|>user\nWeather in Zürich?<|im_end|>\n<|im_start|>assistant\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
+    "<|im_end|>\n<|im_start|>tool\n12 °C<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_tools_and_tool_calls_render_as_transformers_renders_them(directory, tmp_path):
+    tooled = tmp_path / "tooled"
+    shutil.copytree(directory, tooled)
+    config = json.loads((tooled / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "default", "template": TEMPLATE},
+                               {"name": "tool_use", "template": TOOL_TEMPLATE}]
+    (tooled / "tokenizer_config.json").write_text(json.dumps(config))
+    ours = load_tokenizer(tooled)
+    # OpenAI's clients send arguments as JSON text: the template reads them as an object.
+    as_sent = json.loads(json.dumps(TOOL_MESSAGES))
+    as_sent[1]["tool_calls"][0]["function"]["arguments"] = '{"city": "Zürich"}'
+    assert chat.render(ours, as_sent, TOOLS) == (TOOL_EXPECTED, True)
+    assert chat.render(ours, PLAIN_MESSAGES)[0] == EXPECTED  # no tools: the default
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.AutoTokenizer.from_pretrained(tooled)
+    assert theirs.apply_chat_template(TOOL_MESSAGES, tools=TOOLS, add_generation_prompt=True,
+                                      tokenize=False) == TOOL_EXPECTED

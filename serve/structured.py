@@ -1,0 +1,106 @@
+"""What a request holds its output to, and that constraint compiled for the served model.
+
+  response_format {"type": "text"}                    nothing (OpenAI's default);
+  response_format {"type": "json_object"}             a JSON object;
+  response_format {"type": "json_schema",
+                   "json_schema": {"schema": {...}}}  JSON valid for the schema;
+  structured_outputs {"regex": "..."}                 (an extension, as vLLM names it) text
+                     {"choice": ["...", ...]}         matching the regex, one of the strings,
+                     {"json": {...}}                  JSON valid for the schema;
+  tools with tool_choice "required" or a function     the calls (`tools.py`).
+
+One request takes one of these. The constraint is compiled (`decode.compile_constraint`,
+cached per model and constraint) while the request is parsed, off the event loop; a schema
+keyword the automaton cannot enforce is a 400 naming it. The output ends with the model's
+end-of-text id, which the automaton allows only where the text is complete.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvjax.decode.checks import InvalidValue
+from kvjax.decode.constraints import (
+    Choice,
+    Constraint,
+    JsonSchema,
+    Regex,
+    TokenAutomaton,
+    compile_constraint,
+)
+
+from .tools import Tools
+
+ANY_OBJECT = {"type": "object"}
+
+
+def requested(body: dict, tools: Tools | None) -> tuple[Constraint | None, str | None]:
+    """(constraint, the field that asked for it) of a request body; an `InvalidValue`
+    names a malformed or conflicting field."""
+    asked = []
+    response_format = body.get("response_format")
+    if response_format is not None:
+        if not isinstance(response_format, dict):
+            raise InvalidValue("response_format", "response_format must be an object")
+        kind = response_format.get("type")
+        if kind == "json_object":
+            asked.append((_made("response_format", JsonSchema, ANY_OBJECT), "response_format"))
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict | bool):
+                raise InvalidValue("response_format", "response_format json_schema needs "
+                                                      "{'json_schema': {'name': ..., 'schema':"
+                                                      " {...}}}")
+            asked.append((_made("response_format", JsonSchema, schema), "response_format"))
+        elif kind != "text":
+            raise InvalidValue("response_format", f"response_format type={kind!r} must be "
+                                                  f"'text', 'json_object' or 'json_schema'")
+    structured = body.get("structured_outputs")
+    if structured is not None:
+        asked.append((_extension(structured), "structured_outputs"))
+    if tools is not None and tools.constraint() is not None:
+        asked.append((tools.constraint(), "tool_choice"))
+    if len(asked) > 1:
+        raise InvalidValue(asked[1][1], f"{asked[0][1]} and {asked[1][1]} both hold the "
+                                        f"output: a request takes one")
+    return asked[0] if asked else (None, None)
+
+
+def _extension(structured: Any) -> Constraint:
+    if not isinstance(structured, dict) or len(
+            [k for k in ("regex", "choice", "json") if structured.get(k) is not None]) != 1:
+        raise InvalidValue("structured_outputs", "structured_outputs must be an object with "
+                                                 "one of 'regex', 'choice' or 'json'")
+    if structured.get("regex") is not None:
+        if not isinstance(structured["regex"], str):
+            raise InvalidValue("structured_outputs", "structured_outputs.regex must be a "
+                                                     "string")
+        return _made("structured_outputs", Regex, structured["regex"])
+    if structured.get("choice") is not None:
+        options = structured["choice"]
+        if not (isinstance(options, list) and options
+                and all(isinstance(o, str) for o in options)):
+            raise InvalidValue("structured_outputs", "structured_outputs.choice must be a "
+                                                     "non-empty list of strings")
+        return _made("structured_outputs", Choice, options)
+    if not isinstance(structured["json"], dict | bool):
+        raise InvalidValue("structured_outputs", "structured_outputs.json must be a JSON "
+                                                 "Schema object")
+    return _made("structured_outputs", JsonSchema, structured["json"])
+
+
+def _made(field: str, kind: type, value: Any) -> Constraint:
+    try:
+        return kind(value)
+    except ValueError as error:
+        raise InvalidValue(field, str(error)) from None
+
+
+def compiled(constraint: Constraint, field: str, tokenizer) -> TokenAutomaton:
+    """`constraint` for `tokenizer`'s vocabulary, ended by its end-of-text id; an
+    `InvalidValue` naming `field` if it cannot be compiled."""
+    try:
+        return compile_constraint(constraint, tokenizer)
+    except ValueError as error:
+        raise InvalidValue(field, str(error)) from None
