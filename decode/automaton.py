@@ -67,6 +67,35 @@ class RowConstraints:
         moves_B = moved_B & (self.state >= 0) & jnp.any(match_BY, axis=1)
         return self.replace(state=jnp.where(moves_B, self.next_states[place_B], self.state))
 
+    # Speculative decoding: a verifying call's T = J + 1 positions, each masked by the state
+    # the drafts before it lead to.
+
+    def along(self, drafts_BJ: jax.Array) -> jax.Array:
+        """[B, T] each row's state before each position: after its first t drafts. A draft
+        its state does not allow leaves the state as it was; the masked model never accepts
+        that draft, so nothing after it is kept."""
+        states, rows = [self.state], self
+        for j in range(drafts_BJ.shape[1]):
+            rows = rows.advance(drafts_BJ[:, j], jnp.ones_like(self.state, bool),
+                                rows.allowed())
+            states.append(rows.state)
+        return jnp.stack(states, axis=1)
+
+    def mask_each(self, logits_BTV: jax.Array, states_BT: jax.Array) -> jax.Array:
+        """`logits_BTV` masked at each position by the state `states_BT` there."""
+        batch, num_tokens, vocab = logits_BTV.shape
+        at = self.replace(state=states_BT.reshape(-1))
+        return at.mask(logits_BTV.reshape(-1, vocab), at.allowed()).reshape(
+            batch, num_tokens, vocab)
+
+    def after(self, states_BT: jax.Array, tokens_BT: jax.Array, accepted_B: jax.Array,
+              moved_B: jax.Array) -> RowConstraints:
+        """The rows after a verifying call kept their first `accepted` drafts (`states_BT`
+        from `along`) and then the model's token, `tokens_BT[:, accepted]`."""
+        at = self.replace(state=jnp.take_along_axis(states_BT, accepted_B[:, None], 1)[:, 0])
+        token_B = jnp.take_along_axis(tokens_BT, accepted_B[:, None], axis=1)[:, 0]
+        return at.advance(token_B, moved_B, at.allowed())
+
 
 class Allowed(NamedTuple):
     """tokens_BY: the allowed token ids; place_BY: their places in the tables; real_BY:

@@ -3,8 +3,10 @@
 Each of the W beams of a row is one row of the cache (batch B·W). Every step extends each
 alive beam by every token, keeps the 2W best candidates, moves those ending in EOS to the
 finished pool (scored with a length penalty) and keeps the W best others alive; the cache
-rows are then reordered by the beam each survivor came from. Shapes: B batch, W beams,
-O token buffer, V vocab.
+rows are then reordered by the beam each survivor came from. Under a constraint
+(`automaton.py`) each beam carries its automaton state: only the tokens it allows are
+candidates, and a survivor moves on from the state of the beam it came from. Shapes: B
+batch, W beams, O token buffer, V vocab, Y tokens a state allows.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 from kvjax import model as M
 from kvjax import parallel
 
+from .automaton import Allowed, RowConstraints
 from .loop import StopConditions, StopReason
 from .tracing import count_trace
 
@@ -37,6 +40,7 @@ class BeamState:
     finished_tokens / finished_token_logprobs: [B, W, N]; finished_lengths: [B, W] int32.
     finished_score:      [B, W] float32 length-penalised score (NEG_INF: empty slot).
     cache:               model cache with batch B·W, row b·W + w for beam w of row b.
+    constraints:         each beam's automaton state [B·W] and the tables, or None.
     """
 
     step: jax.Array
@@ -48,6 +52,7 @@ class BeamState:
     finished_lengths: jax.Array
     finished_score: jax.Array
     cache: Any
+    constraints: RowConstraints | None = None
 
     @property
     def last_tokens(self) -> jax.Array:
@@ -80,6 +85,11 @@ def beam_step(state: BeamState, logprobs_BWV: jax.Array, stops: StopConditions,
               length_penalty: jax.Array) -> tuple[BeamState, jax.Array]:
     """Extends the beams by one token; returns the new state and the cache rows to gather."""
     batch, width, vocab = logprobs_BWV.shape
+    if state.constraints is not None:
+        allowed = state.constraints.allowed()
+        logprobs_BWV = jnp.maximum(state.constraints.mask(
+            logprobs_BWV.reshape(batch * width, vocab), allowed), NEG_INF).reshape(
+                batch, width, vocab)
     candidates = (state.alive_logprob[..., None] + logprobs_BWV).reshape(batch, width * vocab)
     cand_logprob, flat = jax.lax.top_k(candidates, 2 * width)  # [B, 2W]
     origin, token = flat // vocab, flat % vocab
@@ -93,10 +103,15 @@ def beam_step(state: BeamState, logprobs_BWV: jax.Array, stops: StopConditions,
     cand_token_logprobs = history(state.alive_token_logprobs, token_logprob)
     is_eos = jnp.any(token[..., None] == stops.eos_ids, axis=-1) & (cand_logprob > NEG_INF / 2)
     length = state.step + 1
+    constraints = state.constraints
+    if constraints is not None:
+        cand_state = _moved(constraints, allowed, origin, token)
 
-    alive_logprob, (alive_tokens, alive_token_logprobs, alive_origin) = _top(
+    alive_logprob, (alive_tokens, alive_token_logprobs, alive_origin, *alive_state) = _top(
         jnp.where(is_eos, NEG_INF, cand_logprob), width, cand_tokens, cand_token_logprobs,
-        origin)
+        origin, *([] if constraints is None else [cand_state]))
+    if constraints is not None:
+        constraints = constraints.replace(state=alive_state[0].reshape(-1))
     new_score = jnp.where(is_eos, _penalised(cand_logprob, length, length_penalty), NEG_INF)
     finished_score, (finished_tokens, finished_token_logprobs, finished_lengths) = _top(
         jnp.concatenate([state.finished_score, new_score], axis=1), width,
@@ -108,8 +123,28 @@ def beam_step(state: BeamState, logprobs_BWV: jax.Array, stops: StopConditions,
         step=length, alive_tokens=alive_tokens, alive_logprob=alive_logprob,
         alive_token_logprobs=alive_token_logprobs, finished_tokens=finished_tokens,
         finished_token_logprobs=finished_token_logprobs, finished_lengths=finished_lengths,
-        finished_score=finished_score)
+        finished_score=finished_score, constraints=constraints)
     return new_state, rows
+
+
+def _moved(constraints: RowConstraints, allowed: Allowed, origin_B2W, token_B2W):
+    """[B, 2W] the automaton state of each candidate: its origin beam's state moved along
+    its token (kept where the token is not allowed: such a candidate is never kept alive,
+    its score being NEG_INF)."""
+    batch, width = origin_B2W.shape[0], constraints.state.shape[0] // origin_B2W.shape[0]
+
+    def per_candidate(a_BWY):  # each candidate's origin beam's entries
+        return jnp.take_along_axis(a_BWY.reshape(batch, width, -1), origin_B2W[..., None],
+                                   axis=1)
+
+    state_B2W = jnp.take_along_axis(constraints.state.reshape(batch, width), origin_B2W,
+                                    axis=1)
+    match_B2WY = per_candidate(allowed.real_BY) & (
+        per_candidate(allowed.tokens_BY) == token_B2W[..., None])
+    place_B2W = jnp.take_along_axis(per_candidate(allowed.place_BY),
+                                    jnp.argmax(match_B2WY, axis=-1)[..., None], axis=-1)[..., 0]
+    moves_B2W = (state_B2W >= 0) & jnp.any(match_B2WY, axis=-1)
+    return jnp.where(moves_B2W, constraints.next_states[place_B2W], state_B2W)
 
 
 def is_settled(state: BeamState, max_new_tokens, length_penalty) -> jax.Array:
@@ -126,8 +161,10 @@ def is_settled(state: BeamState, max_new_tokens, length_penalty) -> jax.Array:
 
 def beam_loop(tokens_to_logits: Callable, first_logits_BV: jax.Array, cache: Any,
               num_beams: int, buffer_len: int, stops: StopConditions,
-              length_penalty: jax.Array) -> BeamResult:
-    """Beam search from the prefill's next-token logits; `cache` already has B·W rows."""
+              length_penalty: jax.Array,
+              constraints: RowConstraints | None = None) -> BeamResult:
+    """Beam search from the prefill's next-token logits; `cache` already has B·W rows, and
+    `constraints` (or None) a state per beam."""
     batch = first_logits_BV.shape[0]
     only_first = jnp.where(jnp.arange(num_beams) == 0, 0.0, NEG_INF)  # beams start identical
     state = BeamState(
@@ -140,6 +177,7 @@ def beam_loop(tokens_to_logits: Callable, first_logits_BV: jax.Array, cache: Any
         finished_lengths=jnp.zeros((batch, num_beams), jnp.int32),
         finished_score=jnp.full((batch, num_beams), NEG_INF, jnp.float32),
         cache=cache,
+        constraints=constraints,
     )
     first_BWV = jnp.repeat(jax.nn.log_softmax(first_logits_BV.astype(jnp.float32))[:, None],
                            num_beams, axis=1)
@@ -189,8 +227,10 @@ def _best(state: BeamState, max_new_tokens, length_penalty) -> BeamResult:
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6), static_argnames="mesh")
 def beam_search(config, params, tokens_BP, lengths_B, capacity: int, buffer_len: int,
-                num_beams: int, stops: StopConditions, length_penalty, mesh=None) -> BeamResult:
-    """Prefill each prompt once, copy its cache to W beams, then run `beam_loop`.
+                num_beams: int, stops: StopConditions, length_penalty, mesh=None,
+                constraints: RowConstraints | None = None) -> BeamResult:
+    """Prefill each prompt once, copy its cache to W beams, then run `beam_loop` (each
+    beam starting in its prompt's automaton state if `constraints`, with a state per row).
 
     With a `mesh`, the B·W cache rows are split over `data` (the W beams of a row together,
     when `data` divides B) and the kv heads over `model`."""
@@ -199,5 +239,7 @@ def beam_search(config, params, tokens_BP, lengths_B, capacity: int, buffer_len:
     cache = cache.take_rows(jnp.repeat(jnp.arange(tokens_BP.shape[0]), num_beams))
     if mesh is not None:
         cache = parallel.constrain_rows(cache, mesh)
+    if constraints is not None:
+        constraints = constraints.replace(state=jnp.repeat(constraints.state, num_beams))
     return beam_loop(parallel.keep_rows(M.step_fn(config, params), mesh), first_logits_BV,
-                     cache, num_beams, buffer_len, stops, length_penalty)
+                     cache, num_beams, buffer_len, stops, length_penalty, constraints)

@@ -209,20 +209,24 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
 
 def beam_search(net, params, prompts, *, max_new_tokens: int, num_beams: int,
                 length_penalty: float = 1.0, eos_ids: Sequence[int] = (), lengths=None,
-                return_logprobs: bool = False, mesh: Mesh | None = None) -> GenerateOutput:
+                return_logprobs: bool = False, mesh: Mesh | None = None,
+                constraint=None) -> GenerateOutput:
     """The `num_beams` likeliest continuations of each prompt, best first: each step keeps
     the best `num_beams` hypotheses by their summed logprobs, and finished ones are scored
     by sum(logprobs) / length**length_penalty (`decode/beam.py`). Returns the best per
-    prompt, with its score in `scores`. Prompts, eos ids, lengths and `mesh` are as for
+    prompt, with its score in `scores`. Prompts, eos ids, lengths, `mesh` and `constraint`
+    (the logprobs of the tokens it allows compete; the rest are never candidates) are as for
     `generate`; one compiled loop, greedy in what it keeps, so there is no sampling."""
     length_penalty = checks.real("length_penalty", length_penalty, lambda _: True, "finite")
     mesh, params = placement(net.config, params, mesh)
     prepared = prepare(net, params, prompts, lengths, max_new_tokens=max_new_tokens,
-                       eos_ids=eos_ids, num_beams=num_beams, rng=None, mesh=mesh)
+                       eos_ids=eos_ids, num_beams=num_beams, rng=None, mesh=mesh,
+                       constraint=constraint)
     result = beam.beam_search(
         net.config, params, prepared.tokens, prepared.lengths, prepared.capacity,
         prepared.buffer_len, prepared.num_beams, prepared.stops,
-        jnp.asarray(length_penalty, jnp.float32), mesh=mesh)
+        jnp.asarray(length_penalty, jnp.float32), mesh=mesh,
+        constraints=prepared.constraints)
     return _output(result, max_new_tokens, return_logprobs, prepared.batch,
                    scores=result.scores)
 

@@ -135,8 +135,7 @@ def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams
     if speculative is not None:
         spec.check_supported(speculative, config, processors=processors, sampling=sampling,
                              state=state, mesh=mesh, prompt_length=int(lengths.max()))
-    automata = row_automata(constraint, tokens.shape[0], config.vocab_size, eos_ids,
-                            speculative=speculative, mesh=mesh)
+    automata = row_automata(constraint, tokens.shape[0], config.vocab_size, eos_ids, mesh=mesh)
     rows = sampling.rows(tokens.shape[0], num_samples)
     params_rows = SamplingParams.make(**rows, batch=tokens.shape[0] * num_samples)
     buffer_len = bucket(max_new_tokens, config.max_len)
@@ -181,7 +180,7 @@ Constrained = TokenAutomaton | Sequence[TokenAutomaton | None] | None
 
 
 def row_automata(constraint: Constrained, batch: int, vocab_size: int, eos_ids, *,
-                 speculative=None, mesh=None) -> list[TokenAutomaton | None]:
+                 mesh=None) -> list[TokenAutomaton | None]:
     """Each prompt's automaton (None: unconstrained), checked against the model and the
     call's other settings."""
     if constraint is None:
@@ -204,8 +203,6 @@ def row_automata(constraint: Constrained, batch: int, vocab_size: int, eos_ids, 
             raise ValueError(f"constraint {i} ends with id {one.end_id}, which is not among "
                              f"eos_ids {tuple(eos_ids)}: its rows could never stop")
     if any(c is not None for c in constraint):
-        if speculative is not None:
-            raise ValueError("constrained rows do not take speculative decoding")
         if mesh is not None:
             raise ValueError("constrained rows run on one device; they do not take a mesh "
                              "or params sharded over one")

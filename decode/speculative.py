@@ -285,10 +285,16 @@ def drafting_loop(tokens_to_logits: TokensToLogits, carry: SpeculativeState,
                                         lambda cache: feed(cache, drafts_BJ[:, :0]),
                                         state.cache)
         valid_B = jnp.where(speculate, valid_B, 0)
-        tokens_BT, accepted_B = choose(logits_BTV, drafts_BJ, valid_B, sampling, choose_keys_B,
-                                       draft_probs_BKV)
+        rows = state.constraints  # the target's distributions are masked; drafts are not
+        states_BT = None if rows is None else rows.along(drafts_BJ)
+        tokens_BT, accepted_B = choose(
+            logits_BTV if rows is None else rows.mask_each(logits_BTV, states_BT), drafts_BJ,
+            valid_B, sampling, choose_keys_B, draft_probs_BKV)
         new_state, _ = advance(state.replace(cache=cache), state.cache.lengths, logits_BTV,
                                tokens_BT, accepted_B, stops)
+        if rows is not None:
+            new_state = new_state.replace(
+                constraints=rows.after(states_BT, tokens_BT, accepted_B, running_B))
         carry, accepted_B = finish(carry.replace(draft_cache=draft_cache), new_state,
                                    valid_B, accepted_B)
         return carry.replace(pacing=jax.tree.map(
@@ -302,10 +308,16 @@ def drafting_loop(tokens_to_logits: TokensToLogits, carry: SpeculativeState,
         state = carry.decode
         logits_B1V, cache = tokens_to_logits(state.last_tokens[:, None], state.cache,
                                              running_B.astype(jnp.int32))
-        token_B = sample(logits_B1V[:, 0], choose_keys_B, sampling)
+        rows = state.constraints
+        states_B1 = None if rows is None else rows.state[:, None]
+        token_B = sample(logits_B1V[:, 0] if rows is None
+                         else rows.mask_each(logits_B1V, states_B1)[:, 0], choose_keys_B, sampling)
         zeros_B = jnp.zeros_like(running_B, jnp.int32)
         new_state, _ = advance(state.replace(cache=cache), state.cache.lengths, logits_B1V,
                                token_B[:, None], zeros_B, stops)
+        if rows is not None:
+            new_state = new_state.replace(
+                constraints=rows.after(states_B1, token_B[:, None], zeros_B, running_B))
         carry, _ = finish(carry, new_state, zeros_B, zeros_B)
         return carry.replace(pacing=carry.pacing.after_plain())
 

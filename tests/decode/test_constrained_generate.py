@@ -154,8 +154,6 @@ def test_misused_constraints_are_named(lm):
         (dict(eos_ids=()), "not among eos_ids"),
         (dict(eos_ids=tok.stop_ids, constraint=[automaton, None]), "2 entries for 1 prompts"),
         (dict(eos_ids=tok.stop_ids, constraint=["a+"]), "must be a TokenAutomaton"),
-        (dict(eos_ids=tok.stop_ids,
-              speculative=decode.Speculative(num_draft_tokens=2)), "speculative"),
     ]
     for kwargs, message in cases:
         kwargs = {"constraint": automaton, **kwargs}
@@ -184,3 +182,77 @@ def test_sample_text_and_the_command_line_keep_to_a_constraint(lm, capsys, tmp_p
     code, out, err = run_cli(capsys, "sample", "--checkpoint", CHECKPOINT, "--prompt", "x",
                              "--json-schema", '{"type": "integer", "maximum": 3}')
     assert code == 2 and out == "" and "'maximum'" in err
+
+
+def all_paths(automaton, state=None, prefix=()):
+    """Every token sequence a finite automaton accepts, each ending with its end id."""
+    state = automaton.initial if state is None else state
+    paths = []
+    for token in automaton.allowed(state):
+        token = int(token)
+        if token == automaton.end_id:
+            paths.append(prefix + (token,))
+        else:
+            paths += all_paths(automaton, automaton.next_state(state, token), prefix + (token,))
+    return paths
+
+
+def test_beam_search_under_a_choice_finds_the_best_scoring_path(lm):
+    tok = lm.tokenizer
+    automaton = decode.compile_constraint(decode.Choice(["for", "while", "with"]), tok)
+    paths = all_paths(automaton)
+    words = prompt(lm, "A loop")
+    width = 1 << (len(paths) - 1).bit_length()  # every path stays a beam: the search is exact
+
+    def score(path):  # teacher-forced, as beam search sums and penalises it
+        padded = np.zeros((1, 128), np.int32)
+        padded[0, :len(words) + len(path)] = words + list(path)
+        logits = np.asarray(run_full(lm.net.config, lm.params, jnp.asarray(padded)))[0]
+        logprobs = jax.nn.log_softmax(logits[len(words) - 1:len(words) + len(path) - 1])
+        return float(sum(logprobs[i, t] for i, t in enumerate(path))) / len(path) ** 0.5
+
+    best = max(paths, key=score)
+    out = decode.beam_search(lm.net, lm.params, [words], max_new_tokens=8, num_beams=width,
+                             length_penalty=0.5, eos_ids=tok.stop_ids, constraint=automaton)
+    assert out.token_lists()[0] == list(best)
+    np.testing.assert_allclose(out.scores[0], score(best), rtol=1e-4)
+    greedy = decode.generate(lm.net, lm.params, [words], max_new_tokens=8,
+                             eos_ids=tok.stop_ids, constraint=automaton)
+    one = decode.beam_search(lm.net, lm.params, [words], max_new_tokens=8, num_beams=1,
+                             eos_ids=tok.stop_ids, constraint=automaton)
+    assert one.token_lists() == greedy.token_lists()
+
+
+def test_speculative_decoding_under_a_constraint_keeps_to_it(lm):
+    """Greedy rows emit exactly the plain constrained loop's tokens, whatever the drafts
+    (prompt lookup drafts from a prompt that repeats the JSON; the draft model, the target's
+    first layer, drafts freely and has its disallowed drafts rejected); sampled rows stay
+    inside the language."""
+    from kvjax.decode import draft_model
+
+    tok = lm.tokenizer
+    automaton = decode.compile_constraint(decode.JsonSchema(PERSON), tok)
+    words = [prompt(lm, 'x = {"name": "a", "kind": "list", "sizes": [1]} y = '),
+             prompt(lm, "The list type"), prompt(lm, "import json")]
+    constraint = [automaton, automaton, None]
+    kwargs = dict(max_new_tokens=48, eos_ids=tok.stop_ids, constraint=constraint)
+    plain = decode.generate(lm.net, lm.params, words, **kwargs)
+    draft_net, draft_params = draft_model.first_layers(lm.net.config, lm.params, 1)
+    for speculative in (decode.Speculative(num_draft_tokens=4, min_tokens_per_call=0),
+                        decode.Speculative("draft", 3, draft_model=draft_net,
+                                           draft_params=draft_params, min_tokens_per_call=0)):
+        out = decode.generate(lm.net, lm.params, words, speculative=speculative, **kwargs)
+        assert out.token_lists() == plain.token_lists(), speculative.method
+        assert out.speculation.accepted.sum() > 0
+    sampled = decode.generate(lm.net, lm.params, words[:2], max_new_tokens=96,
+                              eos_ids=tok.stop_ids, constraint=automaton, num_samples=3,
+                              sampling=decode.Sampling(temperature=1.0),
+                              rng=jax.random.key(3),
+                              speculative=decode.Speculative(num_draft_tokens=4,
+                                                             min_tokens_per_call=0))
+    ended = 0
+    for row, reason in zip(sampled.token_lists(), sampled.stop_reasons(), strict=True):
+        if reason == "eos":
+            jsonschema.validate(json.loads(tok.decode(row)), PERSON)
+            ended += 1
+    assert ended >= 4  # of 6
