@@ -6,7 +6,7 @@ finished pool (scored with a length penalty) and keeps the W best others alive; 
 rows are then reordered by the beam each survivor came from. Under a constraint
 (`automaton.py`) each beam carries its automaton state: only the tokens it allows are
 candidates, and a survivor moves on from the state of the beam it came from. Shapes: B
-batch, W beams, O token buffer, V vocab, Y tokens a state allows.
+batch, W beams, O token buffer, V vocab.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from kvjax import model as M
 from kvjax import parallel
 
-from .automaton import Allowed, RowConstraints
+from .automaton import RowConstraints
 from .loop import StopConditions, StopReason
 from .tracing import count_trace
 
@@ -86,10 +86,8 @@ def beam_step(state: BeamState, logprobs_BWV: jax.Array, stops: StopConditions,
     """Extends the beams by one token; returns the new state and the cache rows to gather."""
     batch, width, vocab = logprobs_BWV.shape
     if state.constraints is not None:
-        allowed = state.constraints.allowed()
         logprobs_BWV = jnp.maximum(state.constraints.mask(
-            logprobs_BWV.reshape(batch * width, vocab), allowed), NEG_INF).reshape(
-                batch, width, vocab)
+            logprobs_BWV.reshape(batch * width, vocab)), NEG_INF).reshape(batch, width, vocab)
     candidates = (state.alive_logprob[..., None] + logprobs_BWV).reshape(batch, width * vocab)
     cand_logprob, flat = jax.lax.top_k(candidates, 2 * width)  # [B, 2W]
     origin, token = flat // vocab, flat % vocab
@@ -104,8 +102,9 @@ def beam_step(state: BeamState, logprobs_BWV: jax.Array, stops: StopConditions,
     is_eos = jnp.any(token[..., None] == stops.eos_ids, axis=-1) & (cand_logprob > NEG_INF / 2)
     length = state.step + 1
     constraints = state.constraints
-    if constraints is not None:
-        cand_state = _moved(constraints, allowed, origin, token)
+    if constraints is not None:  # each candidate moves on from its origin beam's state
+        cand_state = constraints.next_state(
+            jnp.take_along_axis(constraints.state.reshape(batch, width), origin, axis=1), token)
 
     alive_logprob, (alive_tokens, alive_token_logprobs, alive_origin, *alive_state) = _top(
         jnp.where(is_eos, NEG_INF, cand_logprob), width, cand_tokens, cand_token_logprobs,
@@ -125,26 +124,6 @@ def beam_step(state: BeamState, logprobs_BWV: jax.Array, stops: StopConditions,
         finished_token_logprobs=finished_token_logprobs, finished_lengths=finished_lengths,
         finished_score=finished_score, constraints=constraints)
     return new_state, rows
-
-
-def _moved(constraints: RowConstraints, allowed: Allowed, origin_B2W, token_B2W):
-    """[B, 2W] the automaton state of each candidate: its origin beam's state moved along
-    its token (kept where the token is not allowed: such a candidate is never kept alive,
-    its score being NEG_INF)."""
-    batch, width = origin_B2W.shape[0], constraints.state.shape[0] // origin_B2W.shape[0]
-
-    def per_candidate(a_BWY):  # each candidate's origin beam's entries
-        return jnp.take_along_axis(a_BWY.reshape(batch, width, -1), origin_B2W[..., None],
-                                   axis=1)
-
-    state_B2W = jnp.take_along_axis(constraints.state.reshape(batch, width), origin_B2W,
-                                    axis=1)
-    match_B2WY = per_candidate(allowed.real_BY) & (
-        per_candidate(allowed.tokens_BY) == token_B2W[..., None])
-    place_B2W = jnp.take_along_axis(per_candidate(allowed.place_BY),
-                                    jnp.argmax(match_B2WY, axis=-1)[..., None], axis=-1)[..., 0]
-    moves_B2W = (state_B2W >= 0) & jnp.any(match_B2WY, axis=-1)
-    return jnp.where(moves_B2W, constraints.next_states[place_B2W], state_B2W)
 
 
 def is_settled(state: BeamState, max_new_tokens, length_penalty) -> jax.Array:

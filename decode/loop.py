@@ -87,8 +87,7 @@ def record(state: DecodeState, logits_BV: jax.Array, stops: StopConditions,
     processed_BV = apply_processors(logits_BV, ProcessorState(
         state.context, state.context_lengths, state.step, sampling), processors, plan)
     if state.constraints is not None:
-        allowed = state.constraints.allowed()
-        processed_BV = state.constraints.mask(processed_BV, allowed)
+        processed_BV = state.constraints.mask(processed_BV)
     token_B = sample(processed_BV, token_keys(state.keys, state.step), sampling,
                      plan.sampled)
     logprob_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BV.astype(jnp.float32)),
@@ -108,7 +107,7 @@ def record(state: DecodeState, logits_BV: jax.Array, stops: StopConditions,
             running_B, state.context_lengths, state.context.shape[1]), token_B),
         context_lengths=state.context_lengths + running_B,
         constraints=None if state.constraints is None else
-        state.constraints.advance(token_B, running_B, allowed),
+        state.constraints.advance(token_B, running_B),
     )
 
 

@@ -9,9 +9,9 @@ go, so the tables are kept by the host (`TableKeeper`): an automaton already pla
 reused by every request that asks for it; a new one is appended while it fits; when it does
 not, the automata no sample follows any longer are dropped and the rest moved together (the
 rows' states moved with them), in tables grown to the next power of two if they need more.
-Sizes and the widest state's width are powers of two, so the engine's programs compile
-again only when the tables grow. An engine whose requests never asked for a constraint
-holds no tables, and its programs carry no masking at all.
+Sizes are powers of two (the search's steps follow the widest state, rounded up alike), so
+the engine's programs compile again only when the tables grow. An engine whose requests
+never asked for a constraint holds no tables, and its programs carry no masking at all.
 """
 
 from __future__ import annotations
@@ -24,25 +24,33 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.decode.automaton import UNCONSTRAINED, RowConstraints, power_of_two
+from kvjax.decode.automaton import (
+    UNCONSTRAINED,
+    RowConstraints,
+    allowed_bits,
+    power_of_two,
+    search_steps,
+    words_for,
+)
 from kvjax.decode.constraints import TokenAutomaton
 
 
 @flax.struct.dataclass
 class ConstraintTables:
-    """starts, counts: int32 per state; tokens, next_states: int32 per transition (see
-    `decode.TokenAutomaton`); width: the most tokens a state allows, rounded up (static)."""
+    """The tables of `decode.automaton.RowConstraints`, without the rows' states."""
 
     starts: jax.Array
     counts: jax.Array
     tokens: jax.Array
     next_states: jax.Array
-    width: int = flax.struct.field(pytree_node=False)
+    allowed_bits: jax.Array
+    search_steps: int = flax.struct.field(pytree_node=False)
 
     def for_rows(self, state_B: jax.Array) -> RowConstraints:
         """The rows' constraints, each row in state `state_B` [B]."""
         return RowConstraints(state_B, self.starts, self.counts, self.tokens,
-                              self.next_states, width=self.width)
+                              self.next_states, self.allowed_bits,
+                              search_steps=self.search_steps)
 
 
 class TableKeeper:
@@ -52,7 +60,7 @@ class TableKeeper:
         self._placed: dict[int, tuple[TokenAutomaton, int, int]] = {}  # id: (a, state, edge)
         self._states = self._edges = 0  # used
         self._host: dict[str, np.ndarray] | None = None
-        self._width = 0
+        self._steps = self._words = 0
 
     def place(self, automaton: TokenAutomaton, in_use: Iterable[TokenAutomaton], state):
         """`state` (an `slots.EngineState`) with `automaton` in its tables. When it does not
@@ -60,8 +68,10 @@ class TableKeeper:
         are dropped and the others moved, every row's state with them."""
         if id(automaton) in self._placed:
             return state
-        width = max(self._width, power_of_two(int(automaton.counts.max(initial=1)), 8))
-        if self._host is not None and self._fits([automaton]) and width == self._width:
+        steps = max(self._steps, search_steps(int(automaton.counts.max(initial=1))))
+        words = max(self._words, words_for(automaton.vocab_size))
+        if (self._host is not None and self._fits([automaton]) and steps == self._steps
+                and words == self._words):
             self._append(automaton)
             return state.replace(tables=self._upload())
         keep = {id(a): a for a in in_use if id(a) in self._placed}
@@ -78,8 +88,10 @@ class TableKeeper:
         self._host = {"starts": np.zeros(size_states, np.int32),
                       "counts": np.zeros(size_states, np.int32),
                       "tokens": np.zeros(size_edges, np.int32),
-                      "next_states": np.zeros(size_edges, np.int32)}
-        self._placed, self._states, self._edges, self._width = {}, 0, 0, width
+                      "next_states": np.zeros(size_edges, np.int32),
+                      "allowed_bits": np.zeros((size_states, words), np.uint32)}
+        self._placed, self._states, self._edges = {}, 0, 0
+        self._steps, self._words = steps, words
         for one in kept:
             self._append(one)
         moved = np.full(old_states, UNCONSTRAINED, np.int32)
@@ -100,6 +112,8 @@ class TableKeeper:
         host["counts"][s:s + automaton.num_states] = automaton.counts
         host["tokens"][e:e + automaton.tokens.size] = automaton.tokens
         host["next_states"][e:e + automaton.tokens.size] = automaton.next_states + s
+        host["allowed_bits"][s:s + automaton.num_states] = allowed_bits(automaton,
+                                                                        self._words)
         self._placed[id(automaton)] = (automaton, s, e)
         self._states += automaton.num_states
         self._edges += automaton.tokens.size
@@ -110,7 +124,7 @@ class TableKeeper:
 
     def _upload(self) -> ConstraintTables:
         return ConstraintTables(**{k: jnp.asarray(v) for k, v in self._host.items()},
-                                width=self._width)
+                                search_steps=self._steps)
 
 
 @functools.partial(jax.jit, donate_argnums=0)

@@ -196,12 +196,11 @@ def choose(logits_BV, context_BC, context_lengths_B, sampling: SamplingParams, k
     processed_BV = apply_processors(logits_BV, ProcessorState(
         context_BC, context_lengths_B, jnp.zeros((), jnp.int32), sampling))
     if constraints is not None:
-        allowed = constraints.allowed()
-        processed_BV = constraints.mask(processed_BV, allowed)
+        processed_BV = constraints.mask(processed_BV)
     token_B = sample(processed_BV, token_keys(jax.random.wrap_key_data(keys_B2), positions_B),
                      sampling)
     constraint_state_B = None if constraints is None else (
-        constraints.advance(token_B, live_B, allowed).state)
+        constraints.advance(token_B, live_B).state)
     logprobs_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32))
     logprob_B = jnp.take_along_axis(logprobs_BV, token_B[:, None], axis=-1)[:, 0]
     width = min(MAX_TOP_LOGPROBS, logits_BV.shape[-1])
