@@ -5,18 +5,23 @@ Every distinct automaton of a batch goes into one set of tables, its states numb
 the previous one's; a row holds its state in those tables, or -1 without a constraint. A
 step masks the logits of each constrained row to the tokens its state allows and then
 moves the row along the token it took, with no host round trip:
-  - the mask reads the state's row of `allowed_bits` (one bit per token, V/32 words) and
-    spreads it over the vocabulary with shifts: no scatter, and no states x vocabulary
-    table of booleans;
+  - a state's allowed tokens are a row of bits, V/32 words, which the mask spreads over
+    the vocabulary with shifts, no scatter. States that allow the same tokens share a row,
+    and the rows are kept only while they take no more memory than the transitions: no
+    states x vocabulary table. Past that, only wide states (at least V/32 tokens, such as
+    the inside of a JSON string, whose row is smaller than its transitions) keep theirs;
+  - the other (narrow) states' few tokens are read from their transitions and scattered;
   - the move finds the token among the state's transitions (sorted by token) by binary
     search: a few scalar reads per row, however many tokens the state allows.
 Table sizes are rounded up to powers of two, so another constraint of similar size
 compiles nothing new. Shape letters: B batch, V vocab, Y words of 32 tokens' bits (V/32,
-rounded up), T positions of a verifying call; the tables are over states or transitions.
+rounded up), Z tokens a narrow state allows (bucketed), T positions of a verifying call;
+the tables are over states, transitions or rows of bits.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import flax.struct
@@ -32,30 +37,44 @@ BITS = 32  # tokens per word of `allowed_bits`
 
 @flax.struct.dataclass
 class RowConstraints:
-    """state: [B] int32 each row's state (-1: unconstrained); starts, counts: int32 per
-    state; tokens, next_states: int32 per transition, each state's sorted by token (see
-    `TokenAutomaton`); allowed_bits: [states, Y] uint32, bit v % 32 of word v // 32 set
-    where the state allows token v; search_steps: the binary search's steps, enough for
-    the state with the most transitions (static)."""
+    """state: [B] int32 each row's state (-1: unconstrained); starts, counts, bit_row: int32
+    per state; tokens, next_states: int32 per transition, each state's sorted by token (see
+    `TokenAutomaton`); bits: [rows, Y] uint32, bit v % 32 of word v // 32 set where the
+    states of row `bit_row[s]` allow token v (-1: a narrow state); static: narrow_width,
+    the most tokens a narrow state allows, rounded up (0: none); search_steps, the binary
+    search's steps, enough for the state with the most transitions."""
 
     state: jax.Array
     starts: jax.Array
     counts: jax.Array
     tokens: jax.Array
     next_states: jax.Array
-    allowed_bits: jax.Array
+    bit_row: jax.Array
+    bits: jax.Array
+    narrow_width: int = flax.struct.field(pytree_node=False)
     search_steps: int = flax.struct.field(pytree_node=False)
 
     def mask(self, logits_BV: jax.Array) -> jax.Array:
         """-inf on every token a constrained row's state does not allow."""
         batch, vocab = logits_BV.shape
-        words_BY = self.allowed_bits[jnp.maximum(self.state, 0)]
+        state_B = jnp.maximum(self.state, 0)
+        row_B = self.bit_row[state_B]
+        words_BY = self.bits[jnp.maximum(row_B, 0)]
         shifts = jnp.arange(BITS, dtype=jnp.uint32)
-        bits_BV = ((words_BY[:, :, None] >> shifts) & 1).reshape(batch, -1)
+        bits_BV = ((words_BY[:, :, None] >> shifts) & 1).reshape(batch, -1) == 1
         if bits_BV.shape[1] < vocab:  # ids past the automaton's vocabulary: never allowed
             bits_BV = jnp.pad(bits_BV, ((0, 0), (0, vocab - bits_BV.shape[1])))
-        banned_BV = (self.state >= 0)[:, None] & (bits_BV[:, :vocab] == 0)
-        return jnp.where(banned_BV, -jnp.inf, logits_BV)
+        allowed_BV = bits_BV[:, :vocab]
+        if self.narrow_width:  # some states are masked from their transitions
+            slot_Z = jnp.arange(self.narrow_width)
+            place_BZ = jnp.minimum(self.starts[state_B][:, None] + slot_Z,
+                                   self.tokens.shape[0] - 1)
+            real_BZ = (slot_Z < self.counts[state_B][:, None]) & (row_B < 0)[:, None]
+            narrow_BV = jnp.zeros((batch, vocab), bool).at[
+                jnp.arange(batch)[:, None], jnp.where(real_BZ, self.tokens[place_BZ], vocab)
+            ].set(True, mode="drop")
+            allowed_BV = jnp.where((row_B >= 0)[:, None], allowed_BV, narrow_BV)
+        return jnp.where((self.state >= 0)[:, None] & ~allowed_BV, -jnp.inf, logits_BV)
 
     def next_state(self, state_N: jax.Array, token_N: jax.Array) -> jax.Array:
         """[N] the state after `token_N` from `state_N` (any shape N); unchanged where the
@@ -116,17 +135,85 @@ def search_steps(max_count: int) -> int:
     return power_of_two(max(max_count, 1) + 1, 2).bit_length()
 
 
-def allowed_bits(automaton: TokenAutomaton, words: int) -> np.ndarray:
-    """[states, words] uint32: bit v % 32 of word v // 32 set where a state allows token v."""
-    rows = np.repeat(np.arange(automaton.num_states), automaton.counts)
-    bits = np.zeros((automaton.num_states, words * BITS), bool)
-    bits[rows, automaton.tokens] = True
-    return np.packbits(bits.reshape(automaton.num_states, words, BITS), axis=-1,
-                       bitorder="little").view(np.uint32).reshape(automaton.num_states, words)
+def wide_bits(automaton: TokenAutomaton, words: int) -> tuple[np.ndarray, np.ndarray]:
+    """(bit_row [states] int32, bits [rows, words] uint32) of `automaton`: its states'
+    allowed tokens as bits (bit v % 32 of word v // 32), one row per distinct set of
+    tokens. Every state gets a row while the rows take no more memory than the transitions
+    (states share few distinct sets: a JSON Schema's hundreds of states, a few dozen);
+    otherwise only the wide states (at least `words` tokens) do, and the others (row -1)
+    are masked from their transitions."""
+    keys = [automaton.allowed(state).tobytes() for state in range(automaton.num_states)]
+    every = len(set(keys)) * words <= max(automaton.tokens.size, 16 * words)
+    bit_row = np.full(automaton.num_states, -1, np.int32)
+    row_of: dict[bytes, int] = {}
+    for state, key in enumerate(keys):
+        if every or automaton.counts[state] >= words:
+            bit_row[state] = row_of.setdefault(key, len(row_of))
+    flags = np.zeros((len(row_of), words * BITS), bool)
+    for key, row in row_of.items():
+        flags[row, np.frombuffer(key, np.int32)] = True
+    packed = np.packbits(flags.reshape(len(row_of), words, BITS), axis=-1, bitorder="little")
+    return bit_row, np.ascontiguousarray(packed).view("<u4").reshape(
+        len(row_of), words).astype(np.uint32)
 
 
 def words_for(vocab_size: int) -> int:
     return -(-vocab_size // BITS)
+
+
+def narrow_width(automaton: TokenAutomaton, words: int) -> int:
+    """The most tokens a state of `automaton` without a row of bits allows, rounded up (0:
+    every state has one)."""
+    narrow = automaton.counts[_wide_bits_cached(automaton, words)[0] < 0]
+    return power_of_two(int(narrow.max()), 8) if narrow.size else 0
+
+
+def table_sizes(automata: Sequence[TokenAutomaton], words: int) -> tuple[int, int, int]:
+    """(states, transitions, rows of bits) that `automata` take in one set of tables."""
+    return (sum(a.num_states for a in automata), sum(a.tokens.size for a in automata),
+            sum(len(_wide_bits_cached(a, words)[1]) for a in automata))
+
+
+def build_tables(automata: Sequence[TokenAutomaton], least: tuple[int, int, int] = (16, 16, 1)
+                 ) -> tuple[RowConstraints, list[int]]:
+    """(tables holding `automata` one after another, with no rows yet; the first state of
+    each), every size a power of two and at least `least` (states, transitions, rows)."""
+    words = max(words_for(a.vocab_size) for a in automata)
+    states, edges, rows = (power_of_two(n, floor) for n, floor in zip(
+        table_sizes(automata, words), least, strict=True))
+    starts = np.zeros(states, np.int32)
+    counts = np.zeros_like(starts)
+    bit_row = np.full_like(starts, -1)
+    tokens = np.zeros(edges, np.int32)
+    next_states = np.zeros_like(tokens)
+    bits = np.zeros((rows, words), np.uint32)
+    firsts, s, e, r = [], 0, 0, 0
+    for automaton in automata:
+        firsts.append(s)
+        own_rows, own_bits = _wide_bits_cached(automaton, words)
+        starts[s:s + automaton.num_states] = automaton.starts + e
+        counts[s:s + automaton.num_states] = automaton.counts
+        bit_row[s:s + automaton.num_states] = np.where(own_rows >= 0, own_rows + r, -1)
+        bits[r:r + len(own_bits)] = own_bits
+        tokens[e:e + automaton.tokens.size] = automaton.tokens
+        next_states[e:e + automaton.tokens.size] = automaton.next_states + s
+        s, e, r = s + automaton.num_states, e + automaton.tokens.size, r + len(own_bits)
+    tables = RowConstraints(
+        jnp.zeros((0,), jnp.int32), jnp.asarray(starts), jnp.asarray(counts),
+        jnp.asarray(tokens), jnp.asarray(next_states), jnp.asarray(bit_row), jnp.asarray(bits),
+        narrow_width=max(narrow_width(a, words) for a in automata),
+        search_steps=search_steps(int(counts.max())))
+    return tables, firsts
+
+
+_wide_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _wide_bits_cached(automaton: TokenAutomaton, words: int):
+    per_words = _wide_cache.setdefault(automaton, {})
+    if words not in per_words:
+        per_words[words] = wide_bits(automaton, words)
+    return per_words[words]
 
 
 def for_rows(automata: Sequence[TokenAutomaton | None]) -> RowConstraints | None:
@@ -138,26 +225,8 @@ def for_rows(automata: Sequence[TokenAutomaton | None]) -> RowConstraints | None
             distinct.setdefault(id(automaton), automaton)
     if not distinct:
         return None
-    first_state, first_edge, states, edges = {}, {}, 0, 0
-    for key, automaton in distinct.items():
-        first_state[key], first_edge[key] = states, edges
-        states += automaton.num_states
-        edges += automaton.tokens.size
-    words = max(words_for(a.vocab_size) for a in distinct.values())
-    starts = np.zeros(power_of_two(states, 16), np.int32)
-    counts = np.zeros_like(starts)
-    bits = np.zeros((starts.size, words), np.uint32)
-    tokens = np.zeros(power_of_two(edges, 16), np.int32)
-    next_states = np.zeros_like(tokens)
-    for key, automaton in distinct.items():
-        s, e = first_state[key], first_edge[key]
-        starts[s:s + automaton.num_states] = automaton.starts + e
-        counts[s:s + automaton.num_states] = automaton.counts
-        bits[s:s + automaton.num_states] = allowed_bits(automaton, words)
-        tokens[e:e + automaton.tokens.size] = automaton.tokens
-        next_states[e:e + automaton.tokens.size] = automaton.next_states + s
-    state = np.array([UNCONSTRAINED if a is None else first_state[id(a)] + a.initial
+    tables, firsts = build_tables(list(distinct.values()))
+    first = dict(zip(distinct, firsts, strict=True))
+    state = np.array([UNCONSTRAINED if a is None else first[id(a)] + a.initial
                       for a in automata], np.int32)
-    return RowConstraints(jnp.asarray(state), jnp.asarray(starts), jnp.asarray(counts),
-                          jnp.asarray(tokens), jnp.asarray(next_states), jnp.asarray(bits),
-                          search_steps=search_steps(int(counts.max())))
+    return tables.replace(state=jnp.asarray(state))

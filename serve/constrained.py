@@ -27,9 +27,8 @@ import numpy as np
 from kvjax.decode.automaton import (
     UNCONSTRAINED,
     RowConstraints,
-    allowed_bits,
-    power_of_two,
-    search_steps,
+    build_tables,
+    table_sizes,
     words_for,
 )
 from kvjax.decode.constraints import TokenAutomaton
@@ -37,94 +36,58 @@ from kvjax.decode.constraints import TokenAutomaton
 
 @flax.struct.dataclass
 class ConstraintTables:
-    """The tables of `decode.automaton.RowConstraints`, without the rows' states."""
+    """The tables of `decode.automaton.RowConstraints`, kept without rows: `for_rows`
+    gives them the rows' states."""
 
-    starts: jax.Array
-    counts: jax.Array
-    tokens: jax.Array
-    next_states: jax.Array
-    allowed_bits: jax.Array
-    search_steps: int = flax.struct.field(pytree_node=False)
+    rows: RowConstraints
 
     def for_rows(self, state_B: jax.Array) -> RowConstraints:
         """The rows' constraints, each row in state `state_B` [B]."""
-        return RowConstraints(state_B, self.starts, self.counts, self.tokens,
-                              self.next_states, self.allowed_bits,
-                              search_steps=self.search_steps)
+        return self.rows.replace(state=state_B)
 
 
 class TableKeeper:
-    """Places automata in the engine's tables (host side; the device holds a copy)."""
+    """Places automata in the engine's tables (host side; the device holds the tables)."""
 
     def __init__(self):
-        self._placed: dict[int, tuple[TokenAutomaton, int, int]] = {}  # id: (a, state, edge)
-        self._states = self._edges = 0  # used
-        self._host: dict[str, np.ndarray] | None = None
-        self._steps = self._words = 0
+        self._order: list[TokenAutomaton] = []  # as they lie in the tables
+        self._first: dict[int, int] = {}  # id: its first state
+        self._sizes: tuple[int, int, int] | None = None  # states, transitions, rows
 
     def place(self, automaton: TokenAutomaton, in_use: Iterable[TokenAutomaton], state):
         """`state` (an `slots.EngineState`) with `automaton` in its tables. When it does not
         fit, the automata not in `in_use` (those some sample staged or in a slot follows)
         are dropped and the others moved, every row's state with them."""
-        if id(automaton) in self._placed:
+        if id(automaton) in self._first:
             return state
-        steps = max(self._steps, search_steps(int(automaton.counts.max(initial=1))))
-        words = max(self._words, words_for(automaton.vocab_size))
-        if (self._host is not None and self._fits([automaton]) and steps == self._steps
-                and words == self._words):
-            self._append(automaton)
-            return state.replace(tables=self._upload())
-        keep = {id(a): a for a in in_use if id(a) in self._placed}
-        kept = list(keep.values()) + [automaton]
-        old = dict(self._placed)
-        old_states = 16 if self._host is None else self._host["starts"].size
-        states = sum(a.num_states for a in kept)
-        edges = sum(a.tokens.size for a in kept)
-        size_states = power_of_two(states, 16)
-        size_edges = power_of_two(edges, 16)
-        if self._host is not None:  # never shrink: the programs keep their shapes
-            size_states = max(size_states, self._host["starts"].size)
-            size_edges = max(size_edges, self._host["tokens"].size)
-        self._host = {"starts": np.zeros(size_states, np.int32),
-                      "counts": np.zeros(size_states, np.int32),
-                      "tokens": np.zeros(size_edges, np.int32),
-                      "next_states": np.zeros(size_edges, np.int32),
-                      "allowed_bits": np.zeros((size_states, words), np.uint32)}
-        self._placed, self._states, self._edges = {}, 0, 0
-        self._steps, self._words = steps, words
-        for one in kept:
-            self._append(one)
+        order = self._order + [automaton]
+        if self._sizes is not None and not self._fits(order):
+            using = {id(a) for a in in_use}
+            order = [a for a in self._order if id(a) in using] + [automaton]
+        tables, firsts = build_tables(order, self._sizes or (16, 16, 1))
+        old_first, old_order = self._first, self._order
+        old_states = 16 if self._sizes is None else self._sizes[0]
+        self._order, self._first = order, {id(a): f for a, f in zip(order, firsts, strict=True)}
+        self._sizes = (tables.starts.size, tables.tokens.size, tables.bits.shape[0])
+        state = state.replace(tables=ConstraintTables(tables))
+        if all(self._first.get(id(a)) == old_first[id(a)] for a in old_order):
+            return state  # nothing moved
         moved = np.full(old_states, UNCONSTRAINED, np.int32)
-        for key, (one, first, _) in old.items():
-            if key in self._placed:
-                moved[first:first + one.num_states] = (
-                    np.arange(one.num_states) + self._placed[key][1])
-        return _move_rows(state.replace(tables=self._upload()), moved)
+        for one in old_order:
+            if id(one) in self._first:
+                first = old_first[id(one)]
+                moved[first:first + one.num_states] = (np.arange(one.num_states)
+                                                       + self._first[id(one)])
+        return _move_rows(state, moved)
 
-    def _fits(self, automata: list[TokenAutomaton]) -> bool:
-        return (self._states + sum(a.num_states for a in automata) <= self._host["starts"].size
-                and self._edges + sum(a.tokens.size for a in automata)
-                <= self._host["tokens"].size)
-
-    def _append(self, automaton: TokenAutomaton) -> None:
-        s, e, host = self._states, self._edges, self._host
-        host["starts"][s:s + automaton.num_states] = automaton.starts + e
-        host["counts"][s:s + automaton.num_states] = automaton.counts
-        host["tokens"][e:e + automaton.tokens.size] = automaton.tokens
-        host["next_states"][e:e + automaton.tokens.size] = automaton.next_states + s
-        host["allowed_bits"][s:s + automaton.num_states] = allowed_bits(automaton,
-                                                                        self._words)
-        self._placed[id(automaton)] = (automaton, s, e)
-        self._states += automaton.num_states
-        self._edges += automaton.tokens.size
+    def _fits(self, order: list[TokenAutomaton]) -> bool:
+        words = max(words_for(a.vocab_size) for a in order)
+        return all(need <= have for need, have in zip(table_sizes(order, words), self._sizes,
+                                                      strict=True))
 
     def initial_state(self, automaton: TokenAutomaton) -> int:
         """Where `automaton` (placed) starts in the tables."""
-        return self._placed[id(automaton)][1] + automaton.initial
-
-    def _upload(self) -> ConstraintTables:
-        return ConstraintTables(**{k: jnp.asarray(v) for k, v in self._host.items()},
-                                search_steps=self._steps)
+        return self._first[id(automaton)] + automaton.initial
 
 
 @functools.partial(jax.jit, donate_argnums=0)

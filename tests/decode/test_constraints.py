@@ -150,15 +150,19 @@ def test_the_traced_tables_mask_and_move_rows_as_the_automata_do(tokenizer):
 
     from kvjax.decode import automaton as A
 
+    words = [f"{w}_{n}" for n, w in enumerate(("alpha beta gamma delta epsilon zeta eta "
+                                               "theta iota kappa lambda sigma").split())]
     automata = [decode.compile_constraint(c, tokenizer) for c in (
-        decode.Regex("[0-9]{2,5}"), decode.Choice(["for", "while"]),
+        decode.Regex("[0-9]{2,5}"), decode.Choice(words),  # many distinct, narrow states
         decode.JsonSchema({"type": "object", "properties": {"a": {"type": "string"}}}))]
     rows = A.for_rows([automata[0], None, automata[1], automata[2], automata[0]])
+    bit_row = np.asarray(rows.bit_row)[:sum(a.num_states for a in automata)]
+    assert rows.narrow_width > 0 and (bit_row < 0).any() and (bit_row >= 0).any()
     first = {id(a): int(rows.state[i]) - a.initial for i, a in zip(
         (0, 2, 3), automata, strict=True)}
     rng = np.random.default_rng(0)
     vocab = tokenizer.vocab_size + 40  # a model's padded vocabulary: the rest never allowed
-    for _ in range(6):
+    for _ in range(12):
         chosen = [None if i == 1 else automata[rng.integers(3)] for i in range(5)]
         local = [None if a is None else int(rng.integers(a.num_states)) for a in chosen]
         state = np.array([-1 if a is None else first[id(a)] + s
