@@ -81,14 +81,18 @@ class RowConstraints:
         state is -1 or does not allow the token."""
         safe_N = jnp.maximum(state_N, 0)
         low_N, end_N = self.starts[safe_N], self.starts[safe_N] + self.counts[safe_N]
-        high_N = end_N
         last = self.tokens.shape[0] - 1
-        for _ in range(self.search_steps):  # the first place whose token is not below
+
+        def halve(_, bounds):  # towards the first place whose token is not below
+            low_N, high_N = bounds
             middle_N = (low_N + high_N) // 2
             below_N = self.tokens[jnp.minimum(middle_N, last)] < token_N
             searching_N = low_N < high_N
-            low_N = jnp.where(searching_N & below_N, middle_N + 1, low_N)
-            high_N = jnp.where(searching_N & ~below_N, middle_N, high_N)
+            return (jnp.where(searching_N & below_N, middle_N + 1, low_N),
+                    jnp.where(searching_N & ~below_N, middle_N, high_N))
+
+        # A fixed-count loop: unrolled, XLA's compile time grows steeply with a large table.
+        low_N, _ = jax.lax.fori_loop(0, self.search_steps, halve, (low_N, end_N))
         place_N = jnp.minimum(low_N, last)
         found_N = (state_N >= 0) & (low_N < end_N) & (self.tokens[place_N] == token_N)
         return jnp.where(found_N, self.next_states[place_N], state_N)
