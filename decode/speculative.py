@@ -309,15 +309,13 @@ def drafting_loop(tokens_to_logits: TokensToLogits, carry: SpeculativeState,
         logits_B1V, cache = tokens_to_logits(state.last_tokens[:, None], state.cache,
                                              running_B.astype(jnp.int32))
         rows = state.constraints
-        states_B1 = None if rows is None else rows.state[:, None]
-        token_B = sample(logits_B1V[:, 0] if rows is None
-                         else rows.mask_each(logits_B1V, states_B1)[:, 0], choose_keys_B, sampling)
+        token_B = sample(logits_B1V[:, 0] if rows is None else rows.mask(logits_B1V[:, 0]),
+                         choose_keys_B, sampling)
         zeros_B = jnp.zeros_like(running_B, jnp.int32)
         new_state, _ = advance(state.replace(cache=cache), state.cache.lengths, logits_B1V,
                                token_B[:, None], zeros_B, stops)
         if rows is not None:
-            new_state = new_state.replace(
-                constraints=rows.after(states_B1, token_B[:, None], zeros_B, running_B))
+            new_state = new_state.replace(constraints=rows.advance(token_B, running_B))
         carry, _ = finish(carry, new_state, zeros_B, zeros_B)
         return carry.replace(pacing=carry.pacing.after_plain())
 

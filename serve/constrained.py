@@ -2,7 +2,7 @@
 `Regex`, `Choice` compiled by `decode.compile_constraint`), kept on the device between
 programs.
 
-Every automaton in use lies in one set of tables (`ConstraintTables`), numbered after the
+Every automaton in use lies in one set of tables (`EngineState.tables`), numbered after the
 one before it, as `decode.automaton` lays out a batch's; each row of the engine holds its
 state in those tables (`SlotState.constraint_state`, -1: unconstrained). Requests come and
 go, so the tables are kept by the host (`TableKeeper`): an automaton already placed is
@@ -19,31 +19,17 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kvjax.decode.automaton import (
     UNCONSTRAINED,
-    RowConstraints,
     build_tables,
     table_sizes,
     words_for,
 )
 from kvjax.decode.constraints import TokenAutomaton
-
-
-@flax.struct.dataclass
-class ConstraintTables:
-    """The tables of `decode.automaton.RowConstraints`, kept without rows: `for_rows`
-    gives them the rows' states."""
-
-    rows: RowConstraints
-
-    def for_rows(self, state_B: jax.Array) -> RowConstraints:
-        """The rows' constraints, each row in state `state_B` [B]."""
-        return self.rows.replace(state=state_B)
 
 
 class TableKeeper:
@@ -69,7 +55,7 @@ class TableKeeper:
         old_states = 16 if self._sizes is None else self._sizes[0]
         self._order, self._first = order, {id(a): f for a, f in zip(order, firsts, strict=True)}
         self._sizes = (tables.starts.size, tables.tokens.size, tables.bits.shape[0])
-        state = state.replace(tables=ConstraintTables(tables))
+        state = state.replace(tables=tables)
         if all(self._first.get(id(a)) == old_first[id(a)] for a in old_order):
             return state  # nothing moved
         moved = np.full(old_states, UNCONSTRAINED, np.int32)

@@ -38,8 +38,6 @@ from kvjax.decode.processors import ProcessorState, apply_processors
 from kvjax.decode.sampling import SamplingParams, sample, sample_key, token_keys
 from kvjax.decode.tracing import count_trace
 
-from .constrained import ConstraintTables
-
 MAX_STOP_IDS = 8  # stop ids travel as a fixed-size row so their number never recompiles
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat; completions ask for at most 5
 # Sample ids cycle through [0, ID_SPACE): staged samples are admitted in the order of their
@@ -64,7 +62,7 @@ class SlotState:
     running:         [B] bool the slot holds a request that is still generating.
     stop_reason:     [B] int32 `StopReason` of the slot's last request.
     owner:           [B] int32 the id of the sample the row holds (`NO_SAMPLE`: none yet).
-    constraint_state: [B] int32 the row's state in the engine's `ConstraintTables`
+    constraint_state: [B] int32 the row's state in the engine's constraint tables
                      (-1: unconstrained).
     """
 
@@ -92,17 +90,18 @@ class EngineState:
     """slots: the decoding rows [B]; staged: prefilled samples [Q], each waiting for a slot
     while its `running` is set (its first token sampled, its prompt in its cache row);
     last_admitted: [] int32 the id of the sample that took a slot last; tables: the
-    automata of the constrained samples (`constrained.py`), None while no request asked for
-    one."""
+    automata of the constrained samples (`constrained.py`: `RowConstraints` whose rows are
+    given by `constraints`), None while no request asked for one."""
 
     slots: SlotState
     staged: SlotState
     last_admitted: jax.Array
-    tables: ConstraintTables | None = None
+    tables: RowConstraints | None = None
 
-    def constraints(self, rows: SlotState) -> RowConstraints | None:
-        """`rows`' constraints, None without tables."""
-        return None if self.tables is None else self.tables.for_rows(rows.constraint_state)
+    def constraints(self, state_B: jax.Array) -> RowConstraints | None:
+        """The constraints of rows in states `state_B` [B] of the tables, None without
+        tables."""
+        return None if self.tables is None else self.tables.replace(state=state_B)
 
 
 @flax.struct.dataclass
@@ -271,8 +270,7 @@ def insert(state: EngineState, prefix_cache: M.KVCache, next_logits_PV, context_
         running=rows.running | new_Q,
         stop_reason=jnp.where(new_Q, StopReason.RUNNING, rows.stop_reason),
         owner=put(rows.owner, ids_R))
-    constraints = None if state.tables is None else state.tables.for_rows(
-        settings.constraint_state)
+    constraints = state.constraints(settings.constraint_state)
     token_R, logprob_R, top_logprobs_RA, top_ids_RA, constraint_state_R = choose(
         next_logits_PV[rows_R], context_RC, context_lengths_R, settings.sampling, keys_R2,
         jnp.zeros(rows_R.shape, jnp.int32), constraints=constraints,

@@ -145,7 +145,7 @@ def test_the_keeper_reuses_appends_and_moves_rows_when_it_drops_an_automaton(lm)
     state = keeper.place(big, [b], state)
     assert keeper.initial_state(b) == b.initial  # moved to the front
     assert np.asarray(state.slots.constraint_state).tolist() == [1, -1, -1]
-    tables = state.tables.rows
+    tables = state.tables
     np.testing.assert_array_equal(
         np.asarray(tables.tokens)[tables.starts[1]:tables.starts[1] + tables.counts[1]],
         b.allowed(1))
