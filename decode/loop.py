@@ -79,33 +79,58 @@ class StopConditions:
     max_new_tokens: jax.Array
 
 
+def choose(logits_BV: jax.Array, context: ProcessorState, keys_B: jax.Array, position,
+           processors: tuple[LogitProcessor, ...] = (), plan: LoopPlan = ON_DEVICE,
+           constraints: RowConstraints | None = None) -> tuple[jax.Array, jax.Array]:
+    """(token [B], logprob [B]): each row's next token, as every decoder in kvjax picks it:
+    the built-in penalties and `processors` on the logits, then the row's constraint, then
+    greedy or a draw with the row's key folded with `position` (a scalar or [B], `sampling`).
+    The logprob is the model's, before any processor."""
+    processed_BV = apply_processors(logits_BV, context, processors, plan)
+    if constraints is not None:
+        processed_BV = constraints.mask(processed_BV)
+    token_B = sample(processed_BV, token_keys(keys_B, position), context.settings,
+                     plan.sampled)
+    logprob_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BV.astype(jnp.float32)),
+                                    token_B[:, None], axis=-1)[:, 0]
+    return token_B, logprob_B
+
+
+def take(rows, token_B: jax.Array, live_B: jax.Array, stop_ids_BE: jax.Array,
+         reached_max_B: jax.Array):
+    """(rows, token [B], ends [B]): every `live` row takes its token, which becomes its newest
+    and joins its context, and stops if it is a stop id or the row reached its budget; other
+    rows keep theirs and their token reads 0. `rows` is any state with `last_tokens`,
+    `stop_reason`, `context` and `context_lengths` ([B] / [B, C]): the decode loop's and the
+    server's slots both end rows here."""
+    token_B = jnp.where(live_B, token_B, 0)
+    stop_reason_B, ends_B = stop_reasons(live_B, token_B, stop_ids_BE, reached_max_B,
+                                         rows.stop_reason)
+    slots_B = jnp.where(live_B, rows.context_lengths, rows.context.shape[1])
+    rows = rows.replace(
+        last_tokens=jnp.where(live_B, token_B, rows.last_tokens),
+        stop_reason=stop_reason_B,
+        context=append_context(rows.context, slots_B, token_B),
+        context_lengths=rows.context_lengths + live_B)
+    return rows, token_B, ends_B
+
+
 def record(state: DecodeState, logits_BV: jax.Array, stops: StopConditions,
            sampling: SamplingParams, processors: tuple[LogitProcessor, ...] = (),
            plan: LoopPlan = ON_DEVICE, active: jax.Array | None = None) -> DecodeState:
     """Samples the next token of every running row and decides which rows stop. With
     `active` (a traced bool) False, nothing changes but slots past what is recorded."""
-    processed_BV = apply_processors(logits_BV, ProcessorState(
-        state.context, state.context_lengths, state.step, sampling), processors, plan)
-    if state.constraints is not None:
-        processed_BV = state.constraints.mask(processed_BV)
-    token_B = sample(processed_BV, token_keys(state.keys, state.step), sampling,
-                     plan.sampled)
-    logprob_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BV.astype(jnp.float32)),
-                                    token_B[:, None], axis=-1)[:, 0]
+    token_B, logprob_B = choose(
+        logits_BV, ProcessorState(state.context, state.context_lengths, state.step, sampling),
+        state.keys, state.step, processors, plan, state.constraints)
     running_B = ~state.done if active is None else ~state.done & active
-    token_B = jnp.where(running_B, token_B, 0)
-    stop_reason, _ = stop_reasons(running_B, token_B, stops.eos_ids[None, :],
-                                  state.step + 1 >= stops.max_new_tokens, state.stop_reason)
-    return state.replace(
+    after, token_B, _ = take(state, token_B, running_B, stops.eos_ids[None, :],
+                             state.step + 1 >= stops.max_new_tokens)
+    return after.replace(
         step=state.step + (1 if active is None else active.astype(jnp.int32)),
         tokens=state.tokens.at[:, state.step].set(token_B),
         lengths=state.lengths + running_B,
-        last_tokens=token_B if active is None else jnp.where(active, token_B, state.last_tokens),
         logprobs=state.logprobs.at[:, state.step].set(jnp.where(running_B, logprob_B, 0.0)),
-        stop_reason=stop_reason,
-        context=append_context(state.context, jnp.where(
-            running_B, state.context_lengths, state.context.shape[1]), token_B),
-        context_lengths=state.context_lengths + running_B,
         constraints=None if state.constraints is None else
         state.constraints.advance(token_B, running_B),
     )
@@ -116,8 +141,7 @@ def stop_reasons(running_B: jax.Array, token_B: jax.Array, stop_ids_BE: jax.Arra
                  ) -> tuple[jax.Array, jax.Array]:
     """(each row's stop reason [B], which running rows end [B]) after the running rows took
     `token`: EOS if it is one of the row's stop ids (-1 pads), MAX_NEW_TOKENS if the row
-    reached its budget; other rows keep theirs. The decode loop and the server's slots
-    (`serve/slots.py`) both end rows here."""
+    reached its budget; other rows keep theirs."""
     is_stop_B = jnp.any(token_B[:, None] == stop_ids_BE, axis=-1)
     reason_B = jnp.where(running_B & is_stop_B, StopReason.EOS,
                          jnp.where(running_B & reached_max_B, StopReason.MAX_NEW_TOKENS,

@@ -12,10 +12,11 @@ which decode, and the staged rows, samples prefilled and waiting for a slot.
 
 Both donate the state, so the cache is updated where it lies and never copied. Everything
 a slot's request chose (sampling settings, stop ids, token budget, random key) is a row of
-a traced array, so requests come and go without compiling anything. A slot samples with
-`decode`'s sampler and keys (`decode.sampling`): its tokens do not depend on which other
-requests share the batch, and equal those `generate` makes with the request's key. Every
-sample has an id (`ID_SPACE`), which the tokens it made carry back to the host.
+a traced array, so requests come and go without compiling anything. A slot picks its tokens
+and ends as `decode` does (`decode.loop.choose`, `take`), with `decode`'s keys
+(`decode.sampling`): its tokens do not depend on which other requests share the batch,
+and equal those `generate` makes with the request's key. Every sample has an id
+(`ID_SPACE`), which the tokens it made carry back to the host.
 
 Shape letters: B slots, Q staged rows, S cache slots per row (capacity), C context buffer
 (= S), E stop ids per slot, O steps per chunk, A top logprobs kept per token, R samples
@@ -32,10 +33,11 @@ import jax.numpy as jnp
 
 from kvjax import model as M
 from kvjax import parallel
+from kvjax.decode import loop as decode_loop
 from kvjax.decode.automaton import UNCONSTRAINED, RowConstraints
-from kvjax.decode.loop import StopReason, append_context, stop_reasons
-from kvjax.decode.processors import ProcessorState, apply_processors
-from kvjax.decode.sampling import SamplingParams, sample, sample_key, token_keys
+from kvjax.decode.loop import StopReason
+from kvjax.decode.processors import ProcessorState
+from kvjax.decode.sampling import SamplingParams, sample_key
 from kvjax.decode.tracing import count_trace
 
 MAX_STOP_IDS = 8  # stop ids travel as a fixed-size row so their number never recompiles
@@ -188,50 +190,37 @@ def choose(logits_BV, context_BC, context_lengths_B, sampling: SamplingParams, k
            positions_B, want_top=True, constraints: RowConstraints | None = None,
            live_B=None):
     """(token [B], logprob [B], top_logprobs [B, W], top_ids [B, W], constraint_state [B]
-    or None): each row's next token as `decode` samples it (built-in penalties, the row's
-    constraint, then greedy or top-k/p, min-p), drawn with the row's own key folded with its
-    position (`decode.sampling`), and each `live` row's constraint state after it. The top W
-    are zeros unless `want_top`."""
-    processed_BV = apply_processors(logits_BV, ProcessorState(
-        context_BC, context_lengths_B, jnp.zeros((), jnp.int32), sampling))
-    if constraints is not None:
-        processed_BV = constraints.mask(processed_BV)
-    token_B = sample(processed_BV, token_keys(jax.random.wrap_key_data(keys_B2), positions_B),
-                     sampling)
+    or None): each row's next token as `decode` picks it (`decode.loop.choose`), drawn with
+    the row's own key folded with its position, and each `live` row's constraint state after
+    it. The top W are zeros unless `want_top`."""
+    token_B, logprob_B = decode_loop.choose(
+        logits_BV, ProcessorState(context_BC, context_lengths_B, jnp.zeros((), jnp.int32),
+                                  sampling),
+        jax.random.wrap_key_data(keys_B2), positions_B, constraints=constraints)
     constraint_state_B = None if constraints is None else (
         constraints.advance(token_B, live_B).state)
-    logprobs_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32))
-    logprob_B = jnp.take_along_axis(logprobs_BV, token_B[:, None], axis=-1)[:, 0]
     width = min(MAX_TOP_LOGPROBS, logits_BV.shape[-1])
 
-    def top(logprobs_BV):
-        values_BA, ids_BA = jax.lax.top_k(logprobs_BV, width)
+    def top(logits_BV):
+        values_BA, ids_BA = jax.lax.top_k(jax.nn.log_softmax(logits_BV.astype(jnp.float32)),
+                                          width)
         return values_BA, ids_BA.astype(jnp.int32)
 
-    def nothing(logprobs_BV):
-        batch = logprobs_BV.shape[0]
+    def nothing(logits_BV):
+        batch = logits_BV.shape[0]
         return jnp.zeros((batch, width), jnp.float32), jnp.zeros((batch, width), jnp.int32)
 
-    top_logprobs_BA, top_ids_BA = jax.lax.cond(want_top, top, nothing, logprobs_BV)
+    top_logprobs_BA, top_ids_BA = jax.lax.cond(want_top, top, nothing, logits_BV)
     return token_B, logprob_B, top_logprobs_BA, top_ids_BA, constraint_state_B
 
 
 def record(state: SlotState, token_B, live_B) -> SlotState:
     """Takes the new token of every `live` row and stops those it ends, as the decode loop
-    does (`decode.loop.stop_reasons`, `append_context`)."""
-    token_B = jnp.where(live_B, token_B, 0)
+    does (`decode.loop.take`)."""
     generated_B = state.generated + live_B
-    stop_reason_B, ends_B = stop_reasons(live_B, token_B, state.stop_ids,
-                                         generated_B >= state.max_tokens, state.stop_reason)
-    slots_B = jnp.where(live_B, state.context_lengths, state.context.shape[1])
-    return state.replace(
-        last_tokens=jnp.where(live_B, token_B, state.last_tokens),
-        generated=generated_B,
-        stop_reason=stop_reason_B,
-        running=state.running & ~ends_B,
-        context=append_context(state.context, slots_B, token_B),
-        context_lengths=state.context_lengths + live_B,
-    )
+    state, _, ends_B = decode_loop.take(state, token_B, live_B, state.stop_ids,
+                                        generated_B >= state.max_tokens)
+    return state.replace(generated=generated_B, running=state.running & ~ends_B)
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="mesh")
