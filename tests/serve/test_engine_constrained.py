@@ -42,10 +42,15 @@ def request(lm, words, automaton=None, max_tokens=40, **kwargs):
                              stop_ids=tuple(lm.tokenizer.stop_ids), **kwargs)
 
 
-def alone(lm, request):
-    return decode.generate(lm.net, lm.params, [list(request.prompt)],
-                           max_new_tokens=request.max_tokens, eos_ids=request.stop_ids,
-                           constraint=request.constraint).token_lists()[0]
+def each_alone(lm, requests):
+    """What `decode.generate` makes for each request: one call whose rows are each what
+    the row makes alone (`tests/decode/test_generate.py`), each cut at its token budget (a
+    greedy row's first n tokens are its n-token run)."""
+    out = decode.generate(lm.net, lm.params, [list(r.prompt) for r in requests],
+                          max_new_tokens=max(r.max_tokens for r in requests),
+                          eos_ids=requests[0].stop_ids,
+                          constraint=[r.constraint for r in requests])
+    return [row[:r.max_tokens] for row, r in zip(out.token_lists(), requests, strict=True)]
 
 
 def test_greedy_constrained_requests_equal_generate_alone_as_tables_change(lm, engine):
@@ -61,7 +66,7 @@ def test_greedy_constrained_requests_equal_generate_alone_as_tables_change(lm, e
              request(lm, "The list type")]
     later = [request(lm, "The for statement", item), request(lm, "A loop", choice),
              request(lm, "def f(x):", max_tokens=12)]
-    expected = [alone(lm, r) for r in first + later]
+    expected = each_alone(lm, first + later)
     collectors = [Collector() for _ in expected]
     for r, collector in zip(first, collectors[:3], strict=True):
         engine.submit(r, collector)
