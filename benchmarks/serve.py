@@ -157,23 +157,31 @@ def format_results(results: list[Result], workload: Workload, setting: str,
 def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, output_range,
                     max_slots: int, chunk_size: int | None, batch: int, seed: int = 0,
                     long_tail: bool = False, compare_transformers: bool = True,
-                    repeats: int = 3, max_len: int | None = None) -> str:
+                    repeats: int = 3, max_len: int | None = None,
+                    shared_prefix: int = 0) -> str:
     """The report: each contender's run of median throughput among `repeats` (the engine and
     the fixed batches take turns, so that both see the machine's drift alike), then the
     ratio in each repeat; transformers' contender runs once. The engine's slots hold
     `max_len` positions, by default the workload's longest prompt plus its longest output:
     a deployment sizes its slots to the longest request it accepts, as each fixed batch
-    sizes its cache to its own longest."""
+    sizes its cache to its own longest. With `shared_prefix` N every prompt starts with the
+    same N tokens; a model whose positions are not learned is given the positions that
+    takes (its `max_len` raised, said in the report)."""
     config = M.preset(preset)
-    params = M.init_params(config, jax.random.key(seed))
-    workload = make_workload(config, num_requests, rate, prompt_range, output_range, seed,
-                             long_tail)
-    longest = prompt_range[1] + output_range[1]
+    longest = shared_prefix + prompt_range[1] + output_range[1]
+    raised = longest > config.max_len and config.positional_encoding != "learned"
+    if raised:
+        config = config.replace(max_len=longest)
     if max_len is None:
         max_len = longest
     elif max_len < longest:
+        prefix = f"{shared_prefix} shared + " if shared_prefix else ""
         raise ValueError(f"max_len={max_len} is shorter than the longest request "
-                         f"({prompt_range[1]} prompt + {output_range[1]} output tokens)")
+                         f"({prefix}{prompt_range[1]} prompt + {output_range[1]} output "
+                         "tokens)")
+    params = M.init_params(config, jax.random.key(seed))
+    workload = make_workload(config, num_requests, rate, prompt_range, output_range, seed,
+                             long_tail, shared_prefix)
     engine_runs, batch_runs = [], []
     for _ in range(repeats):
         engine_runs.append(run_engine(config, params, workload, max_slots, chunk_size,
@@ -195,4 +203,7 @@ def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, o
                f"{prompt_range[1]} tokens, outputs {output_range[0]}-{output_range[1]} "
                f"({'log-uniform' if long_tail else 'uniform'}), "
                f"Poisson arrivals at {rate:g}/s (seed {seed}); {jax.devices()[0].device_kind}")
+    if shared_prefix:
+        setting += (f"\nevery prompt starts with the same {shared_prefix} tokens" +
+                    (f"; the model's max_len raised to {longest}" if raised else ""))
     return format_results(results, workload, setting, notes)

@@ -24,17 +24,24 @@ class Workload:
 
 def make_workload(config: M.TransformerConfig, num_requests: int, rate: float,
                   prompt_range: tuple[int, int], output_range: tuple[int, int],
-                  seed: int = 0, long_tail: bool = False) -> Workload:
+                  seed: int = 0, long_tail: bool = False, shared_prefix: int = 0) -> Workload:
     """Uniform prompt lengths and output lengths in the (inclusive) ranges; with `long_tail`
     the output lengths are log-uniform instead (many short answers, a few long ones, as in
-    chat logs). Poisson arrivals at `rate` requests per second."""
-    if prompt_range[1] + output_range[1] > config.max_len:
-        raise ValueError(f"the longest prompt ({prompt_range[1]}) and output "
-                         f"({output_range[1]}) need {prompt_range[1] + output_range[1]} "
+    chat logs). Poisson arrivals at `rate` requests per second. With `shared_prefix` N,
+    every prompt starts with the same N tokens (a system prompt or few-shot preamble)
+    before its own; the rest of the workload is the one drawn without it."""
+    longest = shared_prefix + prompt_range[1] + output_range[1]
+    if longest > config.max_len:
+        raise ValueError(f"the shared prefix ({shared_prefix}), the longest prompt "
+                         f"({prompt_range[1]}) and output ({output_range[1]}) need {longest} "
                          f"positions, more than the model's max_len {config.max_len}")
     rng = np.random.default_rng(seed)
     lengths = rng.integers(prompt_range[0], prompt_range[1] + 1, num_requests)
     prompts = [rng.integers(3, config.vocab_size, n).tolist() for n in lengths]
+    if shared_prefix:
+        preamble = np.random.default_rng([seed, 1]).integers(
+            3, config.vocab_size, shared_prefix).tolist()
+        prompts = [preamble + prompt for prompt in prompts]
     if long_tail:
         low, high = np.log(output_range[0]), np.log(output_range[1] + 1)
         outputs = np.exp(rng.uniform(low, high, num_requests)).astype(int).tolist()

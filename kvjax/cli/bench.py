@@ -16,6 +16,7 @@ from .common import (
     RANDOM_HF_MODELS,
     TRAIN_SHAPES,
     add_command,
+    count,
     positive,
     positive_real,
     seed,
@@ -168,6 +169,9 @@ def _add_serve(kinds) -> None:
                        metavar=("MIN", "MAX"), help="tokens to generate, uniform in [MIN, MAX]")
     serve.add_argument("--long-tail", action="store_true",
                        help="output lengths log-uniform in [MIN, MAX] (many short, few long)")
+    serve.add_argument("--shared-prefix", type=count, default=0, metavar="N",
+                       help="every prompt starts with the same N tokens (a system prompt); "
+                            "a model without learned positions gets the positions it takes")
     serve.add_argument("--max-slots", type=positive, default=16, help="the engine's slots")
     serve.add_argument("--max-len", type=positive, default=None,
                        help="positions per engine slot (default: the longest prompt plus the "
@@ -193,7 +197,7 @@ def run_bench_serve(args) -> int:
                           tuple(args.output_lengths), args.max_slots, args.chunk_size,
                           args.batch, args.seed, args.long_tail,
                           compare_transformers=not args.no_hf, repeats=args.repeats,
-                          max_len=args.max_len))
+                          max_len=args.max_len, shared_prefix=args.shared_prefix))
     return 0
 
 

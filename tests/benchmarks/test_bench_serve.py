@@ -52,3 +52,18 @@ def test_the_report_takes_each_contenders_median_run_and_every_repeats_ratio():
     assert ratio_line(engine, batches) == (
         "throughput ratio in each of 3 repeats, engine / batches: 2.00x, 2.50x, 1.00x "
         "(median 2.00x)")
+
+
+def test_a_shared_prefix_starts_every_prompt_and_leaves_the_rest_of_the_workload():
+    config = M.preset("tiny")
+    settings = dict(num_requests=5, rate=100.0, prompt_range=(2, 9), output_range=(1, 7),
+                    seed=4)
+    plain = make_workload(config, **settings)
+    shared = make_workload(config, **settings, shared_prefix=6)
+    preamble = shared.prompts[0][:6]
+    assert len(preamble) == 6 and all(3 <= t < config.vocab_size for t in preamble)
+    assert shared.prompts == [preamble + prompt for prompt in plain.prompts]
+    assert (shared.max_tokens, shared.arrivals) == (plain.max_tokens, plain.arrivals)
+    with pytest.raises(ValueError, match=r"shared prefix \(60\).*need 76 positions, more than "
+                                         r"the model's max_len 64"):
+        make_workload(config, **settings, shared_prefix=60)

@@ -48,6 +48,9 @@ def assert_one_line(err: str, *fragments: str) -> None:
                                  reason="this machine does not say how much memory is free")),
     (["bench", "serve", "--max-len", "100", "--no-hf"],
      ["max_len=100 is shorter than the longest request (64 prompt + 128 output tokens)"]),
+    (["bench", "serve", "--shared-prefix", "300", "--max-len", "400", "--no-hf"],
+     ["max_len=400 is shorter than the longest request (300 shared + 64 prompt + 128 "
+      "output tokens)"]),
 ])
 def test_misuse_is_one_line_with_exit_code_2(capsys, monkeypatch, argv, fragments):
     monkeypatch.chdir(Path(__file__).resolve().parents[2])
