@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .buckets import power_of_two
 from .constraints import TokenAutomaton
 
 UNCONSTRAINED = -1
@@ -127,10 +128,6 @@ class RowConstraints:
         at = self.replace(state=jnp.take_along_axis(states_BT, accepted_B[:, None], 1)[:, 0])
         token_B = jnp.take_along_axis(tokens_BT, accepted_B[:, None], axis=1)[:, 0]
         return at.advance(token_B, moved_B)
-
-
-def power_of_two(n: int, least: int = 1) -> int:
-    return max(least, 1 << max(n - 1, 0).bit_length())
 
 
 def search_steps(max_count: int) -> int:

@@ -5,6 +5,8 @@ bucket of `max_new_tokens`, so that nearby lengths share one compiled program. T
 are the powers of two and, from 16 on, the steps halfway between (8, 16, 24, 32, 48, 64,
 96, ...): padding costs at most a third of the work instead of up to half, for a few more
 programs. `generate`, `prefill`, the server's prefills and its prompt logprobs all use it.
+Counts that are not lengths (a prefill's rows, a constraint's table sizes) round up to a
+power of two (`power_of_two`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ def bucket(n: int, limit: int) -> int:
         power = 1 << (size.bit_length() - 1)  # the power of two at or below `size`
         size = power * 3 // 2 if size == power and power >= 16 else power * 2
     return min(size, limit)
+
+
+def power_of_two(n: int, least: int = 1) -> int:
+    """The smallest power of two >= n, and >= `least`: for counts with no halfway steps
+    (rows of a batch, table sizes), where a few more programs buy nothing."""
+    return max(least, 1 << max(n - 1, 0).bit_length())
 
 
 def smallest_sharing(n: int, limit: int) -> int:

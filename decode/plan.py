@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from .buckets import power_of_two
+
 STEPS_PER_CHECK = 8  # what `LoopPlan.for_rows` runs unless told otherwise
 
 
@@ -51,7 +53,7 @@ class LoopPlan:
         largest_ngram = int(np.max(setting("no_repeat_ngram_size", 0)))
         return cls(steps_per_check=steps_per_check, sampled=bool(not np.all(greedy)),
                    penalty=bool(np.any(setting("repetition_penalty", 1.0) != 1)),
-                   ngram_bound=0 if largest_ngram == 0 else 1 << (largest_ngram - 1).bit_length())
+                   ngram_bound=0 if largest_ngram == 0 else power_of_two(largest_ngram))
 
 
 ON_DEVICE = LoopPlan()  # every decision traced, the end checked after every step

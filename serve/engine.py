@@ -35,7 +35,7 @@ import numpy as np
 from kvjax import model as M
 from kvjax import parallel
 from kvjax.decode import checks
-from kvjax.decode.buckets import bucket
+from kvjax.decode.buckets import bucket, power_of_two
 from kvjax.decode.prepare import placement
 from kvjax.decode.prompt_state import prefill_state
 from kvjax.tokenizer import TextTokenizer
@@ -312,7 +312,7 @@ class Engine:
         """Prefills the tickets' prompts in one call (rows and length bucketed; spare rows
         repeat the first) and writes each prompt into a free staged row per sample."""
         prompts = [ticket.request.prompt for ticket in tickets]
-        rows = min(1 << (len(prompts) - 1).bit_length(), self.prefill_batch)
+        rows = min(power_of_two(len(prompts)), self.prefill_batch)
         length = bucket(max(map(len, prompts)), self.capacity)
         padded = np.zeros((rows, length), np.int32)
         lengths = np.full(rows, len(prompts[0]), np.int32)
