@@ -5,7 +5,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.decode.loop import StopConditions, StopReason, decode_loop, initial_state, record
+from kvjax.decode.loop import (
+    StopConditions,
+    StopReason,
+    decode_loop,
+    initial_state,
+    record,
+    take,
+)
 from kvjax.decode.sampling import SamplingParams, row_keys
 
 VOCAB = 50
@@ -122,3 +129,29 @@ def test_penalties_steer_the_loop_exactly():
     np.testing.assert_array_equal(state.tokens[1, :steps], [0] + list(range(2, steps + 1)))
     np.testing.assert_array_equal(state.context[0, :1 + steps], [1] + expected)
     np.testing.assert_array_equal(state.context_lengths, [1 + steps] * 2)
+
+
+@flax.struct.dataclass
+class Rows:
+    last_tokens: jax.Array
+    stop_reason: jax.Array
+    context: jax.Array
+    context_lengths: jax.Array
+
+
+def test_take_ends_the_rows_that_hit_a_stop_id_or_their_budget_and_leaves_the_others():
+    """The one place generate's loop and the engine's slots end rows."""
+    rows = Rows(last_tokens=jnp.asarray([1, 2, 3, 4]),
+                stop_reason=jnp.asarray([0, 0, 0, StopReason.EOS]),
+                context=jnp.asarray([[5, 0, 0], [6, 7, 0], [8, 0, 0], [1, 0, 0]]),
+                context_lengths=jnp.asarray([1, 2, 1, 1]))
+    live = jnp.asarray([True, True, True, False])
+    after, token, ends = take(rows, jnp.asarray([11, 42, 12, 13]), live,
+                              jnp.asarray([[42, -1]] * 4), jnp.asarray([False, False, True, True]))
+    np.testing.assert_array_equal(token, [11, 42, 12, 0])  # a row not live takes nothing
+    np.testing.assert_array_equal(ends, [False, True, True, False])
+    np.testing.assert_array_equal(after.stop_reason, [StopReason.RUNNING, StopReason.EOS,
+                                                      StopReason.MAX_NEW_TOKENS, StopReason.EOS])
+    np.testing.assert_array_equal(after.last_tokens, [11, 42, 12, 4])
+    np.testing.assert_array_equal(after.context, [[5, 11, 0], [6, 7, 42], [8, 12, 0], [1, 0, 0]])
+    np.testing.assert_array_equal(after.context_lengths, [2, 3, 2, 1])
