@@ -7,6 +7,7 @@ many times slower to dispatch than a tiny model takes to compile.
 import collections
 import dataclasses
 import functools
+import gc
 import os
 import subprocess
 import sys
@@ -44,9 +45,10 @@ import pytest  # noqa: E402
 
 from kvjax import model as M  # noqa: E402
 
-# XLA:CPU (jax 0.10.2 to 0.12) now and then crashes (a segmentation fault inside
-# `backend_compile_and_load`) while compiling a program that compiles fine on its own, and
-# the crash takes an xdist worker down. xdist puts what that worker had left of its file
+# A worker that reaches the limit on memory maps crashes (a segmentation fault inside
+# `backend_compile_and_load`) while compiling a program that compiles fine on its own; the
+# guard below (`MAP_SHARE`) keeps workers under it. Should a worker crash all the same, for
+# that or another reason, xdist puts what that worker had left of its file
 # back in the queue for a fresh worker; the test that was running is reported as a rerun
 # instead of a failure, and runs again there. On a 2-core CI machine the same test has
 # crashed twice in one run (the scanned shipped-checkpoint test), so a test may crash
@@ -134,6 +136,42 @@ def pytest_collection_modifyitems(config, items):
         return len(SLOW_FILES_FIRST), -counts[name]
 
     items.sort(key=rank)  # stable: each file's tests keep their order
+
+
+# A process keeps every program it compiled, and XLA:CPU maps each program's kernels into
+# memory separately: a worker gains about 40 memory maps per program. At Linux's limit on a
+# process's maps (vm.max_map_count, 65,530 by default) the next compile cannot map its code
+# and the worker dies with a segmentation fault inside `backend_compile_and_load`, which is
+# where the crashes above come from. So before a test file starts, a worker past half the
+# limit drops every compiled program (`jax.clear_caches`); later files compile what they
+# need again.
+MAP_SHARE = 0.5
+
+
+def _map_limit() -> int | None:
+    try:
+        with open("/proc/sys/vm/max_map_count") as limit:
+            return int(limit.read())
+    except (OSError, ValueError):
+        return None  # not Linux: no such limit to watch
+
+
+def _map_count() -> int:
+    with open("/proc/self/maps", "rb") as maps:
+        return sum(1 for _ in maps)
+
+
+_MAP_LIMIT = _map_limit()
+_LAST_FILE: list = [None]
+
+
+def pytest_runtest_setup(item):
+    if _MAP_LIMIT is None or item.path == _LAST_FILE[0]:
+        return
+    _LAST_FILE[0] = item.path
+    if _map_count() > MAP_SHARE * _MAP_LIMIT:
+        jax.clear_caches()
+        gc.collect()
 
 
 def pytest_runtest_logreport(report):
