@@ -81,19 +81,20 @@ class StopConditions:
 
 def choose(logits_BV: jax.Array, context: ProcessorState, keys_B: jax.Array, position,
            processors: tuple[LogitProcessor, ...] = (), plan: LoopPlan = ON_DEVICE,
-           constraints: RowConstraints | None = None) -> tuple[jax.Array, jax.Array]:
-    """(token [B], logprob [B]): each row's next token, as every decoder in kvjax picks it:
-    the built-in penalties and `processors` on the logits, then the row's constraint, then
-    greedy or a draw with the row's key folded with `position` (a scalar or [B], `sampling`).
-    The logprob is the model's, before any processor."""
+           constraints: RowConstraints | None = None
+           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(token [B], its logprob [B], logprobs [B, V]): each row's next token, as every
+    decoder in kvjax picks it: the built-in penalties and `processors` on the logits, then
+    the row's constraint, then greedy or a draw with the row's key folded with `position` (a
+    scalar or [B], `sampling`). The logprobs are the model's, before any processor."""
     processed_BV = apply_processors(logits_BV, context, processors, plan)
     if constraints is not None:
         processed_BV = constraints.mask(processed_BV)
     token_B = sample(processed_BV, token_keys(keys_B, position), context.settings,
                      plan.sampled)
-    logprob_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BV.astype(jnp.float32)),
-                                    token_B[:, None], axis=-1)[:, 0]
-    return token_B, logprob_B
+    logprobs_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32))
+    logprob_B = jnp.take_along_axis(logprobs_BV, token_B[:, None], axis=-1)[:, 0]
+    return token_B, logprob_B, logprobs_BV
 
 
 def take(rows, token_B: jax.Array, live_B: jax.Array, stop_ids_BE: jax.Array,
@@ -120,7 +121,7 @@ def record(state: DecodeState, logits_BV: jax.Array, stops: StopConditions,
            plan: LoopPlan = ON_DEVICE, active: jax.Array | None = None) -> DecodeState:
     """Samples the next token of every running row and decides which rows stop. With
     `active` (a traced bool) False, nothing changes but slots past what is recorded."""
-    token_B, logprob_B = choose(
+    token_B, logprob_B, _ = choose(
         logits_BV, ProcessorState(state.context, state.context_lengths, state.step, sampling),
         state.keys, state.step, processors, plan, state.constraints)
     running_B = ~state.done if active is None else ~state.done & active

@@ -193,7 +193,7 @@ def choose(logits_BV, context_BC, context_lengths_B, sampling: SamplingParams, k
     or None): each row's next token as `decode` picks it (`decode.loop.choose`), drawn with
     the row's own key folded with its position, and each `live` row's constraint state after
     it. The top W are zeros unless `want_top`."""
-    token_B, logprob_B = decode_loop.choose(
+    token_B, logprob_B, logprobs_BV = decode_loop.choose(
         logits_BV, ProcessorState(context_BC, context_lengths_B, jnp.zeros((), jnp.int32),
                                   sampling),
         jax.random.wrap_key_data(keys_B2), positions_B, constraints=constraints)
@@ -201,16 +201,15 @@ def choose(logits_BV, context_BC, context_lengths_B, sampling: SamplingParams, k
         constraints.advance(token_B, live_B).state)
     width = min(MAX_TOP_LOGPROBS, logits_BV.shape[-1])
 
-    def top(logits_BV):
-        values_BA, ids_BA = jax.lax.top_k(jax.nn.log_softmax(logits_BV.astype(jnp.float32)),
-                                          width)
+    def top(logprobs_BV):
+        values_BA, ids_BA = jax.lax.top_k(logprobs_BV, width)
         return values_BA, ids_BA.astype(jnp.int32)
 
-    def nothing(logits_BV):
-        batch = logits_BV.shape[0]
+    def nothing(logprobs_BV):
+        batch = logprobs_BV.shape[0]
         return jnp.zeros((batch, width), jnp.float32), jnp.zeros((batch, width), jnp.int32)
 
-    top_logprobs_BA, top_ids_BA = jax.lax.cond(want_top, top, nothing, logits_BV)
+    top_logprobs_BA, top_ids_BA = jax.lax.cond(want_top, top, nothing, logprobs_BV)
     return token_B, logprob_B, top_logprobs_BA, top_ids_BA, constraint_state_B
 
 
