@@ -107,6 +107,23 @@ class KVCache:
 
         return jax.tree.map(take, self)
 
+    def take_prefixes(self, rows_R: jax.Array, lengths_R: jax.Array, capacity: int) -> KVCache:
+        """A cache of R rows of `capacity` slots (at most this one's) whose row r holds the
+        first `lengths[r]` slots of row `rows[r]` of this one, to continue from there: a
+        prefix kept from an earlier prompt. Slots past a length are left as they were (the
+        length masks them). Self-attention only."""
+        if not 1 <= capacity <= self.capacity:
+            raise ValueError(f"capacity={capacity} must be in [1, {self.capacity}]")
+
+        def take(stack):  # K/V [L_i, B, K, S, H] and scales [L_i, B, K, S]
+            cut = jax.lax.slice_in_dim(stack, 0, capacity, axis=3)
+            return jnp.take(cut, rows_R, axis=1)
+
+        return self.replace(**{name: tuple(map(take, stacks))
+                               for name, stacks in self._self_attention().items()},
+                            lengths=jnp.asarray(lengths_R, jnp.int32),
+                            overflow=jnp.zeros(rows_R.shape, bool))
+
     def _self_attention(self) -> dict[str, tuple[jax.Array, ...]]:
         """The self-attention stacks by field name: K/V [L_i, B, K, S, H] and, for an int8
         cache, the scales [L_i, B, K, S]."""

@@ -24,7 +24,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import itertools
 import logging
 import threading
 from collections.abc import Iterable
@@ -40,7 +39,7 @@ from kvjax.decode.prepare import placement
 from kvjax.decode.prompt_state import prefill_state
 from kvjax.tokenizer import TextTokenizer
 
-from . import chunk, constrained, memory, slots
+from . import chunk, constrained, memory, prefix_cache, slots
 from .output import OnDelta, Outputs, Ticket
 from .prompt_logprobs import prompt_logprobs
 from .requests import Delta, GenerationRequest, row_settings
@@ -68,20 +67,26 @@ class Engine:
     `metrics` (optional, see `metrics.ServeMetrics`) is told of the load, first tokens and
     token times. On a `mesh` (or the one `params` are sharded over) the slots are split over
     its `data` axis, each device decoding its share, and the params over `model` by
-    `kvjax.parallel`'s rules; `max_slots` and `max_staged` must be multiples of `data`.
+    `kvjax.parallel`'s rules; `max_slots`, `max_staged` and `prefix_cache_rows` must be
+    multiples of `data`.
 
-    The cache holds `max_slots + max_staged` rows of `max_len` positions (a step may read
-    all of a slot's: size it to the longest request accepted), refused before it is
-    allocated if it would not fit the device's free memory (`memory.py`). `max_staged`
-    (default `max_slots`) bounds a request's `n` and the slots a chunk can refill before
-    the host stages more; fewer leave slots more memory. `chunk_size`: by default
-    `chunk.default_chunk_size()`."""
+    The cache holds `max_slots + max_staged + prefix_cache_rows` rows of `max_len`
+    positions (a step may read all of a slot's: size it to the longest request accepted),
+    refused before it is allocated if it would not fit the device's free memory
+    (`memory.py`). `max_staged` (default `max_slots`) bounds a request's `n` and the slots a
+    chunk can refill before the host stages more; fewer leave slots more memory.
+    `chunk_size`: by default `chunk.default_chunk_size()`.
+
+    `prefix_cache_rows` more rows (default a quarter of `max_staged`; 0: none) keep the
+    K/V of recent prompts, so a prompt that starts like one of them prefills only the rest
+    (`prefix_cache.py`), reused in blocks of `prefix_block` tokens."""
 
     def __init__(self, config: M.TransformerConfig, params, *,
                  tokenizer: TextTokenizer | None = None, max_slots: int = 16,
                  max_staged: int | None = None, max_len: int | None = None,
                  chunk_size: int | None = None, max_queue: int = 64,
-                 prefill_batch: int = 8, metrics=None, mesh=None):
+                 prefill_batch: int = 8, prefix_cache_rows: int | None = None,
+                 prefix_block: int = prefix_cache.DEFAULT_BLOCK, metrics=None, mesh=None):
         capacity = config.max_len if max_len is None else max_len
         if chunk_size is None:
             chunk_size = chunk.default_chunk_size()
@@ -94,17 +99,28 @@ class Engine:
         if capacity > config.max_len:
             raise ValueError(f"max_len={capacity} exceeds the model's max_len {config.max_len}")
         on = parallel.mesh_of(params) if mesh is None else mesh
-        for name, rows in (("max_slots", max_slots), ("max_staged", max_staged)):
-            if on is not None and rows % on.shape[parallel.DATA]:
+        data = 1 if on is None else on.shape[parallel.DATA]
+        if prefix_cache_rows is None:
+            prefix_cache_rows = -(-max(1, max_staged // 4) // data) * data
+        if not isinstance(prefix_cache_rows, int) or prefix_cache_rows < 0:
+            raise ValueError(f"prefix_cache_rows={prefix_cache_rows!r} must be an int >= 0")
+        if not isinstance(prefix_block, int) or prefix_block < 1:
+            raise ValueError(f"prefix_block={prefix_block!r} must be an int >= 1")
+        for name, rows in (("max_slots", max_slots), ("max_staged", max_staged),
+                           ("prefix_cache_rows", prefix_cache_rows)):
+            if rows % data:
                 raise ValueError(f"{name}={rows} must be a multiple of the mesh's "
-                                 f"data={on.shape[parallel.DATA]}: each device holds as "
+                                 f"data={data}: each device holds as "
                                  f"many of those rows")
         self.mesh, params = placement(config, params, mesh)
         self.config, self.params, self.tokenizer = config, params, tokenizer
         self.capacity, self.chunk_size, self.max_queue = capacity, chunk_size, max_queue
         self.prefill_batch, self.metrics = prefill_batch, metrics
         self.max_slots, self.num_staged = max_slots, max_staged
-        memory.check_cache_fits(config, max_slots + max_staged, capacity, self.mesh)
+        self.prefix_cache_rows, self.prefix_block = prefix_cache_rows, prefix_block
+        memory.check_cache_fits(config, max_slots + max_staged + prefix_cache_rows, capacity,
+                                self.mesh,
+                                rows_are="max_slots + max_staged + prefix_cache_rows")
         self._pending: collections.deque[Ticket] = collections.deque()
         self._scoring: collections.deque = collections.deque()  # (prompt, top, future)
         self._wake = threading.Condition()
@@ -121,6 +137,8 @@ class Engine:
         self._free_staged = list(range(self.num_staged))
         self._dispatched: list[_Dispatched] = []
         self._live = self._waiting = 0
+        self._prefixes = None if not self.prefix_cache_rows else prefix_cache.PrefixCache(
+            self.config, self.prefix_cache_rows, self.prefix_block, self.capacity, self.mesh)
 
     # The caller's side -----------------------------------------------------------------
 
@@ -176,20 +194,33 @@ class Engine:
     def warm_up(self, prompt_lengths: Iterable[int] | None = None) -> None:
         """Compiles what serving can need before the loop starts, so that no request waits
         for a compilation: the prefill of every prompt-length bucket (of `prompt_lengths`,
-        default every length a slot holds) and the insert at every row count, the chunk."""
-        lengths = range(1, self.capacity) if prompt_lengths is None else prompt_lengths
+        default every length a slot holds) and the insert at every row count, the same after
+        a kept prefix (every bucket of a rest up to the longest length), the chunk."""
+        lengths = list(range(1, self.capacity) if prompt_lengths is None else prompt_lengths)
         buckets = sorted({bucket(n, self.capacity) for n in lengths})
+        rests = sorted({bucket(n, self.capacity) for n in range(1, max(lengths, default=0) + 1)})
         rows = sorted({min(1 << k, self.prefill_batch)
                        for k in range(self.prefill_batch.bit_length() + 1)})
-        for count, length in itertools.product(rows, buckets):
-            prefilled = prefill_state(self.config, self.params,
-                                      np.zeros((count, length), np.int32),
-                                      np.ones(count, np.int32), length)
-            self.state, _ = slots.insert(  # row `num_staged`: compiled, nothing staged
-                self.state, *prefilled, np.zeros(count, np.int32),
-                np.full(count, self.num_staged, np.int32), np.zeros(count, np.int32),
-                row_settings([(GenerationRequest((0,), seed=0), 0)] * count),
-                mesh=self.mesh)
+        for count in rows:
+            staged = (np.zeros(count, np.int32), np.full(count, self.num_staged, np.int32),
+                      np.zeros(count, np.int32),
+                      row_settings([(GenerationRequest((0,), seed=0), 0)] * count))
+            for length in buckets:
+                prefilled = prefill_state(self.config, self.params,
+                                          np.zeros((count, length), np.int32),
+                                          np.ones(count, np.int32), length)
+                # Row `num_staged`: compiled, nothing staged.
+                self.state, _ = slots.insert(self.state, *prefilled, *staged, mesh=self.mesh)
+                if self._prefixes is not None:
+                    self._prefixes.warm_up(prefilled[0])
+            for length in rests if self._prefixes is not None else ():
+                if length < self.capacity:  # a longer rest leaves no room for a prefix
+                    prefilled = self._prefixes.prefill(
+                        self.params, np.zeros((count, 1), np.int32), np.ones(count, np.int32),
+                        [(0, 0)] * count, np.zeros((count, length), np.int32))
+                    self.state, _ = slots.insert(self.state, *prefilled, *staged,
+                                                 mesh=self.mesh)
+                    self._prefixes.warm_up(prefilled[0])
         self.state, _ = chunk.decode_chunk(self.config, self.params, self.state,
                                            self._cancel_ids(), np.bool_(False),
                                            np.bool_(False), self.chunk_size, mesh=self.mesh)
@@ -309,19 +340,44 @@ class Engine:
         return taken
 
     def _stage(self, tickets: list[Ticket]) -> None:
-        """Prefills the tickets' prompts in one call (rows and length bucketed; spare rows
-        repeat the first) and writes each prompt into a free staged row per sample."""
+        """Prefills the tickets' prompts and writes each prompt into a free staged row per
+        sample. Prompts that start with a kept prefix (`prefix_cache`) prefill only the rest,
+        in a call of their own; the others in one plain prefill."""
+        initial = self._place_constraints(tickets)
+        prompts = [t.request.prompt for t in tickets]
+        hits = [(-1, 0)] * len(prompts) if self._prefixes is None else \
+            self._prefixes.lookup(prompts)
+        for reused in (False, True):
+            group = [i for i, (_, length) in enumerate(hits) if (length > 0) == reused]
+            if group:
+                self._stage_group([tickets[i] for i in group], [hits[i] for i in group],
+                                  [initial[i] for i in group])
+
+    def _stage_group(self, tickets: list[Ticket], hits: list[tuple[int, int]],
+                     initial: list[int]) -> None:
+        """One prefill of the tickets' prompts (rows and length bucketed; spare rows repeat
+        the first), all plain or all after a kept prefix, then their samples' inserts."""
         prompts = [ticket.request.prompt for ticket in tickets]
         rows = min(power_of_two(len(prompts)), self.prefill_batch)
-        length = bucket(max(map(len, prompts)), self.capacity)
-        padded = np.zeros((rows, length), np.int32)
-        lengths = np.full(rows, len(prompts[0]), np.int32)
-        for row, prompt in enumerate(prompts + [prompts[0]] * (rows - len(prompts))):
-            padded[row, :len(prompt)] = prompt
-            lengths[row] = len(prompt)
-        # The prompts' cache holds only them: the insert writes it into the staged rows.
-        prefilled = prefill_state(self.config, self.params, padded, lengths, padded.shape[1])
-        initial = self._place_constraints(tickets)
+        spare = rows - len(prompts)
+        padded = self._padded(prompts + [prompts[0]] * spare, max(map(len, prompts)))
+        lengths = np.array([len(p) for p in prompts + [prompts[0]] * spare], np.int32)
+        if hits[0][1] == 0:
+            # The prompts' cache holds only them: the insert writes it into the staged rows.
+            prefilled = prefill_state(self.config, self.params, padded, lengths,
+                                      padded.shape[1])
+        else:
+            rests = [p[n:] for p, (_, n) in zip(prompts, hits, strict=True)]
+            prefilled = self._prefixes.prefill(
+                self.params, padded, lengths, hits + [hits[0]] * spare,
+                self._padded(rests + [rests[0]] * spare, max(map(len, rests))))
+            reused = sum(n for _, n in hits)
+            self._prefixes.hits += len(prompts)
+            self._prefixes.tokens_reused += reused
+            if self.metrics is not None:
+                self.metrics.count_prefix_hits(len(prompts), reused)
+        if self._prefixes is not None:
+            self._prefixes.keep(prompts, prefilled[0])
         entries = [(row, ticket, index) for row, ticket in enumerate(tickets)
                    for index in range(ticket.request.n)]
         for start in range(0, len(entries), rows):  # `rows` samples per insert
@@ -342,6 +398,13 @@ class Engine:
                 np.array(ids + [0] * spare, np.int32), settings, mesh=self.mesh)
             self._dispatched.append(_Dispatched(first, staged, is_chunk=False))
             self._waiting += len(group)
+
+    def _padded(self, prompts: list, longest: int) -> np.ndarray:
+        """`prompts` right-padded with zeros to the bucket of `longest`."""
+        padded = np.zeros((len(prompts), bucket(longest, self.capacity)), np.int32)
+        for row, prompt in enumerate(prompts):
+            padded[row, :len(prompt)] = prompt
+        return padded
 
     def _place_constraints(self, tickets: list[Ticket]) -> list[int]:
         """Each ticket's automaton placed in the engine's tables: its initial state there

@@ -50,12 +50,13 @@ def bytes_per_position(config: M.TransformerConfig, mesh=None) -> float:
 
 
 def check_cache_fits(config: M.TransformerConfig, rows: int, capacity: int, mesh=None,
-                     free: int | None = None) -> None:
+                     free: int | None = None,
+                     rows_are: str = "max_slots + max_staged") -> None:
     """Raises ValueError when `rows` rows of `capacity` positions take more than
     `CACHE_SHARE` of the `free` bytes of the device that holds the most of them (default:
     measured on the mesh's local devices, or the default device), naming the sizes, the
     longest capacity that fits and the most rows that do. Does nothing where free memory is
-    unknown."""
+    unknown. `rows_are` names the settings that add up to `rows`."""
     devices = jax.local_devices()[:1] if mesh is None else list(mesh.local_devices)
     if free is None:
         known = [f for f in map(free_bytes, devices) if f is not None]
@@ -75,5 +76,5 @@ def check_cache_fits(config: M.TransformerConfig, rows: int, capacity: int, mesh
         f"{format_bytes(int(need))} on {where}, more than {CACHE_SHARE:.0%} of its "
         f"{format_bytes(free)} free: lower max_len ("
         + (f"{length_fits} at most" if length_fits else "none is small enough")
-        + f" for {rows} rows) or max_slots + max_staged ({rows_fit} at most for "
+        + f" for {rows} rows) or {rows_are} ({rows_fit} at most for "
         f"max_len={capacity})")

@@ -10,6 +10,8 @@ Each server has a registry of its own (two apps in one process do not share coun
   kvjax_time_to_first_token_seconds  from a request's arrival to its first token
   kvjax_inter_token_latency_seconds  between a sample's consecutive tokens (a chunk's tokens
                                      arrive together; each counts its share of the wait)
+  kvjax_prefix_cache_hits_total      prompts that started with a kept prefix
+  kvjax_prefix_cache_tokens_total    prompt tokens those reused instead of prefilling
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ class ServeMetrics:
         self.inter_token_latency = Histogram(
             "kvjax_inter_token_latency_seconds", "Time between a sample's tokens",
             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.prefix_cache_hits = Counter(
+            "kvjax_prefix_cache_hits", "Prompts that started with a kept prefix",
+            registry=self.registry)
+        self.prefix_cache_tokens = Counter(
+            "kvjax_prefix_cache_tokens", "Prompt tokens reused from kept prefixes",
+            registry=self.registry)
         self._lock = threading.Lock()
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
 
@@ -66,6 +74,10 @@ class ServeMetrics:
         for _ in range(count):
             self.inter_token_latency.observe(seconds_each)
         self._count_tokens(count)
+
+    def count_prefix_hits(self, prompts: int, tokens: int) -> None:
+        self.prefix_cache_hits.inc(prompts)
+        self.prefix_cache_tokens.inc(tokens)
 
     def count_request(self, outcome: str) -> None:
         self.requests.labels(outcome=outcome).inc()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .common import add_command, add_precision, positive, with_precision
+from .common import add_command, add_precision, count, positive, with_precision
 
 API_KEY_VARIABLE = "KVJAX_API_KEY"
 
@@ -40,6 +40,10 @@ def add_serve(commands) -> None:
                             "on a CPU, 64 on an accelerator)")
     serve.add_argument("--prefill-batch", type=positive, default=8,
                        help="waiting prompts prefilled together")
+    serve.add_argument("--prefix-cache-rows", type=count, default=None, metavar="N",
+                       help="cache rows that keep recent prompts' K/V, so that a prompt "
+                            "starting like one of them prefills only the rest (default: a "
+                            "quarter of --max-staged; 0: off)")
     serve.add_argument("--warm-up", action="store_true",
                        help="compile every program (each prompt-length bucket and prefill "
                             "batch) before listening, so that no request waits for a "
@@ -74,7 +78,8 @@ def run_serve(args) -> int:
     app = build_app(loaded, model_name=args.model_name, max_slots=args.max_slots,
                     max_staged=args.max_staged, max_queue=args.max_queue,
                     max_len=args.max_len, chunk_size=args.chunk_size,
-                    prefill_batch=args.prefill_batch, warm_up=args.warm_up, mesh=mesh,
+                    prefill_batch=args.prefill_batch,
+                    prefix_cache_rows=args.prefix_cache_rows, warm_up=args.warm_up, mesh=mesh,
                     api_key=api_key, limits=limits)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info",
                 http=header_timeout_protocol(limits.header_timeout))

@@ -43,7 +43,7 @@ def assert_one_line(err: str, *fragments: str) -> None:
     (["serve", "--checkpoint", "x", "--mesh", "data=3"], ["mesh data=3 needs 3 devices"]),
     pytest.param(
         ["serve", "--checkpoint", "checkpoints/python-docs-lm", "--max-slots", "1000000000"],
-        ["the engine's cache of 2000000000 rows x max_len=", "lower max_len (none is small"],
+        ["the engine's cache of 2250000000 rows x max_len=", "lower max_len (none is small"],
         marks=pytest.mark.skipif(memory.free_bytes(jax.devices("cpu")[0]) is None,
                                  reason="this machine does not say how much memory is free")),
     (["bench", "serve", "--max-len", "100", "--no-hf"],

@@ -12,11 +12,14 @@ from kvjax.serve import Engine, memory
 
 def test_bytes_per_position_is_what_the_engine_allocates(tiny_lm):
     config, _, params = tiny_lm
-    engine = Engine(config, params, max_slots=2, max_staged=1, max_len=32)
+    engine = Engine(config, params, max_slots=2, max_staged=1, max_len=32, prefix_cache_rows=2)
     rows = engine.state.slots, engine.state.staged
     allocated = sum(leaf.nbytes for r in rows for leaf in jax.tree.leaves((r.cache.k, r.cache.v)))
     allocated += sum(r.context.nbytes for r in rows)
     assert allocated == memory.bytes_per_position(config) * 3 * 32
+    # The prefix cache's rows hold K/V and no context: the check counts them as rows.
+    store = engine._prefixes.store
+    assert store.nbytes == (memory.bytes_per_position(config) - memory.CONTEXT_BYTES) * 2 * 32
 
 
 def test_a_cache_that_does_not_fit_is_refused_with_the_longest_that_does():

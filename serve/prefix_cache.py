@@ -1,0 +1,183 @@
+"""Prefix caching: a prompt that starts like an earlier one reuses that one's K/V instead of
+prefilling it again (a shared system prompt, few-shot examples, a chat's earlier turns).
+
+The engine keeps `rows` extra cache rows, the store. After a prefill, the K/V of a prompt's
+full blocks of `block` tokens are copied into a store row (the least recently used one goes),
+and each of those blocks is keyed by a hash chain of the tokens up to its end, so a key
+names a whole prefix, never a block alone. A new prompt looks up its own chain: the longest
+prefix found (in whole blocks, leaving at least its last token to feed) is copied from the
+store into its staging row, and only the rest of the prompt runs through the model, as a
+continuation of that cache (`prefill_after_prefix`). A row's tokens are kept beside its
+keys and compared on every hit, so no hash collision can hand out another prompt's K/V.
+
+K/V at a position depend only on the tokens up to it (causal attention), so a prefix's K/V
+are the same whichever longer prompt computed them; a continuation computes the rest with
+other matrix shapes than one prefill would, so its logits can differ from a miss's in the
+last bits, as `decode.prefill` followed by `generate(..., state=...)` does.
+
+Shape letters: B rows of one prefill, P padded prompt length, T new tokens per row (the
+prompt less its prefix, padded), C context buffer (= the staging cache's capacity), V vocab.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import model as M
+from kvjax import parallel
+from kvjax.decode.buckets import bucket
+from kvjax.decode.prompt_state import prompt_context
+from kvjax.decode.tracing import count_trace
+
+DEFAULT_BLOCK = 16  # tokens per keyed block: prefixes are reused in whole blocks
+
+
+class PrefixIndex:
+    """Which store row holds which prompt prefix; host-side bookkeeping only.
+
+    `lookup(prompt)` finds the longest kept prefix of `prompt`; `keep(prompt)` picks the
+    row to copy a prefilled prompt's full blocks into (None if a row holds them already)
+    and indexes them. Rows are reused least recently used first, a hit counting as use."""
+
+    def __init__(self, rows: int, block: int = DEFAULT_BLOCK):
+        if rows < 1 or block < 1:
+            raise ValueError(f"a prefix index needs rows >= 1 and block >= 1, got {rows=}, "
+                             f"{block=}")
+        self.rows, self.block = rows, block
+        self._where: dict[bytes, tuple[int, int]] = {}  # chain key -> (row, tokens)
+        self._tokens: list[tuple[int, ...]] = [()] * rows  # what each row holds
+        self._keys: list[list[bytes]] = [[] for _ in range(rows)]
+        self._recent = collections.OrderedDict((row, None) for row in range(rows))
+
+    def _chain(self, prompt, blocks: int) -> list[bytes]:
+        """The keys of `prompt`'s first 1, 2, ..., `blocks` blocks."""
+        keys, digest = [], b""
+        for i in range(blocks):
+            block = np.asarray(prompt[i * self.block:(i + 1) * self.block], np.int64)
+            digest = hashlib.blake2b(digest + block.tobytes(), digest_size=16).digest()
+            keys.append(digest)
+        return keys
+
+    def _held(self, prompt, key: bytes) -> tuple[int, int] | None:
+        """(row, length) of the prefix `key` names, if a row holds it."""
+        row, length = self._where.get(key, (-1, 0))
+        if row < 0 or self._tokens[row][:length] != tuple(prompt[:length]):
+            return None
+        self._recent.move_to_end(row)
+        return row, length
+
+    def lookup(self, prompt) -> tuple[int, int]:
+        """(store row, prefix length) of the longest kept prefix of `prompt` that leaves at
+        least its last token to feed; (-1, 0) if none."""
+        for key in reversed(self._chain(prompt, (len(prompt) - 1) // self.block)):
+            if (held := self._held(prompt, key)) is not None:
+                return held
+        return -1, 0
+
+    def keep(self, prompt) -> int | None:
+        """The row to copy `prompt`'s full blocks into, now indexed as holding them; None
+        when it has no full block or a row holds them all already."""
+        keys = self._chain(prompt, len(prompt) // self.block)
+        if not keys or self._held(prompt, keys[-1]) is not None:
+            return None
+        row, _ = self._recent.popitem(last=False)
+        for key in self._keys[row]:
+            if self._where.get(key, (-1,))[0] == row:
+                del self._where[key]
+        for i, key in enumerate(keys):
+            self._where[key] = (row, (i + 1) * self.block)
+        self._keys[row] = keys
+        self._tokens[row] = tuple(int(t) for t in prompt[:len(keys) * self.block])
+        self._recent[row] = None
+        return row
+
+    def clear(self) -> None:
+        self.__init__(self.rows, self.block)
+
+
+class PrefixCache:
+    """The engine's store of `rows` rows of `capacity` slots (on `mesh` split as its other
+    rows are) and their index; counts the prompts that hit and the tokens they reused."""
+
+    def __init__(self, config: M.TransformerConfig, rows: int, block: int, capacity: int,
+                 mesh=None):
+        self.config, self.capacity, self.mesh = config, capacity, mesh
+        self.index = PrefixIndex(rows, block)
+        self.store = empty_store(config, rows, capacity, mesh)
+        self.hits = self.tokens_reused = 0
+
+    def lookup(self, prompts: list) -> list[tuple[int, int]]:
+        """(store row, prefix length) of each prompt's longest kept prefix ((-1, 0): none).
+        A prompt's rest is fed padded to the bucket of the longest rest among the hits; a
+        hit whose prefix and that padding would not fit `capacity` counts as a miss."""
+        found = [self.index.lookup(p) for p in prompts]
+        rests = [len(p) - n for p, (_, n) in zip(prompts, found, strict=True) if n]
+        rest = bucket(max(rests, default=1), self.capacity)
+        return [(row, n) if n + rest <= self.capacity else (-1, 0) for row, n in found]
+
+    def prefill(self, params, tokens_BP: np.ndarray, lengths_B: np.ndarray,
+                hits: list[tuple[int, int]], rest_BT: np.ndarray):
+        """`prefill_after_prefix` of prompts that all hit (`hits` from `lookup`, one per row
+        of `tokens`), `rest` their tokens after the prefix, into `capacity` slots: one
+        program per row count and bucket of the rest, as many as plain prefills take."""
+        tokens_BC = np.pad(tokens_BP, ((0, 0), (0, self.capacity - tokens_BP.shape[1])))
+        return prefill_after_prefix(self.config, params, self.store,
+                                    np.array([row for row, _ in hits], np.int32),
+                                    np.array([n for _, n in hits], np.int32), tokens_BC,
+                                    lengths_B, rest_BT, self.capacity)
+
+    def keep(self, prompts: list, cache: M.KVCache) -> None:
+        """Copies the rows of a prefill's `cache` (row r: `prompts[r]`) whose full blocks no
+        store row holds into the store."""
+        kept = [(row, into) for row, prompt in enumerate(prompts)
+                if (into := self.index.keep(prompt)) is not None]
+        if kept:
+            self._copy(cache, kept)
+
+    def _copy(self, cache: M.KVCache, kept: list[tuple[int, int]]) -> None:
+        """(row of `cache`, store row) pairs copied, padded to the cache's rows (a pair past
+        the store copies nothing): one program per prefill shape, `warm_up` compiles it."""
+        spare = cache.batch_size - len(kept)
+        rows, into = zip(*(kept + [(0, self.index.rows)] * spare), strict=True)
+        self.store = keep_prefixes(self.store, cache, np.array(rows, np.int32),
+                                   np.array(into, np.int32), mesh=self.mesh)
+
+    def warm_up(self, cache: M.KVCache) -> None:
+        """Compiles the copy of a prefill's rows of `cache`'s shape, copying nothing."""
+        self._copy(cache, [])
+
+
+@functools.partial(jax.jit, static_argnums=(0, 8))
+def prefill_after_prefix(config, params, store: M.KVCache, store_rows_B, prefix_lengths_B,
+                         tokens_BP, lengths_B, rest_BT, capacity: int):
+    """`decode.prompt_state.prefill_state`'s (cache, next_logits, context, context_lengths)
+    for prompts `tokens` [B, P] (`lengths` valid) whose first `prefix_lengths` tokens are
+    held by store rows `store_rows`: those are copied, and the rest, `rest` [B, T] (each
+    row's prompt from its prefix on, padded), fed after them in one call."""
+    count_trace("prefill_after_prefix")
+    cache = store.take_prefixes(store_rows_B, prefix_lengths_B, capacity)
+    rest_lengths_B = lengths_B - prefix_lengths_B
+    logits_BTV, cache = M.step_fn(config, params)(rest_BT, cache, rest_lengths_B)
+    logits_BV = logits_BTV[jnp.arange(rest_BT.shape[0]), rest_lengths_B - 1]
+    return (cache, logits_BV, *prompt_context(config, tokens_BP, lengths_B, capacity))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def empty_store(config, rows: int, capacity: int, mesh=None) -> M.KVCache:
+    """A store of `rows` rows of `capacity` slots, on `mesh` split as the engine's rows are."""
+    return parallel.constrain_rows(M.init_cache(config, rows, capacity), mesh)
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnames="mesh")
+def keep_prefixes(store: M.KVCache, prefilled: M.KVCache, rows_R, into_R,
+                  mesh=None) -> M.KVCache:
+    """The store with rows `rows` of a prefill's cache copied into its rows `into` (a row
+    of `into` past the last one copies nothing)."""
+    count_trace("keep_prefixes")
+    return parallel.constrain_rows(store.put_rows(prefilled, rows_R, into_R), mesh)

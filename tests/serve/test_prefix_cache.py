@@ -1,0 +1,117 @@
+"""Prefix caching: a prompt that starts like a kept one prefills only the rest, and gets the
+tokens it gets alone; the index finds the longest kept prefix and reuses rows least
+recently used first."""
+
+import numpy as np
+import pytest
+
+from kvjax import decode
+from kvjax.serve import Engine, GenerationRequest
+from kvjax.serve.metrics import ServeMetrics
+from kvjax.serve.prefix_cache import PrefixIndex
+
+
+def tokens(seed, length):
+    return tuple(int(t) for t in np.random.default_rng(seed).integers(3, 60, length))
+
+
+# The index ---------------------------------------------------------------------------------
+
+def test_the_longest_kept_prefix_in_whole_blocks_leaving_the_last_token_to_feed():
+    index = PrefixIndex(rows=2, block=4)
+    kept = tokens(0, 10)  # two full blocks
+    row = index.keep(kept)
+    assert index.keep(kept) is None  # held already
+    assert index.lookup(kept + (7, 8)) == (row, 8)
+    assert index.lookup(kept[:9]) == (row, 8)
+    assert index.lookup(kept[:8]) == (row, 4)  # its last token must still be fed
+    assert index.lookup(kept[:4]) == (-1, 0)
+    assert index.lookup(kept[:5] + (1, 1, 1, 1)) == (row, 4)  # diverges in the second block
+    assert index.lookup(tokens(1, 12)) == (-1, 0)
+    assert index.keep(kept[:3]) is None  # no full block
+
+
+def test_rows_are_reused_least_recently_used_first():
+    index = PrefixIndex(rows=2, block=4)
+    a, b, c = tokens(2, 9), tokens(3, 9), tokens(4, 9)
+    row_a, row_b = index.keep(a), index.keep(b)
+    assert row_a != row_b
+    assert index.lookup(a)[0] == row_a  # a hit counts as use: b is now the oldest
+    assert index.keep(c) == row_b
+    assert index.lookup(b) == (-1, 0)
+    assert index.lookup(a) == (row_a, 8) and index.lookup(c) == (row_b, 8)
+
+
+def test_a_key_that_collides_never_hands_out_another_prompts_prefix(monkeypatch):
+    index = PrefixIndex(rows=2, block=4)
+    # Every prompt's chain the same keys: only the kept tokens tell prompts apart.
+    monkeypatch.setattr(index, "_chain", lambda prompt, blocks: [bytes([i]) for i in
+                                                                 range(blocks)])
+    kept, other = tokens(5, 9), tokens(6, 9)
+    row = index.keep(kept)
+    assert index.lookup(other) == (-1, 0)
+    assert index.lookup(kept) == (row, 8)
+
+
+def test_bad_sizes_are_refused_by_name(tiny_lm):
+    config, _, params = tiny_lm
+    with pytest.raises(ValueError, match="rows >= 1 and block >= 1"):
+        PrefixIndex(rows=0)
+    with pytest.raises(ValueError, match="prefix_cache_rows=-1 must be an int >= 0"):
+        Engine(config, params, max_slots=2, prefix_cache_rows=-1)
+    with pytest.raises(ValueError, match="prefix_block=0 must be an int >= 1"):
+        Engine(config, params, max_slots=2, prefix_block=0)
+
+
+# The engine --------------------------------------------------------------------------------
+
+def serve(engine, requests):
+    """Each request's tokens and logprobs of its one sample, served together."""
+    made = [([], []) for _ in requests]
+
+    def collect(i):
+        def on_delta(delta):
+            assert not isinstance(delta, Exception), delta
+            made[i][0].extend(delta.token_ids)
+            made[i][1].extend(delta.logprobs)
+        return on_delta
+
+    for i, request in enumerate(requests):
+        engine.submit(request, collect(i))
+    engine.run_until_idle()
+    return made
+
+
+def test_prompts_sharing_a_preamble_prefill_only_the_rest_and_equal_generate_alone(tiny_lm):
+    config, net, params = tiny_lm
+    metrics = ServeMetrics()
+    engine = Engine(config, params, max_slots=4, chunk_size=4, prefill_batch=4,
+                    prefix_cache_rows=1, metrics=metrics)
+    preamble, other = tokens(10, 37), tokens(11, 20)
+    first = [GenerationRequest(preamble + (5, 6), max_tokens=6)]
+    # With the preamble kept: three hits (one ending where the cache does) and a miss;
+    # prompts staged together do not share. Then another preamble evicts it (one row): the
+    # other's next prompt hits, and the first preamble misses again.
+    second = [GenerationRequest(preamble + tokens(12 + i, n), max_tokens=6 if n < 20 else 1)
+              for i, n in enumerate((1, 9, 64 - 37 - 1))]
+    second.append(GenerationRequest(tokens(20, 12), max_tokens=6))
+    rounds = [first, second, [GenerationRequest(other + (9,), max_tokens=5)],
+              [GenerationRequest(other + (9, 10, 11), max_tokens=5)],
+              [GenerationRequest(preamble + (7,), max_tokens=5)]]
+    served = [serve(engine, requests) for requests in rounds]
+    for requests, made in zip(rounds, served, strict=True):
+        for request, (got, _) in zip(requests, made, strict=True):
+            alone = decode.generate(net, params, [list(request.prompt)],
+                                    max_new_tokens=request.max_tokens).token_lists()[0]
+            assert got == alone
+    assert engine._prefixes.hits == 3 + 1
+    assert engine._prefixes.tokens_reused == 3 * 32 + 16
+    exposition = metrics.exposition().decode()
+    assert "kvjax_prefix_cache_hits_total 4.0" in exposition
+    assert "kvjax_prefix_cache_tokens_total 112.0" in exposition
+
+    # A hit's logprobs are a miss's, up to the last bits of a longer feed.
+    plain = Engine(config, params, max_slots=4, chunk_size=4, prefix_cache_rows=0)
+    (_, missed), = serve(plain, second[:1])
+    assert plain._prefixes is None
+    np.testing.assert_allclose(served[1][0][1], missed, rtol=1e-5, atol=1e-5)
