@@ -45,76 +45,6 @@ import pytest  # noqa: E402
 
 from kvjax import model as M  # noqa: E402
 
-# A worker that reaches the limit on memory maps crashes (a segmentation fault inside
-# `backend_compile_and_load`) while compiling a program that compiles fine on its own; the
-# guard below (`MAP_SHARE`) keeps workers under it. Should a worker crash all the same, for
-# that or another reason, xdist puts what that worker had left of its file
-# back in the queue for a fresh worker; the test that was running is reported as a rerun
-# instead of a failure, and runs again there. On a 2-core CI machine the same test has
-# crashed twice in one run (the scanned shipped-checkpoint test), so a test may crash
-# `CRASH_RERUNS` times; one more crash fails it, and so does a crashed test that never ran
-# again. Only crashes are retried, never failures.
-CRASH_RERUNS = 2
-_CRASHED: dict[str, bool] = {}  # crashed test id: whether it has run again since
-_CRASHES: collections.Counter = collections.Counter()  # crashed test id: crashes
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_handlecrashitem(crashitem, report, sched):
-    _CRASHES[crashitem] += 1
-    if _CRASHES[crashitem] <= CRASH_RERUNS:
-        _CRASHED[crashitem] = False
-        report.outcome = "rerun"
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    class RequeueUnfinishedFiles(LoadFileScheduling):
-        """xdist (3.8) puts every file a crashed worker held back in the queue, finished
-        ones too; a fresh worker handed a finished file runs nothing, is never given more,
-        and the session waits forever. Only files with tests left go back, and a fresh
-        worker gets enough tests to start on (`_reschedule`)."""
-
-        def remove_node(self, node):
-            workload = self.assigned_work.get(node, {})
-            for scope in [scope for scope, unit in workload.items() if all(unit.values())]:
-                del workload[scope]
-            return super().remove_node(node)
-
-        def _reschedule(self, node):
-            # A worker runs a test only once it holds the next one or has been told to stop,
-            # and xdist hands out one file at a time: a worker started after a crash, given
-            # a file of one test while files still wait (the other worker already told to
-            # stop), would wait forever. A worker with work always holds two tests or all.
-            super()._reschedule(node)
-            while (not node.shutting_down and self.workqueue
-                   and self._pending_of(self.assigned_work[node]) < 2):
-                self._assign_work_unit(node)
-
-        def add_node_collection(self, node, collection):
-            # A worker started after a crash collects the test files as they are then. xdist
-            # takes its collection only if it equals the first worker's item for item;
-            # otherwise it leaves the worker out and then fails (KeyError) giving it work.
-            # Work goes to a worker by test id, so the same tests in another order serve as
-            # well; other tests (test files edited during the run) are named instead.
-            if self.collection_is_completed and list(collection) != self.collection:
-                if sorted(collection) != sorted(self.collection):
-                    extra = sorted(set(collection) - set(self.collection))[:5]
-                    missing = sorted(set(self.collection) - set(collection))[:5]
-                    raise RuntimeError(f"worker {node.gateway.id} started after a crash "
-                                       f"collected other tests: {extra} more, {missing} "
-                                       "fewer")
-                self.registered_collections[node] = list(collection)
-                return
-            super().add_node_collection(node, collection)
-
-    return RequeueUnfinishedFiles(config, log)
-
-
 # The files that take longest go to the workers first, so that no worker is left running a
 # long file while the other has nothing to do (longest first); the rest follow by their
 # number of tests, as xdist orders them (`--no-loadscope-reorder` keeps this order).
@@ -141,10 +71,10 @@ def pytest_collection_modifyitems(config, items):
 # A process keeps every program it compiled, and XLA:CPU maps each program's kernels into
 # memory separately: a worker gains about 40 memory maps per program. At Linux's limit on a
 # process's maps (vm.max_map_count, 65,530 by default) the next compile cannot map its code
-# and the worker dies with a segmentation fault inside `backend_compile_and_load`, which is
-# where the crashes above come from. So before a test file starts, a worker past half the
-# limit drops every compiled program (`jax.clear_caches`); later files compile what they
-# need again.
+# and the worker dies with a segmentation fault inside `backend_compile_and_load`, while
+# compiling a program that compiles fine on its own. So before a test file starts, a worker
+# past half the limit drops every compiled program (`jax.clear_caches`); later files
+# compile what they need again.
 MAP_SHARE = 0.5
 
 
@@ -172,30 +102,6 @@ def pytest_runtest_setup(item):
     if _map_count() > MAP_SHARE * _MAP_LIMIT:
         jax.clear_caches()
         gc.collect()
-
-
-def pytest_runtest_logreport(report):
-    if report.nodeid in _CRASHED and report.outcome != "rerun" and report.when == "teardown":
-        _CRASHED[report.nodeid] = True
-
-
-def pytest_report_teststatus(report):
-    if report.outcome == "rerun":
-        return "rerun", "R", ("RERUN", {"yellow": True})
-    return None
-
-
-def pytest_terminal_summary(terminalreporter):
-    for nodeid, ran_again in _CRASHED.items():
-        terminalreporter.write_line(
-            f"{nodeid}: its worker crashed; " + ("it ran again in a fresh worker" if ran_again
-                                                 else "it did not run again: failed"),
-            yellow=ran_again, red=not ran_again)
-
-
-def pytest_sessionfinish(session):
-    if not all(_CRASHED.values()):
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session", autouse=True)
