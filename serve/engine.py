@@ -5,9 +5,10 @@ staged rows beside them (as many by default), and a bounded queue of requests wa
 those (`slots.py`). The engine schedules; what the programs make is handed out by
 `output.py`. Each turn of its host loop:
   0. scores the prompts whose logprobs were asked for (`score_prompt`);
-  1. stages: while the oldest waiting request's `n` samples fit the free staged rows,
-     prefills its prompt once (length bucketed, `decode`'s prefill program) and writes it
-     into `n` staged rows, each sample with its first token;
+  1. stages: prefills a part of a prompt too long for one turn (`prefill_part`); while the
+     oldest other waiting request's `n` samples fit the free staged rows, prefills its
+     prompt once (after a kept prefix if it has one: `prefix_cache.py`) and writes it into
+     `n` staged rows, each sample with its first token;
   2. dispatches one chunk of `chunk_size` decode steps over every slot (`chunk.py`): on the
      device, each slot that frees is taken at once by the oldest staged sample, and the
      chunk ends early if a slot frees with none staged while requests wait on the host;
@@ -17,7 +18,7 @@ those (`slots.py`). The engine schedules; what the programs make is handed out b
 Slots wait for no host turn, so a chunk can be long; a request waits one turn to be staged,
 a cancelled one runs at most one chunk longer. `start` runs the loop on its own thread;
 `step` runs one turn and hands out all it made where the caller is (tests, benchmarks).
-"""
+`warm_up.py` compiles every program before serving."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from kvjax.decode.prepare import placement
 from kvjax.decode.prompt_state import prefill_state
 from kvjax.tokenizer import TextTokenizer
 
-from . import chunk, constrained, memory, prefix_cache, slots
+from . import chunk, constrained, memory, prefix_cache, slots, warm_up
 from .output import OnDelta, Outputs, Ticket
 from .prompt_logprobs import prompt_logprobs
 from .requests import Delta, GenerationRequest, row_settings
@@ -79,14 +80,17 @@ class Engine:
 
     `prefix_cache_rows` more rows (default a quarter of `max_staged`; 0: none) keep the
     K/V of recent prompts, so a prompt that starts like one of them prefills only the rest
-    (`prefix_cache.py`), reused in blocks of `prefix_block` tokens."""
+    (`prefix_cache.py`), reused in blocks of `prefix_block` tokens. With them, a prompt
+    with more than `prefill_part` tokens (whole blocks) to prefill is prefilled a part per
+    turn, one such prompt at a time, so that the slots decode in between."""
 
     def __init__(self, config: M.TransformerConfig, params, *,
                  tokenizer: TextTokenizer | None = None, max_slots: int = 16,
                  max_staged: int | None = None, max_len: int | None = None,
                  chunk_size: int | None = None, max_queue: int = 64,
                  prefill_batch: int = 8, prefix_cache_rows: int | None = None,
-                 prefix_block: int = prefix_cache.DEFAULT_BLOCK, metrics=None, mesh=None):
+                 prefix_block: int = prefix_cache.DEFAULT_BLOCK, prefill_part: int = 512,
+                 metrics=None, mesh=None):
         capacity = config.max_len if max_len is None else max_len
         if chunk_size is None:
             chunk_size = chunk.default_chunk_size()
@@ -104,8 +108,9 @@ class Engine:
             prefix_cache_rows = -(-max(1, max_staged // 4) // data) * data
         if not isinstance(prefix_cache_rows, int) or prefix_cache_rows < 0:
             raise ValueError(f"prefix_cache_rows={prefix_cache_rows!r} must be an int >= 0")
-        if not isinstance(prefix_block, int) or prefix_block < 1:
-            raise ValueError(f"prefix_block={prefix_block!r} must be an int >= 1")
+        for name, value in (("prefix_block", prefix_block), ("prefill_part", prefill_part)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
         for name, rows in (("max_slots", max_slots), ("max_staged", max_staged),
                            ("prefix_cache_rows", prefix_cache_rows)):
             if rows % data:
@@ -118,6 +123,7 @@ class Engine:
         self.prefill_batch, self.metrics = prefill_batch, metrics
         self.max_slots, self.num_staged = max_slots, max_staged
         self.prefix_cache_rows, self.prefix_block = prefix_cache_rows, prefix_block
+        self.prefill_part = max(1, prefill_part // prefix_block) * prefix_block
         memory.check_cache_fits(config, max_slots + max_staged + prefix_cache_rows, capacity,
                                 self.mesh,
                                 rows_are="max_slots + max_staged + prefix_cache_rows")
@@ -137,6 +143,7 @@ class Engine:
         self._free_staged = list(range(self.num_staged))
         self._dispatched: list[_Dispatched] = []
         self._live = self._waiting = 0
+        self._long: Ticket | None = None  # the long prompt fed a part this turn
         self._prefixes = None if not self.prefix_cache_rows else prefix_cache.PrefixCache(
             self.config, self.prefix_cache_rows, self.prefix_block, self.capacity, self.mesh)
 
@@ -193,37 +200,9 @@ class Engine:
 
     def warm_up(self, prompt_lengths: Iterable[int] | None = None) -> None:
         """Compiles what serving can need before the loop starts, so that no request waits
-        for a compilation: the prefill of every prompt-length bucket (of `prompt_lengths`,
-        default every length a slot holds) and the insert at every row count, the same after
-        a kept prefix (every bucket of a rest up to the longest length), the chunk."""
-        lengths = list(range(1, self.capacity) if prompt_lengths is None else prompt_lengths)
-        buckets = sorted({bucket(n, self.capacity) for n in lengths})
-        rests = sorted({bucket(n, self.capacity) for n in range(1, max(lengths, default=0) + 1)})
-        rows = sorted({min(1 << k, self.prefill_batch)
-                       for k in range(self.prefill_batch.bit_length() + 1)})
-        for count in rows:
-            staged = (np.zeros(count, np.int32), np.full(count, self.num_staged, np.int32),
-                      np.zeros(count, np.int32),
-                      row_settings([(GenerationRequest((0,), seed=0), 0)] * count))
-            for length in buckets:
-                prefilled = prefill_state(self.config, self.params,
-                                          np.zeros((count, length), np.int32),
-                                          np.ones(count, np.int32), length)
-                # Row `num_staged`: compiled, nothing staged.
-                self.state, _ = slots.insert(self.state, *prefilled, *staged, mesh=self.mesh)
-                if self._prefixes is not None:
-                    self._prefixes.warm_up(prefilled[0])
-            for length in rests if self._prefixes is not None else ():
-                if length < self.capacity:  # a longer rest leaves no room for a prefix
-                    prefilled = self._prefixes.prefill(
-                        self.params, np.zeros((count, 1), np.int32), np.ones(count, np.int32),
-                        [(0, 0)] * count, np.zeros((count, length), np.int32))
-                    self.state, _ = slots.insert(self.state, *prefilled, *staged,
-                                                 mesh=self.mesh)
-                    self._prefixes.warm_up(prefilled[0])
-        self.state, _ = chunk.decode_chunk(self.config, self.params, self.state,
-                                           self._cancel_ids(), np.bool_(False),
-                                           np.bool_(False), self.chunk_size, mesh=self.mesh)
+        for a compilation (`warm_up.py`); `prompt_lengths` default to every length a slot
+        holds."""
+        warm_up.compile_programs(self, prompt_lengths)
         self._reset()
 
     def start(self) -> None:
@@ -278,13 +257,14 @@ class Engine:
         work here runs while the device decodes."""
         self._score_prompts()
         self.outputs.end_cancelled()
+        self._feed_long_prompt()
         while tickets := self._admissible():
             self._stage(tickets)
         keep = 0  # programs left in flight
         if self.outputs.samples or self.outputs.to_stop:
             self.state, emitted = chunk.decode_chunk(
                 self.config, self.params, self.state, self._cancel_ids(),
-                np.bool_(self.outputs.want_top()), np.bool_(bool(self._pending)),
+                np.bool_(self.outputs.want_top()), np.bool_(self._can_stage_more()),
                 self.chunk_size, mesh=self.mesh)
             # Ids past what one chunk's list holds go with the next chunk.
             del self.outputs.to_stop[:self.max_slots + self.num_staged]
@@ -318,7 +298,7 @@ class Engine:
         While enough samples are staged to keep the slots busy and more tickets wait than
         the free rows take, it waits for rows to free: a prefill of a few prompts costs
         almost what one of `prefill_batch` does."""
-        taken, dropped = [], []
+        taken, dropped, long = [], [], []
         with self._wake:
             free, batch = len(self._free_staged), min(self.prefill_batch, self.num_staged)
             if (free < batch and len(self._pending) >= batch
@@ -326,6 +306,9 @@ class Engine:
                 free = 0
             while self._pending and len(taken) < self.prefill_batch:
                 ticket = self._pending[0]
+                if not ticket.cancelled and self._too_long(ticket):
+                    long.append(self._pending.popleft())  # fed a part per turn first
+                    continue
                 if not ticket.cancelled and ticket.request.n > free:
                     break
                 self._pending.popleft()
@@ -334,10 +317,32 @@ class Engine:
                 else:
                     taken.append(ticket)
                     free -= ticket.request.n
+            self._pending.extendleft(reversed(long))
         for ticket in dropped:
             for index in range(ticket.request.n):
                 ticket.on_delta(Delta(index, [], "", [], [], "cancelled"))
         return taken
+
+    def _can_stage_more(self) -> bool:
+        """Whether a waiting request could be staged (the long prompt fed a part this turn
+        cannot): a chunk ends early for it when a slot frees with nothing staged."""
+        with self._wake:
+            return any(ticket is not self._long for ticket in self._pending)
+
+    def _too_long(self, ticket: Ticket) -> bool:
+        """Whether the ticket's prompt has more than a part left to prefill."""
+        return self._prefixes is not None and self._prefixes.left_to_prefill(
+            ticket.request.prompt) > self.prefill_part
+
+    def _feed_long_prompt(self) -> None:
+        """Prefills a part of the oldest waiting prompt that is too long for one turn."""
+        if self._prefixes is None:
+            return
+        with self._wake:
+            self._long = next((t for t in self._pending
+                               if not t.cancelled and self._too_long(t)), None)
+        self._prefixes.feed_part(self.params, self._long and self._long.request.prompt,
+                                 self.prefill_part)
 
     def _stage(self, tickets: list[Ticket]) -> None:
         """Prefills the tickets' prompts and writes each prompt into a free staged row per
@@ -360,7 +365,7 @@ class Engine:
         prompts = [ticket.request.prompt for ticket in tickets]
         rows = min(power_of_two(len(prompts)), self.prefill_batch)
         spare = rows - len(prompts)
-        padded = self._padded(prompts + [prompts[0]] * spare, max(map(len, prompts)))
+        padded = _padded(self.capacity, prompts + [prompts[0]] * spare, max(map(len, prompts)))
         lengths = np.array([len(p) for p in prompts + [prompts[0]] * spare], np.int32)
         if hits[0][1] == 0:
             # The prompts' cache holds only them: the insert writes it into the staged rows.
@@ -370,12 +375,8 @@ class Engine:
             rests = [p[n:] for p, (_, n) in zip(prompts, hits, strict=True)]
             prefilled = self._prefixes.prefill(
                 self.params, padded, lengths, hits + [hits[0]] * spare,
-                self._padded(rests + [rests[0]] * spare, max(map(len, rests))))
-            reused = sum(n for _, n in hits)
-            self._prefixes.hits += len(prompts)
-            self._prefixes.tokens_reused += reused
-            if self.metrics is not None:
-                self.metrics.count_prefix_hits(len(prompts), reused)
+                _padded(self.capacity, rests + [rests[0]] * spare, max(map(len, rests))))
+            self._prefixes.count_hits(hits, self.metrics)
         if self._prefixes is not None:
             self._prefixes.keep(prompts, prefilled[0])
         entries = [(row, ticket, index) for row, ticket in enumerate(tickets)
@@ -399,12 +400,6 @@ class Engine:
             self._dispatched.append(_Dispatched(first, staged, is_chunk=False))
             self._waiting += len(group)
 
-    def _padded(self, prompts: list, longest: int) -> np.ndarray:
-        """`prompts` right-padded with zeros to the bucket of `longest`."""
-        padded = np.zeros((len(prompts), bucket(longest, self.capacity)), np.int32)
-        for row, prompt in enumerate(prompts):
-            padded[row, :len(prompt)] = prompt
-        return padded
 
     def _place_constraints(self, tickets: list[Ticket]) -> list[int]:
         """Each ticket's automaton placed in the engine's tables: its initial state there
@@ -443,3 +438,11 @@ class Engine:
         self._reset()
         for ticket in tickets.values():
             ticket.on_delta(error)
+
+
+def _padded(capacity: int, prompts: list, longest: int) -> np.ndarray:
+    """`prompts` right-padded with zeros to the bucket of `longest`."""
+    padded = np.zeros((len(prompts), bucket(longest, capacity)), np.int32)
+    for row, prompt in enumerate(prompts):
+        padded[row, :len(prompt)] = prompt
+    return padded

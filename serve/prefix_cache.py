@@ -32,7 +32,7 @@ import numpy as np
 from kvjax import model as M
 from kvjax import parallel
 from kvjax.decode.buckets import bucket
-from kvjax.decode.prompt_state import prompt_context
+from kvjax.decode.prompt_state import prefill_state, prompt_context
 from kvjax.decode.tracing import count_trace
 
 DEFAULT_BLOCK = 16  # tokens per keyed block: prefixes are reused in whole blocks
@@ -54,6 +54,7 @@ class PrefixIndex:
         self._tokens: list[tuple[int, ...]] = [()] * rows  # what each row holds
         self._keys: list[list[bytes]] = [[] for _ in range(rows)]
         self._recent = collections.OrderedDict((row, None) for row in range(rows))
+        self.pinned: set[int] = set()  # rows `keep` must not reuse (a prompt fed in parts)
 
     def _chain(self, prompt, blocks: int) -> list[bytes]:
         """The keys of `prompt`'s first 1, 2, ..., `blocks` blocks."""
@@ -82,11 +83,14 @@ class PrefixIndex:
 
     def keep(self, prompt) -> int | None:
         """The row to copy `prompt`'s full blocks into, now indexed as holding them; None
-        when it has no full block or a row holds them all already."""
+        when it has no full block, a row holds them all already, or every row is pinned."""
         keys = self._chain(prompt, len(prompt) // self.block)
         if not keys or self._held(prompt, keys[-1]) is not None:
             return None
-        row, _ = self._recent.popitem(last=False)
+        row = next((r for r in self._recent if r not in self.pinned), None)
+        if row is None:
+            return None
+        del self._recent[row]
         for key in self._keys[row]:
             if self._where.get(key, (-1,))[0] == row:
                 del self._where[key]
@@ -132,6 +136,43 @@ class PrefixCache:
                                     np.array([n for _, n in hits], np.int32), tokens_BC,
                                     lengths_B, rest_BT, self.capacity)
 
+    def count_hits(self, hits: list[tuple[int, int]], metrics=None) -> None:
+        """Counts prompts that hit (`hits` from `lookup`) and the tokens they reused, here
+        and in `metrics` (a `ServeMetrics`) if given."""
+        reused = sum(n for _, n in hits)
+        self.hits += len(hits)
+        self.tokens_reused += reused
+        if metrics is not None:
+            metrics.count_prefix_hits(len(hits), reused)
+
+    def left_to_prefill(self, prompt) -> int:
+        """The tokens of `prompt` after its longest kept prefix."""
+        return len(prompt) - self.index.lookup(prompt)[1]
+
+    def feed_part(self, params, prompt, part: int) -> None:
+        """Prefills the next `part` tokens (a multiple of the block) of a prompt too long to
+        prefill in one turn after its longest kept prefix, and keeps the result, pinned
+        until the next part: a long prompt is prefilled a part per engine turn, while the
+        slots go on decoding between them. With no `prompt` (None) nothing stays pinned."""
+        self.index.pinned.clear()
+        if prompt is None:
+            return
+        row, reused = self.index.lookup(prompt)
+        fed = reused + part
+        tokens = np.asarray(prompt[:fed], np.int32)[None]
+        if reused == 0:
+            prefilled = prefill_after_nothing(self.config, params, tokens,
+                                              bucket(part, self.capacity))
+        else:
+            rest = np.zeros((1, bucket(part, self.capacity)), np.int32)
+            rest[0, :part] = prompt[reused:fed]
+            prefilled = self.prefill(params, tokens, np.array([fed], np.int32),
+                                     [(row, reused)], rest)
+        self.keep([prompt[:fed]], prefilled[0])
+        kept, length = self.index.lookup(prompt[:fed + 1])
+        if length == fed:
+            self.index.pinned.add(kept)
+
     def keep(self, prompts: list, cache: M.KVCache) -> None:
         """Copies the rows of a prefill's `cache` (row r: `prompts[r]`) whose full blocks no
         store row holds into the store."""
@@ -151,6 +192,14 @@ class PrefixCache:
     def warm_up(self, cache: M.KVCache) -> None:
         """Compiles the copy of a prefill's rows of `cache`'s shape, copying nothing."""
         self._copy(cache, [])
+
+
+def prefill_after_nothing(config, params, tokens_1P: np.ndarray, capacity: int):
+    """The first part of a long prompt, prefilled alone into `capacity` slots."""
+    padded = np.zeros((1, capacity), np.int32)
+    padded[0, :tokens_1P.shape[1]] = tokens_1P[0]
+    return prefill_state(config, params, padded, np.array([tokens_1P.shape[1]], np.int32),
+                         capacity)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 8))

@@ -42,7 +42,8 @@ def error_response(error: APIError) -> JSONResponse:
 def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: int = 16,
               max_staged: int | None = None, max_queue: int = 64, max_len: int | None = None,
               chunk_size: int | None = None, prefill_batch: int = 8,
-              prefix_cache_rows: int | None = None, warm_up: bool = False, mesh=None,
+              prefix_cache_rows: int | None = None, prefill_part: int = 512,
+              warm_up: bool = False, mesh=None,
               api_key: str | None = None, limits: Limits | None = None) -> Starlette:
     """The app serving `loaded` as `model_name` (default: its directory's name). The engine
     starts with the app (its lifespan), after compiling every program it can need if
@@ -53,7 +54,8 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
     engine = Engine(loaded.config, loaded.params, tokenizer=loaded.tokenizer,
                     max_slots=max_slots, max_staged=max_staged, max_len=max_len,
                     chunk_size=chunk_size, max_queue=max_queue, prefill_batch=prefill_batch,
-                    prefix_cache_rows=prefix_cache_rows, metrics=metrics, mesh=mesh)
+                    prefix_cache_rows=prefix_cache_rows, prefill_part=prefill_part,
+                    metrics=metrics, mesh=mesh)
     name = model_name or os.path.basename(os.path.normpath(loaded.directory)) or "kvjax"
     created = int(time.time())
 

@@ -44,6 +44,10 @@ def add_serve(commands) -> None:
                        help="cache rows that keep recent prompts' K/V, so that a prompt "
                             "starting like one of them prefills only the rest (default: a "
                             "quarter of --max-staged; 0: off)")
+    serve.add_argument("--prefill-part", type=positive, default=512, metavar="N",
+                       help="a prompt with more tokens than this left to prefill is prefilled "
+                            "that many (in whole blocks of 16) per turn, the running requests "
+                            "decoding in between (needs the prefix cache)")
     serve.add_argument("--warm-up", action="store_true",
                        help="compile every program (each prompt-length bucket and prefill "
                             "batch) before listening, so that no request waits for a "
@@ -79,7 +83,8 @@ def run_serve(args) -> int:
                     max_staged=args.max_staged, max_queue=args.max_queue,
                     max_len=args.max_len, chunk_size=args.chunk_size,
                     prefill_batch=args.prefill_batch,
-                    prefix_cache_rows=args.prefix_cache_rows, warm_up=args.warm_up, mesh=mesh,
+                    prefix_cache_rows=args.prefix_cache_rows, prefill_part=args.prefill_part,
+                    warm_up=args.warm_up, mesh=mesh,
                     api_key=api_key, limits=limits)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info",
                 http=header_timeout_protocol(limits.header_timeout))

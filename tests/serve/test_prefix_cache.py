@@ -115,3 +115,33 @@ def test_prompts_sharing_a_preamble_prefill_only_the_rest_and_equal_generate_alo
     (_, missed), = serve(plain, second[:1])
     assert plain._prefixes is None
     np.testing.assert_allclose(served[1][0][1], missed, rtol=1e-5, atol=1e-5)
+
+
+def test_a_long_prompt_is_prefilled_a_part_per_turn_while_the_slots_decode(tiny_lm):
+    config, net, params = tiny_lm
+    engine = Engine(config, params, max_slots=2, chunk_size=2, prefix_cache_rows=1,
+                    prefix_block=8, prefill_part=16)
+    running, long_prompt = GenerationRequest(tokens(30, 5), max_tokens=16), tokens(31, 53)
+    made = {"running": [], "long": []}
+    turns = {"running": [], "long": []}
+
+    def collect(name):
+        return lambda delta: (made[name].extend(delta.token_ids),
+                              turns[name].extend([turn] * len(delta.token_ids)))
+
+    turn = 0
+    engine.submit(running, collect("running"))
+    engine.step()
+    engine.submit(GenerationRequest(long_prompt, max_tokens=4), collect("long"))
+    while engine.step():
+        turn += 1
+    for request, name in ((running, "running"), (GenerationRequest(long_prompt, max_tokens=4),
+                                                 "long")):
+        alone = decode.generate(net, params, [list(request.prompt)],
+                                max_new_tokens=request.max_tokens).token_lists()[0]
+        assert made[name] == alone
+    # 53 tokens in parts of 16: 16, 32 and 48 fed in three turns, the third of which stages
+    # the last 5 after them and makes the first token; the running request decoded in each.
+    assert turns["long"][0] == 2
+    assert set(range(3)) <= set(turns["running"])
+    assert engine._prefixes.hits == 1 and engine._prefixes.tokens_reused == 48
