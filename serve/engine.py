@@ -324,39 +324,40 @@ class Engine:
         return taken
 
     def _can_stage_more(self) -> bool:
-        """Whether a waiting request could be staged (the long prompt fed a part this turn
-        cannot): a chunk ends early for it when a slot frees with nothing staged."""
+        """Whether a waiting request other than the long prompt fed a part could be staged."""
         with self._wake:
             return any(ticket is not self._long for ticket in self._pending)
 
-    def _too_long(self, ticket: Ticket) -> bool:
-        """Whether the ticket's prompt has more than a part left to prefill."""
+    def _too_long(self, ticket: Ticket) -> bool:  # more than a part left to prefill
         return self._prefixes is not None and self._prefixes.left_to_prefill(
             ticket.request.prompt) > self.prefill_part
 
     def _feed_long_prompt(self) -> None:
         """Prefills a part of the oldest waiting prompt that is too long for one turn."""
-        if self._prefixes is None:
-            return
         with self._wake:
             self._long = next((t for t in self._pending
                                if not t.cancelled and self._too_long(t)), None)
-        self._prefixes.feed_part(self.params, self._long and self._long.request.prompt,
-                                 self.prefill_part)
+        if self._prefixes is not None:
+            self._prefixes.feed_part(self.params, self._long and self._long.request.prompt,
+                                     self.prefill_part)
 
     def _stage(self, tickets: list[Ticket]) -> None:
         """Prefills the tickets' prompts and writes each prompt into a free staged row per
         sample. Prompts that start with a kept prefix (`prefix_cache`) prefill only the rest,
-        in a call of their own; the others in one plain prefill."""
+        in a call of their own; the others in one plain prefill. Of prompts that share a
+        first block no row keeps, the first is prefilled and kept before the others."""
         initial = self._place_constraints(tickets)
         prompts = [t.request.prompt for t in tickets]
-        hits = [(-1, 0)] * len(prompts) if self._prefixes is None else \
-            self._prefixes.lookup(prompts)
-        for reused in (False, True):
-            group = [i for i, (_, length) in enumerate(hits) if (length > 0) == reused]
-            if group:
-                self._stage_group([tickets[i] for i in group], [hits[i] for i in group],
-                                  [initial[i] for i in group])
+        first = [] if self._prefixes is None else self._prefixes.leaders(prompts)
+        for part in (first, [i for i in range(len(tickets)) if i not in first]):
+            hits = self._prefixes.lookup([prompts[i] for i in part]) if self._prefixes \
+                else [(-1, 0)] * len(part)
+            for reused in (False, True):
+                group = [i for i, (_, n) in zip(part, hits, strict=True) if (n > 0) == reused]
+                if group:
+                    self._stage_group([tickets[i] for i in group],
+                                      [hits[part.index(i)] for i in group],
+                                      [initial[i] for i in group])
 
     def _stage_group(self, tickets: list[Ticket], hits: list[tuple[int, int]],
                      initial: list[int]) -> None:

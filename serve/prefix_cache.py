@@ -125,6 +125,21 @@ class PrefixCache:
         rest = bucket(max(rests, default=1), self.capacity)
         return [(row, n) if n + rest <= self.capacity else (-1, 0) for row, n in found]
 
+    def leaders(self, prompts: list) -> list[int]:
+        """Of the prompts that no kept prefix serves and whose first full block (with a
+        token after it) a later one of them shares, the first of each such set: prefilled
+        and kept first, it serves the others' shared part."""
+        block, first, leaders = self.index.block, {}, []
+        for i, prompt in enumerate(prompts):
+            if len(prompt) <= block or self.index.lookup(prompt)[1]:
+                continue
+            head = tuple(prompt[:block])
+            if head not in first:
+                first[head] = i
+            elif first[head] not in leaders:
+                leaders.append(first[head])
+        return sorted(leaders)
+
     def prefill(self, params, tokens_BP: np.ndarray, lengths_B: np.ndarray,
                 hits: list[tuple[int, int]], rest_BT: np.ndarray):
         """`prefill_after_prefix` of prompts that all hit (`hits` from `lookup`, one per row

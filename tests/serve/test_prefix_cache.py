@@ -88,10 +88,13 @@ def test_prompts_sharing_a_preamble_prefill_only_the_rest_and_equal_generate_alo
     engine = Engine(config, params, max_slots=4, chunk_size=4, prefill_batch=4,
                     prefix_cache_rows=1, metrics=metrics)
     preamble, other = tokens(10, 37), tokens(11, 20)
-    first = [GenerationRequest(preamble + (5, 6), max_tokens=6)]
-    # With the preamble kept: three hits (one ending where the cache does) and a miss;
-    # prompts staged together do not share. Then another preamble evicts it (one row): the
-    # other's next prompt hits, and the first preamble misses again.
+    # Two prompts that share the preamble staged together: the first is prefilled and
+    # kept before the second, which reuses it.
+    first = [GenerationRequest(preamble + (5, 6), max_tokens=6),
+             GenerationRequest(preamble + (8,), max_tokens=6)]
+    # With the preamble kept: three hits (one ending where the cache does) and a miss.
+    # Then another preamble evicts it (one row): the other's next prompt hits, and the
+    # first preamble misses again.
     second = [GenerationRequest(preamble + tokens(12 + i, n), max_tokens=6 if n < 20 else 1)
               for i, n in enumerate((1, 9, 64 - 37 - 1))]
     second.append(GenerationRequest(tokens(20, 12), max_tokens=6))
@@ -104,11 +107,11 @@ def test_prompts_sharing_a_preamble_prefill_only_the_rest_and_equal_generate_alo
             alone = decode.generate(net, params, [list(request.prompt)],
                                     max_new_tokens=request.max_tokens).token_lists()[0]
             assert got == alone
-    assert engine._prefixes.hits == 3 + 1
-    assert engine._prefixes.tokens_reused == 3 * 32 + 16
+    assert engine._prefixes.hits == 1 + 3 + 1
+    assert engine._prefixes.tokens_reused == 32 + 3 * 32 + 16
     exposition = metrics.exposition().decode()
-    assert "kvjax_prefix_cache_hits_total 4.0" in exposition
-    assert "kvjax_prefix_cache_tokens_total 112.0" in exposition
+    assert "kvjax_prefix_cache_hits_total 5.0" in exposition
+    assert "kvjax_prefix_cache_tokens_total 144.0" in exposition
 
     # A hit's logprobs are a miss's, up to the last bits of a longer feed.
     plain = Engine(config, params, max_slots=4, chunk_size=4, prefix_cache_rows=0)
