@@ -179,7 +179,10 @@ class PrefixCache:
             prefilled = prefill_after_nothing(self.config, params, tokens,
                                               bucket(part, self.capacity))
         else:
-            rest = np.zeros((1, bucket(part, self.capacity)), np.int32)
+            width = bucket(part, self.capacity)
+            if reused + width > self.capacity:  # the padding would not fit: none
+                width = part
+            rest = np.zeros((1, width), np.int32)
             rest[0, :part] = prompt[reused:fed]
             prefilled = self.prefill(params, tokens, np.array([fed], np.int32),
                                      [(row, reused)], rest)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from kvjax import decode
+from kvjax import model as M
 from kvjax.serve import Engine, GenerationRequest
 from kvjax.serve.metrics import ServeMetrics
 from kvjax.serve.prefix_cache import PrefixIndex
@@ -148,3 +149,22 @@ def test_a_long_prompt_is_prefilled_a_part_per_turn_while_the_slots_decode(tiny_
     assert turns["long"][0] == 2
     assert set(range(3)) <= set(turns["running"])
     assert engine._prefixes.hits == 1 and engine._prefixes.tokens_reused == 48
+
+
+def test_a_part_whose_padding_would_pass_the_slots_end_is_fed_unpadded(tiny_lm):
+    config, _, params = tiny_lm
+    config = config.replace(max_len=128)
+    net = M.build_model(config)
+    # Parts of 40 are padded to 48; the third (80 kept, slots of 127) would end past the last
+    # slot, so that its K/V were never written, yet kept for later prompts to read.
+    engine = Engine(config, params, max_slots=2, chunk_size=2, max_len=127,
+                    prefix_cache_rows=1, prefix_block=8, prefill_part=40)
+    long_prompt = tokens(40, 125)
+    serve(engine, [GenerationRequest(long_prompt, max_tokens=1)])
+    later = GenerationRequest(long_prompt[:97], max_tokens=3)  # reuses 96, of the third part
+    (got, logprobs), = serve(engine, [later])
+    alone = decode.generate(net, params, [list(later.prompt)], max_new_tokens=3,
+                            return_logprobs=True)
+    assert engine._prefixes.tokens_reused == 96
+    assert got == alone.token_lists()[0]
+    np.testing.assert_allclose(logprobs, alone.logprobs[0], rtol=1e-5, atol=1e-5)
