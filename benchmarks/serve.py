@@ -41,10 +41,12 @@ from .workload import Result, Workload, make_workload
 
 
 def run_engine(config, params, workload: Workload, max_slots: int,
-               chunk_size: int | None = None, max_len: int | None = None) -> Result:
-    """The engine with `max_slots` slots of `max_len` positions (default: the model's)."""
+               chunk_size: int | None = None, max_len: int | None = None,
+               prefix_cache_rows: int | None = None) -> Result:
+    """The engine with `max_slots` slots of `max_len` positions (default: the model's) and
+    `prefix_cache_rows` (default: the engine's)."""
     engine = Engine(config, params, max_slots=max_slots, max_len=max_len, chunk_size=chunk_size,
-                    max_queue=len(workload.prompts))
+                    max_queue=len(workload.prompts), prefix_cache_rows=prefix_cache_rows)
     engine.warm_up(len(p) for p in workload.prompts)
     first, last, gaps, errors = {}, {}, [], []
     done = threading.Semaphore(0)
@@ -81,7 +83,8 @@ def run_engine(config, params, workload: Workload, max_slots: int,
     if errors:
         raise RuntimeError(f"the engine failed: {errors[0]!r}")
     ttft = np.array([first[i] - (start + a) for i, a in enumerate(workload.arrivals)])
-    return Result(f"engine ({max_slots} slots of {engine.capacity}, chunk {engine.chunk_size})",
+    return Result(f"engine ({max_slots} slots of {engine.capacity}, chunk {engine.chunk_size}, "
+                  f"{engine.prefix_cache_rows} prefix rows)",
                   workload.useful_tokens,
                   end - (start + workload.arrivals[0]), ttft, np.array(gaps))
 
@@ -158,7 +161,7 @@ def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, o
                     max_slots: int, chunk_size: int | None, batch: int, seed: int = 0,
                     long_tail: bool = False, compare_transformers: bool = True,
                     repeats: int = 3, max_len: int | None = None,
-                    shared_prefix: int = 0) -> str:
+                    shared_prefix: int = 0, prefix_cache_rows: int | None = None) -> str:
     """The report: each contender's run of median throughput among `repeats` (the engine and
     the fixed batches take turns, so that both see the machine's drift alike), then the
     ratio in each repeat; transformers' contender runs once. The engine's slots hold
@@ -185,7 +188,7 @@ def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, o
     engine_runs, batch_runs = [], []
     for _ in range(repeats):
         engine_runs.append(run_engine(config, params, workload, max_slots, chunk_size,
-                                      max_len))
+                                      max_len, prefix_cache_rows))
         batch_runs.append(run_fixed_batches(config, params, workload, batch))
     results = [median_run(engine_runs), median_run(batch_runs)]
     notes = [ratio_line(engine_runs, batch_runs)] if repeats > 1 else []

@@ -180,6 +180,8 @@ def _add_serve(kinds) -> None:
     serve.add_argument("--chunk-size", type=positive, default=None,
                        help="the engine's decode steps per chunk (default: the engine's, "
                             "8 on a CPU, 64 on an accelerator)")
+    serve.add_argument("--prefix-cache-rows", type=count, default=None, metavar="N",
+                       help="the engine's prefix cache rows (default: the engine's; 0: off)")
     serve.add_argument("--batch", type=positive, default=16,
                        help="requests per decode.generate call in the baseline")
     serve.add_argument("--seed", type=seed, default=0, help="workload and weights seed")
@@ -197,7 +199,8 @@ def run_bench_serve(args) -> int:
                           tuple(args.output_lengths), args.max_slots, args.chunk_size,
                           args.batch, args.seed, args.long_tail,
                           compare_transformers=not args.no_hf, repeats=args.repeats,
-                          max_len=args.max_len, shared_prefix=args.shared_prefix))
+                          max_len=args.max_len, shared_prefix=args.shared_prefix,
+                          prefix_cache_rows=args.prefix_cache_rows))
     return 0
 
 
