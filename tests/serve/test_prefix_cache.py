@@ -9,7 +9,7 @@ from kvjax import decode
 from kvjax import model as M
 from kvjax.serve import Engine, GenerationRequest
 from kvjax.serve.metrics import ServeMetrics
-from kvjax.serve.prefix_cache import PrefixIndex
+from kvjax.serve.prefix_cache import PrefixCache, PrefixIndex
 
 
 def tokens(seed, length):
@@ -52,6 +52,20 @@ def test_a_key_that_collides_never_hands_out_another_prompts_prefix(monkeypatch)
     row = index.keep(kept)
     assert index.lookup(other) == (-1, 0)
     assert index.lookup(kept) == (row, 8)
+
+
+def test_of_prompts_sharing_a_first_block_no_row_keeps_the_first_leads(tiny_lm):
+    config, _, _ = tiny_lm
+    cache = PrefixCache(config, rows=1, block=4, capacity=32)
+    a, b, c = tokens(7, 4), tokens(8, 4), tokens(9, 4)
+    kept = b + (1, 2)
+    cache.index.keep(kept)
+    prompts = [a + (1,), c + (5,), a + (2, 3), b + (9,), kept + (3,), a + (4,), c,
+               c + (6,)]
+    # a: prompts 0, 2 and 5 share it; c: 1 and 7 (6 has no token after the block); b is
+    # kept already.
+    assert cache.leaders(prompts) == [0, 1]
+    assert cache.leaders([a]) == [] and cache.leaders([a + (1,), c + (1,)]) == []
 
 
 def test_bad_sizes_are_refused_by_name(tiny_lm):
