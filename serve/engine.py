@@ -323,8 +323,7 @@ class Engine:
                 ticket.on_delta(Delta(index, [], "", [], [], "cancelled"))
         return taken
 
-    def _can_stage_more(self) -> bool:
-        """Whether a waiting request other than the long prompt fed a part could be staged."""
+    def _can_stage_more(self) -> bool:  # a waiting request other than the long prompt
         with self._wake:
             return any(ticket is not self._long for ticket in self._pending)
 
@@ -342,10 +341,9 @@ class Engine:
                                      self.prefill_part)
 
     def _stage(self, tickets: list[Ticket]) -> None:
-        """Prefills the tickets' prompts and writes each prompt into a free staged row per
-        sample. Prompts that start with a kept prefix (`prefix_cache`) prefill only the rest,
-        in a call of their own; the others in one plain prefill. Of prompts that share a
-        first block no row keeps, the first is prefilled and kept before the others."""
+        """Prefills the tickets' prompts and writes each into a staged row per sample: those
+        with a kept prefix (`prefix_cache`) only the rest, in a call of their own. Of prompts
+        sharing a first block no row keeps, the first is prefilled and kept first."""
         initial = self._place_constraints(tickets)
         prompts = [t.request.prompt for t in tickets]
         first = [] if self._prefixes is None else self._prefixes.leaders(prompts)
@@ -378,10 +376,9 @@ class Engine:
                 self.params, padded, lengths, hits + [hits[0]] * spare,
                 _padded(self.capacity, rests + [rests[0]] * spare, max(map(len, rests))))
             self._prefixes.count_hits(hits, self.metrics)
-        if self._prefixes is not None:
-            self._prefixes.keep(prompts, prefilled[0])
         entries = [(row, ticket, index) for row, ticket in enumerate(tickets)
                    for index in range(ticket.request.n)]
+        held = {}  # prompt: the staged row of its first sample, which the store copies
         for start in range(0, len(entries), rows):  # `rows` samples per insert
             group = entries[start:start + rows]
             staged = [self._free_staged.pop(0) for _ in group]
@@ -400,7 +397,10 @@ class Engine:
                 np.array(ids + [0] * spare, np.int32), settings, mesh=self.mesh)
             self._dispatched.append(_Dispatched(first, staged, is_chunk=False))
             self._waiting += len(group)
-
+            held.update((r, row) for (r, _, i), row in zip(group, staged, strict=True) if not i)
+        if self._prefixes is not None:
+            self._prefixes.keep(prompts, self.state.staged.cache,
+                                [held[r] for r in range(len(prompts))], self.prefill_batch)
 
     def _place_constraints(self, tickets: list[Ticket]) -> list[int]:
         """Each ticket's automaton placed in the engine's tables: its initial state there

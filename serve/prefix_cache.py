@@ -191,25 +191,29 @@ class PrefixCache:
         if length == fed:
             self.index.pinned.add(kept)
 
-    def keep(self, prompts: list, cache: M.KVCache) -> None:
-        """Copies the rows of a prefill's `cache` (row r: `prompts[r]`) whose full blocks no
-        store row holds into the store."""
-        kept = [(row, into) for row, prompt in enumerate(prompts)
+    def keep(self, prompts: list, cache: M.KVCache, rows: list[int] | None = None,
+             pad_to: int | None = None) -> None:
+        """Copies the rows of `cache` that hold `prompts` (`rows`, default 0, 1, ...) into
+        the store, those whose full blocks no store row holds; the copy is padded to
+        `pad_to` rows (default the cache's), so that one program serves every count."""
+        rows = range(len(prompts)) if rows is None else rows
+        kept = [(row, into) for row, prompt in zip(rows, prompts, strict=True)
                 if (into := self.index.keep(prompt)) is not None]
         if kept:
-            self._copy(cache, kept)
+            self._copy(cache, kept, pad_to)
 
-    def _copy(self, cache: M.KVCache, kept: list[tuple[int, int]]) -> None:
-        """(row of `cache`, store row) pairs copied, padded to the cache's rows (a pair past
-        the store copies nothing): one program per prefill shape, `warm_up` compiles it."""
-        spare = cache.batch_size - len(kept)
+    def _copy(self, cache: M.KVCache, kept: list[tuple[int, int]],
+              pad_to: int | None = None) -> None:
+        """(row of `cache`, store row) pairs copied, padded with pairs past the store, which
+        copy nothing."""
+        spare = (cache.batch_size if pad_to is None else pad_to) - len(kept)
         rows, into = zip(*(kept + [(0, self.index.rows)] * spare), strict=True)
         self.store = keep_prefixes(self.store, cache, np.array(rows, np.int32),
                                    np.array(into, np.int32), mesh=self.mesh)
 
-    def warm_up(self, cache: M.KVCache) -> None:
-        """Compiles the copy of a prefill's rows of `cache`'s shape, copying nothing."""
-        self._copy(cache, [])
+    def warm_up(self, cache: M.KVCache, pad_to: int | None = None) -> None:
+        """Compiles the copy from a cache of `cache`'s shape, copying nothing."""
+        self._copy(cache, [], pad_to)
 
 
 def prefill_after_nothing(config, params, tokens_1P: np.ndarray, capacity: int):
