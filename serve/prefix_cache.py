@@ -101,9 +101,6 @@ class PrefixIndex:
         self._recent[row] = None
         return row
 
-    def clear(self) -> None:
-        self.__init__(self.rows, self.block)
-
 
 class PrefixCache:
     """The engine's store of `rows` rows of `capacity` slots (on `mesh` split as its other
