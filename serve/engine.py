@@ -328,8 +328,8 @@ class Engine:
             return any(ticket is not self._long for ticket in self._pending)
 
     def _too_long(self, ticket: Ticket) -> bool:  # more than a part left to prefill
-        return self._prefixes is not None and self._prefixes.left_to_prefill(
-            ticket.request.prompt) > self.prefill_part
+        return (self._prefixes is not None and len(ticket.request.prompt) > self.prefill_part
+                and self._prefixes.left_to_prefill(ticket.request.prompt) > self.prefill_part)
 
     def _feed_long_prompt(self) -> None:
         """Prefills a part of the oldest waiting prompt that is too long for one turn."""
