@@ -1,7 +1,7 @@
 """`kvjax bench decode`, `kvjax bench train` and `kvjax bench serve`: speed against baselines,
 in one run each; `kvjax bench precision`: each precision's memory, speed and quality;
 `kvjax bench speculative`: speculative decoding against plain greedy; `kvjax bench structured`:
-constrained rows against free ones."""
+constrained rows against free ones; `kvjax bench kernels`: a decode step's kernels."""
 
 from __future__ import annotations
 
@@ -32,6 +32,58 @@ def add_bench(commands) -> None:
     _add_precision(kinds)
     _add_serve(kinds)
     _add_structured(kinds)
+    _add_kernels(kinds)
+
+
+def _add_kernels(kinds) -> None:
+    kernels = add_command(
+        kinds, "kernels", "Where a decode step's time goes: the kernels of one greedy "
+        "generate call, from a jax.profiler trace, per generated token, with the device's "
+        "busy time and the copies to the host.")
+    kernels.add_argument("--preset", choices=PRESET_NAMES, default="gpt-mini", help="model size")
+    kernels.add_argument("--random-hf", choices=RANDOM_HF_MODELS, default=None,
+                         help="instead of --preset, a published model's shape with random "
+                              "weights, written by transformers")
+    kernels.add_argument("--hf-dir", default=None, metavar="DIR",
+                         help="instead of --preset, the model in a Hugging Face directory")
+    kernels.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
+                         help="compute and weights dtype (default: the model's)")
+    kernels.add_argument("--cache-dtype", choices=CACHE_DTYPE_NAMES, default=None,
+                         help="the KV cache's dtype (default: the compute dtype)")
+    kernels.add_argument("--batch", type=positive, default=1, help="rows decoding")
+    kernels.add_argument("--prompt-len", type=positive, default=32, help="prompt tokens")
+    kernels.add_argument("--new-tokens", type=positive, default=128, help="tokens to generate")
+    kernels.add_argument("--layers", choices=LAYER_MODES, default="unrolled",
+                         help="the layer layout")
+    kernels.add_argument("--top", type=positive, default=30, help="kernels listed")
+    kernels.set_defaults(run=run_bench_kernels)
+
+
+def _model_dir(args, scratch: str) -> str | None:
+    """The Hugging Face directory a benchmark runs: `--hf-dir`, or `--random-hf`'s model
+    written into `scratch`, or None (a preset)."""
+    if not args.random_hf:
+        return args.hf_dir
+    from kvjax.benchmarks.random_hf import write_random_hf
+
+    print(f"writing {args.random_hf} with random weights ...")
+    return write_random_hf(args.random_hf,
+                           os.path.join(scratch, f"{args.random_hf}-random-weights"),
+                           args.dtype or "float32")
+
+
+def run_bench_kernels(args) -> int:
+    from kvjax.benchmarks.kernels import format_profile, profile_decode
+
+    with tempfile.TemporaryDirectory() as scratch:
+        hf_dir = _model_dir(args, scratch)
+        name, profile = profile_decode(args.preset, hf_dir, args.batch, args.prompt_len,
+                                       args.new_tokens, args.layers, args.dtype,
+                                       args.cache_dtype)
+    print(format_profile(profile, f"Greedy decode, {name}, batch {args.batch}, "
+                                  f"{args.layers} layers, {args.dtype or 'its own dtype'}",
+                         args.top))
+    return 0
 
 
 def _add_structured(kinds) -> None:
@@ -274,14 +326,7 @@ def run_bench_decode(args) -> int:
         check_sweep(args.preset, args.sweep_capacity, args.sweep_fills)
     loops = {name: parse_loop(name) for name in args.loops}  # a bad name fails first
     with tempfile.TemporaryDirectory() as scratch:
-        hf_dir = args.hf_dir
-        if args.random_hf:
-            from kvjax.benchmarks.random_hf import write_random_hf
-
-            print(f"writing {args.random_hf} with random weights ...")
-            hf_dir = write_random_hf(args.random_hf,
-                                     os.path.join(scratch, f"{args.random_hf}-random-weights"),
-                                     args.dtype or "float32")
+        hf_dir = _model_dir(args, scratch)
         rows, facts = decode_benchmark(
             args.preset, tuple(args.batch_sizes), args.prompt_len, args.new_tokens,
             args.repeats, layer_modes=tuple(args.layers), compare_no_cache=not args.no_no_cache,

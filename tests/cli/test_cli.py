@@ -15,7 +15,7 @@ from kvjax.model.config import cache_size_bytes
 
 SUBCOMMANDS = (["demo"], ["train"], ["sample"], ["serve"], ["import-hf"], ["cache-size"],
                ["bench", "decode"], ["bench", "train"], ["bench", "serve"],
-               ["bench", "speculative"], ["bench", "precision"])
+               ["bench", "speculative"], ["bench", "precision"], ["bench", "kernels"])
 
 
 
