@@ -110,7 +110,8 @@ def test_soft_capped_logits_stay_inside_the_cap():
     params = jax.tree.map(lambda a: 5 * a, params)
     tokens = jax.random.randint(jax.random.key(4), (1, 6), 3, config.vocab_size)
     logits = np.asarray(run_full(config, params, tokens))
-    assert np.abs(logits).max() < 3.0
+    # tanh of a large logit rounds to exactly 1 in float32 (a GPU's tanh sooner than a CPU's).
+    assert np.abs(logits).max() <= 3.0
     assert np.abs(logits).max() > 2.5
 
 
