@@ -42,11 +42,13 @@ from .workload import Result, Workload, make_workload
 
 def run_engine(config, params, workload: Workload, max_slots: int,
                chunk_size: int | None = None, max_len: int | None = None,
-               prefix_cache_rows: int | None = None) -> Result:
-    """The engine with `max_slots` slots of `max_len` positions (default: the model's) and
-    `prefix_cache_rows` (default: the engine's)."""
+               prefix_cache_rows: int | None = None,
+               steps_per_check: int | None = None) -> Result:
+    """The engine with `max_slots` slots of `max_len` positions (default: the model's),
+    `prefix_cache_rows` and `steps_per_check` (default: the engine's)."""
     engine = Engine(config, params, max_slots=max_slots, max_len=max_len, chunk_size=chunk_size,
-                    max_queue=len(workload.prompts), prefix_cache_rows=prefix_cache_rows)
+                    max_queue=len(workload.prompts), prefix_cache_rows=prefix_cache_rows,
+                    steps_per_check=steps_per_check)
     engine.warm_up(len(p) for p in workload.prompts)
     first, last, gaps, errors = {}, {}, [], []
     done = threading.Semaphore(0)
@@ -84,7 +86,8 @@ def run_engine(config, params, workload: Workload, max_slots: int,
         raise RuntimeError(f"the engine failed: {errors[0]!r}")
     ttft = np.array([first[i] - (start + a) for i, a in enumerate(workload.arrivals)])
     return Result(f"engine ({max_slots} slots of {engine.capacity}, chunk {engine.chunk_size}, "
-                  f"{engine.prefix_cache_rows} prefix rows)",
+                  f"{engine.steps_per_check} steps per check, {engine.prefix_cache_rows} "
+                  "prefix rows)",
                   workload.useful_tokens,
                   end - (start + workload.arrivals[0]), ttft, np.array(gaps))
 
@@ -161,7 +164,8 @@ def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, o
                     max_slots: int, chunk_size: int | None, batch: int, seed: int = 0,
                     long_tail: bool = False, compare_transformers: bool = True,
                     repeats: int = 3, max_len: int | None = None,
-                    shared_prefix: int = 0, prefix_cache_rows: int | None = None) -> str:
+                    shared_prefix: int = 0, prefix_cache_rows: int | None = None,
+                    steps_per_check: int | None = None) -> str:
     """The report: each contender's run of median throughput among `repeats` (the engine and
     the fixed batches take turns, so that both see the machine's drift alike), then the
     ratio in each repeat; transformers' contender runs once. The engine's slots hold
@@ -188,7 +192,7 @@ def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, o
     engine_runs, batch_runs = [], []
     for _ in range(repeats):
         engine_runs.append(run_engine(config, params, workload, max_slots, chunk_size,
-                                      max_len, prefix_cache_rows))
+                                      max_len, prefix_cache_rows, steps_per_check))
         batch_runs.append(run_fixed_batches(config, params, workload, batch))
     results = [median_run(engine_runs), median_run(batch_runs)]
     notes = [ratio_line(engine_runs, batch_runs)] if repeats > 1 else []

@@ -11,6 +11,10 @@ power of two (`power_of_two`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
+
 MIN_BUCKET = 8
 
 
@@ -21,6 +25,14 @@ def bucket(n: int, limit: int) -> int:
         power = 1 << (size.bit_length() - 1)  # the power of two at or below `size`
         size = power * 3 // 2 if size == power and power >= 16 else power * 2
     return min(size, limit)
+
+
+def padded_to_bucket(prompts: Sequence[Sequence[int]], limit: int) -> np.ndarray:
+    """`prompts` [P, bucket of the longest] int32, each right-padded with zeros."""
+    padded = np.zeros((len(prompts), bucket(max(map(len, prompts)), limit)), np.int32)
+    for row, prompt in enumerate(prompts):
+        padded[row, :len(prompt)] = prompt
+    return padded
 
 
 def power_of_two(n: int, least: int = 1) -> int:

@@ -67,16 +67,24 @@ def _starving(state: EngineState, queued):
     return queued & jnp.any(~state.slots.running) & ~jnp.any(state.staged.running)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6), static_argnames="mesh", donate_argnums=2)
+@functools.partial(jax.jit, static_argnums=(0, 6), static_argnames=("mesh", "steps_per_check"),
+                   donate_argnums=2)
 def decode_chunk(config: M.TransformerConfig, params, state: EngineState, cancel_I,
-                 want_top, queued, steps: int, mesh=None) -> tuple[EngineState, Emitted]:
+                 want_top, queued, steps: int, mesh=None,
+                 steps_per_check: int = 1) -> tuple[EngineState, Emitted]:
     """Up to `steps` decode steps over every running slot, after stopping every sample (in a
     slot or staged) whose id is in `cancel` (-2 pads): (state, `Emitted` [B, steps]). A slot
     that is free before a step takes the oldest staged sample, if one waits; if none does
     and `queued` (a traced bool: the host holds requests to stage), the chunk ends. The top
     logprobs are left out (zeros) unless `want_top` (a traced bool): some request asked for
     them. On `mesh` each device steps its own slots, the state kept in its layout (see
-    `slots.empty_state`)."""
+    `slots.empty_state`).
+
+    With `steps_per_check` k > 1 the steps run k at a time in a loop of known trip count,
+    and whether to go on, or to admit staged samples, is decided only between those: on an
+    accelerator a loop whose trip count the device cannot know waits for the host at every
+    iteration. A slot that frees inside the k steps waits for their end; a step once every
+    slot is done, or past `steps`, changes nothing (it feeds no row and emits nothing)."""
     count_trace("serve_chunk")
 
     def stop_cancelled(rows: SlotState) -> SlotState:
@@ -102,14 +110,14 @@ def decode_chunk(config: M.TransformerConfig, params, state: EngineState, cancel
         return ((step < steps) & jnp.any(state.slots.running)
                 & ~_slot_free_and_sample_waiting(state) & ~_starving(state, queued))
 
-    def decode_step(carry):
+    def decode_step(carry, active=True):
         step, state, emitted = carry
         slots = state.slots
-        full_B = slots.running & (slots.cache.lengths >= slots.cache.capacity)
+        full_B = active & slots.running & (slots.cache.lengths >= slots.cache.capacity)
         slots = slots.replace(
             running=slots.running & ~full_B,
             stop_reason=jnp.where(full_B, StopReason.CACHE_FULL, slots.stop_reason))
-        live_B = slots.running
+        live_B = active & slots.running
         # Stopped slots are fed nothing: their cache rows neither grow nor overflow.
         logits_B1V, cache = step_fn(slots.last_tokens[:, None], slots.cache,
                                     live_B.astype(jnp.int32))
@@ -130,7 +138,18 @@ def decode_chunk(config: M.TransformerConfig, params, state: EngineState, cancel
             logprobs=emitted.logprobs.at[:, step].set(logprob_B),
             top_ids=emitted.top_ids.at[:, step].set(top_ids_BA),
             top_logprobs=emitted.top_logprobs.at[:, step].set(top_logprobs_BA))
-        return step + 1, parallel.constrain_rows(state.replace(slots=slots), mesh), emitted
+        step = step + jnp.asarray(active, jnp.int32)
+        return step, parallel.constrain_rows(state.replace(slots=slots), mesh), emitted
+
+    def decode_steps(carry):
+        if steps_per_check == 1:
+            return decode_step(carry)
+
+        def masked(_, carry):
+            step, state, _ = carry
+            return decode_step(carry, (step < steps) & jnp.any(state.slots.running))
+
+        return jax.lax.fori_loop(0, steps_per_check, masked, carry)
 
     def admit_and_decode(carry):
         step, state, emitted = carry
@@ -140,7 +159,7 @@ def decode_chunk(config: M.TransformerConfig, params, state: EngineState, cancel
         slots = slots.replace(cache=slots.cache.replace(
             lengths=jnp.where(slots.running, slots.cache.lengths, 0)))
         state = parallel.constrain_rows(state.replace(slots=slots), mesh)
-        return jax.lax.while_loop(decoding, decode_step, (step, state, emitted))
+        return jax.lax.while_loop(decoding, decode_steps, (step, state, emitted))
 
     def unfinished(carry):
         step, state, _ = carry
@@ -152,6 +171,13 @@ def decode_chunk(config: M.TransformerConfig, params, state: EngineState, cancel
         (jnp.zeros((), jnp.int32), parallel.constrain_rows(state, mesh), emitted))
     return state, emitted.replace(live=jnp.sum(state.slots.running, dtype=jnp.int32),
                                   waiting=state.staged.running)
+
+
+def default_steps_per_check() -> int:
+    """Decode steps between two checks of whether to go on: 1 on a CPU, where a check costs
+    next to nothing and a step after the last slot ends would cost a whole step; 8 on an
+    accelerator, where each check waits for the host."""
+    return 1 if jax.default_backend() == "cpu" else 8
 
 
 def default_chunk_size() -> int:

@@ -35,7 +35,7 @@ import numpy as np
 from kvjax import model as M
 from kvjax import parallel
 from kvjax.decode import checks
-from kvjax.decode.buckets import bucket, power_of_two
+from kvjax.decode.buckets import padded_to_bucket, power_of_two
 from kvjax.decode.prepare import placement
 from kvjax.decode.prompt_state import prefill_state
 from kvjax.tokenizer import TextTokenizer
@@ -76,7 +76,7 @@ class Engine:
     refused before it is allocated if it would not fit the device's free memory
     (`memory.py`). `max_staged` (default `max_slots`) bounds a request's `n` and the slots a
     chunk can refill before the host stages more; fewer leave slots more memory.
-    `chunk_size`: by default `chunk.default_chunk_size()`.
+    `chunk_size` and `steps_per_check` default to `chunk.py`'s choice for the backend.
 
     `prefix_cache_rows` more rows (default a quarter of `max_staged`; 0: none) keep the
     K/V of recent prompts, so a prompt that starts like one of them prefills only the rest
@@ -87,17 +87,20 @@ class Engine:
     def __init__(self, config: M.TransformerConfig, params, *,
                  tokenizer: TextTokenizer | None = None, max_slots: int = 16,
                  max_staged: int | None = None, max_len: int | None = None,
-                 chunk_size: int | None = None, max_queue: int = 64,
-                 prefill_batch: int = 8, prefix_cache_rows: int | None = None,
+                 chunk_size: int | None = None, steps_per_check: int | None = None,
+                 max_queue: int = 64, prefill_batch: int = 8, prefix_cache_rows: int | None = None,
                  prefix_block: int = prefix_cache.DEFAULT_BLOCK, prefill_part: int = 512,
                  metrics=None, mesh=None):
         capacity = config.max_len if max_len is None else max_len
-        if chunk_size is None:
-            chunk_size = chunk.default_chunk_size()
+        chunk_size = chunk.default_chunk_size() if chunk_size is None else chunk_size
+        if steps_per_check is None:
+            steps_per_check = chunk.default_steps_per_check()
         max_staged = max_slots if max_staged is None else max_staged
         for name, value in (("max_slots", max_slots), ("max_staged", max_staged),
                             ("max_len", capacity), ("chunk_size", chunk_size),
-                            ("max_queue", max_queue), ("prefill_batch", prefill_batch)):
+                            ("steps_per_check", steps_per_check), ("max_queue", max_queue),
+                            ("prefill_batch", prefill_batch), ("prefix_block", prefix_block),
+                            ("prefill_part", prefill_part)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
         if capacity > config.max_len:
@@ -108,9 +111,6 @@ class Engine:
             prefix_cache_rows = -(-max(1, max_staged // 4) // data) * data
         if not isinstance(prefix_cache_rows, int) or prefix_cache_rows < 0:
             raise ValueError(f"prefix_cache_rows={prefix_cache_rows!r} must be an int >= 0")
-        for name, value in (("prefix_block", prefix_block), ("prefill_part", prefill_part)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an int >= 1")
         for name, rows in (("max_slots", max_slots), ("max_staged", max_staged),
                            ("prefix_cache_rows", prefix_cache_rows)):
             if rows % data:
@@ -120,6 +120,7 @@ class Engine:
         self.mesh, params = placement(config, params, mesh)
         self.config, self.params, self.tokenizer = config, params, tokenizer
         self.capacity, self.chunk_size, self.max_queue = capacity, chunk_size, max_queue
+        self.steps_per_check = steps_per_check
         self.prefill_batch, self.metrics = prefill_batch, metrics
         self.max_slots, self.num_staged = max_slots, max_staged
         self.prefix_cache_rows, self.prefix_block = prefix_cache_rows, prefix_block
@@ -265,7 +266,7 @@ class Engine:
             self.state, emitted = chunk.decode_chunk(
                 self.config, self.params, self.state, self._cancel_ids(),
                 np.bool_(self.outputs.want_top()), np.bool_(self._can_stage_more()),
-                self.chunk_size, mesh=self.mesh)
+                self.chunk_size, mesh=self.mesh, steps_per_check=self.steps_per_check)
             # Ids past what one chunk's list holds go with the next chunk.
             del self.outputs.to_stop[:self.max_slots + self.num_staged]
             self._dispatched.append(_Dispatched(emitted, [], is_chunk=True))
@@ -364,7 +365,7 @@ class Engine:
         prompts = [ticket.request.prompt for ticket in tickets]
         rows = min(power_of_two(len(prompts)), self.prefill_batch)
         spare = rows - len(prompts)
-        padded = _padded(self.capacity, prompts + [prompts[0]] * spare, max(map(len, prompts)))
+        padded = padded_to_bucket(prompts + [prompts[0]] * spare, self.capacity)
         lengths = np.array([len(p) for p in prompts + [prompts[0]] * spare], np.int32)
         if hits[0][1] == 0:
             # The prompts' cache holds only them: the insert writes it into the staged rows.
@@ -374,7 +375,7 @@ class Engine:
             rests = [p[n:] for p, (_, n) in zip(prompts, hits, strict=True)]
             prefilled = self._prefixes.prefill(
                 self.params, padded, lengths, hits + [hits[0]] * spare,
-                _padded(self.capacity, rests + [rests[0]] * spare, max(map(len, rests))))
+                padded_to_bucket(rests + [rests[0]] * spare, self.capacity))
             self._prefixes.count_hits(hits, self.metrics)
         entries = [(row, ticket, index) for row, ticket in enumerate(tickets)
                    for index in range(ticket.request.n)]
@@ -439,11 +440,3 @@ class Engine:
         self._reset()
         for ticket in tickets.values():
             ticket.on_delta(error)
-
-
-def _padded(capacity: int, prompts: list, longest: int) -> np.ndarray:
-    """`prompts` right-padded with zeros to the bucket of `longest`."""
-    padded = np.zeros((len(prompts), bucket(longest, capacity)), np.int32)
-    for row, prompt in enumerate(prompts):
-        padded[row, :len(prompt)] = prompt
-    return padded

@@ -59,4 +59,5 @@ def compile_programs(engine, prompt_lengths: Iterable[int] | None = None) -> Non
                                           [(0, 0)], part)[0])
     engine.state, _ = chunk.decode_chunk(engine.config, engine.params, engine.state,
                                          engine._cancel_ids(), np.bool_(False),
-                                         np.bool_(False), engine.chunk_size, mesh=engine.mesh)
+                                         np.bool_(False), engine.chunk_size, mesh=engine.mesh,
+                                         steps_per_check=engine.steps_per_check)

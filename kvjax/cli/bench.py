@@ -234,6 +234,9 @@ def _add_serve(kinds) -> None:
                             "8 on a CPU, 64 on an accelerator)")
     serve.add_argument("--prefix-cache-rows", type=count, default=None, metavar="N",
                        help="the engine's prefix cache rows (default: the engine's; 0: off)")
+    serve.add_argument("--steps-per-check", type=positive, default=None, metavar="K",
+                       help="decode steps between the chunk's checks of whether to go on or "
+                            "admit (default: the engine's: 1 on a CPU, 8 on an accelerator)")
     serve.add_argument("--batch", type=positive, default=16,
                        help="requests per decode.generate call in the baseline")
     serve.add_argument("--seed", type=seed, default=0, help="workload and weights seed")
@@ -252,7 +255,8 @@ def run_bench_serve(args) -> int:
                           args.batch, args.seed, args.long_tail,
                           compare_transformers=not args.no_hf, repeats=args.repeats,
                           max_len=args.max_len, shared_prefix=args.shared_prefix,
-                          prefix_cache_rows=args.prefix_cache_rows))
+                          prefix_cache_rows=args.prefix_cache_rows,
+                          steps_per_check=args.steps_per_check))
     return 0
 
 

@@ -221,6 +221,29 @@ def test_a_slot_that_frees_mid_chunk_takes_the_next_staged_sample_at_once(tiny_l
     assert collectors[0].tokens() == alone(tiny_lm, long)
 
 
+def test_steps_checked_four_at_a_time_make_the_same_tokens(tiny_lm):
+    # As an accelerator runs a chunk: whether to go on, or to admit, is decided every four
+    # steps. A ends after two steps of the first four and C waits on the host (the two
+    # staged rows are taken): the chunk ends after the four, where checking every step would
+    # end it after two. Chunks of six leave two steps of every second group past the
+    # chunk's end, and groups go on after every slot is done: those steps emit nothing.
+    config, _, params = tiny_lm
+    engine = Engine(config, params, max_slots=2, chunk_size=6, steps_per_check=4,
+                    max_queue=4, prefill_batch=2)
+    long, a, c, d = (GenerationRequest(prompt(110 + i, 3 + i), max_tokens=m)
+                     for i, m in enumerate((30, 3, 3, 5)))
+    collectors = [Collector() for _ in range(4)]
+    for request, collector in zip((long, a, c), collectors, strict=False):
+        engine.submit(request, collector)
+    engine.step()
+    assert [len(c.tokens()) for c in collectors[:3]] == [1 + 4, 3, 0]
+    engine.submit(d, collectors[3])
+    engine.run_until_idle()
+    assert [c.tokens() for c in collectors] == [alone(tiny_lm, r) for r in (long, a, c, d)]
+    assert [c.finish() for c in collectors] == ["length"] * 4
+    assert engine.live_slots == 0 and engine.queue_length == 0
+
+
 def test_a_cancelled_staged_sample_never_takes_a_slot(engine):
     busy = [Collector() for _ in range(SLOTS)]
     tickets = [engine.submit(GenerationRequest(prompt(80 + i, 4), max_tokens=40), c)
