@@ -43,9 +43,9 @@ from .workload import Result, Workload, make_workload
 def run_engine(config, params, workload: Workload, max_slots: int,
                chunk_size: int | None = None, max_len: int | None = None,
                prefix_cache_rows: int | None = None,
-               steps_per_check: int | None = None) -> Result:
+               steps_per_check: int = 1) -> Result:
     """The engine with `max_slots` slots of `max_len` positions (default: the model's),
-    `prefix_cache_rows` and `steps_per_check` (default: the engine's)."""
+    `prefix_cache_rows` (default: the engine's) and `steps_per_check`."""
     engine = Engine(config, params, max_slots=max_slots, max_len=max_len, chunk_size=chunk_size,
                     max_queue=len(workload.prompts), prefix_cache_rows=prefix_cache_rows,
                     steps_per_check=steps_per_check)
@@ -165,7 +165,7 @@ def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, o
                     long_tail: bool = False, compare_transformers: bool = True,
                     repeats: int = 3, max_len: int | None = None,
                     shared_prefix: int = 0, prefix_cache_rows: int | None = None,
-                    steps_per_check: int | None = None) -> str:
+                    steps_per_check: int = 1) -> str:
     """The report: each contender's run of median throughput among `repeats` (the engine and
     the fixed batches take turns, so that both see the machine's drift alike), then the
     ratio in each repeat; transformers' contender runs once. The engine's slots hold

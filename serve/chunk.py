@@ -173,13 +173,6 @@ def decode_chunk(config: M.TransformerConfig, params, state: EngineState, cancel
                                   waiting=state.staged.running)
 
 
-def default_steps_per_check() -> int:
-    """Decode steps between two checks of whether to go on: 1 on a CPU, where a check costs
-    next to nothing and a step after the last slot ends would cost a whole step; 8 on an
-    accelerator, where each check waits for the host."""
-    return 1 if jax.default_backend() == "cpu" else 8
-
-
 def default_chunk_size() -> int:
     """Decode steps per chunk: 8 on a CPU, 64 on an accelerator. On a CPU a host turn costs
     little beside a step, so longer chunks only delay first tokens; on an accelerator each

@@ -234,9 +234,9 @@ def _add_serve(kinds) -> None:
                             "8 on a CPU, 64 on an accelerator)")
     serve.add_argument("--prefix-cache-rows", type=count, default=None, metavar="N",
                        help="the engine's prefix cache rows (default: the engine's; 0: off)")
-    serve.add_argument("--steps-per-check", type=positive, default=None, metavar="K",
+    serve.add_argument("--steps-per-check", type=positive, default=1, metavar="K",
                        help="decode steps between the chunk's checks of whether to go on or "
-                            "admit (default: the engine's: 1 on a CPU, 8 on an accelerator)")
+                            "admit, run in a loop of known trip count (for accelerators)")
     serve.add_argument("--batch", type=positive, default=16,
                        help="requests per decode.generate call in the baseline")
     serve.add_argument("--seed", type=seed, default=0, help="workload and weights seed")
