@@ -4,8 +4,9 @@ program, with each slot that frees on the way taken at once by the oldest staged
 Admission happens on the device, between steps, so a chunk can be long without slots
 standing idle until it ends: the host's turns (handing out tokens, prefilling and staging
 what arrived) only need to come often enough to keep samples staged. The program is two
-nested `lax.while_loop`s: the inner one decodes while no slot is free with a sample waiting;
-the outer one then moves staged samples into the free slots (`admit`) and decodes on.
+nested `lax.while_loop`s: the inner one decodes (a step, or `steps_per_check` steps, per
+iteration) while no slot is free with a sample waiting; the outer one then moves staged
+samples into the free slots (`admit`) and decodes on.
 
 Shape letters as in `slots.py`: B slots, Q staged rows, I ids to cancel, O steps, A top
 logprobs kept per token.
