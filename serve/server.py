@@ -41,7 +41,7 @@ def error_response(error: APIError) -> JSONResponse:
 
 def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: int = 16,
               max_staged: int | None = None, max_queue: int = 64, max_len: int | None = None,
-              chunk_size: int | None = None, prefill_batch: int = 8,
+              chunk_size: int | None = None, steps_per_check: int = 1, prefill_batch: int = 8,
               prefix_cache_rows: int | None = None, prefill_part: int = 512,
               warm_up: bool = False, mesh=None,
               api_key: str | None = None, limits: Limits | None = None) -> Starlette:
@@ -53,7 +53,8 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
     metrics = ServeMetrics()
     engine = Engine(loaded.config, loaded.params, tokenizer=loaded.tokenizer,
                     max_slots=max_slots, max_staged=max_staged, max_len=max_len,
-                    chunk_size=chunk_size, max_queue=max_queue, prefill_batch=prefill_batch,
+                    chunk_size=chunk_size, steps_per_check=steps_per_check, max_queue=max_queue,
+                    prefill_batch=prefill_batch,
                     prefix_cache_rows=prefix_cache_rows, prefill_part=prefill_part,
                     metrics=metrics, mesh=mesh)
     name = model_name or os.path.basename(os.path.normpath(loaded.directory)) or "kvjax"

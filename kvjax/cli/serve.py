@@ -38,6 +38,10 @@ def add_serve(commands) -> None:
                        help="decode steps between the host's turns (handing out tokens, "
                             "staging requests); slots refill within a chunk (default: 8 "
                             "on a CPU, 64 on an accelerator)")
+    serve.add_argument("--steps-per-check", type=positive, default=1, metavar="K",
+                       help="decode steps a chunk runs between its checks of whether to go "
+                            "on or refill a slot, in a loop of known trip count (for an "
+                            "accelerator, where each check waits for the host)")
     serve.add_argument("--prefill-batch", type=positive, default=8,
                        help="waiting prompts prefilled together")
     serve.add_argument("--prefix-cache-rows", type=count, default=None, metavar="N",
@@ -82,7 +86,7 @@ def run_serve(args) -> int:
     app = build_app(loaded, model_name=args.model_name, max_slots=args.max_slots,
                     max_staged=args.max_staged, max_queue=args.max_queue,
                     max_len=args.max_len, chunk_size=args.chunk_size,
-                    prefill_batch=args.prefill_batch,
+                    steps_per_check=args.steps_per_check, prefill_batch=args.prefill_batch,
                     prefix_cache_rows=args.prefix_cache_rows, prefill_part=args.prefill_part,
                     warm_up=args.warm_up, mesh=mesh,
                     api_key=api_key, limits=limits)
