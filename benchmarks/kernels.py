@@ -12,11 +12,13 @@ next part is launched. The profiler itself slows the host, so that difference is
 bound: `kvjax bench decode` times the steps.
 
 On a GPU the kernels are the events of the device's streams; on a CPU, those of XLA's
-threads (thunks), whose busy time then adds up the threads that ran at once.
+threads (thunks), where a loop XLA compiles whole (the host-planned loop's inner steps) is
+not seen inside.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import os
@@ -30,8 +32,9 @@ import numpy as np
 
 from kvjax import decode
 from kvjax import model as M
+from kvjax.decode.plan import planned_by
 
-from .decode import _benchmark_model
+from .decode import _benchmark_model, parse_loop
 
 # Bookkeeping events on XLA:CPU's threads, and the control flow that holds kernels.
 _CPU_NOT_KERNELS = re.compile(r"ThreadpoolListener|end: |ThunkExecutor|(while|cond|call)\.\d")
@@ -139,10 +142,12 @@ def profile_kernels(run: Callable[[], object], steps: int) -> KernelProfile:
 
 def profile_decode(preset: str, hf_dir: str | None, batch: int, prompt_len: int,
                    new_tokens: int, layers: str = "unrolled", dtype: str | None = None,
-                   cache_dtype: str | None = None) -> tuple[str, KernelProfile]:
+                   cache_dtype: str | None = None,
+                   loop: str = "default") -> tuple[str, KernelProfile]:
     """(the model's name, the kernels of one greedy `generate` call of `new_tokens` tokens
     for `batch` random prompts of `prompt_len` tokens), for the model `kvjax bench decode`
-    times."""
+    times, with its decode loop `loop` (`kvjax bench decode --loops`)."""
+    planner = parse_loop(loop)  # a bad name fails first
     name, config, params = _benchmark_model(preset, hf_dir)
     config, params = M.with_precision(config, params, dtype, cache_dtype)
     if layers == "unrolled":
@@ -154,8 +159,9 @@ def profile_decode(preset: str, hf_dir: str | None, batch: int, prompt_len: int,
         return decode.generate(net, params, prompts.astype(np.int32),
                                max_new_tokens=new_tokens).tokens
 
-    jax.block_until_ready(run())  # compiles
-    return name, profile_kernels(run, new_tokens)
+    with contextlib.nullcontext() if planner is None else planned_by(planner):
+        jax.block_until_ready(run())  # compiles
+        return name, profile_kernels(run, new_tokens)
 
 
 def format_profile(profile: KernelProfile, title: str, top: int = 30) -> str:

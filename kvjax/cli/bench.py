@@ -55,6 +55,9 @@ def _add_kernels(kinds) -> None:
     kernels.add_argument("--new-tokens", type=positive, default=128, help="tokens to generate")
     kernels.add_argument("--layers", choices=LAYER_MODES, default="unrolled",
                          help="the layer layout")
+    kernels.add_argument("--loop", default="default", metavar="LOOP",
+                         help="the decode loop, as `kvjax bench decode --loops` names it "
+                              "(default, device, host, host:K)")
     kernels.add_argument("--top", type=positive, default=30, help="kernels listed")
     kernels.set_defaults(run=run_bench_kernels)
 
@@ -79,9 +82,10 @@ def run_bench_kernels(args) -> int:
         hf_dir = _model_dir(args, scratch)
         name, profile = profile_decode(args.preset, hf_dir, args.batch, args.prompt_len,
                                        args.new_tokens, args.layers, args.dtype,
-                                       args.cache_dtype)
+                                       args.cache_dtype, args.loop)
     print(format_profile(profile, f"Greedy decode, {name}, batch {args.batch}, "
-                                  f"{args.layers} layers, {args.dtype or 'its own dtype'}",
+                                  f"{args.layers} layers, {args.dtype or 'its own dtype'}, "
+                                  f"{args.loop} loop",
                          args.top))
     return 0
 
