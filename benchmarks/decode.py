@@ -278,7 +278,7 @@ def torch_on_gpu() -> bool:
     return jax.default_backend() == "gpu" and torch.cuda.is_available()
 
 
-def _benchmark_model(preset: str, hf_dir: str | None) -> tuple[str, M.TransformerConfig, dict]:
+def benchmark_model(preset: str, hf_dir: str | None) -> tuple[str, M.TransformerConfig, dict]:
     """(name, scanned config, scanned params): a preset with random weights, or the
     decoder-only model in a Hugging Face directory."""
     if hf_dir is None:
@@ -321,7 +321,7 @@ def decode_benchmark(preset: str = "gpt-mini", batch_sizes: Sequence[int] = (1, 
     """
     if new_tokens < 4:
         raise ValueError(f"new_tokens={new_tokens} must be >= 4 to time decode steps")
-    name, config, params = _benchmark_model(preset, hf_dir)
+    name, config, params = benchmark_model(preset, hf_dir)
     config, params = M.with_precision(config, params, dtype, cache_dtype)
     if prompt_len + new_tokens > config.max_len:
         raise ValueError(f"prompt_len {prompt_len} + new_tokens {new_tokens} exceeds the "

@@ -34,7 +34,7 @@ from kvjax import decode
 from kvjax import model as M
 from kvjax.decode.plan import planned_by
 
-from .decode import _benchmark_model, parse_loop
+from .decode import benchmark_model, parse_loop
 
 # Bookkeeping events on XLA:CPU's threads, and the control flow that holds kernels.
 _CPU_NOT_KERNELS = re.compile(r"ThreadpoolListener|end: |ThunkExecutor|(while|cond|call)\.\d")
@@ -112,6 +112,7 @@ def busy_ns(spans: list[Span]) -> int:
 
 
 def summarize(spans: list[Span], copies: int, steps: int, device: str) -> KernelProfile:
+    """The profile of a call of `steps` steps whose kernels are `spans`."""
     if not spans:
         raise RuntimeError(f"the trace holds no kernels of {device}")
     by_name = defaultdict(lambda: [0, 0])
@@ -148,7 +149,7 @@ def profile_decode(preset: str, hf_dir: str | None, batch: int, prompt_len: int,
     for `batch` random prompts of `prompt_len` tokens), for the model `kvjax bench decode`
     times, with its decode loop `loop` (`kvjax bench decode --loops`)."""
     planner = parse_loop(loop)  # a bad name fails first
-    name, config, params = _benchmark_model(preset, hf_dir)
+    name, config, params = benchmark_model(preset, hf_dir)
     config, params = M.with_precision(config, params, dtype, cache_dtype)
     if layers == "unrolled":
         config, params = config.replace(scan_layers=False), M.unstack_layer_params(config, params)
