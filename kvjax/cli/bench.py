@@ -41,11 +41,12 @@ def _add_kernels(kinds) -> None:
         "generate call, from a jax.profiler trace, per generated token, with the device's "
         "busy time and the copies to the host.")
     kernels.add_argument("--preset", choices=PRESET_NAMES, default="gpt-mini", help="model size")
-    kernels.add_argument("--random-hf", choices=RANDOM_HF_MODELS, default=None,
-                         help="instead of --preset, a published model's shape with random "
-                              "weights, written by transformers")
-    kernels.add_argument("--hf-dir", default=None, metavar="DIR",
-                         help="instead of --preset, the model in a Hugging Face directory")
+    model = kernels.add_mutually_exclusive_group()
+    model.add_argument("--random-hf", choices=RANDOM_HF_MODELS, default=None,
+                       help="instead of --preset, a published model's shape with random "
+                            "weights, written by transformers")
+    model.add_argument("--hf-dir", default=None, metavar="DIR",
+                       help="instead of --preset, the model in a Hugging Face directory")
     kernels.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
                          help="compute and weights dtype (default: the model's)")
     kernels.add_argument("--cache-dtype", choices=CACHE_DTYPE_NAMES, default=None,

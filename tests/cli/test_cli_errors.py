@@ -46,6 +46,8 @@ def assert_one_line(err: str, *fragments: str) -> None:
         ["the engine's cache of 2250000000 rows x max_len=", "lower max_len (none is small"],
         marks=pytest.mark.skipif(memory.free_bytes(jax.devices("cpu")[0]) is None,
                                  reason="this machine does not say how much memory is free")),
+    (["bench", "kernels", "--random-hf", "gpt2", "--hf-dir", "x"],
+     ["argument --hf-dir: not allowed with argument --random-hf"]),
     (["bench", "kernels", "--preset", "tiny", "--loop", "every"],
      ["decode loop 'every' is not default, device, host or host:K"]),
     (["bench", "serve", "--max-len", "100", "--no-hf"],
