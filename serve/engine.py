@@ -364,8 +364,9 @@ class Engine:
         prompts = [ticket.request.prompt for ticket in tickets]
         rows = min(power_of_two(len(prompts)), self.prefill_batch)
         spare = rows - len(prompts)
-        padded = padded_to_bucket(prompts + [prompts[0]] * spare, self.capacity)
-        lengths = np.array([len(p) for p in prompts + [prompts[0]] * spare], np.int32)
+        filled = prompts + [prompts[0]] * spare
+        padded = padded_to_bucket(filled, self.capacity)
+        lengths = np.array([len(p) for p in filled], np.int32)
         if hits[0][1] == 0:
             # The prompts' cache holds only them: the insert writes it into the staged rows.
             prefilled = prefill_state(self.config, self.params, padded, lengths,
