@@ -32,6 +32,7 @@ import numpy as np
 
 from kvjax import model as M
 from kvjax import parallel
+from kvjax.model.fused_attention import fused_attention_applies
 
 from .decode import _best_seconds, _machine
 
@@ -278,9 +279,16 @@ def train_benchmark(preset: str = "gpt-mini", batch_size: int = 8, seq_len: int 
     log("matmul peak ...")
     peak = measure_matmul_peak(dtype)
     setting = (f"Training, `{preset}` sizes in {dtype}, batch {batch_size} x {seq_len} tokens, "
-               f"AdamW with clipping; best of {repeats} x {steps} steps. Machine: "
-               f"{_machine()}. PyTorch: {note}.")
+               f"AdamW with clipping; best of {repeats} x {steps} steps; kvjax's attention "
+               f"through {_attention_route(config)}. Machine: {_machine()}. PyTorch: {note}.")
     return rows, setting, peak
+
+
+def _attention_route(config: M.TransformerConfig) -> str:
+    probe = jnp.zeros((1, 1, config.num_heads, config.head_dim), config.compute_dtype)
+    fused = config.sliding_window is None and fused_attention_applies(
+        probe, probe, probe, config.attention_softcap)
+    return "cuDNN's fused kernel" if fused else "XLA's ops"
 
 
 def format_train_table(rows: list[TrainRow], setting: str, peak_flops: float) -> str:

@@ -8,14 +8,13 @@ Fresh keys and values come out of their projections as [B, S, K, H]; the cache s
 as [B, K, S, H] (see `model/cache.py`): `attend` takes the first, `attend_blocks` the second.
 
 What runs where: a call without a cache, and the prefill (the prompt into an empty cache),
-attend over the new tokens' K/V with `jax.nn.dot_product_attention(implementation=None)`,
-which leaves the choice of kernel to jax; cuDNN's fused kernel runs only where jax picks it
-or it is asked for by name (`implementation="cudnn"`, float16/bfloat16 on an NVIDIA GPU),
-which this module does not do. A call that reads the cache (decode steps, a chunk after the
-prefill, cross-attention over the cached source) runs `attend_blocks`, which on a CPU reads
-only the blocks of slots that some row has filled, and on an accelerator reads a layer of up
-to 64 MiB in one pass (there a loop iteration or a branch waits for the host, and costs more
-than the reading).
+attend over the new tokens' K/V (`attend`): through cuDNN's fused kernel on an NVIDIA GPU
+where the caller describes its mask (`model/fused_attention.py`), else through XLA's own
+ops (`jax.nn.dot_product_attention`, whose default is XLA's on every backend). A call that
+reads the cache (decode steps, a chunk after the prefill, cross-attention over the cached
+source) runs `attend_blocks`, which on a CPU reads only the blocks of slots that some row
+has filled, and on an accelerator reads a layer of up to 64 MiB in one pass (there a loop
+iteration or a branch waits for the host, and costs more than the reading).
 
 With an int8 cache (`model/quantize.py`) `attend_blocks` always reads by blocks and applies
 the scales block by block, to the logits and to the weights, and the prefill attends over
@@ -32,6 +31,7 @@ import jax.numpy as jnp
 
 from .cache import write_rows
 from .config import TransformerConfig
+from .fused_attention import attend_fused, fused_attention_applies
 from .norms import RMSNorm
 from .positional import apply_rope, layer_rope_frequencies
 from .quantize import quantize, round_trip
@@ -44,14 +44,20 @@ def soft_cap(logits: jax.Array, cap: float | None) -> jax.Array:
 
 def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
            mask_BTS: jax.Array, scale: float | None = None,
-           softcap: float | None = None) -> jax.Array:
+           softcap: float | None = None, *, key_lengths_B: jax.Array | None = None,
+           causal: bool = False) -> jax.Array:
     """softmax(QKᵀ/√H + mask)V with a boolean mask (True = may attend). Returns [B, T, N, H].
 
     `scale` replaces 1/√H; `softcap` caps the scaled logits (`soft_cap`) before the mask.
     Masked keys get exactly zero weight; the softmax runs in float32 for every input dtype.
     A query row with no key to attend to (all masked) returns zeros rather than NaN or a
-    uniform average.
+    uniform average. `key_lengths` [B], where given, says what the mask is: key slot s is
+    allowed iff s < key_lengths[b] (and s <= the query's index, with `causal`); a fused
+    kernel then runs where the backend has one (`model/fused_attention.py`).
     """
+    if key_lengths_B is not None and fused_attention_applies(q_BTNH, k_BSKH, v_BSKH, softcap):
+        out = attend_fused(q_BTNH, k_BSKH, v_BSKH, key_lengths_B, causal, scale)
+        return _zero_rows_without_keys(out, mask_BTS).astype(q_BTNH.dtype)
     if softcap is None:
         out = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_BTS[:, None],
                                            scale=scale)
@@ -343,14 +349,16 @@ class SelfAttention(nn.Module):
     `fresh` says the cache held nothing before this call (the prefill), they attend over the
     T new tokens only: with an int8 cache, over them as the cache holds them. `local` says
     the layer attends over a sliding window (`TransformerConfig.is_local_layer`; traced for
-    scanned layers), which picks its RoPE.
+    scanned layers), which picks its RoPE. `key_lengths` [B] and `causal` describe the mask
+    of a call that attends over the new tokens alone (as `attend` takes them), or are None.
     """
 
     config: TransformerConfig
 
     @nn.compact
     def __call__(self, x_BTD, positions_BT, mask_BTS, cache_kv=None, layer=None, starts_B=None,
-                 fits_B=None, fresh: bool = False, local=False):
+                 fits_B=None, fresh: bool = False, local=False, key_lengths_B=None,
+                 causal: bool = True):
         config = self.config
         # One projection to all heads, split after: one matmul streams the weights where
         # three smaller ones would each pay a kernel launch (a decode step is many of them).
@@ -373,8 +381,11 @@ class SelfAttention(nn.Module):
         if cache_kv is None or fresh:
             if quantized:
                 k, v = round_trip(k), round_trip(v)
+            # A sliding window is part of the mask that the lengths do not describe.
+            described = config.sliding_window is None
             out = attend(q, k, v, mask_BTS[..., :k.shape[1]], config.attention_scale,
-                         config.attention_softcap)
+                         config.attention_softcap,
+                         key_lengths_B=key_lengths_B if described else None, causal=causal)
         else:
             out, _ = attend_blocks(q, *cache_kv[:2], layer, mask_BTS, config.attention_block,
                                    scales=cache_kv[2:] or None, scale=config.attention_scale,

@@ -38,6 +38,10 @@ class LayerInputs:
     cross_mask: [B, T, S_src] valid source keys (encoder-decoder only).
     fresh:     static; True when the cache held nothing before this call (the prefill), so
                self-attention needs only the new tokens' K/V and reads nothing back.
+    key_lengths: [B] valid keys per row when self-attention's keys are the new tokens
+               alone, from slot 0 (no cache, or a fresh one): `self_mask` is then exactly
+               slot < key_lengths (and causal, in a decoder), what a fused attention kernel
+               takes in its place; None otherwise.
     """
 
     positions: jax.Array
@@ -47,6 +51,7 @@ class LayerInputs:
     fits: jax.Array | None = None
     cross_mask: jax.Array | None = None
     fresh: bool = flax.struct.field(pytree_node=False, default=False)
+    key_lengths: jax.Array | None = None
 
 
 _ACTIVATIONS = {
@@ -110,7 +115,8 @@ class EncoderLayer(nn.Module):
         x_BSD, _ = carry
         attention = SelfAttention(self.config, name="self_attention")
         x, _ = Residual(self.config, name="attention_block")(
-            x_BSD, lambda h: attention(h, inputs.positions, inputs.self_mask))
+            x_BSD, lambda h: attention(h, inputs.positions, inputs.self_mask,
+                                       key_lengths_B=inputs.key_lengths, causal=False))
         ffn = FeedForward(self.config, name="ffn")
         x, _ = Residual(self.config, name="ffn_block")(x, lambda h: (ffn(h), None))
         return (x, None), None
@@ -138,7 +144,8 @@ class DecoderLayer(nn.Module):
         x, cache_kv = Residual(c, name="attention_block")(
             x_BTD,
             lambda h: attention(h, inputs.positions, mask_BTS, cache_kv, layer["index"],
-                                inputs.starts, inputs.fits, inputs.fresh, local))
+                                inputs.starts, inputs.fits, inputs.fresh, local,
+                                inputs.key_lengths))
         if layer.get("cross_k") is not None:
             cross = CrossAttention(c, name="cross_attention")
             x, _ = Residual(c, name="cross_block")(

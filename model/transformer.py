@@ -179,7 +179,8 @@ class DecoderOnlyLM(nn.Module):
         capacity = None if cache is None else cache.capacity
         inputs, new_lengths_B, overflowed_B = self_attention_inputs(
             self.config, starts_B, valid_B, num_tokens, num_keys, capacity)
-        inputs = inputs.replace(fresh=fresh)
+        inputs = inputs.replace(fresh=fresh,
+                                key_lengths=valid_B if cache is None or fresh else None)
         x = self.embedder(tokens_BT, inputs.positions)
         x, stacked, _ = run_layers(self.config, self.layers, self.config.num_decoder_layers, x,
                                    _stacked_kv(cache), shared=inputs)
@@ -239,7 +240,7 @@ class EncoderDecoder(nn.Module):
                                     (source_BS.shape[0], length, length))
         x = self.embedder(source_BS, positions_BS)
         x, _, _ = run_layers(self.config, self.encoder_layers, self.config.num_encoder_layers,
-                             x, shared=LayerInputs(positions_BS, mask_BSS))
+                             x, shared=LayerInputs(positions_BS, mask_BSS, key_lengths=valid_B))
         return self.encoder_norm(x)
 
     def _cross_kv(self, encoded_BSD):
@@ -301,7 +302,8 @@ class EncoderDecoder(nn.Module):
                                   else cache.source_length, dtype=jnp.int32)
         inputs = inputs.replace(cross_mask=jnp.broadcast_to(
             source_slots[None, None, :] < source_lengths_B[:, None, None],
-            (batch, num_tokens, source_slots.shape[0])))
+            (batch, num_tokens, source_slots.shape[0])),
+            key_lengths=valid_B if cache is None else None)
         x = self.embedder(target_BT, inputs.positions)
         x, stacked, _ = run_layers(self.config, self.decoder_layers,
                                    self.config.num_decoder_layers, x, _stacked_kv(cache),

@@ -28,7 +28,8 @@ class TrainConfig:
     `deterministic` compiles the training step with XLA's deterministic ops on a GPU (no
     atomics in scatter-adds and reductions, no timing-based choice of matmul kernels), so the
     same seed gives bit-identical losses and a resumed run continues bit-identically there as
-    on a CPU or TPU, where it changes nothing. It is off by default because it costs a GPU a
+    on a CPU or TPU, where it changes nothing. Its attention is XLA's own, not cuDNN's fused
+    kernel (`kvjax.model.fused_attention`). It is off by default because it costs a GPU a
     noticeable share of every step (`kvjax bench train --deterministic both` measures it).
 
     `lora` trains low-rank adapters on the chosen kernels of a frozen base checkpoint instead

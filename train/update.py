@@ -7,6 +7,7 @@ are dicts of arrays as `kvjax.train.trainer` describes them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Iterator, Mapping
@@ -21,6 +22,7 @@ from jax.sharding import Mesh
 
 from kvjax import model as M
 from kvjax import parallel
+from kvjax.model.fused_attention import xla_attention_only
 from kvjax.model.lora import merge as merge_lora
 
 from .config import TrainConfig
@@ -187,7 +189,9 @@ def _train_step(model_config: M.TransformerConfig, train_config: TrainConfig, st
                                          train_config.label_smoothing)
         return total / jnp.maximum(count, 1.0)
 
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    # Bit-identical reruns on a GPU are checked with XLA's attention, not the fused kernel's.
+    with xla_attention_only() if train_config.deterministic else contextlib.nullcontext():
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
     updates, opt_state = make_optimizer(train_config).update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     state = state.replace(params=params, opt_state=opt_state, step=state.step + 1)

@@ -1,0 +1,153 @@
+"""The fused attention kernel (cuDNN's, on NVIDIA GPUs) takes a description of the mask in
+place of the mask. Here: on every backend, the descriptions the model passes say exactly what
+its masks say, and deterministic training leaves the kernel out; on an NVIDIA GPU, the kernel
+computes what XLA's attention does and zeroes rows with no key without a NaN in the
+gradients, and bfloat16 training is bit-identical with deterministic ops.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import random_tokens
+
+from kvjax import model as M
+from kvjax.model import attention as A
+from kvjax.model import fused_attention as F
+from kvjax.train import update
+from kvjax.train.config import TrainConfig
+
+
+def _described_mask(key_lengths_B, causal, num_queries, num_keys):
+    slots_S = jnp.arange(num_keys)
+    mask_BTS = jnp.broadcast_to(slots_S[None, None, :] < key_lengths_B[:, None, None],
+                                (key_lengths_B.shape[0], num_queries, num_keys))
+    if causal:
+        mask_BTS &= slots_S[None, None, :] <= jnp.arange(num_queries)[None, :, None]
+    return mask_BTS
+
+
+@pytest.mark.parametrize("encoder_layers", [0, 2], ids=["decoder_only", "encoder_decoder"])
+def test_the_masks_described_to_a_fused_kernel_are_the_models_masks(monkeypatch,
+                                                                    encoder_layers):
+    """With the fused route taken on any backend by a stand-in that builds its mask from the
+    description alone, a training forward and a prefill give the logits of XLA's route."""
+    config = M.preset("tiny", num_encoder_layers=encoder_layers, positional_encoding="rope",
+                      num_kv_heads=2)
+    net, params = M.build_model(config), M.init_params(config, jax.random.key(1))
+    tokens = random_tokens(0, (3, 10), config.vocab_size)
+    lengths = jnp.asarray([10, 4, 0 if encoder_layers else 1], jnp.int32)
+    batch = {"inputs": tokens, "lengths": lengths}
+    if encoder_layers:
+        batch |= {"source": random_tokens(1, (3, 7), config.vocab_size),
+                  "source_lengths": jnp.asarray([7, 2, 5], jnp.int32)}
+
+    def forward():
+        logits = M.teacher_forced_logits(config, params, batch)
+        if encoder_layers:
+            cache = net.apply({"params": params}, batch["source"], batch["source_lengths"], 16,
+                              method=net.prefill)[1]
+            first = net.apply({"params": params}, tokens, cache, lengths, method=net.step)[0]
+        else:
+            first = net.apply({"params": params}, tokens, lengths, 16, method=net.prefill)[0]
+        return logits, first
+
+    expected = forward()
+    described = []
+
+    def from_description(q, k, v, key_lengths_B, causal, scale):
+        described.append(causal)
+        mask = _described_mask(key_lengths_B, causal, q.shape[1], k.shape[1])
+        return A.attend(q, k, v, mask, scale)
+
+    monkeypatch.setattr(A, "fused_attention_applies", lambda *args: True)
+    monkeypatch.setattr(A, "attend_fused", from_description)
+    got = forward()
+    # Encoder layers (not causal) and decoder layers (causal) both took the fused route; the
+    # encoder-decoder's cached step reads the cache, which no fused kernel does.
+    assert set(described) == ({False, True} if encoder_layers else {True})
+    for want, have in zip(expected, got, strict=True):
+        np.testing.assert_array_equal(np.asarray(have), np.asarray(want))
+
+
+def test_layers_with_a_sliding_window_describe_no_mask(monkeypatch):
+    config = M.preset("tiny", positional_encoding="rope", sliding_window=3)
+    params = M.init_params(config, jax.random.key(1))
+    monkeypatch.setattr(A, "fused_attention_applies", lambda *args: True)
+    monkeypatch.setattr(A, "attend_fused", lambda *args: pytest.fail("window described"))
+    M.teacher_forced_logits(config, params, {"inputs": random_tokens(0, (2, 8), 64)})
+
+
+needs_fused = pytest.mark.skipif(
+    not F.fused_attention_applies(*[jnp.zeros((1, 1, 1, 64), jnp.bfloat16)] * 3, None),
+    reason="cuDNN's fused attention runs on NVIDIA GPUs only")
+
+
+@needs_fused
+@pytest.mark.parametrize("causal", [True, False])
+def test_fused_attention_equals_xlas_and_zeroes_rows_without_keys(causal):
+    batch, length, heads, kv_heads, head_dim = 3, 40, 8, 2, 64
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (batch, length, heads, head_dim), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (batch, length, kv_heads, head_dim), jnp.bfloat16)
+            for key in keys[1:3])
+    lengths = jnp.asarray([length, 17, 0], jnp.int32)
+    mask = _described_mask(lengths, causal, length, length)
+    cotangent = jax.random.normal(keys[3], q.shape, jnp.float32)
+
+    def loss(q, k, v, fused):
+        out = A.attend(q, k, v, mask, key_lengths_B=lengths if fused else None, causal=causal)
+        return jnp.sum(out.astype(jnp.float32) * cotangent)
+
+    (fused_out, fused_grads), (xla_out, xla_grads) = (
+        jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=3)(q, k, v, fused)
+        for fused in (True, False))
+    np.testing.assert_allclose(float(fused_out), float(xla_out), rtol=2e-2)
+    out = A.attend(q, k, v, mask, key_lengths_B=lengths, causal=causal)
+    want = A.attend(q, k, v, mask)
+    assert not np.any(np.asarray(out[2]))  # the row with no key
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
+                               atol=3e-2, rtol=3e-2)
+    for fused_grad, xla_grad in zip(fused_grads, xla_grads, strict=True):
+        assert np.all(np.isfinite(np.asarray(fused_grad, np.float32)))
+        np.testing.assert_allclose(np.asarray(fused_grad, np.float32),
+                                   np.asarray(xla_grad, np.float32), atol=0.15, rtol=5e-2)
+
+
+def test_deterministic_training_runs_xlas_attention(monkeypatch):
+    """The fused route is taken by a training step, but not by a deterministic one."""
+    config = M.preset("tiny", positional_encoding="rope")
+    fused = []
+    monkeypatch.setattr(A, "attend_fused", lambda q, *args: fused.append(1) or q)
+    monkeypatch.setattr(F, "_on_cuda", lambda: True)
+    tokens = np.asarray(random_tokens(3, (2, 9), config.vocab_size))
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    for deterministic, calls in ((True, 0), (False, config.num_decoder_layers)):
+        train_config = update.compiled_fields(TrainConfig(
+            steps=10, batch_size=2, warmup_steps=1, deterministic=deterministic))
+        state = update.init_state(config, train_config)
+        fused.clear()
+        jax.jit(update._train_step, static_argnums=(0, 1)).lower(
+            config.replace(dtype="bfloat16"), train_config, state, batch)
+        assert len(fused) == calls, deterministic
+
+
+@needs_fused
+def test_bfloat16_training_is_bit_identical_when_deterministic():
+    config = M.preset("tiny", num_heads=2, d_model=128, dtype="bfloat16")
+    train_config = TrainConfig(steps=10, batch_size=4, warmup_steps=1, progress=False,
+                               deterministic=True)
+    tokens = np.asarray(random_tokens(3, (4, 33), config.vocab_size))
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    step_config = update.compiled_fields(train_config)
+    runs = []
+    for _ in range(2):
+        state, losses = update.init_state(config, train_config), []
+        for _ in range(3):
+            state, loss = update.train_step(config, step_config, state, batch)
+            losses.append(float(loss))
+        runs.append((losses, jax.tree.map(np.asarray, state.params)))
+    assert runs[0][0] == runs[1][0]
+    jax.tree.map(np.testing.assert_array_equal, runs[0][1], runs[1][1])
