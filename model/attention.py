@@ -319,7 +319,10 @@ class OutputProjection(nn.Module):
     (and a bias [D] if `out_bias`).
 
     Computed as one [B·T, N·H] x [N·H, D] matmul: a contraction over two axes at once
-    is slower on some backends (XLA:CPU among them) than the same 2-D product.
+    is slower on some backends (XLA:CPU among them) than the same 2-D product. On a GPU a
+    single row (batch-1 decoding) is multiplied as two, the second zero: XLA:GPU turns a
+    product of one row with a matrix of this size into a multiply and a sum that it does not
+    fuse, which writes out and reads back a product as large as the kernel.
     """
 
     config: TransformerConfig
@@ -331,7 +334,12 @@ class OutputProjection(nn.Module):
                             (c.num_heads, c.head_dim, c.d_model), c.weights_dtype)
         x_BTNH, kernel = nn.dtypes.promote_dtype(x_BTNH, kernel, dtype=c.compute_dtype)
         x_BTF = x_BTNH.reshape(*x_BTNH.shape[:2], -1)
+        one_row = x_BTF.shape[:2] == (1, 1) and jax.default_backend() == "gpu"
+        if one_row:
+            x_BTF = jnp.concatenate([x_BTF, jnp.zeros_like(x_BTF)])
         out_BTD = x_BTF @ kernel.reshape(-1, c.d_model)
+        if one_row:
+            out_BTD = out_BTD[:1]
         if c.out_bias:
             bias = self.param("bias", nn.initializers.zeros_init(), (c.d_model,),
                               c.weights_dtype)
