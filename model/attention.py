@@ -421,17 +421,19 @@ class CrossKV(nn.Module):
 class CrossAttention(nn.Module):
     """Decoder queries over precomputed encoder K/V: [B, S, K, H] each, or the cache's
     [B, K, S, H] when `cached`, read block by block up to the longest source
-    (`attend_blocks`), with their scales [B, K, S] from an int8 cache."""
+    (`attend_blocks`), with their scales [B, K, S] from an int8 cache. Uncached, `source_lengths`
+    [B] (where given) describe the mask to a fused kernel, as `attend` takes them."""
 
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x_BTD, cross_k, cross_v, mask_BTS, cached: bool = False, scales=None):
+    def __call__(self, x_BTD, cross_k, cross_v, mask_BTS, cached: bool = False, scales=None,
+                 source_lengths_B=None):
         q = _projection(self.config, self.config.num_heads, "query")(x_BTD)
         if cached:
             scales = None if scales is None else tuple(s[None] for s in scales)
             out, _ = attend_blocks(q, cross_k[None], cross_v[None], 0, mask_BTS,
                                    self.config.attention_block, scales=scales)
         else:
-            out = attend(q, cross_k, cross_v, mask_BTS)
+            out = attend(q, cross_k, cross_v, mask_BTS, key_lengths_B=source_lengths_B)
         return OutputProjection(self.config, name="out")(out)

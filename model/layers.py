@@ -36,6 +36,8 @@ class LayerInputs:
     starts:    [B] slot where each row's new K/V are written (None without a cache).
     fits:      [B] whether those T slots fit in the cache (None without a cache).
     cross_mask: [B, T, S_src] valid source keys (encoder-decoder only).
+    source_lengths: [B] valid source keys per row, `cross_mask` described for a fused
+               attention kernel, when cross-attention reads no cache (else None).
     fresh:     static; True when the cache held nothing before this call (the prefill), so
                self-attention needs only the new tokens' K/V and reads nothing back.
     key_lengths: [B] valid keys per row when self-attention's keys are the new tokens
@@ -52,6 +54,7 @@ class LayerInputs:
     cross_mask: jax.Array | None = None
     fresh: bool = flax.struct.field(pytree_node=False, default=False)
     key_lengths: jax.Array | None = None
+    source_lengths: jax.Array | None = None
 
 
 _ACTIVATIONS = {
@@ -151,7 +154,8 @@ class DecoderLayer(nn.Module):
             x, _ = Residual(c, name="cross_block")(
                 x, lambda h: (cross(h, layer["cross_k"], layer["cross_v"], inputs.cross_mask,
                                     cached=cache_kv is not None,
-                                    scales=_cross_scales(layer)), None))
+                                    scales=_cross_scales(layer),
+                                    source_lengths_B=inputs.source_lengths), None))
         ffn = FeedForward(c, name="ffn")
         x, _ = Residual(c, name="ffn_block")(x, lambda h: (ffn(h), None))
         return (x, cache_kv), None

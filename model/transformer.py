@@ -303,7 +303,8 @@ class EncoderDecoder(nn.Module):
         inputs = inputs.replace(cross_mask=jnp.broadcast_to(
             source_slots[None, None, :] < source_lengths_B[:, None, None],
             (batch, num_tokens, source_slots.shape[0])),
-            key_lengths=valid_B if cache is None else None)
+            key_lengths=valid_B if cache is None else None,
+            source_lengths=source_lengths_B if cache is None else None)
         x = self.embedder(target_BT, inputs.positions)
         x, stacked, _ = run_layers(self.config, self.decoder_layers,
                                    self.config.num_decoder_layers, x, _stacked_kv(cache),

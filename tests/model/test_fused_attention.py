@@ -65,9 +65,12 @@ def test_the_masks_described_to_a_fused_kernel_are_the_models_masks(monkeypatch,
     monkeypatch.setattr(A, "fused_attention_applies", lambda *args: True)
     monkeypatch.setattr(A, "attend_fused", from_description)
     got = forward()
-    # Encoder layers (not causal) and decoder layers (causal) both took the fused route; the
-    # encoder-decoder's cached step reads the cache, which no fused kernel does.
+    # Encoder layers and cross-attention (not causal) and decoder layers (causal) all took
+    # the fused route; the encoder-decoder's cached step reads the cache, which no fused
+    # kernel does.
     assert set(described) == ({False, True} if encoder_layers else {True})
+    if encoder_layers:  # the encoder twice (training, prefill), cross-attention in training
+        assert described.count(False) == 2 * encoder_layers + config.num_decoder_layers
     for want, have in zip(expected, got, strict=True):
         np.testing.assert_array_equal(np.asarray(have), np.asarray(want))
 
@@ -86,15 +89,16 @@ needs_fused = pytest.mark.skipif(
 
 
 @needs_fused
-@pytest.mark.parametrize("causal", [True, False])
-def test_fused_attention_equals_xlas_and_zeroes_rows_without_keys(causal):
+@pytest.mark.parametrize("causal, queries", [(True, 40), (False, 40), (False, 24)],
+                         ids=["causal", "padding", "cross"])
+def test_fused_attention_equals_xlas_and_zeroes_rows_without_keys(causal, queries):
     batch, length, heads, kv_heads, head_dim = 3, 40, 8, 2, 64
     keys = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(keys[0], (batch, length, heads, head_dim), jnp.bfloat16)
+    q = jax.random.normal(keys[0], (batch, queries, heads, head_dim), jnp.bfloat16)
     k, v = (jax.random.normal(key, (batch, length, kv_heads, head_dim), jnp.bfloat16)
             for key in keys[1:3])
     lengths = jnp.asarray([length, 17, 0], jnp.int32)
-    mask = _described_mask(lengths, causal, length, length)
+    mask = _described_mask(lengths, causal, queries, length)
     cotangent = jax.random.normal(keys[3], q.shape, jnp.float32)
 
     def loss(q, k, v, fused):
