@@ -155,3 +155,29 @@ def test_bfloat16_training_is_bit_identical_when_deterministic():
         runs.append((losses, jax.tree.map(np.asarray, state.params)))
     assert runs[0][0] == runs[1][0]
     jax.tree.map(np.testing.assert_array_equal, runs[0][1], runs[1][1])
+
+
+@needs_fused
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scanned"])
+def test_bfloat16_training_steps_through_the_fused_kernel_follow_xlas(scan_layers):
+    """Three AdamW steps of a bfloat16 model, with the fused kernel and with XLA's attention
+    (`xla_attention_only`): the losses agree to bfloat16's precision."""
+    config = M.preset("tiny", num_heads=2, d_model=128, dtype="bfloat16",
+                      scan_layers=scan_layers)
+    train_config = update.compiled_fields(TrainConfig(steps=10, batch_size=4, warmup_steps=1))
+    tokens = np.asarray(random_tokens(3, (4, 33), config.vocab_size))
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    runs = []
+    for fused in (True, False):
+        # A function of its own per run: jax caches a trace by the function traced.
+        step = jax.jit(lambda *args: update._train_step(*args), static_argnums=(0, 1))
+        state, losses = update.init_state(config, train_config), []
+        for _ in range(3):
+            if fused:
+                state, loss = step(config, train_config, state, batch)
+            else:
+                with F.xla_attention_only():
+                    state, loss = step(config, train_config, state, batch)
+            losses.append(float(loss))
+        runs.append(losses)
+    np.testing.assert_allclose(runs[0], runs[1], rtol=2e-2)
