@@ -288,7 +288,7 @@ def _attention_route(config: M.TransformerConfig) -> str:
     probe = jnp.zeros((1, 1, config.num_heads, config.head_dim), config.compute_dtype)
     fused = config.sliding_window is None and fused_attention_applies(
         probe, probe, probe, config.attention_softcap)
-    return "cuDNN's fused kernel" if fused else "XLA's ops"
+    return "cuDNN's fused kernel (XLA's ops with deterministic ops)" if fused else "XLA's ops"
 
 
 def format_train_table(rows: list[TrainRow], setting: str, peak_flops: float) -> str:
