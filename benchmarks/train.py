@@ -291,6 +291,11 @@ def _attention_route(config: M.TransformerConfig) -> str:
     return "cuDNN's fused kernel (XLA's ops with deterministic ops)" if fused else "XLA's ops"
 
 
+def _percent(fraction: float) -> str:
+    """One decimal, or two significant digits where that would round a tiny model's MFU to 0."""
+    return f"{fraction:.1%}" if fraction >= 0.01 else f"{fraction * 100:.2g}%"
+
+
 def format_train_table(rows: list[TrainRow], setting: str, peak_flops: float) -> str:
     """A Markdown table: tokens/s, step time and MFU per contender, and the ratio to PyTorch
     eager."""
@@ -301,7 +306,7 @@ def format_train_table(rows: list[TrainRow], setting: str, peak_flops: float) ->
     for r in rows:
         ratio = "-" if reference is None else f"{r.tokens_per_second / reference:.2f}x"
         lines.append(f"| {r.name} | {r.tokens_per_second:,.0f} | {r.step_seconds * 1e3:.1f} "
-                     f"| {r.mfu(peak_flops):.1%} | {ratio} |")
+                     f"| {_percent(r.mfu(peak_flops))} | {ratio} |")
     flops = rows[0].flops_per_step / rows[0].tokens_per_step if rows else 0.0
     lines += ["", f"MFU: {flops / 1e9:.3g} GFLOPs of the model per token over the matmul "
                   f"peak measured here, {peak_flops / 1e12:.2f} TFLOP/s."]
