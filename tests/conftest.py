@@ -4,36 +4,18 @@ The helpers are jitted (the config is a static, hashable argument): eager Flax c
 many times slower to dispatch than a tiny model takes to compile.
 """
 
-import atexit
 import collections
 import dataclasses
 import functools
 import gc
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
-from importlib import metadata
 
-# The command line's default cache (`kvjax sample`, `kvjax serve`) is off here and in every
-# subprocess, and never fills the user's cache directory.
+# No persistent compilation cache: each process compiles what it runs. The command line's
+# default cache (`kvjax sample`, `kvjax serve`) is off here and in every subprocess, and never
+# fills the user's cache directory.
 os.environ["KVJAX_COMPILATION_CACHE"] = "off"
-
-# One persistent compilation cache for the whole run, made by the first process that loads
-# this file (pytest, or xdist's controller) and inherited through the environment by the
-# workers, the multi-device and multi-process children and the notebook kernels: a program
-# that another worker or process compiled, or that a worker dropped (below), is read instead
-# of compiled again. New for every run and deleted after it: no run reads an earlier one's
-# programs. Not with jaxlib 0.10, which now and then crashed writing an entry.
-if ("JAX_COMPILATION_CACHE_DIR" not in os.environ
-        and tuple(int(part) for part in metadata.version("jaxlib").split(".")[:2]) >= (0, 11)):
-    _cache_dir = tempfile.mkdtemp(prefix="kvjax-tests-xla-")
-    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
-    # Programs that compile faster than this are compiled again rather than written and read.
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.3"
-    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 # Most of the suite's time is XLA compiling hundreds of small programs. The tests check what
 # programs compute, not how fast, so they skip LLVM's optimizations, and on a jaxlib that still
