@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from packaging.version import Version
 from safetensors.numpy import load_file, save_file
 
 from kvjax import decode, hf
@@ -247,18 +248,14 @@ def test_a_tokenizer_larger_than_the_model_is_refused(tmp_path):
         hf.load_pretrained(directory)
 
 
-def _release(version: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in version.split(".")[:3] if part.isdigit())
-
-
 def test_fixtures_are_what_transformers_computes(tmp_path):
     transformers = pytest.importorskip("transformers")
     # Config defaults and the families a release knows change between transformers releases:
     # the fixtures are what the releases that wrote them compute, and an older one cannot
     # write them.
     written_by = max((json.loads((FIXTURES / name / "config.json").read_text())
-                      ["transformers_version"] for name in NAMES), key=_release)
-    if _release(transformers.__version__) < _release(written_by):
+                      ["transformers_version"] for name in NAMES), key=Version)
+    if Version(transformers.__version__) < Version(written_by):
         pytest.skip(f"the fixtures were written by transformers {written_by}, this is the older "
                     f"{transformers.__version__}")
     spec = importlib.util.spec_from_file_location("make_hf_models",
