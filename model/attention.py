@@ -88,13 +88,19 @@ STACKED_WHOLE_MAX_BYTES = 1 << 20
 # On an accelerator each iteration of a loop, and each conditional, waits for the host to
 # read its predicate (a GPU: some 10 µs, the time it takes to read tens of MB), so a layer
 # up to this size is read in one pass with no branch and no loop: every slot, unseen ones
-# zeroed. On a CPU a loop iteration costs next to nothing and the blocks above pay.
+# zeroed. On a CPU a loop iteration costs next to nothing and the blocks above pay, except
+# in a layer of a few rows of a small model: its one pass is as fast as the choice between
+# the two ways, and its step compiles into a smaller program (no conditional, one way
+# instead of two), which is most of what a small model costs on a CPU.
 ACCELERATOR_ONE_READ_MAX_BYTES = 64 << 20
+CPU_ONE_READ_MAX_BYTES = 64 << 10
 
 
 def one_read_max_bytes() -> int:
     """The largest layer of the cache `attend_blocks` reads in one pass by default."""
-    return 0 if jax.default_backend() == "cpu" else ACCELERATOR_ONE_READ_MAX_BYTES
+    if jax.default_backend() == "cpu":
+        return CPU_ONE_READ_MAX_BYTES
+    return ACCELERATOR_ONE_READ_MAX_BYTES
 
 
 def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, layer,
@@ -117,8 +123,8 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
     `lax.while_loop` (`_attend_filled_blocks`). A stack of several layers is read one way at
     every step, by its layers' size (`STACKED_WHOLE_MAX_BYTES`). An int8 cache is always
     read by blocks. A layer of at most `one_read_bytes` (default `one_read_max_bytes()`:
-    none on a CPU, up to 64 MiB on an accelerator) is read in one pass over all of it, with
-    no loop and no conditional, float or int8.
+    up to 64 KiB on a CPU, 64 MiB on an accelerator) is read in one pass over all of it,
+    with no loop and no conditional, float or int8.
     Either way slots a query may not see get exactly zero weight, whatever they hold (even
     NaN) cannot reach the output, and a query that sees no slot at all returns zeros.
     """

@@ -27,11 +27,24 @@ def build_model(config: TransformerConfig) -> DecoderOnlyLM | EncoderDecoder:
     return EncoderDecoder(config) if config.is_encoder_decoder else DecoderOnlyLM(config)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def init_params(config: TransformerConfig, rng: jax.Array) -> dict:
-    """Randomly initialised params (a pytree) for `build_model(config)`.
+# Fields that change how the model computes but neither which params it has nor how they
+# are drawn: configs that differ only in them share one compiled initialisation.
+_NOT_IN_INIT = ("attention_block", "dropout", "dtype", "cache_dtype", "bos_id",
+                "layer_norm_eps", "rope_base", "rope_scaling", "rope_scaling_factor",
+                "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len",
+                "sliding_window", "full_attention_layers", "local_rope_base",
+                "attention_scale", "attention_softcap", "logits_softcap", "sinusoid_layout")
 
-    Jitted: tracing Flax's init eagerly is slower than compiling it."""
+
+def init_params(config: TransformerConfig, rng: jax.Array) -> dict:
+    """Randomly initialised params (a pytree) for `build_model(config)`."""
+    defaults = {name: getattr(TransformerConfig, name) for name in _NOT_IN_INIT}
+    return _init_params(config.replace(**defaults), rng)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init_params(config: TransformerConfig, rng: jax.Array) -> dict:
+    """Jitted: tracing Flax's init eagerly is slower than compiling it."""
     net = build_model(config)
     tokens = jnp.zeros((1, 1), jnp.int32)
     batch = {"inputs": tokens, "source": tokens}

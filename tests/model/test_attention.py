@@ -11,9 +11,9 @@ from kvjax.model.attention import attend_blocks
 
 def attend_from_cache_layout(q, k, v, mask):
     """`attend_blocks` on the same inputs moved into a cache stack [1, B, K, S, H], in
-    blocks of 3 slots (the last one overlapping the one before it)."""
+    blocks of 3 slots (the last one overlapping the one before it), on every backend."""
     k, v = (jnp.asarray(x).transpose(0, 2, 1, 3)[None] for x in (k, v))
-    return attend_blocks(q, k, v, 0, mask, 3)[0]
+    return attend_blocks(q, k, v, 0, mask, 3, one_read_bytes=0)[0]
 
 
 ATTENDS = pytest.mark.parametrize("attend", [M.attend, attend_from_cache_layout],

@@ -22,6 +22,15 @@ ONE_READ = 1 << 40
 # `whole_share` settings that force each of the two ways to read the cache: the loop over the
 # filled blocks, or one product over every slot.
 WAYS = pytest.mark.parametrize("share", [float("inf"), 0.0], ids=["blocks", "whole"])
+DEFAULT_ONE_READ_MAX_BYTES = attention.one_read_max_bytes
+
+
+@pytest.fixture(autouse=True)
+def layers_read_by_blocks(monkeypatch):
+    """The whole models of this file read their caches by blocks on every backend, as a CPU
+    does for all but a small model's layers: these layers are small enough for any backend
+    to read them in one pass by default. Tests of the one pass ask for it."""
+    monkeypatch.setattr(attention, "one_read_max_bytes", lambda: 0)
 
 
 def relative_error(out, reference):
@@ -124,8 +133,9 @@ def test_one_read_equals_the_formula_and_ignores_unused_slots():
     poisoned = [np.where(unused, np.nan, x) for x in (k, v)]
     np.testing.assert_array_equal(blocked(q, *poisoned, 0, mask, 4, one_read_bytes=ONE_READ)[0],
                                   out)
-    assert attention.one_read_max_bytes() == (
-        0 if jax.default_backend() == "cpu" else attention.ACCELERATOR_ONE_READ_MAX_BYTES)
+    assert DEFAULT_ONE_READ_MAX_BYTES() == (
+        attention.CPU_ONE_READ_MAX_BYTES if jax.default_backend() == "cpu"
+        else attention.ACCELERATOR_ONE_READ_MAX_BYTES)
 
 
 def test_the_two_ways_agree():
@@ -214,9 +224,7 @@ def test_model_step_ignores_nan_in_unused_cache_slots(layout):
 
 def test_a_step_runs_fewer_blocks_when_rows_are_short(monkeypatch):
     """Counts the blocks each layer's loop runs with a debug callback in a small model. The
-    reading policy checked is the CPU's; an accelerator's default reads a layer this small
-    in one pass (`one_read_max_bytes`), so the test asks every backend for the CPU's."""
-    monkeypatch.setattr(attention, "one_read_max_bytes", lambda: 0)
+    reading policy checked is a CPU's for a layer too large to read in one pass."""
     counts = []
 
     def counting(*args, **kwargs):
