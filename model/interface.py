@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from .cache import KVCache
-from .config import TransformerConfig
+from .config import SPEED_ONLY_FIELDS, TransformerConfig
 from .transformer import DecoderOnlyLM, EncoderDecoder
 
 
@@ -29,11 +29,11 @@ def build_model(config: TransformerConfig) -> DecoderOnlyLM | EncoderDecoder:
 
 # Fields that change how the model computes but neither which params it has nor how they
 # are drawn: configs that differ only in them share one compiled initialisation.
-_NOT_IN_INIT = ("attention_block", "dropout", "dtype", "cache_dtype", "bos_id",
-                "layer_norm_eps", "rope_base", "rope_scaling", "rope_scaling_factor",
-                "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len",
-                "sliding_window", "full_attention_layers", "local_rope_base",
-                "attention_scale", "attention_softcap", "logits_softcap", "sinusoid_layout")
+_NOT_IN_INIT = SPEED_ONLY_FIELDS + (
+    "dropout", "dtype", "cache_dtype", "bos_id", "layer_norm_eps", "rope_base", "rope_scaling",
+    "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+    "rope_original_max_len", "sliding_window", "full_attention_layers", "local_rope_base",
+    "attention_scale", "attention_softcap", "logits_softcap", "sinusoid_layout")
 
 
 def init_params(config: TransformerConfig, rng: jax.Array) -> dict:
