@@ -117,6 +117,16 @@ def full_float32_matmuls():
         os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
 
 
+@pytest.fixture
+def layers_read_by_blocks(monkeypatch):
+    """Caches read by blocks on every backend, as a CPU reads all but a small model's layers:
+    by default the tests' small layers are read in one pass. Tests of the one pass ask for
+    it with `one_read_bytes`."""
+    from kvjax.model import attention
+
+    monkeypatch.setattr(attention, "one_read_max_bytes", lambda: 0)
+
+
 @pytest.fixture(scope="session")
 def tiny_config():
     return M.preset("tiny")

@@ -25,12 +25,8 @@ WAYS = pytest.mark.parametrize("share", [float("inf"), 0.0], ids=["blocks", "who
 DEFAULT_ONE_READ_MAX_BYTES = attention.one_read_max_bytes
 
 
-@pytest.fixture(autouse=True)
-def layers_read_by_blocks(monkeypatch):
-    """The whole models of this file read their caches by blocks on every backend, as a CPU
-    does for all but a small model's layers: these layers are small enough for any backend
-    to read them in one pass by default. Tests of the one pass ask for it."""
-    monkeypatch.setattr(attention, "one_read_max_bytes", lambda: 0)
+# The whole models here read their caches by blocks on every backend.
+pytestmark = pytest.mark.usefixtures("layers_read_by_blocks")
 
 
 def relative_error(out, reference):

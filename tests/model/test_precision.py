@@ -15,7 +15,7 @@ from test_attention_blocks import ONE_READ, blocked, cache_inputs, relative_erro
 
 from kvjax import model as M
 from kvjax import text
-from kvjax.model import attention, quantize
+from kvjax.model import quantize
 from kvjax.train import update
 from kvjax.train.config import TrainConfig
 
@@ -89,11 +89,8 @@ def test_int8_attention_reads_by_blocks_and_ignores_unused_slots():
 VARIANTS = {"decoder_only": 0, "encoder_decoder": 1}  # name: encoder layers
 
 
-@pytest.fixture(autouse=True)
-def layers_read_by_blocks(monkeypatch):
-    """The models below read their int8 caches by blocks, as a CPU does for all but a small
-    model's layers, on every backend: by default their small layers are read in one pass."""
-    monkeypatch.setattr(attention, "one_read_max_bytes", lambda: 0)
+# The models below read their int8 caches by blocks on every backend.
+pytestmark = pytest.mark.usefixtures("layers_read_by_blocks")
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
