@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from .automaton import RowConstraints
 from .plan import ON_DEVICE, LoopPlan
 from .processors import LogitProcessor, ProcessorState, apply_processors
-from .sampling import SamplingParams, sample, token_keys
+from .sampling import SamplingParams, sample
 
 TokensToLogits = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
 
@@ -90,8 +90,7 @@ def choose(logits_BV: jax.Array, context: ProcessorState, keys_B: jax.Array, pos
     processed_BV = apply_processors(logits_BV, context, processors, plan)
     if constraints is not None:
         processed_BV = constraints.mask(processed_BV)
-    token_B = sample(processed_BV, token_keys(keys_B, position), context.settings,
-                     plan.sampled)
+    token_B = sample(processed_BV, keys_B, context.settings, plan.sampled, position)
     logprobs_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32))
     logprob_B = jnp.take_along_axis(logprobs_BV, token_B[:, None], axis=-1)[:, 0]
     return token_B, logprob_B, logprobs_BV

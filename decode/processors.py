@@ -50,15 +50,10 @@ class ProcessorState:
 LogitProcessor = Callable[[jax.Array, ProcessorState], jax.Array]
 
 
-def repetition_penalty(logits_BV: jax.Array, state: ProcessorState) -> jax.Array:
+def penalise_repetition(logits_BV: jax.Array, state: ProcessorState) -> jax.Array:
     """The CTRL penalty (as Hugging Face applies it): the logit of every token already in the
-    row's context is divided by the penalty if positive and multiplied by it if negative."""
-    return jax.lax.cond(_penalty_on(state.settings), _penalise, lambda x, _: x, logits_BV,
-                        state)
-
-
-def _penalise(logits_BV: jax.Array, state: ProcessorState) -> jax.Array:
-    """The penalty on every row: a row whose penalty is 1 keeps its logits exactly."""
+    row's context is divided by the penalty if positive and multiplied by it if negative. A
+    row whose penalty is 1 keeps its logits exactly."""
     penalty_B1 = state.settings.repetition_penalty[:, None]
     seen_BV = state.scatter_to_vocab(jnp.ones(state.context.shape, bool), logits_BV.shape[1])
     penalised_BV = jnp.where(logits_BV > 0, logits_BV / penalty_B1, logits_BV * penalty_B1)
@@ -69,20 +64,14 @@ def _penalty_on(settings: SamplingParams) -> jax.Array:
     return jnp.any(settings.repetition_penalty != 1)
 
 
-def no_repeat_ngram(logits_BV: jax.Array, state: ProcessorState) -> jax.Array:
+def ban_repeated_ngrams(logits_BV: jax.Array, state: ProcessorState, bound=None) -> jax.Array:
     """Bans (-inf) every token that would complete an n-gram already in the row's context,
-    n = `no_repeat_ngram_size` (0 = off): the tokens that followed an earlier occurrence of
-    the row's last n - 1 tokens."""
-    def ban(logits_BV):
-        return _ban_ngrams(logits_BV, state, jnp.max(state.settings.no_repeat_ngram_size))
-
-    return jax.lax.cond(_no_repeat_ngram_on(state.settings), ban, lambda x: x, logits_BV)
-
-
-def _ban_ngrams(logits_BV: jax.Array, state: ProcessorState, bound) -> jax.Array:
-    """The ban on every row, for sizes up to `bound` (traced, or a static int that makes the
-    loop's trip count known): a row whose size is 0 keeps its logits."""
+    n = the row's `no_repeat_ngram_size` (0 = off, the row keeps its logits): the tokens that
+    followed an earlier occurrence of the row's last n - 1 tokens. `bound`, a static int at
+    least the largest size, makes the loop's trip count known (None: the largest size)."""
     n_B = state.settings.no_repeat_ngram_size
+    if bound is None:
+        bound = jnp.max(n_B)
     context_BC, length_B = state.context, state.context_lengths
     slots_C = jnp.arange(context_BC.shape[1])
 
@@ -106,9 +95,6 @@ def _no_repeat_ngram_on(settings: SamplingParams) -> jax.Array:
     return jnp.any(settings.no_repeat_ngram_size > 0)
 
 
-BUILT_IN: tuple[LogitProcessor, ...] = (repetition_penalty, no_repeat_ngram)
-
-
 def apply_processors(logits_BV: jax.Array, state: ProcessorState,
                      processors: Sequence[LogitProcessor] = (),
                      plan: LoopPlan = ON_DEVICE) -> jax.Array:
@@ -117,20 +103,18 @@ def apply_processors(logits_BV: jax.Array, state: ProcessorState,
     logits_BV = logits_BV.astype(jnp.float32)
     state = state.replace(settings=state.settings.rows(logits_BV.shape[0]))
     if plan.penalty is None:
+        # Off by default: then one cond skips both at every decode step. Each leaves the rows
+        # it is off for as they are, so when only one is on the other changes nothing.
         def built_in(logits_BV):
-            for processor in BUILT_IN:
-                logits_BV = processor(logits_BV, state)
-            return logits_BV
+            return ban_repeated_ngrams(penalise_repetition(logits_BV, state), state)
 
-        # Off by default: then one cond skips them all, not one cond per processor at every
-        # decode step.
         any_on = _penalty_on(state.settings) | _no_repeat_ngram_on(state.settings)
         logits_BV = jax.lax.cond(any_on, built_in, lambda x: x, logits_BV)
     else:  # decided on the host
         if plan.penalty:
-            logits_BV = _penalise(logits_BV, state)
+            logits_BV = penalise_repetition(logits_BV, state)
         if plan.ngram_bound:
-            logits_BV = _ban_ngrams(logits_BV, state, plan.ngram_bound)
+            logits_BV = ban_repeated_ngrams(logits_BV, state, plan.ngram_bound)
     for processor in processors:
         logits_BV = processor(logits_BV, state)
     return logits_BV

@@ -91,15 +91,17 @@ def filter_logits(logits_BV: jax.Array, params: SamplingParams) -> jax.Array:
 
 
 def sample(logits_BV: jax.Array, keys_B: jax.Array, params: SamplingParams,
-           some_sampled: bool | None = None) -> jax.Array:
-    """Next token ids [B]: row b draws with `keys_B[b]` (this token's key, `token_keys`).
-    Greedy rows take the argmax; when every row is greedy, the sort and the random draw are
-    skipped altogether: as the device finds at every call, or as `some_sampled` (known to
-    the host, see `plan.py`) says."""
+           some_sampled: bool | None = None, position=None) -> jax.Array:
+    """Next token ids [B]: row b draws with `keys_B[b]`, this token's key, or with
+    `fold_in(keys_B[b], position)` when `position` is given (`token_keys`). Greedy rows take
+    the argmax; when every row is greedy, the sort, the keys and the random draw are skipped
+    altogether: as the device finds at every call, or as `some_sampled` (known to the host,
+    see `plan.py`) says."""
     greedy_B = jnp.broadcast_to(params.is_greedy, logits_BV.shape[:1])
 
     def draw(logits):
-        drawn_B = jax.vmap(jax.random.categorical)(keys_B, filter_logits(logits, params))
+        keys = keys_B if position is None else token_keys(keys_B, position)
+        drawn_B = jax.vmap(jax.random.categorical)(keys, filter_logits(logits, params))
         return jnp.where(greedy_B, jnp.argmax(logits, axis=-1), drawn_B)
 
     def argmax(logits):
