@@ -51,12 +51,14 @@ def test_scanned_layers_generate_what_unrolled_layers_generate(tiny):
     assert not config.scan_layers  # the default
     scanned, params_scanned = M.with_layer_layout(config, params, scan_layers=True)
     net_scanned = M.build_model(scanned)
-    # Sampling draws from the same logits whatever the layout; greedy and beam search
-    # (which reorders the cache) are what could tell the layouts apart.
-    for run, kwargs in ((decode.generate, {}), (decode.beam_search, dict(num_beams=3))):
-        unrolled_out = run(net, params, PROMPTS, max_new_tokens=6, **kwargs)
-        scanned_out = run(net_scanned, params_scanned, PROMPTS, max_new_tokens=6, **kwargs)
-        np.testing.assert_array_equal(scanned_out.tokens, unrolled_out.tokens)
+    # Sampling draws from the same logits whatever the layout. Beam search prefills, steps
+    # and reorders the cache's rows, all that a layout changes (the decode loops see the
+    # model only through its prefill and step, whose layouts test_model.py compares).
+    unrolled_out = decode.beam_search(net, params, PROMPTS, max_new_tokens=6, num_beams=3)
+    scanned_out = decode.beam_search(net_scanned, params_scanned, PROMPTS, max_new_tokens=6,
+                                     num_beams=3)
+    np.testing.assert_array_equal(scanned_out.tokens, unrolled_out.tokens)
+    np.testing.assert_allclose(scanned_out.scores, unrolled_out.scores, rtol=1e-5)
 
 
 def test_each_row_equals_the_prompt_alone(tiny):
