@@ -46,7 +46,7 @@ def test_greedy_equals_recomputing_without_cache(tiny):
     assert out.stop_reasons() == ["max_new_tokens"] * len(PROMPTS)
 
 
-def test_scanned_layers_generate_what_unrolled_layers_generate(tiny):
+def test_scanned_and_unrolled_layers_find_the_same_beams(tiny):
     config, net, params = tiny
     assert not config.scan_layers  # the default
     scanned, params_scanned = M.with_layer_layout(config, params, scan_layers=True)

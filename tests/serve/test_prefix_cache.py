@@ -16,12 +16,12 @@ def tokens(seed, length):
     return tuple(int(t) for t in np.random.default_rng(seed).integers(3, 60, length))
 
 
-def alone(config, params, requests):
+def alone(net, params, requests):
     """The greedy tokens `generate` makes for each request alone, from as few batches as the
     model's length allows: each row of a batch is its prompt alone
     (tests/decode/test_generate.py), and greedy tokens do not depend on the budget."""
-    net, budget = M.build_model(config), max(r.max_tokens for r in requests)
-    fits = [len(r.prompt) + budget <= config.max_len for r in requests]
+    budget = max(r.max_tokens for r in requests)
+    fits = [len(r.prompt) + budget <= net.config.max_len for r in requests]
     made = {}
     batch = [i for i, f in enumerate(fits) if f]
     if batch:
@@ -136,7 +136,7 @@ def test_prompts_sharing_a_preamble_prefill_only_the_rest_and_equal_generate_alo
               [GenerationRequest(preamble + (7,), max_tokens=5)]]
     served = [serve(engine, requests) for requests in rounds]
     requests = [request for requests in rounds for request in requests]
-    assert [got for made in served for got, _ in made] == alone(config, params, requests)
+    assert [got for made in served for got, _ in made] == alone(net, params, requests)
     assert engine._prefixes.hits == 1 + 3 + 1
     assert engine._prefixes.tokens_reused == 32 + 3 * 32 + 16
     exposition = metrics.exposition().decode()
