@@ -189,7 +189,8 @@ def test_decode_steps_reading_in_one_pass_equal_reading_by_blocks(variant, cache
     outputs = []
     for one_read in (0, ONE_READ):
         monkeypatch.setattr(attention, "one_read_max_bytes", lambda one_read=one_read: one_read)
-        cached = jax.jit(run_cached.__wrapped__, static_argnums=0)  # traced anew
+        # A new function: jax would reuse a program traced from the same one.
+        cached = jax.jit(lambda *args: run_cached.__wrapped__(*args), static_argnums=0)
         cache = start_cache(config, params, 2, 16, source, source_lengths)
         logits, cache = cached(config, params, tokens[:, :4], cache, jnp.array([4, 2]))
         steps = []
