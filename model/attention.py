@@ -14,7 +14,9 @@ ops (`jax.nn.dot_product_attention`, whose default is XLA's on every backend). A
 reads the cache (decode steps, a chunk after the prefill, cross-attention over the cached
 source) runs `attend_blocks`, which on a CPU reads only the blocks of slots that some row
 has filled, and on an accelerator reads a layer of up to 64 MiB in one pass (there a loop
-iteration or a branch waits for the host, and costs more than the reading).
+iteration or a branch waits for the host, and costs more than the reading). A float16 or
+bfloat16 decode step on one NVIDIA GPU attends through one kernel per layer instead
+(`model/decode_kernel.py`).
 
 With an int8 cache (`model/quantize.py`) `attend_blocks` always reads by blocks and applies
 the scales block by block, to the logits and to the weights, and the prefill attends over
@@ -31,9 +33,11 @@ import jax.numpy as jnp
 
 from .cache import write_rows
 from .config import TransformerConfig
+from .decode_kernel import decode_attention, decode_kernel_use
 from .fused_attention import attend_fused, fused_attention_applies
 from .norms import RMSNorm
 from .positional import apply_rope, layer_rope_frequencies
+from .projections import OutputProjection, projection
 from .quantize import quantize, round_trip
 
 
@@ -124,13 +128,24 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
     every step, by its layers' size (`STACKED_WHOLE_MAX_BYTES`). An int8 cache is always
     read by blocks. A layer of at most `one_read_bytes` (default `one_read_max_bytes()`:
     up to 64 KiB on a CPU, 64 MiB on an accelerator) is read in one pass over all of it,
-    with no loop and no conditional, float or int8.
+    with no loop and no conditional, float or int8. A decode step that
+    `decode_kernel_use` admits runs the kernel instead, each row read up to its last seen slot.
     Either way slots a query may not see get exactly zero weight, whatever they hold (even
     NaN) cannot reach the output, and a query that sees no slot at all returns zeros.
     """
     batch, num_queries, num_heads, head_dim = q_BTNH.shape
     _, _, kv_heads, capacity, _ = k_LBKSH.shape
     group, block = num_heads // kv_heads, min(block_size, capacity)
+    layers_BKSH = [jax.ShapeDtypeStruct(s.shape[1:], s.dtype) for s in (k_LBKSH, v_LBKSH)]
+    kernel = None if scales is not None else decode_kernel_use(q_BTNH, *layers_BKSH, softcap)
+    if kernel is not None:
+        k_BKSH, v_BKSH = (stack[0] if stack.shape[0] == 1 else
+                          jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False)
+                          for stack in (k_LBKSH, v_LBKSH))
+        out_BTNH = decode_attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale,
+                                    interpret=kernel == "interpret")
+        last_seen = jnp.max(jnp.where(mask_BTS, jnp.arange(capacity) + 1, 0))
+        return out_BTNH, ((last_seen + block - 1) // block).astype(jnp.int32)
     # (B, K) merged into one batch axis X of heads and (G, T) into M query rows: with one
     # batch axis the products take each block as it is sliced. With two, (B, K), a backend
     # that drops a unit B axis (XLA:CPU does) copies K transposed for every product.
@@ -312,47 +327,6 @@ def _zero_rows_without_keys(out_BTNH, mask_BTS):
     return jnp.where(has_key_BT[:, :, None, None], out_BTNH, 0)
 
 
-def _projection(config: TransformerConfig, heads: int, name: str) -> nn.DenseGeneral:
-    """[B, T, D] -> [B, T, heads, H]: a kernel [D, heads, H], a bias [heads, H] if `qkv_bias`."""
-    return nn.DenseGeneral(
-        features=(heads, config.head_dim), use_bias=config.qkv_bias,
-        dtype=config.compute_dtype, param_dtype=config.weights_dtype, name=name,
-    )
-
-
-class OutputProjection(nn.Module):
-    """Heads back to the model width: [B, T, N, H] -> [B, T, D] with a kernel [N, H, D]
-    (and a bias [D] if `out_bias`).
-
-    Computed as one [B·T, N·H] x [N·H, D] matmul: a contraction over two axes at once
-    is slower on some backends (XLA:CPU among them) than the same 2-D product. On a GPU a
-    single row (batch-1 decoding) is multiplied as two, the second zero: XLA:GPU turns a
-    product of one row with a matrix of this size into a multiply and a sum that it does not
-    fuse, which writes out and reads back a product as large as the kernel.
-    """
-
-    config: TransformerConfig
-
-    @nn.compact
-    def __call__(self, x_BTNH):
-        c = self.config
-        kernel = self.param("kernel", nn.initializers.lecun_normal(in_axis=(0, 1), out_axis=2),
-                            (c.num_heads, c.head_dim, c.d_model), c.weights_dtype)
-        x_BTNH, kernel = nn.dtypes.promote_dtype(x_BTNH, kernel, dtype=c.compute_dtype)
-        x_BTF = x_BTNH.reshape(*x_BTNH.shape[:2], -1)
-        one_row = x_BTF.shape[:2] == (1, 1) and jax.default_backend() == "gpu"
-        if one_row:
-            x_BTF = jnp.concatenate([x_BTF, jnp.zeros_like(x_BTF)])
-        out_BTD = x_BTF @ kernel.reshape(-1, c.d_model)
-        if one_row:
-            out_BTD = out_BTD[:1]
-        if c.out_bias:
-            bias = self.param("bias", nn.initializers.zeros_init(), (c.d_model,),
-                              c.weights_dtype)
-            out_BTD = out_BTD + bias.astype(out_BTD.dtype)
-        return out_BTD
-
-
 class SelfAttention(nn.Module):
     """Masked self-attention that reads and writes this layer's K/V in the cache.
 
@@ -376,7 +350,7 @@ class SelfAttention(nn.Module):
         config = self.config
         # One projection to all heads, split after: one matmul streams the weights where
         # three smaller ones would each pay a kernel launch (a decode step is many of them).
-        qkv = _projection(config, config.num_heads + 2 * config.kv_heads, "qkv")(x_BTD)
+        qkv = projection(config, config.num_heads + 2 * config.kv_heads, "qkv")(x_BTD)
         q, k, v = jnp.split(qkv, [config.num_heads, config.num_heads + config.kv_heads], axis=2)
         if config.qk_norm:
             q, k = RMSNorm(config, name="q_norm")(q), RMSNorm(config, name="k_norm")(k)
@@ -419,7 +393,7 @@ class CrossKV(nn.Module):
     @nn.compact
     def __call__(self, carry, layer, shared):
         encoded_BSD, _ = carry
-        kv = _projection(self.config, 2 * self.config.kv_heads, "kv")(encoded_BSD)
+        kv = projection(self.config, 2 * self.config.kv_heads, "kv")(encoded_BSD)
         k, v = jnp.split(kv, 2, axis=2)
         return carry, {"cross_k": k, "cross_v": v}
 
@@ -435,7 +409,7 @@ class CrossAttention(nn.Module):
     @nn.compact
     def __call__(self, x_BTD, cross_k, cross_v, mask_BTS, cached: bool = False, scales=None,
                  source_lengths_B=None):
-        q = _projection(self.config, self.config.num_heads, "query")(x_BTD)
+        q = projection(self.config, self.config.num_heads, "query")(x_BTD)
         if cached:
             scales = None if scales is None else tuple(s[None] for s in scales)
             out, _ = attend_blocks(q, cross_k[None], cross_v[None], 0, mask_BTS,

@@ -42,7 +42,7 @@ def xla_attention_only():
 
 
 @functools.cache
-def _on_cuda() -> bool:
+def on_cuda() -> bool:
     """Whether the default backend is an NVIDIA GPU (a ROCm GPU is a "gpu" too)."""
     backend = jax.extend.backend.get_backend()
     return backend.platform == "gpu" and "cuda" in backend.platform_version.lower()
@@ -54,7 +54,7 @@ def fused_attention_applies(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Ar
     K and V, a head dim that is a multiple of 8 up to 128, no soft cap on the logits, and
     not inside `xla_attention_only`."""
     head_dim = q_BTNH.shape[-1]
-    return (softcap is None and _FUSED_ALLOWED.get() and _on_cuda()
+    return (softcap is None and _FUSED_ALLOWED.get() and on_cuda()
             and q_BTNH.dtype in FUSED_DTYPES and k_BSKH.dtype == v_BSKH.dtype == q_BTNH.dtype
             and head_dim % 8 == 0 and head_dim <= FUSED_MAX_HEAD_DIM)
 

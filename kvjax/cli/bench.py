@@ -60,7 +60,25 @@ def _add_kernels(kinds) -> None:
                          help="the decode loop, as `kvjax bench decode --loops` names it "
                               "(default, device, host, host:K)")
     kernels.add_argument("--top", type=positive, default=30, help="kernels listed")
-    kernels.set_defaults(run=run_bench_kernels)
+    _add_decode_attention(kernels)
+    kernels.set_defaults(run=_in_decode_attention_mode(run_bench_kernels))
+
+
+def _add_decode_attention(parser) -> None:
+    parser.add_argument("--decode-attention", choices=("auto", "xla"), default="auto",
+                        help="decode steps' attention: auto (one kernel per layer on an "
+                             "NVIDIA GPU, XLA's ops elsewhere) or xla (XLA's ops everywhere)")
+
+
+def _in_decode_attention_mode(run):
+    """`run(args)` with its decode steps' attention as `--decode-attention` says."""
+    def wrapped(args) -> int:
+        from kvjax.model.decode_kernel import decode_kernel_mode
+
+        with decode_kernel_mode(args.decode_attention):
+            return run(args)
+
+    return wrapped
 
 
 def _model_dir(args, scratch: str) -> str | None:
@@ -167,7 +185,8 @@ def _add_decode(kinds) -> None:
                         default=[64, 128, 256, 512, 1024], help="filled slots to time")
     decode.add_argument("--sweep-plot", default="decode_sweep.png",
                         help="where to write the sweep's PNG plot")
-    decode.set_defaults(run=run_bench_decode)
+    _add_decode_attention(decode)
+    decode.set_defaults(run=_in_decode_attention_mode(run_bench_decode))
 
 
 def _add_train(kinds) -> None:
@@ -249,7 +268,8 @@ def _add_serve(kinds) -> None:
                        help="skip transformers' continuous batching")
     serve.add_argument("--repeats", type=positive, default=3,
                        help="runs of the engine and the fixed batches, in turn (median)")
-    serve.set_defaults(run=run_bench_serve)
+    _add_decode_attention(serve)
+    serve.set_defaults(run=_in_decode_attention_mode(run_bench_serve))
 
 
 def run_bench_serve(args) -> int:

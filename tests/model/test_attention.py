@@ -99,7 +99,7 @@ def test_attention_gradient_is_finite_with_fully_masked_rows():
 def test_output_projection_is_the_heads_times_the_kernel(monkeypatch, backend, rows):
     """[B, T, N, H] x [N, H, D], NumPy's sum over both head axes; as a GPU computes it too,
     where one row (batch-1 decoding) is multiplied as two."""
-    from kvjax.model.attention import OutputProjection
+    from kvjax.model.projections import OutputProjection
 
     config = M.preset("tiny")
     monkeypatch.setattr(jax, "default_backend", lambda: backend)

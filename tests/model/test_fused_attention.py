@@ -125,7 +125,7 @@ def test_deterministic_training_runs_xlas_attention(monkeypatch):
     config = M.preset("tiny", positional_encoding="rope")
     fused = []
     monkeypatch.setattr(A, "attend_fused", lambda q, *args: fused.append(1) or q)
-    monkeypatch.setattr(F, "_on_cuda", lambda: True)
+    monkeypatch.setattr(F, "on_cuda", lambda: True)
     tokens = np.asarray(random_tokens(3, (2, 9), config.vocab_size))
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     for deterministic, calls in ((True, 0), (False, config.num_decoder_layers)):

@@ -1,0 +1,176 @@
+"""Decode attention as one kernel per layer on an NVIDIA GPU (Pallas, lowered through Triton).
+
+A decode step attends one query per row over the row's cached slots. Through XLA's ops that is
+six kernels per layer (the logits' product, the softmax's max and sum, the weights' conversion,
+V read with its unseen slots zeroed, the weights' product), each of a microsecond or two for
+so little work. Here one program per (row, kv head) reads the row's K and V once, block by
+block up to its last slot the mask lets it see, and keeps the softmax's running max and sum
+on chip (FlashAttention's recurrence, as `model.attention._attend_filled_blocks` runs it
+through XLA). jax has deprecated Pallas' Triton backend: where a jax no longer has it, decode
+steps run XLA's ops.
+
+Masked slots get exactly zero weight and their values are zeroed before the product, so
+whatever they hold (even NaN) cannot reach the output; a query that sees no slot returns
+zeros. The kernel runs on the CPU in Pallas' interpret mode, which is how the tests compare
+it with XLA's path on a machine without a GPU.
+
+Shape letters as in `model/attention.py`; M is the G query heads of a kv head padded to the
+16 rows a Triton matrix product needs, U the slots of one block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+
+from .fused_attention import on_cuda
+
+KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
+MIN_DOT = 16  # a Triton matrix product's smallest side
+MAX_HEAD_DIM = 256
+BLOCK_SLOTS = 64
+
+
+_MODE = contextvars.ContextVar("kvjax_decode_kernel", default="auto")
+MODES = ("auto", "xla", "interpret")
+
+
+@contextlib.contextmanager
+def decode_kernel_mode(mode: str) -> Iterator[None]:
+    """Within it, decode steps traced run attention `mode`: "auto" (the default) through the
+    kernel where `compiles_here()` and XLA's ops elsewhere, "xla" through XLA's ops
+    everywhere, "interpret" through the kernel run as JAX ops on any backend (how the tests
+    run it on a CPU). Programs compiled before keep what they were traced with."""
+    if mode not in MODES:
+        raise ValueError(f"decode kernel mode {mode!r}: expected one of {MODES}")
+    token = _MODE.set(mode)
+    try:
+        yield
+    finally:
+        _MODE.reset(token)
+
+
+def decode_kernel_use(q_BTNH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array,
+                      softcap: float | None) -> str | None:
+    """How a decode step's attention over these operands runs the kernel: "compiled",
+    "interpret", or None (XLA's ops), by `decode_kernel_mode` and `decode_kernel_fits`."""
+    mode = _MODE.get()
+    if mode == "xla" or (mode == "auto" and not compiles_here()):
+        return None
+    if not decode_kernel_fits(q_BTNH, k_BKSH, v_BKSH, softcap):
+        return None
+    return "interpret" if mode == "interpret" else "compiled"
+
+
+@functools.cache
+def compiles_here() -> bool:
+    """Whether "auto" compiles the kernel: on a single NVIDIA GPU, with a jax that still
+    lowers Pallas through Triton. A program over several devices runs XLA's ops: the
+    partitioner cannot split a kernel's call by rows, and would gather every row's cache
+    onto each device."""
+    try:
+        from jax.experimental.pallas import triton  # noqa: F401
+    except ImportError:
+        return False
+    return on_cuda() and jax.device_count() == 1
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def decode_kernel_fits(q_BTNH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array,
+                       softcap: float | None) -> bool:
+    """Whether `decode_attention` takes these operands: one query per row, float16 or
+    bfloat16 K/V of one dtype, a power-of-two head dim from 16 to 256, at most 16 query
+    heads per kv head, at least 16 slots, and no soft cap."""
+    _, num_queries, num_heads, head_dim = q_BTNH.shape
+    kv_heads, capacity = k_BKSH.shape[1], k_BKSH.shape[2]
+    return (num_queries == 1 and softcap is None
+            and k_BKSH.dtype in KERNEL_DTYPES and v_BKSH.dtype == k_BKSH.dtype
+            and _power_of_two(head_dim) and MIN_DOT <= head_dim <= MAX_HEAD_DIM
+            and num_heads % kv_heads == 0 and num_heads // kv_heads <= MIN_DOT
+            and capacity >= MIN_DOT)
+
+
+def decode_attention(q_BTNH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array,
+                     mask_BTS: jax.Array, scale: float | None = None,
+                     interpret: bool = False) -> jax.Array:
+    """softmax(QKᵀ·scale + mask)V for one query per row over one layer of the cache,
+    [B, 1, N, H] in Q's dtype. `scale` defaults to 1/√H. The operands must pass
+    `decode_kernel_fits`. `interpret`: run the kernel as JAX ops (any backend)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    batch, _, num_heads, head_dim = q_BTNH.shape
+    _, kv_heads, capacity, _ = k_BKSH.shape
+    group = num_heads // kv_heads
+    block = min(BLOCK_SLOTS, 1 << (capacity.bit_length() - 1))
+    scale = head_dim**-0.5 if scale is None else scale
+    q_BKGH = q_BTNH.reshape(batch, kv_heads, group, head_dim).astype(jnp.float32) * scale
+    # The rows past the group are zeros, and their outputs are sliced off below.
+    q_BKMH = jnp.pad(q_BKGH, ((0, 0), (0, 0), (0, MIN_DOT - group), (0, 0))).astype(k_BKSH.dtype)
+    seen_BS = mask_BTS[:, 0].astype(jnp.int8)
+    slots_S = jnp.arange(capacity, dtype=jnp.int32)
+    # Each row reads up to the last slot it may see: the blocks past it are never loaded.
+    blocks_B1 = ((jnp.max(jnp.where(mask_BTS[:, 0], slots_S + 1, 0), axis=1) + block - 1)
+                 // block).astype(jnp.int32)[:, None]
+
+    out_BKMH = pl.pallas_call(
+        functools.partial(_kernel, block=block, capacity=capacity),
+        grid=(batch, kv_heads),
+        in_specs=[
+            pl.BlockSpec((None, 1), lambda b, k: (b, 0)),
+            pl.BlockSpec((None, None, MIN_DOT, head_dim), lambda b, k: (b, k, 0, 0)),
+            pl.BlockSpec((None, None, capacity, head_dim), lambda b, k: (b, k, 0, 0)),
+            pl.BlockSpec((None, None, capacity, head_dim), lambda b, k: (b, k, 0, 0)),
+            pl.BlockSpec((None, capacity), lambda b, k: (b, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, None, MIN_DOT, head_dim), lambda b, k: (b, k, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((batch, kv_heads, MIN_DOT, head_dim), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="kvjax_decode_attention",
+    )(blocks_B1, q_BKMH, k_BKSH, v_BKSH, seen_BS)
+    return out_BKMH[:, :, :group].reshape(batch, 1, num_heads, head_dim).astype(q_BTNH.dtype)
+
+
+def _kernel(blocks_ref, q_ref, k_ref, v_ref, seen_ref, out_ref, *, block, capacity):
+    """One (row, kv head): its G queries over the row's first `blocks_ref[0]` blocks."""
+    from jax.experimental import pallas as pl
+
+    head_dim = q_ref.shape[-1]
+    q_MH = q_ref[...]
+
+    def body(index, carry):
+        max_M, sum_M, acc_MH = carry
+        # The last block starts early when `block` does not divide the capacity: every read
+        # stays inside the row, and the slots before `first` (read by the block before) are
+        # masked here.
+        first = index * block
+        start = jnp.minimum(first, capacity - block)
+        slots_U = start + jnp.arange(block, dtype=jnp.int32)
+        seen_U = (seen_ref[pl.ds(start, block)] != 0) & (slots_U >= first)
+        k_UH = k_ref[pl.ds(start, block), :]
+        logits_MU = jnp.dot(q_MH, k_UH.T, preferred_element_type=jnp.float32)
+        logits_MU = jnp.where(seen_U[None, :], logits_MU, -jnp.inf)
+        new_max_M = jnp.maximum(max_M, jnp.max(logits_MU, axis=1))
+        # While a query has seen no slot its max is -inf; subtract 0 then, so exp() gives 0.
+        shift_M = jnp.where(new_max_M > -jnp.inf, new_max_M, 0.0)
+        rescale_M = jnp.exp(max_M - shift_M)
+        weights_MU = jnp.exp(logits_MU - shift_M[:, None])
+        sum_M = sum_M * rescale_M + jnp.sum(weights_MU, axis=1)
+        v_UH = jnp.where(seen_U[:, None], v_ref[pl.ds(start, block), :], 0)
+        update_MH = jnp.dot(weights_MU.astype(v_UH.dtype), v_UH,
+                            preferred_element_type=jnp.float32)
+        return new_max_M, sum_M, acc_MH * rescale_M[:, None] + update_MH
+
+    init = (jnp.full((MIN_DOT,), -jnp.inf, jnp.float32), jnp.zeros((MIN_DOT,), jnp.float32),
+            jnp.zeros((MIN_DOT, head_dim), jnp.float32))
+    _, sum_M, acc_MH = jax.lax.fori_loop(0, blocks_ref[0], body, init)
+    out_ref[...] = acc_MH / jnp.where(sum_M > 0, sum_M, 1.0)[:, None]
