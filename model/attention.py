@@ -136,16 +136,17 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
     batch, num_queries, num_heads, head_dim = q_BTNH.shape
     _, _, kv_heads, capacity, _ = k_LBKSH.shape
     group, block = num_heads // kv_heads, min(block_size, capacity)
+    slots_S = jnp.arange(capacity, dtype=jnp.int32)
+    last_seen = jnp.max(jnp.where(mask_BTS, slots_S + 1, 0))
+    num_blocks = (last_seen + block - 1) // block
     layers_BKSH = [jax.ShapeDtypeStruct(s.shape[1:], s.dtype) for s in (k_LBKSH, v_LBKSH)]
     kernel = None if scales is not None else decode_kernel_use(q_BTNH, *layers_BKSH, softcap)
     if kernel is not None:
         k_BKSH, v_BKSH = (stack[0] if stack.shape[0] == 1 else
                           jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False)
                           for stack in (k_LBKSH, v_LBKSH))
-        out_BTNH = decode_attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale,
-                                    interpret=kernel == "interpret")
-        last_seen = jnp.max(jnp.where(mask_BTS, jnp.arange(capacity) + 1, 0))
-        return out_BTNH, ((last_seen + block - 1) // block).astype(jnp.int32)
+        return decode_attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale,
+                                interpret=kernel == "interpret"), num_blocks
     # (B, K) merged into one batch axis X of heads and (G, T) into M query rows: with one
     # batch axis the products take each block as it is sliced. With two, (B, K), a backend
     # that drops a unit B axis (XLA:CPU does) copies K transposed for every product.
@@ -153,9 +154,6 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
              .transpose(0, 2, 3, 1, 4).reshape(batch * kv_heads, group * num_queries, head_dim))
     q_XMH = q_XMH.astype(jnp.float32)
     q_XMH = q_XMH / jnp.sqrt(float(head_dim)) if scale is None else q_XMH * scale
-    slots_S = jnp.arange(capacity, dtype=jnp.int32)
-    last_seen = jnp.max(jnp.where(mask_BTS, slots_S + 1, 0))
-    num_blocks = (last_seen + block - 1) // block
     all_blocks = -(-capacity // block)
     layer_bytes = k_LBKSH.size // k_LBKSH.shape[0] * k_LBKSH.dtype.itemsize
     if one_read_bytes is None:
