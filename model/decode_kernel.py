@@ -21,7 +21,6 @@ Shape letters as in `model/attention.py`; M is the G query heads of a kv head pa
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 from collections.abc import Iterator
 
@@ -36,8 +35,8 @@ MAX_HEAD_DIM = 256
 BLOCK_SLOTS = 64
 
 
-_MODE = contextvars.ContextVar("kvjax_decode_kernel", default="auto")
 MODES = ("auto", "xla", "interpret")
+_mode = "auto"
 
 
 @contextlib.contextmanager
@@ -45,21 +44,23 @@ def decode_kernel_mode(mode: str) -> Iterator[None]:
     """Within it, decode steps traced run attention `mode`: "auto" (the default) through the
     kernel where `compiles_here()` and XLA's ops elsewhere, "xla" through XLA's ops
     everywhere, "interpret" through the kernel run as JAX ops on any backend (how the tests
-    run it on a CPU). Programs compiled before keep what they were traced with."""
+    run it on a CPU). It holds for every thread (a serving engine traces on its own);
+    programs compiled before keep what they were traced with."""
+    global _mode
     if mode not in MODES:
         raise ValueError(f"decode kernel mode {mode!r}: expected one of {MODES}")
-    token = _MODE.set(mode)
+    previous, _mode = _mode, mode
     try:
         yield
     finally:
-        _MODE.reset(token)
+        _mode = previous
 
 
 def decode_kernel_use(q_BTNH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array,
                       softcap: float | None) -> str | None:
     """How a decode step's attention over these operands runs the kernel: "compiled",
     "interpret", or None (XLA's ops), by `decode_kernel_mode` and `decode_kernel_fits`."""
-    mode = _MODE.get()
+    mode = _mode
     if mode == "xla" or (mode == "auto" and not compiles_here()):
         return None
     if not decode_kernel_fits(q_BTNH, k_BKSH, v_BKSH, softcap):

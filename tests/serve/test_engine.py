@@ -11,6 +11,7 @@ from kvjax import model as M
 from kvjax.decode import Sampling
 from kvjax.decode.sampling import seed_key
 from kvjax.decode.tracing import trace_count
+from kvjax.model.decode_kernel import decode_kernel_mode
 from kvjax.serve import Engine, GenerationRequest, QueueFull
 
 SLOTS, CHUNK = 4, 4
@@ -350,3 +351,29 @@ def test_an_imported_gemma_serves_its_chat_prompts_as_generate_alone():
     # A ragged batch gives each row what it gets alone (tests/decode).
     expected = decode.generate(net, loaded.params, prompts, max_new_tokens=7).token_lists()
     assert [c.tokens() for c in collectors] == expected
+
+
+def test_the_decode_kernel_serves_what_generate_makes_through_it():
+    """A bfloat16 model whose decode steps attend through the kernel (run as JAX ops here, as
+    it compiles on one NVIDIA GPU): rows of different lengths join and leave the slots, and
+    each request's tokens and logprobs are those `generate` makes alone through the kernel."""
+    config = M.preset("tiny", d_model=64, num_heads=4, num_kv_heads=2,
+                      positional_encoding="rope")
+    config, params = M.with_precision(config, M.init_params(config, jax.random.key(3)),
+                                      "bfloat16")
+    net = M.build_model(config)
+    requests = [GenerationRequest(prompt(40 + i, n), max_tokens=m)
+                for i, (n, m) in enumerate(((4, 9), (7, 3), (5, 6)))]
+    with decode_kernel_mode("interpret"):
+        engine = Engine(config, params, max_slots=2, chunk_size=CHUNK, max_queue=4,
+                        prefill_batch=2)
+        collectors = [Collector() for _ in requests]
+        for request, collector in zip(requests, collectors, strict=True):
+            engine.submit(request, collector)
+        engine.run_until_idle()
+        alone = [decode.generate(net, params, [list(r.prompt)], max_new_tokens=r.max_tokens,
+                                 return_logprobs=True) for r in requests]
+    assert [c.tokens() for c in collectors] == [out.token_lists()[0] for out in alone]
+    for collector, out in zip(collectors, alone, strict=True):
+        logprobs = [p for d in collector.deltas for p in d.logprobs]
+        np.testing.assert_allclose(logprobs, out.logprobs[0, :len(logprobs)], atol=2e-2)
