@@ -35,7 +35,6 @@ import contextlib
 import dataclasses
 import os
 import platform
-import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -48,6 +47,7 @@ from kvjax.decode.buckets import bucket, smallest_sharing
 from kvjax.decode.plan import ON_DEVICE, STEPS_PER_CHECK, LoopPlan, Planner, planned_by
 from kvjax.model.config import format_bytes
 
+from .floors import best_seconds, measure_bandwidth, time_weights_only_step
 from .random_hf import random_gpt2
 
 NO_CACHE_PAD = 32  # the no-cache loop pads the sequence to a multiple of this
@@ -94,81 +94,6 @@ class Facts:
         return (self.param_bytes + self.cache_bytes_batch1) / self.bandwidth
 
 
-def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def measure_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
-    """Bytes per second moved through memory: the best of a sum and a matrix-vector product
-    over `num_bytes` of float32, each far larger than any CPU cache, and of a copy of them
-    (bytes read and written; a GPU's reductions fall well short of its bandwidth)."""
-    cols = 8192
-    rows = num_bytes // 4 // cols
-    # Only the bytes read count, not their values: filling with ones takes a memset's time
-    # where random numbers would take seconds.
-    matrix = jnp.ones((rows, cols), jnp.float32)
-    vector = jnp.ones((cols,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    gemv = jax.jit(jnp.dot)
-    copy = jax.jit(lambda m: m + 1.0)
-    best = 0.0
-    for fn, moved in ((lambda: total(matrix), 1), (lambda: gemv(matrix, vector), 1),
-                      (lambda: copy(matrix), 2)):
-        jax.block_until_ready(fn())
-        best = max(best, moved * matrix.size * 4 / _best_seconds(fn, repeats))
-    return best
-
-
-def step_matrices(config: M.TransformerConfig, params) -> list[tuple[jax.Array, bool]]:
-    """Every weight matrix a decoder-only model's decode step multiplies, as `(matrix,
-    on_the_left)`: each kernel as a 2-D [in, out] for `x @ W` (an output projection's
-    [N, H, D] is [N·H, D]), and with tied embeddings the table, which the logits multiply
-    as `table @ x` ([V, D]). Embedding rows that are only looked up are not multiplied."""
-    if config.is_encoder_decoder:
-        raise ValueError("step_matrices is for decoder-only models: an encoder's weights are "
-                         "not read by a decode step")
-    matrices = []
-    per_layer = M.with_layer_layout(config, params, scan_layers=False)[1]
-    for path, leaf in jax.tree_util.tree_leaves_with_path(per_layer):
-        names = [getattr(key, "key", None) for key in path]
-        if names[-1] == "kernel":
-            inputs = leaf.shape[:2] if names[-2] == "out" else leaf.shape[:1]  # [N, H, D]
-            matrices.append((leaf.reshape(int(np.prod(inputs)), -1), False))
-        elif names[-1] == "embedding" and config.tie_embeddings:
-            matrices.append((leaf, True))
-    return matrices
-
-
-def time_weights_only_step(config: M.TransformerConfig, params, repeats: int,
-                           steps: int = 64) -> float:
-    """Seconds per batch-1 step for the step's matrix-vector products alone.
-
-    Each product feeds the next (one running vector), so they run one after another as in
-    the model, inside one compiled loop of `steps` iterations. No attention, no cache, no
-    sampling, no layer stack: how fast this backend streams the weights through the kernels
-    a batch-1 decode step is made of, with nothing else in the way."""
-    matrices = step_matrices(config, params)
-    width = max(max(w.shape) for w, _ in matrices)
-
-    @jax.jit
-    def run(weights):
-        def body(_, x):
-            for w, (_, on_the_left) in zip(weights, matrices, strict=True):
-                y = w @ x[:w.shape[1]] if on_the_left else x[:w.shape[0]] @ w
-                x = x.at[:y.shape[0]].add(1e-3 * y)
-            return x
-        return jax.lax.fori_loop(0, steps, body, jnp.ones((width,), weights[0].dtype))
-
-    weights = [w for w, _ in matrices]
-    jax.block_until_ready(run(weights))
-    return _best_seconds(lambda: run(weights), repeats) / steps
-
-
 def parse_loop(name: str) -> Planner | None:
     """A `--loops` name (default, device, host, host:K) as a planner for `planned_by`."""
     if name == "default":
@@ -198,8 +123,8 @@ def _time_kvjax(net, params, prompts, new_tokens: int, repeats: int, mesh=None,
 
     with contextlib.nullcontext() if planner is None else planned_by(planner):
         run(new_tokens)()  # compiles the bucket both calls use
-        full = _best_seconds(run(new_tokens), repeats)
-        shorter = _best_seconds(run(half), repeats)
+        full = best_seconds(run(new_tokens), repeats)
+        shorter = best_seconds(run(half), repeats)
     return full, (full - shorter) / (new_tokens - half)
 
 
@@ -217,7 +142,7 @@ def _time_no_cache(config, params, prompts: np.ndarray, new_tokens: int,
     def time_width(width: int) -> float:
         tokens = jnp.zeros((batch, width), jnp.int32).at[:, :prompt_len].set(prompts)
         jax.block_until_ready(next_token(params, tokens, last))  # compiles this width
-        return _best_seconds(lambda: next_token(params, tokens, last), repeats)
+        return best_seconds(lambda: next_token(params, tokens, last), repeats)
 
     # Step s sees the prompt and s generated tokens, padded up to a multiple of NO_CACHE_PAD.
     widths = [-(-(prompt_len + s) // NO_CACHE_PAD) * NO_CACHE_PAD for s in range(new_tokens)]
@@ -260,7 +185,7 @@ def _hf_runner(config: M.TransformerConfig, hf_dir: str | None = None,
             out = generate(ids, kwargs)  # warm-up
             if out.shape[1] != prompts.shape[1] + new_tokens:
                 raise RuntimeError(f"HF generated {out.shape[1] - prompts.shape[1]} tokens")
-            return _best_seconds(lambda: generate(ids, kwargs), repeats)
+            return best_seconds(lambda: generate(ids, kwargs), repeats)
 
     where = (torch.cuda.get_device_name(device) if on_gpu
              else f"{torch.get_num_threads()} threads")

@@ -34,7 +34,8 @@ from kvjax import model as M
 from kvjax import parallel
 from kvjax.model.fused_attention import fused_attention_applies
 
-from .decode import _best_seconds, _machine
+from .decode import _machine
+from .floors import best_seconds
 
 LAYER_MODES = ("scanned", "unrolled")
 
@@ -102,7 +103,7 @@ def measure_matmul_peak(dtype: str = "float32", repeats: int = 5) -> float:
     b = jax.random.normal(jax.random.key(1), (size, size), dtype)
     product = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
     jax.block_until_ready(product(a, b))
-    return 2.0 * size**3 / _best_seconds(lambda: product(a, b), repeats)
+    return 2.0 * size**3 / best_seconds(lambda: product(a, b), repeats)
 
 
 def _best_step_seconds(step: Callable[[], object], steps: int, repeats: int) -> float:

@@ -89,7 +89,7 @@ def test_the_cli_choices_are_the_librarys():
 
 
 def test_weights_alone_multiplies_every_matrix_parameter_once():
-    from kvjax.benchmarks import decode as bench
+    from kvjax.benchmarks import floors as bench
     # One head: qkv is [D, 3, D], which is not an output projection. Every size distinct.
     config = M.preset("tiny", num_heads=1, num_kv_heads=1, vocab_size=80, max_len=40,
                       scan_layers=True)
