@@ -41,6 +41,7 @@ if "KVJAX_TEST_FLAGS_CHECKED" not in os.environ:
 
 import jax  # noqa: E402  (after the environment above, which it reads when it starts)
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from kvjax import model as M  # noqa: E402
@@ -156,6 +157,22 @@ def run_cached(config, params, tokens, cache, lengths=None):
     """One call with a cache: (logits [B, T, V], new cache)."""
     net = M.build_model(config)
     return net.apply({"params": params}, tokens, cache, lengths, method=net.step)
+
+
+def steps_traced_anew(config, params, tokens, capacity, source=None, source_lengths=None):
+    """Float32 logits [5, B, 1, V] of 5 decode steps after a prefill of the first 4 and 2
+    tokens of rows 0 and 1 of `tokens` [2, >= 9] (row 0 then feeds tokens 4.., row 1 tokens
+    4.. too, from position 2), in programs traced anew: what a test that changes how a
+    program is traced (a patched policy, a mode) compares. jax would reuse a program traced
+    earlier from the same function."""
+    cached = jax.jit(lambda *args: run_cached.__wrapped__(*args), static_argnums=0)
+    cache = start_cache(config, params, 2, capacity, source, source_lengths)
+    _, cache = cached(config, params, tokens[:, :4], cache, jnp.array([4, 2]))
+    steps = []
+    for t in range(5):
+        logits, cache = cached(config, params, tokens[:, 4 + t:5 + t], cache)
+        steps.append(np.asarray(logits, np.float32))
+    return np.stack(steps)
 
 
 def run_cli(capsys, *argv):

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import random_tokens, run_cached, run_full, start_cache
+from conftest import random_tokens, run_cached, run_full, start_cache, steps_traced_anew
 from test_attention import numpy_attention
 
 from kvjax import decode
@@ -189,15 +189,7 @@ def test_decode_steps_reading_in_one_pass_equal_reading_by_blocks(variant, cache
     outputs = []
     for one_read in (0, ONE_READ):
         monkeypatch.setattr(attention, "one_read_max_bytes", lambda one_read=one_read: one_read)
-        # A new function: jax would reuse a program traced from the same one.
-        cached = jax.jit(lambda *args: run_cached.__wrapped__(*args), static_argnums=0)
-        cache = start_cache(config, params, 2, 16, source, source_lengths)
-        logits, cache = cached(config, params, tokens[:, :4], cache, jnp.array([4, 2]))
-        steps = []
-        for t in range(5):
-            logits, cache = cached(config, params, tokens[:, 4 + t:5 + t], cache)
-            steps.append(np.asarray(logits))
-        outputs.append(np.stack(steps))
+        outputs.append(steps_traced_anew(config, params, tokens, 16, source, source_lengths))
     assert np.isfinite(outputs[1]).all()
     assert relative_error(outputs[1], outputs[0].astype(np.float64)) <= 1e-5
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import random_tokens, run_cached, start_cache
+from conftest import random_tokens, steps_traced_anew
 from test_attention import numpy_attention
 
 from kvjax import model as M
@@ -97,15 +97,8 @@ def test_decode_steps_through_the_kernel_equal_xlas(mode, variant):
     outputs = []
     for attention in ("xla", mode if mode == "interpret" else "auto"):
         with D.decode_kernel_mode(attention):
-            # A new function: jax would reuse a program traced from the same one.
-            cached = jax.jit(lambda *args: run_cached.__wrapped__(*args), static_argnums=0)
-            cache = start_cache(config, params, 2, 32, source, source_lengths)
-            _, cache = cached(config, params, tokens[:, :4], cache, jnp.array([4, 2]))
-            steps = []
-            for t in range(5):
-                logits, cache = cached(config, params, tokens[:, 4 + t:5 + t], cache)
-                steps.append(np.asarray(logits, np.float32))
-        outputs.append(np.stack(steps))
+            outputs.append(steps_traced_anew(config, params, tokens, 32, source,
+                                             source_lengths))
     assert np.isfinite(outputs[1]).all()
     spread = np.max(np.abs(outputs[0]))
     assert np.max(np.abs(outputs[1] - outputs[0])) <= 3e-2 * spread
