@@ -102,7 +102,45 @@ def pytest_runtest_setup(item):
     _LAST_FILE[0] = item.path
     if _map_count() > MAP_SHARE * _MAP_LIMIT:
         jax.clear_caches()
+        _COMPILED_BY_PROGRAM.clear()
         gc.collect()
+
+
+# Tests often compile a program a worker already holds under another jit cache key: the same
+# model built from an equal config in another file, a helper traced anew. Within a worker,
+# XLA's executable is reused when the program's text (without source locations), compile
+# options and devices are the same. Programs with host callbacks are always compiled, since
+# their callbacks are not part of the text. The wrapped jax function is internal, so where a
+# jax lacks it every program is compiled, as without this.
+_COMPILED_BY_PROGRAM: dict = {}
+
+
+def _reuse_compiled_programs() -> None:
+    import hashlib
+
+    from jax._src import compiler
+
+    compile_and_load = getattr(compiler, "backend_compile_and_load", None)
+    if compile_and_load is None or getattr(compile_and_load, "reuses_programs", False):
+        return
+
+    def reusing(backend, module, executable_devices, options, host_callbacks, *args, **kwargs):
+        if host_callbacks or args or kwargs:
+            return compile_and_load(backend, module, executable_devices, options,
+                                    host_callbacks, *args, **kwargs)
+        text = module.operation.get_asm(enable_debug_info=False)
+        key = (backend.platform, hashlib.sha256(text.encode()).hexdigest(),
+               options.SerializeAsString(), tuple(d.id for d in executable_devices))
+        if key not in _COMPILED_BY_PROGRAM:
+            _COMPILED_BY_PROGRAM[key] = compile_and_load(backend, module, executable_devices,
+                                                         options, host_callbacks)
+        return _COMPILED_BY_PROGRAM[key]
+
+    reusing.reuses_programs = True
+    compiler.backend_compile_and_load = reusing
+
+
+_reuse_compiled_programs()
 
 
 @pytest.fixture(scope="session", autouse=True)
