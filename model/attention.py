@@ -142,8 +142,7 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
     layers_BKSH = [jax.ShapeDtypeStruct(s.shape[1:], s.dtype) for s in (k_LBKSH, v_LBKSH)]
     kernel = None if scales is not None else decode_kernel_use(q_BTNH, *layers_BKSH, softcap)
     if kernel is not None:
-        k_BKSH, v_BKSH = (stack[0] if stack.shape[0] == 1 else
-                          jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False)
+        k_BKSH, v_BKSH = (jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False)
                           for stack in (k_LBKSH, v_LBKSH))
         return decode_attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale,
                                 interpret=kernel == "interpret"), num_blocks
