@@ -199,7 +199,9 @@ def constrain_rows(tree: Any, mesh: Mesh | None) -> Any:
     Inside a compiled program this pins the layout of what the decode loop carries from one
     step to the next, so XLA never moves a row to another device between steps. Every array
     with an axis has the batch first, except the K/V stacks [L, B, K, S, H] of a `KVCache`
-    and an int8 cache's scales [L, B, K, S].
+    and an int8 cache's scales [L, B, K, S]. A paged cache's pools [L, pages, K, U, H] are
+    every row's, so only their kv heads are split (over `model`), and its page tables go
+    with their rows.
     """
     if mesh is None:
         return tree
@@ -207,12 +209,17 @@ def constrain_rows(tree: Any, mesh: Mesh | None) -> Any:
     def place(leaf):
         if isinstance(leaf, M.KVCache):
             stacks = PartitionSpec(None, DATA, MODEL)  # [L, B, K, S, H], scales [L, B, K, S]
-            kv = {name: jax.tree.map(lambda a: _constrain(a, mesh, stacks), getattr(leaf, name))
-                  for name in ("k", "v", "cross_k", "cross_v", "k_scale", "v_scale",
-                               "cross_k_scale", "cross_v_scale")}
+            pools = PartitionSpec(None, None, MODEL)  # [L, pages, K, U, H], [L, pages, K, U]
+            own = pools if leaf.paged else stacks
+            kv = {name: jax.tree.map(lambda a, spec=spec: _constrain(a, mesh, spec),
+                                     getattr(leaf, name))
+                  for names, spec in ((("k", "v", "k_scale", "v_scale"), own),
+                                      (("cross_k", "cross_v", "cross_k_scale",
+                                        "cross_v_scale"), stacks))
+                  for name in names}
             counters = {name: jax.tree.map(lambda a: _constrain(a, mesh, PartitionSpec(DATA)),
                                            getattr(leaf, name))
-                        for name in ("lengths", "overflow", "source_lengths")}
+                        for name in ("lengths", "overflow", "source_lengths", "pages")}
             return leaf.replace(**kv, **counters)
         return _constrain(leaf, mesh, PartitionSpec(DATA) if leaf.ndim else PartitionSpec())
 

@@ -23,13 +23,15 @@ from .interface import (
 )
 from .layers import stack_layer_params, unstack_layer_params, with_layer_layout
 from .lora import LoRA
+from .paged import NO_PAGE, init_paged_cache
 from .precision import with_precision
 from .transformer import DecoderOnlyLM, EncoderDecoder
 
 __all__ = [
     "PRESETS", "SPEED_ONLY_FIELDS", "CacheSize", "DecoderOnlyLM", "EncoderDecoder", "KVCache",
     "LoRA", "TransformerConfig",
-    "attend", "build_model", "cache_size_bytes", "check_prompt_length", "init_cache",
+    "NO_PAGE", "attend", "build_model", "cache_size_bytes", "check_prompt_length", "init_cache",
+    "init_paged_cache",
     "init_params", "prefill", "preset", "prompt_is_source", "prompt_slots", "step_fn",
     "target_start", "teacher_forced_logits",
     "stack_layer_params", "unstack_layer_params", "with_layer_layout", "with_precision",

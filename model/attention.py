@@ -27,18 +27,11 @@ sequence equals a shorter prefill followed by decode steps, as it does with a fl
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .cache import write_rows
-from .config import TransformerConfig
 from .decode_kernel import decode_attention, decode_kernel_use
 from .fused_attention import attend_fused, fused_attention_applies
-from .norms import RMSNorm
-from .positional import apply_rope, layer_rope_frequencies
-from .projections import OutputProjection, projection
-from .quantize import quantize, round_trip
 
 
 def soft_cap(logits: jax.Array, cap: float | None) -> jax.Array:
@@ -133,9 +126,8 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
     Either way slots a query may not see get exactly zero weight, whatever they hold (even
     NaN) cannot reach the output, and a query that sees no slot at all returns zeros.
     """
-    batch, num_queries, num_heads, head_dim = q_BTNH.shape
     _, _, kv_heads, capacity, _ = k_LBKSH.shape
-    group, block = num_heads // kv_heads, min(block_size, capacity)
+    block = min(block_size, capacity)
     slots_S = jnp.arange(capacity, dtype=jnp.int32)
     last_seen = jnp.max(jnp.where(mask_BTS, slots_S + 1, 0))
     num_blocks = (last_seen + block - 1) // block
@@ -146,13 +138,7 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
                           for stack in (k_LBKSH, v_LBKSH))
         return decode_attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale,
                                 interpret=kernel == "interpret"), num_blocks
-    # (B, K) merged into one batch axis X of heads and (G, T) into M query rows: with one
-    # batch axis the products take each block as it is sliced. With two, (B, K), a backend
-    # that drops a unit B axis (XLA:CPU does) copies K transposed for every product.
-    q_XMH = (q_BTNH.reshape(batch, num_queries, kv_heads, group, head_dim)
-             .transpose(0, 2, 3, 1, 4).reshape(batch * kv_heads, group * num_queries, head_dim))
-    q_XMH = q_XMH.astype(jnp.float32)
-    q_XMH = q_XMH / jnp.sqrt(float(head_dim)) if scale is None else q_XMH * scale
+    q_XMH = _queries_XMH(q_BTNH, kv_heads, scale)
     all_blocks = -(-capacity // block)
     layer_bytes = k_LBKSH.size // k_LBKSH.shape[0] * k_LBKSH.dtype.itemsize
     if one_read_bytes is None:
@@ -183,6 +169,20 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
         lambda: (_attend_whole(*args), jnp.asarray(all_blocks, jnp.int32)),
         lambda: (_attend_filled_blocks(*args, block, num_blocks), num_blocks))
     return _to_BTNH(out_XMH, q_BTNH), blocks_read
+
+
+def _queries_XMH(q_BTNH, kv_heads: int, scale: float | None) -> jax.Array:
+    """The queries [B, T, N, H] as the products take them, [X, M, H] in float32, scaled.
+
+    (B, K) merged into one batch axis X of heads and (G, T) into M query rows: with one
+    batch axis the products take each block as it is sliced. With two, (B, K), a backend
+    that drops a unit B axis (XLA:CPU does) copies K transposed for every product."""
+    batch, num_queries, num_heads, head_dim = q_BTNH.shape
+    group = num_heads // kv_heads
+    q_XMH = (q_BTNH.reshape(batch, num_queries, kv_heads, group, head_dim)
+             .transpose(0, 2, 3, 1, 4).reshape(batch * kv_heads, group * num_queries, head_dim))
+    q_XMH = q_XMH.astype(jnp.float32)
+    return q_XMH / jnp.sqrt(float(head_dim)) if scale is None else q_XMH * scale
 
 
 def _to_BTNH(out_XMH, q_BTNH):
@@ -230,7 +230,7 @@ def _attend_whole(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap, zero_unseen
 
 
 def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap, block,
-                          num_blocks, scales=None):
+                          num_blocks, scales=None, pages=None):
     """The online softmax (FlashAttention's recurrence) over the first `num_blocks` blocks
     of `block` slots, in a `lax.while_loop` (no loop when one block holds every slot).
     Returns [X, M, H].
@@ -242,24 +242,35 @@ def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap, blo
     copying its whole layer out of the stack. With `scales` (an int8 cache's) a block is
     converted to float32 as it is read, and its scales are applied to its logits and to its
     weights; an unseen slot's weight stays exactly 0 whatever its scale holds. The logits
-    are capped by `softcap` (None: not) after the scales.
+    are capped by `softcap` (None: not) after the scales. With `pages` [B, pages per row]
+    the stacks are a paged cache's pools [L, pages, K, U, H] (`model/paged.py`) and block j
+    of a row is its page j, gathered from the pool (`block` is then the page size).
     """
-    _, batch, kv_heads, capacity, head_dim = k_LBKSH.shape
+    batch, _, capacity = mask_BTS.shape
+    kv_heads, head_dim = k_LBKSH.shape[2], k_LBKSH.shape[4]
     heads, rows, _ = q_XMH.shape
     num_queries = mask_BTS.shape[1]
     group = rows // num_queries
 
     dtype = jnp.float32 if scales is not None else k_LBKSH.dtype
 
+    def read_page(pool, start):  # -> [B, K, U, ...]: each row's page that holds `start`
+        layer_pool = jax.lax.dynamic_index_in_dim(pool, layer, keepdims=False)
+        return jnp.take(layer_pool, jnp.maximum(pages[:, start // block], 0), axis=0)
+
     def read_block(stack_LBKSH, start):  # -> [X, U, H], U = block slots
         # The stack goes into the loop as it is, not reshaped: at batch 1 XLA:CPU fuses the
         # cache write into a reshape of it and into the loop's carry separately, and must
         # then copy the whole stack for each of the two.
+        if pages is not None:
+            return read_page(stack_LBKSH, start).reshape(heads, block, head_dim).astype(dtype)
         return jax.lax.dynamic_slice(stack_LBKSH, (layer, 0, 0, start, 0),
                                      (1, batch, kv_heads, block, head_dim)).reshape(
                                          heads, block, head_dim).astype(dtype)
 
     def read_scales(scale_LBKS, start):  # -> [B, K, 1, 1, U], as the block's logits
+        if pages is not None:
+            return read_page(scale_LBKS, start).reshape(batch, kv_heads, 1, 1, block)
         return jax.lax.dynamic_slice(scale_LBKS, (layer, 0, 0, start),
                                      (1, batch, kv_heads, block)).reshape(
                                          batch, kv_heads, 1, 1, block)
@@ -322,95 +333,3 @@ def _masked_softmax(logits_BKGTS: jax.Array, mask_BTS: jax.Array) -> jax.Array:
 def _zero_rows_without_keys(out_BTNH, mask_BTS):
     has_key_BT = jnp.any(mask_BTS, axis=-1)
     return jnp.where(has_key_BT[:, :, None, None], out_BTNH, 0)
-
-
-class SelfAttention(nn.Module):
-    """Masked self-attention that reads and writes this layer's K/V in the cache.
-
-    `cache_kv` is `(k, v)`, the stacks [L, B, K, S, H] that hold this layer at index `layer`
-    (see `model/cache.py`), or `(k, v, k_scale, v_scale)` for an int8 cache, or None. With a
-    cache, the new K/V are written at each row's `starts` slot and the queries attend over
-    the filled blocks of this layer's cached slots (`attend_blocks`); without one, or when
-    `fresh` says the cache held nothing before this call (the prefill), they attend over the
-    T new tokens only: with an int8 cache, over them as the cache holds them. `local` says
-    the layer attends over a sliding window (`TransformerConfig.is_local_layer`; traced for
-    scanned layers), which picks its RoPE. `key_lengths` [B] and `causal` describe the mask
-    of a call that attends over the new tokens alone (as `attend` takes them), or are None.
-    """
-
-    config: TransformerConfig
-
-    @nn.compact
-    def __call__(self, x_BTD, positions_BT, mask_BTS, cache_kv=None, layer=None, starts_B=None,
-                 fits_B=None, fresh: bool = False, local=False, key_lengths_B=None,
-                 causal: bool = True):
-        config = self.config
-        # One projection to all heads, split after: one matmul streams the weights where
-        # three smaller ones would each pay a kernel launch (a decode step is many of them).
-        qkv = projection(config, config.num_heads + 2 * config.kv_heads, "qkv")(x_BTD)
-        q, k, v = jnp.split(qkv, [config.num_heads, config.num_heads + config.kv_heads], axis=2)
-        if config.qk_norm:
-            q, k = RMSNorm(config, name="q_norm")(q), RMSNorm(config, name="k_norm")(k)
-        if config.positional_encoding == "rope":
-            inv_freq = layer_rope_frequencies(config, local)
-            q = apply_rope(q, positions_BT, inv_freq)
-            k = apply_rope(k, positions_BT, inv_freq)
-        quantized = cache_kv is not None and len(cache_kv) == 4
-        if cache_kv is not None:
-            new = (k, v)
-            if quantized:
-                (k_int8, k_scale), (v_int8, v_scale) = quantize(k), quantize(v)
-                new = (k_int8, v_int8, k_scale, v_scale)
-            cache_kv = tuple(write_rows(stack, layer, fresh_kv, starts_B, fits_B)
-                             for stack, fresh_kv in zip(cache_kv, new, strict=True))
-        if cache_kv is None or fresh:
-            if quantized:
-                k, v = round_trip(k), round_trip(v)
-            # A sliding window is part of the mask that the lengths do not describe.
-            described = config.sliding_window is None
-            out = attend(q, k, v, mask_BTS[..., :k.shape[1]], config.attention_scale,
-                         config.attention_softcap,
-                         key_lengths_B=key_lengths_B if described else None, causal=causal)
-        else:
-            out, _ = attend_blocks(q, *cache_kv[:2], layer, mask_BTS, config.attention_block,
-                                   scales=cache_kv[2:] or None, scale=config.attention_scale,
-                                   softcap=config.attention_softcap)
-        return OutputProjection(config, name="out")(out), cache_kv
-
-
-class CrossKV(nn.Module):
-    """Projects the encoder output to one decoder layer's cross-attention K and V, [B, S, K, H].
-
-    Run once per source, then held in the cache: decoding steps never re-project it.
-    A layer of a `LayerStack`: the encoder output passes through unchanged.
-    """
-
-    config: TransformerConfig
-
-    @nn.compact
-    def __call__(self, carry, layer, shared):
-        encoded_BSD, _ = carry
-        kv = projection(self.config, 2 * self.config.kv_heads, "kv")(encoded_BSD)
-        k, v = jnp.split(kv, 2, axis=2)
-        return carry, {"cross_k": k, "cross_v": v}
-
-
-class CrossAttention(nn.Module):
-    """Decoder queries over precomputed encoder K/V: [B, S, K, H] each, or the cache's
-    [B, K, S, H] when `cached`, read block by block up to the longest source
-    (`attend_blocks`), with their scales [B, K, S] from an int8 cache. Uncached, `source_lengths`
-    [B] (where given) describe the mask to a fused kernel, as `attend` takes them."""
-
-    config: TransformerConfig
-
-    @nn.compact
-    def __call__(self, x_BTD, cross_k, cross_v, mask_BTS, cached: bool = False, scales=None,
-                 source_lengths_B=None):
-        q = projection(self.config, self.config.num_heads, "query")(x_BTD)
-        if cached:
-            scales = None if scales is None else tuple(s[None] for s in scales)
-            out, _ = attend_blocks(q, cross_k[None], cross_v[None], 0, mask_BTS,
-                                   self.config.attention_block, scales=scales)
-        else:
-            out = attend(q, cross_k, cross_v, mask_BTS, key_lengths_B=source_lengths_B)
-        return OutputProjection(self.config, name="out")(out)

@@ -22,6 +22,10 @@ stack), or L stacks [1, B, K, S, H] of one layer each when they are unrolled, so
 reads its own buffer where it lies instead of a slice of a larger array. Layer code sees the
 same thing either way: its stack and its index in it.
 
+A paged cache (`model/paged.py`) holds each stack as a pool of pages [L_i, pages, K, U, H]
+shared by the rows, with a page table per row (`pages`) that says which page holds which of
+its slots.
+
 An int8 cache (`cache_dtype="int8"`, `model/quantize.py`) holds K and V as int8 and, next to
 each stack, a stack of float32 scales [L_i, B, K, S], one per token and kv head. The scales
 are written with the values, by the same scatter, and taken, sharded and counted with them.
@@ -52,6 +56,10 @@ class KVCache:
       k_scale, v_scale, cross_k_scale, cross_v_scale: an int8 cache's float32 scales of k,
                       v, cross_k and cross_v, [L_i, B, K, S] stacks held as those are;
                       None for a float cache.
+      pages:          a paged cache's page tables [B, pages per row] int32 (`model/paged.py`):
+                      k, v and their scales are then pools [L_i, pages, K, U, H] (scales
+                      [L_i, pages, K, U]) and the capacity is pages per row x U; None for a
+                      contiguous cache.
     """
 
     k: tuple[jax.Array, ...]
@@ -65,10 +73,30 @@ class KVCache:
     v_scale: tuple[jax.Array, ...] | None = None
     cross_k_scale: tuple[jax.Array, ...] | None = None
     cross_v_scale: tuple[jax.Array, ...] | None = None
+    pages: jax.Array | None = None
 
     @property
     def capacity(self) -> int:
+        """Slots per row: a stack's S, or a paged cache's pages per row x page size."""
+        slots = jax.tree.leaves(self.k)[0].shape[-2]
+        return slots if self.pages is None else self.pages.shape[1] * slots
+
+    @property
+    def paged(self) -> bool:
+        return self.pages is not None
+
+    @property
+    def page_size(self) -> int:
+        """U, the slots of one page of a paged cache."""
+        if self.pages is None:
+            raise ValueError("a contiguous cache has no pages")
         return jax.tree.leaves(self.k)[0].shape[-2]
+
+    def _refuse_paged(self, method: str) -> None:
+        if self.pages is not None:
+            raise ValueError(f"KVCache.{method} moves whole rows of a contiguous cache; a "
+                             f"paged cache's rows share one pool of pages: move their page "
+                             f"tables (`pages`) and lengths instead")
 
     @property
     def source_length(self) -> int:
@@ -101,6 +129,7 @@ class KVCache:
 
     def take_rows(self, rows_R: jax.Array) -> KVCache:
         """The cache of rows `rows` [R] (repeats allowed): beam search reorders with this."""
+        self._refuse_paged("take_rows")
 
         def take(x):  # K/V [L_i, B, K, S, H] and scales [L_i, B, K, S]; counters are [B]
             return jnp.take(x, rows_R, axis=0 if x.ndim == 1 else 1)
@@ -112,6 +141,7 @@ class KVCache:
         first `lengths[r]` slots of row `rows[r]` of this one, to continue from there: a
         prefix kept from an earlier prompt. Slots past a length are left as they were (the
         length masks them). Self-attention only."""
+        self._refuse_paged("take_prefixes")
         if not 1 <= capacity <= self.capacity:
             raise ValueError(f"capacity={capacity} must be in [1, {self.capacity}]")
 
@@ -135,6 +165,7 @@ class KVCache:
         rows `into` [R] of this one: their first `source.capacity` slots and their lengths,
         not overflowed. A row of `into` past the last one writes nothing (padding); what a row
         held past the new length stays, masked by it. Self-attention only."""
+        self._refuse_paged("put_rows")
         def put(stack_LBKS_, source_LPKS_):
             index = (slice(None), into_R, slice(None), slice(0, source_LPKS_.shape[3]))
             return stack_LBKS_.at[index].set(jnp.take(source_LPKS_, rows_R, axis=1),
@@ -156,6 +187,7 @@ class KVCache:
         (both traced scalars): by blocks of `block` slots, only as many as its length needs,
         so a row of long capacity costs no more to fill than it is filled. Self-attention
         only."""
+        self._refuse_paged("copy_row")
         capacity = self.capacity
         block = min(block, capacity)
         sources = source._self_attention()
@@ -195,24 +227,27 @@ def init_cache(
                          f"{batch_size=}")
     if capacity > config.max_len:
         raise ValueError(f"cache capacity {capacity} exceeds the model's max_len {config.max_len}")
-    dtype = config.kv_cache_dtype if dtype is None else jnp.dtype(dtype)
     layer_shape = (batch_size, config.kv_heads, capacity, config.head_dim)
+    return KVCache(**empty_stacks(config, layer_shape, dtype),
+                   lengths=jnp.zeros((batch_size,), jnp.int32),
+                   overflow=jnp.zeros((batch_size,), bool))
 
-    def buffers(shape, buffer_dtype):
-        return tuple(jnp.zeros((n, *shape), buffer_dtype)
+
+def empty_stacks(config: TransformerConfig, layer_shape: tuple[int, ...], dtype=None) -> dict:
+    """Zeroed `k` and `v`, a tuple of stacks [L_i, *layer_shape] per `config.layer_stacks`,
+    of `dtype` (default `config.kv_cache_dtype`), and for int8 their float32 scales
+    `k_scale` and `v_scale` [L_i, *layer_shape[:-1]]."""
+    dtype = config.kv_cache_dtype if dtype is None else jnp.dtype(dtype)
+
+    def stacks(shape, stack_dtype):
+        return tuple(jnp.zeros((n, *shape), stack_dtype)
                      for n in config.layer_stacks(config.num_decoder_layers))
 
-    scales = {}
+    fields = {"k": stacks(layer_shape, dtype), "v": stacks(layer_shape, dtype)}
     if dtype == jnp.int8:
-        scales = {name: buffers(layer_shape[:-1], CACHE_SCALE_DTYPE)
-                  for name in ("k_scale", "v_scale")}
-    return KVCache(
-        k=buffers(layer_shape, dtype),
-        v=buffers(layer_shape, dtype),
-        lengths=jnp.zeros((batch_size,), jnp.int32),
-        overflow=jnp.zeros((batch_size,), bool),
-        **scales,
-    )
+        fields |= {name: stacks(layer_shape[:-1], CACHE_SCALE_DTYPE)
+                   for name in ("k_scale", "v_scale")}
+    return fields
 
 
 def check_cache(config: TransformerConfig, cache: KVCache, batch: int, num_tokens: int):
@@ -220,8 +255,17 @@ def check_cache(config: TransformerConfig, cache: KVCache, batch: int, num_token
 
     A cache built for the other `scan_layers` setting, another batch size or other heads
     would otherwise fail deep inside a layer with a bare shape error."""
-    layer_shape = (batch, config.kv_heads, cache.capacity, config.head_dim)
     stacks = config.layer_stacks(config.num_decoder_layers)
+    if cache.paged:
+        if cache.pages.ndim != 2 or cache.pages.shape[0] != batch:
+            raise ValueError(f"a paged cache's page tables have shape {cache.pages.shape}, but "
+                             f"a batch of {batch} needs [{batch}, pages per row]")
+        pool = jnp.shape(jax.tree.leaves(cache.k)[0])
+        layer_shape = (pool[1], config.kv_heads, cache.page_size, config.head_dim)
+        layout = "[L_i, pages, K, U, H] pools"
+    else:
+        layer_shape = (batch, config.kv_heads, cache.capacity, config.head_dim)
+        layout = "[L_i, B, K, S, H] stacks"
     expected = [(n, *layer_shape) for n in stacks]
     for name in ("k", "v"):
         buffers = getattr(cache, name)
@@ -231,7 +275,7 @@ def check_cache(config: TransformerConfig, cache: KVCache, batch: int, num_token
             raise ValueError(
                 f"cache.{name} has shapes {found}, but this model (scan_layers="
                 f"{config.scan_layers}) with a batch of {batch} needs a tuple of "
-                f"{len(stacks)} [L_i, B, K, S, H] stacks: {expected}")
+                f"{len(stacks)} {layout}: {expected}")
     if cache.quantized != (cache.dtype == jnp.int8):
         raise ValueError(f"a cache of {cache.dtype} K/V needs scales exactly when it is int8; "
                          f"this one has {'' if cache.quantized else 'no '}scales")

@@ -1,6 +1,7 @@
 """The model as generation and training see it, the same for both variants.
 
-  prefill(config, params, prompt [B, P], prompt_lengths [B], capacity) -> (logits [B, V], cache)
+  prefill(config, params, prompt [B, P], prompt_lengths [B], capacity | cache=)
+                                                        -> (logits [B, V], cache)
   step_fn(config, params)(tokens [B, T], cache[, lengths [B]]) -> (logits [B, T, V], cache)
   teacher_forced_logits(config, params, batch) -> logits [B, T, V]
 
@@ -52,11 +53,19 @@ def _init_params(config: TransformerConfig, rng: jax.Array) -> dict:
 
 
 def prefill(config: TransformerConfig, params, prompt_BP: jax.Array,
-            prompt_lengths_B: jax.Array, capacity: int) -> tuple[jax.Array, KVCache]:
+            prompt_lengths_B: jax.Array, capacity: int | None = None, *,
+            cache: KVCache | None = None) -> tuple[jax.Array, KVCache]:
     """The whole prompt batch in one parallel pass that fills a fresh cache of `capacity`
-    target slots; returns the logits of each row's first new token [B, V] and the cache."""
+    target slots, or `cache`, an empty one (lengths 0; e.g. a paged cache with its pages
+    assigned, `init_paged_cache`); returns the logits of each row's first new token [B, V]
+    and the cache."""
+    if (capacity is None) == (cache is None):
+        raise ValueError("prefill takes either a capacity or an empty cache to fill, "
+                         f"got capacity={capacity} and {'a' if cache is not None else 'no'} "
+                         "cache")
     net = build_model(config)
-    return net.apply({"params": params}, prompt_BP, prompt_lengths_B, capacity,
+    capacity = cache.capacity if cache is not None else capacity
+    return net.apply({"params": params}, prompt_BP, prompt_lengths_B, capacity, cache,
                      method=net.prefill)
 
 

@@ -19,7 +19,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from .attention import CrossAttention, SelfAttention
+from .attention_layers import CrossAttention, SelfAttention
 from .config import GATED_ACTIVATIONS, TransformerConfig
 from .norms import make_norm
 
@@ -44,6 +44,7 @@ class LayerInputs:
                alone, from slot 0 (no cache, or a fresh one): `self_mask` is then exactly
                slot < key_lengths (and causal, in a decoder), what a fused attention kernel
                takes in its place; None otherwise.
+    pages:     [B, pages per row] a paged cache's page tables (`model/paged.py`), else None.
     """
 
     positions: jax.Array
@@ -55,6 +56,7 @@ class LayerInputs:
     fresh: bool = flax.struct.field(pytree_node=False, default=False)
     key_lengths: jax.Array | None = None
     source_lengths: jax.Array | None = None
+    pages: jax.Array | None = None
 
 
 _ACTIVATIONS = {
@@ -148,7 +150,7 @@ class DecoderLayer(nn.Module):
             x_BTD,
             lambda h: attention(h, inputs.positions, mask_BTS, cache_kv, layer["index"],
                                 inputs.starts, inputs.fits, inputs.fresh, local,
-                                inputs.key_lengths))
+                                inputs.key_lengths, pages=inputs.pages))
         if layer.get("cross_k") is not None:
             cross = CrossAttention(c, name="cross_attention")
             x, _ = Residual(c, name="cross_block")(

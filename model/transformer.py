@@ -15,11 +15,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .attention import CrossKV, soft_cap
+from .attention import soft_cap
+from .attention_layers import CrossKV
 from .cache import KVCache, check_cache, init_cache
 from .config import TransformerConfig
 from .layers import DecoderLayer, EncoderLayer, LayerInputs, layer_stack, run_layers
 from .norms import make_norm
+from .paged import pages_hold
 from .positional import sinusoidal
 from .quantize import quantize
 
@@ -31,15 +33,17 @@ def _valid_lengths(tokens_BT: jax.Array, lengths_B: jax.Array | None) -> jax.Arr
 
 
 def self_attention_inputs(config: TransformerConfig, starts_B, valid_B, num_queries: int,
-                          num_keys: int, capacity: int | None,
+                          num_keys: int, capacity: int | None, pages=None, page_size: int = 0,
                           ) -> tuple[LayerInputs, jax.Array, jax.Array]:
     """Positions and the causal + padding mask for T new tokens written after `starts`.
 
     Query t of row b sits at position starts[b] + t; key slot s holds position s. A query
     sees slot s iff s <= its position and s < the row's new length, and with a sliding
     window, iff s > its position - window (the full mask, for layers that see everything,
-    rides along when some do). Returns the layer inputs, the new lengths [B] and the rows
-    that did not fit [B] (all False w/o cache).
+    rides along when some do). With a paged cache's page tables `pages` (of pages of
+    `page_size` slots) a row fits only where a page holds every position it writes. Returns
+    the layer inputs, the new lengths [B] and the rows that did not fit [B] (all False w/o
+    cache).
     """
     window = config.sliding_window
     positions_BT = starts_B[:, None] + jnp.arange(num_queries, dtype=jnp.int32)
@@ -54,9 +58,12 @@ def self_attention_inputs(config: TransformerConfig, starts_B, valid_B, num_quer
     if capacity is None:
         return inputs, new_lengths_B, jnp.zeros_like(valid_B, bool)
     fits_B = starts_B + num_queries <= capacity
+    if pages is not None:
+        fits_B &= pages_hold(pages, page_size, starts_B, valid_B)
     new_lengths_B = jnp.where(fits_B, new_lengths_B, starts_B)
     overflowed_B = ~fits_B & (valid_B > 0)
-    return inputs.replace(starts=starts_B, fits=fits_B), new_lengths_B, overflowed_B
+    return (inputs.replace(starts=starts_B, fits=fits_B, pages=pages), new_lengths_B,
+            overflowed_B)
 
 
 class Embedder(nn.Module):
@@ -122,6 +129,11 @@ def _stacked_kv(cache: KVCache | None):
     return tuple(zip(*(getattr(cache, name) for name in fields), strict=True))
 
 
+def _page_tables(cache: KVCache | None) -> tuple:
+    """`(pages, page_size)` of a paged cache, else `()`."""
+    return (cache.pages, cache.page_size) if cache is not None and cache.paged else ()
+
+
 def _with_new_kv(cache: KVCache, stacked, new_lengths_B, overflowed_B) -> KVCache:
     fields = _QUANTIZED_KV_FIELDS if cache.quantized else _KV_FIELDS
     new = {name: tuple(kv[i] for kv in stacked) for i, name in enumerate(fields)}
@@ -178,7 +190,8 @@ class DecoderOnlyLM(nn.Module):
         num_keys = num_tokens if cache is None or fresh else cache.capacity
         capacity = None if cache is None else cache.capacity
         inputs, new_lengths_B, overflowed_B = self_attention_inputs(
-            self.config, starts_B, valid_B, num_tokens, num_keys, capacity)
+            self.config, starts_B, valid_B, num_tokens, num_keys, capacity,
+            *_page_tables(cache))
         inputs = inputs.replace(fresh=fresh,
                                 key_lengths=valid_B if cache is None or fresh else None)
         x = self.embedder(tokens_BT, inputs.positions)
@@ -191,10 +204,12 @@ class DecoderOnlyLM(nn.Module):
             return logits, None
         return logits, _with_new_kv(cache, stacked, new_lengths_B, overflowed_B)
 
-    def prefill(self, prompt_BP, prompt_lengths_B, capacity: int):
+    def prefill(self, prompt_BP, prompt_lengths_B, capacity: int,
+                empty: KVCache | None = None):
         """A fresh cache of `capacity` slots filled with the prompts, and the logits of each
-        row's next token [B, V] (read at its last valid prompt position)."""
-        cache = init_cache(self.config, prompt_BP.shape[0], capacity)
+        row's next token [B, V] (read at its last valid prompt position). `empty`, an empty
+        cache of that capacity (e.g. a paged one), is filled instead of a new one."""
+        cache = init_cache(self.config, prompt_BP.shape[0], capacity) if empty is None else empty
         logits_B1V, cache = self(prompt_BP, cache, prompt_lengths_B, fresh=True,
                                  logits_at_B=jnp.maximum(prompt_lengths_B - 1, 0))
         return logits_B1V[:, 0], cache
@@ -252,10 +267,12 @@ class EncoderDecoder(nn.Module):
                 tuple(out["cross_v"] for out in per_layer))
 
     def start_decoding(self, encoded_BSD, source_lengths_B, capacity: int,
-                       dtype=None) -> KVCache:
-        """A fresh cache of `capacity` target slots holding the cross-attention K/V."""
+                       dtype=None, empty: KVCache | None = None) -> KVCache:
+        """A fresh cache of `capacity` target slots holding the cross-attention K/V (put in
+        `empty`, an empty cache of that capacity, where given)."""
         cross_k, cross_v = self._cross_kv(encoded_BSD)
-        cache = init_cache(self.config, encoded_BSD.shape[0], capacity, dtype)
+        cache = (init_cache(self.config, encoded_BSD.shape[0], capacity, dtype) if empty is None
+                 else empty)
 
         def cache_layout(x_LBSKH):  # -> [L_i, B, K, S, H], as the cache holds K and V
             return jnp.swapaxes(x_LBSKH, -3, -2).astype(cache.dtype)
@@ -297,7 +314,8 @@ class EncoderDecoder(nn.Module):
             source_lengths_B = cache.source_lengths
             starts_B, num_keys, capacity = cache.lengths, cache.capacity, cache.capacity
         inputs, new_lengths_B, overflowed_B = self_attention_inputs(
-            self.config, starts_B, valid_B, num_tokens, num_keys, capacity)
+            self.config, starts_B, valid_B, num_tokens, num_keys, capacity,
+            *_page_tables(cache))
         source_slots = jnp.arange(encoded_BSD.shape[1] if cache is None
                                   else cache.source_length, dtype=jnp.int32)
         inputs = inputs.replace(cross_mask=jnp.broadcast_to(
@@ -322,12 +340,13 @@ class EncoderDecoder(nn.Module):
         return self.decode(target_BT, None, target_lengths_B, encoded_BSD=encoded,
                            source_lengths_B=source_lengths_B)
 
-    def prefill(self, source_BS, source_lengths_B, capacity: int):
+    def prefill(self, source_BS, source_lengths_B, capacity: int,
+                empty: KVCache | None = None):
         """Encodes the sources once, puts their cross-attention K/V in a fresh cache of
-        `capacity` target slots and feeds BOS: returns the first target token's logits
-        [B, V] and the cache."""
+        `capacity` target slots (or in `empty`) and feeds BOS: returns the first target
+        token's logits [B, V] and the cache."""
         encoded = self.encode(source_BS, source_lengths_B)
-        cache = self.start_decoding(encoded, source_lengths_B, capacity)
+        cache = self.start_decoding(encoded, source_lengths_B, capacity, empty=empty)
         bos_B1 = jnp.full((source_BS.shape[0], 1), self.config.bos_id, jnp.int32)
         logits_B1V, cache = self.decode(bos_B1, cache)
         return logits_B1V[:, 0], cache

@@ -12,7 +12,7 @@ from test_attention import numpy_attention
 
 from kvjax import decode
 from kvjax import model as M
-from kvjax.model import attention
+from kvjax.model import attention, attention_layers
 
 # With no layer read in one pass (a CPU's default) on every backend, so that `whole_share`
 # chooses; `one_read_bytes=ONE_READ` reads any layer in one pass (an accelerator's default).
@@ -222,7 +222,7 @@ def test_a_step_runs_fewer_blocks_when_rows_are_short(monkeypatch):
         return out, blocks
 
     attend_blocks = attention.attend_blocks
-    monkeypatch.setattr(attention, "attend_blocks", counting)
+    monkeypatch.setattr(attention_layers, "attend_blocks", counting)
     config, params = small_blocks("decoder_only", "unrolled", block=4, max_len=48)
     step = jax.jit(lambda tokens, cache: M.step_fn(config, params)(tokens, cache))
     blocks = []

@@ -1,9 +1,12 @@
 """The mesh and the param layout: sizes, sharding rules and the bad-input errors."""
 
+import functools
 import json
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -91,3 +94,27 @@ def test_a_pretrained_model_loads_onto_a_mesh_and_makes_its_tokens():
     out = decode.generate(M.build_model(config), params, record["prompts"],
                           max_new_tokens=record["max_new_tokens"], eos_ids=(record["eos_id"],))
     assert out.token_lists() == record["greedy"]  # what transformers generated
+
+
+def test_a_paged_cache_steps_on_a_mesh_as_on_one_device():
+    """Pools split by kv head over `model`, page tables by row over `data`: the logits are
+    those of one device."""
+    config = M.preset("tiny", num_kv_heads=2)
+    params = M.init_params(config, jax.random.key(0))
+    mesh = parallel.make_mesh("data=4,model=2")
+    tokens = jax.random.randint(jax.random.key(1), (4, 6), 0, config.vocab_size)
+    cache = M.init_paged_cache(config, 4, 12, 4, 3).replace(
+        pages=jnp.arange(12, dtype=jnp.int32)[::-1].reshape(4, 3))
+
+    @functools.partial(jax.jit, static_argnums=2)
+    def prefill_then_step(params, cache, mesh):
+        step = M.step_fn(config, params)
+        _, cache = step(tokens, parallel.constrain_rows(cache, mesh))
+        logits, cache = step(tokens[:, :1], cache)
+        return logits, parallel.constrain_rows(cache, mesh)
+
+    alone, _ = prefill_then_step(params, cache, None)
+    split, cache = prefill_then_step(parallel.shard_params(params, mesh), cache, mesh)
+    assert cache.k[0].sharding.spec == P(None, None, "model")
+    assert cache.pages.sharding.spec == P("data")
+    np.testing.assert_allclose(split, alone, atol=1e-5, rtol=0)

@@ -1,0 +1,121 @@
+"""The attention layers: self-attention over the cache (contiguous or paged), the
+cross-attention of an encoder-decoder and the projection of its source to K/V once.
+
+Shape letters as in `model/attention.py`.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from . import paged
+from .attention import attend, attend_blocks
+from .cache import write_rows
+from .config import TransformerConfig
+from .norms import RMSNorm
+from .positional import apply_rope, layer_rope_frequencies
+from .projections import OutputProjection, projection
+from .quantize import quantize, round_trip
+
+
+class SelfAttention(nn.Module):
+    """Masked self-attention that reads and writes this layer's K/V in the cache.
+
+    `cache_kv` is `(k, v)`, the stacks [L, B, K, S, H] that hold this layer at index `layer`
+    (see `model/cache.py`), or `(k, v, k_scale, v_scale)` for an int8 cache, or None. With a
+    cache, the new K/V are written at each row's `starts` slot and the queries attend over
+    the filled blocks of this layer's cached slots (`attend_blocks`); without one, or when
+    `fresh` says the cache held nothing before this call (the prefill), they attend over the
+    T new tokens only: with an int8 cache, over them as the cache holds them. `local` says
+    the layer attends over a sliding window (`TransformerConfig.is_local_layer`; traced for
+    scanned layers), which picks its RoPE. `key_lengths` [B] and `causal` describe the mask
+    of a call that attends over the new tokens alone (as `attend` takes them), or are None.
+    `pages` [B, pages per row] are a paged cache's page tables (`model/paged.py`): the stacks
+    are then its pools, written and read through the tables.
+    """
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x_BTD, positions_BT, mask_BTS, cache_kv=None, layer=None, starts_B=None,
+                 fits_B=None, fresh: bool = False, local=False, key_lengths_B=None,
+                 causal: bool = True, pages=None):
+        config = self.config
+        # One projection to all heads, split after: one matmul streams the weights where
+        # three smaller ones would each pay a kernel launch (a decode step is many of them).
+        qkv = projection(config, config.num_heads + 2 * config.kv_heads, "qkv")(x_BTD)
+        q, k, v = jnp.split(qkv, [config.num_heads, config.num_heads + config.kv_heads], axis=2)
+        if config.qk_norm:
+            q, k = RMSNorm(config, name="q_norm")(q), RMSNorm(config, name="k_norm")(k)
+        if config.positional_encoding == "rope":
+            inv_freq = layer_rope_frequencies(config, local)
+            q = apply_rope(q, positions_BT, inv_freq)
+            k = apply_rope(k, positions_BT, inv_freq)
+        quantized = cache_kv is not None and len(cache_kv) == 4
+        if cache_kv is not None:
+            new = (k, v)
+            if quantized:
+                (k_int8, k_scale), (v_int8, v_scale) = quantize(k), quantize(v)
+                new = (k_int8, v_int8, k_scale, v_scale)
+            def write(stack, fresh_kv):
+                if pages is None:
+                    return write_rows(stack, layer, fresh_kv, starts_B, fits_B)
+                return paged.write_pages(stack, layer, fresh_kv, starts_B, fits_B, pages)
+
+            cache_kv = tuple(map(write, cache_kv, new))
+        if cache_kv is None or fresh:
+            if quantized:
+                k, v = round_trip(k), round_trip(v)
+            # A sliding window is part of the mask that the lengths do not describe.
+            described = config.sliding_window is None
+            out = attend(q, k, v, mask_BTS[..., :k.shape[1]], config.attention_scale,
+                         config.attention_softcap,
+                         key_lengths_B=key_lengths_B if described else None, causal=causal)
+        elif pages is not None:
+            out = paged.attend_pages(q, *cache_kv[:2], layer, pages, mask_BTS,
+                                     scales=cache_kv[2:] or None, scale=config.attention_scale,
+                                     softcap=config.attention_softcap)
+        else:
+            out, _ = attend_blocks(q, *cache_kv[:2], layer, mask_BTS, config.attention_block,
+                                   scales=cache_kv[2:] or None, scale=config.attention_scale,
+                                   softcap=config.attention_softcap)
+        return OutputProjection(config, name="out")(out), cache_kv
+
+
+class CrossKV(nn.Module):
+    """Projects the encoder output to one decoder layer's cross-attention K and V, [B, S, K, H].
+
+    Run once per source, then held in the cache: decoding steps never re-project it.
+    A layer of a `LayerStack`: the encoder output passes through unchanged.
+    """
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, carry, layer, shared):
+        encoded_BSD, _ = carry
+        kv = projection(self.config, 2 * self.config.kv_heads, "kv")(encoded_BSD)
+        k, v = jnp.split(kv, 2, axis=2)
+        return carry, {"cross_k": k, "cross_v": v}
+
+
+class CrossAttention(nn.Module):
+    """Decoder queries over precomputed encoder K/V: [B, S, K, H] each, or the cache's
+    [B, K, S, H] when `cached`, read block by block up to the longest source
+    (`attend_blocks`), with their scales [B, K, S] from an int8 cache. Uncached, `source_lengths`
+    [B] (where given) describe the mask to a fused kernel, as `attend` takes them."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x_BTD, cross_k, cross_v, mask_BTS, cached: bool = False, scales=None,
+                 source_lengths_B=None):
+        q = projection(self.config, self.config.num_heads, "query")(x_BTD)
+        if cached:
+            scales = None if scales is None else tuple(s[None] for s in scales)
+            out, _ = attend_blocks(q, cross_k[None], cross_v[None], 0, mask_BTS,
+                                   self.config.attention_block, scales=scales)
+        else:
+            out = attend(q, cross_k, cross_v, mask_BTS, key_lengths_B=source_lengths_B)
+        return OutputProjection(self.config, name="out")(out)

@@ -1,0 +1,130 @@
+"""A paged KV cache: every row's K/V live in pages of one shared pool, found through the row's
+page table, so memory is held for the tokens present rather than for each row's capacity.
+
+A contiguous cache (`init_cache`) gives every row `capacity` slots of its own. A paged one
+holds, per layer stack, a pool [L_i, pages, K, U, H] of fixed-size pages of U slots, and
+per row a page table [B, pages per row] (int32) whose entry j is the pool page that holds the
+row's slots j·U .. j·U + U - 1, or -1 where none is assigned yet. A row's capacity is its
+table's width times U; what the pool holds is what is allocated. Whoever fills the tables
+(an engine's host side) takes pages from the pool as rows grow, returns them when rows end,
+and may point several rows at the same page to share a prefix's K/V: the model writes only
+at each row's own positions from its length on, so a shared page of whole prefix positions
+is only ever read.
+
+The model takes a paged cache wherever it takes a contiguous one (`KVCache` with its `pages`
+set; its `k`/`v` stacks are then the pools): slot s of a row still holds its position s, so
+masks, positions and lengths mean what they always do, and only the writes
+(`write_pages`) and the reads (`attend_pages`) go through the table. A write needs a page
+for every position a row fills; a row without one writes nothing and is flagged as
+overflowed, as a row that does not fit a contiguous cache is, never written somewhere else.
+
+Shape letters as in `model/cache.py`; U is the slots of one page, the block the reads take.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import attention
+from .cache import KVCache, empty_stacks
+from .config import TransformerConfig
+
+NO_PAGE = -1  # a page table's entry for slots with no page assigned
+
+
+def init_paged_cache(config: TransformerConfig, batch_size: int, num_pages: int,
+                     page_size: int, pages_per_row: int, dtype=None) -> KVCache:
+    """An empty paged cache: pools of `num_pages` pages of `page_size` slots per layer stack
+    (of `dtype`, default `config.kv_cache_dtype`; int8 with scales), and `batch_size` rows of
+    `pages_per_row` page-table entries, none assigned yet (`NO_PAGE`)."""
+    if min(batch_size, num_pages, page_size, pages_per_row) < 1:
+        raise ValueError(f"a paged cache needs batch_size, num_pages, page_size and "
+                         f"pages_per_row >= 1, got {batch_size=}, {num_pages=}, {page_size=}, "
+                         f"{pages_per_row=}")
+    if pages_per_row * page_size > config.max_len:
+        raise ValueError(f"pages_per_row={pages_per_row} x page_size={page_size} = "
+                         f"{pages_per_row * page_size} slots per row exceeds the model's "
+                         f"max_len {config.max_len}")
+    pool_shape = (num_pages, config.kv_heads, page_size, config.head_dim)
+    return KVCache(**empty_stacks(config, pool_shape, dtype),
+                   lengths=jnp.zeros((batch_size,), jnp.int32),
+                   overflow=jnp.zeros((batch_size,), bool),
+                   pages=jnp.full((batch_size, pages_per_row), NO_PAGE, jnp.int32))
+
+
+def pages_hold(pages: jax.Array, page_size: int, starts_B: jax.Array,
+               valid_B: jax.Array) -> jax.Array:
+    """[B] bool: whether row b's table assigns a page to each of its positions starts[b] ..
+    starts[b] + valid[b] - 1 (within its capacity)."""
+    pages_per_row = pages.shape[1]
+    first_B = starts_B // page_size
+    last_B = (starts_B + valid_B - 1) // page_size  # first - 1 when nothing is written
+    columns = jnp.arange(pages_per_row, dtype=jnp.int32)
+    needed_BJ = (columns >= first_B[:, None]) & (columns <= last_B[:, None])
+    within_B = last_B < pages_per_row
+    return within_B & jnp.all(~needed_BJ | (pages >= 0), axis=1)
+
+
+def write_pages(pool: jax.Array, layer, new_BTKH: jax.Array, starts_B: jax.Array,
+                fits_B: jax.Array, pages: jax.Array) -> jax.Array:
+    """`write_rows` for a pool [L, pages, K, U, H] (or an int8 cache's scales [L, pages, K,
+    U], from `new` [B, T, K]): token t of row b goes to the slot of position starts[b] + t,
+    in the page the row's table assigns it. Rows that do not fit and positions with no page
+    write nothing (their indices point past the pool and the scatter drops them)."""
+    num_pages, page_size = pool.shape[1], pool.shape[3]
+    pages_per_row = pages.shape[1]
+    positions_BT = starts_B[:, None] + jnp.arange(new_BTKH.shape[1], dtype=jnp.int32)
+    columns_BT = positions_BT // page_size
+    page_BT = jnp.take_along_axis(pages, jnp.minimum(columns_BT, pages_per_row - 1), axis=1)
+    keep_BT = fits_B[:, None] & (columns_BT < pages_per_row) & (page_BT >= 0)
+    page_BT = jnp.where(keep_BT, page_BT, num_pages)
+    offset_BT = positions_BT % page_size
+    return pool.at[layer, page_BT, :, offset_BT].set(new_BTKH.astype(pool.dtype), mode="drop")
+
+
+def gather_rows(pool: jax.Array, layer, pages: jax.Array) -> jax.Array:
+    """Layer `layer` of a pool [L, pages, K, U, H] as a contiguous stack of one layer [1, B, K,
+    S, H] (scales: [L, pages, K, U] -> [1, B, K, S]), S = pages per row x U: every row's pages
+    in table order. Unassigned entries read page 0, which the row's length masks."""
+    layer_P = jax.lax.dynamic_index_in_dim(pool, layer, keepdims=False)
+    rows = jnp.take(layer_P, jnp.maximum(pages, 0), axis=0)  # [B, pages per row, K, U, ...]
+    rows = jnp.swapaxes(rows, 1, 2)  # [B, K, pages per row, U, ...]
+    batch, kv_heads, per_row, page_size = rows.shape[:4]
+    return rows.reshape(1, batch, kv_heads, per_row * page_size, *rows.shape[4:])
+
+
+def attend_pages(q_BTNH: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer,
+                 pages: jax.Array, mask_BTS: jax.Array,
+                 scales: tuple[jax.Array, jax.Array] | None = None,
+                 one_read_bytes: int | None = None, scale: float | None = None,
+                 softcap: float | None = None) -> jax.Array:
+    """`attend_blocks` over layer `layer` of the pools [L, pages, K, U, H], each row reading
+    its own pages (`pages` [B, pages per row]). Returns [B, T, N, H].
+
+    Where a contiguous layer of these rows would be read in one pass (`one_read_bytes`,
+    default `one_read_max_bytes()`: a small layer, or any on an accelerator), the rows'
+    pages are gathered into one and read so (the decode kernel included, where it applies).
+    Otherwise one page per row is gathered at a time, in the online softmax over the pages
+    up to the last slot any query sees: a row's cost follows its tokens, not its capacity.
+    Masked slots get exactly zero weight, as in `attend_blocks`."""
+    batch, _, capacity = mask_BTS.shape
+    page_size = k_pool.shape[3]
+    view_bytes = batch * capacity * k_pool.shape[2] * k_pool.shape[4] * k_pool.dtype.itemsize
+    if one_read_bytes is None:
+        one_read_bytes = attention.one_read_max_bytes()
+    if view_bytes <= one_read_bytes:
+        views = [gather_rows(pool, layer, pages) for pool in (k_pool, v_pool)]
+        view_scales = None if scales is None else tuple(
+            gather_rows(s, layer, pages) for s in scales)
+        out, _ = attention.attend_blocks(q_BTNH, *views, 0, mask_BTS, capacity,
+                                         scales=view_scales, one_read_bytes=view_bytes,
+                                         scale=scale, softcap=softcap)
+        return out
+    slots_S = jnp.arange(capacity, dtype=jnp.int32)
+    last_seen = jnp.max(jnp.where(mask_BTS, slots_S + 1, 0))
+    num_pages = (last_seen + page_size - 1) // page_size
+    q_XMH = attention._queries_XMH(q_BTNH, k_pool.shape[2], scale)
+    out_XMH = attention._attend_filled_blocks(q_XMH, k_pool, v_pool, layer, mask_BTS, softcap,
+                                              page_size, num_pages, scales, pages=pages)
+    return attention._to_BTNH(out_XMH, q_BTNH)
