@@ -243,8 +243,8 @@ def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap, blo
     converted to float32 as it is read, and its scales are applied to its logits and to its
     weights; an unseen slot's weight stays exactly 0 whatever its scale holds. The logits
     are capped by `softcap` (None: not) after the scales. With `pages` [B, pages per row]
-    the stacks are a paged cache's pools [L, pages, K, U, H] (`model/paged.py`) and block j
-    of a row is its page j, gathered from the pool (`block` is then the page size).
+    the stacks are a paged cache's pools [L, pages, K, U, H] (`model/paged.py`), `block` is
+    a multiple of their page size and a row's block is gathered from its pages.
     """
     batch, _, capacity = mask_BTS.shape
     kv_heads, head_dim = k_LBKSH.shape[2], k_LBKSH.shape[4]
@@ -254,9 +254,13 @@ def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap, blo
 
     dtype = jnp.float32 if scales is not None else k_LBKSH.dtype
 
-    def read_page(pool, start):  # -> [B, K, U, ...]: each row's page that holds `start`
+    def read_page(pool, start):  # -> [B, K, U, ...]: each row's pages of the block's slots
         layer_pool = jax.lax.dynamic_index_in_dim(pool, layer, keepdims=False)
-        return jnp.take(layer_pool, jnp.maximum(pages[:, start // block], 0), axis=0)
+        page_size = pool.shape[3]
+        columns = start // page_size + jnp.arange(block // page_size)
+        rows = jnp.take(layer_pool, jnp.maximum(pages[:, columns], 0), axis=0)
+        rows = jnp.swapaxes(rows, 1, 2)  # [B, K, pages of the block, page slots, ...]
+        return rows.reshape(*rows.shape[:2], block, *rows.shape[4:])
 
     def read_block(stack_LBKSH, start):  # -> [X, U, H], U = block slots
         # The stack goes into the loop as it is, not reshaped: at batch 1 XLA:CPU fuses the

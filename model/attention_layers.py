@@ -74,7 +74,8 @@ class SelfAttention(nn.Module):
                          key_lengths_B=key_lengths_B if described else None, causal=causal)
         elif pages is not None:
             out = paged.attend_pages(q, *cache_kv[:2], layer, pages, mask_BTS,
-                                     scales=cache_kv[2:] or None, scale=config.attention_scale,
+                                     config.attention_block, scales=cache_kv[2:] or None,
+                                     scale=config.attention_scale,
                                      softcap=config.attention_softcap)
         else:
             out, _ = attend_blocks(q, *cache_kv[:2], layer, mask_BTS, config.attention_block,

@@ -95,7 +95,7 @@ def gather_rows(pool: jax.Array, layer, pages: jax.Array) -> jax.Array:
 
 
 def attend_pages(q_BTNH: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer,
-                 pages: jax.Array, mask_BTS: jax.Array,
+                 pages: jax.Array, mask_BTS: jax.Array, block_size: int,
                  scales: tuple[jax.Array, jax.Array] | None = None,
                  one_read_bytes: int | None = None, scale: float | None = None,
                  softcap: float | None = None) -> jax.Array:
@@ -105,8 +105,9 @@ def attend_pages(q_BTNH: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer,
     Where a contiguous layer of these rows would be read in one pass (`one_read_bytes`,
     default `one_read_max_bytes()`: a small layer, or any on an accelerator), the rows'
     pages are gathered into one and read so (the decode kernel included, where it applies).
-    Otherwise one page per row is gathered at a time, in the online softmax over the pages
-    up to the last slot any query sees: a row's cost follows its tokens, not its capacity.
+    Otherwise the online softmax runs over blocks of about `block_size` slots (whole pages)
+    up to the last slot any query sees, each gathered from the rows' pages as it is read: a
+    row's cost follows its tokens, not its capacity.
     Masked slots get exactly zero weight, as in `attend_blocks`."""
     batch, _, capacity = mask_BTS.shape
     page_size = k_pool.shape[3]
@@ -123,8 +124,32 @@ def attend_pages(q_BTNH: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer,
         return out
     slots_S = jnp.arange(capacity, dtype=jnp.int32)
     last_seen = jnp.max(jnp.where(mask_BTS, slots_S + 1, 0))
-    num_pages = (last_seen + page_size - 1) // page_size
+    block = page_size * min(pages.shape[1], max(1, block_size // page_size))
+    num_blocks = (last_seen + block - 1) // block
     q_XMH = attention._queries_XMH(q_BTNH, k_pool.shape[2], scale)
     out_XMH = attention._attend_filled_blocks(q_XMH, k_pool, v_pool, layer, mask_BTS, softcap,
-                                              page_size, num_pages, scales, pages=pages)
+                                              block, num_blocks, scales, pages=pages)
     return attention._to_BTNH(out_XMH, q_BTNH)
+
+
+def copy_row_into_pages(cache: KVCache, source: KVCache, row, into) -> KVCache:
+    """Row `row` of `source`, a contiguous cache, copied into the pages that row `into` of
+    this paged cache's tables assigns (both traced scalars): page by page, only as many as
+    its length fills, which the caller has assigned. Its length is set and its overflow
+    cleared. Self-attention only."""
+    page_size, num_pages = cache.page_size, jax.tree.leaves(cache.k)[0].shape[1]
+    sources = source._self_attention()
+
+    def copy_page(j, pools):
+        page = cache.pages[into, j]
+        page = jnp.where(page < 0, num_pages, page)  # unassigned: dropped, never clamped
+        # Slots past the source's capacity (a last page it fills in part) read zeros.
+        slots_U = j * page_size + jnp.arange(page_size)
+
+        def copy(pool, stack):  # pool [L, pages, K, U, ...], stack [L, B, K, S, ...]
+            piece = stack.at[:, row, :, slots_U].get(mode="fill", fill_value=0)  # [U, L, K, ...]
+            return pool.at[:, page].set(jnp.moveaxis(piece, 0, 2), mode="drop")
+
+        return jax.tree.map(copy, pools, sources)
+
+    return cache.with_row_copied(source, row, into, page_size, copy_page)

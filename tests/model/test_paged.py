@@ -36,8 +36,10 @@ def contiguous(pool, pages):
                                                   rows.shape[-1])
 
 
-@pytest.mark.parametrize("one_read_bytes", [None, 0], ids=["one-read", "page-by-page"])
-def test_paged_attention_equals_the_formula_over_each_rows_pages(one_read_bytes):
+@pytest.mark.parametrize("one_read_bytes, block_size", [(None, PAGE), (0, PAGE), (0, 2 * PAGE)],
+                         ids=["one-read", "page-by-page", "two-pages-at-a-time"])
+def test_paged_attention_equals_the_formula_over_each_rows_pages(one_read_bytes, block_size):
+    """Blocks of two pages over three pages a row: the last block starts a page early."""
     q, (k_pool, v_pool), pages = pool_inputs()
     lengths = np.array([11, 5])  # row 1 ends inside its second page: its third is unseen
     k_pool[0, pages[1, 1], :, 1:] = np.nan  # past its length
@@ -47,7 +49,7 @@ def test_paged_attention_equals_the_formula_over_each_rows_pages(one_read_bytes)
     positions = lengths[:, None] - 2 + np.arange(2)
     mask = (slots <= positions[:, :, None]) & (slots < lengths[:, None, None])
     out = attend_pages(q, jnp.asarray(k_pool), jnp.asarray(v_pool), 0, jnp.asarray(pages),
-                       jnp.asarray(mask), one_read_bytes=one_read_bytes)
+                       jnp.asarray(mask), block_size, one_read_bytes=one_read_bytes)
     safe = np.where(pages < 0, 0, pages)
     k, v = (np.nan_to_num(contiguous(pool, safe), nan=1e9) for pool in (k_pool, v_pool))
     expected = numpy_attention(np.asarray(q), k, v, mask)
