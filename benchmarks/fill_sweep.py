@@ -10,7 +10,9 @@ step of `batch` rows, filled to that length, three ways:
 - **tight**: a cache of exactly the filled slots (nothing to skip: what reading only the
   filled part can at best reach);
 - **whole**: the `capacity` cache read as one block of every slot, filled or not (what each
-  step cost before decode attention read in blocks).
+  step cost before decode attention read in blocks);
+- **paged**: a paged cache (`model/paged.py`) of `capacity` slots per row in pages of
+  `page_size`, the rows' pages scattered over the pool, read through the page tables.
 
 Each is a compiled loop of `steps` decode steps that resets the rows' lengths before every
 step, so every step sees the same fill; the cache is donated, so it is updated in place.
@@ -21,15 +23,18 @@ machine the slower repeats measure the neighbours.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax import model as M
 
-WAYS = ("capacity", "tight", "whole")
+WAYS = ("capacity", "tight", "whole", "paged")
+PAGE_SIZE = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +46,7 @@ class SweepRow:
     capacity_seconds: float
     tight_seconds: float
     whole_seconds: float
+    paged_seconds: float
 
 
 def _step_loop(config: M.TransformerConfig, params, steps: int):
@@ -59,12 +65,26 @@ def _step_loop(config: M.TransformerConfig, params, steps: int):
     return jax.jit(run, donate_argnums=0)
 
 
+def _scattered_pages(config: M.TransformerConfig, batch: int, capacity: int,
+                     page_size: int) -> M.KVCache:
+    """A paged cache of `capacity` slots per row whose pages lie in a shuffled order over a
+    pool of exactly the rows' pages (as they would after requests came and went). Pages
+    divide the capacity: of `page_size` slots if it does, else of the largest that does."""
+    page_size = math.gcd(page_size, capacity)
+    per_row = capacity // page_size
+    cache = M.init_paged_cache(config, batch, batch * per_row, page_size, per_row)
+    order = np.random.default_rng(0).permutation(batch * per_row).reshape(batch, per_row)
+    return cache.replace(pages=jnp.asarray(order, jnp.int32))
+
+
 class _Timed:
     """One program and its own donated cache, timed at one fill."""
 
-    def __init__(self, config, params, batch: int, capacity: int, filled: int, steps: int):
+    def __init__(self, config, params, batch: int, capacity: int, filled: int, steps: int,
+                 page_size: int | None = None):
         self.run = _step_loop(config, params, steps)
-        self.cache = M.init_cache(config, batch, capacity)
+        self.cache = (M.init_cache(config, batch, capacity) if page_size is None
+                      else _scattered_pages(config, batch, capacity, page_size))
         self.tokens = jnp.ones((batch, 1), jnp.int32)
         self.lengths = jnp.full((batch,), filled - 1, jnp.int32)
         self.steps = steps
@@ -91,7 +111,7 @@ def check_sweep(preset: str, capacity: int, fills: Sequence[int]) -> None:
 def fill_sweep(preset: str = "gpt-mini", batch: int = 32, capacity: int = 1024,
                fills: Sequence[int] = (64, 128, 256, 512, 1024), layer_modes=("scanned",
                                                                                "unrolled"),
-               repeats: int = 3, steps: int = 16,
+               repeats: int = 3, steps: int = 16, page_size: int = PAGE_SIZE,
                log: Callable[[str], None] = print) -> list[SweepRow]:
     """Step time at each filled length, for each layer layout (see the module docstring)."""
     check_sweep(preset, capacity, fills)
@@ -104,11 +124,12 @@ def fill_sweep(preset: str = "gpt-mini", batch: int = 32, capacity: int = 1024,
         mode_params = params if scanned else M.unstack_layer_params(mode_config, params)
         whole = mode_config.replace(attention_block=capacity)
         log(f"fill sweep, {mode} layers: compiling ...")
-        timed = {(way, filled): _Timed(c, mode_params, batch, size, filled, steps)
+        timed = {(way, filled): _Timed(c, mode_params, batch, size, filled, steps, pages)
                  for filled in fills
-                 for way, c, size in (("capacity", mode_config, capacity),
-                                      ("tight", mode_config, filled),
-                                      ("whole", whole, capacity))}
+                 for way, c, size, pages in (("capacity", mode_config, capacity, None),
+                                             ("tight", mode_config, filled, None),
+                                             ("whole", whole, capacity, None),
+                                             ("paged", mode_config, capacity, page_size))}
         for contender in timed.values():
             contender.time()  # compiles
         for repeat in range(repeats):
@@ -121,22 +142,25 @@ def fill_sweep(preset: str = "gpt-mini", batch: int = 32, capacity: int = 1024,
     return rows
 
 
-def format_sweep(rows: Sequence[SweepRow], batch: int, capacity: int, block: int) -> str:
+def format_sweep(rows: Sequence[SweepRow], batch: int, capacity: int, block: int,
+                 page_size: int = PAGE_SIZE) -> str:
     """A Markdown table of the sweep."""
     lines = [
         f"Decode step time against filled slots, batch {batch}, a cache of {capacity:,} "
         f"slots read in blocks of {block} (`capacity`), a cache of only the filled slots "
-        f"(`tight`), and all {capacity:,} slots read at once (`whole`).",
+        f"(`tight`), all {capacity:,} slots read at once (`whole`), and a paged cache of "
+        f"{capacity:,} slots per row in pages of {page_size} scattered over its pool (`paged`).",
         "",
         "| layers | filled | capacity ms | tight ms | capacity / tight | whole ms "
-        "| whole / capacity |",
-        "|:---|---:|---:|---:|---:|---:|---:|",
+        "| whole / capacity | paged ms | paged / capacity |",
+        "|:---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r.layers} | {r.filled:,} | {r.capacity_seconds * 1e3:.2f} | "
             f"{r.tight_seconds * 1e3:.2f} | {r.capacity_seconds / r.tight_seconds:.2f}x | "
-            f"{r.whole_seconds * 1e3:.2f} | {r.whole_seconds / r.capacity_seconds:.2f}x |")
+            f"{r.whole_seconds * 1e3:.2f} | {r.whole_seconds / r.capacity_seconds:.2f}x | "
+            f"{r.paged_seconds * 1e3:.2f} | {r.paged_seconds / r.capacity_seconds:.2f}x |")
     return "\n".join(lines)
 
 
@@ -148,7 +172,7 @@ def plot_sweep(rows: Sequence[SweepRow], path: str, batch: int, capacity: int) -
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    styles = {"capacity": "-o", "tight": "--s", "whole": ":^"}
+    styles = {"capacity": "-o", "tight": "--s", "whole": ":^", "paged": "-.d"}
     for colour, mode in zip(("C0", "C1"), dict.fromkeys(r.layers for r in rows), strict=False):
         mode_rows = [r for r in rows if r.layers == mode]
         fills = [r.filled for r in mode_rows]

@@ -182,7 +182,7 @@ def test_fill_sweep_times_every_way_and_plots_it(tmp_path):
     assert [(r.layers, r.filled) for r in rows] == [
         (mode, filled) for mode in ("scanned", "unrolled") for filled in (4, 16)]
     assert all(r.capacity_seconds > 0 and r.tight_seconds > 0 and r.whole_seconds > 0
-               for r in rows)
+               and r.paged_seconds > 0 for r in rows)
     assert "| unrolled | 16 |" in fill_sweep.format_sweep(rows, 2, 16, 64)
     fill_sweep.plot_sweep(rows, str(tmp_path / "sweep.png"), 2, 16)
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
