@@ -43,12 +43,15 @@ from .workload import Result, Workload, make_workload
 def run_engine(config, params, workload: Workload, max_slots: int,
                chunk_size: int | None = None, max_len: int | None = None,
                prefix_cache_rows: int | None = None,
-               steps_per_check: int = 1) -> Result:
+               steps_per_check: int = 1, page_size: int | None = None,
+               num_pages: int | None = None, max_staged: int | None = None) -> Result:
     """The engine with `max_slots` slots of `max_len` positions (default: the model's),
-    `prefix_cache_rows` (default: the engine's) and `steps_per_check`."""
+    `prefix_cache_rows` (default: the engine's), `steps_per_check`, the slots' pages
+    (`page_size`, `num_pages`) and `max_staged` (the engine's defaults)."""
     engine = Engine(config, params, max_slots=max_slots, max_len=max_len, chunk_size=chunk_size,
                     max_queue=len(workload.prompts), prefix_cache_rows=prefix_cache_rows,
-                    steps_per_check=steps_per_check)
+                    steps_per_check=steps_per_check, page_size=page_size, num_pages=num_pages,
+                    max_staged=max_staged)
     engine.warm_up(len(p) for p in workload.prompts)
     first, last, gaps, errors = {}, {}, [], []
     done = threading.Semaphore(0)
@@ -73,21 +76,27 @@ def run_engine(config, params, workload: Workload, max_slots: int,
         return on_delta
 
     engine.start()
-    start = time.perf_counter()
+    start, most_live = time.perf_counter(), 0
     for i, (prompt, max_tokens, arrival) in enumerate(zip(
             workload.prompts, workload.max_tokens, workload.arrivals, strict=True)):
         time.sleep(max(0.0, start + arrival - time.perf_counter()))
         engine.submit(GenerationRequest(tuple(prompt), max_tokens=max_tokens), listener(i))
+        most_live = max(most_live, engine.live_slots)
     for _ in workload.prompts:
-        done.acquire()
+        while not done.acquire(timeout=0.01):  # looks at the load a hundred times a second
+            most_live = max(most_live, engine.live_slots)
+        most_live = max(most_live, engine.live_slots)
     end = time.perf_counter()
     engine.close()
     if errors:
         raise RuntimeError(f"the engine failed: {errors[0]!r}")
     ttft = np.array([first[i] - (start + a) for i, a in enumerate(workload.arrivals)])
-    return Result(f"engine ({max_slots} slots of {engine.capacity}, chunk {engine.chunk_size}, "
-                  f"{engine.steps_per_check} steps per check, {engine.prefix_cache_rows} "
-                  "prefix rows)",
+    pages = ("contiguous" if engine.pages is None
+             else f"{engine.pages[0]} pages of {engine.pages[1]}")
+    return Result(f"engine ({max_slots} slots of {engine.capacity}, {pages}, "
+                  f"{engine.num_staged} staged, chunk "
+                  f"{engine.chunk_size}, {engine.steps_per_check} steps per check, "
+                  f"{engine.prefix_cache_rows} prefix rows; at most {most_live} live)",
                   workload.useful_tokens,
                   end - (start + workload.arrivals[0]), ttft, np.array(gaps))
 
@@ -165,7 +174,8 @@ def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, o
                     long_tail: bool = False, compare_transformers: bool = True,
                     repeats: int = 3, max_len: int | None = None,
                     shared_prefix: int = 0, prefix_cache_rows: int | None = None,
-                    steps_per_check: int = 1) -> str:
+                    steps_per_check: int = 1, page_size: int | None = None,
+                    num_pages: int | None = None, max_staged: int | None = None) -> str:
     """The report: each contender's run of median throughput among `repeats` (the engine and
     the fixed batches take turns, so that both see the machine's drift alike), then the
     ratio in each repeat; transformers' contender runs once. The engine's slots hold
@@ -176,9 +186,10 @@ def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, o
     takes (its `max_len` raised, said in the report)."""
     config = M.preset(preset)
     longest = shared_prefix + prompt_range[1] + output_range[1]
-    raised = longest > config.max_len and config.positional_encoding != "learned"
+    needed = max(longest, max_len or 0)
+    raised = needed > config.max_len and config.positional_encoding != "learned"
     if raised:
-        config = config.replace(max_len=longest)
+        config = config.replace(max_len=needed)
     if max_len is None:
         max_len = longest
     elif max_len < longest:
@@ -192,7 +203,8 @@ def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, o
     engine_runs, batch_runs = [], []
     for _ in range(repeats):
         engine_runs.append(run_engine(config, params, workload, max_slots, chunk_size,
-                                      max_len, prefix_cache_rows, steps_per_check))
+                                      max_len, prefix_cache_rows, steps_per_check, page_size,
+                                      num_pages, max_staged))
         batch_runs.append(run_fixed_batches(config, params, workload, batch))
     results = [median_run(engine_runs), median_run(batch_runs)]
     notes = [ratio_line(engine_runs, batch_runs)] if repeats > 1 else []
@@ -211,6 +223,7 @@ def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, o
                f"({'log-uniform' if long_tail else 'uniform'}), "
                f"Poisson arrivals at {rate:g}/s (seed {seed}); {jax.devices()[0].device_kind}")
     if shared_prefix:
-        setting += (f"\nevery prompt starts with the same {shared_prefix} tokens" +
-                    (f"; the model's max_len raised to {longest}" if raised else ""))
+        setting += f"\nevery prompt starts with the same {shared_prefix} tokens"
+    if raised:
+        setting += f"; the model's max_len raised to {needed}"
     return format_results(results, workload, setting, notes)

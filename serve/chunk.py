@@ -24,6 +24,7 @@ from kvjax import parallel
 from kvjax.decode.loop import StopReason
 from kvjax.decode.tracing import count_trace
 
+from . import pages
 from .slots import (
     ID_SPACE,
     MAX_TOP_LOGPROBS,
@@ -38,28 +39,48 @@ from .slots import (
 COPY_BLOCK = 128  # cache positions a staged prompt is copied into its slot by
 
 
-def admit(state: EngineState) -> EngineState:
-    """Moves the oldest waiting staged sample into the first free slot (some must be both).
-
-    Its prompt's cache positions are copied by blocks of `COPY_BLOCK`, as many as its length
-    needs, so a slot of long capacity costs no more to fill than its prompt is long."""
-    slots, staged = state.slots, state.staged
+def _oldest_staged(state: EngineState) -> jax.Array:
+    """The staged row of the waiting sample admitted next (any row when none waits)."""
+    staged = state.staged
     age_Q = (staged.owner - state.last_admitted - 1) & (ID_SPACE - 1)
-    row = jnp.argmin(jnp.where(staged.running, age_Q, ID_SPACE))
+    return jnp.argmin(jnp.where(staged.running, age_Q, ID_SPACE))
+
+
+def admit(state: EngineState) -> EngineState:
+    """Moves the oldest waiting staged sample into the first free slot (some must be both,
+    and with a paged cache its pages must be free: `_slot_free_and_sample_waiting`).
+
+    Its prompt's cache positions are copied by blocks of `COPY_BLOCK` (or by pages, into the
+    pages it takes: `pages.py`), as many as its length needs, so a slot of long capacity
+    costs no more to fill than its prompt is long."""
+    slots, staged = state.slots, state.staged
+    row = _oldest_staged(state)
     slot = jnp.argmin(slots.running)  # False first: a free slot
 
     def take(slots_B, staged_Q):
         return slots_B.at[slot].set(staged_Q[row])
 
     rest = jax.tree.map(take, slots.replace(cache=None), staged.replace(cache=None))
-    cache = slots.cache.copy_row(staged.cache, row, slot, COPY_BLOCK)
+    if state.free_pages is None:
+        cache, free_pages = slots.cache.copy_row(staged.cache, row, slot, COPY_BLOCK), None
+    else:
+        cache, free_pages = pages.admit_into_pages(state, row, slot)
     return state.replace(slots=rest.replace(cache=cache),
                          staged=staged.replace(running=staged.running.at[row].set(False)),
-                         last_admitted=staged.owner[row])
+                         last_admitted=staged.owner[row], free_pages=free_pages)
 
 
 def _slot_free_and_sample_waiting(state: EngineState):
-    return jnp.any(~state.slots.running) & jnp.any(state.staged.running)
+    """A slot is free and a sample waits, whose pages (with a paged cache) are free."""
+    waiting = jnp.any(~state.slots.running) & jnp.any(state.staged.running)
+    if state.free_pages is None:
+        return waiting
+    return waiting & pages.pages_free_for(state, _oldest_staged(state))
+
+
+def _release(state: EngineState) -> EngineState:
+    """With a paged cache, the pages of every slot that stopped go back to the pool."""
+    return state if state.free_pages is None else pages.release_stopped(state)
 
 
 def _starving(state: EngineState, queued):
@@ -92,8 +113,8 @@ def decode_chunk(config: M.TransformerConfig, params, state: EngineState, cancel
         cancelled = jnp.any(rows.owner[:, None] == cancel_I[None], axis=1)
         return rows.replace(running=rows.running & ~cancelled)
 
-    state = state.replace(slots=stop_cancelled(state.slots),
-                          staged=stop_cancelled(state.staged))
+    state = _release(state.replace(slots=stop_cancelled(state.slots),
+                                   staged=stop_cancelled(state.staged)))
     batch, width = state.slots.num_slots, min(MAX_TOP_LOGPROBS, config.vocab_size)
     emitted = Emitted(
         tokens=jnp.zeros((batch, steps), jnp.int32),
@@ -114,7 +135,9 @@ def decode_chunk(config: M.TransformerConfig, params, state: EngineState, cancel
     def decode_step(carry, active=True):
         step, state, emitted = carry
         slots = state.slots
-        full_B = active & slots.running & (slots.cache.lengths >= slots.cache.capacity)
+        held_B = (slots.cache.capacity if state.free_pages is None
+                  else pages.held_positions(slots))  # a sample's pages hold all it feeds
+        full_B = active & slots.running & (slots.cache.lengths >= held_B)
         slots = slots.replace(
             running=slots.running & ~full_B,
             stop_reason=jnp.where(full_B, StopReason.CACHE_FULL, slots.stop_reason))
@@ -140,7 +163,8 @@ def decode_chunk(config: M.TransformerConfig, params, state: EngineState, cancel
             top_ids=emitted.top_ids.at[:, step].set(top_ids_BA),
             top_logprobs=emitted.top_logprobs.at[:, step].set(top_logprobs_BA))
         step = step + jnp.asarray(active, jnp.int32)
-        return step, parallel.constrain_rows(state.replace(slots=slots), mesh), emitted
+        state = _release(state.replace(slots=slots))
+        return step, parallel.constrain_rows(state, mesh), emitted
 
     def decode_steps(carry):
         if steps_per_check == 1:

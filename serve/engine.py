@@ -1,9 +1,8 @@
 """Continuous batching: requests join and leave a running batch of decode slots.
 
-The engine owns `max_slots` slots in one cache of `max_len` positions each, `max_staged`
-staged rows beside them (as many by default), and a bounded queue of requests waiting for
-those (`slots.py`). The engine schedules; what the programs make is handed out by
-`output.py`. Each turn of its host loop:
+The engine owns `max_slots` slots (a row of `max_len` positions each, or pages of a pool),
+`max_staged` staged rows and a bounded queue of requests waiting for those (`slots.py`). It
+schedules; what the programs make is handed out by `output.py`. Each turn of its host loop:
   0. scores the prompts whose logprobs were asked for (`score_prompt`);
   1. stages: prefills a part of a prompt too long for one turn (`prefill_part`); while the
      oldest other waiting request's `n` samples fit the free staged rows, prefills its
@@ -17,8 +16,7 @@ those (`slots.py`). The engine schedules; what the programs make is handed out b
      that met a stop string or whose request was cancelled stops with the next chunk.
 Slots wait for no host turn, so a chunk can be long; a request waits one turn to be staged,
 a cancelled one runs at most one chunk longer. `start` runs the loop on its own thread;
-`step` runs one turn and hands out all it made where the caller is (tests, benchmarks).
-`warm_up.py` compiles every program before serving."""
+`step` runs one turn where the caller is (tests, benchmarks). `warm_up.py` compiles first."""
 
 from __future__ import annotations
 
@@ -40,7 +38,7 @@ from kvjax.decode.prepare import placement
 from kvjax.decode.prompt_state import prefill_state
 from kvjax.tokenizer import TextTokenizer
 
-from . import chunk, constrained, memory, prefix_cache, slots, warm_up
+from . import chunk, constrained, memory, pages, prefix_cache, slots, warm_up
 from .output import OnDelta, Outputs, Ticket
 from .prompt_logprobs import prompt_logprobs
 from .requests import Delta, GenerationRequest, row_settings
@@ -71,11 +69,14 @@ class Engine:
     `kvjax.parallel`'s rules; `max_slots`, `max_staged` and `prefix_cache_rows` must be
     multiples of `data`.
 
-    The cache holds `max_slots + max_staged + prefix_cache_rows` rows of `max_len`
-    positions (a step may read all of a slot's: size it to the longest request accepted),
-    refused before it is allocated if it would not fit the device's free memory
-    (`memory.py`). `max_staged` (default `max_slots`) bounds a request's `n` and the slots a
-    chunk can refill before the host stages more; fewer leave slots more memory.
+    Each slot holds a row of `max_len` positions, or with `page_size` (one device only) the
+    slots keep their K/V in a pool of `num_pages` pages of that many positions (`pages.py`;
+    by default as many as `max_slots` full slots take): a sample holds the pages its prompt
+    and `max_tokens` can fill, so fewer pages serve more slots of short requests (each step
+    gathers the pages it reads, which costs time). `max_staged` (default `max_slots`) and
+    `prefix_cache_rows` rows of `max_len` come beside them; the whole is refused before it
+    is allocated if it would not fit the device's free memory (`memory.py`). `max_staged`
+    bounds a request's `n` and the slots a chunk can refill before the host stages more.
     `chunk_size`: by default `chunk.default_chunk_size()`. `steps_per_check` > 1 runs the
     chunk's steps that many at a time (`chunk.decode_chunk`), for an accelerator to try.
 
@@ -91,6 +92,7 @@ class Engine:
                  chunk_size: int | None = None, steps_per_check: int = 1,
                  max_queue: int = 64, prefill_batch: int = 8, prefix_cache_rows: int | None = None,
                  prefix_block: int = prefix_cache.DEFAULT_BLOCK, prefill_part: int = 512,
+                 page_size: int | None = None, num_pages: int | None = None,
                  metrics=None, mesh=None):
         capacity = config.max_len if max_len is None else max_len
         chunk_size = chunk.default_chunk_size() if chunk_size is None else chunk_size
@@ -113,20 +115,25 @@ class Engine:
         for name, rows in (("max_slots", max_slots), ("max_staged", max_staged),
                            ("prefix_cache_rows", prefix_cache_rows)):
             if rows % data:
-                raise ValueError(f"{name}={rows} must be a multiple of the mesh's "
-                                 f"data={data}: each device holds as "
-                                 f"many of those rows")
+                raise ValueError(f"{name}={rows} must be a multiple of the mesh's data={data}: "
+                                 f"each device holds as many of those rows")
         self.mesh, params = placement(config, params, mesh)
+        self.pages = pages.choose_pages(page_size, num_pages, capacity, max_slots,
+                                        self.mesh is not None, config.max_len)
         self.config, self.params, self.tokenizer = config, params, tokenizer
         self.capacity, self.chunk_size, self.max_queue = capacity, chunk_size, max_queue
-        self.steps_per_check = steps_per_check
-        self.prefill_batch, self.metrics = prefill_batch, metrics
+        self.steps_per_check, self.prefill_batch, self.metrics = (steps_per_check,
+                                                                  prefill_batch, metrics)
         self.max_slots, self.num_staged = max_slots, max_staged
         self.prefix_cache_rows, self.prefix_block = prefix_cache_rows, prefix_block
         self.prefill_part = max(1, prefill_part // prefix_block) * prefix_block
-        memory.check_cache_fits(config, max_slots + max_staged + prefix_cache_rows, capacity,
-                                self.mesh,
-                                rows_are="max_slots + max_staged + prefix_cache_rows")
+        if self.pages is not None:
+            memory.check_paged_cache_fits(config, max_staged + prefix_cache_rows, capacity,
+                                          max_slots, *self.pages)
+        else:
+            rows = "max_slots + max_staged + prefix_cache_rows"
+            memory.check_cache_fits(config, max_slots + max_staged + prefix_cache_rows, capacity,
+                                    self.mesh, rows_are=rows)
         self._pending: collections.deque[Ticket] = collections.deque()
         self._scoring: collections.deque = collections.deque()  # (prompt, top, future)
         self._wake = threading.Condition()
@@ -136,7 +143,7 @@ class Engine:
 
     def _reset(self) -> None:
         self.state = slots.empty_state(self.config, self.max_slots, self.num_staged,
-                                       self.capacity, self.mesh)
+                                       self.capacity, self.mesh, self.pages)
         self.outputs = Outputs(self.tokenizer, self.metrics)  # the samples, by id
         self._tables = constrained.TableKeeper()
         self._next_id = 0

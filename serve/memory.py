@@ -78,3 +78,31 @@ def check_cache_fits(config: M.TransformerConfig, rows: int, capacity: int, mesh
         + (f"{length_fits} at most" if length_fits else "none is small enough")
         + f" for {rows} rows) or {rows_are} ({rows_fit} at most for "
         f"max_len={capacity})")
+
+
+def check_paged_cache_fits(config: M.TransformerConfig, rows: int, capacity: int,
+                           slots: int, num_pages: int, page_size: int,
+                           free: int | None = None,
+                           rows_are: str = "max_staged + prefix_cache_rows") -> None:
+    """`check_cache_fits` for an engine whose `slots` keep their K/V in a pool of `num_pages`
+    pages of `page_size` positions (each slot still keeps its `capacity` context tokens)
+    beside `rows` contiguous rows: raises ValueError when all of it takes more than
+    `CACHE_SHARE` of the `free` bytes (default: measured), naming the most pages that fit."""
+    if free is None:
+        free = free_bytes(jax.local_devices()[0])
+        if free is None:
+            return
+    kv = M.cache_size_bytes(config, 1, 1).total
+    fixed = bytes_per_position(config) * rows * capacity + CONTEXT_BYTES * slots * capacity
+    need, budget = fixed + kv * num_pages * page_size, CACHE_SHARE * free
+    if need <= budget:
+        return
+    pages_fit = max(0, int((budget - fixed) // (kv * page_size)))
+    per_row = -(-capacity // page_size)
+    hint = (f"lower num_pages ({pages_fit} at most)" if pages_fit >= per_row else
+            f"lower max_len, max_slots or {rows_are} (a slot's {per_row} pages do not fit)")
+    raise ValueError(
+        f"the engine's cache of {num_pages} pages of {page_size} positions for {slots} slots "
+        f"and {rows} rows x max_len={capacity} positions ({rows_are}) takes "
+        f"{format_bytes(int(need))}, more than {CACHE_SHARE:.0%} of the "
+        f"{format_bytes(free)} free: {hint}")

@@ -43,6 +43,7 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
               max_staged: int | None = None, max_queue: int = 64, max_len: int | None = None,
               chunk_size: int | None = None, steps_per_check: int = 1, prefill_batch: int = 8,
               prefix_cache_rows: int | None = None, prefill_part: int = 512,
+              page_size: int | None = None, num_pages: int | None = None,
               warm_up: bool = False, mesh=None,
               api_key: str | None = None, limits: Limits | None = None) -> Starlette:
     """The app serving `loaded` as `model_name` (default: its directory's name). The engine
@@ -56,7 +57,7 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
                     chunk_size=chunk_size, steps_per_check=steps_per_check, max_queue=max_queue,
                     prefill_batch=prefill_batch,
                     prefix_cache_rows=prefix_cache_rows, prefill_part=prefill_part,
-                    metrics=metrics, mesh=mesh)
+                    page_size=page_size, num_pages=num_pages, metrics=metrics, mesh=mesh)
     name = model_name or os.path.basename(os.path.normpath(loaded.directory)) or "kvjax"
     created = int(time.time())
 

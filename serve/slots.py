@@ -93,12 +93,15 @@ class EngineState:
     while its `running` is set (its first token sampled, its prompt in its cache row);
     last_admitted: [] int32 the id of the sample that took a slot last; tables: the
     automata of the constrained samples (`constrained.py`: `RowConstraints` whose rows are
-    given by `constraints`), None while no request asked for one."""
+    given by `constraints`), None while no request asked for one; free_pages: [pages] bool
+    which pages of the slots' paged cache no slot holds (`pages.py`), None where the slots'
+    cache is contiguous."""
 
     slots: SlotState
     staged: SlotState
     last_admitted: jax.Array
     tables: RowConstraints | None = None
+    free_pages: jax.Array | None = None
 
     def constraints(self, state_B: jax.Array) -> RowConstraints | None:
         """The constraints of rows in states `state_B` [B] of the tables, None without
@@ -142,31 +145,42 @@ class Emitted:
 
 
 def empty_state(config: M.TransformerConfig, num_slots: int, num_staged: int, capacity: int,
-                mesh=None) -> EngineState:
+                mesh=None, pages: tuple[int, int] | None = None) -> EngineState:
     """Every slot and staged row free; on `mesh`, made in the layout the programs keep it in
     (rows split over `data`, kv heads over `model`: `parallel.constrain_rows`), so that their
-    first call compiles for the layout every later one sees."""
+    first call compiles for the layout every later one sees. With `pages` (num_pages,
+    page_size) the slots' cache is a pool of that many pages, all free (`pages.py`)."""
     if config.is_encoder_decoder:
         raise ValueError("the serving engine runs decoder-only language models; this "
                          "checkpoint is an encoder-decoder")
     if mesh is None:
-        return _free_state(config, num_slots, num_staged, capacity)
+        return _free_state(config, num_slots, num_staged, capacity, pages)
+    if pages is not None:
+        raise ValueError("a paged cache serves on one device; on a mesh the slots' cache is "
+                         "contiguous (page_size=None)")
     return _free_state_on(config, num_slots, num_staged, capacity, mesh)
 
 
 def _free_state(config: M.TransformerConfig, num_slots: int, num_staged: int,
-                capacity: int) -> EngineState:
-    return EngineState(slots=_free_rows(config, num_slots, capacity),
+                capacity: int, pages: tuple[int, int] | None = None) -> EngineState:
+    slots_cache, free_pages = None, None
+    if pages is not None:
+        num_pages, page_size = pages
+        slots_cache = M.init_paged_cache(config, num_slots, num_pages, page_size,
+                                         -(-capacity // page_size))
+        free_pages = jnp.ones((num_pages,), bool)
+    return EngineState(slots=_free_rows(config, num_slots, capacity, slots_cache),
                        staged=_free_rows(config, num_staged, capacity),
-                       last_admitted=jnp.full((), NO_SAMPLE, jnp.int32))
+                       last_admitted=jnp.full((), NO_SAMPLE, jnp.int32), free_pages=free_pages)
 
 
-def _free_rows(config: M.TransformerConfig, rows: int, capacity: int) -> SlotState:
+def _free_rows(config: M.TransformerConfig, rows: int, capacity: int,
+               cache: M.KVCache | None = None) -> SlotState:
     def zeros():  # one buffer per field: the programs donate each of them
         return jnp.zeros((rows,), jnp.int32)
 
     return SlotState(
-        cache=M.init_cache(config, rows, capacity),
+        cache=M.init_cache(config, rows, capacity) if cache is None else cache,
         last_tokens=zeros(), generated=zeros(), max_tokens=zeros(),
         stop_ids=jnp.full((rows, MAX_STOP_IDS), -1, jnp.int32),
         keys=jnp.zeros((rows, 2), jnp.uint32),

@@ -261,6 +261,14 @@ def _add_serve(kinds) -> None:
     serve.add_argument("--steps-per-check", type=positive, default=1, metavar="K",
                        help="decode steps between the chunk's checks of whether to go on or "
                             "admit, run in a loop of known trip count (for accelerators)")
+    serve.add_argument("--page-size", type=positive, default=None, metavar="N",
+                       help="the engine's slots in pages of N positions (default: a row of "
+                            "--max-len per slot)")
+    serve.add_argument("--num-pages", type=positive, default=None, metavar="N",
+                       help="with --page-size, the pages of the engine's slots (default: "
+                            "--max-slots full slots)")
+    serve.add_argument("--max-staged", type=positive, default=None,
+                       help="the engine's staged rows (default: the engine's, --max-slots)")
     serve.add_argument("--batch", type=positive, default=16,
                        help="requests per decode.generate call in the baseline")
     serve.add_argument("--seed", type=seed, default=0, help="workload and weights seed")
@@ -281,7 +289,9 @@ def run_bench_serve(args) -> int:
                           compare_transformers=not args.no_hf, repeats=args.repeats,
                           max_len=args.max_len, shared_prefix=args.shared_prefix,
                           prefix_cache_rows=args.prefix_cache_rows,
-                          steps_per_check=args.steps_per_check))
+                          steps_per_check=args.steps_per_check,
+                          page_size=args.page_size, num_pages=args.num_pages,
+                          max_staged=args.max_staged))
     return 0
 
 

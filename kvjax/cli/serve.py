@@ -52,6 +52,14 @@ def add_serve(commands) -> None:
                        help="a prompt with more tokens than this left to prefill is prefilled "
                             "that many (in whole blocks of 16) per turn, the running requests "
                             "decoding in between (needs the prefix cache)")
+    serve.add_argument("--page-size", type=positive, default=None, metavar="N",
+                       help="keep the slots' K/V in pages of N positions (one device): a "
+                            "request holds the pages its prompt and max_tokens can fill, not a "
+                            "whole slot of --max-len (default: a row of --max-len per slot)")
+    serve.add_argument("--num-pages", type=positive, default=None, metavar="N",
+                       help="with --page-size, the pages the slots' cache allocates (default: "
+                            "as many as --max-slots full slots take); more slots than those "
+                            "pages fill at --max-len serve short requests in the same memory")
     serve.add_argument("--warm-up", action="store_true",
                        help="compile every program (each prompt-length bucket and prefill "
                             "batch) before listening, so that no request waits for a "
@@ -88,7 +96,8 @@ def run_serve(args) -> int:
                     max_len=args.max_len, chunk_size=args.chunk_size,
                     steps_per_check=args.steps_per_check, prefill_batch=args.prefill_batch,
                     prefix_cache_rows=args.prefix_cache_rows, prefill_part=args.prefill_part,
-                    warm_up=args.warm_up, mesh=mesh,
+                    page_size=args.page_size, num_pages=args.num_pages, warm_up=args.warm_up,
+                    mesh=mesh,
                     api_key=api_key, limits=limits)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info",
                 http=header_timeout_protocol(limits.header_timeout))

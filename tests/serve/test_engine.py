@@ -178,13 +178,14 @@ def test_a_full_queue_refuses_more(engine):
     assert engine.queue_length == 0 and engine.live_slots == 0
 
 
-def test_an_int8_cache_serves_what_generate_makes_with_it(tiny_lm):
+@pytest.mark.parametrize("page_size", [None, 4], ids=["rows", "pages"])
+def test_an_int8_cache_serves_what_generate_makes_with_it(tiny_lm, page_size):
     # The slots hold the prefix's int8 values and their scales: a slot that got the values
-    # without the scales would attend over garbage from its first step.
+    # without the scales would attend over garbage from its first step. In pages too.
     config, _, params = tiny_lm
     config, params = M.with_precision(config, params, cache_dtype="int8")
     engine = Engine(config, params, max_slots=2, chunk_size=CHUNK, max_queue=4,
-                    prefill_batch=2, tokenizer=FakeTokenizer())
+                    prefill_batch=2, tokenizer=FakeTokenizer(), page_size=page_size)
     requests = [GenerationRequest(prompt(20 + i, n), max_tokens=6)
                 for i, n in enumerate((4, 7, 5))]
     net = M.build_model(config)

@@ -1,0 +1,97 @@
+"""The slots' paged cache: samples take the pages their budget needs, wait while they are
+not free, give them back as they end, and make the tokens they make alone."""
+
+import numpy as np
+import pytest
+from test_engine import Collector, alone, prompt
+
+from kvjax import model as M
+from kvjax.serve import Engine, GenerationRequest, memory
+
+PAGE = 4
+
+
+def all_pages_free(engine):
+    state = engine.state
+    return bool(np.all(state.free_pages)) and bool(np.all(state.slots.cache.pages < 0))
+
+
+def test_a_pool_of_one_slots_pages_serves_every_request_as_alone(tiny_lm):
+    """Four slots share the pages of one full slot: requests wait for pages, not for slots,
+    and each makes what it makes alone; then every page is free again. Slots of 30 take
+    8 pages of 4, the last one filled in part."""
+    config, _, params = tiny_lm
+    engine = Engine(config, params, max_slots=4, max_len=30, chunk_size=4, page_size=PAGE,
+                    num_pages=8, prefill_batch=4)
+    shapes = [(5, 20), (3, 6), (8, 12), (2, 4), (6, 9), (4, 26)]  # up to all 8 pages
+    requests = [GenerationRequest(prompt(40 + i, n), max_tokens=m)
+                for i, (n, m) in enumerate(shapes)]
+    collectors = [Collector() for _ in requests]
+    for request, collector in zip(requests, collectors, strict=True):
+        engine.submit(request, collector)
+    most_live = 0
+    for _ in range(200):  # turns: a page never given back would leave requests waiting
+        if not engine.step():
+            break
+        most_live = max(most_live, engine.live_slots)
+        held = np.sum(np.asarray(engine.state.slots.cache.pages) >= 0)
+        assert held + np.sum(np.asarray(engine.state.free_pages)) == 8
+    else:
+        pytest.fail("the requests were not served in 200 turns")
+    assert [c.tokens() for c in collectors] == [alone(tiny_lm, r) for r in requests]
+    assert 1 < most_live < 4  # pages, not slots, bounded what ran at once
+    assert all_pages_free(engine)
+
+
+def test_cancelled_and_stopped_samples_give_their_pages_back(tiny_lm):
+    config, _, params = tiny_lm
+    engine = Engine(config, params, max_slots=2, max_len=32, chunk_size=2, page_size=PAGE)
+    long = Collector()
+    ticket = engine.submit(GenerationRequest(prompt(50, 6), max_tokens=24), long)
+    free_run = alone(tiny_lm, GenerationRequest(prompt(51, 5), max_tokens=12))
+    stopped = Collector()
+    engine.submit(GenerationRequest(prompt(51, 5), max_tokens=12, stop_ids=(free_run[1],)),
+                  stopped)
+    engine.step()
+    engine.step()
+    ticket.cancel()
+    engine.run_until_idle()
+    assert long.finish() == "cancelled" and stopped.finish() == "stop"
+    assert all_pages_free(engine)
+
+
+def test_contiguous_slots_serve_the_same_tokens(tiny_lm):
+    config, _, params = tiny_lm
+    requests = [GenerationRequest(prompt(60 + i, 3 + i), max_tokens=5 + 2 * i) for i in range(3)]
+    engine = Engine(config, params, max_slots=2, max_len=32, chunk_size=4, page_size=None)
+    assert engine.state.free_pages is None and not engine.state.slots.cache.paged
+    collectors = [Collector() for _ in requests]
+    for request, collector in zip(requests, collectors, strict=True):
+        engine.submit(request, collector)
+    engine.run_until_idle()
+    assert [c.tokens() for c in collectors] == [alone(tiny_lm, r) for r in requests]
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(page_size=0), "page_size=0 must be an int >= 1"),
+    (dict(page_size=PAGE, num_pages=7), "num_pages=7 must be an int >= 8"),
+    (dict(page_size=None, num_pages=8), "num_pages=8 needs a paged cache"),
+    (dict(page_size=65), "the 1 pages a slot of max_len=32 takes hold 65 positions, more "
+                         "than the model's max_len 64"),
+])
+def test_bad_page_settings_are_refused_naming_them(tiny_lm, settings, message):
+    config, _, params = tiny_lm
+    with pytest.raises(ValueError, match=message):
+        Engine(config, params, max_slots=2, max_len=32, **settings)
+
+
+def test_the_memory_check_counts_pages_and_names_how_many_fit():
+    config = M.preset("gpt-mini")
+    kv = M.cache_size_bytes(config, 1, 1).total  # per position
+    rows = memory.bytes_per_position(config) * 4 * 1024  # 4 staged rows of 1,024
+    context = memory.CONTEXT_BYTES * 64 * 1024  # 64 slots' context
+    free = int((rows + context + kv * 1000 * 16) / memory.CACHE_SHARE) + 1
+    memory.check_paged_cache_fits(config, 4, 1024, 64, 1000, 16, free=free)
+    with pytest.raises(ValueError, match=r"1001 pages of 16 positions for 64 slots and 4 rows "
+                                         r"x max_len=1024 .* lower num_pages \(1000 at most\)"):
+        memory.check_paged_cache_fits(config, 4, 1024, 64, 1001, 16, free=free)
