@@ -73,10 +73,10 @@ def scrambled_tables(batch, pages_per_row, num_pages, seed=3):
     return jnp.asarray(order.reshape(batch, pages_per_row), jnp.int32)
 
 
-@pytest.mark.parametrize("options", [dict(), dict(positional_encoding="rope", num_kv_heads=2,
-                                                  scan_layers=True, cache_dtype="int8")],
-                         ids=["paper", "rope-gqa-scanned-int8"])
-@pytest.mark.parametrize("variant", [0, 2], ids=["decoder_only", "encoder_decoder"])
+@pytest.mark.parametrize("variant, options", [
+    (0, dict()),
+    (2, dict(positional_encoding="rope", num_kv_heads=2, scan_layers=True, cache_dtype="int8")),
+], ids=["decoder_only-paper", "encoder_decoder-rope-gqa-scanned-int8"])
 def test_paged_decoding_equals_the_contiguous_cache(options, variant, request):
     """A prefill and decode steps through pages scattered over the pool give the contiguous
     cache's logits (the int8 cache quantises alike either way), and the uncached forward's

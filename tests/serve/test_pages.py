@@ -60,18 +60,6 @@ def test_cancelled_and_stopped_samples_give_their_pages_back(tiny_lm):
     assert all_pages_free(engine)
 
 
-def test_contiguous_slots_serve_the_same_tokens(tiny_lm):
-    config, _, params = tiny_lm
-    requests = [GenerationRequest(prompt(60 + i, 3 + i), max_tokens=5 + 2 * i) for i in range(3)]
-    engine = Engine(config, params, max_slots=2, max_len=32, chunk_size=4, page_size=None)
-    assert engine.state.free_pages is None and not engine.state.slots.cache.paged
-    collectors = [Collector() for _ in requests]
-    for request, collector in zip(requests, collectors, strict=True):
-        engine.submit(request, collector)
-    engine.run_until_idle()
-    assert [c.tokens() for c in collectors] == [alone(tiny_lm, r) for r in requests]
-
-
 @pytest.mark.parametrize("settings, message", [
     (dict(page_size=0), "page_size=0 must be an int >= 1"),
     (dict(page_size=PAGE, num_pages=7), "num_pages=7 must be an int >= 8"),
