@@ -106,3 +106,9 @@ def check_paged_cache_fits(config: M.TransformerConfig, rows: int, capacity: int
         f"and {rows} rows x max_len={capacity} positions ({rows_are}) takes "
         f"{format_bytes(int(need))}, more than {CACHE_SHARE:.0%} of the "
         f"{format_bytes(free)} free: {hint}")
+
+
+def pages_in(config: M.TransformerConfig, cache_bytes: int, page_size: int) -> int:
+    """Pages of `page_size` positions whose K/V `cache_bytes` hold (`kvjax serve
+    --cache-memory`)."""
+    return int(cache_bytes // (M.cache_size_bytes(config, 1, 1).total * page_size))

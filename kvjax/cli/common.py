@@ -4,6 +4,7 @@ is added. Nothing here imports jax, so that `kvjax --help` answers at once."""
 from __future__ import annotations
 
 import argparse
+import re
 
 MAX_SEED = 2**63 - 1  # kvjax.text.MAX_SEED: jax.random.key takes a signed 64-bit seed
 PRESET_NAMES = ("tiny", "small", "gpt-mini")  # model.PRESETS, named here to keep jax unloaded
@@ -59,9 +60,26 @@ def positive_real(text: str) -> float:
     return value
 
 
+_BINARY_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+
+
+def byte_size(text: str) -> int:
+    """Bytes of a size written as a number with a binary unit: '4GiB', '512 MiB', '1.5GiB',
+    '1000000' (bytes)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", text)
+    unit = (match.group(2) or "B") if match else None
+    if unit not in _BINARY_UNITS:
+        raise argparse.ArgumentTypeError(f"a size is a number and one of "
+                                         f"{', '.join(_BINARY_UNITS)}, got {text!r}")
+    value = int(float(match.group(1)) * _BINARY_UNITS[unit])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return value
+
+
 # Names for argparse's messages ("invalid seed value: 'x'" reads better as "invalid int").
 for _type, _name in ((positive, "int"), (count, "int"), (seed, "int"),
-                     (positive_real, "number")):
+                     (positive_real, "number"), (byte_size, "size")):
     _type.__name__ = _name
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .common import add_command, add_precision, count, positive, with_precision
+from .common import add_command, add_precision, byte_size, count, positive, with_precision
 
 API_KEY_VARIABLE = "KVJAX_API_KEY"
 
@@ -56,10 +56,14 @@ def add_serve(commands) -> None:
                        help="keep the slots' K/V in pages of N positions (one device): a "
                             "request holds the pages its prompt and max_tokens can fill, not a "
                             "whole slot of --max-len (default: a row of --max-len per slot)")
-    serve.add_argument("--num-pages", type=positive, default=None, metavar="N",
-                       help="with --page-size, the pages the slots' cache allocates (default: "
-                            "as many as --max-slots full slots take); more slots than those "
-                            "pages fill at --max-len serve short requests in the same memory")
+    pool = serve.add_mutually_exclusive_group()
+    pool.add_argument("--num-pages", type=positive, default=None, metavar="N",
+                      help="with --page-size, the pages the slots' cache allocates (default: "
+                           "as many as --max-slots full slots take); more slots than those "
+                           "pages fill at --max-len serve short requests in the same memory")
+    pool.add_argument("--cache-memory", type=byte_size, default=None, metavar="SIZE",
+                      help="with --page-size, the memory of the slots' pages, e.g. 4GiB: as "
+                           "many pages as their K/V fit in it")
     serve.add_argument("--warm-up", action="store_true",
                        help="compile every program (each prompt-length bucket and prefill "
                             "batch) before listening, so that no request waits for a "
@@ -80,6 +84,7 @@ def run_serve(args) -> int:
     import uvicorn
 
     from kvjax import parallel, text
+    from kvjax.serve import memory
     from kvjax.serve.limits import Limits, header_timeout_protocol
     from kvjax.serve.server import build_app
 
@@ -89,14 +94,18 @@ def run_serve(args) -> int:
               f"can reach the port may use the model (set --api-key or ${API_KEY_VARIABLE})",
               file=sys.stderr)
     mesh = None if args.mesh is None else parallel.make_mesh(args.mesh)
+    if args.cache_memory is not None and args.page_size is None:
+        raise ValueError("--cache-memory sizes the slots' pages: give --page-size too")
     loaded = with_precision(text.load(args.checkpoint, lora=args.lora), args)
+    num_pages = args.num_pages if args.cache_memory is None else memory.pages_in(
+        loaded.config, args.cache_memory, args.page_size)
     limits = Limits()
     app = build_app(loaded, model_name=args.model_name, max_slots=args.max_slots,
                     max_staged=args.max_staged, max_queue=args.max_queue,
                     max_len=args.max_len, chunk_size=args.chunk_size,
                     steps_per_check=args.steps_per_check, prefill_batch=args.prefill_batch,
                     prefix_cache_rows=args.prefix_cache_rows, prefill_part=args.prefill_part,
-                    page_size=args.page_size, num_pages=args.num_pages, warm_up=args.warm_up,
+                    page_size=args.page_size, num_pages=num_pages, warm_up=args.warm_up,
                     mesh=mesh,
                     api_key=api_key, limits=limits)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info",

@@ -41,6 +41,12 @@ def assert_one_line(err: str, *fragments: str) -> None:
     (["train", "--task", "lm", "--heldout", "5"], ["--heldout applies to --task translate"]),
     (["demo", "--warmup-steps", "-1"], ["argument --warmup-steps: must be >= 0"]),
     (["serve", "--checkpoint", "x", "--mesh", "data=3"], ["mesh data=3 needs 3 devices"]),
+    (["serve", "--checkpoint", "x", "--cache-memory", "4GB"],
+     ["argument --cache-memory: a size is a number and one of B, KiB, MiB, GiB, TiB, got '4GB'"]),
+    (["serve", "--checkpoint", "x", "--cache-memory", "1GiB"],
+     ["--cache-memory sizes the slots' pages: give --page-size too"]),
+    (["serve", "--checkpoint", "x", "--num-pages", "4", "--cache-memory", "1GiB"],
+     ["argument --cache-memory: not allowed with argument --num-pages"]),
     pytest.param(
         ["serve", "--checkpoint", "checkpoints/python-docs-lm", "--max-slots", "1000000000"],
         ["the engine's cache of 2250000000 rows x max_len=", "lower max_len (none is small"],

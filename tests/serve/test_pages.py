@@ -83,3 +83,14 @@ def test_the_memory_check_counts_pages_and_names_how_many_fit():
     with pytest.raises(ValueError, match=r"1001 pages of 16 positions for 64 slots and 4 rows "
                                          r"x max_len=1024 .* lower num_pages \(1000 at most\)"):
         memory.check_paged_cache_fits(config, 4, 1024, 64, 1001, 16, free=free)
+
+
+def test_cache_memory_in_pages_is_what_the_pool_allocates(tiny_lm):
+    config, _, params = tiny_lm
+    budget = 100_000
+    num_pages = memory.pages_in(config, budget, PAGE)
+    engine = Engine(config, params, max_slots=4, max_len=32, page_size=PAGE,
+                    num_pages=num_pages)
+    pool_bytes = sum(x.nbytes for x in (*engine.state.slots.cache.k, *engine.state.slots.cache.v))
+    per_page = memory.bytes_per_position(config) - memory.CONTEXT_BYTES
+    assert pool_bytes == num_pages * PAGE * per_page <= budget < pool_bytes + PAGE * per_page
