@@ -194,8 +194,10 @@ def decode_chunk(config: M.TransformerConfig, params, state: EngineState, cancel
     _, state, emitted = jax.lax.while_loop(
         unfinished, admit_and_decode,
         (jnp.zeros((), jnp.int32), parallel.constrain_rows(state, mesh), emitted))
+    pages_used = None if state.free_pages is None else jnp.sum(state.slots.cache.pages >= 0,
+                                                               dtype=jnp.int32)
     return state, emitted.replace(live=jnp.sum(state.slots.running, dtype=jnp.int32),
-                                  waiting=state.staged.running)
+                                  waiting=state.staged.running, pages_used=pages_used)
 
 
 def default_chunk_size() -> int:

@@ -436,7 +436,7 @@ class Engine:
 
     def _report_load(self) -> None:
         if self.metrics is not None:
-            self.metrics.set_load(self.queue_length, self.live_slots)
+            self.metrics.set_load(self.queue_length, self.live_slots, self.outputs.pages_used)
 
     def _fail_all(self, error: Exception) -> None:
         """Ends every queued and live request with `error` and starts from free slots."""

@@ -38,6 +38,9 @@ class ServeMetrics:
         self.queue_length = Gauge("kvjax_queue_length", "Requests waiting for a slot",
                                   registry=self.registry)
         self.live_slots = Gauge("kvjax_live_slots", "Slots generating", registry=self.registry)
+        self.cache_pages_used = Gauge("kvjax_cache_pages_used",
+                                      "Pages of the slots' paged cache that requests hold",
+                                      registry=self.registry)
         self.generated_tokens = Counter("kvjax_generated_tokens", "Tokens generated",
                                         registry=self.registry)
         self.tokens_per_second = Gauge(
@@ -62,9 +65,11 @@ class ServeMetrics:
         self._lock = threading.Lock()
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
 
-    def set_load(self, queued: int, live: int) -> None:
+    def set_load(self, queued: int, live: int, pages_used: int | None = None) -> None:
         self.queue_length.set(queued)
         self.live_slots.set(live)
+        if pages_used is not None:
+            self.cache_pages_used.set(pages_used)
 
     def observe_first_token(self, seconds: float) -> None:
         self.time_to_first_token.observe(seconds)

@@ -64,6 +64,7 @@ class Outputs:
         self.tokenizer, self.metrics = tokenizer, metrics
         self.samples: dict[int, Sample] = {}
         self.to_stop: list[int] = []
+        self.pages_used: int | None = None  # the slots' pages held, as of the last chunk
 
     def add(self, ticket: Ticket, index: int, sample_id: int) -> None:
         """A sample staged on the device under `sample_id`."""
@@ -83,6 +84,8 @@ class Outputs:
 
     def hand_out(self, emitted: slots.Emitted) -> None:
         """Hands each sample what a program made (`emitted`, on the host), in order."""
+        if emitted.pages_used is not None:
+            self.pages_used = int(emitted.pages_used)
         owner = emitted.owner
         for row in np.flatnonzero((owner != slots.NO_SAMPLE).any(axis=1)):
             steps = np.flatnonzero(owner[row] != slots.NO_SAMPLE)

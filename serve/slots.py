@@ -131,7 +131,8 @@ class Emitted:
     full) and then stood at `reason[b, o]` (a `StopReason`; RUNNING: it goes on). A row serves
     one sample for consecutive steps, then maybe another. logprobs [B, O] are the model's,
     before any penalty; top_ids and top_logprobs [B, O, A]. After the steps `live` [] slots
-    are running and `waiting` [Q] tells which staged rows still wait for a slot."""
+    are running, `waiting` [Q] tells which staged rows still wait for a slot and
+    `pages_used` [] how many pages the slots hold (a chunk over paged slots; else None)."""
 
     tokens: jax.Array
     owner: jax.Array
@@ -142,6 +143,7 @@ class Emitted:
     top_logprobs: jax.Array
     live: jax.Array
     waiting: jax.Array
+    pages_used: jax.Array | None = None
 
 
 def empty_state(config: M.TransformerConfig, num_slots: int, num_staged: int, capacity: int,

@@ -7,6 +7,7 @@ from test_engine import Collector, alone, prompt
 
 from kvjax import model as M
 from kvjax.serve import Engine, GenerationRequest, memory
+from kvjax.serve.metrics import ServeMetrics
 
 PAGE = 4
 
@@ -21,8 +22,9 @@ def test_a_pool_of_one_slots_pages_serves_every_request_as_alone(tiny_lm):
     and each makes what it makes alone; then every page is free again. Slots of 30 take
     8 pages of 4, the last one filled in part."""
     config, _, params = tiny_lm
+    metrics = ServeMetrics()
     engine = Engine(config, params, max_slots=4, max_len=30, chunk_size=4, page_size=PAGE,
-                    num_pages=8, prefill_batch=4)
+                    num_pages=8, prefill_batch=4, metrics=metrics)
     shapes = [(5, 20), (3, 6), (8, 12), (2, 4), (6, 9), (4, 26)]  # up to all 8 pages
     requests = [GenerationRequest(prompt(40 + i, n), max_tokens=m)
                 for i, (n, m) in enumerate(shapes)]
@@ -36,11 +38,12 @@ def test_a_pool_of_one_slots_pages_serves_every_request_as_alone(tiny_lm):
         most_live = max(most_live, engine.live_slots)
         held = np.sum(np.asarray(engine.state.slots.cache.pages) >= 0)
         assert held + np.sum(np.asarray(engine.state.free_pages)) == 8
+        assert f"kvjax_cache_pages_used {held:.1f}" in metrics.exposition().decode()
     else:
         pytest.fail("the requests were not served in 200 turns")
     assert [c.tokens() for c in collectors] == [alone(tiny_lm, r) for r in requests]
     assert 1 < most_live < 4  # pages, not slots, bounded what ran at once
-    assert all_pages_free(engine)
+    assert all_pages_free(engine) and engine.outputs.pages_used == 0
 
 
 def test_cancelled_and_stopped_samples_give_their_pages_back(tiny_lm):
