@@ -194,23 +194,35 @@ class PrefixCache:
         the store, those whose full blocks no store row holds; the copy is padded to
         `pad_to` rows (default the cache's), so that one program serves every count."""
         rows = range(len(prompts)) if rows is None else rows
-        kept = [(row, into) for row, prompt in zip(rows, prompts, strict=True)
+        block = self.index.block
+        kept = [(row, into, len(prompt) // block * block)
+                for row, prompt in zip(rows, prompts, strict=True)
                 if (into := self.index.keep(prompt)) is not None]
         if kept:
             self._copy(cache, kept, pad_to)
 
-    def _copy(self, cache: M.KVCache, kept: list[tuple[int, int]],
-              pad_to: int | None = None) -> None:
-        """(row of `cache`, store row) pairs copied, padded with pairs past the store, which
-        copy nothing."""
+    def _copy(self, cache: M.KVCache, kept: list[tuple[int, int, int]],
+              pad_to: int | None = None, width: int | None = None) -> None:
+        """(row of `cache`, store row, full blocks' length) triples copied, padded with
+        triples past the store, which copy nothing. Only the first `width` slots of each
+        row are copied (default: the bucket of the longest length), not a row's capacity."""
         spare = (cache.batch_size if pad_to is None else pad_to) - len(kept)
-        rows, into = zip(*(kept + [(0, self.index.rows)] * spare), strict=True)
+        rows, into, lengths = zip(*(kept + [(0, self.index.rows, 0)] * spare), strict=True)
+        if width is None:
+            width = bucket(max(max(lengths), 1), cache.capacity)
         self.store = keep_prefixes(self.store, cache, np.array(rows, np.int32),
-                                   np.array(into, np.int32), mesh=self.mesh)
+                                   np.array(into, np.int32), np.array(lengths, np.int32),
+                                   width, mesh=self.mesh)
 
-    def warm_up(self, cache: M.KVCache, pad_to: int | None = None) -> None:
-        """Compiles the copy from a cache of `cache`'s shape, copying nothing."""
-        self._copy(cache, [], pad_to)
+    def warm_up(self, cache: M.KVCache, pad_to: int | None = None,
+                longest: int | None = None) -> None:
+        """Compiles the copies from a cache of `cache`'s shape, copying nothing, for prompts
+        of up to `longest` tokens (default: as many as it holds)."""
+        longest = cache.capacity if longest is None else min(longest, cache.capacity)
+        block = self.index.block
+        for width in sorted({bucket(n, cache.capacity)  # a prompt keeps whole blocks
+                             for n in range(block, longest + 1, block)}):
+            self._copy(cache, [], pad_to, width)
 
 
 def prefill_after_nothing(config, params, tokens_1P: np.ndarray, capacity: int):
@@ -242,10 +254,14 @@ def empty_store(config, rows: int, capacity: int, mesh=None) -> M.KVCache:
     return parallel.constrain_rows(M.init_cache(config, rows, capacity), mesh)
 
 
-@functools.partial(jax.jit, donate_argnums=0, static_argnames="mesh")
-def keep_prefixes(store: M.KVCache, prefilled: M.KVCache, rows_R, into_R,
-                  mesh=None) -> M.KVCache:
-    """The store with rows `rows` of a prefill's cache copied into its rows `into` (a row
-    of `into` past the last one copies nothing)."""
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=5, static_argnames="mesh")
+def keep_prefixes(store: M.KVCache, prefilled: M.KVCache, rows_R, into_R, lengths_R,
+                  width: int, mesh=None) -> M.KVCache:
+    """The store with the first `lengths` [R] slots of rows `rows` of a prefill's cache
+    copied into its rows `into` (a row of `into` past the last one copies nothing), `width`
+    slots of each (at least every length): a copy costs what the prompts hold, not the
+    rows' capacity."""
     count_trace("keep_prefixes")
-    return parallel.constrain_rows(store.put_rows(prefilled, rows_R, into_R), mesh)
+    kept = prefilled.take_prefixes(rows_R, lengths_R, width)
+    return parallel.constrain_rows(
+        store.put_rows(kept, jnp.arange(rows_R.shape[0], dtype=jnp.int32), into_R), mesh)

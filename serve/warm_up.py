@@ -4,9 +4,9 @@ a compilation (`Engine.warm_up`, `kvjax serve --warm-up`).
 The programs: at every row count of a prefill (powers of two up to `prefill_batch`), the
 prefill of every bucket of the prompt lengths and its insert into staged rows; with a
 prefix cache, the same after a kept prefix for every bucket of a rest up to the longest
-prompt, the copy into the cache's rows, and the first part of a long prompt; then the
-decode chunk. Each runs once on zeros and stages nothing (row `num_staged` is past the
-staged rows): the engine is reset after.
+prompt, the copies into the cache's rows (one per bucket of the kept length), and the first
+part of a long prompt; then the decode chunk. Each runs once on zeros and stages nothing
+(row `num_staged` is past the staged rows): the engine is reset after.
 """
 
 from __future__ import annotations
@@ -49,14 +49,16 @@ def compile_programs(engine, prompt_lengths: Iterable[int] | None = None) -> Non
                 insert(prefixes.prefill(engine.params, np.zeros((count, 1), np.int32),
                                         np.ones(count, np.int32), [(0, 0)] * count,
                                         np.zeros((count, length), np.int32)), count)
+    longest = max(lengths, default=0)
     if prefixes is not None:  # the copies from staged rows, and from a long prompt's parts
-        prefixes.warm_up(engine.state.staged.cache, engine.prefill_batch)
-    if prefixes is not None and max(lengths, default=0) > engine.prefill_part:
+        prefixes.warm_up(engine.state.staged.cache, engine.prefill_batch, longest)
+    if prefixes is not None and longest > engine.prefill_part:
         part = np.zeros((1, engine.prefill_part), np.int32)
         prefixes.warm_up(prefill_after_nothing(engine.config, engine.params, part,
-                                               bucket(engine.prefill_part, capacity))[0])
+                                               bucket(engine.prefill_part, capacity))[0],
+                         longest=longest)
         prefixes.warm_up(prefixes.prefill(engine.params, part[:, :1], np.ones(1, np.int32),
-                                          [(0, 0)], part)[0])
+                                          [(0, 0)], part)[0], longest=longest)
     engine.state, _ = chunk.decode_chunk(engine.config, engine.params, engine.state,
                                          engine._cancel_ids(), np.bool_(False),
                                          np.bool_(False), engine.chunk_size, mesh=engine.mesh,
