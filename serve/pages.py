@@ -9,8 +9,8 @@ runs. While the oldest staged sample's pages are not free it waits for them, as 
 for a free slot; samples behind it wait too, so a long request is never passed over
 forever. Its prompt's K/V are copied from its staged row into its pages page by page. A
 slot that stops (its sample ended, was cancelled or filled its pages) gives its pages back
-before the next step. Everything here runs on the device, inside the engine's programs:
-the host neither picks pages nor learns where they are.
+before the next step. Pages are taken and given back on the device, inside the engine's
+programs: the host never picks one, and learns only how many are held (`/metrics`).
 
 State: `EngineState.free_pages` [pages] bool, which pages no slot holds, beside the slots'
 paged cache (`model/paged.py`). Shape letters as in `slots.py`.
