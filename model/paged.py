@@ -61,9 +61,9 @@ def pages_hold(pages: jax.Array, page_size: int, starts_B: jax.Array,
     first_B = starts_B // page_size
     last_B = (starts_B + valid_B - 1) // page_size  # first - 1 when nothing is written
     columns = jnp.arange(pages_per_row, dtype=jnp.int32)
-    needed_BJ = (columns >= first_B[:, None]) & (columns <= last_B[:, None])
+    needed = (columns >= first_B[:, None]) & (columns <= last_B[:, None])  # [B, per row]
     within_B = last_B < pages_per_row
-    return within_B & jnp.all(~needed_BJ | (pages >= 0), axis=1)
+    return within_B & jnp.all(~needed | (pages >= 0), axis=1)
 
 
 def write_pages(pool: jax.Array, layer, new_BTKH: jax.Array, starts_B: jax.Array,
@@ -87,8 +87,8 @@ def gather_rows(pool: jax.Array, layer, pages: jax.Array) -> jax.Array:
     """Layer `layer` of a pool [L, pages, K, U, H] as a contiguous stack of one layer [1, B, K,
     S, H] (scales: [L, pages, K, U] -> [1, B, K, S]), S = pages per row x U: every row's pages
     in table order. Unassigned entries read page 0, which the row's length masks."""
-    layer_P = jax.lax.dynamic_index_in_dim(pool, layer, keepdims=False)
-    rows = jnp.take(layer_P, jnp.maximum(pages, 0), axis=0)  # [B, pages per row, K, U, ...]
+    layer_pool = jax.lax.dynamic_index_in_dim(pool, layer, keepdims=False)  # [pages, K, U, ...]
+    rows = jnp.take(layer_pool, jnp.maximum(pages, 0), axis=0)  # [B, pages per row, K, U, ...]
     rows = jnp.swapaxes(rows, 1, 2)  # [B, K, pages per row, U, ...]
     batch, kv_heads, per_row, page_size = rows.shape[:4]
     return rows.reshape(1, batch, kv_heads, per_row * page_size, *rows.shape[4:])

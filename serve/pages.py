@@ -73,28 +73,27 @@ def admit_into_pages(state: EngineState, row, slot) -> tuple[M.KVCache, jax.Arra
     """The slots' cache with staged row `row`'s sample given its pages in slot `slot` and
     its prompt's K/V copied into them, and the pages left free. The pages must be free
     (`pages_free_for`), and the slot must hold none."""
-    cache, free_P = state.slots.cache, state.free_pages
+    cache, free = state.slots.cache, state.free_pages  # free: [pages] bool
     count = pages_needed(state, row)
-    rank_P = jnp.cumsum(free_P, dtype=jnp.int32) - 1  # each free page's rank among them
-    taken_P = free_P & (rank_P < count)
+    rank = jnp.cumsum(free, dtype=jnp.int32) - 1  # each free page's rank among them
+    taken = free & (rank < count)
     per_row = cache.pages.shape[1]
-    table_J = jnp.full((per_row,), M.NO_PAGE, jnp.int32).at[
-        jnp.where(taken_P, rank_P, per_row)].set(jnp.arange(free_P.shape[0], dtype=jnp.int32),
-                                                 mode="drop")
-    cache = cache.replace(pages=cache.pages.at[slot].set(table_J))
-    return copy_row_into_pages(cache, state.staged.cache, row, slot), free_P & ~taken_P
+    table = jnp.full((per_row,), M.NO_PAGE, jnp.int32).at[  # the slot's [pages per row]
+        jnp.where(taken, rank, per_row)].set(jnp.arange(free.shape[0], dtype=jnp.int32),
+                                             mode="drop")
+    cache = cache.replace(pages=cache.pages.at[slot].set(table))
+    return copy_row_into_pages(cache, state.staged.cache, row, slot), free & ~taken
 
 
 def release_stopped(state: EngineState) -> EngineState:
     """Every slot that is not running gives its pages back to the pool."""
     slots = state.slots
-    pages_BJ = slots.cache.pages
-    stopped_BJ = ~slots.running[:, None] & (pages_BJ >= 0)
+    tables = slots.cache.pages  # [B, pages per row]
+    stopped = ~slots.running[:, None] & (tables >= 0)
     num_pages = state.free_pages.shape[0]
-    free_P = state.free_pages.at[jnp.where(stopped_BJ, pages_BJ, num_pages)].set(
-        True, mode="drop")
-    cache = slots.cache.replace(pages=jnp.where(stopped_BJ, M.NO_PAGE, pages_BJ))
-    return state.replace(slots=slots.replace(cache=cache), free_pages=free_P)
+    free = state.free_pages.at[jnp.where(stopped, tables, num_pages)].set(True, mode="drop")
+    cache = slots.cache.replace(pages=jnp.where(stopped, M.NO_PAGE, tables))
+    return state.replace(slots=slots.replace(cache=cache), free_pages=free)
 
 
 def held_positions(rows: SlotState) -> jax.Array:
