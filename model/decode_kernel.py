@@ -6,8 +6,10 @@ V read with its unseen slots zeroed, the weights' product), each of a microsecon
 so little work. Here one program per (row, kv head) reads the row's K and V once, block by
 block up to its last slot the mask lets it see, and keeps the softmax's running max and sum
 on chip (FlashAttention's recurrence, as `model.attention._attend_filled_blocks` runs it
-through XLA). jax has deprecated Pallas' Triton backend: where a jax no longer has it, decode
-steps run XLA's ops.
+through XLA). Over a paged cache (`model/paged.py`) the same program reads each block's
+pages through the row's page table, in place: no row is gathered into a contiguous copy
+first. jax has deprecated Pallas' Triton backend: where a jax no longer has it, decode steps
+run XLA's ops.
 
 Masked slots get exactly zero weight and their values are zeroed before the product, so
 whatever they hold (even NaN) cannot reach the output; a query that sees no slot returns
@@ -106,38 +108,101 @@ def decode_attention(q_BTNH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array,
     [B, 1, N, H] in Q's dtype. `scale` defaults to 1/√H. The operands must pass
     `decode_kernel_fits`. `interpret`: run the kernel as JAX ops (any backend)."""
     from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
 
-    batch, _, num_heads, head_dim = q_BTNH.shape
-    _, kv_heads, capacity, _ = k_BKSH.shape
-    group = num_heads // kv_heads
+    _, kv_heads, capacity, head_dim = k_BKSH.shape
     block = min(BLOCK_SLOTS, 1 << (capacity.bit_length() - 1))
+    blocks_B1, q_BKMH, seen_BS = _kernel_inputs(q_BTNH, kv_heads, k_BKSH.dtype, mask_BTS,
+                                                block, scale)
+    row_layer = pl.BlockSpec((None, None, capacity, head_dim), lambda b, k: (b, k, 0, 0))
+    out_BKMH = _call(functools.partial(_kernel, block=block, capacity=capacity),
+                     [row_layer, row_layer], interpret, "kvjax_decode_attention",
+                     blocks_B1, q_BKMH, k_BKSH, v_BKSH, seen_BS)
+    return _outputs(out_BKMH, q_BTNH)
+
+
+def paged_block_pages(page_size: int, pages_per_row: int) -> int | None:
+    """The pages `paged_decode_attention` reads per block from a table of `pages_per_row`
+    pages of `page_size` slots (about `BLOCK_SLOTS` slots, a power of two of at least 16), or
+    None where no such block exists (a page size that is not a power of two, too few slots)."""
+    if not _power_of_two(page_size):
+        return None
+    wanted = min(pages_per_row, max(1, BLOCK_SLOTS // page_size))
+    block_pages = 1 << (wanted.bit_length() - 1)
+    return block_pages if block_pages * page_size >= MIN_DOT else None
+
+
+def paged_decode_attention(q_BTNH: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer,
+                           pages: jax.Array, mask_BTS: jax.Array, scale: float | None = None,
+                           interpret: bool = False) -> jax.Array:
+    """`decode_attention` over layer `layer` of a paged cache's pools [L, pages, K, U, H]
+    (`model/paged.py`), each row reading only the pages its table `pages` [B, pages per row]
+    names, up to its last seen slot. A layer view [B, K, S, H] of the pools must pass
+    `decode_kernel_fits`, and `paged_block_pages` find a block."""
+    from jax.experimental import pallas as pl
+
+    num_layers, num_pages, kv_heads, page_size, head_dim = k_pool.shape
+    pages_per_row = pages.shape[1]
+    block_pages = paged_block_pages(page_size, pages_per_row)
+    blocks_B1, q_BKMH, seen_BS = _kernel_inputs(q_BTNH, kv_heads, k_pool.dtype, mask_BTS,
+                                                block_pages * page_size, scale)
+    # The layers' pools as one pool of L x pages (a reshape, no copy) and each row's pages
+    # offset into the layer's: slicing a layer out of the pools would copy all of it.
+    pools = [pool.reshape(num_layers * num_pages, kv_heads, page_size, head_dim)
+             for pool in (k_pool, v_pool)]
+    layer_pages = jnp.maximum(pages, 0) + layer * num_pages  # unassigned: page 0, masked
+    whole_pool = pl.BlockSpec((num_layers * num_pages, None, page_size, head_dim),
+                              lambda b, k: (0, k, 0, 0))
+    table = pl.BlockSpec((None, pages_per_row), lambda b, k: (b, 0))
+    kernel = functools.partial(_paged_kernel, block_pages=block_pages,
+                               pages_per_row=pages_per_row)
+    out_BKMH = _call(kernel, [whole_pool, whole_pool, table], interpret,
+                     "kvjax_paged_decode_attention", blocks_B1, q_BKMH, *pools,
+                     layer_pages.astype(jnp.int32), seen_BS)
+    return _outputs(out_BKMH, q_BTNH)
+
+
+def _kernel_inputs(q_BTNH, kv_heads, dtype, mask_BTS, block, scale):
+    """What both kernels take besides the cache: each row's count of blocks up to the last
+    slot it may see [B, 1], the queries scaled and padded per kv head [B, K, M, H] in the
+    cache's dtype, and the seen slots [B, S] as int8."""
+    batch, _, num_heads, head_dim = q_BTNH.shape
+    group = num_heads // kv_heads
     scale = head_dim**-0.5 if scale is None else scale
     q_BKGH = q_BTNH.reshape(batch, kv_heads, group, head_dim).astype(jnp.float32) * scale
-    # The rows past the group are zeros, and their outputs are sliced off below.
-    q_BKMH = jnp.pad(q_BKGH, ((0, 0), (0, 0), (0, MIN_DOT - group), (0, 0))).astype(k_BKSH.dtype)
-    seen_BS = mask_BTS[:, 0].astype(jnp.int8)
-    slots_S = jnp.arange(capacity, dtype=jnp.int32)
+    # The rows past the group are zeros, and their outputs are sliced off in `_outputs`.
+    q_BKMH = jnp.pad(q_BKGH, ((0, 0), (0, 0), (0, MIN_DOT - group), (0, 0))).astype(dtype)
+    slots_S = jnp.arange(mask_BTS.shape[2], dtype=jnp.int32)
     # Each row reads up to the last slot it may see: the blocks past it are never loaded.
     blocks_B1 = ((jnp.max(jnp.where(mask_BTS[:, 0], slots_S + 1, 0), axis=1) + block - 1)
                  // block).astype(jnp.int32)[:, None]
+    return blocks_B1, q_BKMH, mask_BTS[:, 0].astype(jnp.int8)
 
-    out_BKMH = pl.pallas_call(
-        functools.partial(_kernel, block=block, capacity=capacity),
+
+def _call(kernel, cache_specs, interpret, name, blocks_B1, q_BKMH, *operands):
+    """The kernel over a grid of (row, kv head): the blocks and queries, then `operands`
+    (the cache's, by `cache_specs`, then the seen slots)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    batch, kv_heads, _, head_dim = q_BKMH.shape
+    per_head = pl.BlockSpec((None, None, MIN_DOT, head_dim), lambda b, k: (b, k, 0, 0))
+    return pl.pallas_call(
+        kernel,
         grid=(batch, kv_heads),
-        in_specs=[
-            pl.BlockSpec((None, 1), lambda b, k: (b, 0)),
-            pl.BlockSpec((None, None, MIN_DOT, head_dim), lambda b, k: (b, k, 0, 0)),
-            pl.BlockSpec((None, None, capacity, head_dim), lambda b, k: (b, k, 0, 0)),
-            pl.BlockSpec((None, None, capacity, head_dim), lambda b, k: (b, k, 0, 0)),
-            pl.BlockSpec((None, capacity), lambda b, k: (b, 0)),
-        ],
-        out_specs=pl.BlockSpec((None, None, MIN_DOT, head_dim), lambda b, k: (b, k, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((batch, kv_heads, MIN_DOT, head_dim), jnp.float32),
+        in_specs=[pl.BlockSpec((None, 1), lambda b, k: (b, 0)), per_head, *cache_specs,
+                  pl.BlockSpec((None, operands[-1].shape[1]), lambda b, k: (b, 0))],
+        out_specs=per_head,
+        out_shape=jax.ShapeDtypeStruct(q_BKMH.shape, jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
-        name="kvjax_decode_attention",
-    )(blocks_B1, q_BKMH, k_BKSH, v_BKSH, seen_BS)
+        name=name,
+    )(blocks_B1, q_BKMH, *operands)
+
+
+def _outputs(out_BKMH, q_BTNH):
+    """The kernel's outputs [B, K, M, H] as attention's [B, 1, N, H] in Q's dtype."""
+    batch, _, num_heads, head_dim = q_BTNH.shape
+    group = num_heads // out_BKMH.shape[1]
     return out_BKMH[:, :, :group].reshape(batch, 1, num_heads, head_dim).astype(q_BTNH.dtype)
 
 
@@ -145,11 +210,7 @@ def _kernel(blocks_ref, q_ref, k_ref, v_ref, seen_ref, out_ref, *, block, capaci
     """One (row, kv head): its G queries over the row's first `blocks_ref[0]` blocks."""
     from jax.experimental import pallas as pl
 
-    head_dim = q_ref.shape[-1]
-    q_MH = q_ref[...]
-
-    def body(index, carry):
-        max_M, sum_M, acc_MH = carry
+    def read(index):
         # The last block starts early when `block` does not divide the capacity: every read
         # stays inside the row, and the slots before `first` (read by the block before) are
         # masked here.
@@ -157,7 +218,43 @@ def _kernel(blocks_ref, q_ref, k_ref, v_ref, seen_ref, out_ref, *, block, capaci
         start = jnp.minimum(first, capacity - block)
         slots_U = start + jnp.arange(block, dtype=jnp.int32)
         seen_U = (seen_ref[pl.ds(start, block)] != 0) & (slots_U >= first)
-        k_UH = k_ref[pl.ds(start, block), :]
+        return k_ref[pl.ds(start, block), :], v_ref[pl.ds(start, block), :], seen_U
+
+    out_ref[...] = _online_softmax(q_ref[...], blocks_ref[0], read)
+
+
+def _paged_kernel(blocks_ref, q_ref, k_ref, v_ref, pages_ref, seen_ref, out_ref, *,
+                  block_pages, pages_per_row):
+    """One (row, kv head) of a paged cache: its G queries over the pages of the row's first
+    `blocks_ref[0]` blocks, each block `block_pages` pages of the row's table."""
+    from jax.experimental import pallas as pl
+
+    page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
+    block = block_pages * page_size
+
+    def read(index):
+        first = index * block_pages  # the last block starts early, as in `_kernel`
+        start = jnp.minimum(first, pages_per_row - block_pages)
+        block_page_ids = pages_ref[pl.ds(start, block_pages)]
+        slots_U = start * page_size + jnp.arange(block, dtype=jnp.int32)
+        seen_U = ((seen_ref[pl.ds(start * page_size, block)] != 0)
+                  & (slots_U >= first * page_size))
+        return (k_ref[block_page_ids].reshape(block, head_dim),
+                v_ref[block_page_ids].reshape(block, head_dim),
+                seen_U)
+
+    out_ref[...] = _online_softmax(q_ref[...], blocks_ref[0], read)
+
+
+def _online_softmax(q_MH, num_blocks, read):
+    """softmax(QKᵀ)V of the queries q [M, H] over `num_blocks` blocks, block i's keys,
+    values and seen slots being `read(i)` ([U, H], [U, H], [U] bool): FlashAttention's
+    running max and sum, unseen slots at exactly zero weight and their values zeroed."""
+    head_dim = q_MH.shape[-1]
+
+    def body(index, carry):
+        max_M, sum_M, acc_MH = carry
+        k_UH, v_UH, seen_U = read(index)
         logits_MU = jnp.dot(q_MH, k_UH.T, preferred_element_type=jnp.float32)
         logits_MU = jnp.where(seen_U[None, :], logits_MU, -jnp.inf)
         new_max_M = jnp.maximum(max_M, jnp.max(logits_MU, axis=1))
@@ -166,12 +263,12 @@ def _kernel(blocks_ref, q_ref, k_ref, v_ref, seen_ref, out_ref, *, block, capaci
         rescale_M = jnp.exp(max_M - shift_M)
         weights_MU = jnp.exp(logits_MU - shift_M[:, None])
         sum_M = sum_M * rescale_M + jnp.sum(weights_MU, axis=1)
-        v_UH = jnp.where(seen_U[:, None], v_ref[pl.ds(start, block), :], 0)
+        v_UH = jnp.where(seen_U[:, None], v_UH, 0)
         update_MH = jnp.dot(weights_MU.astype(v_UH.dtype), v_UH,
                             preferred_element_type=jnp.float32)
         return new_max_M, sum_M, acc_MH * rescale_M[:, None] + update_MH
 
     init = (jnp.full((MIN_DOT,), -jnp.inf, jnp.float32), jnp.zeros((MIN_DOT,), jnp.float32),
             jnp.zeros((MIN_DOT, head_dim), jnp.float32))
-    _, sum_M, acc_MH = jax.lax.fori_loop(0, blocks_ref[0], body, init)
-    out_ref[...] = acc_MH / jnp.where(sum_M > 0, sum_M, 1.0)[:, None]
+    _, sum_M, acc_MH = jax.lax.fori_loop(0, num_blocks, body, init)
+    return acc_MH / jnp.where(sum_M > 0, sum_M, 1.0)[:, None]

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from . import attention
 from .cache import KVCache, empty_stacks
 from .config import TransformerConfig
+from .decode_kernel import decode_kernel_use, paged_block_pages, paged_decode_attention
 
 NO_PAGE = -1  # a page table's entry for slots with no page assigned
 
@@ -102,15 +103,24 @@ def attend_pages(q_BTNH: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer,
     """`attend_blocks` over layer `layer` of the pools [L, pages, K, U, H], each row reading
     its own pages (`pages` [B, pages per row]). Returns [B, T, N, H].
 
-    Where a contiguous layer of these rows would be read in one pass (`one_read_bytes`,
+    A decode step the kernel takes (`decode_kernel_use`, on one NVIDIA GPU) reads each
+    row's pages in place, up to its last seen slot (`paged_decode_attention`). Elsewhere,
+    where a contiguous layer of these rows would be read in one pass (`one_read_bytes`,
     default `one_read_max_bytes()`: a small layer, or any on an accelerator), the rows'
-    pages are gathered into one and read so (the decode kernel included, where it applies).
+    pages are gathered into one and read so.
     Otherwise the online softmax runs over blocks of about `block_size` slots (whole pages)
     up to the last slot any query sees, each gathered from the rows' pages as it is read: a
     row's cost follows its tokens, not its capacity.
     Masked slots get exactly zero weight, as in `attend_blocks`."""
     batch, _, capacity = mask_BTS.shape
     page_size = k_pool.shape[3]
+    view_BKSH = jax.ShapeDtypeStruct((batch, k_pool.shape[2], capacity, k_pool.shape[4]),
+                                     k_pool.dtype)
+    kernel = None if scales is not None else decode_kernel_use(q_BTNH, view_BKSH, view_BKSH,
+                                                               softcap)
+    if kernel is not None and paged_block_pages(page_size, pages.shape[1]) is not None:
+        return paged_decode_attention(q_BTNH, k_pool, v_pool, layer, pages, mask_BTS, scale,
+                                      interpret=kernel == "interpret")
     view_bytes = batch * capacity * k_pool.shape[2] * k_pool.shape[4] * k_pool.dtype.itemsize
     if one_read_bytes is None:
         one_read_bytes = attention.one_read_max_bytes()

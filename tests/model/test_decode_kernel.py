@@ -1,5 +1,6 @@
-"""The decode-attention kernel (`model/decode_kernel.py`): the formula, exact zeros for what a
-query may not see, and a model's decode steps through it equal to XLA's ops.
+"""The decode-attention kernels (`model/decode_kernel.py`), over a contiguous and a paged cache:
+the formula, exact zeros for what a query may not see, and a model's decode steps through
+them equal to XLA's ops.
 
 The kernel runs as JAX ops ("interpret") on every backend; compiled through Triton only on an
 NVIDIA GPU, where the "compiled" cases run and elsewhere skip, saying so."""
@@ -8,11 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import random_tokens, steps_traced_anew
+from conftest import random_tokens, run_cached, steps_traced_anew
 from test_attention import numpy_attention
 
 from kvjax import model as M
 from kvjax.model import decode_kernel as D
+from kvjax.model import paged
 from kvjax.model.fused_attention import on_cuda
 
 MODES = pytest.mark.parametrize("mode", ["interpret", "compiled"])
@@ -99,6 +101,84 @@ def test_decode_steps_through_the_kernel_equal_xlas(mode, variant):
         with D.decode_kernel_mode(attention):
             outputs.append(steps_traced_anew(config, params, tokens, 32, source,
                                              source_lengths))
+    assert np.isfinite(outputs[1]).all()
+    spread = np.max(np.abs(outputs[0]))
+    assert np.max(np.abs(outputs[1] - outputs[0])) <= 3e-2 * spread
+
+
+@MODES
+@pytest.mark.parametrize("page_size,pages_per_row,heads,kv_heads,dim", [
+    (16, 3, 8, 2, 32),  # a page a block; the table's third page ends the row
+    (4, 10, 4, 4, 16),  # 8 pages a block of 32 slots: the second block starts 6 pages early
+])
+def test_paged_kernel_reads_each_rows_pages_as_the_formula_does(mode, page_size, pages_per_row,
+                                                                heads, kv_heads, dim):
+    """Pages of layer 1 of two, scrambled over the pool; unseen slots, every page of layer 0
+    and the pages no row names hold NaN; a row's unassigned entries (`NO_PAGE`) are masked."""
+    kernel_backend(mode)
+    batch, num_pages = 3, 3 * pages_per_row + 2
+    capacity = pages_per_row * page_size
+    lengths = [capacity, 0, capacity // 2 + 1]
+    q, k, v, mask = decode_inputs(2, batch, heads, kv_heads, capacity, dim, lengths,
+                                  jnp.bfloat16)
+    pages = np.random.default_rng(2).permutation(num_pages)[:batch * pages_per_row]
+    pages = pages.reshape(batch, pages_per_row).astype(np.int32)
+    pages[1] = M.NO_PAGE  # a row that sees nothing holds no page
+    pools = []
+    for rows in (k, v):  # [B, K, S, H] -> pools [2, pages, K, U, H]
+        pool = np.full((2, num_pages, kv_heads, page_size, dim), np.nan, np.float32)
+        by_page = np.asarray(rows, np.float32).reshape(batch, kv_heads, pages_per_row,
+                                                       page_size, dim)
+        for b, j in zip(*np.nonzero(pages >= 0), strict=True):
+            pool[1, pages[b, j]] = by_page[b, :, j]
+        pools.append(jnp.asarray(pool, jnp.bfloat16))
+    out = jax.jit(D.paged_decode_attention, static_argnames="interpret")(
+        q, *pools, 1, jnp.asarray(pages), jnp.asarray(mask), interpret=mode == "interpret")
+    reference = jax.jit(D.decode_attention, static_argnames="interpret")(
+        q, k, v, jnp.asarray(mask), interpret=True)
+    assert out.shape == q.shape and np.isfinite(np.asarray(out, np.float32)).all()
+    np.testing.assert_array_equal(np.asarray(out, np.float32)[1], 0.0)
+    as_f64 = [np.nan_to_num(np.asarray(x, np.float64)).transpose(0, 2, 1, 3) for x in (k, v)]
+    expected = numpy_attention(np.asarray(q, np.float64), *as_f64, mask)
+    error = np.max(np.abs(np.asarray(out, np.float64) - expected))
+    assert error <= TOLERANCE[jnp.bfloat16] * np.max(np.abs(expected))
+    # Both cases read the contiguous kernel's blocks of 32 slots, whatever their pages.
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(reference, np.float32))
+
+
+def test_the_paged_kernel_takes_power_of_two_pages_of_16_slots_a_block_or_more():
+    assert D.paged_block_pages(16, 3) == 2 and D.paged_block_pages(64, 5) == 1
+    assert D.paged_block_pages(4, 10) == 8 and D.paged_block_pages(128, 1) == 1
+    assert D.paged_block_pages(4, 3) is None  # 2 pages of 4: 8 slots
+    assert D.paged_block_pages(12, 8) is None
+
+
+@MODES
+def test_paged_decode_steps_through_the_kernel_equal_xlas(mode, monkeypatch):
+    """A bfloat16 model's paged steps through the kernel give XLA's logits, the rows of
+    different lengths on scrambled pages."""
+    kernel_backend(mode)
+    calls = []
+    kernel = paged.paged_decode_attention
+    monkeypatch.setattr(paged, "paged_decode_attention",
+                        lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
+    config = M.preset("tiny", d_model=64, num_heads=4, num_kv_heads=2, positional_encoding="rope")
+    config, params = M.with_precision(config, M.init_params(config, jax.random.key(0)),
+                                      "bfloat16")
+    tokens = random_tokens(1, (2, 12), config.vocab_size)
+    pages = jnp.asarray(np.random.default_rng(4).permutation(9)[:6].reshape(2, 3), jnp.int32)
+    outputs = []
+    for attention in ("xla", mode if mode == "interpret" else "auto"):
+        with D.decode_kernel_mode(attention):
+            step = jax.jit(lambda *args: run_cached.__wrapped__(*args), static_argnums=0)
+            cache = M.init_paged_cache(config, 2, 9, 16, 3).replace(pages=pages)
+            _, cache = step(config, params, tokens[:, :5], cache, jnp.array([5, 2]))
+            logits = []
+            for t in range(5, 12):
+                out, cache = step(config, params, tokens[:, t:t + 1], cache)
+                logits.append(np.asarray(out, np.float32))
+        outputs.append(np.stack(logits))
+    assert len(calls) == config.num_decoder_layers  # traced once, through the kernel
     assert np.isfinite(outputs[1]).all()
     spread = np.max(np.abs(outputs[0]))
     assert np.max(np.abs(outputs[1] - outputs[0])) <= 3e-2 * spread
