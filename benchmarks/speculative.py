@@ -17,7 +17,6 @@ best of `repeats` after a compiling run; the outputs are checked to be the same 
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Sequence
 
 import jax
@@ -26,6 +25,8 @@ import numpy as np
 from kvjax import decode, text
 from kvjax import model as M
 from kvjax.decode import draft_model
+
+from .floors import best_seconds
 
 DEFAULT_CHECKPOINT = "checkpoints/python-docs-lm"
 
@@ -69,13 +70,10 @@ def prompts_of(task: str, rows: list[list[int]], repeat: int) -> list[list[int]]
 
 
 def best_of(run, repeats: int) -> tuple[float, decode.GenerateOutput]:
-    output = run()  # compiles
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        output = run()
-        best = min(best, time.perf_counter() - start)
-    return best, output
+    """(`best_seconds` of `run` after a call that compiles it, the last call's output)."""
+    outputs = [run()]
+    seconds = best_seconds(lambda: outputs.append(run()) or outputs[-1], repeats)
+    return seconds, outputs[-1]
 
 
 def _model(checkpoint: str, preset: str | None):

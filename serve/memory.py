@@ -49,6 +49,12 @@ def bytes_per_position(config: M.TransformerConfig, mesh=None) -> float:
     return kv + CONTEXT_BYTES
 
 
+def least_free_bytes(devices) -> int | None:
+    """The least free memory among `devices` in bytes, or None where none reports it."""
+    known = [f for f in map(free_bytes, devices) if f is not None]
+    return min(known) if known else None
+
+
 def check_cache_fits(config: M.TransformerConfig, rows: int, capacity: int, mesh=None,
                      free: int | None = None,
                      rows_are: str = "max_slots + max_staged") -> None:
@@ -58,11 +64,9 @@ def check_cache_fits(config: M.TransformerConfig, rows: int, capacity: int, mesh
     longest capacity that fits and the most rows that do. Does nothing where free memory is
     unknown. `rows_are` names the settings that add up to `rows`."""
     devices = jax.local_devices()[:1] if mesh is None else list(mesh.local_devices)
+    free = least_free_bytes(devices) if free is None else free
     if free is None:
-        known = [f for f in map(free_bytes, devices) if f is not None]
-        if not known:
-            return
-        free = min(known)
+        return
     data = 1 if mesh is None else mesh.shape[parallel.DATA]
     rows_per_device, per_position = -(-rows // data), bytes_per_position(config, mesh)
     need, budget = per_position * rows_per_device * capacity, CACHE_SHARE * free
@@ -88,10 +92,9 @@ def check_paged_cache_fits(config: M.TransformerConfig, rows: int, capacity: int
     pages of `page_size` positions (each slot still keeps its `capacity` context tokens)
     beside `rows` contiguous rows: raises ValueError when all of it takes more than
     `CACHE_SHARE` of the `free` bytes (default: measured), naming the most pages that fit."""
+    free = least_free_bytes(jax.local_devices()[:1]) if free is None else free
     if free is None:
-        free = free_bytes(jax.local_devices()[0])
-        if free is None:
-            return
+        return
     kv = M.cache_size_bytes(config, 1, 1).total
     fixed = bytes_per_position(config) * rows * capacity + CONTEXT_BYTES * slots * capacity
     need, budget = fixed + kv * num_pages * page_size, CACHE_SHARE * free
