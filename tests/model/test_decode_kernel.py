@@ -182,3 +182,38 @@ def test_paged_decode_steps_through_the_kernel_equal_xlas(mode, monkeypatch):
     assert np.isfinite(outputs[1]).all()
     spread = np.max(np.abs(outputs[0]))
     assert np.max(np.abs(outputs[1] - outputs[0])) <= 3e-2 * spread
+
+
+@pytest.mark.parametrize("page_size,pages_per_row", [(16, 6), (4, 24), (64, 2)])
+def test_both_kernels_lower_to_triton_for_an_nvidia_gpu_on_any_machine(page_size, pages_per_row):
+    """Exported for an H100 (an abstract device: no GPU needed), each kernel becomes one
+    Triton call: Triton's rules (every block a power of two, the ops it lowers) hold for the
+    shapes `decode_kernel_fits` and `paged_block_pages` admit."""
+    pytest.importorskip("jax.experimental.pallas.triton", reason="this jax has no Triton backend")
+    if not hasattr(jax.sharding, "AbstractDevice"):
+        pytest.skip("this jax cannot name an abstract GPU to lower for")
+    from jax import export
+
+    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
+                                       platform="gpu")
+    triton = "__gpu$xla.gpu.triton"
+    batch, heads, kv_heads, dim = 3, 8, 2, 32
+    capacity = page_size * pages_per_row
+    q = jax.ShapeDtypeStruct((batch, 1, heads, dim), jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((batch, kv_heads, capacity, dim), jnp.bfloat16)
+    pool = jax.ShapeDtypeStruct((2, 40, kv_heads, page_size, dim), jnp.bfloat16)
+    tables = jax.ShapeDtypeStruct((batch, pages_per_row), jnp.int32)
+    mask = jax.ShapeDtypeStruct((batch, 1, capacity), bool)
+    assert D.decode_kernel_fits(q, rows, rows, None)
+    assert D.paged_block_pages(page_size, pages_per_row) is not None
+    for name, kernel, args in [
+            ("kvjax_decode_attention", D.decode_attention, (q, rows, rows, mask)),
+            ("kvjax_paged_decode_attention",
+             lambda q, k, v, t, m: D.paged_decode_attention(q, k, v, 1, t, m),
+             (q, pool, pool, tables, mask))]:
+        with jax.sharding.use_abstract_mesh(
+                jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)):
+            exported = export.export(jax.jit(kernel), platforms=["cuda"], disabled_checks=[
+                export.DisabledSafetyCheck.custom_call(triton)])(*args)
+        module = exported.mlir_module()
+        assert module.count(triton) == 1 and f'name = "{name}"' in module
