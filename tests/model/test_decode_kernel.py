@@ -185,6 +185,7 @@ def test_paged_decode_steps_through_the_kernel_equal_xlas(mode, monkeypatch):
 
 
 @pytest.mark.parametrize("page_size,pages_per_row", [(16, 6), (4, 24), (64, 2)])
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 def test_both_kernels_lower_to_triton_for_an_nvidia_gpu_on_any_machine(page_size, pages_per_row):
     """Exported for an H100 (an abstract device: no GPU needed), each kernel becomes one
     Triton call: Triton's rules (every block a power of two, the ops it lowers) hold for the
