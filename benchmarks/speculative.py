@@ -71,9 +71,13 @@ def prompts_of(task: str, rows: list[list[int]], repeat: int) -> list[list[int]]
 
 def best_of(run, repeats: int) -> tuple[float, decode.GenerateOutput]:
     """(`best_seconds` of `run` after a call that compiles it, the last call's output)."""
-    outputs = [run()]
-    seconds = best_seconds(lambda: outputs.append(run()) or outputs[-1], repeats)
-    return seconds, outputs[-1]
+    last = [run()]
+
+    def timed():
+        last[0] = run()
+        return last[0]
+
+    return best_seconds(timed, repeats), last[0]
 
 
 def _model(checkpoint: str, preset: str | None):
