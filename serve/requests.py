@@ -56,16 +56,18 @@ class GenerationRequest:
         """This request with its seed drawn if None; a ValueError names the first bad value."""
         prompt = checks.token_ids("prompt", self.prompt)
         if not prompt:
-            raise ValueError("the prompt is empty: it needs at least one token")
+            raise checks.InvalidValue("prompt", "the prompt is empty: it needs at least one "
+                                                "token")
         for token in prompt:
             if not 0 <= token < vocab_size:
-                raise ValueError(f"prompt token id {token} is outside the vocabulary "
-                                 f"[0, {vocab_size})")
+                raise checks.InvalidValue("prompt", f"prompt token id {token} is outside the "
+                                                    f"vocabulary [0, {vocab_size})")
         max_tokens = checks.integer("max_tokens", self.max_tokens, 1)
         if len(prompt) + max_tokens > capacity:
-            raise ValueError(f"the prompt has {len(prompt)} tokens and max_tokens is "
-                             f"{max_tokens}: {len(prompt) + max_tokens} tokens do not fit a "
-                             f"slot's capacity of {capacity}")
+            raise checks.InvalidValue(
+                "max_tokens", f"the prompt has {len(prompt)} tokens and max_tokens is "
+                              f"{max_tokens}: {len(prompt) + max_tokens} tokens do not fit a "
+                              f"slot's capacity of {capacity}")
         checks.integer("n", self.n, 1)
         if not isinstance(self.sampling, Sampling):
             raise ValueError(f"sampling must be a decode.Sampling, got "

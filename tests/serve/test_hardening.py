@@ -59,6 +59,8 @@ BAD_REQUESTS = [
      f"at most {MAX_QUEUE}"),
     ("completions", completion(prompt=["ab"] * 2_000_000), 400, "prompt", "at most"),
     ("completions", completion(logprobs=10**12), 400, "logprobs", "logprobs"),
+    ("completions", completion(max_tokens=10**6), 400, "max_tokens", "do not fit a slot"),
+    ("completions", completion(prompt=[1, 10**6]), 400, "prompt", "outside the vocabulary"),
     ("completions", DEEP, 400, None, "nested more than"),
     ("completions", '{"model": "' + MODEL + '", "prompt": ' + "[" * 40 + "]" * 40 + "}", 400,
      "prompt", "nested more than"),
