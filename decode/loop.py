@@ -28,10 +28,14 @@ TokensToLogits = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
 
 
 class StopReason(enum.IntEnum):
+    """Why a row stopped. PREEMPTED: a serving engine took its cache back, to resume it later
+    (`serve/pages.py`); a decode loop never stops a row so."""
+
     RUNNING = 0
     EOS = 1
     MAX_NEW_TOKENS = 2
     CACHE_FULL = 3
+    PREEMPTED = 4
 
 
 @flax.struct.dataclass

@@ -134,10 +134,11 @@ def decode_chunk(config: M.TransformerConfig, params, state: EngineState, cancel
 
     def decode_step(carry, active=True):
         step, state, emitted = carry
+        preempted_B = False
+        if state.free_pages is not None:  # pages for the slots about to fill theirs
+            state, preempted_B = pages.grow(state, active)
         slots = state.slots
-        held_B = (slots.cache.capacity if state.free_pages is None
-                  else pages.held_positions(slots))  # a sample's pages hold all it feeds
-        full_B = active & slots.running & (slots.cache.lengths >= held_B)
+        full_B = active & slots.running & (slots.cache.lengths >= slots.cache.capacity)
         slots = slots.replace(
             running=slots.running & ~full_B,
             stop_reason=jnp.where(full_B, StopReason.CACHE_FULL, slots.stop_reason))
@@ -152,7 +153,7 @@ def decode_chunk(config: M.TransformerConfig, params, state: EngineState, cancel
         if constraint_state_B is not None:
             slots = slots.replace(constraint_state=constraint_state_B)
         slots = record(slots.replace(cache=cache), token_B, live_B)
-        served_B = live_B | full_B
+        served_B = live_B | full_B | preempted_B
         emitted = emitted.replace(
             tokens=emitted.tokens.at[:, step].set(jnp.where(live_B, token_B, 0)),
             owner=emitted.owner.at[:, step].set(jnp.where(served_B, slots.owner, NO_SAMPLE)),

@@ -71,6 +71,19 @@ class TableKeeper:
         return all(need <= have for need, have in zip(table_sizes(order, words), self._sizes,
                                                       strict=True))
 
+    def place_all(self, tickets, in_use: Iterable[TokenAutomaton | None], state):
+        """(`state` with every ticket's automaton placed, each ticket's first state in the
+        tables (-1: unconstrained)): where its samples start, a preempted one's
+        (`output.Continuation`) where its tokens led. The automata in `in_use` (those the
+        samples on the device follow) and the tickets' stay."""
+        staging = [t.request.constraint for t in tickets if t.request.constraint is not None]
+        in_use = staging + [a for a in in_use if a is not None]
+        for automaton in staging:
+            state = self.place(automaton, in_use, state)
+        # Read after all are placed: placing one can move those placed before it.
+        return state, [-1 if t.request.constraint is None else self._first[
+            id(t.request.constraint)] + t.automaton_state() for t in tickets]
+
     def initial_state(self, automaton: TokenAutomaton) -> int:
         """Where `automaton` (placed) starts in the tables."""
         return self._first[id(automaton)] + automaton.initial

@@ -13,7 +13,8 @@ schedules; what the programs make is handed out by `output.py`. Each turn of its
      chunk ends early if a slot frees with none staged while requests wait on the host;
   3. while that chunk runs, hands out what the previous chunk and the staging made
      (`Outputs`): each sample's new tokens and text go to its request's callback; a sample
-     that met a stop string or whose request was cancelled stops with the next chunk.
+     that met a stop string or whose request was cancelled stops with the next chunk; one
+     preempted to give its pages to others (`pages.py`) is queued again, first in line.
 Slots wait for no host turn, so a chunk can be long; a request waits one turn to be staged,
 a cancelled one runs at most one chunk longer. `start` runs the loop on its own thread;
 `step` runs one turn where the caller is (tests, benchmarks). `warm_up.py` compiles first."""
@@ -39,7 +40,7 @@ from kvjax.decode.prompt_state import prefill_state
 from kvjax.tokenizer import TextTokenizer
 
 from . import chunk, constrained, memory, pages, prefix_cache, slots, warm_up
-from .output import OnDelta, Outputs, Ticket
+from .output import Continuation, OnDelta, Outputs, Ticket
 from .prompt_logprobs import prompt_logprobs
 from .requests import Delta, GenerationRequest, row_settings
 
@@ -70,10 +71,9 @@ class Engine:
     multiples of `data`.
 
     Each slot holds a row of `max_len` positions, or with `page_size` (one device only) the
-    slots keep their K/V in a pool of `num_pages` pages of that many positions (`pages.py`;
-    by default as many as `max_slots` full slots take): a sample holds the pages its prompt
-    and `max_tokens` can fill, so fewer pages serve more slots of short requests (each step
-    gathers the pages it reads, which costs time). `max_staged` (default `max_slots`) and
+    slots keep their K/V in a pool of `num_pages` pages of that many positions (default:
+    `max_slots` full slots' worth) taken as samples grow, samples preempted and resumed
+    when it runs short (`pages.py`). `max_staged` (default `max_slots`) and
     `prefix_cache_rows` rows of `max_len` come beside them; the whole is refused before it
     is allocated if it would not fit the device's free memory (`memory.py`). `max_staged`
     bounds a request's `n` and the slots a chunk can refill before the host stages more.
@@ -326,7 +326,7 @@ class Engine:
                     free -= ticket.request.n
             self._pending.extendleft(reversed(long))
         for ticket in dropped:
-            for index in range(ticket.request.n):
+            for index in ticket.indices():
                 ticket.on_delta(Delta(index, [], "", [], [], "cancelled"))
         return taken
 
@@ -351,7 +351,8 @@ class Engine:
         """Prefills the tickets' prompts and writes each into a staged row per sample: those
         with a kept prefix (`prefix_cache`) only the rest, in a call of their own. Of prompts
         sharing a first block no row keeps, the first is prefilled and kept first."""
-        initial = self._place_constraints(tickets)
+        in_use = [s.ticket.request.constraint for s in self.outputs.samples.values()]
+        self.state, initial = self._tables.place_all(tickets, in_use, self.state)
         prompts = [t.request.prompt for t in tickets]
         first = [] if self._prefixes is None else self._prefixes.leaders(prompts)
         for part in (first, [i for i in range(len(tickets)) if i not in first]):
@@ -385,19 +386,24 @@ class Engine:
                 padded_to_bucket(rests + [rests[0]] * spare, self.capacity))
             self._prefixes.count_hits(hits, self.metrics)
         entries = [(row, ticket, index) for row, ticket in enumerate(tickets)
-                   for index in range(ticket.request.n)]
+                   for index in ticket.indices()]
         held = {}  # prompt: the staged row of its first sample, which the store copies
         for start in range(0, len(entries), rows):  # `rows` samples per insert
             group = entries[start:start + rows]
             staged = [self._free_staged.pop(0) for _ in group]
             ids = []
             for _, ticket, index in group:
-                self.outputs.add(ticket, index, self._next_id)
+                if isinstance(ticket, Continuation):
+                    self.outputs.resume(ticket.sample, self._next_id)
+                else:
+                    self.outputs.add(ticket, index, self._next_id)
                 ids.append(self._next_id)
                 self._next_id = (self._next_id + 1) % slots.ID_SPACE
             spare = rows - len(group)  # padding: row `num_staged` stages nothing
-            settings = row_settings([(t.request, i) for _, t, i in group + group[:1] * spare],
-                                    [initial[r] for r, _, _ in group + group[:1] * spare])
+            samples = group + group[:1] * spare
+            settings = row_settings([(t.request, i) for _, t, i in samples],
+                                    [initial[r] for r, _, _ in samples],
+                                    [t.generated for _, t, _ in samples])
             self.state, first = slots.insert(
                 self.state, *prefilled,
                 np.array([r for r, _, _ in group] + [0] * spare, np.int32),
@@ -405,28 +411,20 @@ class Engine:
                 np.array(ids + [0] * spare, np.int32), settings, mesh=self.mesh)
             self._dispatched.append(_Dispatched(first, staged, is_chunk=False))
             self._waiting += len(group)
-            held.update((r, row) for (r, _, i), row in zip(group, staged, strict=True) if not i)
+            for (r, _, _), row in zip(group, staged, strict=True):
+                held.setdefault(r, row)
         if self._prefixes is not None:
             self._prefixes.keep(prompts, self.state.staged.cache,
                                 [held[r] for r in range(len(prompts))], self.prefill_batch)
-
-    def _place_constraints(self, tickets: list[Ticket]) -> list[int]:
-        """Each ticket's automaton placed in the engine's tables: its initial state there
-        (-1: unconstrained). Those the samples on the device follow stay."""
-        staging = [t.request.constraint for t in tickets if t.request.constraint is not None]
-        in_use = staging + [s.ticket.request.constraint for s in self.outputs.samples.values()
-                            if s.ticket.request.constraint is not None]
-        for automaton in staging:
-            self.state = self._tables.place(automaton, in_use, self.state)
-        # Read after all are placed: placing one can move those placed before it.
-        return [-1 if t.request.constraint is None
-                else self._tables.initial_state(t.request.constraint) for t in tickets]
 
     def _hand_out(self, dispatched: _Dispatched) -> None:
         """Hands each sample what a program made (`Outputs`) and learns which staged rows
         are free: those not waiting after it, and not filled by a program after it."""
         emitted = jax.device_get(dispatched.emitted)
         self.outputs.hand_out(emitted)
+        if preempted := self.outputs.take_preempted():  # first in line again
+            with self._wake:
+                self._pending.extendleft(reversed(preempted))
         filled = {r for later in self._dispatched for r in later.staged_rows}
         self._free_staged = [r for r in range(self.num_staged)
                              if not emitted.waiting[r] and r not in filled]
@@ -441,7 +439,7 @@ class Engine:
     def _fail_all(self, error: Exception) -> None:
         """Ends every queued and live request with `error` and starts from free slots."""
         with self._wake:
-            tickets = {id(t): t for t in self._pending}
+            tickets = {id(t.origin): t.origin for t in self._pending}
             self._pending.clear()
         tickets.update({id(s.ticket): s.ticket for s in self.outputs.samples.values()})
         self._reset()

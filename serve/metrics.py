@@ -62,6 +62,9 @@ class ServeMetrics:
         self.prefix_cache_tokens = Counter(
             "kvjax_prefix_cache_tokens", "Prompt tokens reused from kept prefixes",
             registry=self.registry)
+        self.preemptions = Counter(
+            "kvjax_preemptions", "Samples that gave their pages back, to go on later",
+            registry=self.registry)
         self._lock = threading.Lock()
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
 
@@ -83,6 +86,9 @@ class ServeMetrics:
     def count_prefix_hits(self, prompts: int, tokens: int) -> None:
         self.prefix_cache_hits.inc(prompts)
         self.prefix_cache_tokens.inc(tokens)
+
+    def count_preemptions(self, samples: int) -> None:
+        self.preemptions.inc(samples)
 
     def count_request(self, outcome: str) -> None:
         self.requests.labels(outcome=outcome).inc()

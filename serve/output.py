@@ -38,9 +38,23 @@ class Ticket:
         self.cancelled = False
         self.unfinished = request.n
 
+    generated = 0  # tokens each sample made before it is staged
+
     def cancel(self) -> None:
         self.cancelled = True
         self._wake()
+
+    @property
+    def origin(self) -> Ticket:
+        return self
+
+    def indices(self) -> range:
+        """The samples this staging makes."""
+        return range(self.request.n)
+
+    def automaton_state(self) -> int:
+        """The state of its constraint (which it has) its samples start in."""
+        return self.request.constraint.initial
 
 
 @dataclasses.dataclass
@@ -55,6 +69,36 @@ class Sample:
     last_emitted: float = 0.0
 
 
+class Continuation:
+    """A preempted sample queued again (`pages.py`): its prompt and every token it made are
+    prefilled anew, and it goes on as the same sample of the same ticket, from the same
+    random key position, penalty context and constraint state."""
+
+    def __init__(self, sample: Sample):
+        self.sample, self.origin = sample, sample.ticket
+        request = sample.ticket.request
+        self.request = dataclasses.replace(request, prompt=request.prompt + tuple(sample.tokens),
+                                           n=1)
+        self.generated = len(sample.tokens)
+
+    @property
+    def cancelled(self) -> bool:
+        return self.origin.cancelled
+
+    def on_delta(self, delta: Delta | Exception) -> None:
+        self.origin.on_delta(delta)
+
+    def indices(self) -> list[int]:
+        return [self.sample.index]
+
+    def automaton_state(self) -> int:
+        automaton = self.request.constraint
+        state = automaton.initial
+        for token in self.sample.tokens:
+            state = automaton.next_state(state, token)
+        return state
+
+
 class Outputs:
     """The samples the device holds, by id, and the ids the host ended (`to_stop`) that
     the device may still run. `tokenizer` (optional) turns tokens into text, so that stop
@@ -64,6 +108,7 @@ class Outputs:
         self.tokenizer, self.metrics = tokenizer, metrics
         self.samples: dict[int, Sample] = {}
         self.to_stop: list[int] = []
+        self.preempted: list[Sample] = []  # to be queued again, oldest first
         self.pages_used: int | None = None  # the slots' pages held, as of the last chunk
 
     def add(self, ticket: Ticket, index: int, sample_id: int) -> None:
@@ -71,6 +116,19 @@ class Outputs:
         text = None if self.tokenizer is None else RowText(self.tokenizer,
                                                            ticket.request.stop)
         self.samples[sample_id] = Sample(ticket, index, sample_id, text)
+
+    def take_preempted(self) -> list[Continuation]:
+        """The samples preempted since the last call, oldest first, to be queued again."""
+        taken = [Continuation(sample) for sample in self.preempted]
+        self.preempted.clear()
+        if taken and self.metrics is not None:
+            self.metrics.count_preemptions(len(taken))
+        return taken
+
+    def resume(self, sample: Sample, sample_id: int) -> None:
+        """A preempted sample staged again under `sample_id`."""
+        sample.id = sample_id
+        self.samples[sample_id] = sample
 
     def want_top(self) -> bool:
         """Whether some sample reports top logprobs."""
@@ -115,7 +173,8 @@ class Outputs:
                 finish = "stop"
                 if reason == StopReason.RUNNING:
                     self.to_stop.append(sample.id)
-        if finish is None and reason != StopReason.RUNNING:
+        preempted = finish is None and reason == StopReason.PREEMPTED
+        if finish is None and reason != StopReason.RUNNING and not preempted:
             finish = "stop" if reason == StopReason.EOS else "length"
             if sample.text is not None:
                 sent = sample.text.sent
@@ -130,10 +189,14 @@ class Outputs:
              for k in steps], finish)
         self._observe(sample, len(ids))
         sample.tokens.extend(ids)
-        if finish is None:
-            sample.ticket.on_delta(delta)
-        else:
+        if finish is not None:
             self._finish(sample, delta)
+            return
+        if ids or piece:
+            sample.ticket.on_delta(delta)
+        if preempted:
+            del self.samples[sample.id]
+            self.preempted.append(sample)
 
     def _finish(self, sample: Sample, delta: Delta) -> None:
         del self.samples[sample.id]

@@ -1,19 +1,24 @@
-"""The slots' paged cache: one pool of pages that the slots take from as samples start and
-give back as they end, so the slots hold memory for their samples' tokens rather than
+"""The slots' paged cache: one pool of pages that the slots take from as their samples grow
+and give back as they end, so the slots hold memory for their samples' tokens rather than
 `max_slots × max_len` positions.
 
-A sample takes a slot only with every page it can fill: its prompt and the tokens its
-`max_tokens` still allows (a request's budget fits `max_len`, `GenerationRequest.checked`),
-so no sample ever runs out of pages mid-stream, and none waits on another to end once it
-runs. While the oldest staged sample's pages are not free it waits for them, as it waits
-for a free slot; samples behind it wait too, so a long request is never passed over
-forever. Its prompt's K/V are copied from its staged row into its pages page by page. A
-slot that stops (its sample ended, was cancelled or filled its pages) gives its pages back
-before the next step. Pages are taken and given back on the device, inside the engine's
-programs: the host never picks one, and learns only how many are held (`/metrics`).
+A staged sample takes a slot with the pages its prompt fills and one more position, if the
+pool keeps one page free for every other running slot after it (so that slots admitted
+together do not preempt each other at once). Its prompt's K/V are copied from its staged
+row into its pages page by page. Before each step a slot about to write past its pages
+takes one more page. When the pool has too few for every such slot, the slots admitted
+last are preempted, as few as give the others their pages: each stops with
+`StopReason.PREEMPTED` and gives its pages back, and the host queues it again, first in
+line, to be prefilled anew from its prompt and the tokens it made and to go on from there
+(`engine.py`). The slot admitted first never waits on another, so every sample ends. A slot
+that stops (its sample ended, was cancelled, filled its pages or was preempted) gives its
+pages back before the next step. Pages are taken and given back on the device, inside the
+engine's programs: the host never picks one, and learns only how many are held
+(`/metrics`).
 
 State: `EngineState.free_pages` [pages] bool, which pages no slot holds, beside the slots'
-paged cache (`model/paged.py`). Shape letters as in `slots.py`.
+paged cache (`model/paged.py`). Shape letters as in `slots.py`; K here is B + 1 choices of
+how many slots to preempt.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import model as M
+from kvjax.decode.loop import StopReason
 from kvjax.model.paged import copy_row_into_pages
 
-from .slots import EngineState, SlotState
+from .slots import ID_SPACE, EngineState
 
 
 def choose_pages(page_size: int | None, num_pages: int | None, capacity: int,
@@ -56,22 +62,24 @@ def choose_pages(page_size: int | None, num_pages: int | None, capacity: int,
 
 
 def pages_needed(state: EngineState, row) -> jax.Array:
-    """Pages the sample in staged row `row` can fill: its cache's length and the tokens it
-    may still feed (one fewer than it may still make: the last is never fed back)."""
-    staged, cache = state.staged, state.slots.cache
-    positions = staged.cache.lengths[row] + staged.max_tokens[row] - staged.generated[row]
-    pages = (positions + cache.page_size - 1) // cache.page_size
-    return jnp.minimum(pages, cache.pages.shape[1])
+    """Pages the sample in staged row `row` takes with a slot: its prompt's and room for the
+    token it feeds next."""
+    cache = state.slots.cache
+    positions = state.staged.cache.lengths[row] + 1
+    return jnp.minimum((positions + cache.page_size - 1) // cache.page_size,
+                       cache.pages.shape[1])
 
 
 def pages_free_for(state: EngineState, row) -> jax.Array:
-    """Whether the pool has the pages the sample in staged row `row` needs."""
-    return jnp.sum(state.free_pages, dtype=jnp.int32) >= pages_needed(state, row)
+    """Whether the pool has the pages the sample in staged row `row` takes, and after them
+    one free page for every slot running."""
+    spare = jnp.sum(state.free_pages, dtype=jnp.int32) - pages_needed(state, row)
+    return spare >= jnp.sum(state.slots.running, dtype=jnp.int32)
 
 
 def admit_into_pages(state: EngineState, row, slot) -> tuple[M.KVCache, jax.Array]:
-    """The slots' cache with staged row `row`'s sample given its pages in slot `slot` and
-    its prompt's K/V copied into them, and the pages left free. The pages must be free
+    """The slots' cache with staged row `row`'s sample given its first pages in slot `slot`
+    and its prompt's K/V copied into them, and the pages left free. The pages must be free
     (`pages_free_for`), and the slot must hold none."""
     cache, free = state.slots.cache, state.free_pages  # free: [pages] bool
     count = pages_needed(state, row)
@@ -85,6 +93,48 @@ def admit_into_pages(state: EngineState, row, slot) -> tuple[M.KVCache, jax.Arra
     return copy_row_into_pages(cache, state.staged.cache, row, slot), free & ~taken
 
 
+def grow(state: EngineState, active) -> tuple[EngineState, jax.Array]:
+    """(state, preempted [B] bool): every running slot whose next token falls past its pages
+    takes one more page (when `active`); if the pool has too few, the fewest slots admitted
+    last that leave enough are preempted first and their pages given back."""
+    slots, free = state.slots, state.free_pages
+    cache = slots.cache
+    tables_BX = cache.pages
+    held_B = jnp.sum(tables_BX >= 0, axis=1, dtype=jnp.int32)
+    need_B = (active & slots.running & (cache.lengths >= held_B * cache.page_size)
+              & (held_B < tables_BX.shape[1]))
+    # The slots by how recently they were admitted (ids grow in the order samples stage).
+    youth_B = jnp.where(slots.running, (state.last_admitted - slots.owner) & (ID_SPACE - 1),
+                        ID_SPACE)
+    order_B = jnp.argsort(youth_B)
+
+    def after_each(x_B):  # [K]: the sum over the k youngest slots, for k = 0 .. B
+        return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(x_B[order_B])])
+
+    freed_K = after_each(jnp.where(slots.running, held_B, 0))
+    needed_K = jnp.sum(need_B, dtype=jnp.int32) - after_each(need_B.astype(jnp.int32))
+    enough_K = jnp.sum(free, dtype=jnp.int32) + freed_K >= needed_K
+    preempt = jnp.argmax(enough_K)  # k = B (all) always has enough: num_pages >= a row's
+    preempted_B = jnp.zeros_like(slots.running).at[order_B].set(
+        jnp.arange(order_B.shape[0]) < preempt) & slots.running
+    slots = slots.replace(running=slots.running & ~preempted_B, stop_reason=jnp.where(
+        preempted_B, StopReason.PREEMPTED, slots.stop_reason))
+    state = release_stopped(state.replace(slots=slots))
+    slots, free = state.slots, state.free_pages
+    need_B = need_B & ~preempted_B
+    num_pages, (batch, per_row) = free.shape[0], tables_BX.shape
+    rank_P = jnp.cumsum(free, dtype=jnp.int32) - 1
+    page_by_rank = jnp.zeros((num_pages,), jnp.int32).at[
+        jnp.where(free, rank_P, num_pages)].set(jnp.arange(num_pages, dtype=jnp.int32),
+                                                 mode="drop")
+    page_B = page_by_rank[jnp.maximum(jnp.cumsum(need_B, dtype=jnp.int32) - 1, 0)]
+    tables_BX = slots.cache.pages.at[jnp.arange(batch), jnp.where(need_B, held_B, per_row)].set(
+        page_B, mode="drop")
+    free = free.at[jnp.where(need_B, page_B, num_pages)].set(False, mode="drop")
+    slots = slots.replace(cache=slots.cache.replace(pages=tables_BX))
+    return state.replace(slots=slots, free_pages=free), preempted_B
+
+
 def release_stopped(state: EngineState) -> EngineState:
     """Every slot that is not running gives its pages back to the pool."""
     slots = state.slots
@@ -94,8 +144,3 @@ def release_stopped(state: EngineState) -> EngineState:
     free = state.free_pages.at[jnp.where(stopped, tables, num_pages)].set(True, mode="drop")
     cache = slots.cache.replace(pages=jnp.where(stopped, M.NO_PAGE, tables))
     return state.replace(slots=slots.replace(cache=cache), free_pages=free)
-
-
-def held_positions(rows: SlotState) -> jax.Array:
-    """[B] the positions each slot's pages hold."""
-    return jnp.sum(rows.cache.pages >= 0, axis=1, dtype=jnp.int32) * rows.cache.page_size

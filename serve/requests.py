@@ -129,11 +129,15 @@ class Delta:
 
 
 def row_settings(samples: list[tuple[GenerationRequest, int]],
-                 constraint_states: list[int] | None = None) -> RowSettings:
+                 constraint_states: list[int] | None = None,
+                 generated: list[int] | None = None) -> RowSettings:
     """Samples (request, index) as slots hold them (NumPy, so nothing runs eagerly), each
-    with its initial state in the engine's constraint tables (default: unconstrained)."""
+    with its initial state in the engine's constraint tables (default: unconstrained) and
+    the tokens it made before (default: none)."""
     if constraint_states is None:
         constraint_states = [-1] * len(samples)
+    if generated is None:
+        generated = [0] * len(samples)
     stop_ids = np.full((len(samples), MAX_STOP_IDS), -1, np.int32)
     for row, (request, _) in enumerate(samples):
         stop_ids[row, :len(request.stop_ids)] = request.stop_ids
@@ -145,4 +149,5 @@ def row_settings(samples: list[tuple[GenerationRequest, int]],
         max_tokens=np.array([r.max_tokens for r, _ in samples], np.int32), stop_ids=stop_ids,
         seed=np.stack([seed_key(r.seed) for r, _ in samples]),
         sample=np.array([index for _, index in samples], np.int32), sampling=sampling,
-        constraint_state=np.array(constraint_states, np.int32))
+        constraint_state=np.array(constraint_states, np.int32),
+        generated=np.array(generated, np.int32))

@@ -113,8 +113,9 @@ class EngineState:
 class RowSettings:
     """The settings of R samples as slots hold them: max_tokens [R], stop_ids [R, E], seed
     [R, 2] uint32 (the request's prompt key, `decode.sampling.seed_key`), sample [R] (each
-    sample's index among its request's n, `sample_key`), sampling with [R] fields and
-    constraint_state [R] (the initial state of its automaton in the tables; -1: none)."""
+    sample's index among its request's n, `sample_key`), sampling with [R] fields,
+    constraint_state [R] (the initial state of its automaton in the tables; -1: none) and
+    generated [R] (tokens the sample made before: a preempted one goes on from its count)."""
 
     max_tokens: jax.Array
     stop_ids: jax.Array
@@ -122,6 +123,7 @@ class RowSettings:
     sample: jax.Array
     sampling: SamplingParams
     constraint_state: jax.Array
+    generated: jax.Array
 
 
 @flax.struct.dataclass
@@ -264,7 +266,7 @@ def insert(state: EngineState, prefix_cache: M.KVCache, next_logits_PV, context_
     new_Q = jnp.any(jnp.arange(rows.num_slots)[:, None] == staged_R[None], axis=1)
     rows = rows.replace(
         cache=cache,
-        generated=put(rows.generated, jnp.zeros(rows_R.shape, jnp.int32)),
+        generated=put(rows.generated, settings.generated),
         max_tokens=put(rows.max_tokens, settings.max_tokens),
         stop_ids=put(rows.stop_ids, settings.stop_ids),
         keys=put(rows.keys, keys_R2),
@@ -277,7 +279,7 @@ def insert(state: EngineState, prefix_cache: M.KVCache, next_logits_PV, context_
     constraints = state.constraints(settings.constraint_state)
     token_R, logprob_R, top_logprobs_RA, top_ids_RA, constraint_state_R = choose(
         next_logits_PV[rows_R], context_RC, context_lengths_R, settings.sampling, keys_R2,
-        jnp.zeros(rows_R.shape, jnp.int32), constraints=constraints,
+        settings.generated, constraints=constraints,
         live_B=jnp.ones(rows_R.shape, bool))
     if constraints is not None:
         rows = rows.replace(constraint_state=put(rows.constraint_state, constraint_state_R))

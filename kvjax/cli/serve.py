@@ -54,8 +54,9 @@ def add_serve(commands) -> None:
                             "decoding in between (needs the prefix cache)")
     serve.add_argument("--page-size", type=positive, default=None, metavar="N",
                        help="keep the slots' K/V in pages of N positions (one device): a "
-                            "request holds the pages its prompt and max_tokens can fill, not a "
-                            "whole slot of --max-len (default: a row of --max-len per slot)")
+                            "request takes pages as it grows, not a whole slot of --max-len, "
+                            "and is preempted and resumed when they run short (default: a "
+                            "row of --max-len per slot)")
     pool = serve.add_mutually_exclusive_group()
     pool.add_argument("--num-pages", type=positive, default=None, metavar="N",
                       help="with --page-size, the pages the slots' cache allocates (default: "

@@ -11,11 +11,13 @@ import jsonschema
 import numpy as np
 import pytest
 from test_engine import Collector
+from test_pages import preemptions
 
 from kvjax import decode, text
 from kvjax.decode.tracing import trace_count
 from kvjax.serve import Engine, GenerationRequest
 from kvjax.serve.constrained import TableKeeper
+from kvjax.serve.metrics import ServeMetrics
 
 CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "python-docs-lm"
 ITEM = {"type": "object", "properties": {
@@ -51,6 +53,27 @@ def each_alone(lm, requests):
                           eos_ids=requests[0].stop_ids,
                           constraint=[r.constraint for r in requests])
     return [row[:r.max_tokens] for row, r in zip(out.token_lists(), requests, strict=True)]
+
+
+def test_constrained_samples_preempted_for_pages_go_on_in_their_constraint(lm):
+    """Three slots grow in a pool of one slot's pages: preempted samples go on from the
+    state their tokens led their automaton to, and make what `generate` makes alone."""
+    tok = lm.tokenizer
+    number = decode.compile_constraint(decode.Regex("[0-9]{24}"), tok)
+    choice = decode.compile_constraint(decode.Choice(["for", "while", "with"]), tok)
+    requests = [request(lm, "n = ", number, max_tokens=30),
+                request(lm, "x = ", number, max_tokens=30),
+                request(lm, "A loop", choice, max_tokens=8),
+                request(lm, "The list type", max_tokens=30)]
+    metrics = ServeMetrics()
+    engine = Engine(lm.config, lm.params, tokenizer=tok, max_slots=3, chunk_size=4,
+                    max_len=48, page_size=8, num_pages=6, prefill_batch=2, metrics=metrics)
+    collectors = [Collector() for _ in requests]
+    for r, collector in zip(requests, collectors, strict=True):
+        engine.submit(r, collector)
+    engine.run_until_idle()
+    assert preemptions(metrics) > 0
+    assert [c.tokens() for c in collectors] == each_alone(lm, requests)
 
 
 def test_greedy_constrained_requests_equal_generate_alone_as_tables_change(lm, engine):

@@ -1,11 +1,15 @@
-"""The slots' paged cache: samples take the pages their budget needs, wait while they are
-not free, give them back as they end, and make the tokens they make alone."""
+"""The slots' paged cache: samples take pages as they grow, wait while none are free, are
+preempted and go on later when the pool runs short, give them back as they end, and make
+the tokens they make alone."""
+
+import re
 
 import numpy as np
 import pytest
 from test_engine import Collector, alone, prompt
 
 from kvjax import model as M
+from kvjax.decode import Sampling
 from kvjax.serve import Engine, GenerationRequest, memory
 from kvjax.serve.metrics import ServeMetrics
 
@@ -15,6 +19,11 @@ PAGE = 4
 def all_pages_free(engine):
     state = engine.state
     return bool(np.all(state.free_pages)) and bool(np.all(state.slots.cache.pages < 0))
+
+
+def preemptions(metrics) -> float:
+    return float(re.search(r"^kvjax_preemptions_total (\S+)$",
+                           metrics.exposition().decode(), re.M).group(1))
 
 
 def test_a_pool_of_one_slots_pages_serves_every_request_as_alone(tiny_lm):
@@ -44,6 +53,59 @@ def test_a_pool_of_one_slots_pages_serves_every_request_as_alone(tiny_lm):
     assert [c.tokens() for c in collectors] == [alone(tiny_lm, r) for r in requests]
     assert 1 < most_live < 4  # pages, not slots, bounded what ran at once
     assert all_pages_free(engine) and engine.outputs.pages_used == 0
+
+
+def test_preempted_samples_go_on_with_the_tokens_they_make_with_pages_to_spare(tiny_lm):
+    """Four slots grow in a pool of one full slot's pages: the slots admitted last give
+    theirs back and are queued again, prefilled from their prompt and the tokens they made.
+    Greedy and seeded samples alike make what they make in a pool that never runs short
+    (the same key positions, penalty context and budgets), stop ids and budgets included,
+    and every page is free at the end."""
+    config, _, params = tiny_lm
+    warm = Sampling(temperature=1.0, top_k=20, repetition_penalty=1.3)
+    requests = [GenerationRequest(prompt(60 + i, 3 + i), max_tokens=26 - 2 * i, seed=i, n=n,
+                                  sampling=warm if i % 2 else Sampling())
+                for i, n in enumerate((1, 2, 1, 1))]
+
+    def serve(num_pages):
+        metrics = ServeMetrics()
+        engine = Engine(config, params, max_slots=4, max_len=30, chunk_size=4,
+                        page_size=PAGE, num_pages=num_pages, prefill_batch=4, metrics=metrics)
+        collectors = [Collector() for _ in requests]
+        for request, collector in zip(requests, collectors, strict=True):
+            engine.submit(request, collector)
+        engine.run_until_idle()
+        assert all_pages_free(engine)
+        return [[c.tokens(i) for i in range(r.n)] + [c.finish(i) for i in range(r.n)]
+                for c, r in zip(collectors, requests, strict=True)], preemptions(metrics)
+
+    tight, preempted = serve(8)
+    roomy, none = serve(64)
+    assert preempted > 0 and none == 0
+    assert tight == roomy
+    assert [tight[i][0] for i in (0, 2)] == [alone(tiny_lm, requests[i]) for i in (0, 2)]
+
+
+def test_a_sample_cancelled_while_preempted_ends_once_and_frees_everything(tiny_lm):
+    config, _, params = tiny_lm
+    engine = Engine(config, params, max_slots=3, max_len=30, chunk_size=4, page_size=PAGE,
+                    num_pages=8, prefill_batch=4)
+    collectors = [Collector() for _ in range(3)]
+    tickets = [engine.submit(GenerationRequest(prompt(70 + i, 4), max_tokens=24), c)
+               for i, c in enumerate(collectors)]
+    for _ in range(20):  # until a preempted sample waits to go on
+        engine.step()
+        waiting = [t for t in engine._pending if t.origin is not t]  # noqa: SLF001
+        if waiting:
+            break
+    else:
+        pytest.fail("no sample was preempted")
+    cancelled = tickets.index(waiting[0].origin)
+    waiting[0].origin.cancel()
+    engine.run_until_idle()
+    assert collectors[cancelled].finish() == "cancelled"
+    assert [c.finish() for i, c in enumerate(collectors) if i != cancelled] == ["length"] * 2
+    assert all_pages_free(engine) and engine.queue_length == 0
 
 
 def test_cancelled_and_stopped_samples_give_their_pages_back(tiny_lm):
