@@ -26,41 +26,13 @@ def preemptions(metrics) -> float:
                            metrics.exposition().decode(), re.M).group(1))
 
 
-def test_a_pool_of_one_slots_pages_serves_every_request_as_alone(tiny_lm):
-    """Four slots share the pages of one full slot: requests wait for pages, not for slots,
-    and each makes what it makes alone; then every page is free again. Slots of 30 take
-    8 pages of 4, the last one filled in part."""
-    config, _, params = tiny_lm
-    metrics = ServeMetrics()
-    engine = Engine(config, params, max_slots=4, max_len=30, chunk_size=4, page_size=PAGE,
-                    num_pages=8, prefill_batch=4, metrics=metrics)
-    shapes = [(5, 20), (3, 6), (8, 12), (2, 4), (6, 9), (4, 26)]  # up to all 8 pages
-    requests = [GenerationRequest(prompt(40 + i, n), max_tokens=m)
-                for i, (n, m) in enumerate(shapes)]
-    collectors = [Collector() for _ in requests]
-    for request, collector in zip(requests, collectors, strict=True):
-        engine.submit(request, collector)
-    most_live = 0
-    for _ in range(200):  # turns: a page never given back would leave requests waiting
-        if not engine.step():
-            break
-        most_live = max(most_live, engine.live_slots)
-        held = np.sum(np.asarray(engine.state.slots.cache.pages) >= 0)
-        assert held + np.sum(np.asarray(engine.state.free_pages)) == 8
-        assert f"kvjax_cache_pages_used {held:.1f}" in metrics.exposition().decode()
-    else:
-        pytest.fail("the requests were not served in 200 turns")
-    assert [c.tokens() for c in collectors] == [alone(tiny_lm, r) for r in requests]
-    assert 1 < most_live < 4  # pages, not slots, bounded what ran at once
-    assert all_pages_free(engine) and engine.outputs.pages_used == 0
-
-
 def test_preempted_samples_go_on_with_the_tokens_they_make_with_pages_to_spare(tiny_lm):
-    """Four slots grow in a pool of one full slot's pages: the slots admitted last give
-    theirs back and are queued again, prefilled from their prompt and the tokens they made.
-    Greedy and seeded samples alike make what they make in a pool that never runs short
-    (the same key positions, penalty context and budgets), stop ids and budgets included,
-    and every page is free at the end."""
+    """Four slots grow in a pool of one full slot's pages (slots of 30 take 8 pages of 4,
+    the last one filled in part): the slots admitted last give theirs back and are queued
+    again, prefilled from their prompt and the tokens they made. Greedy and seeded samples
+    alike make what they make in a pool that never runs short (the same key positions,
+    penalty context and budgets), every page is held or free at every turn, and all are
+    free at the end."""
     config, _, params = tiny_lm
     warm = Sampling(temperature=1.0, top_k=20, repetition_penalty=1.3)
     requests = [GenerationRequest(prompt(60 + i, 3 + i), max_tokens=26 - 2 * i, seed=i, n=n,
@@ -74,8 +46,15 @@ def test_preempted_samples_go_on_with_the_tokens_they_make_with_pages_to_spare(t
         collectors = [Collector() for _ in requests]
         for request, collector in zip(requests, collectors, strict=True):
             engine.submit(request, collector)
-        engine.run_until_idle()
-        assert all_pages_free(engine)
+        for _ in range(200):  # turns: a page never given back would leave requests waiting
+            if not engine.step():
+                break
+            held = np.sum(np.asarray(engine.state.slots.cache.pages) >= 0)
+            assert held + np.sum(np.asarray(engine.state.free_pages)) == num_pages
+            assert f"kvjax_cache_pages_used {held:.1f}" in metrics.exposition().decode()
+        else:
+            pytest.fail("the requests were not served in 200 turns")
+        assert all_pages_free(engine) and engine.outputs.pages_used == 0
         return [[c.tokens(i) for i in range(r.n)] + [c.finish(i) for i in range(r.n)]
                 for c, r in zip(collectors, requests, strict=True)], preemptions(metrics)
 
