@@ -208,12 +208,14 @@ class KVCache:
 
         return self.with_row_copied(source, row, into, block, copy_block)
 
-    def with_row_copied(self, source: KVCache, row, into, block: int, copy_block) -> KVCache:
+    def with_row_copied(self, source: KVCache, row, into, block: int, copy_block,
+                        first_block=0) -> KVCache:
         """This cache after `copy_block(j, stacks)` (which returns the self-attention stacks
         with block j of `source`'s row `row` copied in) for each block of `block` slots that
-        row's length fills; row `into` then has that length and has not overflowed."""
+        row's length fills from `first_block` on; row `into` then has that length and has
+        not overflowed."""
         length = source.lengths[row]
-        copied = jax.lax.fori_loop(0, (length + block - 1) // block, copy_block,
+        copied = jax.lax.fori_loop(first_block, (length + block - 1) // block, copy_block,
                                    self._self_attention())
         return self.replace(**copied, lengths=self.lengths.at[into].set(length),
                             overflow=self.overflow.at[into].set(False))

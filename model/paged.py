@@ -142,11 +142,12 @@ def attend_pages(q_BTNH: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer,
     return attention._to_BTNH(out_XMH, q_BTNH)
 
 
-def copy_row_into_pages(cache: KVCache, source: KVCache, row, into) -> KVCache:
+def copy_row_into_pages(cache: KVCache, source: KVCache, row, into, first_page=0) -> KVCache:
     """Row `row` of `source`, a contiguous cache, copied into the pages that row `into` of
-    this paged cache's tables assigns (both traced scalars): page by page, only as many as
-    its length fills, which the caller has assigned. Its length is set and its overflow
-    cleared. Self-attention only."""
+    this paged cache's tables assigns (traced scalars): page by page from its page
+    `first_page` on (those before it hold these positions already, e.g. a shared prefix),
+    only as many as its length fills, which the caller has assigned. Its length is set and
+    its overflow cleared. Self-attention only."""
     page_size, num_pages = cache.page_size, jax.tree.leaves(cache.k)[0].shape[1]
     sources = source._self_attention()
 
@@ -162,4 +163,4 @@ def copy_row_into_pages(cache: KVCache, source: KVCache, row, into) -> KVCache:
 
         return jax.tree.map(copy, pools, sources)
 
-    return cache.with_row_copied(source, row, into, page_size, copy_page)
+    return cache.with_row_copied(source, row, into, page_size, copy_page, first_page)

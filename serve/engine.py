@@ -127,13 +127,8 @@ class Engine:
         self.max_slots, self.num_staged = max_slots, max_staged
         self.prefix_cache_rows, self.prefix_block = prefix_cache_rows, prefix_block
         self.prefill_part = max(1, prefill_part // prefix_block) * prefix_block
-        if self.pages is not None:
-            memory.check_paged_cache_fits(config, max_staged + prefix_cache_rows, capacity,
-                                          max_slots, *self.pages)
-        else:
-            rows = "max_slots + max_staged + prefix_cache_rows"
-            memory.check_cache_fits(config, max_slots + max_staged + prefix_cache_rows, capacity,
-                                    self.mesh, rows_are=rows)
+        memory.check_engine_fits(config, max_slots, max_staged, prefix_cache_rows, capacity,
+                                 self.mesh, self.pages)
         self._pending: collections.deque[Ticket] = collections.deque()
         self._scoring: collections.deque = collections.deque()  # (prompt, top, future)
         self._wake = threading.Condition()
@@ -143,8 +138,10 @@ class Engine:
 
     def _reset(self) -> None:
         self.state = slots.empty_state(self.config, self.max_slots, self.num_staged,
-                                       self.capacity, self.mesh, self.pages)
-        self.outputs = Outputs(self.tokenizer, self.metrics)  # the samples, by id
+                                       self.capacity, self.mesh, self.pages,
+                                       self.prefix_cache_rows if self.pages else 0)
+        self.outputs = Outputs(self.tokenizer, self.metrics,  # the samples, by id
+                               lambda row: self._prefixes.give_back(row))
         self._tables = constrained.TableKeeper()
         self._next_id = 0
         self._free_staged = list(range(self.num_staged))
@@ -346,6 +343,7 @@ class Engine:
         if self._prefixes is not None:
             self._prefixes.feed_part(self.params, self._long and self._long.request.prompt,
                                      self.prefill_part)
+            self.state = pages.share_kept(self.state, self._prefixes)
 
     def _stage(self, tickets: list[Ticket]) -> None:
         """Prefills the tickets' prompts and writes each into a staged row per sample: those
@@ -358,7 +356,7 @@ class Engine:
         for part in (first, [i for i in range(len(tickets)) if i not in first]):
             hits = self._prefixes.lookup([prompts[i] for i in part]) if self._prefixes \
                 else [(-1, 0)] * len(part)
-            for reused in (False, True):
+            for reused in (True, False):  # hits read their rows before misses are kept
                 group = [i for i, (_, n) in zip(part, hits, strict=True) if (n > 0) == reused]
                 if group:
                     self._stage_group([tickets[i] for i in group],
@@ -387,23 +385,26 @@ class Engine:
             self._prefixes.count_hits(hits, self.metrics)
         entries = [(row, ticket, index) for row, ticket in enumerate(tickets)
                    for index in ticket.indices()]
+        shared = [(-1, 0)] * len(entries) if self.pages is None or not hits[0][1] else \
+            self._prefixes.borrow([hits[r] for r, _, _ in entries], self.pages[1])
         held = {}  # prompt: the staged row of its first sample, which the store copies
         for start in range(0, len(entries), rows):  # `rows` samples per insert
             group = entries[start:start + rows]
             staged = [self._free_staged.pop(0) for _ in group]
             ids = []
-            for _, ticket, index in group:
+            own = shared[start:start + rows] + [(-1, 0)] * (rows - len(group))
+            for (_, ticket, index), (prefix_row, _) in zip(group, own, strict=False):
                 if isinstance(ticket, Continuation):
-                    self.outputs.resume(ticket.sample, self._next_id)
+                    self.outputs.resume(ticket.sample, self._next_id, prefix_row)
                 else:
-                    self.outputs.add(ticket, index, self._next_id)
+                    self.outputs.add(ticket, index, self._next_id, prefix_row)
                 ids.append(self._next_id)
                 self._next_id = (self._next_id + 1) % slots.ID_SPACE
             spare = rows - len(group)  # padding: row `num_staged` stages nothing
             samples = group + group[:1] * spare
             settings = row_settings([(t.request, i) for _, t, i in samples],
                                     [initial[r] for r, _, _ in samples],
-                                    [t.generated for _, t, _ in samples])
+                                    [t.generated for _, t, _ in samples], own)
             self.state, first = slots.insert(
                 self.state, *prefilled,
                 np.array([r for r, _, _ in group] + [0] * spare, np.int32),
@@ -416,6 +417,7 @@ class Engine:
         if self._prefixes is not None:
             self._prefixes.keep(prompts, self.state.staged.cache,
                                 [held[r] for r in range(len(prompts))], self.prefill_batch)
+            self.state = pages.share_kept(self.state, self._prefixes)
 
     def _hand_out(self, dispatched: _Dispatched) -> None:
         """Hands each sample what a program made (`Outputs`) and learns which staged rows

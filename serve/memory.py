@@ -84,6 +84,20 @@ def check_cache_fits(config: M.TransformerConfig, rows: int, capacity: int, mesh
         f"max_len={capacity})")
 
 
+def check_engine_fits(config: M.TransformerConfig, slots: int, staged: int,
+                      prefix_rows: int, capacity: int, mesh=None,
+                      pages: tuple[int, int] | None = None) -> None:
+    """The check of an engine's cache: contiguous slots, or `pages` (num_pages, page_size)
+    beside staged and prefix rows, whose kept prefixes a paged engine also holds in pages
+    of their own (`pages.share_kept`)."""
+    if pages is None:
+        check_cache_fits(config, slots + staged + prefix_rows, capacity, mesh,
+                         rows_are="max_slots + max_staged + prefix_cache_rows")
+    else:
+        check_paged_cache_fits(config, staged + 2 * prefix_rows, capacity, slots, *pages,
+                               rows_are="max_staged + 2 x prefix_cache_rows")
+
+
 def check_paged_cache_fits(config: M.TransformerConfig, rows: int, capacity: int,
                            slots: int, num_pages: int, page_size: int,
                            free: int | None = None,

@@ -67,6 +67,7 @@ class Sample:
     text: RowText | None
     tokens: list[int] = dataclasses.field(default_factory=list)
     last_emitted: float = 0.0
+    prefix_row: int = -1  # the prefix cache's row whose pages it reads in place (-1: none)
 
 
 class Continuation:
@@ -104,18 +105,20 @@ class Outputs:
     the device may still run. `tokenizer` (optional) turns tokens into text, so that stop
     strings can end a sample; `metrics` (optional) hears of first tokens and token times."""
 
-    def __init__(self, tokenizer: TextTokenizer | None = None, metrics=None):
-        self.tokenizer, self.metrics = tokenizer, metrics
+    def __init__(self, tokenizer: TextTokenizer | None = None, metrics=None,
+                 release: Callable[[int], None] = lambda prefix_row: None):
+        self.tokenizer, self.metrics, self.release = tokenizer, metrics, release
         self.samples: dict[int, Sample] = {}
         self.to_stop: list[int] = []
         self.preempted: list[Sample] = []  # to be queued again, oldest first
         self.pages_used: int | None = None  # the slots' pages held, as of the last chunk
 
-    def add(self, ticket: Ticket, index: int, sample_id: int) -> None:
-        """A sample staged on the device under `sample_id`."""
+    def add(self, ticket: Ticket, index: int, sample_id: int, prefix_row: int = -1) -> None:
+        """A sample staged on the device under `sample_id`, reading the pages of prefix row
+        `prefix_row` in place (-1: none) until it ends (then `release(prefix_row)`)."""
         text = None if self.tokenizer is None else RowText(self.tokenizer,
                                                            ticket.request.stop)
-        self.samples[sample_id] = Sample(ticket, index, sample_id, text)
+        self.samples[sample_id] = Sample(ticket, index, sample_id, text, prefix_row=prefix_row)
 
     def take_preempted(self) -> list[Continuation]:
         """The samples preempted since the last call, oldest first, to be queued again."""
@@ -125,10 +128,17 @@ class Outputs:
             self.metrics.count_preemptions(len(taken))
         return taken
 
-    def resume(self, sample: Sample, sample_id: int) -> None:
-        """A preempted sample staged again under `sample_id`."""
-        sample.id = sample_id
+    def resume(self, sample: Sample, sample_id: int, prefix_row: int = -1) -> None:
+        """A preempted sample staged again under `sample_id` (`prefix_row` as in `add`)."""
+        sample.id, sample.prefix_row = sample_id, prefix_row
         self.samples[sample_id] = sample
+
+    def _drop(self, sample: Sample) -> None:
+        """The device holds the sample no longer (or will not after the next chunk)."""
+        del self.samples[sample.id]
+        if sample.prefix_row >= 0:
+            self.release(sample.prefix_row)
+            sample.prefix_row = -1
 
     def want_top(self) -> bool:
         """Whether some sample reports top logprobs."""
@@ -195,11 +205,11 @@ class Outputs:
         if ids or piece:
             sample.ticket.on_delta(delta)
         if preempted:
-            del self.samples[sample.id]
+            self._drop(sample)
             self.preempted.append(sample)
 
     def _finish(self, sample: Sample, delta: Delta) -> None:
-        del self.samples[sample.id]
+        self._drop(sample)
         sample.ticket.unfinished -= 1
         sample.ticket.on_delta(delta)
 
@@ -218,7 +228,7 @@ class Outputs:
     def fail(self, ticket: Ticket, error: Exception) -> None:
         """Ends one request with `error` (its slots free with the next chunk), no other."""
         for sample in [s for s in self.samples.values() if s.ticket is ticket]:
-            del self.samples[sample.id]
+            self._drop(sample)
             self.to_stop.append(sample.id)
         ticket.cancelled = True
         ticket.on_delta(error)

@@ -16,18 +16,29 @@ pages back before the next step. Pages are taken and given back on the device, i
 engine's programs: the host never picks one, and learns only how many are held
 (`/metrics`).
 
-State: `EngineState.free_pages` [pages] bool, which pages no slot holds, beside the slots'
-paged cache (`model/paged.py`). Shape letters as in `slots.py`; K here is B + 1 choices of
-how many slots to preempt.
+After the slots' pages the pool holds the prefix cache's rows, a row's worth of pages each
+(`share_kept` copies each prefix kept there): a sample whose prompt starts with a kept prefix
+takes that row's whole pages at the head of its table (`SlotState.prefix_row`,
+`prefix_pages`) and reads them in place, so a preamble shared by every running sample is
+held once. Those pages are never free and never written by a slot (a row is written only
+from its length on), and the host gives the row to no other prefix while a sample reads it
+(`prefix_cache.PrefixIndex.borrowed`).
+
+State: `EngineState.free_pages` [pages] bool, which of the slots' pages no slot holds,
+beside the slots' paged cache (`model/paged.py`). Shape letters as in `slots.py`; K here is
+B + 1 choices of how many slots to preempt.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from kvjax import model as M
 from kvjax.decode.loop import StopReason
+from kvjax.decode.tracing import count_trace
 from kvjax.model.paged import copy_row_into_pages
 
 from .slots import ID_SPACE, EngineState
@@ -62,12 +73,13 @@ def choose_pages(page_size: int | None, num_pages: int | None, capacity: int,
 
 
 def pages_needed(state: EngineState, row) -> jax.Array:
-    """Pages the sample in staged row `row` takes with a slot: its prompt's and room for the
-    token it feeds next."""
-    cache = state.slots.cache
-    positions = state.staged.cache.lengths[row] + 1
-    return jnp.minimum((positions + cache.page_size - 1) // cache.page_size,
-                       cache.pages.shape[1])
+    """Pages the sample in staged row `row` takes from the pool with a slot: its prompt's and
+    room for the token it feeds next, less the prefix pages it shares."""
+    cache, staged = state.slots.cache, state.staged
+    positions = staged.cache.lengths[row] + 1
+    pages = jnp.minimum((positions + cache.page_size - 1) // cache.page_size,
+                        cache.pages.shape[1])
+    return pages - staged.prefix_pages[row]
 
 
 def pages_free_for(state: EngineState, row) -> jax.Array:
@@ -78,19 +90,29 @@ def pages_free_for(state: EngineState, row) -> jax.Array:
 
 
 def admit_into_pages(state: EngineState, row, slot) -> tuple[M.KVCache, jax.Array]:
-    """The slots' cache with staged row `row`'s sample given its first pages in slot `slot`
-    and its prompt's K/V copied into them, and the pages left free. The pages must be free
+    """The slots' cache with staged row `row`'s sample given its first pages in slot `slot`:
+    the prefix row's pages it shares, then pages of the pool, into which the rest of its
+    prompt's K/V is copied; and the pages left free. The pages must be free
     (`pages_free_for`), and the slot must hold none."""
-    cache, free = state.slots.cache, state.free_pages  # free: [pages] bool
-    count = pages_needed(state, row)
+    cache, free, staged = state.slots.cache, state.free_pages, state.staged  # free: [pages]
+    count, shared = pages_needed(state, row), staged.prefix_pages[row]
     rank = jnp.cumsum(free, dtype=jnp.int32) - 1  # each free page's rank among them
     taken = free & (rank < count)
     per_row = cache.pages.shape[1]
     table = jnp.full((per_row,), M.NO_PAGE, jnp.int32).at[  # the slot's [pages per row]
-        jnp.where(taken, rank, per_row)].set(jnp.arange(free.shape[0], dtype=jnp.int32),
-                                             mode="drop")
+        jnp.where(taken, shared + rank, per_row)].set(
+            jnp.arange(free.shape[0], dtype=jnp.int32), mode="drop")
+    first_X = prefix_page(state, staged.prefix_row[row]) + jnp.arange(per_row)
+    table = jnp.where(jnp.arange(per_row) < shared, first_X, table)
     cache = cache.replace(pages=cache.pages.at[slot].set(table))
-    return copy_row_into_pages(cache, state.staged.cache, row, slot), free & ~taken
+    return (copy_row_into_pages(cache, staged.cache, row, slot, first_page=shared),
+            free & ~taken)
+
+
+def prefix_page(state: EngineState, prefix_row) -> jax.Array:
+    """The pool's page that holds the first positions of the prefix cache's row
+    `prefix_row` (its others follow it)."""
+    return state.free_pages.shape[0] + prefix_row * state.slots.cache.pages.shape[1]
 
 
 def grow(state: EngineState, active) -> tuple[EngineState, jax.Array]:
@@ -101,6 +123,7 @@ def grow(state: EngineState, active) -> tuple[EngineState, jax.Array]:
     cache = slots.cache
     tables_BX = cache.pages
     held_B = jnp.sum(tables_BX >= 0, axis=1, dtype=jnp.int32)
+    own_B = jnp.sum((tables_BX >= 0) & (tables_BX < free.shape[0]), axis=1, dtype=jnp.int32)
     need_B = (active & slots.running & (cache.lengths >= held_B * cache.page_size)
               & (held_B < tables_BX.shape[1]))
     # The slots by how recently they were admitted (ids grow in the order samples stage).
@@ -111,7 +134,7 @@ def grow(state: EngineState, active) -> tuple[EngineState, jax.Array]:
     def after_each(x_B):  # [K]: the sum over the k youngest slots, for k = 0 .. B
         return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(x_B[order_B])])
 
-    freed_K = after_each(jnp.where(slots.running, held_B, 0))
+    freed_K = after_each(jnp.where(slots.running, own_B, 0))  # shared pages stay
     needed_K = jnp.sum(need_B, dtype=jnp.int32) - after_each(need_B.astype(jnp.int32))
     enough_K = jnp.sum(free, dtype=jnp.int32) + freed_K >= needed_K
     preempt = jnp.argmax(enough_K)  # k = B (all) always has enough: num_pages >= a row's
@@ -144,3 +167,31 @@ def release_stopped(state: EngineState) -> EngineState:
     free = state.free_pages.at[jnp.where(stopped, tables, num_pages)].set(True, mode="drop")
     cache = slots.cache.replace(pages=jnp.where(stopped, M.NO_PAGE, tables))
     return state.replace(slots=slots.replace(cache=cache), free_pages=free)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def mirror_prefixes(state: EngineState, store: M.KVCache, lengths_R) -> EngineState:
+    """The state with each prefix cache row's first `lengths` [R] positions (0: none) of
+    `store`, the prefix cache's rows, copied into that row's pages of the pool, which the
+    samples that start with its prefix share (`prefix_page`)."""
+    count_trace("share_prefixes")
+    cache = state.slots.cache
+    rows, per_row = lengths_R.shape[0], cache.pages.shape[1]
+    view = cache.replace(  # the prefix rows' tables over the pool
+        pages=prefix_page(state, jnp.arange(rows))[:, None] + jnp.arange(per_row),
+        lengths=jnp.zeros((rows,), jnp.int32), overflow=jnp.zeros((rows,), bool))
+    source = store.replace(lengths=lengths_R)
+    for row in range(rows):
+        view = copy_row_into_pages(view, source, row, row)
+    cache = view.replace(pages=cache.pages, lengths=cache.lengths, overflow=cache.overflow)
+    return state.replace(slots=state.slots.replace(cache=cache))
+
+
+def share_kept(state: EngineState, prefixes) -> EngineState:
+    """The state with the prefixes a `prefix_cache.PrefixCache` kept since the last call
+    copied into their rows' pages of a paged pool (`mirror_prefixes`); unchanged without
+    pages or prefix cache."""
+    if state.free_pages is None or prefixes is None:
+        return state
+    written = prefixes.take_written()
+    return state if written is None else mirror_prefixes(state, prefixes.store, written)

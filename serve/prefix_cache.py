@@ -55,6 +55,8 @@ class PrefixIndex:
         self._keys: list[list[bytes]] = [[] for _ in range(rows)]
         self._recent = collections.OrderedDict((row, None) for row in range(rows))
         self.pinned: set[int] = set()  # rows `keep` must not reuse (a prompt fed in parts)
+        # Samples reading a row's pages in place (a paged engine's), which it must keep.
+        self.borrowed: collections.Counter[int] = collections.Counter()
 
     def _chain(self, prompt, blocks: int) -> list[bytes]:
         """The keys of `prompt`'s first 1, 2, ..., `blocks` blocks."""
@@ -87,7 +89,8 @@ class PrefixIndex:
         keys = self._chain(prompt, len(prompt) // self.block)
         if not keys or self._held(prompt, keys[-1]) is not None:
             return None
-        row = next((r for r in self._recent if r not in self.pinned), None)
+        row = next((r for r in self._recent
+                    if r not in self.pinned and not self.borrowed[r]), None)
         if row is None:
             return None
         del self._recent[row]
@@ -112,6 +115,8 @@ class PrefixCache:
         self.index = PrefixIndex(rows, block)
         self.store = empty_store(config, rows, capacity, mesh)
         self.hits = self.tokens_reused = 0
+        self.written = np.zeros(rows, np.int32)  # positions copied into each row, not yet
+        # taken by `take_written`
 
     def lookup(self, prompts: list) -> list[tuple[int, int]]:
         """(store row, prefix length) of each prompt's longest kept prefix ((-1, 0): none).
@@ -200,6 +205,27 @@ class PrefixCache:
                 if (into := self.index.keep(prompt)) is not None]
         if kept:
             self._copy(cache, kept, pad_to)
+            for _, into, length in kept:
+                self.written[into] = length
+
+    def take_written(self) -> np.ndarray | None:
+        """[rows] the positions copied into each store row since the last call (0: none),
+        or None if no row was written."""
+        if not self.written.any():
+            return None
+        written, self.written = self.written, np.zeros_like(self.written)
+        return written
+
+    def give_back(self, row: int) -> None:
+        """A sample `borrow` counted for reads the row's pages no longer."""
+        self.index.borrowed[row] -= 1
+
+    def borrow(self, hits: list[tuple[int, int]], page_size: int) -> list[tuple[int, int]]:
+        """(store row, whole pages) of each hit's prefix that a paged engine's sample reads
+        in place; the row is kept for it until `index.borrowed[row]` is counted down."""
+        shared = [(row, n // page_size) if n >= page_size else (-1, 0) for row, n in hits]
+        self.index.borrowed.update(row for row, _ in shared if row >= 0)
+        return shared
 
     def _copy(self, cache: M.KVCache, kept: list[tuple[int, int, int]],
               pad_to: int | None = None, width: int | None = None) -> None:

@@ -130,14 +130,16 @@ class Delta:
 
 def row_settings(samples: list[tuple[GenerationRequest, int]],
                  constraint_states: list[int] | None = None,
-                 generated: list[int] | None = None) -> RowSettings:
+                 generated: list[int] | None = None,
+                 prefix_pages: list[tuple[int, int]] | None = None) -> RowSettings:
     """Samples (request, index) as slots hold them (NumPy, so nothing runs eagerly), each
-    with its initial state in the engine's constraint tables (default: unconstrained) and
-    the tokens it made before (default: none)."""
-    if constraint_states is None:
-        constraint_states = [-1] * len(samples)
-    if generated is None:
-        generated = [0] * len(samples)
+    with its initial state in the engine's constraint tables (default: unconstrained), the
+    tokens it made before (default: none) and the (prefix row, pages) it shares (default:
+    (-1, 0), none)."""
+    count = len(samples)
+    constraint_states = [-1] * count if constraint_states is None else constraint_states
+    generated = [0] * count if generated is None else generated
+    prefix_pages = [(-1, 0)] * count if prefix_pages is None else prefix_pages
     stop_ids = np.full((len(samples), MAX_STOP_IDS), -1, np.int32)
     for row, (request, _) in enumerate(samples):
         stop_ids[row, :len(request.stop_ids)] = request.stop_ids
@@ -150,4 +152,6 @@ def row_settings(samples: list[tuple[GenerationRequest, int]],
         seed=np.stack([seed_key(r.seed) for r, _ in samples]),
         sample=np.array([index for _, index in samples], np.int32), sampling=sampling,
         constraint_state=np.array(constraint_states, np.int32),
-        generated=np.array(generated, np.int32))
+        generated=np.array(generated, np.int32),
+        prefix_row=np.array([row for row, _ in prefix_pages], np.int32),
+        prefix_pages=np.array([n for _, n in prefix_pages], np.int32))

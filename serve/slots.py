@@ -66,6 +66,9 @@ class SlotState:
     owner:           [B] int32 the id of the sample the row holds (`NO_SAMPLE`: none yet).
     constraint_state: [B] int32 the row's state in the engine's constraint tables
                      (-1: unconstrained).
+    prefix_row:      [B] int32 with a paged cache, the prefix cache's row whose pages the
+                     sample's first `prefix_pages` [B] pages are (shared, only read; -1:
+                     none): a staged sample takes them with its slot (`pages.py`).
     """
 
     cache: M.KVCache
@@ -81,6 +84,8 @@ class SlotState:
     stop_reason: jax.Array
     owner: jax.Array
     constraint_state: jax.Array
+    prefix_row: jax.Array
+    prefix_pages: jax.Array
 
     @property
     def num_slots(self) -> int:
@@ -94,8 +99,9 @@ class EngineState:
     last_admitted: [] int32 the id of the sample that took a slot last; tables: the
     automata of the constrained samples (`constrained.py`: `RowConstraints` whose rows are
     given by `constraints`), None while no request asked for one; free_pages: [pages] bool
-    which pages of the slots' paged cache no slot holds (`pages.py`), None where the slots'
-    cache is contiguous."""
+    which of the slots' pages of their paged cache no slot holds (`pages.py`; the pool's
+    pages after those hold the prefix cache's rows), None where the slots' cache is
+    contiguous."""
 
     slots: SlotState
     staged: SlotState
@@ -114,8 +120,9 @@ class RowSettings:
     """The settings of R samples as slots hold them: max_tokens [R], stop_ids [R, E], seed
     [R, 2] uint32 (the request's prompt key, `decode.sampling.seed_key`), sample [R] (each
     sample's index among its request's n, `sample_key`), sampling with [R] fields,
-    constraint_state [R] (the initial state of its automaton in the tables; -1: none) and
-    generated [R] (tokens the sample made before: a preempted one goes on from its count)."""
+    constraint_state [R] (the initial state of its automaton in the tables; -1: none),
+    generated [R] (tokens the sample made before: a preempted one goes on from its count)
+    and prefix_row, prefix_pages [R] (as `SlotState`'s)."""
 
     max_tokens: jax.Array
     stop_ids: jax.Array
@@ -124,6 +131,8 @@ class RowSettings:
     sampling: SamplingParams
     constraint_state: jax.Array
     generated: jax.Array
+    prefix_row: jax.Array
+    prefix_pages: jax.Array
 
 
 @flax.struct.dataclass
@@ -149,16 +158,18 @@ class Emitted:
 
 
 def empty_state(config: M.TransformerConfig, num_slots: int, num_staged: int, capacity: int,
-                mesh=None, pages: tuple[int, int] | None = None) -> EngineState:
+                mesh=None, pages: tuple[int, int] | None = None,
+                prefix_rows: int = 0) -> EngineState:
     """Every slot and staged row free; on `mesh`, made in the layout the programs keep it in
     (rows split over `data`, kv heads over `model`: `parallel.constrain_rows`), so that their
     first call compiles for the layout every later one sees. With `pages` (num_pages,
-    page_size) the slots' cache is a pool of that many pages, all free (`pages.py`)."""
+    page_size) the slots' cache is a pool of that many pages, all free, and after them a
+    row's pages for each of `prefix_rows` rows of the prefix cache (`pages.py`)."""
     if config.is_encoder_decoder:
         raise ValueError("the serving engine runs decoder-only language models; this "
                          "checkpoint is an encoder-decoder")
     if mesh is None:
-        return _free_state(config, num_slots, num_staged, capacity, pages)
+        return _free_state(config, num_slots, num_staged, capacity, pages, prefix_rows)
     if pages is not None:
         raise ValueError("a paged cache serves on one device; on a mesh the slots' cache is "
                          "contiguous (page_size=None)")
@@ -166,12 +177,14 @@ def empty_state(config: M.TransformerConfig, num_slots: int, num_staged: int, ca
 
 
 def _free_state(config: M.TransformerConfig, num_slots: int, num_staged: int,
-                capacity: int, pages: tuple[int, int] | None = None) -> EngineState:
+                capacity: int, pages: tuple[int, int] | None = None,
+                prefix_rows: int = 0) -> EngineState:
     slots_cache, free_pages = None, None
-    if pages is not None:
+    if pages is not None:  # the slots' pages first, then each prefix row's (never free)
         num_pages, page_size = pages
-        slots_cache = M.init_paged_cache(config, num_slots, num_pages, page_size,
-                                         -(-capacity // page_size))
+        per_row = -(-capacity // page_size)
+        slots_cache = M.init_paged_cache(config, num_slots, num_pages + prefix_rows * per_row,
+                                         page_size, per_row)
         free_pages = jnp.ones((num_pages,), bool)
     return EngineState(slots=_free_rows(config, num_slots, capacity, slots_cache),
                        staged=_free_rows(config, num_staged, capacity),
@@ -195,6 +208,7 @@ def _free_rows(config: M.TransformerConfig, rows: int, capacity: int,
         stop_reason=zeros(),
         owner=jnp.full((rows,), NO_SAMPLE, jnp.int32),
         constraint_state=jnp.full((rows,), UNCONSTRAINED, jnp.int32),
+        prefix_row=jnp.full((rows,), -1, jnp.int32), prefix_pages=zeros(),
     )
 
 
@@ -275,7 +289,8 @@ def insert(state: EngineState, prefix_cache: M.KVCache, next_logits_PV, context_
         context_lengths=put(rows.context_lengths, context_lengths_R),
         running=rows.running | new_Q,
         stop_reason=jnp.where(new_Q, StopReason.RUNNING, rows.stop_reason),
-        owner=put(rows.owner, ids_R))
+        owner=put(rows.owner, ids_R), prefix_row=put(rows.prefix_row, settings.prefix_row),
+        prefix_pages=put(rows.prefix_pages, settings.prefix_pages))
     constraints = state.constraints(settings.constraint_state)
     token_R, logprob_R, top_logprobs_RA, top_ids_RA, constraint_state_R = choose(
         next_logits_PV[rows_R], context_RC, context_lengths_R, settings.sampling, keys_R2,

@@ -4,9 +4,10 @@ a compilation (`Engine.warm_up`, `kvjax serve --warm-up`).
 The programs: at every row count of a prefill (powers of two up to `prefill_batch`), the
 prefill of every bucket of the prompt lengths and its insert into staged rows; with a
 prefix cache, the same after a kept prefix for every bucket of a rest up to the longest
-prompt, the copies into the cache's rows (one per bucket of the kept length), and the first
-part of a long prompt; then the decode chunk. Each runs once on zeros and stages nothing
-(row `num_staged` is past the staged rows): the engine is reset after.
+prompt, the copies into the cache's rows (one per bucket of the kept length, and with pages
+into the rows' pages), and the first part of a long prompt; then the decode chunk. Each runs
+once on zeros and stages nothing (row `num_staged` is past the staged rows): the engine is
+reset after.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 from kvjax.decode.buckets import bucket
 from kvjax.decode.prompt_state import prefill_state
 
-from . import chunk, slots
+from . import chunk, pages, slots
 from .prefix_cache import prefill_after_nothing
 from .requests import GenerationRequest, row_settings
 
@@ -59,6 +60,9 @@ def compile_programs(engine, prompt_lengths: Iterable[int] | None = None) -> Non
                          longest=longest)
         prefixes.warm_up(prefixes.prefill(engine.params, part[:, :1], np.ones(1, np.int32),
                                           [(0, 0)], part)[0], longest=longest)
+    if prefixes is not None and engine.pages is not None:  # kept prefixes into pages
+        engine.state = pages.mirror_prefixes(engine.state, prefixes.store,
+                                             np.zeros(prefixes.index.rows, np.int32))
     engine.state, _ = chunk.decode_chunk(engine.config, engine.params, engine.state,
                                          engine._cancel_ids(), np.bool_(False),
                                          np.bool_(False), engine.chunk_size, mesh=engine.mesh,

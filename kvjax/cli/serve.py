@@ -64,7 +64,8 @@ def add_serve(commands) -> None:
                            "pages fill at --max-len serve short requests in the same memory")
     pool.add_argument("--cache-memory", type=byte_size, default=None, metavar="SIZE",
                       help="with --page-size, the memory of the slots' pages, e.g. 4GiB: as "
-                           "many pages as their K/V fit in it")
+                           "many pages as their K/V fit in it (the prefix cache's rows take "
+                           "pages of their own beside them)")
     serve.add_argument("--warm-up", action="store_true",
                        help="compile every program (each prompt-length bucket and prefill "
                             "batch) before listening, so that no request waits for a "

@@ -137,4 +137,7 @@ def test_cache_memory_in_pages_is_what_the_pool_allocates(tiny_lm):
                     num_pages=num_pages)
     pool_bytes = sum(x.nbytes for x in (*engine.state.slots.cache.k, *engine.state.slots.cache.v))
     per_page = memory.bytes_per_position(config) - memory.CONTEXT_BYTES
-    assert pool_bytes == num_pages * PAGE * per_page <= budget < pool_bytes + PAGE * per_page
+    slot_bytes = num_pages * PAGE * per_page
+    assert slot_bytes <= budget < slot_bytes + PAGE * per_page
+    # After the slots' pages, the prefix cache's rows in pages of their own, to be shared.
+    assert pool_bytes == slot_bytes + engine.prefix_cache_rows * 32 * per_page

@@ -4,6 +4,8 @@ recently used first."""
 
 import numpy as np
 import pytest
+from test_engine import Collector
+from test_pages import preemptions
 
 from kvjax import decode
 from kvjax import model as M
@@ -113,6 +115,59 @@ def serve(engine, requests):
         engine.submit(request, collect(i))
     engine.run_until_idle()
     return made
+
+
+@pytest.mark.parametrize("page_size", [None, 4])
+def test_a_hit_reads_its_row_before_a_miss_staged_with_it_takes_the_row(tiny_lm, page_size):
+    config, net, params = tiny_lm
+    engine = Engine(config, params, max_slots=4, max_len=64, chunk_size=4, prefill_batch=4,
+                    prefix_cache_rows=1, page_size=page_size)
+    preamble = tokens(50, 20)
+    requests = [GenerationRequest(preamble + (5,), max_tokens=3),
+                GenerationRequest(preamble + (6, 7), max_tokens=6),  # a hit, with
+                GenerationRequest(tokens(51, 18), max_tokens=6)]  # a miss kept in its row
+    made = serve(engine, requests[:1]) + serve(engine, requests[1:])
+    assert engine._prefixes.hits == 1  # noqa: SLF001
+    assert [got for got, _ in made] == alone(net, params, requests)
+    hit = decode.generate(net, params, [list(requests[1].prompt)], max_new_tokens=6,
+                          return_logprobs=True)
+    np.testing.assert_allclose(made[1][1], hit.logprobs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_running_requests_read_a_kept_preambles_pages_in_place(tiny_lm):
+    """With pages, samples that start with a kept prefix take its row's pages into their
+    tables instead of copies: three requests whose pages would not all fit the pool as
+    copies run at once, the row they read is given to no other prompt while they run, and
+    each makes what it makes alone; at the end no page is held and no row is read."""
+    config, net, params = tiny_lm
+    metrics = ServeMetrics()
+    engine = Engine(config, params, max_slots=4, max_len=64, chunk_size=4, prefill_batch=4,
+                    prefix_cache_rows=1, page_size=4, num_pages=24, metrics=metrics)
+    preamble = tokens(30, 37)  # two blocks of 16 kept: 8 pages of 4
+    requests = [GenerationRequest(preamble + (5,), max_tokens=2)]
+    requests += [GenerationRequest(preamble + tokens(31 + i, 3), max_tokens=12)
+                 for i in range(3)]  # 13 pages each as copies: 39
+    requests.append(GenerationRequest(tokens(40, 17), max_tokens=2))  # a block to keep
+    made = serve(engine, requests[:1])
+    collectors = [Collector() for _ in requests[1:]]
+    for request, collector in zip(requests[1:], collectors, strict=True):
+        engine.submit(request, collector)
+    for _ in range(3):  # until the three run
+        engine.step()
+        live = np.asarray(engine.state.slots.running)
+        if live.sum() >= 3:
+            break
+    tables = np.asarray(engine.state.slots.cache.pages)[live]
+    store_pages = engine.pages[0] + np.arange(8)  # the kept row's pages follow the slots'
+    assert sum((row[:8] == store_pages).all() for row in tables) == 3
+    assert all((row[8:][row[8:] >= 0] < engine.pages[0]).all() for row in tables)
+    assert engine._prefixes.index.lookup(preamble + (1,))[1] == 32  # noqa: SLF001 - kept
+    engine.run_until_idle()
+    got = [made[0][0]] + [c.tokens() for c in collectors]
+    assert got == alone(net, params, requests)
+    assert preemptions(metrics) == 0
+    assert not any(engine._prefixes.index.borrowed.values())  # noqa: SLF001
+    assert np.all(np.asarray(engine.state.free_pages))
 
 
 def test_prompts_sharing_a_preamble_prefill_only_the_rest_and_equal_generate_alone(tiny_lm):
