@@ -195,8 +195,8 @@ def decode_chunk(config: M.TransformerConfig, params, state: EngineState, cancel
     _, state, emitted = jax.lax.while_loop(
         unfinished, admit_and_decode,
         (jnp.zeros((), jnp.int32), parallel.constrain_rows(state, mesh), emitted))
-    pages_used = None if state.free_pages is None else jnp.sum(state.slots.cache.pages >= 0,
-                                                               dtype=jnp.int32)
+    pages_used = None if state.free_pages is None else (  # shared prefix pages left out
+        state.free_pages.shape[0] - jnp.sum(state.free_pages, dtype=jnp.int32))
     return state, emitted.replace(live=jnp.sum(state.slots.running, dtype=jnp.int32),
                                   waiting=state.staged.running, pages_used=pages_used)
 

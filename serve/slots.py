@@ -143,7 +143,8 @@ class Emitted:
     one sample for consecutive steps, then maybe another. logprobs [B, O] are the model's,
     before any penalty; top_ids and top_logprobs [B, O, A]. After the steps `live` [] slots
     are running, `waiting` [Q] tells which staged rows still wait for a slot and
-    `pages_used` [] how many pages the slots hold (a chunk over paged slots; else None)."""
+    `pages_used` [] how many pages the slots hold as their own (shared prefix pages left
+    out; a chunk over paged slots, else None)."""
 
     tokens: jax.Array
     owner: jax.Array
