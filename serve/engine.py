@@ -70,8 +70,8 @@ class Engine:
     `kvjax.parallel`'s rules; `max_slots`, `max_staged` and `prefix_cache_rows` must be
     multiples of `data`.
 
-    Each slot holds a row of `max_len` positions, or with `page_size` (one device only) the
-    slots keep their K/V in a pool of `num_pages` pages of that many positions (default:
+    Each slot holds a row of `max_len` positions, or with `page_size` the slots keep their
+    K/V in a pool of `num_pages` pages of that many positions (default:
     `max_slots` full slots' worth) taken as samples grow, samples preempted and resumed
     when it runs short (`pages.py`). `max_staged` (default `max_slots`) and
     `prefix_cache_rows` rows of `max_len` come beside them; the whole is refused before it
@@ -119,7 +119,7 @@ class Engine:
                                  f"each device holds as many of those rows")
         self.mesh, params = placement(config, params, mesh)
         self.pages = pages.choose_pages(page_size, num_pages, capacity, max_slots,
-                                        self.mesh is not None, config.max_len)
+                                        config.max_len)
         self.config, self.params, self.tokenizer = config, params, tokenizer
         self.capacity, self.chunk_size, self.max_queue = capacity, chunk_size, max_queue
         self.steps_per_check, self.prefill_batch, self.metrics = (steps_per_check,

@@ -88,34 +88,42 @@ def check_engine_fits(config: M.TransformerConfig, slots: int, staged: int,
                       prefix_rows: int, capacity: int, mesh=None,
                       pages: tuple[int, int] | None = None) -> None:
     """The check of an engine's cache: contiguous slots, or `pages` (num_pages, page_size)
-    beside staged and prefix rows, whose kept prefixes a paged engine also holds in pages
-    of their own (`pages.share_kept`)."""
+    beside staged and prefix rows, whose kept prefixes a paged engine also holds in a row's
+    pages each (`pages.share_kept`)."""
     if pages is None:
         check_cache_fits(config, slots + staged + prefix_rows, capacity, mesh,
                          rows_are="max_slots + max_staged + prefix_cache_rows")
     else:
-        check_paged_cache_fits(config, staged + 2 * prefix_rows, capacity, slots, *pages,
-                               rows_are="max_staged + 2 x prefix_cache_rows")
+        check_paged_cache_fits(config, staged + prefix_rows, capacity, slots, *pages,
+                               mesh=mesh, prefix_rows=prefix_rows)
 
 
 def check_paged_cache_fits(config: M.TransformerConfig, rows: int, capacity: int,
                            slots: int, num_pages: int, page_size: int,
                            free: int | None = None,
-                           rows_are: str = "max_staged + prefix_cache_rows") -> None:
+                           rows_are: str = "max_staged + prefix_cache_rows",
+                           mesh=None, prefix_rows: int = 0) -> None:
     """`check_cache_fits` for an engine whose `slots` keep their K/V in a pool of `num_pages`
-    pages of `page_size` positions (each slot still keeps its `capacity` context tokens)
-    beside `rows` contiguous rows: raises ValueError when all of it takes more than
-    `CACHE_SHARE` of the `free` bytes (default: measured), naming the most pages that fit."""
-    free = least_free_bytes(jax.local_devices()[:1]) if free is None else free
+    pages of `page_size` positions (each slot still keeps its `capacity` context tokens),
+    and after them a row's pages for each of `prefix_rows` kept prefixes, beside `rows`
+    contiguous rows: raises ValueError when all of it takes more than `CACHE_SHARE` of the
+    `free` bytes (default: measured), naming the most pages that fit. On a `mesh` it counts
+    one device's share: the rows and slots of its `data` shard, and the whole pool, of its
+    kv heads (the pool is split over `model` only)."""
+    devices = jax.local_devices()[:1] if mesh is None else list(mesh.local_devices)
+    free = least_free_bytes(devices) if free is None else free
     if free is None:
         return
-    kv = M.cache_size_bytes(config, 1, 1).total
-    fixed = bytes_per_position(config) * rows * capacity + CONTEXT_BYTES * slots * capacity
+    data = 1 if mesh is None else mesh.shape[parallel.DATA]
+    per_position = bytes_per_position(config, mesh)
+    kv = per_position - CONTEXT_BYTES
+    per_row = -(-capacity // page_size)
+    fixed = (per_position * -(-rows // data) * capacity + kv * prefix_rows * per_row * page_size
+             + CONTEXT_BYTES * -(-slots // data) * capacity)
     need, budget = fixed + kv * num_pages * page_size, CACHE_SHARE * free
     if need <= budget:
         return
     pages_fit = max(0, int((budget - fixed) // (kv * page_size)))
-    per_row = -(-capacity // page_size)
     hint = (f"lower num_pages ({pages_fit} at most)" if pages_fit >= per_row else
             f"lower max_len, max_slots or {rows_are} (a slot's {per_row} pages do not fit)")
     raise ValueError(

@@ -45,18 +45,15 @@ from .slots import ID_SPACE, EngineState
 
 
 def choose_pages(page_size: int | None, num_pages: int | None, capacity: int,
-                 max_slots: int, on_mesh: bool, model_max_len: int) -> tuple[int, int] | None:
+                 max_slots: int, model_max_len: int) -> tuple[int, int] | None:
     """(num_pages, page_size) of an engine's paged cache, or None for contiguous slots
     (`page_size` None). `num_pages` defaults to `max_slots` full slots' worth. Raises
     ValueError naming a setting that cannot be served."""
     if page_size is None:
         if num_pages is not None:
             raise ValueError(f"num_pages={num_pages} needs a paged cache, but page_size is "
-                             f"None" + (" (on a mesh)" if on_mesh else ""))
+                             f"None")
         return None
-    if on_mesh:
-        raise ValueError(f"page_size={page_size!r}: a paged cache serves on one device, this "
-                         f"engine on a mesh")
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size={page_size!r} must be an int >= 1")
     per_row = -(-capacity // page_size)

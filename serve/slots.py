@@ -171,10 +171,7 @@ def empty_state(config: M.TransformerConfig, num_slots: int, num_staged: int, ca
                          "checkpoint is an encoder-decoder")
     if mesh is None:
         return _free_state(config, num_slots, num_staged, capacity, pages, prefix_rows)
-    if pages is not None:
-        raise ValueError("a paged cache serves on one device; on a mesh the slots' cache is "
-                         "contiguous (page_size=None)")
-    return _free_state_on(config, num_slots, num_staged, capacity, mesh)
+    return _free_state_on(config, num_slots, num_staged, capacity, mesh, pages, prefix_rows)
 
 
 def _free_state(config: M.TransformerConfig, num_slots: int, num_staged: int,
@@ -213,10 +210,12 @@ def _free_rows(config: M.TransformerConfig, rows: int, capacity: int,
     )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6))
 def _free_state_on(config: M.TransformerConfig, num_slots: int, num_staged: int,
-                   capacity: int, mesh):
-    return parallel.constrain_rows(_free_state(config, num_slots, num_staged, capacity), mesh)
+                   capacity: int, mesh, pages: tuple[int, int] | None = None,
+                   prefix_rows: int = 0):
+    return parallel.constrain_rows(
+        _free_state(config, num_slots, num_staged, capacity, pages, prefix_rows), mesh)
 
 
 def choose(logits_BV, context_BC, context_lengths_B, sampling: SamplingParams, keys_B2,

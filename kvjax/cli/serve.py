@@ -53,7 +53,7 @@ def add_serve(commands) -> None:
                             "that many (in whole blocks of 16) per turn, the running requests "
                             "decoding in between (needs the prefix cache)")
     serve.add_argument("--page-size", type=positive, default=None, metavar="N",
-                       help="keep the slots' K/V in pages of N positions (one device): a "
+                       help="keep the slots' K/V in pages of N positions: a "
                             "request takes pages as it grows, not a whole slot of --max-len, "
                             "and is preempted and resumed when they run short (default: a "
                             "row of --max-len per slot)")

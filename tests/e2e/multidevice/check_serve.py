@@ -10,6 +10,7 @@ from kvjax import model as M
 from kvjax import parallel
 from kvjax.decode import Sampling
 from kvjax.serve import Engine, GenerationRequest, memory
+from kvjax.serve.metrics import ServeMetrics
 
 SLOTS, CHUNK = 4, 4
 CONFIG = M.preset("tiny", positional_encoding="rope", num_kv_heads=2)
@@ -66,6 +67,39 @@ def test_a_mesh_engine_gives_every_request_the_one_device_tokens():
     with pytest.raises(ValueError, match="on each device"):
         memory.check_cache_fits(CONFIG, 2 * SLOTS, engine.capacity, mesh,
                                 free=int(held / memory.CACHE_SHARE) - 1)
+
+
+def test_a_paged_engine_on_a_mesh_gives_every_request_the_one_device_tokens():
+    """Pages split by kv heads over `model`, whole on each `data` shard, in a pool tight
+    enough that samples are preempted: the one-device engine's tokens all the same."""
+    params = M.init_params(CONFIG, jax.random.key(1))
+    want = serve(Engine(CONFIG, params, max_slots=SLOTS, chunk_size=CHUNK, prefill_batch=1))
+    mesh = parallel.make_mesh("data=2,model=2", jax.devices()[:4])
+    metrics = ServeMetrics()
+    engine = Engine(CONFIG, params, max_slots=SLOTS, chunk_size=CHUNK, prefill_batch=1,
+                    mesh=mesh, max_len=24, page_size=4, num_pages=6, metrics=metrics)
+    assert serve(engine) == want
+    assert "kvjax_preemptions_total 0.0" not in metrics.exposition().decode()
+    cache = engine.state.slots.cache
+    assert cache.k[0].sharding.spec == PartitionSpec(None, None, parallel.MODEL)
+    assert cache.pages.sharding.spec == PartitionSpec(parallel.DATA)
+    # The memory check counts one device's share: the whole pool of its kv heads, and its
+    # data shard's staged and prefix rows and slots' context.
+    first = mesh.devices.flat[0]
+    held = sum(shard.data.nbytes
+               for leaf in (*cache.k, *cache.v, *engine.state.staged.cache.k,
+                            *engine.state.staged.cache.v, engine.state.staged.context,
+                            engine.state.slots.context, *engine._prefixes.store.k,  # noqa: SLF001
+                            *engine._prefixes.store.v)  # noqa: SLF001
+               for shard in leaf.addressable_shards if shard.device == first)
+    fits = dict(config=CONFIG, rows=SLOTS + engine.prefix_cache_rows,  # staged, prefix
+                capacity=engine.capacity, slots=SLOTS, num_pages=6, page_size=4, mesh=mesh,
+                prefix_rows=engine.prefix_cache_rows)
+    # Within less than one position's K/V (the prefix rows' context is counted, not held).
+    slack = memory.bytes_per_position(CONFIG, mesh) - memory.CONTEXT_BYTES
+    memory.check_paged_cache_fits(**fits, free=int((held + slack) / memory.CACHE_SHARE))
+    with pytest.raises(ValueError, match="lower"):
+        memory.check_paged_cache_fits(**fits, free=int((held - slack) / memory.CACHE_SHARE))
 
 
 def test_slots_and_staged_rows_must_divide_over_data():
