@@ -94,8 +94,8 @@ def check_engine_fits(config: M.TransformerConfig, slots: int, staged: int,
         check_cache_fits(config, slots + staged + prefix_rows, capacity, mesh,
                          rows_are="max_slots + max_staged + prefix_cache_rows")
     else:
-        check_paged_cache_fits(config, staged + prefix_rows, capacity, slots, *pages,
-                               mesh=mesh, prefix_rows=prefix_rows)
+        check_paged_cache_fits(config, staged, capacity, slots, *pages, mesh=mesh,
+                               prefix_rows=prefix_rows, rows_are="max_staged")
 
 
 def check_paged_cache_fits(config: M.TransformerConfig, rows: int, capacity: int,
@@ -106,10 +106,10 @@ def check_paged_cache_fits(config: M.TransformerConfig, rows: int, capacity: int
     """`check_cache_fits` for an engine whose `slots` keep their K/V in a pool of `num_pages`
     pages of `page_size` positions (each slot still keeps its `capacity` context tokens),
     and after them a row's pages for each of `prefix_rows` kept prefixes, beside `rows`
-    contiguous rows: raises ValueError when all of it takes more than `CACHE_SHARE` of the
-    `free` bytes (default: measured), naming the most pages that fit. On a `mesh` it counts
-    one device's share: the rows and slots of its `data` shard, and the whole pool, of its
-    kv heads (the pool is split over `model` only)."""
+    contiguous rows and those prefix rows: raises ValueError when all of it takes more than
+    `CACHE_SHARE` of the `free` bytes (default: measured), naming the most pages that fit.
+    On a `mesh` it counts one device's share: the rows and slots of its `data` shard, and
+    the whole pool, of its kv heads (the pool is split over `model` only)."""
     devices = jax.local_devices()[:1] if mesh is None else list(mesh.local_devices)
     free = least_free_bytes(devices) if free is None else free
     if free is None:
@@ -118,8 +118,9 @@ def check_paged_cache_fits(config: M.TransformerConfig, rows: int, capacity: int
     per_position = bytes_per_position(config, mesh)
     kv = per_position - CONTEXT_BYTES
     per_row = -(-capacity // page_size)
-    fixed = (per_position * -(-rows // data) * capacity + kv * prefix_rows * per_row * page_size
-             + CONTEXT_BYTES * -(-slots // data) * capacity)
+    fixed = (per_position * -(-rows // data) * capacity + CONTEXT_BYTES * -(-slots // data)
+             * capacity + kv * (-(-prefix_rows // data) * capacity + prefix_rows * per_row
+                                * page_size))  # a prefix row: no context, and its pages
     need, budget = fixed + kv * num_pages * page_size, CACHE_SHARE * free
     if need <= budget:
         return

@@ -28,17 +28,23 @@ REQUESTS += [GenerationRequest(prompt(9, 4), max_tokens=6,
                                sampling=Sampling(temperature=0.9, top_k=10), seed=3, n=2)]
 
 
-def serve(engine):
+# Prompts that share a preamble of a kept block, after the first has kept it.
+PREAMBLE = prompt(10, 20)
+SHARING = [GenerationRequest(PREAMBLE + (5 + i,) * (1 + i), max_tokens=6 + i)
+           for i in range(4)]
+
+
+def serve(engine, requests=REQUESTS):
     """Every request's tokens, by sample, submitted in two waves."""
-    deltas = [[] for _ in REQUESTS]
-    for i, request in enumerate(REQUESTS):
+    deltas = [[] for _ in requests]
+    for i, request in enumerate(requests):
         engine.submit(request, deltas[i].append)
-        if i == 2:
-            engine.step()
+        if i in (0, 2):
+            engine.run_until_idle() if requests is SHARING else engine.step()
     engine.run_until_idle()
     assert engine.live_slots == 0
     return [[[t for d in ds if d.index == k for t in d.token_ids] for k in range(r.n)]
-            for r, ds in zip(REQUESTS, deltas, strict=True)]
+            for r, ds in zip(requests, deltas, strict=True)]
 
 
 def test_a_mesh_engine_gives_every_request_the_one_device_tokens():
@@ -73,13 +79,16 @@ def test_a_paged_engine_on_a_mesh_gives_every_request_the_one_device_tokens():
     """Pages split by kv heads over `model`, whole on each `data` shard, in a pool tight
     enough that samples are preempted: the one-device engine's tokens all the same."""
     params = M.init_params(CONFIG, jax.random.key(1))
-    want = serve(Engine(CONFIG, params, max_slots=SLOTS, chunk_size=CHUNK, prefill_batch=1))
+    one = Engine(CONFIG, params, max_slots=SLOTS, chunk_size=CHUNK, prefill_batch=1)
+    want = [serve(one), serve(one, SHARING)]
     mesh = parallel.make_mesh("data=2,model=2", jax.devices()[:4])
     metrics = ServeMetrics()
     engine = Engine(CONFIG, params, max_slots=SLOTS, chunk_size=CHUNK, prefill_batch=1,
-                    mesh=mesh, max_len=24, page_size=4, num_pages=6, metrics=metrics)
-    assert serve(engine) == want
-    assert "kvjax_preemptions_total 0.0" not in metrics.exposition().decode()
+                    mesh=mesh, max_len=40, page_size=2, num_pages=20, metrics=metrics)
+    assert [serve(engine), serve(engine, SHARING)] == want
+    exposition = metrics.exposition().decode()
+    assert "kvjax_preemptions_total 0.0" not in exposition
+    assert "kvjax_prefix_cache_hits_total 3.0" in exposition  # read in place, on a mesh
     cache = engine.state.slots.cache
     assert cache.k[0].sharding.spec == PartitionSpec(None, None, parallel.MODEL)
     assert cache.pages.sharding.spec == PartitionSpec(parallel.DATA)
@@ -92,10 +101,10 @@ def test_a_paged_engine_on_a_mesh_gives_every_request_the_one_device_tokens():
                             engine.state.slots.context, *engine._prefixes.store.k,  # noqa: SLF001
                             *engine._prefixes.store.v)  # noqa: SLF001
                for shard in leaf.addressable_shards if shard.device == first)
-    fits = dict(config=CONFIG, rows=SLOTS + engine.prefix_cache_rows,  # staged, prefix
-                capacity=engine.capacity, slots=SLOTS, num_pages=6, page_size=4, mesh=mesh,
+    fits = dict(config=CONFIG, rows=SLOTS,  # staged rows
+                capacity=engine.capacity, slots=SLOTS, num_pages=20, page_size=2, mesh=mesh,
                 prefix_rows=engine.prefix_cache_rows)
-    # Within less than one position's K/V (the prefix rows' context is counted, not held).
+    # Within less than one position's K/V.
     slack = memory.bytes_per_position(CONFIG, mesh) - memory.CONTEXT_BYTES
     memory.check_paged_cache_fits(**fits, free=int((held + slack) / memory.CACHE_SHARE))
     with pytest.raises(ValueError, match="lower"):
