@@ -188,7 +188,7 @@ def share_kept(state: EngineState, prefixes) -> EngineState:
     """The state with the prefixes a `prefix_cache.PrefixCache` kept since the last call
     copied into their rows' pages of a paged pool (`mirror_prefixes`); unchanged without
     pages or prefix cache."""
-    if state.free_pages is None or prefixes is None:
+    written = None if prefixes is None else prefixes.take_written()
+    if state.free_pages is None or written is None:
         return state
-    written = prefixes.take_written()
-    return state if written is None else mirror_prefixes(state, prefixes.store, written)
+    return mirror_prefixes(state, prefixes.store, written)
