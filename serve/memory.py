@@ -95,13 +95,13 @@ def check_engine_fits(config: M.TransformerConfig, slots: int, staged: int,
                          rows_are="max_slots + max_staged + prefix_cache_rows")
     else:
         check_paged_cache_fits(config, staged, capacity, slots, *pages, mesh=mesh,
-                               prefix_rows=prefix_rows, rows_are="max_staged")
+                               prefix_rows=prefix_rows)
 
 
 def check_paged_cache_fits(config: M.TransformerConfig, rows: int, capacity: int,
                            slots: int, num_pages: int, page_size: int,
                            free: int | None = None,
-                           rows_are: str = "max_staged + prefix_cache_rows",
+                           rows_are: str = "max_staged",
                            mesh=None, prefix_rows: int = 0) -> None:
     """`check_cache_fits` for an engine whose `slots` keep their K/V in a pool of `num_pages`
     pages of `page_size` positions (each slot still keeps its `capacity` context tokens),
