@@ -23,6 +23,7 @@ from kvjax import model as M
 from kvjax import parallel
 from kvjax.decode.loop import StopReason
 from kvjax.decode.tracing import count_trace
+from kvjax.device_loops import device_loop_options
 
 from . import pages
 from .slots import (
@@ -89,8 +90,6 @@ def _starving(state: EngineState, queued):
     return queued & jnp.any(~state.slots.running) & ~jnp.any(state.staged.running)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6), static_argnames=("mesh", "steps_per_check"),
-                   donate_argnums=2)
 def decode_chunk(config: M.TransformerConfig, params, state: EngineState, cancel_I,
                  want_top, queued, steps: int, mesh=None,
                  steps_per_check: int = 1) -> tuple[EngineState, Emitted]:
@@ -103,10 +102,29 @@ def decode_chunk(config: M.TransformerConfig, params, state: EngineState, cancel
     `slots.empty_state`).
 
     With `steps_per_check` k > 1 the steps run k at a time in a loop of known trip count,
-    and whether to go on, or to admit staged samples, is decided only between those: on an
-    accelerator a loop whose trip count the device cannot know waits for the host at every
-    iteration. A slot that frees inside the k steps waits for their end; a step once every
-    slot is done, or past `steps`, changes nothing (it feeds no row and emits nothing)."""
+    and whether to go on, or to admit staged samples, is decided only between those: where
+    loops do not stay on the device (on a GPU they do: `kvjax.device_loops`), a loop whose
+    trip count the device cannot know waits for the host at every iteration. A slot that frees
+    inside the k steps waits for their end; a step once every slot is done, or past `steps`,
+    changes nothing (it feeds no row and emits nothing)."""
+    # On a GPU a step's kernels can take less time than the host needs to launch them: the
+    # loops and their conditions run on the device (`kvjax.device_loops`).
+    return _compiled_chunk(jax.default_backend())(config, params, state, cancel_I, want_top,
+                                                  queued, steps, mesh=mesh,
+                                                  steps_per_check=steps_per_check)
+
+
+@functools.cache
+def _compiled_chunk(backend: str):
+    """`_decode_chunk` jitted with `backend`'s options for device loops (compiler options
+    belong to a jitted function)."""
+    return jax.jit(_decode_chunk, static_argnums=(0, 6),
+                   static_argnames=("mesh", "steps_per_check"), donate_argnums=2,
+                   compiler_options=device_loop_options(backend))
+
+
+def _decode_chunk(config, params, state, cancel_I, want_top, queued, steps, mesh=None,
+                  steps_per_check=1):
     count_trace("serve_chunk")
 
     def stop_cancelled(rows: SlotState) -> SlotState:
