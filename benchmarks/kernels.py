@@ -1,5 +1,6 @@
-"""Where a decode step's time goes: every kernel of one `decode.generate` call, read from a
-`jax.profiler` trace and counted per generated token (`kvjax bench kernels`).
+"""Where a decode step's time goes: every kernel of one `decode.generate` call (or of a
+serving engine's chunks doing the same work), read from a `jax.profiler` trace and counted
+per generated token (`kvjax bench kernels [--engine]`).
 
 A decode step reads every weight once, so its floor is the weights' bytes over the memory
 bandwidth. The table says how far each kernel is from that: a matrix product near the
@@ -13,7 +14,9 @@ bound: `kvjax bench decode` times the steps.
 
 On a GPU the kernels are the events of the device's streams; on a CPU, those of XLA's
 threads (thunks), where a loop XLA compiles whole (the host-planned loop's inner steps) is
-not seen inside.
+not seen inside. Kernels a GPU runs from a command buffer (the engine's chunk, whose loops
+are kept on the device: `kvjax.device_loops`) are not seen inside either: the untraced time
+per step printed beside each profile says what the whole costs.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import glob
 import os
 import re
 import tempfile
+import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -141,28 +146,80 @@ def profile_kernels(run: Callable[[], object], steps: int) -> KernelProfile:
     return summarize(spans, copies, steps, device)
 
 
-def profile_decode(preset: str, hf_dir: str | None, batch: int, prompt_len: int,
-                   new_tokens: int, layers: str = "unrolled", dtype: str | None = None,
-                   cache_dtype: str | None = None,
-                   loop: str = "default") -> tuple[str, KernelProfile]:
-    """(the model's name, the kernels of one greedy `generate` call of `new_tokens` tokens
-    for `batch` random prompts of `prompt_len` tokens), for the model `kvjax bench decode`
-    times, with its decode loop `loop` (`kvjax bench decode --loops`)."""
-    planner = parse_loop(loop)  # a bad name fails first
+def _model(preset, hf_dir, layers, dtype, cache_dtype):
     name, config, params = benchmark_model(preset, hf_dir)
     config, params = M.with_precision(config, params, dtype, cache_dtype)
     if layers == "unrolled":
         config, params = config.replace(scan_layers=False), M.unstack_layer_params(config, params)
+    return name, config, params
+
+
+def profile_decode(preset: str, hf_dir: str | None, batch: int, prompt_len: int,
+                   new_tokens: int, layers: str = "unrolled", dtype: str | None = None,
+                   cache_dtype: str | None = None,
+                   loop: str = "default") -> tuple[str, KernelProfile, float]:
+    """(the model's name, the kernels of one greedy `generate` call of `new_tokens` tokens
+    for `batch` random prompts of `prompt_len` tokens, its seconds per step untraced), for
+    the model `kvjax bench decode` times, with its decode loop `loop` (`kvjax bench decode
+    --loops`)."""
+    planner = parse_loop(loop)  # a bad name fails first
+    name, config, params = _model(preset, hf_dir, layers, dtype, cache_dtype)
     prompts = np.random.default_rng(batch).integers(3, config.vocab_size, (batch, prompt_len))
     net = M.build_model(config)
 
     def run():
-        return decode.generate(net, params, prompts.astype(np.int32),
-                               max_new_tokens=new_tokens).tokens
+        return jax.block_until_ready(decode.generate(net, params, prompts.astype(np.int32),
+                                                     max_new_tokens=new_tokens).tokens)
 
     with contextlib.nullcontext() if planner is None else planned_by(planner):
-        jax.block_until_ready(run())  # compiles
-        return name, profile_kernels(run, new_tokens)
+        run()  # compiles
+        started = time.perf_counter()
+        run()
+        seconds = (time.perf_counter() - started) / new_tokens
+        return name, profile_kernels(run, new_tokens), seconds
+
+
+def profile_engine(preset: str, hf_dir: str | None, batch: int, prompt_len: int,
+                   new_tokens: int, layers: str = "unrolled", dtype: str | None = None,
+                   cache_dtype: str | None = None) -> tuple[str, KernelProfile, float]:
+    """(the model's name, the kernels of a serving engine of `batch` slots while they make
+    `new_tokens` greedy tokens each from `batch` random prompts, the engine's seconds per
+    step untraced): the same work as `profile_decode`'s call, as the engine's chunks do it
+    (the prefills' kernels shared out over the tokens too)."""
+    from kvjax.serve import Engine, GenerationRequest
+
+    name, config, params = _model(preset, hf_dir, layers, dtype, cache_dtype)
+    prompts = np.random.default_rng(batch).integers(3, config.vocab_size, (batch, prompt_len))
+    engine = Engine(config, params, max_slots=batch, max_len=prompt_len + new_tokens,
+                    max_queue=batch)
+    engine.warm_up([prompt_len])
+    engine.start()
+
+    def run():
+        done, errors = threading.Semaphore(0), []
+
+        def on_delta(delta):
+            if isinstance(delta, Exception):
+                errors.append(delta)
+            if isinstance(delta, Exception) or delta.finish_reason:
+                done.release()
+
+        for prompt in prompts:
+            engine.submit(GenerationRequest(tuple(int(t) for t in prompt),
+                                            max_tokens=new_tokens), on_delta)
+        for _ in prompts:
+            done.acquire()
+        if errors:
+            raise RuntimeError(f"the engine failed: {errors[0]!r}")
+
+    try:
+        run()  # the programs of every turn compiled and run once
+        started = time.perf_counter()
+        run()
+        seconds = (time.perf_counter() - started) / new_tokens
+        return name, profile_kernels(run, new_tokens), seconds
+    finally:
+        engine.close()
 
 
 def format_profile(profile: KernelProfile, title: str, top: int = 30) -> str:

@@ -60,6 +60,9 @@ def _add_kernels(kinds) -> None:
                          help="the decode loop, as `kvjax bench decode --loops` names it "
                               "(default, device, host, host:K)")
     kernels.add_argument("--top", type=positive, default=30, help="kernels listed")
+    kernels.add_argument("--engine", action="store_true",
+                         help="also the same work done by a serving engine of --batch slots "
+                              "(kvjax.serve.Engine), each slot making --new-tokens tokens")
     _add_decode_attention(kernels)
     kernels.set_defaults(run=_in_decode_attention_mode(run_bench_kernels))
 
@@ -95,17 +98,23 @@ def _model_dir(args, scratch: str) -> str | None:
 
 
 def run_bench_kernels(args) -> int:
-    from kvjax.benchmarks.kernels import format_profile, profile_decode
+    from kvjax.benchmarks.kernels import format_profile, profile_decode, profile_engine
 
+    model = (args.preset, None, args.batch, args.prompt_len, args.new_tokens, args.layers,
+             args.dtype, args.cache_dtype)
     with tempfile.TemporaryDirectory() as scratch:
-        hf_dir = _model_dir(args, scratch)
-        name, profile = profile_decode(args.preset, hf_dir, args.batch, args.prompt_len,
-                                       args.new_tokens, args.layers, args.dtype,
-                                       args.cache_dtype, args.loop)
-    print(format_profile(profile, f"Greedy decode, {name}, batch {args.batch}, "
-                                  f"{args.layers} layers, {args.dtype or 'its own dtype'}, "
-                                  f"{args.loop} loop",
-                         args.top))
+        model = (model[0], _model_dir(args, scratch), *model[2:])
+        name, profile, seconds = profile_decode(*model, args.loop)
+        setting = f"{args.layers} layers, {args.dtype or 'its own dtype'}"
+        print(format_profile(profile, f"Greedy decode, {name}, batch {args.batch}, {setting}, "
+                                      f"{args.loop} loop; {1e3 * seconds:.3f} ms per step "
+                                      "untraced", args.top))
+        if args.engine:
+            _, profile, seconds = profile_engine(*model)
+            print()
+            print(format_profile(profile, f"The serving engine, {args.batch} slots, {setting}; "
+                                          f"{1e3 * seconds:.3f} ms per step untraced",
+                                 args.top))
     return 0
 
 

@@ -1,6 +1,6 @@
 """`kvjax bench kernels`: the time covered by kernels equals a NumPy timeline's count, the
-per-token sums are the trace's, and a real generate call's profile holds its decode step's
-kernels once per token."""
+per-token sums are the trace's, and a real generate call's profile (and the engine's) holds
+its decode step's kernels once per token."""
 
 import jax
 import numpy as np
@@ -32,15 +32,26 @@ def test_rows_are_per_step_sums_longest_first():
 
 def test_a_decode_call_runs_its_step_kernels_once_per_token(capsys):
     code, out, _ = run_cli(capsys, "bench", "kernels", "--preset", "tiny", "--new-tokens",
-                           "16", "--top", "200")
+                           "16", "--top", "200", "--engine", "--batch", "2")
     assert code == 0, out
-    rows = [line.split("|") for line in out.splitlines() if line.startswith("| `")]
+    generate, engine = out.split("The serving engine, 2 slots")
+    rows = [line.split("|") for line in generate.splitlines() if line.startswith("| `")]
     calls = [row[3].strip() for row in rows]
     # The prefill's kernels run once in 16 tokens, the step's once per token after the first.
     assert f"{1 / 16:.2f}" in calls and f"{15 / 16:.2f}" in calls, out
-    totals = out.split("Per token: ")[1]
-    busy, wall = (float(totals.split(" µs")[i].split()[-1]) for i in (0, 1))
-    assert 0 < busy <= wall
-    copies = float(totals.split(" copies")[0].split()[-1])
-    # A GPU copies each loop iteration's predicate to the host; a CPU has no host to copy to.
-    assert (copies >= 15 / 16) if jax.default_backend() == "gpu" else copies == 0
+    for part in (generate, engine):
+        assert float(part.split(" ms per step untraced")[0].split()[-1]) > 0
+        totals = part.split("Per token: ")[1]
+        busy, wall = (float(totals.split(" µs")[i].split()[-1]) for i in (0, 1))
+        assert 0 < busy <= wall
+    copies = [float(part.split("Per token: ")[1].split(" copies")[0].split()[-1])
+              for part in (generate, engine)]
+    if jax.default_backend() == "gpu":
+        # A GPU copies each loop iteration's predicate to the host, but for the engine's
+        # chunk, whose loops stay on the device (`kvjax.device_loops`): its host turns copy.
+        assert copies[0] >= 15 / 16 and copies[1] < copies[0], out
+    else:  # a CPU has no host to copy to; the engine's step kernels run once per token too
+        assert copies == [0, 0]
+        engine_calls = [float(line.split("|")[3]) for line in engine.splitlines()
+                        if line.startswith("| `")]
+        assert any(0.9 <= c <= 1.1 for c in engine_calls), engine
