@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Lowest first. A part is a subpackage or a module of `kvjax` (`kvjax` alone: its __init__).
 LAYERS = [
     ("kvjax", "kvjax.tokenizer", "kvjax.model"),
-    ("kvjax.parallel", "kvjax.distributed", "kvjax.detokenize"),
+    ("kvjax.parallel", "kvjax.distributed", "kvjax.detokenize", "kvjax.device_loops"),
     ("kvjax.checkpoint", "kvjax.decode"),
     ("kvjax.hf",),
     ("kvjax.text", "kvjax.train"),
