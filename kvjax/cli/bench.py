@@ -100,10 +100,9 @@ def _model_dir(args, scratch: str) -> str | None:
 def run_bench_kernels(args) -> int:
     from kvjax.benchmarks.kernels import format_profile, profile_decode, profile_engine
 
-    model = (args.preset, None, args.batch, args.prompt_len, args.new_tokens, args.layers,
-             args.dtype, args.cache_dtype)
     with tempfile.TemporaryDirectory() as scratch:
-        model = (model[0], _model_dir(args, scratch), *model[2:])
+        model = (args.preset, _model_dir(args, scratch), args.batch, args.prompt_len,
+                 args.new_tokens, args.layers, args.dtype, args.cache_dtype)
         name, profile, seconds = profile_decode(*model, args.loop)
         setting = f"{args.layers} layers, {args.dtype or 'its own dtype'}"
         print(format_profile(profile, f"Greedy decode, {name}, batch {args.batch}, {setting}, "
