@@ -5,7 +5,8 @@ The state (`EngineState`) holds two sets of rows of one layout (`SlotState`): th
 which decode, and the staged rows, samples prefilled and waiting for a slot.
 
   insert(state, prefix, rows, staged, ids) writes prefilled prompts into staged rows
-                                    (traced indices) and samples their first tokens;
+                                    (traced indices) and samples their first tokens (two
+                                    programs: the writing one per prompt bucket);
   decode_chunk(state, cancel, ...)  (`chunk.py`) runs up to `steps` decode steps over every
                                     slot in nested `lax.while_loop`s, moving a staged sample into
                                     each slot that frees on the way, and returns the tokens.
@@ -254,7 +255,6 @@ def record(state: SlotState, token_B, live_B) -> SlotState:
     return state.replace(generated=generated_B, running=state.running & ~ends_B)
 
 
-@functools.partial(jax.jit, donate_argnums=0, static_argnames="mesh")
 def insert(state: EngineState, prefix_cache: M.KVCache, next_logits_PV, context_PC,
            context_lengths_P, rows_R, staged_R, ids_R, settings: RowSettings, mesh=None):
     """The state with R samples staged and their first tokens sampled, and those tokens'
@@ -264,38 +264,69 @@ def insert(state: EngineState, prefix_cache: M.KVCache, next_logits_PV, context_
     nothing (padding). What a row held past the prompt is left: its length masks it. A
     sample that its first token ends waits for no slot. The indices are traced: any prompts
     into any rows is one program per (P, R). On `mesh` the state keeps its layout (see
-    `empty_state`)."""
+    `empty_state`).
+
+    Two programs: the prompts' cache and context are written by one compiled for each
+    prompt bucket (`_stage`); the settings are written and the first tokens chosen by one
+    compiled for each R whatever the bucket (`_first_tokens`). Sampling and the logit
+    processors, compiled with both branches of each decision, are most of the work of
+    compiling an insert and need nothing of the prompt's length."""
+    state, chosen_from = _stage(state, prefix_cache, next_logits_PV, context_PC,
+                                context_lengths_P, rows_R, staged_R, mesh=mesh)
+    return _first_tokens(state, *chosen_from, staged_R, ids_R, settings, mesh=mesh)
+
+
+def _put(all_Q, staged_R, new_R):
+    """Rows of `new` into the staged rows `staged_R` (one past the last: dropped)."""
+    return all_Q.at[staged_R].set(new_R, mode="drop", unique_indices=True)
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnames="mesh")
+def _stage(state: EngineState, prefix_cache: M.KVCache, next_logits_PV, context_PC,
+           context_lengths_P, rows_R, staged_R, mesh=None):
+    """`insert`'s prompts written into their staged rows (cache and context), and what
+    their first tokens are chosen from: (logits [R, V], context [R, C], its lengths [R])."""
     count_trace("serve_insert")
+    rows = state.staged
+    context_RC = jnp.pad(context_PC[rows_R],
+                         ((0, 0), (0, rows.context.shape[1] - context_PC.shape[1])))
+    context_lengths_R = context_lengths_P[rows_R]
+    rows = rows.replace(cache=rows.cache.put_rows(prefix_cache, rows_R, staged_R),
+                        context=_put(rows.context, staged_R, context_RC),
+                        context_lengths=_put(rows.context_lengths, staged_R,
+                                             context_lengths_R))
+    state = parallel.constrain_rows(state.replace(staged=rows), mesh)
+    return state, (next_logits_PV[rows_R], context_RC, context_lengths_R)
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnames="mesh")
+def _first_tokens(state: EngineState, logits_RV, context_RC, context_lengths_R, staged_R,
+                  ids_R, settings: RowSettings, mesh=None):
+    """`insert`'s samples given their settings in the staged rows `_stage` wrote, and their
+    first tokens chosen and recorded."""
+    count_trace("serve_first_tokens")
     rows = state.staged
     keys_R2 = jax.random.key_data(jax.vmap(sample_key)(
         jax.random.wrap_key_data(settings.seed), settings.sample))
 
-    def put(all_Q, new_R):  # rows of `new` into the staged rows
-        return all_Q.at[staged_R].set(new_R, mode="drop", unique_indices=True)
+    def put(all_Q, new_R):
+        return _put(all_Q, staged_R, new_R)
 
-    cache = rows.cache.put_rows(prefix_cache, rows_R, staged_R)
-    context_RC = jnp.pad(context_PC[rows_R],
-                         ((0, 0), (0, rows.context.shape[1] - context_PC.shape[1])))
-    context_lengths_R = context_lengths_P[rows_R]
     new_Q = jnp.any(jnp.arange(rows.num_slots)[:, None] == staged_R[None], axis=1)
     rows = rows.replace(
-        cache=cache,
         generated=put(rows.generated, settings.generated),
         max_tokens=put(rows.max_tokens, settings.max_tokens),
         stop_ids=put(rows.stop_ids, settings.stop_ids),
         keys=put(rows.keys, keys_R2),
         sampling=jax.tree.map(put, rows.sampling, settings.sampling),
-        context=put(rows.context, context_RC),
-        context_lengths=put(rows.context_lengths, context_lengths_R),
         running=rows.running | new_Q,
         stop_reason=jnp.where(new_Q, StopReason.RUNNING, rows.stop_reason),
         owner=put(rows.owner, ids_R), prefix_row=put(rows.prefix_row, settings.prefix_row),
         prefix_pages=put(rows.prefix_pages, settings.prefix_pages))
     constraints = state.constraints(settings.constraint_state)
     token_R, logprob_R, top_logprobs_RA, top_ids_RA, constraint_state_R = choose(
-        next_logits_PV[rows_R], context_RC, context_lengths_R, settings.sampling, keys_R2,
-        settings.generated, constraints=constraints,
-        live_B=jnp.ones(rows_R.shape, bool))
+        logits_RV, context_RC, context_lengths_R, settings.sampling, keys_R2,
+        settings.generated, constraints=constraints, live_B=jnp.ones(staged_R.shape, bool))
     if constraints is not None:
         rows = rows.replace(constraint_state=put(rows.constraint_state, constraint_state_R))
     token_Q = jnp.zeros(rows.num_slots, jnp.int32).at[staged_R].set(token_R, mode="drop")

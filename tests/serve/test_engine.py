@@ -112,7 +112,8 @@ def test_a_seeded_sample_is_the_same_whatever_shares_the_batch(engine, tiny_lm):
 
 def test_after_warming_up_serving_compiles_nothing_new(engine):
     engine.warm_up(prompt_lengths=range(1, 9))  # every row count, one length bucket
-    before = {name: trace_count(name) for name in ("serve_insert", "serve_chunk", "prefill")}
+    before = {name: trace_count(name)
+              for name in ("serve_insert", "serve_first_tokens", "serve_chunk", "prefill")}
     collectors = [Collector() for _ in range(SLOTS + 2)]
     for i, collector in enumerate(collectors):  # every slot, some twice; 1-4 rows prefilled
         engine.submit(GenerationRequest(prompt(40 + i, 2 + i % 6), max_tokens=3 + i,

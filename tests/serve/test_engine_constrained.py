@@ -117,7 +117,8 @@ def test_sampled_outputs_that_end_validate_and_a_placed_schema_compiles_nothing(
                               sampling=decode.Sampling(temperature=1.0, top_p=0.95)),
                       collector)
     engine.run_until_idle()  # compiles for tables holding ITEM's automaton
-    before = {name: trace_count(name) for name in ("serve_insert", "serve_chunk")}
+    before = {name: trace_count(name)
+              for name in ("serve_insert", "serve_first_tokens", "serve_chunk")}
     again = Collector()
     engine.submit(request(lm, "The", automaton, max_tokens=80, n=3, seed=0,
                           sampling=decode.Sampling(temperature=1.0, top_p=0.95)), again)
