@@ -124,6 +124,23 @@ def test_after_warming_up_serving_compiles_nothing_new(engine):
     assert {name: trace_count(name) for name in before} == before
 
 
+def test_first_tokens_compile_once_per_row_count_whatever_the_prompt_bucket(tiny_lm):
+    config, _, params = tiny_lm
+    # State shapes of its own (3 staged rows), so no other test traced its programs.
+    fresh = Engine(config, params, max_slots=2, max_staged=3, chunk_size=CHUNK,
+                   prefill_batch=2, prefix_cache_rows=0)
+
+    def traces():
+        return np.array([trace_count(name) for name in ("serve_insert", "serve_first_tokens")])
+
+    before = traces()
+    fresh.warm_up(prompt_lengths=range(1, 9))  # prefills of 1 and 2 rows, bucket 8
+    first_bucket = traces()
+    fresh.warm_up(prompt_lengths=range(9, 17))  # the same rows, bucket 16
+    assert (first_bucket - before).tolist() == [2, 2]
+    assert (traces() - first_bucket).tolist() == [2, 0]
+
+
 def test_a_stop_string_ends_the_text_before_it_and_never_leaks(engine, tiny_lm):
     request = GenerationRequest(prompt(50, 4), max_tokens=8)
     tokens = alone(tiny_lm, request)
