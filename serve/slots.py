@@ -263,12 +263,12 @@ def insert(state: EngineState, prefix_cache: M.KVCache, next_logits_PV, context_
     token, its context), written into staged row `staged[r]`; a row past the last one stages
     nothing (padding). What a row held past the prompt is left: its length masks it. A
     sample that its first token ends waits for no slot. The indices are traced: any prompts
-    into any rows is one program per (P, R). On `mesh` the state keeps its layout (see
+    into any rows compile nothing new. On `mesh` the state keeps its layout (see
     `empty_state`).
 
     Two programs: the prompts' cache and context are written by one compiled for each
-    prompt bucket (`_stage`); the settings are written and the first tokens chosen by one
-    compiled for each R whatever the bucket (`_first_tokens`). Sampling and the logit
+    (P, R) (`_stage`); the settings are written and the first tokens chosen by one compiled
+    for each R whatever the bucket (`_first_tokens`). Sampling and the logit
     processors, compiled with both branches of each decision, are most of the work of
     compiling an insert and need nothing of the prompt's length."""
     state, chosen_from = _stage(state, prefix_cache, next_logits_PV, context_PC,
