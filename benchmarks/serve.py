@@ -35,6 +35,7 @@ import numpy as np
 from kvjax import decode
 from kvjax import model as M
 from kvjax.decode.buckets import bucket
+from kvjax.device_loops import device_loop_options
 from kvjax.serve import Engine, GenerationRequest
 
 from .workload import Result, Workload, make_workload
@@ -93,10 +94,12 @@ def run_engine(config, params, workload: Workload, max_slots: int,
     ttft = np.array([first[i] - (start + a) for i, a in enumerate(workload.arrivals)])
     pages = ("contiguous" if engine.pages is None
              else f"{engine.pages[0]} pages of {engine.pages[1]}")
+    # Whether the chunk's loops were compiled to stay on the device (`kvjax.device_loops`).
+    loops = ", loops on the device" if device_loop_options(jax.default_backend()) else ""
     return Result(f"engine ({max_slots} slots of {engine.capacity}, {pages}, "
                   f"{engine.num_staged} staged, chunk "
                   f"{engine.chunk_size}, {engine.steps_per_check} steps per check, "
-                  f"{engine.prefix_cache_rows} prefix rows; at most {most_live} live)",
+                  f"{engine.prefix_cache_rows} prefix rows{loops}; at most {most_live} live)",
                   workload.useful_tokens,
                   end - (start + workload.arrivals[0]), ttft, np.array(gaps))
 
