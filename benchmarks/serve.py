@@ -44,7 +44,7 @@ from .workload import Result, Workload, make_workload
 def run_engine(config, params, workload: Workload, max_slots: int,
                chunk_size: int | None = None, max_len: int | None = None,
                prefix_cache_rows: int | None = None,
-               steps_per_check: int = 1, page_size: int | None = None,
+               steps_per_check: int | None = None, page_size: int | None = None,
                num_pages: int | None = None, max_staged: int | None = None) -> Result:
     """The engine with `max_slots` slots of `max_len` positions (default: the model's),
     `prefix_cache_rows` (default: the engine's), `steps_per_check`, the slots' pages
@@ -177,7 +177,7 @@ def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, o
                     long_tail: bool = False, compare_transformers: bool = True,
                     repeats: int = 3, max_len: int | None = None,
                     shared_prefix: int = 0, prefix_cache_rows: int | None = None,
-                    steps_per_check: int = 1, page_size: int | None = None,
+                    steps_per_check: int | None = None, page_size: int | None = None,
                     num_pages: int | None = None, max_staged: int | None = None) -> str:
     """The report: each contender's run of median throughput among `repeats` (the engine and
     the fixed batches take turns, so that both see the machine's drift alike), then the

@@ -8,14 +8,16 @@ a serving engine's chunk of decode steps over a small model is one. XLA can reco
 loops and conditionals themselves into the command buffer (CUDA graphs' conditional nodes),
 so that the whole loop is launched once and decides on the device. Its defaults leave them
 out; `device_loop_options` gives the options that put them in, for the programs that ask
-(`jax.jit(..., compiler_options=...)`): every other program, and what a user set through
-`XLA_FLAGS`, stays as it is.
+(`jax.jit(..., compiler_options=...)`, or `jit` below): every other program, and what a
+user set through `XLA_FLAGS`, stays as it is. (`generate`'s decode loop is not one of them:
+XLA does not make it one graph, and with these options it runs slower.)
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -52,3 +54,20 @@ def _accepted(options: dict[str, str]) -> bool:
     except jax.errors.JaxRuntimeError:
         return False
     return True
+
+
+def jit(fun: Callable, **jit_kwargs) -> Callable:
+    """`jax.jit(fun, **jit_kwargs)`, compiled with the `device_loop_options` of the backend
+    it runs on. The backend is asked at each call, not at import (asking it starts it);
+    `.for_backend(name)` is the jitted function of that backend's options."""
+
+    @functools.cache
+    def for_backend(backend: str):
+        return jax.jit(fun, compiler_options=device_loop_options(backend), **jit_kwargs)
+
+    @functools.wraps(fun)
+    def call(*args, **kwargs):
+        return for_backend(jax.default_backend())(*args, **kwargs)
+
+    call.for_backend = for_backend
+    return call

@@ -19,11 +19,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kvjax import device_loops, parallel
 from kvjax import model as M
-from kvjax import parallel
 from kvjax.decode.loop import StopReason
 from kvjax.decode.tracing import count_trace
-from kvjax.device_loops import device_loop_options
 
 from . import pages
 from .slots import (
@@ -107,22 +106,14 @@ def decode_chunk(config: M.TransformerConfig, params, state: EngineState, cancel
     trip count the device cannot know waits for the host at every iteration. A slot that frees
     inside the k steps waits for their end; a step once every slot is done, or past `steps`,
     changes nothing (it feeds no row and emits nothing)."""
-    # On a GPU a step's kernels can take less time than the host needs to launch them: the
-    # loops and their conditions run on the device (`kvjax.device_loops`).
-    return _compiled_chunk(jax.default_backend())(config, params, state, cancel_I, want_top,
-                                                  queued, steps, mesh=mesh,
-                                                  steps_per_check=steps_per_check)
+    return _decode_chunk(config, params, state, cancel_I, want_top, queued, steps, mesh=mesh,
+                         steps_per_check=steps_per_check)
 
 
-@functools.cache
-def _compiled_chunk(backend: str):
-    """`_decode_chunk` jitted with `backend`'s options for device loops (compiler options
-    belong to a jitted function)."""
-    return jax.jit(_decode_chunk, static_argnums=(0, 6),
-                   static_argnames=("mesh", "steps_per_check"), donate_argnums=2,
-                   compiler_options=device_loop_options(backend))
-
-
+# On a GPU a step's kernels can take less time than the host needs to launch them: the
+# loops and their conditions run on the device (`kvjax.device_loops`).
+@functools.partial(device_loops.jit, static_argnums=(0, 6),
+                   static_argnames=("mesh", "steps_per_check"), donate_argnums=2)
 def _decode_chunk(config, params, state, cancel_I, want_top, queued, steps, mesh=None,
                   steps_per_check=1):
     count_trace("serve_chunk")
@@ -224,3 +215,10 @@ def default_chunk_size() -> int:
     little beside a step, so longer chunks only delay first tokens; on an accelerator each
     turn costs the device several steps' time (measured in benchmarks/README.md)."""
     return 8 if jax.default_backend() == "cpu" else 64
+
+
+def default_steps_per_check() -> int:
+    """Decode steps a chunk runs between its checks: 1 on a CPU, where checking costs
+    little and a freed slot refills at once; 8 on an accelerator, where a step is short
+    beside a check's turn through the loop (measured in benchmarks/README.md)."""
+    return 1 if jax.default_backend() == "cpu" else 8

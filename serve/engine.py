@@ -78,7 +78,8 @@ class Engine:
     is allocated if it would not fit the device's free memory (`memory.py`). `max_staged`
     bounds a request's `n` and the slots a chunk can refill before the host stages more.
     `chunk_size`: by default `chunk.default_chunk_size()`. `steps_per_check` > 1 runs the
-    chunk's steps that many at a time (`chunk.decode_chunk`), for an accelerator to try.
+    chunk's steps that many at a time (`chunk.decode_chunk`); by default
+    `chunk.default_steps_per_check()`.
 
     `prefix_cache_rows` more rows (default a quarter of `max_staged`; 0: none) keep the
     K/V of recent prompts, so a prompt that starts like one of them prefills only the rest
@@ -89,13 +90,15 @@ class Engine:
     def __init__(self, config: M.TransformerConfig, params, *,
                  tokenizer: TextTokenizer | None = None, max_slots: int = 16,
                  max_staged: int | None = None, max_len: int | None = None,
-                 chunk_size: int | None = None, steps_per_check: int = 1,
+                 chunk_size: int | None = None, steps_per_check: int | None = None,
                  max_queue: int = 64, prefill_batch: int = 8, prefix_cache_rows: int | None = None,
                  prefix_block: int = prefix_cache.DEFAULT_BLOCK, prefill_part: int = 512,
                  page_size: int | None = None, num_pages: int | None = None,
                  metrics=None, mesh=None):
         capacity = config.max_len if max_len is None else max_len
         chunk_size = chunk.default_chunk_size() if chunk_size is None else chunk_size
+        if steps_per_check is None:
+            steps_per_check = chunk.default_steps_per_check()
         max_staged = max_slots if max_staged is None else max_staged
         for name, value in (("max_slots", max_slots), ("max_staged", max_staged),
                             ("max_len", capacity), ("chunk_size", chunk_size),

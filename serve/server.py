@@ -41,7 +41,8 @@ def error_response(error: APIError) -> JSONResponse:
 
 def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: int = 16,
               max_staged: int | None = None, max_queue: int = 64, max_len: int | None = None,
-              chunk_size: int | None = None, steps_per_check: int = 1, prefill_batch: int = 8,
+              chunk_size: int | None = None, steps_per_check: int | None = None,
+              prefill_batch: int = 8,
               prefix_cache_rows: int | None = None, prefill_part: int = 512,
               page_size: int | None = None, num_pages: int | None = None,
               warm_up: bool = False, mesh=None,

@@ -32,8 +32,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from kvjax import device_loops, parallel
 from kvjax import model as M
-from kvjax import parallel
 from kvjax.decode import loop as decode_loop
 from kvjax.decode.automaton import UNCONSTRAINED, RowConstraints
 from kvjax.decode.loop import StopReason
@@ -299,7 +299,9 @@ def _stage(state: EngineState, prefix_cache: M.KVCache, next_logits_PV, context_
     return state, (next_logits_PV[rows_R], context_RC, context_lengths_R)
 
 
-@functools.partial(jax.jit, donate_argnums=0, static_argnames="mesh")
+# Choosing a token decides (greedy or not, processors on or not) with conditionals: on a
+# GPU they are decided on the device (`kvjax.device_loops`).
+@functools.partial(device_loops.jit, donate_argnums=0, static_argnames="mesh")
 def _first_tokens(state: EngineState, logits_RV, context_RC, context_lengths_R, staged_R,
                   ids_R, settings: RowSettings, mesh=None):
     """`insert`'s samples given their settings in the staged rows `_stage` wrote, and their

@@ -6,7 +6,7 @@ import numpy as np
 
 from kvjax import decode
 from kvjax import device_loops as D
-from kvjax.serve import Engine, GenerationRequest, chunk
+from kvjax.serve import Engine, GenerationRequest, chunk, slots
 
 
 def test_a_gpu_records_loops_and_conditionals_and_no_other_backend_is_told_to():
@@ -30,13 +30,33 @@ def test_kinds_this_xla_does_not_know_are_left_out_and_xla_flags_win(monkeypatch
     assert D.device_loop_options.__wrapped__("gpu") is None
 
 
-def test_the_engines_chunk_compiled_for_a_gpu_serves_what_generate_makes(tiny_lm, monkeypatch):
-    """The chunk a GPU runs (its loops in the command buffer) is the same program with other
-    compiler options: compiled with them here, it serves every request as `generate` alone."""
+def test_a_jit_compiles_with_the_options_of_the_backend_it_runs_on():
+    calls = []
+
+    @D.jit
+    def double(x):
+        calls.append(x)
+        return 2 * x
+
+    assert int(double(np.int32(3))) == 6 and int(double(np.int32(4))) == 8
+    assert len(calls) == 1  # traced once, as jax.jit
+    assert double.for_backend(jax.default_backend()) is double.for_backend(jax.default_backend())
+    assert double.__name__ == "double"
+
+
+def test_the_engines_programs_compiled_for_a_gpu_serve_what_generate_makes(tiny_lm,
+                                                                           monkeypatch):
+    """The engine's programs a GPU runs with its loops and conditionals in the command
+    buffer (the chunk, the first tokens' choice) are the same programs with other compiler
+    options: compiled with them here, they serve every request as `generate` alone."""
     config, net, params = tiny_lm
-    gpu_chunk = chunk._compiled_chunk("gpu")
-    assert gpu_chunk is not chunk._compiled_chunk(jax.default_backend())
-    monkeypatch.setattr(chunk, "_compiled_chunk", lambda backend: gpu_chunk)
+    on_gpu = jax.default_backend() == "gpu"
+    for module, name in ((chunk, "_decode_chunk"), (slots, "_first_tokens")):
+        program = getattr(module, name)
+        gpu_program = program.for_backend("gpu")
+        # Elsewhere the program is compiled without them: on a GPU it is this one already.
+        assert (gpu_program is program.for_backend(jax.default_backend())) == on_gpu
+        monkeypatch.setattr(module, name, gpu_program)
     engine = Engine(config, params, max_slots=2, chunk_size=4, max_queue=4, prefill_batch=2)
     prompts = [tuple(int(t) for t in np.random.default_rng(s).integers(3, 64, 5 + s))
                for s in range(3)]

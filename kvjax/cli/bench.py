@@ -266,9 +266,10 @@ def _add_serve(kinds) -> None:
                             "8 on a CPU, 64 on an accelerator)")
     serve.add_argument("--prefix-cache-rows", type=count, default=None, metavar="N",
                        help="the engine's prefix cache rows (default: the engine's; 0: off)")
-    serve.add_argument("--steps-per-check", type=positive, default=1, metavar="K",
+    serve.add_argument("--steps-per-check", type=positive, default=None, metavar="K",
                        help="decode steps between the chunk's checks of whether to go on or "
-                            "admit, run in a loop of known trip count (for accelerators)")
+                            "admit, run in a loop of known trip count (default: the "
+                            "engine's, 1 on a CPU, 8 on an accelerator)")
     serve.add_argument("--page-size", type=positive, default=None, metavar="N",
                        help="the engine's slots in pages of N positions (default: a row of "
                             "--max-len per slot)")

@@ -38,10 +38,10 @@ def add_serve(commands) -> None:
                        help="decode steps between the host's turns (handing out tokens, "
                             "staging requests); slots refill within a chunk (default: 8 "
                             "on a CPU, 64 on an accelerator)")
-    serve.add_argument("--steps-per-check", type=positive, default=1, metavar="K",
+    serve.add_argument("--steps-per-check", type=positive, default=None, metavar="K",
                        help="decode steps a chunk runs between its checks of whether to go "
-                            "on or refill a slot, in a loop of known trip count (for an "
-                            "accelerator, where each check waits for the host)")
+                            "on or refill a slot, in a loop of known trip count (default: 1 "
+                            "on a CPU, 8 on an accelerator)")
     serve.add_argument("--prefill-batch", type=positive, default=8,
                        help="waiting prompts prefilled together")
     serve.add_argument("--prefix-cache-rows", type=count, default=None, metavar="N",
