@@ -136,7 +136,8 @@ def peak_bytes(compiled) -> int:
 
 
 def kvjax_step(config: M.TransformerConfig, batch_np: dict, mesh=None,
-               deterministic: bool = False, lora: M.LoRA | None = None) -> KvjaxStep:
+               deterministic: bool = False, lora: M.LoRA | None = None,
+               remat: bool = False) -> KvjaxStep:
     """`kvjax.train.update`'s step on fresh params (LoRA's adapters on them as a frozen base
     with `lora`), compiled once ahead of time: the program timed is the one measured."""
     from kvjax.train import lora as train_lora
@@ -144,7 +145,8 @@ def kvjax_step(config: M.TransformerConfig, batch_np: dict, mesh=None,
     from kvjax.train.config import TrainConfig
 
     train_config = TrainConfig(steps=10_000, batch_size=len(batch_np["inputs"]), warmup_steps=10,
-                               progress=False, deterministic=deterministic, lora=lora)
+                               progress=False, deterministic=deterministic, lora=lora,
+                               remat=remat)
     step_config = update.compiled_fields(train_config)
     params = base = None
     if lora is not None:

@@ -42,10 +42,13 @@ def lora_benchmark(preset: str = "gpt2-small", batch_size: int = 4, seq_len: int
                    rank: int = 8, targets: tuple[str, ...] = M.lora.DEFAULT_TARGETS,
                    steps: int = 3, repeats: int = 2, dtype: str = "float32",
                    base_dtypes: tuple[str | None, ...] = (None, "bfloat16"),
+                   remat_modes: tuple[bool, ...] = (False,),
                    log: Callable[[str], None] = print) -> tuple[list[LoraRow], str]:
     """Full fine-tuning, then LoRA of `rank` on `targets` over a base held in each of
-    `base_dtypes` (None: as the params are, float32); returns the rows and a line naming
-    the setting and machine."""
+    `base_dtypes` (None: as the params are, float32), each without and/or with the layers
+    rematerialized (`remat_modes`); returns the rows and a line naming the setting and
+    machine. The first row, full fine-tuning without remat if asked, is what the others are
+    compared with."""
     config = model_config(preset).replace(dtype=dtype, scan_layers=True)
     if seq_len > config.max_len:
         raise ValueError(f"seq_len {seq_len} exceeds the {preset} max_len {config.max_len}")
@@ -55,9 +58,11 @@ def lora_benchmark(preset: str = "gpt2-small", batch_size: int = 4, seq_len: int
     contenders = [("full fine-tuning", None)] + [
         (f"LoRA r={rank} on {', '.join(targets)}, {base or 'float32'} base",
          M.LoRA(rank, None, targets, base)) for base in base_dtypes]
-    for name, lora in contenders:
+    contenders = [(name + (", remat" if remat else ""), lora, remat)
+                  for name, lora in contenders for remat in remat_modes]
+    for name, lora, remat in contenders:
         log(f"{name} ...")
-        step = kvjax_step(config, batch, lora=lora)
+        step = kvjax_step(config, batch, lora=lora, remat=remat)
         rows.append(LoraRow(name, _best_step_seconds(step.run, steps, repeats),
                             batch_size * seq_len, step.peak_bytes, step.trained_params))
         del step  # the state's buffers go before the next contender's

@@ -74,6 +74,11 @@ class TransformerConfig:
     # up to the longest row, so a smaller block wastes less past that row's end and a larger
     # one pays the per-block overhead fewer times.
     attention_block: int = 64
+    # Training keeps only each layer's input for the backward pass and recomputes the rest of
+    # the layer there (`nn.remat`): activation memory of one layer instead of every layer's,
+    # for about one more forward pass of compute. The same numbers either way, up to float
+    # rounding; `kvjax train --remat` sets it for the training step alone.
+    remat: bool = False
     # Options that imported architectures need (`kvjax.hf`). Their defaults are the model
     # above, and `to_dict` leaves out whichever is at its default, so a config.json written
     # before they existed reads back equal.
@@ -233,14 +238,14 @@ class TransformerConfig:
 
 # Fields that set how fast a model runs, never what it computes: two configs that differ only
 # in them hold the same model (a checkpoint trained with one fine-tunes or resumes with another).
-SPEED_ONLY_FIELDS = ("attention_block",)
+SPEED_ONLY_FIELDS = ("attention_block", "remat")
 
 _INT_FIELDS = ("vocab_size", "d_model", "num_heads", "d_ff", "num_decoder_layers",
                "num_encoder_layers", "max_len", "bos_id", "attention_block",
                "rope_original_max_len")
 _REAL_FIELDS = ("dropout", "rope_base", "layer_norm_eps", "rope_scaling_factor",
                 "rope_low_freq_factor", "rope_high_freq_factor")
-_BOOL_FIELDS = ("tie_embeddings", "scan_layers", "qkv_bias", "out_bias", "ffn_bias",
+_BOOL_FIELDS = ("tie_embeddings", "scan_layers", "remat", "qkv_bias", "out_bias", "ffn_bias",
                 "scale_embeddings", "logits_bias", "qk_norm", "norm_unit_offset",
                 "sandwich_norms")
 _OPTIONAL_REALS = ("local_rope_base", "attention_scale", "attention_softcap", "logits_softcap")
@@ -256,7 +261,7 @@ _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "sinusoid_layout", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor",
     "rope_high_freq_factor", "rope_original_max_len", "cache_dtype", "qk_norm",
     "sliding_window", "full_attention_layers", "local_rope_base", "norm_unit_offset",
-    "sandwich_norms", "attention_scale", "attention_softcap", "logits_softcap")}
+    "sandwich_norms", "attention_scale", "attention_softcap", "logits_softcap", "remat")}
 
 
 def _layer_kind_problems(config: TransformerConfig) -> list[str]:

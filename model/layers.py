@@ -209,7 +209,12 @@ def layer_stack(layer_cls, config: TransformerConfig, num_layers: int, name: str
     """`num_layers` copies of `layer_cls`, held as `config.layer_stacks` says: stacked with
     `nn.scan` when `config.scan_layers` (params get a leading [L] axis and the program is
     traced once, so compile time does not grow with depth), else `Unrolled`. Call it with
-    `run_layers`."""
+    `run_layers`. With `config.remat` each layer is rematerialized: differentiating it keeps
+    its input and recomputes the rest."""
+    if config.remat:
+        # Inside a scan XLA cannot merge the recomputation into the forward pass, so the
+        # guard against that (`prevent_cse`) would only cost time there.
+        layer_cls = nn.remat(layer_cls, prevent_cse=not config.scan_layers)
     if not config.scan_layers:
         return Unrolled(layer_cls, config, num_layers, name=name)
     return nn.scan(

@@ -32,6 +32,11 @@ class TrainConfig:
     kernel (`kvjax.model.fused_attention`). It is off by default because it costs a GPU a
     noticeable share of every step (`kvjax bench train --deterministic both` measures it).
 
+    `remat` recomputes each layer's activations in the backward pass instead of keeping
+    them from the forward pass (`TransformerConfig.remat`): a step holds one layer's
+    activations rather than every layer's, for one more forward pass of compute. The losses
+    are the same up to float rounding.
+
     `lora` trains low-rank adapters on the chosen kernels of a frozen base checkpoint instead
     of every param (`kvjax.train.lora`); the run must start from that base (`init_from`).
     """
@@ -54,6 +59,7 @@ class TrainConfig:
     seed: int = 0
     progress: bool = True  # the tqdm bar; off for tests and logs
     deterministic: bool = False
+    remat: bool = False
     lora: LoRA | None = None
 
     def __post_init__(self):
@@ -79,8 +85,9 @@ class TrainConfig:
                 problems.append(f"{name}={value} must be finite")
         if self.lora is not None and not isinstance(self.lora, LoRA):
             problems.append(f"lora={self.lora!r} must be a kvjax.model.LoRA or None")
-        if not isinstance(self.deterministic, bool):
-            problems.append(f"deterministic={self.deterministic!r} must be a bool")
+        for name in ("deterministic", "remat"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name}={getattr(self, name)!r} must be a bool")
         if problems:
             raise ValueError("invalid TrainConfig: " + "; ".join(problems))
         if not 0 <= self.warmup_steps < self.steps:

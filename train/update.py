@@ -179,6 +179,8 @@ def _train_step(model_config: M.TransformerConfig, train_config: TrainConfig, st
                 batch: Batch, base: Any = None, mesh: Mesh | None = None
                 ) -> tuple[TrainState, jax.Array]:
     dropout_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+    if train_config.remat:
+        model_config = model_config.replace(remat=True)
 
     def loss_fn(params):
         if train_config.lora is not None:

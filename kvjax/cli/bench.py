@@ -229,6 +229,10 @@ def _add_train(kinds) -> None:
                        help="with --lora: the dtypes to hold the frozen base in, one run each")
     train.add_argument("--lora-targets", nargs="+", default=None, metavar="NAME",
                        help="with --lora: the kernels to adapt (default: q v)")
+    train.add_argument("--remat", choices=("off", "on", "both"), default="off",
+                       help="with --lora: each contender's step without the layers "
+                            "rematerialized (kvjax train's default), with them (kvjax train "
+                            "--remat), or both to measure the memory it saves")
     train.add_argument("--deterministic", choices=("on", "off", "both"), default="off",
                        help="kvjax's step with XLA's deterministic ops on a GPU (as kvjax train "
                             "--deterministic runs it), without them (its default), or both to "
@@ -397,6 +401,9 @@ def run_bench_decode(args) -> int:
 def run_bench_train(args) -> int:
     from kvjax.benchmarks.train import format_train_table, train_benchmark
 
+    if args.remat != "off" and not args.lora:
+        raise ValueError(f"--remat {args.remat} applies with --lora (whose table shows each "
+                         "step's memory)")
     if args.lora:
         from kvjax.benchmarks.train_lora import format_lora_table, lora_benchmark
         from kvjax.model.lora import DEFAULT_TARGETS
@@ -404,7 +411,8 @@ def run_bench_train(args) -> int:
         rows, setting = lora_benchmark(
             args.shape or args.preset, args.batch_size, args.seq_len, args.lora_rank,
             tuple(args.lora_targets or DEFAULT_TARGETS), args.steps, args.repeats, args.dtype,
-            tuple(None if d == "float32" else d for d in args.lora_base_dtype))
+            tuple(None if d == "float32" else d for d in args.lora_base_dtype),
+            {"off": (False,), "on": (True,), "both": (False, True)}[args.remat])
         print(format_lora_table(rows, setting))
         return 0
 

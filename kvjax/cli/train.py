@@ -87,6 +87,11 @@ def add_train(commands) -> None:
                             "--resume continues bit-identically (without it a GPU's losses "
                             "differ in the last digits; CPUs and TPUs are deterministic "
                             "either way)")
+    train.add_argument("--remat", action="store_true",
+                       help="recompute each layer's activations in the backward pass instead "
+                            "of keeping them: less memory per step (a larger batch or model "
+                            "fits) for one more forward pass of compute; the same losses up to "
+                            "float rounding")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(run=run_train)
 
@@ -100,7 +105,7 @@ def run_train(args) -> int:
                            cpu_devices=args.cpu_devices)
 
     overrides = {"seed": args.seed, "progress": not args.no_progress,
-                 "deterministic": args.deterministic, **schedule(args)}
+                 "deterministic": args.deterministic, "remat": args.remat, **schedule(args)}
     for option, name in (("batch_size", "batch_size"), ("learning_rate", "learning_rate"),
                          ("save_every", "save_every")):
         if getattr(args, option) is not None:

@@ -39,6 +39,7 @@ def assert_one_line(err: str, *fragments: str) -> None:
     (["train", "--task", "lm", "--learning-rate", "nan"], ["argument --learning-rate"]),
     (["train", "--task", "lm", "--allow-changes"], ["--allow-changes only applies with"]),
     (["train", "--task", "lm", "--heldout", "5"], ["--heldout applies to --task translate"]),
+    (["bench", "train", "--remat", "both"], ["--remat both applies with --lora"]),
     (["demo", "--warmup-steps", "-1"], ["argument --warmup-steps: must be >= 0"]),
     (["serve", "--checkpoint", "x", "--mesh", "data=3"], ["mesh data=3 needs 3 devices"]),
     (["serve", "--checkpoint", "x", "--cache-memory", "4GB"],
@@ -152,15 +153,15 @@ def test_train_passes_the_new_options_through(capsys, monkeypatch):
     monkeypatch.setattr(tasks, "train_translate", fake_translate)
     code, _, _ = run_cli(capsys, "train", "--task", "translate", "--data", "p.tsv", "--steps",
                          "300", "--save-every", "25", "--heldout", "0", "--learning-rate",
-                         "1e-4", "--resume", "--allow-changes")
-    assert code == 0
+                         "1e-4", "--resume", "--allow-changes", "--remat")
+    assert code == 0 and seen["remat"] is True
     assert (seen["steps"], seen["warmup_steps"], seen["save_every"]) == (300, 30, 25)
     assert (seen["num_heldout"], seen["learning_rate"]) == (0, 1e-4)
     assert seen["resume"] and seen["allow_changes"] and seen["data_tsv"] == "p.tsv"
     settings = tasks.with_overrides(tasks.TRANSLATE_SETTINGS, {
         k: v for k, v in seen.items()
         if k not in ("out", "data_tsv", "resume", "allow_changes", "mesh")})
-    assert settings.training.save_interval == 25
+    assert settings.training.save_interval == 25 and settings.training.remat
 
 
 @pytest.mark.parametrize("steps, warmup", [(10, 1), (300, 30), (5000, 50), (1, 0)])

@@ -131,7 +131,7 @@ def test_fields_that_draw_no_params_share_one_compiled_initialisation():
         layer_norm_eps=1e-5, rope_base=500.0, rope_scaling="linear", rope_scaling_factor=2.0,
         rope_low_freq_factor=2.0, rope_high_freq_factor=8.0, rope_original_max_len=32,
         sliding_window=8, full_attention_layers=(1,), local_rope_base=100.0,
-        attention_scale=0.3, attention_softcap=20.0, logits_softcap=30.0,
+        attention_scale=0.3, attention_softcap=20.0, logits_softcap=30.0, remat=True,
         sinusoid_layout="halves")
     assert {name for name in interface._NOT_IN_INIT if getattr(other, name) ==
             getattr(base, name)} == set()

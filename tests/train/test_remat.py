@@ -1,0 +1,78 @@
+"""Rematerialized layers (`TrainConfig.remat`, `TransformerConfig.remat`): the same step as
+without, holding less memory."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import model as M
+from kvjax.train import update
+from kvjax.train.config import TrainConfig
+
+# Both layer layouts and both variants (the step below is the scanned decoder-only one).
+VARIANTS = {
+    "decoder-only, unrolled": dict(scan_layers=False),
+    "encoder-decoder, scanned": dict(scan_layers=True, num_encoder_layers=2),
+}
+
+
+def make_batch(config, rows=4, length=24):
+    rng = np.random.default_rng(0)
+    batch = {name: rng.integers(3, config.vocab_size, (rows, length)).astype(np.int32)
+             for name in ("inputs", "targets")}
+    if config.is_encoder_decoder:
+        batch["source"] = rng.integers(3, config.vocab_size, (rows, length - 5)).astype(np.int32)
+    return batch
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_remat_gives_the_same_loss_and_gradients_dropout_included(variant):
+    # Dropout on: the recomputed forward pass must draw the masks the first one drew.
+    config = M.preset("tiny", num_decoder_layers=3, dropout=0.2, **VARIANTS[variant])
+    params, batch = M.init_params(config, jax.random.key(0)), make_batch(config)
+
+    @jax.jit
+    def loss_and_grads(params, remat_params):
+        def loss(p, c):
+            logits = M.teacher_forced_logits(c, p, batch, jax.random.key(1))
+            return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(
+                logits, batch["targets"][..., None], -1)[..., 0])
+        return (jax.value_and_grad(loss)(params, config),
+                jax.value_and_grad(loss)(remat_params, config.replace(remat=True)))
+
+    plain, remat = loss_and_grads(params, params)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(plain), jax.tree.leaves(remat),
+                            strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+
+
+def test_a_remat_training_step_holds_fewer_bytes_and_computes_the_same_loss():
+    """XLA's own count of the compiled step's temporaries: without remat every layer's
+    activations wait for the backward pass, with it only each layer's input."""
+    config = M.preset("tiny", num_decoder_layers=4, scan_layers=True)
+    batch = make_batch(config, rows=8, length=64)
+    temporaries, losses = [], []
+    for remat in (False, True):
+        settings = TrainConfig(steps=10, batch_size=8, warmup_steps=1, progress=False,
+                               remat=remat)
+        state = update.init_state(config, settings)
+        compiled = update._compiled_step(False, jax.default_backend()).lower(
+            config, update.compiled_fields(settings), state, batch, None).compile()
+        temporaries.append(compiled.memory_analysis().temp_size_in_bytes)
+        losses.append(float(compiled(state, batch, None)[1]))
+    assert temporaries[1] < 0.8 * temporaries[0], temporaries
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)
+
+
+def test_remat_sets_how_a_model_runs_not_what_it_is():
+    """A checkpoint trained with it fine-tunes and resumes without it (and the other way):
+    it is a speed-only field, and config.json holds it only when set."""
+    config = M.preset("tiny")
+    assert "remat" in M.SPEED_ONLY_FIELDS
+    assert "remat" not in config.to_dict()
+    assert M.TransformerConfig.from_json(config.replace(remat=True).to_json()).remat
+    with pytest.raises(ValueError, match="remat='yes' must be a bool"):
+        TrainConfig(remat="yes")
+    with pytest.raises(ValueError, match="remat"):
+        config.replace(remat=1)
