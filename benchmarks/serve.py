@@ -154,8 +154,11 @@ def ratio_line(engine_runs: Sequence[Result], other_runs: Sequence[Result]) -> s
 
 def format_results(results: list[Result], workload: Workload, setting: str,
                    notes: Sequence[str] = ()) -> str:
-    def ms(values, q):
-        return f"{1000 * np.percentile(values, q):.1f}" if len(values) else "-"
+    def ms(values, q):  # inter-token gaps on an accelerator are fractions of a millisecond
+        if not len(values):
+            return "-"
+        value = 1000 * np.percentile(values, q)
+        return f"{value:.2f}" if value < 10 else f"{value:.1f}"
 
     lines = [setting, f"{len(workload.prompts)} requests, {workload.useful_tokens} tokens "
              f"asked for, arriving over {workload.arrivals[-1]:.1f} s",
@@ -166,8 +169,12 @@ def format_results(results: list[Result], workload: Workload, setting: str,
                      f"{ms(r.ttft, 50)} | {ms(r.ttft, 99)} | {ms(r.itl, 50)} | "
                      f"{ms(r.itl, 99)} |")
     for other in results[1:]:
+        itl = ""
+        if len(results[0].itl) and len(other.itl):
+            gaps = np.percentile(results[0].itl, 50) / np.percentile(other.itl, 50)
+            itl = f"; ITL p50 ratio {gaps:.2f}x"
         lines.append(f"throughput ratio, {results[0].name} / {other.name}: "
-                     f"{results[0].tokens_per_second / other.tokens_per_second:.2f}x")
+                     f"{results[0].tokens_per_second / other.tokens_per_second:.2f}x{itl}")
     lines += notes
     return "\n".join(lines)
 

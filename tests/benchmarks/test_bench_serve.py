@@ -10,13 +10,16 @@ from kvjax.benchmarks.workload import Result, Workload, make_workload
 
 def test_each_throughput_ratio_names_the_contender_it_divides_by():
     workload = Workload(prompts=[[5, 6], [7]], max_tokens=[3, 5], arrivals=[0.0, 0.5])
-    results = [Result(name, 8, seconds, np.array([0.1, 0.2]), np.array([0.01] * 6))
-               for name, seconds in (("engine", 1.0), ("batches", 2.0), ("hf", 4.0))]
+    results = [Result(name, 8, seconds, np.array([0.1, 0.2]), np.array([gap] * 6))
+               for name, seconds, gap in (("engine", 1.0, 0.0003), ("batches", 2.0, 0.0002),
+                                          ("hf", 4.0, 0.010))]
     lines = format_results(results, workload, "setting").splitlines()
     ratios = [line for line in lines if line.startswith("throughput ratio")]
-    assert ratios == ["throughput ratio, engine / batches: 2.00x",
-                      "throughput ratio, engine / hf: 4.00x"]
-    assert "| hf | 2 | 4.00 | 150.0 |" in "\n".join(lines)
+    assert ratios == ["throughput ratio, engine / batches: 2.00x; ITL p50 ratio 1.50x",
+                      "throughput ratio, engine / hf: 4.00x; ITL p50 ratio 0.03x"]
+    # Gaps of a fraction of a millisecond keep two decimals.
+    assert "| engine | 8 | 1.00 | 150.0 | 199.0 | 0.30 | 0.30 |" in lines
+    assert "| hf | 2 | 4.00 | 150.0 | 199.0 | 10.0 | 10.0 |" in lines
 
 
 def test_transformers_continuous_batching_times_every_requested_token():
