@@ -13,12 +13,14 @@ from .config import (
 from .interface import (
     build_model,
     check_prompt_length,
+    hidden_logits,
     init_params,
     prefill,
     prompt_is_source,
     prompt_slots,
     step_fn,
     target_start,
+    teacher_forced_hidden,
     teacher_forced_logits,
 )
 from .layers import stack_layer_params, unstack_layer_params, with_layer_layout
@@ -33,6 +35,6 @@ __all__ = [
     "NO_PAGE", "attend", "build_model", "cache_size_bytes", "check_prompt_length", "init_cache",
     "init_paged_cache",
     "init_params", "prefill", "preset", "prompt_is_source", "prompt_slots", "step_fn",
-    "target_start", "teacher_forced_logits",
+    "target_start", "teacher_forced_logits", "teacher_forced_hidden", "hidden_logits",
     "stack_layer_params", "unstack_layer_params", "with_layer_layout", "with_precision",
 ]

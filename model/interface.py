@@ -4,6 +4,8 @@
                                                         -> (logits [B, V], cache)
   step_fn(config, params)(tokens [B, T], cache[, lengths [B]]) -> (logits [B, T, V], cache)
   teacher_forced_logits(config, params, batch) -> logits [B, T, V]
+  teacher_forced_hidden(config, params, batch) -> final hidden states [B, T, D]
+  hidden_logits(config, params, hidden) -> logits [B, T, V]
 
 A decoder-only LM's prompt is the start of the sequence it continues; an encoder-decoder's
 prompt is its source, and the target it writes starts from BOS. `prompt_slots` and
@@ -83,6 +85,20 @@ def teacher_forced_logits(config: TransformerConfig, params, batch, dropout_rng=
     net = build_model(config)
     rngs = None if dropout_rng is None else {"dropout": dropout_rng}
     return net.apply({"params": params}, batch, rngs=rngs, method=net.teacher_forced)
+
+
+def teacher_forced_hidden(config: TransformerConfig, params, batch, dropout_rng=None):
+    """The final hidden states [B, T, D] that `teacher_forced_logits` turns into logits
+    (`hidden_logits`), so that a loss can compute the logits a part at a time."""
+    net = build_model(config)
+    rngs = None if dropout_rng is None else {"dropout": dropout_rng}
+    return net.apply({"params": params}, batch, True, rngs=rngs, method=net.teacher_forced)
+
+
+def hidden_logits(config: TransformerConfig, params, hidden_BTD):
+    """Float32 logits [B, T, V] of final hidden states [B, T, D]."""
+    net = build_model(config)
+    return net.apply({"params": params}, hidden_BTD, method=net.logits)
 
 
 def prompt_is_source(config: TransformerConfig) -> bool:

@@ -173,14 +173,15 @@ class DecoderOnlyLM(nn.Module):
         self.final_norm = _final_norm(c, "final_norm")
 
     def __call__(self, tokens_BT, cache: KVCache | None = None, lengths_B=None,
-                 fresh: bool = False, logits_at_B=None):
+                 fresh: bool = False, logits_at_B=None, hidden: bool = False):
         """Logits [B, T, V] for `tokens` [B, T]; `lengths` [B] counts each row's valid tokens.
 
         Without a cache, the rows start at position 0. With one, they continue at
         `cache.lengths` and their K/V are written into the returned cache; `fresh` says the
         cache is empty, so attention needs only the new tokens (the prefill). `logits_at`
         [B] (indices into T) asks for one token's logits per row, [B, 1, V]: the others'
-        are never computed (the unembedding is a large part of a prefill).
+        are never computed (the unembedding is a large part of a prefill). With `hidden`
+        (no cache), the final hidden states [B, T, D] come back instead of their logits.
         """
         if cache is not None:
             check_cache(self.config, cache, *tokens_BT.shape)
@@ -199,6 +200,8 @@ class DecoderOnlyLM(nn.Module):
                                    _stacked_kv(cache), shared=inputs)
         if logits_at_B is not None:
             x = jnp.take_along_axis(x, logits_at_B[:, None, None], axis=1)
+        if hidden and cache is None:
+            return self.final_norm(x), None
         logits = self.embedder.logits(self.final_norm(x))
         if cache is None:
             return logits, None
@@ -219,9 +222,14 @@ class DecoderOnlyLM(nn.Module):
         `lengths` [B] counts each row's valid new tokens (default: all T)."""
         return self(tokens_BT, cache, lengths_B)
 
-    def teacher_forced(self, batch):
-        """Logits [B, T, V] for a training batch: `inputs` [B, T], optional `lengths` [B]."""
-        return self(batch["inputs"], None, batch.get("lengths"))[0]
+    def teacher_forced(self, batch, hidden: bool = False):
+        """Logits [B, T, V] for a training batch: `inputs` [B, T], optional `lengths` [B].
+        With `hidden`, the final hidden states [B, T, D] they are computed from (`logits`)."""
+        return self(batch["inputs"], None, batch.get("lengths"), hidden=hidden)[0]
+
+    def logits(self, x_BTD):
+        """Float32 logits [B, T, V] of final hidden states."""
+        return self.embedder.logits(x_BTD)
 
 
 class EncoderDecoder(nn.Module):
@@ -290,7 +298,7 @@ class EncoderDecoder(nn.Module):
             source_lengths=_valid_lengths(encoded_BSD[..., 0], source_lengths_B))
 
     def decode(self, target_BT, cache: KVCache | None = None, lengths_B=None, *,
-               encoded_BSD=None, source_lengths_B=None):
+               encoded_BSD=None, source_lengths_B=None, hidden: bool = False):
         """Logits [B, T, V] for target tokens and the updated cache.
 
         With a cache (from `start_decoding`), rows continue at `cache.lengths` and read the
@@ -327,18 +335,21 @@ class EncoderDecoder(nn.Module):
         x, stacked, _ = run_layers(self.config, self.decoder_layers,
                                    self.config.num_decoder_layers, x, _stacked_kv(cache),
                                    _cross_inputs(cross_k, cross_v, *cross_scales), inputs)
+        if hidden and cache is None:  # the final hidden states, as `DecoderOnlyLM`'s
+            return self.decoder_norm(x), None
         logits = self.embedder.logits(self.decoder_norm(x))
         if cache is None:
             return logits, None
         return logits, _with_new_kv(cache, stacked, new_lengths_B, overflowed_B)
 
-    def __call__(self, source_BS, target_BT, source_lengths_B=None, target_lengths_B=None):
+    def __call__(self, source_BS, target_BT, source_lengths_B=None, target_lengths_B=None,
+                 hidden: bool = False):
         """`(logits [B, T, V], None)` for teacher-forced targets: encode, then decode all
         targets at once. The second item is the cache, as for `DecoderOnlyLM`; a full
         forward keeps none."""
         encoded = self.encode(source_BS, source_lengths_B)
         return self.decode(target_BT, None, target_lengths_B, encoded_BSD=encoded,
-                           source_lengths_B=source_lengths_B)
+                           source_lengths_B=source_lengths_B, hidden=hidden)
 
     def prefill(self, source_BS, source_lengths_B, capacity: int,
                 empty: KVCache | None = None):
@@ -356,8 +367,13 @@ class EncoderDecoder(nn.Module):
         `DecoderOnlyLM.step`)."""
         return self.decode(tokens_BT, cache, lengths_B)
 
-    def teacher_forced(self, batch):
+    def teacher_forced(self, batch, hidden: bool = False):
         """Logits [B, T, V] for a training batch: `source` [B, S], `source_lengths` [B],
-        `inputs` [B, T] (the targets shifted right) and `lengths` [B]."""
+        `inputs` [B, T] (the targets shifted right) and `lengths` [B]. With `hidden`, the
+        final hidden states [B, T, D] they are computed from (`logits`)."""
         return self(batch["source"], batch["inputs"], batch.get("source_lengths"),
-                    batch.get("lengths"))[0]
+                    batch.get("lengths"), hidden=hidden)[0]
+
+    def logits(self, x_BTD):
+        """Float32 logits [B, T, V] of final hidden states."""
+        return self.embedder.logits(x_BTD)

@@ -33,9 +33,10 @@ class TrainConfig:
     noticeable share of every step (`kvjax bench train --deterministic both` measures it).
 
     `remat` recomputes each layer's activations in the backward pass instead of keeping
-    them from the forward pass (`TransformerConfig.remat`): a step holds one layer's
-    activations rather than every layer's, for one more forward pass of compute. The losses
-    are the same up to float rounding.
+    them from the forward pass (`TransformerConfig.remat`), and the output logits a part of
+    the tokens at a time (`update.chunked_cross_entropy_sum`): a step holds one layer's
+    activations and one part's logits rather than all of them, for one more forward pass of
+    compute. The losses are the same up to float rounding.
 
     `lora` trains low-rank adapters on the chosen kernels of a frozen base checkpoint instead
     of every param (`kvjax.train.lora`); the run must start from that base (`init_from`).

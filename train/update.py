@@ -66,6 +66,42 @@ def cross_entropy_sum(logits_BTV, targets_BT, weights_BT, label_smoothing: float
     return (nll_BT * weights_BT).sum(), weights_BT.sum()
 
 
+# The most float32 logits a rematerialized step holds at once (`chunked_cross_entropy_sum`).
+LOSS_PART_BYTES = 256 * 2**20
+
+
+def chunked_cross_entropy_sum(model_config: M.TransformerConfig, params, hidden_BTD,
+                              targets_BT, weights_BT, label_smoothing: float = 0.0):
+    """`cross_entropy_sum` of the logits of final hidden states [B, T, D], computed N tokens
+    at a time and recomputed in the backward pass: a step holds one part's float32 logits
+    [N, V] (at most `LOSS_PART_BYTES`) and their gradient, not [B, T, V], which for a large
+    vocabulary are much of what training holds."""
+    tokens, vocab = hidden_BTD.shape[0] * hidden_BTD.shape[1], model_config.vocab_size
+    per_part = max(1, min(tokens, LOSS_PART_BYTES // (4 * vocab)))
+    parts = -(-tokens // per_part)
+
+    def split(x_BT):  # [B, T, ...] -> [parts, N, ...]; the padding's weights are 0
+        x = x_BT.reshape(tokens, *x_BT.shape[2:])
+        x = jnp.pad(x, [(0, parts * per_part - tokens)] + [(0, 0)] * (x.ndim - 1))
+        return x.reshape(parts, per_part, *x.shape[1:])
+
+    @jax.checkpoint
+    def part_sums(params, hidden_ND, targets_N, weights_N):
+        logits_1NV = M.hidden_logits(model_config, params, hidden_ND[None])
+        return cross_entropy_sum(logits_1NV, targets_N[None], weights_N[None],
+                                 label_smoothing)
+
+    def add(sums, part):
+        total, count = part_sums(params, *part)
+        return (sums[0] + total, sums[1] + count), None
+
+    zero = jnp.zeros((), jnp.float32)
+    (total, count), _ = jax.lax.scan(add, (zero, zero), (
+        split(hidden_BTD), split(jnp.asarray(targets_BT)),
+        split(jnp.asarray(weights_BT, jnp.float32))))
+    return total, count
+
+
 def target_weights(batch: Batch):
     """The batch's `weights` [B, T], or ones where it has none (every target counts)."""
     if "weights" in batch:
@@ -186,9 +222,15 @@ def _train_step(model_config: M.TransformerConfig, train_config: TrainConfig, st
         if train_config.lora is not None:
             params = merge_lora(model_config, base, params, train_config.lora,
                                 keep_dtype=False)
-        logits = M.teacher_forced_logits(model_config, params, batch, dropout_rng)
-        total, count = cross_entropy_sum(logits, batch["targets"], target_weights(batch),
-                                         train_config.label_smoothing)
+        if train_config.remat:  # the logits are recomputed too, a part at a time
+            hidden = M.teacher_forced_hidden(model_config, params, batch, dropout_rng)
+            total, count = chunked_cross_entropy_sum(
+                model_config, params, hidden, batch["targets"], target_weights(batch),
+                train_config.label_smoothing)
+        else:
+            logits = M.teacher_forced_logits(model_config, params, batch, dropout_rng)
+            total, count = cross_entropy_sum(logits, batch["targets"], target_weights(batch),
+                                             train_config.label_smoothing)
         return total / jnp.maximum(count, 1.0)
 
     # Bit-identical reruns on a GPU are checked with XLA's attention, not the fused kernel's.

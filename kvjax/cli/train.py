@@ -88,10 +88,10 @@ def add_train(commands) -> None:
                             "differ in the last digits; CPUs and TPUs are deterministic "
                             "either way)")
     train.add_argument("--remat", action="store_true",
-                       help="recompute each layer's activations in the backward pass instead "
-                            "of keeping them: less memory per step (a larger batch or model "
-                            "fits) for one more forward pass of compute; the same losses up to "
-                            "float rounding")
+                       help="recompute each layer's activations and the output logits in "
+                            "the backward pass instead of keeping them: less memory per step "
+                            "(a larger batch or model fits) for one more forward pass of "
+                            "compute; the same losses up to float rounding")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(run=run_train)
 

@@ -47,9 +47,41 @@ def test_remat_gives_the_same_loss_and_gradients_dropout_included(variant):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
 
 
+def test_the_loss_in_parts_equals_the_loss_of_all_logits(monkeypatch):
+    """Parts of 7 tokens over 2 x 24 (the last part padded with weight-0 tokens), some
+    targets weighted 0, label smoothing on: the sums and their gradients are those of the
+    whole logits'."""
+    label_smoothing = 0.1
+    config = M.preset("tiny", num_encoder_layers=1)
+    monkeypatch.setattr(update, "LOSS_PART_BYTES", 7 * 4 * config.vocab_size)
+    params, batch = M.init_params(config, jax.random.key(0)), make_batch(config, rows=2)
+    weights = np.ones((2, 24), np.float32)
+    weights[1, 15:] = 0
+
+    @jax.jit
+    def both(params):
+        def whole(p):
+            logits = M.teacher_forced_logits(config, p, batch)
+            return update.cross_entropy_sum(logits, batch["targets"], weights, label_smoothing)
+
+        def in_parts(p):
+            hidden = M.teacher_forced_hidden(config, p, batch)
+            return update.chunked_cross_entropy_sum(config, p, hidden, batch["targets"],
+                                                    weights, label_smoothing)
+        return [(fn(params), jax.grad(lambda p, fn=fn: fn(p)[0])(params))
+                for fn in (whole, in_parts)]
+
+    (whole_sums, whole_grads), (part_sums, part_grads) = both(params)
+    np.testing.assert_allclose(part_sums, whole_sums, rtol=1e-6)
+    assert float(part_sums[1]) == 2 * 24 - 9
+    for a, b in zip(jax.tree.leaves(whole_grads), jax.tree.leaves(part_grads), strict=True):
+        np.testing.assert_allclose(b, a, rtol=2e-5, atol=1e-7)
+
+
 def test_a_remat_training_step_holds_fewer_bytes_and_computes_the_same_loss():
     """XLA's own count of the compiled step's temporaries: without remat every layer's
-    activations wait for the backward pass, with it only each layer's input."""
+    activations and all the logits wait for the backward pass, with it only each layer's
+    input."""
     config = M.preset("tiny", num_decoder_layers=4, scan_layers=True)
     batch = make_batch(config, rows=8, length=64)
     temporaries, losses = [], []
