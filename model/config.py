@@ -74,11 +74,7 @@ class TransformerConfig:
     # up to the longest row, so a smaller block wastes less past that row's end and a larger
     # one pays the per-block overhead fewer times.
     attention_block: int = 64
-    # Training keeps only each layer's input for the backward pass and recomputes the rest of
-    # the layer there (`nn.remat`): activation memory of one layer instead of every layer's,
-    # for about one more forward pass of compute. The same numbers either way, up to float
-    # rounding; `kvjax train --remat` sets it for the training step alone.
-    remat: bool = False
+    remat: bool = False  # training recomputes each layer in the backward pass (`nn.remat`)
     # Options that imported architectures need (`kvjax.hf`). Their defaults are the model
     # above, and `to_dict` leaves out whichever is at its default, so a config.json written
     # before they existed reads back equal.

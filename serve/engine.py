@@ -61,31 +61,29 @@ class _Dispatched:
 class Engine:
     """Serves `GenerationRequest`s of a decoder-only LM with continuous batching.
 
-    `tokenizer` (optional) turns each sample's tokens into text as they come, so that
-    stop strings can end it. Up to `prefill_batch` waiting prompts are prefilled in one
-    call (the number rounded up to a power of two: a few programs serve every count).
-    `metrics` (optional, see `metrics.ServeMetrics`) is told of the load, first tokens and
-    token times. On a `mesh` (or the one `params` are sharded over) the slots are split over
-    its `data` axis, each device decoding its share, and the params over `model` by
-    `kvjax.parallel`'s rules; `max_slots`, `max_staged` and `prefix_cache_rows` must be
-    multiples of `data`.
+    `tokenizer` (optional) turns each sample's tokens into text as they come, so that stop
+    strings can end it. Up to `prefill_batch` waiting prompts are prefilled in one call (the
+    number rounded up to a power of two: a few programs serve every count). `metrics` (optional,
+    see `metrics.ServeMetrics`) is told of the load, first tokens and token times. On a `mesh`
+    (or the one `params` are sharded over) the slots are split over its `data` axis, each device
+    decoding its share, and the params over `model` by `kvjax.parallel`'s rules; `max_slots`,
+    `max_staged` and `prefix_cache_rows` must be multiples of `data`.
 
-    Each slot holds a row of `max_len` positions, or with `page_size` the slots keep their
-    K/V in a pool of `num_pages` pages of that many positions (default:
-    `max_slots` full slots' worth) taken as samples grow, samples preempted and resumed
-    when it runs short (`pages.py`). `max_staged` (default `max_slots`) and
-    `prefix_cache_rows` rows of `max_len` come beside them; the whole is refused before it
-    is allocated if it would not fit the device's free memory (`memory.py`). `max_staged`
-    bounds a request's `n` and the slots a chunk can refill before the host stages more.
-    `chunk_size`: by default `chunk.default_chunk_size()`. `steps_per_check` > 1 runs the
-    chunk's steps that many at a time (`chunk.decode_chunk`); by default
+    Each slot holds a row of `max_len` positions, or with `page_size` the slots keep their K/V
+    in a pool of `num_pages` pages of that many positions (default: `max_slots` full slots'
+    worth) taken as samples grow, samples preempted and resumed when it runs short (`pages.py`).
+    `max_staged` (default `max_slots`) and `prefix_cache_rows` rows of `max_len` come beside
+    them; the whole is refused before it is allocated if it would not fit the device's free
+    memory (`memory.py`). `max_staged` bounds a request's `n` and the slots a chunk can refill
+    before the host stages more. `chunk_size` and `steps_per_check` (a chunk runs its steps that
+    many at a time) default to `chunk.default_chunk_size()` and
     `chunk.default_steps_per_check()`.
 
-    `prefix_cache_rows` more rows (default a quarter of `max_staged`; 0: none) keep the
-    K/V of recent prompts, so a prompt that starts like one of them prefills only the rest
-    (`prefix_cache.py`), reused in blocks of `prefix_block` tokens. With them, a prompt
-    with more than `prefill_part` tokens (whole blocks) to prefill is prefilled a part per
-    turn, one such prompt at a time, so that the slots decode in between."""
+    `prefix_cache_rows` more rows (default a quarter of `max_staged`; 0: none) keep the K/V of
+    recent prompts, so a prompt that starts like one of them prefills only the rest
+    (`prefix_cache.py`), reused in blocks of `prefix_block` tokens. With them, a prompt with
+    more than `prefill_part` tokens (whole blocks) to prefill is prefilled a part per turn, one
+    such prompt at a time, so that the slots decode in between."""
 
     def __init__(self, config: M.TransformerConfig, params, *,
                  tokenizer: TextTokenizer | None = None, max_slots: int = 16,
@@ -125,9 +123,8 @@ class Engine:
                                         config.max_len)
         self.config, self.params, self.tokenizer = config, params, tokenizer
         self.capacity, self.chunk_size, self.max_queue = capacity, chunk_size, max_queue
-        self.steps_per_check, self.prefill_batch, self.metrics = (steps_per_check,
-                                                                  prefill_batch, metrics)
-        self.max_slots, self.num_staged = max_slots, max_staged
+        self.steps_per_check, self.prefill_batch = steps_per_check, prefill_batch
+        self.max_slots, self.num_staged, self.metrics = max_slots, max_staged, metrics
         self.prefix_cache_rows, self.prefix_block = prefix_cache_rows, prefix_block
         self.prefill_part = max(1, prefill_part // prefix_block) * prefix_block
         memory.check_engine_fits(config, max_slots, max_staged, prefix_cache_rows, capacity,
