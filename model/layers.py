@@ -12,6 +12,9 @@ Dropout is active exactly when the caller passes a `'dropout'` rng.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import flax.linen as nn
@@ -205,12 +208,34 @@ class Unrolled(nn.Module):
         return x, None if stacked is None else tuple(stacked), tuple(outputs)
 
 
+_LAYER_PARAMS: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
+    "layer_params", default=None)
+
+
+@contextlib.contextmanager
+def layer_params_from(unpack: Callable[[dict], dict]) -> Iterator[None]:
+    """Models built inside hold each layer's params in another form, which `unpack` turns
+    into the layer's own (a pure function of one layer's params tree, traced inside the
+    layer). So a layer can read int8 kernels and low-rank adapters and make its float
+    kernels where it uses them, rematerialized with it, rather than every layer's at once
+    before the forward pass (`model/int8_base.py`)."""
+    token = _LAYER_PARAMS.set(unpack)
+    try:
+        yield
+    finally:
+        _LAYER_PARAMS.reset(token)
+
+
 def layer_stack(layer_cls, config: TransformerConfig, num_layers: int, name: str) -> nn.Module:
     """`num_layers` copies of `layer_cls`, held as `config.layer_stacks` says: stacked with
     `nn.scan` when `config.scan_layers` (params get a leading [L] axis and the program is
     traced once, so compile time does not grow with depth), else `Unrolled`. Call it with
     `run_layers`. With `config.remat` each layer is rematerialized: differentiating it keeps
-    its input and recomputes the rest."""
+    its input and recomputes the rest. Inside `layer_params_from(unpack)` each layer's
+    params go through `unpack` first."""
+    unpack = _LAYER_PARAMS.get()
+    if unpack is not None:
+        layer_cls = nn.map_variables(layer_cls, "params", trans_in_fn=unpack, mutable=False)
     if config.remat:
         # Inside a scan XLA cannot merge the recomputation into the forward pass, so the
         # guard against that (`prevent_cse`) would only cost time there.

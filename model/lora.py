@@ -35,9 +35,11 @@ from .config import TransformerConfig
 
 TARGETS = ("q", "k", "v", "o", "wi", "wi_gate", "wo")
 DEFAULT_TARGETS = ("q", "v")  # PEFT's default for Llama's and GPT-2's attention
-BASE_DTYPES = ("float32", "bfloat16", "float16")
+# "int8": the layers' kernels int8 with scales, the rest bfloat16 (`model/int8_base.py`).
+BASE_DTYPES = ("float32", "bfloat16", "float16", "int8")
+QUANTIZED_SCALE = "kernel_scale"  # beside an int8 `kernel` (`model/int8_base.py`)
 # target: (module holding it, its kernel's name, input axes of the kernel)
-_KERNELS = {"q": ("self_attention", "qkv", 1), "k": ("self_attention", "qkv", 1),
+KERNELS = {"q": ("self_attention", "qkv", 1), "k": ("self_attention", "qkv", 1),
             "v": ("self_attention", "qkv", 1), "o": ("self_attention", "out", 2),
             "wi": ("ffn", "wi", 1), "wi_gate": ("ffn", "wi_gate", 1), "wo": ("ffn", "wo", 1)}
 
@@ -47,7 +49,8 @@ class LoRA:
     """rank: r; alpha: the update is scaled by alpha / r (None: alpha = r, a scale of 1, as
     PEFT's defaults r = 8, alpha = 8 give); targets: which kernels get adapters (`TARGETS`);
     base_dtype: the dtype training holds the frozen base in (None: as stored; "bfloat16"
-    halves its memory, as QLoRA-style recipes hold it in low precision)."""
+    halves its memory; "int8" holds the layers' kernels as int8 with scales, as QLoRA
+    does, and the rest in bfloat16, and computes them in float32 inside each layer)."""
 
     rank: int
     alpha: float | None = None
@@ -90,8 +93,8 @@ def init_adapters(config: TransformerConfig, params, lora: LoRA, rng: jax.Array)
     """Fresh adapters for `params`: A drawn uniformly from ±1/sqrt(I) (PEFT's Kaiming
     initialisation), B zero, both float32. A ValueError names a target the model lacks."""
     adapters: dict = {}
-    sites = list(_sites(config, params, lora))
-    for i, (path, target, kernel) in enumerate(sites):
+    found = list(sites(config, params, lora))
+    for i, (path, target, kernel) in enumerate(found):
         in_width, out_width, lead = _widths(config, target, kernel)
         bound = 1 / math.sqrt(in_width)
         a = jax.random.uniform(jax.random.fold_in(rng, i), (*lead, in_width, lora.rank),
@@ -107,22 +110,27 @@ def merge(config: TransformerConfig, params, adapters, lora: LoRA, keep_dtype: b
     over a low-precision base (how training runs it). Everything else is the same array.
     Traceable: training differentiates through it to the adapters."""
     merged = jax.tree.map(lambda x: x, params)  # new containers, the same arrays
-    for path, target, _ in _sites(config, params, lora):
-        pair = _get(adapters, (*path, target))
+    for path, target, _ in sites(config, params, lora):
+        pair = get(adapters, (*path, target))
         delta = lora.scale * jnp.matmul(jnp.asarray(pair["lora_a"], jnp.float32),
                                         jnp.asarray(pair["lora_b"], jnp.float32))
-        module, name, _ = _KERNELS[target]
-        current = _get(merged, (*path, module, name, "kernel"))
-        updated = current.astype(jnp.float32)
-        if name == "qkv":
-            start, width = _qkv_heads(config, target)
-            delta = delta.reshape(*delta.shape[:-1], width, config.head_dim)
-            updated = updated.at[..., start:start + width, :].add(delta)
-        else:
-            updated = updated + delta.reshape(current.shape)
+        module, name, _ = KERNELS[target]
+        current = get(merged, (*path, module, name, "kernel"))
+        updated = add_update(config, target, current.astype(jnp.float32), delta)
         _set(merged, (*path, module, name, "kernel"),
              updated.astype(current.dtype) if keep_dtype else updated)
     return merged
+
+
+def add_update(config: TransformerConfig, target: str, kernel: jax.Array,
+               delta: jax.Array) -> jax.Array:
+    """`kernel` (a float32 kernel of the module `target` names) plus a target's update
+    A B [..., I, O]: into its heads' slice of a fused qkv kernel, else the whole kernel."""
+    if KERNELS[target][1] == "qkv":
+        start, width = _qkv_heads(config, target)
+        delta = delta.reshape(*delta.shape[:-1], width, config.head_dim)
+        return kernel.at[..., start:start + width, :].add(delta)
+    return kernel + delta.reshape(kernel.shape)
 
 
 def adapter_shapes(config: TransformerConfig, params, lora: LoRA):
@@ -134,17 +142,18 @@ def count(adapters) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(adapters))
 
 
-def _sites(config: TransformerConfig, params, lora: LoRA
+def sites(config: TransformerConfig, params, lora: LoRA
            ) -> Iterator[tuple[tuple[str, ...], str, Any]]:
     """(path of a layer, target, its kernel) for every layer holding a target's module."""
     found = set()
-    for path, layer in _layers(params, ()):
+    for path, layer in layer_subtrees(params):
         for target in lora.targets:
-            module, name, _ = _KERNELS[target]
-            kernel = layer.get(module, {}).get(name, {}).get("kernel")
+            module, name, _ = KERNELS[target]
+            held = layer.get(module, {}).get(name, {})
+            kernel = held.get("kernel")
             if kernel is None:
                 continue
-            if not jnp.issubdtype(kernel.dtype, jnp.floating):
+            if not jnp.issubdtype(kernel.dtype, jnp.floating) and QUANTIZED_SCALE not in held:
                 raise ValueError(f"LoRA needs floating-point kernels; {'/'.join(path)}/"
                                  f"{module}/{name} holds {kernel.dtype}")
             found.add(target)
@@ -152,10 +161,10 @@ def _sites(config: TransformerConfig, params, lora: LoRA
     missing = [t for t in lora.targets if t not in found]
     if missing:
         raise ValueError(f"LoRA target {missing[0]!r} is not in this model (its layers have "
-                         f"no {'/'.join(_KERNELS[missing[0]][:2])} kernel)")
+                         f"no {'/'.join(KERNELS[missing[0]][:2])} kernel)")
 
 
-def _layers(tree, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], dict]]:
+def layer_subtrees(tree, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], dict]]:
     """Every subtree holding a layer's self-attention or feed-forward module."""
     if not isinstance(tree, dict):
         return
@@ -163,12 +172,12 @@ def _layers(tree, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], dict
         yield path, tree
         return
     for key in sorted(tree):
-        yield from _layers(tree[key], (*path, key))
+        yield from layer_subtrees(tree[key], (*path, key))
 
 
 def _widths(config: TransformerConfig, target: str, kernel) -> tuple[int, int, tuple]:
     """(I, O, leading stack axes) of a target's A and B."""
-    _, name, in_axes = _KERNELS[target]
+    _, name, in_axes = KERNELS[target]
     base_ndim = 3 if name in ("qkv", "out") else 2
     lead = tuple(kernel.shape[:kernel.ndim - base_ndim])
     shape = kernel.shape[len(lead):]
@@ -184,7 +193,7 @@ def _qkv_heads(config: TransformerConfig, target: str) -> tuple[int, int]:
     return {"q": (0, n), "k": (n, k), "v": (n + k, k)}[target]
 
 
-def _get(tree, path: Sequence[str]):
+def get(tree, path: Sequence[str]):
     for key in path:
         tree = tree[key]
     return tree

@@ -1,0 +1,124 @@
+"""An int8 base for LoRA (QLoRA-style): the frozen layer kernels held as int8 with scales.
+
+Every kernel a LoRA target names (`qkv`, `out` of self-attention; `wi`, `wi_gate`, `wo` of
+the feed-forward network; `model/lora.py`) is held as int8 values and one float32 scale per
+output feature, symmetric: `scale = max|W| / 127` over the kernel's input axes, so the
+values lie in [-127, 127] without clipping and `values * scale` is W to within `scale / 2`
+per element. The scale keeps the input axes with size 1, so it multiplies the values as
+they are, stacked over scanned layers or not. Everything else (embeddings, norms, biases,
+cross-attention) stays floating point.
+
+A layer never computes with int8. Inside `model.layers.layer_params_from(unpack_fn(...))`
+each layer turns its own int8 kernels into float32 and adds its adapters' update
+(alpha / r) · A B where it runs (`attach` puts the adapters beside the kernels they adapt),
+so with rematerialized layers only one layer's float kernels exist at a time and the
+backward pass makes them again from the int8 values. Merging the whole model before the
+forward pass, as `model.lora.merge` does, would hold every layer's float kernels at once.
+
+Shape letters as in `model/lora.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from . import lora as L
+from .config import TransformerConfig
+
+INT8_MAX = 127
+SCALE = L.QUANTIZED_SCALE  # beside `kernel`, in the same module's params
+# module -> {kernel: (axes of one layer's kernel, how many of them are inputs)}
+_KERNELS = {"self_attention": {"qkv": (3, 1), "out": (3, 2)},
+            "ffn": {"wi": (2, 1), "wi_gate": (2, 1), "wo": (2, 1)}}
+
+
+def quantize_kernel(kernel: jax.Array, ndim: int, input_axes: int
+                    ) -> tuple[jax.Array, jax.Array]:
+    """`(values int8, scale float32)` with `values * scale ≈ kernel`, for a kernel of `ndim`
+    axes (after any stacked-layer axes) whose first `input_axes` are its inputs. An output
+    feature of all zeros gets scale 0 and values 0."""
+    x = kernel.astype(jnp.float32)
+    lead = kernel.ndim - ndim
+    scale = jnp.max(jnp.abs(x), axis=tuple(range(lead, lead + input_axes)),
+                    keepdims=True) / INT8_MAX
+    values = jnp.round(x / jnp.where(scale > 0, scale, 1.0)).astype(jnp.int8)
+    return values, scale
+
+
+def quantize_layers(params, float_dtype=None):
+    """`params` with the layers' LoRA-targetable kernels as int8 values and scales (`SCALE`
+    beside each `kernel`); every other floating-point array in `float_dtype` (None: as it
+    is)."""
+    cast = (lambda x: x) if float_dtype is None else (
+        lambda x: x.astype(float_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x)
+    out = jax.tree.map(cast, params)
+    for path, layer in L.layer_subtrees(out):
+        for module, kernels in _KERNELS.items():
+            for name, (ndim, input_axes) in kernels.items():
+                held = layer.get(module, {}).get(name)
+                if held is None or SCALE in held:
+                    continue
+                kernel = L.get(params, (*path, module, name, "kernel"))  # before the cast
+                values, scale = quantize_kernel(kernel, ndim, input_axes)
+                layer[module][name] = {**held, "kernel": values, SCALE: scale}
+    return out
+
+
+def dequantize_layers(params):
+    """`params` with every int8 kernel and its scale as one float32 kernel."""
+    return _map_kernel_dicts(params, _dequantized)
+
+
+def attach(config: TransformerConfig, params, adapters, lora: L.LoRA):
+    """`params` with each adapter pair put beside the kernel it adapts, as `lora_<target>_a`
+    and `lora_<target>_b` (what `unpack_fn` reads inside the layer)."""
+    out = jax.tree.map(lambda x: x, params)  # new containers, the same arrays
+    for path, target, _ in L.sites(config, params, lora):
+        module, name, _ = L.KERNELS[target]
+        pair = L.get(adapters, (*path, target))
+        held = L.get(out, (*path, module, name))
+        held[f"lora_{target}_a"] = pair["lora_a"]
+        held[f"lora_{target}_b"] = pair["lora_b"]
+    return out
+
+
+def unpack_fn(config: TransformerConfig, lora: L.LoRA | None) -> Callable[[dict], dict]:
+    """The function a layer's params go through inside `layers.layer_params_from`: int8
+    kernels become float32, and attached adapters are added (`attach`)."""
+
+    def unpack(variables):
+        return _map_kernel_dicts(variables, lambda held: _unpacked(config, lora, held))
+
+    return unpack
+
+
+def _dequantized(held: dict) -> dict:
+    if SCALE not in held:
+        return held
+    rest = {k: v for k, v in held.items() if k != SCALE}
+    return {**rest, "kernel": held["kernel"].astype(jnp.float32) * held[SCALE]}
+
+
+def _unpacked(config: TransformerConfig, lora: L.LoRA | None, held: dict) -> dict:
+    held = _dequantized(held)
+    targets = [t for t in L.TARGETS if f"lora_{t}_a" in held]
+    if not targets:
+        return held
+    kernel = held["kernel"].astype(jnp.float32)
+    for target in targets:
+        delta = lora.scale * jnp.matmul(held[f"lora_{target}_a"], held[f"lora_{target}_b"])
+        kernel = L.add_update(config, target, kernel, delta)
+    rest = {k: v for k, v in held.items() if not k.startswith("lora_")}
+    return {**rest, "kernel": kernel}
+
+
+def _map_kernel_dicts(tree, fn):
+    """`tree` with `fn` applied to every dict that holds a `kernel`."""
+    if not isinstance(tree, dict):
+        return tree
+    if "kernel" in tree:
+        return fn(tree)
+    return {key: _map_kernel_dicts(value, fn) for key, value in tree.items()}
