@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from kvjax import checkpoint
 from kvjax import model as M
+from kvjax.model import int8_base
 from kvjax.model import lora as L
 
 from .config import TrainConfig
@@ -35,9 +36,12 @@ def base_checkpoint(source: str | Path | None) -> str | Path:
 
 def as_base(params, lora: M.LoRA):
     """`params` held as the frozen base of a LoRA run: floating-point arrays in
-    `lora.base_dtype` where it names one."""
+    `lora.base_dtype` where it names one; for "int8", the layers' kernels as int8 with
+    scales and the rest in bfloat16 (`model/int8_base.py`)."""
     if lora.base_dtype is None:
         return params
+    if lora.base_dtype == "int8":
+        return int8_base.quantize_layers(params, jnp.bfloat16)
     dtype = jnp.dtype(lora.base_dtype)
     return jax.tree.map(
         lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
@@ -67,7 +71,7 @@ def init_adapters(model_config: M.TransformerConfig, train_config: TrainConfig, 
 @functools.partial(jax.jit, static_argnums=(0, 3))
 def merged(model_config: M.TransformerConfig, base, adapters, lora: M.LoRA) -> Any:
     """The params the model runs with: the base with the adapters merged in."""
-    return L.merge(model_config, base, adapters, lora)
+    return L.merge(model_config, int8_base.dequantize_layers(base), adapters, lora)
 
 
 def model_params(model_config: M.TransformerConfig, train_config: TrainConfig, params,

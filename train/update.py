@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 
 from kvjax import model as M
 from kvjax import parallel
+from kvjax.model import int8_base, layers
 from kvjax.model.fused_attention import xla_attention_only
 from kvjax.model.lora import merge as merge_lora
 
@@ -185,8 +186,9 @@ def train_step(model_config: M.TransformerConfig, train_config: TrainConfig, sta
     """One AdamW update on `batch`; returns the new state and the batch's mean loss.
 
     With `train_config.lora`, `state.params` are the adapters and `base` the frozen params
-    they adapt: the loss is the merged model's (`model.lora.merge`), and only the adapters
-    have gradients and moments.
+    they adapt: the loss is the merged model's (`model.lora.merge`; over an int8 base each
+    rematerialized layer merges its own, `model/int8_base.py`), and only the adapters have
+    gradients and moments.
 
     With a `mesh`, the state comes in laid out by `parallel.state_shardings` and the batch
     split over `data` (`parallel.shard_batch`); the new state leaves with the same layout,
@@ -215,23 +217,19 @@ def _train_step(model_config: M.TransformerConfig, train_config: TrainConfig, st
                 batch: Batch, base: Any = None, mesh: Mesh | None = None
                 ) -> tuple[TrainState, jax.Array]:
     dropout_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-    if train_config.remat:
+    lora = train_config.lora
+    int8 = lora is not None and lora.base_dtype == "int8"
+    if train_config.remat or int8:
         model_config = model_config.replace(remat=True)
 
     def loss_fn(params):
-        if train_config.lora is not None:
-            params = merge_lora(model_config, base, params, train_config.lora,
-                                keep_dtype=False)
-        if train_config.remat:  # the logits are recomputed too, a part at a time
-            hidden = M.teacher_forced_hidden(model_config, params, batch, dropout_rng)
-            total, count = chunked_cross_entropy_sum(
-                model_config, params, hidden, batch["targets"], target_weights(batch),
-                train_config.label_smoothing)
-        else:
-            logits = M.teacher_forced_logits(model_config, params, batch, dropout_rng)
-            total, count = cross_entropy_sum(logits, batch["targets"], target_weights(batch),
-                                             train_config.label_smoothing)
-        return total / jnp.maximum(count, 1.0)
+        if int8:  # each layer makes its float kernels where it runs, and again for its grads
+            params = int8_base.attach(model_config, base, params, lora)
+        elif lora is not None:
+            params = merge_lora(model_config, base, params, lora, keep_dtype=False)
+        with (layers.layer_params_from(int8_base.unpack_fn(model_config, lora)) if int8
+              else contextlib.nullcontext()):
+            return _loss(model_config, train_config, params, batch, dropout_rng)
 
     # Bit-identical reruns on a GPU are checked with XLA's attention, not the fused kernel's.
     with xla_attention_only() if train_config.deterministic else contextlib.nullcontext():
@@ -242,6 +240,21 @@ def _train_step(model_config: M.TransformerConfig, train_config: TrainConfig, st
     if mesh is not None:
         state = jax.lax.with_sharding_constraint(state, parallel.state_shardings(state, mesh))
     return state, loss
+
+
+def _loss(model_config: M.TransformerConfig, train_config: TrainConfig, params, batch: Batch,
+          dropout_rng: jax.Array) -> jax.Array:
+    """The batch's mean cross-entropy per counted target token."""
+    if train_config.remat:  # the logits are recomputed too, a part at a time
+        hidden = M.teacher_forced_hidden(model_config, params, batch, dropout_rng)
+        total, count = chunked_cross_entropy_sum(
+            model_config, params, hidden, batch["targets"], target_weights(batch),
+            train_config.label_smoothing)
+    else:
+        logits = M.teacher_forced_logits(model_config, params, batch, dropout_rng)
+        total, count = cross_entropy_sum(logits, batch["targets"], target_weights(batch),
+                                         train_config.label_smoothing)
+    return total / jnp.maximum(count, 1.0)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -224,7 +224,7 @@ def _add_train(kinds) -> None:
                        help="instead: LoRA against full fine-tuning on the same model, "
                             "tokens/s and each step's peak memory")
     train.add_argument("--lora-rank", type=positive, default=8, help="with --lora: the rank")
-    train.add_argument("--lora-base-dtype", choices=("float32", "bfloat16"), nargs="+",
+    train.add_argument("--lora-base-dtype", choices=("float32", "bfloat16", "int8"), nargs="+",
                        default=["float32", "bfloat16"],
                        help="with --lora: the dtypes to hold the frozen base in, one run each")
     train.add_argument("--lora-targets", nargs="+", default=None, metavar="NAME",

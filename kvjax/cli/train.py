@@ -36,9 +36,12 @@ def add_train(commands) -> None:
     lora.add_argument("--lora-targets", nargs="+", default=None, metavar="NAME",
                       help="kernels to adapt: q k v o (attention), wi wi_gate wo "
                            "(feed-forward) (default: q v)")
-    lora.add_argument("--lora-base-dtype", choices=("float32", "bfloat16"), default=None,
+    lora.add_argument("--lora-base-dtype", choices=("float32", "bfloat16", "int8"),
+                      default=None,
                       help="hold the frozen base in this dtype while training (bfloat16: "
-                           "half its memory) (default: as the checkpoint stores it)")
+                           "half its memory; int8: the layers' kernels as int8 with scales, "
+                           "QLoRA-style, each layer rematerialized) (default: as the "
+                           "checkpoint stores it)")
     train.add_argument("--steps", type=positive, default=None,
                        help="training steps (default: the demo settings)")
     train.add_argument("--batch-size", type=positive, default=None,
