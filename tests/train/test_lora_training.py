@@ -122,14 +122,20 @@ def test_misuse_is_one_line_naming_the_fix(run, corpus, capsys, tmp_path, monkey
 
 def test_an_int8_base_trains_the_adapters_alone_in_less_memory(corpus, tmp_path):
     """QLoRA-style: the base's layer kernels held as int8 (`model/int8_base.py`); the run
-    trains and saves the adapters as over any base, and a step holds less than over a
-    bfloat16 base with its layers rematerialized alike."""
+    trains and saves the adapters as over any base, resumes bit-identically (the base is
+    quantized again alike), and a step holds less than over a bfloat16 base with its layers
+    rematerialized alike."""
     from kvjax.benchmarks.train import kvjax_step
 
     int8 = M.LoRA(4, 8.0, ("q", "v", "wo"), base_dtype="int8")
+    settings = {**SETTINGS, "lora": int8}
     out = tmp_path / "int8"
-    result = tasks.train_lm(out, data_files=[corpus], init_from=BASE,
-                            **{**SETTINGS, "lora": int8})
+    result = tasks.train_lm(out, data_files=[corpus], init_from=BASE, **settings)
+    halves = tmp_path / "halves"
+    first = tasks.train_lm(halves, data_files=[corpus], init_from=BASE, stop_after=3,
+                           **settings)
+    second = tasks.train_lm(halves, data_files=[corpus], resume=True, **settings)
+    assert {**first.losses, **second.losses} == result.losses
     losses = [result.losses[step] for step in sorted(result.losses)]
     assert np.mean(losses[-2:]) < losses[0] - 0.05
     saved = checkpoint.abstract_saved_state(out)
@@ -141,6 +147,6 @@ def test_an_int8_base_trains_the_adapters_alone_in_less_memory(corpus, tmp_path)
     config, _, _ = checkpoint.load_for_sampling(BASE)
     tokens = np.random.default_rng(0).integers(3, config.vocab_size, (2, 65))
     batch = {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)}
-    held = {base: kvjax_step(config, batch, lora=int8.__class__(4, 8.0, ("q", "v", "wo"), base),
+    held = {base: kvjax_step(config, batch, lora=M.LoRA(4, 8.0, ("q", "v", "wo"), base),
                              remat=True).peak_bytes for base in ("bfloat16", "int8")}
     assert held["int8"] < 0.9 * held["bfloat16"], held
