@@ -225,7 +225,7 @@ def _add_train(kinds) -> None:
                             "tokens/s and each step's peak memory")
     train.add_argument("--lora-rank", type=positive, default=8, help="with --lora: the rank")
     train.add_argument("--lora-base-dtype", choices=("float32", "bfloat16", "int8"), nargs="+",
-                       default=["float32", "bfloat16"],
+                       default=["float32", "bfloat16", "int8"],
                        help="with --lora: the dtypes to hold the frozen base in, one run each")
     train.add_argument("--lora-targets", nargs="+", default=None, metavar="NAME",
                        help="with --lora: the kernels to adapt (default: q v)")
