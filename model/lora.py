@@ -40,8 +40,8 @@ BASE_DTYPES = ("float32", "bfloat16", "float16", "int8")
 QUANTIZED_SCALE = "kernel_scale"  # beside an int8 `kernel` (`model/int8_base.py`)
 # target: (module holding it, its kernel's name, input axes of the kernel)
 KERNELS = {"q": ("self_attention", "qkv", 1), "k": ("self_attention", "qkv", 1),
-            "v": ("self_attention", "qkv", 1), "o": ("self_attention", "out", 2),
-            "wi": ("ffn", "wi", 1), "wi_gate": ("ffn", "wi_gate", 1), "wo": ("ffn", "wo", 1)}
+           "v": ("self_attention", "qkv", 1), "o": ("self_attention", "out", 2),
+           "wi": ("ffn", "wi", 1), "wi_gate": ("ffn", "wi_gate", 1), "wo": ("ffn", "wo", 1)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +143,7 @@ def count(adapters) -> int:
 
 
 def sites(config: TransformerConfig, params, lora: LoRA
-           ) -> Iterator[tuple[tuple[str, ...], str, Any]]:
+          ) -> Iterator[tuple[tuple[str, ...], str, Any]]:
     """(path of a layer, target, its kernel) for every layer holding a target's module."""
     found = set()
     for path, layer in layer_subtrees(params):
