@@ -30,9 +30,8 @@ from .config import TransformerConfig
 
 INT8_MAX = 127
 SCALE = L.QUANTIZED_SCALE  # beside `kernel`, in the same module's params
-# module -> {kernel: (axes of one layer's kernel, how many of them are inputs)}
-_KERNELS = {"self_attention": {"qkv": (3, 1), "out": (3, 2)},
-            "ffn": {"wi": (2, 1), "wi_gate": (2, 1), "wo": (2, 1)}}
+# (module, kernel, input axes) of every kernel a LoRA target names
+_KERNELS = sorted(set(L.KERNELS.values()))
 
 
 def quantize_kernel(kernel: jax.Array, ndim: int, input_axes: int
@@ -56,14 +55,13 @@ def quantize_layers(params, float_dtype=None):
         lambda x: x.astype(float_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x)
     out = jax.tree.map(cast, params)
     for path, layer in L.layer_subtrees(out):
-        for module, kernels in _KERNELS.items():
-            for name, (ndim, input_axes) in kernels.items():
-                held = layer.get(module, {}).get(name)
-                if held is None or SCALE in held:
-                    continue
-                kernel = L.get(params, (*path, module, name, "kernel"))  # before the cast
-                values, scale = quantize_kernel(kernel, ndim, input_axes)
-                layer[module][name] = {**held, "kernel": values, SCALE: scale}
+        for module, name, input_axes in _KERNELS:
+            held = layer.get(module, {}).get(name)
+            if held is None or SCALE in held:
+                continue
+            kernel = L.get(params, (*path, module, name, "kernel"))  # before the cast
+            values, scale = quantize_kernel(kernel, L.kernel_ndim(name), input_axes)
+            layer[module][name] = {**held, "kernel": values, SCALE: scale}
     return out
 
 

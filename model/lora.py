@@ -175,11 +175,16 @@ def layer_subtrees(tree, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str
         yield from layer_subtrees(tree[key], (*path, key))
 
 
+def kernel_ndim(name: str) -> int:
+    """Axes of one layer's kernel `name`: attention's qkv [D, N + 2K, H] and out [N, H, D]
+    have 3, the feed-forward kernels 2 (scanned layers put L before them)."""
+    return 3 if name in ("qkv", "out") else 2
+
+
 def _widths(config: TransformerConfig, target: str, kernel) -> tuple[int, int, tuple]:
     """(I, O, leading stack axes) of a target's A and B."""
     _, name, in_axes = KERNELS[target]
-    base_ndim = 3 if name in ("qkv", "out") else 2
-    lead = tuple(kernel.shape[:kernel.ndim - base_ndim])
+    lead = tuple(kernel.shape[:kernel.ndim - kernel_ndim(name)])
     shape = kernel.shape[len(lead):]
     in_width = int(np.prod(shape[:in_axes]))
     if name == "qkv":
