@@ -58,15 +58,14 @@ def lora_benchmark(preset: str = "gpt2-small", batch_size: int = 4, seq_len: int
     contenders = [("full fine-tuning", None)] + [
         (f"LoRA r={rank} on {', '.join(targets)}, {base or 'float32'} base",
          M.LoRA(rank, None, targets, base)) for base in base_dtypes]
-    # An int8 base always runs its layers rematerialized (`model/int8_base.py`).
-    contenders = [(name + (", remat" if remat else ""), lora, remat)
-                  for name, lora in contenders for remat in remat_modes
-                  if remat or lora is None or lora.base_dtype != "int8"
-                  or True not in remat_modes]
-    contenders = [(name + (", layers remat" if lora is not None and lora.base_dtype == "int8"
-                           and not remat else ""), lora, remat)
-                  for name, lora, remat in contenders]
-    for name, lora, remat in contenders:
+    runs = []
+    for name, lora in contenders:
+        # An int8 base always runs its layers rematerialized (`model/int8_base.py`): one row.
+        int8 = lora is not None and lora.base_dtype == "int8"
+        for remat in (max(remat_modes),) if int8 else remat_modes:
+            runs.append((name + (", remat" if remat else ", layers remat" if int8 else ""),
+                         lora, remat))
+    for name, lora, remat in runs:
         log(f"{name} ...")
         step = kvjax_step(config, batch, lora=lora, remat=remat)
         rows.append(LoraRow(name, _best_step_seconds(step.run, steps, repeats),
