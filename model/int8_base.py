@@ -107,8 +107,8 @@ def _unpacked(config: TransformerConfig, lora: L.LoRA | None, held: dict) -> dic
         return held
     kernel = held["kernel"].astype(jnp.float32)
     for target in targets:
-        delta = lora.scale * jnp.matmul(held[f"lora_{target}_a"], held[f"lora_{target}_b"])
-        kernel = L.add_update(config, target, kernel, delta)
+        kernel = L.add_update(config, target, kernel,
+                              lora.update(held[f"lora_{target}_a"], held[f"lora_{target}_b"]))
     rest = {k: v for k, v in held.items() if not k.startswith("lora_")}
     return {**rest, "kernel": kernel}
 

@@ -79,6 +79,10 @@ class LoRA:
     def scale(self) -> float:
         return (self.rank if self.alpha is None else self.alpha) / self.rank
 
+    def update(self, a: jax.Array, b: jax.Array) -> jax.Array:
+        """What one adapter pair adds to its kernel, in float32: (alpha / r) · A B [..., I, O]."""
+        return self.scale * jnp.matmul(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets),
                 "base_dtype": self.base_dtype}
@@ -112,8 +116,7 @@ def merge(config: TransformerConfig, params, adapters, lora: LoRA, keep_dtype: b
     merged = jax.tree.map(lambda x: x, params)  # new containers, the same arrays
     for path, target, _ in sites(config, params, lora):
         pair = get(adapters, (*path, target))
-        delta = lora.scale * jnp.matmul(jnp.asarray(pair["lora_a"], jnp.float32),
-                                        jnp.asarray(pair["lora_b"], jnp.float32))
+        delta = lora.update(pair["lora_a"], pair["lora_b"])
         module, name, _ = KERNELS[target]
         current = get(merged, (*path, module, name, "kernel"))
         updated = add_update(config, target, current.astype(jnp.float32), delta)
