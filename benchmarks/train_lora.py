@@ -61,7 +61,7 @@ def lora_benchmark(preset: str = "gpt2-small", batch_size: int = 4, seq_len: int
     runs = []
     for name, lora in contenders:
         # An int8 base always runs its layers rematerialized (`model/int8_base.py`): one row.
-        int8 = lora is not None and lora.base_dtype == "int8"
+        int8 = lora is not None and lora.int8_base
         for remat in (max(remat_modes),) if int8 else remat_modes:
             runs.append((name + (", remat" if remat else ", layers remat" if int8 else ""),
                          lora, remat))

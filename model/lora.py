@@ -79,6 +79,11 @@ class LoRA:
     def scale(self) -> float:
         return (self.rank if self.alpha is None else self.alpha) / self.rank
 
+    @property
+    def int8_base(self) -> bool:
+        """Whether the base's layer kernels are held as int8 (`model/int8_base.py`)."""
+        return self.base_dtype == "int8"
+
     def update(self, a: jax.Array, b: jax.Array) -> jax.Array:
         """What one adapter pair adds to its kernel, in float32: (alpha / r) · A B [..., I, O]."""
         return self.scale * jnp.matmul(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))

@@ -40,7 +40,7 @@ def as_base(params, lora: M.LoRA):
     scales and the rest in bfloat16 (`model/int8_base.py`)."""
     if lora.base_dtype is None:
         return params
-    if lora.base_dtype == "int8":
+    if lora.int8_base:
         return int8_base.quantize_layers(params, jnp.bfloat16)
     dtype = jnp.dtype(lora.base_dtype)
     return jax.tree.map(

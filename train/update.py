@@ -218,7 +218,7 @@ def _train_step(model_config: M.TransformerConfig, train_config: TrainConfig, st
                 ) -> tuple[TrainState, jax.Array]:
     dropout_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
     lora = train_config.lora
-    int8 = lora is not None and lora.base_dtype == "int8"
+    int8 = lora is not None and lora.int8_base
     if train_config.remat or int8:
         model_config = model_config.replace(remat=True)
 
