@@ -14,8 +14,6 @@ import logging
 import time
 from collections.abc import Callable
 
-import numpy as np
-
 from kvjax.decode.loop import StopReason
 from kvjax.detokenize import RowText
 from kvjax.tokenizer import TextTokenizer
@@ -154,26 +152,26 @@ class Outputs:
         """Hands each sample what a program made (`emitted`, on the host), in order."""
         if emitted.pages_used is not None:
             self.pages_used = int(emitted.pages_used)
-        owner = emitted.owner
-        for row in np.flatnonzero((owner != slots.NO_SAMPLE).any(axis=1)):
-            steps = np.flatnonzero(owner[row] != slots.NO_SAMPLE)
-            ids = owner[row, steps]
-            for run in np.split(steps, np.flatnonzero(np.diff(ids)) + 1):
-                sample = self.samples.get(int(owner[row, run[0]]))
+        made = None  # the [B, O] arrays as lists, made once a row has served a sample
+        for row, owners in enumerate(emitted.owner.tolist()):
+            for sample_id, steps in _runs(owners):
+                sample = self.samples.get(sample_id)
                 if sample is None:  # the host ended it (cancelled, stop string, failed)
                     continue
+                if made is None:
+                    made = _Made(emitted)
                 try:
-                    self._emit(sample, emitted, row, run[emitted.made[row, run]],
-                               int(emitted.reason[row, run[-1]]))
+                    self._emit(sample, made, row, [s for s in steps if made.made[row][s]],
+                               made.reason[row][steps[-1]])
                 except Exception as error:  # noqa: BLE001 - it ends this request alone
                     logging.getLogger(__name__).exception("a request failed; it ends")
                     self.fail(sample.ticket, error)
 
-    def _emit(self, sample: Sample, emitted: slots.Emitted, row: int, steps: np.ndarray,
+    def _emit(self, sample: Sample, made: _Made, row: int, steps: list[int],
               reason: int) -> None:
-        """Hands the sample the tokens row `row` of `emitted` made for it at `steps`; ends it
-        at a stop id, its token budget, its slot's capacity (`reason`) or a stop string."""
-        ids = emitted.tokens[row, steps].tolist()
+        """Hands the sample the tokens row `row` made for it at `steps`; ends it at a stop
+        id, its token budget, its slot's capacity (`reason`) or a stop string."""
+        ids = [made.tokens[row][s] for s in steps]
         finish = None
         piece = ""
         if sample.text is not None:
@@ -190,13 +188,9 @@ class Outputs:
                 sent = sample.text.sent
                 sample.text.finish(sample.tokens + ids)
                 piece += sample.text.text[len(sent):]
-        top = sample.ticket.request.logprobs
         steps = steps[:len(ids)]
-        delta = Delta(
-            sample.index, ids, piece, emitted.logprobs[row, steps].tolist(),
-            [list(zip(emitted.top_ids[row, k, :top].tolist(),
-                      emitted.top_logprobs[row, k, :top].tolist(), strict=True))
-             for k in steps], finish)
+        delta = Delta(sample.index, ids, piece, [made.logprobs[row][s] for s in steps],
+                      made.top(row, steps, sample.ticket.request.logprobs), finish)
         self._observe(sample, len(ids))
         sample.tokens.extend(ids)
         if finish is not None:
@@ -232,3 +226,37 @@ class Outputs:
             self.to_stop.append(sample.id)
         ticket.cancelled = True
         ticket.on_delta(error)
+
+
+def _runs(owners: list[int]) -> list[tuple[int, list[int]]]:
+    """A row's steps grouped by the sample they served, in order: (sample id, steps); a row
+    serves one sample for consecutive steps, then maybe another. Steps with none are left
+    out."""
+    runs: list[tuple[int, list[int]]] = []
+    for step, owner in enumerate(owners):
+        if owner == slots.NO_SAMPLE:
+            continue
+        if runs and runs[-1][0] == owner:
+            runs[-1][1].append(step)
+        else:
+            runs.append((owner, [step]))
+    return runs
+
+
+class _Made:
+    """An `Emitted`'s [B, O] arrays as Python lists, read entry by entry for each sample:
+    one conversion per chunk where indexing NumPy per sample costs more than the chunk's
+    other host work. The top logprobs stay arrays, read only for requests that ask."""
+
+    def __init__(self, emitted: slots.Emitted):
+        self.tokens, self.made = emitted.tokens.tolist(), emitted.made.tolist()
+        self.reason, self.logprobs = emitted.reason.tolist(), emitted.logprobs.tolist()
+        self._top_ids, self._top_logprobs = emitted.top_ids, emitted.top_logprobs
+
+    def top(self, row: int, steps: list[int], count: int) -> list[list[tuple[int, float]]]:
+        """Per step, the `count` likeliest (id, logprob) pairs of row `row`."""
+        if not count:
+            return [[] for _ in steps]
+        return [list(zip(self._top_ids[row, k, :count].tolist(),
+                         self._top_logprobs[row, k, :count].tolist(), strict=True))
+                for k in steps]
