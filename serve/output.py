@@ -152,26 +152,26 @@ class Outputs:
         """Hands each sample what a program made (`emitted`, on the host), in order."""
         if emitted.pages_used is not None:
             self.pages_used = int(emitted.pages_used)
-        made = None  # the [B, O] arrays as lists, made once a row has served a sample
+        host = None  # the [B, O] arrays as lists, once a row has served a sample
         for row, owners in enumerate(emitted.owner.tolist()):
             for sample_id, steps in _runs(owners):
                 sample = self.samples.get(sample_id)
                 if sample is None:  # the host ended it (cancelled, stop string, failed)
                     continue
-                if made is None:
-                    made = _Made(emitted)
+                if host is None:
+                    host = _AsLists(emitted)
                 try:
-                    self._emit(sample, made, row, [s for s in steps if made.made[row][s]],
-                               made.reason[row][steps[-1]])
+                    self._emit(sample, host, row, [s for s in steps if host.made[row][s]],
+                               host.reason[row][steps[-1]])
                 except Exception as error:  # noqa: BLE001 - it ends this request alone
                     logging.getLogger(__name__).exception("a request failed; it ends")
                     self.fail(sample.ticket, error)
 
-    def _emit(self, sample: Sample, made: _Made, row: int, steps: list[int],
+    def _emit(self, sample: Sample, host: _AsLists, row: int, steps: list[int],
               reason: int) -> None:
         """Hands the sample the tokens row `row` made for it at `steps`; ends it at a stop
         id, its token budget, its slot's capacity (`reason`) or a stop string."""
-        ids = [made.tokens[row][s] for s in steps]
+        ids = [host.tokens[row][s] for s in steps]
         finish = None
         piece = ""
         if sample.text is not None:
@@ -189,8 +189,8 @@ class Outputs:
                 sample.text.finish(sample.tokens + ids)
                 piece += sample.text.text[len(sent):]
         steps = steps[:len(ids)]
-        delta = Delta(sample.index, ids, piece, [made.logprobs[row][s] for s in steps],
-                      made.top(row, steps, sample.ticket.request.logprobs), finish)
+        delta = Delta(sample.index, ids, piece, [host.logprobs[row][s] for s in steps],
+                      host.top(row, steps, sample.ticket.request.logprobs), finish)
         self._observe(sample, len(ids))
         sample.tokens.extend(ids)
         if finish is not None:
@@ -243,7 +243,7 @@ def _runs(owners: list[int]) -> list[tuple[int, list[int]]]:
     return runs
 
 
-class _Made:
+class _AsLists:
     """An `Emitted`'s [B, O] arrays as Python lists, read entry by entry for each sample:
     one conversion per chunk where indexing NumPy per sample costs more than the chunk's
     other host work. The top logprobs stay arrays, read only for requests that ask."""
