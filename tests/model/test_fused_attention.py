@@ -44,7 +44,7 @@ def test_the_masks_described_to_a_fused_kernel_are_the_models_masks(monkeypatch,
         batch |= {"source": random_tokens(1, (3, 7), config.vocab_size),
                   "source_lengths": jnp.asarray([7, 2, 5], jnp.int32)}
 
-    def forward():
+    def forward(params):
         logits = M.teacher_forced_logits(config, params, batch)
         if encoder_layers:
             cache = net.apply({"params": params}, batch["source"], batch["source_lengths"], 16,
@@ -54,7 +54,9 @@ def test_the_masks_described_to_a_fused_kernel_are_the_models_masks(monkeypatch,
             first = net.apply({"params": params}, tokens, lengths, 16, method=net.prefill)[0]
         return logits, first
 
-    expected = forward()
+    # A function of its own per run: jax caches a trace by the function traced, and the
+    # second run must be traced with the stand-in in place.
+    expected = jax.jit(lambda p: forward(p))(params)
     described = []
 
     def from_description(q, k, v, key_lengths_B, causal, scale):
@@ -64,7 +66,7 @@ def test_the_masks_described_to_a_fused_kernel_are_the_models_masks(monkeypatch,
 
     monkeypatch.setattr(A, "fused_attention_applies", lambda *args: True)
     monkeypatch.setattr(A, "attend_fused", from_description)
-    got = forward()
+    got = jax.jit(lambda p: forward(p))(params)
     # Encoder layers and cross-attention (not causal) and decoder layers (causal) all took
     # the fused route; the encoder-decoder's cached step reads the cache, which no fused
     # kernel does.
@@ -80,7 +82,8 @@ def test_layers_with_a_sliding_window_describe_no_mask(monkeypatch):
     params = M.init_params(config, jax.random.key(1))
     monkeypatch.setattr(A, "fused_attention_applies", lambda *args: True)
     monkeypatch.setattr(A, "attend_fused", lambda *args: pytest.fail("window described"))
-    M.teacher_forced_logits(config, params, {"inputs": random_tokens(0, (2, 8), 64)})
+    jax.jit(lambda p: M.teacher_forced_logits(config, p, {"inputs": random_tokens(0, (2, 8),
+                                                                                 64)}))(params)
 
 
 needs_fused = pytest.mark.skipif(
