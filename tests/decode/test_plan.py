@@ -2,6 +2,8 @@
 `lax.cond`) gives exactly what the default loop (one step per check, every decision a
 `lax.cond` on the device) gives, for every setting, stop and way of calling it."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,6 +82,7 @@ def test_rows_that_fill_their_cache_stop_at_the_same_step_with_either_plan(tiny_
     stops = StopConditions(jnp.full((8,), -1, jnp.int32), jnp.asarray(32, jnp.int32))
     sampling = SamplingParams.make(batch=2)
 
+    @functools.partial(jax.jit, static_argnums=0)
     def run(plan):
         logits_BV, cache = M.prefill(config, params, prompts, lengths, 12)
         state = initial_state(2, 32, cache, row_keys(jax.random.key(0), 2))
