@@ -122,7 +122,8 @@ def test_rows_sharing_a_prefix_page_read_it_and_never_write_it():
     tokens = jnp.concatenate([tokens, tokens.at[:, 6:].set((tokens[:, 6:] + 1) % 64)])
     cache = M.init_paged_cache(config, 1, 6, PAGE, 3).replace(
         pages=jnp.array([[4, 1, 5]], jnp.int32))
-    _, cache = M.prefill(config, params, tokens[:1, :PAGE], jnp.array([PAGE]), cache=cache)
+    prefill = jax.jit(M.prefill, static_argnums=0)
+    _, cache = prefill(config, params, tokens[:1, :PAGE], jnp.array([PAGE]), cache=cache)
     shared = cache.replace(pages=jnp.array([[4, 0, 2], [4, 3, 1]], jnp.int32),
                            lengths=jnp.array([PAGE, PAGE]), overflow=jnp.zeros(2, bool))
     before = [np.asarray(k[:, 4]) for k in shared.k]
