@@ -131,18 +131,20 @@ def test_rope_rotates_halves_by_position_times_frequency():
 
 
 def test_embedding_scale_and_logits_bias():
+    from conftest import run_full
+
     config = M.preset("tiny", positional_encoding="rope", scale_embeddings=False,
                       logits_bias=True, num_decoder_layers=1)
     params = M.init_params(config, jax.random.key(0))
     bias = jnp.arange(config.vocab_size, dtype=jnp.float32)
     tokens = jnp.array([[3, 4, 5]])
-    base = M.teacher_forced_logits(config, params, {"inputs": tokens})
+    base = run_full(config, params, tokens)
     params["embedder"]["logits_bias"] = bias
-    np.testing.assert_allclose(M.teacher_forced_logits(config, params, {"inputs": tokens}),
-                               base + bias, rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(run_full(config, params, tokens), base + bias, rtol=1e-6,
+                               atol=1e-5)
     scaled = config.replace(scale_embeddings=True, logits_bias=False)
     del params["embedder"]["logits_bias"]
-    assert not np.allclose(M.teacher_forced_logits(scaled, params, {"inputs": tokens}), base)
+    assert not np.allclose(run_full(scaled, params, tokens), base)
 
 
 def test_a_sliding_window_hides_what_lies_behind_it_cached_or_not():
