@@ -1,5 +1,7 @@
 """The decode loop with a fake model whose next token is previous + 1 (mod V)."""
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -34,18 +36,24 @@ def next_is_previous_plus_one(tokens_B1, cache):
 
 def run(first_tokens, *, max_new_tokens, eos_ids=(), buffer_len=16, capacity=100,
         prompt_lengths=None):
-    batch = len(first_tokens)
-    lengths = jnp.asarray(prompt_lengths if prompt_lengths is not None else [1] * batch)
-    cache = FakeCache(lengths, jnp.zeros((), jnp.int32), capacity)
     eos = np.full(8, -1, np.int32)
     eos[:len(eos_ids)] = eos_ids
-    stops = StopConditions(jnp.asarray(eos), jnp.asarray(max_new_tokens))
+    lengths = prompt_lengths if prompt_lengths is not None else [1] * len(first_tokens)
+    return _run(jnp.asarray(first_tokens), jnp.asarray(lengths), jnp.asarray(eos),
+                jnp.asarray(max_new_tokens), buffer_len, capacity)
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def _run(first_tokens_B, lengths_B, eos, max_new_tokens, buffer_len, capacity):
+    """The first tokens recorded as a prefill's, then the loop: one compiled program."""
+    batch = first_tokens_B.shape[0]
+    cache = FakeCache(lengths_B, jnp.zeros((), jnp.int32), capacity)
+    stops = StopConditions(eos, max_new_tokens)
     sampling = SamplingParams.make()
     state = initial_state(batch, buffer_len, cache, row_keys(jax.random.key(0), batch))
-    first_logits, _ = next_is_previous_plus_one(jnp.asarray(first_tokens)[:, None] - 1, cache)
+    first_logits, _ = next_is_previous_plus_one(first_tokens_B[:, None] - 1, cache)
     state = record(state, first_logits[:, 0], stops, sampling)
-    run_loop = jax.jit(decode_loop, static_argnums=0)
-    return run_loop(next_is_previous_plus_one, state, stops, sampling, stops.max_new_tokens)
+    return decode_loop(next_is_previous_plus_one, state, stops, sampling, stops.max_new_tokens)
 
 
 def test_counts_up_exactly():
@@ -90,8 +98,9 @@ def test_step_limit_runs_a_chunk_and_resumes_identically():
     sampling = SamplingParams.make()
     state = initial_state(1, 16, cache, row_keys(jax.random.key(0), 1))
     state = record(state, 10.0 * jax.nn.one_hot(jnp.asarray([3]), VOCAB), stops, sampling)
+    run_loop = jax.jit(decode_loop, static_argnums=0)
     for limit in (4, 6, 9):
-        state = decode_loop(next_is_previous_plus_one, state, stops, sampling, jnp.asarray(limit))
+        state = run_loop(next_is_previous_plus_one, state, stops, sampling, jnp.asarray(limit))
         assert int(state.step) == limit
     np.testing.assert_array_equal(state.tokens, whole.tokens)
 
