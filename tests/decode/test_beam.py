@@ -1,6 +1,8 @@
 """Beam search: a hand-built model whose best sequence greedy misses, greedy equivalence
 with one beam, and hypothesis scores that match the model's own log-probabilities."""
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -47,10 +49,16 @@ def stops(eos_ids, max_new_tokens):
 
 
 def markov_beam(num_beams, eos_ids=(EOS,), max_new_tokens=5, length_penalty=0.0):
+    return _markov_beam(num_beams, tuple(eos_ids), max_new_tokens,
+                        jnp.asarray(length_penalty, jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _markov_beam(num_beams, eos_ids, max_new_tokens, length_penalty):
     first = jnp.asarray([START], jnp.float32)
     cache = MarkovCache(jnp.ones((num_beams,), jnp.int32))
     return beam_loop(markov, first, cache, num_beams, 8, stops(eos_ids, max_new_tokens),
-                     jnp.asarray(length_penalty, jnp.float32))
+                     length_penalty)
 
 
 def test_beam_search_finds_the_best_sequence_greedy_misses():
@@ -63,11 +71,16 @@ def test_beam_search_finds_the_best_sequence_greedy_misses():
 
 def test_one_beam_equals_greedy():
     result = markov_beam(num_beams=1, eos_ids=(), max_new_tokens=6)
-    sampling = SamplingParams.make()
-    state = initial_state(1, 8, MarkovCache(jnp.ones((1,), jnp.int32)),
-                          row_keys(jax.random.key(0), 1))
-    state = record(state, jnp.asarray([START], jnp.float32), stops((), 6), sampling)
-    state = decode_loop(markov, state, stops((), 6), sampling, jnp.asarray(6))
+
+    @jax.jit
+    def greedy():
+        sampling = SamplingParams.make()
+        state = initial_state(1, 8, MarkovCache(jnp.ones((1,), jnp.int32)),
+                              row_keys(jax.random.key(0), 1))
+        state = record(state, jnp.asarray([START], jnp.float32), stops((), 6), sampling)
+        return decode_loop(markov, state, stops((), 6), sampling, jnp.asarray(6))
+
+    state = greedy()
     assert result.tokens[0, :6].tolist() == state.tokens[0, :6].tolist() == [A] * 6
     assert int(result.lengths[0]) == 6
 
