@@ -74,7 +74,8 @@ def test_sample_frequencies_match_filtered_distribution(settings):
 
 def test_filter_keeps_exactly_the_reference_support():
     for settings in SETTINGS:
-        filtered = filter_logits(jnp.asarray(LOGITS)[None], SamplingParams.make(**settings))
+        filtered = jax.jit(filter_logits)(jnp.asarray(LOGITS)[None],
+                                          SamplingParams.make(**settings))
         expected = reference_distribution(LOGITS, **settings)
         np.testing.assert_array_equal(np.isfinite(filtered[0]), expected > 0)
         probs = jax.nn.softmax(filtered[0])
