@@ -36,25 +36,29 @@ def run_on_devices(names: list[str], tmp_path: Path) -> tuple[subprocess.Complet
     if report.exists():
         for case in ET.parse(report).iter("testcase"):
             name = case.get("classname", "").rsplit(".", 1)[-1] + ".py"
-            kinds = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
             outcomes.setdefault(name, []).append(
-                {"failure": "failed", "error": "error", "skipped": "skipped"}.get(
-                    kinds[0], kinds[0]) if kinds else "passed")
+                next((OUTCOMES[child.tag] for child in case if child.tag in OUTCOMES), "passed"))
     return done, outcomes
+
+
+OUTCOMES = {"failure": "failed", "error": "error", "skipped": "skipped"}  # JUnit's tags
+
+
+def _tail(done: subprocess.CompletedProcess) -> str:
+    return done.stdout[-6000:] + done.stderr[-3000:]
 
 
 def check_ran_and_passed(name: str, done: subprocess.CompletedProcess,
                          outcomes: dict[str, list[str]]) -> None:
     ran = outcomes.get(name, [])
-    log = done.stdout[-6000:] + done.stderr[-3000:]
-    assert ran and "passed" in ran, f"no test of {name} passed:\n{log}"
-    assert not {"failed", "error"} & set(ran), f"{name}: {ran}\n{log}"
+    assert ran and "passed" in ran, f"no test of {name} passed:\n{_tail(done)}"
+    assert not {"failed", "error"} & set(ran), f"{name}: {ran}\n{_tail(done)}"
 
 
 def check_on_eight_devices(name: str, tmp_path: Path) -> None:
     done, outcomes = run_on_devices([name], tmp_path)
     check_ran_and_passed(name, done, outcomes)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    assert done.returncode == 0, _tail(done)
 
 
 # The longest file runs from a module of its own (test_multi_device_generate.py): xdist hands
@@ -77,4 +81,4 @@ def test_on_eight_devices(name, together):
     check_ran_and_passed(name, done, outcomes)
     # A process that failed with every test passing (at exit, say) fails every file.
     failed = {"failed", "error"} & {o for other in TOGETHER for o in outcomes.get(other, [])}
-    assert done.returncode == 0 or failed, done.stdout[-6000:] + done.stderr[-3000:]
+    assert done.returncode == 0 or failed, _tail(done)
