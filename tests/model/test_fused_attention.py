@@ -82,8 +82,8 @@ def test_layers_with_a_sliding_window_describe_no_mask(monkeypatch):
     params = M.init_params(config, jax.random.key(1))
     monkeypatch.setattr(A, "fused_attention_applies", lambda *args: True)
     monkeypatch.setattr(A, "attend_fused", lambda *args: pytest.fail("window described"))
-    jax.jit(lambda p: M.teacher_forced_logits(config, p, {"inputs": random_tokens(0, (2, 8),
-                                                                                 64)}))(params)
+    inputs = random_tokens(0, (2, 8), 64)
+    jax.jit(lambda p: M.teacher_forced_logits(config, p, {"inputs": inputs}))(params)
 
 
 needs_fused = pytest.mark.skipif(
