@@ -4,18 +4,26 @@ The helpers are jitted (the config is a static, hashable argument): eager Flax c
 many times slower to dispatch than a tiny model takes to compile.
 """
 
+import atexit
 import collections
 import dataclasses
 import functools
 import gc
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
-# No persistent compilation cache: each process compiles what it runs. The command line's
-# default cache (`kvjax sample`, `kvjax serve`) is off here and in every subprocess, and never
-# fills the user's cache directory.
+# The command line's default cache (`kvjax sample`, `kvjax serve`) is off here and in every
+# subprocess, and never fills the user's cache directory. The suite's processes (the workers,
+# the notebooks' kernels, the command lines and jobs the tests start) share one JAX
+# compilation cache of their own instead, in a temporary directory that lives as long as the
+# run: a program that takes long to compile, compiled by one process (or by a worker before
+# it dropped its programs, below), is loaded by the next that needs it. Programs that compile
+# quickly are not written: writing costs more than compiling them again.
 os.environ["KVJAX_COMPILATION_CACHE"] = "off"
+SHARED_CACHE_MIN_COMPILE_SECONDS = 0.5
 
 # Most of the suite's time is XLA compiling hundreds of small programs. The tests check what
 # programs compute, not how fast, so they skip LLVM's optimizations, and on a jaxlib that still
@@ -33,11 +41,27 @@ def _xla_accepts(flag: str) -> bool:
                           timeout=120).returncode == 0
 
 
+def _share_one_compilation_cache() -> None:
+    """Sets the environment every process of the run reads when JAX starts (the workers and
+    every child process inherit it); the directory goes when this process ends."""
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:  # the caller's own: left as it is
+        return
+    directory = tempfile.mkdtemp(prefix="kvjax-tests-xla-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = directory
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = str(
+        SHARED_CACHE_MIN_COMPILE_SECONDS)
+    # A bound makes JAX lock the directory around each read and write: processes that
+    # compile the same program together never read an entry another is still writing.
+    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(4 << 30)
+
+
 if "KVJAX_TEST_FLAGS_CHECKED" not in os.environ:
     os.environ["KVJAX_TEST_FLAGS_CHECKED"] = "1"
     for flag in FAST_COMPILE_FLAGS:
         if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", "") and _xla_accepts(flag):
             os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+    _share_one_compilation_cache()
 
 import jax  # noqa: E402  (after the environment above, which it reads when it starts)
 import jax.numpy as jnp  # noqa: E402

@@ -97,21 +97,27 @@ def test_flags_then_environment_then_default_decide(monkeypatch, command, flag, 
     assert compilation_cache.choose(command, flag, off, environ) == expected
 
 
-def test_the_suite_never_turns_the_cache_on():
+def test_the_suite_never_uses_the_users_cache():
+    """The command line's cache is off; the suite's processes share a temporary one of their
+    own (tests/conftest.py), never the user's directory."""
     assert os.environ[compilation_cache.ENVIRONMENT_VARIABLE] == "off"
     assert compilation_cache.choose("sample", None, False, os.environ) == (None, False)
-    assert jax.config.jax_compilation_cache_dir is None
+    suites = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    assert jax.config.jax_compilation_cache_dir == suites
+    users = compilation_cache.default_directory(os.environ)
+    assert suites is None or not os.path.abspath(suites).startswith(os.path.abspath(users))
 
 
 def test_an_unusable_default_warns_and_runs_without_while_a_named_one_fails(capsys):
     from kvjax import cli
 
     blocked = str(ROOT / "pyproject.toml" / "below")  # a file is in the way
+    before = jax.config.jax_compilation_cache_dir
     with pytest.warns(compilation_cache.CompilationCacheWarning,
                       match="compilation cache is off for this run: .*below cannot be "
                             "written: Not a directory"):
         assert not compilation_cache.use(blocked, named=False)
-    assert jax.config.jax_compilation_cache_dir is None
+    assert jax.config.jax_compilation_cache_dir == before
     with pytest.raises(OSError, match="--compilation-cache .*pyproject.toml is not a "
                                       "directory"):
         compilation_cache.use(str(ROOT / "pyproject.toml"), named=True)
