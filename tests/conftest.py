@@ -281,9 +281,13 @@ VARIANTS = {"decoder_only": 0, "encoder_decoder": 2}  # name: encoder layers
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def tiny(request):
-    """(config, model, params) of each variant."""
+    """(config, model, params) of each variant: the decoder-only one with its layers unrolled
+    (the default), the encoder-decoder with its layers scanned, so that the decoders and the
+    engine meet both cache layouts. (A scanned stack compiles one layer, not each of them:
+    the encoder-decoder's programs are its costliest. test_model.py holds the layouts equal.)"""
     config = M.preset("tiny", num_encoder_layers=VARIANTS[request.param],
-                      positional_encoding="rope", num_kv_heads=2)
+                      positional_encoding="rope", num_kv_heads=2,
+                      scan_layers=VARIANTS[request.param] > 0)
     return config, M.build_model(config), M.init_params(config, jax.random.key(1))
 
 

@@ -48,17 +48,16 @@ def test_greedy_equals_recomputing_without_cache(tiny):
 
 def test_scanned_and_unrolled_layers_find_the_same_beams(tiny):
     config, net, params = tiny
-    assert not config.scan_layers  # the default
-    scanned, params_scanned = M.with_layer_layout(config, params, scan_layers=True)
-    net_scanned = M.build_model(scanned)
+    other, other_params = M.with_layer_layout(config, params, scan_layers=not config.scan_layers)
+    assert other.scan_layers != config.scan_layers
     # Sampling draws from the same logits whatever the layout. Beam search prefills, steps
     # and reorders the cache's rows, all that a layout changes (the decode loops see the
     # model only through its prefill and step, whose layouts test_model.py compares).
-    unrolled_out = decode.beam_search(net, params, PROMPTS, max_new_tokens=6, num_beams=3)
-    scanned_out = decode.beam_search(net_scanned, params_scanned, PROMPTS, max_new_tokens=6,
-                                     num_beams=3)
-    np.testing.assert_array_equal(scanned_out.tokens, unrolled_out.tokens)
-    np.testing.assert_allclose(scanned_out.scores, unrolled_out.scores, rtol=1e-5)
+    out = decode.beam_search(net, params, PROMPTS, max_new_tokens=6, num_beams=3)
+    other_out = decode.beam_search(M.build_model(other), other_params, PROMPTS,
+                                   max_new_tokens=6, num_beams=3)
+    np.testing.assert_array_equal(other_out.tokens, out.tokens)
+    np.testing.assert_allclose(other_out.scores, out.scores, rtol=1e-5)
 
 
 def test_each_row_equals_the_prompt_alone(tiny):
