@@ -94,7 +94,9 @@ def test_length_penalty_prefers_longer_hypotheses():
 
 @pytest.mark.parametrize("encoder_layers", [0, 2])
 def test_real_model_beam_scores_are_model_logprobs(encoder_layers):
-    config = M.preset("tiny", num_encoder_layers=encoder_layers)
+    # The encoder-decoder scans its layers, as in conftest's `tiny`: scores are the model's
+    # logprobs whatever the layout, and a scanned stack compiles one layer.
+    config = M.preset("tiny", num_encoder_layers=encoder_layers, scan_layers=encoder_layers > 0)
     net, params = M.build_model(config), M.init_params(config, jax.random.key(3))
     prompts = [[4, 5, 6], [7, 8, 9, 10, 11]]
     alpha = 0.6
