@@ -281,20 +281,21 @@ VARIANTS = {"decoder_only": 0, "encoder_decoder": 2}  # name: encoder layers
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def tiny(request):
-    """(config, model, params) of each variant: the decoder-only one with its layers unrolled
-    (the default), the encoder-decoder with its layers scanned, so that the decoders and the
-    engine meet both cache layouts. (A scanned stack compiles one layer, not each of them:
-    the encoder-decoder's programs are its costliest. test_model.py holds the layouts equal.)"""
+    """(config, model, params) of each variant, its layers scanned: a scanned stack compiles
+    one layer, not each of them. The decoders and the engine reach the layers only through
+    the model's prefill and step and the cache's row operations, which tests/model holds
+    equal in both layouts (test_model.py, test_cache.py); the imported models' tests
+    (tests/hf) decode in the default, unrolled layout."""
     config = M.preset("tiny", num_encoder_layers=VARIANTS[request.param],
                       positional_encoding="rope", num_kv_heads=2,
-                      scan_layers=VARIANTS[request.param] > 0)
+                      scan_layers=True)
     return config, M.build_model(config), M.init_params(config, jax.random.key(1))
 
 
 @pytest.fixture(scope="module")
 def tiny_lm():
-    """(config, model, params) of a decoder-only LM."""
-    config = M.preset("tiny", positional_encoding="rope", num_kv_heads=2)
+    """(config, model, params) of a decoder-only LM, its layers scanned (as `tiny`'s)."""
+    config = M.preset("tiny", positional_encoding="rope", num_kv_heads=2, scan_layers=True)
     return config, M.build_model(config), M.init_params(config, jax.random.key(1))
 
 

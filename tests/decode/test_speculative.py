@@ -266,13 +266,14 @@ def test_greedy_equals_plain_generate(tiny):
     assert (decode.trace_count("speculative"), decode.trace_count("continue")) == counts
 
 
-def test_scanned_layers_and_streaming(tiny_lm):
+def test_unrolled_layers_and_streaming(tiny_lm):
     config, net, params = tiny_lm
-    scanned, params_scanned = M.with_layer_layout(config, params, scan_layers=True)
+    unrolled, params_unrolled = M.with_layer_layout(config, params, scan_layers=False)
+    assert config.scan_layers  # the fixture's layout, which `plain` decodes in
     # Row 0 fills its cache to 3 slots of the capacity (40): its last tokens come from
     # plain steps, since a draft would not fit.
     plain = decode.generate(net, params, PROMPTS, max_new_tokens=30)
-    pieces, streamed = drain(decode.stream(M.build_model(scanned), params_scanned, PROMPTS,
+    pieces, streamed = drain(decode.stream(M.build_model(unrolled), params_unrolled, PROMPTS,
                                            max_new_tokens=30, chunk_size=8,
                                            speculative=DRAFTS))
     assert all(piece.shape[1] <= 8 for piece in pieces)
