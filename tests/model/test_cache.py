@@ -109,8 +109,8 @@ def test_copy_row_into_pages_fills_the_pages_the_rows_table_names(scan_layers):
         paged = paged.replace(**{name: tuple(stack + 1 for stack in getattr(paged, name))})
     out = copy_row_into_pages(paged, source, jnp.asarray(1), jnp.asarray(1), first_page=1)
     for name in FIELDS:
-        row = np.zeros_like(layers(source, name)[:, 1, :, :1]).repeat(12, axis=2)
-        row[:, :, :10] = layers(source, name)[:, 1]
+        held = layers(source, name)[:, 1]  # [L, K, 10, ...]
+        row = np.concatenate([held, np.zeros_like(held[:, :, :2])], axis=2)  # slots 0-11
         expected = layers(paged, name).copy()  # [L, pages, K, U, ...]
         for j, page in ((1, 3), (2, 4)):
             expected[:, page] = row[:, :, 4 * j:4 * (j + 1)]
