@@ -11,12 +11,14 @@ from kvjax import model as M
 from kvjax.model.paged import copy_row_into_pages
 
 LAYOUTS = {"unrolled": False, "scanned": True}
+FIELDS = ("k", "v", "k_scale", "v_scale")  # the self-attention stacks the operations move
 
 
 def numbered_cache(scan_layers: bool, batch: int, capacity: int, first: int = 0,
                    lengths=None) -> M.KVCache:
-    """An int8 cache of two layers whose every K, V and scale entry is a distinct number
-    (from `first` on), so a misplaced slot, row or layer shows."""
+    """An int8 cache of two layers numbered from `first` on: each scale entry a distinct
+    number, each K and V entry that number modulo 127 (int8), so a misplaced slot, row or
+    layer shows in the scales, which move with them, and in K and V."""
     config = M.preset("tiny", num_kv_heads=2, cache_dtype="int8", scan_layers=scan_layers)
     cache = M.init_cache(config, batch_size=batch, capacity=capacity)
     count = [first]
@@ -27,14 +29,9 @@ def numbered_cache(scan_layers: bool, batch: int, capacity: int, first: int = 0,
         return jnp.asarray(values % 127 if stack.dtype == jnp.int8 else values, stack.dtype)
 
     lengths = np.arange(batch) + 3 if lengths is None else np.asarray(lengths)
-    return cache.replace(k=tuple(map(numbered, cache.k)), v=tuple(map(numbered, cache.v)),
-                         k_scale=tuple(map(numbered, cache.k_scale)),
-                         v_scale=tuple(map(numbered, cache.v_scale)),
+    return cache.replace(**{name: tuple(map(numbered, getattr(cache, name))) for name in FIELDS},
                          lengths=jnp.asarray(lengths, jnp.int32),
                          overflow=jnp.ones((batch,), bool))
-
-
-FIELDS = ("k", "v", "k_scale", "v_scale")
 
 
 def layers(cache: M.KVCache, name: str) -> np.ndarray:
