@@ -6,8 +6,8 @@ schedules; what the programs make is handed out by `output.py`. Each turn of its
   0. scores the prompts whose logprobs were asked for (`score_prompt`);
   1. stages: prefills a part of a prompt too long for one turn (`prefill_part`); while the
      oldest other waiting request's `n` samples fit the free staged rows, prefills its
-     prompt once (after a kept prefix if it has one: `prefix_cache.py`) and writes it into
-     `n` staged rows, each sample with its first token;
+     prompt once with others of its length (`prefill_groups.py`), after a kept prefix if it
+     has one (`prefix_cache.py`), into `n` staged rows, each sample with its first token;
   2. dispatches one chunk of `chunk_size` decode steps over every slot (`chunk.py`): on the
      device, each slot that frees is taken at once by the oldest staged sample, and the
      chunk ends early if a slot frees with none staged while requests wait on the host;
@@ -39,7 +39,7 @@ from kvjax.decode.prepare import placement
 from kvjax.decode.prompt_state import prefill_state
 from kvjax.tokenizer import TextTokenizer
 
-from . import chunk, constrained, memory, pages, prefix_cache, slots, warm_up
+from . import chunk, constrained, memory, pages, prefill_groups, prefix_cache, slots, warm_up
 from .output import Continuation, OnDelta, Outputs, Ticket
 from .prompt_logprobs import prompt_logprobs
 from .requests import Delta, GenerationRequest, row_settings
@@ -119,8 +119,7 @@ class Engine:
                 raise ValueError(f"{name}={rows} must be a multiple of the mesh's data={data}: "
                                  f"each device holds as many of those rows")
         self.mesh, params = placement(config, params, mesh)
-        self.pages = pages.choose_pages(page_size, num_pages, capacity, max_slots,
-                                        config.max_len)
+        self.pages = pages.choose_pages(page_size, num_pages, capacity, max_slots, config.max_len)
         self.config, self.params, self.tokenizer = config, params, tokenizer
         self.capacity, self.chunk_size, self.max_queue = capacity, chunk_size, max_queue
         self.steps_per_check, self.prefill_batch = steps_per_check, prefill_batch
@@ -189,10 +188,9 @@ class Engine:
         return ticket
 
     def score_prompt(self, prompt: tuple[int, ...], top: int) -> concurrent.futures.Future:
-        """A future of `prompt_logprobs(config, params, prompt, top)`, computed on the
-        engine's thread between chunks: one thread dispatches every program, in one order
-        (as the processes of a model served over many hosts must). `QueueFull` when
-        `max_queue` prompts already wait."""
+        """A future of `prompt_logprobs(config, params, prompt, top)`, computed on the engine's
+        thread between chunks: one thread dispatches every program, in one order (as processes
+        serving a model over many hosts must). `QueueFull` when `max_queue` prompts wait."""
         future = concurrent.futures.Future()
         with self._wake:
             if len(self._scoring) >= self.max_queue:
@@ -203,9 +201,8 @@ class Engine:
         return future
 
     def warm_up(self, prompt_lengths: Iterable[int] | None = None) -> None:
-        """Compiles what serving can need before the loop starts, so that no request waits
-        for a compilation (`warm_up.py`); `prompt_lengths` default to every length a slot
-        holds."""
+        """Compiles what serving can need before the loop starts (`warm_up.py`), so that no
+        request waits for a compilation; `prompt_lengths` default to every length a slot holds."""
         warm_up.compile_programs(self, prompt_lengths)
         self._reset()
 
@@ -296,8 +293,9 @@ class Engine:
         return ids
 
     def _admissible(self) -> list[Ticket]:
-        """Takes the oldest queued tickets whose samples fit the free staged rows (at most
-        `prefill_batch`, prefilled together); cancelled ones are answered and dropped.
+        """Takes the oldest queued ticket and those of its length near it (`prefill_groups`)
+        whose samples fit the free staged rows (at most `prefill_batch`, prefilled together);
+        cancelled ones are answered and dropped.
 
         While enough samples are staged to keep the slots busy and more tickets wait than
         the free rows take, it waits for rows to free: a prefill of a few prompts costs
@@ -320,7 +318,9 @@ class Engine:
                     dropped.append(ticket)
                 else:
                     taken.append(ticket)
-                    free -= ticket.request.n
+                    free = prefill_groups.take_companions(
+                        self._pending, taken, free - ticket.request.n, self.prefill_batch,
+                        self.capacity, self._too_long)
             self._pending.extendleft(reversed(long))
         for ticket in dropped:
             for index in ticket.indices():

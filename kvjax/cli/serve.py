@@ -43,7 +43,7 @@ def add_serve(commands) -> None:
                             "on or refill a slot, in a loop of known trip count (default: 1 "
                             "on a CPU, 8 on an accelerator)")
     serve.add_argument("--prefill-batch", type=positive, default=8,
-                       help="waiting prompts prefilled together")
+                       help="waiting prompts prefilled together, grouped by length")
     serve.add_argument("--prefix-cache-rows", type=count, default=None, metavar="N",
                        help="cache rows that keep recent prompts' K/V, so that a prompt "
                             "starting like one of them prefills only the rest (default: a "

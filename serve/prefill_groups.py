@@ -1,0 +1,57 @@
+"""Which waiting prompts the engine prefills together.
+
+One prefill pads every prompt of its group to the length bucket of the longest
+(`decode.buckets`), and its cost follows the padded positions, not the prompts' own. Taken in
+arrival order, a group of eight prompts of 8 to 48 tokens is nearly always padded to 48, so
+the engine groups by length instead: the oldest waiting prompt leads its group, which the
+waiting prompts nearest its bucket fill, looked for among the next `LOOKAHEAD_GROUPS` groups'
+worth of the queue: those of its bucket first, then shorter ones (padded up to it), then the
+least longer. The oldest prompt is always in the next group, so no prompt waits behind
+others for longer than the queue ahead of it takes; a prompt of another bucket only waits
+for its own group, a few turns at most.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Callable, Sequence
+
+from kvjax.decode.buckets import bucket
+
+LOOKAHEAD_GROUPS = 4
+
+
+def companion_order(lead_length: int, lengths: Sequence[int], limit: int) -> list[int]:
+    """The indices of `lengths` (waiting prompts, oldest first) in the order they join a group
+    led by a prompt of `lead_length` tokens: those of its bucket, then shorter ones by
+    nearest bucket, then longer ones by nearest bucket; within a bucket, the oldest first.
+    `limit` caps the buckets (`bucket`)."""
+    lead = bucket(lead_length, limit)
+
+    def rank(i: int) -> tuple[int, int, int]:
+        own = bucket(lengths[i], limit)
+        return (0, lead - own, i) if own <= lead else (1, own, i)
+
+    return sorted(range(len(lengths)), key=rank)
+
+
+def take_companions(pending: collections.deque, taken: list, free: int, size: int,
+                    limit: int, skip: Callable[[object], bool]) -> int:
+    """Moves waiting tickets from `pending` into `taken` (which holds the group's leader)
+    until it holds `size` or none fits, in `companion_order` among the first
+    `LOOKAHEAD_GROUPS * size` of `pending`; a ticket fits when its `request.n` samples fit
+    the `free` staged rows. Tickets cancelled or that `skip` names stay where they are.
+    Returns the staged rows still free."""
+    window = [ticket for ticket in itertools.islice(pending, LOOKAHEAD_GROUPS * size)
+              if not ticket.cancelled and not skip(ticket)]
+    lead = len(taken[0].request.prompt)
+    for i in companion_order(lead, [len(t.request.prompt) for t in window], limit):
+        if len(taken) == size:
+            break
+        ticket = window[i]
+        if ticket.request.n <= free:
+            pending.remove(ticket)
+            taken.append(ticket)
+            free -= ticket.request.n
+    return free
