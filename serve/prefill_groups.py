@@ -6,9 +6,8 @@ arrival order, a group of eight prompts of 8 to 48 tokens is nearly always padde
 the engine groups by length instead: the oldest waiting prompt leads its group, which the
 waiting prompts nearest its bucket fill, looked for among the next `LOOKAHEAD_GROUPS` groups'
 worth of the queue: those of its bucket first, then shorter ones (padded up to it), then the
-least longer. The oldest prompt is always in the next group, so no prompt waits behind
-others for longer than the queue ahead of it takes; a prompt of another bucket only waits
-for its own group, a few turns at most.
+least longer. Every group takes the oldest waiting prompt, so a prompt waits at most until
+those queued before it are prefilled; prompts of other lengths queued after it may go first.
 """
 
 from __future__ import annotations
