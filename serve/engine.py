@@ -145,6 +145,7 @@ class Engine:
         self._next_id = 0
         self._free_staged = list(range(self.num_staged))
         self._dispatched: list[_Dispatched] = []
+        self._staging: list[Ticket] = []
         self._live = self._waiting = 0
         self._long: Ticket | None = None  # the long prompt fed a part this turn
         self._prefixes = None if not self.prefix_cache_rows else prefix_cache.PrefixCache(
@@ -260,15 +261,16 @@ class Engine:
         self.outputs.end_cancelled()
         self._feed_long_prompt()
         while tickets := self._admissible():
+            self._staging = tickets  # off the queue, not yet on the device: see `_fail_all`
             self._stage(tickets)
+        self._staging = []
         keep = 0  # programs left in flight
         if self.outputs.samples or self.outputs.to_stop:
             self.state, emitted = chunk.decode_chunk(
-                self.config, self.params, self.state, self._cancel_ids(),
+                self.config, self.params, self.state,
+                self.outputs.take_stop_ids(self.max_slots + self.num_staged),
                 np.bool_(self.outputs.want_top()), np.bool_(self._can_stage_more()),
                 self.chunk_size, mesh=self.mesh, steps_per_check=self.steps_per_check)
-            # Ids past what one chunk's list holds go with the next chunk.
-            del self.outputs.to_stop[:self.max_slots + self.num_staged]
             self._dispatched.append(_Dispatched(emitted, [], is_chunk=True))
             keep = int(overlap)
         while len(self._dispatched) > keep:
@@ -283,14 +285,6 @@ class Engine:
                     future.set_result(prompt_logprobs(self.config, self.params, prompt, top))
                 except Exception as error:  # noqa: BLE001 - it ends this request alone
                     future.set_exception(error)
-
-    def _cancel_ids(self) -> np.ndarray:
-        """The ids the next chunk stops [B + Q] (-2 pads: no sample has it); more wait for
-        the chunk after (samples a chunk in flight ended can still be on the host's list)."""
-        ids = np.full(self.max_slots + self.num_staged, -2, np.int32)
-        to_stop = self.outputs.to_stop[:len(ids)]
-        ids[:len(to_stop)] = to_stop
-        return ids
 
     def _admissible(self) -> list[Ticket]:
         """Takes the oldest queued ticket and those of its length near it (`prefill_groups`)
@@ -441,7 +435,7 @@ class Engine:
     def _fail_all(self, error: Exception) -> None:
         """Ends every queued and live request with `error` and starts from free slots."""
         with self._wake:
-            tickets = {id(t.origin): t.origin for t in self._pending}
+            tickets = {id(t.origin): t.origin for t in [*self._pending, *self._staging]}
             self._pending.clear()
         tickets.update({id(s.ticket): s.ticket for s in self.outputs.samples.values()})
         self._reset()

@@ -14,6 +14,8 @@ import logging
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from kvjax.decode.loop import StopReason
 from kvjax.detokenize import RowText
 from kvjax.tokenizer import TextTokenizer
@@ -137,6 +139,15 @@ class Outputs:
         if sample.prefix_row >= 0:
             self.release(sample.prefix_row)
             sample.prefix_row = -1
+
+    def take_stop_ids(self, count: int) -> np.ndarray:
+        """The first `count` ids of `to_stop`, taken off it, for the next chunk to stop
+        [count] (-2 pads: no sample has it); the rest wait for the chunk after (samples a
+        chunk in flight ended can still be on the list)."""
+        ids = np.full(count, -2, np.int32)
+        taken, self.to_stop = self.to_stop[:count], self.to_stop[count:]
+        ids[:len(taken)] = taken
+        return ids
 
     def want_top(self) -> bool:
         """Whether some sample reports top logprobs."""

@@ -63,7 +63,7 @@ def compile_programs(engine, prompt_lengths: Iterable[int] | None = None) -> Non
     if prefixes is not None and engine.pages is not None:  # kept prefixes into pages
         engine.state = pages.mirror_prefixes(engine.state, prefixes.store,
                                              np.zeros(prefixes.index.rows, np.int32))
-    engine.state, _ = chunk.decode_chunk(engine.config, engine.params, engine.state,
-                                         engine._cancel_ids(), np.bool_(False),
-                                         np.bool_(False), engine.chunk_size, mesh=engine.mesh,
-                                         steps_per_check=engine.steps_per_check)
+    stop_ids = engine.outputs.take_stop_ids(engine.max_slots + engine.num_staged)
+    engine.state, _ = chunk.decode_chunk(engine.config, engine.params, engine.state, stop_ids,
+                                         np.bool_(False), np.bool_(False), engine.chunk_size,
+                                         mesh=engine.mesh, steps_per_check=engine.steps_per_check)

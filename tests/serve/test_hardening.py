@@ -244,3 +244,21 @@ def test_an_error_in_one_requests_host_work_ends_that_request_alone(url, tiny_lo
     assert other.json()["choices"][0]["text"] == greedy_text(tiny_loaded, "qrs", 12)
     health = httpx.get(f"{url}/health", timeout=TIMEOUT).json()
     assert health["live_slots"] == 0
+
+
+def test_a_failing_prefill_ends_its_request_with_an_error_and_the_server_serves_on(
+        url, tiny_loaded, monkeypatch):
+    # An unexpected error on the engine's thread ends every request it holds, among them
+    # the one being prefilled at that moment (off the queue, not yet on the device).
+    from kvjax.serve import engine as engine_module
+
+    def failing(*args):
+        raise RuntimeError("the prefill failed")
+
+    monkeypatch.setattr(engine_module, "prefill_state", failing)
+    failed = post(url, "completions", completion(prompt="xyz", max_tokens=5))
+    assert failed.status_code == 500
+    assert "the prefill failed" in failed.json()["error"]["message"]
+    monkeypatch.undo()
+    answer = post(url, "completions", completion(prompt="xyz", max_tokens=5))
+    assert answer.json()["choices"][0]["text"] == greedy_text(tiny_loaded, "xyz", 5)
