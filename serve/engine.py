@@ -6,8 +6,9 @@ schedules; what the programs make is handed out by `output.py`. Each turn of its
   0. scores the prompts whose logprobs were asked for (`score_prompt`);
   1. stages: prefills a part of a prompt too long for one turn (`prefill_part`); while the
      oldest other waiting request's `n` samples fit the free staged rows, prefills its
-     prompt once with others of its length (`prefill_groups.py`), after a kept prefix if it
-     has one (`prefix_cache.py`), into `n` staged rows, each sample with its first token;
+     prompt once with others of its length (`prefill_groups.py`; on a CPU beside the chunk
+     in flight, `prefill_thread.py`), after a kept prefix if it has one (`prefix_cache.py`),
+     into `n` staged rows, each sample with its first token;
   2. dispatches one chunk of `chunk_size` decode steps over every slot (`chunk.py`): on the
      device, each slot that frees is taken at once by the oldest staged sample, and the
      chunk ends early if a slot frees with none staged while requests wait on the host;
@@ -41,6 +42,7 @@ from kvjax.tokenizer import TextTokenizer
 
 from . import chunk, constrained, memory, pages, prefill_groups, prefix_cache, slots, warm_up
 from .output import Continuation, OnDelta, Outputs, Ticket
+from .prefill_thread import prefill_dispatcher
 from .prompt_logprobs import prompt_logprobs
 from .requests import Delta, GenerationRequest, row_settings
 
@@ -128,6 +130,7 @@ class Engine:
         self.prefill_part = max(1, prefill_part // prefix_block) * prefix_block
         memory.check_engine_fits(config, max_slots, max_staged, prefix_cache_rows, capacity,
                                  self.mesh, self.pages)
+        self._dispatch_prefill = prefill_dispatcher(self.mesh)
         self._pending: collections.deque[Ticket] = collections.deque()
         self._scoring: collections.deque = collections.deque()  # (prompt, top, future)
         self._wake = threading.Condition()
@@ -190,8 +193,8 @@ class Engine:
 
     def score_prompt(self, prompt: tuple[int, ...], top: int) -> concurrent.futures.Future:
         """A future of `prompt_logprobs(config, params, prompt, top)`, computed on the engine's
-        thread between chunks: one thread dispatches every program, in one order (as processes
-        serving a model over many hosts must). `QueueFull` when `max_queue` prompts wait."""
+        thread between chunks, in one order with its other programs (as processes serving a
+        model over many hosts must). `QueueFull` when `max_queue` prompts wait."""
         future = concurrent.futures.Future()
         with self._wake:
             if len(self._scoring) >= self.max_queue:
@@ -369,8 +372,8 @@ class Engine:
         lengths = np.array([len(p) for p in filled], np.int32)
         if hits[0][1] == 0:
             # The prompts' cache holds only them: the insert writes it into the staged rows.
-            prefilled = prefill_state(self.config, self.params, padded, lengths,
-                                      padded.shape[1])
+            prefilled = self._dispatch_prefill(prefill_state, self.config, self.params,
+                                               padded, lengths, padded.shape[1])
         else:
             rests = [p[n:] for p, (_, n) in zip(prompts, hits, strict=True)]
             prefilled = self._prefixes.prefill(
