@@ -180,7 +180,8 @@ class Engine:
         return request
 
     def submit(self, request: GenerationRequest, on_delta: OnDelta) -> Ticket:
-        """Queues `request`; a ValueError names a bad value, `QueueFull` says to retry."""
+        """Queues `request`; a ValueError names a bad value, `QueueFull` says to retry.
+        `on_delta` is called on the engine's thread; should it raise, the request is cancelled."""
         ticket = Ticket(self.check(request), on_delta, self._notify)
         with self._wake:
             if len(self._pending) >= self.max_queue:

@@ -27,18 +27,31 @@ OnDelta = Callable[[Delta | Exception], None]
 
 
 class Ticket:
-    """A submitted request: `on_delta` gets its `Delta`s (or the exception that ended it),
-    from the engine's thread; `cancel()` frees its slots within one chunk (`wake` tells
-    the engine)."""
+    """A submitted request: its callback gets its `Delta`s (or the exception that ended it),
+    from the engine's thread (`on_delta`); `cancel()` frees its slots within one chunk
+    (`wake` tells the engine)."""
 
     def __init__(self, request: GenerationRequest, on_delta: OnDelta,
                  wake: Callable[[], None] = lambda: None):
-        self.request, self.on_delta, self._wake = request, on_delta, wake
+        self.request, self._callback, self._wake = request, on_delta, wake
         self.submitted = time.perf_counter()
-        self.cancelled = False
+        self.cancelled = self.callback_failed = False
         self.unfinished = request.n
 
     generated = 0  # tokens each sample made before it is staged
+
+    def on_delta(self, delta: Delta | Exception) -> None:
+        """Hands `delta` to the callback. The callback is the client's code: if it raises, the
+        error is logged and the request cancelled, and it hears nothing more; the engine's
+        loop, and every other request, goes on."""
+        if self.callback_failed:
+            return
+        try:
+            self._callback(delta)
+        except Exception:  # noqa: BLE001 - the client's error ends its own request alone
+            logging.getLogger(__name__).exception("a request's callback raised; it is cancelled")
+            self.callback_failed = True
+            self.cancel()
 
     def cancel(self) -> None:
         self.cancelled = True

@@ -404,3 +404,41 @@ def test_the_decode_kernel_serves_what_generate_makes_through_it():
     for collector, out in zip(collectors, alone, strict=True):
         logprobs = [p for d in collector.deltas for p in d.logprobs]
         np.testing.assert_allclose(logprobs, out.logprobs[0, :len(logprobs)], atol=2e-2)
+
+
+def test_a_callback_that_raises_cancels_its_own_request_and_the_engine_serves_on(tiny_lm):
+    """A client's `on_delta` is the client's code: when it raises, its request is cancelled
+    (logged), and every other request, then and later, gets what it gets alone."""
+    import threading
+
+    config, _, params = tiny_lm
+    engine = Engine(config, params, max_slots=SLOTS, chunk_size=CHUNK, max_queue=8,
+                    prefill_batch=4, tokenizer=FakeTokenizer())
+    requests = [GenerationRequest(prompt(60 + i, 4 + i), max_tokens=12) for i in range(3)]
+    calls, ended = [], [threading.Event() for _ in requests]
+
+    def broken(delta):
+        calls.append(delta)
+        raise ConnectionError("the client went away")
+
+    collectors = [Collector() for _ in requests]
+
+    def reporting(i):
+        def on_delta(delta):
+            collectors[i](delta)
+            if delta.finish_reason:
+                ended[i].set()
+        return on_delta
+
+    engine.start()
+    try:
+        engine.submit(requests[0], reporting(0))
+        broken_ticket = engine.submit(requests[1], broken)
+        assert ended[0].wait(120)
+        engine.submit(requests[2], reporting(2))  # after the failure
+        assert ended[2].wait(120)
+    finally:
+        engine.close()
+    assert len(calls) == 1 and broken_ticket.cancelled  # told once, then left alone
+    assert [collectors[i].tokens() for i in (0, 2)] == [alone(tiny_lm, requests[i])
+                                                          for i in (0, 2)]
