@@ -193,9 +193,11 @@ def profile_engine(preset: str, hf_dir: str | None, batch: int, prompt_len: int,
     # No prefix cache: the prompts share nothing, and keeping them only adds copies.
     engine = Engine(config, params, max_slots=batch, max_len=prompt_len + new_tokens,
                     max_queue=batch, prefix_cache_rows=0)
-    engine.start()
 
-    def run():
+    def run() -> float:
+        """The seconds from the engine's start to its last token: every request is queued
+        before its thread starts, so that its first turn prefills them together, as
+        `profile_decode`'s call does."""
         done, errors = threading.Semaphore(0), []
 
         def on_delta(delta):
@@ -207,16 +209,20 @@ def profile_engine(preset: str, hf_dir: str | None, batch: int, prompt_len: int,
         for prompt in prompts:
             engine.submit(GenerationRequest(tuple(int(t) for t in prompt),
                                             max_tokens=new_tokens), on_delta)
+        started = time.perf_counter()
+        engine.start()
         for _ in prompts:
-            done.acquire()
+            if not done.acquire(timeout=600):
+                raise RuntimeError("the engine answered no request in 10 minutes")
+        seconds = time.perf_counter() - started
+        engine.close()
         if errors:
             raise RuntimeError(f"the engine failed: {errors[0]!r}")
+        return seconds
 
     try:
         run()  # compiles the programs its turns run
-        started = time.perf_counter()
-        run()
-        seconds = (time.perf_counter() - started) / new_tokens
+        seconds = run() / new_tokens
         return name, profile_kernels(run, new_tokens), seconds
     finally:
         engine.close()

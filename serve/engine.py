@@ -212,8 +212,9 @@ class Engine:
         self._reset()
 
     def start(self) -> None:
-        """Runs the loop on a thread of its own until `close`."""
+        """Runs the loop on a thread of its own until `close` (and again after it)."""
         if self._thread is None:
+            self._stopping = False
             self._thread = threading.Thread(target=self._run, name="kvjax-engine", daemon=True)
             self._thread.start()
 
