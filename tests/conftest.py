@@ -75,7 +75,7 @@ from kvjax import model as M  # noqa: E402
 # number of tests, as xdist orders them (`--no-loadscope-reorder` keeps this order).
 SLOW_FILES_FIRST = ("test_multi_device_generate.py", "test_multi_device.py",
                     "test_multi_process.py", "test_notebooks.py", "test_demo.py",
-                    "test_model.py", "test_train.py",
+                    "test_transformer.py", "test_train.py",
                     "test_attention_blocks.py", "test_prompt_state.py", "test_generate.py",
                     "test_speculative.py",
                     "test_hf_models.py", "test_generate_options.py", "test_finetune.py")
@@ -264,6 +264,15 @@ def random_tokens(seed, shape, vocab):
     return jax.random.randint(jax.random.key(seed), shape, 0, vocab, dtype=jnp.int32)
 
 
+def source_for(config, batch, length=7, seed=5):
+    """(source tokens [batch, length], their lengths) for an encoder-decoder config, the
+    second row shorter; (None, None) for a decoder-only one."""
+    if not config.is_encoder_decoder:
+        return None, None
+    lengths = jnp.array([length, length - 3][:batch] + [length] * max(0, batch - 2), jnp.int32)
+    return random_tokens(seed, (batch, length), config.vocab_size), lengths
+
+
 def drain(generator):
     """(everything `generator` yields, as a list; what it returns): `decode.stream`'s chunks
     and its `GenerateOutput`."""
@@ -284,7 +293,7 @@ def tiny(request):
     """(config, model, params) of each variant, its layers scanned: a scanned stack compiles
     one layer, not each of them. The decoders and the engine reach the layers only through
     the model's prefill and step and the cache's row operations, which tests/model holds
-    equal in both layouts (test_model.py, test_cache.py); the imported models' tests
+    equal in both layouts (test_layers.py, test_cache.py); the imported models' tests
     (tests/hf) decode in the default, unrolled layout."""
     config = M.preset("tiny", num_encoder_layers=VARIANTS[request.param],
                       positional_encoding="rope", num_kv_heads=2,

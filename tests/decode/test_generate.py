@@ -51,7 +51,7 @@ def test_scanned_and_unrolled_layers_find_the_same_beams(tiny):
     other, other_params = M.with_layer_layout(config, params, scan_layers=not config.scan_layers)
     # Sampling draws from the same logits whatever the layout. Beam search prefills, steps
     # and reorders the cache's rows, all that a layout changes (the decode loops see the
-    # model only through its prefill and step, whose layouts test_model.py compares).
+    # model only through its prefill and step, whose layouts tests/model/test_layers.py compares).
     out = decode.beam_search(net, params, PROMPTS, max_new_tokens=6, num_beams=3)
     other_out = decode.beam_search(M.build_model(other), other_params, PROMPTS,
                                    max_new_tokens=6, num_beams=3)

@@ -258,4 +258,3 @@ def test_block_size_changes_no_beam_token_or_score(variant):
 def test_attention_block_must_be_positive():
     with pytest.raises(ValueError, match="attention_block=0 must be >= 1"):
         M.preset("tiny", attention_block=0)
-

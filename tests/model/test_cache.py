@@ -114,3 +114,15 @@ def test_copy_row_into_pages_fills_the_pages_the_rows_table_names(scan_layers):
         np.testing.assert_array_equal(layers(out, name), expected)
     np.testing.assert_array_equal(out.lengths, [0, 10])
     np.testing.assert_array_equal(out.overflow, [False, False])
+
+
+def test_unrolled_layers_own_one_cache_buffer_each():
+    config = M.preset("tiny", num_decoder_layers=3, num_kv_heads=2, scan_layers=False)
+    cache = M.init_cache(config, batch_size=2, capacity=10)
+    assert len(cache.k) == len(cache.v) == 3
+    assert all(k.shape == (1, 2, 2, 10, config.head_dim) for k in cache.k + cache.v)
+    assert cache.capacity == 10 and cache.batch_size == 2
+    assert cache.nbytes == M.cache_size_bytes(config, 2, 10).total
+    reordered = cache.replace(lengths=jnp.array([3, 7], jnp.int32)).take_rows(jnp.array([1, 1, 0]))
+    np.testing.assert_array_equal(reordered.lengths, [7, 7, 3])
+    assert reordered.k[2].shape == (1, 3, 2, 10, config.head_dim)

@@ -1,4 +1,7 @@
-"""Config validation, presets and the KV-cache size formula."""
+"""Config validation, presets, the options imported architectures need (none changes a config
+written before it existed) and the KV-cache size formula."""
+
+import json
 
 import jax
 import jax.numpy as jnp
@@ -109,40 +112,54 @@ def test_numpy_scalars_are_stored_as_python_numbers():
     assert M.TransformerConfig.from_json(config.to_json()) == config
 
 
-def test_the_interface_says_where_a_target_starts():
-    prompts, lengths = jnp.asarray([[5, 6, 7], [8, 0, 0]]), jnp.asarray([3, 1])
-    lm, translator = M.preset("tiny"), M.preset("tiny", num_encoder_layers=1, bos_id=3)
-    assert not M.prompt_is_source(lm) and M.prompt_is_source(translator)
-    tokens, starts = M.target_start(lm, prompts, lengths)
-    assert tokens is prompts and starts is lengths
-    tokens, starts = M.target_start(translator, prompts, lengths)
-    assert tokens.tolist() == [[3], [3]] and starts.tolist() == [1, 1]
-    assert [M.prompt_slots(c, 3) for c in (lm, translator)] == [3, 1]
+OPTION_FIELDS = ("head_dim", "qkv_bias", "out_bias", "ffn_bias", "norm_type",
+                 "scale_embeddings", "logits_bias", "sinusoid_layout", "rope_scaling",
+                 "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                 "rope_original_max_len", "qk_norm", "sliding_window")
 
 
-def test_fields_that_draw_no_params_share_one_compiled_initialisation():
-    """Configs that differ only in how the model computes (not which params it has) get the
-    params their own initialisation draws, from one compiled program."""
-    from kvjax.model import interface
+def test_a_config_without_options_writes_what_it_wrote_before_them():
+    written = M.preset("gpt-mini").to_dict()
+    assert not set(OPTION_FIELDS) & set(written)
+    assert M.TransformerConfig.from_dict(written) == M.preset("gpt-mini")
 
-    base = M.preset("tiny", num_encoder_layers=1, positional_encoding="rope", num_kv_heads=2)
-    other = base.replace(
-        attention_block=4, dropout=0.1, dtype="bfloat16", cache_dtype="int8", bos_id=3,
-        layer_norm_eps=1e-5, rope_base=500.0, rope_scaling="linear", rope_scaling_factor=2.0,
-        rope_low_freq_factor=2.0, rope_high_freq_factor=8.0, rope_original_max_len=32,
-        sliding_window=8, full_attention_layers=(1,), local_rope_base=100.0,
-        attention_scale=0.3, attention_softcap=20.0, logits_softcap=30.0, remat=True,
-        sinusoid_layout="halves")
-    assert {name for name in interface._NOT_IN_INIT if getattr(other, name) ==
-            getattr(base, name)} == set()
-    rng = jax.random.key(3)
-    before = interface._init_params._cache_size()
-    shared = M.init_params(other, rng)
-    assert interface._init_params._cache_size() - before <= 1
-    M.init_params(base, rng)
-    assert interface._init_params._cache_size() - before <= 1
-    own = interface._init_params(other, rng)  # drawn by the config's own program
-    assert jax.tree.structure(own) == jax.tree.structure(shared)
-    for mine, theirs in zip(jax.tree.leaves(own), jax.tree.leaves(shared), strict=True):
-        assert mine.dtype == theirs.dtype
-        assert jnp.array_equal(mine, theirs)
+
+def test_options_round_trip_through_json():
+    config = M.preset("tiny", head_dim=16, qkv_bias=True, norm_type="rmsnorm",
+                      positional_encoding="rope", rope_scaling="llama3",
+                      rope_scaling_factor=8.0, rope_original_max_len=32)
+    written = json.loads(config.to_json())
+    assert written["head_dim"] == 16 and written["rope_scaling"] == "llama3"
+    assert M.TransformerConfig.from_json(config.to_json()) == config
+
+
+def test_head_dim_follows_the_width_unless_given():
+    config = M.preset("tiny")  # d_model 32, 4 heads
+    assert config.head_dim == 8
+    assert config.replace(d_model=64).head_dim == 16
+    wide = config.replace(head_dim=24)
+    assert wide.replace(d_model=64).head_dim == 24
+    assert M.cache_size_bytes(wide, 1, 10).self_attention == 2 * 10 * 2 * 4 * 24 * 4
+    params = jax.eval_shape(lambda: M.init_params(wide, jax.random.key(0)))
+    assert params["layers"]["0"]["self_attention"]["qkv"]["kernel"].shape == (32, 12, 24)
+    assert params["layers"]["0"]["self_attention"]["out"]["kernel"].shape == (4, 24, 32)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(norm_type="batchnorm"), "norm_type='batchnorm' is not one of"),
+    (dict(head_dim=0), "head_dim=0 must be >= 1"),
+    (dict(num_heads=3), "num_heads=3 does not divide d_model=32 (or give head_dim)"),
+    (dict(rope_scaling="llama3"), "needs positional_encoding='rope'"),
+    (dict(positional_encoding="rope", rope_scaling="llama3", rope_low_freq_factor=4.0,
+          rope_high_freq_factor=4.0), "rope_low_freq_factor (4.0) < rope_high_freq_factor"),
+    (dict(sinusoid_layout="split"), "sinusoid_layout='split' is not one of"),
+    (dict(qkv_bias=1), "qkv_bias=1 must be True or False"),
+])
+def test_bad_options_are_named(options, message):
+    with pytest.raises(ValueError) as error:
+        M.preset("tiny", **options)
+    assert message in str(error.value)
+
+
+def test_a_head_dim_of_its_own_needs_no_divisible_width():
+    assert M.preset("tiny", num_heads=3, head_dim=8).head_dim == 8

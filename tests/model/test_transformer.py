@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import random_tokens, run_cached, run_full, start_cache
+from conftest import random_tokens, run_cached, run_full, source_for, start_cache
 
 from kvjax import model as M
 
@@ -29,13 +29,6 @@ VARIANTS = {"decoder_only": 0, "encoder_decoder": 2}
 def make(options, encoder_layers, **extra):
     config = M.preset("tiny", num_encoder_layers=encoder_layers, **options, **extra)
     return config, M.init_params(config, jax.random.key(0))
-
-
-def source_for(config, batch, length=7, seed=5):
-    if not config.is_encoder_decoder:
-        return None, None
-    lengths = jnp.array([length, length - 3][:batch] + [length] * max(0, batch - 2), jnp.int32)
-    return random_tokens(seed, (batch, length), config.vocab_size), lengths
 
 
 def prefill_then_steps(config, params, tokens, prompt_len, capacity, source, source_lengths):
@@ -184,72 +177,16 @@ def test_wrong_variant_for_config_raises():
                                       jnp.zeros((1, 1), jnp.int32))
 
 
-def test_scanned_layers_stack_their_params_over_layers():
-    config = M.preset("tiny", num_decoder_layers=5, scan_layers=True)
-    shapes = jax.eval_shape(lambda: M.init_params(config, jax.random.key(0)))
-    kernel = shapes["layers"]["self_attention"]["qkv"]["kernel"]
-    assert kernel.shape == (5, config.d_model, config.num_heads + 2 * config.kv_heads,
-                            config.head_dim)
-
-
-def test_unrolled_layers_compute_what_scanned_layers_compute():
-    scanned = M.preset("tiny", num_decoder_layers=3, num_encoder_layers=2, scan_layers=True)
-    unrolled = scanned.replace(scan_layers=False)
-    params = M.init_params(scanned, jax.random.key(0))
-    per_layer = M.unstack_layer_params(scanned, params)
-    expected = jax.eval_shape(lambda: M.init_params(unrolled, jax.random.key(0)))
-    assert jax.tree.structure(per_layer) == jax.tree.structure(expected)
-    tokens = random_tokens(1, (2, 9), scanned.vocab_size)
-    source, source_lengths = source_for(scanned, 2)
-    np.testing.assert_allclose(
-        run_full(unrolled, per_layer, tokens, source=source, source_lengths=source_lengths),
-        run_full(scanned, params, tokens, source=source, source_lengths=source_lengths),
-        atol=1e-5, rtol=0)
-
-
-def test_stacking_unrolled_params_inverts_unstacking():
-    scanned = M.preset("tiny", num_decoder_layers=3, num_encoder_layers=2, scan_layers=True)
-    params = M.init_params(scanned, jax.random.key(0))
-    unrolled, per_layer = M.with_layer_layout(scanned, params, scan_layers=False)
-    assert unrolled == scanned.replace(scan_layers=False)
-    expected = M.unstack_layer_params(scanned, params)
-    assert jax.tree.structure(per_layer) == jax.tree.structure(expected)
-    back_config, back = M.with_layer_layout(unrolled, per_layer, scan_layers=True)
-    assert back_config == scanned
-    assert jax.tree.structure(back) == jax.tree.structure(params)
-    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True):
-        np.testing.assert_array_equal(a, b)
-    assert M.with_layer_layout(scanned, params, scan_layers=True) == (scanned, params)
-
-
-def test_unrolled_layers_own_one_cache_buffer_each():
-    config = M.preset("tiny", num_decoder_layers=3, num_kv_heads=2, scan_layers=False)
-    cache = M.init_cache(config, batch_size=2, capacity=10)
-    assert len(cache.k) == len(cache.v) == 3
-    assert all(k.shape == (1, 2, 2, 10, config.head_dim) for k in cache.k + cache.v)
-    assert cache.capacity == 10 and cache.batch_size == 2
-    assert cache.nbytes == M.cache_size_bytes(config, 2, 10).total
-    reordered = cache.replace(lengths=jnp.array([3, 7], jnp.int32)).take_rows(jnp.array([1, 1, 0]))
-    np.testing.assert_array_equal(reordered.lengths, [7, 7, 3])
-    assert reordered.k[2].shape == (1, 3, 2, 10, config.head_dim)
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_unrolled_cache_holds_what_the_scanned_cache_holds(variant):
-    scanned, params = make({"num_kv_heads": 2, "scan_layers": True}, VARIANTS[variant])
-    unrolled = scanned.replace(scan_layers=False)
-    tokens = random_tokens(2, (2, 7), scanned.vocab_size)
-    source, source_lengths = source_for(scanned, 2)
-    lengths = jnp.array([7, 4], jnp.int32)
-    caches, logits = {}, {}
-    for config, p in ((scanned, params), (unrolled, M.unstack_layer_params(scanned, params))):
-        cache = start_cache(config, p, 2, 12, source, source_lengths)
-        _, cache = run_cached(config, p, tokens, cache, lengths)
-        step = run_cached(config, p, tokens[:, :1], cache)
-        logits[config.scan_layers], caches[config.scan_layers] = step
-    np.testing.assert_allclose(logits[False], logits[True], atol=1e-5)
-    for layer in range(scanned.num_decoder_layers):
-        for name in ("k", "v") + (("cross_k", "cross_v") if variant == "encoder_decoder" else ()):
-            np.testing.assert_allclose(getattr(caches[False], name)[layer][0],
-                                       getattr(caches[True], name)[0][layer], atol=1e-5)
-    np.testing.assert_array_equal(caches[False].lengths, caches[True].lengths)
+def test_embedding_scale_and_logits_bias():
+    config = M.preset("tiny", positional_encoding="rope", scale_embeddings=False,
+                      logits_bias=True, num_decoder_layers=1)
+    params = M.init_params(config, jax.random.key(0))
+    bias = jnp.arange(config.vocab_size, dtype=jnp.float32)
+    tokens = jnp.array([[3, 4, 5]])
+    base = run_full(config, params, tokens)
+    params["embedder"]["logits_bias"] = bias
+    np.testing.assert_allclose(run_full(config, params, tokens), base + bias, rtol=1e-6,
+                               atol=1e-5)
+    scaled = config.replace(scale_embeddings=True, logits_bias=False)
+    del params["embedder"]["logits_bias"]
+    assert not np.allclose(run_full(scaled, params, tokens), base)

@@ -1,0 +1,72 @@
+"""model/layers.py: a stack of layers scanned (its params stacked over layers) or unrolled
+(params and a cache buffer of each layer's own) computes the same, and the layouts convert
+both ways."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import random_tokens, run_cached, run_full, source_for, start_cache
+
+from kvjax import model as M
+
+
+def test_scanned_layers_stack_their_params_over_layers():
+    config = M.preset("tiny", num_decoder_layers=5, scan_layers=True)
+    shapes = jax.eval_shape(lambda: M.init_params(config, jax.random.key(0)))
+    kernel = shapes["layers"]["self_attention"]["qkv"]["kernel"]
+    assert kernel.shape == (5, config.d_model, config.num_heads + 2 * config.kv_heads,
+                            config.head_dim)
+
+
+def test_unrolled_layers_compute_what_scanned_layers_compute():
+    scanned = M.preset("tiny", num_decoder_layers=3, num_encoder_layers=2, scan_layers=True)
+    unrolled = scanned.replace(scan_layers=False)
+    params = M.init_params(scanned, jax.random.key(0))
+    per_layer = M.unstack_layer_params(scanned, params)
+    expected = jax.eval_shape(lambda: M.init_params(unrolled, jax.random.key(0)))
+    assert jax.tree.structure(per_layer) == jax.tree.structure(expected)
+    tokens = random_tokens(1, (2, 9), scanned.vocab_size)
+    source, source_lengths = source_for(scanned, 2)
+    np.testing.assert_allclose(
+        run_full(unrolled, per_layer, tokens, source=source, source_lengths=source_lengths),
+        run_full(scanned, params, tokens, source=source, source_lengths=source_lengths),
+        atol=1e-5, rtol=0)
+
+
+def test_stacking_unrolled_params_inverts_unstacking():
+    scanned = M.preset("tiny", num_decoder_layers=3, num_encoder_layers=2, scan_layers=True)
+    params = M.init_params(scanned, jax.random.key(0))
+    unrolled, per_layer = M.with_layer_layout(scanned, params, scan_layers=False)
+    assert unrolled == scanned.replace(scan_layers=False)
+    expected = M.unstack_layer_params(scanned, params)
+    assert jax.tree.structure(per_layer) == jax.tree.structure(expected)
+    back_config, back = M.with_layer_layout(unrolled, per_layer, scan_layers=True)
+    assert back_config == scanned
+    assert jax.tree.structure(back) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert M.with_layer_layout(scanned, params, scan_layers=True) == (scanned, params)
+
+
+@pytest.mark.parametrize("variant", ["decoder_only", "encoder_decoder"])
+def test_unrolled_cache_holds_what_the_scanned_cache_holds(variant):
+    scanned = M.preset("tiny", num_encoder_layers=2 if variant == "encoder_decoder" else 0,
+                       num_kv_heads=2, scan_layers=True)
+    params = M.init_params(scanned, jax.random.key(0))
+    unrolled = scanned.replace(scan_layers=False)
+    tokens = random_tokens(2, (2, 7), scanned.vocab_size)
+    source, source_lengths = source_for(scanned, 2)
+    lengths = jnp.array([7, 4], jnp.int32)
+    caches, logits = {}, {}
+    for config, p in ((scanned, params), (unrolled, M.unstack_layer_params(scanned, params))):
+        cache = start_cache(config, p, 2, 12, source, source_lengths)
+        _, cache = run_cached(config, p, tokens, cache, lengths)
+        step = run_cached(config, p, tokens[:, :1], cache)
+        logits[config.scan_layers], caches[config.scan_layers] = step
+    np.testing.assert_allclose(logits[False], logits[True], atol=1e-5)
+    for layer in range(scanned.num_decoder_layers):
+        for name in ("k", "v") + (("cross_k", "cross_v") if variant == "encoder_decoder" else ()):
+            np.testing.assert_allclose(getattr(caches[False], name)[layer][0],
+                                       getattr(caches[True], name)[0][layer], atol=1e-5)
+    np.testing.assert_array_equal(caches[False].lengths, caches[True].lengths)

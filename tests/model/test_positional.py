@@ -1,0 +1,66 @@
+"""model/positional.py: sinusoidal encodings in both layouts, RoPE's rotation and Llama 3's
+frequency scaling, each against a plain evaluation of its formula or published rule."""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import model as M
+from kvjax.model.positional import apply_rope, rope_frequencies, sinusoidal
+
+
+@pytest.mark.parametrize("width", [8, 9])
+def test_sinusoid_halves_hold_every_sine_then_every_cosine(width):
+    positions = np.arange(6)
+    got = np.asarray(sinusoidal(jnp.asarray(positions)[None], width, "halves"))[0]
+    sines = [[math.sin(p / 10000 ** (2 * i / width)) for i in range((width + 1) // 2)]
+             for p in positions]
+    cosines = [[math.cos(p / 10000 ** (2 * i / width)) for i in range(width // 2)]
+               for p in positions]
+    np.testing.assert_allclose(got, np.concatenate([sines, cosines], axis=1), atol=1e-6)
+    interleaved = np.asarray(sinusoidal(jnp.asarray(positions)[None], width))[0]
+    np.testing.assert_allclose(interleaved[:, 0:width - 1:2], got[:, :width // 2], atol=1e-6)
+
+
+def _llama3_frequencies(base, head_dim, factor, low, high, original):
+    """Llama 3.1's published rule, one frequency at a time."""
+    result = []
+    for i in range(0, head_dim, 2):
+        freq = 1.0 / base ** (i / head_dim)
+        wavelength = 2 * math.pi / freq
+        if wavelength < original / high:
+            result.append(freq)
+        elif wavelength > original / low:
+            result.append(freq / factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            result.append((1 - smooth) * freq / factor + smooth * freq)
+    return np.array(result)
+
+
+def test_llama3_scaling_is_the_published_rule():
+    config = M.preset("tiny", positional_encoding="rope", head_dim=16, rope_base=500000.0,
+                      rope_scaling="llama3", rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
+                      rope_high_freq_factor=4.0, rope_original_max_len=64)
+    want = _llama3_frequencies(500000.0, 16, 8.0, 1.0, 4.0, 64)
+    np.testing.assert_allclose(rope_frequencies(config), want, rtol=1e-12)
+    plain = rope_frequencies(config.replace(rope_scaling="none"))
+    assert (want == plain).any() and (want == plain / 8).any()  # each branch taken
+    assert ((want != plain) & (want != plain / 8)).any()
+    linear = rope_frequencies(config.replace(rope_scaling="linear"))
+    np.testing.assert_allclose(linear, plain / 8, rtol=1e-12)
+
+
+def test_rope_rotates_halves_by_position_times_frequency():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(1, 3, 2, 8)).astype(np.float32)
+    inv_freq = np.array([1.0, 0.5, 0.25, 0.125])
+    positions = np.array([[0, 3, 7]])
+    got = np.asarray(apply_rope(jnp.asarray(x), jnp.asarray(positions), inv_freq))
+    angle = positions[0][:, None, None] * inv_freq  # [T, 1, H/2]
+    x1, x2 = x[0, ..., :4], x[0, ..., 4:]
+    want = np.concatenate([x1 * np.cos(angle) - x2 * np.sin(angle),
+                           x2 * np.cos(angle) + x1 * np.sin(angle)], axis=-1)
+    np.testing.assert_allclose(got[0], want, atol=1e-6)
