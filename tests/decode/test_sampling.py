@@ -158,3 +158,39 @@ def test_min_p_keeps_tokens_at_least_min_p_times_the_top_probability():
         filtered = filter_logits(jnp.asarray(LOGITS)[None], SamplingParams.make(
             temperature=1.0, min_p=min_p))
         np.testing.assert_array_equal(np.isfinite(filtered[0]), probs >= min_p * probs.max())
+
+
+def random_rows(rows=200, vocab=300, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((rows, vocab)) * rng.uniform(0.5, 6, (rows, 1))).astype(
+        np.float32)
+
+
+def test_every_filter_off_keeps_every_token():
+    logits = random_rows()
+    logits[::7, :5] = -np.inf  # already banned tokens stay banned, and nothing else is
+    kept = jax.jit(filter_logits)(jnp.asarray(logits),
+                                  SamplingParams.make(temperature=1.0, batch=200))
+    np.testing.assert_array_equal(np.isfinite(kept), np.isfinite(logits))
+
+
+def test_kept_tokens_equal_transformers_warpers():
+    torch = pytest.importorskip("torch")
+    warpers = pytest.importorskip("transformers.generation.logits_process")
+    logits = random_rows(seed=1)
+    rng = np.random.default_rng(2)
+    top_k = rng.choice([0, 0, 5, 40], 200)
+    top_p = rng.choice([1.0, 1.0, 0.5, 0.9], 200)
+    min_p = rng.choice([0.0, 0.0, 0.05, 0.3], 200)
+    kept = filter_logits(jnp.asarray(logits), SamplingParams.make(
+        temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p, batch=200))
+    for row in range(200):
+        scores = torch.from_numpy(logits[row:row + 1].copy())
+        if top_k[row]:
+            scores = warpers.TopKLogitsWarper(int(top_k[row]))(None, scores)
+        if top_p[row] < 1:
+            scores = warpers.TopPLogitsWarper(float(top_p[row]))(None, scores)
+        if min_p[row] > 0:
+            scores = warpers.MinPLogitsWarper(float(min_p[row]))(None, scores)
+        np.testing.assert_array_equal(np.isfinite(kept[row]), np.isfinite(scores[0].numpy()),
+                                      err_msg=f"row {row}")

@@ -1,6 +1,6 @@
 """Speculative decoding by prompt lookup: greedy output equal to plain greedy decoding (real
 models and a fake one whose drafts are controllable), sampled output distributed as the
-target, one compilation; and `filter_logits` keeping every token with every filter off."""
+target, one compilation."""
 
 import functools
 import importlib
@@ -18,65 +18,14 @@ from kvjax import model as M
 from kvjax.decode import speculative as spec
 from kvjax.decode.loop import StopConditions, StopReason, decode_loop, initial_state
 from kvjax.decode.prepare import prepare
-from kvjax.decode.sampling import SamplingParams, filter_logits, row_keys
+from kvjax.decode.sampling import SamplingParams, row_keys
 
 generate_module = importlib.import_module("kvjax.decode.generate")
 
 # filter_logits --------------------------------------------------------------------------
 
 
-def random_rows(rows=200, vocab=300, seed=0):
-    rng = np.random.default_rng(seed)
-    return (rng.standard_normal((rows, vocab)) * rng.uniform(0.5, 6, (rows, 1))).astype(
-        np.float32)
-
-
-def test_every_filter_off_keeps_every_token():
-    logits = random_rows()
-    logits[::7, :5] = -np.inf  # already banned tokens stay banned, and nothing else is
-    kept = jax.jit(filter_logits)(jnp.asarray(logits),
-                                  SamplingParams.make(temperature=1.0, batch=200))
-    np.testing.assert_array_equal(np.isfinite(kept), np.isfinite(logits))
-
-
-def test_kept_tokens_equal_transformers_warpers():
-    torch = pytest.importorskip("torch")
-    warpers = pytest.importorskip("transformers.generation.logits_process")
-    logits = random_rows(seed=1)
-    rng = np.random.default_rng(2)
-    top_k = rng.choice([0, 0, 5, 40], 200)
-    top_p = rng.choice([1.0, 1.0, 0.5, 0.9], 200)
-    min_p = rng.choice([0.0, 0.0, 0.05, 0.3], 200)
-    kept = filter_logits(jnp.asarray(logits), SamplingParams.make(
-        temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p, batch=200))
-    for row in range(200):
-        scores = torch.from_numpy(logits[row:row + 1].copy())
-        if top_k[row]:
-            scores = warpers.TopKLogitsWarper(int(top_k[row]))(None, scores)
-        if top_p[row] < 1:
-            scores = warpers.TopPLogitsWarper(float(top_p[row]))(None, scores)
-        if min_p[row] > 0:
-            scores = warpers.MinPLogitsWarper(float(min_p[row]))(None, scores)
-        np.testing.assert_array_equal(np.isfinite(kept[row]), np.isfinite(scores[0].numpy()),
-                                      err_msg=f"row {row}")
-
-
 # Drafting -------------------------------------------------------------------------------
-
-
-def test_draft_follows_the_latest_earlier_occurrence_of_the_suffix():
-    context = jnp.asarray([[4, 5, 6, 7, 4, 5, 8, 9, 4, 5, 0, 0],   # latest (4, 5) is at 4
-                           [1, 2, 3, 1, 2, 0, 0, 0, 0, 0, 0, 0],
-                           [1, 2, 3, 4, 5, 6, 0, 0, 0, 0, 0, 0],   # no earlier occurrence
-                           [7, 7, 7, 7, 7, 7, 0, 0, 0, 0, 0, 0],   # the latest with 3 after
-                           [9, 9, 1, 2, 1, 2, 0, 0, 0, 0, 0, 0]])  # two tokens follow (1, 2)
-    lengths = jnp.asarray([10, 5, 6, 6, 6])
-    drafts, valid = spec.ngram_drafts(context, lengths, jnp.asarray(2), 3)
-    np.testing.assert_array_equal(valid, [3, 3, 0, 3, 2])
-    np.testing.assert_array_equal(np.asarray(drafts)[[0, 1, 3]], [[8, 9, 4], [3, 1, 2], [7, 7, 7]])
-    np.testing.assert_array_equal(drafts[4, :2], [1, 2])
-    drafts, valid = spec.ngram_drafts(context, lengths, jnp.asarray(3), 3)
-    np.testing.assert_array_equal(valid, [0, 0, 0, 3, 0])  # only row 3 repeats a 3-gram
 
 
 def test_speculative_settings_are_checked():
@@ -309,4 +258,3 @@ def test_settings_speculation_cannot_take_are_refused(tiny_lm):
         with pytest.raises(ValueError, match=match):
             decode.generate(net, params, PROMPTS, max_new_tokens=4, speculative=speculative,
                             **with_sampling(**bad))
-

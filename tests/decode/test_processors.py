@@ -1,0 +1,92 @@
+"""decode/processors.py through `generate` on a real tiny model: the repetition penalty equals a
+reference, no-repeat n-grams leave no n-gram twice, a logit processor reads the state and
+forbids tokens, and equal logit biases share one compilation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import run_full
+from test_generate_options import PROMPTS
+
+from kvjax import decode
+
+
+def penalised_greedy_reference(config, params, prompt, steps, penalty):
+    """Greedy decoding without a cache, with the CTRL penalty applied in NumPy to every
+    token of the prompt and the output so far."""
+    sequence = list(prompt)
+    for _ in range(steps):
+        padded = np.zeros((1, 32), np.int32)
+        padded[0, :len(sequence)] = sequence
+        logits = np.asarray(run_full(config, params, jnp.asarray(padded))[0, len(sequence) - 1])
+        seen = np.zeros(config.vocab_size, bool)
+        seen[sequence] = True
+        logits = np.where(seen, np.where(logits > 0, logits / penalty, logits * penalty), logits)
+        sequence.append(int(np.argmax(logits)))
+    return sequence[len(prompt):]
+
+
+def test_repetition_penalty_equals_the_reference(tiny_lm):
+    config, net, params = tiny_lm
+    plain = decode.generate(net, params, PROMPTS[:2], max_new_tokens=10)
+    out = decode.generate(net, params, PROMPTS[:2], max_new_tokens=10,
+                          sampling=decode.Sampling(repetition_penalty=[3.0, 1.0]))
+    assert out.tokens[0].tolist() == penalised_greedy_reference(
+        config, params, PROMPTS[0], 10, 3.0)
+    np.testing.assert_array_equal(out.tokens[1], plain.tokens[1])  # penalty 1 is off
+    assert not np.array_equal(out.tokens[0], plain.tokens[0])
+
+
+def test_no_repeat_ngram_size_one_never_repeats_a_context_token(tiny_lm):
+    _, net, params = tiny_lm
+    out = decode.generate(net, params, PROMPTS, max_new_tokens=12, rng=jax.random.key(3),
+                          sampling=decode.Sampling(temperature=1.0, no_repeat_ngram_size=1))
+    for prompt, generated in zip(PROMPTS, out.token_lists(), strict=True):
+        assert len(set(prompt + generated)) == len(prompt) + len(generated)
+
+
+def ngrams(tokens, n):
+    return [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_no_repeat_ngram_leaves_no_ngram_twice(tiny_lm, n):
+    _, net, params = tiny_lm
+    loop = [[7, 8] * 6, [1, 2, 3] * 4]  # prompts that invite repeating them
+    plain = decode.generate(net, params, loop, max_new_tokens=24)
+    out = decode.generate(net, params, loop, max_new_tokens=24,
+                          sampling=decode.Sampling(no_repeat_ngram_size=n))
+    assert any(len(set(ngrams(p + g, n))) < len(ngrams(p + g, n))
+               for p, g in zip(loop, plain.token_lists(), strict=True))
+    for prompt, generated in zip(loop, out.token_lists(), strict=True):
+        grams = ngrams(prompt + generated, n)
+        new = grams[len(prompt) - n + 1:]  # the n-grams that end in a generated token
+        assert all(grams.count(g) == 1 for g in new), (prompt, generated)
+
+
+def test_logit_processor_forbids_tokens_and_reads_the_state(tiny_lm):
+    _, net, params = tiny_lm
+    plain = decode.generate(net, params, PROMPTS, max_new_tokens=6)
+    banned = sorted(set(plain.tokens.ravel().tolist()))[:3]
+    out = decode.generate(net, params, PROMPTS, max_new_tokens=6,
+                          logit_processors=[decode.forbid_tokens(banned)])
+    assert not set(out.tokens.ravel().tolist()) & set(banned)
+
+    def echo_last(logits, state):  # always choose the row's newest context token
+        last = jnp.take_along_axis(state.context, state.context_lengths[:, None] - 1, axis=1)
+        return jnp.where(jnp.arange(logits.shape[1]) == last, 100.0, logits)
+
+    echoed = decode.generate(net, params, PROMPTS, max_new_tokens=4,
+                             logit_processors=(echo_last,))
+    assert echoed.token_lists() == [[p[-1]] * 4 for p in PROMPTS]
+
+
+def test_equal_logit_biases_share_one_compilation(tiny_lm):
+    _, net, params = tiny_lm
+    decode.generate(net, params, PROMPTS, max_new_tokens=4,
+                    logit_processors=[decode.LogitBias.of({3: 2.0, 9: -1.0})])
+    before = decode.trace_count("continue")
+    decode.generate(net, params, PROMPTS, max_new_tokens=4,
+                    logit_processors=[decode.LogitBias.of({9: -1.0, 3: 2.0})])
+    assert decode.trace_count("continue") == before
