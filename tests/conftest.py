@@ -75,7 +75,7 @@ from kvjax import model as M  # noqa: E402
 # number of tests, as xdist orders them (`--no-loadscope-reorder` keeps this order).
 SLOW_FILES_FIRST = ("test_multi_device_generate.py", "test_multi_device.py",
                     "test_multi_process.py", "test_notebooks.py", "test_demo.py",
-                    "test_transformer.py", "test_train.py",
+                    "test_transformer.py", "test_trainer.py",
                     "test_attention_blocks.py", "test_prompt_state.py", "test_generate.py",
                     "test_speculative.py",
                     "test_hf_models.py", "test_generate_options.py", "test_finetune.py")

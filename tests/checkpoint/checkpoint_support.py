@@ -1,4 +1,4 @@
-"""Checkpoint test helpers shared by test_checkpoint.py and test_metadata.py."""
+"""Checkpoint test helpers shared by the tests of save, restore, load and metadata."""
 
 from pathlib import Path
 

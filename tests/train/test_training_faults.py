@@ -248,7 +248,7 @@ def test_invalid_train_config_types_are_named():
 
 def test_an_lm_without_validation_text_reports_no_validation_metrics(tmp_path):
     """val_fraction=0 once reported val_ppl=1.0 and unigram_ppl=nan. (The settings are
-    test_train.py's end-to-end run's, so that the two can share a compilation.)"""
+    test_tasks.py's end-to-end run's, so that the two can share a compilation.)"""
     text_file = tmp_path / "text.txt"
     text_file.write_text(data.python_docs_text()[:40_000], encoding="utf-8")
     result = tasks.train_lm(tmp_path / "lm", data_files=[text_file], preset="tiny",
