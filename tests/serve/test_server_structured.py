@@ -18,7 +18,6 @@ from conftest import serve_app
 from kvjax import decode, text
 from kvjax.serve import chat
 from kvjax.serve.server import build_app
-from kvjax.serve.tools import Tools
 
 CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "python-docs-lm"
 MODEL, TIMEOUT = "python-docs-lm", 60.0
@@ -144,16 +143,6 @@ def test_required_and_named_tool_choices_answer_with_valid_tool_calls(client):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_auto_reads_calls_the_model_writes_and_keeps_other_text():
-    tools = Tools(({"name": "is_even", "parameters": {}},), "auto")
-    content, calls = tools.calls('Let me check. <tool_call>{"name": "is_even", '
-                                 '"arguments": {"n": 4}}</tool_call>')
-    assert content == "Let me check."
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
-        ("is_even", {"n": 4})]
-    for text_only in ("no call", '<tool_call>{"name": "other", "arguments": {}}</tool_call>',
-                      "<tool_call>{not json</tool_call>"):
-        assert tools.calls(text_only) == (text_only, [])
 
 
 def test_the_plain_template_shows_the_tools_and_the_calls_made(loaded):

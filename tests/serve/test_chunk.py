@@ -1,5 +1,5 @@
-"""The decode chunk's admission: the oldest staged sample takes a free slot, with its whole
-prompt's cache, however the sample ids wrap."""
+"""serve/chunk.py: the decode chunk's admission: the oldest staged sample takes a free slot,
+with its whole prompt's cache, however the sample ids wrap."""
 
 import jax
 import jax.numpy as jnp
