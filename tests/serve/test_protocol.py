@@ -1,0 +1,98 @@
+"""serve/protocol.py without a server: an OpenAI request body becomes the engine's requests
+setting for setting, every prompt form OpenAI takes is read, defaults are OpenAI's, and each
+value the server cannot honour is refused with its status and the field at fault (the
+refusals a client sees over HTTP are in test_server.py)."""
+
+import pytest
+from conftest import FakeTokenizer
+
+from kvjax import model as M
+from kvjax.decode import Sampling
+from kvjax.serve.protocol import MAX_COMPLETION_LOGPROBS, APIError, parse
+from kvjax.text import LoadedModel
+
+MODEL, CAPACITY = "tiny", 64
+LOADED = LoadedModel(M.preset("tiny"), FakeTokenizer(), None, f"/checkpoints/{MODEL}")
+PREFIX = FakeTokenizer.document_prefix
+
+
+def completion(**fields):
+    return parse({"model": MODEL, "prompt": "AB", **fields}, LOADED, MODEL, CAPACITY,
+                 chat_api=False)
+
+
+def chat(**fields):
+    return parse({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields},
+                 LOADED, MODEL, CAPACITY, chat_api=True)
+
+
+def test_a_completion_body_becomes_one_request_per_prompt_setting_for_setting():
+    parsed = completion(prompt=["AB", [7, 8, 9]], n=3, max_tokens=5, temperature=0.5,
+                        top_p=0.9, top_k=-1, min_p=0.1, repetition_penalty=1.2,
+                        no_repeat_ngram_size=2, seed=4, stop="END", logprobs=2, echo=True,
+                        stream=True, stream_options={"include_usage": True})
+    first, second = parsed.requests
+    assert first.prompt == (*PREFIX, *FakeTokenizer.encode("AB")) and second.prompt == (7, 8, 9)
+    assert parsed.echo == ("AB", FakeTokenizer.decode([7, 8, 9])) and parsed.echo_prompt
+    assert first.sampling == Sampling(temperature=0.5, top_p=0.9, top_k=0, min_p=0.1,
+                                      repetition_penalty=1.2, no_repeat_ngram_size=2)
+    assert (first.n, first.max_tokens, first.seed, first.stop, first.logprobs) == (
+        3, 5, 4, ("END",), 2)
+    assert first.stop_ids == tuple(FakeTokenizer.stop_ids)
+    assert parsed.stream and parsed.include_usage and parsed.logprobs and not parsed.chat
+    assert [r.prompt for r in completion(prompt=[[5], [6, 7]]).requests] == [(5,), (6, 7)]
+    assert [r.prompt for r in completion(prompt=["A", "B"]).requests] == [
+        (*PREFIX, *FakeTokenizer.encode(t)) for t in "AB"]
+
+
+def test_defaults_are_openais():
+    plain = completion()
+    request = plain.requests[0]
+    assert request.max_tokens == 16 and request.n == 1 and request.seed is None
+    assert request.sampling == Sampling(temperature=1.0)  # OpenAI samples unless told not to
+    assert not (plain.stream or plain.include_usage or plain.logprobs or plain.echo_prompt)
+    assert plain.echo == ("",)
+    near_the_end = completion(prompt=[5] * (CAPACITY - 3)).requests[0]
+    assert near_the_end.max_tokens == 3  # what the slot has room for
+    talk = chat()
+    assert talk.chat and talk.requests[0].max_tokens == CAPACITY - len(talk.requests[0].prompt)
+    assert chat(max_tokens=9, max_completion_tokens=4).requests[0].max_tokens == 4
+    assert chat(logprobs=True, top_logprobs=3).requests[0].logprobs == 3
+
+
+@pytest.mark.parametrize("parse_as, fields, status, param, message", [
+    (completion, dict(model="gpt-4"), 404, "model", "The model `gpt-4` does not exist"),
+    (completion, dict(model=None), 400, "model", "model is required"),
+    (completion, dict(prompt=None), 400, "prompt", "prompt must be a string"),
+    (completion, dict(prompt=[]), 400, "prompt", "prompt must be a string"),
+    (completion, dict(prompt=[[5], "x", [True]]), 400, "prompt", "prompt must be a string"),
+    (completion, dict(prompt=["a"] * 65), 400, "prompt", "prompt holds 65 prompts: at most 64"),
+    (completion, dict(prompt=[5] * CAPACITY), 400, "prompt", "leaves no room in a slot of 64"),
+    (completion, dict(temperature="hot"), 400, "temperature", "temperature='hot' must be a "
+                                                              "number"),
+    (completion, dict(n=True), 400, "n", "n=True must be an integer"),
+    (completion, dict(stream="yes"), 400, "stream", "stream='yes' must be a boolean"),
+    (completion, dict(stream_options=[1]), 400, "stream_options", "must be an object"),
+    (completion, dict(logprobs=MAX_COMPLETION_LOGPROBS + 1), 400, "logprobs",
+     f"logprobs=6 must be in [0, {MAX_COMPLETION_LOGPROBS}]"),
+    (completion, dict(stop=["a"] * 17), 400, "stop", "stop has 17 strings: at most 16"),
+    (completion, dict(stop="x" * 1025), 400, "stop", "1025 characters: at most 1024"),
+    (completion, dict(frequency_penalty=0.3), 400, "frequency_penalty", "repetition_penalty"),
+    (completion, dict(logit_bias={"5": 1}), 400, "logit_bias", "is not supported"),
+    (completion, dict(best_of=3), 400, "best_of", "best_of=3 is not supported: use n"),
+    (completion, dict(tools=[{"type": "function"}]), 400, "tools",
+     "tools are for /v1/chat/completions"),
+    (chat, dict(messages="hi"), 400, "messages", "messages must be a non-empty list"),
+    (chat, dict(top_logprobs=2), 400, "top_logprobs", "top_logprobs needs logprobs=true"),
+])
+def test_what_the_server_cannot_honour_is_refused_naming_the_field(parse_as, fields, status,
+                                                                     param, message):
+    with pytest.raises(APIError) as error:
+        parse_as(**fields)
+    assert (error.value.status, error.value.param) == (status, param)
+    assert message in error.value.message
+
+
+def test_a_body_that_is_not_an_object_is_refused():
+    with pytest.raises(APIError, match="must be a JSON object"):
+        parse([1, 2], LOADED, MODEL, CAPACITY, chat_api=False)
