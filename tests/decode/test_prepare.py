@@ -1,0 +1,75 @@
+"""decode/prepare.py, before anything compiles: prompts padded to their bucket with nothing
+of the caller's padding left, the buffer and cache sized from the buckets, eos ids and
+settings laid out as the compiled loop reads them (a prompt's value once per sample), and
+each constraint checked against the model and the call (the refusals a caller meets through
+`generate` are in test_checks.py)."""
+
+import jax
+import numpy as np
+import pytest
+
+from kvjax import model as M
+from kvjax.decode import Sampling
+from kvjax.decode.buckets import bucket
+from kvjax.decode.constraints import Choice, TokenAutomaton
+from kvjax.decode.plan import ON_DEVICE
+from kvjax.decode.prepare import MAX_EOS_IDS, pad_prompts, prepare, row_automata
+
+CONFIG = M.preset("tiny")
+PARAMS = jax.eval_shape(lambda: M.init_params(CONFIG, jax.random.key(0)))  # shapes suffice
+
+
+def test_padding_keeps_each_rows_tokens_and_zeros_the_rest():
+    tokens = np.array([[5, 6, 7, 99], [8, 99, 99, 99]])  # 99: the caller's padding
+    lengths = np.array([3, 1])
+    np.testing.assert_array_equal(pad_prompts(tokens, lengths, 6),
+                                  [[5, 6, 7, 0, 0, 0], [8, 0, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(pad_prompts(tokens, lengths, 2), [[5, 6], [8, 0]])
+    assert pad_prompts(tokens, lengths, 2).dtype == np.int32
+
+
+def test_a_call_is_laid_out_as_the_compiled_loop_reads_it():
+    prompts = [[5, 6, 7, 9, 10, 11, 12, 13, 14], [8]]
+    prepared = prepare(M.build_model(CONFIG), PARAMS, prompts, None, max_new_tokens=5,
+                       eos_ids=(2, 9), num_beams=1, rng=jax.random.key(0), num_samples=2,
+                       sampling=Sampling(temperature=[0.5, 0.0], top_k=3))
+    padded = bucket(9, CONFIG.max_len)
+    assert padded > 9 and prepared.tokens.shape == (2, padded)
+    np.testing.assert_array_equal(prepared.tokens[0, :9], prompts[0])
+    assert not np.asarray(prepared.tokens[0, 9:]).any() and not np.asarray(
+        prepared.tokens[1, 1:]).any()
+    np.testing.assert_array_equal(prepared.lengths, [9, 1])
+    assert prepared.buffer_len == bucket(5, CONFIG.max_len)
+    assert prepared.capacity == min(M.prompt_slots(CONFIG, padded) + prepared.buffer_len,
+                                    CONFIG.max_len)
+    np.testing.assert_array_equal(prepared.stops.eos_ids, [2, 9] + [-1] * (MAX_EOS_IDS - 2))
+    assert int(prepared.stops.max_new_tokens) == 5
+    assert prepared.rows == 4 and prepared.batch == 2 and prepared.num_samples == 2
+    np.testing.assert_allclose(prepared.sampling.temperature, [0.5, 0.5, 0.0, 0.0])
+    np.testing.assert_array_equal(prepared.sampling.top_k, [3, 3, 3, 3])
+    assert prepared.plan == ON_DEVICE and prepared.mesh is None
+    assert prepared.constraints is None and prepared.state is None
+
+
+def automaton(vocab_size, end_id):
+    one = np.ones(1, np.int32)
+    return TokenAutomaton(constraint=Choice(["x"]), end_id=end_id, vocab_size=vocab_size,
+                          initial=0, starts=one * 0, counts=one, tokens=one * end_id,
+                          next_states=one * 0)
+
+
+def test_a_constraint_is_given_to_every_row_or_row_by_row_and_checked():
+    one = automaton(CONFIG.vocab_size, 2)
+    assert row_automata(None, 3, CONFIG.vocab_size, (2,)) == [None] * 3
+    assert row_automata(one, 2, CONFIG.vocab_size, (2,)) == [one, one]
+    assert row_automata([None, one], 2, CONFIG.vocab_size, (2,)) == [None, one]
+    for constraint, eos, message in (
+            ([one], (2,), "constraint has 1 entries for 2 prompts"),
+            ([one, "x"], (2,), "constraint 1 must be a TokenAutomaton .* got str"),
+            ([automaton(CONFIG.vocab_size + 1, 2), None], (2,),
+             f"compiled for {CONFIG.vocab_size + 1} token ids; the model has"),
+            ([None, one], (3,), r"constraint 1 ends with id 2, which is not among eos_ids \(3,\)")):
+        with pytest.raises(ValueError, match=message):
+            row_automata(constraint, 2, CONFIG.vocab_size, eos)
+    with pytest.raises(ValueError, match="constrained rows run on one device"):
+        row_automata(one, 2, CONFIG.vocab_size, (2,), mesh=object())
