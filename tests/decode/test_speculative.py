@@ -22,10 +22,7 @@ from kvjax.decode.sampling import SamplingParams, row_keys
 
 generate_module = importlib.import_module("kvjax.decode.generate")
 
-# filter_logits --------------------------------------------------------------------------
-
-
-# Drafting -------------------------------------------------------------------------------
+# Settings ------------------------------------------------------------------------------
 
 
 def test_speculative_settings_are_checked():
