@@ -6,8 +6,8 @@ chunk moves each into a slot as one frees (`chunk.py`); `server.build_app` puts 
 `/v1/completions` and `/v1/chat/completions`. Nothing here is imported by `kvjax` itself.
 """
 
-from .engine import Engine, QueueFull
+from .engine import Engine, EngineFailed, QueueFull
 from .output import Ticket
 from .requests import Delta, GenerationRequest
 
-__all__ = ["Delta", "Engine", "GenerationRequest", "QueueFull", "Ticket"]
+__all__ = ["Delta", "Engine", "EngineFailed", "GenerationRequest", "QueueFull", "Ticket"]

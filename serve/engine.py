@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import dataclasses
 import logging
 import threading
 from collections.abc import Iterable
@@ -41,7 +40,7 @@ from kvjax.decode.prompt_state import prefill_state
 from kvjax.tokenizer import TextTokenizer
 
 from . import chunk, constrained, memory, pages, prefill_groups, prefix_cache, slots, warm_up
-from .output import Continuation, OnDelta, Outputs, Ticket
+from .output import Continuation, Dispatched, OnDelta, Outputs, Ticket
 from .prefill_thread import prefill_dispatcher
 from .prompt_logprobs import prompt_logprobs
 from .requests import Delta, GenerationRequest, row_settings
@@ -51,13 +50,8 @@ class QueueFull(Exception):
     """The queue of requests waiting for a slot is full: try again later."""
 
 
-@dataclasses.dataclass
-class _Dispatched:
-    """A program's `Emitted`, not yet handed out, and the staged rows it filled."""
-
-    emitted: slots.Emitted
-    staged_rows: list[int]
-    is_chunk: bool
+class EngineFailed(Exception):
+    """The engine failed and could not free its slots to serve again: it takes nothing more."""
 
 
 class Engine:
@@ -136,6 +130,7 @@ class Engine:
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.failure: Exception | None = None  # why the engine can serve no more, if it cannot
         self._reset()
 
     def _reset(self) -> None:
@@ -147,7 +142,7 @@ class Engine:
         self._tables = constrained.TableKeeper()
         self._next_id = 0
         self._free_staged = list(range(self.num_staged))
-        self._dispatched: list[_Dispatched] = []
+        self._dispatched: list[Dispatched] = []
         self._staging: list[Ticket] = []
         self._live = self._waiting = 0
         self._long: Ticket | None = None  # the long prompt fed a part this turn
@@ -184,6 +179,7 @@ class Engine:
         `on_delta` is called on the engine's thread; should it raise, the request is cancelled."""
         ticket = Ticket(self.check(request), on_delta, self._notify)
         with self._wake:
+            self._refuse_if_broken()
             if len(self._pending) >= self.max_queue:
                 raise QueueFull(f"{len(self._pending)} requests are waiting for a slot, as "
                                 f"many as the queue holds (max_queue={self.max_queue})")
@@ -198,6 +194,7 @@ class Engine:
         model over many hosts must). `QueueFull` when `max_queue` prompts wait."""
         future = concurrent.futures.Future()
         with self._wake:
+            self._refuse_if_broken()
             if len(self._scoring) >= self.max_queue:
                 raise QueueFull(f"{len(self._scoring)} prompts are waiting to be scored, as "
                                 f"many as the queue holds (max_queue={self.max_queue})")
@@ -253,6 +250,8 @@ class Engine:
             except Exception as error:  # noqa: BLE001 - every request hears of it
                 logging.getLogger(__name__).exception("the engine failed; its requests end")
                 self._fail_all(error)
+                if self.failure is not None:
+                    return
 
     def _notify(self) -> None:
         with self._wake:
@@ -276,7 +275,7 @@ class Engine:
                 self.outputs.take_stop_ids(self.max_slots + self.num_staged),
                 np.bool_(self.outputs.want_top()), np.bool_(self._can_stage_more()),
                 self.chunk_size, mesh=self.mesh, steps_per_check=self.steps_per_check)
-            self._dispatched.append(_Dispatched(emitted, [], is_chunk=True))
+            self._dispatched.append(Dispatched(emitted, [], is_chunk=True))
             keep = int(overlap)
         while len(self._dispatched) > keep:
             self._hand_out(self._dispatched.pop(0))
@@ -299,28 +298,13 @@ class Engine:
         While enough samples are staged to keep the slots busy and more tickets wait than
         the free rows take, it waits for rows to free: a prefill of a few prompts costs
         almost what one of `prefill_batch` does."""
-        taken, dropped, long = [], [], []
         with self._wake:
             free, batch = len(self._free_staged), min(self.prefill_batch, self.num_staged)
             if (free < batch and len(self._pending) >= batch
                     and self._waiting >= max(1, self.max_slots // 4)):
                 free = 0
-            while self._pending and len(taken) < self.prefill_batch:
-                ticket = self._pending[0]
-                if not ticket.cancelled and self._too_long(ticket):
-                    long.append(self._pending.popleft())  # fed a part per turn first
-                    continue
-                if not ticket.cancelled and ticket.request.n > free:
-                    break
-                self._pending.popleft()
-                if ticket.cancelled:
-                    dropped.append(ticket)
-                else:
-                    taken.append(ticket)
-                    free = prefill_groups.take_companions(
-                        self._pending, taken, free - ticket.request.n, self.prefill_batch,
-                        self.capacity, self._too_long)
-            self._pending.extendleft(reversed(long))
+            taken, dropped = prefill_groups.take_group(self._pending, free, self.prefill_batch,
+                                                       self.capacity, self._too_long)
         for ticket in dropped:
             for index in ticket.indices():
                 ticket.on_delta(Delta(index, [], "", [], [], "cancelled"))
@@ -409,7 +393,7 @@ class Engine:
                 np.array([r for r, _, _ in group] + [0] * spare, np.int32),
                 np.array(staged + [self.num_staged] * spare, np.int32),
                 np.array(ids + [0] * spare, np.int32), settings, mesh=self.mesh)
-            self._dispatched.append(_Dispatched(first, staged, is_chunk=False))
+            self._dispatched.append(Dispatched(first, staged, is_chunk=False))
             self._waiting += len(group)
             for (r, _, _), row in zip(group, staged, strict=True):
                 held.setdefault(r, row)
@@ -418,7 +402,7 @@ class Engine:
                                 [held[r] for r in range(len(prompts))], self.prefill_batch)
             self.state = pages.share_kept(self.state, self._prefixes)
 
-    def _hand_out(self, dispatched: _Dispatched) -> None:
+    def _hand_out(self, dispatched: Dispatched) -> None:
         """Hands each sample what a program made (`Outputs`) and learns which staged rows
         are free: those not waiting after it, and not filled by a program after it."""
         emitted = jax.device_get(dispatched.emitted)
@@ -438,11 +422,25 @@ class Engine:
             self.metrics.set_load(self.queue_length, self.live_slots, self.outputs.pages_used)
 
     def _fail_all(self, error: Exception) -> None:
-        """Ends every queued and live request with `error` and starts from free slots."""
+        """Ends every queued and live request with `error` and starts from free slots; if
+        even that fails, the engine is broken: it ends what is queued and takes no more."""
         with self._wake:
             tickets = {id(t.origin): t.origin for t in [*self._pending, *self._staging]}
             self._pending.clear()
         tickets.update({id(s.ticket): s.ticket for s in self.outputs.samples.values()})
-        self._reset()
+        try:
+            self._reset()
+        except Exception as reset_error:  # noqa: BLE001 - every request hears of it
+            with self._wake:
+                self.failure = reset_error
+                tickets.update({id(t.origin): t.origin for t in self._pending})
+                self._pending.clear()
+                scoring, self._scoring = self._scoring, collections.deque()
+            for _, _, future in scoring:
+                future.set_exception(EngineFailed(f"the engine failed: {reset_error}"))
         for ticket in tickets.values():
             ticket.on_delta(error)
+
+    def _refuse_if_broken(self) -> None:  # holding `_wake`
+        if self.failure is not None:
+            raise EngineFailed(f"the engine failed and cannot serve again: {self.failure}")

@@ -26,6 +26,15 @@ from .requests import Delta, GenerationRequest
 OnDelta = Callable[[Delta | Exception], None]
 
 
+@dataclasses.dataclass
+class Dispatched:
+    """A program's `Emitted`, not yet handed out, and the staged rows it filled."""
+
+    emitted: slots.Emitted
+    staged_rows: list[int]
+    is_chunk: bool
+
+
 class Ticket:
     """A submitted request: its callback gets its `Delta`s (or the exception that ended it),
     from the engine's thread (`on_delta`); `cancel()` frees its slots within one chunk

@@ -35,6 +35,31 @@ def companion_order(lead_length: int, lengths: Sequence[int], limit: int) -> lis
     return sorted(range(len(lengths)), key=rank)
 
 
+def take_group(pending: collections.deque, free: int, size: int, limit: int,
+               too_long: Callable[[object], bool]) -> tuple[list, list]:
+    """(taken, dropped): the oldest waiting ticket and its companions (`take_companions`),
+    at most `size` whose samples fit the `free` staged rows, and the cancelled tickets met
+    before them, all moved out of `pending`. Tickets `too_long` names (fed a part per turn)
+    stay in it, first."""
+    taken, dropped, long = [], [], []
+    while pending and len(taken) < size:
+        ticket = pending[0]
+        if not ticket.cancelled and too_long(ticket):
+            long.append(pending.popleft())
+            continue
+        if not ticket.cancelled and ticket.request.n > free:
+            break
+        pending.popleft()
+        if ticket.cancelled:
+            dropped.append(ticket)
+        else:
+            taken.append(ticket)
+            free = take_companions(pending, taken, free - ticket.request.n, size, limit,
+                                   too_long)
+    pending.extendleft(reversed(long))
+    return taken, dropped
+
+
 def take_companions(pending: collections.deque, taken: list, free: int, size: int,
                     limit: int, skip: Callable[[object], bool]) -> int:
     """Moves waiting tickets from `pending` into `taken` (which holds the group's leader)

@@ -27,7 +27,7 @@ from starlette.routing import Route
 from kvjax.text import LoadedModel
 
 from .answers import Answer
-from .engine import Engine, QueueFull
+from .engine import Engine, EngineFailed, QueueFull
 from .limits import Limits, authorized, read_json
 from .metrics import ServeMetrics
 from .protocol import APIError, Parsed, parse
@@ -75,6 +75,8 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
              "max_model_len": engine.capacity}]})
 
     async def health(_: Request) -> JSONResponse:
+        if engine.failure is not None:  # a server to restart
+            return JSONResponse({"status": "failed", "error": str(engine.failure)}, 503)
         return JSONResponse({"status": "ok", "live_slots": engine.live_slots,
                              "queue_length": engine.queue_length})
 
@@ -110,6 +112,9 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
             return error_response(APIError(
                 429, f"{error}; retry after {RETRY_AFTER_SECONDS} s", kind="rate_limit_error",
                 headers={"Retry-After": str(RETRY_AFTER_SECONDS)}))
+        except EngineFailed as error:
+            metrics.count_request("error")
+            return error_response(APIError(503, str(error), kind="server_error"))
         except APIError as error:
             metrics.count_request("invalid")
             return error_response(error)
@@ -144,7 +149,7 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
                     loop.call_soon_threadsafe(events.put_nowait, (prompt, delta))
 
                 tickets.append(engine.submit(generation, on_delta))
-        except (QueueFull, ValueError):
+        except (QueueFull, ValueError, EngineFailed):
             for ticket in tickets:
                 ticket.cancel()
             raise

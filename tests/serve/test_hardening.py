@@ -262,3 +262,36 @@ def test_a_failing_prefill_ends_its_request_with_an_error_and_the_server_serves_
     monkeypatch.undo()
     answer = post(url, "completions", completion(prompt="xyz", max_tokens=5))
     assert answer.json()["choices"][0]["text"] == greedy_text(tiny_loaded, "xyz", 5)
+
+
+def test_an_engine_that_cannot_free_its_slots_refuses_every_later_request_at_once(
+        tiny_loaded, monkeypatch):
+    # A failure, and then no memory to start again from free slots: nothing may wait for an
+    # engine that will never serve it.
+    from kvjax.serve import engine as engine_module
+
+    app = build_app(tiny_loaded, max_slots=2, max_queue=4, chunk_size=4)
+    base, stop = serve_app(app)
+    try:
+        assert httpx.get(f"{base}/health", timeout=TIMEOUT).status_code == 200
+
+        def failing(*args):
+            raise RuntimeError("the prefill failed")
+
+        def no_memory(self):
+            raise MemoryError("no memory for the slots")
+
+        monkeypatch.setattr(engine_module, "prefill_state", failing)
+        monkeypatch.setattr(engine_module.Engine, "_reset", no_memory)
+        failed = post(base, "completions", completion(prompt="xyz", max_tokens=5))
+        assert failed.status_code == 500
+        assert "the prefill failed" in failed.json()["error"]["message"]
+        for body in (completion(prompt="abc"), completion(echo=True, logprobs=1, max_tokens=0)):
+            refused = post(base, "completions", body)
+            assert refused.status_code == 503, refused.text
+            assert "cannot serve again: no memory for the slots" in refused.json()["error"][
+                "message"]
+        health = httpx.get(f"{base}/health", timeout=TIMEOUT)
+        assert health.status_code == 503 and health.json()["status"] == "failed"
+    finally:
+        stop()
