@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 # The command line's default cache (`kvjax sample`, `kvjax serve`) is off here and in every
 # subprocess, and never fills the user's cache directory. The suite's processes (the workers,
@@ -351,6 +352,25 @@ def serve_app(app, timeout: float = 30.0, **options):
 
 
 SERVED_MODEL = "tiny-lm"  # the name the tiny LM is served under in the server tests
+SHIPPED_LM = Path(__file__).resolve().parent.parent / "checkpoints" / "python-docs-lm"
+
+
+@pytest.fixture(scope="module")
+def docs_tokenizer():
+    """The shipped python-docs-lm's tokenizer: a real SentencePiece vocabulary."""
+    from kvjax import text
+
+    return text.load(SHIPPED_LM).tokenizer
+
+
+def end_only_automaton(vocab_size: int, end_id: int):
+    """A one-state `TokenAutomaton` over `vocab_size` ids that allows only `end_id`."""
+    from kvjax.decode import Choice, TokenAutomaton
+
+    one = np.ones(1, np.int32)
+    return TokenAutomaton(constraint=Choice(["x"]), end_id=end_id, vocab_size=vocab_size,
+                          initial=0, starts=one * 0, counts=one, tokens=one * end_id,
+                          next_states=one * 0)
 
 
 @pytest.fixture(scope="module")

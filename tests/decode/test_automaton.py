@@ -1,27 +1,17 @@
 """decode/automaton.py: the traced tables of a batch's constraints mask and move each row as
 its own automaton does."""
 
-from pathlib import Path
-
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
-from kvjax import decode, text
+from kvjax import decode
 from kvjax.decode import automaton as A
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return text.load(ROOT / "checkpoints" / "python-docs-lm").tokenizer
-
-
-def test_the_traced_tables_mask_and_move_rows_as_the_automata_do(tokenizer):
+def test_the_traced_tables_mask_and_move_rows_as_the_automata_do(docs_tokenizer):
     words = [f"{w}_{n}" for n, w in enumerate(("alpha beta gamma delta epsilon zeta eta "
                                                "theta iota kappa lambda sigma").split())]
-    automata = [decode.compile_constraint(c, tokenizer) for c in (
+    automata = [decode.compile_constraint(c, docs_tokenizer) for c in (
         decode.Regex("[0-9]{2,5}"), decode.Choice(words),  # many distinct, narrow states
         decode.JsonSchema({"type": "object", "properties": {"a": {"type": "string"}}}))]
     rows = A.for_rows([automata[0], None, automata[1], automata[2], automata[0]])
@@ -30,7 +20,7 @@ def test_the_traced_tables_mask_and_move_rows_as_the_automata_do(tokenizer):
     first = {id(a): int(rows.state[i]) - a.initial for i, a in zip(
         (0, 2, 3), automata, strict=True)}
     rng = np.random.default_rng(0)
-    vocab = tokenizer.vocab_size + 40  # a model's padded vocabulary: the rest never allowed
+    vocab = docs_tokenizer.vocab_size + 40  # a model's padded vocabulary: the rest never allowed
     for _ in range(12):
         chosen = [None if i == 1 else automata[rng.integers(3)] for i in range(5)]
         local = [None if a is None else int(rng.integers(a.num_states)) for a in chosen]

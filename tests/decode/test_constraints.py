@@ -8,16 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from kvjax import decode, text
+from kvjax import decode
 from kvjax.tokenizer import huggingface
 
 ROOT = Path(__file__).resolve().parents[2]
 HF_MODELS = ROOT / "tests" / "fixtures" / "hf_models"
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return text.load(ROOT / "checkpoints" / "python-docs-lm").tokenizer
 
 
 def texts_of(automaton, token_bytes, limit):
@@ -36,38 +31,38 @@ def texts_of(automaton, token_bytes, limit):
     return done
 
 
-def test_a_choice_allows_exactly_its_options(tokenizer):
+def test_a_choice_allows_exactly_its_options(docs_tokenizer):
     options = ["yes", "no", "not sure (a+b)*"]
-    automaton = decode.compile_constraint(decode.Choice(options), tokenizer)
-    assert texts_of(automaton, tokenizer.token_bytes(), 20) == {o.encode() for o in options}
+    automaton = decode.compile_constraint(decode.Choice(options), docs_tokenizer)
+    assert texts_of(automaton, docs_tokenizer.token_bytes(), 20) == {o.encode() for o in options}
 
 
-def test_a_regex_allows_only_matching_texts_and_every_short_one(tokenizer):
+def test_a_regex_allows_only_matching_texts_and_every_short_one(docs_tokenizer):
     pattern = "[ab]{1,3}c?"
-    automaton = decode.compile_constraint(decode.Regex(pattern), tokenizer)
-    accepted = texts_of(automaton, tokenizer.token_bytes(), 5)
+    automaton = decode.compile_constraint(decode.Regex(pattern), docs_tokenizer)
+    accepted = texts_of(automaton, docs_tokenizer.token_bytes(), 5)
     assert all(re.fullmatch(pattern, t.decode()) for t in accepted)
     letters = [a + b + c for a in ("", "a", "b") for b in ("", "a", "b") for c in ("a", "b")]
     assert {(w + e).encode() for w in letters for e in ("", "c")} <= accepted
 
 
-def test_the_end_id_is_allowed_only_where_the_text_is_complete(tokenizer):
-    automaton = decode.compile_constraint(decode.Regex("ab"), tokenizer)
+def test_the_end_id_is_allowed_only_where_the_text_is_complete(docs_tokenizer):
+    automaton = decode.compile_constraint(decode.Regex("ab"), docs_tokenizer)
     ends = [s for s in range(automaton.num_states)
-            if tokenizer.eos_id in automaton.allowed(s).tolist()]
+            if docs_tokenizer.eos_id in automaton.allowed(s).tolist()]
     for state in range(automaton.num_states):
         allowed = automaton.allowed(state).tolist()
-        assert all(t not in tokenizer.stop_ids or t == automaton.end_id for t in allowed)
+        assert all(t not in docs_tokenizer.stop_ids or t == automaton.end_id for t in allowed)
     # "ab" then the end, and nothing else, from the ends' state.
-    assert len(ends) == 1 and automaton.allowed(ends[0]).tolist() == [tokenizer.eos_id]
+    assert len(ends) == 1 and automaton.allowed(ends[0]).tolist() == [docs_tokenizer.eos_id]
 
 
-def test_compiling_again_reuses_the_automaton(tokenizer):
+def test_compiling_again_reuses_the_automaton(docs_tokenizer):
     schema = {"type": "object", "properties": {"x": {"type": "boolean"}}, "required": ["x"]}
-    first = decode.compile_constraint(decode.JsonSchema(schema), tokenizer)
-    assert decode.compile_constraint(decode.JsonSchema(json.dumps(schema)), tokenizer) is first
-    assert decode.compile_constraint(decode.JsonSchema(schema), tokenizer,
-                                     end_id=tokenizer.eos_id) is first
+    first = decode.compile_constraint(decode.JsonSchema(schema), docs_tokenizer)
+    assert decode.compile_constraint(decode.JsonSchema(json.dumps(schema)), docs_tokenizer) is first
+    assert decode.compile_constraint(decode.JsonSchema(schema), docs_tokenizer,
+                                     end_id=docs_tokenizer.eos_id) is first
 
 
 @pytest.mark.parametrize("schema, keyword, where", [
@@ -98,16 +93,16 @@ def test_a_bad_constraint_is_a_clear_error(make, message):
         make()
 
 
-def test_a_format_outlines_cannot_spell_and_a_text_the_vocabulary_cannot_are_errors(tokenizer):
+def test_a_format_outlines_cannot_spell_and_a_text_the_vocabulary_cannot_are_errors(docs_tokenizer):
     with pytest.raises(ValueError, match="Format zzz"):
         decode.compile_constraint(decode.JsonSchema({"type": "string", "format": "zzz"}),
-                                  tokenizer)
+                                  docs_tokenizer)
     with pytest.raises(ValueError, match="cannot compile Regex for this vocabulary"):
-        decode.compile_constraint(decode.Regex("\u0000\u0001\u0002"), _NoBytes(tokenizer))
+        decode.compile_constraint(decode.Regex("\u0000\u0001\u0002"), _NoBytes(docs_tokenizer))
 
 
 class _NoBytes:
-    """A tokenizer none of whose tokens stands for a control character."""
+    """A docs_tokenizer none of whose tokens stands for a control character."""
 
     def __init__(self, inner):
         self.eos_id, self.vocab_size, self.stop_ids = inner.eos_id, inner.vocab_size, ()

@@ -7,11 +7,11 @@ each constraint checked against the model and the call (the refusals a caller me
 import jax
 import numpy as np
 import pytest
+from conftest import end_only_automaton
 
 from kvjax import model as M
 from kvjax.decode import Sampling
 from kvjax.decode.buckets import bucket
-from kvjax.decode.constraints import Choice, TokenAutomaton
 from kvjax.decode.plan import ON_DEVICE
 from kvjax.decode.prepare import MAX_EOS_IDS, pad_prompts, prepare, row_automata
 
@@ -51,22 +51,15 @@ def test_a_call_is_laid_out_as_the_compiled_loop_reads_it():
     assert prepared.constraints is None and prepared.state is None
 
 
-def automaton(vocab_size, end_id):
-    one = np.ones(1, np.int32)
-    return TokenAutomaton(constraint=Choice(["x"]), end_id=end_id, vocab_size=vocab_size,
-                          initial=0, starts=one * 0, counts=one, tokens=one * end_id,
-                          next_states=one * 0)
-
-
 def test_a_constraint_is_given_to_every_row_or_row_by_row_and_checked():
-    one = automaton(CONFIG.vocab_size, 2)
+    one = end_only_automaton(CONFIG.vocab_size, 2)
     assert row_automata(None, 3, CONFIG.vocab_size, (2,)) == [None] * 3
     assert row_automata(one, 2, CONFIG.vocab_size, (2,)) == [one, one]
     assert row_automata([None, one], 2, CONFIG.vocab_size, (2,)) == [None, one]
     for constraint, eos, message in (
             ([one], (2,), "constraint has 1 entries for 2 prompts"),
             ([one, "x"], (2,), "constraint 1 must be a TokenAutomaton .* got str"),
-            ([automaton(CONFIG.vocab_size + 1, 2), None], (2,),
+            ([end_only_automaton(CONFIG.vocab_size + 1, 2), None], (2,),
              f"compiled for {CONFIG.vocab_size + 1} token ids; the model has"),
             ([None, one], (3,), r"constraint 1 ends with id 2, which is not among eos_ids \(3,\)")):
         with pytest.raises(ValueError, match=message):

@@ -6,9 +6,9 @@ import dataclasses
 
 import numpy as np
 import pytest
+from conftest import end_only_automaton
 
-from kvjax.decode import Choice, Sampling
-from kvjax.decode.constraints import TokenAutomaton
+from kvjax.decode import Sampling
 from kvjax.decode.sampling import seed_key
 from kvjax.serve import GenerationRequest
 from kvjax.serve.requests import row_settings
@@ -16,14 +16,6 @@ from kvjax.serve.slots import MAX_STOP_IDS, MAX_TOP_LOGPROBS
 from kvjax.text import MAX_SEED
 
 VOCAB, CAPACITY = 50, 32
-
-
-def automaton(vocab_size=VOCAB, end_id=2):
-    """A one-state automaton that allows only its end id."""
-    one = np.ones(1, np.int32)
-    return TokenAutomaton(constraint=Choice(["x"]), end_id=end_id, vocab_size=vocab_size,
-                          initial=0, starts=one * 0, counts=one, tokens=one * end_id,
-                          next_states=one * 0)
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -42,9 +34,9 @@ def automaton(vocab_size=VOCAB, end_id=2):
     (dict(logprobs=MAX_TOP_LOGPROBS + 1),
      f"logprobs={MAX_TOP_LOGPROBS + 1} must be <= {MAX_TOP_LOGPROBS}"),
     (dict(constraint="json"), "constraint must be a TokenAutomaton .*got str"),
-    (dict(constraint=automaton(VOCAB + 8), stop_ids=(2,)),
+    (dict(constraint=end_only_automaton(VOCAB + 8, 2), stop_ids=(2,)),
      "compiled for 58 token ids; the model has 50"),
-    (dict(constraint=automaton(), stop_ids=(3,)),
+    (dict(constraint=end_only_automaton(VOCAB, 2), stop_ids=(3,)),
      r"ends with id 2, which is not among stop_ids \(3,\): it could never stop"),
 ])
 def test_each_bad_value_is_refused_by_name(changes, message):
@@ -55,7 +47,8 @@ def test_each_bad_value_is_refused_by_name(changes, message):
 
 def test_a_checked_request_keeps_its_values_and_draws_a_missing_seed():
     request = GenerationRequest([5, 6], max_tokens=CAPACITY - 2, stop_ids=[2], stop="END",
-                                seed=None, constraint=automaton(), logprobs=MAX_TOP_LOGPROBS)
+                                seed=None, constraint=end_only_automaton(VOCAB, 2),
+                                logprobs=MAX_TOP_LOGPROBS)
     checked = request.checked(VOCAB, CAPACITY)
     assert checked.prompt == (5, 6) and checked.stop_ids == (2,) and checked.stop == ("END",)
     assert 0 <= checked.seed < MAX_SEED and checked.max_tokens == CAPACITY - 2

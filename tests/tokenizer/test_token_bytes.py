@@ -1,26 +1,20 @@
-"""kvjax/tokenizer/token_bytes.py: the bytes of each tokenizer's tokens spell what it decodes
+"""kvjax/docs_tokenizer/token_bytes.py: the bytes of each tokenizer's tokens spell what it decodes
 them to, and its special tokens spell nothing."""
 
 from pathlib import Path
 
 import pytest
 
-from kvjax import text
 from kvjax.tokenizer import huggingface
 
 ROOT = Path(__file__).resolve().parents[2]
 HF_MODELS = ROOT / "tests" / "fixtures" / "hf_models"
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return text.load(ROOT / "checkpoints" / "python-docs-lm").tokenizer
-
-
-def test_sentencepiece_tokens_spell_what_they_decode_to(tokenizer):
-    pieces = tokenizer.token_bytes()
-    ids = tokenizer.encode("for x in range(10):\n    print(x, 'é')  # ünïcode")
-    assert b"".join(pieces[i] for i in ids).decode() == tokenizer.decode(ids)
+def test_sentencepiece_tokens_spell_what_they_decode_to(docs_tokenizer):
+    pieces = docs_tokenizer.token_bytes()
+    ids = docs_tokenizer.encode("for x in range(10):\n    print(x, 'é')  # ünïcode")
+    assert b"".join(pieces[i] for i in ids).decode() == docs_tokenizer.decode(ids)
     assert [pieces[i] for i in (0, 1, 2, 3)] == [None] * 4
 
 
