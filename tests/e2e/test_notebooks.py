@@ -46,6 +46,8 @@ def test_notebook_runs(name, tmp_path, monkeypatch):
     (spec_dir / "kernel.json").write_text(json.dumps(spec))
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
     monkeypatch.setenv("KVJAX_NOTEBOOK_CI", "1")  # inherited by the kernel
+    # What a notebook writes to a temporary directory goes with the test's own.
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
     work = tmp_path / "work"
     work.mkdir()
 
