@@ -44,7 +44,7 @@ def test_every_module_has_its_own_test_file_or_a_row():
 def test_every_row_is_needed_and_names_test_files_that_exist():
     modules = {str(m): m for m in package_modules()}
     rows = index_rows()
-    assert len(rows) > 20  # the table was read
+    assert rows, "no row of the table in tests/README.md was read"
     for module, files in rows.items():
         assert module in modules, f"{module} is not a module of the package"
         assert not (ROOT / mirrored_test_file(modules[module])).exists(), (
