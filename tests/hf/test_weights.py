@@ -1,0 +1,117 @@
+"""kvjax/hf/weights.py, tensor by tensor: each param that `load_params` builds computes what
+torch's layer computes from the file's tensor (`Linear`: y = W x + b), read here by
+safetensors' own NumPy loader, for the separate (Llama, Qwen2 with biases and in two shards)
+and the fused (Phi-3) projections; shards of an index read as one file."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from kvjax.hf import weights as W
+from kvjax.hf.config import read_hf_config, to_kvjax_config
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf_models"
+
+
+def loaded(name: str):
+    directory = FIXTURES / name
+    tensors = {}  # qwen2's files are two shards, as transformers wrote them
+    for path in directory.glob("model*.safetensors"):
+        tensors.update(load_file(path))
+    hf = read_hf_config(directory)
+    config = to_kvjax_config(hf, tied="lm_head.weight" not in tensors)
+    return config, W.load_params(config, hf["model_type"], W.WeightFiles(directory)), tensors
+
+
+def linear(tensors, name, x, bias=False):
+    """What torch's Linear `name` makes of x [D]."""
+    out = tensors[name + ".weight"] @ x
+    return out + tensors[name + ".bias"] if bias else out
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2", "phi3"])
+def test_each_projection_computes_what_its_torch_layer_does(name):
+    config, params, tensors = loaded(name)
+    d, n, k, h, f = (config.d_model, config.num_heads, config.kv_heads, config.head_dim,
+                     config.d_ff)
+    assert config.qkv_bias == (name == "qwen2")  # Qwen2's q, k and v have biases
+    x = np.random.default_rng(0).standard_normal(d).astype(np.float32)
+    z = np.random.default_rng(1).standard_normal((n, h)).astype(np.float32)
+    for i in range(config.num_decoder_layers):
+        layer, src = params["layers"][str(i)], f"model.layers.{i}."
+        qkv = layer["self_attention"]["qkv"]
+        got = np.einsum("d,dnh->nh", x, qkv["kernel"]) + qkv.get("bias", 0)
+        if name == "phi3":
+            want = linear(tensors, src + "self_attn.qkv_proj", x)
+        else:
+            want = np.concatenate([linear(tensors, f"{src}self_attn.{p}_proj", x,
+                                          config.qkv_bias) for p in "qkv"])
+        np.testing.assert_allclose(got.reshape(-1), want, rtol=1e-5, atol=1e-6)
+        assert got.shape == (n + 2 * k, h)
+        out = np.einsum("nh,nhd->d", z, layer["self_attention"]["out"]["kernel"])
+        np.testing.assert_allclose(out, linear(tensors, src + "self_attn.o_proj", z.reshape(-1)),
+                                   rtol=1e-5, atol=1e-6)
+        ffn = layer["ffn"]
+        if name == "phi3":  # the gate's rows first, then the up projection's
+            gate_up = linear(tensors, src + "mlp.gate_up_proj", x)
+            gate, up = gate_up[:f], gate_up[f:]
+        else:
+            gate, up = linear(tensors, src + "mlp.gate_proj", x), linear(
+                tensors, src + "mlp.up_proj", x)
+        np.testing.assert_allclose(x @ ffn["wi"]["kernel"], gate, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(x @ ffn["wi_gate"]["kernel"], up, rtol=1e-5, atol=1e-6)
+        hidden = np.random.default_rng(2).standard_normal(f).astype(np.float32)
+        np.testing.assert_allclose(hidden @ ffn["wo"]["kernel"],
+                                   linear(tensors, src + "mlp.down_proj", hidden),
+                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(layer["attention_block"]["norm"]["scale"],
+                                      tensors[src + "input_layernorm.weight"])
+        np.testing.assert_array_equal(layer["ffn_block"]["norm"]["scale"],
+                                      tensors[src + "post_attention_layernorm.weight"])
+    np.testing.assert_array_equal(params["embedder"]["embedding"]["embedding"],
+                                  tensors["model.embed_tokens.weight"])
+    if "lm_head.weight" in tensors:
+        np.testing.assert_allclose(x @ params["embedder"]["unembed"]["kernel"],
+                                   linear(tensors, "lm_head", x), rtol=1e-5, atol=1e-6)
+
+
+def test_gpt2_conv1d_weights_are_used_as_stored():
+    config, params, tensors = loaded("gpt2")
+    x = np.random.default_rng(0).standard_normal(config.d_model).astype(np.float32)
+    prefix = "transformer." if "transformer.wte.weight" in tensors else ""
+    layer = params["layers"]["0"]
+    qkv = layer["self_attention"]["qkv"]
+    got = np.einsum("d,dnh->nh", x, qkv["kernel"]) + qkv["bias"]
+    # Conv1D: y = x W + b, with W [in, out] as the file holds it.
+    want = x @ tensors[prefix + "h.0.attn.c_attn.weight"] + tensors[prefix + "h.0.attn.c_attn.bias"]
+    np.testing.assert_allclose(got.reshape(-1), want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_shards_of_an_index_read_as_the_single_file(tmp_path):
+    directory = FIXTURES / "llama_gqa"
+    tensors = load_file(directory / W.SINGLE_FILE)
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2],
+              "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, in_it in shards.items():
+        save_file({n: tensors[n] for n in in_it}, tmp_path / shard)
+    (tmp_path / W.INDEX_FILE).write_text(json.dumps(
+        {"weight_map": {n: shard for shard, in_it in shards.items() for n in in_it}}))
+    files = W.WeightFiles(tmp_path)
+    assert files.names() == set(names)
+    for name in names:
+        np.testing.assert_array_equal(files.read(name), tensors[name])
+    with pytest.raises(ValueError, match="tensor model.nothing is missing"):
+        files.read("model.nothing")
+
+
+def test_a_directory_of_pickles_only_is_refused_saying_why(tmp_path):
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not loaded")
+    with pytest.raises(FileNotFoundError, match="pytorch_model.bin is a pickle"):
+        W.WeightFiles(tmp_path)
+    (tmp_path / W.INDEX_FILE).write_text("{}")
+    with pytest.raises(ValueError, match="is not a safetensors index"):
+        W.WeightFiles(tmp_path)
