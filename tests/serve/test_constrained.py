@@ -52,6 +52,11 @@ def allowed_by(tables, states_R):
     return tables.replace(state=states_R).mask(jnp.zeros((states_R.shape[0], VOCAB)))
 
 
+def at(keeper: TableKeeper, automaton: TokenAutomaton, own_state: int = 0) -> int:
+    """The state in the keeper's tables of `automaton`'s state `own_state`."""
+    return keeper.initial_state(automaton) - automaton.initial + own_state
+
+
 def behaves_as(tables, first: int, automaton: TokenAutomaton) -> None:
     states = np.arange(automaton.num_states)
     starts, counts = np.asarray(tables.starts), np.asarray(tables.counts)
@@ -85,8 +90,8 @@ def test_rows_keep_their_automaton_and_state_while_automata_are_placed_and_dropp
                 follows[row] = (automaton, int(rng.integers(automaton.num_states)))
             else:
                 follows[row] = None
-        rows = np.array([UNCONSTRAINED if f is None else keeper.initial_state(f[0])
-                         - f[0].initial + f[1] for f in follows], np.int32)
+        rows = np.array([UNCONSTRAINED if f is None else at(keeper, *f) for f in follows],
+                        np.int32)
         state = state.replace(slots=Rows(jnp.asarray(rows[:6])),
                               staged=Rows(jnp.asarray(rows[6:])))
         in_use = [f[0] for f in follows if f is not None]
@@ -101,7 +106,7 @@ def test_rows_keep_their_automaton_and_state_while_automata_are_placed_and_dropp
             if f is None:
                 assert got[row] == UNCONSTRAINED
             else:  # in use, so never dropped, and still at its own state
-                assert got[row] == keeper.initial_state(f[0]) - f[0].initial + f[1]
+                assert got[row] == at(keeper, *f)
         now_placed = [a for a in pool if id(a) in keeper._first]
         assert new in now_placed and all(a in now_placed for a in in_use)
         drops += len(set(firsts_before) - set(keeper._first))
@@ -112,8 +117,7 @@ def test_rows_keep_their_automaton_and_state_while_automata_are_placed_and_dropp
         assert all(n >= m for n, m in zip(sizes, last_sizes, strict=True)), (sizes, last_sizes)
         last_sizes = sizes
         for automaton in now_placed:
-            behaves_as(after.tables, keeper.initial_state(automaton) - automaton.initial,
-                       automaton)
+            behaves_as(after.tables, at(keeper, automaton), automaton)
         state = after
     assert drops and moves  # both ways exercised
 
@@ -137,8 +141,7 @@ def test_each_ticket_starts_where_its_samples_stand_in_the_tables():
                   Rows(jnp.full(3, UNCONSTRAINED, jnp.int32)))
     tickets = [Staging(a, a.initial), Staging(None, 0), Staging(b, 7), Staging(a, 2)]
     state, starts = keeper.place_all(tickets, [None], state)
-    first_a = keeper.initial_state(a) - a.initial
-    first_b = keeper.initial_state(b) - b.initial
+    first_a, first_b = at(keeper, a), at(keeper, b)
     assert starts == [first_a + a.initial, UNCONSTRAINED, first_b + 7, first_a + 2]
     behaves_as(state.tables, first_a, a)
     behaves_as(state.tables, first_b, b)
