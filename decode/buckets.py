@@ -6,7 +6,8 @@ are the powers of two and, from 16 on, the steps halfway between (8, 16, 24, 32,
 96, ...): padding costs at most a third of the work instead of up to half, for a few more
 programs. `generate`, `prefill`, the server's prefills and its prompt logprobs all use it.
 Counts that are not lengths (a prefill's rows, a constraint's table sizes) round up to a
-power of two (`power_of_two`).
+power of two (`power_of_two`); `generate`'s rows take the powers of two up to 16 and the
+lengths' steps beyond (`rows_bucket`), so that a large batch is padded by a third at most.
 """
 
 from __future__ import annotations
@@ -48,3 +49,10 @@ def smallest_sharing(n: int, limit: int) -> int:
     while shorter > 1 and bucket(shorter - 1, limit) == size:
         shorter -= 1
     return shorter
+
+
+def rows_bucket(n: int) -> int:
+    """The rows a batch of n prompts runs as: 1, 2, 4, 8, 16, then 24, 32, 48, 64, 96, ...
+    Rows cost a decode step little beside reading the weights, and a batch of a new size
+    costs a compile: batches of nearby sizes share one program."""
+    return power_of_two(n) if n <= 16 else bucket(n, 2 * n)

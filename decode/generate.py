@@ -199,7 +199,8 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
     prepared = prepare(net, params, prompts, lengths, max_new_tokens=max_new_tokens,
                        eos_ids=eos_ids, num_beams=1, rng=rng, num_samples=num_samples,
                        sampling=sampling, logit_processors=logit_processors, state=state,
-                       mesh=mesh, speculative=speculative, constraint=constraint)
+                       mesh=mesh, speculative=speculative, constraint=constraint,
+                       fill_rows=not return_state)
     config = net.config
     carry = _run(config, params, _first(config, params, prepared), prepared,
                  prepared.stops.max_new_tokens)
@@ -244,7 +245,7 @@ def stream(net, params, prompts=None, *, max_new_tokens: int, chunk_size: int = 
     mesh, params = _placement(net.config, params, kwargs.pop("mesh", None), return_state)
     prepared = prepare(net, params, prompts, kwargs.pop("lengths", None),
                        max_new_tokens=max_new_tokens, num_beams=1, mesh=mesh,
-                       **{"eos_ids": (), "rng": None, **kwargs})
+                       fill_rows=not return_state, **{"eos_ids": (), "rng": None, **kwargs})
     config = net.config
     carry = _first(config, params, prepared)
     emitted = 0

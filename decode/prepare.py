@@ -20,7 +20,7 @@ from kvjax import parallel
 from . import automaton, checks, prompt_state
 from . import speculative as spec
 from .automaton import RowConstraints
-from .buckets import bucket
+from .buckets import bucket, rows_bucket
 from .constraints import TokenAutomaton
 from .loop import StopConditions
 from .plan import ON_DEVICE, LoopPlan, default_plan
@@ -106,13 +106,19 @@ class Prepared:
 
     @property
     def rows(self) -> int:
-        """Rows of the output: the rest filled up a batch split over devices."""
+        """Rows of the output; the rows past them only fill the batch up to its bucket."""
         return self.batch * self.num_samples
 
 
 def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams, rng,
              num_samples=1, sampling: Sampling = GREEDY, logit_processors=(), state=None,
-             mesh=None, speculative=None, constraint: Constrained = None) -> Prepared:
+             mesh=None, speculative=None, constraint: Constrained = None,
+             fill_rows: bool = True) -> Prepared:
+    """Checks a call's arguments and lays them out as its compiled programs take them. The
+    batch is filled up to its bucket (`rows_bucket`; on a mesh, to a multiple of the `data`
+    axis too) with copies of its last prompt, which finish when it does and are dropped from
+    the output; without `fill_rows` (a kept state must hold the caller's rows alone) and when
+    continuing from a state, only a mesh fills."""
     config = net.config
     if not isinstance(sampling, Sampling):
         raise ValueError(f"sampling must be a decode.Sampling, got {type(sampling).__name__}")
@@ -152,19 +158,21 @@ def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams
     eos = np.full(MAX_EOS_IDS, -1, np.int32)
     eos[:len(eos_ids)] = eos_ids
     batch, lengths = tokens.shape[0], np.asarray(lengths, np.int32)
-    if mesh is not None:
-        # Rows split evenly over `data`: a batch that does not divide is filled up with
-        # copies of its last row, which finish when it does and are dropped from the output.
-        fill = -batch % mesh.shape[parallel.DATA]
-
+    fill = rows_bucket(batch) - batch if fill_rows and state is None else 0
+    if mesh is not None:  # rows split evenly over `data`
+        fill += -(batch + fill) % mesh.shape[parallel.DATA]
+    if fill:
         def filled(array, copies):
             return np.concatenate([array, np.repeat(np.asarray(array)[-1:], copies, axis=0)])
 
-        padded = jax.device_put(filled(padded, fill), parallel.rows(mesh, 2))
-        lengths = jax.device_put(filled(lengths, fill), parallel.rows(mesh))
+        padded, lengths = filled(padded, fill), filled(lengths, fill)
         params_rows = jax.tree.map(lambda a: filled(a, fill * num_samples), params_rows)
+        automata = automata + automata[-1:] * fill
         if rng.ndim:
             rng = jnp.concatenate([rng, jnp.repeat(rng[-1:], fill)])
+    if mesh is not None:
+        padded = jax.device_put(padded, parallel.rows(mesh, 2))
+        lengths = jax.device_put(lengths, parallel.rows(mesh))
     return Prepared(
         tokens=jnp.asarray(padded), lengths=jnp.asarray(lengths, jnp.int32),
         batch=batch, capacity=capacity, buffer_len=buffer_len,

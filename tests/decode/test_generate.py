@@ -70,6 +70,22 @@ def test_each_row_equals_the_prompt_alone(tiny):
     assert together.stop_reasons()[0] == "eos" and together.lengths[0] <= 3
 
 
+def test_rows_filled_up_to_the_bucket_change_no_row_and_are_not_returned(tiny):
+    """Three prompts run as four rows, the fourth a copy of the third: the three rows are
+    what they are beside any fourth prompt, sampled with one key for the batch."""
+    _, net, params = tiny
+    kwargs = dict(max_new_tokens=6, sampling=decode.Sampling(temperature=1.3),
+                  rng=jax.random.key(3), return_logprobs=True)
+    three = decode.generate(net, params, PROMPTS[:3], **kwargs)
+    four = decode.generate(net, params, PROMPTS, **kwargs)
+    assert three.tokens.shape[0] == three.lengths.shape[0] == three.logprobs.shape[0] == 3
+    np.testing.assert_array_equal(three.tokens, four.tokens[:3])
+    np.testing.assert_array_equal(three.lengths, four.lengths[:3])
+    np.testing.assert_allclose(three.logprobs, four.logprobs[:3], rtol=1e-6, atol=1e-6)
+    kept = decode.generate(net, params, PROMPTS[:3], max_new_tokens=2, return_state=True)
+    assert kept.state.batch_size == 3
+
+
 def test_array_prompts_with_lengths_equal_token_lists(tiny):
     _, net, params = tiny
     padded = np.zeros((len(PROMPTS), 7), np.int32)
@@ -131,31 +147,36 @@ def test_stream_stops_early_when_every_row_hits_eos(tiny):
     assert sum(c.shape[1] for c in chunks) == 1
 
 
-def _setting(rng, i, low, high, integer=False):
-    """A scalar on even calls, one value per row (of 3) on odd ones."""
+def _setting(rng, i, low, high, integer=False, rows=3):
+    """A scalar on even calls, one value per row on odd ones."""
     draw = rng.integers if integer else rng.uniform
-    values = draw(low, high, size=3)
+    values = draw(low, high, size=rows)
     values = [int(v) for v in values] if integer else values.tolist()
     return values if i % 2 else values[0]
 
 
 def test_twenty_calls_in_one_bucket_compile_once():
+    """Prompt lengths, batch sizes, token budgets and settings that vary within their
+    buckets: one program."""
     config = M.preset("tiny", num_kv_heads=1)
     net, params = M.build_model(config), M.init_params(config, jax.random.key(0))
     before = {name: decode.trace_count(name) for name in ("start", "continue")}
     rng = np.random.default_rng(0)
     for i in range(20):
-        prompt_lengths = rng.integers(9, 17, size=3)  # one bucket: 9..16 pads to 16
+        batch = 3 + i % 2  # one bucket of rows: 3 and 4 run as 4
+        prompt_lengths = rng.integers(9, 17, size=batch)  # one bucket: 9..16 pads to 16
         prompts = [rng.integers(0, 64, size=n).tolist() for n in prompt_lengths]
-        temperature = _setting(rng, i, 0, 2)
+        temperature = _setting(rng, i, 0, 2, rows=batch)
         if i % 4 == 1:
             temperature[0] = 0.0  # a greedy row among sampled ones
         decode.generate(net, params, prompts, max_new_tokens=int(rng.integers(25, 33)),
                         sampling=decode.Sampling(
-                            temperature=temperature, top_k=_setting(rng, i, 0, 20, True),
-                            top_p=_setting(rng, i, 0.1, 1), min_p=_setting(rng, i, 0, 0.5),
-                            repetition_penalty=_setting(rng, i, 0.5, 2),
-                            no_repeat_ngram_size=_setting(rng, i, 0, 4, True)),
+                            temperature=temperature,
+                            top_k=_setting(rng, i, 0, 20, True, batch),
+                            top_p=_setting(rng, i, 0.1, 1, rows=batch),
+                            min_p=_setting(rng, i, 0, 0.5, rows=batch),
+                            repetition_penalty=_setting(rng, i, 0.5, 2, rows=batch),
+                            no_repeat_ngram_size=_setting(rng, i, 0, 4, True, batch)),
                         eos_ids=tuple(rng.integers(0, 64, size=i % 3)),
                         rng=jax.random.key(i))
     after = {name: decode.trace_count(name) for name in ("start", "continue")}

@@ -66,3 +66,24 @@ def test_a_constraint_is_given_to_every_row_or_row_by_row_and_checked():
             row_automata(constraint, 2, CONFIG.vocab_size, eos)
     with pytest.raises(ValueError, match="constrained rows run on one device"):
         row_automata(one, 2, CONFIG.vocab_size, (2,), mesh=object())
+
+
+def test_a_batch_is_filled_up_to_its_bucket_with_copies_of_its_last_prompt():
+    prompts, net = [[5, 6, 7], [8], [9, 10]], M.build_model(CONFIG)
+    keys = jax.random.split(jax.random.key(0), 3)
+    prepared = prepare(net, PARAMS, prompts, None, max_new_tokens=5, eos_ids=(2,),
+                       num_beams=1, rng=keys, num_samples=2,
+                       sampling=Sampling(temperature=[0.5, 0.0, 0.7]),
+                       constraint=[None, None, end_only_automaton(CONFIG.vocab_size, 2)])
+    assert prepared.tokens.shape[0] == 4 and prepared.batch == 3 and prepared.rows == 6
+    np.testing.assert_array_equal(prepared.tokens[3], prepared.tokens[2])
+    np.testing.assert_array_equal(prepared.lengths, [3, 1, 2, 2])
+    np.testing.assert_allclose(prepared.sampling.temperature, [0.5, 0.5, 0, 0, 0.7, 0.7,
+                                                                0.7, 0.7])
+    np.testing.assert_array_equal(jax.random.key_data(prepared.rng)[3],
+                                  jax.random.key_data(keys)[2])
+    assert prepared.constraints.state.shape[0] == 8  # every sample of every row
+    # A kept state holds the caller's rows alone, so nothing fills them.
+    kept = prepare(net, PARAMS, prompts, None, max_new_tokens=5, eos_ids=(), num_beams=1,
+                   rng=None, fill_rows=False)
+    assert kept.tokens.shape[0] == 3 and kept.rows == 3
