@@ -53,6 +53,7 @@ def smallest_sharing(n: int, limit: int) -> int:
 
 def rows_bucket(n: int) -> int:
     """The rows a batch of n prompts runs as: 1, 2, 4, 8, 16, then 24, 32, 48, 64, 96, ...
-    Rows cost a decode step little beside reading the weights, and a batch of a new size
-    costs a compile: batches of nearby sizes share one program."""
+    A batch of a new size costs a compile; the rows filled in cost a decode step little
+    beside reading the weights (a prefill, their share of its work): batches of nearby
+    sizes share one program."""
     return power_of_two(n) if n <= 16 else bucket(n, 2 * n)
