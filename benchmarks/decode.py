@@ -45,7 +45,7 @@ from kvjax import decode, parallel
 from kvjax import model as M
 from kvjax.decode.buckets import bucket, smallest_sharing
 from kvjax.decode.plan import ON_DEVICE, STEPS_PER_CHECK, LoopPlan, Planner, planned_by
-from kvjax.model.config import format_bytes
+from kvjax.model.cache_size import format_bytes
 
 from .floors import best_seconds, measure_bandwidth, time_weights_only_step
 from .random_hf import random_gpt2

@@ -26,7 +26,7 @@ import numpy as np
 
 from kvjax import decode, text
 from kvjax import model as M
-from kvjax.model.config import format_bytes
+from kvjax.model.cache_size import format_bytes
 
 from .fill_sweep import _Timed
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvjax import model as M
-from kvjax.model.config import format_bytes
+from kvjax.model.cache_size import format_bytes
 
 from .decode import _machine
 from .train import _best_step_seconds, kvjax_step, model_config

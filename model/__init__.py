@@ -2,14 +2,8 @@
 
 from .attention import attend
 from .cache import KVCache, init_cache
-from .config import (
-    PRESETS,
-    SPEED_ONLY_FIELDS,
-    CacheSize,
-    TransformerConfig,
-    cache_size_bytes,
-    preset,
-)
+from .cache_size import CacheSize, cache_size_bytes
+from .config import PRESETS, SPEED_ONLY_FIELDS, TransformerConfig, preset
 from .interface import (
     build_model,
     check_prompt_length,

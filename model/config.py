@@ -1,7 +1,7 @@
 """One frozen config for both Transformer variants, with presets.
 
-The config sizes everything: it validates itself, knows its head dimension, and
-computes how many bytes a KV cache of a given length takes (`cache_size_bytes`).
+The config sizes everything: it validates itself and knows its head dimension; what a KV
+cache of it takes is `cache_size.py`'s.
 """
 
 from __future__ import annotations
@@ -362,88 +362,3 @@ def preset(name: str, **overrides: Any) -> TransformerConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return PRESETS[name].replace(**overrides)
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheSize:
-    """Bytes of a KV cache. `self_attention` is the formula
-    `2 × length × layers × kv_heads × (head_dim × bytes + scale bytes) × batch`, where an
-    int8 cache adds a float32 scale per (token, kv head) and a float one adds nothing;
-    `cross_attention` is the encoder-decoder's cache of projected encoder K/V (0 for a
-    decoder-only model)."""
-
-    self_attention: int
-    cross_attention: int
-
-    @property
-    def total(self) -> int:
-        return self.self_attention + self.cross_attention
-
-
-def _cache_dtype(config: TransformerConfig, dtype: Any) -> np.dtype:
-    """`dtype` (a name or dtype), else the config's cache dtype."""
-    return np.dtype(dtype if dtype is not None else config.kv_cache_dtype)
-
-
-def scale_bytes(dtype: Any) -> int:
-    """Bytes of the scale held with each (token, kv head) of a cache of `dtype`."""
-    return CACHE_SCALE_DTYPE.itemsize if np.dtype(dtype) == np.int8 else 0
-
-
-def cache_size_bytes(
-    config: TransformerConfig,
-    batch: int,
-    length: int,
-    dtype: Any = None,
-    source_length: int | None = None,
-) -> CacheSize:
-    """K and V (the 2) for every layer, kv head and position of every sequence.
-
-    `dtype` defaults to the config's `kv_cache_dtype`. `source_length` sizes the
-    cross-attention cache of an encoder-decoder (defaults to `length`). Only K and V are
-    cached: the query of a past token is never needed again.
-    """
-    dtype = _cache_dtype(config, dtype)
-    per_head = config.head_dim * dtype.itemsize + scale_bytes(dtype)
-    per_position = 2 * config.kv_heads * per_head * batch
-    self_bytes = per_position * length * config.num_decoder_layers
-    cross_bytes = 0
-    if config.is_encoder_decoder:
-        src = length if source_length is None else source_length
-        cross_bytes = per_position * src * config.num_decoder_layers
-    return CacheSize(self_bytes, cross_bytes)
-
-
-def format_bytes(num_bytes: int) -> str:
-    """Bytes in binary units: 536870912 -> '512 MiB', 1536 -> '1.5 KiB'."""
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.4g} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
-def describe_cache_size(config: TransformerConfig, batch: int, length: int, dtype: Any = None,
-                        source_length: int | None = None) -> str:
-    """The cache-size formula written out with this config's numbers, per sequence and total."""
-    dtype = _cache_dtype(config, dtype)
-    per_sequence = cache_size_bytes(config, 1, length, dtype, source_length)
-    total = cache_size_bytes(config, batch, length, dtype, source_length)
-    scale = scale_bytes(dtype)
-    per_head = (f"({config.head_dim} x {dtype.itemsize} + {scale})" if scale
-                else f"{config.head_dim} x {dtype.itemsize}")
-    lines = [
-        f"KV cache: {config.num_decoder_layers} layers x {config.kv_heads} kv heads x "
-        f"{config.head_dim} head dim, {length} tokens, {dtype.name} ({dtype.itemsize} bytes"
-        + (f", and a {CACHE_SCALE_DTYPE.name} scale per token and kv head)" if scale else ")"),
-        f"  2 (K and V) x {length} x {config.num_decoder_layers} x {config.kv_heads} x "
-        f"{per_head} = {per_sequence.self_attention:,} bytes "
-        f"= {format_bytes(per_sequence.self_attention)} per sequence",
-    ]
-    if config.is_encoder_decoder:
-        src = length if source_length is None else source_length
-        lines.append(f"  cross-attention K/V of {src} source tokens: "
-                     f"{format_bytes(per_sequence.cross_attention)} per sequence")
-    lines.append(f"  batch {batch}: {format_bytes(total.total)} ({total.total:,} bytes)")
-    return "\n".join(lines)

@@ -13,7 +13,7 @@ import jax
 
 from kvjax import model as M
 from kvjax import parallel
-from kvjax.model.config import format_bytes
+from kvjax.model.cache_size import format_bytes
 
 # The cache may take this share of what is free when the engine starts: the prefill's and a
 # step's activations and XLA's scratch space need the rest.

@@ -31,7 +31,7 @@ def add_cache_size(commands) -> None:
 
 def run_cache_size(args) -> int:
     from kvjax import model as M
-    from kvjax.model.config import describe_cache_size
+    from kvjax.model.cache_size import describe_cache_size
 
     given = {"num_decoder_layers": args.layers, "num_heads": args.heads,
              "num_kv_heads": args.kv_heads}

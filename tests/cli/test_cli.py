@@ -11,7 +11,7 @@ from kvjax import cli
 from kvjax import model as M
 from kvjax.cli import common
 from kvjax.decode.plan import ON_DEVICE
-from kvjax.model.config import cache_size_bytes
+from kvjax.model.cache_size import cache_size_bytes
 
 SUBCOMMANDS = (["demo"], ["train"], ["sample"], ["serve"], ["import-hf"], ["cache-size"],
                ["bench", "decode"], ["bench", "train"], ["bench", "serve"],
