@@ -14,7 +14,7 @@ from .attention import attend, attend_blocks
 from .cache import write_rows
 from .config import TransformerConfig
 from .norms import RMSNorm
-from .positional import apply_rope, layer_rope_frequencies
+from .positional import apply_rope, layer_rope
 from .projections import OutputProjection, projection
 from .quantize import quantize, round_trip
 
@@ -49,9 +49,9 @@ class SelfAttention(nn.Module):
         if config.qk_norm:
             q, k = RMSNorm(config, name="q_norm")(q), RMSNorm(config, name="k_norm")(k)
         if config.positional_encoding == "rope":
-            inv_freq = layer_rope_frequencies(config, local)
-            q = apply_rope(q, positions_BT, inv_freq)
-            k = apply_rope(k, positions_BT, inv_freq)
+            inv_freq, attention_factor = layer_rope(config, local)
+            q = apply_rope(q, positions_BT, inv_freq, attention_factor)
+            k = apply_rope(k, positions_BT, inv_freq, attention_factor)
         quantized = cache_kv is not None and len(cache_kv) == 4
         if cache_kv is not None:
             new = (k, v)

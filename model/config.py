@@ -33,8 +33,10 @@ CACHE_SCALE_DTYPE = np.dtype(np.float32)
 SINUSOID_LAYOUTS = ("interleaved", "halves")
 # How RoPE's frequencies are stretched for contexts longer than the training length:
 # "linear" divides every frequency by the factor; "llama3" divides only the low ones and
-# blends in between (Llama 3.1/3.2).
-ROPE_SCALINGS = ("none", "linear", "llama3")
+# blends in between (Llama 3.1/3.2); "yarn" divides the frequencies that turn few times over
+# the original length, keeps the fast ones, blends in between and scales the turned queries
+# and keys (YaRN: Qwen2.5 and Qwen3 beyond their native context).
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +92,16 @@ class TransformerConfig:
     rope_scaling_factor: float = 1.0
     rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original/low are divided
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original/high are kept
-    rope_original_max_len: int = 8192  # llama3: the context length the model was trained at
+    rope_original_max_len: int = 8192  # llama3, yarn: the context length the model was trained at
+    # yarn: frequencies that turn more than beta_fast times over the original length are kept,
+    # those turning fewer than beta_slow times divided by the factor, the ones between blended
+    # over the dimensions between (rounded out to whole ones with `rope_truncate`).
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
+    # yarn: what the turned queries and keys are multiplied by (their products by its square);
+    # None: 0.1 · ln(factor) + 1.
+    rope_attention_factor: float | None = None
     # What the KV cache stores; None: the compute dtype. "int8" stores K and V as int8 with a
     # float32 scale per (token, kv head), dequantised block by block as attention reads them.
     cache_dtype: str | None = None
@@ -240,11 +251,13 @@ _INT_FIELDS = ("vocab_size", "d_model", "num_heads", "d_ff", "num_decoder_layers
                "num_encoder_layers", "max_len", "bos_id", "attention_block",
                "rope_original_max_len")
 _REAL_FIELDS = ("dropout", "rope_base", "layer_norm_eps", "rope_scaling_factor",
-                "rope_low_freq_factor", "rope_high_freq_factor")
+                "rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast",
+                "rope_beta_slow")
 _BOOL_FIELDS = ("tie_embeddings", "scan_layers", "remat", "qkv_bias", "out_bias", "ffn_bias",
                 "scale_embeddings", "logits_bias", "qk_norm", "norm_unit_offset",
-                "sandwich_norms")
-_OPTIONAL_REALS = ("local_rope_base", "attention_scale", "attention_softcap", "logits_softcap")
+                "sandwich_norms", "rope_truncate")
+_OPTIONAL_REALS = ("local_rope_base", "attention_scale", "attention_softcap", "logits_softcap",
+                   "rope_attention_factor")
 _CHOICES = {"positional_encoding": POSITIONAL_ENCODINGS, "norm": NORM_PLACEMENTS,
             "activation": ACTIVATIONS, "dtype": DTYPES, "param_dtype": DTYPES,
             "norm_type": NORM_TYPES, "sinusoid_layout": SINUSOID_LAYOUTS,
@@ -255,7 +268,8 @@ _CHOICES = {"positional_encoding": POSITIONAL_ENCODINGS, "norm": NORM_PLACEMENTS
 _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "qkv_bias", "out_bias", "ffn_bias", "norm_type", "scale_embeddings", "logits_bias",
     "sinusoid_layout", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor",
-    "rope_high_freq_factor", "rope_original_max_len", "cache_dtype", "qk_norm",
+    "rope_high_freq_factor", "rope_original_max_len", "rope_beta_fast", "rope_beta_slow",
+    "rope_truncate", "rope_attention_factor", "cache_dtype", "qk_norm",
     "sliding_window", "full_attention_layers", "local_rope_base", "norm_unit_offset",
     "sandwich_norms", "attention_scale", "attention_softcap", "logits_softcap", "remat")}
 
@@ -293,8 +307,16 @@ def _rope_scaling_problems(config: TransformerConfig) -> list[str]:
         if not 0 < low < high < math.inf:
             problems.append(f"llama3 rope scaling needs 0 < rope_low_freq_factor ({low}) < "
                             f"rope_high_freq_factor ({high})")
-        if config.rope_original_max_len < 1:
-            problems.append(f"rope_original_max_len={config.rope_original_max_len} must be >= 1")
+    if config.rope_scaling == "yarn":
+        fast, slow = config.rope_beta_fast, config.rope_beta_slow
+        if not 0 < slow <= fast < math.inf:
+            problems.append(f"yarn rope scaling needs 0 < rope_beta_slow ({slow}) <= "
+                            f"rope_beta_fast ({fast})")
+        if config.rope_scaling_factor < 1:
+            problems.append(f"yarn rope scaling needs rope_scaling_factor >= 1, got "
+                            f"{config.rope_scaling_factor}")
+    if config.rope_scaling in ("llama3", "yarn") and config.rope_original_max_len < 1:
+        problems.append(f"rope_original_max_len={config.rope_original_max_len} must be >= 1")
     return problems
 
 

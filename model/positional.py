@@ -7,6 +7,7 @@ different positions (each row's prompt has its own length).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,16 +38,21 @@ def sinusoidal(positions_BT: jax.Array, d_model: int, layout: str = "interleaved
     return pe
 
 
-def layer_rope_frequencies(config: TransformerConfig, local) -> jax.Array | np.ndarray:
-    """The inverse frequencies of a layer that attends over a sliding window (`local`) or
-    not: `rope_frequencies`, or with a `local_rope_base` the local layers' own. `local` is
-    a bool, or traced for scanned layers (then a select between the two)."""
+def layer_rope(config: TransformerConfig, local) -> tuple[jax.Array | np.ndarray, Any]:
+    """The inverse frequencies and attention factor (`apply_rope`'s) of a layer that attends
+    over a sliding window (`local`) or not: the config's (`rope_frequencies`,
+    `rope_attention_factor`), or with a `local_rope_base` the local layers' own, unscaled.
+    `local` is a bool, or traced for scanned layers (then a select between the two)."""
     if config.local_rope_base is None:
-        return rope_frequencies(config)
-    own = rope_frequencies(config.replace(rope_base=config.local_rope_base, rope_scaling="none"))
+        return rope_frequencies(config), rope_attention_factor(config)
+    own = config.replace(rope_base=config.local_rope_base, rope_scaling="none")
     if isinstance(local, bool):
-        return own if local else rope_frequencies(config)
-    return jnp.where(local, own.astype(np.float32), rope_frequencies(config).astype(np.float32))
+        chosen = own if local else config
+        return rope_frequencies(chosen), rope_attention_factor(chosen)
+    inv_freq = jnp.where(local, rope_frequencies(own).astype(np.float32),
+                         rope_frequencies(config).astype(np.float32))
+    factor = rope_attention_factor(config)
+    return inv_freq, (factor if factor == 1.0 else jnp.where(local, 1.0, factor))
 
 
 def rope_frequencies(config: TransformerConfig) -> np.ndarray:
@@ -56,6 +62,11 @@ def rope_frequencies(config: TransformerConfig) -> np.ndarray:
     llama3: wavelengths (2π / frequency) longer than original_len / low_freq_factor are
     divided by the factor, those shorter than original_len / high_freq_factor are kept, and
     the ones between are blended linearly in original_len / wavelength.
+
+    yarn: a frequency's dimension pair i turns original_len / wavelength times over the
+    original length; pairs below the one that turns `rope_beta_slow` times are divided by
+    the factor, those from the one that turns `rope_beta_fast` times on are kept, and the
+    ones between are blended linearly in i.
     """
     head_dim = config.head_dim
     inv_freq = 1.0 / config.rope_base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
@@ -68,12 +79,45 @@ def rope_frequencies(config: TransformerConfig) -> np.ndarray:
         wavelength = 2 * math.pi / inv_freq
         smooth = np.clip((original / wavelength - low) / (high - low), 0.0, 1.0)
         return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    if config.rope_scaling == "yarn":
+        kept = 1 - _yarn_ramp(config)
+        return (1 - kept) * inv_freq / factor + kept * inv_freq
     return inv_freq
 
 
-def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+def _yarn_ramp(config: TransformerConfig) -> np.ndarray:
+    """[H/2]: 0 for the dimension pairs YaRN keeps, 1 for those it divides by the factor."""
+    head_dim, base = config.head_dim, config.rope_base
+    original = float(config.rope_original_max_len)
+
+    def pair_turning(rotations: float) -> float:  # the pair that turns `rotations` times
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = pair_turning(config.rope_beta_fast), pair_turning(config.rope_beta_slow)
+    if config.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as the reference implementation does, for a ramp of one step
+    return np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+
+
+def rope_attention_factor(config: TransformerConfig) -> float:
+    """What the turned queries and keys are multiplied by: YaRN's `rope_attention_factor`
+    (by default 0.1 · ln(factor) + 1, which keeps the attention's entropy as the context
+    stretches), 1 for every other RoPE."""
+    if config.rope_scaling != "yarn":
+        return 1.0
+    if config.rope_attention_factor is not None:
+        return float(config.rope_attention_factor)
+    factor = config.rope_scaling_factor
+    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray,
+               attention_factor: Any = 1.0) -> jax.Array:
     """Rotates each (x[i], x[i + H/2]) pair by the angle pos * inv_freq[i]
-    (`rope_frequencies`).
+    (`rope_frequencies`), and multiplies it by `attention_factor` (`rope_attention_factor`).
 
     The dot product of a rotated query and a rotated key then depends only on their
     distance, so keys can be rotated once when they are written to the cache.
@@ -81,6 +125,8 @@ def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray)
     inv_freq = jnp.asarray(inv_freq, jnp.float32)
     angles = positions_BT.astype(jnp.float32)[..., None, None] * inv_freq  # [B, T, 1, H/2]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if not (isinstance(attention_factor, float) and attention_factor == 1.0):
+        cos, sin = cos * attention_factor, sin * attention_factor
     x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return rotated.astype(x_BTNH.dtype)

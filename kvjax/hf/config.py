@@ -10,6 +10,7 @@ gives a model that runs and writes worse text; this one stops and says so.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -159,7 +160,13 @@ def _rope(c: _Reader) -> dict[str, Any]:
     """RoPE's base and scaling from `rope_parameters` (transformers 5) or the older
     `rope_theta` and `rope_scaling`."""
     params = {**(c.get("rope_scaling") or {}), **(c.get("rope_parameters") or {})}
-    fields = _rope_fields(params, c.get("rope_theta", 10000.0), c.source)
+    if params.get("rope_type", params.get("type")) in ("llama3", "yarn"):
+        # As transformers reads it: a top-level original length (Phi-3 keeps one there)
+        # wins over the one among the RoPE parameters.
+        top = c.get("original_max_position_embeddings")
+        params = params if top is None else {**params, "original_max_position_embeddings": top}
+    fields = _rope_fields(params, c.get("rope_theta", 10000.0), c.source,
+                          c.get("max_position_embeddings"))
     _rotated_halves(c)
     return fields
 
@@ -169,8 +176,11 @@ def _rotated_halves(c: _Reader) -> None:
     c.expect("rope_interleaved", False, False, "kvjax rotates the halves (x[i], x[i + H/2])")
 
 
-def _rope_fields(params: dict[str, Any], base: float, source: str) -> dict[str, Any]:
-    """The config fields of one set of RoPE parameters (`base` where they name none)."""
+def _rope_fields(params: dict[str, Any], base: float, source: str,
+                 max_len: int | None) -> dict[str, Any]:
+    """The config fields of one set of RoPE parameters (`base` where they name none), as
+    transformers reads them (`modeling_rope_utils`); `max_len` is the model's
+    max_position_embeddings."""
     base = params.get("rope_theta", base)
     kind = params.get("rope_type", params.get("type", "default"))
     fields: dict[str, Any] = {"positional_encoding": "rope", "rope_base": float(base)}
@@ -185,15 +195,45 @@ def _rope_fields(params: dict[str, Any], base: float, source: str) -> dict[str, 
                       rope_original_max_len=params["original_max_position_embeddings"])
         known |= {"factor", "low_freq_factor", "high_freq_factor",
                   "original_max_position_embeddings"}
+    elif kind == "yarn":
+        fields.update(_yarn_fields(params, max_len, source))
+        known |= {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                  "attention_factor", "mscale", "mscale_all_dim", "truncate"}
     elif kind != "default":
         raise UnsupportedModelError(f"{source}: rope scaling of type {kind!r} is not "
-                                    "supported; kvjax implements 'default', 'linear' and "
-                                    "'llama3'")
+                                    "supported; kvjax implements 'default', 'linear', "
+                                    "'llama3' and 'yarn'")
     extra = {k: v for k, v in params.items() if k not in known and v not in (None, 1.0)}
     if extra:
         raise UnsupportedModelError(f"{source}: rope settings {json.dumps(extra)} are not "
                                     f"supported for rope type {kind!r}")
     return fields
+
+
+def _yarn_fields(params: dict[str, Any], max_len: int | None, source: str) -> dict[str, Any]:
+    """YaRN's settings: the original length defaults to max_position_embeddings and the
+    factor to their ratio; the attention factor, when not given, is 0.1 · m · ln(factor) + 1
+    with DeepSeek's `mscale` over the same with its `mscale_all_dim` (m = 1 without them)."""
+    original = params.get("original_max_position_embeddings") or max_len
+    if original is None:
+        raise UnsupportedModelError(f"{source}: yarn rope scaling needs "
+                                    "original_max_position_embeddings")
+    factor = params.get("factor")
+    factor = float(max_len / original if factor is None else factor)
+    attention_factor = params.get("attention_factor")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if attention_factor is None and mscale and mscale_all_dim:
+        def stretch(m):
+            return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+        attention_factor = stretch(mscale) / stretch(mscale_all_dim)
+    return dict(rope_scaling="yarn", rope_scaling_factor=factor,
+                rope_original_max_len=int(original),
+                rope_beta_fast=float(params.get("beta_fast") or 32),
+                rope_beta_slow=float(params.get("beta_slow") or 1),
+                rope_truncate=bool(params.get("truncate", True)),
+                rope_attention_factor=None if attention_factor is None else float(
+                    attention_factor))
 
 
 def _llama_like(c: _Reader, *, qkv_bias: bool, out_bias: bool, ffn_bias: bool,
@@ -322,8 +362,9 @@ def _gemma3(c: _Reader) -> dict[str, Any]:
                                         "supported")
     else:
         full, local = {**(c.get("rope_scaling") or {}), **params}, {}
-    rope = _rope_fields(full, c.get("rope_theta", 1000000.0), c.source)
-    local_rope = _rope_fields(local, c.get("rope_local_base_freq", 10000.0), c.source)
+    max_len = c.get("max_position_embeddings")
+    rope = _rope_fields(full, c.get("rope_theta", 1000000.0), c.source, max_len)
+    local_rope = _rope_fields(local, c.get("rope_local_base_freq", 10000.0), c.source, max_len)
     if local_rope.get("rope_scaling", "none") != "none":
         raise UnsupportedModelError(f"{c.source}: scaled RoPE on sliding_attention layers is "
                                     "not supported")

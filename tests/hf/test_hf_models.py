@@ -140,8 +140,8 @@ def edit_config(directory, **changes):
      "model_type 'bert' is not supported; kvjax loads gpt2, llama, mistral, phi3, qwen2, "
      "qwen3, gemma2, gemma3_text, marian"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
-                                        "rope_theta": 10000.0}),
-     "rope scaling of type 'yarn' is not supported"),
+                                        "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+     'rope settings {"partial_rotary_factor": 0.5} are not supported for rope type \'yarn\''),
     ("qwen2", dict(use_sliding_window=True, sliding_window=16),
      "use_sliding_window=true is not supported (sliding-window attention)"),
     ("qwen3", dict(layer_types=["full_attention", "sliding_attention"]),
@@ -187,6 +187,27 @@ def test_older_gemma3_files_name_their_rope_and_layers_the_older_way(tmp_path):
                 rope_scaling={"rope_type": "linear", "factor": 2.0})
     config, _, _ = hf.load_pretrained(directory)
     assert config == hf.load_pretrained(FIXTURES / "gemma3_text")[0]
+
+
+def test_yarn_reads_as_transformers_reads_it(tmp_path):
+    """Older files (Qwen2.5's) give YaRN as `rope_scaling` with a `type`; the factor defaults
+    to max_position_embeddings over the original length, and DeepSeek's mscale and
+    mscale_all_dim set the attention factor when none is given."""
+    directory = copy_of("qwen3", tmp_path)
+    yarn = {"factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 16.0,
+            "beta_slow": 0.5}
+    edit_config(directory, rope_parameters=None, rope_theta=10000.0,
+                rope_scaling={"type": "yarn", **yarn})
+    config = hf.load_pretrained(directory)[0]
+    assert config == hf.load_pretrained(FIXTURES / "qwen3")[0]
+    assert (config.rope_scaling, config.rope_scaling_factor, config.rope_original_max_len,
+            config.rope_attention_factor) == ("yarn", 4.0, 32, None)
+    edit_config(directory, rope_scaling={**yarn, "type": "yarn", "factor": None, "mscale": 1.0,
+                                         "mscale_all_dim": 0.5})
+    config = hf.load_pretrained(directory)[0]
+    assert config.rope_scaling_factor == 128 / 32  # max_position_embeddings 128
+    assert config.rope_attention_factor == pytest.approx(
+        (0.1 * np.log(4) + 1) / (0.05 * np.log(4) + 1))
 
 
 def test_a_directory_without_config_is_named(tmp_path):

@@ -95,6 +95,9 @@ def test_options_round_trip_through_json():
     written = json.loads(config.to_json())
     assert written["head_dim"] == 16 and written["rope_scaling"] == "llama3"
     assert M.TransformerConfig.from_json(config.to_json()) == config
+    yarn = config.replace(rope_scaling="yarn", rope_beta_fast=16.0, rope_truncate=False,
+                          rope_attention_factor=1.5)
+    assert M.TransformerConfig.from_json(yarn.to_json()) == yarn
 
 
 def test_head_dim_follows_the_width_unless_given():
@@ -116,6 +119,12 @@ def test_head_dim_follows_the_width_unless_given():
     (dict(rope_scaling="llama3"), "needs positional_encoding='rope'"),
     (dict(positional_encoding="rope", rope_scaling="llama3", rope_low_freq_factor=4.0,
           rope_high_freq_factor=4.0), "rope_low_freq_factor (4.0) < rope_high_freq_factor"),
+    (dict(positional_encoding="rope", rope_scaling="yarn", rope_beta_fast=1.0,
+          rope_beta_slow=2.0), "needs 0 < rope_beta_slow (2.0) <= rope_beta_fast (1.0)"),
+    (dict(positional_encoding="rope", rope_scaling="yarn", rope_scaling_factor=0.5),
+     "yarn rope scaling needs rope_scaling_factor >= 1, got 0.5"),
+    (dict(positional_encoding="rope", rope_scaling="yarn", rope_attention_factor=0.0),
+     "rope_attention_factor=0.0 must be > 0 and finite"),
     (dict(sinusoid_layout="split"), "sinusoid_layout='split' is not one of"),
     (dict(qkv_bias=1), "qkv_bias=1 must be True or False"),
 ])

@@ -1,5 +1,6 @@
 """model/positional.py: sinusoidal encodings in both layouts, RoPE's rotation and Llama 3's
-frequency scaling, each against a plain evaluation of its formula or published rule."""
+and YaRN's frequency scaling, each against a plain evaluation of its formula or published
+rule."""
 
 import math
 
@@ -8,7 +9,12 @@ import numpy as np
 import pytest
 
 from kvjax import model as M
-from kvjax.model.positional import apply_rope, rope_frequencies, sinusoidal
+from kvjax.model.positional import (
+    apply_rope,
+    rope_attention_factor,
+    rope_frequencies,
+    sinusoidal,
+)
 
 
 @pytest.mark.parametrize("width", [8, 9])
@@ -53,6 +59,25 @@ def test_llama3_scaling_is_the_published_rule():
     np.testing.assert_allclose(linear, plain / 8, rtol=1e-12)
 
 
+def test_yarn_keeps_the_fast_pairs_divides_the_slow_and_blends_between():
+    # Pair i is where 16 · ln(32 / (r · 2π)) / (2 · ln 10⁴) = i for r rotations over the 32
+    # original positions: -0.995 for beta_fast 16 (below 0: from pair 0), 2.016 for
+    # beta_slow 0.5, rounded out to 3: pair 0 kept, 1 and 2 blended, 3 on divided by 4.
+    config = M.preset("tiny", positional_encoding="rope", head_dim=16, rope_scaling="yarn",
+                      rope_scaling_factor=4.0, rope_original_max_len=32, rope_beta_fast=16.0,
+                      rope_beta_slow=0.5)
+    plain = rope_frequencies(config.replace(rope_scaling="none"))
+    divided = np.array([0, 1 / 3, 2 / 3, 1, 1, 1, 1, 1])
+    np.testing.assert_allclose(rope_frequencies(config),
+                               plain * (1 - divided) + plain / 4 * divided, rtol=1e-12)
+    unrounded = np.clip(np.arange(8) / 2.016, 0, 1)  # from pair 0 to pair 2.016
+    np.testing.assert_allclose(rope_frequencies(config.replace(rope_truncate=False)),
+                               plain * (1 - unrounded) + plain / 4 * unrounded, rtol=1e-3)
+    assert rope_attention_factor(config) == pytest.approx(1 + 0.1 * math.log(4))
+    assert rope_attention_factor(config.replace(rope_attention_factor=1.5)) == 1.5
+    assert rope_attention_factor(config.replace(rope_scaling="linear")) == 1.0
+
+
 def test_rope_rotates_halves_by_position_times_frequency():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(1, 3, 2, 8)).astype(np.float32)
@@ -64,3 +89,5 @@ def test_rope_rotates_halves_by_position_times_frequency():
     want = np.concatenate([x1 * np.cos(angle) - x2 * np.sin(angle),
                            x2 * np.cos(angle) + x1 * np.sin(angle)], axis=-1)
     np.testing.assert_allclose(got[0], want, atol=1e-6)
+    scaled = apply_rope(jnp.asarray(x), jnp.asarray(positions), inv_freq, 1.5)
+    np.testing.assert_allclose(np.asarray(scaled), 1.5 * got, rtol=1e-6)
