@@ -79,7 +79,8 @@ def test_numpy_scalars_are_stored_as_python_numbers():
 OPTION_FIELDS = ("head_dim", "qkv_bias", "out_bias", "ffn_bias", "norm_type",
                  "scale_embeddings", "logits_bias", "sinusoid_layout", "rope_scaling",
                  "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                 "rope_original_max_len", "qk_norm", "sliding_window")
+                 "rope_original_max_len", "rope_beta_fast", "rope_beta_slow", "rope_truncate",
+                 "rope_attention_factor", "qk_norm", "sliding_window")
 
 
 def test_a_config_without_options_writes_what_it_wrote_before_them():
