@@ -35,8 +35,10 @@ SINUSOID_LAYOUTS = ("interleaved", "halves")
 # "linear" divides every frequency by the factor; "llama3" divides only the low ones and
 # blends in between (Llama 3.1/3.2); "yarn" divides the frequencies that turn few times over
 # the original length, keeps the fast ones, blends in between and scales the turned queries
-# and keys (YaRN: Qwen2.5 and Qwen3 beyond their native context).
-ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
+# and keys (YaRN: Qwen2.5 and Qwen3 beyond their native context); "longrope" divides each
+# frequency by a factor of its own and scales the turned queries and keys (Phi-3 and 3.5 of
+# 128k context, Phi-4 mini).
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn", "longrope")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,9 +101,17 @@ class TransformerConfig:
     rope_beta_fast: float = 32.0
     rope_beta_slow: float = 1.0
     rope_truncate: bool = True
-    # yarn: what the turned queries and keys are multiplied by (their products by its square);
-    # None: 0.1 · ln(factor) + 1.
+    # yarn, longrope: what the turned queries and keys are multiplied by (their products by its
+    # square); None: 0.1 · ln(factor) + 1 for yarn, sqrt(1 + ln(factor) / ln(original length))
+    # for longrope.
     rope_attention_factor: float | None = None
+    # longrope: each dimension pair's frequency is divided by its factor, as transformers turns
+    # a context within the original length. The factors it uses past that length are not run,
+    # so a longrope model's max_len stays within rope_original_max_len.
+    rope_short_factors: tuple[float, ...] = ()
+    # The leading dimensions of each head that RoPE turns, the rest passed through unturned;
+    # None: all of them (Phi-4 mini turns three quarters).
+    rotary_dim: int | None = None
     # What the KV cache stores; None: the compute dtype. "int8" stores K and V as int8 with a
     # float32 scale per (token, kv head), dequantised block by block as attention reads them.
     cache_dtype: str | None = None
@@ -153,6 +163,7 @@ class TransformerConfig:
             head_dim = self.head_dim or self.d_model // self.num_heads
             if head_dim % 2:
                 problems.append(f"rope needs an even head_dim, got {head_dim}")
+        problems += _rotary_dim_problems(self)
         problems += _rope_scaling_problems(self)
         if self.cache_dtype is not None and self.cache_dtype not in CACHE_DTYPES:
             problems.append(f"cache_dtype={self.cache_dtype!r} is not None or one of "
@@ -175,6 +186,11 @@ class TransformerConfig:
             object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
 
     # Derived sizes -------------------------------------------------------------------------
+
+    @property
+    def rotary_dims(self) -> int:
+        """The leading dimensions of each head that RoPE turns."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @property
     def kv_heads(self) -> int:
@@ -269,7 +285,8 @@ _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "qkv_bias", "out_bias", "ffn_bias", "norm_type", "scale_embeddings", "logits_bias",
     "sinusoid_layout", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor",
     "rope_high_freq_factor", "rope_original_max_len", "rope_beta_fast", "rope_beta_slow",
-    "rope_truncate", "rope_attention_factor", "cache_dtype", "qk_norm",
+    "rope_truncate", "rope_attention_factor", "rope_short_factors", "rotary_dim",
+    "cache_dtype", "qk_norm",
     "sliding_window", "full_attention_layers", "local_rope_base", "norm_unit_offset",
     "sandwich_norms", "attention_scale", "attention_softcap", "logits_softcap", "remat")}
 
@@ -315,8 +332,30 @@ def _rope_scaling_problems(config: TransformerConfig) -> list[str]:
         if config.rope_scaling_factor < 1:
             problems.append(f"yarn rope scaling needs rope_scaling_factor >= 1, got "
                             f"{config.rope_scaling_factor}")
-    if config.rope_scaling in ("llama3", "yarn") and config.rope_original_max_len < 1:
+    if config.rope_scaling == "longrope":
+        head_dim = config.head_dim or config.d_model // max(config.num_heads, 1)
+        factors, pairs = config.rope_short_factors, (config.rotary_dim or head_dim) // 2
+        if len(factors) != pairs or not all(0 < f < math.inf for f in factors):
+            problems.append(f"longrope needs {pairs} rope_short_factors > 0, one per dimension "
+                            f"pair RoPE turns; got {list(factors)}")
+        if config.max_len > config.rope_original_max_len:
+            problems.append(f"longrope runs its short factors only: max_len={config.max_len} "
+                            f"must be within rope_original_max_len="
+                            f"{config.rope_original_max_len}")
+    if config.rope_scaling in ("llama3", "yarn", "longrope") and config.rope_original_max_len < 1:
         problems.append(f"rope_original_max_len={config.rope_original_max_len} must be >= 1")
+    return problems
+
+
+def _rotary_dim_problems(config: TransformerConfig) -> list[str]:
+    dims = config.rotary_dim
+    if dims is None:
+        return []
+    head_dim = config.head_dim or config.d_model // max(config.num_heads, 1)
+    problems = [] if config.positional_encoding == "rope" else [
+        f"rotary_dim={dims} needs positional_encoding='rope'"]
+    if dims % 2 or not 2 <= dims <= head_dim:
+        problems.append(f"rotary_dim={dims} must be even and in [2, head_dim={head_dim}]")
     return problems
 
 
@@ -335,7 +374,7 @@ def _type_problems(config: TransformerConfig) -> list[str]:
 
     for name in _INT_FIELDS:
         check(name, (int, np.integer), int, "an int")
-    for name in ("num_kv_heads", "head_dim", "sliding_window"):
+    for name in ("num_kv_heads", "head_dim", "sliding_window", "rotary_dim"):
         if getattr(config, name) is not None:
             check(name, (int, np.integer), int, "an int or None")
     for name in _REAL_FIELDS:
@@ -343,6 +382,13 @@ def _type_problems(config: TransformerConfig) -> list[str]:
     for name in _OPTIONAL_REALS:
         if getattr(config, name) is not None:
             check(name, (int, float, np.integer, np.floating), float, "a real number or None")
+    factors = config.rope_short_factors
+    if isinstance(factors, tuple | list) and all(
+            isinstance(f, int | float | np.integer | np.floating) and not isinstance(f, bool)
+            for f in factors):
+        object.__setattr__(config, "rope_short_factors", tuple(float(f) for f in factors))
+    else:
+        problems.append(f"rope_short_factors={factors!r} must be a list of real numbers")
     layers = config.full_attention_layers
     if isinstance(layers, tuple | list) and all(
             isinstance(i, int | np.integer) and not isinstance(i, bool) for i in layers):

@@ -35,7 +35,9 @@ def build_model(config: TransformerConfig) -> DecoderOnlyLM | EncoderDecoder:
 _NOT_IN_INIT = SPEED_ONLY_FIELDS + (
     "dropout", "dtype", "cache_dtype", "bos_id", "layer_norm_eps", "rope_base", "rope_scaling",
     "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-    "rope_original_max_len", "sliding_window", "full_attention_layers", "local_rope_base",
+    "rope_original_max_len", "rope_beta_fast", "rope_beta_slow", "rope_truncate",
+    "rope_attention_factor", "rope_short_factors", "rotary_dim", "sliding_window",
+    "full_attention_layers", "local_rope_base",
     "attention_scale", "attention_softcap", "logits_softcap", "sinusoid_layout")
 
 

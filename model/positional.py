@@ -56,8 +56,8 @@ def layer_rope(config: TransformerConfig, local) -> tuple[jax.Array | np.ndarray
 
 
 def rope_frequencies(config: TransformerConfig) -> np.ndarray:
-    """RoPE's inverse frequencies [H/2] (float64): base^(-2i/H), stretched as
-    `config.rope_scaling` says.
+    """RoPE's inverse frequencies [r/2] (float64) for the r = `config.rotary_dims` leading
+    dimensions of each head it turns: base^(-2i/r), stretched as `config.rope_scaling` says.
 
     llama3: wavelengths (2π / frequency) longer than original_len / low_freq_factor are
     divided by the factor, those shorter than original_len / high_freq_factor are kept, and
@@ -67,9 +67,11 @@ def rope_frequencies(config: TransformerConfig) -> np.ndarray:
     original length; pairs below the one that turns `rope_beta_slow` times are divided by
     the factor, those from the one that turns `rope_beta_fast` times on are kept, and the
     ones between are blended linearly in i.
+
+    longrope: pair i's frequency is divided by `rope_short_factors[i]`.
     """
-    head_dim = config.head_dim
-    inv_freq = 1.0 / config.rope_base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    dims = config.rotary_dims
+    inv_freq = 1.0 / config.rope_base ** (np.arange(0, dims, 2, dtype=np.float64) / dims)
     factor = config.rope_scaling_factor
     if config.rope_scaling == "linear":
         return inv_freq / factor
@@ -82,12 +84,14 @@ def rope_frequencies(config: TransformerConfig) -> np.ndarray:
     if config.rope_scaling == "yarn":
         kept = 1 - _yarn_ramp(config)
         return (1 - kept) * inv_freq / factor + kept * inv_freq
+    if config.rope_scaling == "longrope":
+        return inv_freq / np.asarray(config.rope_short_factors, np.float64)
     return inv_freq
 
 
 def _yarn_ramp(config: TransformerConfig) -> np.ndarray:
-    """[H/2]: 0 for the dimension pairs YaRN keeps, 1 for those it divides by the factor."""
-    head_dim, base = config.head_dim, config.rope_base
+    """[r/2]: 0 for the dimension pairs YaRN keeps, 1 for those it divides by the factor."""
+    head_dim, base = config.rotary_dims, config.rope_base
     original = float(config.rope_original_max_len)
 
     def pair_turning(rotations: float) -> float:  # the pair that turns `rotations` times
@@ -103,27 +107,37 @@ def _yarn_ramp(config: TransformerConfig) -> np.ndarray:
 
 
 def rope_attention_factor(config: TransformerConfig) -> float:
-    """What the turned queries and keys are multiplied by: YaRN's `rope_attention_factor`
-    (by default 0.1 · ln(factor) + 1, which keeps the attention's entropy as the context
-    stretches), 1 for every other RoPE."""
-    if config.rope_scaling != "yarn":
+    """What the turned queries and keys are multiplied by, for YaRN and longrope: their
+    `rope_attention_factor`, by default 0.1 · ln(factor) + 1 (YaRN) or
+    sqrt(1 + ln(factor) / ln(original length)) (longrope), which keep the attention's entropy
+    as the context stretches; 1 for every other RoPE."""
+    if config.rope_scaling not in ("yarn", "longrope"):
         return 1.0
     if config.rope_attention_factor is not None:
         return float(config.rope_attention_factor)
     factor = config.rope_scaling_factor
-    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    if factor <= 1:
+        return 1.0
+    if config.rope_scaling == "yarn":
+        return 0.1 * math.log(factor) + 1.0
+    return math.sqrt(1 + math.log(factor) / math.log(config.rope_original_max_len))
 
 
 def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray,
                attention_factor: Any = 1.0) -> jax.Array:
-    """Rotates each (x[i], x[i + H/2]) pair by the angle pos * inv_freq[i]
-    (`rope_frequencies`), and multiplies it by `attention_factor` (`rope_attention_factor`).
+    """Rotates each (x[i], x[i + r/2]) pair of the r = 2 · len(inv_freq) leading dimensions
+    by the angle pos * inv_freq[i] (`rope_frequencies`) and multiplies them by
+    `attention_factor` (`rope_attention_factor`); the dimensions past r pass through.
 
     The dot product of a rotated query and a rotated key then depends only on their
     distance, so keys can be rotated once when they are written to the cache.
     """
     inv_freq = jnp.asarray(inv_freq, jnp.float32)
-    angles = positions_BT.astype(jnp.float32)[..., None, None] * inv_freq  # [B, T, 1, H/2]
+    turned = 2 * inv_freq.shape[-1]
+    if turned < x_BTNH.shape[-1]:
+        return jnp.concatenate([apply_rope(x_BTNH[..., :turned], positions_BT, inv_freq,
+                                           attention_factor), x_BTNH[..., turned:]], axis=-1)
+    angles = positions_BT.astype(jnp.float32)[..., None, None] * inv_freq  # [B, T, 1, r/2]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     if not (isinstance(attention_factor, float) and attention_factor == 1.0):
         cos, sin = cos * attention_factor, sin * attention_factor

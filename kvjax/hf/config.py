@@ -48,6 +48,9 @@ _INFERENCE_NEUTRAL = frozenset({
     "gradient_checkpointing", "scale_attn_weights", "_num_labels", "output_past",
     "_attn_implementation", "_attn_implementation_autoset",
     "cache_implementation",  # Gemma's "hybrid" cache: how transformers holds it
+    # Classes of the model's own code (Phi-3's first releases), which transformers passes
+    # over for its built-in implementation of the model type, as kvjax implements that one.
+    "auto_map",
     # Marian: transformers' Marian reads none of these (its layers are always post-LN, its
     # positions always static sinusoids), so the same model runs here.
     "normalize_before", "add_final_layer_norm", "normalize_embedding",
@@ -156,11 +159,19 @@ def _gpt2(c: _Reader) -> dict[str, Any]:
         scale_embeddings=False)
 
 
-def _rope(c: _Reader) -> dict[str, Any]:
+def _rope(c: _Reader, phi3: bool = False) -> dict[str, Any]:
     """RoPE's base and scaling from `rope_parameters` (transformers 5) or the older
-    `rope_theta` and `rope_scaling`."""
+    `rope_theta` and `rope_scaling`. Phi-3's (`phi3`) may turn only the leading
+    `partial_rotary_factor` of each head's dimensions, and its 'su' and 'yarn' are longrope."""
     params = {**(c.get("rope_scaling") or {}), **(c.get("rope_parameters") or {})}
-    if params.get("rope_type", params.get("type")) in ("llama3", "yarn"):
+    fraction = 1.0
+    if phi3:
+        if params.get("rope_type", params.get("type")) in ("su", "yarn"):
+            params = {**params, "rope_type": "longrope"}
+        fraction = float(params.pop("partial_rotary_factor", None)
+                         or c.get("partial_rotary_factor", 1.0))
+        c.get("partial_rotary_factor")  # where both give it, transformers reads the former
+    if params.get("rope_type", params.get("type")) in ("llama3", "yarn", "longrope"):
         # As transformers reads it: a top-level original length (Phi-3 keeps one there)
         # wins over the one among the RoPE parameters.
         top = c.get("original_max_position_embeddings")
@@ -168,6 +179,10 @@ def _rope(c: _Reader) -> dict[str, Any]:
     fields = _rope_fields(params, c.get("rope_theta", 10000.0), c.source,
                           c.get("max_position_embeddings"))
     _rotated_halves(c)
+    if fraction != 1.0:
+        head_dim = c.get("head_dim") or c.require("hidden_size") // c.require(
+            "num_attention_heads")
+        fields["rotary_dim"] = int(head_dim * fraction)
     return fields
 
 
@@ -199,10 +214,14 @@ def _rope_fields(params: dict[str, Any], base: float, source: str,
         fields.update(_yarn_fields(params, max_len, source))
         known |= {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
                   "attention_factor", "mscale", "mscale_all_dim", "truncate"}
+    elif kind == "longrope":
+        fields.update(_longrope_fields(params, max_len, source))
+        known |= {"factor", "original_max_position_embeddings", "short_factor", "long_factor",
+                  "attention_factor"}
     elif kind != "default":
         raise UnsupportedModelError(f"{source}: rope scaling of type {kind!r} is not "
                                     "supported; kvjax implements 'default', 'linear', "
-                                    "'llama3' and 'yarn'")
+                                    "'llama3', 'yarn' and 'longrope'")
     extra = {k: v for k, v in params.items() if k not in known and v not in (None, 1.0)}
     if extra:
         raise UnsupportedModelError(f"{source}: rope settings {json.dumps(extra)} are not "
@@ -236,19 +255,46 @@ def _yarn_fields(params: dict[str, Any], max_len: int | None, source: str) -> di
                     attention_factor))
 
 
+def _longrope_fields(params: dict[str, Any], max_len: int | None, source: str
+                     ) -> dict[str, Any]:
+    """LongRoPE's settings for contexts within the original length, where transformers
+    divides each frequency by its short factor: the factor defaults to
+    max_position_embeddings over the original length, and the attention factor, when not
+    given, to sqrt(1 + ln(factor) / ln(original length)). The long factors, which transformers
+    turns to past that length, are not run: `_llama_like` keeps max_len within it."""
+    original = params.get("original_max_position_embeddings") or max_len
+    if original is None or not params.get("short_factor"):
+        raise UnsupportedModelError(f"{source}: longrope rope scaling needs "
+                                    "original_max_position_embeddings and short_factor")
+    factor = params.get("factor")
+    factor = float(max_len / original if factor is None else factor)
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) \
+            if factor > 1 else 1.0
+    return dict(rope_scaling="longrope", rope_scaling_factor=factor,
+                rope_original_max_len=int(original),
+                rope_short_factors=tuple(float(f) for f in params["short_factor"]),
+                rope_attention_factor=float(attention_factor))
+
+
 def _llama_like(c: _Reader, *, qkv_bias: bool, out_bias: bool, ffn_bias: bool,
                 activation_key: str = "hidden_act", rope: dict[str, Any] | None = None):
     width, heads = c.require("hidden_size"), c.require("num_attention_heads")
     c.expect("is_encoder_decoder", False, False, "decoder-only model")
+    rope = _rope(c) if rope is None else rope
+    max_len = c.require("max_position_embeddings")
+    if rope.get("rope_scaling") == "longrope":  # its short factors hold up to there
+        max_len = min(max_len, rope["rope_original_max_len"])
     return dict(
         vocab_size=c.require("vocab_size"), d_model=width, num_heads=heads,
         num_kv_heads=c.get("num_key_value_heads", heads), head_dim=c.get("head_dim"),
         d_ff=c.require("intermediate_size"), num_decoder_layers=c.require("num_hidden_layers"),
-        max_len=c.require("max_position_embeddings"), norm="pre", norm_type="rmsnorm",
+        max_len=max_len, norm="pre", norm_type="rmsnorm",
         layer_norm_eps=c.get("rms_norm_eps", 1e-6),
         activation=_gated(c.activation(activation_key, "silu"), c.source),
         qkv_bias=qkv_bias, out_bias=out_bias, ffn_bias=ffn_bias, scale_embeddings=False,
-        **(_rope(c) if rope is None else rope))
+        **rope)
 
 
 def _gated(activation: str, source: str) -> str:
@@ -299,12 +345,12 @@ def _mistral(c: _Reader) -> dict[str, Any]:
 
 def _phi3(c: _Reader) -> dict[str, Any]:
     """Mistral's architecture (an optional sliding window) whose files hold q, k and v in one
-    projection and the gate and up projections in another. RoPE must turn every dimension
-    (`partial_rotary_factor` 1) and not be scaled: the long-context variants' `longrope` is
-    refused by `_rope`."""
+    projection and the gate and up projections in another. RoPE may turn only the leading
+    `partial_rotary_factor` of each head's dimensions (Phi-4 mini), and the long-context
+    variants' `longrope` runs within the original length (`_longrope_fields`)."""
     c.get("original_max_position_embeddings")  # read by longrope scaling only
-    c.expect("partial_rotary_factor", 1.0, 1.0, "kvjax's RoPE turns every dimension")
-    return {**_llama_like(c, qkv_bias=False, out_bias=False, ffn_bias=False),
+    return {**_llama_like(c, qkv_bias=False, out_bias=False, ffn_bias=False,
+                          rope=_rope(c, phi3=True)),
             "sliding_window": c.get("sliding_window")}
 
 

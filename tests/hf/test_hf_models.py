@@ -148,9 +148,10 @@ def edit_config(directory, **changes):
      "layers [1] use 'sliding_attention'; kvjax runs full attention"),
     ("llama_mqa", dict(rope_interleaved=True), "rope_interleaved=true is not supported"),
     ("phi3", dict(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
-                                   "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}),
-     "rope scaling of type 'longrope' is not supported"),
-    ("phi3", dict(partial_rotary_factor=0.75), "partial_rotary_factor=0.75 is not supported"),
+                                   "long_factor": [2.0] * 3}),
+     "longrope rope scaling needs original_max_position_embeddings and short_factor"),
+    ("llama_mqa", dict(partial_rotary_factor=0.75),
+     "kvjax does not implement partial_rotary_factor=0.75"),
     ("gpt2", dict(scale_attn_by_inverse_layer_idx=True),
      "scale_attn_by_inverse_layer_idx=true is not supported"),
     ("llama_mqa", dict(some_new_trick=4), "kvjax does not implement some_new_trick=4"),
@@ -208,6 +209,21 @@ def test_yarn_reads_as_transformers_reads_it(tmp_path):
     assert config.rope_scaling_factor == 128 / 32  # max_position_embeddings 128
     assert config.rope_attention_factor == pytest.approx(
         (0.1 * np.log(4) + 1) / (0.05 * np.log(4) + 1))
+
+
+def test_phi3_reads_older_names_of_longrope_as_transformers_does(tmp_path):
+    """Phi-3's files name LongRoPE 'su' (the first 128k releases) or 'yarn' too, and name
+    classes of their own code (`auto_map`) that transformers passes over; the max_len is kept
+    within the original length, where the short factors hold."""
+    directory = copy_of("phi3", tmp_path)
+    rope = json.loads((directory / "config.json").read_text())["rope_parameters"]
+    config = hf.load_pretrained(FIXTURES / "phi3")[0]
+    assert (config.max_len, config.rotary_dim) == (64, 6)  # of 128 positions, 8 dimensions
+    for name in ("su", "yarn"):
+        older = {key: value for key, value in rope.items() if key != "rope_type"}
+        edit_config(directory, rope_parameters=None, rope_scaling={**older, "type": name},
+                    auto_map={"AutoConfig": "configuration_phi3.Phi3Config"})
+        assert hf.load_pretrained(directory)[0] == config
 
 
 def test_a_directory_without_config_is_named(tmp_path):

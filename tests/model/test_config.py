@@ -99,6 +99,9 @@ def test_options_round_trip_through_json():
     yarn = config.replace(rope_scaling="yarn", rope_beta_fast=16.0, rope_truncate=False,
                           rope_attention_factor=1.5)
     assert M.TransformerConfig.from_json(yarn.to_json()) == yarn
+    longrope = config.replace(rope_scaling="longrope", rope_original_max_len=64, rotary_dim=12,
+                              rope_short_factors=(1.0, 1.5, 2.0, 2.5, 3.0, 3.5))
+    assert M.TransformerConfig.from_json(longrope.to_json()) == longrope
 
 
 def test_head_dim_follows_the_width_unless_given():
@@ -126,6 +129,13 @@ def test_head_dim_follows_the_width_unless_given():
      "yarn rope scaling needs rope_scaling_factor >= 1, got 0.5"),
     (dict(positional_encoding="rope", rope_scaling="yarn", rope_attention_factor=0.0),
      "rope_attention_factor=0.0 must be > 0 and finite"),
+    (dict(positional_encoding="rope", rotary_dim=5), "rotary_dim=5 must be even and in [2, "
+     "head_dim=8]"),
+    (dict(rotary_dim=4), "rotary_dim=4 needs positional_encoding='rope'"),
+    (dict(positional_encoding="rope", rope_scaling="longrope", rope_original_max_len=64,
+          rope_short_factors=(1.0, 2.0)), "longrope needs 4 rope_short_factors > 0"),
+    (dict(positional_encoding="rope", rope_scaling="longrope", rope_original_max_len=32,
+          rope_short_factors=(1.0,) * 4), "max_len=64 must be within rope_original_max_len=32"),
     (dict(sinusoid_layout="split"), "sinusoid_layout='split' is not one of"),
     (dict(qkv_bias=1), "qkv_bias=1 must be True or False"),
 ])

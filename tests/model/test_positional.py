@@ -1,6 +1,6 @@
-"""model/positional.py: sinusoidal encodings in both layouts, RoPE's rotation and Llama 3's
-and YaRN's frequency scaling, each against a plain evaluation of its formula or published
-rule."""
+"""model/positional.py: sinusoidal encodings in both layouts, RoPE's rotation (of whole heads
+or their leading dimensions) and Llama 3's, YaRN's and LongRoPE's frequency scaling, each
+against a plain evaluation of its formula or published rule."""
 
 import math
 
@@ -76,6 +76,31 @@ def test_yarn_keeps_the_fast_pairs_divides_the_slow_and_blends_between():
     assert rope_attention_factor(config) == pytest.approx(1 + 0.1 * math.log(4))
     assert rope_attention_factor(config.replace(rope_attention_factor=1.5)) == 1.5
     assert rope_attention_factor(config.replace(rope_scaling="linear")) == 1.0
+
+
+def test_longrope_divides_each_pair_by_its_short_factor():
+    config = M.preset("tiny", positional_encoding="rope", rope_scaling="longrope",
+                      rope_scaling_factor=32.0, rope_original_max_len=64,
+                      rope_short_factors=(1.0, 1.5, 2.0, 4.0))
+    plain = rope_frequencies(config.replace(rope_scaling="none"))
+    np.testing.assert_allclose(rope_frequencies(config), plain / [1.0, 1.5, 2.0, 4.0],
+                               rtol=1e-12)
+    assert rope_attention_factor(config) == pytest.approx(
+        math.sqrt(1 + math.log(32) / math.log(64)))
+    partial = config.replace(rotary_dim=4, rope_short_factors=(1.0, 3.0))
+    np.testing.assert_allclose(rope_frequencies(partial), [1.0, 1 / (3.0 * 100.0)],
+                               rtol=1e-12)  # base^(-2i/4) over the 4 turned dimensions
+
+
+def test_rope_turns_only_the_leading_dimensions_it_has_frequencies_for():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(1, 3, 2, 8)).astype(np.float32)
+    positions = jnp.asarray([[0, 3, 7]])
+    inv_freq = np.array([1.0, 0.25])
+    got = np.asarray(apply_rope(jnp.asarray(x), positions, inv_freq, 1.5))
+    want = np.asarray(apply_rope(jnp.asarray(x[..., :4]), positions, inv_freq, 1.5))
+    np.testing.assert_array_equal(got[..., :4], want)
+    np.testing.assert_array_equal(got[..., 4:], x[..., 4:])
 
 
 def test_rope_rotates_halves_by_position_times_frequency():
