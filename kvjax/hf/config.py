@@ -214,6 +214,10 @@ def _rope_fields(params: dict[str, Any], base: float, source: str,
         fields.update(_yarn_fields(params, max_len, source))
         known |= {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
                   "attention_factor", "mscale", "mscale_all_dim", "truncate"}
+    elif kind == "dynamic":
+        # Dynamic NTK turns as plain RoPE up to max_position_embeddings and raises the base
+        # only past it, where kvjax's max_len (that length) never goes.
+        known |= {"factor"}
     elif kind == "longrope":
         fields.update(_longrope_fields(params, max_len, source))
         known |= {"factor", "original_max_position_embeddings", "short_factor", "long_factor",
@@ -221,7 +225,7 @@ def _rope_fields(params: dict[str, Any], base: float, source: str,
     elif kind != "default":
         raise UnsupportedModelError(f"{source}: rope scaling of type {kind!r} is not "
                                     "supported; kvjax implements 'default', 'linear', "
-                                    "'llama3', 'yarn' and 'longrope'")
+                                    "'dynamic', 'llama3', 'yarn' and 'longrope'")
     extra = {k: v for k, v in params.items() if k not in known and v not in (None, 1.0)}
     if extra:
         raise UnsupportedModelError(f"{source}: rope settings {json.dumps(extra)} are not "

@@ -70,11 +70,11 @@ def test_sample_of_an_unsupported_model_is_one_line(capsys, tmp_path):
     source = tmp_path / "model"
     shutil.copytree(FIXTURES / "llama_mqa", source)
     values = json.loads((source / "config.json").read_text())
-    values["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+    values["rope_parameters"] = {"rope_type": "ntk-by-parts", "factor": 2.0, "rope_theta": 1e4}
     (source / "config.json").write_text(json.dumps(values))
     code, _, err = run_cli(capsys, "sample", "--checkpoint", str(source), "--prompt", "x")
     assert code == 2
-    assert err.strip().count("\n") == 0 and "rope scaling of type 'dynamic'" in err
+    assert err.strip().count("\n") == 0 and "rope scaling of type 'ntk-by-parts'" in err
 
 
 def test_import_hf_refuses_a_directory_with_checkpoints(tmp_path):

@@ -211,6 +211,17 @@ def test_yarn_reads_as_transformers_reads_it(tmp_path):
         (0.1 * np.log(4) + 1) / (0.05 * np.log(4) + 1))
 
 
+def test_dynamic_ntk_within_max_position_embeddings_is_plain_rope(tmp_path):
+    """transformers raises dynamic NTK's base only for contexts past
+    max_position_embeddings, the max_len kvjax gives the model."""
+    directory = copy_of("qwen2", tmp_path)
+    rope = json.loads((directory / "config.json").read_text())["rope_parameters"]
+    edit_config(directory, rope_parameters={**rope, "rope_type": "dynamic", "factor": 4.0})
+    config = hf.load_pretrained(directory)[0]
+    assert config == hf.load_pretrained(FIXTURES / "qwen2")[0]
+    assert config.max_len == 128  # max_position_embeddings
+
+
 def test_phi3_reads_older_names_of_longrope_as_transformers_does(tmp_path):
     """Phi-3's files name LongRoPE 'su' (the first 128k releases) or 'yarn' too, and name
     classes of their own code (`auto_map`) that transformers passes over; the max_len is kept
