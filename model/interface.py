@@ -129,12 +129,16 @@ def check_prompt_length(config: TransformerConfig, prompt_length: int,
                         max_new_tokens: int = 1) -> None:
     """Raises a ValueError unless a prompt of `prompt_length` tokens and `max_new_tokens`
     generated after it fit the model's `max_len`."""
+    # A longrope model's max_len is its original length (`rope_short_factors`), not the
+    # longer context its files name.
+    why = (" (longrope runs within its original length: the long factors past it are not "
+           "implemented)" if config.rope_scaling == "longrope" else "")
     if prompt_length > config.max_len:
         raise ValueError(f"prompt length {prompt_length} exceeds the model's max_len "
-                         f"{config.max_len}")
+                         f"{config.max_len}{why}")
     used = prompt_slots(config, prompt_length)
     if used + max_new_tokens > config.max_len:
         start = " (the target starts from BOS)" if config.is_encoder_decoder else ""
         raise ValueError(f"prompt length {prompt_length} + max_new_tokens {max_new_tokens} "
                          f"needs {used + max_new_tokens} target positions{start}, more than "
-                         f"the model's max_len {config.max_len}")
+                         f"the model's max_len {config.max_len}{why}")

@@ -230,6 +230,9 @@ def test_phi3_reads_older_names_of_longrope_as_transformers_does(tmp_path):
     rope = json.loads((directory / "config.json").read_text())["rope_parameters"]
     config = hf.load_pretrained(FIXTURES / "phi3")[0]
     assert (config.max_len, config.rotary_dim) == (64, 6)  # of 128 positions, 8 dimensions
+    with pytest.raises(ValueError, match="more than the model's max_len 64 \\(longrope runs "
+                                         "within its original length"):
+        M.check_prompt_length(config, 60, max_new_tokens=8)
     for name in ("su", "yarn"):
         older = {key: value for key, value in rope.items() if key != "rope_type"}
         edit_config(directory, rope_parameters=None, rope_scaling={**older, "type": name},
