@@ -1,5 +1,5 @@
 """Pretrained models from local Hugging Face directories: GPT-2, Llama, Mistral, Phi-3, Qwen2,
-Qwen3 and Marian.
+Qwen3, Gemma 2, Gemma 3 and Marian.
 
     config, tokenizer, params = kvjax.hf.load_pretrained("path/to/gpt2")
 
@@ -9,10 +9,11 @@ fetch a model yourself (e.g. `huggingface-cli download gpt2 --local-dir gpt2`). 
 model runs through the same interface, cache and decode loop as kvjax's own.
 
 One module per part: `config.py` (config.json to `TransformerConfig`, refusing what is not
-implemented), `weights.py` (safetensors to params), `convert.py` (the model written as a kvjax
-checkpoint). The tokenizers of these directories are tokenizers like kvjax's own and live
-beside it: `kvjax.tokenizer.huggingface` (tokenizer.json and tokenizer.model, as transformers
-reads them) and `kvjax.tokenizer.marian` (Marian's pair of sentencepiece models).
+implemented, with `rope.py` for RoPE's settings and `errors.py` for the refusal),
+`weights.py` (safetensors to params), `convert.py` (the model written as a kvjax checkpoint).
+The tokenizers of these directories are tokenizers like kvjax's own and live beside it:
+`kvjax.tokenizer.huggingface` (tokenizer.json and tokenizer.model, as transformers reads them)
+and `kvjax.tokenizer.marian` (Marian's pair of sentencepiece models).
 """
 
 from __future__ import annotations

@@ -1,0 +1,111 @@
+"""A Hugging Face model's RoPE settings as `TransformerConfig` fields, read as transformers
+reads them (`modeling_rope_utils`): plain, linear, Llama 3's, dynamic NTK, YaRN and LongRoPE,
+and a refusal naming any other type or setting."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from .errors import UnsupportedModelError
+
+
+def rope_fields(params: dict[str, Any], base: float, source: str,
+                max_len: int | None) -> dict[str, Any]:
+    """The config fields of one set of RoPE parameters (`base` where they name none), as
+    transformers reads them (`modeling_rope_utils`); `max_len` is the model's
+    max_position_embeddings."""
+    base = params.get("rope_theta", base)
+    kind = params.get("rope_type", params.get("type", "default"))
+    fields: dict[str, Any] = {"positional_encoding": "rope", "rope_base": float(base)}
+    known = {"rope_theta", "rope_type", "type"}
+    if kind == "linear":
+        fields.update(rope_scaling="linear", rope_scaling_factor=params["factor"])
+        known |= {"factor"}
+    elif kind == "llama3":
+        fields.update(rope_scaling="llama3", rope_scaling_factor=params["factor"],
+                      rope_low_freq_factor=params["low_freq_factor"],
+                      rope_high_freq_factor=params["high_freq_factor"],
+                      rope_original_max_len=params["original_max_position_embeddings"])
+        known |= {"factor", "low_freq_factor", "high_freq_factor",
+                  "original_max_position_embeddings"}
+    elif kind == "yarn":
+        fields.update(_yarn_fields(params, max_len, source))
+        known |= {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                  "attention_factor", "mscale", "mscale_all_dim", "truncate"}
+    elif kind == "dynamic":
+        # Dynamic NTK turns as plain RoPE up to max_position_embeddings and raises the base
+        # only past it, where kvjax's max_len (that length) never goes.
+        known |= {"factor"}
+    elif kind == "longrope":
+        fields.update(_longrope_fields(params, max_len, source))
+        known |= {"factor", "original_max_position_embeddings", "short_factor", "long_factor",
+                  "attention_factor"}
+    elif kind != "default":
+        raise UnsupportedModelError(f"{source}: rope scaling of type {kind!r} is not "
+                                    "supported; kvjax implements 'default', 'linear', "
+                                    "'dynamic', 'llama3', 'yarn' and 'longrope'")
+    extra = {k: v for k, v in params.items() if k not in known and v not in (None, 1.0)}
+    if extra:
+        raise UnsupportedModelError(f"{source}: rope settings {json.dumps(extra)} are not "
+                                    f"supported for rope type {kind!r}")
+    return fields
+
+
+def _default_factor(max_len: int | None, original: int, source: str) -> float:
+    """A scaling's factor where the file gives none: max_position_embeddings over the
+    original length, as transformers takes it."""
+    if max_len is None:
+        raise UnsupportedModelError(f"{source}: the rope scaling gives no factor and there is "
+                                    "no max_position_embeddings to take it from")
+    return max_len / original
+
+
+def _yarn_fields(params: dict[str, Any], max_len: int | None, source: str) -> dict[str, Any]:
+    """YaRN's settings: the original length defaults to max_position_embeddings and the
+    factor to their ratio; the attention factor, when not given, is 0.1 · m · ln(factor) + 1
+    with DeepSeek's `mscale` over the same with its `mscale_all_dim` (m = 1 without them)."""
+    original = params.get("original_max_position_embeddings") or max_len
+    if original is None:
+        raise UnsupportedModelError(f"{source}: yarn rope scaling needs "
+                                    "original_max_position_embeddings")
+    factor = params.get("factor")
+    factor = float(_default_factor(max_len, original, source) if factor is None else factor)
+    attention_factor = params.get("attention_factor")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if attention_factor is None and mscale and mscale_all_dim:
+        def stretch(m):
+            return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+        attention_factor = stretch(mscale) / stretch(mscale_all_dim)
+    return dict(rope_scaling="yarn", rope_scaling_factor=factor,
+                rope_original_max_len=int(original),
+                rope_beta_fast=float(params.get("beta_fast") or 32),
+                rope_beta_slow=float(params.get("beta_slow") or 1),
+                rope_truncate=bool(params.get("truncate", True)),
+                rope_attention_factor=None if attention_factor is None else float(
+                    attention_factor))
+
+
+def _longrope_fields(params: dict[str, Any], max_len: int | None, source: str
+                     ) -> dict[str, Any]:
+    """LongRoPE's settings for contexts within the original length, where transformers
+    divides each frequency by its short factor: the factor defaults to
+    max_position_embeddings over the original length, and the attention factor, when not
+    given, to sqrt(1 + ln(factor) / ln(original length)). The long factors, which transformers
+    turns to past that length, are not run: `config.py` keeps max_len within it."""
+    original = params.get("original_max_position_embeddings") or max_len
+    if original is None or not params.get("short_factor"):
+        raise UnsupportedModelError(f"{source}: longrope rope scaling needs "
+                                    "original_max_position_embeddings and short_factor")
+    factor = params.get("factor")
+    factor = float(_default_factor(max_len, original, source) if factor is None else factor)
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) \
+            if factor > 1 else 1.0
+    return dict(rope_scaling="longrope", rope_scaling_factor=factor,
+                rope_original_max_len=int(original),
+                rope_short_factors=tuple(float(f) for f in params["short_factor"]),
+                rope_attention_factor=float(attention_factor))

@@ -1,0 +1,62 @@
+"""kvjax/hf/rope.py: RoPE settings in the forms Hugging Face files give them read as
+transformers reads them. That the models with YaRN (the qwen3 fixture) and LongRoPE over part
+of each head (phi3) compute what transformers computes is test_hf_models.py's."""
+
+import json
+
+import numpy as np
+import pytest
+from test_hf_models import FIXTURES, copy_of, edit_config
+
+from kvjax import hf
+from kvjax import model as M
+
+
+def test_yarn_reads_as_transformers_reads_it(tmp_path):
+    """Older files (Qwen2.5's) give YaRN as `rope_scaling` with a `type`; the factor defaults
+    to max_position_embeddings over the original length, and DeepSeek's mscale and
+    mscale_all_dim set the attention factor when none is given."""
+    directory = copy_of("qwen3", tmp_path)
+    yarn = {"factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 16.0,
+            "beta_slow": 0.5}
+    edit_config(directory, rope_parameters=None, rope_theta=10000.0,
+                rope_scaling={"type": "yarn", **yarn})
+    config = hf.load_pretrained(directory)[0]
+    assert config == hf.load_pretrained(FIXTURES / "qwen3")[0]
+    assert (config.rope_scaling, config.rope_scaling_factor, config.rope_original_max_len,
+            config.rope_attention_factor) == ("yarn", 4.0, 32, None)
+    edit_config(directory, rope_scaling={**yarn, "type": "yarn", "factor": None, "mscale": 1.0,
+                                         "mscale_all_dim": 0.5})
+    config = hf.load_pretrained(directory)[0]
+    assert config.rope_scaling_factor == 128 / 32  # max_position_embeddings 128
+    assert config.rope_attention_factor == pytest.approx(
+        (0.1 * np.log(4) + 1) / (0.05 * np.log(4) + 1))
+
+
+def test_dynamic_ntk_within_max_position_embeddings_is_plain_rope(tmp_path):
+    """transformers raises dynamic NTK's base only for contexts past
+    max_position_embeddings, the max_len kvjax gives the model."""
+    directory = copy_of("qwen2", tmp_path)
+    rope = json.loads((directory / "config.json").read_text())["rope_parameters"]
+    edit_config(directory, rope_parameters={**rope, "rope_type": "dynamic", "factor": 4.0})
+    config = hf.load_pretrained(directory)[0]
+    assert config == hf.load_pretrained(FIXTURES / "qwen2")[0]
+    assert config.max_len == 128  # max_position_embeddings
+
+
+def test_phi3_reads_older_names_of_longrope_as_transformers_does(tmp_path):
+    """Phi-3's files name LongRoPE 'su' (the first 128k releases) or 'yarn' too, and name
+    classes of their own code (`auto_map`) that transformers passes over; the max_len is kept
+    within the original length, where the short factors hold."""
+    directory = copy_of("phi3", tmp_path)
+    rope = json.loads((directory / "config.json").read_text())["rope_parameters"]
+    config = hf.load_pretrained(FIXTURES / "phi3")[0]
+    assert (config.max_len, config.rotary_dim) == (64, 6)  # of 128 positions, 8 dimensions
+    with pytest.raises(ValueError, match="more than the model's max_len 64 \\(longrope runs "
+                                         "within its original length"):
+        M.check_prompt_length(config, 60, max_new_tokens=8)
+    for name in ("su", "yarn"):
+        older = {key: value for key, value in rope.items() if key != "rope_type"}
+        edit_config(directory, rope_parameters=None, rope_scaling={**older, "type": name},
+                    auto_map={"AutoConfig": "configuration_phi3.Phi3Config"})
+        assert hf.load_pretrained(directory)[0] == config
