@@ -63,10 +63,10 @@ def rope_frequencies(config: TransformerConfig) -> np.ndarray:
     divided by the factor, those shorter than original_len / high_freq_factor are kept, and
     the ones between are blended linearly in original_len / wavelength.
 
-    yarn: a frequency's dimension pair i turns original_len / wavelength times over the
-    original length; pairs below the one that turns `rope_beta_slow` times are divided by
-    the factor, those from the one that turns `rope_beta_fast` times on are kept, and the
-    ones between are blended linearly in i.
+    yarn: dimension pair i turns original_len / wavelength times over the original length,
+    fewer as i grows; the pairs up to the one that turns `rope_beta_fast` times are kept,
+    those from the one that turns `rope_beta_slow` times on are divided by the factor, and
+    the ones between are blended linearly in i.
 
     longrope: pair i's frequency is divided by `rope_short_factors[i]`.
     """
@@ -91,19 +91,19 @@ def rope_frequencies(config: TransformerConfig) -> np.ndarray:
 
 def _yarn_ramp(config: TransformerConfig) -> np.ndarray:
     """[r/2]: 0 for the dimension pairs YaRN keeps, 1 for those it divides by the factor."""
-    head_dim, base = config.rotary_dims, config.rope_base
+    dims, base = config.rotary_dims, config.rope_base
     original = float(config.rope_original_max_len)
 
     def pair_turning(rotations: float) -> float:  # the pair that turns `rotations` times
-        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
     low, high = pair_turning(config.rope_beta_fast), pair_turning(config.rope_beta_slow)
     if config.rope_truncate:
         low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, head_dim - 1)
+    low, high = max(low, 0), min(high, dims - 1)
     if low == high:
         high += 0.001  # as the reference implementation does, for a ramp of one step
-    return np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    return np.clip((np.arange(dims // 2, dtype=np.float64) - low) / (high - low), 0, 1)
 
 
 def rope_attention_factor(config: TransformerConfig) -> float:
