@@ -175,7 +175,7 @@ def _rope(c: _Reader, phi3: bool = False) -> dict[str, Any]:
         top = c.get("original_max_position_embeddings")
         params = params if top is None else {**params, "original_max_position_embeddings": top}
     fields = rope_fields(params, c.get("rope_theta", 10000.0), c.source,
-                          c.get("max_position_embeddings"))
+                         c.get("max_position_embeddings"))
     _rotated_halves(c)
     if fraction != 1.0:
         head_dim = c.get("head_dim") or c.require("hidden_size") // c.require(
@@ -258,8 +258,8 @@ def _phi3(c: _Reader) -> dict[str, Any]:
     """Mistral's architecture (an optional sliding window) whose files hold q, k and v in one
     projection and the gate and up projections in another. RoPE may turn only the leading
     `partial_rotary_factor` of each head's dimensions (Phi-4 mini), and the long-context
-    variants' `longrope` runs within the original length (`_longrope_fields`)."""
-    c.get("original_max_position_embeddings")  # read by longrope scaling only
+    variants' `longrope` runs within the original length (`rope.py`)."""
+    c.get("original_max_position_embeddings")  # every Phi-3 file has it; only scaling reads it
     return {**_llama_like(c, qkv_bias=False, out_bias=False, ffn_bias=False,
                           rope=_rope(c, phi3=True)),
             "sliding_window": c.get("sliding_window")}
