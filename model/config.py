@@ -94,7 +94,8 @@ class TransformerConfig:
     rope_scaling_factor: float = 1.0
     rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original/low are divided
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original/high are kept
-    rope_original_max_len: int = 8192  # llama3, yarn: the context length the model was trained at
+    # llama3, yarn, longrope: the context length the model was trained at.
+    rope_original_max_len: int = 8192
     # yarn: frequencies that turn more than beta_fast times over the original length are kept,
     # those turning fewer than beta_slow times divided by the factor, the ones between blended
     # over the dimensions between (rounded out to whole ones with `rope_truncate`).
@@ -160,7 +161,7 @@ class TransformerConfig:
         if kv is not None and (kv < 1 or (self.num_heads >= 1 and self.num_heads % kv)):
             problems.append(f"num_kv_heads={kv} must be >= 1 and divide num_heads={self.num_heads}")
         if self.positional_encoding == "rope" and self.num_heads >= 1:
-            head_dim = self.head_dim or self.d_model // self.num_heads
+            head_dim = _given_head_dim(self)
             if head_dim % 2:
                 problems.append(f"rope needs an even head_dim, got {head_dim}")
         problems += _rotary_dim_problems(self)
@@ -333,8 +334,8 @@ def _rope_scaling_problems(config: TransformerConfig) -> list[str]:
             problems.append(f"yarn rope scaling needs rope_scaling_factor >= 1, got "
                             f"{config.rope_scaling_factor}")
     if config.rope_scaling == "longrope":
-        head_dim = config.head_dim or config.d_model // max(config.num_heads, 1)
-        factors, pairs = config.rope_short_factors, (config.rotary_dim or head_dim) // 2
+        factors = config.rope_short_factors
+        pairs = (config.rotary_dim or _given_head_dim(config)) // 2
         if len(factors) != pairs or not all(0 < f < math.inf for f in factors):
             problems.append(f"longrope needs {pairs} rope_short_factors > 0, one per dimension "
                             f"pair RoPE turns; got {list(factors)}")
@@ -347,11 +348,16 @@ def _rope_scaling_problems(config: TransformerConfig) -> list[str]:
     return problems
 
 
+def _given_head_dim(config: TransformerConfig) -> int:
+    """The head dimension while the config is being checked, before `head_dim` is set."""
+    return config.head_dim or config.d_model // max(config.num_heads, 1)
+
+
 def _rotary_dim_problems(config: TransformerConfig) -> list[str]:
     dims = config.rotary_dim
     if dims is None:
         return []
-    head_dim = config.head_dim or config.d_model // max(config.num_heads, 1)
+    head_dim = _given_head_dim(config)
     problems = [] if config.positional_encoding == "rope" else [
         f"rotary_dim={dims} needs positional_encoding='rope'"]
     if dims % 2 or not 2 <= dims <= head_dim:
