@@ -53,25 +53,29 @@ def rope_fields(params: dict[str, Any], base: float, source: str,
     return fields
 
 
-def _default_factor(max_len: int | None, original: int, source: str) -> float:
-    """A scaling's factor where the file gives none: max_position_embeddings over the
-    original length, as transformers takes it."""
-    if max_len is None:
-        raise UnsupportedModelError(f"{source}: the rope scaling gives no factor and there is "
-                                    "no max_position_embeddings to take it from")
-    return max_len / original
+def _original_and_factor(params: dict[str, Any], max_len: int | None, source: str,
+                         kind: str) -> tuple[int, float]:
+    """A scaling's original length (max_position_embeddings where the file gives none) and
+    its factor (max_position_embeddings over the original length where none is given), as
+    transformers takes them."""
+    original = params.get("original_max_position_embeddings") or max_len
+    if original is None:
+        raise UnsupportedModelError(f"{source}: {kind} rope scaling needs "
+                                    "original_max_position_embeddings")
+    factor = params.get("factor")
+    if factor is None:
+        if max_len is None:
+            raise UnsupportedModelError(f"{source}: the rope scaling gives no factor and "
+                                        "there is no max_position_embeddings to take it from")
+        factor = max_len / original
+    return int(original), float(factor)
 
 
 def _yarn_fields(params: dict[str, Any], max_len: int | None, source: str) -> dict[str, Any]:
     """YaRN's settings: the original length defaults to max_position_embeddings and the
     factor to their ratio; the attention factor, when not given, is 0.1 · m · ln(factor) + 1
     with DeepSeek's `mscale` over the same with its `mscale_all_dim` (m = 1 without them)."""
-    original = params.get("original_max_position_embeddings") or max_len
-    if original is None:
-        raise UnsupportedModelError(f"{source}: yarn rope scaling needs "
-                                    "original_max_position_embeddings")
-    factor = params.get("factor")
-    factor = float(_default_factor(max_len, original, source) if factor is None else factor)
+    original, factor = _original_and_factor(params, max_len, source, "yarn")
     attention_factor = params.get("attention_factor")
     mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
     if attention_factor is None and mscale and mscale_all_dim:
@@ -80,7 +84,7 @@ def _yarn_fields(params: dict[str, Any], max_len: int | None, source: str) -> di
 
         attention_factor = stretch(mscale) / stretch(mscale_all_dim)
     return dict(rope_scaling="yarn", rope_scaling_factor=factor,
-                rope_original_max_len=int(original),
+                rope_original_max_len=original,
                 rope_beta_fast=float(params.get("beta_fast") or 32),
                 rope_beta_slow=float(params.get("beta_slow") or 1),
                 rope_truncate=bool(params.get("truncate", True)),
@@ -95,17 +99,15 @@ def _longrope_fields(params: dict[str, Any], max_len: int | None, source: str
     max_position_embeddings over the original length, and the attention factor, when not
     given, to sqrt(1 + ln(factor) / ln(original length)). The long factors, which transformers
     turns to past that length, are not run: `config.py` keeps max_len within it."""
-    original = params.get("original_max_position_embeddings") or max_len
-    if original is None or not params.get("short_factor"):
+    if not params.get("short_factor"):
         raise UnsupportedModelError(f"{source}: longrope rope scaling needs "
                                     "original_max_position_embeddings and short_factor")
-    factor = params.get("factor")
-    factor = float(_default_factor(max_len, original, source) if factor is None else factor)
+    original, factor = _original_and_factor(params, max_len, source, "longrope")
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
         attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) \
             if factor > 1 else 1.0
     return dict(rope_scaling="longrope", rope_scaling_factor=factor,
-                rope_original_max_len=int(original),
+                rope_original_max_len=original,
                 rope_short_factors=tuple(float(f) for f in params["short_factor"]),
                 rope_attention_factor=float(attention_factor))
