@@ -260,6 +260,13 @@ def _phi3(c: _Reader) -> dict[str, Any]:
     `partial_rotary_factor` of each head's dimensions (Phi-4 mini), and the long-context
     variants' `longrope` runs within the original length (`rope.py`)."""
     c.get("original_max_position_embeddings")  # every Phi-3 file has it; only scaling reads it
+    # Phi-4 mini's files carry two keys of its training code that transformers' Phi-3 reads
+    # nowhere. At 1, the value its releases hold, they leave every layer in full attention
+    # and positions uninterpolated; another value would be ignored, so it is refused.
+    for key, meaning in (("full_attn_mod", "every layer in full attention"),
+                         ("interpolate_factor", "positions not interpolated")):
+        c.expect(key, 1, 1, f"Phi-4 mini's files hold 1, {meaning}; transformers' Phi-3 "
+                            "ignores the key, so only that value runs as it does")
     return {**_llama_like(c, qkv_bias=False, out_bias=False, ffn_bias=False,
                           rope=_rope(c, phi3=True)),
             "sliding_window": c.get("sliding_window")}

@@ -150,6 +150,10 @@ def edit_config(directory, **changes):
     ("phi3", dict(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
                                    "long_factor": [2.0] * 3}),
      "longrope rope scaling needs original_max_position_embeddings and short_factor"),
+    ("phi3", dict(full_attn_mod=2),
+     "full_attn_mod=2 is not supported (Phi-4 mini's files hold 1, every layer in full "
+     "attention; transformers' Phi-3 ignores the key, so only that value runs as it does)"),
+    ("phi3", dict(interpolate_factor=4), "interpolate_factor=4 is not supported"),
     ("llama_mqa", dict(partial_rotary_factor=0.75),
      "kvjax does not implement partial_rotary_factor=0.75"),
     ("gpt2", dict(scale_attn_by_inverse_layer_idx=True),
