@@ -106,10 +106,11 @@ class TransformerConfig:
     # square); None: 0.1 · ln(factor) + 1 for yarn, sqrt(1 + ln(factor) / ln(original length))
     # for longrope.
     rope_attention_factor: float | None = None
-    # longrope: each dimension pair's frequency is divided by its factor, as transformers turns
-    # a context within the original length. The factors it uses past that length are not run,
-    # so a longrope model's max_len stays within rope_original_max_len.
+    # longrope: each dimension pair's frequency is divided by its factor: the short ones for a
+    # model whose max_len is within rope_original_max_len, the long ones at every position of
+    # a model made for a longer context.
     rope_short_factors: tuple[float, ...] = ()
+    rope_long_factors: tuple[float, ...] = ()
     # The leading dimensions of each head that RoPE turns, the rest passed through unturned;
     # None: all of them (Phi-4 mini turns three quarters).
     rotary_dim: int | None = None
@@ -286,8 +287,8 @@ _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "qkv_bias", "out_bias", "ffn_bias", "norm_type", "scale_embeddings", "logits_bias",
     "sinusoid_layout", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor",
     "rope_high_freq_factor", "rope_original_max_len", "rope_beta_fast", "rope_beta_slow",
-    "rope_truncate", "rope_attention_factor", "rope_short_factors", "rotary_dim",
-    "cache_dtype", "qk_norm",
+    "rope_truncate", "rope_attention_factor", "rope_short_factors", "rope_long_factors",
+    "rotary_dim", "cache_dtype", "qk_norm",
     "sliding_window", "full_attention_layers", "local_rope_base", "norm_unit_offset",
     "sandwich_norms", "attention_scale", "attention_softcap", "logits_softcap", "remat")}
 
@@ -334,15 +335,14 @@ def _rope_scaling_problems(config: TransformerConfig) -> list[str]:
             problems.append(f"yarn rope scaling needs rope_scaling_factor >= 1, got "
                             f"{config.rope_scaling_factor}")
     if config.rope_scaling == "longrope":
-        factors = config.rope_short_factors
+        name = ("rope_long_factors" if config.max_len > config.rope_original_max_len
+                else "rope_short_factors")  # the ones `rope_frequencies` turns with
+        factors = getattr(config, name)
         pairs = (config.rotary_dim or _given_head_dim(config)) // 2
         if len(factors) != pairs or not all(0 < f < math.inf for f in factors):
-            problems.append(f"longrope needs {pairs} rope_short_factors > 0, one per dimension "
-                            f"pair RoPE turns; got {list(factors)}")
-        if config.max_len > config.rope_original_max_len:
-            problems.append(f"longrope runs its short factors only: max_len={config.max_len} "
-                            f"must be within rope_original_max_len="
-                            f"{config.rope_original_max_len}")
+            problems.append(f"longrope with max_len={config.max_len} (original length "
+                            f"{config.rope_original_max_len}) needs {pairs} {name} > 0, one "
+                            f"per dimension pair RoPE turns; got {list(factors)}")
     if config.rope_scaling in ("llama3", "yarn", "longrope") and config.rope_original_max_len < 1:
         problems.append(f"rope_original_max_len={config.rope_original_max_len} must be >= 1")
     return problems
@@ -388,13 +388,14 @@ def _type_problems(config: TransformerConfig) -> list[str]:
     for name in _OPTIONAL_REALS:
         if getattr(config, name) is not None:
             check(name, (int, float, np.integer, np.floating), float, "a real number or None")
-    factors = config.rope_short_factors
-    if isinstance(factors, tuple | list) and all(
-            isinstance(f, int | float | np.integer | np.floating) and not isinstance(f, bool)
-            for f in factors):
-        object.__setattr__(config, "rope_short_factors", tuple(float(f) for f in factors))
-    else:
-        problems.append(f"rope_short_factors={factors!r} must be a list of real numbers")
+    for name in ("rope_short_factors", "rope_long_factors"):
+        factors = getattr(config, name)
+        if isinstance(factors, tuple | list) and all(
+                isinstance(f, int | float | np.integer | np.floating) and not isinstance(f, bool)
+                for f in factors):
+            object.__setattr__(config, name, tuple(float(f) for f in factors))
+        else:
+            problems.append(f"{name}={factors!r} must be a list of real numbers")
     layers = config.full_attention_layers
     if isinstance(layers, tuple | list) and all(
             isinstance(i, int | np.integer) and not isinstance(i, bool) for i in layers):

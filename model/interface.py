@@ -36,7 +36,8 @@ _NOT_IN_INIT = SPEED_ONLY_FIELDS + (
     "dropout", "dtype", "cache_dtype", "bos_id", "layer_norm_eps", "rope_base", "rope_scaling",
     "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
     "rope_original_max_len", "rope_beta_fast", "rope_beta_slow", "rope_truncate",
-    "rope_attention_factor", "rope_short_factors", "rotary_dim", "sliding_window",
+    "rope_attention_factor", "rope_short_factors", "rope_long_factors", "rotary_dim",
+    "sliding_window",
     "full_attention_layers", "local_rope_base",
     "attention_scale", "attention_softcap", "logits_softcap", "sinusoid_layout")
 
@@ -129,10 +130,11 @@ def check_prompt_length(config: TransformerConfig, prompt_length: int,
                         max_new_tokens: int = 1) -> None:
     """Raises a ValueError unless a prompt of `prompt_length` tokens and `max_new_tokens`
     generated after it fit the model's `max_len`."""
-    # A longrope model's max_len is its original length (`rope_short_factors`), not the
-    # longer context its files name.
-    why = (" (longrope runs within its original length: the long factors past it are not "
-           "implemented)" if config.rope_scaling == "longrope" else "")
+    # An imported longrope model's max_len is its original length unless asked for more.
+    why = (" (a longrope model runs past its original length when loaded with a longer "
+           "max_len: kvjax.hf.load_pretrained(..., max_len=N), kvjax import-hf --max-len N)"
+           if config.rope_scaling == "longrope"
+           and config.max_len <= config.rope_original_max_len else "")
     if prompt_length > config.max_len:
         raise ValueError(f"prompt length {prompt_length} exceeds the model's max_len "
                          f"{config.max_len}{why}")

@@ -68,7 +68,11 @@ def rope_frequencies(config: TransformerConfig) -> np.ndarray:
     those from the one that turns `rope_beta_slow` times on are divided by the factor, and
     the ones between are blended linearly in i.
 
-    longrope: pair i's frequency is divided by `rope_short_factors[i]`.
+    longrope: pair i's frequency is divided by its factor: `rope_short_factors[i]` when the
+    model's max_len is within the original length, else `rope_long_factors[i]`, at every
+    position (as vLLM and llama.cpp decide by the context a model is set up for; transformers
+    switches to the long factors once a sequence passes the original length, and then turns
+    the whole sequence with them again).
     """
     dims = config.rotary_dims
     inv_freq = 1.0 / config.rope_base ** (np.arange(0, dims, 2, dtype=np.float64) / dims)
@@ -85,7 +89,9 @@ def rope_frequencies(config: TransformerConfig) -> np.ndarray:
         kept = 1 - _yarn_ramp(config)
         return (1 - kept) * inv_freq / factor + kept * inv_freq
     if config.rope_scaling == "longrope":
-        return inv_freq / np.asarray(config.rope_short_factors, np.float64)
+        long = config.max_len > config.rope_original_max_len
+        factors = config.rope_long_factors if long else config.rope_short_factors
+        return inv_freq / np.asarray(factors, np.float64)
     return inv_freq
 
 

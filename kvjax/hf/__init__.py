@@ -1,5 +1,5 @@
-"""Pretrained models from local Hugging Face directories: GPT-2, Llama, Mistral, Phi-3, Qwen2,
-Qwen3, Gemma 2, Gemma 3 and Marian.
+"""Pretrained models from local Hugging Face directories: GPT-2, Llama, Mistral, Phi-3 (and
+Phi-4 mini), Qwen2, Qwen3, Gemma 2, Gemma 3 and Marian.
 
     config, tokenizer, params = kvjax.hf.load_pretrained("path/to/gpt2")
 
@@ -44,19 +44,22 @@ def is_hf_directory(directory: str | os.PathLike) -> bool:
 
 
 def load_pretrained(directory: str | os.PathLike, *, dtype: str | None = None, mesh=None,
-                    scan_layers: bool | None = None) -> tuple[M.TransformerConfig, Any, Any]:
+                    scan_layers: bool | None = None, max_len: int | None = None
+                    ) -> tuple[M.TransformerConfig, Any, Any]:
     """`(config, tokenizer, params)` of the model in a local Hugging Face directory.
 
     `dtype` is the params' and the computation's ("float32", the default, or "bfloat16");
     with a `mesh` (`kvjax.parallel.make_mesh`) the params are placed in its layout, else on
     the default device. Layers come back held as `scan_layers` says (None: unrolled).
+    `max_len` sets a RoPE model's longest sequence, up to its max_position_embeddings (None:
+    that, or a LongRoPE model's original length, past which it turns with its long factors).
     Raises `UnsupportedModelError` (a ValueError) for a model or setting kvjax does not
     implement, and ValueError/FileNotFoundError naming a missing or misshapen file or tensor;
     a tokenizer with more ids than the model's vocabulary is refused.
     """
     from kvjax.tokenizer.huggingface import load_tokenizer
 
-    config, model_type, files = _config_and_files(directory, dtype)
+    config, model_type, files = _config_and_files(directory, dtype, max_len)
     tokenizer = load_tokenizer(directory)
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"{directory}: the tokenizer has {tokenizer.vocab_size} ids but the "
@@ -66,21 +69,22 @@ def load_pretrained(directory: str | os.PathLike, *, dtype: str | None = None, m
 
 
 def load_model(directory: str | os.PathLike, *, dtype: str | None = None, mesh=None,
-               scan_layers: bool | None = None) -> tuple[M.TransformerConfig, Any]:
+               scan_layers: bool | None = None, max_len: int | None = None
+               ) -> tuple[M.TransformerConfig, Any]:
     """`(config, params)` as `load_pretrained` reads them, without the tokenizer (a
     directory may then have none)."""
-    config, model_type, files = _config_and_files(directory, dtype)
+    config, model_type, files = _config_and_files(directory, dtype, max_len)
     return _params(config, model_type, files, mesh, scan_layers)
 
 
-def _config_and_files(directory, dtype: str | None):
+def _config_and_files(directory, dtype: str | None, max_len: int | None = None):
     hf = read_hf_config(directory)
     source = str(Path(directory) / "config.json")
     if hf.get("model_type") not in SUPPORTED_MODEL_TYPES:  # before reading any weights
         to_kvjax_config(hf, tied=True, source=source)
     files = WeightFiles(directory)
     config = to_kvjax_config(hf, tied="lm_head.weight" not in files, dtype=dtype or "float32",
-                             source=source)
+                             source=source, max_len=max_len)
     return config, hf["model_type"], files
 
 

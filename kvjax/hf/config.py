@@ -77,11 +77,14 @@ def read_hf_config(directory: str | os.PathLike) -> dict[str, Any]:
 
 
 def to_kvjax_config(hf: dict[str, Any], *, tied: bool, dtype: str = "float32",
-                    source: str = "config.json") -> TransformerConfig:
+                    source: str = "config.json", max_len: int | None = None
+                    ) -> TransformerConfig:
     """The `TransformerConfig` of the model `hf` (a parsed config.json) describes.
 
     `tied` says whether the output layer is the embedding table (the weight files hold no
-    separate `lm_head.weight`). Raises `UnsupportedModelError` naming what is not supported.
+    separate `lm_head.weight`). `max_len`, for a RoPE model, is the longest sequence it will
+    run, up to its max_position_embeddings (None: that, or a LongRoPE model's original
+    length). Raises `UnsupportedModelError` naming what is not supported.
     """
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -92,11 +95,25 @@ def to_kvjax_config(hf: dict[str, Any], *, tied: bool, dtype: str = "float32",
               "qwen2": _qwen2, "qwen3": _qwen3, "gemma2": _gemma2, "gemma3_text": _gemma3,
               "marian": _marian}[model_type](reader)
     reader.refuse_unread()
+    if max_len is not None:
+        fields["max_len"] = _chosen_max_len(hf, fields, max_len, source)
     try:
         return TransformerConfig(**fields, tie_embeddings=tied, dtype=dtype, param_dtype=dtype,
                                  dropout=0.0)
     except ValueError as e:
         raise UnsupportedModelError(f"{source}: {e}") from None
+
+
+def _chosen_max_len(hf: dict[str, Any], fields: dict[str, Any], max_len, source: str) -> int:
+    longest = hf.get("max_position_embeddings")
+    if fields.get("positional_encoding") != "rope" or not longest:
+        raise UnsupportedModelError(f"{source}: max_len is chosen only for a RoPE model with a "
+                                    f"max_position_embeddings; {hf.get('model_type')!r} runs "
+                                    f"the length of its positions ({fields['max_len']})")
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or not 1 <= max_len <= longest:
+        raise UnsupportedModelError(f"{source}: max_len={max_len!r} must be an int from 1 to "
+                                    f"max_position_embeddings={longest}")
+    return max_len
 
 
 class _Reader:
@@ -195,7 +212,7 @@ def _llama_like(c: _Reader, *, qkv_bias: bool, out_bias: bool, ffn_bias: bool,
     c.expect("is_encoder_decoder", False, False, "decoder-only model")
     rope = _rope(c) if rope is None else rope
     max_len = c.require("max_position_embeddings")
-    if rope.get("rope_scaling") == "longrope":  # its short factors hold up to there
+    if rope.get("rope_scaling") == "longrope":  # the short factors' length, unless asked for more
         max_len = min(max_len, rope["rope_original_max_len"])
     return dict(
         vocab_size=c.require("vocab_size"), d_model=width, num_heads=heads,
@@ -258,7 +275,8 @@ def _phi3(c: _Reader) -> dict[str, Any]:
     """Mistral's architecture (an optional sliding window) whose files hold q, k and v in one
     projection and the gate and up projections in another. RoPE may turn only the leading
     `partial_rotary_factor` of each head's dimensions (Phi-4 mini), and the long-context
-    variants' `longrope` runs within the original length (`rope.py`)."""
+    variants' `longrope` by default within the original length, where transformers turns
+    with the short factors (`rope.py`; a longer `max_len` turns with the long ones)."""
     c.get("original_max_position_embeddings")  # every Phi-3 file has it; only scaling reads it
     # Phi-4 mini's files carry two keys of its training code that transformers' Phi-3 reads
     # nowhere. At 1, the value its releases hold, they leave every layer in full attention

@@ -94,11 +94,10 @@ def _yarn_fields(params: dict[str, Any], max_len: int | None, source: str) -> di
 
 def _longrope_fields(params: dict[str, Any], max_len: int | None, source: str
                      ) -> dict[str, Any]:
-    """LongRoPE's settings for contexts within the original length, where transformers
-    divides each frequency by its short factor: the factor defaults to
-    max_position_embeddings over the original length, and the attention factor, when not
-    given, to sqrt(1 + ln(factor) / ln(original length)). The long factors, which transformers
-    turns to past that length, are not run: `config.py` keeps max_len within it."""
+    """LongRoPE's settings: each frequency divided by its short factor within the original
+    length, by its long factor past it (`model/positional.py` says which a model turns with);
+    the factor defaults to max_position_embeddings over the original length, and the
+    attention factor, when not given, to sqrt(1 + ln(factor) / ln(original length))."""
     if not params.get("short_factor"):
         raise UnsupportedModelError(f"{source}: longrope rope scaling needs "
                                     "original_max_position_embeddings and short_factor")
@@ -110,4 +109,5 @@ def _longrope_fields(params: dict[str, Any], max_len: int | None, source: str
     return dict(rope_scaling="longrope", rope_scaling_factor=factor,
                 rope_original_max_len=original,
                 rope_short_factors=tuple(float(f) for f in params["short_factor"]),
+                rope_long_factors=tuple(float(f) for f in params.get("long_factor") or ()),
                 rope_attention_factor=float(attention_factor))

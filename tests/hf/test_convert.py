@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import run_cli
 
-from kvjax import checkpoint, text
+from kvjax import checkpoint, hf, text
 from kvjax.hf import convert
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf_models"
@@ -42,6 +42,22 @@ def test_import_hf_then_sample_gives_the_same_tokens(capsys, tmp_path, name, opt
     assert checkpoint.read_manifest(out) is not None
     for a, b in zip(jax_leaves(params), jax_leaves(imported.params), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_import_hf_max_len_writes_a_longrope_model_for_its_long_context(capsys, tmp_path):
+    out = tmp_path / "imported"
+    code, _, err = run_cli(capsys, "import-hf", str(FIXTURES / "phi3"), str(out), "--max-len",
+                           "128")
+    assert code == 0, err
+    config, _, params = checkpoint.load_for_sampling(out)
+    wanted, expected_params = hf.load_model(FIXTURES / "phi3", max_len=128)
+    assert config == wanted and config.rope_long_factors == (1.5, 4.0, 9.0)
+    for a, b in zip(jax_leaves(params), jax_leaves(expected_params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    code, stdout, err = run_cli(capsys, "import-hf", str(FIXTURES / "phi3"),
+                                str(tmp_path / "other"), "--max-len", "4096")
+    assert code == 2 and stdout == "" and err.strip().count("\n") == 0
+    assert "max_len=4096 must be an int from 1 to max_position_embeddings=128" in err
 
 
 def jax_leaves(tree):

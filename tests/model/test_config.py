@@ -100,7 +100,8 @@ def test_options_round_trip_through_json():
                           rope_attention_factor=1.5)
     assert M.TransformerConfig.from_json(yarn.to_json()) == yarn
     longrope = config.replace(rope_scaling="longrope", rope_original_max_len=64, rotary_dim=12,
-                              rope_short_factors=(1.0, 1.5, 2.0, 2.5, 3.0, 3.5))
+                              rope_short_factors=(1.0, 1.5, 2.0, 2.5, 3.0, 3.5),
+                              rope_long_factors=(2.0, 3, 4, 5, 6, 7))
     assert M.TransformerConfig.from_json(longrope.to_json()) == longrope
 
 
@@ -133,9 +134,15 @@ def test_head_dim_follows_the_width_unless_given():
      "head_dim=8]"),
     (dict(rotary_dim=4), "rotary_dim=4 needs positional_encoding='rope'"),
     (dict(positional_encoding="rope", rope_scaling="longrope", rope_original_max_len=64,
-          rope_short_factors=(1.0, 2.0)), "longrope needs 4 rope_short_factors > 0"),
+          rope_short_factors=(1.0, 2.0)),
+     "longrope with max_len=64 (original length 64) needs 4 rope_short_factors > 0"),
     (dict(positional_encoding="rope", rope_scaling="longrope", rope_original_max_len=32,
-          rope_short_factors=(1.0,) * 4), "max_len=64 must be within rope_original_max_len=32"),
+          rope_short_factors=(1.0,) * 4),
+     "longrope with max_len=64 (original length 32) needs 4 rope_long_factors > 0, one per "
+     "dimension pair RoPE turns; got []"),
+    (dict(positional_encoding="rope", rope_scaling="longrope", rope_original_max_len=32,
+          rope_long_factors=(1.0, 2.0, -1.0, 3.0)), "needs 4 rope_long_factors > 0"),
+    (dict(rope_long_factors=(1.0, "2")), "rope_long_factors=(1.0, '2') must be a list of real"),
     (dict(sinusoid_layout="split"), "sinusoid_layout='split' is not one of"),
     (dict(qkv_bias=1), "qkv_bias=1 must be True or False"),
 ])

@@ -92,6 +92,22 @@ def test_longrope_divides_each_pair_by_its_short_factor():
                                rtol=1e-12)  # base^(-2i/4) over the 4 turned dimensions
 
 
+def test_longrope_past_its_original_length_turns_with_the_long_factors():
+    """A model set up for more than the original length turns every position with the long
+    factors; the attention factor stays the one of the whole stretch."""
+    short = M.preset("tiny", positional_encoding="rope", rope_scaling="longrope",
+                     rope_scaling_factor=32.0, rope_original_max_len=64, max_len=64,
+                     rope_short_factors=(1.0, 1.5, 2.0, 4.0),
+                     rope_long_factors=(2.0, 3.0, 8.0, 16.0))
+    plain = rope_frequencies(short.replace(rope_scaling="none"))
+    np.testing.assert_allclose(rope_frequencies(short), plain / [1.0, 1.5, 2.0, 4.0],
+                               rtol=1e-12)
+    long = short.replace(max_len=65)
+    np.testing.assert_allclose(rope_frequencies(long), plain / [2.0, 3.0, 8.0, 16.0],
+                               rtol=1e-12)
+    assert rope_attention_factor(long) == rope_attention_factor(short)
+
+
 def test_rope_turns_only_the_leading_dimensions_it_has_frequencies_for():
     rng = np.random.default_rng(1)
     x = rng.normal(size=(1, 3, 2, 8)).astype(np.float32)
