@@ -37,7 +37,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from .config import CACHE_SCALE_DTYPE, TransformerConfig
+from .config import TransformerConfig
+from .config_checks import CACHE_SCALE_DTYPE
 
 
 @flax.struct.dataclass

@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from .config import CACHE_SCALE_DTYPE, TransformerConfig
+from .config import TransformerConfig
+from .config_checks import CACHE_SCALE_DTYPE
 
 
 @dataclasses.dataclass(frozen=True)

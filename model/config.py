@@ -1,44 +1,18 @@
 """One frozen config for both Transformer variants, with presets.
 
-The config sizes everything: it validates itself and knows its head dimension; what a KV
-cache of it takes is `cache_size.py`'s.
+The config sizes everything: it validates itself (`config_checks.py` says what each option
+may hold) and knows its head dimension; what a KV cache of it takes is `cache_size.py`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 
-POSITIONAL_ENCODINGS = ("sinusoidal", "learned", "rope")
-NORM_PLACEMENTS = ("post", "pre")
-NORM_TYPES = ("layernorm", "rmsnorm")
-# "gelu" is the tanh approximation (GPT-2's "gelu_new"), "gelu_exact" the erf form; "silu"
-# (swish) is ungated, "swiglu" is silu(W1 x) * W3 x (Llama's gated feed-forward network),
-# "geglu" is gelu(W1 x) * W3 x with the tanh GELU (Gemma's).
-ACTIVATIONS = ("relu", "gelu", "gelu_exact", "silu", "swiglu", "geglu")
-GATED_ACTIVATIONS = ("swiglu", "geglu")
-DTYPES = ("float32", "bfloat16", "float16")
-# What the KV cache may hold: a float dtype, or "int8" with a float32 scale per (token, kv
-# head) (`model/quantize.py`).
-CACHE_DTYPES = (*DTYPES, "int8")
-# The dtype of the int8 cache's scales, counted by `cache_size_bytes`.
-CACHE_SCALE_DTYPE = np.dtype(np.float32)
-# "interleaved": sin and cos of each frequency side by side (the paper's PE(pos, 2i),
-# PE(pos, 2i + 1)); "halves": every sine, then every cosine (Marian, fairseq).
-SINUSOID_LAYOUTS = ("interleaved", "halves")
-# How RoPE's frequencies are stretched for contexts longer than the training length:
-# "linear" divides every frequency by the factor; "llama3" divides only the low ones and
-# blends in between (Llama 3.1/3.2); "yarn" divides the frequencies that turn few times over
-# the original length, keeps the fast ones, blends in between and scales the turned queries
-# and keys (YaRN: Qwen2.5 and Qwen3 beyond their native context); "longrope" divides each
-# frequency by a factor of its own and scales the turned queries and keys (Phi-3 and 3.5 of
-# 128k context, Phi-4 mini).
-ROPE_SCALINGS = ("none", "linear", "llama3", "yarn", "longrope")
+from .config_checks import problems as config_problems
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,48 +114,7 @@ class TransformerConfig:
     logits_softcap: float | None = None
 
     def __post_init__(self):
-        problems = _type_problems(self)
-        if problems:  # the range checks below assume the types
-            raise ValueError("invalid TransformerConfig: " + "; ".join(problems))
-        for name in ("vocab_size", "d_model", "num_heads", "d_ff", "num_decoder_layers", "max_len",
-                     "attention_block"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name}={getattr(self, name)} must be >= 1")
-        if self.num_encoder_layers < 0:
-            problems.append(f"num_encoder_layers={self.num_encoder_layers} must be >= 0")
-        if self.head_dim is None:
-            if self.num_heads >= 1 and self.d_model % self.num_heads:
-                problems.append(f"num_heads={self.num_heads} does not divide "
-                                f"d_model={self.d_model} (or give head_dim)")
-        elif self.head_dim < 1:
-            problems.append(f"head_dim={self.head_dim} must be >= 1")
-        if self.sliding_window is not None and self.sliding_window < 1:
-            problems.append(f"sliding_window={self.sliding_window} must be >= 1 or None")
-        problems += _layer_kind_problems(self)
-        kv = self.num_kv_heads
-        if kv is not None and (kv < 1 or (self.num_heads >= 1 and self.num_heads % kv)):
-            problems.append(f"num_kv_heads={kv} must be >= 1 and divide num_heads={self.num_heads}")
-        if self.positional_encoding == "rope" and self.num_heads >= 1:
-            head_dim = _given_head_dim(self)
-            if head_dim % 2:
-                problems.append(f"rope needs an even head_dim, got {head_dim}")
-        problems += _rotary_dim_problems(self)
-        problems += _rope_scaling_problems(self)
-        if self.cache_dtype is not None and self.cache_dtype not in CACHE_DTYPES:
-            problems.append(f"cache_dtype={self.cache_dtype!r} is not None or one of "
-                            f"{CACHE_DTYPES}")
-        for name, allowed in _CHOICES.items():
-            if getattr(self, name) not in allowed:
-                problems.append(f"{name}={getattr(self, name)!r} is not one of {allowed}")
-        if self.vocab_size >= 1 and not 0 <= self.bos_id < self.vocab_size:
-            problems.append(f"bos_id={self.bos_id} is outside the vocabulary [0, "
-                            f"{self.vocab_size})")
-        if not 0.0 <= self.dropout < 1.0:
-            problems.append(f"dropout={self.dropout} must be in [0, 1)")
-        for name in ("rope_base", "layer_norm_eps", "rope_scaling_factor", *_OPTIONAL_REALS):
-            value = getattr(self, name)
-            if value is not None and not 0 < value < math.inf:
-                problems.append(f"{name}={value} must be > 0 and finite")
+        problems = config_problems(self)
         if problems:
             raise ValueError("invalid TransformerConfig: " + "; ".join(problems))
         if self.head_dim is None:
@@ -265,21 +198,6 @@ class TransformerConfig:
 # in them hold the same model (a checkpoint trained with one fine-tunes or resumes with another).
 SPEED_ONLY_FIELDS = ("attention_block", "remat")
 
-_INT_FIELDS = ("vocab_size", "d_model", "num_heads", "d_ff", "num_decoder_layers",
-               "num_encoder_layers", "max_len", "bos_id", "attention_block",
-               "rope_original_max_len")
-_REAL_FIELDS = ("dropout", "rope_base", "layer_norm_eps", "rope_scaling_factor",
-                "rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast",
-                "rope_beta_slow")
-_BOOL_FIELDS = ("tie_embeddings", "scan_layers", "remat", "qkv_bias", "out_bias", "ffn_bias",
-                "scale_embeddings", "logits_bias", "qk_norm", "norm_unit_offset",
-                "sandwich_norms", "rope_truncate")
-_OPTIONAL_REALS = ("local_rope_base", "attention_scale", "attention_softcap", "logits_softcap",
-                   "rope_attention_factor")
-_CHOICES = {"positional_encoding": POSITIONAL_ENCODINGS, "norm": NORM_PLACEMENTS,
-            "activation": ACTIVATIONS, "dtype": DTYPES, "param_dtype": DTYPES,
-            "norm_type": NORM_TYPES, "sinusoid_layout": SINUSOID_LAYOUTS,
-            "rope_scaling": ROPE_SCALINGS}
 # The options written to config.json only when set (see `to_dict`): the imported
 # architectures' and the cache dtype; head_dim is left out
 # when it is d_model // num_heads.
@@ -291,129 +209,6 @@ _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "rotary_dim", "cache_dtype", "qk_norm",
     "sliding_window", "full_attention_layers", "local_rope_base", "norm_unit_offset",
     "sandwich_norms", "attention_scale", "attention_softcap", "logits_softcap", "remat")}
-
-
-def _layer_kind_problems(config: TransformerConfig) -> list[str]:
-    """What is wrong with the per-layer attention options and the norms Gemma needs."""
-    problems = []
-    layers = config.full_attention_layers
-    if layers:
-        if config.sliding_window is None:
-            problems.append(f"full_attention_layers={list(layers)} needs a sliding_window")
-        if list(layers) != sorted(set(layers)) or not all(
-                0 <= i < config.num_decoder_layers for i in layers):
-            problems.append(f"full_attention_layers={list(layers)} must be distinct layer "
-                            f"numbers in [0, {config.num_decoder_layers}), in order")
-    if config.local_rope_base is not None and (config.sliding_window is None
-                                               or config.positional_encoding != "rope"):
-        problems.append(f"local_rope_base={config.local_rope_base} needs rope and a "
-                        "sliding_window")
-    if config.norm_unit_offset and config.norm_type != "rmsnorm":
-        problems.append("norm_unit_offset needs norm_type='rmsnorm'")
-    if config.sandwich_norms and config.norm != "pre":
-        problems.append("sandwich_norms needs norm='pre'")
-    return problems
-
-
-def _rope_scaling_problems(config: TransformerConfig) -> list[str]:
-    if config.rope_scaling == "none" or not isinstance(config.rope_scaling, str):
-        return []
-    problems = []
-    if config.positional_encoding != "rope":
-        problems.append(f"rope_scaling={config.rope_scaling!r} needs positional_encoding='rope'")
-    if config.rope_scaling == "llama3":
-        low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
-        if not 0 < low < high < math.inf:
-            problems.append(f"llama3 rope scaling needs 0 < rope_low_freq_factor ({low}) < "
-                            f"rope_high_freq_factor ({high})")
-    if config.rope_scaling == "yarn":
-        fast, slow = config.rope_beta_fast, config.rope_beta_slow
-        if not 0 < slow <= fast < math.inf:
-            problems.append(f"yarn rope scaling needs 0 < rope_beta_slow ({slow}) <= "
-                            f"rope_beta_fast ({fast})")
-        if config.rope_scaling_factor < 1:
-            problems.append(f"yarn rope scaling needs rope_scaling_factor >= 1, got "
-                            f"{config.rope_scaling_factor}")
-    if config.rope_scaling == "longrope":
-        name = ("rope_long_factors" if config.max_len > config.rope_original_max_len
-                else "rope_short_factors")  # the ones `rope_frequencies` turns with
-        factors = getattr(config, name)
-        pairs = (config.rotary_dim or _given_head_dim(config)) // 2
-        if len(factors) != pairs or not all(0 < f < math.inf for f in factors):
-            problems.append(f"longrope with max_len={config.max_len} (original length "
-                            f"{config.rope_original_max_len}) needs {pairs} {name} > 0, one "
-                            f"per dimension pair RoPE turns; got {list(factors)}")
-    if config.rope_scaling in ("llama3", "yarn", "longrope") and config.rope_original_max_len < 1:
-        problems.append(f"rope_original_max_len={config.rope_original_max_len} must be >= 1")
-    return problems
-
-
-def _given_head_dim(config: TransformerConfig) -> int:
-    """The head dimension while the config is being checked, before `head_dim` is set."""
-    return config.head_dim or config.d_model // max(config.num_heads, 1)
-
-
-def _rotary_dim_problems(config: TransformerConfig) -> list[str]:
-    dims = config.rotary_dim
-    if dims is None:
-        return []
-    head_dim = _given_head_dim(config)
-    problems = [] if config.positional_encoding == "rope" else [
-        f"rotary_dim={dims} needs positional_encoding='rope'"]
-    if dims % 2 or not 2 <= dims <= head_dim:
-        problems.append(f"rotary_dim={dims} must be even and in [2, head_dim={head_dim}]")
-    return problems
-
-
-def _type_problems(config: TransformerConfig) -> list[str]:
-    """What is of the wrong type: a bool is not an int, "128" is not an int, 64.5 is not an
-    int. NumPy integers and reals are accepted and stored as Python int and float, so that
-    the config stays hashable and JSON-serialisable."""
-    problems = []
-
-    def check(name: str, kinds: tuple, convert, what: str) -> None:
-        value = getattr(config, name)
-        if isinstance(value, kinds) and not isinstance(value, bool | np.bool_):
-            object.__setattr__(config, name, convert(value))
-        else:
-            problems.append(f"{name}={value!r} must be {what}")
-
-    for name in _INT_FIELDS:
-        check(name, (int, np.integer), int, "an int")
-    for name in ("num_kv_heads", "head_dim", "sliding_window", "rotary_dim"):
-        if getattr(config, name) is not None:
-            check(name, (int, np.integer), int, "an int or None")
-    for name in _REAL_FIELDS:
-        check(name, (int, float, np.integer, np.floating), float, "a real number")
-    for name in _OPTIONAL_REALS:
-        if getattr(config, name) is not None:
-            check(name, (int, float, np.integer, np.floating), float, "a real number or None")
-    for name in ("rope_short_factors", "rope_long_factors"):
-        factors = getattr(config, name)
-        if isinstance(factors, tuple | list) and all(
-                isinstance(f, int | float | np.integer | np.floating) and not isinstance(f, bool)
-                for f in factors):
-            object.__setattr__(config, name, tuple(float(f) for f in factors))
-        else:
-            problems.append(f"{name}={factors!r} must be a list of real numbers")
-    layers = config.full_attention_layers
-    if isinstance(layers, tuple | list) and all(
-            isinstance(i, int | np.integer) and not isinstance(i, bool) for i in layers):
-        object.__setattr__(config, "full_attention_layers", tuple(int(i) for i in layers))
-    else:
-        problems.append(f"full_attention_layers={layers!r} must be a list of ints")
-    for name in _BOOL_FIELDS:
-        value = getattr(config, name)
-        if not isinstance(value, bool | np.bool_):
-            problems.append(f"{name}={value!r} must be True or False")
-        else:
-            object.__setattr__(config, name, bool(value))
-    for name in _CHOICES:
-        if not isinstance(getattr(config, name), str):
-            problems.append(f"{name}={getattr(config, name)!r} must be a string")
-    if config.cache_dtype is not None and not isinstance(config.cache_dtype, str):
-        problems.append(f"cache_dtype={config.cache_dtype!r} must be a string or None")
-    return problems
 
 
 PRESETS: dict[str, TransformerConfig] = {

@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from .attention_layers import CrossAttention, SelfAttention
-from .config import GATED_ACTIVATIONS, TransformerConfig
+from .config import TransformerConfig
+from .config_checks import GATED_ACTIVATIONS
 from .norms import make_norm
 
 

@@ -15,7 +15,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .config import CACHE_DTYPES, DTYPES, TransformerConfig
+from .config import TransformerConfig
+from .config_checks import CACHE_DTYPES, DTYPES
 
 
 def with_precision(config: TransformerConfig, params: Any, dtype: str | None = None,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .config import CACHE_SCALE_DTYPE
+from .config_checks import CACHE_SCALE_DTYPE
 
 INT8_MAX = 127
 
