@@ -29,7 +29,9 @@ class SelfAttention(nn.Module):
     `fresh` says the cache held nothing before this call (the prefill), they attend over the
     T new tokens only: with an int8 cache, over them as the cache holds them. `local` says
     the layer attends over a sliding window (`TransformerConfig.is_local_layer`; traced for
-    scanned layers), which picks its RoPE. `key_lengths` [B] and `causal` describe the mask
+    scanned layers), which picks its RoPE; `turned` whether RoPE turns its queries and keys
+    at all (`TransformerConfig.unrotated_layers`; traced for scanned layers). `key_lengths`
+    [B] and `causal` describe the mask
     of a call that attends over the new tokens alone (as `attend` takes them), or are None.
     `pages` [B, pages per row] are a paged cache's page tables (`model/paged.py`): the stacks
     are then its pools, written and read through the tables.
@@ -40,7 +42,7 @@ class SelfAttention(nn.Module):
     @nn.compact
     def __call__(self, x_BTD, positions_BT, mask_BTS, cache_kv=None, layer=None, starts_B=None,
                  fits_B=None, fresh: bool = False, local=False, key_lengths_B=None,
-                 causal: bool = True, pages=None):
+                 causal: bool = True, pages=None, turned=True):
         config = self.config
         # One projection to all heads, split after: one matmul streams the weights where
         # three smaller ones would each pay a kernel launch (a decode step is many of them).
@@ -48,10 +50,12 @@ class SelfAttention(nn.Module):
         q, k, v = jnp.split(qkv, [config.num_heads, config.num_heads + config.kv_heads], axis=2)
         if config.qk_norm:
             q, k = RMSNorm(config, name="q_norm")(q), RMSNorm(config, name="k_norm")(k)
-        if config.positional_encoding == "rope":
+        if config.positional_encoding == "rope" and turned is not False:
             inv_freq, attention_factor = layer_rope(config, local)
-            q = apply_rope(q, positions_BT, inv_freq, attention_factor)
-            k = apply_rope(k, positions_BT, inv_freq, attention_factor)
+            q_turned = apply_rope(q, positions_BT, inv_freq, attention_factor)
+            k_turned = apply_rope(k, positions_BT, inv_freq, attention_factor)
+            q, k = ((q_turned, k_turned) if turned is True else
+                    (jnp.where(turned, q_turned, q), jnp.where(turned, k_turned, k)))
         quantized = cache_kv is not None and len(cache_kv) == 4
         if cache_kv is not None:
             new = (k, v)

@@ -98,6 +98,9 @@ class TransformerConfig:
     # Decoder layers (0-based) that attend over every earlier position although
     # `sliding_window` is set: Gemma 2 and 3 alternate local and global layers.
     full_attention_layers: tuple[int, ...] = ()
+    # Decoder layers (0-based) whose attention turns neither queries nor keys: no position
+    # encoding at all, the causal mask alone telling order (SmolLM3's NoPE layers).
+    unrotated_layers: tuple[int, ...] = ()
     # RoPE base of the sliding-window layers, which then turn unscaled (Gemma 3: 10000 where
     # its global layers use 1e6 and a linear scaling). None: the same RoPE in every layer.
     local_rope_base: float | None = None
@@ -207,7 +210,8 @@ _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "rope_high_freq_factor", "rope_original_max_len", "rope_beta_fast", "rope_beta_slow",
     "rope_truncate", "rope_attention_factor", "rope_short_factors", "rope_long_factors",
     "rotary_dim", "cache_dtype", "qk_norm",
-    "sliding_window", "full_attention_layers", "local_rope_base", "norm_unit_offset",
+    "sliding_window", "full_attention_layers", "unrotated_layers", "local_rope_base",
+    "norm_unit_offset",
     "sandwich_norms", "attention_scale", "attention_softcap", "logits_softcap", "remat")}
 
 

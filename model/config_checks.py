@@ -105,14 +105,18 @@ def problems(config: TransformerConfig) -> list[str]:
 def _layer_kind_problems(config: TransformerConfig) -> list[str]:
     """What is wrong with the per-layer attention options and the norms Gemma needs."""
     problems = []
-    layers = config.full_attention_layers
-    if layers:
-        if config.sliding_window is None:
-            problems.append(f"full_attention_layers={list(layers)} needs a sliding_window")
+    if config.full_attention_layers and config.sliding_window is None:
+        problems.append(f"full_attention_layers={list(config.full_attention_layers)} needs a "
+                        "sliding_window")
+    if config.unrotated_layers and config.positional_encoding != "rope":
+        problems.append(f"unrotated_layers={list(config.unrotated_layers)} needs "
+                        "positional_encoding='rope'")
+    for name in ("full_attention_layers", "unrotated_layers"):
+        layers = getattr(config, name)
         if list(layers) != sorted(set(layers)) or not all(
                 0 <= i < config.num_decoder_layers for i in layers):
-            problems.append(f"full_attention_layers={list(layers)} must be distinct layer "
-                            f"numbers in [0, {config.num_decoder_layers}), in order")
+            problems.append(f"{name}={list(layers)} must be distinct layer numbers in [0, "
+                            f"{config.num_decoder_layers}), in order")
     if config.local_rope_base is not None and (config.sliding_window is None
                                                or config.positional_encoding != "rope"):
         problems.append(f"local_rope_base={config.local_rope_base} needs rope and a "
@@ -205,12 +209,13 @@ def _type_problems(config: TransformerConfig) -> list[str]:
             object.__setattr__(config, name, tuple(float(f) for f in factors))
         else:
             problems.append(f"{name}={factors!r} must be a list of real numbers")
-    layers = config.full_attention_layers
-    if isinstance(layers, tuple | list) and all(
-            isinstance(i, int | np.integer) and not isinstance(i, bool) for i in layers):
-        object.__setattr__(config, "full_attention_layers", tuple(int(i) for i in layers))
-    else:
-        problems.append(f"full_attention_layers={layers!r} must be a list of ints")
+    for name in ("full_attention_layers", "unrotated_layers"):
+        layers = getattr(config, name)
+        if isinstance(layers, tuple | list) and all(
+                isinstance(i, int | np.integer) and not isinstance(i, bool) for i in layers):
+            object.__setattr__(config, name, tuple(int(i) for i in layers))
+        else:
+            problems.append(f"{name}={layers!r} must be a list of ints")
     for name in _BOOL_FIELDS:
         value = getattr(config, name)
         if not isinstance(value, bool | np.bool_):

@@ -154,7 +154,8 @@ class DecoderLayer(nn.Module):
             x_BTD,
             lambda h: attention(h, inputs.positions, mask_BTS, cache_kv, layer["index"],
                                 inputs.starts, inputs.fits, inputs.fresh, local,
-                                inputs.key_lengths, pages=inputs.pages))
+                                inputs.key_lengths, pages=inputs.pages,
+                                turned=_turned(c, layer["number"])))
         if layer.get("cross_k") is not None:
             cross = CrossAttention(c, name="cross_attention")
             x, _ = Residual(c, name="cross_block")(
@@ -178,6 +179,16 @@ def _attention_kind(config: TransformerConfig, number, inputs: LayerInputs):
         return (inputs.self_mask if local else inputs.full_mask), local
     local = ~jnp.isin(number, jnp.asarray(config.full_attention_layers, jnp.int32))
     return jnp.where(local, inputs.self_mask, inputs.full_mask), local
+
+
+def _turned(config: TransformerConfig, number):
+    """Whether RoPE turns decoder layer `number`'s queries and keys: a bool for an unrolled
+    layer, traced for scanned ones."""
+    if not config.unrotated_layers:
+        return True
+    if isinstance(number, int):
+        return number not in config.unrotated_layers
+    return ~jnp.isin(number, jnp.asarray(config.unrotated_layers, jnp.int32))
 
 
 def _cross_scales(layer: dict[str, Any]):

@@ -19,8 +19,8 @@ from kvjax.model import TransformerConfig
 from .errors import UnsupportedModelError
 from .rope import rope_fields
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "phi3", "qwen2", "qwen3", "gemma2",
-                         "gemma3_text", "marian")
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3",
+                         "gemma2", "gemma3_text", "marian")
 
 
 # Keys that change nothing in inference: dropout (kvjax imports models for inference and
@@ -92,8 +92,8 @@ def to_kvjax_config(hf: dict[str, Any], *, tied: bool, dtype: str = "float32",
                                     f"kvjax loads {', '.join(SUPPORTED_MODEL_TYPES)}")
     reader = _Reader(hf, source)
     fields = {"gpt2": _gpt2, "llama": _llama, "mistral": _mistral, "phi3": _phi3,
-              "qwen2": _qwen2, "qwen3": _qwen3, "gemma2": _gemma2, "gemma3_text": _gemma3,
-              "marian": _marian}[model_type](reader)
+              "qwen2": _qwen2, "qwen3": _qwen3, "smollm3": _smollm3, "gemma2": _gemma2,
+              "gemma3_text": _gemma3, "marian": _marian}[model_type](reader)
     reader.refuse_unread()
     if max_len is not None:
         fields["max_len"] = _chosen_max_len(hf, fields, max_len, source)
@@ -262,6 +262,22 @@ def _qwen3(c: _Reader) -> dict[str, Any]:
     _full_attention_layers(c)
     bias = bool(c.get("attention_bias", False))
     return {**_llama_like(c, qkv_bias=bias, out_bias=bias, ffn_bias=False), "qk_norm": True}
+
+
+def _smollm3(c: _Reader) -> dict[str, Any]:
+    """Llama's architecture where the layers `no_rope_layers` marks 0 attend with no position
+    encoding (NoPE); without the list, every `no_rope_layer_interval`-th layer, as
+    transformers fills it in."""
+    _full_attention_layers(c)
+    layers = c.require("num_hidden_layers")
+    interval = c.get("no_rope_layer_interval", 4)
+    flags = c.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(flags) != layers or any(flag not in (0, 1) for flag in flags):
+        raise UnsupportedModelError(f"{c.source}: no_rope_layers={json.dumps(flags)} must hold "
+                                    f"a 1 (RoPE) or 0 (none) for each of the {layers} layers")
+    bias = bool(c.get("attention_bias", False))
+    return {**_llama_like(c, qkv_bias=bias, out_bias=bias, ffn_bias=bool(c.get("mlp_bias", False))),
+            "unrotated_layers": tuple(i for i, flag in enumerate(flags) if not flag)}
 
 
 def _mistral(c: _Reader) -> dict[str, Any]:

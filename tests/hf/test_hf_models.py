@@ -24,10 +24,10 @@ from kvjax import model as M
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf_models"
 NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral", "phi3",
-         "gemma2", "gemma3_text")
+         "gemma2", "gemma3_text", "smollm3")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
-               "gemma2": "gemma2", "gemma3_text": "gemma3_text"}
+               "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3"}
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +80,13 @@ def relative_error(got, want):
 def test_logits_and_generation_equal_transformers(loaded, name):
     config, tokenizer, params = loaded(name)
     record, logits = expected(name)
-    assert config.tie_embeddings == (name in ("gpt2", "llama_mqa", "marian", "qwen3", "gemma2"))
+    assert config.tie_embeddings == (name in ("gpt2", "llama_mqa", "marian", "qwen3", "gemma2",
+                                              "smollm3"))
     assert config.qk_norm == (name in ("qwen3", "gemma3_text"))
     assert config.sliding_window == {"mistral": 4, "phi3": 6, "gemma2": 4,
                                      "gemma3_text": 5}.get(name)
     assert config.full_attention_layers == {"gemma2": (1,), "gemma3_text": (2,)}.get(name, ())
+    assert config.unrotated_layers == {"smollm3": (1,)}.get(name, ())
     for i, got in enumerate(teacher_forced(config, params, record)):
         assert relative_error(got, logits[f"logits_{i}"]) <= 1e-5
     net = M.build_model(config)
@@ -98,10 +100,11 @@ def test_logits_and_generation_equal_transformers(loaded, name):
     assert record["beam"] != record["greedy"]  # the beams found something else to prefer
 
 
-def test_scanned_layers_load_the_same_model():
-    scanned_config, _, scanned = hf.load_pretrained(FIXTURES / "llama_gqa", scan_layers=True)
+@pytest.mark.parametrize("name", ["llama_gqa", "smollm3"])  # SmolLM3: a traced NoPE layer
+def test_scanned_layers_load_the_same_model(name):
+    scanned_config, _, scanned = hf.load_pretrained(FIXTURES / name, scan_layers=True)
     assert scanned_config.scan_layers
-    record, logits = expected("llama_gqa")
+    record, logits = expected(name)
     assert relative_error(teacher_forced(scanned_config, scanned, record)[1],
                           logits["logits_1"]) <= 1e-5
 
@@ -138,7 +141,7 @@ def edit_config(directory, **changes):
 @pytest.mark.parametrize("name, changes, message", [
     ("gpt2", dict(model_type="bert"),
      "model_type 'bert' is not supported; kvjax loads gpt2, llama, mistral, phi3, qwen2, "
-     "qwen3, gemma2, gemma3_text, marian"),
+     "qwen3, smollm3, gemma2, gemma3_text, marian"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
                                         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
      'rope settings {"partial_rotary_factor": 0.5} are not supported for rope type \'yarn\''),
@@ -154,6 +157,8 @@ def edit_config(directory, **changes):
      "full_attn_mod=2 is not supported (Phi-4 mini's files hold 1, every layer in full "
      "attention; transformers' Phi-3 ignores the key, so only that value runs as it does)"),
     ("phi3", dict(interpolate_factor=4), "interpolate_factor=4 is not supported"),
+    ("smollm3", dict(no_rope_layers=[1, 0]),
+     "no_rope_layers=[1, 0] must hold a 1 (RoPE) or 0 (none) for each of the 3 layers"),
     ("llama_mqa", dict(partial_rotary_factor=0.75),
      "kvjax does not implement partial_rotary_factor=0.75"),
     ("gpt2", dict(scale_attn_by_inverse_layer_idx=True),

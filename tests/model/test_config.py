@@ -101,7 +101,7 @@ def test_options_round_trip_through_json():
     assert M.TransformerConfig.from_json(yarn.to_json()) == yarn
     longrope = config.replace(rope_scaling="longrope", rope_original_max_len=64, rotary_dim=12,
                               rope_short_factors=(1.0, 1.5, 2.0, 2.5, 3.0, 3.5),
-                              rope_long_factors=(2.0, 3, 4, 5, 6, 7))
+                              rope_long_factors=(2.0, 3, 4, 5, 6, 7), unrotated_layers=[1])
     assert M.TransformerConfig.from_json(longrope.to_json()) == longrope
 
 
@@ -143,6 +143,11 @@ def test_head_dim_follows_the_width_unless_given():
     (dict(positional_encoding="rope", rope_scaling="longrope", rope_original_max_len=32,
           rope_long_factors=(1.0, 2.0, -1.0, 3.0)), "needs 4 rope_long_factors > 0"),
     (dict(rope_long_factors=(1.0, "2")), "rope_long_factors=(1.0, '2') must be a list of real"),
+    (dict(unrotated_layers=(1,)), "unrotated_layers=[1] needs positional_encoding='rope'"),
+    (dict(positional_encoding="rope", unrotated_layers=(2,)),
+     "unrotated_layers=[2] must be distinct layer numbers in [0, 2), in order"),
+    (dict(positional_encoding="rope", unrotated_layers=(1.0,)),
+     "unrotated_layers=(1.0,) must be a list of ints"),
     (dict(sinusoid_layout="split"), "sinusoid_layout='split' is not one of"),
     (dict(qkv_bias=1), "qkv_bias=1 must be True or False"),
 ])

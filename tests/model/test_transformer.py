@@ -13,7 +13,7 @@ from kvjax import model as M
 OPTIONS = [
     dict(),
     dict(positional_encoding="learned", norm="pre", activation="gelu"),
-    dict(positional_encoding="rope", num_kv_heads=2, activation="swiglu"),
+    dict(positional_encoding="rope", num_kv_heads=2, activation="swiglu", unrotated_layers=(0,)),
     dict(positional_encoding="rope", norm="pre", num_kv_heads=1, tie_embeddings=False,
          rope_scaling="llama3", rope_scaling_factor=4.0, rope_original_max_len=8),
     dict(positional_encoding="sinusoidal", norm="pre", activation="swiglu", num_kv_heads=2,
@@ -21,7 +21,8 @@ OPTIONS = [
          scale_embeddings=False, sinusoid_layout="halves"),
     dict(positional_encoding="learned", activation="gelu_exact", num_kv_heads=1,
          out_bias=True, logits_bias=True),
-    dict(positional_encoding="rope", num_kv_heads=2, scan_layers=True, activation="silu"),
+    dict(positional_encoding="rope", num_kv_heads=2, scan_layers=True, activation="silu",
+         unrotated_layers=(1,)),
 ]
 VARIANTS = {"decoder_only": 0, "encoder_decoder": 2}
 
