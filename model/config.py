@@ -115,6 +115,11 @@ class TransformerConfig:
     # the output logits (Gemma 2). None: no cap.
     attention_softcap: float | None = None
     logits_softcap: float | None = None
+    # Granite's multipliers: on the token embeddings (after any √D), on each sublayer's
+    # output before the residual sum, and the output logits divided by `logits_scaling`.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
     def __post_init__(self):
         problems = config_problems(self)
@@ -212,7 +217,8 @@ _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "rotary_dim", "cache_dtype", "qk_norm",
     "sliding_window", "full_attention_layers", "unrotated_layers", "local_rope_base",
     "norm_unit_offset",
-    "sandwich_norms", "attention_scale", "attention_softcap", "logits_softcap", "remat")}
+    "sandwich_norms", "attention_scale", "attention_softcap", "logits_softcap",
+    "embedding_multiplier", "residual_multiplier", "logits_scaling", "remat")}
 
 
 PRESETS: dict[str, TransformerConfig] = {

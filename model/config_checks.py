@@ -42,7 +42,7 @@ _INT_FIELDS = ("vocab_size", "d_model", "num_heads", "d_ff", "num_decoder_layers
                "rope_original_max_len")
 _REAL_FIELDS = ("dropout", "rope_base", "layer_norm_eps", "rope_scaling_factor",
                 "rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast",
-                "rope_beta_slow")
+                "rope_beta_slow", "embedding_multiplier", "residual_multiplier", "logits_scaling")
 _BOOL_FIELDS = ("tie_embeddings", "scan_layers", "remat", "qkv_bias", "out_bias", "ffn_bias",
                 "scale_embeddings", "logits_bias", "qk_norm", "norm_unit_offset",
                 "sandwich_norms", "rope_truncate")
@@ -95,7 +95,8 @@ def problems(config: TransformerConfig) -> list[str]:
                         f"{config.vocab_size})")
     if not 0.0 <= config.dropout < 1.0:
         problems.append(f"dropout={config.dropout} must be in [0, 1)")
-    for name in ("rope_base", "layer_norm_eps", "rope_scaling_factor", *_OPTIONAL_REALS):
+    for name in ("rope_base", "layer_norm_eps", "rope_scaling_factor", "embedding_multiplier",
+                 "residual_multiplier", "logits_scaling", *_OPTIONAL_REALS):
         value = getattr(config, name)
         if value is not None and not 0 < value < math.inf:
             problems.append(f"{name}={value} must be > 0 and finite")

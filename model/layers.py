@@ -95,7 +95,8 @@ class FeedForward(nn.Module):
 
 class Residual(nn.Module):
     """x + Sublayer(x) with the norm after (`post`, the paper) or before (`pre`) the sublayer;
-    with `sandwich_norms`, x + post_norm(Sublayer(norm(x)))."""
+    with `sandwich_norms`, x + post_norm(Sublayer(norm(x))); the sublayer's output times
+    `residual_multiplier` where it is not 1."""
 
     config: TransformerConfig
 
@@ -105,13 +106,18 @@ class Residual(nn.Module):
         norm = make_norm(c, "norm")
         dropout = nn.Dropout(c.dropout)
         deterministic = not self.has_rng("dropout")
+
+        def scaled(out):
+            out = dropout(out, deterministic=deterministic)
+            return out if c.residual_multiplier == 1.0 else out * c.residual_multiplier
+
         if c.norm == "pre":
             out, extra = sublayer(norm(x))
             if c.sandwich_norms:
                 out = make_norm(c, "post_norm")(out)
-            return x + dropout(out, deterministic=deterministic), extra
+            return x + scaled(out), extra
         out, extra = sublayer(x)
-        return norm(x + dropout(out, deterministic=deterministic)), extra
+        return norm(x + scaled(out)), extra
 
 
 class EncoderLayer(nn.Module):

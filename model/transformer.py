@@ -67,8 +67,9 @@ def self_attention_inputs(config: TransformerConfig, starts_B, valid_B, num_quer
 
 
 class Embedder(nn.Module):
-    """Token embedding (× √D, as in the paper, unless `scale_embeddings` is off) plus
-    positions; `logits` gives the output logits (plus a learned bias if `logits_bias`)."""
+    """Token embedding (× √D, as in the paper, unless `scale_embeddings` is off, and ×
+    `embedding_multiplier`) plus positions; `logits` gives the output logits (plus a learned
+    bias if `logits_bias`, divided by `logits_scaling`)."""
 
     config: TransformerConfig
 
@@ -94,6 +95,8 @@ class Embedder(nn.Module):
         x = self.embedding(tokens_BT)
         if c.scale_embeddings:
             x = x * jnp.sqrt(float(c.d_model)).astype(c.compute_dtype)
+        if c.embedding_multiplier != 1.0:
+            x = x * c.embedding_multiplier
         if c.positional_encoding == "sinusoidal":
             x = x + sinusoidal(positions_BT, c.d_model, c.sinusoid_layout).astype(x.dtype)
         elif c.positional_encoding == "learned":
@@ -113,6 +116,8 @@ class Embedder(nn.Module):
             logits = self.unembed(x_BTD).astype(jnp.float32)
         if self.config.logits_bias:
             logits = logits + self.logits_bias.astype(jnp.float32)
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
         return soft_cap(logits, self.config.logits_softcap)
 
 

@@ -1,5 +1,5 @@
 """Pretrained models from local Hugging Face directories: GPT-2, Llama, Mistral, Phi-3 (and
-Phi-4 mini), Qwen2, Qwen3, SmolLM3, Gemma 2, Gemma 3 and Marian.
+Phi-4 mini), Qwen2, Qwen3, SmolLM3, Granite, Gemma 2, Gemma 3 and Marian.
 
     config, tokenizer, params = kvjax.hf.load_pretrained("path/to/gpt2")
 

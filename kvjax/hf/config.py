@@ -20,7 +20,7 @@ from .errors import UnsupportedModelError
 from .rope import rope_fields
 
 SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3",
-                         "gemma2", "gemma3_text", "marian")
+                         "granite", "gemma2", "gemma3_text", "marian")
 
 
 # Keys that change nothing in inference: dropout (kvjax imports models for inference and
@@ -92,8 +92,8 @@ def to_kvjax_config(hf: dict[str, Any], *, tied: bool, dtype: str = "float32",
                                     f"kvjax loads {', '.join(SUPPORTED_MODEL_TYPES)}")
     reader = _Reader(hf, source)
     fields = {"gpt2": _gpt2, "llama": _llama, "mistral": _mistral, "phi3": _phi3,
-              "qwen2": _qwen2, "qwen3": _qwen3, "smollm3": _smollm3, "gemma2": _gemma2,
-              "gemma3_text": _gemma3, "marian": _marian}[model_type](reader)
+              "qwen2": _qwen2, "qwen3": _qwen3, "smollm3": _smollm3, "granite": _granite,
+              "gemma2": _gemma2, "gemma3_text": _gemma3, "marian": _marian}[model_type](reader)
     reader.refuse_unread()
     if max_len is not None:
         fields["max_len"] = _chosen_max_len(hf, fields, max_len, source)
@@ -278,6 +278,17 @@ def _smollm3(c: _Reader) -> dict[str, Any]:
     bias = bool(c.get("attention_bias", False))
     return {**_llama_like(c, qkv_bias=bias, out_bias=bias, ffn_bias=bool(c.get("mlp_bias", False))),
             "unrotated_layers": tuple(i for i, flag in enumerate(flags) if not flag)}
+
+
+def _granite(c: _Reader) -> dict[str, Any]:
+    """Llama's architecture with four multipliers: on the embeddings, on each sublayer's
+    output before the residual sum, as the attention scale (in place of 1/√head_dim; 1 where
+    absent, as transformers takes it), and dividing the logits."""
+    return {**_llama(c),
+            "embedding_multiplier": float(c.get("embedding_multiplier", 1.0)),
+            "residual_multiplier": float(c.get("residual_multiplier", 1.0)),
+            "attention_scale": float(c.get("attention_multiplier", 1.0)),
+            "logits_scaling": float(c.get("logits_scaling", 1.0))}
 
 
 def _mistral(c: _Reader) -> dict[str, Any]:

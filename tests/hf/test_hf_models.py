@@ -24,10 +24,11 @@ from kvjax import model as M
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf_models"
 NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral", "phi3",
-         "gemma2", "gemma3_text", "smollm3")
+         "gemma2", "gemma3_text", "smollm3", "granite")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
-               "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3"}
+               "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
+               "granite": "granite"}
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +88,9 @@ def test_logits_and_generation_equal_transformers(loaded, name):
                                      "gemma3_text": 5}.get(name)
     assert config.full_attention_layers == {"gemma2": (1,), "gemma3_text": (2,)}.get(name, ())
     assert config.unrotated_layers == {"smollm3": (1,)}.get(name, ())
+    assert (config.embedding_multiplier, config.residual_multiplier, config.attention_scale,
+            config.logits_scaling) == {"granite": (2.0, 0.5, 0.25, 2.0)}.get(
+        name, (1.0, 1.0, config.attention_scale, 1.0))
     for i, got in enumerate(teacher_forced(config, params, record)):
         assert relative_error(got, logits[f"logits_{i}"]) <= 1e-5
     net = M.build_model(config)
@@ -141,7 +145,7 @@ def edit_config(directory, **changes):
 @pytest.mark.parametrize("name, changes, message", [
     ("gpt2", dict(model_type="bert"),
      "model_type 'bert' is not supported; kvjax loads gpt2, llama, mistral, phi3, qwen2, "
-     "qwen3, smollm3, gemma2, gemma3_text, marian"),
+     "qwen3, smollm3, granite, gemma2, gemma3_text, marian"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
                                         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
      'rope settings {"partial_rotary_factor": 0.5} are not supported for rope type \'yarn\''),

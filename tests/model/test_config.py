@@ -148,6 +148,9 @@ def test_head_dim_follows_the_width_unless_given():
      "unrotated_layers=[2] must be distinct layer numbers in [0, 2), in order"),
     (dict(positional_encoding="rope", unrotated_layers=(1.0,)),
      "unrotated_layers=(1.0,) must be a list of ints"),
+    (dict(residual_multiplier=0.0), "residual_multiplier=0.0 must be > 0 and finite"),
+    (dict(logits_scaling=float("inf")), "logits_scaling=inf must be > 0 and finite"),
+    (dict(embedding_multiplier="2"), "embedding_multiplier='2' must be a real number"),
     (dict(sinusoid_layout="split"), "sinusoid_layout='split' is not one of"),
     (dict(qkv_bias=1), "qkv_bias=1 must be True or False"),
 ])

@@ -32,7 +32,8 @@ def test_fields_that_draw_no_params_share_one_compiled_initialisation():
         attention_scale=0.3, attention_softcap=20.0, logits_softcap=30.0, remat=True,
         sinusoid_layout="halves", rope_beta_fast=16.0, rope_beta_slow=2.0, rope_truncate=False,
         rope_attention_factor=1.2, rope_short_factors=(1.0, 2.0), rope_long_factors=(3.0, 4.0),
-        rotary_dim=4, unrotated_layers=(1,))
+        rotary_dim=4, unrotated_layers=(1,), embedding_multiplier=2.0, residual_multiplier=0.5,
+        logits_scaling=3.0)
     assert {name for name in interface._NOT_IN_INIT if getattr(other, name) ==
             getattr(base, name)} == set()
     rng = jax.random.key(3)

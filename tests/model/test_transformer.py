@@ -20,7 +20,8 @@ OPTIONS = [
          norm_type="rmsnorm", head_dim=12, qkv_bias=True, ffn_bias=False,
          scale_embeddings=False, sinusoid_layout="halves"),
     dict(positional_encoding="learned", activation="gelu_exact", num_kv_heads=1,
-         out_bias=True, logits_bias=True),
+         out_bias=True, logits_bias=True, embedding_multiplier=2.0, residual_multiplier=0.5,
+         logits_scaling=2.0),
     dict(positional_encoding="rope", num_kv_heads=2, scan_layers=True, activation="silu",
          unrotated_layers=(1,)),
 ]
