@@ -67,7 +67,7 @@ def first_layers(config: M.TransformerConfig, params, num_layers: int):
                          f"of a decoder-only model")
     config, params = M.with_layer_layout(config, params, scan_layers=False)
     layers = {str(i): params["layers"][str(i)] for i in range(num_layers)}
-    config = config.replace(num_decoder_layers=num_layers)
+    config = config.first_decoder_layers(num_layers)
     return M.build_model(config), {**params, "layers": layers}
 
 

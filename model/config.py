@@ -147,6 +147,16 @@ class TransformerConfig:
         """Whether decoder layer `number` (0-based) attends over a sliding window."""
         return self.sliding_window is not None and number not in self.full_attention_layers
 
+    def first_decoder_layers(self, num_layers: int) -> TransformerConfig:
+        """The config of this model's first `num_layers` decoder layers: what is said of a
+        layer past them (which attend in full, which turn no RoPE) goes with it."""
+        def kept(layers):
+            return tuple(i for i in layers if i < num_layers)
+
+        return self.replace(num_decoder_layers=num_layers,
+                            full_attention_layers=kept(self.full_attention_layers),
+                            unrotated_layers=kept(self.unrotated_layers))
+
     def layer_stacks(self, num_layers: int) -> tuple[int, ...]:
         """How many layers each stack of a `num_layers` stack holds: everything held per
         layer (cache buffers, cross-attention K/V) is a tuple of arrays with a leading axis

@@ -272,6 +272,20 @@ def test_greedy_equals_plain_generate_with_a_truncated_draft(tiny_lm):
     assert [decode.trace_count(name) for name in names] == counts
 
 
+def test_a_draft_of_a_models_first_layers_takes_what_is_said_of_them():
+    """A Gemma-like model whose second layer is global and a SmolLM3-like one whose third
+    turns no RoPE give one- and two-layer drafts (before, the layer numbers past the draft
+    made its config invalid)."""
+    config = M.preset("tiny", num_decoder_layers=3, positional_encoding="rope",
+                      sliding_window=4, full_attention_layers=(1,), unrotated_layers=(2,))
+    params = jax.eval_shape(lambda key: M.init_params(config, key), jax.random.key(0))
+    one, _ = draft_model.first_layers(config, params, 1)
+    two, two_params = draft_model.first_layers(config, params, 2)
+    assert (one.config.full_attention_layers, one.config.unrotated_layers) == ((), ())
+    assert (two.config.full_attention_layers, two.config.unrotated_layers) == ((1,), ())
+    assert sorted(two_params["layers"]) == ["0", "1"]
+
+
 @pytest.fixture(scope="module")
 def tiny_translator():
     config = M.preset("tiny", num_encoder_layers=1, num_decoder_layers=1,

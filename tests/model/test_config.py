@@ -105,6 +105,14 @@ def test_options_round_trip_through_json():
     assert M.TransformerConfig.from_json(longrope.to_json()) == longrope
 
 
+def test_the_first_decoder_layers_keep_what_is_said_of_them():
+    config = M.preset("tiny", num_decoder_layers=4, positional_encoding="rope", sliding_window=4,
+                      full_attention_layers=(1, 3), unrotated_layers=(0, 2))
+    assert config.first_decoder_layers(2) == config.replace(
+        num_decoder_layers=2, full_attention_layers=(1,), unrotated_layers=(0,))
+    assert config.first_decoder_layers(1).full_attention_layers == ()
+
+
 def test_head_dim_follows_the_width_unless_given():
     config = M.preset("tiny")  # d_model 32, 4 heads
     assert config.head_dim == 8
