@@ -4,12 +4,12 @@ every value out of its range or of the wrong type (`problems`)."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .config import TransformerConfig
+# Each check takes a `TransformerConfig` (`config.py`, which imports this module).
+Config = Any
 
 POSITIONAL_ENCODINGS = ("sinusoidal", "learned", "rope")
 NORM_PLACEMENTS = ("post", "pre")
@@ -54,7 +54,7 @@ _CHOICES = {"positional_encoding": POSITIONAL_ENCODINGS, "norm": NORM_PLACEMENTS
             "rope_scaling": ROPE_SCALINGS}
 
 
-def problems(config: TransformerConfig) -> list[str]:
+def problems(config: Config) -> list[str]:
     """Every problem of `config`, each naming its field and value (none: a valid config).
     NumPy ints and reals are stored as Python ones on the way (`_type_problems`)."""
     problems = _type_problems(config)
@@ -103,7 +103,7 @@ def problems(config: TransformerConfig) -> list[str]:
     return problems
 
 
-def _layer_kind_problems(config: TransformerConfig) -> list[str]:
+def _layer_kind_problems(config: Config) -> list[str]:
     """What is wrong with the per-layer attention options and the norms Gemma needs."""
     problems = []
     if config.full_attention_layers and config.sliding_window is None:
@@ -129,7 +129,7 @@ def _layer_kind_problems(config: TransformerConfig) -> list[str]:
     return problems
 
 
-def _rope_scaling_problems(config: TransformerConfig) -> list[str]:
+def _rope_scaling_problems(config: Config) -> list[str]:
     if config.rope_scaling == "none" or not isinstance(config.rope_scaling, str):
         return []
     problems = []
@@ -162,12 +162,12 @@ def _rope_scaling_problems(config: TransformerConfig) -> list[str]:
     return problems
 
 
-def _given_head_dim(config: TransformerConfig) -> int:
+def _given_head_dim(config: Config) -> int:
     """The head dimension while the config is being checked, before `head_dim` is set."""
     return config.head_dim or config.d_model // max(config.num_heads, 1)
 
 
-def _rotary_dim_problems(config: TransformerConfig) -> list[str]:
+def _rotary_dim_problems(config: Config) -> list[str]:
     dims = config.rotary_dim
     if dims is None:
         return []
@@ -179,7 +179,7 @@ def _rotary_dim_problems(config: TransformerConfig) -> list[str]:
     return problems
 
 
-def _type_problems(config: TransformerConfig) -> list[str]:
+def _type_problems(config: Config) -> list[str]:
     """What is of the wrong type: a bool is not an int, "128" is not an int, 64.5 is not an
     int. NumPy integers and reals are accepted and stored as Python int and float, so that
     the config stays hashable and JSON-serialisable."""
