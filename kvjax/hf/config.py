@@ -275,9 +275,7 @@ def _smollm3(c: _Reader) -> dict[str, Any]:
     if len(flags) != layers or any(flag not in (0, 1) for flag in flags):
         raise UnsupportedModelError(f"{c.source}: no_rope_layers={json.dumps(flags)} must hold "
                                     f"a 1 (RoPE) or 0 (none) for each of the {layers} layers")
-    bias = bool(c.get("attention_bias", False))
-    return {**_llama_like(c, qkv_bias=bias, out_bias=bias, ffn_bias=bool(c.get("mlp_bias", False))),
-            "unrotated_layers": tuple(i for i, flag in enumerate(flags) if not flag)}
+    return {**_llama(c), "unrotated_layers": tuple(i for i, flag in enumerate(flags) if not flag)}
 
 
 def _granite(c: _Reader) -> dict[str, Any]:

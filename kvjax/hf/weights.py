@@ -142,8 +142,7 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
     mapper = {"gpt2": _gpt2, "llama": _llama_like, "mistral": _llama_like,
               "phi3": functools.partial(_llama_like, fused=True), "qwen2": _llama_like,
               "qwen3": _llama_like, "smollm3": _llama_like, "granite": _llama_like,
-              "gemma2": _llama_like,
-              "gemma3_text": _llama_like, "marian": _marian}[model_type]
+              "gemma2": _llama_like, "gemma3_text": _llama_like, "marian": _marian}[model_type]
     ignorable = mapper(config, params)
     return params.tree(ignorable)
 
