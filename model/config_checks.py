@@ -149,8 +149,7 @@ def _rope_scaling_problems(config: Config) -> list[str]:
             problems.append(f"yarn rope scaling needs rope_scaling_factor >= 1, got "
                             f"{config.rope_scaling_factor}")
     if config.rope_scaling == "longrope":
-        name = ("rope_long_factors" if config.max_len > config.rope_original_max_len
-                else "rope_short_factors")  # the ones `rope_frequencies` turns with
+        name = longrope_factors_field(config)
         factors = getattr(config, name)
         pairs = (config.rotary_dim or _given_head_dim(config)) // 2
         if len(factors) != pairs or not all(0 < f < math.inf for f in factors):
@@ -160,6 +159,13 @@ def _rope_scaling_problems(config: Config) -> list[str]:
     if config.rope_scaling in ("llama3", "yarn", "longrope") and config.rope_original_max_len < 1:
         problems.append(f"rope_original_max_len={config.rope_original_max_len} must be >= 1")
     return problems
+
+
+def longrope_factors_field(config: Config) -> str:
+    """The factors a longrope model turns with: the long ones when its max_len passes its
+    original length, else the short ones."""
+    long = config.max_len > config.rope_original_max_len
+    return "rope_long_factors" if long else "rope_short_factors"
 
 
 def _given_head_dim(config: Config) -> int:

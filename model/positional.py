@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import TransformerConfig
+from .config_checks import longrope_factors_field
 
 
 def sinusoidal(positions_BT: jax.Array, d_model: int, layout: str = "interleaved") -> jax.Array:
@@ -89,8 +90,7 @@ def rope_frequencies(config: TransformerConfig) -> np.ndarray:
         kept = 1 - _yarn_ramp(config)
         return (1 - kept) * inv_freq / factor + kept * inv_freq
     if config.rope_scaling == "longrope":
-        long = config.max_len > config.rope_original_max_len
-        factors = config.rope_long_factors if long else config.rope_short_factors
+        factors = getattr(config, longrope_factors_field(config))
         return inv_freq / np.asarray(factors, np.float64)
     return inv_freq
 
