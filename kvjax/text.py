@@ -56,19 +56,24 @@ class LoadedModel:
 
 
 def load(directory: str | os.PathLike, *, scan_layers: bool | None = None,
-         lora: str | os.PathLike | None = None) -> LoadedModel:
+         lora: str | os.PathLike | None = None, max_len: int | None = None) -> LoadedModel:
     """The model in `directory`: the newest step of a kvjax checkpoint, or a Hugging Face
-    model directory (`kvjax.hf.load_pretrained`), its layers held as `scan_layers` says
-    (None: the default layout, whichever the checkpoint stores); with `lora`, a directory of
-    LoRA adapters trained on that checkpoint, merged into its params. Raises
-    `CheckpointError` or ValueError naming any problem."""
+    model directory (`kvjax.hf.load_pretrained`, which takes `max_len`), its layers held as
+    `scan_layers` says (None: the default layout, whichever the checkpoint stores); with
+    `lora`, a directory of LoRA adapters trained on that checkpoint, merged into its params.
+    Raises `CheckpointError` or ValueError naming any problem."""
     from kvjax import hf
 
     if hf.is_hf_directory(directory):
         if lora is not None:
             raise ValueError(f"LoRA adapters are trained on a kvjax checkpoint; {directory} is "
                              "a Hugging Face directory (kvjax import-hf writes it as one)")
-        config, tokenizer, params = hf.load_pretrained(directory, scan_layers=scan_layers)
+        config, tokenizer, params = hf.load_pretrained(directory, scan_layers=scan_layers,
+                                                       max_len=max_len)
+    elif max_len is not None:
+        raise ValueError(f"max_len={max_len} is chosen when a Hugging Face directory is "
+                         f"loaded; the kvjax checkpoint {directory} keeps its own (kvjax "
+                         "import-hf --max-len writes one with another)")
     else:
         config, tokenizer, params = checkpoint.load_for_sampling(
             directory, scan_layers=scan_layers, lora=lora)

@@ -58,6 +58,11 @@ def test_import_hf_max_len_writes_a_longrope_model_for_its_long_context(capsys, 
                                 str(tmp_path / "other"), "--max-len", "4096")
     assert code == 2 and stdout == "" and err.strip().count("\n") == 0
     assert "max_len=4096 must be an int from 1 to max_position_embeddings=128" in err
+    # `text.load` takes it for a Hugging Face directory, not for a checkpoint.
+    assert text.load(FIXTURES / "phi3", max_len=128).config == wanted
+    with pytest.raises(ValueError, match="max_len=128 is chosen when a Hugging Face directory "
+                                         "is loaded; the kvjax checkpoint"):
+        text.load(out, max_len=128)
 
 
 def jax_leaves(tree):
