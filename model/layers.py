@@ -180,21 +180,23 @@ def _attention_kind(config: TransformerConfig, number, inputs: LayerInputs):
     choice is made while tracing) and traced for scanned ones (a select)."""
     if inputs.full_mask is None:
         return inputs.self_mask, config.sliding_window is not None
+    local = _outside(config.full_attention_layers, number)  # global layers: a window is set
     if isinstance(number, int):
-        local = config.is_local_layer(number)
         return (inputs.self_mask if local else inputs.full_mask), local
-    local = ~jnp.isin(number, jnp.asarray(config.full_attention_layers, jnp.int32))
     return jnp.where(local, inputs.self_mask, inputs.full_mask), local
 
 
 def _turned(config: TransformerConfig, number):
-    """Whether RoPE turns decoder layer `number`'s queries and keys: a bool for an unrolled
-    layer, traced for scanned ones."""
-    if not config.unrotated_layers:
-        return True
+    """Whether RoPE turns decoder layer `number`'s queries and keys."""
+    return True if not config.unrotated_layers else _outside(config.unrotated_layers, number)
+
+
+def _outside(layers: tuple[int, ...], number):
+    """Whether decoder layer `number` is not among `layers`: a bool for an unrolled layer
+    (`number` an int, decided while tracing), traced for scanned ones."""
     if isinstance(number, int):
-        return number not in config.unrotated_layers
-    return ~jnp.isin(number, jnp.asarray(config.unrotated_layers, jnp.int32))
+        return number not in layers
+    return ~jnp.isin(number, jnp.asarray(layers, jnp.int32))
 
 
 def _cross_scales(layer: dict[str, Any]):
