@@ -49,7 +49,7 @@ class SelfAttention(nn.Module):
         qkv = projection(config, config.num_heads + 2 * config.kv_heads, "qkv")(x_BTD)
         q, k, v = jnp.split(qkv, [config.num_heads, config.num_heads + config.kv_heads], axis=2)
         if config.qk_norm:
-            q, k = RMSNorm(config, name="q_norm")(q), RMSNorm(config, name="k_norm")(k)
+            q, k = _qk_norm(config, q, "q_norm"), _qk_norm(config, k, "k_norm")
         if config.positional_encoding == "rope" and turned is not False:
             inv_freq, attention_factor = layer_rope(config, local)
             q_turned = apply_rope(q, positions_BT, inv_freq, attention_factor)
@@ -86,6 +86,15 @@ class SelfAttention(nn.Module):
                                    scales=cache_kv[2:] or None, scale=config.attention_scale,
                                    softcap=config.attention_softcap)
         return OutputProjection(config, name="out")(out), cache_kv
+
+
+def _qk_norm(config: TransformerConfig, x_BTNH, name: str):
+    """RMSNorm of queries or keys [B, T, N, H] over each head (Qwen3), or over all heads of
+    a position together (`qk_norm_across_heads`, OLMo 2), before RoPE turns them."""
+    if not config.qk_norm_across_heads:
+        return RMSNorm(config, name=name)(x_BTNH)
+    heads_side_by_side = x_BTNH.reshape(*x_BTNH.shape[:2], -1)
+    return RMSNorm(config, name=name)(heads_side_by_side).reshape(x_BTNH.shape)
 
 
 class CrossKV(nn.Module):

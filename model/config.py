@@ -92,6 +92,9 @@ class TransformerConfig:
     # float32 scale per (token, kv head), dequantised block by block as attention reads them.
     cache_dtype: str | None = None
     qk_norm: bool = False  # RMSNorm over each head's query and key, before RoPE (Qwen3)
+    # With qk_norm, one RMSNorm over all heads' queries together (and one over all kv heads'
+    # keys), its scale [N·H] ([K·H]), where Qwen3 normalises each head alone (OLMo 2 and 3).
+    qk_norm_across_heads: bool = False
     # Self-attention sees only the last `sliding_window` positions (itself included; Mistral).
     # None: all earlier positions. The cache still holds every position of a row.
     sliding_window: int | None = None
@@ -224,7 +227,7 @@ _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "sinusoid_layout", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor",
     "rope_high_freq_factor", "rope_original_max_len", "rope_beta_fast", "rope_beta_slow",
     "rope_truncate", "rope_attention_factor", "rope_short_factors", "rope_long_factors",
-    "rotary_dim", "cache_dtype", "qk_norm",
+    "rotary_dim", "cache_dtype", "qk_norm", "qk_norm_across_heads",
     "sliding_window", "full_attention_layers", "unrotated_layers", "local_rope_base",
     "norm_unit_offset",
     "sandwich_norms", "attention_scale", "attention_softcap", "logits_softcap",

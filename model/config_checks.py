@@ -12,7 +12,10 @@ import numpy as np
 Config = Any
 
 POSITIONAL_ENCODINGS = ("sinusoidal", "learned", "rope")
-NORM_PLACEMENTS = ("post", "pre")
+# Where each sublayer's norm sits: "post" Norm(x + Sublayer(x)) (the paper), "pre"
+# x + Sublayer(Norm(x)) (GPT-2, Llama), "output" x + Norm(Sublayer(x)) (OLMo 2 and 3); the
+# last two end their stacks with a norm of their own.
+NORM_PLACEMENTS = ("post", "pre", "output")
 NORM_TYPES = ("layernorm", "rmsnorm")
 # "gelu" is the tanh approximation (GPT-2's "gelu_new"), "gelu_exact" the erf form; "silu"
 # (swish) is ungated, "swiglu" is silu(W1 x) * W3 x (Llama's gated feed-forward network),
@@ -44,8 +47,8 @@ _REAL_FIELDS = ("dropout", "rope_base", "layer_norm_eps", "rope_scaling_factor",
                 "rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast",
                 "rope_beta_slow", "embedding_multiplier", "residual_multiplier", "logits_scaling")
 _BOOL_FIELDS = ("tie_embeddings", "scan_layers", "remat", "qkv_bias", "out_bias", "ffn_bias",
-                "scale_embeddings", "logits_bias", "qk_norm", "norm_unit_offset",
-                "sandwich_norms", "rope_truncate")
+                "scale_embeddings", "logits_bias", "qk_norm", "qk_norm_across_heads",
+                "norm_unit_offset", "sandwich_norms", "rope_truncate")
 _OPTIONAL_REALS = ("local_rope_base", "attention_scale", "attention_softcap", "logits_softcap",
                    "rope_attention_factor")
 _CHOICES = {"positional_encoding": POSITIONAL_ENCODINGS, "norm": NORM_PLACEMENTS,
@@ -126,6 +129,8 @@ def _layer_kind_problems(config: Config) -> list[str]:
         problems.append("norm_unit_offset needs norm_type='rmsnorm'")
     if config.sandwich_norms and config.norm != "pre":
         problems.append("sandwich_norms needs norm='pre'")
+    if config.qk_norm_across_heads and not config.qk_norm:
+        problems.append("qk_norm_across_heads needs qk_norm")
     return problems
 
 

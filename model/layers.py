@@ -94,9 +94,9 @@ class FeedForward(nn.Module):
 
 
 class Residual(nn.Module):
-    """x + Sublayer(x) with the norm after (`post`, the paper) or before (`pre`) the sublayer;
-    with `sandwich_norms`, x + post_norm(Sublayer(norm(x))); the sublayer's output times
-    `residual_multiplier` where it is not 1."""
+    """x + Sublayer(x) with the norm after the sum (`post`, the paper), before the sublayer
+    (`pre`) or on its output (`output`); with `sandwich_norms`, x + post_norm(Sublayer(norm(x)));
+    the sublayer's output times `residual_multiplier` where it is not 1."""
 
     config: TransformerConfig
 
@@ -117,6 +117,8 @@ class Residual(nn.Module):
                 out = make_norm(c, "post_norm")(out)
             return x + scaled(out), extra
         out, extra = sublayer(x)
+        if c.norm == "output":
+            return x + scaled(norm(out)), extra
         return norm(x + scaled(out)), extra
 
 

@@ -157,8 +157,8 @@ def _cross_inputs(cross_k, cross_v, cross_k_scale=None, cross_v_scale=None):
 
 
 def _final_norm(config: TransformerConfig, name: str):
-    """Pre-LN stacks end with a norm; post-LN stacks already end normalised."""
-    if config.norm == "pre":
+    """Pre-LN and output-LN stacks end with a norm; post-LN stacks already end normalised."""
+    if config.norm in ("pre", "output"):
         return make_norm(config, name)
     return lambda x: x
 

@@ -1,5 +1,6 @@
-"""model/attention_layers.py: a sliding window hides what lies behind it, cached or not, and
-Qwen3's per-head norm of queries and keys takes their scale out."""
+"""model/attention_layers.py: a sliding window hides what lies behind it, cached or not;
+Qwen3's per-head norm of queries and keys takes each head's scale out, OLMo's norm across
+heads the scale of all of them together."""
 
 import jax
 import numpy as np
@@ -49,3 +50,26 @@ def test_qk_norm_normalises_each_heads_query_and_key():
     scaled["layers"]["0"]["self_attention"]["qkv"]["kernel"] = kernel.at[:, :4].multiply(5.0)
     assert not np.allclose(run_full(plain, scaled, tokens), run_full(plain, plain_params, tokens),
                            rtol=1e-3)
+
+
+def test_qk_norm_across_heads_takes_out_the_scale_of_all_heads_together():
+    """OLMo's RMSNorm over all query heads side by side (and all key heads): every query
+    scaled alike changes nothing, one head scaled alone changes the attention, which the
+    per-head norm would not."""
+    config = M.preset("tiny", positional_encoding="rope", num_kv_heads=2, qk_norm=True,
+                      qk_norm_across_heads=True)
+    params = M.init_params(config, jax.random.key(5))
+    layer = params["layers"]["0"]["self_attention"]
+    assert layer["q_norm"]["scale"].shape == (32,) and layer["k_norm"]["scale"].shape == (16,)
+    tokens = jax.random.randint(jax.random.key(6), (1, 6), 3, config.vocab_size)
+    kernel = layer["qkv"]["kernel"]  # [D, N + 2K, H]: the query heads first
+    want = run_full(config, params, tokens)
+
+    def with_kernel(new_kernel):
+        changed = jax.tree_util.tree_map(lambda x: x, params)
+        changed["layers"]["0"]["self_attention"]["qkv"]["kernel"] = new_kernel
+        return run_full(config, changed, tokens)
+
+    np.testing.assert_allclose(with_kernel(kernel.at[:, :4].multiply(5.0)), want, rtol=1e-4,
+                               atol=1e-5)
+    assert not np.allclose(with_kernel(kernel.at[:, :1].multiply(5.0)), want, rtol=1e-3)

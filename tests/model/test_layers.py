@@ -1,6 +1,6 @@
-"""model/layers.py: a stack of layers scanned (its params stacked over layers) or unrolled
-(params and a cache buffer of each layer's own) computes the same, and the layouts convert
-both ways."""
+"""model/layers.py: each norm placement around a sublayer is its formula; a stack of layers
+scanned (its params stacked over layers) or unrolled (params and a cache buffer of each
+layer's own) computes the same, and the layouts convert both ways."""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +9,29 @@ import pytest
 from conftest import random_tokens, run_cached, run_full, source_for, start_cache
 
 from kvjax import model as M
+from kvjax.model.layers import Residual
+
+
+@pytest.mark.parametrize("norm", ["post", "pre", "output"])
+def test_each_norm_placement_is_its_formula(norm):
+    config = M.preset("tiny", norm=norm, norm_type="rmsnorm", layer_norm_eps=1e-5)
+    x = np.random.default_rng(0).normal(size=(2, 3, 32)).astype(np.float32)
+    w = np.linspace(0.5, 1.5, 32).astype(np.float32)
+
+    def sublayer(h):
+        return 2.0 * jnp.tanh(h), None
+
+    out, _ = Residual(config).apply({"params": {"norm": {"scale": w}}}, x, sublayer)
+
+    def rms_norm(v):
+        return v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + 1e-5) * w
+
+    def f(v):
+        return 2.0 * np.tanh(v)
+
+    want = {"post": rms_norm(x + f(x)), "pre": x + f(rms_norm(x)),
+            "output": x + rms_norm(f(x))}[norm]
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
 
 
 def test_scanned_layers_stack_their_params_over_layers():
