@@ -142,7 +142,8 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
     mapper = {"gpt2": _gpt2, "llama": _llama_like, "mistral": _llama_like,
               "phi3": functools.partial(_llama_like, fused=True), "qwen2": _llama_like,
               "qwen3": _llama_like, "smollm3": _llama_like, "granite": _llama_like,
-              "gemma2": _llama_like, "gemma3_text": _llama_like, "marian": _marian}[model_type]
+              "gemma2": _llama_like, "gemma3_text": _llama_like, "olmo2": _llama_like,
+              "olmo3": _llama_like, "marian": _marian}[model_type]
     ignorable = mapper(config, params)
     return params.tree(ignorable)
 
@@ -219,10 +220,12 @@ _SANDWICH_NORMS = {"attention_block/norm": "input_layernorm",
                    "attention_block/post_norm": "post_attention_layernorm",
                    "ffn_block/norm": "pre_feedforward_layernorm",
                    "ffn_block/post_norm": "post_feedforward_layernorm"}
+_OUTPUT_NORMS = {"attention_block/norm": "post_attention_layernorm",
+                 "ffn_block/norm": "post_feedforward_layernorm"}  # OLMo's, on each output
 
 
 def _llama_like(c: M.TransformerConfig, p: _Params, fused: bool = False):
-    """Llama and its kin, Gemma's extra norms included. `fused` (Phi-3): q, k and v are rows
+    """Llama and its kin, Gemma's and OLMo's norms included. `fused` (Phi-3): q, k and v are rows
     of one `qkv_proj`, and the gate and up projections the two halves of one
     `gate_up_proj`."""
     d, h, f = c.d_model, c.head_dim, c.d_ff
@@ -230,7 +233,8 @@ def _llama_like(c: M.TransformerConfig, p: _Params, fused: bool = False):
                                                  (c.vocab_size, d)))
     for i in range(c.num_decoder_layers):
         src, dst = f"model.layers.{i}.", f"layers/{i}/"
-        norms = _SANDWICH_NORMS if c.sandwich_norms else _NORMS
+        norms = (_SANDWICH_NORMS if c.sandwich_norms else
+                 _OUTPUT_NORMS if c.norm == "output" else _NORMS)
         for kvjax_name, hf_name in norms.items():
             p.set(f"{dst}{kvjax_name}/scale", p.read(f"{src}{hf_name}.weight", (d,)))
         if fused:  # rows: the q heads, then the k heads, then the v heads
@@ -243,9 +247,10 @@ def _llama_like(c: M.TransformerConfig, p: _Params, fused: bool = False):
                 for name, heads in (("q", c.num_heads), ("k", c.kv_heads),
                                     ("v", c.kv_heads))])
         if c.qk_norm:
-            for name in ("q_norm", "k_norm"):
+            for name, heads in (("q_norm", c.num_heads), ("k_norm", c.kv_heads)):
+                width = heads * h if c.qk_norm_across_heads else h
                 p.set(f"{dst}self_attention/{name}/scale",
-                      p.read(f"{src}self_attn.{name}.weight", (h,)))
+                      p.read(f"{src}self_attn.{name}.weight", (width,)))
         _output(p, src + "self_attn.o_proj", dst + "self_attention/out", c)
         if fused:  # the gate's rows, then the up projection's
             gate_up = p.read(src + "mlp.gate_up_proj.weight", (2 * f, d))

@@ -24,11 +24,11 @@ from kvjax import model as M
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf_models"
 NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral", "phi3",
-         "gemma2", "gemma3_text", "smollm3", "granite")
+         "gemma2", "gemma3_text", "smollm3", "granite", "olmo2", "olmo3")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
-               "granite": "granite"}
+               "granite": "granite", "olmo2": "olmo2", "olmo3": "olmo3"}
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +83,13 @@ def test_logits_and_generation_equal_transformers(loaded, name):
     record, logits = expected(name)
     assert config.tie_embeddings == (name in ("gpt2", "llama_mqa", "marian", "qwen3", "gemma2",
                                               "smollm3"))
-    assert config.qk_norm == (name in ("qwen3", "gemma3_text"))
+    assert config.qk_norm == (name in ("qwen3", "gemma3_text", "olmo2", "olmo3"))
+    assert config.qk_norm_across_heads == (config.norm == "output") == name.startswith("olmo")
     assert config.sliding_window == {"mistral": 4, "phi3": 6, "gemma2": 4,
-                                     "gemma3_text": 5}.get(name)
-    assert config.full_attention_layers == {"gemma2": (1,), "gemma3_text": (2,)}.get(name, ())
+                                     "gemma3_text": 5, "olmo3": 4}.get(name)
+    assert config.full_attention_layers == {"gemma2": (1,), "gemma3_text": (2,),
+                                            "olmo3": (1,)}.get(name, ())
+    assert config.local_rope_base == {"gemma3_text": 10000.0, "olmo3": 50000.0}.get(name)
     assert config.unrotated_layers == {"smollm3": (1,)}.get(name, ())
     assert (config.embedding_multiplier, config.residual_multiplier, config.attention_scale,
             config.logits_scaling) == {"granite": (2.0, 0.5, 0.25, 2.0)}.get(
@@ -145,7 +148,7 @@ def edit_config(directory, **changes):
 @pytest.mark.parametrize("name, changes, message", [
     ("gpt2", dict(model_type="bert"),
      "model_type 'bert' is not supported; kvjax loads gpt2, llama, mistral, phi3, qwen2, "
-     "qwen3, smollm3, granite, gemma2, gemma3_text, marian"),
+     "qwen3, smollm3, granite, gemma2, gemma3_text, olmo2, olmo3, marian"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
                                         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
      'rope settings {"partial_rotary_factor": 0.5} are not supported for rope type \'yarn\''),
@@ -181,6 +184,9 @@ def edit_config(directory, **changes):
         "full_attention": {"rope_type": "default", "rope_theta": 1e6},
         "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
      "scaled RoPE on sliding_attention layers is not supported"),
+    ("olmo3", dict(sliding_window=0), "sliding_window=0 must be >= 1 or None"),
+    ("olmo3", dict(layer_types=["full_attention"] * 2),
+     "must name 'full_attention' or 'sliding_attention' for each of the 3 layers"),
 ])
 def test_unsupported_settings_are_refused(tmp_path, name, changes, message):
     directory = copy_of(name, tmp_path)
@@ -191,16 +197,29 @@ def test_unsupported_settings_are_refused(tmp_path, name, changes, message):
     assert "\n" not in str(error.value)
 
 
-def test_older_gemma3_files_name_their_rope_and_layers_the_older_way(tmp_path):
-    """Files written before transformers 5 give the global layers' RoPE as rope_theta and
-    rope_scaling, the local layers' base as rope_local_base_freq, and every
-    sliding_window_pattern-th layer global instead of layer_types."""
-    directory = copy_of("gemma3_text", tmp_path)
-    edit_config(directory, layer_types=None, _sliding_window_pattern=None, rope_parameters=None,
-                sliding_window_pattern=3, rope_theta=100000.0, rope_local_base_freq=10000.0,
-                rope_scaling={"rope_type": "linear", "factor": 2.0})
+@pytest.mark.parametrize("name, changes", [
+    # Gemma 3 gave the global layers' RoPE as rope_theta and rope_scaling, the local layers'
+    # base as rope_local_base_freq, and made every sliding_window_pattern-th layer global.
+    ("gemma3_text", dict(layer_types=None, _sliding_window_pattern=None, rope_parameters=None,
+                         sliding_window_pattern=3, rope_theta=100000.0,
+                         rope_local_base_freq=10000.0,
+                         rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    # OLMo 3's released files: one rope_theta, the rope_scaling of the full layers alone.
+    ("olmo3", dict(rope_parameters=None, rope_theta=50000.0, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})),
+])
+def test_files_written_before_transformers_5_name_rope_and_layers_the_older_way(
+        tmp_path, name, changes):
+    directory = copy_of(name, tmp_path)
+    edit_config(directory, **changes)
     config, _, _ = hf.load_pretrained(directory)
-    assert config == hf.load_pretrained(FIXTURES / "gemma3_text")[0]
+    assert config == hf.load_pretrained(FIXTURES / name)[0]
+
+
+def test_an_olmo3_file_without_a_window_takes_the_one_transformers_gives_it(tmp_path):
+    directory = copy_of("olmo3", tmp_path)
+    edit_config(directory, sliding_window=None)
+    assert hf.load_pretrained(directory)[0].sliding_window == 4096
 
 
 def test_a_directory_without_config_is_named(tmp_path):
