@@ -60,16 +60,23 @@ def load(directory: str | os.PathLike, *, scan_layers: bool | None = None,
     """The model in `directory`: the newest step of a kvjax checkpoint, or a Hugging Face
     model directory (`kvjax.hf.load_pretrained`, which takes `max_len`), its layers held as
     `scan_layers` says (None: the default layout, whichever the checkpoint stores); with
-    `lora`, a directory of LoRA adapters trained on that checkpoint, merged into its params.
+    `lora`, LoRA adapters trained on that model merged into its params: a run of kvjax
+    train on a kvjax checkpoint, or a PEFT adapter directory on a Hugging Face one.
     Raises `CheckpointError` or ValueError naming any problem."""
     from kvjax import hf
 
+    peft = lora is not None and hf.is_peft_directory(lora)
     if hf.is_hf_directory(directory):
-        if lora is not None:
-            raise ValueError(f"LoRA adapters are trained on a kvjax checkpoint; {directory} is "
-                             "a Hugging Face directory (kvjax import-hf writes it as one)")
+        if lora is not None and not peft:
+            raise ValueError(f"{lora} is not a PEFT adapter (no adapter_config.json); kvjax's "
+                             f"own adapters are trained on a kvjax checkpoint, and "
+                             f"{directory} is a Hugging Face directory (kvjax import-hf "
+                             "writes it as one)")
         config, tokenizer, params = hf.load_pretrained(directory, scan_layers=scan_layers,
-                                                       max_len=max_len)
+                                                       max_len=max_len, lora=lora)
+    elif peft:
+        raise ValueError(f"{lora} is a PEFT adapter: it merges into the Hugging Face directory "
+                         f"it was trained on, and {directory} is a kvjax checkpoint")
     elif max_len is not None:
         raise ValueError(f"max_len={max_len} is chosen when a Hugging Face directory is "
                          f"loaded; the kvjax checkpoint {directory} keeps its own (kvjax "

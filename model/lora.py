@@ -135,7 +135,7 @@ def add_update(config: TransformerConfig, target: str, kernel: jax.Array,
     """`kernel` (a float32 kernel of the module `target` names) plus a target's update
     A B [..., I, O]: into its heads' slice of a fused qkv kernel, else the whole kernel."""
     if KERNELS[target][1] == "qkv":
-        start, width = _qkv_heads(config, target)
+        start, width = qkv_heads(config, target)
         delta = delta.reshape(*delta.shape[:-1], width, config.head_dim)
         return kernel.at[..., start:start + width, :].add(delta)
     return kernel + delta.reshape(kernel.shape)
@@ -196,11 +196,11 @@ def _widths(config: TransformerConfig, target: str, kernel) -> tuple[int, int, t
     shape = kernel.shape[len(lead):]
     in_width = int(np.prod(shape[:in_axes]))
     if name == "qkv":
-        return in_width, _qkv_heads(config, target)[1] * config.head_dim, lead
+        return in_width, qkv_heads(config, target)[1] * config.head_dim, lead
     return in_width, int(np.prod(shape[in_axes:])), lead
 
 
-def _qkv_heads(config: TransformerConfig, target: str) -> tuple[int, int]:
+def qkv_heads(config: TransformerConfig, target: str) -> tuple[int, int]:
     """(first head, number of heads) of q, k or v within the fused qkv kernel."""
     n, k = config.num_heads, config.kv_heads
     return {"q": (0, n), "k": (n, k), "v": (n + k, k)}[target]

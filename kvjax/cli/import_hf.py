@@ -20,12 +20,16 @@ def add_import_hf(commands) -> None:
                               "max_position_embeddings (default: that; for LongRoPE, the "
                               "original length: past it, every position turns with the long "
                               "factors)")
+    command.add_argument("--lora", metavar="DIR", default=None,
+                         help="a PEFT LoRA adapter trained on DIR (adapter_config.json, "
+                              "adapter_model.safetensors), written merged into the params")
     command.set_defaults(run=run_import_hf)
 
 
 def run_import_hf(args) -> int:
     from kvjax.hf.convert import import_checkpoint
 
-    out = import_checkpoint(args.directory, args.out, dtype=args.dtype, max_len=args.max_len)
+    out = import_checkpoint(args.directory, args.out, dtype=args.dtype, max_len=args.max_len,
+                            lora=args.lora)
     print(f"wrote {out}")
     return 0

@@ -15,8 +15,9 @@ def add_sample(commands) -> None:
                         help="a directory written by `kvjax train`, `kvjax demo` or "
                              "`kvjax import-hf`, or a Hugging Face model directory")
     sample.add_argument("--lora", metavar="DIR", default=None,
-                        help="LoRA adapters trained on --checkpoint (kvjax train "
-                             "--lora-rank), merged into it")
+                        help="LoRA adapters trained on --checkpoint, merged into it: a "
+                             "run of kvjax train --lora-rank, or a PEFT adapter directory "
+                             "for a Hugging Face one")
     sample.add_argument("--prompt", required=True, help="the text to continue or translate")
     sample.add_argument("--max-new-tokens", type=positive, default=64,
                         help="stop after this many tokens (fewer if the model's length ends)")

@@ -17,8 +17,9 @@ def add_serve(commands) -> None:
     serve.add_argument("--checkpoint", required=True, metavar="DIR",
                        help="a kvjax checkpoint or a Hugging Face model directory (decoder-only)")
     serve.add_argument("--lora", metavar="DIR", default=None,
-                       help="LoRA adapters trained on --checkpoint (kvjax train --lora-rank), "
-                            "merged into it")
+                       help="LoRA adapters trained on --checkpoint, merged into it: a run "
+                            "of kvjax train --lora-rank, or a PEFT adapter directory for a "
+                            "Hugging Face one")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free)")
     serve.add_argument("--model-name", default=None,

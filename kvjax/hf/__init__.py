@@ -1,5 +1,6 @@
 """Pretrained models from local Hugging Face directories: GPT-2, Llama, Mistral, Phi-3 (and
-Phi-4 mini), Qwen2, Qwen3, SmolLM3, Granite, Gemma 2, Gemma 3 and Marian.
+Phi-4 mini), Qwen2, Qwen3, SmolLM3, Granite, Gemma 2, Gemma 3, OLMo 2, OLMo 3 and Marian,
+with a PEFT LoRA adapter merged in where one is given.
 
     config, tokenizer, params = kvjax.hf.load_pretrained("path/to/gpt2")
 
@@ -9,8 +10,10 @@ fetch a model yourself (e.g. `huggingface-cli download gpt2 --local-dir gpt2`). 
 model runs through the same interface, cache and decode loop as kvjax's own.
 
 One module per part: `config.py` (config.json to `TransformerConfig`, refusing what is not
-implemented, with `rope.py` for RoPE's settings and `errors.py` for the refusal),
-`weights.py` (safetensors to params), `convert.py` (the model written as a kvjax checkpoint).
+implemented: `reader.py` accounts for every key, `families.py` reads each model type's,
+`rope.py` RoPE's settings, `errors.py` the refusal), `weights.py` (safetensors to params),
+`peft.py` (a PEFT adapter merged into them), `convert.py` (the model written as a kvjax
+checkpoint).
 The tokenizers of these directories are tokenizers like kvjax's own and live beside it:
 `kvjax.tokenizer.huggingface` (tokenizer.json and tokenizer.model, as transformers reads them)
 and `kvjax.tokenizer.marian` (Marian's pair of sentencepiece models).
@@ -28,10 +31,12 @@ import jax.numpy as jnp
 from kvjax import model as M
 
 from .config import SUPPORTED_MODEL_TYPES, UnsupportedModelError, read_hf_config, to_kvjax_config
+from .peft import is_peft_directory, merge_peft_adapter
 from .weights import INDEX_FILE, SINGLE_FILE, WeightFiles, load_params
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "UnsupportedModelError", "is_hf_directory", "load_model",
-           "load_pretrained", "read_hf_config", "to_kvjax_config"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "UnsupportedModelError", "is_hf_directory",
+           "is_peft_directory", "load_model", "load_pretrained", "read_hf_config",
+           "to_kvjax_config"]
 
 
 def is_hf_directory(directory: str | os.PathLike) -> bool:
@@ -44,7 +49,8 @@ def is_hf_directory(directory: str | os.PathLike) -> bool:
 
 
 def load_pretrained(directory: str | os.PathLike, *, dtype: str | None = None, mesh=None,
-                    scan_layers: bool | None = None, max_len: int | None = None
+                    scan_layers: bool | None = None, max_len: int | None = None,
+                    lora: str | os.PathLike | None = None
                     ) -> tuple[M.TransformerConfig, Any, Any]:
     """`(config, tokenizer, params)` of the model in a local Hugging Face directory.
 
@@ -53,6 +59,8 @@ def load_pretrained(directory: str | os.PathLike, *, dtype: str | None = None, m
     the default device. Layers come back held as `scan_layers` says (None: unrolled).
     `max_len` sets a RoPE model's longest sequence, up to its max_position_embeddings (None:
     that, or a LongRoPE model's original length, past which it turns with its long factors).
+    `lora`, a PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors)
+    trained on this model, is merged into the params (`peft.py`).
     Raises `UnsupportedModelError` (a ValueError) for a model or setting kvjax does not
     implement, and ValueError/FileNotFoundError naming a missing or misshapen file or tensor;
     a tokenizer with more ids than the model's vocabulary is refused.
@@ -64,17 +72,17 @@ def load_pretrained(directory: str | os.PathLike, *, dtype: str | None = None, m
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"{directory}: the tokenizer has {tokenizer.vocab_size} ids but the "
                          f"model's vocab_size is {config.vocab_size}")
-    config, params = _params(config, model_type, files, mesh, scan_layers)
+    config, params = _params(config, model_type, files, mesh, scan_layers, lora)
     return config, tokenizer, params
 
 
 def load_model(directory: str | os.PathLike, *, dtype: str | None = None, mesh=None,
-               scan_layers: bool | None = None, max_len: int | None = None
-               ) -> tuple[M.TransformerConfig, Any]:
+               scan_layers: bool | None = None, max_len: int | None = None,
+               lora: str | os.PathLike | None = None) -> tuple[M.TransformerConfig, Any]:
     """`(config, params)` as `load_pretrained` reads them, without the tokenizer (a
     directory may then have none)."""
     config, model_type, files = _config_and_files(directory, dtype, max_len)
-    return _params(config, model_type, files, mesh, scan_layers)
+    return _params(config, model_type, files, mesh, scan_layers, lora)
 
 
 def _config_and_files(directory, dtype: str | None, max_len: int | None = None):
@@ -89,8 +97,10 @@ def _config_and_files(directory, dtype: str | None, max_len: int | None = None):
 
 
 def _params(config: M.TransformerConfig, model_type: str, files: WeightFiles, mesh,
-            scan_layers: bool | None):
+            scan_layers: bool | None, lora: str | os.PathLike | None):
     params = load_params(config, model_type, files, jnp.dtype(config.param_dtype))
+    if lora is not None:
+        params = merge_peft_adapter(config, model_type, params, lora)
     if scan_layers:
         config, params = M.with_layer_layout(config, params, True)
     if mesh is None:

@@ -18,10 +18,12 @@ from . import load_pretrained
 
 
 def import_checkpoint(hf_directory: str | os.PathLike, out: str | os.PathLike, *,
-                      dtype: str | None = None, max_len: int | None = None) -> Path:
+                      dtype: str | None = None, max_len: int | None = None,
+                      lora: str | os.PathLike | None = None) -> Path:
     """Reads the model in `hf_directory` (`load_pretrained`) and saves it into `out` as a
     kvjax checkpoint at step 0; returns `out`. `out` must not hold checkpoint steps yet.
-    `max_len` is `load_pretrained`'s: a RoPE model's longest sequence.
+    `max_len` and `lora` are `load_pretrained`'s: a RoPE model's longest sequence, and a
+    PEFT LoRA adapter written merged into the params.
 
     The task recorded is "translate" for an encoder-decoder, else "lm", as `kvjax train`
     records it; nothing is written when reading the model fails.
@@ -30,6 +32,7 @@ def import_checkpoint(hf_directory: str | os.PathLike, out: str | os.PathLike, *
     if out.is_dir() and checkpoint.latest_step(out) is not None:  # before reading the model
         raise checkpoint.CheckpointError(f"{out} already holds checkpoint steps; import into a "
                                          "new directory")
-    config, tokenizer, params = load_pretrained(hf_directory, dtype=dtype, max_len=max_len)
+    config, tokenizer, params = load_pretrained(hf_directory, dtype=dtype, max_len=max_len,
+                                                lora=lora)
     task = "translate" if M.prompt_is_source(config) else "lm"
     return checkpoint.write_model(out, config.to_dict(), task, tokenizer.to_bytes(), params)

@@ -53,8 +53,9 @@ ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu_fast": "ge
 class Reader:
     """Reads keys of a config.json and remembers which were read."""
 
-    def __init__(self, values: dict[str, Any], source: str):
-        self.values, self.source, self.read = values, source, set()
+    def __init__(self, values: dict[str, Any], source: str,
+                 neutral: frozenset[str] = INFERENCE_NEUTRAL):
+        self.values, self.source, self.read, self.neutral = values, source, set(), neutral
 
     def get(self, key: str, default: Any = None) -> Any:
         self.read.add(key)
@@ -83,7 +84,7 @@ class Reader:
 
     def refuse_unread(self) -> None:
         unknown = sorted(key for key, value in self.values.items()
-                         if key not in self.read and key not in INFERENCE_NEUTRAL
+                         if key not in self.read and key not in self.neutral
                          and value not in (None, False, 0, "", [], {}))
         if unknown:
             shown = ", ".join(f"{key}={json.dumps(self.values[key])}" for key in unknown)

@@ -33,7 +33,7 @@ class WeightFiles:
     """The tensors in a directory's safetensors files, read one at a time as NumPy arrays
     (bfloat16 through ml_dtypes)."""
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, single_file: str = SINGLE_FILE):
         self.directory = Path(directory)
         self._file_of: dict[str, Path] = {}
         self._handles: dict[Path, Any] = {}  # one open file each, its header parsed once
@@ -48,12 +48,12 @@ class WeightFiles:
                 if not (self.directory / name).is_file():
                     raise FileNotFoundError(f"{index} names the shard {name}, which is missing "
                                             f"from {self.directory}")
-        elif (self.directory / SINGLE_FILE).is_file():
-            files = [SINGLE_FILE]
+        elif (self.directory / single_file).is_file():
+            files = [single_file]
         else:
             extra = (" (pytorch_model.bin is a pickle, which kvjax does not load: convert it to "
                      "safetensors)") if (self.directory / "pytorch_model.bin").exists() else ""
-            raise FileNotFoundError(f"{self.directory} has no {SINGLE_FILE} or {INDEX_FILE}"
+            raise FileNotFoundError(f"{self.directory} has no {single_file} or {INDEX_FILE}"
                                     f"{extra}")
         for name in files:
             path = self.directory / name

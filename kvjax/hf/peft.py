@@ -1,0 +1,164 @@
+"""LoRA adapters trained with PEFT on a Hugging Face model, merged into its kvjax params.
+
+A PEFT adapter directory holds `adapter_config.json` and `adapter_model.safetensors`, whose
+tensors are named by the module they adapt (`base_model.model.model.layers.3.self_attn.
+q_proj.lora_A.weight`): A [r, in] and B [out, r], the update to the module's torch weight
+[out, in] being scale · B A, with scale = lora_alpha / r (lora_alpha / √r with
+`use_rslora`). Merged here, kvjax's kernel [in, out] gains scale · Aᵀ Bᵀ, summed in float32:
+what `PeftModel.merge_and_unload` computes, and what the unmerged model computes up to
+rounding. A module that kvjax fuses (q, k and v) takes its update into its heads' slice; a
+module the file fuses (Phi-3's qkv_proj and gate_up_proj, GPT-2's c_attn) spreads its update
+over kvjax's targets.
+
+As with config.json (`reader.py`), every key of adapter_config.json is read, known to change
+nothing once trained, or refused by name; every tensor must adapt a module of the model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+
+from kvjax.model import TransformerConfig
+from kvjax.model import lora as L
+
+from .errors import UnsupportedModelError
+from .reader import Reader
+from .weights import WeightFiles
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+# Keys that shape only how adapters were made or trained, or that the tensors already say
+# (which modules and layers have adapters, at which rank), or bookkeeping.
+_TRAINED_NEUTRAL = frozenset({
+    "peft_version", "auto_mapping", "base_model_name_or_path", "revision", "task_type",
+    "inference_mode", "init_lora_weights", "lora_dropout", "loftq_config", "eva_config",
+    "corda_config", "lora_ga_config", "target_modules", "exclude_modules",
+    "layers_to_transform", "layers_pattern", "rank_pattern", "megatron_core",
+    "qalora_group_size", "ensure_weight_tying", "fan_in_fan_out"})
+
+# Per model type: the file's module (after the layer's prefix) -> the kvjax targets it
+# covers, in the order its output rows hold them.
+_LLAMA_MODULES = {"self_attn.q_proj": ("q",), "self_attn.k_proj": ("k",),
+                  "self_attn.v_proj": ("v",), "self_attn.o_proj": ("o",),
+                  "mlp.gate_proj": ("wi",), "mlp.up_proj": ("wi_gate",),
+                  "mlp.down_proj": ("wo",)}
+_MODULES = {
+    "gpt2": {"attn.c_attn": ("q", "k", "v"), "attn.c_proj": ("o",), "mlp.c_fc": ("wi",),
+             "mlp.c_proj": ("wo",)},
+    "phi3": {"self_attn.qkv_proj": ("q", "k", "v"), "self_attn.o_proj": ("o",),
+             "mlp.gate_up_proj": ("wi", "wi_gate"), "mlp.down_proj": ("wo",)},
+    **{model_type: _LLAMA_MODULES for model_type in (
+        "llama", "mistral", "qwen2", "qwen3", "smollm3", "granite", "gemma2", "gemma3_text",
+        "olmo2", "olmo3")},
+}
+_TENSOR = re.compile(r"^(?:base_model\.model\.)?(?:model\.layers|transformer\.h|h)\.(\d+)\."
+                     r"(.+)\.lora_([AB])\.weight$")
+
+
+def is_peft_directory(directory: str | os.PathLike) -> bool:
+    return (Path(directory) / CONFIG_FILE).is_file()
+
+
+def merge_peft_adapter(config: TransformerConfig, model_type: str, params: dict,
+                       directory: str | os.PathLike) -> dict:
+    """`params` (unrolled layers, NumPy arrays, as `weights.load_params` returns them) with
+    the PEFT LoRA adapter in `directory` merged into their kernels, each kept in its dtype.
+    Raises `UnsupportedModelError` for a setting kvjax does not merge and ValueError naming a
+    tensor that adapts nothing kvjax holds."""
+    directory = Path(directory)
+    scale_of = _scaling(directory)
+    modules = _MODULES.get(model_type)
+    if modules is None:
+        raise UnsupportedModelError(f"{directory}: PEFT adapters of {model_type!r} models are "
+                                    f"not supported; kvjax merges them into "
+                                    f"{', '.join(sorted(_MODULES))}")
+    files = WeightFiles(directory, single_file=WEIGHTS_FILE)
+    pairs: dict[tuple[int, str], dict[str, str]] = {}
+    for name in sorted(files.names()):
+        match = _TENSOR.match(name)
+        if match is None or match[2] not in modules or int(match[1]) >= \
+                config.num_decoder_layers:
+            raise ValueError(f"{directory}: tensor {name} adapts no module kvjax merges into "
+                             f"a {model_type} model (its layers' {', '.join(modules)})")
+        pairs.setdefault((int(match[1]), match[2]), {})[match[3]] = name
+    merged = {**params, "layers": {i: dict(layer) for i, layer in params["layers"].items()}}
+    for (layer, module), names in sorted(pairs.items()):
+        if set(names) != {"A", "B"}:
+            (held,) = names
+            raise ValueError(f"{directory}: {module} of layer {layer} has lora_{held} without "
+                             f"its lora_{({'A', 'B'} - {held}).pop()}")
+        a, b = files.read(names["A"]), files.read(names["B"])
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+            raise ValueError(f"{directory}: {names['A']} {list(a.shape)} and {names['B']} "
+                             f"{list(b.shape)} are not the [r, in] and [out, r] of one rank")
+        update = scale_of(a.shape[0]) * (a.astype(np.float32).T @ b.astype(np.float32).T)
+        _add(config, merged["layers"][str(layer)], modules[module], update, names["B"])
+    return merged
+
+
+def _scaling(directory: Path):
+    """What multiplies B A, as a function of the rank; the config's keys checked."""
+    path = directory / CONFIG_FILE
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{directory} has no {CONFIG_FILE}: not a PEFT adapter") \
+            from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    c = Reader(values, str(path), neutral=_TRAINED_NEUTRAL)
+    c.expect("peft_type", "LORA", "LORA", "kvjax merges LoRA adapters")
+    c.expect("bias", "none", "none", "adapters that train biases")
+    c.expect("alpha_pattern", {}, {}, "a lora_alpha per module")
+    c.get("r")  # each module's rank is its tensors'
+    alpha = c.require("lora_alpha")
+    rslora = bool(c.get("use_rslora", False))
+    c.refuse_unread()  # DoRA, biases, whole modules saved, token or MoE adapters, ...
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or alpha <= 0:
+        raise ValueError(f"{path}: lora_alpha={alpha!r} must be a number > 0")
+    return lambda rank: alpha / (math.sqrt(rank) if rslora else rank)
+
+
+def _add(config: TransformerConfig, layer: dict, targets: tuple[str, ...],
+         update_IO: np.ndarray, name: str) -> None:
+    """The update [I, O] of one module of the file, split along O over kvjax's `targets`,
+    added to their kernels in `layer` (new arrays; the loaded ones are not changed)."""
+    widths = [_output_width(config, target) for target in targets]
+    inputs = _input_width(config, targets[0])
+    if update_IO.shape != (inputs, sum(widths)):
+        raise ValueError(f"tensor {name} makes an update of {list(update_IO.shape)}; the "
+                         f"model's {'+'.join(targets)} takes {inputs} inputs to {sum(widths)} "
+                         "outputs")
+    pieces = np.split(update_IO, np.cumsum(widths)[:-1], axis=1)
+    for target, piece in zip(targets, pieces, strict=True):
+        module, kernel_name, _ = L.KERNELS[target]
+        held = layer[module] = dict(layer[module])
+        kernel = held[kernel_name] = dict(held[kernel_name])
+        old = kernel["kernel"]
+        new = old.astype(np.float32)
+        if kernel_name == "qkv":
+            start, heads = L.qkv_heads(config, target)
+            new[:, start:start + heads] += piece.reshape(-1, heads, config.head_dim)
+        else:
+            new += piece.reshape(new.shape)
+        kernel["kernel"] = new.astype(old.dtype)
+
+
+def _input_width(config: TransformerConfig, target: str) -> int:
+    return {"o": config.num_heads * config.head_dim, "wo": config.d_ff}.get(target,
+                                                                             config.d_model)
+
+
+def _output_width(config: TransformerConfig, target: str) -> int:
+    if L.KERNELS[target][1] == "qkv":
+        return L.qkv_heads(config, target)[1] * config.head_dim
+    return config.d_model if target in ("o", "wo") else config.d_ff

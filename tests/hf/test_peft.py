@@ -1,0 +1,142 @@
+"""kvjax/hf/peft.py: a PEFT LoRA adapter merged into a Hugging Face model computes what PEFT
+computes with it unmerged, and every setting or tensor kvjax would not merge is refused.
+
+The adapters under tests/fixtures/hf_adapters were made with `peft` on models of
+tests/fixtures/hf_models by tests/fixtures/make_peft_adapters.py, with the logits and greedy
+tokens PEFT computed; where peft is installed, the last test makes them again and compares.
+"""
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import run_cli
+from safetensors.numpy import load_file, save_file
+from test_hf_models import FIXTURES, relative_error, teacher_forced
+
+from kvjax import checkpoint, decode, hf, text
+from kvjax import model as M
+
+ADAPTERS = Path(__file__).parents[1] / "fixtures" / "hf_adapters"
+NAMES = ("llama_gqa", "phi3", "gpt2")
+
+
+def expected(name):
+    directory = ADAPTERS / name
+    return (json.loads((directory / "expected.json").read_text()),
+            load_file(str(directory / "expected.safetensors")))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_merged_adapter_computes_what_peft_computes(name):
+    record, logits = expected(name)
+    config, _, params = hf.load_pretrained(FIXTURES / record["base"], lora=ADAPTERS / name)
+    for i, got in enumerate(teacher_forced(config, params, record)):
+        assert relative_error(got, logits[f"logits_{i}"]) <= 1e-5
+    greedy = decode.generate(M.build_model(config), params, record["prompts"],
+                             max_new_tokens=record["max_new_tokens"],
+                             eos_ids=(record["eos_id"],))
+    assert greedy.token_lists() == record["greedy"]
+    base_greedy = json.loads((FIXTURES / record["base"] / "expected.json").read_text())["greedy"]
+    assert record["greedy"] != base_greedy  # the adapter changes what the model writes
+
+
+def test_only_the_adapted_kernels_change_and_the_loaded_base_is_left_as_it_was():
+    _, _, base = hf.load_pretrained(FIXTURES / "phi3")
+    _, _, merged = hf.load_pretrained(FIXTURES / "phi3", lora=ADAPTERS / "phi3")
+    flat_base = dict(jax.tree_util.tree_leaves_with_path(base))
+    flat_merged = dict(jax.tree_util.tree_leaves_with_path(merged))
+    changed = sorted(jax.tree_util.keystr(path) for path in flat_base
+                     if not np.array_equal(flat_base[path], flat_merged[path]))
+    assert changed == [f"['layers']['{i}']['{module}']['{kernel}']['kernel']"
+                       for i in range(2) for module, kernel in (
+                           ("ffn", "wi"), ("ffn", "wi_gate"), ("ffn", "wo"),
+                           ("self_attention", "out"), ("self_attention", "qkv"))]
+
+
+def copy_of(name, tmp_path):
+    target = tmp_path / f"adapter_{name}"
+    shutil.copytree(ADAPTERS / name, target)
+    return target
+
+
+def edit(directory, **changes):
+    path = directory / "adapter_config.json"
+    values = json.loads(path.read_text())
+    values.update(changes)
+    path.write_text(json.dumps(values))
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(use_dora=True), "kvjax does not implement use_dora=true"),
+    (dict(peft_type="IA3"), 'peft_type="IA3" is not supported (kvjax merges LoRA adapters)'),
+    (dict(bias="lora_only"), 'bias="lora_only" is not supported'),
+    (dict(alpha_pattern={"q_proj": 32}), "is not supported (a lora_alpha per module)"),
+    (dict(modules_to_save=["lm_head"]), 'modules_to_save=["lm_head"]'),
+    (dict(lora_alpha=0), "lora_alpha=0 must be a number > 0"),
+])
+def test_settings_kvjax_does_not_merge_are_refused(tmp_path, changes, message):
+    directory = copy_of("llama_gqa", tmp_path)
+    edit(directory, **changes)
+    with pytest.raises(ValueError) as error:
+        hf.load_pretrained(FIXTURES / "llama_gqa", lora=directory)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t: {**t, "base_model.model.model.embed_tokens.lora_embedding_A": np.ones((4, 8),
+                                                                                    np.float32)},
+     "tensor base_model.model.model.embed_tokens.lora_embedding_A adapts no module"),
+    (lambda t: {k: v for k, v in t.items() if "layers.1.mlp.down_proj.lora_B" not in k},
+     "mlp.down_proj of layer 1 has lora_A without its lora_B"),
+    (lambda t: {k: (v[:, :-1] if "layers.0.mlp.down_proj.lora_A" in k else v)
+                for k, v in t.items()},
+     "down_proj.lora_B.weight makes an update of [63, 32]; the model's wo takes 64 inputs"),
+])
+def test_tensors_that_do_not_fit_the_model_are_named(tmp_path, change, message):
+    directory = copy_of("llama_gqa", tmp_path)
+    path = directory / "adapter_model.safetensors"
+    save_file(change(load_file(str(path))), str(path))
+    with pytest.raises(ValueError) as error:
+        hf.load_pretrained(FIXTURES / "llama_gqa", lora=directory)
+    assert message in str(error.value)
+
+
+def test_an_adapter_goes_only_where_it_can_be_merged(tmp_path):
+    with pytest.raises(hf.UnsupportedModelError, match="PEFT adapters of 'marian' models are "
+                                                       "not supported"):
+        hf.load_pretrained(FIXTURES / "marian", lora=ADAPTERS / "llama_gqa")
+    with pytest.raises(ValueError, match="is not a PEFT adapter .no adapter_config.json."):
+        text.load(FIXTURES / "llama_gqa", lora=tmp_path)
+
+
+def test_import_hf_writes_the_merged_model_that_sample_reads_back(tmp_path, capsys):
+    out = tmp_path / "merged"
+    code, stdout, err = run_cli(capsys, "import-hf", FIXTURES / "gpt2", out, "--lora",
+                                ADAPTERS / "gpt2")
+    assert code == 0, err
+    _, _, want = hf.load_pretrained(FIXTURES / "gpt2", lora=ADAPTERS / "gpt2")
+    _, _, got = checkpoint.load_for_sampling(out)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    with pytest.raises(ValueError, match="it merges into the Hugging Face directory it was "
+                                         "trained on, and .* is a kvjax checkpoint"):
+        text.load(out, lora=ADAPTERS / "gpt2")
+
+
+def test_fixtures_are_what_peft_computes(tmp_path):
+    pytest.importorskip("peft")
+    spec = importlib.util.spec_from_file_location(
+        "make_peft_adapters", ADAPTERS.parent / "make_peft_adapters.py")
+    make_peft_adapters = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_peft_adapters)
+    make_peft_adapters.main(tmp_path)
+    for name in NAMES:
+        record, logits = expected(name)
+        assert json.loads((tmp_path / name / "expected.json").read_text()) == record, name
+        fresh = load_file(str(tmp_path / name / "expected.safetensors"))
+        for key, value in logits.items():
+            np.testing.assert_allclose(fresh[key], value, rtol=1e-5, atol=1e-5)
