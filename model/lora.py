@@ -3,7 +3,7 @@
 
 The adapters are a pytree of their own, beside the params: for every layer, one
 `{"lora_a", "lora_b"}` pair per target under the layer's path and the target's name, e.g.
-`adapters["layers"]["0"]["self_attention"]["q"]`. `merge` returns the params with every
+`adapters["layers"]["0"]["q"]`. `merge` returns the params with every
 target's kernel replaced by W + (alpha / r) · A B, so one forward serves training (the
 gradient flows to A and B only), sampling and serving, and `kvjax merge-lora` writes the sum.
 B starts at zero, so the merged params start equal to the base, bit for bit.

@@ -55,7 +55,7 @@ from .layout import (
     CheckpointError,
     UnverifiedCheckpointWarning,
 )
-from .load import load_for_sampling
+from .load import load_for_sampling, read_adapters
 from .metadata import (
     check_metadata,
     read_lora,
@@ -67,6 +67,7 @@ from .restore import (
     abstract_saved_state,
     latest_step,
     params_digest,
+    params_digest_of,
     read_manifest,
     restore_latest,
     restore_params,
@@ -87,6 +88,8 @@ __all__ = [
     "latest_step",
     "load_for_sampling",
     "params_digest",
+    "params_digest_of",
+    "read_adapters",
     "read_lora",
     "write_model",
     "manifest_metadata",

@@ -79,7 +79,28 @@ def load_for_sampling(directory: str | os.PathLike, mesh: Any = None, *,
 def _with_adapters(base_path, config, params, adapter_dir) -> tuple[Any, Any]:
     """(config, params) of the base with the adapters in `adapter_dir` merged in, held in the
     layer layout the adapters were trained in."""
-    from kvjax.model import TransformerConfig, with_layer_layout
+    from kvjax.model import lora as L
+    from kvjax.model import with_layer_layout
+
+    settings, trained, base, adapters = read_adapters(adapter_dir)
+    wanted = base.get("params_sha256")
+    if wanted is not None and params_digest(base_path) != wanted:
+        raise CheckpointError(
+            f"the LoRA adapters in {adapter_dir} were trained on other params than those of "
+            f"{base_path} (their base was {base.get('checkpoint')}, step {base.get('step')})")
+    if trained.replace(scan_layers=config.scan_layers) != config:
+        raise CheckpointError(f"the LoRA adapters in {adapter_dir} were trained for another "
+                              f"model config than the one of {base_path}")
+    if config.scan_layers != trained.scan_layers:
+        config, params = with_layer_layout(config, params, trained.scan_layers)
+    return config, L.merge(config, params, adapters, settings)
+
+
+def read_adapters(adapter_dir: str | os.PathLike) -> tuple[Any, Any, dict[str, Any], Any]:
+    """(LoRA settings, the model config they were trained for, the base they record, the
+    adapters in the layer layout they were trained in) of a run of `kvjax train
+    --lora-rank`, checked against its manifest."""
+    from kvjax.model import TransformerConfig, init_params
     from kvjax.model import lora as L
 
     path = existing_directory(adapter_dir)
@@ -93,16 +114,6 @@ def _with_adapters(base_path, config, params, adapter_dir) -> tuple[Any, Any]:
         trained = TransformerConfig.from_dict(read_metadata(path)[0])
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path / CONFIG_FILE}: invalid LoRA record: {e}") from e
-    wanted = (record.get("base") or {}).get("params_sha256")
-    if wanted is not None and params_digest(base_path) != wanted:
-        raise CheckpointError(
-            f"the LoRA adapters in {path} were trained on other params than those of "
-            f"{base_path} (their base was {record['base'].get('checkpoint')}, step "
-            f"{record['base'].get('step')})")
-    if trained.replace(scan_layers=config.scan_layers) != config:
-        raise CheckpointError(f"the LoRA adapters in {path} were trained for another model "
-                              f"config than the one of {base_path}")
-    if config.scan_layers != trained.scan_layers:
-        config, params = with_layer_layout(config, params, trained.scan_layers)
-    adapters = restore_params(path, L.adapter_shapes(config, params, settings))
-    return config, L.merge(config, params, adapters, settings)
+    abstract = jax.eval_shape(lambda: init_params(trained, jax.random.key(0)))
+    adapters = restore_params(path, L.adapter_shapes(trained, abstract, settings))
+    return settings, trained, record.get("base") or {}, adapters

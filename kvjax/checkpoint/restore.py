@@ -125,7 +125,19 @@ def params_digest(directory: str | os.PathLike) -> str | None:
     manifest = read_manifest(directory)
     if manifest is None:
         return None
-    entries = sorted(f"{key} {value}" for key, value in manifest["sha256"].items()
+    return _digest(manifest["sha256"])
+
+
+def params_digest_of(params: Any) -> str:
+    """`params_digest` of a checkpoint that would hold `params` (unrolled layers, as every
+    checkpoint kvjax writes of a whole model holds them): whether params in memory are the
+    ones adapters were trained on."""
+    return _digest({"/".join((PARAMS_KEY, *key)): sha256(leaf)
+                    for key, leaf in flat(host_arrays(params)).items()})
+
+
+def _digest(checksums: dict[str, str]) -> str:
+    entries = sorted(f"{key} {value}" for key, value in checksums.items()
                      if key.startswith(f"{PARAMS_KEY}/"))
     return hashlib.sha256("\n".join(entries).encode()).hexdigest()
 

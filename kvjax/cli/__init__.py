@@ -6,6 +6,7 @@
     kvjax serve --checkpoint DIR     an OpenAI-compatible server with continuous batching
     kvjax import-hf DIR OUT          a Hugging Face model directory as a kvjax checkpoint
     kvjax merge-lora --checkpoint DIR --lora DIR --out OUT   LoRA adapters merged into a model
+    kvjax export-peft --lora DIR --hf-dir DIR --out OUT   LoRA adapters as a PEFT adapter
     kvjax cache-size                 the KV-cache size formula for a preset or given sizes
     kvjax bench decode               decode speed against no cache, HF GPT-2 and memory
     kvjax bench train                training tokens/s against PyTorch eager
@@ -35,6 +36,7 @@ from .common import LAYER_MODES, PRESET_NAMES, Formatter, Parser, schedule
 from .compilation_cache import ENVIRONMENT_VARIABLE
 from .demo import add_demo
 from .errors import fail, not_an_orbax_leftover, one_line_warnings, quiet_orbax_leftovers
+from .export_peft import add_export_peft
 from .import_hf import add_import_hf
 from .merge_lora import add_merge_lora
 from .sample import add_sample
@@ -43,7 +45,7 @@ from .train import add_train
 
 # In the order `kvjax --help` lists them.
 COMMANDS = (add_demo, add_train, add_sample, add_serve, add_import_hf, add_merge_lora,
-            add_cache_size, add_bench)
+            add_export_peft, add_cache_size, add_bench)
 
 # Where these were before the commands became modules of their own.
 _schedule = schedule

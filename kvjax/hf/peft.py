@@ -23,6 +23,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+from safetensors.numpy import save_file
 
 from kvjax.model import TransformerConfig
 from kvjax.model import lora as L
@@ -162,3 +163,104 @@ def _output_width(config: TransformerConfig, target: str) -> int:
     if L.KERNELS[target][1] == "qkv":
         return L.qkv_heads(config, target)[1] * config.head_dim
     return config.d_model if target in ("o", "wo") else config.d_ff
+
+
+def export_peft_adapter(adapter_dir: str | os.PathLike, hf_directory: str | os.PathLike,
+                        out: str | os.PathLike) -> Path:
+    """Writes the LoRA adapters of a `kvjax train --lora-rank` run into `out` as a PEFT
+    adapter of the Hugging Face model in `hf_directory`, which must be the model they were
+    trained on (its params' digest is the one the run records of its base, as when the run
+    started from `--init-from hf_directory`). Returns `out`.
+
+    Each kvjax target becomes its file's module: q, k, v as q_proj, k_proj and v_proj (or
+    the rows of Phi-3's qkv_proj and GPT-2's c_attn: their A's stacked, their B's along the
+    diagonal, B scaled so that lora_alpha / r stays the run's scale at the fused rank, which
+    `rank_pattern` gives), wi and wi_gate as gate_proj and up_proj (or gate_up_proj).
+    `PeftModel.from_pretrained` then computes what kvjax computes with the adapters."""
+    from kvjax import checkpoint
+    from kvjax import model as M
+
+    from .config import read_hf_config, to_kvjax_config
+    from .weights import load_params
+
+    out = Path(out)
+    if (out / CONFIG_FILE).exists():
+        raise FileExistsError(f"{out} already holds a PEFT adapter; write into a new directory")
+    settings, trained, base, adapters = checkpoint.read_adapters(adapter_dir)
+    hf = read_hf_config(hf_directory)
+    modules = _MODULES.get(hf.get("model_type"))
+    if modules is None:
+        raise UnsupportedModelError(f"{hf_directory}: PEFT adapters of "
+                                    f"{hf.get('model_type')!r} models are not written; kvjax "
+                                    f"writes them for {', '.join(sorted(_MODULES))}")
+    model_type = hf["model_type"]
+    files = WeightFiles(hf_directory)
+    config = to_kvjax_config(hf, tied="lm_head.weight" not in files, dtype=trained.param_dtype,
+                             source=str(Path(hf_directory) / "config.json"))
+    # How fast and in which layout and compute dtype it ran change nothing in the weights.
+    same_running = {name: getattr(trained, name) for name in (
+        *M.SPEED_ONLY_FIELDS, "max_len", "scan_layers", "dtype")}
+    if config.replace(**same_running) != trained:
+        raise ValueError(f"the LoRA adapters in {adapter_dir} were trained for another model "
+                         f"config than the one of {hf_directory}")
+    params = load_params(config, model_type, files, np.dtype(config.param_dtype))
+    if checkpoint.params_digest_of(params) != base.get("params_sha256"):
+        raise ValueError(f"the LoRA adapters in {adapter_dir} were trained on other params than "
+                         f"those of {hf_directory} (their base was {base.get('checkpoint')})")
+    if trained.scan_layers:
+        adapters = M.unstack_layer_params(trained, adapters)
+    return write_peft_adapter(config, model_type, adapters, settings, out, str(hf_directory))
+
+
+def write_peft_adapter(config: TransformerConfig, model_type: str, adapters: dict,
+                       settings: L.LoRA, out: str | os.PathLike, base_name: str) -> Path:
+    """Writes `adapters` (`model.lora`'s, unrolled layers) of a `model_type` model as a PEFT
+    adapter into `out`, naming `base_name` as its base model; returns `out`."""
+    tensors, ranks = _peft_tensors(config, model_type, adapters["layers"], settings)
+    peft_config = {
+        "peft_type": "LORA", "base_model_name_or_path": base_name, "task_type": "CAUSAL_LM",
+        "r": settings.rank, "lora_alpha": settings.rank * settings.scale,
+        # Module paths' ends ("attn.c_proj", not "c_proj", which GPT-2's MLP has too).
+        "target_modules": sorted(ranks),
+        "rank_pattern": {name: rank for name, rank in sorted(ranks.items())
+                         if rank != settings.rank},
+        "fan_in_fan_out": model_type == "gpt2", "bias": "none", "use_rslora": False,
+        "use_dora": False, "lora_dropout": 0.0, "inference_mode": True}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / WEIGHTS_FILE))
+    (out / CONFIG_FILE).write_text(json.dumps(peft_config, indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+def _peft_tensors(config: TransformerConfig, model_type: str, layers: dict, settings: L.LoRA):
+    """(the file's tensors, the rank of each module path that has them)."""
+    prefix = "transformer.h" if model_type == "gpt2" else "model.layers"
+    tensors: dict[str, np.ndarray] = {}
+    ranks: dict[str, int] = {}
+    for module, targets in _MODULES[model_type].items():
+        trained = [t for t in targets if t in settings.targets]
+        if not trained:
+            continue
+        for index, layer in sorted(layers.items(), key=lambda item: int(item[0])):
+            pairs = [layer[target] for target in trained]
+            # C order: the file is written from the arrays' memory as it lies.
+            a_RI = np.ascontiguousarray(np.concatenate(
+                [np.asarray(p["lora_a"], np.float32).T for p in pairs]))
+            rank = a_RI.shape[0]
+            b_OR = np.zeros((sum(_output_width(config, t) for t in targets), rank), np.float32)
+            row, column = 0, 0
+            for target in targets:
+                width = _output_width(config, target)
+                if target in trained:
+                    b = np.asarray(layer[target]["lora_b"], np.float32).T
+                    b_OR[row:row + width, column:column + b.shape[1]] = b
+                    column += b.shape[1]
+                row += width
+            # PEFT scales by lora_alpha / rank: the same alpha over a fused rank k times the
+            # run's takes k times B to stay the run's update.
+            b_OR *= rank / settings.rank
+            name = f"base_model.model.{prefix}.{index}.{module}"
+            tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"] = a_RI, b_OR
+            ranks[module] = rank
+    return tensors, ranks

@@ -140,3 +140,25 @@ def test_fixtures_are_what_peft_computes(tmp_path):
         fresh = load_file(str(tmp_path / name / "expected.safetensors"))
         for key, value in logits.items():
             np.testing.assert_allclose(fresh[key], value, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name, targets", [
+    ("phi3", ("q", "v", "o", "wi")),  # fused qkv and gate-up, some of their parts unadapted
+    ("gpt2", ("q", "k", "v", "o", "wo")),  # c_proj of attention and of the MLP apart
+    ("llama_gqa", ("k", "wi_gate")),
+])
+def test_adapters_written_as_peft_merge_as_kvjax_merges_them(tmp_path, name, targets):
+    from kvjax.hf.peft import write_peft_adapter
+    from kvjax.model import lora as L
+
+    config, _, params = hf.load_pretrained(FIXTURES / name)
+    settings = M.LoRA(2, 6.0, targets)
+    adapters = L.init_adapters(config, params, settings, jax.random.key(0))
+    adapters = jax.tree.map(lambda x: x + 0.1, adapters)  # B no longer zero
+    write_peft_adapter(config, name.split("_")[0], adapters, settings, tmp_path / "peft",
+                       str(FIXTURES / name))
+    _, _, got = hf.load_pretrained(FIXTURES / name, lora=tmp_path / "peft")
+    want = L.merge(config, params, adapters, settings)
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6), got, want)
+    written = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert written["r"] == 2 and written["lora_alpha"] == 6.0
