@@ -1,4 +1,5 @@
-"""LoRA adapters trained with PEFT on a Hugging Face model, merged into its kvjax params.
+"""PEFT's LoRA adapters of a Hugging Face model: merged into its kvjax params as it loads,
+and written from adapters kvjax trained on it (`export_peft_adapter`).
 
 A PEFT adapter directory holds `adapter_config.json` and `adapter_model.safetensors`, whose
 tensors are named by the module they adapt (`base_model.model.model.layers.3.self_attn.
@@ -12,6 +13,8 @@ over kvjax's targets.
 
 As with config.json (`reader.py`), every key of adapter_config.json is read, known to change
 nothing once trained, or refused by name; every tensor must adapt a module of the model.
+Written, the modules a file fuses take kvjax's targets' A matrices stacked and their B
+matrices along the diagonal, which adds each target's update and no other.
 """
 
 from __future__ import annotations
