@@ -42,10 +42,14 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 # (which modules and layers have adapters, at which rank), or bookkeeping.
 _TRAINED_NEUTRAL = frozenset({
     "peft_version", "auto_mapping", "base_model_name_or_path", "revision", "task_type",
-    "inference_mode", "init_lora_weights", "lora_dropout", "loftq_config", "eva_config",
+    "inference_mode", "lora_dropout", "loftq_config", "eva_config",
     "corda_config", "lora_ga_config", "target_modules", "exclude_modules",
     "layers_to_transform", "layers_pattern", "rank_pattern", "megatron_core",
     "qalora_group_size", "ensure_weight_tying", "fan_in_fan_out"})
+
+# Initialisations that change the base weights as they make A and B: an adapter trained from
+# one adds to those weights, not to the ones the model's directory holds.
+_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 
 # Per model type: the file's module (after the layer's prefix) -> the kvjax targets it
 # covers, in the order its output rows hold them.
@@ -124,6 +128,12 @@ def _scaling(directory: Path):
     c.expect("bias", "none", "none", "adapters that train biases")
     c.expect("alpha_pattern", {}, {}, "a lora_alpha per module")
     c.get("r")  # each module's rank is its tensors'
+    init = c.get("init_lora_weights", True)
+    if isinstance(init, str) and init.startswith(_BASE_CHANGING_INITS):
+        raise UnsupportedModelError(
+            f"{path}: init_lora_weights={json.dumps(init)} changed the base weights the adapter "
+            "was trained over, so it does not add to the model's own; save it with PEFT's "
+            "path_initial_model_for_weight_conversion, which writes it as a plain LoRA adapter")
     alpha = c.require("lora_alpha")
     rslora = bool(c.get("use_rslora", False))
     c.refuse_unread()  # DoRA, biases, whole modules saved, token or MoE adapters, ...

@@ -78,6 +78,9 @@ def edit(directory, **changes):
     (dict(alpha_pattern={"q_proj": 32}), "is not supported (a lora_alpha per module)"),
     (dict(modules_to_save=["lm_head"]), 'modules_to_save=["lm_head"]'),
     (dict(lora_alpha=0), "lora_alpha=0 must be a number > 0"),
+    (dict(init_lora_weights="pissa_niter_4"), 'init_lora_weights="pissa_niter_4" changed the '
+                                               "base weights the adapter was trained over"),
+    (dict(init_lora_weights="olora"), "path_initial_model_for_weight_conversion"),
 ])
 def test_settings_kvjax_does_not_merge_are_refused(tmp_path, changes, message):
     directory = copy_of("llama_gqa", tmp_path)
