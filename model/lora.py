@@ -191,13 +191,17 @@ def kernel_ndim(name: str) -> int:
 
 def _widths(config: TransformerConfig, target: str, kernel) -> tuple[int, int, tuple]:
     """(I, O, leading stack axes) of a target's A and B."""
-    _, name, in_axes = KERNELS[target]
-    lead = tuple(kernel.shape[:kernel.ndim - kernel_ndim(name)])
-    shape = kernel.shape[len(lead):]
-    in_width = int(np.prod(shape[:in_axes]))
-    if name == "qkv":
-        return in_width, qkv_heads(config, target)[1] * config.head_dim, lead
-    return in_width, int(np.prod(shape[in_axes:])), lead
+    lead = tuple(kernel.shape[:kernel.ndim - kernel_ndim(KERNELS[target][1])])
+    return (*widths(config, target), lead)
+
+
+def widths(config: TransformerConfig, target: str) -> tuple[int, int]:
+    """(I, O): the input and output width of a target's update A B [I, O]."""
+    inputs = {"o": config.num_heads * config.head_dim, "wo": config.d_ff}.get(
+        target, config.d_model)
+    if KERNELS[target][1] == "qkv":
+        return inputs, qkv_heads(config, target)[1] * config.head_dim
+    return inputs, config.d_model if target in ("o", "wo") else config.d_ff
 
 
 def qkv_heads(config: TransformerConfig, target: str) -> tuple[int, int]:

@@ -6,7 +6,6 @@ reads each supported model type's keys.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -15,26 +14,18 @@ from kvjax.model import TransformerConfig
 
 from .errors import UnsupportedModelError
 from .families import READERS
-from .reader import Reader
+from .reader import Reader, read_json_object
 
 SUPPORTED_MODEL_TYPES = tuple(READERS)
 
 
 def read_hf_config(directory: str | os.PathLike) -> dict[str, Any]:
     """The parsed `config.json` of a Hugging Face model directory."""
-    path = Path(directory) / "config.json"
     if not Path(directory).is_dir():
         raise FileNotFoundError(f"{directory} is not a directory")
-    try:
-        values = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{directory} has no config.json: not a Hugging Face model "
-                                "directory") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"{path} must hold a JSON object")
-    return values
+    return read_json_object(Path(directory) / "config.json",
+                            f"{directory} has no config.json: not a Hugging Face model "
+                            "directory")
 
 
 def to_kvjax_config(hf: dict[str, Any], *, tied: bool, dtype: str = "float32",

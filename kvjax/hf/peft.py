@@ -32,8 +32,8 @@ from kvjax.model import TransformerConfig
 from kvjax.model import lora as L
 
 from .errors import UnsupportedModelError
-from .reader import Reader
-from .weights import WeightFiles
+from .reader import Reader, read_json_object
+from .weights import LAYOUTS, WeightFiles
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -51,23 +51,29 @@ _TRAINED_NEUTRAL = frozenset({
 # one adds to those weights, not to the ones the model's directory holds.
 _BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 
-# Per model type: the file's module (after the layer's prefix) -> the kvjax targets it
-# covers, in the order its output rows hold them.
-_LLAMA_MODULES = {"self_attn.q_proj": ("q",), "self_attn.k_proj": ("k",),
-                  "self_attn.v_proj": ("v",), "self_attn.o_proj": ("o",),
-                  "mlp.gate_proj": ("wi",), "mlp.up_proj": ("wi_gate",),
-                  "mlp.down_proj": ("wo",)}
+# Per layout of the weight files (`weights.LAYOUTS`): the file's module (after the layer's
+# prefix) -> the kvjax targets it covers, in the order its output rows hold them.
 _MODULES = {
+    "llama": {"self_attn.q_proj": ("q",), "self_attn.k_proj": ("k",),
+              "self_attn.v_proj": ("v",), "self_attn.o_proj": ("o",),
+              "mlp.gate_proj": ("wi",), "mlp.up_proj": ("wi_gate",), "mlp.down_proj": ("wo",)},
+    "fused": {"self_attn.qkv_proj": ("q", "k", "v"), "self_attn.o_proj": ("o",),
+              "mlp.gate_up_proj": ("wi", "wi_gate"), "mlp.down_proj": ("wo",)},
     "gpt2": {"attn.c_attn": ("q", "k", "v"), "attn.c_proj": ("o",), "mlp.c_fc": ("wi",),
              "mlp.c_proj": ("wo",)},
-    "phi3": {"self_attn.qkv_proj": ("q", "k", "v"), "self_attn.o_proj": ("o",),
-             "mlp.gate_up_proj": ("wi", "wi_gate"), "mlp.down_proj": ("wo",)},
-    **{model_type: _LLAMA_MODULES for model_type in (
-        "llama", "mistral", "qwen2", "qwen3", "smollm3", "granite", "gemma2", "gemma3_text",
-        "olmo2", "olmo3")},
 }
 _TENSOR = re.compile(r"^(?:base_model\.model\.)?(?:model\.layers|transformer\.h|h)\.(\d+)\."
                      r"(.+)\.lora_([AB])\.weight$")
+
+
+def _modules(model_type: str, refusal: str) -> dict[str, tuple[str, ...]]:
+    """The module table of `model_type`'s files, or `UnsupportedModelError(refusal...)`."""
+    modules = _MODULES.get(LAYOUTS.get(model_type))
+    if modules is None:
+        supported = sorted(t for t, layout in LAYOUTS.items() if layout in _MODULES)
+        raise UnsupportedModelError(f"{refusal}; kvjax's LoRA adapters are those of "
+                                    f"{', '.join(supported)}")
+    return modules
 
 
 def is_peft_directory(directory: str | os.PathLike) -> bool:
@@ -82,11 +88,8 @@ def merge_peft_adapter(config: TransformerConfig, model_type: str, params: dict,
     tensor that adapts nothing kvjax holds."""
     directory = Path(directory)
     scale_of = _scaling(directory)
-    modules = _MODULES.get(model_type)
-    if modules is None:
-        raise UnsupportedModelError(f"{directory}: PEFT adapters of {model_type!r} models are "
-                                    f"not supported; kvjax merges them into "
-                                    f"{', '.join(sorted(_MODULES))}")
+    modules = _modules(model_type, f"{directory}: PEFT adapters of {model_type!r} models are "
+                                   "not supported")
     files = WeightFiles(directory, single_file=WEIGHTS_FILE)
     pairs: dict[tuple[int, str], dict[str, str]] = {}
     for name in sorted(files.names()):
@@ -114,15 +117,7 @@ def merge_peft_adapter(config: TransformerConfig, model_type: str, params: dict,
 def _scaling(directory: Path):
     """What multiplies B A, as a function of the rank; the config's keys checked."""
     path = directory / CONFIG_FILE
-    try:
-        values = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{directory} has no {CONFIG_FILE}: not a PEFT adapter") \
-            from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"{path} must hold a JSON object")
+    values = read_json_object(path, f"{directory} has no {CONFIG_FILE}: not a PEFT adapter")
     c = Reader(values, str(path), neutral=_TRAINED_NEUTRAL)
     c.expect("peft_type", "LORA", "LORA", "kvjax merges LoRA adapters")
     c.expect("bias", "none", "none", "adapters that train biases")
@@ -146,8 +141,8 @@ def _add(config: TransformerConfig, layer: dict, targets: tuple[str, ...],
          update_IO: np.ndarray, name: str) -> None:
     """The update [I, O] of one module of the file, split along O over kvjax's `targets`,
     added to their kernels in `layer` (new arrays; the loaded ones are not changed)."""
-    widths = [_output_width(config, target) for target in targets]
-    inputs = _input_width(config, targets[0])
+    inputs = L.widths(config, targets[0])[0]
+    widths = [L.widths(config, target)[1] for target in targets]
     if update_IO.shape != (inputs, sum(widths)):
         raise ValueError(f"tensor {name} makes an update of {list(update_IO.shape)}; the "
                          f"model's {'+'.join(targets)} takes {inputs} inputs to {sum(widths)} "
@@ -165,17 +160,6 @@ def _add(config: TransformerConfig, layer: dict, targets: tuple[str, ...],
         else:
             new += piece.reshape(new.shape)
         kernel["kernel"] = new.astype(old.dtype)
-
-
-def _input_width(config: TransformerConfig, target: str) -> int:
-    return {"o": config.num_heads * config.head_dim, "wo": config.d_ff}.get(target,
-                                                                             config.d_model)
-
-
-def _output_width(config: TransformerConfig, target: str) -> int:
-    if L.KERNELS[target][1] == "qkv":
-        return L.qkv_heads(config, target)[1] * config.head_dim
-    return config.d_model if target in ("o", "wo") else config.d_ff
 
 
 def export_peft_adapter(adapter_dir: str | os.PathLike, hf_directory: str | os.PathLike,
@@ -201,12 +185,9 @@ def export_peft_adapter(adapter_dir: str | os.PathLike, hf_directory: str | os.P
         raise FileExistsError(f"{out} already holds a PEFT adapter; write into a new directory")
     settings, trained, base, adapters = checkpoint.read_adapters(adapter_dir)
     hf = read_hf_config(hf_directory)
-    modules = _MODULES.get(hf.get("model_type"))
-    if modules is None:
-        raise UnsupportedModelError(f"{hf_directory}: PEFT adapters of "
-                                    f"{hf.get('model_type')!r} models are not written; kvjax "
-                                    f"writes them for {', '.join(sorted(_MODULES))}")
-    model_type = hf["model_type"]
+    model_type = hf.get("model_type")
+    _modules(model_type, f"{hf_directory}: PEFT adapters of {model_type!r} models are not "
+                         "written")
     files = WeightFiles(hf_directory)
     config = to_kvjax_config(hf, tied="lm_head.weight" not in files, dtype=trained.param_dtype,
                              source=str(Path(hf_directory) / "config.json"))
@@ -251,7 +232,7 @@ def _peft_tensors(config: TransformerConfig, model_type: str, layers: dict, sett
     prefix = "transformer.h" if model_type == "gpt2" else "model.layers"
     tensors: dict[str, np.ndarray] = {}
     ranks: dict[str, int] = {}
-    for module, targets in _MODULES[model_type].items():
+    for module, targets in _MODULES[LAYOUTS[model_type]].items():
         trained = [t for t in targets if t in settings.targets]
         if not trained:
             continue
@@ -261,10 +242,10 @@ def _peft_tensors(config: TransformerConfig, model_type: str, layers: dict, sett
             a_RI = np.ascontiguousarray(np.concatenate(
                 [np.asarray(p["lora_a"], np.float32).T for p in pairs]))
             rank = a_RI.shape[0]
-            b_OR = np.zeros((sum(_output_width(config, t) for t in targets), rank), np.float32)
+            b_OR = np.zeros((sum(L.widths(config, t)[1] for t in targets), rank), np.float32)
             row, column = 0, 0
             for target in targets:
-                width = _output_width(config, target)
+                width = L.widths(config, target)[1]
                 if target in trained:
                     b = np.asarray(layer[target]["lora_b"], np.float32).T
                     b_OR[row:row + width, column:column + b.shape[1]] = b

@@ -10,6 +10,7 @@ model that runs and writes worse text; this one stops and says so.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from .errors import UnsupportedModelError
@@ -91,3 +92,17 @@ class Reader:
             raise UnsupportedModelError(
                 f"{self.source}: kvjax does not implement {shown}; it refuses a setting it "
                 "would otherwise ignore")
+
+
+def read_json_object(path: Path, absent: str) -> dict[str, Any]:
+    """The JSON object in the file `path`; `absent` is the FileNotFoundError's message when
+    there is no such file. Any other file is a ValueError naming it."""
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(absent) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return values

@@ -28,6 +28,14 @@ from kvjax.model.positional import sinusoidal
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
+# How each model type's files name and lay out its tensors: "llama" (Llama and its kin:
+# q_proj, k_proj, v_proj, gate_proj, up_proj, down_proj under model.layers.i), "fused"
+# (Phi-3: qkv_proj and gate_up_proj), "gpt2" (Conv1D's c_attn, c_proj, c_fc under
+# transformer.h.i) and "marian" (an encoder and a decoder).
+LAYOUTS = {"gpt2": "gpt2", "phi3": "fused", "marian": "marian", **dict.fromkeys((
+    "llama", "mistral", "qwen2", "qwen3", "smollm3", "granite", "gemma2", "gemma3_text",
+    "olmo2", "olmo3"), "llama")}
+
 
 class WeightFiles:
     """The tensors in a directory's safetensors files, read one at a time as NumPy arrays
@@ -139,11 +147,8 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
         raise ValueError("load_params builds unrolled layers; convert with "
                          "model.with_layer_layout")
     params = _Params(config, files, dtype)
-    mapper = {"gpt2": _gpt2, "llama": _llama_like, "mistral": _llama_like,
-              "phi3": functools.partial(_llama_like, fused=True), "qwen2": _llama_like,
-              "qwen3": _llama_like, "smollm3": _llama_like, "granite": _llama_like,
-              "gemma2": _llama_like, "gemma3_text": _llama_like, "olmo2": _llama_like,
-              "olmo3": _llama_like, "marian": _marian}[model_type]
+    mapper = {"gpt2": _gpt2, "llama": _llama_like, "fused": functools.partial(
+        _llama_like, fused=True), "marian": _marian}[LAYOUTS[model_type]]
     ignorable = mapper(config, params)
     return params.tree(ignorable)
 

@@ -128,14 +128,17 @@ def test_bfloat16_weights_load_as_asked():
 # Bad input: each is one error naming the problem, raised before anything is computed.
 
 
-def copy_of(name, tmp_path):
-    target = tmp_path / name
-    shutil.copytree(FIXTURES / name, target)
+def copy_of(name, tmp_path, fixtures=FIXTURES):
+    """A copy of the fixture `name` of `fixtures` under `tmp_path`, to change."""
+    target = tmp_path / fixtures.name / name
+    shutil.copytree(fixtures / name, target)
     return target
 
 
-def edit_config(directory, **changes):
-    path = directory / "config.json"
+def edit_config(directory, file="config.json", **changes):
+    """`changes` made to the JSON object in `directory / file`; a value None removes its
+    key."""
+    path = directory / file
     values = json.loads(path.read_text())
     for key, value in changes.items():
         if value is None:

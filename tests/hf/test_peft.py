@@ -8,7 +8,6 @@ tokens PEFT computed; where peft is installed, the last test makes them again an
 
 import importlib.util
 import json
-import shutil
 from pathlib import Path
 
 import jax
@@ -16,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import run_cli
 from safetensors.numpy import load_file, save_file
-from test_hf_models import FIXTURES, relative_error, teacher_forced
+from test_hf_models import FIXTURES, copy_of, edit_config, relative_error, teacher_forced
 
 from kvjax import checkpoint, decode, hf, text
 from kvjax import model as M
@@ -58,19 +57,6 @@ def test_only_the_adapted_kernels_change_and_the_loaded_base_is_left_as_it_was()
                            ("self_attention", "out"), ("self_attention", "qkv"))]
 
 
-def copy_of(name, tmp_path):
-    target = tmp_path / f"adapter_{name}"
-    shutil.copytree(ADAPTERS / name, target)
-    return target
-
-
-def edit(directory, **changes):
-    path = directory / "adapter_config.json"
-    values = json.loads(path.read_text())
-    values.update(changes)
-    path.write_text(json.dumps(values))
-
-
 @pytest.mark.parametrize("changes, message", [
     (dict(use_dora=True), "kvjax does not implement use_dora=true"),
     (dict(peft_type="IA3"), 'peft_type="IA3" is not supported (kvjax merges LoRA adapters)'),
@@ -83,8 +69,8 @@ def edit(directory, **changes):
     (dict(init_lora_weights="olora"), "path_initial_model_for_weight_conversion"),
 ])
 def test_settings_kvjax_does_not_merge_are_refused(tmp_path, changes, message):
-    directory = copy_of("llama_gqa", tmp_path)
-    edit(directory, **changes)
+    directory = copy_of("llama_gqa", tmp_path, ADAPTERS)
+    edit_config(directory, "adapter_config.json", **changes)
     with pytest.raises(ValueError) as error:
         hf.load_pretrained(FIXTURES / "llama_gqa", lora=directory)
     assert message in str(error.value) and "\n" not in str(error.value)
@@ -101,7 +87,7 @@ def test_settings_kvjax_does_not_merge_are_refused(tmp_path, changes, message):
      "down_proj.lora_B.weight makes an update of [63, 32]; the model's wo takes 64 inputs"),
 ])
 def test_tensors_that_do_not_fit_the_model_are_named(tmp_path, change, message):
-    directory = copy_of("llama_gqa", tmp_path)
+    directory = copy_of("llama_gqa", tmp_path, ADAPTERS)
     path = directory / "adapter_model.safetensors"
     save_file(change(load_file(str(path))), str(path))
     with pytest.raises(ValueError) as error:

@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from kvjax.hf import weights as W
-from kvjax.hf.config import read_hf_config, to_kvjax_config
+from kvjax.hf.config import SUPPORTED_MODEL_TYPES, read_hf_config, to_kvjax_config
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf_models"
 
@@ -115,3 +115,7 @@ def test_a_directory_of_pickles_only_is_refused_saying_why(tmp_path):
     (tmp_path / W.INDEX_FILE).write_text("{}")
     with pytest.raises(ValueError, match="is not a safetensors index"):
         W.WeightFiles(tmp_path)
+
+
+def test_every_model_type_read_has_a_weight_layout():
+    assert set(W.LAYOUTS) == set(SUPPORTED_MODEL_TYPES)
