@@ -112,6 +112,10 @@ class TransformerConfig:
     # A second norm on each sublayer's output before the residual sum (pre-norm only):
     # x + norm2(Sublayer(norm1(x))), Gemma 2 and 3's "sandwich".
     sandwich_norms: bool = False
+    # The attention and the FFN both read the layer's input, each through its own norm, and
+    # their outputs join it in one sum: x + Attn(norm1(x)) + FFN(norm2(x)) (pre-norm,
+    # decoder-only; GPT-NeoX and Pythia).
+    parallel_residual: bool = False
     # What multiplies QKᵀ; None: 1/√head_dim (Gemma: query_pre_attn_scalar^-1/2).
     attention_scale: float | None = None
     # Soft caps: logits -> cap · tanh(logits / cap), for attention (before the mask) and for
@@ -230,7 +234,7 @@ _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "rotary_dim", "cache_dtype", "qk_norm", "qk_norm_across_heads",
     "sliding_window", "full_attention_layers", "unrotated_layers", "local_rope_base",
     "norm_unit_offset",
-    "sandwich_norms", "attention_scale", "attention_softcap", "logits_softcap",
+    "sandwich_norms", "parallel_residual", "attention_scale", "attention_softcap", "logits_softcap",
     "embedding_multiplier", "residual_multiplier", "logits_scaling", "remat")}
 
 

@@ -96,9 +96,11 @@ class FeedForward(nn.Module):
 class Residual(nn.Module):
     """x + Sublayer(x) with the norm after the sum (`post`, the paper), before the sublayer
     (`pre`) or on its output (`output`); with `sandwich_norms`, x + post_norm(Sublayer(norm(x)));
-    the sublayer's output times `residual_multiplier` where it is not 1."""
+    the sublayer's output times `residual_multiplier` where it is not 1. Without `add_input`
+    (pre-norm only), the sublayer's output alone, which a parallel layer sums itself."""
 
     config: TransformerConfig
+    add_input: bool = True
 
     @nn.compact
     def __call__(self, x, sublayer):
@@ -115,7 +117,7 @@ class Residual(nn.Module):
             out, extra = sublayer(norm(x))
             if c.sandwich_norms:
                 out = make_norm(c, "post_norm")(out)
-            return x + scaled(out), extra
+            return (x + scaled(out) if self.add_input else scaled(out)), extra
         out, extra = sublayer(x)
         if c.norm == "output":
             return x + scaled(norm(out)), extra
@@ -140,7 +142,8 @@ class EncoderLayer(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Masked self-attention (reading/writing the layer cache), cross-attention, FFN.
+    """Masked self-attention (reading/writing the layer cache), cross-attention, FFN; or,
+    with `parallel_residual`, self-attention and FFN side by side.
 
     The carry is `(x [B, T, D], cache_kv)`: `cache_kv` is `(k, v)`, the self-attention cache
     stacks [L, B, K, S, H] that hold this layer at `layer["index"]`, carried whole so that
@@ -158,7 +161,9 @@ class DecoderLayer(nn.Module):
         x_BTD, cache_kv = carry
         mask_BTS, local = _attention_kind(c, layer["number"], inputs)
         attention = SelfAttention(c, name="self_attention")
-        x, cache_kv = Residual(c, name="attention_block")(
+        parallel = c.parallel_residual
+        # Sequential: x_BTD + Attn(...); parallel: Attn(...) alone, summed with the FFN's below.
+        x, cache_kv = Residual(c, name="attention_block", add_input=not parallel)(
             x_BTD,
             lambda h: attention(h, inputs.positions, mask_BTS, cache_kv, layer["index"],
                                 inputs.starts, inputs.fits, inputs.fresh, local,
@@ -172,6 +177,10 @@ class DecoderLayer(nn.Module):
                                     scales=_cross_scales(layer),
                                     source_lengths_B=inputs.source_lengths), None))
         ffn = FeedForward(c, name="ffn")
+        if parallel:  # the FFN reads the layer's input too
+            ffn_out, _ = Residual(c, name="ffn_block", add_input=False)(
+                x_BTD, lambda h: (ffn(h), None))
+            return (x_BTD + x + ffn_out, cache_kv), None
         x, _ = Residual(c, name="ffn_block")(x, lambda h: (ffn(h), None))
         return (x, cache_kv), None
 

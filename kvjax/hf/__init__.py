@@ -32,7 +32,7 @@ from kvjax import model as M
 
 from .config import SUPPORTED_MODEL_TYPES, UnsupportedModelError, read_hf_config, to_kvjax_config
 from .peft import is_peft_directory, merge_peft_adapter
-from .weights import INDEX_FILE, SINGLE_FILE, WeightFiles, load_params
+from .weights import INDEX_FILE, SINGLE_FILE, WeightFiles, load_params, ties_embeddings
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "UnsupportedModelError", "is_hf_directory",
            "is_peft_directory", "load_model", "load_pretrained", "read_hf_config",
@@ -91,8 +91,8 @@ def _config_and_files(directory, dtype: str | None, max_len: int | None = None):
     if hf.get("model_type") not in SUPPORTED_MODEL_TYPES:  # before reading any weights
         to_kvjax_config(hf, tied=True, source=source)
     files = WeightFiles(directory)
-    config = to_kvjax_config(hf, tied="lm_head.weight" not in files, dtype=dtype or "float32",
-                             source=source, max_len=max_len)
+    config = to_kvjax_config(hf, tied=ties_embeddings(hf["model_type"], files),
+                             dtype=dtype or "float32", source=source, max_len=max_len)
     return config, hf["model_type"], files
 
 

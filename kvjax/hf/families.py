@@ -31,6 +31,36 @@ def _gpt2(c: Reader) -> dict[str, Any]:
         scale_embeddings=False)
 
 
+def _gpt_neox(c: Reader) -> dict[str, Any]:
+    """GPT-NeoX and Pythia: LayerNorm before each sublayer, the attention and the FFN side by
+    side on the layer's input (`use_parallel_residual`, on unless false), biases on every
+    projection (attention's unless `attention_bias` is false), RoPE on the leading
+    `partial_rotary_factor` of each head's dimensions. Released files give that fraction and
+    RoPE's base as `rotary_pct` (0.25 where absent) and `rotary_emb_base`, which transformers
+    reads where `rope_parameters` names none; `rope_scaling`, if set, replaces
+    `rope_parameters` whole."""
+    width, heads = c.require("hidden_size"), c.require("num_attention_heads")
+    c.expect("is_encoder_decoder", False, False, "decoder-only model")
+    scaling, parameters = c.get("rope_scaling"), c.get("rope_parameters")
+    params = dict(scaling or parameters or {})
+    fraction = params.pop("partial_rotary_factor", None)
+    top_fraction, top_base = c.get("rotary_pct", 0.25), c.get("rotary_emb_base", 10000.0)
+    fraction = float(top_fraction if fraction is None else fraction)
+    max_len = c.require("max_position_embeddings")
+    rope = rope_fields(params, top_base, c.source, max_len)
+    _rotated_halves(c)
+    head_dim = width // heads
+    rotated = int(head_dim * fraction)
+    bias = bool(c.get("attention_bias", True))
+    return dict(
+        vocab_size=c.require("vocab_size"), d_model=width, num_heads=heads,
+        d_ff=c.require("intermediate_size"), num_decoder_layers=c.require("num_hidden_layers"),
+        max_len=max_len, norm="pre", parallel_residual=bool(c.get("use_parallel_residual", True)),
+        activation=c.activation("hidden_act", "gelu"), layer_norm_eps=c.get("layer_norm_eps", 1e-5),
+        qkv_bias=bias, out_bias=bias, ffn_bias=True, scale_embeddings=False, **rope,
+        **({} if rotated == head_dim else {"rotary_dim": rotated}))
+
+
 def _rope(c: Reader, phi3: bool = False) -> dict[str, Any]:
     """RoPE's base and scaling from `rope_parameters` (transformers 5) or the older
     `rope_theta` and `rope_scaling`. Phi-3's (`phi3`) may turn only the leading
@@ -305,4 +335,4 @@ def _marian(c: Reader) -> dict[str, Any]:
 READERS = {"gpt2": _gpt2, "llama": _llama, "mistral": _mistral, "phi3": _phi3,
            "qwen2": _qwen2, "qwen3": _qwen3, "smollm3": _smollm3, "granite": _granite,
            "gemma2": _gemma2, "gemma3_text": _gemma3, "olmo2": _olmo2, "olmo3": _olmo3,
-           "marian": _marian}
+           "gpt_neox": _gpt_neox, "marian": _marian}

@@ -33,7 +33,7 @@ from kvjax.model import lora as L
 
 from .errors import UnsupportedModelError
 from .reader import Reader, read_json_object
-from .weights import LAYOUTS, WeightFiles
+from .weights import LAYOUTS, WeightFiles, ties_embeddings
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -189,7 +189,7 @@ def export_peft_adapter(adapter_dir: str | os.PathLike, hf_directory: str | os.P
     _modules(model_type, f"{hf_directory}: PEFT adapters of {model_type!r} models are not "
                          "written")
     files = WeightFiles(hf_directory)
-    config = to_kvjax_config(hf, tied="lm_head.weight" not in files, dtype=trained.param_dtype,
+    config = to_kvjax_config(hf, tied=ties_embeddings(model_type, files), dtype=trained.param_dtype,
                              source=str(Path(hf_directory) / "config.json"))
     # How fast and in which layout and compute dtype it ran change nothing in the weights.
     same_running = {name: getattr(trained, name) for name in (

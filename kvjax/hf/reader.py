@@ -30,7 +30,7 @@ INFERENCE_NEUTRAL = frozenset({
     "no_repeat_ngram_size", "num_return_sequences", "temperature", "top_k", "top_p",
     "repetition_penalty", "transformers.js_config", "is_llama_config", "model_type",
     "tie_word_embeddings",  # tied or not follows the weight files (lm_head present or not)
-    "attn_pdrop", "embd_pdrop", "resid_pdrop", "attention_dropout", "dropout",
+    "attn_pdrop", "embd_pdrop", "resid_pdrop", "attention_dropout", "dropout", "hidden_dropout",
     "activation_dropout", "classifier_dropout", "classif_dropout", "summary_activation",
     "summary_first_dropout", "summary_proj_to_labels", "summary_type", "summary_use_proj",
     "encoder_layerdrop", "decoder_layerdrop", "pretraining_tp", "num_hidden_layers",

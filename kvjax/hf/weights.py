@@ -31,10 +31,19 @@ SINGLE_FILE = "model.safetensors"
 # How each model type's files name and lay out its tensors: "llama" (Llama and its kin:
 # q_proj, k_proj, v_proj, gate_proj, up_proj, down_proj under model.layers.i), "fused"
 # (Phi-3: qkv_proj and gate_up_proj), "gpt2" (Conv1D's c_attn, c_proj, c_fc under
-# transformer.h.i) and "marian" (an encoder and a decoder).
-LAYOUTS = {"gpt2": "gpt2", "phi3": "fused", "marian": "marian", **dict.fromkeys((
+# transformer.h.i), "gpt_neox" (query_key_value, each head's q, k and v in turn, under
+# gpt_neox.layers.i) and "marian" (an encoder and a decoder).
+LAYOUTS = {"gpt2": "gpt2", "phi3": "fused", "marian": "marian", "gpt_neox": "gpt_neox",
+           **dict.fromkeys((
     "llama", "mistral", "qwen2", "qwen3", "smollm3", "granite", "gemma2", "gemma3_text",
     "olmo2", "olmo3"), "llama")}
+_HEADS = {"gpt_neox": "embed_out.weight"}  # the output layer's tensor, where not lm_head's
+
+
+def ties_embeddings(model_type: str, files: WeightFiles) -> bool:
+    """Whether the model's output layer is its embedding table: its files hold no output
+    layer of their own."""
+    return _HEADS.get(LAYOUTS.get(model_type), "lm_head.weight") not in files
 
 
 class WeightFiles:
@@ -148,7 +157,7 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
                          "model.with_layer_layout")
     params = _Params(config, files, dtype)
     mapper = {"gpt2": _gpt2, "llama": _llama_like, "fused": functools.partial(
-        _llama_like, fused=True), "marian": _marian}[LAYOUTS[model_type]]
+        _llama_like, fused=True), "gpt_neox": _gpt_neox, "marian": _marian}[LAYOUTS[model_type]]
     ignorable = mapper(config, params)
     return params.tree(ignorable)
 
@@ -269,6 +278,32 @@ def _llama_like(c: M.TransformerConfig, p: _Params, fused: bool = False):
     _unembed(c, p, "lm_head.weight")
     # Some files keep RoPE's frequencies as a buffer; kvjax computes them from config.json.
     return lambda name: name.endswith(".rotary_emb.inv_freq")
+
+
+def _gpt_neox(c: M.TransformerConfig, p: _Params):
+    d, n, h, f = c.d_model, c.num_heads, c.head_dim, c.d_ff
+    p.set("embedder/embedding/embedding", p.read("gpt_neox.embed_in.weight", (c.vocab_size, d)))
+    for i in range(c.num_decoder_layers):
+        src, dst = f"gpt_neox.layers.{i}.", f"layers/{i}/"
+        _layer_norm(p, src + "input_layernorm", dst + "attention_block/norm", d)
+        _layer_norm(p, src + "post_attention_layernorm", dst + "ffn_block/norm", d)
+        # query_key_value's rows: head 0's q, k and v, then head 1's, ...; kvjax's kernel
+        # holds every q head, then every k head, then every v head.
+        qkv = p.read(src + "attention.query_key_value.weight", (3 * n * h, d))
+        p.set(dst + "self_attention/qkv/kernel",
+              qkv.reshape(n, 3, h, d).transpose(3, 1, 0, 2).reshape(d, 3 * n, h))
+        if c.qkv_bias:
+            bias = p.read(src + "attention.query_key_value.bias", (3 * n * h,))
+            p.set(dst + "self_attention/qkv/bias",
+                  bias.reshape(n, 3, h).transpose(1, 0, 2).reshape(3 * n, h))
+        _output(p, src + "attention.dense", dst + "self_attention/out", c)
+        _dense(p, src + "mlp.dense_h_to_4h", dst + "ffn/wi", (f, d), True)
+        _dense(p, src + "mlp.dense_4h_to_h", dst + "ffn/wo", (d, f), True)
+    _layer_norm(p, "gpt_neox.final_layer_norm", "final_norm", d)
+    _unembed(c, p, "embed_out.weight")
+    # Older files keep the causal mask and RoPE's frequencies as buffers.
+    return lambda name: name.endswith((".attention.bias", ".attention.masked_bias",
+                                       ".rotary_emb.inv_freq"))
 
 
 def _marian(c: M.TransformerConfig, p: _Params):
