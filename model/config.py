@@ -114,8 +114,10 @@ class TransformerConfig:
     sandwich_norms: bool = False
     # The attention and the FFN both read the layer's input, each through its own norm, and
     # their outputs join it in one sum: x + Attn(norm1(x)) + FFN(norm2(x)) (pre-norm,
-    # decoder-only; GPT-NeoX and Pythia).
+    # decoder-only; GPT-NeoX and Pythia). With `shared_norm`, through one norm:
+    # x + Attn(norm(x)) + FFN(norm(x)) (Phi-1, Phi-1.5, Phi-2).
     parallel_residual: bool = False
+    shared_norm: bool = False
     # What multiplies QKᵀ; None: 1/√head_dim (Gemma: query_pre_attn_scalar^-1/2).
     attention_scale: float | None = None
     # Soft caps: logits -> cap · tanh(logits / cap), for attention (before the mask) and for
@@ -233,8 +235,8 @@ _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "rope_truncate", "rope_attention_factor", "rope_short_factors", "rope_long_factors",
     "rotary_dim", "cache_dtype", "qk_norm", "qk_norm_across_heads",
     "sliding_window", "full_attention_layers", "unrotated_layers", "local_rope_base",
-    "norm_unit_offset",
-    "sandwich_norms", "parallel_residual", "attention_scale", "attention_softcap", "logits_softcap",
+    "norm_unit_offset", "sandwich_norms", "parallel_residual", "shared_norm", "attention_scale",
+    "attention_softcap", "logits_softcap",
     "embedding_multiplier", "residual_multiplier", "logits_scaling", "remat")}
 
 

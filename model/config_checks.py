@@ -48,7 +48,8 @@ _REAL_FIELDS = ("dropout", "rope_base", "layer_norm_eps", "rope_scaling_factor",
                 "rope_beta_slow", "embedding_multiplier", "residual_multiplier", "logits_scaling")
 _BOOL_FIELDS = ("tie_embeddings", "scan_layers", "remat", "qkv_bias", "out_bias", "ffn_bias",
                 "scale_embeddings", "logits_bias", "qk_norm", "qk_norm_across_heads",
-                "norm_unit_offset", "sandwich_norms", "parallel_residual", "rope_truncate")
+                "norm_unit_offset", "sandwich_norms", "parallel_residual", "shared_norm",
+                "rope_truncate")
 _OPTIONAL_REALS = ("local_rope_base", "attention_scale", "attention_softcap", "logits_softcap",
                    "rope_attention_factor")
 _CHOICES = {"positional_encoding": POSITIONAL_ENCODINGS, "norm": NORM_PLACEMENTS,
@@ -133,6 +134,8 @@ def _layer_kind_problems(config: Config) -> list[str]:
                                      or config.num_encoder_layers):
         problems.append("parallel_residual needs norm='pre', no sandwich_norms and a "
                         "decoder-only model")
+    if config.shared_norm and not config.parallel_residual:
+        problems.append("shared_norm needs parallel_residual")
     if config.qk_norm_across_heads and not config.qk_norm:
         problems.append("qk_norm_across_heads needs qk_norm")
     return problems

@@ -97,15 +97,17 @@ class Residual(nn.Module):
     """x + Sublayer(x) with the norm after the sum (`post`, the paper), before the sublayer
     (`pre`) or on its output (`output`); with `sandwich_norms`, x + post_norm(Sublayer(norm(x)));
     the sublayer's output times `residual_multiplier` where it is not 1. Without `add_input`
-    (pre-norm only), the sublayer's output alone, which a parallel layer sums itself."""
+    (pre-norm only), the sublayer's output alone, which a parallel layer sums itself; without
+    `normalize`, the sublayer reads x as it is (a norm another block shares)."""
 
     config: TransformerConfig
     add_input: bool = True
+    normalize: bool = True
 
     @nn.compact
     def __call__(self, x, sublayer):
         c = self.config
-        norm = make_norm(c, "norm")
+        norm = make_norm(c, "norm") if self.normalize else (lambda h: h)
         dropout = nn.Dropout(c.dropout)
         deterministic = not self.has_rng("dropout")
 
@@ -162,13 +164,17 @@ class DecoderLayer(nn.Module):
         mask_BTS, local = _attention_kind(c, layer["number"], inputs)
         attention = SelfAttention(c, name="self_attention")
         parallel = c.parallel_residual
+        normed = {}  # the attention's input, which the FFN reads too under a shared norm
+
+        def attend(h_BTD):
+            normed["h"] = h_BTD
+            return attention(h_BTD, inputs.positions, mask_BTS, cache_kv, layer["index"],
+                             inputs.starts, inputs.fits, inputs.fresh, local,
+                             inputs.key_lengths, pages=inputs.pages,
+                             turned=_turned(c, layer["number"]))
+
         # Sequential: x_BTD + Attn(...); parallel: Attn(...) alone, summed with the FFN's below.
-        x, cache_kv = Residual(c, name="attention_block", add_input=not parallel)(
-            x_BTD,
-            lambda h: attention(h, inputs.positions, mask_BTS, cache_kv, layer["index"],
-                                inputs.starts, inputs.fits, inputs.fresh, local,
-                                inputs.key_lengths, pages=inputs.pages,
-                                turned=_turned(c, layer["number"])))
+        x, cache_kv = Residual(c, name="attention_block", add_input=not parallel)(x_BTD, attend)
         if layer.get("cross_k") is not None:
             cross = CrossAttention(c, name="cross_attention")
             x, _ = Residual(c, name="cross_block")(
@@ -178,8 +184,9 @@ class DecoderLayer(nn.Module):
                                     source_lengths_B=inputs.source_lengths), None))
         ffn = FeedForward(c, name="ffn")
         if parallel:  # the FFN reads the layer's input too
-            ffn_out, _ = Residual(c, name="ffn_block", add_input=False)(
-                x_BTD, lambda h: (ffn(h), None))
+            ffn_out, _ = Residual(c, name="ffn_block", add_input=False,
+                                  normalize=not c.shared_norm)(
+                normed["h"] if c.shared_norm else x_BTD, lambda h: (ffn(h), None))
             return (x_BTD + x + ffn_out, cache_kv), None
         x, _ = Residual(c, name="ffn_block")(x, lambda h: (ffn(h), None))
         return (x, cache_kv), None

@@ -39,26 +39,49 @@ def _gpt_neox(c: Reader) -> dict[str, Any]:
     RoPE's base as `rotary_pct` (0.25 where absent) and `rotary_emb_base`, which transformers
     reads where `rope_parameters` names none; `rope_scaling`, if set, replaces
     `rope_parameters` whole."""
+    scaling, parameters = c.get("rope_scaling"), c.get("rope_parameters")
+    bias = bool(c.get("attention_bias", True))
+    return _parallel(c, dict(scaling or parameters or {}), c.get("rotary_pct", 0.25),
+                     c.get("rotary_emb_base", 10000.0), activation="gelu",
+                     parallel_residual=bool(c.get("use_parallel_residual", True)),
+                     qkv_bias=bias, out_bias=bias)
+
+
+def _phi(c: Reader) -> dict[str, Any]:
+    """Phi-1, Phi-1.5 and Phi-2: GPT-NeoX's parallel layer with one LayerNorm that both the
+    attention and the FFN read, x + Attn(norm(x)) + FFN(norm(x)); RoPE over the leading
+    `partial_rotary_factor` of each head (0.5 where absent), GQA where
+    `num_key_value_heads` says, a bias on the output layer."""
+    c.expect("qk_layernorm", False, False, "LayerNorm over each head's query and key")
+    params = {**(c.get("rope_scaling") or {}), **(c.get("rope_parameters") or {})}
+    heads = c.require("num_attention_heads")
+    return {**_parallel(c, params, c.get("partial_rotary_factor", 0.5),
+                        c.get("rope_theta", 10000.0), activation="gelu_new",
+                        parallel_residual=True, qkv_bias=True, out_bias=True),
+            "shared_norm": True, "logits_bias": True,
+            "num_kv_heads": c.get("num_key_value_heads", heads)}
+
+
+def _parallel(c: Reader, rope_params: dict[str, Any], fraction: float, base: float, *,
+              activation: str, **fields) -> dict[str, Any]:
+    """The fields GPT-NeoX and Phi share: pre-LN (LayerNorm), biases in the FFN, RoPE over the
+    leading `fraction` of each head (where `rope_params` names no `partial_rotary_factor`)
+    at `base` (where it names no `rope_theta`)."""
     width, heads = c.require("hidden_size"), c.require("num_attention_heads")
     c.expect("is_encoder_decoder", False, False, "decoder-only model")
-    scaling, parameters = c.get("rope_scaling"), c.get("rope_parameters")
-    params = dict(scaling or parameters or {})
-    fraction = params.pop("partial_rotary_factor", None)
-    top_fraction, top_base = c.get("rotary_pct", 0.25), c.get("rotary_emb_base", 10000.0)
-    fraction = float(top_fraction if fraction is None else fraction)
+    params = dict(rope_params)
+    fraction = float(params.pop("partial_rotary_factor", fraction))
     max_len = c.require("max_position_embeddings")
-    rope = rope_fields(params, top_base, c.source, max_len)
+    rope = rope_fields(params, base, c.source, max_len)
     _rotated_halves(c)
     head_dim = width // heads
     rotated = int(head_dim * fraction)
-    bias = bool(c.get("attention_bias", True))
     return dict(
         vocab_size=c.require("vocab_size"), d_model=width, num_heads=heads,
         d_ff=c.require("intermediate_size"), num_decoder_layers=c.require("num_hidden_layers"),
-        max_len=max_len, norm="pre", parallel_residual=bool(c.get("use_parallel_residual", True)),
-        activation=c.activation("hidden_act", "gelu"), layer_norm_eps=c.get("layer_norm_eps", 1e-5),
-        qkv_bias=bias, out_bias=bias, ffn_bias=True, scale_embeddings=False, **rope,
-        **({} if rotated == head_dim else {"rotary_dim": rotated}))
+        max_len=max_len, norm="pre", activation=c.activation("hidden_act", activation),
+        layer_norm_eps=c.get("layer_norm_eps", 1e-5), ffn_bias=True, scale_embeddings=False,
+        **rope, **({} if rotated == head_dim else {"rotary_dim": rotated}), **fields)
 
 
 def _rope(c: Reader, phi3: bool = False) -> dict[str, Any]:
@@ -335,4 +358,4 @@ def _marian(c: Reader) -> dict[str, Any]:
 READERS = {"gpt2": _gpt2, "llama": _llama, "mistral": _mistral, "phi3": _phi3,
            "qwen2": _qwen2, "qwen3": _qwen3, "smollm3": _smollm3, "granite": _granite,
            "gemma2": _gemma2, "gemma3_text": _gemma3, "olmo2": _olmo2, "olmo3": _olmo3,
-           "gpt_neox": _gpt_neox, "marian": _marian}
+           "gpt_neox": _gpt_neox, "phi": _phi, "marian": _marian}

@@ -61,6 +61,8 @@ _MODULES = {
               "mlp.gate_up_proj": ("wi", "wi_gate"), "mlp.down_proj": ("wo",)},
     "gpt2": {"attn.c_attn": ("q", "k", "v"), "attn.c_proj": ("o",), "mlp.c_fc": ("wi",),
              "mlp.c_proj": ("wo",)},
+    "phi": {"self_attn.q_proj": ("q",), "self_attn.k_proj": ("k",), "self_attn.v_proj": ("v",),
+            "self_attn.dense": ("o",), "mlp.fc1": ("wi",), "mlp.fc2": ("wo",)},
 }
 _TENSOR = re.compile(r"^(?:base_model\.model\.)?(?:model\.layers|transformer\.h|h)\.(\d+)\."
                      r"(.+)\.lora_([AB])\.weight$")

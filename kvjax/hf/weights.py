@@ -32,9 +32,10 @@ SINGLE_FILE = "model.safetensors"
 # q_proj, k_proj, v_proj, gate_proj, up_proj, down_proj under model.layers.i), "fused"
 # (Phi-3: qkv_proj and gate_up_proj), "gpt2" (Conv1D's c_attn, c_proj, c_fc under
 # transformer.h.i), "gpt_neox" (query_key_value, each head's q, k and v in turn, under
-# gpt_neox.layers.i) and "marian" (an encoder and a decoder).
+# gpt_neox.layers.i), "phi" (Phi-2: q_proj, k_proj, v_proj, dense, fc1, fc2, one norm a
+# layer) and "marian" (an encoder and a decoder).
 LAYOUTS = {"gpt2": "gpt2", "phi3": "fused", "marian": "marian", "gpt_neox": "gpt_neox",
-           **dict.fromkeys((
+           "phi": "phi", **dict.fromkeys((
     "llama", "mistral", "qwen2", "qwen3", "smollm3", "granite", "gemma2", "gemma3_text",
     "olmo2", "olmo3"), "llama")}
 _HEADS = {"gpt_neox": "embed_out.weight"}  # the output layer's tensor, where not lm_head's
@@ -157,7 +158,8 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
                          "model.with_layer_layout")
     params = _Params(config, files, dtype)
     mapper = {"gpt2": _gpt2, "llama": _llama_like, "fused": functools.partial(
-        _llama_like, fused=True), "gpt_neox": _gpt_neox, "marian": _marian}[LAYOUTS[model_type]]
+        _llama_like, fused=True), "gpt_neox": _gpt_neox, "phi": _phi,
+        "marian": _marian}[LAYOUTS[model_type]]
     ignorable = mapper(config, params)
     return params.tree(ignorable)
 
@@ -304,6 +306,25 @@ def _gpt_neox(c: M.TransformerConfig, p: _Params):
     # Older files keep the causal mask and RoPE's frequencies as buffers.
     return lambda name: name.endswith((".attention.bias", ".attention.masked_bias",
                                        ".rotary_emb.inv_freq"))
+
+
+def _phi(c: M.TransformerConfig, p: _Params):
+    d, f = c.d_model, c.d_ff
+    p.set("embedder/embedding/embedding", p.read("model.embed_tokens.weight",
+                                                 (c.vocab_size, d)))
+    for i in range(c.num_decoder_layers):
+        src, dst = f"model.layers.{i}.", f"layers/{i}/"
+        _layer_norm(p, src + "input_layernorm", dst + "attention_block/norm", d)
+        _fused(p, dst + "self_attention/qkv", [
+            _linear(p, f"{src}self_attn.{name}_proj", heads, c.head_dim, d, True)
+            for name, heads in (("q", c.num_heads), ("k", c.kv_heads), ("v", c.kv_heads))])
+        _output(p, src + "self_attn.dense", dst + "self_attention/out", c)
+        _dense(p, src + "mlp.fc1", dst + "ffn/wi", (f, d), True)
+        _dense(p, src + "mlp.fc2", dst + "ffn/wo", (d, f), True)
+    _layer_norm(p, "model.final_layernorm", "final_norm", d)
+    _unembed(c, p, "lm_head.weight")
+    p.set("embedder/logits_bias", p.read("lm_head.bias", (c.vocab_size,)))
+    return lambda name: name.endswith(".rotary_emb.inv_freq")
 
 
 def _marian(c: M.TransformerConfig, p: _Params):

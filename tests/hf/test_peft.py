@@ -21,7 +21,7 @@ from kvjax import checkpoint, decode, hf, text
 from kvjax import model as M
 
 ADAPTERS = Path(__file__).parents[1] / "fixtures" / "hf_adapters"
-NAMES = ("llama_gqa", "phi3", "gpt2")
+NAMES = ("llama_gqa", "phi3", "gpt2", "phi")
 
 
 def expected(name):
@@ -135,6 +135,7 @@ def test_fixtures_are_what_peft_computes(tmp_path):
     ("phi3", ("q", "v", "o", "wi")),  # fused qkv and gate-up, some of their parts unadapted
     ("gpt2", ("q", "k", "v", "o", "wo")),  # c_proj of attention and of the MLP apart
     ("llama_gqa", ("k", "wi_gate")),
+    ("phi", ("q", "o", "wi", "wo")),  # Phi-2's dense, fc1 and fc2
 ])
 def test_adapters_written_as_peft_merge_as_kvjax_merges_them(tmp_path, name, targets):
     from kvjax.hf.peft import write_peft_adapter

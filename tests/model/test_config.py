@@ -17,6 +17,7 @@ from kvjax import model as M
     (dict(norm="middle"), "norm='middle'"),
     (dict(qk_norm_across_heads=True), "qk_norm_across_heads needs qk_norm"),
     (dict(parallel_residual=True), "parallel_residual needs norm='pre'"),
+    (dict(shared_norm=True), "shared_norm needs parallel_residual"),
     (dict(parallel_residual=True, norm="pre", num_encoder_layers=2),
      "parallel_residual needs norm='pre', no sandwich_norms and a decoder-only model"),
     (dict(activation="tanh"), "activation='tanh'"),
@@ -85,7 +86,7 @@ OPTION_FIELDS = ("head_dim", "qkv_bias", "out_bias", "ffn_bias", "norm_type",
                  "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                  "rope_original_max_len", "rope_beta_fast", "rope_beta_slow", "rope_truncate",
                  "rope_attention_factor", "qk_norm", "qk_norm_across_heads", "sliding_window",
-                 "parallel_residual")
+                 "parallel_residual", "shared_norm")
 
 
 def test_a_config_without_options_writes_what_it_wrote_before_them():
