@@ -69,19 +69,42 @@ def _parallel(c: Reader, rope_params: dict[str, Any], fraction: float, base: flo
     at `base` (where it names no `rope_theta`)."""
     width, heads = c.require("hidden_size"), c.require("num_attention_heads")
     c.expect("is_encoder_decoder", False, False, "decoder-only model")
-    params = dict(rope_params)
-    fraction = float(params.pop("partial_rotary_factor", fraction))
     max_len = c.require("max_position_embeddings")
-    rope = rope_fields(params, base, c.source, max_len)
-    _rotated_halves(c)
-    head_dim = width // heads
-    rotated = int(head_dim * fraction)
     return dict(
         vocab_size=c.require("vocab_size"), d_model=width, num_heads=heads,
         d_ff=c.require("intermediate_size"), num_decoder_layers=c.require("num_hidden_layers"),
         max_len=max_len, norm="pre", activation=c.activation("hidden_act", activation),
         layer_norm_eps=c.get("layer_norm_eps", 1e-5), ffn_bias=True, scale_embeddings=False,
-        **rope, **({} if rotated == head_dim else {"rotary_dim": rotated}), **fields)
+        **_partial_rope(c, rope_params, fraction, base, width // heads), **fields)
+
+
+def _partial_rope(c: Reader, rope_params: dict[str, Any], fraction: float, base: float,
+                  head_dim: int) -> dict[str, Any]:
+    """RoPE's fields, turning the leading `fraction` of each head's `head_dim` dimensions
+    (where `rope_params` names no `partial_rotary_factor`) at `base` (where it names no
+    `rope_theta`)."""
+    params = dict(rope_params)
+    fraction = float(params.pop("partial_rotary_factor", fraction))
+    fields = rope_fields(params, base, c.source, c.get("max_position_embeddings"))
+    _rotated_halves(c)
+    rotated = int(head_dim * fraction)
+    return fields if rotated == head_dim else {**fields, "rotary_dim": rotated}
+
+
+def _stablelm(c: Reader) -> dict[str, Any]:
+    """StableLM (StableLM 2 1.6B, StableLM-3B-4E1T, Stable Code 3B): Llama's layer with
+    LayerNorm (with biases) for RMSNorm, RoPE over the leading `partial_rotary_factor` of each
+    head (0.25 where absent), q/k/v biases where `use_qkv_bias`."""
+    c.expect("qk_layernorm", False, False, "a LayerNorm of its own for each head's query and key")
+    c.expect("use_parallel_residual", False, False, "attention and FFN side by side: StableLM 2 "
+             "12B's layout, which also needs per-head query and key norms")
+    width, heads = c.require("hidden_size"), c.require("num_attention_heads")
+    params = {**(c.get("rope_scaling") or {}), **(c.get("rope_parameters") or {})}
+    rope = _partial_rope(c, params, c.get("partial_rotary_factor", 0.25),
+                         c.get("rope_theta", 10000.0), width // heads)
+    return {**_llama_like(c, qkv_bias=bool(c.get("use_qkv_bias", False)), out_bias=False,
+                          ffn_bias=False, rope=rope),
+            "norm_type": "layernorm", "layer_norm_eps": c.get("layer_norm_eps", 1e-5)}
 
 
 def _rope(c: Reader, phi3: bool = False) -> dict[str, Any]:
@@ -358,4 +381,5 @@ def _marian(c: Reader) -> dict[str, Any]:
 READERS = {"gpt2": _gpt2, "llama": _llama, "mistral": _mistral, "phi3": _phi3,
            "qwen2": _qwen2, "qwen3": _qwen3, "smollm3": _smollm3, "granite": _granite,
            "gemma2": _gemma2, "gemma3_text": _gemma3, "olmo2": _olmo2, "olmo3": _olmo3,
-           "gpt_neox": _gpt_neox, "phi": _phi, "marian": _marian}
+           "gpt_neox": _gpt_neox, "phi": _phi, "stablelm": _stablelm,
+           "marian": _marian}

@@ -37,7 +37,7 @@ SINGLE_FILE = "model.safetensors"
 LAYOUTS = {"gpt2": "gpt2", "phi3": "fused", "marian": "marian", "gpt_neox": "gpt_neox",
            "phi": "phi", **dict.fromkeys((
     "llama", "mistral", "qwen2", "qwen3", "smollm3", "granite", "gemma2", "gemma3_text",
-    "olmo2", "olmo3"), "llama")}
+    "olmo2", "olmo3", "stablelm"), "llama")}
 _HEADS = {"gpt_neox": "embed_out.weight"}  # the output layer's tensor, where not lm_head's
 
 
@@ -195,6 +195,14 @@ def _gpt2(c: M.TransformerConfig, p: _Params):
     return lambda name: name.endswith((".attn.bias", ".attn.masked_bias"))
 
 
+def _norm(p: _Params, src: str, dst: str, c: M.TransformerConfig) -> None:
+    """An RMSNorm's scale, or a LayerNorm's scale and bias (StableLM)."""
+    if c.norm_type == "layernorm":
+        _layer_norm(p, src, dst, c.d_model)
+    else:
+        p.set(dst + "/scale", p.read(src + ".weight", (c.d_model,)))
+
+
 def _layer_norm(p: _Params, src: str, dst: str, width: int) -> None:
     p.set(dst + "/scale", p.read(src + ".weight", (width,)))
     p.set(dst + "/bias", p.read(src + ".bias", (width,)))
@@ -241,9 +249,9 @@ _OUTPUT_NORMS = {"attention_block/norm": "post_attention_layernorm",
 
 
 def _llama_like(c: M.TransformerConfig, p: _Params, fused: bool = False):
-    """Llama and its kin, Gemma's and OLMo's norms included. `fused` (Phi-3): q, k and v are rows
-    of one `qkv_proj`, and the gate and up projections the two halves of one
-    `gate_up_proj`."""
+    """Llama and its kin, Gemma's and OLMo's norms and StableLM's LayerNorms included.
+    `fused` (Phi-3): q, k and v are rows of one `qkv_proj`, and the gate and up projections
+    the two halves of one `gate_up_proj`."""
     d, h, f = c.d_model, c.head_dim, c.d_ff
     p.set("embedder/embedding/embedding", p.read("model.embed_tokens.weight",
                                                  (c.vocab_size, d)))
@@ -252,7 +260,7 @@ def _llama_like(c: M.TransformerConfig, p: _Params, fused: bool = False):
         norms = (_SANDWICH_NORMS if c.sandwich_norms else
                  _OUTPUT_NORMS if c.norm == "output" else _NORMS)
         for kvjax_name, hf_name in norms.items():
-            p.set(f"{dst}{kvjax_name}/scale", p.read(f"{src}{hf_name}.weight", (d,)))
+            _norm(p, f"{src}{hf_name}", f"{dst}{kvjax_name}", c)
         if fused:  # rows: the q heads, then the k heads, then the v heads
             heads = c.num_heads + 2 * c.kv_heads
             p.set(dst + "self_attention/qkv/kernel", p.read(
@@ -276,7 +284,7 @@ def _llama_like(c: M.TransformerConfig, p: _Params, fused: bool = False):
             _dense(p, src + "mlp.gate_proj", dst + "ffn/wi", (f, d), c.ffn_bias)
             _dense(p, src + "mlp.up_proj", dst + "ffn/wi_gate", (f, d), c.ffn_bias)
         _dense(p, src + "mlp.down_proj", dst + "ffn/wo", (d, f), c.ffn_bias)
-    p.set("final_norm/scale", p.read("model.norm.weight", (d,)))
+    _norm(p, "model.norm", "final_norm", c)
     _unembed(c, p, "lm_head.weight")
     # Some files keep RoPE's frequencies as a buffer; kvjax computes them from config.json.
     return lambda name: name.endswith(".rotary_emb.inv_freq")

@@ -25,12 +25,12 @@ from kvjax import model as M
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf_models"
 NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral", "phi3",
          "gemma2", "gemma3_text", "smollm3", "granite", "olmo2", "olmo3", "gpt_neox",
-         "phi")
+         "phi", "stablelm")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
                "granite": "granite", "olmo2": "olmo2", "olmo3": "olmo3", "gpt_neox": "gpt_neox",
-               "phi": "phi"}
+               "phi": "phi", "stablelm": "stablelm"}
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,10 @@ def test_logits_and_generation_equal_transformers(loaded, name):
     assert config.parallel_residual == (name in ("gpt_neox", "phi"))
     assert config.shared_norm == (name == "phi")
     assert config.logits_bias == (name in ("phi", "marian"))
-    assert config.rotary_dim == {"gpt_neox": 4, "phi": 2}.get(name, config.rotary_dim)
+    assert config.rotary_dim == {"gpt_neox": 4, "phi": 2, "stablelm": 4}.get(
+        name, config.rotary_dim)
+    assert (config.norm_type == "layernorm") == (name in ("gpt2", "marian", "gpt_neox", "phi",
+                                                          "stablelm"))
     assert (config.embedding_multiplier, config.residual_multiplier, config.attention_scale,
             config.logits_scaling) == {"granite": (2.0, 0.5, 0.25, 2.0)}.get(
         name, (1.0, 1.0, config.attention_scale, 1.0))
@@ -157,7 +160,7 @@ def edit_config(directory, file="config.json", **changes):
 @pytest.mark.parametrize("name, changes, message", [
     ("gpt2", dict(model_type="bert"),
      "model_type 'bert' is not supported; kvjax loads gpt2, llama, mistral, phi3, qwen2, "
-     "qwen3, smollm3, granite, gemma2, gemma3_text, olmo2, olmo3, gpt_neox, phi, marian"),
+     "qwen3, smollm3, granite, gemma2, gemma3_text, olmo2, olmo3, gpt_neox, phi, stablelm, marian"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
                                         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
      'rope settings {"partial_rotary_factor": 0.5} are not supported for rope type \'yarn\''),
@@ -201,6 +204,9 @@ def edit_config(directory, file="config.json", **changes):
      "rotary_dim=3 must be even and in [2, head_dim=8]"),
     ("phi", dict(qk_layernorm=True), "qk_layernorm=true is not supported (LayerNorm over each "
                                      "head's query and key)"),
+    ("stablelm", dict(use_parallel_residual=True),
+     "use_parallel_residual=true is not supported (attention and FFN side by side: StableLM 2 "
+     "12B's layout, which also needs per-head query and key norms)"),
 ])
 def test_unsupported_settings_are_refused(tmp_path, name, changes, message):
     directory = copy_of(name, tmp_path)
@@ -223,8 +229,9 @@ def test_unsupported_settings_are_refused(tmp_path, name, changes, message):
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})),
     # Pythia's released files: RoPE's base and the fraction of each head it turns on their own.
     ("gpt_neox", dict(rope_parameters=None, rotary_emb_base=20000.0, rotary_pct=0.5)),
-    # Phi-2's: the fraction and the base at the top level.
+    # Phi-2's and StableLM's: the fraction and the base at the top level.
     ("phi", dict(rope_parameters=None, rope_theta=30000.0, partial_rotary_factor=0.25)),
+    ("stablelm", dict(rope_parameters=None, rope_theta=40000.0, partial_rotary_factor=0.5)),
 ])
 def test_files_written_before_transformers_5_name_rope_and_layers_the_older_way(
         tmp_path, name, changes):
