@@ -31,6 +31,28 @@ def _gpt2(c: Reader) -> dict[str, Any]:
         scale_embeddings=False)
 
 
+def _opt(c: Reader) -> dict[str, Any]:
+    """OPT (125M to 66B): GPT-2's layer with ReLU, learned positions (the files' table
+    starts two rows later, its first two unused) and biases where `enable_bias`. OPT-350m's
+    layout (post-LN, embeddings narrower than the layers) is refused."""
+    width = c.require("hidden_size")
+    c.expect("is_encoder_decoder", False, False, "OPT is decoder-only")
+    c.expect("do_layer_norm_before", True, True, "OPT-350m's post-LN layers")
+    c.expect("word_embed_proj_dim", width, width, "OPT-350m's embeddings projected to the "
+             "layers' width")
+    c.expect("_remove_final_layer_norm", False, False, "no norm after the last layer")
+    c.expect("layer_norm_elementwise_affine", True, True, "LayerNorm without scale and bias")
+    bias = bool(c.get("enable_bias", True))
+    return dict(
+        vocab_size=c.require("vocab_size"), d_model=width, num_heads=c.require(
+            "num_attention_heads"), d_ff=c.require("ffn_dim"),
+        num_decoder_layers=c.require("num_hidden_layers"),
+        max_len=c.require("max_position_embeddings"), positional_encoding="learned",
+        norm="pre", activation=c.activation("activation_function", "relu"),
+        layer_norm_eps=1e-5, qkv_bias=bias, out_bias=bias, ffn_bias=bias,
+        scale_embeddings=False)
+
+
 def _gpt_neox(c: Reader) -> dict[str, Any]:
     """GPT-NeoX and Pythia: LayerNorm before each sublayer, the attention and the FFN side by
     side on the layer's input (`use_parallel_residual`, on unless false), biases on every
@@ -382,4 +404,4 @@ READERS = {"gpt2": _gpt2, "llama": _llama, "mistral": _mistral, "phi3": _phi3,
            "qwen2": _qwen2, "qwen3": _qwen3, "smollm3": _smollm3, "granite": _granite,
            "gemma2": _gemma2, "gemma3_text": _gemma3, "olmo2": _olmo2, "olmo3": _olmo3,
            "gpt_neox": _gpt_neox, "phi": _phi, "stablelm": _stablelm,
-           "marian": _marian}
+           "opt": _opt, "marian": _marian}

@@ -63,9 +63,23 @@ _MODULES = {
              "mlp.c_proj": ("wo",)},
     "phi": {"self_attn.q_proj": ("q",), "self_attn.k_proj": ("k",), "self_attn.v_proj": ("v",),
             "self_attn.dense": ("o",), "mlp.fc1": ("wi",), "mlp.fc2": ("wo",)},
+    "opt": {"self_attn.q_proj": ("q",), "self_attn.k_proj": ("k",), "self_attn.v_proj": ("v",),
+            "self_attn.out_proj": ("o",), "fc1": ("wi",), "fc2": ("wo",)},
 }
-_TENSOR = re.compile(r"^(?:base_model\.model\.)?(?:model\.layers|transformer\.h|h)\.(\d+)\."
-                     r"(.+)\.lora_([AB])\.weight$")
+# Where each layout's layers are in the names PEFT gives its tensors (written with the
+# first); "model.layers" where not listed.
+_LAYER_PREFIXES = {"gpt2": ("transformer.h", "h"), "opt": ("model.decoder.layers",)}
+
+
+def _layer_prefixes(model_type: str) -> tuple[str, ...]:
+    return _LAYER_PREFIXES.get(LAYOUTS[model_type], ("model.layers",))
+
+
+def _tensor_pattern(model_type: str) -> re.Pattern:
+    """Matches a tensor name of an adapter of `model_type`: (layer, module, "A" or "B")."""
+    prefixes = "|".join(re.escape(prefix) for prefix in _layer_prefixes(model_type))
+    return re.compile(rf"^(?:base_model\.model\.)?(?:{prefixes})\.(\d+)\.(.+)\.lora_([AB])"
+                      rf"\.weight$")
 
 
 def _modules(model_type: str, refusal: str) -> dict[str, tuple[str, ...]]:
@@ -92,10 +106,11 @@ def merge_peft_adapter(config: TransformerConfig, model_type: str, params: dict,
     scale_of = _scaling(directory)
     modules = _modules(model_type, f"{directory}: PEFT adapters of {model_type!r} models are "
                                    "not supported")
+    pattern = _tensor_pattern(model_type)
     files = WeightFiles(directory, single_file=WEIGHTS_FILE)
     pairs: dict[tuple[int, str], dict[str, str]] = {}
     for name in sorted(files.names()):
-        match = _TENSOR.match(name)
+        match = pattern.match(name)
         if match is None or match[2] not in modules or int(match[1]) >= \
                 config.num_decoder_layers:
             raise ValueError(f"{directory}: tensor {name} adapts no module kvjax merges into "
@@ -231,7 +246,7 @@ def write_peft_adapter(config: TransformerConfig, model_type: str, adapters: dic
 
 def _peft_tensors(config: TransformerConfig, model_type: str, layers: dict, settings: L.LoRA):
     """(the file's tensors, the rank of each module path that has them)."""
-    prefix = "transformer.h" if model_type == "gpt2" else "model.layers"
+    prefix = _layer_prefixes(model_type)[0]
     tensors: dict[str, np.ndarray] = {}
     ranks: dict[str, int] = {}
     for module, targets in _MODULES[LAYOUTS[model_type]].items():

@@ -33,9 +33,10 @@ SINGLE_FILE = "model.safetensors"
 # (Phi-3: qkv_proj and gate_up_proj), "gpt2" (Conv1D's c_attn, c_proj, c_fc under
 # transformer.h.i), "gpt_neox" (query_key_value, each head's q, k and v in turn, under
 # gpt_neox.layers.i), "phi" (Phi-2: q_proj, k_proj, v_proj, dense, fc1, fc2, one norm a
-# layer) and "marian" (an encoder and a decoder).
+# layer), "opt" (q_proj, k_proj, v_proj, out_proj, fc1, fc2 under model.decoder.layers.i)
+# and "marian" (an encoder and a decoder).
 LAYOUTS = {"gpt2": "gpt2", "phi3": "fused", "marian": "marian", "gpt_neox": "gpt_neox",
-           "phi": "phi", **dict.fromkeys((
+           "phi": "phi", "opt": "opt", **dict.fromkeys((
     "llama", "mistral", "qwen2", "qwen3", "smollm3", "granite", "gemma2", "gemma3_text",
     "olmo2", "olmo3", "stablelm"), "llama")}
 _HEADS = {"gpt_neox": "embed_out.weight"}  # the output layer's tensor, where not lm_head's
@@ -159,7 +160,7 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
     params = _Params(config, files, dtype)
     mapper = {"gpt2": _gpt2, "llama": _llama_like, "fused": functools.partial(
         _llama_like, fused=True), "gpt_neox": _gpt_neox, "phi": _phi,
-        "marian": _marian}[LAYOUTS[model_type]]
+        "opt": _opt, "marian": _marian}[LAYOUTS[model_type]]
     ignorable = mapper(config, params)
     return params.tree(ignorable)
 
@@ -314,6 +315,29 @@ def _gpt_neox(c: M.TransformerConfig, p: _Params):
     # Older files keep the causal mask and RoPE's frequencies as buffers.
     return lambda name: name.endswith((".attention.bias", ".attention.masked_bias",
                                        ".rotary_emb.inv_freq"))
+
+
+def _opt(c: M.TransformerConfig, p: _Params):
+    prefix = "model.decoder." if "model.decoder.embed_tokens.weight" in p.files else "decoder."
+    d, f, n, h = c.d_model, c.d_ff, c.num_heads, c.head_dim
+    p.set("embedder/embedding/embedding", p.read(prefix + "embed_tokens.weight",
+                                                 (c.vocab_size, d)))
+    # Position i is the table's row i + 2 (OPT offsets the positions by two).
+    p.set("embedder/position_embedding",
+          p.read(prefix + "embed_positions.weight", (c.max_len + 2, d))[2:])
+    for i in range(c.num_decoder_layers):
+        src, dst = f"{prefix}layers.{i}.", f"layers/{i}/"
+        _layer_norm(p, src + "self_attn_layer_norm", dst + "attention_block/norm", d)
+        _fused(p, dst + "self_attention/qkv", [
+            _linear(p, f"{src}self_attn.{name}_proj", n, h, d, c.qkv_bias)
+            for name in ("q", "k", "v")])
+        _output(p, src + "self_attn.out_proj", dst + "self_attention/out", c)
+        _layer_norm(p, src + "final_layer_norm", dst + "ffn_block/norm", d)
+        _dense(p, src + "fc1", dst + "ffn/wi", (f, d), c.ffn_bias)
+        _dense(p, src + "fc2", dst + "ffn/wo", (d, f), c.ffn_bias)
+    _layer_norm(p, prefix + "final_layer_norm", "final_norm", d)
+    _unembed(c, p, "lm_head.weight")
+    return lambda name: False
 
 
 def _phi(c: M.TransformerConfig, p: _Params):

@@ -25,12 +25,12 @@ from kvjax import model as M
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf_models"
 NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral", "phi3",
          "gemma2", "gemma3_text", "smollm3", "granite", "olmo2", "olmo3", "gpt_neox",
-         "phi", "stablelm")
+         "phi", "stablelm", "opt")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
                "granite": "granite", "olmo2": "olmo2", "olmo3": "olmo3", "gpt_neox": "gpt_neox",
-               "phi": "phi", "stablelm": "stablelm"}
+               "phi": "phi", "stablelm": "stablelm", "opt": "opt"}
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_logits_and_generation_equal_transformers(loaded, name):
     config, tokenizer, params = loaded(name)
     record, logits = expected(name)
     assert config.tie_embeddings == (name in ("gpt2", "llama_mqa", "marian", "qwen3", "gemma2",
-                                              "smollm3"))
+                                              "smollm3", "opt"))
     assert config.qk_norm == (name in ("qwen3", "gemma3_text", "olmo2", "olmo3"))
     assert config.qk_norm_across_heads == (config.norm == "output") == name.startswith("olmo")
     assert config.sliding_window == {"mistral": 4, "phi3": 6, "gemma2": 4,
@@ -99,7 +99,7 @@ def test_logits_and_generation_equal_transformers(loaded, name):
     assert config.rotary_dim == {"gpt_neox": 4, "phi": 2, "stablelm": 4}.get(
         name, config.rotary_dim)
     assert (config.norm_type == "layernorm") == (name in ("gpt2", "marian", "gpt_neox", "phi",
-                                                          "stablelm"))
+                                                          "stablelm", "opt"))
     assert (config.embedding_multiplier, config.residual_multiplier, config.attention_scale,
             config.logits_scaling) == {"granite": (2.0, 0.5, 0.25, 2.0)}.get(
         name, (1.0, 1.0, config.attention_scale, 1.0))
@@ -160,7 +160,8 @@ def edit_config(directory, file="config.json", **changes):
 @pytest.mark.parametrize("name, changes, message", [
     ("gpt2", dict(model_type="bert"),
      "model_type 'bert' is not supported; kvjax loads gpt2, llama, mistral, phi3, qwen2, "
-     "qwen3, smollm3, granite, gemma2, gemma3_text, olmo2, olmo3, gpt_neox, phi, stablelm, marian"),
+     "qwen3, smollm3, granite, gemma2, gemma3_text, olmo2, olmo3, gpt_neox, phi, stablelm, "
+     "opt, marian"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
                                         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
      'rope settings {"partial_rotary_factor": 0.5} are not supported for rope type \'yarn\''),
@@ -204,6 +205,10 @@ def edit_config(directory, file="config.json", **changes):
      "rotary_dim=3 must be even and in [2, head_dim=8]"),
     ("phi", dict(qk_layernorm=True), "qk_layernorm=true is not supported (LayerNorm over each "
                                      "head's query and key)"),
+    ("opt", dict(do_layer_norm_before=False), "do_layer_norm_before=false is not supported "
+                                              "(OPT-350m's post-LN layers)"),
+    ("opt", dict(word_embed_proj_dim=16), "word_embed_proj_dim=16 is not supported (OPT-350m's "
+                                          "embeddings projected to the layers' width)"),
     ("stablelm", dict(use_parallel_residual=True),
      "use_parallel_residual=true is not supported (attention and FFN side by side: StableLM 2 "
      "12B's layout, which also needs per-head query and key norms)"),
@@ -239,6 +244,17 @@ def test_files_written_before_transformers_5_name_rope_and_layers_the_older_way(
     edit_config(directory, **changes)
     config, _, _ = hf.load_pretrained(directory)
     assert config == hf.load_pretrained(FIXTURES / name)[0]
+
+
+def test_opt_files_that_name_tensors_from_the_decoder_load_the_same_model(tmp_path):
+    # OPT's released files were saved from OPTModel: "decoder.layers.0...", no "model.".
+    directory = copy_of("opt", tmp_path)
+    path = directory / "model.safetensors"
+    save_file({name.removeprefix("model."): array
+               for name, array in load_file(str(path)).items()}, str(path))
+    config, _, params = hf.load_pretrained(directory)
+    record, logits = expected("opt")
+    assert relative_error(teacher_forced(config, params, record)[2], logits["logits_2"]) <= 1e-5
 
 
 def test_an_olmo3_file_without_a_window_takes_the_one_transformers_gives_it(tmp_path):

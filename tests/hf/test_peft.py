@@ -21,7 +21,7 @@ from kvjax import checkpoint, decode, hf, text
 from kvjax import model as M
 
 ADAPTERS = Path(__file__).parents[1] / "fixtures" / "hf_adapters"
-NAMES = ("llama_gqa", "phi3", "gpt2", "phi")
+NAMES = ("llama_gqa", "phi3", "gpt2", "phi", "opt")
 
 
 def expected(name):
@@ -136,6 +136,7 @@ def test_fixtures_are_what_peft_computes(tmp_path):
     ("gpt2", ("q", "k", "v", "o", "wo")),  # c_proj of attention and of the MLP apart
     ("llama_gqa", ("k", "wi_gate")),
     ("phi", ("q", "o", "wi", "wo")),  # Phi-2's dense, fc1 and fc2
+    ("opt", ("k", "o", "wo")),  # under model.decoder.layers
 ])
 def test_adapters_written_as_peft_merge_as_kvjax_merges_them(tmp_path, name, targets):
     from kvjax.hf.peft import write_peft_adapter
