@@ -162,7 +162,8 @@ def _rotated_halves(c: Reader) -> None:
 
 
 def _llama_like(c: Reader, *, qkv_bias: bool, out_bias: bool, ffn_bias: bool,
-                activation_key: str = "hidden_act", rope: dict[str, Any] | None = None):
+                activation_key: str = "hidden_act", rope: dict[str, Any] | None = None,
+                activation: str | None = None):
     width, heads = c.require("hidden_size"), c.require("num_attention_heads")
     c.expect("is_encoder_decoder", False, False, "decoder-only model")
     rope = _rope(c) if rope is None else rope
@@ -175,7 +176,7 @@ def _llama_like(c: Reader, *, qkv_bias: bool, out_bias: bool, ffn_bias: bool,
         d_ff=c.require("intermediate_size"), num_decoder_layers=c.require("num_hidden_layers"),
         max_len=max_len, norm="pre", norm_type="rmsnorm",
         layer_norm_eps=c.get("rms_norm_eps", 1e-6),
-        activation=_gated(c.activation(activation_key, "silu"), c.source),
+        activation=_gated(activation or c.activation(activation_key, "silu"), c.source),
         qkv_bias=qkv_bias, out_bias=out_bias, ffn_bias=ffn_bias, scale_embeddings=False,
         **rope)
 
@@ -338,6 +339,20 @@ def _gemma(c: Reader, rope: dict[str, Any], default_pattern: int) -> dict[str, A
             "logits_softcap": c.get("final_logit_softcapping")}
 
 
+def _gemma1(c: Reader) -> dict[str, Any]:
+    """Gemma (2B, 7B) and CodeGemma: Llama's layout with √D-scaled embeddings, (1 + w)
+    RMSNorms and GeGLU. The releases' `hidden_act` "gelu" means tanh GELU, as transformers
+    reads it; their `hidden_activation`, which says so too, transformers does not read."""
+    c.expect("use_bidirectional_attention", False, False, "kvjax's Gemma is causal")
+    c.get("hidden_activation")
+    activation = "gelu" if c.get("hidden_act") == "gelu" else c.activation(
+        "hidden_act", "gelu_pytorch_tanh")
+    bias = bool(c.get("attention_bias", False))
+    return {**_llama_like(c, qkv_bias=bias, out_bias=bias, ffn_bias=False,
+                          activation=activation),
+            "scale_embeddings": True, "norm_unit_offset": True}
+
+
 def _gemma2(c: Reader) -> dict[str, Any]:
     """Gemma 2: every other layer global, soft caps on attention and output logits."""
     return _gemma(c, _rope(c), default_pattern=2)
@@ -404,4 +419,4 @@ READERS = {"gpt2": _gpt2, "llama": _llama, "mistral": _mistral, "phi3": _phi3,
            "qwen2": _qwen2, "qwen3": _qwen3, "smollm3": _smollm3, "granite": _granite,
            "gemma2": _gemma2, "gemma3_text": _gemma3, "olmo2": _olmo2, "olmo3": _olmo3,
            "gpt_neox": _gpt_neox, "phi": _phi, "stablelm": _stablelm,
-           "opt": _opt, "marian": _marian}
+           "opt": _opt, "gemma": _gemma1, "marian": _marian}

@@ -38,7 +38,7 @@ SINGLE_FILE = "model.safetensors"
 LAYOUTS = {"gpt2": "gpt2", "phi3": "fused", "marian": "marian", "gpt_neox": "gpt_neox",
            "phi": "phi", "opt": "opt", **dict.fromkeys((
     "llama", "mistral", "qwen2", "qwen3", "smollm3", "granite", "gemma2", "gemma3_text",
-    "olmo2", "olmo3", "stablelm"), "llama")}
+    "olmo2", "olmo3", "stablelm", "gemma"), "llama")}
 _HEADS = {"gpt_neox": "embed_out.weight"}  # the output layer's tensor, where not lm_head's
 
 

@@ -25,12 +25,12 @@ from kvjax import model as M
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf_models"
 NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral", "phi3",
          "gemma2", "gemma3_text", "smollm3", "granite", "olmo2", "olmo3", "gpt_neox",
-         "phi", "stablelm", "opt")
+         "phi", "stablelm", "opt", "gemma")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
                "granite": "granite", "olmo2": "olmo2", "olmo3": "olmo3", "gpt_neox": "gpt_neox",
-               "phi": "phi", "stablelm": "stablelm", "opt": "opt"}
+               "phi": "phi", "stablelm": "stablelm", "opt": "opt", "gemma": "gemma"}
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_logits_and_generation_equal_transformers(loaded, name):
     config, tokenizer, params = loaded(name)
     record, logits = expected(name)
     assert config.tie_embeddings == (name in ("gpt2", "llama_mqa", "marian", "qwen3", "gemma2",
-                                              "smollm3", "opt"))
+                                              "smollm3", "opt", "gemma"))
     assert config.qk_norm == (name in ("qwen3", "gemma3_text", "olmo2", "olmo3"))
     assert config.qk_norm_across_heads == (config.norm == "output") == name.startswith("olmo")
     assert config.sliding_window == {"mistral": 4, "phi3": 6, "gemma2": 4,
@@ -161,7 +161,7 @@ def edit_config(directory, file="config.json", **changes):
     ("gpt2", dict(model_type="bert"),
      "model_type 'bert' is not supported; kvjax loads gpt2, llama, mistral, phi3, qwen2, "
      "qwen3, smollm3, granite, gemma2, gemma3_text, olmo2, olmo3, gpt_neox, phi, stablelm, "
-     "opt, marian"),
+     "opt, gemma, marian"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
                                         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
      'rope settings {"partial_rotary_factor": 0.5} are not supported for rope type \'yarn\''),
@@ -209,6 +209,7 @@ def edit_config(directory, file="config.json", **changes):
                                               "(OPT-350m's post-LN layers)"),
     ("opt", dict(word_embed_proj_dim=16), "word_embed_proj_dim=16 is not supported (OPT-350m's "
                                           "embeddings projected to the layers' width)"),
+    ("gemma", dict(hidden_act="relu"), "a gated feed-forward network with relu is not supported"),
     ("stablelm", dict(use_parallel_residual=True),
      "use_parallel_residual=true is not supported (attention and FFN side by side: StableLM 2 "
      "12B's layout, which also needs per-head query and key norms)"),
@@ -237,6 +238,8 @@ def test_unsupported_settings_are_refused(tmp_path, name, changes, message):
     # Phi-2's and StableLM's: the fraction and the base at the top level.
     ("phi", dict(rope_parameters=None, rope_theta=30000.0, partial_rotary_factor=0.25)),
     ("stablelm", dict(rope_parameters=None, rope_theta=40000.0, partial_rotary_factor=0.5)),
+    # Gemma's releases: "gelu" meaning tanh GELU, which hidden_activation also says.
+    ("gemma", dict(hidden_act="gelu", hidden_activation="gelu_pytorch_tanh")),
 ])
 def test_files_written_before_transformers_5_name_rope_and_layers_the_older_way(
         tmp_path, name, changes):
