@@ -163,7 +163,7 @@ def _rotated_halves(c: Reader) -> None:
 
 def _llama_like(c: Reader, *, qkv_bias: bool, out_bias: bool, ffn_bias: bool,
                 activation_key: str = "hidden_act", rope: dict[str, Any] | None = None,
-                activation: str | None = None):
+                activation: str | None = None, gated: bool = True):
     width, heads = c.require("hidden_size"), c.require("num_attention_heads")
     c.expect("is_encoder_decoder", False, False, "decoder-only model")
     rope = _rope(c) if rope is None else rope
@@ -176,7 +176,8 @@ def _llama_like(c: Reader, *, qkv_bias: bool, out_bias: bool, ffn_bias: bool,
         d_ff=c.require("intermediate_size"), num_decoder_layers=c.require("num_hidden_layers"),
         max_len=max_len, norm="pre", norm_type="rmsnorm",
         layer_norm_eps=c.get("rms_norm_eps", 1e-6),
-        activation=_gated(activation or c.activation(activation_key, "silu"), c.source),
+        activation=(_gated if gated else lambda name, _: name)(
+            activation or c.activation(activation_key, "silu"), c.source),
         qkv_bias=qkv_bias, out_bias=out_bias, ffn_bias=ffn_bias, scale_embeddings=False,
         **rope)
 
@@ -339,6 +340,17 @@ def _gemma(c: Reader, rope: dict[str, Any], default_pattern: int) -> dict[str, A
             "logits_softcap": c.get("final_logit_softcapping")}
 
 
+def _starcoder2(c: Reader) -> dict[str, Any]:
+    """StarCoder2 (3B, 7B, 15B): Llama's attention with biases where `use_bias`, LayerNorm,
+    an FFN of tanh GELU without a gate (`c_fc`, `c_proj`), every layer over the last
+    `sliding_window` positions where it is set."""
+    bias = bool(c.get("use_bias", True))
+    return {**_llama_like(c, qkv_bias=bias, out_bias=bias, ffn_bias=bias, gated=False,
+                          activation=c.activation("hidden_act", "gelu_pytorch_tanh")),
+            "norm_type": "layernorm", "layer_norm_eps": c.get("norm_epsilon", 1e-5),
+            "sliding_window": c.get("sliding_window")}
+
+
 def _gemma1(c: Reader) -> dict[str, Any]:
     """Gemma (2B, 7B) and CodeGemma: Llama's layout with √D-scaled embeddings, (1 + w)
     RMSNorms and GeGLU. The releases' `hidden_act` "gelu" means tanh GELU, as transformers
@@ -419,4 +431,5 @@ READERS = {"gpt2": _gpt2, "llama": _llama, "mistral": _mistral, "phi3": _phi3,
            "qwen2": _qwen2, "qwen3": _qwen3, "smollm3": _smollm3, "granite": _granite,
            "gemma2": _gemma2, "gemma3_text": _gemma3, "olmo2": _olmo2, "olmo3": _olmo3,
            "gpt_neox": _gpt_neox, "phi": _phi, "stablelm": _stablelm,
-           "opt": _opt, "gemma": _gemma1, "marian": _marian}
+           "opt": _opt, "gemma": _gemma1,
+           "starcoder2": _starcoder2, "marian": _marian}

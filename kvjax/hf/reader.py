@@ -33,7 +33,8 @@ INFERENCE_NEUTRAL = frozenset({
     "attn_pdrop", "embd_pdrop", "resid_pdrop", "attention_dropout", "dropout", "hidden_dropout",
     "activation_dropout", "classifier_dropout", "classif_dropout", "summary_activation",
     "summary_first_dropout", "summary_proj_to_labels", "summary_type", "summary_use_proj",
-    "encoder_layerdrop", "decoder_layerdrop", "layerdrop", "pretraining_tp", "num_hidden_layers",
+    "encoder_layerdrop", "decoder_layerdrop", "layerdrop", "residual_dropout",
+    "embedding_dropout", "pretraining_tp", "num_hidden_layers",
     "max_window_layers",  # read only with sliding windows, which are refused
     "gradient_checkpointing", "scale_attn_weights", "_num_labels", "output_past",
     "_attn_implementation", "_attn_implementation_autoset",

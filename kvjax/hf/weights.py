@@ -33,10 +33,11 @@ SINGLE_FILE = "model.safetensors"
 # (Phi-3: qkv_proj and gate_up_proj), "gpt2" (Conv1D's c_attn, c_proj, c_fc under
 # transformer.h.i), "gpt_neox" (query_key_value, each head's q, k and v in turn, under
 # gpt_neox.layers.i), "phi" (Phi-2: q_proj, k_proj, v_proj, dense, fc1, fc2, one norm a
-# layer), "opt" (q_proj, k_proj, v_proj, out_proj, fc1, fc2 under model.decoder.layers.i)
-# and "marian" (an encoder and a decoder).
+# layer), "opt" (q_proj, k_proj, v_proj, out_proj, fc1, fc2 under model.decoder.layers.i),
+# "plain_mlp" (Llama's attention, an FFN of c_fc and c_proj: StarCoder2) and "marian" (an
+# encoder and a decoder).
 LAYOUTS = {"gpt2": "gpt2", "phi3": "fused", "marian": "marian", "gpt_neox": "gpt_neox",
-           "phi": "phi", "opt": "opt", **dict.fromkeys((
+           "phi": "phi", "opt": "opt", "starcoder2": "plain_mlp", **dict.fromkeys((
     "llama", "mistral", "qwen2", "qwen3", "smollm3", "granite", "gemma2", "gemma3_text",
     "olmo2", "olmo3", "stablelm", "gemma"), "llama")}
 _HEADS = {"gpt_neox": "embed_out.weight"}  # the output layer's tensor, where not lm_head's
@@ -159,7 +160,8 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
                          "model.with_layer_layout")
     params = _Params(config, files, dtype)
     mapper = {"gpt2": _gpt2, "llama": _llama_like, "fused": functools.partial(
-        _llama_like, fused=True), "gpt_neox": _gpt_neox, "phi": _phi,
+        _llama_like, fused=True), "plain_mlp": functools.partial(_llama_like, plain_mlp=True),
+        "gpt_neox": _gpt_neox, "phi": _phi,
         "opt": _opt, "marian": _marian}[LAYOUTS[model_type]]
     ignorable = mapper(config, params)
     return params.tree(ignorable)
@@ -249,11 +251,13 @@ _OUTPUT_NORMS = {"attention_block/norm": "post_attention_layernorm",
                  "ffn_block/norm": "post_feedforward_layernorm"}  # OLMo's, on each output
 
 
-def _llama_like(c: M.TransformerConfig, p: _Params, fused: bool = False):
+def _llama_like(c: M.TransformerConfig, p: _Params, fused: bool = False,
+                plain_mlp: bool = False):
     """Llama and its kin, Gemma's and OLMo's norms and StableLM's LayerNorms included.
     `fused` (Phi-3): q, k and v are rows of one `qkv_proj`, and the gate and up projections
-    the two halves of one `gate_up_proj`."""
-    d, h, f = c.d_model, c.head_dim, c.d_ff
+    the two halves of one `gate_up_proj`. `plain_mlp` (StarCoder2): an FFN without a gate,
+    `c_fc` then `c_proj`."""
+    d, h = c.d_model, c.head_dim
     p.set("embedder/embedding/embedding", p.read("model.embed_tokens.weight",
                                                  (c.vocab_size, d)))
     for i in range(c.num_decoder_layers):
@@ -277,18 +281,28 @@ def _llama_like(c: M.TransformerConfig, p: _Params, fused: bool = False):
                 p.set(f"{dst}self_attention/{name}/scale",
                       p.read(f"{src}self_attn.{name}.weight", (width,)))
         _output(p, src + "self_attn.o_proj", dst + "self_attention/out", c)
-        if fused:  # the gate's rows, then the up projection's
-            gate_up = p.read(src + "mlp.gate_up_proj.weight", (2 * f, d))
-            p.set(dst + "ffn/wi/kernel", gate_up[:f].T)
-            p.set(dst + "ffn/wi_gate/kernel", gate_up[f:].T)
-        else:
-            _dense(p, src + "mlp.gate_proj", dst + "ffn/wi", (f, d), c.ffn_bias)
-            _dense(p, src + "mlp.up_proj", dst + "ffn/wi_gate", (f, d), c.ffn_bias)
-        _dense(p, src + "mlp.down_proj", dst + "ffn/wo", (d, f), c.ffn_bias)
+        _feed_forward(p, src + "mlp.", dst + "ffn/", c, fused, plain_mlp)
     _norm(p, "model.norm", "final_norm", c)
     _unembed(c, p, "lm_head.weight")
     # Some files keep RoPE's frequencies as a buffer; kvjax computes them from config.json.
     return lambda name: name.endswith(".rotary_emb.inv_freq")
+
+
+def _feed_forward(p: _Params, src: str, dst: str, c: M.TransformerConfig, fused: bool,
+                  plain_mlp: bool) -> None:
+    d, f = c.d_model, c.d_ff
+    if plain_mlp:
+        _dense(p, src + "c_fc", dst + "wi", (f, d), c.ffn_bias)
+        _dense(p, src + "c_proj", dst + "wo", (d, f), c.ffn_bias)
+        return
+    if fused:  # the gate's rows, then the up projection's
+        gate_up = p.read(src + "gate_up_proj.weight", (2 * f, d))
+        p.set(dst + "wi/kernel", gate_up[:f].T)
+        p.set(dst + "wi_gate/kernel", gate_up[f:].T)
+    else:
+        _dense(p, src + "gate_proj", dst + "wi", (f, d), c.ffn_bias)
+        _dense(p, src + "up_proj", dst + "wi_gate", (f, d), c.ffn_bias)
+    _dense(p, src + "down_proj", dst + "wo", (d, f), c.ffn_bias)
 
 
 def _gpt_neox(c: M.TransformerConfig, p: _Params):

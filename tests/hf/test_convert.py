@@ -82,7 +82,7 @@ def test_import_hf_of_a_bad_directory_is_one_line_and_writes_nothing(capsys, tmp
     assert err.strip().count("\n") == 0
     assert ("model_type 't5' is not supported; kvjax loads gpt2, llama, mistral, phi3, qwen2, "
             "qwen3, smollm3, granite, gemma2, gemma3_text, olmo2, olmo3, gpt_neox, phi, "
-            "stablelm, opt, gemma, marian") in err
+            "stablelm, opt, gemma, starcoder2, marian") in err
     assert not out.exists()
     code, _, err = run_cli(capsys, "import-hf", str(tmp_path / "nowhere"), str(out))
     assert code == 2 and "is not a directory" in err and not out.exists()

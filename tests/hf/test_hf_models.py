@@ -25,12 +25,13 @@ from kvjax import model as M
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf_models"
 NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral", "phi3",
          "gemma2", "gemma3_text", "smollm3", "granite", "olmo2", "olmo3", "gpt_neox",
-         "phi", "stablelm", "opt", "gemma")
+         "phi", "stablelm", "opt", "gemma", "starcoder2")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
                "granite": "granite", "olmo2": "olmo2", "olmo3": "olmo3", "gpt_neox": "gpt_neox",
-               "phi": "phi", "stablelm": "stablelm", "opt": "opt", "gemma": "gemma"}
+               "phi": "phi", "stablelm": "stablelm", "opt": "opt", "gemma": "gemma",
+               "starcoder2": "starcoder2"}
 
 
 @pytest.fixture(scope="module")
@@ -84,11 +85,11 @@ def test_logits_and_generation_equal_transformers(loaded, name):
     config, tokenizer, params = loaded(name)
     record, logits = expected(name)
     assert config.tie_embeddings == (name in ("gpt2", "llama_mqa", "marian", "qwen3", "gemma2",
-                                              "smollm3", "opt", "gemma"))
+                                              "smollm3", "opt", "gemma", "starcoder2"))
     assert config.qk_norm == (name in ("qwen3", "gemma3_text", "olmo2", "olmo3"))
     assert config.qk_norm_across_heads == (config.norm == "output") == name.startswith("olmo")
     assert config.sliding_window == {"mistral": 4, "phi3": 6, "gemma2": 4,
-                                     "gemma3_text": 5, "olmo3": 4}.get(name)
+                                     "gemma3_text": 5, "olmo3": 4, "starcoder2": 4}.get(name)
     assert config.full_attention_layers == {"gemma2": (1,), "gemma3_text": (2,),
                                             "olmo3": (1,)}.get(name, ())
     assert config.local_rope_base == {"gemma3_text": 10000.0, "olmo3": 50000.0}.get(name)
@@ -99,7 +100,7 @@ def test_logits_and_generation_equal_transformers(loaded, name):
     assert config.rotary_dim == {"gpt_neox": 4, "phi": 2, "stablelm": 4}.get(
         name, config.rotary_dim)
     assert (config.norm_type == "layernorm") == (name in ("gpt2", "marian", "gpt_neox", "phi",
-                                                          "stablelm", "opt"))
+                                                          "stablelm", "opt", "starcoder2"))
     assert (config.embedding_multiplier, config.residual_multiplier, config.attention_scale,
             config.logits_scaling) == {"granite": (2.0, 0.5, 0.25, 2.0)}.get(
         name, (1.0, 1.0, config.attention_scale, 1.0))
@@ -161,7 +162,7 @@ def edit_config(directory, file="config.json", **changes):
     ("gpt2", dict(model_type="bert"),
      "model_type 'bert' is not supported; kvjax loads gpt2, llama, mistral, phi3, qwen2, "
      "qwen3, smollm3, granite, gemma2, gemma3_text, olmo2, olmo3, gpt_neox, phi, stablelm, "
-     "opt, gemma, marian"),
+     "opt, gemma, starcoder2, marian"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
                                         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
      'rope settings {"partial_rotary_factor": 0.5} are not supported for rope type \'yarn\''),
