@@ -17,6 +17,9 @@ the directory by the files present:
   (mostly a piece per character). `legacy: true` puts the `▁` prefix after each special
   token as well, `legacy: false` (default) only at the start, `add_prefix_space: false`
   nowhere. BOS goes first if `add_bos_token` is true (a missing key: false, as there).
+- `vocab.json` and `merges.txt` (GPT-2's files from before tokenizer.json; OPT's), for a
+  GPT2Tokenizer or Qwen2Tokenizer: the pipeline transformers builds for the class from
+  them, BOS first if `add_bos_token` (OPT's `</s>`) and EOS last if `add_eos_token`.
 - Marian (`source.spm`, `target.spm`, `vocab.json`), as `MarianTokenizer`: text is split at
   special tokens, a leading `>>xx<<` code kept whole, the rest cut into source.spm pieces
   mapped through vocab.json (a piece not in it is `<unk>`); `</s>` ends the source. Decoding
@@ -46,19 +49,21 @@ from typing import Any
 
 import numpy as np
 
-from . import token_bytes
-from .marian import SPACE, MarianBackend, clean_up_spaces
+from . import pipelines, token_bytes
+from .marian import MarianBackend, clean_up_spaces
 
 BUNDLE_FORMAT = "kvjax-hf-tokenizer"
 BUNDLE_VERSION = 1
 
 # kind -> the files it needs, in the order transformers prefers them.
 _KINDS = {"marian": ("source.spm", "target.spm", "vocab.json"),
-          "tokenizer.json": ("tokenizer.json",), "tokenizer.model": ("tokenizer.model",)}
+          "tokenizer.json": ("tokenizer.json",), "tokenizer.model": ("tokenizer.model",),
+          "vocab.json": ("vocab.json", "merges.txt")}
 _SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                "target_vocab.json", "chat_template.jinja")
 _BINARY_SUFFIXES = (".model", ".spm")
-_LOOKED_FOR = "tokenizer.json, tokenizer.model, or source.spm + target.spm + vocab.json"
+_LOOKED_FOR = ("tokenizer.json, tokenizer.model, vocab.json + merges.txt, or source.spm + "
+               "target.spm + vocab.json")
 
 _NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
           "mask_token")
@@ -73,7 +78,8 @@ _CLASS_DEFAULTS = {
 # The class transformers picks by config.json's model_type when tokenizer_config.json names
 # none (for "llama" it has none: the generic backend).
 _MODEL_TYPE_CLASSES = {"gpt2": "GPT2Tokenizer", "qwen2": "Qwen2Tokenizer",
-                       "qwen3": "Qwen2Tokenizer", "marian": "MarianTokenizer"}
+                       "qwen3": "Qwen2Tokenizer", "marian": "MarianTokenizer",
+                       "opt": "GPT2Tokenizer"}
 
 
 class HFTokenizer:
@@ -210,6 +216,13 @@ def _tokenizer_class(kind: str, files: dict[str, bytes], model_type: str | None)
         name = "Qwen2Tokenizer"
     if kind == "marian":
         return "MarianTokenizer"
+    if kind == "vocab.json":
+        if name not in ("GPT2Tokenizer", "Qwen2Tokenizer"):
+            raise ValueError("vocab.json and merges.txt are read for a GPT2Tokenizer or "
+                             "Qwen2Tokenizer only (named by tokenizer_config.json's "
+                             "tokenizer_class, or by config.json's model_type), not for "
+                             f"{name or 'a directory that names no class'}")
+        return name
     if kind == "tokenizer.model":
         # transformers reads other classes' sentencepiece models by their own rules.
         if name != "LlamaTokenizer":
@@ -276,15 +289,19 @@ class _TokenizersBackend:
         if kind == "tokenizer.json":
             text = files["tokenizer.json"].decode("utf-8")
             tokenizer = Tokenizer.from_str(text)
-            if tokenizer_class in _REBUILT:
+            if tokenizer_class in pipelines.REBUILT:
                 data = json.loads(text)
                 merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
                           for m in data["model"]["merges"]]
-                rebuilt = _REBUILT[tokenizer_class](data["model"]["vocab"], merges, config)
+                rebuilt = pipelines.REBUILT[tokenizer_class](data["model"]["vocab"], merges, config)
                 rebuilt.post_processor = tokenizer.post_processor
                 if added is None:  # then transformers takes them from tokenizer.json
                     added = {t["id"]: t for t in data.get("added_tokens", [])}
                 tokenizer = rebuilt
+        elif kind == "vocab.json":  # GPT-2's files from before tokenizer.json (OPT's)
+            vocab = json.loads(files["vocab.json"].decode("utf-8"))
+            merges = pipelines.read_merges(files["merges.txt"].decode("utf-8"))
+            tokenizer = pipelines.REBUILT[tokenizer_class](vocab, merges, config)
         else:
             from sentencepiece import sentencepiece_model_pb2
 
@@ -293,14 +310,14 @@ class _TokenizersBackend:
             if not proto.pieces:
                 raise ValueError("tokenizer.model has no pieces")
             vocab = {piece.piece: i for i, piece in enumerate(proto.pieces)}
-            tokenizer = _llama_pipeline(vocab, _merges(vocab), config)
+            tokenizer = pipelines.llama_pipeline(vocab, pipelines.merges_of(vocab), config)
             if extra is None:  # control pieces are special, user-defined ones plain
                 extra = [{"content": p.piece, "normalized": False, "special": p.type == 3}
                          for p in proto.pieces if p.type in (3, 4)]
         tokenizer.no_truncation()
         tokenizer.no_padding()
         _add_tokens(tokenizer, added or {}, named, extra or [])
-        if kind == "tokenizer.model":  # transformers' template from add_bos/eos_token
+        if kind != "tokenizer.json":  # transformers' template from add_bos/eos_token
             ends = [(named[k], bool(config.get(f"add_{k}"))) for k in ("bos_token", "eos_token")]
             ends = [spec["content"] if spec and on else None for spec, on in ends]
             tokenizer.post_processor = processors.TemplateProcessing(
@@ -346,67 +363,6 @@ class _TokenizersBackend:
     def decode(self, ids: list[int]) -> str:
         text = self._tokenizer.decode(ids, skip_special_tokens=True)
         return clean_up_spaces(text) if self._clean_up else text
-
-
-def _byte_level_pipeline(vocab: dict[str, int], merges: list[tuple[str, str]],
-                         config: dict[str, Any], qwen2: bool = False):
-    """transformers 5's GPT2Tokenizer (ByteLevel's own split) or Qwen2Tokenizer (NFC, then
-    Qwen2's split, then ByteLevel)."""
-    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
-    from tokenizers.models import BPE
-
-    tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None,
-                              continuing_subword_prefix="", end_of_word_suffix="",
-                              fuse_unk=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=bool(config.get("add_prefix_space")),
-                                          use_regex=not qwen2)
-    if qwen2:
-        tokenizer.normalizer = normalizers.NFC()
-        byte_level = pre_tokenizers.Sequence([pre_tokenizers.Split(
-            Regex(_QWEN2_SPLIT), behavior="isolated", invert=False), byte_level])
-    tokenizer.pre_tokenizer = byte_level
-    tokenizer.decoder = decoders.ByteLevel()
-    return tokenizer
-
-
-def _llama_pipeline(vocab: dict[str, int], merges: list[tuple[str, str]],
-                    config: dict[str, Any]):
-    """transformers 5's LlamaTokenizer: byte-fallback BPE, Metaspace, no normalizer."""
-    from tokenizers import Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import BPE
-
-    prefix = config.get("add_prefix_space")
-    prefix = True if prefix is None else bool(prefix)
-    scheme = ("always" if config.get("legacy") else "first") if prefix else "never"
-    tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
-                              dropout=None))
-    tokenizer.normalizer = None
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE,
-                                                       prepend_scheme=scheme, split=False)
-    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
-    tokenizer.decoder = decoders.Sequence(
-        steps + [decoders.Strip(content=" ", left=1)] * prefix)
-    return tokenizer
-
-
-# The classes whose pipeline transformers 5 builds in code from tokenizer.json's vocabulary
-# and merges, leaving the file's normalizer, pre-tokenizer and decoder unused.
-_REBUILT = {"GPT2Tokenizer": _byte_level_pipeline, "LlamaTokenizer": _llama_pipeline,
-            "Qwen2Tokenizer": lambda *args: _byte_level_pipeline(*args, qwen2=True)}
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
-                r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-
-
-def _merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
-    """BPE merges of a vocabulary, as transformers derives them from a sentencepiece model:
-    every split of every piece into two pieces, ordered by the merged piece's id."""
-    merges = []
-    for piece, rank in vocab.items():
-        local = [(piece[:k], piece[k:], rank) for k in range(1, len(piece))
-                 if piece[:k] in vocab and piece[k:] in vocab]
-        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
-    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])))
-    return [(left, right) for left, right, _ in merges]
 
 
 def _add_tokens(tokenizer, added: dict, named: dict[str, dict | None],

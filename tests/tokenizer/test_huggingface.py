@@ -21,7 +21,7 @@ from kvjax.tokenizer import EOS_ID, TextTokenizer, Tokenizer, tokenizer_from_byt
 from kvjax.tokenizer.huggingface import HFTokenizer, load_tokenizer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf_tokenizers"
-NAMES = ("byte_bpe", "byte_bpe_bos", "spm_bpe", "spm_unigram", "marian")
+NAMES = ("byte_bpe", "byte_bpe_bos", "spm_bpe", "spm_unigram", "marian", "byte_bpe_files")
 OWN = Path(__file__).resolve().parents[2] / "checkpoints" / "python-docs-lm"
 # Characters spelled by several tokens each (rare in the fixtures' training text).
 MULTIBYTE = "ŧħæŧ 한국어 👨‍👩‍👧 ok 中文"
@@ -120,6 +120,7 @@ def test_what_frames_a_prompt(loaded, own):
     assert frames["spm_bpe"] == ((1,), (), (2,))  # add_bos_token: true
     assert frames["spm_unigram"] == ((), (), (2,))  # no add_bos_token: transformers 5 adds none
     assert frames["marian"] == ((), (0,), (0,))
+    assert frames["byte_bpe_files"] == ((2,), (), (2,))  # OPT: </s> first and last
     assert (own.document_prefix, own.source_suffix, own.stop_ids) == ((EOS_ID,),) * 3
 
 

@@ -1,0 +1,77 @@
+"""The tokenizer pipelines transformers 5 builds in code for some classes, from a vocabulary
+and merges alone (of a tokenizer.json, of vocab.json and merges.txt, or derived from a
+sentencepiece model), leaving any normalizer, pre-tokenizer and decoder of a file unused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .marian import SPACE
+
+
+def byte_level_pipeline(vocab: dict[str, int], merges: list[tuple[str, str]],
+                         config: dict[str, Any], qwen2: bool = False):
+    """transformers 5's GPT2Tokenizer (ByteLevel's own split) or Qwen2Tokenizer (NFC, then
+    Qwen2's split, then ByteLevel)."""
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+
+    tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None,
+                              continuing_subword_prefix="", end_of_word_suffix="",
+                              fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=bool(config.get("add_prefix_space")),
+                                          use_regex=not qwen2)
+    if qwen2:
+        tokenizer.normalizer = normalizers.NFC()
+        byte_level = pre_tokenizers.Sequence([pre_tokenizers.Split(
+            Regex(_QWEN2_SPLIT), behavior="isolated", invert=False), byte_level])
+    tokenizer.pre_tokenizer = byte_level
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def llama_pipeline(vocab: dict[str, int], merges: list[tuple[str, str]],
+                    config: dict[str, Any]):
+    """transformers 5's LlamaTokenizer: byte-fallback BPE, Metaspace, no normalizer."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+
+    prefix = config.get("add_prefix_space")
+    prefix = True if prefix is None else bool(prefix)
+    scheme = ("always" if config.get("legacy") else "first") if prefix else "never"
+    tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
+                              dropout=None))
+    tokenizer.normalizer = None
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE,
+                                                       prepend_scheme=scheme, split=False)
+    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    tokenizer.decoder = decoders.Sequence(
+        steps + [decoders.Strip(content=" ", left=1)] * prefix)
+    return tokenizer
+
+
+# The classes whose pipeline transformers 5 builds in code from a vocabulary and merges.
+REBUILT = {"GPT2Tokenizer": byte_level_pipeline, "LlamaTokenizer": llama_pipeline,
+            "Qwen2Tokenizer": lambda *args: byte_level_pipeline(*args, qwen2=True)}
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+                r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def merges_of(vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """BPE merges of a vocabulary, as transformers derives them from a sentencepiece model:
+    every split of every piece into two pieces, ordered by the merged piece's id."""
+    merges = []
+    for piece, rank in vocab.items():
+        local = [(piece[:k], piece[k:], rank) for k in range(1, len(piece))
+                 if piece[:k] in vocab and piece[k:] in vocab]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])))
+    return [(left, right) for left, right, _ in merges]
+
+
+def read_merges(text: str) -> list[tuple[str, str]]:
+    """The merges of a merges.txt as transformers reads them: every line of two tokens apart
+    from comments (the `#version` line)."""
+    pairs = [line.split() for line in map(str.strip, text.splitlines())
+             if line and not line.startswith("#")]
+    return [(pair[0], pair[1]) for pair in pairs if len(pair) == 2]
