@@ -1,6 +1,7 @@
-"""model/layers.py: each norm placement around a sublayer is its formula; a stack of layers
-scanned (its params stacked over layers) or unrolled (params and a cache buffer of each
-layer's own) computes the same, and the layouts convert both ways."""
+"""model/layers.py: each norm placement around a sublayer is its formula, and so is a
+parallel layer's branch; a stack of layers scanned (its params stacked over layers) or
+unrolled (params and a cache buffer of each layer's own) computes the same, and the layouts
+convert both ways."""
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,39 @@ def test_each_norm_placement_is_its_formula(norm):
     want = {"post": rms_norm(x + f(x)), "pre": x + f(rms_norm(x)),
             "output": x + rms_norm(f(x))}[norm]
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_parallel_branch_is_its_sublayer_alone_through_its_own_norm_or_none():
+    config = M.preset("tiny", norm="pre", norm_type="rmsnorm", layer_norm_eps=1e-5)
+    x = np.random.default_rng(1).normal(size=(2, 3, 32)).astype(np.float32)
+    w = np.linspace(0.5, 1.5, 32).astype(np.float32)
+
+    def sublayer(h):
+        return 2.0 * jnp.tanh(h), None
+
+    normed = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-5) * w
+    own, _ = Residual(config, add_input=False).apply({"params": {"norm": {"scale": w}}}, x,
+                                                     sublayer)
+    np.testing.assert_allclose(own, 2.0 * np.tanh(normed), rtol=1e-5, atol=1e-6)
+    shared, _ = Residual(config, add_input=False, normalize=False).apply({"params": {}}, normed,
+                                                                         sublayer)
+    np.testing.assert_allclose(shared, 2.0 * np.tanh(normed), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shared_norm", [False, True], ids=["two norms", "one norm"])
+def test_parallel_layers_decode_and_scan_as_they_run_whole(shared_norm):
+    from test_transformer import prefill_then_steps
+
+    config = M.preset("tiny", norm="pre", positional_encoding="rope", num_kv_heads=2,
+                      parallel_residual=True, shared_norm=shared_norm, scan_layers=True)
+    params = M.init_params(config, jax.random.key(2))
+    assert ("ffn_block" in params["layers"]) != shared_norm  # the FFN's own norm, or none
+    tokens = random_tokens(4, (2, 12), config.vocab_size)
+    full = run_full(config, params, tokens)
+    unrolled, per_layer = M.with_layer_layout(config, params, scan_layers=False)
+    np.testing.assert_allclose(run_full(unrolled, per_layer, tokens), full, atol=1e-5, rtol=0)
+    cached, _ = prefill_then_steps(config, params, tokens, 5, 16, None, None)
+    np.testing.assert_allclose(cached, full, atol=1e-5, rtol=0)
 
 
 def test_scanned_layers_stack_their_params_over_layers():
