@@ -65,10 +65,19 @@ _MODULES = {
             "self_attn.dense": ("o",), "mlp.fc1": ("wi",), "mlp.fc2": ("wo",)},
     "opt": {"self_attn.q_proj": ("q",), "self_attn.k_proj": ("k",), "self_attn.v_proj": ("v",),
             "self_attn.out_proj": ("o",), "fc1": ("wi",), "fc2": ("wo",)},
+    "plain_mlp": {"self_attn.q_proj": ("q",), "self_attn.k_proj": ("k",),
+                  "self_attn.v_proj": ("v",), "self_attn.o_proj": ("o",), "mlp.c_fc": ("wi",),
+                  "mlp.c_proj": ("wo",)},
+    "gpt_neox": {"attention.query_key_value": ("q", "k", "v"), "attention.dense": ("o",),
+                 "mlp.dense_h_to_4h": ("wi",), "mlp.dense_4h_to_h": ("wo",)},
 }
 # Where each layout's layers are in the names PEFT gives its tensors (written with the
 # first); "model.layers" where not listed.
-_LAYER_PREFIXES = {"gpt2": ("transformer.h", "h"), "opt": ("model.decoder.layers",)}
+_LAYER_PREFIXES = {"gpt2": ("transformer.h", "h"), "opt": ("model.decoder.layers",),
+                   "gpt_neox": ("gpt_neox.layers",)}
+# Modules whose output rows hold each head's q, k and v in turn (GPT-NeoX's
+# query_key_value), where kvjax's targets hold every q head, then every k, then every v.
+_HEADS_INTERLEAVED = {("gpt_neox", "attention.query_key_value")}
 
 
 def _layer_prefixes(model_type: str) -> tuple[str, ...]:
@@ -127,6 +136,8 @@ def merge_peft_adapter(config: TransformerConfig, model_type: str, params: dict,
             raise ValueError(f"{directory}: {names['A']} {list(a.shape)} and {names['B']} "
                              f"{list(b.shape)} are not the [r, in] and [out, r] of one rank")
         update = scale_of(a.shape[0]) * (a.astype(np.float32).T @ b.astype(np.float32).T)
+        if (LAYOUTS[model_type], module) in _HEADS_INTERLEAVED:
+            update = _heads_apart(config, update.T, names["B"]).T
         _add(config, merged["layers"][str(layer)], modules[module], update, names["B"])
     return merged
 
@@ -152,6 +163,22 @@ def _scaling(directory: Path):
     if isinstance(alpha, bool) or not isinstance(alpha, int | float) or alpha <= 0:
         raise ValueError(f"{path}: lora_alpha={alpha!r} must be a number > 0")
     return lambda rank: alpha / (math.sqrt(rank) if rslora else rank)
+
+
+def _heads_apart(config: TransformerConfig, rows_OX: np.ndarray, name: str) -> np.ndarray:
+    """Rows [N·3·H, X] that hold each head's q, k and v in turn, as [3·N·H, X]: every q
+    head, then every k, then every v."""
+    n, h = config.num_heads, config.head_dim
+    if rows_OX.shape[0] != 3 * n * h:
+        raise ValueError(f"tensor {name} has {rows_OX.shape[0]} output rows; the model's "
+                         f"query_key_value has {3 * n * h}")
+    return rows_OX.reshape(n, 3, h, -1).transpose(1, 0, 2, 3).reshape(3 * n * h, -1)
+
+
+def _heads_interleaved(config: TransformerConfig, rows_OX: np.ndarray) -> np.ndarray:
+    """The inverse of `_heads_apart`."""
+    n, h = config.num_heads, config.head_dim
+    return rows_OX.reshape(3, n, h, -1).transpose(1, 0, 2, 3).reshape(3 * n * h, -1)
 
 
 def _add(config: TransformerConfig, layer: dict, targets: tuple[str, ...],
@@ -271,6 +298,8 @@ def _peft_tensors(config: TransformerConfig, model_type: str, layers: dict, sett
             # PEFT scales by lora_alpha / rank: the same alpha over a fused rank k times the
             # run's takes k times B to stay the run's update.
             b_OR *= rank / settings.rank
+            if (LAYOUTS[model_type], module) in _HEADS_INTERLEAVED:
+                b_OR = np.ascontiguousarray(_heads_interleaved(config, b_OR))
             name = f"base_model.model.{prefix}.{index}.{module}"
             tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"] = a_RI, b_OR
             ranks[module] = rank

@@ -15,13 +15,20 @@ import numpy as np
 import pytest
 from conftest import run_cli
 from safetensors.numpy import load_file, save_file
-from test_hf_models import FIXTURES, copy_of, edit_config, relative_error, teacher_forced
+from test_hf_models import (
+    FIXTURES,
+    MODEL_TYPES,
+    copy_of,
+    edit_config,
+    relative_error,
+    teacher_forced,
+)
 
 from kvjax import checkpoint, decode, hf, text
 from kvjax import model as M
 
 ADAPTERS = Path(__file__).parents[1] / "fixtures" / "hf_adapters"
-NAMES = ("llama_gqa", "phi3", "gpt2", "phi", "opt")
+NAMES = ("llama_gqa", "phi3", "gpt2", "phi", "opt", "gpt_neox", "starcoder2")
 
 
 def expected(name):
@@ -137,6 +144,8 @@ def test_fixtures_are_what_peft_computes(tmp_path):
     ("llama_gqa", ("k", "wi_gate")),
     ("phi", ("q", "o", "wi", "wo")),  # Phi-2's dense, fc1 and fc2
     ("opt", ("k", "o", "wo")),  # under model.decoder.layers
+    ("gpt_neox", ("k", "v", "wi")),  # query_key_value's heads interleaved
+    ("starcoder2", ("q", "wo")),
 ])
 def test_adapters_written_as_peft_merge_as_kvjax_merges_them(tmp_path, name, targets):
     from kvjax.hf.peft import write_peft_adapter
@@ -146,7 +155,7 @@ def test_adapters_written_as_peft_merge_as_kvjax_merges_them(tmp_path, name, tar
     settings = M.LoRA(2, 6.0, targets)
     adapters = L.init_adapters(config, params, settings, jax.random.key(0))
     adapters = jax.tree.map(lambda x: x + 0.1, adapters)  # B no longer zero
-    write_peft_adapter(config, name.split("_")[0], adapters, settings, tmp_path / "peft",
+    write_peft_adapter(config, MODEL_TYPES[name], adapters, settings, tmp_path / "peft",
                        str(FIXTURES / name))
     _, _, got = hf.load_pretrained(FIXTURES / name, lora=tmp_path / "peft")
     want = L.merge(config, params, adapters, settings)
