@@ -1,6 +1,7 @@
-"""Pretrained models from local Hugging Face directories: GPT-2, Llama, Mistral, Phi-3 (and
-Phi-4 mini), Qwen2, Qwen3, SmolLM3, Granite, Gemma 2, Gemma 3, OLMo 2, OLMo 3 and Marian,
-with a PEFT LoRA adapter merged in where one is given.
+"""Pretrained models from local Hugging Face directories: GPT-2, Llama, Mistral, Phi-2, Phi-3
+(and Phi-4 mini), Qwen2, Qwen3, SmolLM3, Granite, Gemma (1, 2 and 3), OLMo 2, OLMo 3,
+GPT-NeoX (Pythia), StableLM, StarCoder2, OPT and Marian (`SUPPORTED_MODEL_TYPES`), with a
+PEFT LoRA adapter merged in where one is given.
 
     config, tokenizer, params = kvjax.hf.load_pretrained("path/to/gpt2")
 
@@ -15,8 +16,9 @@ implemented: `reader.py` accounts for every key, `families.py` reads each model 
 `peft.py` (a PEFT adapter merged into them), `convert.py` (the model written as a kvjax
 checkpoint).
 The tokenizers of these directories are tokenizers like kvjax's own and live beside it:
-`kvjax.tokenizer.huggingface` (tokenizer.json and tokenizer.model, as transformers reads them)
-and `kvjax.tokenizer.marian` (Marian's pair of sentencepiece models).
+`kvjax.tokenizer.huggingface` (tokenizer.json, tokenizer.model, or vocab.json and merges.txt,
+as transformers reads them) and `kvjax.tokenizer.marian` (Marian's pair of sentencepiece
+models).
 """
 
 from __future__ import annotations
