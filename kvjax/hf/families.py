@@ -75,9 +75,8 @@ def _phi(c: Reader) -> dict[str, Any]:
     `partial_rotary_factor` of each head (0.5 where absent), GQA where
     `num_key_value_heads` says, a bias on the output layer."""
     c.expect("qk_layernorm", False, False, "LayerNorm over each head's query and key")
-    params = {**(c.get("rope_scaling") or {}), **(c.get("rope_parameters") or {})}
     heads = c.require("num_attention_heads")
-    return {**_parallel(c, params, c.get("partial_rotary_factor", 0.5),
+    return {**_parallel(c, _rope_params(c), c.get("partial_rotary_factor", 0.5),
                         c.get("rope_theta", 10000.0), activation="gelu_new",
                         parallel_residual=True, qkv_bias=True, out_bias=True),
             "shared_norm": True, "logits_bias": True,
@@ -100,17 +99,26 @@ def _parallel(c: Reader, rope_params: dict[str, Any], fraction: float, base: flo
         **_partial_rope(c, rope_params, fraction, base, width // heads), **fields)
 
 
-def _partial_rope(c: Reader, rope_params: dict[str, Any], fraction: float, base: float,
-                  head_dim: int) -> dict[str, Any]:
+def _partial_rope(c: Reader, rope_params: dict[str, Any], fraction: float | None,
+                  base: float, head_dim: int | None = None) -> dict[str, Any]:
     """RoPE's fields, turning the leading `fraction` of each head's `head_dim` dimensions
     (where `rope_params` names no `partial_rotary_factor`) at `base` (where it names no
-    `rope_theta`)."""
+    `rope_theta`). `fraction` None: every dimension turns, and a `partial_rotary_factor`
+    among `rope_params` is refused as any setting `rope_fields` does not know."""
     params = dict(rope_params)
-    fraction = float(params.pop("partial_rotary_factor", fraction))
+    if fraction is not None:
+        given = params.pop("partial_rotary_factor", None)
+        fraction = float(fraction if given is None else given)
     fields = rope_fields(params, base, c.source, c.get("max_position_embeddings"))
     _rotated_halves(c)
-    rotated = int(head_dim * fraction)
-    return fields if rotated == head_dim else {**fields, "rotary_dim": rotated}
+    if fraction is None or int(head_dim * fraction) == head_dim:
+        return fields
+    return {**fields, "rotary_dim": int(head_dim * fraction)}
+
+
+def _rope_params(c: Reader) -> dict[str, Any]:
+    """RoPE's settings: transformers 5's `rope_parameters` over the older `rope_scaling`."""
+    return {**(c.get("rope_scaling") or {}), **(c.get("rope_parameters") or {})}
 
 
 def _stablelm(c: Reader) -> dict[str, Any]:
@@ -121,8 +129,7 @@ def _stablelm(c: Reader) -> dict[str, Any]:
     c.expect("use_parallel_residual", False, False, "attention and FFN side by side: StableLM 2 "
              "12B's layout, which also needs per-head query and key norms")
     width, heads = c.require("hidden_size"), c.require("num_attention_heads")
-    params = {**(c.get("rope_scaling") or {}), **(c.get("rope_parameters") or {})}
-    rope = _partial_rope(c, params, c.get("partial_rotary_factor", 0.25),
+    rope = _partial_rope(c, _rope_params(c), c.get("partial_rotary_factor", 0.25),
                          c.get("rope_theta", 10000.0), width // heads)
     return {**_llama_like(c, qkv_bias=bool(c.get("use_qkv_bias", False)), out_bias=False,
                           ffn_bias=False, rope=rope),
@@ -133,27 +140,21 @@ def _rope(c: Reader, phi3: bool = False) -> dict[str, Any]:
     """RoPE's base and scaling from `rope_parameters` (transformers 5) or the older
     `rope_theta` and `rope_scaling`. Phi-3's (`phi3`) may turn only the leading
     `partial_rotary_factor` of each head's dimensions, and its 'su' and 'yarn' are longrope."""
-    params = {**(c.get("rope_scaling") or {}), **(c.get("rope_parameters") or {})}
-    fraction = 1.0
+    params = _rope_params(c)
+    fraction = head_dim = None
     if phi3:
         if params.get("rope_type", params.get("type")) in ("su", "yarn"):
             params = {**params, "rope_type": "longrope"}
-        fraction = float(params.pop("partial_rotary_factor", None)
-                         or c.get("partial_rotary_factor", 1.0))
-        c.get("partial_rotary_factor")  # where both give it, transformers reads the former
+        # Where the RoPE parameters give one too, transformers reads theirs.
+        fraction = c.get("partial_rotary_factor", 1.0)
+        head_dim = c.get("head_dim") or c.require("hidden_size") // c.require(
+            "num_attention_heads")
     if params.get("rope_type", params.get("type")) in ("llama3", "yarn", "longrope"):
         # As transformers reads it: a top-level original length (Phi-3 keeps one there)
         # wins over the one among the RoPE parameters.
         top = c.get("original_max_position_embeddings")
         params = params if top is None else {**params, "original_max_position_embeddings": top}
-    fields = rope_fields(params, c.get("rope_theta", 10000.0), c.source,
-                         c.get("max_position_embeddings"))
-    _rotated_halves(c)
-    if fraction != 1.0:
-        head_dim = c.get("head_dim") or c.require("hidden_size") // c.require(
-            "num_attention_heads")
-        fields["rotary_dim"] = int(head_dim * fraction)
-    return fields
+    return _partial_rope(c, params, fraction, c.get("rope_theta", 10000.0), head_dim)
 
 
 def _rotated_halves(c: Reader) -> None:
@@ -166,6 +167,7 @@ def _llama_like(c: Reader, *, qkv_bias: bool, out_bias: bool, ffn_bias: bool,
                 activation: str | None = None, gated: bool = True):
     width, heads = c.require("hidden_size"), c.require("num_attention_heads")
     c.expect("is_encoder_decoder", False, False, "decoder-only model")
+    activation = activation or c.activation(activation_key, "silu")
     rope = _rope(c) if rope is None else rope
     max_len = c.require("max_position_embeddings")
     if rope.get("rope_scaling") == "longrope":  # the short factors' length, unless asked for more
@@ -176,8 +178,7 @@ def _llama_like(c: Reader, *, qkv_bias: bool, out_bias: bool, ffn_bias: bool,
         d_ff=c.require("intermediate_size"), num_decoder_layers=c.require("num_hidden_layers"),
         max_len=max_len, norm="pre", norm_type="rmsnorm",
         layer_norm_eps=c.get("rms_norm_eps", 1e-6),
-        activation=(_gated if gated else lambda name, _: name)(
-            activation or c.activation(activation_key, "silu"), c.source),
+        activation=_gated(activation, c.source) if gated else activation,
         qkv_bias=qkv_bias, out_bias=out_bias, ffn_bias=ffn_bias, scale_embeddings=False,
         **rope)
 
