@@ -33,7 +33,7 @@ from kvjax.model import lora as L
 
 from .errors import UnsupportedModelError
 from .reader import Reader, read_json_object
-from .weights import LAYOUTS, WeightFiles, ties_embeddings
+from .weights import LAYOUTS, WeightFiles, heads_apart, ties_embeddings
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -166,13 +166,12 @@ def _scaling(directory: Path):
 
 
 def _heads_apart(config: TransformerConfig, rows_OX: np.ndarray, name: str) -> np.ndarray:
-    """Rows [N·3·H, X] that hold each head's q, k and v in turn, as [3·N·H, X]: every q
-    head, then every k, then every v."""
+    """`weights.heads_apart`, the rows' count checked first."""
     n, h = config.num_heads, config.head_dim
     if rows_OX.shape[0] != 3 * n * h:
         raise ValueError(f"tensor {name} has {rows_OX.shape[0]} output rows; the model's "
                          f"query_key_value has {3 * n * h}")
-    return rows_OX.reshape(n, 3, h, -1).transpose(1, 0, 2, 3).reshape(3 * n * h, -1)
+    return heads_apart(rows_OX, n, h)
 
 
 def _heads_interleaved(config: TransformerConfig, rows_OX: np.ndarray) -> np.ndarray:

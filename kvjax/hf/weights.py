@@ -40,13 +40,21 @@ LAYOUTS = {"gpt2": "gpt2", "phi3": "fused", "marian": "marian", "gpt_neox": "gpt
            "phi": "phi", "opt": "opt", "starcoder2": "plain_mlp", **dict.fromkeys((
     "llama", "mistral", "qwen2", "qwen3", "smollm3", "granite", "gemma2", "gemma3_text",
     "olmo2", "olmo3", "stablelm", "gemma"), "llama")}
-_HEADS = {"gpt_neox": "embed_out.weight"}  # the output layer's tensor, where not lm_head's
+# The output layer's tensor, where it is not lm_head.weight.
+_OUTPUT_TENSORS = {"gpt_neox": "embed_out.weight"}
 
 
 def ties_embeddings(model_type: str, files: WeightFiles) -> bool:
     """Whether the model's output layer is its embedding table: its files hold no output
     layer of their own."""
-    return _HEADS.get(LAYOUTS.get(model_type), "lm_head.weight") not in files
+    return _OUTPUT_TENSORS.get(LAYOUTS.get(model_type), "lm_head.weight") not in files
+
+
+def heads_apart(rows_OX: np.ndarray, num_heads: int, head_dim: int) -> np.ndarray:
+    """GPT-NeoX's query_key_value rows [N·3·H, X], each head's q, k and v in turn, in kvjax's
+    order [3·N·H, X]: every q head, then every k head, then every v head."""
+    return rows_OX.reshape(num_heads, 3, head_dim, -1).transpose(1, 0, 2, 3).reshape(
+        3 * num_heads * head_dim, -1)
 
 
 class WeightFiles:
@@ -199,7 +207,7 @@ def _gpt2(c: M.TransformerConfig, p: _Params):
 
 
 def _norm(p: _Params, src: str, dst: str, c: M.TransformerConfig) -> None:
-    """An RMSNorm's scale, or a LayerNorm's scale and bias (StableLM)."""
+    """An RMSNorm's scale, or a LayerNorm's scale and bias (StableLM, StarCoder2)."""
     if c.norm_type == "layernorm":
         _layer_norm(p, src, dst, c.d_model)
     else:
@@ -312,20 +320,16 @@ def _gpt_neox(c: M.TransformerConfig, p: _Params):
         src, dst = f"gpt_neox.layers.{i}.", f"layers/{i}/"
         _layer_norm(p, src + "input_layernorm", dst + "attention_block/norm", d)
         _layer_norm(p, src + "post_attention_layernorm", dst + "ffn_block/norm", d)
-        # query_key_value's rows: head 0's q, k and v, then head 1's, ...; kvjax's kernel
-        # holds every q head, then every k head, then every v head.
         qkv = p.read(src + "attention.query_key_value.weight", (3 * n * h, d))
-        p.set(dst + "self_attention/qkv/kernel",
-              qkv.reshape(n, 3, h, d).transpose(3, 1, 0, 2).reshape(d, 3 * n, h))
+        p.set(dst + "self_attention/qkv/kernel", heads_apart(qkv, n, h).T.reshape(d, 3 * n, h))
         if c.qkv_bias:
             bias = p.read(src + "attention.query_key_value.bias", (3 * n * h,))
-            p.set(dst + "self_attention/qkv/bias",
-                  bias.reshape(n, 3, h).transpose(1, 0, 2).reshape(3 * n, h))
+            p.set(dst + "self_attention/qkv/bias", heads_apart(bias, n, h).reshape(3 * n, h))
         _output(p, src + "attention.dense", dst + "self_attention/out", c)
         _dense(p, src + "mlp.dense_h_to_4h", dst + "ffn/wi", (f, d), True)
         _dense(p, src + "mlp.dense_4h_to_h", dst + "ffn/wo", (d, f), True)
     _layer_norm(p, "gpt_neox.final_layer_norm", "final_norm", d)
-    _unembed(c, p, "embed_out.weight")
+    _unembed(c, p, _OUTPUT_TENSORS["gpt_neox"])
     # Older files keep the causal mask and RoPE's frequencies as buffers.
     return lambda name: name.endswith((".attention.bias", ".attention.masked_bias",
                                        ".rotary_emb.inv_freq"))
