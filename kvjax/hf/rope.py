@@ -1,6 +1,7 @@
 """A Hugging Face model's RoPE settings as `TransformerConfig` fields, read as transformers
 reads them (`modeling_rope_utils`): plain, linear, Llama 3's, dynamic NTK, YaRN and LongRoPE,
-and a refusal naming any other type or setting."""
+and a refusal naming any other type or setting; where a `config.json` keeps them (the
+families' keys for them, partial rotation, RoPE per layer type)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import math
 from typing import Any
 
 from .errors import UnsupportedModelError
+from .reader import Reader
 
 
 def rope_fields(params: dict[str, Any], base: float, source: str,
@@ -111,3 +113,76 @@ def _longrope_fields(params: dict[str, Any], max_len: int | None, source: str
                 rope_short_factors=tuple(float(f) for f in params["short_factor"]),
                 rope_long_factors=tuple(float(f) for f in params.get("long_factor") or ()),
                 rope_attention_factor=float(attention_factor))
+
+
+def rope_settings(c: Reader) -> dict[str, Any]:
+    """RoPE's settings: transformers 5's `rope_parameters` over the older `rope_scaling`."""
+    return {**(c.get("rope_scaling") or {}), **(c.get("rope_parameters") or {})}
+
+
+def partial_rope(c: Reader, rope_params: dict[str, Any], fraction: float | None,
+                  base: float, head_dim: int | None = None) -> dict[str, Any]:
+    """RoPE's fields, turning the leading `fraction` of each head's `head_dim` dimensions
+    (where `rope_params` names no `partial_rotary_factor`) at `base` (where it names no
+    `rope_theta`). `fraction` None: every dimension turns, and a `partial_rotary_factor`
+    among `rope_params` is refused as any setting `rope_fields` does not know."""
+    params = dict(rope_params)
+    if fraction is not None:
+        given = params.pop("partial_rotary_factor", None)
+        fraction = float(fraction if given is None else given)
+    fields = rope_fields(params, base, c.source, c.get("max_position_embeddings"))
+    rotated_halves(c)
+    if fraction is None or int(head_dim * fraction) == head_dim:
+        return fields
+    return {**fields, "rotary_dim": int(head_dim * fraction)}
+
+
+def rope_of(c: Reader, phi3: bool = False) -> dict[str, Any]:
+    """RoPE's base and scaling from `rope_parameters` (transformers 5) or the older
+    `rope_theta` and `rope_scaling`. Phi-3's (`phi3`) may turn only the leading
+    `partial_rotary_factor` of each head's dimensions, and its 'su' and 'yarn' are longrope."""
+    params = rope_settings(c)
+    fraction = head_dim = None
+    if phi3:
+        if params.get("rope_type", params.get("type")) in ("su", "yarn"):
+            params = {**params, "rope_type": "longrope"}
+        # Where the RoPE parameters give one too, transformers reads theirs.
+        fraction = c.get("partial_rotary_factor", 1.0)
+        head_dim = c.get("head_dim") or c.require("hidden_size") // c.require(
+            "num_attention_heads")
+    if params.get("rope_type", params.get("type")) in ("llama3", "yarn", "longrope"):
+        # As transformers reads it: a top-level original length (Phi-3 keeps one there)
+        # wins over the one among the RoPE parameters.
+        top = c.get("original_max_position_embeddings")
+        params = params if top is None else {**params, "original_max_position_embeddings": top}
+    return partial_rope(c, params, fraction, c.get("rope_theta", 10000.0), head_dim)
+
+
+def rotated_halves(c: Reader) -> None:
+    """Refuses RoPE that turns the pairs (x[2i], x[2i+1]) instead of the halves."""
+    c.expect("rope_interleaved", False, False, "kvjax rotates the halves (x[i], x[i + H/2])")
+
+
+def ropes_by_layer_type(c: Reader, default_base: float, local_base: float | None):
+    """(RoPE fields of the full-attention layers, the RoPE base of the sliding-window ones,
+    which turn unscaled): from `rope_parameters` per layer type (transformers 5), or the
+    older `rope_theta` and `rope_scaling` of the full layers, the sliding ones turning with
+    `local_base` (None: the same base)."""
+    params = c.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+        unknown = sorted(set(params) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise UnsupportedModelError(f"{c.source}: rope_parameters for {unknown} are not "
+                                        "supported")
+    else:
+        full, local = {**(c.get("rope_scaling") or {}), **params}, {}
+    max_len = c.get("max_position_embeddings")
+    rope = rope_fields(full, c.get("rope_theta", default_base), c.source, max_len)
+    local_rope = rope_fields(local, rope["rope_base"] if local_base is None else local_base,
+                             c.source, max_len)
+    if local_rope.get("rope_scaling", "none") != "none":
+        raise UnsupportedModelError(f"{c.source}: scaled RoPE on sliding_attention layers is "
+                                    "not supported")
+    rotated_halves(c)
+    return rope, local_rope["rope_base"]
