@@ -129,6 +129,15 @@ class TransformerConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # A mixture of experts in place of each decoder layer's FFN (0: one dense FFN): a router
+    # scores `num_experts` FFNs of `d_ff` hidden units for every token, the token goes
+    # through the `experts_per_token` it scores highest, and their outputs are summed,
+    # weighted by the router's softmax over all experts; with `normalize_expert_weights`
+    # those weights are divided by their sum (Mixtral, Qwen3-MoE), without it taken as they
+    # are (OLMoE). Decoder-only, no FFN biases (`model/experts.py`).
+    num_experts: int = 0
+    experts_per_token: int = 2
+    normalize_expert_weights: bool = True
 
     def __post_init__(self):
         problems = config_problems(self)
@@ -237,7 +246,8 @@ _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "sliding_window", "full_attention_layers", "unrotated_layers", "local_rope_base",
     "norm_unit_offset", "sandwich_norms", "parallel_residual", "shared_norm", "attention_scale",
     "attention_softcap", "logits_softcap",
-    "embedding_multiplier", "residual_multiplier", "logits_scaling", "remat")}
+    "embedding_multiplier", "residual_multiplier", "logits_scaling", "num_experts",
+    "experts_per_token", "normalize_expert_weights", "remat")}
 
 
 PRESETS: dict[str, TransformerConfig] = {

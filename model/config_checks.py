@@ -42,14 +42,14 @@ ROPE_SCALINGS = ("none", "linear", "llama3", "yarn", "longrope")
 
 _INT_FIELDS = ("vocab_size", "d_model", "num_heads", "d_ff", "num_decoder_layers",
                "num_encoder_layers", "max_len", "bos_id", "attention_block",
-               "rope_original_max_len")
+               "rope_original_max_len", "num_experts", "experts_per_token")
 _REAL_FIELDS = ("dropout", "rope_base", "layer_norm_eps", "rope_scaling_factor",
                 "rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast",
                 "rope_beta_slow", "embedding_multiplier", "residual_multiplier", "logits_scaling")
 _BOOL_FIELDS = ("tie_embeddings", "scan_layers", "remat", "qkv_bias", "out_bias", "ffn_bias",
                 "scale_embeddings", "logits_bias", "qk_norm", "qk_norm_across_heads",
                 "norm_unit_offset", "sandwich_norms", "parallel_residual", "shared_norm",
-                "rope_truncate")
+                "rope_truncate", "normalize_expert_weights")
 _OPTIONAL_REALS = ("local_rope_base", "attention_scale", "attention_softcap", "logits_softcap",
                    "rope_attention_factor")
 _CHOICES = {"positional_encoding": POSITIONAL_ENCODINGS, "norm": NORM_PLACEMENTS,
@@ -138,6 +138,23 @@ def _layer_kind_problems(config: Config) -> list[str]:
         problems.append("shared_norm needs parallel_residual")
     if config.qk_norm_across_heads and not config.qk_norm:
         problems.append("qk_norm_across_heads needs qk_norm")
+    return problems + _expert_problems(config)
+
+
+def _expert_problems(config: Config) -> list[str]:
+    """What is wrong with a mixture of experts' options (none for a dense FFN)."""
+    if config.num_experts < 0:
+        return [f"num_experts={config.num_experts} must be >= 0 (0: one dense FFN)"]
+    if config.num_experts == 0:
+        return []
+    problems = []
+    if not 1 <= config.experts_per_token <= config.num_experts:
+        problems.append(f"experts_per_token={config.experts_per_token} must be from 1 to "
+                        f"num_experts={config.num_experts}")
+    if config.num_encoder_layers:
+        problems.append("num_experts needs a decoder-only model")
+    if config.ffn_bias:
+        problems.append("num_experts needs ffn_bias=False: the experts have no biases")
     return problems
 
 

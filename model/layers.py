@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from .attention_layers import CrossAttention, SelfAttention
 from .config import TransformerConfig
 from .config_checks import GATED_ACTIVATIONS
+from .experts import MixtureOfExperts
 from .norms import make_norm
 
 
@@ -91,6 +92,13 @@ class FeedForward(nn.Module):
         if c.activation in GATED_ACTIVATIONS:
             h = h * dense(c.d_ff, "wi_gate")(x_BTD)
         return dense(c.d_model, "wo")(h)
+
+
+def _feed_forward(config: TransformerConfig) -> nn.Module:
+    """A decoder layer's FFN, named `ffn`: a mixture of experts when the config has them."""
+    if config.num_experts:
+        return MixtureOfExperts(config, _ACTIVATIONS[config.activation], name="ffn")
+    return FeedForward(config, name="ffn")
 
 
 class Residual(nn.Module):
@@ -182,7 +190,7 @@ class DecoderLayer(nn.Module):
                                     cached=cache_kv is not None,
                                     scales=_cross_scales(layer),
                                     source_lengths_B=inputs.source_lengths), None))
-        ffn = FeedForward(c, name="ffn")
+        ffn = _feed_forward(c)
         if parallel:  # the FFN reads the layer's input too
             ffn_out, _ = Residual(c, name="ffn_block", add_input=False,
                                   normalize=not c.shared_norm)(

@@ -16,7 +16,7 @@ from .errors import UnsupportedModelError
 from .families import READERS
 from .reader import Reader, read_json_object
 
-SUPPORTED_MODEL_TYPES = tuple(READERS)
+SUPPORTED_MODEL_TYPES = tuple(sorted(READERS))
 
 
 def read_hf_config(directory: str | os.PathLike) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """The `config.json` readers of the families built on Llama's layer: RMSNorm (or LayerNorm)
 before each sublayer, RoPE, a gated FFN (or a plain one), GQA; with their variations of
 norms, windows and scales (Qwen, SmolLM3, Granite, Mistral, Phi-3, StableLM, StarCoder2,
-Gemma, OLMo). `READERS` maps each model type to its reader."""
+Gemma, OLMo) and those whose FFN is a mixture of experts (Mixtral, Qwen3-MoE, OLMoE).
+`READERS` maps each model type to its reader."""
 
 from __future__ import annotations
 
@@ -73,6 +74,37 @@ def _qwen3(c: Reader) -> dict[str, Any]:
     return {**_llama_like(c, qkv_bias=bias, out_bias=bias, ffn_bias=False), "qk_norm": True}
 
 
+def _qwen3_moe(c: Reader) -> dict[str, Any]:
+    """Qwen3-MoE (30B-A3B, 235B-A22B): Qwen3's attention and a mixture of experts of
+    `moe_intermediate_size` hidden units in every layer (`decoder_sparse_step` 1, no
+    `mlp_only_layers`; the dense width `intermediate_size` is then used nowhere)."""
+    c.expect("decoder_sparse_step", 1, 1, "dense FFNs between the expert layers")
+    c.expect("mlp_only_layers", [], [], "dense FFNs in some layers")
+    fields = {**_qwen3(c), "d_ff": c.require("moe_intermediate_size")}
+    return {**fields, **_experts(c, bool(c.get("norm_topk_prob", False)))}
+
+
+def _experts(c: Reader, normalize: bool) -> dict[str, Any]:
+    """The mixture-of-experts fields: `num_experts` (or `num_local_experts`, as Mixtral's
+    files and transformers 5 write it) experts, `num_experts_per_tok` of them for each
+    token, their weights divided by their sum where `normalize`. The router's training
+    settings (its auxiliary loss and whether to return its logits, its jitter noise) change
+    nothing in inference: transformers applies them in training only, and kvjax fine-tunes
+    without them, as transformers does by default."""
+    for key in ("output_router_logits", "router_aux_loss_coef", "router_jitter_noise"):
+        c.get(key)
+    count, local = c.get("num_experts"), c.get("num_local_experts")
+    if None not in (count, local) and count != local:
+        raise UnsupportedModelError(f"{c.source}: num_experts={count} and "
+                                    f"num_local_experts={local} differ")
+    count = local if count is None else count
+    if count is None:
+        raise UnsupportedModelError(f"{c.source}: num_experts (or num_local_experts) is "
+                                    "missing")
+    return {"num_experts": count, "experts_per_token": c.require("num_experts_per_tok"),
+            "normalize_expert_weights": normalize}
+
+
 def _smollm3(c: Reader) -> dict[str, Any]:
     """Llama's architecture where the layers `no_rope_layers` marks 0 attend with no position
     encoding (NoPE); without the list, every `no_rope_layer_interval`-th layer, as
@@ -103,6 +135,12 @@ def _mistral(c: Reader) -> dict[str, Any]:
     positions (null: all of them)."""
     return {**_llama_like(c, qkv_bias=False, out_bias=False, ffn_bias=False),
             "sliding_window": c.get("sliding_window")}
+
+
+def _mixtral(c: Reader) -> dict[str, Any]:
+    """Mixtral (8x7B, 8x22B): Mistral's attention and a mixture of `num_local_experts`
+    experts in every layer, each token's chosen weights divided by their sum."""
+    return {**_mistral(c), **_experts(c, normalize=True)}
 
 
 def _phi3(c: Reader) -> dict[str, Any]:
@@ -233,6 +271,18 @@ def _olmo2(c: Reader, rope: dict[str, Any] | None = None) -> dict[str, Any]:
             "layer_norm_eps": c.get("rms_norm_eps", 1e-5)}
 
 
+def _olmoe(c: Reader) -> dict[str, Any]:
+    """OLMoE (1B-7B): Llama's pre-norm layers with one RMSNorm over all heads' queries (and
+    one over the keys) before RoPE, and a mixture of experts in every layer, whose weights
+    are divided by their sum only where `norm_topk_prob`."""
+    c.expect("clip_qkv", None, None, "queries, keys and values clipped")
+    bias = bool(c.get("attention_bias", False))
+    return {**_llama_like(c, qkv_bias=bias, out_bias=bias, ffn_bias=False),
+            "qk_norm": True, "qk_norm_across_heads": True,
+            "layer_norm_eps": c.get("rms_norm_eps", 1e-5),
+            **_experts(c, bool(c.get("norm_topk_prob", False)))}
+
+
 def _olmo3(c: Reader) -> dict[str, Any]:
     """OLMo 3: OLMo 2's layers, three of every four attending over a sliding window (by
     default) and turning with unscaled RoPE where the full layers may scale theirs."""
@@ -249,4 +299,5 @@ def _olmo3(c: Reader) -> dict[str, Any]:
 READERS = {"llama": _llama, "mistral": _mistral, "phi3": _phi3, "qwen2": _qwen2,
            "qwen3": _qwen3, "smollm3": _smollm3, "granite": _granite, "gemma2": _gemma2,
            "gemma3_text": _gemma3, "olmo2": _olmo2, "olmo3": _olmo3, "stablelm": _stablelm,
-           "gemma": _gemma1, "starcoder2": _starcoder2}
+           "gemma": _gemma1, "starcoder2": _starcoder2, "mixtral": _mixtral,
+           "qwen3_moe": _qwen3_moe, "olmoe": _olmoe}

@@ -65,6 +65,9 @@ _MODULES = {
             "self_attn.dense": ("o",), "mlp.fc1": ("wi",), "mlp.fc2": ("wo",)},
     "opt": {"self_attn.q_proj": ("q",), "self_attn.k_proj": ("k",), "self_attn.v_proj": ("v",),
             "self_attn.out_proj": ("o",), "fc1": ("wi",), "fc2": ("wo",)},
+    # Mixtral: attention alone, its experts' projections being none of kvjax's targets.
+    "mixtral": {"self_attn.q_proj": ("q",), "self_attn.k_proj": ("k",),
+                "self_attn.v_proj": ("v",), "self_attn.o_proj": ("o",)},
     "plain_mlp": {"self_attn.q_proj": ("q",), "self_attn.k_proj": ("k",),
                   "self_attn.v_proj": ("v",), "self_attn.o_proj": ("o",), "mlp.c_fc": ("wi",),
                   "mlp.c_proj": ("wo",)},

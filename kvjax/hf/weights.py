@@ -34,12 +34,14 @@ SINGLE_FILE = "model.safetensors"
 # transformer.h.i), "gpt_neox" (query_key_value, each head's q, k and v in turn, under
 # gpt_neox.layers.i), "phi" (Phi-2: q_proj, k_proj, v_proj, dense, fc1, fc2, one norm a
 # layer), "opt" (q_proj, k_proj, v_proj, out_proj, fc1, fc2 under model.decoder.layers.i),
-# "plain_mlp" (Llama's attention, an FFN of c_fc and c_proj: StarCoder2) and "marian" (an
-# encoder and a decoder).
+# "plain_mlp" (Llama's attention, an FFN of c_fc and c_proj: StarCoder2), "mixtral" (Llama's
+# attention, experts of w1, w3 and w2 under block_sparse_moe) and "marian" (an encoder and a
+# decoder). Llama's layout holds experts too: gate_proj, up_proj and down_proj under mlp.
 LAYOUTS = {"gpt2": "gpt2", "phi3": "fused", "marian": "marian", "gpt_neox": "gpt_neox",
-           "phi": "phi", "opt": "opt", "starcoder2": "plain_mlp", **dict.fromkeys((
-    "llama", "mistral", "qwen2", "qwen3", "smollm3", "granite", "gemma2", "gemma3_text",
-    "olmo2", "olmo3", "stablelm", "gemma"), "llama")}
+           "phi": "phi", "opt": "opt", "starcoder2": "plain_mlp", "mixtral": "mixtral",
+           **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite",
+                            "gemma2", "gemma3_text", "olmo2", "olmo3", "stablelm", "gemma",
+                            "qwen3_moe", "olmoe"), "llama")}
 # The output layer's tensor, where it is not lm_head.weight.
 _OUTPUT_TENSORS = {"gpt_neox": "embed_out.weight"}
 
@@ -169,6 +171,8 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
     params = _Params(config, files, dtype)
     mapper = {"gpt2": _gpt2, "llama": _llama_like, "fused": functools.partial(
         _llama_like, fused=True), "plain_mlp": functools.partial(_llama_like, plain_mlp=True),
+        "mixtral": functools.partial(_llama_like, experts=("block_sparse_moe.", "w1", "w3",
+                                                           "w2")),
         "gpt_neox": _gpt_neox, "phi": _phi,
         "opt": _opt, "marian": _marian}[LAYOUTS[model_type]]
     ignorable = mapper(config, params)
@@ -260,11 +264,12 @@ _OUTPUT_NORMS = {"attention_block/norm": "post_attention_layernorm",
 
 
 def _llama_like(c: M.TransformerConfig, p: _Params, fused: bool = False,
-                plain_mlp: bool = False):
+                plain_mlp: bool = False, experts=("mlp.", "gate_proj", "up_proj", "down_proj")):
     """Llama and its kin, Gemma's and OLMo's norms and StableLM's LayerNorms included.
     `fused` (Phi-3): q, k and v are rows of one `qkv_proj`, and the gate and up projections
     the two halves of one `gate_up_proj`. `plain_mlp` (StarCoder2): an FFN without a gate,
-    `c_fc` then `c_proj`."""
+    `c_fc` then `c_proj`. `experts`: where a mixture of experts lies in a layer and its
+    experts' gate, up and down projections' names."""
     d, h = c.d_model, c.head_dim
     p.set("embedder/embedding/embedding", p.read("model.embed_tokens.weight",
                                                  (c.vocab_size, d)))
@@ -289,7 +294,10 @@ def _llama_like(c: M.TransformerConfig, p: _Params, fused: bool = False,
                 p.set(f"{dst}self_attention/{name}/scale",
                       p.read(f"{src}self_attn.{name}.weight", (width,)))
         _output(p, src + "self_attn.o_proj", dst + "self_attention/out", c)
-        _feed_forward(p, src + "mlp.", dst + "ffn/", c, fused, plain_mlp)
+        if c.num_experts:
+            _experts(p, src + experts[0], dst + "ffn/", c, experts[1:])
+        else:
+            _feed_forward(p, src + "mlp.", dst + "ffn/", c, fused, plain_mlp)
     _norm(p, "model.norm", "final_norm", c)
     _unembed(c, p, "lm_head.weight")
     # Some files keep RoPE's frequencies as a buffer; kvjax computes them from config.json.
@@ -311,6 +319,16 @@ def _feed_forward(p: _Params, src: str, dst: str, c: M.TransformerConfig, fused:
         _dense(p, src + "gate_proj", dst + "wi", (f, d), c.ffn_bias)
         _dense(p, src + "up_proj", dst + "wi_gate", (f, d), c.ffn_bias)
     _dense(p, src + "down_proj", dst + "wo", (d, f), c.ffn_bias)
+
+
+def _experts(p: _Params, src: str, dst: str, c: M.TransformerConfig, names) -> None:
+    """The router (`gate` [E, D]) and each expert's gate, up and down projections, stacked."""
+    d, f, count = c.d_model, c.d_ff, c.num_experts
+    p.set(dst + "router/kernel", p.read(src + "gate.weight", (count, d)).T)
+    for name, hf_name, shape in zip(("wi", "wi_gate", "wo"), names, ((f, d), (f, d), (d, f)),
+                                    strict=True):
+        p.set(dst + "experts/" + name, np.stack([
+            p.read(f"{src}experts.{e}.{hf_name}.weight", shape).T for e in range(count)]))
 
 
 def _gpt_neox(c: M.TransformerConfig, p: _Params):

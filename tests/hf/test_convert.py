@@ -21,6 +21,7 @@ FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf_models"
 @pytest.mark.parametrize("name, options", [
     ("gpt2", ["--temperature", "0.9", "--top-k", "20", "--seed", "3"]),
     ("gemma3_text", ["--temperature", "0.8", "--top-p", "0.9", "--seed", "5"]),
+    ("qwen3_moe", ["--temperature", "0.7", "--seed", "7"]),
 ])
 def test_import_hf_then_sample_gives_the_same_tokens(capsys, tmp_path, name, options):
     out = tmp_path / "imported"
@@ -80,9 +81,9 @@ def test_import_hf_of_a_bad_directory_is_one_line_and_writes_nothing(capsys, tmp
     code, stdout, err = run_cli(capsys, "import-hf", str(source), str(out))
     assert code == 2 and stdout == ""
     assert err.strip().count("\n") == 0
-    assert ("model_type 't5' is not supported; kvjax loads gpt2, llama, mistral, phi3, qwen2, "
-            "qwen3, smollm3, granite, gemma2, gemma3_text, olmo2, olmo3, gpt_neox, phi, "
-            "stablelm, opt, gemma, starcoder2, marian") in err
+    assert ("model_type 't5' is not supported; kvjax loads gemma, gemma2, gemma3_text, gpt2, "
+            "gpt_neox, granite, llama, marian, mistral, mixtral, olmo2, olmo3, olmoe, opt, "
+            "phi, phi3, qwen2, qwen3, qwen3_moe, smollm3, stablelm, starcoder2") in err
     assert not out.exists()
     code, _, err = run_cli(capsys, "import-hf", str(tmp_path / "nowhere"), str(out))
     assert code == 2 and "is not a directory" in err and not out.exists()

@@ -25,13 +25,14 @@ from kvjax import model as M
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf_models"
 NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral", "phi3",
          "gemma2", "gemma3_text", "smollm3", "granite", "olmo2", "olmo3", "gpt_neox",
-         "phi", "stablelm", "opt", "gemma", "starcoder2")
+         "phi", "stablelm", "opt", "gemma", "starcoder2", "mixtral", "qwen3_moe", "olmoe")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
                "granite": "granite", "olmo2": "olmo2", "olmo3": "olmo3", "gpt_neox": "gpt_neox",
                "phi": "phi", "stablelm": "stablelm", "opt": "opt", "gemma": "gemma",
-               "starcoder2": "starcoder2"}
+               "starcoder2": "starcoder2", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe",
+               "olmoe": "olmoe"}
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +87,13 @@ def test_logits_and_generation_equal_transformers(loaded, name):
     record, logits = expected(name)
     assert config.tie_embeddings == (name in ("gpt2", "llama_mqa", "marian", "qwen3", "gemma2",
                                               "smollm3", "opt", "gemma", "starcoder2"))
-    assert config.qk_norm == (name in ("qwen3", "gemma3_text", "olmo2", "olmo3"))
-    assert config.qk_norm_across_heads == (config.norm == "output") == name.startswith("olmo")
+    assert config.qk_norm == (name in ("qwen3", "gemma3_text", "olmo2", "olmo3", "qwen3_moe",
+                                       "olmoe"))
+    assert config.qk_norm_across_heads == name.startswith("olmo")
+    assert (config.norm == "output") == (name in ("olmo2", "olmo3"))
+    assert (config.num_experts, config.experts_per_token, config.normalize_expert_weights) == {
+        "mixtral": (4, 2, True), "qwen3_moe": (8, 2, True), "olmoe": (8, 3, False)}.get(
+        name, (0, 2, True))
     assert config.sliding_window == {"mistral": 4, "phi3": 6, "gemma2": 4,
                                      "gemma3_text": 5, "olmo3": 4, "starcoder2": 4}.get(name)
     assert config.full_attention_layers == {"gemma2": (1,), "gemma3_text": (2,),
@@ -160,9 +166,9 @@ def edit_config(directory, file="config.json", **changes):
 
 @pytest.mark.parametrize("name, changes, message", [
     ("gpt2", dict(model_type="bert"),
-     "model_type 'bert' is not supported; kvjax loads gpt2, llama, mistral, phi3, qwen2, "
-     "qwen3, smollm3, granite, gemma2, gemma3_text, olmo2, olmo3, gpt_neox, phi, stablelm, "
-     "opt, gemma, starcoder2, marian"),
+     "model_type 'bert' is not supported; kvjax loads gemma, gemma2, gemma3_text, gpt2, "
+     "gpt_neox, granite, llama, marian, mistral, mixtral, olmo2, olmo3, olmoe, opt, phi, "
+     "phi3, qwen2, qwen3, qwen3_moe, smollm3, stablelm, starcoder2"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
                                         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
      'rope settings {"partial_rotary_factor": 0.5} are not supported for rope type \'yarn\''),
@@ -214,6 +220,17 @@ def edit_config(directory, file="config.json", **changes):
     ("stablelm", dict(use_parallel_residual=True),
      "use_parallel_residual=true is not supported (attention and FFN side by side: StableLM 2 "
      "12B's layout, which also needs per-head query and key norms)"),
+    ("qwen3_moe", dict(decoder_sparse_step=2),
+     "decoder_sparse_step=2 is not supported (dense FFNs between the expert layers)"),
+    ("qwen3_moe", dict(mlp_only_layers=[0]),
+     "mlp_only_layers=[0] is not supported (dense FFNs in some layers)"),
+    ("qwen3_moe", dict(num_experts=8, num_local_experts=4),
+     "num_experts=8 and num_local_experts=4 differ"),
+    ("mixtral", dict(num_local_experts=None), "num_experts (or num_local_experts) is missing"),
+    ("mixtral", dict(num_experts_per_tok=5),
+     "experts_per_token=5 must be from 1 to num_experts=4"),
+    ("olmoe", dict(clip_qkv=8.0),
+     "clip_qkv=8.0 is not supported (queries, keys and values clipped)"),
 ])
 def test_unsupported_settings_are_refused(tmp_path, name, changes, message):
     directory = copy_of(name, tmp_path)
@@ -241,6 +258,10 @@ def test_unsupported_settings_are_refused(tmp_path, name, changes, message):
     ("stablelm", dict(rope_parameters=None, rope_theta=40000.0, partial_rotary_factor=0.5)),
     # Gemma's releases: "gelu" meaning tanh GELU, which hidden_activation also says.
     ("gemma", dict(hidden_act="gelu", hidden_activation="gelu_pytorch_tanh")),
+    # Qwen3-MoE's releases count the experts as num_experts; the router's training settings
+    # change nothing in inference.
+    ("qwen3_moe", dict(num_local_experts=None, num_experts=8, output_router_logits=True,
+                       router_aux_loss_coef=0.01)),
 ])
 def test_files_written_before_transformers_5_name_rope_and_layers_the_older_way(
         tmp_path, name, changes):

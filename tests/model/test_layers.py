@@ -54,12 +54,18 @@ def test_a_parallel_branch_is_its_sublayer_alone_through_its_own_norm_or_none():
 
 @pytest.mark.parametrize("shared_norm", [False, True], ids=["two norms", "one norm"])
 def test_parallel_layers_decode_and_scan_as_they_run_whole(shared_norm):
-    from test_transformer import prefill_then_steps
-
     config = M.preset("tiny", norm="pre", positional_encoding="rope", num_kv_heads=2,
                       parallel_residual=True, shared_norm=shared_norm, scan_layers=True)
     params = M.init_params(config, jax.random.key(2))
     assert ("ffn_block" in params["layers"]) != shared_norm  # the FFN's own norm, or none
+    check_unrolled_and_cached_equal_whole(config, params)
+
+
+def check_unrolled_and_cached_equal_whole(config, params):
+    """A decoder-only model of scanned layers, over a batch of 2 x 12 tokens: unrolled, and
+    a prefill of 5 then one step a token, it computes what one scanned pass computes."""
+    from test_transformer import prefill_then_steps
+
     tokens = random_tokens(4, (2, 12), config.vocab_size)
     full = run_full(config, params, tokens)
     unrolled, per_layer = M.with_layer_layout(config, params, scan_layers=False)

@@ -125,10 +125,12 @@ def test_fine_tuning_imported_gpt2_lowers_the_loss_and_saves_a_loadable_run(
         run[run_dir.INIT_FROM])
 
 
-def test_a_hugging_face_directory_is_imported_into_the_run_and_fine_tuned(tmp_path, capsys):
+@pytest.mark.parametrize("name", ["gpt2", "mixtral"])  # Mixtral: adapters beside experts
+def test_a_hugging_face_directory_is_imported_into_the_run_and_fine_tuned(tmp_path, capsys,
+                                                                          name):
     (tmp_path / "my.txt").write_text(TEXT, encoding="utf-8")
     out = tmp_path / "ft"
-    result = tasks.train_lm(out, data_files=[tmp_path / "my.txt"], init_from=HF_MODELS / "gpt2",
+    result = tasks.train_lm(out, data_files=[tmp_path / "my.txt"], init_from=HF_MODELS / name,
                             steps=3, warmup_steps=1, batch_size=4, save_every=3,
                             progress=False, lora=M.LoRA(2))
     base = out / tasks.IMPORTED_BASE
@@ -136,16 +138,16 @@ def test_a_hugging_face_directory_is_imported_into_the_run_and_fine_tuned(tmp_pa
     record = json.loads((out / run_dir.RUN_FILE).read_text())[run_dir.INIT_FROM]
     assert record["checkpoint"] == str(base.resolve())
     _, _, imported_params = checkpoint.load_for_sampling(base)
-    _, _, hf_params = hf.load_pretrained(HF_MODELS / "gpt2")
+    _, _, hf_params = hf.load_pretrained(HF_MODELS / name)
     for a, b in zip(jax.tree.leaves(imported_params), jax.tree.leaves(hf_params), strict=True):
         assert np.array_equal(a, b)
     adapted = text.load(base, lora=out)
-    assert adapted.config == text.load(HF_MODELS / "gpt2").config
+    assert adapted.config == text.load(HF_MODELS / name).config
     # Written as a PEFT adapter of the directory it came from, the run merges the same.
-    code, _, err = run_cli(capsys, "export-peft", "--lora", out, "--hf-dir", HF_MODELS / "gpt2",
+    code, _, err = run_cli(capsys, "export-peft", "--lora", out, "--hf-dir", HF_MODELS / name,
                            "--out", tmp_path / "peft")
     assert code == 0, err
-    _, _, exported = hf.load_pretrained(HF_MODELS / "gpt2", lora=tmp_path / "peft")
+    _, _, exported = hf.load_pretrained(HF_MODELS / name, lora=tmp_path / "peft")
     pairs = list(zip(jax.tree.leaves(exported), jax.tree.leaves(adapted.params), strict=True))
     for a, b in pairs:
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -155,7 +157,7 @@ def test_a_hugging_face_directory_is_imported_into_the_run_and_fine_tuned(tmp_pa
                            HF_MODELS / "llama_gqa", "--out", tmp_path / "other")
     assert code == 2 and "were trained for another model config" in err
     with pytest.raises(checkpoint.CheckpointError, match="base already exists"):
-        tasks.train_lm(out, data_files=[tmp_path / "my.txt"], init_from=HF_MODELS / "gpt2",
+        tasks.train_lm(out, data_files=[tmp_path / "my.txt"], init_from=HF_MODELS / name,
                        steps=3, progress=False)
 
 

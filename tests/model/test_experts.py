@@ -1,0 +1,112 @@
+"""A mixture of experts (`model/experts.py`): the router's choice and the experts' weighted
+sum equal a NumPy reference of the formula along both ways of running the experts (gathered
+for few tokens, grouped for many); a model of such layers decodes with a cache and runs
+scanned as it runs whole and unrolled; configs it cannot run are refused by name."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from kvjax import model as M
+from kvjax import parallel
+from kvjax.model import lora
+from kvjax.model.experts import MixtureOfExperts
+from kvjax.model.layers import _ACTIVATIONS
+
+
+def _moe_config(**changes):
+    options = dict(num_experts=8, experts_per_token=2, ffn_bias=False, norm="pre",
+                   norm_type="rmsnorm", positional_encoding="rope", activation="swiglu")
+    return M.preset("tiny", **{**options, **changes})
+
+
+def _silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def _gelu_tanh(x):
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def _reference(params, x, config):
+    """The formula, token by token, in float64."""
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    tokens = np.asarray(x, np.float64).reshape(-1, config.d_model)
+    logits = tokens @ p["router"]["kernel"]
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    out = np.zeros_like(tokens)
+    act = {"swiglu": _silu, "gelu": _gelu_tanh}[config.activation]
+    experts = p["experts"]
+    for t, token in enumerate(tokens):
+        chosen = np.argsort(-probs[t])[:config.experts_per_token]
+        weights = probs[t, chosen]
+        if config.normalize_expert_weights:
+            weights = weights / weights.sum()
+        for e, w in zip(chosen, weights, strict=True):
+            h = act(token @ experts["wi"][e])
+            if "wi_gate" in experts:
+                h = h * (token @ experts["wi_gate"][e])
+            out[t] += w * (h @ experts["wo"][e])
+    return out.reshape(np.shape(x))
+
+
+@pytest.mark.parametrize("tokens", [(1, 1), (3, 1), (2, 7)], ids=["one", "three", "many"])
+@pytest.mark.parametrize("activation,normalize", [("swiglu", True), ("gelu", False)],
+                         ids=["gated-normalized", "plain-as-given"])
+def test_each_token_is_the_weighted_sum_of_its_chosen_experts(tokens, activation, normalize):
+    config = _moe_config(activation=activation, normalize_expert_weights=normalize)
+    layer = MixtureOfExperts(config, _ACTIVATIONS[activation])
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(*tokens, config.d_model)),
+                    jnp.float32)
+    params = layer.init(jax.random.key(1), x)["params"]
+    assert ("wi_gate" in params["experts"]) == (activation == "swiglu")
+    run = jax.jit(lambda p, v: layer.apply({"params": p}, v))
+    # Two of the three shapes choose fewer pairs than experts (gathered), one more (grouped).
+    grouped = "ragged_dot" in str(jax.make_jaxpr(run)(params, x))
+    assert grouped == (tokens[0] * tokens[1] * config.experts_per_token >= config.num_experts)
+    np.testing.assert_allclose(run(params, x), _reference(params, x, config), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_a_model_of_experts_decodes_and_scans_as_it_runs_whole():
+    from test_layers import check_unrolled_and_cached_equal_whole
+
+    config = _moe_config(num_kv_heads=2, scan_layers=True)
+    params = M.init_params(config, jax.random.key(2))
+    assert params["layers"]["ffn"]["experts"]["wi"].shape == (2, 8, 32, 64)
+    # The prefill's 2 x 5 tokens take the grouped way, each step's 2 the gathered one.
+    check_unrolled_and_cached_equal_whole(config, params)
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(experts_per_token=9), "experts_per_token=9 must be from 1 to num_experts=8"),
+    (dict(experts_per_token=0), "experts_per_token=0 must be from 1"),
+    (dict(num_experts=-1), "num_experts=-1 must be >= 0"),
+    (dict(ffn_bias=True), "num_experts needs ffn_bias=False"),
+    (dict(num_encoder_layers=2), "num_experts needs a decoder-only model"),
+])
+def test_configs_experts_cannot_run_are_refused_by_name(changes, message):
+    with pytest.raises(ValueError, match=message):
+        _moe_config(**changes)
+
+
+def test_lora_on_the_experts_is_refused_by_name():
+    config = _moe_config()
+    params = M.init_params(config, jax.random.key(0))
+    with pytest.raises(ValueError, match="LoRA target 'wi' is not in this model"):
+        lora.init_adapters(config, params, M.LoRA(rank=2, targets=("q", "wi")),
+                             jax.random.key(1))
+
+
+def test_on_a_mesh_each_expert_splits_its_hidden_units_as_a_dense_ffn_does():
+    config = _moe_config(scan_layers=True)
+    shapes = jax.eval_shape(lambda: M.init_params(config, jax.random.key(0)))
+    specs = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: parallel.param_spec(path, leaf.shape), shapes)["layers"]["ffn"]
+    model = parallel.MODEL
+    assert specs["experts"]["wi"] == specs["experts"]["wi_gate"] == P(None, None, None, model)
+    assert specs["experts"]["wo"] == P(None, None, model, None)
+    assert specs["router"]["kernel"] == P()
