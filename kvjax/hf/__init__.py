@@ -35,7 +35,8 @@ from kvjax import model as M
 
 from .config import SUPPORTED_MODEL_TYPES, UnsupportedModelError, read_hf_config, to_kvjax_config
 from .peft import is_peft_directory, merge_peft_adapter
-from .weights import INDEX_FILE, SINGLE_FILE, WeightFiles, load_params, ties_embeddings
+from .tensors import INDEX_FILE, SINGLE_FILE, WeightFiles
+from .weights import load_params, ties_embeddings
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "UnsupportedModelError", "is_hf_directory",
            "is_peft_directory", "load_model", "load_pretrained", "read_hf_config",

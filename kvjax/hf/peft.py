@@ -32,8 +32,10 @@ from kvjax.model import TransformerConfig
 from kvjax.model import lora as L
 
 from .errors import UnsupportedModelError
+from .gpt_weights import heads_apart
 from .reader import Reader, read_json_object
-from .weights import LAYOUTS, WeightFiles, heads_apart, ties_embeddings
+from .tensors import WeightFiles
+from .weights import LAYOUTS, ties_embeddings
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from kvjax.hf import tensors as T
 from kvjax.hf import weights as W
 from kvjax.hf.config import SUPPORTED_MODEL_TYPES, read_hf_config, to_kvjax_config
 
@@ -23,7 +24,7 @@ def loaded(name: str):
         tensors.update(load_file(path))
     hf = read_hf_config(directory)
     config = to_kvjax_config(hf, tied="lm_head.weight" not in tensors)
-    return config, W.load_params(config, hf["model_type"], W.WeightFiles(directory)), tensors
+    return config, W.load_params(config, hf["model_type"], T.WeightFiles(directory)), tensors
 
 
 def linear(tensors, name, x, bias=False):
@@ -92,15 +93,15 @@ def test_gpt2_conv1d_weights_are_used_as_stored():
 
 def test_the_shards_of_an_index_read_as_the_single_file(tmp_path):
     directory = FIXTURES / "llama_gqa"
-    tensors = load_file(directory / W.SINGLE_FILE)
+    tensors = load_file(directory / T.SINGLE_FILE)
     names = sorted(tensors)
     shards = {"model-00001-of-00002.safetensors": names[::2],
               "model-00002-of-00002.safetensors": names[1::2]}
     for shard, in_it in shards.items():
         save_file({n: tensors[n] for n in in_it}, tmp_path / shard)
-    (tmp_path / W.INDEX_FILE).write_text(json.dumps(
+    (tmp_path / T.INDEX_FILE).write_text(json.dumps(
         {"weight_map": {n: shard for shard, in_it in shards.items() for n in in_it}}))
-    files = W.WeightFiles(tmp_path)
+    files = T.WeightFiles(tmp_path)
     assert files.names() == set(names)
     for name in names:
         np.testing.assert_array_equal(files.read(name), tensors[name])
@@ -111,10 +112,10 @@ def test_the_shards_of_an_index_read_as_the_single_file(tmp_path):
 def test_a_directory_of_pickles_only_is_refused_saying_why(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not loaded")
     with pytest.raises(FileNotFoundError, match="pytorch_model.bin is a pickle"):
-        W.WeightFiles(tmp_path)
-    (tmp_path / W.INDEX_FILE).write_text("{}")
+        T.WeightFiles(tmp_path)
+    (tmp_path / T.INDEX_FILE).write_text("{}")
     with pytest.raises(ValueError, match="is not a safetensors index"):
-        W.WeightFiles(tmp_path)
+        T.WeightFiles(tmp_path)
 
 
 def test_every_model_type_read_has_a_weight_layout():

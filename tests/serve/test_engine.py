@@ -354,51 +354,6 @@ def test_prompt_scores_are_computed_on_the_engines_turn_and_queue_bounded(engine
         assert future.result(timeout=0) == prompt_logprobs(config, params, prompt(60 + i, 5), 3)
 
 
-def test_an_imported_gemma_serves_its_chat_prompts_as_generate_alone():
-    """Gemma 3 (sliding-window layers among a global one, each kind with its RoPE, soft
-    caps none): chat prompts rendered by its template, more requests than slots."""
-    from pathlib import Path
-
-    from kvjax import text
-    from kvjax.serve import chat
-
-    loaded = text.load(Path(__file__).resolve().parents[1] / "fixtures" / "hf_models" /
-                       "gemma3_text")
-    net = M.build_model(loaded.config)
-    questions = ["What is a KV cache?", "Why?", "And a sliding window, what does it keep?"]
-    prompts = [loaded.tokenizer.encode(chat.render(loaded.tokenizer, [
-        {"role": "user", "content": q}])[0]) for q in questions]
-    gemma = Engine(loaded.config, loaded.params, max_slots=2, chunk_size=CHUNK,
-                   prefill_batch=2, tokenizer=loaded.tokenizer)
-    collectors = [Collector() for _ in prompts]
-    for ids, collector in zip(prompts, collectors, strict=True):
-        gemma.submit(GenerationRequest(tuple(ids), max_tokens=7), collector)
-    gemma.run_until_idle()
-    # A ragged batch gives each row what it gets alone (tests/decode).
-    expected = decode.generate(net, loaded.params, prompts, max_new_tokens=7).token_lists()
-    assert [c.tokens() for c in collectors] == expected
-
-
-def test_an_imported_mixture_of_experts_serves_what_transformers_generates():
-    """Mixtral (4 experts, 2 for each token): more requests than slots, each request's greedy
-    tokens those transformers made for its prompt alone (the fixture's record)."""
-    import json
-    from pathlib import Path
-
-    from kvjax import hf
-
-    directory = Path(__file__).resolve().parents[1] / "fixtures" / "hf_models" / "mixtral"
-    record = json.loads((directory / "expected.json").read_text())
-    config, _, params = hf.load_pretrained(directory)
-    mixtral = Engine(config, params, max_slots=2, chunk_size=CHUNK, prefill_batch=2)
-    collectors = [Collector() for _ in record["prompts"]]
-    for ids, collector in zip(record["prompts"], collectors, strict=True):
-        mixtral.submit(GenerationRequest(tuple(ids), max_tokens=record["max_new_tokens"],
-                                         stop_ids=(record["eos_id"],)), collector)
-    mixtral.run_until_idle()
-    assert [c.tokens() for c in collectors] == record["greedy"]
-
-
 def test_the_decode_kernel_serves_what_generate_makes_through_it():
     """A bfloat16 model whose decode steps attend through the kernel (run as JAX ops here, as
     it compiles on one NVIDIA GPU): rows of different lengths join and leave the slots, and

@@ -1,0 +1,169 @@
+"""The weights of GPT-2 and its descendants (OPT; GPT-NeoX and Phi with their parallel layers)
+and of Marian, read into kvjax params (`weights.load_params` chooses the reader).
+
+Shape letters as in `model/`; O and X of `heads_apart` are a tensor's output rows and inputs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvjax import model as M
+from kvjax.model.positional import sinusoidal
+
+from . import tensors
+from .tensors import Params
+
+# The output layer's tensor, where it is not lm_head.weight.
+OUTPUT_TENSORS = {"gpt_neox": "embed_out.weight"}
+
+
+def heads_apart(rows_OX: np.ndarray, num_heads: int, head_dim: int) -> np.ndarray:
+    """GPT-NeoX's query_key_value rows [N·3·H, X], each head's q, k and v in turn, in kvjax's
+    order [3·N·H, X]: every q head, then every k head, then every v head."""
+    return rows_OX.reshape(num_heads, 3, head_dim, -1).transpose(1, 0, 2, 3).reshape(
+        3 * num_heads * head_dim, -1)
+
+
+def _gpt2(c: M.TransformerConfig, p: Params):
+    prefix = "transformer." if "transformer.wte.weight" in p.files else ""
+    d, n, h, f = c.d_model, c.num_heads, c.head_dim, c.d_ff
+    p.set("embedder/embedding/embedding", p.read(prefix + "wte.weight", (c.vocab_size, d)))
+    p.set("embedder/position_embedding", p.read(prefix + "wpe.weight", (c.max_len, d)))
+    for i in range(c.num_decoder_layers):
+        src, dst = f"{prefix}h.{i}.", f"layers/{i}/"
+        tensors.layer_norm(p, src + "ln_1", dst + "attention_block/norm", d)
+        tensors.layer_norm(p, src + "ln_2", dst + "ffn_block/norm", d)
+        # Conv1D is [in, out]; c_attn's output columns are q, k, v, each head-major.
+        p.set(dst + "self_attention/qkv/kernel",
+              p.read(src + "attn.c_attn.weight", (d, 3 * n * h)).reshape(d, 3 * n, h))
+        p.set(dst + "self_attention/qkv/bias",
+              p.read(src + "attn.c_attn.bias", (3 * n * h,)).reshape(3 * n, h))
+        p.set(dst + "self_attention/out/kernel",
+              p.read(src + "attn.c_proj.weight", (n * h, d)).reshape(n, h, d))
+        p.set(dst + "self_attention/out/bias", p.read(src + "attn.c_proj.bias", (d,)))
+        for kv_name, hf_name, shape in (("wi", "c_fc", (d, f)), ("wo", "c_proj", (f, d))):
+            p.set(dst + f"ffn/{kv_name}/kernel", p.read(f"{src}mlp.{hf_name}.weight", shape))
+            p.set(dst + f"ffn/{kv_name}/bias", p.read(f"{src}mlp.{hf_name}.bias", shape[1:]))
+    tensors.layer_norm(p, prefix + "ln_f", "final_norm", d)
+    tensors.unembed(c, p, "lm_head.weight")
+    # Older GPT-2 files keep the causal mask as buffers; they hold no weights.
+    return lambda name: name.endswith((".attn.bias", ".attn.masked_bias"))
+
+
+def _gpt_neox(c: M.TransformerConfig, p: Params):
+    d, n, h, f = c.d_model, c.num_heads, c.head_dim, c.d_ff
+    p.set("embedder/embedding/embedding", p.read("gpt_neox.embed_in.weight", (c.vocab_size, d)))
+    for i in range(c.num_decoder_layers):
+        src, dst = f"gpt_neox.layers.{i}.", f"layers/{i}/"
+        tensors.layer_norm(p, src + "input_layernorm", dst + "attention_block/norm", d)
+        tensors.layer_norm(p, src + "post_attention_layernorm", dst + "ffn_block/norm", d)
+        qkv = p.read(src + "attention.query_key_value.weight", (3 * n * h, d))
+        p.set(dst + "self_attention/qkv/kernel", heads_apart(qkv, n, h).T.reshape(d, 3 * n, h))
+        if c.qkv_bias:
+            bias = p.read(src + "attention.query_key_value.bias", (3 * n * h,))
+            p.set(dst + "self_attention/qkv/bias", heads_apart(bias, n, h).reshape(3 * n, h))
+        tensors.output(p, src + "attention.dense", dst + "self_attention/out", c)
+        tensors.dense(p, src + "mlp.dense_h_to_4h", dst + "ffn/wi", (f, d), True)
+        tensors.dense(p, src + "mlp.dense_4h_to_h", dst + "ffn/wo", (d, f), True)
+    tensors.layer_norm(p, "gpt_neox.final_layer_norm", "final_norm", d)
+    tensors.unembed(c, p, OUTPUT_TENSORS["gpt_neox"])
+    # Older files keep the causal mask and RoPE's frequencies as buffers.
+    return lambda name: name.endswith((".attention.bias", ".attention.masked_bias",
+                                       ".rotary_emb.inv_freq"))
+
+
+def _opt(c: M.TransformerConfig, p: Params):
+    prefix = "model.decoder." if "model.decoder.embed_tokens.weight" in p.files else "decoder."
+    d, f, n, h = c.d_model, c.d_ff, c.num_heads, c.head_dim
+    p.set("embedder/embedding/embedding", p.read(prefix + "embed_tokens.weight",
+                                                 (c.vocab_size, d)))
+    # Position i is the table's row i + 2 (OPT offsets the positions by two).
+    p.set("embedder/position_embedding",
+          p.read(prefix + "embed_positions.weight", (c.max_len + 2, d))[2:])
+    for i in range(c.num_decoder_layers):
+        src, dst = f"{prefix}layers.{i}.", f"layers/{i}/"
+        tensors.layer_norm(p, src + "self_attn_layer_norm", dst + "attention_block/norm", d)
+        tensors.fused(p, dst + "self_attention/qkv", [
+            tensors.linear(p, f"{src}self_attn.{name}_proj", n, h, d, c.qkv_bias)
+            for name in ("q", "k", "v")])
+        tensors.output(p, src + "self_attn.out_proj", dst + "self_attention/out", c)
+        tensors.layer_norm(p, src + "final_layer_norm", dst + "ffn_block/norm", d)
+        tensors.dense(p, src + "fc1", dst + "ffn/wi", (f, d), c.ffn_bias)
+        tensors.dense(p, src + "fc2", dst + "ffn/wo", (d, f), c.ffn_bias)
+    tensors.layer_norm(p, prefix + "final_layer_norm", "final_norm", d)
+    tensors.unembed(c, p, "lm_head.weight")
+    return lambda name: False
+
+
+def _phi(c: M.TransformerConfig, p: Params):
+    d, f = c.d_model, c.d_ff
+    p.set("embedder/embedding/embedding", p.read("model.embed_tokens.weight",
+                                                 (c.vocab_size, d)))
+    for i in range(c.num_decoder_layers):
+        src, dst = f"model.layers.{i}.", f"layers/{i}/"
+        tensors.layer_norm(p, src + "input_layernorm", dst + "attention_block/norm", d)
+        tensors.fused(p, dst + "self_attention/qkv", [
+            tensors.linear(p, f"{src}self_attn.{name}_proj", heads, c.head_dim, d, True)
+            for name, heads in (("q", c.num_heads), ("k", c.kv_heads), ("v", c.kv_heads))])
+        tensors.output(p, src + "self_attn.dense", dst + "self_attention/out", c)
+        tensors.dense(p, src + "mlp.fc1", dst + "ffn/wi", (f, d), True)
+        tensors.dense(p, src + "mlp.fc2", dst + "ffn/wo", (d, f), True)
+    tensors.layer_norm(p, "model.final_layernorm", "final_norm", d)
+    tensors.unembed(c, p, "lm_head.weight")
+    p.set("embedder/logits_bias", p.read("lm_head.bias", (c.vocab_size,)))
+    return lambda name: name.endswith(".rotary_emb.inv_freq")
+
+
+def _marian(c: M.TransformerConfig, p: Params):
+    d, n, f = c.d_model, c.num_heads, c.d_ff
+    shared = p.read("model.shared.weight", (c.vocab_size, d))
+    p.set("embedder/embedding/embedding", shared)
+    for part in ("encoder", "decoder"):
+        name = f"model.{part}.embed_tokens.weight"
+        if name in p.files and not np.array_equal(p.read(name, shared.shape), shared):
+            raise ValueError(f"{p.files.directory}: {name} differs from model.shared.weight; "
+                             "kvjax's encoder and decoder share one embedding table")
+    for part, stack, count in (("encoder", "encoder_layers", c.num_encoder_layers),
+                               ("decoder", "decoder_layers", c.num_decoder_layers)):
+        for i in range(count):
+            src, dst = f"model.{part}.layers.{i}.", f"{stack}/{i}/"
+            tensors.fused(p, dst + "self_attention/qkv", [
+                tensors.linear(p, f"{src}self_attn.{name}_proj", n, c.head_dim, d, True)
+                for name in ("q", "k", "v")])
+            tensors.output(p, src + "self_attn.out_proj", dst + "self_attention/out", c)
+            tensors.layer_norm(p, src + "self_attn_layer_norm", dst + "attention_block/norm", d)
+            tensors.dense(p, src + "fc1", dst + "ffn/wi", (f, d), True)
+            tensors.dense(p, src + "fc2", dst + "ffn/wo", (d, f), True)
+            tensors.layer_norm(p, src + "final_layer_norm", dst + "ffn_block/norm", d)
+            if part == "decoder":
+                query, query_bias = tensors.linear(p, src + "encoder_attn.q_proj", n, c.head_dim, d,
+                                            True)
+                p.set(dst + "cross_attention/query/kernel", query)
+                p.set(dst + "cross_attention/query/bias", query_bias)
+                tensors.fused(p, f"cross_kv/{i}/kv", [
+                    tensors.linear(p, f"{src}encoder_attn.{name}_proj", n, c.head_dim, d, True)
+                    for name in ("k", "v")])
+                tensors.output(p, src + "encoder_attn.out_proj", dst + "cross_attention/out", c)
+                tensors.layer_norm(p, src + "encoder_attn_layer_norm", dst + "cross_block/norm", d)
+    p.set("embedder/logits_bias", p.read("final_logits_bias", (1, c.vocab_size))[0])
+    tensors.unembed(c, p, "lm_head.weight")
+    for part in ("encoder", "decoder"):
+        _check_sinusoids(p, f"model.{part}.embed_positions.weight", c)
+    return lambda name: False
+
+
+def _check_sinusoids(p: Params, name: str, c: M.TransformerConfig) -> None:
+    """A stored table of static sinusoids must be the one kvjax computes."""
+    if name not in p.files:
+        return
+    table = p.files.read(name).astype(np.float32)
+    positions = np.arange(table.shape[0])[None]
+    ours = np.asarray(sinusoidal(positions, c.d_model, c.sinusoid_layout))[0]
+    if table.shape != ours.shape or not np.allclose(table, ours, atol=1e-4):
+        raise ValueError(f"{p.files.directory}: {name} is not the sinusoid table kvjax "
+                         f"computes ({c.sinusoid_layout} layout)")
+    p.used.add(name)
+
+
+READERS = {"gpt2": _gpt2, "gpt_neox": _gpt_neox, "phi": _phi, "opt": _opt, "marian": _marian}
