@@ -1,7 +1,8 @@
 """The `config.json` readers of the families built on Llama's layer: RMSNorm (or LayerNorm)
 before each sublayer, RoPE, a gated FFN (or a plain one), GQA; with their variations of
 norms, windows and scales (Qwen, SmolLM3, Granite, Mistral, Phi-3, StableLM, StarCoder2,
-Gemma, OLMo) and those whose FFN is a mixture of experts (Mixtral, Qwen3-MoE, OLMoE).
+Gemma, OLMo) and those whose FFN is a mixture of experts (Mixtral, Qwen3-MoE, OLMoE,
+GraniteMoE).
 `READERS` maps each model type to its reader."""
 
 from __future__ import annotations
@@ -128,6 +129,13 @@ def _granite(c: Reader) -> dict[str, Any]:
             "residual_multiplier": float(c.get("residual_multiplier", 1.0)),
             "attention_scale": float(c.get("attention_multiplier", 1.0)),
             "logits_scaling": float(c.get("logits_scaling", 1.0))}
+
+
+def _granitemoe(c: Reader) -> dict[str, Any]:
+    """Granite 3 MoE (1B-A400M, 3B-A800M): Granite's multipliers and a mixture of
+    `num_local_experts` experts in every layer, each token's chosen ones weighted by a softmax
+    over their router logits alone (the full softmax's weights divided by their sum)."""
+    return {**_granite(c), **_experts(c, normalize=True)}
 
 
 def _mistral(c: Reader) -> dict[str, Any]:
@@ -300,4 +308,4 @@ READERS = {"llama": _llama, "mistral": _mistral, "phi3": _phi3, "qwen2": _qwen2,
            "qwen3": _qwen3, "smollm3": _smollm3, "granite": _granite, "gemma2": _gemma2,
            "gemma3_text": _gemma3, "olmo2": _olmo2, "olmo3": _olmo3, "stablelm": _stablelm,
            "gemma": _gemma1, "starcoder2": _starcoder2, "mixtral": _mixtral,
-           "qwen3_moe": _qwen3_moe, "olmoe": _olmoe}
+           "qwen3_moe": _qwen3_moe, "olmoe": _olmoe, "granitemoe": _granitemoe}

@@ -55,10 +55,11 @@ _BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 
 # Per layout of the weight files (`weights.LAYOUTS`): the file's module (after the layer's
 # prefix) -> the kvjax targets it covers, in the order its output rows hold them.
+_ATTENTION = {"self_attn.q_proj": ("q",), "self_attn.k_proj": ("k",),
+              "self_attn.v_proj": ("v",), "self_attn.o_proj": ("o",)}
 _MODULES = {
-    "llama": {"self_attn.q_proj": ("q",), "self_attn.k_proj": ("k",),
-              "self_attn.v_proj": ("v",), "self_attn.o_proj": ("o",),
-              "mlp.gate_proj": ("wi",), "mlp.up_proj": ("wi_gate",), "mlp.down_proj": ("wo",)},
+    "llama": {**_ATTENTION, "mlp.gate_proj": ("wi",), "mlp.up_proj": ("wi_gate",),
+              "mlp.down_proj": ("wo",)},
     "fused": {"self_attn.qkv_proj": ("q", "k", "v"), "self_attn.o_proj": ("o",),
               "mlp.gate_up_proj": ("wi", "wi_gate"), "mlp.down_proj": ("wo",)},
     "gpt2": {"attn.c_attn": ("q", "k", "v"), "attn.c_proj": ("o",), "mlp.c_fc": ("wi",),
@@ -67,12 +68,10 @@ _MODULES = {
             "self_attn.dense": ("o",), "mlp.fc1": ("wi",), "mlp.fc2": ("wo",)},
     "opt": {"self_attn.q_proj": ("q",), "self_attn.k_proj": ("k",), "self_attn.v_proj": ("v",),
             "self_attn.out_proj": ("o",), "fc1": ("wi",), "fc2": ("wo",)},
-    # Mixtral: attention alone, its experts' projections being none of kvjax's targets.
-    "mixtral": {"self_attn.q_proj": ("q",), "self_attn.k_proj": ("k",),
-                "self_attn.v_proj": ("v",), "self_attn.o_proj": ("o",)},
-    "plain_mlp": {"self_attn.q_proj": ("q",), "self_attn.k_proj": ("k",),
-                  "self_attn.v_proj": ("v",), "self_attn.o_proj": ("o",), "mlp.c_fc": ("wi",),
-                  "mlp.c_proj": ("wo",)},
+    # Mixtral and GraniteMoE: attention alone, their experts' projections being none of
+    # kvjax's targets.
+    "mixtral": _ATTENTION, "granitemoe": _ATTENTION,
+    "plain_mlp": {**_ATTENTION, "mlp.c_fc": ("wi",), "mlp.c_proj": ("wo",)},
     "gpt_neox": {"attention.query_key_value": ("q", "k", "v"), "attention.dense": ("o",),
                  "mlp.dense_h_to_4h": ("wi",), "mlp.dense_4h_to_h": ("wo",)},
 }

@@ -27,10 +27,12 @@ from .tensors import Params, WeightFiles
 # gpt_neox.layers.i), "phi" (Phi-2: q_proj, k_proj, v_proj, dense, fc1, fc2, one norm a
 # layer), "opt" (q_proj, k_proj, v_proj, out_proj, fc1, fc2 under model.decoder.layers.i),
 # "plain_mlp" (Llama's attention, an FFN of c_fc and c_proj: StarCoder2), "mixtral" (Llama's
-# attention, experts of w1, w3 and w2 under block_sparse_moe) and "marian" (an encoder and a
-# decoder). Llama's layout holds experts too: gate_proj, up_proj and down_proj under mlp.
+# attention, experts of w1, w3 and w2 under block_sparse_moe), "granitemoe" (every expert in
+# one input_linear and one output_linear) and "marian" (an encoder and a decoder). Llama's
+# layout holds experts too: gate_proj, up_proj and down_proj under mlp.
 LAYOUTS = {"gpt2": "gpt2", "phi3": "fused", "marian": "marian", "gpt_neox": "gpt_neox",
            "phi": "phi", "opt": "opt", "starcoder2": "plain_mlp", "mixtral": "mixtral",
+           "granitemoe": "granitemoe",
            **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite",
                             "gemma2", "gemma3_text", "olmo2", "olmo3", "stablelm", "gemma",
                             "qwen3_moe", "olmoe"), "llama")}
@@ -53,8 +55,9 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
     params = Params(config, files, dtype)
     mapper = {"llama": _llama_like, "fused": functools.partial(_llama_like, fused=True),
               "plain_mlp": functools.partial(_llama_like, plain_mlp=True),
-              "mixtral": functools.partial(_llama_like, experts=("block_sparse_moe.", "w1",
-                                                                 "w3", "w2")),
+              "mixtral": functools.partial(_llama_like, experts=functools.partial(
+                  _experts_apart, under="block_sparse_moe.", names=("w1", "w3", "w2"))),
+              "granitemoe": functools.partial(_llama_like, experts=_experts_stacked),
               **gpt_weights.READERS}[LAYOUTS[model_type]]
     ignorable = mapper(config, params)
     return params.tree(ignorable)
@@ -76,12 +79,12 @@ _OUTPUT_NORMS = {"attention_block/norm": "post_attention_layernorm",
 
 
 def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
-                plain_mlp: bool = False, experts=("mlp.", "gate_proj", "up_proj", "down_proj")):
+                plain_mlp: bool = False, experts=None):
     """Llama and its kin, Gemma's and OLMo's norms and StableLM's LayerNorms included.
     `fused` (Phi-3): q, k and v are rows of one `qkv_proj`, and the gate and up projections
     the two halves of one `gate_up_proj`. `plain_mlp` (StarCoder2): an FFN without a gate,
-    `c_fc` then `c_proj`. `experts`: where a mixture of experts lies in a layer and its
-    experts' gate, up and down projections' names."""
+    `c_fc` then `c_proj`. `experts(p, layer, dst, c)` reads a layer's mixture of experts
+    (None: `_experts_apart` as Qwen3-MoE and OLMoE name them)."""
     d, h = c.d_model, c.head_dim
     p.set("embedder/embedding/embedding", p.read("model.embed_tokens.weight",
                                                  (c.vocab_size, d)))
@@ -107,7 +110,7 @@ def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
                       p.read(f"{src}self_attn.{name}.weight", (width,)))
         tensors.output(p, src + "self_attn.o_proj", dst + "self_attention/out", c)
         if c.num_experts:
-            _experts(p, src + experts[0], dst + "ffn/", c, experts[1:])
+            (experts or _experts_apart)(p, src, dst + "ffn/", c)
         else:
             _feed_forward(p, src + "mlp.", dst + "ffn/", c, fused, plain_mlp)
     tensors.norm(p, "model.norm", "final_norm", c)
@@ -133,11 +136,28 @@ def _feed_forward(p: Params, src: str, dst: str, c: M.TransformerConfig, fused: 
     tensors.dense(p, src + "down_proj", dst + "wo", (d, f), c.ffn_bias)
 
 
-def _experts(p: Params, src: str, dst: str, c: M.TransformerConfig, names) -> None:
-    """The router (`gate` [E, D]) and each expert's gate, up and down projections, stacked."""
+def _experts_apart(p: Params, layer: str, dst: str, c: M.TransformerConfig,
+                   under: str = "mlp.", names=("gate_proj", "up_proj", "down_proj")) -> None:
+    """The router (`gate` [E, D]) and each expert's gate, up and down projections (`names`),
+    a tensor each, stacked; all `under` the layer's prefix."""
     d, f, count = c.d_model, c.d_ff, c.num_experts
+    src = layer + under
     p.set(dst + "router/kernel", p.read(src + "gate.weight", (count, d)).T)
     for name, hf_name, shape in zip(("wi", "wi_gate", "wo"), names, ((f, d), (f, d), (d, f)),
                                     strict=True):
         p.set(dst + "experts/" + name, np.stack([
             p.read(f"{src}experts.{e}.{hf_name}.weight", shape).T for e in range(count)]))
+
+
+def _experts_stacked(p: Params, layer: str, dst: str, c: M.TransformerConfig) -> None:
+    """GraniteMoE's: the router `router.layer` [E, D], every expert's gate and up projections
+    in `input_linear` [E, 2F, D] (the gate's rows first), the down ones in `output_linear`
+    [E, D, F]."""
+    d, f, count = c.d_model, c.d_ff, c.num_experts
+    src = layer + "block_sparse_moe."
+    p.set(dst + "router/kernel", p.read(src + "router.layer.weight", (count, d)).T)
+    gate_up = p.read(src + "input_linear.weight", (count, 2 * f, d)).transpose(0, 2, 1)
+    p.set(dst + "experts/wi", gate_up[..., :f])
+    p.set(dst + "experts/wi_gate", gate_up[..., f:])
+    p.set(dst + "experts/wo", p.read(src + "output_linear.weight", (count, d, f)).transpose(
+        0, 2, 1))

@@ -25,14 +25,15 @@ from kvjax import model as M
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf_models"
 NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral", "phi3",
          "gemma2", "gemma3_text", "smollm3", "granite", "olmo2", "olmo3", "gpt_neox",
-         "phi", "stablelm", "opt", "gemma", "starcoder2", "mixtral", "qwen3_moe", "olmoe")
+         "phi", "stablelm", "opt", "gemma", "starcoder2", "mixtral", "qwen3_moe", "olmoe",
+         "granitemoe")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
                "granite": "granite", "olmo2": "olmo2", "olmo3": "olmo3", "gpt_neox": "gpt_neox",
                "phi": "phi", "stablelm": "stablelm", "opt": "opt", "gemma": "gemma",
                "starcoder2": "starcoder2", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe",
-               "olmoe": "olmoe"}
+               "olmoe": "olmoe", "granitemoe": "granitemoe"}
 
 
 @pytest.fixture(scope="module")
@@ -86,13 +87,15 @@ def test_logits_and_generation_equal_transformers(loaded, name):
     config, tokenizer, params = loaded(name)
     record, logits = expected(name)
     assert config.tie_embeddings == (name in ("gpt2", "llama_mqa", "marian", "qwen3", "gemma2",
-                                              "smollm3", "opt", "gemma", "starcoder2"))
+                                              "smollm3", "opt", "gemma", "starcoder2",
+                                              "granitemoe"))
     assert config.qk_norm == (name in ("qwen3", "gemma3_text", "olmo2", "olmo3", "qwen3_moe",
                                        "olmoe"))
     assert config.qk_norm_across_heads == name.startswith("olmo")
     assert (config.norm == "output") == (name in ("olmo2", "olmo3"))
     assert (config.num_experts, config.experts_per_token, config.normalize_expert_weights) == {
-        "mixtral": (4, 2, True), "qwen3_moe": (8, 2, True), "olmoe": (8, 3, False)}.get(
+        "mixtral": (4, 2, True), "qwen3_moe": (8, 2, True), "olmoe": (8, 3, False),
+        "granitemoe": (4, 2, True)}.get(
         name, (0, 2, True))
     assert config.sliding_window == {"mistral": 4, "phi3": 6, "gemma2": 4,
                                      "gemma3_text": 5, "olmo3": 4, "starcoder2": 4}.get(name)
@@ -108,7 +111,8 @@ def test_logits_and_generation_equal_transformers(loaded, name):
     assert (config.norm_type == "layernorm") == (name in ("gpt2", "marian", "gpt_neox", "phi",
                                                           "stablelm", "opt", "starcoder2"))
     assert (config.embedding_multiplier, config.residual_multiplier, config.attention_scale,
-            config.logits_scaling) == {"granite": (2.0, 0.5, 0.25, 2.0)}.get(
+            config.logits_scaling) == dict.fromkeys(("granite", "granitemoe"),
+                                                    (2.0, 0.5, 0.25, 2.0)).get(
         name, (1.0, 1.0, config.attention_scale, 1.0))
     for i, got in enumerate(teacher_forced(config, params, record)):
         assert relative_error(got, logits[f"logits_{i}"]) <= 1e-5
@@ -167,8 +171,8 @@ def edit_config(directory, file="config.json", **changes):
 @pytest.mark.parametrize("name, changes, message", [
     ("gpt2", dict(model_type="bert"),
      "model_type 'bert' is not supported; kvjax loads gemma, gemma2, gemma3_text, gpt2, "
-     "gpt_neox, granite, llama, marian, mistral, mixtral, olmo2, olmo3, olmoe, opt, phi, "
-     "phi3, qwen2, qwen3, qwen3_moe, smollm3, stablelm, starcoder2"),
+     "gpt_neox, granite, granitemoe, llama, marian, mistral, mixtral, olmo2, olmo3, olmoe, "
+     "opt, phi, phi3, qwen2, qwen3, qwen3_moe, smollm3, stablelm, starcoder2"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
                                         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
      'rope settings {"partial_rotary_factor": 0.5} are not supported for rope type \'yarn\''),
