@@ -48,11 +48,11 @@ _RULES: dict[tuple[str, str], tuple[str | None, ...]] = {
     ("wi_gate", "kernel"): (None, MODEL),
     ("wi_gate", "bias"): (MODEL,),
     ("wo", "kernel"): (MODEL, None),  # [F, D]; its bias [D] is added after the sum
-    # A mixture of experts' [experts, D, F] and [experts, F, D]: every device holds every
+    # A mixture of experts' [D, experts, F] and [experts, F, D]: every device holds every
     # expert, a slice of each one's hidden units (the router [D, experts] replicated).
-    ("experts", "wi"): (None, MODEL),
-    ("experts", "wi_gate"): (None, MODEL),
-    ("experts", "wo"): (MODEL, None),
+    ("experts", "wi"): (None, None, MODEL),
+    ("experts", "wi_gate"): (None, None, MODEL),
+    ("experts", "wo"): (None, MODEL, None),
 }
 
 

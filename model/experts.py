@@ -5,17 +5,21 @@ the `experts_per_token` experts of highest softmax probability, and its output i
 summed, each weighted by its probability (divided by the chosen ones' sum under
 `normalize_expert_weights`). An expert is an FFN like `FeedForward`'s, without biases:
 W2 act(W1 x), or W2 (act(W1 x) * W3 x) for the gated activations. Params, beside the
-router's: `experts/wi` and `experts/wi_gate` [experts, D, d_ff], `experts/wo` [experts,
-d_ff, D].
+router's: `experts/wi` and `experts/wi_gate` [D, experts, d_ff], `experts/wo` [experts,
+d_ff, D], laid out so that every expert's projections are one matrix.
 
-Two ways to run the chosen experts compute the same sums; the shapes pick one while tracing:
-- few pairs of a token and a chosen expert (decoding): each pair is multiplied by the
-  weights of its expert, gathered, so a step reads only the chosen experts' weights, which
-  is what a memory-bound step pays for;
-- more pairs than experts (a prompt, training): the pairs sorted by expert and multiplied a
-  group at a time (`jax.lax.ragged_dot`), each expert's weights read once for all its
-  tokens; the backend decides how (grouped matmuls on GPUs and TPUs, every expert masked on
-  the CPU).
+Two ways to run the chosen experts compute the same sums; the shapes pick one while tracing
+(`gathers`), by the weights each reads:
+- few pairs of a token and a chosen expert (decoding a few rows): each pair multiplies by
+  its own expert's weights, gathered (`gathered`): a step reads (and copies) only the chosen
+  experts' weights, what a memory-bound step pays for;
+- more (a prompt, training, a large batch): every token through every expert, the hidden
+  units weighted by the router's weights, zero for the experts not chosen (`every_expert`):
+  num_experts / experts_per_token times the work of the chosen experts alone, in three plain
+  matmuls that read each expert's weights once. A dropless mixture cannot do better in XLA
+  without kernels of its own: `jax.lax.ragged_dot`, which sorts tokens into one group per
+  expert, becomes the same dense product on CPUs and GPUs (masked, with a copy of the
+  tokens for every expert), slower than plain matmuls.
 
 The experts and the chosen experts have no shape letters of their own (docs/shapes.md has
 none left): arrays are named for what they hold, their shapes given in brackets, where
@@ -46,8 +50,53 @@ def route(router_logits: jax.Array, experts_per_token: int, normalize: bool
     return weights, experts.astype(jnp.int32)
 
 
+def gathers(pairs: int, num_experts: int) -> bool:
+    """Whether `pairs` token-expert pairs take the gathered way: a gathered expert's weights
+    are read, written as a copy and read again, so it reads less than every expert's weights
+    once while three times the pairs stay under the experts."""
+    return 3 * pairs < num_experts
+
+
+def gathered(tokens, weights, experts, kernels, activation):
+    """[tokens, D]: each (token, chosen expert) pair through that expert's weights, gathered,
+    summed per token with `weights` [tokens, k]. `kernels` are (wi, wi_gate or None, wo)."""
+    wi, wi_gate, wo = kernels
+    k = experts.shape[1]
+    chosen = experts.reshape(-1)  # [pairs], token-major
+    x = jnp.repeat(tokens, k, axis=0)[:, None, :]  # [pairs, 1, D]
+
+    def up(kernel):  # [pairs, 1, d_ff]
+        return x @ jnp.moveaxis(kernel[:, chosen], 1, 0)
+
+    h = activation(up(wi))
+    if wi_gate is not None:
+        h = h * up(wi_gate)
+    out = (h @ wo[chosen])[:, 0].reshape(tokens.shape[0], k, -1).astype(jnp.float32)
+    return jnp.sum(out * weights[..., None], axis=1)
+
+
+def every_expert(tokens, weights, experts, kernels, activation):
+    """[tokens, D]: every token through every expert, each hidden unit scaled by the token's
+    router weight for its expert (zero where not chosen), so that one product with every
+    expert's down projection sums the chosen experts' outputs. Three plain matmuls, which
+    read the kernels as they lie: [D, experts · d_ff] and [experts · d_ff, D]."""
+    wi, wi_gate, wo = kernels
+    count, width = wo.shape[:2]
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    combine = jnp.zeros((tokens.shape[0], count), jnp.float32).at[rows, experts].set(weights)
+
+    def up(kernel):  # [tokens, experts, d_ff]
+        return (tokens @ kernel.reshape(kernel.shape[0], -1)).reshape(-1, count, width)
+
+    h = activation(up(wi))
+    if wi_gate is not None:
+        h = h * up(wi_gate)
+    h = h * combine[..., None].astype(h.dtype)
+    return (h.reshape(-1, count * width) @ wo.reshape(count * width, -1)).astype(jnp.float32)
+
+
 class Experts(nn.Module):
-    """The experts' FFNs, each pair of a token and a chosen expert through its expert."""
+    """The experts' FFNs and their weighted sum for each token."""
 
     config: TransformerConfig
     activation: Callable[[jax.Array], jax.Array]
@@ -57,46 +106,21 @@ class Experts(nn.Module):
         """x_BTD's tokens through their chosen `experts` [tokens, k], summed with `weights`
         [tokens, k]: [B, T, D]."""
         c = self.config
-        shape_in, shape_out = (c.num_experts, c.d_model, c.d_ff), (c.num_experts, c.d_ff,
-                                                                   c.d_model)
+        init_in = nn.initializers.lecun_normal(in_axis=0, out_axis=2, batch_axis=(1,))
+        init_out = nn.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
 
-        def kernel(name, shape):
-            init = nn.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
+        def kernel(name, init, shape):
             return self.param(name, init, shape, c.weights_dtype).astype(c.compute_dtype)
 
-        wi, wo = kernel("wi", shape_in), kernel("wo", shape_out)
-        wi_gate = kernel("wi_gate", shape_in) if c.activation in GATED_ACTIVATIONS else None
+        shape_in = (c.d_model, c.num_experts, c.d_ff)
+        wi, wo = kernel("wi", init_in, shape_in), kernel("wo", init_out, (
+            c.num_experts, c.d_ff, c.d_model))
+        wi_gate = kernel("wi_gate", init_in, shape_in) \
+            if c.activation in GATED_ACTIVATIONS else None
         tokens = x_BTD.reshape(-1, c.d_model).astype(c.compute_dtype)
-        k = c.experts_per_token
-        pair_experts = experts.reshape(-1)  # [pairs], token-major
-        if pair_experts.shape[0] < c.num_experts:
-            pair_out = self._gathered(tokens, pair_experts, wi, wi_gate, wo)
-        else:
-            pair_out = self._grouped(tokens, pair_experts, wi, wi_gate, wo)
-        pair_out = pair_out.reshape(tokens.shape[0], k, c.d_model).astype(jnp.float32)
-        out = jnp.sum(pair_out * weights[..., None], axis=1)
+        way = gathered if gathers(experts.size, c.num_experts) else every_expert
+        out = way(tokens, weights, experts, (wi, wi_gate, wo), self.activation)
         return out.astype(c.compute_dtype).reshape(x_BTD.shape)
-
-    def _hidden(self, up, gate):
-        h = self.activation(up)
-        return h if gate is None else h * gate
-
-    def _gathered(self, tokens, pair_experts, wi, wi_gate, wo):
-        """[pairs, D]: each pair through its own expert's gathered weights."""
-        x = jnp.repeat(tokens, self.config.experts_per_token, axis=0)[:, None, :]
-        up = (x @ wi[pair_experts])
-        gate = None if wi_gate is None else x @ wi_gate[pair_experts]
-        return (self._hidden(up, gate) @ wo[pair_experts])[:, 0]
-
-    def _grouped(self, tokens, pair_experts, wi, wi_gate, wo):
-        """[pairs, D]: the pairs sorted by expert, each expert's group multiplied at once."""
-        order = jnp.argsort(pair_experts, stable=True)
-        sizes = jnp.bincount(pair_experts, length=self.config.num_experts).astype(jnp.int32)
-        x = tokens[order // self.config.experts_per_token]
-        up = jax.lax.ragged_dot(x, wi, sizes)
-        gate = None if wi_gate is None else jax.lax.ragged_dot(x, wi_gate, sizes)
-        sorted_out = jax.lax.ragged_dot(self._hidden(up, gate), wo, sizes)
-        return jnp.zeros_like(sorted_out).at[order].set(sorted_out, unique_indices=True)
 
 
 class MixtureOfExperts(nn.Module):

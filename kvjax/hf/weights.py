@@ -139,14 +139,15 @@ def _feed_forward(p: Params, src: str, dst: str, c: M.TransformerConfig, fused: 
 def _experts_apart(p: Params, layer: str, dst: str, c: M.TransformerConfig,
                    under: str = "mlp.", names=("gate_proj", "up_proj", "down_proj")) -> None:
     """The router (`gate` [E, D]) and each expert's gate, up and down projections (`names`),
-    a tensor each, stacked; all `under` the layer's prefix."""
+    a tensor each, stacked on kvjax's experts axis; all `under` the layer's prefix."""
     d, f, count = c.d_model, c.d_ff, c.num_experts
     src = layer + under
     p.set(dst + "router/kernel", p.read(src + "gate.weight", (count, d)).T)
-    for name, hf_name, shape in zip(("wi", "wi_gate", "wo"), names, ((f, d), (f, d), (d, f)),
-                                    strict=True):
+    for name, hf_name, shape, axis in zip(("wi", "wi_gate", "wo"), names,
+                                          ((f, d), (f, d), (d, f)), (1, 1, 0), strict=True):
         p.set(dst + "experts/" + name, np.stack([
-            p.read(f"{src}experts.{e}.{hf_name}.weight", shape).T for e in range(count)]))
+            p.read(f"{src}experts.{e}.{hf_name}.weight", shape).T for e in range(count)],
+            axis=axis))
 
 
 def _experts_stacked(p: Params, layer: str, dst: str, c: M.TransformerConfig) -> None:
@@ -156,7 +157,7 @@ def _experts_stacked(p: Params, layer: str, dst: str, c: M.TransformerConfig) ->
     d, f, count = c.d_model, c.d_ff, c.num_experts
     src = layer + "block_sparse_moe."
     p.set(dst + "router/kernel", p.read(src + "router.layer.weight", (count, d)).T)
-    gate_up = p.read(src + "input_linear.weight", (count, 2 * f, d)).transpose(0, 2, 1)
+    gate_up = p.read(src + "input_linear.weight", (count, 2 * f, d)).transpose(2, 0, 1)
     p.set(dst + "experts/wi", gate_up[..., :f])
     p.set(dst + "experts/wi_gate", gate_up[..., f:])
     p.set(dst + "experts/wo", p.read(src + "output_linear.weight", (count, d, f)).transpose(

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from kvjax import model as M
 from kvjax import parallel
-from kvjax.model import lora
+from kvjax.model import experts, lora
 from kvjax.model.experts import MixtureOfExperts
 from kvjax.model.layers import _ACTIVATIONS
 
@@ -46,14 +46,14 @@ def _reference(params, x, config):
         if config.normalize_expert_weights:
             weights = weights / weights.sum()
         for e, w in zip(chosen, weights, strict=True):
-            h = act(token @ experts["wi"][e])
+            h = act(token @ experts["wi"][:, e])
             if "wi_gate" in experts:
-                h = h * (token @ experts["wi_gate"][e])
+                h = h * (token @ experts["wi_gate"][:, e])
             out[t] += w * (h @ experts["wo"][e])
     return out.reshape(np.shape(x))
 
 
-@pytest.mark.parametrize("tokens", [(1, 1), (3, 1), (2, 7)], ids=["one", "three", "many"])
+@pytest.mark.parametrize("tokens", [(1, 1), (1, 2), (2, 7)], ids=["one", "two", "many"])
 @pytest.mark.parametrize("activation,normalize", [("swiglu", True), ("gelu", False)],
                          ids=["gated-normalized", "plain-as-given"])
 def test_each_token_is_the_weighted_sum_of_its_chosen_experts(tokens, activation, normalize):
@@ -63,21 +63,29 @@ def test_each_token_is_the_weighted_sum_of_its_chosen_experts(tokens, activation
                     jnp.float32)
     params = layer.init(jax.random.key(1), x)["params"]
     assert ("wi_gate" in params["experts"]) == (activation == "swiglu")
-    run = jax.jit(lambda p, v: layer.apply({"params": p}, v))
-    # Two of the three shapes choose fewer pairs than experts (gathered), one more (grouped).
-    grouped = "ragged_dot" in str(jax.make_jaxpr(run)(params, x))
-    assert grouped == (tokens[0] * tokens[1] * config.experts_per_token >= config.num_experts)
-    np.testing.assert_allclose(run(params, x), _reference(params, x, config), rtol=1e-5,
-                               atol=1e-5)
+    want = _reference(params, x, config)
+    got = jax.jit(lambda p, v: layer.apply({"params": p}, v))(params, x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # Both ways, whichever the shape picks: 2 pairs of 8 experts gather, 4 and 28 do not.
+    pairs = tokens[0] * tokens[1] * config.experts_per_token
+    assert experts.gathers(pairs, config.num_experts) == (pairs < 3)
+    logits = x.reshape(-1, config.d_model) @ params["router"]["kernel"]
+    weights, chosen = experts.route(logits, config.experts_per_token, normalize)
+    kernels = (params["experts"]["wi"], params["experts"].get("wi_gate"),
+               params["experts"]["wo"])
+    for way in (experts.gathered, experts.every_expert):
+        out = way(x.reshape(-1, config.d_model), weights, chosen, kernels,
+                  _ACTIVATIONS[activation])
+        np.testing.assert_allclose(out.reshape(x.shape), want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_model_of_experts_decodes_and_scans_as_it_runs_whole():
     from test_layers import check_unrolled_and_cached_equal_whole
 
-    config = _moe_config(num_kv_heads=2, scan_layers=True)
+    config = _moe_config(num_kv_heads=2, scan_layers=True, num_experts=16)
     params = M.init_params(config, jax.random.key(2))
-    assert params["layers"]["ffn"]["experts"]["wi"].shape == (2, 8, 32, 64)
-    # The prefill's 2 x 5 tokens take the grouped way, each step's 2 the gathered one.
+    assert params["layers"]["ffn"]["experts"]["wi"].shape == (2, 32, 16, 64)
+    # The prefill's 2 x 5 tokens go through every expert, a step's 2 rows gather theirs.
     check_unrolled_and_cached_equal_whole(config, params)
 
 
@@ -108,5 +116,5 @@ def test_on_a_mesh_each_expert_splits_its_hidden_units_as_a_dense_ffn_does():
         lambda path, leaf: parallel.param_spec(path, leaf.shape), shapes)["layers"]["ffn"]
     model = parallel.MODEL
     assert specs["experts"]["wi"] == specs["experts"]["wi_gate"] == P(None, None, None, model)
-    assert specs["experts"]["wo"] == P(None, None, model, None)
+    assert specs["experts"]["wo"] == P(None, None, model, None)  # [L, experts, F, D]
     assert specs["router"]["kernel"] == P()
