@@ -88,6 +88,7 @@ def problems(config: Config) -> list[str]:
             problems.append(f"rope needs an even head_dim, got {head_dim}")
     problems += _rotary_dim_problems(config)
     problems += _rope_scaling_problems(config)
+    problems += _expert_problems(config)
     if config.cache_dtype is not None and config.cache_dtype not in CACHE_DTYPES:
         problems.append(f"cache_dtype={config.cache_dtype!r} is not None or one of "
                         f"{CACHE_DTYPES}")
@@ -138,7 +139,7 @@ def _layer_kind_problems(config: Config) -> list[str]:
         problems.append("shared_norm needs parallel_residual")
     if config.qk_norm_across_heads and not config.qk_norm:
         problems.append("qk_norm_across_heads needs qk_norm")
-    return problems + _expert_problems(config)
+    return problems
 
 
 def _expert_problems(config: Config) -> list[str]:

@@ -2,8 +2,7 @@
 before each sublayer, RoPE, a gated FFN (or a plain one), GQA; with their variations of
 norms, windows and scales (Qwen, SmolLM3, Granite, Mistral, Phi-3, StableLM, StarCoder2,
 Gemma, OLMo) and those whose FFN is a mixture of experts (Mixtral, Qwen3-MoE, OLMoE,
-GraniteMoE).
-`READERS` maps each model type to its reader."""
+GraniteMoE). `READERS` maps each model type to its reader."""
 
 from __future__ import annotations
 
