@@ -134,10 +134,14 @@ class TransformerConfig:
     # through the `experts_per_token` it scores highest, and their outputs are summed,
     # weighted by the router's softmax over all experts; with `normalize_expert_weights`
     # those weights are divided by their sum (Mixtral, Qwen3-MoE), without it taken as they
-    # are (OLMoE). Decoder-only, no FFN biases (`model/experts.py`).
+    # are (OLMoE). Decoder-only, no FFN biases (`model/experts.py`). A shared expert of
+    # `shared_expert_d_ff` hidden units (0: none) takes every token beside its chosen ones,
+    # its output scaled by a sigmoid gate of the token under `shared_expert_gate` (Qwen2-MoE).
     num_experts: int = 0
     experts_per_token: int = 2
     normalize_expert_weights: bool = True
+    shared_expert_d_ff: int = 0
+    shared_expert_gate: bool = False
 
     def __post_init__(self):
         problems = config_problems(self)
@@ -247,7 +251,8 @@ _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "norm_unit_offset", "sandwich_norms", "parallel_residual", "shared_norm", "attention_scale",
     "attention_softcap", "logits_softcap",
     "embedding_multiplier", "residual_multiplier", "logits_scaling", "num_experts",
-    "experts_per_token", "normalize_expert_weights", "remat")}
+    "experts_per_token", "normalize_expert_weights", "shared_expert_d_ff", "shared_expert_gate",
+    "remat")}
 
 
 PRESETS: dict[str, TransformerConfig] = {

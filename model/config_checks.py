@@ -42,14 +42,15 @@ ROPE_SCALINGS = ("none", "linear", "llama3", "yarn", "longrope")
 
 _INT_FIELDS = ("vocab_size", "d_model", "num_heads", "d_ff", "num_decoder_layers",
                "num_encoder_layers", "max_len", "bos_id", "attention_block",
-               "rope_original_max_len", "num_experts", "experts_per_token")
+               "rope_original_max_len", "num_experts", "experts_per_token",
+               "shared_expert_d_ff")
 _REAL_FIELDS = ("dropout", "rope_base", "layer_norm_eps", "rope_scaling_factor",
                 "rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast",
                 "rope_beta_slow", "embedding_multiplier", "residual_multiplier", "logits_scaling")
 _BOOL_FIELDS = ("tie_embeddings", "scan_layers", "remat", "qkv_bias", "out_bias", "ffn_bias",
                 "scale_embeddings", "logits_bias", "qk_norm", "qk_norm_across_heads",
                 "norm_unit_offset", "sandwich_norms", "parallel_residual", "shared_norm",
-                "rope_truncate", "normalize_expert_weights")
+                "rope_truncate", "normalize_expert_weights", "shared_expert_gate")
 _OPTIONAL_REALS = ("local_rope_base", "attention_scale", "attention_softcap", "logits_softcap",
                    "rope_attention_factor")
 _CHOICES = {"positional_encoding": POSITIONAL_ENCODINGS, "norm": NORM_PLACEMENTS,
@@ -146,9 +147,15 @@ def _expert_problems(config: Config) -> list[str]:
     """What is wrong with a mixture of experts' options (none for a dense FFN)."""
     if config.num_experts < 0:
         return [f"num_experts={config.num_experts} must be >= 0 (0: one dense FFN)"]
-    if config.num_experts == 0:
-        return []
     problems = []
+    if config.shared_expert_d_ff < 0:
+        problems.append(f"shared_expert_d_ff={config.shared_expert_d_ff} must be >= 0 (0: none)")
+    if config.shared_expert_gate and config.shared_expert_d_ff <= 0:
+        problems.append("shared_expert_gate needs a shared expert (shared_expert_d_ff > 0)")
+    if config.num_experts == 0:
+        if config.shared_expert_d_ff:
+            problems.append("shared_expert_d_ff needs a mixture of experts (num_experts > 0)")
+        return problems
     if not 1 <= config.experts_per_token <= config.num_experts:
         problems.append(f"experts_per_token={config.experts_per_token} must be from 1 to "
                         f"num_experts={config.num_experts}")

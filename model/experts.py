@@ -6,7 +6,10 @@ summed, each weighted by its probability (divided by the chosen ones' sum under
 `normalize_expert_weights`). An expert is an FFN like `FeedForward`'s, without biases:
 W2 act(W1 x), or W2 (act(W1 x) * W3 x) for the gated activations. Params, beside the
 router's: `experts/wi` and `experts/wi_gate` [D, experts, d_ff], `experts/wo` [experts,
-d_ff, D], laid out so that every expert's projections are one matrix.
+d_ff, D], laid out so that every expert's projections are one matrix. A shared expert
+(`shared_expert_d_ff` > 0) is a `FeedForward` of that width every token goes through, its
+output added to the chosen experts' (times a sigmoid gate of the token, a kernel [D, 1], under
+`shared_expert_gate`).
 
 Two ways to run the chosen experts compute the same sums; the shapes pick one while tracing
 (`gathers`), by the weights each reads:
@@ -28,14 +31,13 @@ none left): arrays are named for what they hold, their shapes given in brackets,
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from .config import TransformerConfig
 from .config_checks import GATED_ACTIVATIONS
+from .feed_forward import FeedForward, activation_function
 
 
 def route(router_logits: jax.Array, experts_per_token: int, normalize: bool
@@ -99,7 +101,6 @@ class Experts(nn.Module):
     """The experts' FFNs and their weighted sum for each token."""
 
     config: TransformerConfig
-    activation: Callable[[jax.Array], jax.Array]
 
     @nn.compact
     def __call__(self, x_BTD, weights, experts):
@@ -119,16 +120,16 @@ class Experts(nn.Module):
             if c.activation in GATED_ACTIVATIONS else None
         tokens = x_BTD.reshape(-1, c.d_model).astype(c.compute_dtype)
         way = gathered if gathers(experts.size, c.num_experts) else every_expert
-        out = way(tokens, weights, experts, (wi, wi_gate, wo), self.activation)
+        out = way(tokens, weights, experts, (wi, wi_gate, wo),
+                  activation_function(c.activation))
         return out.astype(c.compute_dtype).reshape(x_BTD.shape)
 
 
 class MixtureOfExperts(nn.Module):
-    """The router and the experts: [B, T, D] -> [B, T, D]. `activation` is the experts' (as
-    `FeedForward` takes it from the config)."""
+    """The router and the experts, and the shared expert every token goes through where the
+    config has one: [B, T, D] -> [B, T, D]."""
 
     config: TransformerConfig
-    activation: Callable[[jax.Array], jax.Array]
 
     @nn.compact
     def __call__(self, x_BTD):
@@ -138,4 +139,12 @@ class MixtureOfExperts(nn.Module):
         router_logits = router(x_BTD).reshape(-1, c.num_experts)
         weights, experts = route(router_logits, c.experts_per_token,
                                  c.normalize_expert_weights)
-        return Experts(c, self.activation, name="experts")(x_BTD, weights, experts)
+        out = Experts(c, name="experts")(x_BTD, weights, experts)
+        if not c.shared_expert_d_ff:
+            return out
+        shared = FeedForward(c, c.shared_expert_d_ff, name="shared_expert")(x_BTD)
+        if c.shared_expert_gate:
+            gate = nn.Dense(1, use_bias=False, dtype=c.compute_dtype,
+                            param_dtype=c.weights_dtype, name="shared_expert_gate")
+            shared = shared * jax.nn.sigmoid(gate(x_BTD))
+        return out + shared

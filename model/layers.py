@@ -1,4 +1,4 @@
-"""Transformer layers: feed-forward network, residual + LayerNorm, encoder and decoder layers.
+"""Transformer layers: residual + LayerNorm, encoder and decoder layers.
 
 Shape letters as in `model/cache.py`. Every layer has one signature, written for `nn.scan`:
 `layer((x, own), inputs, shared) -> ((x, own), output)`, where `own` is what the layer reads
@@ -24,8 +24,8 @@ import jax.numpy as jnp
 
 from .attention_layers import CrossAttention, SelfAttention
 from .config import TransformerConfig
-from .config_checks import GATED_ACTIVATIONS
 from .experts import MixtureOfExperts
+from .feed_forward import FeedForward
 from .norms import make_norm
 
 
@@ -64,40 +64,10 @@ class LayerInputs:
     pages: jax.Array | None = None
 
 
-_ACTIVATIONS = {
-    "relu": nn.relu,
-    "gelu": lambda x: nn.gelu(x, approximate=True),
-    "gelu_exact": lambda x: nn.gelu(x, approximate=False),
-    "silu": nn.silu,
-    "swiglu": nn.silu,  # of W1 x, gated by W3 x
-    "geglu": lambda x: nn.gelu(x, approximate=True),  # of W1 x, gated by W3 x
-}
-
-
-class FeedForward(nn.Module):
-    """Position-wise FFN: W2 act(W1 x), or W2 (act(W1 x) * W3 x) for the gated ones (SwiGLU,
-    GeGLU). [B,T,D]->[B,T,D]."""
-
-    config: TransformerConfig
-
-    @nn.compact
-    def __call__(self, x_BTD):
-        c = self.config
-
-        def dense(features, name):
-            return nn.Dense(features, use_bias=c.ffn_bias, dtype=c.compute_dtype,
-                            param_dtype=c.weights_dtype, name=name)
-
-        h = _ACTIVATIONS[c.activation](dense(c.d_ff, "wi")(x_BTD))
-        if c.activation in GATED_ACTIVATIONS:
-            h = h * dense(c.d_ff, "wi_gate")(x_BTD)
-        return dense(c.d_model, "wo")(h)
-
-
 def _feed_forward(config: TransformerConfig) -> nn.Module:
     """A decoder layer's FFN, named `ffn`: a mixture of experts when the config has them."""
     if config.num_experts:
-        return MixtureOfExperts(config, _ACTIVATIONS[config.activation], name="ffn")
+        return MixtureOfExperts(config, name="ffn")
     return FeedForward(config, name="ffn")
 
 

@@ -13,7 +13,7 @@ from kvjax import model as M
 from kvjax import parallel
 from kvjax.model import experts, lora
 from kvjax.model.experts import MixtureOfExperts
-from kvjax.model.layers import _ACTIVATIONS
+from kvjax.model.feed_forward import activation_function
 
 
 def _moe_config(**changes):
@@ -50,19 +50,37 @@ def _reference(params, x, config):
             if "wi_gate" in experts:
                 h = h * (token @ experts["wi_gate"][:, e])
             out[t] += w * (h @ experts["wo"][e])
+    if config.shared_expert_d_ff:
+        shared = p["shared_expert"]
+        h = act(tokens @ shared["wi"]["kernel"])
+        if "wi_gate" in shared:
+            h = h * (tokens @ shared["wi_gate"]["kernel"])
+        gate = 1.0
+        if config.shared_expert_gate:
+            gate = 1 / (1 + np.exp(-(tokens @ p["shared_expert_gate"]["kernel"])))
+        out += gate * (h @ shared["wo"]["kernel"])
     return out.reshape(np.shape(x))
 
 
 @pytest.mark.parametrize("tokens", [(1, 1), (1, 2), (2, 7)], ids=["one", "two", "many"])
-@pytest.mark.parametrize("activation,normalize", [("swiglu", True), ("gelu", False)],
-                         ids=["gated-normalized", "plain-as-given"])
-def test_each_token_is_the_weighted_sum_of_its_chosen_experts(tokens, activation, normalize):
-    config = _moe_config(activation=activation, normalize_expert_weights=normalize)
-    layer = MixtureOfExperts(config, _ACTIVATIONS[activation])
+@pytest.mark.parametrize("activation,normalize,shared", [
+    ("swiglu", True, {}), ("gelu", False, {}),
+    ("swiglu", False, dict(shared_expert_d_ff=24, shared_expert_gate=True)),
+    ("gelu", True, dict(shared_expert_d_ff=24))],
+    ids=["gated-normalized", "plain-as-given", "shared-gated", "shared"])
+def test_each_token_is_the_weighted_sum_of_its_chosen_experts(tokens, activation, normalize,
+                                                               shared):
+    """Plus the shared expert's output where there is one (Qwen2-MoE's behind a gate)."""
+    config = _moe_config(activation=activation, normalize_expert_weights=normalize, **shared)
+    layer = MixtureOfExperts(config)
     x = jnp.asarray(np.random.default_rng(3).normal(size=(*tokens, config.d_model)),
                     jnp.float32)
     params = layer.init(jax.random.key(1), x)["params"]
     assert ("wi_gate" in params["experts"]) == (activation == "swiglu")
+    assert ("shared_expert" in params) == bool(shared)
+    assert ("shared_expert_gate" in params) == ("shared_expert_gate" in shared)
+    if shared:
+        assert params["shared_expert"]["wi"]["kernel"].shape == (config.d_model, 24)
     want = _reference(params, x, config)
     got = jax.jit(lambda p, v: layer.apply({"params": p}, v))(params, x)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -73,16 +91,19 @@ def test_each_token_is_the_weighted_sum_of_its_chosen_experts(tokens, activation
     weights, chosen = experts.route(logits, config.experts_per_token, normalize)
     kernels = (params["experts"]["wi"], params["experts"].get("wi_gate"),
                params["experts"]["wo"])
+    if shared:  # the ways compute the routed experts alone
+        return
     for way in (experts.gathered, experts.every_expert):
         out = way(x.reshape(-1, config.d_model), weights, chosen, kernels,
-                  _ACTIVATIONS[activation])
+                  activation_function(activation))
         np.testing.assert_allclose(out.reshape(x.shape), want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_model_of_experts_decodes_and_scans_as_it_runs_whole():
     from test_layers import check_unrolled_and_cached_equal_whole
 
-    config = _moe_config(num_kv_heads=2, scan_layers=True, num_experts=16)
+    config = _moe_config(num_kv_heads=2, scan_layers=True, num_experts=16,
+                         shared_expert_d_ff=24, shared_expert_gate=True)
     params = M.init_params(config, jax.random.key(2))
     assert params["layers"]["ffn"]["experts"]["wi"].shape == (2, 32, 16, 64)
     # The prefill's 2 x 5 tokens go through every expert, a step's 2 rows gather theirs.
@@ -95,6 +116,9 @@ def test_a_model_of_experts_decodes_and_scans_as_it_runs_whole():
     (dict(num_experts=-1), "num_experts=-1 must be >= 0"),
     (dict(ffn_bias=True), "num_experts needs ffn_bias=False"),
     (dict(num_encoder_layers=2), "num_experts needs a decoder-only model"),
+    (dict(shared_expert_d_ff=-4), "shared_expert_d_ff=-4 must be >= 0"),
+    (dict(shared_expert_gate=True), "shared_expert_gate needs a shared expert"),
+    (dict(num_experts=0, shared_expert_d_ff=16), "shared_expert_d_ff needs a mixture of experts"),
 ])
 def test_configs_experts_cannot_run_are_refused_by_name(changes, message):
     with pytest.raises(ValueError, match=message):
@@ -110,7 +134,7 @@ def test_lora_on_the_experts_is_refused_by_name():
 
 
 def test_on_a_mesh_each_expert_splits_its_hidden_units_as_a_dense_ffn_does():
-    config = _moe_config(scan_layers=True)
+    config = _moe_config(scan_layers=True, shared_expert_d_ff=24, shared_expert_gate=True)
     shapes = jax.eval_shape(lambda: M.init_params(config, jax.random.key(0)))
     specs = jax.tree_util.tree_map_with_path(
         lambda path, leaf: parallel.param_spec(path, leaf.shape), shapes)["layers"]["ffn"]
@@ -118,3 +142,7 @@ def test_on_a_mesh_each_expert_splits_its_hidden_units_as_a_dense_ffn_does():
     assert specs["experts"]["wi"] == specs["experts"]["wi_gate"] == P(None, None, None, model)
     assert specs["experts"]["wo"] == P(None, None, model, None)  # [L, experts, F, D]
     assert specs["router"]["kernel"] == P()
+    shared = specs["shared_expert"]  # [L, D, F] and [L, F, D], as a dense FFN's
+    assert shared["wi"]["kernel"] == shared["wi_gate"]["kernel"] == P(None, None, model)
+    assert shared["wo"]["kernel"] == P(None, model, None)
+    assert specs["shared_expert_gate"]["kernel"] == P()

@@ -15,7 +15,7 @@ from test_attention import numpy_attention
 
 from kvjax import model as M
 from kvjax.model import attention
-from kvjax.model.layers import FeedForward
+from kvjax.model.feed_forward import FeedForward
 from kvjax.model.norms import RMSNorm
 
 GEMMA = dict(positional_encoding="rope", norm="pre", norm_type="rmsnorm", num_kv_heads=2,
