@@ -1,8 +1,8 @@
 """The `config.json` readers of the families built on Llama's layer: RMSNorm (or LayerNorm)
 before each sublayer, RoPE, a gated FFN (or a plain one), GQA; with their variations of
 norms, windows and scales (Qwen, SmolLM3, Granite, Mistral, Phi-3, StableLM, StarCoder2,
-Gemma, OLMo) and those whose FFN is a mixture of experts (Mixtral, Qwen3-MoE, OLMoE,
-GraniteMoE). `READERS` maps each model type to its reader."""
+Gemma, OLMo) and those whose FFN is a mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE,
+OLMoE, GraniteMoE). `READERS` maps each model type to its reader."""
 
 from __future__ import annotations
 
@@ -81,6 +81,23 @@ def _qwen3_moe(c: Reader) -> dict[str, Any]:
     c.expect("decoder_sparse_step", 1, 1, "dense FFNs between the expert layers")
     c.expect("mlp_only_layers", [], [], "dense FFNs in some layers")
     fields = {**_qwen3(c), "d_ff": c.require("moe_intermediate_size")}
+    return {**fields, **_experts(c, bool(c.get("norm_topk_prob", False)))}
+
+
+def _qwen2_moe(c: Reader) -> dict[str, Any]:
+    """Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2's attention and, in every layer,
+    a mixture of experts of `moe_intermediate_size` hidden units beside a shared expert of
+    `shared_expert_intermediate_size` that every token goes through, scaled by a sigmoid
+    gate (dense layers, `decoder_sparse_step` > 1 or `mlp_only_layers`, are refused as for
+    Qwen3-MoE); q, k and v have biases unless `qkv_bias` is false."""
+    c.expect("decoder_sparse_step", 1, 1, "dense FFNs between the expert layers")
+    c.expect("mlp_only_layers", [], [], "dense FFNs in some layers")
+    _full_attention_layers(c)
+    attention = _llama_like(c, qkv_bias=bool(c.get("qkv_bias", True)), out_bias=False,
+                            ffn_bias=False)
+    fields = {**attention, "d_ff": c.require("moe_intermediate_size"),
+              "shared_expert_d_ff": c.require("shared_expert_intermediate_size"),
+              "shared_expert_gate": True}
     return {**fields, **_experts(c, bool(c.get("norm_topk_prob", False)))}
 
 
@@ -307,4 +324,5 @@ READERS = {"llama": _llama, "mistral": _mistral, "phi3": _phi3, "qwen2": _qwen2,
            "qwen3": _qwen3, "smollm3": _smollm3, "granite": _granite, "gemma2": _gemma2,
            "gemma3_text": _gemma3, "olmo2": _olmo2, "olmo3": _olmo3, "stablelm": _stablelm,
            "gemma": _gemma1, "starcoder2": _starcoder2, "mixtral": _mixtral,
-           "qwen3_moe": _qwen3_moe, "olmoe": _olmoe, "granitemoe": _granitemoe}
+           "qwen3_moe": _qwen3_moe, "olmoe": _olmoe, "granitemoe": _granitemoe,
+           "qwen2_moe": _qwen2_moe}

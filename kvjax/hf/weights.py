@@ -29,13 +29,14 @@ from .tensors import Params, WeightFiles
 # "plain_mlp" (Llama's attention, an FFN of c_fc and c_proj: StarCoder2), "mixtral" (Llama's
 # attention, experts of w1, w3 and w2 under block_sparse_moe), "granitemoe" (every expert in
 # one input_linear and one output_linear) and "marian" (an encoder and a decoder). Llama's
-# layout holds experts too: gate_proj, up_proj and down_proj under mlp.
+# layout holds experts too: gate_proj, up_proj and down_proj under mlp (and a shared expert
+# of the same three beside them, with its gate: Qwen2-MoE).
 LAYOUTS = {"gpt2": "gpt2", "phi3": "fused", "marian": "marian", "gpt_neox": "gpt_neox",
            "phi": "phi", "opt": "opt", "starcoder2": "plain_mlp", "mixtral": "mixtral",
            "granitemoe": "granitemoe",
            **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite",
                             "gemma2", "gemma3_text", "olmo2", "olmo3", "stablelm", "gemma",
-                            "qwen3_moe", "olmoe"), "llama")}
+                            "qwen3_moe", "olmoe", "qwen2_moe"), "llama")}
 
 
 def ties_embeddings(model_type: str, files: WeightFiles) -> bool:
@@ -139,7 +140,9 @@ def _feed_forward(p: Params, src: str, dst: str, c: M.TransformerConfig, fused: 
 def _experts_apart(p: Params, layer: str, dst: str, c: M.TransformerConfig,
                    under: str = "mlp.", names=("gate_proj", "up_proj", "down_proj")) -> None:
     """The router (`gate` [E, D]) and each expert's gate, up and down projections (`names`),
-    a tensor each, stacked on kvjax's experts axis; all `under` the layer's prefix."""
+    a tensor each, stacked on kvjax's experts axis; all `under` the layer's prefix. A shared
+    expert is an FFN of Llama's names (`shared_expert.gate_proj`, ...), its gate
+    `shared_expert_gate` [1, D]."""
     d, f, count = c.d_model, c.d_ff, c.num_experts
     src = layer + under
     p.set(dst + "router/kernel", p.read(src + "gate.weight", (count, d)).T)
@@ -148,6 +151,12 @@ def _experts_apart(p: Params, layer: str, dst: str, c: M.TransformerConfig,
         p.set(dst + "experts/" + name, np.stack([
             p.read(f"{src}experts.{e}.{hf_name}.weight", shape).T for e in range(count)],
             axis=axis))
+    if c.shared_expert_d_ff:
+        _feed_forward(p, src + "shared_expert.", dst + "shared_expert/",
+                      c.replace(d_ff=c.shared_expert_d_ff), fused=False, plain_mlp=False)
+    if c.shared_expert_gate:
+        p.set(dst + "shared_expert_gate/kernel", p.read(src + "shared_expert_gate.weight",
+                                                        (1, d)).T)
 
 
 def _experts_stacked(p: Params, layer: str, dst: str, c: M.TransformerConfig) -> None:

@@ -83,7 +83,7 @@ def test_import_hf_of_a_bad_directory_is_one_line_and_writes_nothing(capsys, tmp
     assert err.strip().count("\n") == 0
     assert ("model_type 't5' is not supported; kvjax loads gemma, gemma2, gemma3_text, gpt2, "
             "gpt_neox, granite, granitemoe, llama, marian, mistral, mixtral, olmo2, olmo3, "
-            "olmoe, opt, phi, phi3, qwen2, qwen3, qwen3_moe, smollm3, stablelm, "
+            "olmoe, opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3, stablelm, "
             "starcoder2") in err
     assert not out.exists()
     code, _, err = run_cli(capsys, "import-hf", str(tmp_path / "nowhere"), str(out))

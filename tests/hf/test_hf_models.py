@@ -26,14 +26,14 @@ FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf_models"
 NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral", "phi3",
          "gemma2", "gemma3_text", "smollm3", "granite", "olmo2", "olmo3", "gpt_neox",
          "phi", "stablelm", "opt", "gemma", "starcoder2", "mixtral", "qwen3_moe", "olmoe",
-         "granitemoe")
+         "granitemoe", "qwen2_moe")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
                "granite": "granite", "olmo2": "olmo2", "olmo3": "olmo3", "gpt_neox": "gpt_neox",
                "phi": "phi", "stablelm": "stablelm", "opt": "opt", "gemma": "gemma",
                "starcoder2": "starcoder2", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe",
-               "olmoe": "olmoe", "granitemoe": "granitemoe"}
+               "olmoe": "olmoe", "granitemoe": "granitemoe", "qwen2_moe": "qwen2_moe"}
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +95,10 @@ def test_logits_and_generation_equal_transformers(loaded, name):
     assert (config.norm == "output") == (name in ("olmo2", "olmo3"))
     assert (config.num_experts, config.experts_per_token, config.normalize_expert_weights) == {
         "mixtral": (4, 2, True), "qwen3_moe": (8, 2, True), "olmoe": (8, 3, False),
-        "granitemoe": (4, 2, True)}.get(
+        "granitemoe": (4, 2, True), "qwen2_moe": (8, 2, False)}.get(
         name, (0, 2, True))
+    assert (config.shared_expert_d_ff, config.shared_expert_gate) == (
+        (40, True) if name == "qwen2_moe" else (0, False))
     assert config.sliding_window == {"mistral": 4, "phi3": 6, "gemma2": 4,
                                      "gemma3_text": 5, "olmo3": 4, "starcoder2": 4}.get(name)
     assert config.full_attention_layers == {"gemma2": (1,), "gemma3_text": (2,),
@@ -172,7 +174,7 @@ def edit_config(directory, file="config.json", **changes):
     ("gpt2", dict(model_type="bert"),
      "model_type 'bert' is not supported; kvjax loads gemma, gemma2, gemma3_text, gpt2, "
      "gpt_neox, granite, granitemoe, llama, marian, mistral, mixtral, olmo2, olmo3, olmoe, "
-     "opt, phi, phi3, qwen2, qwen3, qwen3_moe, smollm3, stablelm, starcoder2"),
+     "opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3, stablelm, starcoder2"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
                                         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
      'rope settings {"partial_rotary_factor": 0.5} are not supported for rope type \'yarn\''),
@@ -228,6 +230,9 @@ def edit_config(directory, file="config.json", **changes):
      "decoder_sparse_step=2 is not supported (dense FFNs between the expert layers)"),
     ("qwen3_moe", dict(mlp_only_layers=[0]),
      "mlp_only_layers=[0] is not supported (dense FFNs in some layers)"),
+    ("qwen2_moe", dict(decoder_sparse_step=2),
+     "decoder_sparse_step=2 is not supported (dense FFNs between the expert layers)"),
+    ("qwen2_moe", dict(use_sliding_window=True), "use_sliding_window=true is not supported"),
     ("qwen3_moe", dict(num_experts=8, num_local_experts=4),
      "num_experts=8 and num_local_experts=4 differ"),
     ("mixtral", dict(num_local_experts=None), "num_experts (or num_local_experts) is missing"),
