@@ -14,8 +14,9 @@ side by side, in the same run, with:
 2. **Hugging Face GPT-2** (`transformers` on PyTorch CPU, its own KV cache), the same sizes,
    `generate` with `do_sample=False` and exactly the same number of new tokens. Optional:
    `pip install -e ".[bench]"`.
-3. **the memory floor**: a decode step must read every parameter and the cached K/V once,
-   so at batch 1 it cannot take less than (parameter bytes + cache bytes) / bandwidth. The
+3. **the memory floor**: a decode step must read every parameter (of a mixture of experts,
+   only the chosen experts') and the cached K/V once, so at batch 1 it cannot take less than
+   (parameter bytes + cache bytes) / bandwidth. The
    bandwidth is measured here, as the best of a large reduction and a large matrix-vector
    product. Per-token decode time is the difference between two `generate` calls in one
    compiled bucket (N and the fewest new tokens sharing its buffer): prefill and dispatch cancel.
@@ -47,7 +48,7 @@ from kvjax.decode.buckets import bucket, smallest_sharing
 from kvjax.decode.plan import ON_DEVICE, STEPS_PER_CHECK, LoopPlan, Planner, planned_by
 from kvjax.model.cache_size import format_bytes
 
-from .floors import best_seconds, measure_bandwidth, time_weights_only_step
+from .floors import best_seconds, measure_bandwidth, step_param_bytes, time_weights_only_step
 from .random_hf import random_gpt2
 
 NO_CACHE_PAD = 32  # the no-cache loop pads the sequence to a multiple of this
@@ -294,7 +295,7 @@ def decode_benchmark(preset: str = "gpt-mini", batch_sizes: Sequence[int] = (1, 
         rows += [Row(batch, mode, seconds, step, no_cache, hf_seconds, new_tokens, count)
                  for (mode, count), (seconds, step) in timed.items()]
     log("memory bandwidth ...")
-    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    param_bytes = step_param_bytes(config, params)
     # The cache a step reads, at the middle of the timed steps (N/2 + 1 .. N).
     filled = prompt_len + (new_tokens // 2 + 1 + new_tokens) // 2
     log("weights alone ...")

@@ -51,11 +51,25 @@ def measure_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
     return best
 
 
+def step_param_bytes(config: M.TransformerConfig, params) -> int:
+    """Bytes of the parameters a batch-1 decode step reads: every one, but of a mixture of
+    experts only the `experts_per_token` experts the token goes through."""
+    total = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        share = 1.0
+        if "experts" in [getattr(key, "key", None) for key in path]:
+            share = config.experts_per_token / config.num_experts
+        total += int(leaf.size * leaf.dtype.itemsize * share)
+    return total
+
+
 def step_matrices(config: M.TransformerConfig, params) -> list[tuple[jax.Array, bool]]:
     """Every weight matrix a decoder-only model's decode step multiplies, as `(matrix,
     on_the_left)`: each kernel as a 2-D [in, out] for `x @ W` (an output projection's
-    [N, H, D] is [N·H, D]), and with tied embeddings the table, which the logits multiply
-    as `table @ x` ([V, D]). Embedding rows that are only looked up are not multiplied."""
+    [N, H, D] is [N·H, D]), of a mixture of experts `experts_per_token` experts' matrices
+    (the first ones: a token's), and with tied embeddings the table, which the logits
+    multiply as `table @ x` ([V, D]). Embedding rows that are only looked up are not
+    multiplied."""
     if config.is_encoder_decoder:
         raise ValueError("step_matrices is for decoder-only models: an encoder's weights are "
                          "not read by a decode step")
@@ -63,7 +77,11 @@ def step_matrices(config: M.TransformerConfig, params) -> list[tuple[jax.Array, 
     per_layer = M.with_layer_layout(config, params, scan_layers=False)[1]
     for path, leaf in jax.tree_util.tree_leaves_with_path(per_layer):
         names = [getattr(key, "key", None) for key in path]
-        if names[-1] == "kernel":
+        if names[-2] == "experts":  # wi, wi_gate [D, experts, F]; wo [experts, F, D]
+            axis = 0 if names[-1] == "wo" else 1
+            matrices += [(jnp.take(leaf, e, axis=axis), False)
+                         for e in range(config.experts_per_token)]
+        elif names[-1] == "kernel":
             inputs = leaf.shape[:2] if names[-2] == "out" else leaf.shape[:1]  # [N, H, D]
             matrices.append((leaf.reshape(int(np.prod(inputs)), -1), False))
         elif names[-1] == "embedding" and config.tie_embeddings:

@@ -30,10 +30,19 @@ def _random_hf_configs():
             rms_norm_eps=1e-6, tie_word_embeddings=True,
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
             bos_token_id=151643, eos_token_id=151643),
+        # Granite 3.1 1B-A400M: a mixture of 32 experts, 8 for each token, in every layer
+        "granitemoe-1b": T.GraniteMoeConfig(
+            vocab_size=49155, hidden_size=1024, intermediate_size=512, num_hidden_layers=24,
+            num_attention_heads=16, num_key_value_heads=8, num_local_experts=32,
+            num_experts_per_tok=8, max_position_embeddings=131072, rms_norm_eps=1e-6,
+            tie_word_embeddings=True, embedding_multiplier=12.0,
+            attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=6.0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000000.0},
+            bos_token_id=0, eos_token_id=0, pad_token_id=0),
     }
 
 
-RANDOM_HF_MODELS = ("gpt2", "llama-1b", "qwen2-0.5b")
+RANDOM_HF_MODELS = ("gpt2", "llama-1b", "qwen2-0.5b", "granitemoe-1b")
 
 
 def write_random_hf(name: str, directory: str | os.PathLike, dtype: str = "float32") -> str:

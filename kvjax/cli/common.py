@@ -9,7 +9,8 @@ import re
 MAX_SEED = 2**63 - 1  # kvjax.text.MAX_SEED: jax.random.key takes a signed 64-bit seed
 PRESET_NAMES = ("tiny", "small", "gpt-mini")  # model.PRESETS, named here to keep jax unloaded
 LAYER_MODES = ("scanned", "unrolled")  # kvjax.benchmarks.decode.LAYER_MODES
-RANDOM_HF_MODELS = ("gpt2", "llama-1b", "qwen2-0.5b")  # kvjax.benchmarks.random_hf's
+# kvjax.benchmarks.random_hf's
+RANDOM_HF_MODELS = ("gpt2", "llama-1b", "qwen2-0.5b", "granitemoe-1b")
 TRAIN_SHAPES = ("gpt2-small", "llama-1b")  # kvjax.benchmarks.train.SHAPES
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 CACHE_DTYPE_NAMES = (*DTYPE_NAMES, "int8")  # model.config.CACHE_DTYPES

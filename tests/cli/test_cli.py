@@ -111,6 +111,24 @@ def test_weights_alone_multiplies_every_matrix_parameter_once():
         bench.step_matrices(config.replace(num_encoder_layers=1), params)
 
 
+def test_a_step_of_a_mixture_of_experts_reads_the_chosen_experts_alone():
+    from kvjax.benchmarks import floors as bench
+    config = M.preset("tiny", num_experts=8, experts_per_token=2, ffn_bias=False,
+                      activation="swiglu", tie_embeddings=False, shared_expert_d_ff=16,
+                      vocab_size=80)
+    params = M.init_params(config, jax.random.key(0))
+    d, f, layers = config.d_model, config.d_ff, config.num_decoder_layers
+    every = sum(x.size * 4 for x in jax.tree.leaves(params))
+    expert = 3 * d * f * 4  # one expert's wi, wi_gate and wo, float32
+    assert bench.step_param_bytes(config, params) == every - layers * 6 * expert
+    shapes = sorted(w.shape for w, _ in bench.step_matrices(config, params))
+    # Per layer: qkv, out, the router, the shared expert's three, two experts' three each.
+    assert len(shapes) == 1 + layers * (3 + 3 + 2 * 3)
+    assert shapes.count((d, f)) == layers * 4 and shapes.count((f, d)) == layers * 2
+    assert shapes.count((d, 8)) == layers and shapes.count((d, 16)) == 2 * layers
+    assert shapes.count((16, d)) == layers and (d, 80) in shapes
+
+
 def test_decode_benchmark_on_more_devices_than_jax_sees_names_the_flag():
     from kvjax.benchmarks import decode as bench
     with pytest.raises(ValueError, match="xla_force_host_platform_device_count=64"):
@@ -136,7 +154,7 @@ def test_decode_benchmark_times_each_loop_in_a_row_of_its_own():
 
 # The published models' parameter counts.
 PUBLISHED_PARAMETERS = {"gpt2": 124_439_808, "llama-1b": 1_235_814_400,
-                        "qwen2-0.5b": 494_032_768}
+                        "qwen2-0.5b": 494_032_768, "granitemoe-1b": 1_334_628_352}
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED_PARAMETERS))
