@@ -16,10 +16,10 @@ side by side, in the same run, with:
    `pip install -e ".[bench]"`.
 3. **the memory floor**: a decode step must read every parameter (of a mixture of experts,
    only the chosen experts') and the cached K/V once, so at batch 1 it cannot take less than
-   (parameter bytes + cache bytes) / bandwidth. The
-   bandwidth is measured here, as the best of a large reduction and a large matrix-vector
-   product. Per-token decode time is the difference between two `generate` calls in one
-   compiled bucket (N and the fewest new tokens sharing its buffer): prefill and dispatch cancel.
+   (parameter bytes + cache bytes) / bandwidth. The bandwidth is measured here, as the best
+   of a large reduction and a large matrix-vector product. Per-token decode time is the
+   difference between two `generate` calls in one compiled bucket (N and the fewest new
+   tokens sharing its buffer): prefill and dispatch cancel.
 4. **the weights alone**: the same step's matrix-vector products and nothing else, chained
    in one compiled loop: how fast this backend streams the weights through the kernels a
    batch-1 step is made of. The gap from the floor to it is the backend's; what a step
