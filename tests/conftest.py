@@ -95,9 +95,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 # A process keeps every program it compiled, and XLA:CPU maps each program's kernels into
-# memory separately: a worker gains about 40 memory maps per program. At Linux's limit on a
-# process's maps (vm.max_map_count, 65,530 by default) the next compile cannot map its code
-# and the worker dies with a segmentation fault inside `backend_compile_and_load`, while
+# memory separately: a worker gains hundreds of memory maps per program (about 240 for each
+# program of a tiny model's `generate`). At Linux's limit on a process's maps
+# (vm.max_map_count, 65,530 by default) the next compile cannot map its code and the worker
+# dies with a segmentation fault inside `backend_compile_and_load`, while
 # compiling a program that compiles fine on its own. So before a test file starts, a worker
 # past half the limit drops every compiled program (`jax.clear_caches`); later files
 # compile what they need again.
