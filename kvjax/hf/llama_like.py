@@ -50,28 +50,47 @@ def _llama(c: Reader) -> dict[str, Any]:
 
 
 def _full_attention_layers(c: Reader) -> None:
-    """Refuses Qwen's per-layer sliding windows (`use_sliding_window` with `layer_types`):
-    kvjax gives every layer the same attention."""
+    """Refuses sliding windows where a Qwen model's file turns them off
+    (`use_sliding_window` false) yet names sliding layers (`layer_types`): which it means is
+    unclear, so kvjax does not guess."""
     c.expect("use_sliding_window", False, False, "sliding-window attention")
     c.get("sliding_window")  # read only when use_sliding_window is on
     layer_types = c.get("layer_types") or []
     sliding = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
     if sliding:
         raise UnsupportedModelError(f"{c.source}: layers {sliding} use "
-                                    f"{layer_types[sliding[0]]!r}; kvjax runs full attention")
+                                    f"{layer_types[sliding[0]]!r} with use_sliding_window "
+                                    "false; kvjax runs full attention there")
+
+
+def _qwen_windows(c: Reader, layers: int) -> dict[str, Any]:
+    """Qwen2's and Qwen3's sliding windows: with `use_sliding_window`, the layers from
+    `max_window_layers` on (or those `layer_types` names) attend over the last
+    `sliding_window` positions and the others over all of them; without it, every layer
+    over all of them."""
+    if not c.get("use_sliding_window", False):
+        _full_attention_layers(c)
+        return {}
+    first_sliding = c.get("max_window_layers", 28)
+    window, full = _sliding_layers(
+        c, ["sliding_attention" if i >= first_sliding else "full_attention"
+            for i in range(layers)], window_default=4096)
+    if len(full) == layers:
+        return {}
+    return {"sliding_window": window, "full_attention_layers": full}
 
 
 def _qwen2(c: Reader) -> dict[str, Any]:
-    _full_attention_layers(c)
-    return _llama_like(c, qkv_bias=True, out_bias=False, ffn_bias=False)
+    fields = _llama_like(c, qkv_bias=True, out_bias=False, ffn_bias=False)
+    return {**fields, **_qwen_windows(c, fields["num_decoder_layers"])}
 
 
 def _qwen3(c: Reader) -> dict[str, Any]:
     """Qwen2's architecture with RMSNorm over each head's query and key and, by default, no
     biases."""
-    _full_attention_layers(c)
     bias = bool(c.get("attention_bias", False))
-    return {**_llama_like(c, qkv_bias=bias, out_bias=bias, ffn_bias=False), "qk_norm": True}
+    fields = {**_llama_like(c, qkv_bias=bias, out_bias=bias, ffn_bias=False), "qk_norm": True}
+    return {**fields, **_qwen_windows(c, fields["num_decoder_layers"])}
 
 
 def _qwen3_moe(c: Reader) -> dict[str, Any]:
@@ -80,6 +99,8 @@ def _qwen3_moe(c: Reader) -> dict[str, Any]:
     `mlp_only_layers`; the dense width `intermediate_size` is then used nowhere)."""
     c.expect("decoder_sparse_step", 1, 1, "dense FFNs between the expert layers")
     c.expect("mlp_only_layers", [], [], "dense FFNs in some layers")
+    # Its layers, unlike Qwen3's, would all take the window: refused until a file needs it.
+    c.expect("use_sliding_window", False, False, "sliding-window attention")
     fields = {**_qwen3(c), "d_ff": c.require("moe_intermediate_size")}
     return {**fields, **_experts(c, bool(c.get("norm_topk_prob", False)))}
 
@@ -212,14 +233,19 @@ def _starcoder2(c: Reader) -> dict[str, Any]:
             "sliding_window": c.get("sliding_window")}
 
 
-def _sliding_layers(c: Reader, layers: int, pattern: int, window_default=None):
+def _every_nth_full(layers: int, pattern: int) -> list[str]:
+    """The layer types of a model whose every `pattern`-th layer attends over all positions
+    and the others over a sliding window."""
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(layers)]
+
+
+def _sliding_layers(c: Reader, default_types: list[str], window_default=None):
     """(sliding_window, full_attention_layers) of a model whose layers mix sliding-window
-    and full attention: `layer_types` names each layer's, or every `pattern`-th layer is
-    full. A window of null leaves every layer full, which only a model without sliding
-    layers may ask."""
-    layer_types = c.get("layer_types") or [
-        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-        for i in range(layers)]
+    and full attention: `layer_types` names each layer's, or else `default_types`. A window
+    of null leaves every layer full, which only a model without sliding layers may ask."""
+    layers = len(default_types)
+    layer_types = c.get("layer_types") or default_types
     unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
     if unknown or len(layer_types) != layers:
         raise UnsupportedModelError(f"{c.source}: layer_types={json.dumps(layer_types)} must "
@@ -246,7 +272,7 @@ def _gemma(c: Reader, rope: dict[str, Any], default_pattern: int) -> dict[str, A
     fields = _llama_like(c, qkv_bias=bias, out_bias=bias, ffn_bias=False,
                          activation_key="hidden_activation", rope=rope)
     pattern = c.get("sliding_window_pattern", c.get("_sliding_window_pattern", default_pattern))
-    window, full = _sliding_layers(c, fields["num_decoder_layers"], pattern)
+    window, full = _sliding_layers(c, _every_nth_full(fields["num_decoder_layers"], pattern))
     c.expect("sliding_window_size", window, window, "older files repeat sliding_window")
     return {**fields, "scale_embeddings": True, "norm_unit_offset": True,
             "sandwich_norms": True, "sliding_window": window, "full_attention_layers": full,
@@ -312,7 +338,8 @@ def _olmo3(c: Reader) -> dict[str, Any]:
     default) and turning with unscaled RoPE where the full layers may scale theirs."""
     rope, local_base = ropes_by_layer_type(c, 500000.0, None)
     fields = _olmo2(c, rope)
-    window, full = _sliding_layers(c, fields["num_decoder_layers"], 4, window_default=4096)
+    window, full = _sliding_layers(c, _every_nth_full(fields["num_decoder_layers"], 4),
+                                   window_default=4096)
     fields.update(sliding_window=window, full_attention_layers=full)
     if window is not None and (local_base != rope["rope_base"]
                                or rope.get("rope_scaling", "none") != "none"):

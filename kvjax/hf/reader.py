@@ -35,7 +35,7 @@ INFERENCE_NEUTRAL = frozenset({
     "summary_first_dropout", "summary_proj_to_labels", "summary_type", "summary_use_proj",
     "encoder_layerdrop", "decoder_layerdrop", "layerdrop", "residual_dropout",
     "embedding_dropout", "pretraining_tp", "num_hidden_layers",
-    "max_window_layers",  # read only with sliding windows, which are refused
+    "max_window_layers",  # read only where use_sliding_window is on
     "gradient_checkpointing", "scale_attn_weights", "_num_labels", "output_past",
     "_attn_implementation", "_attn_implementation_autoset",
     "cache_implementation",  # Gemma's "hybrid" cache: how transformers holds it

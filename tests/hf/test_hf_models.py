@@ -100,9 +100,10 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     assert (config.shared_expert_d_ff, config.shared_expert_gate) == (
         (40, True) if name == "qwen2_moe" else (0, False))
     assert config.sliding_window == {"mistral": 4, "phi3": 6, "gemma2": 4,
-                                     "gemma3_text": 5, "olmo3": 4, "starcoder2": 4}.get(name)
+                                     "gemma3_text": 5, "olmo3": 4, "starcoder2": 4,
+                                     "qwen2": 4}.get(name)
     assert config.full_attention_layers == {"gemma2": (1,), "gemma3_text": (2,),
-                                            "olmo3": (1,)}.get(name, ())
+                                            "olmo3": (1,), "qwen2": (0,)}.get(name, ())
     assert config.local_rope_base == {"gemma3_text": 10000.0, "olmo3": 50000.0}.get(name)
     assert config.unrotated_layers == {"smollm3": (1,)}.get(name, ())
     assert config.parallel_residual == (name in ("gpt_neox", "phi"))
@@ -193,10 +194,14 @@ def edit_config(directory, file="config.json", **changes):
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
                                         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
      'rope settings {"partial_rotary_factor": 0.5} are not supported for rope type \'yarn\''),
-    ("qwen2", dict(use_sliding_window=True, sliding_window=16),
-     "use_sliding_window=true is not supported (sliding-window attention)"),
+    ("qwen2", dict(use_sliding_window=False),
+     "layers [1] use 'sliding_attention' with use_sliding_window false"),
     ("qwen3", dict(layer_types=["full_attention", "sliding_attention"]),
-     "layers [1] use 'sliding_attention'; kvjax runs full attention"),
+     "layers [1] use 'sliding_attention' with use_sliding_window false"),
+    ("qwen2", dict(layer_types=["full_attention", "chunked_attention"]),
+     "must name 'full_attention' or 'sliding_attention' for each of the 2 layers"),
+    ("qwen3_moe", dict(use_sliding_window=True, sliding_window=4),
+     "use_sliding_window=true is not supported (sliding-window attention)"),
     ("llama_mqa", dict(rope_interleaved=True), "rope_interleaved=true is not supported"),
     ("phi3", dict(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
                                    "long_factor": [2.0] * 3}),
@@ -286,6 +291,8 @@ def test_unsupported_settings_are_refused(tmp_path, name, changes, message):
     # change nothing in inference.
     ("qwen3_moe", dict(num_local_experts=None, num_experts=8, output_router_logits=True,
                        router_aux_loss_coef=0.01)),
+    # Qwen2's: the sliding layers are those from max_window_layers on.
+    ("qwen2", dict(layer_types=None)),
 ])
 def test_files_written_before_transformers_5_name_rope_and_layers_the_older_way(
         tmp_path, name, changes):
@@ -293,6 +300,15 @@ def test_files_written_before_transformers_5_name_rope_and_layers_the_older_way(
     edit_config(directory, **changes)
     config, _, _ = hf.load_pretrained(directory)
     assert config == hf.load_pretrained(FIXTURES / name)[0]
+
+
+@pytest.mark.parametrize("changes", [dict(max_window_layers=2, layer_types=None),
+                                     dict(use_sliding_window=False, layer_types=None)])
+def test_a_qwen2_file_without_sliding_layers_attends_over_every_position(tmp_path, changes):
+    directory = copy_of("qwen2", tmp_path)
+    edit_config(directory, **changes)
+    config, _, _ = hf.load_pretrained(directory)
+    assert (config.sliding_window, config.full_attention_layers) == (None, ())
 
 
 def test_opt_files_that_name_tensors_from_the_decoder_load_the_same_model(tmp_path):
