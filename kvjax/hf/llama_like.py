@@ -50,9 +50,9 @@ def _llama(c: Reader) -> dict[str, Any]:
 
 
 def _full_attention_layers(c: Reader) -> None:
-    """Refuses sliding windows where a Qwen model's file turns them off
-    (`use_sliding_window` false) yet names sliding layers (`layer_types`): which it means is
-    unclear, so kvjax does not guess."""
+    """Checks that a Qwen model's file asks for full attention in every layer: refuses
+    `use_sliding_window` (Qwen's mixtures of experts), and sliding layers named in
+    `layer_types` of a file that turns the windows off, since which it means is unclear."""
     c.expect("use_sliding_window", False, False, "sliding-window attention")
     c.get("sliding_window")  # read only when use_sliding_window is on
     layer_types = c.get("layer_types") or []
