@@ -228,7 +228,7 @@ def decode_benchmark(preset: str = "gpt-mini", batch_sizes: Sequence[int] = (1, 
                      layer_modes: Sequence[str] = LAYER_MODES, compare_no_cache: bool = True,
                      compare_hf: bool = True, devices: int = 1, whole_cache: bool = False,
                      hf_dir: str | None = None, dtype: str | None = None,
-                     cache_dtype: str | None = None,
+                     cache_dtype: str | None = None, kernel_dtype: str | None = None,
                      loops: dict[str, Planner | None] | None = None,
                      log: Callable[[str], None] = print) -> tuple[list[Row], Facts]:
     """Measures every batch size and layer mode; see the module docstring for what and how.
@@ -240,7 +240,8 @@ def decode_benchmark(preset: str = "gpt-mini", batch_sizes: Sequence[int] = (1, 
     or not, as one block (`attention_block` = max_len): what each step read before decode
     attention went block by block. With `hf_dir` the model is the one in that Hugging Face
     directory (`preset` is then unused), and transformers runs the same weights.
-    `dtype` and `cache_dtype` run kvjax (and its no-cache baseline) in that precision
+    `dtype`, `cache_dtype` and `kernel_dtype` run kvjax (and its no-cache baseline) in that
+    precision
     (`M.with_precision`); transformers runs a Hugging Face directory in `dtype` too, and the
     preset's random GPT-2 in float32. `loops` (name -> `parse_loop(name)`) times kvjax
     with each decode loop, in rows of its own (default: `generate`'s loop alone).
@@ -248,7 +249,7 @@ def decode_benchmark(preset: str = "gpt-mini", batch_sizes: Sequence[int] = (1, 
     if new_tokens < 4:
         raise ValueError(f"new_tokens={new_tokens} must be >= 4 to time decode steps")
     name, config, params = benchmark_model(preset, hf_dir)
-    config, params = M.with_precision(config, params, dtype, cache_dtype)
+    config, params = M.with_precision(config, params, dtype, cache_dtype, kernel_dtype)
     if prompt_len + new_tokens > config.max_len:
         raise ValueError(f"prompt_len {prompt_len} + new_tokens {new_tokens} exceeds the "
                          f"{name} max_len {config.max_len}")

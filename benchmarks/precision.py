@@ -1,8 +1,10 @@
 """Each precision measured: cache bytes, decode speed, and the quality of the shipped models.
 
 Settings (`SETTINGS`): float32; bfloat16 (params, compute and cache); an int8 cache with
-float32 compute; bfloat16 with an int8 cache. For each:
+float32 compute; bfloat16 with an int8 cache; the layers' kernels int8 with float32 and with
+bfloat16 compute. For each:
 
+- the params' bytes (random weights of `preset`);
 - cache bytes per sequence (`cache_size_bytes`, the formula `KVCache.nbytes` equals);
 - decode tokens/s of `batch` rows with `filled` slots of a `filled`-slot cache, random
   weights (greedy steps in one compiled loop, as `fill_sweep` times them, best of `repeats`);
@@ -30,12 +32,14 @@ from kvjax.model.cache_size import format_bytes
 
 from .fill_sweep import _Timed
 
-# name: (dtype of params, compute and cache; cache_dtype)
+# name: (dtype of params, compute and cache; cache_dtype; kernel_dtype)
 SETTINGS = {
-    "float32": (None, None),
-    "bfloat16": ("bfloat16", None),
-    "int8 cache": (None, "int8"),
-    "bfloat16 + int8 cache": ("bfloat16", "int8"),
+    "float32": (None, None, None),
+    "bfloat16": ("bfloat16", None, None),
+    "int8 cache": (None, "int8", None),
+    "bfloat16 + int8 cache": ("bfloat16", "int8", None),
+    "int8 kernels": (None, None, "int8"),
+    "bfloat16 + int8 kernels": ("bfloat16", None, "int8"),
 }
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 LM_PROMPTS = ("The for statement", "A class", "The import system", "Exceptions are",
@@ -44,8 +48,15 @@ LM_PROMPTS = ("The for statement", "A class", "The import system", "Exceptions a
 
 def setting(config: M.TransformerConfig, params, name: str):
     """`(config, params)` of the setting `name` of `SETTINGS`."""
-    dtype, cache_dtype = SETTINGS[name]
-    return M.with_precision(config, params, dtype, cache_dtype)
+    return M.with_precision(config, params, *SETTINGS[name])
+
+
+def params_bytes(config: M.TransformerConfig) -> dict[str, int]:
+    """Bytes of the params of `config` per setting."""
+    params = jax.eval_shape(functools.partial(M.init_params, config), jax.random.key(0))
+    zeros = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), params)
+    return {name: sum(x.nbytes for x in jax.tree.leaves(setting(config, zeros, name)[1]))
+            for name in SETTINGS}
 
 
 def cache_bytes(config: M.TransformerConfig, length: int) -> dict[str, int]:
@@ -156,7 +167,10 @@ def precision_report(preset: str = "gpt-mini", batch: int = 32, filled: int = 10
     """Every measurement of the module docstring as a Markdown table."""
     config = M.preset(preset)
     rows = {name: [] for name in SETTINGS}
-    header = [f"cache bytes/sequence ({preset}, {config.max_len} tokens)"]
+    header = [f"params bytes ({preset})"]
+    for name, size in params_bytes(config).items():
+        rows[name].append(format_bytes(size))
+    header.append(f"cache bytes/sequence ({preset}, {config.max_len} tokens)")
     for name, size in cache_bytes(config, config.max_len).items():
         rows[name].append(format_bytes(size))
     header.append(f"decode tokens/s (batch {batch}, {filled} filled)")

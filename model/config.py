@@ -91,6 +91,10 @@ class TransformerConfig:
     # What the KV cache stores; None: the compute dtype. "int8" stores K and V as int8 with a
     # float32 scale per (token, kv head), dequantised block by block as attention reads them.
     cache_dtype: str | None = None
+    # What the layers' projection kernels are held in; None: `param_dtype`. "int8" holds the
+    # self-attention and dense FFN kernels as int8 with a float32 scale per output feature,
+    # each layer making its `param_dtype` kernels where it runs (`model/int8_base.py`).
+    kernel_dtype: str | None = None
     qk_norm: bool = False  # RMSNorm over each head's query and key, before RoPE (Qwen3)
     # With qk_norm, one RMSNorm over all heads' queries together (and one over all kv heads'
     # keys), its scale [N·H] ([K·H]), where Qwen3 normalises each head alone (OLMo 2 and 3).
@@ -208,8 +212,8 @@ class TransformerConfig:
     # Serialisation (JSON next to every checkpoint) -----------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field, less the imported-architecture options and `cache_dtype` at their
-        defaults."""
+        """Every field, less the imported-architecture options and the cache and kernel dtypes
+        at their defaults."""
         values = dataclasses.asdict(self)
         for name, default in _OPTION_DEFAULTS.items():
             if values[name] == default:
@@ -239,14 +243,14 @@ class TransformerConfig:
 SPEED_ONLY_FIELDS = ("attention_block", "remat")
 
 # The options written to config.json only when set (see `to_dict`): the imported
-# architectures' and the cache dtype; head_dim is left out
+# architectures' and the cache and kernel dtypes; head_dim is left out
 # when it is d_model // num_heads.
 _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "qkv_bias", "out_bias", "ffn_bias", "norm_type", "scale_embeddings", "logits_bias",
     "sinusoid_layout", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor",
     "rope_high_freq_factor", "rope_original_max_len", "rope_beta_fast", "rope_beta_slow",
     "rope_truncate", "rope_attention_factor", "rope_short_factors", "rope_long_factors",
-    "rotary_dim", "cache_dtype", "qk_norm", "qk_norm_across_heads",
+    "rotary_dim", "cache_dtype", "kernel_dtype", "qk_norm", "qk_norm_across_heads",
     "sliding_window", "full_attention_layers", "unrotated_layers", "local_rope_base",
     "norm_unit_offset", "sandwich_norms", "parallel_residual", "shared_norm", "attention_scale",
     "attention_softcap", "logits_softcap",

@@ -26,6 +26,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 # What the KV cache may hold: a float dtype, or "int8" with a float32 scale per (token, kv
 # head) (`model/quantize.py`).
 CACHE_DTYPES = (*DTYPES, "int8")
+# What the layers' kernels may be held in besides `param_dtype` (`model/int8_base.py`).
+KERNEL_DTYPES = ("int8",)
 # The dtype of the int8 cache's scales, counted by `cache_size_bytes`.
 CACHE_SCALE_DTYPE = np.dtype(np.float32)
 # "interleaved": sin and cos of each frequency side by side (the paper's PE(pos, 2i),
@@ -93,6 +95,9 @@ def problems(config: Config) -> list[str]:
     if config.cache_dtype is not None and config.cache_dtype not in CACHE_DTYPES:
         problems.append(f"cache_dtype={config.cache_dtype!r} is not None or one of "
                         f"{CACHE_DTYPES}")
+    if config.kernel_dtype is not None and config.kernel_dtype not in KERNEL_DTYPES:
+        problems.append(f"kernel_dtype={config.kernel_dtype!r} is not None or one of "
+                        f"{KERNEL_DTYPES}")
     for name, allowed in _CHOICES.items():
         if getattr(config, name) not in allowed:
             problems.append(f"{name}={getattr(config, name)!r} is not one of {allowed}")
@@ -269,6 +274,7 @@ def _type_problems(config: Config) -> list[str]:
     for name in _CHOICES:
         if not isinstance(getattr(config, name), str):
             problems.append(f"{name}={getattr(config, name)!r} must be a string")
-    if config.cache_dtype is not None and not isinstance(config.cache_dtype, str):
-        problems.append(f"cache_dtype={config.cache_dtype!r} must be a string or None")
+    for name in ("cache_dtype", "kernel_dtype"):
+        if getattr(config, name) is not None and not isinstance(getattr(config, name), str):
+            problems.append(f"{name}={getattr(config, name)!r} must be a string or None")
     return problems

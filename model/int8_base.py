@@ -1,4 +1,5 @@
-"""An int8 base for LoRA (QLoRA-style): the frozen layer kernels held as int8 with scales.
+"""Layer kernels held as int8 with scales: a frozen base for LoRA (QLoRA-style), and weights
+for decoding in about half the memory of bfloat16 (`config.kernel_dtype="int8"`).
 
 Every kernel a LoRA target names (`qkv`, `out` of self-attention; `wi`, `wi_gate`, `wo` of
 the feed-forward network; `model/lora.py`) is held as int8 values and one float32 scale per
@@ -8,7 +9,11 @@ per element. The scale keeps the input axes with size 1, so it multiplies the va
 they are, stacked over scanned layers or not. Everything else (embeddings, norms, biases,
 cross-attention) stays floating point.
 
-A layer never computes with int8. Inside `model.layers.layer_params_from(unpack_fn(...))`
+A layer never computes with int8. A model whose config has `kernel_dtype="int8"` holds its
+layers' kernels this way, and each layer makes its kernels in `param_dtype` where it runs
+(`decoding_unpack_fn`, which `model.layers.layer_stack` applies): the params are int8 in
+memory and between calls, the float kernels exist one layer at a time, inside the program.
+For training, inside `model.layers.layer_params_from(unpack_fn(...))`
 each layer turns its own int8 kernels into float32 and adds its adapters' update
 (alpha / r) · A B where it runs (`attach` puts the adapters beside the kernels they adapt),
 so with rematerialized layers only one layer's float kernels exist at a time and the
@@ -93,11 +98,23 @@ def unpack_fn(config: TransformerConfig, lora: L.LoRA | None) -> Callable[[dict]
     return unpack
 
 
-def _dequantized(held: dict) -> dict:
+def decoding_unpack_fn(config: TransformerConfig) -> Callable[[dict], dict]:
+    """What each layer's params go through in a model of `kernel_dtype="int8"`: every int8
+    kernel becomes the float32 product of its values and scale, in `config.param_dtype`."""
+    dtype = config.weights_dtype
+
+    def unpack(variables):
+        return _map_kernel_dicts(variables, lambda held: _dequantized(held, dtype))
+
+    return unpack
+
+
+def _dequantized(held: dict, dtype=jnp.float32) -> dict:
     if SCALE not in held:
         return held
     rest = {k: v for k, v in held.items() if k != SCALE}
-    return {**rest, "kernel": held["kernel"].astype(jnp.float32) * held[SCALE]}
+    kernel = held["kernel"].astype(jnp.float32) * held[SCALE]
+    return {**rest, "kernel": kernel.astype(dtype)}
 
 
 def _unpacked(config: TransformerConfig, lora: L.LoRA | None, held: dict) -> dict:

@@ -20,6 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from . import int8_base
 from .cache import KVCache
 from .config import SPEED_ONLY_FIELDS, TransformerConfig
 from .transformer import DecoderOnlyLM, EncoderDecoder
@@ -43,9 +44,12 @@ _NOT_IN_INIT = SPEED_ONLY_FIELDS + (
 
 
 def init_params(config: TransformerConfig, rng: jax.Array) -> dict:
-    """Randomly initialised params (a pytree) for `build_model(config)`."""
+    """Randomly initialised params (a pytree) for `build_model(config)`: with
+    `kernel_dtype="int8"`, float params drawn as without it, their layers' kernels then
+    quantized (`int8_base.quantize_layers`)."""
     defaults = {name: getattr(TransformerConfig, name) for name in _NOT_IN_INIT}
-    return _init_params(config.replace(**defaults), rng)
+    params = _init_params(config.replace(**defaults, kernel_dtype=None), rng)
+    return params if config.kernel_dtype is None else int8_base.quantize_layers(params)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -22,6 +22,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from . import int8_base
 from .attention_layers import CrossAttention, SelfAttention
 from .config import TransformerConfig
 from .experts import MixtureOfExperts
@@ -248,8 +249,11 @@ def layer_stack(layer_cls, config: TransformerConfig, num_layers: int, name: str
     traced once, so compile time does not grow with depth), else `Unrolled`. Call it with
     `run_layers`. With `config.remat` each layer is rematerialized: differentiating it keeps
     its input and recomputes the rest. Inside `layer_params_from(unpack)` each layer's
-    params go through `unpack` first."""
+    params go through `unpack` first; in a model of `kernel_dtype="int8"`, through
+    `int8_base.decoding_unpack_fn`."""
     unpack = _LAYER_PARAMS.get()
+    if unpack is None and config.kernel_dtype == "int8":
+        unpack = int8_base.decoding_unpack_fn(config)
     if unpack is not None:
         layer_cls = nn.map_variables(layer_cls, "params", trans_in_fn=unpack, mutable=False)
     if config.remat:

@@ -2,8 +2,11 @@
 
 `with_precision(config, params, "bfloat16")` holds the params in bfloat16 and computes in it,
 so the cache (which follows the compute dtype) is bfloat16 too; `cache_dtype="int8"` keeps
-K and V as int8 with scales whatever the compute dtype (`model/quantize.py`). Logits and the
-attention softmax stay float32 either way (`Embedder.logits`, `model/attention.py`).
+K and V as int8 with scales whatever the compute dtype (`model/quantize.py`), and
+`kernel_dtype="int8"` holds the layers' self-attention and dense FFN kernels as int8 with a
+scale per output feature (`model/int8_base.py`): about half the weights' memory of bfloat16
+for most models (the embeddings, norms, cross-attention and experts stay in `dtype`). Logits
+and the attention softmax stay float32 either way (`Embedder.logits`, `model/attention.py`).
 For training in bfloat16 set only the config's `dtype`: the params and the optimizer state
 stay float32 (`kvjax train --dtype bfloat16`).
 """
@@ -15,23 +18,38 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from . import int8_base
 from .config import TransformerConfig
-from .config_checks import CACHE_DTYPES, DTYPES
+from .config_checks import CACHE_DTYPES, DTYPES, KERNEL_DTYPES
 
 
 def with_precision(config: TransformerConfig, params: Any, dtype: str | None = None,
-                   cache_dtype: str | None = None) -> tuple[TransformerConfig, Any]:
-    """`(config, params)` computing in `dtype` with params of `dtype` (None: as they are)
-    and a KV cache of `cache_dtype` (None: as the config says)."""
+                   cache_dtype: str | None = None, kernel_dtype: str | None = None
+                   ) -> tuple[TransformerConfig, Any]:
+    """`(config, params)` computing in `dtype` with params of `dtype` (None: as they are),
+    a KV cache of `cache_dtype` (None: as the config says), and the layers' kernels in
+    `kernel_dtype` (None: as they are; "int8" quantizes them from the params as given,
+    before any cast). The scales of int8 kernels stay float32."""
     changes: dict[str, Any] = {}
     if dtype is not None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r} is not one of {DTYPES}")
         changes.update(dtype=dtype, param_dtype=dtype)
-        params = jax.tree.map(
-            lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
     if cache_dtype is not None:
         if cache_dtype not in CACHE_DTYPES:
             raise ValueError(f"cache_dtype={cache_dtype!r} is not one of {CACHE_DTYPES}")
         changes["cache_dtype"] = cache_dtype
+    if kernel_dtype is not None:
+        if kernel_dtype not in KERNEL_DTYPES:
+            raise ValueError(f"kernel_dtype={kernel_dtype!r} is not one of {KERNEL_DTYPES}")
+        changes["kernel_dtype"] = kernel_dtype
+    if kernel_dtype is not None and config.kernel_dtype is None:
+        params = int8_base.quantize_layers(params, dtype)
+    elif dtype is not None:
+        params = jax.tree_util.tree_map_with_path(lambda path, x: _cast(path, x, dtype), params)
     return config.replace(**changes), params
+
+
+def _cast(path, x, dtype: str):
+    scale = getattr(path[-1], "key", None) == int8_base.SCALE if path else False
+    return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and not scale else x

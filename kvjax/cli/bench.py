@@ -11,6 +11,7 @@ import tempfile
 from .common import (
     CACHE_DTYPE_NAMES,
     DTYPE_NAMES,
+    KERNEL_DTYPE_NAMES,
     LAYER_MODES,
     PRESET_NAMES,
     RANDOM_HF_MODELS,
@@ -164,6 +165,9 @@ def _add_decode(kinds) -> None:
     decode.add_argument("--cache-dtype", choices=CACHE_DTYPE_NAMES, default=None,
                         help="kvjax's KV cache dtype; int8 adds a float32 scale per token "
                              "and kv head (default: --dtype)")
+    decode.add_argument("--kernel-dtype", choices=KERNEL_DTYPE_NAMES, default=None,
+                        help="kvjax's layer kernels; int8 holds them as int8 with a float32 "
+                             "scale per output feature (default: --dtype)")
     model = decode.add_mutually_exclusive_group()
     model.add_argument("--hf-dir", metavar="DIR", default=None,
                        help="time the decoder-only model in this Hugging Face directory "
@@ -309,8 +313,9 @@ def run_bench_serve(args) -> int:
 
 
 def _add_precision(kinds) -> None:
-    precision = add_command(kinds, "precision", "float32, bfloat16 and an int8 KV cache side "
-                            "by side: cache bytes per sequence, decode tokens/s with a long "
+    precision = add_command(kinds, "precision", "float32, bfloat16, an int8 KV cache and int8 "
+                            "layer kernels side by side: params bytes, cache bytes per "
+                            "sequence, decode tokens/s with a long "
                             "cache (random weights), and the shipped LM's perplexity and "
                             "greedy agreement and the shipped translator's accuracy.")
     precision.add_argument("--preset", choices=PRESET_NAMES, default="gpt-mini",
@@ -383,7 +388,8 @@ def run_bench_decode(args) -> int:
             args.preset, tuple(args.batch_sizes), args.prompt_len, args.new_tokens,
             args.repeats, layer_modes=tuple(args.layers), compare_no_cache=not args.no_no_cache,
             compare_hf=not args.no_hf, devices=args.devices, whole_cache=args.whole_cache,
-            hf_dir=hf_dir, dtype=args.dtype, cache_dtype=args.cache_dtype, loops=loops)
+            hf_dir=hf_dir, dtype=args.dtype, cache_dtype=args.cache_dtype,
+            kernel_dtype=args.kernel_dtype, loops=loops)
     print(format_table(rows, facts))
     if sweep:
         from kvjax import model as M

@@ -14,6 +14,7 @@ RANDOM_HF_MODELS = ("gpt2", "llama-1b", "qwen2-0.5b", "granitemoe-1b")
 TRAIN_SHAPES = ("gpt2-small", "llama-1b")  # kvjax.benchmarks.train.SHAPES
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 CACHE_DTYPE_NAMES = (*DTYPE_NAMES, "int8")  # model.config.CACHE_DTYPES
+KERNEL_DTYPE_NAMES = ("int8",)  # model.config_checks.KERNEL_DTYPES
 
 
 class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -91,23 +92,31 @@ def add_command(commands, name: str, help_text: str) -> argparse.ArgumentParser:
 
 
 def add_precision(parser: argparse.ArgumentParser) -> None:
-    """--dtype and --cache-dtype, applied to a loaded model by `with_precision`."""
+    """--dtype, --cache-dtype and --kernel-dtype, applied to a loaded model by
+    `with_precision`."""
     parser.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
                         help="params, compute and cache dtype (default: the checkpoint's)")
     parser.add_argument("--cache-dtype", choices=CACHE_DTYPE_NAMES, default=None,
                         help="KV cache dtype; int8 stores K and V as int8 with a float32 scale "
                              "per token and kv head (default: --dtype)")
+    parser.add_argument("--kernel-dtype", choices=KERNEL_DTYPE_NAMES, default=None,
+                        help="int8 holds the layers' attention and FFN weights as int8 with a "
+                             "float32 scale per output feature, about half the memory of "
+                             "bfloat16; each layer computes with them in --dtype "
+                             "(default: as the checkpoint holds them)")
 
 
 def with_precision(loaded, args):
-    """`loaded` (a `kvjax.text.LoadedModel`) in the precision --dtype/--cache-dtype ask for."""
-    if args.dtype is None and args.cache_dtype is None:
+    """`loaded` (a `kvjax.text.LoadedModel`) in the precision --dtype, --cache-dtype and
+    --kernel-dtype ask for."""
+    if args.dtype is None and args.cache_dtype is None and args.kernel_dtype is None:
         return loaded
     import dataclasses
 
     from kvjax import model as M
 
-    config, params = M.with_precision(loaded.config, loaded.params, args.dtype, args.cache_dtype)
+    config, params = M.with_precision(loaded.config, loaded.params, args.dtype, args.cache_dtype,
+                                      args.kernel_dtype)
     return dataclasses.replace(loaded, config=config, params=params)
 
 

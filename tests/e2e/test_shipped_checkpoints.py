@@ -92,9 +92,10 @@ def test_sample_streams_a_translation_from_the_command_line(capsys):
     assert "stop: eos" in out
 
 
-def test_sample_with_an_int8_cache_and_speculation_translates_the_same(capsys):
+def test_sample_with_int8_kernels_and_cache_and_speculation_translates_the_same(capsys):
     assert cli.main(["sample", "--checkpoint", str(NUMBERS), "--prompt", "4021",
-                     "--cache-dtype", "int8", "--speculative", "ngram"]) == 0
+                     "--kernel-dtype", "int8", "--cache-dtype", "int8",
+                     "--speculative", "ngram"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("4021 -> four thousand twenty-one\n"), out
     assert "[speculative ngram: " in out and " drafted tokens accepted (" in out, out

@@ -1,11 +1,13 @@
-"""An int8 base for LoRA (`model/int8_base.py`): its kernels are the formula's, and layers that
-dequantize and adapt their own kernels compute what the merged model computes."""
+"""Int8 layer kernels (`model/int8_base.py`): their values and scales are the formula's; layers
+that dequantize and adapt their own kernels compute what the merged model computes (a LoRA
+base); a model of `kernel_dtype="int8"` decodes as the float model of its dequantized kernels."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvjax import decode
 from kvjax import model as M
 from kvjax.model import int8_base, layers
 from kvjax.model import lora as L
@@ -82,3 +84,64 @@ def test_layers_unpacking_their_own_kernels_equal_the_merged_model(encoder_layer
     assert jax.tree.structure(got_grads) == jax.tree.structure(adapters)
     for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * np.abs(w).max())
+
+
+@pytest.mark.parametrize("encoder_layers, scan_layers", [(0, False), (1, True)],
+                         ids=["decoder-only, unrolled", "encoder-decoder, scanned"])
+def test_an_int8_kernel_model_computes_as_the_float_model_of_its_dequantized_kernels(
+        encoder_layers, scan_layers):
+    config = M.preset("tiny", num_kv_heads=2, num_encoder_layers=encoder_layers,
+                      scan_layers=scan_layers)
+    params = M.init_params(config, jax.random.key(0))
+    int8_config, held = M.with_precision(config, params, kernel_dtype="int8")
+    assert int8_config.kernel_dtype == "int8"
+    for got, want in zip(jax.tree.leaves(held),
+                         jax.tree.leaves(int8_base.quantize_layers(params)), strict=True):
+        np.testing.assert_array_equal(got, want)
+    # Drawn for an int8 config: the float draw, quantized.
+    for got, want in zip(jax.tree.leaves(M.init_params(int8_config, jax.random.key(0))),
+                         jax.tree.leaves(held), strict=True):
+        np.testing.assert_array_equal(got, want)
+    tokens = jnp.array([[3, 4, 5, 6, 7], [8, 9, 10, 0, 0]])
+    batch = {"inputs": tokens, "lengths": jnp.array([5, 3]), "source": tokens[:, :4],
+             "source_lengths": jnp.array([4, 2])}
+    logits = M.teacher_forced_logits(int8_config, held, batch)
+    np.testing.assert_array_equal(  # the same float32 kernels, made inside each layer
+        logits, M.teacher_forced_logits(config, int8_base.dequantize_layers(held), batch))
+    # Within the quantisation error of the float model itself.
+    exact = M.teacher_forced_logits(config, params, batch)
+    assert np.abs(logits - exact).max() <= 0.05 * np.abs(exact).max()
+
+
+def test_int8_kernels_in_bfloat16_generate_the_dequantized_models_tokens():
+    """Greedy tokens of a ragged batch, through the cache, with the layers' kernels int8 and
+    the rest of the model bfloat16, equal those of the bfloat16 model of the dequantized
+    kernels; the kernels take a quarter of their float32 bytes."""
+    config = M.preset("tiny", positional_encoding="rope", num_kv_heads=2, scan_layers=True)
+    params = M.init_params(config, jax.random.key(3))
+    int8_config, held = M.with_precision(config, params, "bfloat16", kernel_dtype="int8")
+    assert (int8_config.dtype, int8_config.kernel_dtype) == ("bfloat16", "int8")
+    layer = held["layers"]
+    assert layer["self_attention"]["qkv"]["kernel"].dtype == jnp.int8
+    assert layer["self_attention"]["qkv"]["kernel_scale"].dtype == jnp.float32
+    assert layer["ffn"]["wi"]["kernel"].nbytes * 4 == params["layers"]["ffn"]["wi"][
+        "kernel"].nbytes
+    assert held["embedder"]["embedding"]["embedding"].dtype == jnp.bfloat16
+    dequantized = M.with_precision(config, int8_base.dequantize_layers(held), "bfloat16")
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
+    got = decode.generate(M.build_model(int8_config), held, prompts, max_new_tokens=12)
+    want = decode.generate(M.build_model(dequantized[0]), dequantized[1], prompts,
+                           max_new_tokens=12)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.lengths, want.lengths)
+
+
+def test_kernel_dtype_is_saved_only_when_set_and_checked():
+    config = M.preset("tiny")
+    assert "kernel_dtype" not in config.to_dict()
+    int8 = config.replace(kernel_dtype="int8")
+    assert M.TransformerConfig.from_json(int8.to_json()) == int8
+    with pytest.raises(ValueError, match="kernel_dtype='int4' is not None or one of"):
+        config.replace(kernel_dtype="int4")
+    with pytest.raises(ValueError, match="kernel_dtype='int4' is not one of"):
+        M.with_precision(config, {}, kernel_dtype="int4")

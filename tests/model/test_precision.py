@@ -1,6 +1,6 @@
 """Reduced precision: the int8 KV cache (quantised when written, dequantised block by block
-as attention reads it), bfloat16 decoding of the shipped LM and bfloat16 mixed-precision
-training."""
+as attention reads it), bfloat16 and int8-kernel decoding of the shipped LM and bfloat16
+mixed-precision training."""
 
 import functools
 from pathlib import Path
@@ -181,6 +181,8 @@ def test_cache_dtype_is_saved_only_when_set_and_checked():
 # 124 of 128 measured (this machine, the suite's XLA settings); asserted with a margin.
 # (Left to itself, bfloat16 decodes 70 of them before its first different token.)
 BF16_GREEDY_FLOOR = 118
+# The same with the layers' kernels int8 (`kernel_dtype="int8"`) and float32 compute: 127.
+INT8_KERNELS_GREEDY_FLOOR = 121
 
 
 def follow_greedy(models, prompts, new_tokens):
@@ -202,15 +204,19 @@ def follow_greedy(models, prompts, new_tokens):
     return np.array([[out[:new_tokens] for out in rows] for rows in chosen])
 
 
-def test_bfloat16_decoding_of_the_shipped_lm_follows_float32_greedy():
+def test_bfloat16_and_int8_kernel_decoding_of_the_shipped_lm_follow_float32_greedy():
     lm = text.load(LM)
     prompts = [text.prompt_tokens(lm, p) for p in
                ("The for statement", "A class", "The import system", "Exceptions are")]
     bf16 = M.with_precision(lm.config, lm.params, "bfloat16")
     assert {leaf.dtype for leaf in jax.tree.leaves(bf16[1])} == {jnp.dtype(jnp.bfloat16)}
-    float32, bfloat16 = follow_greedy([(lm.config, lm.params), bf16], prompts, 32)
+    int8 = M.with_precision(lm.config, lm.params, kernel_dtype="int8")
+    float32, bfloat16, int8_kernels = follow_greedy([(lm.config, lm.params), bf16, int8],
+                                                    prompts, 32)
     agree = int((float32 == bfloat16).sum())
     assert agree >= BF16_GREEDY_FLOOR, agree
+    agree = int((float32 == int8_kernels).sum())
+    assert agree >= INT8_KERNELS_GREEDY_FLOOR, agree
 
 
 def test_bfloat16_mixed_precision_training_lowers_the_loss_with_float32_state():
