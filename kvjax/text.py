@@ -56,12 +56,15 @@ class LoadedModel:
 
 
 def load(directory: str | os.PathLike, *, scan_layers: bool | None = None,
-         lora: str | os.PathLike | None = None, max_len: int | None = None) -> LoadedModel:
+         lora: str | os.PathLike | None = None, max_len: int | None = None,
+         dtype: str | None = None, kernel_dtype: str | None = None) -> LoadedModel:
     """The model in `directory`: the newest step of a kvjax checkpoint, or a Hugging Face
     model directory (`kvjax.hf.load_pretrained`, which takes `max_len`), its layers held as
     `scan_layers` says (None: the default layout, whichever the checkpoint stores); with
     `lora`, LoRA adapters trained on that model merged into its params: a run of kvjax
     train on a kvjax checkpoint, or a PEFT adapter directory on a Hugging Face one.
+    `dtype` and `kernel_dtype` are `model.with_precision`'s (None: as stored); a Hugging Face
+    directory is read in them, so the device never holds its weights in another precision.
     Raises `CheckpointError` or ValueError naming any problem."""
     from kvjax import hf
 
@@ -72,8 +75,9 @@ def load(directory: str | os.PathLike, *, scan_layers: bool | None = None,
                              f"own adapters are trained on a kvjax checkpoint, and "
                              f"{directory} is a Hugging Face directory (kvjax import-hf "
                              "writes it as one)")
-        config, tokenizer, params = hf.load_pretrained(directory, scan_layers=scan_layers,
-                                                       max_len=max_len, lora=lora)
+        config, tokenizer, params = hf.load_pretrained(
+            directory, scan_layers=scan_layers, max_len=max_len, lora=lora, dtype=dtype,
+            kernel_dtype=kernel_dtype)
     elif peft:
         raise ValueError(f"{lora} is a PEFT adapter: it merges into the Hugging Face directory "
                          f"it was trained on, and {directory} is a kvjax checkpoint")
@@ -84,6 +88,7 @@ def load(directory: str | os.PathLike, *, scan_layers: bool | None = None,
     else:
         config, tokenizer, params = checkpoint.load_for_sampling(
             directory, scan_layers=scan_layers, lora=lora)
+        config, params = M.with_precision(config, params, dtype, kernel_dtype=kernel_dtype)
     return LoadedModel(config, tokenizer, params, os.fspath(directory))
 
 

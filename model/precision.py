@@ -28,8 +28,8 @@ def with_precision(config: TransformerConfig, params: Any, dtype: str | None = N
                    ) -> tuple[TransformerConfig, Any]:
     """`(config, params)` computing in `dtype` with params of `dtype` (None: as they are),
     a KV cache of `cache_dtype` (None: as the config says), and the layers' kernels in
-    `kernel_dtype` (None: as they are; "int8" quantizes them from the params as given,
-    before any cast). The scales of int8 kernels stay float32."""
+    `kernel_dtype` (None: as they are; "int8" quantizes them as they are in `dtype`). The
+    scales of int8 kernels stay float32."""
     changes: dict[str, Any] = {}
     if dtype is not None:
         if dtype not in DTYPES:
@@ -43,10 +43,10 @@ def with_precision(config: TransformerConfig, params: Any, dtype: str | None = N
         if kernel_dtype not in KERNEL_DTYPES:
             raise ValueError(f"kernel_dtype={kernel_dtype!r} is not one of {KERNEL_DTYPES}")
         changes["kernel_dtype"] = kernel_dtype
-    if kernel_dtype is not None and config.kernel_dtype is None:
-        params = int8_base.quantize_layers(params, dtype)
-    elif dtype is not None:
+    if dtype is not None:
         params = jax.tree_util.tree_map_with_path(lambda path, x: _cast(path, x, dtype), params)
+    if kernel_dtype is not None and config.kernel_dtype is None:
+        params = int8_base.quantize_layers(params)
     return config.replace(**changes), params
 
 

@@ -92,8 +92,7 @@ def add_command(commands, name: str, help_text: str) -> argparse.ArgumentParser:
 
 
 def add_precision(parser: argparse.ArgumentParser) -> None:
-    """--dtype, --cache-dtype and --kernel-dtype, applied to a loaded model by
-    `with_precision`."""
+    """--dtype, --cache-dtype and --kernel-dtype, which `load_in_precision` applies."""
     parser.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
                         help="params, compute and cache dtype (default: the checkpoint's)")
     parser.add_argument("--cache-dtype", choices=CACHE_DTYPE_NAMES, default=None,
@@ -106,17 +105,19 @@ def add_precision(parser: argparse.ArgumentParser) -> None:
                              "(default: as the checkpoint holds them)")
 
 
-def with_precision(loaded, args):
-    """`loaded` (a `kvjax.text.LoadedModel`) in the precision --dtype, --cache-dtype and
-    --kernel-dtype ask for."""
-    if args.dtype is None and args.cache_dtype is None and args.kernel_dtype is None:
-        return loaded
+def load_in_precision(directory, args, lora=None):
+    """The model in `directory` (`kvjax.text.load`, with `lora`) in the precision --dtype,
+    --cache-dtype and --kernel-dtype ask for; a Hugging Face directory is read in them."""
     import dataclasses
 
     from kvjax import model as M
+    from kvjax import text
 
-    config, params = M.with_precision(loaded.config, loaded.params, args.dtype, args.cache_dtype,
-                                      args.kernel_dtype)
+    loaded = text.load(directory, lora=lora, dtype=args.dtype, kernel_dtype=args.kernel_dtype)
+    if args.cache_dtype is None:
+        return loaded
+    config, params = M.with_precision(loaded.config, loaded.params,
+                                      cache_dtype=args.cache_dtype)
     return dataclasses.replace(loaded, config=config, params=params)
 
 

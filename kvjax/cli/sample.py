@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .common import add_command, add_precision, count, positive, seed, with_precision
+from .common import add_command, add_precision, count, load_in_precision, positive, seed
 
 
 def add_sample(commands) -> None:
@@ -71,7 +71,7 @@ def add_sample(commands) -> None:
 def run_sample(args) -> int:
     from kvjax import decode, text
 
-    loaded = with_precision(text.load(args.checkpoint, lora=args.lora), args)
+    loaded = load_in_precision(args.checkpoint, args, lora=args.lora)
     # Checked before the echo, as the prompt is.
     sampling = decode.Sampling(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -136,12 +136,11 @@ def run_sample(args) -> int:
 
 def _draft(args, loaded):
     """The --draft-checkpoint model, in --dtype, checked to share the target's tokenizer."""
-    from kvjax import text
     from kvjax.decode import draft_model
 
     if args.draft_checkpoint is None:
         raise ValueError("--speculative draft needs a --draft-checkpoint")
-    draft = with_precision(text.load(args.draft_checkpoint), args)
+    draft = load_in_precision(args.draft_checkpoint, args)
     draft_model.check_draft(loaded.config, draft.config, draft.params, prompt_length=1)
     if draft.tokenizer.to_bytes() != loaded.tokenizer.to_bytes():
         raise ValueError(f"the tokenizer of --draft-checkpoint {args.draft_checkpoint} differs "

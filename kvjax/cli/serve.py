@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .common import add_command, add_precision, byte_size, count, positive, with_precision
+from .common import add_command, add_precision, byte_size, count, load_in_precision, positive
 
 API_KEY_VARIABLE = "KVJAX_API_KEY"
 
@@ -86,7 +86,7 @@ def add_serve(commands) -> None:
 def run_serve(args) -> int:
     import uvicorn
 
-    from kvjax import parallel, text
+    from kvjax import parallel
     from kvjax.serve import memory
     from kvjax.serve.limits import Limits, header_timeout_protocol
     from kvjax.serve.server import build_app
@@ -99,7 +99,7 @@ def run_serve(args) -> int:
     mesh = None if args.mesh is None else parallel.make_mesh(args.mesh)
     if args.cache_memory is not None and args.page_size is None:
         raise ValueError("--cache-memory sizes the slots' pages: give --page-size too")
-    loaded = with_precision(text.load(args.checkpoint, lora=args.lora), args)
+    loaded = load_in_precision(args.checkpoint, args, lora=args.lora)
     num_pages = args.num_pages if args.cache_memory is None else memory.pages_in(
         loaded.config, args.cache_memory, args.page_size)
     limits = Limits()

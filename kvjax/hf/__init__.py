@@ -54,7 +54,7 @@ def is_hf_directory(directory: str | os.PathLike) -> bool:
 
 def load_pretrained(directory: str | os.PathLike, *, dtype: str | None = None, mesh=None,
                     scan_layers: bool | None = None, max_len: int | None = None,
-                    lora: str | os.PathLike | None = None
+                    lora: str | os.PathLike | None = None, kernel_dtype: str | None = None
                     ) -> tuple[M.TransformerConfig, Any, Any]:
     """`(config, tokenizer, params)` of the model in a local Hugging Face directory.
 
@@ -64,7 +64,9 @@ def load_pretrained(directory: str | os.PathLike, *, dtype: str | None = None, m
     `max_len` sets a RoPE model's longest sequence, up to its max_position_embeddings (None:
     that, or a LongRoPE model's original length, past which it turns with its long factors).
     `lora`, a PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors)
-    trained on this model, is merged into the params (`peft.py`).
+    trained on this model, is merged into the params (`peft.py`). `kernel_dtype="int8"`
+    quantizes the layers' kernels (`model.with_precision`) before the params leave the host,
+    so the device never holds them in `dtype`.
     Raises `UnsupportedModelError` (a ValueError) for a model or setting kvjax does not
     implement, and ValueError/FileNotFoundError naming a missing or misshapen file or tensor;
     a tokenizer with more ids than the model's vocabulary is refused.
@@ -76,17 +78,18 @@ def load_pretrained(directory: str | os.PathLike, *, dtype: str | None = None, m
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"{directory}: the tokenizer has {tokenizer.vocab_size} ids but the "
                          f"model's vocab_size is {config.vocab_size}")
-    config, params = _params(config, model_type, files, mesh, scan_layers, lora)
+    config, params = _params(config, model_type, files, mesh, scan_layers, lora, kernel_dtype)
     return config, tokenizer, params
 
 
 def load_model(directory: str | os.PathLike, *, dtype: str | None = None, mesh=None,
                scan_layers: bool | None = None, max_len: int | None = None,
-               lora: str | os.PathLike | None = None) -> tuple[M.TransformerConfig, Any]:
+               lora: str | os.PathLike | None = None, kernel_dtype: str | None = None
+               ) -> tuple[M.TransformerConfig, Any]:
     """`(config, params)` as `load_pretrained` reads them, without the tokenizer (a
     directory may then have none)."""
     config, model_type, files = _config_and_files(directory, dtype, max_len)
-    return _params(config, model_type, files, mesh, scan_layers, lora)
+    return _params(config, model_type, files, mesh, scan_layers, lora, kernel_dtype)
 
 
 def _config_and_files(directory, dtype: str | None, max_len: int | None = None):
@@ -101,12 +104,15 @@ def _config_and_files(directory, dtype: str | None, max_len: int | None = None):
 
 
 def _params(config: M.TransformerConfig, model_type: str, files: WeightFiles, mesh,
-            scan_layers: bool | None, lora: str | os.PathLike | None):
+            scan_layers: bool | None, lora: str | os.PathLike | None,
+            kernel_dtype: str | None = None):
     params = load_params(config, model_type, files, jnp.dtype(config.param_dtype))
     if lora is not None:
         params = merge_peft_adapter(config, model_type, params, lora)
     if scan_layers:
         config, params = M.with_layer_layout(config, params, True)
+    if kernel_dtype is not None:  # a kernel at a time; the rest stays on the host till below
+        config, params = M.with_precision(config, params, kernel_dtype=kernel_dtype)
     if mesh is None:
         return config, jax.device_put(params)
     from kvjax import parallel

@@ -19,7 +19,7 @@ import pytest
 from packaging.version import Version
 from safetensors.numpy import load_file, save_file
 
-from kvjax import decode, hf
+from kvjax import decode, hf, text
 from kvjax import model as M
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf_models"
@@ -161,6 +161,14 @@ def test_bfloat16_weights_load_as_asked():
     record, logits = expected("llama_mqa")
     # The files hold bfloat16 weights; only the computation rounds differently.
     assert relative_error(teacher_forced(config, params, record)[0], logits["logits_0"]) < 0.05
+    # Read with int8 kernels: what quantizing the loaded model gives.
+    loaded = text.load(FIXTURES / "llama_mqa", dtype="bfloat16", kernel_dtype="int8")
+    want_config, want = M.with_precision(config, params, kernel_dtype="int8")
+    assert loaded.config == want_config and loaded.config.kernel_dtype == "int8"
+    assert jax.tree.structure(loaded.params) == jax.tree.structure(want)
+    for got, leaf in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(want), strict=True):
+        assert got.dtype == leaf.dtype
+        np.testing.assert_array_equal(got, leaf)
 
 
 # Bad input: each is one error naming the problem, raised before anything is computed.
