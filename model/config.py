@@ -92,7 +92,7 @@ class TransformerConfig:
     # float32 scale per (token, kv head), dequantised block by block as attention reads them.
     cache_dtype: str | None = None
     # What the layers' projection kernels are held in; None: `param_dtype`. "int8" holds the
-    # self-attention and dense FFN kernels as int8 with a float32 scale per output feature,
+    # self-attention, FFN and expert kernels as int8 with a float32 scale per output feature,
     # each layer making its `param_dtype` kernels where it runs (`model/int8_base.py`).
     kernel_dtype: str | None = None
     qk_norm: bool = False  # RMSNorm over each head's query and key, before RoPE (Qwen3)

@@ -6,8 +6,9 @@ the feed-forward network; `model/lora.py`) is held as int8 values and one float3
 output feature, symmetric: `scale = max|W| / 127` over the kernel's input axes, so the
 values lie in [-127, 127] without clipping and `values * scale` is W to within `scale / 2`
 per element. The scale keeps the input axes with size 1, so it multiplies the values as
-they are, stacked over scanned layers or not. Everything else (embeddings, norms, biases,
-cross-attention) stays floating point.
+they are, stacked over scanned layers or not. A mixture of experts' kernels are held alike,
+with `<name>_scale` beside each (`EXPERT_KERNELS`): one scale per expert and output feature.
+Everything else (embeddings, norms, biases, routers, cross-attention) stays floating point.
 
 A layer never computes with int8. A model whose config has `kernel_dtype="int8"` holds its
 layers' kernels this way, and each layer makes its kernels in `param_dtype` where it runs
@@ -39,40 +40,76 @@ SCALE = L.QUANTIZED_SCALE  # beside `kernel`, in the same module's params
 _KERNELS = sorted(set(L.KERNELS.values()))
 
 
+# A mixture of experts' kernels (`model/experts.py`), each beside its scale `<name>_scale`:
+# name -> the input axis of one layer's [D, experts, d_ff] or [experts, d_ff, D].
+EXPERT_KERNELS = {"wi": 0, "wi_gate": 0, "wo": 1}
+
+
 def quantize_kernel(kernel: jax.Array, ndim: int, input_axes: int
                     ) -> tuple[jax.Array, jax.Array]:
     """`(values int8, scale float32)` with `values * scale ≈ kernel`, for a kernel of `ndim`
     axes (after any stacked-layer axes) whose first `input_axes` are its inputs. An output
     feature of all zeros gets scale 0 and values 0."""
-    x = kernel.astype(jnp.float32)
     lead = kernel.ndim - ndim
-    scale = jnp.max(jnp.abs(x), axis=tuple(range(lead, lead + input_axes)),
-                    keepdims=True) / INT8_MAX
+    return _quantized(kernel, tuple(range(lead, lead + input_axes)))
+
+
+def _quantized(kernel: jax.Array, input_axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    x = kernel.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=input_axes, keepdims=True) / INT8_MAX
     values = jnp.round(x / jnp.where(scale > 0, scale, 1.0)).astype(jnp.int8)
     return values, scale
 
 
 def quantize_layers(params, float_dtype=None):
     """`params` with the layers' LoRA-targetable kernels as int8 values and scales (`SCALE`
-    beside each `kernel`); every other floating-point array in `float_dtype` (None: as it
-    is)."""
+    beside each `kernel`), and a mixture's experts' kernels likewise (`EXPERT_KERNELS`);
+    every other floating-point array in `float_dtype` (None: as it is)."""
     cast = (lambda x: x) if float_dtype is None else (
         lambda x: x.astype(float_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x)
     out = jax.tree.map(cast, params)
     for path, layer in L.layer_subtrees(out):
         for module, name, input_axes in _KERNELS:
-            held = layer.get(module, {}).get(name)
-            if held is None or SCALE in held:
+            # A mixture's shared expert is a feed-forward network of its own.
+            for owner_path in ((module,), (module, "shared_expert")):
+                owner = _find(layer, owner_path)
+                held = owner.get(name) if isinstance(owner, dict) else None
+                if not isinstance(held, dict) or "kernel" not in held or SCALE in held:
+                    continue
+                kernel = L.get(params, (*path, *owner_path, name, "kernel"))  # before the cast
+                values, scale = quantize_kernel(kernel, L.kernel_ndim(name), input_axes)
+                owner[name] = {**held, "kernel": values, SCALE: scale}
+        experts = layer.get("ffn", {}).get("experts")
+        for name, axis in EXPERT_KERNELS.items():
+            if experts is None or name not in experts or f"{name}_scale" in experts:
                 continue
-            kernel = L.get(params, (*path, module, name, "kernel"))  # before the cast
-            values, scale = quantize_kernel(kernel, L.kernel_ndim(name), input_axes)
-            layer[module][name] = {**held, "kernel": values, SCALE: scale}
+            kernel = L.get(params, (*path, "ffn", "experts", name))  # before the cast
+            values, scale = _quantized(kernel, (kernel.ndim - 3 + axis,))
+            experts[name], experts[f"{name}_scale"] = values, scale
     return out
+
+
+def _find(tree, path):
+    """The subtree of `tree` at `path`, or None where it has none."""
+    for key in path:
+        if not isinstance(tree, dict) or key not in tree:
+            return None
+        tree = tree[key]
+    return tree
 
 
 def dequantize_layers(params):
     """`params` with every int8 kernel and its scale as one float32 kernel."""
     return _map_kernel_dicts(params, _dequantized)
+
+
+def _dequantized_experts(held: dict, dtype) -> dict:
+    out = {k: v for k, v in held.items() if not k.endswith("_scale")}
+    for name in EXPERT_KERNELS:
+        if f"{name}_scale" in held:
+            kernel = held[name].astype(jnp.float32) * held[f"{name}_scale"]
+            out[name] = kernel.astype(dtype)
+    return out
 
 
 def attach(config: TransformerConfig, params, adapters, lora: L.LoRA):
@@ -104,7 +141,7 @@ def decoding_unpack_fn(config: TransformerConfig) -> Callable[[dict], dict]:
     dtype = config.weights_dtype
 
     def unpack(variables):
-        return _map_kernel_dicts(variables, lambda held: _dequantized(held, dtype))
+        return _map_kernel_dicts(variables, lambda held: _dequantized(held, dtype), dtype)
 
     return unpack
 
@@ -130,10 +167,13 @@ def _unpacked(config: TransformerConfig, lora: L.LoRA | None, held: dict) -> dic
     return {**rest, "kernel": kernel}
 
 
-def _map_kernel_dicts(tree, fn):
-    """`tree` with `fn` applied to every dict that holds a `kernel`."""
+def _map_kernel_dicts(tree, fn, experts_dtype=jnp.float32):
+    """`tree` with `fn` applied to every dict that holds a `kernel`, and a mixture's int8
+    experts as kernels of `experts_dtype`."""
     if not isinstance(tree, dict):
         return tree
     if "kernel" in tree:
         return fn(tree)
-    return {key: _map_kernel_dicts(value, fn) for key, value in tree.items()}
+    if any(f"{name}_scale" in tree for name in EXPERT_KERNELS):
+        return _dequantized_experts(tree, experts_dtype)
+    return {key: _map_kernel_dicts(value, fn, experts_dtype) for key, value in tree.items()}

@@ -3,9 +3,10 @@
 `with_precision(config, params, "bfloat16")` holds the params in bfloat16 and computes in it,
 so the cache (which follows the compute dtype) is bfloat16 too; `cache_dtype="int8"` keeps
 K and V as int8 with scales whatever the compute dtype (`model/quantize.py`), and
-`kernel_dtype="int8"` holds the layers' self-attention and dense FFN kernels as int8 with a
-scale per output feature (`model/int8_base.py`): about half the weights' memory of bfloat16
-for most models (the embeddings, norms, cross-attention and experts stay in `dtype`). Logits
+`kernel_dtype="int8"` holds the layers' self-attention, FFN and expert kernels as int8 with
+a scale per output feature (`model/int8_base.py`): about half the weights' memory of
+bfloat16 for most models (the embeddings, norms, routers and cross-attention stay in
+`dtype`). Logits
 and the attention softmax stay float32 either way (`Embedder.logits`, `model/attention.py`).
 For training in bfloat16 set only the config's `dtype`: the params and the optimizer state
 stay float32 (`kvjax train --dtype bfloat16`).

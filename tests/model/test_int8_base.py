@@ -145,3 +145,33 @@ def test_kernel_dtype_is_saved_only_when_set_and_checked():
         config.replace(kernel_dtype="int4")
     with pytest.raises(ValueError, match="kernel_dtype='int4' is not one of"):
         M.with_precision(config, {}, kernel_dtype="int4")
+
+
+def test_int8_experts_are_the_formulas_and_decode_as_the_dequantized_model():
+    """A mixture's experts held as int8 with a scale per output feature, its shared expert as
+    a dense FFN's kernels: a prompt runs every expert, one row's steps gather the chosen
+    ones (`experts.gathers`), and both give the tokens of the float model of the dequantized
+    kernels."""
+    config = M.preset("tiny", num_experts=8, experts_per_token=2, activation="swiglu",
+                      ffn_bias=False, positional_encoding="rope", scan_layers=True,
+                      shared_expert_d_ff=48, shared_expert_gate=True)
+    params = M.init_params(config, jax.random.key(4))
+    int8_config, held = M.with_precision(config, params, kernel_dtype="int8")
+    experts, original = held["layers"]["ffn"]["experts"], params["layers"]["ffn"]["experts"]
+    assert sorted(experts) == ["wi", "wi_gate", "wi_gate_scale", "wi_scale", "wo", "wo_scale"]
+    shared = held["layers"]["ffn"]["shared_expert"]
+    assert {shared[name]["kernel"].dtype for name in ("wi", "wi_gate", "wo")} == {
+        jnp.dtype(jnp.int8)}
+    assert held["layers"]["ffn"]["router"]["kernel"].dtype == jnp.float32
+    for name, axis in int8_base.EXPERT_KERNELS.items():
+        w = np.asarray(original[name], np.float64)
+        scale = np.max(np.abs(w), axis=1 + axis, keepdims=True) / 127  # after the layers' L
+        assert experts[name].dtype == jnp.int8
+        np.testing.assert_allclose(experts[f"{name}_scale"], scale, rtol=1e-6)
+        back = np.asarray(experts[name], np.float64) * scale
+        assert np.all(np.abs(back - w) <= scale / 2 * (1 + 1e-5) + 1e-9)
+    dequantized = int8_base.dequantize_layers(held)
+    prompts = [[5, 6, 7, 8, 9, 10]]
+    got = decode.generate(M.build_model(int8_config), held, prompts, max_new_tokens=10)
+    want = decode.generate(M.build_model(config), dequantized, prompts, max_new_tokens=10)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
