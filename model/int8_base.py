@@ -6,8 +6,9 @@ the feed-forward network; `model/lora.py`) is held as int8 values and one float3
 output feature, symmetric: `scale = max|W| / 127` over the kernel's input axes, so the
 values lie in [-127, 127] without clipping and `values * scale` is W to within `scale / 2`
 per element. The scale keeps the input axes with size 1, so it multiplies the values as
-they are, stacked over scanned layers or not. A mixture of experts' kernels are held alike,
-with `<name>_scale` beside each (`EXPERT_KERNELS`): one scale per expert and output feature.
+they are, stacked over scanned layers or not. A mixture's shared expert is held as a
+feed-forward network is, and its experts' kernels alike, with `<name>_scale` beside each
+(`EXPERT_KERNELS`): one scale per expert and output feature.
 Everything else (embeddings, norms, biases, routers, cross-attention) stays floating point.
 
 A layer never computes with int8. A model whose config has `kernel_dtype="int8"` holds its
