@@ -91,9 +91,9 @@ class TransformerConfig:
     # What the KV cache stores; None: the compute dtype. "int8" stores K and V as int8 with a
     # float32 scale per (token, kv head), dequantised block by block as attention reads them.
     cache_dtype: str | None = None
-    # What the layers' projection kernels are held in; None: `param_dtype`. "int8" holds the
-    # self-attention, FFN and expert kernels as int8 with a float32 scale per output feature,
-    # each layer making its `param_dtype` kernels where it runs (`model/int8_base.py`).
+    # What the projection kernels are held in; None: `param_dtype`. "int8" holds the layers'
+    # self-attention, FFN and expert kernels and the embedding table as int8 with float32
+    # scales, each layer making its `param_dtype` kernels where it runs (`model/int8_base.py`).
     kernel_dtype: str | None = None
     qk_norm: bool = False  # RMSNorm over each head's query and key, before RoPE (Qwen3)
     # With qk_norm, one RMSNorm over all heads' queries together (and one over all kv heads'

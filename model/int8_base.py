@@ -1,5 +1,6 @@
-"""Layer kernels held as int8 with scales: a frozen base for LoRA (QLoRA-style), and weights
-for decoding in about half the memory of bfloat16 (`config.kernel_dtype="int8"`).
+"""Kernels held as int8 with scales: a frozen base for LoRA (QLoRA-style), and weights for
+decoding in about half the memory of bfloat16 (`config.kernel_dtype="int8"`, which holds the
+embedding table so too: `quantize_for_decoding`).
 
 Every kernel a LoRA target names (`qkv`, `out` of self-attention; `wi`, `wi_gate`, `wo` of
 the feed-forward network; `model/lora.py`) is held as int8 values and one float32 scale per
@@ -41,6 +42,9 @@ SCALE = L.QUANTIZED_SCALE  # beside `kernel`, in the same module's params
 _KERNELS = sorted(set(L.KERNELS.values()))
 
 
+# Beside an int8 embedding table [V, D] (`model.transformer.Embedder`): a scale per row [V, 1],
+# which serves both its uses, a token's row and the logits' product with every row.
+EMBEDDING_SCALE = "embedding_scale"
 # A mixture of experts' kernels (`model/experts.py`), each beside its scale `<name>_scale`:
 # name -> the input axis of one layer's [D, experts, d_ff] or [experts, d_ff, D].
 EXPERT_KERNELS = {"wi": 0, "wi_gate": 0, "wo": 1}
@@ -87,6 +91,24 @@ def quantize_layers(params, float_dtype=None):
             kernel = L.get(params, (*path, "ffn", "experts", name))  # before the cast
             values, scale = _quantized(kernel, (kernel.ndim - 3 + axis,))
             experts[name], experts[f"{name}_scale"] = values, scale
+    return out
+
+
+def quantize_for_decoding(params):
+    """`params` with the layers' kernels int8 (`quantize_layers`), and the embedding table and
+    a separate output layer's kernel too: what a model of `kernel_dtype="int8"` holds."""
+    out = quantize_layers(params)
+    embedder = out.get("embedder")
+    if embedder is None:
+        return out
+    table = embedder.get("embedding", {})
+    if "embedding" in table and EMBEDDING_SCALE not in table:
+        values, scale = _quantized(table["embedding"], (table["embedding"].ndim - 1,))
+        embedder["embedding"] = {**table, "embedding": values, EMBEDDING_SCALE: scale}
+    unembed = embedder.get("unembed")
+    if isinstance(unembed, dict) and "kernel" in unembed and SCALE not in unembed:
+        values, scale = quantize_kernel(unembed["kernel"], 2, 1)
+        embedder["unembed"] = {**unembed, "kernel": values, SCALE: scale}
     return out
 
 
@@ -170,11 +192,15 @@ def _unpacked(config: TransformerConfig, lora: L.LoRA | None, held: dict) -> dic
 
 def _map_kernel_dicts(tree, fn, experts_dtype=jnp.float32):
     """`tree` with `fn` applied to every dict that holds a `kernel`, and a mixture's int8
-    experts as kernels of `experts_dtype`."""
+    experts and an int8 embedding table as arrays of `experts_dtype`."""
     if not isinstance(tree, dict):
         return tree
     if "kernel" in tree:
         return fn(tree)
     if any(f"{name}_scale" in tree for name in EXPERT_KERNELS):
         return _dequantized_experts(tree, experts_dtype)
+    if EMBEDDING_SCALE in tree:
+        table = tree["embedding"].astype(jnp.float32) * tree[EMBEDDING_SCALE]
+        rest = {k: v for k, v in tree.items() if k != EMBEDDING_SCALE}
+        return {**rest, "embedding": table.astype(experts_dtype)}
     return {key: _map_kernel_dicts(value, fn, experts_dtype) for key, value in tree.items()}

@@ -45,11 +45,11 @@ _NOT_IN_INIT = SPEED_ONLY_FIELDS + (
 
 def init_params(config: TransformerConfig, rng: jax.Array) -> dict:
     """Randomly initialised params (a pytree) for `build_model(config)`: with
-    `kernel_dtype="int8"`, float params drawn as without it, their layers' kernels then
-    quantized (`int8_base.quantize_layers`)."""
+    `kernel_dtype="int8"`, float params drawn as without it, their kernels and
+    embedding table then quantized (`int8_base.quantize_for_decoding`)."""
     defaults = {name: getattr(TransformerConfig, name) for name in _NOT_IN_INIT}
     params = _init_params(config.replace(**defaults, kernel_dtype=None), rng)
-    return params if config.kernel_dtype is None else int8_base.quantize_layers(params)
+    return params if config.kernel_dtype is None else int8_base.quantize_for_decoding(params)
 
 
 @functools.partial(jax.jit, static_argnums=0)

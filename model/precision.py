@@ -4,9 +4,9 @@
 so the cache (which follows the compute dtype) is bfloat16 too; `cache_dtype="int8"` keeps
 K and V as int8 with scales whatever the compute dtype (`model/quantize.py`), and
 `kernel_dtype="int8"` holds the layers' self-attention, FFN and expert kernels as int8 with
-a scale per output feature (`model/int8_base.py`): about half the weights' memory of
-bfloat16 for most models (the embeddings, norms, routers and cross-attention stay in
-`dtype`). Logits
+a scale per output feature, and the embedding table with a scale per row
+(`model/int8_base.py`): about half the weights' memory of bfloat16 (norms, biases, learned
+positions, routers and cross-attention stay in `dtype`). Logits
 and the attention softmax stay float32 either way (`Embedder.logits`, `model/attention.py`).
 For training in bfloat16 set only the config's `dtype`: the params and the optimizer state
 stay float32 (`kvjax train --dtype bfloat16`).
@@ -47,7 +47,7 @@ def with_precision(config: TransformerConfig, params: Any, dtype: str | None = N
     if dtype is not None:
         params = jax.tree_util.tree_map_with_path(lambda path, x: _cast(path, x, dtype), params)
     if kernel_dtype is not None and config.kernel_dtype is None:
-        params = int8_base.quantize_layers(params)
+        params = int8_base.quantize_for_decoding(params)
     return config.replace(**changes), params
 
 

@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from . import int8_base
 from .attention import soft_cap
 from .attention_layers import CrossKV
 from .cache import KVCache, check_cache, init_cache
@@ -121,6 +122,16 @@ class Embedder(nn.Module):
         return soft_cap(logits, self.config.logits_softcap)
 
 
+def embedder(config: TransformerConfig) -> nn.Module:
+    """The `Embedder` of `config`; with `kernel_dtype="int8"` its int8 table (and output
+    kernel) are made into float arrays where it runs (`int8_base.decoding_unpack_fn`)."""
+    if config.kernel_dtype != "int8":
+        return Embedder(config)
+    mapped = nn.map_variables(Embedder, "params", mutable=False, methods=["__call__", "logits"],
+                              trans_in_fn=int8_base.decoding_unpack_fn(config))
+    return mapped(config)
+
+
 _KV_FIELDS = ("k", "v")
 _QUANTIZED_KV_FIELDS = ("k", "v", "k_scale", "v_scale")
 
@@ -173,7 +184,7 @@ class DecoderOnlyLM(nn.Module):
         if c.is_encoder_decoder:
             raise ValueError(f"DecoderOnlyLM needs num_encoder_layers=0, got "
                              f"{c.num_encoder_layers}; use EncoderDecoder")
-        self.embedder = Embedder(c)
+        self.embedder = embedder(c)
         self.layers = layer_stack(DecoderLayer, c, c.num_decoder_layers, "layers")
         self.final_norm = _final_norm(c, "final_norm")
 
@@ -249,7 +260,7 @@ class EncoderDecoder(nn.Module):
         if not c.is_encoder_decoder:
             raise ValueError("EncoderDecoder needs num_encoder_layers > 0, got 0")
         # One embedding for source and target: the tokenizer is shared.
-        self.embedder = Embedder(c)
+        self.embedder = embedder(c)
         self.encoder_layers = layer_stack(EncoderLayer, c, c.num_encoder_layers,
                                           "encoder_layers")
         self.encoder_norm = _final_norm(c, "encoder_norm")

@@ -99,8 +99,8 @@ def add_precision(parser: argparse.ArgumentParser) -> None:
                         help="KV cache dtype; int8 stores K and V as int8 with a float32 scale "
                              "per token and kv head (default: --dtype)")
     parser.add_argument("--kernel-dtype", choices=KERNEL_DTYPE_NAMES, default=None,
-                        help="int8 holds the layers' attention, FFN and expert weights as "
-                             "int8 with a float32 scale per output feature, about half the "
+                        help="int8 holds the layers' attention, FFN and expert weights and "
+                             "the embedding table as int8 with float32 scales, about half the "
                              "memory of bfloat16; each layer computes with them in --dtype "
                              "(default: as the checkpoint holds them)")
 

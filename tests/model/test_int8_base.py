@@ -86,18 +86,25 @@ def test_layers_unpacking_their_own_kernels_equal_the_merged_model(encoder_layer
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * np.abs(w).max())
 
 
-@pytest.mark.parametrize("encoder_layers, scan_layers", [(0, False), (1, True)],
-                         ids=["decoder-only, unrolled", "encoder-decoder, scanned"])
+@pytest.mark.parametrize("encoder_layers, scan_layers, tied", [(0, False, False), (1, True, True)],
+                         ids=["decoder-only, unrolled, untied", "encoder-decoder, scanned, tied"])
 def test_an_int8_kernel_model_computes_as_the_float_model_of_its_dequantized_kernels(
-        encoder_layers, scan_layers):
+        encoder_layers, scan_layers, tied):
     config = M.preset("tiny", num_kv_heads=2, num_encoder_layers=encoder_layers,
-                      scan_layers=scan_layers)
+                      scan_layers=scan_layers, tie_embeddings=tied)
     params = M.init_params(config, jax.random.key(0))
     int8_config, held = M.with_precision(config, params, kernel_dtype="int8")
     assert int8_config.kernel_dtype == "int8"
     for got, want in zip(jax.tree.leaves(held),
-                         jax.tree.leaves(int8_base.quantize_layers(params)), strict=True):
+                         jax.tree.leaves(int8_base.quantize_for_decoding(params)), strict=True):
         np.testing.assert_array_equal(got, want)
+    # The embedding table with a scale per row (a token's row, and the logits' row of it).
+    table = held["embedder"]["embedding"]
+    w = np.asarray(params["embedder"]["embedding"]["embedding"], np.float64)
+    np.testing.assert_allclose(table["embedding_scale"],
+                               np.abs(w).max(axis=1, keepdims=True) / 127, rtol=1e-6)
+    assert table["embedding"].dtype == jnp.int8
+    assert tied or held["embedder"]["unembed"]["kernel"].dtype == jnp.int8
     # Drawn for an int8 config: the float draw, quantized.
     for got, want in zip(jax.tree.leaves(M.init_params(int8_config, jax.random.key(0))),
                          jax.tree.leaves(held), strict=True):
@@ -126,7 +133,8 @@ def test_int8_kernels_in_bfloat16_generate_the_dequantized_models_tokens():
     assert layer["self_attention"]["qkv"]["kernel_scale"].dtype == jnp.float32
     assert layer["ffn"]["wi"]["kernel"].nbytes * 4 == params["layers"]["ffn"]["wi"][
         "kernel"].nbytes
-    assert held["embedder"]["embedding"]["embedding"].dtype == jnp.bfloat16
+    assert held["embedder"]["embedding"]["embedding"].dtype == jnp.int8
+    assert held["layers"]["attention_block"]["norm"]["scale"].dtype == jnp.bfloat16
     dequantized = M.with_precision(config, int8_base.dequantize_layers(held), "bfloat16")
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
     got = decode.generate(M.build_model(int8_config), held, prompts, max_new_tokens=12)
