@@ -159,8 +159,9 @@ def unpack_fn(config: TransformerConfig, lora: L.LoRA | None) -> Callable[[dict]
 
 
 def decoding_unpack_fn(config: TransformerConfig) -> Callable[[dict], dict]:
-    """What each layer's params go through in a model of `kernel_dtype="int8"`: every int8
-    kernel becomes the float32 product of its values and scale, in `config.param_dtype`."""
+    """What each layer's params (and the embedder's) go through in a model of
+    `kernel_dtype="int8"`: every int8 kernel, expert bank and embedding table becomes the
+    float32 product of its values and scale, in `config.param_dtype`."""
     dtype = config.weights_dtype
 
     def unpack(variables):

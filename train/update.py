@@ -153,6 +153,10 @@ def init_state(model_config: M.TransformerConfig, train_config: TrainConfig,
     """The state before the first step: fresh params (or `params`, e.g. a checkpoint's to
     fine-tune) and a fresh optimizer state for the seed, laid out on `mesh` by
     `parallel.state_shardings` when one is given."""
+    if model_config.kernel_dtype is not None:
+        raise ValueError(f"kernel_dtype={model_config.kernel_dtype!r} holds weights for "
+                         "decoding; a training run holds float params (LoRA trains over an "
+                         "int8 base with lora base_dtype='int8')")
     step_config, seed_key = compiled_fields(train_config), jax.random.key(train_config.seed)
     if params is None:
         state = _init_state(model_config, step_config, seed_key)

@@ -11,6 +11,8 @@ from kvjax import decode
 from kvjax import model as M
 from kvjax.model import int8_base, layers
 from kvjax.model import lora as L
+from kvjax.train import update
+from kvjax.train.config import TrainConfig
 
 LORA = M.LoRA(2, 4.0, ("q", "k", "v", "o", "wi", "wo"))
 # (module, kernel, input axes): every kernel a LoRA target can name in these models.
@@ -153,6 +155,9 @@ def test_kernel_dtype_is_saved_only_when_set_and_checked():
         config.replace(kernel_dtype="int4")
     with pytest.raises(ValueError, match="kernel_dtype='int4' is not one of"):
         M.with_precision(config, {}, kernel_dtype="int4")
+    with pytest.raises(ValueError, match="kernel_dtype='int8' holds weights for decoding"):
+        update.init_state(int8, TrainConfig(steps=2, batch_size=1, warmup_steps=0,
+                                            progress=False))
 
 
 def test_int8_experts_are_the_formulas_and_decode_as_the_dequantized_model():
