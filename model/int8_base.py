@@ -126,12 +126,22 @@ def dequantize_layers(params):
     return _map_kernel_dicts(params, _dequantized)
 
 
+def is_scale(name: str) -> bool:
+    """Whether a param named `name` is the float32 scale of int8 values (`SCALE`,
+    `EMBEDDING_SCALE`, `<expert kernel>_scale`)."""
+    return name.endswith("_scale")
+
+
+def _product(values: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """int8 `values` times their `scale`, computed in float32, as `dtype`."""
+    return (values.astype(jnp.float32) * scale).astype(dtype)
+
+
 def _dequantized_experts(held: dict, dtype) -> dict:
-    out = {k: v for k, v in held.items() if not k.endswith("_scale")}
+    out = {k: v for k, v in held.items() if not is_scale(k)}
     for name in EXPERT_KERNELS:
         if f"{name}_scale" in held:
-            kernel = held[name].astype(jnp.float32) * held[f"{name}_scale"]
-            out[name] = kernel.astype(dtype)
+            out[name] = _product(held[name], held[f"{name}_scale"], dtype)
     return out
 
 
@@ -174,8 +184,7 @@ def _dequantized(held: dict, dtype=jnp.float32) -> dict:
     if SCALE not in held:
         return held
     rest = {k: v for k, v in held.items() if k != SCALE}
-    kernel = held["kernel"].astype(jnp.float32) * held[SCALE]
-    return {**rest, "kernel": kernel.astype(dtype)}
+    return {**rest, "kernel": _product(held["kernel"], held[SCALE], dtype)}
 
 
 def _unpacked(config: TransformerConfig, lora: L.LoRA | None, held: dict) -> dict:
@@ -191,17 +200,16 @@ def _unpacked(config: TransformerConfig, lora: L.LoRA | None, held: dict) -> dic
     return {**rest, "kernel": kernel}
 
 
-def _map_kernel_dicts(tree, fn, experts_dtype=jnp.float32):
+def _map_kernel_dicts(tree, fn, dtype=jnp.float32):
     """`tree` with `fn` applied to every dict that holds a `kernel`, and a mixture's int8
-    experts and an int8 embedding table as arrays of `experts_dtype`."""
+    experts and an int8 embedding table as arrays of `dtype`."""
     if not isinstance(tree, dict):
         return tree
     if "kernel" in tree:
         return fn(tree)
     if any(f"{name}_scale" in tree for name in EXPERT_KERNELS):
-        return _dequantized_experts(tree, experts_dtype)
+        return _dequantized_experts(tree, dtype)
     if EMBEDDING_SCALE in tree:
-        table = tree["embedding"].astype(jnp.float32) * tree[EMBEDDING_SCALE]
         rest = {k: v for k, v in tree.items() if k != EMBEDDING_SCALE}
-        return {**rest, "embedding": table.astype(experts_dtype)}
-    return {key: _map_kernel_dicts(value, fn, experts_dtype) for key, value in tree.items()}
+        return {**rest, "embedding": _product(tree["embedding"], tree[EMBEDDING_SCALE], dtype)}
+    return {key: _map_kernel_dicts(value, fn, dtype) for key, value in tree.items()}

@@ -52,5 +52,5 @@ def with_precision(config: TransformerConfig, params: Any, dtype: str | None = N
 
 
 def _cast(path, x, dtype: str):
-    scale = getattr(path[-1], "key", None) == int8_base.SCALE if path else False
+    scale = bool(path) and int8_base.is_scale(str(getattr(path[-1], "key", "")))
     return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and not scale else x

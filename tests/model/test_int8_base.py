@@ -183,6 +183,14 @@ def test_int8_experts_are_the_formulas_and_decode_as_the_dequantized_model():
         np.testing.assert_allclose(experts[f"{name}_scale"], scale, rtol=1e-6)
         back = np.asarray(experts[name], np.float64) * scale
         assert np.all(np.abs(back - w) <= scale / 2 * (1 + 1e-5) + 1e-9)
+    # Cast again, an int8 model keeps every scale in float32.
+    _, recast = M.with_precision(int8_config, held, "bfloat16")
+    kinds = {}  # is a scale: the dtypes of such floating-point leaves
+    for path, leaf in jax.tree_util.tree_leaves_with_path(recast):
+        if leaf.dtype != jnp.int8:
+            kinds.setdefault(jax.tree_util.keystr(path).endswith("_scale']"), set()).add(
+                leaf.dtype)
+    assert kinds == {True: {jnp.dtype(jnp.float32)}, False: {jnp.dtype(jnp.bfloat16)}}, kinds
     dequantized = int8_base.dequantize_layers(held)
     prompts = [[5, 6, 7, 8, 9, 10]]
     got = decode.generate(M.build_model(int8_config), held, prompts, max_new_tokens=10)
