@@ -67,9 +67,10 @@ def _quantized(kernel: jax.Array, input_axes: tuple[int, ...]) -> tuple[jax.Arra
 
 
 def quantize_layers(params, float_dtype=None):
-    """`params` with the layers' LoRA-targetable kernels as int8 values and scales (`SCALE`
-    beside each `kernel`), and a mixture's experts' kernels likewise (`EXPERT_KERNELS`);
-    every other floating-point array in `float_dtype` (None: as it is)."""
+    """`params` with the layers' LoRA-targetable kernels (a mixture's shared expert's too) as
+    int8 values and scales (`SCALE` beside each `kernel`), and a mixture's experts' kernels
+    likewise (`EXPERT_KERNELS`); every other floating-point array in `float_dtype` (None: as
+    it is)."""
     cast = (lambda x: x) if float_dtype is None else (
         lambda x: x.astype(float_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x)
     out = jax.tree.map(cast, params)

@@ -65,8 +65,8 @@ def load_pretrained(directory: str | os.PathLike, *, dtype: str | None = None, m
     that, or a LongRoPE model's original length, past which it turns with its long factors).
     `lora`, a PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors)
     trained on this model, is merged into the params (`peft.py`). `kernel_dtype="int8"`
-    quantizes the layers' kernels (`model.with_precision`) before the params leave the host,
-    so the device never holds them in `dtype`.
+    quantizes what `model.with_precision` quantizes (the layers' kernels and the embedding
+    table) a kernel at a time, so the device never holds them in `dtype`.
     Raises `UnsupportedModelError` (a ValueError) for a model or setting kvjax does not
     implement, and ValueError/FileNotFoundError naming a missing or misshapen file or tensor;
     a tokenizer with more ids than the model's vocabulary is refused.
