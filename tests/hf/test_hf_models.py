@@ -59,9 +59,10 @@ def _teacher_forced(config, params, batch):
     return M.teacher_forced_logits(config, params, batch)
 
 
-def teacher_forced(config, params, record):
+def teacher_forced(config, params, record, continued=False):
     """Each prompt's logits [T_i, V] (Marian: of `targets[i]` given source i), from one
-    compiled forward over the padded batch."""
+    compiled forward over the padded batch; `continued`: each decoder-only prompt followed by
+    transformers' greedy tokens but the last, whose logits come after the prompt's."""
     def padded(rows):
         lengths = [len(row) for row in rows]
         tokens = np.zeros((len(rows), max(lengths)), np.int32)
@@ -70,6 +71,9 @@ def teacher_forced(config, params, record):
         return tokens, np.array(lengths, np.int32)
 
     rows = record["targets"] if config.is_encoder_decoder else record["prompts"]
+    if continued and not config.is_encoder_decoder:
+        rows = [prompt + greedy[:-1] for prompt, greedy in zip(rows, record["greedy"],
+                                                              strict=True)]
     inputs, lengths = padded(rows)
     batch = {"inputs": inputs, "lengths": lengths}
     if config.is_encoder_decoder:
@@ -80,6 +84,18 @@ def teacher_forced(config, params, record):
 
 def relative_error(got, want):
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+# Every family's greedy tokens are checked as the argmax of one forward over the prompts and
+# transformers' tokens, which holds the family's layers to transformers' at every position
+# `generate` decodes. `generate` itself (a prefill, then steps through the cache) and
+# beam search (which reorders the cache) run on one family of each kind of cache: learned
+# positions, an encoder's, sliding windows, windows beside full layers with softcapped scores,
+# each layer's own RoPE base beside windows, a layer without positions, a mixture of experts
+# with a shared expert. Cached decoding equals the full forward for every option the families
+# use (tests/model/test_transformer.py and the options' own tests).
+BEAM_FAMILIES = ("gpt2", "marian", "mistral", "gemma2", "qwen2_moe")
+GENERATE_FAMILIES = BEAM_FAMILIES + ("gemma3_text", "smollm3")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -117,22 +133,20 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
             config.logits_scaling) == dict.fromkeys(("granite", "granitemoe"),
                                                     (2.0, 0.5, 0.25, 2.0)).get(
         name, (1.0, 1.0, config.attention_scale, 1.0))
-    for i, got in enumerate(teacher_forced(config, params, record)):
-        assert relative_error(got, logits[f"logits_{i}"]) <= 1e-5
-    # The prompts have different lengths and run as one ragged batch.
-    greedy = decode.generate(M.build_model(config), params, record["prompts"],
-                             **generation_settings(record))
-    assert greedy.token_lists() == record["greedy"]
+    for i, got in enumerate(teacher_forced(config, params, record, continued=True)):
+        prompt_logits = logits[f"logits_{i}"]
+        assert relative_error(got[:len(prompt_logits)], prompt_logits) <= 1e-5
+        if not config.is_encoder_decoder:  # each greedy token is the argmax before it
+            prompt_len = len(record["prompts"][i])
+            assert got[prompt_len - 1:].argmax(-1).tolist() == record["greedy"][i]
+    if name in GENERATE_FAMILIES:  # the prompts run as one ragged batch
+        greedy = decode.generate(M.build_model(config), params, record["prompts"],
+                                 **generation_settings(record))
+        assert greedy.token_lists() == record["greedy"]
 
 
 def generation_settings(record):
     return dict(max_new_tokens=record["max_new_tokens"], eos_ids=(record["eos_id"],))
-
-
-# Beam search reorders a cache that greedy decoding above already steps through for every
-# family; it runs on one family of each kind of cache: learned positions, an encoder's,
-# sliding windows, windows beside full layers with softcapped scores, a mixture of experts.
-BEAM_FAMILIES = ("gpt2", "marian", "mistral", "gemma2", "qwen2_moe")
 
 
 @pytest.mark.parametrize("name", BEAM_FAMILIES)
