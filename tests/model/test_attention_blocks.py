@@ -161,8 +161,11 @@ def padded_source(config, batch):
     return random_tokens(5, (batch, 8), config.vocab_size), jnp.array([8, 3], jnp.int32)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("variant", VARIANTS)
+# Both layouts of the LM, and the encoder-decoder's cross-attention by blocks scanned here
+# and unrolled in the beam search below.
+@pytest.mark.parametrize("variant, layout", [("decoder_only", "scanned"),
+                                             ("decoder_only", "unrolled"),
+                                             ("encoder_decoder", "scanned")])
 def test_blocked_decode_steps_equal_the_full_forward(variant, layout):
     config, params = small_blocks(variant, layout)
     tokens = random_tokens(1, (2, 11), config.vocab_size)
@@ -178,8 +181,10 @@ def test_blocked_decode_steps_equal_the_full_forward(variant, layout):
             assert relative_error(logits[row, 0], np.asarray(full[row, position])) <= 1e-5
 
 
-@pytest.mark.parametrize("cache_dtype", [None, "int8"])
-@pytest.mark.parametrize("variant", VARIANTS)
+# The encoder-decoder's int8 cache holds its self- and cross-attention K/V in int8 with
+# their scales: both reads of both kinds of cache, each way.
+@pytest.mark.parametrize("variant, cache_dtype", [("decoder_only", None),
+                                                  ("encoder_decoder", "int8")])
 def test_decode_steps_reading_in_one_pass_equal_reading_by_blocks(variant, cache_dtype,
                                                                   monkeypatch):
     # What an accelerator runs, on this backend: every layer's cache read in one pass.

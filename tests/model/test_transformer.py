@@ -9,7 +9,9 @@ from conftest import random_tokens, run_cached, run_full, source_for, start_cach
 from kvjax import model as M
 
 # Every positional encoding, norm placement and type, activation, MHA/GQA/MQA and the options
-# imported models need appears at least once, each in both variants.
+# imported models need appears at least once in the LM. The encoder-decoder, whose layers are
+# the LM's with cross-attention added, runs the sets that give its cross-attention cache each
+# positional encoding, norm placement, MHA/GQA/MQA, a head size of its own and both layouts.
 OPTIONS = [
     dict(),
     dict(positional_encoding="learned", norm="pre", activation="gelu"),
@@ -26,6 +28,13 @@ OPTIONS = [
          unrotated_layers=(1,)),
 ]
 VARIANTS = {"decoder_only": 0, "encoder_decoder": 2}
+ENCODER_DECODER_OPTIONS = (0, 2, 4, 5, 6)  # of OPTIONS
+CACHED_EQUALS_FULL = [
+    pytest.param(options, variant,
+                 id="-".join([*map(str, options.values()), variant]) if options else
+                 f"paper-{variant}")
+    for i, options in enumerate(OPTIONS) for variant in VARIANTS
+    if variant == "decoder_only" or i in ENCODER_DECODER_OPTIONS]
 
 
 def make(options, encoder_layers, **extra):
@@ -43,9 +52,7 @@ def prefill_then_steps(config, params, tokens, prompt_len, capacity, source, sou
     return jnp.concatenate(pieces, axis=1), cache
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("options", OPTIONS,
-                         ids=lambda o: "-".join(map(str, o.values())) or "paper")
+@pytest.mark.parametrize("options, variant", CACHED_EQUALS_FULL)
 def test_cached_decoding_equals_full_forward(options, variant):
     config, params = make(options, VARIANTS[variant])
     tokens = random_tokens(1, (2, 12), config.vocab_size)
@@ -104,8 +111,10 @@ def test_changing_a_token_changes_no_earlier_logit(variant):
         assert float(jnp.abs(after[:, t:] - before[:, t:]).max()) > 1e-4
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("options", [OPTIONS[0], OPTIONS[3]], ids=["paper", "rope-mqa"])
+@pytest.mark.parametrize("options, variant", [
+    pytest.param(OPTIONS[0], "decoder_only", id="paper-decoder_only"),
+    pytest.param(OPTIONS[0], "encoder_decoder", id="paper-encoder_decoder"),
+    pytest.param(OPTIONS[3], "decoder_only", id="rope-mqa-decoder_only")])
 def test_each_padded_row_equals_that_row_alone(options, variant):
     config, params = make(options, VARIANTS[variant])
     lengths = jnp.array([9, 4, 6], jnp.int32)
