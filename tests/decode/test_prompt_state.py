@@ -45,9 +45,9 @@ def test_chat_turns_append_to_one_cache(tiny):
     stops early at an eos id, so its cache must be cut back to what it really holds."""
     config, net, params = tiny
     prompts = [[40, 41], PROMPTS[1]]  # rows that this random model continues differently
-    first = decode.generate(net, params, prompts, max_new_tokens=6)
-    eos = next(int(t) for t in first.tokens[0, :3] if t not in first.tokens[1])
     state = decode.prefill(net, params, prompts, capacity=64)
+    first = decode.generate(net, params, state=state, max_new_tokens=6)
+    eos = next(int(t) for t in first.tokens[0, :3] if t not in first.tokens[1])
     turn1 = decode.generate(net, params, state=state, max_new_tokens=6, eos_ids=(eos,),
                             return_state=True)
     assert turn1.lengths[0] <= 3 and turn1.lengths[1] == 6
