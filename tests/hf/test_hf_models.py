@@ -86,6 +86,17 @@ def relative_error(got, want):
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
+def check_logits_and_greedy_tokens(config, params, record, logits):
+    """Each prompt's logits within 1e-5 of `logits` (relative), and for a decoder-only model
+    each of `record`'s greedy tokens the argmax of the logits before it."""
+    for i, got in enumerate(teacher_forced(config, params, record, continued=True)):
+        prompt_logits = logits[f"logits_{i}"]
+        assert relative_error(got[:len(prompt_logits)], prompt_logits) <= 1e-5
+        if not config.is_encoder_decoder:
+            prompt_len = len(record["prompts"][i])
+            assert got[prompt_len - 1:].argmax(-1).tolist() == record["greedy"][i]
+
+
 # Every family's greedy tokens are checked as the argmax of one forward over the prompts and
 # transformers' tokens, which holds the family's layers to transformers' at every position
 # `generate` decodes. `generate` itself (a prefill, then steps through the cache) and
@@ -133,12 +144,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
             config.logits_scaling) == dict.fromkeys(("granite", "granitemoe"),
                                                     (2.0, 0.5, 0.25, 2.0)).get(
         name, (1.0, 1.0, config.attention_scale, 1.0))
-    for i, got in enumerate(teacher_forced(config, params, record, continued=True)):
-        prompt_logits = logits[f"logits_{i}"]
-        assert relative_error(got[:len(prompt_logits)], prompt_logits) <= 1e-5
-        if not config.is_encoder_decoder:  # each greedy token is the argmax before it
-            prompt_len = len(record["prompts"][i])
-            assert got[prompt_len - 1:].argmax(-1).tolist() == record["greedy"][i]
+    check_logits_and_greedy_tokens(config, params, record, logits)
     if name in GENERATE_FAMILIES:  # the prompts run as one ragged batch
         greedy = decode.generate(M.build_model(config), params, record["prompts"],
                                  **generation_settings(record))
