@@ -43,8 +43,9 @@ def _assert_same(a: decode.GenerateOutput, b: decode.GenerateOutput):
     np.testing.assert_array_equal(a.logprobs, b.logprobs)
 
 
-def test_generate_gives_the_same_output_with_either_plan(tiny):
-    _, net, params = tiny
+def test_generate_gives_the_same_output_with_either_plan(tiny_lm):
+    # A plan decides which parts of the loop's step run: the same for both variants.
+    _, net, params = tiny_lm
 
     def run(**kwargs):  # 10 tokens: not a multiple of the 3 steps per check
         return decode.generate(net, params, PROMPTS, max_new_tokens=10, rng=jax.random.key(3),

@@ -66,8 +66,9 @@ def test_chat_turns_append_to_one_cache(tiny):
     np.testing.assert_array_equal(turn2.tokens, expected.tokens)
 
 
-def test_continuing_without_new_tokens_equals_one_longer_generation(tiny):
-    _, net, params = tiny
+def test_continuing_without_new_tokens_equals_one_longer_generation(tiny_lm):
+    # The encoder-decoder continues a returned state in the chat test above.
+    _, net, params = tiny_lm
     whole = decode.generate(net, params, PROMPTS, max_new_tokens=9)
     part = decode.generate(net, params, PROMPTS, max_new_tokens=4, return_state=True)
     rest = decode.generate(net, params, state=part.state, max_new_tokens=5)
