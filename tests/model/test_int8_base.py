@@ -88,6 +88,16 @@ def test_layers_unpacking_their_own_kernels_equal_the_merged_model(encoder_layer
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * np.abs(w).max())
 
 
+def assert_same_logits(got, want):
+    """Bit for bit on the CPU. A GPU compiler may fuse a layer's dequantization into its
+    matrix product and accumulate in another order: there, within a few roundings."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-2 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("encoder_layers, scan_layers, tied", [(0, False, False), (1, True, True)],
                          ids=["decoder-only, unrolled, untied", "encoder-decoder, scanned, tied"])
 def test_an_int8_kernel_model_computes_as_the_float_model_of_its_dequantized_kernels(
@@ -115,8 +125,9 @@ def test_an_int8_kernel_model_computes_as_the_float_model_of_its_dequantized_ker
     batch = {"inputs": tokens, "lengths": jnp.array([5, 3]), "source": tokens[:, :4],
              "source_lengths": jnp.array([4, 2])}
     logits = M.teacher_forced_logits(int8_config, held, batch)
-    np.testing.assert_array_equal(  # the same float32 kernels, made inside each layer
-        logits, M.teacher_forced_logits(config, int8_base.dequantize_layers(held), batch))
+    # The same float32 kernels, made inside each layer.
+    assert_same_logits(logits, M.teacher_forced_logits(config, int8_base.dequantize_layers(held),
+                                                        batch))
     # Within the quantisation error of the float model itself.
     exact = M.teacher_forced_logits(config, params, batch)
     assert np.abs(logits - exact).max() <= 0.05 * np.abs(exact).max()
@@ -141,8 +152,8 @@ def test_int8_kernels_in_bfloat16_compute_as_the_dequantized_bfloat16_model():
     dequantized = M.with_precision(config, int8_base.dequantize_layers(held), "bfloat16")
     batch = {"inputs": jnp.array([[5, 6, 7, 8, 9, 10, 11], [12, 13, 0, 0, 0, 0, 0]]),
              "lengths": jnp.array([7, 2])}
-    np.testing.assert_array_equal(M.teacher_forced_logits(int8_config, held, batch),
-                                  M.teacher_forced_logits(*dequantized, batch))
+    assert_same_logits(M.teacher_forced_logits(int8_config, held, batch),
+                       M.teacher_forced_logits(*dequantized, batch))
 
 
 def test_kernel_dtype_is_saved_only_when_set_and_checked():
