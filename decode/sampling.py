@@ -23,7 +23,8 @@ class SamplingParams:
     """Per-row settings, each [B] (a scalar is broadcast to every row).
 
     temperature: 0 means greedy (argmax); otherwise logits are divided by it.
-    top_k: keep the k most likely tokens (0 = no limit; 1 = greedy).
+    top_k: keep the k most likely tokens, and any tied with the k-th (0 = no limit;
+           1 = greedy).
     top_p: keep the smallest set of most likely tokens whose probability reaches p: the token
            whose cumulative probability crosses p is kept, and so is the argmax (1 = no limit).
     min_p: keep the tokens whose probability is at least min_p times the most likely
@@ -67,16 +68,32 @@ class SamplingParams:
 
 
 def filter_logits(logits_BV: jax.Array, params: SamplingParams) -> jax.Array:
-    """Temperature-scaled logits with the tokens outside top-k, top-p and min-p set to -inf."""
-    batch, vocab = logits_BV.shape
+    """Temperature-scaled logits with the tokens outside top-k, top-p and min-p set to -inf.
+
+    Top-k keeps the tokens at or above the k-th largest value (ties kept, as transformers'
+    warper keeps them); top-p then keeps, of those, the most likely tokens while the mass
+    before them is below p (the token that crosses p is kept, and so is the argmax); min-p
+    keeps the tokens with at least min_p times the largest probability. On a CPU the
+    thresholds are found by a search over the values (`_threshold_by_search`): a sort of a
+    large vocabulary takes XLA:CPU some ten times as long. Elsewhere they are read off the
+    sorted logits (`_threshold_by_sort`). Both keep the same tokens."""
+    batch, _ = logits_BV.shape
     params = params.rows(batch)
     logits_BV = logits_BV.astype(jnp.float32) / jnp.maximum(params.temperature, 1e-6)[:, None]
+    threshold_B = jax.lax.platform_dependent(logits_BV, params, cpu=_threshold_by_search,
+                                             default=_threshold_by_sort)
+    return jnp.where(logits_BV >= threshold_B[:, None], logits_BV, -jnp.inf)
+
+
+def _threshold_by_sort(logits_BV: jax.Array, params: SamplingParams) -> jax.Array:
+    """The smallest value each row keeps [B], from its logits sorted."""
+    vocab = logits_BV.shape[1]
     sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
     k_B = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab)
-    in_top_k_BV = jnp.arange(vocab)[None] < k_B[:, None]
     kth_largest_B = jnp.take_along_axis(sorted_BV, k_B[:, None] - 1, axis=-1)[:, 0]
     # Nucleus over the top-k survivors: keep a sorted token while the probability mass
     # before it is still below p, so the token that crosses p is kept and the first always is.
+    in_top_k_BV = sorted_BV >= kth_largest_B[:, None]
     sorted_BV = jnp.where(in_top_k_BV, sorted_BV, -jnp.inf)
     probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
     mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
@@ -84,10 +101,63 @@ def filter_logits(logits_BV: jax.Array, params: SamplingParams) -> jax.Array:
     keep_BV = ((mass_before_BV < params.top_p[:, None]) | (params.top_p[:, None] >= 1)
                ) & in_top_k_BV
     smallest_kept_B = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1)
-    # min-p: p / p_max >= min_p  <=>  logit >= max logit + log(min_p); log(0) = -inf keeps all.
-    min_p_floor_B = sorted_BV[:, 0] + jnp.log(params.min_p)
-    threshold_B = jnp.maximum(jnp.maximum(kth_largest_B, smallest_kept_B), min_p_floor_B)
-    return jnp.where(logits_BV >= threshold_B[:, None], logits_BV, -jnp.inf)
+    return jnp.maximum(jnp.maximum(kth_largest_B, smallest_kept_B),
+                       _min_p_floor(sorted_BV[:, 0], params))
+
+
+def _threshold_by_search(logits_BV: jax.Array, params: SamplingParams) -> jax.Array:
+    """The smallest value each row keeps [B], each threshold found by bisection over the
+    float32 values in order (32 halvings of the 2**32 bit patterns, each a pass over the
+    row): the k-th largest value is the largest t with at least k values >= t; the token
+    that crosses p is the largest t whose values >= t hold at least p of the top-k mass."""
+    vocab = logits_BV.shape[1]
+    keys_BV = _ordered_keys(logits_BV)
+    k_B = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab)
+    kth_key_B = _largest_key_where(
+        lambda t_B: jnp.sum(keys_BV >= t_B[:, None], axis=-1) >= k_B, logits_BV.shape[0])
+    in_top_k_BV = keys_BV >= kth_key_B[:, None]
+    probs_BV = jax.nn.softmax(jnp.where(in_top_k_BV, logits_BV, -jnp.inf), axis=-1)
+    crossing_key_B = _largest_key_where(
+        lambda t_B: jnp.sum(jnp.where(keys_BV >= t_B[:, None], probs_BV, 0), axis=-1)
+        >= params.top_p, logits_BV.shape[0])
+    crossing_key_B = jnp.where(params.top_p >= 1, _NEG_INF_KEY, crossing_key_B)
+    return jnp.maximum(jnp.maximum(_value_of_key(kth_key_B), _value_of_key(crossing_key_B)),
+                       _min_p_floor(jnp.max(logits_BV, axis=-1), params))
+
+
+def _min_p_floor(largest_B: jax.Array, params: SamplingParams) -> jax.Array:
+    # p / p_max >= min_p  <=>  logit >= max logit + log(min_p); log(0) = -inf keeps all.
+    return largest_B + jnp.log(params.min_p)
+
+
+# float32 bit patterns as uint32 keys in the order of their values: -inf is the lowest
+# (below it lie only NaNs), +inf the highest.
+_NEG_INF_KEY = np.uint32(0x007FFFFF)
+_SIGN = np.uint32(0x80000000)
+
+
+def _ordered_keys(x: jax.Array) -> jax.Array:
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >= _SIGN, ~bits, bits | _SIGN)
+
+
+def _value_of_key(key: jax.Array) -> jax.Array:
+    bits = jnp.where(key >= _SIGN, key & ~_SIGN, ~key)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _largest_key_where(holds, batch: int) -> jax.Array:
+    """Per row, the largest key t >= key(-inf) with `holds(t)` [B] true, for a condition
+    that holds at key(-inf) and, once false, stays false for every larger key."""
+    def halve(_, bounds):
+        low, high = bounds
+        middle = low + ((high - low) >> 1) + (low < high).astype(jnp.uint32)
+        held = holds(middle)
+        return jnp.where(held, middle, low), jnp.where(held, high, middle - 1)
+
+    low = jnp.full((batch,), _NEG_INF_KEY, jnp.uint32)
+    high = jnp.full((batch,), np.uint32(0xFFFFFFFF), jnp.uint32)
+    return jax.lax.fori_loop(0, 32, halve, (low, high))[0]
 
 
 def sample(logits_BV: jax.Array, keys_B: jax.Array, params: SamplingParams,

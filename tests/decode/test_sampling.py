@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvjax.decode import sampling
 from kvjax.decode.sampling import (
     SamplingParams,
     as_keys,
@@ -80,6 +81,50 @@ def test_filter_keeps_exactly_the_reference_support():
         np.testing.assert_array_equal(np.isfinite(filtered[0]), expected > 0)
         probs = jax.nn.softmax(filtered[0])
         np.testing.assert_allclose(probs, expected, atol=1e-6)
+
+
+def kept_by_value(row, top_k, top_p, min_p):
+    """NumPy, in float64: which tokens of `row` the filters keep, ties at a threshold kept."""
+    row = row.astype(np.float64)
+    ranked = np.sort(row)[::-1]
+    kth = ranked[min(top_k, len(row)) - 1] if top_k > 0 else -np.inf
+    survivors = ranked[ranked >= kth]
+    probs = np.exp(survivors - survivors[0])
+    probs /= probs.sum()
+    mass_before = np.cumsum(probs) - probs
+    smallest = survivors[mass_before < top_p].min() if top_p < 1 else -np.inf
+    with np.errstate(divide="ignore"):
+        floor = row.max() + np.log(min_p)
+    return row >= max(kth, smallest, floor)
+
+
+@pytest.mark.parametrize("threshold", [sampling._threshold_by_sort,
+                                       sampling._threshold_by_search], ids=["sort", "search"])
+def test_both_ways_of_finding_thresholds_keep_the_reference_tokens(threshold):
+    """`filter_logits` searches on a CPU and sorts elsewhere: each keeps what the formula
+    keeps, on rows with banned tokens and, rounded to bfloat16, with many ties."""
+    logits = random_rows(rows=300, vocab=257, seed=3)
+    logits[::7, :5] = -np.inf
+    logits[1::2] = logits[1::2].astype(jnp.bfloat16).astype(np.float32)
+    rng = np.random.default_rng(4)
+    top_k = rng.choice([0, 0, 1, 5, 40, 300], 300)
+    top_p = rng.choice([1.0, 1.0, 0.5, 0.9, 0.05], 300)
+    min_p = rng.choice([0.0, 0.0, 0.05, 0.3], 300)
+    params = SamplingParams.make(temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p,
+                                 batch=300)
+    found = np.asarray(jax.jit(threshold)(jnp.asarray(logits), params))
+    for row in range(300):
+        np.testing.assert_array_equal(
+            logits[row] >= found[row],
+            kept_by_value(logits[row], top_k[row], top_p[row], min_p[row]),
+            err_msg=f"row {row}: top_k {top_k[row]}, top_p {top_p[row]}, min_p {min_p[row]}")
+
+
+def test_filter_logits_searches_on_a_cpu():
+    """What `filter_logits` lowers to on this machine: no sort on a CPU."""
+    text = jax.jit(filter_logits).lower(jnp.zeros((2, 64)), SamplingParams.make(
+        temperature=1.0, batch=2)).as_text()
+    assert ("sort" in text) == (jax.default_backend() != "cpu")
 
 
 @pytest.mark.parametrize("settings", [dict(temperature=0.0), dict(temperature=2.0, top_k=1)])
