@@ -73,10 +73,10 @@ def filter_logits(logits_BV: jax.Array, params: SamplingParams) -> jax.Array:
     Top-k keeps the tokens at or above the k-th largest value (ties kept, as transformers'
     warper keeps them); top-p then keeps, of those, the most likely tokens while the mass
     before them is below p (the token that crosses p is kept, and so is the argmax); min-p
-    keeps the tokens with at least min_p times the largest probability. On a CPU the
-    thresholds are found by a search over the values (`_threshold_by_search`): a sort of a
-    large vocabulary takes XLA:CPU some ten times as long. Elsewhere they are read off the
-    sorted logits (`_threshold_by_sort`). Both keep the same tokens."""
+    keeps the tokens with at least min_p times the largest probability. On a CPU, where XLA
+    sorts a large vocabulary far more slowly than it scans it a few dozen times, the
+    thresholds are found by a search over the values (`_threshold_by_search`); elsewhere they
+    are read off the sorted logits (`_threshold_by_sort`). Both keep the same tokens."""
     batch, _ = logits_BV.shape
     params = params.rows(batch)
     logits_BV = logits_BV.astype(jnp.float32) / jnp.maximum(params.temperature, 1e-6)[:, None]
