@@ -87,9 +87,8 @@ def filter_logits(logits_BV: jax.Array, params: SamplingParams) -> jax.Array:
 
 def _threshold_by_sort(logits_BV: jax.Array, params: SamplingParams) -> jax.Array:
     """The smallest value each row keeps [B], from its logits sorted."""
-    vocab = logits_BV.shape[1]
     sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
-    k_B = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab)
+    k_B = _top_k_count(params, logits_BV.shape[1])
     kth_largest_B = jnp.take_along_axis(sorted_BV, k_B[:, None] - 1, axis=-1)[:, 0]
     # Nucleus over the top-k survivors: keep a sorted token while the probability mass
     # before it is still below p, so the token that crosses p is kept and the first always is.
@@ -110,9 +109,8 @@ def _threshold_by_search(logits_BV: jax.Array, params: SamplingParams) -> jax.Ar
     float32 values in order (32 halvings of the 2**32 bit patterns, each a pass over the
     row): the k-th largest value is the largest t with at least k values >= t; the token
     that crosses p is the largest t whose values >= t hold at least p of the top-k mass."""
-    vocab = logits_BV.shape[1]
     keys_BV = _ordered_keys(logits_BV)
-    k_B = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab)
+    k_B = _top_k_count(params, logits_BV.shape[1])
     kth_key_B = _largest_key_where(
         lambda t_B: jnp.sum(keys_BV >= t_B[:, None], axis=-1) >= k_B, logits_BV.shape[0])
     in_top_k_BV = keys_BV >= kth_key_B[:, None]
@@ -123,6 +121,11 @@ def _threshold_by_search(logits_BV: jax.Array, params: SamplingParams) -> jax.Ar
     crossing_key_B = jnp.where(params.top_p >= 1, _NEG_INF_KEY, crossing_key_B)
     return jnp.maximum(jnp.maximum(_value_of_key(kth_key_B), _value_of_key(crossing_key_B)),
                        _min_p_floor(jnp.max(logits_BV, axis=-1), params))
+
+
+def _top_k_count(params: SamplingParams, vocab: int) -> jax.Array:
+    """k per row [B], the whole vocabulary where top-k is off (0) or larger."""
+    return jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab)
 
 
 def _min_p_floor(largest_B: jax.Array, params: SamplingParams) -> jax.Array:
