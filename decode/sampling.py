@@ -108,19 +108,27 @@ def _threshold_by_search(logits_BV: jax.Array, params: SamplingParams) -> jax.Ar
     """The smallest value each row keeps [B], each threshold found by bisection over the
     float32 values in order (32 halvings of the 2**32 bit patterns, each a pass over the
     row): the k-th largest value is the largest t with at least k values >= t; the token
-    that crosses p is the largest t whose values >= t hold at least p of the top-k mass."""
-    keys_BV = _ordered_keys(logits_BV)
+    that crosses p is the largest t whose values >= t hold at least p of the top-k mass.
+    Where no row limits top-k or top-p (a temperature alone, the API's default), the
+    searches are skipped: a CPU waits for no host to take the branch."""
     k_B = _top_k_count(params, logits_BV.shape[1])
-    kth_key_B = _largest_key_where(
-        lambda t_B: jnp.sum(keys_BV >= t_B[:, None], axis=-1) >= k_B, logits_BV.shape[0])
-    in_top_k_BV = keys_BV >= kth_key_B[:, None]
-    probs_BV = jax.nn.softmax(jnp.where(in_top_k_BV, logits_BV, -jnp.inf), axis=-1)
-    crossing_key_B = _largest_key_where(
-        lambda t_B: jnp.sum(jnp.where(keys_BV >= t_B[:, None], probs_BV, 0), axis=-1)
-        >= params.top_p, logits_BV.shape[0])
-    crossing_key_B = jnp.where(params.top_p >= 1, _NEG_INF_KEY, crossing_key_B)
-    return jnp.maximum(jnp.maximum(_value_of_key(kth_key_B), _value_of_key(crossing_key_B)),
-                       _min_p_floor(jnp.max(logits_BV, axis=-1), params))
+    min_p_floor_B = _min_p_floor(jnp.max(logits_BV, axis=-1), params)
+
+    def searched():
+        keys_BV = _ordered_keys(logits_BV)
+        kth_key_B = _largest_key_where(
+            lambda t_B: jnp.sum(keys_BV >= t_B[:, None], axis=-1) >= k_B, logits_BV.shape[0])
+        in_top_k_BV = keys_BV >= kth_key_B[:, None]
+        probs_BV = jax.nn.softmax(jnp.where(in_top_k_BV, logits_BV, -jnp.inf), axis=-1)
+        crossing_key_B = _largest_key_where(
+            lambda t_B: jnp.sum(jnp.where(keys_BV >= t_B[:, None], probs_BV, 0), axis=-1)
+            >= params.top_p, logits_BV.shape[0])
+        crossing_key_B = jnp.where(params.top_p >= 1, _NEG_INF_KEY, crossing_key_B)
+        return jnp.maximum(jnp.maximum(_value_of_key(kth_key_B), _value_of_key(crossing_key_B)),
+                           min_p_floor_B)
+
+    limited = jnp.any(k_B < logits_BV.shape[1]) | jnp.any(params.top_p < 1)
+    return jax.lax.cond(limited, searched, lambda: min_p_floor_B)
 
 
 def _top_k_count(params: SamplingParams, vocab: int) -> jax.Array:
