@@ -12,6 +12,7 @@ import pytest
 
 from kvjax import checkpoint, cli, decode, text
 from kvjax import model as M
+from kvjax.decode.buckets import padded_to_bucket
 from kvjax.tokenizer import EOS_ID
 from kvjax.train import data, tasks
 from kvjax.train.update import validation_loss
@@ -54,9 +55,7 @@ def test_scanned_checkpoints_load_in_the_default_layout_as_the_same_model(lm, nu
         as_saved = text.load(loaded.directory, scan_layers=True)
         assert as_saved.config == loaded.config.replace(scan_layers=True)
         rows = [text.prompt_tokens(loaded, prompt) for prompt in prompts]
-        tokens = np.zeros((len(rows), max(map(len, rows))), np.int32)
-        for i, row in enumerate(rows):
-            tokens[i, :len(row)] = row
+        tokens = padded_to_bucket(rows, loaded.config.max_len)
         lengths = np.array([len(row) for row in rows], np.int32)
         batch = {"inputs": tokens, "lengths": lengths, "source": tokens,
                  "source_lengths": lengths}
