@@ -125,7 +125,8 @@ def record(state: DecodeState, logits_BV: jax.Array, stops: StopConditions,
     """Samples the next token of every running row and decides which rows stop. With
     `active` (a traced bool) False, nothing changes but slots past what is recorded."""
     token_B, logprob_B, _ = choose(
-        logits_BV, ProcessorState(state.context, state.context_lengths, state.step, sampling),
+        logits_BV, ProcessorState(state.context, state.context_lengths, state.step, sampling,
+                                  state.lengths),
         state.keys, state.step, processors, plan, state.constraints)
     running_B = ~state.done if active is None else ~state.done & active
     after, token_B, _ = take(state, token_B, running_B, stops.eos_ids[None, :],

@@ -1,12 +1,12 @@
 """Logit processors: traced functions `(logits [B, V], state) -> logits [B, V]` that change the
 next-token logits before sampling, without forking the decode loop.
 
-The loop applies the built-in ones (repetition penalty, no-repeat n-gram; settings in
-`SamplingParams`, off by default) and then the caller's, in order. A processor is a static
-argument of the compiled programs: pass the same object (or an equal frozen dataclass, such
-as `LogitBias`) to reuse a compilation; every setting that should vary per call belongs in a
-traced value. Processors change what is sampled; the logprobs the loop reports stay those
-of the model. Shapes: B batch, C context buffer, V vocab.
+The loop applies the built-in ones (repetition, presence and frequency penalties, no-repeat
+n-gram; settings in `SamplingParams`, off by default) and then the caller's, in order. A
+processor is a static argument of the compiled programs: pass the same object (or an equal
+frozen dataclass, such as `LogitBias`) to reuse a compilation; every setting that should vary
+per call belongs in a traced value. Processors change what is sampled; the logprobs the loop
+reports stay those of the model. Shapes: B batch, C context buffer, V vocab.
 """
 
 from __future__ import annotations
@@ -32,12 +32,15 @@ class ProcessorState:
     context_lengths: [B] int32 valid tokens of each row's context.
     step:            scalar int32, tokens generated so far in this call.
     settings:        the per-row `SamplingParams`.
+    output_lengths:  [B] int32 how many of each row's context tokens, the last ones, it has
+                     output so far (in this call of `generate`, in this request of the server).
     """
 
     context: jax.Array
     context_lengths: jax.Array
     step: jax.Array
     settings: SamplingParams
+    output_lengths: jax.Array
 
     def scatter_to_vocab(self, values_BC: jax.Array, vocab: int) -> jax.Array:
         """[B, V] bool: token v of row b is True iff some valid context slot holding v is."""
@@ -45,6 +48,15 @@ class ProcessorState:
         valid_BC = jnp.arange(self.context.shape[1])[None] < self.context_lengths[:, None]
         return jnp.zeros((self.context.shape[0], vocab), bool).at[rows_B1, self.context].max(
             values_BC & valid_BC, mode="drop")
+
+    def output_counts(self, vocab: int) -> jax.Array:
+        """[B, V] int32: how many times each row has output each token."""
+        slots_C = jnp.arange(self.context.shape[1])[None]
+        output_BC = ((slots_C < self.context_lengths[:, None])
+                     & (slots_C >= (self.context_lengths - self.output_lengths)[:, None]))
+        rows_B1 = jnp.arange(self.context.shape[0])[:, None]
+        return jnp.zeros((self.context.shape[0], vocab), jnp.int32).at[
+            rows_B1, self.context].add(output_BC.astype(jnp.int32), mode="drop")
 
 
 LogitProcessor = Callable[[jax.Array, ProcessorState], jax.Array]
@@ -60,8 +72,20 @@ def penalise_repetition(logits_BV: jax.Array, state: ProcessorState) -> jax.Arra
     return jnp.where(seen_BV, penalised_BV, logits_BV)
 
 
+def penalise_output(logits_BV: jax.Array, state: ProcessorState) -> jax.Array:
+    """OpenAI's presence and frequency penalties (as vLLM applies them): the logit of a token
+    the row has output c times so far loses frequency_penalty · c, and presence_penalty once
+    if c > 0. The prompt's tokens are not counted. A row whose two penalties are 0 keeps its
+    logits exactly."""
+    counts_BV = state.output_counts(logits_BV.shape[1])
+    settings = state.settings
+    return (logits_BV - settings.frequency_penalty[:, None] * counts_BV
+            - settings.presence_penalty[:, None] * (counts_BV > 0))
+
+
 def _penalty_on(settings: SamplingParams) -> jax.Array:
-    return jnp.any(settings.repetition_penalty != 1)
+    return jnp.any((settings.repetition_penalty != 1) | (settings.presence_penalty != 0)
+                   | (settings.frequency_penalty != 0))
 
 
 def ban_repeated_ngrams(logits_BV: jax.Array, state: ProcessorState, bound=None) -> jax.Array:
@@ -106,13 +130,14 @@ def apply_processors(logits_BV: jax.Array, state: ProcessorState,
         # Off by default: then one cond skips both at every decode step. Each leaves the rows
         # it is off for as they are, so when only one is on the other changes nothing.
         def built_in(logits_BV):
-            return ban_repeated_ngrams(penalise_repetition(logits_BV, state), state)
+            penalised_BV = penalise_output(penalise_repetition(logits_BV, state), state)
+            return ban_repeated_ngrams(penalised_BV, state)
 
         any_on = _penalty_on(state.settings) | _no_repeat_ngram_on(state.settings)
         logits_BV = jax.lax.cond(any_on, built_in, lambda x: x, logits_BV)
     else:  # decided on the host
         if plan.penalty:
-            logits_BV = penalise_repetition(logits_BV, state)
+            logits_BV = penalise_output(penalise_repetition(logits_BV, state), state)
         if plan.ngram_bound:
             logits_BV = ban_repeated_ngrams(logits_BV, state, plan.ngram_bound)
     for processor in processors:

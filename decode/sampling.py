@@ -31,6 +31,10 @@ class SamplingParams:
            token's (after temperature; 0 = no limit).
     repetition_penalty: for tokens already in the row's context (prompt and output), positive
            logits are divided by it and negative ones multiplied (1 = off). See processors.py.
+    presence_penalty: subtracted from the logit of every token the row has output so far
+           (0 = off). See processors.py.
+    frequency_penalty: times the number of times the row has output a token, subtracted from
+           its logit (0 = off). See processors.py.
     no_repeat_ngram_size: n > 0 bans every token that would repeat an n-gram of the row's
            context (0 = off). See processors.py.
     """
@@ -41,10 +45,13 @@ class SamplingParams:
     min_p: jax.Array
     repetition_penalty: jax.Array
     no_repeat_ngram_size: jax.Array
+    presence_penalty: jax.Array
+    frequency_penalty: jax.Array
 
     @classmethod
     def make(cls, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
-             no_repeat_ngram_size=0, batch: int | None = None) -> SamplingParams:
+             no_repeat_ngram_size=0, presence_penalty=0.0, frequency_penalty=0.0,
+             batch: int | None = None) -> SamplingParams:
         """Scalars or [B] arrays; with `batch`, every field is broadcast to [batch], so that
         scalar and per-row settings share one compiled program."""
 
@@ -55,7 +62,8 @@ class SamplingParams:
         return cls(field(temperature, jnp.float32), field(top_k, jnp.int32),
                    field(top_p, jnp.float32), field(min_p, jnp.float32),
                    field(repetition_penalty, jnp.float32),
-                   field(no_repeat_ngram_size, jnp.int32))
+                   field(no_repeat_ngram_size, jnp.int32),
+                   field(presence_penalty, jnp.float32), field(frequency_penalty, jnp.float32))
 
     def rows(self, batch: int) -> SamplingParams:
         """Every field as a [batch] array."""

@@ -32,6 +32,12 @@ class Sampling:
         and negative ones multiplied by it (1 = off).
     no_repeat_ngram_size: n > 0 bans every token that would repeat an n-gram of the row's
         context (0 = off).
+    presence_penalty: subtracted from the logit of every token the row has output (0 = off;
+        negative values favour them), as OpenAI's API and vLLM define it.
+    frequency_penalty: times how often the row has output a token, subtracted from its logit
+        (0 = off).
+    The last two count the tokens this call outputs, not the prompt's, as OpenAI's API and
+    vLLM do; the repetition penalty and the n-gram ban read the whole context.
     See `sampling.SamplingParams`, the traced [B] form a compiled program takes.
     """
 
@@ -41,6 +47,8 @@ class Sampling:
     min_p: Setting = 0.0
     repetition_penalty: Setting = 1.0
     no_repeat_ngram_size: Setting = 0
+    presence_penalty: Setting = 0.0
+    frequency_penalty: Setting = 0.0
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -78,6 +86,8 @@ RULES: dict[str, tuple[bool, Callable[[float], bool], str]] = {
     "min_p": (False, lambda v: 0 <= v <= 1, "in [0, 1]"),
     "repetition_penalty": (False, lambda v: v > 0, "> 0 (1 means off)"),
     "no_repeat_ngram_size": (True, lambda v: v >= 0, ">= 0 (0 means off)"),
+    "presence_penalty": (False, lambda v: -2 <= v <= 2, "in [-2, 2] (0 means off)"),
+    "frequency_penalty": (False, lambda v: -2 <= v <= 2, "in [-2, 2] (0 means off)"),
 }
 
 

@@ -4,11 +4,12 @@
 naming the field) and builds one `GenerationRequest` per prompt; the ranges of the values
 are checked by `GenerationRequest.checked`, whose ValueError the server answers with a 400
 as well. Fields this server does not implement with a value other than their no-op one
-(`presence_penalty`, `frequency_penalty`, `logit_bias`, `best_of`, `suffix`; tools on
+(`logit_bias`, `best_of`, `suffix`; tools on
 /v1/completions) are a 400 naming them, never ignored; fields it does not know are ignored,
 as OpenAI's API does.
 `max_tokens` 0 is accepted with `echo` (the answer is the prompt, with its logprobs if asked).
-Sampling defaults are OpenAI's: temperature 1, top_p 1; kvjax's extra settings (`top_k`,
+Sampling defaults are OpenAI's: temperature 1, top_p 1, presence and frequency penalties 0
+(counted over the request's output, as OpenAI and vLLM count them); kvjax's extra settings (`top_k`,
 `min_p`, `repetition_penalty`, `no_repeat_ngram_size`) are read where given, as vLLM does.
 Structured output (`response_format`, `structured_outputs`) and tools are read by
 `structured.py` and `tools.py`.
@@ -93,16 +94,14 @@ def _get(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
 
 
 def _refuse_unsupported(body: dict, chat_api: bool) -> None:
-    unsupported = [("presence_penalty", 0), ("frequency_penalty", 0), ("logit_bias", {}),
-                   ("suffix", "")]
+    unsupported = [("logit_bias", {}), ("suffix", "")]
     if not chat_api:
         unsupported += [("tools", []), ("tool_choice", "none")]
     for name, off in unsupported:
         if body.get(name) not in (None, off):
-            hint = ("tools are for /v1/chat/completions" if name.startswith("tool") else
-                    "kvjax has repetition_penalty and no_repeat_ngram_size")
-            raise APIError(400, f"{name}={_shown(body[name])} is not supported by this server "
-                                f"({hint})", name)
+            hint = " (tools are for /v1/chat/completions)" if name.startswith("tool") else ""
+            raise APIError(400, f"{name}={_shown(body[name])} is not supported by this "
+                                f"server{hint}", name)
     if body.get("best_of") not in (None, body.get("n", 1)):
         raise APIError(400, f"best_of={_shown(body['best_of'])} is not supported: use n",
                        "best_of")
@@ -228,7 +227,9 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
                           top_p=_get(body, "top_p", _NUMBER, 1.0), top_k=_top_k(body),
                           min_p=_get(body, "min_p", _NUMBER, 0.0),
                           repetition_penalty=_get(body, "repetition_penalty", _NUMBER, 1.0),
-                          no_repeat_ngram_size=_get(body, "no_repeat_ngram_size", _INT, 0)),
+                          no_repeat_ngram_size=_get(body, "no_repeat_ngram_size", _INT, 0),
+                          presence_penalty=_get(body, "presence_penalty", _NUMBER, 0.0),
+                          frequency_penalty=_get(body, "frequency_penalty", _NUMBER, 0.0)),
         seed=_get(body, "seed", _INT), stop=_stops(body, max_stop_strings, max_stop_chars),
         logprobs=top or 0,
         stop_ids=tuple(loaded.tokenizer.stop_ids),

@@ -224,11 +224,12 @@ def choose(logits_BV, context_BC, context_lengths_B, sampling: SamplingParams, k
            live_B=None):
     """(token [B], logprob [B], top_logprobs [B, W], top_ids [B, W], constraint_state [B]
     or None): each row's next token as `decode` picks it (`decode.loop.choose`), drawn with
-    the row's own key folded with its position, and each `live` row's constraint state after
-    it. The top W are zeros unless `want_top`."""
+    the row's own key folded with its position (the tokens it has made so far, which are the
+    last of its context, as the presence and frequency penalties count them), and each `live`
+    row's constraint state after it. The top W are zeros unless `want_top`."""
     token_B, logprob_B, logprobs_BV = decode_loop.choose(
         logits_BV, ProcessorState(context_BC, context_lengths_B, jnp.zeros((), jnp.int32),
-                                  sampling),
+                                  sampling, positions_B),
         jax.random.wrap_key_data(keys_B2), positions_B, constraints=constraints)
     constraint_state_B = None if constraints is None else (
         constraints.advance(token_B, live_B).state)

@@ -86,6 +86,8 @@ def test_the_command_line_takes_the_new_sampling_options(capsys, full):
     (["--stop", ""], "stop string 0 ('') must be a non-empty string"),
     (["--min-p", "2"], "min_p=2.0 must be in [0, 1]"),
     (["--repetition-penalty", "0"], "repetition_penalty=0.0 must be > 0"),
+    (["--presence-penalty", "2.5"], "presence_penalty=2.5 must be in [-2, 2]"),
+    (["--frequency-penalty", "-3"], "frequency_penalty=-3.0 must be in [-2, 2]"),
     (["--num-samples", "0"], "argument --num-samples: must be >= 1, got 0"),
 ])
 def test_bad_sampling_options_end_with_one_line(capsys, option, message):

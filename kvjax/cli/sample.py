@@ -32,6 +32,12 @@ def add_sample(commands) -> None:
                         help="> 1 makes tokens already in the prompt or output less likely")
     sample.add_argument("--no-repeat-ngram-size", type=count, default=0,
                         help="n > 0: never repeat an n-gram of the prompt or output")
+    sample.add_argument("--presence-penalty", type=float, default=0.0,
+                        help="in [-2, 2]: > 0 makes tokens already output less likely "
+                             "(OpenAI's)")
+    sample.add_argument("--frequency-penalty", type=float, default=0.0,
+                        help="in [-2, 2]: > 0 makes tokens less likely the more often they "
+                             "were output (OpenAI's)")
     sample.add_argument("--stop", action="append", default=[], metavar="TEXT",
                         help="end the text before this string (repeatable; \\n and \\t "
                              "are a newline and a tab)")
@@ -76,7 +82,8 @@ def run_sample(args) -> int:
     sampling = decode.Sampling(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty,
-        no_repeat_ngram_size=args.no_repeat_ngram_size)
+        no_repeat_ngram_size=args.no_repeat_ngram_size,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
     speculative = None
     if args.speculative:
         draft_model = draft_params = None

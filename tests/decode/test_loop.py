@@ -112,17 +112,22 @@ def fixed_preferences(tokens_B1, cache):
 
 
 def test_penalties_steer_the_loop_exactly():
-    """Greedy with the CTRL penalty against a NumPy replay; and a 1-gram ban makes every
-    token new. The context starts with a prompt [1], which the penalties also see."""
+    """Greedy with each penalty against a NumPy replay of its formula: the CTRL penalty reads
+    the prompt [1] too, the presence and frequency penalties only the tokens output (as
+    OpenAI and vLLM count them); and a 1-gram ban makes every token new."""
     steps, penalty = 12, 4.0
-    cache = FakeCache(jnp.asarray([1, 1]), jnp.zeros((), jnp.int32))
+    presence, frequency = [0.0, 0.0, 0.3, -0.1], [0.0, 0.0, 0.0, 0.2]
+    rows = len(presence)
+    cache = FakeCache(jnp.ones(rows, jnp.int32), jnp.zeros((), jnp.int32))
     stops = StopConditions(jnp.full(8, -1, jnp.int32), jnp.asarray(steps))
-    sampling = SamplingParams.make(repetition_penalty=[penalty, 1.0],
-                                   no_repeat_ngram_size=[0, 1], batch=2)
-    context = jnp.zeros((2, 1 + 16), jnp.int32).at[:, 0].set(1)
-    state = initial_state(2, 16, cache, row_keys(jax.random.key(0), 2), context,
-                          jnp.asarray([1, 1]))
-    first, _ = fixed_preferences(jnp.zeros((2, 1), jnp.int32), cache)
+    sampling = SamplingParams.make(repetition_penalty=[penalty, 1.0, 1.0, 1.0],
+                                   no_repeat_ngram_size=[0, 1, 0, 0],
+                                   presence_penalty=presence, frequency_penalty=frequency,
+                                   batch=rows)
+    context = jnp.zeros((rows, 1 + 16), jnp.int32).at[:, 0].set(1)
+    state = initial_state(rows, 16, cache, row_keys(jax.random.key(0), rows), context,
+                          jnp.ones(rows, jnp.int32))
+    first, _ = fixed_preferences(jnp.zeros((rows, 1), jnp.int32), cache)
     state = record(state, first[:, 0], stops, sampling)
     state = jax.jit(decode_loop, static_argnums=0)(fixed_preferences, state, stops, sampling,
                                                     stops.max_new_tokens)
@@ -137,7 +142,16 @@ def test_penalties_steer_the_loop_exactly():
     np.testing.assert_array_equal(state.tokens[0, :steps], expected)
     np.testing.assert_array_equal(state.tokens[1, :steps], [0] + list(range(2, steps + 1)))
     np.testing.assert_array_equal(state.context[0, :1 + steps], [1] + expected)
-    np.testing.assert_array_equal(state.context_lengths, [1 + steps] * 2)
+    np.testing.assert_array_equal(state.context_lengths, [1 + steps] * rows)
+    for row in (2, 3):
+        counts, output = np.zeros(VOCAB, np.float32), []
+        for _ in range(steps):
+            logits = (base - np.float32(frequency[row]) * counts
+                      - np.float32(presence[row]) * (counts > 0))
+            output.append(int(np.argmax(logits)))
+            counts[output[-1]] += 1
+        np.testing.assert_array_equal(state.tokens[row, :steps], output)
+    assert state.tokens[2, 1] == 1 and state.tokens[3, 1] == 0  # the prompt's 1 not counted
 
 
 @flax.struct.dataclass

@@ -16,12 +16,13 @@ from kvjax.decode.plan import ON_DEVICE, LoopPlan, default_plan, planned_by
 from kvjax.decode.sampling import SamplingParams, row_keys
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [3], [20, 21, 22, 23]]
-# Sampled and greedy rows (top_k = 1 is greedy), every filter and both built-in processors;
+# Sampled and greedy rows (top_k = 1 is greedy), every filter and every built-in processor;
 # the all-greedy plan is compared in the cache test below.
 SETTINGS = dict(sampling=decode.Sampling(
     temperature=[0.0, 1.5, 0.7, 1.0], top_k=[0, 5, 0, 1], top_p=[1.0, 0.9, 0.8, 1.0],
     min_p=[0.0, 0.0, 0.1, 0.0], repetition_penalty=[1.0, 1.3, 2.0, 1.0],
-    no_repeat_ngram_size=[0, 2, 3, 1]))
+    no_repeat_ngram_size=[0, 2, 3, 1], presence_penalty=[0.0, 0.5, 0.0, 0.0],
+    frequency_penalty=[0.0, 0.0, 1.0, 0.0]))
 
 
 def host_plan(rows):
@@ -110,6 +111,9 @@ def test_the_host_decides_only_what_the_rows_use():
     assert not LoopPlan.for_rows(rows(temperature=[1.0, 0.0], top_k=[1, 0])).sampled
     assert LoopPlan.for_rows(rows(temperature=[0.0, 0.5])).sampled
     assert LoopPlan.for_rows(rows(repetition_penalty=[1.0, 1.1])).penalty
+    assert LoopPlan.for_rows(rows(presence_penalty=[0.0, -0.1])).penalty
+    assert LoopPlan.for_rows(rows(frequency_penalty=[0.2, 0.0])).penalty
+    assert not LoopPlan.for_rows(rows(presence_penalty=[0.0], frequency_penalty=[0.0])).penalty
     assert [LoopPlan.for_rows(rows(no_repeat_ngram_size=[n, 0])).ngram_bound
             for n in (0, 1, 2, 3, 5, 8)] == [0, 1, 2, 4, 8, 8]
 

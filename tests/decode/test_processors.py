@@ -1,6 +1,6 @@
-"""decode/processors.py through `generate` on a real tiny model: the repetition penalty equals a
-reference, no-repeat n-grams leave no n-gram twice, a logit processor reads the state and
-forbids tokens, and equal logit biases share one compilation."""
+"""decode/processors.py through `generate` on a real tiny model: the repetition, presence and
+frequency penalties equal a reference, no-repeat n-grams leave no n-gram twice, a logit
+processor reads the state and forbids tokens, and equal logit biases share one compilation."""
 
 import jax
 import jax.numpy as jnp
@@ -12,9 +12,11 @@ from test_generate_options import PROMPTS
 from kvjax import decode
 
 
-def penalised_greedy_reference(config, params, prompt, steps, penalty):
-    """Greedy decoding without a cache, with the CTRL penalty applied in NumPy to every
-    token of the prompt and the output so far."""
+def penalised_greedy_reference(config, params, prompt, steps, repetition=1.0, presence=0.0,
+                               frequency=0.0):
+    """Greedy decoding without a cache, the penalties applied in NumPy: the CTRL penalty to
+    every token of the prompt and the output so far, the presence and frequency penalties to
+    the output's tokens, by their counts."""
     sequence = list(prompt)
     for _ in range(steps):
         padded = np.zeros((1, 32), np.int32)
@@ -22,20 +24,27 @@ def penalised_greedy_reference(config, params, prompt, steps, penalty):
         logits = np.asarray(run_full(config, params, jnp.asarray(padded))[0, len(sequence) - 1])
         seen = np.zeros(config.vocab_size, bool)
         seen[sequence] = True
-        logits = np.where(seen, np.where(logits > 0, logits / penalty, logits * penalty), logits)
+        logits = np.where(seen, np.where(logits > 0, logits / repetition,
+                                         logits * repetition), logits)
+        counts = np.bincount(sequence[len(prompt):], minlength=config.vocab_size)
+        logits = logits - np.float32(frequency) * counts - np.float32(presence) * (counts > 0)
         sequence.append(int(np.argmax(logits)))
     return sequence[len(prompt):]
 
 
-def test_repetition_penalty_equals_the_reference(tiny_lm):
+def test_penalties_equal_the_reference(tiny_lm):
     config, net, params = tiny_lm
-    plain = decode.generate(net, params, PROMPTS[:2], max_new_tokens=10)
-    out = decode.generate(net, params, PROMPTS[:2], max_new_tokens=10,
-                          sampling=decode.Sampling(repetition_penalty=[3.0, 1.0]))
-    assert out.tokens[0].tolist() == penalised_greedy_reference(
-        config, params, PROMPTS[0], 10, 3.0)
-    np.testing.assert_array_equal(out.tokens[1], plain.tokens[1])  # penalty 1 is off
-    assert not np.array_equal(out.tokens[0], plain.tokens[0])
+    settings = dict(repetition=[3.0, 1.0, 1.0, 1.0], presence=[0.0, 0.0, 1.5, -0.5],
+                    frequency=[0.0, 0.0, 0.0, 1.0])
+    plain = decode.generate(net, params, PROMPTS, max_new_tokens=8)
+    out = decode.generate(net, params, PROMPTS, max_new_tokens=8, sampling=decode.Sampling(
+        repetition_penalty=settings["repetition"], presence_penalty=settings["presence"],
+        frequency_penalty=settings["frequency"]))
+    for row in (0, 2, 3):
+        assert out.tokens[row].tolist() == penalised_greedy_reference(
+            config, params, PROMPTS[row], 8, *(settings[k][row] for k in settings))
+        assert not np.array_equal(out.tokens[row], plain.tokens[row])
+    np.testing.assert_array_equal(out.tokens[1], plain.tokens[1])  # every penalty off
 
 
 def test_no_repeat_ngram_size_one_never_repeats_a_context_token(tiny_lm):

@@ -249,6 +249,7 @@ def test_compiled_loop_writes_the_cache_in_place(tiny_lm):
 def test_settings_speculation_cannot_take_are_refused(tiny_lm):
     _, net, params = tiny_lm
     for bad, match in ((dict(repetition_penalty=1.2), "repetition_penalty"),
+                       (dict(frequency_penalty=0.5), "frequency_penalty"),
                        (dict(logit_processors=[decode.forbid_tokens([3])]), "logit_proc"),
                        (dict(), "decode.Speculative")):
         speculative = "ngram" if match == "decode.Speculative" else DRAFTS

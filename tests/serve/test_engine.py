@@ -89,7 +89,8 @@ def test_greedy_requests_equal_generate_alone_while_others_join_and_leave(engine
 
 
 def test_a_seeded_sample_is_the_same_whatever_shares_the_batch(engine, tiny_lm):
-    sampling = Sampling(temperature=1.0, top_k=20, repetition_penalty=1.3)
+    sampling = Sampling(temperature=1.0, top_k=20, repetition_penalty=1.3,
+                        presence_penalty=0.4, frequency_penalty=0.6)
     request = GenerationRequest(prompt(10, 6), max_tokens=8, sampling=sampling, seed=7)
     by_itself = Collector()
     engine.submit(request, by_itself)

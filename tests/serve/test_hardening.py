@@ -48,6 +48,7 @@ BAD_REQUESTS = [
     ("completions", completion(top_p=1e-50), 400, "top_p", "as float32"),
     ("completions", completion(repetition_penalty=1e-50), 400, "repetition_penalty", "float32"),
     ("completions", completion(temperature=1e300), 400, "temperature", "float32"),
+    ("completions", completion(presence_penalty=2.5), 400, "presence_penalty", "in [-2, 2]"),
     ("completions", completion(n=1_000_000), 400, "n", "more than the engine's 2 slots"),
     ("completions", completion(echo=True, max_tokens=0, n=100_000), 400, "n", "slots"),
     ("completions", completion(echo=True, max_tokens=0, temperature=-1), 400, "temperature",

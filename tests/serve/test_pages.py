@@ -34,7 +34,8 @@ def test_preempted_samples_go_on_with_the_tokens_they_make_with_pages_to_spare(t
     penalty context and budgets), every page is held or free at every turn, and all are
     free at the end."""
     config, _, params = tiny_lm
-    warm = Sampling(temperature=1.0, top_k=20, repetition_penalty=1.3)
+    warm = Sampling(temperature=1.0, top_k=20, repetition_penalty=1.3,
+                    presence_penalty=0.4, frequency_penalty=0.6)
     requests = [GenerationRequest(prompt(60 + i, 3 + i), max_tokens=26 - 2 * i, seed=i, n=n,
                                   sampling=warm if i % 2 else Sampling())
                 for i, n in enumerate((1, 2, 1, 1))]

@@ -29,13 +29,15 @@ def chat(**fields):
 def test_a_completion_body_becomes_one_request_per_prompt_setting_for_setting():
     parsed = completion(prompt=["AB", [7, 8, 9]], n=3, max_tokens=5, temperature=0.5,
                         top_p=0.9, top_k=-1, min_p=0.1, repetition_penalty=1.2,
-                        no_repeat_ngram_size=2, seed=4, stop="END", logprobs=2, echo=True,
+                        no_repeat_ngram_size=2, presence_penalty=-0.5, frequency_penalty=0.25,
+                        seed=4, stop="END", logprobs=2, echo=True,
                         stream=True, stream_options={"include_usage": True})
     first, second = parsed.requests
     assert first.prompt == (*PREFIX, *FakeTokenizer.encode("AB")) and second.prompt == (7, 8, 9)
     assert parsed.echo == ("AB", FakeTokenizer.decode([7, 8, 9])) and parsed.echo_prompt
     assert first.sampling == Sampling(temperature=0.5, top_p=0.9, top_k=0, min_p=0.1,
-                                      repetition_penalty=1.2, no_repeat_ngram_size=2)
+                                      repetition_penalty=1.2, no_repeat_ngram_size=2,
+                                      presence_penalty=-0.5, frequency_penalty=0.25)
     assert (first.n, first.max_tokens, first.seed, first.stop, first.logprobs) == (
         3, 5, 4, ("END",), 2)
     assert first.stop_ids == tuple(FakeTokenizer.stop_ids)
@@ -77,7 +79,6 @@ def test_defaults_are_openais():
      f"logprobs=6 must be in [0, {MAX_COMPLETION_LOGPROBS}]"),
     (completion, dict(stop=["a"] * 17), 400, "stop", "stop has 17 strings: at most 16"),
     (completion, dict(stop="x" * 1025), 400, "stop", "1025 characters: at most 1024"),
-    (completion, dict(frequency_penalty=0.3), 400, "frequency_penalty", "repetition_penalty"),
     (completion, dict(logit_bias={"5": 1}), 400, "logit_bias", "is not supported"),
     (completion, dict(best_of=3), 400, "best_of", "best_of=3 is not supported: use n"),
     (completion, dict(tools=[{"type": "function"}]), 400, "tools",
