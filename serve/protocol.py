@@ -4,12 +4,13 @@
 naming the field) and builds one `GenerationRequest` per prompt; the ranges of the values
 are checked by `GenerationRequest.checked`, whose ValueError the server answers with a 400
 as well. Fields this server does not implement with a value other than their no-op one
-(`logit_bias`, `best_of`, `suffix`; tools on
+(`best_of`, `suffix`; tools on
 /v1/completions) are a 400 naming them, never ignored; fields it does not know are ignored,
 as OpenAI's API does.
 `max_tokens` 0 is accepted with `echo` (the answer is the prompt, with its logprobs if asked).
 Sampling defaults are OpenAI's: temperature 1, top_p 1, presence and frequency penalties 0
-(counted over the request's output, as OpenAI and vLLM count them); kvjax's extra settings (`top_k`,
+(counted over the request's output, as OpenAI and vLLM count them), no `logit_bias` (an
+object of token ids, as strings, to biases in [-100, 100]); kvjax's extra settings (`top_k`,
 `min_p`, `repetition_penalty`, `no_repeat_ngram_size`) are read where given, as vLLM does.
 Structured output (`response_format`, `structured_outputs`) and tools are read by
 `structured.py` and `tools.py`.
@@ -73,7 +74,7 @@ class Parsed:
     tools: Tools | None = None
 
 
-_NUMBER, _INT, _BOOL, _STR = (int, float), (int,), (bool,), (str,)
+_NUMBER, _INT, _BOOL, _STR, _OBJECT = (int, float), (int,), (bool,), (str,), (dict,)
 
 
 def _shown(value: Any, limit: int = 80) -> str:
@@ -88,13 +89,14 @@ def _get(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
         return default
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
         wanted = {_NUMBER: "a number", _INT: "an integer", _BOOL: "a boolean",
-                  _STR: "a string"}.get(kinds, "/".join(k.__name__ for k in kinds))
+                  _STR: "a string", _OBJECT: "an object"}.get(
+            kinds, "/".join(k.__name__ for k in kinds))
         raise APIError(400, f"{name}={_shown(value)} must be {wanted}", name)
     return value
 
 
 def _refuse_unsupported(body: dict, chat_api: bool) -> None:
-    unsupported = [("logit_bias", {}), ("suffix", "")]
+    unsupported = [("suffix", "")]
     if not chat_api:
         unsupported += [("tools", []), ("tool_choice", "none")]
     for name, off in unsupported:
@@ -105,6 +107,19 @@ def _refuse_unsupported(body: dict, chat_api: bool) -> None:
     if body.get("best_of") not in (None, body.get("n", 1)):
         raise APIError(400, f"best_of={_shown(body['best_of'])} is not supported: use n",
                        "best_of")
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, Any], ...]:
+    """The request's logit_bias as (token id, bias) pairs; the ids and values are checked by
+    `GenerationRequest.checked`."""
+    bias = _get(body, "logit_bias", _OBJECT, {})
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdecimal()):
+            raise APIError(400, f"logit_bias key {_shown(key)} must be a token id (a string "
+                                "of digits)", "logit_bias")
+        pairs.append((int(key), value))
+    return tuple(pairs)
 
 
 def _top_k(body: dict) -> int:
@@ -230,6 +245,7 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
                           no_repeat_ngram_size=_get(body, "no_repeat_ngram_size", _INT, 0),
                           presence_penalty=_get(body, "presence_penalty", _NUMBER, 0.0),
                           frequency_penalty=_get(body, "frequency_penalty", _NUMBER, 0.0)),
+        logit_bias=_logit_bias(body),
         seed=_get(body, "seed", _INT), stop=_stops(body, max_stop_strings, max_stop_chars),
         logprobs=top or 0,
         stop_ids=tuple(loaded.tokenizer.stop_ids),

@@ -15,12 +15,15 @@ import numpy as np
 
 from kvjax.decode import checks
 from kvjax.decode.constraints import TokenAutomaton
+from kvjax.decode.processors import RowLogitBias
 from kvjax.decode.sampling import SamplingParams, seed_key
 from kvjax.decode.settings import GREEDY, Sampling
 from kvjax.detokenize import check_stop_strings
 from kvjax.text import MAX_SEED
 
-from .slots import MAX_STOP_IDS, MAX_TOP_LOGPROBS, RowSettings
+from .slots import MAX_LOGIT_BIAS, MAX_STOP_IDS, MAX_TOP_LOGPROBS, RowSettings
+
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's: a bias is in [-100, 100]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +36,9 @@ class GenerationRequest:
     n:           samples of the prompt, from one prefill.
     sampling:    how each sample chooses its tokens, as `decode.generate` takes it (one
                  value per setting).
+    logit_bias:  {token id: bias in [-100, 100]} (or its (id, bias) pairs), added to those
+                 tokens' logits after the penalties, as `decode.LogitBias` adds it in
+                 `generate`; at most `MAX_LOGIT_BIAS` tokens.
     stop_ids:    token ids that end a sample (included in its tokens, not in its text).
     stop:        strings that end a sample's text (neither streamed nor returned).
     seed:        the sample's tokens depend on it and on nothing else the batch holds;
@@ -46,6 +52,7 @@ class GenerationRequest:
     max_tokens: int = 16
     n: int = 1
     sampling: Sampling = GREEDY
+    logit_bias: tuple[tuple[int, float], ...] = ()
     stop_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     seed: int | None = None
@@ -82,14 +89,39 @@ class GenerationRequest:
         for token in stop_ids:
             if not 0 <= token < vocab_size:
                 raise ValueError(f"stop id {token} is outside the vocabulary [0, {vocab_size})")
+        logit_bias = _checked_logit_bias(self.logit_bias, vocab_size)
         stop = check_stop_strings(self.stop)
         seed = secrets.randbelow(MAX_SEED) if self.seed is None else self.seed
         checks.integer("seed", seed, 0, MAX_SEED)
         checks.integer("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
         if self.constraint is not None:
             _check_constraint(self.constraint, vocab_size, stop_ids)
-        return dataclasses.replace(self, prompt=prompt, stop_ids=stop_ids, stop=stop,
-                                   seed=seed)
+        return dataclasses.replace(self, prompt=prompt, logit_bias=logit_bias,
+                                   stop_ids=stop_ids, stop=stop, seed=seed)
+
+
+def _checked_logit_bias(bias, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """`bias` as (id, value) pairs sorted by id; an InvalidValue names a token id outside
+    the vocabulary, a value outside [-100, 100] or too many tokens."""
+    pairs = list(bias.items()) if isinstance(bias, dict) else list(bias)
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise checks.InvalidValue("logit_bias", f"logit_bias names {len(pairs)} tokens: at "
+                                                f"most {MAX_LOGIT_BIAS}")
+    checked = {}
+    for pair in pairs:
+        if not isinstance(pair, tuple | list) or len(pair) != 2:
+            raise checks.InvalidValue("logit_bias", f"logit_bias entry {pair!r} is not a "
+                                                    "(token id, bias) pair")
+        token, value = pair
+        if not checks.is_int(token) or not 0 <= token < vocab_size:
+            raise checks.InvalidValue("logit_bias", f"logit_bias token id {token!r} is outside "
+                                                    f"the vocabulary [0, {vocab_size})")
+        if int(token) in checked:
+            raise checks.InvalidValue("logit_bias", f"logit_bias names token {token} twice")
+        checked[int(token)] = checks.real(f"logit_bias[{token}]", value,
+                                          lambda v: abs(v) <= LOGIT_BIAS_RANGE,
+                                          "in [-100, 100]", np.float32)
+    return tuple(sorted(checked.items()))
 
 
 def _check_constraint(automaton, vocab_size: int, stop_ids: tuple[int, ...]) -> None:
@@ -141,8 +173,12 @@ def row_settings(samples: list[tuple[GenerationRequest, int]],
     generated = [0] * count if generated is None else generated
     prefix_pages = [(-1, 0)] * count if prefix_pages is None else prefix_pages
     stop_ids = np.full((len(samples), MAX_STOP_IDS), -1, np.int32)
+    bias = RowLogitBias(np.zeros((count, MAX_LOGIT_BIAS), np.int32),
+                        np.zeros((count, MAX_LOGIT_BIAS), np.float32))
     for row, (request, _) in enumerate(samples):
         stop_ids[row, :len(request.stop_ids)] = request.stop_ids
+        for m, (token, value) in enumerate(request.logit_bias):
+            bias.ids[row, m], bias.values[row, m] = token, value
     sampling = SamplingParams(**{
         name: np.array([getattr(request.sampling, name) for request, _ in samples],
                        np.int32 if isinstance(default, int) else np.float32)
@@ -151,6 +187,7 @@ def row_settings(samples: list[tuple[GenerationRequest, int]],
         max_tokens=np.array([r.max_tokens for r, _ in samples], np.int32), stop_ids=stop_ids,
         seed=np.stack([seed_key(r.seed) for r, _ in samples]),
         sample=np.array([index for _, index in samples], np.int32), sampling=sampling,
+        logit_bias=bias,
         constraint_state=np.array(constraint_states, np.int32),
         generated=np.array(generated, np.int32),
         prefix_row=np.array([row for row, _ in prefix_pages], np.int32),

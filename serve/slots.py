@@ -37,12 +37,13 @@ from kvjax import model as M
 from kvjax.decode import loop as decode_loop
 from kvjax.decode.automaton import UNCONSTRAINED, RowConstraints
 from kvjax.decode.loop import StopReason
-from kvjax.decode.processors import ProcessorState
+from kvjax.decode.processors import ProcessorState, RowLogitBias
 from kvjax.decode.sampling import SamplingParams, sample_key
 from kvjax.decode.tracing import count_trace
 
 MAX_STOP_IDS = 8  # stop ids travel as a fixed-size row so their number never recompiles
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat; completions ask for at most 5
+MAX_LOGIT_BIAS = 300  # tokens a request's logit_bias may name, as OpenAI's API allows
 # Sample ids cycle through [0, ID_SPACE): staged samples are admitted in the order of their
 # ids counted from the last one admitted, which stays right however often the ids wrap.
 ID_SPACE = 1 << 30
@@ -60,6 +61,7 @@ class SlotState:
     stop_ids:        [B, E] int32 ids that end the request (-1 pads).
     keys:            [B, 2] uint32 the request's random key (its key data).
     sampling:        `SamplingParams` with [B] fields.
+    logit_bias:      the request's `RowLogitBias` [B, MAX_LOGIT_BIAS].
     context:         [B, C] int32 prompt and generated tokens, which the penalties read.
     context_lengths: [B] int32.
     running:         [B] bool the slot holds a request that is still generating.
@@ -79,6 +81,7 @@ class SlotState:
     stop_ids: jax.Array
     keys: jax.Array
     sampling: SamplingParams
+    logit_bias: RowLogitBias
     context: jax.Array
     context_lengths: jax.Array
     running: jax.Array
@@ -121,15 +124,16 @@ class RowSettings:
     """The settings of R samples as slots hold them: max_tokens [R], stop_ids [R, E], seed
     [R, 2] uint32 (the request's prompt key, `decode.sampling.seed_key`), sample [R] (each
     sample's index among its request's n, `sample_key`), sampling with [R] fields,
-    constraint_state [R] (the initial state of its automaton in the tables; -1: none),
-    generated [R] (tokens the sample made before: a preempted one goes on from its count)
-    and prefix_row, prefix_pages [R] (as `SlotState`'s)."""
+    logit_bias [R, MAX_LOGIT_BIAS], constraint_state [R] (the initial state of its automaton
+    in the tables; -1: none), generated [R] (tokens the sample made before: a preempted one
+    goes on from its count) and prefix_row, prefix_pages [R] (as `SlotState`'s)."""
 
     max_tokens: jax.Array
     stop_ids: jax.Array
     seed: jax.Array
     sample: jax.Array
     sampling: SamplingParams
+    logit_bias: RowLogitBias
     constraint_state: jax.Array
     generated: jax.Array
     prefix_row: jax.Array
@@ -201,6 +205,7 @@ def _free_rows(config: M.TransformerConfig, rows: int, capacity: int,
         stop_ids=jnp.full((rows, MAX_STOP_IDS), -1, jnp.int32),
         keys=jnp.zeros((rows, 2), jnp.uint32),
         sampling=SamplingParams.make(batch=rows),
+        logit_bias=RowLogitBias.empty(rows, MAX_LOGIT_BIAS),
         context=jnp.zeros((rows, capacity), jnp.int32),
         context_lengths=zeros(),
         running=jnp.zeros((rows,), bool),
@@ -219,18 +224,20 @@ def _free_state_on(config: M.TransformerConfig, num_slots: int, num_staged: int,
         _free_state(config, num_slots, num_staged, capacity, pages, prefix_rows), mesh)
 
 
-def choose(logits_BV, context_BC, context_lengths_B, sampling: SamplingParams, keys_B2,
-           positions_B, want_top=True, constraints: RowConstraints | None = None,
-           live_B=None):
+def choose(logits_BV, context_BC, context_lengths_B, sampling: SamplingParams,
+           logit_bias: RowLogitBias, keys_B2, positions_B, want_top=True,
+           constraints: RowConstraints | None = None, live_B=None):
     """(token [B], logprob [B], top_logprobs [B, W], top_ids [B, W], constraint_state [B]
     or None): each row's next token as `decode` picks it (`decode.loop.choose`), drawn with
     the row's own key folded with its position (the tokens it has made so far, which are the
-    last of its context, as the presence and frequency penalties count them), and each `live`
-    row's constraint state after it. The top W are zeros unless `want_top`."""
+    last of its context, as the presence and frequency penalties count them), its logit bias
+    added after the penalties, and each `live` row's constraint state after it. The top W are
+    zeros unless `want_top`."""
     token_B, logprob_B, logprobs_BV = decode_loop.choose(
         logits_BV, ProcessorState(context_BC, context_lengths_B, jnp.zeros((), jnp.int32),
                                   sampling, positions_B),
-        jax.random.wrap_key_data(keys_B2), positions_B, constraints=constraints)
+        jax.random.wrap_key_data(keys_B2), positions_B, processors=(logit_bias,),
+        constraints=constraints)
     constraint_state_B = None if constraints is None else (
         constraints.advance(token_B, live_B).state)
     width = min(MAX_TOP_LOGPROBS, logits_BV.shape[-1])
@@ -322,14 +329,15 @@ def _first_tokens(state: EngineState, logits_RV, context_RC, context_lengths_R, 
         stop_ids=put(rows.stop_ids, settings.stop_ids),
         keys=put(rows.keys, keys_R2),
         sampling=jax.tree.map(put, rows.sampling, settings.sampling),
+        logit_bias=jax.tree.map(put, rows.logit_bias, settings.logit_bias),
         running=rows.running | new_Q,
         stop_reason=jnp.where(new_Q, StopReason.RUNNING, rows.stop_reason),
         owner=put(rows.owner, ids_R), prefix_row=put(rows.prefix_row, settings.prefix_row),
         prefix_pages=put(rows.prefix_pages, settings.prefix_pages))
     constraints = state.constraints(settings.constraint_state)
     token_R, logprob_R, top_logprobs_RA, top_ids_RA, constraint_state_R = choose(
-        logits_RV, context_RC, context_lengths_R, settings.sampling, keys_R2,
-        settings.generated, constraints=constraints, live_B=jnp.ones(staged_R.shape, bool))
+        logits_RV, context_RC, context_lengths_R, settings.sampling, settings.logit_bias,
+        keys_R2, settings.generated, constraints=constraints, live_B=jnp.ones(staged_R.shape, bool))
     if constraints is not None:
         rows = rows.replace(constraint_state=put(rows.constraint_state, constraint_state_R))
     token_Q = jnp.zeros(rows.num_slots, jnp.int32).at[staged_R].set(token_R, mode="drop")

@@ -99,3 +99,18 @@ def test_equal_logit_biases_share_one_compilation(tiny_lm):
     decode.generate(net, params, PROMPTS, max_new_tokens=4,
                     logit_processors=[decode.LogitBias.of({9: -1.0, 3: 2.0})])
     assert decode.trace_count("continue") == before
+
+
+def test_a_row_logit_bias_adds_each_rows_own_and_nothing_where_all_are_zero():
+    logits = np.random.default_rng(0).normal(size=(3, 10)).astype(np.float32)
+    ids = np.array([[1, 4, 0], [2, 0, 0], [0, 0, 0]], np.int32)
+    values = np.array([[2.0, -100.0, 0.0], [0.5, 0.0, 0.0], [0.0, 0.0, 0.0]], np.float32)
+    expected = logits.copy()
+    for row in range(3):
+        for token, value in zip(ids[row], values[row], strict=True):
+            expected[row, token] += value
+    biased = decode.processors.RowLogitBias(jnp.asarray(ids), jnp.asarray(values))(
+        jnp.asarray(logits), None)
+    np.testing.assert_array_equal(biased, expected)
+    unbiased = decode.processors.RowLogitBias.empty(3, 4)(jnp.asarray(logits), None)
+    np.testing.assert_array_equal(unbiased, logits)

@@ -91,7 +91,9 @@ def test_greedy_requests_equal_generate_alone_while_others_join_and_leave(engine
 def test_a_seeded_sample_is_the_same_whatever_shares_the_batch(engine, tiny_lm):
     sampling = Sampling(temperature=1.0, top_k=20, repetition_penalty=1.3,
                         presence_penalty=0.4, frequency_penalty=0.6)
-    request = GenerationRequest(prompt(10, 6), max_tokens=8, sampling=sampling, seed=7)
+    bias = {3: 4.0, 5: -100.0}
+    request = GenerationRequest(prompt(10, 6), max_tokens=8, sampling=sampling, seed=7,
+                                logit_bias=bias)
     by_itself = Collector()
     engine.submit(request, by_itself)
     engine.run_until_idle()
@@ -104,17 +106,19 @@ def test_a_seeded_sample_is_the_same_whatever_shares_the_batch(engine, tiny_lm):
     engine.step()
     among_others = Collector()
     engine.submit(GenerationRequest(request.prompt, max_tokens=8, sampling=sampling, seed=7,
-                                    n=2), among_others)
+                                    n=2, logit_bias=bias), among_others)
     engine.run_until_idle()
     assert len(by_itself.tokens()) == 8
     assert among_others.tokens(0) == by_itself.tokens()  # sample 0 of n is the first sample
     assert among_others.tokens(1) != by_itself.tokens()  # the second sample draws its own
-    # `generate` draws the same way: the seed is the prompt's key, whatever else it samples.
+    assert 3 in by_itself.tokens() and 5 not in by_itself.tokens()
+    # `generate` draws the same way: the seed is the prompt's key, whatever else it samples;
+    # a request's logit bias is `decode.LogitBias` applied to its rows alone.
     _, net, params = tiny_lm
     keys = jax.random.wrap_key_data(np.stack([seed_key(3), seed_key(7)]))
     made = decode.generate(net, params, [list(prompt(11, 5)), list(request.prompt)],
-                           max_new_tokens=8, sampling=sampling, num_samples=2,
-                           rng=keys).token_lists()
+                           max_new_tokens=8, sampling=sampling, num_samples=2, rng=keys,
+                           logit_processors=[decode.LogitBias.of(bias)]).token_lists()
     assert made[2:] == [among_others.tokens(0), among_others.tokens(1)]
 
 

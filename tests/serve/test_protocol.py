@@ -30,7 +30,7 @@ def test_a_completion_body_becomes_one_request_per_prompt_setting_for_setting():
     parsed = completion(prompt=["AB", [7, 8, 9]], n=3, max_tokens=5, temperature=0.5,
                         top_p=0.9, top_k=-1, min_p=0.1, repetition_penalty=1.2,
                         no_repeat_ngram_size=2, presence_penalty=-0.5, frequency_penalty=0.25,
-                        seed=4, stop="END", logprobs=2, echo=True,
+                        logit_bias={"9": -100, "7": 2.5}, seed=4, stop="END", logprobs=2, echo=True,
                         stream=True, stream_options={"include_usage": True})
     first, second = parsed.requests
     assert first.prompt == (*PREFIX, *FakeTokenizer.encode("AB")) and second.prompt == (7, 8, 9)
@@ -40,6 +40,7 @@ def test_a_completion_body_becomes_one_request_per_prompt_setting_for_setting():
                                       presence_penalty=-0.5, frequency_penalty=0.25)
     assert (first.n, first.max_tokens, first.seed, first.stop, first.logprobs) == (
         3, 5, 4, ("END",), 2)
+    assert first.logit_bias == ((9, -100), (7, 2.5))  # checked (and sorted) by the engine
     assert first.stop_ids == tuple(FakeTokenizer.stop_ids)
     assert parsed.stream and parsed.include_usage and parsed.logprobs and not parsed.chat
     assert [r.prompt for r in completion(prompt=[[5], [6, 7]]).requests] == [(5,), (6, 7)]
@@ -79,7 +80,9 @@ def test_defaults_are_openais():
      f"logprobs=6 must be in [0, {MAX_COMPLETION_LOGPROBS}]"),
     (completion, dict(stop=["a"] * 17), 400, "stop", "stop has 17 strings: at most 16"),
     (completion, dict(stop="x" * 1025), 400, "stop", "1025 characters: at most 1024"),
-    (completion, dict(logit_bias={"5": 1}), 400, "logit_bias", "is not supported"),
+    (completion, dict(logit_bias=[1]), 400, "logit_bias", "logit_bias=[1] must be an object"),
+    (completion, dict(logit_bias={"x": 1}), 400, "logit_bias", "key 'x' must be a token id"),
+    (completion, dict(suffix="x"), 400, "suffix", "suffix='x' is not supported"),
     (completion, dict(best_of=3), 400, "best_of", "best_of=3 is not supported: use n"),
     (completion, dict(tools=[{"type": "function"}]), 400, "tools",
      "tools are for /v1/chat/completions"),
