@@ -50,13 +50,18 @@ class ProcessorState:
             values_BC & valid_BC, mode="drop")
 
     def output_counts(self, vocab: int) -> jax.Array:
-        """[B, V] int32: how many times each row has output each token."""
+        """[B, V] int32: how many times each row has output each token. Mapped over rows,
+        the scatter has the batch as its batch axis, so rows split over devices are counted
+        where they lie."""
         slots_C = jnp.arange(self.context.shape[1])[None]
         output_BC = ((slots_C < self.context_lengths[:, None])
                      & (slots_C >= (self.context_lengths - self.output_lengths)[:, None]))
-        rows_B1 = jnp.arange(self.context.shape[0])[:, None]
-        return jnp.zeros((self.context.shape[0], vocab), jnp.int32).at[
-            rows_B1, self.context].add(output_BC.astype(jnp.int32), mode="drop")
+
+        def count(context_C, output_C):
+            return jnp.zeros((vocab,), jnp.int32).at[context_C].add(
+                output_C.astype(jnp.int32), mode="drop")
+
+        return jax.vmap(count)(self.context, output_BC)
 
 
 LogitProcessor = Callable[[jax.Array, ProcessorState], jax.Array]
@@ -165,9 +170,10 @@ class LogitBias:
 @flax.struct.dataclass
 class RowLogitBias:
     """A logit bias of each row's own, traced, so that rows with other biases share one
-    compiled program (the server's requests): `values[b, m]` is added to the logit of token
-    `ids[b, m]` of row b; [B, M] arrays, unused entries id 0 with value 0. Applied where
-    `LogitBias` is, after the built-in processors; a batch whose values are all 0 skips it."""
+    compiled program (the server's requests): each of row b's `values[b]` is added to the
+    logit of the token its `ids[b]` entry names; both [B, entries] (an axis with no letter of
+    its own), unused entries id 0 with value 0. Applied where `LogitBias` is, after the
+    built-in processors; a batch whose values are all 0 skips it."""
 
     ids: jax.Array
     values: jax.Array
@@ -177,9 +183,9 @@ class RowLogitBias:
         return cls(jnp.zeros((batch, width), jnp.int32), jnp.zeros((batch, width), jnp.float32))
 
     def __call__(self, logits_BV: jax.Array, state: ProcessorState) -> jax.Array:
-        def add(logits_BV):
-            rows_B1 = jnp.arange(logits_BV.shape[0])[:, None]
-            return logits_BV.at[rows_B1, self.ids].add(self.values)
+        def add(logits_BV):  # mapped over rows: rows split over devices add where they lie
+            return jax.vmap(lambda row_V, ids, values: row_V.at[ids].add(values))(
+                logits_BV, self.ids, self.values)
 
         return jax.lax.cond(jnp.any(self.values != 0), add, lambda x: x, logits_BV)
 
