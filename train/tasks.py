@@ -348,7 +348,9 @@ def _pretrained(out_dir: str | os.PathLike, task: str, init_from: str | os.PathL
         raise ValueError(f"{source} holds a {saved_task!r} model; it cannot start a {task!r} "
                          "run")
     try:
-        return M.TransformerConfig.from_dict(config_dict), tokenizer_from_bytes(tokenizer_bytes)
+        config = M.TransformerConfig.from_dict(config_dict)
+        # A run trains float params: int8 weights (kernel_dtype) start it dequantized.
+        return config.replace(kernel_dtype=None), tokenizer_from_bytes(tokenizer_bytes)
     except (TypeError, ValueError) as e:
         raise checkpoint.CheckpointError(f"{source}: {e}") from e
 

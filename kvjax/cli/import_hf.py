@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import add_command, positive
+from .common import KERNEL_DTYPE_NAMES, add_command, positive
 
 
 def add_import_hf(commands) -> None:
@@ -15,6 +15,10 @@ def add_import_hf(commands) -> None:
     command.add_argument("out", metavar="OUT", help="the new checkpoint directory")
     command.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                          help="the params' dtype (default: float32)")
+    command.add_argument("--kernel-dtype", choices=KERNEL_DTYPE_NAMES, default=None,
+                         help="int8 writes the layers' attention, FFN and expert weights and "
+                              "the embedding table as int8 with float32 scales, quantized as "
+                              "they are read (default: as --dtype)")
     command.add_argument("--max-len", type=positive, default=None, metavar="N",
                          help="a RoPE model's longest sequence, up to its "
                               "max_position_embeddings (default: that; for LongRoPE, the "
@@ -30,6 +34,6 @@ def run_import_hf(args) -> int:
     from kvjax.hf.convert import import_checkpoint
 
     out = import_checkpoint(args.directory, args.out, dtype=args.dtype, max_len=args.max_len,
-                            lora=args.lora)
+                            lora=args.lora, kernel_dtype=args.kernel_dtype)
     print(f"wrote {out}")
     return 0

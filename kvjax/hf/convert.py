@@ -19,11 +19,14 @@ from . import load_pretrained
 
 def import_checkpoint(hf_directory: str | os.PathLike, out: str | os.PathLike, *,
                       dtype: str | None = None, max_len: int | None = None,
-                      lora: str | os.PathLike | None = None) -> Path:
+                      lora: str | os.PathLike | None = None,
+                      kernel_dtype: str | None = None) -> Path:
     """Reads the model in `hf_directory` (`load_pretrained`) and saves it into `out` as a
     kvjax checkpoint at step 0; returns `out`. `out` must not hold checkpoint steps yet.
-    `max_len` and `lora` are `load_pretrained`'s: a RoPE model's longest sequence, and a
-    PEFT LoRA adapter written merged into the params.
+    `max_len`, `lora` and `kernel_dtype` are `load_pretrained`'s: a RoPE model's longest
+    sequence, a PEFT LoRA adapter written merged into the params, and "int8" to write the
+    kernels and the embedding table as int8 with their scales (a quarter of float32's bytes,
+    read back as they are: nothing quantizes them again).
 
     The task recorded is "translate" for an encoder-decoder, else "lm", as `kvjax train`
     records it; nothing is written when reading the model fails.
@@ -33,6 +36,6 @@ def import_checkpoint(hf_directory: str | os.PathLike, out: str | os.PathLike, *
         raise checkpoint.CheckpointError(f"{out} already holds checkpoint steps; import into a "
                                          "new directory")
     config, tokenizer, params = load_pretrained(hf_directory, dtype=dtype, max_len=max_len,
-                                                lora=lora)
+                                                lora=lora, kernel_dtype=kernel_dtype)
     task = "translate" if M.prompt_is_source(config) else "lm"
     return checkpoint.write_model(out, config.to_dict(), task, tokenizer.to_bytes(), params)

@@ -66,6 +66,32 @@ def test_import_hf_max_len_writes_a_longrope_model_for_its_long_context(capsys, 
         text.load(out, max_len=128)
 
 
+def test_import_hf_kernel_dtype_int8_writes_the_quantized_model_read_back_as_it_is(
+        capsys, tmp_path):
+    """A mixture of experts (its experts, attention and table int8) written by `import-hf
+    --kernel-dtype int8`: a quarter of the float32 import's bytes, the model `load_pretrained`
+    quantizes, loaded by `text.load` (what `kvjax sample` reads) without quantizing it again."""
+    import jax.numpy as jnp
+
+    out = tmp_path / "int8"
+    code, _, err = run_cli(capsys, "import-hf", str(FIXTURES / "qwen3_moe"), str(out),
+                           "--kernel-dtype", "int8")
+    assert code == 0, err
+    config, _, params = checkpoint.load_for_sampling(out)
+    wanted, _, expected = hf.load_pretrained(FIXTURES / "qwen3_moe", kernel_dtype="int8")
+    assert config == wanted and config.kernel_dtype == "int8"
+    for a, b in zip(jax_leaves(params), jax_leaves(expected), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+    assert {a.dtype for a in jax_leaves(params)} >= {jnp.dtype("int8")}
+    loaded = text.load(out)
+    assert loaded.config == wanted
+    for a, b in zip(jax_leaves(loaded.params), jax_leaves(expected), strict=True):
+        np.testing.assert_array_equal(a, b)
+    float32 = sum(a.size * 4 for a in jax_leaves(hf.load_model(FIXTURES / "qwen3_moe")[1]))
+    assert sum(a.nbytes for a in jax_leaves(params)) < 0.4 * float32
+
+
 def jax_leaves(tree):
     import jax
 

@@ -161,6 +161,28 @@ def test_a_hugging_face_directory_is_imported_into_the_run_and_fine_tuned(tmp_pa
                        steps=3, progress=False)
 
 
+def test_an_int8_import_fine_tunes_as_the_float_model_of_its_dequantized_weights(tmp_path):
+    """A checkpoint of int8 weights (`import-hf --kernel-dtype int8`) starts a float run from
+    its dequantized weights; the adapters trained so load over it, merged into them."""
+    source = import_checkpoint(HF_MODELS / "gpt2", tmp_path / "int8", kernel_dtype="int8")
+    (tmp_path / "my.txt").write_text(TEXT, encoding="utf-8")
+    out = tmp_path / "ft"
+    result = tasks.train_lm(out, data_files=[tmp_path / "my.txt"], init_from=source, steps=3,
+                            warmup_steps=1, batch_size=4, save_every=3, progress=False,
+                            lora=M.LoRA(2))
+    assert result.step == 3 and all(np.isfinite(list(result.losses.values())))
+    config, _, int8_params = checkpoint.load_for_sampling(source)
+    assert config.kernel_dtype == "int8"
+    settings, trained, _, adapters = checkpoint.read_adapters(out)
+    assert trained == config.replace(kernel_dtype=None)
+    expected = M.lora.merge(trained, M.int8_base.dequantize_layers(int8_params), adapters,
+                            settings)
+    adapted = text.load(source, lora=out)
+    assert adapted.config == trained
+    for a, b in zip(jax.tree.leaves(adapted.params), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_fine_tuning_imported_marian_trains_and_loads(imported, tmp_path):
     (tmp_path / "pairs.tsv").write_text(PAIRS, encoding="utf-8")
     result = tasks.train_translate(
