@@ -24,6 +24,10 @@ Two ways to run the chosen experts compute the same sums; the shapes pick one wh
   expert, becomes the same dense product on CPUs and GPUs (masked, with a copy of the
   tokens for every expert), slower than plain matmuls.
 
+Training can add Switch Transformer's auxiliary load-balancing loss (`load_balancing_loss`):
+when the "intermediates" collection is mutable, each mixture sows its router's load
+(`router_load`), which the loss sums over every mixture and token of the batch.
+
 The experts and the chosen experts have no shape letters of their own (docs/shapes.md has
 none left): arrays are named for what they hold, their shapes given in brackets, where
 `tokens` are the B·T rows of the call side by side and `pairs` are tokens × experts_per_token.
@@ -50,6 +54,38 @@ def route(router_logits: jax.Array, experts_per_token: int, normalize: bool
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, experts.astype(jnp.int32)
+
+
+ROUTER_LOAD = "router_load"  # what a mixture sows into "intermediates"
+
+
+def router_load(router_logits: jax.Array, experts_per_token: int) -> dict[str, jax.Array]:
+    """What the load-balancing loss needs of one mixture's `router_logits` [tokens, experts]:
+    `chosen` [experts], how many tokens chose each expert among their `experts_per_token`;
+    `probability` [experts], the router's softmax summed over the tokens; `tokens` []."""
+    probabilities = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    _, experts = jax.lax.top_k(probabilities, experts_per_token)
+    chosen = jnp.sum(jax.nn.one_hot(experts, router_logits.shape[-1], dtype=jnp.float32),
+                     axis=(0, 1))
+    return {"chosen": chosen, "probability": jnp.sum(probabilities, axis=0),
+            "tokens": jnp.asarray(router_logits.shape[0], jnp.float32)}
+
+
+def load_balancing_loss(intermediates, num_experts: int) -> jax.Array:
+    """Switch Transformer's auxiliary loss, as transformers computes it over every mixture's
+    tokens together (`load_balancing_loss_func`): num_experts · Σ_e f_e · P_e, where f_e is
+    the share of tokens that chose expert e (a token counts once for each of its chosen
+    experts, so the f_e sum to experts_per_token) and P_e the router's mean probability of e.
+    It is smallest when the tokens spread evenly over the experts. `intermediates` holds the
+    `router_load` every mixture sowed (stacked over scanned layers)."""
+    sums = {"chosen": 0.0, "probability": 0.0, "tokens": 0.0}
+    for path, value in jax.tree_util.tree_flatten_with_path(intermediates)[0]:
+        keys = [getattr(entry, "key", None) for entry in path]
+        if ROUTER_LOAD in keys and keys[-1] in sums:
+            axes = tuple(range(value.ndim - (0 if keys[-1] == "tokens" else 1)))
+            sums[keys[-1]] = sums[keys[-1]] + jnp.sum(value, axis=axes)
+    tokens = jnp.maximum(sums["tokens"], 1.0)
+    return num_experts * jnp.sum((sums["chosen"] / tokens) * (sums["probability"] / tokens))
 
 
 def gathers(pairs: int, num_experts: int) -> bool:
@@ -137,6 +173,9 @@ class MixtureOfExperts(nn.Module):
         router = nn.Dense(c.num_experts, use_bias=False, dtype=c.compute_dtype,
                           param_dtype=c.weights_dtype, name="router")
         router_logits = router(x_BTD).reshape(-1, c.num_experts)
+        if self.is_mutable_collection("intermediates"):
+            self.sow("intermediates", ROUTER_LOAD, router_load(router_logits,
+                                                               c.experts_per_token))
         weights, experts = route(router_logits, c.experts_per_token,
                                  c.normalize_expert_weights)
         out = Experts(c, name="experts")(x_BTD, weights, experts)

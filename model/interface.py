@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from . import int8_base
 from .cache import KVCache
 from .config import SPEED_ONLY_FIELDS, TransformerConfig
+from .experts import load_balancing_loss
 from .transformer import DecoderOnlyLM, EncoderDecoder
 
 
@@ -86,20 +87,34 @@ def step_fn(config: TransformerConfig, params):
                                                          lengths, method=net.step)
 
 
-def teacher_forced_logits(config: TransformerConfig, params, batch, dropout_rng=None):
+def teacher_forced_logits(config: TransformerConfig, params, batch, dropout_rng=None,
+                          router_loss: bool = False):
     """Logits [B, T, V] of a training batch (see `teacher_forced` of each variant for its
-    keys); dropout is on iff `dropout_rng` is given."""
-    net = build_model(config)
-    rngs = None if dropout_rng is None else {"dropout": dropout_rng}
-    return net.apply({"params": params}, batch, rngs=rngs, method=net.teacher_forced)
+    keys); dropout is on iff `dropout_rng` is given. With `router_loss`, (logits, the
+    mixtures' load-balancing loss over the batch's tokens: `experts.load_balancing_loss`)."""
+    return _teacher_forced(config, params, batch, dropout_rng, False, router_loss)
 
 
-def teacher_forced_hidden(config: TransformerConfig, params, batch, dropout_rng=None):
+def teacher_forced_hidden(config: TransformerConfig, params, batch, dropout_rng=None,
+                          router_loss: bool = False):
     """The final hidden states [B, T, D] that `teacher_forced_logits` turns into logits
-    (`hidden_logits`), so that a loss can compute the logits a part at a time."""
+    (`hidden_logits`), so that a loss can compute the logits a part at a time; with
+    `router_loss`, (hidden states, load-balancing loss) as there."""
+    return _teacher_forced(config, params, batch, dropout_rng, True, router_loss)
+
+
+def _teacher_forced(config, params, batch, dropout_rng, hidden: bool, router_loss: bool):
     net = build_model(config)
     rngs = None if dropout_rng is None else {"dropout": dropout_rng}
-    return net.apply({"params": params}, batch, True, rngs=rngs, method=net.teacher_forced)
+    if not router_loss:
+        return net.apply({"params": params}, batch, hidden, rngs=rngs,
+                         method=net.teacher_forced)
+    if not config.num_experts:
+        raise ValueError("a load-balancing loss needs a mixture of experts; this model has "
+                         "none (num_experts=0)")
+    out, variables = net.apply({"params": params}, batch, hidden, rngs=rngs,
+                               method=net.teacher_forced, mutable=["intermediates"])
+    return out, load_balancing_loss(variables["intermediates"], config.num_experts)
 
 
 def hidden_logits(config: TransformerConfig, params, hidden_BTD):

@@ -40,6 +40,12 @@ class TrainConfig:
 
     `lora` trains low-rank adapters on the chosen kernels of a frozen base checkpoint instead
     of every param (`kvjax.train.lora`); the run must start from that base (`init_from`).
+
+    `router_aux_loss_coef` > 0 adds that times a mixture of experts' load-balancing loss to
+    the loss minimized (`model.experts.load_balancing_loss`, transformers'
+    `router_aux_loss_coef` with `output_router_logits`), which keeps the router spreading
+    tokens over the experts; the losses reported stay the cross-entropy. 0: none, as
+    transformers trains by default.
     """
 
     steps: int = 1000
@@ -62,6 +68,7 @@ class TrainConfig:
     deterministic: bool = False
     remat: bool = False
     lora: LoRA | None = None
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self):
         problems = []
@@ -78,7 +85,7 @@ class TrainConfig:
             elif name == "seed" and value >= 2**63:
                 problems.append(f"seed={value} must be < 2**63")
         for name in ("learning_rate", "final_lr_fraction", "weight_decay", "clip_norm",
-                     "adam_b1", "adam_b2", "label_smoothing"):
+                     "adam_b1", "adam_b2", "label_smoothing", "router_aux_loss_coef"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float | np.number):
                 problems.append(f"{name}={value!r} must be a number")
@@ -95,6 +102,8 @@ class TrainConfig:
             problems.append(f"warmup_steps={self.warmup_steps} must be in [0, steps={self.steps})")
         if not self.learning_rate > 0:
             problems.append(f"learning_rate={self.learning_rate} must be > 0")
+        if not self.router_aux_loss_coef >= 0:
+            problems.append(f"router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0")
         if not 0 <= self.label_smoothing < 1:
             problems.append(f"label_smoothing={self.label_smoothing} must be in [0, 1)")
         if not 0 <= self.final_lr_fraction <= 1:
@@ -114,7 +123,7 @@ class TrainConfig:
 # The fields that decide what a run computes; `--resume` refuses to change them silently.
 TRAJECTORY_FIELDS = ("steps", "batch_size", "learning_rate", "warmup_steps",
                      "final_lr_fraction", "weight_decay", "clip_norm", "adam_b1", "adam_b2",
-                     "label_smoothing", "seed")
+                     "label_smoothing", "seed", "router_aux_loss_coef")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 from collections.abc import Iterator, Mapping
@@ -82,8 +83,11 @@ def read_run_record(out_dir: Path) -> dict[str, Any] | None:
 
 
 def check_same_record(out_dir: Path, old: Mapping[str, Any], new: Mapping[str, Any]) -> None:
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     for part, what in (("data", "data"), ("training", "settings")):
         before, now = old.get(part, {}), new[part]
+        if part == "training":  # a setting an older record leaves out had its default
+            before = {k: before.get(k, defaults.get(k)) for k in before.keys() | now.keys()}
         differ = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
         if differ:
             details = "; ".join(f"{k}: {json.dumps(before.get(k))} then, "

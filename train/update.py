@@ -157,6 +157,9 @@ def init_state(model_config: M.TransformerConfig, train_config: TrainConfig,
         raise ValueError(f"kernel_dtype={model_config.kernel_dtype!r} holds weights for "
                          "decoding; a training run holds float params (LoRA trains over an "
                          "int8 base with lora base_dtype='int8')")
+    if train_config.router_aux_loss_coef and not model_config.num_experts:
+        raise ValueError(f"router_aux_loss_coef={train_config.router_aux_loss_coef} weighs a "
+                         "mixture of experts' load-balancing loss; this model has no experts")
     step_config, seed_key = compiled_fields(train_config), jax.random.key(train_config.seed)
     if params is None:
         state = _init_state(model_config, step_config, seed_key)
@@ -237,7 +240,7 @@ def _train_step(model_config: M.TransformerConfig, train_config: TrainConfig, st
 
     # Bit-identical reruns on a GPU are checked with XLA's attention, not the fused kernel's.
     with xla_attention_only() if train_config.deterministic else contextlib.nullcontext():
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        (_, loss), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     updates, opt_state = make_optimizer(train_config).update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     state = state.replace(params=params, opt_state=opt_state, step=state.step + 1)
@@ -248,17 +251,21 @@ def _train_step(model_config: M.TransformerConfig, train_config: TrainConfig, st
 
 def _loss(model_config: M.TransformerConfig, train_config: TrainConfig, params, batch: Batch,
           dropout_rng: jax.Array) -> jax.Array:
-    """The batch's mean cross-entropy per counted target token."""
+    """(what the step minimizes, the batch's mean cross-entropy per counted target token):
+    the cross-entropy plus `router_aux_loss_coef` times the load-balancing loss, if any."""
+    coef = train_config.router_aux_loss_coef
+    forward = M.teacher_forced_hidden if train_config.remat else M.teacher_forced_logits
+    out = forward(model_config, params, batch, dropout_rng, router_loss=coef > 0)
+    out, router_loss = out if coef > 0 else (out, 0.0)
     if train_config.remat:  # the logits are recomputed too, a part at a time
-        hidden = M.teacher_forced_hidden(model_config, params, batch, dropout_rng)
         total, count = chunked_cross_entropy_sum(
-            model_config, params, hidden, batch["targets"], target_weights(batch),
+            model_config, params, out, batch["targets"], target_weights(batch),
             train_config.label_smoothing)
     else:
-        logits = M.teacher_forced_logits(model_config, params, batch, dropout_rng)
-        total, count = cross_entropy_sum(logits, batch["targets"], target_weights(batch),
+        total, count = cross_entropy_sum(out, batch["targets"], target_weights(batch),
                                          train_config.label_smoothing)
-    return total / jnp.maximum(count, 1.0)
+    loss = total / jnp.maximum(count, 1.0)
+    return loss + coef * router_loss, loss
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -95,6 +95,10 @@ def add_train(commands) -> None:
                             "the backward pass instead of keeping them: less memory per step "
                             "(a larger batch or model fits) for one more forward pass of "
                             "compute; the same losses up to float rounding")
+    train.add_argument("--router-aux-loss-coef", type=float, default=0.0, metavar="C",
+                       help="a mixture of experts: add C times the load-balancing loss "
+                            "(transformers' router_aux_loss_coef, as a Hugging Face model's "
+                            "config.json gives it) to the loss minimized (default: 0, none)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(run=run_train)
 
@@ -108,7 +112,8 @@ def run_train(args) -> int:
                            cpu_devices=args.cpu_devices)
 
     overrides = {"seed": args.seed, "progress": not args.no_progress,
-                 "deterministic": args.deterministic, "remat": args.remat, **schedule(args)}
+                 "deterministic": args.deterministic, "remat": args.remat,
+                 "router_aux_loss_coef": args.router_aux_loss_coef, **schedule(args)}
     for option, name in (("batch_size", "batch_size"), ("learning_rate", "learning_rate"),
                          ("save_every", "save_every")):
         if getattr(args, option) is not None:

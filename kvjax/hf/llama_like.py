@@ -128,7 +128,8 @@ def _experts(c: Reader, normalize: bool) -> dict[str, Any]:
     token, their weights divided by their sum where `normalize`. The router's training
     settings (its auxiliary loss and whether to return its logits, its jitter noise) change
     nothing in inference: transformers applies them in training only, and kvjax fine-tunes
-    without them, as transformers does by default."""
+    without them, as transformers does by default (`kvjax train --router-aux-loss-coef`
+    adds the loss)."""
     for key in ("output_router_logits", "router_aux_loss_coef", "router_jitter_noise"):
         c.get(key)
     count, local = c.get("num_experts"), c.get("num_local_experts")

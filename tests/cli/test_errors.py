@@ -153,8 +153,9 @@ def test_train_passes_the_new_options_through(capsys, monkeypatch):
     monkeypatch.setattr(tasks, "train_translate", fake_translate)
     code, _, _ = run_cli(capsys, "train", "--task", "translate", "--data", "p.tsv", "--steps",
                          "300", "--save-every", "25", "--heldout", "0", "--learning-rate",
-                         "1e-4", "--resume", "--allow-changes", "--remat")
-    assert code == 0 and seen["remat"] is True
+                         "1e-4", "--resume", "--allow-changes", "--remat",
+                         "--router-aux-loss-coef", "0.01")
+    assert code == 0 and seen["remat"] is True and seen["router_aux_loss_coef"] == 0.01
     assert (seen["steps"], seen["warmup_steps"], seen["save_every"]) == (300, 30, 25)
     assert (seen["num_heldout"], seen["learning_rate"]) == (0, 1e-4)
     assert seen["resume"] and seen["allow_changes"] and seen["data_tsv"] == "p.tsv"
@@ -162,6 +163,7 @@ def test_train_passes_the_new_options_through(capsys, monkeypatch):
         k: v for k, v in seen.items()
         if k not in ("out", "data_tsv", "resume", "allow_changes", "mesh")})
     assert settings.training.save_interval == 25 and settings.training.remat
+    assert settings.training.router_aux_loss_coef == 0.01
 
 
 @pytest.mark.parametrize("steps, warmup", [(10, 1), (300, 30), (5000, 50), (1, 0)])

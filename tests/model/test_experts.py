@@ -1,7 +1,8 @@
 """A mixture of experts (`model/experts.py`): the router's choice and the experts' weighted
 sum equal a NumPy reference of the formula along both ways of running the experts (gathered
 for few tokens, grouped for many); a model of such layers decodes with a cache and runs
-scanned as it runs whole and unrolled; configs it cannot run are refused by name."""
+scanned as it runs whole and unrolled; configs it cannot run are refused by name; the
+load-balancing loss equals its formula and transformers'."""
 
 import jax
 import jax.numpy as jnp
@@ -146,3 +147,44 @@ def test_on_a_mesh_each_expert_splits_its_hidden_units_as_a_dense_ffn_does():
     assert shared["wi"]["kernel"] == shared["wi_gate"]["kernel"] == P(None, None, model)
     assert shared["wo"]["kernel"] == P(None, model, None)
     assert specs["shared_expert_gate"]["kernel"] == P()
+
+
+def test_the_load_balancing_loss_equals_the_formula_over_every_layer_together():
+    """E · Σ_e f_e · P_e over two layers' tokens together (f: the share of tokens choosing e,
+    P: the mean router probability), whether the layers sowed apart or stacked (scanned)."""
+    rng = np.random.default_rng(0)
+    num, k = 6, 2
+    logits = [rng.normal(size=(10, num)).astype(np.float32) for _ in range(2)]
+    probabilities = np.concatenate([np.exp(x) / np.exp(x).sum(-1, keepdims=True)
+                                    for x in logits])
+    chosen = np.zeros(num)
+    for row in probabilities:
+        chosen[np.argsort(row)[-k:]] += 1
+    want = num * np.sum(chosen / len(probabilities) * probabilities.mean(0))
+    loads = [experts.router_load(jnp.asarray(x), k) for x in logits]
+    apart = {"layers_0": {experts.ROUTER_LOAD: (loads[0],)},
+             "layers_1": {experts.ROUTER_LOAD: (loads[1],)}}
+    stacked = {"layers": {experts.ROUTER_LOAD: (jax.tree.map(lambda *a: jnp.stack(a),
+                                                             *loads),)}}
+    for sown in (apart, stacked):
+        np.testing.assert_allclose(experts.load_balancing_loss(sown, num), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])  # Qwen2-MoE: a shared expert
+def test_the_load_balancing_loss_equals_transformers(name):
+    """A Hugging Face mixture's auxiliary loss as transformers computes it
+    (`output_router_logits`, recorded in the fixture by tests/fixtures/make_hf_models.py)."""
+    import json
+    from pathlib import Path
+
+    from kvjax import hf
+
+    directory = Path(__file__).parents[1] / "fixtures" / "hf_models" / name
+    record = json.loads((directory / "expected.json").read_text())
+    config, params = hf.load_model(directory)
+    logits, loss = M.teacher_forced_logits(
+        config, params, {"inputs": jnp.asarray([record["prompts"][1]])}, router_loss=True)
+    assert logits.shape[1] == len(record["prompts"][1])
+    np.testing.assert_allclose(float(loss), record["router_aux_loss"], rtol=1e-5)
+    with pytest.raises(ValueError, match="needs a mixture of experts"):
+        M.teacher_forced_logits(M.preset("tiny"), None, {}, router_loss=True)

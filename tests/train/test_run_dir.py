@@ -65,6 +65,13 @@ def test_run_json_records_the_data_and_the_trajectory_and_a_resume_must_match(tm
     other_data = run_dir.run_record(config, task(file="b.txt", sha256="00"))
     with pytest.raises(CheckpointError, match=r'other data \(file: "a.txt" then, "b.txt" now\)'):
         run_dir.check_same_record(tmp_path, record, other_data)
+    # A setting an older record leaves out had its default then.
+    older = {**record, "training": {k: v for k, v in record["training"].items()
+                                    if k != "router_aux_loss_coef"}}
+    run_dir.check_same_record(tmp_path, older, record)
+    with pytest.raises(CheckpointError, match=r"router_aux_loss_coef: 0.0 then, 0.01 now"):
+        run_dir.check_same_record(tmp_path, older, run_dir.run_record(
+            config.replace(router_aux_loss_coef=0.01), task(file="a.txt", sha256="00")))
 
 
 def test_a_missing_run_json_is_none_and_a_damaged_one_an_error_naming_it(tmp_path):

@@ -1,6 +1,7 @@
 """train/update.py: the loss is the masked mean NumPy computes, the learning rate warms up then
-decays, weight decay moves a scanned model as it moves the same model unrolled, and a GPU's
-step compiles with XLA's deterministic ops."""
+decays, weight decay moves a scanned model as it moves the same model unrolled, a GPU's
+step compiles with XLA's deterministic ops, and a mixture's load-balancing loss joins the loss
+minimized, not the one reported."""
 
 
 import jax
@@ -96,3 +97,33 @@ def test_weight_decay_takes_the_same_step_for_scanned_and_unrolled_layers():
         np.testing.assert_allclose(a, b, rtol=1e-6, err_msg=jax.tree_util.keystr(path))
         name = path[-1].key
         assert bool(np.any(np.asarray(a) != 0)) == (name in update.DECAYED_PARAMS), name
+
+
+def test_the_load_balancing_loss_joins_the_loss_minimized_not_the_loss_reported():
+    config = M.preset("tiny", num_experts=4, experts_per_token=2, ffn_bias=False,
+                      activation="swiglu")
+    params = M.init_params(config, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, config.vocab_size)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    logits, router_loss = jax.jit(lambda p: M.teacher_forced_logits(config, p, batch,
+                                                                    router_loss=True))(params)
+    total, count = update.cross_entropy_sum(logits, batch["targets"],
+                                            update.target_weights(batch))
+    for remat in (False, True):  # the logits whole, or a part at a time
+        train_config = TrainConfig(steps=2, warmup_steps=0, router_aux_loss_coef=0.25,
+                                   remat=remat)
+        model_config = config.replace(remat=remat)
+        minimized, reported = jax.jit(lambda p, c=train_config, m=model_config:
+                                      update._loss(m, c, p, batch, None))(params)
+        np.testing.assert_allclose(reported, total / count, rtol=1e-5)
+        np.testing.assert_allclose(minimized, reported + 0.25 * router_loss, rtol=1e-5)
+    state = update.init_state(config, train_config, params=params)
+    before = np.asarray(state.params["layers"]["0"]["ffn"]["router"]["kernel"])
+    state, loss = update.train_step(config, train_config, state, batch)
+    np.testing.assert_allclose(loss, reported, rtol=1e-5)  # the step reports the cross-entropy
+    assert not np.array_equal(state.params["layers"]["0"]["ffn"]["router"]["kernel"],
+                              before)
+    with pytest.raises(ValueError, match="router_aux_loss_coef=0.25 weighs a mixture"):
+        update.init_state(M.preset("tiny"), train_config)
+    with pytest.raises(ValueError, match="router_aux_loss_coef=-1 must be >= 0"):
+        TrainConfig(router_aux_loss_coef=-1)
