@@ -126,7 +126,9 @@ def record(state: DecodeState, logits_BV: jax.Array, stops: StopConditions,
     `active` (a traced bool) False, nothing changes but slots past what is recorded."""
     token_B, logprob_B, _ = choose(
         logits_BV, ProcessorState(state.context, state.context_lengths, state.step, sampling,
-                                  state.lengths),
+                                  state.lengths,
+                                  jnp.broadcast_to(stops.eos_ids, (state.lengths.shape[0],
+                                                                   stops.eos_ids.shape[0]))),
         state.keys, state.step, processors, plan, state.constraints)
     running_B = ~state.done if active is None else ~state.done & active
     after, token_B, _ = take(state, token_B, running_B, stops.eos_ids[None, :],

@@ -33,9 +33,9 @@ STEPS_PER_CHECK = 8  # what `LoopPlan.for_rows` runs unless told otherwise
 class LoopPlan:
     """steps_per_check: decode steps per iteration of the loop that checks for its end.
     sampled, penalty, ngram_bound: whether some row samples (is not greedy), has a
-    repetition, presence or frequency penalty, and the power of two >= the largest
-    `no_repeat_ngram_size` (0: off); None: decided on the device at every step, with a
-    `lax.cond`."""
+    repetition, presence or frequency penalty or a `min_tokens`, and the power of two >= the
+    largest `no_repeat_ngram_size` (0: off); None: decided on the device at every step, with
+    a `lax.cond`."""
 
     steps_per_check: int = 1
     sampled: bool | None = None
@@ -55,7 +55,8 @@ class LoopPlan:
         return cls(steps_per_check=steps_per_check, sampled=bool(not np.all(greedy)),
                    penalty=bool(np.any(setting("repetition_penalty", 1.0) != 1)
                                 | np.any(setting("presence_penalty", 0.0) != 0)
-                                | np.any(setting("frequency_penalty", 0.0) != 0)),
+                                | np.any(setting("frequency_penalty", 0.0) != 0)
+                                | np.any(setting("min_tokens", 0) > 0)),
                    ngram_bound=0 if largest_ngram == 0 else power_of_two(largest_ngram))
 
 

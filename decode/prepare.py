@@ -142,6 +142,9 @@ def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams
         spec.check_supported(speculative, config, processors=processors, sampling=sampling,
                              state=state, mesh=mesh, prompt_length=int(lengths.max()))
     automata = row_automata(constraint, tokens.shape[0], config.vocab_size, eos_ids, mesh=mesh)
+    if any(a is not None for a in automata) and "min_tokens" in sampling.changed():
+        raise checks.InvalidValue("min_tokens", f"min_tokens={sampling.min_tokens} would hold "
+                                  "back the end id a constraint needs to end its text")
     rows = sampling.rows(tokens.shape[0], num_samples)
     params_rows = SamplingParams.make(**rows, batch=tokens.shape[0] * num_samples)
     buffer_len = bucket(max_new_tokens, config.max_len)

@@ -1,12 +1,13 @@
 """Logit processors: traced functions `(logits [B, V], state) -> logits [B, V]` that change the
 next-token logits before sampling, without forking the decode loop.
 
-The loop applies the built-in ones (repetition, presence and frequency penalties, no-repeat
-n-gram; settings in `SamplingParams`, off by default) and then the caller's, in order. A
-processor is a static argument of the compiled programs: pass the same object (or an equal
-frozen dataclass, such as `LogitBias`) to reuse a compilation; every setting that should vary
-per call belongs in a traced value. Processors change what is sampled; the logprobs the loop
-reports stay those of the model. Shapes: B batch, C context buffer, V vocab.
+The loop applies the built-in ones (repetition, presence and frequency penalties, stop ids
+held back until `min_tokens`, no-repeat n-gram; settings in `SamplingParams`, off by
+default) and then the caller's, in order. A processor is a static argument of the compiled
+programs: pass the same object (or an equal frozen dataclass, such as `LogitBias`) to reuse
+a compilation; every setting that should vary per call belongs in a traced value. Processors
+change what is sampled; the logprobs the loop reports stay those of the model. Shapes: B
+batch, C context buffer, E stop ids, V vocab.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class ProcessorState:
     settings:        the per-row `SamplingParams`.
     output_lengths:  [B] int32 how many of each row's context tokens, the last ones, it has
                      output so far (in this call of `generate`, in this request of the server).
+    stop_ids:        [B, E] int32 the ids that end each row (-1 pads).
     """
 
     context: jax.Array
@@ -41,6 +43,7 @@ class ProcessorState:
     step: jax.Array
     settings: SamplingParams
     output_lengths: jax.Array
+    stop_ids: jax.Array
 
     def scatter_to_vocab(self, values_BC: jax.Array, vocab: int) -> jax.Array:
         """[B, V] bool: token v of row b is True iff some valid context slot holding v is."""
@@ -88,9 +91,23 @@ def penalise_output(logits_BV: jax.Array, state: ProcessorState) -> jax.Array:
             - settings.presence_penalty[:, None] * (counts_BV > 0))
 
 
+def hold_back_stops(logits_BV: jax.Array, state: ProcessorState) -> jax.Array:
+    """A row that has output fewer than its `min_tokens` cannot draw its stop ids (-inf), as
+    transformers' MinNewTokensLengthLogitsProcessor holds back its eos ids; other rows keep
+    their logits exactly."""
+    vocab = logits_BV.shape[1]
+    early_B = state.output_lengths < state.settings.min_tokens
+    stop_ids_BE = jnp.where(early_B[:, None] & (state.stop_ids >= 0), state.stop_ids, vocab)
+
+    def hold_back(row_V, ids_E):  # mapped over rows; an id of `vocab` writes nothing
+        return row_V.at[ids_E].set(-jnp.inf, mode="drop")
+
+    return jax.vmap(hold_back)(logits_BV, stop_ids_BE)
+
+
 def _penalty_on(settings: SamplingParams) -> jax.Array:
     return jnp.any((settings.repetition_penalty != 1) | (settings.presence_penalty != 0)
-                   | (settings.frequency_penalty != 0))
+                   | (settings.frequency_penalty != 0) | (settings.min_tokens > 0))
 
 
 def ban_repeated_ngrams(logits_BV: jax.Array, state: ProcessorState, bound=None) -> jax.Array:
@@ -136,13 +153,14 @@ def apply_processors(logits_BV: jax.Array, state: ProcessorState,
         # it is off for as they are, so when only one is on the other changes nothing.
         def built_in(logits_BV):
             penalised_BV = penalise_output(penalise_repetition(logits_BV, state), state)
-            return ban_repeated_ngrams(penalised_BV, state)
+            return ban_repeated_ngrams(hold_back_stops(penalised_BV, state), state)
 
         any_on = _penalty_on(state.settings) | _no_repeat_ngram_on(state.settings)
         logits_BV = jax.lax.cond(any_on, built_in, lambda x: x, logits_BV)
     else:  # decided on the host
         if plan.penalty:
-            logits_BV = penalise_output(penalise_repetition(logits_BV, state), state)
+            logits_BV = hold_back_stops(penalise_output(penalise_repetition(logits_BV, state),
+                                                        state), state)
         if plan.ngram_bound:
             logits_BV = ban_repeated_ngrams(logits_BV, state, plan.ngram_bound)
     for processor in processors:

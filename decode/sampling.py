@@ -35,6 +35,8 @@ class SamplingParams:
            (0 = off). See processors.py.
     frequency_penalty: times the number of times the row has output a token, subtracted from
            its logit (0 = off). See processors.py.
+    min_tokens: the row's stop ids are held back until it has output this many tokens
+           (0 = none). See processors.py.
     no_repeat_ngram_size: n > 0 bans every token that would repeat an n-gram of the row's
            context (0 = off). See processors.py.
     """
@@ -47,11 +49,12 @@ class SamplingParams:
     no_repeat_ngram_size: jax.Array
     presence_penalty: jax.Array
     frequency_penalty: jax.Array
+    min_tokens: jax.Array
 
     @classmethod
     def make(cls, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
              no_repeat_ngram_size=0, presence_penalty=0.0, frequency_penalty=0.0,
-             batch: int | None = None) -> SamplingParams:
+             min_tokens=0, batch: int | None = None) -> SamplingParams:
         """Scalars or [B] arrays; with `batch`, every field is broadcast to [batch], so that
         scalar and per-row settings share one compiled program."""
 
@@ -63,7 +66,8 @@ class SamplingParams:
                    field(top_p, jnp.float32), field(min_p, jnp.float32),
                    field(repetition_penalty, jnp.float32),
                    field(no_repeat_ngram_size, jnp.int32),
-                   field(presence_penalty, jnp.float32), field(frequency_penalty, jnp.float32))
+                   field(presence_penalty, jnp.float32), field(frequency_penalty, jnp.float32),
+                   field(min_tokens, jnp.int32))
 
     def rows(self, batch: int) -> SamplingParams:
         """Every field as a [batch] array."""

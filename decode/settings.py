@@ -38,6 +38,9 @@ class Sampling:
         (0 = off).
     The last two count the tokens this call outputs, not the prompt's, as OpenAI's API and
     vLLM do; the repetition penalty and the n-gram ban read the whole context.
+    min_tokens: the row's stop ids cannot be drawn before it has output this many tokens
+        (0 = none; transformers' min_new_tokens, vLLM's min_tokens). Stop strings still
+        end a text.
     See `sampling.SamplingParams`, the traced [B] form a compiled program takes.
     """
 
@@ -49,6 +52,7 @@ class Sampling:
     no_repeat_ngram_size: Setting = 0
     presence_penalty: Setting = 0.0
     frequency_penalty: Setting = 0.0
+    min_tokens: Setting = 0
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -88,6 +92,7 @@ RULES: dict[str, tuple[bool, Callable[[float], bool], str]] = {
     "no_repeat_ngram_size": (True, lambda v: v >= 0, ">= 0 (0 means off)"),
     "presence_penalty": (False, lambda v: -2 <= v <= 2, "in [-2, 2] (0 means off)"),
     "frequency_penalty": (False, lambda v: -2 <= v <= 2, "in [-2, 2] (0 means off)"),
+    "min_tokens": (True, lambda v: v >= 0, ">= 0 (0 means none)"),
 }
 
 

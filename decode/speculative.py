@@ -429,7 +429,7 @@ def check_supported(speculative, config: M.TransformerConfig, *, processors,
         raise ValueError("speculative decoding does not take logit_processors: they would "
                          "see a context that does not yet hold the draft")
     for name in ("repetition_penalty", "no_repeat_ngram_size", "presence_penalty",
-                 "frequency_penalty"):
+                 "frequency_penalty", "min_tokens"):
         if name in sampling.changed():
             raise ValueError(f"speculative decoding does not take {name}="
                              f"{getattr(sampling, name)} (it reads the context the draft "

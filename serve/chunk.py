@@ -156,7 +156,7 @@ def _decode_chunk(config, params, state, cancel_I, want_top, queued, steps, mesh
                                     live_B.astype(jnp.int32))
         token_B, logprob_B, top_logprobs_BA, top_ids_BA, constraint_state_B = choose(
             logits_B1V[:, 0], slots.context, slots.context_lengths, slots.sampling,
-            slots.logit_bias, slots.keys, slots.generated, want_top,
+            slots.logit_bias, slots.stop_ids, slots.keys, slots.generated, want_top,
             state.constraints(slots.constraint_state), live_B)
         if constraint_state_B is not None:
             slots = slots.replace(constraint_state=constraint_state_B)

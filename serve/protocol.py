@@ -11,7 +11,8 @@ as OpenAI's API does.
 Sampling defaults are OpenAI's: temperature 1, top_p 1, presence and frequency penalties 0
 (counted over the request's output, as OpenAI and vLLM count them), no `logit_bias` (an
 object of token ids, as strings, to biases in [-100, 100]); kvjax's extra settings (`top_k`,
-`min_p`, `repetition_penalty`, `no_repeat_ngram_size`) are read where given, as vLLM does.
+`min_p`, `repetition_penalty`, `no_repeat_ngram_size`, `min_tokens`) are read where given,
+as vLLM does.
 Structured output (`response_format`, `structured_outputs`) and tools are read by
 `structured.py` and `tools.py`.
 """
@@ -244,7 +245,8 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
                           repetition_penalty=_get(body, "repetition_penalty", _NUMBER, 1.0),
                           no_repeat_ngram_size=_get(body, "no_repeat_ngram_size", _INT, 0),
                           presence_penalty=_get(body, "presence_penalty", _NUMBER, 0.0),
-                          frequency_penalty=_get(body, "frequency_penalty", _NUMBER, 0.0)),
+                          frequency_penalty=_get(body, "frequency_penalty", _NUMBER, 0.0),
+                          min_tokens=_get(body, "min_tokens", _INT, 0)),
         logit_bias=_logit_bias(body),
         seed=_get(body, "seed", _INT), stop=_stops(body, max_stop_strings, max_stop_chars),
         logprobs=top or 0,

@@ -96,6 +96,10 @@ class GenerationRequest:
         checks.integer("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
         if self.constraint is not None:
             _check_constraint(self.constraint, vocab_size, stop_ids)
+            if self.sampling.min_tokens:
+                raise checks.InvalidValue("min_tokens", f"min_tokens={self.sampling.min_tokens} "
+                                          "would hold back the end id that structured output "
+                                          "needs to end its text")
         return dataclasses.replace(self, prompt=prompt, logit_bias=logit_bias,
                                    stop_ids=stop_ids, stop=stop, seed=seed)
 

@@ -225,17 +225,18 @@ def _free_state_on(config: M.TransformerConfig, num_slots: int, num_staged: int,
 
 
 def choose(logits_BV, context_BC, context_lengths_B, sampling: SamplingParams,
-           logit_bias: RowLogitBias, keys_B2, positions_B, want_top=True,
+           logit_bias: RowLogitBias, stop_ids_BE, keys_B2, positions_B, want_top=True,
            constraints: RowConstraints | None = None, live_B=None):
     """(token [B], logprob [B], top_logprobs [B, W], top_ids [B, W], constraint_state [B]
     or None): each row's next token as `decode` picks it (`decode.loop.choose`), drawn with
     the row's own key folded with its position (the tokens it has made so far, which are the
-    last of its context, as the presence and frequency penalties count them), its logit bias
-    added after the penalties, and each `live` row's constraint state after it. The top W are
-    zeros unless `want_top`."""
+    last of its context, as the presence and frequency penalties count them, and which
+    `min_tokens` compares to hold back its `stop_ids` [B, E]), its logit bias added after the
+    penalties, and each `live` row's constraint state after it. The top W are zeros unless
+    `want_top`."""
     token_B, logprob_B, logprobs_BV = decode_loop.choose(
         logits_BV, ProcessorState(context_BC, context_lengths_B, jnp.zeros((), jnp.int32),
-                                  sampling, positions_B),
+                                  sampling, positions_B, stop_ids_BE),
         jax.random.wrap_key_data(keys_B2), positions_B, processors=(logit_bias,),
         constraints=constraints)
     constraint_state_B = None if constraints is None else (
@@ -337,7 +338,8 @@ def _first_tokens(state: EngineState, logits_RV, context_RC, context_lengths_R, 
     constraints = state.constraints(settings.constraint_state)
     token_R, logprob_R, top_logprobs_RA, top_ids_RA, constraint_state_R = choose(
         logits_RV, context_RC, context_lengths_R, settings.sampling, settings.logit_bias,
-        keys_R2, settings.generated, constraints=constraints, live_B=jnp.ones(staged_R.shape, bool))
+        settings.stop_ids, keys_R2, settings.generated, constraints=constraints,
+        live_B=jnp.ones(staged_R.shape, bool))
     if constraints is not None:
         rows = rows.replace(constraint_state=put(rows.constraint_state, constraint_state_R))
     token_Q = jnp.zeros(rows.num_slots, jnp.int32).at[staged_R].set(token_R, mode="drop")

@@ -38,6 +38,9 @@ def add_sample(commands) -> None:
     sample.add_argument("--frequency-penalty", type=float, default=0.0,
                         help="in [-2, 2]: > 0 makes tokens less likely the more often they "
                              "were output (OpenAI's)")
+    sample.add_argument("--min-tokens", type=count, default=0,
+                        help="generate at least this many tokens before an end-of-text id "
+                             "may end the text")
     sample.add_argument("--stop", action="append", default=[], metavar="TEXT",
                         help="end the text before this string (repeatable; \\n and \\t "
                              "are a newline and a tab)")
@@ -83,7 +86,8 @@ def run_sample(args) -> int:
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty,
         no_repeat_ngram_size=args.no_repeat_ngram_size,
-        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        min_tokens=args.min_tokens)
     speculative = None
     if args.speculative:
         draft_model = draft_params = None

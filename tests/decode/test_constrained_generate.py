@@ -154,6 +154,8 @@ def test_misused_constraints_are_named(lm):
         (dict(eos_ids=()), "not among eos_ids"),
         (dict(eos_ids=tok.stop_ids, constraint=[automaton, None]), "2 entries for 1 prompts"),
         (dict(eos_ids=tok.stop_ids, constraint=["a+"]), "must be a TokenAutomaton"),
+        (dict(eos_ids=tok.stop_ids, sampling=decode.Sampling(min_tokens=2)),
+         "min_tokens=2 would hold back the end id a constraint needs"),
     ]
     for kwargs, message in cases:
         kwargs = {"constraint": automaton, **kwargs}

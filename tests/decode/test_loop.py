@@ -154,6 +154,22 @@ def test_penalties_steer_the_loop_exactly():
     assert state.tokens[2, 1] == 1 and state.tokens[3, 1] == 0  # the prompt's 1 not counted
 
 
+def test_min_tokens_holds_back_the_stop_ids_until_that_many_are_out():
+    """Token 0, the model's favourite, ends a row: a row with min_tokens 3 makes its second
+    favourite three times first, one without stops at once."""
+    cache = FakeCache(jnp.zeros(2, jnp.int32), jnp.zeros((), jnp.int32))
+    stops = StopConditions(jnp.asarray([0] + [-1] * 7, jnp.int32), jnp.asarray(8))
+    sampling = SamplingParams.make(min_tokens=[3, 0], batch=2)
+    state = initial_state(2, 8, cache, row_keys(jax.random.key(0), 2))
+    first, _ = fixed_preferences(jnp.zeros((2, 1), jnp.int32), cache)
+    state = record(state, first[:, 0], stops, sampling)
+    state = jax.jit(decode_loop, static_argnums=0)(fixed_preferences, state, stops, sampling,
+                                                    stops.max_new_tokens)
+    np.testing.assert_array_equal(state.lengths, [4, 1])
+    np.testing.assert_array_equal(state.tokens[:, :4], [[1, 1, 1, 0], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(state.stop_reason, [StopReason.EOS] * 2)
+
+
 @flax.struct.dataclass
 class Rows:
     last_tokens: jax.Array

@@ -13,12 +13,15 @@ from kvjax import decode
 
 
 def penalised_greedy_reference(config, params, prompt, steps, repetition=1.0, presence=0.0,
-                               frequency=0.0):
+                               frequency=0.0, stop=None, min_tokens=0):
     """Greedy decoding without a cache, the penalties applied in NumPy: the CTRL penalty to
     every token of the prompt and the output so far, the presence and frequency penalties to
-    the output's tokens, by their counts."""
+    the output's tokens, by their counts; `stop` ends the output, and cannot be drawn before
+    `min_tokens` are out."""
     sequence = list(prompt)
     for _ in range(steps):
+        if stop is not None and sequence[-1] == stop and len(sequence) > len(prompt):
+            break
         padded = np.zeros((1, 32), np.int32)
         padded[0, :len(sequence)] = sequence
         logits = np.asarray(run_full(config, params, jnp.asarray(padded))[0, len(sequence) - 1])
@@ -28,6 +31,8 @@ def penalised_greedy_reference(config, params, prompt, steps, repetition=1.0, pr
                                          logits * repetition), logits)
         counts = np.bincount(sequence[len(prompt):], minlength=config.vocab_size)
         logits = logits - np.float32(frequency) * counts - np.float32(presence) * (counts > 0)
+        if stop is not None and len(sequence) - len(prompt) < min_tokens:
+            logits[stop] = -np.inf
         sequence.append(int(np.argmax(logits)))
     return sequence[len(prompt):]
 
@@ -45,6 +50,19 @@ def test_penalties_equal_the_reference(tiny_lm):
             config, params, PROMPTS[row], 8, *(settings[k][row] for k in settings))
         assert not np.array_equal(out.tokens[row], plain.tokens[row])
     np.testing.assert_array_equal(out.tokens[1], plain.tokens[1])  # every penalty off
+
+
+def test_min_tokens_holds_back_the_stop_ids_as_the_reference_does(tiny_lm):
+    config, net, params = tiny_lm
+    plain = decode.generate(net, params, PROMPTS, max_new_tokens=8)
+    stop = int(plain.tokens[0, 0])  # row 0 would stop at once
+    min_tokens = [4, 0, 2, 8]
+    out = decode.generate(net, params, PROMPTS, max_new_tokens=8, eos_ids=(stop,),
+                          sampling=decode.Sampling(min_tokens=min_tokens))
+    for row, prompt in enumerate(PROMPTS):
+        assert out.token_lists()[row] == penalised_greedy_reference(
+            config, params, prompt, 8, stop=stop, min_tokens=min_tokens[row])
+    assert len(out.token_lists()[0]) >= 4 and stop not in out.token_lists()[0][:4]
 
 
 def test_no_repeat_ngram_size_one_never_repeats_a_context_token(tiny_lm):

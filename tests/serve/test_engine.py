@@ -61,7 +61,8 @@ def alone(tiny_lm, request):
     config, net, params = tiny_lm
     budget = max(request.max_tokens, min(ALONE_BUDGET, config.max_len - len(request.prompt)))
     return decode.generate(net, params, [list(request.prompt)], max_new_tokens=budget,
-                           eos_ids=request.stop_ids).token_lists()[0][:request.max_tokens]
+                           eos_ids=request.stop_ids, sampling=request.sampling
+                           ).token_lists()[0][:request.max_tokens]
 
 
 def test_greedy_requests_equal_generate_alone_while_others_join_and_leave(engine, tiny_lm):
@@ -71,7 +72,16 @@ def test_greedy_requests_equal_generate_alone_while_others_join_and_leave(engine
     # Request 3 stops at a token it makes on its way: a stop id ends it early.
     free_run = alone(tiny_lm, requests[3])
     requests[3] = GenerationRequest(requests[3].prompt, max_tokens=8, stop_ids=(free_run[2],))
+    # Requests 4 and 5 would stop at their first and third tokens, which min_tokens holds
+    # back (in the program that samples first tokens, and in a chunk).
+    held = []
+    for i, source, position in ((4, requests[4], 0), (5, requests[0], 2)):
+        held.append(alone(tiny_lm, source)[position])
+        requests[i] = GenerationRequest(source.prompt, max_tokens=requests[i].max_tokens,
+                                        stop_ids=(held[-1],), sampling=Sampling(min_tokens=3))
     expected = [alone(tiny_lm, r) for r in requests]
+    assert all(len(tokens) >= 3 and stop not in tokens[:3]
+               for tokens, stop in zip(expected[4:], held, strict=True))
     collectors = [Collector() for _ in requests]
     for request, collector in zip(requests[:3], collectors[:3], strict=True):
         engine.submit(request, collector)

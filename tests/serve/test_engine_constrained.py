@@ -141,6 +141,10 @@ def test_bad_constraints_are_refused_before_they_are_queued(lm, engine):
     with pytest.raises(ValueError, match="must be a TokenAutomaton"):
         engine.check(GenerationRequest((1, 2), constraint="a+",
                                        stop_ids=tuple(lm.tokenizer.stop_ids)))
+    # min_tokens would hold back the end id the automaton allows only where the text ends.
+    with pytest.raises(ValueError, match="min_tokens=2 would hold back the end id"):
+        engine.check(GenerationRequest((1, 2), constraint=automaton, sampling=decode.Sampling(
+            min_tokens=2), stop_ids=tuple(lm.tokenizer.stop_ids)))
 
 
 class _Rows:

@@ -49,6 +49,7 @@ BAD_REQUESTS = [
     ("completions", completion(repetition_penalty=1e-50), 400, "repetition_penalty", "float32"),
     ("completions", completion(temperature=1e300), 400, "temperature", "float32"),
     ("completions", completion(presence_penalty=2.5), 400, "presence_penalty", "in [-2, 2]"),
+    ("completions", completion(min_tokens=-1), 400, "min_tokens", ">= 0"),
     ("completions", completion(logit_bias={"5": 101}), 400, "logit_bias", "in [-100, 100]"),
     ("completions", completion(logit_bias={"5": "up"}), 400, "logit_bias", "a real number"),
     ("completions", completion(logit_bias={"10000000": 1}), 400, "logit_bias", "vocabulary"),

@@ -30,14 +30,16 @@ def test_a_completion_body_becomes_one_request_per_prompt_setting_for_setting():
     parsed = completion(prompt=["AB", [7, 8, 9]], n=3, max_tokens=5, temperature=0.5,
                         top_p=0.9, top_k=-1, min_p=0.1, repetition_penalty=1.2,
                         no_repeat_ngram_size=2, presence_penalty=-0.5, frequency_penalty=0.25,
-                        logit_bias={"9": -100, "7": 2.5}, seed=4, stop="END", logprobs=2, echo=True,
-                        stream=True, stream_options={"include_usage": True})
+                        logit_bias={"9": -100, "7": 2.5}, min_tokens=3, seed=4, stop="END",
+                        logprobs=2, echo=True, stream=True,
+                        stream_options={"include_usage": True})
     first, second = parsed.requests
     assert first.prompt == (*PREFIX, *FakeTokenizer.encode("AB")) and second.prompt == (7, 8, 9)
     assert parsed.echo == ("AB", FakeTokenizer.decode([7, 8, 9])) and parsed.echo_prompt
     assert first.sampling == Sampling(temperature=0.5, top_p=0.9, top_k=0, min_p=0.1,
                                       repetition_penalty=1.2, no_repeat_ngram_size=2,
-                                      presence_penalty=-0.5, frequency_penalty=0.25)
+                                      presence_penalty=-0.5, frequency_penalty=0.25,
+                                      min_tokens=3)
     assert (first.n, first.max_tokens, first.seed, first.stop, first.logprobs) == (
         3, 5, 4, ("END",), 2)
     assert first.logit_bias == ((9, -100), (7, 2.5))  # checked (and sorted) by the engine
