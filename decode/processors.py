@@ -149,8 +149,8 @@ def apply_processors(logits_BV: jax.Array, state: ProcessorState,
     logits_BV = logits_BV.astype(jnp.float32)
     state = state.replace(settings=state.settings.rows(logits_BV.shape[0]))
     if plan.penalty is None:
-        # Off by default: then one cond skips both at every decode step. Each leaves the rows
-        # it is off for as they are, so when only one is on the other changes nothing.
+        # Off by default: then one cond skips them all at every decode step. Each leaves the
+        # rows it is off for as they are, so when only one is on the others change nothing.
         def built_in(logits_BV):
             penalised_BV = penalise_output(penalise_repetition(logits_BV, state), state)
             return ban_repeated_ngrams(hold_back_stops(penalised_BV, state), state)
