@@ -11,8 +11,8 @@ as OpenAI's API does.
 Sampling defaults are OpenAI's: temperature 1, top_p 1, presence and frequency penalties 0
 (counted over the request's output, as OpenAI and vLLM count them), no `logit_bias` (an
 object of token ids, as strings, to biases in [-100, 100]); kvjax's extra settings (`top_k`,
-`min_p`, `repetition_penalty`, `no_repeat_ngram_size`, `min_tokens`) are read where given,
-as vLLM does.
+`min_p`, `repetition_penalty`, `no_repeat_ngram_size`, `min_tokens`, `stop_token_ids`,
+`ignore_eos`) are read where given, as vLLM does.
 Structured output (`response_format`, `structured_outputs`) and tools are read by
 `structured.py` and `tools.py`.
 """
@@ -54,7 +54,7 @@ class APIError(Exception):
         if field is not None:
             field = field.split("[")[0]  # "top_p[1]": one of a list's values
             field = {"logprobs": "top_logprobs" if chat else "logprobs",
-                     "stop_ids": None}.get(field, field)
+                     "stop_ids": "stop_token_ids"}.get(field, field)
         return cls(400, str(error), field)
 
 
@@ -144,6 +144,20 @@ def _stops(body: dict, max_count: int, max_chars: int) -> tuple[str, ...]:
             raise APIError(400, f"stop string {i} has {len(text)} characters: at most "
                                 f"{max_chars}", "stop")
     return tuple(stop)
+
+
+def _stop_ids(body: dict, tokenizer) -> tuple[int, ...]:
+    """The ids that end a sample: the tokenizer's end-of-text ids (none with vLLM's
+    `ignore_eos`, which benchmarks send to get every token they ask for) and vLLM's
+    `stop_token_ids`; their range is checked by `GenerationRequest.checked`."""
+    extra = body.get("stop_token_ids")
+    extra = [] if extra is None else extra
+    if not isinstance(extra, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in extra):
+        raise APIError(400, f"stop_token_ids={_shown(extra)} must be a list of token ids",
+                       "stop_token_ids")
+    own = () if _get(body, "ignore_eos", _BOOL, False) else tuple(tokenizer.stop_ids)
+    return tuple(dict.fromkeys((*own, *extra)))
 
 
 def _completion_prompts(loaded: T.LoadedModel, prompt: Any,
@@ -250,7 +264,7 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
         logit_bias=_logit_bias(body),
         seed=_get(body, "seed", _INT), stop=_stops(body, max_stop_strings, max_stop_chars),
         logprobs=top or 0,
-        stop_ids=tuple(loaded.tokenizer.stop_ids),
+        stop_ids=_stop_ids(body, loaded.tokenizer),
         constraint=None if constraint is None else structured.compiled(
             constraint, field, loaded.tokenizer))
     requests = []

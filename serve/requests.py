@@ -85,10 +85,12 @@ class GenerationRequest:
                                                 "value per setting")
         stop_ids = checks.token_ids("stop_ids", self.stop_ids)
         if len(stop_ids) > MAX_STOP_IDS:
-            raise ValueError(f"at most {MAX_STOP_IDS} stop ids, got {len(stop_ids)}")
+            raise checks.InvalidValue("stop_ids", f"at most {MAX_STOP_IDS} stop ids, got "
+                                                  f"{len(stop_ids)}")
         for token in stop_ids:
             if not 0 <= token < vocab_size:
-                raise ValueError(f"stop id {token} is outside the vocabulary [0, {vocab_size})")
+                raise checks.InvalidValue("stop_ids", f"stop id {token} is outside the "
+                                                      f"vocabulary [0, {vocab_size})")
         logit_bias = _checked_logit_bias(self.logit_bias, vocab_size)
         stop = check_stop_strings(self.stop)
         seed = secrets.randbelow(MAX_SEED) if self.seed is None else self.seed

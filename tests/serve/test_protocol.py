@@ -44,6 +44,11 @@ def test_a_completion_body_becomes_one_request_per_prompt_setting_for_setting():
         3, 5, 4, ("END",), 2)
     assert first.logit_bias == ((9, -100), (7, 2.5))  # checked (and sorted) by the engine
     assert first.stop_ids == tuple(FakeTokenizer.stop_ids)
+    # vLLM's extensions: ids that also end a sample; none of the tokenizer's with ignore_eos.
+    assert completion(stop_token_ids=[7, 2]).requests[0].stop_ids == (
+        *FakeTokenizer.stop_ids, 7)
+    assert completion(stop_token_ids=[7], ignore_eos=True).requests[0].stop_ids == (7,)
+    assert completion(ignore_eos=True).requests[0].stop_ids == ()
     assert parsed.stream and parsed.include_usage and parsed.logprobs and not parsed.chat
     assert [r.prompt for r in completion(prompt=[[5], [6, 7]]).requests] == [(5,), (6, 7)]
     assert [r.prompt for r in completion(prompt=["A", "B"]).requests] == [
@@ -85,6 +90,8 @@ def test_defaults_are_openais():
     (completion, dict(logit_bias=[1]), 400, "logit_bias", "logit_bias=[1] must be an object"),
     (completion, dict(logit_bias={"x": 1}), 400, "logit_bias", "key 'x' must be a token id"),
     (completion, dict(suffix="x"), 400, "suffix", "suffix='x' is not supported"),
+    (completion, dict(stop_token_ids=[1.5]), 400, "stop_token_ids", "must be a list of token"),
+    (completion, dict(ignore_eos="yes"), 400, "ignore_eos", "must be a boolean"),
     (completion, dict(best_of=3), 400, "best_of", "best_of=3 is not supported: use n"),
     (completion, dict(tools=[{"type": "function"}]), 400, "tools",
      "tools are for /v1/chat/completions"),
