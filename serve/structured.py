@@ -7,6 +7,8 @@
   structured_outputs {"regex": "..."}                 (an extension, as vLLM names it) text
                      {"choice": ["...", ...]}         matching the regex, one of the strings,
                      {"json": {...}}                  JSON valid for the schema;
+  guided_regex, guided_choice, guided_json            the same, by vLLM's earlier names
+                                                      (guided_json also as JSON text);
   tools with tool_choice "required" or a function     the calls (`tools.py`).
 
 One request takes one of these. The constraint is compiled (`decode.compile_constraint`,
@@ -17,6 +19,7 @@ end-of-text id, which the automaton allows only where the text is complete.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from kvjax.decode.checks import InvalidValue
@@ -32,6 +35,8 @@ from kvjax.decode.constraints import (
 from .tools import Tools
 
 ANY_OBJECT = {"type": "object"}
+# vLLM's earlier fields for structured_outputs' keys, which many clients still send.
+GUIDED = {"guided_regex": "regex", "guided_choice": "choice", "guided_json": "json"}
 
 
 def requested(body: dict, tools: Tools | None) -> tuple[Constraint | None, str | None]:
@@ -59,6 +64,19 @@ def requested(body: dict, tools: Tools | None) -> tuple[Constraint | None, str |
     structured = body.get("structured_outputs")
     if structured is not None:
         asked.append((_extension(structured), "structured_outputs"))
+    for field, key in GUIDED.items():
+        if body.get(field) is not None:
+            value = body[field]
+            if key == "json" and isinstance(value, str):  # vLLM takes the schema as text too
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as error:
+                    raise InvalidValue(field, f"{field} is not valid JSON: {error}") from None
+            asked.append((_constraint_of(field, field, key, value), field))
+    if body.get("guided_grammar") is not None:
+        raise InvalidValue("guided_grammar", "guided_grammar (a context-free grammar) is not "
+                                             "supported: guided_regex, guided_choice and "
+                                             "guided_json are")
     if tools is not None and tools.constraint() is not None:
         asked.append((tools.constraint(), "tool_choice"))
     if len(asked) > 1:
@@ -72,22 +90,25 @@ def _extension(structured: Any) -> Constraint:
             [k for k in ("regex", "choice", "json") if structured.get(k) is not None]) != 1:
         raise InvalidValue("structured_outputs", "structured_outputs must be an object with "
                                                  "one of 'regex', 'choice' or 'json'")
-    if structured.get("regex") is not None:
-        if not isinstance(structured["regex"], str):
-            raise InvalidValue("structured_outputs", "structured_outputs.regex must be a "
-                                                     "string")
-        return _made("structured_outputs", Regex, structured["regex"])
-    if structured.get("choice") is not None:
-        options = structured["choice"]
-        if not (isinstance(options, list) and options
-                and all(isinstance(o, str) for o in options)):
-            raise InvalidValue("structured_outputs", "structured_outputs.choice must be a "
-                                                     "non-empty list of strings")
-        return _made("structured_outputs", Choice, options)
-    if not isinstance(structured["json"], dict | bool):
-        raise InvalidValue("structured_outputs", "structured_outputs.json must be a JSON "
-                                                 "Schema object")
-    return _made("structured_outputs", JsonSchema, structured["json"])
+    key = next(k for k in ("regex", "choice", "json") if structured.get(k) is not None)
+    return _constraint_of("structured_outputs", f"structured_outputs.{key}", key,
+                          structured[key])
+
+
+def _constraint_of(field: str, label: str, key: str, value: Any) -> Constraint:
+    """The constraint `value` asks for as a regex, a choice or a JSON Schema (`key`); an
+    `InvalidValue` names `field`, `label` the value in its message."""
+    if key == "regex":
+        if not isinstance(value, str):
+            raise InvalidValue(field, f"{label} must be a string")
+        return _made(field, Regex, value)
+    if key == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(o, str) for o in value)):
+            raise InvalidValue(field, f"{label} must be a non-empty list of strings")
+        return _made(field, Choice, value)
+    if not isinstance(value, dict | bool):
+        raise InvalidValue(field, f"{label} must be a JSON Schema object")
+    return _made(field, JsonSchema, value)
 
 
 def _made(field: str, kind: type, value: Any) -> Constraint:

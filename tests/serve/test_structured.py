@@ -22,6 +22,10 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
     ({"structured_outputs": {"choice": ["yes", "no"]}}, Choice(["yes", "no"]),
      "structured_outputs"),
     ({"structured_outputs": {"json": SCHEMA}}, JsonSchema(SCHEMA), "structured_outputs"),
+    ({"guided_regex": "[0-9]+"}, Regex("[0-9]+"), "guided_regex"),
+    ({"guided_choice": ["yes", "no"]}, Choice(["yes", "no"]), "guided_choice"),
+    ({"guided_json": SCHEMA}, JsonSchema(SCHEMA), "guided_json"),
+    ({"guided_json": '{"type": "object"}'}, JsonSchema(ANY_OBJECT), "guided_json"),
 ])
 def test_each_way_of_asking_holds_the_output_to_its_constraint(body, expected, field):
     assert requested(body, None) == (expected, field)
@@ -50,6 +54,12 @@ def test_a_required_tool_call_is_the_constraint_and_auto_is_none():
     ({"structured_outputs": {"json": "{}"}}, "structured_outputs", "must be a JSON Schema"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
      "structured_outputs", "response_format and structured_outputs both hold the output"),
+    ({"guided_regex": 5}, "guided_regex", "guided_regex must be a string"),
+    ({"guided_json": "{x"}, "guided_json", "guided_json is not valid JSON"),
+    ({"guided_choice": "yes"}, "guided_choice", "must be a non-empty list of strings"),
+    ({"guided_grammar": "root ::= 'a'"}, "guided_grammar", r"grammar\) is not supported"),
+    ({"structured_outputs": {"regex": "a"}, "guided_json": SCHEMA}, "guided_json",
+     "structured_outputs and guided_json both hold the output"),
 ])
 def test_a_malformed_or_second_request_for_structure_is_refused_by_name(body, field, message):
     with pytest.raises(InvalidValue, match=message) as error:
