@@ -5,7 +5,8 @@ naming the field) and builds one `GenerationRequest` per prompt; the ranges of t
 are checked by `GenerationRequest.checked`, whose ValueError the server answers with a 400
 as well. Fields this server does not implement with a value other than their no-op one
 (`best_of`, `suffix`; tools on
-/v1/completions) are a 400 naming them, never ignored; fields it does not know are ignored,
+/v1/completions; vLLM's extensions this server does not implement, such as `use_beam_search`)
+are a 400 naming them, never ignored; fields it does not know are ignored,
 as OpenAI's API does.
 `max_tokens` 0 is accepted with `echo` (the answer is the prompt, with its logprobs if asked).
 Sampling defaults are OpenAI's: temperature 1, top_p 1, presence and frequency penalties 0
@@ -96,13 +97,25 @@ def _get(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
     return value
 
 
+# vLLM's extensions that would change the answer, which this server does not implement:
+# (name, its no-op value, a hint). Refused rather than ignored as unknown fields are.
+_VLLM_UNSUPPORTED = [
+    ("use_beam_search", False, " (kvjax serves beam search through decode.beam_search)"),
+    ("include_stop_str_in_output", False, ""), ("skip_special_tokens", True, ""),
+    ("allowed_token_ids", [], " (structured_outputs choice or regex can hold the output)"),
+    ("bad_words", [], " (logit_bias can ban their tokens)"),
+    ("truncate_prompt_tokens", None, ""),
+    ("prompt_logprobs", None, " (echo with logprobs and max_tokens 0 gives a prompt's "
+                              "logprobs)")]
+
+
 def _refuse_unsupported(body: dict, chat_api: bool) -> None:
-    unsupported = [("suffix", "")]
+    unsupported = [("suffix", "", ""), *_VLLM_UNSUPPORTED]
     if not chat_api:
-        unsupported += [("tools", []), ("tool_choice", "none")]
-    for name, off in unsupported:
+        hint = " (tools are for /v1/chat/completions)"
+        unsupported += [("tools", [], hint), ("tool_choice", "none", hint)]
+    for name, off, hint in unsupported:
         if body.get(name) not in (None, off):
-            hint = " (tools are for /v1/chat/completions)" if name.startswith("tool") else ""
             raise APIError(400, f"{name}={_shown(body[name])} is not supported by this "
                                 f"server{hint}", name)
     if body.get("best_of") not in (None, body.get("n", 1)):
