@@ -4,10 +4,9 @@
 naming the field) and builds one `GenerationRequest` per prompt; the ranges of the values
 are checked by `GenerationRequest.checked`, whose ValueError the server answers with a 400
 as well. Fields this server does not implement with a value other than their no-op one
-(`best_of`, `suffix`; tools on
-/v1/completions; vLLM's extensions this server does not implement, such as `use_beam_search`)
-are a 400 naming them, never ignored; fields it does not know are ignored,
-as OpenAI's API does.
+(`best_of`, `suffix`; tools on /v1/completions; vLLM's extensions such as `use_beam_search`)
+are a 400 naming them, never ignored; fields it does not know are ignored, as OpenAI's API
+does.
 `max_tokens` 0 is accepted with `echo` (the answer is the prompt, with its logprobs if asked).
 Sampling defaults are OpenAI's: temperature 1, top_p 1, presence and frequency penalties 0
 (counted over the request's output, as OpenAI and vLLM count them), no `logit_bias` (an

@@ -43,7 +43,7 @@ from kvjax.decode.tracing import count_trace
 
 MAX_STOP_IDS = 8  # stop ids travel as a fixed-size row so their number never recompiles
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat; completions ask for at most 5
-MAX_LOGIT_BIAS = 300  # tokens a request's logit_bias may name, as OpenAI's API allows
+MAX_LOGIT_BIAS = 300  # tokens a request's logit_bias may name: a row of fixed size
 # Sample ids cycle through [0, ID_SPACE): staged samples are admitted in the order of their
 # ids counted from the last one admitted, which stays right however often the ids wrap.
 ID_SPACE = 1 << 30
