@@ -28,11 +28,13 @@ class RowText:
 
     Text is decoded from all tokens so far and only its new suffix is sent, so a character
     split over byte pieces of two chunks comes out whole; a suffix that could still grow
-    into a stop string waits."""
+    into a stop string waits. The text ends before the first of `stop_ids` (default: the
+    tokenizer's), the ids that end the sample."""
 
-    def __init__(self, tokenizer: TextTokenizer, stop: tuple[str, ...]):
+    def __init__(self, tokenizer: TextTokenizer, stop: tuple[str, ...],
+                 stop_ids: tuple[int, ...] | None = None):
         self.tokenizer, self.stop = tokenizer, stop
-        self.stop_ids = frozenset(tokenizer.stop_ids)
+        self.stop_ids = frozenset(tokenizer.stop_ids if stop_ids is None else stop_ids)
         self.ids: list[int] = []
         self.sent = ""
         self.text = ""

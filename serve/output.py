@@ -138,8 +138,9 @@ class Outputs:
     def add(self, ticket: Ticket, index: int, sample_id: int, prefix_row: int = -1) -> None:
         """A sample staged on the device under `sample_id`, reading the pages of prefix row
         `prefix_row` in place (-1: none) until it ends (then `release(prefix_row)`)."""
-        text = None if self.tokenizer is None else RowText(self.tokenizer,
-                                                           ticket.request.stop)
+        request = ticket.request
+        text = None if self.tokenizer is None else RowText(self.tokenizer, request.stop,
+                                                           request.stop_ids)
         self.samples[sample_id] = Sample(ticket, index, sample_id, text, prefix_row=prefix_row)
 
     def take_preempted(self) -> list[Continuation]:

@@ -92,6 +92,17 @@ def test_text_after_a_stop_id_is_never_shown():
     assert "".join(row.add([i]) for i in ids) == "before"
 
 
+def test_a_row_given_its_own_stop_ids_ends_its_text_there_alone():
+    """A server's request names the ids that end it (vLLM's stop_token_ids; none of the
+    tokenizer's with ignore_eos): the text ends at the first of those."""
+    tokenizer = ByteTokenizer()
+    ids = tokenizer.encode("before") + tokenizer.encode("after")
+    row = RowText(tokenizer, (), stop_ids=tuple(tokenizer.encode("a")))
+    assert "".join(row.add([i]) for i in ids) == "before"
+    row = RowText(tokenizer, (), stop_ids=())
+    assert "".join(row.add([i]) for i in ids) == "beforeafter"
+
+
 def test_stop_strings_are_checked():
     assert check_stop_strings("x") == ("x",)
     assert check_stop_strings(["a", "bc"]) == ("a", "bc")
