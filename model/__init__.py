@@ -20,7 +20,7 @@ from .interface import (
 from .layers import stack_layer_params, unstack_layer_params, with_layer_layout
 from .lora import LoRA
 from .paged import NO_PAGE, init_paged_cache
-from .precision import with_precision
+from .precision import with_float_kernels, with_precision
 from .transformer import DecoderOnlyLM, EncoderDecoder
 
 __all__ = [
@@ -30,5 +30,6 @@ __all__ = [
     "init_paged_cache",
     "init_params", "prefill", "preset", "prompt_is_source", "prompt_slots", "step_fn",
     "target_start", "teacher_forced_logits", "teacher_forced_hidden", "hidden_logits",
-    "stack_layer_params", "unstack_layer_params", "with_layer_layout", "with_precision",
+    "stack_layer_params", "unstack_layer_params", "with_float_kernels", "with_layer_layout",
+    "with_precision",
 ]

@@ -51,6 +51,17 @@ def with_precision(config: TransformerConfig, params: Any, dtype: str | None = N
     return config.replace(**changes), params
 
 
+def with_float_kernels(config: TransformerConfig, params: Any) -> tuple[TransformerConfig, Any]:
+    """`(config, params)` of a model of int8 weights (`kernel_dtype="int8"`) as the float
+    model of its dequantized weights, in its `param_dtype`, which computes what it computes
+    (what training and merging adapters start from); any other model as it is."""
+    if config.kernel_dtype is None:
+        return config, params
+    params = jax.tree.map(lambda x: x.astype(config.weights_dtype),
+                          int8_base.dequantize_layers(params))
+    return config.replace(kernel_dtype=None), params
+
+
 def _cast(path, x, dtype: str):
     scale = bool(path) and int8_base.is_scale(str(getattr(path[-1], "key", "")))
     return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and not scale else x

@@ -53,7 +53,6 @@ from tqdm.auto import tqdm
 
 from kvjax import checkpoint, distributed, parallel
 from kvjax import model as M
-from kvjax.model import int8_base
 
 from . import lora, run_dir
 from .config import TrainConfig, TrainTask
@@ -381,15 +380,12 @@ def _initial_params(init_from: str | Path, model_config, task: TrainTask,
     A checkpoint of int8 weights (`kernel_dtype="int8"`, `kvjax import-hf --kernel-dtype
     int8`) starts the float model of its dequantized weights, which computes what it does."""
     path = Path(init_from)
-    saved_kernels = M.TransformerConfig.from_dict(
-        checkpoint.read_metadata(path)[0]).kernel_dtype
-    run_dir.check_same_run(path, model_config.replace(kernel_dtype=saved_kernels), task,
-                           action=f"cannot start from {path}")
+    saved = model_config.replace(kernel_dtype=M.TransformerConfig.from_dict(
+        checkpoint.read_metadata(path)[0]).kernel_dtype)
+    run_dir.check_same_run(path, saved, task, action=f"cannot start from {path}")
     _, _, params = checkpoint.load_for_sampling(path, mesh,
                                                 scan_layers=model_config.scan_layers)
-    if saved_kernels is not None:
-        params = jax.tree.map(lambda x: x.astype(model_config.weights_dtype),
-                              int8_base.dequantize_layers(params))
+    _, params = M.with_float_kernels(saved, params)
     return params, {"checkpoint": str(path.resolve()), "step": checkpoint.latest_step(path)}
 
 

@@ -80,8 +80,8 @@ def _with_adapters(base_path, config, params, adapter_dir) -> tuple[Any, Any]:
     """(config, params) of the base with the adapters in `adapter_dir` merged in, held in the
     layer layout the adapters were trained in. A base of int8 weights is merged as the float
     model of its dequantized weights, which its fine-tuning run trained the adapters on."""
-    from kvjax.model import int8_base, with_layer_layout
     from kvjax.model import lora as L
+    from kvjax.model import with_float_kernels, with_layer_layout
 
     settings, trained, base, adapters = read_adapters(adapter_dir)
     wanted = base.get("params_sha256")
@@ -89,10 +89,8 @@ def _with_adapters(base_path, config, params, adapter_dir) -> tuple[Any, Any]:
         raise CheckpointError(
             f"the LoRA adapters in {adapter_dir} were trained on other params than those of "
             f"{base_path} (their base was {base.get('checkpoint')}, step {base.get('step')})")
-    if config.kernel_dtype is not None and trained.kernel_dtype is None:
-        params = jax.tree.map(lambda x: x.astype(config.weights_dtype),
-                              int8_base.dequantize_layers(params))
-        config = config.replace(kernel_dtype=None)
+    if trained.kernel_dtype is None:
+        config, params = with_float_kernels(config, params)
     if trained.replace(scan_layers=config.scan_layers) != config:
         raise CheckpointError(f"the LoRA adapters in {adapter_dir} were trained for another "
                               f"model config than the one of {base_path}")
