@@ -53,6 +53,8 @@ _RULES: dict[tuple[str, str], tuple[str | None, ...]] = {
     ("experts", "wi"): (None, None, MODEL),
     ("experts", "wi_gate"): (None, None, MODEL),
     ("experts", "wo"): (None, MODEL, None),
+    ("experts", "bi"): (None, MODEL),  # [experts, F]; their output biases [experts, D]
+    ("experts", "bi_gate"): (None, MODEL),  # are added after the sum
 }
 
 

@@ -23,6 +23,12 @@ the scales block by block, to the logits and to the weights, and the prefill att
 its new K/V as the cache holds them (quantised and dequantised), so that a token's output
 does not depend on whether it came in the prefill or a later step: one prefill over a whole
 sequence equals a shorter prefill followed by decode steps, as it does with a float cache.
+
+Attention sinks (`config.attention_sinks`, gpt-oss): each query head has a learned logit s
+that joins each of its softmaxes as one more key whose value is zero,
+w_i = exp(l_i) / (Σ_j exp(l_j) + exp(s)), so a query may give little weight to every key it
+sees. Every way of attending above takes them (`sinks` [N]), except cuDNN's and jax's fused
+attention, which a call with sinks does not use. A query that sees no key returns zeros.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ def soft_cap(logits: jax.Array, cap: float | None) -> jax.Array:
 def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
            mask_BTS: jax.Array, scale: float | None = None,
            softcap: float | None = None, *, key_lengths_B: jax.Array | None = None,
-           causal: bool = False) -> jax.Array:
+           causal: bool = False, sinks_N: jax.Array | None = None) -> jax.Array:
     """softmax(QKᵀ/√H + mask)V with a boolean mask (True = may attend). Returns [B, T, N, H].
 
     `scale` replaces 1/√H; `softcap` caps the scaled logits (`soft_cap`) before the mask.
@@ -50,16 +56,19 @@ def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
     A query row with no key to attend to (all masked) returns zeros rather than NaN or a
     uniform average. `key_lengths` [B], where given, says what the mask is: key slot s is
     allowed iff s < key_lengths[b] (and s <= the query's index, with `causal`); a fused
-    kernel then runs where the backend has one (`model/fused_attention.py`).
+    kernel then runs where the backend has one (`model/fused_attention.py`). `sinks` [N]
+    (where given) are each query head's sink logit (above).
     """
-    if key_lengths_B is not None and fused_attention_applies(q_BTNH, k_BSKH, v_BSKH, softcap):
+    fusable = sinks_N is None and softcap is None
+    if key_lengths_B is not None and fusable and fused_attention_applies(
+            q_BTNH, k_BSKH, v_BSKH, softcap):
         out = attend_fused(q_BTNH, k_BSKH, v_BSKH, key_lengths_B, causal, scale)
         return _zero_rows_without_keys(out, mask_BTS).astype(q_BTNH.dtype)
-    if softcap is None:
+    if fusable:
         out = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_BTS[:, None],
                                            scale=scale)
         return _zero_rows_without_keys(out, mask_BTS).astype(q_BTNH.dtype)
-    # jax's attention has no cap: the same softmax, written out.
+    # jax's attention has no cap and no sinks: the same softmax, written out.
     batch, num_queries, num_heads, head_dim = q_BTNH.shape
     kv_heads = k_BSKH.shape[2]
     q_BTKGH = q_BTNH.reshape(batch, num_queries, kv_heads, num_heads // kv_heads, head_dim)
@@ -67,7 +76,7 @@ def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
                               preferred_element_type=jnp.float32)
     logits_BKGTS = soft_cap(logits_BKGTS * (head_dim**-0.5 if scale is None else scale),
                             softcap)
-    weights_BKGTS = _masked_softmax(logits_BKGTS, mask_BTS)
+    weights_BKGTS = _masked_softmax(logits_BKGTS, mask_BTS, _sinks_KG(sinks_N, kv_heads))
     out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", weights_BKGTS.astype(v_BSKH.dtype), v_BSKH,
                            preferred_element_type=jnp.float32)
     return out_BTKGH.reshape(q_BTNH.shape).astype(q_BTNH.dtype)
@@ -105,12 +114,13 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
                   whole_share: float = WHOLE_CACHE_SHARE,
                   scales: tuple[jax.Array, jax.Array] | None = None,
                   one_read_bytes: int | None = None, scale: float | None = None,
-                  softcap: float | None = None) -> tuple[jax.Array, jax.Array]:
+                  softcap: float | None = None, sinks_N: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
     """`attend` over layer `layer` of the cache's stacks [L, B, K, S, H], reading only the
     blocks of `block_size` slots up to the last slot that `mask` lets any query see.
     `scales` are an int8 cache's (k_scale, v_scale) stacks [L, B, K, S] (None for floats):
-    the keys and values attended to are then `k * k_scale` and `v * v_scale`. `scale` and
-    `softcap` are `attend`'s.
+    the keys and values attended to are then `k * k_scale` and `v * v_scale`. `scale`,
+    `softcap` and `sinks` are `attend`'s.
 
     Returns the output [B, T, N, H] and how many blocks of the capacity were read (a scalar).
     The number of blocks, ceil(last seen slot / block), is a traced value: a decode loop
@@ -137,8 +147,9 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
         k_BKSH, v_BKSH = (jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False)
                           for stack in (k_LBKSH, v_LBKSH))
         return decode_attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale,
-                                interpret=kernel == "interpret"), num_blocks
+                                interpret=kernel == "interpret", sinks_N=sinks_N), num_blocks
     q_XMH = _queries_XMH(q_BTNH, kv_heads, scale)
+    sinks_KG = _sinks_KG(sinks_N, kv_heads)
     all_blocks = -(-capacity // block)
     layer_bytes = k_LBKSH.size // k_LBKSH.shape[0] * k_LBKSH.dtype.itemsize
     if one_read_bytes is None:
@@ -146,10 +157,10 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
     if layer_bytes <= one_read_bytes:
         if scales is None:
             out_XMH = _attend_whole(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap,
-                                    zero_unseen=True)
+                                    zero_unseen=True, sinks_KG=sinks_KG)
         else:  # one block of every slot: the loop's body, run once
             out_XMH = _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap,
-                                            capacity, 1, scales)
+                                            capacity, 1, scales, sinks_KG=sinks_KG)
         return _to_BTNH(out_XMH, q_BTNH), jnp.asarray(all_blocks, jnp.int32)
     if scales is not None:
         # An int8 cache is always read by blocks: a product over a whole layer would first
@@ -157,17 +168,20 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
         # product), a float copy of the layer at every step; a block converts only its own
         # slots and copies a quarter of the bytes of a float32 block (benchmarks/README.md).
         blocks = _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap,
-                                       block, num_blocks, scales)
+                                       block, num_blocks, scales, sinks_KG=sinks_KG)
         return _to_BTNH(blocks, q_BTNH), num_blocks
     args = (q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap)
     if k_LBKSH.shape[0] > 1:
         if layer_bytes > STACKED_WHOLE_MAX_BYTES:
-            return _to_BTNH(_attend_filled_blocks(*args, block, num_blocks), q_BTNH), num_blocks
-        return _to_BTNH(_attend_whole(*args), q_BTNH), jnp.asarray(all_blocks, jnp.int32)
+            return _to_BTNH(_attend_filled_blocks(*args, block, num_blocks, sinks_KG=sinks_KG),
+                            q_BTNH), num_blocks
+        return (_to_BTNH(_attend_whole(*args, sinks_KG=sinks_KG), q_BTNH),
+                jnp.asarray(all_blocks, jnp.int32))
     out_XMH, blocks_read = jax.lax.cond(
         num_blocks * block > whole_share * capacity,
-        lambda: (_attend_whole(*args), jnp.asarray(all_blocks, jnp.int32)),
-        lambda: (_attend_filled_blocks(*args, block, num_blocks), num_blocks))
+        lambda: (_attend_whole(*args, sinks_KG=sinks_KG), jnp.asarray(all_blocks, jnp.int32)),
+        lambda: (_attend_filled_blocks(*args, block, num_blocks, sinks_KG=sinks_KG),
+                 num_blocks))
     return _to_BTNH(out_XMH, q_BTNH), blocks_read
 
 
@@ -193,9 +207,10 @@ def _to_BTNH(out_XMH, q_BTNH):
     return out.transpose(0, 3, 1, 2, 4).reshape(q_BTNH.shape).astype(q_BTNH.dtype)
 
 
-def _attend_whole(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap, zero_unseen: bool = False):
+def _attend_whole(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap, zero_unseen: bool = False,
+                  sinks_KG=None):
     """Softmax attention over every slot of the layer in two products, its logits capped
-    by `softcap` (None: not). Returns [X, M, H].
+    by `softcap` (None: not), beside the sinks [K, G] where given. Returns [X, M, H].
     `zero_unseen`: V is always read with unseen slots zeroed (below), never conditionally."""
     _, batch, kv_heads, capacity, head_dim = k_LBKSH.shape
     num_queries = mask_BTS.shape[1]
@@ -206,7 +221,7 @@ def _attend_whole(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap, zero_unseen
     logits_XMS = soft_cap(jnp.einsum("XMH,XSH->XMS", q_XMH.astype(k_XSH.dtype), k_XSH,
                                      preferred_element_type=jnp.float32), softcap)
     weights_XMS = _masked_softmax(
-        logits_XMS.reshape(batch, kv_heads, group, num_queries, capacity), mask_BTS
+        logits_XMS.reshape(batch, kv_heads, group, num_queries, capacity), mask_BTS, sinks_KG
     ).reshape(logits_XMS.shape)
 
     def mix(v_BKSH):
@@ -230,7 +245,7 @@ def _attend_whole(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap, zero_unseen
 
 
 def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap, block,
-                          num_blocks, scales=None, pages=None):
+                          num_blocks, scales=None, pages=None, sinks_KG=None):
     """The online softmax (FlashAttention's recurrence) over the first `num_blocks` blocks
     of `block` slots, in a `lax.while_loop` (no loop when one block holds every slot).
     Returns [X, M, H].
@@ -244,7 +259,9 @@ def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap, blo
     weights; an unseen slot's weight stays exactly 0 whatever its scale holds. The logits
     are capped by `softcap` (None: not) after the scales. With `pages` [B, pages per row]
     the stacks are a paged cache's pools [L, pages, K, U, H] (`model/paged.py`), `block` is
-    a multiple of their page size and a row's block is gathered from its pages.
+    a multiple of their page size and a row's block is gathered from its pages. With
+    `sinks` [K, G] each query's running max and sum start from its head's sink logit, as if
+    its sink were one more slot, seen first, whose value is zero.
     """
     batch, _, capacity = mask_BTS.shape
     kv_heads, head_dim = k_LBKSH.shape[2], k_LBKSH.shape[4]
@@ -314,8 +331,13 @@ def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap, blo
         return index + 1, new_max, sum_BKGT, acc_XMH
 
     stats_shape = (batch, kv_heads, group, num_queries)
-    init = (jnp.zeros((), jnp.int32), jnp.full(stats_shape, -jnp.inf, jnp.float32),
-            jnp.zeros(stats_shape, jnp.float32), jnp.zeros((heads, rows, head_dim), jnp.float32))
+    if sinks_KG is None:
+        first_max, first_sum = jnp.full(stats_shape, -jnp.inf), jnp.zeros(stats_shape)
+    else:
+        first_max = jnp.broadcast_to(sinks_KG[None, :, :, None], stats_shape)
+        first_sum = jnp.ones(stats_shape)
+    init = (jnp.zeros((), jnp.int32), first_max.astype(jnp.float32),
+            first_sum.astype(jnp.float32), jnp.zeros((heads, rows, head_dim), jnp.float32))
     if block == capacity:  # one block holds every slot: no loop
         _, _, sum_BKGT, acc_XMH = body(init)
     else:
@@ -324,14 +346,28 @@ def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap, blo
     return acc_XMH / jnp.where(sum_BKGT > 0, sum_BKGT, 1.0).reshape(heads, rows, 1)
 
 
-def _masked_softmax(logits_BKGTS: jax.Array, mask_BTS: jax.Array) -> jax.Array:
+def _masked_softmax(logits_BKGTS: jax.Array, mask_BTS: jax.Array,
+                    sinks_KG: jax.Array | None = None) -> jax.Array:
     """softmax over S of the logits where `mask` allows, in float32: masked slots get
-    exactly 0, and a query that may see no slot gets all zeros (no NaN)."""
+    exactly 0, and a query that may see no slot gets all zeros (no NaN). With `sinks` [K, G]
+    each head's sink logit joins the denominator."""
     logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, -jnp.inf)
     top = jnp.max(logits_BKGTS, axis=-1, keepdims=True)
+    if sinks_KG is not None:
+        sink = sinks_KG[None, :, :, None, None].astype(jnp.float32)
+        top = jnp.maximum(top, sink)
     weights = jnp.exp(logits_BKGTS - jnp.where(jnp.isfinite(top), top, 0.0))
     total = jnp.sum(weights, axis=-1, keepdims=True)
+    if sinks_KG is not None:
+        total = total + jnp.exp(sink - top)
     return weights / jnp.where(total > 0, total, 1.0)
+
+
+def _sinks_KG(sinks_N: jax.Array | None, kv_heads: int) -> jax.Array | None:
+    """The query heads' sink logits [N] grouped by kv head, [K, G], in float32."""
+    if sinks_N is None:
+        return None
+    return sinks_N.astype(jnp.float32).reshape(kv_heads, -1)
 
 
 def _zero_rows_without_keys(out_BTNH, mask_BTS):

@@ -34,7 +34,8 @@ class SelfAttention(nn.Module):
     [B] and `causal` describe the mask
     of a call that attends over the new tokens alone (as `attend` takes them), or are None.
     `pages` [B, pages per row] are a paged cache's page tables (`model/paged.py`): the stacks
-    are then its pools, written and read through the tables.
+    are then its pools, written and read through the tables. With `attention_sinks` the
+    layer holds a sink logit for each query head, `sinks` [N] (`model/attention.py`).
     """
 
     config: TransformerConfig
@@ -56,6 +57,10 @@ class SelfAttention(nn.Module):
             k_turned = apply_rope(k, positions_BT, inv_freq, attention_factor)
             q, k = ((q_turned, k_turned) if turned is True else
                     (jnp.where(turned, q_turned, q), jnp.where(turned, k_turned, k)))
+        sinks = None
+        if config.attention_sinks:
+            sinks = self.param("sinks", nn.initializers.zeros_init(), (config.num_heads,),
+                               config.weights_dtype)
         quantized = cache_kv is not None and len(cache_kv) == 4
         if cache_kv is not None:
             new = (k, v)
@@ -75,16 +80,17 @@ class SelfAttention(nn.Module):
             described = config.sliding_window is None
             out = attend(q, k, v, mask_BTS[..., :k.shape[1]], config.attention_scale,
                          config.attention_softcap,
-                         key_lengths_B=key_lengths_B if described else None, causal=causal)
+                         key_lengths_B=key_lengths_B if described else None, causal=causal,
+                         sinks_N=sinks)
         elif pages is not None:
             out = paged.attend_pages(q, *cache_kv[:2], layer, pages, mask_BTS,
                                      config.attention_block, scales=cache_kv[2:] or None,
                                      scale=config.attention_scale,
-                                     softcap=config.attention_softcap)
+                                     softcap=config.attention_softcap, sinks_N=sinks)
         else:
             out, _ = attend_blocks(q, *cache_kv[:2], layer, mask_BTS, config.attention_block,
                                    scales=cache_kv[2:] or None, scale=config.attention_scale,
-                                   softcap=config.attention_softcap)
+                                   softcap=config.attention_softcap, sinks_N=sinks)
         return OutputProjection(config, name="out")(out), cache_kv
 
 

@@ -124,6 +124,10 @@ class TransformerConfig:
     shared_norm: bool = False
     # What multiplies QKᵀ; None: 1/√head_dim (Gemma: query_pre_attn_scalar^-1/2).
     attention_scale: float | None = None
+    # A learned logit per query head that joins each of its softmaxes as one more key whose
+    # value is zero (`self_attention/sinks` [N]; gpt-oss): a query may give most of its weight
+    # to nothing rather than spread it over the keys it sees.
+    attention_sinks: bool = False
     # Soft caps: logits -> cap · tanh(logits / cap), for attention (before the mask) and for
     # the output logits (Gemma 2). None: no cap.
     attention_softcap: float | None = None
@@ -138,7 +142,8 @@ class TransformerConfig:
     # through the `experts_per_token` it scores highest, and their outputs are summed,
     # weighted by the router's softmax over all experts; with `normalize_expert_weights`
     # those weights are divided by their sum (Mixtral, Qwen3-MoE), without it taken as they
-    # are (OLMoE). Decoder-only, no FFN biases (`model/experts.py`). A shared expert of
+    # are (OLMoE). Decoder-only (`model/experts.py`); with `ffn_bias` each expert has biases
+    # of its own, and with `router_bias` the router too (gpt-oss). A shared expert of
     # `shared_expert_d_ff` hidden units (0: none) takes every token beside its chosen ones,
     # its output scaled by a sigmoid gate of the token under `shared_expert_gate` (Qwen2-MoE).
     num_experts: int = 0
@@ -146,6 +151,11 @@ class TransformerConfig:
     normalize_expert_weights: bool = True
     shared_expert_d_ff: int = 0
     shared_expert_gate: bool = False
+    router_bias: bool = False
+    # The "clamped_swiglu" activation's (gpt-oss): (clip(W3 x, ±limit) + 1) · g · σ(alpha · g)
+    # with g = min(W1 x, limit).
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self):
         problems = config_problems(self)
@@ -253,10 +263,10 @@ _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "rotary_dim", "cache_dtype", "kernel_dtype", "qk_norm", "qk_norm_across_heads",
     "sliding_window", "full_attention_layers", "unrotated_layers", "local_rope_base",
     "norm_unit_offset", "sandwich_norms", "parallel_residual", "shared_norm", "attention_scale",
-    "attention_softcap", "logits_softcap",
+    "attention_sinks", "attention_softcap", "logits_softcap",
     "embedding_multiplier", "residual_multiplier", "logits_scaling", "num_experts",
     "experts_per_token", "normalize_expert_weights", "shared_expert_d_ff", "shared_expert_gate",
-    "remat")}
+    "router_bias", "swiglu_alpha", "swiglu_limit", "remat")}
 
 
 PRESETS: dict[str, TransformerConfig] = {

@@ -19,9 +19,10 @@ NORM_PLACEMENTS = ("post", "pre", "output")
 NORM_TYPES = ("layernorm", "rmsnorm")
 # "gelu" is the tanh approximation (GPT-2's "gelu_new"), "gelu_exact" the erf form; "silu"
 # (swish) is ungated, "swiglu" is silu(W1 x) * W3 x (Llama's gated feed-forward network),
-# "geglu" is gelu(W1 x) * W3 x with the tanh GELU (Gemma's).
-ACTIVATIONS = ("relu", "gelu", "gelu_exact", "silu", "swiglu", "geglu")
-GATED_ACTIVATIONS = ("swiglu", "geglu")
+# "geglu" is gelu(W1 x) * W3 x with the tanh GELU (Gemma's), "clamped_swiglu" is gpt-oss's
+# SwiGLU of clipped inputs, g · σ(alpha · g) · (u + 1) (`swiglu_alpha`, `swiglu_limit`).
+ACTIVATIONS = ("relu", "gelu", "gelu_exact", "silu", "swiglu", "geglu", "clamped_swiglu")
+GATED_ACTIVATIONS = ("swiglu", "geglu", "clamped_swiglu")
 DTYPES = ("float32", "bfloat16", "float16")
 # What the KV cache may hold: a float dtype, or "int8" with a float32 scale per (token, kv
 # head) (`model/quantize.py`).
@@ -48,11 +49,13 @@ _INT_FIELDS = ("vocab_size", "d_model", "num_heads", "d_ff", "num_decoder_layers
                "shared_expert_d_ff")
 _REAL_FIELDS = ("dropout", "rope_base", "layer_norm_eps", "rope_scaling_factor",
                 "rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast",
-                "rope_beta_slow", "embedding_multiplier", "residual_multiplier", "logits_scaling")
+                "rope_beta_slow", "embedding_multiplier", "residual_multiplier", "logits_scaling",
+                "swiglu_alpha", "swiglu_limit")
 _BOOL_FIELDS = ("tie_embeddings", "scan_layers", "remat", "qkv_bias", "out_bias", "ffn_bias",
                 "scale_embeddings", "logits_bias", "qk_norm", "qk_norm_across_heads",
                 "norm_unit_offset", "sandwich_norms", "parallel_residual", "shared_norm",
-                "rope_truncate", "normalize_expert_weights", "shared_expert_gate")
+                "rope_truncate", "normalize_expert_weights", "shared_expert_gate",
+                "attention_sinks", "router_bias")
 _OPTIONAL_REALS = ("local_rope_base", "attention_scale", "attention_softcap", "logits_softcap",
                    "rope_attention_factor")
 _CHOICES = {"positional_encoding": POSITIONAL_ENCODINGS, "norm": NORM_PLACEMENTS,
@@ -107,7 +110,8 @@ def problems(config: Config) -> list[str]:
     if not 0.0 <= config.dropout < 1.0:
         problems.append(f"dropout={config.dropout} must be in [0, 1)")
     for name in ("rope_base", "layer_norm_eps", "rope_scaling_factor", "embedding_multiplier",
-                 "residual_multiplier", "logits_scaling", *_OPTIONAL_REALS):
+                 "residual_multiplier", "logits_scaling", "swiglu_alpha", "swiglu_limit",
+                 *_OPTIONAL_REALS):
         value = getattr(config, name)
         if value is not None and not 0 < value < math.inf:
             problems.append(f"{name}={value} must be > 0 and finite")
@@ -160,14 +164,14 @@ def _expert_problems(config: Config) -> list[str]:
     if config.num_experts == 0:
         if config.shared_expert_d_ff:
             problems.append("shared_expert_d_ff needs a mixture of experts (num_experts > 0)")
+        if config.router_bias:
+            problems.append("router_bias needs a mixture of experts (num_experts > 0)")
         return problems
     if not 1 <= config.experts_per_token <= config.num_experts:
         problems.append(f"experts_per_token={config.experts_per_token} must be from 1 to "
                         f"num_experts={config.num_experts}")
     if config.num_encoder_layers:
         problems.append("num_experts needs a decoder-only model")
-    if config.ffn_bias:
-        problems.append("num_experts needs ffn_bias=False: the experts have no biases")
     return problems
 
 

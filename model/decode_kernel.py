@@ -103,9 +103,10 @@ def decode_kernel_fits(q_BTNH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array,
 
 def decode_attention(q_BTNH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array,
                      mask_BTS: jax.Array, scale: float | None = None,
-                     interpret: bool = False) -> jax.Array:
+                     interpret: bool = False, sinks_N: jax.Array | None = None) -> jax.Array:
     """softmax(QKᵀ·scale + mask)V for one query per row over one layer of the cache,
-    [B, 1, N, H] in Q's dtype. `scale` defaults to 1/√H. The operands must pass
+    [B, 1, N, H] in Q's dtype. `scale` defaults to 1/√H; `sinks` [N], where given, are the
+    query heads' sink logits (`model/attention.py`). The operands must pass
     `decode_kernel_fits`. `interpret`: run the kernel as JAX ops (any backend)."""
     from jax.experimental import pallas as pl
 
@@ -116,7 +117,8 @@ def decode_attention(q_BTNH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array,
     row_layer = pl.BlockSpec((None, None, capacity, head_dim), lambda b, k: (b, k, 0, 0))
     out_BKMH = _call(functools.partial(_kernel, block=block, capacity=capacity),
                      [row_layer, row_layer], interpret, "kvjax_decode_attention",
-                     blocks_B1, q_BKMH, k_BKSH, v_BKSH, seen_BS)
+                     blocks_B1, q_BKMH, k_BKSH, v_BKSH, seen_BS,
+                     sinks_KM=_sinks_KM(sinks_N, kv_heads))
     return _outputs(out_BKMH, q_BTNH)
 
 
@@ -133,10 +135,12 @@ def paged_block_pages(page_size: int, pages_per_row: int) -> int | None:
 
 def paged_decode_attention(q_BTNH: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer,
                            pages: jax.Array, mask_BTS: jax.Array, scale: float | None = None,
-                           interpret: bool = False) -> jax.Array:
+                           interpret: bool = False, sinks_N: jax.Array | None = None
+                           ) -> jax.Array:
     """`decode_attention` over layer `layer` of a paged cache's pools [L, pages, K, U, H]
     (`model/paged.py`), each row reading only the pages its table `pages` [B, pages per row]
-    names, up to its last seen slot. A layer view [B, K, S, H] of the pools must pass
+    names, up to its last seen slot; `sinks` as `decode_attention`'s. A layer view
+    [B, K, S, H] of the pools must pass
     `decode_kernel_fits`, and `paged_block_pages` find a block."""
     from jax.experimental import pallas as pl
 
@@ -157,7 +161,8 @@ def paged_decode_attention(q_BTNH: jax.Array, k_pool: jax.Array, v_pool: jax.Arr
                                pages_per_row=pages_per_row)
     out_BKMH = _call(kernel, [whole_pool, whole_pool, table], interpret,
                      "kvjax_paged_decode_attention", blocks_B1, q_BKMH, *pools,
-                     layer_pages.astype(jnp.int32), seen_BS)
+                     layer_pages.astype(jnp.int32), seen_BS,
+                     sinks_KM=_sinks_KM(sinks_N, kv_heads))
     return _outputs(out_BKMH, q_BTNH)
 
 
@@ -178,19 +183,33 @@ def _kernel_inputs(q_BTNH, kv_heads, dtype, mask_BTS, block, scale):
     return blocks_B1, q_BKMH, mask_BTS[:, 0].astype(jnp.int8)
 
 
-def _call(kernel, cache_specs, interpret, name, blocks_B1, q_BKMH, *operands):
+def _sinks_KM(sinks_N, kv_heads):
+    """The sink logits [N] as the kernels take them, [K, M] in float32 (the rows past a
+    group's queries padded with zeros), or None."""
+    if sinks_N is None:
+        return None
+    sinks_KG = sinks_N.astype(jnp.float32).reshape(kv_heads, -1)
+    return jnp.pad(sinks_KG, ((0, 0), (0, MIN_DOT - sinks_KG.shape[1])))
+
+
+def _call(kernel, cache_specs, interpret, name, blocks_B1, q_BKMH, *operands, sinks_KM=None):
     """The kernel over a grid of (row, kv head): the blocks and queries, then `operands`
-    (the cache's, by `cache_specs`, then the seen slots)."""
+    (the cache's, by `cache_specs`, then the seen slots), then the sinks where given."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
     batch, kv_heads, _, head_dim = q_BKMH.shape
     per_head = pl.BlockSpec((None, None, MIN_DOT, head_dim), lambda b, k: (b, k, 0, 0))
+    sinks = []
+    if sinks_KM is not None:
+        operands, sinks = (*operands, sinks_KM), [pl.BlockSpec((None, MIN_DOT),
+                                                               lambda b, k: (k, 0))]
+    seen = operands[len(cache_specs)]
     return pl.pallas_call(
         kernel,
         grid=(batch, kv_heads),
         in_specs=[pl.BlockSpec((None, 1), lambda b, k: (b, 0)), per_head, *cache_specs,
-                  pl.BlockSpec((None, operands[-1].shape[1]), lambda b, k: (b, 0))],
+                  pl.BlockSpec((None, seen.shape[1]), lambda b, k: (b, 0)), *sinks],
         out_specs=per_head,
         out_shape=jax.ShapeDtypeStruct(q_BKMH.shape, jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
@@ -206,8 +225,9 @@ def _outputs(out_BKMH, q_BTNH):
     return out_BKMH[:, :, :group].reshape(batch, 1, num_heads, head_dim).astype(q_BTNH.dtype)
 
 
-def _kernel(blocks_ref, q_ref, k_ref, v_ref, seen_ref, out_ref, *, block, capacity):
-    """One (row, kv head): its G queries over the row's first `blocks_ref[0]` blocks."""
+def _kernel(blocks_ref, q_ref, k_ref, v_ref, seen_ref, *refs, block, capacity):
+    """One (row, kv head): its G queries over the row's first `blocks_ref[0]` blocks.
+    `refs`: the sinks' (where given), then the output's."""
     from jax.experimental import pallas as pl
 
     def read(index):
@@ -220,10 +240,10 @@ def _kernel(blocks_ref, q_ref, k_ref, v_ref, seen_ref, out_ref, *, block, capaci
         seen_U = (seen_ref[pl.ds(start, block)] != 0) & (slots_U >= first)
         return k_ref[pl.ds(start, block), :], v_ref[pl.ds(start, block), :], seen_U
 
-    out_ref[...] = _online_softmax(q_ref[...], blocks_ref[0], read)
+    refs[-1][...] = _online_softmax(q_ref[...], blocks_ref[0], read, *refs[:-1])
 
 
-def _paged_kernel(blocks_ref, q_ref, k_ref, v_ref, pages_ref, seen_ref, out_ref, *,
+def _paged_kernel(blocks_ref, q_ref, k_ref, v_ref, pages_ref, seen_ref, *refs,
                   block_pages, pages_per_row):
     """One (row, kv head) of a paged cache: its G queries over the pages of the row's first
     `blocks_ref[0]` blocks, each block `block_pages` pages of the row's table."""
@@ -243,13 +263,14 @@ def _paged_kernel(blocks_ref, q_ref, k_ref, v_ref, pages_ref, seen_ref, out_ref,
                 v_ref[block_page_ids].reshape(block, head_dim),
                 seen_U)
 
-    out_ref[...] = _online_softmax(q_ref[...], blocks_ref[0], read)
+    refs[-1][...] = _online_softmax(q_ref[...], blocks_ref[0], read, *refs[:-1])
 
 
-def _online_softmax(q_MH, num_blocks, read):
+def _online_softmax(q_MH, num_blocks, read, sinks_ref=None):
     """softmax(QKᵀ)V of the queries q [M, H] over `num_blocks` blocks, block i's keys,
     values and seen slots being `read(i)` ([U, H], [U, H], [U] bool): FlashAttention's
-    running max and sum, unseen slots at exactly zero weight and their values zeroed."""
+    running max and sum, unseen slots at exactly zero weight and their values zeroed. With
+    `sinks_ref` [M] each query's max and sum start from its sink, a slot of value zero."""
     head_dim = q_MH.shape[-1]
 
     def body(index, carry):
@@ -268,7 +289,11 @@ def _online_softmax(q_MH, num_blocks, read):
                             preferred_element_type=jnp.float32)
         return new_max_M, sum_M, acc_MH * rescale_M[:, None] + update_MH
 
-    init = (jnp.full((MIN_DOT,), -jnp.inf, jnp.float32), jnp.zeros((MIN_DOT,), jnp.float32),
+    if sinks_ref is None:
+        first_max, first_sum = jnp.full((MIN_DOT,), -jnp.inf, jnp.float32), 0.0
+    else:
+        first_max, first_sum = sinks_ref[...], 1.0
+    init = (first_max, jnp.full((MIN_DOT,), first_sum, jnp.float32),
             jnp.zeros((MIN_DOT, head_dim), jnp.float32))
     _, sum_M, acc_MH = jax.lax.fori_loop(0, num_blocks, body, init)
     return acc_MH / jnp.where(sum_M > 0, sum_M, 1.0)[:, None]

@@ -3,10 +3,12 @@
 A router (a kernel [D, experts]) scores every expert for each token; the token goes through
 the `experts_per_token` experts of highest softmax probability, and its output is theirs
 summed, each weighted by its probability (divided by the chosen ones' sum under
-`normalize_expert_weights`). An expert is an FFN like `FeedForward`'s, without biases:
-W2 act(W1 x), or W2 (act(W1 x) * W3 x) for the gated activations. Params, beside the
-router's: `experts/wi` and `experts/wi_gate` [D, experts, d_ff], `experts/wo` [experts,
-d_ff, D], laid out so that every expert's projections are one matrix. A shared expert
+`normalize_expert_weights`). An expert is an FFN like `FeedForward`'s:
+W2 act(W1 x), or W2 (act(W1 x) * W3 x) for the gated activations (`gated_units`), with
+biases of its own under `ffn_bias` (gpt-oss). Params, beside the router's (a kernel, and a
+bias under `router_bias`): `experts/wi` and `experts/wi_gate` [D, experts, d_ff],
+`experts/wo` [experts, d_ff, D], laid out so that every expert's projections are one matrix,
+and `experts/bi`, `experts/bi_gate` [experts, d_ff], `experts/bo` [experts, D]. A shared expert
 (`shared_expert_d_ff` > 0) is a `FeedForward` of that width every token goes through, its
 output added to the chosen experts' (times a sigmoid gate of the token, a kernel [D, 1], under
 `shared_expert_gate`).
@@ -35,13 +37,15 @@ none left): arrays are named for what they hold, their shapes given in brackets,
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from .config import TransformerConfig
 from .config_checks import GATED_ACTIVATIONS
-from .feed_forward import FeedForward, activation_function
+from .feed_forward import FeedForward, activation_function, gated_units
 
 
 def route(router_logits: jax.Array, experts_per_token: int, normalize: bool
@@ -95,42 +99,68 @@ def gathers(pairs: int, num_experts: int) -> bool:
     return 3 * pairs < num_experts
 
 
-def gathered(tokens, weights, experts, kernels, activation):
+class ExpertWeights(NamedTuple):
+    """One layer's experts: kernels `wi`, `wi_gate` [D, experts, d_ff] and `wo` [experts,
+    d_ff, D]; with biases (`ffn_bias`), `bi`, `bi_gate` [experts, d_ff] and `bo` [experts, D].
+    Those a config does not have are None."""
+
+    wi: jax.Array
+    wi_gate: jax.Array | None
+    wo: jax.Array
+    bi: jax.Array | None = None
+    bi_gate: jax.Array | None = None
+    bo: jax.Array | None = None
+
+
+def gathered(tokens, weights, experts, w: ExpertWeights, units):
     """[tokens, D]: each (token, chosen expert) pair through that expert's weights, gathered,
-    summed per token with `weights` [tokens, k]. `kernels` are (wi, wi_gate or None, wo)."""
-    wi, wi_gate, wo = kernels
+    summed per token with `weights` [tokens, k]. `units(a, b)` makes the hidden units of W1 x
+    and W3 x (b None without a gate)."""
     k = experts.shape[1]
     chosen = experts.reshape(-1)  # [pairs], token-major
     x = jnp.repeat(tokens, k, axis=0)[:, None, :]  # [pairs, 1, D]
 
-    def up(kernel):  # [pairs, 1, d_ff]
-        return x @ jnp.moveaxis(kernel[:, chosen], 1, 0)
+    def up(kernel, bias):  # [pairs, 1, d_ff]
+        out = x @ jnp.moveaxis(kernel[:, chosen], 1, 0)
+        return out if bias is None else out + bias[chosen][:, None]
 
-    h = activation(up(wi))
-    if wi_gate is not None:
-        h = h * up(wi_gate)
-    out = (h @ wo[chosen])[:, 0].reshape(tokens.shape[0], k, -1).astype(jnp.float32)
+    h = units(up(w.wi, w.bi), None if w.wi_gate is None else up(w.wi_gate, w.bi_gate))
+    out = h @ w.wo[chosen]
+    if w.bo is not None:
+        out = out + w.bo[chosen][:, None]
+    out = out[:, 0].reshape(tokens.shape[0], k, -1).astype(jnp.float32)
     return jnp.sum(out * weights[..., None], axis=1)
 
 
-def every_expert(tokens, weights, experts, kernels, activation):
+def every_expert(tokens, weights, experts, w: ExpertWeights, units):
     """[tokens, D]: every token through every expert, each hidden unit scaled by the token's
     router weight for its expert (zero where not chosen), so that one product with every
-    expert's down projection sums the chosen experts' outputs. Three plain matmuls, which
-    read the kernels as they lie: [D, experts · d_ff] and [experts · d_ff, D]."""
-    wi, wi_gate, wo = kernels
-    count, width = wo.shape[:2]
+    expert's down projection sums the chosen experts' outputs (and one with their output
+    biases, their weighted sum). Three plain matmuls, which read the kernels as they lie:
+    [D, experts · d_ff] and [experts · d_ff, D]."""
+    count, width = w.wo.shape[:2]
     rows = jnp.arange(tokens.shape[0])[:, None]
     combine = jnp.zeros((tokens.shape[0], count), jnp.float32).at[rows, experts].set(weights)
 
-    def up(kernel):  # [tokens, experts, d_ff]
-        return (tokens @ kernel.reshape(kernel.shape[0], -1)).reshape(-1, count, width)
+    def up(kernel, bias):  # [tokens, experts, d_ff]
+        out = (tokens @ kernel.reshape(kernel.shape[0], -1)).reshape(-1, count, width)
+        return out if bias is None else out + bias
 
-    h = activation(up(wi))
-    if wi_gate is not None:
-        h = h * up(wi_gate)
+    h = units(up(w.wi, w.bi), None if w.wi_gate is None else up(w.wi_gate, w.bi_gate))
     h = h * combine[..., None].astype(h.dtype)
-    return (h.reshape(-1, count * width) @ wo.reshape(count * width, -1)).astype(jnp.float32)
+    out = (h.reshape(-1, count * width) @ w.wo.reshape(count * width, -1)).astype(jnp.float32)
+    if w.bo is not None:
+        out = out + combine @ w.bo.astype(jnp.float32)
+    return out
+
+
+def hidden_units(config: TransformerConfig):
+    """`units(a, b)` of the ways above: the config's activation of W1 x (a), gated by W3 x
+    (b) where it is a gated one."""
+    if config.activation in GATED_ACTIVATIONS:
+        return gated_units(config)
+    act = activation_function(config.activation)
+    return lambda a, _: act(a)
 
 
 class Experts(nn.Module):
@@ -146,18 +176,25 @@ class Experts(nn.Module):
         init_in = nn.initializers.lecun_normal(in_axis=0, out_axis=2, batch_axis=(1,))
         init_out = nn.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=(0,))
 
-        def kernel(name, init, shape):
+        def param(name, init, shape):
             return self.param(name, init, shape, c.weights_dtype).astype(c.compute_dtype)
 
+        def bias(name, width):
+            if not c.ffn_bias:
+                return None
+            return param(name, nn.initializers.zeros_init(), (c.num_experts, width))
+
+        gated = c.activation in GATED_ACTIVATIONS
         shape_in = (c.d_model, c.num_experts, c.d_ff)
-        wi, wo = kernel("wi", init_in, shape_in), kernel("wo", init_out, (
-            c.num_experts, c.d_ff, c.d_model))
-        wi_gate = kernel("wi_gate", init_in, shape_in) \
-            if c.activation in GATED_ACTIVATIONS else None
+        w = ExpertWeights(
+            wi=param("wi", init_in, shape_in),
+            wi_gate=param("wi_gate", init_in, shape_in) if gated else None,
+            wo=param("wo", init_out, (c.num_experts, c.d_ff, c.d_model)),
+            bi=bias("bi", c.d_ff), bi_gate=bias("bi_gate", c.d_ff) if gated else None,
+            bo=bias("bo", c.d_model))
         tokens = x_BTD.reshape(-1, c.d_model).astype(c.compute_dtype)
         way = gathered if gathers(experts.size, c.num_experts) else every_expert
-        out = way(tokens, weights, experts, (wi, wi_gate, wo),
-                  activation_function(c.activation))
+        out = way(tokens, weights, experts, w, hidden_units(c))
         return out.astype(c.compute_dtype).reshape(x_BTD.shape)
 
 
@@ -170,7 +207,7 @@ class MixtureOfExperts(nn.Module):
     @nn.compact
     def __call__(self, x_BTD):
         c = self.config
-        router = nn.Dense(c.num_experts, use_bias=False, dtype=c.compute_dtype,
+        router = nn.Dense(c.num_experts, use_bias=c.router_bias, dtype=c.compute_dtype,
                           param_dtype=c.weights_dtype, name="router")
         router_logits = router(x_BTD).reshape(-1, c.num_experts)
         if self.is_mutable_collection("intermediates"):

@@ -1,4 +1,5 @@
-"""The position-wise feed-forward network, and the activation function a config names."""
+"""The position-wise feed-forward network, and the activation a config names: of one
+projection (`activation_function`), or of two for the gated ones (`gated_units`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Callable
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from .config import TransformerConfig
 from .config_checks import GATED_ACTIVATIONS
@@ -36,13 +38,28 @@ class FeedForward(nn.Module):
                             param_dtype=c.weights_dtype, name=name)
 
         width = self.d_ff or c.d_ff
-        h = activation_function(c.activation)(dense(width, "wi")(x_BTD))
+        h = dense(width, "wi")(x_BTD)
         if c.activation in GATED_ACTIVATIONS:
-            h = h * dense(width, "wi_gate")(x_BTD)
-        return dense(c.d_model, "wo")(h)
+            return dense(c.d_model, "wo")(gated_units(c)(h, dense(width, "wi_gate")(x_BTD)))
+        return dense(c.d_model, "wo")(activation_function(c.activation)(h))
 
 
 def activation_function(name: str) -> Callable[[jax.Array], jax.Array]:
-    """The function of `config.activation` `name`: of W1 x alone for a gated activation, whose
-    product with W3 x the caller takes."""
+    """The function of an ungated `config.activation` `name`."""
     return _FUNCTIONS[name]
+
+
+def gated_units(config: TransformerConfig) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """The hidden units of a gated activation from W1 x and W3 x: act(W1 x) · W3 x, or for
+    "clamped_swiglu" (gpt-oss) g · σ(alpha · g) · (clip(W3 x, ±limit) + 1) with
+    g = min(W1 x, limit)."""
+    if config.activation != "clamped_swiglu":
+        act = _FUNCTIONS[config.activation]
+        return lambda gate, linear: act(gate) * linear
+    alpha, limit = config.swiglu_alpha, config.swiglu_limit
+
+    def clamped(gate, linear):
+        gate = jnp.minimum(gate, limit)
+        return gate * jax.nn.sigmoid(alpha * gate) * (jnp.clip(linear, -limit, limit) + 1)
+
+    return clamped

@@ -20,9 +20,10 @@ ATTENDS = pytest.mark.parametrize("attend", [M.attend, attend_from_cache_layout]
                                   ids=["fresh", "cached"])
 
 
-def numpy_attention(q, k, v, mask, scale=None, cap=None):
+def numpy_attention(q, k, v, mask, scale=None, cap=None, sinks=None):
     """q [B,T,N,H], k/v [B,S,K,H], mask [B,T,S] bool; the textbook formula, head by head,
-    the logits scaled by `scale` (default 1/√H) and soft-capped at `cap` (None: not)."""
+    the logits scaled by `scale` (default 1/√H) and soft-capped at `cap` (None: not), each
+    head's sink logit `sinks[n]` (where given) one more term of the softmax's sum."""
     batch, queries, heads, dim = q.shape
     kv_heads = k.shape[2]
     out = np.zeros_like(q, dtype=np.float64)
@@ -38,8 +39,10 @@ def numpy_attention(q, k, v, mask, scale=None, cap=None):
                 if not mask[b, t].any():
                     continue  # a query with nothing to attend to outputs zeros
                 weights = np.exp(scores[t] - scores[t].max())
-                weights /= weights.sum()
-                out[b, t, n] = weights @ v[b, :, g]
+                total = weights.sum()
+                if sinks is not None:
+                    total += np.exp(float(sinks[n]) - scores[t].max())
+                out[b, t, n] = weights / total @ v[b, :, g]
     return out
 
 
@@ -58,6 +61,30 @@ def test_attend_matches_numpy_formula_with_masks(attend, heads, kv_heads):
     np.testing.assert_allclose(out, numpy_attention(q, k, v, mask), atol=1e-5)
     np.testing.assert_array_equal(out[0, 2], 0.0)
     np.testing.assert_array_equal(out[1, 4], 0.0)
+
+
+@pytest.mark.parametrize("way", ["fresh", "one-read", "by-blocks", "whole"])
+def test_sinks_join_each_heads_softmax_as_a_key_of_value_zero(way):
+    """gpt-oss's sinks, along every way of attending: a query that sees nothing still
+    returns zeros, and the other rows give the sink its share of their weight."""
+    rng = np.random.default_rng(5)
+    q = rng.normal(size=(2, 3, 4, 8)).astype(np.float32)
+    k, v = (rng.normal(size=(2, 7, 2, 8)).astype(np.float32) for _ in range(2))
+    mask = rng.random((2, 3, 7)) < 0.6
+    mask[1, 2] = False
+    sinks = jnp.asarray([2.0, -1.0, 0.5, 4.0])
+    if way == "fresh":
+        out = M.attend(q, k, v, jnp.asarray(mask), sinks_N=sinks)
+    else:
+        stacks = [jnp.asarray(x).transpose(0, 2, 1, 3)[None] for x in (k, v)]
+        out, _ = attend_blocks(q, *stacks, 0, jnp.asarray(mask), 3, sinks_N=sinks,
+                               one_read_bytes=None if way == "one-read" else 0,
+                               whole_share=0.0 if way == "whole" else 10.0)
+    out = np.asarray(out)
+    np.testing.assert_allclose(out, numpy_attention(q, k, v, mask, sinks=sinks), atol=1e-5)
+    np.testing.assert_array_equal(out[1, 2], 0.0)
+    without = numpy_attention(q, k, v, mask)
+    assert np.all(np.abs(out[0]) < np.abs(without[0]) + 1e-6)  # a share went to the sink
 
 
 @ATTENDS

@@ -42,25 +42,27 @@ def decode_inputs(seed, batch, heads, kv_heads, capacity, dim, lengths, dtype):
 
 @MODES
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
-@pytest.mark.parametrize("heads,kv_heads,capacity,dim", [
-    (4, 4, 16, 16),     # one block of the whole capacity, one query head per kv head
-    (8, 2, 100, 32),    # a capacity the block does not divide: the last block starts early
-    (7, 1, 160, 64),    # a group of 7 (padded to 16 rows), three blocks
+@pytest.mark.parametrize("heads,kv_heads,capacity,dim,sinks", [
+    (4, 4, 16, 16, False),     # one block of the whole capacity, one query head per kv head
+    (8, 2, 100, 32, False),    # a capacity the block does not divide: the last block starts early
+    (7, 1, 160, 64, False),    # a group of 7 (padded to 16 rows), three blocks
+    (8, 2, 100, 32, True),     # each query head's sink logit (gpt-oss)
 ])
 def test_kernel_equals_the_formula_and_ignores_unseen_slots(mode, dtype, heads, kv_heads,
-                                                            capacity, dim):
+                                                            capacity, dim, sinks):
     kernel_backend(mode)
     lengths = [capacity, 0, capacity // 3 + 1]  # full, nothing to see, one block and a bit
     q, k, v, mask = decode_inputs(0, 3, heads, kv_heads, capacity, dim, lengths, dtype)
     assert D.decode_kernel_fits(q, k, v, None)
+    sinks = jnp.linspace(-1.0, 3.0, heads) if sinks else None
     out = jax.jit(D.decode_attention, static_argnames="interpret")(
-        q, k, v, jnp.asarray(mask), interpret=mode == "interpret")
+        q, k, v, jnp.asarray(mask), interpret=mode == "interpret", sinks_N=sinks)
     assert out.shape == q.shape and out.dtype == dtype
     out = np.asarray(out, np.float64)
     assert np.isfinite(out).all()
     np.testing.assert_array_equal(out[1], 0.0)  # a row that may see nothing
     as_f64 = [np.nan_to_num(np.asarray(x, np.float64)).transpose(0, 2, 1, 3) for x in (k, v)]
-    reference = numpy_attention(np.asarray(q, np.float64), *as_f64, mask)
+    reference = numpy_attention(np.asarray(q, np.float64), *as_f64, mask, sinks=sinks)
     assert np.max(np.abs(out - reference)) <= TOLERANCE[dtype] * np.max(np.abs(reference))
 
 
@@ -107,12 +109,12 @@ def test_decode_steps_through_the_kernel_equal_xlas(mode, variant):
 
 
 @MODES
-@pytest.mark.parametrize("page_size,pages_per_row,heads,kv_heads,dim", [
-    (16, 3, 8, 2, 32),  # a page a block; the table's third page ends the row
-    (4, 10, 4, 4, 16),  # 8 pages a block of 32 slots: the second block starts 6 pages early
+@pytest.mark.parametrize("page_size,pages_per_row,heads,kv_heads,dim,sinks", [
+    (16, 3, 8, 2, 32, True),  # a page a block; the table's third page ends the row; sinks
+    (4, 10, 4, 4, 16, False),  # 8 pages a block of 32 slots: the second block starts 6 early
 ])
 def test_paged_kernel_reads_each_rows_pages_as_the_formula_does(mode, page_size, pages_per_row,
-                                                                heads, kv_heads, dim):
+                                                                heads, kv_heads, dim, sinks):
     """Pages of layer 1 of two, scrambled over the pool; unseen slots, every page of layer 0
     and the pages no row names hold NaN; a row's unassigned entries (`NO_PAGE`) are masked."""
     kernel_backend(mode)
@@ -132,14 +134,16 @@ def test_paged_kernel_reads_each_rows_pages_as_the_formula_does(mode, page_size,
         for b, j in zip(*np.nonzero(pages >= 0), strict=True):
             pool[1, pages[b, j]] = by_page[b, :, j]
         pools.append(jnp.asarray(pool, jnp.bfloat16))
+    sinks = jnp.linspace(2.0, -2.0, heads) if sinks else None
     out = jax.jit(D.paged_decode_attention, static_argnames="interpret")(
-        q, *pools, 1, jnp.asarray(pages), jnp.asarray(mask), interpret=mode == "interpret")
+        q, *pools, 1, jnp.asarray(pages), jnp.asarray(mask), interpret=mode == "interpret",
+        sinks_N=sinks)
     reference = jax.jit(D.decode_attention, static_argnames="interpret")(
-        q, k, v, jnp.asarray(mask), interpret=True)
+        q, k, v, jnp.asarray(mask), interpret=True, sinks_N=sinks)
     assert out.shape == q.shape and np.isfinite(np.asarray(out, np.float32)).all()
     np.testing.assert_array_equal(np.asarray(out, np.float32)[1], 0.0)
     as_f64 = [np.nan_to_num(np.asarray(x, np.float64)).transpose(0, 2, 1, 3) for x in (k, v)]
-    expected = numpy_attention(np.asarray(q, np.float64), *as_f64, mask)
+    expected = numpy_attention(np.asarray(q, np.float64), *as_f64, mask, sinks=sinks)
     error = np.max(np.abs(np.asarray(out, np.float64) - expected))
     assert error <= TOLERANCE[jnp.bfloat16] * np.max(np.abs(expected))
     # Both cases read the contiguous kernel's blocks of 32 slots, whatever their pages.
@@ -184,12 +188,14 @@ def test_paged_decode_steps_through_the_kernel_equal_xlas(mode, monkeypatch):
     assert np.max(np.abs(outputs[1] - outputs[0])) <= 3e-2 * spread
 
 
-@pytest.mark.parametrize("page_size,pages_per_row", [(16, 6), (4, 24), (64, 2)])
+@pytest.mark.parametrize("page_size,pages_per_row,sinks", [
+    (16, 6, False), (4, 24, False), (64, 2, False), (16, 6, True)])
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
-def test_both_kernels_lower_to_triton_for_an_nvidia_gpu_on_any_machine(page_size, pages_per_row):
+def test_both_kernels_lower_to_triton_for_an_nvidia_gpu_on_any_machine(page_size, pages_per_row,
+                                                                        sinks):
     """Exported for an H100 (an abstract device: no GPU needed), each kernel becomes one
     Triton call: Triton's rules (every block a power of two, the ops it lowers) hold for the
-    shapes `decode_kernel_fits` and `paged_block_pages` admit."""
+    shapes `decode_kernel_fits` and `paged_block_pages` admit, with sinks too."""
     pytest.importorskip("jax.experimental.pallas.triton", reason="this jax has no Triton backend")
     if not hasattr(jax.sharding, "AbstractDevice"):
         pytest.skip("this jax cannot name an abstract GPU to lower for")
@@ -205,16 +211,18 @@ def test_both_kernels_lower_to_triton_for_an_nvidia_gpu_on_any_machine(page_size
     pool = jax.ShapeDtypeStruct((2, 40, kv_heads, page_size, dim), jnp.bfloat16)
     tables = jax.ShapeDtypeStruct((batch, pages_per_row), jnp.int32)
     mask = jax.ShapeDtypeStruct((batch, 1, capacity), bool)
+    sinks = {"sinks_N": jax.ShapeDtypeStruct((heads,), jnp.float32)} if sinks else {}
     assert D.decode_kernel_fits(q, rows, rows, None)
     assert D.paged_block_pages(page_size, pages_per_row) is not None
     for name, kernel, args in [
-            ("kvjax_decode_attention", D.decode_attention, (q, rows, rows, mask)),
+            ("kvjax_decode_attention",
+             lambda q, k, v, m, **s: D.decode_attention(q, k, v, m, **s), (q, rows, rows, mask)),
             ("kvjax_paged_decode_attention",
-             lambda q, k, v, t, m: D.paged_decode_attention(q, k, v, 1, t, m),
+             lambda q, k, v, t, m, **s: D.paged_decode_attention(q, k, v, 1, t, m, **s),
              (q, pool, pool, tables, mask))]:
         with jax.sharding.use_abstract_mesh(
                 jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)):
             exported = export.export(jax.jit(kernel), platforms=["cuda"], disabled_checks=[
-                export.DisabledSafetyCheck.custom_call(triton)])(*args)
+                export.DisabledSafetyCheck.custom_call(triton)])(*args, **sinks)
         module = exported.mlir_module()
         assert module.count(triton) == 1 and f'name = "{name}"' in module

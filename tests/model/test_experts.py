@@ -14,7 +14,6 @@ from kvjax import model as M
 from kvjax import parallel
 from kvjax.model import experts, lora
 from kvjax.model.experts import MixtureOfExperts
-from kvjax.model.feed_forward import activation_function
 
 
 def _moe_config(**changes):
@@ -35,22 +34,31 @@ def _reference(params, x, config):
     """The formula, token by token, in float64."""
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
     tokens = np.asarray(x, np.float64).reshape(-1, config.d_model)
-    logits = tokens @ p["router"]["kernel"]
+    logits = tokens @ p["router"]["kernel"] + p["router"].get("bias", 0.0)
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     out = np.zeros_like(tokens)
-    act = {"swiglu": _silu, "gelu": _gelu_tanh}[config.activation]
+    act = {"swiglu": _silu, "gelu": _gelu_tanh, "clamped_swiglu": None}[config.activation]
     experts = p["experts"]
+    zeros = {"bi": 0.0, "bi_gate": 0.0, "bo": 0.0}
     for t, token in enumerate(tokens):
         chosen = np.argsort(-probs[t])[:config.experts_per_token]
         weights = probs[t, chosen]
         if config.normalize_expert_weights:
             weights = weights / weights.sum()
         for e, w in zip(chosen, weights, strict=True):
-            h = act(token @ experts["wi"][:, e])
-            if "wi_gate" in experts:
-                h = h * (token @ experts["wi_gate"][:, e])
-            out[t] += w * (h @ experts["wo"][e])
+            b = {name: experts[name][e] if name in experts else 0.0 for name in zeros}
+            gate = token @ experts["wi"][:, e] + b["bi"]
+            if config.activation == "clamped_swiglu":  # gpt-oss
+                gate = np.minimum(gate, config.swiglu_limit)
+                linear = np.clip(token @ experts["wi_gate"][:, e] + b["bi_gate"],
+                                 -config.swiglu_limit, config.swiglu_limit)
+                h = gate / (1 + np.exp(-config.swiglu_alpha * gate)) * (linear + 1)
+            else:
+                h = act(gate)
+                if "wi_gate" in experts:
+                    h = h * (token @ experts["wi_gate"][:, e])
+            out[t] += w * (h @ experts["wo"][e] + b["bo"])
     if config.shared_expert_d_ff:
         shared = p["shared_expert"]
         h = act(tokens @ shared["wi"]["kernel"])
@@ -67,20 +75,33 @@ def _reference(params, x, config):
 @pytest.mark.parametrize("activation,normalize,shared", [
     ("swiglu", True, {}), ("gelu", False, {}),
     ("swiglu", False, dict(shared_expert_d_ff=24, shared_expert_gate=True)),
-    ("gelu", True, dict(shared_expert_d_ff=24))],
-    ids=["gated-normalized", "plain-as-given", "shared-gated", "shared"])
+    ("gelu", True, dict(shared_expert_d_ff=24)),
+    ("clamped_swiglu", True, dict(ffn_bias=True, router_bias=True, swiglu_limit=0.4,
+                                  swiglu_alpha=1.5))],
+    ids=["gated-normalized", "plain-as-given", "shared-gated", "shared", "biases-clamped"])
 def test_each_token_is_the_weighted_sum_of_its_chosen_experts(tokens, activation, normalize,
                                                                shared):
-    """Plus the shared expert's output where there is one (Qwen2-MoE's behind a gate)."""
-    config = _moe_config(activation=activation, normalize_expert_weights=normalize, **shared)
+    """Plus the shared expert's output where there is one (Qwen2-MoE's behind a gate); with
+    biases on the router and the experts and gpt-oss's clamped SwiGLU, its limit low enough
+    that the clips bind."""
+    options = dict(shared)
+    biases = options.get("ffn_bias", False)
+    config = _moe_config(activation=activation, normalize_expert_weights=normalize, **options)
     layer = MixtureOfExperts(config)
     x = jnp.asarray(np.random.default_rng(3).normal(size=(*tokens, config.d_model)),
                     jnp.float32)
     params = layer.init(jax.random.key(1), x)["params"]
-    assert ("wi_gate" in params["experts"]) == (activation == "swiglu")
-    assert ("shared_expert" in params) == bool(shared)
+    if biases:  # initialised at zero: drawn here, so that they count
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, leaf: jax.random.normal(jax.random.key(len(path)), leaf.shape)
+            if path[-1].key in ("bi", "bi_gate", "bo", "bias") else leaf, params)
+        assert params["experts"]["bi"].shape == params["experts"]["bi_gate"].shape == (8, 64)
+        assert params["experts"]["bo"].shape == (8, config.d_model)
+        assert params["router"]["bias"].shape == (8,)
+    assert ("wi_gate" in params["experts"]) == activation.endswith("swiglu")
+    assert ("shared_expert" in params) == ("shared_expert_d_ff" in shared)
     assert ("shared_expert_gate" in params) == ("shared_expert_gate" in shared)
-    if shared:
+    if "shared_expert_d_ff" in shared:
         assert params["shared_expert"]["wi"]["kernel"].shape == (config.d_model, 24)
     want = _reference(params, x, config)
     got = jax.jit(lambda p, v: layer.apply({"params": p}, v))(params, x)
@@ -88,25 +109,34 @@ def test_each_token_is_the_weighted_sum_of_its_chosen_experts(tokens, activation
     # Both ways, whichever the shape picks: 2 pairs of 8 experts gather, 4 and 28 do not.
     pairs = tokens[0] * tokens[1] * config.experts_per_token
     assert experts.gathers(pairs, config.num_experts) == (pairs < 3)
-    logits = x.reshape(-1, config.d_model) @ params["router"]["kernel"]
+    logits = x.reshape(-1, config.d_model) @ params["router"]["kernel"] + params[
+        "router"].get("bias", 0.0)
     weights, chosen = experts.route(logits, config.experts_per_token, normalize)
-    kernels = (params["experts"]["wi"], params["experts"].get("wi_gate"),
-               params["experts"]["wo"])
-    if shared:  # the ways compute the routed experts alone
+    kernels = experts.ExpertWeights(**params["experts"], **dict.fromkeys(
+        ("wi_gate",) if "wi_gate" not in params["experts"] else ()))
+    if "shared_expert_d_ff" in shared:  # the ways compute the routed experts alone
         return
     for way in (experts.gathered, experts.every_expert):
         out = way(x.reshape(-1, config.d_model), weights, chosen, kernels,
-                  activation_function(activation))
+                  experts.hidden_units(config))
         np.testing.assert_allclose(out.reshape(x.shape), want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_model_of_experts_decodes_and_scans_as_it_runs_whole():
+    """With gpt-oss's options too: attention sinks, biases on the router and the experts,
+    the clamped SwiGLU, a sliding window beside a full layer."""
     from test_layers import check_unrolled_and_cached_equal_whole
 
     config = _moe_config(num_kv_heads=2, scan_layers=True, num_experts=16,
-                         shared_expert_d_ff=24, shared_expert_gate=True)
+                         shared_expert_d_ff=24, shared_expert_gate=True, attention_sinks=True,
+                         ffn_bias=True, router_bias=True, activation="clamped_swiglu",
+                         swiglu_limit=1.0, sliding_window=3, full_attention_layers=(1,))
     params = M.init_params(config, jax.random.key(2))
     assert params["layers"]["ffn"]["experts"]["wi"].shape == (2, 32, 16, 64)
+    assert params["layers"]["self_attention"]["sinks"].shape == (2, 4)
+    params = jax.tree_util.tree_map_with_path(  # the sinks and biases start at zero
+        lambda path, leaf: 2 * jax.random.normal(jax.random.key(len(path)), leaf.shape)
+        if path[-1].key in ("sinks", "bi", "bi_gate", "bo") else leaf, params)
     # The prefill's 2 x 5 tokens go through every expert, a step's 2 rows gather theirs.
     check_unrolled_and_cached_equal_whole(config, params)
 
@@ -115,7 +145,8 @@ def test_a_model_of_experts_decodes_and_scans_as_it_runs_whole():
     (dict(experts_per_token=9), "experts_per_token=9 must be from 1 to num_experts=8"),
     (dict(experts_per_token=0), "experts_per_token=0 must be from 1"),
     (dict(num_experts=-1), "num_experts=-1 must be >= 0"),
-    (dict(ffn_bias=True), "num_experts needs ffn_bias=False"),
+    (dict(num_experts=0, router_bias=True), "router_bias needs a mixture of experts"),
+    (dict(swiglu_limit=0.0), "swiglu_limit=0.0 must be > 0"),
     (dict(num_encoder_layers=2), "num_experts needs a decoder-only model"),
     (dict(shared_expert_d_ff=-4), "shared_expert_d_ff=-4 must be >= 0"),
     (dict(shared_expert_gate=True), "shared_expert_gate needs a shared expert"),
@@ -170,10 +201,11 @@ def test_the_load_balancing_loss_equals_the_formula_over_every_layer_together():
         np.testing.assert_allclose(experts.load_balancing_loss(sown, num), want, rtol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])  # Qwen2-MoE: a shared expert
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "gpt_oss"])
 def test_the_load_balancing_loss_equals_transformers(name):
     """A Hugging Face mixture's auxiliary loss as transformers computes it
-    (`output_router_logits`, recorded in the fixture by tests/fixtures/make_hf_models.py)."""
+    (`output_router_logits`, recorded in the fixture by tests/fixtures/make_hf_models.py);
+    Qwen2-MoE's beside a shared expert, gpt-oss's from a router with a bias."""
     import json
     from pathlib import Path
 

@@ -36,10 +36,14 @@ def contiguous(pool, pages):
                                                   rows.shape[-1])
 
 
-@pytest.mark.parametrize("one_read_bytes, block_size", [(None, PAGE), (0, PAGE), (0, 2 * PAGE)],
-                         ids=["one-read", "page-by-page", "two-pages-at-a-time"])
-def test_paged_attention_equals_the_formula_over_each_rows_pages(one_read_bytes, block_size):
-    """Blocks of two pages over three pages a row: the last block starts a page early."""
+@pytest.mark.parametrize("one_read_bytes, block_size, sinks", [
+    (None, PAGE, False), (0, PAGE, False), (0, 2 * PAGE, False), (None, PAGE, True),
+    (0, 2 * PAGE, True)], ids=["one-read", "page-by-page", "two-pages-at-a-time",
+                               "one-read-sinks", "two-pages-sinks"])
+def test_paged_attention_equals_the_formula_over_each_rows_pages(one_read_bytes, block_size,
+                                                                 sinks):
+    """Blocks of two pages over three pages a row: the last block starts a page early. With
+    each query head's sink logit (gpt-oss) too."""
     q, (k_pool, v_pool), pages = pool_inputs()
     lengths = np.array([11, 5])  # row 1 ends inside its second page: its third is unseen
     k_pool[0, pages[1, 1], :, 1:] = np.nan  # past its length
@@ -48,11 +52,13 @@ def test_paged_attention_equals_the_formula_over_each_rows_pages(one_read_bytes,
     slots = np.arange(pages.shape[1] * PAGE)
     positions = lengths[:, None] - 2 + np.arange(2)
     mask = (slots <= positions[:, :, None]) & (slots < lengths[:, None, None])
+    sinks = jnp.asarray([1.5, -0.5, 0.0, 3.0]) if sinks else None
     out = attend_pages(q, jnp.asarray(k_pool), jnp.asarray(v_pool), 0, jnp.asarray(pages),
-                       jnp.asarray(mask), block_size, one_read_bytes=one_read_bytes)
+                       jnp.asarray(mask), block_size, one_read_bytes=one_read_bytes,
+                       sinks_N=sinks)
     safe = np.where(pages < 0, 0, pages)
     k, v = (np.nan_to_num(contiguous(pool, safe), nan=1e9) for pool in (k_pool, v_pool))
-    expected = numpy_attention(np.asarray(q), k, v, mask)
+    expected = numpy_attention(np.asarray(q), k, v, mask, sinks=sinks)
     assert np.all(np.isfinite(out))
     np.testing.assert_allclose(out, expected, atol=1e-5, rtol=0)
 
