@@ -1,8 +1,8 @@
 """The `config.json` readers of the families built on Llama's layer: RMSNorm (or LayerNorm)
 before each sublayer, RoPE, a gated FFN (or a plain one), GQA; with their variations of
 norms, windows and scales (Qwen, SmolLM3, Granite, Mistral, Phi-3, StableLM, StarCoder2,
-Gemma, OLMo) and those whose FFN is a mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE,
-OLMoE, GraniteMoE). `READERS` maps each model type to its reader."""
+Gemma, OLMo, GLM-4) and those whose FFN is a mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE,
+OLMoE, GraniteMoE, gpt-oss). `READERS` maps each model type to its reader."""
 
 from __future__ import annotations
 
@@ -144,6 +144,36 @@ def _experts(c: Reader, normalize: bool) -> dict[str, Any]:
             "normalize_expert_weights": normalize}
 
 
+def _gpt_oss(c: Reader) -> dict[str, Any]:
+    """gpt-oss (20b, 120b): Llama's layout with biases on every attention projection (unless
+    `attention_bias` is false), a sink logit for each query head, every other layer over a
+    sliding window (or as `layer_types` says), and a mixture of experts in every layer whose
+    router and experts have biases, each token's chosen experts weighted by a softmax over
+    their router logits alone, their units the clamped SwiGLU (`swiglu_alpha`,
+    `swiglu_limit`). transformers runs that SwiGLU whatever `hidden_act` says, so does kvjax.
+    The releases' experts are MXFP4 (`quantization_config`), unpacked as they load
+    (`mxfp4.py`); the files say which tensors are packed."""
+    c.get("hidden_act")
+    quantization = c.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        if method != "mxfp4":
+            raise UnsupportedModelError(f"{c.source}: quantization_config with quant_method="
+                                        f"{method!r} is not supported (gpt-oss: 'mxfp4', its "
+                                        "experts' weights, unpacked as they load)")
+    bias = bool(c.get("attention_bias", True))
+    fields = _llama_like(c, qkv_bias=bias, out_bias=bias, ffn_bias=True,
+                         activation="clamped_swiglu", gated=False)
+    layers = fields["num_decoder_layers"]
+    window, full = _sliding_layers(c, ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                       for i in range(layers)], window_default=128)
+    return {**fields, **_experts(c, normalize=True), "sliding_window": window,
+            "full_attention_layers": full if window is not None else (),
+            "attention_sinks": True, "router_bias": True,
+            "swiglu_alpha": float(c.get("swiglu_alpha", 1.702)),
+            "swiglu_limit": float(c.get("swiglu_limit", 7.0))}
+
+
 def _smollm3(c: Reader) -> dict[str, Any]:
     """Llama's architecture where the layers `no_rope_layers` marks 0 attend with no position
     encoding (NoPE); without the list, every `no_rope_layer_interval`-th layer, as
@@ -206,6 +236,23 @@ def _phi3(c: Reader) -> dict[str, Any]:
     return {**_llama_like(c, qkv_bias=False, out_bias=False, ffn_bias=False,
                           rope=rope_of(c, phi3=True)),
             "sliding_window": c.get("sliding_window")}
+
+
+def _glm(c: Reader, post_norms: bool = False) -> dict[str, Any]:
+    """GLM-4 (GLM-4-9B-Chat; `glm4`, GLM-4-9B-0414 and GLM-Z1, with `post_norms`): Llama's
+    layout with biases on q, k and v (unless `attention_bias` is false) but not on the
+    output, the gate and up projections in one `gate_up_proj`, and RoPE over the leading
+    `partial_rotary_factor` (a half by default) of each head turning the pairs
+    (x[2i], x[2i + 1]): kvjax turns the halves, so each head's query and key rows are put
+    in that order as they load (`weights.rope_halves_from_pairs`), which leaves every
+    product of a query and a key as it was. `post_norms`: an RMSNorm on each sublayer's
+    output too, before the residual sum."""
+    width, heads = c.require("hidden_size"), c.require("num_attention_heads")
+    rope = partial_rope(c, rope_settings(c), c.get("partial_rotary_factor", 0.5),
+                        c.get("rope_theta", 10000.0), c.get("head_dim") or width // heads)
+    fields = _llama_like(c, qkv_bias=bool(c.get("attention_bias", True)), out_bias=False,
+                         ffn_bias=False, rope=rope)
+    return {**fields, "sandwich_norms": True} if post_norms else fields
 
 
 def _stablelm(c: Reader) -> dict[str, Any]:
@@ -353,4 +400,5 @@ READERS = {"llama": _llama, "mistral": _mistral, "phi3": _phi3, "qwen2": _qwen2,
            "gemma3_text": _gemma3, "olmo2": _olmo2, "olmo3": _olmo3, "stablelm": _stablelm,
            "gemma": _gemma1, "starcoder2": _starcoder2, "mixtral": _mixtral,
            "qwen3_moe": _qwen3_moe, "olmoe": _olmoe, "granitemoe": _granitemoe,
-           "qwen2_moe": _qwen2_moe}
+           "qwen2_moe": _qwen2_moe, "gpt_oss": _gpt_oss, "glm": _glm,
+           "glm4": lambda c: _glm(c, post_norms=True)}

@@ -35,7 +35,7 @@ from .errors import UnsupportedModelError
 from .gpt_weights import heads_apart
 from .reader import Reader, read_json_object
 from .tensors import WeightFiles
-from .weights import LAYOUTS, ties_embeddings
+from .weights import LAYOUTS, rope_halves_from_pairs, ties_embeddings
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -68,9 +68,10 @@ _MODULES = {
             "self_attn.dense": ("o",), "mlp.fc1": ("wi",), "mlp.fc2": ("wo",)},
     "opt": {"self_attn.q_proj": ("q",), "self_attn.k_proj": ("k",), "self_attn.v_proj": ("v",),
             "self_attn.out_proj": ("o",), "fc1": ("wi",), "fc2": ("wo",)},
-    # Mixtral and GraniteMoE: attention alone, their experts' projections being none of
-    # kvjax's targets.
-    "mixtral": _ATTENTION, "granitemoe": _ATTENTION,
+    "glm": {**_ATTENTION, "mlp.gate_up_proj": ("wi", "wi_gate"), "mlp.down_proj": ("wo",)},
+    # Mixtral, GraniteMoE and gpt-oss: attention alone, their experts' projections being
+    # none of kvjax's targets.
+    "mixtral": _ATTENTION, "granitemoe": _ATTENTION, "gpt_oss": _ATTENTION,
     "plain_mlp": {**_ATTENTION, "mlp.c_fc": ("wi",), "mlp.c_proj": ("wo",)},
     "gpt_neox": {"attention.query_key_value": ("q", "k", "v"), "attention.dense": ("o",),
                  "mlp.dense_h_to_4h": ("wi",), "mlp.dense_4h_to_h": ("wo",)},
@@ -79,9 +80,12 @@ _MODULES = {
 # first); "model.layers" where not listed.
 _LAYER_PREFIXES = {"gpt2": ("transformer.h", "h"), "opt": ("model.decoder.layers",),
                    "gpt_neox": ("gpt_neox.layers",)}
-# Modules whose output rows hold each head's q, k and v in turn (GPT-NeoX's
-# query_key_value), where kvjax's targets hold every q head, then every k, then every v.
-_HEADS_INTERLEAVED = {("gpt_neox", "attention.query_key_value")}
+# Modules whose output rows kvjax holds in another order (`_rows_in_kvjax_order`): GPT-NeoX's
+# query_key_value, each head's q, k and v in turn, where kvjax's targets hold every q head,
+# then every k, then every v; GLM's queries and keys, whose RoPE turns pairs of a head's
+# dimensions where kvjax turns halves (`weights.rope_halves_order`).
+_REORDERED_ROWS = {("gpt_neox", "attention.query_key_value"), ("glm", "self_attn.q_proj"),
+                   ("glm", "self_attn.k_proj")}
 
 
 def _layer_prefixes(model_type: str) -> tuple[str, ...]:
@@ -140,8 +144,8 @@ def merge_peft_adapter(config: TransformerConfig, model_type: str, params: dict,
             raise ValueError(f"{directory}: {names['A']} {list(a.shape)} and {names['B']} "
                              f"{list(b.shape)} are not the [r, in] and [out, r] of one rank")
         update = scale_of(a.shape[0]) * (a.astype(np.float32).T @ b.astype(np.float32).T)
-        if (LAYOUTS[model_type], module) in _HEADS_INTERLEAVED:
-            update = _heads_apart(config, update.T, names["B"]).T
+        if (LAYOUTS[model_type], module) in _REORDERED_ROWS:
+            update = _rows_in_kvjax_order(config, module, update.T, names["B"]).T
         _add(config, merged["layers"][str(layer)], modules[module], update, names["B"])
     return merged
 
@@ -169,19 +173,29 @@ def _scaling(directory: Path):
     return lambda rank: alpha / (math.sqrt(rank) if rslora else rank)
 
 
-def _heads_apart(config: TransformerConfig, rows_OX: np.ndarray, name: str) -> np.ndarray:
-    """`weights.heads_apart`, the rows' count checked first."""
+def _rows_in_kvjax_order(config: TransformerConfig, module: str, rows_OX: np.ndarray,
+                         name: str) -> np.ndarray:
+    """A module's output rows [O, X] of `_REORDERED_ROWS` in kvjax's order, the rows' count
+    checked first: GPT-NeoX's `weights.heads_apart`, GLM's `weights.rope_halves_from_pairs`."""
     n, h = config.num_heads, config.head_dim
-    if rows_OX.shape[0] != 3 * n * h:
+    heads = {"attention.query_key_value": 3 * n, "self_attn.q_proj": n,
+             "self_attn.k_proj": config.kv_heads}[module]
+    if rows_OX.shape[0] != heads * h:
         raise ValueError(f"tensor {name} has {rows_OX.shape[0]} output rows; the model's "
-                         f"query_key_value has {3 * n * h}")
-    return heads_apart(rows_OX, n, h)
+                         f"{module} has {heads * h}")
+    if module == "attention.query_key_value":
+        return heads_apart(rows_OX, n, h)
+    return rope_halves_from_pairs(rows_OX, heads, h, config.rotary_dims)
 
 
-def _heads_interleaved(config: TransformerConfig, rows_OX: np.ndarray) -> np.ndarray:
-    """The inverse of `_heads_apart`."""
+def _rows_in_file_order(config: TransformerConfig, module: str, rows_OX: np.ndarray
+                        ) -> np.ndarray:
+    """The inverse of `_rows_in_kvjax_order`."""
     n, h = config.num_heads, config.head_dim
-    return rows_OX.reshape(3, n, h, -1).transpose(1, 0, 2, 3).reshape(3 * n * h, -1)
+    if module == "attention.query_key_value":
+        return rows_OX.reshape(3, n, h, -1).transpose(1, 0, 2, 3).reshape(3 * n * h, -1)
+    heads = n if module == "self_attn.q_proj" else config.kv_heads
+    return rope_halves_from_pairs(rows_OX, heads, h, config.rotary_dims, inverse=True)
 
 
 def _add(config: TransformerConfig, layer: dict, targets: tuple[str, ...],
@@ -301,8 +315,8 @@ def _peft_tensors(config: TransformerConfig, model_type: str, layers: dict, sett
             # PEFT scales by lora_alpha / rank: the same alpha over a fused rank k times the
             # run's takes k times B to stay the run's update.
             b_OR *= rank / settings.rank
-            if (LAYOUTS[model_type], module) in _HEADS_INTERLEAVED:
-                b_OR = np.ascontiguousarray(_heads_interleaved(config, b_OR))
+            if (LAYOUTS[model_type], module) in _REORDERED_ROWS:
+                b_OR = np.ascontiguousarray(_rows_in_file_order(config, module, b_OR))
             name = f"base_model.model.{prefix}.{index}.{module}"
             tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"] = a_RI, b_OR
             ranks[module] = rank

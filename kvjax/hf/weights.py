@@ -17,23 +17,26 @@ import numpy as np
 
 from kvjax import model as M
 
-from . import gpt_weights, tensors
+from . import gpt_weights, mxfp4, tensors
 from .tensors import Params, WeightFiles
 
 # How each model type's files name and lay out its tensors: "llama" (Llama and its kin:
 # q_proj, k_proj, v_proj, gate_proj, up_proj, down_proj under model.layers.i), "fused"
-# (Phi-3: qkv_proj and gate_up_proj), "gpt2" (Conv1D's c_attn, c_proj, c_fc under
-# transformer.h.i), "gpt_neox" (query_key_value, each head's q, k and v in turn, under
-# gpt_neox.layers.i), "phi" (Phi-2: q_proj, k_proj, v_proj, dense, fc1, fc2, one norm a
-# layer), "opt" (q_proj, k_proj, v_proj, out_proj, fc1, fc2 under model.decoder.layers.i),
-# "plain_mlp" (Llama's attention, an FFN of c_fc and c_proj: StarCoder2), "mixtral" (Llama's
-# attention, experts of w1, w3 and w2 under block_sparse_moe), "granitemoe" (every expert in
-# one input_linear and one output_linear) and "marian" (an encoder and a decoder). Llama's
-# layout holds experts too: gate_proj, up_proj and down_proj under mlp (and a shared expert
-# of the same three beside them, with its gate: Qwen2-MoE).
+# (Phi-3: qkv_proj and gate_up_proj), "glm" (Llama's attention, its RoPE turning pairs of
+# dimensions, and Phi-3's gate_up_proj; GLM-4-0414's norms on the sublayers' outputs),
+# "gpt2" (Conv1D's c_attn, c_proj, c_fc under transformer.h.i), "gpt_neox"
+# (query_key_value, each head's q, k and v in turn, under gpt_neox.layers.i), "phi" (Phi-2:
+# q_proj, k_proj, v_proj, dense, fc1, fc2, one norm a layer), "opt" (q_proj, k_proj, v_proj,
+# out_proj, fc1, fc2 under model.decoder.layers.i), "plain_mlp" (Llama's attention, an FFN
+# of c_fc and c_proj: StarCoder2), "mixtral" (Llama's attention, experts of w1, w3 and w2
+# under block_sparse_moe), "granitemoe" (every expert in one input_linear and one
+# output_linear), "gpt_oss" (Llama's attention with sinks, every expert's interleaved gate
+# and up projections in one gate_up_proj, with biases) and "marian" (an encoder and a
+# decoder). Llama's layout holds experts too: gate_proj, up_proj and down_proj under mlp
+# (and a shared expert of the same three beside them, with its gate: Qwen2-MoE).
 LAYOUTS = {"gpt2": "gpt2", "phi3": "fused", "marian": "marian", "gpt_neox": "gpt_neox",
            "phi": "phi", "opt": "opt", "starcoder2": "plain_mlp", "mixtral": "mixtral",
-           "granitemoe": "granitemoe",
+           "granitemoe": "granitemoe", "gpt_oss": "gpt_oss", "glm": "glm", "glm4": "glm",
            **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite",
                             "gemma2", "gemma3_text", "olmo2", "olmo3", "stablelm", "gemma",
                             "qwen3_moe", "olmoe", "qwen2_moe"), "llama")}
@@ -59,6 +62,8 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
               "mixtral": functools.partial(_llama_like, experts=functools.partial(
                   _experts_apart, under="block_sparse_moe.", names=("w1", "w3", "w2"))),
               "granitemoe": functools.partial(_llama_like, experts=_experts_stacked),
+              "gpt_oss": functools.partial(_llama_like, experts=_experts_interleaved),
+              "glm": functools.partial(_llama_like, fused_mlp=True, rope_pairs=True),
               **gpt_weights.READERS}[LAYOUTS[model_type]]
     ignorable = mapper(config, params)
     return params.tree(ignorable)
@@ -79,19 +84,48 @@ _OUTPUT_NORMS = {"attention_block/norm": "post_attention_layernorm",
                  "ffn_block/norm": "post_feedforward_layernorm"}  # OLMo's, on each output
 
 
+_GLM4_NORMS = {"attention_block/norm": "input_layernorm",
+               "attention_block/post_norm": "post_self_attn_layernorm",
+               "ffn_block/norm": "post_attention_layernorm",
+               "ffn_block/post_norm": "post_mlp_layernorm"}
+
+
+def rope_halves_order(head_dim: int, rotary_dim: int) -> np.ndarray:
+    """[H]: the order of a head's query or key dimensions that puts those RoPE turns in pairs
+    (x[2i], x[2i + 1]) where kvjax turns halves (x[i], x[i + r/2]): the even ones first, then
+    the odd ones, then those RoPE does not turn. Queries and keys reordered alike give the
+    same products."""
+    return np.concatenate([np.arange(0, rotary_dim, 2), np.arange(1, rotary_dim, 2),
+                           np.arange(rotary_dim, head_dim)])
+
+
+def rope_halves_from_pairs(rows_OX: np.ndarray, heads: int, head_dim: int, rotary_dim: int,
+                           inverse: bool = False) -> np.ndarray:
+    """A query or key projection's output rows [heads · H, X] with each head's reordered by
+    `rope_halves_order` (`inverse`: put back)."""
+    order = rope_halves_order(head_dim, rotary_dim)
+    if inverse:
+        order = np.argsort(order)
+    return rows_OX.reshape(heads, head_dim, -1)[:, order].reshape(rows_OX.shape)
+
+
 def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
-                plain_mlp: bool = False, experts=None):
-    """Llama and its kin, Gemma's and OLMo's norms and StableLM's LayerNorms included.
-    `fused` (Phi-3): q, k and v are rows of one `qkv_proj`, and the gate and up projections
-    the two halves of one `gate_up_proj`. `plain_mlp` (StarCoder2): an FFN without a gate,
-    `c_fc` then `c_proj`. `experts(p, layer, dst, c)` reads a layer's mixture of experts
-    (None: `_experts_apart` as Qwen3-MoE and OLMoE name them)."""
+                plain_mlp: bool = False, experts=None, fused_mlp: bool = False,
+                rope_pairs: bool = False):
+    """Llama and its kin, Gemma's, OLMo's and GLM-4's norms and StableLM's LayerNorms
+    included. `fused` (Phi-3): q, k and v are rows of one `qkv_proj`, and the gate and up
+    projections the two halves of one `gate_up_proj`; `fused_mlp` (GLM): the latter alone.
+    `rope_pairs` (GLM): RoPE turns pairs of each head's query and key dimensions, reordered
+    into halves here (`rope_halves_from_pairs`). `plain_mlp` (StarCoder2): an FFN without a
+    gate, `c_fc` then `c_proj`. `experts(p, layer, dst, c)` reads a layer's mixture of
+    experts (None: `_experts_apart` as Qwen3-MoE and OLMoE name them)."""
     d, h = c.d_model, c.head_dim
     p.set("embedder/embedding/embedding", p.read("model.embed_tokens.weight",
                                                  (c.vocab_size, d)))
     for i in range(c.num_decoder_layers):
         src, dst = f"model.layers.{i}.", f"layers/{i}/"
-        norms = (_SANDWICH_NORMS if c.sandwich_norms else
+        norms = (_GLM4_NORMS if c.sandwich_norms and rope_pairs else
+                 _SANDWICH_NORMS if c.sandwich_norms else
                  _OUTPUT_NORMS if c.norm == "output" else _NORMS)
         for kvjax_name, hf_name in norms.items():
             tensors.norm(p, f"{src}{hf_name}", f"{dst}{kvjax_name}", c)
@@ -100,20 +134,26 @@ def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
             p.set(dst + "self_attention/qkv/kernel", p.read(
                 src + "self_attn.qkv_proj.weight", (heads * h, d)).T.reshape(d, heads, h))
         else:
-            tensors.fused(p, dst + "self_attention/qkv", [
-                tensors.linear(p, f"{src}self_attn.{name}_proj", heads, h, d, c.qkv_bias)
-                for name, heads in (("q", c.num_heads), ("k", c.kv_heads),
-                                    ("v", c.kv_heads))])
+            parts = [tensors.linear(p, f"{src}self_attn.{name}_proj", heads, h, d, c.qkv_bias)
+                     for name, heads in (("q", c.num_heads), ("k", c.kv_heads),
+                                         ("v", c.kv_heads))]
+            if rope_pairs:  # q's and k's kernels [D, heads, H] and biases [heads, H]
+                order = rope_halves_order(h, c.rotary_dims)
+                parts[:2] = [tuple(None if x is None else x[..., order] for x in part)
+                             for part in parts[:2]]
+            tensors.fused(p, dst + "self_attention/qkv", parts)
         if c.qk_norm:
             for name, heads in (("q_norm", c.num_heads), ("k_norm", c.kv_heads)):
                 width = heads * h if c.qk_norm_across_heads else h
                 p.set(f"{dst}self_attention/{name}/scale",
                       p.read(f"{src}self_attn.{name}.weight", (width,)))
+        if c.attention_sinks:
+            p.set(dst + "self_attention/sinks", p.read(src + "self_attn.sinks", (c.num_heads,)))
         tensors.output(p, src + "self_attn.o_proj", dst + "self_attention/out", c)
         if c.num_experts:
             (experts or _experts_apart)(p, src, dst + "ffn/", c)
         else:
-            _feed_forward(p, src + "mlp.", dst + "ffn/", c, fused, plain_mlp)
+            _feed_forward(p, src + "mlp.", dst + "ffn/", c, fused or fused_mlp, plain_mlp)
     tensors.norm(p, "model.norm", "final_norm", c)
     tensors.unembed(c, p, "lm_head.weight")
     # Some files keep RoPE's frequencies as a buffer; kvjax computes them from config.json.
@@ -171,3 +211,31 @@ def _experts_stacked(p: Params, layer: str, dst: str, c: M.TransformerConfig) ->
     p.set(dst + "experts/wi_gate", gate_up[..., f:])
     p.set(dst + "experts/wo", p.read(src + "output_linear.weight", (count, d, f)).transpose(
         0, 2, 1))
+
+
+def _experts_interleaved(p: Params, layer: str, dst: str, c: M.TransformerConfig) -> None:
+    """gpt-oss's: the router `router` [E, D] with its bias [E]; every expert's gate and up
+    projections in `experts.gate_up_proj` [E, D, 2F], a gate column then an up column in
+    turn, their biases likewise in `gate_up_proj_bias` [E, 2F]; the down ones in `down_proj`
+    [E, F, D] with `down_proj_bias` [E, D]. The releases hold both projections as MXFP4
+    (`_blocks` and `_scales`, `mxfp4.py`), unpacked here."""
+    d, f, count = c.d_model, c.d_ff, c.num_experts
+    src = layer + "mlp."
+    p.set(dst + "router/kernel", p.read(src + "router.weight", (count, d)).T)
+    p.set(dst + "router/bias", p.read(src + "router.bias", (count,)))
+
+    def experts(name, inputs, outputs):  # [E, inputs, outputs]
+        if name + "_blocks" not in p.files:
+            return p.read(name, (count, inputs, outputs))
+        groups = -(-inputs // mxfp4.BLOCK)
+        return mxfp4.unpack(p.read(name + "_blocks", (count, outputs, groups, 16)),
+                            p.read(name + "_scales", (count, outputs, groups)))[:, :inputs]
+
+    gate_up = experts(src + "experts.gate_up_proj", d, 2 * f)
+    p.set(dst + "experts/wi", gate_up[..., 0::2].transpose(1, 0, 2))
+    p.set(dst + "experts/wi_gate", gate_up[..., 1::2].transpose(1, 0, 2))
+    gate_up_bias = p.read(src + "experts.gate_up_proj_bias", (count, 2 * f))
+    p.set(dst + "experts/bi", gate_up_bias[:, 0::2])
+    p.set(dst + "experts/bi_gate", gate_up_bias[:, 1::2])
+    p.set(dst + "experts/wo", experts(src + "experts.down_proj", f, d))
+    p.set(dst + "experts/bo", p.read(src + "experts.down_proj_bias", (count, d)))

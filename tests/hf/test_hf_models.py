@@ -26,14 +26,15 @@ FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf_models"
 NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral", "phi3",
          "gemma2", "gemma3_text", "smollm3", "granite", "olmo2", "olmo3", "gpt_neox",
          "phi", "stablelm", "opt", "gemma", "starcoder2", "mixtral", "qwen3_moe", "olmoe",
-         "granitemoe", "qwen2_moe")
+         "granitemoe", "qwen2_moe", "gpt_oss", "gpt_oss_mxfp4", "glm", "glm4")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
                "granite": "granite", "olmo2": "olmo2", "olmo3": "olmo3", "gpt_neox": "gpt_neox",
                "phi": "phi", "stablelm": "stablelm", "opt": "opt", "gemma": "gemma",
                "starcoder2": "starcoder2", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe",
-               "olmoe": "olmoe", "granitemoe": "granitemoe", "qwen2_moe": "qwen2_moe"}
+               "olmoe": "olmoe", "granitemoe": "granitemoe", "qwen2_moe": "qwen2_moe",
+               "gpt_oss": "gpt_oss", "gpt_oss_mxfp4": "gpt_oss", "glm": "glm", "glm4": "glm4"}
 
 
 @pytest.fixture(scope="module")
@@ -123,21 +124,27 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     assert (config.num_experts, config.experts_per_token, config.normalize_expert_weights) == {
         "mixtral": (4, 2, True), "qwen3_moe": (8, 2, True), "olmoe": (8, 3, False),
         "granitemoe": (4, 2, True), "qwen2_moe": (8, 2, False)}.get(
-        name, (0, 2, True))
+        name, (4, 2, True) if name.startswith("gpt_oss") else (0, 2, True))
+    gpt_oss = name.startswith("gpt_oss")
+    assert (config.attention_sinks, config.router_bias, config.activation == "clamped_swiglu",
+            config.ffn_bias and config.num_experts > 0) == (gpt_oss,) * 4
+    assert (config.swiglu_alpha, config.swiglu_limit) == ((1.5, 0.5) if gpt_oss else (1.702, 7.0))
     assert (config.shared_expert_d_ff, config.shared_expert_gate) == (
         (40, True) if name == "qwen2_moe" else (0, False))
     assert config.sliding_window == {"mistral": 4, "phi3": 6, "gemma2": 4,
                                      "gemma3_text": 5, "olmo3": 4, "starcoder2": 4,
-                                     "qwen2": 4}.get(name)
+                                     "qwen2": 4}.get(name, 4 if gpt_oss else None)
     assert config.full_attention_layers == {"gemma2": (1,), "gemma3_text": (2,),
-                                            "olmo3": (1,), "qwen2": (0,)}.get(name, ())
+                                            "olmo3": (1,), "qwen2": (0,)}.get(
+        name, (1,) if gpt_oss else ())
     assert config.local_rope_base == {"gemma3_text": 10000.0, "olmo3": 50000.0}.get(name)
     assert config.unrotated_layers == {"smollm3": (1,)}.get(name, ())
     assert config.parallel_residual == (name in ("gpt_neox", "phi"))
     assert config.shared_norm == (name == "phi")
     assert config.logits_bias == (name in ("phi", "marian"))
-    assert config.rotary_dim == {"gpt_neox": 4, "phi": 2, "stablelm": 4}.get(
-        name, config.rotary_dim)
+    assert config.rotary_dim == {"gpt_neox": 4, "phi": 2, "stablelm": 4, "glm": 4,
+                                 "glm4": 4}.get(name, config.rotary_dim)
+    assert config.sandwich_norms == (name in ("gemma2", "gemma3_text", "glm4"))
     assert (config.norm_type == "layernorm") == (name in ("gpt2", "marian", "gpt_neox", "phi",
                                                           "stablelm", "opt", "starcoder2"))
     assert (config.embedding_multiplier, config.residual_multiplier, config.attention_scale,
@@ -216,9 +223,10 @@ def edit_config(directory, file="config.json", **changes):
 
 @pytest.mark.parametrize("name, changes, message", [
     ("gpt2", dict(model_type="bert"),
-     "model_type 'bert' is not supported; kvjax loads gemma, gemma2, gemma3_text, gpt2, "
-     "gpt_neox, granite, granitemoe, llama, marian, mistral, mixtral, olmo2, olmo3, olmoe, "
-     "opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3, stablelm, starcoder2"),
+     "model_type 'bert' is not supported; kvjax loads gemma, gemma2, gemma3_text, glm, glm4, "
+     "gpt2, gpt_neox, gpt_oss, granite, granitemoe, llama, marian, mistral, mixtral, olmo2, "
+     "olmo3, olmoe, opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3, stablelm, "
+     "starcoder2"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
                                         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
      'rope settings {"partial_rotary_factor": 0.5} are not supported for rope type \'yarn\''),
@@ -288,6 +296,8 @@ def edit_config(directory, file="config.json", **changes):
      "experts_per_token=5 must be from 1 to num_experts=4"),
     ("olmoe", dict(clip_qkv=8.0),
      "clip_qkv=8.0 is not supported (queries, keys and values clipped)"),
+    ("gpt_oss", dict(quantization_config={"quant_method": "gptq", "bits": 4}),
+     "quantization_config with quant_method='gptq' is not supported (gpt-oss: 'mxfp4'"),
 ])
 def test_unsupported_settings_are_refused(tmp_path, name, changes, message):
     directory = copy_of(name, tmp_path)

@@ -27,7 +27,8 @@ from kvjax import checkpoint, hf, text
 from kvjax import model as M
 
 ADAPTERS = Path(__file__).parents[1] / "fixtures" / "hf_adapters"
-NAMES = ("llama_gqa", "phi3", "gpt2", "phi", "opt", "gpt_neox", "starcoder2", "mixtral")
+NAMES = ("llama_gqa", "phi3", "gpt2", "phi", "opt", "gpt_neox", "starcoder2", "mixtral",
+         "glm4")
 
 
 def expected(name):
@@ -142,6 +143,7 @@ def test_fixtures_are_what_peft_computes(tmp_path):
     ("opt", ("k", "o", "wo")),  # under model.decoder.layers
     ("gpt_neox", ("k", "v", "wi")),  # query_key_value's heads interleaved
     ("starcoder2", ("q", "wo")),
+    ("glm4", ("q", "k", "wi_gate")),  # each head's query and key rows reordered
 ])
 def test_adapters_written_as_peft_merge_as_kvjax_merges_them(tmp_path, name, targets):
     from kvjax.hf.peft import write_peft_adapter
