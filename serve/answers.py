@@ -4,7 +4,8 @@ One `Answer` gathers a request's choices as deltas arrive; `final` gives the who
 `chunk` one server-sent event's object for one delta. A chat request with tools that the
 model may call has its choices' text read for calls (`tools.Tools.calls`) when they finish:
 its stream holds each choice's text back and sends it, or its calls, in the choice's last
-chunk.
+chunk. With a reasoning parser a chat choice's text is its reasoning and its content
+(`reasoning.py`), tool calls read from the content alone.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from kvjax.tokenizer import TextTokenizer
 
+from . import reasoning
 from .protocol import Parsed
 from .requests import Delta
 
@@ -29,6 +31,7 @@ class Choice:
     finish_reason: str | None = None
     # The echoed prompt's tokens, their logprobs and top logprobs (None for the first).
     prompt: tuple[list, list, list] = dataclasses.field(default_factory=lambda: ([], [], []))
+    streamed: reasoning.Stream | None = None  # with a reasoning parser: what was sent
 
 
 class Answer:
@@ -39,6 +42,9 @@ class Answer:
         self.n = parsed.requests[0].n
         self.choices = [Choice(text=parsed.echo[i // self.n])
                         for i in range(len(parsed.requests) * self.n)]
+        if parsed.reasoning is not None:
+            for choice in self.choices:
+                choice.streamed = reasoning.Stream(parsed.reasoning)
         self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -117,13 +123,19 @@ class Answer:
         return self.parsed.tools is not None and self.parsed.tools.choice != "none"
 
     def _message(self, choice: Choice) -> tuple[dict, str | None]:
-        """(the message's content and calls, its finish reason) of a finished chat choice."""
-        if not self._reads_calls:
-            return {"content": choice.text}, choice.finish_reason
-        content, calls = self.parsed.tools.calls(choice.text)
+        """(the message's reasoning, content and calls, its finish reason) of a finished
+        chat choice."""
+        message, text = {}, choice.text
+        if self.parsed.reasoning is not None:
+            parts = reasoning.split(text, self.parsed.reasoning, finished=True)
+            message = {"reasoning": parts.reasoning, "reasoning_content": parts.reasoning}
+            text = parts.content
+        if not self._reads_calls or text is None:
+            return {**message, "content": text}, choice.finish_reason
+        content, calls = self.parsed.tools.calls(text)
         if not calls:
-            return {"content": content}, choice.finish_reason
-        return {"content": content, "tool_calls": calls}, "tool_calls"
+            return {**message, "content": content}, choice.finish_reason
+        return {**message, "content": content, "tool_calls": calls}, "tool_calls"
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         chunk = {"id": self.id, "object": "chat.completion.chunk" if self.parsed.chat
@@ -157,7 +169,12 @@ class Answer:
         offset = len(choice.text) - len(delta.text)
         logprobs = self._logprobs(delta.token_ids, delta.logprobs, delta.top_logprobs, offset)
         if self.parsed.chat:
-            content = {"content": delta.text} if delta.text else {}
+            if choice.streamed is not None:
+                content = choice.streamed.delta(choice.text, finished=finish is not None)
+                if not (content or finish or logprobs):
+                    return None  # held back: it may be the start of a tag
+            else:
+                content = {"content": delta.text} if delta.text else {}
             entry = {"index": index, "delta": content, "logprobs": logprobs,
                      "finish_reason": finish}
         else:
@@ -170,7 +187,8 @@ class Answer:
         with its `index`)."""
         choice = self.choices[index]
         message, finish = self._message(choice)
-        delta = {} if message["content"] is None else {"content": message["content"]}
+        delta = {key: message[key] for key in ("reasoning", "reasoning_content", "content")
+                 if message.get(key) is not None}
         if "tool_calls" in message:
             delta["tool_calls"] = [{"index": i, **call}
                                    for i, call in enumerate(message["tool_calls"])]

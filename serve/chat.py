@@ -101,11 +101,17 @@ def _template_call(call: Any, index: int, j: int) -> dict:
             "function": {"name": function["name"], "arguments": arguments}}
 
 
-def render(tokenizer: Any, messages: Sequence[Any],
-           tools: list[dict] | None = None) -> tuple[str, bool]:
+# What a template reads that a request's `chat_template_kwargs` may not replace.
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
+
+
+def render(tokenizer: Any, messages: Sequence[Any], tools: list[dict] | None = None,
+           template_kwargs: dict[str, Any] | None = None) -> tuple[str, bool]:
     """(prompt text, whether it came from the tokenizer's own template), with `tools`
     (OpenAI's, or None) shown to the model. A template's text already holds the special
-    tokens it wants, so it is encoded with no prefix added."""
+    tokens it wants, so it is encoded with no prefix added. `template_kwargs` are more
+    variables for the template (vLLM's `chat_template_kwargs`, such as Qwen3's
+    `enable_thinking`); a template reads those it knows, the plain template none."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of chat messages")
     entries = [template_message(m, i) for i, m in enumerate(messages)]
@@ -120,8 +126,9 @@ def render(tokenizer: Any, messages: Sequence[Any],
     import jinja2
 
     try:
-        text = _compiled(template).render(messages=entries, tools=tools or None,
-                                          documents=None, add_generation_prompt=True, **special)
+        text = _compiled(template).render(**{**special, **(template_kwargs or {})},
+                                          messages=entries, tools=tools or None,
+                                          documents=None, add_generation_prompt=True)
     except jinja2.TemplateError as error:  # raise_exception's message included
         raise ValueError(f"the model's chat template refused these messages: {error}") from None
     return text, True

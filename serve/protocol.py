@@ -14,7 +14,9 @@ object of token ids, as strings, to biases in [-100, 100]); kvjax's extra settin
 `min_p`, `repetition_penalty`, `no_repeat_ngram_size`, `min_tokens`, `stop_token_ids`,
 `ignore_eos`) are read where given, as vLLM does.
 Structured output (`response_format`, `structured_outputs`) and tools are read by
-`structured.py` and `tools.py`.
+`structured.py` and `tools.py`. A chat request's `chat_template_kwargs` (an object) are more
+variables for the model's chat template, as vLLM takes them; with a reasoning parser
+(`reasoning.py`) its prompt says whether its choices start inside a thought.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 from kvjax import text as T
 from kvjax.decode.settings import Sampling
 
-from . import chat, structured
+from . import chat, reasoning, structured
 from .requests import GenerationRequest
 from .tools import Tools, parse_tools
 
@@ -73,6 +75,9 @@ class Parsed:
     include_usage: bool
     logprobs: bool
     tools: Tools | None = None
+    # With a reasoning parser: whether the prompt leaves the choices inside a thought
+    # (`reasoning.starts_in_reasoning`); None without one, or for /v1/completions.
+    reasoning: bool | None = None
 
 
 _NUMBER, _INT, _BOOL, _STR, _OBJECT = (int, float), (int,), (bool,), (str,), (dict,)
@@ -112,7 +117,8 @@ def _refuse_unsupported(body: dict, chat_api: bool) -> None:
     unsupported = [("suffix", "", ""), *_VLLM_UNSUPPORTED]
     if not chat_api:
         hint = " (tools are for /v1/chat/completions)"
-        unsupported += [("tools", [], hint), ("tool_choice", "none", hint)]
+        unsupported += [("tools", [], hint), ("tool_choice", "none", hint),
+                        ("chat_template_kwargs", {}, " (they are for /v1/chat/completions)")]
     for name, off, hint in unsupported:
         if body.get(name) not in (None, off):
             raise APIError(400, f"{name}={_shown(body[name])} is not supported by this "
@@ -209,23 +215,36 @@ def _decode(loaded: T.LoadedModel, ids) -> str:
         raise APIError(400, str(error), "prompt") from None
 
 
-def _chat_prompt(loaded: T.LoadedModel, messages: Any,
-                 tools: Tools | None) -> tuple[int, ...]:
+def _chat_prompt(loaded: T.LoadedModel, messages: Any, tools: Tools | None,
+                 template_kwargs: dict[str, Any]) -> tuple[tuple[int, ...], str]:
+    """(the prompt's tokens, its text)."""
     try:
         text, templated = chat.render(loaded.tokenizer, messages,
-                                      None if tools is None else tools.for_template())
+                                      None if tools is None else tools.for_template(),
+                                      template_kwargs)
     except ValueError as error:
         raise APIError(400, str(error), "messages") from None
     if templated:
-        return tuple(loaded.tokenizer.encode(text))
-    return tuple(T.prompt_tokens(loaded, text))
+        return tuple(loaded.tokenizer.encode(text)), text
+    return tuple(T.prompt_tokens(loaded, text)), text
+
+
+def _template_kwargs(body: dict) -> dict[str, Any]:
+    kwargs = _get(body, "chat_template_kwargs", _OBJECT, {})
+    reserved = sorted(set(kwargs) & set(chat.RESERVED_TEMPLATE_VARIABLES))
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}: the "
+                            "request's own fields give them", "chat_template_kwargs")
+    return kwargs
 
 
 def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
           chat_api: bool, max_prompts: int = 64, max_stop_strings: int = 16,
-          max_stop_chars: int = 1024) -> Parsed:
+          max_stop_chars: int = 1024, reasoning_parser: str | None = None) -> Parsed:
     """The request in `body` (already JSON-decoded) for /v1/chat/completions if `chat_api`,
-    else for /v1/completions, within the given bounds (see `limits.Limits`)."""
+    else for /v1/completions, within the given bounds (see `limits.Limits`); a chat
+    request's choices split into reasoning and content with a `reasoning_parser`
+    (`reasoning.PARSERS`)."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     model = _get(body, "model", _STR)
@@ -243,7 +262,11 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
         raise APIError(400, "stream_options must be an object", "stream_options")
     include_usage = bool(options.get("include_usage", False))
     if chat_api:
-        prompts = [_chat_prompt(loaded, body.get("messages"), tools)]
+        ids, prompt_text = _chat_prompt(loaded, body.get("messages"), tools,
+                                        _template_kwargs(body))
+        prompts = [ids]
+        in_reasoning = None if reasoning_parser is None else reasoning.starts_in_reasoning(
+            prompt_text)
         echo, echo_prompt = [""], False
         max_tokens = _get(body, "max_completion_tokens", _INT,
                           _get(body, "max_tokens", _INT))
@@ -255,6 +278,7 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
         if "prompt" not in body:
             raise APIError(400, "prompt is required", "prompt")
         prompts, texts = _completion_prompts(loaded, body["prompt"], max_prompts)
+        in_reasoning = None
         max_tokens = _get(body, "max_tokens", _INT)
         top = _get(body, "logprobs", _INT)
         want_logprobs = top is not None
@@ -289,4 +313,4 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
         requests.append(GenerationRequest(ids, max_tokens=default if max_tokens is None
                                           else max_tokens, **settings))
     return Parsed(chat_api, model, tuple(requests), tuple(echo), echo_prompt, stream,
-                  include_usage, want_logprobs, tools)
+                  include_usage, want_logprobs, tools, in_reasoning)

@@ -26,6 +26,7 @@ from starlette.routing import Route
 
 from kvjax.text import LoadedModel
 
+from . import reasoning
 from .answers import Answer
 from .engine import Engine, EngineFailed, QueueFull
 from .limits import Limits, authorized, read_json
@@ -46,12 +47,17 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
               prefix_cache_rows: int | None = None, prefill_part: int = 512,
               page_size: int | None = None, num_pages: int | None = None,
               warm_up: bool = False, mesh=None,
-              api_key: str | None = None, limits: Limits | None = None) -> Starlette:
+              api_key: str | None = None, limits: Limits | None = None,
+              reasoning_parser: str | None = None) -> Starlette:
     """The app serving `loaded` as `model_name` (default: its directory's name). The engine
     starts with the app (its lifespan), after compiling every program it can need if
     `warm_up`, and stops with it. On a `mesh` the slots are split over its devices (see
     `Engine`). With an `api_key`, /v1/ answers only requests that carry it; `limits` bound
-    what a request may ask (`limits.Limits`)."""
+    what a request may ask (`limits.Limits`). A `reasoning_parser` (`reasoning.PARSERS`)
+    answers a chat choice's thought as its `reasoning`, apart from its content."""
+    if reasoning_parser not in (None, *reasoning.PARSERS):
+        raise ValueError(f"reasoning_parser={reasoning_parser!r} is not one of "
+                         f"{', '.join(reasoning.PARSERS)}")
     metrics = ServeMetrics()
     engine = Engine(loaded.config, loaded.params, tokenizer=loaded.tokenizer,
                     max_slots=max_slots, max_staged=max_staged, max_len=max_len,
@@ -131,7 +137,8 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
         (the echo-only answer, which never reaches the engine, included)."""
         parsed = parse(body, loaded, name, engine.capacity, chat_api=chat_api,
                        max_prompts=max_prompts, max_stop_strings=limits.max_stop_strings,
-                       max_stop_chars=limits.max_stop_chars)
+                       max_stop_chars=limits.max_stop_chars,
+                       reasoning_parser=reasoning_parser)
         try:
             checked = tuple(
                 dataclasses.replace(engine.check(dataclasses.replace(r, max_tokens=1)),

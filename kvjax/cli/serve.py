@@ -79,6 +79,11 @@ def add_serve(commands) -> None:
                        help="answer /v1/ requests only with 'Authorization: Bearer KEY', as "
                             "OpenAI's clients send their api_key (default: $KVJAX_API_KEY; "
                             "none: anyone who reaches the port may use it)")
+    serve.add_argument("--reasoning-parser", default=None, metavar="think",
+                       help="answer a thinking model's <think> ... </think> as each chat "
+                            "choice's `reasoning` (and `reasoning_content`), apart from its "
+                            "content (`qwen3` and `deepseek_r1`, vLLM's names of its parsers "
+                            "for those models, name the same rule)")
     add_precision(serve)
     serve.set_defaults(run=run_serve)
 
@@ -109,8 +114,8 @@ def run_serve(args) -> int:
                     steps_per_check=args.steps_per_check, prefill_batch=args.prefill_batch,
                     prefix_cache_rows=args.prefix_cache_rows, prefill_part=args.prefill_part,
                     page_size=args.page_size, num_pages=num_pages, warm_up=args.warm_up,
-                    mesh=mesh,
-                    api_key=api_key, limits=limits)
+                    mesh=mesh, api_key=api_key, limits=limits,
+                    reasoning_parser=args.reasoning_parser)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info",
                 http=header_timeout_protocol(limits.header_timeout))
     return 0

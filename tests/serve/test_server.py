@@ -3,6 +3,7 @@
 backpressure and disconnects."""
 
 import asyncio
+import dataclasses
 import json
 import time
 
@@ -268,3 +269,30 @@ def test_a_client_that_disconnects_frees_its_slot(server, slow_engine):
     wait_for_free_slots(url)
     assert metric(url, 'kvjax_requests_total{outcome="disconnected"}') == 2
     assert metric(url, "kvjax_generated_tokens_total") - generated < 2 * 56
+
+
+def test_a_thinking_models_choice_is_answered_as_its_reasoning(tiny_loaded):
+    """With a reasoning parser, a template that opens `<think>` makes a choice cut short
+    inside its thought all reasoning, whole and streamed (serve/reasoning.py)."""
+    class Thinking(FakeTokenizer):
+        chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}<think>\n"
+
+    loaded = dataclasses.replace(tiny_loaded, tokenizer=Thinking())
+    app = build_app(loaded, max_slots=4, max_queue=64, chunk_size=4, prefill_batch=4,
+                    reasoning_parser="deepseek_r1")
+    url, stop = serve_app(app, TIMEOUT)
+    try:
+        settings = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                        max_tokens=5, temperature=0)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=TIMEOUT,
+                               max_retries=0)
+        whole = client.chat.completions.create(**settings).choices[0]
+        chunks = list(client.chat.completions.create(**settings, stream=True))
+    finally:
+        stop()
+    thought = whole.message.model_extra["reasoning"]
+    assert len(thought) == 5 and whole.message.content is None
+    assert whole.message.model_extra["reasoning_content"] == thought
+    assert whole.finish_reason == "length"
+    assert "".join(c.choices[0].delta.model_extra.get("reasoning") or "" for c in chunks
+                   if c.choices) == thought
