@@ -5,7 +5,8 @@ One `Answer` gathers a request's choices as deltas arrive; `final` gives the who
 model may call has its choices' text read for calls (`tools.Tools.calls`) when they finish:
 its stream holds each choice's text back and sends it, or its calls, in the choice's last
 chunk. With a reasoning parser a chat choice's text is its reasoning and its content
-(`reasoning.py`), tool calls read from the content alone.
+(`reasoning.py`, `harmony.py`), tool calls read from the content alone (or, in gpt-oss's
+harmony format, from their own messages).
 """
 
 from __future__ import annotations
@@ -127,9 +128,12 @@ class Answer:
         chat choice."""
         message, text = {}, choice.text
         if self.parsed.reasoning is not None:
-            parts = reasoning.split(text, self.parsed.reasoning, finished=True)
+            parts = self.parsed.reasoning.split(text, choice.tokens, finished=True)
             message = {"reasoning": parts.reasoning, "reasoning_content": parts.reasoning}
             text = parts.content
+            if parts.calls:
+                return {**message, "content": text, "tool_calls": list(parts.calls)}, \
+                    "tool_calls"
         if not self._reads_calls or text is None:
             return {**message, "content": text}, choice.finish_reason
         content, calls = self.parsed.tools.calls(text)
@@ -170,7 +174,8 @@ class Answer:
         logprobs = self._logprobs(delta.token_ids, delta.logprobs, delta.top_logprobs, offset)
         if self.parsed.chat:
             if choice.streamed is not None:
-                content = choice.streamed.delta(choice.text, finished=finish is not None)
+                content = choice.streamed.delta(choice.text, choice.tokens,
+                                                finished=finish is not None)
                 if not (content or finish or logprobs):
                     return None  # held back: it may be the start of a tag
             else:

@@ -16,7 +16,7 @@ object of token ids, as strings, to biases in [-100, 100]); kvjax's extra settin
 Structured output (`response_format`, `structured_outputs`) and tools are read by
 `structured.py` and `tools.py`. A chat request's `chat_template_kwargs` (an object) are more
 variables for the model's chat template, as vLLM takes them; with a reasoning parser
-(`reasoning.py`) its prompt says whether its choices start inside a thought.
+(`reasoning.py`, `harmony.py`) its choices are split into reasoning and content.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 from kvjax import text as T
 from kvjax.decode.settings import Sampling
 
-from . import chat, reasoning, structured
+from . import chat, harmony, reasoning, structured
 from .requests import GenerationRequest
 from .tools import Tools, parse_tools
 
@@ -75,9 +75,9 @@ class Parsed:
     include_usage: bool
     logprobs: bool
     tools: Tools | None = None
-    # With a reasoning parser: whether the prompt leaves the choices inside a thought
-    # (`reasoning.starts_in_reasoning`); None without one, or for /v1/completions.
-    reasoning: bool | None = None
+    # With a reasoning parser, how this request's chat choices split (`reasoning.Think`,
+    # `harmony.Harmony`); None without one, or for /v1/completions.
+    reasoning: reasoning.Think | harmony.Harmony | None = None
 
 
 _NUMBER, _INT, _BOOL, _STR, _OBJECT = (int, float), (int,), (bool,), (str,), (dict,)
@@ -229,6 +229,16 @@ def _chat_prompt(loaded: T.LoadedModel, messages: Any, tools: Tools | None,
     return tuple(T.prompt_tokens(loaded, text)), text
 
 
+def _reasoning(parser: str | None, prompt_text: str, tokenizer: Any, tools: Tools | None):
+    """How a chat request's choices split by the server's reasoning `parser`."""
+    if parser is None:
+        return None
+    if parser in reasoning.HARMONY_PARSERS:
+        names = frozenset(f["name"] for f in tools.functions) if tools else frozenset()
+        return harmony.Harmony(harmony.marker_ids(tokenizer), tokenizer.decode, names)
+    return reasoning.Think(reasoning.starts_in_reasoning(prompt_text))
+
+
 def _template_kwargs(body: dict) -> dict[str, Any]:
     kwargs = _get(body, "chat_template_kwargs", _OBJECT, {})
     reserved = sorted(set(kwargs) & set(chat.RESERVED_TEMPLATE_VARIABLES))
@@ -265,8 +275,7 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
         ids, prompt_text = _chat_prompt(loaded, body.get("messages"), tools,
                                         _template_kwargs(body))
         prompts = [ids]
-        in_reasoning = None if reasoning_parser is None else reasoning.starts_in_reasoning(
-            prompt_text)
+        splits = _reasoning(reasoning_parser, prompt_text, loaded.tokenizer, tools)
         echo, echo_prompt = [""], False
         max_tokens = _get(body, "max_completion_tokens", _INT,
                           _get(body, "max_tokens", _INT))
@@ -278,7 +287,7 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
         if "prompt" not in body:
             raise APIError(400, "prompt is required", "prompt")
         prompts, texts = _completion_prompts(loaded, body["prompt"], max_prompts)
-        in_reasoning = None
+        splits = None
         max_tokens = _get(body, "max_tokens", _INT)
         top = _get(body, "logprobs", _INT)
         want_logprobs = top is not None
@@ -313,4 +322,4 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
         requests.append(GenerationRequest(ids, max_tokens=default if max_tokens is None
                                           else max_tokens, **settings))
     return Parsed(chat_api, model, tuple(requests), tuple(echo), echo_prompt, stream,
-                  include_usage, want_logprobs, tools, in_reasoning)
+                  include_usage, want_logprobs, tools, splits)

@@ -24,9 +24,12 @@ from __future__ import annotations
 import dataclasses
 
 START, END = "<think>", "</think>"
-# The names `--reasoning-parser` takes: one rule, under vLLM's names of its parsers for
-# these models too, so that a vLLM command line keeps working.
-PARSERS = ("think", "qwen3", "deepseek_r1")
+# The names `--reasoning-parser` takes: the `<think>` rule, under vLLM's names of its parsers
+# for these models too, so that a vLLM command line keeps working; and gpt-oss's harmony
+# format (`harmony.py`).
+THINK_PARSERS = ("think", "qwen3", "deepseek_r1")
+HARMONY_PARSERS = ("harmony", "openai_gptoss")
+PARSERS = THINK_PARSERS + HARMONY_PARSERS
 
 
 def starts_in_reasoning(prompt_text: str) -> bool:
@@ -38,10 +41,22 @@ def starts_in_reasoning(prompt_text: str) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Split:
     """A choice's text as reasoning and content: what can be sent now (all of it once the
-    choice has finished). None: the choice has none of that field."""
+    choice has finished). None: the choice has none of that field. `calls`: tool calls a
+    parser read apart from the content (OpenAI's `tool_calls` entries; `harmony.py`)."""
 
     reasoning: str | None
     content: str | None
+    calls: tuple[dict, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Think:
+    """The `<think>` parser of one request: whether its prompt left it in a thought."""
+
+    in_reasoning: bool
+
+    def split(self, text: str, tokens: list[int], finished: bool) -> Split:
+        return split(text, self.in_reasoning, finished)
 
 
 def split(text: str, in_reasoning: bool, finished: bool) -> Split:
@@ -76,16 +91,17 @@ def _tag_start_at_end(text: str, tag: str) -> int:
 
 @dataclasses.dataclass
 class Stream:
-    """How much of a streamed choice's reasoning and content has been sent."""
+    """How much of a streamed choice's reasoning and content has been sent; `parser` is
+    `Think` or `harmony.Harmony`."""
 
-    in_reasoning: bool
+    parser: Think | object
     reasoning_sent: int = 0
     content_sent: int = 0
 
-    def delta(self, text: str, finished: bool) -> dict[str, str]:
-        """The new reasoning and content of a choice whose text is now `text`, as a chat
-        chunk's delta fields (those with nothing new left out)."""
-        parts = split(text, self.in_reasoning, finished)
+    def delta(self, text: str, tokens: list[int], finished: bool) -> dict[str, str]:
+        """The new reasoning and content of a choice whose text and tokens are now these,
+        as a chat chunk's delta fields (those with nothing new left out)."""
+        parts = self.parser.split(text, tokens, finished)
         out = {}
         if parts.reasoning is not None and len(parts.reasoning) > self.reasoning_sent:
             new = parts.reasoning[self.reasoning_sent:]

@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from kvjax.text import LoadedModel
 
-from . import reasoning
+from . import harmony, reasoning
 from .answers import Answer
 from .engine import Engine, EngineFailed, QueueFull
 from .limits import Limits, authorized, read_json
@@ -58,6 +58,8 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
     if reasoning_parser not in (None, *reasoning.PARSERS):
         raise ValueError(f"reasoning_parser={reasoning_parser!r} is not one of "
                          f"{', '.join(reasoning.PARSERS)}")
+    if reasoning_parser in reasoning.HARMONY_PARSERS:
+        harmony.marker_ids(loaded.tokenizer)  # a ValueError for a tokenizer without them
     metrics = ServeMetrics()
     engine = Engine(loaded.config, loaded.params, tokenizer=loaded.tokenizer,
                     max_slots=max_slots, max_staged=max_staged, max_len=max_len,

@@ -79,11 +79,12 @@ def add_serve(commands) -> None:
                        help="answer /v1/ requests only with 'Authorization: Bearer KEY', as "
                             "OpenAI's clients send their api_key (default: $KVJAX_API_KEY; "
                             "none: anyone who reaches the port may use it)")
-    serve.add_argument("--reasoning-parser", default=None, metavar="think",
-                       help="answer a thinking model's <think> ... </think> as each chat "
-                            "choice's `reasoning` (and `reasoning_content`), apart from its "
-                            "content (`qwen3` and `deepseek_r1`, vLLM's names of its parsers "
-                            "for those models, name the same rule)")
+    serve.add_argument("--reasoning-parser", default=None, metavar="think|harmony",
+                       help="answer a thinking model's thought as each chat choice's "
+                            "`reasoning` (and `reasoning_content`), apart from its content: "
+                            "think: <think> ... </think> (`qwen3` and `deepseek_r1`, vLLM's "
+                            "names, are the same rule); harmony: gpt-oss's analysis channel "
+                            "(`openai_gptoss`), its calls of the request's tools read too")
     add_precision(serve)
     serve.set_defaults(run=run_serve)
 

@@ -43,10 +43,10 @@ def test_a_finished_choice_splits_at_its_thought(text, in_reasoning, want):
 def test_streamed_deltas_cut_anywhere_add_up_and_never_send_part_of_a_tag(text, in_reasoning,
                                                                          want):
     for cut in (1, 2, 3, 5):
-        stream = reasoning.Stream(in_reasoning)
+        stream = reasoning.Stream(reasoning.Think(in_reasoning))
         sent = {"reasoning": "", "content": ""}
         for end in [*range(cut, len(text), cut), len(text)]:
-            delta = stream.delta(text[:end], finished=end == len(text))
+            delta = stream.delta(text[:end], [], finished=end == len(text))
             assert delta.get("reasoning") == delta.get("reasoning_content")
             for field in sent:
                 sent[field] += delta.get(field, "")
@@ -89,7 +89,7 @@ def test_chat_template_kwargs_reach_the_template_and_set_where_choices_start():
         "Is six even?\n<|im_start|>assistant\n"
     off = parsed(chat_template_kwargs={"enable_thinking": False})
     assert off.requests[0].prompt == tuple(ThinkingTokenizer.encode(text))
-    assert off.reasoning is False and parsed().reasoning is False
+    assert off.reasoning == parsed().reasoning == reasoning.Think(False)
     assert parsed(reasoning_parser=None).reasoning is None
 
 
@@ -162,5 +162,5 @@ def test_a_parser_of_another_name_is_refused_before_the_server_starts():
     from kvjax.serve.server import build_app
 
     with pytest.raises(ValueError, match="reasoning_parser='r1' is not one of think, qwen3, "
-                                         "deepseek_r1"):
+                                         "deepseek_r1, harmony, openai_gptoss"):
         build_app(LOADED, reasoning_parser="r1")
