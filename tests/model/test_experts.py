@@ -166,13 +166,20 @@ def test_lora_on_the_experts_is_refused_by_name():
 
 
 def test_on_a_mesh_each_expert_splits_its_hidden_units_as_a_dense_ffn_does():
-    config = _moe_config(scan_layers=True, shared_expert_d_ff=24, shared_expert_gate=True)
+    """Their biases too (gpt-oss): the hidden units' split as their kernels, the outputs'
+    whole, as the router's and the attention sinks."""
+    config = _moe_config(scan_layers=True, shared_expert_d_ff=24, shared_expert_gate=True,
+                         ffn_bias=True, router_bias=True, attention_sinks=True)
     shapes = jax.eval_shape(lambda: M.init_params(config, jax.random.key(0)))
-    specs = jax.tree_util.tree_map_with_path(
-        lambda path, leaf: parallel.param_spec(path, leaf.shape), shapes)["layers"]["ffn"]
+    all_specs = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: parallel.param_spec(path, leaf.shape), shapes)["layers"]
+    specs = all_specs["ffn"]
     model = parallel.MODEL
     assert specs["experts"]["wi"] == specs["experts"]["wi_gate"] == P(None, None, None, model)
     assert specs["experts"]["wo"] == P(None, None, model, None)  # [L, experts, F, D]
+    assert specs["experts"]["bi"] == specs["experts"]["bi_gate"] == P(None, None, model)
+    assert specs["experts"]["bo"] == specs["router"]["bias"] == P()
+    assert all_specs["self_attention"]["sinks"] == P()
     assert specs["router"]["kernel"] == P()
     shared = specs["shared_expert"]  # [L, D, F] and [L, F, D], as a dense FFN's
     assert shared["wi"]["kernel"] == shared["wi_gate"]["kernel"] == P(None, None, model)
