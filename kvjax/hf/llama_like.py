@@ -154,6 +154,13 @@ def _gpt_oss(c: Reader) -> dict[str, Any]:
     The releases' experts are MXFP4 (`quantization_config`), unpacked as they load
     (`mxfp4.py`); the files say which tensors are packed."""
     c.get("hidden_act")
+    # OpenAI's releases repeat two settings under their own names, which transformers does
+    # not read: the experts a token takes, and the length YaRN's scaling starts from.
+    c.get("initial_context_length")
+    own, count = c.get("experts_per_token"), c.require("num_experts_per_tok")
+    if own is not None and own != count:
+        raise UnsupportedModelError(f"{c.source}: experts_per_token={own} and "
+                                    f"num_experts_per_tok={count} differ")
     quantization = c.get("quantization_config")
     if quantization is not None:
         method = quantization.get("quant_method") if isinstance(quantization, dict) else None

@@ -1,0 +1,154 @@
+"""The `config.json` readers of `kvjax.hf` (`config.py`, `families.py`, `llama_like.py`,
+`rope.py`): a setting kvjax does not run is one error naming it, raised before anything is
+computed; files written the older ways read as the fixtures' (tests/fixtures/hf_models) do."""
+
+import pytest
+from test_hf_models import FIXTURES, copy_of, edit_config
+
+from kvjax import hf
+
+
+@pytest.mark.parametrize("name, changes, message", [
+    ("gpt2", dict(model_type="bert"),
+     "model_type 'bert' is not supported; kvjax loads gemma, gemma2, gemma3_text, glm, glm4, "
+     "gpt2, gpt_neox, gpt_oss, granite, granitemoe, llama, marian, mistral, mixtral, olmo2, "
+     "olmo3, olmoe, opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3, stablelm, "
+     "starcoder2"),
+    ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
+                                        "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+     'rope settings {"partial_rotary_factor": 0.5} are not supported for rope type \'yarn\''),
+    ("qwen2", dict(use_sliding_window=False),
+     "layers [1] use 'sliding_attention' with use_sliding_window false"),
+    ("qwen3", dict(layer_types=["full_attention", "sliding_attention"]),
+     "layers [1] use 'sliding_attention' with use_sliding_window false"),
+    ("qwen2", dict(layer_types=["full_attention", "chunked_attention"]),
+     "must name 'full_attention' or 'sliding_attention' for each of the 2 layers"),
+    ("qwen3_moe", dict(use_sliding_window=True, sliding_window=4),
+     "use_sliding_window=true is not supported (sliding-window attention)"),
+    ("llama_mqa", dict(rope_interleaved=True), "rope_interleaved=true is not supported"),
+    ("phi3", dict(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                   "long_factor": [2.0] * 3}),
+     "longrope rope scaling needs original_max_position_embeddings and short_factor"),
+    ("phi3", dict(full_attn_mod=2),
+     "full_attn_mod=2 is not supported (Phi-4 mini's files hold 1, every layer in full "
+     "attention; transformers' Phi-3 ignores the key, so only that value runs as it does)"),
+    ("phi3", dict(interpolate_factor=4), "interpolate_factor=4 is not supported"),
+    ("smollm3", dict(no_rope_layers=[1, 0]),
+     "no_rope_layers=[1, 0] must hold a 1 (RoPE) or 0 (none) for each of the 3 layers"),
+    ("llama_mqa", dict(partial_rotary_factor=0.75),
+     "kvjax does not implement partial_rotary_factor=0.75"),
+    ("gpt2", dict(scale_attn_by_inverse_layer_idx=True),
+     "scale_attn_by_inverse_layer_idx=true is not supported"),
+    ("llama_mqa", dict(some_new_trick=4), "kvjax does not implement some_new_trick=4"),
+    ("llama_mqa", dict(hidden_act="gelu"), "a gated feed-forward network with gelu_exact"),
+    ("marian", dict(share_encoder_decoder_embeddings=False),
+     "share_encoder_decoder_embeddings=false is not supported"),
+    ("gemma3_text", dict(use_bidirectional_attention=True),
+     "use_bidirectional_attention=true is not supported (kvjax's Gemma is causal)"),
+    ("gemma2", dict(layer_types=["sliding_attention", "chunked_attention", "full_attention"]),
+     "must name 'full_attention' or 'sliding_attention' for each of the 3 layers"),
+    ("gemma2", dict(sliding_window=None), "sliding_attention layers need a sliding_window"),
+    ("gemma2", dict(hidden_activation="gelu"), "a gated feed-forward network with gelu_exact"),
+    ("gemma3_text", dict(rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
+     "scaled RoPE on sliding_attention layers is not supported"),
+    ("olmo3", dict(sliding_window=0), "sliding_window=0 must be >= 1 or None"),
+    ("olmo3", dict(layer_types=["full_attention"] * 2),
+     "must name 'full_attention' or 'sliding_attention' for each of the 3 layers"),
+    ("gpt_neox", dict(rope_parameters={"rope_type": "default", "rope_theta": 20000.0,
+                                       "partial_rotary_factor": 0.4}),
+     "rotary_dim=3 must be even and in [2, head_dim=8]"),
+    ("phi", dict(qk_layernorm=True), "qk_layernorm=true is not supported (LayerNorm over each "
+                                     "head's query and key)"),
+    ("opt", dict(do_layer_norm_before=False), "do_layer_norm_before=false is not supported "
+                                              "(OPT-350m's post-LN layers)"),
+    ("opt", dict(word_embed_proj_dim=16), "word_embed_proj_dim=16 is not supported (OPT-350m's "
+                                          "embeddings projected to the layers' width)"),
+    ("gemma", dict(hidden_act="relu"), "a gated feed-forward network with relu is not supported"),
+    ("stablelm", dict(use_parallel_residual=True),
+     "use_parallel_residual=true is not supported (attention and FFN side by side: StableLM 2 "
+     "12B's layout, which also needs per-head query and key norms)"),
+    ("qwen3_moe", dict(decoder_sparse_step=2),
+     "decoder_sparse_step=2 is not supported (dense FFNs between the expert layers)"),
+    ("qwen3_moe", dict(mlp_only_layers=[0]),
+     "mlp_only_layers=[0] is not supported (dense FFNs in some layers)"),
+    ("qwen2_moe", dict(decoder_sparse_step=2),
+     "decoder_sparse_step=2 is not supported (dense FFNs between the expert layers)"),
+    ("qwen2_moe", dict(use_sliding_window=True), "use_sliding_window=true is not supported"),
+    ("qwen3_moe", dict(num_experts=8, num_local_experts=4),
+     "num_experts=8 and num_local_experts=4 differ"),
+    ("mixtral", dict(num_local_experts=None), "num_experts (or num_local_experts) is missing"),
+    ("mixtral", dict(num_experts_per_tok=5),
+     "experts_per_token=5 must be from 1 to num_experts=4"),
+    ("olmoe", dict(clip_qkv=8.0),
+     "clip_qkv=8.0 is not supported (queries, keys and values clipped)"),
+    ("gpt_oss", dict(experts_per_token=3), "experts_per_token=3 and num_experts_per_tok=2"),
+    ("gpt_oss", dict(quantization_config={"quant_method": "gptq", "bits": 4}),
+     "quantization_config with quant_method='gptq' is not supported (gpt-oss: 'mxfp4'"),
+])
+def test_unsupported_settings_are_refused(tmp_path, name, changes, message):
+    directory = copy_of(name, tmp_path)
+    edit_config(directory, **changes)
+    with pytest.raises(hf.UnsupportedModelError) as error:
+        hf.load_pretrained(directory)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("name, changes", [
+    # Gemma 3 gave the global layers' RoPE as rope_theta and rope_scaling, the local layers'
+    # base as rope_local_base_freq, and made every sliding_window_pattern-th layer global.
+    ("gemma3_text", dict(layer_types=None, _sliding_window_pattern=None, rope_parameters=None,
+                         sliding_window_pattern=3, rope_theta=100000.0,
+                         rope_local_base_freq=10000.0,
+                         rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    # OLMo 3's released files: one rope_theta, the rope_scaling of the full layers alone.
+    ("olmo3", dict(rope_parameters=None, rope_theta=50000.0, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})),
+    # Pythia's released files: RoPE's base and the fraction of each head it turns on their own.
+    ("gpt_neox", dict(rope_parameters=None, rotary_emb_base=20000.0, rotary_pct=0.5)),
+    # Phi-2's and StableLM's: the fraction and the base at the top level.
+    ("phi", dict(rope_parameters=None, rope_theta=30000.0, partial_rotary_factor=0.25)),
+    ("stablelm", dict(rope_parameters=None, rope_theta=40000.0, partial_rotary_factor=0.5)),
+    # Gemma's releases: "gelu" meaning tanh GELU, which hidden_activation also says.
+    ("gemma", dict(hidden_act="gelu", hidden_activation="gelu_pytorch_tanh")),
+    # Qwen3-MoE's releases count the experts as num_experts; the router's training settings
+    # change nothing in inference.
+    ("qwen3_moe", dict(num_local_experts=None, num_experts=8, output_router_logits=True,
+                       router_aux_loss_coef=0.01)),
+    # Qwen2's: the sliding layers are those from max_window_layers on.
+    ("qwen2", dict(layer_types=None)),
+    # gpt-oss's releases: rope_scaling and rope_theta, and two keys of OpenAI's own.
+    ("gpt_oss", dict(rope_parameters=None, rope_theta=150000.0, experts_per_token=2,
+                     initial_context_length=16, rope_scaling={
+                         "rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0,
+                         "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 16})),
+])
+def test_files_written_before_transformers_5_name_rope_and_layers_the_older_way(
+        tmp_path, name, changes):
+    directory = copy_of(name, tmp_path)
+    edit_config(directory, **changes)
+    config, _, _ = hf.load_pretrained(directory)
+    assert config == hf.load_pretrained(FIXTURES / name)[0]
+
+
+@pytest.mark.parametrize("changes", [dict(max_window_layers=2, layer_types=None),
+                                     dict(use_sliding_window=False, layer_types=None)])
+def test_a_qwen2_file_without_sliding_layers_attends_over_every_position(tmp_path, changes):
+    directory = copy_of("qwen2", tmp_path)
+    edit_config(directory, **changes)
+    config, _, _ = hf.load_pretrained(directory)
+    assert (config.sliding_window, config.full_attention_layers) == (None, ())
+
+
+def test_an_olmo3_file_without_a_window_takes_the_one_transformers_gives_it(tmp_path):
+    directory = copy_of("olmo3", tmp_path)
+    edit_config(directory, sliding_window=None)
+    assert hf.load_pretrained(directory)[0].sliding_window == 4096
+
+
+def test_a_directory_without_config_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        hf.load_pretrained(tmp_path)
