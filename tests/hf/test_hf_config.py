@@ -119,6 +119,8 @@ def test_unsupported_settings_are_refused(tmp_path, name, changes, message):
                        router_aux_loss_coef=0.01)),
     # Qwen2's: the sliding layers are those from max_window_layers on.
     ("qwen2", dict(layer_types=None)),
+    # GLM-4's releases: RoPE's base and the fraction of each head it turns at the top level.
+    ("glm4", dict(rope_parameters=None, rope_theta=20000.0, partial_rotary_factor=0.5)),
     # gpt-oss's releases: rope_scaling and rope_theta, and two keys of OpenAI's own.
     ("gpt_oss", dict(rope_parameters=None, rope_theta=150000.0, experts_per_token=2,
                      initial_context_length=16, rope_scaling={
