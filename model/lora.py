@@ -13,7 +13,11 @@ Targets, by the names of `kvjax.model` (Hugging Face's in brackets):
       of its fused `qkv` kernel [D, N + 2K, H];
   o (o_proj): self-attention's output kernel [N, H, D];
   wi, wi_gate, wo (gate_proj, up_proj, down_proj; GPT-2's c_fc and c_proj): the
-      feed-forward kernels.
+      feed-forward kernels; in a mixture of experts, every expert's own (Mixtral's w1, w3
+      and w2): each expert gets its own pair, A [experts, I, r] and B [experts, r, O], over
+      its slice of `experts/wi` [D, experts, F] and the like (a shared expert is left as
+      it is). Not over an int8 base, whose experts' kernels are dequantised outside the
+      layers' adapters.
 Both variants' self-attention and feed-forward layers take them (an encoder-decoder's
 encoder and decoder alike); cross-attention is left as it is. With scanned layers every
 array gains the leading layer axis L. Shape letters: D model width, N query heads, K kv heads,
@@ -105,6 +109,12 @@ def init_adapters(config: TransformerConfig, params, lora: LoRA, rng: jax.Array)
     found = list(sites(config, params, lora))
     for i, (path, target, kernel) in enumerate(found):
         in_width, out_width, lead = _widths(config, target, kernel)
+        if in_experts(params, path, target):
+            if lora.int8_base:
+                raise ValueError(f"LoRA on a mixture's experts ({target!r}) needs a float "
+                                 "base, not an int8 one (--lora-base-dtype bfloat16 halves "
+                                 "its memory)")
+            lead = (*kernel.shape[:-3], config.num_experts)
         bound = 1 / math.sqrt(in_width)
         a = jax.random.uniform(jax.random.fold_in(rng, i), (*lead, in_width, lora.rank),
                                jnp.float32, -bound, bound)
@@ -122,6 +132,14 @@ def merge(config: TransformerConfig, params, adapters, lora: LoRA, keep_dtype: b
     for path, target, _ in sites(config, params, lora):
         pair = get(adapters, (*path, target))
         delta = lora.update(pair["lora_a"], pair["lora_b"])
+        if in_experts(params, path, target):  # [..., experts, I, O]
+            where = (*path, "ffn", "experts", target)
+            current = get(merged, where)
+            if target != "wo":  # the kernel is [..., D, experts, F]
+                delta = jnp.moveaxis(delta, -3, -2)
+            updated = current.astype(jnp.float32) + delta
+            _set(merged, where, updated.astype(current.dtype) if keep_dtype else updated)
+            continue
         module, name, _ = KERNELS[target]
         current = get(merged, (*path, module, name, "kernel"))
         updated = add_update(config, target, current.astype(jnp.float32), delta)
@@ -159,6 +177,14 @@ def sites(config: TransformerConfig, params, lora: LoRA
             module, name, _ = KERNELS[target]
             held = layer.get(module, {}).get(name, {})
             kernel = held.get("kernel")
+            experts = layer.get("ffn", {}).get("experts", {})
+            if target in EXPERT_TARGETS and target in experts:
+                kernel, held = experts[target], {}
+                if not jnp.issubdtype(kernel.dtype, jnp.floating):
+                    raise ValueError(f"LoRA on a mixture's experts ({target!r}) needs a float "
+                                     f"base; {'/'.join(path)}/ffn/experts/{target} holds "
+                                     f"{kernel.dtype} (--lora-base-dtype bfloat16 halves its "
+                                     "memory)")
             if kernel is None:
                 continue
             if not jnp.issubdtype(kernel.dtype, jnp.floating) and QUANTIZED_SCALE not in held:
@@ -170,6 +196,15 @@ def sites(config: TransformerConfig, params, lora: LoRA
     if missing:
         raise ValueError(f"LoRA target {missing[0]!r} is not in this model (its layers have "
                          f"no {'/'.join(KERNELS[missing[0]][:2])} kernel)")
+
+
+EXPERT_TARGETS = ("wi", "wi_gate", "wo")  # a mixture's experts' kernels, where it has them
+
+
+def in_experts(params, path: Sequence[str], target: str) -> bool:
+    """Whether `target` of the layer at `path` is its mixture's experts' kernel."""
+    return target in EXPERT_TARGETS and target in get(params, path).get("ffn", {}).get(
+        "experts", {})
 
 
 def layer_subtrees(tree, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], dict]]:

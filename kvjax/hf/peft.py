@@ -270,7 +270,13 @@ def export_peft_adapter(adapter_dir: str | os.PathLike, hf_directory: str | os.P
 def write_peft_adapter(config: TransformerConfig, model_type: str, adapters: dict,
                        settings: L.LoRA, out: str | os.PathLike, base_name: str) -> Path:
     """Writes `adapters` (`model.lora`'s, unrolled layers) of a `model_type` model as a PEFT
-    adapter into `out`, naming `base_name` as its base model; returns `out`."""
+    adapter into `out`, naming `base_name` as its base model; returns `out`. Adapters of a
+    mixture's experts are refused: PEFT keeps them another way."""
+    experts = [t for t in settings.targets if t in L.EXPERT_TARGETS]
+    if config.num_experts and experts:
+        raise ValueError(f"adapters of a mixture's experts ({', '.join(experts)}) are not "
+                         "written as a PEFT adapter; `kvjax merge-lora` writes the merged "
+                         "model")
     tensors, ranks = _peft_tensors(config, model_type, adapters["layers"], settings)
     peft_config = {
         "peft_type": "LORA", "base_model_name_or_path": base_name, "task_type": "CAUSAL_LM",

@@ -160,3 +160,16 @@ def test_adapters_written_as_peft_merge_as_kvjax_merges_them(tmp_path, name, tar
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6), got, want)
     written = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert written["r"] == 2 and written["lora_alpha"] == 6.0
+
+
+def test_adapters_of_a_mixtures_experts_are_not_written_as_peft(tmp_path):
+    from kvjax.hf.peft import write_peft_adapter
+    from kvjax.model import lora as L
+
+    config, _, params = hf.load_pretrained(FIXTURES / "mixtral")
+    settings = M.LoRA(2, targets=("q", "wo"))
+    adapters = L.init_adapters(config, params, settings, jax.random.key(0))
+    with pytest.raises(ValueError, match=r"adapters of a mixture's experts \(wo\) are not "
+                                         "written as a PEFT adapter"):
+        write_peft_adapter(config, "mixtral", adapters, settings, tmp_path, "mixtral")
+    assert not any(tmp_path.iterdir())

@@ -157,12 +157,52 @@ def test_configs_experts_cannot_run_are_refused_by_name(changes, message):
         _moe_config(**changes)
 
 
-def test_lora_on_the_experts_is_refused_by_name():
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scanned"])
+def test_lora_gives_each_expert_its_own_pair_over_its_own_slice(scan_layers):
+    """Fresh adapters leave the experts bit for bit; trained ones add scale · A_e B_e to
+    expert e's kernels alone, the shared expert left as it is; the merged model is the
+    mixture of the merged experts (`_reference`)."""
+    config = _moe_config(scan_layers=scan_layers, shared_expert_d_ff=24)
+    params = M.init_params(config, jax.random.key(0))
+    settings = M.LoRA(rank=2, alpha=6.0, targets=("q", "wi", "wi_gate", "wo"))
+    adapters = lora.init_adapters(config, params, settings, jax.random.key(1))
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(lora.merge(
+            config, params, adapters, settings)), strict=True):
+        assert np.array_equal(a, b)
+    adapters = jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.random.normal(jax.random.key(len(path)), x.shape)
+        if path[-1].key == "lora_b" else x, adapters)
+    merged = lora.merge(config, params, adapters, settings)
+
+    def layer(tree, i=1):
+        return jax.tree.map(lambda x: np.asarray(x, np.float64)[i], tree["layers"]) \
+            if scan_layers else jax.tree.map(np.asarray, tree["layers"][str(i)])
+
+    base, new, pairs = layer(params), layer(merged), layer(adapters)
+    assert pairs["wi"]["lora_a"].shape == (8, config.d_model, 2)  # [experts, I, r]
+    assert pairs["wo"]["lora_b"].shape == (8, 2, config.d_model)
+    for name, spec in (("wi", "EIR,ERO->IEO"), ("wi_gate", "EIR,ERO->IEO"),
+                       ("wo", "EIR,ERO->EIO")):
+        update = 3.0 * np.einsum(spec, pairs[name]["lora_a"], pairs[name]["lora_b"])
+        np.testing.assert_allclose(new["ffn"]["experts"][name],
+                                   base["ffn"]["experts"][name] + update, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(base["ffn"]["shared_expert"]),
+                    jax.tree.leaves(new["ffn"]["shared_expert"]), strict=True):
+        assert np.array_equal(a, b)
+    layer_config = config.replace(scan_layers=False)
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(2, 3, config.d_model)), jnp.float32)
+    got = MixtureOfExperts(layer_config).apply({"params": layer(merged)["ffn"]}, x)
+    np.testing.assert_allclose(got, _reference(layer(merged)["ffn"], x, layer_config),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_lora_on_the_experts_of_an_int8_base_is_refused_by_name():
     config = _moe_config()
     params = M.init_params(config, jax.random.key(0))
-    with pytest.raises(ValueError, match="LoRA target 'wi' is not in this model"):
-        lora.init_adapters(config, params, M.LoRA(rank=2, targets=("q", "wi")),
-                             jax.random.key(1))
+    with pytest.raises(ValueError, match=r"LoRA on a mixture's experts \('wi'\) needs a float "
+                                         r"base, not an int8 one"):
+        lora.init_adapters(config, params, M.LoRA(2, targets=("q", "wi"), base_dtype="int8"),
+                           jax.random.key(1))
 
 
 def test_on_a_mesh_each_expert_splits_its_hidden_units_as_a_dense_ffn_does():
