@@ -4,6 +4,7 @@ request's tokens are what it gets alone, through `generate` or in transformers' 
 import json
 from pathlib import Path
 
+import pytest
 from test_engine import CHUNK, Collector
 
 from kvjax import decode, hf, text
@@ -32,13 +33,17 @@ def test_an_imported_gemma_serves_its_chat_prompts_as_generate_alone():
     assert [c.tokens() for c in collectors] == expected
 
 
-def test_an_imported_mixture_of_experts_serves_what_transformers_generates():
-    """Mixtral (4 experts, 2 for each token): more requests than slots, each request's greedy
-    tokens those transformers made for its prompt alone (the fixture's record)."""
-    directory = FIXTURES / "mixtral"
+@pytest.mark.parametrize("name, page_size", [("mixtral", None), ("gpt_oss_mxfp4", 4)])
+def test_an_imported_mixture_of_experts_serves_what_transformers_generates(name, page_size):
+    """Mixtral (4 experts, 2 for each token), and gpt-oss (attention sinks, a sliding window
+    beside a full layer, experts with biases, stored as MXFP4) on pages of 4 slots: more
+    requests than slots, each request's greedy tokens those transformers made for its
+    prompt alone (the fixture's record)."""
+    directory = FIXTURES / name
     record = json.loads((directory / "expected.json").read_text())
     config, _, params = hf.load_pretrained(directory)
-    mixtral = Engine(config, params, max_slots=2, chunk_size=CHUNK, prefill_batch=2)
+    mixtral = Engine(config, params, max_slots=2, chunk_size=CHUNK, prefill_batch=2,
+                     page_size=page_size)
     collectors = [Collector() for _ in record["prompts"]]
     for ids, collector in zip(record["prompts"], collectors, strict=True):
         mixtral.submit(GenerationRequest(tuple(ids), max_tokens=record["max_new_tokens"],
