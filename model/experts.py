@@ -186,12 +186,13 @@ class Experts(nn.Module):
 
         gated = c.activation in GATED_ACTIVATIONS
         shape_in = (c.d_model, c.num_experts, c.d_ff)
-        w = ExpertWeights(
-            wi=param("wi", init_in, shape_in),
-            wi_gate=param("wi_gate", init_in, shape_in) if gated else None,
-            wo=param("wo", init_out, (c.num_experts, c.d_ff, c.d_model)),
-            bi=bias("bi", c.d_ff), bi_gate=bias("bi_gate", c.d_ff) if gated else None,
-            bo=bias("bo", c.d_model))
+        # In this order, each param's draw is the one it had before biases existed.
+        wi, wo = param("wi", init_in, shape_in), param("wo", init_out, (
+            c.num_experts, c.d_ff, c.d_model))
+        wi_gate = param("wi_gate", init_in, shape_in) if gated else None
+        w = ExpertWeights(wi, wi_gate, wo, bi=bias("bi", c.d_ff),
+                          bi_gate=bias("bi_gate", c.d_ff) if gated else None,
+                          bo=bias("bo", c.d_model))
         tokens = x_BTD.reshape(-1, c.d_model).astype(c.compute_dtype)
         way = gathered if gathers(experts.size, c.num_experts) else every_expert
         out = way(tokens, weights, experts, w, hidden_units(c))
