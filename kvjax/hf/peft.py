@@ -9,7 +9,10 @@ q_proj.lora_A.weight`): A [r, in] and B [out, r], the update to the module's tor
 what `PeftModel.merge_and_unload` computes, and what the unmerged model computes up to
 rounding. A module that kvjax fuses (q, k and v) takes its update into its heads' slice; a
 module the file fuses (Phi-3's qkv_proj and gate_up_proj, GPT-2's c_attn) spreads its update
-over kvjax's targets.
+over kvjax's targets. gpt-oss's experts, adapted through `target_parameters`
+(`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`), hold a pair per expert: A
+[experts · r, in] and B [out, r · experts], the update to expert e's [in, out] being
+scale · Aₑᵀ Bₑᵀ (`_expert_update`).
 
 As with config.json (`reader.py`), every key of adapter_config.json is read, known to change
 nothing once trained, or refused by name; every tensor must adapt a module of the model.
@@ -120,7 +123,11 @@ def merge_peft_adapter(config: TransformerConfig, model_type: str, params: dict,
     Raises `UnsupportedModelError` for a setting kvjax does not merge and ValueError naming a
     tensor that adapts nothing kvjax holds."""
     directory = Path(directory)
-    scale_of = _scaling(directory)
+    scale_of, expert_params = _scaling(directory)
+    if expert_params and LAYOUTS.get(model_type) != "gpt_oss":
+        raise UnsupportedModelError(f"{directory}: target_parameters={json.dumps(expert_params)}"
+                                    f" adapt parameters of a {model_type} model; kvjax merges "
+                                    "gpt-oss's experts' alone")
     modules = _modules(model_type, f"{directory}: PEFT adapters of {model_type!r} models are "
                                    "not supported")
     pattern = _tensor_pattern(model_type)
@@ -128,7 +135,8 @@ def merge_peft_adapter(config: TransformerConfig, model_type: str, params: dict,
     pairs: dict[tuple[int, str], dict[str, str]] = {}
     for name in sorted(files.names()):
         match = pattern.match(name)
-        if match is None or match[2] not in modules or int(match[1]) >= \
+        known = modules if not expert_params else {**modules, **_EXPERT_WRAPPERS}
+        if match is None or match[2] not in known or int(match[1]) >= \
                 config.num_decoder_layers:
             raise ValueError(f"{directory}: tensor {name} adapts no module kvjax merges into "
                              f"a {model_type} model (its layers' {', '.join(modules)})")
@@ -143,6 +151,9 @@ def merge_peft_adapter(config: TransformerConfig, model_type: str, params: dict,
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
             raise ValueError(f"{directory}: {names['A']} {list(a.shape)} and {names['B']} "
                              f"{list(b.shape)} are not the [r, in] and [out, r] of one rank")
+        if module in _EXPERT_WRAPPERS:
+            _add_to_experts(config, merged["layers"][str(layer)], a, b, scale_of, names["B"])
+            continue
         update = scale_of(a.shape[0]) * (a.astype(np.float32).T @ b.astype(np.float32).T)
         if (LAYOUTS[model_type], module) in _REORDERED_ROWS:
             update = _rows_in_kvjax_order(config, module, update.T, names["B"]).T
@@ -167,10 +178,57 @@ def _scaling(directory: Path):
             "path_initial_model_for_weight_conversion, which writes it as a plain LoRA adapter")
     alpha = c.require("lora_alpha")
     rslora = bool(c.get("use_rslora", False))
-    c.refuse_unread()  # DoRA, biases, whole modules saved, token or MoE adapters, ...
+    expert_params = c.get("target_parameters") or []
+    if not isinstance(expert_params, list) or not all(
+            isinstance(p, str) and p.endswith(_EXPERT_PARAMS) for p in expert_params):
+        raise UnsupportedModelError(f"{path}: target_parameters={json.dumps(expert_params)} "
+                                    "is not supported (kvjax merges adapters of gpt-oss's "
+                                    "mlp.experts.gate_up_proj and mlp.experts.down_proj)")
+    c.refuse_unread()  # DoRA, biases, whole modules saved, token adapters, ...
     if isinstance(alpha, bool) or not isinstance(alpha, int | float) or alpha <= 0:
         raise ValueError(f"{path}: lora_alpha={alpha!r} must be a number > 0")
-    return lambda rank: alpha / (math.sqrt(rank) if rslora else rank)
+    return lambda rank: alpha / (math.sqrt(rank) if rslora else rank), expert_params
+
+
+# The parameters of gpt-oss's experts PEFT adapts (`target_parameters`), and the modules its
+# tensors are named by: the experts' module, wrapped once for each adapted parameter (the
+# first adapted the innermost). Which parameter a pair adapts, its shapes tell.
+_EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+_EXPERT_WRAPPERS = {"mlp.experts": (), "mlp.experts.base_layer": ()}
+
+
+def _expert_update(a_XI: np.ndarray, b_OX: np.ndarray, experts: int, scale_of, name: str
+                   ) -> np.ndarray:
+    """The update [experts, in, out] of a PEFT pair over a parameter of `experts` experts:
+    A [experts · r, in] and B [out, r · experts]."""
+    if a_XI.ndim != 2 or b_OX.ndim != 2 or a_XI.shape[0] != b_OX.shape[1] \
+            or a_XI.shape[0] % experts:
+        raise ValueError(f"tensor {name} and its lora_A are not the [out, r · {experts}] and "
+                         f"[{experts} · r, in] of one rank over {experts} experts")
+    rank = a_XI.shape[0] // experts
+    a_ERI = a_XI.astype(np.float32).reshape(experts, rank, -1)
+    b_ORE = b_OX.astype(np.float32).reshape(b_OX.shape[0], rank, experts)
+    return scale_of(rank) * np.einsum("ORE,ERI->EIO", b_ORE, a_ERI)
+
+
+def _add_to_experts(config: TransformerConfig, layer: dict, a, b, scale_of, name: str) -> None:
+    """A gpt-oss expert pair's update added to `layer`'s experts (new arrays): gate_up_proj's
+    [experts, D, 2F], a gate column then an up column in turn, to wi and wi_gate; down_proj's
+    [experts, F, D] to wo. Which of the two it is, the pair's in and out widths say."""
+    update = _expert_update(a, b, config.num_experts, scale_of, name)
+    d, f = config.d_model, config.d_ff
+    ffn = layer["ffn"] = dict(layer["ffn"])
+    experts = ffn["experts"] = dict(ffn["experts"])
+    parts = {(d, 2 * f): {"wi": update[..., 0::2].transpose(1, 0, 2),
+                          "wi_gate": update[..., 1::2].transpose(1, 0, 2)},
+             (f, d): {"wo": update}}.get(update.shape[1:])
+    if parts is None:
+        raise ValueError(f"tensor {name} makes an update of {list(update.shape)}; gpt-oss's "
+                         f"experts take [{config.num_experts}, {d}, {2 * f}] (gate_up_proj) or "
+                         f"[{config.num_experts}, {f}, {d}] (down_proj)")
+    for target, piece in parts.items():
+        old = experts[target]
+        experts[target] = (old.astype(np.float32) + piece).astype(old.dtype)
 
 
 def _rows_in_kvjax_order(config: TransformerConfig, module: str, rows_OX: np.ndarray,

@@ -28,7 +28,7 @@ from kvjax import model as M
 
 ADAPTERS = Path(__file__).parents[1] / "fixtures" / "hf_adapters"
 NAMES = ("llama_gqa", "phi3", "gpt2", "phi", "opt", "gpt_neox", "starcoder2", "mixtral",
-         "glm4")
+         "glm4", "gpt_oss")
 
 
 def expected(name):
@@ -71,6 +71,10 @@ def test_only_the_adapted_kernels_change_and_the_loaded_base_is_left_as_it_was()
     (dict(init_lora_weights="pissa_niter_4"), 'init_lora_weights="pissa_niter_4" changed the '
                                                "base weights the adapter was trained over"),
     (dict(init_lora_weights="olora"), "path_initial_model_for_weight_conversion"),
+    (dict(target_parameters=["mlp.router.weight"]),
+     'target_parameters=["mlp.router.weight"] is not supported'),
+    (dict(target_parameters=["mlp.experts.down_proj"]),
+     "adapt parameters of a llama model; kvjax merges gpt-oss's experts' alone"),
 ])
 def test_settings_kvjax_does_not_merge_are_refused(tmp_path, changes, message):
     directory = copy_of("llama_gqa", tmp_path, ADAPTERS)
