@@ -15,7 +15,8 @@ object of token ids, as strings, to biases in [-100, 100]); kvjax's extra settin
 `ignore_eos`) are read where given, as vLLM does.
 Structured output (`response_format`, `structured_outputs`) and tools are read by
 `structured.py` and `tools.py`. A chat request's `chat_template_kwargs` (an object) are more
-variables for the model's chat template, as vLLM takes them; with a reasoning parser
+variables for the model's chat template, as vLLM takes them, and OpenAI's `reasoning_effort`
+is one more (gpt-oss's template reads it; chat_template_kwargs' wins); with a reasoning parser
 (`reasoning.py`, `harmony.py`) its choices are split into reasoning and content.
 """
 
@@ -118,7 +119,8 @@ def _refuse_unsupported(body: dict, chat_api: bool) -> None:
     if not chat_api:
         hint = " (tools are for /v1/chat/completions)"
         unsupported += [("tools", [], hint), ("tool_choice", "none", hint),
-                        ("chat_template_kwargs", {}, " (they are for /v1/chat/completions)")]
+                        ("chat_template_kwargs", {}, " (they are for /v1/chat/completions)"),
+                        ("reasoning_effort", None, " (it is for /v1/chat/completions)")]
     for name, off, hint in unsupported:
         if body.get(name) not in (None, off):
             raise APIError(400, f"{name}={_shown(body[name])} is not supported by this "
@@ -241,6 +243,9 @@ def _reasoning(parser: str | None, prompt_text: str, tokenizer: Any, tools: Tool
 
 def _template_kwargs(body: dict) -> dict[str, Any]:
     kwargs = _get(body, "chat_template_kwargs", _OBJECT, {})
+    effort = _get(body, "reasoning_effort", _STR)
+    if effort is not None:
+        kwargs = {"reasoning_effort": effort, **kwargs}
     reserved = sorted(set(kwargs) & set(chat.RESERVED_TEMPLATE_VARIABLES))
     if reserved:
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}: the "

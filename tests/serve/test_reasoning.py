@@ -93,6 +93,24 @@ def test_chat_template_kwargs_reach_the_template_and_set_where_choices_start():
     assert parsed(reasoning_parser=None).reasoning is None
 
 
+def test_openais_reasoning_effort_reaches_the_template_as_gpt_oss_reads_it():
+    class Effort(FakeTokenizer):  # gpt-oss's system message, as its template writes it
+        chat_template = ("{%- if reasoning_effort is not defined %}{%- set reasoning_effort = "
+                         "'medium' %}{%- endif %}Reasoning: {{ reasoning_effort }}")
+
+    loaded = LoadedModel(M.preset("tiny"), Effort(), None, f"/checkpoints/{MODEL}")
+
+    def prompt(**body):
+        request = parse({"model": MODEL, "messages": MESSAGES, **body}, loaded, MODEL,
+                        capacity=512, chat_api=True).requests[0]
+        return request.prompt
+
+    assert prompt() == tuple(Effort.encode("Reasoning: medium"))
+    assert prompt(reasoning_effort="high") == tuple(Effort.encode("Reasoning: high"))
+    assert prompt(reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"}) \
+        == tuple(Effort.encode("Reasoning: low"))
+
+
 @pytest.mark.parametrize("body, chat_api, message", [
     (dict(chat_template_kwargs={"messages": []}), True,
      "chat_template_kwargs may not set messages"),
@@ -101,12 +119,18 @@ def test_chat_template_kwargs_reach_the_template_and_set_where_choices_start():
     (dict(prompt="hi", chat_template_kwargs={"enable_thinking": False}), False,
      "chat_template_kwargs={'enable_thinking': False} is not supported by this server (they "
      "are for /v1/chat/completions)"),
+    (dict(reasoning_effort=3), True, "reasoning_effort=3 must be a string"),
+    (dict(prompt="hi", reasoning_effort="high"), False,
+     "reasoning_effort='high' is not supported by this server (it is for "
+     "/v1/chat/completions)"),
 ])
-def test_chat_template_kwargs_that_cannot_apply_are_a_400_naming_them(body, chat_api, message):
+def test_template_variables_that_cannot_apply_are_a_400_naming_them(body, chat_api, message):
     body = {"model": MODEL, **({"messages": MESSAGES} if chat_api else {}), **body}
     with pytest.raises(APIError) as error:
         parse(body, LOADED, MODEL, capacity=512, chat_api=chat_api)
-    assert error.value.status == 400 and error.value.param == "chat_template_kwargs"
+    assert error.value.status == 400
+    assert error.value.param == ("reasoning_effort" if "reasoning_effort" in body
+                                 else "chat_template_kwargs")
     assert message in error.value.message
 
 
