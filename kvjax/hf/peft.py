@@ -9,10 +9,8 @@ q_proj.lora_A.weight`): A [r, in] and B [out, r], the update to the module's tor
 what `PeftModel.merge_and_unload` computes, and what the unmerged model computes up to
 rounding. A module that kvjax fuses (q, k and v) takes its update into its heads' slice; a
 module the file fuses (Phi-3's qkv_proj and gate_up_proj, GPT-2's c_attn) spreads its update
-over kvjax's targets. gpt-oss's experts, adapted through `target_parameters`
-(`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`), hold a pair per expert: A
-[experts · r, in] and B [out, r · experts], the update to expert e's [in, out] being
-scale · Aₑᵀ Bₑᵀ (`_expert_update`).
+over kvjax's targets. gpt-oss's experts, adapted through `target_parameters`, hold a pair
+per expert, read and written by `peft_experts.py`.
 
 As with config.json (`reader.py`), every key of adapter_config.json is read, known to change
 nothing once trained, or refused by name; every tensor must adapt a module of the model.
@@ -34,6 +32,7 @@ from safetensors.numpy import save_file
 from kvjax.model import TransformerConfig
 from kvjax.model import lora as L
 
+from . import peft_experts
 from .errors import UnsupportedModelError
 from .gpt_weights import heads_apart
 from .reader import Reader, read_json_object
@@ -135,7 +134,7 @@ def merge_peft_adapter(config: TransformerConfig, model_type: str, params: dict,
     pairs: dict[tuple[int, str], dict[str, str]] = {}
     for name in sorted(files.names()):
         match = pattern.match(name)
-        known = modules if not expert_params else {**modules, **_EXPERT_WRAPPERS}
+        known = modules if not expert_params else {**modules, **peft_experts.WRAPPERS}
         if match is None or match[2] not in known or int(match[1]) >= \
                 config.num_decoder_layers:
             raise ValueError(f"{directory}: tensor {name} adapts no module kvjax merges into "
@@ -151,8 +150,9 @@ def merge_peft_adapter(config: TransformerConfig, model_type: str, params: dict,
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
             raise ValueError(f"{directory}: {names['A']} {list(a.shape)} and {names['B']} "
                              f"{list(b.shape)} are not the [r, in] and [out, r] of one rank")
-        if module in _EXPERT_WRAPPERS:
-            _add_to_experts(config, merged["layers"][str(layer)], a, b, scale_of, names["B"])
+        if module in peft_experts.WRAPPERS:
+            peft_experts.add_to_experts(config, merged["layers"][str(layer)], a, b, scale_of,
+                                        names["B"])
             continue
         update = scale_of(a.shape[0]) * (a.astype(np.float32).T @ b.astype(np.float32).T)
         if (LAYOUTS[model_type], module) in _REORDERED_ROWS:
@@ -180,7 +180,7 @@ def _scaling(directory: Path):
     rslora = bool(c.get("use_rslora", False))
     expert_params = c.get("target_parameters") or []
     if not isinstance(expert_params, list) or not all(
-            isinstance(p, str) and p.endswith(_EXPERT_PARAMS) for p in expert_params):
+            isinstance(p, str) and p.endswith(peft_experts.PARAMS) for p in expert_params):
         raise UnsupportedModelError(f"{path}: target_parameters={json.dumps(expert_params)} "
                                     "is not supported (kvjax merges adapters of gpt-oss's "
                                     "mlp.experts.gate_up_proj and mlp.experts.down_proj)")
@@ -188,47 +188,6 @@ def _scaling(directory: Path):
     if isinstance(alpha, bool) or not isinstance(alpha, int | float) or alpha <= 0:
         raise ValueError(f"{path}: lora_alpha={alpha!r} must be a number > 0")
     return lambda rank: alpha / (math.sqrt(rank) if rslora else rank), expert_params
-
-
-# The parameters of gpt-oss's experts PEFT adapts (`target_parameters`), and the modules its
-# tensors are named by: the experts' module, wrapped once for each adapted parameter (the
-# first adapted the innermost). Which parameter a pair adapts, its shapes tell.
-_EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-_EXPERT_WRAPPERS = {"mlp.experts": (), "mlp.experts.base_layer": ()}
-
-
-def _expert_update(a_XI: np.ndarray, b_OX: np.ndarray, experts: int, scale_of, name: str
-                   ) -> np.ndarray:
-    """The update [experts, in, out] of a PEFT pair over a parameter of `experts` experts:
-    A [experts · r, in] and B [out, r · experts]."""
-    if a_XI.ndim != 2 or b_OX.ndim != 2 or a_XI.shape[0] != b_OX.shape[1] \
-            or a_XI.shape[0] % experts:
-        raise ValueError(f"tensor {name} and its lora_A are not the [out, r · {experts}] and "
-                         f"[{experts} · r, in] of one rank over {experts} experts")
-    rank = a_XI.shape[0] // experts
-    a_ERI = a_XI.astype(np.float32).reshape(experts, rank, -1)
-    b_ORE = b_OX.astype(np.float32).reshape(b_OX.shape[0], rank, experts)
-    return scale_of(rank) * np.einsum("ORE,ERI->EIO", b_ORE, a_ERI)
-
-
-def _add_to_experts(config: TransformerConfig, layer: dict, a, b, scale_of, name: str) -> None:
-    """A gpt-oss expert pair's update added to `layer`'s experts (new arrays): gate_up_proj's
-    [experts, D, 2F], a gate column then an up column in turn, to wi and wi_gate; down_proj's
-    [experts, F, D] to wo. Which of the two it is, the pair's in and out widths say."""
-    update = _expert_update(a, b, config.num_experts, scale_of, name)
-    d, f = config.d_model, config.d_ff
-    ffn = layer["ffn"] = dict(layer["ffn"])
-    experts = ffn["experts"] = dict(ffn["experts"])
-    parts = {(d, 2 * f): {"wi": update[..., 0::2].transpose(1, 0, 2),
-                          "wi_gate": update[..., 1::2].transpose(1, 0, 2)},
-             (f, d): {"wo": update}}.get(update.shape[1:])
-    if parts is None:
-        raise ValueError(f"tensor {name} makes an update of {list(update.shape)}; gpt-oss's "
-                         f"experts take [{config.num_experts}, {d}, {2 * f}] (gate_up_proj) or "
-                         f"[{config.num_experts}, {f}, {d}] (down_proj)")
-    for target, piece in parts.items():
-        old = experts[target]
-        experts[target] = (old.astype(np.float32) + piece).astype(old.dtype)
 
 
 def _rows_in_kvjax_order(config: TransformerConfig, module: str, rows_OX: np.ndarray,
@@ -329,22 +288,31 @@ def write_peft_adapter(config: TransformerConfig, model_type: str, adapters: dic
                        settings: L.LoRA, out: str | os.PathLike, base_name: str) -> Path:
     """Writes `adapters` (`model.lora`'s, unrolled layers) of a `model_type` model as a PEFT
     adapter into `out`, naming `base_name` as its base model; returns `out`. Adapters of a
-    mixture's experts are refused: PEFT keeps them another way."""
+    mixture's experts are written for gpt-oss (`peft_experts.py`) and refused for others."""
     experts = [t for t in settings.targets if t in L.EXPERT_TARGETS]
-    if config.num_experts and experts:
+    gpt_oss = LAYOUTS[model_type] == "gpt_oss"
+    if config.num_experts and experts and not gpt_oss:
         raise ValueError(f"adapters of a mixture's experts ({', '.join(experts)}) are not "
-                         "written as a PEFT adapter; `kvjax merge-lora` writes the merged "
-                         "model")
+                         f"written as a PEFT adapter of a {model_type} model; `kvjax "
+                         "merge-lora` writes the merged model")
     tensors, ranks = _peft_tensors(config, model_type, adapters["layers"], settings)
+    expert_tensors, expert_params, expert_rank = peft_experts.peft_tensors(
+        config, adapters["layers"], settings, _layer_prefixes(model_type)[0]) \
+        if gpt_oss else ({}, [], 0)
+    tensors.update(expert_tensors)
+    # rank_pattern names modules, so the experts' parameters take the top rank.
+    top_rank = expert_rank if expert_params else settings.rank
     peft_config = {
         "peft_type": "LORA", "base_model_name_or_path": base_name, "task_type": "CAUSAL_LM",
-        "r": settings.rank, "lora_alpha": settings.rank * settings.scale,
+        "r": top_rank, "lora_alpha": settings.rank * settings.scale,
         # Module paths' ends ("attn.c_proj", not "c_proj", which GPT-2's MLP has too).
         "target_modules": sorted(ranks),
         "rank_pattern": {name: rank for name, rank in sorted(ranks.items())
-                         if rank != settings.rank},
+                         if rank != top_rank},
         "fan_in_fan_out": model_type == "gpt2", "bias": "none", "use_rslora": False,
         "use_dora": False, "lora_dropout": 0.0, "inference_mode": True}
+    if expert_params:
+        peft_config["target_parameters"] = expert_params
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS_FILE))

@@ -148,6 +148,8 @@ def test_fixtures_are_what_peft_computes(tmp_path):
     ("gpt_neox", ("k", "v", "wi")),  # query_key_value's heads interleaved
     ("starcoder2", ("q", "wo")),
     ("glm4", ("q", "k", "wi_gate")),  # each head's query and key rows reordered
+    ("gpt_oss", ("q", "wi", "wi_gate", "wo")),  # experts: gate_up_proj at twice the rank
+    ("gpt_oss", ("wi_gate",)),  # gate_up_proj's up columns alone
 ])
 def test_adapters_written_as_peft_merge_as_kvjax_merges_them(tmp_path, name, targets):
     from kvjax.hf.peft import write_peft_adapter
@@ -163,7 +165,12 @@ def test_adapters_written_as_peft_merge_as_kvjax_merges_them(tmp_path, name, tar
     want = L.merge(config, params, adapters, settings)
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6), got, want)
     written = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
-    assert written["r"] == 2 and written["lora_alpha"] == 6.0
+    # gpt-oss's gate_up_proj holds wi's and wi_gate's pairs at twice the rank, PEFT's r, the
+    # attention's rank its rank_pattern.
+    both = name == "gpt_oss" and {"wi", "wi_gate"} <= set(targets)
+    assert written["r"] == (4 if both else 2) and written["lora_alpha"] == 6.0
+    if name == "gpt_oss":
+        assert written["rank_pattern"] == ({"self_attn.q_proj": 2} if both else {})
 
 
 def test_adapters_of_a_mixtures_experts_are_not_written_as_peft(tmp_path):
@@ -174,6 +181,6 @@ def test_adapters_of_a_mixtures_experts_are_not_written_as_peft(tmp_path):
     settings = M.LoRA(2, targets=("q", "wo"))
     adapters = L.init_adapters(config, params, settings, jax.random.key(0))
     with pytest.raises(ValueError, match=r"adapters of a mixture's experts \(wo\) are not "
-                                         "written as a PEFT adapter"):
+                                         "written as a PEFT adapter of a mixtral model"):
         write_peft_adapter(config, "mixtral", adapters, settings, tmp_path, "mixtral")
     assert not any(tmp_path.iterdir())
