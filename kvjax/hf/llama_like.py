@@ -1,8 +1,9 @@
 """The `config.json` readers of the families built on Llama's layer: RMSNorm (or LayerNorm)
 before each sublayer, RoPE, a gated FFN (or a plain one), GQA; with their variations of
-norms, windows and scales (Qwen, SmolLM3, Granite, Mistral, Phi-3, StableLM, StarCoder2,
-Gemma, OLMo, GLM-4) and those whose FFN is a mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE,
-OLMoE, GraniteMoE, gpt-oss). `READERS` maps each model type to its reader."""
+norms, windows and scales (Qwen, SmolLM3, Granite, Mistral, Ministral, Phi-3, StableLM,
+StarCoder2, Gemma, OLMo, GLM-4, Helium, ERNIE 4.5, Seed-OSS) and those whose FFN is a
+mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoE, gpt-oss). `READERS`
+maps each model type to its reader."""
 
 from __future__ import annotations
 
@@ -262,6 +263,40 @@ def _glm(c: Reader, post_norms: bool = False) -> dict[str, Any]:
     return {**fields, "sandwich_norms": True} if post_norms else fields
 
 
+def _helium(c: Reader) -> dict[str, Any]:
+    """Helium (Kyutai, 2B): Llama's layout whose RoPE turns pairs of each head's dimensions
+    (read as GLM's are, `weights.rope_halves_order`), biases on q, k and v where
+    `attention_bias`, none on the output."""
+    return _llama_like(c, qkv_bias=bool(c.get("attention_bias", False)), out_bias=False,
+                       ffn_bias=bool(c.get("mlp_bias", False)))
+
+
+def _ernie4_5(c: Reader) -> dict[str, Any]:
+    """ERNIE 4.5 (Baidu's dense 0.3B): Llama's layout whose RoPE turns pairs of each head's
+    dimensions (as Helium's), biases on every projection where `use_bias`."""
+    bias = bool(c.get("use_bias", False))
+    return _llama_like(c, qkv_bias=bias, out_bias=bias, ffn_bias=bias)
+
+
+def _seed_oss(c: Reader) -> dict[str, Any]:
+    """Seed-OSS (ByteDance, 36B): Llama's layout with biases on q, k and v
+    (`attention_bias`, on by default), on the output where `attention_out_bias`, on the FFN
+    where `mlp_bias`."""
+    return _llama_like(c, qkv_bias=bool(c.get("attention_bias", True)),
+                       out_bias=bool(c.get("attention_out_bias", False)),
+                       ffn_bias=bool(c.get("mlp_bias", False)))
+
+
+def _ministral(c: Reader) -> dict[str, Any]:
+    """Ministral (8B): Mistral's layers, each over a sliding window or all positions as
+    `layer_types` says (every layer over the window where it names none)."""
+    fields = _llama_like(c, qkv_bias=False, out_bias=False, ffn_bias=False)
+    kind = "full_attention" if c.get("sliding_window", 4096) is None else "sliding_attention"
+    window, full = _sliding_layers(c, [kind] * fields["num_decoder_layers"],
+                                   window_default=4096)
+    return {**fields, "sliding_window": window, "full_attention_layers": full}
+
+
 def _stablelm(c: Reader) -> dict[str, Any]:
     """StableLM (StableLM 2 1.6B, StableLM-3B-4E1T, Stable Code 3B): Llama's layer with
     LayerNorm (with biases) for RMSNorm, RoPE over the leading `partial_rotary_factor` of each
@@ -408,4 +443,5 @@ READERS = {"llama": _llama, "mistral": _mistral, "phi3": _phi3, "qwen2": _qwen2,
            "gemma": _gemma1, "starcoder2": _starcoder2, "mixtral": _mixtral,
            "qwen3_moe": _qwen3_moe, "olmoe": _olmoe, "granitemoe": _granitemoe,
            "qwen2_moe": _qwen2_moe, "gpt_oss": _gpt_oss, "glm": _glm,
-           "glm4": lambda c: _glm(c, post_norms=True)}
+           "glm4": lambda c: _glm(c, post_norms=True), "helium": _helium,
+           "ernie4_5": _ernie4_5, "seed_oss": _seed_oss, "ministral": _ministral}

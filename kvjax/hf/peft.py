@@ -71,6 +71,8 @@ _MODULES = {
     "opt": {"self_attn.q_proj": ("q",), "self_attn.k_proj": ("k",), "self_attn.v_proj": ("v",),
             "self_attn.out_proj": ("o",), "fc1": ("wi",), "fc2": ("wo",)},
     "glm": {**_ATTENTION, "mlp.gate_up_proj": ("wi", "wi_gate"), "mlp.down_proj": ("wo",)},
+    "llama_pairs": {**_ATTENTION, "mlp.gate_proj": ("wi",), "mlp.up_proj": ("wi_gate",),
+                    "mlp.down_proj": ("wo",)},
     # Mixtral, GraniteMoE and gpt-oss: attention alone, their experts' projections being
     # none of kvjax's targets.
     "mixtral": _ATTENTION, "granitemoe": _ATTENTION, "gpt_oss": _ATTENTION,
@@ -86,8 +88,9 @@ _LAYER_PREFIXES = {"gpt2": ("transformer.h", "h"), "opt": ("model.decoder.layers
 # query_key_value, each head's q, k and v in turn, where kvjax's targets hold every q head,
 # then every k, then every v; GLM's queries and keys, whose RoPE turns pairs of a head's
 # dimensions where kvjax turns halves (`weights.rope_halves_order`).
-_REORDERED_ROWS = {("gpt_neox", "attention.query_key_value"), ("glm", "self_attn.q_proj"),
-                   ("glm", "self_attn.k_proj")}
+_REORDERED_ROWS = {("gpt_neox", "attention.query_key_value"),
+                   *((layout, module) for layout in ("glm", "llama_pairs")
+                     for module in ("self_attn.q_proj", "self_attn.k_proj"))}
 
 
 def _layer_prefixes(model_type: str) -> tuple[str, ...]:

@@ -32,14 +32,16 @@ from .tensors import Params, WeightFiles
 # under block_sparse_moe), "granitemoe" (every expert in one input_linear and one
 # output_linear), "gpt_oss" (Llama's attention with sinks, every expert's interleaved gate
 # and up projections in one gate_up_proj, with biases) and "marian" (an encoder and a
-# decoder). Llama's layout holds experts too: gate_proj, up_proj and down_proj under mlp
+# decoder), "llama_pairs" (Llama's names, its RoPE turning pairs of dimensions: Helium,
+# ERNIE 4.5). Llama's layout holds experts too: gate_proj, up_proj and down_proj under mlp
 # (and a shared expert of the same three beside them, with its gate: Qwen2-MoE).
 LAYOUTS = {"gpt2": "gpt2", "phi3": "fused", "marian": "marian", "gpt_neox": "gpt_neox",
            "phi": "phi", "opt": "opt", "starcoder2": "plain_mlp", "mixtral": "mixtral",
            "granitemoe": "granitemoe", "gpt_oss": "gpt_oss", "glm": "glm", "glm4": "glm",
+           "helium": "llama_pairs", "ernie4_5": "llama_pairs",
            **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite",
                             "gemma2", "gemma3_text", "olmo2", "olmo3", "stablelm", "gemma",
-                            "qwen3_moe", "olmoe", "qwen2_moe"), "llama")}
+                            "qwen3_moe", "olmoe", "qwen2_moe", "seed_oss", "ministral"), "llama")}
 
 
 def ties_embeddings(model_type: str, files: WeightFiles) -> bool:
@@ -64,6 +66,7 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
               "granitemoe": functools.partial(_llama_like, experts=_experts_stacked),
               "gpt_oss": functools.partial(_llama_like, experts=_experts_interleaved),
               "glm": functools.partial(_llama_like, fused_mlp=True, rope_pairs=True),
+              "llama_pairs": functools.partial(_llama_like, rope_pairs=True),
               **gpt_weights.READERS}[LAYOUTS[model_type]]
     ignorable = mapper(config, params)
     return params.tree(ignorable)

@@ -26,7 +26,8 @@ FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf_models"
 NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral", "phi3",
          "gemma2", "gemma3_text", "smollm3", "granite", "olmo2", "olmo3", "gpt_neox",
          "phi", "stablelm", "opt", "gemma", "starcoder2", "mixtral", "qwen3_moe", "olmoe",
-         "granitemoe", "qwen2_moe", "gpt_oss", "gpt_oss_mxfp4", "glm", "glm4")
+         "granitemoe", "qwen2_moe", "gpt_oss", "gpt_oss_mxfp4", "glm", "glm4", "helium",
+         "ernie4_5", "seed_oss", "ministral")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -34,7 +35,8 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                "phi": "phi", "stablelm": "stablelm", "opt": "opt", "gemma": "gemma",
                "starcoder2": "starcoder2", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe",
                "olmoe": "olmoe", "granitemoe": "granitemoe", "qwen2_moe": "qwen2_moe",
-               "gpt_oss": "gpt_oss", "gpt_oss_mxfp4": "gpt_oss", "glm": "glm", "glm4": "glm4"}
+               "gpt_oss": "gpt_oss", "gpt_oss_mxfp4": "gpt_oss", "glm": "glm", "glm4": "glm4",
+               **{name: name for name in ("helium", "ernie4_5", "seed_oss", "ministral")}}
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +118,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     record, logits = expected(name)
     assert config.tie_embeddings == (name in ("gpt2", "llama_mqa", "marian", "qwen3", "gemma2",
                                               "smollm3", "opt", "gemma", "starcoder2",
-                                              "granitemoe"))
+                                              "granitemoe", "ernie4_5"))
     assert config.qk_norm == (name in ("qwen3", "gemma3_text", "olmo2", "olmo3", "qwen3_moe",
                                        "olmoe"))
     assert config.qk_norm_across_heads == name.startswith("olmo")
@@ -133,12 +135,15 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
         (40, True) if name == "qwen2_moe" else (0, False))
     assert config.sliding_window == {"mistral": 4, "phi3": 6, "gemma2": 4,
                                      "gemma3_text": 5, "olmo3": 4, "starcoder2": 4,
-                                     "qwen2": 4}.get(name, 4 if gpt_oss else None)
+                                     "qwen2": 4, "ministral": 4}.get(name, 4 if gpt_oss else None)
     assert config.full_attention_layers == {"gemma2": (1,), "gemma3_text": (2,),
-                                            "olmo3": (1,), "qwen2": (0,)}.get(
+                                            "olmo3": (1,), "qwen2": (0,), "ministral": (1,)}.get(
         name, (1,) if gpt_oss else ())
     assert config.local_rope_base == {"gemma3_text": 10000.0, "olmo3": 50000.0}.get(name)
     assert config.unrotated_layers == {"smollm3": (1,)}.get(name, ())
+    biases = (config.qkv_bias, config.out_bias, config.ffn_bias)
+    assert biases == {"helium": (True, False, False), "ernie4_5": (True, True, True),
+                      "seed_oss": (True, True, False)}.get(name, biases)
     assert config.parallel_residual == (name in ("gpt_neox", "phi"))
     assert config.shared_norm == (name == "phi")
     assert config.logits_bias == (name in ("phi", "marian"))

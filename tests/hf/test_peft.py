@@ -150,6 +150,7 @@ def test_fixtures_are_what_peft_computes(tmp_path):
     ("glm4", ("q", "k", "wi_gate")),  # each head's query and key rows reordered
     ("gpt_oss", ("q", "wi", "wi_gate", "wo")),  # experts: gate_up_proj at twice the rank
     ("gpt_oss", ("wi_gate",)),  # gate_up_proj's up columns alone
+    ("helium", ("q", "k", "wi")),  # RoPE over pairs, as GLM's, with Llama's names
 ])
 def test_adapters_written_as_peft_merge_as_kvjax_merges_them(tmp_path, name, targets):
     from kvjax.hf.peft import write_peft_adapter
