@@ -17,10 +17,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import uuid
 from collections.abc import Callable
 
 from .reasoning import Split
+from .tools import tool_call
 
 MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>",
            "<|constrain|>")
@@ -110,7 +110,7 @@ def _split(tokens, markers, decode, finished, tools) -> Split:
         name = recipient.removeprefix("functions.")
         if recipient.startswith("functions.") and name in tools:
             if message.closed or finished:
-                calls.append(_call(name, text))
+                calls.append(tool_call(name, _arguments(text)))
         elif message.channel == "analysis":
             reasoning.append(text)
         else:
@@ -119,10 +119,10 @@ def _split(tokens, markers, decode, finished, tools) -> Split:
                  "".join(content) if content else None, tuple(calls))
 
 
-def _call(name: str, arguments: str) -> dict:
+def _arguments(text: str) -> str:
+    """A call's arguments as the other calls' are written, or as the model wrote them where
+    they are not JSON: the client sees what it got."""
     try:
-        arguments = json.dumps(json.loads(arguments), ensure_ascii=False)
+        return json.dumps(json.loads(text), ensure_ascii=False)
     except json.JSONDecodeError:
-        pass  # as the model wrote them: the client sees what it got
-    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+        return text

@@ -68,7 +68,7 @@ class Tools:
                 return text, []
             if self.choice == "function":
                 found = [{"name": self.function, "arguments": found}]
-            return None, [_call(c["name"], c.get("parameters", c.get("arguments")))
+            return None, [tool_call(c["name"], _json(c.get("parameters", c.get("arguments"))))
                           for c in found]
         names = {f["name"] for f in self.functions}
         found = []
@@ -81,17 +81,21 @@ class Tools:
                 call, dict) else None
             if call.get("name") not in names or not isinstance(arguments, dict):
                 return text, []
-            found.append(_call(call["name"], arguments))
+            found.append(tool_call(call["name"], _json(arguments)))
         if not found:
             return text, []
         content = _CALL.sub("", text).strip()
         return content or None, found
 
 
-def _call(name: str, arguments: Any) -> dict:
+def tool_call(name: str, arguments: str) -> dict:
+    """One of an answer's `tool_calls`: the function's name, its arguments as JSON text."""
     return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments,
-                                                               ensure_ascii=False)}}
+            "function": {"name": name, "arguments": arguments}}
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
 
 
 def parse_tools(body: dict) -> Tools | None:
