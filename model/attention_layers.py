@@ -9,7 +9,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from . import paged
+from . import lora_rows, paged
 from .attention import attend, attend_blocks
 from .cache import write_rows
 from .config import TransformerConfig
@@ -48,6 +48,7 @@ class SelfAttention(nn.Module):
         # One projection to all heads, split after: one matmul streams the weights where
         # three smaller ones would each pay a kernel launch (a decode step is many of them).
         qkv = projection(config, config.num_heads + 2 * config.kv_heads, "qkv")(x_BTD)
+        qkv = lora_rows.add_qkv_updates(self, config, x_BTD, qkv)
         q, k, v = jnp.split(qkv, [config.num_heads, config.num_heads + config.kv_heads], axis=2)
         if config.qk_norm:
             q, k = _qk_norm(config, q, "q_norm"), _qk_norm(config, k, "k_norm")
@@ -91,7 +92,8 @@ class SelfAttention(nn.Module):
             out, _ = attend_blocks(q, *cache_kv[:2], layer, mask_BTS, config.attention_block,
                                    scales=cache_kv[2:] or None, scale=config.attention_scale,
                                    softcap=config.attention_softcap, sinks_N=sinks)
-        return OutputProjection(config, name="out")(out), cache_kv
+        return lora_rows.add_update(self, "o", out, OutputProjection(config, name="out")(out)), \
+            cache_kv
 
 
 def _qk_norm(config: TransformerConfig, x_BTNH, name: str):

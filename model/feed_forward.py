@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from . import lora_rows
 from .config import TransformerConfig
 from .config_checks import GATED_ACTIVATIONS
 
@@ -37,11 +38,16 @@ class FeedForward(nn.Module):
             return nn.Dense(features, use_bias=c.ffn_bias, dtype=c.compute_dtype,
                             param_dtype=c.weights_dtype, name=name)
 
+        def adapted(features, name, x):  # with each row's adapter, where served so
+            return lora_rows.add_update(self, name, x, dense(features, name)(x))
+
         width = self.d_ff or c.d_ff
-        h = dense(width, "wi")(x_BTD)
+        h = adapted(width, "wi", x_BTD)
         if c.activation in GATED_ACTIVATIONS:
-            return dense(c.d_model, "wo")(gated_units(c)(h, dense(width, "wi_gate")(x_BTD)))
-        return dense(c.d_model, "wo")(activation_function(c.activation)(h))
+            h = gated_units(c)(h, adapted(width, "wi_gate", x_BTD))
+        else:
+            h = activation_function(c.activation)(h)
+        return adapted(c.d_model, "wo", h)
 
 
 def activation_function(name: str) -> Callable[[jax.Array], jax.Array]:

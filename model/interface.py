@@ -1,8 +1,9 @@
 """The model as generation and training see it, the same for both variants.
 
-  prefill(config, params, prompt [B, P], prompt_lengths [B], capacity | cache=)
+  prefill(config, params, prompt [B, P], prompt_lengths [B], capacity | cache=[, adapters=])
                                                         -> (logits [B, V], cache)
-  step_fn(config, params)(tokens [B, T], cache[, lengths [B]]) -> (logits [B, T, V], cache)
+  step_fn(config, params[, adapters])(tokens [B, T], cache[, lengths [B]])
+                                                        -> (logits [B, T, V], cache)
   teacher_forced_logits(config, params, batch) -> logits [B, T, V]
   teacher_forced_hidden(config, params, batch) -> final hidden states [B, T, D]
   hidden_logits(config, params, hidden) -> logits [B, T, V]
@@ -20,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import int8_base
+from . import int8_base, lora_rows
 from .cache import KVCache
 from .config import SPEED_ONLY_FIELDS, TransformerConfig
 from .experts import load_balancing_loss
@@ -64,35 +65,44 @@ def _init_params(config: TransformerConfig, rng: jax.Array) -> dict:
 
 def prefill(config: TransformerConfig, params, prompt_BP: jax.Array,
             prompt_lengths_B: jax.Array, capacity: int | None = None, *,
-            cache: KVCache | None = None) -> tuple[jax.Array, KVCache]:
+            cache: KVCache | None = None, adapters=None) -> tuple[jax.Array, KVCache]:
     """The whole prompt batch in one parallel pass that fills a fresh cache of `capacity`
     target slots, or `cache`, an empty one (lengths 0; e.g. a paged cache with its pages
     assigned, `init_paged_cache`); returns the logits of each row's first new token [B, V]
-    and the cache."""
+    and the cache. `adapters`: each row's LoRA adapter, unmerged (`lora_rows.for_rows`)."""
     if (capacity is None) == (cache is None):
         raise ValueError("prefill takes either a capacity or an empty cache to fill, "
                          f"got capacity={capacity} and {'a' if cache is not None else 'no'} "
                          "cache")
     net = build_model(config)
     capacity = cache.capacity if cache is not None else capacity
-    return net.apply({"params": params}, prompt_BP, prompt_lengths_B, capacity, cache,
-                     method=net.prefill)
+    return net.apply(_variables(params, adapters), prompt_BP, prompt_lengths_B, capacity,
+                     cache, method=net.prefill)
 
 
-def step_fn(config: TransformerConfig, params):
+def step_fn(config: TransformerConfig, params, adapters=None):
     """`tokens_to_logits(tokens [B, T], cache, lengths [B] = all T) -> (logits [B, T, V],
-    cache)`: the only view of the model that the decode loops get."""
+    cache)`: the only view of the model that the decode loops get. `adapters`: as
+    `prefill` takes them."""
     net = build_model(config)
-    return lambda tokens, cache, lengths=None: net.apply({"params": params}, tokens, cache,
-                                                         lengths, method=net.step)
+    variables = _variables(params, adapters)
+    return lambda tokens, cache, lengths=None: net.apply(variables, tokens, cache, lengths,
+                                                         method=net.step)
+
+
+def _variables(params, adapters) -> dict:
+    """What a model call applies: its params, and each row's adapters if it has them."""
+    return {"params": params} if adapters is None else {
+        "params": params, lora_rows.COLLECTION: adapters}
 
 
 def teacher_forced_logits(config: TransformerConfig, params, batch, dropout_rng=None,
-                          router_loss: bool = False):
+                          router_loss: bool = False, adapters=None):
     """Logits [B, T, V] of a training batch (see `teacher_forced` of each variant for its
     keys); dropout is on iff `dropout_rng` is given. With `router_loss`, (logits, the
-    mixtures' load-balancing loss over the batch's tokens: `experts.load_balancing_loss`)."""
-    return _teacher_forced(config, params, batch, dropout_rng, False, router_loss)
+    mixtures' load-balancing loss over the batch's tokens: `experts.load_balancing_loss`).
+    `adapters`: as `prefill` takes them."""
+    return _teacher_forced(config, params, batch, dropout_rng, False, router_loss, adapters)
 
 
 def teacher_forced_hidden(config: TransformerConfig, params, batch, dropout_rng=None,
@@ -103,11 +113,12 @@ def teacher_forced_hidden(config: TransformerConfig, params, batch, dropout_rng=
     return _teacher_forced(config, params, batch, dropout_rng, True, router_loss)
 
 
-def _teacher_forced(config, params, batch, dropout_rng, hidden: bool, router_loss: bool):
+def _teacher_forced(config, params, batch, dropout_rng, hidden: bool, router_loss: bool,
+                    adapters=None):
     net = build_model(config)
     rngs = None if dropout_rng is None else {"dropout": dropout_rng}
     if not router_loss:
-        return net.apply({"params": params}, batch, hidden, rngs=rngs,
+        return net.apply(_variables(params, adapters), batch, hidden, rngs=rngs,
                          method=net.teacher_forced)
     if not config.num_experts:
         raise ValueError("a load-balancing loss needs a mixture of experts; this model has "

@@ -22,7 +22,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from . import int8_base
+from . import int8_base, lora_rows
 from .attention_layers import CrossAttention, SelfAttention
 from .config import TransformerConfig
 from .experts import MixtureOfExperts
@@ -264,7 +264,7 @@ def layer_stack(layer_cls, config: TransformerConfig, num_layers: int, name: str
         return Unrolled(layer_cls, config, num_layers, name=name)
     return nn.scan(
         layer_cls,
-        variable_axes={"params": 0, "intermediates": 0},
+        variable_axes={"params": 0, "intermediates": 0, lora_rows.COLLECTION: 0},
         split_rngs={"params": True, "dropout": True},
         in_axes=(0, nn.broadcast),
         length=num_layers,

@@ -1,0 +1,131 @@
+"""Several LoRA adapters in one batch: each row adds its own adapter's update, unmerged.
+
+A server that keeps one base model and many adapters (one per customer or task) cannot merge
+them into its kernels, since every row of a decode step may ask for another. Each layer
+instead computes x W as it would, plus x A_b B_b for row b's pair of each target (an adapter
+that lacks the target, or row index 0, "no adapter", adds zeros).
+
+`stack` puts n adapters side by side (`AdapterStack`): for each target, A [..., I, n·R] and
+B [..., n·R, O], the j-th adapter's pair (from 0) in columns (rows) j·R to (j + 1)·R, its
+scale (alpha / r) folded into its B, ranks padded with zeros to the largest (which adds
+exact zeros), zeros where an adapter lacks the target. `for_rows(stack, adapter_B)` is the
+variable collection `COLLECTION` that `model.interface` hands the layers beside their
+params: under each layer's `self_attention` or `ffn` scope, per target, the stack's pair and
+`rows` [..., B, n·R], 1 over the columns of row b's adapter (none for 0, "no adapter"), 0
+elsewhere. A layer then adds ((x A) · rows) B: two products whose inner width is n·R, each
+reading the stack once whatever the batch (a gather of each row's pair would read it once
+per row). Layers without the collection compute what they always have; a row without an
+adapter adds exact zeros.
+
+Targets are those of `model/lora.py` but a mixture's experts (merge such adapters instead).
+Shape letters as there: B rows, T tokens, I and O a kernel's input and output width, R rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from . import lora as L
+from .config import TransformerConfig
+
+COLLECTION = "adapters"
+
+
+@flax.struct.dataclass
+class AdapterStack:
+    """n adapters side by side. `pairs` maps (layer path..., module, target) to
+    {"a": [..., I, n·R], "b": [..., n·R, O]}, nested as the params are."""
+
+    pairs: dict
+    count: int = flax.struct.field(pytree_node=False)
+    rank: int = flax.struct.field(pytree_node=False)
+
+
+def stack(config: TransformerConfig, params, adapters: Sequence[tuple[dict, L.LoRA]]
+          ) -> AdapterStack:
+    """The adapters (each `(adapters, lora)`, trained on `params`) side by side, float32."""
+    if not adapters:
+        raise ValueError("stack takes at least one adapter")
+    rank = max(lora.rank for _, lora in adapters)
+    found: dict[tuple, list] = {}  # (layer path, target) -> one (a, b) or None per adapter
+    for i, (tree, lora) in enumerate(adapters):
+        for path, target, _ in L.sites(config, params, lora):
+            if L.in_experts(params, path, target):
+                raise ValueError(f"adapter {i + 1} adapts a mixture's experts ({target!r}): "
+                                 "adapters served side by side cover attention and "
+                                 "feed-forward kernels; merge this one into the model instead")
+            pair = L.get(tree, (*path, target))
+            b = jnp.asarray(pair["lora_b"], jnp.float32) * lora.scale
+            found.setdefault((path, target), [None] * len(adapters))[i] = (
+                jnp.asarray(pair["lora_a"], jnp.float32), b)
+    pairs: dict = {}
+    for (path, target), per_adapter in found.items():
+        a0, b0 = next(p for p in per_adapter if p is not None)
+        lead, in_width, out_width = a0.shape[:-2], a0.shape[-2], b0.shape[-1]
+        a_all, b_all = [], []
+        for p in per_adapter:
+            a, b = p if p is not None else (jnp.zeros((*lead, in_width, 0), jnp.float32),
+                                            jnp.zeros((*lead, 0, out_width), jnp.float32))
+            pad = rank - a.shape[-1]
+            a_all.append(jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)]))
+            b_all.append(jnp.pad(b, [(0, 0)] * (b.ndim - 2) + [(0, pad), (0, 0)]))
+        L._set(pairs, (*path, L.KERNELS[target][0], target),
+               {"a": jnp.concatenate(a_all, axis=-1), "b": jnp.concatenate(b_all, axis=-2)})
+    return AdapterStack(pairs, len(adapters), rank)
+
+
+def for_rows(adapter_stack: AdapterStack | None, adapter_B) -> dict | None:
+    """The collection that gives row b adapter `adapter_B[b]` (1 for the stack's first, 0:
+    none; an index past the stack adds nothing either); None for no stack."""
+    if adapter_stack is None:
+        return None
+    adapter_B = jnp.asarray(adapter_B, jnp.int32)
+    chosen = adapter_B[:, None] == jnp.arange(1, adapter_stack.count + 1)[None]
+    rows = jnp.repeat(chosen.astype(jnp.float32), adapter_stack.rank, axis=1)
+
+    def with_rows(pair):  # `rows` broadcast over a scanned stack's leading layer axis
+        lead = pair["a"].shape[:-2]
+        return {**pair, "rows": jnp.broadcast_to(rows, (*lead, *rows.shape))}
+
+    return jax.tree.map(with_rows, adapter_stack.pairs,
+                        is_leaf=lambda x: isinstance(x, dict) and "a" in x)
+
+
+def placed(adapter_stack: AdapterStack | None, mesh=None) -> AdapterStack | None:
+    """The stack whole on every device of `mesh` (as it is without one), where programs
+    beside params split over that mesh read it."""
+    if adapter_stack is None or mesh is None:
+        return adapter_stack
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.device_put(adapter_stack, whole)
+
+
+def update(module, target: str, x_BTI):
+    """Row b's x A_b B_b [B, T, O] of `target` in `module`'s scope, or None without it."""
+    if not module.has_variable(COLLECTION, target):
+        return None
+    pair = module.get_variable(COLLECTION, target)
+    dtype = x_BTI.dtype
+    low = (x_BTI @ pair["a"].astype(dtype)) * pair["rows"].astype(dtype)[:, None]
+    return low @ pair["b"].astype(dtype)
+
+
+def add_qkv_updates(module, config: TransformerConfig, x_BTD, qkv_BTFH):
+    """The fused qkv projection [B, T, N + 2K, H] plus each row's q, k and v updates."""
+    for target in ("q", "k", "v"):
+        delta = update(module, target, x_BTD)
+        if delta is not None:
+            start, width = L.qkv_heads(config, target)
+            delta = delta.reshape(*delta.shape[:2], width, config.head_dim)
+            qkv_BTFH = qkv_BTFH.at[:, :, start:start + width].add(delta.astype(qkv_BTFH.dtype))
+    return qkv_BTFH
+
+
+def add_update(module, target: str, x_BTI, y_BTO):
+    """y [B, T, O] plus each row's update of `target` from x [B, T, I] (or y as it is)."""
+    delta = update(module, target, x_BTI.reshape(*x_BTI.shape[:2], -1))
+    return y_BTO if delta is None else y_BTO + delta.astype(y_BTO.dtype)

@@ -1,0 +1,80 @@
+"""model/lora_rows.py: a batch whose rows add different LoRA adapters, unmerged, computes for
+each row what the model with that row's adapter merged in computes (prefill, cached steps,
+scanned or unrolled layers), and a row with none what the base computes, bit for bit."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import run_full
+
+from kvjax import model as M
+from kvjax.model import lora as L
+from kvjax.model import lora_rows
+
+# Different ranks, scales and targets: the stack pads ranks and fills missing targets.
+LORAS = (L.LoRA(4, 8.0, ("q", "v", "o", "wi_gate", "wo")), L.LoRA(2, None, ("k", "wi")))
+
+
+def config_of(scan_layers: bool) -> M.TransformerConfig:
+    return M.preset("tiny", positional_encoding="rope", num_kv_heads=2, norm_type="rmsnorm",
+                    activation="swiglu", ffn_bias=False, scan_layers=scan_layers)
+
+
+def trained(config, params, lora, seed):
+    fresh = L.init_adapters(config, params, lora, jax.random.key(seed))
+    leaves, tree = jax.tree.flatten(fresh)
+    keys = jax.random.split(jax.random.key(seed + 10), len(leaves))
+    return jax.tree.unflatten(tree, [x + 0.3 * jax.random.normal(k, x.shape)
+                                     for x, k in zip(leaves, keys, strict=True)])
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def prefill_then_steps(config, params, stack, adapter_B, capacity, tokens_BT):
+    """Logits [B, T, V]: the first 5 tokens prefilled, then one cached step per token."""
+    rows = lora_rows.for_rows(stack, adapter_B)
+    lengths_B = jnp.full(tokens_BT.shape[0], 5, jnp.int32)
+    first_BV, cache = M.prefill(config, params, tokens_BT[:, :5], lengths_B, capacity,
+                                adapters=rows)
+    step = M.step_fn(config, params, rows)
+    logits = [first_BV]
+    for t in range(5, tokens_BT.shape[1] - 1):
+        logits_B1V, cache = step(tokens_BT[:, t:t + 1], cache)
+        logits.append(logits_B1V[:, 0])
+    return jnp.stack(logits, axis=1)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scanned"])
+def test_each_row_computes_its_own_adapters_merged_model(scan_layers):
+    config = config_of(scan_layers)
+    params = M.init_params(config, jax.random.key(0))
+    adapters = [(trained(config, params, lora, i), lora) for i, lora in enumerate(LORAS)]
+    stack = lora_rows.stack(config, params, adapters)
+    assert stack.count == 2
+    merged = [params] + [L.merge(config, params, a, lora) for a, lora in adapters]
+    tokens = jax.random.randint(jax.random.key(3), (4, 10), 3, config.vocab_size)
+    adapter_B = jnp.array([2, 0, 1, 2], jnp.int32)
+    got = prefill_then_steps(config, params, stack, adapter_B, 16, tokens)
+    for b, adapter in enumerate(adapter_B.tolist()):
+        want = run_full(config, merged[adapter], tokens[b:b + 1])[0, 4:9]
+        np.testing.assert_allclose(got[b], want, atol=2e-5, rtol=1e-5)
+    base = prefill_then_steps(config, params, None, adapter_B, 16, tokens)
+    assert np.array_equal(got[1], base[1])  # no adapter: exactly the base
+    for b in (0, 2):  # and an adapter changes what a row computes
+        assert float(jnp.max(jnp.abs(got[b] - base[b]))) > 1e-2
+
+
+def test_adapters_of_a_mixtures_experts_are_refused_by_name():
+    config = M.preset("tiny", num_experts=4, experts_per_token=2, ffn_bias=False)
+    params = M.init_params(config, jax.random.key(0))
+    dense = L.LoRA(2, targets=("q",))
+    experts = L.LoRA(2, targets=("q", "wi"))
+    pairs = [(L.init_adapters(config, params, lora, jax.random.key(1)), lora)
+             for lora in (dense, experts)]
+    with pytest.raises(ValueError, match=r"adapter 2 adapts a mixture's experts \('wi'\)"):
+        lora_rows.stack(config, params, pairs)
+    with pytest.raises(ValueError, match="at least one adapter"):
+        lora_rows.stack(config, params, [])
+    assert lora_rows.for_rows(None, jnp.zeros(3, jnp.int32)) is None
