@@ -36,6 +36,8 @@ from kvjax import decode
 from kvjax import model as M
 from kvjax.decode.buckets import bucket
 from kvjax.device_loops import device_loop_options
+from kvjax.model import lora as L
+from kvjax.model.config_checks import GATED_ACTIVATIONS
 from kvjax.serve import Engine, GenerationRequest
 
 from .workload import Result, Workload, make_workload
@@ -45,14 +47,17 @@ def run_engine(config, params, workload: Workload, max_slots: int,
                chunk_size: int | None = None, max_len: int | None = None,
                prefix_cache_rows: int | None = None,
                steps_per_check: int | None = None, page_size: int | None = None,
-               num_pages: int | None = None, max_staged: int | None = None) -> Result:
+               num_pages: int | None = None, max_staged: int | None = None,
+               adapters=None) -> Result:
     """The engine with `max_slots` slots of `max_len` positions (default: the model's),
     `prefix_cache_rows` (default: the engine's), `steps_per_check`, the slots' pages
-    (`page_size`, `num_pages`) and `max_staged` (the engine's defaults)."""
+    (`page_size`, `num_pages`) and `max_staged` (the engine's defaults). With `adapters`
+    (`Engine`'s) request i asks for adapter i mod (their number + 1), 0 the base alone."""
     engine = Engine(config, params, max_slots=max_slots, max_len=max_len, chunk_size=chunk_size,
                     max_queue=len(workload.prompts), prefix_cache_rows=prefix_cache_rows,
                     steps_per_check=steps_per_check, page_size=page_size, num_pages=num_pages,
-                    max_staged=max_staged)
+                    max_staged=max_staged, adapters=adapters)
+    served = 1 + (0 if engine.adapters is None else engine.adapters.count)
     engine.warm_up(len(p) for p in workload.prompts)
     first, last, gaps, errors = {}, {}, [], []
     done = threading.Semaphore(0)
@@ -81,7 +86,8 @@ def run_engine(config, params, workload: Workload, max_slots: int,
     for i, (prompt, max_tokens, arrival) in enumerate(zip(
             workload.prompts, workload.max_tokens, workload.arrivals, strict=True)):
         time.sleep(max(0.0, start + arrival - time.perf_counter()))
-        engine.submit(GenerationRequest(tuple(prompt), max_tokens=max_tokens), listener(i))
+        engine.submit(GenerationRequest(tuple(prompt), max_tokens=max_tokens,
+                                        adapter=i % served), listener(i))
         most_live = max(most_live, engine.live_slots)
     for _ in workload.prompts:
         while not done.acquire(timeout=0.01):  # looks at the load a hundred times a second
@@ -96,7 +102,8 @@ def run_engine(config, params, workload: Workload, max_slots: int,
              else f"{engine.pages[0]} pages of {engine.pages[1]}")
     # Whether the chunk's loops were compiled to stay on the device (`kvjax.device_loops`).
     loops = ", loops on the device" if device_loop_options(jax.default_backend()) else ""
-    return Result(f"engine ({max_slots} slots of {engine.capacity}, {pages}, "
+    lora = "" if served == 1 else f", {served - 1} LoRA adapters"
+    return Result(f"engine ({max_slots} slots of {engine.capacity}, {pages}{lora}, "
                   f"{engine.num_staged} staged, chunk "
                   f"{engine.chunk_size}, {engine.steps_per_check} steps per check, "
                   f"{engine.prefix_cache_rows} prefix rows{loops}; at most {most_live} live)",
@@ -134,6 +141,20 @@ def run_fixed_batches(config, params, workload: Workload, batch: int) -> Result:
             itl.extend([seconds / steps] * (workload.max_tokens[i] - 1))
     return Result(f"fixed batches of {batch} (decode.generate)", workload.useful_tokens,
                   clock - workload.arrivals[0], ttft, np.array(itl))
+
+
+def random_adapters(config, params, count: int, rank: int, seed: int) -> list:
+    """`count` adapters of `rank` on every attention and feed-forward kernel, as training
+    leaves them (B no longer zero), `(adapters, lora)` pairs."""
+    if not count:
+        return []
+    gated = config.activation in GATED_ACTIVATIONS
+    lora = L.LoRA(rank, targets=tuple(t for t in L.TARGETS if t != "wi_gate" or gated))
+    made = []
+    for i in range(count):
+        fresh = L.init_adapters(config, params, lora, jax.random.key(seed + 1 + i))
+        made.append((jax.tree.map(lambda a: a + 0.01, fresh), lora))
+    return made
 
 
 def median_run(runs: Sequence[Result]) -> Result:
@@ -185,7 +206,8 @@ def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, o
                     repeats: int = 3, max_len: int | None = None,
                     shared_prefix: int = 0, prefix_cache_rows: int | None = None,
                     steps_per_check: int | None = None, page_size: int | None = None,
-                    num_pages: int | None = None, max_staged: int | None = None) -> str:
+                    num_pages: int | None = None, max_staged: int | None = None,
+                    lora_adapters: int = 0, lora_rank: int = 8) -> str:
     """The report: each contender's run of median throughput among `repeats` (the engine and
     the fixed batches take turns, so that both see the machine's drift alike), then the
     ratio in each repeat; transformers' contender runs once. The engine's slots hold
@@ -193,7 +215,10 @@ def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, o
     a deployment sizes its slots to the longest request it accepts, as each fixed batch
     sizes its cache to its own longest. With `shared_prefix` N every prompt starts with the
     same N tokens; a model whose positions are not learned is given the positions that
-    takes (its `max_len` raised, said in the report)."""
+    takes (its `max_len` raised, said in the report). With `lora_adapters` N, a third
+    contender is the engine serving N random adapters of rank `lora_rank` on every
+    attention and feed-forward kernel beside the base, the requests spread over the N + 1
+    in turn, with the ratio of its throughput to the engine's without them."""
     config = M.preset(preset)
     longest = shared_prefix + prompt_range[1] + output_range[1]
     needed = max(longest, max_len or 0)
@@ -210,14 +235,20 @@ def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, o
     params = M.init_params(config, jax.random.key(seed))
     workload = make_workload(config, num_requests, rate, prompt_range, output_range, seed,
                              long_tail, shared_prefix)
-    engine_runs, batch_runs = [], []
+    adapters = random_adapters(config, params, lora_adapters, lora_rank, seed)
+    engine_runs, batch_runs, adapter_runs = [], [], []
+    options = (max_slots, chunk_size, max_len, prefix_cache_rows, steps_per_check, page_size,
+               num_pages, max_staged)
     for _ in range(repeats):
-        engine_runs.append(run_engine(config, params, workload, max_slots, chunk_size,
-                                      max_len, prefix_cache_rows, steps_per_check, page_size,
-                                      num_pages, max_staged))
+        engine_runs.append(run_engine(config, params, workload, *options))
         batch_runs.append(run_fixed_batches(config, params, workload, batch))
+        if adapters:
+            adapter_runs.append(run_engine(config, params, workload, *options, adapters))
     results = [median_run(engine_runs), median_run(batch_runs)]
     notes = [ratio_line(engine_runs, batch_runs)] if repeats > 1 else []
+    if adapters:
+        results.append(median_run(adapter_runs))
+        notes.append(ratio_line(adapter_runs, engine_runs))
     if compare_transformers:
         from kvjax.benchmarks import serve_transformers
 

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import model as M
+from kvjax.model import lora_rows
 
 from .automaton import RowConstraints
 from .loop import DecodeState, StopConditions, initial_state, record
@@ -67,10 +68,13 @@ def prompt_context(config: M.TransformerConfig, tokens_BP: jax.Array, lengths_B:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
-def prefill_state(config, params, tokens_BP, lengths_B, capacity: int):
-    """(cache, next_logits, context, context_lengths) of prompts prefilled into `capacity`."""
+def prefill_state(config, params, tokens_BP, lengths_B, capacity: int, adapters=None,
+                  adapter_B=None):
+    """(cache, next_logits, context, context_lengths) of prompts prefilled into `capacity`;
+    row b adds LoRA adapter `adapter_B[b]` of `adapters` (`model.lora_rows`), if given."""
     count_trace("prefill")
-    logits_BV, cache = M.prefill(config, params, tokens_BP, lengths_B, capacity)
+    logits_BV, cache = M.prefill(config, params, tokens_BP, lengths_B, capacity,
+                                 adapters=lora_rows.for_rows(adapters, adapter_B))
     return (cache, logits_BV, *prompt_context(config, tokens_BP, lengths_B, capacity))
 
 

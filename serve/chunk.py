@@ -23,6 +23,7 @@ from kvjax import device_loops, parallel
 from kvjax import model as M
 from kvjax.decode.loop import StopReason
 from kvjax.decode.tracing import count_trace
+from kvjax.model import lora_rows
 
 from . import pages
 from .slots import (
@@ -91,8 +92,8 @@ def _starving(state: EngineState, queued):
 
 
 def decode_chunk(config: M.TransformerConfig, params, state: EngineState, cancel_I,
-                 want_top, queued, steps: int, mesh=None,
-                 steps_per_check: int = 1) -> tuple[EngineState, Emitted]:
+                 want_top, queued, steps: int, mesh=None, steps_per_check: int = 1,
+                 adapters: lora_rows.AdapterStack | None = None) -> tuple[EngineState, Emitted]:
     """Up to `steps` decode steps over every running slot, after stopping every sample (in a
     slot or staged) whose id is in `cancel` (-2 pads): (state, `Emitted` [B, steps]). A slot
     that is free before a step takes the oldest staged sample, if one waits; if none does
@@ -106,9 +107,10 @@ def decode_chunk(config: M.TransformerConfig, params, state: EngineState, cancel
     loops do not stay on the device (on a GPU they do: `kvjax.device_loops`), a loop whose
     trip count the device cannot know waits for the host at every iteration. A slot that frees
     inside the k steps waits for their end; a step once every slot is done, or past `steps`,
-    changes nothing (it feeds no row and emits nothing)."""
+    changes nothing (it feeds no row and emits nothing). Each slot adds the LoRA adapter of
+    `adapters` its request named (`SlotState.adapter`)."""
     return _decode_chunk(config, params, state, cancel_I, want_top, queued, steps, mesh=mesh,
-                         steps_per_check=steps_per_check)
+                         steps_per_check=steps_per_check, adapters=adapters)
 
 
 # On a GPU a step's kernels can take less time than the host needs to launch them: the
@@ -116,7 +118,7 @@ def decode_chunk(config: M.TransformerConfig, params, state: EngineState, cancel
 @functools.partial(device_loops.jit, static_argnums=(0, 6),
                    static_argnames=("mesh", "steps_per_check"), donate_argnums=2)
 def _decode_chunk(config, params, state, cancel_I, want_top, queued, steps, mesh=None,
-                  steps_per_check=1):
+                  steps_per_check=1, adapters=None):
     count_trace("serve_chunk")
 
     def stop_cancelled(rows: SlotState) -> SlotState:
@@ -133,7 +135,6 @@ def _decode_chunk(config, params, state, cancel_I, want_top, queued, steps, mesh
     ints = jnp.zeros((steps + 1, batch, INT_COLUMNS + width), jnp.int32).at[..., 1].set(
         NO_SAMPLE)
     floats = jnp.zeros((steps + 1, batch, 1 + width), jnp.float32)
-    step_fn = M.step_fn(config, params)
 
     def decoding(carry):
         step, state, _ = carry
@@ -152,6 +153,7 @@ def _decode_chunk(config, params, state, cancel_I, want_top, queued, steps, mesh
             stop_reason=jnp.where(full_B, StopReason.CACHE_FULL, slots.stop_reason))
         live_B = active & slots.running
         # Stopped slots are fed nothing: their cache rows neither grow nor overflow.
+        step_fn = M.step_fn(config, params, lora_rows.for_rows(adapters, slots.adapter))
         logits_B1V, cache = step_fn(slots.last_tokens[:, None], slots.cache,
                                     live_B.astype(jnp.int32))
         token_B, logprob_B, top_logprobs_BA, top_ids_BA, constraint_state_B = choose(

@@ -8,7 +8,7 @@ schedules; what the programs make is handed out by `output.py`. Each turn of its
      oldest other waiting request's `n` samples fit the free staged rows, prefills its
      prompt once with others of its length (`prefill_groups.py`; on a CPU beside the chunk
      in flight, `prefill_thread.py`), after a kept prefix if it has one (`prefix_cache.py`),
-     into `n` staged rows, each sample with its first token;
+     into `n` staged rows, each sample with its first token (`staging.py`);
   2. dispatches one chunk of `chunk_size` decode steps over every slot (`chunk.py`): on the
      device, each slot that frees is taken at once by the oldest staged sample, and the
      chunk ends early if a slot frees with none staged while requests wait on the host;
@@ -34,16 +34,25 @@ import numpy as np
 from kvjax import model as M
 from kvjax import parallel
 from kvjax.decode import checks
-from kvjax.decode.buckets import padded_to_bucket, power_of_two
 from kvjax.decode.prepare import placement
-from kvjax.decode.prompt_state import prefill_state
+from kvjax.model import lora_rows
 from kvjax.tokenizer import TextTokenizer
 
-from . import chunk, constrained, memory, pages, prefill_groups, prefix_cache, slots, warm_up
-from .output import Continuation, Dispatched, OnDelta, Outputs, Ticket
+from . import (
+    chunk,
+    constrained,
+    memory,
+    pages,
+    prefill_groups,
+    prefix_cache,
+    slots,
+    staging,
+    warm_up,
+)
+from .output import Dispatched, OnDelta, Outputs, Ticket
 from .prefill_thread import prefill_dispatcher
 from .prompt_logprobs import prompt_logprobs
-from .requests import Delta, GenerationRequest, row_settings
+from .requests import Delta, GenerationRequest
 
 
 class QueueFull(Exception):
@@ -79,7 +88,11 @@ class Engine:
     recent prompts, so a prompt that starts like one of them prefills only the rest
     (`prefix_cache.py`), reused in blocks of `prefix_block` tokens. With them, a prompt with
     more than `prefill_part` tokens (whole blocks) to prefill is prefilled a part per turn, one
-    such prompt at a time, so that the slots decode in between."""
+    such prompt at a time, so that the slots decode in between.
+
+    `adapters`, LoRA adapters trained on `params` (`(adapters, lora)` pairs, or a
+    `lora_rows.AdapterStack` of them), are served unmerged beside the base: a request's
+    `adapter` (1 for the first, 0 for none) picks what each of its rows adds."""
 
     def __init__(self, config: M.TransformerConfig, params, *,
                  tokenizer: TextTokenizer | None = None, max_slots: int = 16,
@@ -88,7 +101,7 @@ class Engine:
                  max_queue: int = 64, prefill_batch: int = 8, prefix_cache_rows: int | None = None,
                  prefix_block: int = prefix_cache.DEFAULT_BLOCK, prefill_part: int = 512,
                  page_size: int | None = None, num_pages: int | None = None,
-                 metrics=None, mesh=None):
+                 metrics=None, mesh=None, adapters=None):
         capacity = config.max_len if max_len is None else max_len
         chunk_size = chunk.default_chunk_size() if chunk_size is None else chunk_size
         if steps_per_check is None:
@@ -117,6 +130,9 @@ class Engine:
         self.mesh, params = placement(config, params, mesh)
         self.pages = pages.choose_pages(page_size, num_pages, capacity, max_slots, config.max_len)
         self.config, self.params, self.tokenizer = config, params, tokenizer
+        if adapters is not None and not isinstance(adapters, lora_rows.AdapterStack):
+            adapters = lora_rows.stack(config, params, list(adapters)) if adapters else None
+        self.adapters = lora_rows.placed(adapters, self.mesh)
         self.capacity, self.chunk_size, self.max_queue = capacity, chunk_size, max_queue
         self.steps_per_check, self.prefill_batch = steps_per_check, prefill_batch
         self.max_slots, self.num_staged, self.metrics = max_slots, max_staged, metrics
@@ -165,6 +181,10 @@ class Engine:
         """`request` as `submit` queues it (seed drawn); a `checks.InvalidValue` names the
         first value this engine can never serve."""
         request = request.checked(self.config.vocab_size, self.capacity)
+        served = 0 if self.adapters is None else self.adapters.count
+        if not checks.is_int(request.adapter) or not 0 <= request.adapter <= served:
+            raise checks.InvalidValue("adapter", f"adapter={request.adapter!r} is not among "
+                                                 f"the {served} adapters served (0: none)")
         if request.constraint is not None and self.mesh is not None:
             raise checks.InvalidValue("constraint", "constrained requests run on one device; "
                                                     "this engine is served over a mesh")
@@ -188,17 +208,19 @@ class Engine:
         self._report_load()
         return ticket
 
-    def score_prompt(self, prompt: tuple[int, ...], top: int) -> concurrent.futures.Future:
-        """A future of `prompt_logprobs(config, params, prompt, top)`, computed on the engine's
-        thread between chunks, in one order with its other programs (as processes serving a
-        model over many hosts must). `QueueFull` when `max_queue` prompts wait."""
+    def score_prompt(self, prompt: tuple[int, ...], top: int,
+                     adapter: int = 0) -> concurrent.futures.Future:
+        """A future of `prompt_logprobs(config, params, prompt, top)` (with `adapter`),
+        computed on the engine's thread between chunks, in one order with its other programs
+        (as processes serving a model over many hosts must). `QueueFull` when `max_queue`
+        prompts wait."""
         future = concurrent.futures.Future()
         with self._wake:
             self._refuse_if_broken()
             if len(self._scoring) >= self.max_queue:
                 raise QueueFull(f"{len(self._scoring)} prompts are waiting to be scored, as "
                                 f"many as the queue holds (max_queue={self.max_queue})")
-            self._scoring.append((prompt, top, future))
+            self._scoring.append((prompt, top, adapter, future))
             self._wake.notify()
         return future
 
@@ -274,7 +296,8 @@ class Engine:
                 self.config, self.params, self.state,
                 self.outputs.take_stop_ids(self.max_slots + self.num_staged),
                 np.bool_(self.outputs.want_top()), np.bool_(self._can_stage_more()),
-                self.chunk_size, mesh=self.mesh, steps_per_check=self.steps_per_check)
+                self.chunk_size, mesh=self.mesh, steps_per_check=self.steps_per_check,
+                adapters=self.adapters)
             self._dispatched.append(Dispatched(emitted, [], is_chunk=True))
             keep = int(overlap)
         while len(self._dispatched) > keep:
@@ -283,10 +306,11 @@ class Engine:
 
     def _score_prompts(self) -> None:
         while self._scoring:
-            prompt, top, future = self._scoring.popleft()
+            prompt, top, adapter, future = self._scoring.popleft()
             if future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(prompt_logprobs(self.config, self.params, prompt, top))
+                    future.set_result(prompt_logprobs(self.config, self.params, prompt, top,
+                                                      adapter, self.adapters))
                 except Exception as error:  # noqa: BLE001 - it ends this request alone
                     future.set_exception(error)
 
@@ -315,8 +339,10 @@ class Engine:
             return any(ticket is not self._long for ticket in self._pending)
 
     def _too_long(self, ticket: Ticket) -> bool:  # more than a part left to prefill
-        return (self._prefixes is not None and len(ticket.request.prompt) > self.prefill_part
-                and self._prefixes.left_to_prefill(ticket.request.prompt) > self.prefill_part)
+        request = ticket.request
+        return (self._prefixes is not None and len(request.prompt) > self.prefill_part
+                and self._prefixes.left_to_prefill(request.prompt, request.adapter)
+                > self.prefill_part)
 
     def _feed_long_prompt(self) -> None:
         """Prefills a part of the oldest waiting prompt that is too long for one turn."""
@@ -324,83 +350,13 @@ class Engine:
             self._long = next((t for t in self._pending
                                if not t.cancelled and self._too_long(t)), None)
         if self._prefixes is not None:
-            self._prefixes.feed_part(self.params, self._long and self._long.request.prompt,
-                                     self.prefill_part)
+            long = self._long and self._long.request
+            self._prefixes.feed_part(self.params, long and long.prompt, self.prefill_part,
+                                     long.adapter if long else 0, self.adapters)
             self.state = pages.share_kept(self.state, self._prefixes)
 
-    def _stage(self, tickets: list[Ticket]) -> None:
-        """Prefills the tickets' prompts and writes each into a staged row per sample: those
-        with a kept prefix (`prefix_cache`) only the rest, in a call of their own. Of prompts
-        sharing a first block no row keeps, the first is prefilled and kept first."""
-        in_use = [s.ticket.request.constraint for s in self.outputs.samples.values()]
-        self.state, initial = self._tables.place_all(tickets, in_use, self.state)
-        prompts = [t.request.prompt for t in tickets]
-        first = [] if self._prefixes is None else self._prefixes.leaders(prompts)
-        for part in (first, [i for i in range(len(tickets)) if i not in first]):
-            hits = self._prefixes.lookup([prompts[i] for i in part]) if self._prefixes \
-                else [(-1, 0)] * len(part)
-            for reused in (True, False):  # hits read their rows before misses are kept
-                group = [i for i, (_, n) in zip(part, hits, strict=True) if (n > 0) == reused]
-                if group:
-                    self._stage_group([tickets[i] for i in group],
-                                      [hits[part.index(i)] for i in group],
-                                      [initial[i] for i in group])
-
-    def _stage_group(self, tickets: list[Ticket], hits: list[tuple[int, int]],
-                     initial: list[int]) -> None:
-        """One prefill of the tickets' prompts (rows and length bucketed; spare rows repeat
-        the first), all plain or all after a kept prefix, then their samples' inserts."""
-        prompts = [ticket.request.prompt for ticket in tickets]
-        rows = min(power_of_two(len(prompts)), self.prefill_batch)
-        spare = rows - len(prompts)
-        filled = prompts + [prompts[0]] * spare
-        padded = padded_to_bucket(filled, self.capacity)
-        lengths = np.array([len(p) for p in filled], np.int32)
-        if hits[0][1] == 0:
-            # The prompts' cache holds only them: the insert writes it into the staged rows.
-            prefilled = self._dispatch_prefill(prefill_state, self.config, self.params,
-                                               padded, lengths, padded.shape[1])
-        else:
-            rests = [p[n:] for p, (_, n) in zip(prompts, hits, strict=True)]
-            prefilled = self._prefixes.prefill(
-                self.params, padded, lengths, hits + [hits[0]] * spare,
-                padded_to_bucket(rests + [rests[0]] * spare, self.capacity))
-            self._prefixes.count_hits(hits, self.metrics)
-        entries = [(row, ticket, index) for row, ticket in enumerate(tickets)
-                   for index in ticket.indices()]
-        shared = [(-1, 0)] * len(entries) if self.pages is None or not hits[0][1] else \
-            self._prefixes.borrow([hits[r] for r, _, _ in entries], self.pages[1])
-        held = {}  # prompt: the staged row of its first sample, which the store copies
-        for start in range(0, len(entries), rows):  # `rows` samples per insert
-            group = entries[start:start + rows]
-            staged = [self._free_staged.pop(0) for _ in group]
-            ids = []
-            own = shared[start:start + rows] + [(-1, 0)] * (rows - len(group))
-            for (_, ticket, index), (prefix_row, _) in zip(group, own, strict=False):
-                if isinstance(ticket, Continuation):
-                    self.outputs.resume(ticket.sample, self._next_id, prefix_row)
-                else:
-                    self.outputs.add(ticket, index, self._next_id, prefix_row)
-                ids.append(self._next_id)
-                self._next_id = (self._next_id + 1) % slots.ID_SPACE
-            spare = rows - len(group)  # padding: row `num_staged` stages nothing
-            samples = group + group[:1] * spare
-            settings = row_settings([(t.request, i) for _, t, i in samples],
-                                    [initial[r] for r, _, _ in samples],
-                                    [t.generated for _, t, _ in samples], own)
-            self.state, first = slots.insert(
-                self.state, *prefilled,
-                np.array([r for r, _, _ in group] + [0] * spare, np.int32),
-                np.array(staged + [self.num_staged] * spare, np.int32),
-                np.array(ids + [0] * spare, np.int32), settings, mesh=self.mesh)
-            self._dispatched.append(Dispatched(first, staged, is_chunk=False))
-            self._waiting += len(group)
-            for (r, _, _), row in zip(group, staged, strict=True):
-                held.setdefault(r, row)
-        if self._prefixes is not None:
-            self._prefixes.keep(prompts, self.state.staged.cache,
-                                [held[r] for r in range(len(prompts))], self.prefill_batch)
-            self.state = pages.share_kept(self.state, self._prefixes)
+    def _stage(self, tickets: list[Ticket]) -> None:  # prefills them into staged rows
+        staging.stage(self, tickets)
 
     def _hand_out(self, dispatched: Dispatched) -> None:
         """Hands each sample what a program made (`Outputs`) and learns which staged rows
@@ -436,7 +392,7 @@ class Engine:
                 tickets.update({id(t.origin): t.origin for t in self._pending})
                 self._pending.clear()
                 scoring, self._scoring = self._scoring, collections.deque()
-            for _, _, future in scoring:
+            for *_, future in scoring:
                 future.set_exception(EngineFailed(f"the engine failed: {reset_error}"))
         for ticket in tickets.values():
             ticket.on_delta(error)

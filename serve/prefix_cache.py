@@ -9,6 +9,8 @@ prefix found (in whole blocks, leaving at least its last token to feed) is copie
 store into its staging row, and only the rest of the prompt runs through the model, as a
 continuation of that cache (`prefill_after_prefix`). A row's tokens are kept beside its
 keys and compared on every hit, so no hash collision can hand out another prompt's K/V.
+A prompt served with a LoRA adapter (`model.lora_rows`) has other K/V than the same tokens
+without it: its chain starts from the adapter's index, kept and compared as the tokens are.
 
 K/V at a position depend only on the tokens up to it (causal attention), so a prefix's K/V
 are the same whichever longer prompt computed them; a continuation computes the rest with
@@ -34,6 +36,7 @@ from kvjax import parallel
 from kvjax.decode.buckets import bucket
 from kvjax.decode.prompt_state import prefill_state, prompt_context
 from kvjax.decode.tracing import count_trace
+from kvjax.model import lora_rows
 
 DEFAULT_BLOCK = 16  # tokens per keyed block: prefixes are reused in whole blocks
 
@@ -52,42 +55,44 @@ class PrefixIndex:
         self.rows, self.block = rows, block
         self._where: dict[bytes, tuple[int, int]] = {}  # chain key -> (row, tokens)
         self._tokens: list[tuple[int, ...]] = [()] * rows  # what each row holds
+        self._adapters = [0] * rows  # and with which adapter
         self._keys: list[list[bytes]] = [[] for _ in range(rows)]
         self._recent = collections.OrderedDict((row, None) for row in range(rows))
         self.pinned: set[int] = set()  # rows `keep` must not reuse (a prompt fed in parts)
         # Samples reading a row's pages in place (a paged engine's), which it must keep.
         self.borrowed: collections.Counter[int] = collections.Counter()
 
-    def _chain(self, prompt, blocks: int) -> list[bytes]:
-        """The keys of `prompt`'s first 1, 2, ..., `blocks` blocks."""
-        keys, digest = [], b""
+    def _chain(self, prompt, blocks: int, adapter: int = 0) -> list[bytes]:
+        """The keys of `prompt`'s first 1, 2, ..., `blocks` blocks (with `adapter`)."""
+        keys, digest = [], b"" if not adapter else adapter.to_bytes(8, "little")
         for i in range(blocks):
             block = np.asarray(prompt[i * self.block:(i + 1) * self.block], np.int64)
             digest = hashlib.blake2b(digest + block.tobytes(), digest_size=16).digest()
             keys.append(digest)
         return keys
 
-    def _held(self, prompt, key: bytes) -> tuple[int, int] | None:
+    def _held(self, prompt, key: bytes, adapter: int = 0) -> tuple[int, int] | None:
         """(row, length) of the prefix `key` names, if a row holds it."""
         row, length = self._where.get(key, (-1, 0))
-        if row < 0 or self._tokens[row][:length] != tuple(prompt[:length]):
+        if (row < 0 or self._tokens[row][:length] != tuple(prompt[:length])
+                or self._adapters[row] != adapter):
             return None
         self._recent.move_to_end(row)
         return row, length
 
-    def lookup(self, prompt) -> tuple[int, int]:
+    def lookup(self, prompt, adapter: int = 0) -> tuple[int, int]:
         """(store row, prefix length) of the longest kept prefix of `prompt` that leaves at
         least its last token to feed; (-1, 0) if none."""
-        for key in reversed(self._chain(prompt, (len(prompt) - 1) // self.block)):
-            if (held := self._held(prompt, key)) is not None:
+        for key in reversed(self._chain(prompt, (len(prompt) - 1) // self.block, adapter)):
+            if (held := self._held(prompt, key, adapter)) is not None:
                 return held
         return -1, 0
 
-    def keep(self, prompt) -> int | None:
+    def keep(self, prompt, adapter: int = 0) -> int | None:
         """The row to copy `prompt`'s full blocks into, now indexed as holding them; None
         when it has no full block, a row holds them all already, or every row is pinned."""
-        keys = self._chain(prompt, len(prompt) // self.block)
-        if not keys or self._held(prompt, keys[-1]) is not None:
+        keys = self._chain(prompt, len(prompt) // self.block, adapter)
+        if not keys or self._held(prompt, keys[-1], adapter) is not None:
             return None
         row = next((r for r in self._recent
                     if r not in self.pinned and not self.borrowed[r]), None)
@@ -101,6 +106,7 @@ class PrefixIndex:
             self._where[key] = (row, (i + 1) * self.block)
         self._keys[row] = keys
         self._tokens[row] = tuple(int(t) for t in prompt[:len(keys) * self.block])
+        self._adapters[row] = adapter
         self._recent[row] = None
         return row
 
@@ -118,24 +124,28 @@ class PrefixCache:
         self.written = np.zeros(rows, np.int32)  # positions copied into each row, not yet
         # taken by `take_written`
 
-    def lookup(self, prompts: list) -> list[tuple[int, int]]:
-        """(store row, prefix length) of each prompt's longest kept prefix ((-1, 0): none).
+    def lookup(self, prompts: list, adapters: list[int] | None = None
+               ) -> list[tuple[int, int]]:
+        """(store row, prefix length) of each prompt's longest kept prefix ((-1, 0): none),
+        kept with its adapter (`adapters`, default none).
         A prompt's rest is fed padded to the bucket of the longest rest among the hits; a
         hit whose prefix and that padding would not fit `capacity` counts as a miss."""
-        found = [self.index.lookup(p) for p in prompts]
+        adapters = [0] * len(prompts) if adapters is None else adapters
+        found = [self.index.lookup(p, a) for p, a in zip(prompts, adapters, strict=True)]
         rests = [len(p) - n for p, (_, n) in zip(prompts, found, strict=True) if n]
         rest = bucket(max(rests, default=1), self.capacity)
         return [(row, n) if n + rest <= self.capacity else (-1, 0) for row, n in found]
 
-    def leaders(self, prompts: list) -> list[int]:
+    def leaders(self, prompts: list, adapters: list[int] | None = None) -> list[int]:
         """Of the prompts that no kept prefix serves and whose first full block (with a
         token after it) a later one of them shares, the first of each such set: prefilled
         and kept first, it serves the others' shared part."""
         block, first, leaders = self.index.block, {}, []
-        for i, prompt in enumerate(prompts):
-            if len(prompt) <= block or self.index.lookup(prompt)[1]:
+        adapters = [0] * len(prompts) if adapters is None else adapters
+        for i, (prompt, adapter) in enumerate(zip(prompts, adapters, strict=True)):
+            if len(prompt) <= block or self.index.lookup(prompt, adapter)[1]:
                 continue
-            head = tuple(prompt[:block])
+            head = (adapter, tuple(prompt[:block]))
             if head not in first:
                 first[head] = i
             elif first[head] not in leaders:
@@ -143,15 +153,17 @@ class PrefixCache:
         return sorted(leaders)
 
     def prefill(self, params, tokens_BP: np.ndarray, lengths_B: np.ndarray,
-                hits: list[tuple[int, int]], rest_BT: np.ndarray):
+                hits: list[tuple[int, int]], rest_BT: np.ndarray, adapters=None,
+                adapter_B=None):
         """`prefill_after_prefix` of prompts that all hit (`hits` from `lookup`, one per row
         of `tokens`), `rest` their tokens after the prefix, into `capacity` slots: one
-        program per row count and bucket of the rest, as many as plain prefills take."""
+        program per row count and bucket of the rest, as many as plain prefills take. Row b
+        adds adapter `adapter_B[b]` of `adapters` (`model.lora_rows`), if given."""
         tokens_BC = np.pad(tokens_BP, ((0, 0), (0, self.capacity - tokens_BP.shape[1])))
         return prefill_after_prefix(self.config, params, self.store,
                                     np.array([row for row, _ in hits], np.int32),
                                     np.array([n for _, n in hits], np.int32), tokens_BC,
-                                    lengths_B, rest_BT, self.capacity)
+                                    lengths_B, rest_BT, self.capacity, adapters, adapter_B)
 
     def count_hits(self, hits: list[tuple[int, int]], metrics=None) -> None:
         """Counts prompts that hit (`hits` from `lookup`) and the tokens they reused, here
@@ -162,24 +174,26 @@ class PrefixCache:
         if metrics is not None:
             metrics.count_prefix_hits(len(hits), reused)
 
-    def left_to_prefill(self, prompt) -> int:
+    def left_to_prefill(self, prompt, adapter: int = 0) -> int:
         """The tokens of `prompt` after its longest kept prefix."""
-        return len(prompt) - self.index.lookup(prompt)[1]
+        return len(prompt) - self.index.lookup(prompt, adapter)[1]
 
-    def feed_part(self, params, prompt, part: int) -> None:
+    def feed_part(self, params, prompt, part: int, adapter: int = 0, adapters=None) -> None:
         """Prefills the next `part` tokens (a multiple of the block) of a prompt too long to
         prefill in one turn after its longest kept prefix, and keeps the result, pinned
         until the next part: a long prompt is prefilled a part per engine turn, while the
-        slots go on decoding between them. With no `prompt` (None) nothing stays pinned."""
+        slots go on decoding between them. With no `prompt` (None) nothing stays pinned.
+        The prompt is served with adapter `adapter` of `adapters` (0: none)."""
         self.index.pinned.clear()
         if prompt is None:
             return
-        row, reused = self.index.lookup(prompt)
+        row, reused = self.index.lookup(prompt, adapter)
         fed = reused + part
         tokens = np.asarray(prompt[:fed], np.int32)[None]
+        adapter_B = None if adapters is None else np.array([adapter], np.int32)
         if reused == 0:
             prefilled = prefill_after_nothing(self.config, params, tokens,
-                                              bucket(part, self.capacity))
+                                              bucket(part, self.capacity), adapters, adapter_B)
         else:
             width = bucket(part, self.capacity)
             if reused + width > self.capacity:  # the padding would not fit: none
@@ -187,22 +201,24 @@ class PrefixCache:
             rest = np.zeros((1, width), np.int32)
             rest[0, :part] = prompt[reused:fed]
             prefilled = self.prefill(params, tokens, np.array([fed], np.int32),
-                                     [(row, reused)], rest)
-        self.keep([prompt[:fed]], prefilled[0])
-        kept, length = self.index.lookup(prompt[:fed + 1])
+                                     [(row, reused)], rest, adapters, adapter_B)
+        self.keep([prompt[:fed]], prefilled[0], adapters=[adapter])
+        kept, length = self.index.lookup(prompt[:fed + 1], adapter)
         if length == fed:
             self.index.pinned.add(kept)
 
     def keep(self, prompts: list, cache: M.KVCache, rows: list[int] | None = None,
-             pad_to: int | None = None) -> None:
-        """Copies the rows of `cache` that hold `prompts` (`rows`, default 0, 1, ...) into
-        the store, those whose full blocks no store row holds; the copy is padded to
-        `pad_to` rows (default the cache's), so that one program serves every count."""
+             pad_to: int | None = None, adapters: list[int] | None = None) -> None:
+        """Copies the rows of `cache` that hold `prompts` (`rows`, default 0, 1, ...; made
+        with `adapters`, default none) into the store, those whose full blocks no store row
+        holds; the copy is padded to `pad_to` rows (default the cache's), so that one
+        program serves every count."""
         rows = range(len(prompts)) if rows is None else rows
+        adapters = [0] * len(prompts) if adapters is None else adapters
         block = self.index.block
         kept = [(row, into, len(prompt) // block * block)
-                for row, prompt in zip(rows, prompts, strict=True)
-                if (into := self.index.keep(prompt)) is not None]
+                for row, prompt, adapter in zip(rows, prompts, adapters, strict=True)
+                if (into := self.index.keep(prompt, adapter)) is not None]
         if kept:
             self._copy(cache, kept, pad_to)
             for _, into, length in kept:
@@ -251,17 +267,19 @@ class PrefixCache:
             self._copy(cache, [], pad_to, width)
 
 
-def prefill_after_nothing(config, params, tokens_1P: np.ndarray, capacity: int):
+def prefill_after_nothing(config, params, tokens_1P: np.ndarray, capacity: int,
+                          adapters=None, adapter_B=None):
     """The first part of a long prompt, prefilled alone into `capacity` slots."""
     padded = np.zeros((1, capacity), np.int32)
     padded[0, :tokens_1P.shape[1]] = tokens_1P[0]
     return prefill_state(config, params, padded, np.array([tokens_1P.shape[1]], np.int32),
-                         capacity)
+                         capacity, adapters, adapter_B)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 8))
 def prefill_after_prefix(config, params, store: M.KVCache, store_rows_B, prefix_lengths_B,
-                         tokens_BP, lengths_B, rest_BT, capacity: int):
+                         tokens_BP, lengths_B, rest_BT, capacity: int, adapters=None,
+                         adapter_B=None):
     """`decode.prompt_state.prefill_state`'s (cache, next_logits, context, context_lengths)
     for prompts `tokens` [B, P] (`lengths` valid) whose first `prefix_lengths` tokens are
     held by store rows `store_rows`: those are copied, and the rest, `rest` [B, T] (each
@@ -269,7 +287,8 @@ def prefill_after_prefix(config, params, store: M.KVCache, store_rows_B, prefix_
     count_trace("prefill_after_prefix")
     cache = store.take_prefixes(store_rows_B, prefix_lengths_B, capacity)
     rest_lengths_B = lengths_B - prefix_lengths_B
-    logits_BTV, cache = M.step_fn(config, params)(rest_BT, cache, rest_lengths_B)
+    logits_BTV, cache = M.step_fn(config, params, lora_rows.for_rows(adapters, adapter_B))(
+        rest_BT, cache, rest_lengths_B)
     logits_BV = logits_BTV[jnp.arange(rest_BT.shape[0]), rest_lengths_B - 1]
     return (cache, logits_BV, *prompt_context(config, tokens_BP, lengths_B, capacity))
 

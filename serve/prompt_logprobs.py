@@ -16,30 +16,37 @@ import numpy as np
 from kvjax import model as M
 from kvjax.decode.buckets import bucket
 from kvjax.decode.tracing import count_trace
+from kvjax.model import lora_rows
 
 from .slots import MAX_TOP_LOGPROBS
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _scores(config: M.TransformerConfig, params, tokens_1P, length_1):
+def _scores(config: M.TransformerConfig, params, tokens_1P, length_1, adapters=None,
+            adapter_1=None):
     """(logprob [P - 1] of each token after the first, top logprobs and ids [P - 1, W])."""
     count_trace("serve_prompt_logprobs")
     logits_PV = M.teacher_forced_logits(config, params, {"inputs": tokens_1P,
-                                                         "lengths": length_1})[0]
+                                                         "lengths": length_1},
+                                        adapters=lora_rows.for_rows(adapters, adapter_1))[0]
     logprobs_PV = jax.nn.log_softmax(logits_PV.astype(jnp.float32))[:-1]
     chosen_P = jnp.take_along_axis(logprobs_PV, tokens_1P[0, 1:, None], axis=-1)[:, 0]
     top_PA, ids_PA = jax.lax.top_k(logprobs_PV, min(MAX_TOP_LOGPROBS, config.vocab_size))
     return chosen_P, top_PA, ids_PA
 
 
-def prompt_logprobs(config: M.TransformerConfig, params, prompt: tuple[int, ...], top: int
+def prompt_logprobs(config: M.TransformerConfig, params, prompt: tuple[int, ...], top: int,
+                    adapter: int = 0, adapters: lora_rows.AdapterStack | None = None
                     ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
     """Each prompt token's logprob given the tokens before it, and the `top` likeliest
-    (id, logprob) there; None for the first token, which nothing predicts."""
+    (id, logprob) there; None for the first token, which nothing predicts. With `adapters`,
+    the model adds the one numbered `adapter` (0: none; `model.lora_rows`)."""
     padded = np.zeros((1, bucket(len(prompt), config.max_len)), np.int32)
     padded[0, :len(prompt)] = prompt
+    adapter_1 = None if adapters is None else np.array([adapter], np.int32)
     chosen, values, ids = jax.device_get(_scores(config, params, padded,
-                                                 np.array([len(prompt)], np.int32)))
+                                                 np.array([len(prompt)], np.int32), adapters,
+                                                 adapter_1))
     count = len(prompt) - 1
     tops = [list(zip(ids[t, :top].tolist(), values[t, :top].tolist(), strict=True))
             for t in range(count)]

@@ -255,19 +255,23 @@ def _template_kwargs(body: dict) -> dict[str, Any]:
 
 def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
           chat_api: bool, max_prompts: int = 64, max_stop_strings: int = 16,
-          max_stop_chars: int = 1024, reasoning_parser: str | None = None) -> Parsed:
+          max_stop_chars: int = 1024, reasoning_parser: str | None = None,
+          adapter_names: tuple[str, ...] = ()) -> Parsed:
     """The request in `body` (already JSON-decoded) for /v1/chat/completions if `chat_api`,
     else for /v1/completions, within the given bounds (see `limits.Limits`); a chat
     request's choices split into reasoning and content with a `reasoning_parser`
-    (`reasoning.PARSERS`)."""
+    (`reasoning.PARSERS`). Its `model` is `served_name` or one of `adapter_names`, the
+    engine's LoRA adapters in order, which its requests then add."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     model = _get(body, "model", _STR)
     if model is None:
         raise APIError(400, "model is required: the name /v1/models lists", "model")
-    if model != served_name:
+    names = (served_name, *adapter_names)
+    if model not in names:
         raise APIError(404, f"The model `{model}` does not exist: this server serves "
-                            f"`{served_name}`", "model", kind="not_found_error")
+                            f"{', '.join(f'`{n}`' for n in names)}", "model",
+                       kind="not_found_error")
     _refuse_unsupported(body, chat_api)
     tools = parse_tools(body) if chat_api else None
     constraint, field = structured.requested(body, tools)
@@ -313,7 +317,7 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
                           min_tokens=_get(body, "min_tokens", _INT, 0)),
         logit_bias=_logit_bias(body),
         seed=_get(body, "seed", _INT), stop=_stops(body, max_stop_strings, max_stop_chars),
-        logprobs=top or 0,
+        logprobs=top or 0, adapter=names.index(model),
         stop_ids=_stop_ids(body, loaded.tokenizer),
         constraint=None if constraint is None else structured.compiled(
             constraint, field, loaded.tokenizer))

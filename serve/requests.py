@@ -46,6 +46,8 @@ class GenerationRequest:
     logprobs:    top logprobs to report per token (0: only the chosen token's).
     constraint:  the automaton every sample's tokens follow (`decode.compile_constraint`),
                  or None; its end id must be one of `stop_ids`.
+    adapter:     which of the engine's LoRA adapters its rows add (`Engine(adapters=)`, 1
+                 for the first), 0 for the base model alone.
     """
 
     prompt: tuple[int, ...]
@@ -58,6 +60,7 @@ class GenerationRequest:
     seed: int | None = None
     logprobs: int = 0
     constraint: TokenAutomaton | None = None
+    adapter: int = 0
 
     def checked(self, vocab_size: int, capacity: int) -> GenerationRequest:
         """This request with its seed drawn if None; a ValueError names the first bad value."""
@@ -197,4 +200,5 @@ def row_settings(samples: list[tuple[GenerationRequest, int]],
         constraint_state=np.array(constraint_states, np.int32),
         generated=np.array(generated, np.int32),
         prefix_row=np.array([row for row, _ in prefix_pages], np.int32),
-        prefix_pages=np.array([n for _, n in prefix_pages], np.int32))
+        prefix_pages=np.array([n for _, n in prefix_pages], np.int32),
+        adapter=np.array([r.adapter for r, _ in samples], np.int32))

@@ -48,13 +48,15 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
               page_size: int | None = None, num_pages: int | None = None,
               warm_up: bool = False, mesh=None,
               api_key: str | None = None, limits: Limits | None = None,
-              reasoning_parser: str | None = None) -> Starlette:
+              reasoning_parser: str | None = None, adapters: dict | None = None) -> Starlette:
     """The app serving `loaded` as `model_name` (default: its directory's name). The engine
     starts with the app (its lifespan), after compiling every program it can need if
     `warm_up`, and stops with it. On a `mesh` the slots are split over its devices (see
     `Engine`). With an `api_key`, /v1/ answers only requests that carry it; `limits` bound
     what a request may ask (`limits.Limits`). A `reasoning_parser` (`reasoning.PARSERS`)
-    answers a chat choice's thought as its `reasoning`, apart from its content."""
+    answers a chat choice's thought as its `reasoning`, apart from its content. `adapters`
+    ({name: (adapters, lora)}, LoRA adapters trained on the model) are served beside it
+    under their names, unmerged (`Engine`'s `adapters`)."""
     if reasoning_parser not in (None, *reasoning.PARSERS):
         raise ValueError(f"reasoning_parser={reasoning_parser!r} is not one of "
                          f"{', '.join(reasoning.PARSERS)}")
@@ -66,7 +68,9 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
                     chunk_size=chunk_size, steps_per_check=steps_per_check, max_queue=max_queue,
                     prefill_batch=prefill_batch,
                     prefix_cache_rows=prefix_cache_rows, prefill_part=prefill_part,
-                    page_size=page_size, num_pages=num_pages, metrics=metrics, mesh=mesh)
+                    page_size=page_size, num_pages=num_pages, metrics=metrics, mesh=mesh,
+                    adapters=list((adapters or {}).values()) or None)
+    adapter_names = tuple(adapters or ())
     name = model_name or os.path.basename(os.path.normpath(loaded.directory)) or "kvjax"
     created = int(time.time())
 
@@ -79,8 +83,9 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
         except APIError as error:
             return error_response(error)
         return JSONResponse({"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "kvjax",
-             "max_model_len": engine.capacity}]})
+            {"id": served, "object": "model", "created": created, "owned_by": "kvjax",
+             "root": served, "parent": None if served == name else name,
+             "max_model_len": engine.capacity} for served in (name, *adapter_names)]})
 
     async def health(_: Request) -> JSONResponse:
         if engine.failure is not None:  # a server to restart
@@ -108,7 +113,8 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
             if parsed.echo_prompt and parsed.logprobs:
                 for prompt, generation in enumerate(parsed.requests):
                     scores = await asyncio.wrap_future(
-                        engine.score_prompt(generation.prompt, generation.logprobs))
+                        engine.score_prompt(generation.prompt, generation.logprobs,
+                                            generation.adapter))
                     answer.set_prompt_logprobs(prompt, generation.prompt, *scores)
             if parsed.echo_prompt and all(r.max_tokens == 0 for r in parsed.requests):
                 metrics.count_request("completed")
@@ -140,7 +146,7 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
         parsed = parse(body, loaded, name, engine.capacity, chat_api=chat_api,
                        max_prompts=max_prompts, max_stop_strings=limits.max_stop_strings,
                        max_stop_chars=limits.max_stop_chars,
-                       reasoning_parser=reasoning_parser)
+                       reasoning_parser=reasoning_parser, adapter_names=adapter_names)
         try:
             checked = tuple(
                 dataclasses.replace(engine.check(dataclasses.replace(r, max_tokens=1)),

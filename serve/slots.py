@@ -72,6 +72,8 @@ class SlotState:
     prefix_row:      [B] int32 with a paged cache, the prefix cache's row whose pages the
                      sample's first `prefix_pages` [B] pages are (shared, only read; -1:
                      none): a staged sample takes them with its slot (`pages.py`).
+    adapter:         [B] int32 the LoRA adapter the row's request adds (0: none;
+                     `model.lora_rows`).
     """
 
     cache: M.KVCache
@@ -90,6 +92,7 @@ class SlotState:
     constraint_state: jax.Array
     prefix_row: jax.Array
     prefix_pages: jax.Array
+    adapter: jax.Array
 
     @property
     def num_slots(self) -> int:
@@ -126,7 +129,7 @@ class RowSettings:
     sample's index among its request's n, `sample_key`), sampling with [R] fields,
     logit_bias [R, MAX_LOGIT_BIAS], constraint_state [R] (the initial state of its automaton
     in the tables; -1: none), generated [R] (tokens the sample made before: a preempted one
-    goes on from its count) and prefix_row, prefix_pages [R] (as `SlotState`'s)."""
+    goes on from its count) and prefix_row, prefix_pages, adapter [R] (as `SlotState`'s)."""
 
     max_tokens: jax.Array
     stop_ids: jax.Array
@@ -138,6 +141,7 @@ class RowSettings:
     generated: jax.Array
     prefix_row: jax.Array
     prefix_pages: jax.Array
+    adapter: jax.Array
 
 
 @flax.struct.dataclass
@@ -212,7 +216,7 @@ def _free_rows(config: M.TransformerConfig, rows: int, capacity: int,
         stop_reason=zeros(),
         owner=jnp.full((rows,), NO_SAMPLE, jnp.int32),
         constraint_state=jnp.full((rows,), UNCONSTRAINED, jnp.int32),
-        prefix_row=jnp.full((rows,), -1, jnp.int32), prefix_pages=zeros(),
+        prefix_row=jnp.full((rows,), -1, jnp.int32), prefix_pages=zeros(), adapter=zeros(),
     )
 
 
@@ -334,7 +338,8 @@ def _first_tokens(state: EngineState, logits_RV, context_RC, context_lengths_R, 
         running=rows.running | new_Q,
         stop_reason=jnp.where(new_Q, StopReason.RUNNING, rows.stop_reason),
         owner=put(rows.owner, ids_R), prefix_row=put(rows.prefix_row, settings.prefix_row),
-        prefix_pages=put(rows.prefix_pages, settings.prefix_pages))
+        prefix_pages=put(rows.prefix_pages, settings.prefix_pages),
+        adapter=put(rows.adapter, settings.adapter))
     constraints = state.constraints(settings.constraint_state)
     token_R, logprob_R, top_logprobs_RA, top_ids_RA, constraint_state_R = choose(
         logits_RV, context_RC, context_lengths_R, settings.sampling, settings.logit_bias,

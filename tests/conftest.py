@@ -392,3 +392,14 @@ def greedy_text(loaded, prompt, max_tokens):
                              max_new_tokens=max_tokens,
                              eos_ids=loaded.tokenizer.stop_ids).token_lists()[0]
     return FakeTokenizer.decode([t for t in tokens if t not in loaded.tokenizer.stop_ids])
+
+
+def trained_adapters(config, params, lora, seed):
+    """LoRA adapters for `params` as training leaves them: B no longer zero."""
+    from kvjax.model import lora as L
+
+    fresh = L.init_adapters(config, params, lora, jax.random.key(seed))
+    leaves, tree = jax.tree.flatten(fresh)
+    keys = jax.random.split(jax.random.key(seed + 10), len(leaves))
+    return jax.tree.unflatten(tree, [x + 0.3 * jax.random.normal(k, x.shape)
+                                     for x, k in zip(leaves, keys, strict=True)])

@@ -55,7 +55,7 @@ from .layout import (
     CheckpointError,
     UnverifiedCheckpointWarning,
 )
-from .load import load_for_sampling, read_adapters
+from .load import load_adapters, load_for_sampling, read_adapters
 from .metadata import (
     check_metadata,
     read_lora,
@@ -86,6 +86,7 @@ __all__ = [
     "abstract_saved_state",
     "check_metadata",
     "latest_step",
+    "load_adapters",
     "load_for_sampling",
     "params_digest",
     "params_digest_of",

@@ -83,12 +83,7 @@ def _with_adapters(base_path, config, params, adapter_dir) -> tuple[Any, Any]:
     from kvjax.model import lora as L
     from kvjax.model import with_float_kernels, with_layer_layout
 
-    settings, trained, base, adapters = read_adapters(adapter_dir)
-    wanted = base.get("params_sha256")
-    if wanted is not None and params_digest(base_path) != wanted:
-        raise CheckpointError(
-            f"the LoRA adapters in {adapter_dir} were trained on other params than those of "
-            f"{base_path} (their base was {base.get('checkpoint')}, step {base.get('step')})")
+    settings, trained, adapters = _adapters_of(base_path, adapter_dir)
     if trained.kernel_dtype is None:
         config, params = with_float_kernels(config, params)
     if trained.replace(scan_layers=config.scan_layers) != config:
@@ -97,6 +92,39 @@ def _with_adapters(base_path, config, params, adapter_dir) -> tuple[Any, Any]:
     if config.scan_layers != trained.scan_layers:
         config, params = with_layer_layout(config, params, trained.scan_layers)
     return config, L.merge(config, params, adapters, settings)
+
+
+def _adapters_of(base_path, adapter_dir) -> tuple[Any, Any, Any]:
+    """`read_adapters`' settings, config and adapters, refused unless trained on the params
+    of the checkpoint at `base_path` (where they record those params' checksum)."""
+    settings, trained, base, adapters = read_adapters(adapter_dir)
+    wanted = base.get("params_sha256")
+    if wanted is not None and params_digest(base_path) != wanted:
+        raise CheckpointError(
+            f"the LoRA adapters in {adapter_dir} were trained on other params than those of "
+            f"{base_path} (their base was {base.get('checkpoint')}, step {base.get('step')})")
+    return settings, trained, adapters
+
+
+def load_adapters(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike,
+                  scan_layers: bool | None = None) -> tuple[Any, Any]:
+    """(adapters, LoRA settings) of a run of `kvjax train --lora-rank` on the checkpoint in
+    `base_dir`, unmerged (to serve beside others: `model.lora_rows`), their layers held as
+    `scan_layers` says (None: `TransformerConfig`'s default, as `load_for_sampling`'s)."""
+    from kvjax.model import TransformerConfig, stack_layer_params, unstack_layer_params
+
+    path = existing_directory(base_dir)
+    settings, trained, adapters = _adapters_of(path, adapter_dir)
+    stored = TransformerConfig.from_dict(read_metadata(path)[0])
+    if trained.replace(scan_layers=stored.scan_layers, kernel_dtype=stored.kernel_dtype) \
+            != stored:
+        raise CheckpointError(f"the LoRA adapters in {adapter_dir} were trained for another "
+                              f"model config than the one of {path}")
+    scan_layers = TransformerConfig.scan_layers if scan_layers is None else scan_layers
+    if scan_layers != trained.scan_layers:
+        adapters = (stack_layer_params if scan_layers else unstack_layer_params)(
+            trained, adapters)
+    return adapters, settings
 
 
 def read_adapters(adapter_dir: str | os.PathLike) -> tuple[Any, Any, dict[str, Any], Any]:

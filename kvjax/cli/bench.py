@@ -291,6 +291,11 @@ def _add_serve(kinds) -> None:
     serve.add_argument("--seed", type=seed, default=0, help="workload and weights seed")
     serve.add_argument("--no-hf", action="store_true",
                        help="skip transformers' continuous batching")
+    serve.add_argument("--lora-adapters", type=count, default=0, metavar="N",
+                       help="a third contender: the engine serving N random LoRA adapters "
+                            "(rank --lora-rank on every attention and FFN kernel) beside the "
+                            "base, requests spread over them in turn")
+    serve.add_argument("--lora-rank", type=positive, default=8, help="with --lora-adapters")
     serve.add_argument("--repeats", type=positive, default=3,
                        help="runs of the engine and the fixed batches, in turn (median)")
     _add_decode_attention(serve)
@@ -308,7 +313,8 @@ def run_bench_serve(args) -> int:
                           prefix_cache_rows=args.prefix_cache_rows,
                           steps_per_check=args.steps_per_check,
                           page_size=args.page_size, num_pages=args.num_pages,
-                          max_staged=args.max_staged))
+                          max_staged=args.max_staged, lora_adapters=args.lora_adapters,
+                          lora_rank=args.lora_rank))
     return 0
 
 

@@ -20,6 +20,11 @@ def add_serve(commands) -> None:
                        help="LoRA adapters trained on --checkpoint, merged into it: a run "
                             "of kvjax train --lora-rank, or a PEFT adapter directory for a "
                             "Hugging Face one")
+    serve.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=DIR",
+                       help="LoRA adapters trained on --checkpoint (runs of kvjax train "
+                            "--lora-rank) served side by side, unmerged: a request whose "
+                            "model is NAME gets the adapter in DIR, one naming the base model "
+                            "gets none")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free)")
     serve.add_argument("--model-name", default=None,
@@ -106,6 +111,7 @@ def run_serve(args) -> int:
     if args.cache_memory is not None and args.page_size is None:
         raise ValueError("--cache-memory sizes the slots' pages: give --page-size too")
     loaded = load_in_precision(args.checkpoint, args, lora=args.lora)
+    adapters = served_adapters(args, loaded.config.scan_layers)
     num_pages = args.num_pages if args.cache_memory is None else memory.pages_in(
         loaded.config, args.cache_memory, args.page_size)
     limits = Limits()
@@ -116,10 +122,34 @@ def run_serve(args) -> int:
                     prefix_cache_rows=args.prefix_cache_rows, prefill_part=args.prefill_part,
                     page_size=args.page_size, num_pages=num_pages, warm_up=args.warm_up,
                     mesh=mesh, api_key=api_key, limits=limits,
-                    reasoning_parser=args.reasoning_parser)
+                    reasoning_parser=args.reasoning_parser, adapters=adapters)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info",
                 http=header_timeout_protocol(limits.header_timeout))
     return 0
+
+
+def served_adapters(args, scan_layers: bool) -> dict | None:
+    """--lora-modules as `build_app` takes them: {name: (adapters, lora)}."""
+    if not args.lora_modules:
+        return None
+    from kvjax import checkpoint, hf
+
+    if args.lora is not None:
+        raise ValueError("--lora merges adapters into the model that --lora-modules' adapters "
+                         "were not trained on: give one or the other")
+    if hf.is_hf_directory(args.checkpoint):
+        raise ValueError(f"--lora-modules serves adapters of kvjax train --lora-rank runs on "
+                         f"a kvjax checkpoint; {args.checkpoint} is a Hugging Face directory "
+                         "(a PEFT adapter merges into it with --lora DIR)")
+    adapters = {}
+    for module in args.lora_modules:
+        name, _, directory = module.partition("=")
+        if not name or not directory:
+            raise ValueError(f"--lora-modules {module!r}: expected NAME=DIR")
+        if name in adapters or name == args.model_name:
+            raise ValueError(f"--lora-modules: the name {name!r} is given twice")
+        adapters[name] = checkpoint.load_adapters(args.checkpoint, directory, scan_layers)
+    return adapters
 
 
 def is_loopback(host: str) -> bool:

@@ -70,3 +70,21 @@ def test_a_shared_prefix_starts_every_prompt_and_leaves_the_rest_of_the_workload
     with pytest.raises(ValueError, match=r"shared prefix \(60\).*need 76 positions, more than "
                                          r"the model's max_len 64"):
         make_workload(config, **settings, shared_prefix=60)
+
+
+def test_the_adapters_contender_spreads_the_requests_over_the_base_and_its_adapters():
+    import jax
+
+    from kvjax.benchmarks.serve import random_adapters, run_engine
+
+    config = M.preset("tiny", positional_encoding="rope", activation="swiglu")
+    params = M.init_params(config, jax.random.key(0))
+    adapters = random_adapters(config, params, 2, 4, seed=0)
+    assert [lora.rank for _, lora in adapters] == [4, 4]
+    assert adapters[0][1].targets == M.lora.TARGETS  # every kernel, the gate's too
+    assert random_adapters(config, params, 0, 4, seed=0) == []
+    workload = make_workload(config, 6, rate=500.0, prompt_range=(2, 9),
+                             output_range=(1, 7), seed=3)
+    result = run_engine(config, params, workload, max_slots=2, adapters=adapters)
+    assert result.tokens == sum(workload.max_tokens) and len(result.ttft) == 6
+    assert ", 2 LoRA adapters," in result.name

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import run_full
+from conftest import run_full, trained_adapters
 
 from kvjax import model as M
 from kvjax.model import lora as L
@@ -21,14 +21,6 @@ LORAS = (L.LoRA(4, 8.0, ("q", "v", "o", "wi_gate", "wo")), L.LoRA(2, None, ("k",
 def config_of(scan_layers: bool) -> M.TransformerConfig:
     return M.preset("tiny", positional_encoding="rope", num_kv_heads=2, norm_type="rmsnorm",
                     activation="swiglu", ffn_bias=False, scan_layers=scan_layers)
-
-
-def trained(config, params, lora, seed):
-    fresh = L.init_adapters(config, params, lora, jax.random.key(seed))
-    leaves, tree = jax.tree.flatten(fresh)
-    keys = jax.random.split(jax.random.key(seed + 10), len(leaves))
-    return jax.tree.unflatten(tree, [x + 0.3 * jax.random.normal(k, x.shape)
-                                     for x, k in zip(leaves, keys, strict=True)])
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
@@ -50,7 +42,7 @@ def prefill_then_steps(config, params, stack, adapter_B, capacity, tokens_BT):
 def test_each_row_computes_its_own_adapters_merged_model(scan_layers):
     config = config_of(scan_layers)
     params = M.init_params(config, jax.random.key(0))
-    adapters = [(trained(config, params, lora, i), lora) for i, lora in enumerate(LORAS)]
+    adapters = [(trained_adapters(config, params, lora, i), lora) for i, lora in enumerate(LORAS)]
     stack = lora_rows.stack(config, params, adapters)
     assert stack.count == 2
     merged = [params] + [L.merge(config, params, a, lora) for a, lora in adapters]

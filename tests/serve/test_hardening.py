@@ -260,12 +260,12 @@ def test_a_failing_prefill_ends_its_request_with_an_error_and_the_server_serves_
         url, tiny_loaded, monkeypatch):
     # An unexpected error on the engine's thread ends every request it holds, among them
     # the one being prefilled at that moment (off the queue, not yet on the device).
-    from kvjax.serve import engine as engine_module
+    from kvjax.serve import staging
 
     def failing(*args):
         raise RuntimeError("the prefill failed")
 
-    monkeypatch.setattr(engine_module, "prefill_state", failing)
+    monkeypatch.setattr(staging, "prefill_state", failing)
     failed = post(url, "completions", completion(prompt="xyz", max_tokens=5))
     assert failed.status_code == 500
     assert "the prefill failed" in failed.json()["error"]["message"]
@@ -279,6 +279,7 @@ def test_an_engine_that_cannot_free_its_slots_refuses_every_later_request_at_onc
     # A failure, and then no memory to start again from free slots: nothing may wait for an
     # engine that will never serve it.
     from kvjax.serve import engine as engine_module
+    from kvjax.serve import staging
 
     app = build_app(tiny_loaded, max_slots=2, max_queue=4, chunk_size=4)
     base, stop = serve_app(app)
@@ -291,7 +292,7 @@ def test_an_engine_that_cannot_free_its_slots_refuses_every_later_request_at_onc
         def no_memory(self):
             raise MemoryError("no memory for the slots")
 
-        monkeypatch.setattr(engine_module, "prefill_state", failing)
+        monkeypatch.setattr(staging, "prefill_state", failing)
         monkeypatch.setattr(engine_module.Engine, "_reset", no_memory)
         failed = post(base, "completions", completion(prompt="xyz", max_tokens=5))
         assert failed.status_code == 500

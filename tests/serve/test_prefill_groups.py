@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 from test_engine import CHUNK, Collector, alone, prompt
 
-import kvjax.serve.engine as engine_module
+import kvjax.serve.staging as staging
 from kvjax.decode.buckets import bucket
 from kvjax.serve import Engine, GenerationRequest, prefill_groups
 
@@ -39,13 +39,13 @@ def test_prompts_of_one_length_prefill_together_and_each_request_gets_its_tokens
         tiny_lm, monkeypatch):
     config, _, params = tiny_lm
     widths = []
-    prefill = engine_module.prefill_state
+    prefill = staging.prefill_state
 
-    def recorded(config, params, padded, lengths, capacity):
+    def recorded(config, params, padded, lengths, capacity, *adapters):
         widths.append((padded.shape[1], int(np.sum(lengths > 0))))
-        return prefill(config, params, padded, lengths, capacity)
+        return prefill(config, params, padded, lengths, capacity, *adapters)
 
-    monkeypatch.setattr(engine_module, "prefill_state", recorded)
+    monkeypatch.setattr(staging, "prefill_state", recorded)
     engine = Engine(config, params, max_slots=2, chunk_size=CHUNK, max_queue=8,
                     prefill_batch=2)
     # Arrival order: long, short, long, short. In that order each pair would be padded to

@@ -11,8 +11,7 @@ import pytest
 from conftest import FakeTokenizer
 
 from kvjax import decode, parallel
-from kvjax.serve import Engine, GenerationRequest
-from kvjax.serve import engine as engine_module
+from kvjax.serve import Engine, GenerationRequest, staging
 from kvjax.serve.prefill_thread import prefill_dispatcher
 
 # Where this suite runs decides where the prefills go: a GPU or TPU keeps them on the
@@ -58,13 +57,13 @@ def test_a_running_engine_prefills_where_the_dispatcher_says_and_serves_generate
         tiny_lm, monkeypatch):
     config, net, params = tiny_lm
     threads = []
-    prefill = engine_module.prefill_state
+    prefill = staging.prefill_state
 
     def watched(*args):
         threads.append(thread_name())
         return prefill(*args)
 
-    monkeypatch.setattr(engine_module, "prefill_state", watched)
+    monkeypatch.setattr(staging, "prefill_state", watched)
     engine = Engine(config, params, max_slots=4, chunk_size=4, max_queue=8, prefill_batch=4,
                     tokenizer=FakeTokenizer())
     prompts = [np.random.default_rng(i).integers(3, 64, n).tolist()

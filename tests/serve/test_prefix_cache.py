@@ -65,12 +65,14 @@ def test_rows_are_reused_least_recently_used_first():
 
 def test_a_key_that_collides_never_hands_out_another_prompts_prefix(monkeypatch):
     index = PrefixIndex(rows=2, block=4)
-    # Every prompt's chain the same keys: only the kept tokens tell prompts apart.
-    monkeypatch.setattr(index, "_chain", lambda prompt, blocks: [bytes([i]) for i in
-                                                                 range(blocks)])
+    # Every prompt's chain the same keys: only the kept tokens (and the adapter they were
+    # kept with) tell prompts apart.
+    monkeypatch.setattr(index, "_chain", lambda prompt, blocks, adapter=0: [
+        bytes([i]) for i in range(blocks)])
     kept, other = tokens(5, 9), tokens(6, 9)
     row = index.keep(kept)
     assert index.lookup(other) == (-1, 0)
+    assert index.lookup(kept, adapter=1) == (-1, 0)
     assert index.lookup(kept) == (row, 8)
 
 

@@ -150,3 +150,34 @@ def test_an_int8_base_trains_the_adapters_alone_in_less_memory(corpus, tmp_path)
     held = {base: kvjax_step(config, batch, lora=M.LoRA(4, 8.0, ("q", "v", "wo"), base),
                              remat=True).peak_bytes for base in ("bfloat16", "int8")}
     assert held["int8"] < 0.9 * held["bfloat16"], held
+
+
+def test_served_side_by_side_the_adapters_load_as_they_merge(run, capsys, monkeypatch):
+    out, _ = run
+    built = {}
+    monkeypatch.setattr("kvjax.serve.server.build_app",
+                        lambda loaded, **options: built.update(options, loaded=loaded))
+    monkeypatch.setattr("uvicorn.run", lambda *args, **kwargs: None)
+    code, _, err = run_cli(capsys, "serve", "--checkpoint", BASE, "--lora-modules",
+                           f"docs={out}")
+    assert code == 0, err
+    (name, (adapters, settings)), = built["adapters"].items()
+    assert name == "docs" and settings == SETTINGS["lora"]
+    loaded = built["loaded"]
+    merged = checkpoint.load_for_sampling(BASE, lora=out,
+                                          scan_layers=loaded.config.scan_layers)[2]
+    for a, b in zip(jax.tree.leaves(M.lora.merge(loaded.config, loaded.params, adapters,
+                                                 settings)),
+                    jax.tree.leaves(merged), strict=True):
+        assert np.array_equal(a, b)
+    for modules, message in (([f"docs{out}"], "expected NAME=DIR"),
+                             ([f"a={out}", f"a={out}"], "the name 'a' is given twice")):
+        code, _, err = run_cli(capsys, "serve", "--checkpoint", BASE, "--lora-modules",
+                               *modules)
+        assert code == 2 and message in err
+    code, _, err = run_cli(capsys, "serve", "--checkpoint", BASE, "--lora", out,
+                           "--lora-modules", f"docs={out}")
+    assert code == 2 and "give one or the other" in err
+    code, _, err = run_cli(capsys, "serve", "--checkpoint", BASE.parent / "numbers-to-words",
+                           "--lora-modules", f"docs={out}")
+    assert code == 2 and "trained on other params" in err
