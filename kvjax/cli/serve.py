@@ -22,9 +22,9 @@ def add_serve(commands) -> None:
                             "Hugging Face one")
     serve.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=DIR",
                        help="LoRA adapters trained on --checkpoint (runs of kvjax train "
-                            "--lora-rank) served side by side, unmerged: a request whose "
-                            "model is NAME gets the adapter in DIR, one naming the base model "
-                            "gets none")
+                            "--lora-rank, or PEFT adapters of a Hugging Face model) served "
+                            "side by side, unmerged: a request whose model is NAME gets the "
+                            "adapter in DIR, one naming the base model gets none")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free)")
     serve.add_argument("--model-name", default=None,
@@ -137,10 +137,7 @@ def served_adapters(args, scan_layers: bool) -> dict | None:
     if args.lora is not None:
         raise ValueError("--lora merges adapters into the model that --lora-modules' adapters "
                          "were not trained on: give one or the other")
-    if hf.is_hf_directory(args.checkpoint):
-        raise ValueError(f"--lora-modules serves adapters of kvjax train --lora-rank runs on "
-                         f"a kvjax checkpoint; {args.checkpoint} is a Hugging Face directory "
-                         "(a PEFT adapter merges into it with --lora DIR)")
+    pretrained = hf.is_hf_directory(args.checkpoint)
     adapters = {}
     for module in args.lora_modules:
         name, _, directory = module.partition("=")
@@ -148,7 +145,13 @@ def served_adapters(args, scan_layers: bool) -> dict | None:
             raise ValueError(f"--lora-modules {module!r}: expected NAME=DIR")
         if name in adapters or name == args.model_name:
             raise ValueError(f"--lora-modules: the name {name!r} is given twice")
-        adapters[name] = checkpoint.load_adapters(args.checkpoint, directory, scan_layers)
+        if pretrained != hf.is_peft_directory(directory):
+            raise ValueError(f"--lora-modules {module}: a Hugging Face model serves PEFT "
+                             "adapters, a kvjax checkpoint the runs of kvjax train "
+                             f"--lora-rank on it; {args.checkpoint} is "
+                             f"{'the first' if pretrained else 'the second'}")
+        adapters[name] = (hf.load_peft_adapters if pretrained else checkpoint.load_adapters)(
+            args.checkpoint, directory, scan_layers)
     return adapters
 
 

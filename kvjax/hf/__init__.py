@@ -34,12 +34,13 @@ import jax.numpy as jnp
 from kvjax import model as M
 
 from .config import SUPPORTED_MODEL_TYPES, UnsupportedModelError, read_hf_config, to_kvjax_config
-from .peft import is_peft_directory, merge_peft_adapter
+from .peft import is_peft_directory, merge_peft_adapter, peft_adapters
 from .tensors import INDEX_FILE, SINGLE_FILE, WeightFiles
 from .weights import load_params, ties_embeddings
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "UnsupportedModelError", "is_hf_directory",
-           "is_peft_directory", "load_model", "load_pretrained", "read_hf_config",
+           "is_peft_directory", "load_model", "load_peft_adapters", "load_pretrained",
+           "read_hf_config",
            "to_kvjax_config"]
 
 
@@ -90,6 +91,18 @@ def load_model(directory: str | os.PathLike, *, dtype: str | None = None, mesh=N
     directory may then have none)."""
     config, model_type, files = _config_and_files(directory, dtype, max_len)
     return _params(config, model_type, files, mesh, scan_layers, lora, kernel_dtype)
+
+
+def load_peft_adapters(directory: str | os.PathLike, adapter_directory: str | os.PathLike,
+                       scan_layers: bool | None = None) -> tuple[Any, M.LoRA]:
+    """`(adapters, lora)` of the PEFT LoRA adapter in `adapter_directory`, trained on the
+    model in `directory`, unmerged, to serve beside others (`model.lora_rows`); its layers
+    held as `scan_layers` says (None: unrolled), as `load_pretrained`'s params are."""
+    config, model_type, _ = _config_and_files(directory, None)
+    adapters, lora = peft_adapters(config, model_type, adapter_directory)
+    if scan_layers:
+        adapters = M.stack_layer_params(config, adapters)
+    return jax.tree.map(jnp.asarray, adapters), lora
 
 
 def _config_and_files(directory, dtype: str | None, max_len: int | None = None):

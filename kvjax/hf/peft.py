@@ -124,7 +124,67 @@ def merge_peft_adapter(config: TransformerConfig, model_type: str, params: dict,
     the PEFT LoRA adapter in `directory` merged into their kernels, each kept in its dtype.
     Raises `UnsupportedModelError` for a setting kvjax does not merge and ValueError naming a
     tensor that adapts nothing kvjax holds."""
+    scale_of, modules, pairs = _read_pairs(config, model_type, Path(directory))
+    merged = {**params, "layers": {i: dict(layer) for i, layer in params["layers"].items()}}
+    for layer, module, a, b, name in pairs:
+        if module in peft_experts.WRAPPERS:
+            peft_experts.add_to_experts(config, merged["layers"][str(layer)], a, b, scale_of,
+                                        name)
+            continue
+        update = scale_of(a.shape[0]) * (a.astype(np.float32).T @ b.astype(np.float32).T)
+        if (LAYOUTS[model_type], module) in _REORDERED_ROWS:
+            update = _rows_in_kvjax_order(config, module, update.T, name).T
+        _add(config, merged["layers"][str(layer)], modules[module], update, name)
+    return merged
+
+
+def peft_adapters(config: TransformerConfig, model_type: str, directory: str | os.PathLike
+                  ) -> tuple[dict, L.LoRA]:
+    """The PEFT LoRA adapter in `directory` as kvjax's own adapters of the model's unrolled
+    layers (`model.lora`'s tree, A [I, r] and B [r, O] per target), unmerged, with the
+    `LoRA` they are read with: each module's scale is folded into its B (the LoRA's scale
+    is 1), a module the file fuses gives each of kvjax's targets its A and its slice of B,
+    and every layer gets every target, at the largest rank, zeros where the file has none.
+    Served so (`model.lora_rows`), it adds what `merge_peft_adapter` merges."""
     directory = Path(directory)
+    scale_of, modules, pairs = _read_pairs(config, model_type, directory)
+    found: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
+    for layer, module, a, b, name in pairs:
+        if module in peft_experts.WRAPPERS:
+            raise UnsupportedModelError(f"{directory}: adapters of a mixture's experts "
+                                        f"({module}) are merged, not served beside others "
+                                        "(--lora DIR merges one)")
+        rows_OR = scale_of(a.shape[0]) * b.astype(np.float32)
+        if (LAYOUTS[model_type], module) in _REORDERED_ROWS:
+            rows_OR = _rows_in_kvjax_order(config, module, rows_OR, name)
+        targets = modules[module]
+        widths = [L.widths(config, target)[1] for target in targets]
+        if a.shape[1] != L.widths(config, targets[0])[0] or rows_OR.shape[0] != sum(widths):
+            raise ValueError(f"tensor {name} makes an update of [{a.shape[1]}, "
+                             f"{rows_OR.shape[0]}]; the model's {'+'.join(targets)} takes "
+                             f"{L.widths(config, targets[0])[0]} inputs to {sum(widths)} "
+                             "outputs")
+        pieces = np.split(rows_OR, np.cumsum(widths)[:-1], axis=0)
+        for target, piece in zip(targets, pieces, strict=True):
+            found[layer, target] = (a.astype(np.float32).T, piece.T)
+    rank = max(a.shape[1] for a, _ in found.values())
+    targets = tuple(t for t in L.TARGETS if any(target == t for _, target in found))
+    adapters: dict = {}
+    for layer in range(config.num_decoder_layers):
+        for target in targets:
+            in_width, out_width = L.widths(config, target)
+            a, b = found.get((layer, target), (np.zeros((in_width, 0), np.float32),
+                                               np.zeros((0, out_width), np.float32)))
+            L._set(adapters, ("layers", str(layer), target),
+                   {"lora_a": np.pad(a, ((0, 0), (0, rank - a.shape[1]))),
+                    "lora_b": np.pad(b, ((0, rank - b.shape[0]), (0, 0)))})
+    return adapters, L.LoRA(rank, float(rank), targets)
+
+
+def _read_pairs(config: TransformerConfig, model_type: str, directory: Path):
+    """(the scale of a rank, the module table, (layer, module, A [r, in], B [out, r], the
+    name of B) of every module the adapter in `directory` adapts), every tensor and setting
+    checked."""
     scale_of, expert_params = _scaling(directory)
     if expert_params and LAYOUTS.get(model_type) != "gpt_oss":
         raise UnsupportedModelError(f"{directory}: target_parameters={json.dumps(expert_params)}"
@@ -134,7 +194,7 @@ def merge_peft_adapter(config: TransformerConfig, model_type: str, params: dict,
                                    "not supported")
     pattern = _tensor_pattern(model_type)
     files = WeightFiles(directory, single_file=WEIGHTS_FILE)
-    pairs: dict[tuple[int, str], dict[str, str]] = {}
+    names: dict[tuple[int, str], dict[str, str]] = {}
     for name in sorted(files.names()):
         match = pattern.match(name)
         known = modules if not expert_params else {**modules, **peft_experts.WRAPPERS}
@@ -142,26 +202,19 @@ def merge_peft_adapter(config: TransformerConfig, model_type: str, params: dict,
                 config.num_decoder_layers:
             raise ValueError(f"{directory}: tensor {name} adapts no module kvjax merges into "
                              f"a {model_type} model (its layers' {', '.join(modules)})")
-        pairs.setdefault((int(match[1]), match[2]), {})[match[3]] = name
-    merged = {**params, "layers": {i: dict(layer) for i, layer in params["layers"].items()}}
-    for (layer, module), names in sorted(pairs.items()):
-        if set(names) != {"A", "B"}:
-            (held,) = names
-            raise ValueError(f"{directory}: {module} of layer {layer} has lora_{held} without "
-                             f"its lora_{({'A', 'B'} - {held}).pop()}")
-        a, b = files.read(names["A"]), files.read(names["B"])
+        names.setdefault((int(match[1]), match[2]), {})[match[3]] = name
+    pairs = []
+    for (layer, module), held in sorted(names.items()):
+        if set(held) != {"A", "B"}:
+            (one,) = held
+            raise ValueError(f"{directory}: {module} of layer {layer} has lora_{one} without "
+                             f"its lora_{({'A', 'B'} - {one}).pop()}")
+        a, b = files.read(held["A"]), files.read(held["B"])
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
-            raise ValueError(f"{directory}: {names['A']} {list(a.shape)} and {names['B']} "
+            raise ValueError(f"{directory}: {held['A']} {list(a.shape)} and {held['B']} "
                              f"{list(b.shape)} are not the [r, in] and [out, r] of one rank")
-        if module in peft_experts.WRAPPERS:
-            peft_experts.add_to_experts(config, merged["layers"][str(layer)], a, b, scale_of,
-                                        names["B"])
-            continue
-        update = scale_of(a.shape[0]) * (a.astype(np.float32).T @ b.astype(np.float32).T)
-        if (LAYOUTS[model_type], module) in _REORDERED_ROWS:
-            update = _rows_in_kvjax_order(config, module, update.T, names["B"]).T
-        _add(config, merged["layers"][str(layer)], modules[module], update, names["B"])
-    return merged
+        pairs.append((layer, module, a, b, held["B"]))
+    return scale_of, modules, pairs
 
 
 def _scaling(directory: Path):

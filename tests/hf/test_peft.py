@@ -6,6 +6,7 @@ tests/fixtures/hf_models by tests/fixtures/make_peft_adapters.py, with the logit
 tokens PEFT computed; where peft is installed, the last test makes them again and compares.
 """
 
+import functools
 import importlib.util
 import json
 from pathlib import Path
@@ -21,10 +22,12 @@ from test_hf_models import (
     check_logits_and_greedy_tokens,
     copy_of,
     edit_config,
+    relative_error,
 )
 
 from kvjax import checkpoint, hf, text
 from kvjax import model as M
+from kvjax.model import lora_rows
 
 ADAPTERS = Path(__file__).parents[1] / "fixtures" / "hf_adapters"
 NAMES = ("llama_gqa", "phi3", "gpt2", "phi", "opt", "gpt_neox", "starcoder2", "mixtral",
@@ -185,3 +188,56 @@ def test_adapters_of_a_mixtures_experts_are_not_written_as_peft(tmp_path):
                                          "written as a PEFT adapter of a mixtral model"):
         write_peft_adapter(config, "mixtral", adapters, settings, tmp_path, "mixtral")
     assert not any(tmp_path.iterdir())
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _with_adapters(config, params, batch, stack, adapter_B):
+    return M.teacher_forced_logits(config, params, batch,
+                                   adapters=lora_rows.for_rows(stack, adapter_B))
+
+
+# A module the file fuses (Phi-3's qkv_proj and gate_up_proj, GPT-2's c_attn) and rows kvjax
+# holds in another order (GLM-4's queries and keys).
+@pytest.mark.parametrize("name", ["phi3", "gpt2", "glm4"])
+def test_served_unmerged_beside_the_base_an_adapter_computes_what_peft_computes(name):
+    record, logits = expected(name)
+    base = FIXTURES / record["base"]
+    config, _, params = hf.load_pretrained(base)
+    adapters, lora = hf.load_peft_adapters(base, ADAPTERS / name)
+    stack = lora_rows.stack(config, params, [(adapters, lora)])
+    base_logits = load_file(str(base / "expected.safetensors"))
+    rows = [p + g[:-1] for p, g in zip(record["prompts"], record["greedy"], strict=True)]
+    tokens = np.zeros((2 * len(rows), max(map(len, rows))), np.int32)
+    for i, row in enumerate(rows + rows):
+        tokens[i, :len(row)] = row
+    lengths = np.array([len(row) for row in rows + rows], np.int32)
+    adapter_B = np.array([1] * len(rows) + [0] * len(rows), np.int32)  # adapted, then not
+    got = np.asarray(_with_adapters(config, params, {"inputs": tokens, "lengths": lengths},
+                                    stack, adapter_B))
+    for i in range(len(rows)):
+        for row, want in ((i, logits[f"logits_{i}"]),
+                          (len(rows) + i, base_logits[f"logits_{i}"])):
+            assert relative_error(got[row, :len(want)], want) <= 1e-5
+
+
+def test_a_mixtures_expert_adapters_are_merged_not_served_beside_others():
+    with pytest.raises(hf.UnsupportedModelError, match="are merged, not served beside others"):
+        hf.load_peft_adapters(FIXTURES / "gpt_oss", ADAPTERS / "gpt_oss")
+
+
+def test_serve_reads_peft_adapters_to_serve_side_by_side(capsys, monkeypatch, tmp_path):
+    built = {}
+    monkeypatch.setattr("kvjax.serve.server.build_app",
+                        lambda loaded, **options: built.update(options, loaded=loaded))
+    monkeypatch.setattr("uvicorn.run", lambda *args, **kwargs: None)
+    code, _, err = run_cli(capsys, "serve", "--checkpoint", FIXTURES / "gpt2",
+                           "--lora-modules", f"tuned={ADAPTERS / 'gpt2'}")
+    assert code == 0, err
+    (name, (adapters, lora)), = built["adapters"].items()
+    want, want_lora = hf.load_peft_adapters(FIXTURES / "gpt2", ADAPTERS / "gpt2")
+    assert name == "tuned" and lora == want_lora and lora.scale == 1
+    for a, b in zip(jax.tree.leaves(adapters), jax.tree.leaves(want), strict=True):
+        assert np.array_equal(a, b)
+    code, _, err = run_cli(capsys, "serve", "--checkpoint", FIXTURES / "gpt2",
+                           "--lora-modules", f"tuned={tmp_path}")
+    assert code == 2 and "a Hugging Face model serves PEFT adapters" in err
