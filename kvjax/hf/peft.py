@@ -158,12 +158,7 @@ def peft_adapters(config: TransformerConfig, model_type: str, directory: str | o
         if (LAYOUTS[model_type], module) in _REORDERED_ROWS:
             rows_OR = _rows_in_kvjax_order(config, module, rows_OR, name)
         targets = modules[module]
-        widths = [L.widths(config, target)[1] for target in targets]
-        if a.shape[1] != L.widths(config, targets[0])[0] or rows_OR.shape[0] != sum(widths):
-            raise ValueError(f"tensor {name} makes an update of [{a.shape[1]}, "
-                             f"{rows_OR.shape[0]}]; the model's {'+'.join(targets)} takes "
-                             f"{L.widths(config, targets[0])[0]} inputs to {sum(widths)} "
-                             "outputs")
+        widths = _output_widths(config, targets, (a.shape[1], rows_OR.shape[0]), name)
         pieces = np.split(rows_OR, np.cumsum(widths)[:-1], axis=0)
         for target, piece in zip(targets, pieces, strict=True):
             found[layer, target] = (a.astype(np.float32).T, piece.T)
@@ -271,16 +266,23 @@ def _rows_in_file_order(config: TransformerConfig, module: str, rows_OX: np.ndar
     return rope_halves_from_pairs(rows_OX, heads, h, config.rotary_dims, inverse=True)
 
 
+def _output_widths(config: TransformerConfig, targets: tuple[str, ...], shape_IO: tuple,
+                   name: str) -> list[int]:
+    """Each target's output width, the update [I, O] of one module of the file checked to
+    take the targets' inputs to all their outputs."""
+    inputs = L.widths(config, targets[0])[0]
+    widths = [L.widths(config, target)[1] for target in targets]
+    if tuple(shape_IO) != (inputs, sum(widths)):
+        raise ValueError(f"tensor {name} makes an update of {list(shape_IO)}; the model's "
+                         f"{'+'.join(targets)} takes {inputs} inputs to {sum(widths)} outputs")
+    return widths
+
+
 def _add(config: TransformerConfig, layer: dict, targets: tuple[str, ...],
          update_IO: np.ndarray, name: str) -> None:
     """The update [I, O] of one module of the file, split along O over kvjax's `targets`,
     added to their kernels in `layer` (new arrays; the loaded ones are not changed)."""
-    inputs = L.widths(config, targets[0])[0]
-    widths = [L.widths(config, target)[1] for target in targets]
-    if update_IO.shape != (inputs, sum(widths)):
-        raise ValueError(f"tensor {name} makes an update of {list(update_IO.shape)}; the "
-                         f"model's {'+'.join(targets)} takes {inputs} inputs to {sum(widths)} "
-                         "outputs")
+    widths = _output_widths(config, targets, update_IO.shape, name)
     pieces = np.split(update_IO, np.cumsum(widths)[:-1], axis=1)
     for target, piece in zip(targets, pieces, strict=True):
         module, kernel_name, _ = L.KERNELS[target]
