@@ -7,6 +7,8 @@ Each server has a registry of its own (two apps in one process do not share coun
   kvjax_generated_tokens_total       tokens made (rate() of it is the throughput)
   kvjax_tokens_per_second            tokens made per second over the last 10 seconds
   kvjax_requests_total{outcome}      requests answered, by how they ended
+  kvjax_model_requests_total{model}  requests taken for each served name: the model's and
+                                     each LoRA adapter's (`--lora-modules`)
   kvjax_time_to_first_token_seconds  from a request's arrival to its first token
   kvjax_inter_token_latency_seconds  between a sample's consecutive tokens (a chunk's tokens
                                      arrive together; each counts its share of the wait)
@@ -50,6 +52,9 @@ class ServeMetrics:
         self.tokens_per_second.set_function(self._recent_rate)
         self.requests = Counter("kvjax_requests", "Requests answered, by outcome",
                                 ["outcome"], registry=self.registry)
+        self.model_requests = Counter("kvjax_model_requests",
+                                      "Requests taken, by the served name they asked for",
+                                      ["model"], registry=self.registry)
         self.time_to_first_token = Histogram(
             "kvjax_time_to_first_token_seconds", "Arrival to first token",
             buckets=LATENCY_BUCKETS, registry=self.registry)
@@ -92,6 +97,9 @@ class ServeMetrics:
 
     def count_request(self, outcome: str) -> None:
         self.requests.labels(outcome=outcome).inc()
+
+    def count_model_request(self, model: str) -> None:
+        self.model_requests.labels(model=model).inc()
 
     def _count_tokens(self, count: int) -> None:
         self.generated_tokens.inc(count)

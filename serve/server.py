@@ -109,6 +109,7 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
             # Off the event loop: tokenizing many or long prompts must not stall other
             # requests' streams, nor /health.
             parsed = await asyncio.to_thread(_parse_and_check, body, chat_api)
+            metrics.count_model_request(parsed.model)
             answer = Answer(parsed, loaded.tokenizer)
             if parsed.echo_prompt and parsed.logprobs:
                 for prompt, generation in enumerate(parsed.requests):

@@ -127,5 +127,9 @@ def test_the_server_serves_each_adapter_under_its_name(served, tiny_loaded):
         missing = httpx.post(f"{url}/v1/completions", timeout=30.0, json={
             "model": "tiny-b", "prompt": "x"})
         assert missing.status_code == 404 and "`tiny-a`" in missing.json()["error"]["message"]
+        counted = httpx.get(f"{url}/metrics", timeout=30.0).text
+        for model in (SERVED_MODEL, "tiny-a"):
+            assert f'kvjax_model_requests_total{{model="{model}"}} 1.0' in counted
+        assert 'model="tiny-b"' not in counted
     finally:
         stop()

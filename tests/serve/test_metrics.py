@@ -27,7 +27,11 @@ def test_a_scrape_reads_back_what_was_reported(monkeypatch):
     metrics.count_preemptions(1)
     for outcome in ("stop", "stop", "length"):
         metrics.count_request(outcome)
+    for model in ("base", "tuned", "base"):
+        metrics.count_model_request(model)
     got = samples(metrics)
+    assert got[("kvjax_model_requests_total", (("model", "base"),))] == 2
+    assert got[("kvjax_model_requests_total", (("model", "tuned"),))] == 1
     assert got[("kvjax_queue_length", ())] == 3 and got[("kvjax_live_slots", ())] == 2
     assert got[("kvjax_cache_pages_used", ())] == 5
     assert got[("kvjax_generated_tokens_total", ())] == 4
