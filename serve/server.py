@@ -62,6 +62,10 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
                          f"{', '.join(reasoning.PARSERS)}")
     if reasoning_parser in reasoning.HARMONY_PARSERS:
         harmony.marker_ids(loaded.tokenizer)  # a ValueError for a tokenizer without them
+    name = model_name or os.path.basename(os.path.normpath(loaded.directory)) or "kvjax"
+    if name in (adapters or {}):
+        raise ValueError(f"the adapter name {name!r} is the model's own served name: requests "
+                         "for it would never reach the adapter")
     metrics = ServeMetrics()
     engine = Engine(loaded.config, loaded.params, tokenizer=loaded.tokenizer,
                     max_slots=max_slots, max_staged=max_staged, max_len=max_len,
@@ -71,7 +75,6 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
                     page_size=page_size, num_pages=num_pages, metrics=metrics, mesh=mesh,
                     adapters=list((adapters or {}).values()) or None)
     adapter_names = tuple(adapters or ())
-    name = model_name or os.path.basename(os.path.normpath(loaded.directory)) or "kvjax"
     created = int(time.time())
 
     limits = limits or Limits()

@@ -143,7 +143,7 @@ def served_adapters(args, scan_layers: bool) -> dict | None:
         name, _, directory = module.partition("=")
         if not name or not directory:
             raise ValueError(f"--lora-modules {module!r}: expected NAME=DIR")
-        if name in adapters or name == args.model_name:
+        if name in adapters:
             raise ValueError(f"--lora-modules: the name {name!r} is given twice")
         if pretrained != hf.is_peft_directory(directory):
             raise ValueError(f"--lora-modules {module}: a Hugging Face model serves PEFT "

@@ -133,3 +133,5 @@ def test_the_server_serves_each_adapter_under_its_name(served, tiny_loaded):
         assert 'model="tiny-b"' not in counted
     finally:
         stop()
+    with pytest.raises(ValueError, match=f"adapter name '{SERVED_MODEL}' is the model's own"):
+        build_app(tiny_loaded, adapters={SERVED_MODEL: adapters["tiny-a"]})
