@@ -53,7 +53,10 @@ def test_each_row_computes_its_own_adapters_merged_model(scan_layers):
         want = run_full(config, merged[adapter], tokens[b:b + 1])[0, 4:9]
         np.testing.assert_allclose(got[b], want, atol=2e-5, rtol=1e-5)
     base = prefill_then_steps(config, params, None, adapter_B, 16, tokens)
-    assert np.array_equal(got[1], base[1])  # no adapter: exactly the base
+    if jax.default_backend() == "cpu":
+        assert np.array_equal(got[1], base[1])  # no adapter: exactly the base
+    else:  # a GPU's compiler may tile the base's products otherwise beside the adapters'
+        np.testing.assert_allclose(got[1], base[1], atol=1e-5, rtol=1e-5)
     for b in (0, 2):  # and an adapter changes what a row computes
         assert float(jnp.max(jnp.abs(got[b] - base[b]))) > 1e-2
 

@@ -246,7 +246,9 @@ def test_a_slot_that_frees_mid_chunk_takes_the_next_staged_sample_at_once(tiny_l
     # Two slots, chunks of 8 steps: C frees the slot A left after two steps, and D takes it
     # two steps later, all within one chunk.
     config, _, params = tiny_lm
-    engine = Engine(config, params, max_slots=2, chunk_size=8, max_queue=4, prefill_batch=2)
+    # Checked at every step, as on a CPU (an accelerator checks every 8 by default).
+    engine = Engine(config, params, max_slots=2, chunk_size=8, steps_per_check=1, max_queue=4,
+                    prefill_batch=2)
     long, a, c, d = (GenerationRequest(prompt(70 + i, 3 + i), max_tokens=m)
                      for i, m in enumerate((30, 3, 3, 3)))
     collectors = [Collector() for _ in range(4)]
@@ -310,7 +312,8 @@ def test_a_chunk_ends_when_a_free_slot_can_only_be_fed_by_the_host(tiny_lm):
     # Two slots and two staged rows: C waits on the host while A and B fill them. When A
     # ends after two steps nothing is staged for its slot, so the chunk stops there.
     config, _, params = tiny_lm
-    engine = Engine(config, params, max_slots=2, chunk_size=8, max_queue=4, prefill_batch=1)
+    engine = Engine(config, params, max_slots=2, chunk_size=8, steps_per_check=1, max_queue=4,
+                    prefill_batch=1)
     requests = [GenerationRequest(prompt(100 + i, 4), max_tokens=m)
                 for i, m in enumerate((3, 20, 20))]
     collectors = [Collector() for _ in requests]
