@@ -8,7 +8,9 @@ that lacks the target, or row index 0, "no adapter", adds zeros).
 `stack` puts n adapters side by side (`AdapterStack`): for each target, A [..., I, n·R] and
 B [..., n·R, O], the j-th adapter's pair (from 0) in columns (rows) j·R to (j + 1)·R, its
 scale (alpha / r) folded into its B, ranks padded with zeros to the largest (which adds
-exact zeros), zeros where an adapter lacks the target. `for_rows(stack, adapter_B)` is the
+exact zeros), zeros where an adapter lacks the target. A stack may hold empty slots, which
+`put` fills (or empties again) while it is served: its shapes never change, so neither do
+the programs that read it. `for_rows(stack, adapter_B)` is the
 variable collection `COLLECTION` that `model.interface` hands the layers beside their
 params: under each layer's `self_attention` or `ffn` scope, per target, the stack's pair and
 `rows` [..., B, n·R], 1 over the columns of row b's adapter (none for 0, "no adapter"), 0
@@ -45,37 +47,97 @@ class AdapterStack:
     rank: int = flax.struct.field(pytree_node=False)
 
 
-def stack(config: TransformerConfig, params, adapters: Sequence[tuple[dict, L.LoRA]]
-          ) -> AdapterStack:
-    """The adapters (each `(adapters, lora)`, trained on `params`) side by side, float32."""
-    if not adapters:
-        raise ValueError("stack takes at least one adapter")
-    rank = max(lora.rank for _, lora in adapters)
-    found: dict[tuple, list] = {}  # (layer path, target) -> one (a, b) or None per adapter
-    for i, (tree, lora) in enumerate(adapters):
-        for path, target, _ in L.sites(config, params, lora):
-            if L.in_experts(params, path, target):
-                raise ValueError(f"adapter {i + 1} adapts a mixture's experts ({target!r}): "
-                                 "adapters served side by side cover attention and "
-                                 "feed-forward kernels; merge this one into the model instead")
-            pair = L.get(tree, (*path, target))
-            b = jnp.asarray(pair["lora_b"], jnp.float32) * lora.scale
-            found.setdefault((path, target), [None] * len(adapters))[i] = (
-                jnp.asarray(pair["lora_a"], jnp.float32), b)
+def stack(config: TransformerConfig, params, adapters: Sequence[tuple[dict, L.LoRA]], *,
+          capacity: int | None = None, rank: int | None = None,
+          targets: Sequence[str] | None = None) -> AdapterStack:
+    """The adapters (each `(adapters, lora)`, trained on `params`) side by side, float32, in
+    slots 1, 2, ... of a stack of `capacity` slots (default: one per adapter). Slots past
+    them add nothing until `put` fills them; `rank` (default: the largest given) and
+    `targets` (default: what the adapters given adapt) bound what `put` can place later."""
+    given = list(adapters)
+    if not given and capacity is None:
+        raise ValueError("stack takes at least one adapter, or a capacity of empty slots")
+    capacity = len(given) if capacity is None else capacity
+    if not isinstance(capacity, int) or capacity < max(1, len(given)):
+        raise ValueError(f"capacity={capacity!r} must be an int >= 1 and hold the "
+                         f"{len(given)} adapters given")
+    rank = max((lora.rank for _, lora in given), default=0) if rank is None else rank
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank={rank!r} must be an int >= 1 (or adapters given to take it from)")
+    for index, (_, lora) in enumerate(given, 1):
+        _refuse_experts(config, params, index, lora)
+    if targets is None:
+        targets = [t for t in L.TARGETS if any(t in lora.targets for _, lora in given)]
     pairs: dict = {}
-    for (path, target), per_adapter in found.items():
-        a0, b0 = next(p for p in per_adapter if p is not None)
-        lead, in_width, out_width = a0.shape[:-2], a0.shape[-2], b0.shape[-1]
-        a_all, b_all = [], []
-        for p in per_adapter:
-            a, b = p if p is not None else (jnp.zeros((*lead, in_width, 0), jnp.float32),
-                                            jnp.zeros((*lead, 0, out_width), jnp.float32))
-            pad = rank - a.shape[-1]
-            a_all.append(jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)]))
-            b_all.append(jnp.pad(b, [(0, 0)] * (b.ndim - 2) + [(0, pad), (0, 0)]))
+    for path, target, kernel in L.sites(config, params, L.LoRA(rank, targets=tuple(targets))):
+        if L.in_experts(params, path, target):
+            raise ValueError(f"{target!r} is a mixture's experts' kernel: adapters served side "
+                             "by side cover attention and feed-forward kernels; merge one of "
+                             "the experts into the model instead")
+        in_width, out_width = L.widths(config, target)
+        lead = kernel.shape[:kernel.ndim - L.kernel_ndim(L.KERNELS[target][1])]
         L._set(pairs, (*path, L.KERNELS[target][0], target),
-               {"a": jnp.concatenate(a_all, axis=-1), "b": jnp.concatenate(b_all, axis=-2)})
-    return AdapterStack(pairs, len(adapters), rank)
+               {"a": jnp.zeros((*lead, in_width, capacity * rank), jnp.float32),
+                "b": jnp.zeros((*lead, capacity * rank, out_width), jnp.float32)})
+    adapter_stack = AdapterStack(pairs, capacity, rank)
+    for index, adapter in enumerate(given, 1):
+        adapter_stack = put(config, params, adapter_stack, index, adapter)
+    return adapter_stack
+
+
+def put(config: TransformerConfig, params, adapter_stack: AdapterStack, index: int,
+        adapter: tuple[dict, L.LoRA] | None) -> AdapterStack:
+    """`adapter_stack` with slot `index` (1 for the first) holding `adapter` (`(adapters,
+    lora)` trained on `params`), or adding nothing for None. The stack keeps its shapes, so
+    programs that take it compile nothing new. A ValueError names an adapter the stack
+    cannot hold: a larger rank, a target it lacks, a mixture's experts."""
+    count, rank = adapter_stack.count, adapter_stack.rank
+    if not isinstance(index, int) or not 1 <= index <= count:
+        raise ValueError(f"index={index!r} must be an int from 1 to the stack's {count} slots")
+    held = dict(_entries(adapter_stack.pairs))
+    chosen: dict[tuple, tuple] = {}
+    if adapter is not None:
+        tree, lora = adapter
+        if lora.rank > rank:
+            raise ValueError(f"adapter {index} has rank {lora.rank}, more than the stack's "
+                             f"{rank}")
+        _refuse_experts(config, params, index, lora)
+        for path, target, _ in L.sites(config, params, lora):
+            where = (*path, L.KERNELS[target][0], target)
+            if where not in held:
+                have = sorted({w[-1] for w in held}, key=L.TARGETS.index)
+                raise ValueError(f"adapter {index} adapts {target!r}, which the stack does not "
+                                 f"hold (its targets: {', '.join(have) or 'none'})")
+            pair = L.get(tree, (*path, target))
+            a = jnp.asarray(pair["lora_a"], jnp.float32)
+            b = jnp.asarray(pair["lora_b"], jnp.float32) * lora.scale  # scale folded in
+            pad = rank - lora.rank  # zero columns of A and rows of B add exact zeros
+            chosen[where] = (jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)]),
+                             jnp.pad(b, [(0, 0)] * (b.ndim - 2) + [(0, pad), (0, 0)]))
+    columns = slice((index - 1) * rank, index * rank)
+    pairs: dict = {}
+    for where, pair in held.items():
+        a, b = chosen.get(where, (0.0, 0.0))
+        L._set(pairs, where, {"a": pair["a"].at[..., columns].set(a),
+                              "b": pair["b"].at[..., columns, :].set(b)})
+    return AdapterStack(pairs, count, rank)
+
+
+def _refuse_experts(config: TransformerConfig, params, index: int, lora: L.LoRA) -> None:
+    for path, target, _ in L.sites(config, params, lora):
+        if L.in_experts(params, path, target):
+            raise ValueError(f"adapter {index} adapts a mixture's experts ({target!r}): "
+                             "adapters served side by side cover attention and "
+                             "feed-forward kernels; merge this one into the model instead")
+
+
+def _entries(pairs: dict, path: tuple[str, ...] = ()):
+    """(path, {"a", "b"}) of each target the stack holds."""
+    for key, value in pairs.items():
+        if "a" in value:
+            yield (*path, key), value
+        else:
+            yield from _entries(value, (*path, key))
 
 
 def for_rows(adapter_stack: AdapterStack | None, adapter_B) -> dict | None:

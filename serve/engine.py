@@ -143,6 +143,7 @@ class Engine:
         self._dispatch_prefill = prefill_dispatcher(self.mesh)
         self._pending: collections.deque[Ticket] = collections.deque()
         self._scoring: collections.deque = collections.deque()  # (prompt, top, future)
+        self._placing: collections.deque = collections.deque()  # (index, adapter, future)
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -224,6 +225,23 @@ class Engine:
             self._wake.notify()
         return future
 
+    def put_adapter(self, index: int, adapter) -> concurrent.futures.Future:
+        """A future done once slot `index` (1 for the first) of the adapters served holds
+        `adapter` (`(adapters, lora)` trained on the model; None empties it), placed on the
+        engine's thread between chunks: the stack keeps its shapes (`lora_rows.put`), so
+        nothing compiles again. Its ValueError names what the stack cannot hold, or says a
+        request for `index` is still queued or decoding (a slot changes only while no request
+        reads it). Prompts kept for the prefix cache with the slot's old adapter are dropped."""
+        if self.adapters is None:
+            raise ValueError("this engine serves no adapters; give it a stack with room for "
+                             "them (lora_rows.stack(..., capacity=N))")
+        future = concurrent.futures.Future()
+        with self._wake:
+            self._refuse_if_broken()
+            self._placing.append((index, adapter, future))
+            self._wake.notify()
+        return future
+
     def warm_up(self, prompt_lengths: Iterable[int] | None = None) -> None:
         """Compiles what serving can need before the loop starts (`warm_up.py`), so that no
         request waits for a compilation; `prompt_lengths` default to every length a slot holds."""
@@ -258,7 +276,8 @@ class Engine:
         return self._busy()
 
     def _busy(self) -> bool:
-        return bool(self._pending or self._scoring or self.outputs.samples or self._dispatched)
+        return bool(self._pending or self._scoring or self._placing or self.outputs.samples
+                    or self._dispatched)
 
     def _run(self) -> None:
         while True:
@@ -283,6 +302,7 @@ class Engine:
         """Stages what fits, dispatches a chunk and hands out what earlier programs made;
         with `overlap`, the chunk's own tokens wait for the next turn, so that the host's
         work here runs while the device decodes."""
+        self._place_adapters()
         self._score_prompts()
         self.outputs.end_cancelled()
         self._feed_long_prompt()
@@ -303,6 +323,28 @@ class Engine:
         while len(self._dispatched) > keep:
             self._hand_out(self._dispatched.pop(0))
         self._report_load()
+
+    def _place_adapters(self) -> None:
+        while self._placing:
+            index, adapter, future = self._placing.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                with self._wake:
+                    asked = {t.origin.request.adapter for t in (*self._pending, *self._staging)}
+                    asked |= {scored[2] for scored in self._scoring}
+                asked |= {s.ticket.request.adapter for s in self.outputs.samples.values()}
+                if index in asked:
+                    raise ValueError(f"adapter {index} is asked for by a request still queued "
+                                     "or decoding; it changes once none is")
+                self.adapters = lora_rows.placed(
+                    lora_rows.put(self.config, self.params, self.adapters, index, adapter),
+                    self.mesh)
+                if self._prefixes is not None:
+                    self._prefixes.index.forget(index)
+                future.set_result(None)
+            except Exception as error:  # noqa: BLE001 - it ends this call alone
+                future.set_exception(error)
 
     def _score_prompts(self) -> None:
         while self._scoring:

@@ -111,6 +111,18 @@ class PrefixIndex:
         return row
 
 
+    def forget(self, adapter: int) -> None:
+        """Drops every prefix kept with `adapter` (its slot now holds another, or none): its
+        rows are the first to be reused."""
+        for row in range(self.rows):
+            if adapter and self._adapters[row] == adapter:
+                for key in self._keys[row]:
+                    if self._where.get(key, (-1,))[0] == row:
+                        del self._where[key]
+                self._keys[row], self._tokens[row], self._adapters[row] = [], (), 0
+                self._recent.move_to_end(row, last=False)
+
+
 class PrefixCache:
     """The engine's store of `rows` rows of `capacity` slots (on `mesh` split as its other
     rows are) and their index; counts the prompts that hit and the tokens they reused."""

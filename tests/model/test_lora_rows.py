@@ -1,6 +1,7 @@
 """model/lora_rows.py: a batch whose rows add different LoRA adapters, unmerged, computes for
 each row what the model with that row's adapter merged in computes (prefill, cached steps,
-scanned or unrolled layers), and a row with none what the base computes, bit for bit."""
+scanned or unrolled layers), and a row with none what the base computes (bit for bit on a CPU);
+a stack's slots filled or emptied while served compile nothing new."""
 
 import functools
 
@@ -53,12 +54,70 @@ def test_each_row_computes_its_own_adapters_merged_model(scan_layers):
         want = run_full(config, merged[adapter], tokens[b:b + 1])[0, 4:9]
         np.testing.assert_allclose(got[b], want, atol=2e-5, rtol=1e-5)
     base = prefill_then_steps(config, params, None, adapter_B, 16, tokens)
-    if jax.default_backend() == "cpu":
-        assert np.array_equal(got[1], base[1])  # no adapter: exactly the base
-    else:  # a GPU's compiler may tile the base's products otherwise beside the adapters'
-        np.testing.assert_allclose(got[1], base[1], atol=1e-5, rtol=1e-5)
+    assert_base(got[1], base[1])  # no adapter
     for b in (0, 2):  # and an adapter changes what a row computes
         assert float(jnp.max(jnp.abs(got[b] - base[b]))) > 1e-2
+
+
+def assert_base(got, base):
+    """A row that adds no adapter computes what the base computes: bit for bit on a CPU; a
+    GPU's compiler may tile the base's products otherwise beside the adapters'."""
+    if jax.default_backend() == "cpu":
+        assert np.array_equal(got, base)
+    else:
+        np.testing.assert_allclose(got, base, atol=1e-5, rtol=1e-5)
+
+
+def test_slots_filled_and_emptied_while_served_compile_nothing_new():
+    config = config_of(scan_layers=False)
+    params = M.init_params(config, jax.random.key(0))
+    first, second = [(trained_adapters(config, params, lora, i + 5), lora)
+                     for i, lora in enumerate(LORAS)]
+    # Room for three adapters of rank 4 on every target, the first one in slot 1.
+    stack = lora_rows.stack(config, params, [first], capacity=3, rank=4, targets=L.TARGETS)
+    assert (stack.count, stack.rank) == (3, 4)
+    tokens = jax.random.randint(jax.random.key(4), (3, 10), 3, config.vocab_size)
+    adapter_B = jnp.array([1, 2, 3], jnp.int32)
+    base = prefill_then_steps(config, params, None, adapter_B, 16, tokens)
+    before = prefill_then_steps(config, params, stack, adapter_B, 16, tokens)
+    compiled = prefill_then_steps._cache_size()
+    filled = lora_rows.put(config, params, stack, 3, second)
+    after = prefill_then_steps(config, params, filled, adapter_B, 16, tokens)
+    emptied = lora_rows.put(config, params, filled, 1, None)
+    last = prefill_then_steps(config, params, emptied, adapter_B, 16, tokens)
+    assert prefill_then_steps._cache_size() == compiled
+
+    def merged(adapter, b):
+        return run_full(config, L.merge(config, params, *adapter), tokens[b:b + 1])[0, 4:9]
+
+    for got in (before, after):
+        np.testing.assert_allclose(got[0], merged(first, 0), atol=2e-5, rtol=1e-5)
+        assert_base(got[1], base[1])  # an empty slot
+    assert_base(before[2], base[2])
+    np.testing.assert_allclose(after[2], merged(second, 2), atol=2e-5, rtol=1e-5)
+    assert_base(last[0], base[0])
+    np.testing.assert_array_equal(last[2], after[2])
+
+
+def test_what_a_stack_cannot_hold_is_refused_by_name():
+    config = config_of(scan_layers=False)
+    params = M.init_params(config, jax.random.key(0))
+    narrow = lora_rows.stack(config, params, [], capacity=2, rank=2, targets=("q", "v"))
+    wide = (trained_adapters(config, params, LORAS[0], 1), LORAS[0])  # rank 4: q v o ...
+    small = L.LoRA(2, targets=("q", "wo"))
+    with pytest.raises(ValueError, match="adapter 1 has rank 4, more than the stack's 2"):
+        lora_rows.put(config, params, narrow, 1, wide)
+    with pytest.raises(ValueError, match=r"adapter 2 adapts 'wo', which the stack does not "
+                                         r"hold \(its targets: q, v\)"):
+        lora_rows.put(config, params, narrow, 2,
+                      (trained_adapters(config, params, small, 2), small))
+    for index in (0, 3, 1.0):
+        with pytest.raises(ValueError, match=f"index={index!r} must be an int from 1 to the "
+                                             "stack's 2 slots"):
+            lora_rows.put(config, params, narrow, index, None)
+    with pytest.raises(ValueError, match="capacity=1 must be an int >= 1 and hold the 2 "
+                                         "adapters given"):
+        lora_rows.stack(config, params, [wide, wide], capacity=1)
 
 
 def test_adapters_of_a_mixtures_experts_are_refused_by_name():

@@ -85,6 +85,51 @@ def test_after_warming_up_any_mix_of_adapters_compiles_nothing_new(served):
     assert {name: trace_count(name) for name in names} == before
 
 
+def test_an_adapter_placed_while_serving_serves_its_tokens_and_compiles_nothing_new(
+        served, tiny_lm):
+    engine, merged = served
+    config, _, params = tiny_lm
+    third = L.LoRA(3, 6.0, ("q", "v", "wo"))  # within the stack's rank (4) and targets
+    placed = (trained_adapters(config, params, third, 7), third)
+    tokens = prompt(90, 9)  # two blocks of 4 kept with adapter 2, then with the new one
+    names = ("serve_insert", "serve_first_tokens", "serve_chunk", "prefill",
+             "prefill_after_prefix", "keep_prefixes")
+
+    def served_alone(adapter):
+        collector = Collector()
+        engine.submit(GenerationRequest(tokens, max_tokens=5, adapter=adapter), collector)
+        engine.run_until_idle()
+        return collector.tokens()
+
+    assert served_alone(2) == alone(tiny_lm, merged[2], GenerationRequest(tokens, 5))
+    before = {name: trace_count(name) for name in names}
+    waiting = engine.submit(GenerationRequest(tokens, max_tokens=5, adapter=2), Collector())
+    refused = engine.put_adapter(2, placed)
+    engine.step()
+    with pytest.raises(ValueError, match="adapter 2 is asked for by a request still queued"):
+        refused.result(timeout=0)
+    waiting.cancel()
+    engine.run_until_idle()
+    done = engine.put_adapter(2, placed)
+    engine.step()
+    assert done.result(timeout=0) is None
+    # Its prompt kept with the old adapter is not reused: the tokens are the new adapter's.
+    hits = engine._prefixes.hits
+    assert served_alone(2) == alone(tiny_lm, L.merge(config, params, *placed),
+                                    GenerationRequest(tokens, 5))
+    assert engine._prefixes.hits == hits
+    assert served_alone(1) == alone(tiny_lm, merged[1], GenerationRequest(tokens, 5))
+    assert {name: trace_count(name) for name in names} == before
+    engine.put_adapter(2, (trained_adapters(config, params, LORAS[1], 1), LORAS[1]))
+    engine.step()  # the fixture's adapter back in its slot
+    assert served_alone(2) == alone(tiny_lm, merged[2], GenerationRequest(tokens, 5))
+    wide = L.LoRA(8, None, ("q",))
+    too_wide = engine.put_adapter(1, (trained_adapters(config, params, wide, 3), wide))
+    engine.step()
+    with pytest.raises(ValueError, match="adapter 1 has rank 8, more than the stack's 4"):
+        too_wide.result(timeout=0)
+
+
 def test_an_adapter_the_engine_does_not_serve_is_refused_by_its_index(served):
     engine, _ = served
     for bad in (3, -1, 1.0, True):
