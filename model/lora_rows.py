@@ -85,6 +85,20 @@ def stack(config: TransformerConfig, params, adapters: Sequence[tuple[dict, L.Lo
     return adapter_stack
 
 
+def servable_targets(config: TransformerConfig, params) -> tuple[str, ...]:
+    """The targets a stack can hold for this model: the kernels its layers have, outside a
+    mixture's experts (what a stack for adapters not yet known should hold)."""
+    found = []
+    for target in L.TARGETS:
+        try:
+            sites = list(L.sites(config, params, L.LoRA(1, targets=(target,))))
+        except ValueError:  # the model has no such kernel (or no float one)
+            continue
+        if not any(L.in_experts(params, path, name) for path, name, _ in sites):
+            found.append(target)
+    return tuple(found)
+
+
 def put(config: TransformerConfig, params, adapter_stack: AdapterStack, index: int,
         adapter: tuple[dict, L.LoRA] | None) -> AdapterStack:
     """`adapter_stack` with slot `index` (1 for the first) holding `adapter` (`(adapters,

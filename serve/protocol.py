@@ -256,12 +256,13 @@ def _template_kwargs(body: dict) -> dict[str, Any]:
 def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
           chat_api: bool, max_prompts: int = 64, max_stop_strings: int = 16,
           max_stop_chars: int = 1024, reasoning_parser: str | None = None,
-          adapter_names: tuple[str, ...] = ()) -> Parsed:
+          adapter_names: tuple[str | None, ...] = ()) -> Parsed:
     """The request in `body` (already JSON-decoded) for /v1/chat/completions if `chat_api`,
     else for /v1/completions, within the given bounds (see `limits.Limits`); a chat
     request's choices split into reasoning and content with a `reasoning_parser`
     (`reasoning.PARSERS`). Its `model` is `served_name` or one of `adapter_names`, the
-    engine's LoRA adapters in order, which its requests then add."""
+    engine's LoRA adapter slots in order (None for an empty one), which its requests then
+    add."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     model = _get(body, "model", _STR)
@@ -270,7 +271,7 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
     names = (served_name, *adapter_names)
     if model not in names:
         raise APIError(404, f"The model `{model}` does not exist: this server serves "
-                            f"{', '.join(f'`{n}`' for n in names)}", "model",
+                            f"{', '.join(f'`{n}`' for n in names if n is not None)}", "model",
                        kind="not_found_error")
     _refuse_unsupported(body, chat_api)
     tools = parse_tools(body) if chat_api else None

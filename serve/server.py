@@ -3,6 +3,7 @@
   POST /v1/completions, POST /v1/chat/completions   (stream: server-sent events ending
                                                      with `data: [DONE]`)
   GET /v1/models, GET /health, GET /metrics (Prometheus)
+  POST /v1/load_lora_adapter, /v1/unload_lora_adapter (with a loader: `build_app`)
 
 The engine runs on its own thread; each request's deltas reach the event loop through
 `call_soon_threadsafe`, so nothing here blocks it. A full queue is a 429 with Retry-After;
@@ -24,9 +25,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvjax.model import lora_rows
 from kvjax.text import LoadedModel
 
 from . import harmony, reasoning
+from .adapter_names import ServedAdapters
 from .answers import Answer
 from .engine import Engine, EngineFailed, QueueFull
 from .limits import Limits, authorized, read_json
@@ -34,6 +37,9 @@ from .metrics import ServeMetrics
 from .protocol import APIError, Parsed, parse
 
 RETRY_AFTER_SECONDS = 1
+# Adapter slots and rank a server that loads adapters while serving has by default (vLLM's
+# --max-lora-rank default is 16 too).
+LOADING_SLOTS, LOADING_RANK = 4, 16
 
 
 def error_response(error: APIError) -> JSONResponse:
@@ -48,7 +54,9 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
               page_size: int | None = None, num_pages: int | None = None,
               warm_up: bool = False, mesh=None,
               api_key: str | None = None, limits: Limits | None = None,
-              reasoning_parser: str | None = None, adapters: dict | None = None) -> Starlette:
+              reasoning_parser: str | None = None, adapters: dict | None = None,
+              max_adapters: int | None = None, max_adapter_rank: int | None = None,
+              load_adapter=None) -> Starlette:
     """The app serving `loaded` as `model_name` (default: its directory's name). The engine
     starts with the app (its lifespan), after compiling every program it can need if
     `warm_up`, and stops with it. On a `mesh` the slots are split over its devices (see
@@ -56,7 +64,11 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
     what a request may ask (`limits.Limits`). A `reasoning_parser` (`reasoning.PARSERS`)
     answers a chat choice's thought as its `reasoning`, apart from its content. `adapters`
     ({name: (adapters, lora)}, LoRA adapters trained on the model) are served beside it
-    under their names, unmerged (`Engine`'s `adapters`)."""
+    under their names, unmerged (`Engine`'s `adapters`), in `max_adapters` slots of rank
+    `max_adapter_rank` (defaults: `adapter_stack`). With
+    `load_adapter` (a directory on the server -> `(adapters, lora)`), POST
+    /v1/load_lora_adapter and /v1/unload_lora_adapter change them while it serves
+    (`adapter_names.py`)."""
     if reasoning_parser not in (None, *reasoning.PARSERS):
         raise ValueError(f"reasoning_parser={reasoning_parser!r} is not one of "
                          f"{', '.join(reasoning.PARSERS)}")
@@ -67,14 +79,17 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
         raise ValueError(f"the adapter name {name!r} is the model's own served name: requests "
                          "for it would never reach the adapter")
     metrics = ServeMetrics()
+    stack = adapter_stack(loaded, adapters or {}, max_adapters, max_adapter_rank,
+                          load_adapter is not None)
     engine = Engine(loaded.config, loaded.params, tokenizer=loaded.tokenizer,
                     max_slots=max_slots, max_staged=max_staged, max_len=max_len,
                     chunk_size=chunk_size, steps_per_check=steps_per_check, max_queue=max_queue,
                     prefill_batch=prefill_batch,
                     prefix_cache_rows=prefix_cache_rows, prefill_part=prefill_part,
                     page_size=page_size, num_pages=num_pages, metrics=metrics, mesh=mesh,
-                    adapters=list((adapters or {}).values()) or None)
-    adapter_names = tuple(adapters or ())
+                    adapters=stack)
+    served_adapters = ServedAdapters(engine, name, tuple(adapters or ()),
+                                     0 if stack is None else stack.count, load_adapter)
     created = int(time.time())
 
     limits = limits or Limits()
@@ -88,7 +103,30 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
         return JSONResponse({"object": "list", "data": [
             {"id": served, "object": "model", "created": created, "owned_by": "kvjax",
              "root": served, "parent": None if served == name else name,
-             "max_model_len": engine.capacity} for served in (name, *adapter_names)]})
+             "max_model_len": engine.capacity}
+            for served in (name, *served_adapters.served())]})
+
+    async def load_lora_adapter(request: Request) -> Response:
+        return await _change_adapters(request, load=True)
+
+    async def unload_lora_adapter(request: Request) -> Response:
+        return await _change_adapters(request, load=False)
+
+    async def _change_adapters(request: Request, load: bool) -> Response:
+        try:
+            authorized(request, api_key)
+            body = await read_json(request, limits)
+            if not isinstance(body, dict):
+                raise APIError(400, "the request body must be a JSON object")
+            if load:
+                said = await served_adapters.load(body.get("lora_name"), body.get("lora_path"))
+            else:
+                said = await served_adapters.unload(body.get("lora_name"))
+        except APIError as error:
+            return error_response(error)
+        except EngineFailed as error:
+            return error_response(APIError(503, str(error), kind="server_error"))
+        return Response(said, media_type="text/plain")
 
     async def health(_: Request) -> JSONResponse:
         if engine.failure is not None:  # a server to restart
@@ -150,7 +188,8 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
         parsed = parse(body, loaded, name, engine.capacity, chat_api=chat_api,
                        max_prompts=max_prompts, max_stop_strings=limits.max_stop_strings,
                        max_stop_chars=limits.max_stop_chars,
-                       reasoning_parser=reasoning_parser, adapter_names=adapter_names)
+                       reasoning_parser=reasoning_parser,
+                       adapter_names=served_adapters.names)
         try:
             checked = tuple(
                 dataclasses.replace(engine.check(dataclasses.replace(r, max_tokens=1)),
@@ -250,9 +289,33 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_text, methods=["GET"]),
+        *([Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+           Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"])]
+          if load_adapter is not None else []),
     ], lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.model_name = engine, metrics, name
     return app
+
+
+def adapter_stack(loaded: LoadedModel, adapters: dict, slots: int | None, rank: int | None,
+                  loading: bool):
+    """The engine's stack of adapter slots: `adapters` ({name: (adapters, lora)}) first, in
+    `slots` in all (default: one each, and at least `LOADING_SLOTS` if `loading`), of `rank`
+    (default: the largest given, and at least `LOADING_RANK` if `loading`); for adapters
+    loaded later, on every kernel they may adapt. None for no slot."""
+    given = list(adapters.values())
+    if slots is None:
+        slots = max(len(given), LOADING_SLOTS if loading else 0)
+    if not isinstance(slots, int) or slots < len(given) or (loading and slots < 1):
+        raise ValueError(f"max_adapters={slots!r} must be an int that holds the {len(given)} "
+                         f"adapters given{' and room to load one' if loading else ''}")
+    if not slots:
+        return None
+    if rank is None:
+        rank = max([lora.rank for _, lora in given] + ([LOADING_RANK] if loading else []))
+    targets = lora_rows.servable_targets(loaded.config, loaded.params) if loading else None
+    return lora_rows.stack(loaded.config, loaded.params, given, capacity=slots, rank=rank,
+                           targets=targets)
 
 
 def _event(data: dict) -> str:

@@ -25,6 +25,18 @@ def add_serve(commands) -> None:
                             "--lora-rank, or PEFT adapters of a Hugging Face model) served "
                             "side by side, unmerged: a request whose model is NAME gets the "
                             "adapter in DIR, one naming the base model gets none")
+    serve.add_argument("--allow-lora-loading", action="store_true",
+                       help="answer POST /v1/load_lora_adapter {lora_name, lora_path} and "
+                            "/v1/unload_lora_adapter {lora_name} (vLLM's): adapters in "
+                            "directories on this machine served or dropped while serving")
+    serve.add_argument("--max-loras", type=count, default=None, metavar="N",
+                       help="adapters served at once: --lora-modules' and those loaded "
+                            "(default: --lora-modules', and at least 4 with "
+                            "--allow-lora-loading); each slot costs every step a little")
+    serve.add_argument("--max-lora-rank", type=positive, default=None, metavar="R",
+                       help="the largest rank an adapter served may have (default: the "
+                            "largest of --lora-modules', and at least 16 with "
+                            "--allow-lora-loading)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free)")
     serve.add_argument("--model-name", default=None,
@@ -122,7 +134,10 @@ def run_serve(args) -> int:
                     prefix_cache_rows=args.prefix_cache_rows, prefill_part=args.prefill_part,
                     page_size=args.page_size, num_pages=num_pages, warm_up=args.warm_up,
                     mesh=mesh, api_key=api_key, limits=limits,
-                    reasoning_parser=args.reasoning_parser, adapters=adapters)
+                    reasoning_parser=args.reasoning_parser, adapters=adapters,
+                    max_adapters=args.max_loras, max_adapter_rank=args.max_lora_rank,
+                    load_adapter=adapter_loader(args, loaded.config.scan_layers)
+                    if args.allow_lora_loading else None)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info",
                 http=header_timeout_protocol(limits.header_timeout))
     return 0
@@ -130,14 +145,12 @@ def run_serve(args) -> int:
 
 def served_adapters(args, scan_layers: bool) -> dict | None:
     """--lora-modules as `build_app` takes them: {name: (adapters, lora)}."""
+    if args.lora is not None and (args.lora_modules or args.allow_lora_loading):
+        raise ValueError("--lora merges adapters into the model that --lora-modules' (and "
+                         "loaded) adapters were not trained on: give one or the other")
     if not args.lora_modules:
         return None
-    from kvjax import checkpoint, hf
-
-    if args.lora is not None:
-        raise ValueError("--lora merges adapters into the model that --lora-modules' adapters "
-                         "were not trained on: give one or the other")
-    pretrained = hf.is_hf_directory(args.checkpoint)
+    load = adapter_loader(args, scan_layers)
     adapters = {}
     for module in args.lora_modules:
         name, _, directory = module.partition("=")
@@ -145,14 +158,29 @@ def served_adapters(args, scan_layers: bool) -> dict | None:
             raise ValueError(f"--lora-modules {module!r}: expected NAME=DIR")
         if name in adapters:
             raise ValueError(f"--lora-modules: the name {name!r} is given twice")
-        if pretrained != hf.is_peft_directory(directory):
-            raise ValueError(f"--lora-modules {module}: a Hugging Face model serves PEFT "
-                             "adapters, a kvjax checkpoint the runs of kvjax train "
-                             f"--lora-rank on it; {args.checkpoint} is "
-                             f"{'the first' if pretrained else 'the second'}")
-        adapters[name] = (hf.load_peft_adapters if pretrained else checkpoint.load_adapters)(
-            args.checkpoint, directory, scan_layers)
+        try:
+            adapters[name] = load(directory)
+        except ValueError as error:
+            raise ValueError(f"--lora-modules {module}: {error}") from None
     return adapters
+
+
+def adapter_loader(args, scan_layers: bool):
+    """A directory -> `(adapters, lora)` trained on --checkpoint: PEFT adapters of a Hugging
+    Face model, runs of `kvjax train --lora-rank` on a kvjax checkpoint."""
+    from kvjax import checkpoint, hf
+
+    pretrained = hf.is_hf_directory(args.checkpoint)
+
+    def load(directory: str):
+        if pretrained != hf.is_peft_directory(directory):
+            raise ValueError("a Hugging Face model serves PEFT adapters, a kvjax checkpoint "
+                             f"the runs of kvjax train --lora-rank on it; {args.checkpoint} "
+                             f"is {'the first' if pretrained else 'the second'}")
+        return (hf.load_peft_adapters if pretrained else checkpoint.load_adapters)(
+            args.checkpoint, directory, scan_layers)
+
+    return load
 
 
 def is_loopback(host: str) -> bool:

@@ -175,9 +175,17 @@ def test_served_side_by_side_the_adapters_load_as_they_merge(run, capsys, monkey
         code, _, err = run_cli(capsys, "serve", "--checkpoint", BASE, "--lora-modules",
                                *modules)
         assert code == 2 and message in err
-    code, _, err = run_cli(capsys, "serve", "--checkpoint", BASE, "--lora", out,
-                           "--lora-modules", f"docs={out}")
-    assert code == 2 and "give one or the other" in err
+    for extra in (["--lora-modules", f"docs={out}"], ["--allow-lora-loading"]):
+        code, _, err = run_cli(capsys, "serve", "--checkpoint", BASE, "--lora", out, *extra)
+        assert code == 2 and "give one or the other" in err
+    # Loading while serving: the server's loader reads a run as --lora-modules does.
+    code, _, err = run_cli(capsys, "serve", "--checkpoint", BASE, "--allow-lora-loading",
+                           "--max-loras", 3, "--max-lora-rank", 8)
+    assert code == 0, err
+    assert (built["adapters"], built["max_adapters"], built["max_adapter_rank"]) == (None, 3, 8)
+    loaded_later = built["load_adapter"](str(out))
+    assert loaded_later[1] == settings
+    jax.tree.map(np.testing.assert_array_equal, loaded_later[0], adapters)
     code, _, err = run_cli(capsys, "serve", "--checkpoint", BASE.parent / "numbers-to-words",
                            "--lora-modules", f"docs={out}")
     assert code == 2 and "trained on other params" in err
