@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from kvjax import model as M
 from kvjax import parallel
+from kvjax.model import lora_rows
 
 from .automaton import RowConstraints
 from .loop import StopConditions, StopReason
@@ -207,18 +208,22 @@ def _best(state: BeamState, max_new_tokens, length_penalty) -> BeamResult:
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6), static_argnames="mesh")
 def beam_search(config, params, tokens_BP, lengths_B, capacity: int, buffer_len: int,
                 num_beams: int, stops: StopConditions, length_penalty, mesh=None,
-                constraints: RowConstraints | None = None) -> BeamResult:
+                constraints: RowConstraints | None = None,
+                adapters: lora_rows.RowAdapters | None = None) -> BeamResult:
     """Prefill each prompt once, copy its cache to W beams, then run `beam_loop` (each
     beam starting in its prompt's automaton state if `constraints`, with a state per row).
 
     With a `mesh`, the B·W cache rows are split over `data` (the W beams of a row together,
     when `data` divides B) and the kv heads over `model`."""
     count_trace("beam")
-    first_logits_BV, cache = M.prefill(config, params, tokens_BP, lengths_B, capacity)
+    batch = tokens_BP.shape[0]
+    first_logits_BV, cache = M.prefill(config, params, tokens_BP, lengths_B, capacity,
+                                       adapters=lora_rows.collection_of(adapters, batch))
     cache = cache.take_rows(jnp.repeat(jnp.arange(tokens_BP.shape[0]), num_beams))
     if mesh is not None:
         cache = parallel.constrain_rows(cache, mesh)
     if constraints is not None:
         constraints = constraints.replace(state=jnp.repeat(constraints.state, num_beams))
-    return beam_loop(parallel.keep_rows(M.step_fn(config, params), mesh), first_logits_BV,
-                     cache, num_beams, buffer_len, stops, length_penalty, constraints)
+    step = M.step_fn(config, params, lora_rows.collection_of(adapters, batch * num_beams))
+    return beam_loop(parallel.keep_rows(step, mesh), first_logits_BV, cache, num_beams,
+                     buffer_len, stops, length_penalty, constraints)

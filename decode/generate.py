@@ -28,6 +28,7 @@ import numpy as np
 from kvjax import model as M
 from kvjax import parallel
 from kvjax.distributed import host_arrays
+from kvjax.model import lora_rows
 
 from . import beam, checks, prompt_state
 from . import speculative as spec
@@ -89,13 +90,14 @@ class GenerateOutput:
 def _start(config, params, tokens_BP, lengths_B, rng, capacity: int, buffer_len: int,
            stops: StopConditions, sampling: SamplingParams, num_samples: int,
            processors: tuple[LogitProcessor, ...], mesh=None,
-           plan: LoopPlan = ON_DEVICE, constraints: RowConstraints | None = None
-           ) -> DecodeState:
+           plan: LoopPlan = ON_DEVICE, constraints: RowConstraints | None = None,
+           adapters: lora_rows.RowAdapters | None = None) -> DecodeState:
     """Prefills each prompt once, copies its cache to its `num_samples` rows and samples
     every row's first token. `rng` is one key, or one per prompt (`sampling.row_keys`);
-    `constraints` has one row per sample."""
+    `constraints` has one row per sample; `adapters`, each prompt's LoRA adapter."""
     count_trace("start")
-    logits_BV, cache = M.prefill(config, params, tokens_BP, lengths_B, capacity)
+    logits_BV, cache = M.prefill(config, params, tokens_BP, lengths_B, capacity,
+                                 adapters=lora_rows.collection_of(adapters, tokens_BP.shape[0]))
     context_BC, context_lengths_B = prompt_state.prompt_context(
         config, tokens_BP, lengths_B, M.prompt_slots(config, tokens_BP.shape[1]) + buffer_len)
     if num_samples > 1:
@@ -114,11 +116,14 @@ def _start(config, params, tokens_BP, lengths_B, rng, capacity: int, buffer_len:
 def _continue(config, params, state: DecodeState, stops: StopConditions,
               sampling: SamplingParams, step_limit,
               processors: tuple[LogitProcessor, ...], mesh=None,
-              plan: LoopPlan = ON_DEVICE) -> DecodeState:
+              plan: LoopPlan = ON_DEVICE,
+              adapters: lora_rows.RowAdapters | None = None) -> DecodeState:
     count_trace("continue")
     state = parallel.constrain_rows(state, mesh)
-    return decode_loop(parallel.keep_rows(M.step_fn(config, params), mesh), state, stops,
-                       sampling, step_limit, processors, plan)
+    step = M.step_fn(config, params,
+                     lora_rows.collection_of(adapters, state.tokens.shape[0]))
+    return decode_loop(parallel.keep_rows(step, mesh), state, stops, sampling, step_limit,
+                       processors, plan)
 
 
 # Public API ------------------------------------------------------------------------------
@@ -128,7 +133,7 @@ def _begin(config, params, p: Prepared) -> DecodeState:
     if p.state is None:
         return _start(config, params, p.tokens, p.lengths, p.rng, p.capacity, p.buffer_len,
                       p.stops, p.sampling, p.num_samples, p.processors, mesh=p.mesh,
-                      plan=p.plan, constraints=p.constraints)
+                      plan=p.plan, constraints=p.constraints, adapters=p.adapters)
     s = p.state
     return prompt_state.resume(
         config, params, s.cache, s.next_logits, s.context, s.context_lengths, p.tokens,
@@ -162,7 +167,8 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
              return_state: bool = False, rng: jax.Array | None = None,
              return_logprobs: bool = False, mesh: Mesh | None = None,
              speculative: spec.Speculative | None = None,
-             constraint: Constrained = None) -> GenerateOutput:
+             constraint: Constrained = None, adapters: lora_rows.AdapterStack | None = None,
+             adapter: int | Sequence[int] = 0) -> GenerateOutput:
     """Generates up to `max_new_tokens` per prompt.
 
     `prompts`: a list of token-id lists (lengths may differ) or an int array [B, P] with
@@ -194,13 +200,19 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
     list of choices or a JSON Schema: each step allows only the tokens that keep it there,
     and the automaton's end id (which must be among `eos_ids`) only once the text is
     complete (`decode/constraints.py`).
+
+    `adapters` (a `lora_rows.AdapterStack` of LoRA adapters trained on `params`) and
+    `adapter` (an index in it for every prompt, or one per prompt; 0: none) give each prompt
+    its own adapter, unmerged: its tokens are those of its adapter merged into the model.
+    Not with `speculative` or a kept state (`state`, `return_state`).
     """
+    _refuse_kept_adapters(return_state, adapters)
     mesh, params = _placement(net.config, params, mesh, return_state)
     prepared = prepare(net, params, prompts, lengths, max_new_tokens=max_new_tokens,
                        eos_ids=eos_ids, num_beams=1, rng=rng, num_samples=num_samples,
                        sampling=sampling, logit_processors=logit_processors, state=state,
                        mesh=mesh, speculative=speculative, constraint=constraint,
-                       fill_rows=not return_state)
+                       fill_rows=not return_state, adapters=adapters, adapter=adapter)
     config = net.config
     carry = _run(config, params, _first(config, params, prepared), prepared,
                  prepared.stops.max_new_tokens)
@@ -211,23 +223,25 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
 def beam_search(net, params, prompts, *, max_new_tokens: int, num_beams: int,
                 length_penalty: float = 1.0, eos_ids: Sequence[int] = (), lengths=None,
                 return_logprobs: bool = False, mesh: Mesh | None = None,
-                constraint=None) -> GenerateOutput:
+                constraint=None, adapters: lora_rows.AdapterStack | None = None,
+                adapter: int | Sequence[int] = 0) -> GenerateOutput:
     """The `num_beams` likeliest continuations of each prompt, best first: each step keeps
     the best `num_beams` hypotheses by their summed logprobs, and finished ones are scored
     by sum(logprobs) / length**length_penalty (`decode/beam.py`). Returns the best per
     prompt, with its score in `scores`. Prompts, eos ids, lengths, `mesh` and `constraint`
     (the logprobs of the tokens it allows compete; the rest are never candidates) are as for
-    `generate`; one compiled loop, greedy in what it keeps, so there is no sampling."""
+    `generate`, and so are `adapters` and `adapter`; one compiled loop, greedy in what it
+    keeps, so there is no sampling."""
     length_penalty = checks.real("length_penalty", length_penalty, lambda _: True, "finite")
     mesh, params = placement(net.config, params, mesh)
     prepared = prepare(net, params, prompts, lengths, max_new_tokens=max_new_tokens,
                        eos_ids=eos_ids, num_beams=num_beams, rng=None, mesh=mesh,
-                       constraint=constraint)
+                       constraint=constraint, adapters=adapters, adapter=adapter)
     result = beam.beam_search(
         net.config, params, prepared.tokens, prepared.lengths, prepared.capacity,
         prepared.buffer_len, prepared.num_beams, prepared.stops,
         jnp.asarray(length_penalty, jnp.float32), mesh=mesh,
-        constraints=prepared.constraints)
+        constraints=prepared.constraints, adapters=prepared.adapters)
     return _output(result, max_new_tokens, return_logprobs, prepared.batch,
                    scores=result.scores)
 
@@ -242,6 +256,7 @@ def stream(net, params, prompts=None, *, max_new_tokens: int, chunk_size: int = 
     chunk_size = checks.integer("chunk_size", chunk_size, 1)
     return_logprobs = kwargs.pop("return_logprobs", False)
     return_state = kwargs.pop("return_state", False)
+    _refuse_kept_adapters(return_state, kwargs.get("adapters"))
     mesh, params = _placement(net.config, params, kwargs.pop("mesh", None), return_state)
     prepared = prepare(net, params, prompts, kwargs.pop("lengths", None),
                        max_new_tokens=max_new_tokens, num_beams=1, mesh=mesh,
@@ -274,6 +289,12 @@ def _placement(config, params, mesh: Mesh | None, return_state: bool):
     return mesh, params
 
 
+def _refuse_kept_adapters(return_state: bool, adapters) -> None:
+    if return_state and adapters is not None:
+        raise ValueError("return_state=True keeps a state that continues without adapters: "
+                         "it does not take adapters")
+
+
 def _finish(config, params, carry: Carry, rows: int, max_new_tokens: int,
             return_logprobs: bool, return_state: bool) -> GenerateOutput:
     """The output of a finished loop for its first `rows` rows, with the state to continue
@@ -297,7 +318,7 @@ def _run(config, params, carry: Carry, p: Prepared, limit) -> Carry:
     """The decode loop up to `limit` tokens: plain, or speculative with `p.speculative`."""
     if p.speculative is None:
         return _continue(config, params, carry, p.stops, p.sampling, limit, p.processors,
-                         mesh=p.mesh, plan=p.plan)
+                         mesh=p.mesh, plan=p.plan, adapters=p.adapters)
     return p.speculative.run(config, params, carry, p.stops, p.sampling, limit, p.mesh)
 
 

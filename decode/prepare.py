@@ -16,6 +16,7 @@ import numpy as np
 
 from kvjax import model as M
 from kvjax import parallel
+from kvjax.model import lora_rows
 
 from . import automaton, checks, prompt_state
 from . import speculative as spec
@@ -103,6 +104,7 @@ class Prepared:
     plan: LoopPlan = ON_DEVICE
     num_beams: int = 1
     constraints: RowConstraints | None = None
+    adapters: lora_rows.RowAdapters | None = None
 
     @property
     def rows(self) -> int:
@@ -113,7 +115,7 @@ class Prepared:
 def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams, rng,
              num_samples=1, sampling: Sampling = GREEDY, logit_processors=(), state=None,
              mesh=None, speculative=None, constraint: Constrained = None,
-             fill_rows: bool = True) -> Prepared:
+             fill_rows: bool = True, adapters=None, adapter=0) -> Prepared:
     """Checks a call's arguments and lays them out as its compiled programs take them. The
     batch is filled up to its bucket (`rows_bucket`; on a mesh, to a multiple of the `data`
     axis too) with copies of its last prompt, which finish when it does and are dropped from
@@ -142,6 +144,10 @@ def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams
         spec.check_supported(speculative, config, processors=processors, sampling=sampling,
                              state=state, mesh=mesh, prompt_length=int(lengths.max()))
     automata = row_automata(constraint, tokens.shape[0], config.vocab_size, eos_ids, mesh=mesh)
+    row_adapters = lora_rows.for_prompts(adapters, adapter, tokens.shape[0])
+    if row_adapters is not None and (speculative is not None or state is not None):
+        raise ValueError("adapters serve a plain, sampled or beam search call; not "
+                         f"{'speculative decoding' if state is None else 'a kept state'}")
     if any(a is not None for a in automata) and "min_tokens" in sampling.changed():
         raise checks.InvalidValue("min_tokens", f"min_tokens={sampling.min_tokens} would hold "
                                   "back the end id a constraint needs to end its text")
@@ -171,6 +177,9 @@ def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams
         padded, lengths = filled(padded, fill), filled(lengths, fill)
         params_rows = jax.tree.map(lambda a: filled(a, fill * num_samples), params_rows)
         automata = automata + automata[-1:] * fill
+        if row_adapters is not None:
+            row_adapters = row_adapters.replace(
+                adapter_B=jnp.asarray(filled(row_adapters.adapter_B, fill)))
         if rng.ndim:
             rng = jnp.concatenate([rng, jnp.repeat(rng[-1:], fill)])
     if mesh is not None:
@@ -184,6 +193,8 @@ def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams
         num_samples=num_samples, processors=processors, state=state, mesh=mesh,
         speculative=speculative, plan=default_plan(rows), num_beams=num_beams,
         constraints=automaton.for_rows([a for a in automata for _ in range(num_samples)]),
+        adapters=row_adapters if row_adapters is None or mesh is None else
+        row_adapters.replace(stack=lora_rows.placed(row_adapters.stack, mesh)),
     )
 
 

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import lora as L
 from .config import TransformerConfig
@@ -45,6 +46,47 @@ class AdapterStack:
     pairs: dict
     count: int = flax.struct.field(pytree_node=False)
     rank: int = flax.struct.field(pytree_node=False)
+
+
+@flax.struct.dataclass
+class RowAdapters:
+    """A batch's adapters: the stack, and each prompt's index in it [B] (0: none). A
+    prompt's rows (its samples, or its beams) follow one another and share its adapter."""
+
+    stack: AdapterStack
+    adapter_B: jax.Array
+
+    def collection(self, rows: int) -> dict:
+        """`for_rows` for `rows` rows, `rows // B` of each prompt in turn."""
+        prompts = self.adapter_B.shape[0]
+        return for_rows(self.stack, jnp.repeat(self.adapter_B, rows // prompts,
+                                               total_repeat_length=rows))
+
+
+def collection_of(row_adapters: RowAdapters | None, rows: int) -> dict | None:
+    return None if row_adapters is None else row_adapters.collection(rows)
+
+
+def for_prompts(adapter_stack: AdapterStack | None, adapter, prompts: int) -> RowAdapters | None:
+    """`adapter` (one index, or one per prompt; 0: none) of `adapter_stack` for a batch of
+    `prompts`, checked: a ValueError names an index the stack does not hold."""
+    if adapter_stack is None:
+        if not (isinstance(adapter, (int, np.integer)) and adapter == 0):
+            raise ValueError(f"adapter={adapter!r} needs adapters (a lora_rows.AdapterStack)")
+        return None
+    if not isinstance(adapter_stack, AdapterStack):
+        raise ValueError(f"adapters must be a lora_rows.AdapterStack, got "
+                         f"{type(adapter_stack).__name__}")
+    indices = ([adapter] * prompts if isinstance(adapter, (int, np.integer))
+               else list(adapter))
+    if len(indices) != prompts:
+        raise ValueError(f"adapter has {len(indices)} entries for {prompts} prompts")
+    for i, index in enumerate(indices):
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not (
+                0 <= index <= adapter_stack.count):
+            raise ValueError(f"adapter {index!r} (prompt {i}) is not among the "
+                             f"{adapter_stack.count} adapters of the stack (0: none)")
+    return RowAdapters(adapter_stack, jnp.asarray(indices, jnp.int32))
 
 
 def stack(config: TransformerConfig, params, adapters: Sequence[tuple[dict, L.LoRA]], *,

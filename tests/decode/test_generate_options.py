@@ -28,9 +28,9 @@ def test_num_samples_prefills_each_prompt_once(tiny_lm, monkeypatch):
     net = M.build_model(config)
     prefill_batches = []
 
-    def counting_prefill(config, params, prompts_BP, *args):
+    def counting_prefill(config, params, prompts_BP, *args, **kwargs):
         prefill_batches.append(prompts_BP.shape[0])
-        return real_prefill(config, params, prompts_BP, *args)
+        return real_prefill(config, params, prompts_BP, *args, **kwargs)
 
     real_prefill = M.prefill
     monkeypatch.setattr(M, "prefill", counting_prefill)
