@@ -94,6 +94,27 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)  # stable: each file's tests keep their order
 
 
+# Tests that go to the workers one by one rather than with their file (`--dist loadfile`,
+# pyproject's addopts): each runs a notebook in a kernel of its own and shares nothing with
+# the others, and together they are the longest file by far on a GPU, where each kernel
+# compiles its programs for the GPU.
+ONE_BY_ONE = ("tests/e2e/test_notebooks.py::test_notebook_runs[",)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None  # xdist's own scheduler for the mode asked for
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesAndSomeTestsAlone(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.startswith(ONE_BY_ONE):
+                return nodeid
+            return super()._split_scope(nodeid)
+
+    return FilesAndSomeTestsAlone(config, log)
+
+
 # A process keeps every program it compiled, and XLA:CPU maps each program's kernels into
 # memory separately: a worker gains hundreds of memory maps per program (about 240 for each
 # program of a tiny model's `generate`). At Linux's limit on a process's maps
