@@ -74,7 +74,9 @@ class ServedAdapters:
 
     async def unload(self, name) -> str:
         """Stops serving `name`; its slot is emptied once no running request reads it."""
-        if name not in self.slots or name is None:
+        if not isinstance(name, str) or not name:
+            raise APIError(400, f"lora_name={name!r} must be a non-empty string", "lora_name")
+        if name not in self.slots:
             raise APIError(404, f"The lora adapter `{name}` is not loaded: this server serves "
                                 f"{', '.join(f'`{n}`' for n in self.served()) or 'none'}",
                            "lora_name", kind="not_found_error")

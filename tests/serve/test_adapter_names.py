@@ -68,6 +68,7 @@ def test_adapters_loaded_and_unloaded_while_serving(tiny_loaded, on_disk):
         gone = post("/v1/completions", model="tiny-a", prompt="x", max_tokens=2)
         assert gone.status_code == 404 and "`tiny-b`" in gone.json()["error"]["message"]
         assert post("/v1/unload_lora_adapter", lora_name="tiny-a").status_code == 404
+        assert post("/v1/unload_lora_adapter").status_code == 400  # no name
         for path, message in (("/adapters/none", "cannot load the adapter in /adapters/none: "
                                                  "no adapter in /adapters/none"),
                               ("/adapters/wide", "adapter 1 has rank 8, more than the "
