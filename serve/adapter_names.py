@@ -69,6 +69,13 @@ class ServedAdapters:
             self._changing.discard(slot)
         return f"Success: LoRA adapter '{name}' added successfully."
 
+    def check_serves(self, name: str, index: int) -> None:
+        """A 404 unless `name` is still what slot `index` serves (0: the base): a request
+        parsed before its adapter was unloaded must not reach the slot's next adapter."""
+        if index and self.slots[index - 1] != name:
+            raise APIError(404, f"The model `{name}` was unloaded while this request was read",
+                           "model", kind="not_found_error")
+
     def _free(self) -> list[int]:
         return [i for i, held in enumerate(self.slots) if held is None and i not in self._changing]
 

@@ -154,6 +154,7 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
             answer = Answer(parsed, loaded.tokenizer)
             if parsed.echo_prompt and parsed.logprobs:
                 for prompt, generation in enumerate(parsed.requests):
+                    served_adapters.check_serves(parsed.model, generation.adapter)
                     scores = await asyncio.wrap_future(
                         engine.score_prompt(generation.prompt, generation.logprobs,
                                             generation.adapter))
@@ -162,6 +163,9 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
                 metrics.count_request("completed")
                 return JSONResponse(_echo_only(answer))
             events: asyncio.Queue = asyncio.Queue()
+            # No await from the check to the engine's queue: an adapter unloaded meanwhile
+            # (its slot then given to another) is a 404, not another adapter's answer.
+            served_adapters.check_serves(parsed.model, parsed.requests[0].adapter)
             tickets = _submit(parsed, events, asyncio.get_running_loop())
         except QueueFull as error:
             metrics.count_request("rejected")

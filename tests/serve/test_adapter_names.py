@@ -100,3 +100,34 @@ def test_without_a_loader_the_adapters_stay_as_served(tiny_loaded, on_disk):
                                          "adapters given"):
         build_app(tiny_loaded, adapters={"x": on_disk["/adapters/a"],
                                          "y": on_disk["/adapters/b"]}, max_adapters=1)
+
+
+def test_a_request_read_before_its_adapter_was_unloaded_never_reaches_the_next_one():
+    import asyncio
+    import concurrent.futures
+
+    from kvjax.serve.adapter_names import ServedAdapters
+    from kvjax.serve.protocol import APIError
+
+    class SlotsOnly:  # an engine that places adapters at once, as one between its chunks
+        def __init__(self):
+            self.placed = {}
+
+        def put_adapter(self, index, adapter):
+            self.placed[index] = adapter
+            done = concurrent.futures.Future()
+            done.set_result(None)
+            return done
+
+    async def run():
+        engine = SlotsOnly()
+        served = ServedAdapters(engine, SERVED_MODEL, ["tiny-a"], 1, load=lambda path: path)
+        served.check_serves("tiny-a", 1)  # read while tiny-a held slot 1
+        served.check_serves(SERVED_MODEL, 0)
+        await served.unload("tiny-a")
+        await served.load("tiny-c", "/adapters/c")  # waits for slot 1 to be emptied
+        assert engine.placed == {1: "/adapters/c"} and served.served() == ["tiny-c"]
+        with pytest.raises(APIError, match="`tiny-a` was unloaded while this request"):
+            served.check_serves("tiny-a", 1)
+
+    asyncio.run(run())
