@@ -226,12 +226,11 @@ class Engine:
         return future
 
     def put_adapter(self, index: int, adapter) -> concurrent.futures.Future:
-        """A future done once slot `index` (1 for the first) of the adapters served holds
-        `adapter` (`(adapters, lora)` trained on the model; None empties it), placed on the
-        engine's thread between chunks: the stack keeps its shapes (`lora_rows.put`), so
-        nothing compiles again. Its ValueError names what the stack cannot hold, or says a
-        request for `index` is still queued or decoding (a slot changes only while no request
-        reads it). Prompts kept for the prefix cache with the slot's old adapter are dropped."""
+        """A future done once adapter slot `index` (from 1) holds `adapter` (`(adapters, lora)`
+        trained on the model; None: empty), placed between chunks with the stack's shapes
+        kept (`lora_rows.put`: nothing compiles again), the prefixes kept with its old
+        adapter dropped. Its ValueError names what the stack cannot hold, or a request for
+        `index` still queued or decoding: a slot changes only while no request reads it."""
         if self.adapters is None:
             raise ValueError("this engine serves no adapters; give it a stack with room for "
                              "them (lora_rows.stack(..., capacity=N))")
@@ -434,6 +433,8 @@ class Engine:
                 tickets.update({id(t.origin): t.origin for t in self._pending})
                 self._pending.clear()
                 scoring, self._scoring = self._scoring, collections.deque()
+                scoring.extend(self._placing)
+                self._placing.clear()
             for *_, future in scoring:
                 future.set_exception(EngineFailed(f"the engine failed: {reset_error}"))
         for ticket in tickets.values():

@@ -180,3 +180,24 @@ def test_the_server_serves_each_adapter_under_its_name(served, tiny_loaded):
         stop()
     with pytest.raises(ValueError, match=f"adapter name '{SERVED_MODEL}' is the model's own"):
         build_app(tiny_loaded, adapters={SERVED_MODEL: adapters["tiny-a"]})
+
+
+def test_a_placement_waiting_on_an_engine_that_cannot_serve_again_hears_why(tiny_lm,
+                                                                            monkeypatch):
+    from kvjax.model import lora_rows
+    from kvjax.serve.engine import EngineFailed
+
+    config, _, params = tiny_lm
+    stack = lora_rows.stack(config, params, [], capacity=1, rank=2, targets=("q",))
+    engine = Engine(config, params, max_slots=2, chunk_size=4, adapters=stack)
+    waiting = engine.put_adapter(1, None)  # queued: no turn has run
+
+    def no_memory(self):
+        raise MemoryError("no memory for the slots")
+
+    monkeypatch.setattr(Engine, "_reset", no_memory)
+    engine._fail_all(RuntimeError("the chunk failed"))
+    with pytest.raises(EngineFailed, match="no memory for the slots"):
+        waiting.result(timeout=0)
+    with pytest.raises(EngineFailed, match="cannot serve again"):
+        engine.put_adapter(1, None)
