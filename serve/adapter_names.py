@@ -27,6 +27,7 @@ class ServedAdapters:
         self.engine, self.base_name, self.load_from = engine, base_name, load
         self.slots: list[str | None] = [*names, *[None] * (capacity - len(names))]
         self._changing: set[int] = set()  # slots being filled or emptied
+        self._loading: set[str] = set()  # names whose adapters are being read
         self._emptying: set[asyncio.Task] = set()
 
     @property
@@ -43,10 +44,9 @@ class ServedAdapters:
         if not isinstance(path, str) or not path:
             raise APIError(400, f"lora_path={path!r} must be a directory on the server",
                            "lora_path")
-        if name == self.base_name or name in self.slots:
-            raise APIError(400, f"The lora adapter `{name}` has already been loaded"
-                           if name in self.slots else f"`{name}` is the base model's name",
-                           "lora_name")
+        if name == self.base_name or name in self.slots or name in self._loading:
+            raise APIError(400, f"`{name}` is the base model's name" if name == self.base_name
+                           else f"The lora adapter `{name}` has already been loaded", "lora_name")
         free = self._free()
         if not free and self._emptying:  # slots unloaded, emptied once their requests end
             await asyncio.wait(set(self._emptying))
@@ -57,16 +57,22 @@ class ServedAdapters:
                                 "with more (--max-loras)", "lora_name")
         slot = free[0]
         self._changing.add(slot)
+        self._loading.add(name)
         try:
-            try:
+            try:  # what the directory holds is the client's: any error reading it is a 400
                 adapter = await asyncio.to_thread(self.load_from, path)
-                await asyncio.wrap_future(self.engine.put_adapter(slot + 1, adapter))
-            except (OSError, ValueError) as error:
+            except Exception as error:  # noqa: BLE001
                 raise APIError(400, f"cannot load the adapter in {path}: {error}",
+                               "lora_path") from None
+            try:
+                await asyncio.wrap_future(self.engine.put_adapter(slot + 1, adapter))
+            except ValueError as error:
+                raise APIError(400, f"cannot serve the adapter in {path}: {error}",
                                "lora_path") from None
             self.slots[slot] = name
         finally:
             self._changing.discard(slot)
+            self._loading.discard(name)
         return f"Success: LoRA adapter '{name}' added successfully."
 
     def check_serves(self, name: str, index: int) -> None:

@@ -71,7 +71,8 @@ def test_adapters_loaded_and_unloaded_while_serving(tiny_loaded, on_disk):
         assert post("/v1/unload_lora_adapter").status_code == 400  # no name
         for path, message in (("/adapters/none", "cannot load the adapter in /adapters/none: "
                                                  "no adapter in /adapters/none"),
-                              ("/adapters/wide", "adapter 1 has rank 8, more than the "
+                              ("/adapters/wide", "cannot serve the adapter in /adapters/"
+                                                 "wide: adapter 1 has rank 8, more than the "
                                                  "stack's 4")):
             refused = post("/v1/load_lora_adapter", lora_name="tiny-c", lora_path=path)
             assert refused.status_code == 400 and message in refused.json()["error"]["message"]
@@ -105,6 +106,7 @@ def test_without_a_loader_the_adapters_stay_as_served(tiny_loaded, on_disk):
 def test_a_request_read_before_its_adapter_was_unloaded_never_reaches_the_next_one():
     import asyncio
     import concurrent.futures
+    import time
 
     from kvjax.serve.adapter_names import ServedAdapters
     from kvjax.serve.protocol import APIError
@@ -129,5 +131,12 @@ def test_a_request_read_before_its_adapter_was_unloaded_never_reaches_the_next_o
         assert engine.placed == {1: "/adapters/c"} and served.served() == ["tiny-c"]
         with pytest.raises(APIError, match="`tiny-a` was unloaded while this request"):
             served.check_serves("tiny-a", 1)
+        # Two loads of one name at once: one serves it, the other is refused.
+        slow = ServedAdapters(engine, SERVED_MODEL, [], 2,
+                              load=lambda path: time.sleep(0.2) or path)
+        results = await asyncio.gather(slow.load("tiny-d", "/one"), slow.load("tiny-d", "/two"),
+                                       return_exceptions=True)
+        assert isinstance(results[0], str) and isinstance(results[1], APIError)
+        assert "already been loaded" in str(results[1].body()) and slow.served() == ["tiny-d"]
 
     asyncio.run(run())
