@@ -182,6 +182,8 @@ def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams
                 adapter_B=jnp.asarray(filled(row_adapters.adapter_B, fill)))
         if rng.ndim:
             rng = jnp.concatenate([rng, jnp.repeat(rng[-1:], fill)])
+    if row_adapters is not None:  # the stack whole on every device of a mesh
+        row_adapters = row_adapters.replace(stack=lora_rows.placed(row_adapters.stack, mesh))
     if mesh is not None:
         padded = jax.device_put(padded, parallel.rows(mesh, 2))
         lengths = jax.device_put(lengths, parallel.rows(mesh))
@@ -193,8 +195,7 @@ def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams
         num_samples=num_samples, processors=processors, state=state, mesh=mesh,
         speculative=speculative, plan=default_plan(rows), num_beams=num_beams,
         constraints=automaton.for_rows([a for a in automata for _ in range(num_samples)]),
-        adapters=row_adapters if row_adapters is None or mesh is None else
-        row_adapters.replace(stack=lora_rows.placed(row_adapters.stack, mesh)),
+        adapters=row_adapters,
     )
 
 

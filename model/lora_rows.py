@@ -157,8 +157,8 @@ def put(config: TransformerConfig, params, adapter_stack: AdapterStack, index: i
         if lora.rank > rank:
             raise ValueError(f"adapter {index} has rank {lora.rank}, more than the stack's "
                              f"{rank}")
-        _refuse_experts(config, params, index, lora)
         for path, target, _ in L.sites(config, params, lora):
+            _refuse_expert_site(params, index, path, target)
             where = (*path, L.KERNELS[target][0], target)
             if where not in held:
                 have = sorted({w[-1] for w in held}, key=L.TARGETS.index)
@@ -181,10 +181,14 @@ def put(config: TransformerConfig, params, adapter_stack: AdapterStack, index: i
 
 def _refuse_experts(config: TransformerConfig, params, index: int, lora: L.LoRA) -> None:
     for path, target, _ in L.sites(config, params, lora):
-        if L.in_experts(params, path, target):
-            raise ValueError(f"adapter {index} adapts a mixture's experts ({target!r}): "
-                             "adapters served side by side cover attention and "
-                             "feed-forward kernels; merge this one into the model instead")
+        _refuse_expert_site(params, index, path, target)
+
+
+def _refuse_expert_site(params, index: int, path: tuple[str, ...], target: str) -> None:
+    if L.in_experts(params, path, target):
+        raise ValueError(f"adapter {index} adapts a mixture's experts ({target!r}): adapters "
+                         "served side by side cover attention and feed-forward kernels; "
+                         "merge this one into the model instead")
 
 
 def _entries(pairs: dict, path: tuple[str, ...] = ()):
