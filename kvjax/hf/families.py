@@ -3,8 +3,8 @@
 A reader takes the file through a `Reader`, which accounts for every key: what a family's
 transformers implementation reads becomes a field, a key holding another value than the
 one kvjax runs is refused by name. The families built on Llama's layer are read in
-`llama_like.py`; here, GPT-2's descendants (OPT, and GPT-NeoX and Phi with their parallel
-layers) and Marian.
+`llama_like.py`, those of them that norm each sublayer's output in `output_norms.py`; here,
+GPT-2's descendants (OPT, and GPT-NeoX and Phi with their parallel layers) and Marian.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from .llama_like import READERS as LLAMA_LIKE
+from .output_norms import READERS as OUTPUT_NORMS
 from .reader import Reader
 from .rope import partial_rope, rope_settings
 
@@ -125,4 +126,4 @@ def _marian(c: Reader) -> dict[str, Any]:
 
 
 READERS = {"gpt2": _gpt2, "opt": _opt, "gpt_neox": _gpt_neox, "phi": _phi, **LLAMA_LIKE,
-           "marian": _marian}
+           **OUTPUT_NORMS, "marian": _marian}

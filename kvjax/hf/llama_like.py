@@ -1,7 +1,7 @@
 """The `config.json` readers of the families built on Llama's layer: RMSNorm (or LayerNorm)
 before each sublayer, RoPE, a gated FFN (or a plain one), GQA; with their variations of
 norms, windows and scales (Qwen, SmolLM3, Granite, Mistral, Ministral, Phi-3, StableLM,
-StarCoder2, Gemma, OLMo, GLM-4, Helium, ERNIE 4.5, Seed-OSS) and those whose FFN is a
+StarCoder2, Gemma, GLM-4, Helium, ERNIE 4.5, Seed-OSS) and those whose FFN is a
 mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoE, gpt-oss). `READERS`
 maps each model type to its reader."""
 
@@ -15,7 +15,7 @@ from .reader import Reader
 from .rope import partial_rope, rope_of, rope_settings, ropes_by_layer_type
 
 
-def _llama_like(c: Reader, *, qkv_bias: bool, out_bias: bool, ffn_bias: bool,
+def llama_like_fields(c: Reader, *, qkv_bias: bool, out_bias: bool, ffn_bias: bool,
                 activation_key: str = "hidden_act", rope: dict[str, Any] | None = None,
                 activation: str | None = None, gated: bool = True):
     width, heads = c.require("hidden_size"), c.require("num_attention_heads")
@@ -47,7 +47,8 @@ def _gated(activation: str, source: str) -> str:
 
 def _llama(c: Reader) -> dict[str, Any]:
     bias = bool(c.get("attention_bias", False))
-    return _llama_like(c, qkv_bias=bias, out_bias=bias, ffn_bias=bool(c.get("mlp_bias", False)))
+    return llama_like_fields(c, qkv_bias=bias, out_bias=bias,
+                             ffn_bias=bool(c.get("mlp_bias", False)))
 
 
 def _full_attention_layers(c: Reader) -> None:
@@ -73,7 +74,7 @@ def _qwen_windows(c: Reader, layers: int) -> dict[str, Any]:
         _full_attention_layers(c)
         return {}
     first_sliding = c.get("max_window_layers", 28)
-    window, full = _sliding_layers(
+    window, full = sliding_layers(
         c, ["sliding_attention" if i >= first_sliding else "full_attention"
             for i in range(layers)], window_default=4096)
     if len(full) == layers:
@@ -82,7 +83,7 @@ def _qwen_windows(c: Reader, layers: int) -> dict[str, Any]:
 
 
 def _qwen2(c: Reader) -> dict[str, Any]:
-    fields = _llama_like(c, qkv_bias=True, out_bias=False, ffn_bias=False)
+    fields = llama_like_fields(c, qkv_bias=True, out_bias=False, ffn_bias=False)
     return {**fields, **_qwen_windows(c, fields["num_decoder_layers"])}
 
 
@@ -90,7 +91,7 @@ def _qwen3(c: Reader) -> dict[str, Any]:
     """Qwen2's architecture with RMSNorm over each head's query and key and, by default, no
     biases."""
     bias = bool(c.get("attention_bias", False))
-    fields = {**_llama_like(c, qkv_bias=bias, out_bias=bias, ffn_bias=False), "qk_norm": True}
+    fields = {**llama_like_fields(c, qkv_bias=bias, out_bias=bias, ffn_bias=False), "qk_norm": True}
     return {**fields, **_qwen_windows(c, fields["num_decoder_layers"])}
 
 
@@ -115,7 +116,7 @@ def _qwen2_moe(c: Reader) -> dict[str, Any]:
     c.expect("decoder_sparse_step", 1, 1, "dense FFNs between the expert layers")
     c.expect("mlp_only_layers", [], [], "dense FFNs in some layers")
     _full_attention_layers(c)
-    attention = _llama_like(c, qkv_bias=bool(c.get("qkv_bias", True)), out_bias=False,
+    attention = llama_like_fields(c, qkv_bias=bool(c.get("qkv_bias", True)), out_bias=False,
                             ffn_bias=False)
     fields = {**attention, "d_ff": c.require("moe_intermediate_size"),
               "shared_expert_d_ff": c.require("shared_expert_intermediate_size"),
@@ -170,10 +171,10 @@ def _gpt_oss(c: Reader) -> dict[str, Any]:
                                         f"{method!r} is not supported (gpt-oss: 'mxfp4', its "
                                         "experts' weights, unpacked as they load)")
     bias = bool(c.get("attention_bias", True))
-    fields = _llama_like(c, qkv_bias=bias, out_bias=bias, ffn_bias=True,
+    fields = llama_like_fields(c, qkv_bias=bias, out_bias=bias, ffn_bias=True,
                          activation="clamped_swiglu", gated=False)
     layers = fields["num_decoder_layers"]
-    window, full = _sliding_layers(c, ["sliding_attention" if i % 2 == 0 else "full_attention"
+    window, full = sliding_layers(c, ["sliding_attention" if i % 2 == 0 else "full_attention"
                                        for i in range(layers)], window_default=128)
     return {**fields, **_experts(c, normalize=True), "sliding_window": window,
             "full_attention_layers": full if window is not None else (),
@@ -217,7 +218,7 @@ def _granitemoe(c: Reader) -> dict[str, Any]:
 def _mistral(c: Reader) -> dict[str, Any]:
     """Llama's architecture where every layer attends over the last `sliding_window`
     positions (null: all of them)."""
-    return {**_llama_like(c, qkv_bias=False, out_bias=False, ffn_bias=False),
+    return {**llama_like_fields(c, qkv_bias=False, out_bias=False, ffn_bias=False),
             "sliding_window": c.get("sliding_window")}
 
 
@@ -241,7 +242,7 @@ def _phi3(c: Reader) -> dict[str, Any]:
                          ("interpolate_factor", "positions not interpolated")):
         c.expect(key, 1, 1, f"Phi-4 mini's files hold 1, {meaning}; transformers' Phi-3 "
                             "ignores the key, so only that value runs as it does")
-    return {**_llama_like(c, qkv_bias=False, out_bias=False, ffn_bias=False,
+    return {**llama_like_fields(c, qkv_bias=False, out_bias=False, ffn_bias=False,
                           rope=rope_of(c, phi3=True)),
             "sliding_window": c.get("sliding_window")}
 
@@ -258,7 +259,7 @@ def _glm(c: Reader, post_norms: bool = False) -> dict[str, Any]:
     width, heads = c.require("hidden_size"), c.require("num_attention_heads")
     rope = partial_rope(c, rope_settings(c), c.get("partial_rotary_factor", 0.5),
                         c.get("rope_theta", 10000.0), c.get("head_dim") or width // heads)
-    fields = _llama_like(c, qkv_bias=bool(c.get("attention_bias", True)), out_bias=False,
+    fields = llama_like_fields(c, qkv_bias=bool(c.get("attention_bias", True)), out_bias=False,
                          ffn_bias=False, rope=rope)
     return {**fields, "sandwich_norms": True} if post_norms else fields
 
@@ -267,7 +268,7 @@ def _helium(c: Reader) -> dict[str, Any]:
     """Helium (Kyutai, 2B): Llama's layout whose RoPE turns pairs of each head's dimensions
     (read as GLM's are, `weights.rope_halves_order`), biases on q, k and v where
     `attention_bias`, none on the output."""
-    return _llama_like(c, qkv_bias=bool(c.get("attention_bias", False)), out_bias=False,
+    return llama_like_fields(c, qkv_bias=bool(c.get("attention_bias", False)), out_bias=False,
                        ffn_bias=bool(c.get("mlp_bias", False)))
 
 
@@ -275,14 +276,14 @@ def _ernie4_5(c: Reader) -> dict[str, Any]:
     """ERNIE 4.5 (Baidu's dense 0.3B): Llama's layout whose RoPE turns pairs of each head's
     dimensions (as Helium's), biases on every projection where `use_bias`."""
     bias = bool(c.get("use_bias", False))
-    return _llama_like(c, qkv_bias=bias, out_bias=bias, ffn_bias=bias)
+    return llama_like_fields(c, qkv_bias=bias, out_bias=bias, ffn_bias=bias)
 
 
 def _seed_oss(c: Reader) -> dict[str, Any]:
     """Seed-OSS (ByteDance, 36B): Llama's layout with biases on q, k and v
     (`attention_bias`, on by default), on the output where `attention_out_bias`, on the FFN
     where `mlp_bias`."""
-    return _llama_like(c, qkv_bias=bool(c.get("attention_bias", True)),
+    return llama_like_fields(c, qkv_bias=bool(c.get("attention_bias", True)),
                        out_bias=bool(c.get("attention_out_bias", False)),
                        ffn_bias=bool(c.get("mlp_bias", False)))
 
@@ -290,9 +291,9 @@ def _seed_oss(c: Reader) -> dict[str, Any]:
 def _ministral(c: Reader) -> dict[str, Any]:
     """Ministral (8B): Mistral's layers, each over a sliding window or all positions as
     `layer_types` says (every layer over the window where it names none)."""
-    fields = _llama_like(c, qkv_bias=False, out_bias=False, ffn_bias=False)
+    fields = llama_like_fields(c, qkv_bias=False, out_bias=False, ffn_bias=False)
     kind = "full_attention" if c.get("sliding_window", 4096) is None else "sliding_attention"
-    window, full = _sliding_layers(c, [kind] * fields["num_decoder_layers"],
+    window, full = sliding_layers(c, [kind] * fields["num_decoder_layers"],
                                    window_default=4096)
     return {**fields, "sliding_window": window, "full_attention_layers": full}
 
@@ -307,7 +308,7 @@ def _stablelm(c: Reader) -> dict[str, Any]:
     width, heads = c.require("hidden_size"), c.require("num_attention_heads")
     rope = partial_rope(c, rope_settings(c), c.get("partial_rotary_factor", 0.25),
                          c.get("rope_theta", 10000.0), width // heads)
-    return {**_llama_like(c, qkv_bias=bool(c.get("use_qkv_bias", False)), out_bias=False,
+    return {**llama_like_fields(c, qkv_bias=bool(c.get("use_qkv_bias", False)), out_bias=False,
                           ffn_bias=False, rope=rope),
             "norm_type": "layernorm", "layer_norm_eps": c.get("layer_norm_eps", 1e-5)}
 
@@ -317,20 +318,20 @@ def _starcoder2(c: Reader) -> dict[str, Any]:
     an FFN of tanh GELU without a gate (`c_fc`, `c_proj`), every layer over the last
     `sliding_window` positions where it is set."""
     bias = bool(c.get("use_bias", True))
-    return {**_llama_like(c, qkv_bias=bias, out_bias=bias, ffn_bias=bias, gated=False,
+    return {**llama_like_fields(c, qkv_bias=bias, out_bias=bias, ffn_bias=bias, gated=False,
                           activation=c.activation("hidden_act", "gelu_pytorch_tanh")),
             "norm_type": "layernorm", "layer_norm_eps": c.get("norm_epsilon", 1e-5),
             "sliding_window": c.get("sliding_window")}
 
 
-def _every_nth_full(layers: int, pattern: int) -> list[str]:
+def every_nth_full(layers: int, pattern: int) -> list[str]:
     """The layer types of a model whose every `pattern`-th layer attends over all positions
     and the others over a sliding window."""
     return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
             for i in range(layers)]
 
 
-def _sliding_layers(c: Reader, default_types: list[str], window_default=None):
+def sliding_layers(c: Reader, default_types: list[str], window_default=None):
     """(sliding_window, full_attention_layers) of a model whose layers mix sliding-window
     and full attention: `layer_types` names each layer's, or else `default_types`. A window
     of null leaves every layer full, which only a model without sliding layers may ask."""
@@ -359,10 +360,10 @@ def _gemma(c: Reader, rope: dict[str, Any], default_pattern: int) -> dict[str, A
     c.get("hidden_act")  # transformers' Gemma reads hidden_activation only
     c.expect("use_bidirectional_attention", False, False, "kvjax's Gemma is causal")
     bias = bool(c.get("attention_bias", False))
-    fields = _llama_like(c, qkv_bias=bias, out_bias=bias, ffn_bias=False,
+    fields = llama_like_fields(c, qkv_bias=bias, out_bias=bias, ffn_bias=False,
                          activation_key="hidden_activation", rope=rope)
     pattern = c.get("sliding_window_pattern", c.get("_sliding_window_pattern", default_pattern))
-    window, full = _sliding_layers(c, _every_nth_full(fields["num_decoder_layers"], pattern))
+    window, full = sliding_layers(c, every_nth_full(fields["num_decoder_layers"], pattern))
     c.expect("sliding_window_size", window, window, "older files repeat sliding_window")
     return {**fields, "scale_embeddings": True, "norm_unit_offset": True,
             "sandwich_norms": True, "sliding_window": window, "full_attention_layers": full,
@@ -380,7 +381,7 @@ def _gemma1(c: Reader) -> dict[str, Any]:
     activation = "gelu" if c.get("hidden_act") == "gelu" else c.activation(
         "hidden_act", "gelu_pytorch_tanh")
     bias = bool(c.get("attention_bias", False))
-    return {**_llama_like(c, qkv_bias=bias, out_bias=bias, ffn_bias=False,
+    return {**llama_like_fields(c, qkv_bias=bias, out_bias=bias, ffn_bias=False,
                           activation=activation),
             "scale_embeddings": True, "norm_unit_offset": True}
 
@@ -402,44 +403,21 @@ def _gemma3(c: Reader) -> dict[str, Any]:
     return fields
 
 
-def _olmo2(c: Reader, rope: dict[str, Any] | None = None) -> dict[str, Any]:
-    """OLMo 2: Llama's layout with each sublayer's RMSNorm on its output, x + norm(f(x)),
-    and one RMSNorm over all heads' queries (and one over the keys) before RoPE."""
-    bias = bool(c.get("attention_bias", False))
-    return {**_llama_like(c, qkv_bias=bias, out_bias=bias, ffn_bias=False, rope=rope),
-            "norm": "output", "qk_norm": True, "qk_norm_across_heads": True,
-            "layer_norm_eps": c.get("rms_norm_eps", 1e-5)}
-
-
 def _olmoe(c: Reader) -> dict[str, Any]:
     """OLMoE (1B-7B): Llama's pre-norm layers with one RMSNorm over all heads' queries (and
     one over the keys) before RoPE, and a mixture of experts in every layer, whose weights
     are divided by their sum only where `norm_topk_prob`."""
     c.expect("clip_qkv", None, None, "queries, keys and values clipped")
     bias = bool(c.get("attention_bias", False))
-    return {**_llama_like(c, qkv_bias=bias, out_bias=bias, ffn_bias=False),
+    return {**llama_like_fields(c, qkv_bias=bias, out_bias=bias, ffn_bias=False),
             "qk_norm": True, "qk_norm_across_heads": True,
             "layer_norm_eps": c.get("rms_norm_eps", 1e-5),
             **_experts(c, bool(c.get("norm_topk_prob", False)))}
 
 
-def _olmo3(c: Reader) -> dict[str, Any]:
-    """OLMo 3: OLMo 2's layers, three of every four attending over a sliding window (by
-    default) and turning with unscaled RoPE where the full layers may scale theirs."""
-    rope, local_base = ropes_by_layer_type(c, 500000.0, None)
-    fields = _olmo2(c, rope)
-    window, full = _sliding_layers(c, _every_nth_full(fields["num_decoder_layers"], 4),
-                                   window_default=4096)
-    fields.update(sliding_window=window, full_attention_layers=full)
-    if window is not None and (local_base != rope["rope_base"]
-                               or rope.get("rope_scaling", "none") != "none"):
-        fields["local_rope_base"] = local_base
-    return fields
-
-
 READERS = {"llama": _llama, "mistral": _mistral, "phi3": _phi3, "qwen2": _qwen2,
            "qwen3": _qwen3, "smollm3": _smollm3, "granite": _granite, "gemma2": _gemma2,
-           "gemma3_text": _gemma3, "olmo2": _olmo2, "olmo3": _olmo3, "stablelm": _stablelm,
+           "gemma3_text": _gemma3, "stablelm": _stablelm,
            "gemma": _gemma1, "starcoder2": _starcoder2, "mixtral": _mixtral,
            "qwen3_moe": _qwen3_moe, "olmoe": _olmoe, "granitemoe": _granitemoe,
            "qwen2_moe": _qwen2_moe, "gpt_oss": _gpt_oss, "glm": _glm,

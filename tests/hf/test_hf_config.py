@@ -1,6 +1,9 @@
 """The `config.json` readers of `kvjax.hf` (`config.py`, `families.py`, `llama_like.py`,
-`rope.py`): a setting kvjax does not run is one error naming it, raised before anything is
-computed; files written the older ways read as the fixtures' (tests/fixtures/hf_models) do."""
+`output_norms.py`, `rope.py`): a setting kvjax does not run is one error naming it, raised
+before anything is computed; files written the older ways read as the fixtures'
+(tests/fixtures/hf_models) do."""
+
+import json
 
 import pytest
 from test_hf_models import FIXTURES, copy_of, edit_config
@@ -10,10 +13,10 @@ from kvjax import hf
 
 @pytest.mark.parametrize("name, changes, message", [
     ("gpt2", dict(model_type="bert"),
-     "model_type 'bert' is not supported; kvjax loads ernie4_5, gemma, gemma2, gemma3_text, "
-     "glm, glm4, gpt2, gpt_neox, gpt_oss, granite, granitemoe, helium, llama, marian, ministral, "
-     "mistral, mixtral, olmo2, olmo3, olmoe, opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, "
-     "seed_oss, smollm3, stablelm, starcoder2"),
+     "model_type 'bert' is not supported; kvjax loads ernie4_5, exaone4, gemma, gemma2, "
+     "gemma3_text, glm, glm4, gpt2, gpt_neox, gpt_oss, granite, granitemoe, helium, llama, "
+     "marian, ministral, mistral, mixtral, olmo2, olmo3, olmoe, opt, phi, phi3, qwen2, "
+     "qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, stablelm, starcoder2"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
                                         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
      'rope settings {"partial_rotary_factor": 0.5} are not supported for rope type \'yarn\''),
@@ -54,6 +57,10 @@ from kvjax import hf
         "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
      "scaled RoPE on sliding_attention layers is not supported"),
     ("olmo3", dict(sliding_window=0), "sliding_window=0 must be >= 1 or None"),
+    ("exaone4", dict(layer_types=None, sliding_window_pattern="LXG"),
+     "sliding_window_pattern='LXG' must be a string of L (local) and G (global) layers"),
+    ("exaone4", dict(layer_types=None, sliding_window_pattern=True),
+     "sliding_window_pattern=True must be an integer >= 1 or a string of L and G"),
     ("olmo3", dict(layer_types=["full_attention"] * 2),
      "must name 'full_attention' or 'sliding_attention' for each of the 3 layers"),
     ("gpt_neox", dict(rope_parameters={"rope_type": "default", "rope_theta": 20000.0,
@@ -149,6 +156,34 @@ def test_an_olmo3_file_without_a_window_takes_the_one_transformers_gives_it(tmp_
     directory = copy_of("olmo3", tmp_path)
     edit_config(directory, sliding_window=None)
     assert hf.load_pretrained(directory)[0].sliding_window == 4096
+
+
+@pytest.mark.parametrize("changes", [dict(layer_types=None),
+                                     dict(layer_types=None, sliding_window_pattern=3)])
+def test_an_exaone4_file_without_layer_types_reads_its_pattern(tmp_path, changes):
+    """EXAONE 4.0 32B's file writes its pattern as "LLLG" beside its layer types."""
+    directory = copy_of("exaone4", tmp_path)
+    edit_config(directory, **changes)
+    config = hf.load_pretrained(directory)[0]
+    assert (config.sliding_window, config.full_attention_layers,
+            config.unrotated_layers) == (4, (2,), (2,))
+
+
+def test_an_exaone4_file_turns_every_layer_with_rope_only_without_a_window(tmp_path):
+    """EXAONE 4.0 1.2B's file has no window: every layer attends over every position and
+    turns with RoPE. With a window, the global layers have no position encoding, even where
+    every layer is global (transformers' default window where the file names none)."""
+    directory = copy_of("exaone4", tmp_path)
+    edit_config(directory, layer_types=["full_attention"] * 3)
+    path = directory / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "sliding_window": None}))
+    config = hf.load_pretrained(directory)[0]
+    assert (config.sliding_window, config.full_attention_layers,
+            config.unrotated_layers) == (None, (), ())
+    edit_config(directory, sliding_window=None)  # the key gone
+    config = hf.load_pretrained(directory)[0]
+    assert (config.sliding_window, config.full_attention_layers,
+            config.unrotated_layers) == (4096, (0, 1, 2), (0, 1, 2))
 
 
 def test_a_directory_without_config_is_named(tmp_path):

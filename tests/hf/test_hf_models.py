@@ -27,7 +27,7 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "gemma2", "gemma3_text", "smollm3", "granite", "olmo2", "olmo3", "gpt_neox",
          "phi", "stablelm", "opt", "gemma", "starcoder2", "mixtral", "qwen3_moe", "olmoe",
          "granitemoe", "qwen2_moe", "gpt_oss", "gpt_oss_mxfp4", "glm", "glm4", "helium",
-         "ernie4_5", "seed_oss", "ministral")
+         "ernie4_5", "seed_oss", "ministral", "exaone4")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -36,7 +36,8 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                "starcoder2": "starcoder2", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe",
                "olmoe": "olmoe", "granitemoe": "granitemoe", "qwen2_moe": "qwen2_moe",
                "gpt_oss": "gpt_oss", "gpt_oss_mxfp4": "gpt_oss", "glm": "glm", "glm4": "glm4",
-               **{name: name for name in ("helium", "ernie4_5", "seed_oss", "ministral")}}
+               **{name: name for name in ("helium", "ernie4_5", "seed_oss", "ministral",
+                                          "exaone4")}}
 
 
 @pytest.fixture(scope="module")
@@ -105,11 +106,12 @@ def check_logits_and_greedy_tokens(config, params, record, logits):
 # `generate` decodes. `generate` itself (a prefill, then steps through the cache) and
 # beam search (which reorders the cache) run on one family of each kind of cache: learned
 # positions, an encoder's, sliding windows, windows beside full layers with softcapped scores,
-# each layer's own RoPE base beside windows, a layer without positions, a mixture of experts
+# each layer's own RoPE base beside windows, a layer without positions (and one beside
+# windowed layers with RoPE and norms on each sublayer's output), a mixture of experts
 # with a shared expert. Cached decoding equals the full forward for every option the families
 # use (tests/model/test_transformer.py and the options' own tests).
 BEAM_FAMILIES = ("gpt2", "marian", "mistral", "gemma2", "qwen2_moe")
-GENERATE_FAMILIES = BEAM_FAMILIES + ("gemma3_text", "smollm3")
+GENERATE_FAMILIES = BEAM_FAMILIES + ("gemma3_text", "smollm3", "exaone4")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -118,11 +120,11 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     record, logits = expected(name)
     assert config.tie_embeddings == (name in ("gpt2", "llama_mqa", "marian", "qwen3", "gemma2",
                                               "smollm3", "opt", "gemma", "starcoder2",
-                                              "granitemoe", "ernie4_5"))
+                                              "granitemoe", "ernie4_5", "exaone4"))
     assert config.qk_norm == (name in ("qwen3", "gemma3_text", "olmo2", "olmo3", "qwen3_moe",
-                                       "olmoe"))
+                                       "olmoe", "exaone4"))
     assert config.qk_norm_across_heads == name.startswith("olmo")
-    assert (config.norm == "output") == (name in ("olmo2", "olmo3"))
+    assert (config.norm == "output") == (name in ("olmo2", "olmo3", "exaone4"))
     assert (config.num_experts, config.experts_per_token, config.normalize_expert_weights) == {
         "mixtral": (4, 2, True), "qwen3_moe": (8, 2, True), "olmoe": (8, 3, False),
         "granitemoe": (4, 2, True), "qwen2_moe": (8, 2, False)}.get(
@@ -135,12 +137,13 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
         (40, True) if name == "qwen2_moe" else (0, False))
     assert config.sliding_window == {"mistral": 4, "phi3": 6, "gemma2": 4,
                                      "gemma3_text": 5, "olmo3": 4, "starcoder2": 4,
-                                     "qwen2": 4, "ministral": 4}.get(name, 4 if gpt_oss else None)
+                                     "qwen2": 4, "ministral": 4, "exaone4": 4}.get(
+        name, 4 if gpt_oss else None)
     assert config.full_attention_layers == {"gemma2": (1,), "gemma3_text": (2,),
-                                            "olmo3": (1,), "qwen2": (0,), "ministral": (1,)}.get(
-        name, (1,) if gpt_oss else ())
+                                            "olmo3": (1,), "qwen2": (0,), "ministral": (1,),
+                                            "exaone4": (2,)}.get(name, (1,) if gpt_oss else ())
     assert config.local_rope_base == {"gemma3_text": 10000.0, "olmo3": 50000.0}.get(name)
-    assert config.unrotated_layers == {"smollm3": (1,)}.get(name, ())
+    assert config.unrotated_layers == {"smollm3": (1,), "exaone4": (2,)}.get(name, ())
     biases = (config.qkv_bias, config.out_bias, config.ffn_bias)
     assert biases == {"helium": (True, False, False), "ernie4_5": (True, True, True),
                       "seed_oss": (True, True, False)}.get(name, biases)
