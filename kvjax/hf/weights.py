@@ -38,7 +38,8 @@ from .tensors import Params, WeightFiles
 LAYOUTS = {"gpt2": "gpt2", "phi3": "fused", "marian": "marian", "gpt_neox": "gpt_neox",
            "phi": "phi", "opt": "opt", "starcoder2": "plain_mlp", "mixtral": "mixtral",
            "granitemoe": "granitemoe", "gpt_oss": "gpt_oss", "glm": "glm", "glm4": "glm",
-           "helium": "llama_pairs", "ernie4_5": "llama_pairs",
+           "helium": "llama_pairs", "ernie4_5": "llama_pairs", "cohere": "cohere",
+           "cohere2": "cohere",
            **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite",
                             "gemma2", "gemma3_text", "olmo2", "olmo3", "stablelm", "gemma",
                             "qwen3_moe", "olmoe", "qwen2_moe", "seed_oss", "ministral",
@@ -68,6 +69,7 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
               "gpt_oss": functools.partial(_llama_like, experts=_experts_interleaved),
               "glm": functools.partial(_llama_like, fused_mlp=True, rope_pairs=True),
               "llama_pairs": functools.partial(_llama_like, rope_pairs=True),
+              "cohere": functools.partial(_llama_like, rope_pairs=True, norm_bias=False),
               **gpt_weights.READERS}[LAYOUTS[model_type]]
     ignorable = mapper(config, params)
     return params.tree(ignorable)
@@ -86,6 +88,9 @@ _SANDWICH_NORMS = {"attention_block/norm": "input_layernorm",
 
 _OUTPUT_NORMS = {"attention_block/norm": "post_attention_layernorm",
                  "ffn_block/norm": "post_feedforward_layernorm"}  # OLMo's, on each output
+
+
+_SHARED_NORM = {"attention_block/norm": "input_layernorm"}  # Cohere's parallel layer
 
 
 _GLM4_NORMS = {"attention_block/norm": "input_layernorm",
@@ -115,14 +120,16 @@ def rope_halves_from_pairs(rows_OX: np.ndarray, heads: int, head_dim: int, rotar
 
 def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
                 plain_mlp: bool = False, experts=None, fused_mlp: bool = False,
-                rope_pairs: bool = False):
+                rope_pairs: bool = False, norm_bias: bool = True):
     """Llama and its kin, Gemma's, OLMo's and GLM-4's norms and StableLM's LayerNorms
     included. `fused` (Phi-3): q, k and v are rows of one `qkv_proj`, and the gate and up
     projections the two halves of one `gate_up_proj`; `fused_mlp` (GLM): the latter alone.
     `rope_pairs` (GLM): RoPE turns pairs of each head's query and key dimensions, reordered
-    into halves here (`rope_halves_from_pairs`). `plain_mlp` (StarCoder2): an FFN without a
-    gate, `c_fc` then `c_proj`. `experts(p, layer, dst, c)` reads a layer's mixture of
-    experts (None: `_experts_apart` as Qwen3-MoE and OLMoE name them)."""
+    into halves here (`rope_halves_from_pairs`). `norm_bias` False (Cohere): LayerNorms
+    without a bias; with `shared_norm` the attention and the FFN read the input's one norm.
+    `plain_mlp` (StarCoder2): an FFN without a gate, `c_fc` then `c_proj`. `experts(p,
+    layer, dst, c)` reads a layer's mixture of experts (None: `_experts_apart` as Qwen3-MoE
+    and OLMoE name them)."""
     d, h = c.d_model, c.head_dim
     p.set("embedder/embedding/embedding", p.read("model.embed_tokens.weight",
                                                  (c.vocab_size, d)))
@@ -130,9 +137,10 @@ def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
         src, dst = f"model.layers.{i}.", f"layers/{i}/"
         norms = (_GLM4_NORMS if c.sandwich_norms and rope_pairs else
                  _SANDWICH_NORMS if c.sandwich_norms else
-                 _OUTPUT_NORMS if c.norm == "output" else _NORMS)
+                 _OUTPUT_NORMS if c.norm == "output" else
+                 _SHARED_NORM if c.shared_norm else _NORMS)
         for kvjax_name, hf_name in norms.items():
-            tensors.norm(p, f"{src}{hf_name}", f"{dst}{kvjax_name}", c)
+            tensors.norm(p, f"{src}{hf_name}", f"{dst}{kvjax_name}", c, norm_bias)
         if fused:  # rows: the q heads, then the k heads, then the v heads
             heads = c.num_heads + 2 * c.kv_heads
             p.set(dst + "self_attention/qkv/kernel", p.read(
@@ -158,7 +166,7 @@ def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
             (experts or _experts_apart)(p, src, dst + "ffn/", c)
         else:
             _feed_forward(p, src + "mlp.", dst + "ffn/", c, fused or fused_mlp, plain_mlp)
-    tensors.norm(p, "model.norm", "final_norm", c)
+    tensors.norm(p, "model.norm", "final_norm", c, norm_bias)
     tensors.unembed(c, p, "lm_head.weight")
     # Some files keep RoPE's frequencies as a buffer; kvjax computes them from config.json.
     return lambda name: name.endswith(".rotary_emb.inv_freq")

@@ -1,6 +1,6 @@
 """The `config.json` readers of `kvjax.hf` (`config.py`, `families.py`, `llama_like.py`,
-`output_norms.py`, `rope.py`): a setting kvjax does not run is one error naming it, raised
-before anything is computed; files written the older ways read as the fixtures'
+`output_norms.py`, `cohere.py`, `rope.py`): a setting kvjax does not run is one error naming
+it, raised before anything is computed; files written the older ways read as the fixtures'
 (tests/fixtures/hf_models) do."""
 
 import json
@@ -13,10 +13,10 @@ from kvjax import hf
 
 @pytest.mark.parametrize("name, changes, message", [
     ("gpt2", dict(model_type="bert"),
-     "model_type 'bert' is not supported; kvjax loads ernie4_5, exaone4, gemma, gemma2, "
-     "gemma3_text, glm, glm4, gpt2, gpt_neox, gpt_oss, granite, granitemoe, helium, llama, "
-     "marian, ministral, mistral, mixtral, olmo2, olmo3, olmoe, opt, phi, phi3, qwen2, "
-     "qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, stablelm, starcoder2"),
+     "model_type 'bert' is not supported; kvjax loads cohere, cohere2, ernie4_5, exaone4, "
+     "gemma, gemma2, gemma3_text, glm, glm4, gpt2, gpt_neox, gpt_oss, granite, granitemoe, "
+     "helium, llama, marian, ministral, mistral, mixtral, olmo2, olmo3, olmoe, opt, phi, phi3, "
+     "qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, stablelm, starcoder2"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
                                         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
      'rope settings {"partial_rotary_factor": 0.5} are not supported for rope type \'yarn\''),
@@ -61,6 +61,10 @@ from kvjax import hf
      "sliding_window_pattern='LXG' must be a string of L (local) and G (global) layers"),
     ("exaone4", dict(layer_types=None, sliding_window_pattern=True),
      "sliding_window_pattern=True must be an integer >= 1 or a string of L and G"),
+    ("cohere", dict(use_qk_norm=True),
+     "use_qk_norm=true is not supported (a LayerNorm over each head's query and key)"),
+    ("cohere2", dict(layer_types=None, sliding_window_pattern=0),
+     "sliding_window_pattern=0 must be an integer >= 1"),
     ("olmo3", dict(layer_types=["full_attention"] * 2),
      "must name 'full_attention' or 'sliding_attention' for each of the 3 layers"),
     ("gpt_neox", dict(rope_parameters={"rope_type": "default", "rope_theta": 20000.0,
@@ -184,6 +188,20 @@ def test_an_exaone4_file_turns_every_layer_with_rope_only_without_a_window(tmp_p
     config = hf.load_pretrained(directory)[0]
     assert (config.sliding_window, config.full_attention_layers,
             config.unrotated_layers) == (4096, (0, 1, 2), (0, 1, 2))
+
+
+def test_a_cohere2_file_without_layer_types_reads_its_pattern_and_needs_a_window(tmp_path):
+    directory = copy_of("cohere2", tmp_path)
+    edit_config(directory, layer_types=None, sliding_window_pattern=3)
+    config = hf.load_pretrained(directory)[0]
+    assert (config.sliding_window, config.full_attention_layers,
+            config.unrotated_layers) == (4, (2,), (2,))
+    edit_config(directory, sliding_window=None)  # the key gone: transformers' 4,096
+    assert hf.load_pretrained(directory)[0].sliding_window == 4096
+    path = directory / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "sliding_window": None}))
+    with pytest.raises(hf.UnsupportedModelError, match="sliding_window=null is not supported"):
+        hf.load_pretrained(directory)
 
 
 def test_a_directory_without_config_is_named(tmp_path):

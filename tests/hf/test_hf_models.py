@@ -27,7 +27,7 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "gemma2", "gemma3_text", "smollm3", "granite", "olmo2", "olmo3", "gpt_neox",
          "phi", "stablelm", "opt", "gemma", "starcoder2", "mixtral", "qwen3_moe", "olmoe",
          "granitemoe", "qwen2_moe", "gpt_oss", "gpt_oss_mxfp4", "glm", "glm4", "helium",
-         "ernie4_5", "seed_oss", "ministral", "exaone4")
+         "ernie4_5", "seed_oss", "ministral", "exaone4", "cohere", "cohere2")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -37,7 +37,7 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                "olmoe": "olmoe", "granitemoe": "granitemoe", "qwen2_moe": "qwen2_moe",
                "gpt_oss": "gpt_oss", "gpt_oss_mxfp4": "gpt_oss", "glm": "glm", "glm4": "glm4",
                **{name: name for name in ("helium", "ernie4_5", "seed_oss", "ministral",
-                                          "exaone4")}}
+                                          "exaone4", "cohere", "cohere2")}}
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def check_logits_and_greedy_tokens(config, params, record, logits):
 # with a shared expert. Cached decoding equals the full forward for every option the families
 # use (tests/model/test_transformer.py and the options' own tests).
 BEAM_FAMILIES = ("gpt2", "marian", "mistral", "gemma2", "qwen2_moe")
-GENERATE_FAMILIES = BEAM_FAMILIES + ("gemma3_text", "smollm3", "exaone4")
+GENERATE_FAMILIES = BEAM_FAMILIES + ("gemma3_text", "smollm3", "exaone4", "cohere2")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -120,7 +120,8 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     record, logits = expected(name)
     assert config.tie_embeddings == (name in ("gpt2", "llama_mqa", "marian", "qwen3", "gemma2",
                                               "smollm3", "opt", "gemma", "starcoder2",
-                                              "granitemoe", "ernie4_5", "exaone4"))
+                                              "granitemoe", "ernie4_5", "exaone4", "cohere",
+                                              "cohere2"))
     assert config.qk_norm == (name in ("qwen3", "gemma3_text", "olmo2", "olmo3", "qwen3_moe",
                                        "olmoe", "exaone4"))
     assert config.qk_norm_across_heads == name.startswith("olmo")
@@ -137,28 +138,33 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
         (40, True) if name == "qwen2_moe" else (0, False))
     assert config.sliding_window == {"mistral": 4, "phi3": 6, "gemma2": 4,
                                      "gemma3_text": 5, "olmo3": 4, "starcoder2": 4,
-                                     "qwen2": 4, "ministral": 4, "exaone4": 4}.get(
+                                     "qwen2": 4, "ministral": 4, "exaone4": 4, "cohere2": 4}.get(
         name, 4 if gpt_oss else None)
     assert config.full_attention_layers == {"gemma2": (1,), "gemma3_text": (2,),
                                             "olmo3": (1,), "qwen2": (0,), "ministral": (1,),
-                                            "exaone4": (2,)}.get(name, (1,) if gpt_oss else ())
+                                            "exaone4": (2,), "cohere2": (2,)}.get(
+        name, (1,) if gpt_oss else ())
     assert config.local_rope_base == {"gemma3_text": 10000.0, "olmo3": 50000.0}.get(name)
-    assert config.unrotated_layers == {"smollm3": (1,), "exaone4": (2,)}.get(name, ())
+    assert config.unrotated_layers == {"smollm3": (1,), "exaone4": (2,), "cohere2": (2,)}.get(
+        name, ())
     biases = (config.qkv_bias, config.out_bias, config.ffn_bias)
     assert biases == {"helium": (True, False, False), "ernie4_5": (True, True, True),
-                      "seed_oss": (True, True, False)}.get(name, biases)
-    assert config.parallel_residual == (name in ("gpt_neox", "phi"))
-    assert config.shared_norm == (name == "phi")
+                      "seed_oss": (True, True, False), "cohere": (True, True, False),
+                      "cohere2": (False, False, False)}.get(name, biases)
+    assert config.parallel_residual == (name in ("gpt_neox", "phi", "cohere", "cohere2"))
+    assert config.shared_norm == (name in ("phi", "cohere", "cohere2"))
     assert config.logits_bias == (name in ("phi", "marian"))
     assert config.rotary_dim == {"gpt_neox": 4, "phi": 2, "stablelm": 4, "glm": 4,
                                  "glm4": 4}.get(name, config.rotary_dim)
     assert config.sandwich_norms == (name in ("gemma2", "gemma3_text", "glm4"))
     assert (config.norm_type == "layernorm") == (name in ("gpt2", "marian", "gpt_neox", "phi",
-                                                          "stablelm", "opt", "starcoder2"))
+                                                          "stablelm", "opt", "starcoder2",
+                                                          "cohere", "cohere2"))
     assert (config.embedding_multiplier, config.residual_multiplier, config.attention_scale,
             config.logits_scaling) == dict.fromkeys(("granite", "granitemoe"),
                                                     (2.0, 0.5, 0.25, 2.0)).get(
-        name, (1.0, 1.0, config.attention_scale, 1.0))
+        name, (1.0, 1.0, config.attention_scale,
+               {"cohere": 4.0, "cohere2": 2.0}.get(name, 1.0)))
     check_logits_and_greedy_tokens(config, params, record, logits)
     if name in GENERATE_FAMILIES:  # the prompts run as one ragged batch
         greedy = decode.generate(M.build_model(config), params, record["prompts"],
