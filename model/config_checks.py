@@ -17,11 +17,13 @@ POSITIONAL_ENCODINGS = ("sinusoidal", "learned", "rope")
 # last two end their stacks with a norm of their own.
 NORM_PLACEMENTS = ("post", "pre", "output")
 NORM_TYPES = ("layernorm", "rmsnorm")
+# "relu2" is relu(x)² (Nemotron's and Arcee's squared ReLU);
 # "gelu" is the tanh approximation (GPT-2's "gelu_new"), "gelu_exact" the erf form; "silu"
 # (swish) is ungated, "swiglu" is silu(W1 x) * W3 x (Llama's gated feed-forward network),
 # "geglu" is gelu(W1 x) * W3 x with the tanh GELU (Gemma's), "clamped_swiglu" is gpt-oss's
 # SwiGLU of clipped inputs, g · σ(alpha · g) · (u + 1) (`swiglu_alpha`, `swiglu_limit`).
-ACTIVATIONS = ("relu", "gelu", "gelu_exact", "silu", "swiglu", "geglu", "clamped_swiglu")
+ACTIVATIONS = ("relu", "relu2", "gelu", "gelu_exact", "silu", "swiglu", "geglu",
+               "clamped_swiglu")
 GATED_ACTIVATIONS = ("swiglu", "geglu", "clamped_swiglu")
 DTYPES = ("float32", "bfloat16", "float16")
 # What the KV cache may hold: a float dtype, or "int8" with a float32 scale per (token, kv

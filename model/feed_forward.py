@@ -15,6 +15,7 @@ from .config_checks import GATED_ACTIVATIONS
 
 _FUNCTIONS = {
     "relu": nn.relu,
+    "relu2": lambda x: jnp.square(nn.relu(x)),
     "gelu": lambda x: nn.gelu(x, approximate=True),
     "gelu_exact": lambda x: nn.gelu(x, approximate=False),
     "silu": nn.silu,

@@ -1,7 +1,8 @@
 """A Hugging Face `config.json` as a `TransformerConfig`, refusing what kvjax does not run.
 
 `reader.py` accounts for every key of the file, so none is silently ignored; `families.py`
-(with `llama_like.py` and `output_norms.py`) reads each supported model type's keys.
+(with `llama_like.py`, `output_norms.py`, `plain_ffn.py` and `cohere.py`) reads each
+supported model type's keys.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Each supported model type's `config.json` as `TransformerConfig` fields (`READERS`).
 
 A reader takes the file through a `Reader`, which accounts for every key: what a family's
-transformers implementation reads becomes a field, a key holding another value than the
-one kvjax runs is refused by name. The families built on Llama's layer are read in
-`llama_like.py`, those of them that norm each sublayer's output in `output_norms.py`,
-Cohere's in `cohere.py`; here, GPT-2's descendants (OPT, and GPT-NeoX and Phi with their
-parallel layers) and Marian.
+transformers implementation reads becomes a field, a key holding another value than the one
+kvjax runs is refused by name. The families built on Llama's layer are read in
+`llama_like.py`, those of them that norm each sublayer's output in `output_norms.py`, those
+without a gate in their FFN in `plain_ffn.py`, Cohere's in `cohere.py`; here, GPT-2's
+descendants (OPT, and GPT-NeoX and Phi with their parallel layers) and Marian.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 from .cohere import READERS as COHERE
 from .llama_like import READERS as LLAMA_LIKE
 from .output_norms import READERS as OUTPUT_NORMS
+from .plain_ffn import READERS as PLAIN_FFN
 from .reader import Reader
 from .rope import partial_rope, rope_settings
 
@@ -128,4 +129,4 @@ def _marian(c: Reader) -> dict[str, Any]:
 
 
 READERS = {"gpt2": _gpt2, "opt": _opt, "gpt_neox": _gpt_neox, "phi": _phi, **LLAMA_LIKE,
-           **OUTPUT_NORMS, **COHERE, "marian": _marian}
+           **OUTPUT_NORMS, **PLAIN_FFN, **COHERE, "marian": _marian}

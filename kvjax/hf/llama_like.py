@@ -1,9 +1,10 @@
 """The `config.json` readers of the families built on Llama's layer: RMSNorm (or LayerNorm)
-before each sublayer, RoPE, a gated FFN (or a plain one), GQA; with their variations of
-norms, windows and scales (Qwen, SmolLM3, Granite, Mistral, Ministral, Phi-3, StableLM,
-StarCoder2, Gemma, GLM-4, Helium, ERNIE 4.5, Seed-OSS) and those whose FFN is a
-mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoE, gpt-oss). `READERS`
-maps each model type to its reader."""
+before each sublayer, RoPE, a gated FFN, GQA; with their variations of norms, windows and
+scales (Qwen, SmolLM3, Granite, Mistral, Ministral, Phi-3, StableLM, Gemma, GLM-4, Helium,
+ERNIE 4.5, Seed-OSS) and those whose FFN is a mixture of experts (Mixtral, Qwen2-MoE,
+Qwen3-MoE, OLMoE, GraniteMoE, gpt-oss). `READERS` maps each model type to its reader;
+`llama_like_fields` is what every family of Llama's layer shares, here and in the modules of
+the others (`output_norms.py`, `plain_ffn.py`, `cohere.py`)."""
 
 from __future__ import annotations
 
@@ -313,17 +314,6 @@ def _stablelm(c: Reader) -> dict[str, Any]:
             "norm_type": "layernorm", "layer_norm_eps": c.get("layer_norm_eps", 1e-5)}
 
 
-def _starcoder2(c: Reader) -> dict[str, Any]:
-    """StarCoder2 (3B, 7B, 15B): Llama's attention with biases where `use_bias`, LayerNorm,
-    an FFN of tanh GELU without a gate (`c_fc`, `c_proj`), every layer over the last
-    `sliding_window` positions where it is set."""
-    bias = bool(c.get("use_bias", True))
-    return {**llama_like_fields(c, qkv_bias=bias, out_bias=bias, ffn_bias=bias, gated=False,
-                          activation=c.activation("hidden_act", "gelu_pytorch_tanh")),
-            "norm_type": "layernorm", "layer_norm_eps": c.get("norm_epsilon", 1e-5),
-            "sliding_window": c.get("sliding_window")}
-
-
 def every_nth_full(layers: int, pattern: int) -> list[str]:
     """The layer types of a model whose every `pattern`-th layer attends over all positions
     and the others over a sliding window."""
@@ -418,7 +408,7 @@ def _olmoe(c: Reader) -> dict[str, Any]:
 READERS = {"llama": _llama, "mistral": _mistral, "phi3": _phi3, "qwen2": _qwen2,
            "qwen3": _qwen3, "smollm3": _smollm3, "granite": _granite, "gemma2": _gemma2,
            "gemma3_text": _gemma3, "stablelm": _stablelm,
-           "gemma": _gemma1, "starcoder2": _starcoder2, "mixtral": _mixtral,
+           "gemma": _gemma1, "mixtral": _mixtral,
            "qwen3_moe": _qwen3_moe, "olmoe": _olmoe, "granitemoe": _granitemoe,
            "qwen2_moe": _qwen2_moe, "gpt_oss": _gpt_oss, "glm": _glm,
            "glm4": lambda c: _glm(c, post_norms=True), "helium": _helium,

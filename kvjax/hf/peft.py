@@ -86,8 +86,8 @@ _LAYER_PREFIXES = {"gpt2": ("transformer.h", "h"), "opt": ("model.decoder.layers
                    "gpt_neox": ("gpt_neox.layers",)}
 # Modules whose output rows kvjax holds in another order (`_rows_in_kvjax_order`): GPT-NeoX's
 # query_key_value, each head's q, k and v in turn, where kvjax's targets hold every q head,
-# then every k, then every v; GLM's queries and keys, whose RoPE turns pairs of a head's
-# dimensions where kvjax turns halves (`weights.rope_halves_order`).
+# then every k, then every v; GLM's, Helium's and ERNIE's queries and keys, whose RoPE turns
+# pairs of a head's dimensions where kvjax turns halves (`weights.rope_halves_order`).
 _REORDERED_ROWS = {("gpt_neox", "attention.query_key_value"),
                    *((layout, module) for layout in ("glm", "llama_pairs")
                      for module in ("self_attn.q_proj", "self_attn.k_proj"))}

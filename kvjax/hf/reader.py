@@ -49,7 +49,8 @@ INFERENCE_NEUTRAL = frozenset({
 })
 
 ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu_fast": "gelu",
-                "gelu": "gelu_exact", "relu": "relu", "silu": "silu", "swish": "silu"}
+                "gelu": "gelu_exact", "relu": "relu", "relu2": "relu2", "silu": "silu",
+                "swish": "silu"}
 
 
 class Reader:

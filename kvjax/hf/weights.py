@@ -39,7 +39,7 @@ LAYOUTS = {"gpt2": "gpt2", "phi3": "fused", "marian": "marian", "gpt_neox": "gpt
            "phi": "phi", "opt": "opt", "starcoder2": "plain_mlp", "mixtral": "mixtral",
            "granitemoe": "granitemoe", "gpt_oss": "gpt_oss", "glm": "glm", "glm4": "glm",
            "helium": "llama_pairs", "ernie4_5": "llama_pairs", "cohere": "cohere",
-           "cohere2": "cohere",
+           "cohere2": "cohere", "arcee": "up_down_mlp", "nemotron": "nemotron",
            **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite",
                             "gemma2", "gemma3_text", "olmo2", "olmo3", "stablelm", "gemma",
                             "qwen3_moe", "olmoe", "qwen2_moe", "seed_oss", "ministral",
@@ -62,7 +62,10 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
                          "model.with_layer_layout")
     params = Params(config, files, dtype)
     mapper = {"llama": _llama_like, "fused": functools.partial(_llama_like, fused=True),
-              "plain_mlp": functools.partial(_llama_like, plain_mlp=True),
+              "plain_mlp": functools.partial(_llama_like, plain_mlp=("c_fc", "c_proj")),
+              "up_down_mlp": functools.partial(_llama_like, plain_mlp=("up_proj", "down_proj")),
+              "nemotron": functools.partial(_llama_like, plain_mlp=("up_proj", "down_proj"),
+                                            norm_unit_offset=True),
               "mixtral": functools.partial(_llama_like, experts=functools.partial(
                   _experts_apart, under="block_sparse_moe.", names=("w1", "w3", "w2"))),
               "granitemoe": functools.partial(_llama_like, experts=_experts_stacked),
@@ -119,17 +122,20 @@ def rope_halves_from_pairs(rows_OX: np.ndarray, heads: int, head_dim: int, rotar
 
 
 def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
-                plain_mlp: bool = False, experts=None, fused_mlp: bool = False,
-                rope_pairs: bool = False, norm_bias: bool = True):
+                plain_mlp: tuple[str, str] | None = None, experts=None,
+                fused_mlp: bool = False, rope_pairs: bool = False, norm_bias: bool = True,
+                norm_unit_offset: bool = False):
     """Llama and its kin, Gemma's, OLMo's and GLM-4's norms and StableLM's LayerNorms
     included. `fused` (Phi-3): q, k and v are rows of one `qkv_proj`, and the gate and up
     projections the two halves of one `gate_up_proj`; `fused_mlp` (GLM): the latter alone.
     `rope_pairs` (GLM): RoPE turns pairs of each head's query and key dimensions, reordered
     into halves here (`rope_halves_from_pairs`). `norm_bias` False (Cohere): LayerNorms
     without a bias; with `shared_norm` the attention and the FFN read the input's one norm.
-    `plain_mlp` (StarCoder2): an FFN without a gate, `c_fc` then `c_proj`. `experts(p,
-    layer, dst, c)` reads a layer's mixture of experts (None: `_experts_apart` as Qwen3-MoE
-    and OLMoE name them)."""
+    `norm_unit_offset` (Nemotron): LayerNorms that scale by 1 + their weight.
+    `plain_mlp`: an FFN without a gate, its two projections' names (StarCoder2: `c_fc` then
+    `c_proj`; Nemotron, Arcee: `up_proj` then `down_proj`). `experts(p, layer, dst, c)` reads
+    a layer's mixture of experts (None: `_experts_apart` as Qwen3-MoE and OLMoE name
+    them)."""
     d, h = c.d_model, c.head_dim
     p.set("embedder/embedding/embedding", p.read("model.embed_tokens.weight",
                                                  (c.vocab_size, d)))
@@ -140,7 +146,8 @@ def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
                  _OUTPUT_NORMS if c.norm == "output" else
                  _SHARED_NORM if c.shared_norm else _NORMS)
         for kvjax_name, hf_name in norms.items():
-            tensors.norm(p, f"{src}{hf_name}", f"{dst}{kvjax_name}", c, norm_bias)
+            tensors.norm(p, f"{src}{hf_name}", f"{dst}{kvjax_name}", c, norm_bias,
+                         norm_unit_offset)
         if fused:  # rows: the q heads, then the k heads, then the v heads
             heads = c.num_heads + 2 * c.kv_heads
             p.set(dst + "self_attention/qkv/kernel", p.read(
@@ -166,18 +173,19 @@ def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
             (experts or _experts_apart)(p, src, dst + "ffn/", c)
         else:
             _feed_forward(p, src + "mlp.", dst + "ffn/", c, fused or fused_mlp, plain_mlp)
-    tensors.norm(p, "model.norm", "final_norm", c, norm_bias)
+    tensors.norm(p, "model.norm", "final_norm", c, norm_bias, norm_unit_offset)
     tensors.unembed(c, p, "lm_head.weight")
     # Some files keep RoPE's frequencies as a buffer; kvjax computes them from config.json.
     return lambda name: name.endswith(".rotary_emb.inv_freq")
 
 
 def _feed_forward(p: Params, src: str, dst: str, c: M.TransformerConfig, fused: bool,
-                  plain_mlp: bool) -> None:
+                  plain_mlp: tuple[str, str] | None) -> None:
     d, f = c.d_model, c.d_ff
     if plain_mlp:
-        tensors.dense(p, src + "c_fc", dst + "wi", (f, d), c.ffn_bias)
-        tensors.dense(p, src + "c_proj", dst + "wo", (d, f), c.ffn_bias)
+        up, down = plain_mlp
+        tensors.dense(p, src + up, dst + "wi", (f, d), c.ffn_bias)
+        tensors.dense(p, src + down, dst + "wo", (d, f), c.ffn_bias)
         return
     if fused:  # the gate's rows, then the up projection's
         gate_up = p.read(src + "gate_up_proj.weight", (2 * f, d))
@@ -205,7 +213,7 @@ def _experts_apart(p: Params, layer: str, dst: str, c: M.TransformerConfig,
             axis=axis))
     if c.shared_expert_d_ff:
         _feed_forward(p, src + "shared_expert.", dst + "shared_expert/",
-                      c.replace(d_ff=c.shared_expert_d_ff), fused=False, plain_mlp=False)
+                      c.replace(d_ff=c.shared_expert_d_ff), fused=False, plain_mlp=None)
     if c.shared_expert_gate:
         p.set(dst + "shared_expert_gate/kernel", p.read(src + "shared_expert_gate.weight",
                                                         (1, d)).T)

@@ -1,7 +1,7 @@
 """The `config.json` readers of `kvjax.hf` (`config.py`, `families.py`, `llama_like.py`,
-`output_norms.py`, `cohere.py`, `rope.py`): a setting kvjax does not run is one error naming
-it, raised before anything is computed; files written the older ways read as the fixtures'
-(tests/fixtures/hf_models) do."""
+`output_norms.py`, `plain_ffn.py`, `cohere.py`, `rope.py`): a setting kvjax does not run is
+one error naming it, raised before anything is computed; files written the older ways read
+as the fixtures' (tests/fixtures/hf_models) do."""
 
 import json
 
@@ -13,10 +13,11 @@ from kvjax import hf
 
 @pytest.mark.parametrize("name, changes, message", [
     ("gpt2", dict(model_type="bert"),
-     "model_type 'bert' is not supported; kvjax loads cohere, cohere2, ernie4_5, exaone4, "
-     "gemma, gemma2, gemma3_text, glm, glm4, gpt2, gpt_neox, gpt_oss, granite, granitemoe, "
-     "helium, llama, marian, ministral, mistral, mixtral, olmo2, olmo3, olmoe, opt, phi, phi3, "
-     "qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, stablelm, starcoder2"),
+     "model_type 'bert' is not supported; kvjax loads arcee, cohere, cohere2, ernie4_5, "
+     "exaone4, gemma, gemma2, gemma3_text, glm, glm4, gpt2, gpt_neox, gpt_oss, granite, "
+     "granitemoe, helium, llama, marian, ministral, mistral, mixtral, nemotron, olmo2, olmo3, "
+     "olmoe, opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, stablelm, "
+     "starcoder2"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
                                         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
      'rope settings {"partial_rotary_factor": 0.5} are not supported for rope type \'yarn\''),

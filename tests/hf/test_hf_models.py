@@ -27,7 +27,8 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "gemma2", "gemma3_text", "smollm3", "granite", "olmo2", "olmo3", "gpt_neox",
          "phi", "stablelm", "opt", "gemma", "starcoder2", "mixtral", "qwen3_moe", "olmoe",
          "granitemoe", "qwen2_moe", "gpt_oss", "gpt_oss_mxfp4", "glm", "glm4", "helium",
-         "ernie4_5", "seed_oss", "ministral", "exaone4", "cohere", "cohere2")
+         "ernie4_5", "seed_oss", "ministral", "exaone4", "cohere", "cohere2", "nemotron",
+         "arcee")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -37,7 +38,7 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                "olmoe": "olmoe", "granitemoe": "granitemoe", "qwen2_moe": "qwen2_moe",
                "gpt_oss": "gpt_oss", "gpt_oss_mxfp4": "gpt_oss", "glm": "glm", "glm4": "glm4",
                **{name: name for name in ("helium", "ernie4_5", "seed_oss", "ministral",
-                                          "exaone4", "cohere", "cohere2")}}
+                                          "exaone4", "cohere", "cohere2", "nemotron", "arcee")}}
 
 
 @pytest.fixture(scope="module")
@@ -150,16 +151,18 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     biases = (config.qkv_bias, config.out_bias, config.ffn_bias)
     assert biases == {"helium": (True, False, False), "ernie4_5": (True, True, True),
                       "seed_oss": (True, True, False), "cohere": (True, True, False),
-                      "cohere2": (False, False, False)}.get(name, biases)
+                      "cohere2": (False, False, False), "nemotron": (True, True, True),
+                      "arcee": (False, False, False)}.get(name, biases)
     assert config.parallel_residual == (name in ("gpt_neox", "phi", "cohere", "cohere2"))
     assert config.shared_norm == (name in ("phi", "cohere", "cohere2"))
     assert config.logits_bias == (name in ("phi", "marian"))
     assert config.rotary_dim == {"gpt_neox": 4, "phi": 2, "stablelm": 4, "glm": 4,
-                                 "glm4": 4}.get(name, config.rotary_dim)
+                                 "glm4": 4, "nemotron": 4}.get(name, config.rotary_dim)
+    assert (config.activation == "relu2") == (name in ("nemotron", "arcee"))
     assert config.sandwich_norms == (name in ("gemma2", "gemma3_text", "glm4"))
     assert (config.norm_type == "layernorm") == (name in ("gpt2", "marian", "gpt_neox", "phi",
                                                           "stablelm", "opt", "starcoder2",
-                                                          "cohere", "cohere2"))
+                                                          "cohere", "cohere2", "nemotron"))
     assert (config.embedding_multiplier, config.residual_multiplier, config.attention_scale,
             config.logits_scaling) == dict.fromkeys(("granite", "granitemoe"),
                                                     (2.0, 0.5, 0.25, 2.0)).get(

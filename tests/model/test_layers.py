@@ -1,7 +1,9 @@
-"""model/layers.py: each norm placement around a sublayer is its formula, and so is a
-parallel layer's branch; a stack of layers scanned (its params stacked over layers) or
-unrolled (params and a cache buffer of each layer's own) computes the same, and the layouts
-convert both ways."""
+"""model/layers.py: each norm placement around a sublayer is its formula, and so are a parallel
+layer's branch and an ungated feed-forward network (model/feed_forward.py); a stack of
+layers scanned (its params stacked over layers) or unrolled (params and a cache buffer of
+each layer's own) computes the same, and the layouts convert both ways."""
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +12,7 @@ import pytest
 from conftest import random_tokens, run_cached, run_full, source_for, start_cache
 
 from kvjax import model as M
+from kvjax.model.feed_forward import FeedForward
 from kvjax.model.layers import Residual
 
 
@@ -33,6 +36,23 @@ def test_each_norm_placement_is_its_formula(norm):
     want = {"post": rms_norm(x + f(x)), "pre": x + f(rms_norm(x)),
             "output": x + rms_norm(f(x))}[norm]
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+
+
+UNGATED = {"relu": lambda h: np.maximum(h, 0), "relu2": lambda h: np.maximum(h, 0) ** 2,
+           "silu": lambda h: h / (1 + np.exp(-h)),
+           "gelu_exact": lambda h: 0.5 * h * (1 + np.vectorize(math.erf)(h / math.sqrt(2)))}
+
+
+@pytest.mark.parametrize("activation", list(UNGATED))
+def test_an_ungated_feed_forward_is_its_formula(activation):
+    config = M.preset("tiny", activation=activation)
+    x = np.random.default_rng(1).normal(size=(1, 4, 32)).astype(np.float32)
+    ffn = FeedForward(config)
+    params = ffn.init(jax.random.key(1), x)["params"]
+    assert "wi_gate" not in params
+    wi, wo = (np.asarray(params[n]["kernel"], np.float64) for n in ("wi", "wo"))
+    np.testing.assert_allclose(ffn.apply({"params": params}, x),
+                               UNGATED[activation](x @ wi) @ wo, rtol=1e-5, atol=1e-6)
 
 
 def test_a_parallel_branch_is_its_sublayer_alone_through_its_own_norm_or_none():
