@@ -33,8 +33,11 @@ from .tensors import Params, WeightFiles
 # output_linear), "gpt_oss" (Llama's attention with sinks, every expert's interleaved gate
 # and up projections in one gate_up_proj, with biases) and "marian" (an encoder and a
 # decoder), "llama_pairs" (Llama's names, its RoPE turning pairs of dimensions: Helium,
-# ERNIE 4.5). Llama's layout holds experts too: gate_proj, up_proj and down_proj under mlp
-# (and a shared expert of the same three beside them, with its gate: Qwen2-MoE).
+# ERNIE 4.5), "cohere" (as "llama_pairs", one bias-free LayerNorm a layer), "up_down_mlp"
+# (Llama's attention, an FFN of up_proj and down_proj: Arcee) and "nemotron" (the same with
+# LayerNorm1P, whose weight + 1 is the scale). Llama's layout holds experts too: gate_proj,
+# up_proj and down_proj under mlp (and a shared expert of the same three beside them, with
+# its gate: Qwen2-MoE).
 LAYOUTS = {"gpt2": "gpt2", "phi3": "fused", "marian": "marian", "gpt_neox": "gpt_neox",
            "phi": "phi", "opt": "opt", "starcoder2": "plain_mlp", "mixtral": "mixtral",
            "granitemoe": "granitemoe", "gpt_oss": "gpt_oss", "glm": "glm", "glm4": "glm",
