@@ -323,8 +323,9 @@ def every_nth_full(layers: int, pattern: int) -> list[str]:
 
 def sliding_layers(c: Reader, default_types: list[str], window_default=None):
     """(sliding_window, full_attention_layers) of a model whose layers mix sliding-window
-    and full attention: `layer_types` names each layer's, or else `default_types`. A window
-    of null leaves every layer full, which only a model without sliding layers may ask."""
+    and full attention: `layer_types` names each layer's, or else `default_types`. The
+    window is the file's, `window_default` where it has no `sliding_window` key; a window of
+    null leaves every layer full, which only a model without sliding layers may ask."""
     layers = len(default_types)
     layer_types = c.get("layer_types") or default_types
     unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
@@ -332,7 +333,7 @@ def sliding_layers(c: Reader, default_types: list[str], window_default=None):
         raise UnsupportedModelError(f"{c.source}: layer_types={json.dumps(layer_types)} must "
                                     f"name 'full_attention' or 'sliding_attention' for each "
                                     f"of the {layers} layers")
-    window = c.get("sliding_window", window_default)
+    window = c.get("sliding_window") if "sliding_window" in c.values else window_default
     full = tuple(i for i, kind in enumerate(layer_types) if kind == "full_attention")
     if window is None:
         if len(full) < layers:

@@ -50,7 +50,7 @@ def _exaone4(c: Reader) -> dict[str, Any]:
     layers = fields["num_decoder_layers"]
     windowed = c.values.get("sliding_window", EXAONE4_WINDOW) is not None
     pattern = c.get("sliding_window_pattern", 4)
-    if not windowed:
+    if not windowed:  # transformers' default layer types would divide by 0
         default_types = ["full_attention"] * layers
     elif isinstance(pattern, str):
         if not pattern or set(pattern) - {"L", "G"}:
@@ -63,8 +63,7 @@ def _exaone4(c: Reader) -> dict[str, Any]:
     else:
         raise UnsupportedModelError(f"{c.source}: sliding_window_pattern={pattern!r} must be "
                                     "an integer >= 1 or a string of L and G")
-    window, full = sliding_layers(c, default_types,
-                                   window_default=EXAONE4_WINDOW if windowed else None)
+    window, full = sliding_layers(c, default_types, window_default=EXAONE4_WINDOW)
     if window is None:
         return fields
     return {**fields, "sliding_window": window, "full_attention_layers": full,

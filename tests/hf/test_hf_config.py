@@ -159,8 +159,15 @@ def test_a_qwen2_file_without_sliding_layers_attends_over_every_position(tmp_pat
 
 def test_an_olmo3_file_without_a_window_takes_the_one_transformers_gives_it(tmp_path):
     directory = copy_of("olmo3", tmp_path)
-    edit_config(directory, sliding_window=None)
+    edit_config(directory, sliding_window=None)  # the key gone
     assert hf.load_pretrained(directory)[0].sliding_window == 4096
+    # A window of null is no window, which its sliding layers cannot do without (nor can
+    # transformers run such a file).
+    path = directory / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "sliding_window": None}))
+    with pytest.raises(hf.UnsupportedModelError, match="sliding_attention layers need a "
+                                                       "sliding_window"):
+        hf.load_pretrained(directory)
 
 
 @pytest.mark.parametrize("changes", [dict(layer_types=None),
