@@ -216,11 +216,15 @@ def _granitemoe(c: Reader) -> dict[str, Any]:
     return {**_granite(c), **_experts(c, normalize=True)}
 
 
+MISTRAL_WINDOW = 4096  # transformers' Mistral, Ministral and Gemma where the key is absent
+
+
 def _mistral(c: Reader) -> dict[str, Any]:
     """Llama's architecture where every layer attends over the last `sliding_window`
-    positions (null: all of them)."""
+    positions (null: all of them; absent: transformers' 4,096)."""
     return {**llama_like_fields(c, qkv_bias=False, out_bias=False, ffn_bias=False),
-            "sliding_window": c.get("sliding_window")}
+            "sliding_window": c.get("sliding_window") if "sliding_window" in c.values
+            else MISTRAL_WINDOW}
 
 
 def _mixtral(c: Reader) -> dict[str, Any]:
@@ -293,9 +297,10 @@ def _ministral(c: Reader) -> dict[str, Any]:
     """Ministral (8B): Mistral's layers, each over a sliding window or all positions as
     `layer_types` says (every layer over the window where it names none)."""
     fields = llama_like_fields(c, qkv_bias=False, out_bias=False, ffn_bias=False)
-    kind = "full_attention" if c.get("sliding_window", 4096) is None else "sliding_attention"
+    windowed = c.values.get("sliding_window", MISTRAL_WINDOW) is not None
+    kind = "sliding_attention" if windowed else "full_attention"
     window, full = sliding_layers(c, [kind] * fields["num_decoder_layers"],
-                                   window_default=4096)
+                                  window_default=MISTRAL_WINDOW)
     return {**fields, "sliding_window": window, "full_attention_layers": full}
 
 
@@ -354,7 +359,8 @@ def _gemma(c: Reader, rope: dict[str, Any], default_pattern: int) -> dict[str, A
     fields = llama_like_fields(c, qkv_bias=bias, out_bias=bias, ffn_bias=False,
                          activation_key="hidden_activation", rope=rope)
     pattern = c.get("sliding_window_pattern", c.get("_sliding_window_pattern", default_pattern))
-    window, full = sliding_layers(c, every_nth_full(fields["num_decoder_layers"], pattern))
+    window, full = sliding_layers(c, every_nth_full(fields["num_decoder_layers"], pattern),
+                                  window_default=MISTRAL_WINDOW)
     c.expect("sliding_window_size", window, window, "older files repeat sliding_window")
     return {**fields, "scale_embeddings": True, "norm_unit_offset": True,
             "sandwich_norms": True, "sliding_window": window, "full_attention_layers": full,

@@ -51,7 +51,6 @@ from kvjax import hf
      "use_bidirectional_attention=true is not supported (kvjax's Gemma is causal)"),
     ("gemma2", dict(layer_types=["sliding_attention", "chunked_attention", "full_attention"]),
      "must name 'full_attention' or 'sliding_attention' for each of the 3 layers"),
-    ("gemma2", dict(sliding_window=None), "sliding_attention layers need a sliding_window"),
     ("gemma2", dict(hidden_activation="gelu"), "a gated feed-forward network with gelu_exact"),
     ("gemma3_text", dict(rope_parameters={
         "full_attention": {"rope_type": "default", "rope_theta": 1e6},
@@ -157,12 +156,28 @@ def test_a_qwen2_file_without_sliding_layers_attends_over_every_position(tmp_pat
     assert (config.sliding_window, config.full_attention_layers) == (None, ())
 
 
-def test_an_olmo3_file_without_a_window_takes_the_one_transformers_gives_it(tmp_path):
-    directory = copy_of("olmo3", tmp_path)
+@pytest.mark.parametrize("name", ["mistral", "ministral", "gemma2", "gemma3_text", "olmo3"])
+def test_a_file_without_a_window_takes_the_one_transformers_gives_its_family(name, tmp_path):
+    directory = copy_of(name, tmp_path)
     edit_config(directory, sliding_window=None)  # the key gone
     assert hf.load_pretrained(directory)[0].sliding_window == 4096
-    # A window of null is no window, which its sliding layers cannot do without (nor can
-    # transformers run such a file).
+
+
+@pytest.mark.parametrize("name", ["mistral", "ministral"])
+def test_a_window_of_null_is_none(name, tmp_path):
+    directory = copy_of(name, tmp_path)
+    edit_config(directory, layer_types=None)
+    path = directory / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "sliding_window": None}))
+    config = hf.load_pretrained(directory)[0]
+    assert (config.sliding_window, config.full_attention_layers) == (None, ())
+
+
+@pytest.mark.parametrize("name", ["olmo3", "gemma2"])
+def test_sliding_layers_with_a_window_of_null_are_refused(name, tmp_path):
+    """A window of null is no window, which sliding layers cannot do without (nor can
+    transformers run such a file)."""
+    directory = copy_of(name, tmp_path)
     path = directory / "config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "sliding_window": None}))
     with pytest.raises(hf.UnsupportedModelError, match="sliding_attention layers need a "
