@@ -37,7 +37,7 @@ def _cohere2(c: Reader) -> dict[str, Any]:
     `sliding_window` is null is refused: transformers' Cohere 2 cannot run it either."""
     fields = _parallel_layers(c)
     layers = fields["num_decoder_layers"]
-    if c.values.get("sliding_window", COHERE2_WINDOW) is None:
+    if c.given("sliding_window", COHERE2_WINDOW) is None:
         raise UnsupportedModelError(f"{c.source}: sliding_window=null is not supported (Cohere "
                                     "2's local layers need a window)")
     pattern = c.get("sliding_window_pattern", 4)

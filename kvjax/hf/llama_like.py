@@ -223,8 +223,7 @@ def _mistral(c: Reader) -> dict[str, Any]:
     """Llama's architecture where every layer attends over the last `sliding_window`
     positions (null: all of them; absent: transformers' 4,096)."""
     return {**llama_like_fields(c, qkv_bias=False, out_bias=False, ffn_bias=False),
-            "sliding_window": c.get("sliding_window") if "sliding_window" in c.values
-            else MISTRAL_WINDOW}
+            "sliding_window": c.given("sliding_window", MISTRAL_WINDOW)}
 
 
 def _mixtral(c: Reader) -> dict[str, Any]:
@@ -297,7 +296,7 @@ def _ministral(c: Reader) -> dict[str, Any]:
     """Ministral (8B): Mistral's layers, each over a sliding window or all positions as
     `layer_types` says (every layer over the window where it names none)."""
     fields = llama_like_fields(c, qkv_bias=False, out_bias=False, ffn_bias=False)
-    windowed = c.values.get("sliding_window", MISTRAL_WINDOW) is not None
+    windowed = c.given("sliding_window", MISTRAL_WINDOW) is not None
     kind = "sliding_attention" if windowed else "full_attention"
     window, full = sliding_layers(c, [kind] * fields["num_decoder_layers"],
                                   window_default=MISTRAL_WINDOW)
@@ -338,7 +337,7 @@ def sliding_layers(c: Reader, default_types: list[str], window_default=None):
         raise UnsupportedModelError(f"{c.source}: layer_types={json.dumps(layer_types)} must "
                                     f"name 'full_attention' or 'sliding_attention' for each "
                                     f"of the {layers} layers")
-    window = c.get("sliding_window") if "sliding_window" in c.values else window_default
+    window = c.given("sliding_window", window_default)
     full = tuple(i for i, kind in enumerate(layer_types) if kind == "full_attention")
     if window is None:
         if len(full) < layers:

@@ -48,7 +48,7 @@ def _exaone4(c: Reader) -> dict[str, Any]:
     fields = {**llama_like_fields(c, qkv_bias=False, out_bias=False, ffn_bias=False),
               "norm": "output", "qk_norm": True, "layer_norm_eps": c.get("rms_norm_eps", 1e-5)}
     layers = fields["num_decoder_layers"]
-    windowed = c.values.get("sliding_window", EXAONE4_WINDOW) is not None
+    windowed = c.given("sliding_window", EXAONE4_WINDOW) is not None
     pattern = c.get("sliding_window_pattern", 4)
     if not windowed:  # transformers' default layer types would divide by 0
         default_types = ["full_attention"] * layers

@@ -65,6 +65,13 @@ class Reader:
         value = self.values.get(key)
         return default if value is None else value
 
+    def given(self, key: str, absent: Any = None) -> Any:
+        """The file's value of `key`, null included (None), or `absent` where the file has no
+        such key: for a key whose null means something else than its absence (`get` takes
+        null for absent)."""
+        self.read.add(key)
+        return self.values[key] if key in self.values else absent
+
     def require(self, key: str) -> Any:
         value = self.get(key)
         if value is None:
