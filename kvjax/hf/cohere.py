@@ -40,11 +40,7 @@ def _cohere2(c: Reader) -> dict[str, Any]:
     if c.given("sliding_window", COHERE2_WINDOW) is None:
         raise UnsupportedModelError(f"{c.source}: sliding_window=null is not supported (Cohere "
                                     "2's local layers need a window)")
-    pattern = c.get("sliding_window_pattern", 4)
-    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
-        raise UnsupportedModelError(f"{c.source}: sliding_window_pattern={pattern!r} must be "
-                                    "an integer >= 1")
-    types = every_nth_full(layers, pattern)
+    types = every_nth_full(layers, c.get("sliding_window_pattern", 4), c.source)
     window, full = sliding_layers(c, types, window_default=COHERE2_WINDOW)
     return {**fields, "sliding_window": window, "full_attention_layers": full,
             "unrotated_layers": full}

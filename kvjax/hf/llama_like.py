@@ -318,9 +318,13 @@ def _stablelm(c: Reader) -> dict[str, Any]:
             "norm_type": "layernorm", "layer_norm_eps": c.get("layer_norm_eps", 1e-5)}
 
 
-def every_nth_full(layers: int, pattern: int) -> list[str]:
+def every_nth_full(layers: int, pattern, source: str) -> list[str]:
     """The layer types of a model whose every `pattern`-th layer attends over all positions
-    and the others over a sliding window."""
+    and the others over a sliding window; a `pattern` (the file's `sliding_window_pattern`)
+    that is not an integer >= 1 is refused by name."""
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+        raise UnsupportedModelError(f"{source}: sliding_window_pattern={pattern!r} must be an "
+                                    "integer >= 1")
     return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
             for i in range(layers)]
 
@@ -358,7 +362,8 @@ def _gemma(c: Reader, rope: dict[str, Any], default_pattern: int) -> dict[str, A
     fields = llama_like_fields(c, qkv_bias=bias, out_bias=bias, ffn_bias=False,
                          activation_key="hidden_activation", rope=rope)
     pattern = c.get("sliding_window_pattern", c.get("_sliding_window_pattern", default_pattern))
-    window, full = sliding_layers(c, every_nth_full(fields["num_decoder_layers"], pattern),
+    window, full = sliding_layers(c, every_nth_full(fields["num_decoder_layers"], pattern,
+                                                    c.source),
                                   window_default=MISTRAL_WINDOW)
     c.expect("sliding_window_size", window, window, "older files repeat sliding_window")
     return {**fields, "scale_embeddings": True, "norm_unit_offset": True,

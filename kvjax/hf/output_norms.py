@@ -26,8 +26,8 @@ def _olmo3(c: Reader) -> dict[str, Any]:
     default) and turning with unscaled RoPE where the full layers may scale theirs."""
     rope, local_base = ropes_by_layer_type(c, 500000.0, None)
     fields = _olmo2(c, rope)
-    window, full = sliding_layers(c, every_nth_full(fields["num_decoder_layers"], 4),
-                                   window_default=4096)
+    window, full = sliding_layers(c, every_nth_full(fields["num_decoder_layers"], 4, c.source),
+                                  window_default=4096)
     fields.update(sliding_window=window, full_attention_layers=full)
     if window is not None and (local_base != rope["rope_base"]
                                or rope.get("rope_scaling", "none") != "none"):
@@ -59,13 +59,11 @@ def _exaone4(c: Reader) -> dict[str, Any]:
         default_types = ["sliding_attention" if pattern[i % len(pattern)] == "L"
                          else "full_attention" for i in range(layers)]
     elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 1:
-        default_types = every_nth_full(layers, pattern)
+        default_types = every_nth_full(layers, pattern, c.source)
     else:
         raise UnsupportedModelError(f"{c.source}: sliding_window_pattern={pattern!r} must be "
                                     "an integer >= 1 or a string of L and G")
     window, full = sliding_layers(c, default_types, window_default=EXAONE4_WINDOW)
-    if window is None:
-        return fields
     return {**fields, "sliding_window": window, "full_attention_layers": full,
             "unrotated_layers": full}
 

@@ -134,19 +134,19 @@ def unembed(c: M.TransformerConfig, p: Params, name: str) -> None:
         p.set("embedder/unembed/kernel", p.read(name, (c.vocab_size, c.d_model)).T)
 
 def norm(p: Params, src: str, dst: str, c: M.TransformerConfig, bias: bool = True,
-         unit_offset: bool = False) -> None:
+         fold_unit_offset: bool = False) -> None:
     """An RMSNorm's scale, or a LayerNorm's scale and bias (StableLM, StarCoder2; a bias of
     zeros where the file's LayerNorm has none, `bias` False: Cohere's; a scale of 1 + the
-    file's weight, `unit_offset`: Nemotron's LayerNorm1P)."""
+    file's weight, `fold_unit_offset`: Nemotron's LayerNorm1P)."""
     if c.norm_type == "layernorm":
-        layer_norm(p, src, dst, c.d_model, bias, unit_offset)
+        layer_norm(p, src, dst, c.d_model, bias, fold_unit_offset)
     else:
         p.set(dst + "/scale", p.read(src + ".weight", (c.d_model,)))
 
 def layer_norm(p: Params, src: str, dst: str, width: int, bias: bool = True,
-               unit_offset: bool = False) -> None:
+               fold_unit_offset: bool = False) -> None:
     scale = p.read(src + ".weight", (width,))
-    p.set(dst + "/scale", scale + 1 if unit_offset else scale)
+    p.set(dst + "/scale", scale + 1 if fold_unit_offset else scale)
     p.set(dst + "/bias", p.read(src + ".bias", (width,)) if bias else np.zeros_like(scale))
 
 def linear(p: Params, name: str, heads: int, head_dim: int, d_model: int, bias: bool):

@@ -68,7 +68,7 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
               "plain_mlp": functools.partial(_llama_like, plain_mlp=("c_fc", "c_proj")),
               "up_down_mlp": functools.partial(_llama_like, plain_mlp=("up_proj", "down_proj")),
               "nemotron": functools.partial(_llama_like, plain_mlp=("up_proj", "down_proj"),
-                                            norm_unit_offset=True),
+                                            fold_unit_offset=True),
               "mixtral": functools.partial(_llama_like, experts=functools.partial(
                   _experts_apart, under="block_sparse_moe.", names=("w1", "w3", "w2"))),
               "granitemoe": functools.partial(_llama_like, experts=_experts_stacked),
@@ -127,14 +127,15 @@ def rope_halves_from_pairs(rows_OX: np.ndarray, heads: int, head_dim: int, rotar
 def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
                 plain_mlp: tuple[str, str] | None = None, experts=None,
                 fused_mlp: bool = False, rope_pairs: bool = False, norm_bias: bool = True,
-                norm_unit_offset: bool = False):
+                fold_unit_offset: bool = False):
     """Llama and its kin, Gemma's, OLMo's and GLM-4's norms and StableLM's LayerNorms
     included. `fused` (Phi-3): q, k and v are rows of one `qkv_proj`, and the gate and up
     projections the two halves of one `gate_up_proj`; `fused_mlp` (GLM): the latter alone.
     `rope_pairs` (GLM): RoPE turns pairs of each head's query and key dimensions, reordered
     into halves here (`rope_halves_from_pairs`). `norm_bias` False (Cohere): LayerNorms
     without a bias; with `shared_norm` the attention and the FFN read the input's one norm.
-    `norm_unit_offset` (Nemotron): LayerNorms that scale by 1 + their weight.
+    `fold_unit_offset` (Nemotron): LayerNorms that scale by 1 + their weight, folded into
+    the scale as it loads.
     `plain_mlp`: an FFN without a gate, its two projections' names (StarCoder2: `c_fc` then
     `c_proj`; Nemotron, Arcee: `up_proj` then `down_proj`). `experts(p, layer, dst, c)` reads
     a layer's mixture of experts (None: `_experts_apart` as Qwen3-MoE and OLMoE name
@@ -150,7 +151,7 @@ def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
                  _SHARED_NORM if c.shared_norm else _NORMS)
         for kvjax_name, hf_name in norms.items():
             tensors.norm(p, f"{src}{hf_name}", f"{dst}{kvjax_name}", c, norm_bias,
-                         norm_unit_offset)
+                         fold_unit_offset)
         if fused:  # rows: the q heads, then the k heads, then the v heads
             heads = c.num_heads + 2 * c.kv_heads
             p.set(dst + "self_attention/qkv/kernel", p.read(
@@ -176,7 +177,7 @@ def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
             (experts or _experts_apart)(p, src, dst + "ffn/", c)
         else:
             _feed_forward(p, src + "mlp.", dst + "ffn/", c, fused or fused_mlp, plain_mlp)
-    tensors.norm(p, "model.norm", "final_norm", c, norm_bias, norm_unit_offset)
+    tensors.norm(p, "model.norm", "final_norm", c, norm_bias, fold_unit_offset)
     tensors.unembed(c, p, "lm_head.weight")
     # Some files keep RoPE's frequencies as a buffer; kvjax computes them from config.json.
     return lambda name: name.endswith(".rotary_emb.inv_freq")

@@ -65,6 +65,8 @@ from kvjax import hf
      "use_qk_norm=true is not supported (a LayerNorm over each head's query and key)"),
     ("cohere2", dict(layer_types=None, sliding_window_pattern=0),
      "sliding_window_pattern=0 must be an integer >= 1"),
+    ("gemma2", dict(layer_types=None, sliding_window_pattern=0),
+     "sliding_window_pattern=0 must be an integer >= 1"),
     ("olmo3", dict(layer_types=["full_attention"] * 2),
      "must name 'full_attention' or 'sliding_attention' for each of the 3 layers"),
     ("gpt_neox", dict(rope_parameters={"rope_type": "default", "rope_theta": 20000.0,
