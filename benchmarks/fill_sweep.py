@@ -12,7 +12,10 @@ step of `batch` rows, filled to that length, three ways:
 - **whole**: the `capacity` cache read as one block of every slot, filled or not (what each
   step cost before decode attention read in blocks);
 - **paged**: a paged cache (`model/paged.py`) of `capacity` slots per row in pages of
-  `page_size`, the rows' pages scattered over the pool, read through the page tables.
+  `page_size`, the rows' pages scattered over the pool, read through the page tables;
+- **window**: the `capacity` cache with every layer attending over a sliding window of
+  `window` slots (Mistral's, or a Gemma's local layers): past the window a step should cost
+  what a `tight` step over the window costs, however much the rows hold.
 
 Each is a compiled loop of `steps` decode steps that resets the rows' lengths before every
 step, so every step sees the same fill; the cache is donated, so it is updated in place.
@@ -33,7 +36,7 @@ import numpy as np
 
 from kvjax import model as M
 
-WAYS = ("capacity", "tight", "whole", "paged")
+WAYS = ("capacity", "tight", "whole", "paged", "window")
 PAGE_SIZE = 16
 
 
@@ -47,6 +50,7 @@ class SweepRow:
     tight_seconds: float
     whole_seconds: float
     paged_seconds: float
+    window_seconds: float
 
 
 def _step_loop(config: M.TransformerConfig, params, steps: int):
@@ -112,7 +116,7 @@ def fill_sweep(preset: str = "gpt-mini", batch: int = 32, capacity: int = 1024,
                fills: Sequence[int] = (64, 128, 256, 512, 1024), layer_modes=("scanned",
                                                                                "unrolled"),
                repeats: int = 3, steps: int = 16, page_size: int = PAGE_SIZE,
-               log: Callable[[str], None] = print) -> list[SweepRow]:
+               window: int = 128, log: Callable[[str], None] = print) -> list[SweepRow]:
     """Step time at each filled length, for each layer layout (see the module docstring)."""
     check_sweep(preset, capacity, fills)
     config = M.preset(preset)
@@ -123,13 +127,15 @@ def fill_sweep(preset: str = "gpt-mini", batch: int = 32, capacity: int = 1024,
         mode_config = config.replace(scan_layers=scanned)
         mode_params = params if scanned else M.unstack_layer_params(mode_config, params)
         whole = mode_config.replace(attention_block=capacity)
+        windowed = mode_config.replace(sliding_window=window)
         log(f"fill sweep, {mode} layers: compiling ...")
         timed = {(way, filled): _Timed(c, mode_params, batch, size, filled, steps, pages)
                  for filled in fills
                  for way, c, size, pages in (("capacity", mode_config, capacity, None),
                                              ("tight", mode_config, filled, None),
                                              ("whole", whole, capacity, None),
-                                             ("paged", mode_config, capacity, page_size))}
+                                             ("paged", mode_config, capacity, page_size),
+                                             ("window", windowed, capacity, None))}
         for contender in timed.values():
             contender.time()  # compiles
         for repeat in range(repeats):
@@ -143,24 +149,26 @@ def fill_sweep(preset: str = "gpt-mini", batch: int = 32, capacity: int = 1024,
 
 
 def format_sweep(rows: Sequence[SweepRow], batch: int, capacity: int, block: int,
-                 page_size: int = PAGE_SIZE) -> str:
+                 page_size: int = PAGE_SIZE, window: int = 128) -> str:
     """A Markdown table of the sweep."""
     lines = [
         f"Decode step time against filled slots, batch {batch}, a cache of {capacity:,} "
         f"slots read in blocks of {block} (`capacity`), a cache of only the filled slots "
         f"(`tight`), all {capacity:,} slots read at once (`whole`), and a paged cache of "
-        f"{capacity:,} slots per row in pages of {page_size} scattered over its pool (`paged`).",
+        f"{capacity:,} slots per row in pages of {page_size} scattered over its pool (`paged`), "
+        f"and the capacity's cache under a sliding window of {window:,} slots (`window`).",
         "",
         "| layers | filled | capacity ms | tight ms | capacity / tight | whole ms "
-        "| whole / capacity | paged ms | paged / capacity |",
-        "|:---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| whole / capacity | paged ms | paged / capacity | window ms | window / capacity |",
+        "|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r.layers} | {r.filled:,} | {r.capacity_seconds * 1e3:.2f} | "
             f"{r.tight_seconds * 1e3:.2f} | {r.capacity_seconds / r.tight_seconds:.2f}x | "
             f"{r.whole_seconds * 1e3:.2f} | {r.whole_seconds / r.capacity_seconds:.2f}x | "
-            f"{r.paged_seconds * 1e3:.2f} | {r.paged_seconds / r.capacity_seconds:.2f}x |")
+            f"{r.paged_seconds * 1e3:.2f} | {r.paged_seconds / r.capacity_seconds:.2f}x | "
+            f"{r.window_seconds * 1e3:.2f} | {r.window_seconds / r.capacity_seconds:.2f}x |")
     return "\n".join(lines)
 
 
@@ -172,7 +180,7 @@ def plot_sweep(rows: Sequence[SweepRow], path: str, batch: int, capacity: int) -
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    styles = {"capacity": "-o", "tight": "--s", "whole": ":^", "paged": "-.d"}
+    styles = {"capacity": "-o", "tight": "--s", "whole": ":^", "paged": "-.d", "window": "-x"}
     for colour, mode in zip(("C0", "C1"), dict.fromkeys(r.layers for r in rows), strict=False):
         mode_rows = [r for r in rows if r.layers == mode]
         fills = [r.filled for r in mode_rows]

@@ -109,6 +109,19 @@ def one_read_max_bytes() -> int:
     return ACCELERATOR_ONE_READ_MAX_BYTES
 
 
+def seen_blocks(mask_BTS: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+    """The blocks of `block` slots that hold every slot `mask` lets some query see: the
+    first and one past the last (traced scalars; (0, 0) where no query sees a slot). A
+    sliding window's queries see none of the blocks before it, so a decode step over a
+    windowed layer reads its window, not every position the row holds."""
+    capacity = mask_BTS.shape[-1]
+    slots_S = jnp.arange(capacity, dtype=jnp.int32)
+    last_seen = jnp.max(jnp.where(mask_BTS, slots_S + 1, 0))
+    first_seen = jnp.min(jnp.where(mask_BTS, slots_S, capacity))
+    num_blocks = (last_seen + block - 1) // block
+    return jnp.minimum(first_seen // block, num_blocks), num_blocks
+
+
 def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, layer,
                   mask_BTS: jax.Array, block_size: int,
                   whole_share: float = WHOLE_CACHE_SHARE,
@@ -117,37 +130,37 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
                   softcap: float | None = None, sinks_N: jax.Array | None = None
                   ) -> tuple[jax.Array, jax.Array]:
     """`attend` over layer `layer` of the cache's stacks [L, B, K, S, H], reading only the
-    blocks of `block_size` slots up to the last slot that `mask` lets any query see.
+    blocks of `block_size` slots from the first to the last slot that `mask` lets any query
+    see (`seen_blocks`): a row's filled slots, or a sliding window's.
     `scales` are an int8 cache's (k_scale, v_scale) stacks [L, B, K, S] (None for floats):
     the keys and values attended to are then `k * k_scale` and `v * v_scale`. `scale`,
     `softcap` and `sinks` are `attend`'s.
 
     Returns the output [B, T, N, H] and how many blocks of the capacity were read (a scalar).
-    The number of blocks, ceil(last seen slot / block), is a traced value: a decode loop
-    compiles once and each step pays for what is filled, not for the capacity. For a float
-    cache, when those blocks cover more than `whole_share` of the capacity, one product over
-    every slot costs less than the loop (`_attend_whole`); otherwise the blocks run in a
-    `lax.while_loop` (`_attend_filled_blocks`). A stack of several layers is read one way at
+    The range of blocks is traced: a decode loop compiles once and each step pays for what
+    it sees, not for the capacity. For a float cache, when those blocks cover more than
+    `whole_share` of the capacity, one product over every slot costs less than the loop
+    (`_attend_whole`); otherwise the blocks run in a `lax.while_loop`
+    (`_attend_filled_blocks`). A stack of several layers is read one way at
     every step, by its layers' size (`STACKED_WHOLE_MAX_BYTES`). An int8 cache is always
     read by blocks. A layer of at most `one_read_bytes` (default `one_read_max_bytes()`:
     up to 64 KiB on a CPU, 64 MiB on an accelerator) is read in one pass over all of it,
     with no loop and no conditional, float or int8. A decode step that
-    `decode_kernel_use` admits runs the kernel instead, each row read up to its last seen slot.
+    `decode_kernel_use` admits runs the kernel instead, each row read over its own seen blocks.
     Either way slots a query may not see get exactly zero weight, whatever they hold (even
     NaN) cannot reach the output, and a query that sees no slot at all returns zeros.
     """
     _, _, kv_heads, capacity, _ = k_LBKSH.shape
     block = min(block_size, capacity)
-    slots_S = jnp.arange(capacity, dtype=jnp.int32)
-    last_seen = jnp.max(jnp.where(mask_BTS, slots_S + 1, 0))
-    num_blocks = (last_seen + block - 1) // block
+    first_block, num_blocks = seen_blocks(mask_BTS, block)
     layers_BKSH = [jax.ShapeDtypeStruct(s.shape[1:], s.dtype) for s in (k_LBKSH, v_LBKSH)]
     kernel = None if scales is not None else decode_kernel_use(q_BTNH, *layers_BKSH, softcap)
     if kernel is not None:
         k_BKSH, v_BKSH = (jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False)
                           for stack in (k_LBKSH, v_LBKSH))
         return decode_attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale,
-                                interpret=kernel == "interpret", sinks_N=sinks_N), num_blocks
+                                interpret=kernel == "interpret", sinks_N=sinks_N), \
+            num_blocks - first_block
     q_XMH = _queries_XMH(q_BTNH, kv_heads, scale)
     sinks_KG = _sinks_KG(sinks_N, kv_heads)
     all_blocks = -(-capacity // block)
@@ -168,20 +181,24 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
         # product), a float copy of the layer at every step; a block converts only its own
         # slots and copies a quarter of the bytes of a float32 block (benchmarks/README.md).
         blocks = _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap,
-                                       block, num_blocks, scales, sinks_KG=sinks_KG)
-        return _to_BTNH(blocks, q_BTNH), num_blocks
+                                       block, num_blocks, scales, sinks_KG=sinks_KG,
+                                       first_block=first_block)
+        return _to_BTNH(blocks, q_BTNH), num_blocks - first_block
     args = (q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap)
+
+    def by_blocks():
+        return _attend_filled_blocks(*args, block, num_blocks, sinks_KG=sinks_KG,
+                                     first_block=first_block)
+
     if k_LBKSH.shape[0] > 1:
         if layer_bytes > STACKED_WHOLE_MAX_BYTES:
-            return _to_BTNH(_attend_filled_blocks(*args, block, num_blocks, sinks_KG=sinks_KG),
-                            q_BTNH), num_blocks
+            return _to_BTNH(by_blocks(), q_BTNH), num_blocks - first_block
         return (_to_BTNH(_attend_whole(*args, sinks_KG=sinks_KG), q_BTNH),
                 jnp.asarray(all_blocks, jnp.int32))
     out_XMH, blocks_read = jax.lax.cond(
-        num_blocks * block > whole_share * capacity,
+        (num_blocks - first_block) * block > whole_share * capacity,
         lambda: (_attend_whole(*args, sinks_KG=sinks_KG), jnp.asarray(all_blocks, jnp.int32)),
-        lambda: (_attend_filled_blocks(*args, block, num_blocks, sinks_KG=sinks_KG),
-                 num_blocks))
+        lambda: (by_blocks(), num_blocks - first_block))
     return _to_BTNH(out_XMH, q_BTNH), blocks_read
 
 
@@ -245,10 +262,10 @@ def _attend_whole(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap, zero_unseen
 
 
 def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap, block,
-                          num_blocks, scales=None, pages=None, sinks_KG=None):
-    """The online softmax (FlashAttention's recurrence) over the first `num_blocks` blocks
-    of `block` slots, in a `lax.while_loop` (no loop when one block holds every slot).
-    Returns [X, M, H].
+                          num_blocks, scales=None, pages=None, sinks_KG=None, first_block=0):
+    """The online softmax (FlashAttention's recurrence) over blocks `first_block` to
+    `num_blocks` (one past the last) of `block` slots, in a `lax.while_loop` (no loop when
+    one block holds every slot). The slots outside them must be unseen. Returns [X, M, H].
 
     Per query it keeps a running max m, a running sum l of exp(logit - m) and an
     accumulator of the weighted values, both rescaled by exp(m_old - m_new) whenever a block
@@ -336,7 +353,7 @@ def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap, blo
     else:
         first_max = jnp.broadcast_to(sinks_KG[None, :, :, None], stats_shape)
         first_sum = jnp.ones(stats_shape)
-    init = (jnp.zeros((), jnp.int32), first_max.astype(jnp.float32),
+    init = (jnp.asarray(first_block, jnp.int32), first_max.astype(jnp.float32),
             first_sum.astype(jnp.float32), jnp.zeros((heads, rows, head_dim), jnp.float32))
     if block == capacity:  # one block holds every slot: no loop
         _, _, sum_BKGT, acc_XMH = body(init)

@@ -4,7 +4,8 @@ A decode step attends one query per row over the row's cached slots. Through XLA
 six kernels per layer (the logits' product, the softmax's max and sum, the weights' conversion,
 V read with its unseen slots zeroed, the weights' product), each of a microsecond or two for
 so little work. Here one program per (row, kv head) reads the row's K and V once, block by
-block up to its last slot the mask lets it see, and keeps the softmax's running max and sum
+block from the first to the last slot the mask lets it see (a sliding window's blocks, or
+every filled one), and keeps the softmax's running max and sum
 on chip (FlashAttention's recurrence, as `model.attention._attend_filled_blocks` runs it
 through XLA). Over a paged cache (`model/paged.py`) the same program reads each block's
 pages through the row's page table, in place: no row is gathered into a contiguous copy
@@ -112,12 +113,12 @@ def decode_attention(q_BTNH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array,
 
     _, kv_heads, capacity, head_dim = k_BKSH.shape
     block = min(BLOCK_SLOTS, 1 << (capacity.bit_length() - 1))
-    blocks_B1, q_BKMH, seen_BS = _kernel_inputs(q_BTNH, kv_heads, k_BKSH.dtype, mask_BTS,
+    blocks_B2, q_BKMH, seen_BS = _kernel_inputs(q_BTNH, kv_heads, k_BKSH.dtype, mask_BTS,
                                                 block, scale)
     row_layer = pl.BlockSpec((None, None, capacity, head_dim), lambda b, k: (b, k, 0, 0))
     out_BKMH = _call(functools.partial(_kernel, block=block, capacity=capacity),
                      [row_layer, row_layer], interpret, "kvjax_decode_attention",
-                     blocks_B1, q_BKMH, k_BKSH, v_BKSH, seen_BS,
+                     blocks_B2, q_BKMH, k_BKSH, v_BKSH, seen_BS,
                      sinks_KM=_sinks_KM(sinks_N, kv_heads))
     return _outputs(out_BKMH, q_BTNH)
 
@@ -139,7 +140,7 @@ def paged_decode_attention(q_BTNH: jax.Array, k_pool: jax.Array, v_pool: jax.Arr
                            ) -> jax.Array:
     """`decode_attention` over layer `layer` of a paged cache's pools [L, pages, K, U, H]
     (`model/paged.py`), each row reading only the pages its table `pages` [B, pages per row]
-    names, up to its last seen slot; `sinks` as `decode_attention`'s. A layer view
+    names, over the blocks it sees; `sinks` as `decode_attention`'s. A layer view
     [B, K, S, H] of the pools must pass
     `decode_kernel_fits`, and `paged_block_pages` find a block."""
     from jax.experimental import pallas as pl
@@ -147,7 +148,7 @@ def paged_decode_attention(q_BTNH: jax.Array, k_pool: jax.Array, v_pool: jax.Arr
     num_layers, num_pages, kv_heads, page_size, head_dim = k_pool.shape
     pages_per_row = pages.shape[1]
     block_pages = paged_block_pages(page_size, pages_per_row)
-    blocks_B1, q_BKMH, seen_BS = _kernel_inputs(q_BTNH, kv_heads, k_pool.dtype, mask_BTS,
+    blocks_B2, q_BKMH, seen_BS = _kernel_inputs(q_BTNH, kv_heads, k_pool.dtype, mask_BTS,
                                                 block_pages * page_size, scale)
     # The layers' pools as one pool of L x pages (a reshape, no copy) and each row's pages
     # offset into the layer's: slicing a layer out of the pools would copy all of it.
@@ -160,27 +161,29 @@ def paged_decode_attention(q_BTNH: jax.Array, k_pool: jax.Array, v_pool: jax.Arr
     kernel = functools.partial(_paged_kernel, block_pages=block_pages,
                                pages_per_row=pages_per_row)
     out_BKMH = _call(kernel, [whole_pool, whole_pool, table], interpret,
-                     "kvjax_paged_decode_attention", blocks_B1, q_BKMH, *pools,
+                     "kvjax_paged_decode_attention", blocks_B2, q_BKMH, *pools,
                      layer_pages.astype(jnp.int32), seen_BS,
                      sinks_KM=_sinks_KM(sinks_N, kv_heads))
     return _outputs(out_BKMH, q_BTNH)
 
 
 def _kernel_inputs(q_BTNH, kv_heads, dtype, mask_BTS, block, scale):
-    """What both kernels take besides the cache: each row's count of blocks up to the last
-    slot it may see [B, 1], the queries scaled and padded per kv head [B, K, M, H] in the
-    cache's dtype, and the seen slots [B, S] as int8."""
+    """What both kernels take besides the cache: each row's blocks that hold the slots it
+    may see, the first and one past the last [B, 2], the queries scaled and padded per kv head
+    [B, K, M, H] in the cache's dtype, and the seen slots [B, S] as int8."""
     batch, _, num_heads, head_dim = q_BTNH.shape
     group = num_heads // kv_heads
     scale = head_dim**-0.5 if scale is None else scale
     q_BKGH = q_BTNH.reshape(batch, kv_heads, group, head_dim).astype(jnp.float32) * scale
     # The rows past the group are zeros, and their outputs are sliced off in `_outputs`.
     q_BKMH = jnp.pad(q_BKGH, ((0, 0), (0, 0), (0, MIN_DOT - group), (0, 0))).astype(dtype)
-    slots_S = jnp.arange(mask_BTS.shape[2], dtype=jnp.int32)
-    # Each row reads up to the last slot it may see: the blocks past it are never loaded.
-    blocks_B1 = ((jnp.max(jnp.where(mask_BTS[:, 0], slots_S + 1, 0), axis=1) + block - 1)
-                 // block).astype(jnp.int32)[:, None]
-    return blocks_B1, q_BKMH, mask_BTS[:, 0].astype(jnp.int8)
+    from .attention import seen_blocks  # attention imports this module
+
+    # Each row reads the blocks that hold the slots it may see: those outside are never
+    # loaded (past its length, or before its sliding window).
+    blocks_B2 = jax.vmap(lambda mask_1S: jnp.stack(seen_blocks(mask_1S[None], block)))(
+        mask_BTS[:, :1])
+    return blocks_B2.astype(jnp.int32), q_BKMH, mask_BTS[:, 0].astype(jnp.int8)
 
 
 def _sinks_KM(sinks_N, kv_heads):
@@ -192,7 +195,7 @@ def _sinks_KM(sinks_N, kv_heads):
     return jnp.pad(sinks_KG, ((0, 0), (0, MIN_DOT - sinks_KG.shape[1])))
 
 
-def _call(kernel, cache_specs, interpret, name, blocks_B1, q_BKMH, *operands, sinks_KM=None):
+def _call(kernel, cache_specs, interpret, name, blocks_B2, q_BKMH, *operands, sinks_KM=None):
     """The kernel over a grid of (row, kv head): the blocks and queries, then `operands`
     (the cache's, by `cache_specs`, then the seen slots), then the sinks where given."""
     from jax.experimental import pallas as pl
@@ -208,14 +211,14 @@ def _call(kernel, cache_specs, interpret, name, blocks_B1, q_BKMH, *operands, si
     return pl.pallas_call(
         kernel,
         grid=(batch, kv_heads),
-        in_specs=[pl.BlockSpec((None, 1), lambda b, k: (b, 0)), per_head, *cache_specs,
+        in_specs=[pl.BlockSpec((None, 2), lambda b, k: (b, 0)), per_head, *cache_specs,
                   pl.BlockSpec((None, seen.shape[1]), lambda b, k: (b, 0)), *sinks],
         out_specs=per_head,
         out_shape=jax.ShapeDtypeStruct(q_BKMH.shape, jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name=name,
-    )(blocks_B1, q_BKMH, *operands)
+    )(blocks_B2, q_BKMH, *operands)
 
 
 def _outputs(out_BKMH, q_BTNH):
@@ -226,7 +229,8 @@ def _outputs(out_BKMH, q_BTNH):
 
 
 def _kernel(blocks_ref, q_ref, k_ref, v_ref, seen_ref, *refs, block, capacity):
-    """One (row, kv head): its G queries over the row's first `blocks_ref[0]` blocks.
+    """One (row, kv head): its G queries over the row's blocks `blocks_ref[0]` to
+    `blocks_ref[1]` (one past the last).
     `refs`: the sinks' (where given), then the output's."""
     from jax.experimental import pallas as pl
 
@@ -240,13 +244,14 @@ def _kernel(blocks_ref, q_ref, k_ref, v_ref, seen_ref, *refs, block, capacity):
         seen_U = (seen_ref[pl.ds(start, block)] != 0) & (slots_U >= first)
         return k_ref[pl.ds(start, block), :], v_ref[pl.ds(start, block), :], seen_U
 
-    refs[-1][...] = _online_softmax(q_ref[...], blocks_ref[0], read, *refs[:-1])
+    refs[-1][...] = _online_softmax(q_ref[...], blocks_ref[0], blocks_ref[1], read,
+                                    *refs[:-1])
 
 
 def _paged_kernel(blocks_ref, q_ref, k_ref, v_ref, pages_ref, seen_ref, *refs,
                   block_pages, pages_per_row):
-    """One (row, kv head) of a paged cache: its G queries over the pages of the row's first
-    `blocks_ref[0]` blocks, each block `block_pages` pages of the row's table."""
+    """One (row, kv head) of a paged cache: its G queries over the pages of the row's blocks
+    `blocks_ref[0]` to `blocks_ref[1]`, each block `block_pages` pages of the row's table."""
     from jax.experimental import pallas as pl
 
     page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
@@ -263,14 +268,16 @@ def _paged_kernel(blocks_ref, q_ref, k_ref, v_ref, pages_ref, seen_ref, *refs,
                 v_ref[block_page_ids].reshape(block, head_dim),
                 seen_U)
 
-    refs[-1][...] = _online_softmax(q_ref[...], blocks_ref[0], read, *refs[:-1])
+    refs[-1][...] = _online_softmax(q_ref[...], blocks_ref[0], blocks_ref[1], read,
+                                    *refs[:-1])
 
 
-def _online_softmax(q_MH, num_blocks, read, sinks_ref=None):
-    """softmax(QKᵀ)V of the queries q [M, H] over `num_blocks` blocks, block i's keys,
-    values and seen slots being `read(i)` ([U, H], [U, H], [U] bool): FlashAttention's
-    running max and sum, unseen slots at exactly zero weight and their values zeroed. With
-    `sinks_ref` [M] each query's max and sum start from its sink, a slot of value zero."""
+def _online_softmax(q_MH, first_block, num_blocks, read, sinks_ref=None):
+    """softmax(QKᵀ)V of the queries q [M, H] over blocks `first_block` to `num_blocks` (one
+    past the last), block i's keys, values and seen slots being `read(i)` ([U, H], [U, H],
+    [U] bool): FlashAttention's running max and sum, unseen slots at exactly zero weight and
+    their values zeroed. With `sinks_ref` [M] each query's max and sum start from its sink,
+    a slot of value zero."""
     head_dim = q_MH.shape[-1]
 
     def body(index, carry):
@@ -295,5 +302,5 @@ def _online_softmax(q_MH, num_blocks, read, sinks_ref=None):
         first_max, first_sum = sinks_ref[...], 1.0
     init = (first_max, jnp.full((MIN_DOT,), first_sum, jnp.float32),
             jnp.zeros((MIN_DOT, head_dim), jnp.float32))
-    _, sum_M, acc_MH = jax.lax.fori_loop(0, num_blocks, body, init)
+    _, sum_M, acc_MH = jax.lax.fori_loop(first_block, num_blocks, body, init)
     return acc_MH / jnp.where(sum_M > 0, sum_M, 1.0)[:, None]

@@ -109,8 +109,8 @@ def attend_pages(q_BTNH: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer,
     default `one_read_max_bytes()`: a small layer, or any on an accelerator), the rows'
     pages are gathered into one and read so.
     Otherwise the online softmax runs over blocks of about `block_size` slots (whole pages)
-    up to the last slot any query sees, each gathered from the rows' pages as it is read: a
-    row's cost follows its tokens, not its capacity.
+    from the first to the last slot any query sees, each gathered from the rows' pages as it
+    is read: a row's cost follows its tokens (or its sliding window), not its capacity.
     Masked slots get exactly zero weight, as in `attend_blocks`; `sinks` are its too."""
     batch, _, capacity = mask_BTS.shape
     page_size = k_pool.shape[3]
@@ -132,14 +132,12 @@ def attend_pages(q_BTNH: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer,
                                          scales=view_scales, one_read_bytes=view_bytes,
                                          scale=scale, softcap=softcap, sinks_N=sinks_N)
         return out
-    slots_S = jnp.arange(capacity, dtype=jnp.int32)
-    last_seen = jnp.max(jnp.where(mask_BTS, slots_S + 1, 0))
     block = page_size * min(pages.shape[1], max(1, block_size // page_size))
-    num_blocks = (last_seen + block - 1) // block
+    first_block, num_blocks = attention.seen_blocks(mask_BTS, block)
     q_XMH = attention._queries_XMH(q_BTNH, k_pool.shape[2], scale)
     out_XMH = attention._attend_filled_blocks(
         q_XMH, k_pool, v_pool, layer, mask_BTS, softcap, block, num_blocks, scales, pages=pages,
-        sinks_KG=attention._sinks_KG(sinks_N, k_pool.shape[2]))
+        sinks_KG=attention._sinks_KG(sinks_N, k_pool.shape[2]), first_block=first_block)
     return attention._to_BTNH(out_XMH, q_BTNH)
 
 

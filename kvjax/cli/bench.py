@@ -195,6 +195,8 @@ def _add_decode(kinds) -> None:
                         help="cache slots in the sweep")
     decode.add_argument("--sweep-fills", type=positive, nargs="+",
                         default=[64, 128, 256, 512, 1024], help="filled slots to time")
+    decode.add_argument("--sweep-window", type=positive, default=128,
+                        help="the sliding window of the sweep's windowed cache, in slots")
     decode.add_argument("--sweep-plot", default="decode_sweep.png",
                         help="where to write the sweep's PNG plot")
     _add_decode_attention(decode)
@@ -402,9 +404,11 @@ def run_bench_decode(args) -> int:
         from kvjax.benchmarks.fill_sweep import fill_sweep, format_sweep, plot_sweep
 
         sweep = fill_sweep(args.preset, args.sweep_batch, args.sweep_capacity,
-                           tuple(args.sweep_fills), tuple(args.layers), args.repeats)
+                           tuple(args.sweep_fills), tuple(args.layers), args.repeats,
+                           window=args.sweep_window)
         block = M.preset(args.preset).attention_block
-        print("\n" + format_sweep(sweep, args.sweep_batch, args.sweep_capacity, block))
+        print("\n" + format_sweep(sweep, args.sweep_batch, args.sweep_capacity, block,
+                                  window=args.sweep_window))
         plot_sweep(sweep, args.sweep_plot, args.sweep_batch, args.sweep_capacity)
         print(f"plot: {args.sweep_plot}")
     return 0

@@ -119,3 +119,25 @@ def test_attention_gradient_is_finite_with_fully_masked_rows():
     mask = jnp.array([[[True, False, False], [False, False, False]]])
     grads = jax.jit(jax.grad(lambda q: M.attend(q, kv, kv, mask).sum()))(q)
     assert jnp.isfinite(grads).all()
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["float", "scaled"])
+def test_a_sliding_window_reads_only_the_blocks_it_covers(scaled):
+    """Decode queries whose windows start past the first blocks: the loop starts at the
+    block of the first slot any query sees, and what it skips (NaN here) never counted."""
+    rng = np.random.default_rng(7)
+    capacity, block = 40, 4
+    q = rng.normal(size=(2, 1, 4, 8)).astype(np.float32)
+    k, v = (rng.normal(size=(2, capacity, 2, 8)).astype(np.float32) for _ in range(2))
+    slots = np.arange(capacity)
+    mask = np.stack([(slots >= 13) & (slots < 21), (slots >= 17) & (slots < 31)])[:, None]
+    k, v = (np.where(mask[:, 0, :, None, None], x, np.nan) for x in (k, v))
+    stacks = [jnp.asarray(x).transpose(0, 2, 1, 3)[None] for x in (k, v)]
+    scales = None
+    if scaled:  # an int8 cache's way (its scales at 1): always read by blocks
+        scales = tuple(jnp.ones(s.shape[:-1]) for s in stacks)
+    out, blocks_read = attend_blocks(q, *stacks, 0, jnp.asarray(mask), block, scales=scales,
+                                     one_read_bytes=0, whole_share=1.0)
+    assert int(blocks_read) == 8 - 3  # blocks 3 (slots 12-15) to 7 (slots 28-31)
+    np.testing.assert_allclose(out, numpy_attention(q, *(np.nan_to_num(x) for x in (k, v)),
+                                                     mask), atol=1e-5)

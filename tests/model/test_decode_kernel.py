@@ -27,13 +27,17 @@ def kernel_backend(mode):
                     f"{jax.device_count()} {jax.default_backend()} device(s)")
 
 
-def decode_inputs(seed, batch, heads, kv_heads, capacity, dim, lengths, dtype):
+def decode_inputs(seed, batch, heads, kv_heads, capacity, dim, lengths, dtype, starts=None):
     """A query [B, 1, N, H] per row, one layer of cache K and V [B, K, S, H] holding NaN past
-    each row's length, and the mask [B, 1, S] of the filled slots."""
+    each row's length and before its window's start (`starts`, default 0), and the mask
+    [B, 1, S] of the slots between."""
     rng = np.random.default_rng(seed)
     q = rng.normal(size=(batch, 1, heads, dim))
     k, v = (rng.normal(size=(batch, kv_heads, capacity, dim)) for _ in range(2))
-    mask = np.arange(capacity)[None, None] < np.asarray(lengths)[:, None, None]
+    slots = np.arange(capacity)[None, None]
+    mask = slots < np.asarray(lengths)[:, None, None]
+    if starts is not None:
+        mask &= slots >= np.asarray(starts)[:, None, None]
     unseen = ~mask[:, 0][:, None, :, None]
     k, v = (np.where(unseen, np.nan, x) for x in (k, v))
     q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
@@ -51,8 +55,10 @@ def decode_inputs(seed, batch, heads, kv_heads, capacity, dim, lengths, dtype):
 def test_kernel_equals_the_formula_and_ignores_unseen_slots(mode, dtype, heads, kv_heads,
                                                             capacity, dim, sinks):
     kernel_backend(mode)
-    lengths = [capacity, 0, capacity // 3 + 1]  # full, nothing to see, one block and a bit
-    q, k, v, mask = decode_inputs(0, 3, heads, kv_heads, capacity, dim, lengths, dtype)
+    # Full, nothing to see, one block and a bit, a sliding window past the first block.
+    lengths = [capacity, 0, capacity // 3 + 1, capacity]
+    starts = [0, 0, 0, capacity - 20]
+    q, k, v, mask = decode_inputs(0, 4, heads, kv_heads, capacity, dim, lengths, dtype, starts)
     assert D.decode_kernel_fits(q, k, v, None)
     sinks = jnp.linspace(-1.0, 3.0, heads) if sinks else None
     out = jax.jit(D.decode_attention, static_argnames="interpret")(
@@ -118,11 +124,11 @@ def test_paged_kernel_reads_each_rows_pages_as_the_formula_does(mode, page_size,
     """Pages of layer 1 of two, scrambled over the pool; unseen slots, every page of layer 0
     and the pages no row names hold NaN; a row's unassigned entries (`NO_PAGE`) are masked."""
     kernel_backend(mode)
-    batch, num_pages = 3, 3 * pages_per_row + 2
+    batch, num_pages = 4, 4 * pages_per_row + 2
     capacity = pages_per_row * page_size
-    lengths = [capacity, 0, capacity // 2 + 1]
+    lengths = [capacity, 0, capacity // 2 + 1, capacity]  # the last: a window of 12 slots
     q, k, v, mask = decode_inputs(2, batch, heads, kv_heads, capacity, dim, lengths,
-                                  jnp.bfloat16)
+                                  jnp.bfloat16, starts=[0, 0, 0, capacity - 12])
     pages = np.random.default_rng(2).permutation(num_pages)[:batch * pages_per_row]
     pages = pages.reshape(batch, pages_per_row).astype(np.int32)
     pages[1] = M.NO_PAGE  # a row that sees nothing holds no page

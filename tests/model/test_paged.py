@@ -42,8 +42,9 @@ def contiguous(pool, pages):
                                "one-read-sinks", "two-pages-sinks"])
 def test_paged_attention_equals_the_formula_over_each_rows_pages(one_read_bytes, block_size,
                                                                  sinks):
-    """Blocks of two pages over three pages a row: the last block starts a page early. With
-    each query head's sink logit (gpt-oss) too."""
+    """Blocks of two pages over three pages a row: the last block starts a page early. Row 0's
+    queries see a sliding window of 6 slots, which a block of one page starts past the
+    first. With each query head's sink logit (gpt-oss) too."""
     q, (k_pool, v_pool), pages = pool_inputs()
     lengths = np.array([11, 5])  # row 1 ends inside its second page: its third is unseen
     k_pool[0, pages[1, 1], :, 1:] = np.nan  # past its length
@@ -51,7 +52,8 @@ def test_paged_attention_equals_the_formula_over_each_rows_pages(one_read_bytes,
     pages[1, 2] = M.NO_PAGE
     slots = np.arange(pages.shape[1] * PAGE)
     positions = lengths[:, None] - 2 + np.arange(2)
-    mask = (slots <= positions[:, :, None]) & (slots < lengths[:, None, None])
+    mask = ((slots <= positions[:, :, None]) & (slots < lengths[:, None, None])
+            & (slots > positions[:, :, None] - 6))
     sinks = jnp.asarray([1.5, -0.5, 0.0, 3.0]) if sinks else None
     out = attend_pages(q, jnp.asarray(k_pool), jnp.asarray(v_pool), 0, jnp.asarray(pages),
                        jnp.asarray(mask), block_size, one_read_bytes=one_read_bytes,
