@@ -289,7 +289,11 @@ def train_benchmark(preset: str = "gpt-mini", batch_size: int = 8, seq_len: int 
 
 def _attention_route(config: M.TransformerConfig) -> str:
     probe = jnp.zeros((1, 1, config.num_heads, config.head_dim), config.compute_dtype)
-    fused = config.sliding_window is None and fused_attention_applies(
+    # A scanned stack of local and global layers traces each layer's kind, and describes
+    # no mask to the kernel; sinks join a softmax the kernel does not compute.
+    kinds_traced = (config.sliding_window is not None and config.scan_layers
+                    and bool(config.full_attention_layers))
+    fused = not (kinds_traced or config.attention_sinks) and fused_attention_applies(
         probe, probe, probe, config.attention_softcap)
     return "cuDNN's fused kernel (XLA's ops with deterministic ops)" if fused else "XLA's ops"
 

@@ -48,21 +48,25 @@ def soft_cap(logits: jax.Array, cap: float | None) -> jax.Array:
 def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
            mask_BTS: jax.Array, scale: float | None = None,
            softcap: float | None = None, *, key_lengths_B: jax.Array | None = None,
-           causal: bool = False, sinks_N: jax.Array | None = None) -> jax.Array:
+           causal: bool = False, window: int | None = None,
+           sinks_N: jax.Array | None = None) -> jax.Array:
     """softmax(QKᵀ/√H + mask)V with a boolean mask (True = may attend). Returns [B, T, N, H].
 
     `scale` replaces 1/√H; `softcap` caps the scaled logits (`soft_cap`) before the mask.
     Masked keys get exactly zero weight; the softmax runs in float32 for every input dtype.
     A query row with no key to attend to (all masked) returns zeros rather than NaN or a
     uniform average. `key_lengths` [B], where given, says what the mask is: key slot s is
-    allowed iff s < key_lengths[b] (and s <= the query's index, with `causal`); a fused
-    kernel then runs where the backend has one (`model/fused_attention.py`). `sinks` [N]
-    (where given) are each query head's sink logit (above).
+    allowed iff s < key_lengths[b] (and s <= the query's index, with `causal`, and
+    s > the query's index - `window` where a window is given); a fused kernel then runs
+    where the backend has one (`model/fused_attention.py`). `sinks` [N] (where given) are
+    each query head's sink logit (above).
     """
+    if window is not None and not causal:
+        raise ValueError(f"a sliding window of {window} describes a causal mask only")
     fusable = sinks_N is None and softcap is None
     if key_lengths_B is not None and fusable and fused_attention_applies(
             q_BTNH, k_BSKH, v_BSKH, softcap):
-        out = attend_fused(q_BTNH, k_BSKH, v_BSKH, key_lengths_B, causal, scale)
+        out = attend_fused(q_BTNH, k_BSKH, v_BSKH, key_lengths_B, causal, scale, window)
         return _zero_rows_without_keys(out, mask_BTS).astype(q_BTNH.dtype)
     if fusable:
         out = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_BTS[:, None],

@@ -31,7 +31,7 @@ class SelfAttention(nn.Module):
     the layer attends over a sliding window (`TransformerConfig.is_local_layer`; traced for
     scanned layers), which picks its RoPE; `turned` whether RoPE turns its queries and keys
     at all (`TransformerConfig.unrotated_layers`; traced for scanned layers). `key_lengths`
-    [B] and `causal` describe the mask
+    [B] and `causal` (with the sliding window of a layer known to be local) describe the mask
     of a call that attends over the new tokens alone (as `attend` takes them), or are None.
     `pages` [B, pages per row] are a paged cache's page tables (`model/paged.py`): the stacks
     are then its pools, written and read through the tables. With `attention_sinks` the
@@ -77,12 +77,11 @@ class SelfAttention(nn.Module):
         if cache_kv is None or fresh:
             if quantized:
                 k, v = round_trip(k), round_trip(v)
-            # A sliding window is part of the mask that the lengths do not describe.
-            described = config.sliding_window is None
+            window, described = _described_window(config, local, causal)
             out = attend(q, k, v, mask_BTS[..., :k.shape[1]], config.attention_scale,
                          config.attention_softcap,
                          key_lengths_B=key_lengths_B if described else None, causal=causal,
-                         sinks_N=sinks)
+                         window=window, sinks_N=sinks)
         elif pages is not None:
             out = paged.attend_pages(q, *cache_kv[:2], layer, pages, mask_BTS,
                                      config.attention_block, scales=cache_kv[2:] or None,
@@ -94,6 +93,18 @@ class SelfAttention(nn.Module):
                                    softcap=config.attention_softcap, sinks_N=sinks)
         return lora_rows.add_update(self, "o", out, OutputProjection(config, name="out")(out)), \
             cache_kv
+
+
+def _described_window(config: TransformerConfig, local, causal: bool):
+    """`(window, described)`: the sliding window a layer's mask adds to what `key_lengths`
+    and `causal` describe (None for a global layer), and whether that describes it all. A
+    causal layer known to be local or global while tracing describes its window; a scanned
+    layer whose kind is traced, or a window without `causal`, does not."""
+    if config.sliding_window is None:
+        return None, True
+    if not isinstance(local, bool) or not causal:
+        return None, False
+    return (config.sliding_window if local else None), True
 
 
 def _qk_norm(config: TransformerConfig, x_BTNH, name: str):

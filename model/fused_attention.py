@@ -4,9 +4,10 @@ GPUs.
 XLA's own attention writes the [B, N, T, S] logits and weights of every layer out to memory
 and reads them back (forward and backward), which dominates a training step at long
 sequences. cuDNN's kernel keeps them on chip and, with a causal mask, skips the blocks above
-the diagonal. It takes the mask as a description (causal or not, and each row's number of
-valid keys) rather than as a boolean array, so callers that know their mask has that shape
-say so (`key_lengths` and `causal` of `model.attention.attend`); any other mask runs XLA's.
+the diagonal (and with a sliding window, those left of the window). It takes the mask as a
+description (causal or not, each row's number of valid keys, a window) rather than as a
+boolean array, so callers that know their mask has that shape say so (`key_lengths`,
+`causal` and `window` of `model.attention.attend`); any other mask runs XLA's.
 
 Shape letters as in `model/attention.py`.
 """
@@ -60,9 +61,12 @@ def fused_attention_applies(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Ar
 
 
 def attend_fused(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
-                 key_lengths_B: jax.Array, causal: bool, scale: float | None) -> jax.Array:
+                 key_lengths_B: jax.Array, causal: bool, scale: float | None,
+                 window: int | None = None) -> jax.Array:
     """softmax(QKᵀ·scale + mask)V [B, T, N, H] through cuDNN, for the mask `key slot <
-    key_lengths[b]` (and `key slot <= query index` with `causal`).
+    key_lengths[b]` (and `key slot <= query index` with `causal`, and `key slot > query
+    index - window` with a sliding window of `window` positions, the query's own included;
+    causal only).
 
     A row with no valid key is given one: cuDNN's softmax over nothing is not finite, and a
     NaN there would reach the gradients even where the caller zeroes the row's output (as
@@ -70,4 +74,11 @@ def attend_fused(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
     lengths_B = jnp.clip(key_lengths_B, 1, k_BSKH.shape[1]).astype(jnp.int32)
     return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, scale=scale, is_causal=causal,
                                         key_value_seq_lengths=lengths_B,
+                                        local_window_size=_left_window(window),
                                         implementation="cudnn")
+
+
+def _left_window(window: int | None) -> tuple[int, int] | None:
+    """A window of `window` positions ending at the query as jax's `local_window_size`:
+    the keys it reaches to the left of the query and to the right (none)."""
+    return None if window is None else (window - 1, 0)

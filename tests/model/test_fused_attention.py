@@ -7,6 +7,8 @@ gradients, and bfloat16 training is bit-identical with deterministic ops.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,12 +22,15 @@ from kvjax.train import update
 from kvjax.train.config import TrainConfig
 
 
-def _described_mask(key_lengths_B, causal, num_queries, num_keys):
+def _described_mask(key_lengths_B, causal, num_queries, num_keys, window=None):
     slots_S = jnp.arange(num_keys)
     mask_BTS = jnp.broadcast_to(slots_S[None, None, :] < key_lengths_B[:, None, None],
                                 (key_lengths_B.shape[0], num_queries, num_keys))
+    queries_T1 = jnp.arange(num_queries)[None, :, None]
     if causal:
-        mask_BTS &= slots_S[None, None, :] <= jnp.arange(num_queries)[None, :, None]
+        mask_BTS &= slots_S[None, None, :] <= queries_T1
+    if window is not None:
+        mask_BTS &= slots_S[None, None, :] > queries_T1 - window
     return mask_BTS
 
 
@@ -59,7 +64,8 @@ def test_the_masks_described_to_a_fused_kernel_are_the_models_masks(monkeypatch,
     expected = jax.jit(lambda p: forward(p))(params)
     described = []
 
-    def from_description(q, k, v, key_lengths_B, causal, scale):
+    def from_description(q, k, v, key_lengths_B, causal, scale, window=None):
+        assert window is None
         described.append(causal)
         mask = _described_mask(key_lengths_B, causal, q.shape[1], k.shape[1])
         return A.attend(q, k, v, mask, scale)
@@ -77,13 +83,33 @@ def test_the_masks_described_to_a_fused_kernel_are_the_models_masks(monkeypatch,
         np.testing.assert_array_equal(np.asarray(have), np.asarray(want))
 
 
-def test_layers_with_a_sliding_window_describe_no_mask(monkeypatch):
-    config = M.preset("tiny", positional_encoding="rope", sliding_window=3)
+@pytest.mark.parametrize("scan_layers, full_layers, windows", [
+    (False, (1,), {3, None}), (True, (), {3}), (True, (1,), set())],
+    ids=["unrolled-local-and-global", "scanned-all-local", "scanned-local-and-global"])
+def test_sliding_windows_are_described_where_each_layers_kind_is_known(
+        monkeypatch, scan_layers, full_layers, windows):
+    """A stand-in for the fused route builds its mask from the description alone: where a
+    layer's kind is known while tracing, local layers describe their window and global ones
+    none, and the logits equal XLA's route; a scanned stack of both kinds describes nothing
+    (a layer's kind is traced there)."""
+    config = M.preset("tiny", positional_encoding="rope", sliding_window=3,
+                      full_attention_layers=full_layers, scan_layers=scan_layers)
     params = M.init_params(config, jax.random.key(1))
+    batch = {"inputs": random_tokens(0, (2, 8), 64), "lengths": jnp.asarray([8, 5], jnp.int32)}
+    forward = functools.partial(M.teacher_forced_logits, config)
+    expected = jax.jit(lambda p: forward(p, batch))(params)
+    described = []
+
+    def from_description(q, k, v, key_lengths_B, causal, scale, window=None):
+        described.append(window)
+        mask = _described_mask(key_lengths_B, causal, q.shape[1], k.shape[1], window)
+        return A.attend(q, k, v, mask, scale)
+
     monkeypatch.setattr(A, "fused_attention_applies", lambda *args: True)
-    monkeypatch.setattr(A, "attend_fused", lambda *args: pytest.fail("window described"))
-    inputs = random_tokens(0, (2, 8), 64)
-    jax.jit(lambda p: M.teacher_forced_logits(config, p, {"inputs": inputs}))(params)
+    monkeypatch.setattr(A, "attend_fused", from_description)
+    got = jax.jit(lambda p: forward(p, batch))(params)
+    assert set(described) == windows  # (a scanned body may be traced more than once)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
 
 
 needs_fused = pytest.mark.skipif(
@@ -91,28 +117,44 @@ needs_fused = pytest.mark.skipif(
     reason="cuDNN's fused attention runs on NVIDIA GPUs only")
 
 
+def test_a_described_window_is_the_window_jax_is_asked_for():
+    """The description's window as jax's `local_window_size`, run by jax's own XLA route on
+    every backend: the same mask as the model's."""
+    keys = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(keys[0], (2, 9, 4, 8))
+    k, v = (jax.random.normal(key, (2, 9, 2, 8)) for key in keys[1:])
+    lengths = jnp.asarray([9, 6], jnp.int32)
+    got = jax.nn.dot_product_attention(q, k, v, is_causal=True, key_value_seq_lengths=lengths,
+                                       local_window_size=F._left_window(4),
+                                       implementation="xla")
+    want = A.attend(q, k, v, _described_mask(lengths, True, 9, 9, window=4))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+
+
 @needs_fused
-@pytest.mark.parametrize("causal, queries", [(True, 40), (False, 40), (False, 24)],
-                         ids=["causal", "padding", "cross"])
-def test_fused_attention_equals_xlas_and_zeroes_rows_without_keys(causal, queries):
+@pytest.mark.parametrize("causal, queries, window", [
+    (True, 40, None), (False, 40, None), (False, 24, None), (True, 40, 16)],
+    ids=["causal", "padding", "cross", "window"])
+def test_fused_attention_equals_xlas_and_zeroes_rows_without_keys(causal, queries, window):
     batch, length, heads, kv_heads, head_dim = 3, 40, 8, 2, 64
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (batch, queries, heads, head_dim), jnp.bfloat16)
     k, v = (jax.random.normal(key, (batch, length, kv_heads, head_dim), jnp.bfloat16)
             for key in keys[1:3])
     lengths = jnp.asarray([length, 17, 0], jnp.int32)
-    mask = _described_mask(lengths, causal, queries, length)
+    mask = _described_mask(lengths, causal, queries, length, window)
     cotangent = jax.random.normal(keys[3], q.shape, jnp.float32)
 
     def loss(q, k, v, fused):
-        out = A.attend(q, k, v, mask, key_lengths_B=lengths if fused else None, causal=causal)
+        out = A.attend(q, k, v, mask, key_lengths_B=lengths if fused else None, causal=causal,
+                       window=window if fused else None)
         return jnp.sum(out.astype(jnp.float32) * cotangent)
 
     (fused_out, fused_grads), (xla_out, xla_grads) = (
         jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=3)(q, k, v, fused)
         for fused in (True, False))
     np.testing.assert_allclose(float(fused_out), float(xla_out), rtol=2e-2)
-    out = A.attend(q, k, v, mask, key_lengths_B=lengths, causal=causal)
+    out = A.attend(q, k, v, mask, key_lengths_B=lengths, causal=causal, window=window)
     want = A.attend(q, k, v, mask)
     assert not np.any(np.asarray(out[2]))  # the row with no key
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
