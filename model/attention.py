@@ -293,10 +293,14 @@ def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap, blo
     dtype = jnp.float32 if scales is not None else k_LBKSH.dtype
 
     def read_page(pool, start):  # -> [B, K, U, ...]: each row's pages of the block's slots
-        layer_pool = jax.lax.dynamic_index_in_dim(pool, layer, keepdims=False)
-        page_size = pool.shape[3]
+        # The layers' pools as one pool of L x pages (a reshape, no copy), each page offset
+        # into its layer's: slicing the layer out of a stack of several would copy all of
+        # its pages at every block.
+        num_layers, num_pages, _, page_size = pool.shape[:4]
+        every_layer = pool.reshape(num_layers * num_pages, *pool.shape[2:])
         columns = start // page_size + jnp.arange(block // page_size)
-        rows = jnp.take(layer_pool, jnp.maximum(pages[:, columns], 0), axis=0)
+        rows = jnp.take(every_layer, jnp.maximum(pages[:, columns], 0) + layer * num_pages,
+                        axis=0)
         rows = jnp.swapaxes(rows, 1, 2)  # [B, K, pages of the block, page slots, ...]
         return rows.reshape(*rows.shape[:2], block, *rows.shape[4:])
 

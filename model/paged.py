@@ -88,8 +88,12 @@ def gather_rows(pool: jax.Array, layer, pages: jax.Array) -> jax.Array:
     """Layer `layer` of a pool [L, pages, K, U, H] as a contiguous stack of one layer [1, B, K,
     S, H] (scales: [L, pages, K, U] -> [1, B, K, S]), S = pages per row x U: every row's pages
     in table order. Unassigned entries read page 0, which the row's length masks."""
-    layer_pool = jax.lax.dynamic_index_in_dim(pool, layer, keepdims=False)  # [pages, K, U, ...]
-    rows = jnp.take(layer_pool, jnp.maximum(pages, 0), axis=0)  # [B, pages per row, K, U, ...]
+    # The layers' pools as one of L x pages (a reshape, no copy), each row's pages offset into
+    # its layer's: slicing the layer out of a stack of several would first copy all of it.
+    num_layers, num_pages = pool.shape[:2]
+    every_layer = pool.reshape(num_layers * num_pages, *pool.shape[2:])
+    rows = jnp.take(every_layer, jnp.maximum(pages, 0) + layer * num_pages,
+                    axis=0)  # [B, pages per row, K, U, ...]
     rows = jnp.swapaxes(rows, 1, 2)  # [B, K, pages per row, U, ...]
     batch, kv_heads, per_row, page_size = rows.shape[:4]
     return rows.reshape(1, batch, kv_heads, per_row * page_size, *rows.shape[4:])
