@@ -58,6 +58,8 @@ class SelfAttention(nn.Module):
             k_turned = apply_rope(k, positions_BT, inv_freq, attention_factor)
             q, k = ((q_turned, k_turned) if turned is True else
                     (jnp.where(turned, q_turned, q), jnp.where(turned, k_turned, k)))
+        if config.query_scale_beta:
+            q = q * _query_scales(config, positions_BT)[:, :, None, None].astype(q.dtype)
         sinks = None
         if config.attention_sinks:
             sinks = self.param("sinks", nn.initializers.zeros_init(), (config.num_heads,),
@@ -93,6 +95,13 @@ class SelfAttention(nn.Module):
                                    softcap=config.attention_softcap, sinks_N=sinks)
         return lora_rows.add_update(self, "o", out, OutputProjection(config, name="out")(out)), \
             cache_kv
+
+
+def _query_scales(config: TransformerConfig, positions_BT):
+    """[B, T] what each position's queries are multiplied by: 1 + beta · ln(1 +
+    floor(position / length)), exactly 1 before the first `length` positions."""
+    steps_BT = (positions_BT // config.query_scale_length).astype(jnp.float32)
+    return 1.0 + config.query_scale_beta * jnp.log1p(steps_BT)
 
 
 def _described_window(config: TransformerConfig, local, causal: bool):

@@ -124,6 +124,11 @@ class TransformerConfig:
     shared_norm: bool = False
     # What multiplies QKᵀ; None: 1/√head_dim (Gemma: query_pre_attn_scalar^-1/2).
     attention_scale: float | None = None
+    # Queries at position p (after RoPE) multiplied by 1 + beta · ln(1 + floor(p / length)):
+    # logits sharpen, step by step, as positions pass each multiple of `length` (Ministral 3,
+    # from Llama 4's attention temperature). beta 0: off.
+    query_scale_beta: float = 0.0
+    query_scale_length: int = 1
     # A learned logit per query head that joins each of its softmaxes as one more key whose
     # value is zero (`self_attention/sinks` [N]; gpt-oss): a query may give most of its weight
     # to nothing rather than spread it over the keys it sees.
@@ -263,6 +268,7 @@ _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "rotary_dim", "cache_dtype", "kernel_dtype", "qk_norm", "qk_norm_across_heads",
     "sliding_window", "full_attention_layers", "unrotated_layers", "local_rope_base",
     "norm_unit_offset", "sandwich_norms", "parallel_residual", "shared_norm", "attention_scale",
+    "query_scale_beta", "query_scale_length",
     "attention_sinks", "attention_softcap", "logits_softcap",
     "embedding_multiplier", "residual_multiplier", "logits_scaling", "num_experts",
     "experts_per_token", "normalize_expert_weights", "shared_expert_d_ff", "shared_expert_gate",

@@ -48,11 +48,11 @@ ROPE_SCALINGS = ("none", "linear", "llama3", "yarn", "longrope")
 _INT_FIELDS = ("vocab_size", "d_model", "num_heads", "d_ff", "num_decoder_layers",
                "num_encoder_layers", "max_len", "bos_id", "attention_block",
                "rope_original_max_len", "num_experts", "experts_per_token",
-               "shared_expert_d_ff")
+               "shared_expert_d_ff", "query_scale_length")
 _REAL_FIELDS = ("dropout", "rope_base", "layer_norm_eps", "rope_scaling_factor",
                 "rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast",
                 "rope_beta_slow", "embedding_multiplier", "residual_multiplier", "logits_scaling",
-                "swiglu_alpha", "swiglu_limit")
+                "swiglu_alpha", "swiglu_limit", "query_scale_beta")
 _BOOL_FIELDS = ("tie_embeddings", "scan_layers", "remat", "qkv_bias", "out_bias", "ffn_bias",
                 "scale_embeddings", "logits_bias", "qk_norm", "qk_norm_across_heads",
                 "norm_unit_offset", "sandwich_norms", "parallel_residual", "shared_norm",
@@ -96,6 +96,7 @@ def problems(config: Config) -> list[str]:
             problems.append(f"rope needs an even head_dim, got {head_dim}")
     problems += _rotary_dim_problems(config)
     problems += _rope_scaling_problems(config)
+    problems += _query_scale_problems(config)
     problems += _expert_problems(config)
     if config.cache_dtype is not None and config.cache_dtype not in CACHE_DTYPES:
         problems.append(f"cache_dtype={config.cache_dtype!r} is not None or one of "
@@ -174,6 +175,16 @@ def _expert_problems(config: Config) -> list[str]:
                         f"num_experts={config.num_experts}")
     if config.num_encoder_layers:
         problems.append("num_experts needs a decoder-only model")
+    return problems
+
+
+def _query_scale_problems(config: Config) -> list[str]:
+    beta, length = config.query_scale_beta, config.query_scale_length
+    problems = []
+    if not 0 <= beta < math.inf:
+        problems.append(f"query_scale_beta={beta} must be >= 0 and finite")
+    if length < 1:
+        problems.append(f"query_scale_length={length} must be >= 1")
     return problems
 
 

@@ -15,9 +15,9 @@ from kvjax import hf
     ("gpt2", dict(model_type="bert"),
      "model_type 'bert' is not supported; kvjax loads arcee, cohere, cohere2, ernie4_5, "
      "exaone4, gemma, gemma2, gemma3_text, glm, glm4, gpt2, gpt_neox, gpt_oss, granite, "
-     "granitemoe, helium, llama, marian, ministral, mistral, mixtral, nemotron, olmo2, olmo3, "
-     "olmoe, opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, stablelm, "
-     "starcoder2"),
+     "granitemoe, helium, llama, marian, ministral, ministral3, mistral, mixtral, nemotron, "
+     "olmo2, olmo3, olmoe, opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, "
+     "smollm3, stablelm, starcoder2"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
                                         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
      'rope settings {"partial_rotary_factor": 0.5} are not supported for rope type \'yarn\''),
@@ -57,6 +57,12 @@ from kvjax import hf
         "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
      "scaled RoPE on sliding_attention layers is not supported"),
     ("olmo3", dict(sliding_window=0), "sliding_window=0 must be >= 1 or None"),
+    ("ministral3", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                         "original_max_position_embeddings": 4}),
+     "Ministral 3's rope_parameters need llama_4_scaling_beta and "
+     "original_max_position_embeddings"),
+    ("ministral3", dict(layer_types=["sliding_attention", "full_attention"]),
+     'kvjax does not implement layer_types=["sliding_attention", "full_attention"]'),
     ("exaone4", dict(layer_types=None, sliding_window_pattern="LXG"),
      "sliding_window_pattern='LXG' must be a string of L (local) and G (global) layers"),
     ("exaone4", dict(layer_types=None, sliding_window_pattern=True),

@@ -28,7 +28,7 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "phi", "stablelm", "opt", "gemma", "starcoder2", "mixtral", "qwen3_moe", "olmoe",
          "granitemoe", "qwen2_moe", "gpt_oss", "gpt_oss_mxfp4", "glm", "glm4", "helium",
          "ernie4_5", "seed_oss", "ministral", "exaone4", "cohere", "cohere2", "nemotron",
-         "arcee")
+         "arcee", "ministral3")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -38,7 +38,8 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                "olmoe": "olmoe", "granitemoe": "granitemoe", "qwen2_moe": "qwen2_moe",
                "gpt_oss": "gpt_oss", "gpt_oss_mxfp4": "gpt_oss", "glm": "glm", "glm4": "glm4",
                **{name: name for name in ("helium", "ernie4_5", "seed_oss", "ministral",
-                                          "exaone4", "cohere", "cohere2", "nemotron", "arcee")}}
+                                          "exaone4", "cohere", "cohere2", "nemotron", "arcee",
+                                          "ministral3")}}
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +113,8 @@ def check_logits_and_greedy_tokens(config, params, record, logits):
 # with a shared expert. Cached decoding equals the full forward for every option the families
 # use (tests/model/test_transformer.py and the options' own tests).
 BEAM_FAMILIES = ("gpt2", "marian", "mistral", "gemma2", "qwen2_moe")
-GENERATE_FAMILIES = BEAM_FAMILIES + ("gemma3_text", "smollm3", "exaone4", "cohere2")
+GENERATE_FAMILIES = BEAM_FAMILIES + ("gemma3_text", "smollm3", "exaone4", "cohere2",
+                                     "ministral3")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -156,6 +158,8 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     assert config.parallel_residual == (name in ("gpt_neox", "phi", "cohere", "cohere2"))
     assert config.shared_norm == (name in ("phi", "cohere", "cohere2"))
     assert config.logits_bias == (name in ("phi", "marian"))
+    assert (config.query_scale_beta, config.query_scale_length) == (
+        (0.5, 4) if name == "ministral3" else (0.0, 1))
     assert config.rotary_dim == {"gpt_neox": 4, "phi": 2, "stablelm": 4, "glm": 4,
                                  "glm4": 4, "nemotron": 4}.get(name, config.rotary_dim)
     assert (config.activation == "relu2") == (name in ("nemotron", "arcee"))

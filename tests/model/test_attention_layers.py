@@ -1,9 +1,11 @@
 """model/attention_layers.py: a sliding window hides what lies behind it, cached or not;
 Qwen3's per-head norm of queries and keys takes each head's scale out, OLMo's norm across
-heads the scale of all of them together."""
+heads the scale of all of them together; Ministral 3's queries scaled by their position."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import pytest
 from conftest import run_cached, run_full, start_cache
 
 from kvjax import model as M
@@ -73,3 +75,37 @@ def test_qk_norm_across_heads_takes_out_the_scale_of_all_heads_together():
     np.testing.assert_allclose(with_kernel(kernel.at[:, :4].multiply(5.0)), want, rtol=1e-4,
                                atol=1e-5)
     assert not np.allclose(with_kernel(kernel.at[:, :1].multiply(5.0)), want, rtol=1e-3)
+
+
+def test_queries_scaled_by_position_are_the_formula_cached_or_not():
+    """1 + beta · ln(1 + floor(p / length)): exactly 1 before `length`, so the first logits
+    are the unscaled model's; after it they are not, and step-by-step decoding with the cache
+    gives the logits of one full forward (a cached query's scale follows its position)."""
+    from kvjax.model.attention_layers import _query_scales
+
+    config = M.preset("tiny", positional_encoding="rope", num_kv_heads=2,
+                      query_scale_beta=0.5, query_scale_length=3)
+    positions = jnp.arange(10)[None]
+    np.testing.assert_allclose(_query_scales(config, positions)[0],
+                               1 + 0.5 * np.log1p(np.arange(10) // 3), rtol=1e-6)
+    params = M.init_params(config, jax.random.key(5))
+    tokens = jax.random.randint(jax.random.key(6), (1, 10), 3, config.vocab_size)
+    full = np.asarray(run_full(config, params, tokens))
+    unscaled = np.asarray(run_full(config.replace(query_scale_beta=0.0), params, tokens))
+    np.testing.assert_array_equal(full[0, :3], unscaled[0, :3])
+    assert not np.allclose(full[0, 3:], unscaled[0, 3:])
+    cache = start_cache(config, params, 1, 16)
+    logits, cache = run_cached(config, params, tokens[:, :4], cache)
+    np.testing.assert_allclose(logits[0], full[0, :4], rtol=1e-5, atol=1e-5)
+    for t in range(4, 10):
+        logits, cache = run_cached(config, params, tokens[:, t:t + 1], cache)
+        np.testing.assert_allclose(logits[0, 0], full[0, t], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(query_scale_beta=-0.1), "query_scale_beta=-0.1 must be >= 0 and finite"),
+    (dict(query_scale_beta=0.1, query_scale_length=0), "query_scale_length=0 must be >= 1"),
+    (dict(query_scale_length=2.5), "query_scale_length=2.5 must be an int")])
+def test_bad_query_scales_are_named(options, message):
+    with pytest.raises(ValueError, match=message):
+        M.preset("tiny", **options)
