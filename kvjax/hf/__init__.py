@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from kvjax import model as M
 
+from . import text_of_multimodal
 from .config import SUPPORTED_MODEL_TYPES, UnsupportedModelError, read_hf_config, to_kvjax_config
 from .peft import is_peft_directory, merge_peft_adapter, peft_adapters
 from .tensors import INDEX_FILE, SINGLE_FILE, WeightFiles
@@ -108,9 +109,14 @@ def load_peft_adapters(directory: str | os.PathLike, adapter_directory: str | os
 def _config_and_files(directory, dtype: str | None, max_len: int | None = None):
     hf = read_hf_config(directory)
     source = str(Path(directory) / "config.json")
+    multimodal = text_of_multimodal.is_text_of_multimodal(hf)
+    if multimodal:  # the language model alone (`text_of_multimodal.py`)
+        hf = text_of_multimodal.text_config(hf, source)
     if hf.get("model_type") not in SUPPORTED_MODEL_TYPES:  # before reading any weights
         to_kvjax_config(hf, tied=True, source=source)
     files = WeightFiles(directory)
+    if multimodal:
+        files = text_of_multimodal.TextModelFiles(files)
     config = to_kvjax_config(hf, tied=ties_embeddings(hf["model_type"], files),
                              dtype=dtype or "float32", source=source, max_len=max_len)
     return config, hf["model_type"], files

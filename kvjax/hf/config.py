@@ -1,8 +1,9 @@
 """A Hugging Face `config.json` as a `TransformerConfig`, refusing what kvjax does not run.
 
 `reader.py` accounts for every key of the file, so none is silently ignored; `families.py`
-(with `llama_like.py`, `output_norms.py`, `plain_ffn.py` and `cohere.py`) reads each
-supported model type's keys.
+(with `llama_like.py`, `ministral3.py`, `output_norms.py`, `plain_ffn.py` and `cohere.py`)
+reads each supported model type's keys. A vision-language directory's language model is
+read from its `text_config` (`text_of_multimodal.py`).
 """
 
 from __future__ import annotations

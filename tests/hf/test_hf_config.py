@@ -238,3 +238,45 @@ def test_a_cohere2_file_without_layer_types_reads_its_pattern_and_needs_a_window
 def test_a_directory_without_config_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         hf.load_pretrained(tmp_path)
+
+
+def test_a_vision_language_release_is_read_as_its_language_model_at_transformers_defaults():
+    """Gemma 3 4B's and a Ministral 3's `text_config` as older transformers wrote them, only
+    the keys that differ from the text config class's defaults: the rest are those defaults
+    (heads, kv heads, head dim, vocabulary, Ministral 3's YaRN and query scale)."""
+    from kvjax.hf import text_of_multimodal
+
+    gemma = {"model_type": "gemma3", "vision_config": {"model_type": "siglip_vision_model"},
+             "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                             "model_type": "gemma3_text", "num_hidden_layers": 34,
+                             "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                             "sliding_window": 1024}}
+    config = hf.to_kvjax_config(text_of_multimodal.text_config(gemma, "gemma"), tied=True)
+    assert (config.d_model, config.num_heads, config.num_kv_heads, config.head_dim,
+            config.num_decoder_layers, config.d_ff, config.vocab_size) == (
+        2560, 8, 4, 256, 34, 10240, 262208)
+    assert (config.sliding_window, config.full_attention_layers) == (1024, (5, 11, 17, 23, 29))
+    assert (config.rope_scaling, config.rope_scaling_factor, config.rope_base,
+            config.local_rope_base) == ("linear", 8.0, 1e6, 1e4)
+    assert config.attention_scale == 256 ** -0.5
+    mistral = {"model_type": "mistral3", "text_config": {"hidden_size": 3072,
+                                                         "num_hidden_layers": 26}}
+    config = hf.to_kvjax_config(text_of_multimodal.text_config(mistral, "mistral"), tied=True)
+    assert (config.d_model, config.num_heads, config.num_kv_heads, config.head_dim) == (
+        3072, 32, 8, 128)
+    assert (config.rope_scaling, config.rope_scaling_factor, config.rope_original_max_len,
+            config.query_scale_beta, config.query_scale_length, config.sliding_window) == (
+        "yarn", 16.0, 16384, 0.1, 16384, None)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(text_config=None), "a gemma3 directory needs a text_config"),
+    (dict(text_config={"model_type": "llama"}),
+     "the text_config of a gemma3 model is gemma3_text's, not 'llama'")])
+def test_a_vision_language_release_without_its_language_model_is_refused(tmp_path, change,
+                                                                         message):
+    directory = copy_of("gemma3", tmp_path)
+    path = directory / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    with pytest.raises(hf.UnsupportedModelError, match=message):
+        hf.load_pretrained(directory)

@@ -28,7 +28,7 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "phi", "stablelm", "opt", "gemma", "starcoder2", "mixtral", "qwen3_moe", "olmoe",
          "granitemoe", "qwen2_moe", "gpt_oss", "gpt_oss_mxfp4", "glm", "glm4", "helium",
          "ernie4_5", "seed_oss", "ministral", "exaone4", "cohere", "cohere2", "nemotron",
-         "arcee", "ministral3")
+         "arcee", "ministral3", "mistral3", "gemma3")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -39,7 +39,9 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                "gpt_oss": "gpt_oss", "gpt_oss_mxfp4": "gpt_oss", "glm": "glm", "glm4": "glm4",
                **{name: name for name in ("helium", "ernie4_5", "seed_oss", "ministral",
                                           "exaone4", "cohere", "cohere2", "nemotron", "arcee",
-                                          "ministral3")}}
+                                          "ministral3")},
+               # The language models of vision-language directories (`text_of_multimodal.py`).
+               "mistral3": "ministral3", "gemma3": "gemma3_text"}
 
 
 @pytest.fixture(scope="module")
@@ -124,9 +126,9 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     assert config.tie_embeddings == (name in ("gpt2", "llama_mqa", "marian", "qwen3", "gemma2",
                                               "smollm3", "opt", "gemma", "starcoder2",
                                               "granitemoe", "ernie4_5", "exaone4", "cohere",
-                                              "cohere2"))
+                                              "cohere2", "gemma3"))
     assert config.qk_norm == (name in ("qwen3", "gemma3_text", "olmo2", "olmo3", "qwen3_moe",
-                                       "olmoe", "exaone4"))
+                                       "olmoe", "exaone4", "gemma3"))
     assert config.qk_norm_across_heads == name.startswith("olmo")
     assert (config.norm == "output") == (name in ("olmo2", "olmo3", "exaone4"))
     assert (config.num_experts, config.experts_per_token, config.normalize_expert_weights) == {
@@ -141,13 +143,16 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
         (40, True) if name == "qwen2_moe" else (0, False))
     assert config.sliding_window == {"mistral": 4, "phi3": 6, "gemma2": 4,
                                      "gemma3_text": 5, "olmo3": 4, "starcoder2": 4,
-                                     "qwen2": 4, "ministral": 4, "exaone4": 4, "cohere2": 4}.get(
+                                     "qwen2": 4, "ministral": 4, "exaone4": 4, "cohere2": 4,
+                                     "gemma3": 5}.get(
         name, 4 if gpt_oss else None)
     assert config.full_attention_layers == {"gemma2": (1,), "gemma3_text": (2,),
                                             "olmo3": (1,), "qwen2": (0,), "ministral": (1,),
-                                            "exaone4": (2,), "cohere2": (2,)}.get(
+                                            "exaone4": (2,), "cohere2": (2,),
+                                            "gemma3": (2,)}.get(
         name, (1,) if gpt_oss else ())
-    assert config.local_rope_base == {"gemma3_text": 10000.0, "olmo3": 50000.0}.get(name)
+    assert config.local_rope_base == {"gemma3_text": 10000.0, "olmo3": 50000.0,
+                                      "gemma3": 10000.0}.get(name)
     assert config.unrotated_layers == {"smollm3": (1,), "exaone4": (2,), "cohere2": (2,)}.get(
         name, ())
     biases = (config.qkv_bias, config.out_bias, config.ffn_bias)
@@ -159,11 +164,11 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     assert config.shared_norm == (name in ("phi", "cohere", "cohere2"))
     assert config.logits_bias == (name in ("phi", "marian"))
     assert (config.query_scale_beta, config.query_scale_length) == (
-        (0.5, 4) if name == "ministral3" else (0.0, 1))
+        (0.5, 4) if name in ("ministral3", "mistral3") else (0.0, 1))
     assert config.rotary_dim == {"gpt_neox": 4, "phi": 2, "stablelm": 4, "glm": 4,
                                  "glm4": 4, "nemotron": 4}.get(name, config.rotary_dim)
     assert (config.activation == "relu2") == (name in ("nemotron", "arcee"))
-    assert config.sandwich_norms == (name in ("gemma2", "gemma3_text", "glm4"))
+    assert config.sandwich_norms == (name in ("gemma2", "gemma3_text", "glm4", "gemma3"))
     assert (config.norm_type == "layernorm") == (name in ("gpt2", "marian", "gpt_neox", "phi",
                                                           "stablelm", "opt", "starcoder2",
                                                           "cohere", "cohere2", "nemotron"))
