@@ -36,7 +36,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .decode_kernel import decode_attention, decode_kernel_use
+from .decode_kernel import decode_attention, decode_kernel_use, seen_blocks
 from .fused_attention import attend_fused, fused_attention_applies
 
 
@@ -111,19 +111,6 @@ def one_read_max_bytes() -> int:
     if jax.default_backend() == "cpu":
         return CPU_ONE_READ_MAX_BYTES
     return ACCELERATOR_ONE_READ_MAX_BYTES
-
-
-def seen_blocks(mask_BTS: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
-    """The blocks of `block` slots that hold every slot `mask` lets some query see: the
-    first and one past the last (traced scalars; (0, 0) where no query sees a slot). A
-    sliding window's queries see none of the blocks before it, so a decode step over a
-    windowed layer reads its window, not every position the row holds."""
-    capacity = mask_BTS.shape[-1]
-    slots_S = jnp.arange(capacity, dtype=jnp.int32)
-    last_seen = jnp.max(jnp.where(mask_BTS, slots_S + 1, 0))
-    first_seen = jnp.min(jnp.where(mask_BTS, slots_S, capacity))
-    num_blocks = (last_seen + block - 1) // block
-    return jnp.minimum(first_seen // block, num_blocks), num_blocks
 
 
 def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, layer,

@@ -23,7 +23,7 @@ NORM_TYPES = ("layernorm", "rmsnorm")
 # "geglu" is gelu(W1 x) * W3 x with the tanh GELU (Gemma's), "clamped_swiglu" is gpt-oss's
 # SwiGLU of clipped inputs, g · σ(alpha · g) · (u + 1) (`swiglu_alpha`, `swiglu_limit`).
 ACTIVATIONS = ("relu", "relu2", "gelu", "gelu_exact", "silu", "swiglu", "geglu",
-               "clamped_swiglu")
+               "clamped_swiglu", "xielu")
 GATED_ACTIVATIONS = ("swiglu", "geglu", "clamped_swiglu")
 DTYPES = ("float32", "bfloat16", "float16")
 # What the KV cache may hold: a float dtype, or "int8" with a float32 scale per (token, kv
@@ -160,6 +160,9 @@ def _expert_problems(config: Config) -> list[str]:
     if config.num_experts < 0:
         return [f"num_experts={config.num_experts} must be >= 0 (0: one dense FFN)"]
     problems = []
+    if config.num_experts and config.activation == "xielu":
+        problems.append("activation='xielu' learns its coefficients in a dense FFN; experts "
+                        "(num_experts > 0) do not take it")
     if config.shared_expert_d_ff < 0:
         problems.append(f"shared_expert_d_ff={config.shared_expert_d_ff} must be >= 0 (0: none)")
     if config.shared_expert_gate and config.shared_expert_d_ff <= 0:

@@ -102,6 +102,19 @@ def decode_kernel_fits(q_BTNH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array,
             and capacity >= MIN_DOT)
 
 
+def seen_blocks(mask_BTS: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+    """The blocks of `block` slots that hold every slot `mask` lets some query see: the
+    first and one past the last (traced scalars; (0, 0) where no query sees a slot). A
+    sliding window's queries see none of the blocks before it, so a decode step over a
+    windowed layer reads its window, not every position the row holds."""
+    capacity = mask_BTS.shape[-1]
+    slots_S = jnp.arange(capacity, dtype=jnp.int32)
+    last_seen = jnp.max(jnp.where(mask_BTS, slots_S + 1, 0))
+    first_seen = jnp.min(jnp.where(mask_BTS, slots_S, capacity))
+    num_blocks = (last_seen + block - 1) // block
+    return jnp.minimum(first_seen // block, num_blocks), num_blocks
+
+
 def decode_attention(q_BTNH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array,
                      mask_BTS: jax.Array, scale: float | None = None,
                      interpret: bool = False, sinks_N: jax.Array | None = None) -> jax.Array:
@@ -177,8 +190,6 @@ def _kernel_inputs(q_BTNH, kv_heads, dtype, mask_BTS, block, scale):
     q_BKGH = q_BTNH.reshape(batch, kv_heads, group, head_dim).astype(jnp.float32) * scale
     # The rows past the group are zeros, and their outputs are sliced off in `_outputs`.
     q_BKMH = jnp.pad(q_BKGH, ((0, 0), (0, 0), (0, MIN_DOT - group), (0, 0))).astype(dtype)
-    from .attention import seen_blocks  # attention imports this module
-
     # Each row reads the blocks that hold the slots it may see: those outside are never
     # loaded (past its length, or before its sliding window).
     blocks_B2 = jax.vmap(lambda mask_1S: jnp.stack(seen_blocks(mask_1S[None], block)))(

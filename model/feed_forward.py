@@ -1,8 +1,10 @@
 """The position-wise feed-forward network, and the activation a config names: of one
-projection (`activation_function`), or of two for the gated ones (`gated_units`)."""
+projection (`activation_function`), or of two for the gated ones (`gated_units`), or xIELU
+(Apertus), whose two coefficients each layer learns (`xielu`)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -46,9 +48,28 @@ class FeedForward(nn.Module):
         h = adapted(width, "wi", x_BTD)
         if c.activation in GATED_ACTIVATIONS:
             h = gated_units(c)(h, adapted(width, "wi_gate", x_BTD))
+        elif c.activation == "xielu":
+            alphas = [self.param(f"xielu_alpha_{side}", nn.initializers.constant(
+                XIELU_INIT[side]), (), c.weights_dtype) for side in ("p", "n")]
+            h = xielu(h, *alphas)
         else:
             h = activation_function(c.activation)(h)
         return adapted(c.d_model, "wo", h)
+
+
+# xIELU's fixed coefficients and, for a model drawn at random, its learned ones as Apertus
+# starts them: softplus(alpha_p) = 0.8 and beta + softplus(alpha_n) = 0.8.
+XIELU_BETA, XIELU_EPS = 0.5, -1e-6
+XIELU_INIT = {"p": math.log(math.expm1(0.8)), "n": math.log(math.expm1(0.8 - XIELU_BETA))}
+
+
+def xielu(x, alpha_p, alpha_n):
+    """xIELU (arXiv 2411.13010): a_p x² + beta x for x > 0, and a_n (e^min(x, eps) - 1 - x)
+    + beta x elsewhere, with a_p = softplus(alpha_p) and a_n = beta + softplus(alpha_n)."""
+    a_p = jax.nn.softplus(alpha_p).astype(x.dtype)
+    a_n = (XIELU_BETA + jax.nn.softplus(alpha_n)).astype(x.dtype)
+    negative = (jnp.expm1(jnp.minimum(x, XIELU_EPS)) - x) * a_n
+    return jnp.where(x > 0, a_p * x * x, negative) + XIELU_BETA * x
 
 
 def activation_function(name: str) -> Callable[[jax.Array], jax.Array]:

@@ -29,7 +29,12 @@ import jax.numpy as jnp
 from . import attention
 from .cache import KVCache, empty_stacks
 from .config import TransformerConfig
-from .decode_kernel import decode_kernel_use, paged_block_pages, paged_decode_attention
+from .decode_kernel import (
+    decode_kernel_use,
+    paged_block_pages,
+    paged_decode_attention,
+    seen_blocks,
+)
 
 NO_PAGE = -1  # a page table's entry for slots with no page assigned
 
@@ -137,7 +142,7 @@ def attend_pages(q_BTNH: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer,
                                          scale=scale, softcap=softcap, sinks_N=sinks_N)
         return out
     block = page_size * min(pages.shape[1], max(1, block_size // page_size))
-    first_block, num_blocks = attention.seen_blocks(mask_BTS, block)
+    first_block, num_blocks = seen_blocks(mask_BTS, block)
     q_XMH = attention._queries_XMH(q_BTNH, k_pool.shape[2], scale)
     out_XMH = attention._attend_filled_blocks(
         q_XMH, k_pool, v_pool, layer, mask_BTS, softcap, block, num_blocks, scales, pages=pages,

@@ -1,6 +1,6 @@
 """The `config.json` readers of the families of Llama's attention whose FFN has no gate,
-W2 act(W1 x): StarCoder2 (tanh GELU), Nemotron and Arcee (squared ReLU). `READERS` maps each
-model type to its reader."""
+W2 act(W1 x): StarCoder2 (tanh GELU), Nemotron and Arcee (squared ReLU), Apertus (xIELU).
+`READERS` maps each model type to its reader."""
 
 from __future__ import annotations
 
@@ -48,4 +48,16 @@ def _arcee(c: Reader) -> dict[str, Any]:
                              activation=c.activation("hidden_act", "relu2"))
 
 
-READERS = {"starcoder2": _starcoder2, "nemotron": _nemotron, "arcee": _arcee}
+def _apertus(c: Reader) -> dict[str, Any]:
+    """Apertus (Swiss AI, 8B and 70B): Llama's attention (biases where `attention_bias`)
+    with RMSNorm over each head's query and key (as Qwen3), an FFN of xIELU without a gate
+    (`up_proj`, `down_proj`; each layer's two coefficients learned), RoPE with Llama 3's
+    scaling in the releases, an untied output layer."""
+    bias = bool(c.get("attention_bias", False))
+    return {**llama_like_fields(c, qkv_bias=bias, out_bias=bias, ffn_bias=False, gated=False,
+                                activation=c.activation("hidden_act", "xielu")),
+            "qk_norm": True}
+
+
+READERS = {"starcoder2": _starcoder2, "nemotron": _nemotron, "arcee": _arcee,
+           "apertus": _apertus}

@@ -50,7 +50,7 @@ INFERENCE_NEUTRAL = frozenset({
 
 ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu_fast": "gelu",
                 "gelu": "gelu_exact", "relu": "relu", "relu2": "relu2", "silu": "silu",
-                "swish": "silu"}
+                "swish": "silu", "xielu": "xielu"}
 
 
 class Reader:

@@ -16,8 +16,10 @@ import functools
 import numpy as np
 
 from kvjax import model as M
+from kvjax.model.feed_forward import XIELU_BETA, XIELU_EPS
 
 from . import gpt_weights, mxfp4, tensors
+from .errors import UnsupportedModelError
 from .tensors import Params, WeightFiles
 
 # How each model type's files name and lay out its tensors: "llama" (Llama and its kin:
@@ -43,6 +45,7 @@ LAYOUTS = {"gpt2": "gpt2", "phi3": "fused", "marian": "marian", "gpt_neox": "gpt
            "granitemoe": "granitemoe", "gpt_oss": "gpt_oss", "glm": "glm", "glm4": "glm",
            "helium": "llama_pairs", "ernie4_5": "llama_pairs", "cohere": "cohere",
            "cohere2": "cohere", "arcee": "up_down_mlp", "nemotron": "nemotron",
+           "apertus": "apertus",
            **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite",
                             "gemma2", "gemma3_text", "olmo2", "olmo3", "stablelm", "gemma",
                             "qwen3_moe", "olmoe", "qwen2_moe", "seed_oss", "ministral",
@@ -69,6 +72,8 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
               "up_down_mlp": functools.partial(_llama_like, plain_mlp=("up_proj", "down_proj")),
               "nemotron": functools.partial(_llama_like, plain_mlp=("up_proj", "down_proj"),
                                             fold_unit_offset=True),
+              "apertus": functools.partial(_llama_like, plain_mlp=("up_proj", "down_proj"),
+                                           norms=_APERTUS_NORMS),
               "mixtral": functools.partial(_llama_like, experts=functools.partial(
                   _experts_apart, under="block_sparse_moe.", names=("w1", "w3", "w2"))),
               "granitemoe": functools.partial(_llama_like, experts=_experts_stacked),
@@ -99,6 +104,10 @@ _OUTPUT_NORMS = {"attention_block/norm": "post_attention_layernorm",
 _SHARED_NORM = {"attention_block/norm": "input_layernorm"}  # Cohere's parallel layer
 
 
+_APERTUS_NORMS = {"attention_block/norm": "attention_layernorm",
+                  "ffn_block/norm": "feedforward_layernorm"}
+
+
 _GLM4_NORMS = {"attention_block/norm": "input_layernorm",
                "attention_block/post_norm": "post_self_attn_layernorm",
                "ffn_block/norm": "post_attention_layernorm",
@@ -127,7 +136,7 @@ def rope_halves_from_pairs(rows_OX: np.ndarray, heads: int, head_dim: int, rotar
 def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
                 plain_mlp: tuple[str, str] | None = None, experts=None,
                 fused_mlp: bool = False, rope_pairs: bool = False, norm_bias: bool = True,
-                fold_unit_offset: bool = False):
+                fold_unit_offset: bool = False, norms: dict[str, str] | None = None):
     """Llama and its kin, Gemma's, OLMo's and GLM-4's norms and StableLM's LayerNorms
     included. `fused` (Phi-3): q, k and v are rows of one `qkv_proj`, and the gate and up
     projections the two halves of one `gate_up_proj`; `fused_mlp` (GLM): the latter alone.
@@ -135,7 +144,8 @@ def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
     into halves here (`rope_halves_from_pairs`). `norm_bias` False (Cohere): LayerNorms
     without a bias; with `shared_norm` the attention and the FFN read the input's one norm.
     `fold_unit_offset` (Nemotron): LayerNorms that scale by 1 + their weight, folded into
-    the scale as it loads.
+    the scale as it loads. `norms`: kvjax's norms and the file's names of them, where the
+    config's layout does not say them (Apertus).
     `plain_mlp`: an FFN without a gate, its two projections' names (StarCoder2: `c_fc` then
     `c_proj`; Nemotron, Arcee: `up_proj` then `down_proj`). `experts(p, layer, dst, c)` reads
     a layer's mixture of experts (None: `_experts_apart` as Qwen3-MoE and OLMoE name
@@ -145,11 +155,11 @@ def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
                                                  (c.vocab_size, d)))
     for i in range(c.num_decoder_layers):
         src, dst = f"model.layers.{i}.", f"layers/{i}/"
-        norms = (_GLM4_NORMS if c.sandwich_norms and rope_pairs else
-                 _SANDWICH_NORMS if c.sandwich_norms else
-                 _OUTPUT_NORMS if c.norm == "output" else
-                 _SHARED_NORM if c.shared_norm else _NORMS)
-        for kvjax_name, hf_name in norms.items():
+        layer_norms = norms or (_GLM4_NORMS if c.sandwich_norms and rope_pairs else
+                                _SANDWICH_NORMS if c.sandwich_norms else
+                                _OUTPUT_NORMS if c.norm == "output" else
+                                _SHARED_NORM if c.shared_norm else _NORMS)
+        for kvjax_name, hf_name in layer_norms.items():
             tensors.norm(p, f"{src}{hf_name}", f"{dst}{kvjax_name}", c, norm_bias,
                          fold_unit_offset)
         if fused:  # rows: the q heads, then the k heads, then the v heads
@@ -190,6 +200,8 @@ def _feed_forward(p: Params, src: str, dst: str, c: M.TransformerConfig, fused: 
         up, down = plain_mlp
         tensors.dense(p, src + up, dst + "wi", (f, d), c.ffn_bias)
         tensors.dense(p, src + down, dst + "wo", (d, f), c.ffn_bias)
+        if c.activation == "xielu":
+            _xielu(p, src + "act_fn.", dst)
         return
     if fused:  # the gate's rows, then the up projection's
         gate_up = p.read(src + "gate_up_proj.weight", (2 * f, d))
@@ -263,3 +275,16 @@ def _experts_interleaved(p: Params, layer: str, dst: str, c: M.TransformerConfig
     p.set(dst + "experts/bi_gate", gate_up_bias[:, 1::2])
     p.set(dst + "experts/wo", experts(src + "experts.down_proj", f, d))
     p.set(dst + "experts/bo", p.read(src + "experts.down_proj_bias", (count, d)))
+
+
+def _xielu(p: Params, src: str, dst: str) -> None:
+    """A layer's xIELU: its learned coefficients, and its fixed ones (buffers in the file),
+    which must be those kvjax computes with."""
+    for side in ("p", "n"):
+        p.set(f"{dst}xielu_alpha_{side}", p.read(f"{src}alpha_{side}", (1,))[0])
+    for name, value in (("beta", XIELU_BETA), ("eps", XIELU_EPS)):
+        if f"{src}{name}" in p.files:
+            held = float(p.read(f"{src}{name}", ()))
+            if not np.isclose(held, value, rtol=1e-2, atol=0):
+                raise UnsupportedModelError(f"{p.files.directory}: {src}{name} is {held}; "
+                                            f"kvjax's xIELU takes {name} = {value}")

@@ -28,7 +28,7 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "phi", "stablelm", "opt", "gemma", "starcoder2", "mixtral", "qwen3_moe", "olmoe",
          "granitemoe", "qwen2_moe", "gpt_oss", "gpt_oss_mxfp4", "glm", "glm4", "helium",
          "ernie4_5", "seed_oss", "ministral", "exaone4", "cohere", "cohere2", "nemotron",
-         "arcee", "ministral3", "mistral3", "gemma3")
+         "arcee", "ministral3", "mistral3", "gemma3", "apertus")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -39,7 +39,7 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                "gpt_oss": "gpt_oss", "gpt_oss_mxfp4": "gpt_oss", "glm": "glm", "glm4": "glm4",
                **{name: name for name in ("helium", "ernie4_5", "seed_oss", "ministral",
                                           "exaone4", "cohere", "cohere2", "nemotron", "arcee",
-                                          "ministral3")},
+                                          "ministral3", "apertus")},
                # The language models of vision-language directories (`text_of_multimodal.py`).
                "mistral3": "ministral3", "gemma3": "gemma3_text"}
 
@@ -128,7 +128,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                                               "granitemoe", "ernie4_5", "exaone4", "cohere",
                                               "cohere2", "gemma3"))
     assert config.qk_norm == (name in ("qwen3", "gemma3_text", "olmo2", "olmo3", "qwen3_moe",
-                                       "olmoe", "exaone4", "gemma3"))
+                                       "olmoe", "exaone4", "gemma3", "apertus"))
     assert config.qk_norm_across_heads == name.startswith("olmo")
     assert (config.norm == "output") == (name in ("olmo2", "olmo3", "exaone4"))
     assert (config.num_experts, config.experts_per_token, config.normalize_expert_weights) == {
@@ -168,6 +168,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     assert config.rotary_dim == {"gpt_neox": 4, "phi": 2, "stablelm": 4, "glm": 4,
                                  "glm4": 4, "nemotron": 4}.get(name, config.rotary_dim)
     assert (config.activation == "relu2") == (name in ("nemotron", "arcee"))
+    assert (config.activation == "xielu") == (name == "apertus")
     assert config.sandwich_norms == (name in ("gemma2", "gemma3_text", "glm4", "gemma3"))
     assert (config.norm_type == "layernorm") == (name in ("gpt2", "marian", "gpt_neox", "phi",
                                                           "stablelm", "opt", "starcoder2",

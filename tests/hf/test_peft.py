@@ -108,7 +108,7 @@ def test_tensors_that_do_not_fit_the_model_are_named(tmp_path, change, message):
 
 
 def test_an_adapter_goes_only_where_it_can_be_merged(tmp_path):
-    for name in ("marian", "cohere", "nemotron", "arcee"):
+    for name in ("marian", "cohere", "nemotron", "arcee", "apertus"):
         with pytest.raises(hf.UnsupportedModelError, match=f"PEFT adapters of '{name}' models "
                                                            "are not supported"):
             hf.load_pretrained(FIXTURES / name, lora=ADAPTERS / "llama_gqa")

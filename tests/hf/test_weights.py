@@ -120,3 +120,22 @@ def test_a_directory_of_pickles_only_is_refused_saying_why(tmp_path):
 
 def test_every_model_type_read_has_a_weight_layout():
     assert set(W.LAYOUTS) == set(SUPPORTED_MODEL_TYPES)
+
+
+def test_an_xielu_whose_fixed_coefficients_differ_is_refused_by_name(tmp_path):
+    """Apertus's files hold xIELU's beta and eps as buffers; kvjax computes with 0.5 and
+    -1e-6, so a file holding another value is refused, not run as if it held those."""
+    import shutil
+
+    from kvjax import hf
+
+    directory = tmp_path / "apertus"
+    shutil.copytree(FIXTURES / "apertus", directory)
+    path = directory / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors["model.layers.1.mlp.act_fn.beta"] = np.array(0.25, np.float32)
+    save_file(tensors, str(path))
+    with pytest.raises(hf.UnsupportedModelError,
+                       match="model.layers.1.mlp.act_fn.beta is 0.25; kvjax's xIELU takes "
+                             "beta = 0.5"):
+        hf.load_model(directory)

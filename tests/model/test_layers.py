@@ -55,6 +55,24 @@ def test_an_ungated_feed_forward_is_its_formula(activation):
                                UNGATED[activation](x @ wi) @ wo, rtol=1e-5, atol=1e-6)
 
 
+def test_xielu_is_its_formula_with_each_layers_own_coefficients():
+    """xIELU (Apertus): a_p h² + h/2 above 0, a_n (e^min(h, -1e-6) - 1 - h) + h/2 below,
+    a_p = softplus(alpha_p) and a_n = 1/2 + softplus(alpha_n), the alphas the layer's own
+    params (here moved from the values a model starts with, 0.8 and 0.8)."""
+    config = M.preset("tiny", activation="xielu")
+    x = np.random.default_rng(2).normal(size=(1, 4, 32)).astype(np.float32)
+    ffn = FeedForward(config)
+    params = ffn.init(jax.random.key(1), x)["params"]
+    np.testing.assert_allclose(np.log1p(np.exp([params["xielu_alpha_p"]])), 0.8, rtol=1e-6)
+    params = {**params, "xielu_alpha_p": jnp.float32(0.3), "xielu_alpha_n": jnp.float32(-0.7)}
+    wi, wo = (np.asarray(params[n]["kernel"], np.float64) for n in ("wi", "wo"))
+    h = x @ wi
+    a_p, a_n = np.log1p(np.exp(0.3)), 0.5 + np.log1p(np.exp(-0.7))
+    units = np.where(h > 0, a_p * h * h, (np.expm1(np.minimum(h, -1e-6)) - h) * a_n) + 0.5 * h
+    np.testing.assert_allclose(ffn.apply({"params": params}, x), units @ wo, rtol=1e-5,
+                               atol=1e-6)
+
+
 def test_a_parallel_branch_is_its_sublayer_alone_through_its_own_norm_or_none():
     config = M.preset("tiny", norm="pre", norm_type="rmsnorm", layer_norm_eps=1e-5)
     x = np.random.default_rng(1).normal(size=(2, 3, 32)).astype(np.float32)
