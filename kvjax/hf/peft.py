@@ -93,8 +93,19 @@ _REORDERED_ROWS = {("gpt_neox", "attention.query_key_value"),
                      for module in ("self_attn.q_proj", "self_attn.k_proj"))}
 
 
+# Where a vision-language model's language model keeps its layers (`text_of_multimodal.py`),
+# as transformers names them and as older versions did: an adapter trained on it adapts them.
+_LANGUAGE_MODEL_LAYERS = ("model.language_model.layers", "language_model.model.layers")
+# Its vision encoder's and projector's modules, which text never runs through: an adapter's
+# tensors of them are left unread, as the directory's own tensors of them are.
+_VISION_MODULES = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?"
+                             r"(?:vision_tower|multi_modal_projector)\.")
+
+
 def _layer_prefixes(model_type: str) -> tuple[str, ...]:
-    return _LAYER_PREFIXES.get(LAYOUTS[model_type], ("model.layers",))
+    """Where the layers are in an adapter's tensor names, the first as kvjax writes them."""
+    prefixes = _LAYER_PREFIXES.get(LAYOUTS[model_type], ("model.layers",))
+    return prefixes + _LANGUAGE_MODEL_LAYERS if prefixes == ("model.layers",) else prefixes
 
 
 def _tensor_pattern(model_type: str) -> re.Pattern:
@@ -191,6 +202,8 @@ def _read_pairs(config: TransformerConfig, model_type: str, directory: Path):
     files = WeightFiles(directory, single_file=WEIGHTS_FILE)
     names: dict[tuple[int, str], dict[str, str]] = {}
     for name in sorted(files.names()):
+        if _VISION_MODULES.match(name):
+            continue
         match = pattern.match(name)
         known = modules if not expert_params else {**modules, **peft_experts.WRAPPERS}
         if match is None or match[2] not in known or int(match[1]) >= \

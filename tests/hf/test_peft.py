@@ -32,7 +32,7 @@ from kvjax.model import lora_rows
 
 ADAPTERS = Path(__file__).parents[1] / "fixtures" / "hf_adapters"
 NAMES = ("llama_gqa", "phi3", "gpt2", "phi", "opt", "gpt_neox", "starcoder2", "mixtral",
-         "glm4", "gpt_oss")
+         "glm4", "gpt_oss", "gemma3")
 
 
 def expected(name):
