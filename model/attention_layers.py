@@ -50,7 +50,7 @@ class SelfAttention(nn.Module):
         qkv = projection(config, config.num_heads + 2 * config.kv_heads, "qkv")(x_BTD)
         qkv = lora_rows.add_qkv_updates(self, config, x_BTD, qkv)
         q, k, v = jnp.split(qkv, [config.num_heads, config.num_heads + config.kv_heads], axis=2)
-        if config.qk_norm:
+        if config.qk_norm and not config.qk_norm_after_rope:
             q, k = _qk_norm(config, q, "q_norm"), _qk_norm(config, k, "k_norm")
         if config.positional_encoding == "rope" and turned is not False:
             inv_freq, attention_factor = layer_rope(config, local)
@@ -58,6 +58,8 @@ class SelfAttention(nn.Module):
             k_turned = apply_rope(k, positions_BT, inv_freq, attention_factor)
             q, k = ((q_turned, k_turned) if turned is True else
                     (jnp.where(turned, q_turned, q), jnp.where(turned, k_turned, k)))
+        if config.qk_norm and config.qk_norm_after_rope:
+            q, k = _qk_norm(config, q, "q_norm"), _qk_norm(config, k, "k_norm")
         if config.query_scale_beta:
             q = q * _query_scales(config, positions_BT)[:, :, None, None].astype(q.dtype)
         sinks = None

@@ -99,6 +99,8 @@ class TransformerConfig:
     # With qk_norm, one RMSNorm over all heads' queries together (and one over all kv heads'
     # keys), its scale [N·H] ([K·H]), where Qwen3 normalises each head alone (OLMo 2 and 3).
     qk_norm_across_heads: bool = False
+    # With qk_norm, the norms take the queries and keys after RoPE has turned them (HunYuan).
+    qk_norm_after_rope: bool = False
     # Self-attention sees only the last `sliding_window` positions (itself included; Mistral).
     # None: all earlier positions. The cache still holds every position of a row.
     sliding_window: int | None = None
@@ -266,6 +268,7 @@ _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "rope_high_freq_factor", "rope_original_max_len", "rope_beta_fast", "rope_beta_slow",
     "rope_truncate", "rope_attention_factor", "rope_short_factors", "rope_long_factors",
     "rotary_dim", "cache_dtype", "kernel_dtype", "qk_norm", "qk_norm_across_heads",
+    "qk_norm_after_rope",
     "sliding_window", "full_attention_layers", "unrotated_layers", "local_rope_base",
     "norm_unit_offset", "sandwich_norms", "parallel_residual", "shared_norm", "attention_scale",
     "query_scale_beta", "query_scale_length",

@@ -55,6 +55,7 @@ _REAL_FIELDS = ("dropout", "rope_base", "layer_norm_eps", "rope_scaling_factor",
                 "swiglu_alpha", "swiglu_limit", "query_scale_beta")
 _BOOL_FIELDS = ("tie_embeddings", "scan_layers", "remat", "qkv_bias", "out_bias", "ffn_bias",
                 "scale_embeddings", "logits_bias", "qk_norm", "qk_norm_across_heads",
+                "qk_norm_after_rope",
                 "norm_unit_offset", "sandwich_norms", "parallel_residual", "shared_norm",
                 "rope_truncate", "normalize_expert_weights", "shared_expert_gate",
                 "attention_sinks", "router_bias")
@@ -152,6 +153,8 @@ def _layer_kind_problems(config: Config) -> list[str]:
         problems.append("shared_norm needs parallel_residual")
     if config.qk_norm_across_heads and not config.qk_norm:
         problems.append("qk_norm_across_heads needs qk_norm")
+    if config.qk_norm_after_rope and not config.qk_norm:
+        problems.append("qk_norm_after_rope needs qk_norm")
     return problems
 
 

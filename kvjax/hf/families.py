@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from .cohere import READERS as COHERE
+from .hunyuan import READERS as HUNYUAN
 from .llama_like import READERS as LLAMA_LIKE
 from .ministral3 import READERS as MINISTRAL3
 from .output_norms import READERS as OUTPUT_NORMS
@@ -130,4 +131,4 @@ def _marian(c: Reader) -> dict[str, Any]:
 
 
 READERS = {"gpt2": _gpt2, "opt": _opt, "gpt_neox": _gpt_neox, "phi": _phi, **LLAMA_LIKE,
-           **OUTPUT_NORMS, **PLAIN_FFN, **COHERE, **MINISTRAL3, "marian": _marian}
+           **OUTPUT_NORMS, **PLAIN_FFN, **COHERE, **MINISTRAL3, **HUNYUAN, "marian": _marian}

@@ -49,7 +49,8 @@ LAYOUTS = {"gpt2": "gpt2", "phi3": "fused", "marian": "marian", "gpt_neox": "gpt
            **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite",
                             "gemma2", "gemma3_text", "olmo2", "olmo3", "stablelm", "gemma",
                             "qwen3_moe", "olmoe", "qwen2_moe", "seed_oss", "ministral",
-                            "ministral3", "exaone4"), "llama")}
+                            "ministral3", "exaone4"), "llama"),
+           "hunyuan_v1_dense": "hunyuan"}
 
 
 def ties_embeddings(model_type: str, files: WeightFiles) -> bool:
@@ -74,6 +75,8 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
                                             fold_unit_offset=True),
               "apertus": functools.partial(_llama_like, plain_mlp=("up_proj", "down_proj"),
                                            norms=_APERTUS_NORMS),
+              "hunyuan": functools.partial(_llama_like, qk_norm_names=("query_layernorm",
+                                                                        "key_layernorm")),
               "mixtral": functools.partial(_llama_like, experts=functools.partial(
                   _experts_apart, under="block_sparse_moe.", names=("w1", "w3", "w2"))),
               "granitemoe": functools.partial(_llama_like, experts=_experts_stacked),
@@ -136,7 +139,8 @@ def rope_halves_from_pairs(rows_OX: np.ndarray, heads: int, head_dim: int, rotar
 def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
                 plain_mlp: tuple[str, str] | None = None, experts=None,
                 fused_mlp: bool = False, rope_pairs: bool = False, norm_bias: bool = True,
-                fold_unit_offset: bool = False, norms: dict[str, str] | None = None):
+                fold_unit_offset: bool = False, norms: dict[str, str] | None = None,
+                qk_norm_names: tuple[str, str] = ("q_norm", "k_norm")):
     """Llama and its kin, Gemma's, OLMo's and GLM-4's norms and StableLM's LayerNorms
     included. `fused` (Phi-3): q, k and v are rows of one `qkv_proj`, and the gate and up
     projections the two halves of one `gate_up_proj`; `fused_mlp` (GLM): the latter alone.
@@ -145,7 +149,8 @@ def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
     without a bias; with `shared_norm` the attention and the FFN read the input's one norm.
     `fold_unit_offset` (Nemotron): LayerNorms that scale by 1 + their weight, folded into
     the scale as it loads. `norms`: kvjax's norms and the file's names of them, where the
-    config's layout does not say them (Apertus).
+    config's layout does not say them (Apertus). `qk_norm_names`: the file's names of the
+    norms over each head's query and key (HunYuan's `query_layernorm`, `key_layernorm`).
     `plain_mlp`: an FFN without a gate, its two projections' names (StarCoder2: `c_fc` then
     `c_proj`; Nemotron, Arcee: `up_proj` then `down_proj`). `experts(p, layer, dst, c)` reads
     a layer's mixture of experts (None: `_experts_apart` as Qwen3-MoE and OLMoE name
@@ -176,10 +181,11 @@ def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
                              for part in parts[:2]]
             tensors.fused(p, dst + "self_attention/qkv", parts)
         if c.qk_norm:
-            for name, heads in (("q_norm", c.num_heads), ("k_norm", c.kv_heads)):
+            for name, file_name, heads in zip(("q_norm", "k_norm"), qk_norm_names,
+                                              (c.num_heads, c.kv_heads), strict=True):
                 width = heads * h if c.qk_norm_across_heads else h
                 p.set(f"{dst}self_attention/{name}/scale",
-                      p.read(f"{src}self_attn.{name}.weight", (width,)))
+                      p.read(f"{src}self_attn.{file_name}.weight", (width,)))
         if c.attention_sinks:
             p.set(dst + "self_attention/sinks", p.read(src + "self_attn.sinks", (c.num_heads,)))
         tensors.output(p, src + "self_attn.o_proj", dst + "self_attention/out", c)

@@ -28,7 +28,7 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "phi", "stablelm", "opt", "gemma", "starcoder2", "mixtral", "qwen3_moe", "olmoe",
          "granitemoe", "qwen2_moe", "gpt_oss", "gpt_oss_mxfp4", "glm", "glm4", "helium",
          "ernie4_5", "seed_oss", "ministral", "exaone4", "cohere", "cohere2", "nemotron",
-         "arcee", "ministral3", "mistral3", "gemma3", "apertus")
+         "arcee", "ministral3", "mistral3", "gemma3", "apertus", "hunyuan_v1_dense")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -39,7 +39,7 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                "gpt_oss": "gpt_oss", "gpt_oss_mxfp4": "gpt_oss", "glm": "glm", "glm4": "glm4",
                **{name: name for name in ("helium", "ernie4_5", "seed_oss", "ministral",
                                           "exaone4", "cohere", "cohere2", "nemotron", "arcee",
-                                          "ministral3", "apertus")},
+                                          "ministral3", "apertus", "hunyuan_v1_dense")},
                # The language models of vision-language directories (`text_of_multimodal.py`).
                "mistral3": "ministral3", "gemma3": "gemma3_text"}
 
@@ -112,11 +112,12 @@ def check_logits_and_greedy_tokens(config, params, record, logits):
 # positions, an encoder's, sliding windows, windows beside full layers with softcapped scores,
 # each layer's own RoPE base beside windows, a layer without positions (and one beside
 # windowed layers with RoPE and norms on each sublayer's output), a mixture of experts
-# with a shared expert. Cached decoding equals the full forward for every option the families
-# use (tests/model/test_transformer.py and the options' own tests).
+# with a shared expert, queries scaled by position, keys normed after RoPE. Cached decoding
+# equals the full forward for every option the families use (tests/model/test_transformer.py
+# and the options' own tests).
 BEAM_FAMILIES = ("gpt2", "marian", "mistral", "gemma2", "qwen2_moe")
 GENERATE_FAMILIES = BEAM_FAMILIES + ("gemma3_text", "smollm3", "exaone4", "cohere2",
-                                     "ministral3")
+                                     "ministral3", "hunyuan_v1_dense")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -128,7 +129,9 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                                               "granitemoe", "ernie4_5", "exaone4", "cohere",
                                               "cohere2", "gemma3"))
     assert config.qk_norm == (name in ("qwen3", "gemma3_text", "olmo2", "olmo3", "qwen3_moe",
-                                       "olmoe", "exaone4", "gemma3", "apertus"))
+                                       "olmoe", "exaone4", "gemma3", "apertus",
+                                       "hunyuan_v1_dense"))
+    assert config.qk_norm_after_rope == (name == "hunyuan_v1_dense")
     assert config.qk_norm_across_heads == name.startswith("olmo")
     assert (config.norm == "output") == (name in ("olmo2", "olmo3", "exaone4"))
     assert (config.num_experts, config.experts_per_token, config.normalize_expert_weights) == {

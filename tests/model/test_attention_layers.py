@@ -105,7 +105,8 @@ def test_queries_scaled_by_position_are_the_formula_cached_or_not():
 @pytest.mark.parametrize("options, message", [
     (dict(query_scale_beta=-0.1), "query_scale_beta=-0.1 must be >= 0 and finite"),
     (dict(query_scale_beta=0.1, query_scale_length=0), "query_scale_length=0 must be >= 1"),
-    (dict(query_scale_length=2.5), "query_scale_length=2.5 must be an int")])
-def test_bad_query_scales_are_named(options, message):
+    (dict(query_scale_length=2.5), "query_scale_length=2.5 must be an int"),
+    (dict(qk_norm_after_rope=True), "qk_norm_after_rope needs qk_norm")])
+def test_bad_query_options_are_named(options, message):
     with pytest.raises(ValueError, match=message):
         M.preset("tiny", **options)
