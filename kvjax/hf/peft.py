@@ -59,9 +59,13 @@ _BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 # prefix) -> the kvjax targets it covers, in the order its output rows hold them.
 _ATTENTION = {"self_attn.q_proj": ("q",), "self_attn.k_proj": ("k",),
               "self_attn.v_proj": ("v",), "self_attn.o_proj": ("o",)}
+_GATED = {**_ATTENTION, "mlp.gate_proj": ("wi",), "mlp.up_proj": ("wi_gate",),
+          "mlp.down_proj": ("wo",)}
+_UNGATED = {**_ATTENTION, "mlp.up_proj": ("wi",), "mlp.down_proj": ("wo",)}
 _MODULES = {
-    "llama": {**_ATTENTION, "mlp.gate_proj": ("wi",), "mlp.up_proj": ("wi_gate",),
-              "mlp.down_proj": ("wo",)},
+    "llama": _GATED, "hunyuan": _GATED, "cohere": _GATED,
+    # Arcee, Nemotron and Apertus: an FFN of up_proj and down_proj alone.
+    "up_down_mlp": _UNGATED, "nemotron": _UNGATED, "apertus": _UNGATED,
     "fused": {"self_attn.qkv_proj": ("q", "k", "v"), "self_attn.o_proj": ("o",),
               "mlp.gate_up_proj": ("wi", "wi_gate"), "mlp.down_proj": ("wo",)},
     "gpt2": {"attn.c_attn": ("q", "k", "v"), "attn.c_proj": ("o",), "mlp.c_fc": ("wi",),
@@ -71,8 +75,7 @@ _MODULES = {
     "opt": {"self_attn.q_proj": ("q",), "self_attn.k_proj": ("k",), "self_attn.v_proj": ("v",),
             "self_attn.out_proj": ("o",), "fc1": ("wi",), "fc2": ("wo",)},
     "glm": {**_ATTENTION, "mlp.gate_up_proj": ("wi", "wi_gate"), "mlp.down_proj": ("wo",)},
-    "llama_pairs": {**_ATTENTION, "mlp.gate_proj": ("wi",), "mlp.up_proj": ("wi_gate",),
-                    "mlp.down_proj": ("wo",)},
+    "llama_pairs": _GATED,
     # Mixtral, GraniteMoE and gpt-oss: attention alone, their experts' projections being
     # none of kvjax's targets.
     "mixtral": _ATTENTION, "granitemoe": _ATTENTION, "gpt_oss": _ATTENTION,
@@ -86,10 +89,11 @@ _LAYER_PREFIXES = {"gpt2": ("transformer.h", "h"), "opt": ("model.decoder.layers
                    "gpt_neox": ("gpt_neox.layers",)}
 # Modules whose output rows kvjax holds in another order (`_rows_in_kvjax_order`): GPT-NeoX's
 # query_key_value, each head's q, k and v in turn, where kvjax's targets hold every q head,
-# then every k, then every v; GLM's, Helium's and ERNIE's queries and keys, whose RoPE turns
-# pairs of a head's dimensions where kvjax turns halves (`weights.rope_halves_order`).
+# then every k, then every v; GLM's, Helium's, ERNIE's and Cohere's queries and keys, whose
+# RoPE turns pairs of a head's dimensions where kvjax turns halves
+# (`weights.rope_halves_order`).
 _REORDERED_ROWS = {("gpt_neox", "attention.query_key_value"),
-                   *((layout, module) for layout in ("glm", "llama_pairs")
+                   *((layout, module) for layout in ("glm", "llama_pairs", "cohere")
                      for module in ("self_attn.q_proj", "self_attn.k_proj"))}
 
 

@@ -32,7 +32,8 @@ from kvjax.model import lora_rows
 
 ADAPTERS = Path(__file__).parents[1] / "fixtures" / "hf_adapters"
 NAMES = ("llama_gqa", "phi3", "gpt2", "phi", "opt", "gpt_neox", "starcoder2", "mixtral",
-         "glm4", "gpt_oss", "gemma3")
+         "glm4", "gpt_oss", "gemma3", "cohere", "cohere2", "arcee", "nemotron", "apertus",
+         "hunyuan_v1_dense")
 
 
 def expected(name):
@@ -108,10 +109,9 @@ def test_tensors_that_do_not_fit_the_model_are_named(tmp_path, change, message):
 
 
 def test_an_adapter_goes_only_where_it_can_be_merged(tmp_path):
-    for name in ("marian", "cohere", "nemotron", "arcee", "apertus"):
-        with pytest.raises(hf.UnsupportedModelError, match=f"PEFT adapters of '{name}' models "
-                                                           "are not supported"):
-            hf.load_pretrained(FIXTURES / name, lora=ADAPTERS / "llama_gqa")
+    with pytest.raises(hf.UnsupportedModelError, match="PEFT adapters of 'marian' models "
+                                                       "are not supported"):
+        hf.load_pretrained(FIXTURES / "marian", lora=ADAPTERS / "llama_gqa")
     with pytest.raises(ValueError, match="is not a PEFT adapter .no adapter_config.json."):
         text.load(FIXTURES / "llama_gqa", lora=tmp_path)
 
@@ -169,6 +169,8 @@ def test_fixtures_are_what_peft_computes(tmp_path):
     ("gpt_oss", ("q", "wi", "wi_gate", "wo")),  # experts: gate_up_proj at twice the rank
     ("gpt_oss", ("wi_gate",)),  # gate_up_proj's up columns alone
     ("helium", ("q", "k", "wi")),  # RoPE over pairs, as GLM's, with Llama's names
+    ("cohere", ("q", "k", "wi_gate")),  # RoPE over pairs too
+    ("nemotron", ("k", "wi", "wo")),  # up_proj and down_proj alone
 ])
 def test_adapters_written_as_peft_merge_as_kvjax_merges_them(tmp_path, name, targets):
     from kvjax.hf.peft import write_peft_adapter
@@ -213,7 +215,8 @@ def _with_adapters(config, params, batch, stack, adapter_B):
 
 # A module the file fuses (Phi-3's qkv_proj and gate_up_proj, GPT-2's c_attn) and rows kvjax
 # holds in another order (GLM-4's queries and keys).
-@pytest.mark.parametrize("name", ["phi3", "gpt2", "glm4"])
+@pytest.mark.parametrize("name", ["phi3", "gpt2", "glm4", "cohere", "nemotron", "apertus",
+                                  "hunyuan_v1_dense"])
 def test_served_unmerged_beside_the_base_an_adapter_computes_what_peft_computes(name):
     record, logits = expected(name)
     base = FIXTURES / record["base"]
