@@ -218,10 +218,11 @@ def _decode_chunk(config, params, state, cancel_I, want_top, queued, steps, mesh
 
 
 def default_chunk_size() -> int:
-    """Decode steps per chunk: 8 on a CPU, 64 on an accelerator. On a CPU a host turn costs
-    little beside a step, so longer chunks only delay first tokens; on an accelerator each
-    turn costs the device several steps' time (measured in benchmarks/README.md)."""
-    return 8 if jax.default_backend() == "cpu" else 64
+    """Decode steps per chunk: 32 on a CPU, 64 on an accelerator. A chunk ends early when a
+    slot is free and only the host can fill it (`_starving`), so a long chunk delays no
+    admission; what it saves is host turns, each of which holds every stream (on an
+    accelerator, for several steps' time). Measured in benchmarks/README.md."""
+    return 32 if jax.default_backend() == "cpu" else 64
 
 
 def default_steps_per_check() -> int:

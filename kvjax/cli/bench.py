@@ -273,7 +273,7 @@ def _add_serve(kinds) -> None:
                             "request it accepts)")
     serve.add_argument("--chunk-size", type=positive, default=None,
                        help="the engine's decode steps per chunk (default: the engine's, "
-                            "8 on a CPU, 64 on an accelerator)")
+                            "32 on a CPU, 64 on an accelerator)")
     serve.add_argument("--prefix-cache-rows", type=count, default=None, metavar="N",
                        help="the engine's prefix cache rows (default: the engine's; 0: off)")
     serve.add_argument("--steps-per-check", type=positive, default=None, metavar="K",

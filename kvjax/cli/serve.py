@@ -54,7 +54,7 @@ def add_serve(commands) -> None:
                             "slots sized to the longest request accepted make it cheaper")
     serve.add_argument("--chunk-size", type=positive, default=None,
                        help="decode steps between the host's turns (handing out tokens, "
-                            "staging requests); slots refill within a chunk (default: 8 "
+                            "staging requests); slots refill within a chunk (default: 32 "
                             "on a CPU, 64 on an accelerator)")
     serve.add_argument("--steps-per-check", type=positive, default=None, metavar="K",
                        help="decode steps a chunk runs between its checks of whether to go "
