@@ -37,7 +37,7 @@ from .errors import UnsupportedModelError
 from .gpt_weights import heads_apart
 from .reader import Reader, read_json_object
 from .tensors import WeightFiles
-from .weights import LAYOUTS, rope_halves_from_pairs, ties_embeddings
+from .weights import LAYOUTS, ROPE_BY_PAIRS, rope_halves_from_pairs, ties_embeddings
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -89,11 +89,11 @@ _LAYER_PREFIXES = {"gpt2": ("transformer.h", "h"), "opt": ("model.decoder.layers
                    "gpt_neox": ("gpt_neox.layers",)}
 # Modules whose output rows kvjax holds in another order (`_rows_in_kvjax_order`): GPT-NeoX's
 # query_key_value, each head's q, k and v in turn, where kvjax's targets hold every q head,
-# then every k, then every v; GLM's, Helium's, ERNIE's and Cohere's queries and keys, whose
-# RoPE turns pairs of a head's dimensions where kvjax turns halves
-# (`weights.rope_halves_order`).
+# then every k, then every v; the queries and keys of layouts whose RoPE turns pairs of a
+# head's dimensions where kvjax turns halves (`weights.ROPE_BY_PAIRS`: GLM, Helium, ERNIE,
+# Cohere).
 _REORDERED_ROWS = {("gpt_neox", "attention.query_key_value"),
-                   *((layout, module) for layout in ("glm", "llama_pairs", "cohere")
+                   *((layout, module) for layout in ROPE_BY_PAIRS
                      for module in ("self_attn.q_proj", "self_attn.k_proj"))}
 
 

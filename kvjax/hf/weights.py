@@ -51,6 +51,10 @@ LAYOUTS = {"gpt2": "gpt2", "phi3": "fused", "marian": "marian", "gpt_neox": "gpt
                             "qwen3_moe", "olmoe", "qwen2_moe", "seed_oss", "ministral",
                             "ministral3", "exaone4"), "llama"),
            "hunyuan_v1_dense": "hunyuan"}
+# Layouts whose queries' and keys' rows hold RoPE's pairs of a head's dimensions, where kvjax
+# turns halves: their rows are reordered as they are read (`rope_halves_from_pairs`), and so
+# are the rows of adapters of them (`peft.py`).
+ROPE_BY_PAIRS = frozenset({"glm", "llama_pairs", "cohere"})
 
 
 def ties_embeddings(model_type: str, files: WeightFiles) -> bool:
@@ -81,10 +85,12 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
                   _experts_apart, under="block_sparse_moe.", names=("w1", "w3", "w2"))),
               "granitemoe": functools.partial(_llama_like, experts=_experts_stacked),
               "gpt_oss": functools.partial(_llama_like, experts=_experts_interleaved),
-              "glm": functools.partial(_llama_like, fused_mlp=True, rope_pairs=True),
-              "llama_pairs": functools.partial(_llama_like, rope_pairs=True),
-              "cohere": functools.partial(_llama_like, rope_pairs=True, norm_bias=False),
+              "glm": functools.partial(_llama_like, fused_mlp=True),
+              "llama_pairs": _llama_like,
+              "cohere": functools.partial(_llama_like, norm_bias=False),
               **gpt_weights.READERS}[LAYOUTS[model_type]]
+    if LAYOUTS[model_type] in ROPE_BY_PAIRS:
+        mapper = functools.partial(mapper, rope_pairs=True)
     ignorable = mapper(config, params)
     return params.tree(ignorable)
 
