@@ -10,7 +10,8 @@ what `PeftModel.merge_and_unload` computes, and what the unmerged model computes
 rounding. A module that kvjax fuses (q, k and v) takes its update into its heads' slice; a
 module the file fuses (Phi-3's qkv_proj and gate_up_proj, GPT-2's c_attn) spreads its update
 over kvjax's targets. gpt-oss's experts, adapted through `target_parameters`, hold a pair
-per expert, read and written by `peft_experts.py`.
+per expert, read and written by `peft_experts.py`; Marian's encoder and decoder, by
+`peft_marian.py`.
 
 As with config.json (`reader.py`), every key of adapter_config.json is read, known to change
 nothing once trained, or refused by name; every tensor must adapt a module of the model.
@@ -20,6 +21,7 @@ matrices along the diagonal, which adds each target's update and no other.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -32,7 +34,7 @@ from safetensors.numpy import save_file
 from kvjax.model import TransformerConfig
 from kvjax.model import lora as L
 
-from . import peft_experts
+from . import peft_experts, peft_marian
 from .errors import UnsupportedModelError
 from .gpt_weights import heads_apart
 from .reader import Reader, read_json_object
@@ -140,6 +142,8 @@ def merge_peft_adapter(config: TransformerConfig, model_type: str, params: dict,
     Raises `UnsupportedModelError` for a setting kvjax does not merge and ValueError naming a
     tensor that adapts nothing kvjax holds."""
     scale_of, modules, pairs = _read_pairs(config, model_type, Path(directory))
+    if LAYOUTS[model_type] == "marian":
+        return peft_marian.merged(config, params, pairs, scale_of)
     merged = {**params, "layers": {i: dict(layer) for i, layer in params["layers"].items()}}
     for layer, module, a, b, name in pairs:
         if module in peft_experts.WRAPPERS:
@@ -162,6 +166,9 @@ def peft_adapters(config: TransformerConfig, model_type: str, directory: str | o
     and every layer gets every target, at the largest rank, zeros where the file has none.
     Served so (`model.lora_rows`), it adds what `merge_peft_adapter` merges."""
     directory = Path(directory)
+    if LAYOUTS.get(model_type) == "marian":
+        raise UnsupportedModelError(f"{directory}: adapters of a marian model are merged, not "
+                                    "served beside others (--lora DIR merges one)")
     scale_of, modules, pairs = _read_pairs(config, model_type, directory)
     found: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
     for layer, module, a, b, name in pairs:
@@ -200,21 +207,28 @@ def _read_pairs(config: TransformerConfig, model_type: str, directory: Path):
         raise UnsupportedModelError(f"{directory}: target_parameters={json.dumps(expert_params)}"
                                     f" adapt parameters of a {model_type} model; kvjax merges "
                                     "gpt-oss's experts' alone")
-    modules = _modules(model_type, f"{directory}: PEFT adapters of {model_type!r} models are "
-                                   "not supported")
-    pattern = _tensor_pattern(model_type)
-    files = WeightFiles(directory, single_file=WEIGHTS_FILE)
-    names: dict[tuple[int, str], dict[str, str]] = {}
-    for name in sorted(files.names()):
-        if _VISION_MODULES.match(name):
-            continue
-        match = pattern.match(name)
+    if LAYOUTS.get(model_type) == "marian":  # an encoder's and a decoder's layers
+        modules, locate = peft_marian.MODULES, functools.partial(peft_marian.locate, config,
+                                                                 directory)
+    else:
+        modules = _modules(model_type, f"{directory}: PEFT adapters of {model_type!r} models "
+                                       "are not supported")
+        pattern = _tensor_pattern(model_type)
         known = modules if not expert_params else {**modules, **peft_experts.WRAPPERS}
-        if match is None or match[2] not in known or int(match[1]) >= \
-                config.num_decoder_layers:
-            raise ValueError(f"{directory}: tensor {name} adapts no module kvjax merges into "
-                             f"a {model_type} model (its layers' {', '.join(modules)})")
-        names.setdefault((int(match[1]), match[2]), {})[match[3]] = name
+
+        def locate(name):
+            match = pattern.match(name)
+            if match is None or match[2] not in known or int(match[1]) >= \
+                    config.num_decoder_layers:
+                raise ValueError(f"{directory}: tensor {name} adapts no module kvjax merges "
+                                 f"into a {model_type} model (its layers' {', '.join(modules)})")
+            return int(match[1]), match[2], match[3]
+    files = WeightFiles(directory, single_file=WEIGHTS_FILE)
+    names: dict[tuple, dict[str, str]] = {}
+    for name in sorted(files.names()):
+        if not _VISION_MODULES.match(name):
+            layer, module, half = locate(name)
+            names.setdefault((layer, module), {})[half] = name
     pairs = []
     for (layer, module), held in sorted(names.items()):
         if set(held) != {"A", "B"}:

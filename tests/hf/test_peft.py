@@ -9,6 +9,7 @@ tokens PEFT computed; where peft is installed, the last test makes them again an
 import functools
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -23,17 +24,18 @@ from test_hf_models import (
     check_logits_and_greedy_tokens,
     copy_of,
     edit_config,
+    generation_settings,
     relative_error,
 )
 
-from kvjax import checkpoint, hf, text
+from kvjax import checkpoint, decode, hf, text
 from kvjax import model as M
 from kvjax.model import lora_rows
 
 ADAPTERS = Path(__file__).parents[1] / "fixtures" / "hf_adapters"
 NAMES = ("llama_gqa", "phi3", "gpt2", "phi", "opt", "gpt_neox", "starcoder2", "mixtral",
          "glm4", "gpt_oss", "gemma3", "cohere", "cohere2", "arcee", "nemotron", "apertus",
-         "hunyuan_v1_dense")
+         "hunyuan_v1_dense", "marian")
 
 
 def expected(name):
@@ -49,6 +51,10 @@ def test_the_merged_adapter_computes_what_peft_computes(name):
     # Merged, the adapters are the base family's params: `generate` decodes them as the
     # family's own tests check (tests/hf/test_hf_models.py).
     check_logits_and_greedy_tokens(config, params, record, logits)
+    if config.is_encoder_decoder:  # its greedy tokens, which the check above leaves out
+        greedy = decode.generate(M.build_model(config), params, record["prompts"],
+                                 **generation_settings(record))
+        assert greedy.token_lists() == record["greedy"]
     base_greedy = json.loads((FIXTURES / record["base"] / "expected.json").read_text())["greedy"]
     assert record["greedy"] != base_greedy  # the adapter changes what the model writes
 
@@ -108,10 +114,33 @@ def test_tensors_that_do_not_fit_the_model_are_named(tmp_path, change, message):
     assert message in str(error.value)
 
 
+MARIAN = "base_model.model.model.decoder.layers.1.encoder_attn.k_proj"
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t: {**t, f"{MARIAN}.lora_B.weight": t[f"{MARIAN}.lora_B.weight"][:-1]},
+     "k_proj.lora_B.weight makes an update of [32, 31]; the model's decoder "
+     "encoder_attn.k_proj takes 32 inputs to 32 outputs"),
+    (lambda t: {k.replace("encoder.layers.1.", "encoder.layers.2."): v for k, v in t.items()},
+     "tensor base_model.model.model.encoder.layers.2.fc1.lora_A.weight adapts no module"),
+])
+def test_marian_tensors_that_do_not_fit_the_model_are_named(tmp_path, change, message):
+    directory = copy_of("marian", tmp_path, ADAPTERS)
+    path = directory / "adapter_model.safetensors"
+    save_file(change(load_file(str(path))), str(path))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        hf.load_pretrained(FIXTURES / "marian", lora=directory)
+
+
 def test_an_adapter_goes_only_where_it_can_be_merged(tmp_path):
-    with pytest.raises(hf.UnsupportedModelError, match="PEFT adapters of 'marian' models "
-                                                       "are not supported"):
+    with pytest.raises(ValueError, match="tensor base_model.model.model.layers.0.mlp.down_proj."
+                                         "lora_A.weight adapts no module kvjax merges into a "
+                                         "marian model"):
         hf.load_pretrained(FIXTURES / "marian", lora=ADAPTERS / "llama_gqa")
+    with pytest.raises(ValueError, match="tensor base_model.model.model.decoder.layers.0."
+                                         "encoder_attn.k_proj.lora_A.weight adapts no module "
+                                         "kvjax merges into a opt model"):
+        hf.load_pretrained(FIXTURES / "opt", lora=ADAPTERS / "marian")
     with pytest.raises(ValueError, match="is not a PEFT adapter .no adapter_config.json."):
         text.load(FIXTURES / "llama_gqa", lora=tmp_path)
 
@@ -238,9 +267,10 @@ def test_served_unmerged_beside_the_base_an_adapter_computes_what_peft_computes(
             assert relative_error(got[row, :len(want)], want) <= 1e-5
 
 
-def test_a_mixtures_expert_adapters_are_merged_not_served_beside_others():
+@pytest.mark.parametrize("name", ["gpt_oss", "marian"])  # experts; cross-attention too
+def test_adapters_that_only_merge_are_not_served_beside_others(name):
     with pytest.raises(hf.UnsupportedModelError, match="are merged, not served beside others"):
-        hf.load_peft_adapters(FIXTURES / "gpt_oss", ADAPTERS / "gpt_oss")
+        hf.load_peft_adapters(FIXTURES / name, ADAPTERS / name)
 
 
 def test_serve_reads_peft_adapters_to_serve_side_by_side(capsys, monkeypatch, tmp_path):

@@ -1,0 +1,90 @@
+"""PEFT's adapters of a Marian model, an encoder and a decoder: merged as they load.
+
+PEFT names a Marian model's modules under `model.encoder.layers.<i>` and
+`model.decoder.layers.<i>`: each layer's self_attn.{q,k,v,out}_proj, fc1 and fc2, and in the
+decoder's layers encoder_attn.{q,k,v,out}_proj, the cross-attention (PEFT's default targets,
+q_proj and v_proj, adapt both attentions). Each pair's update, scale · Aᵀ Bᵀ [in, out], is
+added to the kernel kvjax holds that module in: the self-attention's and FFN's of
+`encoder_layers` and `decoder_layers`, the cross-attention's query and output under
+`decoder_layers/<i>/cross_attention`, and its keys and values, which kvjax computes once from
+the encoder's output, in `cross_kv/<i>/kv` (every key head, then every value head).
+
+kvjax's own LoRA adapters leave cross-attention as it is (`model/lora.py`), so these are
+merged into the model, not served beside other adapters.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from kvjax.model import TransformerConfig
+
+TENSOR = re.compile(r"^(?:base_model\.model\.)?model\.(encoder|decoder)\.layers\.(\d+)\.(.+)"
+                    r"\.lora_([AB])\.weight$")
+
+# module -> (where its kernel is in a layer, which block of heads it is, or None: all of it)
+_SELF = {"self_attn.q_proj": ("self_attention/qkv", 0),
+         "self_attn.k_proj": ("self_attention/qkv", 1),
+         "self_attn.v_proj": ("self_attention/qkv", 2),
+         "self_attn.out_proj": ("self_attention/out", None),
+         "fc1": ("ffn/wi", None), "fc2": ("ffn/wo", None)}
+_CROSS = {"encoder_attn.q_proj": ("cross_attention/query", None),
+          "encoder_attn.k_proj": ("kv", 0), "encoder_attn.v_proj": ("kv", 1),
+          "encoder_attn.out_proj": ("cross_attention/out", None)}
+MODULES = {"encoder": _SELF, "decoder": {**_SELF, **_CROSS}}
+
+
+def locate(config: TransformerConfig, directory, name: str) -> tuple[tuple[str, int], str, str]:
+    """((part, layer), module, "A" or "B") of an adapter's tensor `name`, or ValueError
+    naming it when it adapts nothing kvjax merges."""
+    match = TENSOR.match(name)
+    layers = {"encoder": config.num_encoder_layers, "decoder": config.num_decoder_layers}
+    if match is None or match[3] not in MODULES[match[1]] or int(match[2]) >= layers[match[1]]:
+        raise ValueError(f"{directory}: tensor {name} adapts no module kvjax merges into a "
+                         f"marian model (its encoder's and decoder's {', '.join(_SELF)}, the "
+                         f"decoder's {', '.join(_CROSS)})")
+    return (match[1], int(match[2])), match[3], match[4]
+
+
+def merged(config: TransformerConfig, params: dict, pairs, scale_of) -> dict:
+    """`params` (unrolled layers, NumPy arrays) with each pair of `pairs` ((part, layer),
+    module, A [r, in], B [out, r], the name of B) merged into its kernel, kept in its dtype;
+    new arrays, the loaded ones left as they are."""
+    merged = {**params, **{stack: {i: dict(layer) for i, layer in params[stack].items()}
+                           for stack in ("encoder_layers", "decoder_layers", "cross_kv")}}
+    n, h, d, f = config.num_heads, config.head_dim, config.d_model, config.d_ff
+    for (part, layer), module, a, b, name in pairs:
+        place, block = MODULES[part][module]
+        update_IO = scale_of(a.shape[0]) * (a.astype(np.float32).T @ b.astype(np.float32).T)
+        want = {"ffn/wi": (d, f), "ffn/wo": (f, d)}.get(
+            place, (n * h, d) if place.endswith("/out") else (d, n * h))
+        if update_IO.shape != want:
+            raise ValueError(f"tensor {name} makes an update of {list(update_IO.shape)}; the "
+                             f"model's {part} {module} takes {want[0]} inputs to {want[1]} "
+                             "outputs")
+        stack = "cross_kv" if place == "kv" else f"{part}_layers"
+        holder = merged[stack][str(layer)] = _copied_down(merged[stack][str(layer)],
+                                                          place.split("/"))
+        for key in place.split("/"):
+            holder = holder[key]
+        old = holder["kernel"]
+        new = old.astype(np.float32)
+        if block is None:
+            new += update_IO.reshape(new.shape)
+        else:
+            new[:, block * n:(block + 1) * n] += update_IO.reshape(d, n, h)
+        holder["kernel"] = new.astype(old.dtype)
+    return merged
+
+
+def _copied_down(tree: dict, keys: list[str]) -> dict:
+    """`tree` with the dicts along `keys` copied, so that writing into them changes no dict
+    the loaded params share."""
+    tree = dict(tree)
+    inner = tree
+    for key in keys:
+        inner[key] = dict(inner[key])
+        inner = inner[key]
+    return tree
