@@ -144,6 +144,10 @@ class TransformerConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # The token table's width where it is not d_model (OPT-350m's word_embed_proj_dim): the
+    # embeddings looked up are projected to d_model (`project_in`, no bias) and the last
+    # hidden states back to this width for the output layer (`project_out`). None: d_model.
+    embedding_dim: int | None = None
     # A mixture of experts in place of each decoder layer's FFN (0: one dense FFN): a router
     # scores `num_experts` FFNs of `d_ff` hidden units for every token, the token goes
     # through the `experts_per_token` it scores highest, and their outputs are summed,
@@ -273,9 +277,9 @@ _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "norm_unit_offset", "sandwich_norms", "parallel_residual", "shared_norm", "attention_scale",
     "query_scale_beta", "query_scale_length",
     "attention_sinks", "attention_softcap", "logits_softcap",
-    "embedding_multiplier", "residual_multiplier", "logits_scaling", "num_experts",
-    "experts_per_token", "normalize_expert_weights", "shared_expert_d_ff", "shared_expert_gate",
-    "router_bias", "swiglu_alpha", "swiglu_limit", "remat")}
+    "embedding_multiplier", "residual_multiplier", "logits_scaling", "embedding_dim",
+    "num_experts", "experts_per_token", "normalize_expert_weights", "shared_expert_d_ff",
+    "shared_expert_gate", "router_bias", "swiglu_alpha", "swiglu_limit", "remat")}
 
 
 PRESETS: dict[str, TransformerConfig] = {

@@ -87,6 +87,10 @@ def problems(config: Config) -> list[str]:
         problems.append(f"head_dim={config.head_dim} must be >= 1")
     if config.sliding_window is not None and config.sliding_window < 1:
         problems.append(f"sliding_window={config.sliding_window} must be >= 1 or None")
+    if config.embedding_dim is not None and (
+            isinstance(config.embedding_dim, bool) or not isinstance(config.embedding_dim, int)
+            or config.embedding_dim < 1):
+        problems.append(f"embedding_dim={config.embedding_dim!r} must be an int >= 1 or None")
     problems += _layer_kind_problems(config)
     kv = config.num_kv_heads
     if kv is not None and (kv < 1 or (config.num_heads >= 1 and config.num_heads % kv)):

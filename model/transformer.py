@@ -68,17 +68,24 @@ def self_attention_inputs(config: TransformerConfig, starts_B, valid_B, num_quer
 
 
 class Embedder(nn.Module):
-    """Token embedding (× √D, as in the paper, unless `scale_embeddings` is off, and ×
-    `embedding_multiplier`) plus positions; `logits` gives the output logits (plus a learned
-    bias if `logits_bias`, divided by `logits_scaling`)."""
+    """Token embedding (projected to D where `embedding_dim` is set, × √D, as in the paper,
+    unless `scale_embeddings` is off, and × `embedding_multiplier`) plus positions; `logits`
+    gives the output logits (plus a learned bias if `logits_bias`, divided by
+    `logits_scaling`)."""
 
     config: TransformerConfig
 
     def setup(self):
         c = self.config
+        width = c.embedding_dim or c.d_model
         self.embedding = nn.Embed(
-            c.vocab_size, c.d_model, dtype=c.compute_dtype, param_dtype=c.weights_dtype,
-            embedding_init=nn.initializers.normal(stddev=c.d_model**-0.5))
+            c.vocab_size, width, dtype=c.compute_dtype, param_dtype=c.weights_dtype,
+            embedding_init=nn.initializers.normal(stddev=width**-0.5))
+        if c.embedding_dim is not None:
+            self.project_in = nn.Dense(c.d_model, use_bias=False, dtype=c.compute_dtype,
+                                       param_dtype=c.weights_dtype)
+            self.project_out = nn.Dense(c.embedding_dim, use_bias=False, dtype=c.compute_dtype,
+                                        param_dtype=c.weights_dtype)
         if c.positional_encoding == "learned":
             self.position_embedding = self.param(
                 "position_embedding", nn.initializers.normal(stddev=0.02),
@@ -94,6 +101,8 @@ class Embedder(nn.Module):
     def __call__(self, tokens_BT, positions_BT):
         c = self.config
         x = self.embedding(tokens_BT)
+        if c.embedding_dim is not None:
+            x = self.project_in(x)
         if c.scale_embeddings:
             x = x * jnp.sqrt(float(c.d_model)).astype(c.compute_dtype)
         if c.embedding_multiplier != 1.0:
@@ -106,6 +115,8 @@ class Embedder(nn.Module):
 
     def logits(self, x_BTD):
         """Float32 logits [B, T, V] (sampling and losses want full precision)."""
+        if self.config.embedding_dim is not None:  # D is the table's width from here
+            x_BTD = self.project_out(x_BTD)
         if self.config.tie_embeddings:
             table_VD, x_BTD = nn.dtypes.promote_dtype(self.embedding.embedding, x_BTD,
                                                       dtype=self.config.compute_dtype)

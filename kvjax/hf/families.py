@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from .cohere import READERS as COHERE
+from .errors import UnsupportedModelError
 from .hunyuan import READERS as HUNYUAN
 from .llama_like import READERS as LLAMA_LIKE
 from .ministral3 import READERS as MINISTRAL3
@@ -40,14 +41,24 @@ def _gpt2(c: Reader) -> dict[str, Any]:
 
 def _opt(c: Reader) -> dict[str, Any]:
     """OPT (125M to 66B): GPT-2's layer with ReLU, learned positions (the files' table
-    starts two rows later, its first two unused) and biases where `enable_bias`. OPT-350m's
-    layout (post-LN, embeddings narrower than the layers) is refused."""
+    starts two rows later, its first two unused) and biases where `enable_bias`. OPT-350m:
+    post-LN layers with no norm after the last, and a token table narrower than the layers
+    (`word_embed_proj_dim`), projected in and out."""
     width = c.require("hidden_size")
     c.expect("is_encoder_decoder", False, False, "OPT is decoder-only")
-    c.expect("do_layer_norm_before", True, True, "OPT-350m's post-LN layers")
-    c.expect("word_embed_proj_dim", width, width, "OPT-350m's embeddings projected to the "
-             "layers' width")
-    c.expect("_remove_final_layer_norm", False, False, "no norm after the last layer")
+    pre_norm = c.get("do_layer_norm_before", True)
+    if not isinstance(pre_norm, bool):
+        raise UnsupportedModelError(f"{c.source}: do_layer_norm_before={pre_norm!r} must be "
+                                    "true or false")
+    embedding_width = c.get("word_embed_proj_dim", width)
+    if isinstance(embedding_width, bool) or not isinstance(embedding_width, int) \
+            or embedding_width < 1:
+        raise UnsupportedModelError(f"{c.source}: word_embed_proj_dim={embedding_width!r} must "
+                                    "be an int >= 1")
+    if pre_norm:
+        c.expect("_remove_final_layer_norm", False, False, "no norm after the last layer")
+    else:  # post-LN layers end normalised: transformers adds no norm after the last
+        c.get("_remove_final_layer_norm")
     c.expect("layer_norm_elementwise_affine", True, True, "LayerNorm without scale and bias")
     bias = bool(c.get("enable_bias", True))
     return dict(
@@ -55,9 +66,11 @@ def _opt(c: Reader) -> dict[str, Any]:
             "num_attention_heads"), d_ff=c.require("ffn_dim"),
         num_decoder_layers=c.require("num_hidden_layers"),
         max_len=c.require("max_position_embeddings"), positional_encoding="learned",
-        norm="pre", activation=c.activation("activation_function", "relu"),
+        norm="pre" if pre_norm else "post",
+        activation=c.activation("activation_function", "relu"),
         layer_norm_eps=1e-5, qkv_bias=bias, out_bias=bias, ffn_bias=bias,
-        scale_embeddings=False)
+        scale_embeddings=False, embedding_dim=None if embedding_width == width
+        else embedding_width)
 
 
 def _gpt_neox(c: Reader) -> dict[str, Any]:

@@ -76,8 +76,12 @@ def _gpt_neox(c: M.TransformerConfig, p: Params):
 def _opt(c: M.TransformerConfig, p: Params):
     prefix = "model.decoder." if "model.decoder.embed_tokens.weight" in p.files else "decoder."
     d, f, n, h = c.d_model, c.d_ff, c.num_heads, c.head_dim
+    e = c.embedding_dim or d
     p.set("embedder/embedding/embedding", p.read(prefix + "embed_tokens.weight",
-                                                 (c.vocab_size, d)))
+                                                 (c.vocab_size, e)))
+    if c.embedding_dim is not None:  # OPT-350m: a table narrower than the layers
+        tensors.dense(p, prefix + "project_in", "embedder/project_in", (d, e), False)
+        tensors.dense(p, prefix + "project_out", "embedder/project_out", (e, d), False)
     # Position i is the table's row i + 2 (OPT offsets the positions by two).
     p.set("embedder/position_embedding",
           p.read(prefix + "embed_positions.weight", (c.max_len + 2, d))[2:])
@@ -91,7 +95,8 @@ def _opt(c: M.TransformerConfig, p: Params):
         tensors.layer_norm(p, src + "final_layer_norm", dst + "ffn_block/norm", d)
         tensors.dense(p, src + "fc1", dst + "ffn/wi", (f, d), c.ffn_bias)
         tensors.dense(p, src + "fc2", dst + "ffn/wo", (d, f), c.ffn_bias)
-    tensors.layer_norm(p, prefix + "final_layer_norm", "final_norm", d)
+    if c.norm == "pre":  # post-LN layers (OPT-350m's) end normalised
+        tensors.layer_norm(p, prefix + "final_layer_norm", "final_norm", d)
     tensors.unembed(c, p, "lm_head.weight")
     return lambda name: False
 

@@ -131,7 +131,8 @@ def _path(keys) -> tuple[str, ...]:
 
 def unembed(c: M.TransformerConfig, p: Params, name: str) -> None:
     if not c.tie_embeddings:
-        p.set("embedder/unembed/kernel", p.read(name, (c.vocab_size, c.d_model)).T)
+        p.set("embedder/unembed/kernel",
+              p.read(name, (c.vocab_size, c.embedding_dim or c.d_model)).T)
 
 def norm(p: Params, src: str, dst: str, c: M.TransformerConfig, bias: bool = True,
          fold_unit_offset: bool = False) -> None:

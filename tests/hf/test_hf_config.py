@@ -80,10 +80,10 @@ from kvjax import hf
      "rotary_dim=3 must be even and in [2, head_dim=8]"),
     ("phi", dict(qk_layernorm=True), "qk_layernorm=true is not supported (LayerNorm over each "
                                      "head's query and key)"),
-    ("opt", dict(do_layer_norm_before=False), "do_layer_norm_before=false is not supported "
-                                              "(OPT-350m's post-LN layers)"),
-    ("opt", dict(word_embed_proj_dim=16), "word_embed_proj_dim=16 is not supported (OPT-350m's "
-                                          "embeddings projected to the layers' width)"),
+    ("opt", dict(_remove_final_layer_norm=True), "_remove_final_layer_norm=true is not "
+                                                 "supported (no norm after the last layer)"),
+    ("opt", dict(word_embed_proj_dim=0), "word_embed_proj_dim=0 must be an int >= 1"),
+    ("opt", dict(do_layer_norm_before="yes"), "do_layer_norm_before='yes' must be true or false"),
     ("gemma", dict(hidden_act="relu"), "a gated feed-forward network with relu is not supported"),
     ("stablelm", dict(use_parallel_residual=True),
      "use_parallel_residual=true is not supported (attention and FFN side by side: StableLM 2 "

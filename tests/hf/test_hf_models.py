@@ -28,7 +28,7 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "phi", "stablelm", "opt", "gemma", "starcoder2", "mixtral", "qwen3_moe", "olmoe",
          "granitemoe", "qwen2_moe", "gpt_oss", "gpt_oss_mxfp4", "glm", "glm4", "helium",
          "ernie4_5", "seed_oss", "ministral", "exaone4", "cohere", "cohere2", "nemotron",
-         "arcee", "ministral3", "mistral3", "gemma3", "apertus", "hunyuan_v1_dense")
+         "arcee", "ministral3", "mistral3", "gemma3", "apertus", "hunyuan_v1_dense", "opt_350m")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -41,7 +41,7 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                                           "exaone4", "cohere", "cohere2", "nemotron", "arcee",
                                           "ministral3", "apertus", "hunyuan_v1_dense")},
                # The language models of vision-language directories (`text_of_multimodal.py`).
-               "mistral3": "ministral3", "gemma3": "gemma3_text"}
+               "mistral3": "ministral3", "gemma3": "gemma3_text", "opt_350m": "opt"}
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +175,11 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     assert config.sandwich_norms == (name in ("gemma2", "gemma3_text", "glm4", "gemma3"))
     assert (config.norm_type == "layernorm") == (name in ("gpt2", "marian", "gpt_neox", "phi",
                                                           "stablelm", "opt", "starcoder2",
-                                                          "cohere", "cohere2", "nemotron"))
+                                                          "cohere", "cohere2", "nemotron",
+                                                          "opt_350m"))
+    # OPT-350m: post-LN layers and a table narrower than the layers, projected in and out.
+    assert (config.norm == "post", config.embedding_dim) == (
+        (True, 16) if name == "opt_350m" else (name == "marian", None))
     assert (config.embedding_multiplier, config.residual_multiplier, config.attention_scale,
             config.logits_scaling) == dict.fromkeys(("granite", "granitemoe"),
                                                     (2.0, 0.5, 0.25, 2.0)).get(

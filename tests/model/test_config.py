@@ -165,6 +165,7 @@ def test_head_dim_follows_the_width_unless_given():
     (dict(residual_multiplier=0.0), "residual_multiplier=0.0 must be > 0 and finite"),
     (dict(logits_scaling=float("inf")), "logits_scaling=inf must be > 0 and finite"),
     (dict(embedding_multiplier="2"), "embedding_multiplier='2' must be a real number"),
+    (dict(embedding_dim=0), "embedding_dim=0 must be an int >= 1 or None"),
     (dict(sinusoid_layout="split"), "sinusoid_layout='split' is not one of"),
     (dict(qkv_bias=1), "qkv_bias=1 must be True or False"),
 ])

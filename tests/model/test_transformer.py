@@ -23,7 +23,8 @@ OPTIONS = [
          scale_embeddings=False, sinusoid_layout="halves"),
     dict(positional_encoding="learned", activation="gelu_exact", num_kv_heads=1,
          out_bias=True, logits_bias=True, embedding_multiplier=2.0, residual_multiplier=0.5,
-         logits_scaling=2.0, norm="output", qk_norm=True, qk_norm_across_heads=True),
+         logits_scaling=2.0, norm="output", qk_norm=True, qk_norm_across_heads=True,
+         embedding_dim=24),
     dict(positional_encoding="rope", num_kv_heads=2, scan_layers=True, activation="silu",
          unrotated_layers=(1,)),
 ]
