@@ -163,6 +163,11 @@ class TransformerConfig:
     shared_expert_d_ff: int = 0
     shared_expert_gate: bool = False
     router_bias: bool = False
+    # Phi-3.5-MoE's router (SparseMixer, as it decides at inference; two experts a token): the
+    # top expert, weighted by its probability under a softmax over the experts whose logits
+    # are within 2·eps (relative) of its own, then the second the same way with the top one
+    # left out. None: the softmax over every expert above.
+    sparsemixer_eps: float | None = None
     # The "clamped_swiglu" activation's (gpt-oss): (clip(W3 x, ±limit) + 1) · g · σ(alpha · g)
     # with g = min(W1 x, limit).
     swiglu_alpha: float = 1.702
@@ -279,7 +284,8 @@ _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "attention_sinks", "attention_softcap", "logits_softcap",
     "embedding_multiplier", "residual_multiplier", "logits_scaling", "embedding_dim",
     "num_experts", "experts_per_token", "normalize_expert_weights", "shared_expert_d_ff",
-    "shared_expert_gate", "router_bias", "swiglu_alpha", "swiglu_limit", "remat")}
+    "shared_expert_gate", "router_bias", "sparsemixer_eps", "swiglu_alpha", "swiglu_limit",
+    "remat")}
 
 
 PRESETS: dict[str, TransformerConfig] = {

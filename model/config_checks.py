@@ -60,7 +60,7 @@ _BOOL_FIELDS = ("tie_embeddings", "scan_layers", "remat", "qkv_bias", "out_bias"
                 "rope_truncate", "normalize_expert_weights", "shared_expert_gate",
                 "attention_sinks", "router_bias")
 _OPTIONAL_REALS = ("local_rope_base", "attention_scale", "attention_softcap", "logits_softcap",
-                   "rope_attention_factor")
+                   "rope_attention_factor", "sparsemixer_eps")
 _CHOICES = {"positional_encoding": POSITIONAL_ENCODINGS, "norm": NORM_PLACEMENTS,
             "activation": ACTIVATIONS, "dtype": DTYPES, "param_dtype": DTYPES,
             "norm_type": NORM_TYPES, "sinusoid_layout": SINUSOID_LAYOUTS,
@@ -87,10 +87,8 @@ def problems(config: Config) -> list[str]:
         problems.append(f"head_dim={config.head_dim} must be >= 1")
     if config.sliding_window is not None and config.sliding_window < 1:
         problems.append(f"sliding_window={config.sliding_window} must be >= 1 or None")
-    if config.embedding_dim is not None and (
-            isinstance(config.embedding_dim, bool) or not isinstance(config.embedding_dim, int)
-            or config.embedding_dim < 1):
-        problems.append(f"embedding_dim={config.embedding_dim!r} must be an int >= 1 or None")
+    if config.embedding_dim is not None and config.embedding_dim < 1:
+        problems.append(f"embedding_dim={config.embedding_dim} must be >= 1 or None")
     problems += _layer_kind_problems(config)
     kv = config.num_kv_heads
     if kv is not None and (kv < 1 or (config.num_heads >= 1 and config.num_heads % kv)):
@@ -179,10 +177,22 @@ def _expert_problems(config: Config) -> list[str]:
             problems.append("shared_expert_d_ff needs a mixture of experts (num_experts > 0)")
         if config.router_bias:
             problems.append("router_bias needs a mixture of experts (num_experts > 0)")
+        if config.sparsemixer_eps is not None:
+            problems.append("sparsemixer_eps needs a mixture of experts (num_experts > 0)")
         return problems
     if not 1 <= config.experts_per_token <= config.num_experts:
         problems.append(f"experts_per_token={config.experts_per_token} must be from 1 to "
                         f"num_experts={config.num_experts}")
+    if config.sparsemixer_eps is not None:
+        if not 0 <= config.sparsemixer_eps < math.inf:
+            problems.append(f"sparsemixer_eps={config.sparsemixer_eps} must be >= 0 and finite")
+        if config.experts_per_token != 2 or config.num_experts < 2:
+            problems.append(f"sparsemixer_eps routes two experts a token, not "
+                            f"experts_per_token={config.experts_per_token} of "
+                            f"num_experts={config.num_experts}")
+        if config.normalize_expert_weights:
+            problems.append("sparsemixer_eps weighs each chosen expert by a softmax of its own: "
+                            "normalize_expert_weights must be false")
     if config.num_encoder_layers:
         problems.append("num_experts needs a decoder-only model")
     return problems
@@ -269,7 +279,7 @@ def _type_problems(config: Config) -> list[str]:
 
     for name in _INT_FIELDS:
         check(name, (int, np.integer), int, "an int")
-    for name in ("num_kv_heads", "head_dim", "sliding_window", "rotary_dim"):
+    for name in ("num_kv_heads", "head_dim", "sliding_window", "rotary_dim", "embedding_dim"):
         if getattr(config, name) is not None:
             check(name, (int, np.integer), int, "an int or None")
     for name in _REAL_FIELDS:

@@ -3,7 +3,8 @@
 A router (a kernel [D, experts]) scores every expert for each token; the token goes through
 the `experts_per_token` experts of highest softmax probability, and its output is theirs
 summed, each weighted by its probability (divided by the chosen ones' sum under
-`normalize_expert_weights`). An expert is an FFN like `FeedForward`'s:
+`normalize_expert_weights`; Phi-3.5-MoE's SparseMixer weighs each of its two otherwise,
+`sparsemixer`). An expert is an FFN like `FeedForward`'s:
 W2 act(W1 x), or W2 (act(W1 x) * W3 x) for the gated activations (`gated_units`), with
 biases of its own under `ffn_bias` (gpt-oss). Params, beside the router's (a kernel, and a
 bias under `router_bias`): `experts/wi` and `experts/wi_gate` [D, experts, d_ff],
@@ -48,16 +49,39 @@ from .config_checks import GATED_ACTIVATIONS
 from .feed_forward import FeedForward, activation_function, gated_units
 
 
-def route(router_logits: jax.Array, experts_per_token: int, normalize: bool
-          ) -> tuple[jax.Array, jax.Array]:
+def route(router_logits: jax.Array, experts_per_token: int, normalize: bool,
+          sparsemixer_eps: float | None = None) -> tuple[jax.Array, jax.Array]:
     """(weights [tokens, k] float32, experts [tokens, k] int32) of the k most probable experts
     of each token under a softmax over `router_logits` [tokens, experts], the weights divided
-    by their sum when `normalize`."""
+    by their sum when `normalize`; with `sparsemixer_eps`, the two SparseMixer chooses
+    (`sparsemixer`)."""
+    if sparsemixer_eps is not None:
+        return sparsemixer(router_logits.astype(jnp.float32), sparsemixer_eps)
     probabilities = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probabilities, experts_per_token)
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, experts.astype(jnp.int32)
+
+
+def sparsemixer(scores: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+    """Phi-3.5-MoE's two experts of each token (SparseMixer as it routes at inference) from
+    its router's `scores` [tokens, experts]: the highest-scoring expert, weighted by its
+    probability under a softmax over the experts whose scores s are near its own m
+    ((m - s) / max(|s|, m) <= 2·eps, the rest left out), then the highest of the others, the
+    same way with the first left out of its softmax."""
+    chosen, weights = [], []
+    candidates = scores
+    for _ in range(2):
+        best = jnp.argmax(candidates, axis=-1)
+        top = jnp.max(candidates, axis=-1, keepdims=True)
+        far = (top - scores) / jnp.maximum(jnp.abs(scores), top) > 2 * eps
+        gates = jax.nn.softmax(jnp.where(far, -jnp.inf, candidates), axis=-1)
+        weights.append(jnp.take_along_axis(gates, best[:, None], axis=-1)[:, 0])
+        chosen.append(best)
+        candidates = jnp.where(jax.nn.one_hot(best, scores.shape[-1], dtype=bool), -jnp.inf,
+                               candidates)
+    return jnp.stack(weights, axis=-1), jnp.stack(chosen, axis=-1).astype(jnp.int32)
 
 
 ROUTER_LOAD = "router_load"  # what a mixture sows into "intermediates"
@@ -215,7 +239,7 @@ class MixtureOfExperts(nn.Module):
             self.sow("intermediates", ROUTER_LOAD, router_load(router_logits,
                                                                c.experts_per_token))
         weights, experts = route(router_logits, c.experts_per_token,
-                                 c.normalize_expert_weights)
+                                 c.normalize_expert_weights, c.sparsemixer_eps)
         out = Experts(c, name="experts")(x_BTD, weights, experts)
         if not c.shared_expert_d_ff:
             return out

@@ -1,8 +1,8 @@
 """Pretrained models from local Hugging Face directories: GPT-2, Llama, Mistral, Phi-2, Phi-3
 (and Phi-4 mini), Qwen2, Qwen3, SmolLM3, Granite, Gemma (1, 2 and 3), OLMo 2, OLMo 3,
 GPT-NeoX (Pythia), StableLM, StarCoder2, OPT, Marian and the mixtures of experts Mixtral,
-Qwen2-MoE, Qwen3-MoE, OLMoE and Granite 3 MoE (`SUPPORTED_MODEL_TYPES`), with a PEFT LoRA
-adapter merged in where one is given.
+Qwen2-MoE, Qwen3-MoE, OLMoE, Granite 3 MoE, Phi-3.5-MoE and gpt-oss (`SUPPORTED_MODEL_TYPES`),
+with a PEFT LoRA adapter merged in where one is given.
 
     config, tokenizer, params = kvjax.hf.load_pretrained("path/to/gpt2")
 

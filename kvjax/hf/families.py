@@ -18,6 +18,7 @@ from .hunyuan import READERS as HUNYUAN
 from .llama_like import READERS as LLAMA_LIKE
 from .ministral3 import READERS as MINISTRAL3
 from .output_norms import READERS as OUTPUT_NORMS
+from .phimoe import READERS as PHIMOE
 from .plain_ffn import READERS as PLAIN_FFN
 from .reader import Reader
 from .rope import partial_rope, rope_settings
@@ -144,4 +145,5 @@ def _marian(c: Reader) -> dict[str, Any]:
 
 
 READERS = {"gpt2": _gpt2, "opt": _opt, "gpt_neox": _gpt_neox, "phi": _phi, **LLAMA_LIKE,
-           **OUTPUT_NORMS, **PLAIN_FFN, **COHERE, **MINISTRAL3, **HUNYUAN, "marian": _marian}
+           **OUTPUT_NORMS, **PLAIN_FFN, **COHERE, **MINISTRAL3, **HUNYUAN, **PHIMOE,
+           "marian": _marian}

@@ -105,7 +105,7 @@ def _qwen3_moe(c: Reader) -> dict[str, Any]:
     # Its layers, unlike Qwen3's, would all take the window: refused until a file needs it.
     c.expect("use_sliding_window", False, False, "sliding-window attention")
     fields = {**_qwen3(c), "d_ff": c.require("moe_intermediate_size")}
-    return {**fields, **_experts(c, bool(c.get("norm_topk_prob", False)))}
+    return {**fields, **experts_fields(c, bool(c.get("norm_topk_prob", False)))}
 
 
 def _qwen2_moe(c: Reader) -> dict[str, Any]:
@@ -122,10 +122,10 @@ def _qwen2_moe(c: Reader) -> dict[str, Any]:
     fields = {**attention, "d_ff": c.require("moe_intermediate_size"),
               "shared_expert_d_ff": c.require("shared_expert_intermediate_size"),
               "shared_expert_gate": True}
-    return {**fields, **_experts(c, bool(c.get("norm_topk_prob", False)))}
+    return {**fields, **experts_fields(c, bool(c.get("norm_topk_prob", False)))}
 
 
-def _experts(c: Reader, normalize: bool) -> dict[str, Any]:
+def experts_fields(c: Reader, normalize: bool) -> dict[str, Any]:
     """The mixture-of-experts fields: `num_experts` (or `num_local_experts`, as Mixtral's
     files and transformers 5 write it) experts, `num_experts_per_tok` of them for each
     token, their weights divided by their sum where `normalize`. The router's training
@@ -177,7 +177,7 @@ def _gpt_oss(c: Reader) -> dict[str, Any]:
     layers = fields["num_decoder_layers"]
     window, full = sliding_layers(c, ["sliding_attention" if i % 2 == 0 else "full_attention"
                                        for i in range(layers)], window_default=128)
-    return {**fields, **_experts(c, normalize=True), "sliding_window": window,
+    return {**fields, **experts_fields(c, normalize=True), "sliding_window": window,
             "full_attention_layers": full if window is not None else (),
             "attention_sinks": True, "router_bias": True,
             "swiglu_alpha": float(c.get("swiglu_alpha", 1.702)),
@@ -213,7 +213,7 @@ def _granitemoe(c: Reader) -> dict[str, Any]:
     """Granite 3 MoE (1B-A400M, 3B-A800M): Granite's multipliers and a mixture of
     `num_local_experts` experts in every layer, each token's chosen ones weighted by a softmax
     over their router logits alone (the full softmax's weights divided by their sum)."""
-    return {**_granite(c), **_experts(c, normalize=True)}
+    return {**_granite(c), **experts_fields(c, normalize=True)}
 
 
 MISTRAL_WINDOW = 4096  # transformers' Mistral, Ministral and Gemma where the key is absent
@@ -229,7 +229,7 @@ def _mistral(c: Reader) -> dict[str, Any]:
 def _mixtral(c: Reader) -> dict[str, Any]:
     """Mixtral (8x7B, 8x22B): Mistral's attention and a mixture of `num_local_experts`
     experts in every layer, each token's chosen weights divided by their sum."""
-    return {**_mistral(c), **_experts(c, normalize=True)}
+    return {**_mistral(c), **experts_fields(c, normalize=True)}
 
 
 def _phi3(c: Reader) -> dict[str, Any]:
@@ -413,7 +413,7 @@ def _olmoe(c: Reader) -> dict[str, Any]:
     return {**llama_like_fields(c, qkv_bias=bias, out_bias=bias, ffn_bias=False),
             "qk_norm": True, "qk_norm_across_heads": True,
             "layer_norm_eps": c.get("rms_norm_eps", 1e-5),
-            **_experts(c, bool(c.get("norm_topk_prob", False)))}
+            **experts_fields(c, bool(c.get("norm_topk_prob", False)))}
 
 
 READERS = {"llama": _llama, "mistral": _mistral, "phi3": _phi3, "qwen2": _qwen2,

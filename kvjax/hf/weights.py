@@ -50,7 +50,7 @@ LAYOUTS = {"gpt2": "gpt2", "phi3": "fused", "marian": "marian", "gpt_neox": "gpt
                             "gemma2", "gemma3_text", "olmo2", "olmo3", "stablelm", "gemma",
                             "qwen3_moe", "olmoe", "qwen2_moe", "seed_oss", "ministral",
                             "ministral3", "exaone4"), "llama"),
-           "hunyuan_v1_dense": "hunyuan"}
+           "hunyuan_v1_dense": "hunyuan", "phimoe": "mixtral"}
 # Layouts whose queries' and keys' rows hold RoPE's pairs of a head's dimensions, where kvjax
 # turns halves: their rows are reordered as they are read (`rope_halves_from_pairs`), and so
 # are the rows of adapters of them (`peft.py`).
@@ -201,6 +201,8 @@ def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
             _feed_forward(p, src + "mlp.", dst + "ffn/", c, fused or fused_mlp, plain_mlp)
     tensors.norm(p, "model.norm", "final_norm", c, norm_bias, fold_unit_offset)
     tensors.unembed(c, p, "lm_head.weight")
+    if c.logits_bias:  # Phi-3.5-MoE's output layer
+        p.set("embedder/logits_bias", p.read("lm_head.bias", (c.vocab_size,)))
     # Some files keep RoPE's frequencies as a buffer; kvjax computes them from config.json.
     return lambda name: name.endswith(".rotary_emb.inv_freq")
 

@@ -16,7 +16,8 @@ from kvjax import hf
      "model_type 'bert' is not supported; kvjax loads apertus, arcee, cohere, cohere2, ernie4_5, "
      "exaone4, gemma, gemma2, gemma3_text, glm, glm4, gpt2, gpt_neox, gpt_oss, granite, "
      "granitemoe, helium, hunyuan_v1_dense, llama, marian, ministral, ministral3, mistral, "
-     "mixtral, nemotron, olmo2, olmo3, olmoe, opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, "
+     "mixtral, nemotron, olmo2, olmo3, olmoe, opt, phi, phi3, phimoe, qwen2, qwen2_moe, qwen3, "
+     "qwen3_moe, "
      "seed_oss, smollm3, stablelm, starcoder2"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
                                         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
@@ -80,6 +81,11 @@ from kvjax import hf
      "rotary_dim=3 must be even and in [2, head_dim=8]"),
     ("phi", dict(qk_layernorm=True), "qk_layernorm=true is not supported (LayerNorm over each "
                                      "head's query and key)"),
+    ("phimoe", dict(rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 1.6, 2.0],
+        "long_factor": [1.5, 3.0, 6.0, 9.0], "short_mscale": 1.2, "long_mscale": 1.5,
+        "original_max_position_embeddings": 64}),
+     "short_mscale=1.2 and long_mscale=1.5 differ"),
     ("opt", dict(_remove_final_layer_norm=True), "_remove_final_layer_norm=true is not "
                                                  "supported (no norm after the last layer)"),
     ("opt", dict(word_embed_proj_dim=0), "word_embed_proj_dim=0 must be an int >= 1"),

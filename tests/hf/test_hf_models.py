@@ -28,7 +28,8 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "phi", "stablelm", "opt", "gemma", "starcoder2", "mixtral", "qwen3_moe", "olmoe",
          "granitemoe", "qwen2_moe", "gpt_oss", "gpt_oss_mxfp4", "glm", "glm4", "helium",
          "ernie4_5", "seed_oss", "ministral", "exaone4", "cohere", "cohere2", "nemotron",
-         "arcee", "ministral3", "mistral3", "gemma3", "apertus", "hunyuan_v1_dense", "opt_350m")
+         "arcee", "ministral3", "mistral3", "gemma3", "apertus", "hunyuan_v1_dense", "opt_350m",
+         "phimoe")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -41,7 +42,8 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                                           "exaone4", "cohere", "cohere2", "nemotron", "arcee",
                                           "ministral3", "apertus", "hunyuan_v1_dense")},
                # The language models of vision-language directories (`text_of_multimodal.py`).
-               "mistral3": "ministral3", "gemma3": "gemma3_text", "opt_350m": "opt"}
+               "mistral3": "ministral3", "gemma3": "gemma3_text", "opt_350m": "opt",
+               "phimoe": "phimoe"}
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +138,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     assert (config.norm == "output") == (name in ("olmo2", "olmo3", "exaone4"))
     assert (config.num_experts, config.experts_per_token, config.normalize_expert_weights) == {
         "mixtral": (4, 2, True), "qwen3_moe": (8, 2, True), "olmoe": (8, 3, False),
-        "granitemoe": (4, 2, True), "qwen2_moe": (8, 2, False)}.get(
+        "granitemoe": (4, 2, True), "qwen2_moe": (8, 2, False), "phimoe": (4, 2, False)}.get(
         name, (4, 2, True) if name.startswith("gpt_oss") else (0, 2, True))
     gpt_oss = name.startswith("gpt_oss")
     assert (config.attention_sinks, config.router_bias, config.activation == "clamped_swiglu",
@@ -165,7 +167,8 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                       "arcee": (False, False, False)}.get(name, biases)
     assert config.parallel_residual == (name in ("gpt_neox", "phi", "cohere", "cohere2"))
     assert config.shared_norm == (name in ("phi", "cohere", "cohere2"))
-    assert config.logits_bias == (name in ("phi", "marian"))
+    assert config.logits_bias == (name in ("phi", "marian", "phimoe"))
+    assert config.sparsemixer_eps == (0.2 if name == "phimoe" else None)
     assert (config.query_scale_beta, config.query_scale_length) == (
         (0.5, 4) if name in ("ministral3", "mistral3") else (0.0, 1))
     assert config.rotary_dim == {"gpt_neox": 4, "phi": 2, "stablelm": 4, "glm": 4,
@@ -176,7 +179,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     assert (config.norm_type == "layernorm") == (name in ("gpt2", "marian", "gpt_neox", "phi",
                                                           "stablelm", "opt", "starcoder2",
                                                           "cohere", "cohere2", "nemotron",
-                                                          "opt_350m"))
+                                                          "opt_350m", "phimoe"))
     # OPT-350m: post-LN layers and a table narrower than the layers, projected in and out.
     assert (config.norm == "post", config.embedding_dim) == (
         (True, 16) if name == "opt_350m" else (name == "marian", None))

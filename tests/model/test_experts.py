@@ -122,6 +122,36 @@ def test_each_token_is_the_weighted_sum_of_its_chosen_experts(tokens, activation
         np.testing.assert_allclose(out.reshape(x.shape), want, rtol=1e-5, atol=1e-5)
 
 
+def _sparsemixer_reference(scores, eps):
+    """Phi-3.5-MoE's routing at inference, token by token in float64, as its paper and
+    transformers' `sparsemixer` state it."""
+    weights, chosen = np.zeros((len(scores), 2)), np.zeros((len(scores), 2), int)
+    for t, s in enumerate(np.asarray(scores, np.float64)):
+        left = s.copy()
+        for k in range(2):
+            best = int(np.argmax(left))
+            top = left[best]
+            kept = (top - s) / np.maximum(np.abs(s), top) <= 2 * eps
+            gates = np.where(kept & np.isfinite(left), np.exp(left - top), 0.0)
+            weights[t, k], chosen[t, k] = gates[best] / gates.sum(), best
+            left[best] = -np.inf
+    return weights, chosen
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.05, 10.0])  # alone, some experts beside, every one
+def test_sparsemixer_weighs_each_of_two_experts_by_a_softmax_over_its_near_rivals(eps):
+    scores = np.random.default_rng(0).normal(size=(64, 6)).astype(np.float32)
+    scores[:8] = np.abs(scores[:8])  # tokens whose every score is positive
+    scores[8:16] = -np.abs(scores[8:16])  # and negative
+    weights, chosen = experts.route(jnp.asarray(scores), 2, False, sparsemixer_eps=eps)
+    want_weights, want_chosen = _sparsemixer_reference(scores, eps)
+    np.testing.assert_array_equal(chosen, want_chosen)
+    np.testing.assert_allclose(weights, want_weights, rtol=1e-6)
+    if eps == 0.0:  # each expert's softmax holds it alone
+        np.testing.assert_allclose(weights, 1.0)
+    assert chosen.dtype == jnp.int32
+
+
 def test_a_model_of_experts_decodes_and_scans_as_it_runs_whole():
     """With gpt-oss's options too: attention sinks, biases on the router and the experts,
     the clamped SwiGLU, a sliding window beside a full layer."""
