@@ -35,7 +35,7 @@ from kvjax.model import lora_rows
 ADAPTERS = Path(__file__).parents[1] / "fixtures" / "hf_adapters"
 NAMES = ("llama_gqa", "phi3", "gpt2", "phi", "opt", "gpt_neox", "starcoder2", "mixtral",
          "glm4", "gpt_oss", "gemma3", "cohere", "cohere2", "arcee", "nemotron", "apertus",
-         "hunyuan_v1_dense", "marian")
+         "hunyuan_v1_dense", "marian", "phimoe")
 
 
 def expected(name):
@@ -243,9 +243,9 @@ def _with_adapters(config, params, batch, stack, adapter_B):
 
 
 # A module the file fuses (Phi-3's qkv_proj and gate_up_proj, GPT-2's c_attn) and rows kvjax
-# holds in another order (GLM-4's queries and keys).
+# holds in another order (GLM-4's queries and keys); a mixture's biased attention (Phi-3.5-MoE).
 @pytest.mark.parametrize("name", ["phi3", "gpt2", "glm4", "cohere", "nemotron", "apertus",
-                                  "hunyuan_v1_dense"])
+                                  "hunyuan_v1_dense", "phimoe"])
 def test_served_unmerged_beside_the_base_an_adapter_computes_what_peft_computes(name):
     record, logits = expected(name)
     base = FIXTURES / record["base"]
