@@ -114,12 +114,12 @@ def check_logits_and_greedy_tokens(config, params, record, logits):
 # positions, an encoder's, sliding windows, windows beside full layers with softcapped scores,
 # each layer's own RoPE base beside windows, a layer without positions (and one beside
 # windowed layers with RoPE and norms on each sublayer's output), a mixture of experts
-# with a shared expert, queries scaled by position, keys normed after RoPE. Cached decoding
-# equals the full forward for every option the families use (tests/model/test_transformer.py
-# and the options' own tests).
+# with a shared expert and one routed by SparseMixer, queries scaled by position, keys normed
+# after RoPE. Cached decoding equals the full forward for every option the families use
+# (tests/model/test_transformer.py and the options' own tests).
 BEAM_FAMILIES = ("gpt2", "marian", "mistral", "gemma2", "qwen2_moe")
 GENERATE_FAMILIES = BEAM_FAMILIES + ("gemma3_text", "smollm3", "exaone4", "cohere2",
-                                     "ministral3", "hunyuan_v1_dense")
+                                     "ministral3", "hunyuan_v1_dense", "phimoe")
 
 
 @pytest.mark.parametrize("name", NAMES)
