@@ -12,7 +12,7 @@ from typing import Any
 from .errors import UnsupportedModelError
 from .llama_like import experts_fields, llama_like_fields
 from .reader import Reader
-from .rope import partial_rope, rope_settings
+from .rope import rope_of, rope_settings
 
 
 def _phimoe(c: Reader) -> dict[str, Any]:
@@ -31,13 +31,10 @@ def _phimoe(c: Reader) -> dict[str, Any]:
                                         f"{long} differ; kvjax turns one RoPE at every length")
         if short is not None:
             params["attention_factor"] = short
-        top = c.get("original_max_position_embeddings")
-        if top is not None:
-            params["original_max_position_embeddings"] = top
     elif (short, long) != (None, None):
         raise UnsupportedModelError(f"{c.source}: short_mscale and long_mscale belong to "
                                     "longrope rope scaling")
-    rope = partial_rope(c, params, None, c.get("rope_theta", 1e6))
+    rope = rope_of(c, params=params, base=1e6)  # transformers' Phi-3.5-MoE's base
     bias = bool(c.get("attention_bias", False))
     fields = llama_like_fields(c, qkv_bias=bias, out_bias=bias, ffn_bias=False, rope=rope)
     c.get("input_jitter_noise")  # training's alone

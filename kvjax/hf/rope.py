@@ -137,11 +137,13 @@ def partial_rope(c: Reader, rope_params: dict[str, Any], fraction: float | None,
     return {**fields, "rotary_dim": int(head_dim * fraction)}
 
 
-def rope_of(c: Reader, phi3: bool = False) -> dict[str, Any]:
+def rope_of(c: Reader, phi3: bool = False, params: dict[str, Any] | None = None,
+            base: float = 10000.0) -> dict[str, Any]:
     """RoPE's base and scaling from `rope_parameters` (transformers 5) or the older
-    `rope_theta` and `rope_scaling`. Phi-3's (`phi3`) may turn only the leading
+    `rope_theta` and `rope_scaling` (or from `params`, read from them by the caller), at
+    `base` where neither names a `rope_theta`. Phi-3's (`phi3`) may turn only the leading
     `partial_rotary_factor` of each head's dimensions, and its 'su' and 'yarn' are longrope."""
-    params = rope_settings(c)
+    params = rope_settings(c) if params is None else params
     fraction = head_dim = None
     if phi3:
         if params.get("rope_type", params.get("type")) in ("su", "yarn"):
@@ -155,7 +157,7 @@ def rope_of(c: Reader, phi3: bool = False) -> dict[str, Any]:
         # wins over the one among the RoPE parameters.
         top = c.get("original_max_position_embeddings")
         params = params if top is None else {**params, "original_max_position_embeddings": top}
-    return partial_rope(c, params, fraction, c.get("rope_theta", 10000.0), head_dim)
+    return partial_rope(c, params, fraction, c.get("rope_theta", base), head_dim)
 
 
 def rotated_halves(c: Reader) -> None:
