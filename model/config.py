@@ -118,6 +118,11 @@ class TransformerConfig:
     # A second norm on each sublayer's output before the residual sum (pre-norm only):
     # x + norm2(Sublayer(norm1(x))), Gemma 2 and 3's "sandwich".
     sandwich_norms: bool = False
+    # False: every norm of the model without learned parameters, RMSNorm without its scale
+    # and LayerNorm without scale and bias (nanochat's).
+    norm_params: bool = True
+    # A norm over the embeddings, before the first layer (nanochat's).
+    embedding_norm: bool = False
     # The attention and the FFN both read the layer's input, each through its own norm, and
     # their outputs join it in one sum: x + Attn(norm1(x)) + FFN(norm2(x)) (pre-norm,
     # decoder-only; GPT-NeoX and Pythia). With `shared_norm`, through one norm:
@@ -279,7 +284,8 @@ _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "rotary_dim", "cache_dtype", "kernel_dtype", "qk_norm", "qk_norm_across_heads",
     "qk_norm_after_rope",
     "sliding_window", "full_attention_layers", "unrotated_layers", "local_rope_base",
-    "norm_unit_offset", "sandwich_norms", "parallel_residual", "shared_norm", "attention_scale",
+    "norm_unit_offset", "sandwich_norms", "norm_params", "embedding_norm", "parallel_residual",
+    "shared_norm", "attention_scale",
     "query_scale_beta", "query_scale_length",
     "attention_sinks", "attention_softcap", "logits_softcap",
     "embedding_multiplier", "residual_multiplier", "logits_scaling", "embedding_dim",

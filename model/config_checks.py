@@ -56,7 +56,8 @@ _REAL_FIELDS = ("dropout", "rope_base", "layer_norm_eps", "rope_scaling_factor",
 _BOOL_FIELDS = ("tie_embeddings", "scan_layers", "remat", "qkv_bias", "out_bias", "ffn_bias",
                 "scale_embeddings", "logits_bias", "qk_norm", "qk_norm_across_heads",
                 "qk_norm_after_rope",
-                "norm_unit_offset", "sandwich_norms", "parallel_residual", "shared_norm",
+                "norm_unit_offset", "sandwich_norms", "norm_params", "embedding_norm",
+                "parallel_residual", "shared_norm",
                 "rope_truncate", "normalize_expert_weights", "shared_expert_gate",
                 "attention_sinks", "router_bias")
 _OPTIONAL_REALS = ("local_rope_base", "attention_scale", "attention_softcap", "logits_softcap",
@@ -145,6 +146,8 @@ def _layer_kind_problems(config: Config) -> list[str]:
                         "sliding_window")
     if config.norm_unit_offset and config.norm_type != "rmsnorm":
         problems.append("norm_unit_offset needs norm_type='rmsnorm'")
+    if config.norm_unit_offset and not config.norm_params:
+        problems.append("norm_unit_offset needs norm_params: it offsets a learned scale")
     if config.sandwich_norms and config.norm != "pre":
         problems.append("sandwich_norms needs norm='pre'")
     if config.parallel_residual and (config.norm != "pre" or config.sandwich_norms

@@ -69,7 +69,8 @@ def self_attention_inputs(config: TransformerConfig, starts_B, valid_B, num_quer
 
 class Embedder(nn.Module):
     """Token embedding (projected to D where `embedding_dim` is set, × √D, as in the paper,
-    unless `scale_embeddings` is off, and × `embedding_multiplier`) plus positions; `logits`
+    unless `scale_embeddings` is off, and × `embedding_multiplier`) plus positions, then
+    normalised where `embedding_norm` is set; `logits`
     gives the output logits (plus a learned bias if `logits_bias`, divided by
     `logits_scaling`)."""
 
@@ -93,6 +94,8 @@ class Embedder(nn.Module):
         if not c.tie_embeddings:
             self.unembed = nn.Dense(c.vocab_size, use_bias=False, dtype=c.compute_dtype,
                                     param_dtype=c.weights_dtype)
+        if c.embedding_norm:
+            self.embedding_norm = make_norm(c, "embedding_norm")
         if c.logits_bias:
             self.logits_bias = self.param("logits_bias", nn.initializers.zeros_init(),
                                           (c.vocab_size,), c.weights_dtype)
@@ -111,6 +114,8 @@ class Embedder(nn.Module):
             x = x + sinusoidal(positions_BT, c.d_model, c.sinusoid_layout).astype(x.dtype)
         elif c.positional_encoding == "learned":
             x = x + jnp.take(self.position_embedding, positions_BT, axis=0).astype(x.dtype)
+        if c.embedding_norm:
+            x = self.embedding_norm(x)
         return self.dropout(x, deterministic=not self.has_rng("dropout"))
 
     def logits(self, x_BTD):

@@ -48,6 +48,8 @@ def test_options_round_trip_through_json_and_default_to_absent():
     (dict(full_attention_layers=(1, 1)), "must be distinct layer numbers"),
     (dict(full_attention_layers=[True]), "must be a list of ints"),
     (dict(norm_type="layernorm"), "norm_unit_offset needs norm_type='rmsnorm'"),
+    (dict(norm_params=False), "norm_unit_offset needs norm_params: it offsets a learned scale"),
+    (dict(norm_params=0), "norm_params=0 must be True or False"),
     (dict(norm="post"), "sandwich_norms needs norm='pre'"),
     (dict(attention_softcap=0.0), "attention_softcap=0.0 must be > 0 and finite"),
     (dict(logits_softcap="30"), "logits_softcap='30' must be a real number or None"),

@@ -26,7 +26,7 @@ OPTIONS = [
          logits_scaling=2.0, norm="output", qk_norm=True, qk_norm_across_heads=True,
          embedding_dim=24),
     dict(positional_encoding="rope", num_kv_heads=2, scan_layers=True, activation="silu",
-         unrotated_layers=(1,)),
+         unrotated_layers=(1,), norm_params=False, embedding_norm=True),
 ]
 VARIANTS = {"decoder_only": 0, "encoder_decoder": 2}
 ENCODER_DECODER_OPTIONS = (0, 2, 4, 5, 6)  # of OPTIONS
