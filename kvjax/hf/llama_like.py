@@ -257,7 +257,7 @@ def _glm(c: Reader, post_norms: bool = False) -> dict[str, Any]:
     output, the gate and up projections in one `gate_up_proj`, and RoPE over the leading
     `partial_rotary_factor` (a half by default) of each head turning the pairs
     (x[2i], x[2i + 1]): kvjax turns the halves, so each head's query and key rows are put
-    in that order as they load (`weights.rope_halves_from_pairs`), which leaves every
+    in that order as they load (`weights.rope_rows_in_kvjax_order`), which leaves every
     product of a query and a key as it was. `post_norms`: an RMSNorm on each sublayer's
     output too, before the residual sum."""
     width, heads = c.require("hidden_size"), c.require("num_attention_heads")

@@ -39,7 +39,7 @@ from .errors import UnsupportedModelError
 from .gpt_weights import heads_apart
 from .reader import Reader, read_json_object
 from .tensors import WeightFiles
-from .weights import LAYOUTS, ROPE_BY_PAIRS, rope_halves_from_pairs, ties_embeddings
+from .weights import LAYOUTS, ROPE_ORDERS, rope_rows_in_kvjax_order, ties_embeddings
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -82,6 +82,7 @@ _MODULES = {
     # none of kvjax's targets.
     "mixtral": _ATTENTION, "granitemoe": _ATTENTION, "gpt_oss": _ATTENTION,
     "plain_mlp": {**_ATTENTION, "mlp.c_fc": ("wi",), "mlp.c_proj": ("wo",)},
+    "nanochat": {**_ATTENTION, "mlp.fc1": ("wi",), "mlp.fc2": ("wo",)},
     "gpt_neox": {"attention.query_key_value": ("q", "k", "v"), "attention.dense": ("o",),
                  "mlp.dense_h_to_4h": ("wi",), "mlp.dense_4h_to_h": ("wo",)},
 }
@@ -92,10 +93,10 @@ _LAYER_PREFIXES = {"gpt2": ("transformer.h", "h"), "opt": ("model.decoder.layers
 # Modules whose output rows kvjax holds in another order (`_rows_in_kvjax_order`): GPT-NeoX's
 # query_key_value, each head's q, k and v in turn, where kvjax's targets hold every q head,
 # then every k, then every v; the queries and keys of layouts whose RoPE turns pairs of a
-# head's dimensions where kvjax turns halves (`weights.ROPE_BY_PAIRS`: GLM, Helium, ERNIE,
-# Cohere).
+# head's dimensions, or turns the other way, where kvjax turns halves (`weights.ROPE_ORDERS`:
+# GLM, Helium, ERNIE, Cohere, nanochat).
 _REORDERED_ROWS = {("gpt_neox", "attention.query_key_value"),
-                   *((layout, module) for layout in ROPE_BY_PAIRS
+                   *((layout, module) for layout in ROPE_ORDERS
                      for module in ("self_attn.q_proj", "self_attn.k_proj"))}
 
 
@@ -152,7 +153,7 @@ def merge_peft_adapter(config: TransformerConfig, model_type: str, params: dict,
             continue
         update = scale_of(a.shape[0]) * (a.astype(np.float32).T @ b.astype(np.float32).T)
         if (LAYOUTS[model_type], module) in _REORDERED_ROWS:
-            update = _rows_in_kvjax_order(config, module, update.T, name).T
+            update = _rows_in_kvjax_order(config, model_type, module, update.T, name).T
         _add(config, merged["layers"][str(layer)], modules[module], update, name)
     return merged
 
@@ -178,7 +179,7 @@ def peft_adapters(config: TransformerConfig, model_type: str, directory: str | o
                                         "(--lora DIR merges one)")
         rows_OR = scale_of(a.shape[0]) * b.astype(np.float32)
         if (LAYOUTS[model_type], module) in _REORDERED_ROWS:
-            rows_OR = _rows_in_kvjax_order(config, module, rows_OR, name)
+            rows_OR = _rows_in_kvjax_order(config, model_type, module, rows_OR, name)
         targets = modules[module]
         widths = _output_widths(config, targets, (a.shape[1], rows_OR.shape[0]), name)
         pieces = np.split(rows_OR, np.cumsum(widths)[:-1], axis=0)
@@ -272,10 +273,10 @@ def _scaling(directory: Path):
     return lambda rank: alpha / (math.sqrt(rank) if rslora else rank), expert_params
 
 
-def _rows_in_kvjax_order(config: TransformerConfig, module: str, rows_OX: np.ndarray,
-                         name: str) -> np.ndarray:
+def _rows_in_kvjax_order(config: TransformerConfig, model_type: str, module: str,
+                         rows_OX: np.ndarray, name: str) -> np.ndarray:
     """A module's output rows [O, X] of `_REORDERED_ROWS` in kvjax's order, the rows' count
-    checked first: GPT-NeoX's `weights.heads_apart`, GLM's `weights.rope_halves_from_pairs`."""
+    checked first: GPT-NeoX's `weights.heads_apart`, GLM's `weights.rope_rows_in_kvjax_order`."""
     n, h = config.num_heads, config.head_dim
     heads = {"attention.query_key_value": 3 * n, "self_attn.q_proj": n,
              "self_attn.k_proj": config.kv_heads}[module]
@@ -284,17 +285,18 @@ def _rows_in_kvjax_order(config: TransformerConfig, module: str, rows_OX: np.nda
                          f"{module} has {heads * h}")
     if module == "attention.query_key_value":
         return heads_apart(rows_OX, n, h)
-    return rope_halves_from_pairs(rows_OX, heads, h, config.rotary_dims)
+    return rope_rows_in_kvjax_order(rows_OX, heads, h, config.rotary_dims, LAYOUTS[model_type])
 
 
-def _rows_in_file_order(config: TransformerConfig, module: str, rows_OX: np.ndarray
-                        ) -> np.ndarray:
+def _rows_in_file_order(config: TransformerConfig, model_type: str, module: str,
+                        rows_OX: np.ndarray) -> np.ndarray:
     """The inverse of `_rows_in_kvjax_order`."""
     n, h = config.num_heads, config.head_dim
     if module == "attention.query_key_value":
         return rows_OX.reshape(3, n, h, -1).transpose(1, 0, 2, 3).reshape(3 * n * h, -1)
     heads = n if module == "self_attn.q_proj" else config.kv_heads
-    return rope_halves_from_pairs(rows_OX, heads, h, config.rotary_dims, inverse=True)
+    return rope_rows_in_kvjax_order(rows_OX, heads, h, config.rotary_dims, LAYOUTS[model_type],
+                                    inverse=True)
 
 
 def _output_widths(config: TransformerConfig, targets: tuple[str, ...], shape_IO: tuple,
@@ -437,7 +439,8 @@ def _peft_tensors(config: TransformerConfig, model_type: str, layers: dict, sett
             # run's takes k times B to stay the run's update.
             b_OR *= rank / settings.rank
             if (LAYOUTS[model_type], module) in _REORDERED_ROWS:
-                b_OR = np.ascontiguousarray(_rows_in_file_order(config, module, b_OR))
+                b_OR = np.ascontiguousarray(_rows_in_file_order(config, model_type, module,
+                                                                 b_OR))
             name = f"base_model.model.{prefix}.{index}.{module}"
             tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"] = a_RI, b_OR
             ranks[module] = rank

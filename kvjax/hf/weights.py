@@ -36,25 +36,22 @@ from .tensors import Params, WeightFiles
 # and up projections in one gate_up_proj, with biases) and "marian" (an encoder and a
 # decoder), "llama_pairs" (Llama's names, its RoPE turning pairs of dimensions: Helium,
 # ERNIE 4.5), "cohere" (as "llama_pairs", one bias-free LayerNorm a layer), "up_down_mlp"
-# (Llama's attention, an FFN of up_proj and down_proj: Arcee) and "nemotron" (the same with
-# LayerNorm1P, whose weight + 1 is the scale). Llama's layout holds experts too: gate_proj,
-# up_proj and down_proj under mlp (and a shared expert of the same three beside them, with
-# its gate: Qwen2-MoE).
+# (Llama's attention, an FFN of up_proj and down_proj: Arcee), "nemotron" (the same with
+# LayerNorm1P, whose weight + 1 is the scale) and "nanochat" (Llama's attention, its RoPE
+# turning the other way, an FFN of fc1 and fc2, no norm weights). Llama's layout holds
+# experts too: gate_proj, up_proj and down_proj under mlp (and a shared expert of the same
+# three beside them, with its gate: Qwen2-MoE).
 LAYOUTS = {"gpt2": "gpt2", "phi3": "fused", "marian": "marian", "gpt_neox": "gpt_neox",
            "phi": "phi", "opt": "opt", "starcoder2": "plain_mlp", "mixtral": "mixtral",
            "granitemoe": "granitemoe", "gpt_oss": "gpt_oss", "glm": "glm", "glm4": "glm",
            "helium": "llama_pairs", "ernie4_5": "llama_pairs", "cohere": "cohere",
            "cohere2": "cohere", "arcee": "up_down_mlp", "nemotron": "nemotron",
-           "apertus": "apertus",
+           "apertus": "apertus", "nanochat": "nanochat",
            **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite",
                             "gemma2", "gemma3_text", "olmo2", "olmo3", "stablelm", "gemma",
                             "qwen3_moe", "olmoe", "qwen2_moe", "seed_oss", "ministral",
                             "ministral3", "exaone4"), "llama"),
            "hunyuan_v1_dense": "hunyuan", "phimoe": "mixtral"}
-# Layouts whose queries' and keys' rows hold RoPE's pairs of a head's dimensions, where kvjax
-# turns halves: their rows are reordered as they are read (`rope_halves_from_pairs`), and so
-# are the rows of adapters of them (`peft.py`).
-ROPE_BY_PAIRS = frozenset({"glm", "llama_pairs", "cohere"})
 
 
 def ties_embeddings(model_type: str, files: WeightFiles) -> bool:
@@ -85,12 +82,14 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
                   _experts_apart, under="block_sparse_moe.", names=("w1", "w3", "w2"))),
               "granitemoe": functools.partial(_llama_like, experts=_experts_stacked),
               "gpt_oss": functools.partial(_llama_like, experts=_experts_interleaved),
-              "glm": functools.partial(_llama_like, fused_mlp=True),
+              "glm": functools.partial(_llama_like, fused_mlp=True,
+                                       norms=_GLM4_NORMS if config.sandwich_norms else None),
               "llama_pairs": _llama_like,
               "cohere": functools.partial(_llama_like, norm_bias=False),
+              "nanochat": functools.partial(_llama_like, plain_mlp=("fc1", "fc2")),
               **gpt_weights.READERS}[LAYOUTS[model_type]]
-    if LAYOUTS[model_type] in ROPE_BY_PAIRS:
-        mapper = functools.partial(mapper, rope_pairs=True)
+    if LAYOUTS[model_type] in ROPE_ORDERS:
+        mapper = functools.partial(mapper, rope_order=ROPE_ORDERS[LAYOUTS[model_type]])
     ignorable = mapper(config, params)
     return params.tree(ignorable)
 
@@ -132,11 +131,29 @@ def rope_halves_order(head_dim: int, rotary_dim: int) -> np.ndarray:
                            np.arange(rotary_dim, head_dim)])
 
 
-def rope_halves_from_pairs(rows_OX: np.ndarray, heads: int, head_dim: int, rotary_dim: int,
-                           inverse: bool = False) -> np.ndarray:
+def swapped_halves_order(head_dim: int, rotary_dim: int) -> np.ndarray:
+    """[H]: the order of a head's dimensions with the two halves RoPE turns swapped. RoPE
+    turning each pair (x[i], x[i + r/2]) the other way (nanochat's) gives what kvjax's turn
+    of (x[i + r/2], x[i]) gives, its two results swapped; queries and keys swapped alike,
+    and normalised over the head as nanochat does after RoPE, give the same products."""
+    half = rotary_dim // 2
+    return np.concatenate([np.arange(half, rotary_dim), np.arange(half),
+                           np.arange(rotary_dim, head_dim)])
+
+
+# Layouts whose query and key rows kvjax holds in another order of each head's dimensions,
+# where their RoPE turns pairs of them (GLM, Helium, ERNIE, Cohere) or turns the other way
+# (nanochat): their rows are reordered as they are read (`rope_rows_in_kvjax_order`), and so
+# are the rows of adapters of them (`peft.py`).
+ROPE_ORDERS = {"glm": rope_halves_order, "llama_pairs": rope_halves_order,
+               "cohere": rope_halves_order, "nanochat": swapped_halves_order}
+
+
+def rope_rows_in_kvjax_order(rows_OX: np.ndarray, heads: int, head_dim: int, rotary_dim: int,
+                             layout: str, inverse: bool = False) -> np.ndarray:
     """A query or key projection's output rows [heads · H, X] with each head's reordered by
-    `rope_halves_order` (`inverse`: put back)."""
-    order = rope_halves_order(head_dim, rotary_dim)
+    the layout's `ROPE_ORDERS` (`inverse`: put back)."""
+    order = ROPE_ORDERS[layout](head_dim, rotary_dim)
     if inverse:
         order = np.argsort(order)
     return rows_OX.reshape(heads, head_dim, -1)[:, order].reshape(rows_OX.shape)
@@ -144,14 +161,14 @@ def rope_halves_from_pairs(rows_OX: np.ndarray, heads: int, head_dim: int, rotar
 
 def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
                 plain_mlp: tuple[str, str] | None = None, experts=None,
-                fused_mlp: bool = False, rope_pairs: bool = False, norm_bias: bool = True,
+                fused_mlp: bool = False, rope_order=None, norm_bias: bool = True,
                 fold_unit_offset: bool = False, norms: dict[str, str] | None = None,
                 qk_norm_names: tuple[str, str] = ("q_norm", "k_norm")):
     """Llama and its kin, Gemma's, OLMo's and GLM-4's norms and StableLM's LayerNorms
     included. `fused` (Phi-3): q, k and v are rows of one `qkv_proj`, and the gate and up
     projections the two halves of one `gate_up_proj`; `fused_mlp` (GLM): the latter alone.
-    `rope_pairs` (GLM): RoPE turns pairs of each head's query and key dimensions, reordered
-    into halves here (`rope_halves_from_pairs`). `norm_bias` False (Cohere): LayerNorms
+    `rope_order(head_dim, rotary_dim)` (GLM, nanochat): the order each head's query and key
+    dimensions are put in here (`ROPE_ORDERS`). `norm_bias` False (Cohere): LayerNorms
     without a bias; with `shared_norm` the attention and the FFN read the input's one norm.
     `fold_unit_offset` (Nemotron): LayerNorms that scale by 1 + their weight, folded into
     the scale as it loads. `norms`: kvjax's norms and the file's names of them, where the
@@ -166,10 +183,9 @@ def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
                                                  (c.vocab_size, d)))
     for i in range(c.num_decoder_layers):
         src, dst = f"model.layers.{i}.", f"layers/{i}/"
-        layer_norms = norms or (_GLM4_NORMS if c.sandwich_norms and rope_pairs else
-                                _SANDWICH_NORMS if c.sandwich_norms else
-                                _OUTPUT_NORMS if c.norm == "output" else
-                                _SHARED_NORM if c.shared_norm else _NORMS)
+        layer_norms = {} if not c.norm_params else norms or (
+            _SANDWICH_NORMS if c.sandwich_norms else _OUTPUT_NORMS if c.norm == "output" else
+            _SHARED_NORM if c.shared_norm else _NORMS)
         for kvjax_name, hf_name in layer_norms.items():
             tensors.norm(p, f"{src}{hf_name}", f"{dst}{kvjax_name}", c, norm_bias,
                          fold_unit_offset)
@@ -181,12 +197,12 @@ def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
             parts = [tensors.linear(p, f"{src}self_attn.{name}_proj", heads, h, d, c.qkv_bias)
                      for name, heads in (("q", c.num_heads), ("k", c.kv_heads),
                                          ("v", c.kv_heads))]
-            if rope_pairs:  # q's and k's kernels [D, heads, H] and biases [heads, H]
-                order = rope_halves_order(h, c.rotary_dims)
+            if rope_order:  # q's and k's kernels [D, heads, H] and biases [heads, H]
+                order = rope_order(h, c.rotary_dims)
                 parts[:2] = [tuple(None if x is None else x[..., order] for x in part)
                              for part in parts[:2]]
             tensors.fused(p, dst + "self_attention/qkv", parts)
-        if c.qk_norm:
+        if c.qk_norm and c.norm_params:
             for name, file_name, heads in zip(("q_norm", "k_norm"), qk_norm_names,
                                               (c.num_heads, c.kv_heads), strict=True):
                 width = heads * h if c.qk_norm_across_heads else h
@@ -199,7 +215,8 @@ def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
             (experts or _experts_apart)(p, src, dst + "ffn/", c)
         else:
             _feed_forward(p, src + "mlp.", dst + "ffn/", c, fused or fused_mlp, plain_mlp)
-    tensors.norm(p, "model.norm", "final_norm", c, norm_bias, fold_unit_offset)
+    if c.norm_params:
+        tensors.norm(p, "model.norm", "final_norm", c, norm_bias, fold_unit_offset)
     tensors.unembed(c, p, "lm_head.weight")
     if c.logits_bias:  # Phi-3.5-MoE's output layer
         p.set("embedder/logits_bias", p.read("lm_head.bias", (c.vocab_size,)))

@@ -29,7 +29,7 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "granitemoe", "qwen2_moe", "gpt_oss", "gpt_oss_mxfp4", "glm", "glm4", "helium",
          "ernie4_5", "seed_oss", "ministral", "exaone4", "cohere", "cohere2", "nemotron",
          "arcee", "ministral3", "mistral3", "gemma3", "apertus", "hunyuan_v1_dense", "opt_350m",
-         "phimoe")
+         "phimoe", "nanochat")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -40,7 +40,8 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                "gpt_oss": "gpt_oss", "gpt_oss_mxfp4": "gpt_oss", "glm": "glm", "glm4": "glm4",
                **{name: name for name in ("helium", "ernie4_5", "seed_oss", "ministral",
                                           "exaone4", "cohere", "cohere2", "nemotron", "arcee",
-                                          "ministral3", "apertus", "hunyuan_v1_dense")},
+                                          "ministral3", "apertus", "hunyuan_v1_dense",
+                                          "nanochat")},
                # The language models of vision-language directories (`text_of_multimodal.py`).
                "mistral3": "ministral3", "gemma3": "gemma3_text", "opt_350m": "opt",
                "phimoe": "phimoe"}
@@ -119,7 +120,7 @@ def check_logits_and_greedy_tokens(config, params, record, logits):
 # (tests/model/test_transformer.py and the options' own tests).
 BEAM_FAMILIES = ("gpt2", "marian", "mistral", "gemma2", "qwen2_moe")
 GENERATE_FAMILIES = BEAM_FAMILIES + ("gemma3_text", "smollm3", "exaone4", "cohere2",
-                                     "ministral3", "hunyuan_v1_dense", "phimoe")
+                                     "ministral3", "hunyuan_v1_dense", "phimoe", "nanochat")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -132,8 +133,12 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                                               "cohere2", "gemma3"))
     assert config.qk_norm == (name in ("qwen3", "gemma3_text", "olmo2", "olmo3", "qwen3_moe",
                                        "olmoe", "exaone4", "gemma3", "apertus",
-                                       "hunyuan_v1_dense"))
-    assert config.qk_norm_after_rope == (name == "hunyuan_v1_dense")
+                                       "hunyuan_v1_dense", "nanochat"))
+    assert config.qk_norm_after_rope == (name in ("hunyuan_v1_dense", "nanochat"))
+    # nanochat: no norm holds a learned parameter, and one normalises the embeddings.
+    assert (config.norm_params, config.embedding_norm) == (
+        (False, True) if name == "nanochat" else (True, False))
+    assert config.logits_softcap == {"gemma2": 8.0, "nanochat": 2.0}.get(name)
     assert config.qk_norm_across_heads == name.startswith("olmo")
     assert (config.norm == "output") == (name in ("olmo2", "olmo3", "exaone4"))
     assert (config.num_experts, config.experts_per_token, config.normalize_expert_weights) == {
@@ -164,7 +169,8 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     assert biases == {"helium": (True, False, False), "ernie4_5": (True, True, True),
                       "seed_oss": (True, True, False), "cohere": (True, True, False),
                       "cohere2": (False, False, False), "nemotron": (True, True, True),
-                      "arcee": (False, False, False)}.get(name, biases)
+                      "arcee": (False, False, False), "nanochat": (True, True, False)}.get(
+        name, biases)
     assert config.parallel_residual == (name in ("gpt_neox", "phi", "cohere", "cohere2"))
     assert config.shared_norm == (name in ("phi", "cohere", "cohere2"))
     assert config.logits_bias == (name in ("phi", "marian", "phimoe"))
@@ -173,7 +179,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
         (0.5, 4) if name in ("ministral3", "mistral3") else (0.0, 1))
     assert config.rotary_dim == {"gpt_neox": 4, "phi": 2, "stablelm": 4, "glm": 4,
                                  "glm4": 4, "nemotron": 4}.get(name, config.rotary_dim)
-    assert (config.activation == "relu2") == (name in ("nemotron", "arcee"))
+    assert (config.activation == "relu2") == (name in ("nemotron", "arcee", "nanochat"))
     assert (config.activation == "xielu") == (name == "apertus")
     assert config.sandwich_norms == (name in ("gemma2", "gemma3_text", "glm4", "gemma3"))
     assert (config.norm_type == "layernorm") == (name in ("gpt2", "marian", "gpt_neox", "phi",

@@ -35,7 +35,7 @@ from kvjax.model import lora_rows
 ADAPTERS = Path(__file__).parents[1] / "fixtures" / "hf_adapters"
 NAMES = ("llama_gqa", "phi3", "gpt2", "phi", "opt", "gpt_neox", "starcoder2", "mixtral",
          "glm4", "gpt_oss", "gemma3", "cohere", "cohere2", "arcee", "nemotron", "apertus",
-         "hunyuan_v1_dense", "marian", "phimoe")
+         "hunyuan_v1_dense", "marian", "phimoe", "nanochat")
 
 
 def expected(name):
@@ -200,6 +200,7 @@ def test_fixtures_are_what_peft_computes(tmp_path):
     ("helium", ("q", "k", "wi")),  # RoPE over pairs, as GLM's, with Llama's names
     ("cohere", ("q", "k", "wi_gate")),  # RoPE over pairs too
     ("nemotron", ("k", "wi", "wo")),  # up_proj and down_proj alone
+    ("nanochat", ("q", "k", "wi")),  # each head's halves swapped, fc1
 ])
 def test_adapters_written_as_peft_merge_as_kvjax_merges_them(tmp_path, name, targets):
     from kvjax.hf.peft import write_peft_adapter
