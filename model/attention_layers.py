@@ -49,6 +49,8 @@ class SelfAttention(nn.Module):
         # three smaller ones would each pay a kernel launch (a decode step is many of them).
         qkv = projection(config, config.num_heads + 2 * config.kv_heads, "qkv")(x_BTD)
         qkv = lora_rows.add_qkv_updates(self, config, x_BTD, qkv)
+        if config.qkv_clip is not None:
+            qkv = jnp.clip(qkv, -config.qkv_clip, config.qkv_clip)
         q, k, v = jnp.split(qkv, [config.num_heads, config.num_heads + config.kv_heads], axis=2)
         if config.qk_norm and not config.qk_norm_after_rope:
             q, k = _qk_norm(config, q, "q_norm"), _qk_norm(config, k, "k_norm")

@@ -144,6 +144,9 @@ class TransformerConfig:
     # the output logits (Gemma 2). None: no cap.
     attention_softcap: float | None = None
     logits_softcap: float | None = None
+    # Self-attention's queries, keys and values clipped to [-qkv_clip, qkv_clip] as they leave
+    # their projections (OLMo 1.7's). None: not clipped.
+    qkv_clip: float | None = None
     # Granite's multipliers: on the token embeddings (after any √D), on each sublayer's
     # output before the residual sum, and the output logits divided by `logits_scaling`.
     embedding_multiplier: float = 1.0
@@ -287,7 +290,7 @@ _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "norm_unit_offset", "sandwich_norms", "norm_params", "embedding_norm", "parallel_residual",
     "shared_norm", "attention_scale",
     "query_scale_beta", "query_scale_length",
-    "attention_sinks", "attention_softcap", "logits_softcap",
+    "attention_sinks", "attention_softcap", "logits_softcap", "qkv_clip",
     "embedding_multiplier", "residual_multiplier", "logits_scaling", "embedding_dim",
     "num_experts", "experts_per_token", "normalize_expert_weights", "shared_expert_d_ff",
     "shared_expert_gate", "router_bias", "sparsemixer_eps", "swiglu_alpha", "swiglu_limit",

@@ -61,6 +61,7 @@ _BOOL_FIELDS = ("tie_embeddings", "scan_layers", "remat", "qkv_bias", "out_bias"
                 "rope_truncate", "normalize_expert_weights", "shared_expert_gate",
                 "attention_sinks", "router_bias")
 _OPTIONAL_REALS = ("local_rope_base", "attention_scale", "attention_softcap", "logits_softcap",
+                   "qkv_clip",
                    "rope_attention_factor", "sparsemixer_eps")
 _CHOICES = {"positional_encoding": POSITIONAL_ENCODINGS, "norm": NORM_PLACEMENTS,
             "activation": ACTIVATIONS, "dtype": DTYPES, "param_dtype": DTYPES,

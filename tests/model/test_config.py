@@ -86,7 +86,8 @@ OPTION_FIELDS = ("head_dim", "qkv_bias", "out_bias", "ffn_bias", "norm_type",
                  "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                  "rope_original_max_len", "rope_beta_fast", "rope_beta_slow", "rope_truncate",
                  "rope_attention_factor", "qk_norm", "qk_norm_across_heads", "sliding_window",
-                 "parallel_residual", "shared_norm", "norm_params", "embedding_norm")
+                 "parallel_residual", "shared_norm", "norm_params", "embedding_norm",
+                 "qkv_clip")
 
 
 def test_a_config_without_options_writes_what_it_wrote_before_them():

@@ -33,7 +33,7 @@ def test_fields_that_draw_no_params_share_one_compiled_initialisation():
         sinusoid_layout="halves", rope_beta_fast=16.0, rope_beta_slow=2.0, rope_truncate=False,
         rope_attention_factor=1.2, rope_short_factors=(1.0, 2.0), rope_long_factors=(3.0, 4.0),
         rotary_dim=4, unrotated_layers=(1,), embedding_multiplier=2.0, residual_multiplier=0.5,
-        logits_scaling=3.0, query_scale_beta=0.1, query_scale_length=8)
+        logits_scaling=3.0, query_scale_beta=0.1, query_scale_length=8, qkv_clip=2.0)
     assert {name for name in interface._NOT_IN_INIT if getattr(other, name) ==
             getattr(base, name)} == set()
     rng = jax.random.key(3)

@@ -17,7 +17,7 @@ OPTIONS = [
     dict(positional_encoding="learned", norm="pre", activation="gelu"),
     dict(positional_encoding="rope", num_kv_heads=2, activation="swiglu", unrotated_layers=(0,)),
     dict(positional_encoding="rope", norm="pre", num_kv_heads=1, tie_embeddings=False,
-         rope_scaling="llama3", rope_scaling_factor=4.0, rope_original_max_len=8),
+         rope_scaling="llama3", rope_scaling_factor=4.0, rope_original_max_len=8, qkv_clip=0.5),
     dict(positional_encoding="sinusoidal", norm="pre", activation="swiglu", num_kv_heads=2,
          norm_type="rmsnorm", head_dim=12, qkv_bias=True, ffn_bias=False,
          scale_embeddings=False, sinusoid_layout="halves"),
