@@ -4,7 +4,8 @@ A reader takes the file through a `Reader`, which accounts for every key: what a
 transformers implementation reads becomes a field, a key holding another value than the one
 kvjax runs is refused by name. The families built on Llama's layer are read in
 `llama_like.py`, those of them that norm each sublayer's output in `output_norms.py`, those
-without a gate in their FFN in `plain_ffn.py`, Cohere's in `cohere.py`; here, GPT-2's
+without a gate in their FFN in `plain_ffn.py`, those whose norms hold no parameters in
+`weightless_norms.py`, Cohere's in `cohere.py`; here, GPT-2's
 descendants (OPT, and GPT-NeoX and Phi with their parallel layers) and Marian.
 """
 
@@ -22,6 +23,7 @@ from .phimoe import READERS as PHIMOE
 from .plain_ffn import READERS as PLAIN_FFN
 from .reader import Reader
 from .rope import partial_rope, rope_settings
+from .weightless_norms import READERS as WEIGHTLESS_NORMS
 
 
 def _gpt2(c: Reader) -> dict[str, Any]:
@@ -145,5 +147,5 @@ def _marian(c: Reader) -> dict[str, Any]:
 
 
 READERS = {"gpt2": _gpt2, "opt": _opt, "gpt_neox": _gpt_neox, "phi": _phi, **LLAMA_LIKE,
-           **OUTPUT_NORMS, **PLAIN_FFN, **COHERE, **MINISTRAL3, **HUNYUAN, **PHIMOE,
-           "marian": _marian}
+           **OUTPUT_NORMS, **PLAIN_FFN, **WEIGHTLESS_NORMS, **COHERE, **MINISTRAL3, **HUNYUAN,
+           **PHIMOE, "marian": _marian}

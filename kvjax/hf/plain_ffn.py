@@ -1,6 +1,5 @@
 """The `config.json` readers of the families of Llama's attention whose FFN has no gate,
-W2 act(W1 x): StarCoder2 (tanh GELU), Nemotron, Arcee and nanochat (squared ReLU), Apertus
-(xIELU).
+W2 act(W1 x): StarCoder2 (tanh GELU), Nemotron and Arcee (squared ReLU), Apertus (xIELU).
 `READERS` maps each model type to its reader."""
 
 from __future__ import annotations
@@ -60,21 +59,5 @@ def _apertus(c: Reader) -> dict[str, Any]:
             "qk_norm": True}
 
 
-def _nanochat(c: Reader) -> dict[str, Any]:
-    """nanochat (Karpathy's d20 and d32, as transformers converts them): Llama's attention
-    (biases where `attention_bias`) with RoPE turning each pair the other way, which kvjax
-    turns as its own with each head's halves swapped as they load
-    (`weights.swapped_halves_order`), then RMSNorm over each head's query and key; an FFN of
-    squared ReLU without a gate (`fc1`, `fc2`); every norm without a learned scale, one over
-    the embeddings before the first layer too; the output logits soft-capped by
-    `final_logit_softcapping` (15 where absent, as transformers fills it in)."""
-    bias = bool(c.get("attention_bias", False))
-    return {**llama_like_fields(c, qkv_bias=bias, out_bias=bias, ffn_bias=False, gated=False,
-                                activation=c.activation("hidden_act", "relu2")),
-            "qk_norm": True, "qk_norm_after_rope": True, "norm_params": False,
-            "embedding_norm": True,
-            "logits_softcap": c.given("final_logit_softcapping", 15.0)}
-
-
 READERS = {"starcoder2": _starcoder2, "nemotron": _nemotron, "arcee": _arcee,
-           "apertus": _apertus, "nanochat": _nanochat}
+           "apertus": _apertus}

@@ -50,7 +50,7 @@ LAYOUTS = {"gpt2": "gpt2", "phi3": "fused", "marian": "marian", "gpt_neox": "gpt
            **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite",
                             "gemma2", "gemma3_text", "olmo2", "olmo3", "stablelm", "gemma",
                             "qwen3_moe", "olmoe", "qwen2_moe", "seed_oss", "ministral",
-                            "ministral3", "exaone4"), "llama"),
+                            "ministral3", "exaone4", "olmo"), "llama"),
            "hunyuan_v1_dense": "hunyuan", "phimoe": "mixtral"}
 
 

@@ -29,7 +29,7 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "granitemoe", "qwen2_moe", "gpt_oss", "gpt_oss_mxfp4", "glm", "glm4", "helium",
          "ernie4_5", "seed_oss", "ministral", "exaone4", "cohere", "cohere2", "nemotron",
          "arcee", "ministral3", "mistral3", "gemma3", "apertus", "hunyuan_v1_dense", "opt_350m",
-         "phimoe", "nanochat")
+         "phimoe", "nanochat", "olmo")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -41,7 +41,7 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                **{name: name for name in ("helium", "ernie4_5", "seed_oss", "ministral",
                                           "exaone4", "cohere", "cohere2", "nemotron", "arcee",
                                           "ministral3", "apertus", "hunyuan_v1_dense",
-                                          "nanochat")},
+                                          "nanochat", "olmo")},
                # The language models of vision-language directories (`text_of_multimodal.py`).
                "mistral3": "ministral3", "gemma3": "gemma3_text", "opt_350m": "opt",
                "phimoe": "phimoe"}
@@ -130,16 +130,18 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     assert config.tie_embeddings == (name in ("gpt2", "llama_mqa", "marian", "qwen3", "gemma2",
                                               "smollm3", "opt", "gemma", "starcoder2",
                                               "granitemoe", "ernie4_5", "exaone4", "cohere",
-                                              "cohere2", "gemma3"))
+                                              "cohere2", "gemma3", "olmo"))
     assert config.qk_norm == (name in ("qwen3", "gemma3_text", "olmo2", "olmo3", "qwen3_moe",
                                        "olmoe", "exaone4", "gemma3", "apertus",
                                        "hunyuan_v1_dense", "nanochat"))
     assert config.qk_norm_after_rope == (name in ("hunyuan_v1_dense", "nanochat"))
-    # nanochat: no norm holds a learned parameter, and one normalises the embeddings.
-    assert (config.norm_params, config.embedding_norm) == (
-        (False, True) if name == "nanochat" else (True, False))
+    # nanochat and OLMo (1): no norm holds a learned parameter; nanochat's normalise the
+    # embeddings too.
+    assert (config.norm_params, config.embedding_norm) == {
+        "nanochat": (False, True), "olmo": (False, False)}.get(name, (True, False))
+    assert config.qkv_clip == (0.5 if name == "olmo" else None)
     assert config.logits_softcap == {"gemma2": 8.0, "nanochat": 2.0}.get(name)
-    assert config.qk_norm_across_heads == name.startswith("olmo")
+    assert config.qk_norm_across_heads == (name in ("olmo2", "olmo3", "olmoe"))
     assert (config.norm == "output") == (name in ("olmo2", "olmo3", "exaone4"))
     assert (config.num_experts, config.experts_per_token, config.normalize_expert_weights) == {
         "mixtral": (4, 2, True), "qwen3_moe": (8, 2, True), "olmoe": (8, 3, False),
@@ -185,7 +187,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     assert (config.norm_type == "layernorm") == (name in ("gpt2", "marian", "gpt_neox", "phi",
                                                           "stablelm", "opt", "starcoder2",
                                                           "cohere", "cohere2", "nemotron",
-                                                          "opt_350m", "phimoe"))
+                                                          "opt_350m", "phimoe", "olmo"))
     # OPT-350m: post-LN layers and a table narrower than the layers, projected in and out.
     assert (config.norm == "post", config.embedding_dim) == (
         (True, 16) if name == "opt_350m" else (name == "marian", None))
