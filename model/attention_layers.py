@@ -49,11 +49,11 @@ class SelfAttention(nn.Module):
         # three smaller ones would each pay a kernel launch (a decode step is many of them).
         qkv = projection(config, config.num_heads + 2 * config.kv_heads, "qkv")(x_BTD)
         qkv = lora_rows.add_qkv_updates(self, config, x_BTD, qkv)
-        if config.qkv_clip is not None:
-            qkv = jnp.clip(qkv, -config.qkv_clip, config.qkv_clip)
         q, k, v = jnp.split(qkv, [config.num_heads, config.num_heads + config.kv_heads], axis=2)
         if config.qk_norm and not config.qk_norm_after_rope:
             q, k = _qk_norm(config, q, "q_norm"), _qk_norm(config, k, "k_norm")
+        if config.qkv_clip is not None:
+            q, k, v = (jnp.clip(x, -config.qkv_clip, config.qkv_clip) for x in (q, k, v))
         if config.positional_encoding == "rope" and turned is not False:
             inv_freq, attention_factor = layer_rope(config, local)
             q_turned = apply_rope(q, positions_BT, inv_freq, attention_factor)

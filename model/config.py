@@ -145,7 +145,8 @@ class TransformerConfig:
     attention_softcap: float | None = None
     logits_softcap: float | None = None
     # Self-attention's queries, keys and values clipped to [-qkv_clip, qkv_clip] as they leave
-    # their projections (OLMo 1.7's). None: not clipped.
+    # their projections, after the norms of `qk_norm` where those come before RoPE (OLMo 1.7's,
+    # OLMoE's). None: not clipped.
     qkv_clip: float | None = None
     # Granite's multipliers: on the token embeddings (after any √D), on each sublayer's
     # output before the residual sum, and the output logits divided by `logits_scaling`.

@@ -161,6 +161,9 @@ def _layer_kind_problems(config: Config) -> list[str]:
         problems.append("qk_norm_across_heads needs qk_norm")
     if config.qk_norm_after_rope and not config.qk_norm:
         problems.append("qk_norm_after_rope needs qk_norm")
+    if config.qkv_clip is not None and config.qk_norm_after_rope:
+        problems.append("qkv_clip clips queries and keys before RoPE, which qk_norm_after_rope "
+                        "normalises after it: set one of them")
     return problems
 
 

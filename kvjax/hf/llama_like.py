@@ -406,12 +406,12 @@ def _gemma3(c: Reader) -> dict[str, Any]:
 
 def _olmoe(c: Reader) -> dict[str, Any]:
     """OLMoE (1B-7B): Llama's pre-norm layers with one RMSNorm over all heads' queries (and
-    one over the keys) before RoPE, and a mixture of experts in every layer, whose weights
-    are divided by their sum only where `norm_topk_prob`."""
-    c.expect("clip_qkv", None, None, "queries, keys and values clipped")
+    one over the keys) before RoPE, the queries, keys and values then clipped to
+    ±`clip_qkv` where it is set, and a mixture of experts in every layer, whose weights are
+    divided by their sum only where `norm_topk_prob`."""
     bias = bool(c.get("attention_bias", False))
     return {**llama_like_fields(c, qkv_bias=bias, out_bias=bias, ffn_bias=False),
-            "qk_norm": True, "qk_norm_across_heads": True,
+            "qk_norm": True, "qk_norm_across_heads": True, "qkv_clip": c.get("clip_qkv"),
             "layer_norm_eps": c.get("rms_norm_eps", 1e-5),
             **experts_fields(c, bool(c.get("norm_topk_prob", False)))}
 

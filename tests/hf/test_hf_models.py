@@ -139,7 +139,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     # embeddings too.
     assert (config.norm_params, config.embedding_norm) == {
         "nanochat": (False, True), "olmo": (False, False)}.get(name, (True, False))
-    assert config.qkv_clip == (0.5 if name == "olmo" else None)
+    assert config.qkv_clip == {"olmo": 0.5, "olmoe": 1.0}.get(name)
     assert config.logits_softcap == {"gemma2": 8.0, "nanochat": 2.0}.get(name)
     assert config.qk_norm_across_heads == (name in ("olmo2", "olmo3", "olmoe"))
     assert (config.norm == "output") == (name in ("olmo2", "olmo3", "exaone4"))

@@ -18,6 +18,8 @@ from kvjax import model as M
     (dict(qk_norm_across_heads=True), "qk_norm_across_heads needs qk_norm"),
     (dict(parallel_residual=True), "parallel_residual needs norm='pre'"),
     (dict(shared_norm=True), "shared_norm needs parallel_residual"),
+    (dict(qkv_clip=1.0, qk_norm=True, qk_norm_after_rope=True),
+     "qkv_clip clips queries and keys before RoPE, which qk_norm_after_rope normalises after"),
     (dict(parallel_residual=True, norm="pre", num_encoder_layers=2),
      "parallel_residual needs norm='pre', no sandwich_norms and a decoder-only model"),
     (dict(activation="tanh"), "activation='tanh'"),
