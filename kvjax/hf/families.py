@@ -27,6 +27,8 @@ from .weightless_norms import READERS as WEIGHTLESS_NORMS
 
 
 def _gpt2(c: Reader) -> dict[str, Any]:
+    """GPT-2: LayerNorm before each sublayer, learned positions, biases on every projection;
+    attention scaled by 1/√head_dim unless `scale_attn_weights` is false (unscaled)."""
     width = c.require("n_embd")
     c.expect("scale_attn_by_inverse_layer_idx", False, False, "attention scaled by layer")
     c.expect("reorder_and_upcast_attn", False, False, "kvjax computes softmax in float32")
@@ -39,7 +41,28 @@ def _gpt2(c: Reader) -> dict[str, Any]:
         max_len=positions, positional_encoding="learned", norm="pre",
         activation=c.activation("activation_function", "gelu_new"),
         layer_norm_eps=c.get("layer_norm_epsilon", 1e-5), qkv_bias=True, out_bias=True,
-        scale_embeddings=False)
+        scale_embeddings=False,
+        attention_scale=None if c.get("scale_attn_weights", True) else 1.0)
+
+
+def _gpt_bigcode(c: Reader) -> dict[str, Any]:
+    """GPTBigCode (StarCoder and StarCoderBase, SantaCoder, Granite Code 20B and 34B): GPT-2's
+    layer as torch Linears, with one key and value head for all query heads where
+    `multi_query` (on unless false; else one per query head). Its softmax settings
+    (`attention_softmax_in_fp32`, `scale_attention_softmax_in_fp32`) are precisions, which
+    kvjax's float32 softmax meets."""
+    c.get("attention_softmax_in_fp32")
+    c.get("scale_attention_softmax_in_fp32")
+    heads = c.require("n_head")
+    multi_query = c.get("multi_query", True)
+    if not isinstance(multi_query, bool):
+        raise UnsupportedModelError(f"{c.source}: multi_query={multi_query!r} must be true or "
+                                    "false")
+    kv_heads = 1 if multi_query else heads
+    c.expect("num_key_value_heads", kv_heads, kv_heads, "transformers repeats what multi_query "
+             "says")
+    return {**_gpt2(c), "activation": c.activation("activation_function", "gelu_pytorch_tanh"),
+            "num_kv_heads": kv_heads}
 
 
 def _opt(c: Reader) -> dict[str, Any]:
@@ -146,6 +169,6 @@ def _marian(c: Reader) -> dict[str, Any]:
 
 
 
-READERS = {"gpt2": _gpt2, "opt": _opt, "gpt_neox": _gpt_neox, "phi": _phi, **LLAMA_LIKE,
-           **OUTPUT_NORMS, **PLAIN_FFN, **WEIGHTLESS_NORMS, **COHERE, **MINISTRAL3, **HUNYUAN,
-           **PHIMOE, "marian": _marian}
+READERS = {"gpt2": _gpt2, "gpt_bigcode": _gpt_bigcode, "opt": _opt, "gpt_neox": _gpt_neox,
+           "phi": _phi, **LLAMA_LIKE, **OUTPUT_NORMS, **PLAIN_FFN, **WEIGHTLESS_NORMS,
+           **COHERE, **MINISTRAL3, **HUNYUAN, **PHIMOE, "marian": _marian}

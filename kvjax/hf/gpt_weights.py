@@ -1,5 +1,5 @@
-"""The weights of GPT-2 and its descendants (OPT; GPT-NeoX and Phi with their parallel layers)
-and of Marian, read into kvjax params (`weights.load_params` chooses the reader).
+"""The weights of GPT-2 and its descendants (GPTBigCode, OPT; GPT-NeoX and Phi with their
+parallel layers) and of Marian, read into kvjax params (`weights.load_params` chooses the reader).
 
 Shape letters as in `model/`; O and X of `heads_apart` are a tensor's output rows and inputs.
 """
@@ -49,6 +49,31 @@ def _gpt2(c: M.TransformerConfig, p: Params):
     tensors.unembed(c, p, "lm_head.weight")
     # Older GPT-2 files keep the causal mask as buffers; they hold no weights.
     return lambda name: name.endswith((".attn.bias", ".attn.masked_bias"))
+
+
+def _gpt_bigcode(c: M.TransformerConfig, p: Params):
+    d, n, k, h, f = c.d_model, c.num_heads, c.kv_heads, c.head_dim, c.d_ff
+    p.set("embedder/embedding/embedding", p.read("transformer.wte.weight", (c.vocab_size, d)))
+    p.set("embedder/position_embedding", p.read("transformer.wpe.weight", (c.max_len, d)))
+    rows = (n + 2 * k) * h
+    for i in range(c.num_decoder_layers):
+        src, dst = f"transformer.h.{i}.", f"layers/{i}/"
+        tensors.layer_norm(p, src + "ln_1", dst + "attention_block/norm", d)
+        tensors.layer_norm(p, src + "ln_2", dst + "ffn_block/norm", d)
+        # A torch Linear: with one kv head its rows are every query head, the key, the
+        # value; with a kv head per query head, each head's q, k and v in turn.
+        qkv, bias = (p.read(src + "attn.c_attn.weight", (rows, d)),
+                     p.read(src + "attn.c_attn.bias", (rows,)))
+        if k == n:
+            qkv, bias = heads_apart(qkv, n, h), heads_apart(bias, n, h)
+        p.set(dst + "self_attention/qkv/kernel", qkv.T.reshape(d, n + 2 * k, h))
+        p.set(dst + "self_attention/qkv/bias", bias.reshape(n + 2 * k, h))
+        tensors.output(p, src + "attn.c_proj", dst + "self_attention/out", c)
+        tensors.dense(p, src + "mlp.c_fc", dst + "ffn/wi", (f, d), True)
+        tensors.dense(p, src + "mlp.c_proj", dst + "ffn/wo", (d, f), True)
+    tensors.layer_norm(p, "transformer.ln_f", "final_norm", d)
+    tensors.unembed(c, p, "lm_head.weight")
+    return lambda name: False
 
 
 def _gpt_neox(c: M.TransformerConfig, p: Params):
@@ -171,4 +196,5 @@ def _check_sinusoids(p: Params, name: str, c: M.TransformerConfig) -> None:
     p.used.add(name)
 
 
-READERS = {"gpt2": _gpt2, "gpt_neox": _gpt_neox, "phi": _phi, "opt": _opt, "marian": _marian}
+READERS = {"gpt2": _gpt2, "gpt_bigcode": _gpt_bigcode, "gpt_neox": _gpt_neox, "phi": _phi,
+           "opt": _opt, "marian": _marian}

@@ -36,7 +36,7 @@ INFERENCE_NEUTRAL = frozenset({
     "encoder_layerdrop", "decoder_layerdrop", "layerdrop", "residual_dropout",
     "embedding_dropout", "pretraining_tp", "num_hidden_layers",
     "max_window_layers",  # read only where use_sliding_window is on
-    "gradient_checkpointing", "scale_attn_weights", "_num_labels", "output_past",
+    "gradient_checkpointing", "_num_labels", "output_past",
     "_attn_implementation", "_attn_implementation_autoset",
     "cache_implementation",  # Gemma's "hybrid" cache: how transformers holds it
     # Classes of the model's own code (Phi-3's first releases), which transformers passes
