@@ -11,6 +11,7 @@ descendants (OPT, and GPT-NeoX and Phi with their parallel layers) and Marian.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from .cohere import READERS as COHERE
@@ -63,6 +64,40 @@ def _gpt_bigcode(c: Reader) -> dict[str, Any]:
              "says")
     return {**_gpt2(c), "activation": c.activation("activation_function", "gelu_pytorch_tanh"),
             "num_kv_heads": kv_heads}
+
+
+def _gpt_neo(c: Reader) -> dict[str, Any]:
+    """GPT-Neo (125M, 1.3B, 2.7B, and TinyStories' small models): GPT-2's layer with q, k
+    and v projections of their own without biases, attention unscaled, and the layers
+    `attention_types` calls local attending over the last `window_size` positions."""
+    layers = c.require("num_layers")
+    kinds = _attention_kinds(c.require("attention_types"), layers, c.source)
+    c.expect("attention_layers", kinds, kinds, "transformers expands attention_types into it")
+    width = c.require("hidden_size")
+    full = tuple(i for i, kind in enumerate(kinds) if kind == "global")
+    window = None if len(full) == layers else c.get("window_size", 256)
+    return dict(
+        vocab_size=c.require("vocab_size"), d_model=width, num_heads=c.require("num_heads"),
+        d_ff=c.get("intermediate_size") or 4 * width, num_decoder_layers=layers,
+        max_len=c.require("max_position_embeddings"), positional_encoding="learned",
+        norm="pre", activation=c.activation("activation_function", "gelu_new"),
+        layer_norm_eps=c.get("layer_norm_epsilon", 1e-5), qkv_bias=False, out_bias=True,
+        scale_embeddings=False, attention_scale=1.0, sliding_window=window,
+        full_attention_layers=full if window is not None else ())
+
+
+def _attention_kinds(types, layers: int, source: str) -> list[str]:
+    """GPT-Neo's `attention_types`, [[kinds, repeats], ...], as one kind per layer."""
+    kinds: list[str] = []
+    try:
+        for pattern, repeats in types:
+            kinds += list(pattern) * repeats
+    except (TypeError, ValueError):
+        kinds = []
+    if len(kinds) != layers or not set(kinds) <= {"global", "local"}:
+        raise UnsupportedModelError(f"{source}: attention_types={json.dumps(types)} must name "
+                                    f"'global' or 'local' for each of the {layers} layers")
+    return kinds
 
 
 def _opt(c: Reader) -> dict[str, Any]:
@@ -169,6 +204,6 @@ def _marian(c: Reader) -> dict[str, Any]:
 
 
 
-READERS = {"gpt2": _gpt2, "gpt_bigcode": _gpt_bigcode, "opt": _opt, "gpt_neox": _gpt_neox,
-           "phi": _phi, **LLAMA_LIKE, **OUTPUT_NORMS, **PLAIN_FFN, **WEIGHTLESS_NORMS,
-           **COHERE, **MINISTRAL3, **HUNYUAN, **PHIMOE, "marian": _marian}
+READERS = {"gpt2": _gpt2, "gpt_bigcode": _gpt_bigcode, "gpt_neo": _gpt_neo, "opt": _opt,
+           "gpt_neox": _gpt_neox, "phi": _phi, **LLAMA_LIKE, **OUTPUT_NORMS, **PLAIN_FFN,
+           **WEIGHTLESS_NORMS, **COHERE, **MINISTRAL3, **HUNYUAN, **PHIMOE, "marian": _marian}

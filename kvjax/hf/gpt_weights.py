@@ -1,5 +1,6 @@
-"""The weights of GPT-2 and its descendants (GPTBigCode, OPT; GPT-NeoX and Phi with their
-parallel layers) and of Marian, read into kvjax params (`weights.load_params` chooses the reader).
+"""The weights of GPT-2 and its descendants (GPTBigCode, GPT-Neo, OPT; GPT-NeoX and Phi with
+their parallel layers) and of Marian, read into kvjax params (`weights.load_params` chooses
+the reader).
 
 Shape letters as in `model/`; O and X of `heads_apart` are a tensor's output rows and inputs.
 """
@@ -74,6 +75,26 @@ def _gpt_bigcode(c: M.TransformerConfig, p: Params):
     tensors.layer_norm(p, "transformer.ln_f", "final_norm", d)
     tensors.unembed(c, p, "lm_head.weight")
     return lambda name: False
+
+
+def _gpt_neo(c: M.TransformerConfig, p: Params):
+    d, n, h, f = c.d_model, c.num_heads, c.head_dim, c.d_ff
+    p.set("embedder/embedding/embedding", p.read("transformer.wte.weight", (c.vocab_size, d)))
+    p.set("embedder/position_embedding", p.read("transformer.wpe.weight", (c.max_len, d)))
+    for i in range(c.num_decoder_layers):
+        src, dst = f"transformer.h.{i}.", f"layers/{i}/"
+        tensors.layer_norm(p, src + "ln_1", dst + "attention_block/norm", d)
+        tensors.layer_norm(p, src + "ln_2", dst + "ffn_block/norm", d)
+        tensors.fused(p, dst + "self_attention/qkv", [
+            tensors.linear(p, f"{src}attn.attention.{name}_proj", n, h, d, False)
+            for name in ("q", "k", "v")])
+        tensors.output(p, src + "attn.attention.out_proj", dst + "self_attention/out", c)
+        tensors.dense(p, src + "mlp.c_fc", dst + "ffn/wi", (f, d), True)
+        tensors.dense(p, src + "mlp.c_proj", dst + "ffn/wo", (d, f), True)
+    tensors.layer_norm(p, "transformer.ln_f", "final_norm", d)
+    tensors.unembed(c, p, "lm_head.weight")
+    # Older files keep each layer's causal (or local) mask as buffers.
+    return lambda name: name.endswith((".attn.attention.bias", ".attn.attention.masked_bias"))
 
 
 def _gpt_neox(c: M.TransformerConfig, p: Params):
@@ -196,5 +217,6 @@ def _check_sinusoids(p: Params, name: str, c: M.TransformerConfig) -> None:
     p.used.add(name)
 
 
-READERS = {"gpt2": _gpt2, "gpt_bigcode": _gpt_bigcode, "gpt_neox": _gpt_neox, "phi": _phi,
+READERS = {"gpt2": _gpt2, "gpt_bigcode": _gpt_bigcode, "gpt_neo": _gpt_neo, "gpt_neox": _gpt_neox,
+           "phi": _phi,
            "opt": _opt, "marian": _marian}

@@ -27,7 +27,8 @@ from .tensors import Params, WeightFiles
 # (Phi-3: qkv_proj and gate_up_proj), "glm" (Llama's attention, its RoPE turning pairs of
 # dimensions, and Phi-3's gate_up_proj; GLM-4-0414's norms on the sublayers' outputs),
 # "gpt2" (Conv1D's c_attn, c_proj, c_fc under transformer.h.i), "gpt_bigcode" (the same
-# names as torch Linears, one kv head in c_attn or each head's q, k, v in turn), "gpt_neox"
+# names as torch Linears, one kv head in c_attn or each head's q, k, v in turn), "gpt_neo"
+# (GPT-2's names with q_proj, k_proj, v_proj, out_proj under attn.attention), "gpt_neox"
 # (query_key_value, each head's q, k and v in turn, under gpt_neox.layers.i), "phi" (Phi-2:
 # q_proj, k_proj, v_proj, dense, fc1, fc2, one norm a layer), "opt" (q_proj, k_proj, v_proj,
 # out_proj, fc1, fc2 under model.decoder.layers.i), "plain_mlp" (Llama's attention, an FFN
@@ -42,8 +43,8 @@ from .tensors import Params, WeightFiles
 # turning the other way, an FFN of fc1 and fc2, no norm weights). Llama's layout holds
 # experts too: gate_proj, up_proj and down_proj under mlp (and a shared expert of the same
 # three beside them, with its gate: Qwen2-MoE).
-LAYOUTS = {"gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode", "phi3": "fused", "marian": "marian",
-           "gpt_neox": "gpt_neox",
+LAYOUTS = {"gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode", "gpt_neo": "gpt_neo", "phi3": "fused",
+           "marian": "marian", "gpt_neox": "gpt_neox",
            "phi": "phi", "opt": "opt", "starcoder2": "plain_mlp", "mixtral": "mixtral",
            "granitemoe": "granitemoe", "gpt_oss": "gpt_oss", "glm": "glm", "glm4": "glm",
            "helium": "llama_pairs", "ernie4_5": "llama_pairs", "cohere": "cohere",

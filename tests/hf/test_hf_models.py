@@ -29,7 +29,7 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "granitemoe", "qwen2_moe", "gpt_oss", "gpt_oss_mxfp4", "glm", "glm4", "helium",
          "ernie4_5", "seed_oss", "ministral", "exaone4", "cohere", "cohere2", "nemotron",
          "arcee", "ministral3", "mistral3", "gemma3", "apertus", "hunyuan_v1_dense", "opt_350m",
-         "phimoe", "nanochat", "olmo", "gpt_bigcode", "gpt_bigcode_mha")
+         "phimoe", "nanochat", "olmo", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neo")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -41,7 +41,7 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                **{name: name for name in ("helium", "ernie4_5", "seed_oss", "ministral",
                                           "exaone4", "cohere", "cohere2", "nemotron", "arcee",
                                           "ministral3", "apertus", "hunyuan_v1_dense",
-                                          "nanochat", "olmo", "gpt_bigcode")},
+                                          "nanochat", "olmo", "gpt_bigcode", "gpt_neo")},
                # The language models of vision-language directories (`text_of_multimodal.py`).
                "mistral3": "ministral3", "gemma3": "gemma3_text", "opt_350m": "opt",
                "phimoe": "phimoe", "gpt_bigcode_mha": "gpt_bigcode"}
@@ -130,7 +130,8 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     assert config.tie_embeddings == (name in ("gpt2", "llama_mqa", "marian", "qwen3", "gemma2",
                                               "smollm3", "opt", "gemma", "starcoder2",
                                               "granitemoe", "ernie4_5", "exaone4", "cohere",
-                                              "cohere2", "gemma3", "olmo", "gpt_bigcode_mha"))
+                                              "cohere2", "gemma3", "olmo", "gpt_bigcode_mha",
+                                              "gpt_neo"))
     assert config.qk_norm == (name in ("qwen3", "gemma3_text", "olmo2", "olmo3", "qwen3_moe",
                                        "olmoe", "exaone4", "gemma3", "apertus",
                                        "hunyuan_v1_dense", "nanochat"))
@@ -140,10 +141,12 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     assert (config.norm_params, config.embedding_norm) == {
         "nanochat": (False, True), "olmo": (False, False)}.get(name, (True, False))
     assert config.qkv_clip == {"olmo": 0.5, "olmoe": 1.0}.get(name)
-    # GPTBigCode: one kv head (multi_query), or one per query head with unscaled attention.
-    if name.startswith("gpt_bigcode"):
+    # GPTBigCode: one kv head (multi_query), or one per query head with unscaled attention;
+    # GPT-Neo's attention unscaled.
+    if name.startswith(("gpt_bigcode", "gpt_neo")):
         assert (config.kv_heads, config.attention_scale) == {
-            "gpt_bigcode": (1, None), "gpt_bigcode_mha": (4, 1.0)}[name]
+            "gpt_bigcode": (1, None), "gpt_bigcode_mha": (4, 1.0), "gpt_neo": (4, 1.0),
+            "gpt_neox": (4, None)}[name]
     assert config.logits_softcap == {"gemma2": 8.0, "nanochat": 2.0}.get(name)
     assert config.qk_norm_across_heads == (name in ("olmo2", "olmo3", "olmoe"))
     assert (config.norm == "output") == (name in ("olmo2", "olmo3", "exaone4"))
@@ -160,12 +163,12 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     assert config.sliding_window == {"mistral": 4, "phi3": 6, "gemma2": 4,
                                      "gemma3_text": 5, "olmo3": 4, "starcoder2": 4,
                                      "qwen2": 4, "ministral": 4, "exaone4": 4, "cohere2": 4,
-                                     "gemma3": 5}.get(
+                                     "gemma3": 5, "gpt_neo": 4}.get(
         name, 4 if gpt_oss else None)
     assert config.full_attention_layers == {"gemma2": (1,), "gemma3_text": (2,),
                                             "olmo3": (1,), "qwen2": (0,), "ministral": (1,),
                                             "exaone4": (2,), "cohere2": (2,),
-                                            "gemma3": (2,)}.get(
+                                            "gemma3": (2,), "gpt_neo": (0,)}.get(
         name, (1,) if gpt_oss else ())
     assert config.local_rope_base == {"gemma3_text": 10000.0, "olmo3": 50000.0,
                                       "gemma3": 10000.0}.get(name)
@@ -192,7 +195,8 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                                                           "stablelm", "opt", "starcoder2",
                                                           "cohere", "cohere2", "nemotron",
                                                           "opt_350m", "phimoe", "olmo",
-                                                          "gpt_bigcode", "gpt_bigcode_mha"))
+                                                          "gpt_bigcode", "gpt_bigcode_mha",
+                                                          "gpt_neo"))
     # OPT-350m: post-LN layers and a table narrower than the layers, projected in and out.
     assert (config.norm == "post", config.embedding_dim) == (
         (True, 16) if name == "opt_350m" else (name == "marian", None))
