@@ -86,6 +86,29 @@ def _gpt_neo(c: Reader) -> dict[str, Any]:
         full_attention_layers=full if window is not None else ())
 
 
+def _gptj(c: Reader) -> dict[str, Any]:
+    """GPT-J (6B) and its fine-tunes: GPT-2's sizes with the attention and the FFN side by
+    side on one LayerNorm of the layer's input, x + Attn(norm(x)) + FFN(norm(x)); RoPE over
+    the leading `rotary_dim` of each head turning pairs (x[2i], x[2i + 1]) (read as GLM's
+    are, `weights.rope_halves_order`); no biases in the attention, a bias on the output
+    layer."""
+    width, heads = c.require("n_embd"), c.require("n_head")
+    c.expect("is_encoder_decoder", False, False, "GPT-J is decoder-only")
+    rotary, head_dim = c.get("rotary_dim"), width // heads
+    if isinstance(rotary, bool) or not isinstance(rotary, int) or not (
+            0 < rotary <= head_dim and rotary % 2 == 0):
+        raise UnsupportedModelError(f"{c.source}: rotary_dim={rotary!r} must be an even number "
+                                    f"of dimensions from 2 to the head's {head_dim}")
+    return dict(
+        vocab_size=c.require("vocab_size"), d_model=width, num_heads=heads,
+        d_ff=c.get("n_inner") or 4 * width, num_decoder_layers=c.require("n_layer"),
+        max_len=c.require("n_positions"), positional_encoding="rope", norm="pre",
+        activation=c.activation("activation_function", "gelu_new"),
+        layer_norm_eps=c.get("layer_norm_epsilon", 1e-5), qkv_bias=False, out_bias=False,
+        scale_embeddings=False, parallel_residual=True, shared_norm=True, logits_bias=True,
+        rotary_dim=None if rotary == head_dim else rotary)
+
+
 def _attention_kinds(types, layers: int, source: str) -> list[str]:
     """GPT-Neo's `attention_types`, [[kinds, repeats], ...], as one kind per layer."""
     kinds: list[str] = []
@@ -204,6 +227,7 @@ def _marian(c: Reader) -> dict[str, Any]:
 
 
 
-READERS = {"gpt2": _gpt2, "gpt_bigcode": _gpt_bigcode, "gpt_neo": _gpt_neo, "opt": _opt,
+READERS = {"gpt2": _gpt2, "gpt_bigcode": _gpt_bigcode, "gpt_neo": _gpt_neo, "gptj": _gptj,
+           "opt": _opt,
            "gpt_neox": _gpt_neox, "phi": _phi, **LLAMA_LIKE, **OUTPUT_NORMS, **PLAIN_FFN,
            **WEIGHTLESS_NORMS, **COHERE, **MINISTRAL3, **HUNYUAN, **PHIMOE, "marian": _marian}

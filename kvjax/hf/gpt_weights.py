@@ -1,5 +1,5 @@
-"""The weights of GPT-2 and its descendants (GPTBigCode, GPT-Neo, OPT; GPT-NeoX and Phi with
-their parallel layers) and of Marian, read into kvjax params (`weights.load_params` chooses
+"""The weights of GPT-2 and its descendants (GPTBigCode, GPT-Neo, OPT; GPT-J, GPT-NeoX and Phi
+with their parallel layers) and of Marian, read into kvjax params (`weights.load_params` chooses
 the reader).
 
 Shape letters as in `model/`; O and X of `heads_apart` are a tensor's output rows and inputs.
@@ -95,6 +95,28 @@ def _gpt_neo(c: M.TransformerConfig, p: Params):
     tensors.unembed(c, p, "lm_head.weight")
     # Older files keep each layer's causal (or local) mask as buffers.
     return lambda name: name.endswith((".attn.attention.bias", ".attn.attention.masked_bias"))
+
+
+def _gptj(c: M.TransformerConfig, p: Params, rope_order):
+    d, n, h, f = c.d_model, c.num_heads, c.head_dim, c.d_ff
+    p.set("embedder/embedding/embedding", p.read("transformer.wte.weight", (c.vocab_size, d)))
+    order = rope_order(h, c.rotary_dims)
+    for i in range(c.num_decoder_layers):
+        src, dst = f"transformer.h.{i}.", f"layers/{i}/"
+        tensors.layer_norm(p, src + "ln_1", dst + "attention_block/norm", d)
+        q, k, v = (tensors.linear(p, f"{src}attn.{name}_proj", n, h, d, False)
+                   for name in ("q", "k", "v"))
+        # RoPE turns pairs of dimensions: each head's query and key columns in kvjax's order.
+        tensors.fused(p, dst + "self_attention/qkv",
+                      [(q[0][..., order], None), (k[0][..., order], None), v])
+        tensors.output(p, src + "attn.out_proj", dst + "self_attention/out", c)
+        tensors.dense(p, src + "mlp.fc_in", dst + "ffn/wi", (f, d), True)
+        tensors.dense(p, src + "mlp.fc_out", dst + "ffn/wo", (d, f), True)
+    tensors.layer_norm(p, "transformer.ln_f", "final_norm", d)
+    tensors.unembed(c, p, "lm_head.weight")
+    p.set("embedder/logits_bias", p.read("lm_head.bias", (c.vocab_size,)))
+    # Older files keep the causal mask as buffers.
+    return lambda name: name.endswith((".attn.bias", ".attn.masked_bias"))
 
 
 def _gpt_neox(c: M.TransformerConfig, p: Params):
@@ -217,6 +239,6 @@ def _check_sinusoids(p: Params, name: str, c: M.TransformerConfig) -> None:
     p.used.add(name)
 
 
-READERS = {"gpt2": _gpt2, "gpt_bigcode": _gpt_bigcode, "gpt_neo": _gpt_neo, "gpt_neox": _gpt_neox,
-           "phi": _phi,
+READERS = {"gpt2": _gpt2, "gpt_bigcode": _gpt_bigcode, "gpt_neo": _gpt_neo, "gptj": _gptj,
+           "gpt_neox": _gpt_neox, "phi": _phi,
            "opt": _opt, "marian": _marian}

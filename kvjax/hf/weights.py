@@ -28,7 +28,8 @@ from .tensors import Params, WeightFiles
 # dimensions, and Phi-3's gate_up_proj; GLM-4-0414's norms on the sublayers' outputs),
 # "gpt2" (Conv1D's c_attn, c_proj, c_fc under transformer.h.i), "gpt_bigcode" (the same
 # names as torch Linears, one kv head in c_attn or each head's q, k, v in turn), "gpt_neo"
-# (GPT-2's names with q_proj, k_proj, v_proj, out_proj under attn.attention), "gpt_neox"
+# (GPT-2's names with q_proj, k_proj, v_proj, out_proj under attn.attention), "gptj" (q_proj
+# to out_proj under attn, fc_in and fc_out, one LayerNorm a layer, RoPE over pairs), "gpt_neox"
 # (query_key_value, each head's q, k and v in turn, under gpt_neox.layers.i), "phi" (Phi-2:
 # q_proj, k_proj, v_proj, dense, fc1, fc2, one norm a layer), "opt" (q_proj, k_proj, v_proj,
 # out_proj, fc1, fc2 under model.decoder.layers.i), "plain_mlp" (Llama's attention, an FFN
@@ -43,8 +44,8 @@ from .tensors import Params, WeightFiles
 # turning the other way, an FFN of fc1 and fc2, no norm weights). Llama's layout holds
 # experts too: gate_proj, up_proj and down_proj under mlp (and a shared expert of the same
 # three beside them, with its gate: Qwen2-MoE).
-LAYOUTS = {"gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode", "gpt_neo": "gpt_neo", "phi3": "fused",
-           "marian": "marian", "gpt_neox": "gpt_neox",
+LAYOUTS = {"gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode", "gpt_neo": "gpt_neo", "gptj": "gptj",
+           "phi3": "fused", "marian": "marian", "gpt_neox": "gpt_neox",
            "phi": "phi", "opt": "opt", "starcoder2": "plain_mlp", "mixtral": "mixtral",
            "granitemoe": "granitemoe", "gpt_oss": "gpt_oss", "glm": "glm", "glm4": "glm",
            "helium": "llama_pairs", "ernie4_5": "llama_pairs", "cohere": "cohere",
@@ -145,11 +146,12 @@ def swapped_halves_order(head_dim: int, rotary_dim: int) -> np.ndarray:
 
 
 # Layouts whose query and key rows kvjax holds in another order of each head's dimensions,
-# where their RoPE turns pairs of them (GLM, Helium, ERNIE, Cohere) or turns the other way
+# where their RoPE turns pairs of them (GLM, Helium, ERNIE, Cohere, GPT-J) or turns the other way
 # (nanochat): their rows are reordered as they are read (`rope_rows_in_kvjax_order`), and so
 # are the rows of adapters of them (`peft.py`).
 ROPE_ORDERS = {"glm": rope_halves_order, "llama_pairs": rope_halves_order,
-               "cohere": rope_halves_order, "nanochat": swapped_halves_order}
+               "cohere": rope_halves_order, "gptj": rope_halves_order,
+               "nanochat": swapped_halves_order}
 
 
 def rope_rows_in_kvjax_order(rows_OX: np.ndarray, heads: int, head_dim: int, rotary_dim: int,

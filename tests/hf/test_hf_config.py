@@ -15,7 +15,7 @@ from kvjax import hf
     ("gpt2", dict(model_type="bert"),
      "model_type 'bert' is not supported; kvjax loads apertus, arcee, cohere, cohere2, ernie4_5, "
      "exaone4, gemma, gemma2, gemma3_text, glm, glm4, gpt2, gpt_bigcode, gpt_neo, gpt_neox, "
-     "gpt_oss, granite, granitemoe, helium, hunyuan_v1_dense, llama, marian, ministral, "
+     "gpt_oss, gptj, granite, granitemoe, helium, hunyuan_v1_dense, llama, marian, ministral, "
      "ministral3, mistral, mixtral, nanochat, nemotron, olmo, olmo2, olmo3, olmoe, opt, phi, "
      "phi3, phimoe, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, stablelm, starcoder2"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,

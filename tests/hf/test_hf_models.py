@@ -29,7 +29,7 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "granitemoe", "qwen2_moe", "gpt_oss", "gpt_oss_mxfp4", "glm", "glm4", "helium",
          "ernie4_5", "seed_oss", "ministral", "exaone4", "cohere", "cohere2", "nemotron",
          "arcee", "ministral3", "mistral3", "gemma3", "apertus", "hunyuan_v1_dense", "opt_350m",
-         "phimoe", "nanochat", "olmo", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neo")
+         "phimoe", "nanochat", "olmo", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neo", "gptj")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -41,7 +41,8 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                **{name: name for name in ("helium", "ernie4_5", "seed_oss", "ministral",
                                           "exaone4", "cohere", "cohere2", "nemotron", "arcee",
                                           "ministral3", "apertus", "hunyuan_v1_dense",
-                                          "nanochat", "olmo", "gpt_bigcode", "gpt_neo")},
+                                          "nanochat", "olmo", "gpt_bigcode", "gpt_neo",
+                                          "gptj")},
                # The language models of vision-language directories (`text_of_multimodal.py`).
                "mistral3": "ministral3", "gemma3": "gemma3_text", "opt_350m": "opt",
                "phimoe": "phimoe", "gpt_bigcode_mha": "gpt_bigcode"}
@@ -180,14 +181,16 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                       "cohere2": (False, False, False), "nemotron": (True, True, True),
                       "arcee": (False, False, False), "nanochat": (True, True, False)}.get(
         name, biases)
-    assert config.parallel_residual == (name in ("gpt_neox", "phi", "cohere", "cohere2"))
-    assert config.shared_norm == (name in ("phi", "cohere", "cohere2"))
-    assert config.logits_bias == (name in ("phi", "marian", "phimoe"))
+    assert config.parallel_residual == (name in ("gpt_neox", "phi", "cohere", "cohere2",
+                                                 "gptj"))
+    assert config.shared_norm == (name in ("phi", "cohere", "cohere2", "gptj"))
+    assert config.logits_bias == (name in ("phi", "marian", "phimoe", "gptj"))
     assert config.sparsemixer_eps == (0.2 if name == "phimoe" else None)
     assert (config.query_scale_beta, config.query_scale_length) == (
         (0.5, 4) if name in ("ministral3", "mistral3") else (0.0, 1))
     assert config.rotary_dim == {"gpt_neox": 4, "phi": 2, "stablelm": 4, "glm": 4,
-                                 "glm4": 4, "nemotron": 4}.get(name, config.rotary_dim)
+                                 "glm4": 4, "nemotron": 4, "gptj": 4}.get(name,
+                                                                          config.rotary_dim)
     assert (config.activation == "relu2") == (name in ("nemotron", "arcee", "nanochat"))
     assert (config.activation == "xielu") == (name == "apertus")
     assert config.sandwich_norms == (name in ("gemma2", "gemma3_text", "glm4", "gemma3"))
@@ -196,7 +199,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                                                           "cohere", "cohere2", "nemotron",
                                                           "opt_350m", "phimoe", "olmo",
                                                           "gpt_bigcode", "gpt_bigcode_mha",
-                                                          "gpt_neo"))
+                                                          "gpt_neo", "gptj"))
     # OPT-350m: post-LN layers and a table narrower than the layers, projected in and out.
     assert (config.norm == "post", config.embedding_dim) == (
         (True, 16) if name == "opt_350m" else (name == "marian", None))
