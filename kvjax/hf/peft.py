@@ -11,7 +11,8 @@ rounding. A module that kvjax fuses (q, k and v) takes its update into its heads
 module the file fuses (Phi-3's qkv_proj and gate_up_proj, GPT-2's c_attn) spreads its update
 over kvjax's targets. gpt-oss's experts, adapted through `target_parameters`, hold a pair
 per expert, read and written by `peft_experts.py`; Marian's encoder and decoder, by
-`peft_marian.py`.
+`peft_marian.py`. Which module of each layout holds which of kvjax's targets, and in which
+order its rows are, is `peft_modules.py`'s.
 
 As with config.json (`reader.py`), every key of adapter_config.json is read, known to change
 nothing once trained, or refused by name; every tensor must adapt a module of the model.
@@ -36,10 +37,16 @@ from kvjax.model import lora as L
 
 from . import peft_experts, peft_marian
 from .errors import UnsupportedModelError
-from .gpt_weights import heads_apart
+from .peft_modules import (
+    MODULES,
+    layer_prefixes,
+    reorders,
+    rows_in_file_order,
+    rows_in_kvjax_order,
+)
 from .reader import Reader, read_json_object
 from .tensors import WeightFiles
-from .weights import LAYOUTS, ROPE_ORDERS, rope_rows_in_kvjax_order, ties_embeddings
+from .weights import LAYOUTS, ties_embeddings
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -57,76 +64,24 @@ _TRAINED_NEUTRAL = frozenset({
 # one adds to those weights, not to the ones the model's directory holds.
 _BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 
-# Per layout of the weight files (`weights.LAYOUTS`): the file's module (after the layer's
-# prefix) -> the kvjax targets it covers, in the order its output rows hold them.
-_ATTENTION = {"self_attn.q_proj": ("q",), "self_attn.k_proj": ("k",),
-              "self_attn.v_proj": ("v",), "self_attn.o_proj": ("o",)}
-_GATED = {**_ATTENTION, "mlp.gate_proj": ("wi",), "mlp.up_proj": ("wi_gate",),
-          "mlp.down_proj": ("wo",)}
-_UNGATED = {**_ATTENTION, "mlp.up_proj": ("wi",), "mlp.down_proj": ("wo",)}
-_MODULES = {
-    "llama": _GATED, "hunyuan": _GATED, "cohere": _GATED,
-    # Arcee, Nemotron and Apertus: an FFN of up_proj and down_proj alone.
-    "up_down_mlp": _UNGATED, "nemotron": _UNGATED, "apertus": _UNGATED,
-    "fused": {"self_attn.qkv_proj": ("q", "k", "v"), "self_attn.o_proj": ("o",),
-              "mlp.gate_up_proj": ("wi", "wi_gate"), "mlp.down_proj": ("wo",)},
-    "gpt2": {"attn.c_attn": ("q", "k", "v"), "attn.c_proj": ("o",), "mlp.c_fc": ("wi",),
-             "mlp.c_proj": ("wo",)},
-    "phi": {"self_attn.q_proj": ("q",), "self_attn.k_proj": ("k",), "self_attn.v_proj": ("v",),
-            "self_attn.dense": ("o",), "mlp.fc1": ("wi",), "mlp.fc2": ("wo",)},
-    "opt": {"self_attn.q_proj": ("q",), "self_attn.k_proj": ("k",), "self_attn.v_proj": ("v",),
-            "self_attn.out_proj": ("o",), "fc1": ("wi",), "fc2": ("wo",)},
-    "glm": {**_ATTENTION, "mlp.gate_up_proj": ("wi", "wi_gate"), "mlp.down_proj": ("wo",)},
-    "llama_pairs": _GATED,
-    # Mixtral, GraniteMoE and gpt-oss: attention alone, their experts' projections being
-    # none of kvjax's targets.
-    "mixtral": _ATTENTION, "granitemoe": _ATTENTION, "gpt_oss": _ATTENTION,
-    "plain_mlp": {**_ATTENTION, "mlp.c_fc": ("wi",), "mlp.c_proj": ("wo",)},
-    "nanochat": {**_ATTENTION, "mlp.fc1": ("wi",), "mlp.fc2": ("wo",)},
-    "gpt_neox": {"attention.query_key_value": ("q", "k", "v"), "attention.dense": ("o",),
-                 "mlp.dense_h_to_4h": ("wi",), "mlp.dense_4h_to_h": ("wo",)},
-}
-# Where each layout's layers are in the names PEFT gives its tensors (written with the
-# first); "model.layers" where not listed.
-_LAYER_PREFIXES = {"gpt2": ("transformer.h", "h"), "opt": ("model.decoder.layers",),
-                   "gpt_neox": ("gpt_neox.layers",)}
-# Modules whose output rows kvjax holds in another order (`_rows_in_kvjax_order`): GPT-NeoX's
-# query_key_value, each head's q, k and v in turn, where kvjax's targets hold every q head,
-# then every k, then every v; the queries and keys of layouts whose RoPE turns pairs of a
-# head's dimensions, or turns the other way, where kvjax turns halves (`weights.ROPE_ORDERS`:
-# GLM, Helium, ERNIE, Cohere, nanochat).
-_REORDERED_ROWS = {("gpt_neox", "attention.query_key_value"),
-                   *((layout, module) for layout in ROPE_ORDERS
-                     for module in ("self_attn.q_proj", "self_attn.k_proj"))}
-
-
-# Where a vision-language model's language model keeps its layers (`text_of_multimodal.py`),
-# as transformers names them and as older versions did: an adapter trained on it adapts them.
-_LANGUAGE_MODEL_LAYERS = ("model.language_model.layers", "language_model.model.layers")
-# Its vision encoder's and projector's modules, which text never runs through: an adapter's
-# tensors of them are left unread, as the directory's own tensors of them are.
+# A vision-language model's vision encoder and projector, which text never runs through: an
+# adapter's tensors of them are left unread, as the directory's own tensors of them are.
 _VISION_MODULES = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?"
                              r"(?:vision_tower|multi_modal_projector)\.")
 
 
-def _layer_prefixes(model_type: str) -> tuple[str, ...]:
-    """Where the layers are in an adapter's tensor names, the first as kvjax writes them."""
-    prefixes = _LAYER_PREFIXES.get(LAYOUTS[model_type], ("model.layers",))
-    return prefixes + _LANGUAGE_MODEL_LAYERS if prefixes == ("model.layers",) else prefixes
-
-
 def _tensor_pattern(model_type: str) -> re.Pattern:
     """Matches a tensor name of an adapter of `model_type`: (layer, module, "A" or "B")."""
-    prefixes = "|".join(re.escape(prefix) for prefix in _layer_prefixes(model_type))
+    prefixes = "|".join(re.escape(prefix) for prefix in layer_prefixes(model_type))
     return re.compile(rf"^(?:base_model\.model\.)?(?:{prefixes})\.(\d+)\.(.+)\.lora_([AB])"
                       rf"\.weight$")
 
 
 def _modules(model_type: str, refusal: str) -> dict[str, tuple[str, ...]]:
     """The module table of `model_type`'s files, or `UnsupportedModelError(refusal...)`."""
-    modules = _MODULES.get(LAYOUTS.get(model_type))
+    modules = MODULES.get(LAYOUTS.get(model_type))
     if modules is None:
-        supported = sorted(t for t, layout in LAYOUTS.items() if layout in _MODULES)
+        supported = sorted(t for t, layout in LAYOUTS.items() if layout in MODULES)
         raise UnsupportedModelError(f"{refusal}; kvjax's LoRA adapters are those of "
                                     f"{', '.join(supported)}")
     return modules
@@ -152,8 +107,8 @@ def merge_peft_adapter(config: TransformerConfig, model_type: str, params: dict,
                                         name)
             continue
         update = scale_of(a.shape[0]) * (a.astype(np.float32).T @ b.astype(np.float32).T)
-        if (LAYOUTS[model_type], module) in _REORDERED_ROWS:
-            update = _rows_in_kvjax_order(config, model_type, module, update.T, name).T
+        if reorders(config, model_type, module):
+            update = rows_in_kvjax_order(config, model_type, module, update.T, name).T
         _add(config, merged["layers"][str(layer)], modules[module], update, name)
     return merged
 
@@ -178,8 +133,8 @@ def peft_adapters(config: TransformerConfig, model_type: str, directory: str | o
                                         f"({module}) are merged, not served beside others "
                                         "(--lora DIR merges one)")
         rows_OR = scale_of(a.shape[0]) * b.astype(np.float32)
-        if (LAYOUTS[model_type], module) in _REORDERED_ROWS:
-            rows_OR = _rows_in_kvjax_order(config, model_type, module, rows_OR, name)
+        if reorders(config, model_type, module):
+            rows_OR = rows_in_kvjax_order(config, model_type, module, rows_OR, name)
         targets = modules[module]
         widths = _output_widths(config, targets, (a.shape[1], rows_OR.shape[0]), name)
         pieces = np.split(rows_OR, np.cumsum(widths)[:-1], axis=0)
@@ -273,32 +228,6 @@ def _scaling(directory: Path):
     return lambda rank: alpha / (math.sqrt(rank) if rslora else rank), expert_params
 
 
-def _rows_in_kvjax_order(config: TransformerConfig, model_type: str, module: str,
-                         rows_OX: np.ndarray, name: str) -> np.ndarray:
-    """A module's output rows [O, X] of `_REORDERED_ROWS` in kvjax's order, the rows' count
-    checked first: GPT-NeoX's `weights.heads_apart`, GLM's `weights.rope_rows_in_kvjax_order`."""
-    n, h = config.num_heads, config.head_dim
-    heads = {"attention.query_key_value": 3 * n, "self_attn.q_proj": n,
-             "self_attn.k_proj": config.kv_heads}[module]
-    if rows_OX.shape[0] != heads * h:
-        raise ValueError(f"tensor {name} has {rows_OX.shape[0]} output rows; the model's "
-                         f"{module} has {heads * h}")
-    if module == "attention.query_key_value":
-        return heads_apart(rows_OX, n, h)
-    return rope_rows_in_kvjax_order(rows_OX, heads, h, config.rotary_dims, LAYOUTS[model_type])
-
-
-def _rows_in_file_order(config: TransformerConfig, model_type: str, module: str,
-                        rows_OX: np.ndarray) -> np.ndarray:
-    """The inverse of `_rows_in_kvjax_order`."""
-    n, h = config.num_heads, config.head_dim
-    if module == "attention.query_key_value":
-        return rows_OX.reshape(3, n, h, -1).transpose(1, 0, 2, 3).reshape(3 * n * h, -1)
-    heads = n if module == "self_attn.q_proj" else config.kv_heads
-    return rope_rows_in_kvjax_order(rows_OX, heads, h, config.rotary_dims, LAYOUTS[model_type],
-                                    inverse=True)
-
-
 def _output_widths(config: TransformerConfig, targets: tuple[str, ...], shape_IO: tuple,
                    name: str) -> list[int]:
     """Each target's output width, the update [I, O] of one module of the file checked to
@@ -388,7 +317,7 @@ def write_peft_adapter(config: TransformerConfig, model_type: str, adapters: dic
                          "merge-lora` writes the merged model")
     tensors, ranks = _peft_tensors(config, model_type, adapters["layers"], settings)
     expert_tensors, expert_params, expert_rank = peft_experts.peft_tensors(
-        config, adapters["layers"], settings, _layer_prefixes(model_type)[0]) \
+        config, adapters["layers"], settings, layer_prefixes(model_type)[0]) \
         if gpt_oss else ({}, [], 0)
     tensors.update(expert_tensors)
     # rank_pattern names modules, so the experts' parameters take the top rank.
@@ -413,10 +342,10 @@ def write_peft_adapter(config: TransformerConfig, model_type: str, adapters: dic
 
 def _peft_tensors(config: TransformerConfig, model_type: str, layers: dict, settings: L.LoRA):
     """(the file's tensors, the rank of each module path that has them)."""
-    prefix = _layer_prefixes(model_type)[0]
+    prefix = layer_prefixes(model_type)[0]
     tensors: dict[str, np.ndarray] = {}
     ranks: dict[str, int] = {}
-    for module, targets in _MODULES[LAYOUTS[model_type]].items():
+    for module, targets in MODULES[LAYOUTS[model_type]].items():
         trained = [t for t in targets if t in settings.targets]
         if not trained:
             continue
@@ -438,9 +367,8 @@ def _peft_tensors(config: TransformerConfig, model_type: str, layers: dict, sett
             # PEFT scales by lora_alpha / rank: the same alpha over a fused rank k times the
             # run's takes k times B to stay the run's update.
             b_OR *= rank / settings.rank
-            if (LAYOUTS[model_type], module) in _REORDERED_ROWS:
-                b_OR = np.ascontiguousarray(_rows_in_file_order(config, model_type, module,
-                                                                 b_OR))
+            if reorders(config, model_type, module):
+                b_OR = np.ascontiguousarray(rows_in_file_order(config, model_type, module, b_OR))
             name = f"base_model.model.{prefix}.{index}.{module}"
             tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"] = a_RI, b_OR
             ranks[module] = rank

@@ -35,7 +35,8 @@ from kvjax.model import lora_rows
 ADAPTERS = Path(__file__).parents[1] / "fixtures" / "hf_adapters"
 NAMES = ("llama_gqa", "phi3", "gpt2", "phi", "opt", "gpt_neox", "starcoder2", "mixtral",
          "glm4", "gpt_oss", "gemma3", "cohere", "cohere2", "arcee", "nemotron", "apertus",
-         "hunyuan_v1_dense", "marian", "phimoe", "nanochat")
+         "hunyuan_v1_dense", "marian", "phimoe", "nanochat", "gpt_bigcode", "gpt_bigcode_mha",
+         "gpt_neo", "gptj")
 
 
 def expected(name):
@@ -201,6 +202,10 @@ def test_fixtures_are_what_peft_computes(tmp_path):
     ("cohere", ("q", "k", "wi_gate")),  # RoPE over pairs too
     ("nemotron", ("k", "wi", "wo")),  # up_proj and down_proj alone
     ("nanochat", ("q", "k", "wi")),  # each head's halves swapped, fc1
+    ("gpt_bigcode", ("k", "v", "o")),  # c_attn's one kv head
+    ("gpt_bigcode_mha", ("q", "v", "wi")),  # c_attn's heads, each its q, k and v in turn
+    ("gpt_neo", ("q", "o", "wo")),
+    ("gptj", ("q", "k", "wo")),  # RoPE over pairs, fc_out
 ])
 def test_adapters_written_as_peft_merge_as_kvjax_merges_them(tmp_path, name, targets):
     from kvjax.hf.peft import write_peft_adapter

@@ -1,0 +1,110 @@
+"""Where PEFT's tensors of each layout's files sit, and the order of their rows: which
+module (after the layer's prefix) holds which of kvjax's LoRA targets (`MODULES`), where the
+layers are in the tensors' names (`layer_prefixes`), and the modules whose output rows kvjax
+holds in another order (`reorders`, `rows_in_kvjax_order`, `rows_in_file_order`).
+
+Shape letters: O a module's output rows, X what each row spans (its inputs, or the rank).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvjax.model import TransformerConfig
+
+from .gpt_weights import heads_apart
+from .weights import LAYOUTS, ROPE_ORDERS, rope_rows_in_kvjax_order
+
+# Per layout of the weight files (`weights.LAYOUTS`): the file's module -> the kvjax targets
+# it covers, in the order its output rows hold them.
+_ATTENTION = {"self_attn.q_proj": ("q",), "self_attn.k_proj": ("k",),
+              "self_attn.v_proj": ("v",), "self_attn.o_proj": ("o",)}
+_GATED = {**_ATTENTION, "mlp.gate_proj": ("wi",), "mlp.up_proj": ("wi_gate",),
+          "mlp.down_proj": ("wo",)}
+_UNGATED = {**_ATTENTION, "mlp.up_proj": ("wi",), "mlp.down_proj": ("wo",)}
+_C_ATTN = {"attn.c_attn": ("q", "k", "v"), "attn.c_proj": ("o",), "mlp.c_fc": ("wi",),
+           "mlp.c_proj": ("wo",)}
+MODULES = {
+    "llama": _GATED, "hunyuan": _GATED, "cohere": _GATED,
+    # Arcee, Nemotron and Apertus: an FFN of up_proj and down_proj alone.
+    "up_down_mlp": _UNGATED, "nemotron": _UNGATED, "apertus": _UNGATED,
+    "fused": {"self_attn.qkv_proj": ("q", "k", "v"), "self_attn.o_proj": ("o",),
+              "mlp.gate_up_proj": ("wi", "wi_gate"), "mlp.down_proj": ("wo",)},
+    # GPT-2's (Conv1D) and GPTBigCode's (Linear) c_attn: every q head, then the k and v heads;
+    # GPTBigCode's with a kv head per query head, each head's q, k and v in turn.
+    "gpt2": _C_ATTN, "gpt_bigcode": _C_ATTN,
+    "gpt_neo": {"attn.attention.q_proj": ("q",), "attn.attention.k_proj": ("k",),
+                "attn.attention.v_proj": ("v",), "attn.attention.out_proj": ("o",),
+                "mlp.c_fc": ("wi",), "mlp.c_proj": ("wo",)},
+    "gptj": {"attn.q_proj": ("q",), "attn.k_proj": ("k",), "attn.v_proj": ("v",),
+             "attn.out_proj": ("o",), "mlp.fc_in": ("wi",), "mlp.fc_out": ("wo",)},
+    "phi": {"self_attn.q_proj": ("q",), "self_attn.k_proj": ("k",), "self_attn.v_proj": ("v",),
+            "self_attn.dense": ("o",), "mlp.fc1": ("wi",), "mlp.fc2": ("wo",)},
+    "opt": {"self_attn.q_proj": ("q",), "self_attn.k_proj": ("k",), "self_attn.v_proj": ("v",),
+            "self_attn.out_proj": ("o",), "fc1": ("wi",), "fc2": ("wo",)},
+    "glm": {**_ATTENTION, "mlp.gate_up_proj": ("wi", "wi_gate"), "mlp.down_proj": ("wo",)},
+    "llama_pairs": _GATED,
+    # Mixtral, GraniteMoE and gpt-oss: attention alone, their experts' projections being
+    # none of kvjax's targets.
+    "mixtral": _ATTENTION, "granitemoe": _ATTENTION, "gpt_oss": _ATTENTION,
+    "plain_mlp": {**_ATTENTION, "mlp.c_fc": ("wi",), "mlp.c_proj": ("wo",)},
+    "nanochat": {**_ATTENTION, "mlp.fc1": ("wi",), "mlp.fc2": ("wo",)},
+    "gpt_neox": {"attention.query_key_value": ("q", "k", "v"), "attention.dense": ("o",),
+                 "mlp.dense_h_to_4h": ("wi",), "mlp.dense_4h_to_h": ("wo",)},
+}
+# Where each layout's layers are in the names PEFT gives its tensors (written with the
+# first); "model.layers" where not listed.
+_LAYER_PREFIXES = {"gpt2": ("transformer.h", "h"), "opt": ("model.decoder.layers",),
+                   "gpt_neox": ("gpt_neox.layers",),
+                   **dict.fromkeys(("gpt_bigcode", "gpt_neo", "gptj"), ("transformer.h",))}
+# Where a vision-language model's language model keeps its layers (`text_of_multimodal.py`),
+# as transformers names them and as older versions did: an adapter trained on it adapts them.
+_LANGUAGE_MODEL_LAYERS = ("model.language_model.layers", "language_model.model.layers")
+
+
+def layer_prefixes(model_type: str) -> tuple[str, ...]:
+    """Where the layers are in an adapter's tensor names, the first as kvjax writes them."""
+    prefixes = _LAYER_PREFIXES.get(LAYOUTS[model_type], ("model.layers",))
+    return prefixes + _LANGUAGE_MODEL_LAYERS if prefixes == ("model.layers",) else prefixes
+
+
+def reorders(config: TransformerConfig, model_type: str, module: str) -> bool:
+    """Whether kvjax holds `module`'s output rows in another order than the file: a fused q,
+    k and v whose heads each hold their q, k and v in turn (GPT-NeoX's query_key_value,
+    GPTBigCode's c_attn with a kv head per query head), where kvjax's targets hold every q
+    head, then every k, then every v; the queries and keys of layouts whose RoPE turns pairs
+    of a head's dimensions, or turns the other way, where kvjax turns halves
+    (`weights.ROPE_ORDERS`)."""
+    layout = LAYOUTS[model_type]
+    targets = MODULES[layout].get(module)
+    if targets == ("q", "k", "v"):
+        return layout == "gpt_neox" or (layout == "gpt_bigcode"
+                                        and config.kv_heads == config.num_heads)
+    return layout in ROPE_ORDERS and targets in (("q",), ("k",))
+
+
+def rows_in_kvjax_order(config: TransformerConfig, model_type: str, module: str,
+                        rows_OX: np.ndarray, name: str) -> np.ndarray:
+    """A module's output rows [O, X] that `reorders` in kvjax's order, the rows' count
+    checked first: `weights.heads_apart`, or `weights.rope_rows_in_kvjax_order`."""
+    n, h = config.num_heads, config.head_dim
+    targets = MODULES[LAYOUTS[model_type]][module]
+    heads = sum(n if target == "q" else config.kv_heads for target in targets)
+    if rows_OX.shape[0] != heads * h:
+        raise ValueError(f"tensor {name} has {rows_OX.shape[0]} output rows; the model's "
+                         f"{module} has {heads * h}")
+    if len(targets) == 3:
+        return heads_apart(rows_OX, n, h)
+    return rope_rows_in_kvjax_order(rows_OX, heads, h, config.rotary_dims, LAYOUTS[model_type])
+
+
+def rows_in_file_order(config: TransformerConfig, model_type: str, module: str,
+                       rows_OX: np.ndarray) -> np.ndarray:
+    """The inverse of `rows_in_kvjax_order`."""
+    n, h = config.num_heads, config.head_dim
+    targets = MODULES[LAYOUTS[model_type]][module]
+    if len(targets) == 3:
+        return rows_OX.reshape(3, n, h, -1).transpose(1, 0, 2, 3).reshape(3 * n * h, -1)
+    heads = n if targets == ("q",) else config.kv_heads
+    return rope_rows_in_kvjax_order(rows_OX, heads, h, config.rotary_dims, LAYOUTS[model_type],
+                                    inverse=True)
