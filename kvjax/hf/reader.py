@@ -30,7 +30,8 @@ INFERENCE_NEUTRAL = frozenset({
     "no_repeat_ngram_size", "num_return_sequences", "temperature", "top_k", "top_p",
     "repetition_penalty", "transformers.js_config", "is_llama_config", "model_type",
     "tie_word_embeddings",  # tied or not follows the weight files (lm_head present or not)
-    "attn_pdrop", "embd_pdrop", "resid_pdrop", "attention_dropout", "dropout", "hidden_dropout",
+    "attn_pdrop", "embd_pdrop", "embed_dropout", "resid_pdrop", "attention_dropout", "dropout",
+    "hidden_dropout",
     "activation_dropout", "classifier_dropout", "classif_dropout", "summary_activation",
     "summary_first_dropout", "summary_proj_to_labels", "summary_type", "summary_use_proj",
     "encoder_layerdrop", "decoder_layerdrop", "layerdrop", "residual_dropout",
@@ -58,7 +59,7 @@ class Reader:
 
     def __init__(self, values: dict[str, Any], source: str,
                  neutral: frozenset[str] = INFERENCE_NEUTRAL):
-        self.values, self.source, self.read, self.neutral = values, source, set(), neutral
+        self.values, self.source, self.read, self.neutral = dict(values), source, set(), neutral
 
     def get(self, key: str, default: Any = None) -> Any:
         self.read.add(key)
@@ -84,6 +85,17 @@ class Reader:
         if value != wanted:
             raise UnsupportedModelError(f"{self.source}: {key}={json.dumps(value)} is not "
                                         f"supported ({why})")
+
+    def rename(self, old: str, new: str) -> None:
+        """Reads the key a family's older files name `old` as `new`, as transformers' config
+        class maps it; a file holding both, with different values, is refused."""
+        if old not in self.values:
+            return
+        self.read.add(old)
+        if new in self.values and self.values[new] != self.values[old]:
+            raise UnsupportedModelError(f"{self.source}: {old}={json.dumps(self.values[old])} "
+                                        f"and {new}={json.dumps(self.values[new])} differ")
+        self.values[new] = self.values[old]
 
     def activation(self, key: str, default: str) -> str:
         name = self.get(key, default)

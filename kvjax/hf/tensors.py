@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,35 @@ class WeightFiles:
         # On the host: the tensor is reshaped and transposed here before it goes to devices.
         with jax.default_device(jax.devices("cpu")[0]):
             return np.asarray(self._open(self._file_of[name]).get_tensor(name))
+
+
+class RenamedFiles:
+    """`WeightFiles` whose tensors go by other names: each of `renames` (a pattern and its
+    replacement) applied in turn to every name, as transformers renames a family's older
+    files as it loads them. Two tensors renamed alike are refused."""
+
+    def __init__(self, files: WeightFiles, renames: tuple[tuple[str, str], ...]):
+        self.directory, self._files = files.directory, files
+        self._original: dict[str, str] = {}
+        for name in sorted(files.names()):
+            new = name
+            for pattern, replacement in renames:
+                new = re.sub(pattern, replacement, new)
+            if new in self._original:
+                raise ValueError(f"{self.directory}: tensors {self._original[new]} and {name} "
+                                 f"are both {new}")
+            self._original[new] = name
+
+    def names(self) -> set[str]:
+        return set(self._original)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._original
+
+    def read(self, name: str) -> np.ndarray:
+        if name not in self._original:
+            raise ValueError(f"{self.directory}: tensor {name} is missing")
+        return self._files.read(self._original[name])
 
 
 class Params:

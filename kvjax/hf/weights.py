@@ -54,8 +54,20 @@ LAYOUTS = {"gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode", "gpt_neo": "gpt_neo", "
            **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite",
                             "gemma2", "gemma3_text", "olmo2", "olmo3", "stablelm", "gemma",
                             "qwen3_moe", "olmoe", "qwen2_moe", "seed_oss", "ministral",
-                            "ministral3", "exaone4", "olmo"), "llama"),
+                            "ministral3", "exaone4", "olmo", "exaone"), "llama"),
            "hunyuan_v1_dense": "hunyuan", "phimoe": "mixtral"}
+
+
+# EXAONE 3's releases name their tensors as GPT-2's layers (transformer.h.i.attn.attention,
+# mlp.c_fc_0, ...): renamed in turn into Llama's, which transformers runs it as (its
+# conversion mapping); files it saved already hold Llama's names.
+EXAONE_NAMES = ((r"^transformer\.wte\.", "model.embed_tokens."),
+                (r"^transformer\.h\.", "model.layers."), (r"^transformer\.ln_f\.", "model.norm."),
+                (r"\.attn\.attention\.", ".self_attn."),
+                (r"\.self_attn\.out_proj\.", ".self_attn.o_proj."),
+                (r"\.ln_1\.", ".input_layernorm."), (r"\.ln_2\.", ".post_attention_layernorm."),
+                (r"\.mlp\.c_fc_0\.", ".mlp.gate_proj."), (r"\.mlp\.c_fc_1\.", ".mlp.up_proj."),
+                (r"\.mlp\.c_proj\.", ".mlp.down_proj."))
 
 
 def ties_embeddings(model_type: str, files: WeightFiles) -> bool:
@@ -72,6 +84,8 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
     if config.scan_layers:
         raise ValueError("load_params builds unrolled layers; convert with "
                          "model.with_layer_layout")
+    if model_type == "exaone":
+        files = tensors.RenamedFiles(files, EXAONE_NAMES)
     params = Params(config, files, dtype)
     mapper = {"llama": _llama_like, "fused": functools.partial(_llama_like, fused=True),
               "plain_mlp": functools.partial(_llama_like, plain_mlp=("c_fc", "c_proj")),

@@ -29,7 +29,8 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "granitemoe", "qwen2_moe", "gpt_oss", "gpt_oss_mxfp4", "glm", "glm4", "helium",
          "ernie4_5", "seed_oss", "ministral", "exaone4", "cohere", "cohere2", "nemotron",
          "arcee", "ministral3", "mistral3", "gemma3", "apertus", "hunyuan_v1_dense", "opt_350m",
-         "phimoe", "nanochat", "olmo", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neo", "gptj")
+         "phimoe", "nanochat", "olmo", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neo", "gptj",
+         "exaone")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -42,7 +43,7 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                                           "exaone4", "cohere", "cohere2", "nemotron", "arcee",
                                           "ministral3", "apertus", "hunyuan_v1_dense",
                                           "nanochat", "olmo", "gpt_bigcode", "gpt_neo",
-                                          "gptj")},
+                                          "gptj", "exaone")},
                # The language models of vision-language directories (`text_of_multimodal.py`).
                "mistral3": "ministral3", "gemma3": "gemma3_text", "opt_350m": "opt",
                "phimoe": "phimoe", "gpt_bigcode_mha": "gpt_bigcode"}
@@ -132,7 +133,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                                               "smollm3", "opt", "gemma", "starcoder2",
                                               "granitemoe", "ernie4_5", "exaone4", "cohere",
                                               "cohere2", "gemma3", "olmo", "gpt_bigcode_mha",
-                                              "gpt_neo"))
+                                              "gpt_neo", "exaone"))
     assert config.qk_norm == (name in ("qwen3", "gemma3_text", "olmo2", "olmo3", "qwen3_moe",
                                        "olmoe", "exaone4", "gemma3", "apertus",
                                        "hunyuan_v1_dense", "nanochat"))
