@@ -13,10 +13,10 @@ model runs through the same interface, cache and decode loop as kvjax's own.
 
 One module per part: `config.py` (config.json to `TransformerConfig`, refusing what is not
 implemented: `reader.py` accounts for every key, `families.py`, `llama_like.py`,
-`output_norms.py`, `plain_ffn.py`, `weightless_norms.py` and `cohere.py` read each model
-type's, `rope.py` RoPE's settings, `errors.py` the refusal), `weights.py` (safetensors to
-params), `peft.py` (a PEFT adapter merged into them), `convert.py` (the model written as a
-kvjax checkpoint).
+`llama_aliases.py`, `output_norms.py`, `plain_ffn.py`, `weightless_norms.py` and `cohere.py`
+read each model type's, `rope.py` RoPE's settings, `errors.py` the refusal), `weights.py`
+(safetensors to params), `peft.py` (a PEFT adapter merged into them), `convert.py` (the
+model written as a kvjax checkpoint).
 The tokenizers of these directories are tokenizers like kvjax's own and live beside it:
 `kvjax.tokenizer.huggingface` (tokenizer.json, tokenizer.model, or vocab.json and merges.txt,
 as transformers reads them) and `kvjax.tokenizer.marian` (Marian's pair of sentencepiece

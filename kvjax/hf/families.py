@@ -3,10 +3,11 @@
 A reader takes the file through a `Reader`, which accounts for every key: what a family's
 transformers implementation reads becomes a field, a key holding another value than the one
 kvjax runs is refused by name. The families built on Llama's layer are read in
-`llama_like.py`, those of them that norm each sublayer's output in `output_norms.py`, those
-without a gate in their FFN in `plain_ffn.py`, those whose norms hold no parameters in
-`weightless_norms.py`, Cohere's in `cohere.py`; here, GPT-2's
-descendants (OPT, and GPT-NeoX and Phi with their parallel layers) and Marian.
+`llama_like.py` (and `llama_aliases.py`, those whose releases name keys in their own way),
+those of them that norm each sublayer's output in `output_norms.py`, those without a gate in
+their FFN in `plain_ffn.py`, those whose norms hold no parameters in `weightless_norms.py`,
+Cohere's in `cohere.py`; here, GPT-2's descendants (GPTBigCode, GPT-Neo, OPT, and GPT-J,
+GPT-NeoX and Phi with their parallel layers) and Marian.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from .cohere import READERS as COHERE
 from .errors import UnsupportedModelError
 from .hunyuan import READERS as HUNYUAN
+from .llama_aliases import READERS as LLAMA_ALIASES
 from .llama_like import READERS as LLAMA_LIKE
 from .ministral3 import READERS as MINISTRAL3
 from .output_norms import READERS as OUTPUT_NORMS
@@ -229,5 +231,6 @@ def _marian(c: Reader) -> dict[str, Any]:
 
 READERS = {"gpt2": _gpt2, "gpt_bigcode": _gpt_bigcode, "gpt_neo": _gpt_neo, "gptj": _gptj,
            "opt": _opt,
-           "gpt_neox": _gpt_neox, "phi": _phi, **LLAMA_LIKE, **OUTPUT_NORMS, **PLAIN_FFN,
+           "gpt_neox": _gpt_neox, "phi": _phi, **LLAMA_LIKE, **LLAMA_ALIASES, **OUTPUT_NORMS,
+           **PLAIN_FFN,
            **WEIGHTLESS_NORMS, **COHERE, **MINISTRAL3, **HUNYUAN, **PHIMOE, "marian": _marian}

@@ -1,10 +1,10 @@
-"""The `config.json` readers of the families built on Llama's layer: RMSNorm (or LayerNorm)
-before each sublayer, RoPE, a gated FFN, GQA; with their variations of norms, windows and
-scales (Qwen, SmolLM3, Granite, Mistral, Ministral, Phi-3, StableLM, Gemma, GLM-4, Helium,
-ERNIE 4.5, Seed-OSS, EXAONE 3) and those whose FFN is a mixture of experts (Mixtral, Qwen2-MoE,
-Qwen3-MoE, OLMoE, GraniteMoE, gpt-oss). `READERS` maps each model type to its reader;
-`llama_like_fields` is what every family of Llama's layer shares, here and in the modules of
-the others (`output_norms.py`, `plain_ffn.py`, `cohere.py`)."""
+"""The `config.json` readers of the families built on Llama's layer: RMSNorm (or LayerNorm) before
+each sublayer, RoPE, a gated FFN, GQA; with their variations of norms, windows and scales (Qwen,
+SmolLM3, Granite, Mistral, Ministral, Phi-3, StableLM, Gemma, GLM-4, Helium, ERNIE 4.5,
+Seed-OSS) and those whose FFN is a mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
+GraniteMoE, gpt-oss). `READERS` maps each model type to its reader; `llama_like_fields` is what
+every family of Llama's layer shares, here and in the modules of the others (`output_norms.py`,
+`plain_ffn.py`, `cohere.py`)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def _gated(activation: str, source: str) -> str:
     return gated[activation]
 
 
-def _llama(c: Reader) -> dict[str, Any]:
+def read_llama(c: Reader) -> dict[str, Any]:
     bias = bool(c.get("attention_bias", False))
     return llama_like_fields(c, qkv_bias=bias, out_bias=bias,
                              ffn_bias=bool(c.get("mlp_bias", False)))
@@ -81,19 +81,6 @@ def _qwen_windows(c: Reader, layers: int) -> dict[str, Any]:
     if len(full) == layers:
         return {}
     return {"sliding_window": window, "full_attention_layers": full}
-
-
-def _exaone(c: Reader) -> dict[str, Any]:
-    """EXAONE 3.0 and 3.5 (LG AI Research): Llama's layer, as transformers runs it. The
-    releases' files name some keys as GPT-2's do (`num_layers`, `layer_norm_epsilon`,
-    `activation_function`), read as Llama's, and their tensors too (`weights.EXAONE_NAMES`);
-    RoPE's base is 500,000 where they name none."""
-    for old, new in (("num_layers", "num_hidden_layers"), ("layer_norm_epsilon", "rms_norm_eps"),
-                     ("activation_function", "hidden_act")):
-        c.rename(old, new)
-    bias = bool(c.get("attention_bias", False))
-    return llama_like_fields(c, qkv_bias=bias, out_bias=bias,
-                             ffn_bias=bool(c.get("mlp_bias", False)), rope=rope_of(c, base=5e5))
 
 
 def _qwen2(c: Reader) -> dict[str, Any]:
@@ -208,14 +195,15 @@ def _smollm3(c: Reader) -> dict[str, Any]:
     if len(flags) != layers or any(flag not in (0, 1) for flag in flags):
         raise UnsupportedModelError(f"{c.source}: no_rope_layers={json.dumps(flags)} must hold "
                                     f"a 1 (RoPE) or 0 (none) for each of the {layers} layers")
-    return {**_llama(c), "unrotated_layers": tuple(i for i, flag in enumerate(flags) if not flag)}
+    return {**read_llama(c),
+            "unrotated_layers": tuple(i for i, flag in enumerate(flags) if not flag)}
 
 
 def _granite(c: Reader) -> dict[str, Any]:
     """Llama's architecture with four multipliers: on the embeddings, on each sublayer's
     output before the residual sum, as the attention scale (in place of 1/√head_dim; 1 where
     absent, as transformers takes it), and dividing the logits."""
-    return {**_llama(c),
+    return {**read_llama(c),
             "embedding_multiplier": float(c.get("embedding_multiplier", 1.0)),
             "residual_multiplier": float(c.get("residual_multiplier", 1.0)),
             "attention_scale": float(c.get("attention_multiplier", 1.0)),
@@ -429,12 +417,11 @@ def _olmoe(c: Reader) -> dict[str, Any]:
             **experts_fields(c, bool(c.get("norm_topk_prob", False)))}
 
 
-READERS = {"llama": _llama, "mistral": _mistral, "phi3": _phi3, "qwen2": _qwen2,
+READERS = {"llama": read_llama, "mistral": _mistral, "phi3": _phi3, "qwen2": _qwen2,
            "qwen3": _qwen3, "smollm3": _smollm3, "granite": _granite, "gemma2": _gemma2,
            "gemma3_text": _gemma3, "stablelm": _stablelm,
            "gemma": _gemma1, "mixtral": _mixtral,
            "qwen3_moe": _qwen3_moe, "olmoe": _olmoe, "granitemoe": _granitemoe,
            "qwen2_moe": _qwen2_moe, "gpt_oss": _gpt_oss, "glm": _glm,
            "glm4": lambda c: _glm(c, post_norms=True), "helium": _helium,
-           "ernie4_5": _ernie4_5, "seed_oss": _seed_oss, "ministral": _ministral,
-           "exaone": _exaone}
+           "ernie4_5": _ernie4_5, "seed_oss": _seed_oss, "ministral": _ministral}

@@ -15,10 +15,10 @@ from kvjax import hf
     ("gpt2", dict(model_type="bert"),
      "model_type 'bert' is not supported; kvjax loads apertus, arcee, cohere, cohere2, ernie4_5, "
      "exaone, exaone4, gemma, gemma2, gemma3_text, glm, glm4, gpt2, gpt_bigcode, gpt_neo, "
-     "gpt_neox, gpt_oss, gptj, granite, granitemoe, helium, hunyuan_v1_dense, llama, marian, "
-     "ministral, ministral3, mistral, mixtral, nanochat, nemotron, olmo, olmo2, olmo3, olmoe, "
-     "opt, phi, phi3, phimoe, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, stablelm, "
-     "starcoder2"),
+     "gpt_neox, gpt_oss, gptj, granite, granitemoe, helium, hunyuan_v1_dense, internlm3, llama, "
+     "marian, ministral, ministral3, mistral, mixtral, nanochat, nemotron, olmo, olmo2, olmo3, "
+     "olmoe, opt, phi, phi3, phimoe, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, "
+     "stablelm, starcoder2"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
                                         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
      'rope settings {"partial_rotary_factor": 0.5} are not supported for rope type \'yarn\''),
@@ -110,6 +110,8 @@ from kvjax import hf
     # EXAONE's releases name the layers' count num_layers, which transformers reads as
     # num_hidden_layers: a file naming both differently says two things.
     ("exaone", dict(num_hidden_layers=3), "num_layers=2 and num_hidden_layers=3 differ"),
+    ("internlm3", dict(bias=False), "mlp_bias=false is not supported (transformers' InternLM3 "
+                                    "runs one setting for the attention's and FFN's biases)"),
     ("gpt_oss", dict(experts_per_token=3), "experts_per_token=3 and num_experts_per_tok=2"),
     ("gpt_oss", dict(quantization_config={"quant_method": "gptq", "bits": 4}),
      "quantization_config with quant_method='gptq' is not supported (gpt-oss: 'mxfp4'"),

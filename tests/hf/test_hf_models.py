@@ -30,7 +30,7 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "ernie4_5", "seed_oss", "ministral", "exaone4", "cohere", "cohere2", "nemotron",
          "arcee", "ministral3", "mistral3", "gemma3", "apertus", "hunyuan_v1_dense", "opt_350m",
          "phimoe", "nanochat", "olmo", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neo", "gptj",
-         "exaone")
+         "exaone", "internlm3")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -43,7 +43,7 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                                           "exaone4", "cohere", "cohere2", "nemotron", "arcee",
                                           "ministral3", "apertus", "hunyuan_v1_dense",
                                           "nanochat", "olmo", "gpt_bigcode", "gpt_neo",
-                                          "gptj", "exaone")},
+                                          "gptj", "exaone", "internlm3")},
                # The language models of vision-language directories (`text_of_multimodal.py`).
                "mistral3": "ministral3", "gemma3": "gemma3_text", "opt_350m": "opt",
                "phimoe": "phimoe", "gpt_bigcode_mha": "gpt_bigcode"}
@@ -180,7 +180,8 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     assert biases == {"helium": (True, False, False), "ernie4_5": (True, True, True),
                       "seed_oss": (True, True, False), "cohere": (True, True, False),
                       "cohere2": (False, False, False), "nemotron": (True, True, True),
-                      "arcee": (False, False, False), "nanochat": (True, True, False)}.get(
+                      "arcee": (False, False, False), "nanochat": (True, True, False),
+                      "internlm3": (True, True, True)}.get(
         name, biases)
     assert config.parallel_residual == (name in ("gpt_neox", "phi", "cohere", "cohere2",
                                                  "gptj"))
