@@ -7,6 +7,8 @@ Shape letters as in `model/`; O and X of `heads_apart` are a tensor's output row
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from kvjax import model as M
@@ -97,28 +99,6 @@ def _gpt_neo(c: M.TransformerConfig, p: Params):
     return lambda name: name.endswith((".attn.attention.bias", ".attn.attention.masked_bias"))
 
 
-def _gptj(c: M.TransformerConfig, p: Params, rope_order):
-    d, n, h, f = c.d_model, c.num_heads, c.head_dim, c.d_ff
-    p.set("embedder/embedding/embedding", p.read("transformer.wte.weight", (c.vocab_size, d)))
-    order = rope_order(h, c.rotary_dims)
-    for i in range(c.num_decoder_layers):
-        src, dst = f"transformer.h.{i}.", f"layers/{i}/"
-        tensors.layer_norm(p, src + "ln_1", dst + "attention_block/norm", d)
-        q, k, v = (tensors.linear(p, f"{src}attn.{name}_proj", n, h, d, False)
-                   for name in ("q", "k", "v"))
-        # RoPE turns pairs of dimensions: each head's query and key columns in kvjax's order.
-        tensors.fused(p, dst + "self_attention/qkv",
-                      [(q[0][..., order], None), (k[0][..., order], None), v])
-        tensors.output(p, src + "attn.out_proj", dst + "self_attention/out", c)
-        tensors.dense(p, src + "mlp.fc_in", dst + "ffn/wi", (f, d), True)
-        tensors.dense(p, src + "mlp.fc_out", dst + "ffn/wo", (d, f), True)
-    tensors.layer_norm(p, "transformer.ln_f", "final_norm", d)
-    tensors.unembed(c, p, "lm_head.weight")
-    p.set("embedder/logits_bias", p.read("lm_head.bias", (c.vocab_size,)))
-    # Older files keep the causal mask as buffers.
-    return lambda name: name.endswith((".attn.bias", ".attn.masked_bias"))
-
-
 def _gpt_neox(c: M.TransformerConfig, p: Params):
     d, n, h, f = c.d_model, c.num_heads, c.head_dim, c.d_ff
     p.set("embedder/embedding/embedding", p.read("gpt_neox.embed_in.weight", (c.vocab_size, d)))
@@ -169,23 +149,45 @@ def _opt(c: M.TransformerConfig, p: Params):
     return lambda name: False
 
 
-def _phi(c: M.TransformerConfig, p: Params):
-    d, f = c.d_model, c.d_ff
-    p.set("embedder/embedding/embedding", p.read("model.embed_tokens.weight",
+# The names of a parallel layer on one LayerNorm (`_one_norm_parallel`), Phi-2's and GPT-J's,
+# and the ends of the names of buffers their older files keep (RoPE's frequencies, the
+# causal mask), which hold no weights.
+_PHI_NAMES = dict(embedding="model.embed_tokens", layers="model.layers",
+                  norm="input_layernorm", attention="self_attn", out="dense", fc=("fc1", "fc2"),
+                  final_norm="model.final_layernorm", qkv_bias=True,
+                  buffers=(".rotary_emb.inv_freq",))
+_GPTJ_NAMES = dict(embedding="transformer.wte", layers="transformer.h", norm="ln_1",
+                   attention="attn", out="out_proj", fc=("fc_in", "fc_out"),
+                   final_norm="transformer.ln_f", qkv_bias=False,
+                   buffers=(".attn.bias", ".attn.masked_bias"))
+
+
+def _one_norm_parallel(c: M.TransformerConfig, p: Params, names: dict, rope_order=None):
+    """Phi-2's and GPT-J's layers: the attention and the FFN side by side on one LayerNorm,
+    q, k and v projections of their own, a bias on the output layer. `rope_order` (GPT-J's
+    RoPE over pairs): the order of each head's query and key columns in kvjax."""
+    d, f, h = c.d_model, c.d_ff, c.head_dim
+    p.set("embedder/embedding/embedding", p.read(names["embedding"] + ".weight",
                                                  (c.vocab_size, d)))
     for i in range(c.num_decoder_layers):
-        src, dst = f"model.layers.{i}.", f"layers/{i}/"
-        tensors.layer_norm(p, src + "input_layernorm", dst + "attention_block/norm", d)
-        tensors.fused(p, dst + "self_attention/qkv", [
-            tensors.linear(p, f"{src}self_attn.{name}_proj", heads, c.head_dim, d, True)
-            for name, heads in (("q", c.num_heads), ("k", c.kv_heads), ("v", c.kv_heads))])
-        tensors.output(p, src + "self_attn.dense", dst + "self_attention/out", c)
-        tensors.dense(p, src + "mlp.fc1", dst + "ffn/wi", (f, d), True)
-        tensors.dense(p, src + "mlp.fc2", dst + "ffn/wo", (d, f), True)
-    tensors.layer_norm(p, "model.final_layernorm", "final_norm", d)
+        src, dst = f"{names['layers']}.{i}.", f"layers/{i}/"
+        tensors.layer_norm(p, src + names["norm"], dst + "attention_block/norm", d)
+        parts = [tensors.linear(p, f"{src}{names['attention']}.{name}_proj", heads, h, d,
+                                names["qkv_bias"])
+                 for name, heads in (("q", c.num_heads), ("k", c.kv_heads), ("v", c.kv_heads))]
+        if rope_order is not None:  # q's and k's kernels [D, heads, H] and biases [heads, H]
+            order = rope_order(h, c.rotary_dims)
+            parts[:2] = [tuple(None if x is None else x[..., order] for x in part)
+                         for part in parts[:2]]
+        tensors.fused(p, dst + "self_attention/qkv", parts)
+        tensors.output(p, f"{src}{names['attention']}.{names['out']}",
+                       dst + "self_attention/out", c)
+        tensors.dense(p, f"{src}mlp.{names['fc'][0]}", dst + "ffn/wi", (f, d), True)
+        tensors.dense(p, f"{src}mlp.{names['fc'][1]}", dst + "ffn/wo", (d, f), True)
+    tensors.layer_norm(p, names["final_norm"], "final_norm", d)
     tensors.unembed(c, p, "lm_head.weight")
     p.set("embedder/logits_bias", p.read("lm_head.bias", (c.vocab_size,)))
-    return lambda name: name.endswith(".rotary_emb.inv_freq")
+    return lambda name: name.endswith(names["buffers"])
 
 
 def _marian(c: M.TransformerConfig, p: Params):
@@ -239,6 +241,7 @@ def _check_sinusoids(p: Params, name: str, c: M.TransformerConfig) -> None:
     p.used.add(name)
 
 
-READERS = {"gpt2": _gpt2, "gpt_bigcode": _gpt_bigcode, "gpt_neo": _gpt_neo, "gptj": _gptj,
-           "gpt_neox": _gpt_neox, "phi": _phi,
+READERS = {"gpt2": _gpt2, "gpt_bigcode": _gpt_bigcode, "gpt_neo": _gpt_neo,
+           "gptj": functools.partial(_one_norm_parallel, names=_GPTJ_NAMES),
+           "gpt_neox": _gpt_neox, "phi": functools.partial(_one_norm_parallel, names=_PHI_NAMES),
            "opt": _opt, "marian": _marian}
