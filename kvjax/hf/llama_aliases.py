@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .llama_like import llama_like_fields, read_llama
+from .llama_like import read_llama
 from .reader import Reader
-from .rope import rope_of
 
 
 def _exaone(c: Reader) -> dict[str, Any]:
@@ -19,9 +18,7 @@ def _exaone(c: Reader) -> dict[str, Any]:
     for old, new in (("num_layers", "num_hidden_layers"), ("layer_norm_epsilon", "rms_norm_eps"),
                      ("activation_function", "hidden_act")):
         c.rename(old, new)
-    bias = bool(c.get("attention_bias", False))
-    return llama_like_fields(c, qkv_bias=bias, out_bias=bias,
-                             ffn_bias=bool(c.get("mlp_bias", False)), rope=rope_of(c, base=5e5))
+    return read_llama(c, rope_base=5e5)
 
 
 def _internlm3(c: Reader) -> dict[str, Any]:

@@ -46,10 +46,13 @@ def _gated(activation: str, source: str) -> str:
     return gated[activation]
 
 
-def read_llama(c: Reader) -> dict[str, Any]:
+def read_llama(c: Reader, rope_base: float = 10000.0) -> dict[str, Any]:
+    """Llama: biases on q, k, v and the output where `attention_bias`, on the FFN where
+    `mlp_bias`; RoPE at `rope_base` where the file names no `rope_theta`."""
     bias = bool(c.get("attention_bias", False))
     return llama_like_fields(c, qkv_bias=bias, out_bias=bias,
-                             ffn_bias=bool(c.get("mlp_bias", False)))
+                             ffn_bias=bool(c.get("mlp_bias", False)),
+                             rope=rope_of(c, base=rope_base))
 
 
 def _full_attention_layers(c: Reader) -> None:
