@@ -6,8 +6,8 @@ kvjax runs is refused by name. The families built on Llama's layer are read in
 `llama_like.py` (and `llama_aliases.py`, those whose releases name keys in their own way),
 those of them that norm each sublayer's output in `output_norms.py`, those without a gate in
 their FFN in `plain_ffn.py`, those whose norms hold no parameters in `weightless_norms.py`,
-Cohere's in `cohere.py`; here, GPT-2's descendants (GPTBigCode, GPT-Neo, OPT, and GPT-J,
-GPT-NeoX and Phi with their parallel layers) and Marian.
+Cohere's in `cohere.py`, Falcon's in `falcon.py`; here, GPT-2's descendants (GPTBigCode,
+GPT-Neo, OPT, and GPT-J, GPT-NeoX and Phi with their parallel layers) and Marian.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 from .cohere import READERS as COHERE
 from .errors import UnsupportedModelError
+from .falcon import READERS as FALCON
 from .hunyuan import READERS as HUNYUAN
 from .llama_aliases import READERS as LLAMA_ALIASES
 from .llama_like import READERS as LLAMA_LIKE
@@ -233,4 +234,5 @@ READERS = {"gpt2": _gpt2, "gpt_bigcode": _gpt_bigcode, "gpt_neo": _gpt_neo, "gpt
            "opt": _opt,
            "gpt_neox": _gpt_neox, "phi": _phi, **LLAMA_LIKE, **LLAMA_ALIASES, **OUTPUT_NORMS,
            **PLAIN_FFN,
-           **WEIGHTLESS_NORMS, **COHERE, **MINISTRAL3, **HUNYUAN, **PHIMOE, "marian": _marian}
+           **WEIGHTLESS_NORMS, **COHERE, **MINISTRAL3, **HUNYUAN, **PHIMOE, **FALCON,
+           "marian": _marian}

@@ -1,6 +1,6 @@
-"""The weights of GPT-2 and its descendants (GPTBigCode, GPT-Neo, OPT; GPT-J, GPT-NeoX and Phi
-with their parallel layers) and of Marian, read into kvjax params (`weights.load_params` chooses
-the reader).
+"""The weights of GPT-2 and its descendants (GPTBigCode, GPT-Neo, OPT; GPT-J, GPT-NeoX, Phi and
+Falcon with their parallel layers) and of Marian, read into kvjax params (`weights.load_params`
+chooses the reader).
 
 Shape letters as in `model/`; O and X of `heads_apart` are a tensor's output rows and inputs.
 """
@@ -26,6 +26,27 @@ def heads_apart(rows_OX: np.ndarray, num_heads: int, head_dim: int) -> np.ndarra
     order [3·N·H, X]: every q head, then every k head, then every v head."""
     return rows_OX.reshape(num_heads, 3, head_dim, -1).transpose(1, 0, 2, 3).reshape(
         3 * num_heads * head_dim, -1)
+
+
+def groups_apart(rows_OX: np.ndarray, kv_heads: int, head_dim: int) -> np.ndarray:
+    """Falcon's query_key_value rows [K·(G+2)·H, X], each kv head's G query heads, then its
+    key, then its value, in kvjax's order [(N+2K)·H, X]: every q head (kv-major, as kvjax
+    groups them), then every k head, then every v head. The one layout covers Falcon's
+    three: with one kv head (7B's `multi_query`) every query head, the key, the value; with
+    a kv head per query head, each head's q, k and v in turn (`heads_apart`'s)."""
+    grouped = rows_OX.reshape(kv_heads, -1, head_dim, rows_OX.shape[-1])
+    return np.concatenate([grouped[:, :-2].reshape(-1, rows_OX.shape[-1]),
+                           grouped[:, -2].reshape(-1, rows_OX.shape[-1]),
+                           grouped[:, -1].reshape(-1, rows_OX.shape[-1])])
+
+
+def groups_together(rows_OX: np.ndarray, kv_heads: int, num_heads: int,
+                    head_dim: int) -> np.ndarray:
+    """The inverse of `groups_apart`: rows in kvjax's order [(N+2K)·H, X] in Falcon's."""
+    x = rows_OX.shape[-1]
+    q_KGHX = rows_OX[:num_heads * head_dim].reshape(kv_heads, -1, head_dim, x)
+    k_KHX, v_KHX = rows_OX[num_heads * head_dim:].reshape(2, kv_heads, 1, head_dim, x)
+    return np.concatenate([q_KGHX, k_KHX, v_KHX], axis=1).reshape(-1, x)
 
 
 def _gpt2(c: M.TransformerConfig, p: Params):
@@ -119,6 +140,35 @@ def _gpt_neox(c: M.TransformerConfig, p: Params):
     # Older files keep the causal mask and RoPE's frequencies as buffers.
     return lambda name: name.endswith((".attention.bias", ".attention.masked_bias",
                                        ".rotary_emb.inv_freq"))
+
+
+def _falcon(c: M.TransformerConfig, p: Params):
+    d, n, k, h, f = c.d_model, c.num_heads, c.kv_heads, c.head_dim, c.d_ff
+    p.set("embedder/embedding/embedding", p.read("transformer.word_embeddings.weight",
+                                                 (c.vocab_size, d)))
+    rows = (n + 2 * k) * h
+    norms = {"attention_block/norm": "input_layernorm"}  # one a layer, parallel (7B, Falcon 2)
+    if c.parallel_residual and not c.shared_norm:  # the new architecture's two (40B)
+        norms = {"attention_block/norm": "ln_attn", "ffn_block/norm": "ln_mlp"}
+    elif not c.parallel_residual:  # one before each sublayer
+        norms["ffn_block/norm"] = "post_attention_layernorm"
+    for i in range(c.num_decoder_layers):
+        src, dst = f"transformer.h.{i}.", f"layers/{i}/"
+        for ours, theirs in norms.items():
+            tensors.layer_norm(p, src + theirs, dst + ours, d)
+        qkv = groups_apart(p.read(src + "self_attention.query_key_value.weight", (rows, d)), k, h)
+        p.set(dst + "self_attention/qkv/kernel", qkv.T.reshape(d, n + 2 * k, h))
+        if c.qkv_bias:
+            bias = p.read(src + "self_attention.query_key_value.bias", (rows,))
+            p.set(dst + "self_attention/qkv/bias", groups_apart(bias[:, None], k, h).reshape(
+                n + 2 * k, h))
+        tensors.output(p, src + "self_attention.dense", dst + "self_attention/out", c)
+        tensors.dense(p, src + "mlp.dense_h_to_4h", dst + "ffn/wi", (f, d), c.ffn_bias)
+        tensors.dense(p, src + "mlp.dense_4h_to_h", dst + "ffn/wo", (d, f), c.ffn_bias)
+    tensors.layer_norm(p, "transformer.ln_f", "final_norm", d)
+    tensors.unembed(c, p, "lm_head.weight")
+    # The first releases' files keep RoPE's frequencies as buffers.
+    return lambda name: name.endswith(".rotary_emb.inv_freq")
 
 
 def _opt(c: M.TransformerConfig, p: Params):
@@ -244,4 +294,4 @@ def _check_sinusoids(p: Params, name: str, c: M.TransformerConfig) -> None:
 READERS = {"gpt2": _gpt2, "gpt_bigcode": _gpt_bigcode, "gpt_neo": _gpt_neo,
            "gptj": functools.partial(_one_norm_parallel, names=_GPTJ_NAMES),
            "gpt_neox": _gpt_neox, "phi": functools.partial(_one_norm_parallel, names=_PHI_NAMES),
-           "opt": _opt, "marian": _marian}
+           "opt": _opt, "falcon": _falcon, "marian": _marian}

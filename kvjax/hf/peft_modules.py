@@ -12,7 +12,7 @@ import numpy as np
 
 from kvjax.model import TransformerConfig
 
-from .gpt_weights import heads_apart
+from .gpt_weights import groups_apart, groups_together, heads_apart
 from .weights import LAYOUTS, ROPE_ORDERS, rope_rows_in_kvjax_order
 
 # Per layout of the weight files (`weights.LAYOUTS`): the file's module -> the kvjax targets
@@ -51,12 +51,17 @@ MODULES = {
     "nanochat": {**_ATTENTION, "mlp.fc1": ("wi",), "mlp.fc2": ("wo",)},
     "gpt_neox": {"attention.query_key_value": ("q", "k", "v"), "attention.dense": ("o",),
                  "mlp.dense_h_to_4h": ("wi",), "mlp.dense_4h_to_h": ("wo",)},
+    # Falcon's query_key_value by kv-head group (`weights.groups_apart`).
+    "falcon": {"self_attention.query_key_value": ("q", "k", "v"),
+               "self_attention.dense": ("o",), "mlp.dense_h_to_4h": ("wi",),
+               "mlp.dense_4h_to_h": ("wo",)},
 }
 # Where each layout's layers are in the names PEFT gives its tensors (written with the
 # first); "model.layers" where not listed.
 _LAYER_PREFIXES = {"gpt2": ("transformer.h", "h"), "opt": ("model.decoder.layers",),
                    "gpt_neox": ("gpt_neox.layers",),
-                   **dict.fromkeys(("gpt_bigcode", "gpt_neo", "gptj"), ("transformer.h",))}
+                   **dict.fromkeys(("gpt_bigcode", "gpt_neo", "gptj", "falcon"),
+                                   ("transformer.h",))}
 # Where a vision-language model's language model keeps its layers (`text_of_multimodal.py`),
 # as transformers names them and as older versions did: an adapter trained on it adapts them.
 _LANGUAGE_MODEL_LAYERS = ("model.language_model.layers", "language_model.model.layers")
@@ -71,22 +76,24 @@ def layer_prefixes(model_type: str) -> tuple[str, ...]:
 def reorders(config: TransformerConfig, model_type: str, module: str) -> bool:
     """Whether kvjax holds `module`'s output rows in another order than the file: a fused q,
     k and v whose heads each hold their q, k and v in turn (GPT-NeoX's query_key_value,
-    GPTBigCode's c_attn with a kv head per query head), where kvjax's targets hold every q
-    head, then every k, then every v; the queries and keys of layouts whose RoPE turns pairs
+    GPTBigCode's c_attn with a kv head per query head) or whose kv heads each hold their
+    query heads, key and value (Falcon's query_key_value), where kvjax's targets hold every
+    q head, then every k, then every v; the queries and keys of layouts whose RoPE turns pairs
     of a head's dimensions, or turns the other way, where kvjax turns halves
     (`weights.ROPE_ORDERS`)."""
     layout = LAYOUTS[model_type]
     targets = MODULES[layout].get(module)
     if targets == ("q", "k", "v"):
-        return layout == "gpt_neox" or (layout == "gpt_bigcode"
-                                        and config.kv_heads == config.num_heads)
+        return layout in ("gpt_neox", "falcon") or (layout == "gpt_bigcode"
+                                                    and config.kv_heads == config.num_heads)
     return layout in ROPE_ORDERS and targets in (("q",), ("k",))
 
 
 def rows_in_kvjax_order(config: TransformerConfig, model_type: str, module: str,
                         rows_OX: np.ndarray, name: str) -> np.ndarray:
     """A module's output rows [O, X] that `reorders` in kvjax's order, the rows' count
-    checked first: `weights.heads_apart`, or `weights.rope_rows_in_kvjax_order`."""
+    checked first: `gpt_weights.heads_apart` or `groups_apart`, or
+    `weights.rope_rows_in_kvjax_order`."""
     n, h = config.num_heads, config.head_dim
     targets = MODULES[LAYOUTS[model_type]][module]
     heads = sum(n if target == "q" else config.kv_heads for target in targets)
@@ -94,6 +101,8 @@ def rows_in_kvjax_order(config: TransformerConfig, model_type: str, module: str,
         raise ValueError(f"tensor {name} has {rows_OX.shape[0]} output rows; the model's "
                          f"{module} has {heads * h}")
     if len(targets) == 3:
+        if LAYOUTS[model_type] == "falcon":
+            return groups_apart(rows_OX, config.kv_heads, h)
         return heads_apart(rows_OX, n, h)
     return rope_rows_in_kvjax_order(rows_OX, heads, h, config.rotary_dims, LAYOUTS[model_type])
 
@@ -103,6 +112,8 @@ def rows_in_file_order(config: TransformerConfig, model_type: str, module: str,
     """The inverse of `rows_in_kvjax_order`."""
     n, h = config.num_heads, config.head_dim
     targets = MODULES[LAYOUTS[model_type]][module]
+    if len(targets) == 3 and LAYOUTS[model_type] == "falcon":
+        return groups_together(rows_OX, config.kv_heads, n, h)
     if len(targets) == 3:
         return rows_OX.reshape(3, n, h, -1).transpose(1, 0, 2, 3).reshape(3 * n * h, -1)
     heads = n if targets == ("q",) else config.kv_heads

@@ -41,7 +41,8 @@ from .tensors import Params, WeightFiles
 # ERNIE 4.5), "cohere" (as "llama_pairs", one bias-free LayerNorm a layer), "up_down_mlp"
 # (Llama's attention, an FFN of up_proj and down_proj: Arcee), "nemotron" (the same with
 # LayerNorm1P, whose weight + 1 is the scale) and "nanochat" (Llama's attention, its RoPE
-# turning the other way, an FFN of fc1 and fc2, no norm weights). Llama's layout holds
+# turning the other way, an FFN of fc1 and fc2, no norm weights), "falcon" (query_key_value
+# by kv-head group, dense, dense_h_to_4h, dense_4h_to_h under transformer.h.i). Llama's layout holds
 # experts too: gate_proj, up_proj and down_proj under mlp (and a shared expert of the same
 # three beside them, with its gate: Qwen2-MoE).
 LAYOUTS = {"gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode", "gpt_neo": "gpt_neo", "gptj": "gptj",
@@ -50,7 +51,7 @@ LAYOUTS = {"gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode", "gpt_neo": "gpt_neo", "
            "granitemoe": "granitemoe", "gpt_oss": "gpt_oss", "glm": "glm", "glm4": "glm",
            "helium": "llama_pairs", "ernie4_5": "llama_pairs", "cohere": "cohere",
            "cohere2": "cohere", "arcee": "up_down_mlp", "nemotron": "nemotron",
-           "apertus": "apertus", "nanochat": "nanochat",
+           "apertus": "apertus", "nanochat": "nanochat", "falcon": "falcon",
            **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite",
                             "gemma2", "gemma3_text", "olmo2", "olmo3", "stablelm", "gemma",
                             "qwen3_moe", "olmoe", "qwen2_moe", "seed_oss", "ministral",

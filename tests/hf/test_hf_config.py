@@ -14,7 +14,7 @@ from kvjax import hf
 @pytest.mark.parametrize("name, changes, message", [
     ("gpt2", dict(model_type="bert"),
      "model_type 'bert' is not supported; kvjax loads apertus, arcee, cohere, cohere2, ernie4_5, "
-     "exaone, exaone4, gemma, gemma2, gemma3_text, glm, glm4, gpt2, gpt_bigcode, gpt_neo, "
+     "exaone, exaone4, falcon, gemma, gemma2, gemma3_text, glm, glm4, gpt2, gpt_bigcode, gpt_neo, "
      "gpt_neox, gpt_oss, gptj, granite, granitemoe, helium, hunyuan_v1_dense, internlm3, llama, "
      "marian, ministral, ministral3, mistral, mixtral, nanochat, nemotron, olmo, olmo2, olmo3, "
      "olmoe, opt, phi, phi3, phimoe, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, "
@@ -115,6 +115,20 @@ from kvjax import hf
     ("gpt_oss", dict(experts_per_token=3), "experts_per_token=3 and num_experts_per_tok=2"),
     ("gpt_oss", dict(quantization_config={"quant_method": "gptq", "bits": 4}),
      "quantization_config with quant_method='gptq' is not supported (gpt-oss: 'mxfp4'"),
+    # Falcon-RW's position biases; layers transformers' Falcon cannot run.
+    ("falcon", dict(alibi=True), "alibi=true is not supported (kvjax has no ALiBi position "
+                                 "biases)"),
+    ("falcon2", dict(parallel_attn=False), "new_decoder_architecture with parallel_attn false"),
+    ("falcon_grouped", dict(num_ln_in_parallel_attn=3), "num_ln_in_parallel_attn=3 must be 1 "
+                                                        "or 2"),
+    ("falcon", dict(num_ln_in_parallel_attn=2), "num_ln_in_parallel_attn=2 outside the new "
+                                                "decoder architecture"),
+    ("falcon_sequential", dict(num_kv_heads=2, num_key_value_heads=2),
+     "num_kv_heads=2 with multi_query false outside the new decoder architecture must be "
+     "num_attention_heads (4)"),
+    ("falcon_grouped", dict(num_kv_heads=3, num_key_value_heads=3),
+     "num_kv_heads=3 must divide num_attention_heads=4"),
+    ("falcon_grouped", dict(num_key_value_heads=4), "num_key_value_heads=4 is not supported"),
 ])
 def test_unsupported_settings_are_refused(tmp_path, name, changes, message):
     directory = copy_of(name, tmp_path)
@@ -151,6 +165,15 @@ def test_unsupported_settings_are_refused(tmp_path, name, changes, message):
     # GLM-4's releases: RoPE's base and the fraction of each head it turns at the top level.
     ("glm4", dict(rope_parameters=None, rope_theta=20000.0, partial_rotary_factor=0.5)),
     # gpt-oss's releases: rope_scaling and rope_theta, and two keys of OpenAI's own.
+    # Falcon's first releases: older names of four keys, RoPE's base at the top level, a key
+    # of their own code, and no max_position_embeddings (2,048); multi_query's one kv head
+    # whatever num_kv_heads says.
+    ("falcon", dict(num_hidden_layers=None, num_attention_heads=None, hidden_size=None,
+                    num_kv_heads=None, n_layer=2, n_head=4, n_embed=32, n_head_kv=8,
+                    rope_parameters=None, rope_theta=10000.0,
+                    apply_residual_connection_post_layernorm=False)),
+    ("falcon_grouped", dict(num_kv_heads=None, n_head_kv=2, rope_parameters=None,
+                            rope_theta=50000.0)),
     ("gpt_oss", dict(rope_parameters=None, rope_theta=150000.0, experts_per_token=2,
                      initial_context_length=16, rope_scaling={
                          "rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0,

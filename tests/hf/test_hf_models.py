@@ -30,7 +30,7 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "ernie4_5", "seed_oss", "ministral", "exaone4", "cohere", "cohere2", "nemotron",
          "arcee", "ministral3", "mistral3", "gemma3", "apertus", "hunyuan_v1_dense", "opt_350m",
          "phimoe", "nanochat", "olmo", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neo", "gptj",
-         "exaone", "internlm3")
+         "exaone", "internlm3", "falcon", "falcon_grouped", "falcon_sequential", "falcon2")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -46,7 +46,9 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                                           "gptj", "exaone", "internlm3")},
                # The language models of vision-language directories (`text_of_multimodal.py`).
                "mistral3": "ministral3", "gemma3": "gemma3_text", "opt_350m": "opt",
-               "phimoe": "phimoe", "gpt_bigcode_mha": "gpt_bigcode"}
+               "phimoe": "phimoe", "gpt_bigcode_mha": "gpt_bigcode",
+               **dict.fromkeys(("falcon", "falcon_grouped", "falcon_sequential", "falcon2"),
+                               "falcon")}
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +135,8 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                                               "smollm3", "opt", "gemma", "starcoder2",
                                               "granitemoe", "ernie4_5", "exaone4", "cohere",
                                               "cohere2", "gemma3", "olmo", "gpt_bigcode_mha",
-                                              "gpt_neo", "exaone"))
+                                              "gpt_neo", "exaone", "falcon",
+                                              "falcon_sequential", "falcon2"))
     assert config.qk_norm == (name in ("qwen3", "gemma3_text", "olmo2", "olmo3", "qwen3_moe",
                                        "olmoe", "exaone4", "gemma3", "apertus",
                                        "hunyuan_v1_dense", "nanochat"))
@@ -145,10 +148,12 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     assert config.qkv_clip == {"olmo": 0.5, "olmoe": 1.0}.get(name)
     # GPTBigCode: one kv head (multi_query), or one per query head with unscaled attention;
     # GPT-Neo's attention unscaled.
-    if name.startswith(("gpt_bigcode", "gpt_neo")):
+    # Falcon: one kv head (multi_query), two (the new architecture), one per query head.
+    if name.startswith(("gpt_bigcode", "gpt_neo", "falcon")):
         assert (config.kv_heads, config.attention_scale) == {
             "gpt_bigcode": (1, None), "gpt_bigcode_mha": (4, 1.0), "gpt_neo": (4, 1.0),
-            "gpt_neox": (4, None)}[name]
+            "gpt_neox": (4, None), "falcon": (1, None), "falcon_grouped": (2, None),
+            "falcon_sequential": (4, None), "falcon2": (2, None)}[name]
     assert config.logits_softcap == {"gemma2": 8.0, "nanochat": 2.0}.get(name)
     assert config.qk_norm_across_heads == (name in ("olmo2", "olmo3", "olmoe"))
     assert (config.norm == "output") == (name in ("olmo2", "olmo3", "exaone4"))
@@ -181,11 +186,13 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                       "seed_oss": (True, True, False), "cohere": (True, True, False),
                       "cohere2": (False, False, False), "nemotron": (True, True, True),
                       "arcee": (False, False, False), "nanochat": (True, True, False),
-                      "internlm3": (True, True, True)}.get(
-        name, biases)
+                      "internlm3": (True, True, True), "falcon_sequential": (True, True, True),
+                      **dict.fromkeys(("falcon", "falcon_grouped", "falcon2"),
+                                      (False, False, False))}.get(name, biases)
     assert config.parallel_residual == (name in ("gpt_neox", "phi", "cohere", "cohere2",
-                                                 "gptj"))
-    assert config.shared_norm == (name in ("phi", "cohere", "cohere2", "gptj"))
+                                                 "gptj", "falcon", "falcon_grouped", "falcon2"))
+    assert config.shared_norm == (name in ("phi", "cohere", "cohere2", "gptj", "falcon",
+                                           "falcon2"))
     assert config.logits_bias == (name in ("phi", "marian", "phimoe", "gptj"))
     assert config.sparsemixer_eps == (0.2 if name == "phimoe" else None)
     assert (config.query_scale_beta, config.query_scale_length) == (
@@ -195,13 +202,18 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                                                                           config.rotary_dim)
     assert (config.activation == "relu2") == (name in ("nemotron", "arcee", "nanochat"))
     assert (config.activation == "xielu") == (name == "apertus")
+    assert (config.activation == "gelu_exact") == (name in ("gpt_neox", "falcon", "falcon2",
+                                                            "falcon_grouped",
+                                                            "falcon_sequential"))
     assert config.sandwich_norms == (name in ("gemma2", "gemma3_text", "glm4", "gemma3"))
     assert (config.norm_type == "layernorm") == (name in ("gpt2", "marian", "gpt_neox", "phi",
                                                           "stablelm", "opt", "starcoder2",
                                                           "cohere", "cohere2", "nemotron",
                                                           "opt_350m", "phimoe", "olmo",
                                                           "gpt_bigcode", "gpt_bigcode_mha",
-                                                          "gpt_neo", "gptj"))
+                                                          "gpt_neo", "gptj", "falcon",
+                                                          "falcon_grouped",
+                                                          "falcon_sequential", "falcon2"))
     # OPT-350m: post-LN layers and a table narrower than the layers, projected in and out.
     assert (config.norm == "post", config.embedding_dim) == (
         (True, 16) if name == "opt_350m" else (name == "marian", None))
