@@ -1,6 +1,6 @@
 """Flax Transformer models with an explicit, immutable KV cache."""
 
-from .attention import attend
+from .attention import alibi_slopes, attend
 from .cache import KVCache, init_cache
 from .cache_size import CacheSize, cache_size_bytes
 from .config import PRESETS, SPEED_ONLY_FIELDS, TransformerConfig, preset
@@ -26,8 +26,8 @@ from .transformer import DecoderOnlyLM, EncoderDecoder
 __all__ = [
     "PRESETS", "SPEED_ONLY_FIELDS", "CacheSize", "DecoderOnlyLM", "EncoderDecoder", "KVCache",
     "LoRA", "TransformerConfig",
-    "NO_PAGE", "attend", "build_model", "cache_size_bytes", "check_prompt_length", "init_cache",
-    "init_paged_cache",
+    "NO_PAGE", "alibi_slopes", "attend", "build_model", "cache_size_bytes",
+    "check_prompt_length", "init_cache", "init_paged_cache",
     "init_params", "prefill", "preset", "prompt_is_source", "prompt_slots", "step_fn",
     "target_start", "teacher_forced_logits", "teacher_forced_hidden", "hidden_logits",
     "stack_layer_params", "unstack_layer_params", "with_float_kernels", "with_layer_layout",

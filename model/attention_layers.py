@@ -10,7 +10,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from . import lora_rows, paged
-from .attention import attend, attend_blocks
+from .attention import alibi_slopes, attend, attend_blocks
 from .cache import write_rows
 from .config import TransformerConfig
 from .norms import RMSNorm
@@ -64,6 +64,9 @@ class SelfAttention(nn.Module):
             q, k = _qk_norm(config, q, "q_norm"), _qk_norm(config, k, "k_norm")
         if config.query_scale_beta:
             q = q * _query_scales(config, positions_BT)[:, :, None, None].astype(q.dtype)
+        alibi = None
+        if config.positional_encoding == "alibi":
+            alibi = (jnp.asarray(alibi_slopes(config.num_heads)), positions_BT)
         sinks = None
         if config.attention_sinks:
             sinks = self.param("sinks", nn.initializers.zeros_init(), (config.num_heads,),
@@ -87,16 +90,18 @@ class SelfAttention(nn.Module):
             out = attend(q, k, v, mask_BTS[..., :k.shape[1]], config.attention_scale,
                          config.attention_softcap,
                          key_lengths_B=key_lengths_B if described else None, causal=causal,
-                         window=window, sinks_N=sinks)
+                         window=window, sinks_N=sinks, alibi=alibi)
         elif pages is not None:
             out = paged.attend_pages(q, *cache_kv[:2], layer, pages, mask_BTS,
                                      config.attention_block, scales=cache_kv[2:] or None,
                                      scale=config.attention_scale,
-                                     softcap=config.attention_softcap, sinks_N=sinks)
+                                     softcap=config.attention_softcap, sinks_N=sinks,
+                                     alibi=alibi)
         else:
             out, _ = attend_blocks(q, *cache_kv[:2], layer, mask_BTS, config.attention_block,
                                    scales=cache_kv[2:] or None, scale=config.attention_scale,
-                                   softcap=config.attention_softcap, sinks_N=sinks)
+                                   softcap=config.attention_softcap, sinks_N=sinks,
+                                   alibi=alibi)
         return lora_rows.add_update(self, "o", out, OutputProjection(config, name="out")(out)), \
             cache_kv
 

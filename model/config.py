@@ -31,6 +31,8 @@ class TransformerConfig:
     num_decoder_layers: int = 6
     num_encoder_layers: int = 0  # > 0 makes an encoder-decoder.
     max_len: int = 1024
+    # "sinusoidal" or "learned" (added to the embeddings), "rope" (turning queries and keys)
+    # or "alibi" (a bias on the attention logits by distance, decoder-only: model/attention.py).
     positional_encoding: str = "sinusoidal"
     norm: str = "post"
     activation: str = "relu"

@@ -11,7 +11,7 @@ import numpy as np
 # Each check takes a `TransformerConfig` (`config.py`, which imports this module).
 Config = Any
 
-POSITIONAL_ENCODINGS = ("sinusoidal", "learned", "rope")
+POSITIONAL_ENCODINGS = ("sinusoidal", "learned", "rope", "alibi")
 # Where each sublayer's norm sits: "post" Norm(x + Sublayer(x)) (the paper), "pre"
 # x + Sublayer(Norm(x)) (GPT-2, Llama), "output" x + Norm(Sublayer(x)) (OLMo 2 and 3); the
 # last two end their stacks with a norm of their own.
@@ -95,6 +95,9 @@ def problems(config: Config) -> list[str]:
     kv = config.num_kv_heads
     if kv is not None and (kv < 1 or (config.num_heads >= 1 and config.num_heads % kv)):
         problems.append(f"num_kv_heads={kv} must be >= 1 and divide num_heads={config.num_heads}")
+    if config.positional_encoding == "alibi" and config.num_encoder_layers > 0:
+        problems.append("positional_encoding='alibi' is a decoder's: its bias grows with how far "
+                        "back a key lies, and an encoder also attends forward")
     if config.positional_encoding == "rope" and config.num_heads >= 1:
         head_dim = _given_head_dim(config)
         if head_dim % 2:

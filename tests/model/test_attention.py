@@ -20,10 +20,12 @@ ATTENDS = pytest.mark.parametrize("attend", [M.attend, attend_from_cache_layout]
                                   ids=["fresh", "cached"])
 
 
-def numpy_attention(q, k, v, mask, scale=None, cap=None, sinks=None):
+def numpy_attention(q, k, v, mask, scale=None, cap=None, sinks=None, alibi=None):
     """q [B,T,N,H], k/v [B,S,K,H], mask [B,T,S] bool; the textbook formula, head by head,
     the logits scaled by `scale` (default 1/√H) and soft-capped at `cap` (None: not), each
-    head's sink logit `sinks[n]` (where given) one more term of the softmax's sum."""
+    head's sink logit `sinks[n]` (where given) one more term of the softmax's sum. `alibi`:
+    (slopes [N], query positions [B,T], key positions [B,S]), each head's slope times
+    (key position - query position) added to its logits."""
     batch, queries, heads, dim = q.shape
     kv_heads = k.shape[2]
     out = np.zeros_like(q, dtype=np.float64)
@@ -34,6 +36,10 @@ def numpy_attention(q, k, v, mask, scale=None, cap=None, sinks=None):
                 q[b, :, n].astype(np.float64) @ k[b, :, g].T * scale)
             if cap is not None:
                 scores = cap * np.tanh(scores / cap)
+            if alibi is not None:
+                slopes, query_positions, key_positions = alibi
+                scores = scores + float(slopes[n]) * (
+                    key_positions[b][None, :] - query_positions[b][:, None])
             scores = np.where(mask[b], scores, -np.inf)
             for t in range(queries):
                 if not mask[b, t].any():
@@ -85,6 +91,44 @@ def test_sinks_join_each_heads_softmax_as_a_key_of_value_zero(way):
     np.testing.assert_array_equal(out[1, 2], 0.0)
     without = numpy_attention(q, k, v, mask)
     assert np.all(np.abs(out[0]) < np.abs(without[0]) + 1e-6)  # a share went to the sink
+
+
+def test_alibi_slopes_are_the_papers():
+    """Press et al.'s slopes: 2^(-8i/N) for N a power of two; for 12 heads those of 8, then
+    every other slope of 16 (BLOOM's rule)."""
+    np.testing.assert_allclose(M.alibi_slopes(8), 2.0 ** -np.arange(1, 9))
+    sixteen = 2.0 ** (-np.arange(1, 17) / 2)
+    np.testing.assert_allclose(M.alibi_slopes(12),
+                               np.concatenate([2.0 ** -np.arange(1, 9), sixteen[0:8:2]]))
+
+
+@pytest.mark.parametrize("way", ["fresh", "one-read", "by-blocks", "whole"])
+def test_alibi_adds_each_heads_slope_times_the_keys_distance(way):
+    """ALiBi along every way of attending: over the new tokens at their positions (with a
+    row that starts at position 3), and over a cache's slots with queries at the positions
+    after a prefill of 5 and 3 tokens."""
+    rng = np.random.default_rng(6)
+    slopes = jnp.asarray(M.alibi_slopes(6))
+    k, v = (rng.normal(size=(2, 8, 3, 8)).astype(np.float32) for _ in range(2))
+    if way == "fresh":
+        q = rng.normal(size=(2, 8, 6, 8)).astype(np.float32)
+        positions = np.array([np.arange(8), np.arange(3, 11)])
+        mask = np.tril(np.ones((8, 8), bool))[None].repeat(2, 0)
+        out = M.attend(q, k, v, jnp.asarray(mask), alibi=(slopes, jnp.asarray(positions)))
+        key_positions = positions
+    else:
+        q = rng.normal(size=(2, 2, 6, 8)).astype(np.float32)
+        positions = np.array([[5, 6], [3, 4]])
+        key_positions = np.arange(8)[None].repeat(2, 0)
+        mask = key_positions[:, None, :] <= positions[:, :, None]
+        stacks = [jnp.asarray(x).transpose(0, 2, 1, 3)[None] for x in (k, v)]
+        out, _ = attend_blocks(q, *stacks, 0, jnp.asarray(mask), 3,
+                               alibi=(slopes, jnp.asarray(positions)),
+                               one_read_bytes=None if way == "one-read" else 0,
+                               whole_share=0.0 if way == "whole" else 10.0)
+    expected = numpy_attention(q, k, v, mask, alibi=(slopes, positions, key_positions))
+    np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5)
+    assert not np.allclose(expected, numpy_attention(q, k, v, mask), atol=1e-2)
 
 
 @ATTENDS

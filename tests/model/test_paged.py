@@ -36,15 +36,17 @@ def contiguous(pool, pages):
                                                   rows.shape[-1])
 
 
-@pytest.mark.parametrize("one_read_bytes, block_size, sinks", [
-    (None, PAGE, False), (0, PAGE, False), (0, 2 * PAGE, False), (None, PAGE, True),
-    (0, 2 * PAGE, True)], ids=["one-read", "page-by-page", "two-pages-at-a-time",
-                               "one-read-sinks", "two-pages-sinks"])
+@pytest.mark.parametrize("one_read_bytes, block_size, sinks, alibi", [
+    (None, PAGE, False, False), (0, PAGE, False, False), (0, 2 * PAGE, False, False),
+    (None, PAGE, True, False), (0, 2 * PAGE, True, False), (0, 2 * PAGE, False, True)],
+    ids=["one-read", "page-by-page", "two-pages-at-a-time", "one-read-sinks", "two-pages-sinks",
+         "two-pages-alibi"])
 def test_paged_attention_equals_the_formula_over_each_rows_pages(one_read_bytes, block_size,
-                                                                 sinks):
+                                                                 sinks, alibi):
     """Blocks of two pages over three pages a row: the last block starts a page early. Row 0's
     queries see a sliding window of 6 slots, which a block of one page starts past the
-    first. With each query head's sink logit (gpt-oss) too."""
+    first. With each query head's sink logit (gpt-oss) too, or ALiBi's bias (a slot's
+    position its index in the row's pages)."""
     q, (k_pool, v_pool), pages = pool_inputs()
     lengths = np.array([11, 5])  # row 1 ends inside its second page: its third is unseen
     k_pool[0, pages[1, 1], :, 1:] = np.nan  # past its length
@@ -55,12 +57,15 @@ def test_paged_attention_equals_the_formula_over_each_rows_pages(one_read_bytes,
     mask = ((slots <= positions[:, :, None]) & (slots < lengths[:, None, None])
             & (slots > positions[:, :, None] - 6))
     sinks = jnp.asarray([1.5, -0.5, 0.0, 3.0]) if sinks else None
+    slopes = jnp.asarray(M.alibi_slopes(4))
+    alibi = (slopes, jnp.asarray(positions)) if alibi else None
     out = attend_pages(q, jnp.asarray(k_pool), jnp.asarray(v_pool), 0, jnp.asarray(pages),
                        jnp.asarray(mask), block_size, one_read_bytes=one_read_bytes,
-                       sinks_N=sinks)
+                       sinks_N=sinks, alibi=alibi)
     safe = np.where(pages < 0, 0, pages)
     k, v = (np.nan_to_num(contiguous(pool, safe), nan=1e9) for pool in (k_pool, v_pool))
-    expected = numpy_attention(np.asarray(q), k, v, mask, sinks=sinks)
+    expected = numpy_attention(np.asarray(q), k, v, mask, sinks=sinks, alibi=alibi and (
+        slopes, positions, np.broadcast_to(slots, (2, slots.size))))
     assert np.all(np.isfinite(out))
     np.testing.assert_allclose(out, expected, atol=1e-5, rtol=0)
 

@@ -14,7 +14,7 @@ from kvjax import model as M
 # positional encoding, norm placement, MHA/GQA/MQA, a head size of its own and both layouts.
 OPTIONS = [
     dict(),
-    dict(positional_encoding="learned", norm="pre", activation="gelu"),
+    dict(positional_encoding="alibi", norm="pre", activation="gelu", num_heads=6, head_dim=8),
     dict(positional_encoding="rope", num_kv_heads=2, activation="swiglu", unrotated_layers=(0,)),
     dict(positional_encoding="rope", norm="pre", num_kv_heads=1, tie_embeddings=False,
          rope_scaling="llama3", rope_scaling_factor=4.0, rope_original_max_len=8, qkv_clip=0.5),
@@ -101,7 +101,8 @@ def test_chunked_prefill_fills_the_same_cache(variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_changing_a_token_changes_no_earlier_logit(variant):
-    config, params = make(OPTIONS[1], VARIANTS[variant])
+    # ALiBi's in the LM; learned positions in the encoder-decoder (ALiBi is a decoder's).
+    config, params = make(OPTIONS[1 if variant == "decoder_only" else 5], VARIANTS[variant])
     tokens = random_tokens(3, (1, 10), config.vocab_size)
     source, source_lengths = source_for(config, 1)
     before = run_full(config, params, tokens, source=source, source_lengths=source_lengths)
