@@ -6,7 +6,8 @@ kvjax runs is refused by name. The families built on Llama's layer are read in
 `llama_like.py` (and `llama_aliases.py`, those whose releases name keys in their own way),
 those of them that norm each sublayer's output in `output_norms.py`, those without a gate in
 their FFN in `plain_ffn.py`, those whose norms hold no parameters in `weightless_norms.py`,
-Cohere's in `cohere.py`, Falcon's in `falcon.py`; here, GPT-2's descendants (GPTBigCode,
+Cohere's in `cohere.py`, Falcon's in `falcon.py`, BLOOM's in `bloom.py`; here, GPT-2's
+descendants (GPTBigCode,
 GPT-Neo, OPT, and GPT-J, GPT-NeoX and Phi with their parallel layers) and Marian.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .bloom import READERS as BLOOM
 from .cohere import READERS as COHERE
 from .errors import UnsupportedModelError
 from .falcon import READERS as FALCON
@@ -234,5 +236,5 @@ READERS = {"gpt2": _gpt2, "gpt_bigcode": _gpt_bigcode, "gpt_neo": _gpt_neo, "gpt
            "opt": _opt,
            "gpt_neox": _gpt_neox, "phi": _phi, **LLAMA_LIKE, **LLAMA_ALIASES, **OUTPUT_NORMS,
            **PLAIN_FFN,
-           **WEIGHTLESS_NORMS, **COHERE, **MINISTRAL3, **HUNYUAN, **PHIMOE, **FALCON,
+           **WEIGHTLESS_NORMS, **COHERE, **MINISTRAL3, **HUNYUAN, **PHIMOE, **FALCON, **BLOOM,
            "marian": _marian}

@@ -1,6 +1,6 @@
-"""The weights of GPT-2 and its descendants (GPTBigCode, GPT-Neo, OPT; GPT-J, GPT-NeoX, Phi and
-Falcon with their parallel layers) and of Marian, read into kvjax params (`weights.load_params`
-chooses the reader).
+"""The weights of GPT-2 and its descendants (GPTBigCode, GPT-Neo, OPT, BLOOM; GPT-J, GPT-NeoX, Phi
+and Falcon with their parallel layers) and of Marian, read into kvjax params
+(`weights.load_params` chooses the reader).
 
 Shape letters as in `model/`; O and X of `heads_apart` are a tensor's output rows and inputs.
 """
@@ -121,25 +121,33 @@ def _gpt_neo(c: M.TransformerConfig, p: Params):
 
 
 def _gpt_neox(c: M.TransformerConfig, p: Params):
-    d, n, h, f = c.d_model, c.num_heads, c.head_dim, c.d_ff
-    p.set("embedder/embedding/embedding", p.read("gpt_neox.embed_in.weight", (c.vocab_size, d)))
+    p.set("embedder/embedding/embedding", p.read("gpt_neox.embed_in.weight",
+                                                 (c.vocab_size, c.d_model)))
     for i in range(c.num_decoder_layers):
-        src, dst = f"gpt_neox.layers.{i}.", f"layers/{i}/"
-        tensors.layer_norm(p, src + "input_layernorm", dst + "attention_block/norm", d)
-        tensors.layer_norm(p, src + "post_attention_layernorm", dst + "ffn_block/norm", d)
-        qkv = p.read(src + "attention.query_key_value.weight", (3 * n * h, d))
-        p.set(dst + "self_attention/qkv/kernel", heads_apart(qkv, n, h).T.reshape(d, 3 * n, h))
-        if c.qkv_bias:
-            bias = p.read(src + "attention.query_key_value.bias", (3 * n * h,))
-            p.set(dst + "self_attention/qkv/bias", heads_apart(bias, n, h).reshape(3 * n, h))
-        tensors.output(p, src + "attention.dense", dst + "self_attention/out", c)
-        tensors.dense(p, src + "mlp.dense_h_to_4h", dst + "ffn/wi", (f, d), True)
-        tensors.dense(p, src + "mlp.dense_4h_to_h", dst + "ffn/wo", (d, f), True)
-    tensors.layer_norm(p, "gpt_neox.final_layer_norm", "final_norm", d)
+        _heads_in_turn_layer(c, p, f"gpt_neox.layers.{i}.", f"layers/{i}/", "attention")
+    tensors.layer_norm(p, "gpt_neox.final_layer_norm", "final_norm", c.d_model)
     tensors.unembed(c, p, OUTPUT_TENSORS["gpt_neox"])
     # Older files keep the causal mask and RoPE's frequencies as buffers.
     return lambda name: name.endswith((".attention.bias", ".attention.masked_bias",
                                        ".rotary_emb.inv_freq"))
+
+
+def _heads_in_turn_layer(c: M.TransformerConfig, p: Params, src: str, dst: str,
+                         attention: str) -> None:
+    """GPT-NeoX's and BLOOM's layer: input_layernorm, `attention`'s query_key_value (each
+    head's q, k and v in turn; a bias where `qkv_bias`) and dense, post_attention_layernorm,
+    the MLP's dense_h_to_4h and dense_4h_to_h."""
+    d, n, h, f = c.d_model, c.num_heads, c.head_dim, c.d_ff
+    tensors.layer_norm(p, src + "input_layernorm", dst + "attention_block/norm", d)
+    tensors.layer_norm(p, src + "post_attention_layernorm", dst + "ffn_block/norm", d)
+    qkv = p.read(f"{src}{attention}.query_key_value.weight", (3 * n * h, d))
+    p.set(dst + "self_attention/qkv/kernel", heads_apart(qkv, n, h).T.reshape(d, 3 * n, h))
+    if c.qkv_bias:
+        bias = p.read(f"{src}{attention}.query_key_value.bias", (3 * n * h,))
+        p.set(dst + "self_attention/qkv/bias", heads_apart(bias, n, h).reshape(3 * n, h))
+    tensors.output(p, f"{src}{attention}.dense", dst + "self_attention/out", c)
+    tensors.dense(p, src + "mlp.dense_h_to_4h", dst + "ffn/wi", (f, d), True)
+    tensors.dense(p, src + "mlp.dense_4h_to_h", dst + "ffn/wo", (d, f), True)
 
 
 def _falcon(c: M.TransformerConfig, p: Params):
@@ -169,6 +177,20 @@ def _falcon(c: M.TransformerConfig, p: Params):
     tensors.unembed(c, p, "lm_head.weight")
     # The first releases' files keep RoPE's frequencies as buffers.
     return lambda name: name.endswith(".rotary_emb.inv_freq")
+
+
+def _bloom(c: M.TransformerConfig, p: Params):
+    # The releases' files were saved from BloomModel, without "transformer.".
+    prefix = "transformer." if "transformer.word_embeddings.weight" in p.files else ""
+    p.set("embedder/embedding/embedding", p.read(prefix + "word_embeddings.weight",
+                                                 (c.vocab_size, c.d_model)))
+    tensors.layer_norm(p, prefix + "word_embeddings_layernorm", "embedder/embedding_norm",
+                       c.d_model)
+    for i in range(c.num_decoder_layers):
+        _heads_in_turn_layer(c, p, f"{prefix}h.{i}.", f"layers/{i}/", "self_attention")
+    tensors.layer_norm(p, prefix + "ln_f", "final_norm", c.d_model)
+    tensors.unembed(c, p, "lm_head.weight")
+    return lambda name: False
 
 
 def _opt(c: M.TransformerConfig, p: Params):
@@ -294,4 +316,4 @@ def _check_sinusoids(p: Params, name: str, c: M.TransformerConfig) -> None:
 READERS = {"gpt2": _gpt2, "gpt_bigcode": _gpt_bigcode, "gpt_neo": _gpt_neo,
            "gptj": functools.partial(_one_norm_parallel, names=_GPTJ_NAMES),
            "gpt_neox": _gpt_neox, "phi": functools.partial(_one_norm_parallel, names=_PHI_NAMES),
-           "opt": _opt, "falcon": _falcon, "marian": _marian}
+           "opt": _opt, "falcon": _falcon, "bloom": _bloom, "marian": _marian}

@@ -22,36 +22,36 @@ from . import gpt_weights, mxfp4, tensors
 from .errors import UnsupportedModelError
 from .tensors import Params, WeightFiles
 
-# How each model type's files name and lay out its tensors: "llama" (Llama and its kin:
-# q_proj, k_proj, v_proj, gate_proj, up_proj, down_proj under model.layers.i), "fused"
-# (Phi-3: qkv_proj and gate_up_proj), "glm" (Llama's attention, its RoPE turning pairs of
-# dimensions, and Phi-3's gate_up_proj; GLM-4-0414's norms on the sublayers' outputs),
-# "gpt2" (Conv1D's c_attn, c_proj, c_fc under transformer.h.i), "gpt_bigcode" (the same
-# names as torch Linears, one kv head in c_attn or each head's q, k, v in turn), "gpt_neo"
-# (GPT-2's names with q_proj, k_proj, v_proj, out_proj under attn.attention), "gptj" (q_proj
-# to out_proj under attn, fc_in and fc_out, one LayerNorm a layer, RoPE over pairs), "gpt_neox"
-# (query_key_value, each head's q, k and v in turn, under gpt_neox.layers.i), "phi" (Phi-2:
-# q_proj, k_proj, v_proj, dense, fc1, fc2, one norm a layer), "opt" (q_proj, k_proj, v_proj,
-# out_proj, fc1, fc2 under model.decoder.layers.i), "plain_mlp" (Llama's attention, an FFN
-# of c_fc and c_proj: StarCoder2), "mixtral" (Llama's attention, experts of w1, w3 and w2
-# under block_sparse_moe), "granitemoe" (every expert in one input_linear and one
-# output_linear), "gpt_oss" (Llama's attention with sinks, every expert's interleaved gate
-# and up projections in one gate_up_proj, with biases) and "marian" (an encoder and a
-# decoder), "llama_pairs" (Llama's names, its RoPE turning pairs of dimensions: Helium,
-# ERNIE 4.5), "cohere" (as "llama_pairs", one bias-free LayerNorm a layer), "up_down_mlp"
-# (Llama's attention, an FFN of up_proj and down_proj: Arcee), "nemotron" (the same with
-# LayerNorm1P, whose weight + 1 is the scale) and "nanochat" (Llama's attention, its RoPE
-# turning the other way, an FFN of fc1 and fc2, no norm weights), "falcon" (query_key_value
-# by kv-head group, dense, dense_h_to_4h, dense_4h_to_h under transformer.h.i). Llama's layout holds
-# experts too: gate_proj, up_proj and down_proj under mlp (and a shared expert of the same
-# three beside them, with its gate: Qwen2-MoE).
+# How each model type's files name and lay out its tensors: "llama" (Llama and its kin: q_proj,
+# k_proj, v_proj, gate_proj, up_proj, down_proj under model.layers.i), "fused" (Phi-3: qkv_proj
+# and gate_up_proj), "glm" (Llama's attention, its RoPE turning pairs of dimensions, and Phi-3's
+# gate_up_proj; GLM-4-0414's norms on the sublayers' outputs), "gpt2" (Conv1D's c_attn, c_proj,
+# c_fc under transformer.h.i), "gpt_bigcode" (the same names as torch Linears, one kv head in
+# c_attn or each head's q, k, v in turn), "gpt_neo" (GPT-2's names with q_proj, k_proj, v_proj,
+# out_proj under attn.attention), "gptj" (q_proj to out_proj under attn, fc_in and fc_out, one
+# LayerNorm a layer, RoPE over pairs), "gpt_neox" (query_key_value, each head's q, k and v in
+# turn, under gpt_neox.layers.i), "phi" (Phi-2: q_proj, k_proj, v_proj, dense, fc1, fc2, one
+# norm a layer), "opt" (q_proj, k_proj, v_proj, out_proj, fc1, fc2 under
+# model.decoder.layers.i), "plain_mlp" (Llama's attention, an FFN of c_fc and c_proj:
+# StarCoder2), "mixtral" (Llama's attention, experts of w1, w3 and w2 under block_sparse_moe),
+# "granitemoe" (every expert in one input_linear and one output_linear), "gpt_oss" (Llama's
+# attention with sinks, every expert's interleaved gate and up projections in one gate_up_proj,
+# with biases) and "marian" (an encoder and a decoder), "llama_pairs" (Llama's names, its RoPE
+# turning pairs of dimensions: Helium, ERNIE 4.5), "cohere" (as "llama_pairs", one bias-free
+# LayerNorm a layer), "up_down_mlp" (Llama's attention, an FFN of up_proj and down_proj: Arcee),
+# "nemotron" (the same with LayerNorm1P, whose weight + 1 is the scale) and "nanochat" (Llama's
+# attention, its RoPE turning the other way, an FFN of fc1 and fc2, no norm weights), "falcon"
+# (query_key_value by kv-head group, dense, dense_h_to_4h, dense_4h_to_h under transformer.h.i),
+# "bloom" (Falcon's names, each head's q, k and v in turn, and a word_embeddings_layernorm).
+# Llama's layout holds experts too: gate_proj, up_proj and down_proj under mlp (and a shared
+# expert of the same three beside them, with its gate: Qwen2-MoE).
 LAYOUTS = {"gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode", "gpt_neo": "gpt_neo", "gptj": "gptj",
            "phi3": "fused", "marian": "marian", "gpt_neox": "gpt_neox",
            "phi": "phi", "opt": "opt", "starcoder2": "plain_mlp", "mixtral": "mixtral",
            "granitemoe": "granitemoe", "gpt_oss": "gpt_oss", "glm": "glm", "glm4": "glm",
            "helium": "llama_pairs", "ernie4_5": "llama_pairs", "cohere": "cohere",
            "cohere2": "cohere", "arcee": "up_down_mlp", "nemotron": "nemotron",
-           "apertus": "apertus", "nanochat": "nanochat", "falcon": "falcon",
+           "apertus": "apertus", "nanochat": "nanochat", "falcon": "falcon", "bloom": "bloom",
            **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite",
                             "gemma2", "gemma3_text", "olmo2", "olmo3", "stablelm", "gemma",
                             "qwen3_moe", "olmoe", "qwen2_moe", "seed_oss", "ministral",

@@ -107,7 +107,7 @@ def test_import_hf_of_a_bad_directory_is_one_line_and_writes_nothing(capsys, tmp
     code, stdout, err = run_cli(capsys, "import-hf", str(source), str(out))
     assert code == 2 and stdout == ""
     assert err.strip().count("\n") == 0
-    assert ("model_type 't5' is not supported; kvjax loads apertus, arcee, cohere, cohere2, "
+    assert ("model_type 't5' is not supported; kvjax loads apertus, arcee, bloom, cohere, cohere2, "
             "ernie4_5, exaone, exaone4, falcon, gemma, gemma2, gemma3_text, glm, glm4, gpt2, "
             "gpt_bigcode, gpt_neo, gpt_neox, gpt_oss, gptj, granite, granitemoe, helium, "
             "hunyuan_v1_dense, internlm3, llama, marian, ministral, ministral3, mistral, mixtral, "

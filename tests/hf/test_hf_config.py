@@ -13,12 +13,12 @@ from kvjax import hf
 
 @pytest.mark.parametrize("name, changes, message", [
     ("gpt2", dict(model_type="bert"),
-     "model_type 'bert' is not supported; kvjax loads apertus, arcee, cohere, cohere2, ernie4_5, "
-     "exaone, exaone4, falcon, gemma, gemma2, gemma3_text, glm, glm4, gpt2, gpt_bigcode, gpt_neo, "
-     "gpt_neox, gpt_oss, gptj, granite, granitemoe, helium, hunyuan_v1_dense, internlm3, llama, "
-     "marian, ministral, ministral3, mistral, mixtral, nanochat, nemotron, olmo, olmo2, olmo3, "
-     "olmoe, opt, phi, phi3, phimoe, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, "
-     "stablelm, starcoder2"),
+     "model_type 'bert' is not supported; kvjax loads apertus, arcee, bloom, cohere, cohere2, "
+     "ernie4_5, exaone, exaone4, falcon, gemma, gemma2, gemma3_text, glm, glm4, gpt2, "
+     "gpt_bigcode, gpt_neo, gpt_neox, gpt_oss, gptj, granite, granitemoe, helium, "
+     "hunyuan_v1_dense, internlm3, llama, marian, ministral, ministral3, mistral, mixtral, "
+     "nanochat, nemotron, olmo, olmo2, olmo3, olmoe, opt, phi, phi3, phimoe, qwen2, qwen2_moe, "
+     "qwen3, qwen3_moe, seed_oss, smollm3, stablelm, starcoder2"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
                                         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
      'rope settings {"partial_rotary_factor": 0.5} are not supported for rope type \'yarn\''),
@@ -129,6 +129,11 @@ from kvjax import hf
     ("falcon_grouped", dict(num_kv_heads=3, num_key_value_heads=3),
      "num_kv_heads=3 must divide num_attention_heads=4"),
     ("falcon_grouped", dict(num_key_value_heads=4), "num_key_value_heads=4 is not supported"),
+    ("bloom", dict(apply_residual_connection_post_layernorm=True),
+     "apply_residual_connection_post_layernorm=true is not supported (the residual taken after "
+     "the norm)"),
+    ("bloom", dict(n_inner=100), "n_inner=100 is not supported (transformers' BLOOM runs an FFN "
+                                 "4x the width)"),
 ])
 def test_unsupported_settings_are_refused(tmp_path, name, changes, message):
     directory = copy_of(name, tmp_path)
@@ -174,6 +179,11 @@ def test_unsupported_settings_are_refused(tmp_path, name, changes, message):
                     apply_residual_connection_post_layernorm=False)),
     ("falcon_grouped", dict(num_kv_heads=None, n_head_kv=2, rope_parameters=None,
                             rope_theta=50000.0)),
+    # BLOOM's releases: the keys of Megatron-DeepSpeed's training, which transformers reads
+    # nowhere, and n_inner null.
+    ("bloom", dict(attention_softmax_in_fp32=True, bias_dropout_fusion=True,
+                   masked_softmax_fusion=True, offset_alibi=100, skip_bias_add=True,
+                   skip_bias_add_qkv=False, unk_token_id=0, n_inner=None)),
     ("gpt_oss", dict(rope_parameters=None, rope_theta=150000.0, experts_per_token=2,
                      initial_context_length=16, rope_scaling={
                          "rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0,

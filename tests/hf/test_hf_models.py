@@ -30,7 +30,8 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "ernie4_5", "seed_oss", "ministral", "exaone4", "cohere", "cohere2", "nemotron",
          "arcee", "ministral3", "mistral3", "gemma3", "apertus", "hunyuan_v1_dense", "opt_350m",
          "phimoe", "nanochat", "olmo", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neo", "gptj",
-         "exaone", "internlm3", "falcon", "falcon_grouped", "falcon_sequential", "falcon2")
+         "exaone", "internlm3", "falcon", "falcon_grouped", "falcon_sequential", "falcon2",
+         "bloom")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -48,7 +49,7 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                "mistral3": "ministral3", "gemma3": "gemma3_text", "opt_350m": "opt",
                "phimoe": "phimoe", "gpt_bigcode_mha": "gpt_bigcode",
                **dict.fromkeys(("falcon", "falcon_grouped", "falcon_sequential", "falcon2"),
-                               "falcon")}
+                               "falcon"), "bloom": "bloom"}
 
 
 @pytest.fixture(scope="module")
@@ -120,11 +121,12 @@ def check_logits_and_greedy_tokens(config, params, record, logits):
 # each layer's own RoPE base beside windows, a layer without positions (and one beside
 # windowed layers with RoPE and norms on each sublayer's output), a mixture of experts
 # with a shared expert and one routed by SparseMixer, queries scaled by position, keys normed
-# after RoPE. Cached decoding equals the full forward for every option the families use
+# after RoPE, ALiBi. Cached decoding equals the full forward for every option the families use
 # (tests/model/test_transformer.py and the options' own tests).
 BEAM_FAMILIES = ("gpt2", "marian", "mistral", "gemma2", "qwen2_moe")
 GENERATE_FAMILIES = BEAM_FAMILIES + ("gemma3_text", "smollm3", "exaone4", "cohere2",
-                                     "ministral3", "hunyuan_v1_dense", "phimoe", "nanochat")
+                                     "ministral3", "hunyuan_v1_dense", "phimoe", "nanochat",
+                                     "bloom")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -136,7 +138,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                                               "granitemoe", "ernie4_5", "exaone4", "cohere",
                                               "cohere2", "gemma3", "olmo", "gpt_bigcode_mha",
                                               "gpt_neo", "exaone", "falcon",
-                                              "falcon_sequential", "falcon2"))
+                                              "falcon_sequential", "falcon2", "bloom"))
     assert config.qk_norm == (name in ("qwen3", "gemma3_text", "olmo2", "olmo3", "qwen3_moe",
                                        "olmoe", "exaone4", "gemma3", "apertus",
                                        "hunyuan_v1_dense", "nanochat"))
@@ -144,7 +146,9 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     # nanochat and OLMo (1): no norm holds a learned parameter; nanochat's normalise the
     # embeddings too.
     assert (config.norm_params, config.embedding_norm) == {
-        "nanochat": (False, True), "olmo": (False, False)}.get(name, (True, False))
+        "nanochat": (False, True), "olmo": (False, False), "bloom": (True, True)}.get(
+        name, (True, False))
+    assert (config.positional_encoding == "alibi") == (name == "bloom")
     assert config.qkv_clip == {"olmo": 0.5, "olmoe": 1.0}.get(name)
     # GPTBigCode: one kv head (multi_query), or one per query head with unscaled attention;
     # GPT-Neo's attention unscaled.
@@ -187,6 +191,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                       "cohere2": (False, False, False), "nemotron": (True, True, True),
                       "arcee": (False, False, False), "nanochat": (True, True, False),
                       "internlm3": (True, True, True), "falcon_sequential": (True, True, True),
+                      "bloom": (True, True, True),
                       **dict.fromkeys(("falcon", "falcon_grouped", "falcon2"),
                                       (False, False, False))}.get(name, biases)
     assert config.parallel_residual == (name in ("gpt_neox", "phi", "cohere", "cohere2",
@@ -213,7 +218,8 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                                                           "gpt_bigcode", "gpt_bigcode_mha",
                                                           "gpt_neo", "gptj", "falcon",
                                                           "falcon_grouped",
-                                                          "falcon_sequential", "falcon2"))
+                                                          "falcon_sequential", "falcon2",
+                                                          "bloom"))
     # OPT-350m: post-LN layers and a table narrower than the layers, projected in and out.
     assert (config.norm == "post", config.embedding_dim) == (
         (True, 16) if name == "opt_350m" else (name == "marian", None))
