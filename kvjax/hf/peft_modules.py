@@ -51,6 +51,10 @@ MODULES = {
     "nanochat": {**_ATTENTION, "mlp.fc1": ("wi",), "mlp.fc2": ("wo",)},
     "gpt_neox": {"attention.query_key_value": ("q", "k", "v"), "attention.dense": ("o",),
                  "mlp.dense_h_to_4h": ("wi",), "mlp.dense_4h_to_h": ("wo",)},
+    # BLOOM's query_key_value, each head's q, k and v in turn, under self_attention.
+    "bloom": {"self_attention.query_key_value": ("q", "k", "v"),
+              "self_attention.dense": ("o",), "mlp.dense_h_to_4h": ("wi",),
+              "mlp.dense_4h_to_h": ("wo",)},
     # Falcon's query_key_value by kv-head group (`weights.groups_apart`).
     "falcon": {"self_attention.query_key_value": ("q", "k", "v"),
                "self_attention.dense": ("o",), "mlp.dense_h_to_4h": ("wi",),
@@ -59,7 +63,7 @@ MODULES = {
 # Where each layout's layers are in the names PEFT gives its tensors (written with the
 # first); "model.layers" where not listed.
 _LAYER_PREFIXES = {"gpt2": ("transformer.h", "h"), "opt": ("model.decoder.layers",),
-                   "gpt_neox": ("gpt_neox.layers",),
+                   "gpt_neox": ("gpt_neox.layers",), "bloom": ("transformer.h", "h"),
                    **dict.fromkeys(("gpt_bigcode", "gpt_neo", "gptj", "falcon"),
                                    ("transformer.h",))}
 # Where a vision-language model's language model keeps its layers (`text_of_multimodal.py`),
@@ -76,7 +80,7 @@ def layer_prefixes(model_type: str) -> tuple[str, ...]:
 def reorders(config: TransformerConfig, model_type: str, module: str) -> bool:
     """Whether kvjax holds `module`'s output rows in another order than the file: a fused q,
     k and v whose heads each hold their q, k and v in turn (GPT-NeoX's query_key_value,
-    GPTBigCode's c_attn with a kv head per query head) or whose kv heads each hold their
+    BLOOM's, GPTBigCode's c_attn with a kv head per query head) or whose kv heads each hold their
     query heads, key and value (Falcon's query_key_value), where kvjax's targets hold every
     q head, then every k, then every v; the queries and keys of layouts whose RoPE turns pairs
     of a head's dimensions, or turns the other way, where kvjax turns halves
@@ -84,8 +88,8 @@ def reorders(config: TransformerConfig, model_type: str, module: str) -> bool:
     layout = LAYOUTS[model_type]
     targets = MODULES[layout].get(module)
     if targets == ("q", "k", "v"):
-        return layout in ("gpt_neox", "falcon") or (layout == "gpt_bigcode"
-                                                    and config.kv_heads == config.num_heads)
+        return layout in ("gpt_neox", "bloom", "falcon") or (
+            layout == "gpt_bigcode" and config.kv_heads == config.num_heads)
     return layout in ROPE_ORDERS and targets in (("q",), ("k",))
 
 
