@@ -193,6 +193,24 @@ def _bloom(c: M.TransformerConfig, p: Params):
     return lambda name: False
 
 
+def _mpt(c: M.TransformerConfig, p: Params):
+    d, n, h, f = c.d_model, c.num_heads, c.head_dim, c.d_ff
+    p.set("embedder/embedding/embedding", p.read("transformer.wte.weight", (c.vocab_size, d)))
+    for i in range(c.num_decoder_layers):
+        src, dst = f"transformer.blocks.{i}.", f"layers/{i}/"
+        # LayerNorms without biases; Wqkv's rows every q head, then every k, then every v.
+        tensors.layer_norm(p, src + "norm_1", dst + "attention_block/norm", d, bias=False)
+        tensors.layer_norm(p, src + "norm_2", dst + "ffn_block/norm", d, bias=False)
+        qkv = p.read(src + "attn.Wqkv.weight", (3 * n * h, d))
+        p.set(dst + "self_attention/qkv/kernel", qkv.T.reshape(d, 3 * n, h))
+        tensors.output(p, src + "attn.out_proj", dst + "self_attention/out", c)
+        tensors.dense(p, src + "ffn.up_proj", dst + "ffn/wi", (f, d), False)
+        tensors.dense(p, src + "ffn.down_proj", dst + "ffn/wo", (d, f), False)
+    tensors.layer_norm(p, "transformer.norm_f", "final_norm", d, bias=False)
+    tensors.unembed(c, p, "lm_head.weight")
+    return lambda name: False
+
+
 def _opt(c: M.TransformerConfig, p: Params):
     prefix = "model.decoder." if "model.decoder.embed_tokens.weight" in p.files else "decoder."
     d, f, n, h = c.d_model, c.d_ff, c.num_heads, c.head_dim
@@ -316,4 +334,5 @@ def _check_sinusoids(p: Params, name: str, c: M.TransformerConfig) -> None:
 READERS = {"gpt2": _gpt2, "gpt_bigcode": _gpt_bigcode, "gpt_neo": _gpt_neo,
            "gptj": functools.partial(_one_norm_parallel, names=_GPTJ_NAMES),
            "gpt_neox": _gpt_neox, "phi": functools.partial(_one_norm_parallel, names=_PHI_NAMES),
-           "opt": _opt, "falcon": _falcon, "bloom": _bloom, "marian": _marian}
+           "opt": _opt, "falcon": _falcon, "bloom": _bloom, "mpt": _mpt,
+           "marian": _marian}

@@ -55,6 +55,9 @@ MODULES = {
     "bloom": {"self_attention.query_key_value": ("q", "k", "v"),
               "self_attention.dense": ("o",), "mlp.dense_h_to_4h": ("wi",),
               "mlp.dense_4h_to_h": ("wo",)},
+    # MPT's Wqkv: every q head, then every k, then every v, as kvjax holds them.
+    "mpt": {"attn.Wqkv": ("q", "k", "v"), "attn.out_proj": ("o",), "ffn.up_proj": ("wi",),
+            "ffn.down_proj": ("wo",)},
     # Falcon's query_key_value by kv-head group (`weights.groups_apart`).
     "falcon": {"self_attention.query_key_value": ("q", "k", "v"),
                "self_attention.dense": ("o",), "mlp.dense_h_to_4h": ("wi",),
@@ -64,6 +67,7 @@ MODULES = {
 # first); "model.layers" where not listed.
 _LAYER_PREFIXES = {"gpt2": ("transformer.h", "h"), "opt": ("model.decoder.layers",),
                    "gpt_neox": ("gpt_neox.layers",), "bloom": ("transformer.h", "h"),
+                   "mpt": ("transformer.blocks",),
                    **dict.fromkeys(("gpt_bigcode", "gpt_neo", "gptj", "falcon"),
                                    ("transformer.h",))}
 # Where a vision-language model's language model keeps its layers (`text_of_multimodal.py`),

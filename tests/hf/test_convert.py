@@ -111,7 +111,7 @@ def test_import_hf_of_a_bad_directory_is_one_line_and_writes_nothing(capsys, tmp
             "ernie4_5, exaone, exaone4, falcon, gemma, gemma2, gemma3_text, glm, glm4, gpt2, "
             "gpt_bigcode, gpt_neo, gpt_neox, gpt_oss, gptj, granite, granitemoe, helium, "
             "hunyuan_v1_dense, internlm3, llama, marian, ministral, ministral3, mistral, mixtral, "
-            "nanochat, nemotron, olmo, olmo2, olmo3, olmoe, opt, phi, phi3, phimoe, qwen2, "
+            "mpt, nanochat, nemotron, olmo, olmo2, olmo3, olmoe, opt, phi, phi3, phimoe, qwen2, "
             "qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, stablelm, starcoder2") in err
     assert not out.exists()
     code, _, err = run_cli(capsys, "import-hf", str(tmp_path / "nowhere"), str(out))

@@ -16,7 +16,7 @@ from kvjax import hf
      "model_type 'bert' is not supported; kvjax loads apertus, arcee, bloom, cohere, cohere2, "
      "ernie4_5, exaone, exaone4, falcon, gemma, gemma2, gemma3_text, glm, glm4, gpt2, "
      "gpt_bigcode, gpt_neo, gpt_neox, gpt_oss, gptj, granite, granitemoe, helium, "
-     "hunyuan_v1_dense, internlm3, llama, marian, ministral, ministral3, mistral, mixtral, "
+     "hunyuan_v1_dense, internlm3, llama, marian, ministral, ministral3, mistral, mixtral, mpt, "
      "nanochat, nemotron, olmo, olmo2, olmo3, olmoe, opt, phi, phi3, phimoe, qwen2, qwen2_moe, "
      "qwen3, qwen3_moe, seed_oss, smollm3, stablelm, starcoder2"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
@@ -134,6 +134,16 @@ from kvjax import hf
      "the norm)"),
     ("bloom", dict(n_inner=100), "n_inner=100 is not supported (transformers' BLOOM runs an FFN "
                                  "4x the width)"),
+    # What MPT's own code runs and transformers' MPT would silently leave out.
+    ("mpt", dict(attn_config={"qk_ln": True}), "attn_config's qk_ln=true is not supported "
+                                               "(LayerNorm over queries and keys"),
+    ("mpt", dict(attn_config={"alibi_bias_max": 16}), "attn_config's alibi_bias_max=16 is not "
+                                                      "supported"),
+    ("mpt", dict(attn_config={"rope": True}), "attn_config's rope=true is not supported"),
+    ("mpt", dict(logit_scale="inv_sqrt_d_model"), 'logit_scale="inv_sqrt_d_model" is not '
+                                                  "supported"),
+    ("mpt", dict(expansion_ratio=2), "expansion_ratio=2 is not supported"),
+    ("mpt", dict(norm_type="rmsnorm"), "norm_type='rmsnorm' is not supported"),
 ])
 def test_unsupported_settings_are_refused(tmp_path, name, changes, message):
     directory = copy_of(name, tmp_path)
@@ -184,6 +194,15 @@ def test_unsupported_settings_are_refused(tmp_path, name, changes, message):
     ("bloom", dict(attention_softmax_in_fp32=True, bias_dropout_fusion=True,
                    masked_softmax_fusion=True, offset_alibi=100, skip_bias_add=True,
                    skip_bias_add_qkv=False, unk_token_id=0, n_inner=None)),
+    # MPT-7B's release: keys of its own code for initialisation and training.
+    ("mpt", dict(init_device="cpu", init_config={"name": "kaiming_normal_"}, verbose=0,
+                 tokenizer_name="EleutherAI/gpt-neox-20b", learned_pos_emb=True,
+                 embedding_fraction=1.0, fc_type="torch", ffn_config={"ffn_type": "mptmlp"},
+                 use_pad_tok_in_ffn=True, norm_type="low_precision_layernorm",
+                 attn_config={"attn_impl": "triton", "attn_pdrop": 0, "clip_qkv": 1.0,
+                              "softmax_scale": 0.25, "alibi": True, "alibi_bias_max": 8,
+                              "attn_type": "multihead_attention", "prefix_lm": False,
+                              "qk_ln": False, "attn_uses_sequence_id": False})),
     ("gpt_oss", dict(rope_parameters=None, rope_theta=150000.0, experts_per_token=2,
                      initial_context_length=16, rope_scaling={
                          "rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0,

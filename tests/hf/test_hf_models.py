@@ -31,7 +31,7 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "arcee", "ministral3", "mistral3", "gemma3", "apertus", "hunyuan_v1_dense", "opt_350m",
          "phimoe", "nanochat", "olmo", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neo", "gptj",
          "exaone", "internlm3", "falcon", "falcon_grouped", "falcon_sequential", "falcon2",
-         "bloom")
+         "bloom", "mpt")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -49,7 +49,7 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                "mistral3": "ministral3", "gemma3": "gemma3_text", "opt_350m": "opt",
                "phimoe": "phimoe", "gpt_bigcode_mha": "gpt_bigcode",
                **dict.fromkeys(("falcon", "falcon_grouped", "falcon_sequential", "falcon2"),
-                               "falcon"), "bloom": "bloom"}
+                               "falcon"), "bloom": "bloom", "mpt": "mpt"}
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +138,8 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                                               "granitemoe", "ernie4_5", "exaone4", "cohere",
                                               "cohere2", "gemma3", "olmo", "gpt_bigcode_mha",
                                               "gpt_neo", "exaone", "falcon",
-                                              "falcon_sequential", "falcon2", "bloom"))
+                                              "falcon_sequential", "falcon2", "bloom",
+                                              "mpt"))
     assert config.qk_norm == (name in ("qwen3", "gemma3_text", "olmo2", "olmo3", "qwen3_moe",
                                        "olmoe", "exaone4", "gemma3", "apertus",
                                        "hunyuan_v1_dense", "nanochat"))
@@ -148,16 +149,17 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     assert (config.norm_params, config.embedding_norm) == {
         "nanochat": (False, True), "olmo": (False, False), "bloom": (True, True)}.get(
         name, (True, False))
-    assert (config.positional_encoding == "alibi") == (name == "bloom")
-    assert config.qkv_clip == {"olmo": 0.5, "olmoe": 1.0}.get(name)
+    assert (config.positional_encoding == "alibi") == (name in ("bloom", "mpt"))
+    assert config.qkv_clip == {"olmo": 0.5, "olmoe": 1.0, "mpt": 1.0}.get(name)
     # GPTBigCode: one kv head (multi_query), or one per query head with unscaled attention;
     # GPT-Neo's attention unscaled.
-    # Falcon: one kv head (multi_query), two (the new architecture), one per query head.
-    if name.startswith(("gpt_bigcode", "gpt_neo", "falcon")):
+    # Falcon: one kv head (multi_query), two (the new architecture), one per query head; MPT
+    # its own softmax_scale.
+    if name.startswith(("gpt_bigcode", "gpt_neo", "falcon", "mpt")):
         assert (config.kv_heads, config.attention_scale) == {
             "gpt_bigcode": (1, None), "gpt_bigcode_mha": (4, 1.0), "gpt_neo": (4, 1.0),
             "gpt_neox": (4, None), "falcon": (1, None), "falcon_grouped": (2, None),
-            "falcon_sequential": (4, None), "falcon2": (2, None)}[name]
+            "falcon_sequential": (4, None), "falcon2": (2, None), "mpt": (4, 0.25)}[name]
     assert config.logits_softcap == {"gemma2": 8.0, "nanochat": 2.0}.get(name)
     assert config.qk_norm_across_heads == (name in ("olmo2", "olmo3", "olmoe"))
     assert (config.norm == "output") == (name in ("olmo2", "olmo3", "exaone4"))
@@ -191,7 +193,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                       "cohere2": (False, False, False), "nemotron": (True, True, True),
                       "arcee": (False, False, False), "nanochat": (True, True, False),
                       "internlm3": (True, True, True), "falcon_sequential": (True, True, True),
-                      "bloom": (True, True, True),
+                      "bloom": (True, True, True), "mpt": (False, False, False),
                       **dict.fromkeys(("falcon", "falcon_grouped", "falcon2"),
                                       (False, False, False))}.get(name, biases)
     assert config.parallel_residual == (name in ("gpt_neox", "phi", "cohere", "cohere2",
@@ -209,7 +211,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     assert (config.activation == "xielu") == (name == "apertus")
     assert (config.activation == "gelu_exact") == (name in ("gpt_neox", "falcon", "falcon2",
                                                             "falcon_grouped",
-                                                            "falcon_sequential"))
+                                                            "falcon_sequential", "mpt"))
     assert config.sandwich_norms == (name in ("gemma2", "gemma3_text", "glm4", "gemma3"))
     assert (config.norm_type == "layernorm") == (name in ("gpt2", "marian", "gpt_neox", "phi",
                                                           "stablelm", "opt", "starcoder2",
@@ -219,7 +221,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                                                           "gpt_neo", "gptj", "falcon",
                                                           "falcon_grouped",
                                                           "falcon_sequential", "falcon2",
-                                                          "bloom"))
+                                                          "bloom", "mpt"))
     # OPT-350m: post-LN layers and a table narrower than the layers, projected in and out.
     assert (config.norm == "post", config.embedding_dim) == (
         (True, 16) if name == "opt_350m" else (name == "marian", None))

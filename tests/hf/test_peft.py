@@ -36,7 +36,7 @@ ADAPTERS = Path(__file__).parents[1] / "fixtures" / "hf_adapters"
 NAMES = ("llama_gqa", "phi3", "gpt2", "phi", "opt", "gpt_neox", "starcoder2", "mixtral",
          "glm4", "gpt_oss", "gemma3", "cohere", "cohere2", "arcee", "nemotron", "apertus",
          "hunyuan_v1_dense", "marian", "phimoe", "nanochat", "gpt_bigcode", "gpt_bigcode_mha",
-         "gpt_neo", "gptj", "falcon_grouped", "bloom")
+         "gpt_neo", "gptj", "falcon_grouped", "bloom", "mpt")
 
 
 def expected(name):
@@ -209,6 +209,7 @@ def test_fixtures_are_what_peft_computes(tmp_path):
     ("falcon_grouped", ("q", "v", "o", "wi")),  # query_key_value by kv-head group
     ("falcon_sequential", ("k", "wo")),  # each head's q, k and v in turn
     ("bloom", ("q", "v", "o")),  # as GPT-NeoX's, under self_attention
+    ("mpt", ("k", "wi", "wo")),  # Wqkv, under transformer.blocks
 ])
 def test_adapters_written_as_peft_merge_as_kvjax_merges_them(tmp_path, name, targets):
     from kvjax.hf.peft import write_peft_adapter
