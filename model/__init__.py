@@ -1,6 +1,6 @@
 """Flax Transformer models with an explicit, immutable KV cache."""
 
-from .attention import alibi_slopes, attend
+from .attention import attend
 from .cache import KVCache, init_cache
 from .cache_size import CacheSize, cache_size_bytes
 from .config import PRESETS, SPEED_ONLY_FIELDS, TransformerConfig, preset
@@ -20,12 +20,13 @@ from .interface import (
 from .layers import stack_layer_params, unstack_layer_params, with_layer_layout
 from .lora import LoRA
 from .paged import NO_PAGE, init_paged_cache
+from .positional import PositionBias, alibi_slopes
 from .precision import with_float_kernels, with_precision
 from .transformer import DecoderOnlyLM, EncoderDecoder
 
 __all__ = [
     "PRESETS", "SPEED_ONLY_FIELDS", "CacheSize", "DecoderOnlyLM", "EncoderDecoder", "KVCache",
-    "LoRA", "TransformerConfig",
+    "LoRA", "PositionBias", "TransformerConfig",
     "NO_PAGE", "alibi_slopes", "attend", "build_model", "cache_size_bytes",
     "check_prompt_length", "init_cache", "init_paged_cache",
     "init_params", "prefill", "preset", "prompt_is_source", "prompt_slots", "step_fn",

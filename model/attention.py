@@ -30,47 +30,21 @@ w_i = exp(l_i) / (Σ_j exp(l_j) + exp(s)), so a query may give little weight to 
 sees. Every way of attending above takes them (`sinks` [N]), except cuDNN's and jax's fused
 attention, which a call with sinks does not use. A query that sees no key returns zeros.
 
-ALiBi (`positional_encoding="alibi"`: BLOOM, Falcon-RW) gives no position to the tokens;
-each head h adds m_h · (j - i) to the logit of query position i for key position j, a
-penalty growing with the distance (`alibi` below: the slopes [N] and the queries' positions
-[B, T]). Key positions are those of the new tokens in `attend`, a slot's index in a cache
-(slot j holds position j). The flash kernels (cuDNN's, jax's, the decode kernel) take no
-such bias, so a call with one runs XLA's ops, as with sinks.
+A position bias (`positional.PositionBias`: ALiBi's, BLOOM and MPT; T5's learned buckets)
+gives no position to the tokens; each head adds to the logit of query position i for key
+position j a bias by j - i. Key positions are those of the new tokens in `attend`, a slot's
+index in a cache (slot j holds position j). The flash kernels (cuDNN's, jax's, the decode
+kernel) take no such bias, so a call with one runs XLA's ops, as with sinks.
 """
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .decode_kernel import decode_attention, decode_kernel_use, seen_blocks
 from .fused_attention import attend_fused, fused_attention_applies
-
-# ALiBi's operands: each query head's slope [N] and each query's position [B, T].
-Alibi = tuple[jax.Array, jax.Array]
-
-
-def alibi_slopes(num_heads: int) -> np.ndarray:
-    """ALiBi's slope of each head [N] (Press et al.; BLOOM's): with c the largest power of two
-    <= N, 2^(-8i/c) for i = 1..c, then for the N - c heads left 2^(-4i/c) for i = 1, 3, 5...
-    (every other slope of 2c heads)."""
-    closest = 2 ** int(math.floor(math.log2(num_heads)))
-    slopes = 2.0 ** (-8.0 / closest * np.arange(1, closest + 1))
-    extra = 2.0 ** (-4.0 / closest * np.arange(1, 2 * (num_heads - closest), 2))
-    return np.concatenate([slopes, extra]).astype(np.float32)
-
-
-def _alibi_BKGTS(alibi: Alibi, kv_heads: int, key_positions) -> jax.Array:
-    """ALiBi's bias [B, K, G, T, S]: each head's slope times (key position - query
-    position), for keys at `key_positions` ([S] slots of a cache, or [B, S])."""
-    slopes_N, positions_BT = alibi
-    distance_BTS = (jnp.asarray(key_positions)[..., None, :] - positions_BT[..., None]
-                    ).astype(jnp.float32)
-    slopes_KG = slopes_N.astype(jnp.float32).reshape(kv_heads, -1)
-    return slopes_KG[None, :, :, None, None] * distance_BTS[:, None, None]
+from .positional import PositionBias
 
 
 def soft_cap(logits: jax.Array, cap: float | None) -> jax.Array:
@@ -82,7 +56,7 @@ def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
            mask_BTS: jax.Array, scale: float | None = None,
            softcap: float | None = None, *, key_lengths_B: jax.Array | None = None,
            causal: bool = False, window: int | None = None,
-           sinks_N: jax.Array | None = None, alibi: Alibi | None = None) -> jax.Array:
+           sinks_N: jax.Array | None = None, bias: PositionBias | None = None) -> jax.Array:
     """softmax(QKᵀ/√H + mask)V with a boolean mask (True = may attend). Returns [B, T, N, H].
 
     `scale` replaces 1/√H; `softcap` caps the scaled logits (`soft_cap`) before the mask.
@@ -92,12 +66,12 @@ def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
     allowed iff s < key_lengths[b] (and s <= the query's index, with `causal`, and
     s > the query's index - `window` where a window is given); a fused kernel then runs
     where the backend has one (`model/fused_attention.py`). `sinks` [N] (where given) are
-    each query head's sink logit (above); `alibi`, ALiBi's operands, the keys at the queries'
-    positions (self-attention over the new tokens).
+    each query head's sink logit (above); `bias`, a bias by distance (above), the
+    keys at the queries' positions (self-attention over the new tokens).
     """
     if window is not None and not causal:
         raise ValueError(f"a sliding window of {window} describes a causal mask only")
-    fusable = sinks_N is None and softcap is None and alibi is None
+    fusable = sinks_N is None and softcap is None and bias is None
     if key_lengths_B is not None and fusable and fused_attention_applies(
             q_BTNH, k_BSKH, v_BSKH, softcap):
         out = attend_fused(q_BTNH, k_BSKH, v_BSKH, key_lengths_B, causal, scale, window)
@@ -106,7 +80,7 @@ def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
         out = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_BTS[:, None],
                                            scale=scale)
         return _zero_rows_without_keys(out, mask_BTS).astype(q_BTNH.dtype)
-    # jax's attention has no cap, no sinks and no ALiBi: the same softmax, written out.
+    # jax's attention has no cap, no sinks and no bias: the same softmax, written out.
     batch, num_queries, num_heads, head_dim = q_BTNH.shape
     kv_heads = k_BSKH.shape[2]
     q_BTKGH = q_BTNH.reshape(batch, num_queries, kv_heads, num_heads // kv_heads, head_dim)
@@ -114,9 +88,9 @@ def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
                               preferred_element_type=jnp.float32)
     logits_BKGTS = soft_cap(logits_BKGTS * (head_dim**-0.5 if scale is None else scale),
                             softcap)
-    if alibi is not None:
-        logits_BKGTS = logits_BKGTS + _alibi_BKGTS(alibi, kv_heads,
-                                                   alibi[1][:, :k_BSKH.shape[1]])
+    if bias is not None:
+        logits_BKGTS = logits_BKGTS + bias.logits_BKGTS(
+            kv_heads, bias.positions_BT[:, :k_BSKH.shape[1]])
     weights_BKGTS = _masked_softmax(logits_BKGTS, mask_BTS, _sinks_KG(sinks_N, kv_heads))
     out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", weights_BKGTS.astype(v_BSKH.dtype), v_BSKH,
                            preferred_element_type=jnp.float32)
@@ -156,13 +130,13 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
                   scales: tuple[jax.Array, jax.Array] | None = None,
                   one_read_bytes: int | None = None, scale: float | None = None,
                   softcap: float | None = None, sinks_N: jax.Array | None = None,
-                  alibi: Alibi | None = None) -> tuple[jax.Array, jax.Array]:
+                  bias: PositionBias | None = None) -> tuple[jax.Array, jax.Array]:
     """`attend` over layer `layer` of the cache's stacks [L, B, K, S, H], reading only the
     blocks of `block_size` slots from the first to the last slot that `mask` lets any query
     see (`seen_blocks`): a row's filled slots, or a sliding window's.
     `scales` are an int8 cache's (k_scale, v_scale) stacks [L, B, K, S] (None for floats):
     the keys and values attended to are then `k * k_scale` and `v * v_scale`. `scale`,
-    `softcap`, `sinks` and `alibi` are `attend`'s (ALiBi's key positions: the slots).
+    `softcap`, `sinks` and `bias` are `attend`'s (the keys' positions: the slots).
 
     Returns the output [B, T, N, H] and how many blocks of the capacity were read (a scalar).
     The range of blocks is traced: a decode loop compiles once and each step pays for what
@@ -182,7 +156,7 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
     block = min(block_size, capacity)
     first_block, num_blocks = seen_blocks(mask_BTS, block)
     layers_BKSH = [jax.ShapeDtypeStruct(s.shape[1:], s.dtype) for s in (k_LBKSH, v_LBKSH)]
-    kernel = None if scales is not None or alibi is not None else decode_kernel_use(
+    kernel = None if scales is not None or bias is not None else decode_kernel_use(
         q_BTNH, *layers_BKSH, softcap)
     if kernel is not None:
         k_BKSH, v_BKSH = (jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False)
@@ -199,10 +173,10 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
     if layer_bytes <= one_read_bytes:
         if scales is None:
             out_XMH = _attend_whole(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap,
-                                    zero_unseen=True, sinks_KG=sinks_KG, alibi=alibi)
+                                    zero_unseen=True, sinks_KG=sinks_KG, bias=bias)
         else:  # one block of every slot: the loop's body, run once
             out_XMH = _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap,
-                                            capacity, 1, scales, sinks_KG=sinks_KG, alibi=alibi)
+                                            capacity, 1, scales, sinks_KG=sinks_KG, bias=bias)
         return _to_BTNH(out_XMH, q_BTNH), jnp.asarray(all_blocks, jnp.int32)
     if scales is not None:
         # An int8 cache is always read by blocks: a product over a whole layer would first
@@ -211,22 +185,22 @@ def attend_blocks(q_BTNH: jax.Array, k_LBKSH: jax.Array, v_LBKSH: jax.Array, lay
         # slots and copies a quarter of the bytes of a float32 block (benchmarks/README.md).
         blocks = _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap,
                                        block, num_blocks, scales, sinks_KG=sinks_KG,
-                                       first_block=first_block, alibi=alibi)
+                                       first_block=first_block, bias=bias)
         return _to_BTNH(blocks, q_BTNH), num_blocks - first_block
     args = (q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap)
 
     def by_blocks():
         return _attend_filled_blocks(*args, block, num_blocks, sinks_KG=sinks_KG,
-                                     first_block=first_block, alibi=alibi)
+                                     first_block=first_block, bias=bias)
 
     if k_LBKSH.shape[0] > 1:
         if layer_bytes > STACKED_WHOLE_MAX_BYTES:
             return _to_BTNH(by_blocks(), q_BTNH), num_blocks - first_block
-        return (_to_BTNH(_attend_whole(*args, sinks_KG=sinks_KG, alibi=alibi), q_BTNH),
+        return (_to_BTNH(_attend_whole(*args, sinks_KG=sinks_KG, bias=bias), q_BTNH),
                 jnp.asarray(all_blocks, jnp.int32))
     out_XMH, blocks_read = jax.lax.cond(
         (num_blocks - first_block) * block > whole_share * capacity,
-        lambda: (_attend_whole(*args, sinks_KG=sinks_KG, alibi=alibi),
+        lambda: (_attend_whole(*args, sinks_KG=sinks_KG, bias=bias),
                  jnp.asarray(all_blocks, jnp.int32)),
         lambda: (by_blocks(), num_blocks - first_block))
     return _to_BTNH(out_XMH, q_BTNH), blocks_read
@@ -255,10 +229,10 @@ def _to_BTNH(out_XMH, q_BTNH):
 
 
 def _attend_whole(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap, zero_unseen: bool = False,
-                  sinks_KG=None, alibi=None):
+                  sinks_KG=None, bias=None):
     """Softmax attention over every slot of the layer in two products, its logits capped
-    by `softcap` (None: not) and biased by ALiBi where given, beside the sinks [K, G] where
-    given. Returns [X, M, H].
+    by `softcap` (None: not) and biased by `bias` where given, beside the sinks
+    [K, G] where given. Returns [X, M, H].
     `zero_unseen`: V is always read with unseen slots zeroed (below), never conditionally."""
     _, batch, kv_heads, capacity, head_dim = k_LBKSH.shape
     num_queries = mask_BTS.shape[1]
@@ -269,8 +243,8 @@ def _attend_whole(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap, zero_unseen
     logits_XMS = soft_cap(jnp.einsum("XMH,XSH->XMS", q_XMH.astype(k_XSH.dtype), k_XSH,
                                      preferred_element_type=jnp.float32), softcap)
     logits_BKGTS = logits_XMS.reshape(batch, kv_heads, group, num_queries, capacity)
-    if alibi is not None:
-        logits_BKGTS = logits_BKGTS + _alibi_BKGTS(alibi, kv_heads, jnp.arange(capacity))
+    if bias is not None:
+        logits_BKGTS = logits_BKGTS + bias.logits_BKGTS(kv_heads, jnp.arange(capacity))
     weights_XMS = _masked_softmax(logits_BKGTS, mask_BTS, sinks_KG).reshape(logits_XMS.shape)
 
     def mix(v_BKSH):
@@ -295,7 +269,7 @@ def _attend_whole(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap, zero_unseen
 
 def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap, block,
                           num_blocks, scales=None, pages=None, sinks_KG=None, first_block=0,
-                          alibi=None):
+                          bias=None):
     """The online softmax (FlashAttention's recurrence) over blocks `first_block` to
     `num_blocks` (one past the last) of `block` slots, in a `lax.while_loop` (no loop when
     one block holds every slot). The slots outside them must be unseen. Returns [X, M, H].
@@ -311,8 +285,8 @@ def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap, blo
     the stacks are a paged cache's pools [L, pages, K, U, H] (`model/paged.py`), `block` is
     a multiple of their page size and a row's block is gathered from its pages. With
     `sinks` [K, G] each query's running max and sum start from its head's sink logit, as if
-    its sink were one more slot, seen first, whose value is zero. With `alibi` each block's
-    logits take ALiBi's bias for its slots (after the cap).
+    its sink were one more slot, seen first, whose value is zero. With `bias` each
+    block's logits take the bias of its slots (after the cap).
     """
     batch, _, capacity = mask_BTS.shape
     kv_heads, head_dim = k_LBKSH.shape[2], k_LBKSH.shape[4]
@@ -365,9 +339,9 @@ def _attend_filled_blocks(q_XMH, k_LBKSH, v_LBKSH, layer, mask_BTS, softcap, blo
         if scales is not None:
             logits_BKGTU = logits_BKGTU * read_scales(scales[0], start)
         logits_BKGTU = soft_cap(logits_BKGTU, softcap)
-        if alibi is not None:
-            logits_BKGTU = logits_BKGTU + _alibi_BKGTS(
-                alibi, kv_heads, start + jnp.arange(block, dtype=jnp.int32))
+        if bias is not None:
+            logits_BKGTU = logits_BKGTU + bias.logits_BKGTS(
+                kv_heads, start + jnp.arange(block, dtype=jnp.int32))
         logits_BKGTU = jnp.where(seen_BTU[:, None, None], logits_BKGTU, -jnp.inf)
         new_max = jnp.maximum(max_BKGT, jnp.max(logits_BKGTU, axis=-1))
         # While a query has seen no slot its max is -inf; subtract 0 then, so exp() gives 0.

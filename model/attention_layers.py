@@ -10,11 +10,11 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from . import lora_rows, paged
-from .attention import alibi_slopes, attend, attend_blocks
+from .attention import attend, attend_blocks
 from .cache import write_rows
 from .config import TransformerConfig
 from .norms import RMSNorm
-from .positional import apply_rope, layer_rope
+from .positional import PositionBias, alibi_slopes, apply_rope, layer_rope
 from .projections import OutputProjection, projection
 from .quantize import quantize, round_trip
 
@@ -35,7 +35,9 @@ class SelfAttention(nn.Module):
     of a call that attends over the new tokens alone (as `attend` takes them), or are None.
     `pages` [B, pages per row] are a paged cache's page tables (`model/paged.py`): the stacks
     are then its pools, written and read through the tables. With `attention_sinks` the
-    layer holds a sink logit for each query head, `sinks` [N] (`model/attention.py`).
+    layer holds a sink logit for each query head, `sinks` [N] (`model/attention.py`). With
+    ALiBi, or T5's relative bias (`bias_table` [R, N], the stack's), the logits take a bias
+    by distance (`positional.PositionBias`), bidirectional where not `causal`.
     """
 
     config: TransformerConfig
@@ -43,7 +45,7 @@ class SelfAttention(nn.Module):
     @nn.compact
     def __call__(self, x_BTD, positions_BT, mask_BTS, cache_kv=None, layer=None, starts_B=None,
                  fits_B=None, fresh: bool = False, local=False, key_lengths_B=None,
-                 causal: bool = True, pages=None, turned=True):
+                 causal: bool = True, pages=None, turned=True, bias_table=None):
         config = self.config
         # One projection to all heads, split after: one matmul streams the weights where
         # three smaller ones would each pay a kernel launch (a decode step is many of them).
@@ -64,9 +66,13 @@ class SelfAttention(nn.Module):
             q, k = _qk_norm(config, q, "q_norm"), _qk_norm(config, k, "k_norm")
         if config.query_scale_beta:
             q = q * _query_scales(config, positions_BT)[:, :, None, None].astype(q.dtype)
-        alibi = None
+        bias = None
         if config.positional_encoding == "alibi":
-            alibi = (jnp.asarray(alibi_slopes(config.num_heads)), positions_BT)
+            bias = PositionBias(positions_BT, slopes_N=jnp.asarray(alibi_slopes(config.num_heads)))
+        elif config.positional_encoding == "relative":
+            bias = PositionBias(positions_BT, table_RN=bias_table,
+                                num_buckets=config.relative_buckets,
+                                max_distance=config.relative_max_distance, bidirectional=not causal)
         sinks = None
         if config.attention_sinks:
             sinks = self.param("sinks", nn.initializers.zeros_init(), (config.num_heads,),
@@ -90,18 +96,18 @@ class SelfAttention(nn.Module):
             out = attend(q, k, v, mask_BTS[..., :k.shape[1]], config.attention_scale,
                          config.attention_softcap,
                          key_lengths_B=key_lengths_B if described else None, causal=causal,
-                         window=window, sinks_N=sinks, alibi=alibi)
+                         window=window, sinks_N=sinks, bias=bias)
         elif pages is not None:
             out = paged.attend_pages(q, *cache_kv[:2], layer, pages, mask_BTS,
                                      config.attention_block, scales=cache_kv[2:] or None,
                                      scale=config.attention_scale,
                                      softcap=config.attention_softcap, sinks_N=sinks,
-                                     alibi=alibi)
+                                     bias=bias)
         else:
             out, _ = attend_blocks(q, *cache_kv[:2], layer, mask_BTS, config.attention_block,
                                    scales=cache_kv[2:] or None, scale=config.attention_scale,
                                    softcap=config.attention_softcap, sinks_N=sinks,
-                                   alibi=alibi)
+                                   bias=bias)
         return lora_rows.add_update(self, "o", out, OutputProjection(config, name="out")(out)), \
             cache_kv
 

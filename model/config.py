@@ -31,8 +31,9 @@ class TransformerConfig:
     num_decoder_layers: int = 6
     num_encoder_layers: int = 0  # > 0 makes an encoder-decoder.
     max_len: int = 1024
-    # "sinusoidal" or "learned" (added to the embeddings), "rope" (turning queries and keys)
-    # or "alibi" (a bias on the attention logits by distance, decoder-only: model/attention.py).
+    # "sinusoidal" or "learned" (added to the embeddings), "rope" (turning queries and keys),
+    # "alibi" (a bias on the attention logits by distance, decoder-only) or "relative" (T5's
+    # learned bias by bucket of distance, one table per stack): `positional.PositionBias`.
     positional_encoding: str = "sinusoidal"
     norm: str = "post"
     activation: str = "relu"
@@ -106,6 +107,10 @@ class TransformerConfig:
     # Self-attention sees only the last `sliding_window` positions (itself included; Mistral).
     # None: all earlier positions. The cache still holds every position of a row.
     sliding_window: int | None = None
+    # positional_encoding="relative": the buckets of distance each stack's table holds (half
+    # for each direction in an encoder) and the distance past which they share the last.
+    relative_buckets: int = 32
+    relative_max_distance: int = 128
     # Decoder layers (0-based) that attend over every earlier position although
     # `sliding_window` is set: Gemma 2 and 3 alternate local and global layers.
     full_attention_layers: tuple[int, ...] = ()
@@ -289,7 +294,8 @@ _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "rope_truncate", "rope_attention_factor", "rope_short_factors", "rope_long_factors",
     "rotary_dim", "cache_dtype", "kernel_dtype", "qk_norm", "qk_norm_across_heads",
     "qk_norm_after_rope",
-    "sliding_window", "full_attention_layers", "unrotated_layers", "local_rope_base",
+    "sliding_window", "relative_buckets", "relative_max_distance", "full_attention_layers",
+    "unrotated_layers", "local_rope_base",
     "norm_unit_offset", "sandwich_norms", "norm_params", "embedding_norm", "parallel_residual",
     "shared_norm", "attention_scale",
     "query_scale_beta", "query_scale_length",

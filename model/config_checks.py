@@ -11,7 +11,7 @@ import numpy as np
 # Each check takes a `TransformerConfig` (`config.py`, which imports this module).
 Config = Any
 
-POSITIONAL_ENCODINGS = ("sinusoidal", "learned", "rope", "alibi")
+POSITIONAL_ENCODINGS = ("sinusoidal", "learned", "rope", "alibi", "relative")
 # Where each sublayer's norm sits: "post" Norm(x + Sublayer(x)) (the paper), "pre"
 # x + Sublayer(Norm(x)) (GPT-2, Llama), "output" x + Norm(Sublayer(x)) (OLMo 2 and 3); the
 # last two end their stacks with a norm of their own.
@@ -48,7 +48,8 @@ ROPE_SCALINGS = ("none", "linear", "llama3", "yarn", "longrope")
 _INT_FIELDS = ("vocab_size", "d_model", "num_heads", "d_ff", "num_decoder_layers",
                "num_encoder_layers", "max_len", "bos_id", "attention_block",
                "rope_original_max_len", "num_experts", "experts_per_token",
-               "shared_expert_d_ff", "query_scale_length")
+               "shared_expert_d_ff", "query_scale_length", "relative_buckets",
+               "relative_max_distance")
 _REAL_FIELDS = ("dropout", "rope_base", "layer_norm_eps", "rope_scaling_factor",
                 "rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast",
                 "rope_beta_slow", "embedding_multiplier", "residual_multiplier", "logits_scaling",
@@ -98,6 +99,9 @@ def problems(config: Config) -> list[str]:
     if config.positional_encoding == "alibi" and config.num_encoder_layers > 0:
         problems.append("positional_encoding='alibi' is a decoder's: its bias grows with how far "
                         "back a key lies, and an encoder also attends forward")
+    if config.relative_buckets < 4 or config.relative_max_distance < config.relative_buckets:
+        problems.append(f"relative_buckets={config.relative_buckets} must be >= 4 and <= "
+                        f"relative_max_distance={config.relative_max_distance}")
     if config.positional_encoding == "rope" and config.num_heads >= 1:
         head_dim = _given_head_dim(config)
         if head_dim % 2:

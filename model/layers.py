@@ -51,6 +51,8 @@ class LayerInputs:
                slot < key_lengths (and causal, in a decoder), what a fused attention kernel
                takes in its place; None otherwise.
     pages:     [B, pages per row] a paged cache's page tables (`model/paged.py`), else None.
+    bias_table: [R, N] the stack's table of T5's relative position bias
+               (`positional_encoding="relative"`), else None.
     """
 
     positions: jax.Array
@@ -63,6 +65,7 @@ class LayerInputs:
     key_lengths: jax.Array | None = None
     source_lengths: jax.Array | None = None
     pages: jax.Array | None = None
+    bias_table: jax.Array | None = None
 
 
 def _feed_forward(config: TransformerConfig) -> nn.Module:
@@ -116,7 +119,8 @@ class EncoderLayer(nn.Module):
         attention = SelfAttention(self.config, name="self_attention")
         x, _ = Residual(self.config, name="attention_block")(
             x_BSD, lambda h: attention(h, inputs.positions, inputs.self_mask,
-                                       key_lengths_B=inputs.key_lengths, causal=False))
+                                       key_lengths_B=inputs.key_lengths, causal=False,
+                                       bias_table=inputs.bias_table))
         ffn = FeedForward(self.config, name="ffn")
         x, _ = Residual(self.config, name="ffn_block")(x, lambda h: (ffn(h), None))
         return (x, None), None
@@ -150,7 +154,7 @@ class DecoderLayer(nn.Module):
             return attention(h_BTD, inputs.positions, mask_BTS, cache_kv, layer["index"],
                              inputs.starts, inputs.fits, inputs.fresh, local,
                              inputs.key_lengths, pages=inputs.pages,
-                             turned=_turned(c, layer["number"]))
+                             turned=_turned(c, layer["number"]), bias_table=inputs.bias_table)
 
         # Sequential: x_BTD + Attn(...); parallel: Attn(...) alone, summed with the FFN's below.
         x, cache_kv = Residual(c, name="attention_block", add_input=not parallel)(x_BTD, attend)

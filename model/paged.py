@@ -35,6 +35,7 @@ from .decode_kernel import (
     paged_decode_attention,
     seen_blocks,
 )
+from .positional import PositionBias
 
 NO_PAGE = -1  # a page table's entry for slots with no page assigned
 
@@ -109,7 +110,7 @@ def attend_pages(q_BTNH: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer,
                  scales: tuple[jax.Array, jax.Array] | None = None,
                  one_read_bytes: int | None = None, scale: float | None = None,
                  softcap: float | None = None, sinks_N: jax.Array | None = None,
-                 alibi: attention.Alibi | None = None) -> jax.Array:
+                 bias: PositionBias | None = None) -> jax.Array:
     """`attend_blocks` over layer `layer` of the pools [L, pages, K, U, H], each row reading
     its own pages (`pages` [B, pages per row]). Returns [B, T, N, H].
 
@@ -121,13 +122,13 @@ def attend_pages(q_BTNH: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer,
     Otherwise the online softmax runs over blocks of about `block_size` slots (whole pages)
     from the first to the last slot any query sees, each gathered from the rows' pages as it
     is read: a row's cost follows its tokens (or its sliding window), not its capacity.
-    Masked slots get exactly zero weight, as in `attend_blocks`; `sinks` and `alibi` are its
-    too (a slot's position: its index in the row's pages, in order)."""
+    Masked slots get exactly zero weight, as in `attend_blocks`; `sinks` and `bias`
+    are its too (a slot's position: its index in the row's pages, in order)."""
     batch, _, capacity = mask_BTS.shape
     page_size = k_pool.shape[3]
     view_BKSH = jax.ShapeDtypeStruct((batch, k_pool.shape[2], capacity, k_pool.shape[4]),
                                      k_pool.dtype)
-    kernel = None if scales is not None or alibi is not None else decode_kernel_use(
+    kernel = None if scales is not None or bias is not None else decode_kernel_use(
         q_BTNH, view_BKSH, view_BKSH, softcap)
     if kernel is not None and paged_block_pages(page_size, pages.shape[1]) is not None:
         return paged_decode_attention(q_BTNH, k_pool, v_pool, layer, pages, mask_BTS, scale,
@@ -142,7 +143,7 @@ def attend_pages(q_BTNH: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer,
         out, _ = attention.attend_blocks(q_BTNH, *views, 0, mask_BTS, capacity,
                                          scales=view_scales, one_read_bytes=view_bytes,
                                          scale=scale, softcap=softcap, sinks_N=sinks_N,
-                                         alibi=alibi)
+                                         bias=bias)
         return out
     block = page_size * min(pages.shape[1], max(1, block_size // page_size))
     first_block, num_blocks = seen_blocks(mask_BTS, block)
@@ -150,7 +151,7 @@ def attend_pages(q_BTNH: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer,
     out_XMH = attention._attend_filled_blocks(
         q_XMH, k_pool, v_pool, layer, mask_BTS, softcap, block, num_blocks, scales, pages=pages,
         sinks_KG=attention._sinks_KG(sinks_N, k_pool.shape[2]), first_block=first_block,
-        alibi=alibi)
+        bias=bias)
     return attention._to_BTNH(out_XMH, q_BTNH)
 
 

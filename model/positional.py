@@ -1,4 +1,6 @@
-"""Positional encodings: sinusoidal (the original paper), learned, and rotary (RoPE).
+"""Positional encodings: sinusoidal (the original paper), learned, rotary (RoPE), and biases
+on the attention logits by the distance from query to key (`PositionBias`: ALiBi's slopes,
+T5's learned buckets).
 
 Every function takes explicit per-row positions `[B, T]`, because rows of a batch may be at
 different positions (each row's prompt has its own length).
@@ -9,12 +11,74 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .config import TransformerConfig
 from .config_checks import longrope_factors_field
+
+
+@flax.struct.dataclass
+class PositionBias:
+    """A bias added to each head's attention logits by the distance d = key position - query
+    position (d <= 0 for the keys a causal query sees): ALiBi's `slopes` [N], m_h · d (BLOOM,
+    MPT), or T5's learned `table` [R, N], the row of d's bucket (`relative_position_buckets`,
+    `bidirectional` in an encoder). `positions` [B, T] are the queries'."""
+
+    positions_BT: jax.Array
+    slopes_N: jax.Array | None = None
+    table_RN: jax.Array | None = None
+    num_buckets: int = flax.struct.field(pytree_node=False, default=32)
+    max_distance: int = flax.struct.field(pytree_node=False, default=128)
+    bidirectional: bool = flax.struct.field(pytree_node=False, default=False)
+
+    def logits_BKGTS(self, kv_heads: int, key_positions) -> jax.Array:
+        """The bias [B, K, G, T, S] in float32 for keys at `key_positions` ([S] slots of a
+        cache, slot s holding position s, or [B, S])."""
+        distance_BTS = (jnp.asarray(key_positions)[..., None, :] - self.positions_BT[..., None])
+        if self.slopes_N is not None:
+            per_head_BTSN = (distance_BTS.astype(jnp.float32)[..., None]
+                             * self.slopes_N.astype(jnp.float32))
+        else:
+            per_head_BTSN = jnp.take(self.table_RN.astype(jnp.float32), relative_position_buckets(
+                distance_BTS, self.bidirectional, self.num_buckets, self.max_distance), axis=0)
+        batch, queries, keys, heads = per_head_BTSN.shape
+        return jnp.moveaxis(per_head_BTSN, -1, 1).reshape(batch, kv_heads, heads // kv_heads,
+                                                         queries, keys)
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """ALiBi's slope of each head [N] (Press et al.; BLOOM's): with c the largest power of two
+    <= N, 2^(-8i/c) for i = 1..c, then for the N - c heads left 2^(-4i/c) for i = 1, 3, 5...
+    (every other slope of 2c heads)."""
+    closest = 2 ** int(math.floor(math.log2(num_heads)))
+    slopes = 2.0 ** (-8.0 / closest * np.arange(1, closest + 1))
+    extra = 2.0 ** (-4.0 / closest * np.arange(1, 2 * (num_heads - closest), 2))
+    return np.concatenate([slopes, extra]).astype(np.float32)
+
+
+def relative_position_buckets(distance: jax.Array, bidirectional: bool, num_buckets: int,
+                              max_distance: int) -> jax.Array:
+    """T5's bucket of each distance (key - query position), int32 of `distance`'s shape.
+    Bidirectional (an encoder), half the buckets are for keys after the query; causal, only
+    keys at or before it count. Of a direction's buckets, the first half hold the distances
+    0, 1, ... one each, the rest distances growing logarithmically up to `max_distance`
+    (farther ones share the last). In float32, as transformers computes it."""
+    buckets = jnp.zeros_like(distance, jnp.int32)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = (distance > 0).astype(jnp.int32) * num_buckets
+        distance = jnp.abs(distance)
+    else:
+        distance = -jnp.minimum(distance, 0)
+    max_exact = num_buckets // 2
+    ratio = jnp.log(distance.astype(jnp.float32) / max_exact) / math.log(
+        max_distance / max_exact) * (num_buckets - max_exact)
+    large = jnp.minimum(max_exact + jnp.where(distance < max_exact, 0, ratio).astype(jnp.int32),
+                        num_buckets - 1)
+    return buckets + jnp.where(distance < max_exact, distance, large).astype(jnp.int32)
 
 
 def sinusoidal(positions_BT: jax.Array, d_model: int, layout: str = "interleaved") -> jax.Array:

@@ -183,6 +183,15 @@ def _cross_inputs(cross_k, cross_v, cross_k_scale=None, cross_v_scale=None):
                                                     strict=True))
 
 
+def _bias_table(module: nn.Module, config: TransformerConfig, name: str):
+    """A stack's table of T5's relative position bias [R, N] (`positional_encoding=
+    "relative"`), shared by its layers; None otherwise."""
+    if config.positional_encoding != "relative":
+        return None
+    return module.param(name, nn.initializers.normal(stddev=0.02),
+                        (config.relative_buckets, config.num_heads), config.weights_dtype)
+
+
 def _final_norm(config: TransformerConfig, name: str):
     """Pre-LN and output-LN stacks end with a norm; post-LN stacks already end normalised."""
     if config.norm in ("pre", "output"):
@@ -203,6 +212,7 @@ class DecoderOnlyLM(nn.Module):
         self.embedder = embedder(c)
         self.layers = layer_stack(DecoderLayer, c, c.num_decoder_layers, "layers")
         self.final_norm = _final_norm(c, "final_norm")
+        self.bias_table = _bias_table(self, c, "position_bias")
 
     def __call__(self, tokens_BT, cache: KVCache | None = None, lengths_B=None,
                  fresh: bool = False, logits_at_B=None, hidden: bool = False):
@@ -226,7 +236,8 @@ class DecoderOnlyLM(nn.Module):
             self.config, starts_B, valid_B, num_tokens, num_keys, capacity,
             *_page_tables(cache))
         inputs = inputs.replace(fresh=fresh,
-                                key_lengths=valid_B if cache is None or fresh else None)
+                                key_lengths=valid_B if cache is None or fresh else None,
+                                bias_table=self.bias_table)
         x = self.embedder(tokens_BT, inputs.positions)
         x, stacked, _ = run_layers(self.config, self.layers, self.config.num_decoder_layers, x,
                                    _stacked_kv(cache), shared=inputs)
@@ -284,6 +295,8 @@ class EncoderDecoder(nn.Module):
         self.decoder_layers = layer_stack(DecoderLayer, c, c.num_decoder_layers,
                                           "decoder_layers")
         self.decoder_norm = _final_norm(c, "decoder_norm")
+        self.encoder_bias = _bias_table(self, c, "encoder_position_bias")
+        self.decoder_bias = _bias_table(self, c, "decoder_position_bias")
 
     def encode(self, source_BS, source_lengths_B=None):
         """Encoder output [B, S, D]; padded source positions are never attended to."""
@@ -295,7 +308,8 @@ class EncoderDecoder(nn.Module):
                                     (source_BS.shape[0], length, length))
         x = self.embedder(source_BS, positions_BS)
         x, _, _ = run_layers(self.config, self.encoder_layers, self.config.num_encoder_layers,
-                             x, shared=LayerInputs(positions_BS, mask_BSS, key_lengths=valid_B))
+                             x, shared=LayerInputs(positions_BS, mask_BSS, key_lengths=valid_B,
+                                                   bias_table=self.encoder_bias))
         return self.encoder_norm(x)
 
     def _cross_kv(self, encoded_BSD):
@@ -362,7 +376,8 @@ class EncoderDecoder(nn.Module):
             source_slots[None, None, :] < source_lengths_B[:, None, None],
             (batch, num_tokens, source_slots.shape[0])),
             key_lengths=valid_B if cache is None else None,
-            source_lengths=source_lengths_B if cache is None else None)
+            source_lengths=source_lengths_B if cache is None else None,
+            bias_table=self.decoder_bias)
         x = self.embedder(target_BT, inputs.positions)
         x, stacked, _ = run_layers(self.config, self.decoder_layers,
                                    self.config.num_decoder_layers, x, _stacked_kv(cache),

@@ -7,6 +7,7 @@ import pytest
 
 from kvjax import model as M
 from kvjax.model.attention import attend_blocks
+from kvjax.model.positional import relative_position_buckets
 
 
 def attend_from_cache_layout(q, k, v, mask):
@@ -20,12 +21,11 @@ ATTENDS = pytest.mark.parametrize("attend", [M.attend, attend_from_cache_layout]
                                   ids=["fresh", "cached"])
 
 
-def numpy_attention(q, k, v, mask, scale=None, cap=None, sinks=None, alibi=None):
+def numpy_attention(q, k, v, mask, scale=None, cap=None, sinks=None, bias=None):
     """q [B,T,N,H], k/v [B,S,K,H], mask [B,T,S] bool; the textbook formula, head by head,
     the logits scaled by `scale` (default 1/√H) and soft-capped at `cap` (None: not), each
-    head's sink logit `sinks[n]` (where given) one more term of the softmax's sum. `alibi`:
-    (slopes [N], query positions [B,T], key positions [B,S]), each head's slope times
-    (key position - query position) added to its logits."""
+    head's sink logit `sinks[n]` (where given) one more term of the softmax's sum, `bias`
+    [B,N,T,S] (where given) added to the logits."""
     batch, queries, heads, dim = q.shape
     kv_heads = k.shape[2]
     out = np.zeros_like(q, dtype=np.float64)
@@ -36,10 +36,8 @@ def numpy_attention(q, k, v, mask, scale=None, cap=None, sinks=None, alibi=None)
                 q[b, :, n].astype(np.float64) @ k[b, :, g].T * scale)
             if cap is not None:
                 scores = cap * np.tanh(scores / cap)
-            if alibi is not None:
-                slopes, query_positions, key_positions = alibi
-                scores = scores + float(slopes[n]) * (
-                    key_positions[b][None, :] - query_positions[b][:, None])
+            if bias is not None:
+                scores = scores + bias[b, n]
             scores = np.where(mask[b], scores, -np.inf)
             for t in range(queries):
                 if not mask[b, t].any():
@@ -93,6 +91,76 @@ def test_sinks_join_each_heads_softmax_as_a_key_of_value_zero(way):
     assert np.all(np.abs(out[0]) < np.abs(without[0]) + 1e-6)  # a share went to the sink
 
 
+def alibi_bias(slopes, query_positions, key_positions):
+    """ALiBi's bias [B,N,T,S]: each head's slope times (key - query position)."""
+    distance = key_positions[:, None, :] - query_positions[:, :, None]
+    return np.asarray(slopes)[None, :, None, None] * distance[:, None]
+
+
+def t5_bucket(distance, bidirectional, num_buckets, max_distance):
+    """T5's relative position bucket of one distance (key - query), in float32 as
+    transformers' T5 computes it, written out with NumPy scalars."""
+    bucket = 0
+    if bidirectional:
+        num_buckets //= 2
+        bucket += num_buckets if distance > 0 else 0
+        distance = abs(distance)
+    else:
+        distance = -min(distance, 0)
+    max_exact = num_buckets // 2
+    if distance < max_exact:
+        return bucket + distance
+    large = max_exact + int(np.log(np.float32(distance) / np.float32(max_exact))
+                            / np.float32(np.log(max_distance / max_exact))
+                            * np.float32(num_buckets - max_exact))
+    return bucket + min(large, num_buckets - 1)
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+@pytest.mark.parametrize("num_buckets, max_distance", [(32, 128), (8, 16)])
+def test_relative_position_buckets_are_t5s(bidirectional, num_buckets, max_distance):
+    distances = np.arange(-300, 301)
+    got = np.asarray(relative_position_buckets(jnp.asarray(distances), bidirectional,
+                                               num_buckets, max_distance))
+    want = [t5_bucket(int(d), bidirectional, num_buckets, max_distance) for d in distances]
+    np.testing.assert_array_equal(got, want)
+    assert got.min() == 0 and got.max() == num_buckets - 1 if bidirectional else \
+        got.max() == num_buckets - 1
+
+
+@pytest.mark.parametrize("way", ["fresh", "one-read", "by-blocks"])
+def test_a_t5_bias_adds_each_heads_entry_for_the_keys_bucket(way):
+    """T5's learned table, along every way of attending: bidirectional over the new tokens
+    (an encoder), causal over a cache's slots."""
+    rng = np.random.default_rng(7)
+    table = rng.normal(size=(8, 4)).astype(np.float32)
+    k, v = (rng.normal(size=(2, 9, 2, 8)).astype(np.float32) for _ in range(2))
+    if way == "fresh":
+        q = rng.normal(size=(2, 9, 4, 8)).astype(np.float32)
+        positions = np.arange(9)[None].repeat(2, 0)
+        key_positions, mask = positions, np.ones((2, 9, 9), bool)
+        mask[1, :, 7:] = False
+        bias = M.PositionBias(jnp.asarray(positions), table_RN=jnp.asarray(table),
+                              num_buckets=8, max_distance=16, bidirectional=True)
+        out = M.attend(q, k, v, jnp.asarray(mask), bias=bias)
+    else:
+        q = rng.normal(size=(2, 2, 4, 8)).astype(np.float32)
+        positions = np.array([[7, 8], [3, 4]])
+        key_positions = np.arange(9)[None].repeat(2, 0)
+        mask = key_positions[:, None, :] <= positions[:, :, None]
+        bias = M.PositionBias(jnp.asarray(positions), table_RN=jnp.asarray(table),
+                              num_buckets=8, max_distance=16)
+        stacks = [jnp.asarray(x).transpose(0, 2, 1, 3)[None] for x in (k, v)]
+        out, _ = attend_blocks(q, *stacks, 0, jnp.asarray(mask), 3, bias=bias,
+                               one_read_bytes=None if way == "one-read" else 0,
+                               whole_share=10.0)
+    distance = key_positions[:, None, :] - positions[:, :, None]
+    buckets = np.vectorize(lambda d: t5_bucket(int(d), way == "fresh", 8, 16))(distance)
+    expected = numpy_attention(q, k, v, mask, scale=1.0 / np.sqrt(8),
+                               bias=np.moveaxis(table[buckets], -1, 1))
+    np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5)
+
+
 def test_alibi_slopes_are_the_papers():
     """Press et al.'s slopes: 2^(-8i/N) for N a power of two; for 12 heads those of 8, then
     every other slope of 16 (BLOOM's rule)."""
@@ -114,7 +182,8 @@ def test_alibi_adds_each_heads_slope_times_the_keys_distance(way):
         q = rng.normal(size=(2, 8, 6, 8)).astype(np.float32)
         positions = np.array([np.arange(8), np.arange(3, 11)])
         mask = np.tril(np.ones((8, 8), bool))[None].repeat(2, 0)
-        out = M.attend(q, k, v, jnp.asarray(mask), alibi=(slopes, jnp.asarray(positions)))
+        out = M.attend(q, k, v, jnp.asarray(mask),
+                       bias=M.PositionBias(jnp.asarray(positions), slopes_N=slopes))
         key_positions = positions
     else:
         q = rng.normal(size=(2, 2, 6, 8)).astype(np.float32)
@@ -123,10 +192,11 @@ def test_alibi_adds_each_heads_slope_times_the_keys_distance(way):
         mask = key_positions[:, None, :] <= positions[:, :, None]
         stacks = [jnp.asarray(x).transpose(0, 2, 1, 3)[None] for x in (k, v)]
         out, _ = attend_blocks(q, *stacks, 0, jnp.asarray(mask), 3,
-                               alibi=(slopes, jnp.asarray(positions)),
+                               bias=M.PositionBias(jnp.asarray(positions),
+                                                            slopes_N=slopes),
                                one_read_bytes=None if way == "one-read" else 0,
                                whole_share=0.0 if way == "whole" else 10.0)
-    expected = numpy_attention(q, k, v, mask, alibi=(slopes, positions, key_positions))
+    expected = numpy_attention(q, k, v, mask, bias=alibi_bias(slopes, positions, key_positions))
     np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5)
     assert not np.allclose(expected, numpy_attention(q, k, v, mask), atol=1e-2)
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import random_tokens, run_cached, run_full, start_cache
-from test_attention import numpy_attention
+from test_attention import alibi_bias, numpy_attention
 
 from kvjax import model as M
 from kvjax.model.paged import attend_pages, write_pages
@@ -58,14 +58,14 @@ def test_paged_attention_equals_the_formula_over_each_rows_pages(one_read_bytes,
             & (slots > positions[:, :, None] - 6))
     sinks = jnp.asarray([1.5, -0.5, 0.0, 3.0]) if sinks else None
     slopes = jnp.asarray(M.alibi_slopes(4))
-    alibi = (slopes, jnp.asarray(positions)) if alibi else None
+    bias = M.PositionBias(jnp.asarray(positions), slopes_N=slopes) if alibi else None
     out = attend_pages(q, jnp.asarray(k_pool), jnp.asarray(v_pool), 0, jnp.asarray(pages),
                        jnp.asarray(mask), block_size, one_read_bytes=one_read_bytes,
-                       sinks_N=sinks, alibi=alibi)
+                       sinks_N=sinks, bias=bias)
     safe = np.where(pages < 0, 0, pages)
     k, v = (np.nan_to_num(contiguous(pool, safe), nan=1e9) for pool in (k_pool, v_pool))
-    expected = numpy_attention(np.asarray(q), k, v, mask, sinks=sinks, alibi=alibi and (
-        slopes, positions, np.broadcast_to(slots, (2, slots.size))))
+    expected = numpy_attention(np.asarray(q), k, v, mask, sinks=sinks, bias=alibi_bias(
+        slopes, positions, np.broadcast_to(slots, (2, slots.size))) if alibi else None)
     assert np.all(np.isfinite(out))
     np.testing.assert_allclose(out, expected, atol=1e-5, rtol=0)
 

@@ -27,9 +27,11 @@ OPTIONS = [
          embedding_dim=24),
     dict(positional_encoding="rope", num_kv_heads=2, scan_layers=True, activation="silu",
          unrotated_layers=(1,), norm_params=False, embedding_norm=True),
+    dict(positional_encoding="relative", relative_buckets=8, relative_max_distance=16,
+         norm="pre", norm_type="rmsnorm", activation="geglu", attention_scale=1.0),
 ]
 VARIANTS = {"decoder_only": 0, "encoder_decoder": 2}
-ENCODER_DECODER_OPTIONS = (0, 2, 4, 5, 6)  # of OPTIONS
+ENCODER_DECODER_OPTIONS = (0, 2, 4, 5, 6, 7)  # of OPTIONS
 CACHED_EQUALS_FULL = [
     pytest.param(options, variant,
                  id="-".join([*map(str, options.values()), variant]) if options else
