@@ -172,7 +172,9 @@ class CrossAttention(nn.Module):
         if cached:
             scales = None if scales is None else tuple(s[None] for s in scales)
             out, _ = attend_blocks(q, cross_k[None], cross_v[None], 0, mask_BTS,
-                                   self.config.attention_block, scales=scales)
+                                   self.config.attention_block, scales=scales,
+                                   scale=self.config.attention_scale)
         else:
-            out = attend(q, cross_k, cross_v, mask_BTS, key_lengths_B=source_lengths_B)
+            out = attend(q, cross_k, cross_v, mask_BTS, self.config.attention_scale,
+                         key_lengths_B=source_lengths_B)
         return OutputProjection(self.config, name="out")(out)
