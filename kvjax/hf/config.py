@@ -38,7 +38,7 @@ def to_kvjax_config(hf: dict[str, Any], *, tied: bool, dtype: str = "float32",
     `tied` says whether the output layer is the embedding table (the weight files hold no
     separate `lm_head.weight`). `max_len`, for a RoPE model, is the longest sequence it will
     run, up to its max_position_embeddings (None: that, or a LongRoPE model's original length);
-    for an ALiBi model, any length (None: the one it was trained on). Raises
+    for an ALiBi or T5 model, any length (None: the one it was trained on). Raises
     `UnsupportedModelError` naming what is not supported.
     """
     model_type = hf.get("model_type")
@@ -58,7 +58,7 @@ def to_kvjax_config(hf: dict[str, Any], *, tied: bool, dtype: str = "float32",
 
 
 def _chosen_max_len(hf: dict[str, Any], fields: dict[str, Any], max_len, source: str) -> int:
-    if fields.get("positional_encoding") == "alibi":  # no table of positions to stay within
+    if fields.get("positional_encoding") in ("alibi", "relative"):  # no table of positions
         if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
             raise UnsupportedModelError(f"{source}: max_len={max_len!r} must be an int >= 1")
         return max_len

@@ -6,8 +6,8 @@ kvjax runs is refused by name. The families built on Llama's layer are read in
 `llama_like.py` (and `llama_aliases.py`, those whose releases name keys in their own way),
 those of them that norm each sublayer's output in `output_norms.py`, those without a gate in
 their FFN in `plain_ffn.py`, those whose norms hold no parameters in `weightless_norms.py`,
-Cohere's in `cohere.py`, Falcon's in `falcon.py`, BLOOM's in `bloom.py`, MPT's in `mpt.py`;
-here, GPT-2's descendants (GPTBigCode,
+Cohere's in `cohere.py`, Falcon's in `falcon.py`, BLOOM's in `bloom.py`, MPT's in `mpt.py`,
+T5's in `t5.py`; here, GPT-2's descendants (GPTBigCode,
 GPT-Neo, OPT, and GPT-J, GPT-NeoX and Phi with their parallel layers) and Marian.
 """
 
@@ -30,6 +30,7 @@ from .phimoe import READERS as PHIMOE
 from .plain_ffn import READERS as PLAIN_FFN
 from .reader import Reader
 from .rope import partial_rope, rope_settings
+from .t5 import READERS as T5
 from .weightless_norms import READERS as WEIGHTLESS_NORMS
 
 
@@ -237,4 +238,4 @@ READERS = {"gpt2": _gpt2, "gpt_bigcode": _gpt_bigcode, "gpt_neo": _gpt_neo, "gpt
            "opt": _opt,
            "gpt_neox": _gpt_neox, "phi": _phi, **LLAMA_LIKE, **LLAMA_ALIASES, **OUTPUT_NORMS,
            **PLAIN_FFN, **WEIGHTLESS_NORMS, **COHERE, **MINISTRAL3, **HUNYUAN, **PHIMOE,
-           **FALCON, **BLOOM, **MPT, "marian": _marian}
+           **FALCON, **BLOOM, **MPT, **T5, "marian": _marian}

@@ -12,6 +12,7 @@ import functools
 import numpy as np
 
 from kvjax import model as M
+from kvjax.model.config_checks import GATED_ACTIVATIONS
 from kvjax.model.positional import sinusoidal
 
 from . import tensors
@@ -282,13 +283,7 @@ def _one_norm_parallel(c: M.TransformerConfig, p: Params, names: dict, rope_orde
 
 def _marian(c: M.TransformerConfig, p: Params):
     d, n, f = c.d_model, c.num_heads, c.d_ff
-    shared = p.read("model.shared.weight", (c.vocab_size, d))
-    p.set("embedder/embedding/embedding", shared)
-    for part in ("encoder", "decoder"):
-        name = f"model.{part}.embed_tokens.weight"
-        if name in p.files and not np.array_equal(p.read(name, shared.shape), shared):
-            raise ValueError(f"{p.files.directory}: {name} differs from model.shared.weight; "
-                             "kvjax's encoder and decoder share one embedding table")
+    _shared_embedding(p, c, "model.shared.weight")
     for part, stack, count in (("encoder", "encoder_layers", c.num_encoder_layers),
                                ("decoder", "decoder_layers", c.num_decoder_layers)):
         for i in range(count):
@@ -318,6 +313,56 @@ def _marian(c: M.TransformerConfig, p: Params):
     return lambda name: False
 
 
+def _t5(c: M.TransformerConfig, p: Params):
+    d, n, h, f = c.d_model, c.num_heads, c.head_dim, c.d_ff
+    _shared_embedding(p, c, "shared.weight")
+    for part in ("encoder", "decoder"):
+        # Each stack's table of relative position bias, held by its first layer.
+        p.set(f"{part}_position_bias", p.read(
+            f"{part}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+            (c.relative_buckets, n)))
+        tensors.norm(p, f"{part}.final_layer_norm", f"{part}_norm", c)
+    for part, stack, count in (("encoder", "encoder_layers", c.num_encoder_layers),
+                               ("decoder", "decoder_layers", c.num_decoder_layers)):
+        for i in range(count):
+            src, dst = f"{part}.block.{i}.layer.", f"{stack}/{i}/"
+            tensors.norm(p, src + "0.layer_norm", dst + "attention_block/norm", c)
+            tensors.fused(p, dst + "self_attention/qkv", [
+                tensors.linear(p, f"{src}0.SelfAttention.{x}", n, h, d, False) for x in "qkv"])
+            tensors.output(p, src + "0.SelfAttention.o", dst + "self_attention/out", c)
+            ffn = src + "1."
+            if part == "decoder":
+                cross = src + "1.EncDecAttention."
+                p.set(dst + "cross_attention/query/kernel",
+                      tensors.linear(p, cross + "q", n, h, d, False)[0])
+                tensors.fused(p, f"cross_kv/{i}/kv", [
+                    tensors.linear(p, cross + x, n, h, d, False) for x in "kv"])
+                tensors.output(p, cross + "o", dst + "cross_attention/out", c)
+                tensors.norm(p, src + "1.layer_norm", dst + "cross_block/norm", c)
+                ffn = src + "2."
+            tensors.norm(p, ffn + "layer_norm", dst + "ffn_block/norm", c)
+            gated = c.activation in GATED_ACTIVATIONS  # wi_0 activated, times wi_1
+            for theirs, ours in (("wi_0", "wi"), ("wi_1", "wi_gate")) if gated else (("wi", "wi"),):
+                tensors.dense(p, f"{ffn}DenseReluDense.{theirs}", dst + f"ffn/{ours}", (f, d),
+                              False)
+            tensors.dense(p, ffn + "DenseReluDense.wo", dst + "ffn/wo", (d, f), False)
+    tensors.unembed(c, p, "lm_head.weight")
+    return lambda name: False
+
+
+def _shared_embedding(p: Params, c: M.TransformerConfig, name: str) -> None:
+    """An encoder-decoder's one embedding table `name`, which files may repeat as the
+    encoder's and the decoder's `embed_tokens` (refused where they differ)."""
+    shared = p.read(name, (c.vocab_size, c.d_model))
+    p.set("embedder/embedding/embedding", shared)
+    prefix = name.removesuffix("shared.weight")
+    for part in ("encoder", "decoder"):
+        copy = f"{prefix}{part}.embed_tokens.weight"
+        if copy in p.files and not np.array_equal(p.read(copy, shared.shape), shared):
+            raise ValueError(f"{p.files.directory}: {copy} differs from {name}; kvjax's "
+                             "encoder and decoder share one embedding table")
+
+
 def _check_sinusoids(p: Params, name: str, c: M.TransformerConfig) -> None:
     """A stored table of static sinusoids must be the one kvjax computes."""
     if name not in p.files:
@@ -335,4 +380,4 @@ READERS = {"gpt2": _gpt2, "gpt_bigcode": _gpt_bigcode, "gpt_neo": _gpt_neo,
            "gptj": functools.partial(_one_norm_parallel, names=_GPTJ_NAMES),
            "gpt_neox": _gpt_neox, "phi": functools.partial(_one_norm_parallel, names=_PHI_NAMES),
            "opt": _opt, "falcon": _falcon, "bloom": _bloom, "mpt": _mpt,
-           "marian": _marian}
+           "marian": _marian, "t5": _t5}

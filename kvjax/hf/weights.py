@@ -43,7 +43,9 @@ from .tensors import Params, WeightFiles
 # attention, its RoPE turning the other way, an FFN of fc1 and fc2, no norm weights), "falcon"
 # (query_key_value by kv-head group, dense, dense_h_to_4h, dense_4h_to_h under transformer.h.i),
 # "bloom" (Falcon's names, each head's q, k and v in turn, and a word_embeddings_layernorm),
-# "mpt" (Wqkv, out_proj, up_proj, down_proj, norm_1 and norm_2 under transformer.blocks.i).
+# "mpt" (Wqkv, out_proj, up_proj, down_proj, norm_1 and norm_2 under transformer.blocks.i),
+# "t5" (an encoder's and a decoder's blocks of SelfAttention, EncDecAttention and
+# DenseReluDense layers, each stack's relative_attention_bias in its first block).
 # Llama's layout holds experts too: gate_proj, up_proj and down_proj under mlp (and a shared
 # expert of the same three beside them, with its gate: Qwen2-MoE).
 LAYOUTS = {"gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode", "gpt_neo": "gpt_neo", "gptj": "gptj",
@@ -53,7 +55,7 @@ LAYOUTS = {"gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode", "gpt_neo": "gpt_neo", "
            "helium": "llama_pairs", "ernie4_5": "llama_pairs", "cohere": "cohere",
            "cohere2": "cohere", "arcee": "up_down_mlp", "nemotron": "nemotron",
            "apertus": "apertus", "nanochat": "nanochat", "falcon": "falcon", "bloom": "bloom",
-           "mpt": "mpt",
+           "mpt": "mpt", "t5": "t5",
            **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite",
                             "gemma2", "gemma3_text", "olmo2", "olmo3", "stablelm", "gemma",
                             "qwen3_moe", "olmoe", "qwen2_moe", "seed_oss", "ministral",

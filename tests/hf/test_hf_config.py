@@ -18,7 +18,7 @@ from kvjax import hf
      "gpt_bigcode, gpt_neo, gpt_neox, gpt_oss, gptj, granite, granitemoe, helium, "
      "hunyuan_v1_dense, internlm3, llama, marian, ministral, ministral3, mistral, mixtral, mpt, "
      "nanochat, nemotron, olmo, olmo2, olmo3, olmoe, opt, phi, phi3, phimoe, qwen2, qwen2_moe, "
-     "qwen3, qwen3_moe, seed_oss, smollm3, stablelm, starcoder2"),
+     "qwen3, qwen3_moe, seed_oss, smollm3, stablelm, starcoder2, t5"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
                                         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
      'rope settings {"partial_rotary_factor": 0.5} are not supported for rope type \'yarn\''),
@@ -144,6 +144,10 @@ from kvjax import hf
                                                   "supported"),
     ("mpt", dict(expansion_ratio=2), "expansion_ratio=2 is not supported"),
     ("mpt", dict(norm_type="rmsnorm"), "norm_type='rmsnorm' is not supported"),
+    ("t5", dict(feed_forward_proj="gated-relu", dense_act_fn="relu"),
+     "feed_forward_proj='gated-relu' is not supported"),
+    ("t5", dict(dense_act_fn="relu"), 'dense_act_fn="relu" is not supported (transformers '
+                                      "derives it from feed_forward_proj='gated-gelu')"),
 ])
 def test_unsupported_settings_are_refused(tmp_path, name, changes, message):
     directory = copy_of(name, tmp_path)
@@ -203,6 +207,10 @@ def test_unsupported_settings_are_refused(tmp_path, name, changes, message):
                               "softmax_scale": 0.25, "alibi": True, "alibi_bias_max": 8,
                               "attn_type": "multihead_attention", "prefix_lm": False,
                               "qk_ln": False, "attn_uses_sequence_id": False})),
+    # T5's files before transformers 5: whether the decoder's output is scaled said by
+    # tie_word_embeddings (false: not), and the keys of its first releases.
+    ("t5", dict(scale_decoder_outputs=None, tie_word_embeddings=False, n_positions=512,
+                output_past=True, task_specific_params={"summarization": {"prefix": "x"}})),
     ("gpt_oss", dict(rope_parameters=None, rope_theta=150000.0, experts_per_token=2,
                      initial_context_length=16, rope_scaling={
                          "rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0,

@@ -31,7 +31,7 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "arcee", "ministral3", "mistral3", "gemma3", "apertus", "hunyuan_v1_dense", "opt_350m",
          "phimoe", "nanochat", "olmo", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neo", "gptj",
          "exaone", "internlm3", "falcon", "falcon_grouped", "falcon_sequential", "falcon2",
-         "bloom", "mpt")
+         "bloom", "mpt", "t5", "t5_relu")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -49,7 +49,8 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                "mistral3": "ministral3", "gemma3": "gemma3_text", "opt_350m": "opt",
                "phimoe": "phimoe", "gpt_bigcode_mha": "gpt_bigcode",
                **dict.fromkeys(("falcon", "falcon_grouped", "falcon_sequential", "falcon2"),
-                               "falcon"), "bloom": "bloom", "mpt": "mpt"}
+                               "falcon"), "bloom": "bloom", "mpt": "mpt", "t5": "t5",
+               "t5_relu": "t5"}
 
 
 @pytest.fixture(scope="module")
@@ -115,18 +116,18 @@ def check_logits_and_greedy_tokens(config, params, record, logits):
 
 # Every family's greedy tokens are checked as the argmax of one forward over the prompts and
 # transformers' tokens, which holds the family's layers to transformers' at every position
-# `generate` decodes. `generate` itself (a prefill, then steps through the cache) and
-# beam search (which reorders the cache) run on one family of each kind of cache: learned
-# positions, an encoder's, sliding windows, windows beside full layers with softcapped scores,
-# each layer's own RoPE base beside windows, a layer without positions (and one beside
-# windowed layers with RoPE and norms on each sublayer's output), a mixture of experts
-# with a shared expert and one routed by SparseMixer, queries scaled by position, keys normed
-# after RoPE, ALiBi. Cached decoding equals the full forward for every option the families use
-# (tests/model/test_transformer.py and the options' own tests).
+# `generate` decodes. `generate` itself (a prefill, then steps through the cache) and beam
+# search (which reorders the cache) run on one family of each kind of cache: learned positions,
+# an encoder's, sliding windows, windows beside full layers with softcapped scores, each layer's
+# own RoPE base beside windows, a layer without positions (and one beside windowed layers with
+# RoPE and norms on each sublayer's output), a mixture of experts with a shared expert and one
+# routed by SparseMixer, queries scaled by position, keys normed after RoPE, ALiBi, T5's
+# relative position buckets. Cached decoding equals the full forward for every option the
+# families use (tests/model/test_transformer.py and the options' own tests).
 BEAM_FAMILIES = ("gpt2", "marian", "mistral", "gemma2", "qwen2_moe")
 GENERATE_FAMILIES = BEAM_FAMILIES + ("gemma3_text", "smollm3", "exaone4", "cohere2",
                                      "ministral3", "hunyuan_v1_dense", "phimoe", "nanochat",
-                                     "bloom")
+                                     "bloom", "t5")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -139,7 +140,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                                               "cohere2", "gemma3", "olmo", "gpt_bigcode_mha",
                                               "gpt_neo", "exaone", "falcon",
                                               "falcon_sequential", "falcon2", "bloom",
-                                              "mpt"))
+                                              "mpt", "t5", "t5_relu"))
     assert config.qk_norm == (name in ("qwen3", "gemma3_text", "olmo2", "olmo3", "qwen3_moe",
                                        "olmoe", "exaone4", "gemma3", "apertus",
                                        "hunyuan_v1_dense", "nanochat"))
@@ -150,6 +151,11 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
         "nanochat": (False, True), "olmo": (False, False), "bloom": (True, True)}.get(
         name, (True, False))
     assert (config.positional_encoding == "alibi") == (name in ("bloom", "mpt"))
+    # T5: buckets of distance, 8 up to 16 or the default 32 up to 128; the decoder's output
+    # scaled by 1/√d_model where scale_decoder_outputs says.
+    assert (config.positional_encoding == "relative") == name.startswith("t5")
+    assert (config.relative_buckets, config.relative_max_distance) == (
+        (8, 16) if name == "t5" else (32, 128))
     assert config.qkv_clip == {"olmo": 0.5, "olmoe": 1.0, "mpt": 1.0}.get(name)
     # GPTBigCode: one kv head (multi_query), or one per query head with unscaled attention;
     # GPT-Neo's attention unscaled.
@@ -229,7 +235,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
             config.logits_scaling) == dict.fromkeys(("granite", "granitemoe"),
                                                     (2.0, 0.5, 0.25, 2.0)).get(
         name, (1.0, 1.0, config.attention_scale,
-               {"cohere": 4.0, "cohere2": 2.0}.get(name, 1.0)))
+               {"cohere": 4.0, "cohere2": 2.0, "t5_relu": 32 ** 0.5}.get(name, 1.0)))
     check_logits_and_greedy_tokens(config, params, record, logits)
     if name in GENERATE_FAMILIES:  # the prompts run as one ragged batch
         greedy = decode.generate(M.build_model(config), params, record["prompts"],

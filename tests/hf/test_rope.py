@@ -88,6 +88,7 @@ def test_longrope_past_its_original_length_equals_transformers():
     ("gpt2", 32, "max_len is chosen only for a RoPE model with a max_position_embeddings; "
                  "'gpt2' runs the length of its positions (64)"),
     ("bloom", 0, "max_len=0 must be an int >= 1"),
+    ("t5", -1, "max_len=-1 must be an int >= 1"),
 ])
 def test_a_max_len_the_model_cannot_run_is_refused(name, max_len, message):
     with pytest.raises(hf.UnsupportedModelError) as error:
@@ -95,10 +96,11 @@ def test_a_max_len_the_model_cannot_run_is_refused(name, max_len, message):
     assert message in str(error.value)
 
 
-def test_an_alibi_model_runs_the_length_it_was_trained_on_or_any_length_asked():
-    # BLOOM: no table of positions bounds it; 2,048 its releases' training length.
-    assert hf.load_pretrained(FIXTURES / "bloom")[0].max_len == 2048
-    assert hf.load_pretrained(FIXTURES / "bloom", max_len=5000)[0].max_len == 5000
+@pytest.mark.parametrize("name, trained", [("bloom", 2048), ("t5", 512)])
+def test_a_model_biased_by_distance_runs_its_trained_length_or_any_length_asked(name, trained):
+    # BLOOM (ALiBi) and T5 (relative buckets): no table of positions bounds them.
+    assert hf.load_pretrained(FIXTURES / name)[0].max_len == trained
+    assert hf.load_pretrained(FIXTURES / name, max_len=5000)[0].max_len == 5000
 
 
 def test_a_longrope_model_without_long_factors_runs_only_within_its_original_length(tmp_path):
