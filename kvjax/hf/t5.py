@@ -1,5 +1,5 @@
-"""The `config.json` reader of T5 (`t5`: T5 and T5 v1.1, Flan-T5, mT5's layout). `READERS`
-maps the model type to its reader.
+"""The `config.json` readers of T5 (`t5`: T5, T5 v1.1, Flan-T5) and mT5 (`mt5`). `READERS`
+maps the model types to their readers.
 
 T5 gives its tokens no position: each self-attention adds a learned bias by the bucket of
 the distance from query to key, one table per stack (`positional_encoding="relative"`,
@@ -7,7 +7,8 @@ the distance from query to key, one table per stack (`positional_encoding="relat
 cross-attention has none. RMSNorm before each sublayer, no biases anywhere, attention
 unscaled (the scale is folded into the weights), an FFN of ReLU (T5) or gated GELU (v1.1,
 Flan-T5); the decoder's output is scaled by 1/√d_model before a tied output layer where
-the config says so (`scale_decoder_outputs`, or an older file's `tie_word_embeddings`).
+the config says so (`scale_decoder_outputs`, or an older file's `tie_word_embeddings`; mT5's
+never is, whatever its files say).
 With no table of positions it runs any length: `max_len` is `n_positions` (512 where
 absent), or any length the loader is given.
 """
@@ -26,6 +27,20 @@ TRAINED_LENGTH = 512
 
 
 def _t5(c: Reader) -> dict[str, Any]:
+    # transformers 5 writes tie_word_embeddings true and says whether the decoder's output
+    # is scaled in scale_decoder_outputs; older files said it with tie_word_embeddings.
+    scaled = c.given("scale_decoder_outputs")
+    if scaled is None:
+        scaled = c.get("tie_word_embeddings", True) is not False
+    return _fields(c, scaled)
+
+
+def _mt5(c: Reader) -> dict[str, Any]:
+    c.get("tie_word_embeddings")  # transformers' mT5 ties its head whatever this says
+    return _fields(c, scaled=False)
+
+
+def _fields(c: Reader, scaled: bool) -> dict[str, Any]:
     c.expect("is_encoder_decoder", True, True, "T5 is an encoder-decoder")
     for key in ("dropout_rate", "initializer_factor", "classifier_dropout"):
         c.get(key)
@@ -39,11 +54,6 @@ def _t5(c: Reader) -> dict[str, Any]:
     gated = projection.startswith("gated-")
     c.expect("is_gated_act", gated, gated, f"transformers derives it from "
              f"feed_forward_proj={projection!r}")
-    # transformers 5 writes tie_word_embeddings true and says whether the decoder's output
-    # is scaled in scale_decoder_outputs; older files said it with tie_word_embeddings.
-    scaled = c.given("scale_decoder_outputs")
-    if scaled is None:
-        scaled = c.get("tie_word_embeddings", True) is not False
     width, layers = c.require("d_model"), c.require("num_layers")
     return dict(
         vocab_size=c.require("vocab_size"), d_model=width, num_heads=c.require("num_heads"),
@@ -59,4 +69,4 @@ def _t5(c: Reader) -> dict[str, Any]:
         bos_id=c.get("decoder_start_token_id", c.get("pad_token_id", 0)))
 
 
-READERS = {"t5": _t5}
+READERS = {"t5": _t5, "mt5": _mt5}

@@ -17,8 +17,8 @@ from kvjax import hf
      "ernie4_5, exaone, exaone4, falcon, gemma, gemma2, gemma3_text, glm, glm4, gpt2, "
      "gpt_bigcode, gpt_neo, gpt_neox, gpt_oss, gptj, granite, granitemoe, helium, "
      "hunyuan_v1_dense, internlm3, llama, marian, ministral, ministral3, mistral, mixtral, mpt, "
-     "nanochat, nemotron, olmo, olmo2, olmo3, olmoe, opt, phi, phi3, phimoe, qwen2, qwen2_moe, "
-     "qwen3, qwen3_moe, seed_oss, smollm3, stablelm, starcoder2, t5"),
+     "mt5, nanochat, nemotron, olmo, olmo2, olmo3, olmoe, opt, phi, phi3, phimoe, qwen2, "
+     "qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, stablelm, starcoder2, t5"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
                                         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
      'rope settings {"partial_rotary_factor": 0.5} are not supported for rope type \'yarn\''),
@@ -211,6 +211,8 @@ def test_unsupported_settings_are_refused(tmp_path, name, changes, message):
     # tie_word_embeddings (false: not), and the keys of its first releases.
     ("t5", dict(scale_decoder_outputs=None, tie_word_embeddings=False, n_positions=512,
                 output_past=True, task_specific_params={"summarization": {"prefix": "x"}})),
+    # mT5's releases: tie_word_embeddings false, which changes nothing (never scaled).
+    ("mt5", dict(tie_word_embeddings=False)),
     ("gpt_oss", dict(rope_parameters=None, rope_theta=150000.0, experts_per_token=2,
                      initial_context_length=16, rope_scaling={
                          "rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0,

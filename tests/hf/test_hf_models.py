@@ -31,7 +31,7 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "arcee", "ministral3", "mistral3", "gemma3", "apertus", "hunyuan_v1_dense", "opt_350m",
          "phimoe", "nanochat", "olmo", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neo", "gptj",
          "exaone", "internlm3", "falcon", "falcon_grouped", "falcon_sequential", "falcon2",
-         "bloom", "mpt", "t5", "t5_relu")
+         "bloom", "mpt", "t5", "t5_relu", "mt5")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -50,7 +50,7 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                "phimoe": "phimoe", "gpt_bigcode_mha": "gpt_bigcode",
                **dict.fromkeys(("falcon", "falcon_grouped", "falcon_sequential", "falcon2"),
                                "falcon"), "bloom": "bloom", "mpt": "mpt", "t5": "t5",
-               "t5_relu": "t5"}
+               "t5_relu": "t5", "mt5": "mt5"}
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                                               "cohere2", "gemma3", "olmo", "gpt_bigcode_mha",
                                               "gpt_neo", "exaone", "falcon",
                                               "falcon_sequential", "falcon2", "bloom",
-                                              "mpt", "t5", "t5_relu"))
+                                              "mpt", "t5", "t5_relu", "mt5"))
     assert config.qk_norm == (name in ("qwen3", "gemma3_text", "olmo2", "olmo3", "qwen3_moe",
                                        "olmoe", "exaone4", "gemma3", "apertus",
                                        "hunyuan_v1_dense", "nanochat"))
@@ -153,7 +153,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     assert (config.positional_encoding == "alibi") == (name in ("bloom", "mpt"))
     # T5: buckets of distance, 8 up to 16 or the default 32 up to 128; the decoder's output
     # scaled by 1/√d_model where scale_decoder_outputs says.
-    assert (config.positional_encoding == "relative") == name.startswith("t5")
+    assert (config.positional_encoding == "relative") == (name in ("t5", "t5_relu", "mt5"))
     assert (config.relative_buckets, config.relative_max_distance) == (
         (8, 16) if name == "t5" else (32, 128))
     assert config.qkv_clip == {"olmo": 0.5, "olmoe": 1.0, "mpt": 1.0}.get(name)
