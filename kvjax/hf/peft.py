@@ -10,8 +10,8 @@ what `PeftModel.merge_and_unload` computes, and what the unmerged model computes
 rounding. A module that kvjax fuses (q, k and v) takes its update into its heads' slice; a
 module the file fuses (Phi-3's qkv_proj and gate_up_proj, GPT-2's c_attn) spreads its update
 over kvjax's targets. gpt-oss's experts, adapted through `target_parameters`, hold a pair
-per expert, read and written by `peft_experts.py`; Marian's encoder and decoder, by
-`peft_marian.py`. Which module of each layout holds which of kvjax's targets, and in which
+per expert, read and written by `peft_experts.py`; an encoder-decoder's (Marian's, T5's),
+by `peft_seq2seq.py`. Which module of each layout holds which of kvjax's targets, and in which
 order its rows are, is `peft_modules.py`'s.
 
 As with config.json (`reader.py`), every key of adapter_config.json is read, known to change
@@ -35,7 +35,7 @@ from safetensors.numpy import save_file
 from kvjax.model import TransformerConfig
 from kvjax.model import lora as L
 
-from . import peft_experts, peft_marian
+from . import peft_experts, peft_seq2seq
 from .errors import UnsupportedModelError
 from .peft_modules import (
     MODULES,
@@ -98,8 +98,8 @@ def merge_peft_adapter(config: TransformerConfig, model_type: str, params: dict,
     Raises `UnsupportedModelError` for a setting kvjax does not merge and ValueError naming a
     tensor that adapts nothing kvjax holds."""
     scale_of, modules, pairs = _read_pairs(config, model_type, Path(directory))
-    if LAYOUTS[model_type] == "marian":
-        return peft_marian.merged(config, params, pairs, scale_of)
+    if LAYOUTS[model_type] in peft_seq2seq.LAYOUTS:
+        return peft_seq2seq.merged(LAYOUTS[model_type], config, params, pairs, scale_of)
     merged = {**params, "layers": {i: dict(layer) for i, layer in params["layers"].items()}}
     for layer, module, a, b, name in pairs:
         if module in peft_experts.WRAPPERS:
@@ -122,9 +122,10 @@ def peft_adapters(config: TransformerConfig, model_type: str, directory: str | o
     and every layer gets every target, at the largest rank, zeros where the file has none.
     Served so (`model.lora_rows`), it adds what `merge_peft_adapter` merges."""
     directory = Path(directory)
-    if LAYOUTS.get(model_type) == "marian":
-        raise UnsupportedModelError(f"{directory}: adapters of a marian model are merged, not "
-                                    "served beside others (--lora DIR merges one)")
+    if LAYOUTS.get(model_type) in peft_seq2seq.LAYOUTS:
+        raise UnsupportedModelError(f"{directory}: adapters of a {model_type} model (an "
+                                    "encoder-decoder) are merged, not served beside others "
+                                    "(--lora DIR merges one)")
     scale_of, modules, pairs = _read_pairs(config, model_type, directory)
     found: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
     for layer, module, a, b, name in pairs:
@@ -163,9 +164,10 @@ def _read_pairs(config: TransformerConfig, model_type: str, directory: Path):
         raise UnsupportedModelError(f"{directory}: target_parameters={json.dumps(expert_params)}"
                                     f" adapt parameters of a {model_type} model; kvjax merges "
                                     "gpt-oss's experts' alone")
-    if LAYOUTS.get(model_type) == "marian":  # an encoder's and a decoder's layers
-        modules, locate = peft_marian.MODULES, functools.partial(peft_marian.locate, config,
-                                                                 directory)
+    layout = LAYOUTS.get(model_type)
+    if layout in peft_seq2seq.LAYOUTS:  # an encoder's and a decoder's layers
+        modules = peft_seq2seq.LAYOUTS[layout].modules
+        locate = functools.partial(peft_seq2seq.locate, layout, model_type, config, directory)
     else:
         modules = _modules(model_type, f"{directory}: PEFT adapters of {model_type!r} models "
                                        "are not supported")
