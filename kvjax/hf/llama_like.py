@@ -396,6 +396,12 @@ def _gemma2(c: Reader) -> dict[str, Any]:
     return _gemma(c, rope_of(c), default_pattern=2)
 
 
+def _vaultgemma(c: Reader) -> dict[str, Any]:
+    """VaultGemma: Gemma 2's layers with one (1 + w) RMSNorm before each sublayer and none
+    on its output (`pre_feedforward_layernorm` before the FFN)."""
+    return {**_gemma(c, rope_of(c), default_pattern=2), "sandwich_norms": False}
+
+
 def _gemma3(c: Reader) -> dict[str, Any]:
     """Gemma 3's text model: Gemma 2's layers with (1 + w) RMSNorm over each head's query
     and key, every sixth layer global by default, and RoPE of their own for the local
@@ -422,7 +428,7 @@ def _olmoe(c: Reader) -> dict[str, Any]:
 
 READERS = {"llama": read_llama, "mistral": _mistral, "phi3": _phi3, "qwen2": _qwen2,
            "qwen3": _qwen3, "smollm3": _smollm3, "granite": _granite, "gemma2": _gemma2,
-           "gemma3_text": _gemma3, "stablelm": _stablelm,
+           "gemma3_text": _gemma3, "vaultgemma": _vaultgemma, "stablelm": _stablelm,
            "gemma": _gemma1, "mixtral": _mixtral,
            "qwen3_moe": _qwen3_moe, "olmoe": _olmoe, "granitemoe": _granitemoe,
            "qwen2_moe": _qwen2_moe, "gpt_oss": _gpt_oss, "glm": _glm,

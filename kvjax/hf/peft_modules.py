@@ -25,7 +25,7 @@ _UNGATED = {**_ATTENTION, "mlp.up_proj": ("wi",), "mlp.down_proj": ("wo",)}
 _C_ATTN = {"attn.c_attn": ("q", "k", "v"), "attn.c_proj": ("o",), "mlp.c_fc": ("wi",),
            "mlp.c_proj": ("wo",)}
 MODULES = {
-    "llama": _GATED, "hunyuan": _GATED, "cohere": _GATED,
+    "llama": _GATED, "hunyuan": _GATED, "cohere": _GATED, "vaultgemma": _GATED,
     # Arcee, Nemotron and Apertus: an FFN of up_proj and down_proj alone.
     "up_down_mlp": _UNGATED, "nemotron": _UNGATED, "apertus": _UNGATED,
     "fused": {"self_attn.qkv_proj": ("q", "k", "v"), "self_attn.o_proj": ("o",),

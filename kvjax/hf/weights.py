@@ -43,11 +43,12 @@ from .tensors import Params, WeightFiles
 # attention, its RoPE turning the other way, an FFN of fc1 and fc2, no norm weights), "falcon"
 # (query_key_value by kv-head group, dense, dense_h_to_4h, dense_4h_to_h under transformer.h.i),
 # "bloom" (Falcon's names, each head's q, k and v in turn, and a word_embeddings_layernorm),
-# "mpt" (Wqkv, out_proj, up_proj, down_proj, norm_1 and norm_2 under transformer.blocks.i),
-# "t5" (an encoder's and a decoder's blocks of SelfAttention, EncDecAttention and
-# DenseReluDense layers, each stack's relative_attention_bias in its first block).
-# Llama's layout holds experts too: gate_proj, up_proj and down_proj under mlp (and a shared
-# expert of the same three beside them, with its gate: Qwen2-MoE).
+# "mpt" (Wqkv, out_proj, up_proj, down_proj, norm_1 and norm_2 under transformer.blocks.i), "t5"
+# (an encoder's and a decoder's blocks of SelfAttention, EncDecAttention and DenseReluDense
+# layers, each stack's relative_attention_bias in its first block). Llama's layout holds experts
+# too: gate_proj, up_proj and down_proj under mlp (and a shared expert of the same three beside
+# them, with its gate: Qwen2-MoE); "vaultgemma" is Llama's with Gemma 2's norm before the FFN
+# (pre_feedforward_layernorm) and none on the sublayers' outputs.
 LAYOUTS = {"gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode", "gpt_neo": "gpt_neo", "gptj": "gptj",
            "phi3": "fused", "marian": "marian", "gpt_neox": "gpt_neox",
            "phi": "phi", "opt": "opt", "starcoder2": "plain_mlp", "mixtral": "mixtral",
@@ -60,7 +61,7 @@ LAYOUTS = {"gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode", "gpt_neo": "gpt_neo", "
                             "gemma2", "gemma3_text", "olmo2", "olmo3", "stablelm", "gemma",
                             "qwen3_moe", "olmoe", "qwen2_moe", "seed_oss", "ministral",
                             "ministral3", "exaone4", "olmo", "exaone", "internlm3"), "llama"),
-           "hunyuan_v1_dense": "hunyuan", "phimoe": "mixtral"}
+           "hunyuan_v1_dense": "hunyuan", "phimoe": "mixtral", "vaultgemma": "vaultgemma"}
 
 
 # EXAONE 3's releases name their tensors as GPT-2's layers (transformer.h.i.attn.attention,
@@ -99,6 +100,7 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
                                             fold_unit_offset=True),
               "apertus": functools.partial(_llama_like, plain_mlp=("up_proj", "down_proj"),
                                            norms=_APERTUS_NORMS),
+              "vaultgemma": functools.partial(_llama_like, norms=_PRE_FEEDFORWARD_NORMS),
               "hunyuan": functools.partial(_llama_like, qk_norm_names=("query_layernorm",
                                                                         "key_layernorm")),
               "mixtral": functools.partial(_llama_like, experts=functools.partial(
@@ -120,6 +122,11 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
 # kvjax's norm -> the file's, per layer. Llama's "post_attention_layernorm" is the norm before
 # the FFN; Gemma's is the one on the attention's output.
 _NORMS = {"attention_block/norm": "input_layernorm", "ffn_block/norm": "post_attention_layernorm"}
+
+
+# VaultGemma's: Gemma 2's before each sublayer, none on the outputs.
+_PRE_FEEDFORWARD_NORMS = {"attention_block/norm": "input_layernorm",
+                          "ffn_block/norm": "pre_feedforward_layernorm"}
 
 
 _SANDWICH_NORMS = {"attention_block/norm": "input_layernorm",

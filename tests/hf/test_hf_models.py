@@ -31,7 +31,7 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "arcee", "ministral3", "mistral3", "gemma3", "apertus", "hunyuan_v1_dense", "opt_350m",
          "phimoe", "nanochat", "olmo", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neo", "gptj",
          "exaone", "internlm3", "falcon", "falcon_grouped", "falcon_sequential", "falcon2",
-         "bloom", "mpt", "t5", "t5_relu", "mt5")
+         "bloom", "mpt", "t5", "t5_relu", "mt5", "vaultgemma")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -50,7 +50,7 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                "phimoe": "phimoe", "gpt_bigcode_mha": "gpt_bigcode",
                **dict.fromkeys(("falcon", "falcon_grouped", "falcon_sequential", "falcon2"),
                                "falcon"), "bloom": "bloom", "mpt": "mpt", "t5": "t5",
-               "t5_relu": "t5", "mt5": "mt5"}
+               "t5_relu": "t5", "mt5": "mt5", "vaultgemma": "vaultgemma"}
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                                               "cohere2", "gemma3", "olmo", "gpt_bigcode_mha",
                                               "gpt_neo", "exaone", "falcon",
                                               "falcon_sequential", "falcon2", "bloom",
-                                              "mpt", "t5", "t5_relu", "mt5"))
+                                              "mpt", "t5", "t5_relu", "mt5", "vaultgemma"))
     assert config.qk_norm == (name in ("qwen3", "gemma3_text", "olmo2", "olmo3", "qwen3_moe",
                                        "olmoe", "exaone4", "gemma3", "apertus",
                                        "hunyuan_v1_dense", "nanochat"))
@@ -166,7 +166,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
             "gpt_bigcode": (1, None), "gpt_bigcode_mha": (4, 1.0), "gpt_neo": (4, 1.0),
             "gpt_neox": (4, None), "falcon": (1, None), "falcon_grouped": (2, None),
             "falcon_sequential": (4, None), "falcon2": (2, None), "mpt": (4, 0.25)}[name]
-    assert config.logits_softcap == {"gemma2": 8.0, "nanochat": 2.0}.get(name)
+    assert config.logits_softcap == {"gemma2": 8.0, "nanochat": 2.0, "vaultgemma": 8.0}.get(name)
     assert config.qk_norm_across_heads == (name in ("olmo2", "olmo3", "olmoe"))
     assert (config.norm == "output") == (name in ("olmo2", "olmo3", "exaone4"))
     assert (config.num_experts, config.experts_per_token, config.normalize_expert_weights) == {
@@ -182,12 +182,13 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     assert config.sliding_window == {"mistral": 4, "phi3": 6, "gemma2": 4,
                                      "gemma3_text": 5, "olmo3": 4, "starcoder2": 4,
                                      "qwen2": 4, "ministral": 4, "exaone4": 4, "cohere2": 4,
-                                     "gemma3": 5, "gpt_neo": 4}.get(
+                                     "gemma3": 5, "gpt_neo": 4, "vaultgemma": 4}.get(
         name, 4 if gpt_oss else None)
     assert config.full_attention_layers == {"gemma2": (1,), "gemma3_text": (2,),
                                             "olmo3": (1,), "qwen2": (0,), "ministral": (1,),
                                             "exaone4": (2,), "cohere2": (2,),
-                                            "gemma3": (2,), "gpt_neo": (0,)}.get(
+                                            "gemma3": (2,), "gpt_neo": (0,),
+                                            "vaultgemma": (1,)}.get(
         name, (1,) if gpt_oss else ())
     assert config.local_rope_base == {"gemma3_text": 10000.0, "olmo3": 50000.0,
                                       "gemma3": 10000.0}.get(name)
