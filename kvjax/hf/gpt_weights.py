@@ -2,7 +2,7 @@
 and Falcon with their parallel layers) and of Marian, read into kvjax params
 (`weights.load_params` chooses the reader).
 
-Shape letters as in `model/`; O and X of `heads_apart` are a tensor's output rows and inputs.
+Shape letters as in `model/`; O and X of `groups_apart` are a tensor's output rows and inputs.
 """
 
 from __future__ import annotations
@@ -22,19 +22,12 @@ from .tensors import Params
 OUTPUT_TENSORS = {"gpt_neox": "embed_out.weight"}
 
 
-def heads_apart(rows_OX: np.ndarray, num_heads: int, head_dim: int) -> np.ndarray:
-    """GPT-NeoX's query_key_value rows [N·3·H, X], each head's q, k and v in turn, in kvjax's
-    order [3·N·H, X]: every q head, then every k head, then every v head."""
-    return rows_OX.reshape(num_heads, 3, head_dim, -1).transpose(1, 0, 2, 3).reshape(
-        3 * num_heads * head_dim, -1)
-
-
 def groups_apart(rows_OX: np.ndarray, kv_heads: int, head_dim: int) -> np.ndarray:
-    """Falcon's query_key_value rows [K·(G+2)·H, X], each kv head's G query heads, then its
-    key, then its value, in kvjax's order [(N+2K)·H, X]: every q head (kv-major, as kvjax
-    groups them), then every k head, then every v head. The one layout covers Falcon's
-    three: with one kv head (7B's `multi_query`) every query head, the key, the value; with
-    a kv head per query head, each head's q, k and v in turn (`heads_apart`'s)."""
+    """Fused q, k and v rows by kv-head group [K·(G+2)·H, X], each kv head's G query heads,
+    then its key, then its value, in kvjax's order [(N+2K)·H, X]: every q head (kv-major, as
+    kvjax groups them), then every k head, then every v head. Falcon's query_key_value in
+    its three layouts; with a kv head per query head (K = N), each head's q, k and v in turn:
+    GPT-NeoX's and BLOOM's query_key_value, GPTBigCode's c_attn without multi_query."""
     grouped = rows_OX.reshape(kv_heads, -1, head_dim, rows_OX.shape[-1])
     return np.concatenate([grouped[:, :-2].reshape(-1, rows_OX.shape[-1]),
                            grouped[:, -2].reshape(-1, rows_OX.shape[-1]),
@@ -90,7 +83,7 @@ def _gpt_bigcode(c: M.TransformerConfig, p: Params):
         qkv, bias = (p.read(src + "attn.c_attn.weight", (rows, d)),
                      p.read(src + "attn.c_attn.bias", (rows,)))
         if k == n:
-            qkv, bias = heads_apart(qkv, n, h), heads_apart(bias, n, h)
+            qkv, bias = groups_apart(qkv, n, h), groups_apart(bias[:, None], n, h)[:, 0]
         p.set(dst + "self_attention/qkv/kernel", qkv.T.reshape(d, n + 2 * k, h))
         p.set(dst + "self_attention/qkv/bias", bias.reshape(n + 2 * k, h))
         tensors.output(p, src + "attn.c_proj", dst + "self_attention/out", c)
@@ -142,10 +135,11 @@ def _heads_in_turn_layer(c: M.TransformerConfig, p: Params, src: str, dst: str,
     tensors.layer_norm(p, src + "input_layernorm", dst + "attention_block/norm", d)
     tensors.layer_norm(p, src + "post_attention_layernorm", dst + "ffn_block/norm", d)
     qkv = p.read(f"{src}{attention}.query_key_value.weight", (3 * n * h, d))
-    p.set(dst + "self_attention/qkv/kernel", heads_apart(qkv, n, h).T.reshape(d, 3 * n, h))
+    p.set(dst + "self_attention/qkv/kernel", groups_apart(qkv, n, h).T.reshape(d, 3 * n, h))
     if c.qkv_bias:
         bias = p.read(f"{src}{attention}.query_key_value.bias", (3 * n * h,))
-        p.set(dst + "self_attention/qkv/bias", heads_apart(bias, n, h).reshape(3 * n, h))
+        p.set(dst + "self_attention/qkv/bias", groups_apart(bias[:, None], n, h).reshape(
+            3 * n, h))
     tensors.output(p, f"{src}{attention}.dense", dst + "self_attention/out", c)
     tensors.dense(p, src + "mlp.dense_h_to_4h", dst + "ffn/wi", (f, d), True)
     tensors.dense(p, src + "mlp.dense_4h_to_h", dst + "ffn/wo", (d, f), True)

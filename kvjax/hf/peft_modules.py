@@ -12,7 +12,7 @@ import numpy as np
 
 from kvjax.model import TransformerConfig
 
-from .gpt_weights import groups_apart, groups_together, heads_apart
+from .gpt_weights import groups_apart, groups_together
 from .weights import LAYOUTS, ROPE_ORDERS, rope_rows_in_kvjax_order
 
 # Per layout of the weight files (`weights.LAYOUTS`): the file's module -> the kvjax targets
@@ -100,8 +100,7 @@ def reorders(config: TransformerConfig, model_type: str, module: str) -> bool:
 def rows_in_kvjax_order(config: TransformerConfig, model_type: str, module: str,
                         rows_OX: np.ndarray, name: str) -> np.ndarray:
     """A module's output rows [O, X] that `reorders` in kvjax's order, the rows' count
-    checked first: `gpt_weights.heads_apart` or `groups_apart`, or
-    `weights.rope_rows_in_kvjax_order`."""
+    checked first: `gpt_weights.groups_apart`, or `weights.rope_rows_in_kvjax_order`."""
     n, h = config.num_heads, config.head_dim
     targets = MODULES[LAYOUTS[model_type]][module]
     heads = sum(n if target == "q" else config.kv_heads for target in targets)
@@ -109,9 +108,7 @@ def rows_in_kvjax_order(config: TransformerConfig, model_type: str, module: str,
         raise ValueError(f"tensor {name} has {rows_OX.shape[0]} output rows; the model's "
                          f"{module} has {heads * h}")
     if len(targets) == 3:
-        if LAYOUTS[model_type] == "falcon":
-            return groups_apart(rows_OX, config.kv_heads, h)
-        return heads_apart(rows_OX, n, h)
+        return groups_apart(rows_OX, config.kv_heads, h)
     return rope_rows_in_kvjax_order(rows_OX, heads, h, config.rotary_dims, LAYOUTS[model_type])
 
 
@@ -120,10 +117,8 @@ def rows_in_file_order(config: TransformerConfig, model_type: str, module: str,
     """The inverse of `rows_in_kvjax_order`."""
     n, h = config.num_heads, config.head_dim
     targets = MODULES[LAYOUTS[model_type]][module]
-    if len(targets) == 3 and LAYOUTS[model_type] == "falcon":
-        return groups_together(rows_OX, config.kv_heads, n, h)
     if len(targets) == 3:
-        return rows_OX.reshape(3, n, h, -1).transpose(1, 0, 2, 3).reshape(3 * n * h, -1)
+        return groups_together(rows_OX, config.kv_heads, n, h)
     heads = n if targets == ("q",) else config.kv_heads
     return rope_rows_in_kvjax_order(rows_OX, heads, h, config.rotary_dims, LAYOUTS[model_type],
                                     inverse=True)
