@@ -23,7 +23,8 @@ def add_import_hf(commands) -> None:
                          help="a RoPE model's longest sequence, up to its "
                               "max_position_embeddings (default: that; for LongRoPE, the "
                               "original length: past it, every position turns with the long "
-                              "factors)")
+                              "factors); an ALiBi or T5 model's, any length (default: the "
+                              "one it was trained on)")
     command.add_argument("--lora", metavar="DIR", default=None,
                          help="a PEFT LoRA adapter trained on DIR (adapter_config.json, "
                               "adapter_model.safetensors), written merged into the params")
