@@ -22,12 +22,15 @@ UNREAD_BY_TRANSFORMERS = ("bias_dropout_fusion", "masked_softmax_fusion", "offse
                           "skip_bias_add", "skip_bias_add_qkv", "unk_token_id",
                           "attention_softmax_in_fp32", "slow_but_exact")
 TRAINED_LENGTH = 2048
+# Other spellings of keys, read under the names transformers' BloomConfig keeps (its
+# attribute_map and `n_embed`).
+ALIASES = {"num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
+           "n_embed": "hidden_size"}
 
 
 def _bloom(c: Reader) -> dict[str, Any]:
-    for new, old in (("num_hidden_layers", "n_layer"), ("num_attention_heads", "n_head"),
-                     ("n_embed", "hidden_size")):
-        c.rename(new, old)  # transformers' BloomConfig names the first two its way
+    for alias, name in ALIASES.items():
+        c.rename(alias, name)
     for key in UNREAD_BY_TRANSFORMERS:
         c.get(key)
     c.expect("apply_residual_connection_post_layernorm", False, False,
