@@ -67,6 +67,9 @@ class TransformerConfig:
     scale_embeddings: bool = True  # multiply token embeddings by √D (the paper, Marian)
     logits_bias: bool = False  # an additive bias [V] on the output logits (Marian)
     sinusoid_layout: str = "interleaved"
+    # Added to every position before its sinusoid is computed: fairseq's models number the
+    # first token's position after the padding id (M2M100 and NLLB: 2).
+    sinusoid_offset: int = 0
     rope_scaling: str = "none"
     rope_scaling_factor: float = 1.0
     rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original/low are divided
@@ -289,11 +292,11 @@ SPEED_ONLY_FIELDS = ("attention_block", "remat")
 # when it is d_model // num_heads.
 _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "qkv_bias", "out_bias", "ffn_bias", "norm_type", "scale_embeddings", "logits_bias",
-    "sinusoid_layout", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor",
-    "rope_high_freq_factor", "rope_original_max_len", "rope_beta_fast", "rope_beta_slow",
-    "rope_truncate", "rope_attention_factor", "rope_short_factors", "rope_long_factors",
-    "rotary_dim", "cache_dtype", "kernel_dtype", "qk_norm", "qk_norm_across_heads",
-    "qk_norm_after_rope",
+    "sinusoid_layout", "sinusoid_offset", "rope_scaling", "rope_scaling_factor",
+    "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len", "rope_beta_fast",
+    "rope_beta_slow", "rope_truncate", "rope_attention_factor", "rope_short_factors",
+    "rope_long_factors", "rotary_dim", "cache_dtype", "kernel_dtype", "qk_norm",
+    "qk_norm_across_heads", "qk_norm_after_rope",
     "sliding_window", "relative_buckets", "relative_max_distance", "full_attention_layers",
     "unrotated_layers", "local_rope_base",
     "norm_unit_offset", "sandwich_norms", "norm_params", "embedding_norm", "parallel_residual",

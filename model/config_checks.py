@@ -34,8 +34,9 @@ KERNEL_DTYPES = ("int8",)
 # The dtype of the int8 cache's scales, counted by `cache_size_bytes`.
 CACHE_SCALE_DTYPE = np.dtype(np.float32)
 # "interleaved": sin and cos of each frequency side by side (the paper's PE(pos, 2i),
-# PE(pos, 2i + 1)); "halves": every sine, then every cosine (Marian, fairseq).
-SINUSOID_LAYOUTS = ("interleaved", "halves")
+# PE(pos, 2i + 1)); "halves": every sine, then every cosine (Marian); "fairseq": every sine,
+# then every cosine, of frequencies 10000^(-i / (D/2 - 1)) (M2M100, NLLB).
+SINUSOID_LAYOUTS = ("interleaved", "halves", "fairseq")
 # How RoPE's frequencies are stretched for contexts longer than the training length:
 # "linear" divides every frequency by the factor; "llama3" divides only the low ones and
 # blends in between (Llama 3.1/3.2); "yarn" divides the frequencies that turn few times over
@@ -49,7 +50,7 @@ _INT_FIELDS = ("vocab_size", "d_model", "num_heads", "d_ff", "num_decoder_layers
                "num_encoder_layers", "max_len", "bos_id", "attention_block",
                "rope_original_max_len", "num_experts", "experts_per_token",
                "shared_expert_d_ff", "query_scale_length", "relative_buckets",
-               "relative_max_distance")
+               "relative_max_distance", "sinusoid_offset")
 _REAL_FIELDS = ("dropout", "rope_base", "layer_norm_eps", "rope_scaling_factor",
                 "rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast",
                 "rope_beta_slow", "embedding_multiplier", "residual_multiplier", "logits_scaling",
@@ -92,6 +93,13 @@ def problems(config: Config) -> list[str]:
         problems.append(f"sliding_window={config.sliding_window} must be >= 1 or None")
     if config.embedding_dim is not None and config.embedding_dim < 1:
         problems.append(f"embedding_dim={config.embedding_dim} must be >= 1 or None")
+    if config.sinusoid_offset < 0 or (config.sinusoid_offset
+                                      and config.positional_encoding != "sinusoidal"):
+        problems.append(f"sinusoid_offset={config.sinusoid_offset} must be >= 0, and 0 unless "
+                        f"positional_encoding is 'sinusoidal'")
+    if config.sinusoid_layout == "fairseq" and config.d_model < 4:
+        problems.append(f"sinusoid_layout 'fairseq' needs d_model >= 4 (two frequencies at "
+                        f"least), got {config.d_model}")
     problems += _layer_kind_problems(config)
     kv = config.num_kv_heads
     if kv is not None and (kv < 1 or (config.num_heads >= 1 and config.num_heads % kv)):

@@ -42,7 +42,7 @@ _NOT_IN_INIT = SPEED_ONLY_FIELDS + (
     "rope_attention_factor", "rope_short_factors", "rope_long_factors", "rotary_dim",
     "sliding_window", "full_attention_layers", "unrotated_layers", "local_rope_base",
     "attention_scale", "query_scale_beta", "query_scale_length", "attention_softcap",
-    "logits_softcap", "qkv_clip", "sinusoid_layout",
+    "logits_softcap", "qkv_clip", "sinusoid_layout", "sinusoid_offset",
     "embedding_multiplier", "residual_multiplier", "logits_scaling")
 
 

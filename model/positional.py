@@ -85,9 +85,19 @@ def sinusoidal(positions_BT: jax.Array, d_model: int, layout: str = "interleaved
     """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...). Returns [B, T, D] f32.
 
     `layout="halves"` writes the same values as every sine column, then every cosine column
-    (Marian's layout). An odd width gets one sine more than cosines.
+    (Marian's layout). An odd width gets one sine more than cosines. `layout="fairseq"`
+    (M2M100, NLLB): every sine, then every cosine, of the D/2 frequencies
+    10000^(-i / (D/2 - 1)), an odd width's last column zero.
     """
     positions = positions_BT.astype(jnp.float32)[..., None]
+    if layout == "fairseq":
+        half = d_model // 2
+        # float32 throughout, as fairseq and transformers compute it
+        step = np.float32(-np.log(10000.0) / (half - 1))
+        inv_freq = np.exp(np.arange(half, dtype=np.float32) * step)
+        angles = positions * jnp.asarray(inv_freq, jnp.float32)  # [B, T, D/2]
+        odd = [jnp.zeros_like(angles[..., :1])] if d_model % 2 else []
+        return jnp.concatenate([jnp.sin(angles), jnp.cos(angles), *odd], axis=-1)
     if layout == "halves":
         sines, cosines = (d_model + 1) // 2, d_model // 2
         inv_freq = 1.0 / (10000.0 ** (np.arange(sines, dtype=np.float64) * 2.0 / d_model))

@@ -111,7 +111,8 @@ class Embedder(nn.Module):
         if c.embedding_multiplier != 1.0:
             x = x * c.embedding_multiplier
         if c.positional_encoding == "sinusoidal":
-            x = x + sinusoidal(positions_BT, c.d_model, c.sinusoid_layout).astype(x.dtype)
+            x = x + sinusoidal(positions_BT + c.sinusoid_offset, c.d_model,
+                               c.sinusoid_layout).astype(x.dtype)
         elif c.positional_encoding == "learned":
             x = x + jnp.take(self.position_embedding, positions_BT, axis=0).astype(x.dtype)
         if c.embedding_norm:

@@ -86,7 +86,8 @@ def test_numpy_scalars_are_stored_as_python_numbers():
 
 
 OPTION_FIELDS = ("head_dim", "qkv_bias", "out_bias", "ffn_bias", "norm_type",
-                 "scale_embeddings", "logits_bias", "sinusoid_layout", "rope_scaling",
+                 "scale_embeddings", "logits_bias", "sinusoid_layout", "sinusoid_offset",
+                 "rope_scaling",
                  "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                  "rope_original_max_len", "rope_beta_fast", "rope_beta_slow", "rope_truncate",
                  "rope_attention_factor", "qk_norm", "qk_norm_across_heads", "sliding_window",
@@ -179,6 +180,12 @@ def test_head_dim_follows_the_width_unless_given():
      "sparsemixer_eps=-1.0 must be >= 0 and finite"),
     (dict(num_experts=4, sparsemixer_eps=0.01), "normalize_expert_weights must be false"),
     (dict(sinusoid_layout="split"), "sinusoid_layout='split' is not one of"),
+    (dict(sinusoid_offset=-1), "sinusoid_offset=-1 must be >= 0"),
+    (dict(positional_encoding="learned", sinusoid_offset=2),
+     "sinusoid_offset=2 must be >= 0, and 0 unless positional_encoding is 'sinusoidal'"),
+    (dict(sinusoid_offset=1.5), "sinusoid_offset=1.5 must be an int"),
+    (dict(sinusoid_layout="fairseq", d_model=2, num_heads=1),
+     "sinusoid_layout 'fairseq' needs d_model >= 4"),
     (dict(qkv_bias=1), "qkv_bias=1 must be True or False"),
 ])
 def test_bad_options_are_named(options, message):

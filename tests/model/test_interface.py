@@ -34,14 +34,23 @@ def test_fields_that_draw_no_params_share_one_compiled_initialisation():
         rope_attention_factor=1.2, rope_short_factors=(1.0, 2.0), rope_long_factors=(3.0, 4.0),
         rotary_dim=4, unrotated_layers=(1,), embedding_multiplier=2.0, residual_multiplier=0.5,
         logits_scaling=3.0, query_scale_beta=0.1, query_scale_length=8, qkv_clip=2.0)
+    # The sinusoids' offset is set only where the sinusoids are: checked beside the others.
+    sinusoids = base.replace(positional_encoding="sinusoidal")
+    offset = sinusoids.replace(sinusoid_offset=2, sinusoid_layout="fairseq")
     assert {name for name in interface._NOT_IN_INIT if getattr(other, name) ==
-            getattr(base, name)} == set()
+            getattr(base, name)} == {"sinusoid_offset"} != {
+        name for name in interface._NOT_IN_INIT if getattr(offset, name) ==
+        getattr(sinusoids, name)}
     rng = jax.random.key(3)
     before = interface._init_params._cache_size()
     shared = M.init_params(other, rng)
     assert interface._init_params._cache_size() - before <= 1
     M.init_params(base, rng)
     assert interface._init_params._cache_size() - before <= 1
+    M.init_params(sinusoids, rng)
+    programs = interface._init_params._cache_size()
+    M.init_params(offset, rng)
+    assert interface._init_params._cache_size() == programs
     own = interface._init_params(other, rng)  # drawn by the config's own program
     assert jax.tree.structure(own) == jax.tree.structure(shared)
     for mine, theirs in zip(jax.tree.leaves(own), jax.tree.leaves(shared), strict=True):

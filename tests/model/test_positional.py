@@ -1,4 +1,4 @@
-"""model/positional.py: sinusoidal encodings in both layouts, RoPE's rotation (of whole heads
+"""model/positional.py: sinusoidal encodings in their three layouts, RoPE's rotation (of whole heads
 or their leading dimensions) and Llama 3's, YaRN's and LongRoPE's frequency scaling, each
 against a plain evaluation of its formula or published rule."""
 
@@ -28,6 +28,21 @@ def test_sinusoid_halves_hold_every_sine_then_every_cosine(width):
     np.testing.assert_allclose(got, np.concatenate([sines, cosines], axis=1), atol=1e-6)
     interleaved = np.asarray(sinusoidal(jnp.asarray(positions)[None], width))[0]
     np.testing.assert_allclose(interleaved[:, 0:width - 1:2], got[:, :width // 2], atol=1e-6)
+
+
+@pytest.mark.parametrize("width", [8, 9])
+def test_fairseq_sinusoids_are_the_table_m2m100_builds(width):
+    """transformers' M2M100SinusoidalPositionalEmbedding.get_embedding in NumPy (float32,
+    as torch computes it): D/2 frequencies 10000^(-i / (D/2 - 1)), every sine then every
+    cosine, an odd width's last column zero; read at a position plus the offset."""
+    half = width // 2
+    step = np.float32(math.log(10000) / (half - 1))
+    frequencies = np.exp(np.arange(half, dtype=np.float32) * -step)
+    rows = np.arange(40, dtype=np.float32)[:, None] * frequencies[None]
+    table = np.concatenate([np.sin(rows), np.cos(rows), np.zeros((40, width % 2))], axis=1)
+    positions = np.array([[0, 1, 5, 37]])
+    got = np.asarray(sinusoidal(jnp.asarray(positions + 2), width, "fairseq"))[0]
+    np.testing.assert_allclose(got, table[positions[0] + 2], atol=1e-6)
 
 
 def _llama3_frequencies(base, head_dim, factor, low, high, original):
