@@ -58,7 +58,8 @@ def to_kvjax_config(hf: dict[str, Any], *, tied: bool, dtype: str = "float32",
 
 
 def _chosen_max_len(hf: dict[str, Any], fields: dict[str, Any], max_len, source: str) -> int:
-    if fields.get("positional_encoding") in ("alibi", "relative"):  # no table of positions
+    if (fields.get("positional_encoding") in ("alibi", "relative")  # no table of positions
+            or fields.get("sinusoid_layout") == "fairseq"):  # sinusoids of any position
         if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
             raise UnsupportedModelError(f"{source}: max_len={max_len!r} must be an int >= 1")
         return max_len

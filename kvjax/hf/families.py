@@ -8,7 +8,7 @@ those of them that norm each sublayer's output in `output_norms.py`, those witho
 their FFN in `plain_ffn.py`, those whose norms hold no parameters in `weightless_norms.py`,
 Cohere's in `cohere.py`, Falcon's in `falcon.py`, BLOOM's in `bloom.py`, MPT's in `mpt.py`,
 T5's in `t5.py`; here, GPT-2's descendants (GPTBigCode,
-GPT-Neo, OPT, and GPT-J, GPT-NeoX and Phi with their parallel layers) and Marian.
+GPT-Neo, OPT, and GPT-J, GPT-NeoX and Phi with their parallel layers), Marian and M2M100.
 """
 
 from __future__ import annotations
@@ -210,32 +210,52 @@ def _parallel(c: Reader, rope_params: dict[str, Any], fraction: float, base: flo
         **partial_rope(c, rope_params, fraction, base, width // heads), **fields)
 
 
-def _marian(c: Reader) -> dict[str, Any]:
+def _fairseq_encoder_decoder(c: Reader, family: str) -> dict[str, Any]:
+    """The keys Marian and M2M100 share: one width, heads and FFN for the encoder and the
+    decoder, one embedding table, biases on every projection."""
     width = c.require("d_model")
-    heads = c.require("encoder_attention_heads")
     for encoder_key, decoder_key in (("encoder_attention_heads", "decoder_attention_heads"),
                                      ("encoder_ffn_dim", "decoder_ffn_dim")):
         c.expect(decoder_key, c.get(encoder_key), c.get(encoder_key),
                  f"kvjax's encoder and decoder share {encoder_key.split('_', 1)[1]}")
+    c.expect("is_encoder_decoder", True, True, f"{family} is an encoder-decoder")
+    return dict(
+        d_model=width, num_heads=c.require("encoder_attention_heads"),
+        d_ff=c.require("encoder_ffn_dim"), num_encoder_layers=c.require("encoder_layers"),
+        num_decoder_layers=c.require("decoder_layers"),
+        max_len=c.require("max_position_embeddings"), positional_encoding="sinusoidal",
+        layer_norm_eps=1e-5, qkv_bias=True, out_bias=True,
+        bos_id=c.get("decoder_start_token_id", c.get("pad_token_id")))
+
+
+def _marian(c: Reader) -> dict[str, Any]:
+    """Marian (OPUS-MT): LayerNorm after each sublayer, static sinusoids (every sine, then
+    every cosine), a bias on the output logits."""
     c.expect("share_encoder_decoder_embeddings", True, True,
              "kvjax's encoder and decoder share one embedding table")
     vocab = c.require("vocab_size")
     c.expect("decoder_vocab_size", vocab, vocab, "one vocabulary for source and target")
-    c.expect("is_encoder_decoder", True, True, "Marian is an encoder-decoder")
     return dict(
-        vocab_size=vocab, d_model=width, num_heads=heads, d_ff=c.require("encoder_ffn_dim"),
-        num_encoder_layers=c.require("encoder_layers"),
-        num_decoder_layers=c.require("decoder_layers"),
-        max_len=c.require("max_position_embeddings"), positional_encoding="sinusoidal",
-        sinusoid_layout="halves", norm="post", layer_norm_eps=1e-5,
-        activation=c.activation("activation_function", "swish"), qkv_bias=True, out_bias=True,
-        scale_embeddings=bool(c.get("scale_embedding", False)), logits_bias=True,
-        bos_id=c.get("decoder_start_token_id", c.get("pad_token_id")))
+        **_fairseq_encoder_decoder(c, "Marian"), vocab_size=vocab, sinusoid_layout="halves",
+        norm="post", activation=c.activation("activation_function", "swish"),
+        scale_embeddings=bool(c.get("scale_embedding", False)), logits_bias=True)
 
+
+def _m2m_100(c: Reader) -> dict[str, Any]:
+    """M2M100 and NLLB-200: LayerNorm before each sublayer and after each stack, fairseq's
+    sinusoids (`sinusoid_layout="fairseq"`) numbered from the padding id + 1, of any
+    length."""
+    layers = c.require("encoder_layers")
+    c.expect("num_hidden_layers", layers, layers, "transformers reads it as encoder_layers")
+    return dict(
+        **_fairseq_encoder_decoder(c, "M2M100"), vocab_size=c.require("vocab_size"),
+        sinusoid_layout="fairseq", sinusoid_offset=c.get("pad_token_id", 1) + 1, norm="pre",
+        activation=c.activation("activation_function", "relu"),
+        scale_embeddings=bool(c.get("scale_embedding", True)))
 
 
 READERS = {"gpt2": _gpt2, "gpt_bigcode": _gpt_bigcode, "gpt_neo": _gpt_neo, "gptj": _gptj,
            "opt": _opt,
            "gpt_neox": _gpt_neox, "phi": _phi, **LLAMA_LIKE, **LLAMA_ALIASES, **OUTPUT_NORMS,
            **PLAIN_FFN, **WEIGHTLESS_NORMS, **COHERE, **MINISTRAL3, **HUNYUAN, **PHIMOE,
-           **FALCON, **BLOOM, **MPT, **T5, "marian": _marian}
+           **FALCON, **BLOOM, **MPT, **T5, "marian": _marian, "m2m_100": _m2m_100}

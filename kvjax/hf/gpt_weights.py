@@ -276,6 +276,8 @@ def _one_norm_parallel(c: M.TransformerConfig, p: Params, names: dict, rope_orde
 
 
 def _marian(c: M.TransformerConfig, p: Params):
+    """Marian's and M2M100's tensors (M2M100: pre-norm, with each stack's final LayerNorm
+    and no bias on the logits)."""
     d, n, f = c.d_model, c.num_heads, c.d_ff
     _shared_embedding(p, c, "model.shared.weight")
     for part, stack, count in (("encoder", "encoder_layers", c.num_encoder_layers),
@@ -300,9 +302,12 @@ def _marian(c: M.TransformerConfig, p: Params):
                     for name in ("k", "v")])
                 tensors.output(p, src + "encoder_attn.out_proj", dst + "cross_attention/out", c)
                 tensors.layer_norm(p, src + "encoder_attn_layer_norm", dst + "cross_block/norm", d)
-    p.set("embedder/logits_bias", p.read("final_logits_bias", (1, c.vocab_size))[0])
+    if c.logits_bias:
+        p.set("embedder/logits_bias", p.read("final_logits_bias", (1, c.vocab_size))[0])
     tensors.unembed(c, p, "lm_head.weight")
     for part in ("encoder", "decoder"):
+        if c.norm == "pre":  # M2M100: a LayerNorm after each stack
+            tensors.layer_norm(p, f"model.{part}.layer_norm", f"{part}_norm", d)
         _check_sinusoids(p, f"model.{part}.embed_positions.weight", c)
     return lambda name: False
 

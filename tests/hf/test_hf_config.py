@@ -16,9 +16,10 @@ from kvjax import hf
      "model_type 'bert' is not supported; kvjax loads apertus, arcee, bloom, cohere, cohere2, "
      "ernie4_5, exaone, exaone4, falcon, gemma, gemma2, gemma3_text, glm, glm4, gpt2, "
      "gpt_bigcode, gpt_neo, gpt_neox, gpt_oss, gptj, granite, granitemoe, helium, "
-     "hunyuan_v1_dense, internlm3, llama, marian, ministral, ministral3, mistral, mixtral, mpt, "
-     "mt5, nanochat, nemotron, olmo, olmo2, olmo3, olmoe, opt, phi, phi3, phimoe, qwen2, "
-     "qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, stablelm, starcoder2, t5, vaultgemma"),
+     "hunyuan_v1_dense, internlm3, llama, m2m_100, marian, ministral, ministral3, mistral, "
+     "mixtral, mpt, mt5, nanochat, nemotron, olmo, olmo2, olmo3, olmoe, opt, phi, phi3, "
+     "phimoe, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, stablelm, starcoder2, t5, "
+     "vaultgemma"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
                                         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
      'rope settings {"partial_rotary_factor": 0.5} are not supported for rope type \'yarn\''),
@@ -48,6 +49,10 @@ from kvjax import hf
     ("llama_mqa", dict(hidden_act="gelu"), "a gated feed-forward network with gelu_exact"),
     ("marian", dict(share_encoder_decoder_embeddings=False),
      "share_encoder_decoder_embeddings=false is not supported"),
+    ("m2m_100", dict(decoder_ffn_dim=128),
+     "decoder_ffn_dim=128 is not supported (kvjax's encoder and decoder share ffn_dim)"),
+    ("m2m_100", dict(num_hidden_layers=3),
+     "num_hidden_layers=3 is not supported (transformers reads it as encoder_layers)"),
     ("gemma3_text", dict(use_bidirectional_attention=True),
      "use_bidirectional_attention=true is not supported (kvjax's Gemma is causal)"),
     ("gemma2", dict(layer_types=["sliding_attention", "chunked_attention", "full_attention"]),

@@ -31,7 +31,7 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "arcee", "ministral3", "mistral3", "gemma3", "apertus", "hunyuan_v1_dense", "opt_350m",
          "phimoe", "nanochat", "olmo", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neo", "gptj",
          "exaone", "internlm3", "falcon", "falcon_grouped", "falcon_sequential", "falcon2",
-         "bloom", "mpt", "t5", "t5_relu", "mt5", "vaultgemma")
+         "bloom", "mpt", "t5", "t5_relu", "mt5", "vaultgemma", "m2m_100")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -50,7 +50,7 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                "phimoe": "phimoe", "gpt_bigcode_mha": "gpt_bigcode",
                **dict.fromkeys(("falcon", "falcon_grouped", "falcon_sequential", "falcon2"),
                                "falcon"), "bloom": "bloom", "mpt": "mpt", "t5": "t5",
-               "t5_relu": "t5", "mt5": "mt5", "vaultgemma": "vaultgemma"}
+               "t5_relu": "t5", "mt5": "mt5", "vaultgemma": "vaultgemma", "m2m_100": "m2m_100"}
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +151,9 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
         "nanochat": (False, True), "olmo": (False, False), "bloom": (True, True)}.get(
         name, (True, False))
     assert (config.positional_encoding == "alibi") == (name in ("bloom", "mpt"))
+    # M2M100: fairseq's sinusoids, the first position numbered after the padding id (1).
+    assert (config.sinusoid_layout, config.sinusoid_offset) == {
+        "marian": ("halves", 0), "m2m_100": ("fairseq", 2)}.get(name, ("interleaved", 0))
     # T5: buckets of distance, 8 up to 16 or the default 32 up to 128; the decoder's output
     # scaled by 1/√d_model where scale_decoder_outputs says.
     assert (config.positional_encoding == "relative") == (name in ("t5", "t5_relu", "mt5"))
@@ -228,7 +231,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                                                           "gpt_neo", "gptj", "falcon",
                                                           "falcon_grouped",
                                                           "falcon_sequential", "falcon2",
-                                                          "bloom", "mpt"))
+                                                          "bloom", "mpt", "m2m_100"))
     # OPT-350m: post-LN layers and a table narrower than the layers, projected in and out.
     assert (config.norm == "post", config.embedding_dim) == (
         (True, 16) if name == "opt_350m" else (name == "marian", None))
@@ -242,6 +245,22 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
         greedy = decode.generate(M.build_model(config), params, record["prompts"],
                                  **generation_settings(record))
         assert greedy.token_lists() == record["greedy"]
+
+
+def test_a_forced_first_token_leads_the_target_as_in_transformers(loaded):
+    """NLLB and M2M100 are told the target language by its token, forced first after the
+    decoder's start (transformers' `forced_bos_token_id`): here appended to the prefilled
+    target, and the rest generated through the cache."""
+    config, _, params = loaded("m2m_100")
+    record, _ = expected("m2m_100")
+    net = M.build_model(config)
+    state = decode.prefill(net, params, record["prompts"])
+    forced = record["forced_first"]
+    rest = decode.generate(net, params, [[forced]] * len(record["prompts"]), state=state,
+                           max_new_tokens=record["max_new_tokens"] - 1,
+                           eos_ids=(record["eos_id"],))
+    assert [[forced, *tokens] for tokens in rest.token_lists()] == record["forced_greedy"]
+    assert record["forced_greedy"] != [[forced, *g[:-1]] for g in record["greedy"]]
 
 
 def generation_settings(record):

@@ -36,7 +36,7 @@ ADAPTERS = Path(__file__).parents[1] / "fixtures" / "hf_adapters"
 NAMES = ("llama_gqa", "phi3", "gpt2", "phi", "opt", "gpt_neox", "starcoder2", "mixtral",
          "glm4", "gpt_oss", "gemma3", "cohere", "cohere2", "arcee", "nemotron", "apertus",
          "hunyuan_v1_dense", "marian", "phimoe", "nanochat", "gpt_bigcode", "gpt_bigcode_mha",
-         "gpt_neo", "gptj", "falcon_grouped", "bloom", "mpt", "mt5")
+         "gpt_neo", "gptj", "falcon_grouped", "bloom", "mpt", "mt5", "m2m_100")
 
 
 def expected(name):
@@ -277,7 +277,7 @@ def test_served_unmerged_beside_the_base_an_adapter_computes_what_peft_computes(
             assert relative_error(got[row, :len(want)], want) <= 1e-5
 
 
-@pytest.mark.parametrize("name", ["gpt_oss", "marian", "mt5"])  # experts; cross-attention
+@pytest.mark.parametrize("name", ["gpt_oss", "marian", "mt5", "m2m_100"])  # experts; cross
 def test_adapters_that_only_merge_are_not_served_beside_others(name):
     with pytest.raises(hf.UnsupportedModelError, match="are merged, not served beside others"):
         hf.load_peft_adapters(FIXTURES / name, ADAPTERS / name)

@@ -96,9 +96,10 @@ def test_a_max_len_the_model_cannot_run_is_refused(name, max_len, message):
     assert message in str(error.value)
 
 
-@pytest.mark.parametrize("name, trained", [("bloom", 2048), ("t5", 512)])
-def test_a_model_biased_by_distance_runs_its_trained_length_or_any_length_asked(name, trained):
-    # BLOOM (ALiBi) and T5 (relative buckets): no table of positions bounds them.
+@pytest.mark.parametrize("name, trained", [("bloom", 2048), ("t5", 512), ("m2m_100", 64)])
+def test_a_model_without_a_table_of_positions_runs_its_length_or_any_length_asked(name, trained):
+    # BLOOM (ALiBi), T5 (relative buckets) and M2M100 (sinusoids, which transformers extends
+    # past max_position_embeddings as a row needs): nothing bounds them.
     assert hf.load_pretrained(FIXTURES / name)[0].max_len == trained
     assert hf.load_pretrained(FIXTURES / name, max_len=5000)[0].max_len == 5000
 
