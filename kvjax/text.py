@@ -8,8 +8,9 @@ streaming it chunk by chunk. Both variants are served:
   kvjax's own LMs an EOS, since their training text is a stream of documents each followed
   by EOS, so the prompt starts a new document; for a Hugging Face model what its tokenizer
   puts in front of a text (Llama's BOS, nothing for GPT-2);
-- a translation model (encoder-decoder) reads the prompt as the source, followed by the
-  tokenizer's `source_suffix` (EOS, as in training), and writes the target from BOS.
+- a translation model (encoder-decoder) reads the prompt as the source, between the
+  tokenizer's `source_prefix` and `source_suffix` (nothing and EOS, as in training; NLLB's
+  source language code and EOS), and writes the target from BOS.
 
 Either stops at the first of the tokenizer's `stop_ids`. Everything goes through the
 `kvjax.tokenizer.TextTokenizer` interface, so a model's origin needs no branch here.
@@ -160,7 +161,7 @@ def prompt_tokens(loaded: LoadedModel, prompt: str) -> list[int]:
     tokenizer = loaded.tokenizer
     ids = tokenizer.encode(prompt)
     if loaded.is_translation:
-        return ids + list(tokenizer.source_suffix)
+        return [*tokenizer.source_prefix, *ids, *tokenizer.source_suffix]
     tokens = list(tokenizer.document_prefix) + ids
     if not tokens:
         # An LM needs a token to predict from: an empty prompt starts from BOS (GPT-2's

@@ -36,7 +36,8 @@ class Framing:
     - `document_prefix`: what precedes each document of a language model's stream (what its
       prompts start with: kvjax's EOS, Llama's BOS, nothing for GPT-2);
     - `eos_id`: what ends each document and each target (None: nothing ends a document);
-    - `source_suffix`: what ends an encoder-decoder's source;
+    - `source_suffix`: what ends an encoder-decoder's source, `source_prefix` what starts it
+      (NLLB: the source language's code);
     - `decoder_start`: the first decoder input of a target (the model config's `bos_id`;
       Marian's is its pad id).
     """
@@ -45,13 +46,15 @@ class Framing:
     eos_id: int | None
     source_suffix: tuple[int, ...]
     decoder_start: int
+    source_prefix: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, tokenizer: TextTokenizer, decoder_start: int) -> Framing:
         """The framing of a model with this tokenizer whose config's `bos_id` is
         `decoder_start`; kvjax's own tokenizers with kvjax's configs give `KVJAX_FRAMING`."""
         return cls(tuple(tokenizer.document_prefix), tokenizer.eos_id,
-                   tuple(tokenizer.source_suffix), decoder_start)
+                   tuple(tokenizer.source_suffix), decoder_start,
+                   tuple(tokenizer.source_prefix))
 
 
 KVJAX_FRAMING = Framing(document_prefix=(EOS_ID,), eos_id=EOS_ID, source_suffix=(EOS_ID,),
@@ -340,15 +343,16 @@ def encode_pairs(
 
     Returns (src_tokens [B, max_len], src_lengths [B], tgt_in [B, max_len],
     tgt_out [B, max_len], tgt_lengths [B]) where, per pair, the source is
-    ``encode(src) + source_suffix``, the decoder input ``[decoder_start] + encode(tgt)`` and
-    the decoder target ``encode(tgt) + [eos_id]`` (ids of ``framing``; ``tokenizer`` needs
-    only ``encode``). A pair that does not fit raises ValueError naming its index.
+    ``source_prefix + encode(src) + source_suffix``, the decoder input
+    ``[decoder_start] + encode(tgt)`` and the decoder target ``encode(tgt) + [eos_id]`` (ids
+    of ``framing``; ``tokenizer`` needs only ``encode``). A pair that does not fit raises
+    ValueError naming its index.
     """
     if framing.eos_id is None:
         raise ValueError("translation targets need an eos id to end with; the framing has none")
     sources, targets_in, targets_out = [], [], []
     for index, (src, tgt) in enumerate(pairs):
-        src_ids = tokenizer.encode(src) + list(framing.source_suffix)
+        src_ids = [*framing.source_prefix, *tokenizer.encode(src), *framing.source_suffix]
         tgt_ids = tokenizer.encode(tgt)
         if len(src_ids) > max_len or len(tgt_ids) + 1 > max_len:
             raise ValueError(

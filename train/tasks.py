@@ -210,9 +210,9 @@ def default_heldout(num_pairs: int, num_heldout: int | None) -> int:
 
 
 def _longest_pair(tokenizer: TextTokenizer, pairs: Sequence[tuple[str, str]]) -> int:
-    # The source suffix ends sources; + 1: the eos that ends targets.
-    suffix = len(tokenizer.source_suffix)
-    return max(max(len(tokenizer.encode(source)) + suffix, len(tokenizer.encode(target)) + 1)
+    # The source prefix and suffix frame sources; + 1: the eos that ends targets.
+    framing = len(tokenizer.source_prefix) + len(tokenizer.source_suffix)
+    return max(max(len(tokenizer.encode(source)) + framing, len(tokenizer.encode(target)) + 1)
                for source, target in pairs)
 
 

@@ -66,8 +66,9 @@ class TextTokenizer(Protocol):
     - `document_prefix`: what a language model's prompt starts with. kvjax's own LMs are
       trained on documents each followed by EOS, so theirs is `(EOS_ID,)`; a Hugging Face
       model's is what its tokenizer adds in front of a text (Llama: `(bos,)`, GPT-2: `()`).
-    - `source_suffix`: what an encoder-decoder's source ends with (kvjax: `(EOS_ID,)`,
-      Marian: `(eos,)`).
+    - `source_prefix`, `source_suffix`: what an encoder-decoder's source starts and ends
+      with (kvjax: `()` and `(EOS_ID,)`; a Hugging Face model: what its tokenizer puts
+      around a text, Marian's `()` and `(eos,)`, NLLB's source language code and `(eos,)`).
     - `to_bytes()`: a serialization that `tokenizer_from_bytes` turns back into an equal
       tokenizer (no pickle).
     """
@@ -89,6 +90,9 @@ class TextTokenizer(Protocol):
 
     @property
     def document_prefix(self) -> tuple[int, ...]: ...
+
+    @property
+    def source_prefix(self) -> tuple[int, ...]: ...
 
     @property
     def source_suffix(self) -> tuple[int, ...]: ...
@@ -206,6 +210,10 @@ class Tokenizer:
     def document_prefix(self) -> tuple[int, ...]:
         # Training streams documents each followed by EOS, so a new document follows an EOS.
         return (EOS_ID,)
+
+    @property
+    def source_prefix(self) -> tuple[int, ...]:
+        return ()
 
     @property
     def source_suffix(self) -> tuple[int, ...]:

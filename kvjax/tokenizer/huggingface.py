@@ -74,6 +74,8 @@ _CLASS_DEFAULTS = {
     "Qwen2Tokenizer": {"eos_token": _END, "pad_token": _END, "unk_token": _END},
     "LlamaTokenizer": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"},
     "MarianTokenizer": {"eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"},
+    "NllbTokenizer": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+                      "pad_token": "<pad>"},
 }
 # The class transformers picks by config.json's model_type when tokenizer_config.json names
 # none (for "llama" it has none: the generic backend).
@@ -111,6 +113,8 @@ class HFTokenizer:
         self.pad_id, self.bos_id = ids["pad_token"], ids["bos_token"]
         self.eos_id, self.unk_id = ids["eos_token"], ids["unk_token"]
         self.document_prefix, self.source_suffix = self._backend.affixes(self.eos_id)
+        # An encoder-decoder's source is a text as the tokenizer frames it (NLLB: its code).
+        self.source_prefix = self.document_prefix
         generation = _json_file(files, "generation_config.json").get("eos_token_id", [])
         stops = [self.eos_id] * (self.eos_id is not None) + (
             [generation] if isinstance(generation, int) else list(generation or []))
@@ -295,6 +299,8 @@ class _TokenizersBackend:
                           for m in data["model"]["merges"]]
                 rebuilt = pipelines.REBUILT[tokenizer_class](data["model"]["vocab"], merges, config)
                 rebuilt.post_processor = tokenizer.post_processor
+                if tokenizer_class == "NllbTokenizer":
+                    rebuilt.normalizer = pipelines.nllb_normalizer(data)
                 if added is None:  # then transformers takes them from tokenizer.json
                     added = {t["id"]: t for t in data.get("added_tokens", [])}
                 tokenizer = rebuilt
@@ -317,6 +323,9 @@ class _TokenizersBackend:
         tokenizer.no_truncation()
         tokenizer.no_padding()
         _add_tokens(tokenizer, added or {}, named, extra or [])
+        if tokenizer_class == "NllbTokenizer":  # its template follows src_lang
+            tokenizer.post_processor = pipelines.nllb_template(
+                tokenizer, config, (named["eos_token"] or {}).get("content", "</s>"))
         if kind != "tokenizer.json":  # transformers' template from add_bos/eos_token
             ends = [(named[k], bool(config.get(f"add_{k}"))) for k in ("bos_token", "eos_token")]
             ends = [spec["content"] if spec and on else None for spec, on in ends]

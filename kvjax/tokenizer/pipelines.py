@@ -50,9 +50,64 @@ def llama_pipeline(vocab: dict[str, int], merges: list[tuple[str, str]],
     return tokenizer
 
 
+def nllb_pipeline(vocab: dict[str, int], merges: list[tuple[str, str]],
+                  config: dict[str, Any]):
+    """transformers 5's NllbTokenizer: BPE without byte fallback, unknown pieces fused into
+    one <unk>, Metaspace before every word; its normalizer is the file's charsmap
+    (`nllb_normalizer`), its template the source language's (`nllb_template`)."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+
+    unk = config.get("unk_token") or "<unk>"
+    unk = unk["content"] if isinstance(unk, dict) else unk
+    tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None, unk_token=str(unk),
+                              fuse_unk=True, byte_fallback=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE,
+                                                       prepend_scheme="always", split=True)
+    tokenizer.decoder = decoders.Metaspace(replacement=SPACE, prepend_scheme="always",
+                                           split=True)
+    return tokenizer
+
+
+def nllb_normalizer(file: dict[str, Any]):
+    """The normalizer transformers' NllbTokenizer builds from a tokenizer.json: the
+    sentencepiece charsmap the file holds (a Precompiled normalizer, alone or in a
+    sequence), then runs of spaces made one; None where the file holds no charsmap."""
+    import base64
+
+    from tokenizers import Regex, normalizers
+
+    found = file.get("normalizer") or {}
+    steps = found.get("normalizers", []) if found.get("type") == "Sequence" else [found]
+    charsmap = next((step["precompiled_charsmap"] for step in steps
+                     if step.get("type") == "Precompiled" and "precompiled_charsmap" in step),
+                    None)
+    if charsmap is None:
+        return None
+    return normalizers.Sequence([normalizers.Precompiled(base64.b64decode(charsmap)),
+                                 normalizers.Replace(Regex(" {2,}"), " ")])
+
+
+def nllb_template(tokenizer, config: dict[str, Any], eos: str):
+    """What transformers' NllbTokenizer puts around a text, whatever the file's
+    post-processor: the source language's code (`src_lang`, English by default) first and
+    `eos` last, or with `legacy_behaviour` both last (`eos`, then the code)."""
+    from tokenizers import processors
+
+    language = config.get("src_lang") or "eng_Latn"
+    code = tokenizer.token_to_id(language)
+    if code is None:
+        raise ValueError(f"src_lang {language!r} is not a token of the vocabulary")
+    order = (["$A", eos, language] if config.get("legacy_behaviour")
+             else [language, "$A", eos])
+    return processors.TemplateProcessing(
+        single=order, special_tokens=[(eos, tokenizer.token_to_id(eos)), (language, code)])
+
+
 # The classes whose pipeline transformers 5 builds in code from a vocabulary and merges.
 REBUILT = {"GPT2Tokenizer": byte_level_pipeline, "LlamaTokenizer": llama_pipeline,
-            "Qwen2Tokenizer": lambda *args: byte_level_pipeline(*args, qwen2=True)}
+            "Qwen2Tokenizer": lambda *args: byte_level_pipeline(*args, qwen2=True),
+            "NllbTokenizer": nllb_pipeline}
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 

@@ -21,7 +21,8 @@ from kvjax.tokenizer import EOS_ID, TextTokenizer, Tokenizer, tokenizer_from_byt
 from kvjax.tokenizer.huggingface import HFTokenizer, load_tokenizer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf_tokenizers"
-NAMES = ("byte_bpe", "byte_bpe_bos", "spm_bpe", "spm_unigram", "marian", "byte_bpe_files")
+NAMES = ("byte_bpe", "byte_bpe_bos", "spm_bpe", "spm_unigram", "marian", "byte_bpe_files",
+         "nllb")
 OWN = Path(__file__).resolve().parents[2] / "checkpoints" / "python-docs-lm"
 # Characters spelled by several tokens each (rare in the fixtures' training text).
 MULTIBYTE = "ŧħæŧ 한국어 👨‍👩‍👧 ok 中文"
@@ -113,6 +114,9 @@ def test_special_ids_and_vocab_size(all_loaded, name):
 def test_what_frames_a_prompt(loaded, own):
     frames = {name: (t.document_prefix, t.source_suffix, t.stop_ids)
               for name, t in loaded.items()}
+    # A source is framed as a text is: only NLLB puts something first (its language's code).
+    assert {name: t.source_prefix for name, t in loaded.items()} == {
+        name: frames[name][0] for name in loaded}
     assert frames["byte_bpe"] == ((), (), (0,))  # GPT-2 adds nothing; <|endoftext|> ends
     bos = loaded["byte_bpe_bos"]
     # Llama 3: the post-processor's BOS; generation_config.json's two end ids.
@@ -121,7 +125,10 @@ def test_what_frames_a_prompt(loaded, own):
     assert frames["spm_unigram"] == ((), (), (2,))  # no add_bos_token: transformers 5 adds none
     assert frames["marian"] == ((), (0,), (0,))
     assert frames["byte_bpe_files"] == ((2,), (), (2,))  # OPT: </s> first and last
+    nllb = loaded["nllb"]
+    assert frames["nllb"] == ((nllb.encode("deu_Latn")[0],), (2,), (2,))  # src_lang deu_Latn
     assert (own.document_prefix, own.source_suffix, own.stop_ids) == ((EOS_ID,),) * 3
+    assert own.source_prefix == ()
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -136,7 +143,7 @@ def test_bytes_round_trip(all_loaded, name):
     for ids in want["random_ids"]:
         assert again.decode(ids) == tokenizer.decode(ids)
     fields = ("vocab_size", "pad_id", "bos_id", "eos_id", "stop_ids", "document_prefix",
-              "source_suffix")
+              "source_prefix", "source_suffix")
     assert [getattr(again, f) for f in fields] == [getattr(tokenizer, f) for f in fields]
 
 
@@ -173,7 +180,7 @@ def test_prompt_tokens_follow_the_tokenizer(loaded, own, tmp_path):
         assert text.prompt_tokens(loaded_model(tokenizer, False), "Hello world") == [
             *tokenizer.document_prefix, *ids]
         assert text.prompt_tokens(loaded_model(tokenizer, True), "Hello world") == [
-            *ids, *tokenizer.source_suffix]
+            *tokenizer.source_prefix, *ids, *tokenizer.source_suffix]
     assert text.prompt_tokens(loaded_model(own, False), "") == [EOS_ID]
     assert text.prompt_tokens(loaded_model(loaded["byte_bpe"], False), "") == [0]  # BOS
     no_bos = tmp_path / "no_bos"
@@ -182,6 +189,40 @@ def test_prompt_tokens_follow_the_tokenizer(loaded, own, tmp_path):
     (no_bos / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": None}))
     with pytest.raises(ValueError, match="empty prompt needs a BOS"):
         text.prompt_tokens(loaded_model(load_tokenizer(no_bos), False), "")
+
+
+def test_nllb_frames_a_text_by_its_config_not_by_the_files_template(all_loaded, tmp_path):
+    """transformers builds NLLB's pipeline in code from the file's vocabulary, merges and
+    charsmap: a tokenizer.json written with another pre-tokenizer and template (an older
+    file's: the code last, for English) gives the fixture's ids all the same; the source
+    language and `legacy_behaviour` of tokenizer_config.json frame a text."""
+    nllb = one(all_loaded, "nllb")
+    directory = tmp_path / "nllb"
+    shutil.copytree(FIXTURES / "nllb", directory)
+    file = json.loads((directory / "tokenizer.json").read_text(encoding="utf-8"))
+    file["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u2581",
+                             "prepend_scheme": "first", "split": False}
+    file["post_processor"] = {"type": "TemplateProcessing", "single": [
+        {"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": "</s>", "type_id": 0}},
+        {"SpecialToken": {"id": "eng_Latn", "type_id": 0}}], "pair": [], "special_tokens": {
+        name: {"id": name, "ids": nllb.encode(name), "tokens": [name]}
+        for name in ("</s>", "eng_Latn")}}
+    (directory / "tokenizer.json").write_text(json.dumps(file), encoding="utf-8")
+    older = load_tokenizer(directory)
+    want = expected("nllb")
+    assert [older.encode(t) for t in want["texts"]] == want["ids"]
+    assert (older.source_prefix, older.source_suffix) == (nllb.source_prefix, (2,))
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    french = nllb.encode("fra_Latn")
+    for changes, framing in (({"src_lang": "fra_Latn"}, (french, [2])),
+                             ({"src_lang": "fra_Latn", "legacy_behaviour": True},
+                              ([], [2, *french]))):
+        (directory / "tokenizer_config.json").write_text(json.dumps({**config, **changes}))
+        framed = load_tokenizer(directory)
+        assert (list(framed.source_prefix), list(framed.source_suffix)) == framing
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "src_lang": "xx"}))
+    with pytest.raises(ValueError, match="src_lang 'xx' is not a token of the vocabulary"):
+        load_tokenizer(directory)
 
 
 def test_sampling_streams_and_stops_through_the_interface(all_loaded):

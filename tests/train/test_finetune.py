@@ -16,6 +16,7 @@ from kvjax import checkpoint, hf, text
 from kvjax import model as M
 from kvjax.hf.convert import import_checkpoint
 from kvjax.tokenizer import EOS_ID, tokenizer_from_bytes, train_tokenizer
+from kvjax.tokenizer.huggingface import load_tokenizer
 from kvjax.train import data, run_dir, tasks, trainer, update
 from kvjax.train.config import TrainConfig, TrainTask
 
@@ -91,6 +92,14 @@ def test_marian_targets_start_from_its_decoder_start_and_end_with_its_eos(import
     assert arrays["inputs"][0, :length].tolist() == [config.bos_id, *target]
     assert arrays["targets"][0, :length].tolist() == [*target, tokenizer.eos_id]
     assert arrays["weights"][0].tolist() == [1.0] * length + [0.0] * (12 - length)
+
+
+def test_nllb_sources_start_with_their_languages_code_as_its_tokenizer_frames_them():
+    tokenizer = load_tokenizer(HF_MODELS.parent / "hf_tokenizers" / "nllb")
+    framing = data.Framing.of(tokenizer, 2)
+    arrays = tasks.translation_arrays(tokenizer, [("Hallo Welt", "Hello world")], 12, framing)
+    source = arrays["source"][0, : arrays["source_lengths"][0]].tolist()
+    assert source == [*tokenizer.encode("deu_Latn"), *tokenizer.encode("Hallo Welt"), 2]
 
 
 # Fine-tuning runs ------------------------------------------------------------------------------
