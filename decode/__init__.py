@@ -1,7 +1,14 @@
 """Generation: prefill + one compiled `lax.while_loop` decode, sampling, streaming, constrained
 output; beam search."""
 
-from .constraints import Choice, JsonSchema, Regex, TokenAutomaton, compile_constraint
+from .constraints import (
+    Choice,
+    JsonSchema,
+    Regex,
+    StartsWith,
+    TokenAutomaton,
+    compile_constraint,
+)
 from .generate import GenerateOutput, beam_search, generate, prefill, stream
 from .loop import DecodeState, StopReason, decode_loop
 from .processors import LogitBias, LogitProcessor, ProcessorState, forbid_tokens
@@ -14,7 +21,7 @@ from .tracing import trace_count
 __all__ = [
     "GREEDY", "Choice", "DecodeState", "GenerateOutput", "JsonSchema", "LogitBias",
     "LogitProcessor", "ProcessorState", "PromptState", "Regex", "Sampling", "SamplingParams",
-    "SpeculationStats", "Speculative", "StopReason", "TokenAutomaton", "beam_search",
+    "SpeculationStats", "Speculative", "StartsWith", "StopReason", "TokenAutomaton", "beam_search",
     "compile_constraint", "decode_loop", "filter_logits", "forbid_tokens", "generate",
     "prefill", "sample", "stream", "trace_count",
 ]

@@ -1,5 +1,6 @@
 """Constrained output: text that must match a regular expression, be one of a list of choices,
-or be JSON valid against a schema, compiled ahead of time into a token-level automaton.
+or be JSON valid against a schema, compiled ahead of time into a token-level automaton; or
+output that starts with given token ids (`StartsWith`, a translator's target language).
 
 A constraint (`Regex`, `Choice`, `JsonSchema`) is a regular language over bytes.
 `compile_constraint` turns it, for one tokenizer's vocabulary, into a `TokenAutomaton` (built
@@ -102,7 +103,23 @@ class JsonSchema:
             raise ValueError(f"cannot compile the JSON Schema: {message}") from None
 
 
-Constraint = Regex | Choice | JsonSchema
+@dataclasses.dataclass(frozen=True)
+class StartsWith:
+    """Output whose first tokens are `token_ids`, any tokens after them: a translator told
+    its target language by the first target token (NLLB's and M2M100's, transformers'
+    `forced_bos_token_id`). Ids, not text: no tokenizer's bytes are read."""
+
+    token_ids: tuple[int, ...]
+
+    def __post_init__(self):
+        ids = (self.token_ids,) if isinstance(self.token_ids, int) else tuple(self.token_ids)
+        if not ids or not all(isinstance(i, int | np.integer) and not isinstance(i, bool)
+                              and i >= 0 for i in ids):
+            raise ValueError(f"StartsWith needs token ids >= 0, got {self.token_ids!r}")
+        object.__setattr__(self, "token_ids", tuple(int(i) for i in ids))
+
+
+Constraint = Regex | Choice | JsonSchema | StartsWith
 
 
 def check_schema(schema: Any, path: str = "#") -> None:
@@ -163,12 +180,14 @@ def compile_constraint(constraint: Constraint, tokenizer,
                        end_id: int | None = None) -> TokenAutomaton:
     """`constraint` as an automaton over `tokenizer`'s ids (`token_bytes()`), ended by
     `end_id` (default: its EOS). Cached per tokenizer, constraint and end id."""
-    if not isinstance(constraint, Regex | Choice | JsonSchema):
-        raise ValueError(f"a constraint is a decode.Regex, Choice or JsonSchema, got "
-                         f"{type(constraint).__name__}")
+    if not isinstance(constraint, Regex | Choice | JsonSchema | StartsWith):
+        raise ValueError(f"a constraint is a decode.Regex, Choice, JsonSchema or StartsWith, "
+                         f"got {type(constraint).__name__}")
     end_id = tokenizer.eos_id if end_id is None else int(end_id)
     if end_id is None or not 0 <= end_id < tokenizer.vocab_size:
         raise ValueError(f"constrained output needs an end id in the vocabulary, got {end_id}")
+    if isinstance(constraint, StartsWith):
+        return _starts_with(constraint, end_id, tokenizer.vocab_size)
     with _lock:
         cached = _cache.setdefault(tokenizer, {"vocabularies": {},
                                                "automata": collections.OrderedDict()})
@@ -212,6 +231,22 @@ def _vocabulary(tokenizer, end_id: int):
             by_bytes[data].append(i)
     by_bytes[_SENTINEL.encode()].append(tokenizer.vocab_size)
     return Vocabulary(end_id, dict(by_bytes))
+
+
+def _starts_with(constraint: StartsWith, end_id: int, vocab_size: int) -> TokenAutomaton:
+    """State i < k allows the i-th forced token alone; state k, every token (the end id
+    too), staying there."""
+    forced = np.array(constraint.token_ids, np.int32)
+    if forced.max() >= vocab_size:
+        raise ValueError(f"StartsWith token {int(forced.max())} is outside the vocabulary "
+                         f"[0, {vocab_size})")
+    k = forced.size
+    counts = np.array([1] * k + [vocab_size], np.int32)
+    starts = np.arange(k + 1, dtype=np.int32)
+    tokens = np.concatenate([forced, np.arange(vocab_size, dtype=np.int32)])
+    next_states = np.concatenate([np.arange(1, k + 1), np.full(vocab_size, k)]).astype(np.int32)
+    return TokenAutomaton(constraint, end_id, vocab_size, 0, starts, counts, tokens,
+                          next_states)
 
 
 def _build(constraint: Constraint, vocabulary, end_id: int, vocab_size: int) -> TokenAutomaton:

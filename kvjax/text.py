@@ -190,14 +190,16 @@ def sample_texts(loaded: LoadedModel, prompt: str, *, num_samples: int = 1,
                  sampling: decode.Sampling = decode.GREEDY,
                  logit_processors: Sequence[decode.LogitProcessor] = (),
                  speculative: decode.Speculative | None = None,
-                 constraint: decode.Regex | decode.Choice | decode.JsonSchema | None = None
+                 constraint: decode.Regex | decode.Choice | decode.JsonSchema
+                 | decode.StartsWith | None = None
                  ) -> list[SampleResult]:
     """`num_samples` generations from `prompt` (one prefill), calling `on_text(sample,
     piece)` with each new piece of text as it is made.
 
     `sampling`, `logit_processors` and `speculative` are `decode.generate`'s; `constraint`
-    (a `decode.Regex`, `Choice` or `JsonSchema`) keeps every sample's text inside it,
-    compiled for the model's tokenizer (`decode.compile_constraint`). A sample
+    (a `decode.Regex`, `Choice` or `JsonSchema`) keeps every sample's text inside it, or
+    (`decode.StartsWith`) starts every sample and beam with its tokens, compiled for the
+    model's tokenizer (`decode.compile_constraint`). A sample
     stops at its first `stop` string, which neither the streamed pieces nor the returned
     text include; text that might begin a stop string is held back until it cannot. Beam
     search only knows its answer at the end, so with `num_beams > 1` the text arrives in one piece.
@@ -225,14 +227,14 @@ def sample_texts(loaded: LoadedModel, prompt: str, *, num_samples: int = 1,
         start = time.perf_counter()
         if num_beams > 1:
             changed = sorted(sampling.changed()) + ["logit_processors"] * bool(
-                logit_processors) + ["speculative"] * (speculative is not None) + [
-                "constraint"] * (constraint is not None)
+                logit_processors) + ["speculative"] * (speculative is not None)
             if changed:
                 raise ValueError(f"beam search (num_beams={num_beams}) does not sample: it "
                                  f"takes no {changed[0]}")
             output = decode.beam_search(loaded.net, loaded.params, [tokens],
                                         num_beams=num_beams, max_new_tokens=limit,
-                                        eos_ids=settings["eos_ids"])
+                                        eos_ids=settings["eos_ids"],
+                                        constraint=settings.get("constraint"))
             first = time.perf_counter() - start
             rows[0].add(output.token_lists()[0])
         else:

@@ -74,6 +74,9 @@ def add_sample(commands) -> None:
     shape.add_argument("--json-schema", metavar="FILE|JSON", default=None,
                        help="the generated text is JSON valid against this schema (a file, "
                             "or the schema's text)")
+    shape.add_argument("--target-language", metavar="CODE", default=None,
+                       help="a translator's target language, its token forced first (NLLB's "
+                            "codes: fra_Latn, deu_Latn, ...)")
     sample.set_defaults(run=run_sample)
 
 
@@ -99,7 +102,7 @@ def run_sample(args) -> int:
                                          args.min_tokens_per_call)
     elif args.draft_checkpoint is not None:
         raise ValueError("--draft-checkpoint is the draft model of --speculative draft")
-    constraint = _constraint(args)
+    constraint = _constraint(args, loaded)
     if constraint is not None:  # a schema it cannot compile fails here, before the echo
         decode.compile_constraint(constraint, loaded.tokenizer)
     room = text.room(loaded, args.prompt)  # a prompt too long fails here, before the echo
@@ -160,10 +163,19 @@ def _draft(args, loaded):
     return draft
 
 
-def _constraint(args):
-    """The --regex, --choice or --json-schema constraint, or None."""
+def _constraint(args, loaded):
+    """The --regex, --choice, --json-schema or --target-language constraint, or None."""
     from kvjax import decode
 
+    if args.target_language is not None:
+        if not loaded.is_translation:
+            raise ValueError("--target-language is a translator's (an encoder-decoder's); "
+                             f"{args.checkpoint} continues text")
+        ids = loaded.tokenizer.encode(args.target_language)
+        if len(ids) != 1:
+            raise ValueError(f"--target-language {args.target_language!r} is not one token of "
+                             f"this tokenizer (it reads as {len(ids)}: {ids})")
+        return decode.StartsWith(tuple(ids))
     if args.regex is not None:
         return decode.Regex(args.regex)
     if args.choice is not None:

@@ -87,6 +87,9 @@ def test_a_keyword_an_automaton_cannot_enforce_is_named(schema, keyword, where):
     (lambda: decode.Choice([]), "at least one option"),
     (lambda: decode.Choice(["a", ""]), "choice 1"),
     (lambda: decode.Regex(""), "non-empty"),
+    (lambda: decode.StartsWith(()), "needs token ids >= 0"),
+    (lambda: decode.StartsWith((3, -1)), "needs token ids >= 0"),
+    (lambda: decode.StartsWith((True,)), "needs token ids >= 0"),
 ])
 def test_a_bad_constraint_is_a_clear_error(make, message):
     with pytest.raises(ValueError, match=message):
@@ -110,6 +113,20 @@ class _NoBytes:
 
     def token_bytes(self):
         return self._bytes
+
+
+def test_starts_with_allows_its_tokens_in_turn_then_any_and_reads_no_bytes():
+    # Marian's tokenizer spells no bytes (refused for text constraints, below): ids suffice.
+    tok = huggingface.load_tokenizer(HF_MODELS / "marian")
+    automaton = decode.compile_constraint(decode.StartsWith((7, 5)), tok)
+    state = automaton.initial
+    for forced in (7, 5):
+        assert automaton.allowed(state).tolist() == [forced]
+        state = automaton.next_state(state, forced)
+    assert automaton.allowed(state).tolist() == list(range(tok.vocab_size))
+    assert automaton.next_state(state, automaton.end_id) == state
+    with pytest.raises(ValueError, match=f"StartsWith token {tok.vocab_size} is outside"):
+        decode.compile_constraint(decode.StartsWith((1, tok.vocab_size)), tok)
 
 
 def test_a_marian_tokenizer_is_refused_by_name():
