@@ -39,7 +39,9 @@ class Framing:
     - `source_suffix`: what ends an encoder-decoder's source, `source_prefix` what starts it
       (NLLB: the source language's code);
     - `decoder_start`: the first decoder input of a target (the model config's `bos_id`;
-      Marian's is its pad id).
+      Marian's is its pad id);
+    - `target_prefix`: what starts every target after the decoder start, predicted as part
+      of it (NLLB's target language code).
     """
 
     document_prefix: tuple[int, ...]
@@ -47,6 +49,7 @@ class Framing:
     source_suffix: tuple[int, ...]
     decoder_start: int
     source_prefix: tuple[int, ...] = ()
+    target_prefix: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, tokenizer: TextTokenizer, decoder_start: int) -> Framing:
@@ -344,8 +347,9 @@ def encode_pairs(
     Returns (src_tokens [B, max_len], src_lengths [B], tgt_in [B, max_len],
     tgt_out [B, max_len], tgt_lengths [B]) where, per pair, the source is
     ``source_prefix + encode(src) + source_suffix``, the decoder input
-    ``[decoder_start] + encode(tgt)`` and the decoder target ``encode(tgt) + [eos_id]`` (ids
-    of ``framing``; ``tokenizer`` needs only ``encode``). A pair that does not fit raises
+    ``[decoder_start] + target_prefix + encode(tgt)`` and the decoder target
+    ``target_prefix + encode(tgt) + [eos_id]`` (ids of ``framing``; ``tokenizer`` needs only
+    ``encode``). A pair that does not fit raises
     ValueError naming its index.
     """
     if framing.eos_id is None:
@@ -353,7 +357,7 @@ def encode_pairs(
     sources, targets_in, targets_out = [], [], []
     for index, (src, tgt) in enumerate(pairs):
         src_ids = [*framing.source_prefix, *tokenizer.encode(src), *framing.source_suffix]
-        tgt_ids = tokenizer.encode(tgt)
+        tgt_ids = [*framing.target_prefix, *tokenizer.encode(tgt)]
         if len(src_ids) > max_len or len(tgt_ids) + 1 > max_len:
             raise ValueError(
                 f"pair {index} needs {len(src_ids)} source and {len(tgt_ids) + 1} target "

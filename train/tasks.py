@@ -64,7 +64,9 @@ class TranslateSettings:
     the numbers below `max_number` spelled in English words. `num_heldout` pairs (a fixed
     choice; None: a tenth of them, at most 1000; 0: none, and no validation) are held out.
     Sources and targets (with EOS) are padded to `max_len` tokens. Periodic evaluations
-    decode `eval_examples` held-out sources; the final one decodes all."""
+    decode `eval_examples` held-out sources; the final one decodes all. `target_language`
+    (a token of the tokenizer: NLLB's `fra_Latn`) starts every target after the decoder
+    start, and is forced first when held-out sources are decoded."""
 
     preset: str = "small"
     model_overrides: Mapping[str, Any] = dataclasses.field(
@@ -75,6 +77,7 @@ class TranslateSettings:
     num_heldout: int | None = None
     max_len: int | None = None  # None: the longest pair's
     eval_examples: int = 250
+    target_language: str | None = None
     training: TrainConfig = TrainConfig(
         steps=1500, batch_size=64, learning_rate=3e-3, warmup_steps=50, eval_every=250,
         eval_batches=4, keep_checkpoints=1)
@@ -182,23 +185,30 @@ def train_translate(out_dir: str | os.PathLike, *, data_tsv: str | os.PathLike |
         tokenizer = _tokenizer(out_dir, resume, ["\n".join(texts)], settings.vocab_size)
     else:
         config, tokenizer = pretrained
-    max_len = settings.max_len or _longest_pair(tokenizer, [*train_pairs, *heldout_pairs])
+    target_prefix = () if settings.target_language is None else _one_token(
+        tokenizer, settings.target_language, "target_language")
+    max_len = settings.max_len or (_longest_pair(tokenizer, [*train_pairs, *heldout_pairs])
+                                   + len(target_prefix))
     # + 1: the decoder start begins targets
     if pretrained is None:
         config = _model_config(settings, tokenizer, max_len + 1, out_dir, resume)
     elif max_len + 1 > config.max_len:
         raise ValueError(f"the pairs need {max_len} tokens and the target its decoder start "
                          f"before them, more than the model's max_len={config.max_len}")
-    framing = data.Framing.of(tokenizer, config.bos_id)
+    framing = dataclasses.replace(data.Framing.of(tokenizer, config.bos_id),
+                                  target_prefix=target_prefix)
     heldout = translation_arrays(tokenizer, heldout_pairs, max_len, framing)
     accuracy = None
     if heldout_pairs:
+        starts = None if not framing.target_prefix else decode.compile_constraint(
+            decode.StartsWith(framing.target_prefix), tokenizer, end_id=framing.eos_id)
         accuracy = functools.partial(_heldout_accuracy, config, heldout, settings.eval_examples,
-                                     max_len, (framing.eos_id,))
+                                     max_len, (framing.eos_id,), starts)
     task = TrainTask(
         name="translate", tokenizer=tokenizer,
         train=translation_arrays(tokenizer, train_pairs, max_len, framing), val=heldout,
-        evaluate=accuracy, data={**sources, "num_heldout": num_heldout})
+        evaluate=accuracy, data={**sources, "num_heldout": num_heldout, **(
+            {"target_language": settings.target_language} if target_prefix else {})})
     return trainer.train(config, settings.training, task, out_dir, resume=resume,
                          allow_changes=allow_changes, mesh=mesh, init_from=init_from,
                          stop_after=stop_after)
@@ -247,9 +257,9 @@ def translation_arrays(tokenizer, pairs: Sequence[tuple[Any, Any]], max_len: int
 
 def exact_match_accuracy(config: M.TransformerConfig, params, arrays: Mapping[str, np.ndarray],
                          *, max_new_tokens: int, batch_size: int,
-                         eos_ids: tuple[int, ...] = (EOS_ID,)) -> float:
-    """Fraction of rows whose greedy decoding (stopped by `eos_ids`) equals its target, the
-    eos included.
+                         eos_ids: tuple[int, ...] = (EOS_ID,), constraint=None) -> float:
+    """Fraction of rows whose greedy decoding (stopped by `eos_ids`; kept to `constraint`, a
+    compiled one, where given) equals its target, the eos included.
 
     `arrays` are `translation_arrays` (source [N, S], source_lengths [N], targets [N, T],
     lengths [N]).
@@ -263,18 +273,29 @@ def exact_match_accuracy(config: M.TransformerConfig, params, arrays: Mapping[st
         rows = np.arange(start, start + batch_size) % num_rows
         output = decode.generate(
             net, params, arrays["source"][rows], lengths=arrays["source_lengths"][rows],
-            max_new_tokens=max_new_tokens, eos_ids=eos_ids)
+            max_new_tokens=max_new_tokens, eos_ids=eos_ids, constraint=constraint)
         for row, generated in zip(rows[: num_rows - start], output.token_lists(), strict=False):
             correct += generated == arrays["targets"][row, : arrays["lengths"][row]].tolist()
     return correct / num_rows
 
 
 def _heldout_accuracy(config, heldout, eval_examples: int, max_new_tokens: int,
-                      eos_ids: tuple[int, ...], params, final: bool) -> dict[str, float]:
+                      eos_ids: tuple[int, ...], constraint, params,
+                      final: bool) -> dict[str, float]:
     rows = heldout if final else {k: v[:eval_examples] for k, v in heldout.items()}
     batch_size = min(eval_examples, len(heldout["source"]))
     return {"accuracy": exact_match_accuracy(config, params, rows, batch_size=batch_size,
-                                             max_new_tokens=max_new_tokens, eos_ids=eos_ids)}
+                                             max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                                             constraint=constraint)}
+
+
+def _one_token(tokenizer: TextTokenizer, text: str, name: str) -> tuple[int]:
+    """The id of `text`, which must be one token of `tokenizer`."""
+    ids = tokenizer.encode(text)
+    if len(ids) != 1:
+        raise ValueError(f"{name} {text!r} is not one token of this tokenizer (it reads as "
+                         f"{len(ids)}: {ids})")
+    return (ids[0],)
 
 
 # Shared ----------------------------------------------------------------------------------------

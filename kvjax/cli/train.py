@@ -58,6 +58,9 @@ def add_train(commands) -> None:
     train.add_argument("--heldout", type=count, default=None,
                        help="translate: pairs held out for validation and accuracy (default: "
                             "a tenth of the pairs, at most 1000; 0: none)")
+    train.add_argument("--target-language", metavar="CODE", default=None,
+                       help="translate: a token that starts every target (NLLB's target "
+                            "language: fra_Latn, ...), forced first when evaluating")
     train.add_argument("--seed", type=seed, default=0,
                        help="seed for init, shuffling, dropout")
     train.add_argument("--out", default=None,
@@ -150,12 +153,16 @@ def run_train(args) -> int:
         if args.heldout is not None:
             raise ValueError("--heldout applies to --task translate (an LM holds out 5% of "
                              "its text windows)")
+        if args.target_language is not None:
+            raise ValueError("--target-language applies to --task translate")
         result = tasks.train_lm(out, data_files=args.data, **common, **overrides)
     else:
         if args.data is not None and len(args.data) != 1:
             raise ValueError(f"--task translate takes one TSV file, got {len(args.data)}")
         if args.heldout is not None:
             overrides["num_heldout"] = args.heldout
+        if args.target_language is not None:
+            overrides["target_language"] = args.target_language
         data_tsv = None if args.data is None else args.data[0]
         result = tasks.train_translate(out, data_tsv=data_tsv, **common, **overrides)
     if not distributed.is_primary():

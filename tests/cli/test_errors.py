@@ -39,6 +39,8 @@ def assert_one_line(err: str, *fragments: str) -> None:
     (["train", "--task", "lm", "--learning-rate", "nan"], ["argument --learning-rate"]),
     (["train", "--task", "lm", "--allow-changes"], ["--allow-changes only applies with"]),
     (["train", "--task", "lm", "--heldout", "5"], ["--heldout applies to --task translate"]),
+    (["train", "--task", "lm", "--target-language", "fra_Latn"],
+     ["--target-language applies to --task translate"]),
     (["bench", "train", "--remat", "both"], ["--remat both applies with --lora"]),
     (["demo", "--warmup-steps", "-1"], ["argument --warmup-steps: must be >= 0"]),
     (["serve", "--checkpoint", "x", "--mesh", "data=3"], ["mesh data=3 needs 3 devices"]),

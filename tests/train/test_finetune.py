@@ -4,6 +4,7 @@ The imported models are the tiny Hugging Face fixtures of tests/fixtures/hf_mode
 as kvjax checkpoints once per module; every run is a few steps long.
 """
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import run_cli
 
-from kvjax import checkpoint, hf, text
+from kvjax import checkpoint, decode, hf, text
 from kvjax import model as M
 from kvjax.hf.convert import import_checkpoint
 from kvjax.tokenizer import EOS_ID, tokenizer_from_bytes, train_tokenizer
@@ -200,6 +201,35 @@ def test_fine_tuning_imported_marian_trains_and_loads(imported, tmp_path):
     assert result.step == 4 and all(np.isfinite(list(result.losses.values())))
     config = checkpoint.load_for_sampling(tmp_path / "ft")[0]
     assert config.is_encoder_decoder and config.bos_id == 283
+
+
+def test_an_nllb_style_target_starts_with_its_language_and_is_forced_to_when_evaluated(
+        tmp_path, monkeypatch):
+    tokenizer = load_tokenizer(HF_MODELS.parent / "hf_tokenizers" / "nllb")
+    (french,) = tokenizer.encode("fra_Latn")
+    framing = dataclasses.replace(data.Framing.of(tokenizer, 2), target_prefix=(french,))
+    arrays = tasks.translation_arrays(tokenizer, [("Hallo Welt", "Hello world")], 12, framing)
+    target, length = tokenizer.encode("Hello world"), len(tokenizer.encode("Hello world")) + 2
+    assert arrays["inputs"][0, :length].tolist() == [2, french, *target]
+    assert arrays["targets"][0, :length].tolist() == [french, *target, 2]
+    # A run from the M2M100 directory: the evaluation decodes with the language forced.
+    (tmp_path / "pairs.tsv").write_text(PAIRS, encoding="utf-8")
+    constraints = []
+    accuracy = tasks.exact_match_accuracy
+    monkeypatch.setattr(tasks, "exact_match_accuracy", lambda *args, **kwargs: (
+        constraints.append(kwargs["constraint"]), accuracy(*args, **kwargs))[1])
+    result = tasks.train_translate(
+        tmp_path / "ft", data_tsv=tmp_path / "pairs.tsv", init_from=HF_MODELS / "m2m_100",
+        num_heldout=4, steps=2, warmup_steps=1, batch_size=8, save_every=2, progress=False,
+        target_language="a")
+    assert result.step == 2 and 0 <= result.metrics["accuracy"] <= 1
+    (forced,) = text.load(HF_MODELS / "m2m_100").tokenizer.encode("a")
+    assert constraints and all(c.constraint == decode.StartsWith((forced,))
+                               for c in constraints)
+    with pytest.raises(ValueError, match="target_language 'Hello' is not one token"):
+        tasks.train_translate(tmp_path / "bad", data_tsv=tmp_path / "pairs.tsv",
+                              init_from=HF_MODELS / "m2m_100", steps=2, warmup_steps=1,
+                              target_language="Hello")
 
 
 def test_fine_tuning_a_kvjax_checkpoint_starts_from_its_params(own_tokenizer, tmp_path):

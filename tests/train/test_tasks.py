@@ -68,8 +68,8 @@ def test_train_lm_end_to_end(tmp_path):
 def test_exact_match_accuracy_counts_rows_equal_to_their_target(monkeypatch):
     answers = {5: [6, 5, EOS_ID], 7: [9, 9, EOS_ID], 8: [4, 4, 4]}  # 8: stopped without EOS
 
-    def fake_generate(net, params, sources, *, lengths, max_new_tokens, eos_ids):
-        assert eos_ids == (EOS_ID,) and max_new_tokens == 3
+    def fake_generate(net, params, sources, *, lengths, max_new_tokens, eos_ids, constraint):
+        assert eos_ids == (EOS_ID,) and max_new_tokens == 3 and constraint is None
         tokens = np.array([answers[int(source[0])] for source in sources])
         return decode.GenerateOutput(tokens=tokens, lengths=np.full(len(tokens), 3),
                                      stop_reason=np.zeros(len(tokens), int))
