@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import threading
 import weakref
@@ -233,9 +234,11 @@ def _vocabulary(tokenizer, end_id: int):
     return Vocabulary(end_id, dict(by_bytes))
 
 
+@functools.lru_cache(maxsize=_CACHED_AUTOMATA)
 def _starts_with(constraint: StartsWith, end_id: int, vocab_size: int) -> TokenAutomaton:
     """State i < k allows the i-th forced token alone; state k, every token (the end id
-    too), staying there."""
+    too), staying there. One automaton per constraint, end id and vocabulary size, as
+    compiled programs' tables are kept per automaton."""
     forced = np.array(constraint.token_ids, np.int32)
     if forced.max() >= vocab_size:
         raise ValueError(f"StartsWith token {int(forced.max())} is outside the vocabulary "

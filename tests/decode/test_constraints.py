@@ -125,6 +125,7 @@ def test_starts_with_allows_its_tokens_in_turn_then_any_and_reads_no_bytes():
         state = automaton.next_state(state, forced)
     assert automaton.allowed(state).tolist() == list(range(tok.vocab_size))
     assert automaton.next_state(state, automaton.end_id) == state
+    assert decode.compile_constraint(decode.StartsWith([7, 5]), tok) is automaton  # reused
     with pytest.raises(ValueError, match=f"StartsWith token {tok.vocab_size} is outside"):
         decode.compile_constraint(decode.StartsWith((1, tok.vocab_size)), tok)
 
