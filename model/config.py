@@ -133,6 +133,9 @@ class TransformerConfig:
     norm_params: bool = True
     # A norm over the embeddings, before the first layer (nanochat's).
     embedding_norm: bool = False
+    # An encoder-decoder whose encoder and decoder each add their own learned positions and
+    # have their own `embedding_norm`, over the one table of tokens (BART, mBART).
+    per_stack_embeddings: bool = False
     # The attention and the FFN both read the layer's input, each through its own norm, and
     # their outputs join it in one sum: x + Attn(norm1(x)) + FFN(norm2(x)) (pre-norm,
     # decoder-only; GPT-NeoX and Pythia). With `shared_norm`, through one norm:
@@ -299,7 +302,8 @@ _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "qk_norm_across_heads", "qk_norm_after_rope",
     "sliding_window", "relative_buckets", "relative_max_distance", "full_attention_layers",
     "unrotated_layers", "local_rope_base",
-    "norm_unit_offset", "sandwich_norms", "norm_params", "embedding_norm", "parallel_residual",
+    "norm_unit_offset", "sandwich_norms", "norm_params", "embedding_norm",
+    "per_stack_embeddings", "parallel_residual",
     "shared_norm", "attention_scale",
     "query_scale_beta", "query_scale_length",
     "attention_sinks", "attention_softcap", "logits_softcap", "qkv_clip",

@@ -59,7 +59,7 @@ _BOOL_FIELDS = ("tie_embeddings", "scan_layers", "remat", "qkv_bias", "out_bias"
                 "scale_embeddings", "logits_bias", "qk_norm", "qk_norm_across_heads",
                 "qk_norm_after_rope",
                 "norm_unit_offset", "sandwich_norms", "norm_params", "embedding_norm",
-                "parallel_residual", "shared_norm",
+                "per_stack_embeddings", "parallel_residual", "shared_norm",
                 "rope_truncate", "normalize_expert_weights", "shared_expert_gate",
                 "attention_sinks", "router_bias")
 _OPTIONAL_REALS = ("local_rope_base", "attention_scale", "attention_softcap", "logits_softcap",
@@ -104,6 +104,11 @@ def problems(config: Config) -> list[str]:
     kv = config.num_kv_heads
     if kv is not None and (kv < 1 or (config.num_heads >= 1 and config.num_heads % kv)):
         problems.append(f"num_kv_heads={kv} must be >= 1 and divide num_heads={config.num_heads}")
+    if config.per_stack_embeddings and (config.num_encoder_layers == 0 or not (
+            config.positional_encoding == "learned" or config.embedding_norm)):
+        problems.append("per_stack_embeddings gives an encoder and a decoder their own learned "
+                        "positions or embedding norm: it needs an encoder (num_encoder_layers "
+                        "> 0) and positional_encoding='learned' or embedding_norm")
     if config.positional_encoding == "alibi" and config.num_encoder_layers > 0:
         problems.append("positional_encoding='alibi' is a decoder's: its bias grows with how far "
                         "back a key lies, and an encoder also attends forward")

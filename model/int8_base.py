@@ -42,7 +42,7 @@ SCALE = L.QUANTIZED_SCALE  # beside `kernel`, in the same module's params
 _KERNELS = sorted(set(L.KERNELS.values()))
 
 
-# Beside an int8 embedding table [V, D] (`model.transformer.Embedder`): a scale per row [V, 1],
+# Beside an int8 embedding table [V, D] (`model.embedder.Embedder`): a scale per row [V, 1],
 # which serves both its uses, a token's row and the logits' product with every row.
 EMBEDDING_SCALE = "embedding_scale"
 # A mixture of experts' kernels (`model/experts.py`), each beside its scale `<name>_scale`:

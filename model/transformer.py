@@ -15,15 +15,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from . import int8_base
-from .attention import soft_cap
 from .attention_layers import CrossKV
 from .cache import KVCache, check_cache, init_cache
 from .config import TransformerConfig
+from .embedder import embedder
 from .layers import DecoderLayer, EncoderLayer, LayerInputs, layer_stack, run_layers
 from .norms import make_norm
 from .paged import pages_hold
-from .positional import sinusoidal
 from .quantize import quantize
 
 
@@ -65,88 +63,6 @@ def self_attention_inputs(config: TransformerConfig, starts_B, valid_B, num_quer
     overflowed_B = ~fits_B & (valid_B > 0)
     return (inputs.replace(starts=starts_B, fits=fits_B, pages=pages), new_lengths_B,
             overflowed_B)
-
-
-class Embedder(nn.Module):
-    """Token embedding (projected to D where `embedding_dim` is set, × √D, as in the paper,
-    unless `scale_embeddings` is off, and × `embedding_multiplier`) plus positions, then
-    normalised where `embedding_norm` is set; `logits`
-    gives the output logits (plus a learned bias if `logits_bias`, divided by
-    `logits_scaling`)."""
-
-    config: TransformerConfig
-
-    def setup(self):
-        c = self.config
-        width = c.embedding_dim or c.d_model
-        self.embedding = nn.Embed(
-            c.vocab_size, width, dtype=c.compute_dtype, param_dtype=c.weights_dtype,
-            embedding_init=nn.initializers.normal(stddev=width**-0.5))
-        if c.embedding_dim is not None:
-            self.project_in = nn.Dense(c.d_model, use_bias=False, dtype=c.compute_dtype,
-                                       param_dtype=c.weights_dtype)
-            self.project_out = nn.Dense(c.embedding_dim, use_bias=False, dtype=c.compute_dtype,
-                                        param_dtype=c.weights_dtype)
-        if c.positional_encoding == "learned":
-            self.position_embedding = self.param(
-                "position_embedding", nn.initializers.normal(stddev=0.02),
-                (c.max_len, c.d_model), c.weights_dtype)
-        if not c.tie_embeddings:
-            self.unembed = nn.Dense(c.vocab_size, use_bias=False, dtype=c.compute_dtype,
-                                    param_dtype=c.weights_dtype)
-        if c.embedding_norm:
-            self.embedding_norm = make_norm(c, "embedding_norm")
-        if c.logits_bias:
-            self.logits_bias = self.param("logits_bias", nn.initializers.zeros_init(),
-                                          (c.vocab_size,), c.weights_dtype)
-        self.dropout = nn.Dropout(c.dropout)
-
-    def __call__(self, tokens_BT, positions_BT):
-        c = self.config
-        x = self.embedding(tokens_BT)
-        if c.embedding_dim is not None:
-            x = self.project_in(x)
-        if c.scale_embeddings:
-            x = x * jnp.sqrt(float(c.d_model)).astype(c.compute_dtype)
-        if c.embedding_multiplier != 1.0:
-            x = x * c.embedding_multiplier
-        if c.positional_encoding == "sinusoidal":
-            x = x + sinusoidal(positions_BT + c.sinusoid_offset, c.d_model,
-                               c.sinusoid_layout).astype(x.dtype)
-        elif c.positional_encoding == "learned":
-            x = x + jnp.take(self.position_embedding, positions_BT, axis=0).astype(x.dtype)
-        if c.embedding_norm:
-            x = self.embedding_norm(x)
-        return self.dropout(x, deterministic=not self.has_rng("dropout"))
-
-    def logits(self, x_BTD):
-        """Float32 logits [B, T, V] (sampling and losses want full precision)."""
-        if self.config.embedding_dim is not None:  # D is the table's width from here
-            x_BTD = self.project_out(x_BTD)
-        if self.config.tie_embeddings:
-            table_VD, x_BTD = nn.dtypes.promote_dtype(self.embedding.embedding, x_BTD,
-                                                      dtype=self.config.compute_dtype)
-            # The table as the left operand: a matrix-vector product streams the rows of a
-            # row-major [V, D] matrix as they lie; `x @ table.T` makes XLA:CPU copy a
-            # transposed table on every decode step.
-            logits = jnp.einsum("VD,BTD->BTV", table_VD, x_BTD).astype(jnp.float32)
-        else:
-            logits = self.unembed(x_BTD).astype(jnp.float32)
-        if self.config.logits_bias:
-            logits = logits + self.logits_bias.astype(jnp.float32)
-        if self.config.logits_scaling != 1.0:
-            logits = logits / self.config.logits_scaling
-        return soft_cap(logits, self.config.logits_softcap)
-
-
-def embedder(config: TransformerConfig) -> nn.Module:
-    """The `Embedder` of `config`; with `kernel_dtype="int8"` its int8 table (and output
-    kernel) are made into float arrays where it runs (`int8_base.decoding_unpack_fn`)."""
-    if config.kernel_dtype != "int8":
-        return Embedder(config)
-    mapped = nn.map_variables(Embedder, "params", mutable=False, methods=["__call__", "logits"],
-                              trans_in_fn=int8_base.decoding_unpack_fn(config))
-    return mapped(config)
 
 
 _KV_FIELDS = ("k", "v")
@@ -307,7 +223,7 @@ class EncoderDecoder(nn.Module):
         slots_S = jnp.arange(length, dtype=jnp.int32)
         mask_BSS = jnp.broadcast_to(slots_S[None, None, :] < valid_B[:, None, None],
                                     (source_BS.shape[0], length, length))
-        x = self.embedder(source_BS, positions_BS)
+        x = self.embedder(source_BS, positions_BS, stack="encoder")
         x, _, _ = run_layers(self.config, self.encoder_layers, self.config.num_encoder_layers,
                              x, shared=LayerInputs(positions_BS, mask_BSS, key_lengths=valid_B,
                                                    bias_table=self.encoder_bias))

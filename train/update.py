@@ -119,7 +119,8 @@ def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
         decay_steps=config.steps, end_value=config.learning_rate * config.final_lr_fraction)
 
 
-DECAYED_PARAMS = ("kernel", "embedding", "position_embedding", "lora_a", "lora_b")
+DECAYED_PARAMS = ("kernel", "embedding", "position_embedding", "encoder_position_embedding",
+                  "decoder_position_embedding", "lora_a", "lora_b")
 
 
 def decay_mask(params) -> Any:
