@@ -8,7 +8,8 @@ those of them that norm each sublayer's output in `output_norms.py`, those witho
 their FFN in `plain_ffn.py`, those whose norms hold no parameters in `weightless_norms.py`,
 Cohere's in `cohere.py`, Falcon's in `falcon.py`, BLOOM's in `bloom.py`, MPT's in `mpt.py`,
 T5's in `t5.py`; here, GPT-2's descendants (GPTBigCode,
-GPT-Neo, OPT, and GPT-J, GPT-NeoX and Phi with their parallel layers), Marian and M2M100.
+GPT-Neo, OPT, and GPT-J, GPT-NeoX and Phi with their parallel layers), Marian, M2M100,
+BART and mBART.
 """
 
 from __future__ import annotations
@@ -254,8 +255,22 @@ def _m2m_100(c: Reader) -> dict[str, Any]:
         scale_embeddings=bool(c.get("scale_embedding", True)))
 
 
+def _bart(c: Reader, family: str = "BART", norm: str = "post") -> dict[str, Any]:
+    """BART: LayerNorm after each sublayer (mBART: before, and after each stack), each
+    stack's own learned positions (two rows of offset first, dropped as the table loads) and
+    embedding LayerNorm, GELU, a bias on the logits; decoding from `decoder_start_token_id`,
+    else `bos_token_id` (as transformers' generate)."""
+    return {**_fairseq_encoder_decoder(c, family), "vocab_size": c.require("vocab_size"),
+            "positional_encoding": "learned", "norm": norm, "embedding_norm": True,
+            "per_stack_embeddings": True, "activation": c.activation("activation_function",
+                                                                     "gelu"),
+            "scale_embeddings": bool(c.get("scale_embedding", False)), "logits_bias": True,
+            "bos_id": c.get("decoder_start_token_id", c.get("bos_token_id", 0))}
+
+
 READERS = {"gpt2": _gpt2, "gpt_bigcode": _gpt_bigcode, "gpt_neo": _gpt_neo, "gptj": _gptj,
            "opt": _opt,
            "gpt_neox": _gpt_neox, "phi": _phi, **LLAMA_LIKE, **LLAMA_ALIASES, **OUTPUT_NORMS,
            **PLAIN_FFN, **WEIGHTLESS_NORMS, **COHERE, **MINISTRAL3, **HUNYUAN, **PHIMOE,
-           **FALCON, **BLOOM, **MPT, **T5, "marian": _marian, "m2m_100": _m2m_100}
+           **FALCON, **BLOOM, **MPT, **T5, "marian": _marian, "m2m_100": _m2m_100,
+           "bart": _bart, "mbart": lambda c: _bart(c, "mBART", "pre")}

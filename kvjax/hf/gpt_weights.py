@@ -276,8 +276,9 @@ def _one_norm_parallel(c: M.TransformerConfig, p: Params, names: dict, rope_orde
 
 
 def _marian(c: M.TransformerConfig, p: Params):
-    """Marian's and M2M100's tensors (M2M100: pre-norm, with each stack's final LayerNorm
-    and no bias on the logits)."""
+    """Marian's, M2M100's and BART's tensors (M2M100 and mBART: pre-norm, with each stack's
+    final LayerNorm; M2M100 with no bias on the logits; BART with each stack's positions and
+    embedding LayerNorm)."""
     d, n, f = c.d_model, c.num_heads, c.d_ff
     _shared_embedding(p, c, "model.shared.weight")
     for part, stack, count in (("encoder", "encoder_layers", c.num_encoder_layers),
@@ -302,13 +303,22 @@ def _marian(c: M.TransformerConfig, p: Params):
                     for name in ("k", "v")])
                 tensors.output(p, src + "encoder_attn.out_proj", dst + "cross_attention/out", c)
                 tensors.layer_norm(p, src + "encoder_attn_layer_norm", dst + "cross_block/norm", d)
-    if c.logits_bias:
-        p.set("embedder/logits_bias", p.read("final_logits_bias", (1, c.vocab_size))[0])
+    if c.logits_bias:  # BART's files may leave out its zeros
+        p.set("embedder/logits_bias", p.read("final_logits_bias", (1, c.vocab_size))[0]
+              if "final_logits_bias" in p.files or not c.per_stack_embeddings
+              else np.zeros(c.vocab_size, np.float32))
     tensors.unembed(c, p, "lm_head.weight")
     for part in ("encoder", "decoder"):
-        if c.norm == "pre":  # M2M100: a LayerNorm after each stack
+        if c.norm == "pre":  # M2M100, mBART: a LayerNorm after each stack
             tensors.layer_norm(p, f"model.{part}.layer_norm", f"{part}_norm", d)
-        _check_sinusoids(p, f"model.{part}.embed_positions.weight", c)
+        positions = f"model.{part}.embed_positions.weight"
+        if c.per_stack_embeddings:  # BART: rows 0 and 1 are an offset no position reads
+            p.set(f"embedder/{part}_position_embedding",
+                  p.read(positions, (c.max_len + 2, d))[2:])
+            tensors.layer_norm(p, f"model.{part}.layernorm_embedding",
+                               f"embedder/{part}_embedding_norm", d)
+        else:
+            _check_sinusoids(p, positions, c)
     return lambda name: False
 
 

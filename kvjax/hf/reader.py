@@ -43,8 +43,9 @@ INFERENCE_NEUTRAL = frozenset({
     # Classes of the model's own code (Phi-3's first releases), which transformers passes
     # over for its built-in implementation of the model type, as kvjax implements that one.
     "auto_map",
-    # Marian: transformers' Marian reads none of these (its layers are always post-LN, its
-    # positions always static sinusoids), so the same model runs here.
+    # Marian, BART, mBART: transformers reads none of these (their layers are always post-LN,
+    # or pre-LN for mBART; their positions always what the family has), so the same model
+    # runs here.
     "normalize_before", "add_final_layer_norm", "normalize_embedding",
     "static_position_embeddings", "extra_pos_embeddings", "add_bias_logits",
 })

@@ -36,21 +36,22 @@ from .tensors import Params, WeightFiles
 # attention, experts of w1, w3 and w2 under block_sparse_moe), "granitemoe" (every expert in one
 # input_linear and one output_linear), "gpt_oss" (Llama's attention with sinks, every expert's
 # interleaved gate and up projections in one gate_up_proj, with biases) and "marian" (an encoder
-# and a decoder; M2M100's too), "llama_pairs" (Llama's names, its RoPE turning pairs of
-# dimensions: Helium, ERNIE 4.5), "cohere" (as "llama_pairs", one bias-free LayerNorm a layer),
-# "up_down_mlp" (Llama's attention, an FFN of up_proj and down_proj: Arcee), "nemotron" (the same
-# with LayerNorm1P, whose weight + 1 is the scale) and "nanochat" (Llama's attention, its RoPE
-# turning the other way, an FFN of fc1 and fc2, no norm weights), "falcon" (query_key_value by
-# kv-head group, dense, dense_h_to_4h, dense_4h_to_h under transformer.h.i), "bloom" (Falcon's
-# names, each head's q, k and v in turn, and a word_embeddings_layernorm), "mpt" (Wqkv, out_proj,
-# up_proj, down_proj, norm_1 and norm_2 under transformer.blocks.i), "t5" (an encoder's and a
-# decoder's blocks of SelfAttention, EncDecAttention and DenseReluDense layers, each stack's
-# relative_attention_bias in its first block). Llama's layout holds experts too: gate_proj,
-# up_proj and down_proj under mlp (and a shared expert of the same three beside them, with its
-# gate: Qwen2-MoE); "vaultgemma" is Llama's with Gemma 2's norm before the FFN
+# and a decoder; M2M100's, BART's and mBART's too), "llama_pairs" (Llama's names, its RoPE turning
+# pairs of dimensions: Helium, ERNIE 4.5), "cohere" (as "llama_pairs", one bias-free LayerNorm a
+# layer), "up_down_mlp" (Llama's attention, an FFN of up_proj and down_proj: Arcee), "nemotron"
+# (the same with LayerNorm1P, whose weight + 1 is the scale) and "nanochat" (Llama's attention,
+# its RoPE turning the other way, an FFN of fc1 and fc2, no norm weights), "falcon"
+# (query_key_value by kv-head group, dense, dense_h_to_4h, dense_4h_to_h under transformer.h.i),
+# "bloom" (Falcon's names, each head's q, k and v in turn, and a word_embeddings_layernorm), "mpt"
+# (Wqkv, out_proj, up_proj, down_proj, norm_1 and norm_2 under transformer.blocks.i), "t5" (an
+# encoder's and a decoder's blocks of SelfAttention, EncDecAttention and DenseReluDense layers,
+# each stack's relative_attention_bias in its first block). Llama's layout holds experts too:
+# gate_proj, up_proj and down_proj under mlp (and a shared expert of the same three beside them,
+# with its gate: Qwen2-MoE); "vaultgemma" is Llama's with Gemma 2's norm before the FFN
 # (pre_feedforward_layernorm) and none on the sublayers' outputs.
 LAYOUTS = {"gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode", "gpt_neo": "gpt_neo", "gptj": "gptj",
-           "phi3": "fused", "marian": "marian", "m2m_100": "marian", "gpt_neox": "gpt_neox",
+           "phi3": "fused", "marian": "marian", "m2m_100": "marian", "bart": "marian",
+           "mbart": "marian", "gpt_neox": "gpt_neox",
            "phi": "phi", "opt": "opt", "starcoder2": "plain_mlp", "mixtral": "mixtral",
            "granitemoe": "granitemoe", "gpt_oss": "gpt_oss", "glm": "glm", "glm4": "glm",
            "helium": "llama_pairs", "ernie4_5": "llama_pairs", "cohere": "cohere",

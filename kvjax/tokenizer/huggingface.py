@@ -76,12 +76,17 @@ _CLASS_DEFAULTS = {
     "MarianTokenizer": {"eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"},
     "NllbTokenizer": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
                       "pad_token": "<pad>"},
+    "RobertaTokenizer": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+                         "pad_token": "<pad>", "sep_token": "</s>", "cls_token": "<s>",
+                         "mask_token": "<mask>"},
 }
 # The class transformers picks by config.json's model_type when tokenizer_config.json names
 # none (for "llama" it has none: the generic backend).
 _MODEL_TYPE_CLASSES = {"gpt2": "GPT2Tokenizer", "qwen2": "Qwen2Tokenizer",
                        "qwen3": "Qwen2Tokenizer", "marian": "MarianTokenizer",
-                       "opt": "GPT2Tokenizer"}
+                       "opt": "GPT2Tokenizer", "bart": "RobertaTokenizer"}
+# transformers' other names of the classes above.
+_ALIASES = {"BartTokenizer": "RobertaTokenizer"}
 
 
 class HFTokenizer:
@@ -216,6 +221,7 @@ def _tokenizer_class(kind: str, files: dict[str, bytes], model_type: str | None)
     decides the default special tokens and which pipeline is built in code."""
     declared = _json_file(files, "tokenizer_config.json").get("tokenizer_class")
     name = (declared or "").removesuffix("Fast") or _MODEL_TYPE_CLASSES.get(model_type, "")
+    name = _ALIASES.get(name, name)
     if model_type == "qwen2":  # transformers overrides any class a qwen2 model names
         name = "Qwen2Tokenizer"
     if kind == "marian":
@@ -326,6 +332,8 @@ class _TokenizersBackend:
         if tokenizer_class == "NllbTokenizer":  # its template follows src_lang
             tokenizer.post_processor = pipelines.nllb_template(
                 tokenizer, config, (named["eos_token"] or {}).get("content", "</s>"))
+        elif tokenizer_class == "RobertaTokenizer":
+            tokenizer.post_processor = pipelines.roberta_template(tokenizer, config, named)
         if kind != "tokenizer.json":  # transformers' template from add_bos/eos_token
             ends = [(named[k], bool(config.get(f"add_{k}"))) for k in ("bos_token", "eos_token")]
             ends = [spec["content"] if spec and on else None for spec, on in ends]

@@ -104,10 +104,23 @@ def nllb_template(tokenizer, config: dict[str, Any], eos: str):
         single=order, special_tokens=[(eos, tokenizer.token_to_id(eos)), (language, code)])
 
 
+def roberta_template(tokenizer, config: dict[str, Any], named: dict[str, Any]):
+    """What transformers' RobertaTokenizer (BART's) puts around a text, whatever the file's
+    post-processor: its cls token first and its sep token last."""
+    from tokenizers import processors
+
+    ends = [(named[key] or {"content": default})["content"]
+            for key, default in (("sep_token", "</s>"), ("cls_token", "<s>"))]
+    return processors.RobertaProcessing(
+        *[(end, tokenizer.token_to_id(end)) for end in ends],
+        trim_offsets=bool(config.get("trim_offsets", True)),
+        add_prefix_space=bool(config.get("add_prefix_space", False)))
+
+
 # The classes whose pipeline transformers 5 builds in code from a vocabulary and merges.
 REBUILT = {"GPT2Tokenizer": byte_level_pipeline, "LlamaTokenizer": llama_pipeline,
             "Qwen2Tokenizer": lambda *args: byte_level_pipeline(*args, qwen2=True),
-            "NllbTokenizer": nllb_pipeline}
+            "RobertaTokenizer": byte_level_pipeline, "NllbTokenizer": nllb_pipeline}
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 

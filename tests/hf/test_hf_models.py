@@ -32,7 +32,7 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "arcee", "ministral3", "mistral3", "gemma3", "apertus", "hunyuan_v1_dense", "opt_350m",
          "phimoe", "nanochat", "olmo", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neo", "gptj",
          "exaone", "internlm3", "falcon", "falcon_grouped", "falcon_sequential", "falcon2",
-         "bloom", "mpt", "t5", "t5_relu", "mt5", "vaultgemma", "m2m_100")
+         "bloom", "mpt", "t5", "t5_relu", "mt5", "vaultgemma", "m2m_100", "bart", "mbart")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -51,7 +51,8 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                "phimoe": "phimoe", "gpt_bigcode_mha": "gpt_bigcode",
                **dict.fromkeys(("falcon", "falcon_grouped", "falcon_sequential", "falcon2"),
                                "falcon"), "bloom": "bloom", "mpt": "mpt", "t5": "t5",
-               "t5_relu": "t5", "mt5": "mt5", "vaultgemma": "vaultgemma", "m2m_100": "m2m_100"}
+               "t5_relu": "t5", "mt5": "mt5", "vaultgemma": "vaultgemma", "m2m_100": "m2m_100",
+               "bart": "bart", "mbart": "mbart"}
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +129,7 @@ def check_logits_and_greedy_tokens(config, params, record, logits):
 BEAM_FAMILIES = ("gpt2", "marian", "mistral", "gemma2", "qwen2_moe")
 GENERATE_FAMILIES = BEAM_FAMILIES + ("gemma3_text", "smollm3", "exaone4", "cohere2",
                                      "ministral3", "hunyuan_v1_dense", "phimoe", "nanochat",
-                                     "bloom", "t5")
+                                     "bloom", "t5", "mbart")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -141,7 +142,8 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                                               "cohere2", "gemma3", "olmo", "gpt_bigcode_mha",
                                               "gpt_neo", "exaone", "falcon",
                                               "falcon_sequential", "falcon2", "bloom",
-                                              "mpt", "t5", "t5_relu", "mt5", "vaultgemma"))
+                                              "mpt", "t5", "t5_relu", "mt5", "vaultgemma",
+                                              "bart"))
     assert config.qk_norm == (name in ("qwen3", "gemma3_text", "olmo2", "olmo3", "qwen3_moe",
                                        "olmoe", "exaone4", "gemma3", "apertus",
                                        "hunyuan_v1_dense", "nanochat"))
@@ -149,8 +151,10 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     # nanochat and OLMo (1): no norm holds a learned parameter; nanochat's normalise the
     # embeddings too.
     assert (config.norm_params, config.embedding_norm) == {
-        "nanochat": (False, True), "olmo": (False, False), "bloom": (True, True)}.get(
-        name, (True, False))
+        "nanochat": (False, True), "olmo": (False, False), "bloom": (True, True),
+        "bart": (True, True), "mbart": (True, True)}.get(name, (True, False))
+    # BART and mBART: the encoder's and the decoder's own learned positions and norms.
+    assert config.per_stack_embeddings == (name in ("bart", "mbart"))
     assert (config.positional_encoding == "alibi") == (name in ("bloom", "mpt"))
     # M2M100: fairseq's sinusoids, the first position numbered after the padding id (1).
     assert (config.sinusoid_layout, config.sinusoid_offset) == {
@@ -211,7 +215,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                                                  "gptj", "falcon", "falcon_grouped", "falcon2"))
     assert config.shared_norm == (name in ("phi", "cohere", "cohere2", "gptj", "falcon",
                                            "falcon2"))
-    assert config.logits_bias == (name in ("phi", "marian", "phimoe", "gptj"))
+    assert config.logits_bias == (name in ("phi", "marian", "phimoe", "gptj", "bart", "mbart"))
     assert config.sparsemixer_eps == (0.2 if name == "phimoe" else None)
     assert (config.query_scale_beta, config.query_scale_length) == (
         (0.5, 4) if name in ("ministral3", "mistral3") else (0.0, 1))
@@ -222,7 +226,8 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     assert (config.activation == "xielu") == (name == "apertus")
     assert (config.activation == "gelu_exact") == (name in ("gpt_neox", "falcon", "falcon2",
                                                             "falcon_grouped",
-                                                            "falcon_sequential", "mpt"))
+                                                            "falcon_sequential", "mpt",
+                                                            "bart", "mbart"))
     assert config.sandwich_norms == (name in ("gemma2", "gemma3_text", "glm4", "gemma3"))
     assert (config.norm_type == "layernorm") == (name in ("gpt2", "marian", "gpt_neox", "phi",
                                                           "stablelm", "opt", "starcoder2",
@@ -232,10 +237,11 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                                                           "gpt_neo", "gptj", "falcon",
                                                           "falcon_grouped",
                                                           "falcon_sequential", "falcon2",
-                                                          "bloom", "mpt", "m2m_100"))
+                                                          "bloom", "mpt", "m2m_100", "bart",
+                                                          "mbart"))
     # OPT-350m: post-LN layers and a table narrower than the layers, projected in and out.
     assert (config.norm == "post", config.embedding_dim) == (
-        (True, 16) if name == "opt_350m" else (name == "marian", None))
+        (True, 16) if name == "opt_350m" else (name in ("marian", "bart"), None))
     assert (config.embedding_multiplier, config.residual_multiplier, config.attention_scale,
             config.logits_scaling) == dict.fromkeys(("granite", "granitemoe"),
                                                     (2.0, 0.5, 0.25, 2.0)).get(

@@ -22,7 +22,7 @@ from kvjax.tokenizer.huggingface import HFTokenizer, load_tokenizer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf_tokenizers"
 NAMES = ("byte_bpe", "byte_bpe_bos", "spm_bpe", "spm_unigram", "marian", "byte_bpe_files",
-         "nllb")
+         "nllb", "bart")
 OWN = Path(__file__).resolve().parents[2] / "checkpoints" / "python-docs-lm"
 # Characters spelled by several tokens each (rare in the fixtures' training text).
 MULTIBYTE = "ŧħæŧ 한국어 👨‍👩‍👧 ok 中文"
@@ -127,6 +127,7 @@ def test_what_frames_a_prompt(loaded, own):
     assert frames["byte_bpe_files"] == ((2,), (), (2,))  # OPT: </s> first and last
     nllb = loaded["nllb"]
     assert frames["nllb"] == ((nllb.encode("deu_Latn")[0],), (2,), (2,))  # src_lang deu_Latn
+    assert frames["bart"] == ((0,), (2,), (2,))  # RoBERTa's <s> ... </s>
     assert (own.document_prefix, own.source_suffix, own.stop_ids) == ((EOS_ID,),) * 3
     assert own.source_prefix == ()
 
@@ -223,6 +224,25 @@ def test_nllb_frames_a_text_by_its_config_not_by_the_files_template(all_loaded, 
     (directory / "tokenizer_config.json").write_text(json.dumps({**config, "src_lang": "xx"}))
     with pytest.raises(ValueError, match="src_lang 'xx' is not a token of the vocabulary"):
         load_tokenizer(directory)
+
+
+def test_bart_frames_a_text_as_roberta_whatever_the_files_template(all_loaded, tmp_path):
+    """transformers' BartTokenizer (RoBERTa's) builds its pipeline in code from the file's
+    vocabulary and merges, as NLLB's does: another pre-tokenizer and template in the file
+    change nothing."""
+    directory = tmp_path / "bart"
+    shutil.copytree(FIXTURES / "bart", directory)
+    file = json.loads((directory / "tokenizer.json").read_text(encoding="utf-8"))
+    file["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": True,
+                             "trim_offsets": True, "use_regex": True}
+    file["post_processor"] = {"type": "TemplateProcessing", "single": [
+        {"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": "</s>", "type_id": 0}}],
+        "pair": [], "special_tokens": {"</s>": {"id": "</s>", "ids": [2], "tokens": ["</s>"]}}}
+    (directory / "tokenizer.json").write_text(json.dumps(file), encoding="utf-8")
+    older, want = load_tokenizer(directory), expected("bart")
+    assert older.tokenizer_class == "RobertaTokenizer"
+    assert [older.encode(t) for t in want["texts"]] == want["ids"]
+    assert (older.document_prefix, older.source_suffix) == ((0,), (2,))
 
 
 def test_sampling_streams_and_stops_through_the_interface(all_loaded):
