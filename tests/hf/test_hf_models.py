@@ -277,7 +277,6 @@ def test_the_command_line_translates_into_the_target_language_it_is_given(capsys
     directory = FIXTURES / "m2m_100"
     loaded = text.load(directory)
     (forced,) = loaded.tokenizer.encode("a")  # one piece of the fixture's tokenizer
-    # Beams (sampling with it: tests/hf/test_convert.py).
     want = text.sample_text(loaded, "Hello world", max_new_tokens=6, num_beams=3,
                             constraint=decode.StartsWith((forced,)))
     assert want.tokens[0] == forced
