@@ -119,6 +119,16 @@ class StartsWith:
             raise ValueError(f"StartsWith needs token ids >= 0, got {self.token_ids!r}")
         object.__setattr__(self, "token_ids", tuple(int(i) for i in ids))
 
+    @classmethod
+    def from_text(cls, tokenizer, text: str, name: str = "text") -> StartsWith:
+        """The constraint of `text`, which must be one token of `tokenizer` (a language's
+        code: NLLB's `fra_Latn`); `name` is what the error calls it."""
+        ids = tokenizer.encode(text)
+        if len(ids) != 1:
+            raise ValueError(f"{name} {text!r} is not one token of this tokenizer (it reads "
+                             f"as {len(ids)}: {ids})")
+        return cls(tuple(ids))
+
 
 Constraint = Regex | Choice | JsonSchema | StartsWith
 

@@ -185,8 +185,8 @@ def train_translate(out_dir: str | os.PathLike, *, data_tsv: str | os.PathLike |
         tokenizer = _tokenizer(out_dir, resume, ["\n".join(texts)], settings.vocab_size)
     else:
         config, tokenizer = pretrained
-    target_prefix = () if settings.target_language is None else _one_token(
-        tokenizer, settings.target_language, "target_language")
+    target_prefix = () if settings.target_language is None else decode.StartsWith.from_text(
+        tokenizer, settings.target_language, "target_language").token_ids
     max_len = settings.max_len or (_longest_pair(tokenizer, [*train_pairs, *heldout_pairs])
                                    + len(target_prefix))
     # + 1: the decoder start begins targets
@@ -287,15 +287,6 @@ def _heldout_accuracy(config, heldout, eval_examples: int, max_new_tokens: int,
     return {"accuracy": exact_match_accuracy(config, params, rows, batch_size=batch_size,
                                              max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                                              constraint=constraint)}
-
-
-def _one_token(tokenizer: TextTokenizer, text: str, name: str) -> tuple[int]:
-    """The id of `text`, which must be one token of `tokenizer`."""
-    ids = tokenizer.encode(text)
-    if len(ids) != 1:
-        raise ValueError(f"{name} {text!r} is not one token of this tokenizer (it reads as "
-                         f"{len(ids)}: {ids})")
-    return (ids[0],)
 
 
 # Shared ----------------------------------------------------------------------------------------

@@ -171,11 +171,8 @@ def _constraint(args, loaded):
         if not loaded.is_translation:
             raise ValueError("--target-language is a translator's (an encoder-decoder's); "
                              f"{args.checkpoint} continues text")
-        ids = loaded.tokenizer.encode(args.target_language)
-        if len(ids) != 1:
-            raise ValueError(f"--target-language {args.target_language!r} is not one token of "
-                             f"this tokenizer (it reads as {len(ids)}: {ids})")
-        return decode.StartsWith(tuple(ids))
+        return decode.StartsWith.from_text(loaded.tokenizer, args.target_language,
+                                           "--target-language")
     if args.regex is not None:
         return decode.Regex(args.regex)
     if args.choice is not None:

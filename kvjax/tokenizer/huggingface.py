@@ -329,11 +329,9 @@ class _TokenizersBackend:
         tokenizer.no_truncation()
         tokenizer.no_padding()
         _add_tokens(tokenizer, added or {}, named, extra or [])
-        if tokenizer_class == "NllbTokenizer":  # its template follows src_lang
-            tokenizer.post_processor = pipelines.nllb_template(
-                tokenizer, config, (named["eos_token"] or {}).get("content", "</s>"))
-        elif tokenizer_class == "RobertaTokenizer":
-            tokenizer.post_processor = pipelines.roberta_template(tokenizer, config, named)
+        if tokenizer_class in pipelines.TEMPLATES:
+            tokenizer.post_processor = pipelines.TEMPLATES[tokenizer_class](
+                tokenizer, config, named)
         if kind != "tokenizer.json":  # transformers' template from add_bos/eos_token
             ends = [(named[k], bool(config.get(f"add_{k}"))) for k in ("bos_token", "eos_token")]
             ends = [spec["content"] if spec and on else None for spec, on in ends]

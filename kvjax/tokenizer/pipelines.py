@@ -88,12 +88,13 @@ def nllb_normalizer(file: dict[str, Any]):
                                  normalizers.Replace(Regex(" {2,}"), " ")])
 
 
-def nllb_template(tokenizer, config: dict[str, Any], eos: str):
+def nllb_template(tokenizer, config: dict[str, Any], named: dict[str, Any]):
     """What transformers' NllbTokenizer puts around a text, whatever the file's
     post-processor: the source language's code (`src_lang`, English by default) first and
-    `eos` last, or with `legacy_behaviour` both last (`eos`, then the code)."""
+    its eos token last, or with `legacy_behaviour` both last (eos, then the code)."""
     from tokenizers import processors
 
+    eos = (named["eos_token"] or {"content": "</s>"})["content"]
     language = config.get("src_lang") or "eng_Latn"
     code = tokenizer.token_to_id(language)
     if code is None:
@@ -121,6 +122,9 @@ def roberta_template(tokenizer, config: dict[str, Any], named: dict[str, Any]):
 REBUILT = {"GPT2Tokenizer": byte_level_pipeline, "LlamaTokenizer": llama_pipeline,
             "Qwen2Tokenizer": lambda *args: byte_level_pipeline(*args, qwen2=True),
             "RobertaTokenizer": byte_level_pipeline, "NllbTokenizer": nllb_pipeline}
+# The classes whose template transformers 5 builds from their settings, not the file's
+# post-processor: (tokenizer, tokenizer_config.json, named special tokens) -> template.
+TEMPLATES = {"NllbTokenizer": nllb_template, "RobertaTokenizer": roberta_template}
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
