@@ -303,10 +303,9 @@ def _marian(c: M.TransformerConfig, p: Params):
                     for name in ("k", "v")])
                 tensors.output(p, src + "encoder_attn.out_proj", dst + "cross_attention/out", c)
                 tensors.layer_norm(p, src + "encoder_attn_layer_norm", dst + "cross_block/norm", d)
-    if c.logits_bias:  # BART's files may leave out its zeros
+    if c.logits_bias:  # files may leave out its zeros (transformers allows it)
         p.set("embedder/logits_bias", p.read("final_logits_bias", (1, c.vocab_size))[0]
-              if "final_logits_bias" in p.files or not c.per_stack_embeddings
-              else np.zeros(c.vocab_size, np.float32))
+              if "final_logits_bias" in p.files else np.zeros(c.vocab_size, np.float32))
     tensors.unembed(c, p, "lm_head.weight")
     for part in ("encoder", "decoder"):
         if c.norm == "pre":  # M2M100, mBART: a LayerNorm after each stack

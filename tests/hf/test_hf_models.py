@@ -385,6 +385,15 @@ def test_a_missing_or_misshapen_tensor_is_named(tmp_path, transform, message):
         hf.load_pretrained(directory)
 
 
+@pytest.mark.parametrize("name", ["marian", "bart"])
+def test_files_without_the_logits_bias_load_it_as_zeros(tmp_path, name):
+    # transformers reads such files (its own bias of zeros, `_keys_to_ignore_on_load_missing`)
+    directory = copy_of(name, tmp_path)
+    rewrite_tensor(directory / "model.safetensors", "final_logits_bias", lambda v: None)
+    config, _, params = hf.load_pretrained(directory)
+    assert config.logits_bias and not np.any(np.asarray(params["embedder"]["logits_bias"]))
+
+
 def test_a_tensor_the_model_does_not_use_is_refused(tmp_path):
     directory = copy_of("gpt2", tmp_path)
     path = directory / "model.safetensors"
