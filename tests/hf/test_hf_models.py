@@ -394,6 +394,12 @@ def test_files_without_the_logits_bias_load_it_as_zeros(tmp_path, name):
     assert config.logits_bias and not np.any(np.asarray(params["embedder"]["logits_bias"]))
 
 
+def test_mbart_without_a_decoder_start_decodes_from_bos_as_transformers_generate(tmp_path):
+    directory = copy_of("mbart", tmp_path)
+    edit_config(directory, decoder_start_token_id=None, bos_token_id=5)
+    assert hf.load_model(directory)[0].bos_id == 5
+
+
 def test_a_tensor_the_model_does_not_use_is_refused(tmp_path):
     directory = copy_of("gpt2", tmp_path)
     path = directory / "model.safetensors"
