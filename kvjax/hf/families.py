@@ -212,8 +212,9 @@ def _parallel(c: Reader, rope_params: dict[str, Any], fraction: float, base: flo
 
 
 def _fairseq_encoder_decoder(c: Reader, family: str) -> dict[str, Any]:
-    """The keys Marian and M2M100 share: one width, heads and FFN for the encoder and the
-    decoder, one embedding table, biases on every projection."""
+    """What Marian, M2M100 and BART share: one width, heads and FFN for the encoder and the
+    decoder, biases on every projection; static sinusoids and decoding from
+    `decoder_start_token_id`, else the pad id, which BART's reader replaces by its own."""
     width = c.require("d_model")
     for encoder_key, decoder_key in (("encoder_attention_heads", "decoder_attention_heads"),
                                      ("encoder_ffn_dim", "decoder_ffn_dim")):

@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import run_cli
 from packaging.version import Version
 from safetensors.numpy import load_file, save_file
 
@@ -254,44 +253,6 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
         assert greedy.token_lists() == record["greedy"]
 
 
-def test_a_forced_first_token_leads_the_target_as_in_transformers(loaded):
-    """NLLB and M2M100 are told the target language by its token, forced first after the
-    decoder's start (transformers' `forced_bos_token_id`): by a `StartsWith` constraint, in
-    beam search too."""
-    config, tokenizer, params = loaded("m2m_100")
-    record, _ = expected("m2m_100")
-    net = M.build_model(config)
-    forced = record["forced_first"]
-    assert record["forced_greedy"] != [[forced, *g[:-1]] for g in record["greedy"]]
-    starts = decode.compile_constraint(decode.StartsWith((forced,)), tokenizer,
-                                       end_id=record["eos_id"])
-    greedy = decode.generate(net, params, record["prompts"], constraint=starts,
-                             **generation_settings(record))
-    assert greedy.token_lists() == record["forced_greedy"]
-    beam = decode.beam_search(net, params, record["prompts"], num_beams=record["num_beams"],
-                              constraint=starts, **generation_settings(record))
-    assert beam.token_lists() == record["forced_beam"] != record["forced_greedy"]
-
-
-def test_the_command_line_translates_into_the_target_language_it_is_given(capsys):
-    directory = FIXTURES / "m2m_100"
-    loaded = text.load(directory)
-    (forced,) = loaded.tokenizer.encode("a")  # one piece of the fixture's tokenizer
-    want = text.sample_text(loaded, "Hello world", max_new_tokens=6, num_beams=3,
-                            constraint=decode.StartsWith((forced,)))
-    assert want.tokens[0] == forced
-    code, out, err = run_cli(capsys, "sample", "--checkpoint", directory, "--prompt",
-                             "Hello world", "--max-new-tokens", 6, "--beams", 3,
-                             "--target-language", "a")
-    assert code == 0, err
-    assert out.splitlines()[0] == "Hello world -> " + want.text
-    for checkpoint, code_text, message in (("gpt2", "a", "is a translator's"),
-                                           ("m2m_100", "Hello", "is not one token")):
-        code, out, err = run_cli(capsys, "sample", "--checkpoint", FIXTURES / checkpoint,
-                                 "--prompt", "x", "--target-language", code_text)
-        assert code == 2 and out == "" and message in err, err
-
-
 def generation_settings(record):
     return dict(max_new_tokens=record["max_new_tokens"], eos_ids=(record["eos_id"],))
 
@@ -383,21 +344,6 @@ def test_a_missing_or_misshapen_tensor_is_named(tmp_path, transform, message):
     rewrite_tensor(directory / "model.safetensors", "transformer.h.1.mlp.c_fc.weight", transform)
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         hf.load_pretrained(directory)
-
-
-@pytest.mark.parametrize("name", ["marian", "bart"])
-def test_files_without_the_logits_bias_load_it_as_zeros(tmp_path, name):
-    # transformers reads such files (its own bias of zeros, `_keys_to_ignore_on_load_missing`)
-    directory = copy_of(name, tmp_path)
-    rewrite_tensor(directory / "model.safetensors", "final_logits_bias", lambda v: None)
-    config, _, params = hf.load_pretrained(directory)
-    assert config.logits_bias and not np.any(np.asarray(params["embedder"]["logits_bias"]))
-
-
-def test_mbart_without_a_decoder_start_decodes_from_bos_as_transformers_generate(tmp_path):
-    directory = copy_of("mbart", tmp_path)
-    edit_config(directory, decoder_start_token_id=None, bos_token_id=5)
-    assert hf.load_model(directory)[0].bos_id == 5
 
 
 def test_a_tensor_the_model_does_not_use_is_refused(tmp_path):

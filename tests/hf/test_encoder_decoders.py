@@ -1,0 +1,72 @@
+"""The encoder-decoders' own ways against transformers' (the fixtures of
+tests/fixtures/hf_models, equal to transformers in tests/hf/test_hf_models.py): a target
+language forced first (NLLB, M2M100, mBART-50), on the command line too; files that leave
+out what transformers fills in."""
+
+import numpy as np
+import pytest
+from conftest import run_cli
+from test_hf_models import (
+    FIXTURES,
+    copy_of,
+    edit_config,
+    expected,
+    generation_settings,
+    rewrite_tensor,
+)
+
+from kvjax import decode, hf, text
+from kvjax import model as M
+
+
+def test_a_forced_first_token_leads_the_target_as_in_transformers():
+    """NLLB and M2M100 are told the target language by its token, forced first after the
+    decoder's start (transformers' `forced_bos_token_id`): by a `StartsWith` constraint, in
+    beam search too."""
+    config, tokenizer, params = hf.load_pretrained(FIXTURES / "m2m_100")
+    record, _ = expected("m2m_100")
+    net = M.build_model(config)
+    forced = record["forced_first"]
+    assert record["forced_greedy"] != [[forced, *g[:-1]] for g in record["greedy"]]
+    starts = decode.compile_constraint(decode.StartsWith((forced,)), tokenizer,
+                                       end_id=record["eos_id"])
+    greedy = decode.generate(net, params, record["prompts"], constraint=starts,
+                             **generation_settings(record))
+    assert greedy.token_lists() == record["forced_greedy"]
+    beam = decode.beam_search(net, params, record["prompts"], num_beams=record["num_beams"],
+                              constraint=starts, **generation_settings(record))
+    assert beam.token_lists() == record["forced_beam"] != record["forced_greedy"]
+
+
+def test_the_command_line_translates_into_the_target_language_it_is_given(capsys):
+    directory = FIXTURES / "m2m_100"
+    loaded = text.load(directory)
+    (forced,) = loaded.tokenizer.encode("a")  # one piece of the fixture's tokenizer
+    want = text.sample_text(loaded, "Hello world", max_new_tokens=6, num_beams=3,
+                            constraint=decode.StartsWith((forced,)))
+    assert want.tokens[0] == forced
+    code, out, err = run_cli(capsys, "sample", "--checkpoint", directory, "--prompt",
+                             "Hello world", "--max-new-tokens", 6, "--beams", 3,
+                             "--target-language", "a")
+    assert code == 0, err
+    assert out.splitlines()[0] == "Hello world -> " + want.text
+    for checkpoint, code_text, message in (("gpt2", "a", "is a translator's"),
+                                           ("m2m_100", "Hello", "is not one token")):
+        code, out, err = run_cli(capsys, "sample", "--checkpoint", FIXTURES / checkpoint,
+                                 "--prompt", "x", "--target-language", code_text)
+        assert code == 2 and out == "" and message in err, err
+
+
+@pytest.mark.parametrize("name", ["marian", "bart"])
+def test_files_without_the_logits_bias_load_it_as_zeros(tmp_path, name):
+    # transformers reads such files (its own bias of zeros, `_keys_to_ignore_on_load_missing`)
+    directory = copy_of(name, tmp_path)
+    rewrite_tensor(directory / "model.safetensors", "final_logits_bias", lambda v: None)
+    config, _, params = hf.load_pretrained(directory)
+    assert config.logits_bias and not np.any(np.asarray(params["embedder"]["logits_bias"]))
+
+
+def test_mbart_without_a_decoder_start_decodes_from_bos_as_transformers_generate(tmp_path):
+    directory = copy_of("mbart", tmp_path)
+    edit_config(directory, decoder_start_token_id=None, bos_token_id=5)
+    assert hf.load_model(directory)[0].bos_id == 5
