@@ -114,6 +114,9 @@ class TransformerConfig:
     # for each direction in an encoder) and the distance past which they share the last.
     relative_buckets: int = 32
     relative_max_distance: int = 128
+    # positional_encoding="relative": each self-attention layer holds a table of its own
+    # (UMT5) rather than reading its stack's one (T5).
+    relative_bias_per_layer: bool = False
     # Decoder layers (0-based) that attend over every earlier position although
     # `sliding_window` is set: Gemma 2 and 3 alternate local and global layers.
     full_attention_layers: tuple[int, ...] = ()
@@ -300,8 +303,8 @@ _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "rope_beta_slow", "rope_truncate", "rope_attention_factor", "rope_short_factors",
     "rope_long_factors", "rotary_dim", "cache_dtype", "kernel_dtype", "qk_norm",
     "qk_norm_across_heads", "qk_norm_after_rope",
-    "sliding_window", "relative_buckets", "relative_max_distance", "full_attention_layers",
-    "unrotated_layers", "local_rope_base",
+    "sliding_window", "relative_buckets", "relative_max_distance", "relative_bias_per_layer",
+    "full_attention_layers", "unrotated_layers", "local_rope_base",
     "norm_unit_offset", "sandwich_norms", "norm_params", "embedding_norm",
     "per_stack_embeddings", "parallel_residual",
     "shared_norm", "attention_scale",

@@ -60,7 +60,8 @@ _BOOL_FIELDS = ("tie_embeddings", "scan_layers", "remat", "qkv_bias", "out_bias"
                 "qk_norm_after_rope",
                 "norm_unit_offset", "sandwich_norms", "norm_params", "embedding_norm",
                 "per_stack_embeddings", "parallel_residual", "shared_norm",
-                "rope_truncate", "normalize_expert_weights", "shared_expert_gate",
+                "relative_bias_per_layer", "rope_truncate", "normalize_expert_weights",
+                "shared_expert_gate",
                 "attention_sinks", "router_bias")
 _OPTIONAL_REALS = ("local_rope_base", "attention_scale", "attention_softcap", "logits_softcap",
                    "qkv_clip",
@@ -115,6 +116,10 @@ def problems(config: Config) -> list[str]:
     if config.relative_buckets < 4 or config.relative_max_distance < config.relative_buckets:
         problems.append(f"relative_buckets={config.relative_buckets} must be >= 4 and <= "
                         f"relative_max_distance={config.relative_max_distance}")
+    if config.relative_bias_per_layer and config.positional_encoding != "relative":
+        problems.append(f"relative_bias_per_layer gives each layer a table of T5's relative "
+                        f"position bias: it needs positional_encoding='relative', got "
+                        f"{config.positional_encoding!r}")
     if config.positional_encoding == "rope" and config.num_heads >= 1:
         head_dim = _given_head_dim(config)
         if head_dim % 2:

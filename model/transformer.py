@@ -102,8 +102,9 @@ def _cross_inputs(cross_k, cross_v, cross_k_scale=None, cross_v_scale=None):
 
 def _bias_table(module: nn.Module, config: TransformerConfig, name: str):
     """A stack's table of T5's relative position bias [R, N] (`positional_encoding=
-    "relative"`), shared by its layers; None otherwise."""
-    if config.positional_encoding != "relative":
+    "relative"`), shared by its layers; None otherwise (each layer's own table, with
+    `relative_bias_per_layer`, is the layer's)."""
+    if config.positional_encoding != "relative" or config.relative_bias_per_layer:
         return None
     return module.param(name, nn.initializers.normal(stddev=0.02),
                         (config.relative_buckets, config.num_heads), config.weights_dtype)

@@ -190,6 +190,9 @@ def test_head_dim_follows_the_width_unless_given():
     (dict(sinusoid_layout="fairseq", d_model=2, num_heads=1),
      "sinusoid_layout 'fairseq' needs d_model >= 4"),
     (dict(qkv_bias=1), "qkv_bias=1 must be True or False"),
+    (dict(relative_bias_per_layer=True),
+     "relative_bias_per_layer gives each layer a table of T5's relative position bias: it "
+     "needs positional_encoding='relative', got 'sinusoidal'"),
 ])
 def test_bad_options_are_named(options, message):
     with pytest.raises(ValueError) as error:

@@ -27,7 +27,10 @@ OPTIONS = [
          embedding_dim=24),
     dict(positional_encoding="rope", num_kv_heads=2, scan_layers=True, activation="silu",
          unrotated_layers=(1,), norm_params=False, embedding_norm=True),
+    # Each layer's own table (UMT5), stacked over scanned layers; the stack's one table (T5)
+    # is held to transformers' by tests/hf's T5 models.
     dict(positional_encoding="relative", relative_buckets=8, relative_max_distance=16,
+         relative_bias_per_layer=True, scan_layers=True,
          norm="pre", norm_type="rmsnorm", activation="geglu", attention_scale=1.0),
 ]
 VARIANTS = {"decoder_only": 0, "encoder_decoder": 2}
