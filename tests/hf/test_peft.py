@@ -183,8 +183,8 @@ def test_fixtures_are_what_peft_computes(tmp_path):
         record, logits = expected(name)
         assert json.loads((tmp_path / name / "expected.json").read_text()) == record, name
         fresh = load_file(str(tmp_path / name / "expected.safetensors"))
-        for key, value in logits.items():
-            np.testing.assert_allclose(fresh[key], value, rtol=1e-5, atol=1e-5)
+        for key, value in logits.items():  # float32 sums round as the machine's kernels add
+            assert relative_error(fresh[key], value) <= 1e-5, (name, key)
 
 
 @pytest.mark.parametrize("name, targets", [
