@@ -324,16 +324,19 @@ def _marian(c: M.TransformerConfig, p: Params):
 def _t5(c: M.TransformerConfig, p: Params):
     d, n, h, f = c.d_model, c.num_heads, c.head_dim, c.d_ff
     _shared_embedding(p, c, "shared.weight")
+    table = "0.SelfAttention.relative_attention_bias.weight"
     for part in ("encoder", "decoder"):
-        # Each stack's table of relative position bias, held by its first layer.
-        p.set(f"{part}_position_bias", p.read(
-            f"{part}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
-            (c.relative_buckets, n)))
+        if not c.relative_bias_per_layer:  # T5: each stack's table, held by its first layer
+            p.set(f"{part}_position_bias", p.read(f"{part}.block.0.layer.{table}",
+                                                  (c.relative_buckets, n)))
         tensors.norm(p, f"{part}.final_layer_norm", f"{part}_norm", c)
     for part, stack, count in (("encoder", "encoder_layers", c.num_encoder_layers),
                                ("decoder", "decoder_layers", c.num_decoder_layers)):
         for i in range(count):
             src, dst = f"{part}.block.{i}.layer.", f"{stack}/{i}/"
+            if c.relative_bias_per_layer:  # UMT5: every layer's own
+                p.set(dst + "self_attention/position_bias",
+                      p.read(src + table, (c.relative_buckets, n)))
             tensors.norm(p, src + "0.layer_norm", dst + "attention_block/norm", c)
             tensors.fused(p, dst + "self_attention/qkv", [
                 tensors.linear(p, f"{src}0.SelfAttention.{x}", n, h, d, False) for x in "qkv"])

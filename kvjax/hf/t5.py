@@ -1,5 +1,5 @@
-"""The `config.json` readers of T5 (`t5`: T5, T5 v1.1, Flan-T5) and mT5 (`mt5`). `READERS`
-maps the model types to their readers.
+"""The `config.json` readers of T5 (`t5`: T5, T5 v1.1, Flan-T5), mT5 (`mt5`) and UMT5
+(`umt5`). `READERS` maps the model types to their readers.
 
 T5 gives its tokens no position: each self-attention adds a learned bias by the bucket of
 the distance from query to key, one table per stack (`positional_encoding="relative"`,
@@ -8,7 +8,8 @@ cross-attention has none. RMSNorm before each sublayer, no biases anywhere, atte
 unscaled (the scale is folded into the weights), an FFN of ReLU (T5) or gated GELU (v1.1,
 Flan-T5); the decoder's output is scaled by 1/√d_model before a tied output layer where
 the config says so (`scale_decoder_outputs`, or an older file's `tie_word_embeddings`; mT5's
-never is, whatever its files say).
+never is, whatever its files say). UMT5 is mT5's layer with a table in every
+self-attention (`relative_bias_per_layer`), its output scaled as T5's.
 With no table of positions it runs any length: `max_len` is `n_positions` (512 where
 absent), or any length the loader is given.
 """
@@ -27,12 +28,19 @@ TRAINED_LENGTH = 512
 
 
 def _t5(c: Reader) -> dict[str, Any]:
-    # transformers 5 writes tie_word_embeddings true and says whether the decoder's output
-    # is scaled in scale_decoder_outputs; older files said it with tie_word_embeddings.
+    return _fields(c, _scaled(c))
+
+
+def _umt5(c: Reader) -> dict[str, Any]:
+    return {**_fields(c, _scaled(c)), "relative_bias_per_layer": True}
+
+
+def _scaled(c: Reader) -> bool:
+    """Whether the decoder's output is scaled by 1/√d_model: transformers 5 writes
+    tie_word_embeddings true and says it in scale_decoder_outputs; older files said it with
+    tie_word_embeddings."""
     scaled = c.given("scale_decoder_outputs")
-    if scaled is None:
-        scaled = c.get("tie_word_embeddings", True) is not False
-    return _fields(c, scaled)
+    return c.get("tie_word_embeddings", True) is not False if scaled is None else scaled
 
 
 def _mt5(c: Reader) -> dict[str, Any]:
@@ -69,4 +77,4 @@ def _fields(c: Reader, scaled: bool) -> dict[str, Any]:
         bos_id=c.get("decoder_start_token_id", c.get("pad_token_id", 0)))
 
 
-READERS = {"t5": _t5, "mt5": _mt5}
+READERS = {"t5": _t5, "mt5": _mt5, "umt5": _umt5}

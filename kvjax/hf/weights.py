@@ -57,7 +57,7 @@ LAYOUTS = {"gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode", "gpt_neo": "gpt_neo", "
            "helium": "llama_pairs", "ernie4_5": "llama_pairs", "cohere": "cohere",
            "cohere2": "cohere", "arcee": "up_down_mlp", "nemotron": "nemotron",
            "apertus": "apertus", "nanochat": "nanochat", "falcon": "falcon", "bloom": "bloom",
-           "mpt": "mpt", "t5": "t5", "mt5": "t5",
+           "mpt": "mpt", "t5": "t5", "mt5": "t5", "umt5": "t5",
            **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite",
                             "gemma2", "gemma3_text", "olmo2", "olmo3", "stablelm", "gemma",
                             "qwen3_moe", "olmoe", "qwen2_moe", "seed_oss", "ministral",

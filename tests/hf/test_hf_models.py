@@ -31,7 +31,8 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "arcee", "ministral3", "mistral3", "gemma3", "apertus", "hunyuan_v1_dense", "opt_350m",
          "phimoe", "nanochat", "olmo", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neo", "gptj",
          "exaone", "internlm3", "falcon", "falcon_grouped", "falcon_sequential", "falcon2",
-         "bloom", "mpt", "t5", "t5_relu", "mt5", "vaultgemma", "m2m_100", "bart", "mbart")
+         "bloom", "mpt", "t5", "t5_relu", "mt5", "vaultgemma", "m2m_100", "bart", "mbart",
+         "umt5")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -51,7 +52,7 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                **dict.fromkeys(("falcon", "falcon_grouped", "falcon_sequential", "falcon2"),
                                "falcon"), "bloom": "bloom", "mpt": "mpt", "t5": "t5",
                "t5_relu": "t5", "mt5": "mt5", "vaultgemma": "vaultgemma", "m2m_100": "m2m_100",
-               "bart": "bart", "mbart": "mbart"}
+               "bart": "bart", "mbart": "mbart", "umt5": "umt5"}
 
 
 @pytest.fixture(scope="module")
@@ -123,12 +124,13 @@ def check_logits_and_greedy_tokens(config, params, record, logits):
 # own RoPE base beside windows, a layer without positions (and one beside windowed layers with
 # RoPE and norms on each sublayer's output), a mixture of experts with a shared expert and one
 # routed by SparseMixer, queries scaled by position, keys normed after RoPE, ALiBi, T5's
-# relative position buckets. Cached decoding equals the full forward for every option the
-# families use (tests/model/test_transformer.py and the options' own tests).
+# relative position buckets, and UMT5's table in each layer. Cached decoding equals the full
+# forward for every option the families use (tests/model/test_transformer.py and the
+# options' own tests).
 BEAM_FAMILIES = ("gpt2", "marian", "mistral", "gemma2", "qwen2_moe")
 GENERATE_FAMILIES = BEAM_FAMILIES + ("gemma3_text", "smollm3", "exaone4", "cohere2",
                                      "ministral3", "hunyuan_v1_dense", "phimoe", "nanochat",
-                                     "bloom", "t5", "mbart")
+                                     "bloom", "t5", "mbart", "umt5")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -142,7 +144,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                                               "gpt_neo", "exaone", "falcon",
                                               "falcon_sequential", "falcon2", "bloom",
                                               "mpt", "t5", "t5_relu", "mt5", "vaultgemma",
-                                              "bart"))
+                                              "bart", "umt5"))
     assert config.qk_norm == (name in ("qwen3", "gemma3_text", "olmo2", "olmo3", "qwen3_moe",
                                        "olmoe", "exaone4", "gemma3", "apertus",
                                        "hunyuan_v1_dense", "nanochat"))
@@ -158,11 +160,14 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     # M2M100: fairseq's sinusoids, the first position numbered after the padding id (1).
     assert (config.sinusoid_layout, config.sinusoid_offset) == {
         "marian": ("halves", 0), "m2m_100": ("fairseq", 2)}.get(name, ("interleaved", 0))
-    # T5: buckets of distance, 8 up to 16 or the default 32 up to 128; the decoder's output
-    # scaled by 1/√d_model where scale_decoder_outputs says.
-    assert (config.positional_encoding == "relative") == (name in ("t5", "t5_relu", "mt5"))
+    # T5: buckets of distance, 8 up to 16 or the default 32 up to 128, a table for each
+    # stack (UMT5: for each layer); the decoder's output scaled by 1/√d_model where
+    # scale_decoder_outputs says.
+    assert (config.positional_encoding == "relative") == (name in ("t5", "t5_relu", "mt5",
+                                                                   "umt5"))
     assert (config.relative_buckets, config.relative_max_distance) == (
-        (8, 16) if name == "t5" else (32, 128))
+        (8, 16) if name in ("t5", "umt5") else (32, 128))
+    assert config.relative_bias_per_layer == (name == "umt5")
     assert config.qkv_clip == {"olmo": 0.5, "olmoe": 1.0, "mpt": 1.0}.get(name)
     # GPTBigCode: one kv head (multi_query), or one per query head with unscaled attention;
     # GPT-Neo's attention unscaled.

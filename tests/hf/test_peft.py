@@ -36,7 +36,7 @@ ADAPTERS = Path(__file__).parents[1] / "fixtures" / "hf_adapters"
 NAMES = ("llama_gqa", "phi3", "gpt2", "phi", "opt", "gpt_neox", "starcoder2", "mixtral",
          "glm4", "gpt_oss", "gemma3", "cohere", "cohere2", "arcee", "nemotron", "apertus",
          "hunyuan_v1_dense", "marian", "phimoe", "nanochat", "gpt_bigcode", "gpt_bigcode_mha",
-         "gpt_neo", "gptj", "falcon_grouped", "bloom", "mpt", "mt5", "m2m_100", "bart")
+         "gpt_neo", "gptj", "falcon_grouped", "bloom", "mpt", "mt5", "m2m_100", "bart", "umt5")
 
 
 def expected(name):
