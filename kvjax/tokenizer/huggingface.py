@@ -20,6 +20,10 @@ the directory by the files present:
 - `vocab.json` and `merges.txt` (GPT-2's files from before tokenizer.json; OPT's), for a
   GPT2Tokenizer or Qwen2Tokenizer: the pipeline transformers builds for the class from
   them, BOS first if `add_bos_token` (OPT's `</s>`) and EOS last if `add_eos_token`.
+- NLLB's, BART's and mBART's tokenizer.json (`NllbTokenizer`, `BartTokenizer`,
+  `MBartTokenizer`, `MBart50Tokenizer`): transformers 5 takes the vocabulary (and merges, and
+  sentencepiece charsmap) from the file and builds the rest in code, its template from
+  tokenizer_config.json's `src_lang`; so does kvjax (`pipelines.py`).
 - Marian (`source.spm`, `target.spm`, `vocab.json`), as `MarianTokenizer`: text is split at
   special tokens, a leading `>>xx<<` code kept whole, the rest cut into source.spm pieces
   mapped through vocab.json (a piece not in it is `<unk>`); `</s>` ends the source. Decoding
@@ -76,6 +80,11 @@ _CLASS_DEFAULTS = {
     "MarianTokenizer": {"eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"},
     "NllbTokenizer": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
                       "pad_token": "<pad>"},
+    "MBartTokenizer": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+                       "pad_token": "<pad>", "sep_token": "</s>", "cls_token": "<s>",
+                       "mask_token": "<mask>"},
+    "MBart50Tokenizer": {"eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>",
+                         "sep_token": "</s>", "cls_token": "<s>", "mask_token": "<mask>"},
     "RobertaTokenizer": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
                          "pad_token": "<pad>", "sep_token": "</s>", "cls_token": "<s>",
                          "mask_token": "<mask>"},
@@ -84,7 +93,8 @@ _CLASS_DEFAULTS = {
 # none (for "llama" it has none: the generic backend).
 _MODEL_TYPE_CLASSES = {"gpt2": "GPT2Tokenizer", "qwen2": "Qwen2Tokenizer",
                        "qwen3": "Qwen2Tokenizer", "marian": "MarianTokenizer",
-                       "opt": "GPT2Tokenizer", "bart": "RobertaTokenizer"}
+                       "opt": "GPT2Tokenizer", "bart": "RobertaTokenizer",
+                       "mbart": "MBartTokenizer"}
 # transformers' other names of the classes above.
 _ALIASES = {"BartTokenizer": "RobertaTokenizer"}
 
@@ -302,11 +312,11 @@ class _TokenizersBackend:
             if tokenizer_class in pipelines.REBUILT:
                 data = json.loads(text)
                 merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
-                          for m in data["model"]["merges"]]
+                          for m in data["model"].get("merges", ())]  # a unigram's: none
                 rebuilt = pipelines.REBUILT[tokenizer_class](data["model"]["vocab"], merges, config)
                 rebuilt.post_processor = tokenizer.post_processor
-                if tokenizer_class == "NllbTokenizer":
-                    rebuilt.normalizer = pipelines.nllb_normalizer(data)
+                if tokenizer_class in pipelines.NORMALIZERS:
+                    rebuilt.normalizer = pipelines.NORMALIZERS[tokenizer_class](data)
                 if added is None:  # then transformers takes them from tokenizer.json
                     added = {t["id"]: t for t in data.get("added_tokens", [])}
                 tokenizer = rebuilt

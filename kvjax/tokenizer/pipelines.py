@@ -1,6 +1,7 @@
 """The tokenizer pipelines transformers 5 builds in code for some classes, from a vocabulary
 and merges alone (of a tokenizer.json, of vocab.json and merges.txt, or derived from a
-sentencepiece model), leaving any normalizer, pre-tokenizer and decoder of a file unused."""
+sentencepiece model; a unigram vocabulary's pieces and scores), leaving any normalizer,
+pre-tokenizer and decoder of a file unused."""
 
 from __future__ import annotations
 
@@ -69,22 +70,60 @@ def nllb_pipeline(vocab: dict[str, int], merges: list[tuple[str, str]],
     return tokenizer
 
 
-def nllb_normalizer(file: dict[str, Any]):
-    """The normalizer transformers' NllbTokenizer builds from a tokenizer.json: the
-    sentencepiece charsmap the file holds (a Precompiled normalizer, alone or in a
-    sequence), then runs of spaces made one; None where the file holds no charsmap."""
-    import base64
+def mbart_pipeline(vocab: list, merges: list, config: dict[str, Any], fifty: bool = False):
+    """transformers 5's MBartTokenizer (or, `fifty`, MBart50Tokenizer): a unigram model
+    without byte fallback (`<unk>` at id 3), split at whitespace then marked with Metaspace
+    before every word (MBart50: Metaspace alone); its normalizer is built from the file's
+    charsmap (`mbart_normalizer`), its template from the source language (`mbart_template`)."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import Unigram
 
-    from tokenizers import Regex, normalizers
+    tokenizer = Tokenizer(Unigram([(str(piece), float(score)) for piece, score in vocab],
+                                  unk_id=3, byte_fallback=False))
+    metaspace = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="always", split=True)
+    tokenizer.pre_tokenizer = metaspace if fifty else pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), metaspace])
+    tokenizer.decoder = decoders.Metaspace(replacement=SPACE, prepend_scheme="always",
+                                           split=True)
+    return tokenizer
+
+
+def _charsmap(file: dict[str, Any]) -> bytes | None:
+    """The sentencepiece charsmap of a tokenizer.json's Precompiled normalizer (alone or in
+    a sequence), None where it holds none."""
+    import base64
 
     found = file.get("normalizer") or {}
     steps = found.get("normalizers", []) if found.get("type") == "Sequence" else [found]
     charsmap = next((step["precompiled_charsmap"] for step in steps
                      if step.get("type") == "Precompiled" and "precompiled_charsmap" in step),
                     None)
+    return None if charsmap is None else base64.b64decode(charsmap)
+
+
+def mbart_normalizer(file: dict[str, Any], fifty: bool = False):
+    """The normalizer transformers' MBartTokenizer (MBart50Tokenizer) builds from a
+    tokenizer.json: the file's charsmap where it holds one, trailing spaces stripped, then
+    runs of spaces made one `▁` (MBart50: one space)."""
+    from tokenizers import Regex, normalizers
+
+    charsmap = _charsmap(file)
+    steps = [normalizers.Precompiled(charsmap)] if charsmap is not None else []
+    return normalizers.Sequence(steps + [normalizers.Strip(left=False, right=True),
+                                         normalizers.Replace(Regex(" {2,}"),
+                                                             " " if fifty else SPACE)])
+
+
+def nllb_normalizer(file: dict[str, Any]):
+    """The normalizer transformers' NllbTokenizer builds from a tokenizer.json: the
+    sentencepiece charsmap the file holds (a Precompiled normalizer, alone or in a
+    sequence), then runs of spaces made one; None where the file holds no charsmap."""
+    from tokenizers import Regex, normalizers
+
+    charsmap = _charsmap(file)
     if charsmap is None:
         return None
-    return normalizers.Sequence([normalizers.Precompiled(base64.b64decode(charsmap)),
+    return normalizers.Sequence([normalizers.Precompiled(charsmap),
                                  normalizers.Replace(Regex(" {2,}"), " ")])
 
 
@@ -105,6 +144,23 @@ def nllb_template(tokenizer, config: dict[str, Any], named: dict[str, Any]):
         single=order, special_tokens=[(eos, tokenizer.token_to_id(eos)), (language, code)])
 
 
+def mbart_template(tokenizer, config: dict[str, Any], named: dict[str, Any],
+                   fifty: bool = False):
+    """What transformers' MBartTokenizer puts around a text, whatever the file's
+    post-processor: its eos token, then the source language's code (`src_lang`, en_XX by
+    default) after it; MBart50Tokenizer's the code first and the eos token last."""
+    from tokenizers import processors
+
+    eos = (named["eos_token"] or {"content": "</s>"})["content"]
+    language = config.get("src_lang") or "en_XX"
+    code = tokenizer.token_to_id(language)
+    if code is None:
+        raise ValueError(f"src_lang {language!r} is not a token of the vocabulary")
+    order = [language, "$A", eos] if fifty else ["$A", eos, language]
+    return processors.TemplateProcessing(
+        single=order, special_tokens=[(eos, tokenizer.token_to_id(eos)), (language, code)])
+
+
 def roberta_template(tokenizer, config: dict[str, Any], named: dict[str, Any]):
     """What transformers' RobertaTokenizer (BART's) puts around a text, whatever the file's
     post-processor: its cls token first and its sep token last."""
@@ -121,10 +177,17 @@ def roberta_template(tokenizer, config: dict[str, Any], named: dict[str, Any]):
 # The classes whose pipeline transformers 5 builds in code from a vocabulary and merges.
 REBUILT = {"GPT2Tokenizer": byte_level_pipeline, "LlamaTokenizer": llama_pipeline,
             "Qwen2Tokenizer": lambda *args: byte_level_pipeline(*args, qwen2=True),
-            "RobertaTokenizer": byte_level_pipeline, "NllbTokenizer": nllb_pipeline}
+            "RobertaTokenizer": byte_level_pipeline, "NllbTokenizer": nllb_pipeline,
+            "MBartTokenizer": mbart_pipeline,
+            "MBart50Tokenizer": lambda *args: mbart_pipeline(*args, fifty=True)}
+# The normalizer of a rebuilt class where it is not None: tokenizer.json's data -> normalizer.
+NORMALIZERS = {"NllbTokenizer": nllb_normalizer, "MBartTokenizer": mbart_normalizer,
+               "MBart50Tokenizer": lambda file: mbart_normalizer(file, fifty=True)}
 # The classes whose template transformers 5 builds from their settings, not the file's
 # post-processor: (tokenizer, tokenizer_config.json, named special tokens) -> template.
-TEMPLATES = {"NllbTokenizer": nllb_template, "RobertaTokenizer": roberta_template}
+TEMPLATES = {"NllbTokenizer": nllb_template, "RobertaTokenizer": roberta_template,
+             "MBartTokenizer": mbart_template,
+             "MBart50Tokenizer": lambda *args: mbart_template(*args, fifty=True)}
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 

@@ -22,7 +22,7 @@ from kvjax.tokenizer.huggingface import HFTokenizer, load_tokenizer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf_tokenizers"
 NAMES = ("byte_bpe", "byte_bpe_bos", "spm_bpe", "spm_unigram", "marian", "byte_bpe_files",
-         "nllb", "bart")
+         "nllb", "bart", "mbart", "mbart50")
 OWN = Path(__file__).resolve().parents[2] / "checkpoints" / "python-docs-lm"
 # Characters spelled by several tokens each (rare in the fixtures' training text).
 MULTIBYTE = "ŧħæŧ 한국어 👨‍👩‍👧 ok 中文"
@@ -114,7 +114,8 @@ def test_special_ids_and_vocab_size(all_loaded, name):
 def test_what_frames_a_prompt(loaded, own):
     frames = {name: (t.document_prefix, t.source_suffix, t.stop_ids)
               for name, t in loaded.items()}
-    # A source is framed as a text is: only NLLB puts something first (its language's code).
+    # A source is framed as a text is: only NLLB and mBART-50 put something first (their
+    # language's code), BART its <s>.
     assert {name: t.source_prefix for name, t in loaded.items()} == {
         name: frames[name][0] for name in loaded}
     assert frames["byte_bpe"] == ((), (), (0,))  # GPT-2 adds nothing; <|endoftext|> ends
@@ -128,6 +129,10 @@ def test_what_frames_a_prompt(loaded, own):
     nllb = loaded["nllb"]
     assert frames["nllb"] == ((nllb.encode("deu_Latn")[0],), (2,), (2,))  # src_lang deu_Latn
     assert frames["bart"] == ((0,), (2,), (2,))  # RoBERTa's <s> ... </s>
+    # mBART: </s> and the source language's code (de_DE) after a text; mBART-50: the code
+    # before it, </s> after.
+    assert frames["mbart"] == ((), (2, loaded["mbart"].encode("de_DE")[0]), (2,))
+    assert frames["mbart50"] == ((loaded["mbart50"].encode("de_DE")[0],), (2,), (2,))
     assert (own.document_prefix, own.source_suffix, own.stop_ids) == ((EOS_ID,),) * 3
     assert own.source_prefix == ()
 
@@ -243,6 +248,42 @@ def test_bart_frames_a_text_as_roberta_whatever_the_files_template(all_loaded, t
     assert older.tokenizer_class == "RobertaTokenizer"
     assert [older.encode(t) for t in want["texts"]] == want["ids"]
     assert (older.document_prefix, older.source_suffix) == ((0,), (2,))
+
+
+@pytest.mark.parametrize("name", ["mbart", "mbart50"])
+def test_mbart_frames_a_text_by_its_config_not_by_the_files_pipeline(all_loaded, tmp_path,
+                                                                     name):
+    """transformers builds mBART's and mBART-50's pipelines in code from the file's unigram
+    vocabulary and charsmap: a tokenizer.json written with another normalizer, pre-tokenizer
+    and template (an older converter's: runs of spaces left alone, the code of en_XX) gives
+    the fixture's ids all the same; tokenizer_config.json's source language frames a text."""
+    tokenizer = one(all_loaded, name)
+    directory = tmp_path / name
+    shutil.copytree(FIXTURES / name, directory)
+    file = json.loads((directory / "tokenizer.json").read_text(encoding="utf-8"))
+    kept = [step for step in (file["normalizer"] or {}).get("normalizers", [])
+            if step["type"] == "Precompiled"]
+    file["normalizer"] = {"type": "Sequence", "normalizers": kept}
+    file["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u2581",
+                             "prepend_scheme": "first", "split": False}
+    file["post_processor"] = {"type": "TemplateProcessing", "single": [
+        {"SpecialToken": {"id": "en_XX", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [], "special_tokens": {"en_XX": {"id": "en_XX", "ids": tokenizer.encode("en_XX"),
+                                                 "tokens": ["en_XX"]}}}
+    (directory / "tokenizer.json").write_text(json.dumps(file), encoding="utf-8")
+    older, want = load_tokenizer(directory), expected(name)
+    assert [older.encode(t) for t in want["texts"]] == want["ids"]
+    assert (older.source_prefix, older.source_suffix) == (tokenizer.source_prefix,
+                                                          tokenizer.source_suffix)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "src_lang": None}))
+    english = tuple(tokenizer.encode("en_XX"))  # the default source language
+    framed = load_tokenizer(directory)
+    assert (framed.source_prefix, framed.source_suffix) == (
+        (english, (2,)) if name == "mbart50" else ((), (2, *english)))
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "src_lang": "xx"}))
+    with pytest.raises(ValueError, match="src_lang 'xx' is not a token of the vocabulary"):
+        load_tokenizer(directory)
 
 
 def test_sampling_streams_and_stops_through_the_interface(all_loaded):
