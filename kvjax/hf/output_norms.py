@@ -1,13 +1,13 @@
 """The `config.json` readers of the families whose layers norm each sublayer's output rather
-than its input, x + norm(f(x)), with Llama's projections, RoPE and gated FFN: OLMo 2, OLMo 3
-and EXAONE 4.0. `READERS` maps each model type to its reader."""
+than its input, x + norm(f(x)), with Llama's projections, RoPE and gated FFN: OLMo 2, OLMo 3,
+FlexOlmo and EXAONE 4.0. `READERS` maps each model type to its reader."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from .errors import UnsupportedModelError
-from .llama_like import every_nth_full, llama_like_fields, sliding_layers
+from .llama_like import every_nth_full, experts_fields, llama_like_fields, sliding_layers
 from .reader import Reader
 from .rope import ropes_by_layer_type
 
@@ -19,6 +19,12 @@ def _olmo2(c: Reader, rope: dict[str, Any] | None = None) -> dict[str, Any]:
     return {**llama_like_fields(c, qkv_bias=bias, out_bias=bias, ffn_bias=False, rope=rope),
             "norm": "output", "qk_norm": True, "qk_norm_across_heads": True,
             "layer_norm_eps": c.get("rms_norm_eps", 1e-5)}
+
+
+def _flex_olmo(c: Reader) -> dict[str, Any]:
+    """FlexOlmo: OLMo 2's layers with OLMoE's mixture of experts in every layer (the router's
+    softmax weights divided by their sum only where `norm_topk_prob`)."""
+    return {**_olmo2(c), **experts_fields(c, bool(c.get("norm_topk_prob", False)))}
 
 
 def _olmo3(c: Reader) -> dict[str, Any]:
@@ -68,4 +74,4 @@ def _exaone4(c: Reader) -> dict[str, Any]:
             "unrotated_layers": full}
 
 
-READERS = {"olmo2": _olmo2, "olmo3": _olmo3, "exaone4": _exaone4}
+READERS = {"olmo2": _olmo2, "olmo3": _olmo3, "flex_olmo": _flex_olmo, "exaone4": _exaone4}

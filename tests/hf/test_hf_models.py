@@ -32,7 +32,7 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "phimoe", "nanochat", "olmo", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neo", "gptj",
          "exaone", "internlm3", "falcon", "falcon_grouped", "falcon_sequential", "falcon2",
          "bloom", "mpt", "t5", "t5_relu", "mt5", "vaultgemma", "m2m_100", "bart", "mbart",
-         "umt5")
+         "umt5", "flex_olmo")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -52,7 +52,7 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                **dict.fromkeys(("falcon", "falcon_grouped", "falcon_sequential", "falcon2"),
                                "falcon"), "bloom": "bloom", "mpt": "mpt", "t5": "t5",
                "t5_relu": "t5", "mt5": "mt5", "vaultgemma": "vaultgemma", "m2m_100": "m2m_100",
-               "bart": "bart", "mbart": "mbart", "umt5": "umt5"}
+               "bart": "bart", "mbart": "mbart", "umt5": "umt5", "flex_olmo": "flex_olmo"}
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +147,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                                               "bart", "umt5"))
     assert config.qk_norm == (name in ("qwen3", "gemma3_text", "olmo2", "olmo3", "qwen3_moe",
                                        "olmoe", "exaone4", "gemma3", "apertus",
-                                       "hunyuan_v1_dense", "nanochat"))
+                                       "hunyuan_v1_dense", "nanochat", "flex_olmo"))
     assert config.qk_norm_after_rope == (name in ("hunyuan_v1_dense", "nanochat"))
     # nanochat and OLMo (1): no norm holds a learned parameter; nanochat's normalise the
     # embeddings too.
@@ -179,11 +179,12 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
             "gpt_neox": (4, None), "falcon": (1, None), "falcon_grouped": (2, None),
             "falcon_sequential": (4, None), "falcon2": (2, None), "mpt": (4, 0.25)}[name]
     assert config.logits_softcap == {"gemma2": 8.0, "nanochat": 2.0, "vaultgemma": 8.0}.get(name)
-    assert config.qk_norm_across_heads == (name in ("olmo2", "olmo3", "olmoe"))
-    assert (config.norm == "output") == (name in ("olmo2", "olmo3", "exaone4"))
+    assert config.qk_norm_across_heads == (name in ("olmo2", "olmo3", "olmoe", "flex_olmo"))
+    assert (config.norm == "output") == (name in ("olmo2", "olmo3", "exaone4", "flex_olmo"))
     assert (config.num_experts, config.experts_per_token, config.normalize_expert_weights) == {
         "mixtral": (4, 2, True), "qwen3_moe": (8, 2, True), "olmoe": (8, 3, False),
-        "granitemoe": (4, 2, True), "qwen2_moe": (8, 2, False), "phimoe": (4, 2, False)}.get(
+        "granitemoe": (4, 2, True), "qwen2_moe": (8, 2, False), "phimoe": (4, 2, False),
+        "flex_olmo": (4, 2, True)}.get(
         name, (4, 2, True) if name.startswith("gpt_oss") else (0, 2, True))
     gpt_oss = name.startswith("gpt_oss")
     assert (config.attention_sinks, config.router_bias, config.activation == "clamped_swiglu",
