@@ -131,17 +131,8 @@ def nllb_template(tokenizer, config: dict[str, Any], named: dict[str, Any]):
     """What transformers' NllbTokenizer puts around a text, whatever the file's
     post-processor: the source language's code (`src_lang`, English by default) first and
     its eos token last, or with `legacy_behaviour` both last (eos, then the code)."""
-    from tokenizers import processors
-
-    eos = (named["eos_token"] or {"content": "</s>"})["content"]
-    language = config.get("src_lang") or "eng_Latn"
-    code = tokenizer.token_to_id(language)
-    if code is None:
-        raise ValueError(f"src_lang {language!r} is not a token of the vocabulary")
-    order = (["$A", eos, language] if config.get("legacy_behaviour")
-             else [language, "$A", eos])
-    return processors.TemplateProcessing(
-        single=order, special_tokens=[(eos, tokenizer.token_to_id(eos)), (language, code)])
+    order = ("$A", "eos", "code") if config.get("legacy_behaviour") else ("code", "$A", "eos")
+    return _language_template(tokenizer, config, named, "eng_Latn", order)
 
 
 def mbart_template(tokenizer, config: dict[str, Any], named: dict[str, Any],
@@ -149,16 +140,25 @@ def mbart_template(tokenizer, config: dict[str, Any], named: dict[str, Any],
     """What transformers' MBartTokenizer puts around a text, whatever the file's
     post-processor: its eos token, then the source language's code (`src_lang`, en_XX by
     default) after it; MBart50Tokenizer's the code first and the eos token last."""
+    order = ("code", "$A", "eos") if fifty else ("$A", "eos", "code")
+    return _language_template(tokenizer, config, named, "en_XX", order)
+
+
+def _language_template(tokenizer, config: dict[str, Any], named: dict[str, Any],
+                       default_language: str, order: tuple[str, ...]):
+    """The source language's code (`src_lang`, else `default_language`) and the eos token
+    around a text, in `order` (of "code", "$A" and "eos")."""
     from tokenizers import processors
 
     eos = (named["eos_token"] or {"content": "</s>"})["content"]
-    language = config.get("src_lang") or "en_XX"
+    language = config.get("src_lang") or default_language
     code = tokenizer.token_to_id(language)
     if code is None:
         raise ValueError(f"src_lang {language!r} is not a token of the vocabulary")
-    order = [language, "$A", eos] if fifty else ["$A", eos, language]
+    pieces = {"code": language, "$A": "$A", "eos": eos}
     return processors.TemplateProcessing(
-        single=order, special_tokens=[(eos, tokenizer.token_to_id(eos)), (language, code)])
+        single=[pieces[piece] for piece in order],
+        special_tokens=[(eos, tokenizer.token_to_id(eos)), (language, code)])
 
 
 def roberta_template(tokenizer, config: dict[str, Any], named: dict[str, Any]):
