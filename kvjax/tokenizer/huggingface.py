@@ -39,7 +39,14 @@ does), with `special_tokens` its named tokens' texts. `to_bytes` is a JSON bundl
 files read, which `from_bundle` (and `kvjax.tokenizer.tokenizer_from_bytes`) reads back:
 {"format": "kvjax-hf-tokenizer", "version": 1, "kind", "tokenizer_class", "files": {name:
 {"text" or "base64": ...}}}.
-The `tokenizers` package is needed for all but Marian.
+- M2M100 (`sentencepiece.bpe.model`, `vocab.json`), as `M2M100Tokenizer`: Marian's way with
+  one sentencepiece model and vocabulary, each language's `__xx__` a special token numbered
+  after vocab.json's ids (in the order of `language_codes`, m2m100's 100 or wmt21's 8); a
+  source starts with `src_lang`'s code (en where absent) and ends with `</s>`. transformers 5
+  writes the directory without the codes among its special tokens, and then reads them as
+  text; kvjax reads them as the released directories list them, special.
+
+The `tokenizers` package is needed for all but Marian and M2M100.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from typing import Any
 import numpy as np
 
 from . import pipelines, token_bytes
+from .m2m100 import M2M100Backend
 from .marian import MarianBackend, clean_up_spaces
 
 BUNDLE_FORMAT = "kvjax-hf-tokenizer"
@@ -61,13 +69,17 @@ BUNDLE_VERSION = 1
 
 # kind -> the files it needs, in the order transformers prefers them.
 _KINDS = {"marian": ("source.spm", "target.spm", "vocab.json"),
+          "m2m100": ("sentencepiece.bpe.model", "vocab.json"),
           "tokenizer.json": ("tokenizer.json",), "tokenizer.model": ("tokenizer.model",),
           "vocab.json": ("vocab.json", "merges.txt")}
 _SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                "target_vocab.json", "chat_template.jinja")
 _BINARY_SUFFIXES = (".model", ".spm")
-_LOOKED_FOR = ("tokenizer.json, tokenizer.model, vocab.json + merges.txt, or source.spm + "
-               "target.spm + vocab.json")
+_LOOKED_FOR = ("tokenizer.json, tokenizer.model, vocab.json + merges.txt, source.spm + "
+               "target.spm + vocab.json, or sentencepiece.bpe.model + vocab.json")
+
+# The kinds run by sentencepiece and a vocab.json, not by `tokenizers`.
+_SENTENCEPIECE_BACKENDS = {"marian": MarianBackend, "m2m100": M2M100Backend}
 
 _NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
           "mask_token")
@@ -78,6 +90,8 @@ _CLASS_DEFAULTS = {
     "Qwen2Tokenizer": {"eos_token": _END, "pad_token": _END, "unk_token": _END},
     "LlamaTokenizer": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"},
     "MarianTokenizer": {"eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"},
+    "M2M100Tokenizer": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+                        "pad_token": "<pad>", "sep_token": "</s>"},
     "NllbTokenizer": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
                       "pad_token": "<pad>"},
     "MBartTokenizer": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
@@ -94,7 +108,7 @@ _CLASS_DEFAULTS = {
 _MODEL_TYPE_CLASSES = {"gpt2": "GPT2Tokenizer", "qwen2": "Qwen2Tokenizer",
                        "qwen3": "Qwen2Tokenizer", "marian": "MarianTokenizer",
                        "opt": "GPT2Tokenizer", "bart": "RobertaTokenizer",
-                       "mbart": "MBartTokenizer"}
+                       "mbart": "MBartTokenizer", "m2m_100": "M2M100Tokenizer"}
 # transformers' other names of the classes above.
 _ALIASES = {"BartTokenizer": "RobertaTokenizer"}
 
@@ -118,8 +132,9 @@ class HFTokenizer:
         self.special_tokens = {key: spec["content"] for key, spec in named.items() if spec}
         self.chat_template = _chat_template(files, config)
         self.tool_chat_template = _chat_template(files, config, "tool_use")
-        if kind == "marian":
-            self._backend = MarianBackend(files, config, named, _extra_specials(config) or [])
+        if kind in _SENTENCEPIECE_BACKENDS:
+            self._backend = _SENTENCEPIECE_BACKENDS[kind](files, config, named,
+                                                          _extra_specials(config) or [])
         else:
             self._backend = _TokenizersBackend(kind, tokenizer_class, files, config, named)
         self._known = known = self._backend.known_ids
@@ -236,6 +251,13 @@ def _tokenizer_class(kind: str, files: dict[str, bytes], model_type: str | None)
         name = "Qwen2Tokenizer"
     if kind == "marian":
         return "MarianTokenizer"
+    if kind == "m2m100":
+        if name != "M2M100Tokenizer":
+            raise ValueError(f"sentencepiece.bpe.model and vocab.json are read for an "
+                             f"M2M100Tokenizer only (named by tokenizer_config.json's "
+                             f"tokenizer_class, or by config.json's model_type), not for "
+                             f"{name or 'a directory that names no class'}")
+        return name
     if kind == "vocab.json":
         if name not in ("GPT2Tokenizer", "Qwen2Tokenizer"):
             raise ValueError("vocab.json and merges.txt are read for a GPT2Tokenizer or "

@@ -23,6 +23,8 @@ def clean_up_spaces(text: str) -> str:
 class MarianBackend:
     """transformers' MarianTokenizer, encoding source text and decoding target ids."""
 
+    reads_target_codes = True  # a text's leading `>>xx<<` is one piece
+
     def __init__(self, files: dict[str, bytes], config: dict[str, Any],
                  named: dict[str, dict | None], extra: list[dict]):
         """`named`: the named special tokens (bos_token, ...) as AddedToken fields, None
@@ -34,6 +36,14 @@ class MarianBackend:
                     else self._vocab)
         self._pieces = {int(i): piece for piece, i in decoding.items()}
         self._joiner = target if separate else self._source
+        self._take_added_tokens(config, named, extra)
+        # An id missing from the vocabulary decodes as the joining model's piece of that id.
+        self.known_ids[:self._joiner.get_piece_size()] = True
+
+    def _take_added_tokens(self, config: dict[str, Any], named: dict[str, dict | None],
+                           extra: list[dict]) -> None:
+        """The added tokens (split from text whole), the ids decoding skips and the ids
+        decoding knows, from `self._vocab` and `self._pieces`."""
         unk = (named["unk_token"] or {}).get("content")
         if unk not in self._vocab:
             raise ValueError(f"vocab.json has no unk token {unk!r}")
@@ -59,8 +69,6 @@ class MarianBackend:
         decodable = list(self._pieces) + list(self._added.values())
         self.known_ids = np.zeros(max(decodable + list(self._vocab.values())) + 1, bool)
         self.known_ids[decodable] = True
-        # An id missing from the vocabulary decodes as the joining model's piece of that id.
-        self.known_ids[:self._joiner.get_piece_size()] = True
         self._clean_up = bool(config.get("clean_up_tokenization_spaces"))
 
     def token_id(self, spec: dict | None) -> int | None:
@@ -85,7 +93,8 @@ class MarianBackend:
                 ids.append(self._added[segment])
             elif segment:
                 code = []
-                if segment.startswith(">>") and (end := segment.find("<<")) != -1:
+                if (self.reads_target_codes and segment.startswith(">>")
+                        and (end := segment.find("<<")) != -1):
                     code, segment = [segment[:end + 2]], segment[end + 2:]
                 for piece in code + self._source.encode(segment, out_type=str):
                     ids.append(self._added.get(piece, self._vocab.get(piece, self._unk_id)))

@@ -22,7 +22,7 @@ from kvjax.tokenizer.huggingface import HFTokenizer, load_tokenizer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf_tokenizers"
 NAMES = ("byte_bpe", "byte_bpe_bos", "spm_bpe", "spm_unigram", "marian", "byte_bpe_files",
-         "nllb", "bart", "mbart", "mbart50")
+         "nllb", "bart", "mbart", "mbart50", "m2m100")
 OWN = Path(__file__).resolve().parents[2] / "checkpoints" / "python-docs-lm"
 # Characters spelled by several tokens each (rare in the fixtures' training text).
 MULTIBYTE = "ŧħæŧ 한국어 👨‍👩‍👧 ok 中文"
@@ -42,9 +42,10 @@ def has_tokenizers() -> bool:
 
 @pytest.fixture(scope="module")
 def all_loaded() -> dict[str, HFTokenizer]:
-    """Every fixture's tokenizer that can be read here: all but Marian need `tokenizers`."""
+    """Every fixture's tokenizer that can be read here: all but Marian and M2M100 need
+    `tokenizers`."""
     return {name: load_tokenizer(FIXTURES / name) for name in NAMES
-            if name == "marian" or has_tokenizers()}
+            if name in ("marian", "m2m100") or has_tokenizers()}
 
 
 @pytest.fixture
@@ -114,8 +115,8 @@ def test_special_ids_and_vocab_size(all_loaded, name):
 def test_what_frames_a_prompt(loaded, own):
     frames = {name: (t.document_prefix, t.source_suffix, t.stop_ids)
               for name, t in loaded.items()}
-    # A source is framed as a text is: only NLLB and mBART-50 put something first (their
-    # language's code), BART its <s>.
+    # A source is framed as a text is: only NLLB, mBART-50 and M2M100 put something first
+    # (their language's code), BART its <s>.
     assert {name: t.source_prefix for name, t in loaded.items()} == {
         name: frames[name][0] for name in loaded}
     assert frames["byte_bpe"] == ((), (), (0,))  # GPT-2 adds nothing; <|endoftext|> ends
@@ -133,6 +134,7 @@ def test_what_frames_a_prompt(loaded, own):
     # before it, </s> after.
     assert frames["mbart"] == ((), (2, loaded["mbart"].encode("de_DE")[0]), (2,))
     assert frames["mbart50"] == ((loaded["mbart50"].encode("de_DE")[0],), (2,), (2,))
+    assert frames["m2m100"] == ((loaded["m2m100"].encode("__de__")[0],), (2,), (2,))
     assert (own.document_prefix, own.source_suffix, own.stop_ids) == ((EOS_ID,),) * 3
     assert own.source_prefix == ()
 
@@ -229,6 +231,41 @@ def test_nllb_frames_a_text_by_its_config_not_by_the_files_template(all_loaded, 
     (directory / "tokenizer_config.json").write_text(json.dumps({**config, "src_lang": "xx"}))
     with pytest.raises(ValueError, match="src_lang 'xx' is not a token of the vocabulary"):
         load_tokenizer(directory)
+
+
+def test_m2m100_numbers_its_language_codes_after_the_vocabulary_as_special_tokens(
+        all_loaded, tmp_path):
+    """Each `__xx__` of `language_codes` is one special token, numbered after vocab.json's
+    ids in the codes' order, whether or not the files list it (transformers 5 writes them
+    unlisted); `src_lang` starts a source."""
+    from kvjax.tokenizer.m2m100 import LANGUAGE_CODES
+
+    m2m = one(all_loaded, "m2m100")
+    directory = tmp_path / "m2m100"
+    shutil.copytree(FIXTURES / "m2m100", directory)
+    first = len(json.loads((directory / "vocab.json").read_text(encoding="utf-8")))
+    french = first + LANGUAGE_CODES["m2m100"].index("fr")
+    assert m2m.vocab_size == first + 100
+    assert m2m.encode("__fr__ Hello world") == [french, *m2m.encode(" Hello world")]
+    assert m2m.decode([french, *m2m.encode("Hello world"), 2]) == "Hello world"
+    (directory / "special_tokens_map.json").unlink()  # as transformers 5 saves it
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    for changes, prefix in (({}, first + LANGUAGE_CODES["m2m100"].index("de")),
+                            ({"src_lang": "fr"}, french), ({"src_lang": None}, first + 18),
+                            ({"language_codes": "wmt21"}, first + 7)):
+        (directory / "tokenizer_config.json").write_text(json.dumps({**config, **changes}))
+        unlisted = load_tokenizer(directory)
+        assert (unlisted.source_prefix, unlisted.source_suffix) == ((prefix,), (2,))
+        assert unlisted.encode("__de__") == [first + 7 if changes.get("language_codes")
+                                             else first + 16]
+    for changes, message in (({"src_lang": "xx"}, "src_lang 'xx' is not one of its m2m100"),
+                             ({"language_codes": "all"}, "language_codes 'all' is not one of"),
+                             ({"tokenizer_class": "XGLMTokenizer"},
+                              "read for an M2M100Tokenizer only")):
+        (directory / "tokenizer_config.json").write_text(json.dumps({**config, **changes}))
+        with pytest.raises(ValueError, match=message) as excinfo:
+            load_tokenizer(directory)
+        one_line_error(excinfo, str(directory))
 
 
 def test_bart_frames_a_text_as_roberta_whatever_the_files_template(all_loaded, tmp_path):
