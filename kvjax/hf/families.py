@@ -21,6 +21,7 @@ from .bloom import READERS as BLOOM
 from .cohere import READERS as COHERE
 from .errors import UnsupportedModelError
 from .falcon import READERS as FALCON
+from .granite import READERS as GRANITE
 from .hunyuan import READERS as HUNYUAN
 from .llama_aliases import READERS as LLAMA_ALIASES
 from .llama_like import READERS as LLAMA_LIKE
@@ -273,5 +274,5 @@ READERS = {"gpt2": _gpt2, "gpt_bigcode": _gpt_bigcode, "gpt_neo": _gpt_neo, "gpt
            "opt": _opt,
            "gpt_neox": _gpt_neox, "phi": _phi, **LLAMA_LIKE, **LLAMA_ALIASES, **OUTPUT_NORMS,
            **PLAIN_FFN, **WEIGHTLESS_NORMS, **COHERE, **MINISTRAL3, **HUNYUAN, **PHIMOE,
-           **FALCON, **BLOOM, **MPT, **T5, "marian": _marian, "m2m_100": _m2m_100,
+           **FALCON, **BLOOM, **MPT, **T5, **GRANITE, "marian": _marian, "m2m_100": _m2m_100,
            "bart": _bart, "mbart": lambda c: _bart(c, "mBART", "pre")}

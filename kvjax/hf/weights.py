@@ -34,8 +34,10 @@ from .tensors import Params, WeightFiles
 # a layer), "opt" (q_proj, k_proj, v_proj, out_proj, fc1, fc2 under model.decoder.layers.i),
 # "plain_mlp" (Llama's attention, an FFN of c_fc and c_proj: StarCoder2), "mixtral" (Llama's
 # attention, experts of w1, w3 and w2 under block_sparse_moe), "granitemoe" (every expert in one
-# input_linear and one output_linear), "gpt_oss" (Llama's attention with sinks, every expert's
-# interleaved gate and up projections in one gate_up_proj, with biases) and "marian" (an encoder
+# input_linear and one output_linear), "granite_shared" (Granite 4.0's and GraniteMoeShared's
+# shared_mlp, its gate and up projections in one input_linear, beside GraniteMoE's experts),
+# "gpt_oss" (Llama's attention with sinks, every expert's interleaved gate and up projections in
+# one gate_up_proj, with biases) and "marian" (an encoder
 # and a decoder; M2M100's, BART's and mBART's too), "llama_pairs" (Llama's names, its RoPE turning
 # pairs of dimensions: Helium, ERNIE 4.5), "cohere" (as "llama_pairs", one bias-free LayerNorm a
 # layer), "up_down_mlp" (Llama's attention, an FFN of up_proj and down_proj: Arcee), "nemotron"
@@ -53,7 +55,8 @@ LAYOUTS = {"gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode", "gpt_neo": "gpt_neo", "
            "phi3": "fused", "marian": "marian", "m2m_100": "marian", "bart": "marian",
            "mbart": "marian", "gpt_neox": "gpt_neox",
            "phi": "phi", "opt": "opt", "starcoder2": "plain_mlp", "mixtral": "mixtral",
-           "granitemoe": "granitemoe", "gpt_oss": "gpt_oss", "glm": "glm", "glm4": "glm",
+           "granitemoe": "granitemoe", "granitemoeshared": "granite_shared",
+           "granitemoehybrid": "granite_shared", "gpt_oss": "gpt_oss", "glm": "glm", "glm4": "glm",
            "helium": "llama_pairs", "ernie4_5": "llama_pairs", "cohere": "cohere",
            "cohere2": "cohere", "arcee": "up_down_mlp", "nemotron": "nemotron",
            "apertus": "apertus", "nanochat": "nanochat", "falcon": "falcon", "bloom": "bloom",
@@ -108,6 +111,7 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
               "mixtral": functools.partial(_llama_like, experts=functools.partial(
                   _experts_apart, under="block_sparse_moe.", names=("w1", "w3", "w2"))),
               "granitemoe": functools.partial(_llama_like, experts=_experts_stacked),
+              "granite_shared": functools.partial(_llama_like, ffn=_granite_shared_mlp),
               "gpt_oss": functools.partial(_llama_like, experts=_experts_interleaved),
               "glm": functools.partial(_llama_like, fused_mlp=True,
                                        norms=_GLM4_NORMS if config.sandwich_norms else None),
@@ -196,7 +200,7 @@ def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
                 plain_mlp: tuple[str, str] | None = None, experts=None,
                 fused_mlp: bool = False, rope_order=None, norm_bias: bool = True,
                 fold_unit_offset: bool = False, norms: dict[str, str] | None = None,
-                qk_norm_names: tuple[str, str] = ("q_norm", "k_norm")):
+                qk_norm_names: tuple[str, str] = ("q_norm", "k_norm"), ffn=None):
     """Llama and its kin, Gemma's, OLMo's and GLM-4's norms and StableLM's LayerNorms
     included. `fused` (Phi-3): q, k and v are rows of one `qkv_proj`, and the gate and up
     projections the two halves of one `gate_up_proj`; `fused_mlp` (GLM): the latter alone.
@@ -210,7 +214,7 @@ def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
     `plain_mlp`: an FFN without a gate, its two projections' names (StarCoder2: `c_fc` then
     `c_proj`; Nemotron, Arcee: `up_proj` then `down_proj`). `experts(p, layer, dst, c)` reads
     a layer's mixture of experts (None: `_experts_apart` as Qwen3-MoE and OLMoE name
-    them)."""
+    them); `ffn(p, layer, dst, c)`, where given, reads every layer's FFN in their place."""
     d, h = c.d_model, c.head_dim
     p.set("embedder/embedding/embedding", p.read("model.embed_tokens.weight",
                                                  (c.vocab_size, d)))
@@ -244,7 +248,9 @@ def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
         if c.attention_sinks:
             p.set(dst + "self_attention/sinks", p.read(src + "self_attn.sinks", (c.num_heads,)))
         tensors.output(p, src + "self_attn.o_proj", dst + "self_attention/out", c)
-        if c.num_experts:
+        if ffn is not None:
+            ffn(p, src, dst + "ffn/", c)
+        elif c.num_experts:
             (experts or _experts_apart)(p, src, dst + "ffn/", c)
         else:
             _feed_forward(p, src + "mlp.", dst + "ffn/", c, fused or fused_mlp, plain_mlp)
@@ -311,6 +317,23 @@ def _experts_stacked(p: Params, layer: str, dst: str, c: M.TransformerConfig) ->
     p.set(dst + "experts/wi_gate", gate_up[..., f:])
     p.set(dst + "experts/wo", p.read(src + "output_linear.weight", (count, d, f)).transpose(
         0, 2, 1))
+
+
+def _granite_shared_mlp(p: Params, layer: str, dst: str, c: M.TransformerConfig) -> None:
+    """Granite's `shared_mlp`: its gate and up projections in `input_linear` [2F, D] (the
+    gate's rows first), the down one in `output_linear` [D, F]; the layer's FFN, or its shared
+    expert beside GraniteMoE's experts (`_experts_stacked`)."""
+    if c.num_experts:
+        _experts_stacked(p, layer, dst, c)
+    f = c.shared_expert_d_ff if c.num_experts else c.d_ff
+    if not f:
+        return
+    dst += "shared_expert/" if c.num_experts else ""
+    gate_up = p.read(layer + "shared_mlp.input_linear.weight", (2 * f, c.d_model))
+    p.set(dst + "wi/kernel", gate_up[:f].T)
+    p.set(dst + "wi_gate/kernel", gate_up[f:].T)
+    p.set(dst + "wo/kernel", p.read(layer + "shared_mlp.output_linear.weight",
+                                    (c.d_model, f)).T)
 
 
 def _experts_interleaved(p: Params, layer: str, dst: str, c: M.TransformerConfig) -> None:

@@ -15,11 +15,11 @@ from kvjax import hf
     ("gpt2", dict(model_type="bert"),
      "model_type 'bert' is not supported; kvjax loads apertus, arcee, bart, bloom, cohere, "
      "cohere2, ernie4_5, exaone, exaone4, falcon, flex_olmo, gemma, gemma2, gemma3_text, glm, "
-     "glm4, gpt2, gpt_bigcode, gpt_neo, gpt_neox, gpt_oss, gptj, granite, granitemoe, helium, "
-     "hunyuan_v1_dense, internlm3, llama, m2m_100, marian, mbart, ministral, ministral3, mistral, "
-     "mixtral, mpt, mt5, nanochat, nemotron, olmo, olmo2, olmo3, olmoe, opt, phi, phi3, phimoe, "
-     "qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, stablelm, starcoder2, t5, umt5, "
-     "vaultgemma"),
+     "glm4, gpt2, gpt_bigcode, gpt_neo, gpt_neox, gpt_oss, gptj, granite, granitemoe, "
+     "granitemoehybrid, granitemoeshared, helium, hunyuan_v1_dense, internlm3, llama, m2m_100, "
+     "marian, mbart, ministral, ministral3, mistral, mixtral, mpt, mt5, nanochat, nemotron, olmo, "
+     "olmo2, olmo3, olmoe, opt, phi, phi3, phimoe, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, "
+     "smollm3, stablelm, starcoder2, t5, umt5, vaultgemma"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
                                         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
      'rope settings {"partial_rotary_factor": 0.5} are not supported for rope type \'yarn\''),
@@ -153,6 +153,14 @@ from kvjax import hf
      "feed_forward_proj='gated-relu' is not supported"),
     ("t5", dict(dense_act_fn="relu"), 'dense_act_fn="relu" is not supported (transformers '
                                       "derives it from feed_forward_proj='gated-gelu')"),
+    # Granite 4.0's hybrid models (-h): Mamba-2 layers beside the attention ones.
+    ("granitemoehybrid", dict(layer_types=["mamba", "attention"]),
+     "layers [0] are Mamba-2 layers ('linear_attention'); kvjax runs the Granite 4.0 models "
+     "whose layers are all attention"),
+    ("granitemoehybrid", dict(layer_types=None), "layers [0, 1] are Mamba-2 layers"),
+    ("granitemoehybrid", dict(layer_types=["attention"]), "layer_types names 1 layers of 2"),
+    ("granitemoehybrid", dict(position_embedding_type="alibi"),
+     "position_embedding_type='alibi' is not supported (rope, or null: none)"),
 ])
 def test_unsupported_settings_are_refused(tmp_path, name, changes, message):
     directory = copy_of(name, tmp_path)
@@ -218,6 +226,9 @@ def test_unsupported_settings_are_refused(tmp_path, name, changes, message):
                 output_past=True, task_specific_params={"summarization": {"prefix": "x"}})),
     # mT5's releases: tie_word_embeddings false, which changes nothing (never scaled).
     ("mt5", dict(tie_word_embeddings=False)),
+    # Granite 4.0's releases: "attention" for each layer, and the unused Mamba-2 settings.
+    ("granitemoehybrid", dict(layer_types=["attention", "attention"], mamba_d_state=128)),
+    ("granitemoehybrid_moe", dict(layer_types=None, layers_block_type=["attention"] * 2)),
     ("gpt_oss", dict(rope_parameters=None, rope_theta=150000.0, experts_per_token=2,
                      initial_context_length=16, rope_scaling={
                          "rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0,

@@ -32,7 +32,7 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "phimoe", "nanochat", "olmo", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neo", "gptj",
          "exaone", "internlm3", "falcon", "falcon_grouped", "falcon_sequential", "falcon2",
          "bloom", "mpt", "t5", "t5_relu", "mt5", "vaultgemma", "m2m_100", "bart", "mbart",
-         "umt5", "flex_olmo")
+         "umt5", "flex_olmo", "granitemoehybrid", "granitemoeshared", "granitemoehybrid_moe")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -52,7 +52,9 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                **dict.fromkeys(("falcon", "falcon_grouped", "falcon_sequential", "falcon2"),
                                "falcon"), "bloom": "bloom", "mpt": "mpt", "t5": "t5",
                "t5_relu": "t5", "mt5": "mt5", "vaultgemma": "vaultgemma", "m2m_100": "m2m_100",
-               "bart": "bart", "mbart": "mbart", "umt5": "umt5", "flex_olmo": "flex_olmo"}
+               "bart": "bart", "mbart": "mbart", "umt5": "umt5", "flex_olmo": "flex_olmo",
+               "granitemoehybrid": "granitemoehybrid", "granitemoehybrid_moe": "granitemoehybrid",
+               "granitemoeshared": "granitemoeshared"}
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +146,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                                               "gpt_neo", "exaone", "falcon",
                                               "falcon_sequential", "falcon2", "bloom",
                                               "mpt", "t5", "t5_relu", "mt5", "vaultgemma",
-                                              "bart", "umt5"))
+                                              "bart", "umt5", "granitemoehybrid"))
     assert config.qk_norm == (name in ("qwen3", "gemma3_text", "olmo2", "olmo3", "qwen3_moe",
                                        "olmoe", "exaone4", "gemma3", "apertus",
                                        "hunyuan_v1_dense", "nanochat", "flex_olmo"))
@@ -184,14 +186,16 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     assert (config.num_experts, config.experts_per_token, config.normalize_expert_weights) == {
         "mixtral": (4, 2, True), "qwen3_moe": (8, 2, True), "olmoe": (8, 3, False),
         "granitemoe": (4, 2, True), "qwen2_moe": (8, 2, False), "phimoe": (4, 2, False),
-        "flex_olmo": (4, 2, True)}.get(
+        "flex_olmo": (4, 2, True), "granitemoeshared": (4, 2, True),
+        "granitemoehybrid_moe": (4, 2, True)}.get(
         name, (4, 2, True) if name.startswith("gpt_oss") else (0, 2, True))
     gpt_oss = name.startswith("gpt_oss")
     assert (config.attention_sinks, config.router_bias, config.activation == "clamped_swiglu",
             config.ffn_bias and config.num_experts > 0) == (gpt_oss,) * 4
     assert (config.swiglu_alpha, config.swiglu_limit) == ((1.5, 0.5) if gpt_oss else (1.702, 7.0))
-    assert (config.shared_expert_d_ff, config.shared_expert_gate) == (
-        (40, True) if name == "qwen2_moe" else (0, False))
+    assert (config.shared_expert_d_ff, config.shared_expert_gate) == {
+        "qwen2_moe": (40, True), "granitemoeshared": (40, False),
+        "granitemoehybrid_moe": (40, False)}.get(name, (0, False))
     assert config.sliding_window == {"mistral": 4, "phi3": 6, "gemma2": 4,
                                      "gemma3_text": 5, "olmo3": 4, "starcoder2": 4,
                                      "qwen2": 4, "ministral": 4, "exaone4": 4, "cohere2": 4,
@@ -205,8 +209,9 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
         name, (1,) if gpt_oss else ())
     assert config.local_rope_base == {"gemma3_text": 10000.0, "olmo3": 50000.0,
                                       "gemma3": 10000.0}.get(name)
-    assert config.unrotated_layers == {"smollm3": (1,), "exaone4": (2,), "cohere2": (2,)}.get(
-        name, ())
+    # Granite 4.0's mixture: no position encoding in any layer.
+    assert config.unrotated_layers == {"smollm3": (1,), "exaone4": (2,), "cohere2": (2,),
+                                       "granitemoehybrid_moe": (0, 1)}.get(name, ())
     biases = (config.qkv_bias, config.out_bias, config.ffn_bias)
     assert biases == {"helium": (True, False, False), "ernie4_5": (True, True, True),
                       "seed_oss": (True, True, False), "cohere": (True, True, False),
@@ -248,10 +253,14 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     assert (config.norm == "post", config.embedding_dim) == (
         (True, 16) if name == "opt_350m" else (name in ("marian", "bart"), None))
     assert (config.embedding_multiplier, config.residual_multiplier, config.attention_scale,
-            config.logits_scaling) == dict.fromkeys(("granite", "granitemoe"),
-                                                    (2.0, 0.5, 0.25, 2.0)).get(
-        name, (1.0, 1.0, config.attention_scale,
-               {"cohere": 4.0, "cohere2": 2.0, "t5_relu": 32 ** 0.5}.get(name, 1.0)))
+            config.logits_scaling) == {
+        **dict.fromkeys(("granite", "granitemoe", "granitemoehybrid", "granitemoeshared"),
+                        (2.0, 0.5, 0.25, 2.0)), "granitemoehybrid_moe": (1.0, 0.5, 0.25, 1.0)
+        }.get(name, (1.0, 1.0, config.attention_scale,
+                     {"cohere": 4.0, "cohere2": 2.0, "t5_relu": 32 ** 0.5}.get(name, 1.0)))
+    # Granite 4.0's dense FFN: the shared_mlp's 48 hidden units.
+    if name == "granitemoehybrid":
+        assert config.d_ff == 48
     check_logits_and_greedy_tokens(config, params, record, logits)
     if name in GENERATE_FAMILIES:  # the prompts run as one ragged batch
         greedy = decode.generate(M.build_model(config), params, record["prompts"],
