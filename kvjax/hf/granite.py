@@ -1,5 +1,7 @@
-"""The `config.json` readers of IBM's Granite models whose FFN is a `shared_mlp` every token goes
-through: `granitemoeshared` (GraniteMoE with a shared FFN beside the experts) and
+"""The `config.json` readers of the families of Granite's multipliers (µP) beyond Granite 3 and
+its MoE (`llama_like.py`): HyperCLOVA X SEED (`hyperclovax`), and the Granite models whose FFN
+is a `shared_mlp` every token goes through: `granitemoeshared` (GraniteMoE with a shared FFN
+beside the experts) and
 `granitemoehybrid` (Granite 4.0) where every layer is attention: the shared FFN alone (the
 dense models: 4.0 micro, 1B, 350M) or beside a mixture of experts, with RoPE or with no
 position encoding at all. Granite 4.0's Mamba-2 layers (the `-h` models) are refused by name.
@@ -10,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from .errors import UnsupportedModelError
-from .llama_like import _granite, _granitemoe, experts_fields
+from .llama_like import _granite, _granitemoe, experts_fields, read_llama
 from .reader import Reader
 
 # transformers' older names of the layer types (`remap_legacy_layer_types`).
@@ -19,6 +21,20 @@ _LEGACY_LAYER_TYPES = {"attention": "full_attention", "mamba": "linear_attention
 _MAMBA_KEYS = ("mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_d_head",
                "mamba_d_conv", "mamba_expand", "mamba_chunk_size", "mamba_conv_bias",
                "mamba_proj_bias", "time_step_limit")
+
+
+def _hyperclovax(c: Reader) -> dict[str, Any]:
+    """HyperCLOVA X SEED (NAVER): Llama's layer with Granite's multipliers on the embeddings
+    and each sublayer's output, the attention scaled by `attention_multiplier` (1/√head_dim
+    where null), the logits multiplied by `logits_scaling` (Granite divides by it), and with
+    `use_post_norm` (on where absent) a norm on each sublayer's output too (Peri-LN)."""
+    scale = c.get("attention_multiplier")
+    return {**read_llama(c),
+            "embedding_multiplier": float(c.get("embedding_multiplier", 1.0)),
+            "residual_multiplier": float(c.get("residual_multiplier", 1.0)),
+            "attention_scale": None if scale is None else float(scale),
+            "logits_scaling": 1.0 / float(c.get("logits_scaling", 1.0)),
+            "sandwich_norms": bool(c.get("use_post_norm", True))}
 
 
 def _granitemoeshared(c: Reader) -> dict[str, Any]:
@@ -63,4 +79,5 @@ def _granitemoehybrid(c: Reader) -> dict[str, Any]:
     return fields
 
 
-READERS = {"granitemoeshared": _granitemoeshared, "granitemoehybrid": _granitemoehybrid}
+READERS = {"hyperclovax": _hyperclovax, "granitemoeshared": _granitemoeshared,
+           "granitemoehybrid": _granitemoehybrid}

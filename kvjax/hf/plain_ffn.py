@@ -1,5 +1,6 @@
 """The `config.json` readers of the families of Llama's attention whose FFN has no gate,
-W2 act(W1 x): StarCoder2 (tanh GELU), Nemotron and Arcee (squared ReLU), Apertus (xIELU).
+W2 act(W1 x): StarCoder2 (tanh GELU), Nemotron, Arcee and Jais 2 (squared ReLU), Apertus
+(xIELU).
 `READERS` maps each model type to its reader."""
 
 from __future__ import annotations
@@ -48,6 +49,17 @@ def _arcee(c: Reader) -> dict[str, Any]:
                              activation=c.activation("hidden_act", "relu2"))
 
 
+def _jais2(c: Reader) -> dict[str, Any]:
+    """Jais 2 (Inception, 8B and 70B): Llama's attention with LayerNorm before each sublayer
+    and at the end, an FFN of squared ReLU without a gate (`up_proj`, `down_proj`), biases on
+    every projection unless `attention_bias` or `mlp_bias` is false."""
+    return {**llama_like_fields(c, qkv_bias=bool(c.get("attention_bias", True)),
+                                out_bias=bool(c.get("attention_bias", True)),
+                                ffn_bias=bool(c.get("mlp_bias", True)), gated=False,
+                                activation=c.activation("hidden_act", "relu2")),
+            "norm_type": "layernorm", "layer_norm_eps": c.get("layer_norm_eps", 1e-5)}
+
+
 def _apertus(c: Reader) -> dict[str, Any]:
     """Apertus (Swiss AI, 8B and 70B): Llama's attention (biases where `attention_bias`)
     with RMSNorm over each head's query and key (as Qwen3), an FFN of xIELU without a gate
@@ -59,5 +71,5 @@ def _apertus(c: Reader) -> dict[str, Any]:
             "qk_norm": True}
 
 
-READERS = {"starcoder2": _starcoder2, "nemotron": _nemotron, "arcee": _arcee,
+READERS = {"starcoder2": _starcoder2, "nemotron": _nemotron, "arcee": _arcee, "jais2": _jais2,
            "apertus": _apertus}

@@ -56,7 +56,8 @@ LAYOUTS = {"gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode", "gpt_neo": "gpt_neo", "
            "mbart": "marian", "gpt_neox": "gpt_neox",
            "phi": "phi", "opt": "opt", "starcoder2": "plain_mlp", "mixtral": "mixtral",
            "granitemoe": "granitemoe", "granitemoeshared": "granite_shared",
-           "granitemoehybrid": "granite_shared", "gpt_oss": "gpt_oss", "glm": "glm", "glm4": "glm",
+           "granitemoehybrid": "granite_shared", "hyperclovax": "hyperclovax",
+           "jais2": "up_down_mlp", "gpt_oss": "gpt_oss", "glm": "glm", "glm4": "glm",
            "helium": "llama_pairs", "ernie4_5": "llama_pairs", "cohere": "cohere",
            "cohere2": "cohere", "arcee": "up_down_mlp", "nemotron": "nemotron",
            "apertus": "apertus", "nanochat": "nanochat", "falcon": "falcon", "bloom": "bloom",
@@ -116,6 +117,8 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
               "glm": functools.partial(_llama_like, fused_mlp=True,
                                        norms=_GLM4_NORMS if config.sandwich_norms else None),
               "llama_pairs": _llama_like,
+              "hyperclovax": functools.partial(
+                  _llama_like, norms=_PERI_NORMS if config.sandwich_norms else None),
               "cohere": functools.partial(_llama_like, norm_bias=False),
               "nanochat": functools.partial(_llama_like, plain_mlp=("fc1", "fc2")),
               **gpt_weights.READERS}[LAYOUTS[model_type]]
@@ -152,6 +155,9 @@ _APERTUS_NORMS = {"attention_block/norm": "attention_layernorm",
                   "ffn_block/norm": "feedforward_layernorm"}
 
 
+# HyperCLOVA X's Peri-LN: a norm before and after each sublayer.
+_PERI_NORMS = {"attention_block/norm": "input_layernorm", "attention_block/post_norm": "post_norm1",
+               "ffn_block/norm": "post_attention_layernorm", "ffn_block/post_norm": "post_norm2"}
 _GLM4_NORMS = {"attention_block/norm": "input_layernorm",
                "attention_block/post_norm": "post_self_attn_layernorm",
                "ffn_block/norm": "post_attention_layernorm",

@@ -32,7 +32,8 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "phimoe", "nanochat", "olmo", "gpt_bigcode", "gpt_bigcode_mha", "gpt_neo", "gptj",
          "exaone", "internlm3", "falcon", "falcon_grouped", "falcon_sequential", "falcon2",
          "bloom", "mpt", "t5", "t5_relu", "mt5", "vaultgemma", "m2m_100", "bart", "mbart",
-         "umt5", "flex_olmo", "granitemoehybrid", "granitemoeshared", "granitemoehybrid_moe")
+         "umt5", "flex_olmo", "granitemoehybrid", "granitemoeshared", "granitemoehybrid_moe",
+         "hyperclovax", "jais2")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -54,7 +55,8 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                "t5_relu": "t5", "mt5": "mt5", "vaultgemma": "vaultgemma", "m2m_100": "m2m_100",
                "bart": "bart", "mbart": "mbart", "umt5": "umt5", "flex_olmo": "flex_olmo",
                "granitemoehybrid": "granitemoehybrid", "granitemoehybrid_moe": "granitemoehybrid",
-               "granitemoeshared": "granitemoeshared"}
+               "granitemoeshared": "granitemoeshared", "hyperclovax": "hyperclovax",
+               "jais2": "jais2"}
 
 
 @pytest.fixture(scope="module")
@@ -219,6 +221,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                       "arcee": (False, False, False), "nanochat": (True, True, False),
                       "internlm3": (True, True, True), "falcon_sequential": (True, True, True),
                       "bloom": (True, True, True), "mpt": (False, False, False),
+                      "jais2": (True, True, True),
                       **dict.fromkeys(("falcon", "falcon_grouped", "falcon2"),
                                       (False, False, False))}.get(name, biases)
     assert config.parallel_residual == (name in ("gpt_neox", "phi", "cohere", "cohere2",
@@ -232,17 +235,18 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     assert config.rotary_dim == {"gpt_neox": 4, "phi": 2, "stablelm": 4, "glm": 4,
                                  "glm4": 4, "nemotron": 4, "gptj": 4}.get(name,
                                                                           config.rotary_dim)
-    assert (config.activation == "relu2") == (name in ("nemotron", "arcee", "nanochat"))
+    assert (config.activation == "relu2") == (name in ("nemotron", "arcee", "nanochat", "jais2"))
     assert (config.activation == "xielu") == (name == "apertus")
     assert (config.activation == "gelu_exact") == (name in ("gpt_neox", "falcon", "falcon2",
                                                             "falcon_grouped",
                                                             "falcon_sequential", "mpt",
                                                             "bart", "mbart"))
-    assert config.sandwich_norms == (name in ("gemma2", "gemma3_text", "glm4", "gemma3"))
+    assert config.sandwich_norms == (name in ("gemma2", "gemma3_text", "glm4", "gemma3",
+                                              "hyperclovax"))
     assert (config.norm_type == "layernorm") == (name in ("gpt2", "marian", "gpt_neox", "phi",
                                                           "stablelm", "opt", "starcoder2",
                                                           "cohere", "cohere2", "nemotron",
-                                                          "opt_350m", "phimoe", "olmo",
+                                                          "opt_350m", "phimoe", "olmo", "jais2",
                                                           "gpt_bigcode", "gpt_bigcode_mha",
                                                           "gpt_neo", "gptj", "falcon",
                                                           "falcon_grouped",
@@ -255,7 +259,8 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     assert (config.embedding_multiplier, config.residual_multiplier, config.attention_scale,
             config.logits_scaling) == {
         **dict.fromkeys(("granite", "granitemoe", "granitemoehybrid", "granitemoeshared"),
-                        (2.0, 0.5, 0.25, 2.0)), "granitemoehybrid_moe": (1.0, 0.5, 0.25, 1.0)
+                        (2.0, 0.5, 0.25, 2.0)), "granitemoehybrid_moe": (1.0, 0.5, 0.25, 1.0),
+        "hyperclovax": (2.0, 0.5, 0.25, 2.0)  # the logits multiplied by 0.5
         }.get(name, (1.0, 1.0, config.attention_scale,
                      {"cohere": 4.0, "cohere2": 2.0, "t5_relu": 32 ** 0.5}.get(name, 1.0)))
     # Granite 4.0's dense FFN: the shared_mlp's 48 hidden units.
