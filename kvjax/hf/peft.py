@@ -171,6 +171,9 @@ def _read_pairs(config: TransformerConfig, model_type: str, directory: Path):
     else:
         modules = _modules(model_type, f"{directory}: PEFT adapters of {model_type!r} models "
                                        "are not supported")
+        if config.num_experts:  # a mixture's layers have no dense FFN to adapt
+            modules = {module: targets for module, targets in modules.items()
+                       if not {"wi", "wi_gate", "wo"} & set(targets)}
         pattern = _tensor_pattern(model_type)
         known = modules if not expert_params else {**modules, **peft_experts.WRAPPERS}
 

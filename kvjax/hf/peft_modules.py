@@ -26,6 +26,7 @@ _C_ATTN = {"attn.c_attn": ("q", "k", "v"), "attn.c_proj": ("o",), "mlp.c_fc": ("
            "mlp.c_proj": ("wo",)}
 MODULES = {
     "llama": _GATED, "hunyuan": _GATED, "cohere": _GATED, "vaultgemma": _GATED,
+    "hyperclovax": _GATED,
     # Arcee, Nemotron and Apertus: an FFN of up_proj and down_proj alone.
     "up_down_mlp": _UNGATED, "nemotron": _UNGATED, "apertus": _UNGATED,
     "fused": {"self_attn.qkv_proj": ("q", "k", "v"), "self_attn.o_proj": ("o",),
@@ -47,6 +48,10 @@ MODULES = {
     # Mixtral, GraniteMoE and gpt-oss: attention alone, their experts' projections being
     # none of kvjax's targets.
     "mixtral": _ATTENTION, "granitemoe": _ATTENTION, "gpt_oss": _ATTENTION,
+    # Granite 4.0's and GraniteMoeShared's shared_mlp, its gate and up projections in one
+    # input_linear: the layer's FFN where there are no experts (beside experts, not a target).
+    "granite_shared": {**_ATTENTION, "shared_mlp.input_linear": ("wi", "wi_gate"),
+                       "shared_mlp.output_linear": ("wo",)},
     "plain_mlp": {**_ATTENTION, "mlp.c_fc": ("wi",), "mlp.c_proj": ("wo",)},
     "nanochat": {**_ATTENTION, "mlp.fc1": ("wi",), "mlp.fc2": ("wo",)},
     "gpt_neox": {"attention.query_key_value": ("q", "k", "v"), "attention.dense": ("o",),

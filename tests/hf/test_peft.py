@@ -36,7 +36,8 @@ ADAPTERS = Path(__file__).parents[1] / "fixtures" / "hf_adapters"
 NAMES = ("llama_gqa", "phi3", "gpt2", "phi", "opt", "gpt_neox", "starcoder2", "mixtral",
          "glm4", "gpt_oss", "gemma3", "cohere", "cohere2", "arcee", "nemotron", "apertus",
          "hunyuan_v1_dense", "marian", "phimoe", "nanochat", "gpt_bigcode", "gpt_bigcode_mha",
-         "gpt_neo", "gptj", "falcon_grouped", "bloom", "mpt", "mt5", "m2m_100", "bart", "umt5")
+         "gpt_neo", "gptj", "falcon_grouped", "bloom", "mpt", "mt5", "m2m_100", "bart", "umt5",
+         "granitemoehybrid", "granitemoehybrid_moe", "hyperclovax")
 
 
 def expected(name):
@@ -113,6 +114,18 @@ def test_tensors_that_do_not_fit_the_model_are_named(tmp_path, change, message):
     with pytest.raises(ValueError) as error:
         hf.load_pretrained(FIXTURES / "llama_gqa", lora=directory)
     assert message in str(error.value)
+
+
+def test_a_mixtures_shared_ffn_is_not_a_target(tmp_path):
+    """Granite 4.0's shared_mlp is the layer's FFN, a target, where there are no experts;
+    beside experts it is not, and an adapter of it is refused by name."""
+    directory = copy_of("granitemoehybrid_moe", tmp_path, ADAPTERS)
+    path = directory / "adapter_model.safetensors"
+    name = "base_model.model.model.layers.0.shared_mlp.input_linear.lora_A.weight"
+    save_file({**load_file(str(path)), name: np.ones((2, 32), np.float32)}, str(path))
+    with pytest.raises(ValueError, match=re.escape(f"tensor {name} adapts no module kvjax "
+                                                   "merges into a granitemoehybrid model")):
+        hf.load_pretrained(FIXTURES / "granitemoehybrid_moe", lora=directory)
 
 
 MARIAN = "base_model.model.model.decoder.layers.1.encoder_attn.k_proj"
