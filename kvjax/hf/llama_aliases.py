@@ -1,6 +1,6 @@
 """The `config.json` readers of families that transformers runs as Llama whose releases name
-some keys (and tensors) in their own way: EXAONE 3 and InternLM3. `READERS` maps each model
-type to its reader."""
+some keys (and tensors) in their own way, EXAONE 3 and InternLM3, or name Llama's keys alone
+under a type of their own, IQuest-Coder. `READERS` maps each model type to its reader."""
 
 from __future__ import annotations
 
@@ -32,4 +32,5 @@ def _internlm3(c: Reader) -> dict[str, Any]:
     return read_llama(c)
 
 
-READERS = {"exaone": _exaone, "internlm3": _internlm3}
+# IQuest-Coder-V1 (40B): Llama's config and layer as they are; transformers runs it as Llama.
+READERS = {"exaone": _exaone, "internlm3": _internlm3, "iquestcoder": read_llama}

@@ -66,7 +66,7 @@ LAYOUTS = {"gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode", "gpt_neo": "gpt_neo", "
                             "gemma2", "gemma3_text", "olmo2", "olmo3", "stablelm", "gemma",
                             "qwen3_moe", "olmoe", "qwen2_moe", "seed_oss", "ministral",
                             "ministral3", "exaone4", "olmo", "exaone", "internlm3",
-                            "flex_olmo"), "llama"),
+                            "flex_olmo", "iquestcoder"), "llama"),
            "hunyuan_v1_dense": "hunyuan", "phimoe": "mixtral", "vaultgemma": "vaultgemma"}
 
 

@@ -16,10 +16,10 @@ from kvjax import hf
      "model_type 'bert' is not supported; kvjax loads apertus, arcee, bart, bloom, cohere, "
      "cohere2, ernie4_5, exaone, exaone4, falcon, flex_olmo, gemma, gemma2, gemma3_text, glm, "
      "glm4, gpt2, gpt_bigcode, gpt_neo, gpt_neox, gpt_oss, gptj, granite, granitemoe, "
-     "granitemoehybrid, granitemoeshared, helium, hunyuan_v1_dense, hyperclovax, internlm3, jais2,"
-     " llama, m2m_100, marian, mbart, ministral, ministral3, mistral, mixtral, mpt, mt5, nanochat,"
-     " nemotron, olmo, olmo2, olmo3, olmoe, opt, phi, phi3, phimoe, qwen2, qwen2_moe, qwen3, "
-     "qwen3_moe, seed_oss, smollm3, stablelm, starcoder2, t5, umt5, vaultgemma"),
+     "granitemoehybrid, granitemoeshared, helium, hunyuan_v1_dense, hyperclovax, internlm3, "
+     "iquestcoder, jais2, llama, m2m_100, marian, mbart, ministral, ministral3, mistral, mixtral, "
+     "mpt, mt5, nanochat, nemotron, olmo, olmo2, olmo3, olmoe, opt, phi, phi3, phimoe, qwen2, "
+     "qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, stablelm, starcoder2, t5, umt5, vaultgemma"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
                                         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
      'rope settings {"partial_rotary_factor": 0.5} are not supported for rope type \'yarn\''),

@@ -33,7 +33,7 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "exaone", "internlm3", "falcon", "falcon_grouped", "falcon_sequential", "falcon2",
          "bloom", "mpt", "t5", "t5_relu", "mt5", "vaultgemma", "m2m_100", "bart", "mbart",
          "umt5", "flex_olmo", "granitemoehybrid", "granitemoeshared", "granitemoehybrid_moe",
-         "hyperclovax", "jais2")
+         "hyperclovax", "jais2", "iquestcoder")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -56,7 +56,7 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                "bart": "bart", "mbart": "mbart", "umt5": "umt5", "flex_olmo": "flex_olmo",
                "granitemoehybrid": "granitemoehybrid", "granitemoehybrid_moe": "granitemoehybrid",
                "granitemoeshared": "granitemoeshared", "hyperclovax": "hyperclovax",
-               "jais2": "jais2"}
+               "jais2": "jais2", "iquestcoder": "iquestcoder"}
 
 
 @pytest.fixture(scope="module")
