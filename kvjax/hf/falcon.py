@@ -38,7 +38,8 @@ def kv_heads(c: Reader) -> int:
 def _falcon(c: Reader) -> dict[str, Any]:
     for old, new in OLDER_NAMES.items():
         c.rename(old, new)
-    c.expect("alibi", False, False, "kvjax has no ALiBi position biases")
+    c.expect("alibi", False, False, "Falcon-RW's ALiBi, whose slopes times each key's position "
+             "transformers rounds to bfloat16 and scales with the scores, is not BLOOM's and MPT's")
     c.expect("is_encoder_decoder", False, False, "Falcon is decoder-only")
     # A key of the first releases' own code that transformers' Falcon reads nowhere.
     c.get("apply_residual_connection_post_layernorm")

@@ -121,8 +121,8 @@ from kvjax import hf
     ("gpt_oss", dict(quantization_config={"quant_method": "gptq", "bits": 4}),
      "quantization_config with quant_method='gptq' is not supported (gpt-oss: 'mxfp4'"),
     # Falcon-RW's position biases; layers transformers' Falcon cannot run.
-    ("falcon", dict(alibi=True), "alibi=true is not supported (kvjax has no ALiBi position "
-                                 "biases)"),
+    ("falcon", dict(alibi=True), "alibi=true is not supported (Falcon-RW's ALiBi, whose slopes "
+                                 "times each key's position transformers rounds to bfloat16"),
     ("falcon2", dict(parallel_attn=False), "new_decoder_architecture with parallel_attn false"),
     ("falcon_grouped", dict(num_ln_in_parallel_attn=3), "num_ln_in_parallel_attn=3 must be 1 "
                                                         "or 2"),
