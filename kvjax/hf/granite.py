@@ -1,10 +1,9 @@
-"""The `config.json` readers of the families of Granite's multipliers (µP) beyond Granite 3 and
-its MoE (`llama_like.py`): HyperCLOVA X SEED (`hyperclovax`), and the Granite models whose FFN
-is a `shared_mlp` every token goes through: `granitemoeshared` (GraniteMoE with a shared FFN
-beside the experts) and
-`granitemoehybrid` (Granite 4.0) where every layer is attention: the shared FFN alone (the
-dense models: 4.0 micro, 1B, 350M) or beside a mixture of experts, with RoPE or with no
-position encoding at all. Granite 4.0's Mamba-2 layers (the `-h` models) are refused by name.
+"""The `config.json` readers of the families of Granite's multipliers (µP) beyond Granite 3 and its
+MoE (`llama_like.py`): HyperCLOVA X SEED (`hyperclovax`), and the Granite models whose FFN is a
+`shared_mlp` every token goes through: `granitemoeshared` (GraniteMoE with a shared FFN beside
+the experts) and `granitemoehybrid` (Granite 4.0) where every layer is attention: the shared FFN
+alone (the dense models: 4.0 micro, 1B, 350M) or beside a mixture of experts, with RoPE or with
+no position encoding at all. Granite 4.0's Mamba-2 layers (the `-h` models) are refused by name.
 `READERS` maps each model type to its reader."""
 
 from __future__ import annotations

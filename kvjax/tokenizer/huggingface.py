@@ -30,6 +30,12 @@ the directory by the files present:
   maps ids back through vocab.json and joins the pieces with source.spm, as transformers
   5.23 does unless `separate_vocabs` (then target_vocab.json and target.spm); `<unk>` is
   special there, so decoding leaves it out.
+- M2M100 (`sentencepiece.bpe.model`, `vocab.json`), as `M2M100Tokenizer`: Marian's way with
+  one sentencepiece model and vocabulary, each language's `__xx__` a special token numbered
+  after vocab.json's ids (in the order of `language_codes`, m2m100's 100 or wmt21's 8); a
+  source starts with `src_lang`'s code (en where absent) and ends with `</s>`. transformers 5
+  writes the directory without the codes among its special tokens, and then reads them as
+  text; kvjax reads them as the released directories list them, special.
 
 Special tokens come from tokenizer.json, tokenizer_config.json (or special_tokens_map.json)
 and the defaults of the class transformers would pick; `stop_ids` add generation_config.json's
@@ -39,13 +45,6 @@ does), with `special_tokens` its named tokens' texts. `to_bytes` is a JSON bundl
 files read, which `from_bundle` (and `kvjax.tokenizer.tokenizer_from_bytes`) reads back:
 {"format": "kvjax-hf-tokenizer", "version": 1, "kind", "tokenizer_class", "files": {name:
 {"text" or "base64": ...}}}.
-- M2M100 (`sentencepiece.bpe.model`, `vocab.json`), as `M2M100Tokenizer`: Marian's way with
-  one sentencepiece model and vocabulary, each language's `__xx__` a special token numbered
-  after vocab.json's ids (in the order of `language_codes`, m2m100's 100 or wmt21's 8); a
-  source starts with `src_lang`'s code (en where absent) and ends with `</s>`. transformers 5
-  writes the directory without the codes among its special tokens, and then reads them as
-  text; kvjax reads them as the released directories list them, special.
-
 The `tokenizers` package is needed for all but Marian and M2M100.
 """
 
