@@ -188,6 +188,13 @@ class TransformerConfig:
     shared_expert_d_ff: int = 0
     shared_expert_gate: bool = False
     router_bias: bool = False
+    # ERNIE 4.5's mixtures: the layers `dense_ffn_layers` have one dense FFN of `dense_d_ff`
+    # hidden units in place of the mixture (unrolled layers only), and with
+    # `router_selection_bias` a mixture chooses each token's experts by its softmax plus a
+    # learned bias of each expert (`selection_bias` [experts]), weighing them by the softmax.
+    dense_ffn_layers: tuple[int, ...] = ()
+    dense_d_ff: int = 0
+    router_selection_bias: bool = False
     # Phi-3.5-MoE's router (SparseMixer, as it decides at inference; two experts a token): the
     # top expert, weighted by its probability under a softmax over the experts whose logits
     # are within 2·eps (relative) of its own, then the second the same way with the top one
@@ -232,7 +239,8 @@ class TransformerConfig:
 
         return self.replace(num_decoder_layers=num_layers,
                             full_attention_layers=kept(self.full_attention_layers),
-                            unrotated_layers=kept(self.unrotated_layers))
+                            unrotated_layers=kept(self.unrotated_layers),
+                            dense_ffn_layers=kept(self.dense_ffn_layers))
 
     def layer_stacks(self, num_layers: int) -> tuple[int, ...]:
         """How many layers each stack of a `num_layers` stack holds: everything held per
@@ -312,7 +320,8 @@ _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "attention_sinks", "attention_softcap", "logits_softcap", "qkv_clip",
     "embedding_multiplier", "residual_multiplier", "logits_scaling", "embedding_dim",
     "num_experts", "experts_per_token", "normalize_expert_weights", "shared_expert_d_ff",
-    "shared_expert_gate", "router_bias", "sparsemixer_eps", "swiglu_alpha", "swiglu_limit",
+    "shared_expert_gate", "router_bias", "dense_ffn_layers", "dense_d_ff",
+    "router_selection_bias", "sparsemixer_eps", "swiglu_alpha", "swiglu_limit",
     "remat")}
 
 

@@ -49,7 +49,7 @@ ROPE_SCALINGS = ("none", "linear", "llama3", "yarn", "longrope")
 _INT_FIELDS = ("vocab_size", "d_model", "num_heads", "d_ff", "num_decoder_layers",
                "num_encoder_layers", "max_len", "bos_id", "attention_block",
                "rope_original_max_len", "num_experts", "experts_per_token",
-               "shared_expert_d_ff", "query_scale_length", "relative_buckets",
+               "shared_expert_d_ff", "dense_d_ff", "query_scale_length", "relative_buckets",
                "relative_max_distance", "sinusoid_offset")
 _REAL_FIELDS = ("dropout", "rope_base", "layer_norm_eps", "rope_scaling_factor",
                 "rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast",
@@ -62,7 +62,7 @@ _BOOL_FIELDS = ("tie_embeddings", "scan_layers", "remat", "qkv_bias", "out_bias"
                 "per_stack_embeddings", "parallel_residual", "shared_norm",
                 "relative_bias_per_layer", "rope_truncate", "normalize_expert_weights",
                 "shared_expert_gate",
-                "attention_sinks", "router_bias")
+                "attention_sinks", "router_bias", "router_selection_bias")
 _OPTIONAL_REALS = ("local_rope_base", "attention_scale", "attention_softcap", "logits_softcap",
                    "qkv_clip",
                    "rope_attention_factor", "sparsemixer_eps")
@@ -160,7 +160,7 @@ def _layer_kind_problems(config: Config) -> list[str]:
     if config.unrotated_layers and config.positional_encoding != "rope":
         problems.append(f"unrotated_layers={list(config.unrotated_layers)} needs "
                         "positional_encoding='rope'")
-    for name in ("full_attention_layers", "unrotated_layers"):
+    for name in ("full_attention_layers", "unrotated_layers", "dense_ffn_layers"):
         layers = getattr(config, name)
         if list(layers) != sorted(set(layers)) or not all(
                 0 <= i < config.num_decoder_layers for i in layers):
@@ -211,7 +211,18 @@ def _expert_problems(config: Config) -> list[str]:
             problems.append("router_bias needs a mixture of experts (num_experts > 0)")
         if config.sparsemixer_eps is not None:
             problems.append("sparsemixer_eps needs a mixture of experts (num_experts > 0)")
+        for name in ("dense_ffn_layers", "dense_d_ff", "router_selection_bias"):
+            if getattr(config, name):
+                problems.append(f"{name} needs a mixture of experts (num_experts > 0)")
         return problems
+    if config.dense_ffn_layers and config.dense_d_ff <= 0:
+        problems.append(f"dense_ffn_layers={list(config.dense_ffn_layers)} needs their "
+                        f"dense_d_ff > 0 (got {config.dense_d_ff})")
+    if config.dense_ffn_layers and config.scan_layers:
+        problems.append("dense_ffn_layers needs unrolled layers (scan_layers false): a scanned "
+                        "stack repeats one layer")
+    if config.router_selection_bias and config.sparsemixer_eps is not None:
+        problems.append("router_selection_bias and sparsemixer_eps are two routers: set one")
     if not 1 <= config.experts_per_token <= config.num_experts:
         problems.append(f"experts_per_token={config.experts_per_token} must be from 1 to "
                         f"num_experts={config.num_experts}")
@@ -327,7 +338,7 @@ def _type_problems(config: Config) -> list[str]:
             object.__setattr__(config, name, tuple(float(f) for f in factors))
         else:
             problems.append(f"{name}={factors!r} must be a list of real numbers")
-    for name in ("full_attention_layers", "unrotated_layers"):
+    for name in ("full_attention_layers", "unrotated_layers", "dense_ffn_layers"):
         layers = getattr(config, name)
         if isinstance(layers, tuple | list) and all(
                 isinstance(i, int | np.integer) and not isinstance(i, bool) for i in layers):

@@ -50,15 +50,22 @@ from .feed_forward import FeedForward, activation_function, gated_units
 
 
 def route(router_logits: jax.Array, experts_per_token: int, normalize: bool,
-          sparsemixer_eps: float | None = None) -> tuple[jax.Array, jax.Array]:
+          sparsemixer_eps: float | None = None, selection_bias: jax.Array | None = None
+          ) -> tuple[jax.Array, jax.Array]:
     """(weights [tokens, k] float32, experts [tokens, k] int32) of the k most probable experts
-    of each token under a softmax over `router_logits` [tokens, experts], the weights divided
-    by their sum when `normalize`; with `sparsemixer_eps`, the two SparseMixer chooses
-    (`sparsemixer`)."""
+    of each token under a softmax over `router_logits` [tokens, experts] (chosen by the
+    softmax plus `selection_bias` [experts] where given, weighed by the softmax alone), the
+    weights divided by their sum when `normalize`; with `sparsemixer_eps`, the two
+    SparseMixer chooses (`sparsemixer`)."""
     if sparsemixer_eps is not None:
         return sparsemixer(router_logits.astype(jnp.float32), sparsemixer_eps)
     probabilities = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probabilities, experts_per_token)
+    if selection_bias is None:
+        weights, experts = jax.lax.top_k(probabilities, experts_per_token)
+    else:
+        _, experts = jax.lax.top_k(probabilities + selection_bias.astype(jnp.float32),
+                                   experts_per_token)
+        weights = jnp.take_along_axis(probabilities, experts, axis=-1)
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, experts.astype(jnp.int32)
@@ -238,8 +245,11 @@ class MixtureOfExperts(nn.Module):
         if self.is_mutable_collection("intermediates"):
             self.sow("intermediates", ROUTER_LOAD, router_load(router_logits,
                                                                c.experts_per_token))
+        selection_bias = (self.param("selection_bias", nn.initializers.zeros_init(),
+                                     (c.num_experts,), jnp.float32)
+                          if c.router_selection_bias else None)
         weights, experts = route(router_logits, c.experts_per_token,
-                                 c.normalize_expert_weights, c.sparsemixer_eps)
+                                 c.normalize_expert_weights, c.sparsemixer_eps, selection_bias)
         out = Experts(c, name="experts")(x_BTD, weights, experts)
         if not c.shared_expert_d_ff:
             return out

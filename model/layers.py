@@ -68,11 +68,14 @@ class LayerInputs:
     bias_table: jax.Array | None = None
 
 
-def _feed_forward(config: TransformerConfig) -> nn.Module:
-    """A decoder layer's FFN, named `ffn`: a mixture of experts when the config has them."""
-    if config.num_experts:
+def _feed_forward(config: TransformerConfig, number) -> nn.Module:
+    """Decoder layer `number`'s FFN, named `ffn`: a mixture of experts when the config has
+    them, but in its `dense_ffn_layers` (unrolled layers: `number` is an int there)."""
+    if config.num_experts and not (config.dense_ffn_layers
+                                   and number in config.dense_ffn_layers):
         return MixtureOfExperts(config, name="ffn")
-    return FeedForward(config, name="ffn")
+    dense = config.dense_ffn_layers and number in config.dense_ffn_layers
+    return FeedForward(config, config.dense_d_ff if dense else None, name="ffn")
 
 
 class Residual(nn.Module):
@@ -165,7 +168,7 @@ class DecoderLayer(nn.Module):
                                     cached=cache_kv is not None,
                                     scales=_cross_scales(layer),
                                     source_lengths_B=inputs.source_lengths), None))
-        ffn = _feed_forward(c)
+        ffn = _feed_forward(c, layer["number"])
         if parallel:  # the FFN reads the layer's input too
             ffn_out, _ = Residual(c, name="ffn_block", add_input=False,
                                   normalize=not c.shared_norm)(

@@ -19,6 +19,7 @@ from typing import Any
 
 from .bloom import READERS as BLOOM
 from .cohere import READERS as COHERE
+from .ernie_moe import READERS as ERNIE_MOE
 from .errors import UnsupportedModelError
 from .falcon import READERS as FALCON
 from .granite import READERS as GRANITE
@@ -274,5 +275,5 @@ READERS = {"gpt2": _gpt2, "gpt_bigcode": _gpt_bigcode, "gpt_neo": _gpt_neo, "gpt
            "opt": _opt,
            "gpt_neox": _gpt_neox, "phi": _phi, **LLAMA_LIKE, **LLAMA_ALIASES, **OUTPUT_NORMS,
            **PLAIN_FFN, **WEIGHTLESS_NORMS, **COHERE, **MINISTRAL3, **HUNYUAN, **PHIMOE,
-           **FALCON, **BLOOM, **MPT, **T5, **GRANITE, "marian": _marian, "m2m_100": _m2m_100,
-           "bart": _bart, "mbart": lambda c: _bart(c, "mBART", "pre")}
+           **FALCON, **BLOOM, **MPT, **T5, **GRANITE, **ERNIE_MOE, "marian": _marian,
+           "m2m_100": _m2m_100, "bart": _bart, "mbart": lambda c: _bart(c, "mBART", "pre")}

@@ -58,7 +58,8 @@ LAYOUTS = {"gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode", "gpt_neo": "gpt_neo", "
            "granitemoe": "granitemoe", "granitemoeshared": "granite_shared",
            "granitemoehybrid": "granite_shared", "hyperclovax": "hyperclovax",
            "jais2": "up_down_mlp", "gpt_oss": "gpt_oss", "glm": "glm", "glm4": "glm",
-           "helium": "llama_pairs", "ernie4_5": "llama_pairs", "cohere": "cohere",
+           "helium": "llama_pairs", "ernie4_5": "llama_pairs", "ernie4_5_moe": "ernie_moe",
+           "cohere": "cohere",
            "cohere2": "cohere", "arcee": "up_down_mlp", "nemotron": "nemotron",
            "apertus": "apertus", "nanochat": "nanochat", "falcon": "falcon", "bloom": "bloom",
            "mpt": "mpt", "t5": "t5", "mt5": "t5", "umt5": "t5",
@@ -117,6 +118,10 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
               "glm": functools.partial(_llama_like, fused_mlp=True,
                                        norms=_GLM4_NORMS if config.sandwich_norms else None),
               "llama_pairs": _llama_like,
+              # transformers leaves unread every tensor whose name holds "mtp" (ERNIE's
+              # multi-token-prediction layers).
+              "ernie_moe": functools.partial(_llama_like, ffn=_ernie_ffn,
+                                             unread=lambda name: "mtp" in name),
               "hyperclovax": functools.partial(
                   _llama_like, norms=_PERI_NORMS if config.sandwich_norms else None),
               "cohere": functools.partial(_llama_like, norm_bias=False),
@@ -188,6 +193,7 @@ def swapped_halves_order(head_dim: int, rotary_dim: int) -> np.ndarray:
 # (nanochat): their rows are reordered as they are read (`rope_rows_in_kvjax_order`), and so
 # are the rows of adapters of them (`peft.py`).
 ROPE_ORDERS = {"glm": rope_halves_order, "llama_pairs": rope_halves_order,
+               "ernie_moe": rope_halves_order,
                "cohere": rope_halves_order, "gptj": rope_halves_order,
                "nanochat": swapped_halves_order}
 
@@ -206,7 +212,8 @@ def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
                 plain_mlp: tuple[str, str] | None = None, experts=None,
                 fused_mlp: bool = False, rope_order=None, norm_bias: bool = True,
                 fold_unit_offset: bool = False, norms: dict[str, str] | None = None,
-                qk_norm_names: tuple[str, str] = ("q_norm", "k_norm"), ffn=None):
+                qk_norm_names: tuple[str, str] = ("q_norm", "k_norm"), ffn=None,
+                unread=lambda name: False):
     """Llama and its kin, Gemma's, OLMo's and GLM-4's norms and StableLM's LayerNorms
     included. `fused` (Phi-3): q, k and v are rows of one `qkv_proj`, and the gate and up
     projections the two halves of one `gate_up_proj`; `fused_mlp` (GLM): the latter alone.
@@ -220,7 +227,8 @@ def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
     `plain_mlp`: an FFN without a gate, its two projections' names (StarCoder2: `c_fc` then
     `c_proj`; Nemotron, Arcee: `up_proj` then `down_proj`). `experts(p, layer, dst, c)` reads
     a layer's mixture of experts (None: `_experts_apart` as Qwen3-MoE and OLMoE name
-    them); `ffn(p, layer, dst, c)`, where given, reads every layer's FFN in their place."""
+    them); `ffn(p, layer, dst, c)`, where given, reads every layer's FFN in their place.
+    `unread(name)`: the file's tensors that are left unread, as transformers leaves them."""
     d, h = c.d_model, c.head_dim
     p.set("embedder/embedding/embedding", p.read("model.embed_tokens.weight",
                                                  (c.vocab_size, d)))
@@ -266,7 +274,7 @@ def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
     if c.logits_bias:  # Phi-3.5-MoE's output layer
         p.set("embedder/logits_bias", p.read("lm_head.bias", (c.vocab_size,)))
     # Some files keep RoPE's frequencies as a buffer; kvjax computes them from config.json.
-    return lambda name: name.endswith(".rotary_emb.inv_freq")
+    return lambda name: name.endswith(".rotary_emb.inv_freq") or unread(name)
 
 
 def _feed_forward(p: Params, src: str, dst: str, c: M.TransformerConfig, fused: bool,
@@ -290,7 +298,8 @@ def _feed_forward(p: Params, src: str, dst: str, c: M.TransformerConfig, fused: 
 
 
 def _experts_apart(p: Params, layer: str, dst: str, c: M.TransformerConfig,
-                   under: str = "mlp.", names=("gate_proj", "up_proj", "down_proj")) -> None:
+                   under: str = "mlp.", names=("gate_proj", "up_proj", "down_proj"),
+                   shared: str = "shared_expert.") -> None:
     """The router (`gate` [E, D]) and each expert's gate, up and down projections (`names`),
     a tensor each, stacked on kvjax's experts axis; all `under` the layer's prefix. A shared
     expert is an FFN of Llama's names (`shared_expert.gate_proj`, ...), its gate
@@ -304,11 +313,24 @@ def _experts_apart(p: Params, layer: str, dst: str, c: M.TransformerConfig,
             p.read(f"{src}experts.{e}.{hf_name}.weight", shape).T for e in range(count)],
             axis=axis))
     if c.shared_expert_d_ff:
-        _feed_forward(p, src + "shared_expert.", dst + "shared_expert/",
+        _feed_forward(p, src + shared, dst + "shared_expert/",
                       c.replace(d_ff=c.shared_expert_d_ff), fused=False, plain_mlp=None)
     if c.shared_expert_gate:
         p.set(dst + "shared_expert_gate/kernel", p.read(src + "shared_expert_gate.weight",
                                                         (1, d)).T)
+
+
+def _ernie_ffn(p: Params, layer: str, dst: str, c: M.TransformerConfig) -> None:
+    """ERNIE 4.5's: Llama's FFN in its dense layers; in the others the experts as Qwen3-MoE
+    names them, the shared FFN under `shared_experts`, and each expert's bias of the choice
+    `moe_statics.e_score_correction_bias` [1, E]."""
+    if int(layer.split(".")[-2]) in c.dense_ffn_layers:
+        _feed_forward(p, layer + "mlp.", dst, c.replace(d_ff=c.dense_d_ff), fused=False,
+                      plain_mlp=None)
+        return
+    _experts_apart(p, layer, dst, c, shared="shared_experts.")
+    p.set(dst + "selection_bias", p.read(
+        layer + "mlp.moe_statics.e_score_correction_bias", (1, c.num_experts))[0])
 
 
 def _experts_stacked(p: Params, layer: str, dst: str, c: M.TransformerConfig) -> None:

@@ -33,7 +33,7 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "exaone", "internlm3", "falcon", "falcon_grouped", "falcon_sequential", "falcon2",
          "bloom", "mpt", "t5", "t5_relu", "mt5", "vaultgemma", "m2m_100", "bart", "mbart",
          "umt5", "flex_olmo", "granitemoehybrid", "granitemoeshared", "granitemoehybrid_moe",
-         "hyperclovax", "jais2", "iquestcoder")
+         "hyperclovax", "jais2", "iquestcoder", "ernie4_5_moe")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -56,7 +56,7 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                "bart": "bart", "mbart": "mbart", "umt5": "umt5", "flex_olmo": "flex_olmo",
                "granitemoehybrid": "granitemoehybrid", "granitemoehybrid_moe": "granitemoehybrid",
                "granitemoeshared": "granitemoeshared", "hyperclovax": "hyperclovax",
-               "jais2": "jais2", "iquestcoder": "iquestcoder"}
+               "jais2": "jais2", "iquestcoder": "iquestcoder", "ernie4_5_moe": "ernie4_5_moe"}
 
 
 @pytest.fixture(scope="module")
@@ -128,13 +128,14 @@ def check_logits_and_greedy_tokens(config, params, record, logits):
 # own RoPE base beside windows, a layer without positions (and one beside windowed layers with
 # RoPE and norms on each sublayer's output), a mixture of experts with a shared expert and one
 # routed by SparseMixer, queries scaled by position, keys normed after RoPE, ALiBi, T5's
-# relative position buckets, and UMT5's table in each layer. Cached decoding equals the full
+# relative position buckets, UMT5's table in each layer, and a dense layer before mixtures
+# whose experts are chosen with a bias of each. Cached decoding equals the full
 # forward for every option the families use (tests/model/test_transformer.py and the
 # options' own tests).
 BEAM_FAMILIES = ("gpt2", "marian", "mistral", "gemma2", "qwen2_moe")
 GENERATE_FAMILIES = BEAM_FAMILIES + ("gemma3_text", "smollm3", "exaone4", "cohere2",
                                      "ministral3", "hunyuan_v1_dense", "phimoe", "nanochat",
-                                     "bloom", "t5", "mbart", "umt5")
+                                     "bloom", "t5", "mbart", "umt5", "ernie4_5_moe")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -143,7 +144,8 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     record, logits = expected(name)
     assert config.tie_embeddings == (name in ("gpt2", "llama_mqa", "marian", "qwen3", "gemma2",
                                               "smollm3", "opt", "gemma", "starcoder2",
-                                              "granitemoe", "ernie4_5", "exaone4", "cohere",
+                                              "granitemoe", "ernie4_5", "ernie4_5_moe",
+                                              "exaone4", "cohere",
                                               "cohere2", "gemma3", "olmo", "gpt_bigcode_mha",
                                               "gpt_neo", "exaone", "falcon",
                                               "falcon_sequential", "falcon2", "bloom",
@@ -189,7 +191,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
         "mixtral": (4, 2, True), "qwen3_moe": (8, 2, True), "olmoe": (8, 3, False),
         "granitemoe": (4, 2, True), "qwen2_moe": (8, 2, False), "phimoe": (4, 2, False),
         "flex_olmo": (4, 2, True), "granitemoeshared": (4, 2, True),
-        "granitemoehybrid_moe": (4, 2, True)}.get(
+        "granitemoehybrid_moe": (4, 2, True), "ernie4_5_moe": (4, 2, True)}.get(
         name, (4, 2, True) if name.startswith("gpt_oss") else (0, 2, True))
     gpt_oss = name.startswith("gpt_oss")
     assert (config.attention_sinks, config.router_bias, config.activation == "clamped_swiglu",
@@ -197,7 +199,10 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     assert (config.swiglu_alpha, config.swiglu_limit) == ((1.5, 0.5) if gpt_oss else (1.702, 7.0))
     assert (config.shared_expert_d_ff, config.shared_expert_gate) == {
         "qwen2_moe": (40, True), "granitemoeshared": (40, False),
-        "granitemoehybrid_moe": (40, False)}.get(name, (0, False))
+        "granitemoehybrid_moe": (40, False), "ernie4_5_moe": (16, False)}.get(name, (0, False))
+    # ERNIE 4.5's mixture: layer 0 dense, the experts chosen with a bias of each.
+    assert (config.dense_ffn_layers, config.dense_d_ff, config.router_selection_bias) == (
+        ((0,), 64, True) if name == "ernie4_5_moe" else ((), 0, False))
     assert config.sliding_window == {"mistral": 4, "phi3": 6, "gemma2": 4,
                                      "gemma3_text": 5, "olmo3": 4, "starcoder2": 4,
                                      "qwen2": 4, "ministral": 4, "exaone4": 4, "cohere2": 4,

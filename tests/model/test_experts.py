@@ -152,6 +152,24 @@ def test_sparsemixer_weighs_each_of_two_experts_by_a_softmax_over_its_near_rival
     assert chosen.dtype == jnp.int32
 
 
+def test_a_selection_bias_chooses_the_experts_and_the_softmax_weighs_them():
+    """ERNIE 4.5's router: the k largest of softmax + bias are chosen, each weighed by its
+    softmax probability alone (renormalised where asked)."""
+    logits = np.random.default_rng(1).normal(size=(32, 6)).astype(np.float32)
+    bias = np.array([0.5, -0.5, 0.0, 0.3, -0.2, 0.1], np.float32)
+    probabilities = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    want_chosen = np.argsort(-(probabilities + bias), axis=-1, kind="stable")[:, :2]
+    want = np.take_along_axis(probabilities, want_chosen, -1)
+    for normalize in (False, True):
+        weights, chosen = experts.route(jnp.asarray(logits), 2, normalize,
+                                        selection_bias=jnp.asarray(bias))
+        np.testing.assert_array_equal(chosen, want_chosen)
+        np.testing.assert_allclose(weights, want / want.sum(-1, keepdims=True) if normalize
+                                   else want, rtol=1e-6)
+    # The bias changes the choice of some tokens (else this test could not fail).
+    assert (want_chosen != np.argsort(-probabilities, axis=-1)[:, :2]).any()
+
+
 def test_a_model_of_experts_decodes_and_scans_as_it_runs_whole():
     """With gpt-oss's options too: attention sinks, biases on the router and the experts,
     the clamped SwiGLU, a sliding window beside a full layer."""
@@ -181,6 +199,12 @@ def test_a_model_of_experts_decodes_and_scans_as_it_runs_whole():
     (dict(shared_expert_d_ff=-4), "shared_expert_d_ff=-4 must be >= 0"),
     (dict(shared_expert_gate=True), "shared_expert_gate needs a shared expert"),
     (dict(num_experts=0, shared_expert_d_ff=16), "shared_expert_d_ff needs a mixture of experts"),
+    (dict(num_experts=0, router_selection_bias=True),
+     "router_selection_bias needs a mixture of experts"),
+    (dict(dense_ffn_layers=(0,)), r"dense_ffn_layers=\[0\] needs their dense_d_ff > 0"),
+    (dict(dense_ffn_layers=(0,), dense_d_ff=16, scan_layers=True),
+     "dense_ffn_layers needs unrolled layers"),
+    (dict(dense_ffn_layers=(5,), dense_d_ff=16), r"dense_ffn_layers=\[5\] must be distinct"),
 ])
 def test_configs_experts_cannot_run_are_refused_by_name(changes, message):
     with pytest.raises(ValueError, match=message):
