@@ -71,10 +71,9 @@ class LayerInputs:
 def _feed_forward(config: TransformerConfig, number) -> nn.Module:
     """Decoder layer `number`'s FFN, named `ffn`: a mixture of experts when the config has
     them, but in its `dense_ffn_layers` (unrolled layers: `number` is an int there)."""
-    if config.num_experts and not (config.dense_ffn_layers
-                                   and number in config.dense_ffn_layers):
+    dense = bool(config.dense_ffn_layers) and number in config.dense_ffn_layers
+    if config.num_experts and not dense:
         return MixtureOfExperts(config, name="ffn")
-    dense = config.dense_ffn_layers and number in config.dense_ffn_layers
     return FeedForward(config, config.dense_d_ff if dense else None, name="ffn")
 
 
