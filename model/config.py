@@ -195,6 +195,16 @@ class TransformerConfig:
     dense_ffn_layers: tuple[int, ...] = ()
     dense_d_ff: int = 0
     router_selection_bias: bool = False
+    # DeepSeek-V3's router (GLM-4.5, dots.llm1): under `router_scoring` "sigmoid" each
+    # expert's score is the sigmoid of its logit rather than its share of a softmax; with
+    # `router_groups` > 1 the experts are split into that many equal groups, each group
+    # scored by its two best scores (plus the selection bias), and a token chooses only among
+    # the experts of its `router_groups_kept` best groups. The chosen experts' weights (after
+    # `normalize_expert_weights`) are multiplied by `routed_scaling`.
+    router_scoring: str = "softmax"
+    router_groups: int = 1
+    router_groups_kept: int = 1
+    routed_scaling: float = 1.0
     # Phi-3.5-MoE's router (SparseMixer, as it decides at inference; two experts a token): the
     # top expert, weighted by its probability under a softmax over the experts whose logits
     # are within 2·eps (relative) of its own, then the second the same way with the top one
@@ -321,7 +331,8 @@ _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "embedding_multiplier", "residual_multiplier", "logits_scaling", "embedding_dim",
     "num_experts", "experts_per_token", "normalize_expert_weights", "shared_expert_d_ff",
     "shared_expert_gate", "router_bias", "dense_ffn_layers", "dense_d_ff",
-    "router_selection_bias", "sparsemixer_eps", "swiglu_alpha", "swiglu_limit",
+    "router_selection_bias", "router_scoring", "router_groups", "router_groups_kept",
+    "routed_scaling", "sparsemixer_eps", "swiglu_alpha", "swiglu_limit",
     "remat")}
 
 

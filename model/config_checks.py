@@ -45,16 +45,20 @@ SINUSOID_LAYOUTS = ("interleaved", "halves", "fairseq")
 # frequency by a factor of its own and scales the turned queries and keys (Phi-3 and 3.5 of
 # 128k context, Phi-4 mini).
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn", "longrope")
+# How a mixture's router scores each expert from its logit: its share of a softmax over every
+# expert, or its own sigmoid (DeepSeek-V3's router).
+ROUTER_SCORINGS = ("softmax", "sigmoid")
 
 _INT_FIELDS = ("vocab_size", "d_model", "num_heads", "d_ff", "num_decoder_layers",
                "num_encoder_layers", "max_len", "bos_id", "attention_block",
                "rope_original_max_len", "num_experts", "experts_per_token",
-               "shared_expert_d_ff", "dense_d_ff", "query_scale_length", "relative_buckets",
+               "shared_expert_d_ff", "dense_d_ff", "router_groups", "router_groups_kept",
+               "query_scale_length", "relative_buckets",
                "relative_max_distance", "sinusoid_offset")
 _REAL_FIELDS = ("dropout", "rope_base", "layer_norm_eps", "rope_scaling_factor",
                 "rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast",
                 "rope_beta_slow", "embedding_multiplier", "residual_multiplier", "logits_scaling",
-                "swiglu_alpha", "swiglu_limit", "query_scale_beta")
+                "swiglu_alpha", "swiglu_limit", "query_scale_beta", "routed_scaling")
 _BOOL_FIELDS = ("tie_embeddings", "scan_layers", "remat", "qkv_bias", "out_bias", "ffn_bias",
                 "scale_embeddings", "logits_bias", "qk_norm", "qk_norm_across_heads",
                 "qk_norm_after_rope",
@@ -69,7 +73,7 @@ _OPTIONAL_REALS = ("local_rope_base", "attention_scale", "attention_softcap", "l
 _CHOICES = {"positional_encoding": POSITIONAL_ENCODINGS, "norm": NORM_PLACEMENTS,
             "activation": ACTIVATIONS, "dtype": DTYPES, "param_dtype": DTYPES,
             "norm_type": NORM_TYPES, "sinusoid_layout": SINUSOID_LAYOUTS,
-            "rope_scaling": ROPE_SCALINGS}
+            "rope_scaling": ROPE_SCALINGS, "router_scoring": ROUTER_SCORINGS}
 
 
 def problems(config: Config) -> list[str]:
@@ -214,7 +218,7 @@ def _expert_problems(config: Config) -> list[str]:
         for name in ("dense_ffn_layers", "dense_d_ff", "router_selection_bias"):
             if getattr(config, name):
                 problems.append(f"{name} needs a mixture of experts (num_experts > 0)")
-        return problems
+        return problems + _router_problems(config)
     if config.dense_ffn_layers and config.dense_d_ff <= 0:
         problems.append(f"dense_ffn_layers={list(config.dense_ffn_layers)} needs their "
                         f"dense_d_ff > 0 (got {config.dense_d_ff})")
@@ -223,6 +227,7 @@ def _expert_problems(config: Config) -> list[str]:
                         "stack repeats one layer")
     if config.router_selection_bias and config.sparsemixer_eps is not None:
         problems.append("router_selection_bias and sparsemixer_eps are two routers: set one")
+    problems += _router_problems(config)
     if not 1 <= config.experts_per_token <= config.num_experts:
         problems.append(f"experts_per_token={config.experts_per_token} must be from 1 to "
                         f"num_experts={config.num_experts}")
@@ -238,6 +243,36 @@ def _expert_problems(config: Config) -> list[str]:
                             "normalize_expert_weights must be false")
     if config.num_encoder_layers:
         problems.append("num_experts needs a decoder-only model")
+    return problems
+
+
+def _router_problems(config: Config) -> list[str]:
+    """What is wrong with DeepSeek-V3's router options (`router_scoring`, `router_groups`,
+    `router_groups_kept`, `routed_scaling`)."""
+    problems = []
+    deepseek = (config.router_scoring != "softmax" or config.router_groups != 1
+                or config.router_groups_kept != 1 or config.routed_scaling != 1)
+    if deepseek and config.num_experts == 0:
+        problems.append("router_scoring, router_groups, router_groups_kept and routed_scaling "
+                        "need a mixture of experts (num_experts > 0)")
+    if deepseek and config.sparsemixer_eps is not None:
+        problems.append("sparsemixer_eps is a router of its own: it takes no router_scoring, "
+                        "router_groups or routed_scaling")
+    if not 0 < config.routed_scaling < math.inf:
+        problems.append(f"routed_scaling={config.routed_scaling} must be > 0 and finite")
+    groups, kept = config.router_groups, config.router_groups_kept
+    if groups < 1 or not 1 <= kept <= groups:
+        problems.append(f"router_groups={groups} and router_groups_kept={kept} need "
+                        "1 <= router_groups_kept <= router_groups")
+    elif groups > 1 and config.num_experts:
+        size, left = divmod(config.num_experts, groups)
+        if left or size < 2:
+            problems.append(f"router_groups={groups} must split num_experts="
+                            f"{config.num_experts} into equal groups of at least two (a group "
+                            "is scored by its two best experts)")
+        elif config.experts_per_token > kept * size:
+            problems.append(f"experts_per_token={config.experts_per_token} is more than the "
+                            f"{kept * size} experts of router_groups_kept={kept} groups")
     return problems
 
 

@@ -4,7 +4,8 @@ A router (a kernel [D, experts]) scores every expert for each token; the token g
 the `experts_per_token` experts of highest softmax probability, and its output is theirs
 summed, each weighted by its probability (divided by the chosen ones' sum under
 `normalize_expert_weights`; Phi-3.5-MoE's SparseMixer weighs each of its two otherwise,
-`sparsemixer`). An expert is an FFN like `FeedForward`'s:
+`sparsemixer`; DeepSeek-V3's router scores each expert by a sigmoid of its own and chooses
+within the best groups of experts, `route`). An expert is an FFN like `FeedForward`'s:
 W2 act(W1 x), or W2 (act(W1 x) * W3 x) for the gated activations (`gated_units`), with
 biases of its own under `ffn_bias` (gpt-oss). Params, beside the router's (a kernel, and a
 bias under `router_bias`): `experts/wi` and `experts/wi_gate` [D, experts, d_ff],
@@ -50,25 +51,44 @@ from .feed_forward import FeedForward, activation_function, gated_units
 
 
 def route(router_logits: jax.Array, experts_per_token: int, normalize: bool,
-          sparsemixer_eps: float | None = None, selection_bias: jax.Array | None = None
-          ) -> tuple[jax.Array, jax.Array]:
-    """(weights [tokens, k] float32, experts [tokens, k] int32) of the k most probable experts
-    of each token under a softmax over `router_logits` [tokens, experts] (chosen by the
-    softmax plus `selection_bias` [experts] where given, weighed by the softmax alone), the
-    weights divided by their sum when `normalize`; with `sparsemixer_eps`, the two
+          sparsemixer_eps: float | None = None, selection_bias: jax.Array | None = None,
+          scoring: str = "softmax", groups: int = 1, groups_kept: int = 1,
+          scaling: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """(weights [tokens, k] float32, experts [tokens, k] int32) of the k experts of each token
+    that score highest, from `router_logits` [tokens, experts]: scored by a softmax over them
+    (or each by its sigmoid, `scoring` "sigmoid"), chosen by the scores plus `selection_bias`
+    [experts] where given and among the experts of each token's `groups_kept` best of
+    `groups` groups (`best_groups_only`), weighed by the scores alone; the weights divided by
+    their sum when `normalize`, then times `scaling`. With `sparsemixer_eps`, the two
     SparseMixer chooses (`sparsemixer`)."""
     if sparsemixer_eps is not None:
         return sparsemixer(router_logits.astype(jnp.float32), sparsemixer_eps)
-    probabilities = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-    if selection_bias is None:
-        weights, experts = jax.lax.top_k(probabilities, experts_per_token)
+    logits = router_logits.astype(jnp.float32)
+    scores = jax.nn.softmax(logits, axis=-1) if scoring == "softmax" else jax.nn.sigmoid(logits)
+    if selection_bias is None and groups == 1:
+        weights, experts = jax.lax.top_k(scores, experts_per_token)
     else:
-        _, experts = jax.lax.top_k(probabilities + selection_bias.astype(jnp.float32),
+        choice = scores if selection_bias is None else scores + selection_bias.astype(jnp.float32)
+        _, experts = jax.lax.top_k(best_groups_only(choice, groups, groups_kept),
                                    experts_per_token)
-        weights = jnp.take_along_axis(probabilities, experts, axis=-1)
+        weights = jnp.take_along_axis(scores, experts, axis=-1)
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, experts.astype(jnp.int32)
+    return weights * scaling, experts.astype(jnp.int32)
+
+
+def best_groups_only(choice: jax.Array, groups: int, kept: int) -> jax.Array:
+    """`choice` [tokens, experts] where an expert is in one of its token's `kept` best groups
+    and -inf elsewhere: the experts split into `groups` equal groups in their order, a
+    group scored by the sum of its two highest values (DeepSeek-V3's group-limited routing)."""
+    if groups == 1:
+        return choice
+    tokens, experts = choice.shape
+    grouped = choice.reshape(tokens, groups, experts // groups)
+    group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+    _, best = jax.lax.top_k(group_scores, kept)
+    in_best = jnp.any(jax.nn.one_hot(best, groups, dtype=bool), axis=1)
+    return jnp.where(in_best[:, :, None], grouped, -jnp.inf).reshape(tokens, experts)
 
 
 def sparsemixer(scores: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
@@ -249,7 +269,9 @@ class MixtureOfExperts(nn.Module):
                                      (c.num_experts,), jnp.float32)
                           if c.router_selection_bias else None)
         weights, experts = route(router_logits, c.experts_per_token,
-                                 c.normalize_expert_weights, c.sparsemixer_eps, selection_bias)
+                                 c.normalize_expert_weights, c.sparsemixer_eps, selection_bias,
+                                 c.router_scoring, c.router_groups, c.router_groups_kept,
+                                 c.routed_scaling)
         out = Experts(c, name="experts")(x_BTD, weights, experts)
         if not c.shared_expert_d_ff:
             return out

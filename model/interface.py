@@ -124,6 +124,10 @@ def _teacher_forced(config, params, batch, dropout_rng, hidden: bool, router_los
     if not config.num_experts:
         raise ValueError("a load-balancing loss needs a mixture of experts; this model has "
                          "none (num_experts=0)")
+    if config.router_scoring != "softmax":
+        raise ValueError(f"a load-balancing loss is Switch Transformer's, of a softmax router; "
+                         f"router_scoring={config.router_scoring!r} balances its experts by "
+                         "each one's selection bias (DeepSeek-V3), not by this loss")
     out, variables = net.apply({"params": params}, batch, hidden, rngs=rngs,
                                method=net.teacher_forced, mutable=["intermediates"])
     return out, load_balancing_loss(variables["intermediates"], config.num_experts)

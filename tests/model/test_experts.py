@@ -170,6 +170,69 @@ def test_a_selection_bias_chooses_the_experts_and_the_softmax_weighs_them():
     assert (want_chosen != np.argsort(-probabilities, axis=-1)[:, :2]).any()
 
 
+def _deepseek_reference(logits, bias, k, groups, kept, normalize, scaling):
+    """DeepSeek-V3's routing token by token in float64, as its report states it: sigmoid
+    scores, groups ranked by their two best biased scores, the k best biased scores within
+    the kept groups, weighed by the unbiased scores."""
+    weights, chosen = [], []
+    for row in np.asarray(logits, np.float64):
+        scores = 1 / (1 + np.exp(-row))
+        biased = (scores + bias).reshape(groups, -1)
+        ranked = np.argsort(-np.sort(biased, axis=-1)[:, -2:].sum(-1), kind="stable")[:kept]
+        allowed = np.full_like(biased, -np.inf)
+        allowed[ranked] = biased[ranked]
+        best = np.argsort(-allowed.reshape(-1), kind="stable")[:k]
+        w = scores[best] / (scores[best].sum() if normalize else 1.0)
+        weights.append(w * scaling)
+        chosen.append(best)
+    return np.array(weights), np.array(chosen)
+
+
+@pytest.mark.parametrize("groups,kept,normalize", [(1, 1, True), (4, 2, True), (4, 1, False)])
+def test_sigmoid_routing_chooses_within_the_best_groups(groups, kept, normalize):
+    """GLM-4.5's and dots.llm1's router (DeepSeek-V3's): sigmoid scores, a selection bias,
+    group-limited choice, routed scaling."""
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=(48, 8)).astype(np.float32)
+    bias = rng.normal(scale=0.3, size=8).astype(np.float32)
+    weights, chosen = experts.route(jnp.asarray(logits), 2, normalize,
+                                    selection_bias=jnp.asarray(bias), scoring="sigmoid",
+                                    groups=groups, groups_kept=kept, scaling=2.5)
+    want_weights, want_chosen = _deepseek_reference(logits, bias, 2, groups, kept, normalize,
+                                                    2.5)
+    np.testing.assert_array_equal(np.sort(chosen, -1), np.sort(want_chosen, -1))
+    order = np.argsort(chosen, -1)
+    np.testing.assert_allclose(np.take_along_axis(np.asarray(weights), order, -1),
+                               np.take_along_axis(want_weights, np.argsort(want_chosen, -1),
+                                                  -1), rtol=1e-6)
+    if groups > 1:  # the groups change the choice of some tokens (else this could not fail)
+        _, free = _deepseek_reference(logits, bias, 2, 1, 1, normalize, 2.5)
+        assert (np.sort(free, -1) != np.sort(want_chosen, -1)).any()
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"router_groups": 3}, "equal groups of at least two"),
+    ({"router_groups": 4, "router_groups_kept": 5}, "router_groups_kept <= router_groups"),
+    ({"router_groups": 4, "router_groups_kept": 1, "experts_per_token": 3}, "more than the 2"),
+    ({"routed_scaling": 0.0}, "routed_scaling=0.0"),
+    ({"router_scoring": "relu"}, "router_scoring"),
+    ({"num_experts": 0, "router_scoring": "sigmoid"}, "need a mixture of experts"),
+])
+def test_deepseek_router_options_are_checked(fields, message):
+    with pytest.raises(ValueError, match=message):
+        M.preset("tiny", **{"num_experts": 8, **fields})
+
+
+def test_a_sigmoid_router_takes_no_load_balancing_loss():
+    """Switch Transformer's loss weighs a softmax router's probabilities; DeepSeek-V3's
+    sigmoid router balances by its selection bias, so the loss is refused, not computed
+    from probabilities the router never used."""
+    config = M.preset("tiny", num_experts=8, router_scoring="sigmoid", router_selection_bias=True)
+    with pytest.raises(ValueError, match="router_scoring='sigmoid'"):
+        M.teacher_forced_logits(config, None, {"inputs": jnp.zeros((1, 4), jnp.int32)},
+                                router_loss=True)
+
+
 def test_a_model_of_experts_decodes_and_scans_as_it_runs_whole():
     """With gpt-oss's options too: attention sinks, biases on the router and the experts,
     the clamped SwiGLU, a sliding window beside a full layer."""
