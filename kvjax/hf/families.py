@@ -19,6 +19,7 @@ from typing import Any
 
 from .bloom import READERS as BLOOM
 from .cohere import READERS as COHERE
+from .deepseek_moe import READERS as DEEPSEEK_MOE
 from .ernie_moe import READERS as ERNIE_MOE
 from .errors import UnsupportedModelError
 from .falcon import READERS as FALCON
@@ -275,5 +276,6 @@ READERS = {"gpt2": _gpt2, "gpt_bigcode": _gpt_bigcode, "gpt_neo": _gpt_neo, "gpt
            "opt": _opt,
            "gpt_neox": _gpt_neox, "phi": _phi, **LLAMA_LIKE, **LLAMA_ALIASES, **OUTPUT_NORMS,
            **PLAIN_FFN, **WEIGHTLESS_NORMS, **COHERE, **MINISTRAL3, **HUNYUAN, **PHIMOE,
-           **FALCON, **BLOOM, **MPT, **T5, **GRANITE, **ERNIE_MOE, "marian": _marian,
+           **FALCON, **BLOOM, **MPT, **T5, **GRANITE, **ERNIE_MOE, **DEEPSEEK_MOE,
+           "marian": _marian,
            "m2m_100": _m2m_100, "bart": _bart, "mbart": lambda c: _bart(c, "mBART", "pre")}

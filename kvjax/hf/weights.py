@@ -12,6 +12,7 @@ descendants and Marian in `gpt_weights.py`.
 from __future__ import annotations
 
 import functools
+import re
 
 import numpy as np
 
@@ -59,6 +60,7 @@ LAYOUTS = {"gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode", "gpt_neo": "gpt_neo", "
            "granitemoehybrid": "granite_shared", "hyperclovax": "hyperclovax",
            "jais2": "up_down_mlp", "gpt_oss": "gpt_oss", "glm": "glm", "glm4": "glm",
            "helium": "llama_pairs", "ernie4_5": "llama_pairs", "ernie4_5_moe": "ernie_moe",
+           "glm4_moe": "deepseek_moe", "dots1": "deepseek_moe",
            "cohere": "cohere",
            "cohere2": "cohere", "arcee": "up_down_mlp", "nemotron": "nemotron",
            "apertus": "apertus", "nanochat": "nanochat", "falcon": "falcon", "bloom": "bloom",
@@ -120,8 +122,13 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
               "llama_pairs": _llama_like,
               # transformers leaves unread every tensor whose name holds "mtp" (ERNIE's
               # multi-token-prediction layers).
-              "ernie_moe": functools.partial(_llama_like, ffn=_ernie_ffn,
+              "ernie_moe": functools.partial(_llama_like, ffn=_dense_or_mixture_ffn,
                                              unread=lambda name: "mtp" in name),
+              # The multi-token-prediction layers, stored after the last (GLM-4.5's).
+              "deepseek_moe": functools.partial(
+                  _llama_like, ffn=functools.partial(_dense_or_mixture_ffn,
+                                                     selection_bias="gate.", bias_as_row=False),
+                  unread=lambda name: _layer_number(name) >= config.num_decoder_layers),
               "hyperclovax": functools.partial(
                   _llama_like, norms=_PERI_NORMS if config.sandwich_norms else None),
               "cohere": functools.partial(_llama_like, norm_bias=False),
@@ -320,17 +327,27 @@ def _experts_apart(p: Params, layer: str, dst: str, c: M.TransformerConfig,
                                                         (1, d)).T)
 
 
-def _ernie_ffn(p: Params, layer: str, dst: str, c: M.TransformerConfig) -> None:
-    """ERNIE 4.5's: Llama's FFN in its dense layers; in the others the experts as Qwen3-MoE
-    names them, the shared FFN under `shared_experts`, and each expert's bias of the choice
-    `moe_statics.e_score_correction_bias` [1, E]."""
+def _dense_or_mixture_ffn(p: Params, layer: str, dst: str, c: M.TransformerConfig,
+                          selection_bias: str = "moe_statics.", bias_as_row: bool = True
+                          ) -> None:
+    """ERNIE 4.5's, GLM-4.5's and dots.llm1's: Llama's FFN in the dense layers; in the others
+    the experts as Qwen3-MoE names them, the shared FFN under `shared_experts`, and each
+    expert's bias of the choice `e_score_correction_bias` under `mlp.` + `selection_bias`
+    (ERNIE's one row [1, E], `bias_as_row`; the others' [E])."""
     if int(layer.split(".")[-2]) in c.dense_ffn_layers:
         _feed_forward(p, layer + "mlp.", dst, c.replace(d_ff=c.dense_d_ff), fused=False,
                       plain_mlp=None)
         return
     _experts_apart(p, layer, dst, c, shared="shared_experts.")
+    shape = (1, c.num_experts) if bias_as_row else (c.num_experts,)
     p.set(dst + "selection_bias", p.read(
-        layer + "mlp.moe_statics.e_score_correction_bias", (1, c.num_experts))[0])
+        f"{layer}mlp.{selection_bias}e_score_correction_bias", shape).reshape(c.num_experts))
+
+
+def _layer_number(name: str) -> int:
+    """The layer a tensor's name puts it in (`model.layers.i.`...), -1 outside the layers."""
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    return int(match.group(1)) if match else -1
 
 
 def _experts_stacked(p: Params, layer: str, dst: str, c: M.TransformerConfig) -> None:

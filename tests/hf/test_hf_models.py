@@ -33,7 +33,7 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "exaone", "internlm3", "falcon", "falcon_grouped", "falcon_sequential", "falcon2",
          "bloom", "mpt", "t5", "t5_relu", "mt5", "vaultgemma", "m2m_100", "bart", "mbart",
          "umt5", "flex_olmo", "granitemoehybrid", "granitemoeshared", "granitemoehybrid_moe",
-         "hyperclovax", "jais2", "iquestcoder", "ernie4_5_moe")
+         "hyperclovax", "jais2", "iquestcoder", "ernie4_5_moe", "glm4_moe", "dots1")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -56,7 +56,8 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                "bart": "bart", "mbart": "mbart", "umt5": "umt5", "flex_olmo": "flex_olmo",
                "granitemoehybrid": "granitemoehybrid", "granitemoehybrid_moe": "granitemoehybrid",
                "granitemoeshared": "granitemoeshared", "hyperclovax": "hyperclovax",
-               "jais2": "jais2", "iquestcoder": "iquestcoder", "ernie4_5_moe": "ernie4_5_moe"}
+               "jais2": "jais2", "iquestcoder": "iquestcoder", "ernie4_5_moe": "ernie4_5_moe",
+               "glm4_moe": "glm4_moe", "dots1": "dots1"}
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +136,7 @@ def check_logits_and_greedy_tokens(config, params, record, logits):
 BEAM_FAMILIES = ("gpt2", "marian", "mistral", "gemma2", "qwen2_moe")
 GENERATE_FAMILIES = BEAM_FAMILIES + ("gemma3_text", "smollm3", "exaone4", "cohere2",
                                      "ministral3", "hunyuan_v1_dense", "phimoe", "nanochat",
-                                     "bloom", "t5", "mbart", "umt5", "ernie4_5_moe")
+                                     "bloom", "t5", "mbart", "umt5", "ernie4_5_moe", "dots1")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -153,7 +154,8 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                                               "bart", "umt5", "granitemoehybrid"))
     assert config.qk_norm == (name in ("qwen3", "gemma3_text", "olmo2", "olmo3", "qwen3_moe",
                                        "olmoe", "exaone4", "gemma3", "apertus",
-                                       "hunyuan_v1_dense", "nanochat", "flex_olmo"))
+                                       "hunyuan_v1_dense", "nanochat", "flex_olmo",
+                                       "glm4_moe", "dots1"))
     assert config.qk_norm_after_rope == (name in ("hunyuan_v1_dense", "nanochat"))
     # nanochat and OLMo (1): no norm holds a learned parameter; nanochat's normalise the
     # embeddings too.
@@ -191,7 +193,8 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
         "mixtral": (4, 2, True), "qwen3_moe": (8, 2, True), "olmoe": (8, 3, False),
         "granitemoe": (4, 2, True), "qwen2_moe": (8, 2, False), "phimoe": (4, 2, False),
         "flex_olmo": (4, 2, True), "granitemoeshared": (4, 2, True),
-        "granitemoehybrid_moe": (4, 2, True), "ernie4_5_moe": (4, 2, True)}.get(
+        "granitemoehybrid_moe": (4, 2, True), "ernie4_5_moe": (4, 2, True),
+        "glm4_moe": (8, 2, True), "dots1": (8, 3, False)}.get(
         name, (4, 2, True) if name.startswith("gpt_oss") else (0, 2, True))
     gpt_oss = name.startswith("gpt_oss")
     assert (config.attention_sinks, config.router_bias, config.activation == "clamped_swiglu",
@@ -199,20 +202,26 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     assert (config.swiglu_alpha, config.swiglu_limit) == ((1.5, 0.5) if gpt_oss else (1.702, 7.0))
     assert (config.shared_expert_d_ff, config.shared_expert_gate) == {
         "qwen2_moe": (40, True), "granitemoeshared": (40, False),
-        "granitemoehybrid_moe": (40, False), "ernie4_5_moe": (16, False)}.get(name, (0, False))
-    # ERNIE 4.5's mixture: layer 0 dense, the experts chosen with a bias of each.
+        "granitemoehybrid_moe": (40, False), "ernie4_5_moe": (16, False),
+        "glm4_moe": (16, False), "dots1": (32, False)}.get(name, (0, False))
+    # ERNIE 4.5's, GLM-4.5's and dots.llm1's mixtures: layer 0 dense, the experts chosen with
+    # a bias of each; GLM's and dots' by DeepSeek-V3's router.
     assert (config.dense_ffn_layers, config.dense_d_ff, config.router_selection_bias) == (
-        ((0,), 64, True) if name == "ernie4_5_moe" else ((), 0, False))
+        ((0,), 64, True) if name in ("ernie4_5_moe", "glm4_moe", "dots1") else ((), 0, False))
+    assert (config.router_scoring, config.router_groups, config.router_groups_kept,
+            config.routed_scaling) == {"glm4_moe": ("sigmoid", 4, 2, 2.5),
+                                       "dots1": ("sigmoid", 2, 1, 1.5)}.get(
+        name, ("softmax", 1, 1, 1.0))
     assert config.sliding_window == {"mistral": 4, "phi3": 6, "gemma2": 4,
                                      "gemma3_text": 5, "olmo3": 4, "starcoder2": 4,
                                      "qwen2": 4, "ministral": 4, "exaone4": 4, "cohere2": 4,
-                                     "gemma3": 5, "gpt_neo": 4, "vaultgemma": 4}.get(
+                                     "gemma3": 5, "gpt_neo": 4, "vaultgemma": 4, "dots1": 4}.get(
         name, 4 if gpt_oss else None)
     assert config.full_attention_layers == {"gemma2": (1,), "gemma3_text": (2,),
                                             "olmo3": (1,), "qwen2": (0,), "ministral": (1,),
                                             "exaone4": (2,), "cohere2": (2,),
                                             "gemma3": (2,), "gpt_neo": (0,),
-                                            "vaultgemma": (1,)}.get(
+                                            "vaultgemma": (1,), "dots1": (0, 1)}.get(
         name, (1,) if gpt_oss else ())
     assert config.local_rope_base == {"gemma3_text": 10000.0, "olmo3": 50000.0,
                                       "gemma3": 10000.0}.get(name)
@@ -226,7 +235,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                       "arcee": (False, False, False), "nanochat": (True, True, False),
                       "internlm3": (True, True, True), "falcon_sequential": (True, True, True),
                       "bloom": (True, True, True), "mpt": (False, False, False),
-                      "jais2": (True, True, True),
+                      "jais2": (True, True, True), "glm4_moe": (True, False, False),
                       **dict.fromkeys(("falcon", "falcon_grouped", "falcon2"),
                                       (False, False, False))}.get(name, biases)
     assert config.parallel_residual == (name in ("gpt_neox", "phi", "cohere", "cohere2",
@@ -238,7 +247,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     assert (config.query_scale_beta, config.query_scale_length) == (
         (0.5, 4) if name in ("ministral3", "mistral3") else (0.0, 1))
     assert config.rotary_dim == {"gpt_neox": 4, "phi": 2, "stablelm": 4, "glm": 4,
-                                 "glm4": 4, "nemotron": 4, "gptj": 4}.get(name,
+                                 "glm4": 4, "nemotron": 4, "gptj": 4, "glm4_moe": 4}.get(name,
                                                                           config.rotary_dim)
     assert (config.activation == "relu2") == (name in ("nemotron", "arcee", "nanochat", "jais2"))
     assert (config.activation == "xielu") == (name == "apertus")
