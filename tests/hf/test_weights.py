@@ -6,6 +6,7 @@ and the fused (Phi-3) projections; shards of an index read as one file."""
 import json
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -139,3 +140,26 @@ def test_an_xielu_whose_fixed_coefficients_differ_is_refused_by_name(tmp_path):
                        match="model.layers.1.mlp.act_fn.beta is 0.25; kvjax's xIELU takes "
                              "beta = 0.5"):
         hf.load_model(directory)
+
+
+def test_glm_multi_token_prediction_layers_are_left_unread_and_no_other_tensor(tmp_path):
+    """GLM-4.5's releases store their multi-token-prediction layer after the last layer
+    (model.layers.<num_hidden_layers>.*), which transformers leaves unread: so does kvjax,
+    and every param is the same; a tensor of a layer the model has, unknown to it, is still
+    refused by name."""
+    directory = tmp_path / "glm4_moe"
+    directory.mkdir()
+    for path in (FIXTURES / "glm4_moe").iterdir():
+        (directory / path.name).write_bytes(path.read_bytes())
+    tensors = load_file(directory / "model.safetensors")
+    config, params, _ = loaded("glm4_moe")
+    extra = {"model.layers.3.eh_proj.weight": np.ones((32, 64), np.float32),
+             "model.layers.3.enorm.weight": np.ones(32, np.float32)}
+    save_file({**tensors, **extra}, directory / "model.safetensors")
+    with_mtp = W.load_params(config, "glm4_moe", T.WeightFiles(directory))
+    for got, want in zip(jax.tree.leaves(with_mtp), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(got, want)
+    save_file({**tensors, "model.layers.2.eh_proj.weight": np.ones((32, 64), np.float32)},
+              directory / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model\.layers\.2\.eh_proj\.weight"):
+        W.load_params(config, "glm4_moe", T.WeightFiles(directory))
