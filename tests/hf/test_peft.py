@@ -37,7 +37,8 @@ NAMES = ("llama_gqa", "phi3", "gpt2", "phi", "opt", "gpt_neox", "starcoder2", "m
          "glm4", "gpt_oss", "gemma3", "cohere", "cohere2", "arcee", "nemotron", "apertus",
          "hunyuan_v1_dense", "marian", "phimoe", "nanochat", "gpt_bigcode", "gpt_bigcode_mha",
          "gpt_neo", "gptj", "falcon_grouped", "bloom", "mpt", "mt5", "m2m_100", "bart", "umt5",
-         "granitemoehybrid", "granitemoehybrid_moe", "hyperclovax")
+         "granitemoehybrid", "granitemoehybrid_moe", "hyperclovax", "ernie4_5_moe", "glm4_moe",
+         "dots1")
 
 
 def expected(name):
@@ -223,6 +224,8 @@ def test_fixtures_are_what_peft_computes(tmp_path):
     ("falcon_sequential", ("k", "wo")),  # each head's q, k and v in turn
     ("bloom", ("q", "v", "o")),  # as GPT-NeoX's, under self_attention
     ("mpt", ("k", "wi", "wo")),  # Wqkv, under transformer.blocks
+    ("ernie4_5_moe", ("q", "k")),  # a mixture's attention, RoPE over pairs
+    ("glm4_moe", ("k", "v", "o")),
 ])
 def test_adapters_written_as_peft_merge_as_kvjax_merges_them(tmp_path, name, targets):
     from kvjax.hf.peft import write_peft_adapter
