@@ -161,6 +161,11 @@ def init_state(model_config: M.TransformerConfig, train_config: TrainConfig,
     if train_config.router_aux_loss_coef and not model_config.num_experts:
         raise ValueError(f"router_aux_loss_coef={train_config.router_aux_loss_coef} weighs a "
                          "mixture of experts' load-balancing loss; this model has no experts")
+    if train_config.router_aux_loss_coef and model_config.router_scoring != "softmax":
+        raise ValueError(f"router_aux_loss_coef={train_config.router_aux_loss_coef} weighs a "
+                         f"softmax router's load-balancing loss; router_scoring="
+                         f"{model_config.router_scoring!r} balances its experts by each one's "
+                         "selection bias (DeepSeek-V3)")
     step_config, seed_key = compiled_fields(train_config), jax.random.key(train_config.seed)
     if params is None:
         state = _init_state(model_config, step_config, seed_key)

@@ -125,6 +125,8 @@ def test_the_load_balancing_loss_joins_the_loss_minimized_not_the_loss_reported(
                               before)
     with pytest.raises(ValueError, match="router_aux_loss_coef=0.25 weighs a mixture"):
         update.init_state(M.preset("tiny"), train_config)
+    with pytest.raises(ValueError, match="router_scoring='sigmoid' balances its experts"):
+        update.init_state(config.replace(router_scoring="sigmoid"), train_config)
     with pytest.raises(ValueError, match="router_aux_loss_coef=-1 must be >= 0"):
         TrainConfig(router_aux_loss_coef=-1)
 
