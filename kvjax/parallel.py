@@ -43,6 +43,11 @@ _RULES: dict[tuple[str, str], tuple[str | None, ...]] = {
     ("kv", "kernel"): (None, MODEL, None),  # [D, 2K, H] cross-attention keys and values
     ("kv", "bias"): (MODEL, None),
     ("out", "kernel"): (MODEL, None, None),  # [N, H, D]; its bias [D] is added after the sum
+    # Latent attention's projections to every head (`model/latent_attention.py`): [X, N, ...];
+    # the latents themselves (q_down, kv_down) are replicated.
+    ("q", "kernel"): (None, MODEL, None),
+    ("q_up", "kernel"): (None, MODEL, None),
+    ("kv_up", "kernel"): (None, MODEL, None),
     ("wi", "kernel"): (None, MODEL),  # [D, F]
     ("wi", "bias"): (MODEL,),  # [F]
     ("wi_gate", "kernel"): (None, MODEL),

@@ -13,6 +13,7 @@ from . import lora_rows, paged
 from .attention import attend, attend_blocks
 from .cache import write_rows
 from .config import TransformerConfig
+from .latent_attention import LatentQKV
 from .norms import RMSNorm
 from .positional import PositionBias, alibi_slopes, apply_rope, layer_rope
 from .projections import OutputProjection, projection
@@ -48,11 +49,15 @@ class SelfAttention(nn.Module):
                  fits_B=None, fresh: bool = False, local=False, key_lengths_B=None,
                  causal: bool = True, pages=None, turned=True, bias_table=None):
         config = self.config
-        # One projection to all heads, split after: one matmul streams the weights where
-        # three smaller ones would each pay a kernel launch (a decode step is many of them).
-        qkv = projection(config, config.num_heads + 2 * config.kv_heads, "qkv")(x_BTD)
-        qkv = lora_rows.add_qkv_updates(self, config, x_BTD, qkv)
-        q, k, v = jnp.split(qkv, [config.num_heads, config.num_heads + config.kv_heads], axis=2)
+        if config.latent_kv_rank:
+            q, k, v = LatentQKV(config, name="latent")(x_BTD)
+        else:
+            # One projection to all heads, split after: one matmul streams the weights where
+            # three smaller ones would each pay a kernel launch (a decode step is many).
+            qkv = projection(config, config.num_heads + 2 * config.kv_heads, "qkv")(x_BTD)
+            qkv = lora_rows.add_qkv_updates(self, config, x_BTD, qkv)
+            q, k, v = jnp.split(qkv, [config.num_heads, config.num_heads + config.kv_heads],
+                                axis=2)
         if config.qk_norm and not config.qk_norm_after_rope:
             q, k = _qk_norm(config, q, "q_norm"), _qk_norm(config, k, "k_norm")
         if config.qkv_clip is not None:
@@ -98,23 +103,32 @@ class SelfAttention(nn.Module):
             if quantized:
                 k, v = round_trip(k), round_trip(v)
             window, described = _described_window(config, local, causal)
-            out = attend(q, k, v, mask_BTS[..., :k.shape[1]], config.attention_scale,
+            out = attend(q, k, v, mask_BTS[..., :k.shape[1]], _scale(config),
                          config.attention_softcap,
                          key_lengths_B=key_lengths_B if described else None, causal=causal,
                          window=window, sinks_N=sinks, bias=bias)
         elif pages is not None:
             out = paged.attend_pages(q, *cache_kv[:2], layer, pages, mask_BTS,
                                      config.attention_block, scales=cache_kv[2:] or None,
-                                     scale=config.attention_scale,
+                                     scale=_scale(config),
                                      softcap=config.attention_softcap, sinks_N=sinks,
                                      bias=bias)
         else:
             out, _ = attend_blocks(q, *cache_kv[:2], layer, mask_BTS, config.attention_block,
-                                   scales=cache_kv[2:] or None, scale=config.attention_scale,
+                                   scales=cache_kv[2:] or None, scale=_scale(config),
                                    softcap=config.attention_softcap, sinks_N=sinks,
                                    bias=bias)
         return lora_rows.add_update(self, "o", out, OutputProjection(config, name="out")(out)), \
             cache_kv
+
+
+def _scale(config: TransformerConfig) -> float | None:
+    """What multiplies QKᵀ in self-attention: `attention_scale`, or where it is None,
+    1/√H (`attend`'s default) or over latent attention's query and key dimensions (the rest
+    of each head is zeros)."""
+    if config.attention_scale is None and config.latent_kv_rank:
+        return (config.rotary_dims + config.latent_nope_dim) ** -0.5
+    return config.attention_scale
 
 
 def _query_scales(config: TransformerConfig, positions_BT):

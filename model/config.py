@@ -145,8 +145,20 @@ class TransformerConfig:
     # x + Attn(norm(x)) + FFN(norm(x)) (Phi-1, Phi-1.5, Phi-2).
     parallel_residual: bool = False
     shared_norm: bool = False
-    # What multiplies QKᵀ; None: 1/√head_dim (Gemma: query_pre_attn_scalar^-1/2).
+    # What multiplies QKᵀ; None: 1/√head_dim (Gemma: query_pre_attn_scalar^-1/2), or with
+    # latent attention 1/√(rotary_dim + latent_nope_dim).
     attention_scale: float | None = None
+    # Multi-head latent attention (`model/latent_attention.py`; DeepSeek-V3, Kimi K2,
+    # Moonlight, GLM-4.7-Flash): with `latent_kv_rank` > 0 each token's keys and values come
+    # from a latent vector of that width (each head's `latent_nope_dim` key and
+    # `latent_value_dim` value dimensions) and a key part of `rotary_dim` dimensions every
+    # head shares; its queries from `latent_q_rank` dimensions (0: from the token directly).
+    # A head is [turned, unturned, zeros]: head_dim holds rotary_dim + latent_nope_dim and
+    # latent_value_dim, and is what the cache holds for each head's K and V.
+    latent_kv_rank: int = 0
+    latent_q_rank: int = 0
+    latent_nope_dim: int = 0
+    latent_value_dim: int = 0
     # Queries at position p (after RoPE) multiplied by 1 + beta · ln(1 + floor(p / length)):
     # logits sharpen, step by step, as positions pass each multiple of `length` (Ministral 3,
     # from Llama 4's attention temperature). beta 0: off.
@@ -332,7 +344,8 @@ _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "num_experts", "experts_per_token", "normalize_expert_weights", "shared_expert_d_ff",
     "shared_expert_gate", "router_bias", "dense_ffn_layers", "dense_d_ff",
     "router_selection_bias", "router_scoring", "router_groups", "router_groups_kept",
-    "routed_scaling", "sparsemixer_eps", "swiglu_alpha", "swiglu_limit",
+    "routed_scaling", "latent_kv_rank", "latent_q_rank", "latent_nope_dim", "latent_value_dim",
+    "sparsemixer_eps", "swiglu_alpha", "swiglu_limit",
     "remat")}
 
 

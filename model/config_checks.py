@@ -53,6 +53,7 @@ _INT_FIELDS = ("vocab_size", "d_model", "num_heads", "d_ff", "num_decoder_layers
                "num_encoder_layers", "max_len", "bos_id", "attention_block",
                "rope_original_max_len", "num_experts", "experts_per_token",
                "shared_expert_d_ff", "dense_d_ff", "router_groups", "router_groups_kept",
+               "latent_kv_rank", "latent_q_rank", "latent_nope_dim", "latent_value_dim",
                "query_scale_length", "relative_buckets",
                "relative_max_distance", "sinusoid_offset")
 _REAL_FIELDS = ("dropout", "rope_base", "layer_norm_eps", "rope_scaling_factor",
@@ -132,6 +133,7 @@ def problems(config: Config) -> list[str]:
     problems += _rope_scaling_problems(config)
     problems += _query_scale_problems(config)
     problems += _expert_problems(config)
+    problems += _latent_problems(config)
     if config.cache_dtype is not None and config.cache_dtype not in CACHE_DTYPES:
         problems.append(f"cache_dtype={config.cache_dtype!r} is not None or one of "
                         f"{CACHE_DTYPES}")
@@ -243,6 +245,37 @@ def _expert_problems(config: Config) -> list[str]:
                             "normalize_expert_weights must be false")
     if config.num_encoder_layers:
         problems.append("num_experts needs a decoder-only model")
+    return problems
+
+
+def _latent_problems(config: Config) -> list[str]:
+    """What is wrong with latent attention's options (none where `latent_kv_rank` is 0)."""
+    names = ("latent_kv_rank", "latent_q_rank", "latent_nope_dim", "latent_value_dim")
+    negative = [f"{name}={getattr(config, name)} must be >= 0" for name in names
+                if getattr(config, name) < 0]
+    if negative or not config.latent_kv_rank:
+        return negative + [f"{name} needs latent attention (latent_kv_rank > 0)"
+                           for name in names[1:] if getattr(config, name) > 0]
+    problems = []
+    if config.positional_encoding != "rope" or config.rotary_dim is None:
+        problems.append("latent attention turns a shared key part of rotary_dim dimensions: "
+                        "it needs positional_encoding='rope' and rotary_dim")
+    elif (config.head_dim or config.d_model // config.num_heads) < max(
+            config.rotary_dim + config.latent_nope_dim, config.latent_value_dim):
+        problems.append(f"head_dim={config.head_dim or config.d_model // config.num_heads} "
+                        f"must hold rotary_dim + latent_nope_dim "
+                        f"= {config.rotary_dim + config.latent_nope_dim} and latent_value_dim "
+                        f"= {config.latent_value_dim}")
+    if config.latent_value_dim < 1:
+        problems.append("latent attention needs latent_value_dim >= 1")
+    if config.kv_heads != config.num_heads:
+        problems.append(f"latent attention gives every head its own K and V: num_kv_heads="
+                        f"{config.num_kv_heads} must be num_heads={config.num_heads}")
+    for name in ("qkv_bias", "qk_norm", "qkv_clip", "kernel_dtype"):
+        if getattr(config, name) not in (False, None):
+            problems.append(f"{name} is not implemented for latent attention")
+    if config.num_encoder_layers:
+        problems.append("latent attention needs a decoder-only model")
     return problems
 
 

@@ -50,7 +50,8 @@ def init_params(config: TransformerConfig, rng: jax.Array) -> dict:
     """Randomly initialised params (a pytree) for `build_model(config)`: with
     `kernel_dtype="int8"`, float params drawn as without it, their kernels and
     embedding table then quantized (`int8_base.quantize_for_decoding`)."""
-    defaults = {name: getattr(TransformerConfig, name) for name in _NOT_IN_INIT}
+    defaults = {name: getattr(TransformerConfig, name) for name in _NOT_IN_INIT
+                if not (name == "rotary_dim" and config.latent_kv_rank)}  # sizes its params
     params = _init_params(config.replace(**defaults, kernel_dtype=None), rng)
     return params if config.kernel_dtype is None else int8_base.quantize_for_decoding(params)
 
