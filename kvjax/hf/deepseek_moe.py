@@ -1,6 +1,8 @@
 """The `config.json` readers of the families whose mixtures of experts route as DeepSeek-V3's
-do, with standard attention: GLM-4.5 (`glm4_moe`: GLM-4.5, GLM-4.5-Air, GLM-4.6) and
-dots.llm1 (`dots1`). Their router scores each expert by a sigmoid, chooses a token's experts
+do: with standard attention GLM-4.5 (`glm4_moe`: GLM-4.5, GLM-4.5-Air, GLM-4.6) and
+dots.llm1 (`dots1`), with DeepSeek's multi-head latent attention DeepSeek-V3 (`deepseek_v3`:
+DeepSeek-V3 and R1, Moonlight, Kimi K2 as transformers reads them) and GLM-4.7-Flash
+(`glm4_moe_lite`). Their router scores each expert by a sigmoid, chooses a token's experts
 by the scores plus a learned bias of each expert (`e_score_correction_bias`) among the
 experts of its best groups, and weighs them by the scores times `routed_scaling_factor`; a
 shared FFN takes every token beside them; the first layers have one dense FFN instead.
@@ -8,22 +10,24 @@ shared FFN takes every token beside them; the first layers have one dense FFN in
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from .errors import UnsupportedModelError
 from .llama_like import llama_like_fields, sliding_layers
 from .reader import Reader
-from .rope import partial_rope, rope_settings
+from .rope import partial_rope, rope_fields, rope_settings
 
 
-def _deepseek_mixtures(c: Reader, layers: int, dense_d_ff: int) -> dict[str, Any]:
+def _deepseek_mixtures(c: Reader, layers: int, dense_d_ff: int,
+                       dense: tuple[int, ...] | None = None) -> dict[str, Any]:
     """The mixture fields: `n_routed_experts` experts of `moe_intermediate_size` hidden units,
     `num_experts_per_tok` of them for each token among the `topk_group` best of `n_group`
     groups, renormalised where `norm_topk_prob`, times `routed_scaling_factor`, beside a
     shared FFN of `n_shared_experts` times their units; the first `first_k_dense_replace`
-    layers one dense FFN of `dense_d_ff` units. The multi-token-prediction layers of the
-    releases (`num_nextn_predict_layers`, stored after the last layer) are left unread, as
-    transformers leaves them."""
+    layers (or the layers `dense` names) one dense FFN of `dense_d_ff` units. The
+    multi-token-prediction layers of the releases (`num_nextn_predict_layers`, stored after
+    the last layer) are left unread, as transformers leaves them."""
     # DeepSeek's own keys, where a file has them.
     c.expect("scoring_func", "sigmoid", "sigmoid", "kvjax runs DeepSeek-V3's router, whose "
              "scores are sigmoids")
@@ -32,10 +36,14 @@ def _deepseek_mixtures(c: Reader, layers: int, dense_d_ff: int) -> dict[str, Any
     for key in ("output_router_logits", "router_aux_loss_coef", "num_nextn_predict_layers",
                 "num_mtp_layers"):
         c.get(key)
-    dense = c.get("first_k_dense_replace", 0)
-    if not isinstance(dense, int) or not 0 <= dense < layers:
-        raise UnsupportedModelError(f"{c.source}: first_k_dense_replace={dense!r} must leave "
-                                    f"a mixture among the {layers} layers")
+    if dense is None:
+        first = c.get("first_k_dense_replace", 0)
+        if not isinstance(first, int) or not 0 <= first < layers:
+            raise UnsupportedModelError(f"{c.source}: first_k_dense_replace={first!r} must "
+                                        f"leave a mixture among the {layers} layers")
+        dense = tuple(range(first))
+    c.expect("moe_layer_freq", 1, 1, "dense FFNs between the mixtures")
+    c.get("ep_size")  # how DeepSeek's code spreads the experts over devices
     units = c.require("moe_intermediate_size")
     return {"d_ff": units, "num_experts": c.require("n_routed_experts"),
             "experts_per_token": c.require("num_experts_per_tok"),
@@ -44,7 +52,7 @@ def _deepseek_mixtures(c: Reader, layers: int, dense_d_ff: int) -> dict[str, Any
             "router_selection_bias": True, "router_scoring": "sigmoid",
             "router_groups": c.get("n_group") or 1, "router_groups_kept": c.get("topk_group") or 1,
             "routed_scaling": float(c.get("routed_scaling_factor", 1.0)),
-            "dense_ffn_layers": tuple(range(dense)), "dense_d_ff": dense_d_ff if dense else 0}
+            "dense_ffn_layers": dense, "dense_d_ff": dense_d_ff if dense else 0}
 
 
 def _glm4_moe(c: Reader) -> dict[str, Any]:
@@ -79,4 +87,64 @@ def _dots1(c: Reader) -> dict[str, Any]:
     return {**fields, **_deepseek_mixtures(c, layers, fields["d_ff"])}
 
 
-READERS = {"glm4_moe": _glm4_moe, "dots1": _dots1}
+def _latent_attention(c: Reader) -> dict[str, Any]:
+    """DeepSeek's multi-head latent attention (`model/latent_attention.py`): keys and values
+    from `kv_lora_rank` latent dimensions (each head's `qk_nope_head_dim` key and
+    `v_head_dim` value dimensions) beside `qk_rope_head_dim` turned key dimensions every head
+    shares, queries from `q_lora_rank` dimensions (or the token where null); RoPE over the
+    turned dimensions in pairs (`rope_interleave`), read as halves
+    (`latent_weights.py`); the scale 1/√(qk_nope_head_dim + qk_rope_head_dim), times
+    YaRN's mscale(factor, `mscale_all_dim`)² where the RoPE is stretched."""
+    heads = c.require("num_attention_heads")
+    # Every head's own K and V come out of the latent whatever this says, in transformers too.
+    c.get("num_key_value_heads")
+    c.expect("attention_bias", False, False, "biases on latent attention's projections")
+    c.expect("rope_interleave", True, True, "kvjax reads the releases' RoPE over pairs")
+    c.get("head_dim")  # transformers writes qk_rope_head_dim there; kvjax sizes a head below
+    turned, unturned = c.require("qk_rope_head_dim"), c.require("qk_nope_head_dim")
+    value = c.require("v_head_dim")
+    c.expect("qk_head_dim", turned + unturned, turned + unturned,
+             "transformers derives it: qk_nope_head_dim + qk_rope_head_dim")
+    params = rope_settings(c)
+    rope = rope_fields(params, 10000.0, c.source, c.get("max_position_embeddings"))
+    scale = (turned + unturned) ** -0.5
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default" and params.get("mscale_all_dim") and params["factor"] > 1:
+        scale *= (0.1 * params["mscale_all_dim"] * math.log(params["factor"]) + 1.0) ** 2
+    return {**rope, "rotary_dim": turned, "head_dim": max(turned + unturned, value),
+            "num_kv_heads": heads, "latent_kv_rank": c.require("kv_lora_rank"),
+            "latent_q_rank": c.get("q_lora_rank") or 0, "latent_nope_dim": unturned,
+            "latent_value_dim": value, "attention_scale": scale}
+
+
+def _deepseek_v3(c: Reader) -> dict[str, Any]:
+    """DeepSeek-V3: Llama's layer with latent attention and DeepSeek's mixtures after
+    `first_k_dense_replace` dense layers."""
+    attention = _latent_attention(c)
+    fields = {**llama_like_fields(c, qkv_bias=False, out_bias=False, ffn_bias=False,
+                                  rope={k: v for k, v in attention.items()
+                                        if k.startswith(("rope", "positional"))}),
+              **attention}
+    return {**fields, **_deepseek_mixtures(c, fields["num_decoder_layers"], fields["d_ff"])}
+
+
+def _glm4_moe_lite(c: Reader) -> dict[str, Any]:
+    """GLM-4.7-Flash: DeepSeek-V3's layers, the layers `mlp_layer_types` names "dense" (the
+    first where absent) with one dense FFN."""
+    attention = _latent_attention(c)
+    fields = {**llama_like_fields(c, qkv_bias=False, out_bias=False, ffn_bias=False,
+                                  rope={k: v for k, v in attention.items()
+                                        if k.startswith(("rope", "positional"))}),
+              **attention}
+    layers = fields["num_decoder_layers"]
+    kinds = c.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1)
+    if len(kinds) != layers or set(kinds) - {"dense", "sparse"} or "sparse" not in kinds:
+        raise UnsupportedModelError(f"{c.source}: mlp_layer_types={kinds} must name 'dense' "
+                                    f"or 'sparse' for each of the {layers} layers, one sparse "
+                                    "at least")
+    dense = tuple(i for i, kind in enumerate(kinds) if kind == "dense")
+    return {**fields, **_deepseek_mixtures(c, layers, fields["d_ff"], dense)}
+
+
+READERS = {"glm4_moe": _glm4_moe, "dots1": _dots1, "deepseek_v3": _deepseek_v3,
+           "glm4_moe_lite": _glm4_moe_lite}

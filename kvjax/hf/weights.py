@@ -19,7 +19,7 @@ import numpy as np
 from kvjax import model as M
 from kvjax.model.feed_forward import XIELU_BETA, XIELU_EPS
 
-from . import gpt_weights, mxfp4, tensors
+from . import gpt_weights, latent_weights, mxfp4, tensors
 from .errors import UnsupportedModelError
 from .tensors import Params, WeightFiles
 
@@ -61,6 +61,7 @@ LAYOUTS = {"gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode", "gpt_neo": "gpt_neo", "
            "jais2": "up_down_mlp", "gpt_oss": "gpt_oss", "glm": "glm", "glm4": "glm",
            "helium": "llama_pairs", "ernie4_5": "llama_pairs", "ernie4_5_moe": "ernie_moe",
            "glm4_moe": "deepseek_moe", "dots1": "deepseek_moe",
+           "deepseek_v3": "deepseek_latent", "glm4_moe_lite": "deepseek_latent",
            "cohere": "cohere",
            "cohere2": "cohere", "arcee": "up_down_mlp", "nemotron": "nemotron",
            "apertus": "apertus", "nanochat": "nanochat", "falcon": "falcon", "bloom": "bloom",
@@ -128,6 +129,12 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
               "deepseek_moe": functools.partial(
                   _llama_like, ffn=functools.partial(_dense_or_mixture_ffn,
                                                      selection_bias="gate.", bias_as_row=False),
+                  unread=lambda name: _layer_number(name) >= config.num_decoder_layers),
+              "deepseek_latent": functools.partial(
+                  _llama_like, ffn=functools.partial(_dense_or_mixture_ffn,
+                                                     selection_bias="gate.", bias_as_row=False),
+                  attention=functools.partial(latent_weights.read_latent_attention,
+                                              interleaved=True),
                   unread=lambda name: _layer_number(name) >= config.num_decoder_layers),
               "hyperclovax": functools.partial(
                   _llama_like, norms=_PERI_NORMS if config.sandwich_norms else None),
@@ -220,7 +227,7 @@ def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
                 fused_mlp: bool = False, rope_order=None, norm_bias: bool = True,
                 fold_unit_offset: bool = False, norms: dict[str, str] | None = None,
                 qk_norm_names: tuple[str, str] = ("q_norm", "k_norm"), ffn=None,
-                unread=lambda name: False):
+                unread=lambda name: False, attention=None):
     """Llama and its kin, Gemma's, OLMo's and GLM-4's norms and StableLM's LayerNorms
     included. `fused` (Phi-3): q, k and v are rows of one `qkv_proj`, and the gate and up
     projections the two halves of one `gate_up_proj`; `fused_mlp` (GLM): the latter alone.
@@ -234,9 +241,10 @@ def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
     `plain_mlp`: an FFN without a gate, its two projections' names (StarCoder2: `c_fc` then
     `c_proj`; Nemotron, Arcee: `up_proj` then `down_proj`). `experts(p, layer, dst, c)` reads
     a layer's mixture of experts (None: `_experts_apart` as Qwen3-MoE and OLMoE name
-    them); `ffn(p, layer, dst, c)`, where given, reads every layer's FFN in their place.
+    them); `ffn(p, layer, dst, c)`, where given, reads every layer's FFN in their place, and
+    `attention(p, layer, dst, c)` its attention (latent attention: `latent_weights.py`).
     `unread(name)`: the file's tensors that are left unread, as transformers leaves them."""
-    d, h = c.d_model, c.head_dim
+    d = c.d_model
     p.set("embedder/embedding/embedding", p.read("model.embed_tokens.weight",
                                                  (c.vocab_size, d)))
     for i in range(c.num_decoder_layers):
@@ -247,28 +255,9 @@ def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
         for kvjax_name, hf_name in layer_norms.items():
             tensors.norm(p, f"{src}{hf_name}", f"{dst}{kvjax_name}", c, norm_bias,
                          fold_unit_offset)
-        if fused:  # rows: the q heads, then the k heads, then the v heads
-            heads = c.num_heads + 2 * c.kv_heads
-            p.set(dst + "self_attention/qkv/kernel", p.read(
-                src + "self_attn.qkv_proj.weight", (heads * h, d)).T.reshape(d, heads, h))
-        else:
-            parts = [tensors.linear(p, f"{src}self_attn.{name}_proj", heads, h, d, c.qkv_bias)
-                     for name, heads in (("q", c.num_heads), ("k", c.kv_heads),
-                                         ("v", c.kv_heads))]
-            if rope_order:  # q's and k's kernels [D, heads, H] and biases [heads, H]
-                order = rope_order(h, c.rotary_dims)
-                parts[:2] = [tuple(None if x is None else x[..., order] for x in part)
-                             for part in parts[:2]]
-            tensors.fused(p, dst + "self_attention/qkv", parts)
-        if c.qk_norm and c.norm_params:
-            for name, file_name, heads in zip(("q_norm", "k_norm"), qk_norm_names,
-                                              (c.num_heads, c.kv_heads), strict=True):
-                width = heads * h if c.qk_norm_across_heads else h
-                p.set(f"{dst}self_attention/{name}/scale",
-                      p.read(f"{src}self_attn.{file_name}.weight", (width,)))
-        if c.attention_sinks:
-            p.set(dst + "self_attention/sinks", p.read(src + "self_attn.sinks", (c.num_heads,)))
-        tensors.output(p, src + "self_attn.o_proj", dst + "self_attention/out", c)
+        (attention or functools.partial(_attention, fused=fused, rope_order=rope_order,
+                                        qk_norm_names=qk_norm_names))(
+            p, src, dst + "self_attention/", c)
         if ffn is not None:
             ffn(p, src, dst + "ffn/", c)
         elif c.num_experts:
@@ -282,6 +271,34 @@ def _llama_like(c: M.TransformerConfig, p: Params, fused: bool = False,
         p.set("embedder/logits_bias", p.read("lm_head.bias", (c.vocab_size,)))
     # Some files keep RoPE's frequencies as a buffer; kvjax computes them from config.json.
     return lambda name: name.endswith(".rotary_emb.inv_freq") or unread(name)
+
+
+def _attention(p: Params, src: str, dst: str, c: M.TransformerConfig, fused: bool,
+               rope_order, qk_norm_names: tuple[str, str]) -> None:
+    """A layer's attention as `_llama_like` describes it (`dst`: its self_attention/)."""
+    d, h = c.d_model, c.head_dim
+    if fused:  # rows: the q heads, then the k heads, then the v heads
+        heads = c.num_heads + 2 * c.kv_heads
+        p.set(dst + "qkv/kernel", p.read(
+            src + "self_attn.qkv_proj.weight", (heads * h, d)).T.reshape(d, heads, h))
+    else:
+        parts = [tensors.linear(p, f"{src}self_attn.{name}_proj", heads, h, d, c.qkv_bias)
+                 for name, heads in (("q", c.num_heads), ("k", c.kv_heads),
+                                     ("v", c.kv_heads))]
+        if rope_order:  # q's and k's kernels [D, heads, H] and biases [heads, H]
+            order = rope_order(h, c.rotary_dims)
+            parts[:2] = [tuple(None if x is None else x[..., order] for x in part)
+                         for part in parts[:2]]
+        tensors.fused(p, dst + "qkv", parts)
+    if c.qk_norm and c.norm_params:
+        for name, file_name, heads in zip(("q_norm", "k_norm"), qk_norm_names,
+                                          (c.num_heads, c.kv_heads), strict=True):
+            width = heads * h if c.qk_norm_across_heads else h
+            p.set(f"{dst}{name}/scale",
+                  p.read(f"{src}self_attn.{file_name}.weight", (width,)))
+    if c.attention_sinks:
+        p.set(dst + "sinks", p.read(src + "self_attn.sinks", (c.num_heads,)))
+    tensors.output(p, src + "self_attn.o_proj", dst + "out", c)
 
 
 def _feed_forward(p: Params, src: str, dst: str, c: M.TransformerConfig, fused: bool,
