@@ -1,12 +1,13 @@
-"""The `config.json` readers of the families whose mixtures of experts route as DeepSeek-V3's
-do: with standard attention GLM-4.5 (`glm4_moe`: GLM-4.5, GLM-4.5-Air, GLM-4.6) and
-dots.llm1 (`dots1`), with DeepSeek's multi-head latent attention DeepSeek-V3 (`deepseek_v3`:
-DeepSeek-V3 and R1, Moonlight, Kimi K2 as transformers reads them) and GLM-4.7-Flash
-(`glm4_moe_lite`). Their router scores each expert by a sigmoid, chooses a token's experts
-by the scores plus a learned bias of each expert (`e_score_correction_bias`) among the
-experts of its best groups, and weighs them by the scores times `routed_scaling_factor`; a
-shared FFN takes every token beside them; the first layers have one dense FFN instead.
-`READERS` maps each model type to its reader."""
+"""The `config.json` readers of DeepSeek's mixtures of experts and the families built like them:
+with standard attention GLM-4.5 (`glm4_moe`: GLM-4.5, GLM-4.5-Air, GLM-4.6) and dots.llm1
+(`dots1`); with DeepSeek's multi-head latent attention DeepSeek-V3 (`deepseek_v3`: DeepSeek-V3
+and R1, Moonlight, Kimi K2 as transformers reads them), GLM-4.7-Flash (`glm4_moe_lite`) and
+DeepSeek-V2-Lite (`deepseek_v2`). DeepSeek-V3's router, theirs but V2's, scores each expert by a
+sigmoid, chooses a token's experts by the scores plus a learned bias of each expert
+(`e_score_correction_bias`) among the experts of its best groups, and weighs them by the scores
+times `routed_scaling_factor`; DeepSeek-V2's takes a softmax's k best, weighed as they are,
+times the same. A shared FFN takes every token beside the chosen experts; the first layers have
+one dense FFN instead. `READERS` maps each model type to its reader."""
 
 from __future__ import annotations
 
@@ -20,19 +21,35 @@ from .rope import partial_rope, rope_fields, rope_settings
 
 
 def _deepseek_mixtures(c: Reader, layers: int, dense_d_ff: int,
-                       dense: tuple[int, ...] | None = None) -> dict[str, Any]:
+                       dense: tuple[int, ...] | None = None, v2: bool = False
+                       ) -> dict[str, Any]:
     """The mixture fields: `n_routed_experts` experts of `moe_intermediate_size` hidden units,
     `num_experts_per_tok` of them for each token among the `topk_group` best of `n_group`
     groups, renormalised where `norm_topk_prob`, times `routed_scaling_factor`, beside a
     shared FFN of `n_shared_experts` times their units; the first `first_k_dense_replace`
     layers (or the layers `dense` names) one dense FFN of `dense_d_ff` units. The
     multi-token-prediction layers of the releases (`num_nextn_predict_layers`, stored after
-    the last layer) are left unread, as transformers leaves them."""
+    the last layer) are left unread, as transformers leaves them. `v2`: DeepSeek-V2's router,
+    a softmax's k best weighed as they are ("greedy"; its "group_limited_greedy", which ranks
+    groups by their best expert, is refused)."""
     # DeepSeek's own keys, where a file has them.
-    c.expect("scoring_func", "sigmoid", "sigmoid", "kvjax runs DeepSeek-V3's router, whose "
-             "scores are sigmoids")
-    c.expect("topk_method", "noaux_tc", "noaux_tc", "kvjax runs DeepSeek-V3's router, which "
-             "chooses by its scores plus each expert's bias")
+    if v2:
+        c.expect("scoring_func", "softmax", "softmax", "DeepSeek-V2's router is a softmax")
+        c.expect("topk_method", "greedy", "greedy", "kvjax runs DeepSeek-V2-Lite's router, "
+                 "the k best experts of every one")
+        c.expect("norm_topk_prob", False, False, "transformers' DeepSeek-V2 router never "
+                 "renormalises its weights")
+        for key in ("n_group", "topk_group", "aux_loss_alpha", "seq_aux"):
+            c.get(key)  # the groups of group_limited_greedy alone; training's loss
+        router = {"router_groups": 1, "router_groups_kept": 1}
+    else:
+        c.expect("scoring_func", "sigmoid", "sigmoid", "kvjax runs DeepSeek-V3's router, "
+                 "whose scores are sigmoids")
+        c.expect("topk_method", "noaux_tc", "noaux_tc", "kvjax runs DeepSeek-V3's router, "
+                 "which chooses by its scores plus each expert's bias")
+        router = {"router_selection_bias": True, "router_scoring": "sigmoid",
+                  "router_groups": c.get("n_group") or 1,
+                  "router_groups_kept": c.get("topk_group") or 1}
     for key in ("output_router_logits", "router_aux_loss_coef", "num_nextn_predict_layers",
                 "num_mtp_layers"):
         c.get(key)
@@ -48,9 +65,7 @@ def _deepseek_mixtures(c: Reader, layers: int, dense_d_ff: int,
     return {"d_ff": units, "num_experts": c.require("n_routed_experts"),
             "experts_per_token": c.require("num_experts_per_tok"),
             "normalize_expert_weights": bool(c.get("norm_topk_prob", False)),
-            "shared_expert_d_ff": units * (c.get("n_shared_experts") or 0),
-            "router_selection_bias": True, "router_scoring": "sigmoid",
-            "router_groups": c.get("n_group") or 1, "router_groups_kept": c.get("topk_group") or 1,
+            "shared_expert_d_ff": units * (c.get("n_shared_experts") or 0), **router,
             "routed_scaling": float(c.get("routed_scaling_factor", 1.0)),
             "dense_ffn_layers": dense, "dense_d_ff": dense_d_ff if dense else 0}
 
@@ -117,15 +132,18 @@ def _latent_attention(c: Reader) -> dict[str, Any]:
             "latent_value_dim": value, "attention_scale": scale}
 
 
-def _deepseek_v3(c: Reader) -> dict[str, Any]:
+def _deepseek_v3(c: Reader, v2: bool = False) -> dict[str, Any]:
     """DeepSeek-V3: Llama's layer with latent attention and DeepSeek's mixtures after
-    `first_k_dense_replace` dense layers."""
+    `first_k_dense_replace` dense layers; DeepSeek-V2 (`v2`) the same with its router."""
+    if v2:
+        c.expect("mlp_bias", False, False, "biases on the FFNs")
     attention = _latent_attention(c)
     fields = {**llama_like_fields(c, qkv_bias=False, out_bias=False, ffn_bias=False,
                                   rope={k: v for k, v in attention.items()
                                         if k.startswith(("rope", "positional"))}),
               **attention}
-    return {**fields, **_deepseek_mixtures(c, fields["num_decoder_layers"], fields["d_ff"])}
+    return {**fields, **_deepseek_mixtures(c, fields["num_decoder_layers"], fields["d_ff"],
+                                           v2=v2)}
 
 
 def _glm4_moe_lite(c: Reader) -> dict[str, Any]:
@@ -147,4 +165,4 @@ def _glm4_moe_lite(c: Reader) -> dict[str, Any]:
 
 
 READERS = {"glm4_moe": _glm4_moe, "dots1": _dots1, "deepseek_v3": _deepseek_v3,
-           "glm4_moe_lite": _glm4_moe_lite}
+           "deepseek_v2": lambda c: _deepseek_v3(c, v2=True), "glm4_moe_lite": _glm4_moe_lite}

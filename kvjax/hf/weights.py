@@ -62,6 +62,7 @@ LAYOUTS = {"gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode", "gpt_neo": "gpt_neo", "
            "helium": "llama_pairs", "ernie4_5": "llama_pairs", "ernie4_5_moe": "ernie_moe",
            "glm4_moe": "deepseek_moe", "dots1": "deepseek_moe",
            "deepseek_v3": "deepseek_latent", "glm4_moe_lite": "deepseek_latent",
+           "deepseek_v2": "deepseek_latent",
            "cohere": "cohere",
            "cohere2": "cohere", "arcee": "up_down_mlp", "nemotron": "nemotron",
            "apertus": "apertus", "nanochat": "nanochat", "falcon": "falcon", "bloom": "bloom",
@@ -356,6 +357,8 @@ def _dense_or_mixture_ffn(p: Params, layer: str, dst: str, c: M.TransformerConfi
                       plain_mlp=None)
         return
     _experts_apart(p, layer, dst, c, shared="shared_experts.")
+    if not c.router_selection_bias:  # DeepSeek-V2's router has none
+        return
     shape = (1, c.num_experts) if bias_as_row else (c.num_experts,)
     p.set(dst + "selection_bias", p.read(
         f"{layer}mlp.{selection_bias}e_score_correction_bias", shape).reshape(c.num_experts))

@@ -14,13 +14,13 @@ from kvjax import hf
 @pytest.mark.parametrize("name, changes, message", [
     ("gpt2", dict(model_type="bert"),
      "model_type 'bert' is not supported; kvjax loads apertus, arcee, bart, bloom, cohere, "
-     "cohere2, deepseek_v3, dots1, ernie4_5, ernie4_5_moe, exaone, exaone4, falcon, flex_olmo, "
-     "gemma, gemma2, gemma3_text, glm, glm4, glm4_moe, glm4_moe_lite, gpt2, gpt_bigcode, gpt_neo, "
-     "gpt_neox, gpt_oss, gptj, granite, granitemoe, granitemoehybrid, granitemoeshared, helium, "
-     "hunyuan_v1_dense, hyperclovax, internlm3, iquestcoder, jais2, llama, m2m_100, marian, mbart,"
-     " ministral, ministral3, mistral, mixtral, mpt, mt5, nanochat, nemotron, olmo, olmo2, olmo3, "
-     "olmoe, opt, phi, phi3, phimoe, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, "
-     "stablelm, starcoder2, t5, umt5, vaultgemma"),
+     "cohere2, deepseek_v2, deepseek_v3, dots1, ernie4_5, ernie4_5_moe, exaone, exaone4, falcon, "
+     "flex_olmo, gemma, gemma2, gemma3_text, glm, glm4, glm4_moe, glm4_moe_lite, gpt2, "
+     "gpt_bigcode, gpt_neo, gpt_neox, gpt_oss, gptj, granite, granitemoe, granitemoehybrid, "
+     "granitemoeshared, helium, hunyuan_v1_dense, hyperclovax, internlm3, iquestcoder, jais2, "
+     "llama, m2m_100, marian, mbart, ministral, ministral3, mistral, mixtral, mpt, mt5, nanochat, "
+     "nemotron, olmo, olmo2, olmo3, olmoe, opt, phi, phi3, phimoe, qwen2, qwen2_moe, qwen3, "
+     "qwen3_moe, seed_oss, smollm3, stablelm, starcoder2, t5, umt5, vaultgemma"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
                                         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
      'rope settings {"partial_rotary_factor": 0.5} are not supported for rope type \'yarn\''),
@@ -168,6 +168,11 @@ from kvjax import hf
     ("deepseek_v3", dict(rope_interleave=False), "rope_interleave=false is not supported"),
     ("deepseek_v3", dict(qk_head_dim=16), "qk_head_dim=16 is not supported (transformers "
                                           "derives it: qk_nope_head_dim + qk_rope_head_dim)"),
+    ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=2, topk_group=1),
+     'topk_method="group_limited_greedy" is not supported'),
+    ("deepseek_v2", dict(norm_topk_prob=True), "norm_topk_prob=true is not supported "
+                                               "(transformers' DeepSeek-V2 router never "
+                                               "renormalises its weights)"),
     ("glm4_moe_lite", dict(mlp_layer_types=["dense", "dense", "dense"]),
      "must name 'dense' or 'sparse' for each of the 3 layers, one sparse at least"),
     ("dots1", dict(scoring_func="softmax"), 'scoring_func="softmax" is not supported (kvjax '

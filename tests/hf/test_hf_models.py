@@ -34,7 +34,7 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "bloom", "mpt", "t5", "t5_relu", "mt5", "vaultgemma", "m2m_100", "bart", "mbart",
          "umt5", "flex_olmo", "granitemoehybrid", "granitemoeshared", "granitemoehybrid_moe",
          "hyperclovax", "jais2", "iquestcoder", "ernie4_5_moe", "glm4_moe", "dots1",
-         "deepseek_v3", "glm4_moe_lite")
+         "deepseek_v3", "glm4_moe_lite", "deepseek_v2")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -59,7 +59,7 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                "granitemoeshared": "granitemoeshared", "hyperclovax": "hyperclovax",
                "jais2": "jais2", "iquestcoder": "iquestcoder", "ernie4_5_moe": "ernie4_5_moe",
                "glm4_moe": "glm4_moe", "dots1": "dots1", "deepseek_v3": "deepseek_v3",
-               "glm4_moe_lite": "glm4_moe_lite"}
+               "glm4_moe_lite": "glm4_moe_lite", "deepseek_v2": "deepseek_v2"}
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ BEAM_FAMILIES = ("gpt2", "marian", "mistral", "gemma2", "qwen2_moe")
 GENERATE_FAMILIES = BEAM_FAMILIES + ("gemma3_text", "smollm3", "exaone4", "cohere2",
                                      "ministral3", "hunyuan_v1_dense", "phimoe", "nanochat",
                                      "bloom", "t5", "mbart", "umt5", "ernie4_5_moe", "dots1",
-                                     "deepseek_v3", "glm4_moe_lite")
+                                     "deepseek_v3", "glm4_moe_lite", "deepseek_v2")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -198,7 +198,7 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
         "flex_olmo": (4, 2, True), "granitemoeshared": (4, 2, True),
         "granitemoehybrid_moe": (4, 2, True), "ernie4_5_moe": (4, 2, True),
         "glm4_moe": (8, 2, True), "dots1": (8, 3, False), "deepseek_v3": (8, 2, True),
-        "glm4_moe_lite": (8, 3, True)}.get(
+        "glm4_moe_lite": (8, 3, True), "deepseek_v2": (8, 3, False)}.get(
         name, (4, 2, True) if name.startswith("gpt_oss") else (0, 2, True))
     gpt_oss = name.startswith("gpt_oss")
     assert (config.attention_sinks, config.router_bias, config.activation == "clamped_swiglu",
@@ -208,19 +208,26 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
         "qwen2_moe": (40, True), "granitemoeshared": (40, False),
         "granitemoehybrid_moe": (40, False), "ernie4_5_moe": (16, False),
         "glm4_moe": (16, False), "dots1": (32, False), "deepseek_v3": (16, False),
-        "glm4_moe_lite": (16, False)}.get(name, (0, False))
+        "glm4_moe_lite": (16, False), "deepseek_v2": (32, False)}.get(name, (0, False))
     # ERNIE 4.5's, GLM-4.5's and dots.llm1's mixtures: layer 0 dense, the experts chosen with
     # a bias of each; GLM's and dots' by DeepSeek-V3's router.
     assert (config.dense_ffn_layers, config.dense_d_ff, config.router_selection_bias) == {
         "ernie4_5_moe": ((0,), 64, True), "glm4_moe": ((0,), 64, True),
         "dots1": ((0,), 64, True), "deepseek_v3": ((0,), 64, True),
-        "glm4_moe_lite": ((0, 2), 64, True)}.get(name, ((), 0, False))
+        "glm4_moe_lite": ((0, 2), 64, True), "deepseek_v2": ((0,), 64, False)}.get(
+        name, ((), 0, False))
     assert (config.router_scoring, config.router_groups, config.router_groups_kept,
             config.routed_scaling) == {"glm4_moe": ("sigmoid", 4, 2, 2.5),
                                        "dots1": ("sigmoid", 2, 1, 1.5),
                                        "deepseek_v3": ("sigmoid", 4, 2, 2.5),
-                                       "glm4_moe_lite": ("sigmoid", 1, 1, 1.8)}.get(
+                                       "glm4_moe_lite": ("sigmoid", 1, 1, 1.8),
+                                       "deepseek_v2": ("softmax", 1, 1, 1.5)}.get(
         name, ("softmax", 1, 1, 1.0))
+    # DeepSeek's latent attention: kv and q ranks, each head's unturned key and value widths.
+    assert (config.latent_kv_rank, config.latent_q_rank, config.latent_nope_dim,
+            config.latent_value_dim) == {"deepseek_v3": (12, 16, 8, 6),
+                                         "glm4_moe_lite": (12, 0, 12, 20),
+                                         "deepseek_v2": (12, 0, 8, 8)}.get(name, (0, 0, 0, 0))
     assert config.sliding_window == {"mistral": 4, "phi3": 6, "gemma2": 4,
                                      "gemma3_text": 5, "olmo3": 4, "starcoder2": 4,
                                      "qwen2": 4, "ministral": 4, "exaone4": 4, "cohere2": 4,
@@ -257,7 +264,8 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
         (0.5, 4) if name in ("ministral3", "mistral3") else (0.0, 1))
     assert config.rotary_dim == {"gpt_neox": 4, "phi": 2, "stablelm": 4, "glm": 4,
                                  "glm4": 4, "nemotron": 4, "gptj": 4, "glm4_moe": 4,
-                                 "deepseek_v3": 4, "glm4_moe_lite": 4}.get(name,
+                                 "deepseek_v3": 4, "glm4_moe_lite": 4,
+                                 "deepseek_v2": 4}.get(name,
                                                                           config.rotary_dim)
     assert (config.activation == "relu2") == (name in ("nemotron", "arcee", "nanochat", "jais2"))
     assert (config.activation == "xielu") == (name == "apertus")
