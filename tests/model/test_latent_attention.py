@@ -1,7 +1,7 @@
 """model/latent_attention.py: multi-head latent attention's heads, its cache and its checks.
 What it computes is held to transformers' DeepSeek-V3 and GLM-4.7-Flash on tiny imported
-models (tests/hf/test_hf_models.py); here, that a cache gives what a full forward does and
-that a head's padding adds nothing."""
+models (tests/hf/test_hf_models.py); here, that a cache gives what a full forward does (the
+engine's int8 pages too) and that a head's padding adds nothing."""
 
 import re
 
@@ -67,3 +67,30 @@ def test_a_head_is_turned_then_unturned_dimensions_then_zeros():
 def test_latent_options_are_checked(fields, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         M.preset("tiny", **{**LATENT, **fields})
+
+
+def test_an_int8_paged_cache_serves_what_generate_makes_with_it():
+    """The padded heads go through the engine's paged pool and the int8 cache's per-head
+    scales as any others: each request's tokens and logprobs are `generate`'s alone."""
+    from conftest import FakeTokenizer
+
+    from kvjax import decode
+    from kvjax.serve import Engine, GenerationRequest
+
+    config = M.preset("tiny", **LATENT, latent_q_rank=12, scan_layers=True)
+    config, params = M.with_precision(config, M.init_params(config, jax.random.key(4)),
+                                      cache_dtype="int8")
+    engine = Engine(config, params, max_slots=2, chunk_size=4, max_queue=4, prefill_batch=2,
+                    tokenizer=FakeTokenizer(), page_size=4)
+    prompts = [[3 + (7 * i + j) % 60 for j in range(n)] for i, n in enumerate((4, 7, 5))]
+    got = [[] for _ in prompts]
+    for row, tokens in zip(prompts, got, strict=True):
+        engine.submit(GenerationRequest(tuple(row), max_tokens=6),
+                      lambda delta, tokens=tokens: tokens.append(delta))
+    engine.run_until_idle()
+    net = M.build_model(config)
+    for row, deltas in zip(prompts, got, strict=True):
+        alone = decode.generate(net, params, [row], max_new_tokens=6, return_logprobs=True)
+        assert [t for d in deltas for t in d.token_ids] == alone.token_lists()[0]
+        logprobs = [p for d in deltas for p in d.logprobs]
+        np.testing.assert_allclose(logprobs, alone.logprobs[0, :len(logprobs)], atol=1e-5)
