@@ -4,7 +4,7 @@ as kvjax's `LatentQKV` holds them (`model/latent_attention.py`).
 The file's heads are laid out [unturned, turned] in `q_b_proj` (or `q_proj`), the shared
 turned key part last in `kv_a_proj_with_mqa` after the latent, and `kv_b_proj` gives each
 head its unturned key and then its value dimensions. kvjax turns the leading dimensions of a
-head, as the halves (x[i], x[i + r/2]): the turned part is moved first and, where the file's
+head, as the halves (x[i], x[i + r/2]): the turned part is moved first and, as the file's
 RoPE turns pairs (x[2i], x[2i + 1]) (`rope_interleave`, the releases'), put in halves order,
 which leaves every product of a query and a key as it was. The output projection's rows past
 the value dimensions are zeros, as the values' are.
@@ -24,11 +24,11 @@ def pairs_to_halves(turned: int) -> np.ndarray:
     return np.concatenate([np.arange(0, turned, 2), np.arange(1, turned, 2)])
 
 
-def read_latent_attention(p: Params, src: str, dst: str, c: M.TransformerConfig,
-                          interleaved: bool) -> None:
-    """Layer `src`'s latent attention into `dst` (its self_attention/)."""
+def read_latent_attention(p: Params, src: str, dst: str, c: M.TransformerConfig) -> None:
+    """Layer `src`'s latent attention into `dst` (its self_attention/), its RoPE dimensions
+    turned as pairs in the file (the readers refuse files that turn halves)."""
     d, heads, turned, unturned = c.d_model, c.num_heads, c.rotary_dims, c.latent_nope_dim
-    order = pairs_to_halves(turned) if interleaved else np.arange(turned)
+    order = pairs_to_halves(turned)
     src += "self_attn."
 
     def queries(rows_in):  # [heads · (unturned + turned), X] -> kernel [X, heads, turned + ...]

@@ -104,6 +104,12 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
     if model_type == "exaone":
         files = tensors.RenamedFiles(files, EXAONE_NAMES)
     params = Params(config, files, dtype)
+    # DeepSeek's layers and their kin; the multi-token-prediction layers stored after the
+    # last are left unread.
+    deepseek = functools.partial(
+        _llama_like, ffn=functools.partial(_dense_or_mixture_ffn, selection_bias="gate.",
+                                           bias_as_row=False),
+        unread=lambda name: _layer_number(name) >= config.num_decoder_layers)
     mapper = {"llama": _llama_like, "fused": functools.partial(_llama_like, fused=True),
               "plain_mlp": functools.partial(_llama_like, plain_mlp=("c_fc", "c_proj")),
               "up_down_mlp": functools.partial(_llama_like, plain_mlp=("up_proj", "down_proj")),
@@ -126,17 +132,9 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
               # multi-token-prediction layers).
               "ernie_moe": functools.partial(_llama_like, ffn=_dense_or_mixture_ffn,
                                              unread=lambda name: "mtp" in name),
-              # The multi-token-prediction layers, stored after the last (GLM-4.5's).
-              "deepseek_moe": functools.partial(
-                  _llama_like, ffn=functools.partial(_dense_or_mixture_ffn,
-                                                     selection_bias="gate.", bias_as_row=False),
-                  unread=lambda name: _layer_number(name) >= config.num_decoder_layers),
+              "deepseek_moe": deepseek,
               "deepseek_latent": functools.partial(
-                  _llama_like, ffn=functools.partial(_dense_or_mixture_ffn,
-                                                     selection_bias="gate.", bias_as_row=False),
-                  attention=functools.partial(latent_weights.read_latent_attention,
-                                              interleaved=True),
-                  unread=lambda name: _layer_number(name) >= config.num_decoder_layers),
+                  deepseek, attention=latent_weights.read_latent_attention),
               "hyperclovax": functools.partial(
                   _llama_like, norms=_PERI_NORMS if config.sandwich_norms else None),
               "cohere": functools.partial(_llama_like, norm_bias=False),
