@@ -132,16 +132,20 @@ def _latent_attention(c: Reader) -> dict[str, Any]:
             "latent_value_dim": value, "attention_scale": scale}
 
 
+def _latent_layer(c: Reader) -> dict[str, Any]:
+    """Llama's layer fields with latent attention in place of its own, no biases."""
+    attention = _latent_attention(c)
+    rope = {k: v for k, v in attention.items() if k.startswith(("rope", "positional"))}
+    return {**llama_like_fields(c, qkv_bias=False, out_bias=False, ffn_bias=False, rope=rope),
+            **attention}
+
+
 def _deepseek_v3(c: Reader, v2: bool = False) -> dict[str, Any]:
     """DeepSeek-V3: Llama's layer with latent attention and DeepSeek's mixtures after
     `first_k_dense_replace` dense layers; DeepSeek-V2 (`v2`) the same with its router."""
     if v2:
         c.expect("mlp_bias", False, False, "biases on the FFNs")
-    attention = _latent_attention(c)
-    fields = {**llama_like_fields(c, qkv_bias=False, out_bias=False, ffn_bias=False,
-                                  rope={k: v for k, v in attention.items()
-                                        if k.startswith(("rope", "positional"))}),
-              **attention}
+    fields = _latent_layer(c)
     return {**fields, **_deepseek_mixtures(c, fields["num_decoder_layers"], fields["d_ff"],
                                            v2=v2)}
 
@@ -149,11 +153,7 @@ def _deepseek_v3(c: Reader, v2: bool = False) -> dict[str, Any]:
 def _glm4_moe_lite(c: Reader) -> dict[str, Any]:
     """GLM-4.7-Flash: DeepSeek-V3's layers, the layers `mlp_layer_types` names "dense" (the
     first where absent) with one dense FFN."""
-    attention = _latent_attention(c)
-    fields = {**llama_like_fields(c, qkv_bias=False, out_bias=False, ffn_bias=False,
-                                  rope={k: v for k, v in attention.items()
-                                        if k.startswith(("rope", "positional"))}),
-              **attention}
+    fields = _latent_layer(c)
     layers = fields["num_decoder_layers"]
     kinds = c.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1)
     if len(kinds) != layers or set(kinds) - {"dense", "sparse"} or "sparse" not in kinds:
