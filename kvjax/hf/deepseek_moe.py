@@ -11,13 +11,12 @@ one dense FFN instead. `READERS` maps each model type to its reader."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from .errors import UnsupportedModelError
 from .llama_like import llama_like_fields, sliding_layers
 from .reader import Reader
-from .rope import partial_rope, rope_fields, rope_settings
+from .rope import partial_rope, rope_fields, rope_settings, yarn_mscale
 
 
 def _deepseek_mixtures(c: Reader, layers: int, dense_d_ff: int,
@@ -124,8 +123,8 @@ def _latent_attention(c: Reader) -> dict[str, Any]:
     rope = rope_fields(params, 10000.0, c.source, c.get("max_position_embeddings"))
     scale = (turned + unturned) ** -0.5
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind != "default" and params.get("mscale_all_dim") and params["factor"] > 1:
-        scale *= (0.1 * params["mscale_all_dim"] * math.log(params["factor"]) + 1.0) ** 2
+    if kind != "default" and params.get("mscale_all_dim"):
+        scale *= yarn_mscale(params["factor"], params["mscale_all_dim"]) ** 2
     return {**rope, "rotary_dim": turned, "head_dim": max(turned + unturned, value),
             "num_kv_heads": heads, "latent_kv_rank": c.require("kv_lora_rank"),
             "latent_q_rank": c.get("q_lora_rank") or 0, "latent_nope_dim": unturned,

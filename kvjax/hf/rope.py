@@ -73,18 +73,21 @@ def _original_and_factor(params: dict[str, Any], max_len: int | None, source: st
     return int(original), float(factor)
 
 
+def yarn_mscale(factor: float, m: float = 1.0) -> float:
+    """YaRN's attention factor for a RoPE stretched by `factor`: 0.1 · m · ln(factor) + 1,
+    and 1 where it is not stretched (DeepSeek's `mscale` and `mscale_all_dim` are such m)."""
+    return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
 def _yarn_fields(params: dict[str, Any], max_len: int | None, source: str) -> dict[str, Any]:
     """YaRN's settings: the original length defaults to max_position_embeddings and the
-    factor to their ratio; the attention factor, when not given, is 0.1 · m · ln(factor) + 1
-    with DeepSeek's `mscale` over the same with its `mscale_all_dim` (m = 1 without them)."""
+    factor to their ratio; the attention factor, when not given, is `yarn_mscale` with
+    DeepSeek's `mscale` over the same with its `mscale_all_dim` (m = 1 without them)."""
     original, factor = _original_and_factor(params, max_len, source, "yarn")
     attention_factor = params.get("attention_factor")
     mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
     if attention_factor is None and mscale and mscale_all_dim:
-        def stretch(m):
-            return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
-
-        attention_factor = stretch(mscale) / stretch(mscale_all_dim)
+        attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
     return dict(rope_scaling="yarn", rope_scaling_factor=factor,
                 rope_original_max_len=original,
                 rope_beta_fast=float(params.get("beta_fast") or 32),
