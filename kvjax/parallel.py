@@ -213,21 +213,25 @@ def constrain_rows(tree: Any, mesh: Mesh | None) -> Any:
     with an axis has the batch first, except the K/V stacks [L, B, K, S, H] of a `KVCache`
     and an int8 cache's scales [L, B, K, S]. A paged cache's pools [L, pages, K, U, H] are
     every row's, so only their kv heads are split (over `model`), and its page tables go
-    with their rows.
+    with their rows. A latent attention cache's one row per token (K = 1, every head reads
+    it) is held whole by each device of `model`.
     """
     if mesh is None:
         return tree
 
+    def stack_spec(a, rows):  # [L, B, K, S, H] (rows DATA) or a pool (rows None), scales
+        heads = MODEL if a.shape[2] % mesh.shape[MODEL] == 0 else None
+        return PartitionSpec(None, rows, heads)
+
     def place(leaf):
         if isinstance(leaf, M.KVCache):
-            stacks = PartitionSpec(None, DATA, MODEL)  # [L, B, K, S, H], scales [L, B, K, S]
-            pools = PartitionSpec(None, None, MODEL)  # [L, pages, K, U, H], [L, pages, K, U]
-            own = pools if leaf.paged else stacks
-            kv = {name: jax.tree.map(lambda a, spec=spec: _constrain(a, mesh, spec),
+            own_rows = None if leaf.paged else DATA
+            kv = {name: jax.tree.map(lambda a, rows=rows: _constrain(a, mesh,
+                                                                      stack_spec(a, rows)),
                                      getattr(leaf, name))
-                  for names, spec in ((("k", "v", "k_scale", "v_scale"), own),
+                  for names, rows in ((("k", "v", "k_scale", "v_scale"), own_rows),
                                       (("cross_k", "cross_v", "cross_k_scale",
-                                        "cross_v_scale"), stacks))
+                                        "cross_v_scale"), DATA))
                   for name in names}
             counters = {name: jax.tree.map(lambda a: _constrain(a, mesh, PartitionSpec(DATA)),
                                            getattr(leaf, name))

@@ -26,7 +26,8 @@ class SelfAttention(nn.Module):
     `cache_kv` is `(k, v)`, the stacks [L, B, K, S, H] that hold this layer at index `layer`
     (see `model/cache.py`), or `(k, v, k_scale, v_scale)` for an int8 cache, or None. With a
     cache, the new K/V are written at each row's `starts` slot and the queries attend over
-    the filled blocks of this layer's cached slots (`attend_blocks`); without one, or when
+    the filled blocks of this layer's cached slots (`attend_blocks`; a latent attention layer
+    writes and reads its latent rows, `model/latent_attention.py`); without one, or when
     `fresh` says the cache held nothing before this call (the prefill), they attend over the
     T new tokens only: with an int8 cache, over them as the cache holds them. `local` says
     the layer attends over a sliding window (`TransformerConfig.is_local_layer`; traced for
@@ -49,8 +50,10 @@ class SelfAttention(nn.Module):
                  fits_B=None, fresh: bool = False, local=False, key_lengths_B=None,
                  causal: bool = True, pages=None, turned=True, bias_table=None):
         config = self.config
-        if config.latent_kv_rank:
-            q, k, v = LatentQKV(config, name="latent")(x_BTD)
+        latent = None
+        if config.latent_kv_rank:  # k: each token's latent row; the cache holds no values
+            latent = LatentQKV(config, name="latent")
+            (q, k), v = latent(x_BTD), None
         else:
             # One projection to all heads, split after: one matmul streams the weights where
             # three smaller ones would each pay a kernel launch (a decode step is many).
@@ -91,9 +94,12 @@ class SelfAttention(nn.Module):
         if cache_kv is not None:
             new = (k, v)
             if quantized:
-                (k_int8, k_scale), (v_int8, v_scale) = quantize(k), quantize(v)
+                (k_int8, k_scale), (v_int8, v_scale) = (
+                    quantize(k), (None, None) if v is None else quantize(v))
                 new = (k_int8, v_int8, k_scale, v_scale)
             def write(stack, fresh_kv):
+                if fresh_kv is None:  # a latent layer's values: held in its latent rows
+                    return stack
                 if pages is None:
                     return write_rows(stack, layer, fresh_kv, starts_B, fits_B)
                 return paged.write_pages(stack, layer, fresh_kv, starts_B, fits_B, pages)
@@ -101,23 +107,31 @@ class SelfAttention(nn.Module):
             cache_kv = tuple(map(write, cache_kv, new))
         if cache_kv is None or fresh:
             if quantized:
-                k, v = round_trip(k), round_trip(v)
+                k, v = round_trip(k), None if v is None else round_trip(v)
+            if latent is not None:
+                k, v = latent.expand(k)
             window, described = _described_window(config, local, causal)
             out = attend(q, k, v, mask_BTS[..., :k.shape[1]], _scale(config),
                          config.attention_softcap,
                          key_lengths_B=key_lengths_B if described else None, causal=causal,
                          window=window, sinks_N=sinks, bias=bias)
-        elif pages is not None:
-            out = paged.attend_pages(q, *cache_kv[:2], layer, pages, mask_BTS,
-                                     config.attention_block, scales=cache_kv[2:] or None,
-                                     scale=_scale(config),
-                                     softcap=config.attention_softcap, sinks_N=sinks,
-                                     bias=bias)
         else:
-            out, _ = attend_blocks(q, *cache_kv[:2], layer, mask_BTS, config.attention_block,
-                                   scales=cache_kv[2:] or None, scale=_scale(config),
-                                   softcap=config.attention_softcap, sinks_N=sinks,
-                                   bias=bias)
+            stacks, scales = cache_kv[:2], cache_kv[2:] or None
+            if latent is not None:  # every head reads the latent rows as its keys and values
+                q, stacks = latent.absorb(q), (cache_kv[0],) * 2
+                scales = None if scales is None else (scales[0],) * 2
+            if pages is not None:
+                out = paged.attend_pages(q, *stacks, layer, pages, mask_BTS,
+                                         config.attention_block, scales=scales,
+                                         scale=_scale(config), softcap=config.attention_softcap,
+                                         sinks_N=sinks, bias=bias)
+            else:
+                out, _ = attend_blocks(q, *stacks, layer, mask_BTS, config.attention_block,
+                                       scales=scales, scale=_scale(config),
+                                       softcap=config.attention_softcap, sinks_N=sinks,
+                                       bias=bias)
+            if latent is not None:
+                out = latent.values(out)
         return lora_rows.add_update(self, "o", out, OutputProjection(config, name="out")(out)), \
             cache_kv
 

@@ -26,6 +26,10 @@ A paged cache (`model/paged.py`) holds each stack as a pool of pages [L_i, pages
 shared by the rows, with a page table per row (`pages`) that says which page holds which of
 its slots.
 
+A model with multi-head latent attention (`model/latent_attention.py`) caches, in place of
+each head's K and V, one latent row per token that every head reads as both: its `k` stacks
+have one head of `config.cached_head_dim`, its `v` stacks none (`config.cached_heads`).
+
 An int8 cache (`cache_dtype="int8"`, `model/quantize.py`) holds K and V as int8 and, next to
 each stack, a stack of float32 scales [L_i, B, K, S], one per token and kv head. The scales
 are written with the values, by the same scatter, and taken, sharded and counted with them.
@@ -236,26 +240,27 @@ def init_cache(
                          f"{batch_size=}")
     if capacity > config.max_len:
         raise ValueError(f"cache capacity {capacity} exceeds the model's max_len {config.max_len}")
-    layer_shape = (batch_size, config.kv_heads, capacity, config.head_dim)
-    return KVCache(**empty_stacks(config, layer_shape, dtype),
+    return KVCache(**empty_stacks(config, batch_size, capacity, dtype),
                    lengths=jnp.zeros((batch_size,), jnp.int32),
                    overflow=jnp.zeros((batch_size,), bool))
 
 
-def empty_stacks(config: TransformerConfig, layer_shape: tuple[int, ...], dtype=None) -> dict:
-    """Zeroed `k` and `v`, a tuple of stacks [L_i, *layer_shape] per `config.layer_stacks`,
-    of `dtype` (default `config.kv_cache_dtype`), and for int8 their float32 scales
-    `k_scale` and `v_scale` [L_i, *layer_shape[:-1]]."""
+def empty_stacks(config: TransformerConfig, rows: int, slots: int, dtype=None) -> dict:
+    """Zeroed `k` and `v`, each a tuple of stacks [L_i, rows, K, slots, H] per
+    `config.layer_stacks` (K from `config.cached_heads`, H `config.cached_head_dim`), of
+    `dtype` (default `config.kv_cache_dtype`), and for int8 their float32 scales `k_scale` and
+    `v_scale` [L_i, rows, K, slots]. `rows` is a contiguous cache's batch or a pool's pages."""
     dtype = config.kv_cache_dtype if dtype is None else jnp.dtype(dtype)
 
     def stacks(shape, stack_dtype):
         return tuple(jnp.zeros((n, *shape), stack_dtype)
                      for n in config.layer_stacks(config.num_decoder_layers))
 
-    fields = {"k": stacks(layer_shape, dtype), "v": stacks(layer_shape, dtype)}
-    if dtype == jnp.int8:
-        fields |= {name: stacks(layer_shape[:-1], CACHE_SCALE_DTYPE)
-                   for name in ("k_scale", "v_scale")}
+    fields = {}
+    for name, heads in zip(("k", "v"), config.cached_heads, strict=True):
+        fields[name] = stacks((rows, heads, slots, config.cached_head_dim), dtype)
+        if dtype == jnp.int8:
+            fields[f"{name}_scale"] = stacks((rows, heads, slots), CACHE_SCALE_DTYPE)
     return fields
 
 
@@ -269,14 +274,13 @@ def check_cache(config: TransformerConfig, cache: KVCache, batch: int, num_token
         if cache.pages.ndim != 2 or cache.pages.shape[0] != batch:
             raise ValueError(f"a paged cache's page tables have shape {cache.pages.shape}, but "
                              f"a batch of {batch} needs [{batch}, pages per row]")
-        pool = jnp.shape(jax.tree.leaves(cache.k)[0])
-        layer_shape = (pool[1], config.kv_heads, cache.page_size, config.head_dim)
+        rows, slots = jnp.shape(jax.tree.leaves(cache.k)[0])[1], cache.page_size
         layout = "[L_i, pages, K, U, H] pools"
     else:
-        layer_shape = (batch, config.kv_heads, cache.capacity, config.head_dim)
+        rows, slots = batch, cache.capacity
         layout = "[L_i, B, K, S, H] stacks"
-    expected = [(n, *layer_shape) for n in stacks]
-    for name in ("k", "v"):
+    for name, heads in zip(("k", "v"), config.cached_heads, strict=True):
+        expected = [(n, rows, heads, slots, config.cached_head_dim) for n in stacks]
         buffers = getattr(cache, name)
         found = ([jnp.shape(b) for b in buffers] if isinstance(buffers, tuple | list)
                  else [jnp.shape(buffers)])

@@ -3,6 +3,10 @@ sequence, and that formula written out with a config's numbers.
 
 Only K and V are cached: a past token's query is never needed again, since each new token's
 query attends to the keys and values of the tokens before it.
+
+A model with multi-head latent attention (DeepSeek-V2/V3) caches less: each token's latent
+and the key part its heads share, `length × layers × (latent_kv_rank + rotary_dim) × bytes`,
+from which every head's key and value follow (`model/latent_attention.py`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ class CacheSize:
     `2 × length × layers × kv_heads × (head_dim × bytes + scale bytes) × batch`, where an
     int8 cache adds a float32 scale per (token, kv head) and a float one adds nothing;
     `cross_attention` is the encoder-decoder's cache of projected encoder K/V (0 for a
-    decoder-only model)."""
+    decoder-only model). With latent attention `self_attention` is
+    `length × layers × (latent_kv_rank + rotary_dim) × bytes (+ scale bytes) × batch`."""
 
     self_attention: int
     cross_attention: int
@@ -56,13 +61,13 @@ def cache_size_bytes(
     cached: the query of a past token is never needed again.
     """
     dtype = _cache_dtype(config, dtype)
-    per_head = config.head_dim * dtype.itemsize + scale_bytes(dtype)
-    per_position = 2 * config.kv_heads * per_head * batch
-    self_bytes = per_position * length * config.num_decoder_layers
+    per_head = config.cached_head_dim * dtype.itemsize + scale_bytes(dtype)
+    self_bytes = sum(config.cached_heads) * per_head * batch * length * config.num_decoder_layers
     cross_bytes = 0
     if config.is_encoder_decoder:
         src = length if source_length is None else source_length
-        cross_bytes = per_position * src * config.num_decoder_layers
+        cross_head = config.head_dim * dtype.itemsize + scale_bytes(dtype)
+        cross_bytes = 2 * config.kv_heads * cross_head * batch * src * config.num_decoder_layers
     return CacheSize(self_bytes, cross_bytes)
 
 
@@ -83,16 +88,29 @@ def describe_cache_size(config: TransformerConfig, batch: int, length: int, dtyp
     per_sequence = cache_size_bytes(config, 1, length, dtype, source_length)
     total = cache_size_bytes(config, batch, length, dtype, source_length)
     scale = scale_bytes(dtype)
-    per_head = (f"({config.head_dim} x {dtype.itemsize} + {scale})" if scale
-                else f"{config.head_dim} x {dtype.itemsize}")
-    lines = [
-        f"KV cache: {config.num_decoder_layers} layers x {config.kv_heads} kv heads x "
-        f"{config.head_dim} head dim, {length} tokens, {dtype.name} ({dtype.itemsize} bytes"
-        + (f", and a {CACHE_SCALE_DTYPE.name} scale per token and kv head)" if scale else ")"),
-        f"  2 (K and V) x {length} x {config.num_decoder_layers} x {config.kv_heads} x "
-        f"{per_head} = {per_sequence.self_attention:,} bytes "
-        f"= {format_bytes(per_sequence.self_attention)} per sequence",
-    ]
+    width = config.cached_head_dim
+    per_head = (f"({width} x {dtype.itemsize} + {scale})" if scale
+                else f"{width} x {dtype.itemsize}")
+    bytes_named = (f"{dtype.name} ({dtype.itemsize} bytes"
+                   + (f", and a {CACHE_SCALE_DTYPE.name} scale per token and kv head)"
+                      if scale else ")"))
+    if config.latent_kv_rank:
+        lines = [
+            f"KV cache: {config.num_decoder_layers} layers x a latent of "
+            f"{config.latent_kv_rank} + {config.rotary_dims} shared key dims, {length} "
+            f"tokens, {bytes_named}",
+            f"  {length} x {config.num_decoder_layers} x {per_head} = "
+            f"{per_sequence.self_attention:,} bytes = "
+            f"{format_bytes(per_sequence.self_attention)} per sequence",
+        ]
+    else:
+        lines = [
+            f"KV cache: {config.num_decoder_layers} layers x {config.kv_heads} kv heads x "
+            f"{width} head dim, {length} tokens, {bytes_named}",
+            f"  2 (K and V) x {length} x {config.num_decoder_layers} x {config.kv_heads} x "
+            f"{per_head} = {per_sequence.self_attention:,} bytes "
+            f"= {format_bytes(per_sequence.self_attention)} per sequence",
+        ]
     if config.is_encoder_decoder:
         src = length if source_length is None else source_length
         lines.append(f"  cross-attention K/V of {src} source tokens: "

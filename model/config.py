@@ -154,7 +154,7 @@ class TransformerConfig:
     # `latent_value_dim` value dimensions) and a key part of `rotary_dim` dimensions every
     # head shares; its queries from `latent_q_rank` dimensions (0: from the token directly).
     # A head is [turned, unturned, zeros]: head_dim holds rotary_dim + latent_nope_dim and
-    # latent_value_dim, and is what the cache holds for each head's K and V.
+    # latent_value_dim. The cache holds each token's latent and shared key part, not heads.
     latent_kv_rank: int = 0
     latent_q_rank: int = 0
     latent_nope_dim: int = 0
@@ -244,6 +244,20 @@ class TransformerConfig:
     @property
     def kv_heads(self) -> int:
         return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def cached_heads(self) -> tuple[int, int]:
+        """(K of the cache's key stacks, K of its value stacks): `kv_heads` each, or with
+        latent attention one key head, each token's latent and its shared turned key part
+        (`cached_head_dim` wide), and no value heads: a latent layer reads its values from
+        that same latent (`model/latent_attention.py`)."""
+        return (1, 0) if self.latent_kv_rank else (self.kv_heads, self.kv_heads)
+
+    @property
+    def cached_head_dim(self) -> int:
+        """H of the cache's stacks: `head_dim`, or with latent attention `rotary_dim +
+        latent_kv_rank`."""
+        return self.rotary_dims + self.latent_kv_rank if self.latent_kv_rank else self.head_dim
 
     @property
     def is_encoder_decoder(self) -> bool:

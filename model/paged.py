@@ -53,8 +53,7 @@ def init_paged_cache(config: TransformerConfig, batch_size: int, num_pages: int,
         raise ValueError(f"pages_per_row={pages_per_row} x page_size={page_size} = "
                          f"{pages_per_row * page_size} slots per row exceeds the model's "
                          f"max_len {config.max_len}")
-    pool_shape = (num_pages, config.kv_heads, page_size, config.head_dim)
-    return KVCache(**empty_stacks(config, pool_shape, dtype),
+    return KVCache(**empty_stacks(config, num_pages, page_size, dtype),
                    lengths=jnp.zeros((batch_size,), jnp.int32),
                    overflow=jnp.zeros((batch_size,), bool),
                    pages=jnp.full((batch_size, pages_per_row), NO_PAGE, jnp.int32))

@@ -1,7 +1,8 @@
 """model/latent_attention.py: multi-head latent attention's heads, its cache and its checks.
 What it computes is held to transformers' DeepSeek-V3 and GLM-4.7-Flash on tiny imported
-models (tests/hf/test_hf_models.py); here, that a cache gives what a full forward does (the
-engine's int8 pages too) and that a head's padding adds nothing."""
+models (tests/hf/test_hf_models.py); here, that decoding from the latent cache (absorbed)
+gives what a full forward (expanded) does, the engine's int8 pages too, that the two ways are
+the same products, that a head's padding adds nothing and what the cache holds."""
 
 import re
 
@@ -12,6 +13,7 @@ import pytest
 from conftest import run_cached, run_full, start_cache
 
 from kvjax import model as M
+from kvjax.model.cache_size import describe_cache_size
 from kvjax.model.latent_attention import LatentQKV
 
 LATENT = dict(positional_encoding="rope", num_heads=4, head_dim=12, rotary_dim=4,
@@ -31,27 +33,78 @@ def test_cached_steps_equal_the_full_forward(q_rank):
         logits, cache = run_cached(config, params, tokens[:, t:t + 1], cache)
         steps.append(logits)
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=1e-5, atol=1e-5)
-    # Each head's K and V, padded to H: the stacks [L, B, K, S, H].
-    assert {x.shape[-1] for x in jax.tree.leaves(cache) if x.ndim == 5} == {config.head_dim}
+    # One latent row per token (4 shared turned + 10 latent dims) and no values: [L, B, K, S, H].
+    layers = config.num_decoder_layers
+    assert [x.shape for x in cache.k] == [(1, 2, 1, 16, 14)] * layers
+    assert [x.shape for x in cache.v] == [(1, 2, 0, 16, 14)] * layers
+    assert cache.nbytes == M.cache_size_bytes(config, 2, 16).total == 16 * layers * 14 * 4 * 2
     # The layers' params stacked and scanned, as any layer's.
     scanned, stacked = M.with_layer_layout(config, params, scan_layers=True)
     np.testing.assert_allclose(run_full(scanned, stacked, tokens), full, rtol=1e-5, atol=1e-5)
+
+
+def _latent_layer(config, batch=2, tokens=3):
+    x = jax.random.normal(jax.random.key(2), (batch, tokens, config.d_model))
+    module = LatentQKV(config)
+    every_param = module.init(jax.random.key(3), x, method=lambda m, x: m.expand(m(x)[1]))
+    return module, every_param, x
 
 
 def test_a_head_is_turned_then_unturned_dimensions_then_zeros():
     """The shared turned key part is the same in every head, and the dimensions past the
     queries' and keys' (and past the values') are zeros: they add nothing to a product."""
     config = M.preset("tiny", **LATENT, latent_q_rank=12)
-    x = jax.random.normal(jax.random.key(2), (2, 3, config.d_model))
-    module = LatentQKV(config)
-    params = module.init(jax.random.key(3), x)
-    q, k, v = module.apply(params, x)
-    assert q.shape == k.shape == v.shape == (2, 3, 4, 12)
+    module, params, x = _latent_layer(config)
+    q, rows = module.apply(params, x)
+    assert q.shape == (2, 3, 4, 12) and rows.shape == (2, 3, 1, 14)
+    k, v = module.apply(params, rows, method="expand")
+    assert k.shape == v.shape == (2, 3, 4, 12)
     np.testing.assert_array_equal(q[..., 10:], 0)
     np.testing.assert_array_equal(k[..., 10:], 0)
     np.testing.assert_array_equal(v[..., 8:], 0)
-    np.testing.assert_array_equal(k[..., :4], jnp.broadcast_to(k[:, :, :1, :4], k[..., :4].shape))
+    np.testing.assert_array_equal(k[..., :4], jnp.broadcast_to(rows[..., :4], k[..., :4].shape))
     assert not np.allclose(k[..., 4:10], k[:, :, :1, 4:10])  # the unturned part is each head's
+
+
+def test_absorbed_queries_and_values_are_the_expanded_heads_products():
+    """For every head, query · expanded key = absorbed query · latent row, and the expanded
+    values mixed by any weights = the latent rows mixed by them, then taken to the value
+    (float64 NumPy on the layer's own kernels)."""
+    config = M.preset("tiny", **LATENT, latent_q_rank=12)
+    module, params, x = _latent_layer(config, batch=1, tokens=5)
+    q, rows = module.apply(params, x)
+    k, v = module.apply(params, rows, method="expand")
+    absorbed = module.apply(params, q, method="absorb")
+    assert absorbed.shape == (1, 5, 4, 14)
+    as64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    expanded_logits = np.einsum("BTNH,BSNH->BNTS", as64(q), as64(k))
+    latent_logits = np.einsum("BTNH,BSH->BNTS", as64(absorbed), as64(rows[:, :, 0]))
+    np.testing.assert_allclose(latent_logits, expanded_logits, rtol=1e-5, atol=1e-6)
+    weights = jax.nn.softmax(jax.random.normal(jax.random.key(5), (1, 4, 5, 5)), axis=-1)
+    mixed_rows = np.einsum("BNTS,BSH->BTNH", as64(weights), as64(rows[:, :, 0]))
+    got = module.apply(params, jnp.asarray(mixed_rows, jnp.float32), method="values")
+    np.testing.assert_allclose(got, np.einsum("BNTS,BSNH->BTNH", as64(weights), as64(v)),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_the_cache_holds_one_latent_row_per_token():
+    """DeepSeek-V3's shape (61 layers, 128 heads, kv rank 512, 64 turned dims, 192-wide keys):
+    70,272 bytes a token in bfloat16 where the heads' keys and values would take 85x that;
+    an int8 cache adds one scale per token and layer. What is allocated is what is counted."""
+    v3 = M.TransformerConfig(d_model=7168, num_heads=128, num_decoder_layers=61, d_ff=18432,
+                             head_dim=192, positional_encoding="rope", rotary_dim=64,
+                             latent_kv_rank=512, latent_q_rank=1536, latent_nope_dim=128,
+                             latent_value_dim=128, max_len=4096)
+    per_token = M.cache_size_bytes(v3, 1, 1, "bfloat16").self_attention
+    assert per_token == 61 * (512 + 64) * 2 == 70_272
+    assert 2 * 61 * 128 * 192 * 2 // per_token == 85
+    assert M.cache_size_bytes(v3, 1, 1, "int8").self_attention == 61 * (576 + 4)
+    assert "61 layers x a latent of 512 + 64 shared key dims" in describe_cache_size(v3, 1, 1)
+    config = M.preset("tiny", **LATENT)
+    for cache in (M.init_cache(config, 3, 20, "int8"),
+                  M.init_paged_cache(config, 3, num_pages=5, page_size=4, pages_per_row=5)):
+        rows = 3 * 20 if not cache.paged else 5 * 4
+        assert cache.nbytes == M.cache_size_bytes(config, 1, rows, cache.dtype).total
 
 
 @pytest.mark.parametrize("fields, message", [

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvjax import decode, hf, parallel
@@ -96,10 +97,15 @@ def test_a_pretrained_model_loads_onto_a_mesh_and_makes_its_tokens():
     assert out.token_lists() == record["greedy"]  # what transformers generated
 
 
-def test_a_paged_cache_steps_on_a_mesh_as_on_one_device():
-    """Pools split by kv head over `model`, page tables by row over `data`: the logits are
-    those of one device."""
-    config = M.preset("tiny", num_kv_heads=2)
+@pytest.mark.parametrize("fields, heads", [
+    (dict(num_kv_heads=2), "model"),
+    (dict(positional_encoding="rope", head_dim=12, rotary_dim=4, latent_kv_rank=10,
+          latent_nope_dim=6, latent_value_dim=8), None),  # one latent row per token: whole
+])
+def test_a_paged_cache_steps_on_a_mesh_as_on_one_device(fields, heads):
+    """Pools split by kv head over `model` (a latent cache's rows held whole), page tables by
+    row over `data`: the logits are those of one device."""
+    config = M.preset("tiny", **fields)
     params = M.init_params(config, jax.random.key(0))
     mesh = parallel.make_mesh("data=4,model=2")
     tokens = jax.random.randint(jax.random.key(1), (4, 6), 0, config.vocab_size)
@@ -115,6 +121,6 @@ def test_a_paged_cache_steps_on_a_mesh_as_on_one_device():
 
     alone, _ = prefill_then_step(params, cache, None)
     split, cache = prefill_then_step(parallel.shard_params(params, mesh), cache, mesh)
-    assert cache.k[0].sharding.spec == P(None, None, "model")
+    assert cache.k[0].sharding.is_equivalent_to(NamedSharding(mesh, P(None, None, heads)), 5)
     assert cache.pages.sharding.spec == P("data")
     np.testing.assert_allclose(split, alone, atol=1e-5, rtol=0)
