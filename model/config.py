@@ -210,12 +210,15 @@ class TransformerConfig:
     # DeepSeek-V3's router (GLM-4.5, dots.llm1): under `router_scoring` "sigmoid" each
     # expert's score is the sigmoid of its logit rather than its share of a softmax; with
     # `router_groups` > 1 the experts are split into that many equal groups, each group
-    # scored by its two best scores (plus the selection bias), and a token chooses only among
-    # the experts of its `router_groups_kept` best groups. The chosen experts' weights (after
-    # `normalize_expert_weights`) are multiplied by `routed_scaling`.
+    # scored by its two best scores (plus the selection bias; `router_group_score`
+    # "two_best") or by its best one ("best", DeepSeek-V2's group-limited greedy), and a
+    # token chooses only among the experts of its `router_groups_kept` best groups. The
+    # chosen experts' weights (after `normalize_expert_weights`) are multiplied by
+    # `routed_scaling`.
     router_scoring: str = "softmax"
     router_groups: int = 1
     router_groups_kept: int = 1
+    router_group_score: str = "two_best"
     routed_scaling: float = 1.0
     # Phi-3.5-MoE's router (SparseMixer, as it decides at inference; two experts a token): the
     # top expert, weighted by its probability under a softmax over the experts whose logits
@@ -358,7 +361,8 @@ _OPTION_DEFAULTS = {name: getattr(TransformerConfig, name) for name in (
     "num_experts", "experts_per_token", "normalize_expert_weights", "shared_expert_d_ff",
     "shared_expert_gate", "router_bias", "dense_ffn_layers", "dense_d_ff",
     "router_selection_bias", "router_scoring", "router_groups", "router_groups_kept",
-    "routed_scaling", "latent_kv_rank", "latent_q_rank", "latent_nope_dim", "latent_value_dim",
+    "router_group_score", "routed_scaling", "latent_kv_rank", "latent_q_rank",
+    "latent_nope_dim", "latent_value_dim",
     "sparsemixer_eps", "swiglu_alpha", "swiglu_limit",
     "remat")}
 

@@ -48,6 +48,8 @@ ROPE_SCALINGS = ("none", "linear", "llama3", "yarn", "longrope")
 # How a mixture's router scores each expert from its logit: its share of a softmax over every
 # expert, or its own sigmoid (DeepSeek-V3's router).
 ROUTER_SCORINGS = ("softmax", "sigmoid")
+# How a router ranks a group of experts: by the sum of its two best scores, or by its best.
+ROUTER_GROUP_SCORES = ("two_best", "best")
 
 _INT_FIELDS = ("vocab_size", "d_model", "num_heads", "d_ff", "num_decoder_layers",
                "num_encoder_layers", "max_len", "bos_id", "attention_block",
@@ -74,7 +76,8 @@ _OPTIONAL_REALS = ("local_rope_base", "attention_scale", "attention_softcap", "l
 _CHOICES = {"positional_encoding": POSITIONAL_ENCODINGS, "norm": NORM_PLACEMENTS,
             "activation": ACTIVATIONS, "dtype": DTYPES, "param_dtype": DTYPES,
             "norm_type": NORM_TYPES, "sinusoid_layout": SINUSOID_LAYOUTS,
-            "rope_scaling": ROPE_SCALINGS, "router_scoring": ROUTER_SCORINGS}
+            "rope_scaling": ROPE_SCALINGS, "router_scoring": ROUTER_SCORINGS,
+            "router_group_score": ROUTER_GROUP_SCORES}
 
 
 def problems(config: Config) -> list[str]:
@@ -280,14 +283,17 @@ def _latent_problems(config: Config) -> list[str]:
 
 
 def _router_problems(config: Config) -> list[str]:
-    """What is wrong with DeepSeek-V3's router options (`router_scoring`, `router_groups`,
-    `router_groups_kept`, `routed_scaling`)."""
+    """What is wrong with DeepSeek's router options (`router_scoring`, `router_groups`,
+    `router_groups_kept`, `router_group_score`, `routed_scaling`)."""
     problems = []
     deepseek = (config.router_scoring != "softmax" or config.router_groups != 1
                 or config.router_groups_kept != 1 or config.routed_scaling != 1)
     if deepseek and config.num_experts == 0:
         problems.append("router_scoring, router_groups, router_groups_kept and routed_scaling "
                         "need a mixture of experts (num_experts > 0)")
+    if config.router_group_score != "two_best" and config.router_groups == 1:
+        problems.append(f"router_group_score={config.router_group_score!r} ranks groups of "
+                        "experts: it needs router_groups > 1")
     if deepseek and config.sparsemixer_eps is not None:
         problems.append("sparsemixer_eps is a router of its own: it takes no router_scoring, "
                         "router_groups or routed_scaling")
@@ -299,10 +305,12 @@ def _router_problems(config: Config) -> list[str]:
                         "1 <= router_groups_kept <= router_groups")
     elif groups > 1 and config.num_experts:
         size, left = divmod(config.num_experts, groups)
-        if left or size < 2:
+        smallest = 2 if config.router_group_score == "two_best" else 1
+        if left or size < smallest:
             problems.append(f"router_groups={groups} must split num_experts="
-                            f"{config.num_experts} into equal groups of at least two (a group "
-                            "is scored by its two best experts)")
+                            f"{config.num_experts} into equal groups"
+                            + (" of at least two (a group is scored by its two best experts)"
+                               if smallest == 2 else ""))
         elif config.experts_per_token > kept * size:
             problems.append(f"experts_per_token={config.experts_per_token} is more than the "
                             f"{kept * size} experts of router_groups_kept={kept} groups")

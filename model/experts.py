@@ -53,14 +53,14 @@ from .feed_forward import FeedForward, activation_function, gated_units
 def route(router_logits: jax.Array, experts_per_token: int, normalize: bool,
           sparsemixer_eps: float | None = None, selection_bias: jax.Array | None = None,
           scoring: str = "softmax", groups: int = 1, groups_kept: int = 1,
-          scaling: float = 1.0) -> tuple[jax.Array, jax.Array]:
+          scaling: float = 1.0, group_score: str = "two_best") -> tuple[jax.Array, jax.Array]:
     """(weights [tokens, k] float32, experts [tokens, k] int32) of the k experts of each token
     that score highest, from `router_logits` [tokens, experts]: scored by a softmax over them
     (or each by its sigmoid, `scoring` "sigmoid"), chosen by the scores plus `selection_bias`
     [experts] where given and among the experts of each token's `groups_kept` best of
-    `groups` groups (`best_groups_only`), weighed by the scores alone; the weights divided by
-    their sum when `normalize`, then times `scaling`. With `sparsemixer_eps`, the two
-    SparseMixer chooses (`sparsemixer`)."""
+    `groups` groups (`best_groups_only`, ranked by `group_score`), weighed by the scores
+    alone; the weights divided by their sum when `normalize`, then times `scaling`. With
+    `sparsemixer_eps`, the two SparseMixer chooses (`sparsemixer`)."""
     if sparsemixer_eps is not None:
         return sparsemixer(router_logits.astype(jnp.float32), sparsemixer_eps)
     logits = router_logits.astype(jnp.float32)
@@ -69,7 +69,7 @@ def route(router_logits: jax.Array, experts_per_token: int, normalize: bool,
         weights, experts = jax.lax.top_k(scores, experts_per_token)
     else:
         choice = scores if selection_bias is None else scores + selection_bias.astype(jnp.float32)
-        _, experts = jax.lax.top_k(best_groups_only(choice, groups, groups_kept),
+        _, experts = jax.lax.top_k(best_groups_only(choice, groups, groups_kept, group_score),
                                    experts_per_token)
         weights = jnp.take_along_axis(scores, experts, axis=-1)
     if normalize:
@@ -77,15 +77,18 @@ def route(router_logits: jax.Array, experts_per_token: int, normalize: bool,
     return weights * scaling, experts.astype(jnp.int32)
 
 
-def best_groups_only(choice: jax.Array, groups: int, kept: int) -> jax.Array:
+def best_groups_only(choice: jax.Array, groups: int, kept: int,
+                     group_score: str = "two_best") -> jax.Array:
     """`choice` [tokens, experts] where an expert is in one of its token's `kept` best groups
     and -inf elsewhere: the experts split into `groups` equal groups in their order, a
-    group scored by the sum of its two highest values (DeepSeek-V3's group-limited routing)."""
+    group scored by the sum of its two highest values ("two_best", DeepSeek-V3's
+    group-limited routing) or by its highest ("best", DeepSeek-V2's)."""
     if groups == 1:
         return choice
     tokens, experts = choice.shape
     grouped = choice.reshape(tokens, groups, experts // groups)
-    group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+    group_scores = (jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1) if group_score == "two_best"
+                    else jnp.max(grouped, axis=-1))
     _, best = jax.lax.top_k(group_scores, kept)
     in_best = jnp.any(jax.nn.one_hot(best, groups, dtype=bool), axis=1)
     return jnp.where(in_best[:, :, None], grouped, -jnp.inf).reshape(tokens, experts)
@@ -271,7 +274,7 @@ class MixtureOfExperts(nn.Module):
         weights, experts = route(router_logits, c.experts_per_token,
                                  c.normalize_expert_weights, c.sparsemixer_eps, selection_bias,
                                  c.router_scoring, c.router_groups, c.router_groups_kept,
-                                 c.routed_scaling)
+                                 c.routed_scaling, c.router_group_score)
         out = Experts(c, name="experts")(x_BTD, weights, experts)
         if not c.shared_expert_d_ff:
             return out

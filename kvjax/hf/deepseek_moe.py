@@ -29,18 +29,24 @@ def _deepseek_mixtures(c: Reader, layers: int, dense_d_ff: int,
     layers (or the layers `dense` names) one dense FFN of `dense_d_ff` units. The
     multi-token-prediction layers of the releases (`num_nextn_predict_layers`, stored after
     the last layer) are left unread, as transformers leaves them. `v2`: DeepSeek-V2's router,
-    a softmax's k best weighed as they are ("greedy"; its "group_limited_greedy", which ranks
-    groups by their best expert, is refused)."""
+    a softmax's k best weighed as they are: of every expert ("greedy", V2-Lite) or of the
+    `topk_group` groups whose best expert scores highest ("group_limited_greedy", V2 and
+    V2.5)."""
     # DeepSeek's own keys, where a file has them.
     if v2:
         c.expect("scoring_func", "softmax", "softmax", "DeepSeek-V2's router is a softmax")
-        c.expect("topk_method", "greedy", "greedy", "kvjax runs DeepSeek-V2-Lite's router, "
-                 "the k best experts of every one")
+        method = c.get("topk_method", "greedy")
+        if method not in ("greedy", "group_limited_greedy"):
+            raise UnsupportedModelError(f"{c.source}: topk_method={method!r}: DeepSeek-V2's "
+                                        "routers are 'greedy' and 'group_limited_greedy'")
         c.expect("norm_topk_prob", False, False, "transformers' DeepSeek-V2 router never "
                  "renormalises its weights")
-        for key in ("n_group", "topk_group", "aux_loss_alpha", "seq_aux"):
-            c.get(key)  # the groups of group_limited_greedy alone; training's loss
-        router = {"router_groups": 1, "router_groups_kept": 1}
+        for key in ("aux_loss_alpha", "seq_aux"):
+            c.get(key)  # training's loss
+        groups, kept = c.get("n_group") or 1, c.get("topk_group") or 1  # greedy's: unread
+        router = ({"router_groups": groups, "router_groups_kept": kept,
+                   "router_group_score": "best"}
+                  if method == "group_limited_greedy" and groups > 1 else {})
     else:
         c.expect("scoring_func", "sigmoid", "sigmoid", "kvjax runs DeepSeek-V3's router, "
                  "whose scores are sigmoids")

@@ -168,8 +168,9 @@ from kvjax import hf
     ("deepseek_v3", dict(rope_interleave=False), "rope_interleave=false is not supported"),
     ("deepseek_v3", dict(qk_head_dim=16), "qk_head_dim=16 is not supported (transformers "
                                           "derives it: qk_nope_head_dim + qk_rope_head_dim)"),
-    ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=2, topk_group=1),
-     'topk_method="group_limited_greedy" is not supported'),
+    ("deepseek_v2", dict(topk_method="noaux_tc"), "topk_method='noaux_tc': DeepSeek-V2's "
+                                                 "routers are 'greedy' and "
+                                                 "'group_limited_greedy'"),
     ("deepseek_v2", dict(norm_topk_prob=True), "norm_topk_prob=true is not supported "
                                                "(transformers' DeepSeek-V2 router never "
                                                "renormalises its weights)"),
@@ -277,6 +278,13 @@ def test_a_qwen2_file_without_sliding_layers_attends_over_every_position(tmp_pat
     edit_config(directory, **changes)
     config, _, _ = hf.load_pretrained(directory)
     assert (config.sliding_window, config.full_attention_layers) == (None, ())
+
+
+def test_deepseek_v2_lite_s_greedy_router_chooses_among_every_expert(tmp_path):
+    directory = copy_of("deepseek_v2", tmp_path)  # the fixture's router: group-limited
+    edit_config(directory, topk_method="greedy")
+    config = hf.load_pretrained(directory)[0]
+    assert (config.router_groups, config.router_groups_kept) == (1, 1)
 
 
 @pytest.mark.parametrize("name", ["mistral", "ministral", "gemma2", "gemma3_text", "olmo3"])

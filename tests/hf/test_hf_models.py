@@ -221,8 +221,9 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
                                        "dots1": ("sigmoid", 2, 1, 1.5),
                                        "deepseek_v3": ("sigmoid", 4, 2, 2.5),
                                        "glm4_moe_lite": ("sigmoid", 1, 1, 1.8),
-                                       "deepseek_v2": ("softmax", 1, 1, 1.5)}.get(
+                                       "deepseek_v2": ("softmax", 4, 2, 1.5)}.get(
         name, ("softmax", 1, 1, 1.0))
+    assert config.router_group_score == ("best" if name == "deepseek_v2" else "two_best")
     # DeepSeek's latent attention: kv and q ranks, each head's unturned key and value widths.
     assert (config.latent_kv_rank, config.latent_q_rank, config.latent_nope_dim,
             config.latent_value_dim) == {"deepseek_v3": (12, 16, 8, 6),

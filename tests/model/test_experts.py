@@ -210,8 +210,37 @@ def test_sigmoid_routing_chooses_within_the_best_groups(groups, kept, normalize)
         assert (np.sort(free, -1) != np.sort(want_chosen, -1)).any()
 
 
+def test_softmax_routing_ranks_groups_by_their_best_expert():
+    """DeepSeek-V2's group-limited greedy router, token by token in float64 as its code
+    states it: a softmax over the experts, each group ranked by its best probability, the k
+    best probabilities of the kept groups, weighed as they are, times the scaling."""
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(48, 8)).astype(np.float32)
+    weights, chosen = experts.route(jnp.asarray(logits), 3, False, groups=4, groups_kept=2,
+                                    scaling=1.5, group_score="best")
+    want_weights, want_chosen, free = [], [], []
+    for row in logits.astype(np.float64):
+        probabilities = np.exp(row - row.max()) / np.exp(row - row.max()).sum()
+        grouped = probabilities.reshape(4, 2)
+        kept = np.argsort(-grouped.max(-1), kind="stable")[:2]
+        allowed = np.zeros_like(grouped)
+        allowed[kept] = grouped[kept]
+        best = np.argsort(-allowed.reshape(-1), kind="stable")[:3]
+        want_chosen.append(np.sort(best))
+        want_weights.append(np.sort(probabilities[best] * 1.5))
+        free.append(np.sort(np.argsort(-probabilities, kind="stable")[:3]))
+    np.testing.assert_array_equal(np.sort(chosen, -1), want_chosen)
+    np.testing.assert_allclose(np.sort(weights, -1), want_weights, rtol=1e-6)
+    assert (np.array(free) != np.array(want_chosen)).any()  # the groups change some choices
+    _, two_best = experts.route(jnp.asarray(logits), 3, False, groups=4, groups_kept=2)
+    assert (np.sort(two_best, -1) != np.array(want_chosen)).any()  # ranked otherwise
+
+
 @pytest.mark.parametrize("fields,message", [
     ({"router_groups": 3}, "equal groups of at least two"),
+    ({"router_groups": 3, "router_group_score": "best"}, "into equal groups"),
+    ({"router_group_score": "best"}, "needs router_groups > 1"),
+    ({"router_groups": 4, "router_group_score": "top3"}, "router_group_score"),
     ({"router_groups": 4, "router_groups_kept": 5}, "router_groups_kept <= router_groups"),
     ({"router_groups": 4, "router_groups_kept": 1, "experts_per_token": 3}, "more than the 2"),
     ({"routed_scaling": 0.0}, "routed_scaling=0.0"),
