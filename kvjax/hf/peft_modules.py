@@ -49,8 +49,9 @@ MODULES = {
     # none of kvjax's targets.
     "mixtral": _ATTENTION, "granitemoe": _ATTENTION, "gpt_oss": _ATTENTION,
     # ERNIE 4.5's, GLM-4.5's and dots.llm1's mixtures: attention alone, the dense FFNs of
-    # their first layers too being none of kvjax's targets in a model of experts.
-    "ernie_moe": _ATTENTION, "deepseek_moe": _ATTENTION,
+    # their first layers too being none of kvjax's targets in a model of experts; HunYuan
+    # MoE's, its shared FFN not one either.
+    "ernie_moe": _ATTENTION, "deepseek_moe": _ATTENTION, "hunyuan_moe": _ATTENTION,
     # Granite 4.0's and GraniteMoeShared's shared_mlp, its gate and up projections in one
     # input_linear: the layer's FFN where there are no experts (beside experts, not a target).
     "granite_shared": {**_ATTENTION, "shared_mlp.input_linear": ("wi", "wi_gate"),

@@ -51,7 +51,8 @@ from .tensors import Params, WeightFiles
 # each stack's relative_attention_bias in its first block). Llama's layout holds experts too:
 # gate_proj, up_proj and down_proj under mlp (and a shared expert of the same three beside them,
 # with its gate: Qwen2-MoE); "vaultgemma" is Llama's with Gemma 2's norm before the FFN
-# (pre_feedforward_layernorm) and none on the sublayers' outputs.
+# (pre_feedforward_layernorm) and none on the sublayers' outputs; "hunyuan_moe" is HunYuan's
+# (query_layernorm, key_layernorm) with Llama's experts, their router gate.wg, a shared_mlp.
 LAYOUTS = {"gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode", "gpt_neo": "gpt_neo", "gptj": "gptj",
            "phi3": "fused", "marian": "marian", "m2m_100": "marian", "bart": "marian",
            "mbart": "marian", "gpt_neox": "gpt_neox",
@@ -72,7 +73,8 @@ LAYOUTS = {"gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode", "gpt_neo": "gpt_neo", "
                             "qwen3_moe", "olmoe", "qwen2_moe", "seed_oss", "ministral",
                             "ministral3", "exaone4", "olmo", "exaone", "internlm3",
                             "flex_olmo", "iquestcoder"), "llama"),
-           "hunyuan_v1_dense": "hunyuan", "phimoe": "mixtral", "vaultgemma": "vaultgemma"}
+           "hunyuan_v1_dense": "hunyuan", "hunyuan_v1_moe": "hunyuan_moe", "phimoe": "mixtral",
+           "vaultgemma": "vaultgemma"}
 
 
 # EXAONE 3's releases name their tensors as GPT-2's layers (transformer.h.i.attn.attention,
@@ -110,6 +112,7 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
         _llama_like, ffn=functools.partial(_dense_or_mixture_ffn, selection_bias="gate.",
                                            bias_as_row=False),
         unread=lambda name: _layer_number(name) >= config.num_decoder_layers)
+    hunyuan = functools.partial(_llama_like, qk_norm_names=("query_layernorm", "key_layernorm"))
     mapper = {"llama": _llama_like, "fused": functools.partial(_llama_like, fused=True),
               "plain_mlp": functools.partial(_llama_like, plain_mlp=("c_fc", "c_proj")),
               "up_down_mlp": functools.partial(_llama_like, plain_mlp=("up_proj", "down_proj")),
@@ -118,8 +121,9 @@ def load_params(config: M.TransformerConfig, model_type: str, files: WeightFiles
               "apertus": functools.partial(_llama_like, plain_mlp=("up_proj", "down_proj"),
                                            norms=_APERTUS_NORMS),
               "vaultgemma": functools.partial(_llama_like, norms=_PRE_FEEDFORWARD_NORMS),
-              "hunyuan": functools.partial(_llama_like, qk_norm_names=("query_layernorm",
-                                                                        "key_layernorm")),
+              "hunyuan": hunyuan,
+              "hunyuan_moe": functools.partial(hunyuan, experts=functools.partial(
+                  _experts_apart, router="gate.wg.", shared="shared_mlp.")),
               "mixtral": functools.partial(_llama_like, experts=functools.partial(
                   _experts_apart, under="block_sparse_moe.", names=("w1", "w3", "w2"))),
               "granitemoe": functools.partial(_llama_like, experts=_experts_stacked),
@@ -322,14 +326,14 @@ def _feed_forward(p: Params, src: str, dst: str, c: M.TransformerConfig, fused: 
 
 def _experts_apart(p: Params, layer: str, dst: str, c: M.TransformerConfig,
                    under: str = "mlp.", names=("gate_proj", "up_proj", "down_proj"),
-                   shared: str = "shared_expert.") -> None:
-    """The router (`gate` [E, D]) and each expert's gate, up and down projections (`names`),
-    a tensor each, stacked on kvjax's experts axis; all `under` the layer's prefix. A shared
-    expert is an FFN of Llama's names (`shared_expert.gate_proj`, ...), its gate
-    `shared_expert_gate` [1, D]."""
+                   shared: str = "shared_expert.", router: str = "gate.") -> None:
+    """The router (`router` [E, D]) and each expert's gate, up and down projections
+    (`names`), a tensor each, stacked on kvjax's experts axis; all `under` the layer's
+    prefix. A shared expert is an FFN of Llama's names (`shared_expert.gate_proj`, ...), its
+    gate `shared_expert_gate` [1, D]."""
     d, f, count = c.d_model, c.d_ff, c.num_experts
     src = layer + under
-    p.set(dst + "router/kernel", p.read(src + "gate.weight", (count, d)).T)
+    p.set(dst + "router/kernel", p.read(src + router + "weight", (count, d)).T)
     for name, hf_name, shape, axis in zip(("wi", "wi_gate", "wo"), names,
                                           ((f, d), (f, d), (d, f)), (1, 1, 0), strict=True):
         p.set(dst + "experts/" + name, np.stack([

@@ -112,11 +112,11 @@ def test_import_hf_of_a_bad_directory_is_one_line_and_writes_nothing(capsys, tmp
             "cohere2, deepseek_v2, deepseek_v3, dots1, ernie4_5, ernie4_5_moe, exaone, exaone4, "
             "falcon, flex_olmo, gemma, gemma2, gemma3_text, glm, glm4, glm4_moe, glm4_moe_lite, "
             "gpt2, gpt_bigcode, gpt_neo, gpt_neox, gpt_oss, gptj, granite, granitemoe, "
-            "granitemoehybrid, granitemoeshared, helium, hunyuan_v1_dense, hyperclovax, internlm3,"
-            " iquestcoder, jais2, llama, m2m_100, marian, mbart, ministral, ministral3, mistral, "
-            "mixtral, mpt, mt5, nanochat, nemotron, olmo, olmo2, olmo3, olmoe, opt, phi, phi3, "
-            "phimoe, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, stablelm, starcoder2, "
-            "t5, umt5, vaultgemma") in err
+            "granitemoehybrid, granitemoeshared, helium, hunyuan_v1_dense, hunyuan_v1_moe, "
+            "hyperclovax, internlm3, iquestcoder, jais2, llama, m2m_100, marian, mbart, ministral,"
+            " ministral3, mistral, mixtral, mpt, mt5, nanochat, nemotron, olmo, olmo2, olmo3, "
+            "olmoe, opt, phi, phi3, phimoe, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3,"
+            " stablelm, starcoder2, t5, umt5, vaultgemma") in err
     assert not out.exists()
     code, _, err = run_cli(capsys, "import-hf", str(tmp_path / "nowhere"), str(out))
     assert code == 2 and "is not a directory" in err and not out.exists()

@@ -17,10 +17,10 @@ from kvjax import hf
      "cohere2, deepseek_v2, deepseek_v3, dots1, ernie4_5, ernie4_5_moe, exaone, exaone4, falcon, "
      "flex_olmo, gemma, gemma2, gemma3_text, glm, glm4, glm4_moe, glm4_moe_lite, gpt2, "
      "gpt_bigcode, gpt_neo, gpt_neox, gpt_oss, gptj, granite, granitemoe, granitemoehybrid, "
-     "granitemoeshared, helium, hunyuan_v1_dense, hyperclovax, internlm3, iquestcoder, jais2, "
-     "llama, m2m_100, marian, mbart, ministral, ministral3, mistral, mixtral, mpt, mt5, nanochat, "
-     "nemotron, olmo, olmo2, olmo3, olmoe, opt, phi, phi3, phimoe, qwen2, qwen2_moe, qwen3, "
-     "qwen3_moe, seed_oss, smollm3, stablelm, starcoder2, t5, umt5, vaultgemma"),
+     "granitemoeshared, helium, hunyuan_v1_dense, hunyuan_v1_moe, hyperclovax, internlm3, "
+     "iquestcoder, jais2, llama, m2m_100, marian, mbart, ministral, ministral3, mistral, mixtral, "
+     "mpt, mt5, nanochat, nemotron, olmo, olmo2, olmo3, olmoe, opt, phi, phi3, phimoe, qwen2, "
+     "qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, stablelm, starcoder2, t5, umt5, vaultgemma"),
     ("llama_gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0,
                                         "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
      'rope settings {"partial_rotary_factor": 0.5} are not supported for rope type \'yarn\''),
@@ -179,6 +179,12 @@ from kvjax import hf
     ("dots1", dict(scoring_func="softmax"), 'scoring_func="softmax" is not supported (kvjax '
                                             "runs DeepSeek-V3's router, whose scores are "
                                             "sigmoids)"),
+    # HunYuan MoE: one mixture shape in every layer.
+    ("hunyuan_v1_moe", dict(moe_topk=[2, 1]), "moe_topk=[2, 1] must give one value for all 2 "
+                                              "layers (kvjax runs the same mixture in every "
+                                              "layer)"),
+    ("hunyuan_v1_moe", dict(num_experts=[8]), "num_experts=[8] must give one value for all 2 "
+                                              "layers"),
     # Granite 4.0's hybrid models (-h): Mamba-2 layers beside the attention ones.
     ("granitemoehybrid", dict(layer_types=["mamba", "attention"]),
      "layers [0] are Mamba-2 layers ('linear_attention'); kvjax runs the Granite 4.0 models "

@@ -34,7 +34,7 @@ NAMES = ("gpt2", "llama_gqa", "llama_mqa", "qwen2", "marian", "qwen3", "mistral"
          "bloom", "mpt", "t5", "t5_relu", "mt5", "vaultgemma", "m2m_100", "bart", "mbart",
          "umt5", "flex_olmo", "granitemoehybrid", "granitemoeshared", "granitemoehybrid_moe",
          "hyperclovax", "jais2", "iquestcoder", "ernie4_5_moe", "glm4_moe", "dots1",
-         "deepseek_v3", "glm4_moe_lite", "deepseek_v2")
+         "deepseek_v3", "glm4_moe_lite", "deepseek_v2", "hunyuan_v1_moe")
 MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen2": "qwen2",
                "marian": "marian", "qwen3": "qwen3", "mistral": "mistral", "phi3": "phi3",
                "gemma2": "gemma2", "gemma3_text": "gemma3_text", "smollm3": "smollm3",
@@ -59,7 +59,8 @@ MODEL_TYPES = {"gpt2": "gpt2", "llama_gqa": "llama", "llama_mqa": "llama", "qwen
                "granitemoeshared": "granitemoeshared", "hyperclovax": "hyperclovax",
                "jais2": "jais2", "iquestcoder": "iquestcoder", "ernie4_5_moe": "ernie4_5_moe",
                "glm4_moe": "glm4_moe", "dots1": "dots1", "deepseek_v3": "deepseek_v3",
-               "glm4_moe_lite": "glm4_moe_lite", "deepseek_v2": "deepseek_v2"}
+               "glm4_moe_lite": "glm4_moe_lite", "deepseek_v2": "deepseek_v2",
+               "hunyuan_v1_moe": "hunyuan_v1_moe"}
 
 
 @pytest.fixture(scope="module")
@@ -158,8 +159,9 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
     assert config.qk_norm == (name in ("qwen3", "gemma3_text", "olmo2", "olmo3", "qwen3_moe",
                                        "olmoe", "exaone4", "gemma3", "apertus",
                                        "hunyuan_v1_dense", "nanochat", "flex_olmo",
-                                       "glm4_moe", "dots1"))
-    assert config.qk_norm_after_rope == (name in ("hunyuan_v1_dense", "nanochat"))
+                                       "glm4_moe", "dots1", "hunyuan_v1_moe"))
+    assert config.qk_norm_after_rope == (name in ("hunyuan_v1_dense", "nanochat",
+                                                  "hunyuan_v1_moe"))
     # nanochat and OLMo (1): no norm holds a learned parameter; nanochat's normalise the
     # embeddings too.
     assert (config.norm_params, config.embedding_norm) == {
@@ -198,7 +200,8 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
         "flex_olmo": (4, 2, True), "granitemoeshared": (4, 2, True),
         "granitemoehybrid_moe": (4, 2, True), "ernie4_5_moe": (4, 2, True),
         "glm4_moe": (8, 2, True), "dots1": (8, 3, False), "deepseek_v3": (8, 2, True),
-        "glm4_moe_lite": (8, 3, True), "deepseek_v2": (8, 3, False)}.get(
+        "glm4_moe_lite": (8, 3, True), "deepseek_v2": (8, 3, False),
+        "hunyuan_v1_moe": (8, 2, True)}.get(
         name, (4, 2, True) if name.startswith("gpt_oss") else (0, 2, True))
     gpt_oss = name.startswith("gpt_oss")
     assert (config.attention_sinks, config.router_bias, config.activation == "clamped_swiglu",
@@ -208,7 +211,8 @@ def test_logits_and_greedy_tokens_equal_transformers(loaded, name):
         "qwen2_moe": (40, True), "granitemoeshared": (40, False),
         "granitemoehybrid_moe": (40, False), "ernie4_5_moe": (16, False),
         "glm4_moe": (16, False), "dots1": (32, False), "deepseek_v3": (16, False),
-        "glm4_moe_lite": (16, False), "deepseek_v2": (32, False)}.get(name, (0, False))
+        "glm4_moe_lite": (16, False), "deepseek_v2": (32, False),
+        "hunyuan_v1_moe": (64, False)}.get(name, (0, False))
     # ERNIE 4.5's, GLM-4.5's and dots.llm1's mixtures: layer 0 dense, the experts chosen with
     # a bias of each; GLM's and dots' by DeepSeek-V3's router.
     assert (config.dense_ffn_layers, config.dense_d_ff, config.router_selection_bias) == {
