@@ -147,3 +147,30 @@ def test_an_int8_paged_cache_serves_what_generate_makes_with_it():
         assert [t for d in deltas for t in d.token_ids] == alone.token_lists()[0]
         logprobs = [p for d in deltas for p in d.logprobs]
         np.testing.assert_allclose(logprobs, alone.logprobs[0, :len(logprobs)], atol=1e-5)
+
+
+def test_a_prefix_kept_in_a_contiguous_cache_gives_generate_s_tokens():
+    """The engine's prefix cache copies a kept prompt's latent rows (and the value stacks of
+    no heads) into a slot: requests that share a 40-token preamble, served one after
+    another, reuse it and still get `generate`'s tokens alone."""
+    from conftest import FakeTokenizer
+
+    from kvjax import decode
+    from kvjax.serve import Engine, GenerationRequest
+
+    config = M.preset("tiny", **LATENT, latent_q_rank=12, scan_layers=True)
+    params = M.init_params(config, jax.random.key(4))
+    engine = Engine(config, params, max_slots=2, chunk_size=4, max_queue=4, prefill_batch=2,
+                    tokenizer=FakeTokenizer())
+    preamble = [5 + j % 50 for j in range(40)]
+    prompts = [preamble + [7, 8], preamble + [9], preamble + [11, 12, 13]]
+    got = [[] for _ in prompts]
+    for row, tokens in zip(prompts, got, strict=True):
+        engine.submit(GenerationRequest(tuple(row), max_tokens=6),
+                      lambda delta, tokens=tokens: tokens.append(delta))
+        engine.run_until_idle()
+    assert engine._prefixes.hits == 2
+    net = M.build_model(config)
+    for row, deltas in zip(prompts, got, strict=True):
+        alone = decode.generate(net, params, [row], max_new_tokens=6)
+        assert [t for d in deltas for t in d.token_ids] == alone.token_lists()[0]
