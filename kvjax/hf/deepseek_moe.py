@@ -43,7 +43,8 @@ def _deepseek_mixtures(c: Reader, layers: int, dense_d_ff: int,
                  "renormalises its weights")
         for key in ("aux_loss_alpha", "seq_aux"):
             c.get(key)  # training's loss
-        groups, kept = c.get("n_group") or 1, c.get("topk_group") or 1  # greedy's: unread
+        # Read either way; the greedy router uses neither.
+        groups, kept = c.get("n_group") or 1, c.get("topk_group") or 1
         router = ({"router_groups": groups, "router_groups_kept": kept,
                    "router_group_score": "best"}
                   if method == "group_limited_greedy" and groups > 1 else {})
