@@ -94,23 +94,18 @@ def describe_cache_size(config: TransformerConfig, batch: int, length: int, dtyp
     bytes_named = (f"{dtype.name} ({dtype.itemsize} bytes"
                    + (f", and a {CACHE_SCALE_DTYPE.name} scale per token and kv head)"
                       if scale else ")"))
+    layers = config.num_decoder_layers
     if config.latent_kv_rank:
-        lines = [
-            f"KV cache: {config.num_decoder_layers} layers x a latent of "
-            f"{config.latent_kv_rank} + {config.rotary_dims} shared key dims, {length} "
-            f"tokens, {bytes_named}",
-            f"  {length} x {config.num_decoder_layers} x {per_head} = "
-            f"{per_sequence.self_attention:,} bytes = "
-            f"{format_bytes(per_sequence.self_attention)} per sequence",
-        ]
+        shape = f"a latent of {config.latent_kv_rank} + {config.rotary_dims} shared key dims"
+        factors = f"{length} x {layers}"
     else:
-        lines = [
-            f"KV cache: {config.num_decoder_layers} layers x {config.kv_heads} kv heads x "
-            f"{width} head dim, {length} tokens, {bytes_named}",
-            f"  2 (K and V) x {length} x {config.num_decoder_layers} x {config.kv_heads} x "
-            f"{per_head} = {per_sequence.self_attention:,} bytes "
-            f"= {format_bytes(per_sequence.self_attention)} per sequence",
-        ]
+        shape = f"{config.kv_heads} kv heads x {width} head dim"
+        factors = f"2 (K and V) x {length} x {layers} x {config.kv_heads}"
+    lines = [
+        f"KV cache: {layers} layers x {shape}, {length} tokens, {bytes_named}",
+        f"  {factors} x {per_head} = {per_sequence.self_attention:,} bytes "
+        f"= {format_bytes(per_sequence.self_attention)} per sequence",
+    ]
     if config.is_encoder_decoder:
         src = length if source_length is None else source_length
         lines.append(f"  cross-attention K/V of {src} source tokens: "
