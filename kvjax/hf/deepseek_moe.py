@@ -2,12 +2,13 @@
 with standard attention GLM-4.5 (`glm4_moe`: GLM-4.5, GLM-4.5-Air, GLM-4.6) and dots.llm1
 (`dots1`); with DeepSeek's multi-head latent attention DeepSeek-V3 (`deepseek_v3`: DeepSeek-V3
 and R1, Moonlight, Kimi K2 as transformers reads them), GLM-4.7-Flash (`glm4_moe_lite`) and
-DeepSeek-V2-Lite (`deepseek_v2`). DeepSeek-V3's router, theirs but V2's, scores each expert by a
-sigmoid, chooses a token's experts by the scores plus a learned bias of each expert
-(`e_score_correction_bias`) among the experts of its best groups, and weighs them by the scores
-times `routed_scaling_factor`; DeepSeek-V2's takes a softmax's k best, weighed as they are,
-times the same. A shared FFN takes every token beside the chosen experts; the first layers have
-one dense FFN instead. `READERS` maps each model type to its reader."""
+DeepSeek-V2 (`deepseek_v2`: V2, V2.5, V2-Lite). DeepSeek-V3's router, theirs but V2's, scores
+each expert by a sigmoid, chooses a token's experts by the scores plus a learned bias of each
+expert (`e_score_correction_bias`) among the experts of its best groups, and weighs them by the
+scores times `routed_scaling_factor`; DeepSeek-V2's takes a softmax's k best (of every expert,
+or of its best groups, each ranked by its best expert), weighed as they are, times the same.
+A shared FFN takes every token beside the chosen experts; the first layers have one dense FFN
+instead. `READERS` maps each model type to its reader."""
 
 from __future__ import annotations
 
