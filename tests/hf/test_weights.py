@@ -1,7 +1,9 @@
 """kvjax/hf/weights.py, tensor by tensor: each param that `load_params` builds computes what
 torch's layer computes from the file's tensor (`Linear`: y = W x + b), read here by
 safetensors' own NumPy loader, for the separate (Llama, Qwen2 with biases and in two shards)
-and the fused (Phi-3) projections; shards of an index read as one file."""
+and the fused (Phi-3) projections; shards of an index read as one file. Files that are not
+what their config says (a tensor missing, misshapen or unused, a truncated file, a missing
+shard) are refused by name."""
 
 import json
 from pathlib import Path
@@ -10,7 +12,16 @@ import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
+from test_hf_models import (
+    copy_of,
+    edit_config,
+    expected,
+    relative_error,
+    rewrite_tensor,
+    teacher_forced,
+)
 
+from kvjax import hf
 from kvjax.hf import tensors as T
 from kvjax.hf import weights as W
 from kvjax.hf.config import SUPPORTED_MODEL_TYPES, read_hf_config, to_kvjax_config
@@ -163,3 +174,65 @@ def test_glm_multi_token_prediction_layers_are_left_unread_and_no_other_tensor(t
               directory / "model.safetensors")
     with pytest.raises(ValueError, match=r"model\.layers\.2\.eh_proj\.weight"):
         W.load_params(config, "glm4_moe", T.WeightFiles(directory))
+
+
+# Files that are not what their config says: each is one error naming the problem, raised
+# before anything is computed.
+
+
+def test_opt_files_that_name_tensors_from_the_decoder_load_the_same_model(tmp_path):
+    # OPT's released files were saved from OPTModel: "decoder.layers.0...", no "model.".
+    directory = copy_of("opt", tmp_path)
+    path = directory / "model.safetensors"
+    save_file({name.removeprefix("model."): array
+               for name, array in load_file(str(path)).items()}, str(path))
+    config, _, params = hf.load_pretrained(directory)
+    record, logits = expected("opt")
+    assert relative_error(teacher_forced(config, params, record)[2], logits["logits_2"]) <= 1e-5
+
+
+@pytest.mark.parametrize("transform, message", [
+    (lambda v: None, "tensor transformer.h.1.mlp.c_fc.weight is missing"),
+    (lambda v: v[:, :-1], "tensor transformer.h.1.mlp.c_fc.weight has shape [32, 127], the "
+                          "config needs [32, 128]"),
+])
+def test_a_missing_or_misshapen_tensor_is_named(tmp_path, transform, message):
+    directory = copy_of("gpt2", tmp_path)
+    rewrite_tensor(directory / "model.safetensors", "transformer.h.1.mlp.c_fc.weight", transform)
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        hf.load_pretrained(directory)
+
+
+def test_a_tensor_the_model_does_not_use_is_refused(tmp_path):
+    directory = copy_of("gpt2", tmp_path)
+    path = directory / "model.safetensors"
+    tensors = load_file(str(path))
+    save_file({**tensors, "h.0.attn.extra_scale": np.ones(4, np.float32)}, str(path))
+    with pytest.raises(ValueError, match=r"tensors \['h.0.attn.extra_scale'\] .*are not part"):
+        hf.load_pretrained(directory)
+
+
+def test_a_truncated_file_is_named(tmp_path):
+    directory = copy_of("gpt2", tmp_path)
+    path = directory / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-1000])
+    with pytest.raises(ValueError, match="model.safetensors is not a readable safetensors file"):
+        hf.load_pretrained(directory)
+
+
+def test_an_index_naming_a_missing_shard_is_named(tmp_path):
+    directory = copy_of("qwen2", tmp_path)
+    shard = sorted(directory.glob("model-0000*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=f"names the shard {shard.name}, which is missing"):
+        hf.load_pretrained(directory)
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused(tmp_path):
+    directory = copy_of("gpt2", tmp_path)
+    edit_config(directory, vocab_size=16)
+    path = directory / "model.safetensors"
+    rewrite_tensor(path, "transformer.wte.weight", lambda v: v[:16])
+    with pytest.raises(ValueError, match="the tokenizer has .* ids but the model's vocab_size "
+                                         "is 16"):
+        hf.load_pretrained(directory)
