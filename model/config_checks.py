@@ -274,7 +274,7 @@ def _latent_problems(config: Config) -> list[str]:
     if config.kv_heads != config.num_heads:
         problems.append(f"latent attention gives every head its own K and V: num_kv_heads="
                         f"{config.num_kv_heads} must be num_heads={config.num_heads}")
-    for name in ("qkv_bias", "qk_norm", "qkv_clip", "kernel_dtype"):
+    for name in ("qkv_bias", "qk_norm", "qkv_clip"):
         if getattr(config, name) not in (False, None):
             problems.append(f"{name} is not implemented for latent attention")
     if config.num_encoder_layers:

@@ -9,7 +9,8 @@ values lie in [-127, 127] without clipping and `values * scale` is W to within `
 per element. The scale keeps the input axes with size 1, so it multiplies the values as
 they are, stacked over scanned layers or not. A mixture's shared expert is held as a
 feed-forward network is, and its experts' kernels alike, with `<name>_scale` beside each
-(`EXPERT_KERNELS`): one scale per expert and output feature.
+(`EXPERT_KERNELS`): one scale per expert and output feature. Latent attention's
+projections are held as the other kernels are (`LATENT_KERNELS`).
 Everything else (embeddings, norms, biases, routers, cross-attention) stays floating point.
 
 A layer never computes with int8. A model whose config has `kernel_dtype="int8"` holds its
@@ -48,6 +49,9 @@ EMBEDDING_SCALE = "embedding_scale"
 # A mixture of experts' kernels (`model/experts.py`), each beside its scale `<name>_scale`:
 # name -> the input axis of one layer's [D, experts, d_ff] or [experts, d_ff, D].
 EXPERT_KERNELS = {"wi": 0, "wi_gate": 0, "wo": 1}
+# Latent attention's projections (`model/latent_attention.py`), each a `kernel` whose first
+# axis is its input: name -> the kernel's axes in one layer. Held as the other kernels are.
+LATENT_KERNELS = {"q": 3, "q_down": 2, "q_up": 3, "kv_down": 2, "kv_up": 3}
 
 
 def quantize_kernel(kernel: jax.Array, ndim: int, input_axes: int
@@ -67,10 +71,10 @@ def _quantized(kernel: jax.Array, input_axes: tuple[int, ...]) -> tuple[jax.Arra
 
 
 def quantize_layers(params, float_dtype=None):
-    """`params` with the layers' LoRA-targetable kernels (a mixture's shared expert's too) as
-    int8 values and scales (`SCALE` beside each `kernel`), and a mixture's experts' kernels
-    likewise (`EXPERT_KERNELS`); every other floating-point array in `float_dtype` (None: as
-    it is)."""
+    """`params` with the layers' LoRA-targetable kernels (a mixture's shared expert's too) and
+    latent attention's projections (`LATENT_KERNELS`) as int8 values and scales (`SCALE`
+    beside each `kernel`), and a mixture's experts' kernels likewise (`EXPERT_KERNELS`);
+    every other floating-point array in `float_dtype` (None: as it is)."""
     cast = (lambda x: x) if float_dtype is None else (
         lambda x: x.astype(float_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x)
     out = jax.tree.map(cast, params)
@@ -85,6 +89,14 @@ def quantize_layers(params, float_dtype=None):
                 kernel = L.get(params, (*path, *owner_path, name, "kernel"))  # before the cast
                 values, scale = quantize_kernel(kernel, L.kernel_ndim(name), input_axes)
                 owner[name] = {**held, "kernel": values, SCALE: scale}
+        latent = _find(layer, ("self_attention", "latent")) or {}
+        for name, ndim in LATENT_KERNELS.items():
+            held = latent.get(name)
+            if not isinstance(held, dict) or "kernel" not in held or SCALE in held:
+                continue
+            kernel = L.get(params, (*path, "self_attention", "latent", name, "kernel"))
+            values, scale = quantize_kernel(kernel, ndim, 1)
+            latent[name] = {**held, "kernel": values, SCALE: scale}
         experts = layer.get("ffn", {}).get("experts")
         for name, axis in EXPERT_KERNELS.items():
             if experts is None or name not in experts or f"{name}_scale" in experts:

@@ -2,7 +2,8 @@
 What it computes is held to transformers' DeepSeek-V3 and GLM-4.7-Flash on tiny imported
 models (tests/hf/test_hf_models.py); here, that decoding from the latent cache (absorbed)
 gives what a full forward (expanded) does, the engine's int8 pages too, that the two ways are
-the same products, that a head's padding adds nothing and what the cache holds."""
+the same products, that a head's padding adds nothing, what the cache holds, and that int8
+kernels compute as their dequantized floats."""
 
 import re
 
@@ -113,7 +114,6 @@ def test_the_cache_holds_one_latent_row_per_token():
     (dict(rotary_dim=None), "needs positional_encoding='rope' and rotary_dim"),
     (dict(num_kv_heads=2), "num_kv_heads=2 must be num_heads=4"),
     (dict(qk_norm=True), "qk_norm is not implemented for latent attention"),
-    (dict(kernel_dtype="int8"), "kernel_dtype is not implemented for latent attention"),
     (dict(latent_kv_rank=0), "latent_nope_dim needs latent attention"),
     (dict(latent_q_rank=-1), "latent_q_rank=-1 must be >= 0"),
 ])
@@ -122,9 +122,43 @@ def test_latent_options_are_checked(fields, message):
         M.preset("tiny", **{**LATENT, **fields})
 
 
+def test_int8_kernels_are_the_formulas_and_compute_as_the_dequantized_model():
+    """Each projection (queries from a latent, the latent down, `kv_up`) held as int8 values
+    with a float32 scale per output feature; the model computes what the float model of the
+    dequantized kernels computes, within the rounding of the float one."""
+    from test_int8_base import assert_same_logits
+
+    from kvjax.model import int8_base
+    from kvjax.model import lora as L
+
+    config = M.preset("tiny", **LATENT, latent_q_rank=12)
+    params = M.init_params(config, jax.random.key(0))
+    int8_config, held = M.with_precision(config, params, kernel_dtype="int8")
+    checked = []
+    for where, _ in L.layer_subtrees(params):
+        latent = L.get(held, (*where, "self_attention", "latent"))
+        for name in sorted(set(latent) & set(int8_base.LATENT_KERNELS)):
+            w = np.asarray(L.get(params, (*where, "self_attention", "latent", name, "kernel")),
+                           np.float64)
+            values, scale = latent[name]["kernel"], latent[name]["kernel_scale"]
+            assert values.dtype == jnp.int8 and scale.dtype == jnp.float32
+            want = np.max(np.abs(w), axis=0, keepdims=True) / 127  # over the input axis
+            np.testing.assert_allclose(scale, want, rtol=1e-6)
+            assert np.all(np.abs(np.asarray(values, np.float64) * scale - w)
+                          <= want / 2 * (1 + 1e-5) + 1e-9)
+            checked.append(name)
+    assert checked == ["kv_down", "kv_up", "q_down", "q_up"] * config.num_decoder_layers
+    tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, config.vocab_size)
+    logits = run_full(int8_config, held, tokens)
+    assert_same_logits(logits, run_full(config, int8_base.dequantize_layers(held), tokens))
+    exact = run_full(config, params, tokens)
+    assert np.abs(logits - exact).max() <= 0.05 * np.abs(exact).max()
+
+
 def test_an_int8_paged_cache_serves_what_generate_makes_with_it():
     """The padded heads go through the engine's paged pool and the int8 cache's per-head
-    scales as any others: each request's tokens and logprobs are `generate`'s alone."""
+    scales as any others, from int8 kernels: each request's tokens and logprobs are
+    `generate`'s alone."""
     from conftest import FakeTokenizer
 
     from kvjax import decode
@@ -132,7 +166,7 @@ def test_an_int8_paged_cache_serves_what_generate_makes_with_it():
 
     config = M.preset("tiny", **LATENT, latent_q_rank=12, scan_layers=True)
     config, params = M.with_precision(config, M.init_params(config, jax.random.key(4)),
-                                      cache_dtype="int8")
+                                      cache_dtype="int8", kernel_dtype="int8")
     engine = Engine(config, params, max_slots=2, chunk_size=4, max_queue=4, prefill_batch=2,
                     tokenizer=FakeTokenizer(), page_size=4)
     prompts = [[3 + (7 * i + j) % 60 for j in range(n)] for i, n in enumerate((4, 7, 5))]
