@@ -163,9 +163,8 @@ def attach(config: TransformerConfig, params, adapters, lora: L.LoRA):
     and `lora_<target>_b` (what `unpack_fn` reads inside the layer)."""
     out = jax.tree.map(lambda x: x, params)  # new containers, the same arrays
     for path, target, _ in L.sites(config, params, lora):
-        module, name, _ = L.KERNELS[target]
         pair = L.get(adapters, (*path, target))
-        held = L.get(out, (*path, module, name))
+        held = L.get(out, (*path, *L.kernel_path(config, target)))
         held[f"lora_{target}_a"] = pair["lora_a"]
         held[f"lora_{target}_b"] = pair["lora_b"]
     return out

@@ -19,7 +19,11 @@ Targets, by the names of `kvjax.model` (Hugging Face's in brackets):
       it is). Not over an int8 base, whose experts' kernels are dequantised outside the
       layers' adapters.
 Both variants' self-attention and feed-forward layers take them (an encoder-decoder's
-encoder and decoder alike); cross-attention is left as it is. With scanned layers every
+encoder and decoder alike); cross-attention is left as it is. Latent attention
+(`model/latent_attention.py`) has no fused qkv kernel: there q adapts the kernel that makes
+the heads' queries (`q` [D, N, rotary + nope], or `q_up` [latent_q_rank, N, rotary + nope]
+after a query latent: DeepSeek's q_proj or q_b_proj), k and v the key and value halves of
+`kv_up` [latent_kv_rank, N, nope + value] (kv_b_proj) (`kernel_path`). With scanned layers every
 array gains the leading layer axis L. Shape letters: D model width, N query heads, K kv heads,
 H head width, R rank, I and O a kernel's input and output width.
 """
@@ -140,10 +144,10 @@ def merge(config: TransformerConfig, params, adapters, lora: LoRA, keep_dtype: b
             updated = current.astype(jnp.float32) + delta
             _set(merged, where, updated.astype(current.dtype) if keep_dtype else updated)
             continue
-        module, name, _ = KERNELS[target]
-        current = get(merged, (*path, module, name, "kernel"))
+        where = (*path, *kernel_path(config, target), "kernel")
+        current = get(merged, where)
         updated = add_update(config, target, current.astype(jnp.float32), delta)
-        _set(merged, (*path, module, name, "kernel"),
+        _set(merged, where,
              updated.astype(current.dtype) if keep_dtype else updated)
     return merged
 
@@ -151,8 +155,14 @@ def merge(config: TransformerConfig, params, adapters, lora: LoRA, keep_dtype: b
 def add_update(config: TransformerConfig, target: str, kernel: jax.Array,
                delta: jax.Array) -> jax.Array:
     """`kernel` (a float32 kernel of the module `target` names) plus a target's update
-    A B [..., I, O]: into its heads' slice of a fused qkv kernel, else the whole kernel."""
-    if KERNELS[target][1] == "qkv":
+    A B [..., I, O]: into its heads' slice of a fused qkv kernel, or of latent attention's
+    kv_up (its key dimensions, then its value dimensions), else the whole kernel."""
+    if is_latent_target(config, target) and target != "q":
+        nope = config.latent_nope_dim
+        delta = delta.reshape(*delta.shape[:-1], config.num_heads, -1)
+        part = slice(None, nope) if target == "k" else slice(nope, None)
+        return kernel.at[..., part].add(delta)
+    if KERNELS[target][1] == "qkv" and not is_latent_target(config, target):
         start, width = qkv_heads(config, target)
         delta = delta.reshape(*delta.shape[:-1], width, config.head_dim)
         return kernel.at[..., start:start + width, :].add(delta)
@@ -174,8 +184,9 @@ def sites(config: TransformerConfig, params, lora: LoRA
     found = set()
     for path, layer in layer_subtrees(params):
         for target in lora.targets:
-            module, name, _ = KERNELS[target]
-            held = layer.get(module, {}).get(name, {})
+            held = layer
+            for key in kernel_path(config, target):
+                held = held.get(key, {})
             kernel = held.get("kernel")
             experts = layer.get("ffn", {}).get("experts", {})
             if target in EXPERT_TARGETS and target in experts:
@@ -189,13 +200,14 @@ def sites(config: TransformerConfig, params, lora: LoRA
                 continue
             if not jnp.issubdtype(kernel.dtype, jnp.floating) and QUANTIZED_SCALE not in held:
                 raise ValueError(f"LoRA needs floating-point kernels; {'/'.join(path)}/"
-                                 f"{module}/{name} holds {kernel.dtype}")
+                                 f"{'/'.join(kernel_path(config, target))} holds "
+                                 f"{kernel.dtype}")
             found.add(target)
             yield path, target, kernel
     missing = [t for t in lora.targets if t not in found]
     if missing:
         raise ValueError(f"LoRA target {missing[0]!r} is not in this model (its layers have "
-                         f"no {'/'.join(KERNELS[missing[0]][:2])} kernel)")
+                         f"no {'/'.join(kernel_path(config, missing[0]))} kernel)")
 
 
 EXPERT_TARGETS = ("wi", "wi_gate", "wo")  # a mixture's experts' kernels, where it has them
@@ -220,18 +232,38 @@ def layer_subtrees(tree, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str
 
 def kernel_ndim(name: str) -> int:
     """Axes of one layer's kernel `name`: attention's qkv [D, N + 2K, H] and out [N, H, D]
-    have 3, the feed-forward kernels 2 (scanned layers put L before them)."""
-    return 3 if name in ("qkv", "out") else 2
+    (and latent attention's q, q_up and kv_up) have 3, the feed-forward kernels 2 (scanned
+    layers put L before them)."""
+    return 3 if name in ("qkv", "out", "q", "q_up", "kv_up") else 2
+
+
+def is_latent_target(config: TransformerConfig, target: str) -> bool:
+    """Whether `target` adapts one of latent attention's kernels (module docstring)."""
+    return bool(config.latent_kv_rank) and target in ("q", "k", "v")
+
+
+def kernel_path(config: TransformerConfig, target: str) -> tuple[str, ...]:
+    """The path, within a layer's params, of the module whose `kernel` `target` adapts."""
+    if is_latent_target(config, target):
+        name = ("q_up" if config.latent_q_rank else "q") if target == "q" else "kv_up"
+        return ("self_attention", "latent", name)
+    return KERNELS[target][:2]
 
 
 def _widths(config: TransformerConfig, target: str, kernel) -> tuple[int, int, tuple]:
     """(I, O, leading stack axes) of a target's A and B."""
-    lead = tuple(kernel.shape[:kernel.ndim - kernel_ndim(KERNELS[target][1])])
+    lead = tuple(kernel.shape[:kernel.ndim - kernel_ndim(kernel_path(config, target)[-1])])
     return (*widths(config, target), lead)
 
 
 def widths(config: TransformerConfig, target: str) -> tuple[int, int]:
     """(I, O): the input and output width of a target's update A B [I, O]."""
+    if is_latent_target(config, target):
+        per_head = {"q": config.rotary_dims + config.latent_nope_dim,
+                    "k": config.latent_nope_dim, "v": config.latent_value_dim}[target]
+        inputs = (config.latent_q_rank or config.d_model) if target == "q" else \
+            config.latent_kv_rank
+        return inputs, config.num_heads * per_head
     inputs = {"o": config.num_heads * config.head_dim, "wo": config.d_ff}.get(
         target, config.d_model)
     if KERNELS[target][1] == "qkv":

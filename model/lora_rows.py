@@ -19,7 +19,8 @@ reading the stack once whatever the batch (a gather of each row's pair would rea
 per row). Layers without the collection compute what they always have; a row without an
 adapter adds exact zeros.
 
-Targets are those of `model/lora.py` but a mixture's experts (merge such adapters instead).
+Targets are those of `model/lora.py` but a mixture's experts and latent attention's q, k and v
+(merge such adapters instead).
 Shape letters as there: B rows, T tokens, I and O a kernel's input and output width, R rank.
 """
 
@@ -108,8 +109,10 @@ def stack(config: TransformerConfig, params, adapters: Sequence[tuple[dict, L.Lo
         raise ValueError(f"rank={rank!r} must be an int >= 1 (or adapters given to take it from)")
     for index, (_, lora) in enumerate(given, 1):
         _refuse_experts(config, params, index, lora)
+        _refuse_latent(config, f"adapter {index}", lora.targets)
     if targets is None:
         targets = [t for t in L.TARGETS if any(t in lora.targets for _, lora in given)]
+    _refuse_latent(config, "the stack", targets)
     pairs: dict = {}
     for path, target, kernel in L.sites(config, params, L.LoRA(rank, targets=tuple(targets))):
         if L.in_experts(params, path, target):
@@ -136,7 +139,8 @@ def servable_targets(config: TransformerConfig, params) -> tuple[str, ...]:
             sites = list(L.sites(config, params, L.LoRA(1, targets=(target,))))
         except ValueError:  # the model has no such kernel (or no float one)
             continue
-        if not any(L.in_experts(params, path, name) for path, name, _ in sites):
+        if not (any(L.in_experts(params, path, name) for path, name, _ in sites)
+                or L.is_latent_target(config, target)):
             found.append(target)
     return tuple(found)
 
@@ -157,6 +161,7 @@ def put(config: TransformerConfig, params, adapter_stack: AdapterStack, index: i
         if lora.rank > rank:
             raise ValueError(f"adapter {index} has rank {lora.rank}, more than the stack's "
                              f"{rank}")
+        _refuse_latent(config, f"adapter {index}", lora.targets)
         for path, target, _ in L.sites(config, params, lora):
             _refuse_expert_site(params, index, path, target)
             where = (*path, L.KERNELS[target][0], target)
@@ -189,6 +194,14 @@ def _refuse_expert_site(params, index: int, path: tuple[str, ...], target: str) 
         raise ValueError(f"adapter {index} adapts a mixture's experts ({target!r}): adapters "
                          "served side by side cover attention and feed-forward kernels; "
                          "merge this one into the model instead")
+
+
+def _refuse_latent(config: TransformerConfig, who: str, targets) -> None:
+    latent = [t for t in targets if L.is_latent_target(config, t)]
+    if latent:
+        raise ValueError(f"{who} adapts {latent[0]!r} of latent attention: adapters served "
+                         "side by side cover its output and feed-forward kernels; merge "
+                         "this one into the model instead")
 
 
 def _entries(pairs: dict, path: tuple[str, ...] = ()):

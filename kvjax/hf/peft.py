@@ -174,6 +174,9 @@ def _read_pairs(config: TransformerConfig, model_type: str, directory: Path):
         if config.num_experts:  # a mixture's layers have no dense FFN to adapt
             modules = {module: targets for module, targets in modules.items()
                        if not {"wi", "wi_gate", "wo"} & set(targets)}
+        if config.latent_kv_rank:  # nor latent attention a q, k or v projection to adapt
+            modules = {module: targets for module, targets in modules.items()
+                       if not any(L.is_latent_target(config, t) for t in targets)}
         pattern = _tensor_pattern(model_type)
         known = modules if not expert_params else {**modules, **peft_experts.WRAPPERS}
 
@@ -320,6 +323,11 @@ def write_peft_adapter(config: TransformerConfig, model_type: str, adapters: dic
         raise ValueError(f"adapters of a mixture's experts ({', '.join(experts)}) are not "
                          f"written as a PEFT adapter of a {model_type} model; `kvjax "
                          "merge-lora` writes the merged model")
+    latent = [t for t in settings.targets if L.is_latent_target(config, t)]
+    if latent:
+        raise ValueError(f"adapters of latent attention's {', '.join(latent)} are not written "
+                         f"as a PEFT adapter of a {model_type} model; `kvjax merge-lora` "
+                         "writes the merged model")
     tensors, ranks = _peft_tensors(config, model_type, adapters["layers"], settings)
     expert_tensors, expert_params, expert_rank = peft_experts.peft_tensors(
         config, adapters["layers"], settings, layer_prefixes(model_type)[0]) \

@@ -54,14 +54,21 @@ def test_kernels_are_int8_values_and_scales_of_the_formula(scan_layers):
             np.testing.assert_array_equal(b, np.asarray(a).astype(jnp.bfloat16))
 
 
-@pytest.mark.parametrize("encoder_layers, scan_layers", [(0, False), (1, True)],
-                         ids=["decoder-only, unrolled", "encoder-decoder, scanned"])
-def test_layers_unpacking_their_own_kernels_equal_the_merged_model(encoder_layers, scan_layers):
+# Latent attention (`model/latent_attention.py`): q, k and v adapt its own kernels.
+LATENT = dict(positional_encoding="rope", num_heads=4, head_dim=12, rotary_dim=4,
+              latent_kv_rank=10, latent_nope_dim=6, latent_value_dim=8, latent_q_rank=12)
+
+
+@pytest.mark.parametrize("fields", [dict(num_kv_heads=2),
+                                    dict(num_kv_heads=2, num_encoder_layers=1, scan_layers=True),
+                                    dict(LATENT, num_kv_heads=4, scan_layers=True)],
+                         ids=["decoder-only, unrolled", "encoder-decoder, scanned",
+                              "latent attention, scanned"])
+def test_layers_unpacking_their_own_kernels_equal_the_merged_model(fields):
     """Loss and adapter gradients of layers that dequantize their int8 kernels and add their
     adapters inside (rematerialized, as training runs them) equal those of the whole model
     merged over the dequantized base first (`model.lora.merge`)."""
-    config = M.preset("tiny", num_kv_heads=2, num_encoder_layers=encoder_layers,
-                      scan_layers=scan_layers)
+    config = M.preset("tiny", **fields)
     base = int8_base.quantize_layers(M.init_params(config, jax.random.key(0)))
     adapters = L.init_adapters(config, base, LORA, jax.random.key(1))
     adapters = jax.tree.map(  # B drawn, not zero, so every update counts

@@ -2,8 +2,8 @@
 What it computes is held to transformers' DeepSeek-V3 and GLM-4.7-Flash on tiny imported
 models (tests/hf/test_hf_models.py); here, that decoding from the latent cache (absorbed)
 gives what a full forward (expanded) does, the engine's int8 pages too, that the two ways are
-the same products, that a head's padding adds nothing, what the cache holds, and that int8
-kernels compute as their dequantized floats."""
+the same products, that a head's padding adds nothing, what the cache holds, that int8
+kernels compute as their dequantized floats and where LoRA's q, k and v adapt it."""
 
 import re
 
@@ -153,6 +153,50 @@ def test_int8_kernels_are_the_formulas_and_compute_as_the_dequantized_model():
     assert_same_logits(logits, run_full(config, int8_base.dequantize_layers(held), tokens))
     exact = run_full(config, params, tokens)
     assert np.abs(logits - exact).max() <= 0.05 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("q_rank", [0, 12])
+def test_lora_adapts_the_query_kernel_and_kv_up_s_key_and_value_halves(q_rank):
+    """q adapts the kernel that makes the heads' queries (`q`, or `q_up` after a latent),
+    k and v the key and value dimensions of each head in `kv_up`: the merged kernels are the
+    NumPy formula's, a zero B changes nothing, and adapters of them are merged rather than
+    served side by side."""
+    from kvjax.model import lora as L
+    from kvjax.model import lora_rows
+
+    config = M.preset("tiny", **LATENT, latent_q_rank=q_rank)
+    params = M.init_params(config, jax.random.key(0))
+    lora = M.LoRA(2, 6.0, ("q", "k", "v", "o"))
+    adapters = L.init_adapters(config, params, lora, jax.random.key(1))
+    np.testing.assert_array_equal(  # B starts at zero
+        run_full(config, L.merge(config, params, adapters, lora), jnp.array([[3, 4, 5]])),
+        run_full(config, params, jnp.array([[3, 4, 5]])))
+    adapters = jax.tree.map(lambda x: x + jax.random.normal(jax.random.key(2), x.shape), adapters)
+    merged = L.merge(config, params, adapters, lora, keep_dtype=False)
+    heads, nope, rank = config.num_heads, config.latent_nope_dim, config.latent_kv_rank
+    query = "q_up" if q_rank else "q"
+
+    def update(where, target):  # alpha / r = 6 / 2
+        pair = L.get(adapters, (*where, target))
+        return 3.0 * np.asarray(pair["lora_a"], np.float64) @ np.asarray(pair["lora_b"])
+
+    def kernel(tree, where, name):
+        return np.asarray(L.get(tree, (*where, "self_attention", "latent", name, "kernel")),
+                          np.float64)
+
+    for where, _ in L.layer_subtrees(params):
+        w, q = kernel(params, where, query), update(where, "q")
+        assert q.shape == ((q_rank or config.d_model), heads * 10)  # 4 turned + 6 per head
+        np.testing.assert_allclose(kernel(merged, where, query), w + q.reshape(w.shape),
+                                   rtol=1e-5, atol=1e-6)
+        w = kernel(params, where, "kv_up")
+        want = np.concatenate([w[..., :nope] + update(where, "k").reshape(rank, heads, nope),
+                               w[..., nope:] + update(where, "v").reshape(rank, heads, 8)],
+                              axis=-1)
+        np.testing.assert_allclose(kernel(merged, where, "kv_up"), want, rtol=1e-5, atol=1e-6)
+    assert lora_rows.servable_targets(config, params) == ("o", "wi", "wo")
+    with pytest.raises(ValueError, match="adapter 1 adapts 'q' of latent attention: .* merge"):
+        lora_rows.stack(config, params, [(adapters, lora)])
 
 
 def test_an_int8_paged_cache_serves_what_generate_makes_with_it():
