@@ -138,15 +138,20 @@ class DecoderLayer(nn.Module):
     `layer` also holds this layer's `cross_k` and `cross_v`: [B, S_src, K, H], or the cache's
     [B, K, S_src, H] with a cache (and, from an int8 cache, `cross_k_scale` and
     `cross_v_scale` [B, K, S_src]).
+    `number`, where set (unrolled layers), is the layer's number known while tracing, in
+    place of `layer["number"]`, which a rematerialized layer receives traced: a layer's kind
+    (dense or a mixture of experts) is decided then.
     """
 
     config: TransformerConfig
+    number: int | None = None
 
     @nn.compact
     def __call__(self, carry, layer: dict[str, Any], inputs: LayerInputs):
         c = self.config
         x_BTD, cache_kv = carry
-        mask_BTS, local = _attention_kind(c, layer["number"], inputs)
+        number = layer["number"] if self.number is None else self.number
+        mask_BTS, local = _attention_kind(c, number, inputs)
         attention = SelfAttention(c, name="self_attention")
         parallel = c.parallel_residual
         normed = {}  # the attention's input, which the FFN reads too under a shared norm
@@ -156,7 +161,7 @@ class DecoderLayer(nn.Module):
             return attention(h_BTD, inputs.positions, mask_BTS, cache_kv, layer["index"],
                              inputs.starts, inputs.fits, inputs.fresh, local,
                              inputs.key_lengths, pages=inputs.pages,
-                             turned=_turned(c, layer["number"]), bias_table=inputs.bias_table)
+                             turned=_turned(c, number), bias_table=inputs.bias_table)
 
         # Sequential: x_BTD + Attn(...); parallel: Attn(...) alone, summed with the FFN's below.
         x, cache_kv = Residual(c, name="attention_block", add_input=not parallel)(x_BTD, attend)
@@ -167,7 +172,7 @@ class DecoderLayer(nn.Module):
                                     cached=cache_kv is not None,
                                     scales=_cross_scales(layer),
                                     source_lengths_B=inputs.source_lengths), None))
-        ffn = _feed_forward(c, layer["number"])
+        ffn = _feed_forward(c, number)
         if parallel:  # the FFN reads the layer's input too
             ffn_out, _ = Residual(c, name="ffn_block", add_input=False,
                                   normalize=not c.shared_norm)(
@@ -220,11 +225,14 @@ class Unrolled(nn.Module):
     @nn.compact
     def __call__(self, x, stacked, per_layer, shared):
         stacked, outputs = list(stacked) if stacked is not None else None, []
+        fields = getattr(self.layer_cls, "__dataclass_fields__", {})
         for i in range(self.num_layers):
             inputs = {"index": 0, "number": i, **({} if per_layer is None else
                                                   jax.tree.map(lambda a: a[0], per_layer[i]))}
             own = None if stacked is None else stacked[i]
-            (x, own), out = self.layer_cls(self.config, name=str(i))((x, own), inputs, shared)
+            numbered = {"number": i} if "number" in fields else {}
+            (x, own), out = self.layer_cls(self.config, name=str(i), **numbered)(
+                (x, own), inputs, shared)
             if stacked is not None:
                 stacked[i] = own
             outputs.append(jax.tree.map(lambda a: a[None], out))

@@ -10,9 +10,13 @@ from kvjax import model as M
 from kvjax.train import update
 from kvjax.train.config import TrainConfig
 
-# Both layer layouts and both variants (the step below is the scanned decoder-only one).
+# Both layer layouts and both variants (the step below is the scanned decoder-only one); the
+# unrolled one a mixture of experts after a dense first layer, whose kind a rematerialized
+# layer must know while it is traced (DeepSeek's, GLM-4.5's).
 VARIANTS = {
-    "decoder-only, unrolled": dict(scan_layers=False),
+    "decoder-only, unrolled, experts after a dense layer": dict(
+        scan_layers=False, num_experts=4, experts_per_token=2, dense_ffn_layers=(0,),
+        dense_d_ff=48),
     "encoder-decoder, scanned": dict(scan_layers=True, num_encoder_layers=2),
 }
 
