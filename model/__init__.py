@@ -4,6 +4,7 @@ from .attention import attend
 from .cache import KVCache, init_cache
 from .cache_size import CacheSize, cache_size_bytes
 from .config import PRESETS, SPEED_ONLY_FIELDS, TransformerConfig, preset
+from .float32_params import cast_floats
 from .interface import (
     build_model,
     check_prompt_length,
@@ -27,7 +28,7 @@ from .transformer import DecoderOnlyLM, EncoderDecoder
 __all__ = [
     "PRESETS", "SPEED_ONLY_FIELDS", "CacheSize", "DecoderOnlyLM", "EncoderDecoder", "KVCache",
     "LoRA", "PositionBias", "TransformerConfig",
-    "NO_PAGE", "alibi_slopes", "attend", "build_model", "cache_size_bytes",
+    "NO_PAGE", "alibi_slopes", "attend", "build_model", "cache_size_bytes", "cast_floats",
     "check_prompt_length", "init_cache", "init_paged_cache",
     "init_params", "prefill", "preset", "prompt_is_source", "prompt_slots", "step_fn",
     "target_start", "teacher_forced_logits", "teacher_forced_hidden", "hidden_logits",

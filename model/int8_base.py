@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from . import lora as L
 from .config import TransformerConfig
+from .float32_params import cast_floats, is_scale
 
 INT8_MAX = 127
 SCALE = L.QUANTIZED_SCALE  # beside `kernel`, in the same module's params
@@ -75,9 +76,8 @@ def quantize_layers(params, float_dtype=None):
     latent attention's projections (`LATENT_KERNELS`) as int8 values and scales (`SCALE`
     beside each `kernel`), and a mixture's experts' kernels likewise (`EXPERT_KERNELS`);
     every other floating-point array in `float_dtype` (None: as it is)."""
-    cast = (lambda x: x) if float_dtype is None else (
-        lambda x: x.astype(float_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x)
-    out = jax.tree.map(cast, params)
+    out = jax.tree.map(lambda x: x, params) if float_dtype is None else \
+        cast_floats(params, float_dtype)
     for path, layer in L.layer_subtrees(out):
         for module, name, input_axes in _KERNELS:
             # A mixture's shared expert is a feed-forward network of its own.
@@ -137,12 +137,6 @@ def _find(tree, path):
 def dequantize_layers(params):
     """`params` with every int8 kernel and its scale as one float32 kernel."""
     return _map_kernel_dicts(params, _dequantized)
-
-
-def is_scale(name: str) -> bool:
-    """Whether a param named `name` is the float32 scale of int8 values (`SCALE`,
-    `EMBEDDING_SCALE`, `<expert kernel>_scale`)."""
-    return name.endswith("_scale")
 
 
 def _product(values: jax.Array, scale: jax.Array, dtype) -> jax.Array:

@@ -16,12 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-
 from . import int8_base
 from .config import TransformerConfig
 from .config_checks import CACHE_DTYPES, DTYPES, KERNEL_DTYPES
+from .float32_params import cast_floats
 
 
 def with_precision(config: TransformerConfig, params: Any, dtype: str | None = None,
@@ -30,7 +28,7 @@ def with_precision(config: TransformerConfig, params: Any, dtype: str | None = N
     """`(config, params)` computing in `dtype` with params of `dtype` (None: as they are),
     a KV cache of `cache_dtype` (None: as the config says), and the layers' kernels in
     `kernel_dtype` (None: as they are; "int8" quantizes them as they are in `dtype`). The
-    scales of int8 kernels stay float32."""
+    scales of int8 kernels and a router's selection bias stay float32 (`float32_params.py`)."""
     changes: dict[str, Any] = {}
     if dtype is not None:
         if dtype not in DTYPES:
@@ -45,7 +43,7 @@ def with_precision(config: TransformerConfig, params: Any, dtype: str | None = N
             raise ValueError(f"kernel_dtype={kernel_dtype!r} is not one of {KERNEL_DTYPES}")
         changes["kernel_dtype"] = kernel_dtype
     if dtype is not None:
-        params = jax.tree_util.tree_map_with_path(lambda path, x: _cast(path, x, dtype), params)
+        params = cast_floats(params, dtype)
     if kernel_dtype is not None and config.kernel_dtype is None:
         params = int8_base.quantize_for_decoding(params)
     return config.replace(**changes), params
@@ -57,11 +55,6 @@ def with_float_kernels(config: TransformerConfig, params: Any) -> tuple[Transfor
     (what training and merging adapters start from); any other model as it is."""
     if config.kernel_dtype is None:
         return config, params
-    params = jax.tree.map(lambda x: x.astype(config.weights_dtype),
-                          int8_base.dequantize_layers(params))
+    params = cast_floats(int8_base.dequantize_layers(params), config.weights_dtype)
     return config.replace(kernel_dtype=None), params
 
-
-def _cast(path, x, dtype: str):
-    scale = bool(path) and int8_base.is_scale(str(getattr(path[-1], "key", "")))
-    return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and not scale else x

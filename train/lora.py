@@ -42,9 +42,7 @@ def as_base(params, lora: M.LoRA):
         return params
     if lora.int8_base:
         return int8_base.quantize_layers(params, jnp.bfloat16)
-    dtype = jnp.dtype(lora.base_dtype)
-    return jax.tree.map(
-        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    return M.cast_floats(params, jnp.dtype(lora.base_dtype))
 
 
 def record(train_config: TrainConfig, base: dict[str, Any]) -> dict[str, Any]:

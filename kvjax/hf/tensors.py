@@ -23,6 +23,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from kvjax import model as M
+from kvjax.model.float32_params import keeps_float32
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -137,7 +138,7 @@ class Params:
         if key not in self.wanted:
             raise AssertionError(f"kvjax has no param {path}")
         assert value.shape == self.wanted[key], (path, value.shape, self.wanted[key])
-        self.values[key] = value.astype(self.dtype)
+        self.values[key] = value.astype(np.float32 if keeps_float32(key[-1]) else self.dtype)
 
     def tree(self, ignorable: Callable[[str], bool]) -> dict:
         missing = sorted("/".join(k) for k in self.wanted if k not in self.values)

@@ -350,6 +350,28 @@ def test_bfloat16_weights_load_as_asked():
         np.testing.assert_array_equal(got, leaf)
 
 
+def test_a_router_s_selection_bias_stays_float32_in_a_bfloat16_model(loaded):
+    """DeepSeek-V3's `e_score_correction_bias` picks experts by small differences of float32
+    scores: read into a bfloat16 model it stays float32, as transformers keeps it, the dtype
+    the model declares for it, and so does the float32 model cast to bfloat16."""
+    config, _, params = hf.load_pretrained(FIXTURES / "deepseek_v3", dtype="bfloat16")
+    dtypes = {jax.tree_util.keystr(path): leaf.dtype
+              for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+    biases = {name for name in dtypes if name.endswith("['selection_bias']")}
+    assert biases and {dtypes[name] for name in biases} == {jnp.dtype("float32")}
+    assert {dtypes[name] for name in dtypes.keys() - biases} == {jnp.dtype("bfloat16")}
+    declared = jax.eval_shape(lambda: M.init_params(config, jax.random.key(0)))
+    assert jax.tree.map(lambda x: x.dtype, params) == jax.tree.map(lambda x: x.dtype, declared)
+    float_config, _, float_params = loaded("deepseek_v3")
+    cast_config, cast = M.with_precision(float_config, float_params, "bfloat16")
+    assert cast_config == config
+    for got, want in zip(jax.tree.leaves(cast), jax.tree.leaves(params), strict=True):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+    record, logits = expected("deepseek_v3")
+    assert relative_error(teacher_forced(config, params, record)[0], logits["logits_0"]) < 0.05
+
+
 # Copies of the fixtures to change, for the tests of bad input here and in the other files.
 
 
