@@ -225,6 +225,8 @@ class Unrolled(nn.Module):
     @nn.compact
     def __call__(self, x, stacked, per_layer, shared):
         stacked, outputs = list(stacked) if stacked is not None else None, []
+        # A layer that takes its number (`DecoderLayer`) gets it as an int: rematerialized,
+        # its `inputs` arrive traced.
         fields = getattr(self.layer_cls, "__dataclass_fields__", {})
         for i in range(self.num_layers):
             inputs = {"index": 0, "number": i, **({} if per_layer is None else
