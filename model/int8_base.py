@@ -51,8 +51,14 @@ EMBEDDING_SCALE = "embedding_scale"
 # name -> the input axis of one layer's [D, experts, d_ff] or [experts, d_ff, D].
 EXPERT_KERNELS = {"wi": 0, "wi_gate": 0, "wo": 1}
 # Latent attention's projections (`model/latent_attention.py`), each a `kernel` whose first
-# axis is its input: name -> the kernel's axes in one layer. Held as the other kernels are.
-LATENT_KERNELS = {"q": 3, "q_down": 2, "q_up": 3, "kv_down": 2, "kv_up": 3}
+# axis is its input (axes as `lora.kernel_ndim` counts them). Held as the other kernels are.
+LATENT_KERNELS = ("q", "q_down", "q_up", "kv_down", "kv_up")
+# (the path of its module's owner in a layer, its name, its input axes) of every kernel held
+# as int8 values and a scale: a LoRA target's, in a mixture's shared expert (a feed-forward
+# network of its own) too, and latent attention's.
+_HELD_KERNELS = (*[(owner, name, input_axes) for module, name, input_axes in _KERNELS
+                   for owner in ((module,), (module, "shared_expert"))],
+                 *[(("self_attention", "latent"), name, 1) for name in LATENT_KERNELS])
 
 
 def quantize_kernel(kernel: jax.Array, ndim: int, input_axes: int
@@ -79,24 +85,14 @@ def quantize_layers(params, float_dtype=None):
     out = jax.tree.map(lambda x: x, params) if float_dtype is None else \
         cast_floats(params, float_dtype)
     for path, layer in L.layer_subtrees(out):
-        for module, name, input_axes in _KERNELS:
-            # A mixture's shared expert is a feed-forward network of its own.
-            for owner_path in ((module,), (module, "shared_expert")):
-                owner = _find(layer, owner_path)
-                held = owner.get(name) if isinstance(owner, dict) else None
-                if not isinstance(held, dict) or "kernel" not in held or SCALE in held:
-                    continue
-                kernel = L.get(params, (*path, *owner_path, name, "kernel"))  # before the cast
-                values, scale = quantize_kernel(kernel, L.kernel_ndim(name), input_axes)
-                owner[name] = {**held, "kernel": values, SCALE: scale}
-        latent = _find(layer, ("self_attention", "latent")) or {}
-        for name, ndim in LATENT_KERNELS.items():
-            held = latent.get(name)
+        for owner_path, name, input_axes in _HELD_KERNELS:
+            owner = _find(layer, owner_path)
+            held = owner.get(name) if isinstance(owner, dict) else None
             if not isinstance(held, dict) or "kernel" not in held or SCALE in held:
                 continue
-            kernel = L.get(params, (*path, "self_attention", "latent", name, "kernel"))
-            values, scale = quantize_kernel(kernel, ndim, 1)
-            latent[name] = {**held, "kernel": values, SCALE: scale}
+            kernel = L.get(params, (*path, *owner_path, name, "kernel"))  # before the cast
+            values, scale = quantize_kernel(kernel, L.kernel_ndim(name), input_axes)
+            owner[name] = {**held, "kernel": values, SCALE: scale}
         experts = layer.get("ffn", {}).get("experts")
         for name, axis in EXPERT_KERNELS.items():
             if experts is None or name not in experts or f"{name}_scale" in experts:
