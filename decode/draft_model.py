@@ -112,7 +112,8 @@ def catch_up(draft_step, cache: M.KVCache, context_BC: jax.Array, context_length
     """The draft's cache fed each running row's context up to its last two tokens, as far
     as it has room: after plain iterations, which do not run the draft, it lags by more.
     CATCH_UP_TOKENS go in per call while they fit, then one at a time (a write of T tokens
-    needs T free slots, however few of them are valid)."""
+    needs T free slots, however few of them are valid; a cache smaller than that, as an
+    encoder-decoder's for a short output, takes as many as it holds)."""
     width = context_BC.shape[1]
 
     def feed(num_tokens):
@@ -128,7 +129,7 @@ def catch_up(draft_step, cache: M.KVCache, context_BC: jax.Array, context_length
 
         return lambda cache: jax.lax.while_loop(lambda c: jnp.any(to_feed(c) > 0), call, cache)
 
-    return feed(1)(feed(CATCH_UP_TOKENS)(cache))
+    return feed(1)(feed(min(CATCH_UP_TOKENS, cache.capacity))(cache))
 
 
 def propose(draft_step, cache: M.KVCache, context_BC: jax.Array, context_lengths_B: jax.Array,

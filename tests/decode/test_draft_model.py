@@ -305,6 +305,9 @@ def test_encoder_decoder_draft_keeps_up_with_the_target(tiny_translator):
     np.testing.assert_array_equal(fast.speculation.accepted, fast.speculation.drafted)
     assert fast.speculation.steps <= 3  # 15 tokens after the first, 5 per call
     assert len({tuple(row) for row in fast.tokens[:, :8]}) == len(PROMPTS)  # varied rows
+    # A short output's cache holds fewer slots than the draft catches up by per call.
+    short = decode.generate(net, params, PROMPTS, max_new_tokens=4, speculative=copy)
+    assert short.token_lists() == [row[:4] for row in fast.token_lists()]
     count = decode.trace_count("speculative_draft")
     other = decode.Speculative("draft", 4, draft_model=net,
                                draft_params=scaled(M.init_params(config, jax.random.key(2))))
