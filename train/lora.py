@@ -74,10 +74,20 @@ def merged(model_config: M.TransformerConfig, base, adapters, lora: M.LoRA) -> A
 
 def model_params(model_config: M.TransformerConfig, train_config: TrainConfig, params,
                  base) -> Any:
-    """The params a run's state stands for: its params, or the base with its adapters."""
+    """The params a run's state stands for: its params, or the base with its adapters, in
+    the dtypes the model declares. A base held in bfloat16 or int8 merges into bfloat16
+    arrays, which decoding (a translation run's evaluation) refuses for a float32 model;
+    widened, their values are the same."""
     if train_config.lora is None:
         return params
-    return merged(model_config, base, params, train_config.lora)
+    return jax.tree.map(lambda x, declared: x.astype(declared.dtype),
+                        merged(model_config, base, params, train_config.lora),
+                        _declared_params(model_config))
+
+
+@functools.lru_cache(maxsize=8)
+def _declared_params(model_config: M.TransformerConfig) -> Any:
+    return jax.eval_shape(lambda: M.init_params(model_config, jax.random.key(0)))
 
 
 def merge_into_checkpoint(base: str | Path, adapters: str | Path, out: str | Path) -> Path:

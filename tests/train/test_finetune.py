@@ -18,7 +18,7 @@ from kvjax import model as M
 from kvjax.hf.convert import import_checkpoint
 from kvjax.tokenizer import EOS_ID, tokenizer_from_bytes, train_tokenizer
 from kvjax.tokenizer.huggingface import load_tokenizer
-from kvjax.train import data, run_dir, tasks, trainer, update
+from kvjax.train import data, lora, run_dir, tasks, trainer, update
 from kvjax.train.config import TrainConfig, TrainTask
 
 HF_MODELS = Path(__file__).resolve().parents[1] / "fixtures" / "hf_models"
@@ -201,6 +201,31 @@ def test_fine_tuning_imported_marian_trains_and_loads(imported, tmp_path):
     assert result.step == 4 and all(np.isfinite(list(result.losses.values())))
     config = checkpoint.load_for_sampling(tmp_path / "ft")[0]
     assert config.is_encoder_decoder and config.bos_id == 283
+
+
+def test_a_translation_run_over_a_low_precision_base_evaluates_its_translations(imported,
+                                                                             tmp_path):
+    """A LoRA run's evaluation decodes its base with the adapters merged, in the dtypes the
+    model declares: a base held in bfloat16 (or int8) merges into bfloat16 arrays, which
+    decoding refuses for a float32 model, so the merge is widened (the same values)."""
+    (tmp_path / "pairs.tsv").write_text(PAIRS, encoding="utf-8")
+    result = tasks.train_translate(
+        tmp_path / "ft", data_tsv=tmp_path / "pairs.tsv", init_from=imported("marian"),
+        num_heldout=2, steps=2, warmup_steps=1, batch_size=8, save_every=2, progress=False,
+        lora=M.LoRA(2, base_dtype="bfloat16"))
+    assert result.step == 2 and 0 <= result.metrics["accuracy"] <= 1
+    config, _, params = checkpoint.load_for_sampling(imported("marian"))
+    declared = jax.eval_shape(lambda: M.init_params(config, jax.random.key(0)))
+    settings = M.LoRA(2, base_dtype="int8")
+    run = TrainConfig(lora=settings)
+    base = lora.as_base(params, settings)
+    adapters = lora.init_adapters(config, run, base)
+    evaluated = lora.model_params(config, run, adapters, base)
+    assert jax.tree.map(lambda x: x.dtype, evaluated) == jax.tree.map(lambda x: x.dtype,
+                                                                       declared)
+    np.testing.assert_array_equal(  # B starts at zero: the int8 base's values, widened
+        evaluated["decoder_layers"]["0"]["ffn"]["wo"]["kernel"],
+        M.int8_base.dequantize_layers(base)["decoder_layers"]["0"]["ffn"]["wo"]["kernel"])
 
 
 def test_an_nllb_style_target_starts_with_its_language_and_is_forced_to_when_evaluated(
