@@ -338,8 +338,7 @@ def _pretrained(out_dir: str | os.PathLike, task: str, init_from: str | os.PathL
     record = run_dir.read_run_record(Path(out_dir)) if resume and Path(out_dir).is_dir() else None
     if record is not None and run_dir.INIT_FROM in record:
         source = Path(out_dir)
-        if init_from is not None and checkpoint.read_metadata(init_from) != (
-                checkpoint.read_metadata(source)):
+        if init_from is not None and not _started_from(init_from, source):
             raise checkpoint.CheckpointError(
                 f"cannot resume: {out_dir} was started from "
                 f"{record[run_dir.INIT_FROM].get('checkpoint')}, not from {init_from}")
@@ -360,11 +359,29 @@ def _pretrained(out_dir: str | os.PathLike, task: str, init_from: str | os.PathL
         raise ValueError(f"{source} holds a {saved_task!r} model; it cannot start a {task!r} "
                          "run")
     try:
-        config = M.TransformerConfig.from_dict(config_dict)
-        # A run trains float params: int8 weights (kernel_dtype) start it dequantized.
-        return config.replace(kernel_dtype=None), tokenizer_from_bytes(tokenizer_bytes)
+        config = M.TransformerConfig.from_dict(config_dict).replace(kernel_dtype=None)
     except (TypeError, ValueError) as e:
         raise checkpoint.CheckpointError(f"{source}: {e}") from e
+    # A run trains float params: int8 weights (kernel_dtype) start it dequantized. Training
+    # every weight keeps float32 params and optimizer state, as mixed precision does, and
+    # computes in the checkpoint's dtype: updates rounded to bfloat16 params would mostly
+    # vanish. LoRA's frozen base stays as stored (its adapters are float32); a resumed run
+    # keeps its own config.
+    if source != Path(out_dir) and overrides.get("lora") is None:
+        config = config.replace(param_dtype="float32")
+    return config, tokenizer_from_bytes(tokenizer_bytes)
+
+
+def _started_from(checkpoint_dir: str | os.PathLike, run: Path) -> bool:
+    """Whether the fine-tuning run in `run` started from `checkpoint_dir`: the same task,
+    tokenizer and model, whatever dtypes each holds its params in (a run's are float, and
+    float32 when it trains every weight)."""
+    def started_as(path):
+        config_dict, task, tokenizer_bytes = checkpoint.read_metadata(path)
+        config = M.TransformerConfig.from_dict(config_dict)
+        return config.replace(kernel_dtype=None, param_dtype="float32"), task, tokenizer_bytes
+
+    return started_as(checkpoint_dir) == started_as(run)
 
 
 def _tokenizer(out_dir: str | os.PathLike, resume: bool, texts: list[str],

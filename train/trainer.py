@@ -378,15 +378,18 @@ def _initial_params(init_from: str | Path, model_config, task: TrainTask,
                     mesh: Mesh | None) -> tuple[Any, dict[str, Any]]:
     """The params of the newest step in `init_from`, and what run.json records of them.
     A checkpoint of int8 weights (`kernel_dtype="int8"`, `kvjax import-hf --kernel-dtype
-    int8`) starts the float model of its dequantized weights, which computes what it does."""
+    int8`) starts the float model of its dequantized weights, which computes what it does;
+    one of bfloat16 params starts a run of float32 params (`tasks._pretrained`), widened."""
     path = Path(init_from)
-    saved = model_config.replace(kernel_dtype=M.TransformerConfig.from_dict(
-        checkpoint.read_metadata(path)[0]).kernel_dtype)
+    stored = M.TransformerConfig.from_dict(checkpoint.read_metadata(path)[0])
+    saved = model_config.replace(kernel_dtype=stored.kernel_dtype,
+                                 param_dtype=stored.param_dtype)
     run_dir.check_same_run(path, saved, task, action=f"cannot start from {path}")
     _, _, params = checkpoint.load_for_sampling(path, mesh,
                                                 scan_layers=model_config.scan_layers)
     _, params = M.with_float_kernels(saved, params)
-    return params, {"checkpoint": str(path.resolve()), "step": checkpoint.latest_step(path)}
+    return (M.cast_floats(params, model_config.param_dtype),
+            {"checkpoint": str(path.resolve()), "step": checkpoint.latest_step(path)})
 
 
 def _checkpoint_tree(state: TrainState) -> dict[str, Any]:

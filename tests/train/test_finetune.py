@@ -171,6 +171,28 @@ def test_a_hugging_face_directory_is_imported_into_the_run_and_fine_tuned(tmp_pa
                        steps=3, progress=False)
 
 
+def test_a_bfloat16_import_fine_tunes_float32_params_and_resumes_from_the_same_command(
+        tmp_path):
+    """Training every weight of a bfloat16 checkpoint keeps float32 params (mixed precision:
+    updates rounded to bfloat16 would mostly vanish), computing in bfloat16 as the checkpoint
+    does; the run resumes with the same `init_from` although its params' dtype differs."""
+    source = import_checkpoint(HF_MODELS / "gpt2", tmp_path / "bf16", dtype="bfloat16")
+    (tmp_path / "my.txt").write_text(TEXT, encoding="utf-8")
+    settings = dict(data_files=[tmp_path / "my.txt"], init_from=source, steps=2,
+                    warmup_steps=1, batch_size=4, save_every=1, progress=False)
+    tasks.train_lm(tmp_path / "ft", stop_after=1, **settings)
+    result = tasks.train_lm(tmp_path / "ft", resume=True, **settings)
+    assert result.step == 2 and all(np.isfinite(list(result.losses.values())))
+    stored, _, start = checkpoint.load_for_sampling(source)
+    config, _, tuned = checkpoint.load_for_sampling(tmp_path / "ft")
+    assert (stored.dtype, stored.param_dtype) == ("bfloat16", "bfloat16")
+    assert config == stored.replace(param_dtype="float32")
+    assert {leaf.dtype for leaf in jax.tree.leaves(tuned)} == {np.dtype("float32")}
+    moved = [np.max(np.abs(np.asarray(a, np.float32) - b))
+             for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(tuned), strict=True)]
+    assert 0 < max(moved) < 0.05  # trained, from the checkpoint's params
+
+
 def test_an_int8_import_fine_tunes_as_the_float_model_of_its_dequantized_weights(tmp_path):
     """A checkpoint of int8 weights (`import-hf --kernel-dtype int8`) starts a float run from
     its dequantized weights; the adapters trained so load over it, merged into them."""
@@ -181,6 +203,11 @@ def test_an_int8_import_fine_tunes_as_the_float_model_of_its_dequantized_weights
                             warmup_steps=1, batch_size=4, save_every=3, progress=False,
                             lora=M.LoRA(2))
     assert result.step == 3 and all(np.isfinite(list(result.losses.values())))
+    # The same command resumes it, though the run's params are float and the start's int8.
+    again = tasks.train_lm(out, data_files=[tmp_path / "my.txt"], init_from=source, steps=4,
+                           warmup_steps=1, batch_size=4, save_every=4, progress=False,
+                           lora=M.LoRA(2), resume=True, allow_changes=True)
+    assert again.step == 4
     config, _, int8_params = checkpoint.load_for_sampling(source)
     assert config.kernel_dtype == "int8"
     settings, trained, _, adapters = checkpoint.read_adapters(out)
