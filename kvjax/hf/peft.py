@@ -35,9 +35,10 @@ from safetensors.numpy import save_file
 from kvjax.model import TransformerConfig
 from kvjax.model import lora as L
 
-from . import peft_experts, peft_seq2seq
+from . import peft_experts, peft_seq2seq, text_of_multimodal
 from .errors import UnsupportedModelError
 from .peft_modules import (
+    LANGUAGE_MODEL_LAYERS,
     MODULES,
     layer_prefixes,
     reorders,
@@ -291,12 +292,19 @@ def export_peft_adapter(adapter_dir: str | os.PathLike, hf_directory: str | os.P
         raise FileExistsError(f"{out} already holds a PEFT adapter; write into a new directory")
     settings, trained, base, adapters = checkpoint.read_adapters(adapter_dir)
     hf = read_hf_config(hf_directory)
+    source = str(Path(hf_directory) / "config.json")
+    files = WeightFiles(hf_directory)
+    # A vision-language release's language model: its own config and tensors, its layers
+    # named as the wrapper holds them, where PEFT finds their modules.
+    multimodal = text_of_multimodal.is_text_of_multimodal(hf)
+    if multimodal:
+        hf = text_of_multimodal.text_config(hf, source)
+        files = text_of_multimodal.TextModelFiles(files)
     model_type = hf.get("model_type")
     _modules(model_type, f"{hf_directory}: PEFT adapters of {model_type!r} models are not "
                          "written")
-    files = WeightFiles(hf_directory)
     config = to_kvjax_config(hf, tied=ties_embeddings(model_type, files), dtype=trained.param_dtype,
-                             source=str(Path(hf_directory) / "config.json"))
+                             source=source)
     # How fast and in which layout and compute dtype it ran change nothing in the weights.
     same_running = {name: getattr(trained, name) for name in (
         *M.SPEED_ONLY_FIELDS, "max_len", "scan_layers", "dtype")}
@@ -309,14 +317,18 @@ def export_peft_adapter(adapter_dir: str | os.PathLike, hf_directory: str | os.P
                          f"those of {hf_directory} (their base was {base.get('checkpoint')})")
     if trained.scan_layers:
         adapters = M.unstack_layer_params(trained, adapters)
-    return write_peft_adapter(config, model_type, adapters, settings, out, str(hf_directory))
+    return write_peft_adapter(config, model_type, adapters, settings, out, str(hf_directory),
+                              layer_prefix=LANGUAGE_MODEL_LAYERS[0] if multimodal else None)
 
 
 def write_peft_adapter(config: TransformerConfig, model_type: str, adapters: dict,
-                       settings: L.LoRA, out: str | os.PathLike, base_name: str) -> Path:
+                       settings: L.LoRA, out: str | os.PathLike, base_name: str,
+                       layer_prefix: str | None = None) -> Path:
     """Writes `adapters` (`model.lora`'s, unrolled layers) of a `model_type` model as a PEFT
-    adapter into `out`, naming `base_name` as its base model; returns `out`. Adapters of a
-    mixture's experts are written for gpt-oss (`peft_experts.py`) and refused for others."""
+    adapter into `out`, naming `base_name` as its base model; returns `out`. The layers'
+    modules are named under `layer_prefix` (None: where `model_type`'s own files hold them).
+    Adapters of a mixture's experts are written for gpt-oss (`peft_experts.py`) and refused
+    for others."""
     experts = [t for t in settings.targets if t in L.EXPERT_TARGETS]
     gpt_oss = LAYOUTS[model_type] == "gpt_oss"
     if config.num_experts and experts and not gpt_oss:
@@ -328,10 +340,10 @@ def write_peft_adapter(config: TransformerConfig, model_type: str, adapters: dic
         raise ValueError(f"adapters of latent attention's {', '.join(latent)} are not written "
                          f"as a PEFT adapter of a {model_type} model; `kvjax merge-lora` "
                          "writes the merged model")
-    tensors, ranks = _peft_tensors(config, model_type, adapters["layers"], settings)
+    prefix = layer_prefix or layer_prefixes(model_type)[0]
+    tensors, ranks = _peft_tensors(config, model_type, adapters["layers"], settings, prefix)
     expert_tensors, expert_params, expert_rank = peft_experts.peft_tensors(
-        config, adapters["layers"], settings, layer_prefixes(model_type)[0]) \
-        if gpt_oss else ({}, [], 0)
+        config, adapters["layers"], settings, prefix) if gpt_oss else ({}, [], 0)
     tensors.update(expert_tensors)
     # rank_pattern names modules, so the experts' parameters take the top rank.
     top_rank = expert_rank if expert_params else settings.rank
@@ -353,9 +365,9 @@ def write_peft_adapter(config: TransformerConfig, model_type: str, adapters: dic
     return out
 
 
-def _peft_tensors(config: TransformerConfig, model_type: str, layers: dict, settings: L.LoRA):
+def _peft_tensors(config: TransformerConfig, model_type: str, layers: dict, settings: L.LoRA,
+                  prefix: str):
     """(the file's tensors, the rank of each module path that has them)."""
-    prefix = layer_prefixes(model_type)[0]
     tensors: dict[str, np.ndarray] = {}
     ranks: dict[str, int] = {}
     for module, targets in MODULES[LAYOUTS[model_type]].items():

@@ -80,14 +80,15 @@ _LAYER_PREFIXES = {"gpt2": ("transformer.h", "h"), "opt": ("model.decoder.layers
                    **dict.fromkeys(("gpt_bigcode", "gpt_neo", "gptj", "falcon"),
                                    ("transformer.h",))}
 # Where a vision-language model's language model keeps its layers (`text_of_multimodal.py`),
-# as transformers names them and as older versions did: an adapter trained on it adapts them.
-_LANGUAGE_MODEL_LAYERS = ("model.language_model.layers", "language_model.model.layers")
+# as transformers names them (the first, where kvjax writes an adapter of one) and as older
+# versions did: an adapter trained on it adapts them.
+LANGUAGE_MODEL_LAYERS = ("model.language_model.layers", "language_model.model.layers")
 
 
 def layer_prefixes(model_type: str) -> tuple[str, ...]:
     """Where the layers are in an adapter's tensor names, the first as kvjax writes them."""
     prefixes = _LAYER_PREFIXES.get(LAYOUTS[model_type], ("model.layers",))
-    return prefixes + _LANGUAGE_MODEL_LAYERS if prefixes == ("model.layers",) else prefixes
+    return prefixes + LANGUAGE_MODEL_LAYERS if prefixes == ("model.layers",) else prefixes
 
 
 def reorders(config: TransformerConfig, model_type: str, module: str) -> bool:

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import run_cli
+from safetensors.numpy import load_file
 
 from kvjax import checkpoint, decode, hf, text
 from kvjax import model as M
@@ -135,7 +136,8 @@ def test_fine_tuning_imported_gpt2_lowers_the_loss_and_saves_a_loadable_run(
         run[run_dir.INIT_FROM])
 
 
-@pytest.mark.parametrize("name", ["gpt2", "mixtral"])  # Mixtral: adapters beside experts
+# Mixtral: adapters beside experts; Gemma 3: a vision-language release's language model.
+@pytest.mark.parametrize("name", ["gpt2", "mixtral", "gemma3"])
 def test_a_hugging_face_directory_is_imported_into_the_run_and_fine_tuned(tmp_path, capsys,
                                                                           name):
     (tmp_path / "my.txt").write_text(TEXT, encoding="utf-8")
@@ -158,6 +160,10 @@ def test_a_hugging_face_directory_is_imported_into_the_run_and_fine_tuned(tmp_pa
                            "--out", tmp_path / "peft")
     assert code == 0, err
     _, _, exported = hf.load_pretrained(HF_MODELS / name, lora=tmp_path / "peft")
+    layers = {"gpt2": "transformer.h", "mixtral": "model.layers",
+              "gemma3": "model.language_model.layers"}[name]  # where PEFT finds the modules
+    assert all(key.startswith(f"base_model.model.{layers}.")
+               for key in load_file(str(tmp_path / "peft" / "adapter_model.safetensors")))
     pairs = list(zip(jax.tree.leaves(exported), jax.tree.leaves(adapted.params), strict=True))
     for a, b in pairs:
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
