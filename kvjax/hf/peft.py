@@ -301,8 +301,9 @@ def export_peft_adapter(adapter_dir: str | os.PathLike, hf_directory: str | os.P
         hf = text_of_multimodal.text_config(hf, source)
         files = text_of_multimodal.TextModelFiles(files)
     model_type = hf.get("model_type")
-    _modules(model_type, f"{hf_directory}: PEFT adapters of {model_type!r} models are not "
-                         "written")
+    if LAYOUTS.get(model_type) not in peft_seq2seq.LAYOUTS:
+        _modules(model_type, f"{hf_directory}: PEFT adapters of {model_type!r} models are not "
+                             "written")
     config = to_kvjax_config(hf, tied=ties_embeddings(model_type, files), dtype=trained.param_dtype,
                              source=source)
     # How fast and in which layout and compute dtype it ran change nothing in the weights.
@@ -326,9 +327,9 @@ def write_peft_adapter(config: TransformerConfig, model_type: str, adapters: dic
                        layer_prefix: str | None = None) -> Path:
     """Writes `adapters` (`model.lora`'s, unrolled layers) of a `model_type` model as a PEFT
     adapter into `out`, naming `base_name` as its base model; returns `out`. The layers'
-    modules are named under `layer_prefix` (None: where `model_type`'s own files hold them).
-    Adapters of a mixture's experts are written for gpt-oss (`peft_experts.py`) and refused
-    for others."""
+    modules are named under `layer_prefix` (None: where `model_type`'s own files hold them;
+    an encoder-decoder's as `peft_seq2seq.py` names them). Adapters of a mixture's experts
+    are written for gpt-oss (`peft_experts.py`) and refused for others."""
     experts = [t for t in settings.targets if t in L.EXPERT_TARGETS]
     gpt_oss = LAYOUTS[model_type] == "gpt_oss"
     if config.num_experts and experts and not gpt_oss:
@@ -340,15 +341,22 @@ def write_peft_adapter(config: TransformerConfig, model_type: str, adapters: dic
         raise ValueError(f"adapters of latent attention's {', '.join(latent)} are not written "
                          f"as a PEFT adapter of a {model_type} model; `kvjax merge-lora` "
                          "writes the merged model")
-    prefix = layer_prefix or layer_prefixes(model_type)[0]
-    tensors, ranks = _peft_tensors(config, model_type, adapters["layers"], settings, prefix)
+    seq2seq = LAYOUTS[model_type] in peft_seq2seq.LAYOUTS
+    if seq2seq:
+        tensors, modules = peft_seq2seq.peft_tensors(LAYOUTS[model_type], config, adapters,
+                                                     settings.targets)
+        ranks = dict.fromkeys(modules, settings.rank)
+    else:
+        prefix = layer_prefix or layer_prefixes(model_type)[0]
+        tensors, ranks = _peft_tensors(config, model_type, adapters["layers"], settings, prefix)
     expert_tensors, expert_params, expert_rank = peft_experts.peft_tensors(
         config, adapters["layers"], settings, prefix) if gpt_oss else ({}, [], 0)
     tensors.update(expert_tensors)
     # rank_pattern names modules, so the experts' parameters take the top rank.
     top_rank = expert_rank if expert_params else settings.rank
     peft_config = {
-        "peft_type": "LORA", "base_model_name_or_path": base_name, "task_type": "CAUSAL_LM",
+        "peft_type": "LORA", "base_model_name_or_path": base_name,
+        "task_type": "SEQ_2_SEQ_LM" if seq2seq else "CAUSAL_LM",
         "r": top_rank, "lora_alpha": settings.rank * settings.scale,
         # Module paths' ends ("attn.c_proj", not "c_proj", which GPT-2's MLP has too).
         "target_modules": sorted(ranks),

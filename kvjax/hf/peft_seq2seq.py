@@ -14,7 +14,8 @@ kvjax computes once from the encoder's output, in `cross_kv/<i>/kv` (every key h
 every value head).
 
 kvjax's own LoRA adapters leave cross-attention as it is (`model/lora.py`), so these are
-merged into the model, not served beside other adapters.
+merged into the model, not served beside other adapters. The other way, `peft_tensors`
+writes kvjax's adapters (of both stacks' self-attention and FFN) under these names.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import re
 import numpy as np
 
 from kvjax.model import TransformerConfig
+from kvjax.model.config_checks import GATED_ACTIVATIONS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,3 +136,44 @@ def _copied_down(tree: dict, keys: list[str]) -> dict:
         inner[key] = dict(inner[key])
         inner = inner[key]
     return tree
+
+
+# Where PEFT names a layer of each layout, and where kvjax holds each LoRA target's kernel.
+_LAYER_NAMES = {"marian": "model.{part}.layers.{layer}", "t5": "{part}.block.{layer}.layer"}
+_TARGET_PLACES = {"q": ("self_attention/qkv", 0), "k": ("self_attention/qkv", 1),
+                  "v": ("self_attention/qkv", 2), "o": ("self_attention/out", None),
+                  "wi": ("ffn/wi", None), "wi_gate": ("ffn/wi_gate", None),
+                  "wo": ("ffn/wo", None)}
+
+
+def peft_tensors(layout: str, config: TransformerConfig, adapters: dict, targets: tuple[str, ...]
+                 ) -> tuple[dict[str, np.ndarray], list[str]]:
+    """(a PEFT file's tensors, its target modules) of kvjax's LoRA adapters of an
+    encoder-decoder (`encoder_layers` and `decoder_layers`, unrolled): each target's A [in, r]
+    and B [r, out] as the module's lora_A [r, in] and lora_B [out, r], its heads in the
+    file's order already. Target modules are named by their ends (`self_attn.q_proj`,
+    `SelfAttention.q`), which the cross-attention's names do not share."""
+    tensors: dict[str, np.ndarray] = {}
+    modules = set()
+    for part in ("encoder", "decoder"):
+        for target in targets:
+            module = _module_of(layout, part, target, config.activation in GATED_ACTIVATIONS)
+            for layer, pair in sorted(adapters[f"{part}_layers"].items(),
+                                      key=lambda item: int(item[0])):
+                name = (f"base_model.model.{_LAYER_NAMES[layout].format(part=part, layer=layer)}"
+                        f".{module}")
+                for matrix, key in (("A", "lora_a"), ("B", "lora_b")):
+                    tensors[f"{name}.lora_{matrix}.weight"] = np.ascontiguousarray(
+                        np.asarray(pair[target][key], np.float32).T)
+            modules.add(module.split(".", 1)[1] if module[0].isdigit() else module)
+    return tensors, sorted(modules)
+
+
+def _module_of(layout: str, part: str, target: str, gated: bool) -> str:
+    """The module of `part`'s layers that holds `target`: T5's gated FFN has wi_0 (activated)
+    where an ungated one has wi."""
+    named = [module for module, place in LAYOUTS[layout].modules[part].items()
+             if place == _TARGET_PLACES[target]]
+    if len(named) > 1:
+        named = [module for module in named if module.endswith("wi_0") == gated]
+    return named[0]

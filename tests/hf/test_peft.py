@@ -226,6 +226,10 @@ def test_fixtures_are_what_peft_computes(tmp_path):
     ("mpt", ("k", "wi", "wo")),  # Wqkv, under transformer.blocks
     ("ernie4_5_moe", ("q", "k")),  # a mixture's attention, RoPE over pairs
     ("glm4_moe", ("k", "v", "o")),
+    # Encoder-decoders: both stacks' self-attention and FFN, never the cross-attention.
+    ("marian", ("q", "k", "v", "o", "wi", "wo")),
+    ("t5_relu", ("v", "wi")),  # an ungated FFN's wi
+    ("mt5", ("q", "o", "wi", "wi_gate", "wo")),  # a gated one's wi_0 and wi_1
 ])
 def test_adapters_written_as_peft_merge_as_kvjax_merges_them(tmp_path, name, targets):
     from kvjax.hf.peft import write_peft_adapter
@@ -241,6 +245,8 @@ def test_adapters_written_as_peft_merge_as_kvjax_merges_them(tmp_path, name, tar
     want = L.merge(config, params, adapters, settings)
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6), got, want)
     written = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert written["task_type"] == ("SEQ_2_SEQ_LM" if config.is_encoder_decoder
+                                    else "CAUSAL_LM")
     # gpt-oss's gate_up_proj holds wi's and wi_gate's pairs at twice the rank, PEFT's r, the
     # attention's rank its rank_pattern.
     both = name == "gpt_oss" and {"wi", "wi_gate"} <= set(targets)
