@@ -314,10 +314,18 @@ def _as_checkpoint(init_from: str | os.PathLike | None, out_dir: str | os.PathLi
                    resume: bool) -> str | os.PathLike | None:
     """`init_from`; for a Hugging Face model directory, the kvjax checkpoint of it that a new
     run writes into `<out_dir>/base` (`kvjax import-hf`) and starts from, so that its record,
-    a resumed run and LoRA adapters name a checkpoint that stays where it is."""
-    if init_from is None or resume or not hf.is_hf_directory(init_from):
+    a resumed run and LoRA adapters name a checkpoint that stays where it is. A run resumed
+    with the same directory finds that checkpoint there."""
+    if init_from is None or not hf.is_hf_directory(init_from):
         return init_from
     base = Path(out_dir) / IMPORTED_BASE
+    if resume:
+        if not base.is_dir() or M.TransformerConfig.from_dict(
+                checkpoint.read_metadata(base)[0]) != hf.load_config(init_from):
+            raise checkpoint.CheckpointError(
+                f"cannot resume {out_dir} from {init_from}: the run was not started from "
+                f"that Hugging Face model (it would have imported it into {base})")
+        return base
     if base.exists():
         raise checkpoint.CheckpointError(
             f"{base} already exists: a run started from a Hugging Face directory imports it "

@@ -41,7 +41,8 @@ from .tensors import INDEX_FILE, SINGLE_FILE, WeightFiles
 from .weights import load_params, ties_embeddings
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "UnsupportedModelError", "is_hf_directory",
-           "is_peft_directory", "load_model", "load_peft_adapters", "load_pretrained",
+           "is_peft_directory", "load_config", "load_model", "load_peft_adapters",
+           "load_pretrained",
            "read_hf_config",
            "to_kvjax_config"]
 
@@ -53,6 +54,12 @@ def is_hf_directory(directory: str | os.PathLike) -> bool:
     return (path / "config.json").is_file() and (
         (path / SINGLE_FILE).is_file() or (path / INDEX_FILE).is_file()
         or (path / "pytorch_model.bin").is_file())
+
+
+def load_config(directory: str | os.PathLike) -> M.TransformerConfig:
+    """The float32 `TransformerConfig` of the model in `directory`, as `load_pretrained`
+    reads it, without reading its weights."""
+    return _config_and_files(directory, None)[0]
 
 
 def load_pretrained(directory: str | os.PathLike, *, dtype: str | None = None, mesh=None,

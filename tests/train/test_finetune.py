@@ -175,6 +175,13 @@ def test_a_hugging_face_directory_is_imported_into_the_run_and_fine_tuned(tmp_pa
     with pytest.raises(checkpoint.CheckpointError, match="base already exists"):
         tasks.train_lm(out, data_files=[tmp_path / "my.txt"], init_from=HF_MODELS / name,
                        steps=3, progress=False)
+    # The same command resumes it from its import; another model's directory cannot.
+    resumed = dict(data_files=[tmp_path / "my.txt"], steps=4, warmup_steps=1, batch_size=4,
+                   save_every=4, progress=False, lora=M.LoRA(2), resume=True,
+                   allow_changes=True)
+    with pytest.raises(checkpoint.CheckpointError, match="was not started from that Hugging"):
+        tasks.train_lm(out, init_from=HF_MODELS / "llama_gqa", **resumed)
+    assert tasks.train_lm(out, init_from=HF_MODELS / name, **resumed).step == 4
 
 
 def test_a_bfloat16_import_fine_tunes_float32_params_and_resumes_from_the_same_command(
