@@ -42,9 +42,7 @@ from .weights import load_params, ties_embeddings
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "UnsupportedModelError", "is_hf_directory",
            "is_peft_directory", "load_config", "load_model", "load_peft_adapters",
-           "load_pretrained",
-           "read_hf_config",
-           "to_kvjax_config"]
+           "load_pretrained", "read_hf_config", "to_kvjax_config"]
 
 
 def is_hf_directory(directory: str | os.PathLike) -> bool:
