@@ -7,7 +7,6 @@ names the argument, the bad value and what was expected. Nothing is rounded or t
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -138,15 +137,9 @@ def _from_array(tokens: np.ndarray, lengths: Any) -> tuple[np.ndarray, np.ndarra
     return tokens, lengths
 
 
-@functools.lru_cache(maxsize=32)
-def _expected_params(config: M.TransformerConfig) -> dict:
-    shapes = jax.eval_shape(lambda: M.init_params(config, jax.random.key(0)))
-    return dict(jax.tree_util.tree_leaves_with_path(shapes))
-
-
 def check_params(config: M.TransformerConfig, params) -> None:
     """Raises a ValueError naming the first param whose presence, shape or dtype differs."""
-    want = _expected_params(config)
+    want = dict(jax.tree_util.tree_leaves_with_path(M.param_shapes(config)))
     have = dict(jax.tree_util.tree_leaves_with_path(params))
     for path in sorted(set(want) | set(have), key=jax.tree_util.keystr):
         name = jax.tree_util.keystr(path)

@@ -56,6 +56,13 @@ def init_params(config: TransformerConfig, rng: jax.Array) -> dict:
     return params if config.kernel_dtype is None else int8_base.quantize_for_decoding(params)
 
 
+@functools.lru_cache(maxsize=32)
+def param_shapes(config: TransformerConfig) -> dict:
+    """The shapes and dtypes (`jax.ShapeDtypeStruct` leaves) of `init_params(config, ...)`,
+    found without making any array."""
+    return jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _init_params(config: TransformerConfig, rng: jax.Array) -> dict:
     """Jitted: tracing Flax's init eagerly is slower than compiling it."""

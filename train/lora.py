@@ -82,12 +82,7 @@ def model_params(model_config: M.TransformerConfig, train_config: TrainConfig, p
         return params
     return jax.tree.map(lambda x, declared: x.astype(declared.dtype),
                         merged(model_config, base, params, train_config.lora),
-                        _declared_params(model_config))
-
-
-@functools.lru_cache(maxsize=8)
-def _declared_params(model_config: M.TransformerConfig) -> Any:
-    return jax.eval_shape(lambda: M.init_params(model_config, jax.random.key(0)))
+                        M.param_shapes(model_config))
 
 
 def merge_into_checkpoint(base: str | Path, adapters: str | Path, out: str | Path) -> Path:
