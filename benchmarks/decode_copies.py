@@ -19,7 +19,7 @@ from kvjax import model as M
 
 
 def cache_buffer_copies(config: M.TransformerConfig, batch: int, capacity: int) -> int:
-    params = jax.eval_shape(lambda: M.init_params(config, jax.random.key(0)))
+    params = M.param_shapes(config)
     cache = jax.eval_shape(lambda: M.init_cache(config, batch, capacity))
 
     def steps(params, cache, tokens_B1):

@@ -84,7 +84,7 @@ def model_config(name: str) -> M.TransformerConfig:
 def model_flops_per_token(config: M.TransformerConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward and backward): 6 per multiplying weight, plus
     12 · layers · heads · head_dim · seq_len for attention's two products (see above)."""
-    shapes = jax.eval_shape(lambda: M.init_params(config, jax.random.key(0)))
+    shapes = M.param_shapes(config)
     weights = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(shapes):
         names = [str(getattr(key, "key", key)) for key in path]

@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import jax
-
 from .layout import CONFIG_FILE, TOKENIZER_FILE, CheckpointError, existing_directory
 from .metadata import check_metadata, read_lora, read_metadata
 from .restore import params_digest, restore_params
@@ -32,7 +30,7 @@ def load_for_sampling(directory: str | os.PathLike, mesh: Any = None, *,
     directory of adapters given as `directory` is refused with a message naming its base.
     """
     # Imported here so that saving and restoring training state does not depend on them.
-    from kvjax.model import TransformerConfig, init_params, with_layer_layout
+    from kvjax.model import TransformerConfig, param_shapes, with_layer_layout
     from kvjax.tokenizer import tokenizer_from_bytes
 
     path = existing_directory(directory)
@@ -58,7 +56,7 @@ def load_for_sampling(directory: str | os.PathLike, mesh: Any = None, *,
             f"{path}: the tokenizer has {tokenizer.vocab_size} pieces but the model's "
             f"vocab_size is {config.vocab_size}"
         )
-    abstract_params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    abstract_params = param_shapes(config)
     if mesh is not None:
         from kvjax import parallel
 
@@ -131,7 +129,7 @@ def read_adapters(adapter_dir: str | os.PathLike) -> tuple[Any, Any, dict[str, A
     """(LoRA settings, the model config they were trained for, the base they record, the
     adapters in the layer layout they were trained in) of a run of `kvjax train
     --lora-rank`, checked against its manifest."""
-    from kvjax.model import TransformerConfig, init_params
+    from kvjax.model import TransformerConfig, param_shapes
     from kvjax.model import lora as L
 
     path = existing_directory(adapter_dir)
@@ -145,6 +143,6 @@ def read_adapters(adapter_dir: str | os.PathLike) -> tuple[Any, Any, dict[str, A
         trained = TransformerConfig.from_dict(read_metadata(path)[0])
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path / CONFIG_FILE}: invalid LoRA record: {e}") from e
-    abstract = jax.eval_shape(lambda: init_params(trained, jax.random.key(0)))
+    abstract = param_shapes(trained)
     adapters = restore_params(path, L.adapter_shapes(trained, abstract, settings))
     return settings, trained, record.get("base") or {}, adapters

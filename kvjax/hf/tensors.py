@@ -118,7 +118,7 @@ class Params:
     """Builds a params tree leaf by leaf against the shapes the model needs."""
 
     def __init__(self, config: M.TransformerConfig, files: WeightFiles, dtype):
-        shapes = jax.eval_shape(lambda: M.init_params(config, jax.random.key(0)))
+        shapes = M.param_shapes(config)
         self.wanted = {_path(p): leaf.shape for p, leaf in
                        jax.tree_util.tree_leaves_with_path(shapes)}
         self.files, self.dtype = files, np.dtype(dtype)
