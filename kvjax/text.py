@@ -72,10 +72,7 @@ def load(directory: str | os.PathLike, *, scan_layers: bool | None = None,
     peft = lora is not None and hf.is_peft_directory(lora)
     if hf.is_hf_directory(directory):
         if lora is not None and not peft:
-            raise ValueError(f"{lora} is not a PEFT adapter (no adapter_config.json); kvjax's "
-                             f"own adapters are trained on a kvjax checkpoint, and "
-                             f"{directory} is a Hugging Face directory (kvjax import-hf "
-                             "writes it as one)")
+            raise ValueError(_not_peft_message(directory, lora))
         config, tokenizer, params = hf.load_pretrained(
             directory, scan_layers=scan_layers, max_len=max_len, lora=lora, dtype=dtype,
             kernel_dtype=kernel_dtype)
@@ -91,6 +88,23 @@ def load(directory: str | os.PathLike, *, scan_layers: bool | None = None,
             directory, scan_layers=scan_layers, lora=lora)
         config, params = M.with_precision(config, params, dtype, kernel_dtype=kernel_dtype)
     return LoadedModel(config, tokenizer, params, os.fspath(directory))
+
+
+def _not_peft_message(directory, lora) -> str:
+    """Why kvjax's own adapters `lora` do not load onto the Hugging Face `directory`, and,
+    where they name it, the kvjax checkpoint they do load onto."""
+    try:
+        base = (checkpoint.read_lora(lora) or {}).get("base", {}).get("checkpoint")
+    except (OSError, ValueError):
+        base = None
+    if base is None:
+        return (f"{lora} is not a PEFT adapter (no adapter_config.json); kvjax's own adapters "
+                f"are trained on a kvjax checkpoint, and {directory} is a Hugging Face "
+                "directory (kvjax import-hf writes it as one)")
+    return (f"{lora} holds kvjax LoRA adapters, not a PEFT adapter: they load onto the kvjax "
+            f"checkpoint they were trained on, {base}, not onto the Hugging Face directory "
+            f"{directory} (kvjax sample --checkpoint {base} --lora {lora}; kvjax export-peft "
+            "writes them as a PEFT adapter of that directory)")
 
 
 @dataclasses.dataclass(frozen=True)

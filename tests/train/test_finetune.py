@@ -6,6 +6,7 @@ as kvjax checkpoints once per module; every run is a few steps long.
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -155,6 +156,9 @@ def test_a_hugging_face_directory_is_imported_into_the_run_and_fine_tuned(tmp_pa
         assert np.array_equal(a, b)
     adapted = text.load(base, lora=out)
     assert adapted.config == text.load(HF_MODELS / name).config
+    with pytest.raises(ValueError, match=f"onto the kvjax checkpoint they were trained on, "
+                                         f"{re.escape(str(base.resolve()))}, not onto"):
+        text.load(HF_MODELS / name, lora=out)
     # Written as a PEFT adapter of the directory it came from, the run merges the same.
     code, _, err = run_cli(capsys, "export-peft", "--lora", out, "--hf-dir", HF_MODELS / name,
                            "--out", tmp_path / "peft")
