@@ -119,12 +119,26 @@ def init_adapters(config: TransformerConfig, params, lora: LoRA, rng: jax.Array)
                                  "base, not an int8 one (--lora-base-dtype bfloat16 halves "
                                  "its memory)")
             lead = (*kernel.shape[:-3], config.num_experts)
-        bound = 1 / math.sqrt(in_width)
+        live_I = _live_inputs(config, target)
+        bound = 1 / math.sqrt(in_width if live_I is None else int(live_I.sum()))
         a = jax.random.uniform(jax.random.fold_in(rng, i), (*lead, in_width, lora.rank),
                                jnp.float32, -bound, bound)
+        if live_I is not None:
+            a = a * live_I[:, None]
         b = jnp.zeros((*lead, lora.rank, out_width), jnp.float32)
         _set(adapters, (*path, target), {"lora_a": a, "lora_b": b})
     return adapters
+
+
+def _live_inputs(config: TransformerConfig, target: str) -> np.ndarray | None:
+    """Which of a target's inputs can be nonzero, where some never are (None: all can):
+    latent attention's heads hold their values padded with zeros to head_dim, so rows of o's
+    A over the padding would change the merged kernel where no input reaches, and never
+    train; they start, and stay, zero."""
+    value = config.latent_value_dim
+    if target != "o" or not config.latent_kv_rank or value == config.head_dim:
+        return None
+    return np.tile(np.arange(config.head_dim) < value, config.num_heads).astype(np.float32)
 
 
 def merge(config: TransformerConfig, params, adapters, lora: LoRA, keep_dtype: bool = True):

@@ -35,11 +35,12 @@ from safetensors.numpy import save_file
 from kvjax.model import TransformerConfig
 from kvjax.model import lora as L
 
-from . import peft_experts, peft_seq2seq, text_of_multimodal
+from . import peft_experts, peft_latent, peft_seq2seq, text_of_multimodal
 from .errors import UnsupportedModelError
 from .peft_modules import (
     LANGUAGE_MODEL_LAYERS,
     MODULES,
+    fused_pair,
     layer_prefixes,
     reorders,
     rows_in_file_order,
@@ -107,6 +108,10 @@ def merge_peft_adapter(config: TransformerConfig, model_type: str, params: dict,
             peft_experts.add_to_experts(config, merged["layers"][str(layer)], a, b, scale_of,
                                         name)
             continue
+        if LAYOUTS[model_type] == peft_latent.LAYOUT:
+            peft_latent.merge(config, merged["layers"][str(layer)], module, a, b,
+                              scale_of(a.shape[0]), name)
+            continue
         update = scale_of(a.shape[0]) * (a.astype(np.float32).T @ b.astype(np.float32).T)
         if reorders(config, model_type, module):
             update = rows_in_kvjax_order(config, model_type, module, update.T, name).T
@@ -134,10 +139,23 @@ def peft_adapters(config: TransformerConfig, model_type: str, directory: str | o
             raise UnsupportedModelError(f"{directory}: adapters of a mixture's experts "
                                         f"({module}) are merged, not served beside others "
                                         "(--lora DIR merges one)")
+        targets = modules[module]
+        if LAYOUTS[model_type] == peft_latent.LAYOUT:
+            if not targets:
+                raise UnsupportedModelError(f"{directory}: adapters of latent attention's "
+                                            f"{module} are merged, not served beside others "
+                                            "(--lora DIR merges one)")
+            a_IR, b_RO = peft_latent.kvjax_pair(config, module, a,
+                                                scale_of(a.shape[0]) * b.astype(np.float32),
+                                                name)
+            widths = [L.widths(config, target)[1] for target in targets]
+            for target, piece in zip(targets, np.split(b_RO, np.cumsum(widths)[:-1], axis=1),
+                                     strict=True):
+                found[layer, target] = (a_IR, piece)
+            continue
         rows_OR = scale_of(a.shape[0]) * b.astype(np.float32)
         if reorders(config, model_type, module):
             rows_OR = rows_in_kvjax_order(config, model_type, module, rows_OR, name)
-        targets = modules[module]
         widths = _output_widths(config, targets, (a.shape[1], rows_OR.shape[0]), name)
         pieces = np.split(rows_OR, np.cumsum(widths)[:-1], axis=0)
         for target, piece in zip(targets, pieces, strict=True):
@@ -172,12 +190,11 @@ def _read_pairs(config: TransformerConfig, model_type: str, directory: Path):
     else:
         modules = _modules(model_type, f"{directory}: PEFT adapters of {model_type!r} models "
                                        "are not supported")
+        if layout == peft_latent.LAYOUT:
+            modules = peft_latent.modules(config)
         if config.num_experts:  # a mixture's layers have no dense FFN to adapt
             modules = {module: targets for module, targets in modules.items()
                        if not {"wi", "wi_gate", "wo"} & set(targets)}
-        if config.latent_kv_rank:  # nor latent attention a q, k or v projection to adapt
-            modules = {module: targets for module, targets in modules.items()
-                       if not any(L.is_latent_target(config, t) for t in targets)}
         pattern = _tensor_pattern(model_type)
         known = modules if not expert_params else {**modules, **peft_experts.WRAPPERS}
 
@@ -336,11 +353,6 @@ def write_peft_adapter(config: TransformerConfig, model_type: str, adapters: dic
         raise ValueError(f"adapters of a mixture's experts ({', '.join(experts)}) are not "
                          f"written as a PEFT adapter of a {model_type} model; `kvjax "
                          "merge-lora` writes the merged model")
-    latent = [t for t in settings.targets if L.is_latent_target(config, t)]
-    if latent:
-        raise ValueError(f"adapters of latent attention's {', '.join(latent)} are not written "
-                         f"as a PEFT adapter of a {model_type} model; `kvjax merge-lora` "
-                         "writes the merged model")
     seq2seq = LAYOUTS[model_type] in peft_seq2seq.LAYOUTS
     if seq2seq:
         tensors, modules = peft_seq2seq.peft_tensors(LAYOUTS[model_type], config, adapters,
@@ -348,7 +360,12 @@ def write_peft_adapter(config: TransformerConfig, model_type: str, adapters: dic
         ranks = dict.fromkeys(modules, settings.rank)
     else:
         prefix = layer_prefix or layer_prefixes(model_type)[0]
-        tensors, ranks = _peft_tensors(config, model_type, adapters["layers"], settings, prefix)
+        if LAYOUTS[model_type] == peft_latent.LAYOUT:
+            tensors, ranks = peft_latent.peft_tensors(config, adapters["layers"], settings,
+                                                      prefix)
+        else:
+            tensors, ranks = _peft_tensors(config, model_type, adapters["layers"], settings,
+                                           prefix)
     expert_tensors, expert_params, expert_rank = peft_experts.peft_tensors(
         config, adapters["layers"], settings, prefix) if gpt_oss else ({}, [], 0)
     tensors.update(expert_tensors)
@@ -383,26 +400,13 @@ def _peft_tensors(config: TransformerConfig, model_type: str, layers: dict, sett
         if not trained:
             continue
         for index, layer in sorted(layers.items(), key=lambda item: int(item[0])):
-            pairs = [layer[target] for target in trained]
-            # C order: the file is written from the arrays' memory as it lies.
-            a_RI = np.ascontiguousarray(np.concatenate(
-                [np.asarray(p["lora_a"], np.float32).T for p in pairs]))
+            a_RI, b_OR = fused_pair(config, layer, targets, trained, settings.rank)
             rank = a_RI.shape[0]
-            b_OR = np.zeros((sum(L.widths(config, t)[1] for t in targets), rank), np.float32)
-            row, column = 0, 0
-            for target in targets:
-                width = L.widths(config, target)[1]
-                if target in trained:
-                    b = np.asarray(layer[target]["lora_b"], np.float32).T
-                    b_OR[row:row + width, column:column + b.shape[1]] = b
-                    column += b.shape[1]
-                row += width
-            # PEFT scales by lora_alpha / rank: the same alpha over a fused rank k times the
-            # run's takes k times B to stay the run's update.
-            b_OR *= rank / settings.rank
             if reorders(config, model_type, module):
                 b_OR = np.ascontiguousarray(rows_in_file_order(config, model_type, module, b_OR))
             name = f"base_model.model.{prefix}.{index}.{module}"
-            tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"] = a_RI, b_OR
+            # C order: the file is written from the arrays' memory as it lies.
+            tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(a_RI)
+            tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(b_OR)
             ranks[module] = rank
     return tensors, ranks

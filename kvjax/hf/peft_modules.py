@@ -1,7 +1,8 @@
 """Where PEFT's tensors of each layout's files sit, and the order of their rows: which
 module (after the layer's prefix) holds which of kvjax's LoRA targets (`MODULES`), where the
 layers are in the tensors' names (`layer_prefixes`), and the modules whose output rows kvjax
-holds in another order (`reorders`, `rows_in_kvjax_order`, `rows_in_file_order`).
+holds in another order (`reorders`, `rows_in_kvjax_order`, `rows_in_file_order`); a module
+holding several targets written from their adapters (`fused_pair`).
 
 Shape letters: O a module's output rows, X what each row spans (its inputs, or the rank).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvjax.model import TransformerConfig
+from kvjax.model import lora as L
 
 from .gpt_weights import groups_apart, groups_together
 from .weights import LAYOUTS, ROPE_ORDERS, rope_rows_in_kvjax_order
@@ -71,6 +73,11 @@ MODULES = {
     "falcon": {"self_attention.query_key_value": ("q", "k", "v"),
                "self_attention.dense": ("o",), "mlp.dense_h_to_4h": ("wi",),
                "mlp.dense_4h_to_h": ("wo",)},
+    # DeepSeek's latent attention (`peft_latent.py`): the query and key-value latents' down
+    # projections hold none of kvjax's targets, and only merge.
+    "deepseek_latent": {"self_attn.q_proj": ("q",), "self_attn.q_a_proj": (),
+                        "self_attn.q_b_proj": ("q",), "self_attn.kv_a_proj_with_mqa": (),
+                        "self_attn.kv_b_proj": ("k", "v"), "self_attn.o_proj": ("o",)},
 }
 # Where each layout's layers are in the names PEFT gives its tensors (written with the
 # first); "model.layers" where not listed.
@@ -132,3 +139,25 @@ def rows_in_file_order(config: TransformerConfig, model_type: str, module: str,
     heads = n if targets == ("q",) else config.kv_heads
     return rope_rows_in_kvjax_order(rows_OX, heads, h, config.rotary_dims, LAYOUTS[model_type],
                                     inverse=True)
+
+
+def fused_pair(config: TransformerConfig, layer: dict, targets: tuple[str, ...],
+               trained: list[str], run_rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """A [R, I] and B [O, R] of one module of the file that holds `targets` (B's rows in
+    kvjax's order), from the adapters in `layer` of the `trained` ones: their A's stacked,
+    their B's along the diagonal, zero rows for the others, B scaled so that PEFT's
+    lora_alpha / R at the fused rank R stays the run's scale (a rank k times the run's takes
+    k times B)."""
+    pairs = [layer[target] for target in trained]
+    a_RI = np.concatenate([np.asarray(p["lora_a"], np.float32).T for p in pairs])
+    rank = a_RI.shape[0]
+    b_OR = np.zeros((sum(L.widths(config, t)[1] for t in targets), rank), np.float32)
+    row, column = 0, 0
+    for target in targets:
+        width = L.widths(config, target)[1]
+        if target in trained:
+            b = np.asarray(layer[target]["lora_b"], np.float32).T
+            b_OR[row:row + width, column:column + b.shape[1]] = b
+            column += b.shape[1]
+        row += width
+    return a_RI, b_OR * (rank / run_rank)

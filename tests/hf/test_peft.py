@@ -38,7 +38,7 @@ NAMES = ("llama_gqa", "phi3", "gpt2", "phi", "opt", "gpt_neox", "starcoder2", "m
          "hunyuan_v1_dense", "marian", "phimoe", "nanochat", "gpt_bigcode", "gpt_bigcode_mha",
          "gpt_neo", "gptj", "falcon_grouped", "bloom", "mpt", "mt5", "m2m_100", "bart", "umt5",
          "granitemoehybrid", "granitemoehybrid_moe", "hyperclovax", "ernie4_5_moe", "glm4_moe",
-         "dots1", "hunyuan_v1_moe")
+         "dots1", "hunyuan_v1_moe", "deepseek_v3", "deepseek_v2", "glm4_moe_lite")
 
 
 def expected(name):
@@ -230,6 +230,11 @@ def test_fixtures_are_what_peft_computes(tmp_path):
     ("marian", ("q", "k", "v", "o", "wi", "wo")),
     ("t5_relu", ("v", "wi")),  # an ungated FFN's wi
     ("mt5", ("q", "o", "wi", "wi_gate", "wo")),  # a gated one's wi_0 and wi_1
+    # Latent attention: a query latent's q_b_proj, kv_b_proj's keys and values per head,
+    # o_proj over values narrower than a head; q_proj without a query latent.
+    ("deepseek_v3", ("q", "k", "v", "o")),
+    ("deepseek_v2", ("k", "o")),
+    ("glm4_moe_lite", ("q", "v")),
 ])
 def test_adapters_written_as_peft_merge_as_kvjax_merges_them(tmp_path, name, targets):
     from kvjax.hf.peft import write_peft_adapter
@@ -238,7 +243,8 @@ def test_adapters_written_as_peft_merge_as_kvjax_merges_them(tmp_path, name, tar
     config, _, params = hf.load_pretrained(FIXTURES / name)
     settings = M.LoRA(2, 6.0, targets)
     adapters = L.init_adapters(config, params, settings, jax.random.key(0))
-    adapters = jax.tree.map(lambda x: x + 0.1, adapters)  # B no longer zero
+    adapters = jax.tree_util.tree_map_with_path(  # B no longer zero
+        lambda path, x: x + 0.1 if path[-1].key == "lora_b" else x, adapters)
     write_peft_adapter(config, MODEL_TYPES[name], adapters, settings, tmp_path / "peft",
                        str(FIXTURES / name))
     _, _, got = hf.load_pretrained(FIXTURES / name, lora=tmp_path / "peft")
@@ -299,7 +305,8 @@ def test_served_unmerged_beside_the_base_an_adapter_computes_what_peft_computes(
             assert relative_error(got[row, :len(want)], want) <= 1e-5
 
 
-@pytest.mark.parametrize("name", ["gpt_oss", "marian", "mt5", "m2m_100"])  # experts; cross
+# Experts; cross-attention; latent attention's down projections (q_a_proj, kv_a_proj_with_mqa).
+@pytest.mark.parametrize("name", ["gpt_oss", "marian", "mt5", "m2m_100", "deepseek_v3"])
 def test_adapters_that_only_merge_are_not_served_beside_others(name):
     with pytest.raises(hf.UnsupportedModelError, match="are merged, not served beside others"):
         hf.load_peft_adapters(FIXTURES / name, ADAPTERS / name)
