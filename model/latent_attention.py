@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import lora_rows
 from .config import TransformerConfig
 from .norms import RMSNorm
 
@@ -87,9 +88,12 @@ class LatentQKV(nn.Module):
     def __call__(self, x_BTD):
         c = self.config
         if c.latent_q_rank:
-            q_BTNH = self.q_up(self.q_norm(self.q_down(x_BTD)))
+            q_in = self.q_norm(self.q_down(x_BTD))
+            q_BTNH = self.q_up(q_in)
         else:
+            q_in = x_BTD
             q_BTNH = self.q(x_BTD)
+        q_BTNH = lora_rows.add_update(self, "q", q_in, q_BTNH)
         down = self.kv_down(x_BTD)
         latent = self.kv_norm(down[..., :c.latent_kv_rank])
         rows = jnp.concatenate([down[..., c.latent_kv_rank:], latent], axis=-1)
@@ -101,8 +105,12 @@ class LatentQKV(nn.Module):
         values [the value dimensions, zeros]."""
         c = self.config
         turned, unturned = c.rotary_dims, c.latent_nope_dim
-        up = jnp.tensordot(rows_BT1H[:, :, 0, turned:].astype(c.compute_dtype), self._kernel(),
-                           axes=1)
+        latent_BTR = rows_BT1H[:, :, 0, turned:].astype(c.compute_dtype)
+        up = jnp.tensordot(latent_BTR, self._kernel(), axes=1)
+        for target, part in (("k", slice(None, unturned)), ("v", slice(unturned, None))):
+            delta = lora_rows.update(self, target, latent_BTR)
+            if delta is not None:  # each row's adapter of kv_up's key or value half
+                up = up.at[..., part].add(delta.reshape(*up.shape[:3], -1).astype(up.dtype))
         shared = jnp.broadcast_to(rows_BT1H[..., :turned], (*up.shape[:3], turned))
         k_BTNH = jnp.concatenate([shared.astype(up.dtype), up[..., :unturned]], axis=-1)
         return _pad_heads(k_BTNH, c.head_dim), _pad_heads(up[..., unturned:], c.head_dim)
@@ -116,6 +124,9 @@ class LatentQKV(nn.Module):
         key_half = jnp.transpose(self._kernel()[..., :unturned], (1, 2, 0))  # per head
         nope = q_BTNH[..., turned:turned + unturned].astype(key_half.dtype)
         latent_queries = jnp.matmul(nope[..., None, :], key_half)[..., 0, :]
+        delta = lora_rows.absorbed_update(self, "k", nope)
+        if delta is not None:
+            latent_queries = latent_queries + delta.astype(latent_queries.dtype)
         return jnp.concatenate([q_BTNH[..., :turned].astype(latent_queries.dtype),
                                 latent_queries], axis=-1)
 
@@ -126,7 +137,11 @@ class LatentQKV(nn.Module):
         c = self.config
         value_half = jnp.transpose(self._kernel()[..., c.latent_nope_dim:], (1, 0, 2))
         latent = mixed_BTNH[..., c.rotary_dims:].astype(value_half.dtype)
-        return _pad_heads(jnp.matmul(latent[..., None, :], value_half)[..., 0, :], c.head_dim)
+        values = jnp.matmul(latent[..., None, :], value_half)[..., 0, :]
+        delta = lora_rows.headwise_update(self, "v", latent)
+        if delta is not None:
+            values = values + delta.astype(values.dtype)
+        return _pad_heads(values, c.head_dim)
 
     def _kernel(self) -> jax.Array:
         return self.kv_up().astype(self.config.compute_dtype)

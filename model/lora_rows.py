@@ -19,9 +19,14 @@ reading the stack once whatever the batch (a gather of each row's pair would rea
 per row). Layers without the collection compute what they always have; a row without an
 adapter adds exact zeros.
 
-Targets are those of `model/lora.py` but a mixture's experts and latent attention's q, k and v
-(merge such adapters instead).
-Shape letters as there: B rows, T tokens, I and O a kernel's input and output width, R rank.
+Targets are those of `model/lora.py` but a mixture's experts (merge such adapters instead).
+Latent attention's (`model/latent_attention.py`) sit under its `latent` scope: q adds to the
+queries; k and v, which adapt `kv_up`, add to the keys and values a prefill expands from the
+latent rows, and in a decode step, which reads the latent rows themselves, to what the
+queries take from the key half (`absorbed_update`) and the values from the value half
+(`headwise_update`).
+Shape letters as there: B rows, T tokens, N heads, I and O a kernel's input and output width
+(per head with N), R rank.
 """
 
 from __future__ import annotations
@@ -109,10 +114,8 @@ def stack(config: TransformerConfig, params, adapters: Sequence[tuple[dict, L.Lo
         raise ValueError(f"rank={rank!r} must be an int >= 1 (or adapters given to take it from)")
     for index, (_, lora) in enumerate(given, 1):
         _refuse_experts(config, params, index, lora)
-        _refuse_latent(config, f"adapter {index}", lora.targets)
     if targets is None:
         targets = [t for t in L.TARGETS if any(t in lora.targets for _, lora in given)]
-    _refuse_latent(config, "the stack", targets)
     pairs: dict = {}
     for path, target, kernel in L.sites(config, params, L.LoRA(rank, targets=tuple(targets))):
         if L.in_experts(params, path, target):
@@ -120,8 +123,8 @@ def stack(config: TransformerConfig, params, adapters: Sequence[tuple[dict, L.Lo
                              "by side cover attention and feed-forward kernels; merge one of "
                              "the experts into the model instead")
         in_width, out_width = L.widths(config, target)
-        lead = kernel.shape[:kernel.ndim - L.kernel_ndim(L.KERNELS[target][1])]
-        L._set(pairs, (*path, L.KERNELS[target][0], target),
+        lead = kernel.shape[:kernel.ndim - L.kernel_ndim(L.kernel_path(config, target)[-1])]
+        L._set(pairs, (*path, *_scope(config, target), target),
                {"a": jnp.zeros((*lead, in_width, capacity * rank), jnp.float32),
                 "b": jnp.zeros((*lead, capacity * rank, out_width), jnp.float32)})
     adapter_stack = AdapterStack(pairs, capacity, rank)
@@ -139,8 +142,7 @@ def servable_targets(config: TransformerConfig, params) -> tuple[str, ...]:
             sites = list(L.sites(config, params, L.LoRA(1, targets=(target,))))
         except ValueError:  # the model has no such kernel (or no float one)
             continue
-        if not (any(L.in_experts(params, path, name) for path, name, _ in sites)
-                or L.is_latent_target(config, target)):
+        if not any(L.in_experts(params, path, name) for path, name, _ in sites):
             found.append(target)
     return tuple(found)
 
@@ -161,10 +163,9 @@ def put(config: TransformerConfig, params, adapter_stack: AdapterStack, index: i
         if lora.rank > rank:
             raise ValueError(f"adapter {index} has rank {lora.rank}, more than the stack's "
                              f"{rank}")
-        _refuse_latent(config, f"adapter {index}", lora.targets)
         for path, target, _ in L.sites(config, params, lora):
             _refuse_expert_site(params, index, path, target)
-            where = (*path, L.KERNELS[target][0], target)
+            where = (*path, *_scope(config, target), target)
             if where not in held:
                 have = sorted({w[-1] for w in held}, key=L.TARGETS.index)
                 raise ValueError(f"adapter {index} adapts {target!r}, which the stack does not "
@@ -196,12 +197,11 @@ def _refuse_expert_site(params, index: int, path: tuple[str, ...], target: str) 
                          "merge this one into the model instead")
 
 
-def _refuse_latent(config: TransformerConfig, who: str, targets) -> None:
-    latent = [t for t in targets if L.is_latent_target(config, t)]
-    if latent:
-        raise ValueError(f"{who} adapts {latent[0]!r} of latent attention: adapters served "
-                         "side by side cover its output and feed-forward kernels; merge "
-                         "this one into the model instead")
+def _scope(config: TransformerConfig, target: str) -> tuple[str, ...]:
+    """The scope, within a layer, of the module that reads `target`'s pair: the kernel's
+    module (latent attention's `latent` within `self_attention`)."""
+    return L.kernel_path(config, target)[:-1] if L.is_latent_target(config, target) else \
+        L.KERNELS[target][:1]
 
 
 def _entries(pairs: dict, path: tuple[str, ...] = ()):
@@ -249,6 +249,32 @@ def update(module, target: str, x_BTI):
     return low @ pair["b"].astype(dtype)
 
 
+def headwise_update(module, target: str, x_BTNI):
+    """Row b's update of `target` [B, T, N, O] where each head n reads its own inputs
+    x[:, :, n] through the A B [I, N · O] (a head's slice of B), or None without it."""
+    if not module.has_variable(COLLECTION, target):
+        return None
+    pair = module.get_variable(COLLECTION, target)
+    dtype, heads = x_BTNI.dtype, x_BTNI.shape[2]
+    low = (x_BTNI @ pair["a"].astype(dtype)) * pair["rows"].astype(dtype)[:, None, None]
+    b_RNO = pair["b"].astype(dtype).reshape(pair["b"].shape[0], heads, -1)
+    return jnp.einsum("btnr,rno->btno", low, b_RNO)
+
+
+def absorbed_update(module, target: str, x_BTNO):
+    """Row b's x (A_b B_b)ᵀ per head [B, T, N, I] of `target`, whose update [I, N · O] gives
+    each head O outputs: what the update adds to x's product with the kernel's transpose,
+    head by head (a query taken through kv_up's key half), or None without it."""
+    if not module.has_variable(COLLECTION, target):
+        return None
+    pair = module.get_variable(COLLECTION, target)
+    dtype, heads = x_BTNO.dtype, x_BTNO.shape[2]
+    b_RNO = pair["b"].astype(dtype).reshape(pair["b"].shape[0], heads, -1)
+    low = jnp.einsum("btno,rno->btnr", x_BTNO, b_RNO) * pair["rows"].astype(dtype)[:, None,
+                                                                                  None]
+    return low @ pair["a"].astype(dtype).T
+
+
 def add_qkv_updates(module, config: TransformerConfig, x_BTD, qkv_BTFH):
     """The fused qkv projection [B, T, N + 2K, H] plus each row's q, k and v updates."""
     for target in ("q", "k", "v"):
@@ -261,6 +287,7 @@ def add_qkv_updates(module, config: TransformerConfig, x_BTD, qkv_BTFH):
 
 
 def add_update(module, target: str, x_BTI, y_BTO):
-    """y [B, T, O] plus each row's update of `target` from x [B, T, I] (or y as it is)."""
+    """y [B, T, O] (or [B, T, N, O/N]) plus each row's update of `target` from x [B, T, I]
+    (or y as it is)."""
     delta = update(module, target, x_BTI.reshape(*x_BTI.shape[:2], -1))
-    return y_BTO if delta is None else y_BTO + delta.astype(y_BTO.dtype)
+    return y_BTO if delta is None else y_BTO + delta.reshape(y_BTO.shape).astype(y_BTO.dtype)

@@ -281,9 +281,10 @@ def _with_adapters(config, params, batch, stack, adapter_B):
 
 
 # A module the file fuses (Phi-3's qkv_proj and gate_up_proj, GPT-2's c_attn) and rows kvjax
-# holds in another order (GLM-4's queries and keys); a mixture's biased attention (Phi-3.5-MoE).
+# holds in another order (GLM-4's queries and keys); a mixture's biased attention (Phi-3.5-MoE);
+# latent attention's q_proj, kv_b_proj and o_proj (DeepSeek-V2).
 @pytest.mark.parametrize("name", ["phi3", "gpt2", "glm4", "cohere", "nemotron", "apertus",
-                                  "hunyuan_v1_dense", "phimoe"])
+                                  "hunyuan_v1_dense", "phimoe", "deepseek_v2"])
 def test_served_unmerged_beside_the_base_an_adapter_computes_what_peft_computes(name):
     record, logits = expected(name)
     base = FIXTURES / record["base"]

@@ -159,8 +159,9 @@ def test_int8_kernels_are_the_formulas_and_compute_as_the_dequantized_model():
 def test_lora_adapts_the_query_kernel_and_kv_up_s_key_and_value_halves(q_rank):
     """q adapts the kernel that makes the heads' queries (`q`, or `q_up` after a latent),
     k and v the key and value dimensions of each head in `kv_up`: the merged kernels are the
-    NumPy formula's, a zero B changes nothing, and adapters of them are merged rather than
-    served side by side."""
+    NumPy formula's, a zero B changes nothing, o's A starts (and, its inputs zero there,
+    stays) zero over the heads' padding past their values, and a stack of adapters serves
+    all four (tests/model/test_lora_rows.py checks what it computes)."""
     from kvjax.model import lora as L
     from kvjax.model import lora_rows
 
@@ -168,6 +169,10 @@ def test_lora_adapts_the_query_kernel_and_kv_up_s_key_and_value_halves(q_rank):
     params = M.init_params(config, jax.random.key(0))
     lora = M.LoRA(2, 6.0, ("q", "k", "v", "o"))
     adapters = L.init_adapters(config, params, lora, jax.random.key(1))
+    padding = np.tile(np.arange(config.head_dim) >= 8, config.num_heads)  # values 8 wide
+    for where, _ in L.layer_subtrees(params):
+        a = np.asarray(L.get(adapters, (*where, "o"))["lora_a"])
+        assert not a[padding].any() and a[~padding].all()
     np.testing.assert_array_equal(  # B starts at zero
         run_full(config, L.merge(config, params, adapters, lora), jnp.array([[3, 4, 5]])),
         run_full(config, params, jnp.array([[3, 4, 5]])))
@@ -194,9 +199,8 @@ def test_lora_adapts_the_query_kernel_and_kv_up_s_key_and_value_halves(q_rank):
                                w[..., nope:] + update(where, "v").reshape(rank, heads, 8)],
                               axis=-1)
         np.testing.assert_allclose(kernel(merged, where, "kv_up"), want, rtol=1e-5, atol=1e-6)
-    assert lora_rows.servable_targets(config, params) == ("o", "wi", "wo")
-    with pytest.raises(ValueError, match="adapter 1 adapts 'q' of latent attention: .* merge"):
-        lora_rows.stack(config, params, [(adapters, lora)])
+    assert lora_rows.servable_targets(config, params) == ("q", "k", "v", "o", "wi", "wo")
+    assert lora_rows.stack(config, params, [(adapters, lora)]).count == 1
 
 
 def test_an_int8_paged_cache_serves_what_generate_makes_with_it():

@@ -19,9 +19,13 @@ from kvjax.model import lora_rows
 LORAS = (L.LoRA(4, 8.0, ("q", "v", "o", "wi_gate", "wo")), L.LoRA(2, None, ("k", "wi")))
 
 
-def config_of(scan_layers: bool) -> M.TransformerConfig:
-    return M.preset("tiny", positional_encoding="rope", num_kv_heads=2, norm_type="rmsnorm",
-                    activation="swiglu", ffn_bias=False, scan_layers=scan_layers)
+def config_of(scan_layers: bool, latent: bool = False) -> M.TransformerConfig:
+    """Llama's layer; with `latent`, DeepSeek-V3's latent attention (a query latent, values
+    narrower than a head)."""
+    heads = dict(num_heads=4, head_dim=12, rotary_dim=4, latent_kv_rank=10, latent_nope_dim=6,
+                 latent_value_dim=8, latent_q_rank=12) if latent else dict(num_kv_heads=2)
+    return M.preset("tiny", positional_encoding="rope", norm_type="rmsnorm",
+                    activation="swiglu", ffn_bias=False, scan_layers=scan_layers, **heads)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
@@ -39,9 +43,12 @@ def prefill_then_steps(config, params, stack, adapter_B, capacity, tokens_BT):
     return jnp.stack(logits, axis=1)
 
 
-@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scanned"])
-def test_each_row_computes_its_own_adapters_merged_model(scan_layers):
-    config = config_of(scan_layers)
+# Latent attention's q, k and v adapt its query and kv_up kernels: a prefill adds them to the
+# expanded keys and values, a step to what the latent rows give the queries and values.
+@pytest.mark.parametrize("scan_layers, latent", [(False, False), (True, False), (True, True)],
+                         ids=["unrolled", "scanned", "latent"])
+def test_each_row_computes_its_own_adapters_merged_model(scan_layers, latent):
+    config = config_of(scan_layers, latent)
     params = M.init_params(config, jax.random.key(0))
     adapters = [(trained_adapters(config, params, lora, i), lora) for i, lora in enumerate(LORAS)]
     stack = lora_rows.stack(config, params, adapters)
