@@ -112,8 +112,9 @@ def init_adapters(config: TransformerConfig, params, lora: LoRA, rng: jax.Array)
     adapters: dict = {}
     found = list(sites(config, params, lora))
     for i, (path, target, kernel) in enumerate(found):
-        in_width, out_width, lead = _widths(config, target, kernel)
-        if in_experts(params, path, target):
+        experts = in_experts(params, path, target)
+        in_width, out_width, lead = _widths(config, target, kernel, experts)
+        if experts:
             if lora.int8_base:
                 raise ValueError(f"LoRA on a mixture's experts ({target!r}) needs a float "
                                  "base, not an int8 one (--lora-base-dtype bfloat16 halves "
@@ -264,9 +265,14 @@ def kernel_path(config: TransformerConfig, target: str) -> tuple[str, ...]:
     return KERNELS[target][:2]
 
 
-def _widths(config: TransformerConfig, target: str, kernel) -> tuple[int, int, tuple]:
+def _widths(config: TransformerConfig, target: str, kernel, experts: bool
+            ) -> tuple[int, int, tuple]:
     """(I, O, leading stack axes) of a target's A and B."""
     lead = tuple(kernel.shape[:kernel.ndim - kernel_ndim(kernel_path(config, target)[-1])])
+    if target in EXPERT_TARGETS and not experts:
+        # A dense FFN's own width: a mixture's dense layers (`dense_ffn_layers`) hold
+        # `dense_d_ff`, where `widths` gives its experts' d_ff.
+        return (*kernel.shape[-2:], lead)
     return (*widths(config, target), lead)
 
 

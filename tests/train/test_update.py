@@ -133,9 +133,10 @@ def test_the_load_balancing_loss_joins_the_loss_minimized_not_the_loss_reported(
 
 def test_lora_on_a_mixtures_experts_trains_their_adapters_and_lowers_the_loss():
     """Every expert's own pair (`model.lora`) trains over the frozen mixture: the loss falls,
-    and the experts' B, zero at the start, move."""
+    and the experts' B, zero at the start, move; a dense first layer (DeepSeek's) gets a pair
+    of its own width."""
     config = M.preset("tiny", num_experts=4, experts_per_token=2, ffn_bias=False,
-                      activation="swiglu")
+                      activation="swiglu", dense_ffn_layers=(0,), dense_d_ff=48)
     base = M.init_params(config, jax.random.key(0))
     settings = M.LoRA(2, 4.0, ("q", "wi", "wo"))
     train_config = TrainConfig(steps=4, warmup_steps=0, learning_rate=3e-2, lora=settings)
@@ -148,5 +149,7 @@ def test_lora_on_a_mixtures_experts_trains_their_adapters_and_lowers_the_loss():
         state, loss = update.train_step(config, train_config, state, batch, base=base)
         losses.append(float(loss))
     assert losses[-1] < losses[0]
-    moved = np.asarray(state.params["layers"]["0"]["wi"]["lora_b"])  # [experts, r, F]
+    moved = np.asarray(state.params["layers"]["1"]["wi"]["lora_b"])  # [experts, r, F]
     assert moved.shape == (4, 2, config.d_ff) and np.any(moved != 0)
+    dense = np.asarray(state.params["layers"]["0"]["wo"]["lora_a"])  # [dense F, r]
+    assert dense.shape == (48, 2)
