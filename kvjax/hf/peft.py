@@ -1,18 +1,20 @@
-"""PEFT's LoRA adapters of a Hugging Face model: merged into its kvjax params as it loads,
-and written from adapters kvjax trained on it (`export_peft_adapter`).
+"""PEFT's LoRA adapters of a Hugging Face model: merged into its kvjax params as it loads, and
+written from adapters kvjax trained on it (`export_peft_adapter`).
 
 A PEFT adapter directory holds `adapter_config.json` and `adapter_model.safetensors`, whose
 tensors are named by the module they adapt (`base_model.model.model.layers.3.self_attn.
 q_proj.lora_A.weight`): A [r, in] and B [out, r], the update to the module's torch weight
-[out, in] being scale · B A, with scale = lora_alpha / r (lora_alpha / √r with
-`use_rslora`). Merged here, kvjax's kernel [in, out] gains scale · Aᵀ Bᵀ, summed in float32:
-what `PeftModel.merge_and_unload` computes, and what the unmerged model computes up to
-rounding. A module that kvjax fuses (q, k and v) takes its update into its heads' slice; a
-module the file fuses (Phi-3's qkv_proj and gate_up_proj, GPT-2's c_attn) spreads its update
-over kvjax's targets. gpt-oss's experts, adapted through `target_parameters`, hold a pair
-per expert, read and written by `peft_experts.py`; an encoder-decoder's (Marian's, T5's),
-by `peft_seq2seq.py`. Which module of each layout holds which of kvjax's targets, and in which
-order its rows are, is `peft_modules.py`'s.
+[out, in] being scale · B A, with scale = lora_alpha / r (lora_alpha / √r with `use_rslora`;
+a module's own lora_alpha where a key of `alpha_pattern` ends its name). Merged here,
+kvjax's kernel [in, out] gains scale · Aᵀ Bᵀ, summed in float32: what
+`PeftModel.merge_and_unload` computes, and what the unmerged model computes up to rounding.
+A module that kvjax fuses (q, k and v) takes its update into its heads' slice; a module the
+file fuses (Phi-3's qkv_proj and gate_up_proj, GPT-2's c_attn) spreads its update over
+kvjax's targets. A mixture's experts, adapted through `target_parameters`, hold a pair per
+expert, read and written by `peft_experts.py`; DeepSeek's latent attention's modules by
+`peft_latent.py`; an encoder-decoder's (Marian's, T5's), by `peft_seq2seq.py`. Which module
+of each layout holds which of kvjax's targets, and in which order its rows are, is
+`peft_modules.py`'s.
 
 As with config.json (`reader.py`), every key of adapter_config.json is read, known to change
 nothing once trained, or refused by name; every tensor must adapt a module of the model.
@@ -40,8 +42,11 @@ from .errors import UnsupportedModelError
 from .peft_modules import (
     LANGUAGE_MODEL_LAYERS,
     MODULES,
+    adapts_layer,
     fused_pair,
+    layer_config,
     layer_prefixes,
+    module_key,
     reorders,
     rows_in_file_order,
     rows_in_kvjax_order,
@@ -104,18 +109,20 @@ def merge_peft_adapter(config: TransformerConfig, model_type: str, params: dict,
         return peft_seq2seq.merged(LAYOUTS[model_type], config, params, pairs, scale_of)
     merged = {**params, "layers": {i: dict(layer) for i, layer in params["layers"].items()}}
     for layer, module, a, b, name in pairs:
-        if module in peft_experts.WRAPPERS:
-            peft_experts.add_to_experts(config, merged["layers"][str(layer)], a, b, scale_of,
-                                        name)
+        if module in peft_experts.wrappers(LAYOUTS[model_type]):
+            peft_experts.add_to_experts(config, LAYOUTS[model_type], merged["layers"][str(layer)],
+                                        a, b, scale_of, module_key(name), name)
             continue
         if LAYOUTS[model_type] == peft_latent.LAYOUT:
-            peft_latent.merge(config, merged["layers"][str(layer)], module, a, b,
-                              scale_of(a.shape[0]), name)
+            peft_latent.merge(layer_config(config, layer), merged["layers"][str(layer)], module,
+                              a, b, scale_of(a.shape[0], module_key(name)), name)
             continue
-        update = scale_of(a.shape[0]) * (a.astype(np.float32).T @ b.astype(np.float32).T)
+        update = scale_of(a.shape[0], module_key(name)) * (a.astype(np.float32).T @
+                                                          b.astype(np.float32).T)
         if reorders(config, model_type, module):
             update = rows_in_kvjax_order(config, model_type, module, update.T, name).T
-        _add(config, merged["layers"][str(layer)], modules[module], update, name)
+        _add(layer_config(config, layer), merged["layers"][str(layer)], modules[module], update,
+             name)
     return merged
 
 
@@ -135,25 +142,30 @@ def peft_adapters(config: TransformerConfig, model_type: str, directory: str | o
     scale_of, modules, pairs = _read_pairs(config, model_type, directory)
     found: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
     for layer, module, a, b, name in pairs:
-        if module in peft_experts.WRAPPERS:
+        if module in peft_experts.wrappers(LAYOUTS[model_type]):
             raise UnsupportedModelError(f"{directory}: adapters of a mixture's experts "
                                         f"({module}) are merged, not served beside others "
                                         "(--lora DIR merges one)")
         targets = modules[module]
+        if config.num_experts and set(targets) & set(L.EXPERT_TARGETS):
+            raise UnsupportedModelError(f"{directory}: adapters of a mixture's dense FFN "
+                                        f"({module}) are merged, not served beside others "
+                                        "(--lora DIR merges one)")
         if LAYOUTS[model_type] == peft_latent.LAYOUT:
             if not targets:
                 raise UnsupportedModelError(f"{directory}: adapters of latent attention's "
                                             f"{module} are merged, not served beside others "
                                             "(--lora DIR merges one)")
             a_IR, b_RO = peft_latent.kvjax_pair(config, module, a,
-                                                scale_of(a.shape[0]) * b.astype(np.float32),
+                                                scale_of(a.shape[0], module_key(name)) *
+                                                b.astype(np.float32),
                                                 name)
             widths = [L.widths(config, target)[1] for target in targets]
             for target, piece in zip(targets, np.split(b_RO, np.cumsum(widths)[:-1], axis=1),
                                      strict=True):
                 found[layer, target] = (a_IR, piece)
             continue
-        rows_OR = scale_of(a.shape[0]) * b.astype(np.float32)
+        rows_OR = scale_of(a.shape[0], module_key(name)) * b.astype(np.float32)
         if reorders(config, model_type, module):
             rows_OR = rows_in_kvjax_order(config, model_type, module, rows_OR, name)
         widths = _output_widths(config, targets, (a.shape[1], rows_OR.shape[0]), name)
@@ -179,10 +191,9 @@ def _read_pairs(config: TransformerConfig, model_type: str, directory: Path):
     name of B) of every module the adapter in `directory` adapts), every tensor and setting
     checked."""
     scale_of, expert_params = _scaling(directory)
-    if expert_params and LAYOUTS.get(model_type) != "gpt_oss":
+    if expert_params and not config.num_experts:
         raise UnsupportedModelError(f"{directory}: target_parameters={json.dumps(expert_params)}"
-                                    f" adapt parameters of a {model_type} model; kvjax merges "
-                                    "gpt-oss's experts' alone")
+                                    f" adapt experts, and this {model_type} model has none")
     layout = LAYOUTS.get(model_type)
     if layout in peft_seq2seq.LAYOUTS:  # an encoder's and a decoder's layers
         modules = peft_seq2seq.LAYOUTS[layout].modules
@@ -192,16 +203,14 @@ def _read_pairs(config: TransformerConfig, model_type: str, directory: Path):
                                        "are not supported")
         if layout == peft_latent.LAYOUT:
             modules = peft_latent.modules(config)
-        if config.num_experts:  # a mixture's layers have no dense FFN to adapt
-            modules = {module: targets for module, targets in modules.items()
-                       if not {"wi", "wi_gate", "wo"} & set(targets)}
         pattern = _tensor_pattern(model_type)
-        known = modules if not expert_params else {**modules, **peft_experts.WRAPPERS}
+        known = modules if not expert_params else {**modules, **peft_experts.wrappers(layout)}
 
         def locate(name):
             match = pattern.match(name)
             if match is None or match[2] not in known or int(match[1]) >= \
-                    config.num_decoder_layers:
+                    config.num_decoder_layers or not adapts_layer(
+                        config, known[match[2]], int(match[1])):
                 raise ValueError(f"{directory}: tensor {name} adapts no module kvjax merges "
                                  f"into a {model_type} model (its layers' {', '.join(modules)})")
             return int(match[1]), match[2], match[3]
@@ -232,7 +241,7 @@ def _scaling(directory: Path):
     c = Reader(values, str(path), neutral=_TRAINED_NEUTRAL)
     c.expect("peft_type", "LORA", "LORA", "kvjax merges LoRA adapters")
     c.expect("bias", "none", "none", "adapters that train biases")
-    c.expect("alpha_pattern", {}, {}, "a lora_alpha per module")
+    alpha_pattern = c.get("alpha_pattern") or {}
     c.get("r")  # each module's rank is its tensors'
     init = c.get("init_lora_weights", True)
     if isinstance(init, str) and init.startswith(_BASE_CHANGING_INITS):
@@ -244,14 +253,24 @@ def _scaling(directory: Path):
     rslora = bool(c.get("use_rslora", False))
     expert_params = c.get("target_parameters") or []
     if not isinstance(expert_params, list) or not all(
-            isinstance(p, str) and p.endswith(peft_experts.PARAMS) for p in expert_params):
+            isinstance(p, str) and p.split(".")[-1] in peft_experts.PARAM_NAMES
+            for p in expert_params):
         raise UnsupportedModelError(f"{path}: target_parameters={json.dumps(expert_params)} "
-                                    "is not supported (kvjax merges adapters of gpt-oss's "
-                                    "mlp.experts.gate_up_proj and mlp.experts.down_proj)")
+                                    "is not supported (kvjax merges adapters of a mixture's "
+                                    "experts.gate_up_proj and experts.down_proj)")
     c.refuse_unread()  # DoRA, biases, whole modules saved, token adapters, ...
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or alpha <= 0:
-        raise ValueError(f"{path}: lora_alpha={alpha!r} must be a number > 0")
-    return lambda rank: alpha / (math.sqrt(rank) if rslora else rank), expert_params
+    for value in (alpha, *alpha_pattern.values()):
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ValueError(f"{path}: lora_alpha={value!r} must be a number > 0")
+
+    def scale_of(rank: int, key: str) -> float:
+        """The scale of the module or parameter `key` (its name in the model, as PEFT
+        matches `alpha_pattern`'s keys against it: the first key that ends it)."""
+        chosen = next((value for pattern, value in alpha_pattern.items()
+                       if re.match(rf"(.*\.)?({pattern})$", key)), alpha)
+        return chosen / (math.sqrt(rank) if rslora else rank)
+
+    return scale_of, expert_params
 
 
 def _output_widths(config: TransformerConfig, targets: tuple[str, ...], shape_IO: tuple,
@@ -346,12 +365,15 @@ def write_peft_adapter(config: TransformerConfig, model_type: str, adapters: dic
     adapter into `out`, naming `base_name` as its base model; returns `out`. The layers'
     modules are named under `layer_prefix` (None: where `model_type`'s own files hold them;
     an encoder-decoder's as `peft_seq2seq.py` names them). Adapters of a mixture's experts
-    are written for gpt-oss (`peft_experts.py`) and refused for others."""
-    experts = [t for t in settings.targets if t in L.EXPERT_TARGETS]
-    gpt_oss = LAYOUTS[model_type] == "gpt_oss"
-    if config.num_experts and experts and not gpt_oss:
-        raise ValueError(f"adapters of a mixture's experts ({', '.join(experts)}) are not "
-                         f"written as a PEFT adapter of a {model_type} model; `kvjax "
+    adapt its stacked experts' parameters (`peft_experts.py`); those of the dense FFN of a
+    mixture's first layers are refused: PEFT reads a mixture's gate_proj, up_proj and
+    down_proj as its experts'."""
+    dense = [t for t in settings.targets if t in L.EXPERT_TARGETS]
+    if config.num_experts and config.dense_ffn_layers and dense:
+        raise ValueError(f"adapters of the dense FFN of the layers "
+                         f"{list(config.dense_ffn_layers)} of a {model_type} model "
+                         f"({', '.join(dense)}) are not written as a PEFT adapter (PEFT reads a "
+                         "mixture's gate_proj, up_proj and down_proj as its experts'); `kvjax "
                          "merge-lora` writes the merged model")
     seq2seq = LAYOUTS[model_type] in peft_seq2seq.LAYOUTS
     if seq2seq:
@@ -367,7 +389,8 @@ def write_peft_adapter(config: TransformerConfig, model_type: str, adapters: dic
             tensors, ranks = _peft_tensors(config, model_type, adapters["layers"], settings,
                                            prefix)
     expert_tensors, expert_params, expert_rank = peft_experts.peft_tensors(
-        config, adapters["layers"], settings, prefix) if gpt_oss else ({}, [], 0)
+        config, LAYOUTS[model_type], adapters["layers"], settings, prefix) if not seq2seq \
+        else ({}, [], 0)
     tensors.update(expert_tensors)
     # rank_pattern names modules, so the experts' parameters take the top rank.
     top_rank = expert_rank if expert_params else settings.rank
@@ -400,7 +423,11 @@ def _peft_tensors(config: TransformerConfig, model_type: str, layers: dict, sett
         if not trained:
             continue
         for index, layer in sorted(layers.items(), key=lambda item: int(item[0])):
-            a_RI, b_OR = fused_pair(config, layer, targets, trained, settings.rank)
+            here = [t for t in trained if not peft_experts.is_experts_pair(layer.get(t))]
+            if not here:  # a mixture's experts: `peft_experts.py`'s
+                continue
+            a_RI, b_OR = fused_pair(layer_config(config, int(index)), layer, targets, here,
+                                    settings.rank)
             rank = a_RI.shape[0]
             if reorders(config, model_type, module):
                 b_OR = np.ascontiguousarray(rows_in_file_order(config, model_type, module, b_OR))

@@ -1,16 +1,18 @@
-"""PEFT's adapters of gpt-oss's experts: merged as they load, and written from kvjax's.
+"""PEFT's adapters of a mixture's experts: merged as they load, and written from kvjax's.
 
-PEFT adapts a parameter of stacked experts (`target_parameters`: gpt-oss's
-`mlp.experts.gate_up_proj` [experts, D, 2F], a gate column then an up column in turn, and
-`mlp.experts.down_proj` [experts, F, D]) with one pair per expert, held as A [experts · r,
-in] (expert e's rows e·r to e·r + r) and B [out, r · experts] (expert e's columns e, e +
-experts, ...), the update to expert e's [in, out] being scale · Aₑᵀ Bₑᵀ. The experts' module
-is wrapped once for each adapted parameter, so its tensors are named `mlp.experts` and
-`mlp.experts.base_layer`; which parameter a pair adapts, its shapes tell.
+transformers holds a layer's experts as two stacked parameters, which PEFT adapts through
+`target_parameters`: `mlp.experts.gate_up_proj` [experts, 2F, D], the gates' rows then the
+ups', and `mlp.experts.down_proj` [experts, D, F] (Granite's under `block_sparse_moe`);
+gpt-oss's transposed, [experts, D, 2F] with a gate column then an up column in turn, and
+[experts, F, D]. PEFT gives each a pair per expert, held as A [experts · r, in] (expert e's
+rows e·r to e·r + r) and B [out, r · experts] (expert e's columns e, e + experts, ...), the
+update to expert e's [in, out] being scale · Aₑᵀ Bₑᵀ, whichever way the parameter is held.
+The experts' module is wrapped once for each adapted parameter, so its tensors are named
+`mlp.experts` and `mlp.experts.base_layer`; which parameter a pair adapts, its shapes tell.
 
 kvjax holds a pair per expert for each of wi (the gates), wi_gate (the ups) and wo
 (`model/lora.py`). Written, gate_up_proj takes wi's and wi_gate's A stacked and their B on
-the gate and up columns; both parameters get one rank, PEFT's `r` (its `rank_pattern`
+the gate and up outputs; both parameters get one rank, PEFT's `r` (its `rank_pattern`
 names modules, the attention's), padded with zeros, and B is scaled so that lora_alpha over
 that rank stays the run's scale.
 """
@@ -22,13 +24,35 @@ import numpy as np
 from kvjax.model import TransformerConfig
 from kvjax.model import lora as L
 
-PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-WRAPPERS = {"mlp.experts": (), "mlp.experts.base_layer": ()}
+PARAMS = ("experts.gate_up_proj", "experts.down_proj")
+PARAM_NAMES = tuple(param.split(".")[-1] for param in PARAMS)  # as target_parameters may
+# The layouts (`weights.LAYOUTS`) whose experts' module transformers names otherwise than
+# `mlp.experts`, and those whose gate_up_proj interleaves the gates' and ups' outputs.
+_EXPERTS_MODULE = {"granitemoe": "block_sparse_moe.experts",
+                   "granite_shared": "block_sparse_moe.experts"}
+_INTERLEAVED = ("gpt_oss",)
 
 
-def update(a_XI: np.ndarray, b_OX: np.ndarray, experts: int, scale_of, name: str) -> np.ndarray:
-    """The update [experts, in, out] of a PEFT pair over a parameter of `experts` experts:
-    A [experts · r, in] and B [out, r · experts]."""
+def module(layout: str) -> str:
+    """Where transformers holds a layer's experts, after the layer's prefix."""
+    return _EXPERTS_MODULE.get(layout, "mlp.experts")
+
+
+def wrappers(layout: str) -> dict[str, tuple[str, ...]]:
+    """The module names PEFT gives the experts' pairs (no kvjax target of their own)."""
+    return {module(layout): (), f"{module(layout)}.base_layer": ()}
+
+
+def _gate_and_up(layout: str, f: int) -> tuple[slice, slice]:
+    """The gate_up_proj outputs of the gates (wi) and of the ups (wi_gate)."""
+    if layout in _INTERLEAVED:
+        return slice(0, None, 2), slice(1, None, 2)
+    return slice(0, f), slice(f, 2 * f)
+
+
+def update(a_XI: np.ndarray, b_OX: np.ndarray, experts: int, name: str) -> np.ndarray:
+    """The update [experts, in, out] of a PEFT pair over a parameter of `experts` experts,
+    unscaled: A [experts · r, in] and B [out, r · experts]."""
     if a_XI.ndim != 2 or b_OX.ndim != 2 or a_XI.shape[0] != b_OX.shape[1] \
             or a_XI.shape[0] % experts:
         raise ValueError(f"tensor {name} and its lora_A are not the [out, r · {experts}] and "
@@ -36,47 +60,63 @@ def update(a_XI: np.ndarray, b_OX: np.ndarray, experts: int, scale_of, name: str
     rank = a_XI.shape[0] // experts
     a_ERI = a_XI.astype(np.float32).reshape(experts, rank, -1)
     b_ORE = b_OX.astype(np.float32).reshape(b_OX.shape[0], rank, experts)
-    return scale_of(rank) * np.einsum("ORE,ERI->EIO", b_ORE, a_ERI)
+    return np.einsum("ORE,ERI->EIO", b_ORE, a_ERI)
 
 
-def add_to_experts(config: TransformerConfig, layer: dict, a, b, scale_of, name: str) -> None:
+def add_to_experts(config: TransformerConfig, layout: str, layer: dict, a, b, scale_of,
+                   key: str, name: str) -> None:
     """A pair's update added to `layer`'s experts (new arrays): gate_up_proj's to wi (its
-    gate columns) and wi_gate (its up columns), down_proj's to wo."""
-    delta = update(a, b, config.num_experts, scale_of, name)
+    gate outputs) and wi_gate (its up outputs), down_proj's to wo. `key` names the wrapped
+    experts' module (PEFT's key, `base_layer`s included), `scale_of(rank, key)` the scale of
+    the parameter the pair's shapes tell it adapts."""
+    if "experts" not in layer.get("ffn", {}):
+        raise ValueError(f"tensor {name} adapts experts of a layer that has none (a dense "
+                         "FFN)")
+    delta = update(a, b, config.num_experts, name)
     d, f = config.d_model, config.d_ff
     ffn = layer["ffn"] = dict(layer["ffn"])
     experts = ffn["experts"] = dict(ffn["experts"])
-    parts = {(d, 2 * f): {"wi": delta[..., 0::2].transpose(1, 0, 2),
-                          "wi_gate": delta[..., 1::2].transpose(1, 0, 2)},
+    gates, ups = _gate_and_up(layout, f)
+    parts = {(d, 2 * f): {"wi": delta[..., gates].transpose(1, 0, 2),
+                          "wi_gate": delta[..., ups].transpose(1, 0, 2)},
              (f, d): {"wo": delta}}.get(delta.shape[1:])
     if parts is None:
-        raise ValueError(f"tensor {name} makes an update of {list(delta.shape)}; gpt-oss's "
+        raise ValueError(f"tensor {name} makes an update of {list(delta.shape)}; the "
                          f"experts take [{config.num_experts}, {d}, {2 * f}] (gate_up_proj) or "
                          f"[{config.num_experts}, {f}, {d}] (down_proj)")
+    param = PARAMS[0] if "wi" in parts else PARAMS[1]
+    while key.endswith(".base_layer"):
+        key = key.removesuffix(".base_layer")
+    scale = scale_of(a.shape[0] // config.num_experts, f"{key}.{param.split('.')[-1]}")
     for target, piece in parts.items():
         old = experts[target]
-        experts[target] = (old.astype(np.float32) + piece).astype(old.dtype)
+        experts[target] = (old.astype(np.float32) + scale * piece).astype(old.dtype)
 
 
-def peft_tensors(config: TransformerConfig, layers: dict, settings: L.LoRA, prefix: str
-                 ) -> tuple[dict[str, np.ndarray], list[str], int]:
+def peft_tensors(config: TransformerConfig, layout: str, layers: dict, settings: L.LoRA,
+                 prefix: str) -> tuple[dict[str, np.ndarray], list[str], int]:
     """(PEFT's tensors of the experts' adapters in `layers` (unrolled), the parameters they
-    adapt, their rank); nothing when the experts have none."""
+    adapt, their rank); nothing when the experts have none. Layers without experts (a dense
+    FFN's adapters) are left to the modules of their FFN."""
     gate_up = [t for t in ("wi", "wi_gate") if t in settings.targets]
-    params = [p for p, on in zip(PARAMS, (gate_up, "wo" in settings.targets), strict=True)
-              if on]
-    if not params:
+    params = [f"{module(layout)}.{p.split('.')[-1]}" for p, on in zip(
+        PARAMS, (gate_up, "wo" in settings.targets), strict=True) if on]
+    if not params or not config.num_experts:
         return {}, [], 0
     rank = settings.rank * max(len(gate_up), 1)
     # PEFT wraps the parameters in the order of their names, the first one outermost.
-    modules = {param: "mlp.experts" + ".base_layer" * i
+    modules = {param: module(layout) + ".base_layer" * i
                for i, param in enumerate(sorted(params))}
+    gates, ups = _gate_and_up(layout, config.d_ff)
     tensors = {}
     for index, layer in sorted(layers.items(), key=lambda item: int(item[0])):
+        if not any(is_experts_pair(layer.get(t)) for t in L.EXPERT_TARGETS):
+            continue
         for param in params:
-            pairs = [(layer[t], slice(j, None, 2)) for j, t in enumerate(("wi", "wi_gate"))
-                     if t in gate_up] if param == PARAMS[0] else [(layer["wo"], slice(None))]
-            outputs = 2 * config.d_ff if param == PARAMS[0] else config.d_model
+            pairs = [(layer[t], part) for t, part in (("wi", gates), ("wi_gate", ups))
+                     if t in gate_up] if param.endswith(PARAMS[0]) else \
+                [(layer["wo"], slice(None))]
+            outputs = 2 * config.d_ff if param.endswith(PARAMS[0]) else config.d_model
             a_XI, b_OX = _pair(pairs, rank, settings, outputs)
             name = f"base_model.model.{prefix}.{index}.{modules[param]}"
             tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"] = a_XI, b_OX
@@ -96,3 +136,9 @@ def _pair(pairs, rank: int, settings: L.LoRA, outputs: int) -> tuple[np.ndarray,
     b_EOR *= rank / settings.rank  # lora_alpha / rank keeps the run's scale, alpha / r
     return (np.ascontiguousarray(a_ERI.reshape(experts * rank, inputs)),
             np.ascontiguousarray(b_EOR.transpose(1, 2, 0).reshape(outputs, rank * experts)))
+
+
+def is_experts_pair(pair: dict | None) -> bool:
+    """Whether a layer's adapters of an FFN target are its experts' (A [experts, I, r]), not
+    a dense FFN's (A [I, r])."""
+    return pair is not None and np.ndim(pair["lora_a"]) == 3

@@ -12,7 +12,9 @@ The file's modules and what they hold of kvjax's (`model/latent_attention.py`,
       to head_dim;
   q_a_proj, kv_a_proj_with_mqa: the query and key-value latents' down projections (the
       latter's rows past the latent the shared turned key part, by pairs in the file), which
-      are none of kvjax's targets: merged, never trained or served beside others.
+      are none of kvjax's targets: merged, never trained or served beside others;
+  mlp.gate_proj, mlp.up_proj, mlp.down_proj -> wi, wi_gate, wo of the dense first layers'
+      FFN (the experts' are `peft_experts.py`'s).
 
 Shape letters: N query heads, X what a row spans (its inputs, or the rank), R rank, I and O
 an update's input and output width, D model width.
@@ -26,7 +28,8 @@ from kvjax.model import TransformerConfig
 from kvjax.model import lora as L
 
 from .latent_weights import pairs_to_halves
-from .peft_modules import MODULES, fused_pair
+from .peft_experts import is_experts_pair
+from .peft_modules import MODULES, fused_pair, layer_config
 
 LAYOUT = "deepseek_latent"  # `weights.LAYOUTS`' name of the files these modules are in
 # The down projections' kernels, which no target adapts.
@@ -97,6 +100,10 @@ def _check_rows(config: TransformerConfig, module: str, a_RI: np.ndarray, b_OR: 
 def _file_widths(config: TransformerConfig, module: str) -> tuple[int, int]:
     """(in, out) of `module`'s torch weight [out, in]."""
     c = config
+    if module in ("mlp.gate_proj", "mlp.up_proj"):
+        return c.d_model, c.d_ff
+    if module == "mlp.down_proj":
+        return c.d_ff, c.d_model
     if module == "self_attn.q_a_proj":
         return c.d_model, c.latent_q_rank
     if module == "self_attn.kv_a_proj_with_mqa":
@@ -172,7 +179,11 @@ def peft_tensors(config: TransformerConfig, layers: dict, settings: L.LoRA, pref
         if not trained:
             continue
         for index, layer in sorted(layers.items(), key=lambda item: int(item[0])):
-            a_RI, b_OR = fused_pair(config, layer, targets, trained, settings.rank)
+            here = [t for t in trained if not is_experts_pair(layer.get(t))]
+            if not here:  # a mixture's experts: `peft_experts.py`'s
+                continue
+            a_RI, b_OR = fused_pair(layer_config(config, int(index)), layer, targets, here,
+                                    settings.rank)
             if module == "self_attn.o_proj":
                 n, value = config.num_heads, config.latent_value_dim
                 a_RI = a_RI.reshape(-1, n, config.head_dim)[..., :value].reshape(-1, n * value)

@@ -47,13 +47,13 @@ MODULES = {
             "self_attn.out_proj": ("o",), "fc1": ("wi",), "fc2": ("wo",)},
     "glm": {**_ATTENTION, "mlp.gate_up_proj": ("wi", "wi_gate"), "mlp.down_proj": ("wo",)},
     "llama_pairs": _GATED,
-    # Mixtral, GraniteMoE and gpt-oss: attention alone, their experts' projections being
-    # none of kvjax's targets.
+    # Mixtral, GraniteMoE and gpt-oss: attention (their experts' stacked parameters are
+    # `peft_experts.py`'s).
     "mixtral": _ATTENTION, "granitemoe": _ATTENTION, "gpt_oss": _ATTENTION,
-    # ERNIE 4.5's, GLM-4.5's and dots.llm1's mixtures: attention alone, the dense FFNs of
-    # their first layers too being none of kvjax's targets in a model of experts; HunYuan
-    # MoE's, its shared FFN not one either.
-    "ernie_moe": _ATTENTION, "deepseek_moe": _ATTENTION, "hunyuan_moe": _ATTENTION,
+    # ERNIE 4.5's, GLM-4.5's and dots.llm1's mixtures: attention, and the dense FFNs of
+    # their first layers (in a mixture, an FFN module adapts only a layer without experts);
+    # HunYuan MoE's attention, its shared FFN being none of kvjax's targets.
+    "ernie_moe": _GATED, "deepseek_moe": _GATED, "hunyuan_moe": _ATTENTION,
     # Granite 4.0's and GraniteMoeShared's shared_mlp, its gate and up projections in one
     # input_linear: the layer's FFN where there are no experts (beside experts, not a target).
     "granite_shared": {**_ATTENTION, "shared_mlp.input_linear": ("wi", "wi_gate"),
@@ -77,7 +77,9 @@ MODULES = {
     # projections hold none of kvjax's targets, and only merge.
     "deepseek_latent": {"self_attn.q_proj": ("q",), "self_attn.q_a_proj": (),
                         "self_attn.q_b_proj": ("q",), "self_attn.kv_a_proj_with_mqa": (),
-                        "self_attn.kv_b_proj": ("k", "v"), "self_attn.o_proj": ("o",)},
+                        "self_attn.kv_b_proj": ("k", "v"), "self_attn.o_proj": ("o",),
+                        "mlp.gate_proj": ("wi",), "mlp.up_proj": ("wi_gate",),
+                        "mlp.down_proj": ("wo",)},
 }
 # Where each layout's layers are in the names PEFT gives its tensors (written with the
 # first); "model.layers" where not listed.
@@ -139,6 +141,27 @@ def rows_in_file_order(config: TransformerConfig, model_type: str, module: str,
     heads = n if targets == ("q",) else config.kv_heads
     return rope_rows_in_kvjax_order(rows_OX, heads, h, config.rotary_dims, LAYOUTS[model_type],
                                     inverse=True)
+
+
+def module_key(name: str) -> str:
+    """The model's name of the module a tensor `name` of the file adapts: what PEFT matches
+    `rank_pattern`'s and `alpha_pattern`'s keys against."""
+    return name.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
+
+
+def layer_config(config: TransformerConfig, layer: int) -> TransformerConfig:
+    """`config` with layer `layer`'s FFN width: a mixture's dense layers (`dense_ffn_layers`)
+    hold `dense_d_ff`."""
+    return config.replace(d_ff=config.dense_d_ff) if layer in config.dense_ffn_layers else \
+        config
+
+
+def adapts_layer(config: TransformerConfig, targets: tuple[str, ...], layer: int) -> bool:
+    """Whether a module holding `targets` is one of layer `layer`'s kernels: in a mixture
+    an FFN's only in its dense layers (elsewhere its experts hold the FFN, and a shared
+    expert is no target)."""
+    return not (config.num_experts and set(targets) & set(L.EXPERT_TARGETS)
+                and layer not in config.dense_ffn_layers)
 
 
 def fused_pair(config: TransformerConfig, layer: dict, targets: tuple[str, ...],

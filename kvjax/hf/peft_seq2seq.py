@@ -28,6 +28,8 @@ import numpy as np
 from kvjax.model import TransformerConfig
 from kvjax.model.config_checks import GATED_ACTIVATIONS
 
+from .peft_modules import module_key
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -100,7 +102,8 @@ def merged(layout: str, config: TransformerConfig, params: dict, pairs, scale_of
     n, h, d, f = config.num_heads, config.head_dim, config.d_model, config.d_ff
     for (part, layer), module, a, b, name in pairs:
         place, block = LAYOUTS[layout].modules[part][module]
-        update_IO = scale_of(a.shape[0]) * (a.astype(np.float32).T @ b.astype(np.float32).T)
+        update_IO = scale_of(a.shape[0], module_key(name)) * (a.astype(np.float32).T @
+                                                              b.astype(np.float32).T)
         want = {"ffn/wi": (d, f), "ffn/wi_gate": (d, f), "ffn/wo": (f, d)}.get(
             place, (n * h, d) if place.endswith("/out") else (d, n * h))
         if update_IO.shape != want:

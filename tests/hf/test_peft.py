@@ -30,6 +30,7 @@ from test_hf_models import (
 
 from kvjax import checkpoint, decode, hf, text
 from kvjax import model as M
+from kvjax.model import lora as L
 from kvjax.model import lora_rows
 
 ADAPTERS = Path(__file__).parents[1] / "fixtures" / "hf_adapters"
@@ -38,7 +39,8 @@ NAMES = ("llama_gqa", "phi3", "gpt2", "phi", "opt", "gpt_neox", "starcoder2", "m
          "hunyuan_v1_dense", "marian", "phimoe", "nanochat", "gpt_bigcode", "gpt_bigcode_mha",
          "gpt_neo", "gptj", "falcon_grouped", "bloom", "mpt", "mt5", "m2m_100", "bart", "umt5",
          "granitemoehybrid", "granitemoehybrid_moe", "hyperclovax", "ernie4_5_moe", "glm4_moe",
-         "dots1", "hunyuan_v1_moe", "deepseek_v3", "deepseek_v2", "glm4_moe_lite")
+         "dots1", "hunyuan_v1_moe", "deepseek_v3", "deepseek_v2", "glm4_moe_lite",
+         "mixtral_experts", "qwen3_moe", "granitemoe", "glm4_moe_lite_experts", "glm4_moe_experts")
 
 
 def expected(name):
@@ -62,6 +64,26 @@ def test_the_merged_adapter_computes_what_peft_computes(name):
     assert record["greedy"] != base_greedy  # the adapter changes what the model writes
 
 
+def test_alpha_pattern_scales_the_modules_it_names(tmp_path):
+    """PEFT's `alpha_pattern`: a module whose name a key ends gets that key's lora_alpha (the
+    first key that matches), the others lora_alpha (16 here)."""
+    _, _, base = hf.load_pretrained(FIXTURES / "llama_gqa")
+    _, _, plain = hf.load_pretrained(FIXTURES / "llama_gqa", lora=ADAPTERS / "llama_gqa")
+    directory = copy_of("llama_gqa", tmp_path, ADAPTERS)
+    edit_config(directory, "adapter_config.json",
+                alpha_pattern={r"layers\.1\.mlp\.down_proj": 48, "down_proj": 32})
+    _, _, patterned = hf.load_pretrained(FIXTURES / "llama_gqa", lora=directory)
+    for layer, factor in (("0", 2.0), ("1", 3.0)):
+        def kernel(params, layer=layer):
+            return np.asarray(params["layers"][layer]["ffn"]["wo"]["kernel"], np.float64)
+
+        np.testing.assert_allclose(kernel(patterned) - kernel(base),
+                                   factor * (kernel(plain) - kernel(base)), rtol=1e-4, atol=1e-6)
+        attention = ("self_attention", "qkv", "kernel")
+        np.testing.assert_array_equal(L.get(patterned["layers"][layer], attention),
+                                      L.get(plain["layers"][layer], attention))
+
+
 def test_only_the_adapted_kernels_change_and_the_loaded_base_is_left_as_it_was():
     _, _, base = hf.load_pretrained(FIXTURES / "phi3")
     _, _, merged = hf.load_pretrained(FIXTURES / "phi3", lora=ADAPTERS / "phi3")
@@ -79,7 +101,7 @@ def test_only_the_adapted_kernels_change_and_the_loaded_base_is_left_as_it_was()
     (dict(use_dora=True), "kvjax does not implement use_dora=true"),
     (dict(peft_type="IA3"), 'peft_type="IA3" is not supported (kvjax merges LoRA adapters)'),
     (dict(bias="lora_only"), 'bias="lora_only" is not supported'),
-    (dict(alpha_pattern={"q_proj": 32}), "is not supported (a lora_alpha per module)"),
+    (dict(alpha_pattern={"q_proj": -1}), "lora_alpha=-1 must be a number > 0"),
     (dict(modules_to_save=["lm_head"]), 'modules_to_save=["lm_head"]'),
     (dict(lora_alpha=0), "lora_alpha=0 must be a number > 0"),
     (dict(init_lora_weights="pissa_niter_4"), 'init_lora_weights="pissa_niter_4" changed the '
@@ -88,7 +110,7 @@ def test_only_the_adapted_kernels_change_and_the_loaded_base_is_left_as_it_was()
     (dict(target_parameters=["mlp.router.weight"]),
      'target_parameters=["mlp.router.weight"] is not supported'),
     (dict(target_parameters=["mlp.experts.down_proj"]),
-     "adapt parameters of a llama model; kvjax merges gpt-oss's experts' alone"),
+     "adapt experts, and this llama model has none"),
 ])
 def test_settings_kvjax_does_not_merge_are_refused(tmp_path, changes, message):
     directory = copy_of("llama_gqa", tmp_path, ADAPTERS)
@@ -235,10 +257,15 @@ def test_fixtures_are_what_peft_computes(tmp_path):
     ("deepseek_v3", ("q", "k", "v", "o")),
     ("deepseek_v2", ("k", "o")),
     ("glm4_moe_lite", ("q", "v")),
+    # Mixtures' stacked experts: gate_up_proj the gates then the ups (gpt-oss's interleave
+    # them), at twice the rank with both; GraniteMoE's under block_sparse_moe.
+    ("mixtral", ("o", "wi", "wi_gate", "wo")),
+    ("qwen3_moe", ("q", "wi_gate")),
+    ("granitemoe", ("k", "wo")),
+    ("qwen2_moe", ("wi", "wo")),  # beside a shared expert, which is no target
 ])
 def test_adapters_written_as_peft_merge_as_kvjax_merges_them(tmp_path, name, targets):
     from kvjax.hf.peft import write_peft_adapter
-    from kvjax.model import lora as L
 
     config, _, params = hf.load_pretrained(FIXTURES / name)
     settings = M.LoRA(2, 6.0, targets)
@@ -255,22 +282,24 @@ def test_adapters_written_as_peft_merge_as_kvjax_merges_them(tmp_path, name, tar
                                     else "CAUSAL_LM")
     # gpt-oss's gate_up_proj holds wi's and wi_gate's pairs at twice the rank, PEFT's r, the
     # attention's rank its rank_pattern.
-    both = name == "gpt_oss" and {"wi", "wi_gate"} <= set(targets)
+    both = bool(config.num_experts) and {"wi", "wi_gate"} <= set(targets)
     assert written["r"] == (4 if both else 2) and written["lora_alpha"] == 6.0
-    if name == "gpt_oss":
-        assert written["rank_pattern"] == ({"self_attn.q_proj": 2} if both else {})
+    if config.num_experts and set(targets) & set(L.EXPERT_TARGETS):
+        attention = [t for t in targets if t not in L.EXPERT_TARGETS]
+        assert written["rank_pattern"] == ({f"self_attn.{t}_proj": 2 for t in attention}
+                                           if both else {})
 
 
-def test_adapters_of_a_mixtures_experts_are_not_written_as_peft(tmp_path):
+def test_adapters_of_a_mixtures_dense_layers_are_not_written_as_peft(tmp_path):
     from kvjax.hf.peft import write_peft_adapter
-    from kvjax.model import lora as L
 
-    config, _, params = hf.load_pretrained(FIXTURES / "mixtral")
+    config, _, params = hf.load_pretrained(FIXTURES / "glm4_moe")  # layer 0 a dense FFN
     settings = M.LoRA(2, targets=("q", "wo"))
     adapters = L.init_adapters(config, params, settings, jax.random.key(0))
-    with pytest.raises(ValueError, match=r"adapters of a mixture's experts \(wo\) are not "
-                                         "written as a PEFT adapter of a mixtral model"):
-        write_peft_adapter(config, "mixtral", adapters, settings, tmp_path, "mixtral")
+    with pytest.raises(ValueError, match=r"adapters of the dense FFN of the layers \[0\] of a "
+                                         r"glm4_moe model \(wo\) are not written as a PEFT "
+                                         "adapter"):
+        write_peft_adapter(config, "glm4_moe", adapters, settings, tmp_path, "glm4_moe")
     assert not any(tmp_path.iterdir())
 
 
@@ -307,10 +336,11 @@ def test_served_unmerged_beside_the_base_an_adapter_computes_what_peft_computes(
 
 
 # Experts; cross-attention; latent attention's down projections (q_a_proj, kv_a_proj_with_mqa).
-@pytest.mark.parametrize("name", ["gpt_oss", "marian", "mt5", "m2m_100", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["gpt_oss", "mixtral_experts", "marian", "mt5", "m2m_100",
+                                  "deepseek_v3"])
 def test_adapters_that_only_merge_are_not_served_beside_others(name):
     with pytest.raises(hf.UnsupportedModelError, match="are merged, not served beside others"):
-        hf.load_peft_adapters(FIXTURES / name, ADAPTERS / name)
+        hf.load_peft_adapters(FIXTURES / expected(name)[0]["base"], ADAPTERS / name)
 
 
 def test_serve_reads_peft_adapters_to_serve_side_by_side(capsys, monkeypatch, tmp_path):
