@@ -113,6 +113,13 @@ def merge_peft_adapter(config: TransformerConfig, model_type: str, params: dict,
             peft_experts.add_to_experts(config, LAYOUTS[model_type], merged["layers"][str(layer)],
                                         a, b, scale_of, module_key(name), name)
             continue
+        one_expert = peft_experts.per_expert(LAYOUTS[model_type], module, config.num_experts)
+        if one_expert:
+            update = scale_of(a.shape[0], module_key(name)) * (a.astype(np.float32).T @
+                                                              b.astype(np.float32).T)
+            peft_experts.add_to_expert(config, merged["layers"][str(layer)], *one_expert,
+                                       update, name)
+            continue
         if LAYOUTS[model_type] == peft_latent.LAYOUT:
             peft_latent.merge(layer_config(config, layer), merged["layers"][str(layer)], module,
                               a, b, scale_of(a.shape[0], module_key(name)), name)
@@ -142,7 +149,8 @@ def peft_adapters(config: TransformerConfig, model_type: str, directory: str | o
     scale_of, modules, pairs = _read_pairs(config, model_type, directory)
     found: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
     for layer, module, a, b, name in pairs:
-        if module in peft_experts.wrappers(LAYOUTS[model_type]):
+        if module in peft_experts.wrappers(LAYOUTS[model_type]) or peft_experts.per_expert(
+                LAYOUTS[model_type], module, config.num_experts):
             raise UnsupportedModelError(f"{directory}: adapters of a mixture's experts "
                                         f"({module}) are merged, not served beside others "
                                         "(--lora DIR merges one)")
@@ -208,9 +216,11 @@ def _read_pairs(config: TransformerConfig, model_type: str, directory: Path):
 
         def locate(name):
             match = pattern.match(name)
-            if match is None or match[2] not in known or int(match[1]) >= \
-                    config.num_decoder_layers or not adapts_layer(
-                        config, known[match[2]], int(match[1])):
+            one_expert = match is not None and peft_experts.per_expert(
+                layout, match[2], config.num_experts)
+            if match is None or int(match[1]) >= config.num_decoder_layers or not one_expert and (
+                    match[2] not in known or not adapts_layer(config, known[match[2]],
+                                                              int(match[1]))):
                 raise ValueError(f"{directory}: tensor {name} adapts no module kvjax merges "
                                  f"into a {model_type} model (its layers' {', '.join(modules)})")
             return int(match[1]), match[2], match[3]

@@ -19,6 +19,8 @@ that rank stays the run's scale.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from kvjax.model import TransformerConfig
@@ -31,6 +33,12 @@ PARAM_NAMES = tuple(param.split(".")[-1] for param in PARAMS)  # as target_param
 _EXPERTS_MODULE = {"granitemoe": "block_sparse_moe.experts",
                    "granite_shared": "block_sparse_moe.experts"}
 _INTERLEAVED = ("gpt_oss",)
+# transformers before 5.0 held each expert as Linears of its own, and an adapter trained then
+# adapts them one by one: where they are, and their names for wi, wi_gate and wo. gpt-oss's
+# and Granite's experts were stacked then too.
+_PER_EXPERT = {"mixtral": ("block_sparse_moe.experts", ("w1", "w3", "w2"))}
+_PER_EXPERT_DEFAULT = ("mlp.experts", ("gate_proj", "up_proj", "down_proj"))
+_STACKED_BEFORE_5 = ("gpt_oss", "granitemoe", "granite_shared")
 
 
 def module(layout: str) -> str:
@@ -41,6 +49,40 @@ def module(layout: str) -> str:
 def wrappers(layout: str) -> dict[str, tuple[str, ...]]:
     """The module names PEFT gives the experts' pairs (no kvjax target of their own)."""
     return {module(layout): (), f"{module(layout)}.base_layer": ()}
+
+
+def per_expert(layout: str, module: str, experts: int) -> tuple[int, str] | None:
+    """(expert, kvjax target) of a module of one expert (`mlp.experts.3.gate_proj`), as an
+    adapter trained before transformers 5.0 names it; None for any other module."""
+    if layout in _STACKED_BEFORE_5:
+        return None
+    under, names = _PER_EXPERT.get(layout, _PER_EXPERT_DEFAULT)
+    match = re.fullmatch(rf"{re.escape(under)}\.(\d+)\.(\w+)", module)
+    if match is None or match[2] not in names or int(match[1]) >= experts:
+        return None
+    return int(match[1]), L.EXPERT_TARGETS[names.index(match[2])]
+
+
+def add_to_expert(config: TransformerConfig, layer: dict, expert: int, target: str,
+                  update_IO: np.ndarray, name: str) -> None:
+    """One expert's update [in, out] of `target` added to its slice of `layer`'s experts'
+    kernel (new arrays): wi and wi_gate [D, experts, F], wo [experts, F, D]."""
+    if "experts" not in layer.get("ffn", {}):
+        raise ValueError(f"tensor {name} adapts an expert of a layer that has none (a dense "
+                         "FFN)")
+    d, f = config.d_model, config.d_ff
+    want = (f, d) if target == "wo" else (d, f)
+    if update_IO.shape != want:
+        raise ValueError(f"tensor {name} makes an update of {list(update_IO.shape)}; an "
+                         f"expert's {target} takes {want[0]} inputs to {want[1]} outputs")
+    ffn = layer["ffn"] = dict(layer["ffn"])
+    experts = ffn["experts"] = dict(ffn["experts"])
+    new = experts[target].astype(np.float32)
+    if target == "wo":
+        new[expert] += update_IO
+    else:
+        new[:, expert] += update_IO
+    experts[target] = new.astype(experts[target].dtype)
 
 
 def _gate_and_up(layout: str, f: int) -> tuple[slice, slice]:

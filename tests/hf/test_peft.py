@@ -40,7 +40,8 @@ NAMES = ("llama_gqa", "phi3", "gpt2", "phi", "opt", "gpt_neox", "starcoder2", "m
          "gpt_neo", "gptj", "falcon_grouped", "bloom", "mpt", "mt5", "m2m_100", "bart", "umt5",
          "granitemoehybrid", "granitemoehybrid_moe", "hyperclovax", "ernie4_5_moe", "glm4_moe",
          "dots1", "hunyuan_v1_moe", "deepseek_v3", "deepseek_v2", "glm4_moe_lite",
-         "mixtral_experts", "qwen3_moe", "granitemoe", "glm4_moe_lite_experts", "glm4_moe_experts")
+         "mixtral_experts", "qwen3_moe", "granitemoe", "glm4_moe_lite_experts", "glm4_moe_experts",
+         "mixtral_per_expert", "qwen3_moe_per_expert")
 
 
 def expected(name):
