@@ -336,9 +336,10 @@ def test_served_unmerged_beside_the_base_an_adapter_computes_what_peft_computes(
             assert relative_error(got[row, :len(want)], want) <= 1e-5
 
 
-# Experts; cross-attention; latent attention's down projections (q_a_proj, kv_a_proj_with_mqa).
-@pytest.mark.parametrize("name", ["gpt_oss", "mixtral_experts", "marian", "mt5", "m2m_100",
-                                  "deepseek_v3"])
+# Experts, stacked or each its own; cross-attention; latent attention's down projections
+# (q_a_proj, kv_a_proj_with_mqa).
+@pytest.mark.parametrize("name", ["gpt_oss", "mixtral_experts", "mixtral_per_expert", "marian",
+                                  "mt5", "m2m_100", "deepseek_v3"])
 def test_adapters_that_only_merge_are_not_served_beside_others(name):
     with pytest.raises(hf.UnsupportedModelError, match="are merged, not served beside others"):
         hf.load_peft_adapters(FIXTURES / expected(name)[0]["base"], ADAPTERS / name)
