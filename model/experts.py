@@ -45,6 +45,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from . import lora_rows
 from .config import TransformerConfig
 from .config_checks import GATED_ACTIVATIONS
 from .feed_forward import FeedForward, activation_function, gated_units
@@ -166,43 +167,67 @@ class ExpertWeights(NamedTuple):
     bo: jax.Array | None = None
 
 
-def gathered(tokens, weights, experts, w: ExpertWeights, units):
+def gathered(tokens, weights, experts, w: ExpertWeights, units, adapters=None):
     """[tokens, D]: each (token, chosen expert) pair through that expert's weights, gathered,
     summed per token with `weights` [tokens, k]. `units(a, b)` makes the hidden units of W1 x
-    and W3 x (b None without a gate)."""
+    and W3 x (b None without a gate). `adapters`: each row's adapters of the experts
+    (`lora_rows.expert_pairs`), each pair adding its expert's x A B of its token's row."""
     k = experts.shape[1]
     chosen = experts.reshape(-1)  # [pairs], token-major
     x = jnp.repeat(tokens, k, axis=0)[:, None, :]  # [pairs, 1, D]
 
-    def up(kernel, bias):  # [pairs, 1, d_ff]
-        out = x @ jnp.moveaxis(kernel[:, chosen], 1, 0)
+    def adapted(target, inputs, out):  # inputs [pairs, 1, I], out [pairs, 1, O]
+        if adapters is None or target not in adapters:
+            return out
+        a, b, columns = adapters[target]
+        low = inputs @ a[chosen].astype(inputs.dtype)  # [pairs, 1, n·R]
+        low = low * jnp.repeat(columns, k, axis=0)[:, None].astype(low.dtype)
+        return out + (low @ b[chosen].astype(low.dtype)).astype(out.dtype)
+
+    def up(kernel, bias, target):  # [pairs, 1, d_ff]
+        out = adapted(target, x, x @ jnp.moveaxis(kernel[:, chosen], 1, 0))
         return out if bias is None else out + bias[chosen][:, None]
 
-    h = units(up(w.wi, w.bi), None if w.wi_gate is None else up(w.wi_gate, w.bi_gate))
-    out = h @ w.wo[chosen]
+    h = units(up(w.wi, w.bi, "wi"),
+              None if w.wi_gate is None else up(w.wi_gate, w.bi_gate, "wi_gate"))
+    out = adapted("wo", h, h @ w.wo[chosen])
     if w.bo is not None:
         out = out + w.bo[chosen][:, None]
     out = out[:, 0].reshape(tokens.shape[0], k, -1).astype(jnp.float32)
     return jnp.sum(out * weights[..., None], axis=1)
 
 
-def every_expert(tokens, weights, experts, w: ExpertWeights, units):
+def every_expert(tokens, weights, experts, w: ExpertWeights, units, adapters=None):
     """[tokens, D]: every token through every expert, each hidden unit scaled by the token's
     router weight for its expert (zero where not chosen), so that one product with every
     expert's down projection sums the chosen experts' outputs (and one with their output
     biases, their weighted sum). Three plain matmuls, which read the kernels as they lie:
-    [D, experts · d_ff] and [experts · d_ff, D]."""
+    [D, experts · d_ff] and [experts · d_ff, D]. `adapters` as `gathered` takes them: every
+    expert's pair too, its down projection's weighted alike."""
     count, width = w.wo.shape[:2]
     rows = jnp.arange(tokens.shape[0])[:, None]
     combine = jnp.zeros((tokens.shape[0], count), jnp.float32).at[rows, experts].set(weights)
 
-    def up(kernel, bias):  # [tokens, experts, d_ff]
+    def low(target, inputs, spec):  # each token's row's columns of x A, [tokens, experts, n·R]
+        a, _, columns = adapters[target]
+        out = jnp.einsum(spec, inputs, a.astype(inputs.dtype))
+        return out * columns[:, None].astype(out.dtype)
+
+    def up(kernel, bias, target):  # [tokens, experts, d_ff]
         out = (tokens @ kernel.reshape(kernel.shape[0], -1)).reshape(-1, count, width)
+        if adapters is not None and target in adapters:
+            update = jnp.einsum("ter,erf->tef", low(target, tokens, "ti,eir->ter"),
+                                adapters[target][1].astype(out.dtype))
+            out = out + update.astype(out.dtype)
         return out if bias is None else out + bias
 
-    h = units(up(w.wi, w.bi), None if w.wi_gate is None else up(w.wi_gate, w.bi_gate))
+    h = units(up(w.wi, w.bi, "wi"),
+              None if w.wi_gate is None else up(w.wi_gate, w.bi_gate, "wi_gate"))
     h = h * combine[..., None].astype(h.dtype)
     out = (h.reshape(-1, count * width) @ w.wo.reshape(count * width, -1)).astype(jnp.float32)
+    if adapters is not None and "wo" in adapters:
+        out = out + jnp.einsum("ter,erd->td", low("wo", h, "tef,efr->ter"),
+                               adapters["wo"][1].astype(h.dtype)).astype(jnp.float32)
     if w.bo is not None:
         out = out + combine @ w.bo.astype(jnp.float32)
     return out
@@ -249,7 +274,8 @@ class Experts(nn.Module):
                           bo=bias("bo", c.d_model))
         tokens = x_BTD.reshape(-1, c.d_model).astype(c.compute_dtype)
         way = gathered if gathers(experts.size, c.num_experts) else every_expert
-        out = way(tokens, weights, experts, w, hidden_units(c))
+        out = way(tokens, weights, experts, w, hidden_units(c),
+                  lora_rows.expert_pairs(self, x_BTD.shape[1]))
         return out.astype(c.compute_dtype).reshape(x_BTD.shape)
 
 

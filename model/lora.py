@@ -112,14 +112,11 @@ def init_adapters(config: TransformerConfig, params, lora: LoRA, rng: jax.Array)
     adapters: dict = {}
     found = list(sites(config, params, lora))
     for i, (path, target, kernel) in enumerate(found):
-        experts = in_experts(params, path, target)
-        in_width, out_width, lead = _widths(config, target, kernel, experts)
-        if experts:
-            if lora.int8_base:
-                raise ValueError(f"LoRA on a mixture's experts ({target!r}) needs a float "
-                                 "base, not an int8 one (--lora-base-dtype bfloat16 halves "
-                                 "its memory)")
-            lead = (*kernel.shape[:-3], config.num_experts)
+        in_width, out_width, lead = site_widths(config, params, path, target, kernel)
+        if in_experts(params, path, target) and lora.int8_base:
+            raise ValueError(f"LoRA on a mixture's experts ({target!r}) needs a float "
+                             "base, not an int8 one (--lora-base-dtype bfloat16 halves "
+                             "its memory)")
         live_I = _live_inputs(config, target)
         bound = 1 / math.sqrt(in_width if live_I is None else int(live_I.sum()))
         a = jax.random.uniform(jax.random.fold_in(rng, i), (*lead, in_width, lora.rank),
@@ -265,11 +262,15 @@ def kernel_path(config: TransformerConfig, target: str) -> tuple[str, ...]:
     return KERNELS[target][:2]
 
 
-def _widths(config: TransformerConfig, target: str, kernel, experts: bool
-            ) -> tuple[int, int, tuple]:
-    """(I, O, leading stack axes) of a target's A and B."""
+def site_widths(config: TransformerConfig, params, path: Sequence[str], target: str,
+                kernel) -> tuple[int, int, tuple]:
+    """(I, O, leading axes) of the A [..., I, R] and B [..., R, O] of a target's `kernel` in
+    the layer at `path` (as `sites` yields them): the leading axes those of scanned layers,
+    and a mixture's experts' after them."""
+    if in_experts(params, path, target):  # [..., D, experts, F] or [..., experts, F, D]
+        return (*widths(config, target), (*kernel.shape[:-3], config.num_experts))
     lead = tuple(kernel.shape[:kernel.ndim - kernel_ndim(kernel_path(config, target)[-1])])
-    if target in EXPERT_TARGETS and not experts:
+    if target in EXPERT_TARGETS:
         # A dense FFN's own width: a mixture's dense layers (`dense_ffn_layers`) hold
         # `dense_d_ff`, where `widths` gives its experts' d_ff.
         return (*kernel.shape[-2:], lead)

@@ -19,7 +19,9 @@ reading the stack once whatever the batch (a gather of each row's pair would rea
 per row). Layers without the collection compute what they always have; a row without an
 adapter adds exact zeros.
 
-Targets are those of `model/lora.py` but a mixture's experts (merge such adapters instead).
+Targets are those of `model/lora.py`. A mixture's experts' pairs, A [..., experts, I, n·R] and
+B [..., experts, n·R, O], sit under its `experts` scope: each token adds, for each expert it
+goes through, that expert's pair of its row's adapter (`expert_update`).
 Latent attention's (`model/latent_attention.py`) sit under its `latent` scope: q adds to the
 queries; k and v, which adapt `kv_up`, add to the keys and values a prefill expands from the
 latent rows, and in a decode step, which reads the latent rows themselves, to what the
@@ -112,19 +114,12 @@ def stack(config: TransformerConfig, params, adapters: Sequence[tuple[dict, L.Lo
     rank = max((lora.rank for _, lora in given), default=0) if rank is None else rank
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank={rank!r} must be an int >= 1 (or adapters given to take it from)")
-    for index, (_, lora) in enumerate(given, 1):
-        _refuse_experts(config, params, index, lora)
     if targets is None:
         targets = [t for t in L.TARGETS if any(t in lora.targets for _, lora in given)]
     pairs: dict = {}
     for path, target, kernel in L.sites(config, params, L.LoRA(rank, targets=tuple(targets))):
-        if L.in_experts(params, path, target):
-            raise ValueError(f"{target!r} is a mixture's experts' kernel: adapters served side "
-                             "by side cover attention and feed-forward kernels; merge one of "
-                             "the experts into the model instead")
-        in_width, out_width = L.widths(config, target)
-        lead = kernel.shape[:kernel.ndim - L.kernel_ndim(L.kernel_path(config, target)[-1])]
-        L._set(pairs, (*path, *_scope(config, target), target),
+        in_width, out_width, lead = L.site_widths(config, params, path, target, kernel)
+        L._set(pairs, (*path, *_scope(config, params, path, target), target),
                {"a": jnp.zeros((*lead, in_width, capacity * rank), jnp.float32),
                 "b": jnp.zeros((*lead, capacity * rank, out_width), jnp.float32)})
     adapter_stack = AdapterStack(pairs, capacity, rank)
@@ -134,16 +129,15 @@ def stack(config: TransformerConfig, params, adapters: Sequence[tuple[dict, L.Lo
 
 
 def servable_targets(config: TransformerConfig, params) -> tuple[str, ...]:
-    """The targets a stack can hold for this model: the kernels its layers have, outside a
-    mixture's experts (what a stack for adapters not yet known should hold)."""
+    """The targets a stack can hold for this model: the float kernels its layers have (what
+    a stack for adapters not yet known should hold)."""
     found = []
     for target in L.TARGETS:
         try:
-            sites = list(L.sites(config, params, L.LoRA(1, targets=(target,))))
+            list(L.sites(config, params, L.LoRA(1, targets=(target,))))
         except ValueError:  # the model has no such kernel (or no float one)
             continue
-        if not any(L.in_experts(params, path, name) for path, name, _ in sites):
-            found.append(target)
+        found.append(target)
     return tuple(found)
 
 
@@ -152,7 +146,7 @@ def put(config: TransformerConfig, params, adapter_stack: AdapterStack, index: i
     """`adapter_stack` with slot `index` (1 for the first) holding `adapter` (`(adapters,
     lora)` trained on `params`), or adding nothing for None. The stack keeps its shapes, so
     programs that take it compile nothing new. A ValueError names an adapter the stack
-    cannot hold: a larger rank, a target it lacks, a mixture's experts."""
+    cannot hold: a larger rank, a target it lacks."""
     count, rank = adapter_stack.count, adapter_stack.rank
     if not isinstance(index, int) or not 1 <= index <= count:
         raise ValueError(f"index={index!r} must be an int from 1 to the stack's {count} slots")
@@ -164,8 +158,7 @@ def put(config: TransformerConfig, params, adapter_stack: AdapterStack, index: i
             raise ValueError(f"adapter {index} has rank {lora.rank}, more than the stack's "
                              f"{rank}")
         for path, target, _ in L.sites(config, params, lora):
-            _refuse_expert_site(params, index, path, target)
-            where = (*path, *_scope(config, target), target)
+            where = (*path, *_scope(config, params, path, target), target)
             if where not in held:
                 have = sorted({w[-1] for w in held}, key=L.TARGETS.index)
                 raise ValueError(f"adapter {index} adapts {target!r}, which the stack does not "
@@ -185,21 +178,13 @@ def put(config: TransformerConfig, params, adapter_stack: AdapterStack, index: i
     return AdapterStack(pairs, count, rank)
 
 
-def _refuse_experts(config: TransformerConfig, params, index: int, lora: L.LoRA) -> None:
-    for path, target, _ in L.sites(config, params, lora):
-        _refuse_expert_site(params, index, path, target)
-
-
-def _refuse_expert_site(params, index: int, path: tuple[str, ...], target: str) -> None:
+def _scope(config: TransformerConfig, params, path: tuple[str, ...], target: str
+           ) -> tuple[str, ...]:
+    """The scope, within the layer at `path`, of the module that reads `target`'s pair: the
+    kernel's module (latent attention's `latent` within `self_attention`, a mixture's
+    `experts` within `ffn`)."""
     if L.in_experts(params, path, target):
-        raise ValueError(f"adapter {index} adapts a mixture's experts ({target!r}): adapters "
-                         "served side by side cover attention and feed-forward kernels; "
-                         "merge this one into the model instead")
-
-
-def _scope(config: TransformerConfig, target: str) -> tuple[str, ...]:
-    """The scope, within a layer, of the module that reads `target`'s pair: the kernel's
-    module (latent attention's `latent` within `self_attention`)."""
+        return ("ffn", "experts")
     return L.kernel_path(config, target)[:-1] if L.is_latent_target(config, target) else \
         L.KERNELS[target][:1]
 
@@ -222,12 +207,13 @@ def for_rows(adapter_stack: AdapterStack | None, adapter_B) -> dict | None:
     chosen = adapter_B[:, None] == jnp.arange(1, adapter_stack.count + 1)[None]
     rows = jnp.repeat(chosen.astype(jnp.float32), adapter_stack.rank, axis=1)
 
-    def with_rows(pair):  # `rows` broadcast over a scanned stack's leading layer axis
-        lead = pair["a"].shape[:-2]
+    def with_rows(path, pair):  # `rows` broadcast over a scanned stack's leading layer axis
+        experts = any(getattr(key, "key", None) == "experts" for key in path)
+        lead = pair["a"].shape[:-3 if experts else -2]  # not over a mixture's experts axis
         return {**pair, "rows": jnp.broadcast_to(rows, (*lead, *rows.shape))}
 
-    return jax.tree.map(with_rows, adapter_stack.pairs,
-                        is_leaf=lambda x: isinstance(x, dict) and "a" in x)
+    return jax.tree_util.tree_map_with_path(with_rows, adapter_stack.pairs,
+                                            is_leaf=lambda x: isinstance(x, dict) and "a" in x)
 
 
 def placed(adapter_stack: AdapterStack | None, mesh=None) -> AdapterStack | None:
@@ -247,6 +233,19 @@ def update(module, target: str, x_BTI):
     dtype = x_BTI.dtype
     low = (x_BTI @ pair["a"].astype(dtype)) * pair["rows"].astype(dtype)[:, None]
     return low @ pair["b"].astype(dtype)
+
+
+def expert_pairs(module, tokens_per_row: int) -> dict | None:
+    """target -> (A [experts, I, n·R], B [experts, n·R, O], the columns of each token's row's
+    adapter [B · T, n·R]) of the stack's pairs in a mixture's `experts` scope, for a call whose
+    B rows of `tokens_per_row` (T) tokens each lie side by side; None without any."""
+    found = {}
+    for target in L.EXPERT_TARGETS:
+        if module.has_variable(COLLECTION, target):
+            pair = module.get_variable(COLLECTION, target)
+            found[target] = (pair["a"], pair["b"],
+                             jnp.repeat(pair["rows"], tokens_per_row, axis=0))
+    return found or None
 
 
 def headwise_update(module, target: str, x_BTNI):

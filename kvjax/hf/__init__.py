@@ -36,7 +36,8 @@ from kvjax import model as M
 
 from . import text_of_multimodal
 from .config import SUPPORTED_MODEL_TYPES, UnsupportedModelError, read_hf_config, to_kvjax_config
-from .peft import is_peft_directory, merge_peft_adapter, peft_adapters
+from .peft import is_peft_directory, merge_peft_adapter
+from .peft_served import peft_adapters
 from .tensors import INDEX_FILE, SINGLE_FILE, WeightFiles
 from .weights import load_params, ties_embeddings
 

@@ -104,7 +104,7 @@ def merge_peft_adapter(config: TransformerConfig, model_type: str, params: dict,
     the PEFT LoRA adapter in `directory` merged into their kernels, each kept in its dtype.
     Raises `UnsupportedModelError` for a setting kvjax does not merge and ValueError naming a
     tensor that adapts nothing kvjax holds."""
-    scale_of, modules, pairs = _read_pairs(config, model_type, Path(directory))
+    scale_of, modules, pairs = read_pairs(config, model_type, Path(directory))
     if LAYOUTS[model_type] in peft_seq2seq.LAYOUTS:
         return peft_seq2seq.merged(LAYOUTS[model_type], config, params, pairs, scale_of)
     merged = {**params, "layers": {i: dict(layer) for i, layer in params["layers"].items()}}
@@ -115,10 +115,11 @@ def merge_peft_adapter(config: TransformerConfig, model_type: str, params: dict,
             continue
         one_expert = peft_experts.per_expert(LAYOUTS[model_type], module, config.num_experts)
         if one_expert:
-            update = scale_of(a.shape[0], module_key(name)) * (a.astype(np.float32).T @
-                                                              b.astype(np.float32).T)
-            peft_experts.add_to_expert(config, merged["layers"][str(layer)], *one_expert,
-                                       update, name)
+            expert, target = one_expert
+            peft_experts.add_to_expert(config, merged["layers"][str(layer)], expert, target,
+                                       *peft_experts.expert_pair(
+                                           config, target, a, b,
+                                           scale_of(a.shape[0], module_key(name)), name), name)
             continue
         if LAYOUTS[model_type] == peft_latent.LAYOUT:
             peft_latent.merge(layer_config(config, layer), merged["layers"][str(layer)], module,
@@ -133,68 +134,7 @@ def merge_peft_adapter(config: TransformerConfig, model_type: str, params: dict,
     return merged
 
 
-def peft_adapters(config: TransformerConfig, model_type: str, directory: str | os.PathLike
-                  ) -> tuple[dict, L.LoRA]:
-    """The PEFT LoRA adapter in `directory` as kvjax's own adapters of the model's unrolled
-    layers (`model.lora`'s tree, A [I, r] and B [r, O] per target), unmerged, with the
-    `LoRA` they are read with: each module's scale is folded into its B (the LoRA's scale
-    is 1), a module the file fuses gives each of kvjax's targets its A and its slice of B,
-    and every layer gets every target, at the largest rank, zeros where the file has none.
-    Served so (`model.lora_rows`), it adds what `merge_peft_adapter` merges."""
-    directory = Path(directory)
-    if LAYOUTS.get(model_type) in peft_seq2seq.LAYOUTS:
-        raise UnsupportedModelError(f"{directory}: adapters of a {model_type} model (an "
-                                    "encoder-decoder) are merged, not served beside others "
-                                    "(--lora DIR merges one)")
-    scale_of, modules, pairs = _read_pairs(config, model_type, directory)
-    found: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
-    for layer, module, a, b, name in pairs:
-        if module in peft_experts.wrappers(LAYOUTS[model_type]) or peft_experts.per_expert(
-                LAYOUTS[model_type], module, config.num_experts):
-            raise UnsupportedModelError(f"{directory}: adapters of a mixture's experts "
-                                        f"({module}) are merged, not served beside others "
-                                        "(--lora DIR merges one)")
-        targets = modules[module]
-        if config.num_experts and set(targets) & set(L.EXPERT_TARGETS):
-            raise UnsupportedModelError(f"{directory}: adapters of a mixture's dense FFN "
-                                        f"({module}) are merged, not served beside others "
-                                        "(--lora DIR merges one)")
-        if LAYOUTS[model_type] == peft_latent.LAYOUT:
-            if not targets:
-                raise UnsupportedModelError(f"{directory}: adapters of latent attention's "
-                                            f"{module} are merged, not served beside others "
-                                            "(--lora DIR merges one)")
-            a_IR, b_RO = peft_latent.kvjax_pair(config, module, a,
-                                                scale_of(a.shape[0], module_key(name)) *
-                                                b.astype(np.float32),
-                                                name)
-            widths = [L.widths(config, target)[1] for target in targets]
-            for target, piece in zip(targets, np.split(b_RO, np.cumsum(widths)[:-1], axis=1),
-                                     strict=True):
-                found[layer, target] = (a_IR, piece)
-            continue
-        rows_OR = scale_of(a.shape[0], module_key(name)) * b.astype(np.float32)
-        if reorders(config, model_type, module):
-            rows_OR = rows_in_kvjax_order(config, model_type, module, rows_OR, name)
-        widths = _output_widths(config, targets, (a.shape[1], rows_OR.shape[0]), name)
-        pieces = np.split(rows_OR, np.cumsum(widths)[:-1], axis=0)
-        for target, piece in zip(targets, pieces, strict=True):
-            found[layer, target] = (a.astype(np.float32).T, piece.T)
-    rank = max(a.shape[1] for a, _ in found.values())
-    targets = tuple(t for t in L.TARGETS if any(target == t for _, target in found))
-    adapters: dict = {}
-    for layer in range(config.num_decoder_layers):
-        for target in targets:
-            in_width, out_width = L.widths(config, target)
-            a, b = found.get((layer, target), (np.zeros((in_width, 0), np.float32),
-                                               np.zeros((0, out_width), np.float32)))
-            L._set(adapters, ("layers", str(layer), target),
-                   {"lora_a": np.pad(a, ((0, 0), (0, rank - a.shape[1]))),
-                    "lora_b": np.pad(b, ((0, rank - b.shape[0]), (0, 0)))})
-    return adapters, L.LoRA(rank, float(rank), targets)
-
-
-def _read_pairs(config: TransformerConfig, model_type: str, directory: Path):
+def read_pairs(config: TransformerConfig, model_type: str, directory: Path):
     """(the scale of a rank, the module table, (layer, module, A [r, in], B [out, r], the
     name of B) of every module the adapter in `directory` adapts), every tensor and setting
     checked."""
@@ -283,7 +223,7 @@ def _scaling(directory: Path):
     return scale_of, expert_params
 
 
-def _output_widths(config: TransformerConfig, targets: tuple[str, ...], shape_IO: tuple,
+def output_widths(config: TransformerConfig, targets: tuple[str, ...], shape_IO: tuple,
                    name: str) -> list[int]:
     """Each target's output width, the update [I, O] of one module of the file checked to
     take the targets' inputs to all their outputs."""
@@ -299,7 +239,7 @@ def _add(config: TransformerConfig, layer: dict, targets: tuple[str, ...],
          update_IO: np.ndarray, name: str) -> None:
     """The update [I, O] of one module of the file, split along O over kvjax's `targets`,
     added to their kernels in `layer` (new arrays; the loaded ones are not changed)."""
-    widths = _output_widths(config, targets, update_IO.shape, name)
+    widths = output_widths(config, targets, update_IO.shape, name)
     pieces = np.split(update_IO, np.cumsum(widths)[:-1], axis=1)
     for target, piece in zip(targets, pieces, strict=True):
         module, kernel_name, _ = L.KERNELS[target]

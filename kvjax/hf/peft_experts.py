@@ -63,25 +63,32 @@ def per_expert(layout: str, module: str, experts: int) -> tuple[int, str] | None
     return int(match[1]), L.EXPERT_TARGETS[names.index(match[2])]
 
 
+def expert_pair(config: TransformerConfig, target: str, a_RI: np.ndarray, b_OR: np.ndarray,
+                scale: float, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """One expert's module's A [r, in] and B [out, r] as kvjax's A [I, r] and B [r, O], the
+    scale folded into B, its widths checked against an expert's `target`."""
+    d, f = config.d_model, config.d_ff
+    want = (f, d) if target == "wo" else (d, f)
+    if (a_RI.shape[1], b_OR.shape[0]) != want:
+        raise ValueError(f"tensor {name} makes an update of {[a_RI.shape[1], b_OR.shape[0]]}; "
+                         f"an expert's {target} takes {want[0]} inputs to {want[1]} outputs")
+    return a_RI.astype(np.float32).T, scale * b_OR.astype(np.float32).T
+
+
 def add_to_expert(config: TransformerConfig, layer: dict, expert: int, target: str,
-                  update_IO: np.ndarray, name: str) -> None:
-    """One expert's update [in, out] of `target` added to its slice of `layer`'s experts'
-    kernel (new arrays): wi and wi_gate [D, experts, F], wo [experts, F, D]."""
+                  a_IR: np.ndarray, b_RO: np.ndarray, name: str) -> None:
+    """One expert's pair (`expert_pair`) added to its slice of `layer`'s experts' kernel (new
+    arrays): wi and wi_gate [D, experts, F], wo [experts, F, D]."""
     if "experts" not in layer.get("ffn", {}):
         raise ValueError(f"tensor {name} adapts an expert of a layer that has none (a dense "
                          "FFN)")
-    d, f = config.d_model, config.d_ff
-    want = (f, d) if target == "wo" else (d, f)
-    if update_IO.shape != want:
-        raise ValueError(f"tensor {name} makes an update of {list(update_IO.shape)}; an "
-                         f"expert's {target} takes {want[0]} inputs to {want[1]} outputs")
     ffn = layer["ffn"] = dict(layer["ffn"])
     experts = ffn["experts"] = dict(ffn["experts"])
     new = experts[target].astype(np.float32)
     if target == "wo":
-        new[expert] += update_IO
+        new[expert] += a_IR @ b_RO
     else:
-        new[:, expert] += update_IO
+        new[:, expert] += a_IR @ b_RO
     experts[target] = new.astype(experts[target].dtype)
 
 
@@ -92,47 +99,52 @@ def _gate_and_up(layout: str, f: int) -> tuple[slice, slice]:
     return slice(0, f), slice(f, 2 * f)
 
 
-def update(a_XI: np.ndarray, b_OX: np.ndarray, experts: int, name: str) -> np.ndarray:
-    """The update [experts, in, out] of a PEFT pair over a parameter of `experts` experts,
-    unscaled: A [experts · r, in] and B [out, r · experts]."""
+def kvjax_pairs(config: TransformerConfig, layout: str, a_XI: np.ndarray, b_OX: np.ndarray,
+                scale_of, key: str, name: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """A PEFT pair over the stacked experts' parameters, A [experts · r, in] and B [out,
+    r · experts], as kvjax's adapters of the targets it adapts, target -> (A [experts, I, r],
+    B [experts, r, O], the scale folded into B): gate_up_proj's wi (its gate outputs) and
+    wi_gate (its up outputs), sharing A; down_proj's wo. `key` names the wrapped experts'
+    module (PEFT's key, `base_layer`s included); which parameter the pair adapts, and so its
+    scale `scale_of(rank, key)`, its shapes tell."""
+    experts, d, f = config.num_experts, config.d_model, config.d_ff
     if a_XI.ndim != 2 or b_OX.ndim != 2 or a_XI.shape[0] != b_OX.shape[1] \
             or a_XI.shape[0] % experts:
         raise ValueError(f"tensor {name} and its lora_A are not the [out, r · {experts}] and "
                          f"[{experts} · r, in] of one rank over {experts} experts")
     rank = a_XI.shape[0] // experts
-    a_ERI = a_XI.astype(np.float32).reshape(experts, rank, -1)
-    b_ORE = b_OX.astype(np.float32).reshape(b_OX.shape[0], rank, experts)
-    return np.einsum("ORE,ERI->EIO", b_ORE, a_ERI)
+    a_EIR = a_XI.astype(np.float32).reshape(experts, rank, -1).transpose(0, 2, 1)
+    b_ERO = b_OX.astype(np.float32).reshape(b_OX.shape[0], rank, experts).transpose(2, 1, 0)
+    gates, ups = _gate_and_up(layout, f)
+    shape = (a_EIR.shape[1], b_ERO.shape[2])
+    if shape == (d, 2 * f):
+        param, pairs = PARAMS[0], {"wi": b_ERO[..., gates], "wi_gate": b_ERO[..., ups]}
+    elif shape == (f, d):
+        param, pairs = PARAMS[1], {"wo": b_ERO}
+    else:
+        raise ValueError(f"tensor {name} makes an update of {[experts, *shape]}; the experts "
+                         f"take [{experts}, {d}, {2 * f}] (gate_up_proj) or [{experts}, {f}, "
+                         f"{d}] (down_proj)")
+    while key.endswith(".base_layer"):
+        key = key.removesuffix(".base_layer")
+    scale = scale_of(rank, f"{key}.{param.split('.')[-1]}")
+    return {target: (a_EIR, scale * b) for target, b in pairs.items()}
 
 
 def add_to_experts(config: TransformerConfig, layout: str, layer: dict, a, b, scale_of,
                    key: str, name: str) -> None:
-    """A pair's update added to `layer`'s experts (new arrays): gate_up_proj's to wi (its
-    gate outputs) and wi_gate (its up outputs), down_proj's to wo. `key` names the wrapped
-    experts' module (PEFT's key, `base_layer`s included), `scale_of(rank, key)` the scale of
-    the parameter the pair's shapes tell it adapts."""
+    """A pair's update (`kvjax_pairs`) added to `layer`'s experts (new arrays)."""
     if "experts" not in layer.get("ffn", {}):
         raise ValueError(f"tensor {name} adapts experts of a layer that has none (a dense "
                          "FFN)")
-    delta = update(a, b, config.num_experts, name)
-    d, f = config.d_model, config.d_ff
     ffn = layer["ffn"] = dict(layer["ffn"])
     experts = ffn["experts"] = dict(ffn["experts"])
-    gates, ups = _gate_and_up(layout, f)
-    parts = {(d, 2 * f): {"wi": delta[..., gates].transpose(1, 0, 2),
-                          "wi_gate": delta[..., ups].transpose(1, 0, 2)},
-             (f, d): {"wo": delta}}.get(delta.shape[1:])
-    if parts is None:
-        raise ValueError(f"tensor {name} makes an update of {list(delta.shape)}; the "
-                         f"experts take [{config.num_experts}, {d}, {2 * f}] (gate_up_proj) or "
-                         f"[{config.num_experts}, {f}, {d}] (down_proj)")
-    param = PARAMS[0] if "wi" in parts else PARAMS[1]
-    while key.endswith(".base_layer"):
-        key = key.removesuffix(".base_layer")
-    scale = scale_of(a.shape[0] // config.num_experts, f"{key}.{param.split('.')[-1]}")
-    for target, piece in parts.items():
+    for target, (a_EIR, b_ERO) in kvjax_pairs(config, layout, a, b, scale_of, key,
+                                              name).items():
+        delta = a_EIR @ b_ERO  # [experts, I, O]; wi and wi_gate are [D, experts, F]
         old = experts[target]
-        experts[target] = (old.astype(np.float32) + scale * piece).astype(old.dtype)
+        experts[target] = (old.astype(np.float32) + (
+            delta if target == "wo" else delta.transpose(1, 0, 2))).astype(old.dtype)
 
 
 def peft_tensors(config: TransformerConfig, layout: str, layers: dict, settings: L.LoRA,

@@ -312,9 +312,13 @@ def _with_adapters(config, params, batch, stack, adapter_B):
 
 # A module the file fuses (Phi-3's qkv_proj and gate_up_proj, GPT-2's c_attn) and rows kvjax
 # holds in another order (GLM-4's queries and keys); a mixture's biased attention (Phi-3.5-MoE);
-# latent attention's q_proj, kv_b_proj and o_proj (DeepSeek-V2).
+# latent attention's q_proj, kv_b_proj and o_proj (DeepSeek-V2); a mixture's experts, stacked
+# (gpt-oss's interleaved, Mixtral's, Qwen3-MoE's, GraniteMoE's, GLM-4.5's at its own alpha) or
+# each its own (Mixtral's before transformers 5.0).
 @pytest.mark.parametrize("name", ["phi3", "gpt2", "glm4", "cohere", "nemotron", "apertus",
-                                  "hunyuan_v1_dense", "phimoe", "deepseek_v2"])
+                                  "hunyuan_v1_dense", "phimoe", "deepseek_v2", "gpt_oss",
+                                  "mixtral_experts", "qwen3_moe", "granitemoe",
+                                  "glm4_moe_experts", "mixtral_per_expert"])
 def test_served_unmerged_beside_the_base_an_adapter_computes_what_peft_computes(name):
     record, logits = expected(name)
     base = FIXTURES / record["base"]
@@ -336,10 +340,8 @@ def test_served_unmerged_beside_the_base_an_adapter_computes_what_peft_computes(
             assert relative_error(got[row, :len(want)], want) <= 1e-5
 
 
-# Experts, stacked or each its own; cross-attention; latent attention's down projections
-# (q_a_proj, kv_a_proj_with_mqa).
-@pytest.mark.parametrize("name", ["gpt_oss", "mixtral_experts", "mixtral_per_expert", "marian",
-                                  "mt5", "m2m_100", "deepseek_v3"])
+# An encoder-decoder's; latent attention's down projections (q_a_proj, kv_a_proj_with_mqa).
+@pytest.mark.parametrize("name", ["marian", "mt5", "m2m_100", "deepseek_v3"])
 def test_adapters_that_only_merge_are_not_served_beside_others(name):
     with pytest.raises(hf.UnsupportedModelError, match="are merged, not served beside others"):
         hf.load_peft_adapters(FIXTURES / expected(name)[0]["base"], ADAPTERS / name)

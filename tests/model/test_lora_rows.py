@@ -19,11 +19,15 @@ from kvjax.model import lora_rows
 LORAS = (L.LoRA(4, 8.0, ("q", "v", "o", "wi_gate", "wo")), L.LoRA(2, None, ("k", "wi")))
 
 
-def config_of(scan_layers: bool, latent: bool = False) -> M.TransformerConfig:
+def config_of(scan_layers: bool, latent: bool = False, mixture: bool = False
+              ) -> M.TransformerConfig:
     """Llama's layer; with `latent`, DeepSeek-V3's latent attention (a query latent, values
-    narrower than a head)."""
+    narrower than a head); with `mixture`, 16 experts (one a token: a decode step's few pairs
+    gather their experts, a prompt's go through every expert) after a dense first layer."""
     heads = dict(num_heads=4, head_dim=12, rotary_dim=4, latent_kv_rank=10, latent_nope_dim=6,
                  latent_value_dim=8, latent_q_rank=12) if latent else dict(num_kv_heads=2)
+    if mixture:
+        heads.update(num_experts=16, experts_per_token=1, dense_ffn_layers=(0,), dense_d_ff=48)
     return M.preset("tiny", positional_encoding="rope", norm_type="rmsnorm",
                     activation="swiglu", ffn_bias=False, scan_layers=scan_layers, **heads)
 
@@ -45,10 +49,12 @@ def prefill_then_steps(config, params, stack, adapter_B, capacity, tokens_BT):
 
 # Latent attention's q, k and v adapt its query and kv_up kernels: a prefill adds them to the
 # expanded keys and values, a step to what the latent rows give the queries and values.
-@pytest.mark.parametrize("scan_layers, latent", [(False, False), (True, False), (True, True)],
-                         ids=["unrolled", "scanned", "latent"])
-def test_each_row_computes_its_own_adapters_merged_model(scan_layers, latent):
-    config = config_of(scan_layers, latent)
+# A mixture's experts: each token adds its own expert's pair of its row's adapter.
+@pytest.mark.parametrize("scan_layers, latent, mixture", [
+    (False, False, False), (True, False, False), (True, True, False), (False, False, True)],
+    ids=["unrolled", "scanned", "latent", "mixture"])
+def test_each_row_computes_its_own_adapters_merged_model(scan_layers, latent, mixture):
+    config = config_of(scan_layers, latent, mixture)
     params = M.init_params(config, jax.random.key(0))
     adapters = [(trained_adapters(config, params, lora, i), lora) for i, lora in enumerate(LORAS)]
     stack = lora_rows.stack(config, params, adapters)
@@ -127,15 +133,25 @@ def test_what_a_stack_cannot_hold_is_refused_by_name():
         lora_rows.stack(config, params, [wide, wide], capacity=1)
 
 
-def test_adapters_of_a_mixtures_experts_are_refused_by_name():
+def test_a_mixtures_experts_take_adapters_over_a_float_base_only():
+    """A stack holds adapters of a mixture's experts, each expert a pair (`servable_targets`
+    lists them); over int8 experts' kernels, which a layer dequantizes outside the adapters,
+    they are refused by name."""
     config = M.preset("tiny", num_experts=4, experts_per_token=2, ffn_bias=False)
     params = M.init_params(config, jax.random.key(0))
     dense = L.LoRA(2, targets=("q",))
     experts = L.LoRA(2, targets=("q", "wi"))
     pairs = [(L.init_adapters(config, params, lora, jax.random.key(1)), lora)
              for lora in (dense, experts)]
-    with pytest.raises(ValueError, match=r"adapter 2 adapts a mixture's experts \('wi'\)"):
-        lora_rows.stack(config, params, pairs)
+    assert lora_rows.servable_targets(config, params) == L.TARGETS[:5] + ("wo",)
+    stack = lora_rows.stack(config, params, pairs)
+    assert stack.pairs["layers"]["0"]["ffn"]["experts"]["wi"]["a"].shape == (
+        4, config.d_model, 2 * 2)  # [experts, D, n·R]
+    int8_config = config.replace(kernel_dtype="int8")
+    int8_params = M.init_params(int8_config, jax.random.key(0))
+    with pytest.raises(ValueError, match=r"LoRA on a mixture's experts \('wi'\) needs a float "
+                                         "base"):
+        lora_rows.stack(int8_config, int8_params, pairs)
     with pytest.raises(ValueError, match="at least one adapter"):
         lora_rows.stack(config, params, [])
     assert lora_rows.for_rows(None, jnp.zeros(3, jnp.int32)) is None
