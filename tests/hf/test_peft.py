@@ -85,6 +85,33 @@ def test_alpha_pattern_scales_the_modules_it_names(tmp_path):
                                       L.get(plain["layers"][layer], attention))
 
 
+def test_a_mixtures_dense_layer_takes_its_ffn_adapter_at_its_own_width(tmp_path):
+    """GLM-4.5's first layer is a dense FFN (64 wide; its experts' 16): an adapter of its
+    down_proj merges as the formula says, and served beside the base computes the same."""
+    directory = tmp_path / "dense"
+    directory.mkdir()
+    a_RI = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
+    b_OR = np.random.default_rng(1).standard_normal((32, 2)).astype(np.float32)
+    save_file({"base_model.model.model.layers.0.mlp.down_proj.lora_A.weight": a_RI,
+               "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight": b_OR},
+              str(directory / "adapter_model.safetensors"))
+    (directory / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 2, "lora_alpha": 6, "target_modules": ["down_proj"]}))
+    config, _, base = hf.load_pretrained(FIXTURES / "glm4_moe")
+    _, _, merged = hf.load_pretrained(FIXTURES / "glm4_moe", lora=directory)
+    np.testing.assert_allclose(merged["layers"]["0"]["ffn"]["wo"]["kernel"],
+                               base["layers"]["0"]["ffn"]["wo"]["kernel"] + 3.0 * a_RI.T @ b_OR.T,
+                               rtol=1e-5, atol=1e-6)
+    adapters, lora = hf.load_peft_adapters(FIXTURES / "glm4_moe", directory)
+    stack = lora_rows.stack(config, base, [(adapters, lora)])
+    tokens = np.array([[5, 9, 3, 7], [5, 9, 3, 7]], np.int32)
+    batch = {"inputs": tokens, "lengths": np.array([4, 4], np.int32)}
+    got = np.asarray(_with_adapters(config, base, batch, stack, np.array([1, 0], np.int32)))
+    for row, params in enumerate((merged, base)):
+        want = np.asarray(M.teacher_forced_logits(config, params, batch))[row]
+        assert relative_error(got[row], want) <= 1e-5
+
+
 def test_only_the_adapted_kernels_change_and_the_loaded_base_is_left_as_it_was():
     _, _, base = hf.load_pretrained(FIXTURES / "phi3")
     _, _, merged = hf.load_pretrained(FIXTURES / "phi3", lora=ADAPTERS / "phi3")
