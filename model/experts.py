@@ -176,11 +176,11 @@ def gathered(tokens, weights, experts, w: ExpertWeights, units, adapters=None):
     chosen = experts.reshape(-1)  # [pairs], token-major
     x = jnp.repeat(tokens, k, axis=0)[:, None, :]  # [pairs, 1, D]
 
-    def adapted(target, inputs, out):  # inputs [pairs, 1, I], out [pairs, 1, O]
+    def adapted(target, inputs, out):  # inputs [pairs, 1, in], out [pairs, 1, out]
         if adapters is None or target not in adapters:
             return out
         a, b, columns = adapters[target]
-        low = inputs @ a[chosen].astype(inputs.dtype)  # [pairs, 1, n·R]
+        low = inputs @ a[chosen].astype(inputs.dtype)  # [pairs, 1, n·r]
         low = low * jnp.repeat(columns, k, axis=0)[:, None].astype(low.dtype)
         return out + (low @ b[chosen].astype(low.dtype)).astype(out.dtype)
 
@@ -208,7 +208,7 @@ def every_expert(tokens, weights, experts, w: ExpertWeights, units, adapters=Non
     rows = jnp.arange(tokens.shape[0])[:, None]
     combine = jnp.zeros((tokens.shape[0], count), jnp.float32).at[rows, experts].set(weights)
 
-    def low(target, inputs, spec):  # each token's row's columns of x A, [tokens, experts, n·R]
+    def low(target, inputs, spec):  # each token's row's columns of x A, [tokens, experts, n·r]
         a, _, columns = adapters[target]
         out = jnp.einsum(spec, inputs, a.astype(inputs.dtype))
         return out * columns[:, None].astype(out.dtype)

@@ -105,10 +105,10 @@ class LatentQKV(nn.Module):
         values [the value dimensions, zeros]."""
         c = self.config
         turned, unturned = c.rotary_dims, c.latent_nope_dim
-        latent_BTR = rows_BT1H[:, :, 0, turned:].astype(c.compute_dtype)
-        up = jnp.tensordot(latent_BTR, self._kernel(), axes=1)
+        latent = rows_BT1H[:, :, 0, turned:].astype(c.compute_dtype)
+        up = jnp.tensordot(latent, self._kernel(), axes=1)
         for target, part in (("k", slice(None, unturned)), ("v", slice(unturned, None))):
-            delta = lora_rows.update(self, target, latent_BTR)
+            delta = lora_rows.update(self, target, latent)
             if delta is not None:  # each row's adapter of kv_up's key or value half
                 up = up.at[..., part].add(delta.reshape(*up.shape[:3], -1).astype(up.dtype))
         shared = jnp.broadcast_to(rows_BT1H[..., :turned], (*up.shape[:3], turned))
@@ -147,5 +147,5 @@ class LatentQKV(nn.Module):
         return self.kv_up().astype(self.config.compute_dtype)
 
 
-def _pad_heads(x_BTNX, head_dim: int):
-    return jnp.pad(x_BTNX, ((0, 0),) * 3 + ((0, head_dim - x_BTNX.shape[-1]),))
+def _pad_heads(x, head_dim: int):
+    return jnp.pad(x, ((0, 0),) * 3 + ((0, head_dim - x.shape[-1]),))

@@ -14,7 +14,7 @@ Targets, by the names of `kvjax.model` (Hugging Face's in brackets):
   o (o_proj): self-attention's output kernel [N, H, D];
   wi, wi_gate, wo (gate_proj, up_proj, down_proj; GPT-2's c_fc and c_proj): the
       feed-forward kernels; in a mixture of experts, every expert's own (Mixtral's w1, w3
-      and w2): each expert gets its own pair, A [experts, I, r] and B [experts, r, O], over
+      and w2): each expert gets its own pair, A [experts, in, r] and B [experts, r, out], over
       its slice of `experts/wi` [D, experts, F] and the like (a shared expert is left as
       it is). Not over an int8 base, whose experts' kernels are dequantised outside the
       layers' adapters.
@@ -24,8 +24,9 @@ encoder and decoder alike); cross-attention is left as it is. Latent attention
 the heads' queries (`q` [D, N, rotary + nope], or `q_up` [latent_q_rank, N, rotary + nope]
 after a query latent: DeepSeek's q_proj or q_b_proj), k and v the key and value halves of
 `kv_up` [latent_kv_rank, N, nope + value] (kv_b_proj) (`kernel_path`). With scanned layers every
-array gains the leading layer axis L. Shape letters: D model width, N query heads, K kv heads,
-H head width, R rank, I and O a kernel's input and output width.
+array gains the leading layer axis L. Shape letters (docs/shapes.md): D model width, N query
+heads, K kv heads, H head width, L layers; the rank r and a kernel's input and output widths
+have no letters and are written out ([in, r], [r, out]).
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ class LoRA:
         return self.base_dtype == "int8"
 
     def update(self, a: jax.Array, b: jax.Array) -> jax.Array:
-        """What one adapter pair adds to its kernel, in float32: (alpha / r) · A B [..., I, O]."""
+        """What one adapter pair adds to its kernel, in float32: (alpha / r) · A B
+        [..., in, out]."""
         return self.scale * jnp.matmul(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
 
     def to_dict(self) -> dict[str, Any]:
@@ -107,7 +109,7 @@ class LoRA:
 
 
 def init_adapters(config: TransformerConfig, params, lora: LoRA, rng: jax.Array):
-    """Fresh adapters for `params`: A drawn uniformly from ±1/sqrt(I) (PEFT's Kaiming
+    """Fresh adapters for `params`: A drawn uniformly from ±1/sqrt(in) (PEFT's Kaiming
     initialisation), B zero, both float32. A ValueError names a target the model lacks."""
     adapters: dict = {}
     found = list(sites(config, params, lora))
@@ -148,7 +150,7 @@ def merge(config: TransformerConfig, params, adapters, lora: LoRA, keep_dtype: b
     for path, target, _ in sites(config, params, lora):
         pair = get(adapters, (*path, target))
         delta = lora.update(pair["lora_a"], pair["lora_b"])
-        if in_experts(params, path, target):  # [..., experts, I, O]
+        if in_experts(params, path, target):  # [..., experts, in, out]
             where = (*path, "ffn", "experts", target)
             current = get(merged, where)
             if target != "wo":  # the kernel is [..., D, experts, F]
@@ -167,7 +169,7 @@ def merge(config: TransformerConfig, params, adapters, lora: LoRA, keep_dtype: b
 def add_update(config: TransformerConfig, target: str, kernel: jax.Array,
                delta: jax.Array) -> jax.Array:
     """`kernel` (a float32 kernel of the module `target` names) plus a target's update
-    A B [..., I, O]: into its heads' slice of a fused qkv kernel, or of latent attention's
+    A B [..., in, out]: into its heads' slice of a fused qkv kernel, or of latent attention's
     kv_up (its key dimensions, then its value dimensions), else the whole kernel."""
     if is_latent_target(config, target) and target != "q":
         nope = config.latent_nope_dim
@@ -264,7 +266,7 @@ def kernel_path(config: TransformerConfig, target: str) -> tuple[str, ...]:
 
 def site_widths(config: TransformerConfig, params, path: Sequence[str], target: str,
                 kernel) -> tuple[int, int, tuple]:
-    """(I, O, leading axes) of the A [..., I, R] and B [..., R, O] of a target's `kernel` in
+    """(in, out, leading axes) of the A [..., in, r] and B [..., r, out] of a target's `kernel` in
     the layer at `path` (as `sites` yields them): the leading axes those of scanned layers,
     and a mixture's experts' after them."""
     if in_experts(params, path, target):  # [..., D, experts, F] or [..., experts, F, D]
@@ -278,7 +280,7 @@ def site_widths(config: TransformerConfig, params, path: Sequence[str], target: 
 
 
 def widths(config: TransformerConfig, target: str) -> tuple[int, int]:
-    """(I, O): the input and output width of a target's update A B [I, O]."""
+    """(in, out): the input and output width of a target's update A B [in, out]."""
     if is_latent_target(config, target):
         per_head = {"q": config.rotary_dims + config.latent_nope_dim,
                     "k": config.latent_nope_dim, "v": config.latent_value_dim}[target]

@@ -5,30 +5,30 @@ them into its kernels, since every row of a decode step may ask for another. Eac
 instead computes x W as it would, plus x A_b B_b for row b's pair of each target (an adapter
 that lacks the target, or row index 0, "no adapter", adds zeros).
 
-`stack` puts n adapters side by side (`AdapterStack`): for each target, A [..., I, n·R] and
-B [..., n·R, O], the j-th adapter's pair (from 0) in columns (rows) j·R to (j + 1)·R, its
+`stack` puts n adapters side by side (`AdapterStack`): for each target, A [..., in, n·r] and
+B [..., n·r, out], the j-th adapter's pair (from 0) in columns (rows) j·r to (j + 1)·r, its
 scale (alpha / r) folded into its B, ranks padded with zeros to the largest (which adds
 exact zeros), zeros where an adapter lacks the target. A stack may hold empty slots, which
 `put` fills (or empties again) while it is served: its shapes never change, so neither do
 the programs that read it. `for_rows(stack, adapter_B)` is the
 variable collection `COLLECTION` that `model.interface` hands the layers beside their
 params: under each layer's `self_attention` or `ffn` scope, per target, the stack's pair and
-`rows` [..., B, n·R], 1 over the columns of row b's adapter (none for 0, "no adapter"), 0
-elsewhere. A layer then adds ((x A) · rows) B: two products whose inner width is n·R, each
+`rows` [..., B, n·r], 1 over the columns of row b's adapter (none for 0, "no adapter"), 0
+elsewhere. A layer then adds ((x A) · rows) B: two products whose inner width is n·r, each
 reading the stack once whatever the batch (a gather of each row's pair would read it once
 per row). Layers without the collection compute what they always have; a row without an
 adapter adds exact zeros.
 
-Targets are those of `model/lora.py`. A mixture's experts' pairs, A [..., experts, I, n·R] and
-B [..., experts, n·R, O], sit under its `experts` scope: each token adds, for each expert it
+Targets are those of `model/lora.py`. A mixture's experts' pairs, A [..., experts, in, n·r] and
+B [..., experts, n·r, out], sit under its `experts` scope: each token adds, for each expert it
 goes through, that expert's pair of its row's adapter (`expert_update`).
 Latent attention's (`model/latent_attention.py`) sit under its `latent` scope: q adds to the
 queries; k and v, which adapt `kv_up`, add to the keys and values a prefill expands from the
 latent rows, and in a decode step, which reads the latent rows themselves, to what the
 queries take from the key half (`absorbed_update`) and the values from the value half
 (`headwise_update`).
-Shape letters as there: B rows, T tokens, N heads, I and O a kernel's input and output width
-(per head with N), R rank.
+Shape letters (docs/shapes.md): B rows, T tokens, N heads; the rank r and a kernel's input
+and output widths (per head beside N) are written out, as in `model/lora.py`.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ COLLECTION = "adapters"
 @flax.struct.dataclass
 class AdapterStack:
     """n adapters side by side. `pairs` maps (layer path..., module, target) to
-    {"a": [..., I, n·R], "b": [..., n·R, O]}, nested as the params are."""
+    {"a": [..., in, n·r], "b": [..., n·r, out]}, nested as the params are."""
 
     pairs: dict
     count: int = flax.struct.field(pytree_node=False)
@@ -225,19 +225,19 @@ def placed(adapter_stack: AdapterStack | None, mesh=None) -> AdapterStack | None
     return jax.device_put(adapter_stack, whole)
 
 
-def update(module, target: str, x_BTI):
-    """Row b's x A_b B_b [B, T, O] of `target` in `module`'s scope, or None without it."""
+def update(module, target: str, inputs):
+    """Row b's x A_b B_b [B, T, out] of `target` in `module`'s scope, or None without it."""
     if not module.has_variable(COLLECTION, target):
         return None
     pair = module.get_variable(COLLECTION, target)
-    dtype = x_BTI.dtype
-    low = (x_BTI @ pair["a"].astype(dtype)) * pair["rows"].astype(dtype)[:, None]
+    dtype = inputs.dtype
+    low = (inputs @ pair["a"].astype(dtype)) * pair["rows"].astype(dtype)[:, None]
     return low @ pair["b"].astype(dtype)
 
 
 def expert_pairs(module, tokens_per_row: int) -> dict | None:
-    """target -> (A [experts, I, n·R], B [experts, n·R, O], the columns of each token's row's
-    adapter [B · T, n·R]) of the stack's pairs in a mixture's `experts` scope, for a call whose
+    """target -> (A [experts, in, n·r], B [experts, n·r, out], the columns of each token's row's
+    adapter [B · T, n·r]) of the stack's pairs in a mixture's `experts` scope, for a call whose
     B rows of `tokens_per_row` (T) tokens each lie side by side; None without any."""
     found = {}
     for target in L.EXPERT_TARGETS:
@@ -248,28 +248,28 @@ def expert_pairs(module, tokens_per_row: int) -> dict | None:
     return found or None
 
 
-def headwise_update(module, target: str, x_BTNI):
-    """Row b's update of `target` [B, T, N, O] where each head n reads its own inputs
-    x[:, :, n] through the A B [I, N · O] (a head's slice of B), or None without it."""
+def headwise_update(module, target: str, inputs):
+    """Row b's update of `target` [B, T, N, out] where each head n reads its own inputs
+    x[:, :, n] through the A B [in, N · out] (a head's slice of B), or None without it."""
     if not module.has_variable(COLLECTION, target):
         return None
     pair = module.get_variable(COLLECTION, target)
-    dtype, heads = x_BTNI.dtype, x_BTNI.shape[2]
-    low = (x_BTNI @ pair["a"].astype(dtype)) * pair["rows"].astype(dtype)[:, None, None]
-    b_RNO = pair["b"].astype(dtype).reshape(pair["b"].shape[0], heads, -1)
-    return jnp.einsum("btnr,rno->btno", low, b_RNO)
+    dtype, heads = inputs.dtype, inputs.shape[2]
+    low = (inputs @ pair["a"].astype(dtype)) * pair["rows"].astype(dtype)[:, None, None]
+    b_heads = pair["b"].astype(dtype).reshape(pair["b"].shape[0], heads, -1)
+    return jnp.einsum("btnr,rno->btno", low, b_heads)
 
 
-def absorbed_update(module, target: str, x_BTNO):
-    """Row b's x (A_b B_b)ᵀ per head [B, T, N, I] of `target`, whose update [I, N · O] gives
-    each head O outputs: what the update adds to x's product with the kernel's transpose,
+def absorbed_update(module, target: str, inputs):
+    """Row b's x (A_b B_b)ᵀ per head [B, T, N, in] of `target`, whose update [in, N · out] gives
+    each head `out` outputs: what the update adds to x's product with the kernel's transpose,
     head by head (a query taken through kv_up's key half), or None without it."""
     if not module.has_variable(COLLECTION, target):
         return None
     pair = module.get_variable(COLLECTION, target)
-    dtype, heads = x_BTNO.dtype, x_BTNO.shape[2]
-    b_RNO = pair["b"].astype(dtype).reshape(pair["b"].shape[0], heads, -1)
-    low = jnp.einsum("btno,rno->btnr", x_BTNO, b_RNO) * pair["rows"].astype(dtype)[:, None,
+    dtype, heads = inputs.dtype, inputs.shape[2]
+    b_heads = pair["b"].astype(dtype).reshape(pair["b"].shape[0], heads, -1)
+    low = jnp.einsum("btno,rno->btnr", inputs, b_heads) * pair["rows"].astype(dtype)[:, None,
                                                                                   None]
     return low @ pair["a"].astype(dtype).T
 
@@ -285,8 +285,10 @@ def add_qkv_updates(module, config: TransformerConfig, x_BTD, qkv_BTFH):
     return qkv_BTFH
 
 
-def add_update(module, target: str, x_BTI, y_BTO):
-    """y [B, T, O] (or [B, T, N, O/N]) plus each row's update of `target` from x [B, T, I]
+def add_update(module, target: str, inputs, outputs):
+    """y [B, T, out] (or [B, T, N, out/N]) plus each row's update of `target` from x [B, T, in]
     (or y as it is)."""
-    delta = update(module, target, x_BTI.reshape(*x_BTI.shape[:2], -1))
-    return y_BTO if delta is None else y_BTO + delta.reshape(y_BTO.shape).astype(y_BTO.dtype)
+    delta = update(module, target, inputs.reshape(*inputs.shape[:2], -1))
+    if delta is None:
+        return outputs
+    return outputs + delta.reshape(outputs.shape).astype(outputs.dtype)

@@ -223,24 +223,24 @@ def _scaling(directory: Path):
     return scale_of, expert_params
 
 
-def output_widths(config: TransformerConfig, targets: tuple[str, ...], shape_IO: tuple,
+def output_widths(config: TransformerConfig, targets: tuple[str, ...], update_shape: tuple,
                    name: str) -> list[int]:
-    """Each target's output width, the update [I, O] of one module of the file checked to
+    """Each target's output width, the update [in, out] of one module of the file checked to
     take the targets' inputs to all their outputs."""
     inputs = L.widths(config, targets[0])[0]
     widths = [L.widths(config, target)[1] for target in targets]
-    if tuple(shape_IO) != (inputs, sum(widths)):
-        raise ValueError(f"tensor {name} makes an update of {list(shape_IO)}; the model's "
+    if tuple(update_shape) != (inputs, sum(widths)):
+        raise ValueError(f"tensor {name} makes an update of {list(update_shape)}; the model's "
                          f"{'+'.join(targets)} takes {inputs} inputs to {sum(widths)} outputs")
     return widths
 
 
 def _add(config: TransformerConfig, layer: dict, targets: tuple[str, ...],
-         update_IO: np.ndarray, name: str) -> None:
-    """The update [I, O] of one module of the file, split along O over kvjax's `targets`,
-    added to their kernels in `layer` (new arrays; the loaded ones are not changed)."""
-    widths = output_widths(config, targets, update_IO.shape, name)
-    pieces = np.split(update_IO, np.cumsum(widths)[:-1], axis=1)
+         update: np.ndarray, name: str) -> None:
+    """The update [in, out] of one module of the file, split along its outputs over kvjax's
+    `targets`, added to their kernels in `layer` (new arrays; the loaded ones are not changed)."""
+    widths = output_widths(config, targets, update.shape, name)
+    pieces = np.split(update, np.cumsum(widths)[:-1], axis=1)
     for target, piece in zip(targets, pieces, strict=True):
         module, kernel_name, _ = L.KERNELS[target]
         held = layer[module] = dict(layer[module])
@@ -376,14 +376,15 @@ def _peft_tensors(config: TransformerConfig, model_type: str, layers: dict, sett
             here = [t for t in trained if not peft_experts.is_experts_pair(layer.get(t))]
             if not here:  # a mixture's experts: `peft_experts.py`'s
                 continue
-            a_RI, b_OR = fused_pair(layer_config(config, int(index)), layer, targets, here,
+            peft_a, peft_b = fused_pair(layer_config(config, int(index)), layer, targets, here,
                                     settings.rank)
-            rank = a_RI.shape[0]
+            rank = peft_a.shape[0]
             if reorders(config, model_type, module):
-                b_OR = np.ascontiguousarray(rows_in_file_order(config, model_type, module, b_OR))
+                peft_b = np.ascontiguousarray(rows_in_file_order(config, model_type, module,
+                                                                 peft_b))
             name = f"base_model.model.{prefix}.{index}.{module}"
             # C order: the file is written from the arrays' memory as it lies.
-            tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(a_RI)
-            tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(b_OR)
+            tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(peft_a)
+            tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(peft_b)
             ranks[module] = rank
     return tensors, ranks

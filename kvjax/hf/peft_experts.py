@@ -63,20 +63,20 @@ def per_expert(layout: str, module: str, experts: int) -> tuple[int, str] | None
     return int(match[1]), L.EXPERT_TARGETS[names.index(match[2])]
 
 
-def expert_pair(config: TransformerConfig, target: str, a_RI: np.ndarray, b_OR: np.ndarray,
+def expert_pair(config: TransformerConfig, target: str, peft_a: np.ndarray, peft_b: np.ndarray,
                 scale: float, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """One expert's module's A [r, in] and B [out, r] as kvjax's A [I, r] and B [r, O], the
+    """One expert's module's A [r, in] and B [out, r] as kvjax's A [in, r] and B [r, out], the
     scale folded into B, its widths checked against an expert's `target`."""
     d, f = config.d_model, config.d_ff
     want = (f, d) if target == "wo" else (d, f)
-    if (a_RI.shape[1], b_OR.shape[0]) != want:
-        raise ValueError(f"tensor {name} makes an update of {[a_RI.shape[1], b_OR.shape[0]]}; "
+    if (peft_a.shape[1], peft_b.shape[0]) != want:
+        raise ValueError(f"tensor {name} makes an update of {[peft_a.shape[1], peft_b.shape[0]]}; "
                          f"an expert's {target} takes {want[0]} inputs to {want[1]} outputs")
-    return a_RI.astype(np.float32).T, scale * b_OR.astype(np.float32).T
+    return peft_a.astype(np.float32).T, scale * peft_b.astype(np.float32).T
 
 
 def add_to_expert(config: TransformerConfig, layer: dict, expert: int, target: str,
-                  a_IR: np.ndarray, b_RO: np.ndarray, name: str) -> None:
+                  lora_a: np.ndarray, lora_b: np.ndarray, name: str) -> None:
     """One expert's pair (`expert_pair`) added to its slice of `layer`'s experts' kernel (new
     arrays): wi and wi_gate [D, experts, F], wo [experts, F, D]."""
     if "experts" not in layer.get("ffn", {}):
@@ -86,9 +86,9 @@ def add_to_expert(config: TransformerConfig, layer: dict, expert: int, target: s
     experts = ffn["experts"] = dict(ffn["experts"])
     new = experts[target].astype(np.float32)
     if target == "wo":
-        new[expert] += a_IR @ b_RO
+        new[expert] += lora_a @ lora_b
     else:
-        new[:, expert] += a_IR @ b_RO
+        new[:, expert] += lora_a @ lora_b
     experts[target] = new.astype(experts[target].dtype)
 
 
@@ -99,28 +99,28 @@ def _gate_and_up(layout: str, f: int) -> tuple[slice, slice]:
     return slice(0, f), slice(f, 2 * f)
 
 
-def kvjax_pairs(config: TransformerConfig, layout: str, a_XI: np.ndarray, b_OX: np.ndarray,
+def kvjax_pairs(config: TransformerConfig, layout: str, peft_a: np.ndarray, peft_b: np.ndarray,
                 scale_of, key: str, name: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """A PEFT pair over the stacked experts' parameters, A [experts · r, in] and B [out,
-    r · experts], as kvjax's adapters of the targets it adapts, target -> (A [experts, I, r],
-    B [experts, r, O], the scale folded into B): gate_up_proj's wi (its gate outputs) and
+    r · experts], as kvjax's adapters of the targets it adapts, target -> (A [experts, in, r],
+    B [experts, r, out], the scale folded into B): gate_up_proj's wi (its gate outputs) and
     wi_gate (its up outputs), sharing A; down_proj's wo. `key` names the wrapped experts'
     module (PEFT's key, `base_layer`s included); which parameter the pair adapts, and so its
     scale `scale_of(rank, key)`, its shapes tell."""
     experts, d, f = config.num_experts, config.d_model, config.d_ff
-    if a_XI.ndim != 2 or b_OX.ndim != 2 or a_XI.shape[0] != b_OX.shape[1] \
-            or a_XI.shape[0] % experts:
+    if peft_a.ndim != 2 or peft_b.ndim != 2 or peft_a.shape[0] != peft_b.shape[1] \
+            or peft_a.shape[0] % experts:
         raise ValueError(f"tensor {name} and its lora_A are not the [out, r · {experts}] and "
                          f"[{experts} · r, in] of one rank over {experts} experts")
-    rank = a_XI.shape[0] // experts
-    a_EIR = a_XI.astype(np.float32).reshape(experts, rank, -1).transpose(0, 2, 1)
-    b_ERO = b_OX.astype(np.float32).reshape(b_OX.shape[0], rank, experts).transpose(2, 1, 0)
+    rank = peft_a.shape[0] // experts
+    experts_a = peft_a.astype(np.float32).reshape(experts, rank, -1).transpose(0, 2, 1)
+    experts_b = peft_b.astype(np.float32).reshape(peft_b.shape[0], rank, experts).transpose(2, 1, 0)
     gates, ups = _gate_and_up(layout, f)
-    shape = (a_EIR.shape[1], b_ERO.shape[2])
+    shape = (experts_a.shape[1], experts_b.shape[2])
     if shape == (d, 2 * f):
-        param, pairs = PARAMS[0], {"wi": b_ERO[..., gates], "wi_gate": b_ERO[..., ups]}
+        param, pairs = PARAMS[0], {"wi": experts_b[..., gates], "wi_gate": experts_b[..., ups]}
     elif shape == (f, d):
-        param, pairs = PARAMS[1], {"wo": b_ERO}
+        param, pairs = PARAMS[1], {"wo": experts_b}
     else:
         raise ValueError(f"tensor {name} makes an update of {[experts, *shape]}; the experts "
                          f"take [{experts}, {d}, {2 * f}] (gate_up_proj) or [{experts}, {f}, "
@@ -128,7 +128,7 @@ def kvjax_pairs(config: TransformerConfig, layout: str, a_XI: np.ndarray, b_OX: 
     while key.endswith(".base_layer"):
         key = key.removesuffix(".base_layer")
     scale = scale_of(rank, f"{key}.{param.split('.')[-1]}")
-    return {target: (a_EIR, scale * b) for target, b in pairs.items()}
+    return {target: (experts_a, scale * b) for target, b in pairs.items()}
 
 
 def add_to_experts(config: TransformerConfig, layout: str, layer: dict, a, b, scale_of,
@@ -139,9 +139,9 @@ def add_to_experts(config: TransformerConfig, layout: str, layer: dict, a, b, sc
                          "FFN)")
     ffn = layer["ffn"] = dict(layer["ffn"])
     experts = ffn["experts"] = dict(ffn["experts"])
-    for target, (a_EIR, b_ERO) in kvjax_pairs(config, layout, a, b, scale_of, key,
+    for target, (experts_a, experts_b) in kvjax_pairs(config, layout, a, b, scale_of, key,
                                               name).items():
-        delta = a_EIR @ b_ERO  # [experts, I, O]; wi and wi_gate are [D, experts, F]
+        delta = experts_a @ experts_b  # [experts, in, out]; wi and wi_gate are [D, experts, F]
         old = experts[target]
         experts[target] = (old.astype(np.float32) + (
             delta if target == "wo" else delta.transpose(1, 0, 2))).astype(old.dtype)
@@ -171,9 +171,9 @@ def peft_tensors(config: TransformerConfig, layout: str, layers: dict, settings:
                      if t in gate_up] if param.endswith(PARAMS[0]) else \
                 [(layer["wo"], slice(None))]
             outputs = 2 * config.d_ff if param.endswith(PARAMS[0]) else config.d_model
-            a_XI, b_OX = _pair(pairs, rank, settings, outputs)
+            peft_a, peft_b = _pair(pairs, rank, settings, outputs)
             name = f"base_model.model.{prefix}.{index}.{modules[param]}"
-            tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"] = a_XI, b_OX
+            tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"] = peft_a, peft_b
     return tensors, params, rank
 
 
@@ -181,18 +181,19 @@ def _pair(pairs, rank: int, settings: L.LoRA, outputs: int) -> tuple[np.ndarray,
     """One parameter's A [experts · rank, in] and B [`outputs`, rank · experts] from kvjax's
     pairs (A [experts, in, r], B [experts, r, out]), each with the output columns it adapts."""
     experts, inputs, r = np.shape(pairs[0][0]["lora_a"])
-    a_ERI = np.zeros((experts, rank, inputs), np.float32)
-    b_EOR = np.zeros((experts, outputs, rank), np.float32)
+    a_by_expert = np.zeros((experts, rank, inputs), np.float32)
+    b_by_expert = np.zeros((experts, outputs, rank), np.float32)
     for j, (pair, columns) in enumerate(pairs):
-        a_ERI[:, j * r:(j + 1) * r] = np.asarray(pair["lora_a"], np.float32).transpose(0, 2, 1)
-        b_EOR[:, columns, j * r:(j + 1) * r] = np.asarray(pair["lora_b"],
+        a_by_expert[:, j * r:(j + 1) * r] = np.asarray(pair["lora_a"],
+                                                       np.float32).transpose(0, 2, 1)
+        b_by_expert[:, columns, j * r:(j + 1) * r] = np.asarray(pair["lora_b"],
                                                            np.float32).transpose(0, 2, 1)
-    b_EOR *= rank / settings.rank  # lora_alpha / rank keeps the run's scale, alpha / r
-    return (np.ascontiguousarray(a_ERI.reshape(experts * rank, inputs)),
-            np.ascontiguousarray(b_EOR.transpose(1, 2, 0).reshape(outputs, rank * experts)))
+    b_by_expert *= rank / settings.rank  # lora_alpha / rank keeps the run's scale, alpha / r
+    return (np.ascontiguousarray(a_by_expert.reshape(experts * rank, inputs)),
+            np.ascontiguousarray(b_by_expert.transpose(1, 2, 0).reshape(outputs, rank * experts)))
 
 
 def is_experts_pair(pair: dict | None) -> bool:
-    """Whether a layer's adapters of an FFN target are its experts' (A [experts, I, r]), not
-    a dense FFN's (A [I, r])."""
+    """Whether a layer's adapters of an FFN target are its experts' (A [experts, in, r]), not
+    a dense FFN's (A [in, r])."""
     return pair is not None and np.ndim(pair["lora_a"]) == 3

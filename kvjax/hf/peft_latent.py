@@ -16,8 +16,8 @@ The file's modules and what they hold of kvjax's (`model/latent_attention.py`,
   mlp.gate_proj, mlp.up_proj, mlp.down_proj -> wi, wi_gate, wo of the dense first layers'
       FFN (the experts' are `peft_experts.py`'s).
 
-Shape letters: N query heads, X what a row spans (its inputs, or the rank), R rank, I and O
-an update's input and output width, D model width.
+Shape letters (docs/shapes.md): N query heads, D model width; a row's span (its inputs, or
+the rank), the rank r and an update's input and output widths are written out.
 """
 
 from __future__ import annotations
@@ -80,20 +80,20 @@ def _output_order(config: TransformerConfig, module: str) -> np.ndarray | None:
     return None
 
 
-def _padded_values(config: TransformerConfig, rows_VX: np.ndarray) -> np.ndarray:
-    """Rows over every head's values [N · value, X] as kvjax's heads hold them, each padded
-    with zero rows to head_dim [N · head_dim, X]."""
+def _padded_values(config: TransformerConfig, rows: np.ndarray) -> np.ndarray:
+    """Rows over every head's values [N · value, span] as kvjax's heads hold them, each padded
+    with zero rows to head_dim [N · head_dim, span]."""
     n, value = config.num_heads, config.latent_value_dim
-    rows = rows_VX.reshape(n, value, -1)
+    rows = rows.reshape(n, value, -1)
     return np.pad(rows, ((0, 0), (0, config.head_dim - value), (0, 0))).reshape(
         n * config.head_dim, -1)
 
 
-def _check_rows(config: TransformerConfig, module: str, a_RI: np.ndarray, b_OR: np.ndarray,
+def _check_rows(config: TransformerConfig, module: str, peft_a: np.ndarray, peft_b: np.ndarray,
                 name: str) -> None:
     inputs, outputs = _file_widths(config, module)
-    if (a_RI.shape[1], b_OR.shape[0]) != (inputs, outputs):
-        raise ValueError(f"tensor {name} makes an update of {[a_RI.shape[1], b_OR.shape[0]]}; "
+    if (peft_a.shape[1], peft_b.shape[0]) != (inputs, outputs):
+        raise ValueError(f"tensor {name} makes an update of {[peft_a.shape[1], peft_b.shape[0]]}; "
                          f"the model's {module} takes {inputs} inputs to {outputs} outputs")
 
 
@@ -115,42 +115,42 @@ def _file_widths(config: TransformerConfig, module: str) -> tuple[int, int]:
     return (c.latent_q_rank or c.d_model), c.num_heads * (c.latent_nope_dim + c.rotary_dims)
 
 
-def kvjax_pair(config: TransformerConfig, module: str, a_RI: np.ndarray, b_OR: np.ndarray,
+def kvjax_pair(config: TransformerConfig, module: str, peft_a: np.ndarray, peft_b: np.ndarray,
                name: str) -> tuple[np.ndarray, np.ndarray]:
-    """A module's A [R, in] and B [out, R] (B scaled), checked, as kvjax's A [I, R] and
-    B [R, O]: B's rows in kvjax's order, o's A padded to kvjax's heads."""
-    _check_rows(config, module, a_RI, b_OR, name)
+    """A module's A [r, in] and B [out, r] (B scaled), checked, as kvjax's A [in, r] and
+    B [r, out]: B's rows in kvjax's order, o's A padded to kvjax's heads."""
+    _check_rows(config, module, peft_a, peft_b, name)
     order = _output_order(config, module)
-    a_IR = a_RI.astype(np.float32).T
-    b_OR = b_OR.astype(np.float32)
+    lora_a = peft_a.astype(np.float32).T
+    peft_b = peft_b.astype(np.float32)
     if order is not None:
-        b_OR = b_OR[order]
+        peft_b = peft_b[order]
     if module == "self_attn.o_proj":
-        a_IR = _padded_values(config, a_IR)
-    return a_IR, b_OR.T
+        lora_a = _padded_values(config, lora_a)
+    return lora_a, peft_b.T
 
 
-def merge(config: TransformerConfig, layer: dict, module: str, a_RI: np.ndarray,
-          b_OR: np.ndarray, scale: float, name: str) -> None:
+def merge(config: TransformerConfig, layer: dict, module: str, peft_a: np.ndarray,
+          peft_b: np.ndarray, scale: float, name: str) -> None:
     """Adds a module's update scale · Aᵀ Bᵀ to its kernels in `layer` (new arrays; the loaded
     ones are not changed), summed in float32 and kept in each kernel's dtype."""
-    a_IR, b_RO = kvjax_pair(config, module, a_RI, scale * b_OR.astype(np.float32), name)
-    update_IO = a_IR @ b_RO
+    lora_a, lora_b = kvjax_pair(config, module, peft_a, scale * peft_b.astype(np.float32), name)
+    update = lora_a @ lora_b
     targets = modules(config)[module]
     if not targets:
-        _add_to(layer, ("self_attention", *DOWN_PROJECTIONS[module]), update_IO)
+        _add_to(layer, ("self_attention", *DOWN_PROJECTIONS[module]), update)
         return
     widths = [L.widths(config, target)[1] for target in targets]
-    for target, piece in zip(targets, np.split(update_IO, np.cumsum(widths)[:-1], axis=1),
+    for target, piece in zip(targets, np.split(update, np.cumsum(widths)[:-1], axis=1),
                              strict=True):
         _add_to(layer, L.kernel_path(config, target), piece,
                 part=config.latent_nope_dim if target == "v" else 0,
                 heads=config.num_heads if target in ("k", "v") else None)
 
 
-def _add_to(layer: dict, path: tuple[str, ...], update_IO: np.ndarray, part: int = 0,
+def _add_to(layer: dict, path: tuple[str, ...], update: np.ndarray, part: int = 0,
             heads: int | None = None) -> None:
-    """`update_IO` added to the kernel at `path`: the whole kernel, or with `heads` each
+    """`update` added to the kernel at `path`: the whole kernel, or with `heads` each
     head's dimensions of kv_up from `part` on."""
     held = layer
     for key in path:
@@ -159,9 +159,9 @@ def _add_to(layer: dict, path: tuple[str, ...], update_IO: np.ndarray, part: int
     old = held["kernel"]
     new = old.astype(np.float32)
     if heads is None:
-        new += update_IO.reshape(new.shape)
+        new += update.reshape(new.shape)
     else:
-        update = update_IO.reshape(new.shape[0], heads, -1)
+        update = update.reshape(new.shape[0], heads, -1)
         new[..., part:part + update.shape[-1]] += update
     held["kernel"] = new.astype(old.dtype)
 
@@ -182,16 +182,16 @@ def peft_tensors(config: TransformerConfig, layers: dict, settings: L.LoRA, pref
             here = [t for t in trained if not is_experts_pair(layer.get(t))]
             if not here:  # a mixture's experts: `peft_experts.py`'s
                 continue
-            a_RI, b_OR = fused_pair(layer_config(config, int(index)), layer, targets, here,
+            peft_a, peft_b = fused_pair(layer_config(config, int(index)), layer, targets, here,
                                     settings.rank)
             if module == "self_attn.o_proj":
                 n, value = config.num_heads, config.latent_value_dim
-                a_RI = a_RI.reshape(-1, n, config.head_dim)[..., :value].reshape(-1, n * value)
+                peft_a = peft_a.reshape(-1, n, config.head_dim)[..., :value].reshape(-1, n * value)
             order = _output_order(config, module)
             if order is not None:
-                b_OR = b_OR[np.argsort(order)]
+                peft_b = peft_b[np.argsort(order)]
             name = f"base_model.model.{prefix}.{index}.{module}"
-            tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(a_RI)
-            tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(b_OR)
-            ranks[module] = a_RI.shape[0]
+            tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(peft_a)
+            tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(peft_b)
+            ranks[module] = peft_a.shape[0]
     return tensors, ranks

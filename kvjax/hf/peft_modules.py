@@ -4,7 +4,8 @@ layers are in the tensors' names (`layer_prefixes`), and the modules whose outpu
 holds in another order (`reorders`, `rows_in_kvjax_order`, `rows_in_file_order`); a module
 holding several targets written from their adapters (`fused_pair`).
 
-Shape letters: O a module's output rows, X what each row spans (its inputs, or the rank).
+A module's output rows and what each row spans (its inputs, or the rank) have no shape letters
+(docs/shapes.md): written out, [out, span].
 """
 
 from __future__ import annotations
@@ -117,29 +118,29 @@ def reorders(config: TransformerConfig, model_type: str, module: str) -> bool:
 
 
 def rows_in_kvjax_order(config: TransformerConfig, model_type: str, module: str,
-                        rows_OX: np.ndarray, name: str) -> np.ndarray:
-    """A module's output rows [O, X] that `reorders` in kvjax's order, the rows' count
+                        rows: np.ndarray, name: str) -> np.ndarray:
+    """A module's output rows [out, span] that `reorders` in kvjax's order, the rows' count
     checked first: `gpt_weights.groups_apart`, or `weights.rope_rows_in_kvjax_order`."""
     n, h = config.num_heads, config.head_dim
     targets = MODULES[LAYOUTS[model_type]][module]
     heads = sum(n if target == "q" else config.kv_heads for target in targets)
-    if rows_OX.shape[0] != heads * h:
-        raise ValueError(f"tensor {name} has {rows_OX.shape[0]} output rows; the model's "
+    if rows.shape[0] != heads * h:
+        raise ValueError(f"tensor {name} has {rows.shape[0]} output rows; the model's "
                          f"{module} has {heads * h}")
     if len(targets) == 3:
-        return groups_apart(rows_OX, config.kv_heads, h)
-    return rope_rows_in_kvjax_order(rows_OX, heads, h, config.rotary_dims, LAYOUTS[model_type])
+        return groups_apart(rows, config.kv_heads, h)
+    return rope_rows_in_kvjax_order(rows, heads, h, config.rotary_dims, LAYOUTS[model_type])
 
 
 def rows_in_file_order(config: TransformerConfig, model_type: str, module: str,
-                       rows_OX: np.ndarray) -> np.ndarray:
+                       rows: np.ndarray) -> np.ndarray:
     """The inverse of `rows_in_kvjax_order`."""
     n, h = config.num_heads, config.head_dim
     targets = MODULES[LAYOUTS[model_type]][module]
     if len(targets) == 3:
-        return groups_together(rows_OX, config.kv_heads, n, h)
+        return groups_together(rows, config.kv_heads, n, h)
     heads = n if targets == ("q",) else config.kv_heads
-    return rope_rows_in_kvjax_order(rows_OX, heads, h, config.rotary_dims, LAYOUTS[model_type],
+    return rope_rows_in_kvjax_order(rows, heads, h, config.rotary_dims, LAYOUTS[model_type],
                                     inverse=True)
 
 
@@ -166,21 +167,21 @@ def adapts_layer(config: TransformerConfig, targets: tuple[str, ...], layer: int
 
 def fused_pair(config: TransformerConfig, layer: dict, targets: tuple[str, ...],
                trained: list[str], run_rank: int) -> tuple[np.ndarray, np.ndarray]:
-    """A [R, I] and B [O, R] of one module of the file that holds `targets` (B's rows in
+    """A [r, in] and B [out, r] of one module of the file that holds `targets` (B's rows in
     kvjax's order), from the adapters in `layer` of the `trained` ones: their A's stacked,
     their B's along the diagonal, zero rows for the others, B scaled so that PEFT's
-    lora_alpha / R at the fused rank R stays the run's scale (a rank k times the run's takes
+    lora_alpha / r at the fused rank r stays the run's scale (a rank k times the run's takes
     k times B)."""
     pairs = [layer[target] for target in trained]
-    a_RI = np.concatenate([np.asarray(p["lora_a"], np.float32).T for p in pairs])
-    rank = a_RI.shape[0]
-    b_OR = np.zeros((sum(L.widths(config, t)[1] for t in targets), rank), np.float32)
+    peft_a = np.concatenate([np.asarray(p["lora_a"], np.float32).T for p in pairs])
+    rank = peft_a.shape[0]
+    peft_b = np.zeros((sum(L.widths(config, t)[1] for t in targets), rank), np.float32)
     row, column = 0, 0
     for target in targets:
         width = L.widths(config, target)[1]
         if target in trained:
             b = np.asarray(layer[target]["lora_b"], np.float32).T
-            b_OR[row:row + width, column:column + b.shape[1]] = b
+            peft_b[row:row + width, column:column + b.shape[1]] = b
             column += b.shape[1]
         row += width
-    return a_RI, b_OR * (rank / run_rank)
+    return peft_a, peft_b * (rank / run_rank)

@@ -102,12 +102,12 @@ def merged(layout: str, config: TransformerConfig, params: dict, pairs, scale_of
     n, h, d, f = config.num_heads, config.head_dim, config.d_model, config.d_ff
     for (part, layer), module, a, b, name in pairs:
         place, block = LAYOUTS[layout].modules[part][module]
-        update_IO = scale_of(a.shape[0], module_key(name)) * (a.astype(np.float32).T @
+        update = scale_of(a.shape[0], module_key(name)) * (a.astype(np.float32).T @
                                                               b.astype(np.float32).T)
         want = {"ffn/wi": (d, f), "ffn/wi_gate": (d, f), "ffn/wo": (f, d)}.get(
             place, (n * h, d) if place.endswith("/out") else (d, n * h))
-        if update_IO.shape != want:
-            raise ValueError(f"tensor {name} makes an update of {list(update_IO.shape)}; the "
+        if update.shape != want:
+            raise ValueError(f"tensor {name} makes an update of {list(update.shape)}; the "
                              f"model's {part} {module} takes {want[0]} inputs to {want[1]} "
                              "outputs")
         stack = "cross_kv" if place == "kv" else f"{part}_layers"
@@ -123,9 +123,9 @@ def merged(layout: str, config: TransformerConfig, params: dict, pairs, scale_of
         old = holder["kernel"]
         new = old.astype(np.float32)
         if block is None:
-            new += update_IO.reshape(new.shape)
+            new += update.reshape(new.shape)
         else:
-            new[:, block * n:(block + 1) * n] += update_IO.reshape(d, n, h)
+            new[:, block * n:(block + 1) * n] += update.reshape(d, n, h)
         holder["kernel"] = new.astype(old.dtype)
     return merged
 

@@ -2,8 +2,8 @@
 side by side with others over one base (`model/lora_rows.py`), each adding to its rows what
 `merge_peft_adapter` (`peft.py`) merges.
 
-Every module the file adapts gives its targets their pairs, A [I, r] and B [r, O] (a mixture's
-experts' A [experts, I, r] and B [experts, r, O]), the module's scale folded into B; a module
+Every module the file adapts gives its targets their pairs, A [in, r] and B [r, out] (a mixture's
+experts' A [experts, in, r] and B [experts, r, out]), the module's scale folded into B; a module
 the file fuses gives each target its A and its slice of B; every layer gets every target the
 file has, at its largest rank, zeros where the file has none. What only merges is refused by
 name: an encoder-decoder's adapters and latent attention's down projections.
@@ -29,7 +29,7 @@ from .weights import LAYOUTS
 def peft_adapters(config: TransformerConfig, model_type: str, directory: str | os.PathLike
                   ) -> tuple[dict, L.LoRA]:
     """The PEFT LoRA adapter in `directory` as kvjax's own adapters of the model's unrolled
-    layers (`model.lora`'s tree, A [I, r] and B [r, O] per target), unmerged, with the
+    layers (`model.lora`'s tree, A [in, r] and B [r, out] per target), unmerged, with the
     `LoRA` they are read with: each module's scale is folded into its B (the LoRA's scale
     is 1), a module the file fuses gives each of kvjax's targets its A and its slice of B,
     and every layer gets every target, at the largest rank, zeros where the file has none.
@@ -45,7 +45,7 @@ def peft_adapters(config: TransformerConfig, model_type: str, directory: str | o
     by_expert: dict[tuple[int, str], dict[int, tuple[np.ndarray, np.ndarray]]] = {}
     for layer, module, a, b, name in pairs:
         scale = scale_of(a.shape[0], module_key(name))
-        if module in peft_experts.wrappers(layout):  # [experts, I, r] and [experts, r, O]
+        if module in peft_experts.wrappers(layout):  # [experts, in, r] and [experts, r, out]
             found.update({(layer, target): pair for target, pair in peft_experts.kvjax_pairs(
                 config, layout, a, b, scale_of, module_key(name), name).items()})
             continue
@@ -61,18 +61,18 @@ def peft_adapters(config: TransformerConfig, model_type: str, directory: str | o
                 raise UnsupportedModelError(f"{directory}: adapters of latent attention's "
                                             f"{module} are merged, not served beside others "
                                             "(--lora DIR merges one)")
-            a_IR, b_RO = peft_latent.kvjax_pair(widths_of, module, a,
+            lora_a, lora_b = peft_latent.kvjax_pair(widths_of, module, a,
                                                 scale * b.astype(np.float32), name)
             widths = [L.widths(widths_of, target)[1] for target in targets]
-            for target, piece in zip(targets, np.split(b_RO, np.cumsum(widths)[:-1], axis=1),
+            for target, piece in zip(targets, np.split(lora_b, np.cumsum(widths)[:-1], axis=1),
                                      strict=True):
-                found[layer, target] = (a_IR, piece)
+                found[layer, target] = (lora_a, piece)
             continue
-        rows_OR = scale * b.astype(np.float32)
+        rows = scale * b.astype(np.float32)
         if reorders(config, model_type, module):
-            rows_OR = rows_in_kvjax_order(config, model_type, module, rows_OR, name)
-        widths = output_widths(widths_of, targets, (a.shape[1], rows_OR.shape[0]), name)
-        pieces = np.split(rows_OR, np.cumsum(widths)[:-1], axis=0)
+            rows = rows_in_kvjax_order(config, model_type, module, rows, name)
+        widths = output_widths(widths_of, targets, (a.shape[1], rows.shape[0]), name)
+        pieces = np.split(rows, np.cumsum(widths)[:-1], axis=0)
         for target, piece in zip(targets, pieces, strict=True):
             found[layer, target] = (a.astype(np.float32).T, piece.T)
     for (layer, target), held in by_expert.items():  # each expert's own pair, stacked
@@ -103,15 +103,15 @@ def _no_pair(config: TransformerConfig, layer: int, target: str):
 
 
 def _stacked(config: TransformerConfig, target: str, held: dict[int, tuple]):
-    """Each expert's pair (A [I, r], B [r, O]) of `held` as the experts' A [experts, I, r]
-    and B [experts, r, O] at the largest rank, zeros for the experts it lacks."""
+    """Each expert's pair (A [in, r], B [r, out]) of `held` as the experts' A [experts, in, r]
+    and B [experts, r, out] at the largest rank, zeros for the experts it lacks."""
     rank = max(a.shape[1] for a, _ in held.values())
     in_width, out_width = L.widths(config, target)
-    a_EIR = np.zeros((config.num_experts, in_width, rank), np.float32)
-    b_ERO = np.zeros((config.num_experts, rank, out_width), np.float32)
+    experts_a = np.zeros((config.num_experts, in_width, rank), np.float32)
+    experts_b = np.zeros((config.num_experts, rank, out_width), np.float32)
     for expert, (a, b) in held.items():
-        a_EIR[expert, :, :a.shape[1]], b_ERO[expert, :b.shape[0]] = a, b
-    return a_EIR, b_ERO
+        experts_a[expert, :, :a.shape[1]], experts_b[expert, :b.shape[0]] = a, b
+    return experts_a, experts_b
 
 
 def _pad_axis(x: np.ndarray, axis: int, size: int) -> np.ndarray:
