@@ -73,23 +73,24 @@ LOSS_PART_BYTES = 256 * 2**20
 
 def chunked_cross_entropy_sum(model_config: M.TransformerConfig, params, hidden_BTD,
                               targets_BT, weights_BT, label_smoothing: float = 0.0):
-    """`cross_entropy_sum` of the logits of final hidden states [B, T, D], computed N tokens
-    at a time and recomputed in the backward pass: a step holds one part's float32 logits
-    [N, V] (at most `LOSS_PART_BYTES`) and their gradient, not [B, T, V], which for a large
-    vocabulary are much of what training holds."""
+    """`cross_entropy_sum` of the logits of final hidden states [B, T, D], computed a part of
+    the B · T tokens at a time (a part's tokens side by side, [T, D]) and recomputed in the
+    backward pass: a step holds one part's float32 logits (at most `LOSS_PART_BYTES`) and
+    their gradient, not [B, T, V], which for a large vocabulary are much of what training
+    holds."""
     tokens, vocab = hidden_BTD.shape[0] * hidden_BTD.shape[1], model_config.vocab_size
     per_part = max(1, min(tokens, LOSS_PART_BYTES // (4 * vocab)))
     parts = -(-tokens // per_part)
 
-    def split(x_BT):  # [B, T, ...] -> [parts, N, ...]; the padding's weights are 0
+    def split(x_BT):  # [B, T, ...] -> [parts, tokens of a part, ...]; padding weighs 0
         x = x_BT.reshape(tokens, *x_BT.shape[2:])
         x = jnp.pad(x, [(0, parts * per_part - tokens)] + [(0, 0)] * (x.ndim - 1))
         return x.reshape(parts, per_part, *x.shape[1:])
 
     @jax.checkpoint
-    def part_sums(params, hidden_ND, targets_N, weights_N):
-        logits_1NV = M.hidden_logits(model_config, params, hidden_ND[None])
-        return cross_entropy_sum(logits_1NV, targets_N[None], weights_N[None],
+    def part_sums(params, hidden_TD, targets_T, weights_T):
+        logits_1TV = M.hidden_logits(model_config, params, hidden_TD[None])
+        return cross_entropy_sum(logits_1TV, targets_T[None], weights_T[None],
                                  label_smoothing)
 
     def add(sums, part):
