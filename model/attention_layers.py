@@ -38,7 +38,7 @@ class SelfAttention(nn.Module):
     `pages` [B, pages per row] are a paged cache's page tables (`model/paged.py`): the stacks
     are then its pools, written and read through the tables. With `attention_sinks` the
     layer holds a sink logit for each query head, `sinks` [N] (`model/attention.py`). With
-    ALiBi, or T5's relative bias (`bias_table` [R, N], the stack's; with
+    ALiBi, or T5's relative bias (`bias_table` [buckets, N], the stack's; with
     `relative_bias_per_layer`, the layer's own `position_bias`), the logits take a bias by
     distance (`positional.PositionBias`), bidirectional where not `causal`.
     """
@@ -83,7 +83,7 @@ class SelfAttention(nn.Module):
                 bias_table = self.param("position_bias", nn.initializers.normal(stddev=0.02),
                                         (config.relative_buckets, config.num_heads),
                                         config.weights_dtype)
-            bias = PositionBias(positions_BT, table_RN=bias_table,
+            bias = PositionBias(positions_BT, table=bias_table,
                                 num_buckets=config.relative_buckets,
                                 max_distance=config.relative_max_distance, bidirectional=not causal)
         sinks = None

@@ -24,12 +24,12 @@ from .config_checks import longrope_factors_field
 class PositionBias:
     """A bias added to each head's attention logits by the distance d = key position - query
     position (d <= 0 for the keys a causal query sees): ALiBi's `slopes` [N], m_h · d (BLOOM,
-    MPT), or T5's learned `table` [R, N], the row of d's bucket (`relative_position_buckets`,
+    MPT), or T5's learned `table` [buckets, N], the row of d's bucket (`relative_position_buckets`,
     `bidirectional` in an encoder). `positions` [B, T] are the queries'."""
 
     positions_BT: jax.Array
     slopes_N: jax.Array | None = None
-    table_RN: jax.Array | None = None
+    table: jax.Array | None = None
     num_buckets: int = flax.struct.field(pytree_node=False, default=32)
     max_distance: int = flax.struct.field(pytree_node=False, default=128)
     bidirectional: bool = flax.struct.field(pytree_node=False, default=False)
@@ -42,7 +42,7 @@ class PositionBias:
             per_head_BTSN = (distance_BTS.astype(jnp.float32)[..., None]
                              * self.slopes_N.astype(jnp.float32))
         else:
-            per_head_BTSN = jnp.take(self.table_RN.astype(jnp.float32), relative_position_buckets(
+            per_head_BTSN = jnp.take(self.table.astype(jnp.float32), relative_position_buckets(
                 distance_BTS, self.bidirectional, self.num_buckets, self.max_distance), axis=0)
         batch, queries, keys, heads = per_head_BTSN.shape
         return jnp.moveaxis(per_head_BTSN, -1, 1).reshape(batch, kv_heads, heads // kv_heads,

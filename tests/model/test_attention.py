@@ -140,7 +140,7 @@ def test_a_t5_bias_adds_each_heads_entry_for_the_keys_bucket(way):
         positions = np.arange(9)[None].repeat(2, 0)
         key_positions, mask = positions, np.ones((2, 9, 9), bool)
         mask[1, :, 7:] = False
-        bias = M.PositionBias(jnp.asarray(positions), table_RN=jnp.asarray(table),
+        bias = M.PositionBias(jnp.asarray(positions), table=jnp.asarray(table),
                               num_buckets=8, max_distance=16, bidirectional=True)
         out = M.attend(q, k, v, jnp.asarray(mask), bias=bias)
     else:
@@ -148,7 +148,7 @@ def test_a_t5_bias_adds_each_heads_entry_for_the_keys_bucket(way):
         positions = np.array([[7, 8], [3, 4]])
         key_positions = np.arange(9)[None].repeat(2, 0)
         mask = key_positions[:, None, :] <= positions[:, :, None]
-        bias = M.PositionBias(jnp.asarray(positions), table_RN=jnp.asarray(table),
+        bias = M.PositionBias(jnp.asarray(positions), table=jnp.asarray(table),
                               num_buckets=8, max_distance=16)
         stacks = [jnp.asarray(x).transpose(0, 2, 1, 3)[None] for x in (k, v)]
         out, _ = attend_blocks(q, *stacks, 0, jnp.asarray(mask), 3, bias=bias,
