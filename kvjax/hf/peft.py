@@ -43,6 +43,7 @@ from .peft_modules import (
     LANGUAGE_MODEL_LAYERS,
     MODULES,
     adapts_layer,
+    add_to_kernel,
     fused_pair,
     layer_config,
     layer_prefixes,
@@ -243,16 +244,11 @@ def _add(config: TransformerConfig, layer: dict, targets: tuple[str, ...],
     pieces = np.split(update, np.cumsum(widths)[:-1], axis=1)
     for target, piece in zip(targets, pieces, strict=True):
         module, kernel_name, _ = L.KERNELS[target]
-        held = layer[module] = dict(layer[module])
-        kernel = held[kernel_name] = dict(held[kernel_name])
-        old = kernel["kernel"]
-        new = old.astype(np.float32)
-        if kernel_name == "qkv":
+        where = ...
+        if kernel_name == "qkv":  # its heads' slice
             start, heads = L.qkv_heads(config, target)
-            new[:, start:start + heads] += piece.reshape(-1, heads, config.head_dim)
-        else:
-            new += piece.reshape(new.shape)
-        kernel["kernel"] = new.astype(old.dtype)
+            where = (slice(None), slice(start, start + heads))
+        add_to_kernel(layer, (module, kernel_name, "kernel"), piece, where)
 
 
 def export_peft_adapter(adapter_dir: str | os.PathLike, hf_directory: str | os.PathLike,

@@ -26,6 +26,8 @@ import numpy as np
 from kvjax.model import TransformerConfig
 from kvjax.model import lora as L
 
+from .peft_modules import add_to_kernel
+
 PARAMS = ("experts.gate_up_proj", "experts.down_proj")
 PARAM_NAMES = tuple(param.split(".")[-1] for param in PARAMS)  # as target_parameters may
 # The layouts (`weights.LAYOUTS`) whose experts' module transformers names otherwise than
@@ -82,14 +84,8 @@ def add_to_expert(config: TransformerConfig, layer: dict, expert: int, target: s
     if "experts" not in layer.get("ffn", {}):
         raise ValueError(f"tensor {name} adapts an expert of a layer that has none (a dense "
                          "FFN)")
-    ffn = layer["ffn"] = dict(layer["ffn"])
-    experts = ffn["experts"] = dict(ffn["experts"])
-    new = experts[target].astype(np.float32)
-    if target == "wo":
-        new[expert] += lora_a @ lora_b
-    else:
-        new[:, expert] += lora_a @ lora_b
-    experts[target] = new.astype(experts[target].dtype)
+    add_to_kernel(layer, ("ffn", "experts", target), lora_a @ lora_b,
+                  expert if target == "wo" else (slice(None), expert))
 
 
 def _gate_and_up(layout: str, f: int) -> tuple[slice, slice]:
@@ -137,14 +133,11 @@ def add_to_experts(config: TransformerConfig, layout: str, layer: dict, a, b, sc
     if "experts" not in layer.get("ffn", {}):
         raise ValueError(f"tensor {name} adapts experts of a layer that has none (a dense "
                          "FFN)")
-    ffn = layer["ffn"] = dict(layer["ffn"])
-    experts = ffn["experts"] = dict(ffn["experts"])
     for target, (experts_a, experts_b) in kvjax_pairs(config, layout, a, b, scale_of, key,
-                                              name).items():
+                                                      name).items():
         delta = experts_a @ experts_b  # [experts, in, out]; wi and wi_gate are [D, experts, F]
-        old = experts[target]
-        experts[target] = (old.astype(np.float32) + (
-            delta if target == "wo" else delta.transpose(1, 0, 2))).astype(old.dtype)
+        add_to_kernel(layer, ("ffn", "experts", target),
+                      delta if target == "wo" else delta.transpose(1, 0, 2))
 
 
 def peft_tensors(config: TransformerConfig, layout: str, layers: dict, settings: L.LoRA,

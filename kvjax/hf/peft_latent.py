@@ -29,7 +29,7 @@ from kvjax.model import lora as L
 
 from .latent_weights import pairs_to_halves
 from .peft_experts import is_experts_pair
-from .peft_modules import MODULES, fused_pair, layer_config
+from .peft_modules import MODULES, add_to_kernel, fused_pair, layer_config
 
 LAYOUT = "deepseek_latent"  # `weights.LAYOUTS`' name of the files these modules are in
 # The down projections' kernels, which no target adapts.
@@ -138,32 +138,16 @@ def merge(config: TransformerConfig, layer: dict, module: str, peft_a: np.ndarra
     update = lora_a @ lora_b
     targets = modules(config)[module]
     if not targets:
-        _add_to(layer, ("self_attention", *DOWN_PROJECTIONS[module]), update)
+        add_to_kernel(layer, ("self_attention", *DOWN_PROJECTIONS[module], "kernel"), update)
         return
     widths = [L.widths(config, target)[1] for target in targets]
+    nope = config.latent_nope_dim
+    # k and v: each head's key dimensions of kv_up, then its value dimensions.
+    parts = {"k": (..., slice(None, nope)), "v": (..., slice(nope, None))}
     for target, piece in zip(targets, np.split(update, np.cumsum(widths)[:-1], axis=1),
                              strict=True):
-        _add_to(layer, L.kernel_path(config, target), piece,
-                part=config.latent_nope_dim if target == "v" else 0,
-                heads=config.num_heads if target in ("k", "v") else None)
-
-
-def _add_to(layer: dict, path: tuple[str, ...], update: np.ndarray, part: int = 0,
-            heads: int | None = None) -> None:
-    """`update` added to the kernel at `path`: the whole kernel, or with `heads` each
-    head's dimensions of kv_up from `part` on."""
-    held = layer
-    for key in path:
-        held[key] = dict(held[key])
-        held = held[key]
-    old = held["kernel"]
-    new = old.astype(np.float32)
-    if heads is None:
-        new += update.reshape(new.shape)
-    else:
-        update = update.reshape(new.shape[0], heads, -1)
-        new[..., part:part + update.shape[-1]] += update
-    held["kernel"] = new.astype(old.dtype)
+        add_to_kernel(layer, (*L.kernel_path(config, target), "kernel"), piece,
+                      parts.get(target, ...))
 
 
 def peft_tensors(config: TransformerConfig, layers: dict, settings: L.LoRA, prefix: str

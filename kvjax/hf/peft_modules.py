@@ -10,6 +10,8 @@ A module's output rows and what each row spans (its inputs, or the rank) have no
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from kvjax.model import TransformerConfig
@@ -142,6 +144,20 @@ def rows_in_file_order(config: TransformerConfig, model_type: str, module: str,
     heads = n if targets == ("q",) else config.kv_heads
     return rope_rows_in_kvjax_order(rows, heads, h, config.rotary_dims, LAYOUTS[model_type],
                                     inverse=True)
+
+
+def add_to_kernel(tree: dict, path: Sequence[str], delta: np.ndarray, where=...) -> None:
+    """`delta` added to the part `where` of the array at `path` in `tree` (reshaped to that
+    part's shape), summed in float32 and kept in the array's dtype. The dicts along `path`
+    are copied and a new array takes the old one's place: nothing the loaded params share
+    changes."""
+    for key in path[:-1]:
+        tree[key] = dict(tree[key])
+        tree = tree[key]
+    old = tree[path[-1]]
+    new = old.astype(np.float32)
+    new[where] += delta.reshape(new[where].shape)
+    tree[path[-1]] = new.astype(old.dtype)
 
 
 def module_key(name: str) -> str:

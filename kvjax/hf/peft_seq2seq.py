@@ -28,7 +28,7 @@ import numpy as np
 from kvjax.model import TransformerConfig
 from kvjax.model.config_checks import GATED_ACTIVATIONS
 
-from .peft_modules import module_key
+from .peft_modules import add_to_kernel, module_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,29 +116,9 @@ def merged(layout: str, config: TransformerConfig, params: dict, pairs, scale_of
             if key not in node:
                 raise ValueError(f"tensor {name} adapts {module}, which the model has not")
             node = node[key]
-        holder = merged[stack][str(layer)] = _copied_down(merged[stack][str(layer)],
-                                                          place.split("/"))
-        for key in place.split("/"):
-            holder = holder[key]
-        old = holder["kernel"]
-        new = old.astype(np.float32)
-        if block is None:
-            new += update.reshape(new.shape)
-        else:
-            new[:, block * n:(block + 1) * n] += update.reshape(d, n, h)
-        holder["kernel"] = new.astype(old.dtype)
+        add_to_kernel(merged[stack][str(layer)], (*place.split("/"), "kernel"), update,
+                      ... if block is None else (slice(None), slice(block * n, (block + 1) * n)))
     return merged
-
-
-def _copied_down(tree: dict, keys: list[str]) -> dict:
-    """`tree` with the dicts along `keys` copied, so that writing into them changes no dict
-    the loaded params share."""
-    tree = dict(tree)
-    inner = tree
-    for key in keys:
-        inner[key] = dict(inner[key])
-        inner = inner[key]
-    return tree
 
 
 # Where PEFT names a layer of each layout, and where kvjax holds each LoRA target's kernel.
