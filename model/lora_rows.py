@@ -128,16 +128,19 @@ def stack(config: TransformerConfig, params, adapters: Sequence[tuple[dict, L.Lo
     return adapter_stack
 
 
-def servable_targets(config: TransformerConfig, params) -> tuple[str, ...]:
-    """The targets a stack can hold for this model: the float kernels its layers have (what
-    a stack for adapters not yet known should hold)."""
+def servable_targets(config: TransformerConfig, params, experts: bool = True
+                     ) -> tuple[str, ...]:
+    """The targets a stack can hold for this model: the float kernels its layers have; a
+    mixture's experts' only with `experts` (a stack for adapters not yet known leaves them
+    out: a pair per expert for every slot costs the experts' count times a dense FFN's)."""
     found = []
     for target in L.TARGETS:
         try:
-            list(L.sites(config, params, L.LoRA(1, targets=(target,))))
+            sites = list(L.sites(config, params, L.LoRA(1, targets=(target,))))
         except ValueError:  # the model has no such kernel (or no float one)
             continue
-        found.append(target)
+        if experts or not any(L.in_experts(params, path, name) for path, name, _ in sites):
+            found.append(target)
     return tuple(found)
 
 

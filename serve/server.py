@@ -306,7 +306,8 @@ def adapter_stack(loaded: LoadedModel, adapters: dict, slots: int | None, rank: 
     """The engine's stack of adapter slots: `adapters` ({name: (adapters, lora)}) first, in
     `slots` in all (default: one each, and at least `LOADING_SLOTS` if `loading`), of `rank`
     (default: the largest given, and at least `LOADING_RANK` if `loading`); for adapters
-    loaded later, on every kernel they may adapt. None for no slot."""
+    loaded later, on every kernel they may adapt (a mixture's experts only where an adapter
+    given adapts them). None for no slot."""
     given = list(adapters.values())
     if slots is None:
         slots = max(len(given), LOADING_SLOTS if loading else 0)
@@ -317,7 +318,13 @@ def adapter_stack(loaded: LoadedModel, adapters: dict, slots: int | None, rank: 
         return None
     if rank is None:
         rank = max([lora.rank for _, lora in given] + ([LOADING_RANK] if loading else []))
-    targets = lora_rows.servable_targets(loaded.config, loaded.params) if loading else None
+    targets = None
+    if loading:  # what adapters loaded later may adapt: a mixture's experts if given ones do
+        given_targets = {t for _, lora in given for t in lora.targets}
+        outside_experts = lora_rows.servable_targets(loaded.config, loaded.params,
+                                                     experts=False)
+        targets = [t for t in lora_rows.servable_targets(loaded.config, loaded.params)
+                   if t in outside_experts or t in given_targets]
     return lora_rows.stack(loaded.config, loaded.params, given, capacity=slots, rank=rank,
                            targets=targets)
 

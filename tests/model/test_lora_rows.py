@@ -144,6 +144,7 @@ def test_a_mixtures_experts_take_adapters_over_a_float_base_only():
     pairs = [(L.init_adapters(config, params, lora, jax.random.key(1)), lora)
              for lora in (dense, experts)]
     assert lora_rows.servable_targets(config, params) == L.TARGETS[:5] + ("wo",)
+    assert lora_rows.servable_targets(config, params, experts=False) == L.TARGETS[:4]
     stack = lora_rows.stack(config, params, pairs)
     assert stack.pairs["layers"]["0"]["ffn"]["experts"]["wi"]["a"].shape == (
         4, config.d_model, 2 * 2)  # [experts, D, n·R]

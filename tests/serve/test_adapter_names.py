@@ -4,11 +4,13 @@ with it merged, an unloaded one is a 404 and frees its slot, and what cannot be 
 400 naming why."""
 
 import httpx
+import jax
 import pytest
 from conftest import SERVED_MODEL, greedy_text, serve_app, trained_adapters
 
+from kvjax import model as M
 from kvjax.model import lora as L
-from kvjax.serve.server import build_app
+from kvjax.serve.server import adapter_stack, build_app
 from kvjax.text import LoadedModel
 
 LORAS = {"a": L.LoRA(4, 8.0, ("q", "v", "o", "wi")), "b": L.LoRA(2, None, ("k", "wo")),
@@ -140,3 +142,22 @@ def test_a_request_read_before_its_adapter_was_unloaded_never_reaches_the_next_o
         assert "already been loaded" in str(results[1].body()) and slow.served() == ["tiny-d"]
 
     asyncio.run(run())
+
+
+def test_a_mixtures_slots_for_loading_hold_its_experts_only_where_an_adapter_given_adapts_them():
+    """Room for adapters loaded later (`--allow-lora-loading`) covers every kernel outside a
+    mixture's experts; the experts' pairs, each slot a pair per expert, only where an
+    adapter given adapts them."""
+    config = M.preset("tiny", num_experts=4, experts_per_token=2, ffn_bias=False)
+    params = M.init_params(config, jax.random.key(0))
+    loaded = LoadedModel(config, None, params, "mixture")
+
+    def held(stack):
+        return sorted(stack.pairs["layers"]["0"]["self_attention"]) + sorted(
+            stack.pairs["layers"]["0"].get("ffn", {}).get("experts", {}))
+
+    assert held(adapter_stack(loaded, {}, None, None, loading=True)) == ["k", "o", "q", "v"]
+    lora = L.LoRA(2, targets=("q", "wo"))
+    given = {"a": (L.init_adapters(config, params, lora, jax.random.key(1)), lora)}
+    assert held(adapter_stack(loaded, given, None, None, loading=True)) == [
+        "k", "o", "q", "v", "wo"]
