@@ -21,7 +21,7 @@ adapter adds exact zeros.
 
 Targets are those of `model/lora.py`. A mixture's experts' pairs, A [..., experts, in, n·r] and
 B [..., experts, n·r, out], sit under its `experts` scope: each token adds, for each expert it
-goes through, that expert's pair of its row's adapter (`expert_update`).
+goes through, that expert's pair of its row's adapter (`expert_pairs`, `model/experts.py`).
 Latent attention's (`model/latent_attention.py`) sit under its `latent` scope: q adds to the
 queries; k and v, which adapt `kv_up`, add to the keys and values a prefill expands from the
 latent rows, and in a decode step, which reads the latent rows themselves, to what the
