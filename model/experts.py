@@ -28,6 +28,9 @@ Two ways to run the chosen experts compute the same sums; the shapes pick one wh
   expert, becomes the same dense product on CPUs and GPUs (masked, with a copy of the
   tokens for every expert), slower than plain matmuls.
 
+Adapters served side by side (`model/lora_rows.py`) add, in both ways, each token's row's
+pair of every expert it goes through to that expert's products.
+
 Training can add Switch Transformer's auxiliary load-balancing loss (`load_balancing_loss`):
 when the "intermediates" collection is mutable, each mixture sows its router's load
 (`router_load`), which the loss sums over every mixture and token of the batch.
