@@ -22,7 +22,13 @@ from kvjax.model import lora as L
 from . import peft_experts, peft_latent, peft_seq2seq
 from .errors import UnsupportedModelError
 from .peft import output_widths, read_pairs
-from .peft_modules import layer_config, module_key, reorders, rows_in_kvjax_order
+from .peft_modules import (
+    adapts_layer,
+    layer_config,
+    module_key,
+    reorders,
+    rows_in_kvjax_order,
+)
 from .weights import LAYOUTS
 
 
@@ -88,16 +94,11 @@ def peft_adapters(config: TransformerConfig, model_type: str, directory: str | o
     return adapters, L.LoRA(rank, float(rank), targets)
 
 
-def _in_experts(config: TransformerConfig, layer: int, target: str) -> bool:
-    """Whether `target` of layer `layer` is a mixture's experts' kernel."""
-    return bool(config.num_experts) and target in L.EXPERT_TARGETS and \
-        layer not in config.dense_ffn_layers
-
-
 def _no_pair(config: TransformerConfig, layer: int, target: str):
     """A pair of rank 0 for a target the file leaves out of a layer."""
     in_width, out_width = L.widths(layer_config(config, layer), target)
-    lead = (config.num_experts,) if _in_experts(config, layer, target) else ()
+    # A target that is no module of the layer's own is its experts' kernel.
+    lead = () if adapts_layer(config, (target,), layer) else (config.num_experts,)
     return (np.zeros((*lead, in_width, 0), np.float32),
             np.zeros((*lead, 0, out_width), np.float32))
 
