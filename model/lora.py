@@ -119,12 +119,12 @@ def init_adapters(config: TransformerConfig, params, lora: LoRA, rng: jax.Array)
             raise ValueError(f"LoRA on a mixture's experts ({target!r}) needs a float "
                              "base, not an int8 one (--lora-base-dtype bfloat16 halves "
                              "its memory)")
-        live_I = _live_inputs(config, target)
-        bound = 1 / math.sqrt(in_width if live_I is None else int(live_I.sum()))
+        live_inputs = _live_inputs(config, target)
+        bound = 1 / math.sqrt(in_width if live_inputs is None else int(live_inputs.sum()))
         a = jax.random.uniform(jax.random.fold_in(rng, i), (*lead, in_width, lora.rank),
                                jnp.float32, -bound, bound)
-        if live_I is not None:
-            a = a * live_I[:, None]
+        if live_inputs is not None:
+            a = a * live_inputs[:, None]
         b = jnp.zeros((*lead, lora.rank, out_width), jnp.float32)
         _set(adapters, (*path, target), {"lora_a": a, "lora_b": b})
     return adapters
