@@ -37,7 +37,7 @@ from kvjax import model as M
 from kvjax.decode.buckets import bucket
 from kvjax.device_loops import device_loop_options
 from kvjax.model import lora as L
-from kvjax.model.config_checks import GATED_ACTIVATIONS
+from kvjax.model import lora_rows
 from kvjax.serve import Engine, GenerationRequest
 
 from .workload import Result, Workload, make_workload
@@ -148,8 +148,7 @@ def random_adapters(config, params, count: int, rank: int, seed: int) -> list:
     leaves them (B no longer zero), `(adapters, lora)` pairs."""
     if not count:
         return []
-    gated = config.activation in GATED_ACTIVATIONS
-    lora = L.LoRA(rank, targets=tuple(t for t in L.TARGETS if t != "wi_gate" or gated))
+    lora = L.LoRA(rank, targets=lora_rows.servable_targets(config, params))
     made = []
     for i in range(count):
         fresh = L.init_adapters(config, params, lora, jax.random.key(seed + 1 + i))

@@ -311,5 +311,6 @@ class MixtureOfExperts(nn.Module):
         if c.shared_expert_gate:
             gate = nn.Dense(1, use_bias=False, dtype=c.compute_dtype,
                             param_dtype=c.weights_dtype, name="shared_expert_gate")
-            shared = shared * jax.nn.sigmoid(gate(x_BTD))
+            shared = shared * jax.nn.sigmoid(
+                lora_rows.add_update(self, "shared_expert_gate", x_BTD, gate(x_BTD)))
         return out + shared

@@ -15,9 +15,12 @@ Targets, by the names of `kvjax.model` (Hugging Face's in brackets):
   wi, wi_gate, wo (gate_proj, up_proj, down_proj; GPT-2's c_fc and c_proj): the
       feed-forward kernels; in a mixture of experts, every expert's own (Mixtral's w1, w3
       and w2): each expert gets its own pair, A [experts, in, r] and B [experts, r, out], over
-      its slice of `experts/wi` [D, experts, F] and the like (a shared expert is left as
-      it is). Not over an int8 base, whose experts' kernels are dequantised outside the
-      layers' adapters.
+      its slice of `experts/wi` [D, experts, F] and the like. Not over an int8 base, whose
+      experts' kernels are dequantised outside the layers' adapters;
+  shared_wi, shared_wi_gate, shared_wo (a mixture's shared expert: Qwen2-MoE's
+      shared_expert.gate_proj, up_proj, down_proj; DeepSeek's shared_experts.*): the kernels of
+      the FFN every token of a mixture's layer goes through beside its experts, and
+      shared_expert_gate (Qwen2-MoE's) the kernel [D, 1] of the sigmoid that scales it.
 Both variants' self-attention and feed-forward layers take them (an encoder-decoder's
 encoder and decoder alike); cross-attention is left as it is. Latent attention
 (`model/latent_attention.py`) has no fused qkv kernel: there q adapts the kernel that makes
@@ -42,7 +45,8 @@ import numpy as np
 
 from .config import TransformerConfig
 
-TARGETS = ("q", "k", "v", "o", "wi", "wi_gate", "wo")
+TARGETS = ("q", "k", "v", "o", "wi", "wi_gate", "wo", "shared_wi", "shared_wi_gate",
+           "shared_wo", "shared_expert_gate")
 DEFAULT_TARGETS = ("q", "v")  # PEFT's default for Llama's and GPT-2's attention
 # "int8": the layers' kernels int8 with scales, the rest bfloat16 (`model/int8_base.py`).
 BASE_DTYPES = ("float32", "bfloat16", "float16", "int8")
@@ -51,6 +55,12 @@ QUANTIZED_SCALE = "kernel_scale"  # beside an int8 `kernel` (`model/int8_base.py
 KERNELS = {"q": ("self_attention", "qkv", 1), "k": ("self_attention", "qkv", 1),
            "v": ("self_attention", "qkv", 1), "o": ("self_attention", "out", 2),
            "wi": ("ffn", "wi", 1), "wi_gate": ("ffn", "wi_gate", 1), "wo": ("ffn", "wo", 1)}
+# A mixture's shared expert's targets: target -> the path, within a layer, of the module whose
+# kernel it adapts (which is also where a served pair is read, under the path's last name).
+SHARED_EXPERT_TARGETS = {"shared_wi": ("ffn", "shared_expert", "wi"),
+                         "shared_wi_gate": ("ffn", "shared_expert", "wi_gate"),
+                         "shared_wo": ("ffn", "shared_expert", "wo"),
+                         "shared_expert_gate": ("ffn", "shared_expert_gate")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +186,7 @@ def add_update(config: TransformerConfig, target: str, kernel: jax.Array,
         delta = delta.reshape(*delta.shape[:-1], config.num_heads, -1)
         part = slice(None, nope) if target == "k" else slice(nope, None)
         return kernel.at[..., part].add(delta)
-    if KERNELS[target][1] == "qkv" and not is_latent_target(config, target):
+    if kernel_path(config, target)[-1] == "qkv" and not is_latent_target(config, target):
         start, width = qkv_heads(config, target)
         delta = delta.reshape(*delta.shape[:-1], width, config.head_dim)
         return kernel.at[..., start:start + width, :].add(delta)
@@ -261,7 +271,7 @@ def kernel_path(config: TransformerConfig, target: str) -> tuple[str, ...]:
     if is_latent_target(config, target):
         name = ("q_up" if config.latent_q_rank else "q") if target == "q" else "kv_up"
         return ("self_attention", "latent", name)
-    return KERNELS[target][:2]
+    return SHARED_EXPERT_TARGETS.get(target) or KERNELS[target][:2]
 
 
 def site_widths(config: TransformerConfig, params, path: Sequence[str], target: str,
@@ -287,6 +297,9 @@ def widths(config: TransformerConfig, target: str) -> tuple[int, int]:
         inputs = (config.latent_q_rank or config.d_model) if target == "q" else \
             config.latent_kv_rank
         return inputs, config.num_heads * per_head
+    if target in SHARED_EXPERT_TARGETS:
+        width = 1 if target == "shared_expert_gate" else config.shared_expert_d_ff
+        return (width, config.d_model) if target == "shared_wo" else (config.d_model, width)
     inputs = {"o": config.num_heads * config.head_dim, "wo": config.d_ff}.get(
         target, config.d_model)
     if KERNELS[target][1] == "qkv":

@@ -22,6 +22,8 @@ adapter adds exact zeros.
 Targets are those of `model/lora.py`. A mixture's experts' pairs, A [..., experts, in, n·r] and
 B [..., experts, n·r, out], sit under its `experts` scope: each token adds, for each expert it
 goes through, that expert's pair of its row's adapter (`expert_pairs`, `model/experts.py`).
+A shared expert's FFN reads its pairs under its own scope as any FFN does (shared_wi as
+`wi`, ...), and the mixture its gate's (shared_expert_gate) under `ffn`.
 Latent attention's (`model/latent_attention.py`) sit under its `latent` scope: q adds to the
 queries; k and v, which adapt `kv_up`, add to the keys and values a prefill expands from the
 latent rows, and in a decode step, which reads the latent rows themselves, to what the
@@ -119,7 +121,7 @@ def stack(config: TransformerConfig, params, adapters: Sequence[tuple[dict, L.Lo
     pairs: dict = {}
     for path, target, kernel in L.sites(config, params, L.LoRA(rank, targets=tuple(targets))):
         in_width, out_width, lead = L.site_widths(config, params, path, target, kernel)
-        L._set(pairs, (*path, *_scope(config, params, path, target), target),
+        L._set(pairs, (*path, *_served_at(config, params, path, target)),
                {"a": jnp.zeros((*lead, in_width, capacity * rank), jnp.float32),
                 "b": jnp.zeros((*lead, capacity * rank, out_width), jnp.float32)})
     adapter_stack = AdapterStack(pairs, capacity, rank)
@@ -161,9 +163,9 @@ def put(config: TransformerConfig, params, adapter_stack: AdapterStack, index: i
             raise ValueError(f"adapter {index} has rank {lora.rank}, more than the stack's "
                              f"{rank}")
         for path, target, _ in L.sites(config, params, lora):
-            where = (*path, *_scope(config, params, path, target), target)
+            where = (*path, *_served_at(config, params, path, target))
             if where not in held:
-                have = sorted({w[-1] for w in held}, key=L.TARGETS.index)
+                have = sorted({_target_at(w) for w in held}, key=L.TARGETS.index)
                 raise ValueError(f"adapter {index} adapts {target!r}, which the stack does not "
                                  f"hold (its targets: {', '.join(have) or 'none'})")
             pair = L.get(tree, (*path, target))
@@ -181,15 +183,27 @@ def put(config: TransformerConfig, params, adapter_stack: AdapterStack, index: i
     return AdapterStack(pairs, count, rank)
 
 
-def _scope(config: TransformerConfig, params, path: tuple[str, ...], target: str
-           ) -> tuple[str, ...]:
-    """The scope, within the layer at `path`, of the module that reads `target`'s pair: the
-    kernel's module (latent attention's `latent` within `self_attention`, a mixture's
-    `experts` within `ffn`)."""
+def _served_at(config: TransformerConfig, params, path: tuple[str, ...], target: str
+               ) -> tuple[str, ...]:
+    """Where, within the layer at `path`, `target`'s pair is read: the scope of the module that
+    reads it (latent attention's `latent` within `self_attention`, a mixture's `experts`
+    within `ffn`, its shared expert's FFN), then the name it reads it under (the target's;
+    within a shared expert, the kernel's, as an FFN reads its own)."""
     if L.in_experts(params, path, target):
-        return ("ffn", "experts")
-    return L.kernel_path(config, target)[:-1] if L.is_latent_target(config, target) else \
-        L.KERNELS[target][:1]
+        return ("ffn", "experts", target)
+    if target in L.SHARED_EXPERT_TARGETS:
+        return L.SHARED_EXPERT_TARGETS[target]
+    kernel = L.kernel_path(config, target)
+    return (*kernel[:-1], target) if L.is_latent_target(config, target) else \
+        (kernel[0], target)
+
+
+def _target_at(where: tuple[str, ...]) -> str:
+    """The target whose pair a stack holds at `where` (the inverse of `_served_at`)."""
+    for target, served in L.SHARED_EXPERT_TARGETS.items():
+        if where[-len(served):] == served:
+            return target
+    return where[-1]
 
 
 def _entries(pairs: dict, path: tuple[str, ...] = ()):

@@ -48,6 +48,7 @@ from .peft_modules import (
     layer_config,
     layer_prefixes,
     module_key,
+    module_table,
     reorders,
     rows_in_file_order,
     rows_in_kvjax_order,
@@ -68,6 +69,11 @@ _TRAINED_NEUTRAL = frozenset({
     "layers_to_transform", "layers_pattern", "rank_pattern", "megatron_core",
     "qalora_group_size", "ensure_weight_tying", "fan_in_fan_out"})
 
+# The layouts whose shared expert's modules PEFT, for transformers 5, reads as the experts'
+# (any gate_proj, up_proj or down_proj of these mixtures): adapters trained before transformers
+# 5.0 hold them, and merge; kvjax does not write them.
+_SHARED_READ_AS_EXPERTS = ("ernie_moe", "deepseek_moe", "deepseek_latent", "hunyuan_moe")
+
 # Initialisations that change the base weights as they make A and B: an adapter trained from
 # one adds to those weights, not to the ones the model's directory holds.
 _BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
@@ -85,14 +91,13 @@ def _tensor_pattern(model_type: str) -> re.Pattern:
                       rf"\.weight$")
 
 
-def _modules(model_type: str, refusal: str) -> dict[str, tuple[str, ...]]:
-    """The module table of `model_type`'s files, or `UnsupportedModelError(refusal...)`."""
-    modules = MODULES.get(LAYOUTS.get(model_type))
-    if modules is None:
+def _check_supported(model_type: str, refusal: str) -> None:
+    """`UnsupportedModelError(refusal...)` where kvjax holds no module table of `model_type`'s
+    files."""
+    if LAYOUTS.get(model_type) not in MODULES:
         supported = sorted(t for t, layout in LAYOUTS.items() if layout in MODULES)
         raise UnsupportedModelError(f"{refusal}; kvjax's LoRA adapters are those of "
                                     f"{', '.join(supported)}")
-    return modules
 
 
 def is_peft_directory(directory: str | os.PathLike) -> bool:
@@ -148,8 +153,9 @@ def read_pairs(config: TransformerConfig, model_type: str, directory: Path):
         modules = peft_seq2seq.LAYOUTS[layout].modules
         locate = functools.partial(peft_seq2seq.locate, layout, model_type, config, directory)
     else:
-        modules = _modules(model_type, f"{directory}: PEFT adapters of {model_type!r} models "
-                                       "are not supported")
+        _check_supported(model_type, f"{directory}: PEFT adapters of {model_type!r} models "
+                                     "are not supported")
+        modules = module_table(config, layout)
         if layout == peft_latent.LAYOUT:
             modules = peft_latent.modules(config)
         pattern = _tensor_pattern(model_type)
@@ -243,12 +249,12 @@ def _add(config: TransformerConfig, layer: dict, targets: tuple[str, ...],
     widths = output_widths(config, targets, update.shape, name)
     pieces = np.split(update, np.cumsum(widths)[:-1], axis=1)
     for target, piece in zip(targets, pieces, strict=True):
-        module, kernel_name, _ = L.KERNELS[target]
+        kernel = L.kernel_path(config, target)
         where = ...
-        if kernel_name == "qkv":  # its heads' slice
+        if kernel[-1] == "qkv":  # its heads' slice
             start, heads = L.qkv_heads(config, target)
             where = (slice(None), slice(start, start + heads))
-        add_to_kernel(layer, (module, kernel_name, "kernel"), piece, where)
+        add_to_kernel(layer, (*kernel, "kernel"), piece, where)
 
 
 def export_peft_adapter(adapter_dir: str | os.PathLike, hf_directory: str | os.PathLike,
@@ -284,8 +290,8 @@ def export_peft_adapter(adapter_dir: str | os.PathLike, hf_directory: str | os.P
         files = text_of_multimodal.TextModelFiles(files)
     model_type = hf.get("model_type")
     if LAYOUTS.get(model_type) not in peft_seq2seq.LAYOUTS:
-        _modules(model_type, f"{hf_directory}: PEFT adapters of {model_type!r} models are not "
-                             "written")
+        _check_supported(model_type, f"{hf_directory}: PEFT adapters of {model_type!r} models "
+                                     "are not written")
     config = to_kvjax_config(hf, tied=ties_embeddings(model_type, files), dtype=trained.param_dtype,
                              source=source)
     # How fast and in which layout and compute dtype it ran change nothing in the weights.
@@ -320,6 +326,12 @@ def write_peft_adapter(config: TransformerConfig, model_type: str, adapters: dic
                          f"{list(config.dense_ffn_layers)} of a {model_type} model "
                          f"({', '.join(dense)}) are not written as a PEFT adapter (PEFT reads a "
                          "mixture's gate_proj, up_proj and down_proj as its experts'); `kvjax "
+                         "merge-lora` writes the merged model")
+    shared = [t for t in settings.targets if t in L.SHARED_EXPERT_TARGETS]
+    if shared and LAYOUTS[model_type] in _SHARED_READ_AS_EXPERTS:
+        raise ValueError(f"adapters of the shared expert of a {model_type} model "
+                         f"({', '.join(shared)}) are not written as a PEFT adapter (PEFT reads "
+                         "its gate_proj, up_proj and down_proj as its experts'); `kvjax "
                          "merge-lora` writes the merged model")
     seq2seq = LAYOUTS[model_type] in peft_seq2seq.LAYOUTS
     if seq2seq:
@@ -364,13 +376,16 @@ def _peft_tensors(config: TransformerConfig, model_type: str, layers: dict, sett
     """(the file's tensors, the rank of each module path that has them)."""
     tensors: dict[str, np.ndarray] = {}
     ranks: dict[str, int] = {}
-    for module, targets in MODULES[LAYOUTS[model_type]].items():
+    for module, targets in module_table(config, LAYOUTS[model_type]).items():
         trained = [t for t in targets if t in settings.targets]
         if not trained:
             continue
         for index, layer in sorted(layers.items(), key=lambda item: int(item[0])):
-            here = [t for t in trained if not peft_experts.is_experts_pair(layer.get(t))]
-            if not here:  # a mixture's experts: `peft_experts.py`'s
+            # Not a mixture's experts (`peft_experts.py`'s), nor a shared expert's in a layer
+            # without one.
+            here = [t for t in trained if t in layer
+                    and not peft_experts.is_experts_pair(layer[t])]
+            if not here:
                 continue
             peft_a, peft_b = fused_pair(layer_config(config, int(index)), layer, targets, here,
                                     settings.rank)

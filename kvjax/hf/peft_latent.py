@@ -14,7 +14,8 @@ The file's modules and what they hold of kvjax's (`model/latent_attention.py`,
       latter's rows past the latent the shared turned key part, by pairs in the file), which
       are none of kvjax's targets: merged, never trained or served beside others;
   mlp.gate_proj, mlp.up_proj, mlp.down_proj -> wi, wi_gate, wo of the dense first layers'
-      FFN (the experts' are `peft_experts.py`'s).
+      FFN (the experts' are `peft_experts.py`'s); mlp.shared_experts.gate_proj, up_proj and
+      down_proj -> shared_wi, shared_wi_gate, shared_wo beside the experts.
 
 Shape letters (docs/shapes.md): N query heads, D model width; a row's span (its inputs, or
 the rank), the rank r and an update's input and output widths are written out.
@@ -100,6 +101,9 @@ def _check_rows(config: TransformerConfig, module: str, peft_a: np.ndarray, peft
 def _file_widths(config: TransformerConfig, module: str) -> tuple[int, int]:
     """(in, out) of `module`'s torch weight [out, in]."""
     c = config
+    targets = MODULES[LAYOUT][module]
+    if targets and targets[0] in L.SHARED_EXPERT_TARGETS:
+        return L.widths(c, targets[0])
     if module in ("mlp.gate_proj", "mlp.up_proj"):
         return c.d_model, c.d_ff
     if module == "mlp.down_proj":
@@ -163,8 +167,10 @@ def peft_tensors(config: TransformerConfig, layers: dict, settings: L.LoRA, pref
         if not trained:
             continue
         for index, layer in sorted(layers.items(), key=lambda item: int(item[0])):
-            here = [t for t in trained if not is_experts_pair(layer.get(t))]
-            if not here:  # a mixture's experts: `peft_experts.py`'s
+            # Not a mixture's experts (`peft_experts.py`'s), nor a shared expert's in a layer
+            # without one.
+            here = [t for t in trained if t in layer and not is_experts_pair(layer[t])]
+            if not here:
                 continue
             peft_a, peft_b = fused_pair(layer_config(config, int(index)), layer, targets, here,
                                     settings.rank)

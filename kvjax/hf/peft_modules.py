@@ -29,8 +29,18 @@ _GATED = {**_ATTENTION, "mlp.gate_proj": ("wi",), "mlp.up_proj": ("wi_gate",),
 _UNGATED = {**_ATTENTION, "mlp.up_proj": ("wi",), "mlp.down_proj": ("wo",)}
 _C_ATTN = {"attn.c_attn": ("q", "k", "v"), "attn.c_proj": ("o",), "mlp.c_fc": ("wi",),
            "mlp.c_proj": ("wo",)}
+
+
+def _shared(under: str) -> dict[str, tuple[str, ...]]:
+    """A mixture's shared expert, a gated FFN of Llama's names `under` the layer."""
+    return {f"{under}.gate_proj": ("shared_wi",), f"{under}.up_proj": ("shared_wi_gate",),
+            f"{under}.down_proj": ("shared_wo",)}
+
+
+# Qwen2-MoE's shared expert and the kernel of the sigmoid gate that scales it.
+_QWEN_SHARED = {**_shared("mlp.shared_expert"), "mlp.shared_expert_gate": ("shared_expert_gate",)}
 MODULES = {
-    "llama": _GATED, "hunyuan": _GATED, "cohere": _GATED, "vaultgemma": _GATED,
+    "llama": {**_GATED, **_QWEN_SHARED}, "hunyuan": _GATED, "cohere": _GATED, "vaultgemma": _GATED,
     "hyperclovax": _GATED,
     # Arcee, Nemotron and Apertus: an FFN of up_proj and down_proj alone.
     "up_down_mlp": _UNGATED, "nemotron": _UNGATED, "apertus": _UNGATED,
@@ -53,12 +63,15 @@ MODULES = {
     # Mixtral, GraniteMoE and gpt-oss: attention (their experts' stacked parameters are
     # `peft_experts.py`'s).
     "mixtral": _ATTENTION, "granitemoe": _ATTENTION, "gpt_oss": _ATTENTION,
-    # ERNIE 4.5's, GLM-4.5's and dots.llm1's mixtures: attention, and the dense FFNs of
-    # their first layers (in a mixture, an FFN module adapts only a layer without experts);
-    # HunYuan MoE's attention, its shared FFN being none of kvjax's targets.
-    "ernie_moe": _GATED, "deepseek_moe": _GATED, "hunyuan_moe": _ATTENTION,
+    # ERNIE 4.5's, GLM-4.5's and dots.llm1's mixtures: attention, the dense FFNs of their
+    # first layers (in a mixture, an FFN module adapts only a layer without experts) and the
+    # shared experts beside the experts; HunYuan MoE's attention and shared FFN.
+    "ernie_moe": {**_GATED, **_shared("mlp.shared_experts")},
+    "deepseek_moe": {**_GATED, **_shared("mlp.shared_experts")},
+    "hunyuan_moe": {**_ATTENTION, **_shared("mlp.shared_mlp")},
     # Granite 4.0's and GraniteMoeShared's shared_mlp, its gate and up projections in one
-    # input_linear: the layer's FFN where there are no experts (beside experts, not a target).
+    # input_linear: the layer's FFN where there are no experts, the shared expert beside
+    # experts (`module_table`).
     "granite_shared": {**_ATTENTION, "shared_mlp.input_linear": ("wi", "wi_gate"),
                        "shared_mlp.output_linear": ("wo",)},
     "plain_mlp": {**_ATTENTION, "mlp.c_fc": ("wi",), "mlp.c_proj": ("wo",)},
@@ -82,8 +95,20 @@ MODULES = {
                         "self_attn.q_b_proj": ("q",), "self_attn.kv_a_proj_with_mqa": (),
                         "self_attn.kv_b_proj": ("k", "v"), "self_attn.o_proj": ("o",),
                         "mlp.gate_proj": ("wi",), "mlp.up_proj": ("wi_gate",),
-                        "mlp.down_proj": ("wo",)},
+                        "mlp.down_proj": ("wo",), **_shared("mlp.shared_experts")},
 }
+# GraniteMoeShared's shared_mlp beside its experts.
+_GRANITE_BESIDE_EXPERTS = {**_ATTENTION,
+                           "shared_mlp.input_linear": ("shared_wi", "shared_wi_gate"),
+                           "shared_mlp.output_linear": ("shared_wo",)}
+
+
+def module_table(config: TransformerConfig, layout: str) -> dict[str, tuple[str, ...]]:
+    """`MODULES[layout]` as it applies to a model of `config`: Granite's shared_mlp is the
+    shared expert of a model with experts."""
+    if layout == "granite_shared" and config.num_experts:
+        return _GRANITE_BESIDE_EXPERTS
+    return MODULES[layout]
 # Where each layout's layers are in the names PEFT gives its tensors (written with the
 # first); "model.layers" where not listed.
 _LAYER_PREFIXES = {"gpt2": ("transformer.h", "h"), "opt": ("model.decoder.layers",),
@@ -175,10 +200,13 @@ def layer_config(config: TransformerConfig, layer: int) -> TransformerConfig:
 
 def adapts_layer(config: TransformerConfig, targets: tuple[str, ...], layer: int) -> bool:
     """Whether a module holding `targets` is one of layer `layer`'s kernels: in a mixture
-    an FFN's only in its dense layers (elsewhere its experts hold the FFN, and a shared
-    expert is no target)."""
-    return not (config.num_experts and set(targets) & set(L.EXPERT_TARGETS)
-                and layer not in config.dense_ffn_layers)
+    an FFN's only in its dense layers (elsewhere its experts hold the FFN), a shared expert's
+    (and its gate's) only beside experts, where the model has one."""
+    beside_experts = bool(config.num_experts) and layer not in config.dense_ffn_layers
+    if set(targets) & set(L.SHARED_EXPERT_TARGETS):
+        return beside_experts and bool(config.shared_expert_d_ff) and (
+            "shared_expert_gate" not in targets or config.shared_expert_gate)
+    return not (beside_experts and set(targets) & set(L.EXPERT_TARGETS))
 
 
 def fused_pair(config: TransformerConfig, layer: dict, targets: tuple[str, ...],

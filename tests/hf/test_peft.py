@@ -41,7 +41,8 @@ NAMES = ("llama_gqa", "phi3", "gpt2", "phi", "opt", "gpt_neox", "starcoder2", "m
          "granitemoehybrid", "granitemoehybrid_moe", "hyperclovax", "ernie4_5_moe", "glm4_moe",
          "dots1", "hunyuan_v1_moe", "deepseek_v3", "deepseek_v2", "glm4_moe_lite",
          "mixtral_experts", "qwen3_moe", "granitemoe", "glm4_moe_lite_experts", "glm4_moe_experts",
-         "mixtral_per_expert", "qwen3_moe_per_expert")
+         "mixtral_per_expert", "qwen3_moe_per_expert", "qwen2_moe_all_linear", "granitemoeshared",
+         "deepseek_v3_shared", "dots1_shared", "hunyuan_v1_moe_shared")
 
 
 def expected(name):
@@ -167,16 +168,23 @@ def test_tensors_that_do_not_fit_the_model_are_named(tmp_path, change, message):
     assert message in str(error.value)
 
 
-def test_a_mixtures_shared_ffn_is_not_a_target(tmp_path):
-    """Granite 4.0's shared_mlp is the layer's FFN, a target, where there are no experts;
-    beside experts it is not, and an adapter of it is refused by name."""
-    directory = copy_of("granitemoehybrid_moe", tmp_path, ADAPTERS)
+@pytest.mark.parametrize("base, module", [
+    ("qwen3_moe", "layers.1.mlp.shared_expert.gate_proj"),  # a mixture without a shared expert
+    ("deepseek_v3", "layers.0.mlp.shared_experts.up_proj"),  # a dense layer, before the experts
+    ("llama_gqa", "layers.0.mlp.shared_expert_gate"),  # no mixture at all
+])
+def test_a_shared_experts_adapter_goes_only_where_the_layer_has_one(tmp_path, base, module):
+    """Granite 4.0's shared_mlp is the layer's FFN where there are no experts and the shared
+    expert beside them (both merge, tests above); a shared expert's module of a layer that
+    has none is refused by name."""
+    directory = copy_of("llama_gqa", tmp_path, ADAPTERS)
     path = directory / "adapter_model.safetensors"
-    name = "base_model.model.model.layers.0.shared_mlp.input_linear.lora_A.weight"
-    save_file({**load_file(str(path)), name: np.ones((2, 32), np.float32)}, str(path))
+    name = f"base_model.model.model.{module}.lora_A.weight"  # refused before any shape is read
+    save_file({name: np.ones((2, 8), np.float32),
+               name.replace("lora_A", "lora_B"): np.ones((8, 2), np.float32)}, str(path))
     with pytest.raises(ValueError, match=re.escape(f"tensor {name} adapts no module kvjax "
-                                                   "merges into a granitemoehybrid model")):
-        hf.load_pretrained(FIXTURES / "granitemoehybrid_moe", lora=directory)
+                                                   f"merges into a {MODEL_TYPES[base]} model")):
+        hf.load_pretrained(FIXTURES / base, lora=directory)
 
 
 MARIAN = "base_model.model.model.decoder.layers.1.encoder_attn.k_proj"
@@ -290,7 +298,10 @@ def test_fixtures_are_what_peft_computes(tmp_path):
     ("mixtral", ("o", "wi", "wi_gate", "wo")),
     ("qwen3_moe", ("q", "wi_gate")),
     ("granitemoe", ("k", "wo")),
-    ("qwen2_moe", ("wi", "wo")),  # beside a shared expert, which is no target
+    # A shared expert and the gate scaling it (Qwen2-MoE's), beside experts; GraniteMoeShared's
+    # shared_mlp, its gate and up projections in one input_linear.
+    ("qwen2_moe", ("wi", "wo", "shared_wi", "shared_wo", "shared_expert_gate")),
+    ("granitemoeshared", ("q", "shared_wi_gate", "shared_wo")),
 ])
 def test_adapters_written_as_peft_merge_as_kvjax_merges_them(tmp_path, name, targets):
     from kvjax.hf.peft import write_peft_adapter
@@ -313,7 +324,8 @@ def test_adapters_written_as_peft_merge_as_kvjax_merges_them(tmp_path, name, tar
     both = bool(config.num_experts) and {"wi", "wi_gate"} <= set(targets)
     assert written["r"] == (4 if both else 2) and written["lora_alpha"] == 6.0
     if config.num_experts and set(targets) & set(L.EXPERT_TARGETS):
-        attention = [t for t in targets if t not in L.EXPERT_TARGETS]
+        attention = [t for t in targets if t not in (*L.EXPERT_TARGETS,
+                                                     *L.SHARED_EXPERT_TARGETS)]
         assert written["rank_pattern"] == ({f"self_attn.{t}_proj": 2 for t in attention}
                                            if both else {})
 
@@ -331,6 +343,18 @@ def test_adapters_of_a_mixtures_dense_layers_are_not_written_as_peft(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_adapters_of_a_shared_expert_peft_reads_as_experts_are_not_written(tmp_path):
+    from kvjax.hf.peft import write_peft_adapter
+
+    config, _, params = hf.load_pretrained(FIXTURES / "dots1")
+    settings = M.LoRA(2, targets=("q", "shared_wi"))
+    adapters = L.init_adapters(config, params, settings, jax.random.key(0))
+    with pytest.raises(ValueError, match=r"adapters of the shared expert of a dots1 model "
+                                         r"\(shared_wi\) are not written as a PEFT adapter"):
+        write_peft_adapter(config, "dots1", adapters, settings, tmp_path, "dots1")
+    assert not any(tmp_path.iterdir())
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _with_adapters(config, params, batch, stack, adapter_B):
     return M.teacher_forced_logits(config, params, batch,
@@ -341,11 +365,13 @@ def _with_adapters(config, params, batch, stack, adapter_B):
 # holds in another order (GLM-4's queries and keys); a mixture's biased attention (Phi-3.5-MoE);
 # latent attention's q_proj, kv_b_proj and o_proj (DeepSeek-V2); a mixture's experts, stacked
 # (gpt-oss's interleaved, Mixtral's, Qwen3-MoE's, GraniteMoE's, GLM-4.5's at its own alpha) or
-# each its own (Mixtral's before transformers 5.0).
+# each its own (Mixtral's before transformers 5.0); shared experts (Qwen2-MoE's with the gate
+# scaling it, DeepSeek-V3's beside a dense first layer).
 @pytest.mark.parametrize("name", ["phi3", "gpt2", "glm4", "cohere", "nemotron", "apertus",
                                   "hunyuan_v1_dense", "phimoe", "deepseek_v2", "gpt_oss",
                                   "mixtral_experts", "qwen3_moe", "granitemoe",
-                                  "glm4_moe_experts", "mixtral_per_expert"])
+                                  "glm4_moe_experts", "mixtral_per_expert",
+                                  "qwen2_moe_all_linear", "deepseek_v3_shared"])
 def test_served_unmerged_beside_the_base_an_adapter_computes_what_peft_computes(name):
     record, logits = expected(name)
     base = FIXTURES / record["base"]

@@ -6,6 +6,7 @@ import pytest
 
 from kvjax import model as M
 from kvjax.model import lora as L
+from kvjax.model import lora_rows
 
 LAYOUTS = {"unrolled": False, "scanned": True}
 
@@ -28,7 +29,7 @@ def with_random_b(adapters, seed=5):
 @pytest.mark.parametrize("encoder_layers", [0, 1])
 def test_fresh_adapters_merge_to_the_base_bit_for_bit(layout, encoder_layers):
     config, params = lm(LAYOUTS[layout], num_encoder_layers=encoder_layers)
-    lora = M.LoRA(4, 16.0, L.TARGETS)
+    lora = M.LoRA(4, 16.0, lora_rows.servable_targets(config, params))  # every kernel's
     merged = L.merge(config, params, L.init_adapters(config, params, lora, jax.random.key(1)),
                      lora)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(merged), strict=True):
@@ -78,6 +79,39 @@ def test_each_target_adds_scale_times_a_b_to_its_own_heads_only(layout):
     unmerged = x @ w + 2.0 * (x @ pair["lora_a"]) @ pair["lora_b"]
     merged_q = layer(merged, 0)["self_attention"]["qkv"]["kernel"][:, :n]
     np.testing.assert_allclose(x @ merged_q.reshape(config.d_model, -1), unmerged, atol=1e-5)
+
+
+def test_a_shared_expert_takes_its_targets_beside_experts_and_not_in_a_dense_layer():
+    """shared_wi, shared_wi_gate, shared_wo and shared_expert_gate adapt a mixture's shared
+    expert's kernels and its gate's, [D, 24], [24, D] and [D, 1]: scale · A B added to each,
+    the experts' kernels left as they are; layer 0, a dense FFN, has no shared expert."""
+    config, params = lm(num_experts=4, experts_per_token=2, dense_ffn_layers=(0,),
+                        dense_d_ff=40, shared_expert_d_ff=24, shared_expert_gate=True)
+    targets = ("shared_wi", "shared_wi_gate", "shared_wo", "shared_expert_gate")
+    lora = M.LoRA(3, 6.0, targets)
+    adapters = with_random_b(L.init_adapters(config, params, lora, jax.random.key(1)))
+    assert "0" not in adapters["layers"]
+    merged = L.merge(config, params, adapters, lora)
+    assert jax.tree.map(np.shape, adapters["layers"]["1"]) == {
+        "shared_wi": {"lora_a": (32, 3), "lora_b": (3, 24)},
+        "shared_wi_gate": {"lora_a": (32, 3), "lora_b": (3, 24)},
+        "shared_wo": {"lora_a": (24, 3), "lora_b": (3, 32)},
+        "shared_expert_gate": {"lora_a": (32, 3), "lora_b": (3, 1)}}
+    base, new = params["layers"]["1"]["ffn"], merged["layers"]["1"]["ffn"]
+    for target in targets:
+        pair = adapters["layers"]["1"][target]
+        held = L.SHARED_EXPERT_TARGETS[target][1:]  # within the layer's ffn
+        want = np.asarray(L.get(base, held)["kernel"], np.float64) + 2.0 * (
+            np.asarray(pair["lora_a"], np.float64) @ np.asarray(pair["lora_b"]))
+        np.testing.assert_allclose(L.get(new, held)["kernel"], want, atol=1e-6)
+    for name in ("wi", "wi_gate", "wo"):
+        assert np.array_equal(new["experts"][name], base["experts"][name])
+    assert all(np.array_equal(a, b) for a, b in zip(
+        jax.tree.leaves(params["layers"]["0"]), jax.tree.leaves(merged["layers"]["0"]),
+        strict=True))
+    with pytest.raises(ValueError, match="LoRA target 'shared_wi' is not in this model "
+                                         "\\(its layers have no ffn/shared_expert/wi kernel\\)"):
+        L.init_adapters(*lm(), M.LoRA(2, targets=("shared_wi",)), jax.random.key(0))
 
 
 def test_adapters_have_the_rank_and_widths_of_their_kernels():

@@ -17,17 +17,21 @@ from kvjax.model import lora_rows
 
 # Different ranks, scales and targets: the stack pads ranks and fills missing targets.
 LORAS = (L.LoRA(4, 8.0, ("q", "v", "o", "wi_gate", "wo")), L.LoRA(2, None, ("k", "wi")))
+# And a mixture's shared expert's, and the gate scaling it.
+SHARED = (("shared_wi", "shared_expert_gate"), ("shared_wi_gate", "shared_wo"))
 
 
 def config_of(scan_layers: bool, latent: bool = False, mixture: bool = False
               ) -> M.TransformerConfig:
     """Llama's layer; with `latent`, DeepSeek-V3's latent attention (a query latent, values
     narrower than a head); with `mixture`, 16 experts (one a token: a decode step's few pairs
-    gather their experts, a prompt's go through every expert) after a dense first layer."""
+    gather their experts, a prompt's go through every expert) and a gated shared expert after
+    a dense first layer."""
     heads = dict(num_heads=4, head_dim=12, rotary_dim=4, latent_kv_rank=10, latent_nope_dim=6,
                  latent_value_dim=8, latent_q_rank=12) if latent else dict(num_kv_heads=2)
     if mixture:
-        heads.update(num_experts=16, experts_per_token=1, dense_ffn_layers=(0,), dense_d_ff=48)
+        heads.update(num_experts=16, experts_per_token=1, dense_ffn_layers=(0,), dense_d_ff=48,
+                     shared_expert_d_ff=24, shared_expert_gate=True)
     return M.preset("tiny", positional_encoding="rope", norm_type="rmsnorm",
                     activation="swiglu", ffn_bias=False, scan_layers=scan_layers, **heads)
 
@@ -49,14 +53,17 @@ def prefill_then_steps(config, params, stack, adapter_B, capacity, tokens_BT):
 
 # Latent attention's q, k and v adapt its query and kv_up kernels: a prefill adds them to the
 # expanded keys and values, a step to what the latent rows give the queries and values.
-# A mixture's experts: each token adds its own expert's pair of its row's adapter.
+# A mixture's experts: each token adds its own expert's pair of its row's adapter; its shared
+# expert, as any FFN.
 @pytest.mark.parametrize("scan_layers, latent, mixture", [
     (False, False, False), (True, False, False), (True, True, False), (False, False, True)],
     ids=["unrolled", "scanned", "latent", "mixture"])
 def test_each_row_computes_its_own_adapters_merged_model(scan_layers, latent, mixture):
     config = config_of(scan_layers, latent, mixture)
     params = M.init_params(config, jax.random.key(0))
-    adapters = [(trained_adapters(config, params, lora, i), lora) for i, lora in enumerate(LORAS)]
+    loras = [L.LoRA(lora.rank, lora.alpha, lora.targets + (shared if mixture else ()))
+             for lora, shared in zip(LORAS, SHARED, strict=True)]
+    adapters = [(trained_adapters(config, params, lora, i), lora) for i, lora in enumerate(loras)]
     stack = lora_rows.stack(config, params, adapters)
     assert stack.count == 2
     merged = [params] + [L.merge(config, params, a, lora) for a, lora in adapters]
@@ -87,7 +94,8 @@ def test_slots_filled_and_emptied_while_served_compile_nothing_new():
     first, second = [(trained_adapters(config, params, lora, i + 5), lora)
                      for i, lora in enumerate(LORAS)]
     # Room for three adapters of rank 4 on every target, the first one in slot 1.
-    stack = lora_rows.stack(config, params, [first], capacity=3, rank=4, targets=L.TARGETS)
+    stack = lora_rows.stack(config, params, [first], capacity=3, rank=4,
+                            targets=lora_rows.servable_targets(config, params))
     assert (stack.count, stack.rank) == (3, 4)
     tokens = jax.random.randint(jax.random.key(4), (3, 10), 3, config.vocab_size)
     adapter_B = jnp.array([1, 2, 3], jnp.int32)
