@@ -293,7 +293,8 @@ class MixtureOfExperts(nn.Module):
         c = self.config
         router = nn.Dense(c.num_experts, use_bias=c.router_bias, dtype=c.compute_dtype,
                           param_dtype=c.weights_dtype, name="router")
-        router_logits = router(x_BTD).reshape(-1, c.num_experts)
+        router_logits = lora_rows.add_update(self, "router", x_BTD, router(x_BTD)).reshape(
+            -1, c.num_experts)
         if self.is_mutable_collection("intermediates"):
             self.sow("intermediates", ROUTER_LOAD, router_load(router_logits,
                                                                c.experts_per_token))

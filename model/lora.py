@@ -17,6 +17,8 @@ Targets, by the names of `kvjax.model` (Hugging Face's in brackets):
       and w2): each expert gets its own pair, A [experts, in, r] and B [experts, r, out], over
       its slice of `experts/wi` [D, experts, F] and the like. Not over an int8 base, whose
       experts' kernels are dequantised outside the layers' adapters;
+  router (a mixture's router, PEFT's `mlp.gate`): its kernel [D, experts], which scores the
+      experts for each token;
   shared_wi, shared_wi_gate, shared_wo (a mixture's shared expert: Qwen2-MoE's
       shared_expert.gate_proj, up_proj, down_proj; DeepSeek's shared_experts.*): the kernels of
       the FFN every token of a mixture's layer goes through beside its experts, and
@@ -45,7 +47,7 @@ import numpy as np
 
 from .config import TransformerConfig
 
-TARGETS = ("q", "k", "v", "o", "wi", "wi_gate", "wo", "shared_wi", "shared_wi_gate",
+TARGETS = ("q", "k", "v", "o", "wi", "wi_gate", "wo", "router", "shared_wi", "shared_wi_gate",
            "shared_wo", "shared_expert_gate")
 DEFAULT_TARGETS = ("q", "v")  # PEFT's default for Llama's and GPT-2's attention
 # "int8": the layers' kernels int8 with scales, the rest bfloat16 (`model/int8_base.py`).
@@ -61,6 +63,8 @@ SHARED_EXPERT_TARGETS = {"shared_wi": ("ffn", "shared_expert", "wi"),
                          "shared_wi_gate": ("ffn", "shared_expert", "wi_gate"),
                          "shared_wo": ("ffn", "shared_expert", "wo"),
                          "shared_expert_gate": ("ffn", "shared_expert_gate")}
+# Every target of a mixture's own kernels beside its experts, with its path as above.
+MIXTURE_TARGETS = {"router": ("ffn", "router"), **SHARED_EXPERT_TARGETS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +275,7 @@ def kernel_path(config: TransformerConfig, target: str) -> tuple[str, ...]:
     if is_latent_target(config, target):
         name = ("q_up" if config.latent_q_rank else "q") if target == "q" else "kv_up"
         return ("self_attention", "latent", name)
-    return SHARED_EXPERT_TARGETS.get(target) or KERNELS[target][:2]
+    return MIXTURE_TARGETS.get(target) or KERNELS[target][:2]
 
 
 def site_widths(config: TransformerConfig, params, path: Sequence[str], target: str,
@@ -297,6 +301,8 @@ def widths(config: TransformerConfig, target: str) -> tuple[int, int]:
         inputs = (config.latent_q_rank or config.d_model) if target == "q" else \
             config.latent_kv_rank
         return inputs, config.num_heads * per_head
+    if target == "router":
+        return config.d_model, config.num_experts
     if target in SHARED_EXPERT_TARGETS:
         width = 1 if target == "shared_expert_gate" else config.shared_expert_d_ff
         return (width, config.d_model) if target == "shared_wo" else (config.d_model, width)

@@ -23,7 +23,8 @@ Targets are those of `model/lora.py`. A mixture's experts' pairs, A [..., expert
 B [..., experts, n·r, out], sit under its `experts` scope: each token adds, for each expert it
 goes through, that expert's pair of its row's adapter (`expert_pairs`, `model/experts.py`).
 A shared expert's FFN reads its pairs under its own scope as any FFN does (shared_wi as
-`wi`, ...), and the mixture its gate's (shared_expert_gate) under `ffn`.
+`wi`, ...), and the mixture its router's and the shared expert's gate's (router,
+shared_expert_gate) under `ffn`.
 Latent attention's (`model/latent_attention.py`) sit under its `latent` scope: q adds to the
 queries; k and v, which adapt `kv_up`, add to the keys and values a prefill expands from the
 latent rows, and in a decode step, which reads the latent rows themselves, to what the
@@ -191,8 +192,8 @@ def _served_at(config: TransformerConfig, params, path: tuple[str, ...], target:
     within a shared expert, the kernel's, as an FFN reads its own)."""
     if L.in_experts(params, path, target):
         return ("ffn", "experts", target)
-    if target in L.SHARED_EXPERT_TARGETS:
-        return L.SHARED_EXPERT_TARGETS[target]
+    if target in L.MIXTURE_TARGETS:
+        return L.MIXTURE_TARGETS[target]
     kernel = L.kernel_path(config, target)
     return (*kernel[:-1], target) if L.is_latent_target(config, target) else \
         (kernel[0], target)
@@ -200,7 +201,7 @@ def _served_at(config: TransformerConfig, params, path: tuple[str, ...], target:
 
 def _target_at(where: tuple[str, ...]) -> str:
     """The target whose pair a stack holds at `where` (the inverse of `_served_at`)."""
-    for target, served in L.SHARED_EXPERT_TARGETS.items():
+    for target, served in L.MIXTURE_TARGETS.items():
         if where[-len(served):] == served:
             return target
     return where[-1]

@@ -36,8 +36,8 @@ def add_train(commands) -> None:
     lora.add_argument("--lora-targets", nargs="+", default=None, metavar="NAME",
                       help="kernels to adapt: q k v o (attention), wi wi_gate wo "
                            "(feed-forward; in a mixture of experts, each expert's own), "
-                           "shared_wi shared_wi_gate shared_wo shared_expert_gate (a "
-                           "mixture's shared expert and its gate) (default: q v)")
+                           "router shared_wi shared_wi_gate shared_wo shared_expert_gate (a "
+                           "mixture's router, shared expert and its gate) (default: q v)")
     lora.add_argument("--lora-base-dtype", choices=("float32", "bfloat16", "int8"),
                       default=None,
                       help="hold the frozen base in this dtype while training (bfloat16: "

@@ -69,6 +69,9 @@ _TRAINED_NEUTRAL = frozenset({
     "layers_to_transform", "layers_pattern", "rank_pattern", "megatron_core",
     "qalora_group_size", "ensure_weight_tying", "fan_in_fan_out"})
 
+# A mixture's router's weight, as `target_parameters` names it (PEFT's all-linear adapts it).
+ROUTER_PARAM = "gate.weight"
+
 # The layouts whose shared expert's modules PEFT, for transformers 5, reads as the experts'
 # (any gate_proj, up_proj or down_proj of these mixtures): adapters trained before transformers
 # 5.0 hold them, and merge; kvjax does not write them.
@@ -210,11 +213,13 @@ def _scaling(directory: Path):
     rslora = bool(c.get("use_rslora", False))
     expert_params = c.get("target_parameters") or []
     if not isinstance(expert_params, list) or not all(
-            isinstance(p, str) and p.split(".")[-1] in peft_experts.PARAM_NAMES
+            isinstance(p, str) and (p.split(".")[-1] in peft_experts.PARAM_NAMES
+                                    or p == ROUTER_PARAM or p.endswith(f".{ROUTER_PARAM}"))
             for p in expert_params):
         raise UnsupportedModelError(f"{path}: target_parameters={json.dumps(expert_params)} "
                                     "is not supported (kvjax merges adapters of a mixture's "
-                                    "experts.gate_up_proj and experts.down_proj)")
+                                    "experts.gate_up_proj, experts.down_proj and its router's "
+                                    f"{ROUTER_PARAM})")
     c.refuse_unread()  # DoRA, biases, whole modules saved, token adapters, ...
     for value in (alpha, *alpha_pattern.values()):
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
@@ -327,6 +332,9 @@ def write_peft_adapter(config: TransformerConfig, model_type: str, adapters: dic
                          f"({', '.join(dense)}) are not written as a PEFT adapter (PEFT reads a "
                          "mixture's gate_proj, up_proj and down_proj as its experts'); `kvjax "
                          "merge-lora` writes the merged model")
+    if "router" in settings.targets:
+        raise ValueError(f"adapters of the router of a {model_type} model are not written as a "
+                         "PEFT adapter; `kvjax merge-lora` writes the merged model")
     shared = [t for t in settings.targets if t in L.SHARED_EXPERT_TARGETS]
     if shared and LAYOUTS[model_type] in _SHARED_READ_AS_EXPERTS:
         raise ValueError(f"adapters of the shared expert of a {model_type} model "

@@ -15,7 +15,7 @@ The file's modules and what they hold of kvjax's (`model/latent_attention.py`,
       are none of kvjax's targets: merged, never trained or served beside others;
   mlp.gate_proj, mlp.up_proj, mlp.down_proj -> wi, wi_gate, wo of the dense first layers'
       FFN (the experts' are `peft_experts.py`'s); mlp.shared_experts.gate_proj, up_proj and
-      down_proj -> shared_wi, shared_wi_gate, shared_wo beside the experts.
+      down_proj -> shared_wi, shared_wi_gate, shared_wo beside the experts; mlp.gate -> router.
 
 Shape letters (docs/shapes.md): N query heads, D model width; a row's span (its inputs, or
 the rank), the rank r and an update's input and output widths are written out.
@@ -102,7 +102,7 @@ def _file_widths(config: TransformerConfig, module: str) -> tuple[int, int]:
     """(in, out) of `module`'s torch weight [out, in]."""
     c = config
     targets = MODULES[LAYOUT][module]
-    if targets and targets[0] in L.SHARED_EXPERT_TARGETS:
+    if targets and targets[0] in L.MIXTURE_TARGETS:
         return L.widths(c, targets[0])
     if module in ("mlp.gate_proj", "mlp.up_proj"):
         return c.d_model, c.d_ff

@@ -39,9 +39,12 @@ def _shared(under: str) -> dict[str, tuple[str, ...]]:
 
 # Qwen2-MoE's shared expert and the kernel of the sigmoid gate that scales it.
 _QWEN_SHARED = {**_shared("mlp.shared_expert"), "mlp.shared_expert_gate": ("shared_expert_gate",)}
+# A mixture's router: transformers' `mlp.gate` (a router module whose weight PEFT adapts
+# through `target_parameters`, `gate.weight`: what PEFT's all-linear adapts in these mixtures).
+_ROUTER = {"mlp.gate": ("router",)}
 MODULES = {
-    "llama": {**_GATED, **_QWEN_SHARED}, "hunyuan": _GATED, "cohere": _GATED, "vaultgemma": _GATED,
-    "hyperclovax": _GATED,
+    "llama": {**_GATED, **_ROUTER, **_QWEN_SHARED}, "hunyuan": _GATED, "cohere": _GATED,
+    "vaultgemma": _GATED, "hyperclovax": _GATED,
     # Arcee, Nemotron and Apertus: an FFN of up_proj and down_proj alone.
     "up_down_mlp": _UNGATED, "nemotron": _UNGATED, "apertus": _UNGATED,
     "fused": {"self_attn.qkv_proj": ("q", "k", "v"), "self_attn.o_proj": ("o",),
@@ -62,13 +65,14 @@ MODULES = {
     "llama_pairs": _GATED,
     # Mixtral, GraniteMoE and gpt-oss: attention (their experts' stacked parameters are
     # `peft_experts.py`'s).
-    "mixtral": _ATTENTION, "granitemoe": _ATTENTION, "gpt_oss": _ATTENTION,
+    "mixtral": {**_ATTENTION, **_ROUTER}, "granitemoe": _ATTENTION, "gpt_oss": _ATTENTION,
     # ERNIE 4.5's, GLM-4.5's and dots.llm1's mixtures: attention, the dense FFNs of their
     # first layers (in a mixture, an FFN module adapts only a layer without experts) and the
     # shared experts beside the experts; HunYuan MoE's attention and shared FFN.
-    "ernie_moe": {**_GATED, **_shared("mlp.shared_experts")},
-    "deepseek_moe": {**_GATED, **_shared("mlp.shared_experts")},
-    "hunyuan_moe": {**_ATTENTION, **_shared("mlp.shared_mlp")},
+    "ernie_moe": {**_GATED, **_ROUTER, **_shared("mlp.shared_experts")},
+    "deepseek_moe": {**_GATED, **_ROUTER, **_shared("mlp.shared_experts")},
+    # HunYuan's router a Linear `wg` in its gate module.
+    "hunyuan_moe": {**_ATTENTION, "mlp.gate.wg": ("router",), **_shared("mlp.shared_mlp")},
     # Granite 4.0's and GraniteMoeShared's shared_mlp, its gate and up projections in one
     # input_linear: the layer's FFN where there are no experts, the shared expert beside
     # experts (`module_table`).
@@ -95,7 +99,7 @@ MODULES = {
                         "self_attn.q_b_proj": ("q",), "self_attn.kv_a_proj_with_mqa": (),
                         "self_attn.kv_b_proj": ("k", "v"), "self_attn.o_proj": ("o",),
                         "mlp.gate_proj": ("wi",), "mlp.up_proj": ("wi_gate",),
-                        "mlp.down_proj": ("wo",), **_shared("mlp.shared_experts")},
+                        "mlp.down_proj": ("wo",), **_ROUTER, **_shared("mlp.shared_experts")},
 }
 # GraniteMoeShared's shared_mlp beside its experts.
 _GRANITE_BESIDE_EXPERTS = {**_ATTENTION,
@@ -200,9 +204,11 @@ def layer_config(config: TransformerConfig, layer: int) -> TransformerConfig:
 
 def adapts_layer(config: TransformerConfig, targets: tuple[str, ...], layer: int) -> bool:
     """Whether a module holding `targets` is one of layer `layer`'s kernels: in a mixture
-    an FFN's only in its dense layers (elsewhere its experts hold the FFN), a shared expert's
-    (and its gate's) only beside experts, where the model has one."""
+    an FFN's only in its dense layers (elsewhere its experts hold the FFN), a router's only
+    beside experts, a shared expert's (and its gate's) there too, where the model has one."""
     beside_experts = bool(config.num_experts) and layer not in config.dense_ffn_layers
+    if "router" in targets:
+        return beside_experts
     if set(targets) & set(L.SHARED_EXPERT_TARGETS):
         return beside_experts and bool(config.shared_expert_d_ff) and (
             "shared_expert_gate" not in targets or config.shared_expert_gate)

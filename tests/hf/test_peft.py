@@ -42,7 +42,8 @@ NAMES = ("llama_gqa", "phi3", "gpt2", "phi", "opt", "gpt_neox", "starcoder2", "m
          "dots1", "hunyuan_v1_moe", "deepseek_v3", "deepseek_v2", "glm4_moe_lite",
          "mixtral_experts", "qwen3_moe", "granitemoe", "glm4_moe_lite_experts", "glm4_moe_experts",
          "mixtral_per_expert", "qwen3_moe_per_expert", "qwen2_moe_all_linear", "granitemoeshared",
-         "deepseek_v3_shared", "dots1_shared", "hunyuan_v1_moe_shared")
+         "deepseek_v3_shared", "dots1_shared", "hunyuan_v1_moe_shared", "mixtral_all_linear",
+         "deepseek_v3_all_linear", "hunyuan_v1_moe_router")
 
 
 def expected(name):
@@ -366,12 +367,14 @@ def _with_adapters(config, params, batch, stack, adapter_B):
 # latent attention's q_proj, kv_b_proj and o_proj (DeepSeek-V2); a mixture's experts, stacked
 # (gpt-oss's interleaved, Mixtral's, Qwen3-MoE's, GraniteMoE's, GLM-4.5's at its own alpha) or
 # each its own (Mixtral's before transformers 5.0); shared experts (Qwen2-MoE's with the gate
-# scaling it, DeepSeek-V3's beside a dense first layer).
+# scaling it, DeepSeek-V3's beside a dense first layer); PEFT's all-linear over Mixtral, its
+# router's weight among the rest.
 @pytest.mark.parametrize("name", ["phi3", "gpt2", "glm4", "cohere", "nemotron", "apertus",
                                   "hunyuan_v1_dense", "phimoe", "deepseek_v2", "gpt_oss",
                                   "mixtral_experts", "qwen3_moe", "granitemoe",
                                   "glm4_moe_experts", "mixtral_per_expert",
-                                  "qwen2_moe_all_linear", "deepseek_v3_shared"])
+                                  "qwen2_moe_all_linear", "deepseek_v3_shared",
+                                  "mixtral_all_linear"])
 def test_served_unmerged_beside_the_base_an_adapter_computes_what_peft_computes(name):
     record, logits = expected(name)
     base = FIXTURES / record["base"]

@@ -81,18 +81,20 @@ def test_each_target_adds_scale_times_a_b_to_its_own_heads_only(layout):
     np.testing.assert_allclose(x @ merged_q.reshape(config.d_model, -1), unmerged, atol=1e-5)
 
 
-def test_a_shared_expert_takes_its_targets_beside_experts_and_not_in_a_dense_layer():
-    """shared_wi, shared_wi_gate, shared_wo and shared_expert_gate adapt a mixture's shared
-    expert's kernels and its gate's, [D, 24], [24, D] and [D, 1]: scale · A B added to each,
-    the experts' kernels left as they are; layer 0, a dense FFN, has no shared expert."""
+def test_a_mixtures_router_and_shared_expert_take_targets_beside_experts_only():
+    """router adapts a mixture's router [D, experts]; shared_wi, shared_wi_gate, shared_wo and
+    shared_expert_gate its shared expert's kernels and its gate's, [D, 24], [24, D] and [D, 1]:
+    scale · A B added to each, the experts' kernels left as they are; layer 0, a dense FFN,
+    has neither."""
     config, params = lm(num_experts=4, experts_per_token=2, dense_ffn_layers=(0,),
                         dense_d_ff=40, shared_expert_d_ff=24, shared_expert_gate=True)
-    targets = ("shared_wi", "shared_wi_gate", "shared_wo", "shared_expert_gate")
+    targets = ("router", "shared_wi", "shared_wi_gate", "shared_wo", "shared_expert_gate")
     lora = M.LoRA(3, 6.0, targets)
     adapters = with_random_b(L.init_adapters(config, params, lora, jax.random.key(1)))
     assert "0" not in adapters["layers"]
     merged = L.merge(config, params, adapters, lora)
     assert jax.tree.map(np.shape, adapters["layers"]["1"]) == {
+        "router": {"lora_a": (32, 3), "lora_b": (3, 4)},
         "shared_wi": {"lora_a": (32, 3), "lora_b": (3, 24)},
         "shared_wi_gate": {"lora_a": (32, 3), "lora_b": (3, 24)},
         "shared_wo": {"lora_a": (24, 3), "lora_b": (3, 32)},
@@ -100,7 +102,7 @@ def test_a_shared_expert_takes_its_targets_beside_experts_and_not_in_a_dense_lay
     base, new = params["layers"]["1"]["ffn"], merged["layers"]["1"]["ffn"]
     for target in targets:
         pair = adapters["layers"]["1"][target]
-        held = L.SHARED_EXPERT_TARGETS[target][1:]  # within the layer's ffn
+        held = L.MIXTURE_TARGETS[target][1:]  # within the layer's ffn
         want = np.asarray(L.get(base, held)["kernel"], np.float64) + 2.0 * (
             np.asarray(pair["lora_a"], np.float64) @ np.asarray(pair["lora_b"]))
         np.testing.assert_allclose(L.get(new, held)["kernel"], want, atol=1e-6)

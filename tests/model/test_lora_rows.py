@@ -17,8 +17,8 @@ from kvjax.model import lora_rows
 
 # Different ranks, scales and targets: the stack pads ranks and fills missing targets.
 LORAS = (L.LoRA(4, 8.0, ("q", "v", "o", "wi_gate", "wo")), L.LoRA(2, None, ("k", "wi")))
-# And a mixture's shared expert's, and the gate scaling it.
-SHARED = (("shared_wi", "shared_expert_gate"), ("shared_wi_gate", "shared_wo"))
+# And a mixture's router's, its shared expert's, and the gate scaling it.
+SHARED = (("router", "shared_wi", "shared_expert_gate"), ("shared_wi_gate", "shared_wo"))
 
 
 def config_of(scan_layers: bool, latent: bool = False, mixture: bool = False
@@ -53,8 +53,8 @@ def prefill_then_steps(config, params, stack, adapter_B, capacity, tokens_BT):
 
 # Latent attention's q, k and v adapt its query and kv_up kernels: a prefill adds them to the
 # expanded keys and values, a step to what the latent rows give the queries and values.
-# A mixture's experts: each token adds its own expert's pair of its row's adapter; its shared
-# expert, as any FFN.
+# A mixture's experts: each token adds its own expert's pair of its row's adapter; its router
+# and shared expert, as any kernel (a row's router adapter changes the experts it chooses).
 @pytest.mark.parametrize("scan_layers, latent, mixture", [
     (False, False, False), (True, False, False), (True, True, False), (False, False, True)],
     ids=["unrolled", "scanned", "latent", "mixture"])
@@ -151,8 +151,9 @@ def test_a_mixtures_experts_take_adapters_over_a_float_base_only():
     experts = L.LoRA(2, targets=("q", "wi"))
     pairs = [(L.init_adapters(config, params, lora, jax.random.key(1)), lora)
              for lora in (dense, experts)]
-    assert lora_rows.servable_targets(config, params) == L.TARGETS[:5] + ("wo",)
-    assert lora_rows.servable_targets(config, params, experts=False) == L.TARGETS[:4]
+    assert lora_rows.servable_targets(config, params) == L.TARGETS[:5] + ("wo", "router")
+    assert lora_rows.servable_targets(config, params, experts=False) == L.TARGETS[:4] + (
+        "router",)
     stack = lora_rows.stack(config, params, pairs)
     assert stack.pairs["layers"]["0"]["ffn"]["experts"]["wi"]["a"].shape == (
         4, config.d_model, 2 * 2)  # [experts, D, n·R]
