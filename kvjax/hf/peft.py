@@ -69,8 +69,10 @@ _TRAINED_NEUTRAL = frozenset({
     "layers_to_transform", "layers_pattern", "rank_pattern", "megatron_core",
     "qalora_group_size", "ensure_weight_tying", "fan_in_fan_out"})
 
-# A mixture's router's weight, as `target_parameters` names it (PEFT's all-linear adapts it).
+# A mixture's router's weight, as `target_parameters` names it (PEFT's all-linear adapts it),
+# and the router module it belongs to.
 ROUTER_PARAM = "gate.weight"
+ROUTER_MODULE = "mlp.gate"
 
 # The layouts whose shared expert's modules PEFT, for transformers 5, reads as the experts'
 # (any gate_proj, up_proj or down_proj of these mixtures): adapters trained before transformers
@@ -324,7 +326,8 @@ def write_peft_adapter(config: TransformerConfig, model_type: str, adapters: dic
     an encoder-decoder's as `peft_seq2seq.py` names them). Adapters of a mixture's experts
     adapt its stacked experts' parameters (`peft_experts.py`); those of the dense FFN of a
     mixture's first layers are refused: PEFT reads a mixture's gate_proj, up_proj and
-    down_proj as its experts'."""
+    down_proj as its experts', and so are those of the shared experts PEFT reads so; a
+    router's adapt its `mlp.gate.weight` parameter."""
     dense = [t for t in settings.targets if t in L.EXPERT_TARGETS]
     if config.num_experts and config.dense_ffn_layers and dense:
         raise ValueError(f"adapters of the dense FFN of the layers "
@@ -332,7 +335,8 @@ def write_peft_adapter(config: TransformerConfig, model_type: str, adapters: dic
                          f"({', '.join(dense)}) are not written as a PEFT adapter (PEFT reads a "
                          "mixture's gate_proj, up_proj and down_proj as its experts'); `kvjax "
                          "merge-lora` writes the merged model")
-    if "router" in settings.targets:
+    if "router" in settings.targets and not any(
+            targets == ("router",) for targets in MODULES[LAYOUTS[model_type]].values()):
         raise ValueError(f"adapters of the router of a {model_type} model are not written as a "
                          "PEFT adapter; `kvjax merge-lora` writes the merged model")
     shared = [t for t in settings.targets if t in L.SHARED_EXPERT_TARGETS]
@@ -360,6 +364,10 @@ def write_peft_adapter(config: TransformerConfig, model_type: str, adapters: dic
     tensors.update(expert_tensors)
     # rank_pattern names modules, so the experts' parameters take the top rank.
     top_rank = expert_rank if expert_params else settings.rank
+    if not seq2seq and "router" in settings.targets and ROUTER_MODULE in MODULES[
+            LAYOUTS[model_type]]:
+        tensors.update(_router_tensors(adapters["layers"], settings, prefix, top_rank))
+        expert_params = [*expert_params, f"{ROUTER_MODULE}.weight"]
     peft_config = {
         "peft_type": "LORA", "base_model_name_or_path": base_name,
         "task_type": "SEQ_2_SEQ_LM" if seq2seq else "CAUSAL_LM",
@@ -379,6 +387,27 @@ def write_peft_adapter(config: TransformerConfig, model_type: str, adapters: dic
     return out
 
 
+def _router_tensors(layers: dict, settings: L.LoRA, prefix: str, rank: int
+                   ) -> dict[str, np.ndarray]:
+    """The routers' adapters as PEFT's pairs over `mlp.gate`'s weight (a parameter of the
+    router module, which is no Linear), A [rank, D] and B [experts, rank] at the file's top
+    rank: zeros past the run's rank, B scaled so that lora_alpha over that rank stays the
+    run's scale."""
+    tensors = {}
+    for index, layer in sorted(layers.items(), key=lambda item: int(item[0])):
+        if "router" not in layer:  # a dense layer
+            continue
+        lora_a = np.asarray(layer["router"]["lora_a"], np.float32)  # [D, r]
+        lora_b = np.asarray(layer["router"]["lora_b"], np.float32)  # [r, experts]
+        peft_a = np.zeros((rank, lora_a.shape[0]), np.float32)
+        peft_b = np.zeros((lora_b.shape[1], rank), np.float32)
+        peft_a[:settings.rank], peft_b[:, :settings.rank] = lora_a.T, lora_b.T
+        name = f"base_model.model.{prefix}.{index}.{ROUTER_MODULE}"
+        tensors[f"{name}.lora_A.weight"] = peft_a
+        tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(peft_b * (rank / settings.rank))
+    return tensors
+
+
 def _peft_tensors(config: TransformerConfig, model_type: str, layers: dict, settings: L.LoRA,
                   prefix: str):
     """(the file's tensors, the rank of each module path that has them)."""
@@ -386,7 +415,7 @@ def _peft_tensors(config: TransformerConfig, model_type: str, layers: dict, sett
     ranks: dict[str, int] = {}
     for module, targets in module_table(config, LAYOUTS[model_type]).items():
         trained = [t for t in targets if t in settings.targets]
-        if not trained:
+        if not trained or module == ROUTER_MODULE:  # the router's: `_router_tensors`
             continue
         for index, layer in sorted(layers.items(), key=lambda item: int(item[0])):
             # Not a mixture's experts (`peft_experts.py`'s), nor a shared expert's in a layer

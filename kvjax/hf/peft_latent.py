@@ -164,7 +164,7 @@ def peft_tensors(config: TransformerConfig, layers: dict, settings: L.LoRA, pref
     ranks: dict[str, int] = {}
     for module, targets in modules(config).items():
         trained = [t for t in targets if t in settings.targets]
-        if not trained:
+        if not trained or targets == ("router",):  # a parameter of the router: `peft.py`'s
             continue
         for index, layer in sorted(layers.items(), key=lambda item: int(item[0])):
             # Not a mixture's experts (`peft_experts.py`'s), nor a shared expert's in a layer

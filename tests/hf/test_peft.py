@@ -291,12 +291,12 @@ def test_fixtures_are_what_peft_computes(tmp_path):
     ("mt5", ("q", "o", "wi", "wi_gate", "wo")),  # a gated one's wi_0 and wi_1
     # Latent attention: a query latent's q_b_proj, kv_b_proj's keys and values per head,
     # o_proj over values narrower than a head; q_proj without a query latent.
-    ("deepseek_v3", ("q", "k", "v", "o")),
+    ("deepseek_v3", ("q", "k", "v", "o", "router")),  # the router's weight a parameter
     ("deepseek_v2", ("k", "o")),
     ("glm4_moe_lite", ("q", "v")),
     # Mixtures' stacked experts: gate_up_proj the gates then the ups (gpt-oss's interleave
     # them), at twice the rank with both; GraniteMoE's under block_sparse_moe.
-    ("mixtral", ("o", "wi", "wi_gate", "wo")),
+    ("mixtral", ("o", "wi", "wi_gate", "wo", "router")),  # the router at the experts' rank
     ("qwen3_moe", ("q", "wi_gate")),
     ("granitemoe", ("k", "wo")),
     # A shared expert and the gate scaling it (Qwen2-MoE's), beside experts; GraniteMoeShared's
@@ -325,8 +325,8 @@ def test_adapters_written_as_peft_merge_as_kvjax_merges_them(tmp_path, name, tar
     both = bool(config.num_experts) and {"wi", "wi_gate"} <= set(targets)
     assert written["r"] == (4 if both else 2) and written["lora_alpha"] == 6.0
     if config.num_experts and set(targets) & set(L.EXPERT_TARGETS):
-        attention = [t for t in targets if t not in (*L.EXPERT_TARGETS,
-                                                     *L.SHARED_EXPERT_TARGETS)]
+        attention = [t for t in targets if t not in (*L.EXPERT_TARGETS, *L.MIXTURE_TARGETS)]
+        assert ("mlp.gate.weight" in written["target_parameters"]) == ("router" in targets)
         assert written["rank_pattern"] == ({f"self_attn.{t}_proj": 2 for t in attention}
                                            if both else {})
 
@@ -344,15 +344,21 @@ def test_adapters_of_a_mixtures_dense_layers_are_not_written_as_peft(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-def test_adapters_of_a_shared_expert_peft_reads_as_experts_are_not_written(tmp_path):
+@pytest.mark.parametrize("name, target, message", [
+    # PEFT reads these mixtures' shared experts' gate_proj, up_proj and down_proj as experts'.
+    ("dots1", "shared_wi", r"adapters of the shared expert of a dots1 model \(shared_wi\)"),
+    # GraniteMoE's router is none of the modules PEFT's adapters of it name.
+    ("granitemoe", "router", "adapters of the router of a granitemoe model"),
+])
+def test_adapters_peft_would_not_read_as_trained_are_not_written(tmp_path, name, target,
+                                                                  message):
     from kvjax.hf.peft import write_peft_adapter
 
-    config, _, params = hf.load_pretrained(FIXTURES / "dots1")
-    settings = M.LoRA(2, targets=("q", "shared_wi"))
+    config, _, params = hf.load_pretrained(FIXTURES / name)
+    settings = M.LoRA(2, targets=("q", target))
     adapters = L.init_adapters(config, params, settings, jax.random.key(0))
-    with pytest.raises(ValueError, match=r"adapters of the shared expert of a dots1 model "
-                                         r"\(shared_wi\) are not written as a PEFT adapter"):
-        write_peft_adapter(config, "dots1", adapters, settings, tmp_path, "dots1")
+    with pytest.raises(ValueError, match=message + " are not written as a PEFT adapter"):
+        write_peft_adapter(config, MODEL_TYPES[name], adapters, settings, tmp_path, name)
     assert not any(tmp_path.iterdir())
 
 
