@@ -113,6 +113,8 @@ def module_table(config: TransformerConfig, layout: str) -> dict[str, tuple[str,
     if layout == "granite_shared" and config.num_experts:
         return _GRANITE_BESIDE_EXPERTS
     return MODULES[layout]
+
+
 # Where each layout's layers are in the names PEFT gives its tensors (written with the
 # first); "model.layers" where not listed.
 _LAYER_PREFIXES = {"gpt2": ("transformer.h", "h"), "opt": ("model.decoder.layers",),

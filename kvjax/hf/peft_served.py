@@ -88,8 +88,8 @@ def peft_adapters(config: TransformerConfig, model_type: str, directory: str | o
     adapters: dict = {}
     for layer in range(config.num_decoder_layers):
         for target in targets:
-            if target in L.SHARED_EXPERT_TARGETS and not adapts_layer(config, (target,), layer):
-                continue  # a layer without a shared expert
+            if target in L.MIXTURE_TARGETS and not adapts_layer(config, (target,), layer):
+                continue  # a layer without a router or shared expert (a dense one)
             a, b = found.get((layer, target)) or _no_pair(config, layer, target)
             L._set(adapters, ("layers", str(layer), target),
                    {"lora_a": _pad_axis(a, -1, rank), "lora_b": _pad_axis(b, -2, rank)})
