@@ -18,7 +18,7 @@ from kvjax.model import lora_rows
 # Different ranks, scales and targets: the stack pads ranks and fills missing targets.
 LORAS = (L.LoRA(4, 8.0, ("q", "v", "o", "wi_gate", "wo")), L.LoRA(2, None, ("k", "wi")))
 # And a mixture's router's, its shared expert's, and the gate scaling it.
-SHARED = (("router", "shared_wi", "shared_expert_gate"), ("shared_wi_gate", "shared_wo"))
+MIXTURE = (("router", "shared_wi", "shared_expert_gate"), ("shared_wi_gate", "shared_wo"))
 
 
 def config_of(scan_layers: bool, latent: bool = False, mixture: bool = False
@@ -61,8 +61,8 @@ def prefill_then_steps(config, params, stack, adapter_B, capacity, tokens_BT):
 def test_each_row_computes_its_own_adapters_merged_model(scan_layers, latent, mixture):
     config = config_of(scan_layers, latent, mixture)
     params = M.init_params(config, jax.random.key(0))
-    loras = [L.LoRA(lora.rank, lora.alpha, lora.targets + (shared if mixture else ()))
-             for lora, shared in zip(LORAS, SHARED, strict=True)]
+    loras = [L.LoRA(lora.rank, lora.alpha, lora.targets + (mixture_targets if mixture else ()))
+             for lora, mixture_targets in zip(LORAS, MIXTURE, strict=True)]
     adapters = [(trained_adapters(config, params, lora, i), lora) for i, lora in enumerate(loras)]
     stack = lora_rows.stack(config, params, adapters)
     assert stack.count == 2
