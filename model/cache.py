@@ -37,6 +37,8 @@ are written with the values, by the same scatter, and taken, sharded and counted
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -147,6 +149,9 @@ class KVCache:
         prefix kept from an earlier prompt. Slots past a length are left as they were (the
         length masks them). Self-attention only."""
         self._refuse_paged("take_prefixes")
+        if self.cross_k is not None:
+            raise ValueError("KVCache.take_prefixes keeps a decoder-only LM's prompt; an "
+                             "encoder-decoder's target does not start with its prompt")
         if not 1 <= capacity <= self.capacity:
             raise ValueError(f"capacity={capacity} must be in [1, {self.capacity}]")
 
@@ -165,12 +170,30 @@ class KVCache:
         return {name: getattr(self, name) for name in ("k", "v", "k_scale", "v_scale")
                 if getattr(self, name) is not None}
 
+    def _cross_attention(self) -> dict[str, tuple[jax.Array, ...]]:
+        """An encoder-decoder's cross-attention stacks by field name: K/V [L_i, B, K, S_src,
+        H] and, for an int8 cache, the scales [L_i, B, K, S_src]; empty for a decoder-only
+        cache."""
+        return {name: getattr(self, name)
+                for name in ("cross_k", "cross_v", "cross_k_scale", "cross_v_scale")
+                if getattr(self, name) is not None}
+
+    def _check_same_kind(self, source: KVCache, method: str) -> None:
+        if (self.cross_k is None) != (source.cross_k is None):
+            kinds = ["an encoder-decoder's" if c.cross_k is not None else "a decoder-only"
+                     for c in (self, source)]
+            raise ValueError(f"KVCache.{method} moves rows between caches of one kind; this "
+                             f"is {kinds[0]}, the source {kinds[1]}")
+
     def put_rows(self, source: KVCache, rows_R: jax.Array, into_R: jax.Array) -> KVCache:
-        """Rows `rows` [R] of `source`, a cache of at most this one's capacity, written into
-        rows `into` [R] of this one: their first `source.capacity` slots and their lengths,
-        not overflowed. A row of `into` past the last one writes nothing (padding); what a row
-        held past the new length stays, masked by it. Self-attention only."""
+        """Rows `rows` [R] of `source`, a cache of at most this one's capacity (and source
+        slots), written into rows `into` [R] of this one: their first `source.capacity`
+        slots and their lengths, not overflowed, and an encoder-decoder's cross-attention
+        K/V and source lengths. A row of `into` past the last one writes nothing (padding);
+        what a row held past the new length stays, masked by it."""
         self._refuse_paged("put_rows")
+        self._check_same_kind(source, "put_rows")
+
         def put(stack_LBKS_, source_LPKS_):
             index = (slice(None), into_R, slice(None), slice(0, source_LPKS_.shape[3]))
             return stack_LBKS_.at[index].set(jnp.take(source_LPKS_, rows_R, axis=1),
@@ -179,39 +202,37 @@ class KVCache:
         def put_counter(all_B, new_R):
             return all_B.at[into_R].set(new_R, mode="drop", unique_indices=True)
 
-        sources = source._self_attention()
+        sources = {**source._self_attention(), **source._cross_attention()}
+        stacks = {**self._self_attention(), **self._cross_attention()}
+        cross = {} if self.source_lengths is None else {
+            "source_lengths": put_counter(self.source_lengths, source.source_lengths[rows_R])}
         return self.replace(
-            **{name: tuple(map(put, stacks, sources[name]))
-               for name, stacks in self._self_attention().items()},
+            **{name: tuple(map(put, stacks[name], sources[name])) for name in stacks},
             lengths=put_counter(self.lengths, source.lengths[rows_R]),
-            overflow=put_counter(self.overflow, jnp.zeros(rows_R.shape, bool)))
+            overflow=put_counter(self.overflow, jnp.zeros(rows_R.shape, bool)), **cross)
 
     def copy_row(self, source: KVCache, row: jax.Array, into: jax.Array,
                  block: int) -> KVCache:
-        """Row `row` of `source`, a cache of this one's capacity, copied into row `into`
-        (both traced scalars): by blocks of `block` slots, only as many as its length needs,
-        so a row of long capacity costs no more to fill than it is filled. Self-attention
-        only."""
+        """Row `row` of `source`, a cache of this one's capacity (and source slots), copied
+        into row `into` (both traced scalars): by blocks of `block` slots, only as many as
+        its length needs (an encoder-decoder's cross-attention K/V, as many as its source
+        length needs), so a row of long capacity costs no more to fill than it is filled."""
         self._refuse_paged("copy_row")
-        capacity = self.capacity
-        block = min(block, capacity)
-        sources = source._self_attention()
-
-        def copy_block(j, targets):
-            # The last block may reach past the capacity: both starts clamp alike, so it
-            # copies the same slots (some again) from `row` to `into`.
-            start = jnp.minimum(j * block, capacity - block)
-
-            def copy(target, stack):
-                tail = (0,) * (stack.ndim - 4)
-                piece = jax.lax.dynamic_slice(stack, (0, row, 0, start, *tail),
-                                              (stack.shape[0], 1, stack.shape[2], block,
-                                               *stack.shape[4:]))
-                return jax.lax.dynamic_update_slice(target, piece, (0, into, 0, start, *tail))
-
-            return jax.tree.map(copy, targets, sources)
-
-        return self.with_row_copied(source, row, into, block, copy_block)
+        self._check_same_kind(source, "copy_row")
+        copied = self.with_row_copied(
+            source, row, into, min(block, self.capacity),
+            functools.partial(_copy_block, row, into, min(block, self.capacity),
+                              self.capacity, source._self_attention()))
+        if self.source_lengths is None:
+            return copied
+        cross_block = min(block, self.source_length)
+        length = source.source_lengths[row]
+        cross = jax.lax.fori_loop(
+            0, (length + cross_block - 1) // cross_block,
+            functools.partial(_copy_block, row, into, cross_block, self.source_length,
+                              source._cross_attention()), self._cross_attention())
+        return copied.replace(**cross,
+                              source_lengths=self.source_lengths.at[into].set(length))
 
     def with_row_copied(self, source: KVCache, row, into, block: int, copy_block,
                         first_block=0) -> KVCache:
@@ -226,23 +247,61 @@ class KVCache:
                             overflow=self.overflow.at[into].set(False))
 
 
+def _copy_block(row, into, block: int, slots: int, sources: dict, j, targets: dict) -> dict:
+    """`targets` (stacks [L_i, B, K, S, ...] by name) with block j of `block` slots of row
+    `row` of `sources` (stacks of the same names and S = `slots`) copied into row `into`."""
+    # The last block may reach past the row's end: both starts clamp alike, so it copies
+    # the same slots (some again) from `row` to `into`.
+    start = jnp.minimum(j * block, slots - block)
+
+    def copy(target, stack):
+        tail = (0,) * (stack.ndim - 4)
+        piece = jax.lax.dynamic_slice(stack, (0, row, 0, start, *tail),
+                                      (stack.shape[0], 1, stack.shape[2], block,
+                                       *stack.shape[4:]))
+        return jax.lax.dynamic_update_slice(target, piece, (0, into, 0, start, *tail))
+
+    return jax.tree.map(copy, targets, sources)
+
+
 def _nbytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def init_cache(
-    config: TransformerConfig, batch_size: int, capacity: int, dtype=None
+    config: TransformerConfig, batch_size: int, capacity: int, dtype=None,
+    source_capacity: int | None = None,
 ) -> KVCache:
-    """An empty self-attention cache of `capacity` slots per row (cross fields unset), of
-    `dtype` (default: `config.kv_cache_dtype`); an int8 one holds scales as well."""
+    """An empty self-attention cache of `capacity` slots per row, of `dtype` (default:
+    `config.kv_cache_dtype`); an int8 one holds scales as well. Cross fields are unset
+    unless `source_capacity` is given (an encoder-decoder's only): then they are zeroed
+    cross-attention K/V of that many source slots per row, every source length 0, for rows
+    that `put_rows` and `copy_row` fill from prefilled caches."""
     if capacity < 1 or batch_size < 1:
         raise ValueError(f"cache needs capacity >= 1 and batch_size >= 1, got {capacity=}, "
                          f"{batch_size=}")
     if capacity > config.max_len:
         raise ValueError(f"cache capacity {capacity} exceeds the model's max_len {config.max_len}")
+    cross = {}
+    if source_capacity is not None:
+        if not config.is_encoder_decoder:
+            raise ValueError("source_capacity sizes an encoder-decoder's cross-attention "
+                             "cache; this model is decoder-only")
+        if not 1 <= source_capacity <= config.max_len:
+            raise ValueError(f"source_capacity={source_capacity} must be in [1, max_len="
+                             f"{config.max_len}]")
+        dtype = config.kv_cache_dtype if dtype is None else jnp.dtype(dtype)
+        stacks = config.layer_stacks(config.num_decoder_layers)
+        shape = (batch_size, config.kv_heads, source_capacity)
+        for name in ("cross_k", "cross_v"):
+            cross[name] = tuple(jnp.zeros((n, *shape, config.head_dim), dtype) for n in stacks)
+            if dtype == jnp.int8:
+                cross[f"{name}_scale"] = tuple(jnp.zeros((n, *shape), CACHE_SCALE_DTYPE)
+                                               for n in stacks)
+        cross["source_lengths"] = jnp.zeros((batch_size,), jnp.int32)
     return KVCache(**empty_stacks(config, batch_size, capacity, dtype),
                    lengths=jnp.zeros((batch_size,), jnp.int32),
-                   overflow=jnp.zeros((batch_size,), bool))
+                   overflow=jnp.zeros((batch_size,), bool), **cross)
 
 
 def empty_stacks(config: TransformerConfig, rows: int, slots: int, dtype=None) -> dict:

@@ -9,9 +9,9 @@
   hidden_logits(config, params, hidden) -> logits [B, T, V]
 
 A decoder-only LM's prompt is the start of the sequence it continues; an encoder-decoder's
-prompt is its source, and the target it writes starts from BOS. `prompt_slots` and
-`check_prompt_length` say what that means for the cache, so no caller needs to ask which
-variant it holds.
+prompt is its source, and the target it writes starts from BOS. `prompt_slots`,
+`check_prompt_length` and `row_cache` say what that means for the cache, so no caller needs to
+ask which variant it holds.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from . import int8_base, lora_rows
-from .cache import KVCache
+from .cache import KVCache, init_cache
 from .config import SPEED_ONLY_FIELDS, TransformerConfig
 from .experts import load_balancing_loss
 from .transformer import DecoderOnlyLM, EncoderDecoder
@@ -161,6 +161,14 @@ def target_start(config: TransformerConfig, prompt_BP: jax.Array, prompt_lengths
         return prompt_BP, prompt_lengths_B
     batch = prompt_BP.shape[0]
     return (jnp.full((batch, 1), config.bos_id, jnp.int32), jnp.ones((batch,), jnp.int32))
+
+
+def row_cache(config: TransformerConfig, rows: int, capacity: int) -> KVCache:
+    """An empty cache of `rows` rows of `capacity` slots that prefilled rows are put into
+    (`KVCache.put_rows`, `copy_row`): an encoder-decoder's holds a source of up to
+    `capacity` tokens beside its target."""
+    return init_cache(config, rows, capacity,
+                      source_capacity=capacity if config.is_encoder_decoder else None)
 
 
 def prompt_slots(config: TransformerConfig, prompt_length: int) -> int:

@@ -64,7 +64,9 @@ class EngineFailed(Exception):
 
 
 class Engine:
-    """Serves `GenerationRequest`s of a decoder-only LM with continuous batching.
+    """Serves `GenerationRequest`s with continuous batching: a language model's, or an
+    encoder-decoder's (a translator's: the prompt is its source, of up to `max_len` tokens;
+    one device, contiguous slots, no prefix cache or adapters).
 
     `tokenizer` (optional) turns each sample's tokens into text as they come, so that stop
     strings can end it. Up to `prefill_batch` waiting prompts are prefilled in one call (the
@@ -118,6 +120,9 @@ class Engine:
             raise ValueError(f"max_len={capacity} exceeds the model's max_len {config.max_len}")
         on = parallel.mesh_of(params) if mesh is None else mesh
         data = 1 if on is None else on.shape[parallel.DATA]
+        if M.prompt_is_source(config):
+            slots.check_serves_sources(on, page_size, num_pages, prefix_cache_rows, adapters)
+            prefix_cache_rows = 0
         if prefix_cache_rows is None:
             prefix_cache_rows = -(-max(1, max_staged // 4) // data) * data
         if not isinstance(prefix_cache_rows, int) or prefix_cache_rows < 0:
@@ -181,7 +186,9 @@ class Engine:
     def check(self, request: GenerationRequest) -> GenerationRequest:
         """`request` as `submit` queues it (seed drawn); a `checks.InvalidValue` names the
         first value this engine can never serve."""
-        request = request.checked(self.config.vocab_size, self.capacity)
+        request = request.checked(self.config.vocab_size, self.capacity,  # a source: BOS
+                                  M.prompt_slots(self.config, 0)
+                                  if M.prompt_is_source(self.config) else None)
         served = 0 if self.adapters is None else self.adapters.count
         if not checks.is_int(request.adapter) or not 0 <= request.adapter <= served:
             raise checks.InvalidValue("adapter", f"adapter={request.adapter!r} is not among "
@@ -307,7 +314,7 @@ class Engine:
         self._feed_long_prompt()
         while tickets := self._admissible():
             self._staging = tickets  # off the queue, not yet on the device: see `_fail_all`
-            self._stage(tickets)
+            staging.stage(self, tickets)  # prefilled into staged rows
         self._staging = []
         keep = 0  # programs left in flight
         if self.outputs.samples or self.outputs.to_stop:
@@ -395,9 +402,6 @@ class Engine:
             self._prefixes.feed_part(self.params, long and long.prompt, self.prefill_part,
                                      long.adapter if long else 0, self.adapters)
             self.state = pages.share_kept(self.state, self._prefixes)
-
-    def _stage(self, tickets: list[Ticket]) -> None:  # prefills them into staged rows
-        staging.stage(self, tickets)
 
     def _hand_out(self, dispatched: Dispatched) -> None:
         """Hands each sample what a program made (`Outputs`) and learns which staged rows

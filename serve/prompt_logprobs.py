@@ -41,6 +41,9 @@ def prompt_logprobs(config: M.TransformerConfig, params, prompt: tuple[int, ...]
     """Each prompt token's logprob given the tokens before it, and the `top` likeliest
     (id, logprob) there; None for the first token, which nothing predicts. With `adapters`,
     the model adds the one numbered `adapter` (0: none; `model.lora_rows`)."""
+    if M.prompt_is_source(config):
+        raise ValueError("an encoder-decoder's prompt is the source it reads, not text it "
+                         "predicts: its tokens have no logprobs")
     padded = np.zeros((1, bucket(len(prompt), config.max_len)), np.int32)
     padded[0, :len(prompt)] = prompt
     adapter_1 = None if adapters is None else np.array([adapter], np.int32)

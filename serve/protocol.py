@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from kvjax import model as M
 from kvjax import text as T
 from kvjax.decode.settings import Sampling
 
@@ -281,6 +282,9 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
     if not isinstance(options, dict):
         raise APIError(400, "stream_options must be an object", "stream_options")
     include_usage = bool(options.get("include_usage", False))
+    if chat_api and loaded.is_translation:
+        raise APIError(400, "this model translates the prompt of /v1/completions; it has no "
+                            "chat", "messages")
     if chat_api:
         ids, prompt_text = _chat_prompt(loaded, body.get("messages"), tools,
                                         _template_kwargs(body))
@@ -305,6 +309,9 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
             raise APIError(400, f"logprobs={top} must be in [0, {MAX_COMPLETION_LOGPROBS}]",
                            "logprobs")
         echo_prompt = _get(body, "echo", _BOOL, False)
+        if echo_prompt and want_logprobs and loaded.is_translation:
+            raise APIError(400, "an encoder-decoder's prompt is the source it reads, not text "
+                                "it predicts: its tokens have no logprobs", "logprobs")
         echo = texts if echo_prompt else [""] * len(prompts)
     settings = dict(
         n=_get(body, "n", _INT, 1),
@@ -324,8 +331,8 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
             constraint, field, loaded.tokenizer))
     requests = []
     for ids in prompts:
-        room = capacity - len(ids)
-        if room < 1:
+        room = capacity - M.prompt_slots(loaded.config, len(ids))
+        if room < 1 or len(ids) > capacity:
             raise APIError(400, f"the prompt has {len(ids)} tokens: it leaves no room in a "
                                 f"slot of {capacity} tokens", "prompt")
         default = room if chat_api else min(16, room)

@@ -62,8 +62,12 @@ class GenerationRequest:
     constraint: TokenAutomaton | None = None
     adapter: int = 0
 
-    def checked(self, vocab_size: int, capacity: int) -> GenerationRequest:
-        """This request with its seed drawn if None; a ValueError names the first bad value."""
+    def checked(self, vocab_size: int, capacity: int, prompt_slots: int | None = None
+                ) -> GenerationRequest:
+        """This request with its seed drawn if None; a ValueError names the first bad value.
+        `prompt_slots`: the target slots the prompt fills before the new tokens
+        (`model.prompt_slots`), if not all its tokens: an encoder-decoder's prompt is its
+        source, which a slot holds beside its target, each within `capacity`."""
         prompt = checks.token_ids("prompt", self.prompt)
         if not prompt:
             raise checks.InvalidValue("prompt", "the prompt is empty: it needs at least one "
@@ -73,7 +77,16 @@ class GenerationRequest:
                 raise checks.InvalidValue("prompt", f"prompt token id {token} is outside the "
                                                     f"vocabulary [0, {vocab_size})")
         max_tokens = checks.integer("max_tokens", self.max_tokens, 1)
-        if len(prompt) + max_tokens > capacity:
+        if prompt_slots is not None:  # the prompt is a source
+            if len(prompt) > capacity:
+                raise checks.InvalidValue("prompt", f"the source has {len(prompt)} tokens, "
+                                                    f"more than a slot's capacity of {capacity}")
+            if prompt_slots + max_tokens > capacity:
+                raise checks.InvalidValue(
+                    "max_tokens", f"max_tokens is {max_tokens} after the target's start "
+                                  f"({prompt_slots} filled): {prompt_slots + max_tokens} target "
+                                  f"slots do not fit a slot's capacity of {capacity}")
+        elif len(prompt) + max_tokens > capacity:
             raise checks.InvalidValue(
                 "max_tokens", f"the prompt has {len(prompt)} tokens and max_tokens is "
                               f"{max_tokens}: {len(prompt) + max_tokens} tokens do not fit a "

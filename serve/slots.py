@@ -175,12 +175,21 @@ def empty_state(config: M.TransformerConfig, num_slots: int, num_staged: int, ca
     first call compiles for the layout every later one sees. With `pages` (num_pages,
     page_size) the slots' cache is a pool of that many pages, all free, and after them a
     row's pages for each of `prefix_rows` rows of the prefix cache (`pages.py`)."""
-    if config.is_encoder_decoder:
-        raise ValueError("the serving engine runs decoder-only language models; this "
-                         "checkpoint is an encoder-decoder")
     if mesh is None:
         return _free_state(config, num_slots, num_staged, capacity, pages, prefix_rows)
     return _free_state_on(config, num_slots, num_staged, capacity, mesh, pages, prefix_rows)
+
+
+def check_serves_sources(mesh, page_size, num_pages, prefix_cache_rows, adapters) -> None:
+    """Raises a ValueError naming an engine setting an encoder-decoder is not served with."""
+    given = [name for name, value in (("mesh", mesh), ("page_size", page_size),
+                                      ("num_pages", num_pages), ("adapters", adapters))
+             if value is not None]
+    if prefix_cache_rows:
+        given.append(f"prefix_cache_rows={prefix_cache_rows}")
+    if given:
+        raise ValueError(f"an encoder-decoder is served on one device, with contiguous slots "
+                         f"and no prefix cache or adapters; {', '.join(given)} given")
 
 
 def _free_state(config: M.TransformerConfig, num_slots: int, num_staged: int,
@@ -204,7 +213,7 @@ def _free_rows(config: M.TransformerConfig, rows: int, capacity: int,
         return jnp.zeros((rows,), jnp.int32)
 
     return SlotState(
-        cache=M.init_cache(config, rows, capacity) if cache is None else cache,
+        cache=M.row_cache(config, rows, capacity) if cache is None else cache,
         last_tokens=zeros(), generated=zeros(), max_tokens=zeros(),
         stop_ids=jnp.full((rows, MAX_STOP_IDS), -1, jnp.int32),
         keys=jnp.zeros((rows, 2), jnp.uint32),

@@ -12,15 +12,19 @@ from kvjax.model.paged import copy_row_into_pages
 
 LAYOUTS = {"unrolled": False, "scanned": True}
 FIELDS = ("k", "v", "k_scale", "v_scale")  # the self-attention stacks the operations move
+CROSS_FIELDS = ("cross_k", "cross_v", "cross_k_scale", "cross_v_scale")  # an encoder-decoder's
 
 
 def numbered_cache(scan_layers: bool, batch: int, capacity: int, first: int = 0,
-                   lengths=None) -> M.KVCache:
+                   lengths=None, source: int | None = None, source_lengths=None
+                   ) -> M.KVCache:
     """An int8 cache of two layers numbered from `first` on: each scale entry a distinct
     number, each K and V entry that number modulo 127 (int8), so a misplaced slot, row or
-    layer shows in the scales, which move with them, and in K and V."""
-    config = M.preset("tiny", num_kv_heads=2, cache_dtype="int8", scan_layers=scan_layers)
-    cache = M.init_cache(config, batch_size=batch, capacity=capacity)
+    layer shows in the scales, which move with them, and in K and V. With `source`, an
+    encoder-decoder's, its cross-attention K/V of that many source slots numbered too."""
+    config = M.preset("tiny", num_kv_heads=2, cache_dtype="int8", scan_layers=scan_layers,
+                      num_encoder_layers=0 if source is None else 2)
+    cache = M.init_cache(config, batch_size=batch, capacity=capacity, source_capacity=source)
     count = [first]
 
     def numbered(stack):
@@ -29,9 +33,13 @@ def numbered_cache(scan_layers: bool, batch: int, capacity: int, first: int = 0,
         return jnp.asarray(values % 127 if stack.dtype == jnp.int8 else values, stack.dtype)
 
     lengths = np.arange(batch) + 3 if lengths is None else np.asarray(lengths)
+    cross = {} if source is None else {
+        **{name: tuple(map(numbered, getattr(cache, name))) for name in CROSS_FIELDS},
+        "source_lengths": jnp.asarray(np.arange(batch) + 2 if source_lengths is None
+                                      else source_lengths, jnp.int32)}
     return cache.replace(**{name: tuple(map(numbered, getattr(cache, name))) for name in FIELDS},
                          lengths=jnp.asarray(lengths, jnp.int32),
-                         overflow=jnp.ones((batch,), bool))
+                         overflow=jnp.ones((batch,), bool), **cross)
 
 
 def layers(cache: M.KVCache, name: str) -> np.ndarray:
@@ -114,6 +122,47 @@ def test_copy_row_into_pages_fills_the_pages_the_rows_table_names(scan_layers):
         np.testing.assert_array_equal(layers(out, name), expected)
     np.testing.assert_array_equal(out.lengths, [0, 10])
     np.testing.assert_array_equal(out.overflow, [False, False])
+
+
+@pytest.mark.parametrize("scan_layers", LAYOUTS.values(), ids=LAYOUTS)
+def test_an_encoder_decoders_rows_move_with_their_cross_attention_and_source_lengths(
+        scan_layers):
+    """put_rows writes a prefilled row's source slots (8 of the 12 a row holds) and source
+    length; copy_row copies the blocks of 5 source slots its source length of 7 fills
+    (slots 0-9), as it does the target's."""
+    cache = numbered_cache(scan_layers, batch=3, capacity=16, source=12)
+    prefilled = numbered_cache(scan_layers, batch=2, capacity=4, first=10**6, source=8,
+                               source_lengths=[5, 8])
+    put = cache.put_rows(prefilled, jnp.array([1, 0]), jnp.array([0, 3]))
+    for name in CROSS_FIELDS:
+        expected = layers(cache, name).copy()
+        expected[:, 0, :, :8] = layers(prefilled, name)[:, 1]
+        np.testing.assert_array_equal(layers(put, name), expected)
+    np.testing.assert_array_equal(put.source_lengths, [8, 3, 4])
+    staged = numbered_cache(scan_layers, batch=2, capacity=16, first=10**6, lengths=[2, 3],
+                            source=12, source_lengths=[4, 7])
+    out = cache.copy_row(staged, jnp.asarray(1), jnp.asarray(2), block=5)
+    for name, copied in (*((n, 5) for n in FIELDS), *((n, 10) for n in CROSS_FIELDS)):
+        expected = layers(cache, name).copy()
+        expected[:, 2, :, :copied] = layers(staged, name)[:, 1, :, :copied]
+        np.testing.assert_array_equal(layers(out, name), expected)
+    np.testing.assert_array_equal(out.source_lengths, [2, 3, 7])
+    np.testing.assert_array_equal(out.lengths, [3, 4, 3])
+
+
+def test_rows_move_only_between_caches_of_one_kind():
+    decoder_only = numbered_cache(False, batch=2, capacity=8)
+    encoder_decoder = numbered_cache(False, batch=2, capacity=8, source=8)
+    with pytest.raises(ValueError, match="this is a decoder-only, the source an "
+                                         "encoder-decoder's"):
+        decoder_only.put_rows(encoder_decoder, jnp.array([0]), jnp.array([1]))
+    with pytest.raises(ValueError, match="this is an encoder-decoder's, the source a "
+                                         "decoder-only"):
+        encoder_decoder.copy_row(decoder_only, jnp.asarray(0), jnp.asarray(1), block=4)
+    with pytest.raises(ValueError, match="an encoder-decoder's target does not start"):
+        encoder_decoder.take_prefixes(jnp.array([0]), jnp.array([1]), capacity=4)
+    with pytest.raises(ValueError, match="this model is decoder-only"):
+        M.init_cache(M.preset("tiny"), batch_size=1, capacity=4, source_capacity=4)
 
 
 def test_unrolled_layers_own_one_cache_buffer_each():

@@ -34,11 +34,12 @@ def test_an_imported_gemma_serves_its_chat_prompts_as_generate_alone():
 
 
 @pytest.mark.parametrize("name, page_size", [("mixtral", None), ("gpt_oss_mxfp4", 4),
-                                             ("bloom", 4)])
+                                             ("bloom", 4), ("t5", None)])
 def test_an_imported_model_serves_what_transformers_generates(name, page_size):
     """Mixtral (4 experts, 2 for each token), gpt-oss (attention sinks, a sliding window
-    beside a full layer, experts with biases, stored as MXFP4) on pages of 4 slots, and
-    BLOOM (ALiBi, each slot's position its index in the row's pages) on pages too: more
+    beside a full layer, experts with biases, stored as MXFP4) on pages of 4 slots, BLOOM
+    (ALiBi, each slot's position its index in the row's pages) on pages too, and T5 (an
+    encoder-decoder whose prompts are sources, attention biased by relative position): more
     requests than slots, each request's greedy tokens those transformers made for its
     prompt alone (the fixture's record)."""
     directory = FIXTURES / name

@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from conftest import SERVED_MODEL, FakeTokenizer, greedy_text, serve_app
+from conftest import SERVED_MODEL, SHIPPED_LM, FakeTokenizer, greedy_text, serve_app
 
 from kvjax import decode
 from kvjax.serve import GenerationRequest, chat
@@ -296,3 +296,32 @@ def test_a_thinking_models_choice_is_answered_as_its_reasoning(tiny_loaded):
     assert whole.finish_reason == "length"
     assert "".join(c.choices[0].delta.model_extra.get("reasoning") or "" for c in chunks
                    if c.choices) == thought
+
+
+def test_a_translator_answers_completions_as_kvjax_sample_does():
+    """The shipped encoder-decoder: each prompt of a request is a source, translated as
+    `text.sample_text` translates it alone; its prompt has no logprobs and it has no chat."""
+    from kvjax import text
+
+    numbers = text.load(SHIPPED_LM.parent / "numbers-to-words")
+    app = build_app(numbers, max_slots=2, max_queue=8, chunk_size=4, prefill_batch=2,
+                    max_len=32)
+    url, stop = serve_app(app, TIMEOUT)
+    sources = ["4021", "90", "1000017"]
+    try:
+        def post(route, **body):
+            return httpx.post(f"{url}/v1/{route}", json={"model": "numbers-to-words", **body},
+                              timeout=TIMEOUT)
+
+        answer = post("completions", prompt=sources, max_tokens=24, temperature=0).json()
+        scored = post("completions", prompt="12", max_tokens=1, echo=True, logprobs=1)
+        chat = post("chat/completions", messages=[{"role": "user", "content": "12"}])
+    finally:
+        stop()
+    alone = [text.sample_text(numbers, s, max_new_tokens=24).text for s in sources]
+    assert [c["text"] for c in sorted(answer["choices"], key=lambda c: c["index"])] == alone
+    assert alone[0] == "four thousand twenty-one"
+    assert answer["usage"]["prompt_tokens"] == sum(
+        len(text.prompt_tokens(numbers, s)) for s in sources)
+    assert scored.status_code == 400 and "its tokens have no logprobs" in scored.text
+    assert chat.status_code == 400 and "it has no chat" in chat.text

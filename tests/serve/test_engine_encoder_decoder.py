@@ -1,0 +1,114 @@
+"""The engine serving an encoder-decoder (a translator): each request's prompt is its source,
+and its tokens are those `generate` makes for that source alone, whatever sources of other
+lengths share the slots, join or leave them; what it cannot serve is refused by name."""
+
+from pathlib import Path
+
+import jax
+import pytest
+from test_engine import Collector, prompt
+
+from kvjax import decode, text
+from kvjax import model as M
+from kvjax.decode import Sampling
+from kvjax.decode.sampling import seed_key
+from kvjax.decode.tracing import trace_count
+from kvjax.serve import Engine, GenerationRequest
+from kvjax.serve.prompt_logprobs import prompt_logprobs
+
+SLOTS, CHUNK, CAPACITY = 2, 4, 24
+
+
+@pytest.fixture(scope="module")
+def translator():
+    """(config, model, params) of a tiny encoder-decoder, layers scanned (as conftest's)."""
+    config = M.preset("tiny", num_encoder_layers=2, positional_encoding="rope",
+                      num_kv_heads=2, scan_layers=True)
+    return config, M.build_model(config), M.init_params(config, jax.random.key(3))
+
+
+@pytest.fixture(scope="module")
+def numbers():
+    return text.load(Path(__file__).resolve().parents[2] / "checkpoints" / "numbers-to-words")
+
+
+@pytest.fixture(scope="module")
+def engine(translator):
+    config, _, params = translator
+    return Engine(config, params, max_slots=SLOTS, chunk_size=CHUNK, max_len=CAPACITY,
+                  prefill_batch=2)
+
+
+def test_greedy_translations_equal_generate_alone_while_others_join_and_leave(numbers):
+    """The shipped translator, sources of 1 to 7 digits (prefilled two at a time, in two
+    length buckets), more requests than slots: each slot answers its own source."""
+    sources = ["4021", "7", "880017", "35", "1000001", "612"]
+    requests = [GenerationRequest(tuple(text.prompt_tokens(numbers, s)), max_tokens=m,
+                                  stop_ids=numbers.tokenizer.stop_ids)
+                for s, m in zip(sources, (30, 30, 4, 30, 30, 30), strict=True)]
+    made = decode.generate(numbers.net, numbers.params, [list(r.prompt) for r in requests],
+                           max_new_tokens=30, eos_ids=numbers.tokenizer.stop_ids)
+    expected = [tokens[:r.max_tokens]
+                for tokens, r in zip(made.token_lists(), requests, strict=True)]
+    engine = Engine(numbers.config, numbers.params, tokenizer=numbers.tokenizer,
+                    max_slots=SLOTS, chunk_size=CHUNK, max_len=32, prefill_batch=2)
+    collectors = [Collector() for _ in requests]
+    for request, collector in zip(requests[:3], collectors[:3], strict=True):
+        engine.submit(request, collector)
+    engine.step()
+    for request, collector in zip(requests[3:], collectors[3:], strict=True):
+        engine.submit(request, collector)
+    engine.run_until_idle()
+    assert [c.tokens() for c in collectors] == expected
+    assert collectors[0].text() == "four thousand twenty-one"
+    assert [c.finish() for c in collectors] == ["stop", "stop", "length", "stop", "stop", "stop"]
+    assert engine.live_slots == 0 and engine.queue_length == 0
+
+
+def test_a_seeded_sample_draws_what_generate_draws_with_its_key(engine, translator):
+    _, net, params = translator
+    sampling = Sampling(temperature=1.0, top_k=20, repetition_penalty=1.3)
+    source = prompt(60, 9)
+    crowd = [Collector() for _ in range(2)]
+    for i, collector in enumerate(crowd):
+        engine.submit(GenerationRequest(prompt(61 + i, 4 + 7 * i), max_tokens=5,
+                                        sampling=Sampling(temperature=0.7), seed=i), collector)
+    sampled = Collector()
+    engine.submit(GenerationRequest(source, max_tokens=8, sampling=sampling, seed=7, n=2),
+                  sampled)
+    engine.run_until_idle()
+    made = decode.generate(net, params, [list(source)], max_new_tokens=8, sampling=sampling,
+                           num_samples=2, rng=jax.random.wrap_key_data(seed_key(7)[None]))
+    assert made.token_lists() == [sampled.tokens(0), sampled.tokens(1)]
+
+
+def test_what_an_encoder_decoder_is_not_served_with_is_refused(engine, translator):
+    config, _, params = translator
+    for settings, named in ((dict(page_size=4), "page_size"),
+                            (dict(prefix_cache_rows=2), "prefix_cache_rows=2")):
+        with pytest.raises(ValueError, match=f"one device, with contiguous slots and no prefix "
+                                             f"cache or adapters; {named} given"):
+            Engine(config, params, max_slots=SLOTS, max_len=CAPACITY, **settings)
+    with pytest.raises(ValueError, match="the source has 25 tokens, more than a slot's "
+                                         "capacity of 24"):
+        engine.submit(GenerationRequest(prompt(0, 25), max_tokens=1), Collector())
+    # A source as long as the slot fits it: the target is BOS and the new tokens.
+    with pytest.raises(ValueError, match=r"max_tokens is 24 after the target's start \(1 "
+                                         r"filled\): 25 target slots do not fit"):
+        engine.submit(GenerationRequest(prompt(0, 24), max_tokens=24), Collector())
+    with pytest.raises(ValueError, match="its tokens have no logprobs"):
+        prompt_logprobs(config, params, prompt(0, 5), top=1)
+
+
+def test_after_warming_up_translating_compiles_nothing_new(engine):
+    engine.warm_up(prompt_lengths=range(1, 9))  # every row count, one source bucket
+    before = {name: trace_count(name)
+              for name in ("serve_insert", "serve_first_tokens", "serve_chunk", "prefill")}
+    collectors = [Collector() for _ in range(SLOTS + 2)]
+    for i, collector in enumerate(collectors):
+        engine.submit(GenerationRequest(prompt(70 + i, 3 + i), max_tokens=2 + i,
+                                        sampling=Sampling(temperature=0.5 * (i % 2)), seed=i),
+                      collector)
+    engine.run_until_idle()
+    assert [len(c.tokens()) for c in collectors] == [2 + i for i in range(len(collectors))]
+    assert {name: trace_count(name) for name in before} == before
