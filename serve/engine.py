@@ -66,7 +66,7 @@ class EngineFailed(Exception):
 class Engine:
     """Serves `GenerationRequest`s with continuous batching: a language model's, or an
     encoder-decoder's (a translator's: the prompt is its source, of up to `max_len` tokens;
-    one device, contiguous slots, no prefix cache or adapters).
+    one device, contiguous slots, no prefix cache).
 
     `tokenizer` (optional) turns each sample's tokens into text as they come, so that stop
     strings can end it. Up to `prefill_batch` waiting prompts are prefilled in one call (the
@@ -121,7 +121,7 @@ class Engine:
         on = parallel.mesh_of(params) if mesh is None else mesh
         data = 1 if on is None else on.shape[parallel.DATA]
         if M.prompt_is_source(config):
-            slots.check_serves_sources(on, page_size, num_pages, prefix_cache_rows, adapters)
+            slots.check_serves_sources(on, page_size, num_pages, prefix_cache_rows)
             prefix_cache_rows = 0
         if prefix_cache_rows is None:
             prefix_cache_rows = -(-max(1, max_staged // 4) // data) * data

@@ -180,16 +180,15 @@ def empty_state(config: M.TransformerConfig, num_slots: int, num_staged: int, ca
     return _free_state_on(config, num_slots, num_staged, capacity, mesh, pages, prefix_rows)
 
 
-def check_serves_sources(mesh, page_size, num_pages, prefix_cache_rows, adapters) -> None:
+def check_serves_sources(mesh, page_size, num_pages, prefix_cache_rows) -> None:
     """Raises a ValueError naming an engine setting an encoder-decoder is not served with."""
     given = [name for name, value in (("mesh", mesh), ("page_size", page_size),
-                                      ("num_pages", num_pages), ("adapters", adapters))
-             if value is not None]
+                                      ("num_pages", num_pages)) if value is not None]
     if prefix_cache_rows:
         given.append(f"prefix_cache_rows={prefix_cache_rows}")
     if given:
         raise ValueError(f"an encoder-decoder is served on one device, with contiguous slots "
-                         f"and no prefix cache or adapters; {', '.join(given)} given")
+                         f"and no prefix cache; {', '.join(given)} given")
 
 
 def _free_state(config: M.TransformerConfig, num_slots: int, num_staged: int,

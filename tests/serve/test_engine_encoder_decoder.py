@@ -6,6 +6,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from conftest import trained_adapters
 from test_engine import Collector, prompt
 
 from kvjax import decode, text
@@ -13,6 +14,7 @@ from kvjax import model as M
 from kvjax.decode import Sampling
 from kvjax.decode.sampling import seed_key
 from kvjax.decode.tracing import trace_count
+from kvjax.model import lora as L
 from kvjax.serve import Engine, GenerationRequest
 from kvjax.serve.prompt_logprobs import prompt_logprobs
 
@@ -65,6 +67,29 @@ def test_greedy_translations_equal_generate_alone_while_others_join_and_leave(nu
     assert engine.live_slots == 0 and engine.queue_length == 0
 
 
+def test_each_translation_gets_its_own_adapters_tokens_in_a_mixed_batch(numbers):
+    """Two LoRA adapters of the shipped translator (its encoder's layers adapted too) served
+    beside it: each request's tokens are those `generate` makes with its adapter merged."""
+    config, params = numbers.config, numbers.params
+    loras = (L.LoRA(4, 8.0, ("q", "v", "wi")), L.LoRA(2, None, ("k", "wo")))
+    adapters = [(trained_adapters(config, params, lora, 20 + i), lora)
+                for i, lora in enumerate(loras)]
+    merged = [params] + [L.merge(config, params, a, lora) for a, lora in adapters]
+    sources = [text.prompt_tokens(numbers, s) for s in ("4021", "35", "880017")]
+    made = [decode.generate(numbers.net, p, sources, max_new_tokens=12).token_lists()
+            for p in merged]
+    assert made[1] != made[0] and made[2] != made[0] and made[1] != made[2]
+    engine = Engine(config, params, max_slots=SLOTS, chunk_size=CHUNK, max_len=32,
+                    prefill_batch=2, adapters=adapters)
+    asked = [(i, a) for i in range(len(sources)) for a in range(3)]
+    collectors = [Collector() for _ in asked]
+    for (i, adapter), collector in zip(asked, collectors, strict=True):
+        engine.submit(GenerationRequest(tuple(sources[i]), max_tokens=12, adapter=adapter),
+                      collector)
+    engine.run_until_idle()
+    assert [c.tokens() for c in collectors] == [made[a][i] for i, a in asked]
+
+
 def test_a_seeded_sample_draws_what_generate_draws_with_its_key(engine, translator):
     _, net, params = translator
     sampling = Sampling(temperature=1.0, top_k=20, repetition_penalty=1.3)
@@ -87,7 +112,7 @@ def test_what_an_encoder_decoder_is_not_served_with_is_refused(engine, translato
     for settings, named in ((dict(page_size=4), "page_size"),
                             (dict(prefix_cache_rows=2), "prefix_cache_rows=2")):
         with pytest.raises(ValueError, match=f"one device, with contiguous slots and no prefix "
-                                             f"cache or adapters; {named} given"):
+                                             f"cache; {named} given"):
             Engine(config, params, max_slots=SLOTS, max_len=CAPACITY, **settings)
     with pytest.raises(ValueError, match="the source has 25 tokens, more than a slot's "
                                          "capacity of 24"):
