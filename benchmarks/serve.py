@@ -206,7 +206,8 @@ def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, o
                     shared_prefix: int = 0, prefix_cache_rows: int | None = None,
                     steps_per_check: int | None = None, page_size: int | None = None,
                     num_pages: int | None = None, max_staged: int | None = None,
-                    lora_adapters: int = 0, lora_rank: int = 8) -> str:
+                    lora_adapters: int = 0, lora_rank: int = 8,
+                    encoder_layers: int = 0) -> str:
     """The report: each contender's run of median throughput among `repeats` (the engine and
     the fixed batches take turns, so that both see the machine's drift alike), then the
     ratio in each repeat; transformers' contender runs once. The engine's slots hold
@@ -217,9 +218,16 @@ def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, o
     takes (its `max_len` raised, said in the report). With `lora_adapters` N, a third
     contender is the engine serving N random adapters of rank `lora_rank` on every
     attention and feed-forward kernel beside the base, the requests spread over the N + 1
-    in turn, with the ratio of its throughput to the engine's without them."""
-    config = M.preset(preset)
-    longest = shared_prefix + prompt_range[1] + output_range[1]
+    in turn, with the ratio of its throughput to the engine's without them. With
+    `encoder_layers` N > 0 the preset is an encoder-decoder of N encoder layers, whose
+    prompts are sources: a slot then holds the longest source beside the longest target."""
+    config = M.preset(preset, num_encoder_layers=encoder_layers)
+    translator = M.prompt_is_source(config)
+    if translator and shared_prefix:
+        raise ValueError(f"shared_prefix={shared_prefix} measures the prefix cache, which an "
+                         "encoder-decoder has none of")
+    prompt = shared_prefix + prompt_range[1]  # an encoder-decoder's is its source
+    longest = max(prompt, M.prompt_slots(config, prompt) + output_range[1])
     needed = max(longest, max_len or 0)
     raised = needed > config.max_len and config.positional_encoding != "learned"
     if raised:
@@ -248,7 +256,9 @@ def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, o
     if adapters:
         results.append(median_run(adapter_runs))
         notes.append(ratio_line(adapter_runs, engine_runs))
-    if compare_transformers:
+    if compare_transformers and translator:
+        notes.append("transformers continuous batching: it serves decoder-only models")
+    elif compare_transformers:
         from kvjax.benchmarks import serve_transformers
 
         missing = serve_transformers.transformers_missing()
@@ -258,7 +268,8 @@ def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, o
             results.append(serve_transformers.run_transformers_continuous_batching(
                 config, workload, max_slots))
             notes.append(serve_transformers.versions())
-    setting = (f"preset {preset}, random weights, greedy; prompts {prompt_range[0]}-"
+    kind = f" as an encoder-decoder of {encoder_layers} encoder layers" if translator else ""
+    setting = (f"preset {preset}{kind}, random weights, greedy; prompts {prompt_range[0]}-"
                f"{prompt_range[1]} tokens, outputs {output_range[0]}-{output_range[1]} "
                f"({'log-uniform' if long_tail else 'uniform'}), "
                f"Poisson arrivals at {rate:g}/s (seed {seed}); {jax.devices()[0].device_kind}")

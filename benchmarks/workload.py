@@ -30,7 +30,8 @@ def make_workload(config: M.TransformerConfig, num_requests: int, rate: float,
     chat logs). Poisson arrivals at `rate` requests per second. With `shared_prefix` N,
     every prompt starts with the same N tokens (a system prompt or few-shot preamble)
     before its own; the rest of the workload is the one drawn without it."""
-    longest = shared_prefix + prompt_range[1] + output_range[1]
+    prompt = shared_prefix + prompt_range[1]  # an encoder-decoder's is its source
+    longest = max(prompt, M.prompt_slots(config, prompt) + output_range[1])
     if longest > config.max_len:
         raise ValueError(f"the shared prefix ({shared_prefix}), the longest prompt "
                          f"({prompt_range[1]}) and output ({output_range[1]}) need {longest} "

@@ -1,13 +1,15 @@
-"""`kvjax bench decode`, `kvjax bench train` and `kvjax bench serve`: speed against baselines,
-in one run each; `kvjax bench precision`: each precision's memory, speed and quality;
-`kvjax bench speculative`: speculative decoding against plain greedy; `kvjax bench structured`:
-constrained rows against free ones; `kvjax bench kernels`: a decode step's kernels."""
+"""`kvjax bench decode`, `kvjax bench train` and `kvjax bench serve` (`bench_serve.py`): speed
+against baselines, in one run each; `kvjax bench precision`: each precision's memory, speed
+and quality; `kvjax bench speculative`: speculative decoding against plain greedy; `kvjax bench
+structured`: constrained rows against free ones; `kvjax bench kernels`: a decode step's
+kernels."""
 
 from __future__ import annotations
 
 import os
 import tempfile
 
+from .bench_serve import add_serve
 from .common import (
     CACHE_DTYPE_NAMES,
     DTYPE_NAMES,
@@ -17,10 +19,9 @@ from .common import (
     RANDOM_HF_MODELS,
     TRAIN_SHAPES,
     add_command,
-    count,
+    add_decode_attention,
+    in_decode_attention_mode,
     positive,
-    positive_real,
-    seed,
 )
 
 
@@ -31,7 +32,7 @@ def add_bench(commands) -> None:
     _add_train(kinds)
     _add_speculative(kinds)
     _add_precision(kinds)
-    _add_serve(kinds)
+    add_serve(kinds)
     _add_structured(kinds)
     _add_kernels(kinds)
 
@@ -64,25 +65,8 @@ def _add_kernels(kinds) -> None:
     kernels.add_argument("--engine", action="store_true",
                          help="also the same work done by a serving engine of --batch slots "
                               "(kvjax.serve.Engine), each slot making --new-tokens tokens")
-    _add_decode_attention(kernels)
-    kernels.set_defaults(run=_in_decode_attention_mode(run_bench_kernels))
-
-
-def _add_decode_attention(parser) -> None:
-    parser.add_argument("--decode-attention", choices=("auto", "xla"), default="auto",
-                        help="decode steps' attention: auto (one kernel per layer on an "
-                             "NVIDIA GPU, XLA's ops elsewhere) or xla (XLA's ops everywhere)")
-
-
-def _in_decode_attention_mode(run):
-    """`run(args)` with its decode steps' attention as `--decode-attention` says."""
-    def wrapped(args) -> int:
-        from kvjax.model.decode_kernel import decode_kernel_mode
-
-        with decode_kernel_mode(args.decode_attention):
-            return run(args)
-
-    return wrapped
+    add_decode_attention(kernels)
+    kernels.set_defaults(run=in_decode_attention_mode(run_bench_kernels))
 
 
 def _model_dir(args, scratch: str) -> str | None:
@@ -199,8 +183,8 @@ def _add_decode(kinds) -> None:
                         help="the sliding window of the sweep's windowed cache, in slots")
     decode.add_argument("--sweep-plot", default="decode_sweep.png",
                         help="where to write the sweep's PNG plot")
-    _add_decode_attention(decode)
-    decode.set_defaults(run=_in_decode_attention_mode(run_bench_decode))
+    add_decode_attention(decode)
+    decode.set_defaults(run=in_decode_attention_mode(run_bench_decode))
 
 
 def _add_train(kinds) -> None:
@@ -244,80 +228,6 @@ def _add_train(kinds) -> None:
                             "--deterministic runs it), without them (its default), or both to "
                             "measure their cost")
     train.set_defaults(run=run_bench_train)
-
-
-def _add_serve(kinds) -> None:
-    serve = add_command(kinds, "serve", "Continuous batching (kvjax.serve's engine) against "
-                        "fixed batches of decode.generate and, where it is installed, "
-                        "transformers' continuous batching, on requests with mixed lengths "
-                        "arriving over time: tokens/s, time to first token and inter-token "
-                        "latency; the engine and the fixed batches take turns --repeats "
-                        "times (median).")
-    serve.add_argument("--preset", choices=PRESET_NAMES, default="small", help="model size")
-    serve.add_argument("--requests", type=positive, default=128, help="requests to serve")
-    serve.add_argument("--rate", type=positive_real, default=50.0,
-                       help="mean arrivals per second (Poisson)")
-    serve.add_argument("--prompt-lengths", type=positive, nargs=2, default=[8, 64],
-                       metavar=("MIN", "MAX"), help="prompt tokens, uniform in [MIN, MAX]")
-    serve.add_argument("--output-lengths", type=positive, nargs=2, default=[8, 128],
-                       metavar=("MIN", "MAX"), help="tokens to generate, uniform in [MIN, MAX]")
-    serve.add_argument("--long-tail", action="store_true",
-                       help="output lengths log-uniform in [MIN, MAX] (many short, few long)")
-    serve.add_argument("--shared-prefix", type=count, default=0, metavar="N",
-                       help="every prompt starts with the same N tokens (a system prompt); "
-                            "a model without learned positions gets the positions it takes")
-    serve.add_argument("--max-slots", type=positive, default=16, help="the engine's slots")
-    serve.add_argument("--max-len", type=positive, default=None,
-                       help="positions per engine slot (default: the longest prompt plus the "
-                            "longest output, as a deployment sizes its slots to the longest "
-                            "request it accepts)")
-    serve.add_argument("--chunk-size", type=positive, default=None,
-                       help="the engine's decode steps per chunk (default: the engine's, "
-                            "32 on a CPU, 64 on an accelerator)")
-    serve.add_argument("--prefix-cache-rows", type=count, default=None, metavar="N",
-                       help="the engine's prefix cache rows (default: the engine's; 0: off)")
-    serve.add_argument("--steps-per-check", type=positive, default=None, metavar="K",
-                       help="decode steps between the chunk's checks of whether to go on or "
-                            "admit, run in a loop of known trip count (default: the "
-                            "engine's, 1 on a CPU, 8 on an accelerator)")
-    serve.add_argument("--page-size", type=positive, default=None, metavar="N",
-                       help="the engine's slots in pages of N positions (default: a row of "
-                            "--max-len per slot)")
-    serve.add_argument("--num-pages", type=positive, default=None, metavar="N",
-                       help="with --page-size, the pages of the engine's slots (default: "
-                            "--max-slots full slots)")
-    serve.add_argument("--max-staged", type=positive, default=None,
-                       help="the engine's staged rows (default: the engine's, --max-slots)")
-    serve.add_argument("--batch", type=positive, default=16,
-                       help="requests per decode.generate call in the baseline")
-    serve.add_argument("--seed", type=seed, default=0, help="workload and weights seed")
-    serve.add_argument("--no-hf", action="store_true",
-                       help="skip transformers' continuous batching")
-    serve.add_argument("--lora-adapters", type=count, default=0, metavar="N",
-                       help="a third contender: the engine serving N random LoRA adapters "
-                            "(rank --lora-rank on every attention and FFN kernel) beside the "
-                            "base, requests spread over them in turn")
-    serve.add_argument("--lora-rank", type=positive, default=8, help="with --lora-adapters")
-    serve.add_argument("--repeats", type=positive, default=3,
-                       help="runs of the engine and the fixed batches, in turn (median)")
-    _add_decode_attention(serve)
-    serve.set_defaults(run=_in_decode_attention_mode(run_bench_serve))
-
-
-def run_bench_serve(args) -> int:
-    from kvjax.benchmarks.serve import serve_benchmark
-
-    print(serve_benchmark(args.preset, args.requests, args.rate, tuple(args.prompt_lengths),
-                          tuple(args.output_lengths), args.max_slots, args.chunk_size,
-                          args.batch, args.seed, args.long_tail,
-                          compare_transformers=not args.no_hf, repeats=args.repeats,
-                          max_len=args.max_len, shared_prefix=args.shared_prefix,
-                          prefix_cache_rows=args.prefix_cache_rows,
-                          steps_per_check=args.steps_per_check,
-                          page_size=args.page_size, num_pages=args.num_pages,
-                          max_staged=args.max_staged, lora_adapters=args.lora_adapters,
-                          lora_rank=args.lora_rank))
-    return 0
 
 
 def _add_precision(kinds) -> None:

@@ -130,3 +130,20 @@ def schedule(args) -> dict:
     if args.warmup_steps is not None:
         overrides["warmup_steps"] = args.warmup_steps
     return overrides
+
+
+def add_decode_attention(parser) -> None:
+    parser.add_argument("--decode-attention", choices=("auto", "xla"), default="auto",
+                        help="decode steps' attention: auto (one kernel per layer on an "
+                             "NVIDIA GPU, XLA's ops elsewhere) or xla (XLA's ops everywhere)")
+
+
+def in_decode_attention_mode(run):
+    """`run(args)` with its decode steps' attention as `--decode-attention` says."""
+    def wrapped(args) -> int:
+        from kvjax.model.decode_kernel import decode_kernel_mode
+
+        with decode_kernel_mode(args.decode_attention):
+            return run(args)
+
+    return wrapped

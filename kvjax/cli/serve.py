@@ -49,8 +49,9 @@ def add_serve(commands) -> None:
     serve.add_argument("--max-queue", type=positive, default=64,
                        help="requests waiting for a slot; more are answered 429")
     serve.add_argument("--max-len", type=positive, default=None,
-                       help="tokens per slot, prompt and output (default: the model's "
-                            "max_len); a decode step may read every slot's positions, so "
+                       help="tokens per slot, prompt and output (a translator's source "
+                            "and target each; default: the model's max_len); a decode step "
+                            "may read every slot's positions, so "
                             "slots sized to the longest request accepted make it cheaper")
     serve.add_argument("--chunk-size", type=positive, default=None,
                        help="decode steps between the host's turns (handing out tokens, "

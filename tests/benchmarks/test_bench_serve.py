@@ -89,3 +89,19 @@ def test_the_adapters_contender_spreads_the_requests_over_the_base_and_its_adapt
     result = run_engine(config, params, workload, max_slots=2, adapters=adapters)
     assert result.tokens == sum(workload.max_tokens) and len(result.ttft) == 6
     assert ", 2 LoRA adapters," in result.name
+
+
+def test_a_translators_workload_fits_its_sources_and_targets_apart():
+    """A source and its target each fit an encoder-decoder's max_len, where a language model
+    would need the prompt and output together; a shared prefix, which only the prefix cache
+    serves, is refused for it."""
+    from kvjax.benchmarks.serve import serve_benchmark
+
+    settings = dict(num_requests=3, rate=100.0, prompt_range=(2, 60), output_range=(1, 60))
+    translator = make_workload(M.preset("tiny", num_encoder_layers=2), **settings)
+    assert max(len(p) for p in translator.prompts) <= 60
+    with pytest.raises(ValueError, match=r"need 120 positions, more than the model's max_len"):
+        make_workload(M.preset("tiny"), **settings)
+    with pytest.raises(ValueError, match="shared_prefix=4 measures the prefix cache"):
+        serve_benchmark("tiny", 3, 100.0, (2, 8), (1, 8), max_slots=2, chunk_size=None,
+                        batch=2, shared_prefix=4, encoder_layers=2)
