@@ -48,15 +48,16 @@ def run_engine(config, params, workload: Workload, max_slots: int,
                prefix_cache_rows: int | None = None,
                steps_per_check: int | None = None, page_size: int | None = None,
                num_pages: int | None = None, max_staged: int | None = None,
-               adapters=None) -> Result:
-    """The engine with `max_slots` slots of `max_len` positions (default: the model's),
-    `prefix_cache_rows` (default: the engine's), `steps_per_check`, the slots' pages
-    (`page_size`, `num_pages`) and `max_staged` (the engine's defaults). With `adapters`
-    (`Engine`'s) request i asks for adapter i mod (their number + 1), 0 the base alone."""
+               adapters=None, max_source_len: int | None = None) -> Result:
+    """The engine with `max_slots` slots of `max_len` positions (default: the model's; an
+    encoder-decoder's sources of `max_source_len`), `prefix_cache_rows` (default: the
+    engine's), `steps_per_check`, the slots' pages (`page_size`, `num_pages`) and
+    `max_staged` (the engine's defaults). With `adapters` (`Engine`'s) request i asks for
+    adapter i mod (their number + 1), 0 the base alone."""
     engine = Engine(config, params, max_slots=max_slots, max_len=max_len, chunk_size=chunk_size,
                     max_queue=len(workload.prompts), prefix_cache_rows=prefix_cache_rows,
                     steps_per_check=steps_per_check, page_size=page_size, num_pages=num_pages,
-                    max_staged=max_staged, adapters=adapters)
+                    max_staged=max_staged, adapters=adapters, max_source_len=max_source_len)
     served = 1 + (0 if engine.adapters is None else engine.adapters.count)
     engine.warm_up(len(p) for p in workload.prompts)
     first, last, gaps, errors = {}, {}, [], []
@@ -103,7 +104,8 @@ def run_engine(config, params, workload: Workload, max_slots: int,
     # Whether the chunk's loops were compiled to stay on the device (`kvjax.device_loops`).
     loops = ", loops on the device" if device_loop_options(jax.default_backend()) else ""
     lora = "" if served == 1 else f", {served - 1} LoRA adapters"
-    return Result(f"engine ({max_slots} slots of {engine.capacity}, {pages}{lora}, "
+    sources = "" if engine.source_capacity is None else f" (sources {engine.source_capacity})"
+    return Result(f"engine ({max_slots} slots of {engine.capacity}{sources}, {pages}{lora}, "
                   f"{engine.num_staged} staged, chunk "
                   f"{engine.chunk_size}, {engine.steps_per_check} steps per check, "
                   f"{engine.prefix_cache_rows} prefix rows{loops}; at most {most_live} live)",
@@ -228,6 +230,7 @@ def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, o
                          "encoder-decoder has none of")
     prompt = shared_prefix + prompt_range[1]  # an encoder-decoder's is its source
     longest = max(prompt, M.prompt_slots(config, prompt) + output_range[1])
+    sources = prompt if translator else None  # slots sized to the longest request, as below
     needed = max(longest, max_len or 0)
     raised = needed > config.max_len and config.positional_encoding != "learned"
     if raised:
@@ -247,10 +250,12 @@ def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, o
     options = (max_slots, chunk_size, max_len, prefix_cache_rows, steps_per_check, page_size,
                num_pages, max_staged)
     for _ in range(repeats):
-        engine_runs.append(run_engine(config, params, workload, *options))
+        engine_runs.append(run_engine(config, params, workload, *options,
+                                      max_source_len=sources))
         batch_runs.append(run_fixed_batches(config, params, workload, batch))
         if adapters:
-            adapter_runs.append(run_engine(config, params, workload, *options, adapters))
+            adapter_runs.append(run_engine(config, params, workload, *options, adapters,
+                                           max_source_len=sources))
     results = [median_run(engine_runs), median_run(batch_runs)]
     notes = [ratio_line(engine_runs, batch_runs)] if repeats > 1 else []
     if adapters:

@@ -219,17 +219,18 @@ class KVCache:
         length needs), so a row of long capacity costs no more to fill than it is filled."""
         self._refuse_paged("copy_row")
         self._check_same_kind(source, "copy_row")
+        target_block = min(block, self.capacity)
         copied = self.with_row_copied(
-            source, row, into, min(block, self.capacity),
-            functools.partial(_copy_block, row, into, min(block, self.capacity),
-                              self.capacity, source._self_attention()))
+            source, row, into, target_block,
+            functools.partial(_copy_block, row, into, target_block, self.capacity,
+                              source._self_attention()))
         if self.source_lengths is None:
             return copied
-        cross_block = min(block, self.source_length)
+        source_block = min(block, self.source_length)
         length = source.source_lengths[row]
         cross = jax.lax.fori_loop(
-            0, (length + cross_block - 1) // cross_block,
-            functools.partial(_copy_block, row, into, cross_block, self.source_length,
+            0, (length + source_block - 1) // source_block,
+            functools.partial(_copy_block, row, into, source_block, self.source_length,
                               source._cross_attention()), self._cross_attention())
         return copied.replace(**cross,
                               source_lengths=self.source_lengths.at[into].set(length))

@@ -163,12 +163,15 @@ def target_start(config: TransformerConfig, prompt_BP: jax.Array, prompt_lengths
     return (jnp.full((batch, 1), config.bos_id, jnp.int32), jnp.ones((batch,), jnp.int32))
 
 
-def row_cache(config: TransformerConfig, rows: int, capacity: int) -> KVCache:
+def row_cache(config: TransformerConfig, rows: int, capacity: int,
+              source_capacity: int | None = None) -> KVCache:
     """An empty cache of `rows` rows of `capacity` slots that prefilled rows are put into
     (`KVCache.put_rows`, `copy_row`): an encoder-decoder's holds a source of up to
-    `capacity` tokens beside its target."""
+    `source_capacity` (default `capacity`) tokens beside its target."""
+    if not config.is_encoder_decoder:
+        return init_cache(config, rows, capacity)
     return init_cache(config, rows, capacity,
-                      source_capacity=capacity if config.is_encoder_decoder else None)
+                      source_capacity=capacity if source_capacity is None else source_capacity)
 
 
 def prompt_slots(config: TransformerConfig, prompt_length: int) -> int:

@@ -65,8 +65,8 @@ class EngineFailed(Exception):
 
 class Engine:
     """Serves `GenerationRequest`s with continuous batching: a language model's, or an
-    encoder-decoder's (a translator's: the prompt is its source, of up to `max_len` tokens;
-    one device, contiguous slots, no prefix cache).
+    encoder-decoder's (a translator's: the prompt is its source, of up to `max_source_len`
+    tokens, default `max_len`; one device, contiguous slots, no prefix cache).
 
     `tokenizer` (optional) turns each sample's tokens into text as they come, so that stop
     strings can end it. Up to `prefill_batch` waiting prompts are prefilled in one call (the
@@ -82,9 +82,8 @@ class Engine:
     `max_staged` (default `max_slots`) and `prefix_cache_rows` rows of `max_len` come beside
     them; the whole is refused before it is allocated if it would not fit the device's free
     memory (`memory.py`). `max_staged` bounds a request's `n` and the slots a chunk can refill
-    before the host stages more. `chunk_size` and `steps_per_check` (a chunk runs its steps that
-    many at a time) default to `chunk.default_chunk_size()` and
-    `chunk.default_steps_per_check()`.
+    before the host stages more. `chunk_size` and `steps_per_check` (a chunk runs its steps
+    that many at a time) default to `chunk.default_chunk_size()`, `default_steps_per_check()`.
 
     `prefix_cache_rows` more rows (default a quarter of `max_staged`; 0: none) keep the K/V of
     recent prompts, so a prompt that starts like one of them prefills only the rest
@@ -103,7 +102,7 @@ class Engine:
                  max_queue: int = 64, prefill_batch: int = 8, prefix_cache_rows: int | None = None,
                  prefix_block: int = prefix_cache.DEFAULT_BLOCK, prefill_part: int = 512,
                  page_size: int | None = None, num_pages: int | None = None,
-                 metrics=None, mesh=None, adapters=None):
+                 metrics=None, mesh=None, adapters=None, max_source_len: int | None = None):
         capacity = config.max_len if max_len is None else max_len
         chunk_size = chunk.default_chunk_size() if chunk_size is None else chunk_size
         if steps_per_check is None:
@@ -120,9 +119,9 @@ class Engine:
             raise ValueError(f"max_len={capacity} exceeds the model's max_len {config.max_len}")
         on = parallel.mesh_of(params) if mesh is None else mesh
         data = 1 if on is None else on.shape[parallel.DATA]
-        if M.prompt_is_source(config):
-            slots.check_serves_sources(on, page_size, num_pages, prefix_cache_rows)
-            prefix_cache_rows = 0
+        self.source_capacity = slots.source_capacity(config, capacity, max_source_len, on,
+                                                     page_size, num_pages, prefix_cache_rows)
+        prefix_cache_rows = 0 if self.source_capacity else prefix_cache_rows  # none for sources
         if prefix_cache_rows is None:
             prefix_cache_rows = -(-max(1, max_staged // 4) // data) * data
         if not isinstance(prefix_cache_rows, int) or prefix_cache_rows < 0:
@@ -139,6 +138,7 @@ class Engine:
             adapters = lora_rows.stack(config, params, list(adapters)) if adapters else None
         self.adapters = lora_rows.placed(adapters, self.mesh)
         self.capacity, self.chunk_size, self.max_queue = capacity, chunk_size, max_queue
+        self.prompt_capacity = self.source_capacity or capacity  # the longest prompt's bucket
         self.steps_per_check, self.prefill_batch = steps_per_check, prefill_batch
         self.max_slots, self.num_staged, self.metrics = max_slots, max_staged, metrics
         self.prefix_cache_rows, self.prefix_block = prefix_cache_rows, prefix_block
@@ -158,7 +158,8 @@ class Engine:
     def _reset(self) -> None:
         self.state = slots.empty_state(self.config, self.max_slots, self.num_staged,
                                        self.capacity, self.mesh, self.pages,
-                                       self.prefix_cache_rows if self.pages else 0)
+                                       self.prefix_cache_rows if self.pages else 0,
+                                       self.source_capacity)
         self.outputs = Outputs(self.tokenizer, self.metrics,  # the samples, by id
                                lambda row: self._prefixes.give_back(row))
         self._tables = constrained.TableKeeper()
@@ -186,9 +187,9 @@ class Engine:
     def check(self, request: GenerationRequest) -> GenerationRequest:
         """`request` as `submit` queues it (seed drawn); a `checks.InvalidValue` names the
         first value this engine can never serve."""
-        request = request.checked(self.config.vocab_size, self.capacity,  # a source: BOS
-                                  M.prompt_slots(self.config, 0)
-                                  if M.prompt_is_source(self.config) else None)
+        request = request.checked(self.config.vocab_size, self.capacity,
+                                  self.source_capacity and M.prompt_slots(self.config, 0),
+                                  self.source_capacity)
         served = 0 if self.adapters is None else self.adapters.count
         if not checks.is_int(request.adapter) or not 0 <= request.adapter <= served:
             raise checks.InvalidValue("adapter", f"adapter={request.adapter!r} is not among "
@@ -376,7 +377,7 @@ class Engine:
                     and self._waiting >= max(1, self.max_slots // 4)):
                 free = 0
             taken, dropped = prefill_groups.take_group(self._pending, free, self.prefill_batch,
-                                                       self.capacity, self._too_long)
+                                                       self.prompt_capacity, self._too_long)
         for ticket in dropped:
             for index in ticket.indices():
                 ticket.on_delta(Delta(index, [], "", [], [], "cancelled"))

@@ -332,7 +332,7 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
     requests = []
     for ids in prompts:
         room = capacity - M.prompt_slots(loaded.config, len(ids))
-        if room < 1 or len(ids) > capacity:
+        if room < 1:
             raise APIError(400, f"the prompt has {len(ids)} tokens: it leaves no room in a "
                                 f"slot of {capacity} tokens", "prompt")
         default = room if chat_api else min(16, room)

@@ -62,12 +62,13 @@ class GenerationRequest:
     constraint: TokenAutomaton | None = None
     adapter: int = 0
 
-    def checked(self, vocab_size: int, capacity: int, prompt_slots: int | None = None
-                ) -> GenerationRequest:
+    def checked(self, vocab_size: int, capacity: int, prompt_slots: int | None = None,
+                source_capacity: int | None = None) -> GenerationRequest:
         """This request with its seed drawn if None; a ValueError names the first bad value.
         `prompt_slots`: the target slots the prompt fills before the new tokens
         (`model.prompt_slots`), if not all its tokens: an encoder-decoder's prompt is its
-        source, which a slot holds beside its target, each within `capacity`."""
+        source, which a slot holds beside its target, within `source_capacity` (default
+        `capacity`) and `capacity`."""
         prompt = checks.token_ids("prompt", self.prompt)
         if not prompt:
             raise checks.InvalidValue("prompt", "the prompt is empty: it needs at least one "
@@ -78,9 +79,10 @@ class GenerationRequest:
                                                     f"vocabulary [0, {vocab_size})")
         max_tokens = checks.integer("max_tokens", self.max_tokens, 1)
         if prompt_slots is not None:  # the prompt is a source
-            if len(prompt) > capacity:
+            sources = capacity if source_capacity is None else source_capacity
+            if len(prompt) > sources:
                 raise checks.InvalidValue("prompt", f"the source has {len(prompt)} tokens, "
-                                                    f"more than a slot's capacity of {capacity}")
+                                                    f"more than a slot holds ({sources})")
             if prompt_slots + max_tokens > capacity:
                 raise checks.InvalidValue(
                     "max_tokens", f"max_tokens is {max_tokens} after the target's start "

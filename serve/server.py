@@ -56,7 +56,7 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
               api_key: str | None = None, limits: Limits | None = None,
               reasoning_parser: str | None = None, adapters: dict | None = None,
               max_adapters: int | None = None, max_adapter_rank: int | None = None,
-              load_adapter=None) -> Starlette:
+              load_adapter=None, max_source_len: int | None = None) -> Starlette:
     """The app serving `loaded` as `model_name` (default: its directory's name). The engine
     starts with the app (its lifespan), after compiling every program it can need if
     `warm_up`, and stops with it. On a `mesh` the slots are split over its devices (see
@@ -68,7 +68,7 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
     `max_adapter_rank` (defaults: `adapter_stack`). With
     `load_adapter` (a directory on the server -> `(adapters, lora)`), POST
     /v1/load_lora_adapter and /v1/unload_lora_adapter change them while it serves
-    (`adapter_names.py`)."""
+    (`adapter_names.py`). `max_source_len`: an encoder-decoder's longest source (`Engine`'s)."""
     if reasoning_parser not in (None, *reasoning.PARSERS):
         raise ValueError(f"reasoning_parser={reasoning_parser!r} is not one of "
                          f"{', '.join(reasoning.PARSERS)}")
@@ -87,7 +87,7 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
                     prefill_batch=prefill_batch,
                     prefix_cache_rows=prefix_cache_rows, prefill_part=prefill_part,
                     page_size=page_size, num_pages=num_pages, metrics=metrics, mesh=mesh,
-                    adapters=stack)
+                    adapters=stack, max_source_len=max_source_len)
     served_adapters = ServedAdapters(engine, name, tuple(adapters or ()),
                                      0 if stack is None else stack.count, load_adapter)
     created = int(time.time())

@@ -169,19 +169,34 @@ class Emitted:
 
 def empty_state(config: M.TransformerConfig, num_slots: int, num_staged: int, capacity: int,
                 mesh=None, pages: tuple[int, int] | None = None,
-                prefix_rows: int = 0) -> EngineState:
+                prefix_rows: int = 0, source_capacity: int | None = None) -> EngineState:
     """Every slot and staged row free; on `mesh`, made in the layout the programs keep it in
     (rows split over `data`, kv heads over `model`: `parallel.constrain_rows`), so that their
     first call compiles for the layout every later one sees. With `pages` (num_pages,
     page_size) the slots' cache is a pool of that many pages, all free, and after them a
-    row's pages for each of `prefix_rows` rows of the prefix cache (`pages.py`)."""
+    row's pages for each of `prefix_rows` rows of the prefix cache (`pages.py`). An
+    encoder-decoder's rows hold sources of up to `source_capacity` (default `capacity`)
+    tokens."""
     if mesh is None:
-        return _free_state(config, num_slots, num_staged, capacity, pages, prefix_rows)
+        return _free_state(config, num_slots, num_staged, capacity, pages, prefix_rows,
+                           source_capacity)
     return _free_state_on(config, num_slots, num_staged, capacity, mesh, pages, prefix_rows)
 
 
-def check_serves_sources(mesh, page_size, num_pages, prefix_cache_rows) -> None:
-    """Raises a ValueError naming an engine setting an encoder-decoder is not served with."""
+def source_capacity(config: M.TransformerConfig, capacity: int, max_source_len: int | None,
+                    mesh, page_size, num_pages, prefix_cache_rows) -> int | None:
+    """The source slots of an engine's rows: an encoder-decoder's `max_source_len` (default
+    `capacity`), None for a language model. A ValueError names a setting the model is not
+    served with."""
+    if not M.prompt_is_source(config):
+        if max_source_len is not None:
+            raise ValueError(f"max_source_len={max_source_len} sizes an encoder-decoder's "
+                             "sources; this model's prompts are not sources")
+        return None
+    if max_source_len is not None and (not isinstance(max_source_len, int)
+                                       or not 1 <= max_source_len <= config.max_len):
+        raise ValueError(f"max_source_len={max_source_len!r} must be an int in [1, the "
+                         f"model's max_len {config.max_len}]")
     given = [name for name, value in (("mesh", mesh), ("page_size", page_size),
                                       ("num_pages", num_pages)) if value is not None]
     if prefix_cache_rows:
@@ -189,11 +204,12 @@ def check_serves_sources(mesh, page_size, num_pages, prefix_cache_rows) -> None:
     if given:
         raise ValueError(f"an encoder-decoder is served on one device, with contiguous slots "
                          f"and no prefix cache; {', '.join(given)} given")
+    return capacity if max_source_len is None else max_source_len
 
 
 def _free_state(config: M.TransformerConfig, num_slots: int, num_staged: int,
                 capacity: int, pages: tuple[int, int] | None = None,
-                prefix_rows: int = 0) -> EngineState:
+                prefix_rows: int = 0, source_capacity: int | None = None) -> EngineState:
     slots_cache, free_pages = None, None
     if pages is not None:  # the slots' pages first, then each prefix row's (never free)
         num_pages, page_size = pages
@@ -201,18 +217,20 @@ def _free_state(config: M.TransformerConfig, num_slots: int, num_staged: int,
         slots_cache = M.init_paged_cache(config, num_slots, num_pages + prefix_rows * per_row,
                                          page_size, per_row)
         free_pages = jnp.ones((num_pages,), bool)
-    return EngineState(slots=_free_rows(config, num_slots, capacity, slots_cache),
-                       staged=_free_rows(config, num_staged, capacity),
+    return EngineState(slots=_free_rows(config, num_slots, capacity, slots_cache,
+                                        source_capacity),
+                       staged=_free_rows(config, num_staged, capacity, None, source_capacity),
                        last_admitted=jnp.full((), NO_SAMPLE, jnp.int32), free_pages=free_pages)
 
 
 def _free_rows(config: M.TransformerConfig, rows: int, capacity: int,
-               cache: M.KVCache | None = None) -> SlotState:
+               cache: M.KVCache | None = None, source_capacity: int | None = None
+               ) -> SlotState:
     def zeros():  # one buffer per field: the programs donate each of them
         return jnp.zeros((rows,), jnp.int32)
 
     return SlotState(
-        cache=M.row_cache(config, rows, capacity) if cache is None else cache,
+        cache=M.row_cache(config, rows, capacity, source_capacity) if cache is None else cache,
         last_tokens=zeros(), generated=zeros(), max_tokens=zeros(),
         stop_ids=jnp.full((rows, MAX_STOP_IDS), -1, jnp.int32),
         keys=jnp.zeros((rows, 2), jnp.uint32),

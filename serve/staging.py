@@ -42,7 +42,7 @@ def _stage_group(engine, tickets: list[Ticket], hits: list[tuple[int, int]],
     rows = min(power_of_two(len(prompts)), engine.prefill_batch)
     spare = rows - len(prompts)
     filled = prompts + [prompts[0]] * spare
-    padded = padded_to_bucket(filled, engine.capacity)
+    padded = padded_to_bucket(filled, engine.prompt_capacity)
     lengths = np.array([len(p) for p in filled], np.int32)
     adapters = [t.request.adapter for t in tickets]
     adapter_B = None if engine.adapters is None else np.array(

@@ -27,7 +27,7 @@ from .requests import GenerationRequest, row_settings
 def compile_programs(engine, prompt_lengths: Iterable[int] | None = None) -> None:
     """Runs each program `engine` can need once; `prompt_lengths` default to every length
     a slot holds. Leaves the engine's state to be reset."""
-    capacity, prefixes = engine.capacity, engine._prefixes
+    capacity, prefixes = engine.prompt_capacity, engine._prefixes
     lengths = list(range(1, capacity) if prompt_lengths is None else prompt_lengths)
     buckets = sorted({bucket(n, capacity) for n in lengths})
     rests = sorted({bucket(n, capacity) for n in range(1, max(lengths, default=0) + 1)})

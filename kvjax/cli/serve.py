@@ -53,6 +53,10 @@ def add_serve(commands) -> None:
                             "and target each; default: the model's max_len); a decode step "
                             "may read every slot's positions, so "
                             "slots sized to the longest request accepted make it cheaper")
+    serve.add_argument("--max-source-len", type=positive, default=None, metavar="N",
+                       help="a translator's (an encoder-decoder's) longest source, which each "
+                            "slot holds beside its target (default: --max-len): each step "
+                            "reads the sources' slots, so fewer make it cheaper")
     serve.add_argument("--chunk-size", type=positive, default=None,
                        help="decode steps between the host's turns (handing out tokens, "
                             "staging requests); slots refill within a chunk (default: 32 "
@@ -138,7 +142,7 @@ def run_serve(args) -> int:
                     reasoning_parser=args.reasoning_parser, adapters=adapters,
                     max_adapters=args.max_loras, max_adapter_rank=args.max_lora_rank,
                     load_adapter=adapter_loader(args, loaded.config.scan_layers)
-                    if args.allow_lora_loading else None)
+                    if args.allow_lora_loading else None, max_source_len=args.max_source_len)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info",
                 http=header_timeout_protocol(limits.header_timeout))
     return 0

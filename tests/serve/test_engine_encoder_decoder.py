@@ -18,7 +18,7 @@ from kvjax.model import lora as L
 from kvjax.serve import Engine, GenerationRequest
 from kvjax.serve.prompt_logprobs import prompt_logprobs
 
-SLOTS, CHUNK, CAPACITY = 2, 4, 24
+SLOTS, CHUNK, CAPACITY, SOURCES = 2, 4, 24, 16
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def numbers():
 def engine(translator):
     config, _, params = translator
     return Engine(config, params, max_slots=SLOTS, chunk_size=CHUNK, max_len=CAPACITY,
-                  prefill_batch=2)
+                  prefill_batch=2, max_source_len=SOURCES)
 
 
 def test_greedy_translations_equal_generate_alone_while_others_join_and_leave(numbers):
@@ -53,7 +53,8 @@ def test_greedy_translations_equal_generate_alone_while_others_join_and_leave(nu
     expected = [tokens[:r.max_tokens]
                 for tokens, r in zip(made.token_lists(), requests, strict=True)]
     engine = Engine(numbers.config, numbers.params, tokenizer=numbers.tokenizer,
-                    max_slots=SLOTS, chunk_size=CHUNK, max_len=32, prefill_batch=2)
+                    max_slots=SLOTS, chunk_size=CHUNK, max_len=32, prefill_batch=2,
+                    max_source_len=12)
     collectors = [Collector() for _ in requests]
     for request, collector in zip(requests[:3], collectors[:3], strict=True):
         engine.submit(request, collector)
@@ -114,13 +115,16 @@ def test_what_an_encoder_decoder_is_not_served_with_is_refused(engine, translato
         with pytest.raises(ValueError, match=f"one device, with contiguous slots and no prefix "
                                              f"cache; {named} given"):
             Engine(config, params, max_slots=SLOTS, max_len=CAPACITY, **settings)
-    with pytest.raises(ValueError, match="the source has 25 tokens, more than a slot's "
-                                         "capacity of 24"):
-        engine.submit(GenerationRequest(prompt(0, 25), max_tokens=1), Collector())
-    # A source as long as the slot fits it: the target is BOS and the new tokens.
+    with pytest.raises(ValueError, match=r"the source has 17 tokens, more than a slot holds "
+                                         r"\(16\)"):
+        engine.submit(GenerationRequest(prompt(0, 17), max_tokens=1), Collector())
+    # The longest source a slot holds: its target is BOS and the new tokens.
     with pytest.raises(ValueError, match=r"max_tokens is 24 after the target's start \(1 "
                                          r"filled\): 25 target slots do not fit"):
-        engine.submit(GenerationRequest(prompt(0, 24), max_tokens=24), Collector())
+        engine.submit(GenerationRequest(prompt(0, 16), max_tokens=24), Collector())
+    lm = M.preset("tiny")
+    with pytest.raises(ValueError, match="max_source_len=8 sizes an encoder-decoder's sources"):
+        Engine(lm, M.init_params(lm, jax.random.key(0)), max_source_len=8)
     with pytest.raises(ValueError, match="its tokens have no logprobs"):
         prompt_logprobs(config, params, prompt(0, 5), top=1)
 
