@@ -304,8 +304,10 @@ def test_a_translator_answers_completions_as_kvjax_sample_does():
     from kvjax import text
 
     numbers = text.load(SHIPPED_LM.parent / "numbers-to-words")
+    # The engine of test_engine_encoder_decoder.py's greedy test, whose programs the
+    # suite's shared compilation cache then holds for both.
     app = build_app(numbers, max_slots=2, max_queue=8, chunk_size=4, prefill_batch=2,
-                    max_len=32)
+                    max_len=32, max_source_len=12)
     url, stop = serve_app(app, TIMEOUT)
     sources = ["4021", "90", "1000017"]
     try:
