@@ -13,11 +13,12 @@ Sampling defaults are OpenAI's: temperature 1, top_p 1, presence and frequency p
 object of token ids, as strings, to biases in [-100, 100]); kvjax's extra settings (`top_k`,
 `min_p`, `repetition_penalty`, `no_repeat_ngram_size`, `min_tokens`, `stop_token_ids`,
 `ignore_eos`) are read where given, as vLLM does.
-Structured output (`response_format`, `structured_outputs`) and tools are read by
-`structured.py` and `tools.py`. A chat request's `chat_template_kwargs` (an object) are more
-variables for the model's chat template, as vLLM takes them, and OpenAI's `reasoning_effort`
-is one more (gpt-oss's template reads it; chat_template_kwargs' wins); with a reasoning parser
-(`reasoning.py`, `harmony.py`) its choices are split into reasoning and content.
+Structured output (`response_format`, `structured_outputs`), a translator's
+`target_language` and tools are read by `structured.py` and `tools.py`. A chat request's
+`chat_template_kwargs` (an object) are more variables for the model's chat template, as vLLM
+takes them, and OpenAI's `reasoning_effort` is one more (gpt-oss's template reads it;
+chat_template_kwargs' wins); with a reasoning parser (`reasoning.py`, `harmony.py`) its
+choices are split into reasoning and content.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 
 from kvjax import model as M
 from kvjax import text as T
+from kvjax.decode.constraints import StartsWith
 from kvjax.decode.settings import Sampling
 
 from . import chat, harmony, reasoning, structured
@@ -257,13 +259,15 @@ def _template_kwargs(body: dict) -> dict[str, Any]:
 def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
           chat_api: bool, max_prompts: int = 64, max_stop_strings: int = 16,
           max_stop_chars: int = 1024, reasoning_parser: str | None = None,
-          adapter_names: tuple[str | None, ...] = ()) -> Parsed:
+          adapter_names: tuple[str | None, ...] = (),
+          default_language: StartsWith | None = None) -> Parsed:
     """The request in `body` (already JSON-decoded) for /v1/chat/completions if `chat_api`,
     else for /v1/completions, within the given bounds (see `limits.Limits`); a chat
     request's choices split into reasoning and content with a `reasoning_parser`
     (`reasoning.PARSERS`). Its `model` is `served_name` or one of `adapter_names`, the
     engine's LoRA adapter slots in order (None for an empty one), which its requests then
-    add."""
+    add. A translator's request that holds its output to nothing starts its target with
+    `default_language` (`structured.language`)."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     model = _get(body, "model", _STR)
@@ -277,6 +281,12 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
     _refuse_unsupported(body, chat_api)
     tools = parse_tools(body) if chat_api else None
     constraint, field = structured.requested(body, tools)
+    language = structured.target_language(body, loaded.tokenizer, loaded.is_translation)
+    if language is not None and constraint is not None:
+        raise APIError(400, f"{field} and target_language both hold the output: a request "
+                            f"takes one", "target_language")
+    if constraint is None:
+        constraint, field = language or default_language, "target_language"
     stream = _get(body, "stream", _BOOL, False)
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):

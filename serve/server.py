@@ -28,7 +28,7 @@ from starlette.routing import Route
 from kvjax.model import lora_rows
 from kvjax.text import LoadedModel
 
-from . import harmony, reasoning
+from . import harmony, reasoning, structured
 from .adapter_names import ServedAdapters
 from .answers import Answer
 from .engine import Engine, EngineFailed, QueueFull
@@ -56,7 +56,8 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
               api_key: str | None = None, limits: Limits | None = None,
               reasoning_parser: str | None = None, adapters: dict | None = None,
               max_adapters: int | None = None, max_adapter_rank: int | None = None,
-              load_adapter=None, max_source_len: int | None = None) -> Starlette:
+              load_adapter=None, max_source_len: int | None = None,
+              target_language: str | None = None) -> Starlette:
     """The app serving `loaded` as `model_name` (default: its directory's name). The engine
     starts with the app (its lifespan), after compiling every program it can need if
     `warm_up`, and stops with it. On a `mesh` the slots are split over its devices (see
@@ -68,12 +69,16 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
     `max_adapter_rank` (defaults: `adapter_stack`). With
     `load_adapter` (a directory on the server -> `(adapters, lora)`), POST
     /v1/load_lora_adapter and /v1/unload_lora_adapter change them while it serves
-    (`adapter_names.py`). `max_source_len`: an encoder-decoder's longest source (`Engine`'s)."""
+    (`adapter_names.py`). `max_source_len`: an encoder-decoder's longest source (`Engine`'s).
+    `target_language` (a translator's language code, one token of its tokenizer) starts the
+    target of every request that names no `target_language` or other constraint of its own."""
     if reasoning_parser not in (None, *reasoning.PARSERS):
         raise ValueError(f"reasoning_parser={reasoning_parser!r} is not one of "
                          f"{', '.join(reasoning.PARSERS)}")
     if reasoning_parser in reasoning.HARMONY_PARSERS:
         harmony.marker_ids(loaded.tokenizer)  # a ValueError for a tokenizer without them
+    default_language = None if target_language is None else structured.language(
+        target_language, loaded.tokenizer, loaded.is_translation, "target_language")
     name = model_name or os.path.basename(os.path.normpath(loaded.directory)) or "kvjax"
     if name in (adapters or {}):
         raise ValueError(f"the adapter name {name!r} is the model's own served name: requests "
@@ -193,7 +198,8 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
                        max_prompts=max_prompts, max_stop_strings=limits.max_stop_strings,
                        max_stop_chars=limits.max_stop_chars,
                        reasoning_parser=reasoning_parser,
-                       adapter_names=served_adapters.names)
+                       adapter_names=served_adapters.names,
+                       default_language=default_language)
         try:
             checked = tuple(
                 dataclasses.replace(engine.check(dataclasses.replace(r, max_tokens=1)),

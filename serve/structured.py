@@ -9,12 +9,18 @@
                      {"json": {...}}                  JSON valid for the schema;
   guided_regex, guided_choice, guided_json            the same, by vLLM's earlier names
                                                       (guided_json also as JSON text);
-  tools with tool_choice "required" or a function     the calls (`tools.py`).
+  tools with tool_choice "required" or a function     the calls (`tools.py`);
+  target_language "fra_Latn"                          (an extension, a translator's) a
+                                                      target that starts with the language's
+                                                      token, as transformers' generate forces
+                                                      NLLB's and M2M100's `forced_bos_token_id`.
 
-One request takes one of these. The constraint is compiled (`decode.compile_constraint`,
-cached per model and constraint) while the request is parsed, off the event loop; a schema
-keyword the automaton cannot enforce is a 400 naming it. The output ends with the model's
-end-of-text id, which the automaton allows only where the text is complete.
+One request takes one of these; a server's default target language (`kvjax serve
+--target-language`) starts a translator's requests that take none. The constraint is
+compiled (`decode.compile_constraint`, cached per model and constraint) while the request is
+parsed, off the event loop; a schema keyword the automaton cannot enforce is a 400 naming
+it. The output ends with the model's end-of-text id, which the automaton allows only where
+the text is complete.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from kvjax.decode.constraints import (
     Constraint,
     JsonSchema,
     Regex,
+    StartsWith,
     TokenAutomaton,
     compile_constraint,
 )
@@ -83,6 +90,31 @@ def requested(body: dict, tools: Tools | None) -> tuple[Constraint | None, str |
         raise InvalidValue(asked[1][1], f"{asked[0][1]} and {asked[1][1]} both hold the "
                                         f"output: a request takes one")
     return asked[0] if asked else (None, None)
+
+
+def target_language(body: dict, tokenizer, is_translation: bool) -> StartsWith | None:
+    """The target language a request names (None: none), for a translator's `tokenizer`; an
+    `InvalidValue` for a code that is not one of its tokens, or asked of a model that
+    continues text."""
+    code = body.get("target_language")
+    if code is None:
+        return None
+    if not isinstance(code, str):
+        raise InvalidValue("target_language", "target_language must be a string: a language's "
+                                              "token, such as NLLB's fra_Latn")
+    return language(code, tokenizer, is_translation, "target_language")
+
+
+def language(code: str, tokenizer, is_translation: bool, name: str) -> StartsWith:
+    """`code`, one token of `tokenizer`, as what starts a translator's target; an
+    `InvalidValue` naming `name` otherwise."""
+    if not is_translation:
+        raise InvalidValue(name, f"{name} is a translator's (an encoder-decoder's): this model "
+                                 f"continues text")
+    try:
+        return StartsWith.from_text(tokenizer, code, name)
+    except ValueError as error:
+        raise InvalidValue(name, str(error)) from None
 
 
 def _extension(structured: Any) -> Constraint:

@@ -15,7 +15,7 @@ def add_serve(commands) -> None:
                         "(/v1/completions, /v1/chat/completions, /v1/models, /health, "
                         "/metrics) with continuous batching.")
     serve.add_argument("--checkpoint", required=True, metavar="DIR",
-                       help="a kvjax checkpoint or a Hugging Face model directory (decoder-only)")
+                       help="a kvjax checkpoint or a Hugging Face model directory")
     serve.add_argument("--lora", metavar="DIR", default=None,
                        help="LoRA adapters trained on --checkpoint, merged into it: a run "
                             "of kvjax train --lora-rank, or a PEFT adapter directory for a "
@@ -57,6 +57,11 @@ def add_serve(commands) -> None:
                        help="a translator's (an encoder-decoder's) longest source, which each "
                             "slot holds beside its target (default: --max-len): each step "
                             "reads the sources' slots, so fewer make it cheaper")
+    serve.add_argument("--target-language", default=None, metavar="CODE",
+                       help="a translator's target language, one token of its tokenizer "
+                            "(NLLB's fra_Latn, M2M100's __fr__): the first token of every "
+                            "request's target unless it names its own target_language or "
+                            "another constraint (default: none, the model chooses)")
     serve.add_argument("--chunk-size", type=positive, default=None,
                        help="decode steps between the host's turns (handing out tokens, "
                             "staging requests); slots refill within a chunk (default: 32 "
@@ -115,7 +120,7 @@ def run_serve(args) -> int:
     import uvicorn
 
     from kvjax import parallel
-    from kvjax.serve import memory
+    from kvjax.serve import memory, structured
     from kvjax.serve.limits import Limits, header_timeout_protocol
     from kvjax.serve.server import build_app
 
@@ -128,6 +133,9 @@ def run_serve(args) -> int:
     if args.cache_memory is not None and args.page_size is None:
         raise ValueError("--cache-memory sizes the slots' pages: give --page-size too")
     loaded = load_in_precision(args.checkpoint, args, lora=args.lora)
+    if args.target_language is not None:  # refused by its option's name, before building
+        structured.language(args.target_language, loaded.tokenizer, loaded.is_translation,
+                            "--target-language")
     adapters = served_adapters(args, loaded.config.scan_layers)
     num_pages = args.num_pages if args.cache_memory is None else memory.pages_in(
         loaded.config, args.cache_memory, args.page_size)
@@ -142,7 +150,8 @@ def run_serve(args) -> int:
                     reasoning_parser=args.reasoning_parser, adapters=adapters,
                     max_adapters=args.max_loras, max_adapter_rank=args.max_lora_rank,
                     load_adapter=adapter_loader(args, loaded.config.scan_layers)
-                    if args.allow_lora_loading else None, max_source_len=args.max_source_len)
+                    if args.allow_lora_loading else None, max_source_len=args.max_source_len,
+                    target_language=args.target_language)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info",
                 http=header_timeout_protocol(limits.header_timeout))
     return 0

@@ -50,6 +50,10 @@ def assert_one_line(err: str, *fragments: str) -> None:
      ["--cache-memory sizes the slots' pages: give --page-size too"]),
     (["serve", "--checkpoint", "x", "--num-pages", "4", "--cache-memory", "1GiB"],
      ["argument --cache-memory: not allowed with argument --num-pages"]),
+    (["serve", "--checkpoint", "checkpoints/python-docs-lm", "--target-language", "fr"],
+     ["--target-language is a translator's (an encoder-decoder's): this model continues"]),
+    (["serve", "--checkpoint", "checkpoints/numbers-to-words", "--target-language", "fra_Latn"],
+     ["--target-language 'fra_Latn' is not one token of this tokenizer"]),
     pytest.param(
         ["serve", "--checkpoint", "checkpoints/python-docs-lm", "--max-slots", "1000000000"],
         ["the engine's cache of 2250000000 rows x max_len=", "lower max_len (none is small"],

@@ -112,3 +112,42 @@ def test_what_the_server_cannot_honour_is_refused_naming_the_field(parse_as, fie
 def test_a_body_that_is_not_an_object_is_refused():
     with pytest.raises(APIError, match="must be a JSON object"):
         parse([1, 2], LOADED, MODEL, CAPACITY, chat_api=False)
+
+
+def test_a_translators_target_language_is_its_own_else_the_servers_default():
+    """The language a translator's target starts with (NLLB's and M2M100's first target
+    token): the request's `target_language`, else the server's default where the request
+    holds its output to nothing else; refused by name when malformed, doubled or asked of a
+    model that continues text."""
+    from pathlib import Path
+
+    from kvjax import text
+    from kvjax.decode import Choice, StartsWith
+    from kvjax.decode.checks import InvalidValue
+
+    m2m = text.load(Path(__file__).resolve().parents[1] / "fixtures" / "hf_models" / "m2m_100")
+    a, are = (StartsWith.from_text(m2m.tokenizer, code) for code in ("a", "are"))
+
+    def first_constraint(default=None, **fields):
+        parsed = parse({"model": MODEL, "prompt": ["in", "a"], **fields}, m2m, MODEL, 16,
+                       chat_api=False, default_language=default)
+        constraints = {request.constraint for request in parsed.requests}
+        assert len(constraints) == 1  # every prompt of the request alike
+        (automaton,) = constraints
+        return None if automaton is None else automaton.constraint
+
+    assert first_constraint() is None  # the model chooses
+    assert first_constraint(target_language="are") == are
+    assert first_constraint(default=a) == a
+    assert first_constraint(default=a, target_language="are") == are
+    assert first_constraint(default=a, structured_outputs={"choice": ["in"]}) == Choice(["in"])
+    with pytest.raises(APIError, match="structured_outputs and target_language both") as error:
+        first_constraint(target_language="a", structured_outputs={"choice": ["in"]})
+    assert error.value.param == "target_language"
+    for loaded, code, message in ((m2m, "fr", "'fr' is not one token"),
+                                  (m2m, 7, "must be a string"),
+                                  (LOADED, "A", "is a translator's")):
+        with pytest.raises(InvalidValue, match=message) as error:
+            parse({"model": MODEL, "prompt": "AB", "target_language": code}, loaded, MODEL,
+                  CAPACITY, chat_api=False)
+        assert error.value.name == "target_language"

@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from conftest import SERVED_MODEL, SHIPPED_LM, FakeTokenizer, greedy_text, serve_app
+from conftest import SERVED_MODEL, FakeTokenizer, greedy_text, serve_app
 
 from kvjax import decode
 from kvjax.serve import GenerationRequest, chat
@@ -176,6 +176,8 @@ def test_under_load_every_request_is_answered_once_and_no_slot_leaks(server):
     ({"model": MODEL, "prompt": "a", "suffix": "b"}, 400, "suffix='b' is not supported"),
     ({"model": MODEL, "prompt": "a", "n": 0}, 400, "n=0 must be >= 1"),
     ({"model": MODEL, "prompt": "a", "stop": [1]}, 400, "stop=[1] must be a string"),
+    ({"model": MODEL, "prompt": "a", "target_language": "a"}, 400, "target_language is a "
+                                                                   "translator's"),
     ({"model": "gpt-4", "prompt": "a"}, 404, "The model `gpt-4` does not exist"),
 ])
 def test_bad_requests_get_openai_errors_naming_the_value(server, body, status, message):
@@ -297,33 +299,3 @@ def test_a_thinking_models_choice_is_answered_as_its_reasoning(tiny_loaded):
     assert "".join(c.choices[0].delta.model_extra.get("reasoning") or "" for c in chunks
                    if c.choices) == thought
 
-
-def test_a_translator_answers_completions_as_kvjax_sample_does():
-    """The shipped encoder-decoder: each prompt of a request is a source, translated as
-    `text.sample_text` translates it alone; its prompt has no logprobs and it has no chat."""
-    from kvjax import text
-
-    numbers = text.load(SHIPPED_LM.parent / "numbers-to-words")
-    # The engine of test_engine_encoder_decoder.py's greedy test, whose programs the
-    # suite's shared compilation cache then holds for both.
-    app = build_app(numbers, max_slots=2, max_queue=8, chunk_size=4, prefill_batch=2,
-                    max_len=32, max_source_len=12)
-    url, stop = serve_app(app, TIMEOUT)
-    sources = ["4021", "90", "1000017"]
-    try:
-        def post(route, **body):
-            return httpx.post(f"{url}/v1/{route}", json={"model": "numbers-to-words", **body},
-                              timeout=TIMEOUT)
-
-        answer = post("completions", prompt=sources, max_tokens=24, temperature=0).json()
-        scored = post("completions", prompt="12", max_tokens=1, echo=True, logprobs=1)
-        chat = post("chat/completions", messages=[{"role": "user", "content": "12"}])
-    finally:
-        stop()
-    alone = [text.sample_text(numbers, s, max_new_tokens=24).text for s in sources]
-    assert [c["text"] for c in sorted(answer["choices"], key=lambda c: c["index"])] == alone
-    assert alone[0] == "four thousand twenty-one"
-    assert answer["usage"]["prompt_tokens"] == sum(
-        len(text.prompt_tokens(numbers, s)) for s in sources)
-    assert scored.status_code == 400 and "its tokens have no logprobs" in scored.text
-    assert chat.status_code == 400 and "it has no chat" in chat.text

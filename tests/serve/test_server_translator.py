@@ -1,0 +1,73 @@
+"""The server in front of a translator (an encoder-decoder), in-process on 127.0.0.1: each
+prompt of a completion is a source, translated as `kvjax sample` translates it alone, into
+the target language asked (the protocol's rules for it are in test_protocol.py)."""
+
+from pathlib import Path
+
+import httpx
+from conftest import SHIPPED_LM, serve_app
+
+from kvjax import decode, text
+from kvjax.serve.server import build_app
+
+TIMEOUT = 30.0
+M2M = Path(__file__).resolve().parents[1] / "fixtures" / "hf_models" / "m2m_100"
+
+
+def test_a_translator_answers_completions_as_kvjax_sample_does():
+    """The shipped encoder-decoder: each prompt of a request is a source, translated as
+    `text.sample_text` translates it alone; its prompt has no logprobs and it has no chat."""
+    numbers = text.load(SHIPPED_LM.parent / "numbers-to-words")
+    # The engine of test_engine_encoder_decoder.py's greedy test, whose programs the
+    # suite's shared compilation cache then holds for both.
+    app = build_app(numbers, max_slots=2, max_queue=8, chunk_size=4, prefill_batch=2,
+                    max_len=32, max_source_len=12)
+    url, stop = serve_app(app, TIMEOUT)
+    sources = ["4021", "90", "1000017"]
+    try:
+        def post(route, **body):
+            return httpx.post(f"{url}/v1/{route}", json={"model": "numbers-to-words", **body},
+                              timeout=TIMEOUT)
+
+        answer = post("completions", prompt=sources, max_tokens=24, temperature=0).json()
+        scored = post("completions", prompt="12", max_tokens=1, echo=True, logprobs=1)
+        chat = post("chat/completions", messages=[{"role": "user", "content": "12"}])
+    finally:
+        stop()
+    alone = [text.sample_text(numbers, s, max_new_tokens=24).text for s in sources]
+    assert [c["text"] for c in sorted(answer["choices"], key=lambda c: c["index"])] == alone
+    assert alone[0] == "four thousand twenty-one"
+    assert answer["usage"]["prompt_tokens"] == sum(
+        len(text.prompt_tokens(numbers, s)) for s in sources)
+    assert scored.status_code == 400 and "its tokens have no logprobs" in scored.text
+    assert chat.status_code == 400 and "it has no chat" in chat.text
+
+
+def test_a_translators_target_starts_with_the_language_asked_or_the_servers_default():
+    """NLLB and M2M100 are told the target language by its token, first in the target
+    (transformers' `forced_bos_token_id`, which tests/hf/test_encoder_decoders.py holds
+    `decode.StartsWith` equal to): a request's `target_language`, else the server's."""
+    m2m = text.load(M2M)  # a tiny random M2M100, whose one-token "codes" stand for languages
+    app = build_app(m2m, max_slots=2, max_queue=8, chunk_size=4, prefill_batch=2, max_len=16,
+                    target_language="a")
+    url, stop = serve_app(app, TIMEOUT)
+    sources = ["Hello world", "in are"]
+    try:
+        def translations(**fields):
+            answer = httpx.post(f"{url}/v1/completions", timeout=TIMEOUT, json={
+                "model": "m2m_100", "prompt": sources, "max_tokens": 6, "temperature": 0,
+                **fields}).json()
+            return [c["text"] for c in sorted(answer["choices"], key=lambda c: c["index"])]
+
+        by_default, asked = translations(), translations(target_language="are")
+    finally:
+        stop()
+
+    def alone(code):
+        starts = decode.StartsWith.from_text(m2m.tokenizer, code)
+        results = [text.sample_text(m2m, s, max_new_tokens=6, constraint=starts)
+                   for s in sources]
+        assert all(r.tokens[0] == starts.token_ids[0] for r in results)
+        return [r.text for r in results]
+
+    assert by_default == alone("a") != asked == alone("are")
