@@ -144,7 +144,7 @@ class Engine:
         self.prefix_cache_rows, self.prefix_block = prefix_cache_rows, prefix_block
         self.prefill_part = max(1, prefill_part // prefix_block) * prefix_block
         memory.check_engine_fits(config, max_slots, max_staged, prefix_cache_rows, capacity,
-                                 self.mesh, self.pages)
+                                 self.mesh, self.pages, self.source_capacity)
         self._dispatch_prefill = prefill_dispatcher(self.mesh)
         self._pending: collections.deque[Ticket] = collections.deque()
         self._scoring: collections.deque = collections.deque()  # (prompt, top, future)

@@ -49,6 +49,13 @@ def bytes_per_position(config: M.TransformerConfig, mesh=None) -> float:
     return kv + CONTEXT_BYTES
 
 
+def source_bytes_per_position(config: M.TransformerConfig, mesh=None) -> float:
+    """Bytes one row's cross-attention K/V take per source position (0 for a language
+    model): a translator's rows hold `max_source_len` of them beside their targets."""
+    cross = M.cache_size_bytes(config, 1, 1).cross_attention
+    return cross / (1 if mesh is None else mesh.shape[parallel.MODEL])
+
+
 def least_free_bytes(devices) -> int | None:
     """The least free memory among `devices` in bytes, or None where none reports it."""
     known = [f for f in map(free_bytes, devices) if f is not None]
@@ -57,26 +64,35 @@ def least_free_bytes(devices) -> int | None:
 
 def check_cache_fits(config: M.TransformerConfig, rows: int, capacity: int, mesh=None,
                      free: int | None = None,
-                     rows_are: str = "max_slots + max_staged") -> None:
+                     rows_are: str = "max_slots + max_staged",
+                     source_capacity: int | None = None) -> None:
     """Raises ValueError when `rows` rows of `capacity` positions take more than
     `CACHE_SHARE` of the `free` bytes of the device that holds the most of them (default:
     measured on the mesh's local devices, or the default device), naming the sizes, the
     longest capacity that fits and the most rows that do. Does nothing where free memory is
-    unknown. `rows_are` names the settings that add up to `rows`."""
+    unknown. `rows_are` names the settings that add up to `rows`. A translator's rows hold
+    `source_capacity` source positions each (default: `capacity`)."""
     devices = jax.local_devices()[:1] if mesh is None else list(mesh.local_devices)
     free = least_free_bytes(devices) if free is None else free
     if free is None:
         return
     data = 1 if mesh is None else mesh.shape[parallel.DATA]
     rows_per_device, per_position = -(-rows // data), bytes_per_position(config, mesh)
-    need, budget = per_position * rows_per_device * capacity, CACHE_SHARE * free
+    sources = 0.0  # bytes a row holds apart from max_len: its sources, where sized apart
+    if source_capacity is not None:
+        per_source = source_bytes_per_position(config, mesh)
+        per_position, sources = per_position - per_source, per_source * source_capacity
+    per_row = per_position * capacity + sources
+    need, budget = per_row * rows_per_device, CACHE_SHARE * free
     if need <= budget:
         return
-    length_fits = int(budget // (per_position * rows_per_device)) // 64 * 64
-    rows_fit = int(budget // (per_position * capacity)) * data
+    length_fits = max(0, int((budget / rows_per_device - sources) // per_position)) // 64 * 64
+    rows_fit = int(budget // per_row) * data
     where = "each device" if mesh is not None else str(devices[0])
+    of_sources = ("" if source_capacity is None
+                  else f" and max_source_len={source_capacity} source positions")
     raise ValueError(
-        f"the engine's cache of {rows} rows x max_len={capacity} positions takes "
+        f"the engine's cache of {rows} rows x max_len={capacity} positions{of_sources} takes "
         f"{format_bytes(int(need))} on {where}, more than {CACHE_SHARE:.0%} of its "
         f"{format_bytes(free)} free: lower max_len ("
         + (f"{length_fits} at most" if length_fits else "none is small enough")
@@ -86,13 +102,16 @@ def check_cache_fits(config: M.TransformerConfig, rows: int, capacity: int, mesh
 
 def check_engine_fits(config: M.TransformerConfig, slots: int, staged: int,
                       prefix_rows: int, capacity: int, mesh=None,
-                      pages: tuple[int, int] | None = None) -> None:
-    """The check of an engine's cache: contiguous slots, or `pages` (num_pages, page_size)
-    beside staged and prefix rows, whose kept prefixes a paged engine also holds in a row's
-    pages each (`pages.share_kept`)."""
+                      pages: tuple[int, int] | None = None,
+                      source_capacity: int | None = None) -> None:
+    """The check of an engine's cache: contiguous slots (a translator's with sources of
+    `source_capacity`), or `pages` (num_pages, page_size) beside staged and prefix rows,
+    whose kept prefixes a paged engine also holds in a row's pages each
+    (`pages.share_kept`)."""
     if pages is None:
         check_cache_fits(config, slots + staged + prefix_rows, capacity, mesh,
-                         rows_are="max_slots + max_staged + prefix_cache_rows")
+                         rows_are="max_slots + max_staged + prefix_cache_rows",
+                         source_capacity=source_capacity)
     else:
         check_paged_cache_fits(config, staged, capacity, slots, *pages, mesh=mesh,
                                prefix_rows=prefix_rows)

@@ -22,6 +22,34 @@ def test_bytes_per_position_is_what_the_engine_allocates(tiny_lm):
     assert store.nbytes == (memory.bytes_per_position(config) - memory.CONTEXT_BYTES) * 2 * 32
 
 
+def test_a_translators_rows_are_counted_with_their_own_source_length():
+    """An encoder-decoder's slots hold `max_source_len` source positions beside `max_len`
+    target positions: the check counts what the engine allocates, and its advice keeps the
+    sources' length."""
+    config = M.preset("tiny", num_encoder_layers=2)
+    params = M.init_params(config, jax.random.key(0))
+    engine = Engine(config, params, max_slots=2, max_staged=1, max_len=32, max_source_len=12)
+    rows = engine.state.slots, engine.state.staged
+    allocated = sum(leaf.nbytes for r in rows for leaf in jax.tree.leaves(
+        (r.cache.k, r.cache.v, r.cache.cross_k, r.cache.cross_v, r.context)))
+    target = memory.bytes_per_position(config) - memory.source_bytes_per_position(config)
+    sources = memory.source_bytes_per_position(config)
+
+    def need(max_len):
+        return 3 * (target * max_len + sources * 12)
+
+    assert sources > 0 and allocated == need(32)
+    free = int(need(128) / memory.CACHE_SHARE) + 1
+    memory.check_cache_fits(config, 3, 128, free=free, source_capacity=12)
+    with pytest.raises(ValueError, match=r"3 rows x max_len=200 positions and "
+                                         r"max_source_len=12 source positions takes .*: "
+                                         r"lower max_len \(128 at most for 3 rows\)"):
+        memory.check_cache_fits(config, 3, 200, free=free, source_capacity=12)
+    # Sources sized apart are not counted at max_len: the same memory is too little for them.
+    with pytest.raises(ValueError, match="lower max_len"):
+        memory.check_cache_fits(config, 3, 128, free=free)
+
+
 def test_a_cache_that_does_not_fit_is_refused_with_the_longest_that_does():
     config = M.preset("gpt-mini")
     per_row = memory.bytes_per_position(config)  # 2 x 6 layers x 6 heads x 64 x 4 + 4
