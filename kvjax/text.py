@@ -187,6 +187,14 @@ def prompt_tokens(loaded: LoadedModel, prompt: str) -> list[int]:
     return tokens
 
 
+def forced_start(loaded: LoadedModel) -> decode.StartsWith | None:
+    """What a translator's targets start with unless told otherwise: its generation config's
+    `forced_bos_token_id` (`tokenizer.target_prefix`), which transformers' `generate` forces
+    too (BART-large-CNN's `<s>`, a one-direction NLLB's language); None for none."""
+    prefix = loaded.tokenizer.target_prefix if loaded.is_translation else ()
+    return decode.StartsWith(prefix) if prefix else None
+
+
 def sample_text(loaded: LoadedModel, prompt: str, *, on_text: Callable[[str], None] | None = None,
                 **kwargs: Any) -> SampleResult:
     """Generates from `prompt`, calling `on_text` with each new piece of text as it is made.
@@ -213,7 +221,9 @@ def sample_texts(loaded: LoadedModel, prompt: str, *, num_samples: int = 1,
     `sampling`, `logit_processors` and `speculative` are `decode.generate`'s; `constraint`
     (a `decode.Regex`, `Choice` or `JsonSchema`) keeps every sample's text inside it, or
     (`decode.StartsWith`) starts every sample and beam with its tokens, compiled for the
-    model's tokenizer (`decode.compile_constraint`). A sample
+    model's tokenizer (`decode.compile_constraint`); a translator whose generation config
+    forces its first target token starts with it unless another constraint is given
+    (`forced_start`). A sample
     stops at its first `stop` string, which neither the streamed pieces nor the returned
     text include; text that might begin a stop string is held back until it cannot. Beam
     search only knows its answer at the end, so with `num_beams > 1` the text arrives in one piece.
@@ -233,6 +243,7 @@ def sample_texts(loaded: LoadedModel, prompt: str, *, num_samples: int = 1,
     settings = dict(max_new_tokens=limit, eos_ids=tuple(loaded.tokenizer.stop_ids),
                     rng=jax.random.wrap_key_data(seed_key(seed))[None], sampling=sampling,
                     logit_processors=logit_processors, speculative=speculative)
+    constraint = constraint or forced_start(loaded)
     if constraint is not None:
         settings["constraint"] = decode.compile_constraint(constraint, loaded.tokenizer)
     on_text = on_text or (lambda row, piece: None)

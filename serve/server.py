@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvjax.model import lora_rows
-from kvjax.text import LoadedModel
+from kvjax.text import LoadedModel, forced_start
 
 from . import harmony, reasoning, structured
 from .adapter_names import ServedAdapters
@@ -70,14 +70,15 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
     `load_adapter` (a directory on the server -> `(adapters, lora)`), POST
     /v1/load_lora_adapter and /v1/unload_lora_adapter change them while it serves
     (`adapter_names.py`). `max_source_len`: an encoder-decoder's longest source (`Engine`'s).
-    `target_language` (a translator's language code, one token of its tokenizer) starts the
-    target of every request that names no `target_language` or other constraint of its own."""
+    `target_language` (a translator's language code, one token of its tokenizer; default:
+    what its generation config forces, `text.forced_start`) starts the target of every
+    request that names no `target_language` or other constraint of its own."""
     if reasoning_parser not in (None, *reasoning.PARSERS):
         raise ValueError(f"reasoning_parser={reasoning_parser!r} is not one of "
                          f"{', '.join(reasoning.PARSERS)}")
     if reasoning_parser in reasoning.HARMONY_PARSERS:
         harmony.marker_ids(loaded.tokenizer)  # a ValueError for a tokenizer without them
-    default_language = None if target_language is None else structured.language(
+    default_language = forced_start(loaded) if target_language is None else structured.language(
         target_language, loaded.tokenizer, loaded.is_translation, "target_language")
     name = model_name or os.path.basename(os.path.normpath(loaded.directory)) or "kvjax"
     if name in (adapters or {}):

@@ -338,7 +338,7 @@ class FakeTokenizer:
     vocab_size = 64
     pad_id, bos_id, eos_id = 0, 1, 2
     stop_ids = document_prefix = source_suffix = (2,)
-    source_prefix = ()
+    source_prefix = target_prefix = ()
 
     @staticmethod
     def encode(text):

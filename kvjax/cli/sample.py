@@ -76,7 +76,8 @@ def add_sample(commands) -> None:
                             "or the schema's text)")
     shape.add_argument("--target-language", metavar="CODE", default=None,
                        help="a translator's target language, its token forced first (NLLB's "
-                            "codes: fra_Latn, deu_Latn, ...)")
+                            "codes: fra_Latn, deu_Latn, ...; default: the token its "
+                            "generation config forces, if any)")
     sample.set_defaults(run=run_sample)
 
 

@@ -69,6 +69,9 @@ class TextTokenizer(Protocol):
     - `source_prefix`, `source_suffix`: what an encoder-decoder's source starts and ends
       with (kvjax: `()` and `(EOS_ID,)`; a Hugging Face model: what its tokenizer puts
       around a text, Marian's `()` and `(eos,)`, NLLB's source language code and `(eos,)`).
+    - `target_prefix`: the ids an encoder-decoder's target starts with after the decoder's
+      start, which generating forces unless told otherwise (kvjax: `()`; a Hugging Face
+      model: its generation config's `forced_bos_token_id`, BART-large-CNN's `<s>`).
     - `to_bytes()`: a serialization that `tokenizer_from_bytes` turns back into an equal
       tokenizer (no pickle).
     """
@@ -96,6 +99,9 @@ class TextTokenizer(Protocol):
 
     @property
     def source_suffix(self) -> tuple[int, ...]: ...
+
+    @property
+    def target_prefix(self) -> tuple[int, ...]: ...
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -218,6 +224,10 @@ class Tokenizer:
     @property
     def source_suffix(self) -> tuple[int, ...]:
         return (EOS_ID,)
+
+    @property
+    def target_prefix(self) -> tuple[int, ...]:
+        return ()
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, without BOS or EOS."""

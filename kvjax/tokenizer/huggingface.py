@@ -39,9 +39,11 @@ the directory by the files present:
 
 Special tokens come from tokenizer.json, tokenizer_config.json (or special_tokens_map.json)
 and the defaults of the class transformers would pick; `stop_ids` add generation_config.json's
-`eos_token_id`. `chat_template` is the template `apply_chat_template` would render (from
-chat_template.jinja or tokenizer_config.json; `kvjax.serve.chat` renders it as transformers
-does), with `special_tokens` its named tokens' texts. `to_bytes` is a JSON bundle of the
+`eos_token_id`, and `target_prefix` is its `forced_bos_token_id` (config.json's where the
+directory has no generation_config.json, as transformers reads it). `chat_template` is
+the template `apply_chat_template` would render (from chat_template.jinja or
+tokenizer_config.json; `kvjax.serve.chat` renders it as transformers does), with
+`special_tokens` its named tokens' texts. `to_bytes` is a JSON bundle of the
 files read, which `from_bundle` (and `kvjax.tokenizer.tokenizer_from_bytes`) reads back:
 {"format": "kvjax-hf-tokenizer", "version": 1, "kind", "tokenizer_class", "files": {name:
 {"text" or "base64": ...}}}.
@@ -144,13 +146,17 @@ class HFTokenizer:
         self.document_prefix, self.source_suffix = self._backend.affixes(self.eos_id)
         # An encoder-decoder's source is a text as the tokenizer frames it (NLLB: its code).
         self.source_prefix = self.document_prefix
-        generation = _json_file(files, "generation_config.json").get("eos_token_id", [])
+        generation = _json_file(files, "generation_config.json")
+        ends = generation.get("eos_token_id", [])
         stops = [self.eos_id] * (self.eos_id is not None) + (
-            [generation] if isinstance(generation, int) else list(generation or []))
-        for i in stops:
+            [ends] if isinstance(ends, int) else list(ends or []))
+        forced = generation.get("forced_bos_token_id")
+        for name, i in [("eos_token_id", i) for i in stops] + [("forced_bos_token_id", forced)] * (
+                forced is not None):
             if not isinstance(i, int) or not 0 <= i < self.vocab_size or not known[i]:
-                raise ValueError(f"generation_config.json eos_token_id {i!r} is not a token id")
+                raise ValueError(f"generation_config.json {name} {i!r} is not a token id")
         self.stop_ids: tuple[int, ...] = tuple(dict.fromkeys(stops))
+        self.target_prefix: tuple[int, ...] = () if forced is None else (forced,)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, no special ids added; special-token strings in it are read as
@@ -198,9 +204,15 @@ def load_tokenizer(directory: str | os.PathLike) -> HFTokenizer:
     files = {name: (path / name).read_bytes() for name in _KINDS[kind] + _SIDE_FILES
              if (path / name).is_file()}
     try:
-        model_type = json.loads((path / "config.json").read_text("utf-8")).get("model_type")
+        model_config = json.loads((path / "config.json").read_text("utf-8"))
+        model_type = model_config.get("model_type")
     except (OSError, ValueError, AttributeError):
-        model_type = None
+        model_config, model_type = {}, None
+    forced = model_config.get("forced_bos_token_id")
+    if "generation_config.json" not in files and forced is not None:
+        # transformers' generate reads its settings from config.json where the directory has
+        # no generation_config.json: the first target token it forces is kept as that file.
+        files["generation_config.json"] = json.dumps({"forced_bos_token_id": forced}).encode()
     try:
         tokenizer_class = _tokenizer_class(kind, files, model_type)
     except ValueError as e:  # a malformed tokenizer_config.json included

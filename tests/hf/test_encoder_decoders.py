@@ -17,6 +17,8 @@ from test_hf_models import (
 
 from kvjax import decode, hf, text
 from kvjax import model as M
+from kvjax.tokenizer import tokenizer_from_bytes
+from kvjax.tokenizer.huggingface import load_tokenizer
 
 
 def test_a_forced_first_token_leads_the_target_as_in_transformers():
@@ -55,6 +57,37 @@ def test_the_command_line_translates_into_the_target_language_it_is_given(capsys
         code, out, err = run_cli(capsys, "sample", "--checkpoint", FIXTURES / checkpoint,
                                  "--prompt", "x", "--target-language", code_text)
         assert code == 2 and out == "" and message in err, err
+
+
+def test_a_first_token_the_generation_config_forces_starts_every_sampled_target(tmp_path):
+    """transformers' `generate` forces the generation config's `forced_bos_token_id` first
+    (BART-large-CNN's `<s>`, a one-direction NLLB's language), from generation_config.json,
+    else config.json: `text` sampling does too, unless another constraint is given."""
+    record, _ = expected("m2m_100")
+    forced = record["forced_first"]
+    directory = copy_of("m2m_100", tmp_path)
+    edit_config(directory, "generation_config.json", forced_bos_token_id=forced)
+    edit_config(directory, forced_bos_token_id=forced + 1)  # the generation config wins
+    loaded, plain = text.load(directory), text.load(FIXTURES / "m2m_100")
+    assert (loaded.tokenizer.target_prefix, plain.tokenizer.target_prefix) == ((forced,), ())
+    bundled = tokenizer_from_bytes(loaded.tokenizer.to_bytes())
+    assert bundled.target_prefix == (forced,)  # an import-hf checkpoint keeps it
+    (directory / "generation_config.json").unlink()
+    assert load_tokenizer(directory).target_prefix == (forced + 1,)
+
+    source = "Hello world"
+    unforced = text.sample_text(plain, source, max_new_tokens=6)
+    want = text.sample_text(plain, source, max_new_tokens=6,
+                            constraint=decode.StartsWith((forced,)))
+    got = text.sample_text(loaded, source, max_new_tokens=6)
+    assert got.tokens == want.tokens != unforced.tokens and got.tokens[0] == forced
+    (code,) = loaded.tokenizer.encode("a")
+    asked = text.sample_text(loaded, source, max_new_tokens=6,
+                             constraint=decode.StartsWith((code,)))
+    assert asked.tokens[0] == code
+    edit_config(directory, forced_bos_token_id=10**6)
+    with pytest.raises(ValueError, match="forced_bos_token_id 1000000 is not a token id"):
+        load_tokenizer(directory)
 
 
 @pytest.mark.parametrize("name", ["marian", "bart"])

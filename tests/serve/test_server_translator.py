@@ -2,6 +2,8 @@
 prompt of a completion is a source, translated as `kvjax sample` translates it alone, into
 the target language asked (the protocol's rules for it are in test_protocol.py)."""
 
+import json
+import shutil
 from pathlib import Path
 
 import httpx
@@ -43,31 +45,44 @@ def test_a_translator_answers_completions_as_kvjax_sample_does():
     assert chat.status_code == 400 and "it has no chat" in chat.text
 
 
-def test_a_translators_target_starts_with_the_language_asked_or_the_servers_default():
+def test_a_translators_target_starts_with_the_language_asked_or_the_servers_default(tmp_path):
     """NLLB and M2M100 are told the target language by its token, first in the target
     (transformers' `forced_bos_token_id`, which tests/hf/test_encoder_decoders.py holds
-    `decode.StartsWith` equal to): a request's `target_language`, else the server's."""
-    m2m = text.load(M2M)  # a tiny random M2M100, whose one-token "codes" stand for languages
-    app = build_app(m2m, max_slots=2, max_queue=8, chunk_size=4, prefill_batch=2, max_len=16,
-                    target_language="a")
-    url, stop = serve_app(app, TIMEOUT)
+    `decode.StartsWith` equal to): a request's `target_language`, else the server's
+    (`kvjax serve --target-language`), else the one its generation config forces."""
+    directory = tmp_path / "m2m_100"  # a tiny random M2M100, whose generation config forces
+    shutil.copytree(M2M, directory)   # token 7 (one-token "codes" stand for languages below)
+    config = json.loads((directory / "generation_config.json").read_text())
+    (directory / "generation_config.json").write_text(json.dumps(
+        {**config, "forced_bos_token_id": 7}))
+    m2m = text.load(directory)
     sources = ["Hello world", "in are"]
-    try:
-        def translations(**fields):
-            answer = httpx.post(f"{url}/v1/completions", timeout=TIMEOUT, json={
-                "model": "m2m_100", "prompt": sources, "max_tokens": 6, "temperature": 0,
-                **fields}).json()
-            return [c["text"] for c in sorted(answer["choices"], key=lambda c: c["index"])]
 
-        by_default, asked = translations(), translations(target_language="are")
-    finally:
-        stop()
+    def served(target_language, *asked):
+        app = build_app(m2m, max_slots=2, max_queue=8, chunk_size=4, prefill_batch=2,
+                        max_len=16, target_language=target_language)
+        url, stop = serve_app(app, TIMEOUT)
+        try:
+            return [translations(url, fields) for fields in asked]
+        finally:
+            stop()
 
-    def alone(code):
-        starts = decode.StartsWith.from_text(m2m.tokenizer, code)
+    def translations(url, fields):
+        answer = httpx.post(f"{url}/v1/completions", timeout=TIMEOUT, json={
+            "model": "m2m_100", "prompt": sources, "max_tokens": 6, "temperature": 0,
+            **fields}).json()
+        return [c["text"] for c in sorted(answer["choices"], key=lambda c: c["index"])]
+
+    def alone(first):
+        starts = decode.StartsWith((first,))
         results = [text.sample_text(m2m, s, max_new_tokens=6, constraint=starts)
                    for s in sources]
-        assert all(r.tokens[0] == starts.token_ids[0] for r in results)
         return [r.text for r in results]
 
-    assert by_default == alone("a") != asked == alone("are")
+    a, are = (m2m.tokenizer.encode(code)[0] for code in ("a", "are"))
+    configured, asked = served(None, {}, {"target_language": "are"})
+    (by_default,) = served("a", {})
+    assert configured == alone(7) == [text.sample_text(m2m, s, max_new_tokens=6).text
+                                      for s in sources]
+    assert asked == alone(are) != configured
+    assert by_default == alone(a) != configured
