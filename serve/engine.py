@@ -66,7 +66,7 @@ class EngineFailed(Exception):
 class Engine:
     """Serves `GenerationRequest`s with continuous batching: a language model's, or an
     encoder-decoder's (a translator's: the prompt is its source, of up to `max_source_len`
-    tokens, default `max_len`; one device, contiguous slots, no prefix cache).
+    tokens, default `max_len`; contiguous slots, no prefix cache).
 
     `tokenizer` (optional) turns each sample's tokens into text as they come, so that stop
     strings can end it. Up to `prefill_batch` waiting prompts are prefilled in one call (the
@@ -119,7 +119,7 @@ class Engine:
             raise ValueError(f"max_len={capacity} exceeds the model's max_len {config.max_len}")
         on = parallel.mesh_of(params) if mesh is None else mesh
         data = 1 if on is None else on.shape[parallel.DATA]
-        self.source_capacity = slots.source_capacity(config, capacity, max_source_len, on,
+        self.source_capacity = slots.source_capacity(config, capacity, max_source_len,
                                                      page_size, num_pages, prefix_cache_rows)
         prefix_cache_rows = 0 if self.source_capacity else prefix_cache_rows  # none for sources
         if prefix_cache_rows is None:

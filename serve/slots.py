@@ -180,11 +180,12 @@ def empty_state(config: M.TransformerConfig, num_slots: int, num_staged: int, ca
     if mesh is None:
         return _free_state(config, num_slots, num_staged, capacity, pages, prefix_rows,
                            source_capacity)
-    return _free_state_on(config, num_slots, num_staged, capacity, mesh, pages, prefix_rows)
+    return _free_state_on(config, num_slots, num_staged, capacity, mesh, pages, prefix_rows,
+                          source_capacity)
 
 
 def source_capacity(config: M.TransformerConfig, capacity: int, max_source_len: int | None,
-                    mesh, page_size, num_pages, prefix_cache_rows) -> int | None:
+                    page_size, num_pages, prefix_cache_rows) -> int | None:
     """The source slots of an engine's rows: an encoder-decoder's `max_source_len` (default
     `capacity`), None for a language model. A ValueError names a setting the model is not
     served with."""
@@ -197,13 +198,13 @@ def source_capacity(config: M.TransformerConfig, capacity: int, max_source_len: 
                                        or not 1 <= max_source_len <= config.max_len):
         raise ValueError(f"max_source_len={max_source_len!r} must be an int in [1, the "
                          f"model's max_len {config.max_len}]")
-    given = [name for name, value in (("mesh", mesh), ("page_size", page_size),
-                                      ("num_pages", num_pages)) if value is not None]
+    given = [name for name, value in (("page_size", page_size), ("num_pages", num_pages))
+             if value is not None]
     if prefix_cache_rows:
         given.append(f"prefix_cache_rows={prefix_cache_rows}")
     if given:
-        raise ValueError(f"an encoder-decoder is served on one device, with contiguous slots "
-                         f"and no prefix cache; {', '.join(given)} given")
+        raise ValueError(f"an encoder-decoder is served with contiguous slots and no prefix "
+                         f"cache; {', '.join(given)} given")
     return capacity if max_source_len is None else max_source_len
 
 
@@ -246,12 +247,13 @@ def _free_rows(config: M.TransformerConfig, rows: int, capacity: int,
     )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6, 7))
 def _free_state_on(config: M.TransformerConfig, num_slots: int, num_staged: int,
                    capacity: int, mesh, pages: tuple[int, int] | None = None,
-                   prefix_rows: int = 0):
+                   prefix_rows: int = 0, source_capacity: int | None = None):
     return parallel.constrain_rows(
-        _free_state(config, num_slots, num_staged, capacity, pages, prefix_rows), mesh)
+        _free_state(config, num_slots, num_staged, capacity, pages, prefix_rows,
+                    source_capacity), mesh)
 
 
 def choose(logits_BV, context_BC, context_lengths_B, sampling: SamplingParams,

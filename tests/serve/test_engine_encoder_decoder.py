@@ -112,7 +112,7 @@ def test_what_an_encoder_decoder_is_not_served_with_is_refused(engine, translato
     config, _, params = translator
     for settings, named in ((dict(page_size=4), "page_size"),
                             (dict(prefix_cache_rows=2), "prefix_cache_rows=2")):
-        with pytest.raises(ValueError, match=f"one device, with contiguous slots and no prefix "
+        with pytest.raises(ValueError, match=f"served with contiguous slots and no prefix "
                                              f"cache; {named} given"):
             Engine(config, params, max_slots=SLOTS, max_len=CAPACITY, **settings)
     with pytest.raises(ValueError, match=r"the source has 17 tokens, more than a slot holds "

@@ -111,6 +111,45 @@ def test_a_paged_engine_on_a_mesh_gives_every_request_the_one_device_tokens():
         memory.check_paged_cache_fits(**fits, free=int((held - slack) / memory.CACHE_SHARE))
 
 
+def test_a_translator_on_a_mesh_gives_every_source_the_one_device_tokens():
+    """An encoder-decoder's slots hold their sources' cross-attention K/V beside their
+    targets', split over the mesh as those are; the memory check counts one device's share
+    of both. Its first target token forced (a constraint) is refused on a mesh at start."""
+    config = M.preset("tiny", num_encoder_layers=1, num_kv_heads=2)
+    params = M.init_params(config, jax.random.key(2))
+    sizes = dict(max_slots=SLOTS, chunk_size=CHUNK, prefill_batch=1, max_len=24,
+                 max_source_len=8)
+    want = serve(Engine(config, params, **sizes))
+    mesh = parallel.make_mesh("data=2,model=2", jax.devices()[:4])
+    engine = Engine(config, params, mesh=mesh, **sizes)
+    assert serve(engine) == want
+    assert sum(len(t) for ts in want for t in ts) > 30
+    rows = (engine.state.slots, engine.state.staged)
+    for cache in (r.cache for r in rows):
+        assert cache.cross_k[0].sharding.spec == PartitionSpec(None, parallel.DATA,
+                                                               parallel.MODEL)
+    first = mesh.devices.flat[0]
+    held = sum(shard.data.nbytes for r in rows
+               for leaf in (*r.cache.k, *r.cache.v, *r.cache.cross_k, *r.cache.cross_v,
+                            r.context)
+               for shard in leaf.addressable_shards if shard.device == first)
+    fits = dict(config=config, rows=2 * SLOTS, capacity=24, mesh=mesh, source_capacity=8)
+    memory.check_cache_fits(**fits, free=int(held / memory.CACHE_SHARE) + 1)
+    with pytest.raises(ValueError, match="on each device"):
+        memory.check_cache_fits(**fits, free=int(held / memory.CACHE_SHARE) - 1)
+
+    class Forcing:  # a tokenizer whose generation config forces token 5 first
+        vocab_size, pad_id, bos_id, eos_id, stop_ids = 64, 0, 1, 2, (2,)
+        document_prefix = source_prefix = target_prefix = (5,)
+
+    from kvjax.serve.server import build_app
+    from kvjax.text import LoadedModel
+
+    with pytest.raises(ValueError, match="first target token 5 .the generation config's. is "
+                                         "a constraint"):
+        build_app(LoadedModel(config, Forcing(), params, "/translator"), mesh=mesh, **sizes)
+
+
 def test_slots_and_staged_rows_must_divide_over_data():
     mesh = parallel.make_mesh("data=4,model=2")
     with pytest.raises(ValueError, match="max_slots=6 must be a multiple of the mesh's data=4"):
