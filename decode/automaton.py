@@ -55,6 +55,9 @@ class RowConstraints:
     narrow_width: int = flax.struct.field(pytree_node=False)
     search_steps: int = flax.struct.field(pytree_node=False)
 
+    # Every row reads every table (`parallel.constrain_rows` holds them whole on each device).
+    SHARED_BY_ROWS = ("starts", "counts", "tokens", "next_states", "bit_row", "bits")
+
     def mask(self, logits_BV: jax.Array) -> jax.Array:
         """-inf on every token a constrained row's state does not allow."""
         batch, vocab = logits_BV.shape

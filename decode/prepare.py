@@ -143,7 +143,7 @@ def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams
     if speculative is not None:
         spec.check_supported(speculative, config, processors=processors, sampling=sampling,
                              state=state, mesh=mesh, prompt_length=int(lengths.max()))
-    automata = row_automata(constraint, tokens.shape[0], config.vocab_size, eos_ids, mesh=mesh)
+    automata = row_automata(constraint, tokens.shape[0], config.vocab_size, eos_ids)
     row_adapters = lora_rows.for_prompts(adapters, adapter, tokens.shape[0])
     if row_adapters is not None and (speculative is not None or state is not None):
         raise ValueError("adapters serve a plain, sampled or beam search call; not "
@@ -202,8 +202,8 @@ def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams
 Constrained = TokenAutomaton | Sequence[TokenAutomaton | None] | None
 
 
-def row_automata(constraint: Constrained, batch: int, vocab_size: int, eos_ids, *,
-                 mesh=None) -> list[TokenAutomaton | None]:
+def row_automata(constraint: Constrained, batch: int, vocab_size: int,
+                 eos_ids) -> list[TokenAutomaton | None]:
     """Each prompt's automaton (None: unconstrained), checked against the model and the
     call's other settings."""
     if constraint is None:
@@ -225,8 +225,4 @@ def row_automata(constraint: Constrained, batch: int, vocab_size: int, eos_ids, 
         if one.end_id not in eos_ids:
             raise ValueError(f"constraint {i} ends with id {one.end_id}, which is not among "
                              f"eos_ids {tuple(eos_ids)}: its rows could never stop")
-    if any(c is not None for c in constraint):
-        if mesh is not None:
-            raise ValueError("constrained rows run on one device; they do not take a mesh "
-                             "or params sharded over one")
     return constraint

@@ -214,7 +214,9 @@ def constrain_rows(tree: Any, mesh: Mesh | None) -> Any:
     and an int8 cache's scales [L, B, K, S]. A paged cache's pools [L, pages, K, U, H] are
     every row's, so only their kv heads are split (over `model`), and its page tables go
     with their rows. A latent attention cache's one row per token (K = 1, every head reads
-    it) is held whole by each device of `model`.
+    it) is held whole by each device of `model`. A dataclass naming `SHARED_BY_ROWS` (the
+    token automata's tables, which every row reads) holds those fields whole on every
+    device and its other arrays with their rows.
     """
     if mesh is None:
         return tree
@@ -237,9 +239,16 @@ def constrain_rows(tree: Any, mesh: Mesh | None) -> Any:
                                            getattr(leaf, name))
                         for name in ("lengths", "overflow", "source_lengths", "pages")}
             return leaf.replace(**kv, **counters)
+        if hasattr(leaf, "SHARED_BY_ROWS"):
+            return leaf.replace(**{
+                name: _constrain(getattr(leaf, name), mesh, PartitionSpec() if name in
+                                 leaf.SHARED_BY_ROWS else PartitionSpec(DATA))
+                for name in leaf.__dataclass_fields__
+                if isinstance(getattr(leaf, name), jax.Array)})
         return _constrain(leaf, mesh, PartitionSpec(DATA) if leaf.ndim else PartitionSpec())
 
-    return jax.tree.map(place, tree, is_leaf=lambda x: isinstance(x, M.KVCache))
+    return jax.tree.map(place, tree, is_leaf=lambda x: isinstance(x, M.KVCache)
+                        or hasattr(x, "SHARED_BY_ROWS"))
 
 
 def keep_rows(tokens_to_logits, mesh: Mesh | None):

@@ -194,9 +194,6 @@ class Engine:
         if not checks.is_int(request.adapter) or not 0 <= request.adapter <= served:
             raise checks.InvalidValue("adapter", f"adapter={request.adapter!r} is not among "
                                                  f"the {served} adapters served (0: none)")
-        if request.constraint is not None and self.mesh is not None:
-            raise checks.InvalidValue("constraint", "constrained requests run on one device; "
-                                                    "this engine is served over a mesh")
         for rows, what in ((self.max_slots, "slots"), (self.num_staged, "staged rows")):
             if request.n > rows:  # a request's samples are staged together
                 raise checks.InvalidValue("n", f"n={request.n} is more than the engine's "

@@ -94,11 +94,6 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
                     prefix_cache_rows=prefix_cache_rows, prefill_part=prefill_part,
                     page_size=page_size, num_pages=num_pages, metrics=metrics, mesh=mesh,
                     adapters=stack, max_source_len=max_source_len)
-    if default_language is not None and engine.mesh is not None:
-        given = "target_language" if target_language else "the generation config's"
-        raise ValueError(f"the first target token {default_language.token_ids[0]} ({given}) "
-                         f"is a constraint, and constrained requests run on one device: "
-                         f"serve this translator without a mesh")
     served_adapters = ServedAdapters(engine, name, tuple(adapters or ()),
                                      0 if stack is None else stack.count, load_adapter)
     created = int(time.time())

@@ -64,8 +64,6 @@ def test_a_constraint_is_given_to_every_row_or_row_by_row_and_checked():
             ([None, one], (3,), r"constraint 1 ends with id 2, which is not among eos_ids \(3,\)")):
         with pytest.raises(ValueError, match=message):
             row_automata(constraint, 2, CONFIG.vocab_size, eos)
-    with pytest.raises(ValueError, match="constrained rows run on one device"):
-        row_automata(one, 2, CONFIG.vocab_size, (2,), mesh=object())
 
 
 def test_a_batch_is_filled_up_to_its_bucket_with_copies_of_its_last_prompt():

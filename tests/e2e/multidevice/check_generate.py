@@ -75,6 +75,32 @@ def test_sampled_stream_and_beam_tokens_equal_one_device(some_model):
     np.testing.assert_allclose(got.scores, want.scores, rtol=1e-5)
 
 
+def test_constrained_greedy_and_beam_tokens_equal_one_device():
+    """Each device holds the automata's tables whole and its rows' states: a regular
+    expression, a choice and an unconstrained row give the one-device tokens, in beam
+    search too."""
+    from pathlib import Path
+
+    from kvjax import text
+
+    tokenizer = text.load(Path(__file__).resolve().parents[3] / "checkpoints"
+                          / "python-docs-lm").tokenizer
+    config = M.preset("tiny", num_kv_heads=2, vocab_size=tokenizer.vocab_size)
+    net, params = M.build_model(config), M.init_params(config, jax.random.key(0))
+    regex, choice = (decode.compile_constraint(c, tokenizer) for c in (
+        decode.Regex("[a-z]+ (is|was) [0-9]{1,3}"), decode.Choice(["yes", "no", "maybe not"])))
+    settings = dict(max_new_tokens=NEW, eos_ids=(tokenizer.eos_id,),
+                    constraint=[regex, choice, None, choice])
+    mesh = parallel.make_mesh("data=4,model=2")
+    want = decode.generate(net, params, PROMPTS[:4], **settings)
+    got = decode.generate(net, params, PROMPTS[:4], mesh=mesh, **settings)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    assert tokenizer.decode(want.token_lists()[1]) in ("yes", "no", "maybe not")
+    want = decode.beam_search(net, params, PROMPTS[:4], num_beams=3, **settings)
+    got = decode.beam_search(net, params, PROMPTS[:4], num_beams=3, mesh=mesh, **settings)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+
+
 def decode_loop_hlo(config, params, mesh, batch=8):
     """The compiled decode loop of a `generate` call on `mesh`, as HLO text."""
     net = M.build_model(config)

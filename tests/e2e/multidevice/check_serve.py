@@ -1,6 +1,9 @@
 """The serving engine on a mesh: slots split over `data`, heads over `model`; every request
 gets the tokens the one-device engine gives it."""
 
+import dataclasses
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -14,6 +17,7 @@ from kvjax.serve.metrics import ServeMetrics
 
 SLOTS, CHUNK = 4, 4
 CONFIG = M.preset("tiny", positional_encoding="rope", num_kv_heads=2)
+SHIPPED_LM = Path(__file__).resolve().parents[3] / "checkpoints" / "python-docs-lm"
 
 
 def prompt(seed, length):
@@ -114,16 +118,27 @@ def test_a_paged_engine_on_a_mesh_gives_every_request_the_one_device_tokens():
 def test_a_translator_on_a_mesh_gives_every_source_the_one_device_tokens():
     """An encoder-decoder's slots hold their sources' cross-attention K/V beside their
     targets', split over the mesh as those are; the memory check counts one device's share
-    of both. Its first target token forced (a constraint) is refused on a mesh at start."""
-    config = M.preset("tiny", num_encoder_layers=1, num_kv_heads=2)
+    of both. Constrained requests (a target language forced first, a choice) follow their
+    automata there too: each device holds the tables whole."""
+    from kvjax import decode, text
+
+    tokenizer = text.load(SHIPPED_LM).tokenizer  # a real vocabulary, for the automata
+    config = M.preset("tiny", num_encoder_layers=1, num_kv_heads=2,
+                      vocab_size=tokenizer.vocab_size)
     params = M.init_params(config, jax.random.key(2))
+    constraints = [decode.compile_constraint(c, tokenizer) for c in (
+        decode.StartsWith((7, 9)), decode.Choice(["yes", "no", "maybe not"]))] + [None]
+    requests = [dataclasses.replace(r, constraint=constraints[i % 3],
+                                    stop_ids=(tokenizer.eos_id,))
+                for i, r in enumerate(REQUESTS)]
     sizes = dict(max_slots=SLOTS, chunk_size=CHUNK, prefill_batch=1, max_len=24,
                  max_source_len=8)
-    want = serve(Engine(config, params, **sizes))
+    want = serve(Engine(config, params, **sizes), requests)
     mesh = parallel.make_mesh("data=2,model=2", jax.devices()[:4])
     engine = Engine(config, params, mesh=mesh, **sizes)
-    assert serve(engine) == want
+    assert serve(engine, requests) == want
     assert sum(len(t) for ts in want for t in ts) > 30
+    assert want[0][0][:2] == [7, 9]
     rows = (engine.state.slots, engine.state.staged)
     for cache in (r.cache for r in rows):
         assert cache.cross_k[0].sharding.spec == PartitionSpec(None, parallel.DATA,
@@ -137,17 +152,6 @@ def test_a_translator_on_a_mesh_gives_every_source_the_one_device_tokens():
     memory.check_cache_fits(**fits, free=int(held / memory.CACHE_SHARE) + 1)
     with pytest.raises(ValueError, match="on each device"):
         memory.check_cache_fits(**fits, free=int(held / memory.CACHE_SHARE) - 1)
-
-    class Forcing:  # a tokenizer whose generation config forces token 5 first
-        vocab_size, pad_id, bos_id, eos_id, stop_ids = 64, 0, 1, 2, (2,)
-        document_prefix = source_prefix = target_prefix = (5,)
-
-    from kvjax.serve.server import build_app
-    from kvjax.text import LoadedModel
-
-    with pytest.raises(ValueError, match="first target token 5 .the generation config's. is "
-                                         "a constraint"):
-        build_app(LoadedModel(config, Forcing(), params, "/translator"), mesh=mesh, **sizes)
 
 
 def test_slots_and_staged_rows_must_divide_over_data():
