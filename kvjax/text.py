@@ -243,7 +243,8 @@ def sample_texts(loaded: LoadedModel, prompt: str, *, num_samples: int = 1,
     settings = dict(max_new_tokens=limit, eos_ids=tuple(loaded.tokenizer.stop_ids),
                     rng=jax.random.wrap_key_data(seed_key(seed))[None], sampling=sampling,
                     logit_processors=logit_processors, speculative=speculative)
-    constraint = constraint or forced_start(loaded)
+    if constraint is None:
+        constraint = forced_start(loaded)
     if constraint is not None:
         settings["constraint"] = decode.compile_constraint(constraint, loaded.tokenizer)
     on_text = on_text or (lambda row, piece: None)

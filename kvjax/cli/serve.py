@@ -61,7 +61,8 @@ def add_serve(commands) -> None:
                        help="a translator's target language, one token of its tokenizer "
                             "(NLLB's fra_Latn, M2M100's __fr__): the first token of every "
                             "request's target unless it names its own target_language or "
-                            "another constraint (default: none, the model chooses)")
+                            "another constraint (default: the token its generation config "
+                            "forces, if any; else the model chooses)")
     serve.add_argument("--chunk-size", type=positive, default=None,
                        help="decode steps between the host's turns (handing out tokens, "
                             "staging requests); slots refill within a chunk (default: 32 "

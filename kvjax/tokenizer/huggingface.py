@@ -151,8 +151,10 @@ class HFTokenizer:
         stops = [self.eos_id] * (self.eos_id is not None) + (
             [ends] if isinstance(ends, int) else list(ends or []))
         forced = generation.get("forced_bos_token_id")
-        for name, i in [("eos_token_id", i) for i in stops] + [("forced_bos_token_id", forced)] * (
-                forced is not None):
+        named = [("eos_token_id", i) for i in stops]
+        if forced is not None:
+            named.append(("forced_bos_token_id", forced))
+        for name, i in named:
             if not isinstance(i, int) or not 0 <= i < self.vocab_size or not known[i]:
                 raise ValueError(f"generation_config.json {name} {i!r} is not a token id")
         self.stop_ids: tuple[int, ...] = tuple(dict.fromkeys(stops))
