@@ -151,14 +151,12 @@ class HFTokenizer:
         stops = [self.eos_id] * (self.eos_id is not None) + (
             [ends] if isinstance(ends, int) else list(ends or []))
         forced = generation.get("forced_bos_token_id")
-        named = [("eos_token_id", i) for i in stops]
-        if forced is not None:
-            named.append(("forced_bos_token_id", forced))
-        for name, i in named:
-            if not isinstance(i, int) or not 0 <= i < self.vocab_size or not known[i]:
-                raise ValueError(f"generation_config.json {name} {i!r} is not a token id")
-        self.stop_ids: tuple[int, ...] = tuple(dict.fromkeys(stops))
         self.target_prefix: tuple[int, ...] = () if forced is None else (forced,)
+        for name, ids in (("eos_token_id", stops), ("forced_bos_token_id", self.target_prefix)):
+            for i in ids:
+                if not isinstance(i, int) or not 0 <= i < self.vocab_size or not known[i]:
+                    raise ValueError(f"generation_config.json {name} {i!r} is not a token id")
+        self.stop_ids: tuple[int, ...] = tuple(dict.fromkeys(stops))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, no special ids added; special-token strings in it are read as
