@@ -108,7 +108,8 @@ class TransformerConfig:
     # With qk_norm, the norms take the queries and keys after RoPE has turned them (HunYuan).
     qk_norm_after_rope: bool = False
     # Self-attention sees only the last `sliding_window` positions (itself included; Mistral).
-    # None: all earlier positions. The cache still holds every position of a row.
+    # None: all earlier positions. A contiguous cache still holds every position of a row;
+    # where every layer has the window, a paged one may drop those behind it (`attention_reach`).
     sliding_window: int | None = None
     # positional_encoding="relative": the buckets of distance each stack's table holds (half
     # for each direction in an encoder) and the distance past which they share the last.
@@ -269,6 +270,17 @@ class TransformerConfig:
     def is_local_layer(self, number: int) -> bool:
         """Whether decoder layer `number` (0-based) attends over a sliding window."""
         return self.sliding_window is not None and number not in self.full_attention_layers
+
+    @property
+    def attention_reach(self) -> int | None:
+        """How many positions, its own included, a decoder query reads at most: the sliding
+        window where every decoder layer attends over one (Mistral 7B v0.1, Phi-3, StarCoder2),
+        else None (every earlier position). A row's positions further back than this behind
+        its next one are never read again, so a paged cache may give their pages back."""
+        if self.sliding_window is None or any(
+                not self.is_local_layer(i) for i in range(self.num_decoder_layers)):
+            return None
+        return self.sliding_window
 
     def first_decoder_layers(self, num_layers: int) -> TransformerConfig:
         """The config of this model's first `num_layers` decoder layers: what is said of a

@@ -145,7 +145,7 @@ def _decode_chunk(config, params, state, cancel_I, want_top, queued, steps, mesh
         step, state, emitted = carry
         preempted_B = False
         if state.free_pages is not None:  # pages for the slots about to fill theirs
-            state, preempted_B = pages.grow(state, active)
+            state, preempted_B = pages.grow(state, active, config.attention_reach)
         slots = state.slots
         full_B = active & slots.running & (slots.cache.lengths >= slots.cache.capacity)
         slots = slots.replace(

@@ -12,9 +12,11 @@ last are preempted, as few as give the others their pages: each stops with
 line, to be prefilled anew from its prompt and the tokens it made and to go on from there
 (`engine.py`). The slot admitted first never waits on another, so every sample ends. A slot
 that stops (its sample ended, was cancelled, filled its pages or was preempted) gives its
-pages back before the next step. Pages are taken and given back on the device, inside the
-engine's programs: the host never picks one, and learns only how many are held
-(`/metrics`).
+pages back before the next step. Where every layer of the model reads only a sliding window
+(`TransformerConfig.attention_reach`), a running slot also gives back, before each step, its
+pages wholly behind the window its next token reads (`release_behind`). Pages are taken
+and given back on the device, inside the engine's programs: the host never picks one, and
+learns only how many are held (`/metrics`).
 
 After the slots' pages the pool holds the prefix cache's rows, a row's worth of pages each
 (`share_kept` copies each prefix kept there): a sample whose prompt starts with a kept prefix
@@ -112,17 +114,26 @@ def prefix_page(state: EngineState, prefix_row) -> jax.Array:
     return state.free_pages.shape[0] + prefix_row * state.slots.cache.pages.shape[1]
 
 
-def grow(state: EngineState, active) -> tuple[EngineState, jax.Array]:
+def grow(state: EngineState, active, reach: int | None = None
+         ) -> tuple[EngineState, jax.Array]:
     """(state, preempted [B] bool): every running slot whose next token falls past its pages
     takes one more page (when `active`); if the pool has too few, the fewest slots admitted
-    last that leave enough are preempted first and their pages given back."""
+    last that leave enough are preempted first and their pages given back. With `reach`
+    (the model's `attention_reach`: every layer reads only that many positions back), each
+    running slot first gives back its own pages that lie wholly behind what its next token
+    reads (`release_behind`), so a long sample holds about a window's pages."""
+    if reach is not None:
+        state = release_behind(state, reach, active)
     slots, free = state.slots, state.free_pages
     cache = slots.cache
     tables_BX = cache.pages
-    held_B = jnp.sum(tables_BX >= 0, axis=1, dtype=jnp.int32)
+    per_row = tables_BX.shape[1]
     own_B = jnp.sum((tables_BX >= 0) & (tables_BX < free.shape[0]), axis=1, dtype=jnp.int32)
-    need_B = (active & slots.running & (cache.lengths >= held_B * cache.page_size)
-              & (held_B < tables_BX.shape[1]))
+    # The page of each slot's next position (the entries before it may have been given back).
+    column_B = cache.lengths // cache.page_size
+    next_page_B = jnp.take_along_axis(tables_BX, jnp.minimum(column_B, per_row - 1)[:, None],
+                                      axis=1)[:, 0]
+    need_B = active & slots.running & (column_B < per_row) & (next_page_B < 0)
     # The slots by how recently they were admitted (ids grow in the order samples stage).
     youth_B = jnp.where(slots.running, (state.last_admitted - slots.owner) & (ID_SPACE - 1),
                         ID_SPACE)
@@ -142,17 +153,33 @@ def grow(state: EngineState, active) -> tuple[EngineState, jax.Array]:
     state = release_stopped(state.replace(slots=slots))
     slots, free = state.slots, state.free_pages
     need_B = need_B & ~preempted_B
-    num_pages, (batch, per_row) = free.shape[0], tables_BX.shape
+    num_pages, batch = free.shape[0], tables_BX.shape[0]
     rank_P = jnp.cumsum(free, dtype=jnp.int32) - 1
     page_by_rank = jnp.zeros((num_pages,), jnp.int32).at[
         jnp.where(free, rank_P, num_pages)].set(jnp.arange(num_pages, dtype=jnp.int32),
                                                  mode="drop")
     page_B = page_by_rank[jnp.maximum(jnp.cumsum(need_B, dtype=jnp.int32) - 1, 0)]
-    tables_BX = slots.cache.pages.at[jnp.arange(batch), jnp.where(need_B, held_B, per_row)].set(
+    tables_BX = slots.cache.pages.at[jnp.arange(batch), jnp.where(need_B, column_B, per_row)].set(
         page_B, mode="drop")
     free = free.at[jnp.where(need_B, page_B, num_pages)].set(False, mode="drop")
     slots = slots.replace(cache=slots.cache.replace(pages=tables_BX))
     return state.replace(slots=slots, free_pages=free), preempted_B
+
+
+def release_behind(state: EngineState, reach: int, active) -> EngineState:
+    """Every running slot (when `active`) gives back to the pool its own pages whose
+    positions all lie `reach` or more behind its next one, which no layer reads again (a
+    query at position p reads p - reach + 1 .. p). Their entries read `NO_PAGE`, which the
+    attention reads as page 0 and masks. A shared prefix's pages stay in the table."""
+    slots, free = state.slots, state.free_pages
+    tables_BX, page_size = slots.cache.pages, slots.cache.page_size
+    ends_X = (jnp.arange(tables_BX.shape[1], dtype=jnp.int32) + 1) * page_size  # past each
+    behind_BX = ((active & slots.running)[:, None]
+                 & (ends_X[None] <= (slots.cache.lengths - reach + 1)[:, None]))
+    gone_BX = behind_BX & (tables_BX >= 0) & (tables_BX < free.shape[0])
+    free = free.at[jnp.where(gone_BX, tables_BX, free.shape[0])].set(True, mode="drop")
+    cache = slots.cache.replace(pages=jnp.where(gone_BX, M.NO_PAGE, tables_BX))
+    return state.replace(slots=slots.replace(cache=cache), free_pages=free)
 
 
 def release_stopped(state: EngineState) -> EngineState:

@@ -26,6 +26,10 @@ def add_serve(kinds) -> None:
     serve.add_argument("--encoder-layers", type=count, default=0, metavar="N",
                        help="N > 0: the preset as an encoder-decoder (a translator) of N "
                             "encoder layers, whose prompts are sources")
+    serve.add_argument("--sliding-window", type=positive, default=None, metavar="N",
+                       help="every layer of the preset attends over the last N positions "
+                            "(as Mistral 7B v0.1): with --page-size, a request holds about "
+                            "N positions' pages however long it runs")
     serve.add_argument("--requests", type=positive, default=128, help="requests to serve")
     serve.add_argument("--rate", type=positive_real, default=50.0,
                        help="mean arrivals per second (Poisson)")
@@ -88,5 +92,6 @@ def run_bench_serve(args) -> int:
                           steps_per_check=args.steps_per_check,
                           page_size=args.page_size, num_pages=args.num_pages,
                           max_staged=args.max_staged, lora_adapters=args.lora_adapters,
-                          lora_rank=args.lora_rank, encoder_layers=args.encoder_layers))
+                          lora_rank=args.lora_rank, encoder_layers=args.encoder_layers,
+                          sliding_window=args.sliding_window))
     return 0

@@ -55,6 +55,7 @@ def test_cache_size_of_an_encoder_decoder_shows_the_cross_attention_part(capsys)
 @pytest.mark.parametrize("argv, message", [
     (["train", "--task", "lm", "--steps", "0"], "argument --steps: must be >= 1, got 0"),
     (["train", "--task", "poetry"], "argument --task: invalid choice: 'poetry'"),
+    (["bench", "serve", "--sliding-window", "0"], "argument --sliding-window: must be >= 1, got 0"),
     (["sample", "--prompt", "x"], "the following arguments are required: --checkpoint"),
     (["cache-size", "--dtype", "int4"], "argument --dtype: invalid choice: 'int4'"),
 ])
