@@ -48,7 +48,7 @@ def _oldest_staged(state: EngineState) -> jax.Array:
     return jnp.argmin(jnp.where(staged.running, age_Q, ID_SPACE))
 
 
-def admit(state: EngineState) -> EngineState:
+def admit(state: EngineState, reach: int | None = None) -> EngineState:
     """Moves the oldest waiting staged sample into the first free slot (some must be both,
     and with a paged cache its pages must be free: `_slot_free_and_sample_waiting`).
 
@@ -66,18 +66,19 @@ def admit(state: EngineState) -> EngineState:
     if state.free_pages is None:
         cache, free_pages = slots.cache.copy_row(staged.cache, row, slot, COPY_BLOCK), None
     else:
-        cache, free_pages = pages.admit_into_pages(state, row, slot)
+        cache, free_pages = pages.admit_into_pages(state, row, slot, reach)
     return state.replace(slots=rest.replace(cache=cache),
                          staged=staged.replace(running=staged.running.at[row].set(False)),
                          last_admitted=staged.owner[row], free_pages=free_pages)
 
 
-def _slot_free_and_sample_waiting(state: EngineState):
-    """A slot is free and a sample waits, whose pages (with a paged cache) are free."""
+def _slot_free_and_sample_waiting(state: EngineState, reach: int | None = None):
+    """A slot is free and a sample waits, whose pages (with a paged cache) are free; `reach`
+    as in `admit`."""
     waiting = jnp.any(~state.slots.running) & jnp.any(state.staged.running)
     if state.free_pages is None:
         return waiting
-    return waiting & pages.pages_free_for(state, _oldest_staged(state))
+    return waiting & pages.pages_free_for(state, _oldest_staged(state), reach)
 
 
 def _release(state: EngineState) -> EngineState:
@@ -120,6 +121,7 @@ def decode_chunk(config: M.TransformerConfig, params, state: EngineState, cancel
 def _decode_chunk(config, params, state, cancel_I, want_top, queued, steps, mesh=None,
                   steps_per_check=1, adapters=None):
     count_trace("serve_chunk")
+    reach = config.attention_reach  # pages behind it go back to the pool (`pages.py`)
 
     def stop_cancelled(rows: SlotState) -> SlotState:
         cancelled = jnp.any(rows.owner[:, None] == cancel_I[None], axis=1)
@@ -139,13 +141,13 @@ def _decode_chunk(config, params, state, cancel_I, want_top, queued, steps, mesh
     def decoding(carry):
         step, state, _ = carry
         return ((step < steps) & jnp.any(state.slots.running)
-                & ~_slot_free_and_sample_waiting(state) & ~_starving(state, queued))
+                & ~_slot_free_and_sample_waiting(state, reach) & ~_starving(state, queued))
 
     def decode_step(carry, active=True):
         step, state, emitted = carry
         preempted_B = False
         if state.free_pages is not None:  # pages for the slots about to fill theirs
-            state, preempted_B = pages.grow(state, active, config.attention_reach)
+            state, preempted_B = pages.grow(state, active, reach)
         slots = state.slots
         full_B = active & slots.running & (slots.cache.lengths >= slots.cache.capacity)
         slots = slots.replace(
@@ -191,7 +193,8 @@ def _decode_chunk(config, params, state, cancel_I, want_top, queued, steps, mesh
 
     def admit_and_decode(carry):
         step, state, emitted = carry
-        state = jax.lax.while_loop(_slot_free_and_sample_waiting, admit, state)
+        state = jax.lax.while_loop(functools.partial(_slot_free_and_sample_waiting, reach=reach),
+                                   functools.partial(admit, reach=reach), state)
         slots = state.slots
         # A free slot's cache row holds nothing the attention needs to read.
         slots = slots.replace(cache=slots.cache.replace(
@@ -202,7 +205,7 @@ def _decode_chunk(config, params, state, cancel_I, want_top, queued, steps, mesh
     def unfinished(carry):
         step, state, _ = carry
         return ((step < steps) & ~_starving(state, queued)
-                & (jnp.any(state.slots.running) | _slot_free_and_sample_waiting(state)))
+                & (jnp.any(state.slots.running) | _slot_free_and_sample_waiting(state, reach)))
 
     _, state, (ints, floats) = jax.lax.while_loop(
         unfinished, admit_and_decode,

@@ -132,7 +132,8 @@ class Engine:
                 raise ValueError(f"{name}={rows} must be a multiple of the mesh's data={data}: "
                                  f"each device holds as many of those rows")
         self.mesh, params = placement(config, params, mesh)
-        self.pages = pages.choose_pages(page_size, num_pages, capacity, max_slots, config.max_len)
+        self.pages = pages.choose_pages(page_size, num_pages, capacity, max_slots, config.max_len,
+                                        config.attention_reach)
         self.config, self.params, self.tokenizer = config, params, tokenizer
         if adapters is not None and not isinstance(adapters, lora_rows.AdapterStack):
             adapters = lora_rows.stack(config, params, list(adapters)) if adapters else None

@@ -13,8 +13,9 @@ line, to be prefilled anew from its prompt and the tokens it made and to go on f
 (`engine.py`). The slot admitted first never waits on another, so every sample ends. A slot
 that stops (its sample ended, was cancelled, filled its pages or was preempted) gives its
 pages back before the next step. Where every layer of the model reads only a sliding window
-(`TransformerConfig.attention_reach`), a running slot also gives back, before each step, its
-pages wholly behind the window its next token reads (`release_behind`). Pages are taken
+(`TransformerConfig.attention_reach`), a slot holds only the pages its next token reads: a
+staged sample takes none for its prompt's positions behind them, and a running slot gives
+back, before each step, those its window leaves (`release_behind`). Pages are taken
 and given back on the device, inside the engine's programs: the host never picks one, and
 learns only how many are held (`/metrics`).
 
@@ -47,10 +48,12 @@ from .slots import ID_SPACE, EngineState
 
 
 def choose_pages(page_size: int | None, num_pages: int | None, capacity: int,
-                 max_slots: int, model_max_len: int) -> tuple[int, int] | None:
+                 max_slots: int, model_max_len: int, reach: int | None = None
+                 ) -> tuple[int, int] | None:
     """(num_pages, page_size) of an engine's paged cache, or None for contiguous slots
-    (`page_size` None). `num_pages` defaults to `max_slots` full slots' worth. Raises
-    ValueError naming a setting that cannot be served."""
+    (`page_size` None). `num_pages` defaults to `max_slots` full slots' worth, and must hold
+    one request's pages: a full slot's, or with `reach` (the model's `attention_reach`) the
+    most a window takes. Raises ValueError naming a setting that cannot be served."""
     if page_size is None:
         if num_pages is not None:
             raise ValueError(f"num_pages={num_pages} needs a paged cache, but page_size is "
@@ -64,47 +67,76 @@ def choose_pages(page_size: int | None, num_pages: int | None, capacity: int,
                          f"{capacity} takes hold {per_row * page_size} positions, more than "
                          f"the model's max_len {model_max_len}")
     num_pages = per_row * max_slots if num_pages is None else num_pages
-    if not isinstance(num_pages, int) or num_pages < per_row:
-        raise ValueError(f"num_pages={num_pages!r} must be an int >= {per_row}: a request "
-                         f"may need all {per_row} pages of {page_size} positions that "
-                         f"max_len={capacity} takes")
+    least = per_row if reach is None else min(per_row, window_pages(reach, page_size))
+    if not isinstance(num_pages, int) or num_pages < least:
+        needs = (f"all {per_row} pages of {page_size} positions that max_len={capacity} takes"
+                 if least == per_row else f"{least} pages of {page_size} positions for the "
+                 f"{reach} positions its next token reads")
+        raise ValueError(f"num_pages={num_pages!r} must be an int >= {least}: a request "
+                         f"may need {needs}")
     return num_pages, page_size
 
 
-def pages_needed(state: EngineState, row) -> jax.Array:
+def window_pages(reach: int, page_size: int) -> int:
+    """The most pages a slot holds when it keeps only the `reach` positions its next token
+    reads (the last of them its own, to be written): they may start part-way into a page."""
+    return (reach + page_size - 2) // page_size + 1
+
+
+def pages_behind(lengths, reach: int | None, page_size: int):
+    """How many leading pages of a row of `lengths` positions lie wholly behind what its
+    next token reads (0 without `reach`)."""
+    if reach is None:
+        return jnp.zeros_like(lengths)
+    return jnp.maximum(lengths - reach + 1, 0) // page_size
+
+
+def _first_own_page(state: EngineState, row, reach: int | None) -> jax.Array:
+    """The first page of staged row `row`'s table that the sample takes from the pool: after
+    the prefix pages it shares and the pages behind what its next token reads."""
+    staged = state.staged
+    return jnp.maximum(staged.prefix_pages[row], pages_behind(
+        staged.cache.lengths[row], reach, state.slots.cache.page_size))
+
+
+def pages_needed(state: EngineState, row, reach: int | None = None) -> jax.Array:
     """Pages the sample in staged row `row` takes from the pool with a slot: its prompt's and
-    room for the token it feeds next, less the prefix pages it shares."""
+    room for the token it feeds next, less the prefix pages it shares and, with `reach`,
+    those wholly behind what its next token reads."""
     cache, staged = state.slots.cache, state.staged
     positions = staged.cache.lengths[row] + 1
     pages = jnp.minimum((positions + cache.page_size - 1) // cache.page_size,
                         cache.pages.shape[1])
-    return pages - staged.prefix_pages[row]
+    return pages - _first_own_page(state, row, reach)
 
 
-def pages_free_for(state: EngineState, row) -> jax.Array:
+def pages_free_for(state: EngineState, row, reach: int | None = None) -> jax.Array:
     """Whether the pool has the pages the sample in staged row `row` takes, and after them
     one free page for every slot running."""
-    spare = jnp.sum(state.free_pages, dtype=jnp.int32) - pages_needed(state, row)
+    spare = jnp.sum(state.free_pages, dtype=jnp.int32) - pages_needed(state, row, reach)
     return spare >= jnp.sum(state.slots.running, dtype=jnp.int32)
 
 
-def admit_into_pages(state: EngineState, row, slot) -> tuple[M.KVCache, jax.Array]:
+def admit_into_pages(state: EngineState, row, slot, reach: int | None = None
+                     ) -> tuple[M.KVCache, jax.Array]:
     """The slots' cache with staged row `row`'s sample given its first pages in slot `slot`:
-    the prefix row's pages it shares, then pages of the pool, into which the rest of its
-    prompt's K/V is copied; and the pages left free. The pages must be free
-    (`pages_free_for`), and the slot must hold none."""
+    the prefix row's pages it shares, then pages of the pool (with `reach`, only from the
+    first that its next token reads), into which the rest of its prompt's K/V is copied;
+    and the pages left free. The pages must be free (`pages_free_for`), and the slot must
+    hold none."""
     cache, free, staged = state.slots.cache, state.free_pages, state.staged  # free: [pages]
-    count, shared = pages_needed(state, row), staged.prefix_pages[row]
+    count, shared = pages_needed(state, row, reach), staged.prefix_pages[row]
+    first = _first_own_page(state, row, reach)
     rank = jnp.cumsum(free, dtype=jnp.int32) - 1  # each free page's rank among them
     taken = free & (rank < count)
     per_row = cache.pages.shape[1]
     table = jnp.full((per_row,), M.NO_PAGE, jnp.int32).at[  # the slot's [pages per row]
-        jnp.where(taken, shared + rank, per_row)].set(
+        jnp.where(taken, first + rank, per_row)].set(
             jnp.arange(free.shape[0], dtype=jnp.int32), mode="drop")
     first_X = prefix_page(state, staged.prefix_row[row]) + jnp.arange(per_row)
     table = jnp.where(jnp.arange(per_row) < shared, first_X, table)
     cache = cache.replace(pages=cache.pages.at[slot].set(table))
-    return (copy_row_into_pages(cache, staged.cache, row, slot, first_page=shared),
+    return (copy_row_into_pages(cache, staged.cache, row, slot, first_page=first),
             free & ~taken)
 
 
@@ -173,9 +205,9 @@ def release_behind(state: EngineState, reach: int, active) -> EngineState:
     attention reads as page 0 and masks. A shared prefix's pages stay in the table."""
     slots, free = state.slots, state.free_pages
     tables_BX, page_size = slots.cache.pages, slots.cache.page_size
-    ends_X = (jnp.arange(tables_BX.shape[1], dtype=jnp.int32) + 1) * page_size  # past each
+    behind_B = pages_behind(slots.cache.lengths, reach, page_size)
     behind_BX = ((active & slots.running)[:, None]
-                 & (ends_X[None] <= (slots.cache.lengths - reach + 1)[:, None]))
+                 & (jnp.arange(tables_BX.shape[1], dtype=jnp.int32)[None] < behind_B[:, None]))
     gone_BX = behind_BX & (tables_BX >= 0) & (tables_BX < free.shape[0])
     free = free.at[jnp.where(gone_BX, tables_BX, free.shape[0])].set(True, mode="drop")
     cache = slots.cache.replace(pages=jnp.where(gone_BX, M.NO_PAGE, tables_BX))

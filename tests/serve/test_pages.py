@@ -67,34 +67,41 @@ def test_preempted_samples_go_on_with_the_tokens_they_make_with_pages_to_spare(t
     assert [tight[i][0] for i in (0, 2)] == [alone(tiny_lm, requests[i]) for i in (0, 2)]
 
 
-def test_a_windowed_model_gives_back_the_pages_behind_its_window(tiny_lm):
-    """Every layer attends over the last 5 positions: a slot keeps only the pages its next
-    token reads, at most 3 of 4 positions (its prompt's, until its first step), so three
-    samples of 30 tokens run together in a pool of 10 pages, one slot's worth, with no
-    preemption. The pages given back are taken by the others at once; each sample still
-    makes the tokens `generate` makes alone, and every page is free at the end."""
+def test_a_windowed_model_holds_only_the_pages_its_window_reads(tiny_lm):
+    """Every layer attends over the last 5 positions: a slot holds only the pages its next
+    token reads, at most 2 of 4 positions, taking none for a prompt's positions behind them
+    and giving back those its window leaves. So three samples, one of a prompt longer than
+    the window, run together in a pool of 9 pages, less than one slot of 40 takes, with no
+    preemption; each makes the tokens `generate` makes alone, and every page is free at the
+    end. A pool that cannot hold one window is refused."""
     config = tiny_lm[0].replace(sliding_window=5)
     assert config.attention_reach == 5  # not where a layer reads everything:
     assert tiny_lm[0].attention_reach is None
     assert config.replace(full_attention_layers=(1,)).attention_reach is None
     windowed = (config, M.build_model(config), tiny_lm[2])
-    requests = [GenerationRequest(prompt(80 + i, n), max_tokens=30)
-                for i, n in enumerate((4, 6, 9))]
+    requests = [GenerationRequest(prompt(80 + i, n), max_tokens=m)
+                for i, (n, m) in enumerate(((4, 30), (9, 24), (17, 20)))]
     metrics = ServeMetrics()
-    engine = Engine(config, windowed[2], max_slots=3, max_len=40, chunk_size=4,
-                    page_size=PAGE, num_pages=10, prefill_batch=4, metrics=metrics)
+    settings = dict(max_slots=3, max_len=40, page_size=PAGE, prefill_batch=4)
+    with pytest.raises(ValueError, match="num_pages=1 must be an int >= 2: a request may need "
+                                         "2 pages of 4 positions for the 5 positions"):
+        Engine(config, windowed[2], num_pages=1, **settings)
+    engine = Engine(config, windowed[2], num_pages=9, chunk_size=4, metrics=metrics,
+                    **settings)
     collectors = [Collector() for _ in requests]
     for request, collector in zip(requests, collectors, strict=True):
         engine.submit(request, collector)
+    most_live = 0
     for _ in range(100):
         if not engine.step():
             break
         tables = np.asarray(engine.state.slots.cache.pages)
-        assert np.max(np.sum(tables >= 0, axis=1)) <= 3
-        assert np.sum(tables >= 0) + np.sum(np.asarray(engine.state.free_pages)) == 10
+        assert np.max(np.sum(tables >= 0, axis=1)) <= 2
+        assert np.sum(tables >= 0) + np.sum(np.asarray(engine.state.free_pages)) == 9
+        most_live = max(most_live, engine.live_slots)
     else:
         pytest.fail("the requests were not served in 100 turns")
-    assert preemptions(metrics) == 0 and all_pages_free(engine)
+    assert preemptions(metrics) == 0 and all_pages_free(engine) and most_live == 3
     assert [c.tokens() for c in collectors] == [alone(windowed, r) for r in requests]
 
 
