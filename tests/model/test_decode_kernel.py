@@ -122,7 +122,9 @@ def test_decode_steps_through_the_kernel_equal_xlas(mode, variant):
 def test_paged_kernel_reads_each_rows_pages_as_the_formula_does(mode, page_size, pages_per_row,
                                                                 heads, kv_heads, dim, sinks):
     """Pages of layer 1 of two, scrambled over the pool; unseen slots, every page of layer 0
-    and the pages no row names hold NaN; a row's unassigned entries (`NO_PAGE`) are masked."""
+    and the pages no row names hold NaN; a row's unassigned entries (`NO_PAGE`) are masked,
+    those of a row that saw nothing and those a windowed row gave back, wholly behind its
+    window (as the engine's paged slots give them back: `serve/pages.py`)."""
     kernel_backend(mode)
     batch, num_pages = 4, 4 * pages_per_row + 2
     capacity = pages_per_row * page_size
@@ -132,6 +134,7 @@ def test_paged_kernel_reads_each_rows_pages_as_the_formula_does(mode, page_size,
     pages = np.random.default_rng(2).permutation(num_pages)[:batch * pages_per_row]
     pages = pages.reshape(batch, pages_per_row).astype(np.int32)
     pages[1] = M.NO_PAGE  # a row that sees nothing holds no page
+    pages[3, :(capacity - 12) // page_size] = M.NO_PAGE  # behind the window: given back
     pools = []
     for rows in (k, v):  # [B, K, S, H] -> pools [2, pages, K, U, H]
         pool = np.full((2, num_pages, kv_heads, page_size, dim), np.nan, np.float32)
