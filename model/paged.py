@@ -59,6 +59,12 @@ def init_paged_cache(config: TransformerConfig, batch_size: int, num_pages: int,
                    pages=jnp.full((batch_size, pages_per_row), NO_PAGE, jnp.int32))
 
 
+def window_pages(reach: int, page_size: int) -> int:
+    """The most pages a row holds when it keeps only the `reach` positions its next token
+    reads (the last of them its own, to be written): they may start part-way into a page."""
+    return (reach + page_size - 2) // page_size + 1
+
+
 def pages_hold(pages: jax.Array, page_size: int, starts_B: jax.Array,
                valid_B: jax.Array) -> jax.Array:
     """[B] bool: whether row b's table assigns a page to each of its positions starts[b] ..

@@ -14,6 +14,7 @@ import jax
 from kvjax import model as M
 from kvjax import parallel
 from kvjax.model.cache_size import format_bytes
+from kvjax.model.paged import window_pages
 
 # The cache may take this share of what is free when the engine starts: the prefill's and a
 # step's activations and XLA's scratch space need the rest.
@@ -91,13 +92,16 @@ def check_cache_fits(config: M.TransformerConfig, rows: int, capacity: int, mesh
     where = "each device" if mesh is not None else str(devices[0])
     of_sources = ("" if source_capacity is None
                   else f" and max_source_len={source_capacity} source positions")
+    reach = config.attention_reach if source_capacity is None else None
+    paged = ("" if reach is None else f"; or page the slots (page_size, num_pages): every "
+             f"layer reads only the last {reach} positions, so a slot holds that many's pages")
     raise ValueError(
         f"the engine's cache of {rows} rows x max_len={capacity} positions{of_sources} takes "
         f"{format_bytes(int(need))} on {where}, more than {CACHE_SHARE:.0%} of its "
         f"{format_bytes(free)} free: lower max_len ("
         + (f"{length_fits} at most" if length_fits else "none is small enough")
         + f" for {rows} rows) or {rows_are} ({rows_fit} at most for "
-        f"max_len={capacity})")
+        f"max_len={capacity}){paged}")
 
 
 def check_engine_fits(config: M.TransformerConfig, slots: int, staged: int,
@@ -144,8 +148,10 @@ def check_paged_cache_fits(config: M.TransformerConfig, rows: int, capacity: int
     if need <= budget:
         return
     pages_fit = max(0, int((budget - fixed) // (kv * page_size)))
-    hint = (f"lower num_pages ({pages_fit} at most)" if pages_fit >= per_row else
-            f"lower max_len, max_slots or {rows_are} (a slot's {per_row} pages do not fit)")
+    reach = config.attention_reach  # a windowed slot needs only its window's pages
+    least = per_row if reach is None else min(per_row, window_pages(reach, page_size))
+    hint = (f"lower num_pages ({pages_fit} at most)" if pages_fit >= least else
+            f"lower max_len, max_slots or {rows_are} (a slot's {least} pages do not fit)")
     raise ValueError(
         f"the engine's cache of {num_pages} pages of {page_size} positions for {slots} slots "
         f"and {rows} rows x max_len={capacity} positions ({rows_are}) takes "

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from kvjax import model as M
 from kvjax.decode.loop import StopReason
 from kvjax.decode.tracing import count_trace
-from kvjax.model.paged import copy_row_into_pages
+from kvjax.model.paged import copy_row_into_pages, window_pages
 
 from .slots import ID_SPACE, EngineState
 
@@ -75,12 +75,6 @@ def choose_pages(page_size: int | None, num_pages: int | None, capacity: int,
         raise ValueError(f"num_pages={num_pages!r} must be an int >= {least}: a request "
                          f"may need {needs}")
     return num_pages, page_size
-
-
-def window_pages(reach: int, page_size: int) -> int:
-    """The most pages a slot holds when it keeps only the `reach` positions its next token
-    reads (the last of them its own, to be written): they may start part-way into a page."""
-    return (reach + page_size - 2) // page_size + 1
 
 
 def pages_behind(lengths, reach: int | None, page_size: int):

@@ -83,3 +83,25 @@ def test_a_cpu_reports_the_hosts_available_memory():
         total = next(int(line.split()[1]) * 1024 for line in meminfo
                      if line.startswith("MemTotal:"))
     assert 0 < memory.free_bytes(jax.devices("cpu")[0]) <= total
+
+
+def test_a_windowed_model_is_told_a_slot_needs_only_its_windows_pages():
+    """Where every layer reads only its last 64 positions, the contiguous check names paged
+    slots as a way out, and the paged check asks a slot for its window's 5 pages of 16,
+    not a full slot's 64; a model that reads everything is told neither."""
+    windowed, plain = M.preset("gpt-mini", sliding_window=64), M.preset("gpt-mini")
+    per_row = memory.bytes_per_position(windowed)
+    free = int(32 * per_row * 1000 / memory.CACHE_SHARE) + 1
+    with pytest.raises(ValueError, match=r"\(31 at most for max_len=1024\); or page the slots "
+                                         r"\(page_size, num_pages\): every layer reads only "
+                                         r"the last 64 positions"):
+        memory.check_cache_fits(windowed, 32, 1024, free=free)
+    with pytest.raises(ValueError, match=r"\(31 at most for max_len=1024\)$"):
+        memory.check_cache_fits(plain, 32, 1024, free=free)
+    fixed = per_row * 1024 + memory.CONTEXT_BYTES * 4 * 1024  # a staged row, 4 slots' context
+    kv = per_row - memory.CONTEXT_BYTES
+    free = int((fixed + kv * 16 * 10.5) / memory.CACHE_SHARE)  # 10 pages of 16 fit
+    with pytest.raises(ValueError, match=r"lower num_pages \(10 at most\)"):
+        memory.check_paged_cache_fits(windowed, 1, 1024, 4, 100, 16, free=free)
+    with pytest.raises(ValueError, match=r"a slot's 64 pages do not fit"):
+        memory.check_paged_cache_fits(plain, 1, 1024, 4, 100, 16, free=free)
