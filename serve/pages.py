@@ -51,9 +51,10 @@ def choose_pages(page_size: int | None, num_pages: int | None, capacity: int,
                  max_slots: int, model_max_len: int, reach: int | None = None
                  ) -> tuple[int, int] | None:
     """(num_pages, page_size) of an engine's paged cache, or None for contiguous slots
-    (`page_size` None). `num_pages` defaults to `max_slots` full slots' worth, and must hold
-    one request's pages: a full slot's, or with `reach` (the model's `attention_reach`) the
-    most a window takes. Raises ValueError naming a setting that cannot be served."""
+    (`page_size` None). `num_pages` must hold one request's pages: a full slot's, or with
+    `reach` (the model's `attention_reach`) the most a window takes. It defaults to
+    `max_slots` times that and one page more, so that every slot can run at once and none
+    is ever preempted. Raises ValueError naming a setting that cannot be served."""
     if page_size is None:
         if num_pages is not None:
             raise ValueError(f"num_pages={num_pages} needs a paged cache, but page_size is "
@@ -66,8 +67,9 @@ def choose_pages(page_size: int | None, num_pages: int | None, capacity: int,
         raise ValueError(f"page_size={page_size}: the {per_row} pages a slot of max_len="
                          f"{capacity} takes hold {per_row * page_size} positions, more than "
                          f"the model's max_len {model_max_len}")
-    num_pages = per_row * max_slots if num_pages is None else num_pages
     least = per_row if reach is None else min(per_row, window_pages(reach, page_size))
+    if num_pages is None:  # a full slot's pages need no spare: it never takes another
+        num_pages = max_slots * (per_row if least == per_row else least + 1)
     if not isinstance(num_pages, int) or num_pages < least:
         needs = (f"all {per_row} pages of {page_size} positions that max_len={capacity} takes"
                  if least == per_row else f"{least} pages of {page_size} positions for the "

@@ -89,8 +89,10 @@ def add_serve(commands) -> None:
     pool = serve.add_mutually_exclusive_group()
     pool.add_argument("--num-pages", type=positive, default=None, metavar="N",
                       help="with --page-size, the pages the slots' cache allocates (default: "
-                           "as many as --max-slots full slots take); more slots than those "
-                           "pages fill at --max-len serve short requests in the same memory")
+                           "as many as --max-slots full slots take, or for a model whose every "
+                           "layer reads a sliding window, each slot's window's and one more); "
+                           "more slots than those pages fill at --max-len serve short "
+                           "requests in the same memory")
     pool.add_argument("--cache-memory", type=byte_size, default=None, metavar="SIZE",
                       help="with --page-size, the memory of the slots' pages, e.g. 4GiB: as "
                            "many pages as their K/V fit in it (the prefix cache's rows take "

@@ -71,9 +71,9 @@ def test_a_windowed_model_holds_only_the_pages_its_window_reads(tiny_lm):
     """Every layer attends over the last 5 positions: a slot holds only the pages its next
     token reads, at most 2 of 4 positions, taking none for a prompt's positions behind them
     and giving back those its window leaves. So three samples, one of a prompt longer than
-    the window, run together in a pool of 9 pages, less than one slot of 40 takes, with no
-    preemption; each makes the tokens `generate` makes alone, and every page is free at the
-    end. A pool that cannot hold one window is refused."""
+    the window, run together in the default pool of 9 pages, less than one slot of 40
+    takes, with no preemption; each makes the tokens `generate` makes alone, and every page
+    is free at the end. A pool that cannot hold one window is refused."""
     config = tiny_lm[0].replace(sliding_window=5)
     assert config.attention_reach == 5  # not where a layer reads everything:
     assert tiny_lm[0].attention_reach is None
@@ -86,8 +86,8 @@ def test_a_windowed_model_holds_only_the_pages_its_window_reads(tiny_lm):
     with pytest.raises(ValueError, match="num_pages=1 must be an int >= 2: a request may need "
                                          "2 pages of 4 positions for the 5 positions"):
         Engine(config, windowed[2], num_pages=1, **settings)
-    engine = Engine(config, windowed[2], num_pages=9, chunk_size=4, metrics=metrics,
-                    **settings)
+    engine = Engine(config, windowed[2], chunk_size=4, metrics=metrics, **settings)
+    assert engine.pages == (9, PAGE)  # by default: each slot's window's pages and one more
     collectors = [Collector() for _ in requests]
     for request, collector in zip(requests, collectors, strict=True):
         engine.submit(request, collector)
