@@ -34,14 +34,16 @@ def test_an_imported_gemma_serves_its_chat_prompts_as_generate_alone():
 
 
 @pytest.mark.parametrize("name, page_size", [("mixtral", None), ("gpt_oss_mxfp4", 4),
-                                             ("bloom", 4), ("t5", None)])
+                                             ("bloom", 4), ("mistral", 4), ("t5", None)])
 def test_an_imported_model_serves_what_transformers_generates(name, page_size):
     """Mixtral (4 experts, 2 for each token), gpt-oss (attention sinks, a sliding window
     beside a full layer, experts with biases, stored as MXFP4) on pages of 4 slots, BLOOM
-    (ALiBi, each slot's position its index in the row's pages) on pages too, and T5 (an
-    encoder-decoder whose prompts are sources, attention biased by relative position): more
-    requests than slots, each request's greedy tokens those transformers made for its
-    prompt alone (the fixture's record)."""
+    (ALiBi, each slot's position its index in the row's pages) on pages too, Mistral (every
+    layer over a window of 4: its slots hold only the window's pages, by default 3 a slot,
+    a prompt of 11 taking none of its first 8 positions), and T5 (an encoder-decoder whose
+    prompts are sources, attention biased by relative position): more requests than slots,
+    each request's greedy tokens those transformers made for its prompt alone (the
+    fixture's record)."""
     directory = FIXTURES / name
     record = json.loads((directory / "expected.json").read_text())
     config, _, params = hf.load_pretrained(directory)
@@ -53,3 +55,5 @@ def test_an_imported_model_serves_what_transformers_generates(name, page_size):
                                          stop_ids=(record["eos_id"],)), collector)
     mixtral.run_until_idle()
     assert [c.tokens() for c in collectors] == record["greedy"]
+    if config.attention_reach is not None:
+        assert mixtral.pages == (6, 4)
