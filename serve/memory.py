@@ -94,7 +94,7 @@ def check_cache_fits(config: M.TransformerConfig, rows: int, capacity: int, mesh
                   else f" and max_source_len={source_capacity} source positions")
     reach = config.attention_reach if source_capacity is None else None
     paged = ("" if reach is None else f"; or page the slots (page_size, num_pages): every "
-             f"layer reads only the last {reach} positions, so a slot holds that many's pages")
+             f"layer reads only the last {reach} positions, so a slot holds only their pages")
     raise ValueError(
         f"the engine's cache of {rows} rows x max_len={capacity} positions{of_sources} takes "
         f"{format_bytes(int(need))} on {where}, more than {CACHE_SHARE:.0%} of its "
