@@ -111,4 +111,10 @@ def describe_cache_size(config: TransformerConfig, batch: int, length: int, dtyp
         lines.append(f"  cross-attention K/V of {src} source tokens: "
                      f"{format_bytes(per_sequence.cross_attention)} per sequence")
     lines.append(f"  batch {batch}: {format_bytes(total.total)} ({total.total:,} bytes)")
+    reach = config.attention_reach
+    if reach is not None and reach < length:
+        window = cache_size_bytes(config, batch, reach, dtype, source_length).self_attention
+        lines.append(f"  every layer over a window of {reach}: a paged cache (the engine's) "
+                     f"holds only those positions, {format_bytes(window)} for the batch "
+                     "(and up to a page more a sequence); generate's holds every token")
     return "\n".join(lines)

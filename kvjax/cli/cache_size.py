@@ -20,6 +20,9 @@ def add_cache_size(commands) -> None:
     size.add_argument("--head-dim", type=positive, help="dimension of each head")
     size.add_argument("--encoder-layers", type=int, default=0,
                       help="> 0: an encoder-decoder, whose cross-attention cache is shown too")
+    size.add_argument("--sliding-window", type=positive, default=None, metavar="N",
+                      help="every layer attends over the last N positions (Mistral 7B v0.1): "
+                           "what a paged cache then holds is shown too")
     size.add_argument("--length", type=positive, default=1024, help="tokens per sequence")
     size.add_argument("--source-length", type=positive, default=None,
                       help="source tokens of an encoder-decoder (default: --length)")
@@ -39,6 +42,7 @@ def run_cache_size(args) -> int:
         heads = args.heads or M.preset(args.preset or "gpt-mini").num_heads
         given["d_model"] = heads * args.head_dim
     config = M.preset(args.preset or "gpt-mini", num_encoder_layers=args.encoder_layers,
+                      sliding_window=args.sliding_window,
                       **{k: v for k, v in given.items() if v is not None})
     print(describe_cache_size(config, args.batch, args.length, args.dtype, args.source_length))
     return 0
