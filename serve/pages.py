@@ -53,8 +53,9 @@ def choose_pages(page_size: int | None, num_pages: int | None, capacity: int,
     """(num_pages, page_size) of an engine's paged cache, or None for contiguous slots
     (`page_size` None). `num_pages` must hold one request's pages: a full slot's, or with
     `reach` (the model's `attention_reach`) the most a window takes. It defaults to
-    `max_slots` times that and one page more, so that every slot can run at once and none
-    is ever preempted. Raises ValueError naming a setting that cannot be served."""
+    `max_slots` full slots' worth, or with `reach` to `max_slots` times a window's pages and
+    one more, so that every slot can run at once without preempting another. Raises
+    ValueError naming a setting that cannot be served."""
     if page_size is None:
         if num_pages is not None:
             raise ValueError(f"num_pages={num_pages} needs a paged cache, but page_size is "
@@ -68,7 +69,7 @@ def choose_pages(page_size: int | None, num_pages: int | None, capacity: int,
                          f"{capacity} takes hold {per_row * page_size} positions, more than "
                          f"the model's max_len {model_max_len}")
     least = per_row if reach is None else min(per_row, window_pages(reach, page_size))
-    if num_pages is None:  # a full slot's pages need no spare: it never takes another
+    if num_pages is None:
         num_pages = max_slots * (per_row if least == per_row else least + 1)
     if not isinstance(num_pages, int) or num_pages < least:
         needs = (f"all {per_row} pages of {page_size} positions that max_len={capacity} takes"
