@@ -65,6 +65,12 @@ def window_pages(reach: int, page_size: int) -> int:
     return (reach + page_size - 2) // page_size + 1
 
 
+def most_pages_a_row_holds(pages_per_row: int, reach: int | None, page_size: int) -> int:
+    """All of a row's `pages_per_row`, or with `reach` (`TransformerConfig.attention_reach`)
+    its window's pages where fewer."""
+    return pages_per_row if reach is None else min(pages_per_row, window_pages(reach, page_size))
+
+
 def pages_hold(pages: jax.Array, page_size: int, starts_B: jax.Array,
                valid_B: jax.Array) -> jax.Array:
     """[B] bool: whether row b's table assigns a page to each of its positions starts[b] ..

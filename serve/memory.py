@@ -14,7 +14,7 @@ import jax
 from kvjax import model as M
 from kvjax import parallel
 from kvjax.model.cache_size import format_bytes
-from kvjax.model.paged import window_pages
+from kvjax.model.paged import most_pages_a_row_holds
 
 # The cache may take this share of what is free when the engine starts: the prefill's and a
 # step's activations and XLA's scratch space need the rest.
@@ -148,8 +148,7 @@ def check_paged_cache_fits(config: M.TransformerConfig, rows: int, capacity: int
     if need <= budget:
         return
     pages_fit = max(0, int((budget - fixed) // (kv * page_size)))
-    reach = config.attention_reach  # a windowed slot needs only its window's pages
-    least = per_row if reach is None else min(per_row, window_pages(reach, page_size))
+    least = most_pages_a_row_holds(per_row, config.attention_reach, page_size)
     hint = (f"lower num_pages ({pages_fit} at most)" if pages_fit >= least else
             f"lower max_len, max_slots or {rows_are} (a slot's {least} pages do not fit)")
     raise ValueError(

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from kvjax import model as M
 from kvjax.decode.loop import StopReason
 from kvjax.decode.tracing import count_trace
-from kvjax.model.paged import copy_row_into_pages, window_pages
+from kvjax.model.paged import copy_row_into_pages, most_pages_a_row_holds
 
 from .slots import ID_SPACE, EngineState
 
@@ -68,7 +68,7 @@ def choose_pages(page_size: int | None, num_pages: int | None, capacity: int,
         raise ValueError(f"page_size={page_size}: the {per_row} pages a slot of max_len="
                          f"{capacity} takes hold {per_row * page_size} positions, more than "
                          f"the model's max_len {model_max_len}")
-    least = per_row if reach is None else min(per_row, window_pages(reach, page_size))
+    least = most_pages_a_row_holds(per_row, reach, page_size)
     if num_pages is None:
         num_pages = max_slots * (per_row if least == per_row else least + 1)
     if not isinstance(num_pages, int) or num_pages < least:
@@ -143,6 +143,12 @@ def prefix_page(state: EngineState, prefix_row) -> jax.Array:
     return state.free_pages.shape[0] + prefix_row * state.slots.cache.pages.shape[1]
 
 
+def _own(tables_BX: jax.Array, free_pages: jax.Array) -> jax.Array:
+    """[B, pages per row] bool: which table entries are the slot's own pages of the pool
+    (not unassigned, not a prefix row's shared pages, which lie after the slots')."""
+    return (tables_BX >= 0) & (tables_BX < free_pages.shape[0])
+
+
 def grow(state: EngineState, active, reach: int | None = None
          ) -> tuple[EngineState, jax.Array]:
     """(state, preempted [B] bool): every running slot whose next token falls past its pages
@@ -157,7 +163,7 @@ def grow(state: EngineState, active, reach: int | None = None
     cache = slots.cache
     tables_BX = cache.pages
     per_row = tables_BX.shape[1]
-    own_B = jnp.sum((tables_BX >= 0) & (tables_BX < free.shape[0]), axis=1, dtype=jnp.int32)
+    own_B = jnp.sum(_own(tables_BX, free), axis=1, dtype=jnp.int32)
     # The page of each slot's next position (the entries before it may have been given back).
     column_B = cache.lengths // cache.page_size
     next_page_B = jnp.take_along_axis(tables_BX, jnp.minimum(column_B, per_row - 1)[:, None],
@@ -205,7 +211,7 @@ def release_behind(state: EngineState, reach: int, active) -> EngineState:
     behind_B = pages_behind(slots.cache.lengths, reach, page_size)
     behind_BX = ((active & slots.running)[:, None]
                  & (jnp.arange(tables_BX.shape[1], dtype=jnp.int32)[None] < behind_B[:, None]))
-    gone_BX = behind_BX & (tables_BX >= 0) & (tables_BX < free.shape[0])
+    gone_BX = behind_BX & _own(tables_BX, free)
     free = free.at[jnp.where(gone_BX, tables_BX, free.shape[0])].set(True, mode="drop")
     cache = slots.cache.replace(pages=jnp.where(gone_BX, M.NO_PAGE, tables_BX))
     return state.replace(slots=slots.replace(cache=cache), free_pages=free)
