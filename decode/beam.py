@@ -218,7 +218,8 @@ def beam_search(config, params, tokens_BP, lengths_B, capacity: int, buffer_len:
     count_trace("beam")
     batch = tokens_BP.shape[0]
     first_logits_BV, cache = M.prefill(config, params, tokens_BP, lengths_B, capacity,
-                                       adapters=lora_rows.collection_of(adapters, batch))
+                                       adapters=lora_rows.collection_of(adapters, batch),
+                                       step_tokens=1)
     cache = cache.take_rows(jnp.repeat(jnp.arange(tokens_BP.shape[0]), num_beams))
     if mesh is not None:
         cache = parallel.constrain_rows(cache, mesh)

@@ -86,18 +86,23 @@ class GenerateOutput:
 # Compiled programs -----------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6, 9, 10), static_argnames=("mesh", "plan"))
+@functools.partial(jax.jit, static_argnums=(0, 5, 6, 9, 10),
+                   static_argnames=("mesh", "plan", "step_tokens"))
 def _start(config, params, tokens_BP, lengths_B, rng, capacity: int, buffer_len: int,
            stops: StopConditions, sampling: SamplingParams, num_samples: int,
            processors: tuple[LogitProcessor, ...], mesh=None,
            plan: LoopPlan = ON_DEVICE, constraints: RowConstraints | None = None,
-           adapters: lora_rows.RowAdapters | None = None) -> DecodeState:
+           adapters: lora_rows.RowAdapters | None = None,
+           step_tokens: int | None = None) -> DecodeState:
     """Prefills each prompt once, copies its cache to its `num_samples` rows and samples
     every row's first token. `rng` is one key, or one per prompt (`sampling.row_keys`);
-    `constraints` has one row per sample; `adapters`, each prompt's LoRA adapter."""
+    `constraints` has one row per sample; `adapters`, each prompt's LoRA adapter;
+    `step_tokens`, the most tokens the loop's calls write (windowed layers then keep rings
+    of what their window reads, `model/ring.py`), or None for a state kept to continue."""
     count_trace("start")
     logits_BV, cache = M.prefill(config, params, tokens_BP, lengths_B, capacity,
-                                 adapters=lora_rows.collection_of(adapters, tokens_BP.shape[0]))
+                                 adapters=lora_rows.collection_of(adapters, tokens_BP.shape[0]),
+                                 step_tokens=step_tokens)
     context_BC, context_lengths_B = prompt_state.prompt_context(
         config, tokens_BP, lengths_B, M.prompt_slots(config, tokens_BP.shape[1]) + buffer_len)
     if num_samples > 1:
@@ -128,12 +133,17 @@ def _continue(config, params, state: DecodeState, stops: StopConditions,
 
 # Public API ------------------------------------------------------------------------------
 
-def _begin(config, params, p: Prepared) -> DecodeState:
-    """The decode state after each row's first token: from a prefill, or from `p.state`."""
+def _begin(config, params, p: Prepared, keep: bool = False) -> DecodeState:
+    """The decode state after each row's first token: from a prefill, or from `p.state`.
+    With `keep` (the state is kept to continue with tokens of any length), every layer's
+    cache holds every position."""
     if p.state is None:
+        step_tokens = None if keep else 1 + (
+            0 if p.speculative is None else p.speculative.num_draft_tokens)
         return _start(config, params, p.tokens, p.lengths, p.rng, p.capacity, p.buffer_len,
                       p.stops, p.sampling, p.num_samples, p.processors, mesh=p.mesh,
-                      plan=p.plan, constraints=p.constraints, adapters=p.adapters)
+                      plan=p.plan, constraints=p.constraints, adapters=p.adapters,
+                      step_tokens=step_tokens)
     s = p.state
     return prompt_state.resume(
         config, params, s.cache, s.next_logits, s.context, s.context_lengths, p.tokens,
@@ -214,7 +224,7 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
                        mesh=mesh, speculative=speculative, constraint=constraint,
                        fill_rows=not return_state, adapters=adapters, adapter=adapter)
     config = net.config
-    carry = _run(config, params, _first(config, params, prepared), prepared,
+    carry = _run(config, params, _first(config, params, prepared, return_state), prepared,
                  prepared.stops.max_new_tokens)
     return _finish(config, params, carry, prepared.rows, max_new_tokens, return_logprobs,
                    return_state)
@@ -262,7 +272,7 @@ def stream(net, params, prompts=None, *, max_new_tokens: int, chunk_size: int = 
                        max_new_tokens=max_new_tokens, num_beams=1, mesh=mesh,
                        fill_rows=not return_state, **{"eos_ids": (), "rng": None, **kwargs})
     config = net.config
-    carry = _first(config, params, prepared)
+    carry = _first(config, params, prepared, return_state)
     emitted = 0
     while True:
         state = _decode_state(carry)
@@ -305,10 +315,10 @@ def _finish(config, params, carry: Carry, rows: int, max_new_tokens: int,
                    speculation=_stats(carry))
 
 
-def _first(config, params, p: Prepared) -> Carry:
+def _first(config, params, p: Prepared, keep: bool) -> Carry:
     """The loop's first carry: the state after each row's first token, with the draft's
-    start where `p.speculative` drafts."""
-    state = _begin(config, params, p)
+    start where `p.speculative` drafts. `keep`: as `_begin` takes it."""
+    state = _begin(config, params, p, keep)
     if p.speculative is None:
         return state
     return p.speculative.start(state, p.tokens, p.lengths, p.capacity, p.num_samples)

@@ -2,7 +2,7 @@
 
 from .attention import attend
 from .cache import KVCache, init_cache
-from .cache_size import CacheSize, cache_size_bytes
+from .cache_size import CacheSize, cache_size_bytes, generate_cache_bytes
 from .config import PRESETS, SPEED_ONLY_FIELDS, TransformerConfig, preset
 from .float32_params import cast_floats
 from .interface import (
@@ -31,7 +31,7 @@ __all__ = [
     "PRESETS", "SPEED_ONLY_FIELDS", "CacheSize", "DecoderOnlyLM", "EncoderDecoder", "KVCache",
     "LoRA", "PositionBias", "TransformerConfig",
     "NO_PAGE", "alibi_slopes", "attend", "build_model", "cache_size_bytes", "cast_floats",
-    "check_prompt_length", "init_cache", "init_paged_cache",
+    "check_prompt_length", "generate_cache_bytes", "init_cache", "init_paged_cache",
     "init_params", "param_shapes", "prefill", "preset", "prompt_is_source", "prompt_slots",
     "row_cache", "step_fn",
     "target_start", "teacher_forced_logits", "teacher_forced_hidden", "hidden_logits",

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from . import lora_rows, paged
 from .attention import attend, attend_blocks
-from .cache import write_rows
+from .cache import write_rows, write_slots
 from .config import TransformerConfig
 from .latent_attention import LatentQKV
 from .norms import RMSNorm
@@ -40,7 +40,10 @@ class SelfAttention(nn.Module):
     layer holds a sink logit for each query head, `sinks` [N] (`model/attention.py`). With
     ALiBi, or T5's relative bias (`bias_table` [buckets, N], the stack's; with
     `relative_bias_per_layer`, the layer's own `position_bias`), the logits take a bias by
-    distance (`positional.PositionBias`), bidirectional where not `causal`.
+    distance (`positional.PositionBias`), bidirectional where not `causal`. `ring` is
+    `(mask [B, T, R], writes [B, T])` of the rings windowed layers keep (`model/ring.py`),
+    or Nones: a layer whose stacks have R slots writes and, after the prefill, reads its
+    ring through them.
     """
 
     config: TransformerConfig
@@ -48,8 +51,13 @@ class SelfAttention(nn.Module):
     @nn.compact
     def __call__(self, x_BTD, positions_BT, mask_BTS, cache_kv=None, layer=None, starts_B=None,
                  fits_B=None, fresh: bool = False, local=False, key_lengths_B=None,
-                 causal: bool = True, pages=None, turned=True, bias_table=None):
+                 causal: bool = True, pages=None, turned=True, bias_table=None,
+                 ring=(None, None)):
         config = self.config
+        ring_mask_BTR, ring_writes_BT = ring
+        if ring_mask_BTR is None or cache_kv is None or (
+                cache_kv[0].shape[-2] != ring_mask_BTR.shape[-1]):
+            ring_writes_BT = None  # this layer holds every position
         latent = None
         if config.latent_kv_rank:  # k: each token's latent row; the cache holds no values
             latent = LatentQKV(config, name="latent")
@@ -100,6 +108,8 @@ class SelfAttention(nn.Module):
             def write(stack, fresh_kv):
                 if fresh_kv is None:  # a latent layer's values: held in its latent rows
                     return stack
+                if ring_writes_BT is not None:
+                    return write_slots(stack, layer, fresh_kv, ring_writes_BT)
                 if pages is None:
                     return write_rows(stack, layer, fresh_kv, starts_B, fits_B)
                 return paged.write_pages(stack, layer, fresh_kv, starts_B, fits_B, pages)
@@ -116,6 +126,8 @@ class SelfAttention(nn.Module):
                          key_lengths_B=key_lengths_B if described else None, causal=causal,
                          window=window, sinks_N=sinks, bias=bias)
         else:
+            if ring_writes_BT is not None:
+                mask_BTS = ring_mask_BTR
             stacks, scales = cache_kv[:2], cache_kv[2:] or None
             if latent is not None:  # every head reads the latent rows as its keys and values
                 q, stacks = latent.absorb(q), (cache_kv[0],) * 2

@@ -26,6 +26,11 @@ A paged cache (`model/paged.py`) holds each stack as a pool of pages [L_i, pages
 shared by the rows, with a page table per row (`pages`) that says which page holds which of
 its slots.
 
+A cache made for calls of a known number of tokens (`init_cache(..., step_tokens=T)`, as
+`generate` makes them) holds each sliding-window layer's K/V in a ring of the slots its
+window reads (`model/ring.py`): those stacks are [L_i, B, K, R, H] with R below the
+capacity, which the cache then keeps as `slots`.
+
 A model with multi-head latent attention (`model/latent_attention.py`) caches, in place of
 each head's K and V, one latent row per token that every head reads as both: its `k` stacks
 have one head of `config.cached_head_dim`, its `v` stacks none (`config.cached_heads`).
@@ -45,6 +50,7 @@ import jax.numpy as jnp
 
 from .config import TransformerConfig
 from .config_checks import CACHE_SCALE_DTYPE
+from .ring import ring_slots, ring_stacks
 
 
 @flax.struct.dataclass
@@ -67,6 +73,8 @@ class KVCache:
                       k, v and their scales are then pools [L_i, pages, K, U, H] (scales
                       [L_i, pages, K, U]) and the capacity is pages per row x U; None for a
                       contiguous cache.
+      slots:          static; the capacity where windowed layers keep rings of fewer slots
+                      (`model/ring.py`), else None (the stacks' S is the capacity).
     """
 
     k: tuple[jax.Array, ...]
@@ -81,12 +89,22 @@ class KVCache:
     cross_k_scale: tuple[jax.Array, ...] | None = None
     cross_v_scale: tuple[jax.Array, ...] | None = None
     pages: jax.Array | None = None
+    slots: int | None = flax.struct.field(pytree_node=False, default=None)
 
     @property
     def capacity(self) -> int:
-        """Slots per row: a stack's S, or a paged cache's pages per row x page size."""
+        """Positions per row: a stack's S, or a paged cache's pages per row x page size."""
+        if self.slots is not None:
+            return self.slots
         slots = jax.tree.leaves(self.k)[0].shape[-2]
         return slots if self.pages is None else self.pages.shape[1] * slots
+
+    @property
+    def ring_slots(self) -> int | None:
+        """R, the slots of the windowed layers' rings (`model/ring.py`), or None."""
+        if self.slots is None:
+            return None
+        return min(stack.shape[-2] for stack in self.k)
 
     @property
     def paged(self) -> bool:
@@ -104,6 +122,10 @@ class KVCache:
             raise ValueError(f"KVCache.{method} moves whole rows of a contiguous cache; a "
                              f"paged cache's rows share one pool of pages: move their page "
                              f"tables (`pages`) and lengths instead")
+        if self.slots is not None:
+            raise ValueError(f"KVCache.{method} moves rows by their slots, which a windowed "
+                             f"layer's ring holds out of order: make the cache without "
+                             f"step_tokens (every layer holding every position)")
 
     @property
     def source_length(self) -> int:
@@ -136,7 +158,8 @@ class KVCache:
 
     def take_rows(self, rows_R: jax.Array) -> KVCache:
         """The cache of rows `rows` [R] (repeats allowed): beam search reorders with this."""
-        self._refuse_paged("take_rows")
+        if self.pages is not None:
+            self._refuse_paged("take_rows")
 
         def take(x):  # K/V [L_i, B, K, S, H] and scales [L_i, B, K, S]; counters are [B]
             return jnp.take(x, rows_R, axis=0 if x.ndim == 1 else 1)
@@ -192,6 +215,7 @@ class KVCache:
         K/V and source lengths. A row of `into` past the last one writes nothing (padding);
         what a row held past the new length stays, masked by it."""
         self._refuse_paged("put_rows")
+        source._refuse_paged("put_rows")
         self._check_same_kind(source, "put_rows")
 
         def put(stack_LBKS_, source_LPKS_):
@@ -218,6 +242,7 @@ class KVCache:
         its length needs (an encoder-decoder's cross-attention K/V, as many as its source
         length needs), so a row of long capacity costs no more to fill than it is filled."""
         self._refuse_paged("copy_row")
+        source._refuse_paged("copy_row")
         self._check_same_kind(source, "copy_row")
         target_block = min(block, self.capacity)
         copied = self.with_row_copied(
@@ -271,13 +296,15 @@ def _nbytes(tree) -> int:
 
 def init_cache(
     config: TransformerConfig, batch_size: int, capacity: int, dtype=None,
-    source_capacity: int | None = None,
+    source_capacity: int | None = None, step_tokens: int | None = None,
 ) -> KVCache:
     """An empty self-attention cache of `capacity` slots per row, of `dtype` (default:
     `config.kv_cache_dtype`); an int8 one holds scales as well. Cross fields are unset
     unless `source_capacity` is given (an encoder-decoder's only): then they are zeroed
     cross-attention K/V of that many source slots per row, every source length 0, for rows
-    that `put_rows` and `copy_row` fill from prefilled caches."""
+    that `put_rows` and `copy_row` fill from prefilled caches. With `step_tokens`, the most
+    tokens any call after the prefill writes, a decoder-only model's sliding-window layers
+    keep rings of the slots their window reads (`model/ring.py`)."""
     if capacity < 1 or batch_size < 1:
         raise ValueError(f"cache needs capacity >= 1 and batch_size >= 1, got {capacity=}, "
                          f"{batch_size=}")
@@ -300,27 +327,40 @@ def init_cache(
                 cross[f"{name}_scale"] = tuple(jnp.zeros((n, *shape), CACHE_SCALE_DTYPE)
                                                for n in stacks)
         cross["source_lengths"] = jnp.zeros((batch_size,), jnp.int32)
-    return KVCache(**empty_stacks(config, batch_size, capacity, dtype),
+    ring = None if config.is_encoder_decoder else ring_slots(config, capacity, step_tokens)
+    return KVCache(**empty_stacks(config, batch_size, capacity, dtype, ring),
                    lengths=jnp.zeros((batch_size,), jnp.int32),
-                   overflow=jnp.zeros((batch_size,), bool), **cross)
+                   overflow=jnp.zeros((batch_size,), bool), **cross,
+                   slots=None if ring is None else capacity)
 
 
-def empty_stacks(config: TransformerConfig, rows: int, slots: int, dtype=None) -> dict:
+def stack_slots(config: TransformerConfig, slots: int, ring: int | None = None
+                ) -> tuple[int, ...]:
+    """S of each stack of `config.layer_stacks`: `slots`, or `ring` for the stacks of
+    windowed layers where rings of `ring` slots are kept (`model/ring.py`)."""
+    return tuple(ring if ring is not None and kept else slots
+                 for kept in ring_stacks(config))
+
+
+def empty_stacks(config: TransformerConfig, rows: int, slots: int, dtype=None,
+                 ring: int | None = None) -> dict:
     """Zeroed `k` and `v`, each a tuple of stacks [L_i, rows, K, slots, H] per
     `config.layer_stacks` (K from `config.cached_heads`, H `config.cached_head_dim`), of
     `dtype` (default `config.kv_cache_dtype`), and for int8 their float32 scales `k_scale` and
-    `v_scale` [L_i, rows, K, slots]. `rows` is a contiguous cache's batch or a pool's pages."""
+    `v_scale` [L_i, rows, K, slots]. `rows` is a contiguous cache's batch or a pool's pages.
+    With `ring`, windowed layers' stacks have that many slots (`stack_slots`)."""
     dtype = config.kv_cache_dtype if dtype is None else jnp.dtype(dtype)
 
     def stacks(shape, stack_dtype):
-        return tuple(jnp.zeros((n, *shape), stack_dtype)
-                     for n in config.layer_stacks(config.num_decoder_layers))
+        return tuple(jnp.zeros((n, rows, shape[0], s, *shape[1:]), stack_dtype)
+                     for n, s in zip(config.layer_stacks(config.num_decoder_layers),
+                                     stack_slots(config, slots, ring), strict=True))
 
     fields = {}
     for name, heads in zip(("k", "v"), config.cached_heads, strict=True):
-        fields[name] = stacks((rows, heads, slots, config.cached_head_dim), dtype)
+        fields[name] = stacks((heads, config.cached_head_dim), dtype)
         if dtype == jnp.int8:
-            fields[f"{name}_scale"] = stacks((rows, heads, slots), CACHE_SCALE_DTYPE)
+            fields[f"{name}_scale"] = stacks((heads,), CACHE_SCALE_DTYPE)
     return fields
 
 
@@ -339,8 +379,10 @@ def check_cache(config: TransformerConfig, cache: KVCache, batch: int, num_token
     else:
         rows, slots = batch, cache.capacity
         layout = "[L_i, B, K, S, H] stacks"
+    every_slots = stack_slots(config, slots, cache.ring_slots)
     for name, heads in zip(("k", "v"), config.cached_heads, strict=True):
-        expected = [(n, rows, heads, slots, config.cached_head_dim) for n in stacks]
+        expected = [(n, rows, heads, s, config.cached_head_dim)
+                    for n, s in zip(stacks, every_slots, strict=True)]
         buffers = getattr(cache, name)
         found = ([jnp.shape(b) for b in buffers] if isinstance(buffers, tuple | list)
                  else [jnp.shape(buffers)])
@@ -374,7 +416,15 @@ def write_rows(stack: jax.Array, layer, new_BTKH: jax.Array, starts_B: jax.Array
     """
     capacity = stack.shape[-2]
     slots_BT = starts_B[:, None] + jnp.arange(new_BTKH.shape[1], dtype=starts_B.dtype)
-    slots_BT = jnp.where(fits_B[:, None], slots_BT, capacity)
+    return write_slots(stack, layer, new_BTKH, jnp.where(fits_B[:, None], slots_BT, capacity),
+                       ascending=True)
+
+
+def write_slots(stack: jax.Array, layer, new_BTKH: jax.Array, slots_BT: jax.Array,
+                ascending: bool = False) -> jax.Array:
+    """`write_rows` with the slot of each new token given, [B, T], distinct in a row
+    (`ascending` if they rise along T); a slot past the stack's end writes nothing (a
+    windowed layer's ring, `model/ring.py`, wraps around and drops some)."""
     layer_BT = jnp.broadcast_to(jnp.asarray(layer, slots_BT.dtype), slots_BT.shape)
     indices_BT2 = jnp.stack([layer_BT, slots_BT], axis=-1)  # (layer, slot) of each new token
     numbers = jax.lax.ScatterDimensionNumbers(
@@ -384,5 +434,5 @@ def write_rows(stack: jax.Array, layer, new_BTKH: jax.Array, starts_B: jax.Array
         operand_batching_dims=(1,),  # B of the stack ...
         scatter_indices_batching_dims=(0,))  # ... is B of the indices
     return jax.lax.scatter(stack, indices_BT2, new_BTKH.astype(stack.dtype), numbers,
-                           indices_are_sorted=True, unique_indices=True,
+                           indices_are_sorted=ascending, unique_indices=True,
                            mode=jax.lax.GatherScatterMode.FILL_OR_DROP)

@@ -7,6 +7,10 @@ query attends to the keys and values of the tokens before it.
 A model with multi-head latent attention (DeepSeek-V2/V3) caches less: each token's latent
 and the key part its heads share, `length × layers × (latent_kv_rank + rotary_dim) × bytes`,
 from which every head's key and value follow (`model/latent_attention.py`).
+
+A layer over a sliding window need hold only what its window reads: `generate` keeps such
+layers' K/V in rings of the window's slots (`model/ring.py`), so a long row costs its
+full length only in the layers that attend over everything (`generate_cache_bytes`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import numpy as np
 
 from .config import TransformerConfig
 from .config_checks import CACHE_SCALE_DTYPE
+from .ring import ring_slots, ring_stacks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +76,22 @@ def cache_size_bytes(
     return CacheSize(self_bytes, cross_bytes)
 
 
+def generate_cache_bytes(config: TransformerConfig, batch: int, length: int, dtype: Any = None,
+                         step_tokens: int = 1) -> int:
+    """Bytes of the self-attention cache `generate` makes for `batch` rows of `length`
+    positions whose decode calls write `step_tokens` tokens each (1; a speculative step's
+    draft and one): `cache_size_bytes`' formula with a ring of window + step_tokens - 1
+    slots, not `length`, in each layer that keeps one (`model/ring.py`)."""
+    one_layer = cache_size_bytes(config.replace(num_decoder_layers=1, full_attention_layers=(),
+                                                num_encoder_layers=0),
+                                 batch, 1, dtype).self_attention
+    ring = None if config.is_encoder_decoder else ring_slots(config, length, step_tokens)
+    slots = sum(layers * (ring if ring is not None and kept else length)
+                for layers, kept in zip(config.layer_stacks(config.num_decoder_layers),
+                                        ring_stacks(config), strict=True))
+    return one_layer * slots
+
+
 def format_bytes(num_bytes: int) -> str:
     """Bytes in binary units: 536870912 -> '512 MiB', 1536 -> '1.5 KiB'."""
     value = float(num_bytes)
@@ -111,10 +132,16 @@ def describe_cache_size(config: TransformerConfig, batch: int, length: int, dtyp
         lines.append(f"  cross-attention K/V of {src} source tokens: "
                      f"{format_bytes(per_sequence.cross_attention)} per sequence")
     lines.append(f"  batch {batch}: {format_bytes(total.total)} ({total.total:,} bytes)")
+    rings = generate_cache_bytes(config, batch, length, dtype)
+    if rings < total.self_attention:
+        kept = sum(ring_stacks(config)) * (layers if config.scan_layers else 1)
+        lines.append(f"  {kept} of {layers} layers over a window of {config.sliding_window}: "
+                     f"generate keeps rings of {config.sliding_window} positions there, "
+                     f"{format_bytes(rings)} for the batch")
     reach = config.attention_reach
     if reach is not None and reach < length:
         window = cache_size_bytes(config, batch, reach, dtype, source_length).self_attention
         lines.append(f"  every layer over a window of {reach}: a paged cache (the engine's) "
                      f"holds only those positions, {format_bytes(window)} for the batch "
-                     "(and up to a page more a sequence); generate's holds every token")
+                     "(and up to a page more a sequence)")
     return "\n".join(lines)

@@ -74,11 +74,16 @@ def _init_params(config: TransformerConfig, rng: jax.Array) -> dict:
 
 def prefill(config: TransformerConfig, params, prompt_BP: jax.Array,
             prompt_lengths_B: jax.Array, capacity: int | None = None, *,
-            cache: KVCache | None = None, adapters=None) -> tuple[jax.Array, KVCache]:
+            cache: KVCache | None = None, adapters=None,
+            step_tokens: int | None = None) -> tuple[jax.Array, KVCache]:
     """The whole prompt batch in one parallel pass that fills a fresh cache of `capacity`
     target slots, or `cache`, an empty one (lengths 0; e.g. a paged cache with its pages
     assigned, `init_paged_cache`); returns the logits of each row's first new token [B, V]
-    and the cache. `adapters`: each row's LoRA adapter, unmerged (`lora_rows.for_rows`)."""
+    and the cache. `adapters`: each row's LoRA adapter, unmerged (`lora_rows.for_rows`).
+    `step_tokens`, the most tokens a later call writes at once (e.g. 1 for plain sampling),
+    lets a decoder-only model's sliding-window layers hold rings of the slots their window
+    reads rather than every position (`model/ring.py`): the fresh cache then refuses longer
+    calls and moving rows by slots."""
     if (capacity is None) == (cache is None):
         raise ValueError("prefill takes either a capacity or an empty cache to fill, "
                          f"got capacity={capacity} and {'a' if cache is not None else 'no'} "
@@ -86,7 +91,7 @@ def prefill(config: TransformerConfig, params, prompt_BP: jax.Array,
     net = build_model(config)
     capacity = cache.capacity if cache is not None else capacity
     return net.apply(_variables(params, adapters), prompt_BP, prompt_lengths_B, capacity,
-                     cache, method=net.prefill)
+                     cache, step_tokens, method=net.prefill)
 
 
 def step_fn(config: TransformerConfig, params, adapters=None):

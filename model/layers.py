@@ -53,6 +53,9 @@ class LayerInputs:
     pages:     [B, pages per row] a paged cache's page tables (`model/paged.py`), else None.
     bias_table: [R, N] the stack's table of T5's relative position bias
                (`positional_encoding="relative"`), else None.
+    ring_mask: [B, T, R] what each query sees of the rings of R slots that windowed layers
+               keep (`model/ring.py`), and ring_writes [B, T] where each new token goes in
+               them; None when the cache keeps no rings.
     """
 
     positions: jax.Array
@@ -66,6 +69,8 @@ class LayerInputs:
     source_lengths: jax.Array | None = None
     pages: jax.Array | None = None
     bias_table: jax.Array | None = None
+    ring_mask: jax.Array | None = None
+    ring_writes: jax.Array | None = None
 
 
 def _feed_forward(config: TransformerConfig, number) -> nn.Module:
@@ -161,7 +166,8 @@ class DecoderLayer(nn.Module):
             return attention(h_BTD, inputs.positions, mask_BTS, cache_kv, layer["index"],
                              inputs.starts, inputs.fits, inputs.fresh, local,
                              inputs.key_lengths, pages=inputs.pages,
-                             turned=_turned(c, number), bias_table=inputs.bias_table)
+                             turned=_turned(c, number), bias_table=inputs.bias_table,
+                             ring=(inputs.ring_mask, inputs.ring_writes))
 
         # Sequential: x_BTD + Attn(...); parallel: Attn(...) alone, summed with the FFN's below.
         x, cache_kv = Residual(c, name="attention_block", add_input=not parallel)(x_BTD, attend)

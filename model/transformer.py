@@ -23,6 +23,7 @@ from .layers import DecoderLayer, EncoderLayer, LayerInputs, layer_stack, run_la
 from .norms import make_norm
 from .paged import pages_hold
 from .quantize import quantize
+from .ring import most_step_tokens, ring_inputs
 
 
 def _valid_lengths(tokens_BT: jax.Array, lengths_B: jax.Array | None) -> jax.Array:
@@ -33,16 +34,17 @@ def _valid_lengths(tokens_BT: jax.Array, lengths_B: jax.Array | None) -> jax.Arr
 
 def self_attention_inputs(config: TransformerConfig, starts_B, valid_B, num_queries: int,
                           num_keys: int, capacity: int | None, pages=None, page_size: int = 0,
-                          ) -> tuple[LayerInputs, jax.Array, jax.Array]:
+                          ring: int | None = None) -> tuple[LayerInputs, jax.Array, jax.Array]:
     """Positions and the causal + padding mask for T new tokens written after `starts`.
 
     Query t of row b sits at position starts[b] + t; key slot s holds position s. A query
     sees slot s iff s <= its position and s < the row's new length, and with a sliding
     window, iff s > its position - window (the full mask, for layers that see everything,
     rides along when some do). With a paged cache's page tables `pages` (of pages of
-    `page_size` slots) a row fits only where a page holds every position it writes. Returns
-    the layer inputs, the new lengths [B] and the rows that did not fit [B] (all False w/o
-    cache).
+    `page_size` slots) a row fits only where a page holds every position it writes. With
+    `ring`, the slots of the windowed layers' rings (`model/ring.py`), the inputs say what
+    those layers see and where they write. Returns the layer inputs, the new lengths [B] and
+    the rows that did not fit [B] (all False w/o cache).
     """
     window = config.sliding_window
     positions_BT = starts_B[:, None] + jnp.arange(num_queries, dtype=jnp.int32)
@@ -61,6 +63,10 @@ def self_attention_inputs(config: TransformerConfig, starts_B, valid_B, num_quer
         fits_B &= pages_hold(pages, page_size, starts_B, valid_B)
     new_lengths_B = jnp.where(fits_B, new_lengths_B, starts_B)
     overflowed_B = ~fits_B & (valid_B > 0)
+    if ring is not None:
+        ring_mask_BTR, ring_writes_BT = ring_inputs(window, ring, positions_BT, starts_B,
+                                                    new_lengths_B)
+        inputs = inputs.replace(ring_mask=ring_mask_BTR, ring_writes=ring_writes_BT)
     return (inputs.replace(starts=starts_B, fits=fits_B, pages=pages), new_lengths_B,
             overflowed_B)
 
@@ -81,6 +87,20 @@ def _stacked_kv(cache: KVCache | None):
 def _page_tables(cache: KVCache | None) -> tuple:
     """`(pages, page_size)` of a paged cache, else `()`."""
     return (cache.pages, cache.page_size) if cache is not None and cache.paged else ()
+
+
+def _check_ring_call(config: TransformerConfig, cache: KVCache, num_tokens: int,
+                     fresh: bool) -> None:
+    """Raises a ValueError when a call after the prefill would write more tokens into the
+    windowed layers' rings than their slots let its queries read back (`model/ring.py`)."""
+    if cache.ring_slots is None or fresh:
+        return
+    most = most_step_tokens(config, cache.ring_slots)
+    if num_tokens > most:
+        raise ValueError(f"a call of {num_tokens} tokens per row after the prefill needs rings "
+                         f"of at least {config.sliding_window + num_tokens - 1} slots; this "
+                         f"cache's windowed layers keep {cache.ring_slots} (it was made for "
+                         f"calls of up to {most}: init_cache(..., step_tokens=N))")
 
 
 def _with_new_kv(cache: KVCache, stacked, new_lengths_B, overflowed_B) -> KVCache:
@@ -145,6 +165,7 @@ class DecoderOnlyLM(nn.Module):
         """
         if cache is not None:
             check_cache(self.config, cache, *tokens_BT.shape)
+            _check_ring_call(self.config, cache, tokens_BT.shape[1], fresh)
         valid_B = _valid_lengths(tokens_BT, lengths_B)
         batch, num_tokens = tokens_BT.shape
         starts_B = jnp.zeros((batch,), jnp.int32) if cache is None else cache.lengths
@@ -152,7 +173,7 @@ class DecoderOnlyLM(nn.Module):
         capacity = None if cache is None else cache.capacity
         inputs, new_lengths_B, overflowed_B = self_attention_inputs(
             self.config, starts_B, valid_B, num_tokens, num_keys, capacity,
-            *_page_tables(cache))
+            *_page_tables(cache), ring=None if cache is None else cache.ring_slots)
         inputs = inputs.replace(fresh=fresh,
                                 key_lengths=valid_B if cache is None or fresh else None,
                                 bias_table=self.bias_table)
@@ -169,11 +190,13 @@ class DecoderOnlyLM(nn.Module):
         return logits, _with_new_kv(cache, stacked, new_lengths_B, overflowed_B)
 
     def prefill(self, prompt_BP, prompt_lengths_B, capacity: int,
-                empty: KVCache | None = None):
+                empty: KVCache | None = None, step_tokens: int | None = None):
         """A fresh cache of `capacity` slots filled with the prompts, and the logits of each
         row's next token [B, V] (read at its last valid prompt position). `empty`, an empty
-        cache of that capacity (e.g. a paged one), is filled instead of a new one."""
-        cache = init_cache(self.config, prompt_BP.shape[0], capacity) if empty is None else empty
+        cache of that capacity (e.g. a paged one), is filled instead of a new one.
+        `step_tokens`: as `init_cache` takes it (windowed layers then keep rings)."""
+        cache = (init_cache(self.config, prompt_BP.shape[0], capacity, step_tokens=step_tokens)
+                 if empty is None else empty)
         logits_B1V, cache = self(prompt_BP, cache, prompt_lengths_B, fresh=True,
                                  logits_at_B=jnp.maximum(prompt_lengths_B - 1, 0))
         return logits_B1V[:, 0], cache
@@ -317,10 +340,12 @@ class EncoderDecoder(nn.Module):
                            source_lengths_B=source_lengths_B, hidden=hidden)
 
     def prefill(self, source_BS, source_lengths_B, capacity: int,
-                empty: KVCache | None = None):
+                empty: KVCache | None = None, step_tokens: int | None = None):
         """Encodes the sources once, puts their cross-attention K/V in a fresh cache of
         `capacity` target slots (or in `empty`) and feeds BOS: returns the first target
-        token's logits [B, V] and the cache."""
+        token's logits [B, V] and the cache. `step_tokens` is taken for one interface with
+        `DecoderOnlyLM.prefill`: an encoder-decoder's target cache keeps every position."""
+        del step_tokens
         encoded = self.encode(source_BS, source_lengths_B)
         cache = self.start_decoding(encoded, source_lengths_B, capacity, empty=empty)
         bos_B1 = jnp.full((source_BS.shape[0], 1), self.config.bos_id, jnp.int32)

@@ -52,11 +52,13 @@ def test_cache_size_of_an_encoder_decoder_shows_the_cross_attention_part(capsys)
     assert code == 0 and "cross-attention K/V of 20 source tokens" in out
 
 
-def test_cache_size_of_a_windowed_model_shows_what_a_paged_cache_holds(capsys):
+def test_cache_size_of_a_windowed_model_shows_what_rings_and_pages_hold(capsys):
     code, out, _ = run_cli(capsys, "cache-size", "--preset", "tiny", "--length", "100",
                            "--sliding-window", "16", "--batch", "2")
     # 2 (K and V) x 16 x 2 layers x 4 kv heads x 8 x 4 bytes = 8 KiB a sequence, 16 KiB for 2.
     assert code == 0 and "batch 2: 100 KiB" in out
+    assert "2 of 2 layers over a window of 16: generate keeps rings of 16 positions there, " \
+           "16 KiB for the batch" in out
     assert "window of 16: a paged cache (the engine's) holds only those positions, 16 KiB" in out
     code, out, _ = run_cli(capsys, "cache-size", "--preset", "tiny", "--length", "16",
                            "--sliding-window", "16")

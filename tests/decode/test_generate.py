@@ -46,6 +46,29 @@ def test_greedy_equals_recomputing_without_cache(tiny):
     assert out.stop_reasons() == ["max_new_tokens"] * len(PROMPTS)
 
 
+def test_a_windowed_model_decodes_through_rings_as_without_a_cache():
+    """A Gemma-like model (a window of 3 in layer 0, layer 1 global) whose rows outgrow the
+    window: plain and beam steps through rings of 3 slots, speculative steps (a copy of the
+    model as the draft: every draft accepted, 4 tokens a call) through rings of 6, and a
+    state kept to continue, through every position (`model/ring.py`), all give what
+    recomputing without a cache gives."""
+    config = M.preset("tiny", positional_encoding="rope", num_kv_heads=2, sliding_window=3,
+                      full_attention_layers=(1,), scan_layers=False)
+    net = M.build_model(config)
+    params = jax.tree.map(lambda x: 3 * x, M.init_params(config, jax.random.key(3)))
+    plain = decode.generate(net, params, PROMPTS, max_new_tokens=12)
+    expected = [greedy_without_cache(config, params, prompt, 12) for prompt in PROMPTS]
+    assert plain.token_lists() == expected
+    assert len({tuple(row) for row in expected}) == len(PROMPTS)  # varied rows
+    copy = decode.Speculative("draft", 3, draft_model=net, draft_params=params)
+    fast = decode.generate(net, params, PROMPTS, max_new_tokens=12, speculative=copy)
+    assert fast.token_lists() == expected and fast.speculation.steps <= 4
+    kept = decode.generate(net, params, PROMPTS, max_new_tokens=12, return_state=True)
+    assert kept.token_lists() == expected
+    one_beam = decode.beam_search(net, params, PROMPTS, max_new_tokens=12, num_beams=1)
+    assert one_beam.token_lists() == expected
+
+
 def test_scanned_and_unrolled_layers_find_the_same_beams(tiny):
     config, net, params = tiny
     other, other_params = M.with_layer_layout(config, params, scan_layers=not config.scan_layers)

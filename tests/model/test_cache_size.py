@@ -40,3 +40,19 @@ def test_encoder_decoder_cache_reports_cross_attention_separately():
     assert cache.nbytes == size.total
     assert [k.shape for k in cache.cross_k] == [
         (layers, 2, 2, 9, config.head_dim) for layers in config.layer_stacks(2)]
+
+
+def test_generate_cache_bytes_counts_rings_in_the_windowed_layers_alone():
+    # Gemma 3 1B's shape: 26 layers, one kv head of 256, bfloat16, a window of 512 in all
+    # but every sixth layer.
+    gemma = M.TransformerConfig(vocab_size=64, d_model=32, num_heads=4, num_kv_heads=1,
+                                head_dim=256, d_ff=64, num_decoder_layers=26,
+                                sliding_window=512, full_attention_layers=(5, 11, 17, 23),
+                                max_len=32768, dtype="bfloat16", scan_layers=False)
+    assert M.cache_size_bytes(gemma, 1, 32768).self_attention == 832 * 2**20
+    assert M.generate_cache_bytes(gemma, 1, 32768) == 2 * 2 * 256 * (22 * 512 + 4 * 32768)
+    cache = jax.eval_shape(lambda: M.init_cache(gemma, 1, 32768, step_tokens=1))
+    assert cache.nbytes == M.generate_cache_bytes(gemma, 1, 32768)
+    # No ring where the window holds every position anyway.
+    short = M.cache_size_bytes(gemma, 1, 400).self_attention
+    assert M.generate_cache_bytes(gemma, 1, 400) == short

@@ -1,0 +1,82 @@
+"""A sliding-window layer's cache as a ring: the slots its window reads, not every position.
+
+A layer that attends over the last W positions never reads a key again once it is W
+positions behind the newest query, so its cache need not hold it. A ring of R slots holds
+position p in slot p mod R, each new K/V overwriting the oldest: a row of any length costs
+R slots in that layer, not its length. Gemma 2 and 3 alternate such layers with global ones,
+which still hold every position; in Mistral 7B v0.1, Phi-3 mini or StarCoder2 every layer is
+windowed.
+
+R must hold more than the window. A call of T new tokens writes all of them before its
+queries read: the oldest query, at p, reads back to p - W + 1, and the newest token, at
+p + T - 1, overwrites position p + T - 1 - R. So R = W + T - 1 slots for calls of up to T
+tokens (`ring_slots`): one for the steps of plain sampling and beam search, a draft's length
+and one for a speculative step's verification. A longer call (a prefill) attends over its
+own new tokens and writes only each row's last R valid ones.
+
+Softmax does not care in which order the keys lie, and RoPE has turned each key by its
+position before the ring holds it, so a windowed layer reads its ring as it read a row of
+every position: only the mask differs. Slot r of a row whose newest position is `last`
+holds position last - ((last - r) mod R); a query sees it if that is in its window.
+Position biases (ALiBi, T5's buckets) read a key's slot as its position: their layers keep
+every position.
+
+Shape letters as in `model/cache.py`; R ring slots.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .config import TransformerConfig
+
+
+def ring_stacks(config: TransformerConfig) -> tuple[bool, ...]:
+    """For each stack of `config.layer_stacks`, whether its layers may keep a ring: every
+    layer in it attends over a sliding window, and no position bias reads slots as
+    positions. Scanned layers share one stack: a ring only if every layer is windowed."""
+    if config.sliding_window is None or config.positional_encoding in ("alibi", "relative"):
+        return (False,) * len(config.layer_stacks(config.num_decoder_layers))
+    if config.scan_layers:
+        return (config.attention_reach is not None,)
+    return tuple(config.is_local_layer(i) for i in range(config.num_decoder_layers))
+
+
+def ring_slots(config: TransformerConfig, capacity: int, step_tokens: int | None
+               ) -> int | None:
+    """R, the slots of each windowed layer's ring in a cache of `capacity` positions whose
+    later calls write at most `step_tokens` tokens each (see above); None where no layer
+    keeps one: `step_tokens` not given, no windowed layer, or a ring no smaller than the
+    capacity."""
+    if step_tokens is None or not any(ring_stacks(config)):
+        return None
+    if step_tokens < 1:
+        raise ValueError(f"step_tokens={step_tokens} must be >= 1")
+    slots = config.sliding_window + step_tokens - 1
+    return slots if slots < capacity else None
+
+
+def most_step_tokens(config: TransformerConfig, slots: int) -> int:
+    """The most new tokens one call may write into rings of `slots` slots."""
+    return slots - config.sliding_window + 1
+
+
+def ring_inputs(window: int, slots: int, positions_BT: jax.Array, starts_B: jax.Array,
+                new_lengths_B: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`(mask [B, T, R], writes [B, T])` of a call that writes T new tokens after `starts`:
+    which ring slots each query (at `positions`) sees, by the position each slot holds
+    once the call has written, and the slot each new token is written to: `slots` (past
+    the end: dropped) for padding, for a row that did not fit (`new_lengths` = `starts`)
+    and for all but a row's last R valid tokens, which would overwrite each other."""
+    last_B = new_lengths_B - 1
+    slots_R = jnp.arange(slots, dtype=jnp.int32)
+    held_BR = last_B[:, None] - jnp.mod(last_B[:, None] - slots_R[None, :], slots)
+    held_B1R = held_BR[:, None, :]
+    mask_BTR = ((held_B1R >= 0) & (held_B1R <= positions_BT[:, :, None])
+                & (held_B1R > positions_BT[:, :, None] - window))
+    new_BT = jnp.arange(positions_BT.shape[1], dtype=jnp.int32)[None, :]
+    written_B = new_lengths_B - starts_B
+    kept_BT = (new_BT < written_B[:, None]) & (new_BT >= written_B[:, None] - slots)
+    writes_BT = jnp.where(kept_BT, jnp.mod(positions_BT, slots), slots)
+    return mask_BTR, writes_BT
