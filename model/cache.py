@@ -50,7 +50,7 @@ import jax.numpy as jnp
 
 from .config import TransformerConfig
 from .config_checks import CACHE_SCALE_DTYPE
-from .ring import ring_slots, ring_stacks
+from .ring import copy_into_rings, ring_slots, ring_stacks
 
 
 @flax.struct.dataclass
@@ -240,8 +240,11 @@ class KVCache:
         """Row `row` of `source`, a cache of this one's capacity (and source slots), copied
         into row `into` (both traced scalars): by blocks of `block` slots, only as many as
         its length needs (an encoder-decoder's cross-attention K/V, as many as its source
-        length needs), so a row of long capacity costs no more to fill than it is filled."""
-        self._refuse_paged("copy_row")
+        length needs), so a row of long capacity costs no more to fill than it is filled.
+        Into windowed layers' rings (`model/ring.py`) the row's last positions are copied
+        where each ring holds them."""
+        if self.pages is not None:
+            self._refuse_paged("copy_row")
         source._refuse_paged("copy_row")
         self._check_same_kind(source, "copy_row")
         target_block = min(block, self.capacity)
@@ -249,6 +252,10 @@ class KVCache:
             source, row, into, target_block,
             functools.partial(_copy_block, row, into, target_block, self.capacity,
                               source._self_attention()))
+        if self.slots is not None:
+            copied = copied.replace(**copy_into_rings(
+                copied._self_attention(), source._self_attention(), row, into,
+                source.lengths[row]))
         if self.source_lengths is None:
             return copied
         source_block = min(block, self.source_length)
@@ -281,6 +288,8 @@ def _copy_block(row, into, block: int, slots: int, sources: dict, j, targets: di
     start = jnp.minimum(j * block, slots - block)
 
     def copy(target, stack):
+        if target.shape[3] != stack.shape[3]:  # a ring: `copy_into_rings` fills it
+            return target
         tail = (0,) * (stack.ndim - 4)
         piece = jax.lax.dynamic_slice(stack, (0, row, 0, start, *tail),
                                       (stack.shape[0], 1, stack.shape[2], block,

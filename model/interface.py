@@ -169,12 +169,14 @@ def target_start(config: TransformerConfig, prompt_BP: jax.Array, prompt_lengths
 
 
 def row_cache(config: TransformerConfig, rows: int, capacity: int,
-              source_capacity: int | None = None) -> KVCache:
+              source_capacity: int | None = None, step_tokens: int | None = None) -> KVCache:
     """An empty cache of `rows` rows of `capacity` slots that prefilled rows are put into
     (`KVCache.put_rows`, `copy_row`): an encoder-decoder's holds a source of up to
-    `source_capacity` (default `capacity`) tokens beside its target."""
+    `source_capacity` (default `capacity`) tokens beside its target. With `step_tokens`
+    (as `init_cache` takes it) a decoder-only model's windowed layers keep rings, which
+    `copy_row` fills and `put_rows` refuses."""
     if not config.is_encoder_decoder:
-        return init_cache(config, rows, capacity)
+        return init_cache(config, rows, capacity, step_tokens=step_tokens)
     return init_cache(config, rows, capacity,
                       source_capacity=capacity if source_capacity is None else source_capacity)
 

@@ -10,9 +10,9 @@ windowed.
 R must hold more than the window. A call of T new tokens writes all of them before its
 queries read: the oldest query, at p, reads back to p - W + 1, and the newest token, at
 p + T - 1, overwrites position p + T - 1 - R. So R = W + T - 1 slots for calls of up to T
-tokens (`ring_slots`): one for the steps of plain sampling and beam search, a draft's length
-and one for a speculative step's verification. A longer call (a prefill) attends over its
-own new tokens and writes only each row's last R valid ones.
+tokens (`ring_slots`): one for the steps of plain sampling, beam search and the engine's
+slots, a draft's length and one for a speculative step's verification. A longer call (a
+prefill) attends over its own new tokens and writes only each row's last R valid ones.
 
 Softmax does not care in which order the keys lie, and RoPE has turned each key by its
 position before the ring holds it, so a windowed layer reads its ring as it read a row of
@@ -80,3 +80,24 @@ def ring_inputs(window: int, slots: int, positions_BT: jax.Array, starts_B: jax.
     kept_BT = (new_BT < written_B[:, None]) & (new_BT >= written_B[:, None] - slots)
     writes_BT = jnp.where(kept_BT, jnp.mod(positions_BT, slots), slots)
     return mask_BTR, writes_BT
+
+
+def copy_into_rings(targets: dict, sources: dict, row, into, length) -> dict:
+    """`targets` (stacks [L_i, B, K, S_i, ...] by name) with row `row` of `sources` (the
+    same stacks, of every position) copied into row `into` of each ring among them (S_i
+    below the source's; the other stacks are left as they are): each ring slot takes the
+    position of the row's first `length` that it holds, the last R of them."""
+    def copy(target, stack):
+        slots = target.shape[3]
+        if slots == stack.shape[3]:
+            return target
+        last = length - 1
+        held_R = last - jnp.mod(last - jnp.arange(slots, dtype=jnp.int32), slots)
+        source_row = jax.lax.dynamic_index_in_dim(stack, row, axis=1, keepdims=False)
+        piece = jnp.take(source_row, jnp.maximum(held_R, 0), axis=2)  # [L, K, R, ...]
+        before = jax.lax.dynamic_index_in_dim(target, into, axis=1, keepdims=False)
+        held = (held_R >= 0).reshape((1, 1, slots) + (1,) * (piece.ndim - 3))
+        return jax.lax.dynamic_update_index_in_dim(target, jnp.where(held, piece, before),
+                                                   into, axis=1)
+
+    return jax.tree.map(copy, targets, sources)

@@ -66,13 +66,15 @@ def least_free_bytes(devices) -> int | None:
 def check_cache_fits(config: M.TransformerConfig, rows: int, capacity: int, mesh=None,
                      free: int | None = None,
                      rows_are: str = "max_slots + max_staged",
-                     source_capacity: int | None = None) -> None:
+                     source_capacity: int | None = None, ring_rows: int = 0) -> None:
     """Raises ValueError when `rows` rows of `capacity` positions take more than
     `CACHE_SHARE` of the `free` bytes of the device that holds the most of them (default:
     measured on the mesh's local devices, or the default device), naming the sizes, the
     longest capacity that fits and the most rows that do. Does nothing where free memory is
     unknown. `rows_are` names the settings that add up to `rows`. A translator's rows hold
-    `source_capacity` source positions each (default: `capacity`)."""
+    `source_capacity` source positions each (default: `capacity`). `ring_rows` of the rows
+    (the slots) hold windowed layers in rings of their window (`model/ring.py`): they are
+    counted so; the largest sizes it names are those of rows of every position."""
     devices = jax.local_devices()[:1] if mesh is None else list(mesh.local_devices)
     free = least_free_bytes(devices) if free is None else free
     if free is None:
@@ -84,7 +86,13 @@ def check_cache_fits(config: M.TransformerConfig, rows: int, capacity: int, mesh
         per_source = source_bytes_per_position(config, mesh)
         per_position, sources = per_position - per_source, per_source * source_capacity
     per_row = per_position * capacity + sources
-    need, budget = per_row * rows_per_device, CACHE_SHARE * free
+    ring_saves = 0.0  # bytes a row whose windowed layers keep rings holds less
+    if ring_rows and source_capacity is None:
+        ring_saves = (M.cache_size_bytes(config, 1, capacity).self_attention
+                      - M.generate_cache_bytes(config, 1, capacity))
+        ring_saves /= 1 if mesh is None else mesh.shape[parallel.MODEL]
+    need = per_row * rows_per_device - ring_saves * -(-ring_rows // data)
+    budget = CACHE_SHARE * free
     if need <= budget:
         return
     length_fits = max(0, int((budget / rows_per_device - sources) // per_position)) // 64 * 64
@@ -92,16 +100,13 @@ def check_cache_fits(config: M.TransformerConfig, rows: int, capacity: int, mesh
     where = "each device" if mesh is not None else str(devices[0])
     of_sources = ("" if source_capacity is None
                   else f" and max_source_len={source_capacity} source positions")
-    reach = config.attention_reach if source_capacity is None else None
-    paged = ("" if reach is None else f"; or page the slots (page_size, num_pages): every "
-             f"layer reads only the last {reach} positions, so a slot holds only their pages")
     raise ValueError(
         f"the engine's cache of {rows} rows x max_len={capacity} positions{of_sources} takes "
         f"{format_bytes(int(need))} on {where}, more than {CACHE_SHARE:.0%} of its "
         f"{format_bytes(free)} free: lower max_len ("
         + (f"{length_fits} at most" if length_fits else "none is small enough")
         + f" for {rows} rows) or {rows_are} ({rows_fit} at most for "
-        f"max_len={capacity}){paged}")
+        f"max_len={capacity})")
 
 
 def check_engine_fits(config: M.TransformerConfig, slots: int, staged: int,
@@ -115,7 +120,7 @@ def check_engine_fits(config: M.TransformerConfig, slots: int, staged: int,
     if pages is None:
         check_cache_fits(config, slots + staged + prefix_rows, capacity, mesh,
                          rows_are="max_slots + max_staged + prefix_cache_rows",
-                         source_capacity=source_capacity)
+                         source_capacity=source_capacity, ring_rows=slots)
     else:
         check_paged_cache_fits(config, staged, capacity, slots, *pages, mesh=mesh,
                                prefix_rows=prefix_rows)

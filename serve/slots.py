@@ -218,20 +218,22 @@ def _free_state(config: M.TransformerConfig, num_slots: int, num_staged: int,
         slots_cache = M.init_paged_cache(config, num_slots, num_pages + prefix_rows * per_row,
                                          page_size, per_row)
         free_pages = jnp.ones((num_pages,), bool)
+    # A slot is written one token a step: its windowed layers keep rings of their window.
     return EngineState(slots=_free_rows(config, num_slots, capacity, slots_cache,
-                                        source_capacity),
+                                        source_capacity, step_tokens=1),
                        staged=_free_rows(config, num_staged, capacity, None, source_capacity),
                        last_admitted=jnp.full((), NO_SAMPLE, jnp.int32), free_pages=free_pages)
 
 
 def _free_rows(config: M.TransformerConfig, rows: int, capacity: int,
-               cache: M.KVCache | None = None, source_capacity: int | None = None
-               ) -> SlotState:
+               cache: M.KVCache | None = None, source_capacity: int | None = None,
+               step_tokens: int | None = None) -> SlotState:
     def zeros():  # one buffer per field: the programs donate each of them
         return jnp.zeros((rows,), jnp.int32)
 
     return SlotState(
-        cache=M.row_cache(config, rows, capacity, source_capacity) if cache is None else cache,
+        cache=(M.row_cache(config, rows, capacity, source_capacity, step_tokens)
+               if cache is None else cache),
         last_tokens=zeros(), generated=zeros(), max_tokens=zeros(),
         stop_ids=jnp.full((rows, MAX_STOP_IDS), -1, jnp.int32),
         keys=jnp.zeros((rows, 2), jnp.uint32),

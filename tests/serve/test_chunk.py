@@ -1,12 +1,14 @@
 """serve/chunk.py: the decode chunk's admission: the oldest staged sample takes a free slot,
-with its whole prompt's cache, however the sample ids wrap."""
+with its whole prompt's cache, however the sample ids wrap, into a windowed layer's ring
+where the slot keeps one; what such slots serve."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from test_engine import Collector, alone, prompt
 
 from kvjax import model as M
-from kvjax.serve import chunk, slots
+from kvjax.serve import Engine, GenerationRequest, chunk, slots
 
 
 def staged_state(config, ids, lengths, rng):
@@ -49,3 +51,50 @@ def test_the_oldest_staged_sample_goes_first_across_the_ids_wrap(monkeypatch):
                                           source[:, row, :, :length])
     assert order == [top, 0, 1]
     assert np.asarray(state.staged.running).tolist() == [False, False, False, True]
+
+
+def test_a_staged_row_enters_a_windowed_slots_ring_at_its_last_positions():
+    """Layer 0 attends over a window of 5, layer 1 over everything: a slot holds layer 0 in
+    a ring of 5 (`model/ring.py`), into which admission copies the row's last 5 positions,
+    position p at slot p mod 5 (a row shorter than the ring leaves the rest as it was), and
+    layer 1 whole."""
+    config = M.preset("tiny", sliding_window=5, full_attention_layers=(1,), scan_layers=False)
+    ids, lengths = [0, 1], [13, 3]
+    state = staged_state(config, ids, lengths, np.random.default_rng(1))
+    assert [k.shape[3] for k in state.slots.cache.k] == [5, config.max_len]
+    before = [np.asarray(k) for k in state.slots.cache.k]
+    state = jax.jit(chunk.admit)(jax.jit(chunk.admit)(state))
+    for slot, (row, length) in enumerate(zip(ids, lengths, strict=True)):
+        assert int(state.slots.cache.lengths[slot]) == length
+        for ring, source in ((state.slots.cache.k[0], state.staged.cache.k[0]),
+                             (state.slots.cache.v[0], state.staged.cache.v[0])):
+            for position in range(max(0, length - 5), length):
+                np.testing.assert_array_equal(ring[:, slot, :, position % 5],
+                                              source[:, row, :, position])
+        for untouched in range(length, 5):
+            np.testing.assert_array_equal(state.slots.cache.k[0][:, slot, :, untouched],
+                                          before[0][:, slot, :, untouched])
+        np.testing.assert_array_equal(state.slots.cache.k[1][:, slot, :, :length],
+                                      state.staged.cache.k[1][:, row, :, :length])
+
+
+def test_a_windowed_models_slots_serve_what_generate_makes_alone(tiny_lm):
+    """Requests longer than the window, two of them sharing a kept prefix, through slots
+    whose windowed layers keep rings: each makes the tokens `generate` makes alone."""
+    config = tiny_lm[0].replace(sliding_window=5, full_attention_layers=(1,),
+                                scan_layers=False)
+    params = M.with_layer_layout(tiny_lm[0], tiny_lm[2], scan_layers=False)[1]
+    windowed = (config, M.build_model(config), params)
+    shared = prompt(90, 16)
+    requests = [GenerationRequest(p, max_tokens=m) for p, m in (
+        (prompt(91, 9), 20), (shared + prompt(92, 3), 12), (shared + prompt(93, 5), 9),
+        (prompt(94, 2), 16))]
+    engine = Engine(config, params, max_slots=2, max_len=48, chunk_size=4, prefill_batch=2)
+    assert engine.state.slots.cache.ring_slots == 5
+    collectors = [Collector() for _ in requests]
+    for request, collector in zip(requests, collectors, strict=True):
+        engine.submit(request, collector)
+        engine.step()
+    engine.run_until_idle()
+    assert engine._prefixes.hits >= 1  # noqa: SLF001
+    assert [c.tokens() for c in collectors] == [alone(windowed, r) for r in requests]

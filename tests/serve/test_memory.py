@@ -1,12 +1,14 @@
 """The engine refuses a cache larger than its device's free memory before allocating it,
 naming the sizes and the longest max_len that fits."""
 
+import re
 import sys
 
 import jax
 import pytest
 
 from kvjax import model as M
+from kvjax.model.cache_size import format_bytes
 from kvjax.serve import Engine, memory
 
 
@@ -85,19 +87,25 @@ def test_a_cpu_reports_the_hosts_available_memory():
     assert 0 < memory.free_bytes(jax.devices("cpu")[0]) <= total
 
 
-def test_a_windowed_model_is_told_a_slot_needs_only_its_windows_pages():
-    """Where every layer reads only its last 64 positions, the contiguous check names paged
-    slots as a way out, and the paged check asks a slot for its window's 5 pages of 16,
-    not a full slot's 64; a model that reads everything is told neither."""
+def test_a_windowed_model_is_told_a_slot_needs_only_its_window():
+    """Where every layer reads only its last 64 positions, contiguous slots are counted
+    with rings of 64 (16 slots beside 16 rows of every position fit where 32 such rows do
+    not), and the paged check asks a slot for its window's 5 pages of 16, not a full
+    slot's 64; a model that reads everything is told neither."""
     windowed, plain = M.preset("gpt-mini", sliding_window=64), M.preset("gpt-mini")
     per_row = memory.bytes_per_position(windowed)
     free = int(32 * per_row * 1000 / memory.CACHE_SHARE) + 1
-    with pytest.raises(ValueError, match=r"\(31 at most for max_len=1024\); or page the slots "
-                                         r"\(page_size, num_pages\): every layer reads only "
-                                         r"the last 64 positions"):
-        memory.check_cache_fits(windowed, 32, 1024, free=free)
-    with pytest.raises(ValueError, match=r"\(31 at most for max_len=1024\)$"):
-        memory.check_cache_fits(plain, 32, 1024, free=free)
+    ring_row = (M.generate_cache_bytes(windowed, 1, 1024)
+                + memory.CONTEXT_BYTES * 1024)  # the K/V of 64 positions and 1,024 tokens
+    assert ring_row < per_row * 1024 / 10
+    memory.check_cache_fits(windowed, 32, 1024, free=free, ring_rows=16)
+    for config, rings in ((windowed, 0), (plain, 16)):
+        with pytest.raises(ValueError, match=r"\(31 at most for max_len=1024\)$"):
+            memory.check_cache_fits(config, 32, 1024, free=free, ring_rows=rings)
+    need = 16 * per_row * 1024 + 16 * ring_row  # what it counts, just more than fits
+    with pytest.raises(ValueError, match=f"takes {re.escape(format_bytes(int(need)))} on"):
+        memory.check_cache_fits(windowed, 32, 1024, ring_rows=16,
+                                free=int(need / memory.CACHE_SHARE) - 1)
     fixed = per_row * 1024 + memory.CONTEXT_BYTES * 4 * 1024  # a staged row, 4 slots' context
     kv = per_row - memory.CONTEXT_BYTES
     free = int((fixed + kv * 16 * 10.5) / memory.CACHE_SHARE)  # 10 pages of 16 fit
