@@ -41,9 +41,9 @@ class SelfAttention(nn.Module):
     ALiBi, or T5's relative bias (`bias_table` [buckets, N], the stack's; with
     `relative_bias_per_layer`, the layer's own `position_bias`), the logits take a bias by
     distance (`positional.PositionBias`), bidirectional where not `causal`. `ring` is
-    `(mask [B, T, R], writes [B, T])` of the rings windowed layers keep (`model/ring.py`),
-    or Nones: a layer whose stacks have R slots writes and, after the prefill, reads its
-    ring through them.
+    `(mask [B, T, S], writes [B, T])` of the rings of S slots windowed layers keep
+    (`model/ring.py`), or Nones: a layer whose stacks have that S writes and, after the
+    prefill, reads its ring through them.
     """
 
     config: TransformerConfig
@@ -54,9 +54,9 @@ class SelfAttention(nn.Module):
                  causal: bool = True, pages=None, turned=True, bias_table=None,
                  ring=(None, None)):
         config = self.config
-        ring_mask_BTR, ring_writes_BT = ring
-        if ring_mask_BTR is None or cache_kv is None or (
-                cache_kv[0].shape[-2] != ring_mask_BTR.shape[-1]):
+        ring_mask_BTS, ring_writes_BT = ring
+        if ring_mask_BTS is None or cache_kv is None or (
+                cache_kv[0].shape[-2] != ring_mask_BTS.shape[-1]):
             ring_writes_BT = None  # this layer holds every position
         latent = None
         if config.latent_kv_rank:  # k: each token's latent row; the cache holds no values
@@ -127,7 +127,7 @@ class SelfAttention(nn.Module):
                          window=window, sinks_N=sinks, bias=bias)
         else:
             if ring_writes_BT is not None:
-                mask_BTS = ring_mask_BTR
+                mask_BTS = ring_mask_BTS
             stacks, scales = cache_kv[:2], cache_kv[2:] or None
             if latent is not None:  # every head reads the latent rows as its keys and values
                 q, stacks = latent.absorb(q), (cache_kv[0],) * 2

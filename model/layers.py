@@ -53,7 +53,7 @@ class LayerInputs:
     pages:     [B, pages per row] a paged cache's page tables (`model/paged.py`), else None.
     bias_table: [R, N] the stack's table of T5's relative position bias
                (`positional_encoding="relative"`), else None.
-    ring_mask: [B, T, R] what each query sees of the rings of R slots that windowed layers
+    ring_mask: [B, T, S] what each query sees of the rings of S slots that windowed layers
                keep (`model/ring.py`), and ring_writes [B, T] where each new token goes in
                them; None when the cache keeps no rings.
     """

@@ -1,27 +1,28 @@
 """A sliding-window layer's cache as a ring: the slots its window reads, not every position.
 
-A layer that attends over the last W positions never reads a key again once it is W
-positions behind the newest query, so its cache need not hold it. A ring of R slots holds
-position p in slot p mod R, each new K/V overwriting the oldest: a row of any length costs
-R slots in that layer, not its length. Gemma 2 and 3 alternate such layers with global ones,
-which still hold every position; in Mistral 7B v0.1, Phi-3 mini or StarCoder2 every layer is
-windowed.
+A layer that attends over the last `window` positions never reads a key again once it is
+`window` positions behind the newest query, so its cache need not hold it. A ring of S
+slots holds position p in slot p mod S, each new K/V overwriting the oldest: a row of any
+length costs S slots in that layer, not its length. Gemma 2 and 3 alternate such layers
+with global ones, which still hold every position; in Mistral 7B v0.1, Phi-3 mini or
+StarCoder2 every layer is windowed.
 
-R must hold more than the window. A call of T new tokens writes all of them before its
-queries read: the oldest query, at p, reads back to p - W + 1, and the newest token, at
-p + T - 1, overwrites position p + T - 1 - R. So R = W + T - 1 slots for calls of up to T
-tokens (`ring_slots`): one for the steps of plain sampling, beam search and the engine's
-slots, a draft's length and one for a speculative step's verification. A longer call (a
-prefill) attends over its own new tokens and writes only each row's last R valid ones.
+S must hold more than the window. A call of T new tokens writes all of them before its
+queries read: the oldest query, at p, reads back to p - window + 1, and the newest token,
+at p + T - 1, overwrites position p + T - 1 - S. So S = window + T - 1 slots for calls of
+up to T tokens (`ring_slots`): one for the steps of plain sampling, beam search and the
+engine's slots, a draft's length and one for a speculative step's verification. A longer
+call (a prefill) attends over its own new tokens and writes only each row's last S valid
+ones.
 
 Softmax does not care in which order the keys lie, and RoPE has turned each key by its
 position before the ring holds it, so a windowed layer reads its ring as it read a row of
 every position: only the mask differs. Slot r of a row whose newest position is `last`
-holds position last - ((last - r) mod R); a query sees it if that is in its window.
+holds position last - ((last - r) mod S); a query sees it if that is in its window.
 Position biases (ALiBi, T5's buckets) read a key's slot as its position: their layers keep
 every position.
 
-Shape letters as in `model/cache.py`; R ring slots.
+Shape letters as in `model/cache.py` (docs/shapes.md); a ring's S is its slots.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def ring_stacks(config: TransformerConfig) -> tuple[bool, ...]:
 
 def ring_slots(config: TransformerConfig, capacity: int, step_tokens: int | None
                ) -> int | None:
-    """R, the slots of each windowed layer's ring in a cache of `capacity` positions whose
+    """S, the slots of each windowed layer's ring in a cache of `capacity` positions whose
     later calls write at most `step_tokens` tokens each (see above); None where no layer
     keeps one: `step_tokens` not given, no windowed layer, or a ring no smaller than the
     capacity."""
@@ -64,39 +65,39 @@ def most_step_tokens(config: TransformerConfig, slots: int) -> int:
 
 def ring_inputs(window: int, slots: int, positions_BT: jax.Array, starts_B: jax.Array,
                 new_lengths_B: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`(mask [B, T, R], writes [B, T])` of a call that writes T new tokens after `starts`:
+    """`(mask [B, T, S], writes [B, T])` of a call that writes T new tokens after `starts`:
     which ring slots each query (at `positions`) sees, by the position each slot holds
     once the call has written, and the slot each new token is written to: `slots` (past
     the end: dropped) for padding, for a row that did not fit (`new_lengths` = `starts`)
-    and for all but a row's last R valid tokens, which would overwrite each other."""
+    and for all but a row's last S valid tokens, which would overwrite each other."""
     last_B = new_lengths_B - 1
-    slots_R = jnp.arange(slots, dtype=jnp.int32)
-    held_BR = last_B[:, None] - jnp.mod(last_B[:, None] - slots_R[None, :], slots)
-    held_B1R = held_BR[:, None, :]
-    mask_BTR = ((held_B1R >= 0) & (held_B1R <= positions_BT[:, :, None])
-                & (held_B1R > positions_BT[:, :, None] - window))
+    slots_S = jnp.arange(slots, dtype=jnp.int32)
+    held_BS = last_B[:, None] - jnp.mod(last_B[:, None] - slots_S[None, :], slots)
+    held_B1S = held_BS[:, None, :]
+    mask_BTS = ((held_B1S >= 0) & (held_B1S <= positions_BT[:, :, None])
+                & (held_B1S > positions_BT[:, :, None] - window))
     new_BT = jnp.arange(positions_BT.shape[1], dtype=jnp.int32)[None, :]
     written_B = new_lengths_B - starts_B
     kept_BT = (new_BT < written_B[:, None]) & (new_BT >= written_B[:, None] - slots)
     writes_BT = jnp.where(kept_BT, jnp.mod(positions_BT, slots), slots)
-    return mask_BTR, writes_BT
+    return mask_BTS, writes_BT
 
 
 def copy_into_rings(targets: dict, sources: dict, row, into, length) -> dict:
     """`targets` (stacks [L_i, B, K, S_i, ...] by name) with row `row` of `sources` (the
     same stacks, of every position) copied into row `into` of each ring among them (S_i
     below the source's; the other stacks are left as they are): each ring slot takes the
-    position of the row's first `length` that it holds, the last R of them."""
+    position of the row's first `length` that it holds, the last S of them."""
     def copy(target, stack):
         slots = target.shape[3]
         if slots == stack.shape[3]:
             return target
         last = length - 1
-        held_R = last - jnp.mod(last - jnp.arange(slots, dtype=jnp.int32), slots)
+        held_S = last - jnp.mod(last - jnp.arange(slots, dtype=jnp.int32), slots)
         source_row = jax.lax.dynamic_index_in_dim(stack, row, axis=1, keepdims=False)
-        piece = jnp.take(source_row, jnp.maximum(held_R, 0), axis=2)  # [L, K, R, ...]
+        piece = jnp.take(source_row, jnp.maximum(held_S, 0), axis=2)  # [L, K, S, ...]
         before = jax.lax.dynamic_index_in_dim(target, into, axis=1, keepdims=False)
-        held = (held_R >= 0).reshape((1, 1, slots) + (1,) * (piece.ndim - 3))
+        held = (held_S >= 0).reshape((1, 1, slots) + (1,) * (piece.ndim - 3))
         return jax.lax.dynamic_update_index_in_dim(target, jnp.where(held, piece, before),
                                                    into, axis=1)
 

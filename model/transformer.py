@@ -64,9 +64,9 @@ def self_attention_inputs(config: TransformerConfig, starts_B, valid_B, num_quer
     new_lengths_B = jnp.where(fits_B, new_lengths_B, starts_B)
     overflowed_B = ~fits_B & (valid_B > 0)
     if ring is not None:
-        ring_mask_BTR, ring_writes_BT = ring_inputs(window, ring, positions_BT, starts_B,
+        ring_mask_BTS, ring_writes_BT = ring_inputs(window, ring, positions_BT, starts_B,
                                                     new_lengths_B)
-        inputs = inputs.replace(ring_mask=ring_mask_BTR, ring_writes=ring_writes_BT)
+        inputs = inputs.replace(ring_mask=ring_mask_BTS, ring_writes=ring_writes_BT)
     return (inputs.replace(starts=starts_B, fits=fits_B, pages=pages), new_lengths_B,
             overflowed_B)
 
