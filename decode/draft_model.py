@@ -79,10 +79,13 @@ def draft_capacity(draft_config: M.TransformerConfig, capacity: int) -> int:
 @functools.partial(jax.jit, static_argnums=(0, 4, 5))
 def start(draft_config, draft_params, tokens_BP, lengths_B, capacity: int,
           num_samples: int) -> M.KVCache:
-    """The draft's cache after the prompts, copied to each prompt's `num_samples` rows."""
+    """The draft's cache after the prompts, copied to each prompt's `num_samples` rows; its
+    windowed layers keep rings wide enough for the most tokens a call feeds it
+    (`CATCH_UP_TOKENS`; `model/ring.py`)."""
     count_trace("draft_start")
     tokens_BP = tokens_BP[:, :draft_config.max_len]  # past it, padding (`check_draft`)
-    _, cache = M.prefill(draft_config, draft_params, tokens_BP, lengths_B, capacity)
+    _, cache = M.prefill(draft_config, draft_params, tokens_BP, lengths_B, capacity,
+                         step_tokens=max(CATCH_UP_TOKENS, 2))
     if num_samples > 1:
         cache = cache.take_rows(jnp.repeat(jnp.arange(tokens_BP.shape[0]), num_samples))
     return cache

@@ -11,9 +11,9 @@ S must hold more than the window. A call of T new tokens writes all of them befo
 queries read: the oldest query, at p, reads back to p - window + 1, and the newest token,
 at p + T - 1, overwrites position p + T - 1 - S. So S = window + T - 1 slots for calls of
 up to T tokens (`ring_slots`): one for the steps of plain sampling, beam search and the
-engine's slots, a draft's length and one for a speculative step's verification. A longer
-call (a prefill) attends over its own new tokens and writes only each row's last S valid
-ones.
+engine's slots, a draft's length and one for a speculative step's verification, what a
+draft model catches up by in one call for its own cache. A longer call (a prefill) attends
+over its own new tokens and writes only each row's last S valid ones.
 
 Softmax does not care in which order the keys lie, and RoPE has turned each key by its
 position before the ring holds it, so a windowed layer reads its ring as it read a row of

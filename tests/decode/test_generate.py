@@ -49,9 +49,10 @@ def test_greedy_equals_recomputing_without_cache(tiny):
 def test_a_windowed_model_decodes_through_rings_as_without_a_cache():
     """A Gemma-like model (a window of 3 in layer 0, layer 1 global) whose rows outgrow the
     window: plain and beam steps through rings of 3 slots, speculative steps (a copy of the
-    model as the draft: every draft accepted, 4 tokens a call) through rings of 6, and a
-    state kept to continue, through every position (`model/ring.py`), all give what
-    recomputing without a cache gives."""
+    model as the draft: every draft accepted, 4 tokens a call) through rings of 6, the
+    draft's own cache in rings of 18 (it catches up 16 tokens a call), and a state kept to
+    continue, through every position (`model/ring.py`), all give what recomputing without
+    a cache gives."""
     config = M.preset("tiny", positional_encoding="rope", num_kv_heads=2, sliding_window=3,
                       full_attention_layers=(1,), scan_layers=False)
     net = M.build_model(config)
