@@ -82,9 +82,8 @@ def generate_cache_bytes(config: TransformerConfig, batch: int, length: int, dty
     positions whose decode calls write `step_tokens` tokens each (1; a speculative step's
     draft and one): `cache_size_bytes`' formula with a ring of window + step_tokens - 1
     slots, not `length`, in each layer that keeps one (`model/ring.py`)."""
-    one_layer = cache_size_bytes(config.replace(num_decoder_layers=1, full_attention_layers=(),
-                                                num_encoder_layers=0),
-                                 batch, 1, dtype).self_attention
+    one_layer = cache_size_bytes(config, batch, 1, dtype).self_attention // (
+        config.num_decoder_layers)  # a position of one layer
     ring = None if config.is_encoder_decoder else ring_slots(config, length, step_tokens)
     slots = sum(layers * (ring if ring is not None and kept else length)
                 for layers, kept in zip(config.layer_stacks(config.num_decoder_layers),

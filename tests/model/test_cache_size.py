@@ -56,3 +56,8 @@ def test_generate_cache_bytes_counts_rings_in_the_windowed_layers_alone():
     # No ring where the window holds every position anyway.
     short = M.cache_size_bytes(gemma, 1, 400).self_attention
     assert M.generate_cache_bytes(gemma, 1, 400) == short
+    # Fields that number layers (here SmolLM3's layers without RoPE) are the config's own.
+    nope = M.preset("tiny", num_decoder_layers=4, positional_encoding="rope", sliding_window=8,
+                    full_attention_layers=(3,), unrotated_layers=(3,), scan_layers=False)
+    assert M.generate_cache_bytes(nope, 2, 32) == (3 * 8 + 32) * 2 * M.cache_size_bytes(
+        nope, 1, 1).self_attention // 4
