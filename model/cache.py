@@ -101,7 +101,7 @@ class KVCache:
 
     @property
     def ring_slots(self) -> int | None:
-        """R, the slots of the windowed layers' rings (`model/ring.py`), or None."""
+        """S of the windowed layers' rings (`model/ring.py`), or None where none is kept."""
         if self.slots is None:
             return None
         return min(stack.shape[-2] for stack in self.k)

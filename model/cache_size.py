@@ -133,7 +133,8 @@ def describe_cache_size(config: TransformerConfig, batch: int, length: int, dtyp
     lines.append(f"  batch {batch}: {format_bytes(total.total)} ({total.total:,} bytes)")
     rings = generate_cache_bytes(config, batch, length, dtype)
     if rings < total.self_attention:
-        kept = sum(ring_stacks(config)) * (layers if config.scan_layers else 1)
+        kept = sum(n for n, ring in zip(config.layer_stacks(layers), ring_stacks(config),
+                                        strict=True) if ring)
         lines.append(f"  {kept} of {layers} layers over a window of {config.sliding_window}: "
                      f"generate keeps rings of {config.sliding_window} positions there, "
                      f"{format_bytes(rings)} for the batch")

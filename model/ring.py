@@ -70,10 +70,7 @@ def ring_inputs(window: int, slots: int, positions_BT: jax.Array, starts_B: jax.
     once the call has written, and the slot each new token is written to: `slots` (past
     the end: dropped) for padding, for a row that did not fit (`new_lengths` = `starts`)
     and for all but a row's last S valid tokens, which would overwrite each other."""
-    last_B = new_lengths_B - 1
-    slots_S = jnp.arange(slots, dtype=jnp.int32)
-    held_BS = last_B[:, None] - jnp.mod(last_B[:, None] - slots_S[None, :], slots)
-    held_B1S = held_BS[:, None, :]
+    held_B1S = held_positions(new_lengths_B, slots)[:, None, :]
     mask_BTS = ((held_B1S >= 0) & (held_B1S <= positions_BT[:, :, None])
                 & (held_B1S > positions_BT[:, :, None] - window))
     new_BT = jnp.arange(positions_BT.shape[1], dtype=jnp.int32)[None, :]
@@ -81,6 +78,13 @@ def ring_inputs(window: int, slots: int, positions_BT: jax.Array, starts_B: jax.
     kept_BT = (new_BT < written_B[:, None]) & (new_BT >= written_B[:, None] - slots)
     writes_BT = jnp.where(kept_BT, jnp.mod(positions_BT, slots), slots)
     return mask_BTS, writes_BT
+
+
+def held_positions(lengths, slots: int) -> jax.Array:
+    """[..., S] the position each slot of a ring of `slots` holds in rows of `lengths` [...]:
+    the latest one it was written, the last `slots` of each row's; negative where none."""
+    last = jnp.asarray(lengths, jnp.int32)[..., None] - 1
+    return last - jnp.mod(last - jnp.arange(slots, dtype=jnp.int32), slots)
 
 
 def copy_into_rings(targets: dict, sources: dict, row, into, length) -> dict:
@@ -92,8 +96,7 @@ def copy_into_rings(targets: dict, sources: dict, row, into, length) -> dict:
         slots = target.shape[3]
         if slots == stack.shape[3]:
             return target
-        last = length - 1
-        held_S = last - jnp.mod(last - jnp.arange(slots, dtype=jnp.int32), slots)
+        held_S = held_positions(length, slots)
         source_row = jax.lax.dynamic_index_in_dim(stack, row, axis=1, keepdims=False)
         piece = jnp.take(source_row, jnp.maximum(held_S, 0), axis=2)  # [L, K, S, ...]
         before = jax.lax.dynamic_index_in_dim(target, into, axis=1, keepdims=False)
