@@ -336,7 +336,7 @@ def init_cache(
                 cross[f"{name}_scale"] = tuple(jnp.zeros((n, *shape), CACHE_SCALE_DTYPE)
                                                for n in stacks)
         cross["source_lengths"] = jnp.zeros((batch_size,), jnp.int32)
-    ring = None if config.is_encoder_decoder else ring_slots(config, capacity, step_tokens)
+    ring = ring_slots(config, capacity, step_tokens)
     return KVCache(**empty_stacks(config, batch_size, capacity, dtype, ring),
                    lengths=jnp.zeros((batch_size,), jnp.int32),
                    overflow=jnp.zeros((batch_size,), bool), **cross,

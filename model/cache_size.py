@@ -22,7 +22,7 @@ import numpy as np
 
 from .config import TransformerConfig
 from .config_checks import CACHE_SCALE_DTYPE
-from .ring import ring_slots, ring_stacks
+from .ring import ring_layers, ring_slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,11 +84,9 @@ def generate_cache_bytes(config: TransformerConfig, batch: int, length: int, dty
     slots, not `length`, in each layer that keeps one (`model/ring.py`)."""
     one_layer = cache_size_bytes(config, batch, 1, dtype).self_attention // (
         config.num_decoder_layers)  # a position of one layer
-    ring = None if config.is_encoder_decoder else ring_slots(config, length, step_tokens)
-    slots = sum(layers * (ring if ring is not None and kept else length)
-                for layers, kept in zip(config.layer_stacks(config.num_decoder_layers),
-                                        ring_stacks(config), strict=True))
-    return one_layer * slots
+    ring = ring_slots(config, length, step_tokens)
+    in_rings = 0 if ring is None else ring_layers(config)
+    return one_layer * (in_rings * (ring or 0) + (config.num_decoder_layers - in_rings) * length)
 
 
 def format_bytes(num_bytes: int) -> str:
@@ -133,10 +131,9 @@ def describe_cache_size(config: TransformerConfig, batch: int, length: int, dtyp
     lines.append(f"  batch {batch}: {format_bytes(total.total)} ({total.total:,} bytes)")
     rings = generate_cache_bytes(config, batch, length, dtype)
     if rings < total.self_attention:
-        kept = sum(n for n, ring in zip(config.layer_stacks(layers), ring_stacks(config),
-                                        strict=True) if ring)
-        lines.append(f"  {kept} of {layers} layers over a window of {config.sliding_window}: "
-                     f"generate keeps rings of {config.sliding_window} positions there, "
+        window = config.sliding_window
+        lines.append(f"  {ring_layers(config)} of {layers} layers over a window of {window}: "
+                     f"generate keeps rings of {window} positions there, "
                      f"{format_bytes(rings)} for the batch")
     reach = config.attention_reach
     if reach is not None and reach < length:

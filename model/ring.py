@@ -36,12 +36,20 @@ from .config import TransformerConfig
 def ring_stacks(config: TransformerConfig) -> tuple[bool, ...]:
     """For each stack of `config.layer_stacks`, whether its layers may keep a ring: every
     layer in it attends over a sliding window, and no position bias reads slots as
-    positions. Scanned layers share one stack: a ring only if every layer is windowed."""
-    if config.sliding_window is None or config.positional_encoding in ("alibi", "relative"):
+    positions. Scanned layers share one stack: a ring only if every layer is windowed. An
+    encoder-decoder's target cache keeps every position."""
+    if (config.sliding_window is None or config.is_encoder_decoder
+            or config.positional_encoding in ("alibi", "relative")):
         return (False,) * len(config.layer_stacks(config.num_decoder_layers))
     if config.scan_layers:
         return (config.attention_reach is not None,)
     return tuple(config.is_local_layer(i) for i in range(config.num_decoder_layers))
+
+
+def ring_layers(config: TransformerConfig) -> int:
+    """How many decoder layers lie in the stacks that keep rings (`ring_stacks`)."""
+    return sum(layers for layers, ring in zip(config.layer_stacks(config.num_decoder_layers),
+                                              ring_stacks(config), strict=True) if ring)
 
 
 def ring_slots(config: TransformerConfig, capacity: int, step_tokens: int | None
