@@ -212,11 +212,11 @@ def constrain_rows(tree: Any, mesh: Mesh | None) -> Any:
     step to the next, so XLA never moves a row to another device between steps. Every array
     with an axis has the batch first, except the K/V stacks [L, B, K, S, H] of a `KVCache`
     and an int8 cache's scales [L, B, K, S]. A paged cache's pools [L, pages, K, U, H] are
-    every row's, so only their kv heads are split (over `model`), and its page tables go
-    with their rows. A latent attention cache's one row per token (K = 1, every head reads
-    it) is held whole by each device of `model`. A dataclass naming `SHARED_BY_ROWS` (the
-    token automata's tables, which every row reads) holds those fields whole on every
-    device and its other arrays with their rows.
+    every row's, so only their kv heads are split (over `model`), and its page tables (and
+    the rings of its windowed layers) go with their rows. A latent attention cache's one row
+    per token (K = 1, every head reads it) is held whole by each device of `model`. A
+    dataclass naming `SHARED_BY_ROWS` (the token automata's tables, which every row reads)
+    holds those fields whole on every device and its other arrays with their rows.
     """
     if mesh is None:
         return tree
@@ -227,14 +227,16 @@ def constrain_rows(tree: Any, mesh: Mesh | None) -> Any:
 
     def place(leaf):
         if isinstance(leaf, M.KVCache):
-            own_rows = None if leaf.paged else DATA
-            kv = {name: jax.tree.map(lambda a, rows=rows: _constrain(a, mesh,
-                                                                      stack_spec(a, rows)),
-                                     getattr(leaf, name))
+            # Per stack: a pool's pages are every row's; a ring (`model/ring.py`) is its rows'.
+            rings = leaf.rings or (False,) * len(leaf.k)
+            own_rows = tuple(DATA if ring or not leaf.paged else None for ring in rings)
+            kv = {name: tuple(jax.tree.map(lambda a, r=r: _constrain(a, mesh, stack_spec(a, r)),
+                                           stack)
+                              for stack, r in zip(getattr(leaf, name), rows, strict=True))
                   for names, rows in ((("k", "v", "k_scale", "v_scale"), own_rows),
                                       (("cross_k", "cross_v", "cross_k_scale",
-                                        "cross_v_scale"), DATA))
-                  for name in names}
+                                        "cross_v_scale"), (DATA,) * len(leaf.k)))
+                  for name in names if getattr(leaf, name) is not None}
             counters = {name: jax.tree.map(lambda a: _constrain(a, mesh, PartitionSpec(DATA)),
                                            getattr(leaf, name))
                         for name in ("lengths", "overflow", "source_lengths", "pages")}

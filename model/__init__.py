@@ -2,7 +2,7 @@
 
 from .attention import attend
 from .cache import KVCache, init_cache
-from .cache_size import CacheSize, cache_size_bytes, generate_cache_bytes
+from .cache_size import CacheSize, cache_size_bytes, generate_cache_bytes, paged_cache_bytes
 from .config import PRESETS, SPEED_ONLY_FIELDS, TransformerConfig, preset
 from .float32_params import cast_floats
 from .interface import (
@@ -32,7 +32,8 @@ __all__ = [
     "LoRA", "PositionBias", "TransformerConfig",
     "NO_PAGE", "alibi_slopes", "attend", "build_model", "cache_size_bytes", "cast_floats",
     "check_prompt_length", "generate_cache_bytes", "init_cache", "init_paged_cache",
-    "init_params", "param_shapes", "prefill", "preset", "prompt_is_source", "prompt_slots",
+    "init_params", "paged_cache_bytes", "param_shapes", "prefill", "preset", "prompt_is_source",
+    "prompt_slots",
     "row_cache", "step_fn",
     "target_start", "teacher_forced_logits", "teacher_forced_hidden", "hidden_logits",
     "stack_layer_params", "unstack_layer_params", "with_float_kernels", "with_layer_layout",

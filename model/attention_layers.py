@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from . import lora_rows, paged
 from .attention import attend, attend_blocks
-from .cache import write_rows, write_slots
+from .cache_writes import write_rows, write_slots
 from .config import TransformerConfig
 from .latent_attention import LatentQKV
 from .norms import RMSNorm
@@ -41,9 +41,9 @@ class SelfAttention(nn.Module):
     ALiBi, or T5's relative bias (`bias_table` [buckets, N], the stack's; with
     `relative_bias_per_layer`, the layer's own `position_bias`), the logits take a bias by
     distance (`positional.PositionBias`), bidirectional where not `causal`. `ring` is
-    `(mask [B, T, S], writes [B, T])` of the rings of S slots windowed layers keep
-    (`model/ring.py`), or Nones: a layer whose stacks have that S writes and, after the
-    prefill, reads its ring through them.
+    `(mask [B, T, S], writes [B, T])` of the ring of S slots this layer's stacks are
+    (`model/ring.py`; in a paged cache too, beside the other layers' pools), or Nones: the
+    layer writes its ring through them and, after the prefill, reads it.
     """
 
     config: TransformerConfig
@@ -55,9 +55,8 @@ class SelfAttention(nn.Module):
                  ring=(None, None)):
         config = self.config
         ring_mask_BTS, ring_writes_BT = ring
-        if ring_mask_BTS is None or cache_kv is None or (
-                cache_kv[0].shape[-2] != ring_mask_BTS.shape[-1]):
-            ring_writes_BT = None  # this layer holds every position
+        if cache_kv is None:
+            ring_writes_BT = None
         latent = None
         if config.latent_kv_rank:  # k: each token's latent row; the cache holds no values
             latent = LatentQKV(config, name="latent")
@@ -132,7 +131,7 @@ class SelfAttention(nn.Module):
             if latent is not None:  # every head reads the latent rows as its keys and values
                 q, stacks = latent.absorb(q), (cache_kv[0],) * 2
                 scales = None if scales is None else (scales[0],) * 2
-            if pages is not None:
+            if pages is not None and ring_writes_BT is None:
                 out = paged.attend_pages(q, *stacks, layer, pages, mask_BTS,
                                          config.attention_block, scales=scales,
                                          scale=_scale(config), softcap=config.attention_softcap,

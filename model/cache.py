@@ -74,7 +74,11 @@ class KVCache:
                       [L_i, pages, K, U]) and the capacity is pages per row x U; None for a
                       contiguous cache.
       slots:          static; the capacity where windowed layers keep rings of fewer slots
-                      (`model/ring.py`), else None (the stacks' S is the capacity).
+                      (`model/ring.py`), else None (the stacks' S, or pages per row x U, is
+                      the capacity).
+      rings:          static; for each stack, whether it is a ring [L_i, B, K, S, H] of the
+                      slots its window reads (a paged cache's then lie beside its pools),
+                      else None.
     """
 
     k: tuple[jax.Array, ...]
@@ -90,6 +94,7 @@ class KVCache:
     cross_v_scale: tuple[jax.Array, ...] | None = None
     pages: jax.Array | None = None
     slots: int | None = flax.struct.field(pytree_node=False, default=None)
+    rings: tuple[bool, ...] | None = flax.struct.field(pytree_node=False, default=None)
 
     @property
     def capacity(self) -> int:
@@ -102,9 +107,9 @@ class KVCache:
     @property
     def ring_slots(self) -> int | None:
         """S of the windowed layers' rings (`model/ring.py`), or None where none is kept."""
-        if self.slots is None:
+        if self.rings is None:
             return None
-        return min(stack.shape[-2] for stack in self.k)
+        return self.k[self.rings.index(True)].shape[-2]
 
     @property
     def paged(self) -> bool:
@@ -115,7 +120,8 @@ class KVCache:
         """U, the slots of one page of a paged cache."""
         if self.pages is None:
             raise ValueError("a contiguous cache has no pages")
-        return jax.tree.leaves(self.k)[0].shape[-2]
+        pools = [stack for i, stack in enumerate(self.k) if not self.rings or not self.rings[i]]
+        return pools[0].shape[-2]
 
     def _refuse_paged(self, method: str) -> None:
         if self.pages is not None:
@@ -252,9 +258,9 @@ class KVCache:
             source, row, into, target_block,
             functools.partial(_copy_block, row, into, target_block, self.capacity,
                               source._self_attention()))
-        if self.slots is not None:
+        if self.rings is not None:
             copied = copied.replace(**copy_into_rings(
-                copied._self_attention(), source._self_attention(), row, into,
+                copied._self_attention(), source._self_attention(), self.rings, row, into,
                 source.lengths[row]))
         if self.source_lengths is None:
             return copied
@@ -340,7 +346,8 @@ def init_cache(
     return KVCache(**empty_stacks(config, batch_size, capacity, dtype, ring),
                    lengths=jnp.zeros((batch_size,), jnp.int32),
                    overflow=jnp.zeros((batch_size,), bool), **cross,
-                   slots=None if ring is None else capacity)
+                   slots=None if ring is None else capacity,
+                   rings=None if ring is None else ring_stacks(config))
 
 
 def stack_slots(config: TransformerConfig, slots: int, ring: int | None = None
@@ -379,19 +386,26 @@ def check_cache(config: TransformerConfig, cache: KVCache, batch: int, num_token
     A cache built for the other `scan_layers` setting, another batch size or other heads
     would otherwise fail deep inside a layer with a bare shape error."""
     stacks = config.layer_stacks(config.num_decoder_layers)
+    if cache.rings is not None and cache.rings != ring_stacks(config):
+        raise ValueError(f"the cache keeps rings in stacks {cache.rings}, but this model's "
+                         f"windowed layers are stacks {ring_stacks(config)}")
+    rings = cache.rings or (False,) * len(stacks)
     if cache.paged:
         if cache.pages.ndim != 2 or cache.pages.shape[0] != batch:
             raise ValueError(f"a paged cache's page tables have shape {cache.pages.shape}, but "
                              f"a batch of {batch} needs [{batch}, pages per row]")
-        rows, slots = jnp.shape(jax.tree.leaves(cache.k)[0])[1], cache.page_size
-        layout = "[L_i, pages, K, U, H] pools"
+        leaves = jax.tree.leaves(cache.k)
+        pool = leaves[rings.index(False)] if len(leaves) == len(rings) else leaves[0]
+        rows, slots = jnp.shape(pool)[1], cache.page_size
+        layout = "[L_i, pages, K, U, H] pools" + (" and [L_i, B, K, S, H] rings"
+                                                  if cache.rings else "")
     else:
         rows, slots = batch, cache.capacity
         layout = "[L_i, B, K, S, H] stacks"
     every_slots = stack_slots(config, slots, cache.ring_slots)
     for name, heads in zip(("k", "v"), config.cached_heads, strict=True):
-        expected = [(n, rows, heads, s, config.cached_head_dim)
-                    for n, s in zip(stacks, every_slots, strict=True)]
+        expected = [(n, batch if kept else rows, heads, s, config.cached_head_dim)
+                    for n, s, kept in zip(stacks, every_slots, rings, strict=True)]
         buffers = getattr(cache, name)
         found = ([jnp.shape(b) for b in buffers] if isinstance(buffers, tuple | list)
                  else [jnp.shape(buffers)])
@@ -406,42 +420,3 @@ def check_cache(config: TransformerConfig, cache: KVCache, batch: int, num_token
     if num_tokens > cache.capacity:
         raise ValueError(f"{num_tokens} tokens per row cannot fit a cache of capacity "
                          f"{cache.capacity}")
-
-
-def write_rows(stack: jax.Array, layer, new_BTKH: jax.Array, starts_B: jax.Array,
-               fits_B: jax.Array) -> jax.Array:
-    """Writes `new` into the K or V of layer `layer` of `stack` [L, B, K, S, H], each row at
-    its own start slot. An int8 cache's scales [L, B, K, S] are written the same way, from
-    `new` [B, T, K].
-
-    The whole stack is updated rather than a slice of it, so inside the layer scan and the
-    decode loop XLA writes the T new slots in place, never copying. With one start per row
-    this is a scatter (what `vmap` of `lax.dynamic_update_slice` becomes), with B as its
-    batch axis: row b of `new` goes to row b of the stack, so a stack split over devices by
-    rows is written where it lies, without gathering the indices or the new K/V. A row that
-    does not fit (`start + T > S`) writes nothing: its slots point past the end and the
-    scatter drops them, where a clamped write would have overwritten the last slots. Its
-    caller flags the row as overflowed.
-    """
-    capacity = stack.shape[-2]
-    slots_BT = starts_B[:, None] + jnp.arange(new_BTKH.shape[1], dtype=starts_B.dtype)
-    return write_slots(stack, layer, new_BTKH, jnp.where(fits_B[:, None], slots_BT, capacity),
-                       ascending=True)
-
-
-def write_slots(stack: jax.Array, layer, new_BTKH: jax.Array, slots_BT: jax.Array,
-                ascending: bool = False) -> jax.Array:
-    """`write_rows` with the slot of each new token given, [B, T], distinct in a row
-    (`ascending` if they rise along T); a slot past the stack's end writes nothing (a
-    windowed layer's ring, `model/ring.py`, wraps around and drops some)."""
-    layer_BT = jnp.broadcast_to(jnp.asarray(layer, slots_BT.dtype), slots_BT.shape)
-    indices_BT2 = jnp.stack([layer_BT, slots_BT], axis=-1)  # (layer, slot) of each new token
-    numbers = jax.lax.ScatterDimensionNumbers(
-        update_window_dims=tuple(range(2, new_BTKH.ndim)),  # K, H of new [B, T, K, H]
-        inserted_window_dims=(0, 3),  # one layer, one slot per token
-        scatter_dims_to_operand_dims=(0, 3),
-        operand_batching_dims=(1,),  # B of the stack ...
-        scatter_indices_batching_dims=(0,))  # ... is B of the indices
-    return jax.lax.scatter(stack, indices_BT2, new_BTKH.astype(stack.dtype), numbers,
-                           indices_are_sorted=ascending, unique_indices=True,
-                           mode=jax.lax.GatherScatterMode.FILL_OR_DROP)

@@ -22,7 +22,7 @@ import numpy as np
 
 from .config import TransformerConfig
 from .config_checks import CACHE_SCALE_DTYPE
-from .ring import ring_layers, ring_slots
+from .ring import paged_ring_slots, ring_layers, ring_slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +89,19 @@ def generate_cache_bytes(config: TransformerConfig, batch: int, length: int, dty
     return one_layer * (in_rings * (ring or 0) + (config.num_decoder_layers - in_rings) * length)
 
 
+def paged_cache_bytes(config: TransformerConfig, capacity: int, dtype: Any = None,
+                      step_tokens: int = 1) -> tuple[int, int]:
+    """(bytes of one slot of a page, bytes of one row's rings) of the paged cache
+    `init_paged_cache(..., step_tokens=step_tokens)` makes for rows of `capacity` positions:
+    where a model mixes windowed layers with global ones, a page holds the global layers and
+    each row a ring per windowed layer (`model/ring.py`)."""
+    layers = config.num_decoder_layers
+    one_layer = cache_size_bytes(config, 1, 1, dtype).self_attention // layers
+    ring = paged_ring_slots(config, capacity, step_tokens)
+    in_rings = 0 if ring is None else ring_layers(config)
+    return one_layer * (layers - in_rings), one_layer * in_rings * (ring or 0)
+
+
 def format_bytes(num_bytes: int) -> str:
     """Bytes in binary units: 536870912 -> '512 MiB', 1536 -> '1.5 KiB'."""
     value = float(num_bytes)
@@ -133,8 +146,8 @@ def describe_cache_size(config: TransformerConfig, batch: int, length: int, dtyp
     if rings < total.self_attention:
         window = config.sliding_window
         lines.append(f"  {ring_layers(config)} of {layers} layers over a window of {window}: "
-                     f"generate keeps rings of {window} positions there, "
-                     f"{format_bytes(rings)} for the batch")
+                     f"generate and the engine's slots keep rings of {window} positions "
+                     f"there, {format_bytes(rings)} for the batch")
     reach = config.attention_reach
     if reach is not None and reach < length:
         window = cache_size_bytes(config, batch, reach, dtype, source_length).self_attention

@@ -28,6 +28,7 @@ from .config import TransformerConfig
 from .experts import MixtureOfExperts
 from .feed_forward import FeedForward
 from .norms import make_norm
+from .ring import ring_stacks
 
 
 @flax.struct.dataclass
@@ -157,6 +158,8 @@ class DecoderLayer(nn.Module):
         x_BTD, cache_kv = carry
         number = layer["number"] if self.number is None else self.number
         mask_BTS, local = _attention_kind(c, number, inputs)
+        # Scanned layers share one stack; unrolled, layer i is stack i (`config.layer_stacks`).
+        in_ring = ring_stacks(c)[0 if self.number is None else self.number]
         attention = SelfAttention(c, name="self_attention")
         parallel = c.parallel_residual
         normed = {}  # the attention's input, which the FFN reads too under a shared norm
@@ -167,7 +170,8 @@ class DecoderLayer(nn.Module):
                              inputs.starts, inputs.fits, inputs.fresh, local,
                              inputs.key_lengths, pages=inputs.pages,
                              turned=_turned(c, number), bias_table=inputs.bias_table,
-                             ring=(inputs.ring_mask, inputs.ring_writes))
+                             ring=(inputs.ring_mask, inputs.ring_writes) if in_ring
+                             else (None, None))
 
         # Sequential: x_BTD + Attn(...); parallel: Attn(...) alone, summed with the FFN's below.
         x, cache_kv = Residual(c, name="attention_block", add_input=not parallel)(x_BTD, attend)

@@ -36,15 +36,21 @@ from .decode_kernel import (
     seen_blocks,
 )
 from .positional import PositionBias
+from .ring import copy_into_rings, paged_ring_slots, ring_stacks
 
 NO_PAGE = -1  # a page table's entry for slots with no page assigned
 
 
 def init_paged_cache(config: TransformerConfig, batch_size: int, num_pages: int,
-                     page_size: int, pages_per_row: int, dtype=None) -> KVCache:
+                     page_size: int, pages_per_row: int, dtype=None,
+                     step_tokens: int | None = None) -> KVCache:
     """An empty paged cache: pools of `num_pages` pages of `page_size` slots per layer stack
     (of `dtype`, default `config.kv_cache_dtype`; int8 with scales), and `batch_size` rows of
-    `pages_per_row` page-table entries, none assigned yet (`NO_PAGE`)."""
+    `pages_per_row` page-table entries, none assigned yet (`NO_PAGE`). With `step_tokens`
+    (the most tokens a call after the prefill writes), a model that mixes sliding-window
+    layers with global ones keeps each windowed layer's K/V in a ring per row
+    (`paged_ring_slots`), beside the global layers' pools: a page then holds the global
+    layers alone."""
     if min(batch_size, num_pages, page_size, pages_per_row) < 1:
         raise ValueError(f"a paged cache needs batch_size, num_pages, page_size and "
                          f"pages_per_row >= 1, got {batch_size=}, {num_pages=}, {page_size=}, "
@@ -53,10 +59,19 @@ def init_paged_cache(config: TransformerConfig, batch_size: int, num_pages: int,
         raise ValueError(f"pages_per_row={pages_per_row} x page_size={page_size} = "
                          f"{pages_per_row * page_size} slots per row exceeds the model's "
                          f"max_len {config.max_len}")
-    return KVCache(**empty_stacks(config, num_pages, page_size, dtype),
-                   lengths=jnp.zeros((batch_size,), jnp.int32),
+    capacity = pages_per_row * page_size
+    stacks = empty_stacks(config, num_pages, page_size, dtype)
+    ring = paged_ring_slots(config, capacity, step_tokens)
+    if ring is not None:
+        rings = ring_stacks(config)
+        in_rings = empty_stacks(config, batch_size, capacity, dtype, ring)
+        stacks = {name: tuple(r if kept else p for p, r, kept in zip(
+            pools, in_rings[name], rings, strict=True)) for name, pools in stacks.items()}
+    return KVCache(**stacks, lengths=jnp.zeros((batch_size,), jnp.int32),
                    overflow=jnp.zeros((batch_size,), bool),
-                   pages=jnp.full((batch_size, pages_per_row), NO_PAGE, jnp.int32))
+                   pages=jnp.full((batch_size, pages_per_row), NO_PAGE, jnp.int32),
+                   slots=None if ring is None else capacity,
+                   rings=None if ring is None else ring_stacks(config))
 
 
 def window_pages(reach: int, page_size: int) -> int:
@@ -166,13 +181,17 @@ def attend_pages(q_BTNH: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer,
     return attention._to_BTNH(out_XMH, q_BTNH)
 
 
-def copy_row_into_pages(cache: KVCache, source: KVCache, row, into, first_page=0) -> KVCache:
+def copy_row_into_pages(cache: KVCache, source: KVCache, row, into, first_page=0,
+                        fill_rings: bool = True) -> KVCache:
     """Row `row` of `source`, a contiguous cache, copied into the pages that row `into` of
     this paged cache's tables assigns (traced scalars): page by page from its page
     `first_page` on (those before it hold these positions already, e.g. a shared prefix),
-    only as many as its length fills, which the caller has assigned. Its length is set and
-    its overflow cleared. Self-attention only."""
-    page_size, num_pages = cache.page_size, jax.tree.leaves(cache.k)[0].shape[1]
+    only as many as its length fills, which the caller has assigned; and where the cache
+    keeps windowed layers in rings (`fill_rings`), the row's last positions into row
+    `into`'s rings. Its length is set and its overflow cleared. Self-attention only."""
+    page_size, rings = cache.page_size, cache.rings or ()
+    num_pages = next(pool for i, pool in enumerate(cache.k)
+                     if not rings or not rings[i]).shape[1]
     sources = source._self_attention()
 
     def copy_page(j, pools):
@@ -185,6 +204,12 @@ def copy_row_into_pages(cache: KVCache, source: KVCache, row, into, first_page=0
             piece = stack.at[:, row, :, slots_U].get(mode="fill", fill_value=0)  # [U, L, K, ...]
             return pool.at[:, page].set(jnp.moveaxis(piece, 0, 2), mode="drop")
 
-        return jax.tree.map(copy, pools, sources)
+        return {name: tuple(pool if rings and rings[i] else copy(pool, sources[name][i])
+                            for i, pool in enumerate(stacks))
+                for name, stacks in pools.items()}
 
-    return cache.with_row_copied(source, row, into, page_size, copy_page, first_page)
+    copied = cache.with_row_copied(source, row, into, page_size, copy_page, first_page)
+    if not rings or not fill_rings:
+        return copied
+    return copied.replace(**copy_into_rings(copied._self_attention(), sources, rings, row,
+                                            into, source.lengths[row]))

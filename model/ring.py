@@ -66,6 +66,17 @@ def ring_slots(config: TransformerConfig, capacity: int, step_tokens: int | None
     return slots if slots < capacity else None
 
 
+def paged_ring_slots(config: TransformerConfig, capacity: int, step_tokens: int | None
+                     ) -> int | None:
+    """S of the rings a paged cache of `capacity` positions per row keeps for its windowed
+    layers (`ring_slots`), or None: where every layer is windowed, the pool's pages hold
+    them all and a row gives back those its window leaves (`serve/pages.py`) instead.
+    Elsewhere the windowed layers' rings lie beside the global layers' pools."""
+    if all(ring_stacks(config)):
+        return None
+    return ring_slots(config, capacity, step_tokens)
+
+
 def most_step_tokens(config: TransformerConfig, slots: int) -> int:
     """The most new tokens one call may write into rings of `slots` slots."""
     return slots - config.sliding_window + 1
@@ -95,15 +106,14 @@ def held_positions(lengths, slots: int) -> jax.Array:
     return last - jnp.mod(last - jnp.arange(slots, dtype=jnp.int32), slots)
 
 
-def copy_into_rings(targets: dict, sources: dict, row, into, length) -> dict:
-    """`targets` (stacks [L_i, B, K, S_i, ...] by name) with row `row` of `sources` (the
-    same stacks, of every position) copied into row `into` of each ring among them (S_i
-    below the source's; the other stacks are left as they are): each ring slot takes the
-    position of the row's first `length` that it holds, the last S of them."""
+def copy_into_rings(targets: dict, sources: dict, rings: tuple[bool, ...], row, into,
+                    length) -> dict:
+    """`targets` (tuples of stacks [L_i, B, K, S_i, ...] by name) with row `row` of `sources`
+    (the same stacks, of every position) copied into row `into` of each ring among them
+    (`rings`, a flag per stack; the other stacks are left as they are): each ring slot takes
+    the position of the row's first `length` that it holds, the last S of them."""
     def copy(target, stack):
         slots = target.shape[3]
-        if slots == stack.shape[3]:
-            return target
         held_S = held_positions(length, slots)
         source_row = jax.lax.dynamic_index_in_dim(stack, row, axis=1, keepdims=False)
         piece = jnp.take(source_row, jnp.maximum(held_S, 0), axis=2)  # [L, K, S, ...]
@@ -112,4 +122,7 @@ def copy_into_rings(targets: dict, sources: dict, row, into, length) -> dict:
         return jax.lax.dynamic_update_index_in_dim(target, jnp.where(held, piece, before),
                                                    into, axis=1)
 
-    return jax.tree.map(copy, targets, sources)
+    return {name: tuple(copy(target, source) if ring else target
+                        for target, source, ring in zip(stacks, sources[name], rings,
+                                                        strict=True))
+            for name, stacks in targets.items()}

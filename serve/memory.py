@@ -132,7 +132,8 @@ def check_paged_cache_fits(config: M.TransformerConfig, rows: int, capacity: int
                            rows_are: str = "max_staged",
                            mesh=None, prefix_rows: int = 0) -> None:
     """`check_cache_fits` for an engine whose `slots` keep their K/V in a pool of `num_pages`
-    pages of `page_size` positions (each slot still keeps its `capacity` context tokens),
+    pages of `page_size` positions (each slot still keeps its `capacity` context tokens,
+    and the rings of a model that mixes windowed layers with global ones),
     and after them a row's pages for each of `prefix_rows` kept prefixes, beside `rows`
     contiguous rows and those prefix rows: raises ValueError when all of it takes more than
     `CACHE_SHARE` of the `free` bytes (default: measured), naming the most pages that fit.
@@ -146,13 +147,17 @@ def check_paged_cache_fits(config: M.TransformerConfig, rows: int, capacity: int
     per_position = bytes_per_position(config, mesh)
     kv = per_position - CONTEXT_BYTES
     per_row = -(-capacity // page_size)
-    fixed = (per_position * -(-rows // data) * capacity + CONTEXT_BYTES * -(-slots // data)
-             * capacity + kv * (-(-prefix_rows // data) * capacity + prefix_rows * per_row
-                                * page_size))  # a prefix row: no context, and its pages
-    need, budget = fixed + kv * num_pages * page_size, CACHE_SHARE * free
+    page_kv, slot_rings = (x / (1 if mesh is None else mesh.shape[parallel.MODEL])
+                           for x in M.paged_cache_bytes(config, per_row * page_size))
+    slots_per_device = -(-slots // data)
+    fixed = (per_position * -(-rows // data) * capacity
+             + (CONTEXT_BYTES * capacity + slot_rings) * slots_per_device
+             + kv * -(-prefix_rows // data) * capacity  # a prefix row: no context ...
+             + page_kv * prefix_rows * per_row * page_size)  # ... and its pages
+    need, budget = fixed + page_kv * num_pages * page_size, CACHE_SHARE * free
     if need <= budget:
         return
-    pages_fit = max(0, int((budget - fixed) // (kv * page_size)))
+    pages_fit = max(0, int((budget - fixed) // (page_kv * page_size)))
     least = most_pages_a_row_holds(per_row, config.attention_reach, page_size)
     hint = (f"lower num_pages ({pages_fit} at most)" if pages_fit >= least else
             f"lower max_len, max_slots or {rows_are} (a slot's {least} pages do not fit)")
@@ -163,7 +168,11 @@ def check_paged_cache_fits(config: M.TransformerConfig, rows: int, capacity: int
         f"{format_bytes(free)} free: {hint}")
 
 
-def pages_in(config: M.TransformerConfig, cache_bytes: int, page_size: int) -> int:
-    """Pages of `page_size` positions whose K/V `cache_bytes` hold (`kvjax serve
-    --cache-memory`)."""
-    return int(cache_bytes // (M.cache_size_bytes(config, 1, 1).total * page_size))
+def pages_in(config: M.TransformerConfig, cache_bytes: int, page_size: int, slots: int,
+             capacity: int) -> int:
+    """Pages of `page_size` positions that `cache_bytes` hold beside the rings each of
+    `slots` slots of `capacity` positions keeps for a model's windowed layers, where it
+    mixes them with global ones (`M.paged_cache_bytes`): `kvjax serve --cache-memory`."""
+    per_row = -(-capacity // page_size)
+    page_kv, slot_rings = M.paged_cache_bytes(config, per_row * page_size)
+    return max(0, int((cache_bytes - slots * slot_rings) // (page_kv * page_size)))

@@ -240,8 +240,8 @@ def mirror_prefixes(state: EngineState, store: M.KVCache, lengths_R) -> EngineSt
         pages=prefix_page(state, jnp.arange(rows))[:, None] + jnp.arange(per_row),
         lengths=jnp.zeros((rows,), jnp.int32), overflow=jnp.zeros((rows,), bool))
     source = store.replace(lengths=lengths_R)
-    for row in range(rows):
-        view = copy_row_into_pages(view, source, row, row)
+    for row in range(rows):  # the slots' rings are filled from a sample's staged row
+        view = copy_row_into_pages(view, source, row, row, fill_rings=False)
     cache = view.replace(pages=cache.pages, lengths=cache.lengths, overflow=cache.overflow)
     return state.replace(slots=state.slots.replace(cache=cache))
 

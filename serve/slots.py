@@ -211,14 +211,15 @@ def source_capacity(config: M.TransformerConfig, capacity: int, max_source_len: 
 def _free_state(config: M.TransformerConfig, num_slots: int, num_staged: int,
                 capacity: int, pages: tuple[int, int] | None = None,
                 prefix_rows: int = 0, source_capacity: int | None = None) -> EngineState:
+    # A slot is written one token a step: its windowed layers keep rings of their window
+    # (paged: those of a model that mixes them with global layers, beside the pools).
     slots_cache, free_pages = None, None
     if pages is not None:  # the slots' pages first, then each prefix row's (never free)
         num_pages, page_size = pages
         per_row = -(-capacity // page_size)
         slots_cache = M.init_paged_cache(config, num_slots, num_pages + prefix_rows * per_row,
-                                         page_size, per_row)
+                                         page_size, per_row, step_tokens=1)
         free_pages = jnp.ones((num_pages,), bool)
-    # A slot is written one token a step: its windowed layers keep rings of their window.
     return EngineState(slots=_free_rows(config, num_slots, capacity, slots_cache,
                                         source_capacity, step_tokens=1),
                        staged=_free_rows(config, num_staged, capacity, None, source_capacity),

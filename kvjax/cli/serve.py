@@ -94,9 +94,10 @@ def add_serve(commands) -> None:
                            "more slots than those pages fill at --max-len serve short "
                            "requests in the same memory")
     pool.add_argument("--cache-memory", type=byte_size, default=None, metavar="SIZE",
-                      help="with --page-size, the memory of the slots' pages, e.g. 4GiB: as "
-                           "many pages as their K/V fit in it (the prefix cache's rows take "
-                           "pages of their own beside them)")
+                      help="with --page-size, the memory of the slots' K/V, e.g. 4GiB: as "
+                           "many pages as fit in it beside the rings of a model's windowed "
+                           "layers where it mixes them with global ones (the prefix cache's "
+                           "rows take pages of their own beside them)")
     serve.add_argument("--warm-up", action="store_true",
                        help="compile every program (each prompt-length bucket and prefill "
                             "batch) before listening, so that no request waits for a "
@@ -141,7 +142,8 @@ def run_serve(args) -> int:
                             "--target-language")
     adapters = served_adapters(args, loaded.config.scan_layers)
     num_pages = args.num_pages if args.cache_memory is None else memory.pages_in(
-        loaded.config, args.cache_memory, args.page_size)
+        loaded.config, args.cache_memory, args.page_size, args.max_slots,
+        loaded.config.max_len if args.max_len is None else args.max_len)
     limits = Limits()
     app = build_app(loaded, model_name=args.model_name, max_slots=args.max_slots,
                     max_staged=args.max_staged, max_queue=args.max_queue,

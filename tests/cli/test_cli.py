@@ -57,8 +57,8 @@ def test_cache_size_of_a_windowed_model_shows_what_rings_and_pages_hold(capsys):
                            "--sliding-window", "16", "--batch", "2")
     # 2 (K and V) x 16 x 2 layers x 4 kv heads x 8 x 4 bytes = 8 KiB a sequence, 16 KiB for 2.
     assert code == 0 and "batch 2: 100 KiB" in out
-    assert "2 of 2 layers over a window of 16: generate keeps rings of 16 positions there, " \
-           "16 KiB for the batch" in out
+    assert "2 of 2 layers over a window of 16: generate and the engine's slots keep rings of " \
+           "16 positions there, 16 KiB for the batch" in out
     assert "window of 16: a paged cache (the engine's) holds only those positions, 16 KiB" in out
     code, out, _ = run_cli(capsys, "cache-size", "--preset", "tiny", "--length", "16",
                            "--sliding-window", "16")

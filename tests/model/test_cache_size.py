@@ -53,6 +53,11 @@ def test_generate_cache_bytes_counts_rings_in_the_windowed_layers_alone():
     assert M.generate_cache_bytes(gemma, 1, 32768) == 2 * 2 * 256 * (22 * 512 + 4 * 32768)
     cache = jax.eval_shape(lambda: M.init_cache(gemma, 1, 32768, step_tokens=1))
     assert cache.nbytes == M.generate_cache_bytes(gemma, 1, 32768)
+    # Paged: a page of 16 holds the 4 global layers, each row a ring per windowed layer.
+    page, rings = M.paged_cache_bytes(gemma, 32768)
+    assert (page, rings) == (2 * 2 * 256 * 4, 2 * 2 * 256 * 22 * 512)
+    paged = jax.eval_shape(lambda: M.init_paged_cache(gemma, 3, 100, 16, 2048, step_tokens=1))
+    assert paged.nbytes == page * 100 * 16 + rings * 3
     # No ring where the window holds every position anyway.
     short = M.cache_size_bytes(gemma, 1, 400).self_attention
     assert M.generate_cache_bytes(gemma, 1, 400) == short

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kvjax import model as M
+from kvjax.model.paged import copy_row_into_pages
 from kvjax.model.ring import ring_inputs
 
 WINDOW = 5
@@ -68,6 +69,40 @@ def test_rings_give_the_logits_of_a_cache_of_every_position(changes, step_tokens
             seen = np.asarray(uncached)[0, length - 1:length + 12]
             np.testing.assert_allclose(in_rings[b].reshape(-1, 64)[:13], seen, atol=2e-5,
                                        rtol=1e-5)
+
+
+def test_a_paged_cache_keeps_windowed_layers_in_rings_beside_the_global_layers_pool():
+    """The windowed layers 0 and 2 keep a ring per row, the global layer 1 a pool of pages
+    in a scrambled order: rows copied in from a contiguous prefill (`copy_row_into_pages`)
+    and a prefill straight into the pages decode as a contiguous cache of every position."""
+    config = _config()
+    params = M.init_params(config, jax.random.key(0))
+    tokens_BX = np.random.default_rng(2).integers(1, 64, (3, 40)).astype(np.int32)
+    prompt_BP = jnp.asarray(np.where(np.arange(12) < PROMPT_LENGTHS[:, None],
+                                     tokens_BX[:, :12], 0))
+    lengths_B = jnp.asarray(PROMPT_LENGTHS)
+    _, full = M.prefill(config, params, prompt_BP, lengths_B, 48)
+    tables = np.random.default_rng(3).permutation(40)[:36].reshape(3, 12).astype(np.int32)
+    paged = M.init_paged_cache(config, 3, 40, 4, 12, step_tokens=1).replace(
+        pages=jnp.asarray(tables))
+    assert paged.rings == (True, False, True) and paged.capacity == 48
+    assert [k.shape[1:4] for k in paged.k] == [(3, 2, WINDOW), (40, 2, 4), (3, 2, WINDOW)]
+    copied = paged
+    for row in range(3):
+        copied = copy_row_into_pages(copied, full, row, row)
+    _, prefilled = M.prefill(config, params, prompt_BP, lengths_B, cache=paged)
+    step = M.step_fn(config, params)
+    caches, logits = [full, copied, prefilled], [[], [], []]
+    for t in range(10):
+        new_B1 = jnp.asarray(tokens_BX[np.arange(3), PROMPT_LENGTHS + t][:, None])
+        for i, cache in enumerate(caches):
+            out, caches[i] = step(new_B1, cache)
+            logits[i].append(np.asarray(out))
+    for cache in caches[1:]:
+        np.testing.assert_array_equal(cache.lengths, caches[0].lengths)
+        assert not cache.overflow.any()
+    np.testing.assert_allclose(logits[1], logits[0], atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(logits[2], logits[0], atol=2e-5, rtol=1e-5)
 
 
 def test_a_ring_masks_and_writes_what_a_numpy_account_of_its_slots_says():

@@ -5,10 +5,13 @@ where the slot keeps one; what such slots serve."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from test_engine import Collector, alone, prompt
+from test_pages import all_pages_free, preemptions
 
 from kvjax import model as M
 from kvjax.serve import Engine, GenerationRequest, chunk, slots
+from kvjax.serve.metrics import ServeMetrics
 
 
 def staged_state(config, ids, lengths, rng):
@@ -78,9 +81,12 @@ def test_a_staged_row_enters_a_windowed_slots_ring_at_its_last_positions():
                                       state.staged.cache.k[1][:, row, :, :length])
 
 
-def test_a_windowed_models_slots_serve_what_generate_makes_alone(tiny_lm):
+@pytest.mark.parametrize("page_size", [None, 4], ids=["contiguous", "paged"])
+def test_a_windowed_models_slots_serve_what_generate_makes_alone(tiny_lm, page_size):
     """Requests longer than the window, two of them sharing a kept prefix, through slots
-    whose windowed layers keep rings: each makes the tokens `generate` makes alone."""
+    whose windowed layers keep rings: each makes the tokens `generate` makes alone. Paged,
+    the rings lie beside the global layer's pool, whose pages the kept prefix shares and
+    which run short (samples preempted and resumed), all of them free at the end."""
     config = tiny_lm[0].replace(sliding_window=5, full_attention_layers=(1,),
                                 scan_layers=False)
     params = M.with_layer_layout(tiny_lm[0], tiny_lm[2], scan_layers=False)[1]
@@ -89,8 +95,14 @@ def test_a_windowed_models_slots_serve_what_generate_makes_alone(tiny_lm):
     requests = [GenerationRequest(p, max_tokens=m) for p, m in (
         (prompt(91, 9), 20), (shared + prompt(92, 3), 12), (shared + prompt(93, 5), 9),
         (prompt(94, 2), 16))]
-    engine = Engine(config, params, max_slots=2, max_len=48, chunk_size=4, prefill_batch=2)
-    assert engine.state.slots.cache.ring_slots == 5
+    metrics = ServeMetrics()
+    engine = Engine(config, params, max_slots=2, max_len=48, chunk_size=4, prefill_batch=2,
+                    page_size=page_size, num_pages=page_size and 12, metrics=metrics)
+    cache = engine.state.slots.cache
+    assert cache.ring_slots == 5 and cache.rings == (True, False)
+    if page_size:  # layer 0: a ring per slot; layer 1: the pool's pages (and the prefix rows')
+        assert cache.k[0].shape[1:4] == (2, config.kv_heads, 5)
+        assert cache.k[1].shape[3] == page_size and cache.k[1].shape[1] > 12
     collectors = [Collector() for _ in requests]
     for request, collector in zip(requests, collectors, strict=True):
         engine.submit(request, collector)
@@ -98,3 +110,5 @@ def test_a_windowed_models_slots_serve_what_generate_makes_alone(tiny_lm):
     engine.run_until_idle()
     assert engine._prefixes.hits >= 1  # noqa: SLF001
     assert [c.tokens() for c in collectors] == [alone(windowed, r) for r in requests]
+    if page_size:
+        assert preemptions(metrics) >= 1 and all_pages_free(engine)

@@ -113,3 +113,19 @@ def test_a_windowed_model_is_told_a_slot_needs_only_its_window():
         memory.check_paged_cache_fits(windowed, 1, 1024, 4, 100, 16, free=free)
     with pytest.raises(ValueError, match=r"a slot's 64 pages do not fit"):
         memory.check_paged_cache_fits(plain, 1, 1024, 4, 100, 16, free=free)
+
+
+def test_the_paged_check_counts_a_hybrid_models_global_layer_in_pages_and_rings_per_slot():
+    """Gemma's kind of model (windowed layers beside a global one): a page holds the global
+    layer alone, and each slot keeps rings of 64 positions for the other five."""
+    hybrid = M.preset("gpt-mini", sliding_window=64, full_attention_layers=(5,),
+                      scan_layers=False)
+    layer = M.cache_size_bytes(hybrid, 1, 1).total // 6  # a position of one layer
+    fixed = (memory.bytes_per_position(hybrid) * 1024  # a staged row of every position
+             + 4 * (memory.CONTEXT_BYTES * 1024 + 5 * 64 * layer))  # 4 slots' context, rings
+    free = int((fixed + layer * 16 * 100.5) / memory.CACHE_SHARE)
+    memory.check_paged_cache_fits(hybrid, 1, 1024, 4, 100, 16, free=free)
+    with pytest.raises(ValueError, match=r"lower num_pages \(100 at most\)"):
+        memory.check_paged_cache_fits(hybrid, 1, 1024, 4, 101, 16, free=free)
+    assert memory.pages_in(hybrid, 4 * 5 * 64 * layer + 100 * 16 * layer, 16, 4, 1024) == 100
+

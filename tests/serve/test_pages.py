@@ -169,15 +169,22 @@ def test_the_memory_check_counts_pages_and_names_how_many_fit():
         memory.check_paged_cache_fits(config, 4, 1024, 64, 1001, 16, free=free)
 
 
-def test_cache_memory_in_pages_is_what_the_pool_allocates(tiny_lm):
+@pytest.mark.parametrize("hybrid", [False, True], ids=["every-layer-paged", "windowed-in-rings"])
+def test_cache_memory_in_pages_is_what_the_pool_allocates(tiny_lm, hybrid):
+    """--cache-memory's pages and, for a model whose layer 0 reads a window of 5 and layer 1
+    everything, each slot's ring of 5 beside them: a page then holds layer 1 alone."""
     config, _, params = tiny_lm
+    if hybrid:
+        config = config.replace(sliding_window=5, full_attention_layers=(1,), scan_layers=False)
+        params = M.with_layer_layout(tiny_lm[0], params, scan_layers=False)[1]
     budget = 100_000
-    num_pages = memory.pages_in(config, budget, PAGE)
+    num_pages = memory.pages_in(config, budget, PAGE, 4, 32)
     engine = Engine(config, params, max_slots=4, max_len=32, page_size=PAGE,
                     num_pages=num_pages)
-    pool_bytes = sum(x.nbytes for x in (*engine.state.slots.cache.k, *engine.state.slots.cache.v))
-    per_page = memory.bytes_per_position(config) - memory.CONTEXT_BYTES
-    slot_bytes = num_pages * PAGE * per_page
+    layer = (memory.bytes_per_position(config) - memory.CONTEXT_BYTES) // 2  # of one layer
+    per_page = layer * (1 if hybrid else 2)  # per position
+    slot_bytes = num_pages * PAGE * per_page + (4 * 5 * layer if hybrid else 0)
     assert slot_bytes <= budget < slot_bytes + PAGE * per_page
     # After the slots' pages, the prefix cache's rows in pages of their own, to be shared.
-    assert pool_bytes == slot_bytes + engine.prefix_cache_rows * 32 * per_page
+    assert engine.state.slots.cache.nbytes == (slot_bytes
+                                               + engine.prefix_cache_rows * 32 * per_page)

@@ -79,22 +79,30 @@ def test_a_mesh_engine_gives_every_request_the_one_device_tokens():
                                 free=int(held / memory.CACHE_SHARE) - 1)
 
 
-def test_a_paged_engine_on_a_mesh_gives_every_request_the_one_device_tokens():
+@pytest.mark.parametrize("config", [
+    CONFIG, CONFIG.replace(sliding_window=3, full_attention_layers=(1,), scan_layers=False)],
+    ids=["every-layer-paged", "windowed-layer-in-rings"])
+def test_a_paged_engine_on_a_mesh_gives_every_request_the_one_device_tokens(config):
     """Pages split by kv heads over `model`, whole on each `data` shard, in a pool tight
-    enough that samples are preempted: the one-device engine's tokens all the same."""
-    params = M.init_params(CONFIG, jax.random.key(1))
-    one = Engine(CONFIG, params, max_slots=SLOTS, chunk_size=CHUNK, prefill_batch=1)
+    enough that samples are preempted: the one-device engine's tokens all the same. A
+    windowed layer's rings (beside the global layer's pool) go with their slots' rows."""
+    params = M.init_params(config, jax.random.key(1))
+    one = Engine(config, params, max_slots=SLOTS, chunk_size=CHUNK, prefill_batch=1)
     want = [serve(one), serve(one, SHARING)]
     mesh = parallel.make_mesh("data=2,model=2", jax.devices()[:4])
     metrics = ServeMetrics()
-    engine = Engine(CONFIG, params, max_slots=SLOTS, chunk_size=CHUNK, prefill_batch=1,
+    engine = Engine(config, params, max_slots=SLOTS, chunk_size=CHUNK, prefill_batch=1,
                     mesh=mesh, max_len=40, page_size=2, num_pages=20, metrics=metrics)
     assert [serve(engine), serve(engine, SHARING)] == want
     exposition = metrics.exposition().decode()
     assert "kvjax_preemptions_total 0.0" not in exposition
     assert "kvjax_prefix_cache_hits_total 3.0" in exposition  # read in place, on a mesh
     cache = engine.state.slots.cache
-    assert cache.k[0].sharding.spec == PartitionSpec(None, None, parallel.MODEL)
+    rings = cache.rings or (False,) * len(cache.k)
+    assert rings == ((False, False) if config is CONFIG else (True, False))
+    for stack, ring in zip(cache.k, rings, strict=True):
+        assert stack.sharding.spec == PartitionSpec(None, parallel.DATA if ring else None,
+                                                    parallel.MODEL)
     assert cache.pages.sharding.spec == PartitionSpec(parallel.DATA)
     # The memory check counts one device's share: the whole pool of its kv heads, and its
     # data shard's staged and prefix rows and slots' context.
@@ -105,11 +113,11 @@ def test_a_paged_engine_on_a_mesh_gives_every_request_the_one_device_tokens():
                             engine.state.slots.context, *engine._prefixes.store.k,  # noqa: SLF001
                             *engine._prefixes.store.v)  # noqa: SLF001
                for shard in leaf.addressable_shards if shard.device == first)
-    fits = dict(config=CONFIG, rows=SLOTS,  # staged rows
+    fits = dict(config=config, rows=SLOTS,  # staged rows
                 capacity=engine.capacity, slots=SLOTS, num_pages=20, page_size=2, mesh=mesh,
                 prefix_rows=engine.prefix_cache_rows)
     # Within less than one position's K/V.
-    slack = memory.bytes_per_position(CONFIG, mesh) - memory.CONTEXT_BYTES
+    slack = memory.bytes_per_position(config, mesh) - memory.CONTEXT_BYTES
     memory.check_paged_cache_fits(**fits, free=int((held + slack) / memory.CACHE_SHARE))
     with pytest.raises(ValueError, match="lower"):
         memory.check_paged_cache_fits(**fits, free=int((held - slack) / memory.CACHE_SHARE))
