@@ -135,11 +135,11 @@ def _continue(config, params, state: DecodeState, stops: StopConditions,
 
 def _begin(config, params, p: Prepared, keep: bool = False) -> DecodeState:
     """The decode state after each row's first token: from a prefill, or from `p.state`.
-    With `keep` (the state is kept to continue with tokens of any length), every layer's
-    cache holds every position."""
+    Windowed layers keep rings for the loop's calls; with `keep` (the state is kept to
+    continue with tokens of any length), every layer's cache holds every position."""
+    step_tokens = None if keep else 1 + (
+        0 if p.speculative is None else p.speculative.num_draft_tokens)
     if p.state is None:
-        step_tokens = None if keep else 1 + (
-            0 if p.speculative is None else p.speculative.num_draft_tokens)
         return _start(config, params, p.tokens, p.lengths, p.rng, p.capacity, p.buffer_len,
                       p.stops, p.sampling, p.num_samples, p.processors, mesh=p.mesh,
                       plan=p.plan, constraints=p.constraints, adapters=p.adapters,
@@ -148,7 +148,7 @@ def _begin(config, params, p: Prepared, keep: bool = False) -> DecodeState:
     return prompt_state.resume(
         config, params, s.cache, s.next_logits, s.context, s.context_lengths, p.tokens,
         p.lengths, p.rng, p.buffer_len, p.stops, p.sampling, p.num_samples, p.processors,
-        p.plan, p.constraints)
+        p.plan, p.constraints, step_tokens=step_tokens)
 
 
 def prefill(net, params, prompts, *, lengths=None, capacity: int | None = None) -> PromptState:

@@ -29,6 +29,8 @@ from .plan import ON_DEVICE, LoopPlan
 from .sampling import SamplingParams, row_keys
 from .tracing import count_trace
 
+COPY_BLOCK = 256  # slots a kept row's global layers are copied by into a cache of rings
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PromptState:
@@ -78,14 +80,16 @@ def prefill_state(config, params, tokens_BP, lengths_B, capacity: int, adapters=
     return (cache, logits_BV, *prompt_context(config, tokens_BP, lengths_B, capacity))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 9, 12, 13, 14))
+@functools.partial(jax.jit, static_argnums=(0, 9, 12, 13, 14), static_argnames="step_tokens")
 def resume(config, params, cache, next_logits_BV, context_BC, context_lengths_B, new_BT,
            new_lengths_B, rng, buffer_len: int, stops: StopConditions,
            sampling: SamplingParams, num_samples: int, processors: tuple,
-           plan: LoopPlan = ON_DEVICE, constraints: RowConstraints | None = None
-           ) -> DecodeState:
+           plan: LoopPlan = ON_DEVICE, constraints: RowConstraints | None = None,
+           step_tokens: int | None = None) -> DecodeState:
     """Feeds the new tokens [B, T] (`new_lengths` valid; T may be 0) after the state's and
-    samples each row's first token, as `generate`'s start does after a prefill."""
+    samples each row's first token, as `generate`'s start does after a prefill. With
+    `step_tokens` (the most tokens the loop's calls write), the loop's cache keeps windowed
+    layers in rings (`model/ring.py`), the kept state's rows copied in."""
     count_trace("resume")
     batch, num_new = new_BT.shape
     if num_new:
@@ -98,11 +102,14 @@ def resume(config, params, cache, next_logits_BV, context_BC, context_lengths_B,
         context_BC = context_BC.at[jnp.arange(batch)[:, None], slots_BT].set(
             new_BT, mode="drop")
         context_lengths_B = context_lengths_B + new_lengths_B
+    rows = jnp.repeat(jnp.arange(batch), num_samples)
+    in_rings = _in_rings(config, cache, rows, step_tokens)
     if num_samples > 1:
-        rows = jnp.repeat(jnp.arange(batch), num_samples)
-        cache, next_logits_BV, context_BC, context_lengths_B = (
-            cache.take_rows(rows), next_logits_BV[rows], context_BC[rows],
-            context_lengths_B[rows])
+        next_logits_BV, context_BC, context_lengths_B = (
+            next_logits_BV[rows], context_BC[rows], context_lengths_B[rows])
+        cache = cache.take_rows(rows) if in_rings is None else in_rings
+    elif in_rings is not None:
+        cache = in_rings
     elif not num_new:
         # The loop updates its cache in place (donated), so it must not be the kept one.
         cache = jax.tree.map(jnp.copy, cache)
@@ -110,6 +117,21 @@ def resume(config, params, cache, next_logits_BV, context_BC, context_lengths_B,
                           row_keys(rng, batch, num_samples), context_BC,
                           context_lengths_B, constraints)
     return record(state, next_logits_BV, stops, sampling, processors, plan)
+
+
+def _in_rings(config, cache: M.KVCache, rows_R: jax.Array, step_tokens: int | None
+              ) -> M.KVCache | None:
+    """A cache for calls of up to `step_tokens` tokens whose row r holds row `rows[r]` of
+    `cache` (of every position), its windowed layers in rings; None where none would be
+    kept (no `step_tokens`, no windowed layer, a window no shorter than the capacity)."""
+    if step_tokens is None or config.is_encoder_decoder:
+        return None
+    rings = M.init_cache(config, rows_R.shape[0], cache.capacity, cache.dtype,
+                         step_tokens=step_tokens)
+    if rings.rings is None:
+        return None
+    return jax.lax.fori_loop(0, rows_R.shape[0], lambda r, into: into.copy_row(
+        cache, rows_R[r], r, COPY_BLOCK), rings)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -10,6 +10,7 @@ from conftest import run_full, with_sampling
 
 from kvjax import decode
 from kvjax import model as M
+from kvjax.decode import prompt_state
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [3], [20, 21, 22, 23]]
 def greedy_without_cache(config, params, prompt, steps):
@@ -50,9 +51,9 @@ def test_a_windowed_model_decodes_through_rings_as_without_a_cache():
     """A Gemma-like model (a window of 3 in layer 0, layer 1 global) whose rows outgrow the
     window: plain and beam steps through rings of 3 slots, speculative steps (a copy of the
     model as the draft: every draft accepted, 4 tokens a call) through rings of 6, the
-    draft's own cache in rings of 18 (it catches up 16 tokens a call), and a state kept to
-    continue, through every position (`model/ring.py`), all give what recomputing without
-    a cache gives."""
+    draft's own cache in rings of 18 (it catches up 16 tokens a call), a state kept to
+    continue, through every position (`model/ring.py`), and its continuation, through rings
+    again, all give what recomputing without a cache gives."""
     config = M.preset("tiny", positional_encoding="rope", num_kv_heads=2, sliding_window=3,
                       full_attention_layers=(1,), scan_layers=False)
     net = M.build_model(config)
@@ -68,6 +69,19 @@ def test_a_windowed_model_decodes_through_rings_as_without_a_cache():
     assert kept.token_lists() == expected
     one_beam = decode.beam_search(net, params, PROMPTS, max_new_tokens=12, num_beams=1)
     assert one_beam.token_lists() == expected
+    # Continued with new tokens, two samples a row: the loop's cache holds the kept rows in
+    # rings again.
+    more = [[5, 6], [7], [8, 9], [11]]
+    continued = decode.generate(net, params, more, state=kept.state, max_new_tokens=4,
+                                num_samples=2)
+    for row, (prompt, made, new) in enumerate(zip(PROMPTS, expected, more, strict=True)):
+        want = greedy_without_cache(config, params, prompt + made + new, 4)
+        assert continued.token_lists()[2 * row:2 * row + 2] == [want, want]
+    rows = jnp.asarray([3, 3, 0])
+    in_rings = prompt_state._in_rings(config, kept.state.cache, rows, 1)  # noqa: SLF001
+    assert in_rings.ring_slots == 3 and in_rings.capacity == kept.state.cache.capacity
+    np.testing.assert_array_equal(in_rings.lengths, kept.state.cache.lengths[rows])
+    np.testing.assert_array_equal(in_rings.k[1][:, 1], kept.state.cache.k[1][:, 3])
 
 
 def test_scanned_and_unrolled_layers_find_the_same_beams(tiny):
