@@ -29,8 +29,6 @@ from .plan import ON_DEVICE, LoopPlan
 from .sampling import SamplingParams, row_keys
 from .tracing import count_trace
 
-COPY_BLOCK = 256  # slots a kept row's global layers are copied by into a cache of rings
-
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PromptState:
@@ -103,7 +101,7 @@ def resume(config, params, cache, next_logits_BV, context_BC, context_lengths_B,
             new_BT, mode="drop")
         context_lengths_B = context_lengths_B + new_lengths_B
     rows = jnp.repeat(jnp.arange(batch), num_samples)
-    in_rings = _in_rings(config, cache, rows, step_tokens)
+    in_rings = None if step_tokens is None else M.rows_in_rings(config, cache, rows, step_tokens)
     if num_samples > 1:
         next_logits_BV, context_BC, context_lengths_B = (
             next_logits_BV[rows], context_BC[rows], context_lengths_B[rows])
@@ -117,21 +115,6 @@ def resume(config, params, cache, next_logits_BV, context_BC, context_lengths_B,
                           row_keys(rng, batch, num_samples), context_BC,
                           context_lengths_B, constraints)
     return record(state, next_logits_BV, stops, sampling, processors, plan)
-
-
-def _in_rings(config, cache: M.KVCache, rows_R: jax.Array, step_tokens: int | None
-              ) -> M.KVCache | None:
-    """A cache for calls of up to `step_tokens` tokens whose row r holds row `rows[r]` of
-    `cache` (of every position), its windowed layers in rings; None where none would be
-    kept (no `step_tokens`, no windowed layer, a window no shorter than the capacity)."""
-    if step_tokens is None or config.is_encoder_decoder:
-        return None
-    rings = M.init_cache(config, rows_R.shape[0], cache.capacity, cache.dtype,
-                         step_tokens=step_tokens)
-    if rings.rings is None:
-        return None
-    return jax.lax.fori_loop(0, rows_R.shape[0], lambda r, into: into.copy_row(
-        cache, rows_R[r], r, COPY_BLOCK), rings)
 
 
 @functools.partial(jax.jit, static_argnums=0)

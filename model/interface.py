@@ -25,6 +25,7 @@ from . import int8_base, lora_rows
 from .cache import KVCache, init_cache
 from .config import SPEED_ONLY_FIELDS, TransformerConfig
 from .experts import load_balancing_loss
+from .ring import ring_slots, ring_stacks, take_into_rings
 from .transformer import DecoderOnlyLM, EncoderDecoder
 
 
@@ -179,6 +180,21 @@ def row_cache(config: TransformerConfig, rows: int, capacity: int,
         return init_cache(config, rows, capacity, step_tokens=step_tokens)
     return init_cache(config, rows, capacity,
                       source_capacity=capacity if source_capacity is None else source_capacity)
+
+
+def rows_in_rings(config: TransformerConfig, cache: KVCache, rows_R: jax.Array,
+                  step_tokens: int) -> KVCache | None:
+    """Rows `rows` [R] of `cache`, a contiguous cache of every position (a kept prompt's),
+    as a cache for calls of up to `step_tokens` tokens whose windowed layers keep rings
+    (`init_cache(..., step_tokens)`); None where no layer would keep one."""
+    slots = ring_slots(config, cache.capacity, step_tokens)
+    if slots is None or cache.paged or cache.rings is not None:
+        return None
+    lengths_R = cache.lengths[rows_R]
+    return cache.replace(**take_into_rings(cache._self_attention(), ring_stacks(config), slots,
+                                           rows_R, lengths_R),
+                         lengths=lengths_R, overflow=cache.overflow[rows_R],
+                         slots=cache.capacity, rings=ring_stacks(config))
 
 
 def prompt_slots(config: TransformerConfig, prompt_length: int) -> int:

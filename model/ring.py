@@ -126,3 +126,21 @@ def copy_into_rings(targets: dict, sources: dict, rings: tuple[bool, ...], row, 
                         for target, source, ring in zip(stacks, sources[name], rings,
                                                         strict=True))
             for name, stacks in targets.items()}
+
+
+def take_into_rings(stacks: dict, rings: tuple[bool, ...], slots: int, rows_R: jax.Array,
+                    lengths_R: jax.Array) -> dict:
+    """Rows `rows` [R] of `stacks` (tuples of stacks [L_i, B, K, S, ...] of every position,
+    by name): the stacks `rings` flags as rings of `slots` slots holding each row's last
+    positions of its first `lengths` [R] (a slot that holds none reads position 0, which
+    the ring's mask hides), the others whole. One gather per stack, however long the rows."""
+    held_RS = jnp.maximum(held_positions(lengths_R, slots), 0)
+
+    def take(stack, ring):
+        if not ring:
+            return jnp.take(stack, rows_R, axis=1)
+        piece = stack[:, rows_R[:, None], :, held_RS]  # [R, S, L, K, ...]
+        return jnp.moveaxis(piece, (0, 1), (1, 3))  # [L, R, K, S, ...]
+
+    return {name: tuple(map(take, stack_tuple, rings)) for name, stack_tuple in stacks.items()}
+

@@ -10,7 +10,6 @@ from conftest import run_full, with_sampling
 
 from kvjax import decode
 from kvjax import model as M
-from kvjax.decode import prompt_state
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [3], [20, 21, 22, 23]]
 def greedy_without_cache(config, params, prompt, steps):
@@ -78,7 +77,7 @@ def test_a_windowed_model_decodes_through_rings_as_without_a_cache():
         want = greedy_without_cache(config, params, prompt + made + new, 4)
         assert continued.token_lists()[2 * row:2 * row + 2] == [want, want]
     rows = jnp.asarray([3, 3, 0])
-    in_rings = prompt_state._in_rings(config, kept.state.cache, rows, 1)  # noqa: SLF001
+    in_rings = M.rows_in_rings(config, kept.state.cache, rows, 1)
     assert in_rings.ring_slots == 3 and in_rings.capacity == kept.state.cache.capacity
     np.testing.assert_array_equal(in_rings.lengths, kept.state.cache.lengths[rows])
     np.testing.assert_array_equal(in_rings.k[1][:, 1], kept.state.cache.k[1][:, 3])

@@ -105,6 +105,41 @@ def test_a_paged_cache_keeps_windowed_layers_in_rings_beside_the_global_layers_p
     np.testing.assert_allclose(logits[2], logits[0], atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("changes", [
+    {}, {"full_attention_layers": (), "scan_layers": True, "cache_dtype": "int8"}],
+    ids=["hybrid", "every-layer-scanned-int8"])
+def test_rows_taken_into_rings_hold_what_copying_each_row_in_holds(changes):
+    """`rows_in_rings` (a kept prompt continued) gathers rows, repeats among them, of a cache
+    of every position into rings: what `copy_row` puts into an empty cache of rings."""
+    config = _config(**changes)
+    params = M.init_params(config, jax.random.key(0))
+    prompt_BP = jnp.asarray(np.random.default_rng(4).integers(1, 64, (3, 12)), jnp.int32)
+    _, full = M.prefill(config, params, prompt_BP, jnp.asarray(PROMPT_LENGTHS), 48)
+    rows = jnp.asarray([2, 0, 0, 1])
+    taken = M.rows_in_rings(config, full, rows, 2)
+    copied = M.init_cache(config, 4, 48, step_tokens=2)
+    for into, row in enumerate(rows.tolist()):
+        copied = copied.copy_row(full, row, into, 16)
+    assert taken.rings == copied.rings and taken.ring_slots == WINDOW + 1
+    for name in ("k", "v", "k_scale", "v_scale"):
+        for got, want in zip(getattr(taken, name) or (), getattr(copied, name) or (),
+                             strict=True):
+            assert got.shape == want.shape
+            if got.shape[-2] == 48:  # every position: the rows' filled slots
+                for into, row in enumerate(rows.tolist()):
+                    length = PROMPT_LENGTHS[row]
+                    np.testing.assert_array_equal(got[:, into, :, :length],
+                                                  want[:, into, :, :length])
+            else:  # a ring: the slots that hold a position
+                for into, row in enumerate(rows.tolist()):
+                    held = min(PROMPT_LENGTHS[row], WINDOW + 1)
+                    slots = [p % (WINDOW + 1) for p in range(PROMPT_LENGTHS[row] - held,
+                                                             PROMPT_LENGTHS[row])]
+                    np.testing.assert_array_equal(got[:, into, :, slots],
+                                                  want[:, into, :, slots])
+    np.testing.assert_array_equal(taken.lengths, PROMPT_LENGTHS[rows])
+
+
 def test_a_ring_masks_and_writes_what_a_numpy_account_of_its_slots_says():
     rng = np.random.default_rng(1)
     slots, window, batch = 7, 4, 5
