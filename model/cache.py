@@ -28,8 +28,9 @@ its slots.
 
 A cache made for calls of a known number of tokens (`init_cache(..., step_tokens=T)`, as
 `generate` makes them) holds each sliding-window layer's K/V in a ring of the slots its
-window reads (`model/ring.py`): those stacks are [L_i, B, K, R, H] with R below the
-capacity, which the cache then keeps as `slots`.
+window reads (`model/ring.py`): those stacks (`rings` says which) are [L_i, B, K, S, H]
+with S below the capacity, which the cache then keeps as `slots`. A paged cache made so
+keeps them beside the global layers' pools.
 
 A model with multi-head latent attention (`model/latent_attention.py`) caches, in place of
 each head's K and V, one latent row per token that every head reads as both: its `k` stacks
