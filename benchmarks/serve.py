@@ -209,7 +209,8 @@ def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, o
                     steps_per_check: int | None = None, page_size: int | None = None,
                     num_pages: int | None = None, max_staged: int | None = None,
                     lora_adapters: int = 0, lora_rank: int = 8,
-                    encoder_layers: int = 0, sliding_window: int | None = None) -> str:
+                    encoder_layers: int = 0, sliding_window: int | None = None,
+                    full_attention_layers: tuple[int, ...] = ()) -> str:
     """The report: each contender's run of median throughput among `repeats` (the engine and
     the fixed batches take turns, so that both see the machine's drift alike), then the
     ratio in each repeat; transformers' contender runs once. The engine's slots hold
@@ -223,8 +224,10 @@ def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, o
     in turn, with the ratio of its throughput to the engine's without them. With
     `encoder_layers` N > 0 the preset is an encoder-decoder of N encoder layers, whose
     prompts are sources: a slot then holds the longest source beside the longest target.
-    With `sliding_window` N every layer attends over the last N positions."""
-    config = M.preset(preset, num_encoder_layers=encoder_layers, sliding_window=sliding_window)
+    With `sliding_window` N every layer attends over the last N positions, but those of
+    `full_attention_layers`, which attend over every position."""
+    config = M.preset(preset, num_encoder_layers=encoder_layers, sliding_window=sliding_window,
+                      full_attention_layers=full_attention_layers)
     translator = M.prompt_is_source(config)
     if translator and shared_prefix:
         raise ValueError(f"shared_prefix={shared_prefix} measures the prefix cache, which an "
@@ -280,7 +283,9 @@ def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, o
                f"({'log-uniform' if long_tail else 'uniform'}), "
                f"Poisson arrivals at {rate:g}/s (seed {seed}); {jax.devices()[0].device_kind}")
     if sliding_window:
-        setting += f"; every layer over the last {sliding_window} positions"
+        but = (f" but {', '.join(map(str, full_attention_layers))} (over every position)"
+               if full_attention_layers else "")
+        setting += f"; every layer{but} over the last {sliding_window} positions"
     if shared_prefix:
         setting += f"\nevery prompt starts with the same {shared_prefix} tokens"
     if raised:

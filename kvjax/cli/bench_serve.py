@@ -30,6 +30,10 @@ def add_serve(kinds) -> None:
                        help="every layer of the preset attends over the last N positions "
                             "(as Mistral 7B v0.1): with --page-size, a request holds about "
                             "N positions' pages however long it runs")
+    serve.add_argument("--full-attention-layers", type=count, nargs="+", default=(),
+                       metavar="I", help="with --sliding-window, these layers (numbered from "
+                       "0) attend over every position, as Gemma 2 and 3's global layers do: "
+                       "the slots keep the other layers in rings of the window")
     serve.add_argument("--requests", type=positive, default=128, help="requests to serve")
     serve.add_argument("--rate", type=positive_real, default=50.0,
                        help="mean arrivals per second (Poisson)")
@@ -93,5 +97,6 @@ def run_bench_serve(args) -> int:
                           page_size=args.page_size, num_pages=args.num_pages,
                           max_staged=args.max_staged, lora_adapters=args.lora_adapters,
                           lora_rank=args.lora_rank, encoder_layers=args.encoder_layers,
-                          sliding_window=args.sliding_window))
+                          sliding_window=args.sliding_window,
+                          full_attention_layers=tuple(args.full_attention_layers)))
     return 0

@@ -68,6 +68,10 @@ def assert_one_line(err: str, *fragments: str) -> None:
     (["bench", "serve", "--shared-prefix", "300", "--max-len", "400", "--no-hf"],
      ["max_len=400 is shorter than the longest request (300 shared + 64 prompt + 128 "
       "output tokens)"]),
+    (["bench", "serve", "--full-attention-layers", "2", "--no-hf"],
+     ["full_attention_layers=[2] needs a sliding_window"]),
+    (["bench", "serve", "--sliding-window", "16", "--full-attention-layers", "5", "--no-hf"],
+     ["full_attention_layers=[5] must be distinct layer numbers in [0, 3)"]),
 ])
 def test_misuse_is_one_line_with_exit_code_2(capsys, monkeypatch, argv, fragments):
     monkeypatch.chdir(Path(__file__).resolve().parents[2])
