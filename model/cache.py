@@ -359,19 +359,22 @@ def stack_slots(config: TransformerConfig, slots: int, ring: int | None = None
                  for kept in ring_stacks(config))
 
 
-def empty_stacks(config: TransformerConfig, rows: int, slots: int, dtype=None,
-                 ring: int | None = None) -> dict:
+def empty_stacks(config: TransformerConfig, rows: int | tuple[int, ...], slots: int,
+                 dtype=None, ring: int | None = None) -> dict:
     """Zeroed `k` and `v`, each a tuple of stacks [L_i, rows, K, slots, H] per
     `config.layer_stacks` (K from `config.cached_heads`, H `config.cached_head_dim`), of
     `dtype` (default `config.kv_cache_dtype`), and for int8 their float32 scales `k_scale` and
-    `v_scale` [L_i, rows, K, slots]. `rows` is a contiguous cache's batch or a pool's pages.
-    With `ring`, windowed layers' stacks have that many slots (`stack_slots`)."""
+    `v_scale` [L_i, rows, K, slots]. `rows` is a contiguous cache's batch or a pool's pages
+    (or one per stack). With `ring`, windowed layers' stacks have that many slots
+    (`stack_slots`)."""
     dtype = config.kv_cache_dtype if dtype is None else jnp.dtype(dtype)
+    layers = config.layer_stacks(config.num_decoder_layers)
+    rows = rows if isinstance(rows, tuple) else (rows,) * len(layers)
 
     def stacks(shape, stack_dtype):
-        return tuple(jnp.zeros((n, rows, shape[0], s, *shape[1:]), stack_dtype)
-                     for n, s in zip(config.layer_stacks(config.num_decoder_layers),
-                                     stack_slots(config, slots, ring), strict=True))
+        return tuple(jnp.zeros((n, r, shape[0], s, *shape[1:]), stack_dtype)
+                     for n, r, s in zip(layers, rows, stack_slots(config, slots, ring),
+                                        strict=True))
 
     fields = {}
     for name, heads in zip(("k", "v"), config.cached_heads, strict=True):

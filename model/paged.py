@@ -59,19 +59,17 @@ def init_paged_cache(config: TransformerConfig, batch_size: int, num_pages: int,
         raise ValueError(f"pages_per_row={pages_per_row} x page_size={page_size} = "
                          f"{pages_per_row * page_size} slots per row exceeds the model's "
                          f"max_len {config.max_len}")
-    capacity = pages_per_row * page_size
-    stacks = empty_stacks(config, num_pages, page_size, dtype)
-    ring = paged_ring_slots(config, capacity, step_tokens)
-    if ring is not None:
-        rings = ring_stacks(config)
-        in_rings = empty_stacks(config, batch_size, capacity, dtype, ring)
-        stacks = {name: tuple(r if kept else p for p, r, kept in zip(
-            pools, in_rings[name], rings, strict=True)) for name, pools in stacks.items()}
+    ring = paged_ring_slots(config, pages_per_row * page_size, step_tokens)
+    rings = ring_stacks(config) if ring is not None else (False,) * len(
+        config.layer_stacks(config.num_decoder_layers))
+    # Pools of pages [L_i, pages, K, U, H], and rings [L_i, B, K, S, H] beside them.
+    stacks = empty_stacks(config, tuple(batch_size if kept else num_pages for kept in rings),
+                          page_size, dtype, ring)
     return KVCache(**stacks, lengths=jnp.zeros((batch_size,), jnp.int32),
                    overflow=jnp.zeros((batch_size,), bool),
                    pages=jnp.full((batch_size, pages_per_row), NO_PAGE, jnp.int32),
-                   slots=None if ring is None else capacity,
-                   rings=None if ring is None else ring_stacks(config))
+                   slots=None if ring is None else pages_per_row * page_size,
+                   rings=None if ring is None else rings)
 
 
 def window_pages(reach: int, page_size: int) -> int:
