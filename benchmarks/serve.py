@@ -282,10 +282,11 @@ def serve_benchmark(preset: str, num_requests: int, rate: float, prompt_range, o
                f"{prompt_range[1]} tokens, outputs {output_range[0]}-{output_range[1]} "
                f"({'log-uniform' if long_tail else 'uniform'}), "
                f"Poisson arrivals at {rate:g}/s (seed {seed}); {jax.devices()[0].device_kind}")
-    if sliding_window:
-        but = (f" but {', '.join(map(str, full_attention_layers))} (over every position)"
-               if full_attention_layers else "")
-        setting += f"; every layer{but} over the last {sliding_window} positions"
+    if full_attention_layers:
+        setting += (f"; layers {', '.join(map(str, full_attention_layers))} over every "
+                    f"position, the others over the last {sliding_window}")
+    elif sliding_window:
+        setting += f"; every layer over the last {sliding_window} positions"
     if shared_prefix:
         setting += f"\nevery prompt starts with the same {shared_prefix} tokens"
     if raised:
