@@ -71,11 +71,13 @@ def test_rings_give_the_logits_of_a_cache_of_every_position(changes, step_tokens
                                        rtol=1e-5)
 
 
-def test_a_paged_cache_keeps_windowed_layers_in_rings_beside_the_global_layers_pool():
+@pytest.mark.parametrize("cache_dtype", [None, "int8"], ids=["float", "int8"])
+def test_a_paged_cache_keeps_windowed_layers_in_rings_beside_the_global_layers_pool(cache_dtype):
     """The windowed layers 0 and 2 keep a ring per row, the global layer 1 a pool of pages
     in a scrambled order: rows copied in from a contiguous prefill (`copy_row_into_pages`)
-    and a prefill straight into the pages decode as a contiguous cache of every position."""
-    config = _config()
+    and a prefill straight into the pages decode as a contiguous cache of every position
+    (an int8 cache's scales held, copied and read with their values)."""
+    config = _config(cache_dtype=cache_dtype)
     params = M.init_params(config, jax.random.key(0))
     tokens_BX = np.random.default_rng(2).integers(1, 64, (3, 40)).astype(np.int32)
     prompt_BP = jnp.asarray(np.where(np.arange(12) < PROMPT_LENGTHS[:, None],
