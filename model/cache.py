@@ -119,10 +119,18 @@ class KVCache:
     @property
     def page_size(self) -> int:
         """U, the slots of one page of a paged cache."""
+        return self._first_pool().shape[-2]
+
+    @property
+    def num_pages(self) -> int:
+        """The pages of a paged cache's pool."""
+        return self._first_pool().shape[1]
+
+    def _first_pool(self) -> jax.Array:
+        """A paged cache's first K stack that is a pool of pages, not a windowed layer's ring."""
         if self.pages is None:
             raise ValueError("a contiguous cache has no pages")
-        pools = [stack for i, stack in enumerate(self.k) if not self.rings or not self.rings[i]]
-        return pools[0].shape[-2]
+        return self.k[(self.rings or (False,)).index(False)]
 
     def _refuse_paged(self, method: str) -> None:
         if self.pages is not None:

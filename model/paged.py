@@ -187,9 +187,7 @@ def copy_row_into_pages(cache: KVCache, source: KVCache, row, into, first_page=0
     only as many as its length fills, which the caller has assigned; and where the cache
     keeps windowed layers in rings (`fill_rings`), the row's last positions into row
     `into`'s rings. Its length is set and its overflow cleared. Self-attention only."""
-    page_size, rings = cache.page_size, cache.rings or ()
-    num_pages = next(pool for i, pool in enumerate(cache.k)
-                     if not rings or not rings[i]).shape[1]
+    page_size, num_pages, rings = cache.page_size, cache.num_pages, cache.rings or ()
     sources = source._self_attention()
 
     def copy_page(j, pools):
