@@ -79,11 +79,12 @@ class Engine:
     Each slot holds a row of `max_len` positions, or with `page_size` the slots keep their K/V
     in a pool of `num_pages` pages of that many positions (default: `max_slots` full slots'
     worth) taken as samples grow, samples preempted and resumed when it runs short (`pages.py`).
-    `max_staged` (default `max_slots`) and `prefix_cache_rows` rows of `max_len` come beside
-    them; the whole is refused before it is allocated if it would not fit the device's free
-    memory (`memory.py`). `max_staged` bounds a request's `n` and the slots a chunk can refill
-    before the host stages more. `chunk_size` and `steps_per_check` (a chunk runs its steps
-    that many at a time) default to `chunk.default_chunk_size()`, `default_steps_per_check()`.
+    `max_staged` (default `max_slots`, fewer where those would not fit beside the slots) and
+    `prefix_cache_rows` rows of `max_len` come beside them; the whole is refused before it is
+    allocated if it would not fit the device's free memory (`memory.py`). `max_staged`
+    bounds a request's `n` and the slots a chunk can refill before the host stages more.
+    `chunk_size` and `steps_per_check` (a chunk runs its steps that many at a time) default
+    to `chunk.default_chunk_size()`, `default_steps_per_check()`.
 
     `prefix_cache_rows` more rows (default a quarter of `max_staged`; 0: none) keep the K/V of
     recent prompts, so a prompt that starts like one of them prefills only the rest
@@ -107,8 +108,8 @@ class Engine:
         chunk_size = chunk.default_chunk_size() if chunk_size is None else chunk_size
         if steps_per_check is None:
             steps_per_check = chunk.default_steps_per_check()
-        max_staged = max_slots if max_staged is None else max_staged
-        for name, value in (("max_slots", max_slots), ("max_staged", max_staged),
+        for name, value in (("max_slots", max_slots),
+                            ("max_staged", max_slots if max_staged is None else max_staged),
                             ("max_len", capacity), ("chunk_size", chunk_size),
                             ("steps_per_check", steps_per_check), ("max_queue", max_queue),
                             ("prefill_batch", prefill_batch), ("prefix_block", prefix_block),
@@ -122,18 +123,17 @@ class Engine:
         self.source_capacity = slots.source_capacity(config, capacity, max_source_len,
                                                      page_size, num_pages, prefix_cache_rows)
         prefix_cache_rows = 0 if self.source_capacity else prefix_cache_rows  # none for sources
-        if prefix_cache_rows is None:
-            prefix_cache_rows = -(-max(1, max_staged // 4) // data) * data
-        if not isinstance(prefix_cache_rows, int) or prefix_cache_rows < 0:
-            raise ValueError(f"prefix_cache_rows={prefix_cache_rows!r} must be an int >= 0")
+        self.mesh, params = placement(config, params, mesh)
+        self.pages = pages.choose_pages(page_size, num_pages, capacity, max_slots, config.max_len,
+                                        config.attention_reach)
+        max_staged, prefix_cache_rows = memory.staged_and_prefix_rows(
+            config, max_slots, max_staged, prefix_cache_rows, capacity, self.mesh, self.pages,
+            self.source_capacity)
         for name, rows in (("max_slots", max_slots), ("max_staged", max_staged),
                            ("prefix_cache_rows", prefix_cache_rows)):
             if rows % data:
                 raise ValueError(f"{name}={rows} must be a multiple of the mesh's data={data}: "
                                  f"each device holds as many of those rows")
-        self.mesh, params = placement(config, params, mesh)
-        self.pages = pages.choose_pages(page_size, num_pages, capacity, max_slots, config.max_len,
-                                        config.attention_reach)
         self.config, self.params, self.tokenizer = config, params, tokenizer
         if adapters is not None and not isinstance(adapters, lora_rows.AdapterStack):
             adapters = lora_rows.stack(config, params, list(adapters)) if adapters else None

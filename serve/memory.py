@@ -9,6 +9,8 @@ the sizes and the longest `max_len` that would fit.
 
 from __future__ import annotations
 
+import logging
+
 import jax
 
 from kvjax import model as M
@@ -112,18 +114,64 @@ def check_cache_fits(config: M.TransformerConfig, rows: int, capacity: int, mesh
 def check_engine_fits(config: M.TransformerConfig, slots: int, staged: int,
                       prefix_rows: int, capacity: int, mesh=None,
                       pages: tuple[int, int] | None = None,
-                      source_capacity: int | None = None) -> None:
+                      source_capacity: int | None = None, free: int | None = None) -> None:
     """The check of an engine's cache: contiguous slots (a translator's with sources of
     `source_capacity`), or `pages` (num_pages, page_size) beside staged and prefix rows,
     whose kept prefixes a paged engine also holds in a row's pages each
     (`pages.share_kept`)."""
     if pages is None:
-        check_cache_fits(config, slots + staged + prefix_rows, capacity, mesh,
+        check_cache_fits(config, slots + staged + prefix_rows, capacity, mesh, free,
                          rows_are="max_slots + max_staged + prefix_cache_rows",
                          source_capacity=source_capacity, ring_rows=slots)
     else:
-        check_paged_cache_fits(config, staged, capacity, slots, *pages, mesh=mesh,
+        check_paged_cache_fits(config, staged, capacity, slots, *pages, free, mesh=mesh,
                                prefix_rows=prefix_rows)
+
+
+def staged_and_prefix_rows(config: M.TransformerConfig, slots: int, staged: int | None,
+                           prefix_rows: int | None, capacity: int, mesh=None,
+                           pages: tuple[int, int] | None = None,
+                           source_capacity: int | None = None,
+                           free: int | None = None) -> tuple[int, int]:
+    """(max_staged, prefix_cache_rows) of an engine, each given or its default. Staged rows
+    default to one a slot, or to the most (a multiple of the mesh's `data`) that fit
+    `check_engine_fits` beside the slots where those would not: a staged row holds every
+    position, where a slot of a model with windowed layers holds rings, so a long context's
+    staged rows would otherwise take most of the memory. Kept prefixes default to a quarter
+    of the staged rows (none for a translator). Where nothing fits, the defaults are those of
+    the most memory: the engine's check then says what to lower."""
+    if not (prefix_rows is None or isinstance(prefix_rows, int) and prefix_rows >= 0):
+        raise ValueError(f"prefix_cache_rows={prefix_rows!r} must be an int >= 0")
+    data = 1 if mesh is None else mesh.shape[parallel.DATA]
+
+    def rows(staged: int) -> tuple[int, int]:
+        if prefix_rows is not None:
+            return staged, prefix_rows
+        return staged, 0 if source_capacity else -(-max(1, staged // 4) // data) * data
+
+    if staged is not None:
+        return rows(staged)
+    devices = jax.local_devices()[:1] if mesh is None else list(mesh.local_devices)
+    free = least_free_bytes(devices) if free is None else free
+
+    def fits(staged: int) -> bool:
+        try:
+            check_engine_fits(config, slots, *rows(staged), capacity, mesh, pages,
+                              source_capacity, free=free)
+        except ValueError:
+            return False
+        return True
+
+    if free is None or slots % data or fits(slots) or not fits(data):
+        return rows(slots)
+    low, high = 1, slots // data  # staged rows in multiples of data: low fits, high does not
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle * data) else (low, middle)
+    logging.getLogger(__name__).warning(
+        "max_staged=%d: %d staged rows of max_len=%d beside the %d slots would not fit the "
+        "device's free memory", low * data, slots, capacity, slots)
+    return rows(low * data)
 
 
 def check_paged_cache_fits(config: M.TransformerConfig, rows: int, capacity: int,

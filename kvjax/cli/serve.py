@@ -45,7 +45,8 @@ def add_serve(commands) -> None:
                        help="requests generating at once (rows of the decode batch)")
     serve.add_argument("--max-staged", type=positive, default=None,
                        help="prefilled requests waiting on the device for a slot; each "
-                            "staged row takes a slot's cache memory (default: --max-slots)")
+                            "staged row takes a slot's cache memory (default: --max-slots, "
+                            "fewer where those would not fit beside the slots)")
     serve.add_argument("--max-queue", type=positive, default=64,
                        help="requests waiting for a slot; more are answered 429")
     serve.add_argument("--max-len", type=positive, default=None,

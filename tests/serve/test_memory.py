@@ -129,3 +129,49 @@ def test_the_paged_check_counts_a_hybrid_models_global_layer_in_pages_and_rings_
         memory.check_paged_cache_fits(hybrid, 1, 1024, 4, 101, 16, free=free)
     assert memory.pages_in(hybrid, 4 * 5 * 64 * layer + 100 * 16 * layer, 16, 4, 1024) == 100
 
+
+
+def fits(config, slots, staged, prefix, capacity, pages, free):
+    try:
+        memory.check_engine_fits(config, slots, staged, prefix, capacity, pages=pages,
+                                 free=free)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("pages", [None, (400, 16)], ids=["contiguous", "paged"])
+def test_staged_rows_default_to_the_most_that_fit_beside_the_slots(pages):
+    """Gemma's kind of model (windowed layers beside a global one) with 16 slots of 1,024
+    positions: a staged row holds every position, a slot rings for its windowed layers. Where
+    16 staged rows (and their 4 kept prefixes) would not fit, the default is the most that
+    do, with a quarter of them kept prefixes; given ones are kept as they are."""
+    hybrid = M.preset("gpt-mini", sliding_window=64, full_attention_layers=(5,),
+                      scan_layers=False)
+    row = memory.bytes_per_position(hybrid) * 1024  # a staged or kept row
+    slot = M.generate_cache_bytes(hybrid, 1, 1024) + memory.CONTEXT_BYTES * 1024
+    free = int((16 * slot + 12.5 * row) / memory.CACHE_SHARE)  # 10 staged + 2 kept fit
+    if pages is None:
+        assert memory.staged_and_prefix_rows(hybrid, 16, None, None, 1024, free=free) == (10, 2)
+    staged, prefix = memory.staged_and_prefix_rows(hybrid, 16, None, None, 1024, pages=pages,
+                                                   free=free)
+    assert prefix == max(1, staged // 4) and 1 < staged < 16
+    assert fits(hybrid, 16, staged, prefix, 1024, pages, free)
+    assert not fits(hybrid, 16, staged + 1, max(1, (staged + 1) // 4), 1024, pages, free)
+    assert memory.staged_and_prefix_rows(hybrid, 16, None, None, 1024, pages=pages,
+                                         free=100 * free) == (16, 4)
+    assert memory.staged_and_prefix_rows(hybrid, 16, 16, 0, 1024, pages=pages,
+                                         free=free) == (16, 0)
+
+
+def test_an_engine_lowers_its_default_staged_rows_to_fit_and_says_so(tiny_lm, monkeypatch,
+                                                                       caplog):
+    config, _, params = tiny_lm
+    row = memory.bytes_per_position(config) * 64
+    free = int(22.5 * row / memory.CACHE_SHARE)  # 16 slots, 5 staged rows, 1 kept prefix
+    monkeypatch.setattr(memory, "free_bytes", lambda device: free)
+    engine = Engine(config, params, max_slots=16, max_len=64)
+    assert (engine.num_staged, engine.prefix_cache_rows) == (5, 1)
+    assert "max_staged=5: 16 staged rows of max_len=64 beside the 16 slots" in caplog.text
+    with pytest.raises(ValueError, match=r"or max_slots \+ max_staged \+ prefix_cache_rows"):
+        Engine(config, params, max_slots=16, max_staged=16, max_len=64)
