@@ -103,6 +103,33 @@ def test_constrained_greedy_and_beam_tokens_equal_one_device():
     np.testing.assert_array_equal(got.tokens, want.tokens)
 
 
+def test_speculative_tokens_equal_one_device_plain_loop():
+    """Prompt lookup's drafts verified on a mesh, each device drafting from its rows'
+    contexts: the greedy tokens of one device's plain loop, for rows under a regular
+    expression and a choice as for free ones, with a windowed layer's ring sized for a call
+    that verifies the drafts."""
+    from pathlib import Path
+
+    from kvjax import text
+
+    tokenizer = text.load(Path(__file__).resolve().parents[3] / "checkpoints"
+                          / "python-docs-lm").tokenizer
+    config = M.preset("tiny", num_kv_heads=2, vocab_size=tokenizer.vocab_size,
+                      scan_layers=False, sliding_window=3, full_attention_layers=(1,))
+    net, params = M.build_model(config), M.init_params(config, jax.random.key(0))
+    regex, choice = (decode.compile_constraint(c, tokenizer) for c in (
+        decode.Regex("[a-z]+ (is|was) [0-9]{1,3}"), decode.Choice(["yes", "no", "maybe not"])))
+    settings = dict(max_new_tokens=NEW, eos_ids=(tokenizer.eos_id,),
+                    constraint=[regex, None, choice, None])
+    want = decode.generate(net, params, PROMPTS[:4], **settings)
+    got = decode.generate(net, params, PROMPTS[:4], mesh=parallel.make_mesh("data=4,model=2"),
+                          speculative=decode.Speculative(num_draft_tokens=3,
+                                                         min_tokens_per_call=0), **settings)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.lengths, want.lengths)
+    assert got.speculation.accepted.sum() > 0
+
+
 def decode_loop_hlo(config, params, mesh, batch=8):
     """The compiled decode loop of a `generate` call on `mesh`, as HLO text."""
     net = M.build_model(config)
