@@ -169,3 +169,15 @@ def test_slots_and_staged_rows_must_divide_over_data():
     with pytest.raises(ValueError, match="max_staged=2 must be a multiple of the mesh's data=4"):
         Engine(CONFIG, M.init_params(CONFIG, jax.random.key(1)), max_slots=8, max_staged=2,
                mesh=mesh)
+
+
+def test_default_staged_rows_lowered_to_fit_stay_a_multiple_of_data(monkeypatch):
+    """16 slots over data=4 (4 a device) and room on each device for 3 more rows: 8 staged
+    rows (2 a device) and 4 kept prefixes (1 a device), each a multiple of data."""
+    mesh = parallel.make_mesh("data=4,model=2")
+    row = memory.bytes_per_position(CONFIG, mesh) * 64
+    monkeypatch.setattr(memory, "free_bytes", lambda device: int(
+        (4 + 3.5) * row / memory.CACHE_SHARE))
+    engine = Engine(CONFIG, M.init_params(CONFIG, jax.random.key(1)), max_slots=16,
+                    max_len=64, mesh=mesh)
+    assert (engine.num_staged, engine.prefix_cache_rows) == (8, 4)
