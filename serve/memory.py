@@ -59,6 +59,12 @@ def source_bytes_per_position(config: M.TransformerConfig, mesh=None) -> float:
     return cross / (1 if mesh is None else mesh.shape[parallel.MODEL])
 
 
+def devices_of(mesh) -> list:
+    """The devices an engine's cache lies on, each of which it must fit: the mesh's local
+    ones, or the default device."""
+    return jax.local_devices()[:1] if mesh is None else list(mesh.local_devices)
+
+
 def least_free_bytes(devices) -> int | None:
     """The least free memory among `devices` in bytes, or None where none reports it."""
     known = [f for f in map(free_bytes, devices) if f is not None]
@@ -77,7 +83,7 @@ def check_cache_fits(config: M.TransformerConfig, rows: int, capacity: int, mesh
     `source_capacity` source positions each (default: `capacity`). `ring_rows` of the rows
     (the slots) hold windowed layers in rings of their window (`model/ring.py`): they are
     counted so; the largest sizes it names are those of rows of every position."""
-    devices = jax.local_devices()[:1] if mesh is None else list(mesh.local_devices)
+    devices = devices_of(mesh)
     free = least_free_bytes(devices) if free is None else free
     if free is None:
         return
@@ -138,7 +144,7 @@ def staged_and_prefix_rows(config: M.TransformerConfig, slots: int, staged: int 
     `check_engine_fits` beside the slots where those would not: a staged row holds every
     position, where a slot of a model with windowed layers holds rings, so a long context's
     staged rows would otherwise take most of the memory. Kept prefixes default to a quarter
-    of the staged rows (none for a translator). Where nothing fits, the defaults are those of
+    of the staged rows. Where nothing fits, the defaults are those of
     the most memory: the engine's check then says what to lower."""
     if not (prefix_rows is None or isinstance(prefix_rows, int) and prefix_rows >= 0):
         raise ValueError(f"prefix_cache_rows={prefix_rows!r} must be an int >= 0")
@@ -147,12 +153,11 @@ def staged_and_prefix_rows(config: M.TransformerConfig, slots: int, staged: int 
     def rows(staged: int) -> tuple[int, int]:
         if prefix_rows is not None:
             return staged, prefix_rows
-        return staged, 0 if source_capacity else -(-max(1, staged // 4) // data) * data
+        return staged, -(-max(1, staged // 4) // data) * data
 
     if staged is not None:
         return rows(staged)
-    devices = jax.local_devices()[:1] if mesh is None else list(mesh.local_devices)
-    free = least_free_bytes(devices) if free is None else free
+    free = least_free_bytes(devices_of(mesh)) if free is None else free
 
     def fits(staged: int) -> bool:
         try:
@@ -187,8 +192,7 @@ def check_paged_cache_fits(config: M.TransformerConfig, rows: int, capacity: int
     `CACHE_SHARE` of the `free` bytes (default: measured), naming the most pages that fit.
     On a `mesh` it counts one device's share: the rows and slots of its `data` shard, and
     the whole pool, of its kv heads (the pool is split over `model` only)."""
-    devices = jax.local_devices()[:1] if mesh is None else list(mesh.local_devices)
-    free = least_free_bytes(devices) if free is None else free
+    free = least_free_bytes(devices_of(mesh)) if free is None else free
     if free is None:
         return
     data = 1 if mesh is None else mesh.shape[parallel.DATA]
