@@ -4,7 +4,8 @@ One model call of T = k + 1 tokens per row (the newest token, then the k drafts)
 model's logits after each; `choose` keeps the longest prefix of the draft the model agrees
 with (greedy) or accepts by rejection sampling, plus one token of the model's own after
 it, and `advance` appends what each row kept to its tokens and context, cut at an eos or
-`max_new_tokens`, and sets its cache length to match (see `speculative.py`).
+`max_new_tokens` (where `force_end` puts a forced end), and sets its cache length to match
+(see `speculative.py`).
 
 Shape letters: B batch, J draft length k, T = J + 1, V vocab.
 """
@@ -78,6 +79,16 @@ def choose(logits_BTV: jax.Array, drafts_BJ: jax.Array, valid_B: jax.Array,
     return tokens_BT, accepted_B
 
 
+def force_end(tokens_BT: jax.Array, lengths_B: jax.Array, stops: StopConditions) -> jax.Array:
+    """The tokens with each row's forced end (`stops.forced_end_id`, if any) at the position
+    where the row reaches `max_new_tokens`, given the `lengths` [B] it has: what the plain
+    loop's `choose` forces there. A position past what a row keeps is never read."""
+    last_BT = jnp.arange(tokens_BT.shape[1])[None] == (
+        stops.max_new_tokens - lengths_B - 1)[:, None]
+    forced_BT = stops.forced_at(last_BT)
+    return jnp.where(forced_BT >= 0, forced_BT, tokens_BT)
+
+
 def settled(state: DecodeState) -> jax.Array:
     """Leading tokens that every row has settled: a stopped row's are all settled."""
     return jnp.min(jnp.where(state.done, state.tokens.shape[1], state.lengths))
@@ -100,6 +111,7 @@ def advance(state: DecodeState, old_cache_lengths_B: jax.Array, logits_BTV: jax.
     kept_BT = positions_T[None] < emitted_B[:, None]
     eos_B = jnp.any(kept_BT & is_eos_BT, axis=1)
     full_B = state.lengths + emitted_B >= stops.max_new_tokens
+    eos_B = eos_B & ~(full_B & (stops.forced_end_id >= 0))  # a forced end: its budget's
     stop_reason_B = jnp.where(running_B & eos_B, StopReason.EOS, jnp.where(
         running_B & full_B, StopReason.MAX_NEW_TOKENS, state.stop_reason))
     logprobs_BT = jnp.take_along_axis(jax.nn.log_softmax(logits_BTV.astype(jnp.float32)),

@@ -89,7 +89,12 @@ def beam_step(state: BeamState, logprobs_BWV: jax.Array, stops: StopConditions,
     if state.constraints is not None:
         logprobs_BWV = jnp.maximum(state.constraints.mask(
             logprobs_BWV.reshape(batch * width, vocab)), NEG_INF).reshape(batch, width, vocab)
-    candidates = (state.alive_logprob[..., None] + logprobs_BWV).reshape(batch, width * vocab)
+    # A forced end is each beam's only candidate, which adds 0 to its score (as transformers
+    # scores it); its logprob stays the model's.
+    forced = stops.forced_at(state.step + 1 >= stops.max_new_tokens)
+    scores_BWV = jnp.where(forced >= 0, jnp.where(jnp.arange(vocab) == forced, 0.0, NEG_INF),
+                           logprobs_BWV)
+    candidates = (state.alive_logprob[..., None] + scores_BWV).reshape(batch, width * vocab)
     cand_logprob, flat = jax.lax.top_k(candidates, 2 * width)  # [B, 2W]
     origin, token = flat // vocab, flat % vocab
     token_logprob = jnp.take_along_axis(logprobs_BWV.reshape(batch, -1), flat, axis=1)
@@ -177,11 +182,13 @@ def beam_loop(tokens_to_logits: Callable, first_logits_BV: jax.Array, cache: Any
         return state.replace(cache=state.cache.take_rows(rows))
 
     state = jax.lax.while_loop(cond_fn, body_fn, state)
-    return _best(state, stops.max_new_tokens, length_penalty)
+    return _best(state, stops, length_penalty)
 
 
-def _best(state: BeamState, max_new_tokens, length_penalty) -> BeamResult:
-    """Best of the finished and the still-alive hypotheses (those ran out of tokens/cache)."""
+def _best(state: BeamState, stops: StopConditions, length_penalty) -> BeamResult:
+    """Best of the finished and the still-alive hypotheses (those ran out of tokens/cache).
+    One that its forced end finished stopped at its budget."""
+    max_new_tokens = stops.max_new_tokens
     alive_score = jnp.where(state.alive_logprob > NEG_INF / 2,
                             _penalised(state.alive_logprob, state.step, length_penalty), NEG_INF)
     scores = jnp.concatenate([state.finished_score, alive_score], axis=1)
@@ -190,13 +197,14 @@ def _best(state: BeamState, max_new_tokens, length_penalty) -> BeamResult:
         return jnp.take_along_axis(a, best.reshape((-1,) + (1,) * (a.ndim - 1)), axis=1)[:, 0]
 
     width = state.alive_tokens.shape[1]
-    from_finished = best < width
+    lengths = pick(jnp.concatenate(
+        [state.finished_lengths, jnp.full_like(state.finished_lengths, state.step)], 1))
+    forced = (stops.forced_end_id >= 0) & (lengths >= max_new_tokens)
     return BeamResult(
         tokens=pick(jnp.concatenate([state.finished_tokens, state.alive_tokens], 1)),
-        lengths=pick(jnp.concatenate(
-            [state.finished_lengths, jnp.full_like(state.finished_lengths, state.step)], 1)),
+        lengths=lengths,
         stop_reason=jnp.where(
-            from_finished, StopReason.EOS,
+            (best < width) & ~forced, StopReason.EOS,
             jnp.where(state.step >= max_new_tokens, StopReason.MAX_NEW_TOKENS,
                       StopReason.CACHE_FULL)).astype(jnp.int32),
         logprobs=pick(jnp.concatenate(

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from .automaton import RowConstraints
 from .plan import ON_DEVICE, LoopPlan
-from .processors import LogitProcessor, ProcessorState, apply_processors
+from .processors import LogitProcessor, ProcessorState, apply_processors, force_end
 from .sampling import SamplingParams, sample
 
 TokensToLogits = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
@@ -77,23 +77,35 @@ class DecodeState:
 
 @flax.struct.dataclass
 class StopConditions:
-    """eos_ids: [E] int32 ids that end a row (-1 pads unused slots); max_new_tokens: scalar."""
+    """eos_ids: [E] int32 ids that end a row (-1 pads unused slots); max_new_tokens: scalar;
+    forced_end_id: scalar int32, the token a row that reaches `max_new_tokens` makes last
+    (transformers' `forced_eos_token_id`), or -1 for none."""
 
     eos_ids: jax.Array
     max_new_tokens: jax.Array
+    forced_end_id: jax.Array | int = -1
+
+    def forced_at(self, last_B: jax.Array) -> jax.Array:
+        """[B] int32 the token each row must make now, given which rows make their last
+        (`last_B` [B] bool): the forced end id there, -1 (none) elsewhere."""
+        return jnp.where(last_B, self.forced_end_id, -1).astype(jnp.int32)
 
 
 def choose(logits_BV: jax.Array, context: ProcessorState, keys_B: jax.Array, position,
            processors: tuple[LogitProcessor, ...] = (), plan: LoopPlan = ON_DEVICE,
-           constraints: RowConstraints | None = None
+           constraints: RowConstraints | None = None, forced_B: jax.Array | None = None
            ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(token [B], its logprob [B], logprobs [B, V]): each row's next token, as every
     decoder in kvjax picks it: the built-in penalties and `processors` on the logits, then
-    the row's constraint, then greedy or a draw with the row's key folded with `position` (a
-    scalar or [B], `sampling`). The logprobs are the model's, before any processor."""
+    the row's constraint, then a forced token where `forced_B` [B] names one (not -1: a
+    row's end at its budget, which overrides the rest, as in transformers), then greedy or
+    a draw with the row's key folded with `position` (a scalar or [B], `sampling`). The
+    logprobs are the model's, before any processor."""
     processed_BV = apply_processors(logits_BV, context, processors, plan)
     if constraints is not None:
         processed_BV = constraints.mask(processed_BV)
+    if forced_B is not None:
+        processed_BV = force_end(processed_BV, forced_B)
     token_B = sample(processed_BV, keys_B, context.settings, plan.sampled, position)
     logprobs_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32))
     logprob_B = jnp.take_along_axis(logprobs_BV, token_B[:, None], axis=-1)[:, 0]
@@ -101,15 +113,17 @@ def choose(logits_BV: jax.Array, context: ProcessorState, keys_B: jax.Array, pos
 
 
 def take(rows, token_B: jax.Array, live_B: jax.Array, stop_ids_BE: jax.Array,
-         reached_max_B: jax.Array):
+         reached_max_B: jax.Array, forced_B: jax.Array | None = None):
     """(rows, token [B], ends [B]): every `live` row takes its token, which becomes its newest
     and joins its context, and stops if it is a stop id or the row reached its budget; other
-    rows keep theirs and their token reads 0. `rows` is any state with `last_tokens`,
-    `stop_reason`, `context` and `context_lengths` ([B] / [B, C]): the decode loop's and the
-    server's slots both end rows here."""
+    rows keep theirs and their token reads 0. `forced_B` [B] (or None): the token each row
+    was forced to make (-1: none), whose end is its budget's. `rows` is any state with
+    `last_tokens`, `stop_reason`, `context` and `context_lengths` ([B] / [B, C]): the decode
+    loop's and the server's slots both end rows here."""
     token_B = jnp.where(live_B, token_B, 0)
     stop_reason_B, ends_B = stop_reasons(live_B, token_B, stop_ids_BE, reached_max_B,
-                                         rows.stop_reason)
+                                         rows.stop_reason,
+                                         None if forced_B is None else forced_B >= 0)
     slots_B = jnp.where(live_B, rows.context_lengths, rows.context.shape[1])
     rows = rows.replace(
         last_tokens=jnp.where(live_B, token_B, rows.last_tokens),
@@ -124,15 +138,17 @@ def record(state: DecodeState, logits_BV: jax.Array, stops: StopConditions,
            plan: LoopPlan = ON_DEVICE, active: jax.Array | None = None) -> DecodeState:
     """Samples the next token of every running row and decides which rows stop. With
     `active` (a traced bool) False, nothing changes but slots past what is recorded."""
+    reached_max = state.step + 1 >= stops.max_new_tokens
+    forced_B = stops.forced_at(jnp.broadcast_to(reached_max, state.lengths.shape))
     token_B, logprob_B, _ = choose(
         logits_BV, ProcessorState(state.context, state.context_lengths, state.step, sampling,
                                   state.lengths,
                                   jnp.broadcast_to(stops.eos_ids, (state.lengths.shape[0],
                                                                    stops.eos_ids.shape[0]))),
-        state.keys, state.step, processors, plan, state.constraints)
+        state.keys, state.step, processors, plan, state.constraints, forced_B)
     running_B = ~state.done if active is None else ~state.done & active
-    after, token_B, _ = take(state, token_B, running_B, stops.eos_ids[None, :],
-                             state.step + 1 >= stops.max_new_tokens)
+    after, token_B, _ = take(state, token_B, running_B, stops.eos_ids[None, :], reached_max,
+                             forced_B)
     return after.replace(
         step=state.step + (1 if active is None else active.astype(jnp.int32)),
         tokens=state.tokens.at[:, state.step].set(token_B),
@@ -144,13 +160,15 @@ def record(state: DecodeState, logits_BV: jax.Array, stops: StopConditions,
 
 
 def stop_reasons(running_B: jax.Array, token_B: jax.Array, stop_ids_BE: jax.Array,
-                 reached_max_B: jax.Array, stop_reason_B: jax.Array
-                 ) -> tuple[jax.Array, jax.Array]:
+                 reached_max_B: jax.Array, stop_reason_B: jax.Array,
+                 forced_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(each row's stop reason [B], which running rows end [B]) after the running rows took
     `token`: EOS if it is one of the row's stop ids (-1 pads), MAX_NEW_TOKENS if the row
-    reached its budget; other rows keep theirs."""
+    reached its budget, as it did where `forced_B` [B] (or None) says its token was its
+    forced end; other rows keep theirs."""
     is_stop_B = jnp.any(token_B[:, None] == stop_ids_BE, axis=-1)
-    reason_B = jnp.where(running_B & is_stop_B, StopReason.EOS,
+    chose_stop_B = is_stop_B if forced_B is None else is_stop_B & ~forced_B
+    reason_B = jnp.where(running_B & chose_stop_B, StopReason.EOS,
                          jnp.where(running_B & reached_max_B, StopReason.MAX_NEW_TOKENS,
                                    stop_reason_B))
     return reason_B.astype(jnp.int32), running_B & (is_stop_B | reached_max_B)

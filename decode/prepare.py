@@ -115,7 +115,8 @@ class Prepared:
 def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams, rng,
              num_samples=1, sampling: Sampling = GREEDY, logit_processors=(), state=None,
              mesh=None, speculative=None, constraint: Constrained = None,
-             fill_rows: bool = True, adapters=None, adapter=0) -> Prepared:
+             fill_rows: bool = True, adapters=None, adapter=0,
+             forced_end_id: int | None = None) -> Prepared:
     """Checks a call's arguments and lays them out as its compiled programs take them. The
     batch is filled up to its bucket (`rows_bucket`; on a mesh, to a multiple of the `data`
     axis too) with copies of its last prompt, which finish when it does and are dropped from
@@ -136,6 +137,11 @@ def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams
     max_new_tokens = checks.integer("max_new_tokens", max_new_tokens, 1)
     num_beams = checks.integer("num_beams", num_beams, 1)
     eos_ids = checks.token_ids("eos_ids", eos_ids)
+    if forced_end_id is not None:
+        forced_end_id = checks.integer("forced_end_id", forced_end_id, 0)
+        if forced_end_id >= config.vocab_size:
+            raise checks.InvalidValue("forced_end_id", f"forced_end_id {forced_end_id} is "
+                                      f"outside the vocabulary [0, {config.vocab_size})")
     validate(config, params, tokens, lengths, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
              num_beams=num_beams, continuing=state is not None)
     check_num_samples(num_samples)
@@ -190,7 +196,9 @@ def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams
     return Prepared(
         tokens=jnp.asarray(padded), lengths=jnp.asarray(lengths, jnp.int32),
         batch=batch, capacity=capacity, buffer_len=buffer_len,
-        stops=StopConditions(jnp.asarray(eos), jnp.asarray(max_new_tokens, jnp.int32)),
+        stops=StopConditions(jnp.asarray(eos), jnp.asarray(max_new_tokens, jnp.int32),
+                             jnp.asarray(-1 if forced_end_id is None else forced_end_id,
+                                         jnp.int32)),
         sampling=params_rows, rng=rng,
         num_samples=num_samples, processors=processors, state=state, mesh=mesh,
         speculative=speculative, plan=default_plan(rows), num_beams=num_beams,

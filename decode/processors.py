@@ -208,6 +208,15 @@ class RowLogitBias:
         return jax.lax.cond(jnp.any(self.values != 0), add, lambda x: x, logits_BV)
 
 
+def force_end(logits_BV: jax.Array, forced_B: jax.Array) -> jax.Array:
+    """Each row whose `forced_B` [B] is a token id (not -1) can draw only that token (its
+    logit 0, every other -inf), as transformers' ForcedEOSTokenLogitsProcessor makes a
+    row's last token its `forced_eos_token_id`; other rows keep their logits exactly."""
+    vocab_V = jnp.arange(logits_BV.shape[1])
+    only_BV = jnp.where(vocab_V[None] == forced_B[:, None], 0.0, -jnp.inf)
+    return jnp.where((forced_B >= 0)[:, None], only_BV, logits_BV)
+
+
 def forbid_tokens(token_ids: Sequence[int]) -> LogitBias:
     """A processor that never lets `token_ids` be sampled."""
     return LogitBias.of({int(t): -jnp.inf for t in token_ids})

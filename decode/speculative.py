@@ -52,7 +52,7 @@ from kvjax import model as M
 from kvjax import parallel
 
 from . import draft_model
-from .acceptance import advance, choose, settled
+from .acceptance import advance, choose, force_end, settled
 from .loop import DecodeState, StopConditions, StopReason, TokensToLogits
 from .prompt_lookup import MAX_NGRAM_SIZE, ngram_drafts
 from .sampling import SamplingParams, sample, token_keys
@@ -290,6 +290,7 @@ def drafting_loop(tokens_to_logits: TokensToLogits, carry: SpeculativeState,
         tokens_BT, accepted_B = choose(
             logits_BTV if rows is None else rows.mask_each(logits_BTV, states_BT), drafts_BJ,
             valid_B, sampling, choose_keys_B, draft_probs_BKV)
+        tokens_BT = force_end(tokens_BT, state.lengths, stops)
         new_state, _ = advance(state.replace(cache=cache), state.cache.lengths, logits_BTV,
                                tokens_BT, accepted_B, stops)
         if rows is not None:
@@ -311,6 +312,7 @@ def drafting_loop(tokens_to_logits: TokensToLogits, carry: SpeculativeState,
         rows = state.constraints
         token_B = sample(logits_B1V[:, 0] if rows is None else rows.mask(logits_B1V[:, 0]),
                          choose_keys_B, sampling)
+        token_B = force_end(token_B[:, None], state.lengths, stops)[:, 0]
         zeros_B = jnp.zeros_like(running_B, jnp.int32)
         new_state, _ = advance(state.replace(cache=cache), state.cache.lengths, logits_B1V,
                                token_B[:, None], zeros_B, stops)

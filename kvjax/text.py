@@ -223,7 +223,9 @@ def sample_texts(loaded: LoadedModel, prompt: str, *, num_samples: int = 1,
     (`decode.StartsWith`) starts every sample and beam with its tokens, compiled for the
     model's tokenizer (`decode.compile_constraint`); a translator whose generation config
     forces its first target token starts with it unless another constraint is given
-    (`forced_start`). A sample
+    (`forced_start`), and one whose generation config forces an end token
+    (`forced_eos_token_id`, Marian's) makes it last where a sample reaches `max_new_tokens`,
+    as transformers' `generate` does. A sample
     stops at its first `stop` string, which neither the streamed pieces nor the returned
     text include; text that might begin a stop string is held back until it cannot. Beam
     search only knows its answer at the end, so with `num_beams > 1` the text arrives in one piece.
@@ -242,7 +244,8 @@ def sample_texts(loaded: LoadedModel, prompt: str, *, num_samples: int = 1,
     limit = min(max_new_tokens, _room(loaded.config, len(tokens)))
     settings = dict(max_new_tokens=limit, eos_ids=tuple(loaded.tokenizer.stop_ids),
                     rng=jax.random.wrap_key_data(seed_key(seed))[None], sampling=sampling,
-                    logit_processors=logit_processors, speculative=speculative)
+                    logit_processors=logit_processors, speculative=speculative,
+                    forced_end_id=loaded.tokenizer.forced_end)
     if constraint is None:
         constraint = forced_start(loaded)
     if constraint is not None:
@@ -260,7 +263,8 @@ def sample_texts(loaded: LoadedModel, prompt: str, *, num_samples: int = 1,
             output = decode.beam_search(loaded.net, loaded.params, [tokens],
                                         num_beams=num_beams, max_new_tokens=limit,
                                         eos_ids=settings["eos_ids"],
-                                        constraint=settings.get("constraint"))
+                                        constraint=settings.get("constraint"),
+                                        forced_end_id=settings["forced_end_id"])
             first = time.perf_counter() - start
             rows[0].add(output.token_lists()[0])
         else:

@@ -40,6 +40,8 @@ class GenerationRequest:
                  tokens' logits after the penalties, as `decode.LogitBias` adds it in
                  `generate`; at most `MAX_LOGIT_BIAS` tokens.
     stop_ids:    token ids that end a sample (included in its tokens, not in its text).
+    forced_end_id: the token a sample makes last when it reaches `max_tokens`, as
+                 `decode.generate` forces it (a translator's `forced_eos_token_id`), or None.
     stop:        strings that end a sample's text (neither streamed nor returned).
     seed:        the sample's tokens depend on it and on nothing else the batch holds;
                  None draws one.
@@ -56,6 +58,7 @@ class GenerationRequest:
     sampling: Sampling = GREEDY
     logit_bias: tuple[tuple[int, float], ...] = ()
     stop_ids: tuple[int, ...] = ()
+    forced_end_id: int | None = None
     stop: tuple[str, ...] = ()
     seed: int | None = None
     logprobs: int = 0
@@ -109,6 +112,10 @@ class GenerationRequest:
             if not 0 <= token < vocab_size:
                 raise checks.InvalidValue("stop_ids", f"stop id {token} is outside the "
                                                       f"vocabulary [0, {vocab_size})")
+        if self.forced_end_id is not None and not (
+                checks.is_int(self.forced_end_id) and 0 <= self.forced_end_id < vocab_size):
+            raise checks.InvalidValue("forced_end_id", f"forced_end_id {self.forced_end_id!r} "
+                                      f"is not a token id in [0, {vocab_size})")
         logit_bias = _checked_logit_bias(self.logit_bias, vocab_size)
         stop = check_stop_strings(self.stop)
         seed = secrets.randbelow(MAX_SEED) if self.seed is None else self.seed
@@ -208,7 +215,9 @@ def row_settings(samples: list[tuple[GenerationRequest, int]],
                        np.int32 if isinstance(default, int) else np.float32)
         for name, default in dataclasses.asdict(GREEDY).items()})
     return RowSettings(
-        max_tokens=np.array([r.max_tokens for r, _ in samples], np.int32), stop_ids=stop_ids,
+        max_tokens=np.array([r.max_tokens for r, _ in samples], np.int32),
+        forced_end=np.array([-1 if r.forced_end_id is None else r.forced_end_id
+                             for r, _ in samples], np.int32), stop_ids=stop_ids,
         seed=np.stack([seed_key(r.seed) for r, _ in samples]),
         sample=np.array([index for _, index in samples], np.int32), sampling=sampling,
         logit_bias=bias,

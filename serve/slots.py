@@ -58,6 +58,7 @@ class SlotState:
     last_tokens:     [B] int32 each slot's newest token (fed at the next step).
     generated:       [B] int32 tokens the slot's request has made so far.
     max_tokens:      [B] int32 the request's token budget.
+    forced_end:      [B] int32 the token the request makes last at its budget (-1: none).
     stop_ids:        [B, E] int32 ids that end the request (-1 pads).
     keys:            [B, 2] uint32 the request's random key (its key data).
     sampling:        `SamplingParams` with [B] fields.
@@ -80,6 +81,7 @@ class SlotState:
     last_tokens: jax.Array
     generated: jax.Array
     max_tokens: jax.Array
+    forced_end: jax.Array
     stop_ids: jax.Array
     keys: jax.Array
     sampling: SamplingParams
@@ -97,6 +99,16 @@ class SlotState:
     @property
     def num_slots(self) -> int:
         return self.running.shape[0]
+
+    def forced_now(self) -> jax.Array:
+        """[B] the token each row must make next (its forced end, if this is its last), -1
+        for none."""
+        return forced_ends(self.generated, self.max_tokens, self.forced_end)
+
+
+def forced_ends(generated_B, max_tokens_B, forced_end_B) -> jax.Array:
+    """[B] int32 each row's forced end where its next token is its last, else -1."""
+    return jnp.where(generated_B + 1 >= max_tokens_B, forced_end_B, -1).astype(jnp.int32)
 
 
 @flax.struct.dataclass
@@ -124,7 +136,8 @@ class EngineState:
 
 @flax.struct.dataclass
 class RowSettings:
-    """The settings of R samples as slots hold them: max_tokens [R], stop_ids [R, E], seed
+    """The settings of R samples as slots hold them: max_tokens [R], forced_end [R],
+    stop_ids [R, E], seed
     [R, 2] uint32 (the request's prompt key, `decode.sampling.seed_key`), sample [R] (each
     sample's index among its request's n, `sample_key`), sampling with [R] fields,
     logit_bias [R, MAX_LOGIT_BIAS], constraint_state [R] (the initial state of its automaton
@@ -132,6 +145,7 @@ class RowSettings:
     goes on from its count) and prefix_row, prefix_pages, adapter [R] (as `SlotState`'s)."""
 
     max_tokens: jax.Array
+    forced_end: jax.Array
     stop_ids: jax.Array
     seed: jax.Array
     sample: jax.Array
@@ -236,6 +250,7 @@ def _free_rows(config: M.TransformerConfig, rows: int, capacity: int,
         cache=(M.row_cache(config, rows, capacity, source_capacity, step_tokens)
                if cache is None else cache),
         last_tokens=zeros(), generated=zeros(), max_tokens=zeros(),
+        forced_end=jnp.full((rows,), -1, jnp.int32),
         stop_ids=jnp.full((rows, MAX_STOP_IDS), -1, jnp.int32),
         keys=jnp.zeros((rows, 2), jnp.uint32),
         sampling=SamplingParams.make(batch=rows),
@@ -261,19 +276,19 @@ def _free_state_on(config: M.TransformerConfig, num_slots: int, num_staged: int,
 
 def choose(logits_BV, context_BC, context_lengths_B, sampling: SamplingParams,
            logit_bias: RowLogitBias, stop_ids_BE, keys_B2, positions_B, want_top=True,
-           constraints: RowConstraints | None = None, live_B=None):
+           constraints: RowConstraints | None = None, live_B=None, forced_B=None):
     """(token [B], logprob [B], top_logprobs [B, W], top_ids [B, W], constraint_state [B]
     or None): each row's next token as `decode` picks it (`decode.loop.choose`), drawn with
     the row's own key folded with its position (the tokens it has made so far, which are the
     last of its context, as the presence and frequency penalties count them, and which
     `min_tokens` compares to hold back its `stop_ids` [B, E]), its logit bias added after the
-    penalties, and each `live` row's constraint state after it. The top W are zeros unless
-    `want_top`."""
+    penalties, its forced token where `forced_B` [B] names one (`forced_ends`), and each
+    `live` row's constraint state after it. The top W are zeros unless `want_top`."""
     token_B, logprob_B, logprobs_BV = decode_loop.choose(
         logits_BV, ProcessorState(context_BC, context_lengths_B, jnp.zeros((), jnp.int32),
                                   sampling, positions_B, stop_ids_BE),
         jax.random.wrap_key_data(keys_B2), positions_B, processors=(logit_bias,),
-        constraints=constraints)
+        constraints=constraints, forced_B=forced_B)
     constraint_state_B = None if constraints is None else (
         constraints.advance(token_B, live_B).state)
     width = min(MAX_TOP_LOGPROBS, logits_BV.shape[-1])
@@ -295,7 +310,7 @@ def record(state: SlotState, token_B, live_B) -> SlotState:
     does (`decode.loop.take`)."""
     generated_B = state.generated + live_B
     state, _, ends_B = decode_loop.take(state, token_B, live_B, state.stop_ids,
-                                        generated_B >= state.max_tokens)
+                                        generated_B >= state.max_tokens, state.forced_now())
     return state.replace(generated=generated_B, running=state.running & ~ends_B)
 
 
@@ -362,6 +377,7 @@ def _first_tokens(state: EngineState, logits_RV, context_RC, context_lengths_R, 
     rows = rows.replace(
         generated=put(rows.generated, settings.generated),
         max_tokens=put(rows.max_tokens, settings.max_tokens),
+        forced_end=put(rows.forced_end, settings.forced_end),
         stop_ids=put(rows.stop_ids, settings.stop_ids),
         keys=put(rows.keys, keys_R2),
         sampling=jax.tree.map(put, rows.sampling, settings.sampling),
@@ -375,7 +391,8 @@ def _first_tokens(state: EngineState, logits_RV, context_RC, context_lengths_R, 
     token_R, logprob_R, top_logprobs_RA, top_ids_RA, constraint_state_R = choose(
         logits_RV, context_RC, context_lengths_R, settings.sampling, settings.logit_bias,
         settings.stop_ids, keys_R2, settings.generated, constraints=constraints,
-        live_B=jnp.ones(staged_R.shape, bool))
+        live_B=jnp.ones(staged_R.shape, bool),
+        forced_B=forced_ends(settings.generated, settings.max_tokens, settings.forced_end))
     if constraints is not None:
         rows = rows.replace(constraint_state=put(rows.constraint_state, constraint_state_R))
     token_Q = jnp.zeros(rows.num_slots, jnp.int32).at[staged_R].set(token_R, mode="drop")

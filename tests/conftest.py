@@ -339,6 +339,7 @@ class FakeTokenizer:
     pad_id, bos_id, eos_id = 0, 1, 2
     stop_ids = document_prefix = source_suffix = (2,)
     source_prefix = target_prefix = ()
+    forced_end = None
 
     @staticmethod
     def encode(text):

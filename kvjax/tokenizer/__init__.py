@@ -72,6 +72,9 @@ class TextTokenizer(Protocol):
     - `target_prefix`: the ids an encoder-decoder's target starts with after the decoder's
       start, which generating forces unless told otherwise (kvjax: `()`; a Hugging Face
       model: its generation config's `forced_bos_token_id`, BART-large-CNN's `<s>`).
+    - `forced_end`: the id generating makes last when it reaches its token budget, or None
+      (kvjax: None; a Hugging Face model: its generation config's `forced_eos_token_id`,
+      Marian's `</s>`).
     - `to_bytes()`: a serialization that `tokenizer_from_bytes` turns back into an equal
       tokenizer (no pickle).
     """
@@ -102,6 +105,9 @@ class TextTokenizer(Protocol):
 
     @property
     def target_prefix(self) -> tuple[int, ...]: ...
+
+    @property
+    def forced_end(self) -> int | None: ...
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -228,6 +234,10 @@ class Tokenizer:
     @property
     def target_prefix(self) -> tuple[int, ...]:
         return ()
+
+    @property
+    def forced_end(self) -> int | None:
+        return None
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, without BOS or EOS."""

@@ -35,21 +35,22 @@ def next_is_previous_plus_one(tokens_B1, cache):
 
 
 def run(first_tokens, *, max_new_tokens, eos_ids=(), buffer_len=16, capacity=100,
-        prompt_lengths=None):
+        prompt_lengths=None, forced_end_id=-1, temperature=0.0):
     eos = np.full(8, -1, np.int32)
     eos[:len(eos_ids)] = eos_ids
     lengths = prompt_lengths if prompt_lengths is not None else [1] * len(first_tokens)
-    return _run(jnp.asarray(first_tokens), jnp.asarray(lengths), jnp.asarray(eos),
-                jnp.asarray(max_new_tokens), buffer_len, capacity)
+    stops = StopConditions(jnp.asarray(eos), jnp.asarray(max_new_tokens),
+                           jnp.asarray(forced_end_id, jnp.int32))
+    return _run(jnp.asarray(first_tokens), jnp.asarray(lengths), stops,
+                jnp.asarray(temperature, jnp.float32), buffer_len, capacity)
 
 
 @functools.partial(jax.jit, static_argnums=(4, 5))
-def _run(first_tokens_B, lengths_B, eos, max_new_tokens, buffer_len, capacity):
+def _run(first_tokens_B, lengths_B, stops, temperature, buffer_len, capacity):
     """The first tokens recorded as a prefill's, then the loop: one compiled program."""
     batch = first_tokens_B.shape[0]
     cache = FakeCache(lengths_B, jnp.zeros((), jnp.int32), capacity)
-    stops = StopConditions(eos, max_new_tokens)
-    sampling = SamplingParams.make()
+    sampling = SamplingParams.make(temperature=temperature, batch=batch)
     state = initial_state(batch, buffer_len, cache, row_keys(jax.random.key(0), batch))
     first_logits, _ = next_is_previous_plus_one(first_tokens_B[:, None] - 1, cache)
     state = record(state, first_logits[:, 0], stops, sampling)
@@ -73,6 +74,27 @@ def test_each_row_stops_at_its_own_eos_and_pads_after():
     np.testing.assert_array_equal(state.lengths, [4, 4, 12])
     np.testing.assert_array_equal(
         state.stop_reason, [StopReason.EOS, StopReason.EOS, StopReason.MAX_NEW_TOKENS])
+
+
+def test_a_forced_end_is_the_last_token_of_each_row_that_reaches_its_budget():
+    """transformers' `forced_eos_token_id`: the token a row makes at its budget, whatever it
+    would draw (greedy or sampled), ending it by its budget; rows that end before keep
+    their tokens."""
+    for temperature in (0.0, 1.0):
+        state = run([3, 10, 1], max_new_tokens=6, eos_ids=(6, 2), forced_end_id=2,
+                    temperature=temperature)
+        np.testing.assert_array_equal(state.tokens[:, :7], [[3, 4, 5, 6, 0, 0, 0],
+                                                            [10, 11, 12, 13, 14, 2, 0],
+                                                            [1, 2, 0, 0, 0, 0, 0]])
+        np.testing.assert_array_equal(state.lengths, [4, 6, 2])
+        np.testing.assert_array_equal(state.stop_reason, [StopReason.EOS,
+                                                          StopReason.MAX_NEW_TOKENS,
+                                                          StopReason.EOS])
+    # A forced end need not be an eos id; a budget of one token forces the first.
+    np.testing.assert_array_equal(run([3], max_new_tokens=4, forced_end_id=40).tokens[0, :5],
+                                  [3, 4, 5, 40, 0])
+    np.testing.assert_array_equal(run([3], max_new_tokens=1, forced_end_id=40).tokens[0, :2],
+                                  [40, 0])
 
 
 def test_loop_exits_as_soon_as_every_row_is_done():

@@ -79,10 +79,11 @@ def fake_state(prompts, capacity, buffer_len=32, seed=0):
     return state.replace(last_tokens=jnp.asarray([p[-1] for p in prompts], jnp.int32))
 
 
-def stops_of(eos_ids, max_new_tokens):
+def stops_of(eos_ids, max_new_tokens, forced_end_id=-1):
     eos = np.full(8, -1, np.int32)
     eos[:len(eos_ids)] = eos_ids
-    return StopConditions(jnp.asarray(eos), jnp.asarray(max_new_tokens, jnp.int32))
+    return StopConditions(jnp.asarray(eos), jnp.asarray(max_new_tokens, jnp.int32),
+                          jnp.asarray(forced_end_id, jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnums=5)
@@ -103,16 +104,17 @@ def run_plain(table, state, stops, sampling):
 FAKE_PROMPTS = [[0, 1, 2, 3, 4, 5, 6, 0, 1], [3, 4, 0, 6, 6, 3, 4], [2], [5, 6, 0, 5, 6]]
 
 
-@pytest.mark.parametrize("eos_ids, max_new_tokens", [
-    ((), 24),
-    ((5,), 24),     # eos inside an accepted draft of row 0 (and of others)
-    ((1, 4), 24),
-    ((), 11),       # max_new_tokens inside a draft
+@pytest.mark.parametrize("eos_ids, max_new_tokens, forced_end_id", [
+    ((), 24, -1),
+    ((5,), 24, -1),     # eos inside an accepted draft of row 0 (and of others)
+    ((1, 4), 24, -1),
+    ((), 11, -1),       # max_new_tokens inside a draft
+    ((), 11, 3),        # ... where a forced end replaces an accepted draft
 ], ids=str)
-def test_fake_model_speculative_equals_plain_greedy(eos_ids, max_new_tokens):
+def test_fake_model_speculative_equals_plain_greedy(eos_ids, max_new_tokens, forced_end_id):
     # With 28 cache slots rows 0 and 1 fill their caches before 24 tokens: drafts that would
     # run past the capacity fall back to plain steps, and the rows stop with cache_full.
-    stops = stops_of(eos_ids, max_new_tokens)
+    stops = stops_of(eos_ids, max_new_tokens, forced_end_id)
     sampling = SamplingParams.make(batch=len(FAKE_PROMPTS))
     state = fake_state(FAKE_PROMPTS, capacity=28)
     plain = run_plain(CYCLE_TABLE, state, stops, sampling)
@@ -135,6 +137,9 @@ def test_fake_model_speculative_equals_plain_greedy(eos_ids, max_new_tokens):
     assert int(stats.accepted[1]) < int(stats.drafted[1])  # and some rejected
     if eos_ids == (5,):
         assert fast.decode.stop_reason[0] == StopReason.EOS
+    if forced_end_id >= 0:  # every row reaches its budget, its last token forced
+        np.testing.assert_array_equal(fast.decode.stop_reason, StopReason.MAX_NEW_TOKENS)
+        np.testing.assert_array_equal(fast.decode.tokens[:, max_new_tokens - 1], forced_end_id)
 
 
 # Sampling: the first tokens' distribution is the target's ----------------------------------
@@ -199,16 +204,18 @@ def test_greedy_equals_plain_generate(tiny):
     assert fast.speculation.steps < 29  # fewer model calls than tokens
     # eos and max_new_tokens are traced: ending inside drafts compiles nothing new.
     counts = decode.trace_count("speculative"), decode.trace_count("continue")
-    for eos_at, max_new_tokens, ngram_size in ((5, 30, 3), (12, 27, 1), (None, 25, 2)):
+    for eos_at, max_new_tokens, ngram_size, forced in ((5, 30, 3, None), (12, 27, 1, None),
+                                                      (None, 25, 2, None), (None, 25, 2, 7)):
         eos = () if eos_at is None else (int(plain.tokens[0, eos_at]),)
         plain = decode.generate(net, params, PROMPTS, max_new_tokens=max_new_tokens,
-                                eos_ids=eos, return_logprobs=True)
+                                eos_ids=eos, return_logprobs=True, forced_end_id=forced)
         fast = decode.generate(net, params, PROMPTS, max_new_tokens=max_new_tokens,
-                               eos_ids=eos, return_logprobs=True,
+                               eos_ids=eos, return_logprobs=True, forced_end_id=forced,
                                speculative=decode.Speculative(ngram_size=ngram_size))
         assert fast.token_lists() == plain.token_lists()
         assert fast.stop_reasons() == plain.stop_reasons()
         np.testing.assert_allclose(fast.logprobs, plain.logprobs, atol=1e-4)
+    assert plain.tokens[0, 24] == 7 and plain.stop_reasons()[0] == "max_new_tokens"
     assert (decode.trace_count("speculative"), decode.trace_count("continue")) == counts
 
 

@@ -90,6 +90,57 @@ def test_a_first_token_the_generation_config_forces_starts_every_sampled_target(
         load_tokenizer(directory)
 
 
+@pytest.mark.parametrize("name", ["marian", "mbart"])
+def test_an_end_forced_at_the_budget_ends_every_target_as_in_transformers(name):
+    """transformers' `forced_eos_token_id` (Marian's releases set it): a target that reaches
+    its budget ends with the token, in greedy and beam search, where a forced end adds 0 to
+    a beam's score, so that another beam may win than the one cut at the budget."""
+    config, _, params = hf.load_pretrained(FIXTURES / name)
+    record, _ = expected(name)
+    forced = record["forced_end"]
+    net, eos, budget = M.build_model(config), record["eos_id"], forced["max_new_tokens"]
+    settings = dict(max_new_tokens=budget, eos_ids=(eos,))
+    greedy = decode.generate(net, params, record["prompts"], forced_end_id=eos, **settings)
+    assert greedy.token_lists() == forced["greedy"]
+    assert "max_new_tokens" in greedy.stop_reasons()
+    beam = decode.beam_search(net, params, record["prompts"], num_beams=record["num_beams"],
+                              forced_end_id=eos, **settings)
+    assert beam.token_lists() == forced["beam"]
+    cut = decode.beam_search(net, params, record["prompts"], num_beams=record["num_beams"],
+                             **settings).token_lists()
+    assert forced["beam"] != [t if len(t) < budget else t[:-1] + [eos] for t in cut]
+
+
+def test_a_generation_config_that_forces_an_end_ends_sampled_targets_with_it(tmp_path):
+    """`text` sampling forces the end a generation config names (config.json's where there
+    is no generation_config.json, as transformers reads it); one it cannot force is refused
+    by name."""
+    record, _ = expected("marian")
+    eos, budget = record["eos_id"], record["forced_end"]["max_new_tokens"]
+    directory = copy_of("marian", tmp_path)
+    source = "Hello world"
+    plain = text.sample_text(text.load(directory), source, max_new_tokens=budget)
+    assert len(plain.tokens) == budget and plain.tokens[-1] != eos
+    edit_config(directory, "generation_config.json", forced_eos_token_id=eos)
+    for beams in (1, 3):
+        want = decode.beam_search if beams > 1 else decode.generate
+        loaded = text.load(directory)
+        got = text.sample_text(loaded, source, max_new_tokens=budget, num_beams=beams)
+        kwargs = {"num_beams": beams} if beams > 1 else {}
+        direct = want(loaded.net, loaded.params, [text.prompt_tokens(loaded, source)],
+                      max_new_tokens=budget, eos_ids=loaded.tokenizer.stop_ids,
+                      forced_end_id=eos, **kwargs)
+        assert got.tokens == direct.token_lists()[0] and got.tokens[-1] == eos
+        assert got.stop_reason == "max_new_tokens"
+    (directory / "generation_config.json").unlink()
+    edit_config(directory, forced_eos_token_id=eos)
+    assert load_tokenizer(directory).forced_end == eos
+    assert tokenizer_from_bytes(load_tokenizer(directory).to_bytes()).forced_end == eos
+    edit_config(directory, forced_eos_token_id=[eos, 1])
+    with pytest.raises(ValueError, match=r"forced_eos_token_id \[0, 1\]: kvjax forces one"):
+        load_tokenizer(directory)
+
+
 @pytest.mark.parametrize("name", ["marian", "bart"])
 def test_files_without_the_logits_bias_load_it_as_zeros(tmp_path, name):
     # transformers reads such files (its own bias of zeros, `_keys_to_ignore_on_load_missing`)

@@ -43,15 +43,25 @@ def engine(translator):
 
 def test_greedy_translations_equal_generate_alone_while_others_join_and_leave(numbers):
     """The shipped translator, sources of 1 to 7 digits (prefilled two at a time, in two
-    length buckets), more requests than slots: each slot answers its own source."""
-    sources = ["4021", "7", "880017", "35", "1000001", "612"]
+    length buckets), more requests than slots: each slot answers its own source. Two end
+    at their budgets with a forced end (transformers' `forced_eos_token_id`), as
+    `generate` forces it: an eos id after three tokens, another token as the first."""
+    sources = ["4021", "7", "880017", "35", "1000001", "612", "59"]
+    eos, word = numbers.tokenizer.eos_id, numbers.tokenizer.encode("nine")[0]
+    budgets, forced = (30, 30, 4, 30, 30, 30, 1), (None,) * 2 + (eos,) + (None,) * 3 + (word,)
     requests = [GenerationRequest(tuple(text.prompt_tokens(numbers, s)), max_tokens=m,
-                                  stop_ids=numbers.tokenizer.stop_ids)
-                for s, m in zip(sources, (30, 30, 4, 30, 30, 30), strict=True)]
+                                  stop_ids=numbers.tokenizer.stop_ids, forced_end_id=f)
+                for s, m, f in zip(sources, budgets, forced, strict=True)]
     made = decode.generate(numbers.net, numbers.params, [list(r.prompt) for r in requests],
                            max_new_tokens=30, eos_ids=numbers.tokenizer.stop_ids)
     expected = [tokens[:r.max_tokens]
                 for tokens, r in zip(made.token_lists(), requests, strict=True)]
+    for row in (2, 6):
+        (expected[row],) = decode.generate(
+            numbers.net, numbers.params, [list(requests[row].prompt)],
+            max_new_tokens=budgets[row], eos_ids=numbers.tokenizer.stop_ids,
+            forced_end_id=forced[row]).token_lists()
+        assert expected[row][-1] == forced[row] != made.token_lists()[row][budgets[row] - 1]
     engine = Engine(numbers.config, numbers.params, tokenizer=numbers.tokenizer,
                     max_slots=SLOTS, chunk_size=CHUNK, max_len=32, prefill_batch=2,
                     max_source_len=12)
@@ -64,7 +74,8 @@ def test_greedy_translations_equal_generate_alone_while_others_join_and_leave(nu
     engine.run_until_idle()
     assert [c.tokens() for c in collectors] == expected
     assert collectors[0].text() == "four thousand twenty-one"
-    assert [c.finish() for c in collectors] == ["stop", "stop", "length", "stop", "stop", "stop"]
+    assert [c.finish() for c in collectors] == ["stop", "stop", "length", "stop", "stop", "stop",
+                                                "length"]
     assert engine.live_slots == 0 and engine.queue_length == 0
 
 
