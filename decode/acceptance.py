@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from .loop import DecodeState, StopConditions, StopReason
+from .processors import ban
 from .sampling import SamplingParams, filter_logits
 
 
@@ -77,6 +78,16 @@ def choose(logits_BTV: jax.Array, drafts_BJ: jax.Array, valid_B: jax.Array,
     draft_BT = jnp.pad(drafts_BJ, ((0, 0), (0, 1)))
     tokens_BT = jnp.where(positions_T[None] < accepted_B[:, None], draft_BT, model_BT)
     return tokens_BT, accepted_B
+
+
+def banned(logits_BTV: jax.Array, stops: StopConditions) -> jax.Array:
+    """The logits with `stops.banned_ids` at -inf at every position, as the plain loop's
+    `choose` bans them."""
+    if stops.banned_ids is None:
+        return logits_BTV
+    batch, num_tokens, vocab = logits_BTV.shape
+    return ban(logits_BTV.reshape(-1, vocab), stops.banned_rows(batch * num_tokens)).reshape(
+        batch, num_tokens, vocab)
 
 
 def force_end(tokens_BT: jax.Array, lengths_B: jax.Array, stops: StopConditions) -> jax.Array:

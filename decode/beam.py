@@ -25,6 +25,7 @@ from kvjax.model import lora_rows
 
 from .automaton import RowConstraints
 from .loop import StopConditions, StopReason
+from .processors import ban
 from .tracing import count_trace
 
 NEG_INF = -1e9  # finite, so that sums of "impossible" stay comparable and never NaN
@@ -86,6 +87,10 @@ def beam_step(state: BeamState, logprobs_BWV: jax.Array, stops: StopConditions,
               length_penalty: jax.Array) -> tuple[BeamState, jax.Array]:
     """Extends the beams by one token; returns the new state and the cache rows to gather."""
     batch, width, vocab = logprobs_BWV.shape
+    if stops.banned_ids is not None:
+        logprobs_BWV = jnp.maximum(ban(logprobs_BWV.reshape(batch * width, vocab),
+                                       stops.banned_rows(batch * width)),
+                                   NEG_INF).reshape(batch, width, vocab)
     if state.constraints is not None:
         logprobs_BWV = jnp.maximum(state.constraints.mask(
             logprobs_BWV.reshape(batch * width, vocab)), NEG_INF).reshape(batch, width, vocab)

@@ -179,7 +179,8 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
              speculative: spec.Speculative | None = None,
              constraint: Constrained = None, adapters: lora_rows.AdapterStack | None = None,
              adapter: int | Sequence[int] = 0,
-             forced_end_id: int | None = None) -> GenerateOutput:
+             forced_end_id: int | None = None,
+             banned_ids: Sequence[int] = ()) -> GenerateOutput:
     """Generates up to `max_new_tokens` per prompt.
 
     `prompts`: a list of token-id lists (lengths may differ) or an int array [B, P] with
@@ -220,6 +221,8 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
     `forced_end_id` (transformers' `forced_eos_token_id`, which a translator's generation
     config may set): a row that reaches `max_new_tokens` makes this token last, whatever
     the model, a processor or a constraint would choose; it stops with `max_new_tokens`.
+    `banned_ids` (at most 8; a generation config's one-token `bad_words_ids`, Marian's pad)
+    are never made.
     """
     _refuse_kept_adapters(return_state, adapters)
     mesh, params = _placement(net.config, params, mesh, return_state)
@@ -228,7 +231,7 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
                        sampling=sampling, logit_processors=logit_processors, state=state,
                        mesh=mesh, speculative=speculative, constraint=constraint,
                        fill_rows=not return_state, adapters=adapters, adapter=adapter,
-                       forced_end_id=forced_end_id)
+                       forced_end_id=forced_end_id, banned_ids=banned_ids)
     config = net.config
     carry = _run(config, params, _first(config, params, prepared, return_state), prepared,
                  prepared.stops.max_new_tokens)
@@ -241,21 +244,23 @@ def beam_search(net, params, prompts, *, max_new_tokens: int, num_beams: int,
                 return_logprobs: bool = False, mesh: Mesh | None = None,
                 constraint=None, adapters: lora_rows.AdapterStack | None = None,
                 adapter: int | Sequence[int] = 0,
-                forced_end_id: int | None = None) -> GenerateOutput:
+                forced_end_id: int | None = None,
+                banned_ids: Sequence[int] = ()) -> GenerateOutput:
     """The `num_beams` likeliest continuations of each prompt, best first: each step keeps
     the best `num_beams` hypotheses by their summed logprobs, and finished ones are scored
     by sum(logprobs) / length**length_penalty (`decode/beam.py`). Returns the best per
     prompt, with its score in `scores`. Prompts, eos ids, lengths, `mesh` and `constraint`
     (the logprobs of the tokens it allows compete; the rest are never candidates) are as for
-    `generate`, and so are `adapters`, `adapter` and `forced_end_id` (the end every beam
-    makes at `max_new_tokens`, adding 0 to its summed logprobs as transformers scores it);
+    `generate`, and so are `adapters`, `adapter`, `banned_ids` and `forced_end_id` (the end
+    every beam makes at `max_new_tokens`, adding 0 to its summed logprobs as transformers
+    scores it);
     one compiled loop, greedy in what it keeps, so there is no sampling."""
     length_penalty = checks.real("length_penalty", length_penalty, lambda _: True, "finite")
     mesh, params = placement(net.config, params, mesh)
     prepared = prepare(net, params, prompts, lengths, max_new_tokens=max_new_tokens,
                        eos_ids=eos_ids, num_beams=num_beams, rng=None, mesh=mesh,
                        constraint=constraint, adapters=adapters, adapter=adapter,
-                       forced_end_id=forced_end_id)
+                       forced_end_id=forced_end_id, banned_ids=banned_ids)
     result = beam.beam_search(
         net.config, params, prepared.tokens, prepared.lengths, prepared.capacity,
         prepared.buffer_len, prepared.num_beams, prepared.stops,

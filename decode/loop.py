@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from .automaton import RowConstraints
 from .plan import ON_DEVICE, LoopPlan
-from .processors import LogitProcessor, ProcessorState, apply_processors, force_end
+from .processors import LogitProcessor, ProcessorState, apply_processors, ban, force_end
 from .sampling import SamplingParams, sample
 
 TokensToLogits = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
@@ -79,11 +79,19 @@ class DecodeState:
 class StopConditions:
     """eos_ids: [E] int32 ids that end a row (-1 pads unused slots); max_new_tokens: scalar;
     forced_end_id: scalar int32, the token a row that reaches `max_new_tokens` makes last
-    (transformers' `forced_eos_token_id`), or -1 for none."""
+    (transformers' `forced_eos_token_id`), or -1 for none; banned_ids: [K] int32 ids no row
+    ever makes (a generation config's one-token `bad_words_ids`; -1 pads), or None."""
 
     eos_ids: jax.Array
     max_new_tokens: jax.Array
     forced_end_id: jax.Array | int = -1
+    banned_ids: jax.Array | None = None
+
+    def banned_rows(self, batch: int) -> jax.Array | None:
+        """[B, K] the banned ids of every row, or None."""
+        if self.banned_ids is None:
+            return None
+        return jnp.broadcast_to(self.banned_ids, (batch, self.banned_ids.shape[0]))
 
     def forced_at(self, last_B: jax.Array) -> jax.Array:
         """[B] int32 the token each row must make now, given which rows make their last
@@ -93,15 +101,18 @@ class StopConditions:
 
 def choose(logits_BV: jax.Array, context: ProcessorState, keys_B: jax.Array, position,
            processors: tuple[LogitProcessor, ...] = (), plan: LoopPlan = ON_DEVICE,
-           constraints: RowConstraints | None = None, forced_B: jax.Array | None = None
-           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+           constraints: RowConstraints | None = None, forced_B: jax.Array | None = None,
+           banned_BK: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(token [B], its logprob [B], logprobs [B, V]): each row's next token, as every
     decoder in kvjax picks it: the built-in penalties and `processors` on the logits, then
-    the row's constraint, then a forced token where `forced_B` [B] names one (not -1: a
+    the ids `banned_BK` [B, K] names (or None) banned, then the row's constraint, then a
+    forced token where `forced_B` [B] names one (not -1: a
     row's end at its budget, which overrides the rest, as in transformers), then greedy or
     a draw with the row's key folded with `position` (a scalar or [B], `sampling`). The
     logprobs are the model's, before any processor."""
     processed_BV = apply_processors(logits_BV, context, processors, plan)
+    if banned_BK is not None:
+        processed_BV = ban(processed_BV, banned_BK)
     if constraints is not None:
         processed_BV = constraints.mask(processed_BV)
     if forced_B is not None:
@@ -145,7 +156,8 @@ def record(state: DecodeState, logits_BV: jax.Array, stops: StopConditions,
                                   state.lengths,
                                   jnp.broadcast_to(stops.eos_ids, (state.lengths.shape[0],
                                                                    stops.eos_ids.shape[0]))),
-        state.keys, state.step, processors, plan, state.constraints, forced_B)
+        state.keys, state.step, processors, plan, state.constraints, forced_B,
+        stops.banned_rows(state.lengths.shape[0]))
     running_B = ~state.done if active is None else ~state.done & active
     after, token_B, _ = take(state, token_B, running_B, stops.eos_ids[None, :], reached_max,
                              forced_B)

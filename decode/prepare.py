@@ -116,7 +116,7 @@ def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams
              num_samples=1, sampling: Sampling = GREEDY, logit_processors=(), state=None,
              mesh=None, speculative=None, constraint: Constrained = None,
              fill_rows: bool = True, adapters=None, adapter=0,
-             forced_end_id: int | None = None) -> Prepared:
+             forced_end_id: int | None = None, banned_ids: Sequence[int] = ()) -> Prepared:
     """Checks a call's arguments and lays them out as its compiled programs take them. The
     batch is filled up to its bucket (`rows_bucket`; on a mesh, to a multiple of the `data`
     axis too) with copies of its last prompt, which finish when it does and are dropped from
@@ -142,6 +142,14 @@ def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams
         if forced_end_id >= config.vocab_size:
             raise checks.InvalidValue("forced_end_id", f"forced_end_id {forced_end_id} is "
                                       f"outside the vocabulary [0, {config.vocab_size})")
+    banned_ids = checks.token_ids("banned_ids", banned_ids)
+    if len(banned_ids) > MAX_EOS_IDS:
+        raise checks.InvalidValue("banned_ids", f"at most {MAX_EOS_IDS} banned ids, got "
+                                                f"{len(banned_ids)}")
+    for token in banned_ids:
+        if not 0 <= token < config.vocab_size:
+            raise checks.InvalidValue("banned_ids", f"banned id {token} is outside the "
+                                                    f"vocabulary [0, {config.vocab_size})")
     validate(config, params, tokens, lengths, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
              num_beams=num_beams, continuing=state is not None)
     check_num_samples(num_samples)
@@ -170,8 +178,8 @@ def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams
         padded_len = bucket(int(lengths.max()), config.max_len)
         capacity = min(M.prompt_slots(config, padded_len) + buffer_len, config.max_len)
     padded = pad_prompts(tokens, lengths, padded_len)
-    eos = np.full(MAX_EOS_IDS, -1, np.int32)
-    eos[:len(eos_ids)] = eos_ids
+    eos, bans = np.full(MAX_EOS_IDS, -1, np.int32), np.full(MAX_EOS_IDS, -1, np.int32)
+    eos[:len(eos_ids)], bans[:len(banned_ids)] = eos_ids, banned_ids
     batch, lengths = tokens.shape[0], np.asarray(lengths, np.int32)
     fill = rows_bucket(batch) - batch if fill_rows and state is None else 0
     if mesh is not None:  # rows split evenly over `data`
@@ -198,7 +206,8 @@ def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams
         batch=batch, capacity=capacity, buffer_len=buffer_len,
         stops=StopConditions(jnp.asarray(eos), jnp.asarray(max_new_tokens, jnp.int32),
                              jnp.asarray(-1 if forced_end_id is None else forced_end_id,
-                                         jnp.int32)),
+                                         jnp.int32),
+                             jnp.asarray(bans) if banned_ids else None),
         sampling=params_rows, rng=rng,
         num_samples=num_samples, processors=processors, state=state, mesh=mesh,
         speculative=speculative, plan=default_plan(rows), num_beams=num_beams,

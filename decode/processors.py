@@ -208,6 +208,19 @@ class RowLogitBias:
         return jax.lax.cond(jnp.any(self.values != 0), add, lambda x: x, logits_BV)
 
 
+def ban(logits_BV: jax.Array, banned_BK: jax.Array) -> jax.Array:
+    """Row b can never draw the ids of `banned_BK[b]` [B, K] (-1 pads): their logits -inf,
+    as transformers' NoBadWordsLogitsProcessor bans a generation config's one-token
+    `bad_words_ids` (Marian's pad); every other logit is kept exactly."""
+    vocab = logits_BV.shape[1]
+    ids_BK = jnp.where(banned_BK >= 0, banned_BK, vocab)
+
+    def banned(row_V, ids_K):  # mapped over rows; an id of `vocab` writes nothing
+        return row_V.at[ids_K].set(-jnp.inf, mode="drop")
+
+    return jax.vmap(banned)(logits_BV, ids_BK)
+
+
 def force_end(logits_BV: jax.Array, forced_B: jax.Array) -> jax.Array:
     """Each row whose `forced_B` [B] is a token id (not -1) can draw only that token (its
     logit 0, every other -inf), as transformers' ForcedEOSTokenLogitsProcessor makes a

@@ -52,7 +52,7 @@ from kvjax import model as M
 from kvjax import parallel
 
 from . import draft_model
-from .acceptance import advance, choose, force_end, settled
+from .acceptance import advance, banned, choose, force_end, settled
 from .loop import DecodeState, StopConditions, StopReason, TokensToLogits
 from .prompt_lookup import MAX_NGRAM_SIZE, ngram_drafts
 from .sampling import SamplingParams, sample, token_keys
@@ -287,8 +287,9 @@ def drafting_loop(tokens_to_logits: TokensToLogits, carry: SpeculativeState,
         valid_B = jnp.where(speculate, valid_B, 0)
         rows = state.constraints  # the target's distributions are masked; drafts are not
         states_BT = None if rows is None else rows.along(drafts_BJ)
+        allowed_BTV = banned(logits_BTV, stops)
         tokens_BT, accepted_B = choose(
-            logits_BTV if rows is None else rows.mask_each(logits_BTV, states_BT), drafts_BJ,
+            allowed_BTV if rows is None else rows.mask_each(allowed_BTV, states_BT), drafts_BJ,
             valid_B, sampling, choose_keys_B, draft_probs_BKV)
         tokens_BT = force_end(tokens_BT, state.lengths, stops)
         new_state, _ = advance(state.replace(cache=cache), state.cache.lengths, logits_BTV,
@@ -310,7 +311,8 @@ def drafting_loop(tokens_to_logits: TokensToLogits, carry: SpeculativeState,
         logits_B1V, cache = tokens_to_logits(state.last_tokens[:, None], state.cache,
                                              running_B.astype(jnp.int32))
         rows = state.constraints
-        token_B = sample(logits_B1V[:, 0] if rows is None else rows.mask(logits_B1V[:, 0]),
+        allowed_BV = banned(logits_B1V, stops)[:, 0]
+        token_B = sample(allowed_BV if rows is None else rows.mask(allowed_BV),
                          choose_keys_B, sampling)
         token_B = force_end(token_B[:, None], state.lengths, stops)[:, 0]
         zeros_B = jnp.zeros_like(running_B, jnp.int32)

@@ -225,7 +225,8 @@ def sample_texts(loaded: LoadedModel, prompt: str, *, num_samples: int = 1,
     forces its first target token starts with it unless another constraint is given
     (`forced_start`), and one whose generation config forces an end token
     (`forced_eos_token_id`, Marian's) makes it last where a sample reaches `max_new_tokens`,
-    as transformers' `generate` does. A sample
+    as transformers' `generate` does; the one-token `bad_words_ids` it names (Marian's pad)
+    are never made. A sample
     stops at its first `stop` string, which neither the streamed pieces nor the returned
     text include; text that might begin a stop string is held back until it cannot. Beam
     search only knows its answer at the end, so with `num_beams > 1` the text arrives in one piece.
@@ -245,7 +246,8 @@ def sample_texts(loaded: LoadedModel, prompt: str, *, num_samples: int = 1,
     settings = dict(max_new_tokens=limit, eos_ids=tuple(loaded.tokenizer.stop_ids),
                     rng=jax.random.wrap_key_data(seed_key(seed))[None], sampling=sampling,
                     logit_processors=logit_processors, speculative=speculative,
-                    forced_end_id=loaded.tokenizer.forced_end)
+                    forced_end_id=loaded.tokenizer.forced_end,
+                    banned_ids=loaded.tokenizer.banned_ids)
     if constraint is None:
         constraint = forced_start(loaded)
     if constraint is not None:
@@ -264,7 +266,8 @@ def sample_texts(loaded: LoadedModel, prompt: str, *, num_samples: int = 1,
                                         num_beams=num_beams, max_new_tokens=limit,
                                         eos_ids=settings["eos_ids"],
                                         constraint=settings.get("constraint"),
-                                        forced_end_id=settings["forced_end_id"])
+                                        forced_end_id=settings["forced_end_id"],
+                                        banned_ids=settings["banned_ids"])
             first = time.perf_counter() - start
             rows[0].add(output.token_lists()[0])
         else:

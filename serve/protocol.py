@@ -337,6 +337,7 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
         seed=_get(body, "seed", _INT), stop=_stops(body, max_stop_strings, max_stop_chars),
         logprobs=top or 0, adapter=names.index(model),
         stop_ids=_stop_ids(body, loaded.tokenizer), forced_end_id=loaded.tokenizer.forced_end,
+        banned_ids=loaded.tokenizer.banned_ids,
         constraint=None if constraint is None else structured.compiled(
             constraint, field, loaded.tokenizer))
     requests = []

@@ -21,7 +21,13 @@ from kvjax.decode.settings import GREEDY, Sampling
 from kvjax.detokenize import check_stop_strings
 from kvjax.text import MAX_SEED
 
-from .slots import MAX_LOGIT_BIAS, MAX_STOP_IDS, MAX_TOP_LOGPROBS, RowSettings
+from .slots import (
+    MAX_BANNED_IDS,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_IDS,
+    MAX_TOP_LOGPROBS,
+    RowSettings,
+)
 
 LOGIT_BIAS_RANGE = 100.0  # OpenAI's: a bias is in [-100, 100]
 
@@ -42,6 +48,8 @@ class GenerationRequest:
     stop_ids:    token ids that end a sample (included in its tokens, not in its text).
     forced_end_id: the token a sample makes last when it reaches `max_tokens`, as
                  `decode.generate` forces it (a translator's `forced_eos_token_id`), or None.
+    banned_ids:  token ids a sample never makes (a generation config's one-token
+                 `bad_words_ids`, Marian's pad), at most `MAX_BANNED_IDS`.
     stop:        strings that end a sample's text (neither streamed nor returned).
     seed:        the sample's tokens depend on it and on nothing else the batch holds;
                  None draws one.
@@ -59,6 +67,7 @@ class GenerationRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()
     stop_ids: tuple[int, ...] = ()
     forced_end_id: int | None = None
+    banned_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     seed: int | None = None
     logprobs: int = 0
@@ -116,6 +125,10 @@ class GenerationRequest:
                 checks.is_int(self.forced_end_id) and 0 <= self.forced_end_id < vocab_size):
             raise checks.InvalidValue("forced_end_id", f"forced_end_id {self.forced_end_id!r} "
                                       f"is not a token id in [0, {vocab_size})")
+        banned_ids = checks.token_ids("banned_ids", self.banned_ids)
+        if len(banned_ids) > MAX_BANNED_IDS or any(not 0 <= t < vocab_size for t in banned_ids):
+            raise checks.InvalidValue("banned_ids", f"banned_ids {banned_ids}: at most "
+                                      f"{MAX_BANNED_IDS} ids in [0, {vocab_size})")
         logit_bias = _checked_logit_bias(self.logit_bias, vocab_size)
         stop = check_stop_strings(self.stop)
         seed = secrets.randbelow(MAX_SEED) if self.seed is None else self.seed
@@ -128,7 +141,8 @@ class GenerationRequest:
                                           "would hold back the end id that structured output "
                                           "needs to end its text")
         return dataclasses.replace(self, prompt=prompt, logit_bias=logit_bias,
-                                   stop_ids=stop_ids, stop=stop, seed=seed)
+                                   stop_ids=stop_ids, banned_ids=banned_ids, stop=stop,
+                                   seed=seed)
 
 
 def _checked_logit_bias(bias, vocab_size: int) -> tuple[tuple[int, float], ...]:
@@ -204,10 +218,12 @@ def row_settings(samples: list[tuple[GenerationRequest, int]],
     generated = [0] * count if generated is None else generated
     prefix_pages = [(-1, 0)] * count if prefix_pages is None else prefix_pages
     stop_ids = np.full((len(samples), MAX_STOP_IDS), -1, np.int32)
+    banned_ids = np.full((len(samples), MAX_BANNED_IDS), -1, np.int32)
     bias = RowLogitBias(np.zeros((count, MAX_LOGIT_BIAS), np.int32),
                         np.zeros((count, MAX_LOGIT_BIAS), np.float32))
     for row, (request, _) in enumerate(samples):
         stop_ids[row, :len(request.stop_ids)] = request.stop_ids
+        banned_ids[row, :len(request.banned_ids)] = request.banned_ids
         for m, (token, value) in enumerate(request.logit_bias):
             bias.ids[row, m], bias.values[row, m] = token, value
     sampling = SamplingParams(**{
@@ -218,6 +234,7 @@ def row_settings(samples: list[tuple[GenerationRequest, int]],
         max_tokens=np.array([r.max_tokens for r, _ in samples], np.int32),
         forced_end=np.array([-1 if r.forced_end_id is None else r.forced_end_id
                              for r, _ in samples], np.int32), stop_ids=stop_ids,
+        banned_ids=banned_ids,
         seed=np.stack([seed_key(r.seed) for r, _ in samples]),
         sample=np.array([index for _, index in samples], np.int32), sampling=sampling,
         logit_bias=bias,

@@ -75,6 +75,8 @@ class TextTokenizer(Protocol):
     - `forced_end`: the id generating makes last when it reaches its token budget, or None
       (kvjax: None; a Hugging Face model: its generation config's `forced_eos_token_id`,
       Marian's `</s>`).
+    - `banned_ids`: ids generating never makes (kvjax: `()`; a Hugging Face model: its
+      generation config's one-token `bad_words_ids`, Marian's pad).
     - `to_bytes()`: a serialization that `tokenizer_from_bytes` turns back into an equal
       tokenizer (no pickle).
     """
@@ -108,6 +110,9 @@ class TextTokenizer(Protocol):
 
     @property
     def forced_end(self) -> int | None: ...
+
+    @property
+    def banned_ids(self) -> tuple[int, ...]: ...
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -238,6 +243,10 @@ class Tokenizer:
     @property
     def forced_end(self) -> int | None:
         return None
+
+    @property
+    def banned_ids(self) -> tuple[int, ...]:
+        return ()
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, without BOS or EOS."""

@@ -39,9 +39,9 @@ the directory by the files present:
 
 Special tokens come from tokenizer.json, tokenizer_config.json (or special_tokens_map.json)
 and the defaults of the class transformers would pick; `stop_ids` add generation_config.json's
-`eos_token_id`, `target_prefix` is its `forced_bos_token_id` and `forced_end` its
-`forced_eos_token_id` (config.json's where the directory has no generation_config.json, as
-transformers reads them). `chat_template` is
+`eos_token_id`, `target_prefix` is its `forced_bos_token_id`, `forced_end` its
+`forced_eos_token_id` and `banned_ids` its one-token `bad_words_ids` (config.json's where the
+directory has no generation_config.json, as transformers reads them). `chat_template` is
 the template `apply_chat_template` would render (from chat_template.jinja or
 tokenizer_config.json; `kvjax.serve.chat` renders it as transformers does), with
 `special_tokens` its named tokens' texts. `to_bytes` is a JSON bundle of the
@@ -63,6 +63,7 @@ from typing import Any
 import numpy as np
 
 from . import pipelines, token_bytes
+from .generation_rules import GenerationRules
 from .m2m100 import M2M100Backend
 from .marian import MarianBackend, clean_up_spaces
 
@@ -147,25 +148,10 @@ class HFTokenizer:
         self.document_prefix, self.source_suffix = self._backend.affixes(self.eos_id)
         # An encoder-decoder's source is a text as the tokenizer frames it (NLLB: its code).
         self.source_prefix = self.document_prefix
-        generation = _json_file(files, "generation_config.json")
-        ends = generation.get("eos_token_id", [])
-        stops = [self.eos_id] * (self.eos_id is not None) + (
-            [ends] if isinstance(ends, int) else list(ends or []))
-        forced = generation.get("forced_bos_token_id")
-        self.target_prefix: tuple[int, ...] = () if forced is None else (forced,)
-        forced_end = generation.get("forced_eos_token_id")
-        if isinstance(forced_end, list) and len(forced_end) == 1:
-            forced_end = forced_end[0]
-        if isinstance(forced_end, list):  # transformers lets the model choose among them
-            raise ValueError(f"generation_config.json forced_eos_token_id {forced_end}: "
-                             f"kvjax forces one end token")
-        self.forced_end: int | None = forced_end
-        for name, ids in (("eos_token_id", stops), ("forced_bos_token_id", self.target_prefix),
-                          ("forced_eos_token_id", () if forced_end is None else (forced_end,))):
-            for i in ids:
-                if not isinstance(i, int) or not 0 <= i < self.vocab_size or not known[i]:
-                    raise ValueError(f"generation_config.json {name} {i!r} is not a token id")
-        self.stop_ids: tuple[int, ...] = tuple(dict.fromkeys(stops))
+        rules = GenerationRules.read(_json_file(files, "generation_config.json"), self.eos_id,
+                                     known)
+        self.stop_ids, self.target_prefix = rules.stop_ids, rules.target_prefix
+        self.forced_end, self.banned_ids = rules.forced_end, rules.banned_ids
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, no special ids added; special-token strings in it are read as
@@ -217,13 +203,13 @@ def load_tokenizer(directory: str | os.PathLike) -> HFTokenizer:
         model_type = model_config.get("model_type")
     except (OSError, ValueError, AttributeError):
         model_config, model_type = {}, None
-    forced = {key: model_config.get(key) for key in ("forced_bos_token_id",
-                                                     "forced_eos_token_id")
-              if model_config.get(key) is not None}
-    if "generation_config.json" not in files and forced:
+    rules = {key: model_config.get(key) for key in ("forced_bos_token_id",
+                                                    "forced_eos_token_id", "bad_words_ids")
+             if model_config.get(key) is not None}
+    if "generation_config.json" not in files and rules:
         # transformers' generate reads its settings from config.json where the directory has
-        # no generation_config.json: the tokens it forces are kept as that file.
-        files["generation_config.json"] = json.dumps(forced).encode()
+        # no generation_config.json: the tokens it forces and bans are kept as that file.
+        files["generation_config.json"] = json.dumps(rules).encode()
     try:
         tokenizer_class = _tokenizer_class(kind, files, model_type)
     except ValueError as e:  # a malformed tokenizer_config.json included

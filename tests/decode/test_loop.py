@@ -35,12 +35,13 @@ def next_is_previous_plus_one(tokens_B1, cache):
 
 
 def run(first_tokens, *, max_new_tokens, eos_ids=(), buffer_len=16, capacity=100,
-        prompt_lengths=None, forced_end_id=-1, temperature=0.0):
+        prompt_lengths=None, forced_end_id=-1, temperature=0.0, banned_ids=None):
     eos = np.full(8, -1, np.int32)
     eos[:len(eos_ids)] = eos_ids
     lengths = prompt_lengths if prompt_lengths is not None else [1] * len(first_tokens)
     stops = StopConditions(jnp.asarray(eos), jnp.asarray(max_new_tokens),
-                           jnp.asarray(forced_end_id, jnp.int32))
+                           jnp.asarray(forced_end_id, jnp.int32),
+                           None if banned_ids is None else jnp.asarray(banned_ids, jnp.int32))
     return _run(jnp.asarray(first_tokens), jnp.asarray(lengths), stops,
                 jnp.asarray(temperature, jnp.float32), buffer_len, capacity)
 
@@ -95,6 +96,16 @@ def test_a_forced_end_is_the_last_token_of_each_row_that_reaches_its_budget():
                                   [3, 4, 5, 40, 0])
     np.testing.assert_array_equal(run([3], max_new_tokens=1, forced_end_id=40).tokens[0, :2],
                                   [40, 0])
+
+
+def test_banned_ids_are_never_made():
+    """The fake model's next token is its previous + 1 with logit 10, all others 0: a banned
+    id gives way to the likeliest other token, 0 (greedy: the first of the ties)."""
+    state = run([3, 8], max_new_tokens=5, banned_ids=[5, -1, 9])
+    np.testing.assert_array_equal(state.tokens[:, :5], [[3, 4, 0, 1, 2], [8, 0, 1, 2, 3]])
+    # The first token (a prefill's) is banned too.
+    np.testing.assert_array_equal(run([5], max_new_tokens=2, banned_ids=[5]).tokens[0, :2],
+                                  [0, 1])
 
 
 def test_loop_exits_as_soon_as_every_row_is_done():

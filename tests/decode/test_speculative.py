@@ -79,11 +79,12 @@ def fake_state(prompts, capacity, buffer_len=32, seed=0):
     return state.replace(last_tokens=jnp.asarray([p[-1] for p in prompts], jnp.int32))
 
 
-def stops_of(eos_ids, max_new_tokens, forced_end_id=-1):
+def stops_of(eos_ids, max_new_tokens, forced_end_id=-1, banned_ids=None):
     eos = np.full(8, -1, np.int32)
     eos[:len(eos_ids)] = eos_ids
     return StopConditions(jnp.asarray(eos), jnp.asarray(max_new_tokens, jnp.int32),
-                          jnp.asarray(forced_end_id, jnp.int32))
+                          jnp.asarray(forced_end_id, jnp.int32),
+                          None if banned_ids is None else jnp.asarray(banned_ids, jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnums=5)
@@ -104,17 +105,19 @@ def run_plain(table, state, stops, sampling):
 FAKE_PROMPTS = [[0, 1, 2, 3, 4, 5, 6, 0, 1], [3, 4, 0, 6, 6, 3, 4], [2], [5, 6, 0, 5, 6]]
 
 
-@pytest.mark.parametrize("eos_ids, max_new_tokens, forced_end_id", [
-    ((), 24, -1),
-    ((5,), 24, -1),     # eos inside an accepted draft of row 0 (and of others)
-    ((1, 4), 24, -1),
-    ((), 11, -1),       # max_new_tokens inside a draft
-    ((), 11, 3),        # ... where a forced end replaces an accepted draft
+@pytest.mark.parametrize("eos_ids, max_new_tokens, forced_end_id, banned", [
+    ((), 24, -1, None),
+    ((5,), 24, -1, None),     # eos inside an accepted draft of row 0 (and of others)
+    ((1, 4), 24, -1, None),
+    ((), 11, -1, None),       # max_new_tokens inside a draft
+    ((), 11, 3, None),        # ... where a forced end replaces an accepted draft
+    ((), 24, -1, [4]),        # a banned id, which drafts hold: rejected
 ], ids=str)
-def test_fake_model_speculative_equals_plain_greedy(eos_ids, max_new_tokens, forced_end_id):
+def test_fake_model_speculative_equals_plain_greedy(eos_ids, max_new_tokens, forced_end_id,
+                                                    banned):
     # With 28 cache slots rows 0 and 1 fill their caches before 24 tokens: drafts that would
     # run past the capacity fall back to plain steps, and the rows stop with cache_full.
-    stops = stops_of(eos_ids, max_new_tokens, forced_end_id)
+    stops = stops_of(eos_ids, max_new_tokens, forced_end_id, banned)
     sampling = SamplingParams.make(batch=len(FAKE_PROMPTS))
     state = fake_state(FAKE_PROMPTS, capacity=28)
     plain = run_plain(CYCLE_TABLE, state, stops, sampling)
@@ -129,7 +132,9 @@ def test_fake_model_speculative_equals_plain_greedy(eos_ids, max_new_tokens, for
     # Every fed token was accepted: the cache holds each row's context but its newest token.
     np.testing.assert_array_equal(fast.decode.cache.lengths, plain.context_lengths - 1)
     assert int(stats.steps) <= int(plain.lengths.max())  # never more model calls than plain
-    if max_new_tokens == 24 and not eos_ids:
+    if banned:
+        assert 4 not in np.asarray(plain.tokens) and 0 in np.asarray(plain.tokens)
+    elif max_new_tokens == 24 and not eos_ids:
         assert int(stats.steps) <= 16  # 24 tokens in fewer calls
         np.testing.assert_array_equal(fast.decode.stop_reason, [StopReason.CACHE_FULL] * 2 +
                                       [StopReason.MAX_NEW_TOKENS] * 2)

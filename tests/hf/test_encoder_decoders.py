@@ -111,6 +111,22 @@ def test_an_end_forced_at_the_budget_ends_every_target_as_in_transformers(name):
     assert forced["beam"] != [t if len(t) < budget else t[:-1] + [eos] for t in cut]
 
 
+def test_banned_tokens_are_never_made_as_in_transformers():
+    """transformers' one-token `bad_words_ids` (Marian's releases ban their pad): greedy and
+    beam search pass over the banned ids, which the model makes unbanned."""
+    config, _, params = hf.load_pretrained(FIXTURES / "marian")
+    record, _ = expected("marian")
+    banned = record["banned"]
+    net, settings = M.build_model(config), generation_settings(record)
+    assert any(set(banned["ids"]) & set(g) for g in record["greedy"])
+    greedy = decode.generate(net, params, record["prompts"], banned_ids=banned["ids"],
+                             **settings)
+    assert greedy.token_lists() == banned["greedy"]
+    beam = decode.beam_search(net, params, record["prompts"], num_beams=record["num_beams"],
+                              banned_ids=banned["ids"], **settings)
+    assert beam.token_lists() == banned["beam"] != banned["greedy"]
+
+
 def test_a_generation_config_that_forces_an_end_ends_sampled_targets_with_it(tmp_path):
     """`text` sampling forces the end a generation config names (config.json's where there
     is no generation_config.json, as transformers reads it); one it cannot force is refused
@@ -138,6 +154,32 @@ def test_a_generation_config_that_forces_an_end_ends_sampled_targets_with_it(tmp
     assert tokenizer_from_bytes(load_tokenizer(directory).to_bytes()).forced_end == eos
     edit_config(directory, forced_eos_token_id=[eos, 1])
     with pytest.raises(ValueError, match=r"forced_eos_token_id \[0, 1\]: kvjax forces one"):
+        load_tokenizer(directory)
+
+
+def test_the_tokens_a_generation_config_bans_are_never_sampled(tmp_path):
+    """`text` sampling (and `kvjax serve`, test_protocol.py) bans a generation config's
+    one-token `bad_words_ids` (config.json's where there is no generation_config.json); a
+    word of several tokens is refused by name."""
+    directory = copy_of("marian", tmp_path)
+    source = "Hello world"
+    plain = text.sample_text(text.load(directory), source, max_new_tokens=8)
+    banned = list(dict.fromkeys(plain.tokens))[:2]  # ids the model makes unbanned
+    edit_config(directory, "generation_config.json", bad_words_ids=[[i] for i in banned])
+    loaded = text.load(directory)
+    assert loaded.tokenizer.banned_ids == tuple(banned)
+    direct = decode.generate(loaded.net, loaded.params, [text.prompt_tokens(loaded, source)],
+                             max_new_tokens=8, eos_ids=loaded.tokenizer.stop_ids,
+                             banned_ids=banned)
+    for beams in (1, 3):
+        got = text.sample_text(loaded, source, max_new_tokens=8, num_beams=beams)
+        assert not set(got.tokens) & set(banned)
+    assert text.sample_text(loaded, source, max_new_tokens=8).tokens == direct.token_lists()[0]
+    (directory / "generation_config.json").unlink()
+    edit_config(directory, bad_words_ids=[[banned[0]]])
+    assert tokenizer_from_bytes(load_tokenizer(directory).to_bytes()).banned_ids == (banned[0],)
+    edit_config(directory, bad_words_ids=[[banned[0], 7]])
+    with pytest.raises(ValueError, match=rf"bad_words_ids \[\[{banned[0]}, 7\]\]: kvjax bans"):
         load_tokenizer(directory)
 
 

@@ -45,13 +45,17 @@ def test_greedy_translations_equal_generate_alone_while_others_join_and_leave(nu
     """The shipped translator, sources of 1 to 7 digits (prefilled two at a time, in two
     length buckets), more requests than slots: each slot answers its own source. Two end
     at their budgets with a forced end (transformers' `forced_eos_token_id`), as
-    `generate` forces it: an eos id after three tokens, another token as the first."""
+    `generate` forces it: an eos id after three tokens, another token as the first; one
+    never makes the ids it bans (`bad_words_ids`), as `generate` bans them."""
     sources = ["4021", "7", "880017", "35", "1000001", "612", "59"]
     eos, word = numbers.tokenizer.eos_id, numbers.tokenizer.encode("nine")[0]
     budgets, forced = (30, 30, 4, 30, 30, 30, 1), (None,) * 2 + (eos,) + (None,) * 3 + (word,)
+    hundred = numbers.tokenizer.encode(" hundred")  # which "612" makes unbanned
+    banned = [(), (), (), (), (), tuple(hundred[:1]), ()]
     requests = [GenerationRequest(tuple(text.prompt_tokens(numbers, s)), max_tokens=m,
-                                  stop_ids=numbers.tokenizer.stop_ids, forced_end_id=f)
-                for s, m, f in zip(sources, budgets, forced, strict=True)]
+                                  stop_ids=numbers.tokenizer.stop_ids, forced_end_id=f,
+                                  banned_ids=b)
+                for s, m, f, b in zip(sources, budgets, forced, banned, strict=True)]
     made = decode.generate(numbers.net, numbers.params, [list(r.prompt) for r in requests],
                            max_new_tokens=30, eos_ids=numbers.tokenizer.stop_ids)
     expected = [tokens[:r.max_tokens]
@@ -62,6 +66,10 @@ def test_greedy_translations_equal_generate_alone_while_others_join_and_leave(nu
             max_new_tokens=budgets[row], eos_ids=numbers.tokenizer.stop_ids,
             forced_end_id=forced[row]).token_lists()
         assert expected[row][-1] == forced[row] != made.token_lists()[row][budgets[row] - 1]
+    (expected[5],) = decode.generate(
+        numbers.net, numbers.params, [list(requests[5].prompt)], max_new_tokens=30,
+        eos_ids=numbers.tokenizer.stop_ids, banned_ids=banned[5]).token_lists()
+    assert banned[5][0] in made.token_lists()[5] and banned[5][0] not in expected[5]
     engine = Engine(numbers.config, numbers.params, tokenizer=numbers.tokenizer,
                     max_slots=SLOTS, chunk_size=CHUNK, max_len=32, prefill_batch=2,
                     max_source_len=12)

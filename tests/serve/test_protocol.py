@@ -140,9 +140,11 @@ def test_a_translators_target_language_is_its_own_else_the_servers_default():
     # The end its generation config forces (none here) is every request's, as `text`'s.
     parsed = parse({"model": MODEL, "prompt": "in"}, m2m, MODEL, 16, chat_api=False)
     assert parsed.requests[0].forced_end_id is None is m2m.tokenizer.forced_end
-    m2m.tokenizer.forced_end = m2m.tokenizer.eos_id
+    assert parsed.requests[0].banned_ids == () == m2m.tokenizer.banned_ids
+    m2m.tokenizer.forced_end, m2m.tokenizer.banned_ids = m2m.tokenizer.eos_id, (5, 9)
     parsed = parse({"model": MODEL, "prompt": "in"}, m2m, MODEL, 16, chat_api=False)
     assert parsed.requests[0].forced_end_id == m2m.tokenizer.eos_id is not None
+    assert parsed.requests[0].banned_ids == (5, 9)
     assert first_constraint(target_language="are") == are
     assert first_constraint(default=a) == a
     assert first_constraint(default=a, target_language="are") == are

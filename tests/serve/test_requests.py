@@ -31,6 +31,8 @@ VOCAB, CAPACITY = 50, 32
     (dict(stop=("",)), r"stop string 0 \(''\) must be a non-empty string"),
     (dict(forced_end_id=50), r"forced_end_id 50 is not a token id in \[0, 50\)"),
     (dict(forced_end_id=2.0), r"forced_end_id 2.0 is not a token id"),
+    (dict(banned_ids=(3, 50)), r"banned_ids \(3, 50\): at most 8 ids in \[0, 50\)"),
+    (dict(banned_ids=tuple(range(9))), r"banned_ids \(0, 1, .*: at most 8 ids"),
     (dict(seed=-3), "seed=-3 must be >= 0"),
     (dict(seed=MAX_SEED + 1), f"seed={MAX_SEED + 1}"),
     (dict(logprobs=MAX_TOP_LOGPROBS + 1),
@@ -62,13 +64,14 @@ def test_a_checked_request_keeps_its_values_and_draws_a_missing_seed():
 
 def test_samples_become_one_row_of_settings_each_in_their_order():
     greedy = GenerationRequest((5, 6), max_tokens=4, stop_ids=(2, 9), seed=11,
-                               forced_end_id=2)
+                               forced_end_id=2, banned_ids=(7,))
     sampled = GenerationRequest((7,), max_tokens=9, seed=2**40 + 3,
                                 sampling=Sampling(temperature=0.7, top_k=5, top_p=0.9))
     rows = row_settings([(greedy, 0), (sampled, 0), (sampled, 1)], constraint_states=[-1, 4, 4],
                         generated=[0, 0, 3], prefix_pages=[(-1, 0), (1, 2), (-1, 0)])
     np.testing.assert_array_equal(rows.max_tokens, [4, 9, 9])
     np.testing.assert_array_equal(rows.forced_end, [2, -1, -1])
+    np.testing.assert_array_equal(rows.banned_ids[:, :2], [[7, -1]] * 1 + [[-1, -1]] * 2)
     np.testing.assert_array_equal(rows.sample, [0, 0, 1])
     np.testing.assert_array_equal(rows.stop_ids[0], [2, 9] + [-1] * (MAX_STOP_IDS - 2))
     assert (rows.stop_ids[1:] == -1).all()
