@@ -97,7 +97,7 @@ def force_end(tokens_BT: jax.Array, lengths_B: jax.Array, stops: StopConditions)
     last_BT = jnp.arange(tokens_BT.shape[1])[None] == (
         stops.max_new_tokens - lengths_B - 1)[:, None]
     forced_BT = stops.forced_at(last_BT)
-    return jnp.where(forced_BT >= 0, forced_BT, tokens_BT)
+    return tokens_BT if forced_BT is None else jnp.where(forced_BT >= 0, forced_BT, tokens_BT)
 
 
 def settled(state: DecodeState) -> jax.Array:
@@ -122,7 +122,8 @@ def advance(state: DecodeState, old_cache_lengths_B: jax.Array, logits_BTV: jax.
     kept_BT = positions_T[None] < emitted_B[:, None]
     eos_B = jnp.any(kept_BT & is_eos_BT, axis=1)
     full_B = state.lengths + emitted_B >= stops.max_new_tokens
-    eos_B = eos_B & ~(full_B & (stops.forced_end_id >= 0))  # a forced end: its budget's
+    if stops.forced_end_id is not None:  # a forced end: its budget's
+        eos_B = eos_B & ~(full_B & (stops.forced_end_id >= 0))
     stop_reason_B = jnp.where(running_B & eos_B, StopReason.EOS, jnp.where(
         running_B & full_B, StopReason.MAX_NEW_TOKENS, state.stop_reason))
     logprobs_BT = jnp.take_along_axis(jax.nn.log_softmax(logits_BTV.astype(jnp.float32)),

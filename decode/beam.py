@@ -97,8 +97,8 @@ def beam_step(state: BeamState, logprobs_BWV: jax.Array, stops: StopConditions,
     # A forced end is each beam's only candidate, which adds 0 to its score (as transformers
     # scores it); its logprob stays the model's.
     forced = stops.forced_at(state.step + 1 >= stops.max_new_tokens)
-    scores_BWV = jnp.where(forced >= 0, jnp.where(jnp.arange(vocab) == forced, 0.0, NEG_INF),
-                           logprobs_BWV)
+    scores_BWV = logprobs_BWV if forced is None else jnp.where(
+        forced >= 0, jnp.where(jnp.arange(vocab) == forced, 0.0, NEG_INF), logprobs_BWV)
     candidates = (state.alive_logprob[..., None] + scores_BWV).reshape(batch, width * vocab)
     cand_logprob, flat = jax.lax.top_k(candidates, 2 * width)  # [B, 2W]
     origin, token = flat // vocab, flat % vocab
@@ -204,7 +204,8 @@ def _best(state: BeamState, stops: StopConditions, length_penalty) -> BeamResult
     width = state.alive_tokens.shape[1]
     lengths = pick(jnp.concatenate(
         [state.finished_lengths, jnp.full_like(state.finished_lengths, state.step)], 1))
-    forced = (stops.forced_end_id >= 0) & (lengths >= max_new_tokens)
+    forced = False if stops.forced_end_id is None else (
+        (stops.forced_end_id >= 0) & (lengths >= max_new_tokens))
     return BeamResult(
         tokens=pick(jnp.concatenate([state.finished_tokens, state.alive_tokens], 1)),
         lengths=lengths,

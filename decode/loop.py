@@ -79,12 +79,13 @@ class DecodeState:
 class StopConditions:
     """eos_ids: [E] int32 ids that end a row (-1 pads unused slots); max_new_tokens: scalar;
     forced_end_id: scalar int32, the token a row that reaches `max_new_tokens` makes last
-    (transformers' `forced_eos_token_id`), or -1 for none; banned_ids: [K] int32 ids no row
-    ever makes (a generation config's one-token `bad_words_ids`; -1 pads), or None."""
+    (transformers' `forced_eos_token_id`); banned_ids: [K] int32 ids no row ever makes (a
+    generation config's one-token `bad_words_ids`; -1 pads). None for either compiles
+    nothing for it."""
 
     eos_ids: jax.Array
     max_new_tokens: jax.Array
-    forced_end_id: jax.Array | int = -1
+    forced_end_id: jax.Array | None = None
     banned_ids: jax.Array | None = None
 
     def banned_rows(self, batch: int) -> jax.Array | None:
@@ -93,9 +94,12 @@ class StopConditions:
             return None
         return jnp.broadcast_to(self.banned_ids, (batch, self.banned_ids.shape[0]))
 
-    def forced_at(self, last_B: jax.Array) -> jax.Array:
+    def forced_at(self, last_B: jax.Array) -> jax.Array | None:
         """[B] int32 the token each row must make now, given which rows make their last
-        (`last_B` [B] bool): the forced end id there, -1 (none) elsewhere."""
+        (`last_B` [B] bool): the forced end id there, -1 (none) elsewhere; None without a
+        forced end."""
+        if self.forced_end_id is None:
+            return None
         return jnp.where(last_B, self.forced_end_id, -1).astype(jnp.int32)
 
 

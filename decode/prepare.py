@@ -205,8 +205,8 @@ def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams
         tokens=jnp.asarray(padded), lengths=jnp.asarray(lengths, jnp.int32),
         batch=batch, capacity=capacity, buffer_len=buffer_len,
         stops=StopConditions(jnp.asarray(eos), jnp.asarray(max_new_tokens, jnp.int32),
-                             jnp.asarray(-1 if forced_end_id is None else forced_end_id,
-                                         jnp.int32),
+                             None if forced_end_id is None else
+                             jnp.asarray(forced_end_id, jnp.int32),
                              jnp.asarray(bans) if banned_ids else None),
         sampling=params_rows, rng=rng,
         num_samples=num_samples, processors=processors, state=state, mesh=mesh,

@@ -35,12 +35,12 @@ def next_is_previous_plus_one(tokens_B1, cache):
 
 
 def run(first_tokens, *, max_new_tokens, eos_ids=(), buffer_len=16, capacity=100,
-        prompt_lengths=None, forced_end_id=-1, temperature=0.0, banned_ids=None):
+        prompt_lengths=None, forced_end_id=None, temperature=0.0, banned_ids=None):
     eos = np.full(8, -1, np.int32)
     eos[:len(eos_ids)] = eos_ids
     lengths = prompt_lengths if prompt_lengths is not None else [1] * len(first_tokens)
     stops = StopConditions(jnp.asarray(eos), jnp.asarray(max_new_tokens),
-                           jnp.asarray(forced_end_id, jnp.int32),
+                           None if forced_end_id is None else jnp.asarray(forced_end_id),
                            None if banned_ids is None else jnp.asarray(banned_ids, jnp.int32))
     return _run(jnp.asarray(first_tokens), jnp.asarray(lengths), stops,
                 jnp.asarray(temperature, jnp.float32), buffer_len, capacity)

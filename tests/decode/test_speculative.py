@@ -79,11 +79,11 @@ def fake_state(prompts, capacity, buffer_len=32, seed=0):
     return state.replace(last_tokens=jnp.asarray([p[-1] for p in prompts], jnp.int32))
 
 
-def stops_of(eos_ids, max_new_tokens, forced_end_id=-1, banned_ids=None):
+def stops_of(eos_ids, max_new_tokens, forced_end_id=None, banned_ids=None):
     eos = np.full(8, -1, np.int32)
     eos[:len(eos_ids)] = eos_ids
     return StopConditions(jnp.asarray(eos), jnp.asarray(max_new_tokens, jnp.int32),
-                          jnp.asarray(forced_end_id, jnp.int32),
+                          None if forced_end_id is None else jnp.asarray(forced_end_id),
                           None if banned_ids is None else jnp.asarray(banned_ids, jnp.int32))
 
 
@@ -106,12 +106,12 @@ FAKE_PROMPTS = [[0, 1, 2, 3, 4, 5, 6, 0, 1], [3, 4, 0, 6, 6, 3, 4], [2], [5, 6, 
 
 
 @pytest.mark.parametrize("eos_ids, max_new_tokens, forced_end_id, banned", [
-    ((), 24, -1, None),
-    ((5,), 24, -1, None),     # eos inside an accepted draft of row 0 (and of others)
-    ((1, 4), 24, -1, None),
-    ((), 11, -1, None),       # max_new_tokens inside a draft
-    ((), 11, 3, None),        # ... where a forced end replaces an accepted draft
-    ((), 24, -1, [4]),        # a banned id, which drafts hold: rejected
+    ((), 24, None, None),
+    ((5,), 24, None, None),     # eos inside an accepted draft of row 0 (and of others)
+    ((1, 4), 24, None, None),
+    ((), 11, None, None),       # max_new_tokens inside a draft
+    ((), 11, 3, None),          # ... where a forced end replaces an accepted draft
+    ((), 24, None, [4]),        # a banned id, which drafts hold: rejected
 ], ids=str)
 def test_fake_model_speculative_equals_plain_greedy(eos_ids, max_new_tokens, forced_end_id,
                                                     banned):
@@ -142,7 +142,7 @@ def test_fake_model_speculative_equals_plain_greedy(eos_ids, max_new_tokens, for
     assert int(stats.accepted[1]) < int(stats.drafted[1])  # and some rejected
     if eos_ids == (5,):
         assert fast.decode.stop_reason[0] == StopReason.EOS
-    if forced_end_id >= 0:  # every row reaches its budget, its last token forced
+    if forced_end_id is not None:  # every row reaches its budget, its last token forced
         np.testing.assert_array_equal(fast.decode.stop_reason, StopReason.MAX_NEW_TOKENS)
         np.testing.assert_array_equal(fast.decode.tokens[:, max_new_tokens - 1], forced_end_id)
 
@@ -210,7 +210,7 @@ def test_greedy_equals_plain_generate(tiny):
     # eos and max_new_tokens are traced: ending inside drafts compiles nothing new.
     counts = decode.trace_count("speculative"), decode.trace_count("continue")
     for eos_at, max_new_tokens, ngram_size, forced in ((5, 30, 3, None), (12, 27, 1, None),
-                                                      (None, 25, 2, None), (None, 25, 2, 7)):
+                                                      (None, 25, 2, None)):
         eos = () if eos_at is None else (int(plain.tokens[0, eos_at]),)
         plain = decode.generate(net, params, PROMPTS, max_new_tokens=max_new_tokens,
                                 eos_ids=eos, return_logprobs=True, forced_end_id=forced)
@@ -220,8 +220,13 @@ def test_greedy_equals_plain_generate(tiny):
         assert fast.token_lists() == plain.token_lists()
         assert fast.stop_reasons() == plain.stop_reasons()
         np.testing.assert_allclose(fast.logprobs, plain.logprobs, atol=1e-4)
-    assert plain.tokens[0, 24] == 7 and plain.stop_reasons()[0] == "max_new_tokens"
     assert (decode.trace_count("speculative"), decode.trace_count("continue")) == counts
+    # A forced end (transformers' `forced_eos_token_id`) where drafts are accepted.
+    plain, fast = (decode.generate(net, params, PROMPTS, max_new_tokens=25, forced_end_id=7,
+                                   speculative=speculative)
+                   for speculative in (None, decode.Speculative(ngram_size=2)))
+    assert fast.token_lists() == plain.token_lists() and plain.tokens[0, 24] == 7
+    assert fast.stop_reasons() == plain.stop_reasons() and "max_new_tokens" in plain.stop_reasons()
 
 
 def test_unrolled_layers_and_streaming(tiny_lm):
