@@ -146,9 +146,9 @@ def _logit_bias(body: dict) -> tuple[tuple[int, Any], ...]:
     return tuple(pairs)
 
 
-def _top_k(body: dict) -> int:
+def _top_k(body: dict, default: int = 0) -> int:
     """kvjax's top_k (0 = no limit) from the request's, where vLLM's -1 also means none."""
-    top_k = _get(body, "top_k", _INT, 0)
+    top_k = _get(body, "top_k", _INT, default)
     return 0 if top_k == -1 else top_k
 
 
@@ -256,18 +256,42 @@ def _template_kwargs(body: dict) -> dict[str, Any]:
     return kwargs
 
 
+SAMPLING_DEFAULTS = ("model", "openai")
+
+
+def model_sampling_defaults(loaded: T.LoadedModel, source: str = "model") -> dict:
+    """{setting: value} that requests take where they leave a sampling setting out: with
+    `source` "model", those the model's generation config names (Llama 3's temperature 0.6
+    and top_p 0.9, Qwen3's top_k 20), as vLLM takes them; with "openai", none (OpenAI's
+    own defaults: temperature 1, nothing filtered). A value `decode.Sampling` refuses is a
+    ValueError naming it, before anything is served."""
+    if source not in SAMPLING_DEFAULTS:
+        raise ValueError(f"sampling_defaults={source!r} is not one of "
+                         f"{', '.join(SAMPLING_DEFAULTS)}")
+    defaults = dict(loaded.tokenizer.sampling_defaults) if source == "model" else {}
+    try:
+        Sampling(**defaults)
+    except ValueError as error:
+        raise ValueError(f"the model's generation config: {error} (sampling defaults "
+                         f"'openai' leave its settings out)") from None
+    return defaults
+
+
 def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
           chat_api: bool, max_prompts: int = 64, max_stop_strings: int = 16,
           max_stop_chars: int = 1024, reasoning_parser: str | None = None,
           adapter_names: tuple[str | None, ...] = (),
-          default_language: StartsWith | None = None) -> Parsed:
+          default_language: StartsWith | None = None,
+          sampling_defaults: dict | None = None) -> Parsed:
     """The request in `body` (already JSON-decoded) for /v1/chat/completions if `chat_api`,
     else for /v1/completions, within the given bounds (see `limits.Limits`); a chat
     request's choices split into reasoning and content with a `reasoning_parser`
     (`reasoning.PARSERS`). Its `model` is `served_name` or one of `adapter_names`, the
     engine's LoRA adapter slots in order (None for an empty one), which its requests then
     add. A translator's request that holds its output to nothing starts its target with
-    `default_language` (`structured.language`)."""
+    `default_language` (`structured.language`). `sampling_defaults` ({setting: value}, the
+    model's, `model_sampling_defaults`) replace OpenAI's defaults for what a request leaves
+    out."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     model = _get(body, "model", _STR)
@@ -323,12 +347,16 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
             raise APIError(400, "an encoder-decoder's prompt is the source it reads, not text "
                                 "it predicts: its tokens have no logprobs", "logprobs")
         echo = texts if echo_prompt else [""] * len(prompts)
+    default = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+               "repetition_penalty": 1.0} | (sampling_defaults or {})
     settings = dict(
         n=_get(body, "n", _INT, 1),
-        sampling=Sampling(temperature=_get(body, "temperature", _NUMBER, 1.0),
-                          top_p=_get(body, "top_p", _NUMBER, 1.0), top_k=_top_k(body),
-                          min_p=_get(body, "min_p", _NUMBER, 0.0),
-                          repetition_penalty=_get(body, "repetition_penalty", _NUMBER, 1.0),
+        sampling=Sampling(temperature=_get(body, "temperature", _NUMBER, default["temperature"]),
+                          top_p=_get(body, "top_p", _NUMBER, default["top_p"]),
+                          top_k=_top_k(body, default["top_k"]),
+                          min_p=_get(body, "min_p", _NUMBER, default["min_p"]),
+                          repetition_penalty=_get(body, "repetition_penalty", _NUMBER,
+                                                  default["repetition_penalty"]),
                           no_repeat_ngram_size=_get(body, "no_repeat_ngram_size", _INT, 0),
                           presence_penalty=_get(body, "presence_penalty", _NUMBER, 0.0),
                           frequency_penalty=_get(body, "frequency_penalty", _NUMBER, 0.0),

@@ -34,7 +34,7 @@ from .answers import Answer
 from .engine import Engine, EngineFailed, QueueFull
 from .limits import Limits, authorized, read_json
 from .metrics import ServeMetrics
-from .protocol import APIError, Parsed, parse
+from .protocol import APIError, Parsed, model_sampling_defaults, parse
 
 RETRY_AFTER_SECONDS = 1
 # Adapter slots and rank a server that loads adapters while serving has by default (vLLM's
@@ -57,7 +57,8 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
               reasoning_parser: str | None = None, adapters: dict | None = None,
               max_adapters: int | None = None, max_adapter_rank: int | None = None,
               load_adapter=None, max_source_len: int | None = None,
-              target_language: str | None = None) -> Starlette:
+              target_language: str | None = None,
+              sampling_defaults: str = "model") -> Starlette:
     """The app serving `loaded` as `model_name` (default: its directory's name). The engine
     starts with the app (its lifespan), after compiling every program it can need if
     `warm_up`, and stops with it. On a `mesh` the slots are split over its devices (see
@@ -72,7 +73,9 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
     (`adapter_names.py`). `max_source_len`: an encoder-decoder's longest source (`Engine`'s).
     `target_language` (a translator's language code, one token of its tokenizer; default:
     what its generation config forces, `text.forced_start`) starts the target of every
-    request that names no `target_language` or other constraint of its own."""
+    request that names no `target_language` or other constraint of its own.
+    `sampling_defaults` ("model" or "openai", `protocol.model_sampling_defaults`): where the
+    sampling settings a request leaves out come from."""
     if reasoning_parser not in (None, *reasoning.PARSERS):
         raise ValueError(f"reasoning_parser={reasoning_parser!r} is not one of "
                          f"{', '.join(reasoning.PARSERS)}")
@@ -80,6 +83,7 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
         harmony.marker_ids(loaded.tokenizer)  # a ValueError for a tokenizer without them
     default_language = forced_start(loaded) if target_language is None else structured.language(
         target_language, loaded.tokenizer, loaded.is_translation, "target_language")
+    defaults = model_sampling_defaults(loaded, sampling_defaults)
     name = model_name or os.path.basename(os.path.normpath(loaded.directory)) or "kvjax"
     if name in (adapters or {}):
         raise ValueError(f"the adapter name {name!r} is the model's own served name: requests "
@@ -200,7 +204,7 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
                        max_stop_chars=limits.max_stop_chars,
                        reasoning_parser=reasoning_parser,
                        adapter_names=served_adapters.names,
-                       default_language=default_language)
+                       default_language=default_language, sampling_defaults=defaults)
         try:
             checked = tuple(
                 dataclasses.replace(engine.check(dataclasses.replace(r, max_tokens=1)),

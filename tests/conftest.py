@@ -341,6 +341,7 @@ class FakeTokenizer:
     source_prefix = target_prefix = ()
     forced_end = None
     banned_ids = ()
+    sampling_defaults: dict = {}
 
     @staticmethod
     def encode(text):

@@ -64,6 +64,11 @@ def add_serve(commands) -> None:
                             "request's target unless it names its own target_language or "
                             "another constraint (default: the token its generation config "
                             "forces, if any; else the model chooses)")
+    serve.add_argument("--sampling-defaults", choices=("model", "openai"), default="model",
+                       help="what a request's missing sampling settings default to: the "
+                            "model's generation config's temperature, top_k, top_p, min_p "
+                            "and repetition_penalty, as vLLM takes them (model), or OpenAI's "
+                            "(temperature 1, nothing filtered)")
     serve.add_argument("--chunk-size", type=positive, default=None,
                        help="decode steps between the host's turns (handing out tokens, "
                             "staging requests); slots refill within a chunk (default: 32 "
@@ -127,6 +132,7 @@ def run_serve(args) -> int:
     from kvjax import parallel
     from kvjax.serve import memory, structured
     from kvjax.serve.limits import Limits, header_timeout_protocol
+    from kvjax.serve.protocol import model_sampling_defaults
     from kvjax.serve.server import build_app
 
     api_key = args.api_key or os.environ.get(API_KEY_VARIABLE) or None
@@ -141,6 +147,10 @@ def run_serve(args) -> int:
     if args.target_language is not None:  # refused by its option's name, before building
         structured.language(args.target_language, loaded.tokenizer, loaded.is_translation,
                             "--target-language")
+    defaults = model_sampling_defaults(loaded, args.sampling_defaults)
+    if defaults:
+        print("kvjax serve: sampling defaults from the model's generation config: "
+              + ", ".join(f"{k}={v}" for k, v in defaults.items()), file=sys.stderr)
     adapters = served_adapters(args, loaded.config.scan_layers)
     num_pages = args.num_pages if args.cache_memory is None else memory.pages_in(
         loaded.config, args.cache_memory, args.page_size, args.max_slots,
@@ -157,7 +167,8 @@ def run_serve(args) -> int:
                     max_adapters=args.max_loras, max_adapter_rank=args.max_lora_rank,
                     load_adapter=adapter_loader(args, loaded.config.scan_layers)
                     if args.allow_lora_loading else None, max_source_len=args.max_source_len,
-                    target_language=args.target_language)
+                    target_language=args.target_language,
+                    sampling_defaults=args.sampling_defaults)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info",
                 http=header_timeout_protocol(limits.header_timeout))
     return 0

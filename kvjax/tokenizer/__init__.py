@@ -77,6 +77,9 @@ class TextTokenizer(Protocol):
       Marian's `</s>`).
     - `banned_ids`: ids generating never makes (kvjax: `()`; a Hugging Face model: its
       generation config's one-token `bad_words_ids`, Marian's pad).
+    - `sampling_defaults`: {setting: value} of `decode.Sampling` its authors chose, which a
+      server takes for what a request leaves out (kvjax: none; a Hugging Face model: its
+      generation config's `temperature`, `top_k`, `top_p`, `min_p`, `repetition_penalty`).
     - `to_bytes()`: a serialization that `tokenizer_from_bytes` turns back into an equal
       tokenizer (no pickle).
     """
@@ -113,6 +116,9 @@ class TextTokenizer(Protocol):
 
     @property
     def banned_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def sampling_defaults(self) -> dict[str, float | int]: ...
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -247,6 +253,10 @@ class Tokenizer:
     @property
     def banned_ids(self) -> tuple[int, ...]:
         return ()
+
+    @property
+    def sampling_defaults(self) -> dict[str, float | int]:
+        return {}
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, without BOS or EOS."""

@@ -1,9 +1,11 @@
 """What a Hugging Face model's `generation_config.json` says about token ids, as transformers'
 `generate` applies it: the ids that end generation (`eos_token_id`), the first target token
 it forces (`forced_bos_token_id`), the end it forces at the length limit
-(`forced_eos_token_id`) and the single tokens it bans (`bad_words_ids`). Every id must be one
-the tokenizer knows; what kvjax cannot apply (several forced ends, a bad word of several
-tokens) is refused by name."""
+(`forced_eos_token_id`) and the single tokens it bans (`bad_words_ids`); and the sampling
+settings its authors chose (`temperature`, `top_k`, `top_p`, `min_p`,
+`repetition_penalty`), which a server takes for what a request leaves out, as vLLM does.
+Every id must be one the tokenizer knows; what kvjax cannot apply (several forced ends, a bad
+word of several tokens, a setting that is not a number) is refused by name."""
 
 from __future__ import annotations
 
@@ -11,17 +13,21 @@ import dataclasses
 
 import numpy as np
 
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
 
 @dataclasses.dataclass(frozen=True)
 class GenerationRules:
     """stop_ids: the ids that end generation, the tokenizer's eos first; target_prefix: what
     a target starts with; forced_end: the id made last at the limit, or None; banned_ids:
-    the ids never made."""
+    the ids never made; sampling: the (setting, value) pairs of `SAMPLING_KEYS` the file
+    names."""
 
     stop_ids: tuple[int, ...]
     target_prefix: tuple[int, ...]
     forced_end: int | None
     banned_ids: tuple[int, ...]
+    sampling: tuple[tuple[str, float | int], ...] = ()
 
     @classmethod
     def read(cls, generation: dict, eos_id: int | None, known: np.ndarray) -> GenerationRules:
@@ -42,9 +48,15 @@ class GenerationRules:
                 not isinstance(w, list) or len(w) != 1 for w in bad_words):
             raise ValueError(f"generation_config.json bad_words_ids {bad_words}: kvjax bans "
                              f"single tokens, each a list of one id")
+        sampling = tuple((key, generation[key]) for key in SAMPLING_KEYS
+                         if generation.get(key) is not None)
+        for key, value in sampling:
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise ValueError(f"generation_config.json {key} {value!r} is not a number")
         rules = cls(stop_ids=tuple(stops), target_prefix=() if forced is None else (forced,),
                     forced_end=forced_end,
-                    banned_ids=tuple(dict.fromkeys(w[0] for w in bad_words)))
+                    banned_ids=tuple(dict.fromkeys(w[0] for w in bad_words)),
+                    sampling=sampling)
         for name, ids in (("eos_token_id", stops), ("forced_bos_token_id", rules.target_prefix),
                           ("forced_eos_token_id", () if forced_end is None else (forced_end,)),
                           ("bad_words_ids", rules.banned_ids)):

@@ -46,6 +46,8 @@ def assert_one_line(err: str, *fragments: str) -> None:
     (["serve", "--checkpoint", "x", "--mesh", "data=3"], ["mesh data=3 needs 3 devices"]),
     (["serve", "--checkpoint", "x", "--cache-memory", "4GB"],
      ["argument --cache-memory: a size is a number and one of B, KiB, MiB, GiB, TiB, got '4GB'"]),
+    (["serve", "--checkpoint", "x", "--sampling-defaults", "vllm"],
+     ["argument --sampling-defaults: invalid choice: 'vllm'"]),
     (["serve", "--checkpoint", "x", "--cache-memory", "1GiB"],
      ["--cache-memory sizes the slots' pages: give --page-size too"]),
     (["serve", "--checkpoint", "x", "--num-pages", "4", "--cache-memory", "1GiB"],

@@ -1,14 +1,20 @@
 """serve/protocol.py without a server: an OpenAI request body becomes the engine's requests
 setting for setting, every prompt form OpenAI takes is read, defaults are OpenAI's, and each
 value the server cannot honour is refused with its status and the field at fault (the
-refusals a client sees over HTTP are in test_server.py)."""
+refusals a client sees over HTTP are in test_server.py); a model's own sampling defaults
+replace OpenAI's where the server is told to take them."""
 
 import pytest
 from conftest import FakeTokenizer
 
 from kvjax import model as M
 from kvjax.decode import Sampling
-from kvjax.serve.protocol import MAX_COMPLETION_LOGPROBS, APIError, parse
+from kvjax.serve.protocol import (
+    MAX_COMPLETION_LOGPROBS,
+    APIError,
+    model_sampling_defaults,
+    parse,
+)
 from kvjax.text import LoadedModel
 
 MODEL, CAPACITY = "tiny", 64
@@ -107,6 +113,43 @@ def test_what_the_server_cannot_honour_is_refused_naming_the_field(parse_as, fie
         parse_as(**fields)
     assert (error.value.status, error.value.param) == (status, param)
     assert message in error.value.message
+
+
+def test_missing_sampling_settings_take_the_models_defaults_where_served_with_them(tmp_path):
+    """`kvjax serve --sampling-defaults model` (the default): what a request leaves out is
+    what the model's generation config names (Qwen3's temperature 0.6, top_k 20), as vLLM
+    takes it; what it gives, or OpenAI's defaults with "openai", otherwise."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from kvjax import text
+
+    directory = tmp_path / "m2m_100"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "fixtures" / "hf_models" / "m2m_100",
+                    directory)
+    path = directory / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "temperature": 0.6,
+                                "top_k": 20, "do_sample": True}))
+    loaded = text.load(directory)
+    defaults = model_sampling_defaults(loaded)
+    assert defaults == {"temperature": 0.6, "top_k": 20}
+    assert model_sampling_defaults(loaded, "openai") == {}
+
+    def sampling(defaults, **fields):
+        parsed = parse({"model": MODEL, "prompt": "in", **fields}, loaded, MODEL, 16,
+                       chat_api=False, sampling_defaults=defaults)
+        return parsed.requests[0].sampling
+
+    assert sampling(defaults) == Sampling(temperature=0.6, top_k=20)
+    assert sampling(defaults, temperature=0, top_k=-1) == Sampling(temperature=0.0)
+    assert sampling(defaults, top_p=0.5) == Sampling(temperature=0.6, top_k=20, top_p=0.5)
+    assert sampling({}) == Sampling(temperature=1.0)
+    path.write_text(json.dumps({**json.loads(path.read_text()), "top_p": 1.5}))
+    with pytest.raises(ValueError, match=r"generation config: top_p=1.5 must be in \(0, 1\]"):
+        model_sampling_defaults(text.load(directory))
+    with pytest.raises(ValueError, match="sampling_defaults='vllm' is not one of model, openai"):
+        model_sampling_defaults(loaded, "vllm")
 
 
 def test_a_body_that_is_not_an_object_is_refused():

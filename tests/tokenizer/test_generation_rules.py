@@ -22,6 +22,12 @@ def test_every_rule_is_read_and_the_stop_ids_start_with_the_tokenizers_eos():
     assert GenerationRules.read({}, 1, KNOWN) == GenerationRules((1,), (), None, ())
 
 
+def test_the_sampling_settings_its_authors_chose_are_read_as_written():
+    rules = GenerationRules.read({"do_sample": True, "top_p": 0.9, "temperature": 0.6,
+                                  "top_k": 20, "min_p": None, "typical_p": 0.5}, 1, KNOWN)
+    assert rules.sampling == (("temperature", 0.6), ("top_k", 20), ("top_p", 0.9))
+
+
 @pytest.mark.parametrize("generation, message", [
     ({"forced_eos_token_id": [2, 3]}, r"forced_eos_token_id \[2, 3\]: kvjax forces one"),
     ({"bad_words_ids": [[5, 6]]}, r"bad_words_ids \[\[5, 6\]\]: kvjax bans single tokens"),
@@ -30,6 +36,8 @@ def test_every_rule_is_read_and_the_stop_ids_start_with_the_tokenizers_eos():
     ({"forced_eos_token_id": 8}, "forced_eos_token_id 8 is not a token id"),
     ({"forced_bos_token_id": -1}, "forced_bos_token_id -1 is not a token id"),
     ({"eos_token_id": ["2"]}, "eos_token_id '2' is not a token id"),
+    ({"temperature": "0.6"}, "temperature '0.6' is not a number"),
+    ({"top_k": True}, "top_k True is not a number"),
 ])
 def test_what_cannot_be_applied_is_refused_by_name(generation, message):
     with pytest.raises(ValueError, match=message):
