@@ -204,13 +204,14 @@ def _best(state: BeamState, stops: StopConditions, length_penalty) -> BeamResult
     width = state.alive_tokens.shape[1]
     lengths = pick(jnp.concatenate(
         [state.finished_lengths, jnp.full_like(state.finished_lengths, state.step)], 1))
-    forced = False if stops.forced_end_id is None else (
-        (stops.forced_end_id >= 0) & (lengths >= max_new_tokens))
+    by_eos = best < width
+    if stops.forced_end_id is not None:
+        by_eos &= ~((stops.forced_end_id >= 0) & (lengths >= max_new_tokens))
     return BeamResult(
         tokens=pick(jnp.concatenate([state.finished_tokens, state.alive_tokens], 1)),
         lengths=lengths,
         stop_reason=jnp.where(
-            (best < width) & ~forced, StopReason.EOS,
+            by_eos, StopReason.EOS,
             jnp.where(state.step >= max_new_tokens, StopReason.MAX_NEW_TOKENS,
                       StopReason.CACHE_FULL)).astype(jnp.int32),
         logprobs=pick(jnp.concatenate(

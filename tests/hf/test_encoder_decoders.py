@@ -106,6 +106,9 @@ def test_an_end_forced_at_the_budget_ends_every_target_as_in_transformers(name):
     beam = decode.beam_search(net, params, record["prompts"], num_beams=record["num_beams"],
                               forced_end_id=eos, **settings)
     assert beam.token_lists() == forced["beam"]
+    assert [r for r, t in zip(beam.stop_reasons(), forced["beam"], strict=True)
+            if len(t) == budget] == ["max_new_tokens"] * sum(len(t) == budget
+                                                             for t in forced["beam"])
     cut = decode.beam_search(net, params, record["prompts"], num_beams=record["num_beams"],
                              **settings).token_lists()
     assert forced["beam"] != [t if len(t) < budget else t[:-1] + [eos] for t in cut]
