@@ -79,7 +79,7 @@ class DecodeState:
 class StopConditions:
     """eos_ids: [E] int32 ids that end a row (-1 pads unused slots); max_new_tokens: scalar;
     forced_end_id: scalar int32, the token a row that reaches `max_new_tokens` makes last
-    (transformers' `forced_eos_token_id`); banned_ids: [K] int32 ids no row ever makes (a
+    (transformers' `forced_eos_token_id`); banned_ids: [banned] int32 ids no row makes (a
     generation config's one-token `bad_words_ids`; -1 pads). None for either compiles
     nothing for it."""
 
@@ -89,7 +89,7 @@ class StopConditions:
     banned_ids: jax.Array | None = None
 
     def banned_rows(self, batch: int) -> jax.Array | None:
-        """[B, K] the banned ids of every row, or None."""
+        """[B, banned] the banned ids of every row, or None."""
         if self.banned_ids is None:
             return None
         return jnp.broadcast_to(self.banned_ids, (batch, self.banned_ids.shape[0]))
@@ -106,17 +106,17 @@ class StopConditions:
 def choose(logits_BV: jax.Array, context: ProcessorState, keys_B: jax.Array, position,
            processors: tuple[LogitProcessor, ...] = (), plan: LoopPlan = ON_DEVICE,
            constraints: RowConstraints | None = None, forced_B: jax.Array | None = None,
-           banned_BK: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+           banned_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(token [B], its logprob [B], logprobs [B, V]): each row's next token, as every
     decoder in kvjax picks it: the built-in penalties and `processors` on the logits, then
-    the ids `banned_BK` [B, K] names (or None) banned, then the row's constraint, then a
-    forced token where `forced_B` [B] names one (not -1: a
-    row's end at its budget, which overrides the rest, as in transformers), then greedy or
-    a draw with the row's key folded with `position` (a scalar or [B], `sampling`). The
-    logprobs are the model's, before any processor."""
+    the ids `banned_ids` ([B, banned], or None) names banned, then the row's constraint,
+    then a forced token where `forced_B` [B] names one (not -1: a row's end at its budget,
+    which overrides the rest, as in transformers), then greedy or a draw with the row's key
+    folded with `position` (a scalar or [B], `sampling`). The logprobs are the model's,
+    before any processor."""
     processed_BV = apply_processors(logits_BV, context, processors, plan)
-    if banned_BK is not None:
-        processed_BV = ban(processed_BV, banned_BK)
+    if banned_ids is not None:
+        processed_BV = ban(processed_BV, banned_ids)
     if constraints is not None:
         processed_BV = constraints.mask(processed_BV)
     if forced_B is not None:

@@ -208,17 +208,17 @@ class RowLogitBias:
         return jax.lax.cond(jnp.any(self.values != 0), add, lambda x: x, logits_BV)
 
 
-def ban(logits_BV: jax.Array, banned_BK: jax.Array) -> jax.Array:
-    """Row b can never draw the ids of `banned_BK[b]` [B, K] (-1 pads): their logits -inf,
-    as transformers' NoBadWordsLogitsProcessor bans a generation config's one-token
+def ban(logits_BV: jax.Array, banned_ids: jax.Array) -> jax.Array:
+    """Row b can never draw the ids of `banned_ids[b]` ([B, banned], -1 pads): their logits
+    -inf, as transformers' NoBadWordsLogitsProcessor bans a generation config's one-token
     `bad_words_ids` (Marian's pad); every other logit is kept exactly."""
     vocab = logits_BV.shape[1]
-    ids_BK = jnp.where(banned_BK >= 0, banned_BK, vocab)
+    ids = jnp.where(banned_ids >= 0, banned_ids, vocab)
 
-    def banned(row_V, ids_K):  # mapped over rows; an id of `vocab` writes nothing
-        return row_V.at[ids_K].set(-jnp.inf, mode="drop")
+    def forbid(row_V, row_ids):  # mapped over rows; an id of `vocab` writes nothing
+        return row_V.at[row_ids].set(-jnp.inf, mode="drop")
 
-    return jax.vmap(banned)(logits_BV, ids_BK)
+    return jax.vmap(forbid)(logits_BV, ids)
 
 
 def force_end(logits_BV: jax.Array, forced_B: jax.Array) -> jax.Array:

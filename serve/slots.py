@@ -61,7 +61,7 @@ class SlotState:
     max_tokens:      [B] int32 the request's token budget.
     forced_end:      [B] int32 the token the request makes last at its budget (-1: none).
     stop_ids:        [B, E] int32 ids that end the request (-1 pads).
-    banned_ids:      [B, K] int32 ids the request never makes (-1 pads).
+    banned_ids:      [B, banned] int32 ids the request never makes (-1 pads).
     keys:            [B, 2] uint32 the request's random key (its key data).
     sampling:        `SamplingParams` with [B] fields.
     logit_bias:      the request's `RowLogitBias` [B, MAX_LOGIT_BIAS].
@@ -140,7 +140,7 @@ class EngineState:
 @flax.struct.dataclass
 class RowSettings:
     """The settings of R samples as slots hold them: max_tokens [R], forced_end [R],
-    stop_ids [R, E], banned_ids [R, K], seed
+    stop_ids [R, E], banned_ids [R, banned], seed
     [R, 2] uint32 (the request's prompt key, `decode.sampling.seed_key`), sample [R] (each
     sample's index among its request's n, `sample_key`), sampling with [R] fields,
     logit_bias [R, MAX_LOGIT_BIAS], constraint_state [R] (the initial state of its automaton
@@ -282,20 +282,20 @@ def _free_state_on(config: M.TransformerConfig, num_slots: int, num_staged: int,
 def choose(logits_BV, context_BC, context_lengths_B, sampling: SamplingParams,
            logit_bias: RowLogitBias, stop_ids_BE, keys_B2, positions_B, want_top=True,
            constraints: RowConstraints | None = None, live_B=None, forced_B=None,
-           banned_BK=None):
+           banned_ids=None):
     """(token [B], logprob [B], top_logprobs [B, W], top_ids [B, W], constraint_state [B]
     or None): each row's next token as `decode` picks it (`decode.loop.choose`), drawn with
     the row's own key folded with its position (the tokens it has made so far, which are the
     last of its context, as the presence and frequency penalties count them, and which
     `min_tokens` compares to hold back its `stop_ids` [B, E]), its logit bias added after the
-    penalties, the ids `banned_BK` [B, K] names banned, its forced token where `forced_B` [B]
+    penalties, the ids `banned_ids` [B, banned] names banned, its forced token where `forced_B` [B]
     names one (`forced_ends`), and each `live` row's constraint state after it. The top W
     are zeros unless `want_top`."""
     token_B, logprob_B, logprobs_BV = decode_loop.choose(
         logits_BV, ProcessorState(context_BC, context_lengths_B, jnp.zeros((), jnp.int32),
                                   sampling, positions_B, stop_ids_BE),
         jax.random.wrap_key_data(keys_B2), positions_B, processors=(logit_bias,),
-        constraints=constraints, forced_B=forced_B, banned_BK=banned_BK)
+        constraints=constraints, forced_B=forced_B, banned_ids=banned_ids)
     constraint_state_B = None if constraints is None else (
         constraints.advance(token_B, live_B).state)
     width = min(MAX_TOP_LOGPROBS, logits_BV.shape[-1])
@@ -401,7 +401,7 @@ def _first_tokens(state: EngineState, logits_RV, context_RC, context_lengths_R, 
         settings.stop_ids, keys_R2, settings.generated, constraints=constraints,
         live_B=jnp.ones(staged_R.shape, bool),
         forced_B=forced_ends(settings.generated, settings.max_tokens, settings.forced_end),
-        banned_BK=settings.banned_ids)
+        banned_ids=settings.banned_ids)
     if constraints is not None:
         rows = rows.replace(constraint_state=put(rows.constraint_state, constraint_state_R))
     token_Q = jnp.zeros(rows.num_slots, jnp.int32).at[staged_R].set(token_R, mode="drop")
