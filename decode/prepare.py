@@ -56,12 +56,19 @@ def validate(config: M.TransformerConfig, params, tokens: np.ndarray, lengths: n
         M.check_prompt_length(config, int(lengths.max()), max_new_tokens)
     if num_beams < 1:
         raise ValueError(f"num_beams={num_beams} must be >= 1")
-    if len(eos_ids) > MAX_EOS_IDS:
-        raise ValueError(f"at most {MAX_EOS_IDS} eos ids, got {len(eos_ids)}")
-    for eos in eos_ids:
-        if not 0 <= eos < config.vocab_size:
-            raise ValueError(f"eos id {eos} is outside the vocabulary [0, {config.vocab_size})")
+    _check_ids("eos", eos_ids, config.vocab_size)
     checks.check_params(config, params)
+
+
+def _check_ids(kind: str, ids: Sequence[int], vocab_size: int) -> None:
+    """At most `MAX_EOS_IDS` ids, each in the vocabulary; an InvalidValue names `kind`_ids."""
+    if len(ids) > MAX_EOS_IDS:
+        raise checks.InvalidValue(f"{kind}_ids", f"at most {MAX_EOS_IDS} {kind} ids, got "
+                                                 f"{len(ids)}")
+    for token in ids:
+        if not 0 <= token < vocab_size:
+            raise checks.InvalidValue(f"{kind}_ids", f"{kind} id {token} is outside the "
+                                                     f"vocabulary [0, {vocab_size})")
 
 
 def pad_prompts(tokens: np.ndarray, lengths: np.ndarray, padded_len: int) -> np.ndarray:
@@ -143,13 +150,7 @@ def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams
             raise checks.InvalidValue("forced_end_id", f"forced_end_id {forced_end_id} is "
                                       f"outside the vocabulary [0, {config.vocab_size})")
     banned_ids = checks.token_ids("banned_ids", banned_ids)
-    if len(banned_ids) > MAX_EOS_IDS:
-        raise checks.InvalidValue("banned_ids", f"at most {MAX_EOS_IDS} banned ids, got "
-                                                f"{len(banned_ids)}")
-    for token in banned_ids:
-        if not 0 <= token < config.vocab_size:
-            raise checks.InvalidValue("banned_ids", f"banned id {token} is outside the "
-                                                    f"vocabulary [0, {config.vocab_size})")
+    _check_ids("banned", banned_ids, config.vocab_size)
     validate(config, params, tokens, lengths, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
              num_beams=num_beams, continuing=state is not None)
     check_num_samples(num_samples)

@@ -95,14 +95,8 @@ def hold_back_stops(logits_BV: jax.Array, state: ProcessorState) -> jax.Array:
     """A row that has output fewer than its `min_tokens` cannot draw its stop ids (-inf), as
     transformers' MinNewTokensLengthLogitsProcessor holds back its eos ids; other rows keep
     their logits exactly."""
-    vocab = logits_BV.shape[1]
     early_B = state.output_lengths < state.settings.min_tokens
-    stop_ids_BE = jnp.where(early_B[:, None] & (state.stop_ids >= 0), state.stop_ids, vocab)
-
-    def hold_back(row_V, ids_E):  # mapped over rows; an id of `vocab` writes nothing
-        return row_V.at[ids_E].set(-jnp.inf, mode="drop")
-
-    return jax.vmap(hold_back)(logits_BV, stop_ids_BE)
+    return ban(logits_BV, jnp.where(early_B[:, None], state.stop_ids, -1))
 
 
 def _penalty_on(settings: SamplingParams) -> jax.Array:

@@ -251,6 +251,12 @@ def test_bad_inputs_raise_before_compiling(tiny):
     _rejects(net, params, r"prompt 1 is empty", prompts=[[1], []])
     _rejects(net, params, r"prompts is empty", prompts=[])
     _rejects(net, params, r"eos id 99 is outside", eos_ids=(2, 99))
+    _rejects(net, params, r"at most 8 eos ids, got 9", eos_ids=tuple(range(9)))
+    _rejects(net, params, r"banned id 64 is outside the vocabulary \[0, 64\)",
+             banned_ids=(3, 64))
+    _rejects(net, params, r"at most 8 banned ids, got 9", banned_ids=tuple(range(9)))
+    _rejects(net, params, r"forced_end_id 64 is outside the vocabulary", forced_end_id=64)
+    _rejects(net, params, r"forced_end_id=-1 must be >= 0", forced_end_id=-1)
     _rejects(net, params, r"max_len 64", max_new_tokens=64)
     bad = jax.tree_util.tree_map(lambda x: x, params)
     bad["embedder"]["embedding"]["embedding"] = jnp.zeros((65, config.d_model))
