@@ -347,16 +347,16 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
             raise APIError(400, "an encoder-decoder's prompt is the source it reads, not text "
                                 "it predicts: its tokens have no logprobs", "logprobs")
         echo = texts if echo_prompt else [""] * len(prompts)
-    default = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
-               "repetition_penalty": 1.0} | (sampling_defaults or {})
+    unset = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+             "repetition_penalty": 1.0} | (sampling_defaults or {})
     settings = dict(
         n=_get(body, "n", _INT, 1),
-        sampling=Sampling(temperature=_get(body, "temperature", _NUMBER, default["temperature"]),
-                          top_p=_get(body, "top_p", _NUMBER, default["top_p"]),
-                          top_k=_top_k(body, default["top_k"]),
-                          min_p=_get(body, "min_p", _NUMBER, default["min_p"]),
+        sampling=Sampling(temperature=_get(body, "temperature", _NUMBER, unset["temperature"]),
+                          top_p=_get(body, "top_p", _NUMBER, unset["top_p"]),
+                          top_k=_top_k(body, unset["top_k"]),
+                          min_p=_get(body, "min_p", _NUMBER, unset["min_p"]),
                           repetition_penalty=_get(body, "repetition_penalty", _NUMBER,
-                                                  default["repetition_penalty"]),
+                                                  unset["repetition_penalty"]),
                           no_repeat_ngram_size=_get(body, "no_repeat_ngram_size", _INT, 0),
                           presence_penalty=_get(body, "presence_penalty", _NUMBER, 0.0),
                           frequency_penalty=_get(body, "frequency_penalty", _NUMBER, 0.0),
