@@ -53,14 +53,15 @@ class GenerationRules:
         for key, value in sampling:
             if not isinstance(value, int | float) or isinstance(value, bool):
                 raise ValueError(f"generation_config.json {key} {value!r} is not a number")
-        rules = cls(stop_ids=tuple(stops), target_prefix=() if forced is None else (forced,),
-                    forced_end=forced_end,
+        rules = cls(stop_ids=tuple(dict.fromkeys(stops)),
+                    target_prefix=() if forced is None else (forced,), forced_end=forced_end,
                     banned_ids=tuple(dict.fromkeys(w[0] for w in bad_words)),
                     sampling=sampling)
-        for name, ids in (("eos_token_id", stops), ("forced_bos_token_id", rules.target_prefix),
+        for name, ids in (("eos_token_id", rules.stop_ids),
+                          ("forced_bos_token_id", rules.target_prefix),
                           ("forced_eos_token_id", () if forced_end is None else (forced_end,)),
                           ("bad_words_ids", rules.banned_ids)):
             for i in ids:
                 if not isinstance(i, int) or not 0 <= i < known.size or not known[i]:
                     raise ValueError(f"generation_config.json {name} {i!r} is not a token id")
-        return dataclasses.replace(rules, stop_ids=tuple(dict.fromkeys(stops)))
+        return rules
