@@ -84,7 +84,8 @@ class Parsed:
     reasoning: reasoning.Think | harmony.Harmony | None = None
 
 
-_NUMBER, _INT, _BOOL, _STR, _OBJECT = (int, float), (int,), (bool,), (str,), (dict,)
+# The JSON types a field may be (`get_field`).
+NUMBER, INT, BOOL, STR, OBJECT = (int, float), (int,), (bool,), (str,), (dict,)
 
 
 def _shown(value: Any, limit: int = 80) -> str:
@@ -93,13 +94,15 @@ def _shown(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
-def _get(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
+def get_field(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
+    """`body`'s field `name`, or `default` where it is missing or null; a value that is
+    none of `kinds` (`INT`, `BOOL`, ...) is an APIError 400 naming the field."""
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        wanted = {_NUMBER: "a number", _INT: "an integer", _BOOL: "a boolean",
-                  _STR: "a string", _OBJECT: "an object"}.get(
+        wanted = {NUMBER: "a number", INT: "an integer", BOOL: "a boolean",
+                  STR: "a string", OBJECT: "an object"}.get(
             kinds, "/".join(k.__name__ for k in kinds))
         raise APIError(400, f"{name}={_shown(value)} must be {wanted}", name)
     return value
@@ -136,7 +139,7 @@ def _refuse_unsupported(body: dict, chat_api: bool) -> None:
 def _logit_bias(body: dict) -> tuple[tuple[int, Any], ...]:
     """The request's logit_bias as (token id, bias) pairs; the ids and values are checked by
     `GenerationRequest.checked`."""
-    bias = _get(body, "logit_bias", _OBJECT, {})
+    bias = get_field(body, "logit_bias", OBJECT, {})
     pairs = []
     for key, value in bias.items():
         if not (key.isascii() and key.isdecimal()):
@@ -148,7 +151,7 @@ def _logit_bias(body: dict) -> tuple[tuple[int, Any], ...]:
 
 def _top_k(body: dict, default: int = 0) -> int:
     """kvjax's top_k (0 = no limit) from the request's, where vLLM's -1 also means none."""
-    top_k = _get(body, "top_k", _INT, default)
+    top_k = get_field(body, "top_k", INT, default)
     return 0 if top_k == -1 else top_k
 
 
@@ -179,7 +182,7 @@ def _stop_ids(body: dict, tokenizer) -> tuple[int, ...]:
             isinstance(t, int) and not isinstance(t, bool) for t in extra):
         raise APIError(400, f"stop_token_ids={_shown(extra)} must be a list of token ids",
                        "stop_token_ids")
-    own = () if _get(body, "ignore_eos", _BOOL, False) else tuple(tokenizer.stop_ids)
+    own = () if get_field(body, "ignore_eos", BOOL, False) else tuple(tokenizer.stop_ids)
     return tuple(dict.fromkeys((*own, *extra)))
 
 
@@ -220,13 +223,14 @@ def _decode(loaded: T.LoadedModel, ids) -> str:
         raise APIError(400, str(error), "prompt") from None
 
 
-def _chat_prompt(loaded: T.LoadedModel, messages: Any, tools: Tools | None,
-                 template_kwargs: dict[str, Any]) -> tuple[tuple[int, ...], str]:
-    """(the prompt's tokens, its text)."""
+def chat_prompt(loaded: T.LoadedModel, messages: Any, tools: Tools | None,
+                variables: dict[str, Any]) -> tuple[tuple[int, ...], str]:
+    """(the tokens the chat `messages` feed the model, their text), with `tools` and the
+    template's `variables` (`template_kwargs`)."""
     try:
         text, templated = chat.render(loaded.tokenizer, messages,
                                       None if tools is None else tools.for_template(),
-                                      template_kwargs)
+                                      variables)
     except ValueError as error:
         raise APIError(400, str(error), "messages") from None
     if templated:
@@ -244,9 +248,11 @@ def _reasoning(parser: str | None, prompt_text: str, tokenizer: Any, tools: Tool
     return reasoning.Think(reasoning.starts_in_reasoning(prompt_text))
 
 
-def _template_kwargs(body: dict) -> dict[str, Any]:
-    kwargs = _get(body, "chat_template_kwargs", _OBJECT, {})
-    effort = _get(body, "reasoning_effort", _STR)
+def template_kwargs(body: dict) -> dict[str, Any]:
+    """The variables a chat request adds to its chat template (`chat_template_kwargs`, and
+    `reasoning_effort`)."""
+    kwargs = get_field(body, "chat_template_kwargs", OBJECT, {})
+    effort = get_field(body, "reasoning_effort", STR)
     if effort is not None:
         kwargs = {"reasoning_effort": effort, **kwargs}
     reserved = sorted(set(kwargs) & set(chat.RESERVED_TEMPLATE_VARIABLES))
@@ -294,7 +300,7 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
     out."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
-    model = _get(body, "model", _STR)
+    model = get_field(body, "model", STR)
     if model is None:
         raise APIError(400, "model is required: the name /v1/models lists", "model")
     names = (served_name, *adapter_names)
@@ -311,7 +317,7 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
                             f"takes one", "target_language")
     if constraint is None:
         constraint, field = language or default_language, "target_language"
-    stream = _get(body, "stream", _BOOL, False)
+    stream = get_field(body, "stream", BOOL, False)
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise APIError(400, "stream_options must be an object", "stream_options")
@@ -320,15 +326,15 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
         raise APIError(400, "this model translates the prompt of /v1/completions; it has no "
                             "chat", "messages")
     if chat_api:
-        ids, prompt_text = _chat_prompt(loaded, body.get("messages"), tools,
-                                        _template_kwargs(body))
+        ids, prompt_text = chat_prompt(loaded, body.get("messages"), tools,
+                                       template_kwargs(body))
         prompts = [ids]
         splits = _reasoning(reasoning_parser, prompt_text, loaded.tokenizer, tools)
         echo, echo_prompt = [""], False
-        max_tokens = _get(body, "max_completion_tokens", _INT,
-                          _get(body, "max_tokens", _INT))
-        want_logprobs = _get(body, "logprobs", _BOOL, False)
-        top = _get(body, "top_logprobs", _INT, 0)
+        max_tokens = get_field(body, "max_completion_tokens", INT,
+                               get_field(body, "max_tokens", INT))
+        want_logprobs = get_field(body, "logprobs", BOOL, False)
+        top = get_field(body, "top_logprobs", INT, 0)
         if top and not want_logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     else:
@@ -336,13 +342,13 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
             raise APIError(400, "prompt is required", "prompt")
         prompts, texts = _completion_prompts(loaded, body["prompt"], max_prompts)
         splits = None
-        max_tokens = _get(body, "max_tokens", _INT)
-        top = _get(body, "logprobs", _INT)
+        max_tokens = get_field(body, "max_tokens", INT)
+        top = get_field(body, "logprobs", INT)
         want_logprobs = top is not None
         if want_logprobs and not 0 <= top <= MAX_COMPLETION_LOGPROBS:
             raise APIError(400, f"logprobs={top} must be in [0, {MAX_COMPLETION_LOGPROBS}]",
                            "logprobs")
-        echo_prompt = _get(body, "echo", _BOOL, False)
+        echo_prompt = get_field(body, "echo", BOOL, False)
         if echo_prompt and want_logprobs and loaded.is_translation:
             raise APIError(400, "an encoder-decoder's prompt is the source it reads, not text "
                                 "it predicts: its tokens have no logprobs", "logprobs")
@@ -350,19 +356,19 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
     unset = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
              "repetition_penalty": 1.0} | (sampling_defaults or {})
     settings = dict(
-        n=_get(body, "n", _INT, 1),
-        sampling=Sampling(temperature=_get(body, "temperature", _NUMBER, unset["temperature"]),
-                          top_p=_get(body, "top_p", _NUMBER, unset["top_p"]),
+        n=get_field(body, "n", INT, 1),
+        sampling=Sampling(temperature=get_field(body, "temperature", NUMBER, unset["temperature"]),
+                          top_p=get_field(body, "top_p", NUMBER, unset["top_p"]),
                           top_k=_top_k(body, unset["top_k"]),
-                          min_p=_get(body, "min_p", _NUMBER, unset["min_p"]),
-                          repetition_penalty=_get(body, "repetition_penalty", _NUMBER,
-                                                  unset["repetition_penalty"]),
-                          no_repeat_ngram_size=_get(body, "no_repeat_ngram_size", _INT, 0),
-                          presence_penalty=_get(body, "presence_penalty", _NUMBER, 0.0),
-                          frequency_penalty=_get(body, "frequency_penalty", _NUMBER, 0.0),
-                          min_tokens=_get(body, "min_tokens", _INT, 0)),
+                          min_p=get_field(body, "min_p", NUMBER, unset["min_p"]),
+                          repetition_penalty=get_field(body, "repetition_penalty", NUMBER,
+                                                       unset["repetition_penalty"]),
+                          no_repeat_ngram_size=get_field(body, "no_repeat_ngram_size", INT, 0),
+                          presence_penalty=get_field(body, "presence_penalty", NUMBER, 0.0),
+                          frequency_penalty=get_field(body, "frequency_penalty", NUMBER, 0.0),
+                          min_tokens=get_field(body, "min_tokens", INT, 0)),
         logit_bias=_logit_bias(body),
-        seed=_get(body, "seed", _INT), stop=_stops(body, max_stop_strings, max_stop_chars),
+        seed=get_field(body, "seed", INT), stop=_stops(body, max_stop_strings, max_stop_chars),
         logprobs=top or 0, adapter=names.index(model),
         stop_ids=_stop_ids(body, loaded.tokenizer), forced_end_id=loaded.tokenizer.forced_end,
         banned_ids=loaded.tokenizer.banned_ids,

@@ -3,6 +3,7 @@
   POST /v1/completions, POST /v1/chat/completions   (stream: server-sent events ending
                                                      with `data: [DONE]`)
   GET /v1/models, GET /health, GET /metrics (Prometheus)
+  POST /tokenize, POST /detokenize (vLLM's: `tokenization.py`)
   POST /v1/load_lora_adapter, /v1/unload_lora_adapter (with a loader: `build_app`)
 
 The engine runs on its own thread; each request's deltas reach the event loop through
@@ -35,6 +36,7 @@ from .engine import Engine, EngineFailed, QueueFull
 from .limits import Limits, authorized, read_json
 from .metrics import ServeMetrics
 from .protocol import APIError, Parsed, model_sampling_defaults, parse
+from .tokenization import detokenize, tokenize
 
 RETRY_AFTER_SECONDS = 1
 # Adapter slots and rank a server that loads adapters while serving has by default (vLLM's
@@ -143,6 +145,22 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
             return JSONResponse({"status": "failed", "error": str(engine.failure)}, 503)
         return JSONResponse({"status": "ok", "live_slots": engine.live_slots,
                              "queue_length": engine.queue_length})
+
+    async def tokenize_text(request: Request) -> JSONResponse:
+        return await _tokenization(request, tokenize, engine.capacity)
+
+    async def detokenize_tokens(request: Request) -> JSONResponse:
+        return await _tokenization(request, detokenize)
+
+    async def _tokenization(request: Request, answer, *args) -> JSONResponse:
+        try:
+            authorized(request, api_key)
+            body = await read_json(request, limits)
+            served = (name, *served_adapters.names)
+            # Off the event loop, as a generation request's prompts are tokenized.
+            return JSONResponse(await asyncio.to_thread(answer, body, loaded, served, *args))
+        except APIError as error:
+            return error_response(error)
 
     async def metrics_text(_: Request) -> Response:
         return Response(metrics.exposition(), media_type=metrics.content_type)
@@ -304,6 +322,8 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_text, methods=["GET"]),
+        Route("/tokenize", tokenize_text, methods=["POST"]),
+        Route("/detokenize", detokenize_tokens, methods=["POST"]),
         *([Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
            Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"])]
           if load_adapter is not None else []),

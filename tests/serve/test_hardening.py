@@ -200,8 +200,12 @@ def test_an_api_key_is_required_where_one_is_set(tiny_loaded):
             assert response.json()["error"]["code"] == "invalid_api_key"
             assert httpx.get(f"{base}/v1/models", headers=headers,
                              timeout=TIMEOUT).status_code == 401
+            assert httpx.post(f"{base}/tokenize", json={"prompt": "abc"}, headers=headers,
+                              timeout=TIMEOUT).status_code == 401
         answer = post(base, "completions", completion(), authorization="Bearer s3cret")
         assert answer.status_code == 200
+        assert httpx.post(f"{base}/tokenize", json={"prompt": "abc"}, timeout=TIMEOUT,
+                          headers={"authorization": "Bearer s3cret"}).status_code == 200
         assert httpx.get(f"{base}/health", timeout=TIMEOUT).status_code == 200
     finally:
         stop()

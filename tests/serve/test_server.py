@@ -211,6 +211,32 @@ def test_the_client_sees_an_unknown_model_as_not_found(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_tokenize_counts_the_prompt_tokens_a_request_is_charged_for(server, client,
+                                                                   tiny_loaded):
+    """vLLM's /tokenize and /detokenize on the running server: a prompt's count is the
+    `prompt_tokens` its completion's usage reports, a chat's those of its chat completion;
+    its tokens detokenize to its text; errors are OpenAI's, naming the field."""
+    url = server[0]
+    completion = client.completions.create(model=MODEL, prompt="The cache", max_tokens=2)
+    said = httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": "The cache"},
+                      timeout=TIMEOUT).json()
+    assert said["count"] == completion.usage.prompt_tokens == len(said["tokens"])
+    assert said["tokens"] == prompt_tokens(tiny_loaded, "The cache")
+    assert said["max_model_len"] == client.models.list().data[0].model_extra["max_model_len"]
+    messages = [{"role": "user", "content": "What is a KV cache?"}]
+    chat_answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert httpx.post(f"{url}/tokenize", json={"messages": messages}, timeout=TIMEOUT).json()[
+        "count"] == chat_answer.usage.prompt_tokens
+    bare = httpx.post(f"{url}/tokenize", json={"prompt": "abc", "add_special_tokens": False},
+                      timeout=TIMEOUT).json()["tokens"]
+    assert httpx.post(f"{url}/detokenize", json={"tokens": bare}, timeout=TIMEOUT).json() == {
+        "prompt": FakeTokenizer.decode(bare)}
+    refused = httpx.post(f"{url}/tokenize", json={"prompt": "a", "return_token_strs": True},
+                         timeout=TIMEOUT)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "return_token_strs"
+
+
 def test_a_full_queue_answers_429_with_retry_after(tiny_loaded):
     # An app whose engine is not running (no lifespan): what is queued stays queued.
     app = build_app(tiny_loaded, max_slots=4, max_queue=2, chunk_size=4)

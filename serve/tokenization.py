@@ -1,0 +1,97 @@
+"""vLLM's `POST /tokenize` and `POST /detokenize`: the tokens a prompt costs, and the text of
+tokens, by the tokenizer the server generates with.
+
+`/tokenize` takes a completion's `prompt` (one string) or a chat's `messages` (with `tools`,
+`chat_template_kwargs` and `reasoning_effort` as /v1/chat/completions reads them) and answers
+`{"count", "max_model_len", "tokens", "token_strs": null}`: for `messages`, exactly the
+tokens /v1/chat/completions feeds the model; for a `prompt`, those /v1/completions feeds it
+(what its tokenizer puts around a text included, Llama's bos, a translator's source frame),
+or with `add_special_tokens` false the text's own. `max_model_len` is a slot's room, prompt
+and output together, as /v1/models lists it. `/detokenize` takes `{"tokens": [...]}` and
+answers `{"prompt": text}`, special tokens left out as the answers leave them out. A `model`
+may be named (the served model or one of its adapters, which share its tokenizer); what
+vLLM offers here and kvjax does not (`return_token_strs`, a chat without the generation
+prompt, a final message continued) is a 400 naming the field, never ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvjax import text as T
+
+from .protocol import (
+    BOOL,
+    APIError,
+    chat_prompt,
+    get_field,
+    template_kwargs,
+)
+from .tools import parse_tools
+
+# Fields of vLLM's tokenize requests whose other values kvjax does not implement: (name, the
+# value it implements).
+_FIXED = (("return_token_strs", False), ("add_generation_prompt", True),
+          ("continue_final_message", False))
+
+
+def tokenize(body: Any, loaded: T.LoadedModel, served: tuple[str | None, ...],
+             capacity: int) -> dict:
+    """The answer to a /tokenize request `body` (JSON-decoded) for a server of the model
+    `loaded`, served under the names `served` (None for an empty adapter slot), whose slots
+    hold `capacity` tokens."""
+    _check_model(body, served)
+    for name, implemented in _FIXED:
+        if get_field(body, name, BOOL, implemented) != implemented:
+            raise APIError(400, f"{name}={body[name]} is not supported by this server", name)
+    has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
+    if has_prompt == has_messages:
+        raise APIError(400, "a tokenize request takes a prompt or messages, one of them",
+                       "messages" if has_messages else "prompt")
+    if has_messages:
+        if loaded.is_translation:
+            raise APIError(400, "this model translates the prompt of /v1/completions; it has "
+                                "no chat", "messages")
+        if "add_special_tokens" in body:
+            raise APIError(400, "add_special_tokens is for a prompt: messages are tokenized "
+                                "as /v1/chat/completions tokenizes them", "add_special_tokens")
+    elif not isinstance(body["prompt"], str):
+        raise APIError(400, f"prompt must be a string, not {type(body['prompt']).__name__}",
+                       "prompt")
+    try:
+        if has_messages:
+            tokens, _ = chat_prompt(loaded, body["messages"], parse_tools(body),
+                                    template_kwargs(body))
+        elif get_field(body, "add_special_tokens", BOOL, True):
+            tokens = T.prompt_tokens(loaded, body["prompt"])
+        else:
+            tokens = loaded.tokenizer.encode(body["prompt"])
+    except UnicodeError as error:  # a tokenizer refusing text: the client's
+        raise APIError(400, f"the text cannot be tokenized: {error}",
+                       "messages" if has_messages else "prompt") from None
+    tokens = [int(t) for t in tokens]
+    return {"count": len(tokens), "max_model_len": capacity, "tokens": tokens,
+            "token_strs": None}
+
+
+def detokenize(body: Any, loaded: T.LoadedModel, served: tuple[str | None, ...]) -> dict:
+    """The answer to a /detokenize request `body` (see `tokenize`)."""
+    _check_model(body, served)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise APIError(400, "tokens must be a list of token ids", "tokens")
+    try:
+        return {"prompt": loaded.tokenizer.decode(tokens)}
+    except ValueError as error:  # an id outside the vocabulary, named
+        raise APIError(400, str(error), "tokens") from None
+
+
+def _check_model(body: Any, served: tuple[str | None, ...]) -> None:
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model not in served:
+        raise APIError(404, f"The model `{model}` does not exist: this server serves "
+                            f"{', '.join(f'`{n}`' for n in served if n is not None)}", "model",
+                       kind="not_found_error")
