@@ -11,6 +11,7 @@ from kvjax import model as M
 from kvjax.decode import Sampling
 from kvjax.serve.protocol import (
     MAX_COMPLETION_LOGPROBS,
+    SAMPLING_DEFAULTS,
     APIError,
     model_sampling_defaults,
     parse,
@@ -150,6 +151,15 @@ def test_missing_sampling_settings_take_the_models_defaults_where_served_with_th
         model_sampling_defaults(text.load(directory))
     with pytest.raises(ValueError, match="sampling_defaults='vllm' is not one of model, openai"):
         model_sampling_defaults(loaded, "vllm")
+
+
+def test_the_command_line_offers_the_sampling_defaults_the_server_knows():
+    """`kvjax serve --sampling-defaults` lists its choices before it imports the server."""
+    from kvjax.cli import build_parser
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    (option,) = [a for a in serve._actions if "--sampling-defaults" in a.option_strings]
+    assert tuple(option.choices) == SAMPLING_DEFAULTS and option.default == SAMPLING_DEFAULTS[0]
 
 
 def test_a_body_that_is_not_an_object_is_refused():
