@@ -2,7 +2,8 @@
 
 A tokenizer that brings a chat template (a Jinja2 string in `chat_template`, as Hugging Face
 tokenizers carry) renders the messages its own way, as transformers' `apply_chat_template`
-does with `add_generation_prompt=True`: the same sandboxed environment and helpers, the
+does (by default with `add_generation_prompt=True`; `continue_final_message` as it cuts
+the text inside the final message): the same sandboxed environment and helpers, the
 tokenizer's named special tokens (`bos_token`, `eos_token`, ...) as variables, and the
 request's `tools` (`tools.py`). Each message reaches the template as {"role", "content"},
 its content as one string, with an assistant's `tool_calls` (their JSON arguments as
@@ -10,7 +11,8 @@ objects, as templates read them) and a tool message's `tool_call_id` and `name`.
 kvjax's own models were trained on plain text, so they get the plain template: the tools
 as one JSON line, each message on its own line as `role: content` (an assistant's calls
 after its content, each as `<tool_call>{"name": ..., "arguments": ...}</tool_call>`), then
-`assistant:` for the model to continue,
+`assistant:` for the model to continue (or, continuing the final message, nothing after its
+content),
 
     system: You answer in one line.
     user: What is a KV cache?
@@ -54,9 +56,10 @@ def message_text(message: Any, index: int) -> tuple[str, str]:
 
 
 def plain_prompt(messages: Sequence[tuple[str, str]] | Sequence[dict],
-                 tools: list[dict] | None = None) -> str:
+                 tools: list[dict] | None = None, add_generation_prompt: bool = True) -> str:
     """The plain template (see the module docstring) of (role, content) pairs or of
-    messages as templates get them."""
+    messages as templates get them; without `add_generation_prompt`, no `assistant:` at
+    the end."""
     listed = json.dumps(tools, ensure_ascii=False, separators=(",", ":"))
     lines = [] if not tools else [f"tools: {listed}\n"]
     for message in messages:
@@ -66,7 +69,7 @@ def plain_prompt(messages: Sequence[tuple[str, str]] | Sequence[dict],
             {"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
             ensure_ascii=False) + "</tool_call>" for c in message.get("tool_calls", ()))
         lines.append(f"{message['role']}: {message['content']}{calls}\n")
-    return "".join(lines) + "assistant:"
+    return "".join(lines) + "assistant:" * add_generation_prompt
 
 
 def template_message(message: dict, index: int) -> dict:
@@ -106,20 +109,54 @@ RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation
 
 
 def render(tokenizer: Any, messages: Sequence[Any], tools: list[dict] | None = None,
-           template_kwargs: dict[str, Any] | None = None) -> tuple[str, bool]:
+           template_kwargs: dict[str, Any] | None = None, *, add_generation_prompt: bool = True,
+           continue_final_message: bool = False) -> tuple[str, bool]:
     """(prompt text, whether it came from the tokenizer's own template), with `tools`
     (OpenAI's, or None) shown to the model. A template's text already holds the special
     tokens it wants, so it is encoded with no prefix added. `template_kwargs` are more
     variables for the template (vLLM's `chat_template_kwargs`, such as Qwen3's
-    `enable_thinking`); a template reads those it knows, the plain template none."""
+    `enable_thinking`); a template reads those it knows, the plain template none.
+    `add_generation_prompt` ends the text with what starts the assistant's answer;
+    `continue_final_message` (not with it) ends the text inside the final message, after
+    its content, for the model to go on with it (a reply begun by the client), as
+    transformers ends it: the text up to a tag put after that content, less the
+    whitespace the template trims around the content."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of chat messages")
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message both set: a text "
+                         "ends with a new answer's start or inside the final message, not "
+                         "both")
     entries = [template_message(m, i) for i, m in enumerate(messages)]
+    if continue_final_message:
+        entries[-1] = {**entries[-1], "content": entries[-1]["content"] + CONTINUE_TAG}
+    text, templated = _rendered(tokenizer, entries, tools, template_kwargs,
+                                add_generation_prompt)
+    return (_cut_at_tag(text) if continue_final_message else text), templated
+
+
+# What marks the end of the final message's content while it is rendered (transformers' own
+# tag, so that a template treats it as transformers has it treated).
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _cut_at_tag(text: str) -> str:
+    mark = CONTINUE_TAG.strip()
+    if mark not in text:
+        raise ValueError("continue_final_message: the model's chat template leaves out the "
+                         "final message's content, so there is nothing to continue")
+    at = text.rindex(mark)
+    return text[:at] if text[at:at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
+
+
+def _rendered(tokenizer: Any, entries: list[dict], tools: list[dict] | None,
+              template_kwargs: dict[str, Any] | None,
+              add_generation_prompt: bool) -> tuple[str, bool]:
     template = getattr(tokenizer, "chat_template", None)
     if tools:  # as transformers picks it: a template named "tool_use" renders tools
         template = getattr(tokenizer, "tool_chat_template", None) or template
     if not template:
-        return plain_prompt(entries, tools), False
+        return plain_prompt(entries, tools, add_generation_prompt), False
     special = getattr(tokenizer, "special_tokens", None)
     if special is None:
         special = {name: getattr(tokenizer, name, "") or "" for name in ("bos_token", "eos_token")}
@@ -128,7 +165,8 @@ def render(tokenizer: Any, messages: Sequence[Any], tools: list[dict] | None = N
     try:
         text = _compiled(template).render(**{**special, **(template_kwargs or {})},
                                           messages=entries, tools=tools or None,
-                                          documents=None, add_generation_prompt=True)
+                                          documents=None,
+                                          add_generation_prompt=add_generation_prompt)
     except jinja2.TemplateError as error:  # raise_exception's message included
         raise ValueError(f"the model's chat template refused these messages: {error}") from None
     return text, True

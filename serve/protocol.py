@@ -17,8 +17,9 @@ Structured output (`response_format`, `structured_outputs`), a translator's
 `target_language` and tools are read by `structured.py` and `tools.py`. A chat request's
 `chat_template_kwargs` (an object) are more variables for the model's chat template, as vLLM
 takes them, and OpenAI's `reasoning_effort` is one more (gpt-oss's template reads it;
-chat_template_kwargs' wins); with a reasoning parser (`reasoning.py`, `harmony.py`) its
-choices are split into reasoning and content.
+chat_template_kwargs' wins); vLLM's `add_generation_prompt` and `continue_final_message`
+end the prompt as they ask (`chat.render`); with a reasoning parser (`reasoning.py`,
+`harmony.py`) its choices are split into reasoning and content.
 """
 
 from __future__ import annotations
@@ -126,7 +127,12 @@ def _refuse_unsupported(body: dict, chat_api: bool) -> None:
         hint = " (tools are for /v1/chat/completions)"
         unsupported += [("tools", [], hint), ("tool_choice", "none", hint),
                         ("chat_template_kwargs", {}, " (they are for /v1/chat/completions)"),
+                        ("add_generation_prompt", True, " (it is for /v1/chat/completions)"),
+                        ("continue_final_message", False,
+                         " (it is for /v1/chat/completions)"),
                         ("reasoning_effort", None, " (it is for /v1/chat/completions)")]
+    else:  # vLLM's echo of the final message in front of a chat's answer
+        unsupported.append(("echo", False, " on /v1/chat/completions"))
     for name, off, hint in unsupported:
         if body.get(name) not in (None, off):
             raise APIError(400, f"{name}={_shown(body[name])} is not supported by this "
@@ -223,14 +229,21 @@ def _decode(loaded: T.LoadedModel, ids) -> str:
         raise APIError(400, str(error), "prompt") from None
 
 
-def chat_prompt(loaded: T.LoadedModel, messages: Any, tools: Tools | None,
-                variables: dict[str, Any]) -> tuple[tuple[int, ...], str]:
-    """(the tokens the chat `messages` feed the model, their text), with `tools` and the
-    template's `variables` (`template_kwargs`)."""
+def chat_prompt(loaded: T.LoadedModel, body: dict, tools: Tools | None
+                ) -> tuple[tuple[int, ...], str]:
+    """(the tokens a chat request's messages feed the model, their text), with `tools`, the
+    template's variables (`_template_kwargs`), and ending as its `add_generation_prompt`
+    (default true) and `continue_final_message` (default false) ask (`chat.render`)."""
+    ends = {name: get_field(body, name, BOOL, default) for name, default in (
+        ("add_generation_prompt", True), ("continue_final_message", False))}
+    if all(ends.values()):
+        raise APIError(400, "continue_final_message=true needs add_generation_prompt=false: "
+                            "the text ends inside the final message, not with a new answer's "
+                            "start", "continue_final_message")
     try:
-        text, templated = chat.render(loaded.tokenizer, messages,
+        text, templated = chat.render(loaded.tokenizer, body.get("messages"),
                                       None if tools is None else tools.for_template(),
-                                      variables)
+                                      _template_kwargs(body), **ends)
     except ValueError as error:
         raise APIError(400, str(error), "messages") from None
     if templated:
@@ -248,7 +261,7 @@ def _reasoning(parser: str | None, prompt_text: str, tokenizer: Any, tools: Tool
     return reasoning.Think(reasoning.starts_in_reasoning(prompt_text))
 
 
-def template_kwargs(body: dict) -> dict[str, Any]:
+def _template_kwargs(body: dict) -> dict[str, Any]:
     """The variables a chat request adds to its chat template (`chat_template_kwargs`, and
     `reasoning_effort`)."""
     kwargs = get_field(body, "chat_template_kwargs", OBJECT, {})
@@ -326,8 +339,7 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
         raise APIError(400, "this model translates the prompt of /v1/completions; it has no "
                             "chat", "messages")
     if chat_api:
-        ids, prompt_text = chat_prompt(loaded, body.get("messages"), tools,
-                                       template_kwargs(body))
+        ids, prompt_text = chat_prompt(loaded, body, tools)
         prompts = [ids]
         splits = _reasoning(reasoning_parser, prompt_text, loaded.tokenizer, tools)
         echo, echo_prompt = [""], False

@@ -2,16 +2,17 @@
 tokens, by the tokenizer the server generates with.
 
 `/tokenize` takes a completion's `prompt` (one string) or a chat's `messages` (with `tools`,
-`chat_template_kwargs` and `reasoning_effort` as /v1/chat/completions reads them) and answers
+`chat_template_kwargs`, `reasoning_effort`, `add_generation_prompt` and
+`continue_final_message` as /v1/chat/completions reads them) and answers
 `{"count", "max_model_len", "tokens", "token_strs": null}`: for `messages`, exactly the
 tokens /v1/chat/completions feeds the model; for a `prompt`, those /v1/completions feeds it
 (what its tokenizer puts around a text included, Llama's bos, a translator's source frame),
 or with `add_special_tokens` false the text's own. `max_model_len` is a slot's room, prompt
 and output together, as /v1/models lists it. `/detokenize` takes `{"tokens": [...]}` and
 answers `{"prompt": text}`, special tokens left out as the answers leave them out. A `model`
-may be named (the served model or one of its adapters, which share its tokenizer); what
-vLLM offers here and kvjax does not (`return_token_strs`, a chat without the generation
-prompt, a final message continued) is a 400 naming the field, never ignored.
+may be named (the served model or one of its adapters, which share its tokenizer). What
+vLLM offers here and kvjax does not (`return_token_strs`) and a chat's fields given with a
+`prompt` are a 400 naming the field, never ignored.
 """
 
 from __future__ import annotations
@@ -20,19 +21,12 @@ from typing import Any
 
 from kvjax import text as T
 
-from .protocol import (
-    BOOL,
-    APIError,
-    chat_prompt,
-    get_field,
-    template_kwargs,
-)
+from .protocol import BOOL, APIError, chat_prompt, get_field
 from .tools import parse_tools
 
-# Fields of vLLM's tokenize requests whose other values kvjax does not implement: (name, the
-# value it implements).
-_FIXED = (("return_token_strs", False), ("add_generation_prompt", True),
-          ("continue_final_message", False))
+# What a chat's tokens depend on besides its messages.
+CHAT_ONLY = ("tools", "chat_template_kwargs", "reasoning_effort", "add_generation_prompt",
+             "continue_final_message")
 
 
 def tokenize(body: Any, loaded: T.LoadedModel, served: tuple[str | None, ...],
@@ -41,9 +35,9 @@ def tokenize(body: Any, loaded: T.LoadedModel, served: tuple[str | None, ...],
     `loaded`, served under the names `served` (None for an empty adapter slot), whose slots
     hold `capacity` tokens."""
     _check_model(body, served)
-    for name, implemented in _FIXED:
-        if get_field(body, name, BOOL, implemented) != implemented:
-            raise APIError(400, f"{name}={body[name]} is not supported by this server", name)
+    if get_field(body, "return_token_strs", BOOL, False):
+        raise APIError(400, "return_token_strs=True is not supported by this server",
+                       "return_token_strs")
     has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
     if has_prompt == has_messages:
         raise APIError(400, "a tokenize request takes a prompt or messages, one of them",
@@ -55,13 +49,14 @@ def tokenize(body: Any, loaded: T.LoadedModel, served: tuple[str | None, ...],
         if "add_special_tokens" in body:
             raise APIError(400, "add_special_tokens is for a prompt: messages are tokenized "
                                 "as /v1/chat/completions tokenizes them", "add_special_tokens")
+    elif given := [name for name in CHAT_ONLY if body.get(name) is not None]:
+        raise APIError(400, f"{given[0]} is for messages, not a prompt", given[0])
     elif not isinstance(body["prompt"], str):
         raise APIError(400, f"prompt must be a string, not {type(body['prompt']).__name__}",
                        "prompt")
     try:
         if has_messages:
-            tokens, _ = chat_prompt(loaded, body["messages"], parse_tools(body),
-                                    template_kwargs(body))
+            tokens, _ = chat_prompt(loaded, body, parse_tools(body))
         elif get_field(body, "add_special_tokens", BOOL, True):
             tokens = T.prompt_tokens(loaded, body["prompt"])
         else:

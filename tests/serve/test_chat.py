@@ -44,6 +44,16 @@ EXPECTED = ("<|endoftext|><|im_start|>system\nYou are helpful.<|im_end|>\n"
             "<|im_start|>user\nWhy keep them?<|im_end|>\n"
             "<|im_start|>assistant\n")
 
+# The same rendered with add_generation_prompt=False; and PLAIN_MESSAGES[:2] (its final message
+# the assistant's, given once as it is and once with trailing spaces, which the template
+# trims) with continue_final_message=True.
+WITHOUT_GENERATION_PROMPT = EXPECTED.removesuffix("<|im_start|>assistant\n")
+CONTINUED = ("<|endoftext|><|im_start|>system\nYou are helpful.<|im_end|>\n"
+             "<|im_start|>user\nGrüße! What is a KV cache?<|im_end|>\n"
+             "<|im_start|>assistant\nKeys and values.")
+BEGUN = [PLAIN_MESSAGES[0], {"role": "assistant", "content": "Keys and  "}]
+CONTINUED_TRIMMED = CONTINUED.removesuffix(" values.")
+
 
 @pytest.fixture(scope="module")
 def directory(tmp_path_factory):
@@ -69,11 +79,41 @@ def test_the_template_renders_as_transformers_renders_it(directory):
     assert chat.render(from_bundle(tokenizer.to_bytes()), MESSAGES) == (EXPECTED, True)
 
 
+def test_a_text_ends_without_an_answers_start_or_inside_the_final_message(directory):
+    """`add_generation_prompt` false leaves the assistant's header out; with
+    `continue_final_message` the text stops right after the final message's content (less
+    what the template trims of it), as transformers stops it, for the model to go on."""
+    tokenizer = load_tokenizer(directory)
+    assert chat.render(tokenizer, MESSAGES, add_generation_prompt=False) == (
+        WITHOUT_GENERATION_PROMPT, True)
+    for messages, expected in ((MESSAGES[:2], CONTINUED), (BEGUN, CONTINUED_TRIMMED)):
+        assert chat.render(tokenizer, messages, add_generation_prompt=False,
+                           continue_final_message=True) == (expected, True)
+    plain = [("user", "Hi"), ("assistant", "Keys ")]
+    assert chat.render(object(), [dict(zip(("role", "content"), m, strict=True))
+                                  for m in plain], add_generation_prompt=False,
+                       continue_final_message=True) == ("user: Hi\nassistant: Keys ", False)
+    with pytest.raises(ValueError, match="add_generation_prompt and continue_final_message"):
+        chat.render(tokenizer, MESSAGES, continue_final_message=True)
+
+    class Dropping:
+        chat_template = "{% for m in messages %}{{ m['role'] }}|{% endfor %}"
+
+    with pytest.raises(ValueError, match="leaves out the final message's content"):
+        chat.render(Dropping(), MESSAGES, add_generation_prompt=False,
+                    continue_final_message=True)
+
+
 def test_transformers_renders_the_same_text_and_ids(directory):
     transformers = pytest.importorskip("transformers")
     theirs = transformers.AutoTokenizer.from_pretrained(directory)
     assert theirs.apply_chat_template(PLAIN_MESSAGES, add_generation_prompt=True,
                                       tokenize=False) == EXPECTED
+    assert theirs.apply_chat_template(PLAIN_MESSAGES, add_generation_prompt=False,
+                                      tokenize=False) == WITHOUT_GENERATION_PROMPT
+    for messages, expected in ((PLAIN_MESSAGES[:2], CONTINUED), (BEGUN, CONTINUED_TRIMMED)):
+        assert theirs.apply_chat_template(messages, continue_final_message=True,
+                                          tokenize=False) == expected
     ours = load_tokenizer(directory)
     their_ids = theirs.apply_chat_template(PLAIN_MESSAGES, add_generation_prompt=True,
                                            tokenize=True, return_dict=False)

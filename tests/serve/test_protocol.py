@@ -106,6 +106,13 @@ def test_defaults_are_openais():
     (completion, dict(tools=[{"type": "function"}]), 400, "tools",
      "tools are for /v1/chat/completions"),
     (chat, dict(messages="hi"), 400, "messages", "messages must be a non-empty list"),
+    (chat, dict(echo=True), 400, "echo", "echo=True is not supported by this server on "
+                                         "/v1/chat/completions"),
+    (chat, dict(continue_final_message=True), 400, "continue_final_message",
+     "needs add_generation_prompt=false"),
+    (chat, dict(add_generation_prompt="no"), 400, "add_generation_prompt", "must be a boolean"),
+    (completion, dict(continue_final_message=True), 400, "continue_final_message",
+     "it is for /v1/chat/completions"),
     (chat, dict(top_logprobs=2), 400, "top_logprobs", "top_logprobs needs logprobs=true"),
 ])
 def test_what_the_server_cannot_honour_is_refused_naming_the_field(parse_as, fields, status,

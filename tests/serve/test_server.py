@@ -237,6 +237,21 @@ def test_tokenize_counts_the_prompt_tokens_a_request_is_charged_for(server, clie
     assert refused.json()["error"]["param"] == "return_token_strs"
 
 
+def test_a_chat_continues_its_final_message_as_generate_continues_that_text(client,
+                                                                            tiny_loaded):
+    """vLLM's `continue_final_message` (with `add_generation_prompt` false): the answer
+    goes on from inside the assistant's begun reply, no new answer's start in between."""
+    messages = [{"role": "user", "content": "Name a cache."},
+                {"role": "assistant", "content": "The KV"}]
+    answer = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    prompt = chat.plain_prompt([("user", "Name a cache."), ("assistant", "The KV")],
+                               add_generation_prompt=False).removesuffix("\n")
+    assert answer.choices[0].message.content == greedy_text(tiny_loaded, prompt, 6)
+    assert answer.usage.prompt_tokens == len(prompt_tokens(tiny_loaded, prompt))
+
+
 def test_a_full_queue_answers_429_with_retry_after(tiny_loaded):
     # An app whose engine is not running (no lifespan): what is queued stays queued.
     app = build_app(tiny_loaded, max_slots=4, max_queue=2, chunk_size=4)

@@ -66,17 +66,25 @@ def templated(tmp_path_factory):
 
 
 @pytest.mark.parametrize("which", ["template", "plain"])
-def test_messages_tokenize_as_the_chat_endpoint_feeds_them_to_the_model(templated, which):
+@pytest.mark.parametrize("ending", [{}, {"add_generation_prompt": False,
+                                         "continue_final_message": True}])
+def test_messages_tokenize_as_the_chat_endpoint_feeds_them_to_the_model(templated, which,
+                                                                        ending):
+    """With a new answer's start (the default), or ending inside the final message."""
     loaded = templated if which == "template" else loaded_model(FakeTokenizer())
     body = {"messages": [{"role": "system", "content": "Answer in one line."},
-                         {"role": "user", "content": "What is a KV cache?"}],
+                         {"role": "user", "content": "What is a KV cache?"},
+                         {"role": "assistant", "content": "A store of"}],
             "chat_template_kwargs": {"enable_thinking": False},
             "tools": [{"type": "function", "function": {
-                "name": "lookup", "parameters": {"type": "object", "properties": {}}}}]}
+                "name": "lookup", "parameters": {"type": "object", "properties": {}}}}],
+            **ending}
     fed = parse({**body, "model": "lm"}, loaded, "lm", 512, chat_api=True)
     answer = tokenize(body, loaded, SERVED, CAPACITY)
     assert answer["tokens"] == list(fed.requests[0].prompt)
     assert answer["count"] == len(fed.requests[0].prompt) > 10
+    ends_inside = loaded.tokenizer.encode(" of")
+    assert (answer["tokens"][-len(ends_inside):] == ends_inside) == bool(ending)
     if which == "template":  # the template's own bos, not one more in front of it
         bos = loaded.tokenizer.bos_id
         assert answer["tokens"][0] == bos and answer["tokens"][1] != bos
@@ -97,10 +105,11 @@ def refused(call, *args) -> APIError:
     ({"prompt": "a", "add_special_tokens": "yes"}, 400, "add_special_tokens",
      "add_special_tokens='yes' must be a boolean"),
     ({"prompt": "a", "return_token_strs": True}, 400, "return_token_strs", "not supported"),
-    ({"messages": [{"role": "user", "content": "a"}], "add_generation_prompt": False}, 400,
-     "add_generation_prompt", "not supported"),
+    ({"prompt": "a", "add_generation_prompt": False}, 400, "add_generation_prompt",
+     "add_generation_prompt is for messages, not a prompt"),
+    ({"prompt": "a", "tools": []}, 400, "tools", "tools is for messages"),
     ({"messages": [{"role": "user", "content": "a"}], "continue_final_message": True}, 400,
-     "continue_final_message", "not supported"),
+     "continue_final_message", "needs add_generation_prompt=false"),
     ({"messages": [{"role": "user", "content": "a"}], "add_special_tokens": True}, 400,
      "add_special_tokens", "add_special_tokens is for a prompt"),
     ({"messages": [{"role": "robot", "content": "a"}]}, 400, "messages", "'robot'"),
