@@ -271,16 +271,27 @@ class KVCache:
             copied = copied.replace(**copy_into_rings(
                 copied._self_attention(), source._self_attention(), self.rings, row, into,
                 source.lengths[row]))
+        return copied.with_source_copied(source, row, into, block)
+
+    def with_source_copied(self, source: KVCache, row, into, block: int) -> KVCache:
+        """This cache with the source of `source`'s row `row` (an encoder-decoder's
+        cross-attention K/V, in as many source slots as this one's) copied into row `into`
+        by blocks of `block` slots, only as many as its source length needs, and that length
+        set; the same cache where rows hold no source."""
         if self.source_lengths is None:
-            return copied
+            return self
+        if source.source_lengths is None or source.source_length != self.source_length:
+            raise ValueError(f"a source copied between caches needs the same source slots: "
+                             f"{self.source_length} here, "
+                             f"{None if source.source_lengths is None else source.source_length}"
+                             f" in the copied cache")
         source_block = min(block, self.source_length)
         length = source.source_lengths[row]
         cross = jax.lax.fori_loop(
             0, (length + source_block - 1) // source_block,
             functools.partial(_copy_block, row, into, source_block, self.source_length,
                               source._cross_attention()), self._cross_attention())
-        return copied.replace(**cross,
-                              source_lengths=self.source_lengths.at[into].set(length))
+        return self.replace(**cross, source_lengths=self.source_lengths.at[into].set(length))
 
     def with_row_copied(self, source: KVCache, row, into, block: int, copy_block,
                         first_block=0) -> KVCache:
@@ -334,29 +345,39 @@ def init_cache(
                          f"{batch_size=}")
     if capacity > config.max_len:
         raise ValueError(f"cache capacity {capacity} exceeds the model's max_len {config.max_len}")
-    cross = {}
-    if source_capacity is not None:
-        if not config.is_encoder_decoder:
-            raise ValueError("source_capacity sizes an encoder-decoder's cross-attention "
-                             "cache; this model is decoder-only")
-        if not 1 <= source_capacity <= config.max_len:
-            raise ValueError(f"source_capacity={source_capacity} must be in [1, max_len="
-                             f"{config.max_len}]")
-        dtype = config.kv_cache_dtype if dtype is None else jnp.dtype(dtype)
-        stacks = config.layer_stacks(config.num_decoder_layers)
-        shape = (batch_size, config.kv_heads, source_capacity)
-        for name in ("cross_k", "cross_v"):
-            cross[name] = tuple(jnp.zeros((n, *shape, config.head_dim), dtype) for n in stacks)
-            if dtype == jnp.int8:
-                cross[f"{name}_scale"] = tuple(jnp.zeros((n, *shape), CACHE_SCALE_DTYPE)
-                                               for n in stacks)
-        cross["source_lengths"] = jnp.zeros((batch_size,), jnp.int32)
     ring = ring_slots(config, capacity, step_tokens)
     return KVCache(**empty_stacks(config, batch_size, capacity, dtype, ring),
                    lengths=jnp.zeros((batch_size,), jnp.int32),
-                   overflow=jnp.zeros((batch_size,), bool), **cross,
+                   overflow=jnp.zeros((batch_size,), bool),
+                   **empty_sources(config, batch_size, source_capacity, dtype),
                    slots=None if ring is None else capacity,
                    rings=None if ring is None else ring_stacks(config))
+
+
+def empty_sources(config: TransformerConfig, batch_size: int, source_capacity: int | None,
+                  dtype=None) -> dict:
+    """A cache's cross fields for rows that `put_rows` and `copy_row` fill from prefilled
+    caches: zeroed cross-attention K/V of `source_capacity` source slots per row (of `dtype`,
+    default `config.kv_cache_dtype`; int8 with scales), every source length 0; none where
+    `source_capacity` is None (an encoder-decoder's only)."""
+    if source_capacity is None:
+        return {}
+    if not config.is_encoder_decoder:
+        raise ValueError("source_capacity sizes an encoder-decoder's cross-attention "
+                         "cache; this model is decoder-only")
+    if not 1 <= source_capacity <= config.max_len:
+        raise ValueError(f"source_capacity={source_capacity} must be in [1, max_len="
+                         f"{config.max_len}]")
+    dtype = config.kv_cache_dtype if dtype is None else jnp.dtype(dtype)
+    stacks = config.layer_stacks(config.num_decoder_layers)
+    shape = (batch_size, config.kv_heads, source_capacity)
+    cross = {}
+    for name in ("cross_k", "cross_v"):
+        cross[name] = tuple(jnp.zeros((n, *shape, config.head_dim), dtype) for n in stacks)
+        if dtype == jnp.int8:
+            cross[f"{name}_scale"] = tuple(jnp.zeros((n, *shape), CACHE_SCALE_DTYPE)
+                                           for n in stacks)
+    return {**cross, "source_lengths": jnp.zeros((batch_size,), jnp.int32)}
 
 
 def stack_slots(config: TransformerConfig, slots: int, ring: int | None = None

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from . import attention
-from .cache import KVCache, empty_stacks
+from .cache import KVCache, empty_sources, empty_stacks
 from .config import TransformerConfig
 from .decode_kernel import (
     decode_kernel_use,
@@ -43,14 +43,17 @@ NO_PAGE = -1  # a page table's entry for slots with no page assigned
 
 def init_paged_cache(config: TransformerConfig, batch_size: int, num_pages: int,
                      page_size: int, pages_per_row: int, dtype=None,
-                     step_tokens: int | None = None) -> KVCache:
+                     step_tokens: int | None = None,
+                     source_capacity: int | None = None) -> KVCache:
     """An empty paged cache: pools of `num_pages` pages of `page_size` slots per layer stack
     (of `dtype`, default `config.kv_cache_dtype`; int8 with scales), and `batch_size` rows of
     `pages_per_row` page-table entries, none assigned yet (`NO_PAGE`). With `step_tokens`
     (the most tokens a call after the prefill writes), a model that mixes sliding-window
     layers with global ones keeps each windowed layer's K/V in a ring per row
     (`paged_ring_slots`), beside the global layers' pools: a page then holds the global
-    layers alone."""
+    layers alone. With `source_capacity` (an encoder-decoder's), each row also holds a
+    source of that many slots, contiguous (`init_cache`'s cross fields): its target's K/V
+    grow page by page, its source's are known whole when it is prefilled."""
     if min(batch_size, num_pages, page_size, pages_per_row) < 1:
         raise ValueError(f"a paged cache needs batch_size, num_pages, page_size and "
                          f"pages_per_row >= 1, got {batch_size=}, {num_pages=}, {page_size=}, "
@@ -67,6 +70,7 @@ def init_paged_cache(config: TransformerConfig, batch_size: int, num_pages: int,
                           page_size, dtype, ring)
     return KVCache(**stacks, lengths=jnp.zeros((batch_size,), jnp.int32),
                    overflow=jnp.zeros((batch_size,), bool),
+                   **empty_sources(config, batch_size, source_capacity, dtype),
                    pages=jnp.full((batch_size, pages_per_row), NO_PAGE, jnp.int32),
                    slots=None if ring is None else pages_per_row * page_size,
                    rings=None if ring is None else rings)
@@ -186,7 +190,8 @@ def copy_row_into_pages(cache: KVCache, source: KVCache, row, into, first_page=0
     `first_page` on (those before it hold these positions already, e.g. a shared prefix),
     only as many as its length fills, which the caller has assigned; and where the cache
     keeps windowed layers in rings (`fill_rings`), the row's last positions into row
-    `into`'s rings. Its length is set and its overflow cleared. Self-attention only."""
+    `into`'s rings; where rows hold sources (an encoder-decoder's), the row's source into
+    row `into`'s. Its length is set and its overflow cleared."""
     page_size, num_pages, rings = cache.page_size, cache.num_pages, cache.rings or ()
     sources = source._self_attention()
 
@@ -204,7 +209,8 @@ def copy_row_into_pages(cache: KVCache, source: KVCache, row, into, first_page=0
                             for i, pool in enumerate(stacks))
                 for name, stacks in pools.items()}
 
-    copied = cache.with_row_copied(source, row, into, page_size, copy_page, first_page)
+    copied = cache.with_row_copied(source, row, into, page_size, copy_page, first_page
+                                   ).with_source_copied(source, row, into, page_size)
     if not rings or not fill_rings:
         return copied
     return copied.replace(**copy_into_rings(copied._self_attention(), sources, rings, row,

@@ -121,7 +121,7 @@ class Engine:
         on = parallel.mesh_of(params) if mesh is None else mesh
         data = 1 if on is None else on.shape[parallel.DATA]
         self.source_capacity = slots.source_capacity(config, capacity, max_source_len,
-                                                     page_size, num_pages, prefix_cache_rows)
+                                                     prefix_cache_rows)
         prefix_cache_rows = 0 if self.source_capacity else prefix_cache_rows  # none for sources
         self.mesh, params = placement(config, params, mesh)
         self.pages = pages.choose_pages(page_size, num_pages, capacity, max_slots, config.max_len,

@@ -131,7 +131,7 @@ def check_engine_fits(config: M.TransformerConfig, slots: int, staged: int,
                          source_capacity=source_capacity, ring_rows=slots)
     else:
         check_paged_cache_fits(config, staged, capacity, slots, *pages, free, mesh=mesh,
-                               prefix_rows=prefix_rows)
+                               prefix_rows=prefix_rows, source_capacity=source_capacity)
 
 
 def staged_and_prefix_rows(config: M.TransformerConfig, slots: int, staged: int | None,
@@ -183,7 +183,8 @@ def check_paged_cache_fits(config: M.TransformerConfig, rows: int, capacity: int
                            slots: int, num_pages: int, page_size: int,
                            free: int | None = None,
                            rows_are: str = "max_staged",
-                           mesh=None, prefix_rows: int = 0) -> None:
+                           mesh=None, prefix_rows: int = 0,
+                           source_capacity: int | None = None) -> None:
     """`check_cache_fits` for an engine whose `slots` keep their K/V in a pool of `num_pages`
     pages of `page_size` positions (each slot still keeps its `capacity` context tokens,
     and the rings of a model that mixes windowed layers with global ones),
@@ -191,19 +192,22 @@ def check_paged_cache_fits(config: M.TransformerConfig, rows: int, capacity: int
     contiguous rows and those prefix rows: raises ValueError when all of it takes more than
     `CACHE_SHARE` of the `free` bytes (default: measured), naming the most pages that fit.
     On a `mesh` it counts one device's share: the rows and slots of its `data` shard, and
-    the whole pool, of its kv heads (the pool is split over `model` only)."""
+    the whole pool, of its kv heads (the pool is split over `model` only). A translator's
+    slots and rows each hold `source_capacity` source positions besides."""
     free = least_free_bytes(devices_of(mesh)) if free is None else free
     if free is None:
         return
     data = 1 if mesh is None else mesh.shape[parallel.DATA]
-    per_position = bytes_per_position(config, mesh)
+    per_source = 0 if source_capacity is None else source_bytes_per_position(config, mesh)
+    sources = per_source * (source_capacity or 0)  # a row's or slot's source
+    per_position = bytes_per_position(config, mesh) - per_source
     kv = per_position - CONTEXT_BYTES
     per_row = -(-capacity // page_size)
     page_kv, slot_rings = (x / (1 if mesh is None else mesh.shape[parallel.MODEL])
                            for x in M.paged_cache_bytes(config, per_row * page_size))
     slots_per_device = -(-slots // data)
-    fixed = (per_position * -(-rows // data) * capacity
-             + (CONTEXT_BYTES * capacity + slot_rings) * slots_per_device
+    fixed = ((per_position * capacity + sources) * -(-rows // data)
+             + (CONTEXT_BYTES * capacity + slot_rings + sources) * slots_per_device
              + kv * -(-prefix_rows // data) * capacity  # a prefix row: no context ...
              + page_kv * prefix_rows * per_row * page_size)  # ... and its pages
     need, budget = fixed + page_kv * num_pages * page_size, CACHE_SHARE * free
@@ -221,10 +225,13 @@ def check_paged_cache_fits(config: M.TransformerConfig, rows: int, capacity: int
 
 
 def pages_in(config: M.TransformerConfig, cache_bytes: int, page_size: int, slots: int,
-             capacity: int) -> int:
+             capacity: int, source_capacity: int | None = None) -> int:
     """Pages of `page_size` positions that `cache_bytes` hold beside the rings each of
     `slots` slots of `capacity` positions keeps for a model's windowed layers, where it
-    mixes them with global ones (`M.paged_cache_bytes`): `kvjax serve --cache-memory`."""
+    mixes them with global ones (`M.paged_cache_bytes`), and a translator's slots' sources
+    of `source_capacity` positions: `kvjax serve --cache-memory`."""
     per_row = -(-capacity // page_size)
     page_kv, slot_rings = M.paged_cache_bytes(config, per_row * page_size)
-    return max(0, int((cache_bytes - slots * slot_rings) // (page_kv * page_size)))
+    sources = 0 if source_capacity is None else (
+        source_bytes_per_position(config) * source_capacity)
+    return max(0, int((cache_bytes - slots * (slot_rings + sources)) // (page_kv * page_size)))

@@ -10,7 +10,10 @@ takes one more page. When the pool has too few for every such slot, the slots ad
 last are preempted, as few as give the others their pages: each stops with
 `StopReason.PREEMPTED` and gives its pages back, and the host queues it again, first in
 line, to be prefilled anew from its prompt and the tokens it made and to go on from there
-(`engine.py`). The slot admitted first never waits on another, so every sample ends. A slot
+(`engine.py`). The slot admitted first never waits on another, so every sample ends. A
+sample that reads a source (a translator's) takes the pages of its whole budget with its
+slot instead, and is never preempted (`holds_sources`); its source's K/V lie in its slot,
+beside the pool, as long as the engine's longest source (`max_source_len`). A slot
 that stops (its sample ended, was cancelled, filled its pages or was preempted) gives its
 pages back before the next step. Where every layer of the model reads only a sliding window
 (`TransformerConfig.attention_reach`), a slot holds only the pages its next token reads: a
@@ -98,10 +101,13 @@ def _first_own_page(state: EngineState, row, reach: int | None) -> jax.Array:
 
 def pages_needed(state: EngineState, row, reach: int | None = None) -> jax.Array:
     """Pages the sample in staged row `row` takes from the pool with a slot: its prompt's and
-    room for the token it feeds next, less the prefix pages it shares and, with `reach`,
-    those wholly behind what its next token reads."""
+    room for the token it feeds next (for a sample that reads a source: for every token its
+    budget lets it feed, see `holds_sources`), less the prefix pages it shares and, with
+    `reach`, those wholly behind what its next token reads."""
     cache, staged = state.slots.cache, state.staged
     positions = staged.cache.lengths[row] + 1
+    if holds_sources(state):
+        positions += jnp.maximum(staged.max_tokens[row] - staged.generated[row] - 1, 0)
     pages = jnp.minimum((positions + cache.page_size - 1) // cache.page_size,
                         cache.pages.shape[1])
     return pages - _first_own_page(state, row, reach)
@@ -109,9 +115,19 @@ def pages_needed(state: EngineState, row, reach: int | None = None) -> jax.Array
 
 def pages_free_for(state: EngineState, row, reach: int | None = None) -> jax.Array:
     """Whether the pool has the pages the sample in staged row `row` takes, and after them
-    one free page for every slot running."""
+    one free page for every slot running that may grow."""
     spare = jnp.sum(state.free_pages, dtype=jnp.int32) - pages_needed(state, row, reach)
+    if holds_sources(state):  # its slots never grow
+        return spare >= 0
     return spare >= jnp.sum(state.slots.running, dtype=jnp.int32)
+
+
+def holds_sources(state: EngineState) -> bool:
+    """Whether the slots read sources (an encoder-decoder's). Such a sample cannot be
+    preempted and resumed (its tokens continue a target, not its prompt), so it takes the
+    pages of its whole budget with its slot and never grows: memory follows each request's
+    budget, given back whole when it ends."""
+    return state.slots.cache.source_lengths is not None
 
 
 def admit_into_pages(state: EngineState, row, slot, reach: int | None = None

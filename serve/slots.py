@@ -203,7 +203,7 @@ def empty_state(config: M.TransformerConfig, num_slots: int, num_staged: int, ca
 
 
 def source_capacity(config: M.TransformerConfig, capacity: int, max_source_len: int | None,
-                    page_size, num_pages, prefix_cache_rows) -> int | None:
+                    prefix_cache_rows) -> int | None:
     """The source slots of an engine's rows: an encoder-decoder's `max_source_len` (default
     `capacity`), None for a language model. A ValueError names a setting the model is not
     served with."""
@@ -216,13 +216,9 @@ def source_capacity(config: M.TransformerConfig, capacity: int, max_source_len: 
                                        or not 1 <= max_source_len <= config.max_len):
         raise ValueError(f"max_source_len={max_source_len!r} must be an int in [1, the "
                          f"model's max_len {config.max_len}]")
-    given = [name for name, value in (("page_size", page_size), ("num_pages", num_pages))
-             if value is not None]
     if prefix_cache_rows:
-        given.append(f"prefix_cache_rows={prefix_cache_rows}")
-    if given:
-        raise ValueError(f"an encoder-decoder is served with contiguous slots and no prefix "
-                         f"cache; {', '.join(given)} given")
+        raise ValueError(f"an encoder-decoder is served with no prefix cache (its prompts "
+                         f"are sources); prefix_cache_rows={prefix_cache_rows} given")
     return capacity if max_source_len is None else max_source_len
 
 
@@ -236,7 +232,8 @@ def _free_state(config: M.TransformerConfig, num_slots: int, num_staged: int,
         num_pages, page_size = pages
         per_row = -(-capacity // page_size)
         slots_cache = M.init_paged_cache(config, num_slots, num_pages + prefix_rows * per_row,
-                                         page_size, per_row, step_tokens=1)
+                                         page_size, per_row, step_tokens=1,
+                                         source_capacity=source_capacity)
         free_pages = jnp.ones((num_pages,), bool)
     return EngineState(slots=_free_rows(config, num_slots, capacity, slots_cache,
                                         source_capacity, step_tokens=1),

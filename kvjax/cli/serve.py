@@ -90,8 +90,9 @@ def add_serve(commands) -> None:
     serve.add_argument("--page-size", type=positive, default=None, metavar="N",
                        help="keep the slots' K/V in pages of N positions: a "
                             "request takes pages as it grows, not a whole slot of --max-len, "
-                            "and is preempted and resumed when they run short (default: a "
-                            "row of --max-len per slot)")
+                            "and is preempted and resumed when they run short (a "
+                            "translator's takes its max_tokens' pages at once and waits for "
+                            "them; default: a row of --max-len per slot)")
     pool = serve.add_mutually_exclusive_group()
     pool.add_argument("--num-pages", type=positive, default=None, metavar="N",
                       help="with --page-size, the pages the slots' cache allocates (default: "
@@ -102,8 +103,9 @@ def add_serve(commands) -> None:
     pool.add_argument("--cache-memory", type=byte_size, default=None, metavar="SIZE",
                       help="with --page-size, the memory of the slots' K/V, e.g. 4GiB: as "
                            "many pages as fit in it beside the rings of a model's windowed "
-                           "layers where it mixes them with global ones (the prefix cache's "
-                           "rows take pages of their own beside them)")
+                           "layers where it mixes them with global ones and a translator's "
+                           "sources (the prefix cache's rows take pages of their own beside "
+                           "them)")
     serve.add_argument("--warm-up", action="store_true",
                        help="compile every program (each prompt-length bucket and prefill "
                             "batch) before listening, so that no request waits for a "
@@ -134,6 +136,7 @@ def run_serve(args) -> int:
     from kvjax.serve.limits import Limits, header_timeout_protocol
     from kvjax.serve.protocol import model_sampling_defaults
     from kvjax.serve.server import build_app
+    from kvjax.serve.slots import source_capacity
 
     api_key = args.api_key or os.environ.get(API_KEY_VARIABLE) or None
     if api_key is None and not is_loopback(args.host):
@@ -152,9 +155,10 @@ def run_serve(args) -> int:
         print("kvjax serve: sampling defaults from the model's generation config: "
               + ", ".join(f"{k}={v}" for k, v in defaults.items()), file=sys.stderr)
     adapters = served_adapters(args, loaded.config.scan_layers)
+    capacity = loaded.config.max_len if args.max_len is None else args.max_len
     num_pages = args.num_pages if args.cache_memory is None else memory.pages_in(
-        loaded.config, args.cache_memory, args.page_size, args.max_slots,
-        loaded.config.max_len if args.max_len is None else args.max_len)
+        loaded.config, args.cache_memory, args.page_size, args.max_slots, capacity,
+        source_capacity(loaded.config, capacity, args.max_source_len, args.prefix_cache_rows))
     limits = Limits()
     app = build_app(loaded, model_name=args.model_name, max_slots=args.max_slots,
                     max_staged=args.max_staged, max_queue=args.max_queue,

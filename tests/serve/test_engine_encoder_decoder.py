@@ -5,9 +5,11 @@ lengths share the slots, join or leave them; what it cannot serve is refused by 
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 from conftest import trained_adapters
 from test_engine import Collector, prompt
+from test_pages import all_pages_free, preemptions
 
 from kvjax import decode, text
 from kvjax import model as M
@@ -15,7 +17,8 @@ from kvjax.decode import Sampling
 from kvjax.decode.sampling import seed_key
 from kvjax.decode.tracing import trace_count
 from kvjax.model import lora as L
-from kvjax.serve import Engine, GenerationRequest
+from kvjax.serve import Engine, GenerationRequest, memory
+from kvjax.serve.metrics import ServeMetrics
 from kvjax.serve.prompt_logprobs import prompt_logprobs
 
 SLOTS, CHUNK, CAPACITY, SOURCES = 2, 4, 24, 16
@@ -70,16 +73,25 @@ def test_greedy_translations_equal_generate_alone_while_others_join_and_leave(nu
         numbers.net, numbers.params, [list(requests[5].prompt)], max_new_tokens=30,
         eos_ids=numbers.tokenizer.stop_ids, banned_ids=banned[5]).token_lists()
     assert banned[5][0] in made.token_lists()[5] and banned[5][0] not in expected[5]
+    # Targets in pages: a slot takes its budget's pages at once (8 of 4 positions for 30
+    # tokens after the start) from a pool of 10, so the long requests wait for each other's
+    # pages, never preempted.
+    metrics = ServeMetrics()
     engine = Engine(numbers.config, numbers.params, tokenizer=numbers.tokenizer,
                     max_slots=SLOTS, chunk_size=CHUNK, max_len=32, prefill_batch=2,
-                    max_source_len=12)
+                    max_source_len=12, page_size=4, num_pages=10, metrics=metrics)
     collectors = [Collector() for _ in requests]
     for request, collector in zip(requests[:3], collectors[:3], strict=True):
         engine.submit(request, collector)
     engine.step()
     for request, collector in zip(requests[3:], collectors[3:], strict=True):
         engine.submit(request, collector)
-    engine.run_until_idle()
+    most_held = 0
+    while engine.step():
+        held = np.sum(np.asarray(engine.state.slots.cache.pages) >= 0)
+        assert held + np.sum(np.asarray(engine.state.free_pages)) == 10
+        most_held = max(most_held, held)
+    assert most_held >= 8 and all_pages_free(engine) and preemptions(metrics) == 0
     assert [c.tokens() for c in collectors] == expected
     assert collectors[0].text() == "four thousand twenty-one"
     assert [c.finish() for c in collectors] == ["stop", "stop", "length", "stop", "stop", "stop",
@@ -129,11 +141,9 @@ def test_a_seeded_sample_draws_what_generate_draws_with_its_key(engine, translat
 
 def test_what_an_encoder_decoder_is_not_served_with_is_refused(engine, translator):
     config, _, params = translator
-    for settings, named in ((dict(page_size=4), "page_size"),
-                            (dict(prefix_cache_rows=2), "prefix_cache_rows=2")):
-        with pytest.raises(ValueError, match=f"served with contiguous slots and no prefix "
-                                             f"cache; {named} given"):
-            Engine(config, params, max_slots=SLOTS, max_len=CAPACITY, **settings)
+    with pytest.raises(ValueError, match=r"served with no prefix cache \(its prompts are "
+                                         r"sources\); prefix_cache_rows=2 given"):
+        Engine(config, params, max_slots=SLOTS, max_len=CAPACITY, prefix_cache_rows=2)
     with pytest.raises(ValueError, match=r"the source has 17 tokens, more than a slot holds "
                                          r"\(16\)"):
         engine.submit(GenerationRequest(prompt(0, 17), max_tokens=1), Collector())
@@ -146,6 +156,30 @@ def test_what_an_encoder_decoder_is_not_served_with_is_refused(engine, translato
         Engine(lm, M.init_params(lm, jax.random.key(0)), max_source_len=8)
     with pytest.raises(ValueError, match="its tokens have no logprobs"):
         prompt_logprobs(config, params, prompt(0, 5), top=1)
+
+
+def test_a_translators_pages_are_counted_beside_each_slots_and_rows_source(translator):
+    """`--cache-memory`'s pages for a translator are what its slots' pool allocates beside
+    their sources' K/V (`max_source_len` positions a slot); the memory check counts the
+    staged rows' and slots' sources and names the pages that fit beside them."""
+    config, _, params = translator
+    page, budget = 4, 20_000
+    num_pages = memory.pages_in(config, budget, page, SLOTS, CAPACITY, SOURCES)
+    engine = Engine(config, params, max_slots=SLOTS, max_len=CAPACITY, max_source_len=SOURCES,
+                    page_size=page, num_pages=num_pages)
+    page_bytes = M.paged_cache_bytes(config, CAPACITY)[0] * page
+    sources = SLOTS * SOURCES * memory.source_bytes_per_position(config)
+    assert engine.state.slots.cache.nbytes == num_pages * page_bytes + sources
+    assert engine.state.slots.cache.nbytes <= budget < engine.state.slots.cache.nbytes + page_bytes
+    per_position = memory.bytes_per_position(config) - memory.source_bytes_per_position(config)
+    staged = SLOTS * (per_position * CAPACITY + SOURCES * memory.source_bytes_per_position(config))
+    context = SLOTS * memory.CONTEXT_BYTES * CAPACITY
+    free = int((staged + context + sources + num_pages * page_bytes) / memory.CACHE_SHARE) + 1
+    fits = dict(free=free, source_capacity=SOURCES)
+    memory.check_paged_cache_fits(config, SLOTS, CAPACITY, SLOTS, num_pages, page, **fits)
+    with pytest.raises(ValueError, match=f"lower num_pages \\({num_pages} at most\\)"):
+        memory.check_paged_cache_fits(config, SLOTS, CAPACITY, SLOTS, num_pages + 1, page,
+                                      **fits)
 
 
 def test_after_warming_up_translating_compiles_nothing_new(engine):
