@@ -145,8 +145,9 @@ class Answer:
         chunk = {"id": self.id, "object": "chat.completion.chunk" if self.parsed.chat
                  else "text_completion", "created": self.created, "model": self.parsed.model,
                  "choices": choices}
-        if self.parsed.include_usage:
-            chunk["usage"] = usage
+        if self.parsed.include_usage:  # the usage so far in every chunk, if asked; else last
+            chunk["usage"] = (self.usage() if usage is None and self.parsed.continuous_usage
+                              else usage)
         return chunk
 
     def opening_chunks(self) -> list[dict]:

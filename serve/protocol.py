@@ -83,6 +83,8 @@ class Parsed:
     # With a reasoning parser, how this request's chat choices split (`reasoning.Think`,
     # `harmony.Harmony`); None without one, or for /v1/completions.
     reasoning: reasoning.Think | harmony.Harmony | None = None
+    # vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far.
+    continuous_usage: bool = False
 
 
 # The JSON types a field may be (`get_field`).
@@ -334,7 +336,11 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise APIError(400, "stream_options must be an object", "stream_options")
-    include_usage = bool(options.get("include_usage", False))
+    include_usage = get_field(options, "include_usage", BOOL, False)
+    continuous_usage = get_field(options, "continuous_usage_stats", BOOL, False)
+    if continuous_usage and not include_usage:
+        raise APIError(400, "stream_options.continuous_usage_stats needs include_usage: true",
+                       "stream_options")
     if chat_api and loaded.is_translation:
         raise APIError(400, "this model translates the prompt of /v1/completions; it has no "
                             "chat", "messages")
@@ -396,4 +402,4 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
         requests.append(GenerationRequest(ids, max_tokens=default if max_tokens is None
                                           else max_tokens, **settings))
     return Parsed(chat_api, model, tuple(requests), tuple(echo), echo_prompt, stream,
-                  include_usage, want_logprobs, tools, splits)
+                  include_usage, want_logprobs, tools, splits, continuous_usage)

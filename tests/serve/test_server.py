@@ -134,6 +134,26 @@ def test_stream_framing_is_server_sent_events_ending_with_done(server):
     assert finishes[-1] in ("stop", "length") and not any(finishes[:-1])
 
 
+def test_continuous_usage_stats_count_the_tokens_streamed_so_far(server, tiny_loaded):
+    """vLLM's `continuous_usage_stats`: every chunk's usage counts the prompt and the tokens
+    streamed up to it (its `logprobs` list them), the last one all of them."""
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 6, "temperature": 0, "logprobs": 0,
+            "stream": True, "stream_options": {"include_usage": True,
+                                               "continuous_usage_stats": True}}
+    with httpx.stream("POST", f"{server[0]}/v1/completions", json=body,
+                      timeout=TIMEOUT) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line and line != "data: [DONE]"]
+    prompt = len(prompt_tokens(tiny_loaded, "abc"))
+    streamed = 0
+    for chunk in chunks[:-1]:
+        for choice in chunk["choices"]:
+            streamed += len((choice["logprobs"] or {}).get("tokens", []))
+        assert chunk["usage"] == {"prompt_tokens": prompt, "completion_tokens": streamed,
+                                  "total_tokens": prompt + streamed}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == streamed
+
+
 def test_under_load_every_request_is_answered_once_and_no_slot_leaks(server):
     url, count, clients = server[0], 120, 24
     rng = np.random.default_rng(1)
