@@ -12,7 +12,8 @@ Sampling defaults are OpenAI's: temperature 1, top_p 1, presence and frequency p
 (counted over the request's output, as OpenAI and vLLM count them), no `logit_bias` (an
 object of token ids, as strings, to biases in [-100, 100]); kvjax's extra settings (`top_k`,
 `min_p`, `repetition_penalty`, `no_repeat_ngram_size`, `min_tokens`, `stop_token_ids`,
-`ignore_eos`) are read where given, as vLLM does.
+`ignore_eos`, and `add_special_tokens`, whose false leaves a completion's text unframed) are
+read where given, as vLLM does.
 Structured output (`response_format`, `structured_outputs`), a translator's
 `target_language` and tools are read by `structured.py` and `tools.py`. A chat request's
 `chat_template_kwargs` (an object) are more variables for the model's chat template, as vLLM
@@ -120,7 +121,9 @@ _VLLM_UNSUPPORTED = [
     ("bad_words", [], " (logit_bias can ban their tokens)"),
     ("truncate_prompt_tokens", None, ""),
     ("prompt_logprobs", None, " (echo with logprobs and max_tokens 0 gives a prompt's "
-                              "logprobs)")]
+                              "logprobs)"),
+    ("return_tokens_as_token_ids", False, ""), ("logits_processors", None, ""),
+    ("cache_salt", None, " (the prefix cache is shared by every request)")]
 
 
 def _refuse_unsupported(body: dict, chat_api: bool) -> None:
@@ -133,8 +136,12 @@ def _refuse_unsupported(body: dict, chat_api: bool) -> None:
                         ("continue_final_message", False,
                          " (it is for /v1/chat/completions)"),
                         ("reasoning_effort", None, " (it is for /v1/chat/completions)")]
-    else:  # vLLM's echo of the final message in front of a chat's answer
-        unsupported.append(("echo", False, " on /v1/chat/completions"))
+    else:  # vLLM's echo of the final message in front of a chat's answer, and more
+        hint = " on /v1/chat/completions"
+        unsupported += [("echo", False, hint), ("chat_template", None, hint),
+                        ("documents", None, hint),
+                        ("add_special_tokens", False, " on /v1/chat/completions (the chat "
+                                                      "template places the model's own)")]
     for name, off, hint in unsupported:
         if body.get(name) not in (None, off):
             raise APIError(400, f"{name}={_shown(body[name])} is not supported by this "
@@ -194,10 +201,11 @@ def _stop_ids(body: dict, tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys((*own, *extra)))
 
 
-def _completion_prompts(loaded: T.LoadedModel, prompt: Any,
-                        max_prompts: int) -> tuple[list[tuple], list[str]]:
+def _completion_prompts(loaded: T.LoadedModel, prompt: Any, max_prompts: int,
+                        framed: bool = True) -> tuple[list[tuple], list[str]]:
     """(token ids, text) of each prompt: a string, a list of strings, a list of token ids
-    or a list of such lists; at most `max_prompts` of them."""
+    or a list of such lists; at most `max_prompts` of them. A string is `framed` as the
+    model's prompts are (`text.prompt_tokens`), or else its tokens alone."""
     def is_ids(value):
         return (isinstance(value, list) and bool(value)
                 and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
@@ -216,7 +224,8 @@ def _completion_prompts(loaded: T.LoadedModel, prompt: Any,
     ids, texts = [], []
     for p in prompt:
         if isinstance(p, str):
-            ids.append(tuple(T.prompt_tokens(loaded, p)))
+            ids.append(tuple(T.prompt_tokens(loaded, p) if framed
+                             else loaded.tokenizer.encode(p)))
             texts.append(p)
         else:
             ids.append(tuple(p))
@@ -358,7 +367,9 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
     else:
         if "prompt" not in body:
             raise APIError(400, "prompt is required", "prompt")
-        prompts, texts = _completion_prompts(loaded, body["prompt"], max_prompts)
+        prompts, texts = _completion_prompts(
+            loaded, body["prompt"], max_prompts,
+            framed=get_field(body, "add_special_tokens", BOOL, True))
         splits = None
         max_tokens = get_field(body, "max_tokens", INT)
         top = get_field(body, "logprobs", INT)

@@ -60,6 +60,9 @@ def test_a_completion_body_becomes_one_request_per_prompt_setting_for_setting():
     assert [r.prompt for r in completion(prompt=[[5], [6, 7]]).requests] == [(5,), (6, 7)]
     assert [r.prompt for r in completion(prompt=["A", "B"]).requests] == [
         (*PREFIX, *FakeTokenizer.encode(t)) for t in "AB"]
+    # vLLM's add_special_tokens: false leaves a text's prompt unframed (ids stay as given).
+    assert [r.prompt for r in completion(prompt=["AB", [5]], add_special_tokens=False
+                                         ).requests] == [tuple(FakeTokenizer.encode("AB")), (5,)]
 
 
 def test_defaults_are_openais():
@@ -112,6 +115,12 @@ def test_defaults_are_openais():
     (chat, dict(messages="hi"), 400, "messages", "messages must be a non-empty list"),
     (chat, dict(echo=True), 400, "echo", "echo=True is not supported by this server on "
                                          "/v1/chat/completions"),
+    (chat, dict(chat_template="{{ messages }}"), 400, "chat_template", "is not supported"),
+    (chat, dict(add_special_tokens=True), 400, "add_special_tokens",
+     "the chat template places the model's own"),
+    (completion, dict(return_tokens_as_token_ids=True), 400, "return_tokens_as_token_ids",
+     "is not supported"),
+    (completion, dict(add_special_tokens=1), 400, "add_special_tokens", "must be a boolean"),
     (chat, dict(continue_final_message=True), 400, "continue_final_message",
      "needs add_generation_prompt=false"),
     (chat, dict(add_generation_prompt="no"), 400, "add_generation_prompt", "must be a boolean"),

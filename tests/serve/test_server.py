@@ -249,6 +249,9 @@ def test_tokenize_counts_the_prompt_tokens_a_request_is_charged_for(server, clie
         "count"] == chat_answer.usage.prompt_tokens
     bare = httpx.post(f"{url}/tokenize", json={"prompt": "abc", "add_special_tokens": False},
                       timeout=TIMEOUT).json()["tokens"]
+    unframed = client.completions.create(model=MODEL, prompt="abc", max_tokens=1,
+                                         extra_body={"add_special_tokens": False})
+    assert unframed.usage.prompt_tokens == len(bare) < len(prompt_tokens(tiny_loaded, "abc"))
     assert httpx.post(f"{url}/detokenize", json={"tokens": bare}, timeout=TIMEOUT).json() == {
         "prompt": FakeTokenizer.decode(bare)}
     refused = httpx.post(f"{url}/tokenize", json={"prompt": "a", "return_token_strs": True},
