@@ -125,9 +125,11 @@ def test_a_paged_engine_on_a_mesh_gives_every_request_the_one_device_tokens(conf
 
 def test_a_translator_on_a_mesh_gives_every_source_the_one_device_tokens():
     """An encoder-decoder's slots hold their sources' cross-attention K/V beside their
-    targets', split over the mesh as those are; the memory check counts one device's share
-    of both. Constrained requests (a target language forced first, a choice) follow their
-    automata there too: each device holds the tables whole."""
+    targets' pages, split over the mesh as a contiguous cache's rows are; the one-device
+    engine's contiguous slots give the same tokens, and the memory check counts one
+    device's share of the pool, the sources and the staged rows. Constrained requests (a
+    target language forced first, a choice) follow their automata there too: each device
+    holds the tables whole."""
     from kvjax import decode, text
 
     tokenizer = text.load(SHIPPED_LM).tokenizer  # a real vocabulary, for the automata
@@ -143,7 +145,7 @@ def test_a_translator_on_a_mesh_gives_every_source_the_one_device_tokens():
                  max_source_len=8)
     want = serve(Engine(config, params, **sizes), requests)
     mesh = parallel.make_mesh("data=2,model=2", jax.devices()[:4])
-    engine = Engine(config, params, mesh=mesh, **sizes)
+    engine = Engine(config, params, mesh=mesh, page_size=4, num_pages=10, **sizes)
     assert serve(engine, requests) == want
     assert sum(len(t) for ts in want for t in ts) > 30
     assert want[0][0][:2] == [7, 9]
@@ -151,15 +153,18 @@ def test_a_translator_on_a_mesh_gives_every_source_the_one_device_tokens():
     for cache in (r.cache for r in rows):
         assert cache.cross_k[0].sharding.spec == PartitionSpec(None, parallel.DATA,
                                                                parallel.MODEL)
+    assert engine.state.slots.cache.k[0].sharding.spec == PartitionSpec(None, None,
+                                                                        parallel.MODEL)
     first = mesh.devices.flat[0]
     held = sum(shard.data.nbytes for r in rows
                for leaf in (*r.cache.k, *r.cache.v, *r.cache.cross_k, *r.cache.cross_v,
                             r.context)
                for shard in leaf.addressable_shards if shard.device == first)
-    fits = dict(config=config, rows=2 * SLOTS, capacity=24, mesh=mesh, source_capacity=8)
-    memory.check_cache_fits(**fits, free=int(held / memory.CACHE_SHARE) + 1)
-    with pytest.raises(ValueError, match="on each device"):
-        memory.check_cache_fits(**fits, free=int(held / memory.CACHE_SHARE) - 1)
+    fits = dict(config=config, rows=SLOTS, capacity=24, slots=SLOTS, num_pages=10,
+                page_size=4, mesh=mesh, source_capacity=8)
+    memory.check_paged_cache_fits(**fits, free=int(held / memory.CACHE_SHARE) + 1)
+    with pytest.raises(ValueError, match="lower"):
+        memory.check_paged_cache_fits(**fits, free=int(held / memory.CACHE_SHARE) - 1)
 
 
 def test_slots_and_staged_rows_must_divide_over_data():
