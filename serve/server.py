@@ -3,7 +3,7 @@
   POST /v1/completions, POST /v1/chat/completions   (stream: server-sent events ending
                                                      with `data: [DONE]`)
   GET /v1/models, GET /health, GET /metrics (Prometheus)
-  POST /tokenize, POST /detokenize (vLLM's: `tokenization.py`)
+  POST /tokenize, POST /detokenize (vLLM's: `tokenization.py`), GET /version
   POST /v1/load_lora_adapter, /v1/unload_lora_adapter (with a loader: `build_app`)
 
 The engine runs on its own thread; each request's deltas reach the event loop through
@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+import kvjax
 from kvjax.model import lora_rows
 from kvjax.text import LoadedModel, forced_start
 
@@ -161,6 +162,9 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
             return JSONResponse(await asyncio.to_thread(answer, body, loaded, served, *args))
         except APIError as error:
             return error_response(error)
+
+    async def version(_: Request) -> JSONResponse:
+        return JSONResponse({"version": kvjax.__version__})
 
     async def metrics_text(_: Request) -> Response:
         return Response(metrics.exposition(), media_type=metrics.content_type)
@@ -321,6 +325,7 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
         Route("/metrics", metrics_text, methods=["GET"]),
         Route("/tokenize", tokenize_text, methods=["POST"]),
         Route("/detokenize", detokenize_tokens, methods=["POST"]),

@@ -13,6 +13,7 @@ import openai
 import pytest
 from conftest import SERVED_MODEL, FakeTokenizer, greedy_text, serve_app
 
+import kvjax
 from kvjax import decode
 from kvjax.serve import GenerationRequest, chat
 from kvjax.serve.server import build_app
@@ -258,6 +259,11 @@ def test_tokenize_counts_the_prompt_tokens_a_request_is_charged_for(server, clie
                          timeout=TIMEOUT)
     assert refused.status_code == 400
     assert refused.json()["error"]["param"] == "return_token_strs"
+
+
+def test_version_is_kvjaxs(server):
+    assert httpx.get(f"{server[0]}/version", timeout=TIMEOUT).json() == {
+        "version": kvjax.__version__}
 
 
 def test_a_chat_continues_its_final_message_as_generate_continues_that_text(client,
