@@ -274,17 +274,14 @@ class KVCache:
         return copied.with_source_copied(source, row, into, block)
 
     def with_source_copied(self, source: KVCache, row, into, block: int) -> KVCache:
-        """This cache with the source of `source`'s row `row` (an encoder-decoder's
-        cross-attention K/V, in as many source slots as this one's) copied into row `into`
-        by blocks of `block` slots, only as many as its source length needs, and that length
-        set; the same cache where rows hold no source."""
+        """This cache with row `row` of `source`'s source (an encoder-decoder's cross K/V,
+        of as many source slots) copied into row `into` by blocks of `block` slots, as many
+        as its length needs, and that length set; the same cache where rows hold none."""
         if self.source_lengths is None:
             return self
         if source.source_lengths is None or source.source_length != self.source_length:
-            raise ValueError(f"a source copied between caches needs the same source slots: "
-                             f"{self.source_length} here, "
-                             f"{None if source.source_lengths is None else source.source_length}"
-                             f" in the copied cache")
+            raise ValueError(f"a source is copied between caches of as many source slots "
+                             f"({self.source_length} here)")
         source_block = min(block, self.source_length)
         length = source.source_lengths[row]
         cross = jax.lax.fori_loop(
@@ -334,12 +331,10 @@ def init_cache(
     source_capacity: int | None = None, step_tokens: int | None = None,
 ) -> KVCache:
     """An empty self-attention cache of `capacity` slots per row, of `dtype` (default:
-    `config.kv_cache_dtype`); an int8 one holds scales as well. Cross fields are unset
-    unless `source_capacity` is given (an encoder-decoder's only): then they are zeroed
-    cross-attention K/V of that many source slots per row, every source length 0, for rows
-    that `put_rows` and `copy_row` fill from prefilled caches. With `step_tokens`, the most
-    tokens any call after the prefill writes, a decoder-only model's sliding-window layers
-    keep rings of the slots their window reads (`model/ring.py`)."""
+    `config.kv_cache_dtype`); an int8 one holds scales as well. With `source_capacity`, rows
+    that `put_rows` and `copy_row` fill hold sources too (`empty_sources`). With
+    `step_tokens`, the most tokens any call after the prefill writes, a decoder-only model's
+    sliding-window layers keep rings of the slots their window reads (`model/ring.py`)."""
     if capacity < 1 or batch_size < 1:
         raise ValueError(f"cache needs capacity >= 1 and batch_size >= 1, got {capacity=}, "
                          f"{batch_size=}")
@@ -356,10 +351,9 @@ def init_cache(
 
 def empty_sources(config: TransformerConfig, batch_size: int, source_capacity: int | None,
                   dtype=None) -> dict:
-    """A cache's cross fields for rows that `put_rows` and `copy_row` fill from prefilled
-    caches: zeroed cross-attention K/V of `source_capacity` source slots per row (of `dtype`,
-    default `config.kv_cache_dtype`; int8 with scales), every source length 0; none where
-    `source_capacity` is None (an encoder-decoder's only)."""
+    """Zeroed cross fields of `source_capacity` source slots per row (of `dtype`, default
+    `config.kv_cache_dtype`; int8 with scales), for rows filled from prefilled caches (an
+    encoder-decoder's); none where `source_capacity` is None."""
     if source_capacity is None:
         return {}
     if not config.is_encoder_decoder:
