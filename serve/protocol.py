@@ -224,13 +224,19 @@ def _completion_prompts(loaded: T.LoadedModel, prompt: Any, max_prompts: int,
     ids, texts = [], []
     for p in prompt:
         if isinstance(p, str):
-            ids.append(tuple(T.prompt_tokens(loaded, p) if framed
-                             else loaded.tokenizer.encode(p)))
+            ids.append(text_prompt(loaded, p, framed))
             texts.append(p)
         else:
             ids.append(tuple(p))
             texts.append(_decode(loaded, p))
     return ids, texts
+
+
+def text_prompt(loaded: T.LoadedModel, text: str, framed: bool = True) -> tuple[int, ...]:
+    """The tokens a completion's `text` feeds the model: `framed` as the model's prompts are
+    (`text.prompt_tokens`: Llama's bos in front, a translator's source frame), or else the
+    text's own alone."""
+    return tuple(T.prompt_tokens(loaded, text) if framed else loaded.tokenizer.encode(text))
 
 
 def _decode(loaded: T.LoadedModel, ids) -> str:
@@ -244,7 +250,11 @@ def chat_prompt(loaded: T.LoadedModel, body: dict, tools: Tools | None
                 ) -> tuple[tuple[int, ...], str]:
     """(the tokens a chat request's messages feed the model, their text), with `tools`, the
     template's variables (`_template_kwargs`), and ending as its `add_generation_prompt`
-    (default true) and `continue_final_message` (default false) ask (`chat.render`)."""
+    (default true) and `continue_final_message` (default false) ask (`chat.render`). A
+    translator has no chat: a 400."""
+    if loaded.is_translation:
+        raise APIError(400, "this model translates the prompt of /v1/completions; it has no "
+                            "chat", "messages")
     ends = {name: get_field(body, name, BOOL, default) for name, default in (
         ("add_generation_prompt", True), ("continue_final_message", False))}
     if all(ends.values()):
@@ -350,9 +360,6 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
     if continuous_usage and not include_usage:
         raise APIError(400, "stream_options.continuous_usage_stats needs include_usage: true",
                        "stream_options")
-    if chat_api and loaded.is_translation:
-        raise APIError(400, "this model translates the prompt of /v1/completions; it has no "
-                            "chat", "messages")
     if chat_api:
         ids, prompt_text = chat_prompt(loaded, body, tools)
         prompts = [ids]

@@ -21,7 +21,7 @@ from typing import Any
 
 from kvjax import text as T
 
-from .protocol import BOOL, APIError, chat_prompt, get_field
+from .protocol import BOOL, APIError, chat_prompt, get_field, text_prompt
 from .tools import parse_tools
 
 # What a chat's tokens depend on besides its messages.
@@ -43,9 +43,6 @@ def tokenize(body: Any, loaded: T.LoadedModel, served: tuple[str | None, ...],
         raise APIError(400, "a tokenize request takes a prompt or messages, one of them",
                        "messages" if has_messages else "prompt")
     if has_messages:
-        if loaded.is_translation:
-            raise APIError(400, "this model translates the prompt of /v1/completions; it has "
-                                "no chat", "messages")
         if "add_special_tokens" in body:
             raise APIError(400, "add_special_tokens is for a prompt: messages are tokenized "
                                 "as /v1/chat/completions tokenizes them", "add_special_tokens")
@@ -57,10 +54,9 @@ def tokenize(body: Any, loaded: T.LoadedModel, served: tuple[str | None, ...],
     try:
         if has_messages:
             tokens, _ = chat_prompt(loaded, body, parse_tools(body))
-        elif get_field(body, "add_special_tokens", BOOL, True):
-            tokens = T.prompt_tokens(loaded, body["prompt"])
         else:
-            tokens = loaded.tokenizer.encode(body["prompt"])
+            tokens = text_prompt(loaded, body["prompt"],
+                                 get_field(body, "add_special_tokens", BOOL, True))
     except UnicodeError as error:  # a tokenizer refusing text: the client's
         raise APIError(400, f"the text cannot be tokenized: {error}",
                        "messages" if has_messages else "prompt") from None
