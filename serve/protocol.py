@@ -317,6 +317,19 @@ def model_sampling_defaults(loaded: T.LoadedModel, source: str = "model") -> dic
     return defaults
 
 
+def requested_model(body: Any, names: tuple[str | None, ...]) -> str | None:
+    """The `model` that `body` (a JSON object) names, one of `names` (None: an empty adapter
+    slot), or None where it names none; another is a 404."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    model = get_field(body, "model", STR)
+    if model is not None and model not in names:
+        raise APIError(404, f"The model `{model}` does not exist: this server serves "
+                            f"{', '.join(f'`{n}`' for n in names if n is not None)}", "model",
+                       kind="not_found_error")
+    return model
+
+
 def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
           chat_api: bool, max_prompts: int = 64, max_stop_strings: int = 16,
           max_stop_chars: int = 1024, reasoning_parser: str | None = None,
@@ -332,16 +345,10 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
     `default_language` (`structured.language`). `sampling_defaults` ({setting: value}, the
     model's, `model_sampling_defaults`) replace OpenAI's defaults for what a request leaves
     out."""
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    model = get_field(body, "model", STR)
+    names = (served_name, *adapter_names)
+    model = requested_model(body, names)
     if model is None:
         raise APIError(400, "model is required: the name /v1/models lists", "model")
-    names = (served_name, *adapter_names)
-    if model not in names:
-        raise APIError(404, f"The model `{model}` does not exist: this server serves "
-                            f"{', '.join(f'`{n}`' for n in names if n is not None)}", "model",
-                       kind="not_found_error")
     _refuse_unsupported(body, chat_api)
     tools = parse_tools(body) if chat_api else None
     constraint, field = structured.requested(body, tools)

@@ -21,7 +21,7 @@ from typing import Any
 
 from kvjax import text as T
 
-from .protocol import BOOL, APIError, chat_prompt, get_field, text_prompt
+from .protocol import BOOL, APIError, chat_prompt, get_field, requested_model, text_prompt
 from .tools import parse_tools
 
 # What a chat's tokens depend on besides its messages.
@@ -34,7 +34,7 @@ def tokenize(body: Any, loaded: T.LoadedModel, served: tuple[str | None, ...],
     """The answer to a /tokenize request `body` (JSON-decoded) for a server of the model
     `loaded`, served under the names `served` (None for an empty adapter slot), whose slots
     hold `capacity` tokens."""
-    _check_model(body, served)
+    requested_model(body, served)
     if get_field(body, "return_token_strs", BOOL, False):
         raise APIError(400, "return_token_strs=True is not supported by this server",
                        "return_token_strs")
@@ -67,7 +67,7 @@ def tokenize(body: Any, loaded: T.LoadedModel, served: tuple[str | None, ...],
 
 def detokenize(body: Any, loaded: T.LoadedModel, served: tuple[str | None, ...]) -> dict:
     """The answer to a /detokenize request `body` (see `tokenize`)."""
-    _check_model(body, served)
+    requested_model(body, served)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in tokens):
@@ -76,13 +76,3 @@ def detokenize(body: Any, loaded: T.LoadedModel, served: tuple[str | None, ...])
         return {"prompt": loaded.tokenizer.decode(tokens)}
     except ValueError as error:  # an id outside the vocabulary, named
         raise APIError(400, str(error), "tokens") from None
-
-
-def _check_model(body: Any, served: tuple[str | None, ...]) -> None:
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and model not in served:
-        raise APIError(404, f"The model `{model}` does not exist: this server serves "
-                            f"{', '.join(f'`{n}`' for n in served if n is not None)}", "model",
-                       kind="not_found_error")
