@@ -126,16 +126,19 @@ _VLLM_UNSUPPORTED = [
     ("cache_salt", None, " (the prefix cache is shared by every request)")]
 
 
+_TOOLS, _IT = " (tools are for /v1/chat/completions)", " (it is for /v1/chat/completions)"
+# What only a chat reads: (name, its no-op value, a hint), refused by /v1/completions.
+CHAT_ONLY_FIELDS = [
+    ("tools", [], _TOOLS), ("tool_choice", "none", _TOOLS),
+    ("chat_template_kwargs", {}, " (they are for /v1/chat/completions)"),
+    ("add_generation_prompt", True, _IT), ("continue_final_message", False, _IT),
+    ("reasoning_effort", None, _IT)]
+
+
 def _refuse_unsupported(body: dict, chat_api: bool) -> None:
     unsupported = [("suffix", "", ""), *_VLLM_UNSUPPORTED]
     if not chat_api:
-        hint = " (tools are for /v1/chat/completions)"
-        unsupported += [("tools", [], hint), ("tool_choice", "none", hint),
-                        ("chat_template_kwargs", {}, " (they are for /v1/chat/completions)"),
-                        ("add_generation_prompt", True, " (it is for /v1/chat/completions)"),
-                        ("continue_final_message", False,
-                         " (it is for /v1/chat/completions)"),
-                        ("reasoning_effort", None, " (it is for /v1/chat/completions)")]
+        unsupported += CHAT_ONLY_FIELDS
     else:  # vLLM's echo of the final message in front of a chat's answer, and more
         hint = " on /v1/chat/completions"
         unsupported += [("echo", False, hint), ("chat_template", None, hint),

@@ -21,12 +21,16 @@ from typing import Any
 
 from kvjax import text as T
 
-from .protocol import BOOL, APIError, chat_prompt, get_field, requested_model, text_prompt
+from .protocol import (
+    BOOL,
+    CHAT_ONLY_FIELDS,
+    APIError,
+    chat_prompt,
+    get_field,
+    requested_model,
+    text_prompt,
+)
 from .tools import parse_tools
-
-# What a chat's tokens depend on besides its messages.
-CHAT_ONLY = ("tools", "chat_template_kwargs", "reasoning_effort", "add_generation_prompt",
-             "continue_final_message")
 
 
 def tokenize(body: Any, loaded: T.LoadedModel, served: tuple[str | None, ...],
@@ -46,7 +50,7 @@ def tokenize(body: Any, loaded: T.LoadedModel, served: tuple[str | None, ...],
         if "add_special_tokens" in body:
             raise APIError(400, "add_special_tokens is for a prompt: messages are tokenized "
                                 "as /v1/chat/completions tokenizes them", "add_special_tokens")
-    elif given := [name for name in CHAT_ONLY if body.get(name) is not None]:
+    elif given := [name for name, _, _ in CHAT_ONLY_FIELDS if body.get(name) is not None]:
         raise APIError(400, f"{given[0]} is for messages, not a prompt", given[0])
     elif not isinstance(body["prompt"], str):
         raise APIError(400, f"prompt must be a string, not {type(body['prompt']).__name__}",
