@@ -388,8 +388,8 @@ class Engine:
     def _too_long(self, ticket: Ticket) -> bool:  # more than a part left to prefill
         request = ticket.request
         return (self._prefixes is not None and len(request.prompt) > self.prefill_part
-                and self._prefixes.left_to_prefill(request.prompt, request.adapter)
-                > self.prefill_part)
+                and self._prefixes.left_to_prefill(request.prompt, prefix_cache.origin_of(
+                    request)) > self.prefill_part)
 
     def _feed_long_prompt(self) -> None:
         """Prefills a part of the oldest waiting prompt that is too long for one turn."""
@@ -399,7 +399,7 @@ class Engine:
         if self._prefixes is not None:
             long = self._long and self._long.request
             self._prefixes.feed_part(self.params, long and long.prompt, self.prefill_part,
-                                     long.adapter if long else 0, self.adapters)
+                                     prefix_cache.origin_of(long), self.adapters)
             self.state = pages.share_kept(self.state, self._prefixes)
 
     def _hand_out(self, dispatched: Dispatched) -> None:

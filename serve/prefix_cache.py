@@ -10,7 +10,10 @@ store into its staging row, and only the rest of the prompt runs through the mod
 continuation of that cache (`prefill_after_prefix`). A row's tokens are kept beside its
 keys and compared on every hit, so no hash collision can hand out another prompt's K/V.
 A prompt served with a LoRA adapter (`model.lora_rows`) has other K/V than the same tokens
-without it: its chain starts from the adapter's index, kept and compared as the tokens are.
+without it, and a request may ask to share prefixes only with requests of its own
+`cache_salt` (vLLM's: one tenant cannot learn from a faster answer what another's prompts
+held). Both make its `Origin`, which starts its chain and is kept and compared as the tokens
+are.
 
 K/V at a position depend only on the tokens up to it (causal attention), so a prefix's K/V
 are the same whichever longer prompt computed them; a continuation computes the rest with
@@ -40,6 +43,14 @@ from kvjax.model import lora_rows
 
 DEFAULT_BLOCK = 16  # tokens per keyed block: prefixes are reused in whole blocks
 
+Origin = tuple[int, str]  # (LoRA adapter index, cache salt) of a prompt, beside its tokens
+PLAIN: Origin = (0, "")  # the base model's, unsalted
+
+
+def origin_of(request) -> Origin:
+    """A `GenerationRequest`'s origin: its adapter and cache salt (`PLAIN` for None)."""
+    return PLAIN if request is None else (request.adapter, request.cache_salt or "")
+
 
 class PrefixIndex:
     """Which store row holds which prompt prefix; host-side bookkeeping only.
@@ -55,44 +66,46 @@ class PrefixIndex:
         self.rows, self.block = rows, block
         self._where: dict[bytes, tuple[int, int]] = {}  # chain key -> (row, tokens)
         self._tokens: list[tuple[int, ...]] = [()] * rows  # what each row holds
-        self._adapters = [0] * rows  # and with which adapter
+        self._origins: list[Origin] = [PLAIN] * rows  # and of which origin
         self._keys: list[list[bytes]] = [[] for _ in range(rows)]
         self._recent = collections.OrderedDict((row, None) for row in range(rows))
         self.pinned: set[int] = set()  # rows `keep` must not reuse (a prompt fed in parts)
         # Samples reading a row's pages in place (a paged engine's), which it must keep.
         self.borrowed: collections.Counter[int] = collections.Counter()
 
-    def _chain(self, prompt, blocks: int, adapter: int = 0) -> list[bytes]:
-        """The keys of `prompt`'s first 1, 2, ..., `blocks` blocks (with `adapter`)."""
-        keys, digest = [], b"" if not adapter else adapter.to_bytes(8, "little")
+    def _chain(self, prompt, blocks: int, origin: Origin = PLAIN) -> list[bytes]:
+        """The keys of `prompt`'s first 1, 2, ..., `blocks` blocks (of `origin`)."""
+        adapter, salt = origin
+        keys, digest = [], b"" if origin == PLAIN else hashlib.blake2b(
+            adapter.to_bytes(8, "little") + salt.encode(), digest_size=16).digest()
         for i in range(blocks):
             block = np.asarray(prompt[i * self.block:(i + 1) * self.block], np.int64)
             digest = hashlib.blake2b(digest + block.tobytes(), digest_size=16).digest()
             keys.append(digest)
         return keys
 
-    def _held(self, prompt, key: bytes, adapter: int = 0) -> tuple[int, int] | None:
+    def _held(self, prompt, key: bytes, origin: Origin = PLAIN) -> tuple[int, int] | None:
         """(row, length) of the prefix `key` names, if a row holds it."""
         row, length = self._where.get(key, (-1, 0))
         if (row < 0 or self._tokens[row][:length] != tuple(prompt[:length])
-                or self._adapters[row] != adapter):
+                or self._origins[row] != origin):
             return None
         self._recent.move_to_end(row)
         return row, length
 
-    def lookup(self, prompt, adapter: int = 0) -> tuple[int, int]:
-        """(store row, prefix length) of the longest kept prefix of `prompt` that leaves at
-        least its last token to feed; (-1, 0) if none."""
-        for key in reversed(self._chain(prompt, (len(prompt) - 1) // self.block, adapter)):
-            if (held := self._held(prompt, key, adapter)) is not None:
+    def lookup(self, prompt, origin: Origin = PLAIN) -> tuple[int, int]:
+        """(store row, prefix length) of the longest prefix of `prompt` kept with its
+        `origin` that leaves at least its last token to feed; (-1, 0) if none."""
+        for key in reversed(self._chain(prompt, (len(prompt) - 1) // self.block, origin)):
+            if (held := self._held(prompt, key, origin)) is not None:
                 return held
         return -1, 0
 
-    def keep(self, prompt, adapter: int = 0) -> int | None:
+    def keep(self, prompt, origin: Origin = PLAIN) -> int | None:
         """The row to copy `prompt`'s full blocks into, now indexed as holding them; None
         when it has no full block, a row holds them all already, or every row is pinned."""
-        keys = self._chain(prompt, len(prompt) // self.block, adapter)
-        if not keys or self._held(prompt, keys[-1], adapter) is not None:
+        keys = self._chain(prompt, len(prompt) // self.block, origin)
+        if not keys or self._held(prompt, keys[-1], origin) is not None:
             return None
         row = next((r for r in self._recent
                     if r not in self.pinned and not self.borrowed[r]), None)
@@ -106,7 +119,7 @@ class PrefixIndex:
             self._where[key] = (row, (i + 1) * self.block)
         self._keys[row] = keys
         self._tokens[row] = tuple(int(t) for t in prompt[:len(keys) * self.block])
-        self._adapters[row] = adapter
+        self._origins[row] = origin
         self._recent[row] = None
         return row
 
@@ -115,11 +128,11 @@ class PrefixIndex:
         """Drops every prefix kept with `adapter` (its slot now holds another, or none): its
         rows are the first to be reused."""
         for row in range(self.rows):
-            if adapter and self._adapters[row] == adapter:
+            if adapter and self._origins[row][0] == adapter:
                 for key in self._keys[row]:
                     if self._where.get(key, (-1,))[0] == row:
                         del self._where[key]
-                self._keys[row], self._tokens[row], self._adapters[row] = [], (), 0
+                self._keys[row], self._tokens[row], self._origins[row] = [], (), PLAIN
                 self._recent.move_to_end(row, last=False)
 
 
@@ -136,28 +149,28 @@ class PrefixCache:
         self.written = np.zeros(rows, np.int32)  # positions copied into each row, not yet
         # taken by `take_written`
 
-    def lookup(self, prompts: list, adapters: list[int] | None = None
+    def lookup(self, prompts: list, origins: list[Origin] | None = None
                ) -> list[tuple[int, int]]:
         """(store row, prefix length) of each prompt's longest kept prefix ((-1, 0): none),
-        kept with its adapter (`adapters`, default none).
+        kept with its origin (`origins`, default `PLAIN`).
         A prompt's rest is fed padded to the bucket of the longest rest among the hits; a
         hit whose prefix and that padding would not fit `capacity` counts as a miss."""
-        adapters = [0] * len(prompts) if adapters is None else adapters
-        found = [self.index.lookup(p, a) for p, a in zip(prompts, adapters, strict=True)]
+        origins = [PLAIN] * len(prompts) if origins is None else origins
+        found = [self.index.lookup(p, o) for p, o in zip(prompts, origins, strict=True)]
         rests = [len(p) - n for p, (_, n) in zip(prompts, found, strict=True) if n]
         rest = bucket(max(rests, default=1), self.capacity)
         return [(row, n) if n + rest <= self.capacity else (-1, 0) for row, n in found]
 
-    def leaders(self, prompts: list, adapters: list[int] | None = None) -> list[int]:
+    def leaders(self, prompts: list, origins: list[Origin] | None = None) -> list[int]:
         """Of the prompts that no kept prefix serves and whose first full block (with a
         token after it) a later one of them shares, the first of each such set: prefilled
         and kept first, it serves the others' shared part."""
         block, first, leaders = self.index.block, {}, []
-        adapters = [0] * len(prompts) if adapters is None else adapters
-        for i, (prompt, adapter) in enumerate(zip(prompts, adapters, strict=True)):
-            if len(prompt) <= block or self.index.lookup(prompt, adapter)[1]:
+        origins = [PLAIN] * len(prompts) if origins is None else origins
+        for i, (prompt, origin) in enumerate(zip(prompts, origins, strict=True)):
+            if len(prompt) <= block or self.index.lookup(prompt, origin)[1]:
                 continue
-            head = (adapter, tuple(prompt[:block]))
+            head = (origin, tuple(prompt[:block]))
             if head not in first:
                 first[head] = i
             elif first[head] not in leaders:
@@ -186,23 +199,24 @@ class PrefixCache:
         if metrics is not None:
             metrics.count_prefix_hits(len(hits), reused)
 
-    def left_to_prefill(self, prompt, adapter: int = 0) -> int:
-        """The tokens of `prompt` after its longest kept prefix."""
-        return len(prompt) - self.index.lookup(prompt, adapter)[1]
+    def left_to_prefill(self, prompt, origin: Origin = PLAIN) -> int:
+        """The tokens of `prompt` after its longest prefix kept with its `origin`."""
+        return len(prompt) - self.index.lookup(prompt, origin)[1]
 
-    def feed_part(self, params, prompt, part: int, adapter: int = 0, adapters=None) -> None:
+    def feed_part(self, params, prompt, part: int, origin: Origin = PLAIN,
+                  adapters=None) -> None:
         """Prefills the next `part` tokens (a multiple of the block) of a prompt too long to
         prefill in one turn after its longest kept prefix, and keeps the result, pinned
         until the next part: a long prompt is prefilled a part per engine turn, while the
         slots go on decoding between them. With no `prompt` (None) nothing stays pinned.
-        The prompt is served with adapter `adapter` of `adapters` (0: none)."""
+        The prompt is served with `origin`, whose adapter is one of `adapters` (0: none)."""
         self.index.pinned.clear()
         if prompt is None:
             return
-        row, reused = self.index.lookup(prompt, adapter)
+        row, reused = self.index.lookup(prompt, origin)
         fed = reused + part
         tokens = np.asarray(prompt[:fed], np.int32)[None]
-        adapter_B = None if adapters is None else np.array([adapter], np.int32)
+        adapter_B = None if adapters is None else np.array([origin[0]], np.int32)
         if reused == 0:
             prefilled = prefill_after_nothing(self.config, params, tokens,
                                               bucket(part, self.capacity), adapters, adapter_B)
@@ -214,23 +228,23 @@ class PrefixCache:
             rest[0, :part] = prompt[reused:fed]
             prefilled = self.prefill(params, tokens, np.array([fed], np.int32),
                                      [(row, reused)], rest, adapters, adapter_B)
-        self.keep([prompt[:fed]], prefilled[0], adapters=[adapter])
-        kept, length = self.index.lookup(prompt[:fed + 1], adapter)
+        self.keep([prompt[:fed]], prefilled[0], origins=[origin])
+        kept, length = self.index.lookup(prompt[:fed + 1], origin)
         if length == fed:
             self.index.pinned.add(kept)
 
     def keep(self, prompts: list, cache: M.KVCache, rows: list[int] | None = None,
-             pad_to: int | None = None, adapters: list[int] | None = None) -> None:
-        """Copies the rows of `cache` that hold `prompts` (`rows`, default 0, 1, ...; made
-        with `adapters`, default none) into the store, those whose full blocks no store row
+             pad_to: int | None = None, origins: list[Origin] | None = None) -> None:
+        """Copies the rows of `cache` that hold `prompts` (`rows`, default 0, 1, ...; of
+        `origins`, default `PLAIN`) into the store, those whose full blocks no store row
         holds; the copy is padded to `pad_to` rows (default the cache's), so that one
         program serves every count."""
         rows = range(len(prompts)) if rows is None else rows
-        adapters = [0] * len(prompts) if adapters is None else adapters
+        origins = [PLAIN] * len(prompts) if origins is None else origins
         block = self.index.block
         kept = [(row, into, len(prompt) // block * block)
-                for row, prompt, adapter in zip(rows, prompts, adapters, strict=True)
-                if (into := self.index.keep(prompt, adapter)) is not None]
+                for row, prompt, origin in zip(rows, prompts, origins, strict=True)
+                if (into := self.index.keep(prompt, origin)) is not None]
         if kept:
             self._copy(cache, kept, pad_to)
             for _, into, length in kept:

@@ -122,8 +122,7 @@ _VLLM_UNSUPPORTED = [
     ("truncate_prompt_tokens", None, ""),
     ("prompt_logprobs", None, " (echo with logprobs and max_tokens 0 gives a prompt's "
                               "logprobs)"),
-    ("return_tokens_as_token_ids", False, ""), ("logits_processors", None, ""),
-    ("cache_salt", None, " (the prefix cache is shared by every request)")]
+    ("return_tokens_as_token_ids", False, ""), ("logits_processors", None, "")]
 
 
 _TOOLS, _IT = " (tools are for /v1/chat/completions)", " (it is for /v1/chat/completions)"
@@ -416,6 +415,7 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
         logit_bias=_logit_bias(body),
         seed=get_field(body, "seed", INT), stop=_stops(body, max_stop_strings, max_stop_chars),
         logprobs=top or 0, adapter=names.index(model),
+        cache_salt=get_field(body, "cache_salt", STR),
         stop_ids=_stop_ids(body, loaded.tokenizer), forced_end_id=loaded.tokenizer.forced_end,
         banned_ids=loaded.tokenizer.banned_ids,
         constraint=None if constraint is None else structured.compiled(

@@ -58,6 +58,8 @@ class GenerationRequest:
                  or None; its end id must be one of `stop_ids`.
     adapter:     which of the engine's LoRA adapters its rows add (`Engine(adapters=)`, 1
                  for the first), 0 for the base model alone.
+    cache_salt:  a non-empty string: its prompt reuses kept prefixes (`prefix_cache.py`)
+                 only of requests with the same salt, or None: of unsalted ones.
     """
 
     prompt: tuple[int, ...]
@@ -73,6 +75,7 @@ class GenerationRequest:
     logprobs: int = 0
     constraint: TokenAutomaton | None = None
     adapter: int = 0
+    cache_salt: str | None = None
 
     def checked(self, vocab_size: int, capacity: int, prompt_slots: int | None = None,
                 source_capacity: int | None = None) -> GenerationRequest:
@@ -140,6 +143,10 @@ class GenerationRequest:
                 raise checks.InvalidValue("min_tokens", f"min_tokens={self.sampling.min_tokens} "
                                           "would hold back the end id that structured output "
                                           "needs to end its text")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
+                                            or not self.cache_salt):
+            raise checks.InvalidValue("cache_salt", f"cache_salt {self.cache_salt!r} must be "
+                                                    "a non-empty string (or None)")
         return dataclasses.replace(self, prompt=prompt, logit_bias=logit_bias,
                                    stop_ids=stop_ids, banned_ids=banned_ids, stop=stop,
                                    seed=seed)

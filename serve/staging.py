@@ -10,6 +10,7 @@ from kvjax.decode.prompt_state import prefill_state
 
 from . import pages, slots
 from .output import Continuation, Dispatched, Ticket
+from .prefix_cache import origin_of
 from .requests import row_settings
 
 
@@ -20,11 +21,11 @@ def stage(engine, tickets: list[Ticket]) -> None:
     in_use = [s.ticket.request.constraint for s in engine.outputs.samples.values()]
     engine.state, initial = engine._tables.place_all(tickets, in_use, engine.state)
     prompts = [t.request.prompt for t in tickets]
-    adapters = [t.request.adapter for t in tickets]
-    first = [] if engine._prefixes is None else engine._prefixes.leaders(prompts, adapters)
+    origins = [origin_of(t.request) for t in tickets]
+    first = [] if engine._prefixes is None else engine._prefixes.leaders(prompts, origins)
     for part in (first, [i for i in range(len(tickets)) if i not in first]):
         hits = engine._prefixes.lookup([prompts[i] for i in part],
-                                       [adapters[i] for i in part]) if engine._prefixes \
+                                       [origins[i] for i in part]) if engine._prefixes \
             else [(-1, 0)] * len(part)
         for reused in (True, False):  # hits read their rows before misses are kept
             group = [i for i, (_, n) in zip(part, hits, strict=True) if (n > 0) == reused]
@@ -93,5 +94,5 @@ def _stage_group(engine, tickets: list[Ticket], hits: list[tuple[int, int]],
     if engine._prefixes is not None:
         engine._prefixes.keep(prompts, engine.state.staged.cache,
                               [held[r] for r in range(len(prompts))], engine.prefill_batch,
-                              adapters)
+                              [origin_of(t.request) for t in tickets])
         engine.state = pages.share_kept(engine.state, engine._prefixes)

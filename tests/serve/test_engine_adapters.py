@@ -67,7 +67,7 @@ def test_a_prompt_kept_with_one_adapter_is_prefilled_again_for_another(served, t
         assert collector.tokens() == alone(tiny_lm, merged[adapter], request)
     assert engine._prefixes.hits == hits + 1  # the last one alone reused its adapter's
     index = engine._prefixes.index
-    assert [index.lookup(tokens, adapter)[1] for adapter in (0, 1, 2)] == [0, 8, 8]
+    assert [index.lookup(tokens, (adapter, ""))[1] for adapter in (0, 1, 2)] == [0, 8, 8]
 
 
 def test_after_warming_up_any_mix_of_adapters_compiles_nothing_new(served):

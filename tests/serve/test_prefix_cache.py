@@ -11,7 +11,7 @@ from kvjax import decode
 from kvjax import model as M
 from kvjax.serve import Engine, GenerationRequest
 from kvjax.serve.metrics import ServeMetrics
-from kvjax.serve.prefix_cache import PrefixCache, PrefixIndex
+from kvjax.serve.prefix_cache import PLAIN, PrefixCache, PrefixIndex
 
 
 def tokens(seed, length):
@@ -67,13 +67,30 @@ def test_a_key_that_collides_never_hands_out_another_prompts_prefix(monkeypatch)
     index = PrefixIndex(rows=2, block=4)
     # Every prompt's chain the same keys: only the kept tokens (and the adapter they were
     # kept with) tell prompts apart.
-    monkeypatch.setattr(index, "_chain", lambda prompt, blocks, adapter=0: [
+    monkeypatch.setattr(index, "_chain", lambda prompt, blocks, origin=PLAIN: [
         bytes([i]) for i in range(blocks)])
     kept, other = tokens(5, 9), tokens(6, 9)
     row = index.keep(kept)
     assert index.lookup(other) == (-1, 0)
-    assert index.lookup(kept, adapter=1) == (-1, 0)
+    assert index.lookup(kept, (1, "")) == (-1, 0)
+    assert index.lookup(kept, (0, "salt")) == (-1, 0)
     assert index.lookup(kept) == (row, 8)
+
+
+def test_a_salted_prompt_shares_prefixes_only_with_its_own_salt():
+    index = PrefixIndex(rows=3, block=4)
+    kept = tokens(7, 9)
+    salted = index.keep(kept, (0, "tenant a"))
+    assert index.lookup(kept) == (-1, 0)
+    assert index.lookup(kept, (0, "tenant b")) == (-1, 0)
+    assert index.lookup(kept, (1, "tenant a")) == (-1, 0)  # another adapter's K/V
+    assert index.lookup(kept + (3,), (0, "tenant a")) == (salted, 8)
+    plain = index.keep(kept)  # the same tokens unsalted: a row of their own
+    assert plain not in (None, salted)
+    assert index.lookup(kept + (3,)) == (plain, 8)
+    assert index.keep(kept, (0, "tenant a")) is None  # held already
+    index.forget(1)  # an adapter's slot changing leaves the base model's prefixes
+    assert index.lookup(kept + (3,), (0, "tenant a")) == (salted, 8)
 
 
 def test_of_prompts_sharing_a_first_block_no_row_keeps_the_first_leads(tiny_lm):
@@ -205,6 +222,26 @@ def test_prompts_sharing_a_preamble_prefill_only_the_rest_and_equal_generate_alo
     (_, missed), = serve(plain, second[:1])
     assert plain._prefixes is None
     np.testing.assert_allclose(served[1][0][1], missed, rtol=1e-5, atol=1e-5)
+
+
+def test_requests_reuse_kept_prefixes_only_under_their_own_cache_salt(tiny_lm):
+    config, net, params = tiny_lm
+    # The engine of the test above (its programs): one store row, taken by each miss.
+    engine = Engine(config, params, max_slots=4, chunk_size=4, prefill_batch=4,
+                    prefix_cache_rows=1)
+    preamble = tokens(13, 33)
+    rounds = [(preamble + (5,), "a"), (preamble + (6,), None), (preamble + (7,), None),
+              (preamble + (8,), "b"), (preamble + (9,), "a"), (preamble + (4,), "a")]
+    hits, made = [], []
+    for prompt, salt in rounds:
+        before = engine._prefixes.hits
+        made += [got for got, _ in serve(engine, [GenerationRequest(prompt, max_tokens=4,
+                                                                    cache_salt=salt)])]
+        hits.append(engine._prefixes.hits - before)
+    # Salt a's preamble serves neither the unsalted prompt nor salt b's, whose misses take
+    # the row; a's next prompt then misses too, and the one after it hits.
+    assert hits == [0, 0, 1, 0, 0, 1]
+    assert made == alone(net, params, [GenerationRequest(p, max_tokens=4) for p, _ in rounds])
 
 
 def test_a_long_prompt_is_prefilled_a_part_per_turn_while_the_slots_decode(tiny_lm):

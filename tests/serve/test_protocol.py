@@ -78,6 +78,9 @@ def test_defaults_are_openais():
     assert talk.chat and talk.requests[0].max_tokens == CAPACITY - len(talk.requests[0].prompt)
     assert chat(max_tokens=9, max_completion_tokens=4).requests[0].max_tokens == 4
     assert chat(logprobs=True, top_logprobs=3).requests[0].logprobs == 3
+    assert request.cache_salt is None
+    assert [r.cache_salt for r in completion(prompt=["A", "B"], cache_salt="s").requests] == [
+        "s", "s"]
 
 
 @pytest.mark.parametrize("parse_as, fields, status, param, message", [
@@ -121,6 +124,7 @@ def test_defaults_are_openais():
     (completion, dict(return_tokens_as_token_ids=True), 400, "return_tokens_as_token_ids",
      "is not supported"),
     (completion, dict(add_special_tokens=1), 400, "add_special_tokens", "must be a boolean"),
+    (chat, dict(cache_salt=["a"]), 400, "cache_salt", "cache_salt=['a'] must be a string"),
     (chat, dict(continue_final_message=True), 400, "continue_final_message",
      "needs add_generation_prompt=false"),
     (chat, dict(add_generation_prompt="no"), 400, "add_generation_prompt", "must be a boolean"),

@@ -38,6 +38,8 @@ VOCAB, CAPACITY = 50, 32
     (dict(logprobs=MAX_TOP_LOGPROBS + 1),
      f"logprobs={MAX_TOP_LOGPROBS + 1} must be <= {MAX_TOP_LOGPROBS}"),
     (dict(constraint="json"), "constraint must be a TokenAutomaton .*got str"),
+    (dict(cache_salt=""), "cache_salt '' must be a non-empty string"),
+    (dict(cache_salt=7), "cache_salt 7 must be a non-empty string"),
     (dict(constraint=end_only_automaton(VOCAB + 8, 2), stop_ids=(2,)),
      "compiled for 58 token ids; the model has 50"),
     (dict(constraint=end_only_automaton(VOCAB, 2), stop_ids=(3,)),
