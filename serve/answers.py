@@ -41,7 +41,9 @@ class Answer:
     def __init__(self, parsed: Parsed, tokenizer: TextTokenizer):
         self.parsed, self.tokenizer = parsed, tokenizer
         self.n = parsed.requests[0].n
-        self.choices = [Choice(text=parsed.echo[i // self.n])
+        # A completion's echoed prompt is its text's start; a chat's echo comes before the
+        # content its reasoning and calls are parsed from (`_message`).
+        self.choices = [Choice(text="" if parsed.chat else parsed.echo[i // self.n])
                         for i in range(len(parsed.requests) * self.n)]
         if parsed.reasoning is not None:
             for choice in self.choices:
@@ -110,7 +112,7 @@ class Answer:
                                       top + c.top_logprobs)
             if self.parsed.chat:
                 message, finish = self._message(c)
-                choices.append({"index": i, "message": {"role": "assistant", **message},
+                choices.append({"index": i, "message": {"role": self.parsed.role, **message},
                                 "logprobs": logprobs, "finish_reason": finish})
             else:
                 choices.append({"index": i, "text": c.text, "logprobs": logprobs,
@@ -123,9 +125,16 @@ class Answer:
     def _reads_calls(self) -> bool:
         return self.parsed.tools is not None and self.parsed.tools.choice != "none"
 
-    def _message(self, choice: Choice) -> tuple[dict, str | None]:
+    def _message(self, choice: Choice, echoed: bool = True) -> tuple[dict, str | None]:
         """(the message's reasoning, content and calls, its finish reason) of a finished
-        chat choice."""
+        chat choice; its content after the echoed final message if `echoed` (vLLM's
+        `echo`)."""
+        message, finish = self._parsed_message(choice)
+        if echoed and self.parsed.echo[0]:
+            message = {**message, "content": self.parsed.echo[0] + (message["content"] or "")}
+        return message, finish
+
+    def _parsed_message(self, choice: Choice) -> tuple[dict, str | None]:
         message, text = {}, choice.text
         if self.parsed.reasoning is not None:
             parts = self.parsed.reasoning.split(text, choice.tokens, finished=True)
@@ -151,12 +160,14 @@ class Answer:
         return chunk
 
     def opening_chunks(self) -> list[dict]:
-        """What a stream starts with: the assistant role of each chat choice, the echoed
-        prompt of each completion choice (if echo)."""
+        """What a stream starts with: each chat choice's role (and the final message it
+        continues, with echo), each completion choice's echoed prompt (with echo)."""
         if self.parsed.chat:
-            return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                  "logprobs": None, "finish_reason": None}])
-                    for i in range(len(self.choices))]
+            echoed = [{"content": self.parsed.echo[0]}] if self.parsed.echo[0] else []
+            return [self._chunk([{"index": i, "delta": delta, "logprobs": None,
+                                  "finish_reason": None}])
+                    for i in range(len(self.choices))
+                    for delta in [{"role": self.parsed.role, "content": ""}, *echoed]]
         return [self._chunk([{"index": i, "text": c.text,
                               "logprobs": self._logprobs(*c.prompt) if c.prompt[0] else None,
                               "finish_reason": None}])
@@ -192,7 +203,7 @@ class Answer:
         """A finished choice's text or calls in one chunk (OpenAI's delta format: each call
         with its `index`)."""
         choice = self.choices[index]
-        message, finish = self._message(choice)
+        message, finish = self._message(choice, echoed=False)  # sent when the stream opened
         delta = {key: message[key] for key in ("reasoning", "reasoning_content", "content")
                  if message.get(key) is not None}
         if "tool_calls" in message:

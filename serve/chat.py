@@ -104,6 +104,18 @@ def _template_call(call: Any, index: int, j: int) -> dict:
             "function": {"name": function["name"], "arguments": arguments}}
 
 
+def answer_role(messages: Sequence[Any], add_generation_prompt: bool = True
+                ) -> tuple[str, str]:
+    """(the role an answer to `messages` speaks in, the final message's content where the
+    answer goes on in that message's role, else ""), as vLLM names them: after a generation
+    prompt the assistant speaks; without one the text goes on in the final message's role.
+    `messages` are checked already (`render`)."""
+    role, content = message_text(messages[-1], len(messages) - 1)
+    if not add_generation_prompt:
+        return role, content
+    return "assistant", content if role == "assistant" else ""
+
+
 # What a template reads that a request's `chat_template_kwargs` may not replace.
 RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
 

@@ -70,7 +70,8 @@ class APIError(Exception):
 class Parsed:
     """A request as the server runs it: one `GenerationRequest` per prompt (their samples
     are choices `prompt * n + sample`), the text each choice starts with (its prompt if
-    `echo_prompt`, whose tokens' logprobs then come first if `logprobs`), how to answer."""
+    `echo_prompt`, whose tokens' logprobs then come first if `logprobs`; a chat's: the final
+    message it continues, with vLLM's `echo`), how to answer (a chat's in `role`)."""
 
     chat: bool
     model: str
@@ -86,6 +87,7 @@ class Parsed:
     reasoning: reasoning.Think | harmony.Harmony | None = None
     # vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far.
     continuous_usage: bool = False
+    role: str = "assistant"
 
 
 # The JSON types a field may be (`get_field`).
@@ -138,9 +140,9 @@ def _refuse_unsupported(body: dict, chat_api: bool) -> None:
     unsupported = [("suffix", "", ""), *_VLLM_UNSUPPORTED]
     if not chat_api:
         unsupported += CHAT_ONLY_FIELDS
-    else:  # vLLM's echo of the final message in front of a chat's answer, and more
+    else:
         hint = " on /v1/chat/completions"
-        unsupported += [("echo", False, hint), ("chat_template", None, hint),
+        unsupported += [("chat_template", None, hint),
                         ("documents", None, hint),
                         ("add_special_tokens", False, " on /v1/chat/completions (the chat "
                                                       "template places the model's own)")]
@@ -373,7 +375,10 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
         ids, prompt_text = chat_prompt(loaded, body, tools)
         prompts = [ids]
         splits = _reasoning(reasoning_parser, prompt_text, loaded.tokenizer, tools)
-        echo, echo_prompt = [""], False
+        role, continued = chat.answer_role(
+            body["messages"], get_field(body, "add_generation_prompt", BOOL, True))
+        echo = [continued if get_field(body, "echo", BOOL, False) else ""]
+        echo_prompt = False
         max_tokens = get_field(body, "max_completion_tokens", INT,
                                get_field(body, "max_tokens", INT))
         want_logprobs = get_field(body, "logprobs", BOOL, False)
@@ -430,4 +435,5 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
         requests.append(GenerationRequest(ids, max_tokens=default if max_tokens is None
                                           else max_tokens, **settings))
     return Parsed(chat_api, model, tuple(requests), tuple(echo), echo_prompt, stream,
-                  include_usage, want_logprobs, tools, splits, continuous_usage)
+                  include_usage, want_logprobs, tools, splits, continuous_usage,
+                  role if chat_api else "assistant")

@@ -115,6 +115,26 @@ def test_a_chat_stream_opens_with_the_role_and_its_logprobs_carry_bytes():
     assert "usage" not in chunks[-1]  # only when the stream options ask for it
 
 
+def test_a_chats_echo_opens_its_content_streamed_or_whole_and_costs_no_tokens():
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, "}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    for extra in ({}, {"tools": tools}):  # with tools a choice is sent whole at its end
+        answer = answer_to({"messages": messages, "n": 2, "echo": True, "stream": True,
+                            "add_generation_prompt": False, "continue_final_message": True,
+                            "stream_options": {"include_usage": True}, **extra}, chat=True)
+        samples = {(0, 0): [5, 6, 7], (0, 1): [20, 21]}
+        chunks = stream(answer, samples, {(0, 0): "stop", (0, 1): "length"})
+        whole = chat_types.ChatCompletion.model_validate(answer.final())
+        for index, tokens in enumerate(samples.values()):
+            text = "Sure, " + FakeTokenizer.decode(tokens)
+            mine = [c["choices"][0]["delta"] for c in chunks if c["choices"]
+                    and c["choices"][0]["index"] == index]
+            assert mine[:2] == [{"role": "assistant", "content": ""}, {"content": "Sure, "}]
+            assert "".join(d.get("content") or "" for d in mine) == text
+            assert whole.choices[index].message.content == text
+        assert whole.usage.completion_tokens == 5  # the echo is not the answer's tokens
+
+
 def test_a_tool_call_is_sent_whole_in_its_choices_last_chunk():
     tools = [{"type": "function", "function": {"name": "is_even", "parameters": {
         "type": "object", "properties": {"n": {"type": "integer"}}}}}]

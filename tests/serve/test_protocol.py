@@ -83,6 +83,26 @@ def test_defaults_are_openais():
         "s", "s"]
 
 
+def test_a_chats_echo_is_the_final_message_its_answer_goes_on_with_in_its_role():
+    """vLLM's: after a generation prompt the assistant answers and echoes the final message
+    only if it is the assistant's; without one the answer goes on in the final message's
+    role (its text parts joined as the prompt joins them)."""
+    begun = [{"role": "user", "content": "hi"},
+             {"role": "assistant", "content": [{"type": "text", "text": "Sure"},
+                                               {"type": "text", "text": ", "}]}]
+    asked = [{"role": "user", "content": "hi"}]
+    cases = [(begun, dict(add_generation_prompt=False, continue_final_message=True),
+              ("assistant", "Sure, ")),
+             (begun, {}, ("assistant", "Sure, ")),
+             (asked, {}, ("assistant", "")),
+             (asked, dict(add_generation_prompt=False), ("user", "hi"))]
+    for messages, fields, (role, echoed) in cases:
+        parsed = chat(messages=messages, echo=True, **fields)
+        assert (parsed.role, parsed.echo) == (role, (echoed,))
+        assert chat(messages=messages, **fields).echo == ("",)  # only when asked
+        assert chat(messages=messages, **fields).role == role
+
+
 @pytest.mark.parametrize("parse_as, fields, status, param, message", [
     (completion, dict(model="gpt-4"), 404, "model", "The model `gpt-4` does not exist"),
     (completion, dict(model=None), 400, "model", "model is required"),
@@ -116,8 +136,7 @@ def test_defaults_are_openais():
     (completion, dict(tools=[{"type": "function"}]), 400, "tools",
      "tools are for /v1/chat/completions"),
     (chat, dict(messages="hi"), 400, "messages", "messages must be a non-empty list"),
-    (chat, dict(echo=True), 400, "echo", "echo=True is not supported by this server on "
-                                         "/v1/chat/completions"),
+    (chat, dict(echo="yes"), 400, "echo", "echo='yes' must be a boolean"),
     (chat, dict(chat_template="{{ messages }}"), 400, "chat_template", "is not supported"),
     (chat, dict(add_special_tokens=True), 400, "add_special_tokens",
      "the chat template places the model's own"),

@@ -279,6 +279,16 @@ def test_a_chat_continues_its_final_message_as_generate_continues_that_text(clie
                                add_generation_prompt=False).removesuffix("\n")
     assert answer.choices[0].message.content == greedy_text(tiny_loaded, prompt, 6)
     assert answer.usage.prompt_tokens == len(prompt_tokens(tiny_loaded, prompt))
+    # vLLM's echo: the begun reply comes first, streamed or whole.
+    echo = {"add_generation_prompt": False, "continue_final_message": True, "echo": True}
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                           temperature=0, extra_body=echo)
+    assert whole.choices[0].message.content == "The KV" + answer.choices[0].message.content
+    assert whole.usage == answer.usage
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                              temperature=0, extra_body=echo, stream=True)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed) == \
+        whole.choices[0].message.content
 
 
 def test_a_full_queue_answers_429_with_retry_after(tiny_loaded):
