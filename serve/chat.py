@@ -33,7 +33,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 def message_text(message: Any, index: int) -> tuple[str, str]:
     """(role, content) of an OpenAI chat message; a ValueError names what is wrong with it.
-    Content is a string or a list of text parts."""
+    Content is a string or a list of text parts, joined by newlines as vLLM joins them."""
     if not isinstance(message, dict):
         raise ValueError(f"messages[{index}] must be an object with a role and a content")
     role, content = message.get("role"), message.get("content")
@@ -49,7 +49,7 @@ def message_text(message: Any, index: int) -> tuple[str, str]:
                 raise ValueError(f"messages[{index}].content[{j}] must be a text part "
                                  f"({{'type': 'text', 'text': ...}}): this model reads text only")
             parts.append(part["text"])
-        content = "".join(parts)
+        content = "\n".join(parts)
     if not isinstance(content, str):
         raise ValueError(f"messages[{index}].content must be a string or a list of text parts")
     return role, content

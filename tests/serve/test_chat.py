@@ -34,14 +34,15 @@ MESSAGES = [{"role": "user", "content": "  Grüße! What is a KV cache? "},
             {"role": "assistant", "content": "Keys and values."},
             {"role": "user", "content": [{"type": "text", "text": "Why "},
                                          {"type": "text", "text": "keep them?"}]}]
-# The same messages with their content as strings, as transformers takes them.
-PLAIN_MESSAGES = MESSAGES[:2] + [{"role": "user", "content": "Why keep them?"}]
-# What transformers 5.23's apply_chat_template(PLAIN_MESSAGES, add_generation_prompt=True,
+# The same messages with their content as strings, as transformers takes them (text parts
+# joined by newlines, as vLLM joins them).
+PLAIN_MESSAGES = MESSAGES[:2] + [{"role": "user", "content": "Why \nkeep them?"}]
+# What transformers 5.25's apply_chat_template(PLAIN_MESSAGES, add_generation_prompt=True,
 # tokenize=False) renders (byte_bpe: GPT2Tokenizer, bos and eos <|endoftext|>).
 EXPECTED = ("<|endoftext|><|im_start|>system\nYou are helpful.<|im_end|>\n"
             "<|im_start|>user\nGrüße! What is a KV cache?<|im_end|>\n"
             "<|im_start|>assistant\nKeys and values.<|endoftext|><|im_end|>\n"
-            "<|im_start|>user\nWhy keep them?<|im_end|>\n"
+            "<|im_start|>user\nWhy \nkeep them?<|im_end|>\n"
             "<|im_start|>assistant\n")
 
 # The same rendered with add_generation_prompt=False; and PLAIN_MESSAGES[:2] (its final message
@@ -159,11 +160,11 @@ def test_a_template_that_refuses_or_escapes_is_a_value_error(directory):
 # a system message joins the first user turn, the assistant is "model", roles must alternate.
 GEMMA = Path(__file__).resolve().parents[1] / "fixtures" / "hf_models" / "gemma3_text"
 GEMMA_MESSAGES = [{"role": "system", "content": "Answer briefly."}, *PLAIN_MESSAGES]
-# What transformers 5.24's apply_chat_template(GEMMA_MESSAGES, add_generation_prompt=True,
+# What transformers 5.25's apply_chat_template(GEMMA_MESSAGES, add_generation_prompt=True,
 # tokenize=False) renders (spm_bpe: bos <s>).
 GEMMA_EXPECTED = ("<s><start_of_turn>user\nAnswer briefly.\n\nGrüße! What is a KV cache?"
                   "<end_of_turn>\n<start_of_turn>model\nKeys and values.<end_of_turn>\n"
-                  "<start_of_turn>user\nWhy keep them?<end_of_turn>\n<start_of_turn>model\n")
+                  "<start_of_turn>user\nWhy \nkeep them?<end_of_turn>\n<start_of_turn>model\n")
 
 
 def test_gemmas_template_renders_as_transformers_renders_it():

@@ -92,8 +92,8 @@ def test_a_chats_echo_is_the_final_message_its_answer_goes_on_with_in_its_role()
                                                {"type": "text", "text": ", "}]}]
     asked = [{"role": "user", "content": "hi"}]
     cases = [(begun, dict(add_generation_prompt=False, continue_final_message=True),
-              ("assistant", "Sure, ")),
-             (begun, {}, ("assistant", "Sure, ")),
+              ("assistant", "Sure\n, ")),
+             (begun, {}, ("assistant", "Sure\n, ")),
              (asked, {}, ("assistant", "")),
              (asked, dict(add_generation_prompt=False), ("user", "hi"))]
     for messages, fields, (role, echoed) in cases:
