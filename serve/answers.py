@@ -12,6 +12,7 @@ harmony format, from their own messages).
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 import uuid
 from typing import Any
@@ -215,3 +216,23 @@ class Answer:
 
     def usage_chunk(self) -> dict:
         return self._chunk([], self.usage())
+
+    # The stream as the server sends it: server-sent events (`response_answers.py` has its own).
+    def stream_opening(self) -> list[str]:
+        return [sse(chunk) for chunk in self.opening_chunks()]
+
+    def stream_delta(self, prompt: int, delta: Delta) -> list[str]:
+        chunk = self.chunk(prompt, delta)
+        return [] if chunk is None else [sse(chunk)]
+
+    def stream_closing(self) -> list[str]:
+        usage = [sse(self.usage_chunk())] if self.parsed.include_usage else []
+        return usage + ["data: [DONE]\n\n"]
+
+    def stream_error(self, error) -> list[str]:  # error: a `protocol.APIError`
+        return [sse(error.body())]
+
+
+def sse(data: dict, event: str | None = None) -> str:
+    """One server-sent event carrying `data` as JSON, named `event` if given."""
+    return ("" if event is None else f"event: {event}\n") + f"data: {json.dumps(data)}\n\n"

@@ -2,6 +2,7 @@
 
   POST /v1/completions, POST /v1/chat/completions   (stream: server-sent events ending
                                                      with `data: [DONE]`)
+  POST /v1/responses (OpenAI's Responses API through the chat path: `responses.py`)
   GET /v1/models, GET /health, GET /metrics (Prometheus)
   POST /tokenize, POST /detokenize (vLLM's: `tokenization.py`), GET /version
   POST /v1/load_lora_adapter, /v1/unload_lora_adapter (with a loader: `build_app`)
@@ -17,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import os
 import time
 
@@ -30,13 +30,14 @@ import kvjax
 from kvjax.model import lora_rows
 from kvjax.text import LoadedModel, forced_start
 
-from . import harmony, reasoning, structured
+from . import harmony, reasoning, responses, structured
 from .adapter_names import ServedAdapters
 from .answers import Answer
 from .engine import Engine, EngineFailed, QueueFull
 from .limits import Limits, authorized, read_json
 from .metrics import ServeMetrics
 from .protocol import APIError, Parsed, model_sampling_defaults, parse
+from .response_answers import ResponseAnswer
 from .tokenization import detokenize, tokenize
 
 RETRY_AFTER_SECONDS = 1
@@ -175,15 +176,22 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
     async def chat_completions(request: Request) -> Response:
         return await _generate(request, chat_api=True)
 
-    async def _generate(request: Request, chat_api: bool) -> Response:
+    async def create_response(request: Request) -> Response:
+        return await _generate(request, chat_api=True, responses_api=True)
+
+    async def _generate(request: Request, chat_api: bool, responses_api: bool = False
+                        ) -> Response:
         try:
             authorized(request, api_key)
             body = await read_json(request, limits)
             # Off the event loop: tokenizing many or long prompts must not stall other
             # requests' streams, nor /health.
-            parsed = await asyncio.to_thread(_parse_and_check, body, chat_api)
+            parsed = await asyncio.to_thread(
+                _parse_and_check, responses.chat_body(body) if responses_api else body,
+                chat_api)
             metrics.count_model_request(parsed.model)
-            answer = Answer(parsed, loaded.tokenizer)
+            answer = (ResponseAnswer(parsed, loaded.tokenizer, body) if responses_api
+                      else Answer(parsed, loaded.tokenizer))
             if parsed.echo_prompt and parsed.logprobs:
                 for prompt, generation in enumerate(parsed.requests):
                     served_adapters.check_serves(parsed.model, generation.adapter)
@@ -207,12 +215,11 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
         except EngineFailed as error:
             metrics.count_request("error")
             return error_response(APIError(503, str(error), kind="server_error"))
-        except APIError as error:
+        except (APIError, ValueError) as error:
             metrics.count_request("invalid")
-            return error_response(error)
-        except ValueError as error:
-            metrics.count_request("invalid")
-            return error_response(APIError.invalid(error, chat_api))
+            if not isinstance(error, APIError):
+                error = APIError.invalid(error, chat_api)
+            return error_response(responses.renamed(error) if responses_api else error)
         if parsed.stream:
             return StreamingResponse(_stream(answer, events, tickets),
                                      media_type="text/event-stream")
@@ -287,22 +294,21 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
     async def _stream(answer: Answer, events, tickets):
         outcome = "disconnected"  # unless the stream gets to its end
         try:
-            for chunk in answer.opening_chunks():
-                yield _event(chunk)
+            for event in answer.stream_opening():
+                yield event
             while not answer.done:
                 try:
                     prompt, delta = await _next(answer, events)
                 except Exception as error:  # noqa: BLE001 - the stream is already open
                     outcome = "error"
-                    yield _event(APIError(500, f"generation failed: {error!r}",
-                                          kind="server_error").body())
+                    for event in answer.stream_error(APIError(
+                            500, f"generation failed: {error!r}", kind="server_error")):
+                        yield event
                     return
-                chunk = answer.chunk(prompt, delta)
-                if chunk is not None:
-                    yield _event(chunk)
-            if answer.parsed.include_usage:
-                yield _event(answer.usage_chunk())
-            yield "data: [DONE]\n\n"
+                for event in answer.stream_delta(prompt, delta):
+                    yield event
+            for event in answer.stream_closing():
+                yield event
             outcome = "completed"
         finally:
             if not answer.done:  # the client went away (or the engine failed)
@@ -323,6 +329,7 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
     app = Starlette(routes=[
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/responses", create_response, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
@@ -363,10 +370,6 @@ def adapter_stack(loaded: LoadedModel, adapters: dict, slots: int | None, rank: 
                    if t in outside_experts or t in given_targets]
     return lora_rows.stack(loaded.config, loaded.params, given, capacity=slots, rank=rank,
                            targets=targets)
-
-
-def _event(data: dict) -> str:
-    return f"data: {json.dumps(data)}\n\n"
 
 
 def _echo_only(answer: Answer) -> dict:

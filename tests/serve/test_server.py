@@ -87,6 +87,35 @@ def test_chat_streams_the_text_it_answers_whole_with_usage_last(client):
     assert whole.usage.prompt_tokens == 1 + len("user: hi\nassistant:")
 
 
+def test_the_responses_api_answers_what_the_chat_answers(client):
+    """POST /v1/responses through the official client: the chat's answer to the same
+    conversation, whole or as events that add up to it."""
+    chat = client.chat.completions.create(
+        model=MODEL, max_tokens=6, temperature=0.9, seed=5,
+        messages=[{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "Name a cache."}])
+    settings = dict(model=MODEL, instructions="Be brief.", input="Name a cache.",
+                    max_output_tokens=6, temperature=0.9, extra_body={"seed": 5})
+    whole = client.responses.create(**settings)
+    assert whole.output_text == chat.choices[0].message.content
+    assert (whole.usage.input_tokens, whole.usage.output_tokens) == (
+        chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    assert whole.status == {"length": "incomplete", "stop": "completed"}[
+        chat.choices[0].finish_reason]
+    events = list(client.responses.create(**settings, stream=True))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
+        whole.output_text
+    assert events[-1].type == f"response.{whole.status}"
+    assert events[-1].response.output_text == whole.output_text
+    with pytest.raises(openai.BadRequestError, match="responses are not stored"):
+        client.responses.create(model=MODEL, input="hi", previous_response_id=whole.id)
+    # What the chat path refuses names the Responses request's own field.
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=MODEL, input="hi", max_output_tokens=10_000)
+    assert refused.value.body["param"] == "max_output_tokens"
+
+
 def test_logprobs_are_the_models_and_include_the_chosen_token(client, tiny_loaded):
     answer = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,

@@ -1,0 +1,186 @@
+"""OpenAI's Responses API, `POST /v1/responses`, served through the chat path: a request's
+`instructions` and `input` items become a chat's messages and its settings the chat's
+(`chat_body`); the chat's answer becomes the response's output items, a reasoning item (with
+a reasoning parser), a message and function calls, or, streamed, the Responses API's events
+(`response_answers.py`).
+
+A response is not stored, so what needs a stored one (`previous_response_id`, `conversation`,
+`background`) is a 400 naming the field, as are what kvjax does not have: prompt templates,
+built-in tools (web or file search, code interpreter, ...), input other than text,
+`truncation: "auto"` and reasoning summaries. Multi-turn clients send the whole conversation
+back as `input`: earlier messages, function calls and their outputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .protocol import APIError
+
+# Settings a Responses request shares with a chat request (OpenAI's and vLLM's extensions),
+# passed on unchanged; the chat path checks them.
+SHARED_FIELDS = ("model", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
+                 "ignore_eos", "min_tokens", "logit_bias", "cache_salt", "chat_template_kwargs",
+                 "stream")
+# What needs state or a capability kvjax does not have: (field, its no-op values, why).
+_REFUSED = [("previous_response_id", (None,), "responses are not stored: send the whole "
+                                               "conversation as input"),
+            ("conversation", (None,), "responses are not stored: send the whole conversation "
+                                      "as input"),
+            ("background", (None, False), "a response is answered while the request waits"),
+            ("prompt", (None,), "prompt templates are not stored here"),
+            ("truncation", (None, "disabled"), "a prompt longer than a slot is refused, "
+                                               "never cut"),
+            ("max_tool_calls", (None,), ""), ("context_management", (None,), "")]
+LOGPROBS = "message.output_text.logprobs"  # what `include` may ask for
+# The Responses request's field that became each chat field (`chat_body`).
+_FIELD_OF = {"messages": "input", "max_completion_tokens": "max_output_tokens",
+             "max_tokens": "max_output_tokens", "response_format": "text",
+             "reasoning_effort": "reasoning", "logprobs": "include"}
+
+
+def renamed(error: APIError) -> APIError:
+    """`error`, raised for the chat request `chat_body` made, naming the Responses
+    request's field instead."""
+    error.param = _FIELD_OF.get(error.param, error.param)
+    return error
+
+
+def chat_body(body: Any) -> dict:
+    """The /v1/chat/completions request that a Responses request `body` (JSON-decoded)
+    asks for; an APIError 400 names what it cannot honour."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    for name, off, why in _REFUSED:
+        if body.get(name, None) not in off:
+            raise APIError(400, f"{name} is not supported by this server"
+                                + (f": {why}" if why else ""), name)
+    chat = {name: body[name] for name in SHARED_FIELDS if name in body}
+    messages = []
+    if body.get("instructions") is not None:
+        if not isinstance(body["instructions"], str):
+            raise APIError(400, "instructions must be a string", "instructions")
+        messages.append({"role": "system", "content": body["instructions"]})
+    if body.get("input") is None:
+        raise APIError(400, "input is required", "input")
+    chat["messages"] = messages + _messages(body["input"])
+    if body.get("max_output_tokens") is not None:
+        chat["max_completion_tokens"] = body["max_output_tokens"]
+    include = body.get("include") or []
+    if not isinstance(include, list) or any(entry != LOGPROBS for entry in include):
+        raise APIError(400, f"include={include!r}: this server can include only {LOGPROBS!r}",
+                       "include")
+    if include:
+        chat["logprobs"], chat["top_logprobs"] = True, body.get("top_logprobs") or 0
+    elif body.get("top_logprobs"):
+        raise APIError(400, f"top_logprobs needs include: [{LOGPROBS!r}]", "top_logprobs")
+    if body.get("tools"):
+        chat["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(_list(body, "tools"))]
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = _chat_tool_choice(body["tool_choice"])
+    chat.update(_text_format(body.get("text")))
+    chat.update(_reasoning(body.get("reasoning")))
+    return chat
+
+
+def _list(body: dict, name: str) -> list:
+    if not isinstance(body[name], list):
+        raise APIError(400, f"{name} must be a list", name)
+    return body[name]
+
+
+def _messages(items: Any) -> list[dict]:
+    """A chat's messages from a Responses `input`: a string (one user message) or items:
+    messages (with text parts), function calls (the assistant's) and their outputs."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise APIError(400, "input must be a string or a non-empty list of items", "input")
+    messages: list[dict] = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise APIError(400, f"input[{i}] must be an object", "input")
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append({"role": item.get("role"),
+                             "content": _text(item.get("content"), i)})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            if messages and messages[-1]["role"] == "assistant":  # one turn's text and calls
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("output"), str):
+                raise APIError(400, f"input[{i}].output must be a string", "input")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": item["output"]})
+        else:
+            raise APIError(400, f"input[{i}].type={kind!r} is not supported by this server: "
+                                "it takes messages, function calls and their outputs", "input")
+    return messages
+
+
+def _text(content: Any, index: int) -> Any:
+    """A message's content as a chat's: a string, or its text parts (`input_text`, or
+    `output_text` in an earlier answer)."""
+    if not isinstance(content, list):
+        return content  # a string, or what the chat path refuses by name
+    parts = []
+    for j, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") in ("input_text", "output_text")):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise APIError(400, f"input[{index}].content[{j}] is {kind!r}: this model reads "
+                                "text only", "input")
+        parts.append({"type": "text", "text": part.get("text")})
+    return parts
+
+
+def _chat_tool(tool: Any, index: int) -> dict:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else tool
+        raise APIError(400, f"tools[{index}] is {kind!r}: this server calls functions only "
+                            "(built-in tools are OpenAI's)", "tools")
+    return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+
+
+def _chat_tool_choice(choice: Any) -> Any:
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice  # "none", "auto", "required", or what the chat path refuses by name
+
+
+def _text_format(text: Any) -> dict:
+    """The chat's `response_format` for a Responses `text` setting."""
+    if text is None:
+        return {}
+    if not isinstance(text, dict):
+        raise APIError(400, "text must be an object", "text")
+    if text.get("verbosity") not in (None, "medium"):
+        raise APIError(400, f"text.verbosity={text['verbosity']!r} is not supported by this "
+                            "server", "text")
+    form = text.get("format") or {"type": "text"}
+    if not isinstance(form, dict) or form.get("type") not in ("text", "json_object",
+                                                              "json_schema"):
+        raise APIError(400, f"text.format={form!r} must be of type text, json_object or "
+                            "json_schema", "text")
+    if form["type"] == "text":
+        return {}
+    if form["type"] == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    schema = {k: v for k, v in form.items() if k != "type"}
+    return {"response_format": {"type": "json_schema", "json_schema": schema}}
+
+
+def _reasoning(reasoning: Any) -> dict:
+    if reasoning is None:
+        return {}
+    if not isinstance(reasoning, dict):
+        raise APIError(400, "reasoning must be an object", "reasoning")
+    if reasoning.get("summary") is not None or reasoning.get("generate_summary") is not None:
+        raise APIError(400, "reasoning summaries are not supported by this server: with a "
+                            "reasoning parser the reasoning itself is an output item",
+                       "reasoning")
+    return {} if reasoning.get("effort") is None else {"reasoning_effort": reasoning["effort"]}

@@ -1,0 +1,116 @@
+"""serve/responses.py without a server: a Responses API request becomes the chat request it
+asks for, item by item and setting by setting, and what it cannot honour is refused naming
+the field (the answers and their events are in test_response_answers.py, the endpoint in
+test_server.py)."""
+
+import json
+
+import pytest
+from conftest import FakeTokenizer
+
+from kvjax import model as M
+from kvjax.serve.protocol import APIError, parse
+from kvjax.serve.responses import chat_body
+from kvjax.text import LoadedModel
+
+MODEL = "tiny"
+LOADED = LoadedModel(M.preset("tiny"), FakeTokenizer(), None, f"/checkpoints/{MODEL}")
+TOOL = {"type": "function", "name": "is_even", "description": "Whether n is even",
+        "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}}}
+
+
+def test_a_string_input_and_instructions_are_a_system_and_a_user_message():
+    body = {"model": MODEL, "instructions": "Be brief.", "input": "hi", "temperature": 0.5,
+            "top_p": 0.9, "max_output_tokens": 7, "seed": 3, "cache_salt": "s", "stream": True,
+            "metadata": {"k": "v"}, "store": True, "user": "u"}
+    assert chat_body(body) == {
+        "model": MODEL, "messages": [{"role": "system", "content": "Be brief."},
+                                     {"role": "user", "content": "hi"}],
+        "temperature": 0.5, "top_p": 0.9, "max_completion_tokens": 7, "seed": 3,
+        "cache_salt": "s", "stream": True}
+    parsed = parse(chat_body(body), LOADED, MODEL, 64, chat_api=True)
+    request = parsed.requests[0]
+    assert (request.max_tokens, request.seed, request.sampling.temperature) == (7, 3, 0.5)
+
+
+def test_items_become_the_conversation_a_chat_sends():
+    call = {"type": "function_call", "call_id": "call_1", "name": "is_even",
+            "arguments": json.dumps({"n": 4})}
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "4"},
+                                          {"type": "input_text", "text": "even?"}]},
+             {"type": "message", "role": "assistant",
+              "content": [{"type": "output_text", "text": "Let me see."}]},
+             call, {**call, "call_id": "call_2", "arguments": "{\"n\": 6}"},
+             {"type": "function_call_output", "call_id": "call_1", "output": "true"},
+             {"role": "developer", "content": "Answer in one word."}]
+    messages = chat_body({"model": MODEL, "input": items})["messages"]
+    assert messages == [
+        {"role": "user", "content": [{"type": "text", "text": "4"},
+                                     {"type": "text", "text": "even?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Let me see."}],
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "is_even", "arguments": "{\"n\": 4}"}},
+                        {"id": "call_2", "type": "function",
+                         "function": {"name": "is_even", "arguments": "{\"n\": 6}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "true"},
+        {"role": "developer", "content": "Answer in one word."}]
+    # A call with no assistant text before it is a turn of its own.
+    assert chat_body({"model": MODEL, "input": [items[0], call]})["messages"][1] == {
+        "role": "assistant", "content": "", "tool_calls": messages[1]["tool_calls"][:1]}
+
+
+def test_tools_formats_reasoning_and_logprobs_are_the_chats():
+    body = chat_body({"model": MODEL, "input": "n?", "tools": [TOOL],
+                      "tool_choice": {"type": "function", "name": "is_even"},
+                      "text": {"format": {"type": "json_schema", "name": "answer",
+                                          "schema": {"type": "object"}, "strict": True}},
+                      "reasoning": {"effort": "low"},
+                      "include": ["message.output_text.logprobs"], "top_logprobs": 2})
+    assert body["tools"] == [{"type": "function", "function": {
+        k: v for k, v in TOOL.items() if k != "type"}}]
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "is_even"}}
+    assert body["response_format"] == {"type": "json_schema", "json_schema": {
+        "name": "answer", "schema": {"type": "object"}, "strict": True}}
+    assert body["reasoning_effort"] == "low"
+    assert (body["logprobs"], body["top_logprobs"]) == (True, 2)
+    assert chat_body({"model": MODEL, "input": "x", "text": {"format": {
+        "type": "json_object"}}})["response_format"] == {"type": "json_object"}
+    assert "response_format" not in chat_body({"model": MODEL, "input": "x",
+                                               "text": {"format": {"type": "text"}}})
+
+
+@pytest.mark.parametrize("fields, param, message", [
+    (dict(previous_response_id="resp_1"), "previous_response_id", "responses are not stored"),
+    (dict(conversation="conv_1"), "conversation", "responses are not stored"),
+    (dict(background=True), "background", "not supported"),
+    (dict(prompt={"id": "p"}), "prompt", "prompt templates"),
+    (dict(truncation="auto"), "truncation", "never cut"),
+    (dict(input=None), "input", "input is required"),
+    (dict(input=[]), "input", "a non-empty list of items"),
+    (dict(input=[{"type": "reasoning", "summary": []}]), "input",
+     "input[0].type='reasoning' is not supported"),
+    (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
+     "input", "input[0].content[0] is 'input_image': this model reads text only"),
+    (dict(input=[{"type": "function_call_output", "call_id": "c", "output": 1}]), "input",
+     "input[0].output must be a string"),
+    (dict(instructions=["x"]), "instructions", "instructions must be a string"),
+    (dict(tools=[{"type": "web_search"}]), "tools", "tools[0] is 'web_search'"),
+    (dict(include=["reasoning.encrypted_content"]), "include", "can include only"),
+    (dict(top_logprobs=2), "top_logprobs", "top_logprobs needs include"),
+    (dict(text={"format": {"type": "grammar"}}), "text", "must be of type text"),
+    (dict(text={"verbosity": "low"}), "text", "text.verbosity='low'"),
+    (dict(reasoning={"summary": "auto"}), "reasoning", "reasoning summaries"),
+])
+def test_what_the_server_cannot_honour_is_refused_naming_the_field(fields, param, message):
+    with pytest.raises(APIError) as error:
+        chat_body({"model": MODEL, "input": "hi", **fields})
+    assert (error.value.status, error.value.param) == (400, param)
+    assert message in error.value.message
+
+
+def test_what_the_chat_path_refuses_it_refuses_for_responses_too():
+    with pytest.raises(APIError, match=r"messages\[0\].role='robot'"):
+        parse(chat_body({"model": MODEL, "input": [{"role": "robot", "content": "x"}]}),
+              LOADED, MODEL, 64, chat_api=True)
+    with pytest.raises(APIError, match="The model `gpt-4` does not exist"):
+        parse(chat_body({"model": "gpt-4", "input": "x"}), LOADED, MODEL, 64, chat_api=True)
