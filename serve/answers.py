@@ -51,6 +51,7 @@ class Answer:
                 choice.streamed = reasoning.Stream(parsed.reasoning)
         self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self.tickets: list = []  # the engine's tickets of its prompts (`output.Ticket`)
 
     def set_prompt_logprobs(self, prompt: int, tokens, logprobs, top) -> None:
         """The logprobs of prompt `prompt`'s own tokens, reported before its choices'."""
@@ -74,10 +75,14 @@ class Answer:
         return all(c.finish_reason for c in self.choices)
 
     def usage(self) -> dict:
+        """The tokens of its prompts and choices; `prompt_tokens_details.cached_tokens`: the
+        prompt tokens the prefix cache served, as far as the engine has staged them."""
         prompt = sum(len(r.prompt) for r in self.parsed.requests)
         completion = sum(len(c.tokens) for c in self.choices)
+        cached = sum(t.cached_tokens or 0 for t in self.tickets)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def _token(self, token: int) -> str:
         return self.tokenizer.decode([token])

@@ -386,10 +386,9 @@ class Engine:
             return any(ticket is not self._long for ticket in self._pending)
 
     def _too_long(self, ticket: Ticket) -> bool:  # more than a part left to prefill
-        request = ticket.request
-        return (self._prefixes is not None and len(request.prompt) > self.prefill_part
-                and self._prefixes.left_to_prefill(request.prompt, prefix_cache.origin_of(
-                    request)) > self.prefill_part)
+        prompt, origin = ticket.request.prompt, prefix_cache.origin_of(ticket.request)
+        return (self._prefixes is not None and len(prompt) > self.prefill_part
+                and self._prefixes.left_to_prefill(prompt, origin) > self.prefill_part)
 
     def _feed_long_prompt(self) -> None:
         """Prefills a part of the oldest waiting prompt that is too long for one turn."""
@@ -400,6 +399,8 @@ class Engine:
             long = self._long and self._long.request
             self._prefixes.feed_part(self.params, long and long.prompt, self.prefill_part,
                                      prefix_cache.origin_of(long), self.adapters)
+            if self._long is not None:
+                self._long.fed_in_parts += self.prefill_part
             self.state = pages.share_kept(self.state, self._prefixes)
 
     def _hand_out(self, dispatched: Dispatched) -> None:

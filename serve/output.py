@@ -46,6 +46,10 @@ class Ticket:
         self.submitted = time.perf_counter()
         self.cancelled = self.callback_failed = False
         self.unfinished = request.n
+        # The prompt tokens the prefix cache served it, less those fed for it in parts
+        # (`fed_in_parts`): set when it is staged.
+        self.cached_tokens: int | None = None
+        self.fed_in_parts = 0
 
     generated = 0  # tokens each sample made before it is staged
 

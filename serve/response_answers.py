@@ -3,9 +3,8 @@ became, as a response object whose output items come in order (a reasoning item 
 reasoning parser, a message unless the answer is only function calls, then the calls), or
 streamed as the Responses API's events, which add up to that object.
 
-`usage.input_tokens_details` says 0 tokens read from and written to the prefix cache: the
-engine counts the tokens prefix caching reuses over all requests (`/metrics`), not per
-request.
+`usage.input_tokens_details.cached_tokens` counts the prompt tokens the prefix cache served;
+`cache_write_tokens` is 0: keeping a prompt's prefix costs a request nothing.
 """
 
 from __future__ import annotations
@@ -38,6 +37,14 @@ class ResponseAnswer:
     @property
     def done(self) -> bool:
         return self.chat.done
+
+    @property
+    def tickets(self) -> list:
+        return self.chat.tickets
+
+    @tickets.setter
+    def tickets(self, tickets: list) -> None:
+        self.chat.tickets = tickets
 
     def add(self, prompt: int, delta: Delta) -> None:
         self.chat.add(prompt, delta)
@@ -82,7 +89,9 @@ class ResponseAnswer:
                   for i, call in enumerate(calls)]
         return status, items, {
             "input_tokens": usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "input_tokens_details": {
+                "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                "cache_write_tokens": 0},
             "output_tokens": usage["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens()},
             "total_tokens": usage["total_tokens"]}

@@ -206,7 +206,7 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
             # No await from the check to the engine's queue: an adapter unloaded meanwhile
             # (its slot then given to another) is a 404, not another adapter's answer.
             served_adapters.check_serves(parsed.model, parsed.requests[0].adapter)
-            tickets = _submit(parsed, events, asyncio.get_running_loop())
+            answer.tickets = tickets = _submit(parsed, events, asyncio.get_running_loop())
         except QueueFull as error:
             metrics.count_request("rejected")
             return error_response(APIError(

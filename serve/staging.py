@@ -70,7 +70,9 @@ def _stage_group(engine, tickets: list[Ticket], hits: list[tuple[int, int]],
         staged = [engine._free_staged.pop(0) for _ in group]
         ids = []
         own = shared[start:start + rows] + [(-1, 0)] * (rows - len(group))
-        for (_, ticket, index), (prefix_row, _) in zip(group, own, strict=False):
+        for (r, ticket, index), (prefix_row, _) in zip(group, own, strict=False):
+            if ticket.origin.cached_tokens is None:  # its first staging
+                ticket.origin.cached_tokens = max(0, hits[r][1] - ticket.origin.fed_in_parts)
             if isinstance(ticket, Continuation):
                 engine.outputs.resume(ticket.sample, engine._next_id, prefix_row)
             else:

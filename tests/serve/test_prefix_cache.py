@@ -224,6 +224,11 @@ def test_prompts_sharing_a_preamble_prefill_only_the_rest_and_equal_generate_alo
     np.testing.assert_allclose(served[1][0][1], missed, rtol=1e-5, atol=1e-5)
 
 
+def extend(tokens: list):
+    """A callback that adds each delta's tokens to `tokens`."""
+    return lambda delta: tokens.extend(delta.token_ids)
+
+
 def test_requests_reuse_kept_prefixes_only_under_their_own_cache_salt(tiny_lm):
     config, net, params = tiny_lm
     # The engine of the test above (its programs): one store row, taken by each miss.
@@ -232,15 +237,19 @@ def test_requests_reuse_kept_prefixes_only_under_their_own_cache_salt(tiny_lm):
     preamble = tokens(13, 33)
     rounds = [(preamble + (5,), "a"), (preamble + (6,), None), (preamble + (7,), None),
               (preamble + (8,), "b"), (preamble + (9,), "a"), (preamble + (4,), "a")]
-    hits, made = [], []
+    hits, made, cached = [], [], []
     for prompt, salt in rounds:
         before = engine._prefixes.hits
-        made += [got for got, _ in serve(engine, [GenerationRequest(prompt, max_tokens=4,
-                                                                    cache_salt=salt)])]
+        made.append([])
+        ticket = engine.submit(GenerationRequest(prompt, max_tokens=4, cache_salt=salt),
+                               extend(made[-1]))
+        engine.run_until_idle()
         hits.append(engine._prefixes.hits - before)
+        cached.append(ticket.cached_tokens)
     # Salt a's preamble serves neither the unsalted prompt nor salt b's, whose misses take
-    # the row; a's next prompt then misses too, and the one after it hits.
+    # the row; a's next prompt then misses too, and the one after it hits (its 2 blocks).
     assert hits == [0, 0, 1, 0, 0, 1]
+    assert cached == [0, 0, 32, 0, 0, 32]
     assert made == alone(net, params, [GenerationRequest(p, max_tokens=4) for p, _ in rounds])
 
 
@@ -259,7 +268,7 @@ def test_a_long_prompt_is_prefilled_a_part_per_turn_while_the_slots_decode(tiny_
     turn = 0
     engine.submit(running, collect("running"))
     engine.step()
-    engine.submit(GenerationRequest(long_prompt, max_tokens=4), collect("long"))
+    long = engine.submit(GenerationRequest(long_prompt, max_tokens=4), collect("long"))
     while engine.step():
         turn += 1
     for request, name in ((running, "running"), (GenerationRequest(long_prompt, max_tokens=4),
@@ -272,6 +281,12 @@ def test_a_long_prompt_is_prefilled_a_part_per_turn_while_the_slots_decode(tiny_
     assert turns["long"][0] == 2
     assert set(range(3)) <= set(turns["running"])
     assert engine._prefixes.hits == 1 and engine._prefixes.tokens_reused == 48
+    # Its own parts are no cache hit for it (what a request reports as cached); the same
+    # prompt again finds them kept.
+    assert long.cached_tokens == 0
+    again = engine.submit(GenerationRequest(long_prompt, max_tokens=4), lambda delta: None)
+    engine.run_until_idle()
+    assert again.cached_tokens == 48
 
 
 def test_a_part_whose_padding_would_pass_the_slots_end_is_fed_unpadded(tiny_lm):

@@ -180,7 +180,8 @@ def test_continuous_usage_stats_count_the_tokens_streamed_so_far(server, tiny_lo
         for choice in chunk["choices"]:
             streamed += len((choice["logprobs"] or {}).get("tokens", []))
         assert chunk["usage"] == {"prompt_tokens": prompt, "completion_tokens": streamed,
-                                  "total_tokens": prompt + streamed}
+                                  "total_tokens": prompt + streamed,
+                                  "prompt_tokens_details": {"cached_tokens": 0}}
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == streamed
 
 
@@ -313,7 +314,12 @@ def test_a_chat_continues_its_final_message_as_generate_continues_that_text(clie
     whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
                                            temperature=0, extra_body=echo)
     assert whole.choices[0].message.content == "The KV" + answer.choices[0].message.content
-    assert whole.usage == answer.usage
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (
+        answer.usage.prompt_tokens, answer.usage.completion_tokens)
+    # The same prompt again: the prefix cache serves its whole blocks (all but its last
+    # token is kept in blocks of 16), and its usage says so.
+    assert whole.usage.prompt_tokens_details.cached_tokens == \
+        (whole.usage.prompt_tokens - 1) // 16 * 16 > 0
     streamed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
                                               temperature=0, extra_body=echo, stream=True)
     assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed) == \
