@@ -7,7 +7,9 @@ the text inside the final message): the same sandboxed environment and helpers, 
 tokenizer's named special tokens (`bos_token`, `eos_token`, ...) as variables, and the
 request's `tools` (`tools.py`). Each message reaches the template as {"role", "content"},
 its content as one string, with an assistant's `tool_calls` (their JSON arguments as
-objects, as templates read them) and a tool message's `tool_call_id` and `name`.
+objects, as templates read them) and its earlier reasoning (`reasoning_content`, which
+Qwen3's template shows in the turns after the last question; `reasoning`, vLLM's newer
+name, passed on as given), and a tool message's `tool_call_id` and `name`.
 kvjax's own models were trained on plain text, so they get the plain template: the tools
 as one JSON line, each message on its own line as `role: content` (an assistant's calls
 after its content, each as `<tool_call>{"name": ..., "arguments": ...}</tool_call>`), then
@@ -82,7 +84,8 @@ def template_message(message: dict, index: int) -> dict:
             raise ValueError(f"messages[{index}].tool_calls must be a list, on an assistant "
                              f"message")
         entry["tool_calls"] = [_template_call(call, index, j) for j, call in enumerate(calls)]
-    for name in ("tool_call_id", "name"):
+    for name in ("tool_call_id", "name") + (("reasoning_content", "reasoning")
+                                            if role == "assistant" else ()):
         if isinstance(message.get(name), str):
             entry[name] = message[name]
     return entry

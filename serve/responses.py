@@ -98,18 +98,26 @@ def _messages(items: Any) -> list[dict]:
     if not isinstance(items, list) or not items:
         raise APIError(400, "input must be a string or a non-empty list of items", "input")
     messages: list[dict] = []
+    reasoning = None  # a reasoning item's text, for the assistant message it led to
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise APIError(400, f"input[{i}] must be an object", "input")
         kind = item.get("type", "message")
-        if kind == "message":
+        if reasoning is not None and not (kind == "function_call" or kind == "message"
+                                          and item.get("role") == "assistant"):
+            raise APIError(400, f"input[{i - 1}] is a reasoning item: it goes right before "
+                                "the assistant's message or calls it led to", "input")
+        if kind == "reasoning":
+            reasoning = "".join(part.get("text", "") for part in item.get("content") or []
+                                if isinstance(part, dict))
+        elif kind == "message":
             messages.append({"role": item.get("role"),
                              "content": _text(item.get("content"), i)})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
-            if messages and messages[-1]["role"] == "assistant":  # one turn's text and calls
-                messages[-1].setdefault("tool_calls", []).append(call)
+            if messages and messages[-1]["role"] == "assistant" and reasoning is None:
+                messages[-1].setdefault("tool_calls", []).append(call)  # one turn's calls
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
@@ -119,7 +127,13 @@ def _messages(items: Any) -> list[dict]:
                              "content": item["output"]})
         else:
             raise APIError(400, f"input[{i}].type={kind!r} is not supported by this server: "
-                                "it takes messages, function calls and their outputs", "input")
+                                "it takes messages, reasoning, function calls and their "
+                                "outputs", "input")
+        if reasoning is not None and kind != "reasoning":
+            messages[-1]["reasoning_content"], reasoning = reasoning, None
+    if reasoning is not None:
+        raise APIError(400, f"input[{len(items) - 1}] is a reasoning item: it goes right "
+                            "before the assistant's message or calls it led to", "input")
     return messages
 
 

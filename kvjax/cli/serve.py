@@ -12,8 +12,8 @@ API_KEY_VARIABLE = "KVJAX_API_KEY"
 
 def add_serve(commands) -> None:
     serve = add_command(commands, "serve", "Serve a checkpoint over OpenAI's API "
-                        "(/v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
-                        "/detokenize, /health, /metrics) with continuous batching.")
+                        "(/v1/completions, /v1/chat/completions, /v1/responses, /v1/models, "
+                        "/tokenize, /detokenize, /health, /metrics) with continuous batching.")
     serve.add_argument("--checkpoint", required=True, metavar="DIR",
                        help="a kvjax checkpoint or a Hugging Face model directory")
     serve.add_argument("--lora", metavar="DIR", default=None,

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import FakeTokenizer
 
 from kvjax.serve import chat
 from kvjax.tokenizer.huggingface import from_bundle, load_tokenizer
@@ -225,3 +226,17 @@ def test_tools_and_tool_calls_render_as_transformers_renders_them(directory, tmp
     theirs = transformers.AutoTokenizer.from_pretrained(tooled)
     assert theirs.apply_chat_template(TOOL_MESSAGES, tools=TOOLS, add_generation_prompt=True,
                                       tokenize=False) == TOOL_EXPECTED
+
+
+def test_an_assistants_earlier_reasoning_reaches_the_template():
+    """As transformers passes a message's fields: an assistant's `reasoning_content` (which
+    Qwen3's template shows after the last question), never a user's."""
+
+    class Reasoning(FakeTokenizer):
+        chat_template = ("{% for m in messages %}<{{ m.role }}>{% if m.reasoning_content %}"
+                         "({{ m.reasoning_content }}){% endif %}{{ m.content }}{% endfor %}")
+
+    turns = [{"role": "user", "content": "4?", "reasoning_content": "not shown"},
+             {"role": "assistant", "content": "Yes", "reasoning_content": "Four is even."}]
+    assert chat.render(Reasoning(), turns, add_generation_prompt=False) == (
+        "<user>4?<assistant>(Four is even.)Yes", True)

@@ -59,6 +59,27 @@ def test_items_become_the_conversation_a_chat_sends():
         "role": "assistant", "content": "", "tool_calls": messages[1]["tool_calls"][:1]}
 
 
+def test_a_reasoning_item_is_the_reasoning_of_the_assistant_turn_it_led_to():
+    """A conversation sent back as the output items it was given: each reasoning item
+    becomes the `reasoning_content` of the assistant message or calls after it."""
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [],
+               "content": [{"type": "reasoning_text", "text": "Four is even."}]}
+    call = {"type": "function_call", "call_id": "call_1", "name": "is_even",
+            "arguments": "{}"}
+    answer = {"type": "message", "role": "assistant",
+              "content": [{"type": "output_text", "text": "Yes", "annotations": []}]}
+    user = {"role": "user", "content": "4?"}
+    messages = chat_body({"model": MODEL, "input": [user, thought, answer, call]})["messages"]
+    assert messages[1] == {"role": "assistant", "content": [{"type": "text", "text": "Yes"}],
+                           "reasoning_content": "Four is even.",
+                           "tool_calls": [{"id": "call_1", "type": "function",
+                                           "function": {"name": "is_even", "arguments": "{}"}}]}
+    # Calls alone after a thought, following an earlier answer: a turn of their own.
+    messages = chat_body({"model": MODEL, "input": [user, answer, thought, call]})["messages"]
+    assert [m.get("reasoning_content") for m in messages] == [None, None, "Four is even."]
+    assert messages[2]["tool_calls"][0]["id"] == "call_1"
+
+
 def test_tools_formats_reasoning_and_logprobs_are_the_chats():
     body = chat_body({"model": MODEL, "input": "n?", "tools": [TOOL],
                       "tool_choice": {"type": "function", "name": "is_even"},
@@ -87,8 +108,14 @@ def test_tools_formats_reasoning_and_logprobs_are_the_chats():
     (dict(truncation="auto"), "truncation", "never cut"),
     (dict(input=None), "input", "input is required"),
     (dict(input=[]), "input", "a non-empty list of items"),
-    (dict(input=[{"type": "reasoning", "summary": []}]), "input",
-     "input[0].type='reasoning' is not supported"),
+    (dict(input=[{"type": "item_reference", "id": "msg_1"}]), "input",
+     "input[0].type='item_reference' is not supported"),
+    (dict(input=["hi", {"type": "reasoning", "summary": []}]), "input",
+     "input[0] must be an object"),
+    (dict(input=[{"role": "user", "content": "hi"}, {"type": "reasoning", "summary": []}]),
+     "input", "input[1] is a reasoning item: it goes right before the assistant's"),
+    (dict(input=[{"type": "reasoning", "summary": []}, {"role": "user", "content": "hi"}]),
+     "input", "input[0] is a reasoning item"),
     (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
      "input", "input[0].content[0] is 'input_image': this model reads text only"),
     (dict(input=[{"type": "function_call_output", "call_id": "c", "output": 1}]), "input",
