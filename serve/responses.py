@@ -22,7 +22,7 @@ from .protocol import APIError
 SHARED_FIELDS = ("model", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                  "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
                  "ignore_eos", "min_tokens", "logit_bias", "cache_salt", "chat_template_kwargs",
-                 "stream")
+                 "parallel_tool_calls", "stream")
 # What needs state or a capability kvjax does not have: (field, its no-op values, why).
 _REFUSED = [("previous_response_id", (None,), "responses are not stored: send the whole "
                                                "conversation as input"),

@@ -14,6 +14,8 @@ answers depends on `tool_choice`:
                that function's `parameters` schema: it is the call's arguments.
 Held output is constrained in the decode loop (`decode.JsonSchema`), so its arguments always
 parse and validate; a schema the automaton cannot enforce is a 400 naming its keyword.
+`parallel_tool_calls: false` (OpenAI's: at most one call) holds "required" to one call and
+keeps only the first call an "auto" answer writes.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Tools:
     functions: tuple[dict, ...]
     choice: str
     function: str | None = None
+    parallel: bool = True  # more than one call in an answer
 
     def for_template(self) -> list[dict]:
         return [{"type": "function", "function": f} for f in self.functions]
@@ -53,8 +56,9 @@ class Tools:
         calls = [{"type": "object", "properties": {"name": {"const": name},
                                                    "parameters": schema},
                   "required": ["name", "parameters"]} for name, schema in parameters.items()]
-        return JsonSchema({"type": "array", "minItems": 1,
-                           "items": calls[0] if len(calls) == 1 else {"anyOf": calls}})
+        return JsonSchema({"type": "array", "minItems": 1}
+                          | ({} if self.parallel else {"maxItems": 1})
+                          | {"items": calls[0] if len(calls) == 1 else {"anyOf": calls}})
 
     def calls(self, text: str) -> tuple[str | None, list[dict]]:
         """(content, tool_calls) of a finished answer's text: no calls when the text
@@ -85,7 +89,7 @@ class Tools:
         if not found:
             return text, []
         content = _CALL.sub("", text).strip()
-        return content or None, found
+        return content or None, found if self.parallel else found[:1]
 
 
 def tool_call(name: str, arguments: str) -> dict:
@@ -102,6 +106,10 @@ def parse_tools(body: dict) -> Tools | None:
     """The request's `tools` and `tool_choice`, checked; a ValueError names the bad one
     (its `name` says which field)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool) and parallel is not None:
+        raise _invalid("parallel_tool_calls", f"parallel_tool_calls={parallel!r} must be a "
+                                              f"boolean")
     if tools is None or tools == []:
         if choice not in (None, "none"):
             raise _invalid("tool_choice", f"tool_choice={choice!r} needs tools")
@@ -141,12 +149,12 @@ def parse_tools(body: dict) -> Tools | None:
         if name not in (f["name"] for f in functions):
             raise _invalid("tool_choice", f"tool_choice names {name!r}, which is not among "
                                           f"the tools")
-        return Tools(tuple(functions), "function", name)
+        return Tools(tuple(functions), "function", name, parallel is not False)
     elif choice not in ("none", "auto", "required"):
         raise _invalid("tool_choice", f"tool_choice={choice!r} must be 'none', 'auto', "
                                       f"'required' or {{'type': 'function', 'function': "
                                       f"{{'name': ...}}}}")
-    return Tools(tuple(functions), choice)
+    return Tools(tuple(functions), choice, parallel=parallel is not False)
 
 
 def _invalid(field: str, message: str) -> ValueError:
