@@ -33,6 +33,8 @@ class Limits:
     max_stop_strings: int = 16
     max_stop_chars: int = 1024
     read_timeout: float = 30.0  # seconds for the body, once the headers are in
+    # Responses API answers kept for previous_response_id and GET (`response_store.py`).
+    max_stored_responses: int = 256
     header_timeout: float = 10.0  # seconds for a new connection's first request's headers
 
 

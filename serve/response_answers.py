@@ -17,15 +17,22 @@ from kvjax.tokenizer import TextTokenizer
 from .answers import Answer, sse
 from .protocol import APIError, Parsed
 from .requests import Delta
+from .response_store import ResponseStore
 
 
 class ResponseAnswer:
     """One Responses request's answer, built from the chat `Answer` of `parsed` (one
     prompt, one sample); `body` is the request as sent, whose settings the response
-    repeats."""
+    repeats. Finished, it is kept in `store` (unless the request says `store: false`) with
+    the conversation it ends: `messages`, the chat's (its `instructions` left out), and its
+    answer."""
 
-    def __init__(self, parsed: Parsed, tokenizer: TextTokenizer, body: dict):
+    def __init__(self, parsed: Parsed, tokenizer: TextTokenizer, body: dict,
+                 messages: list[dict] | None = None, store: ResponseStore | None = None):
         self.chat, self.parsed, self.body = Answer(parsed, tokenizer), parsed, body
+        self.store = store if body.get("store") is not False else None
+        instructions = 1 if body.get("instructions") is not None else 0  # a system message
+        self.messages = list(messages or [])[instructions:]
         self.tokenizer = tokenizer
         self.id = "resp_" + uuid.uuid4().hex
         self.created_at = int(time.time())
@@ -33,6 +40,8 @@ class ResponseAnswer:
         self._open: dict | None = None  # the item being streamed: kind, id, index, text
         self._announced = 0  # output items whose "added" event has been sent
         self._finished: tuple[str, list[dict], dict] | None = None
+        self._final: dict | None = None
+        self._message: dict = {}  # the chat's message, read once by `_output`
 
     @property
     def done(self) -> bool:
@@ -52,7 +61,16 @@ class ResponseAnswer:
     # The whole answer -----------------------------------------------------------------------
 
     def final(self) -> dict:
-        return self._response(*self._output())
+        """The response (kept in the store, if the request is to be)."""
+        if self._final is None:
+            self._final = self._response(*self._output())
+            if self.store is not None:
+                message = self._message  # as `_output` read it: the calls' ids drawn once
+                answer = {"role": "assistant", "content": message["content"] or ""} | {
+                    key: message[key] for key in ("reasoning_content", "tool_calls")
+                    if message.get(key)}
+                self.store.put(self._final, self.messages + [answer])
+        return self._final
 
     def _item_id(self, kind: str, index: int = 0) -> str:
         suffix = self.id.removeprefix("resp_")
@@ -69,7 +87,7 @@ class ResponseAnswer:
     def _read_output(self) -> tuple[str, list[dict], dict]:
         whole = self.chat.final()
         choice, usage = whole["choices"][0], whole["usage"]
-        message = choice["message"]
+        message = self._message = choice["message"]
         status = "incomplete" if choice["finish_reason"] == "length" else "completed"
         items = []
         if message.get("reasoning"):
@@ -127,7 +145,8 @@ class ResponseAnswer:
                 "temperature": request.sampling.temperature, "top_p": request.sampling.top_p,
                 "tool_choice": body.get("tool_choice") or "auto",
                 "tools": body.get("tools") or [], "max_output_tokens": request.max_tokens,
-                "previous_response_id": None, "reasoning": body.get("reasoning"),
+                "previous_response_id": body.get("previous_response_id"),
+                "reasoning": body.get("reasoning"),
                 "text": body.get("text") or {"format": {"type": "text"}},
                 "top_logprobs": body.get("top_logprobs") or 0, "truncation": "disabled",
                 "background": False, "usage": usage, "user": body.get("user")}
@@ -230,7 +249,7 @@ class ResponseAnswer:
                 events += self._announce(index, item)
         self._announced = len(output)
         kind = "response.completed" if status == "completed" else "response.incomplete"
-        return events + [self._event(kind, response=self._response(status, output, usage))]
+        return events + [self._event(kind, response=self.final())]
 
     def _announce(self, index: int, item: dict) -> list[str]:
         """The events of an output item sent whole, from its start to its end."""

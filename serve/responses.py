@@ -4,11 +4,12 @@
 a reasoning parser), a message and function calls, or, streamed, the Responses API's events
 (`response_answers.py`).
 
-A response is not stored, so what needs a stored one (`previous_response_id`, `conversation`,
-`background`) is a 400 naming the field, as are what kvjax does not have: prompt templates,
-built-in tools (web or file search, code interpreter, ...), input other than text,
-`truncation: "auto"` and reasoning summaries. Multi-turn clients send the whole conversation
-back as `input`: earlier messages, function calls and their outputs.
+A request goes on from a kept response (`previous_response_id`, `response_store.py`) or
+sends the whole conversation back as `input`: earlier messages, reasoning, function calls
+and their outputs. What kvjax does not have is a 400 naming the field: conversations
+(`conversation`), `background` responses, prompt templates, built-in tools (web or file
+search, code interpreter, ...), input other than text, `truncation: "auto"` and reasoning
+summaries.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from .protocol import APIError
+from .response_store import ResponseStore
 
 # Settings a Responses request shares with a chat request (OpenAI's and vLLM's extensions),
 # passed on unchanged; the chat path checks them.
@@ -24,10 +26,8 @@ SHARED_FIELDS = ("model", "temperature", "top_p", "top_k", "min_p", "repetition_
                  "ignore_eos", "min_tokens", "logit_bias", "cache_salt", "chat_template_kwargs",
                  "parallel_tool_calls", "stream")
 # What needs state or a capability kvjax does not have: (field, its no-op values, why).
-_REFUSED = [("previous_response_id", (None,), "responses are not stored: send the whole "
-                                               "conversation as input"),
-            ("conversation", (None,), "responses are not stored: send the whole conversation "
-                                      "as input"),
+_REFUSED = [("conversation", (None,), "send the conversation as input, or go on from a "
+                                      "response with previous_response_id"),
             ("background", (None, False), "a response is answered while the request waits"),
             ("prompt", (None,), "prompt templates are not stored here"),
             ("truncation", (None, "disabled"), "a prompt longer than a slot is refused, "
@@ -47,9 +47,10 @@ def renamed(error: APIError) -> APIError:
     return error
 
 
-def chat_body(body: Any) -> dict:
+def chat_body(body: Any, store: ResponseStore | None = None) -> dict:
     """The /v1/chat/completions request that a Responses request `body` (JSON-decoded)
-    asks for; an APIError 400 names what it cannot honour."""
+    asks for, after the conversation of the response it goes on from (in `store`); an
+    APIError 400 names what it cannot honour, a 404 a response not kept."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     for name, off, why in _REFUSED:
@@ -64,7 +65,7 @@ def chat_body(body: Any) -> dict:
         messages.append({"role": "system", "content": body["instructions"]})
     if body.get("input") is None:
         raise APIError(400, "input is required", "input")
-    chat["messages"] = messages + _messages(body["input"])
+    chat["messages"] = messages + _earlier(body, store) + _messages(body["input"])
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
     include = body.get("include") or []
@@ -82,6 +83,20 @@ def chat_body(body: Any) -> dict:
     chat.update(_text_format(body.get("text")))
     chat.update(_reasoning(body.get("reasoning")))
     return chat
+
+
+def _earlier(body: dict, store: ResponseStore | None) -> list[dict]:
+    """The conversation of the response `previous_response_id` names, if any."""
+    previous = body.get("previous_response_id")
+    if previous is None:
+        return []
+    kept = None if store is None or not isinstance(previous, str) else store.get(previous)
+    if kept is None:
+        raise APIError(404, f"Previous response with id {previous!r} not found: this server "
+                            f"keeps the most recent {store.capacity if store else 0} it "
+                            "answered with store true", "previous_response_id",
+                       kind="not_found_error")
+    return [dict(message) for message in kept[1]]
 
 
 def _list(body: dict, name: str) -> list:

@@ -2,7 +2,8 @@
 
   POST /v1/completions, POST /v1/chat/completions   (stream: server-sent events ending
                                                      with `data: [DONE]`)
-  POST /v1/responses (OpenAI's Responses API through the chat path: `responses.py`)
+  POST /v1/responses (OpenAI's Responses API through the chat path: `responses.py`),
+  GET and DELETE /v1/responses/{id} (the answers kept: `response_store.py`)
   GET /v1/models, GET /health, GET /metrics (Prometheus)
   POST /tokenize, POST /detokenize (vLLM's: `tokenization.py`), GET /version
   POST /v1/load_lora_adapter, /v1/unload_lora_adapter (with a loader: `build_app`)
@@ -38,6 +39,7 @@ from .limits import Limits, authorized, read_json
 from .metrics import ServeMetrics
 from .protocol import APIError, Parsed, model_sampling_defaults, parse
 from .response_answers import ResponseAnswer
+from .response_store import ResponseStore
 from .tokenization import detokenize, tokenize
 
 RETRY_AFTER_SECONDS = 1
@@ -107,6 +109,7 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
     created = int(time.time())
 
     limits = limits or Limits()
+    stored = ResponseStore(limits.max_stored_responses)
     max_prompts = limits.max_prompts or max_queue
 
     async def models(request: Request) -> JSONResponse:
@@ -179,6 +182,21 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
     async def create_response(request: Request) -> Response:
         return await _generate(request, chat_api=True, responses_api=True)
 
+    async def stored_response(request: Request) -> JSONResponse:
+        """GET or DELETE a kept Responses API answer (`response_store.py`)."""
+        response_id = request.path_params["response_id"]
+        try:
+            authorized(request, api_key)
+            kept = stored.get(response_id) if request.method == "GET" else None
+            if kept is None and (request.method == "GET" or not stored.delete(response_id)):
+                raise APIError(404, f"No response with id {response_id!r} is kept",
+                               kind="not_found_error")
+        except APIError as error:
+            return error_response(error)
+        if request.method == "GET":
+            return JSONResponse(kept[0])
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
     async def _generate(request: Request, chat_api: bool, responses_api: bool = False
                         ) -> Response:
         try:
@@ -186,12 +204,11 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
             body = await read_json(request, limits)
             # Off the event loop: tokenizing many or long prompts must not stall other
             # requests' streams, nor /health.
-            parsed = await asyncio.to_thread(
-                _parse_and_check, responses.chat_body(body) if responses_api else body,
-                chat_api)
+            chat = responses.chat_body(body, stored) if responses_api else body
+            parsed = await asyncio.to_thread(_parse_and_check, chat, chat_api)
             metrics.count_model_request(parsed.model)
-            answer = (ResponseAnswer(parsed, loaded.tokenizer, body) if responses_api
-                      else Answer(parsed, loaded.tokenizer))
+            answer = (ResponseAnswer(parsed, loaded.tokenizer, body, chat["messages"], stored)
+                      if responses_api else Answer(parsed, loaded.tokenizer))
             if parsed.echo_prompt and parsed.logprobs:
                 for prompt, generation in enumerate(parsed.requests):
                     served_adapters.check_serves(parsed.model, generation.adapter)
@@ -330,6 +347,7 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/responses", create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/version", version, methods=["GET"]),

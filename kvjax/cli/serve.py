@@ -83,6 +83,9 @@ def add_serve(commands) -> None:
                        help="cache rows that keep recent prompts' K/V, so that a prompt "
                             "starting like one of them prefills only the rest (default: a "
                             "quarter of --max-staged; 0: off)")
+    serve.add_argument("--max-stored-responses", type=count, default=256, metavar="N",
+                       help="Responses API answers kept in memory, the most recent, for "
+                            "previous_response_id and GET /v1/responses/ID (0: none)")
     serve.add_argument("--prefill-part", type=positive, default=512, metavar="N",
                        help="a prompt with more tokens than this left to prefill is prefilled "
                             "that many (in whole blocks of 16) per turn, the running requests "
@@ -159,7 +162,7 @@ def run_serve(args) -> int:
     num_pages = args.num_pages if args.cache_memory is None else memory.pages_in(
         loaded.config, args.cache_memory, args.page_size, args.max_slots, capacity,
         source_capacity(loaded.config, capacity, args.max_source_len, args.prefix_cache_rows))
-    limits = Limits()
+    limits = Limits(max_stored_responses=args.max_stored_responses)
     app = build_app(loaded, model_name=args.model_name, max_slots=args.max_slots,
                     max_staged=args.max_staged, max_queue=args.max_queue,
                     max_len=args.max_len, chunk_size=args.chunk_size,

@@ -13,6 +13,7 @@ from kvjax import model as M
 from kvjax.serve.protocol import APIError, parse
 from kvjax.serve.requests import Delta
 from kvjax.serve.response_answers import ResponseAnswer
+from kvjax.serve.response_store import ResponseStore
 from kvjax.serve.responses import chat_body
 from kvjax.text import LoadedModel
 
@@ -36,12 +37,14 @@ class WordTokenizer(FakeTokenizer):
         return "".join(cls.WORDS[i - 5] for i in ids if i >= 5)
 
 
-def answer_to(body: dict, reasoning_parser: str | None = None) -> ResponseAnswer:
+def answer_to(body: dict, reasoning_parser: str | None = None,
+              store: ResponseStore | None = None) -> ResponseAnswer:
     loaded = LoadedModel(M.preset("tiny"), WordTokenizer(), None, f"/checkpoints/{MODEL}")
     body = {"model": MODEL, **body}
-    parsed = parse(chat_body(body), loaded, MODEL, capacity=512, chat_api=True,
+    chat = chat_body(body, store)
+    parsed = parse(chat, loaded, MODEL, capacity=512, chat_api=True,
                    reasoning_parser=reasoning_parser)
-    return ResponseAnswer(parsed, loaded.tokenizer, body)
+    return ResponseAnswer(parsed, loaded.tokenizer, body, chat["messages"], store)
 
 
 def run(answer: ResponseAnswer, tokens: list[int], finish: str) -> list[dict]:
@@ -151,6 +154,33 @@ def test_function_calls_follow_the_message_as_items_of_their_own():
     only = answer_to({"input": "4?", "tools": [tool]})
     run(only, [11, 12, 13, 2], "stop")
     assert [i["type"] for i in only.final()["output"]] == ["function_call"]
+
+
+def test_a_finished_answer_is_kept_with_the_conversation_it_ends_unless_asked_not_to():
+    store = ResponseStore(capacity=4)
+    tool = {"type": "function", "name": "is_even", "parameters": {}}
+    first = answer_to({"input": "4?", "instructions": "Be brief.", "tools": [tool]},
+                      reasoning_parser="qwen3", store=store)
+    run(first, [5, 6, 8, 9, 11, 12, 13, 2], "stop")  # <think>Hmm</think>Yes<tool_call>...
+    kept, conversation = store.get(first.id)
+    assert kept == first.final()
+    [call] = [item for item in kept["output"] if item["type"] == "function_call"]
+    assert conversation == [  # its instructions are not carried over
+        {"role": "user", "content": "4?"},
+        {"role": "assistant", "content": "Yes", "reasoning_content": "Hmm",
+         "tool_calls": [{"id": call["call_id"], "type": "function",
+                         "function": {"name": "is_even", "arguments": '{"n": 4}'}}]}]
+    # The next request goes on from it, and says so.
+    output = {"type": "function_call_output", "call_id": call["call_id"], "output": "true"}
+    second = answer_to({"previous_response_id": first.id, "input": [output]}, store=store)
+    run(second, [9, 2], "stop")
+    assert second.final()["previous_response_id"] == first.id
+    assert store.get(second.id)[1] == conversation + [
+        {"role": "tool", "tool_call_id": call["call_id"], "content": "true"},
+        {"role": "assistant", "content": "Yes"}]
+    unkept = answer_to({"input": "4?", "store": False}, store=store)
+    run(unkept, [9, 2], "stop")
+    assert store.get(unkept.id) is None
 
 
 def test_an_engine_failure_mid_stream_is_an_error_event():

@@ -10,6 +10,7 @@ from conftest import FakeTokenizer
 
 from kvjax import model as M
 from kvjax.serve.protocol import APIError, parse
+from kvjax.serve.response_store import ResponseStore
 from kvjax.serve.responses import chat_body
 from kvjax.text import LoadedModel
 
@@ -80,6 +81,24 @@ def test_a_reasoning_item_is_the_reasoning_of_the_assistant_turn_it_led_to():
     assert messages[2]["tool_calls"][0]["id"] == "call_1"
 
 
+def test_a_request_goes_on_from_the_conversation_of_a_kept_response():
+    store = ResponseStore(capacity=4)
+    earlier = [{"role": "user", "content": "4?"}, {"role": "assistant", "content": "Even."}]
+    store.put({"id": "resp_1"}, earlier)
+    body = {"model": MODEL, "previous_response_id": "resp_1", "instructions": "Be brief.",
+            "input": "And 5?"}
+    assert chat_body(body, store)["messages"] == [
+        {"role": "system", "content": "Be brief."}, *earlier,
+        {"role": "user", "content": "And 5?"}]
+    for missing in ("resp_2", 7):
+        with pytest.raises(APIError) as error:
+            chat_body({**body, "previous_response_id": missing}, store)
+        assert (error.value.status, error.value.param) == (404, "previous_response_id")
+        assert "not found: this server keeps the most recent 4" in error.value.message
+    with pytest.raises(APIError, match="keeps the most recent 0"):
+        chat_body(body)  # a server keeping none
+
+
 def test_tools_formats_reasoning_and_logprobs_are_the_chats():
     body = chat_body({"model": MODEL, "input": "n?", "tools": [TOOL],
                       "tool_choice": {"type": "function", "name": "is_even"},
@@ -101,8 +120,8 @@ def test_tools_formats_reasoning_and_logprobs_are_the_chats():
 
 
 @pytest.mark.parametrize("fields, param, message", [
-    (dict(previous_response_id="resp_1"), "previous_response_id", "responses are not stored"),
-    (dict(conversation="conv_1"), "conversation", "responses are not stored"),
+    (dict(conversation="conv_1"), "conversation", "go on from a response with "
+                                                  "previous_response_id"),
     (dict(background=True), "background", "not supported"),
     (dict(prompt={"id": "p"}), "prompt", "prompt templates"),
     (dict(truncation="auto"), "truncation", "never cut"),

@@ -93,8 +93,8 @@ def test_the_responses_api_answers_what_the_chat_answers(client):
     chat = client.chat.completions.create(
         model=MODEL, max_tokens=6, temperature=0.9, seed=5,
         messages=[{"role": "system", "content": "Be brief."},
-                  {"role": "user", "content": "Name a cache."}])
-    settings = dict(model=MODEL, instructions="Be brief.", input="Name a cache.",
+                  {"role": "user", "content": "Hi."}])
+    settings = dict(model=MODEL, instructions="Be brief.", input="Hi.",
                     max_output_tokens=6, temperature=0.9, extra_body={"seed": 5})
     whole = client.responses.create(**settings)
     assert whole.output_text == chat.choices[0].message.content
@@ -108,8 +108,23 @@ def test_the_responses_api_answers_what_the_chat_answers(client):
         whole.output_text
     assert events[-1].type == f"response.{whole.status}"
     assert events[-1].response.output_text == whole.output_text
-    with pytest.raises(openai.BadRequestError, match="responses are not stored"):
-        client.responses.create(model=MODEL, input="hi", previous_response_id=whole.id)
+    # The next turn goes on from the kept response as a chat sent the whole conversation.
+    turn = [{"role": "assistant", "content": whole.output_text},
+            {"role": "user", "content": "Go"}]
+    chat = client.chat.completions.create(
+        model=MODEL, max_tokens=6, temperature=0.9, seed=5,
+        messages=[{"role": "user", "content": "Hi."}, *turn])
+    then = client.responses.create(model=MODEL, previous_response_id=whole.id,
+                                   input="Go", max_output_tokens=6, temperature=0.9,
+                                   extra_body={"seed": 5})
+    assert then.output_text == chat.choices[0].message.content
+    assert then.previous_response_id == whole.id
+    assert client.responses.retrieve(then.id).output_text == then.output_text
+    client.responses.delete(then.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(then.id)
+    with pytest.raises(openai.NotFoundError, match="Previous response with id 'resp_gone'"):
+        client.responses.create(model=MODEL, input="hi", previous_response_id="resp_gone")
     # What the chat path refuses names the Responses request's own field.
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(model=MODEL, input="hi", max_output_tokens=10_000)
