@@ -145,7 +145,13 @@ def _refuse_unsupported(body: dict, chat_api: bool) -> None:
         unsupported += [("chat_template", None, hint),
                         ("documents", None, hint),
                         ("add_special_tokens", False, " on /v1/chat/completions (the chat "
-                                                      "template places the model's own)")]
+                                                      "template places the model's own)"),
+                        # OpenAI's: the functions API before tools, other modalities, search
+                        ("functions", [], " (tools replaced it)"),
+                        ("function_call", "none", " (tool_choice replaced it)"),
+                        ("modalities", ["text"], " (this model answers text)"),
+                        ("audio", None, ""), ("web_search_options", None, ""),
+                        ("verbosity", "medium", "")]
     for name, off, hint in unsupported:
         if body.get(name) not in (None, off):
             raise APIError(400, f"{name}={_shown(body[name])} is not supported by this "

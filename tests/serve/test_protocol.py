@@ -79,6 +79,8 @@ def test_defaults_are_openais():
     assert chat(max_tokens=9, max_completion_tokens=4).requests[0].max_tokens == 4
     assert chat(logprobs=True, top_logprobs=3).requests[0].logprobs == 3
     assert request.cache_salt is None
+    # OpenAI's fields at the values that change nothing are taken.
+    assert chat(modalities=["text"], verbosity="medium", functions=[], function_call="none")
     assert [r.cache_salt for r in completion(prompt=["A", "B"], cache_salt="s").requests] == [
         "s", "s"]
 
@@ -144,6 +146,11 @@ def test_a_chats_echo_is_the_final_message_its_answer_goes_on_with_in_its_role()
      "is not supported"),
     (completion, dict(add_special_tokens=1), 400, "add_special_tokens", "must be a boolean"),
     (chat, dict(cache_salt=["a"]), 400, "cache_salt", "cache_salt=['a'] must be a string"),
+    (chat, dict(functions=[{"name": "f"}]), 400, "functions", "(tools replaced it)"),
+    (chat, dict(function_call="auto"), 400, "function_call", "(tool_choice replaced it)"),
+    (chat, dict(modalities=["text", "audio"]), 400, "modalities", "answers text"),
+    (chat, dict(web_search_options={}), 400, "web_search_options", "is not supported"),
+    (chat, dict(verbosity="low"), 400, "verbosity", "verbosity='low' is not supported"),
     (chat, dict(continue_final_message=True), 400, "continue_final_message",
      "needs add_generation_prompt=false"),
     (chat, dict(add_generation_prompt="no"), 400, "add_generation_prompt", "must be a boolean"),
