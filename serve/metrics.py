@@ -5,6 +5,8 @@ Each server has a registry of its own (two apps in one process do not share coun
   kvjax_queue_length                 requests waiting for a slot
   kvjax_live_slots                   slots generating
   kvjax_generated_tokens_total       tokens made (rate() of it is the throughput)
+  kvjax_prompt_tokens_total          prompt tokens of the requests staged, whether prefilled
+                                     or reused from kept prefixes
   kvjax_tokens_per_second            tokens made per second over the last 10 seconds
   kvjax_requests_total{outcome}      requests answered, by how they ended
   kvjax_model_requests_total{model}  requests taken for each served name: the model's and
@@ -12,6 +14,7 @@ Each server has a registry of its own (two apps in one process do not share coun
   kvjax_time_to_first_token_seconds  from a request's arrival to its first token
   kvjax_inter_token_latency_seconds  between a sample's consecutive tokens (a chunk's tokens
                                      arrive together; each counts its share of the wait)
+  kvjax_request_latency_seconds      from a request's arrival to its last sample's end
   kvjax_prefix_cache_hits_total      prompts that started with a kept prefix
   kvjax_prefix_cache_tokens_total    prompt tokens those reused instead of prefilling
 """
@@ -45,6 +48,8 @@ class ServeMetrics:
                                       registry=self.registry)
         self.generated_tokens = Counter("kvjax_generated_tokens", "Tokens generated",
                                         registry=self.registry)
+        self.prompt_tokens = Counter("kvjax_prompt_tokens", "Prompt tokens of staged requests",
+                                     registry=self.registry)
         self.tokens_per_second = Gauge(
             "kvjax_tokens_per_second",
             f"Tokens generated per second, over the last {RATE_WINDOW_SECONDS:g} seconds",
@@ -61,6 +66,9 @@ class ServeMetrics:
         self.inter_token_latency = Histogram(
             "kvjax_inter_token_latency_seconds", "Time between a sample's tokens",
             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.request_latency = Histogram(
+            "kvjax_request_latency_seconds", "Arrival to the end of a request's last sample",
+            buckets=LATENCY_BUCKETS + (60.0, 120.0, 300.0), registry=self.registry)
         self.prefix_cache_hits = Counter(
             "kvjax_prefix_cache_hits", "Prompts that started with a kept prefix",
             registry=self.registry)
@@ -87,6 +95,12 @@ class ServeMetrics:
         for _ in range(count):
             self.inter_token_latency.observe(seconds_each)
         self._count_tokens(count)
+
+    def count_prompt_tokens(self, count: int) -> None:
+        self.prompt_tokens.inc(count)
+
+    def observe_request(self, seconds: float) -> None:
+        self.request_latency.observe(seconds)
 
     def count_prefix_hits(self, prompts: int, tokens: int) -> None:
         self.prefix_cache_hits.inc(prompts)

@@ -243,6 +243,8 @@ class Outputs:
     def _finish(self, sample: Sample, delta: Delta) -> None:
         self._drop(sample)
         sample.ticket.unfinished -= 1
+        if not sample.ticket.unfinished and self.metrics is not None:
+            self.metrics.observe_request(time.perf_counter() - sample.ticket.submitted)
         sample.ticket.on_delta(delta)
 
     def _observe(self, sample: Sample, count: int) -> None:

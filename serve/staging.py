@@ -73,6 +73,8 @@ def _stage_group(engine, tickets: list[Ticket], hits: list[tuple[int, int]],
         for (r, ticket, index), (prefix_row, _) in zip(group, own, strict=False):
             if ticket.origin.cached_tokens is None:  # its first staging
                 ticket.origin.cached_tokens = max(0, hits[r][1] - ticket.origin.fed_in_parts)
+                if engine.metrics is not None:
+                    engine.metrics.count_prompt_tokens(len(ticket.request.prompt))
             if isinstance(ticket, Continuation):
                 engine.outputs.resume(ticket.sample, engine._next_id, prefix_row)
             else:

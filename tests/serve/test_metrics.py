@@ -25,6 +25,8 @@ def test_a_scrape_reads_back_what_was_reported(monkeypatch):
     metrics.observe_tokens(3, 0.004)
     metrics.count_prefix_hits(prompts=2, tokens=40)
     metrics.count_preemptions(1)
+    metrics.count_prompt_tokens(12)
+    metrics.observe_request(40.0)
     for outcome in ("stop", "stop", "length"):
         metrics.count_request(outcome)
     for model in ("base", "tuned", "base"):
@@ -40,6 +42,11 @@ def test_a_scrape_reads_back_what_was_reported(monkeypatch):
     assert got[("kvjax_prefix_cache_hits_total", ())] == 2
     assert got[("kvjax_prefix_cache_tokens_total", ())] == 40
     assert got[("kvjax_preemptions_total", ())] == 1
+    assert got[("kvjax_prompt_tokens_total", ())] == 12
+    whole = "kvjax_request_latency_seconds"
+    assert got[(f"{whole}_count", ())] == 1 and got[(f"{whole}_sum", ())] == 40.0
+    assert got[(f"{whole}_bucket", (("le", "30.0"),))] == 0
+    assert got[(f"{whole}_bucket", (("le", "60.0"),))] == 1
     first = "kvjax_time_to_first_token_seconds"
     assert got[(f"{first}_count", ())] == 1 and got[(f"{first}_sum", ())] == pytest.approx(0.02)
     assert got[(f"{first}_bucket", (("le", "0.01"),))] == 0

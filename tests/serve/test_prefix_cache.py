@@ -216,6 +216,9 @@ def test_prompts_sharing_a_preamble_prefill_only_the_rest_and_equal_generate_alo
     exposition = metrics.exposition().decode()
     assert "kvjax_prefix_cache_hits_total 5.0" in exposition
     assert "kvjax_prefix_cache_tokens_total 144.0" in exposition
+    # Every request's prompt counted once, hit or miss, and its end timed.
+    assert f"kvjax_prompt_tokens_total {sum(len(r.prompt) for r in requests)}.0" in exposition
+    assert f"kvjax_request_latency_seconds_count {len(requests)}.0" in exposition
 
     # A hit's logprobs are a miss's, up to the last bits of a longer feed.
     plain = Engine(config, params, max_slots=4, chunk_size=4, prefix_cache_rows=0)
