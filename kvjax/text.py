@@ -164,14 +164,21 @@ def _compile_time() -> Iterator[list[float]]:
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
-def room(loaded: LoadedModel, prompt: str) -> int:
+def room(loaded: LoadedModel, prompt: str | Sequence[int]) -> int:
     """The most tokens the model's length leaves after `prompt`; a prompt that leaves none
     is a ValueError."""
     return _room(loaded.config, len(prompt_tokens(loaded, prompt)))
 
 
-def prompt_tokens(loaded: LoadedModel, prompt: str) -> list[int]:
-    """The token ids the model is given for `prompt` (see the module docstring)."""
+def prompt_tokens(loaded: LoadedModel, prompt: str | Sequence[int]) -> list[int]:
+    """The token ids the model is given for `prompt` (see the module docstring); token ids
+    (a chat template's rendering, already framed: `serve.chat.prompt_ids`) as they are."""
+    if not isinstance(prompt, str):
+        ids = checks.token_ids("prompt", prompt)
+        if not ids or any(not 0 <= i < loaded.config.vocab_size for i in ids):
+            raise checks.InvalidValue("prompt", f"prompt ids must be a non-empty list of ids "
+                                                f"in [0, {loaded.config.vocab_size})")
+        return list(ids)
     tokenizer = loaded.tokenizer
     ids = tokenizer.encode(prompt)
     if loaded.is_translation:
@@ -195,8 +202,8 @@ def forced_start(loaded: LoadedModel) -> decode.StartsWith | None:
     return decode.StartsWith(prefix) if prefix else None
 
 
-def sample_text(loaded: LoadedModel, prompt: str, *, on_text: Callable[[str], None] | None = None,
-                **kwargs: Any) -> SampleResult:
+def sample_text(loaded: LoadedModel, prompt: str | Sequence[int], *,
+                on_text: Callable[[str], None] | None = None, **kwargs: Any) -> SampleResult:
     """Generates from `prompt`, calling `on_text` with each new piece of text as it is made.
 
     Keyword arguments are those of `sample_texts` (less `num_samples`).
@@ -205,7 +212,7 @@ def sample_text(loaded: LoadedModel, prompt: str, *, on_text: Callable[[str], No
     return sample_texts(loaded, prompt, num_samples=1, on_text=on_row, **kwargs)[0]
 
 
-def sample_texts(loaded: LoadedModel, prompt: str, *, num_samples: int = 1,
+def sample_texts(loaded: LoadedModel, prompt: str | Sequence[int], *, num_samples: int = 1,
                  max_new_tokens: int = 64, stop: str | Sequence[str] = (),
                  num_beams: int = 1, seed: int = 0,
                  on_text: Callable[[int, str], None] | None = None, chunk_size: int = 8,
@@ -215,8 +222,9 @@ def sample_texts(loaded: LoadedModel, prompt: str, *, num_samples: int = 1,
                  constraint: decode.Regex | decode.Choice | decode.JsonSchema
                  | decode.StartsWith | None = None
                  ) -> list[SampleResult]:
-    """`num_samples` generations from `prompt` (one prefill), calling `on_text(sample,
-    piece)` with each new piece of text as it is made.
+    """`num_samples` generations from `prompt` (a text, or the token ids the model reads,
+    as `prompt_tokens` takes them; one prefill), calling `on_text(sample, piece)` with each
+    new piece of text as it is made.
 
     `sampling`, `logit_processors` and `speculative` are `decode.generate`'s; `constraint`
     (a `decode.Regex`, `Choice` or `JsonSchema`) keeps every sample's text inside it, or

@@ -123,6 +123,19 @@ def answer_role(messages: Sequence[Any], add_generation_prompt: bool = True
 RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
 
 
+def prompt_ids(loaded: Any, messages: Sequence[Any], tools: list[dict] | None = None,
+               template_kwargs: dict[str, Any] | None = None, **ends: bool
+               ) -> tuple[list[int], str]:
+    """(the token ids a chat's `messages` feed the model, their text): rendered as `render`
+    renders them (`ends`: its `add_generation_prompt`, `continue_final_message`), a
+    template's text read as it stands, the plain template's framed as a prompt text is
+    (`text.prompt_tokens`). `loaded`: a `text.LoadedModel`."""
+    from kvjax.text import prompt_tokens
+
+    text, templated = render(loaded.tokenizer, messages, tools, template_kwargs, **ends)
+    return (loaded.tokenizer.encode(text) if templated else prompt_tokens(loaded, text)), text
+
+
 def render(tokenizer: Any, messages: Sequence[Any], tools: list[dict] | None = None,
            template_kwargs: dict[str, Any] | None = None, *, add_generation_prompt: bool = True,
            continue_final_message: bool = False) -> tuple[str, bool]:

@@ -272,14 +272,12 @@ def chat_prompt(loaded: T.LoadedModel, body: dict, tools: Tools | None
                             "the text ends inside the final message, not with a new answer's "
                             "start", "continue_final_message")
     try:
-        text, templated = chat.render(loaded.tokenizer, body.get("messages"),
-                                      None if tools is None else tools.for_template(),
-                                      _template_kwargs(body), **ends)
+        ids, text = chat.prompt_ids(loaded, body.get("messages"),
+                                    None if tools is None else tools.for_template(),
+                                    _template_kwargs(body), **ends)
     except ValueError as error:
         raise APIError(400, str(error), "messages") from None
-    if templated:
-        return tuple(loaded.tokenizer.encode(text)), text
-    return tuple(T.prompt_tokens(loaded, text)), text
+    return tuple(ids), text
 
 
 def _reasoning(parser: str | None, prompt_text: str, tokenizer: Any, tools: Tools | None):

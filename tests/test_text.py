@@ -64,6 +64,15 @@ def test_several_samples_each_stop_at_their_own_stop_string(lm):
             assert len(result.tokens) < 30
 
 
+def test_a_prompt_of_token_ids_is_read_as_it_stands(lm, full):
+    ids = text.prompt_tokens(lm, PROMPT)  # the text as the model reads it, framed
+    assert text.prompt_tokens(lm, ids) == ids
+    assert text.sample_text(lm, ids, max_new_tokens=40).tokens == full.tokens
+    for bad in ([], [lm.config.vocab_size], [1.5]):
+        with pytest.raises(ValueError, match="prompt"):
+            text.prompt_tokens(lm, bad)
+
+
 def test_an_empty_stop_string_is_refused(lm):
     with pytest.raises(ValueError, match=r"stop string 1 \(''\) must be a non-empty string"):
         text.sample_text(lm, PROMPT, stop=["x", ""])

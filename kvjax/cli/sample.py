@@ -19,6 +19,12 @@ def add_sample(commands) -> None:
                              "run of kvjax train --lora-rank, or a PEFT adapter directory "
                              "for a Hugging Face one")
     sample.add_argument("--prompt", required=True, help="the text to continue or translate")
+    sample.add_argument("--chat", action="store_true",
+                        help="the prompt is a user's message, rendered by the model's chat "
+                             "template (as /v1/chat/completions renders it) for the model to "
+                             "answer")
+    sample.add_argument("--system", metavar="TEXT", default=None,
+                        help="with --chat, a system message before the user's")
     sample.add_argument("--max-new-tokens", type=positive, default=64,
                         help="stop after this many tokens (fewer if the model's length ends)")
     sample.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -106,28 +112,31 @@ def run_sample(args) -> int:
     constraint = _constraint(args, loaded)
     if constraint is not None:  # a schema it cannot compile fails here, before the echo
         decode.compile_constraint(constraint, loaded.tokenizer)
-    room = text.room(loaded, args.prompt)  # a prompt too long fails here, before the echo
+    if args.system is not None and not args.chat:
+        raise ValueError("--system is a chat's system message: give --chat too")
+    prompt = _chat_prompt(args, loaded) if args.chat else args.prompt
+    room = text.room(loaded, prompt)  # a prompt too long fails here, before the echo
     if args.max_new_tokens > room:
         print(f"kvjax sample: --max-new-tokens {args.max_new_tokens} does not fit the model's "
               f"length ({loaded.config.max_len} tokens) after this prompt; generating at most "
               f"{room}", file=sys.stderr)
     if loaded.is_translation:
         print(f"{args.prompt} -> ", end="", flush=True)
-    else:
+    elif not args.chat:  # an answer is printed alone
         print(args.prompt, end="", flush=True)
     settings = dict(max_new_tokens=args.max_new_tokens, num_beams=args.beams, seed=args.seed,
                     sampling=sampling, speculative=speculative, constraint=constraint,
                     stop=[_unescape(s) for s in args.stop])
     if args.num_samples == 1:
         try:
-            result = text.sample_text(loaded, args.prompt, **settings,
+            result = text.sample_text(loaded, prompt, **settings,
                                       on_text=lambda piece: print(piece, end="", flush=True))
         finally:
             print(flush=True)  # whatever happens, the echoed line ends before anything else
         results = [result]
     else:
         print()  # samples are printed whole, each after its own header
-        results = text.sample_texts(loaded, args.prompt, num_samples=args.num_samples,
+        results = text.sample_texts(loaded, prompt, num_samples=args.num_samples,
                                     **settings)
         for i, result in enumerate(results):
             print(f"--- sample {i + 1} of {len(results)} ({len(result.tokens)} tokens; stop: "
@@ -192,3 +201,14 @@ def _constraint(args, loaded):
 def _unescape(text: str) -> str:
     """A --stop value with \\n and \\t (as a shell passes them) turned into the characters."""
     return text.replace("\\n", "\n").replace("\\t", "\t")
+
+
+def _chat_prompt(args, loaded) -> list[int]:
+    """The token ids of `--prompt` as a user's message (after `--system`'s), rendered by the
+    model's chat template for it to answer."""
+    from kvjax.serve import chat
+
+    if loaded.is_translation:
+        raise ValueError("--chat: this model translates its prompt; it has no chat")
+    messages = [{"role": "system", "content": args.system}] * (args.system is not None)
+    return chat.prompt_ids(loaded, messages + [{"role": "user", "content": args.prompt}])[0]

@@ -241,3 +241,30 @@ def test_serving_beyond_loopback_without_a_key_warns(capsys, monkeypatch):
         code, _, err = run_cli(capsys, *argv, *(["--api-key", key] if key else []))
         assert code == 2 and "/nonexistent/kvjax-model" in err
         assert ("no API key" in err) == warned, (host, key, err)
+
+
+def test_sample_chat_answers_the_message_as_the_model_s_template_frames_it(capsys):
+    """`kvjax sample --chat` on Gemma 3's template: the greedy answer to the text the
+    template makes of the messages (its system message joined to the user's turn)."""
+    from pathlib import Path
+
+    from kvjax import decode, text
+
+    directory = Path(__file__).resolve().parents[1] / "fixtures" / "hf_models" / "gemma3_text"
+    code, out, err = run_cli(capsys, "sample", "--checkpoint", directory, "--chat", "--system",
+                             "Answer briefly.", "--prompt", "Hello there",
+                             "--max-new-tokens", "5")
+    assert code == 0, err
+    loaded = text.load(directory)
+    framed = ("<s><start_of_turn>user\nAnswer briefly.\n\nHello there<end_of_turn>\n"
+              "<start_of_turn>model\n")
+    tokens = decode.generate(loaded.net, loaded.params, [loaded.tokenizer.encode(framed)],
+                             max_new_tokens=5, eos_ids=loaded.tokenizer.stop_ids
+                             ).token_lists()[0]
+    assert out.rsplit("\n[", 1)[0] == loaded.tokenizer.decode(tokens)  # the answer alone
+    code, _, err = run_cli(capsys, "sample", "--checkpoint", directory, "--system", "x",
+                           "--prompt", "Hello")
+    assert code == 2 and "--system is a chat's system message: give --chat too" in err
+    code, _, err = run_cli(capsys, "sample", "--checkpoint", "checkpoints/numbers-to-words",
+                           "--chat", "--prompt", "12")
+    assert code == 2 and "--chat: this model translates its prompt; it has no chat" in err
