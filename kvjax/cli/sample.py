@@ -27,15 +27,24 @@ def add_sample(commands) -> None:
                         help="with --chat, a system message before the user's")
     sample.add_argument("--max-new-tokens", type=positive, default=64,
                         help="stop after this many tokens (fewer if the model's length ends)")
-    sample.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    sample.add_argument("--top-k", type=count, default=0,
-                        help="keep the k likeliest (0 = all)")
-    sample.add_argument("--top-p", type=float, default=1.0,
-                        help="keep the smallest set of likeliest tokens with this much mass")
-    sample.add_argument("--min-p", type=float, default=0.0,
-                        help="keep tokens at least this fraction as likely as the likeliest")
-    sample.add_argument("--repetition-penalty", type=float, default=1.0,
-                        help="> 1 makes tokens already in the prompt or output less likely")
+    # These five default to the model's (--sampling-defaults), else greedy and off.
+    sample.add_argument("--temperature", type=float, default=None,
+                        help="0 = greedy (default: the model's, else 0)")
+    sample.add_argument("--top-k", type=count, default=None,
+                        help="keep the k likeliest, 0 = all (default: the model's, else 0)")
+    sample.add_argument("--top-p", type=float, default=None,
+                        help="keep the smallest set of likeliest tokens with this much mass "
+                             "(default: the model's, else 1)")
+    sample.add_argument("--min-p", type=float, default=None,
+                        help="keep tokens at least this fraction as likely as the likeliest "
+                             "(default: the model's, else 0)")
+    sample.add_argument("--repetition-penalty", type=float, default=None,
+                        help="> 1 makes tokens already in the prompt or output less likely "
+                             "(default: the model's, else 1)")
+    sample.add_argument("--sampling-defaults", choices=("model", "greedy"), default="model",
+                        help="where the five settings above come from when not given: the "
+                             "model's generation config's, as kvjax serve and vLLM take them "
+                             "(model), or none: greedy (greedy)")
     sample.add_argument("--no-repeat-ngram-size", type=count, default=0,
                         help="n > 0: never repeat an n-gram of the prompt or output")
     sample.add_argument("--presence-penalty", type=float, default=0.0,
@@ -93,9 +102,7 @@ def run_sample(args) -> int:
     loaded = load_in_precision(args.checkpoint, args, lora=args.lora)
     # Checked before the echo, as the prompt is.
     sampling = decode.Sampling(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        no_repeat_ngram_size=args.no_repeat_ngram_size,
+        **_sampling_defaults(args, loaded), no_repeat_ngram_size=args.no_repeat_ngram_size,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         min_tokens=args.min_tokens)
     speculative = None
@@ -212,3 +219,17 @@ def _chat_prompt(args, loaded) -> list[int]:
         raise ValueError("--chat: this model translates its prompt; it has no chat")
     messages = [{"role": "system", "content": args.system}] * (args.system is not None)
     return chat.prompt_ids(loaded, messages + [{"role": "user", "content": args.prompt}])[0]
+
+
+def _sampling_defaults(args, loaded) -> dict:
+    """The five settings the model's generation config may name: each as given, else the
+    model's (with --sampling-defaults model, said on stderr), else greedy and off."""
+    given = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+             "min_p": args.min_p, "repetition_penalty": args.repetition_penalty}
+    model = dict(loaded.tokenizer.sampling_defaults) if args.sampling_defaults == "model" else {}
+    taken = {k: v for k, v in model.items() if given.get(k, 0) is None}
+    if taken:
+        print("kvjax sample: sampling defaults from the model's generation config: "
+              + ", ".join(f"{k}={v}" for k, v in taken.items())
+              + " (--sampling-defaults greedy leaves them out)", file=sys.stderr)
+    return {**taken, **{k: v for k, v in given.items() if v is not None}}

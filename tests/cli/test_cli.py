@@ -268,3 +268,41 @@ def test_sample_chat_answers_the_message_as_the_model_s_template_frames_it(capsy
     code, _, err = run_cli(capsys, "sample", "--checkpoint", "checkpoints/numbers-to-words",
                            "--chat", "--prompt", "12")
     assert code == 2 and "--chat: this model translates its prompt; it has no chat" in err
+
+
+def test_sample_takes_the_models_sampling_defaults_unless_told_otherwise(capsys, tmp_path):
+    """As `kvjax serve` and vLLM: the generation config's temperature and top_k where the
+    options leave them out; an option given, or `--sampling-defaults greedy`, wins."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from kvjax import decode, text
+
+    directory = tmp_path / "gpt2"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "fixtures" / "hf_models" / "gpt2",
+                    directory)
+    path = directory / "generation_config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**config, "temperature": 0.7, "top_k": 5}))
+    loaded = text.load(directory)
+
+    def sampled(*options):
+        code, out, err = run_cli(capsys, "sample", "--checkpoint", directory, "--prompt",
+                                 "Hello", "--max-new-tokens", "6", "--seed", "4", *options)
+        assert code == 0, err
+        return out.rsplit("\n[", 1)[0], err
+
+    def expected(sampling):
+        return "Hello" + text.sample_text(loaded, "Hello", max_new_tokens=6, seed=4,
+                                          sampling=sampling).text
+
+    out, err = sampled()
+    assert out == expected(decode.Sampling(temperature=0.7, top_k=5))
+    assert "sampling defaults from the model's generation config: temperature=0.7, " \
+           "top_k=5" in err
+    out, err = sampled("--temperature", "1.2")
+    assert out == expected(decode.Sampling(temperature=1.2, top_k=5))
+    assert "top_k=5" in err and "temperature" not in err
+    out, err = sampled("--sampling-defaults", "greedy")
+    assert out == expected(decode.GREEDY) and err == ""
