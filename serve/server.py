@@ -4,7 +4,7 @@
                                                      with `data: [DONE]`)
   POST /v1/responses (OpenAI's Responses API through the chat path: `responses.py`),
   GET and DELETE /v1/responses/{id} (the answers kept: `response_store.py`)
-  GET /v1/models, GET /health, GET /metrics (Prometheus)
+  GET /v1/models (and /v1/models/{model}), GET /health, GET /metrics (Prometheus)
   POST /tokenize, POST /detokenize (vLLM's: `tokenization.py`), GET /version
   POST /v1/load_lora_adapter, /v1/unload_lora_adapter (with a loader: `build_app`)
 
@@ -37,7 +37,7 @@ from .answers import Answer
 from .engine import Engine, EngineFailed, QueueFull
 from .limits import Limits, authorized, read_json
 from .metrics import ServeMetrics
-from .protocol import APIError, Parsed, model_sampling_defaults, parse
+from .protocol import APIError, Parsed, model_sampling_defaults, parse, requested_model
 from .response_answers import ResponseAnswer
 from .response_store import ResponseStore
 from .tokenization import detokenize, tokenize
@@ -113,15 +113,21 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
     max_prompts = limits.max_prompts or max_queue
 
     async def models(request: Request) -> JSONResponse:
+        """Every served name (GET /v1/models), or the one named (GET /v1/models/{model})."""
         try:
             authorized(request, api_key)
+            cards = [{"id": served, "object": "model", "created": created, "owned_by": "kvjax",
+                      "root": served, "parent": None if served == name else name,
+                      "max_model_len": engine.capacity}
+                     for served in (name, *served_adapters.served())]
+            wanted = request.path_params.get("model")
+            if wanted is not None:  # one not served: the 404 a generation request gets
+                requested_model({"model": wanted}, tuple(card["id"] for card in cards))
         except APIError as error:
             return error_response(error)
-        return JSONResponse({"object": "list", "data": [
-            {"id": served, "object": "model", "created": created, "owned_by": "kvjax",
-             "root": served, "parent": None if served == name else name,
-             "max_model_len": engine.capacity}
-            for served in (name, *served_adapters.served())]})
+        if wanted is None:
+            return JSONResponse({"object": "list", "data": cards})
+        return JSONResponse(next(card for card in cards if card["id"] == wanted))
 
     async def load_lora_adapter(request: Request) -> Response:
         return await _change_adapters(request, load=True)
@@ -349,6 +355,7 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
         Route("/v1/responses", create_response, methods=["POST"]),
         Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
         Route("/metrics", metrics_text, methods=["GET"]),

@@ -275,6 +275,9 @@ def test_the_client_sees_an_unknown_model_as_not_found(client):
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user",
                                                                  "content": "hi"}])
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL) == client.models.list().data[0]
+    with pytest.raises(openai.NotFoundError, match="The model `gpt-4` does not exist"):
+        client.models.retrieve("gpt-4")
 
 
 def test_tokenize_counts_the_prompt_tokens_a_request_is_charged_for(server, client,
