@@ -125,7 +125,7 @@ _VLLM_UNSUPPORTED = [
     ("prompt_logprobs", None, " (echo with logprobs and max_tokens 0 gives a prompt's "
                               "logprobs)"),
     ("return_tokens_as_token_ids", False, ""), ("logits_processors", None, ""),
-    ("priority", 0, " (the engine takes requests in the order they come)")]
+    ("priority", 0, " (the engine serves requests oldest first)")]
 
 
 _TOOLS, _IT = " (tools are for /v1/chat/completions)", " (it is for /v1/chat/completions)"
