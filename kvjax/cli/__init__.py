@@ -3,6 +3,7 @@
     kvjax demo                       train both demo models, save them, show generations
     kvjax train --task lm|translate  train one model into a checkpoint directory
     kvjax sample --checkpoint DIR --prompt TEXT   (a kvjax checkpoint or a Hugging Face model)
+    kvjax chat --checkpoint DIR      a conversation with an instruct model on the terminal
     kvjax serve --checkpoint DIR     an OpenAI-compatible server with continuous batching
     kvjax import-hf DIR OUT          a Hugging Face model directory as a kvjax checkpoint
     kvjax merge-lora --checkpoint DIR --lora DIR --out OUT   LoRA adapters merged into a model
@@ -32,6 +33,7 @@ from collections.abc import Sequence
 from . import compilation_cache
 from .bench import add_bench
 from .cache_size import add_cache_size
+from .chat import add_chat
 from .common import LAYER_MODES, PRESET_NAMES, Formatter, Parser, schedule
 from .compilation_cache import ENVIRONMENT_VARIABLE
 from .demo import add_demo
@@ -44,8 +46,8 @@ from .serve import add_serve
 from .train import add_train
 
 # In the order `kvjax --help` lists them.
-COMMANDS = (add_demo, add_train, add_sample, add_serve, add_import_hf, add_merge_lora,
-            add_export_peft, add_cache_size, add_bench)
+COMMANDS = (add_demo, add_train, add_sample, add_chat, add_serve, add_import_hf,
+            add_merge_lora, add_export_peft, add_cache_size, add_bench)
 
 # Where these were before the commands became modules of their own.
 _schedule = schedule

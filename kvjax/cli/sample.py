@@ -27,35 +27,7 @@ def add_sample(commands) -> None:
                         help="with --chat, a system message before the user's")
     sample.add_argument("--max-new-tokens", type=positive, default=64,
                         help="stop after this many tokens (fewer if the model's length ends)")
-    # These five default to the model's (--sampling-defaults), else greedy and off.
-    sample.add_argument("--temperature", type=float, default=None,
-                        help="0 = greedy (default: the model's, else 0)")
-    sample.add_argument("--top-k", type=count, default=None,
-                        help="keep the k likeliest, 0 = all (default: the model's, else 0)")
-    sample.add_argument("--top-p", type=float, default=None,
-                        help="keep the smallest set of likeliest tokens with this much mass "
-                             "(default: the model's, else 1)")
-    sample.add_argument("--min-p", type=float, default=None,
-                        help="keep tokens at least this fraction as likely as the likeliest "
-                             "(default: the model's, else 0)")
-    sample.add_argument("--repetition-penalty", type=float, default=None,
-                        help="> 1 makes tokens already in the prompt or output less likely "
-                             "(default: the model's, else 1)")
-    sample.add_argument("--sampling-defaults", choices=("model", "greedy"), default="model",
-                        help="where the five settings above come from when not given: the "
-                             "model's generation config's, as kvjax serve and vLLM take them "
-                             "(model), or none: greedy (greedy)")
-    sample.add_argument("--no-repeat-ngram-size", type=count, default=0,
-                        help="n > 0: never repeat an n-gram of the prompt or output")
-    sample.add_argument("--presence-penalty", type=float, default=0.0,
-                        help="in [-2, 2]: > 0 makes tokens already output less likely "
-                             "(OpenAI's)")
-    sample.add_argument("--frequency-penalty", type=float, default=0.0,
-                        help="in [-2, 2]: > 0 makes tokens less likely the more often they "
-                             "were output (OpenAI's)")
-    sample.add_argument("--min-tokens", type=count, default=0,
-                        help="generate at least this many tokens before an end-of-text id "
-                             "may end the text")
+    add_sampling_options(sample)
     sample.add_argument("--stop", action="append", default=[], metavar="TEXT",
                         help="end the text before this string (repeatable; \\n and \\t "
                              "are a newline and a tab)")
@@ -96,15 +68,54 @@ def add_sample(commands) -> None:
     sample.set_defaults(run=run_sample)
 
 
+def add_sampling_options(parser) -> None:
+    """The sampling options `sampling_from` reads (`kvjax sample`, `kvjax chat`)."""
+    # These five default to the model's (--sampling-defaults), else greedy and off.
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="0 = greedy (default: the model's, else 0)")
+    parser.add_argument("--top-k", type=count, default=None,
+                        help="keep the k likeliest, 0 = all (default: the model's, else 0)")
+    parser.add_argument("--top-p", type=float, default=None,
+                        help="keep the smallest set of likeliest tokens with this much mass "
+                             "(default: the model's, else 1)")
+    parser.add_argument("--min-p", type=float, default=None,
+                        help="keep tokens at least this fraction as likely as the likeliest "
+                             "(default: the model's, else 0)")
+    parser.add_argument("--repetition-penalty", type=float, default=None,
+                        help="> 1 makes tokens already in the prompt or output less likely "
+                             "(default: the model's, else 1)")
+    parser.add_argument("--sampling-defaults", choices=("model", "greedy"), default="model",
+                        help="where the five settings above come from when not given: the "
+                             "model's generation config's, as kvjax serve and vLLM take them "
+                             "(model), or none: greedy (greedy)")
+    parser.add_argument("--no-repeat-ngram-size", type=count, default=0,
+                        help="n > 0: never repeat an n-gram of the prompt or output")
+    parser.add_argument("--presence-penalty", type=float, default=0.0,
+                        help="in [-2, 2]: > 0 makes tokens already output less likely "
+                             "(OpenAI's)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0,
+                        help="in [-2, 2]: > 0 makes tokens less likely the more often they "
+                             "were output (OpenAI's)")
+    parser.add_argument("--min-tokens", type=count, default=0,
+                        help="generate at least this many tokens before an end-of-text id "
+                             "may end the text")
+
+
+def sampling_from(args, loaded):
+    """The `decode.Sampling` of `add_sampling_options`' options for the model `loaded`."""
+    from kvjax import decode
+
+    return decode.Sampling(
+        **_sampling_defaults(args, loaded), no_repeat_ngram_size=args.no_repeat_ngram_size,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        min_tokens=args.min_tokens)
+
+
 def run_sample(args) -> int:
     from kvjax import decode, text
 
     loaded = load_in_precision(args.checkpoint, args, lora=args.lora)
-    # Checked before the echo, as the prompt is.
-    sampling = decode.Sampling(
-        **_sampling_defaults(args, loaded), no_repeat_ngram_size=args.no_repeat_ngram_size,
-        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-        min_tokens=args.min_tokens)
+    sampling = sampling_from(args, loaded)  # checked before the echo, as the prompt is
     speculative = None
     if args.speculative:
         draft_model = draft_params = None

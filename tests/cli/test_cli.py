@@ -13,7 +13,8 @@ from kvjax.cli import common
 from kvjax.decode.plan import ON_DEVICE
 from kvjax.model.cache_size import cache_size_bytes
 
-SUBCOMMANDS = (["demo"], ["train"], ["sample"], ["serve"], ["import-hf"], ["cache-size"],
+SUBCOMMANDS = (["demo"], ["train"], ["sample"], ["chat"], ["serve"], ["import-hf"],
+               ["cache-size"],
                ["bench", "decode"], ["bench", "train"], ["bench", "serve"],
                ["bench", "speculative"], ["bench", "precision"], ["bench", "kernels"])
 
@@ -306,3 +307,34 @@ def test_sample_takes_the_models_sampling_defaults_unless_told_otherwise(capsys,
     assert "top_k=5" in err and "temperature" not in err
     out, err = sampled("--sampling-defaults", "greedy")
     assert out == expected(decode.GREEDY) and err == ""
+
+
+def test_chat_answers_each_line_with_the_conversation_so_far(capsys, monkeypatch):
+    """`kvjax chat` on Gemma 3's template: the first answer is the greedy answer to the
+    template's rendering of the first line; the next line is asked after the whole
+    conversation; /reset forgets it; the input's end ends the chat."""
+    import io
+    from pathlib import Path
+
+    from kvjax import decode, text
+    from kvjax.serve import chat
+
+    directory = Path(__file__).resolve().parents[1] / "fixtures" / "hf_models" / "gemma3_text"
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\nGo\n\n/reset\nHi\n"))
+    code, out, err = run_cli(capsys, "chat", "--checkpoint", directory, "--max-new-tokens", "2",
+                             "--temperature", "0")
+    assert code == 0, err
+    assert "/reset forgets the conversation" in err
+    loaded = text.load(directory)
+
+    def greedy(ids):
+        tokens = decode.generate(loaded.net, loaded.params, [ids], max_new_tokens=2,
+                                 eos_ids=loaded.tokenizer.stop_ids).token_lists()[0]
+        return loaded.tokenizer.decode(tokens)
+
+    first = greedy(loaded.tokenizer.encode(
+        "<s><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"))
+    talk = [{"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": first}, {"role": "user", "content": "Go"}]
+    second = greedy(chat.prompt_ids(loaded, talk)[0])
+    assert out.split("\n")[:3] == [first, second, first]  # after /reset: the first again
