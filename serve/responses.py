@@ -33,7 +33,10 @@ _REFUSED = [("conversation", (None,), "send the conversation as input, or go on 
             ("truncation", (None, "disabled"), "a prompt longer than a slot is refused, "
                                                "never cut"),
             ("max_tool_calls", (None,), ""), ("context_management", (None,), "")]
-LOGPROBS = "message.output_text.logprobs"  # what `include` may ask for
+LOGPROBS = "message.output_text.logprobs"  # what `include` may ask for, and:
+# a reasoning item's own text, for a client that sends it back unstored: its `content` holds
+# it (kvjax encrypts nothing), so asking for it changes nothing.
+REASONING_TEXT = "reasoning.encrypted_content"
 # The Responses request's field that became each chat field (`chat_body`).
 _FIELD_OF = {"messages": "input", "max_completion_tokens": "max_output_tokens",
              "max_tokens": "max_output_tokens", "response_format": "text",
@@ -69,10 +72,11 @@ def chat_body(body: Any, store: ResponseStore | None = None) -> dict:
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
     include = body.get("include") or []
-    if not isinstance(include, list) or any(entry != LOGPROBS for entry in include):
-        raise APIError(400, f"include={include!r}: this server can include only {LOGPROBS!r}",
+    if not isinstance(include, list) or any(e not in (LOGPROBS, REASONING_TEXT) for e in include):
+        raise APIError(400, f"include={include!r}: this server can include only {LOGPROBS!r} "
+                            f"(and {REASONING_TEXT!r}, which reasoning items' content holds)",
                        "include")
-    if include:
+    if LOGPROBS in include:
         chat["logprobs"], chat["top_logprobs"] = True, body.get("top_logprobs") or 0
     elif body.get("top_logprobs"):
         raise APIError(400, f"top_logprobs needs include: [{LOGPROBS!r}]", "top_logprobs")

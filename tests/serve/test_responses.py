@@ -117,6 +117,10 @@ def test_tools_formats_reasoning_and_logprobs_are_the_chats():
         "type": "json_object"}}})["response_format"] == {"type": "json_object"}
     assert "response_format" not in chat_body({"model": MODEL, "input": "x",
                                                "text": {"format": {"type": "text"}}})
+    # A client that keeps no state asks for reasoning it can send back: its items hold it.
+    unstored = chat_body({"model": MODEL, "input": "x", "store": False,
+                          "include": ["reasoning.encrypted_content"]})
+    assert "logprobs" not in unstored
 
 
 @pytest.mark.parametrize("fields, param, message", [
@@ -141,7 +145,7 @@ def test_tools_formats_reasoning_and_logprobs_are_the_chats():
      "input[0].output must be a string"),
     (dict(instructions=["x"]), "instructions", "instructions must be a string"),
     (dict(tools=[{"type": "web_search"}]), "tools", "tools[0] is 'web_search'"),
-    (dict(include=["reasoning.encrypted_content"]), "include", "can include only"),
+    (dict(include=["file_search_call.results"]), "include", "can include only"),
     (dict(top_logprobs=2), "top_logprobs", "top_logprobs needs include"),
     (dict(text={"format": {"type": "grammar"}}), "text", "must be of type text"),
     (dict(text={"verbosity": "low"}), "text", "text.verbosity='low'"),
