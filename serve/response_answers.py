@@ -91,9 +91,7 @@ class ResponseAnswer:
         status = "incomplete" if choice["finish_reason"] == "length" else "completed"
         items = []
         if message.get("reasoning"):
-            items.append({"type": "reasoning", "id": self._item_id("reasoning"), "summary": [],
-                          "content": [{"type": "reasoning_text", "text": message["reasoning"]}],
-                          "status": "completed"})
+            items.append(_reasoning_item(self._item_id("reasoning"), message["reasoning"]))
         calls = message.get("tool_calls") or []
         if message.get("content") or not calls:
             logprobs = (choice["logprobs"] or {}).get("content") or []
@@ -214,10 +212,8 @@ class ResponseAnswer:
         opened, self._open = self._open, None
         if opened is None:
             return []
-        if item is None:
-            item = ({"type": "reasoning", "id": opened["id"], "summary": [], "status":
-                     "completed", "content": [{"type": "reasoning_text",
-                                               "text": opened["text"]}]})
+        if item is None:  # the reasoning, ended by the message after it
+            item = _reasoning_item(opened["id"], opened["text"])
         return self._ending(opened["index"], item)
 
     def _ending(self, index: int, item: dict) -> list[str]:
@@ -264,6 +260,11 @@ class ResponseAnswer:
                 self._event("response.content_part.added", item_id=item["id"],
                             output_index=index, content_index=0, part=part)
                 ] + self._ending(index, item)
+
+
+def _reasoning_item(item_id: str, text: str) -> dict:
+    return {"type": "reasoning", "id": item_id, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
 
 
 def _begun_item(kind: str, item_id: str) -> tuple[dict, dict]:
