@@ -235,8 +235,9 @@ def _chat_prompt(args, loaded) -> list[int]:
 def _sampling_defaults(args, loaded) -> dict:
     """The five settings the model's generation config may name: each as given, else the
     model's (with --sampling-defaults model, said on stderr), else greedy and off."""
-    given = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-             "min_p": args.min_p, "repetition_penalty": args.repetition_penalty}
+    from kvjax.tokenizer.generation_rules import SAMPLING_KEYS  # the five, as options are named
+
+    given = {key: getattr(args, key) for key in SAMPLING_KEYS}
     model = dict(loaded.tokenizer.sampling_defaults) if args.sampling_defaults == "model" else {}
     taken = {k: v for k, v in model.items() if given.get(k, 0) is None}
     if taken:
