@@ -17,6 +17,7 @@ from kvjax.tokenizer import TextTokenizer
 from .answers import Answer, sse
 from .protocol import APIError, Parsed
 from .requests import Delta
+from .response_items import input_items
 from .response_store import ResponseStore
 
 
@@ -25,7 +26,7 @@ class ResponseAnswer:
     prompt, one sample); `body` is the request as sent, whose settings the response
     repeats. Finished, it is kept in `store` (unless the request says `store: false`) with
     the conversation it ends: `messages`, the chat's (its `instructions` left out), and its
-    answer."""
+    answer; and with its input items, those of the response it goes on from included."""
 
     def __init__(self, parsed: Parsed, tokenizer: TextTokenizer, body: dict,
                  messages: list[dict] | None = None, store: ResponseStore | None = None):
@@ -33,6 +34,10 @@ class ResponseAnswer:
         self.store = store if body.get("store") is not False else None
         instructions = 1 if body.get("instructions") is not None else 0  # a system message
         self.messages = list(messages or [])[instructions:]
+        earlier = (self.store.get(body["previous_response_id"])
+                   if self.store is not None and body.get("previous_response_id") else None)
+        self.items = [] if self.store is None else input_items(
+            body, earlier.items if earlier else [], earlier.response["output"] if earlier else [])
         self.tokenizer = tokenizer
         self.id = "resp_" + uuid.uuid4().hex
         self.created_at = int(time.time())
@@ -69,7 +74,7 @@ class ResponseAnswer:
                 answer = {"role": "assistant", "content": message["content"] or ""} | {
                     key: message[key] for key in ("reasoning_content", "tool_calls")
                     if message.get(key)}
-                self.store.put(self._final, self.messages + [answer])
+                self.store.put(self._final, self.messages + [answer], self.items)
         return self._final
 
     def _item_id(self, kind: str, index: int = 0) -> str:

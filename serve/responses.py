@@ -100,7 +100,7 @@ def _earlier(body: dict, store: ResponseStore | None) -> list[dict]:
                             f"keeps the most recent {store.capacity if store else 0} it "
                             "answered with store true", "previous_response_id",
                        kind="not_found_error")
-    return [dict(message) for message in kept[1]]
+    return [dict(message) for message in kept.conversation]
 
 
 def _list(body: dict, name: str) -> list:

@@ -3,7 +3,8 @@
   POST /v1/completions, POST /v1/chat/completions   (stream: server-sent events ending
                                                      with `data: [DONE]`)
   POST /v1/responses (OpenAI's Responses API through the chat path: `responses.py`),
-  GET and DELETE /v1/responses/{id} (the answers kept: `response_store.py`)
+  GET and DELETE /v1/responses/{id} (the answers kept: `response_store.py`),
+  GET /v1/responses/{id}/input_items (`response_items.py`)
   GET /v1/models (and /v1/models/{model}), GET /health, GET /metrics (Prometheus)
   POST /tokenize, POST /detokenize (vLLM's: `tokenization.py`), GET /version
   POST /v1/load_lora_adapter, /v1/unload_lora_adapter (with a loader: `build_app`)
@@ -31,7 +32,7 @@ import kvjax
 from kvjax.model import lora_rows
 from kvjax.text import LoadedModel, forced_start
 
-from . import harmony, reasoning, responses, structured
+from . import harmony, reasoning, response_items, responses, structured
 from .adapter_names import ServedAdapters
 from .answers import Answer
 from .engine import Engine, EngineFailed, QueueFull
@@ -189,18 +190,22 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
         return await _generate(request, chat_api=True, responses_api=True)
 
     async def stored_response(request: Request) -> JSONResponse:
-        """GET or DELETE a kept Responses API answer (`response_store.py`)."""
+        """GET or DELETE a kept Responses API answer (`response_store.py`), or GET its
+        input items (`response_items.py`)."""
         response_id = request.path_params["response_id"]
+        listing = request.url.path.endswith("/input_items")
         try:
             authorized(request, api_key)
             kept = stored.get(response_id) if request.method == "GET" else None
             if kept is None and (request.method == "GET" or not stored.delete(response_id)):
                 raise APIError(404, f"No response with id {response_id!r} is kept",
                                kind="not_found_error")
+            if listing:
+                return JSONResponse(response_items.page(kept.items, request.query_params))
         except APIError as error:
             return error_response(error)
         if request.method == "GET":
-            return JSONResponse(kept[0])
+            return JSONResponse(kept.response)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     async def _generate(request: Request, chat_api: bool, responses_api: bool = False
@@ -354,6 +359,7 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/responses", create_response, methods=["POST"]),
         Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", stored_response, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

@@ -1,7 +1,8 @@
 """serve/response_answers.py: the engine's deltas become a Responses API response and its
 events, checked by the official `openai` client's own types; the stream's events add up, item
 by item, to the response its last event carries, which is the whole answer; output items come
-in order (reasoning, message, calls) and usage counts the reasoning's tokens."""
+in order (reasoning, message, calls) and usage counts the reasoning's tokens; a kept answer
+holds its conversation and input items."""
 
 import json
 import typing
@@ -162,7 +163,7 @@ def test_a_finished_answer_is_kept_with_the_conversation_it_ends_unless_asked_no
     first = answer_to({"input": "4?", "instructions": "Be brief.", "tools": [tool]},
                       reasoning_parser="qwen3", store=store)
     run(first, [5, 6, 8, 9, 11, 12, 13, 2], "stop")  # <think>Hmm</think>Yes<tool_call>...
-    kept, conversation = store.get(first.id)
+    kept, conversation = store.get(first.id).response, store.get(first.id).conversation
     assert kept == first.final()
     [call] = [item for item in kept["output"] if item["type"] == "function_call"]
     assert conversation == [  # its instructions are not carried over
@@ -175,9 +176,16 @@ def test_a_finished_answer_is_kept_with_the_conversation_it_ends_unless_asked_no
     second = answer_to({"previous_response_id": first.id, "input": [output]}, store=store)
     run(second, [9, 2], "stop")
     assert second.final()["previous_response_id"] == first.id
-    assert store.get(second.id)[1] == conversation + [
+    assert store.get(second.id).conversation == conversation + [
         {"role": "tool", "tool_call_id": call["call_id"], "content": "true"},
         {"role": "assistant", "content": "Yes"}]
+    # Its input items: the first's (its instructions are a setting, not an item), the
+    # first's output, then its own input.
+    [asked] = store.get(first.id).items
+    assert asked["content"] == [{"type": "input_text", "text": "4?"}]
+    items = store.get(second.id).items
+    assert items[:-1] == [asked, *kept["output"]]
+    assert {key: items[-1][key] for key in output} == output
     unkept = answer_to({"input": "4?", "store": False}, store=store)
     run(unkept, [9, 2], "stop")
     assert store.get(unkept.id) is None

@@ -14,7 +14,8 @@ def test_the_least_recently_stored_or_read_goes_first():
     store = ResponseStore(capacity=2)
     store.put(response(1), [{"role": "user", "content": "1"}])
     store.put(response(2), [])
-    assert store.get("resp_1") == (response(1), [{"role": "user", "content": "1"}])
+    kept = store.get("resp_1")
+    assert (kept.response, kept.conversation) == (response(1), [{"role": "user", "content": "1"}])
     store.put(response(3), [])  # 2 is now the least recent
     assert store.get("resp_2") is None
     assert store.get("resp_1") is not None and store.get("resp_3") is not None

@@ -120,6 +120,13 @@ def test_the_responses_api_answers_what_the_chat_answers(client):
     assert then.output_text == chat.choices[0].message.content
     assert then.previous_response_id == whole.id
     assert client.responses.retrieve(then.id).output_text == then.output_text
+    # Its input items, one a page: the first turn's input and answer, then its own input.
+    items = list(client.responses.input_items.list(then.id, order="asc", limit=1))
+    assert [item.id for item in items[1:2]] == [whole.output[0].id]
+    assert [(item.role, item.content[0].text) for item in items] == [
+        ("user", "Hi."), ("assistant", whole.output_text), ("user", "Go")]
+    assert [item.id for item in client.responses.input_items.list(then.id).data] == [
+        item.id for item in items[::-1]]
     client.responses.delete(then.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(then.id)
