@@ -4,15 +4,16 @@ tokens, by the tokenizer the server generates with.
 `/tokenize` takes a completion's `prompt` (one string) or a chat's `messages` (with `tools`,
 `chat_template_kwargs`, `reasoning_effort`, `add_generation_prompt` and
 `continue_final_message` as /v1/chat/completions reads them) and answers
-`{"count", "max_model_len", "tokens", "token_strs": null}`: for `messages`, exactly the
+`{"count", "max_model_len", "tokens", "token_strs"}`: for `messages`, exactly the
 tokens /v1/chat/completions feeds the model; for a `prompt`, those /v1/completions feeds it
 (what its tokenizer puts around a text included, Llama's bos, a translator's source frame),
-or with `add_special_tokens` false the text's own. `max_model_len` is a slot's room, prompt
-and output together, as /v1/models lists it. `/detokenize` takes `{"tokens": [...]}` and
-answers `{"prompt": text}`, special tokens left out as the answers leave them out. A `model`
-may be named (the served model or one of its adapters, which share its tokenizer). What
-vLLM offers here and kvjax does not (`return_token_strs`) and a chat's fields given with a
-`prompt` are a 400 naming the field, never ignored.
+or with `add_special_tokens` false the text's own; `token_strs`, with `return_token_strs`,
+each token's string in the vocabulary (transformers' `convert_ids_to_tokens`), else null.
+`max_model_len` is a slot's room, prompt and output together, as /v1/models lists it.
+`/detokenize` takes `{"tokens": [...]}` and answers `{"prompt": text}`, special tokens left
+out as the answers leave them out. A `model` may be named (the served model or one of its
+adapters, which share its tokenizer). A chat's fields given with a `prompt` are a 400 naming
+the field, never ignored.
 """
 
 from __future__ import annotations
@@ -39,9 +40,7 @@ def tokenize(body: Any, loaded: T.LoadedModel, served: tuple[str | None, ...],
     `loaded`, served under the names `served` (None for an empty adapter slot), whose slots
     hold `capacity` tokens."""
     requested_model(body, served)
-    if get_field(body, "return_token_strs", BOOL, False):
-        raise APIError(400, "return_token_strs=True is not supported by this server",
-                       "return_token_strs")
+    with_strings = get_field(body, "return_token_strs", BOOL, False)
     has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
     if has_prompt == has_messages:
         raise APIError(400, "a tokenize request takes a prompt or messages, one of them",
@@ -66,7 +65,7 @@ def tokenize(body: Any, loaded: T.LoadedModel, served: tuple[str | None, ...],
                        "messages" if has_messages else "prompt") from None
     tokens = [int(t) for t in tokens]
     return {"count": len(tokens), "max_model_len": capacity, "tokens": tokens,
-            "token_strs": None}
+            "token_strs": loaded.tokenizer.pieces(tokens) if with_strings else None}
 
 
 def detokenize(body: Any, loaded: T.LoadedModel, served: tuple[str | None, ...]) -> dict:

@@ -351,6 +351,10 @@ class FakeTokenizer:
     def decode(ids):
         return "".join(chr(65 + i % 26) for i in ids)
 
+    @staticmethod
+    def pieces(ids):
+        return [f"<{i}>" for i in ids]
+
 
 def serve_app(app, timeout: float = 30.0, **options):
     """(base URL, stop) of `app` served by uvicorn in a thread of this process, on 127.0.0.1

@@ -124,6 +124,11 @@ class TextTokenizer(Protocol):
 
     def decode(self, ids: Iterable[int]) -> str: ...
 
+    def pieces(self, ids: Iterable[int]) -> list[str]:
+        """The vocabulary's string of each of `ids`, special tokens included (transformers'
+        `convert_ids_to_tokens`, vLLM's `token_strs`)."""
+        ...
+
     def to_bytes(self) -> bytes: ...
 
     def token_bytes(self) -> list[bytes | None]:
@@ -288,6 +293,9 @@ class Tokenizer:
         return token_bytes.table(self.vocab_size, (
             (i, None if p.is_control(i) or p.is_unknown(i) else
              token_bytes.byte_fallback(p.id_to_piece(i))) for i in range(self.vocab_size)))
+
+    def pieces(self, ids: Iterable[int]) -> list[str]:
+        return [self.id_to_piece(i) for i in ids]
 
     def id_to_piece(self, i: int) -> str:
         if not 0 <= i < self.vocab_size:

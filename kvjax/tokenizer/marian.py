@@ -104,9 +104,12 @@ class MarianBackend:
         raise ValueError("constrained decoding does not take a Marian tokenizer: its target "
                          "pieces are joined by a sentencepiece model, not spelled byte by byte")
 
+    def pieces(self, ids: list[int]) -> list[str]:
+        return [self._added_pieces.get(i) or self._pieces.get(i) or self._joiner.id_to_piece(i)
+                for i in ids]
+
     def decode(self, ids: list[int]) -> str:
-        pieces = [self._added_pieces.get(i) or self._pieces.get(i) or self._joiner.id_to_piece(i)
-                  for i in ids if i not in self._skipped]
+        pieces = self.pieces([i for i in ids if i not in self._skipped])
         text = self._joiner.decode_pieces(pieces).replace(SPACE, " ").strip()
         return clean_up_spaces(text) if self._clean_up else text
 

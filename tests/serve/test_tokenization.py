@@ -43,9 +43,15 @@ def test_a_prompts_tokens_are_transformers_ids_and_detokenize_to_its_text(name, 
         assert framed == {"count": len(theirs["ids_with_special_tokens"][i]),
                           "max_model_len": CAPACITY,
                           "tokens": theirs["ids_with_special_tokens"][i], "token_strs": None}
-        bare = tokenize({"prompt": prompt, "add_special_tokens": False, "model": "adapter"},
-                        loaded, SERVED, CAPACITY)
+        bare = tokenize({"prompt": prompt, "add_special_tokens": False, "model": "adapter",
+                         "return_token_strs": True}, loaded, SERVED, CAPACITY)
         assert bare["tokens"] == theirs["ids"][i]
+        # Each token's string, as transformers' convert_ids_to_tokens gives it.
+        assert tokenize({"prompt": prompt, "return_token_strs": True}, loaded, SERVED,
+                        CAPACITY)["token_strs"] == theirs["pieces"][i]
+        start = len(loaded.tokenizer.source_prefix if translation else
+                    loaded.tokenizer.document_prefix)
+        assert bare["token_strs"] == theirs["pieces"][i][start:start + len(bare["tokens"])]
         assert detokenize({"tokens": theirs["ids"][i]}, loaded, SERVED) == {
             "prompt": theirs["decoded"][i]}
         assert framed["tokens"] == list(parse({"model": "lm", "prompt": prompt}, loaded, "lm",
@@ -104,7 +110,7 @@ def refused(call, *args) -> APIError:
     ({"prompt": ["a", "b"]}, 400, "prompt", "prompt must be a string, not list"),
     ({"prompt": "a", "add_special_tokens": "yes"}, 400, "add_special_tokens",
      "add_special_tokens='yes' must be a boolean"),
-    ({"prompt": "a", "return_token_strs": True}, 400, "return_token_strs", "not supported"),
+    ({"prompt": "a", "return_token_strs": "yes"}, 400, "return_token_strs", "boolean"),
     ({"prompt": "a", "add_generation_prompt": False}, 400, "add_generation_prompt",
      "add_generation_prompt is for messages, not a prompt"),
     ({"prompt": "a", "tools": []}, 400, "tools", "tools is for messages"),

@@ -98,6 +98,16 @@ def test_decoding_is_transformers_decoding(all_loaded, name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_pieces_are_transformers_tokens(all_loaded, name):
+    tokenizer, want = one(all_loaded, name), expected(name)
+    for ids, pieces in zip(want["ids_with_special_tokens"] + want["random_ids"],
+                           want["pieces"] + want["random_pieces"], strict=True):
+        assert tokenizer.pieces(ids) == pieces, ids
+    with pytest.raises(ValueError, match=f"token id {tokenizer.vocab_size} is outside"):
+        tokenizer.pieces([tokenizer.vocab_size])
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_special_ids_and_vocab_size(all_loaded, name):
     tokenizer, want = one(all_loaded, name), expected(name)
     assert isinstance(tokenizer, TextTokenizer)

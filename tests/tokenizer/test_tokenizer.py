@@ -109,6 +109,19 @@ def test_decode_drops_pad_bos_eos(tokenizer):
         tokenizer.decode([tokenizer.vocab_size])
 
 
+def test_pieces_are_what_sentencepiece_splits_a_text_into(tokenizer):
+    import sentencepiece as spm
+
+    processor = spm.SentencePieceProcessor(model_proto=tokenizer.to_bytes())
+    for text in HARD_STRINGS:
+        if "\u2581" in text:  # the space symbol typed in a text is spelled by its bytes
+            continue
+        assert tokenizer.pieces(tokenizer.encode(text)) == processor.encode(text, out_type=str)
+    assert tokenizer.pieces([BOS_ID, EOS_ID]) == ["<s>", "</s>"]
+    with pytest.raises(ValueError, match=str(tokenizer.vocab_size)):
+        tokenizer.pieces([tokenizer.vocab_size])
+
+
 def test_save_load_round_trip(tokenizer, tmp_path):
     path = tmp_path / "tok.model"
     tokenizer.save(path)
