@@ -26,7 +26,9 @@ class ResponseAnswer:
     prompt, one sample); `body` is the request as sent, whose settings the response
     repeats. Finished, it is kept in `store` (unless the request says `store: false`) with
     the conversation it ends: `messages`, the chat's (its `instructions` left out), and its
-    answer; and with its input items, those of the response it goes on from included."""
+    answer; and with its input items, those of the response it goes on from included. A
+    `background` one is read while it runs (`current`) and may end cancelled or failed
+    (`end`)."""
 
     def __init__(self, parsed: Parsed, tokenizer: TextTokenizer, body: dict,
                  messages: list[dict] | None = None, store: ResponseStore | None = None):
@@ -47,6 +49,8 @@ class ResponseAnswer:
         self._finished: tuple[str, list[dict], dict] | None = None
         self._final: dict | None = None
         self._message: dict = {}  # the chat's message, read once by `_output`
+        self.background = bool(body.get("background"))
+        self._begun = False  # whether a token has come
 
     @property
     def done(self) -> bool:
@@ -61,7 +65,24 @@ class ResponseAnswer:
         self.chat.tickets = tickets
 
     def add(self, prompt: int, delta: Delta) -> None:
+        self._begun = True
         self.chat.add(prompt, delta)
+
+    def current(self) -> dict:
+        """The response as it stands: final once finished (or ended), else queued until
+        its first token comes, then in progress."""
+        if self._final is not None:
+            return self._final
+        return self._response("in_progress" if self._begun else "queued", [], None)
+
+    def end(self, status: str, error: dict | None = None) -> dict:
+        """Ends an unfinished answer `status` ("cancelled", or "failed" with `error`, as
+        OpenAI writes one: {"code", "message"}), kept without output."""
+        if self._final is None:
+            self._final = self._response(status, [], None) | {"error": error}
+            if self.store is not None:
+                self.store.put(self._final, [], self.items)
+        return self._final
 
     # The whole answer -----------------------------------------------------------------------
 
@@ -152,7 +173,7 @@ class ResponseAnswer:
                 "reasoning": body.get("reasoning"),
                 "text": body.get("text") or {"format": {"type": "text"}},
                 "top_logprobs": body.get("top_logprobs") or 0, "truncation": "disabled",
-                "background": False, "usage": usage, "user": body.get("user")}
+                "background": self.background, "usage": usage, "user": body.get("user")}
 
     # The stream ------------------------------------------------------------------------------
 

@@ -6,10 +6,11 @@ a reasoning parser), a message and function calls, or, streamed, the Responses A
 
 A request goes on from a kept response (`previous_response_id`, `response_store.py`) or
 sends the whole conversation back as `input`: earlier messages, reasoning, function calls
-and their outputs. What kvjax does not have is a 400 naming the field: conversations
-(`conversation`), `background` responses, prompt templates, built-in tools (web or file
-search, code interpreter, ...), input other than text, `truncation: "auto"` and reasoning
-summaries.
+and their outputs. A `background` request is answered at once with the response queued; the
+client polls it (`GET /v1/responses/{id}`) or cancels it. What kvjax does not have is a 400
+naming the field: conversations (`conversation`), streaming a background response, prompt
+templates, built-in tools (web or file search, code interpreter, ...), input other than
+text, `truncation: "auto"` and reasoning summaries.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ SHARED_FIELDS = ("model", "temperature", "top_p", "top_k", "min_p", "repetition_
 # What needs state or a capability kvjax does not have: (field, its no-op values, why).
 _REFUSED = [("conversation", (None,), "send the conversation as input, or go on from a "
                                       "response with previous_response_id"),
-            ("background", (None, False), "a response is answered while the request waits"),
             ("prompt", (None,), "prompt templates are not stored here"),
             ("truncation", (None, "disabled"), "a prompt longer than a slot is refused, "
                                                "never cut"),
             ("max_tool_calls", (None,), ""), ("context_management", (None,), "")]
+# The statuses of an answer a request may go on from.
+FINISHED = ("completed", "incomplete")
 LOGPROBS = "message.output_text.logprobs"  # what `include` may ask for, and:
 # a reasoning item's own text, for a client that sends it back unstored: its `content` holds
 # it (kvjax encrypts nothing), so asking for it changes nothing.
@@ -60,6 +62,13 @@ def chat_body(body: Any, store: ResponseStore | None = None) -> dict:
         if body.get(name, None) not in off:
             raise APIError(400, f"{name} is not supported by this server"
                                 + (f": {why}" if why else ""), name)
+    if body.get("background") not in (None, False, True):
+        raise APIError(400, f"background={body['background']!r} must be a boolean", "background")
+    if body.get("background") and (body.get("stream") or body.get("store") is False
+                                   or store is None or store.capacity == 0):
+        raise APIError(400, "a background response is kept for the client to poll: it takes "
+                            "neither stream nor store false, on a server that keeps "
+                            "responses (--max-stored-responses > 0)", "background")
     chat = {name: body[name] for name in SHARED_FIELDS if name in body}
     messages = []
     if body.get("instructions") is not None:
@@ -100,6 +109,10 @@ def _earlier(body: dict, store: ResponseStore | None) -> list[dict]:
                             f"keeps the most recent {store.capacity if store else 0} it "
                             "answered with store true", "previous_response_id",
                        kind="not_found_error")
+    if kept.response["status"] not in FINISHED:
+        raise APIError(400, f"Previous response {previous!r} is {kept.response['status']}: a "
+                            f"request goes on from a {' or '.join(FINISHED)} one",
+                       "previous_response_id")
     return [dict(message) for message in kept.conversation]
 
 

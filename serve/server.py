@@ -4,7 +4,8 @@
                                                      with `data: [DONE]`)
   POST /v1/responses (OpenAI's Responses API through the chat path: `responses.py`),
   GET and DELETE /v1/responses/{id} (the answers kept: `response_store.py`),
-  GET /v1/responses/{id}/input_items (`response_items.py`)
+  GET /v1/responses/{id}/input_items (`response_items.py`), POST /v1/responses/{id}/cancel
+  (a background one: `background.py`)
   GET /v1/models (and /v1/models/{model}), GET /health, GET /metrics (Prometheus)
   POST /tokenize, POST /detokenize (vLLM's: `tokenization.py`), GET /version
   POST /v1/load_lora_adapter, /v1/unload_lora_adapter (with a loader: `build_app`)
@@ -35,6 +36,7 @@ from kvjax.text import LoadedModel, forced_start
 from . import harmony, reasoning, response_items, responses, structured
 from .adapter_names import ServedAdapters
 from .answers import Answer
+from .background import BackgroundResponses
 from .engine import Engine, EngineFailed, QueueFull
 from .limits import Limits, authorized, read_json
 from .metrics import ServeMetrics
@@ -111,6 +113,7 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
 
     limits = limits or Limits()
     stored = ResponseStore(limits.max_stored_responses)
+    background = BackgroundResponses(metrics.count_request)
     max_prompts = limits.max_prompts or max_queue
 
     async def models(request: Request) -> JSONResponse:
@@ -190,23 +193,29 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
         return await _generate(request, chat_api=True, responses_api=True)
 
     async def stored_response(request: Request) -> JSONResponse:
-        """GET or DELETE a kept Responses API answer (`response_store.py`), or GET its
-        input items (`response_items.py`)."""
-        response_id = request.path_params["response_id"]
-        listing = request.url.path.endswith("/input_items")
+        """GET or DELETE a Responses API answer, kept (`response_store.py`) or running in
+        the background (`background.py`); GET its input items (`response_items.py`); POST
+        .../cancel to stop a background one."""
+        response_id, path = request.path_params["response_id"], request.url.path
         try:
             authorized(request, api_key)
-            kept = stored.get(response_id) if request.method == "GET" else None
-            if kept is None and (request.method == "GET" or not stored.delete(response_id)):
+            cancelled = (background.cancel(response_id)
+                         if path.endswith("/cancel") or request.method == "DELETE" else None)
+            running, kept = background.get(response_id), stored.get(response_id)
+            if request.method == "DELETE" and (stored.delete(response_id) or cancelled):
+                return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+            if running is None and kept is None:
                 raise APIError(404, f"No response with id {response_id!r} is kept",
                                kind="not_found_error")
-            if listing:
-                return JSONResponse(response_items.page(kept.items, request.query_params))
+            response = running.current() if running else kept.response
+            if path.endswith("/cancel") and not response["background"]:
+                raise APIError(400, f"Response {response_id!r} was not made in the "
+                                    "background: only a background response can be cancelled")
+            if path.endswith("/input_items"):
+                response = response_items.page((running or kept).items, request.query_params)
         except APIError as error:
             return error_response(error)
-        if request.method == "GET":
-            return JSONResponse(kept.response)
-        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+        return JSONResponse(response)
 
     async def _generate(request: Request, chat_api: bool, responses_api: bool = False
                         ) -> Response:
@@ -248,6 +257,9 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
             if not isinstance(error, APIError):
                 error = APIError.invalid(error, chat_api)
             return error_response(responses.renamed(error) if responses_api else error)
+        if responses_api and answer.background:
+            return JSONResponse(background.start(answer, tickets,
+                                                 lambda: _next(answer, events)))
         if parsed.stream:
             return StreamingResponse(_stream(answer, events, tickets),
                                      media_type="text/event-stream")
@@ -360,6 +372,7 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
         Route("/v1/responses", create_response, methods=["POST"]),
         Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
         Route("/v1/responses/{response_id}/input_items", stored_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}/cancel", stored_response, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

@@ -356,6 +356,14 @@ class FakeTokenizer:
         return [f"<{i}>" for i in ids]
 
 
+def openai_client(url: str, timeout: float = 30.0):
+    """The official `openai` client of the server at `url`, retrying nothing."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=timeout,
+                         max_retries=0)
+
+
 def serve_app(app, timeout: float = 30.0, **options):
     """(base URL, stop) of `app` served by uvicorn in a thread of this process, on 127.0.0.1
     at an ephemeral port; `options` go to `uvicorn.Config` (e.g. `http=` a protocol)."""

@@ -84,7 +84,7 @@ def test_a_reasoning_item_is_the_reasoning_of_the_assistant_turn_it_led_to():
 def test_a_request_goes_on_from_the_conversation_of_a_kept_response():
     store = ResponseStore(capacity=4)
     earlier = [{"role": "user", "content": "4?"}, {"role": "assistant", "content": "Even."}]
-    store.put({"id": "resp_1"}, earlier)
+    store.put({"id": "resp_1", "status": "completed"}, earlier)
     body = {"model": MODEL, "previous_response_id": "resp_1", "instructions": "Be brief.",
             "input": "And 5?"}
     assert chat_body(body, store)["messages"] == [
@@ -97,6 +97,12 @@ def test_a_request_goes_on_from_the_conversation_of_a_kept_response():
         assert "not found: this server keeps the most recent 4" in error.value.message
     with pytest.raises(APIError, match="keeps the most recent 0"):
         chat_body(body)  # a server keeping none
+    # An answer cancelled or failed is no conversation to go on from.
+    store.put({"id": "resp_3", "status": "cancelled"}, [])
+    with pytest.raises(APIError, match="'resp_3' is cancelled: a request goes on from a "
+                                       "completed or incomplete one") as error:
+        chat_body({**body, "previous_response_id": "resp_3"}, store)
+    assert (error.value.status, error.value.param) == (400, "previous_response_id")
 
 
 def test_tools_formats_reasoning_and_logprobs_are_the_chats():
@@ -126,7 +132,10 @@ def test_tools_formats_reasoning_and_logprobs_are_the_chats():
 @pytest.mark.parametrize("fields, param, message", [
     (dict(conversation="conv_1"), "conversation", "go on from a response with "
                                                   "previous_response_id"),
-    (dict(background=True), "background", "not supported"),
+    (dict(background=True, stream=True), "background", "neither stream nor store false"),
+    (dict(background=True, store=False), "background", "neither stream nor store false"),
+    (dict(background="yes"), "background", "background='yes' must be a boolean"),
+    (dict(background=True), "background", "on a server that keeps responses"),
     (dict(prompt={"id": "p"}), "prompt", "prompt templates"),
     (dict(truncation="auto"), "truncation", "never cut"),
     (dict(input=None), "input", "input is required"),

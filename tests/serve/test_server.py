@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from conftest import SERVED_MODEL, FakeTokenizer, greedy_text, serve_app
+from conftest import SERVED_MODEL, FakeTokenizer, greedy_text, openai_client, serve_app
 
 import kvjax
 from kvjax import decode
@@ -34,8 +34,7 @@ def server(tiny_loaded):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", timeout=TIMEOUT,
-                         max_retries=0)
+    return openai_client(server[0], TIMEOUT)
 
 
 def live_slots(url):
@@ -425,8 +424,7 @@ def test_a_thinking_models_choice_is_answered_as_its_reasoning(tiny_loaded):
     try:
         settings = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                         max_tokens=5, temperature=0)
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=TIMEOUT,
-                               max_retries=0)
+        client = openai_client(url, TIMEOUT)
         whole = client.chat.completions.create(**settings).choices[0]
         chunks = list(client.chat.completions.create(**settings, stream=True))
     finally:

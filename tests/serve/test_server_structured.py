@@ -11,9 +11,8 @@ from pathlib import Path
 
 import httpx
 import jsonschema
-import openai
 import pytest
-from conftest import serve_app
+from conftest import openai_client, serve_app
 
 from kvjax import decode, text
 from kvjax.serve import chat
@@ -59,8 +58,7 @@ def url(loaded):
 
 @pytest.fixture(scope="module")
 def client(url):
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=TIMEOUT,
-                         max_retries=0)
+    return openai_client(url, TIMEOUT)
 
 
 def schema_format(schema):
