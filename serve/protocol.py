@@ -12,8 +12,9 @@ Sampling defaults are OpenAI's: temperature 1, top_p 1, presence and frequency p
 (counted over the request's output, as OpenAI and vLLM count them), no `logit_bias` (an
 object of token ids, as strings, to biases in [-100, 100]); kvjax's extra settings (`top_k`,
 `min_p`, `repetition_penalty`, `no_repeat_ngram_size`, `min_tokens`, `stop_token_ids`,
-`ignore_eos`, and `add_special_tokens`, whose false leaves a completion's text unframed) are
-read where given, as vLLM does.
+`ignore_eos`, `add_special_tokens`, whose false leaves a completion's text unframed, and
+`truncate_prompt_tokens`, which keeps a prompt's last tokens: `prompts.py`) are read where
+given, as vLLM does.
 Structured output (`response_format`, `structured_outputs`), a translator's
 `target_language` and tools are read by `structured.py` and `tools.py`. A chat request's
 `chat_template_kwargs` (an object) are more variables for the model's chat template, as vLLM
@@ -34,36 +35,12 @@ from kvjax.decode.constraints import StartsWith
 from kvjax.decode.settings import Sampling
 
 from . import chat, harmony, reasoning, structured
+from .fields import BOOL, INT, NUMBER, OBJECT, STR, APIError, get_field, shown
+from .prompts import chat_prompt, completion_prompts, decode_prompt, truncated
 from .requests import GenerationRequest
 from .tools import Tools, parse_tools
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
-
-
-class APIError(Exception):
-    """An error answered as OpenAI's `{"error": {...}}` with `status`."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error", headers: dict | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-        self.headers, self.code = headers or {}, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.code}}
-
-    @classmethod
-    def invalid(cls, error: ValueError, chat: bool) -> APIError:
-        """A 400 for a value the checks refused, naming the request's field where the error
-        names one (`checks.InvalidValue`)."""
-        field = getattr(error, "name", None)
-        if field is not None:
-            field = field.split("[")[0]  # "top_p[1]": one of a list's values
-            field = {"logprobs": "top_logprobs" if chat else "logprobs",
-                     "stop_ids": "stop_token_ids"}.get(field, field)
-        return cls(400, str(error), field)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,30 +67,6 @@ class Parsed:
     role: str = "assistant"
 
 
-# The JSON types a field may be (`get_field`).
-NUMBER, INT, BOOL, STR, OBJECT = (int, float), (int,), (bool,), (str,), (dict,)
-
-
-def _shown(value: Any, limit: int = 80) -> str:
-    """`value`'s repr for an error message, cut to `limit` characters."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
-def get_field(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
-    """`body`'s field `name`, or `default` where it is missing or null; a value that is
-    none of `kinds` (`INT`, `BOOL`, ...) is an APIError 400 naming the field."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        wanted = {NUMBER: "a number", INT: "an integer", BOOL: "a boolean",
-                  STR: "a string", OBJECT: "an object"}.get(
-            kinds, "/".join(k.__name__ for k in kinds))
-        raise APIError(400, f"{name}={_shown(value)} must be {wanted}", name)
-    return value
-
-
 # vLLM's extensions that would change the answer, which this server does not implement:
 # (name, its no-op value, a hint). Refused rather than ignored as unknown fields are.
 _VLLM_UNSUPPORTED = [
@@ -121,7 +74,6 @@ _VLLM_UNSUPPORTED = [
     ("include_stop_str_in_output", False, ""), ("skip_special_tokens", True, ""),
     ("allowed_token_ids", [], " (structured_outputs choice or regex can hold the output)"),
     ("bad_words", [], " (logit_bias can ban their tokens)"),
-    ("truncate_prompt_tokens", None, ""),
     ("prompt_logprobs", None, " (echo with logprobs and max_tokens 0 gives a prompt's "
                               "logprobs)"),
     ("return_tokens_as_token_ids", False, ""), ("logits_processors", None, ""),
@@ -155,10 +107,10 @@ def _refuse_unsupported(body: dict, chat_api: bool) -> None:
                         ("verbosity", "medium", "")]
     for name, off, hint in unsupported:
         if body.get(name) not in (None, off):
-            raise APIError(400, f"{name}={_shown(body[name])} is not supported by this "
+            raise APIError(400, f"{name}={shown(body[name])} is not supported by this "
                                 f"server{hint}", name)
     if body.get("best_of") not in (None, body.get("n", 1)):
-        raise APIError(400, f"best_of={_shown(body['best_of'])} is not supported: use n",
+        raise APIError(400, f"best_of={shown(body['best_of'])} is not supported: use n",
                        "best_of")
 
 
@@ -169,7 +121,7 @@ def _logit_bias(body: dict) -> tuple[tuple[int, Any], ...]:
     pairs = []
     for key, value in bias.items():
         if not (key.isascii() and key.isdecimal()):
-            raise APIError(400, f"logit_bias key {_shown(key)} must be a token id (a string "
+            raise APIError(400, f"logit_bias key {shown(key)} must be a token id (a string "
                                 "of digits)", "logit_bias")
         pairs.append((int(key), value))
     return tuple(pairs)
@@ -187,7 +139,7 @@ def _stops(body: dict, max_count: int, max_chars: int) -> tuple[str, ...]:
         return ()
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise APIError(400, f"stop={_shown(stop)} must be a string or a list of strings",
+        raise APIError(400, f"stop={shown(stop)} must be a string or a list of strings",
                        "stop")
     if len(stop) > max_count:
         raise APIError(400, f"stop has {len(stop)} strings: at most {max_count}", "stop")
@@ -206,79 +158,10 @@ def _stop_ids(body: dict, tokenizer) -> tuple[int, ...]:
     extra = [] if extra is None else extra
     if not isinstance(extra, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in extra):
-        raise APIError(400, f"stop_token_ids={_shown(extra)} must be a list of token ids",
+        raise APIError(400, f"stop_token_ids={shown(extra)} must be a list of token ids",
                        "stop_token_ids")
     own = () if get_field(body, "ignore_eos", BOOL, False) else tuple(tokenizer.stop_ids)
     return tuple(dict.fromkeys((*own, *extra)))
-
-
-def _completion_prompts(loaded: T.LoadedModel, prompt: Any, max_prompts: int,
-                        framed: bool = True) -> tuple[list[tuple], list[str]]:
-    """(token ids, text) of each prompt: a string, a list of strings, a list of token ids
-    or a list of such lists; at most `max_prompts` of them. A string is `framed` as the
-    model's prompts are (`text.prompt_tokens`), or else its tokens alone."""
-    def is_ids(value):
-        return (isinstance(value, list) and bool(value)
-                and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
-
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    elif is_ids(prompt):
-        prompt = [prompt]
-    if isinstance(prompt, list) and len(prompt) > max_prompts:
-        raise APIError(400, f"prompt holds {len(prompt)} prompts: at most {max_prompts}, "
-                            "the requests this server queues at once", "prompt")
-    if not isinstance(prompt, list) or not prompt or not all(
-            isinstance(p, str) or is_ids(p) for p in prompt):
-        raise APIError(400, "prompt must be a string, a list of strings, a list of token ids "
-                            "or a list of such lists", "prompt")
-    ids, texts = [], []
-    for p in prompt:
-        if isinstance(p, str):
-            ids.append(text_prompt(loaded, p, framed))
-            texts.append(p)
-        else:
-            ids.append(tuple(p))
-            texts.append(_decode(loaded, p))
-    return ids, texts
-
-
-def text_prompt(loaded: T.LoadedModel, text: str, framed: bool = True) -> tuple[int, ...]:
-    """The tokens a completion's `text` feeds the model: `framed` as the model's prompts are
-    (`text.prompt_tokens`: Llama's bos in front, a translator's source frame), or else the
-    text's own alone."""
-    return tuple(T.prompt_tokens(loaded, text) if framed else loaded.tokenizer.encode(text))
-
-
-def _decode(loaded: T.LoadedModel, ids) -> str:
-    try:
-        return loaded.tokenizer.decode(ids)
-    except ValueError as error:
-        raise APIError(400, str(error), "prompt") from None
-
-
-def chat_prompt(loaded: T.LoadedModel, body: dict, tools: Tools | None
-                ) -> tuple[tuple[int, ...], str]:
-    """(the tokens a chat request's messages feed the model, their text), with `tools`, the
-    template's variables (`_template_kwargs`), and ending as its `add_generation_prompt`
-    (default true) and `continue_final_message` (default false) ask (`chat.render`). A
-    translator has no chat: a 400."""
-    if loaded.is_translation:
-        raise APIError(400, "this model translates the prompt of /v1/completions; it has no "
-                            "chat", "messages")
-    ends = {name: get_field(body, name, BOOL, default) for name, default in (
-        ("add_generation_prompt", True), ("continue_final_message", False))}
-    if all(ends.values()):
-        raise APIError(400, "continue_final_message=true needs add_generation_prompt=false: "
-                            "the text ends inside the final message, not with a new answer's "
-                            "start", "continue_final_message")
-    try:
-        ids, text = chat.prompt_ids(loaded, body.get("messages"),
-                                    None if tools is None else tools.for_template(),
-                                    _template_kwargs(body), **ends)
-    except ValueError as error:
-        raise APIError(400, str(error), "messages") from None
-    return tuple(ids), text
 
 
 def _reasoning(parser: str | None, prompt_text: str, tokenizer: Any, tools: Tools | None):
@@ -289,20 +172,6 @@ def _reasoning(parser: str | None, prompt_text: str, tokenizer: Any, tools: Tool
         names = frozenset(f["name"] for f in tools.functions) if tools else frozenset()
         return harmony.Harmony(harmony.marker_ids(tokenizer), tokenizer.decode, names)
     return reasoning.Think(reasoning.starts_in_reasoning(prompt_text))
-
-
-def _template_kwargs(body: dict) -> dict[str, Any]:
-    """The variables a chat request adds to its chat template (`chat_template_kwargs`, and
-    `reasoning_effort`)."""
-    kwargs = get_field(body, "chat_template_kwargs", OBJECT, {})
-    effort = get_field(body, "reasoning_effort", STR)
-    if effort is not None:
-        kwargs = {"reasoning_effort": effort, **kwargs}
-    reserved = sorted(set(kwargs) & set(chat.RESERVED_TEMPLATE_VARIABLES))
-    if reserved:
-        raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}: the "
-                            "request's own fields give them", "chat_template_kwargs")
-    return kwargs
 
 
 SAMPLING_DEFAULTS = ("model", "openai")
@@ -393,7 +262,7 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
     else:
         if "prompt" not in body:
             raise APIError(400, "prompt is required", "prompt")
-        prompts, texts = _completion_prompts(
+        prompts, texts = completion_prompts(
             loaded, body["prompt"], max_prompts,
             framed=get_field(body, "add_special_tokens", BOOL, True))
         splits = None
@@ -408,6 +277,11 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
             raise APIError(400, "an encoder-decoder's prompt is the source it reads, not text "
                                 "it predicts: its tokens have no logprobs", "logprobs")
         echo = texts if echo_prompt else [""] * len(prompts)
+    cut = truncated(body, prompts, capacity)
+    if cut is not None:  # an echo shows what the model reads
+        echo = [decode_prompt(loaded, ids) if len(ids) < len(whole) and echo_prompt else text
+                for ids, whole, text in zip(cut, prompts, echo, strict=True)]
+        prompts = cut
     unset = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
              "repetition_penalty": 1.0} | (sampling_defaults or {})
     settings = dict(

@@ -22,15 +22,9 @@ from typing import Any
 
 from kvjax import text as T
 
-from .protocol import (
-    BOOL,
-    CHAT_ONLY_FIELDS,
-    APIError,
-    chat_prompt,
-    get_field,
-    requested_model,
-    text_prompt,
-)
+from .fields import BOOL, APIError, get_field
+from .prompts import chat_prompt, text_prompt
+from .protocol import CHAT_ONLY_FIELDS, requested_model
 from .tools import parse_tools
 
 
