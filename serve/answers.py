@@ -85,7 +85,10 @@ class Answer:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     def _token(self, token: int) -> str:
-        return self.tokenizer.decode([token])
+        """A logprob's token: its text, or as vLLM's return_tokens_as_token_ids writes it
+        (for a client that must tell tokens decoding to the same text apart)."""
+        return f"token_id:{token}" if self.parsed.tokens_as_ids else self.tokenizer.decode(
+            [token])
 
     def _logprobs(self, tokens, logprobs, top, offset: int = 0) -> Any:
         """The `logprobs` of a choice or of a delta, in the API's format (None if off)."""

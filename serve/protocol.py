@@ -13,8 +13,8 @@ Sampling defaults are OpenAI's: temperature 1, top_p 1, presence and frequency p
 object of token ids, as strings, to biases in [-100, 100]); kvjax's extra settings (`top_k`,
 `min_p`, `repetition_penalty`, `no_repeat_ngram_size`, `min_tokens`, `stop_token_ids`,
 `ignore_eos`, `add_special_tokens`, whose false leaves a completion's text unframed, and
-`truncate_prompt_tokens`, which keeps a prompt's last tokens: `prompts.py`) are read where
-given, as vLLM does.
+`truncate_prompt_tokens`, which keeps a prompt's last tokens: `prompts.py`, and
+`return_tokens_as_token_ids`) are read where given, as vLLM does.
 Structured output (`response_format`, `structured_outputs`), a translator's
 `target_language` and tools are read by `structured.py` and `tools.py`. A chat request's
 `chat_template_kwargs` (an object) are more variables for the model's chat template, as vLLM
@@ -65,6 +65,8 @@ class Parsed:
     # vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far.
     continuous_usage: bool = False
     role: str = "assistant"
+    # vLLM's return_tokens_as_token_ids: a logprob's token is "token_id:{id}", not its text.
+    tokens_as_ids: bool = False
 
 
 # vLLM's extensions that would change the answer, which this server does not implement:
@@ -76,7 +78,7 @@ _VLLM_UNSUPPORTED = [
     ("bad_words", [], " (logit_bias can ban their tokens)"),
     ("prompt_logprobs", None, " (echo with logprobs and max_tokens 0 gives a prompt's "
                               "logprobs)"),
-    ("return_tokens_as_token_ids", False, ""), ("logits_processors", None, ""),
+    ("logits_processors", None, ""),
     ("priority", 0, " (the engine serves requests oldest first)")]
 
 
@@ -315,4 +317,5 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
                                           else max_tokens, **settings))
     return Parsed(chat_api, model, tuple(requests), tuple(echo), echo_prompt, stream,
                   include_usage, want_logprobs, tools, splits, continuous_usage,
-                  role if chat_api else "assistant")
+                  role if chat_api else "assistant",
+                  get_field(body, "return_tokens_as_token_ids", BOOL, False))

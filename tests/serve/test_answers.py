@@ -116,6 +116,26 @@ def test_a_chat_stream_opens_with_the_role_and_its_logprobs_carry_bytes():
     assert "usage" not in chunks[-1]  # only when the stream options ask for it
 
 
+def test_tokens_asked_for_as_ids_are_written_token_id_colon_id():
+    for chat in (True, False):
+        body = ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                 "top_logprobs": 2} if chat else {"prompt": "hi", "logprobs": 2})
+        answer = answer_to({**body, "return_tokens_as_token_ids": True}, chat)
+        for delta in deltas_of([5, 6, 7], "stop", 2):
+            answer.add(0, delta)
+        logprobs = answer.final()["choices"][0]["logprobs"]
+        if chat:
+            whole = chat_types.ChatCompletion.model_validate(answer.final())
+            entries = whole.choices[0].logprobs.content
+            assert [e.token for e in entries] == ["token_id:5", "token_id:6", "token_id:7"]
+            assert entries[0].bytes == list(b"token_id:5")
+            assert [t.token for t in entries[0].top_logprobs] == ["token_id:5", "token_id:6"]
+        else:
+            assert logprobs["tokens"] == ["token_id:5", "token_id:6", "token_id:7"]
+            assert logprobs["top_logprobs"][2] == {"token_id:7": -0.5, "token_id:8": -1.5}
+            assert logprobs["text_offset"] == [0, 10, 20]
+
+
 def test_a_chats_echo_opens_its_content_streamed_or_whole_and_costs_no_tokens():
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, "}]
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
