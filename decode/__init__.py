@@ -2,6 +2,7 @@
 output; beam search."""
 
 from .constraints import (
+    AllowedTokens,
     Choice,
     JsonSchema,
     Regex,
@@ -19,7 +20,7 @@ from .speculative import SpeculationStats, Speculative
 from .tracing import trace_count
 
 __all__ = [
-    "GREEDY", "Choice", "DecodeState", "GenerateOutput", "JsonSchema", "LogitBias",
+    "GREEDY", "AllowedTokens", "Choice", "DecodeState", "GenerateOutput", "JsonSchema", "LogitBias",
     "LogitProcessor", "ProcessorState", "PromptState", "Regex", "Sampling", "SamplingParams",
     "SpeculationStats", "Speculative", "StartsWith", "StopReason", "TokenAutomaton", "beam_search",
     "compile_constraint", "decode_loop", "filter_logits", "forbid_tokens", "generate",

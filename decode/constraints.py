@@ -2,7 +2,8 @@
 or be JSON valid against a schema, compiled ahead of time into a token-level automaton; or
 output that starts with given token ids (`StartsWith`, a translator's target language).
 
-A constraint (`Regex`, `Choice`, `JsonSchema`) is a regular language over bytes.
+A constraint (`Regex`, `Choice`, `JsonSchema`) is a regular language over bytes;
+`AllowedTokens` (a set of ids allowed at every step) and `StartsWith` are read by id.
 `compile_constraint` turns it, for one tokenizer's vocabulary, into a `TokenAutomaton` (built
 by `outlines-core`): in each state, the tokens whose bytes keep the text inside the language,
 and the state each leads to. The end id is allowed exactly in accepting states, so a row
@@ -130,7 +131,23 @@ class StartsWith:
         return cls(tuple(ids))
 
 
-Constraint = Regex | Choice | JsonSchema | StartsWith
+@dataclasses.dataclass(frozen=True)
+class AllowedTokens:
+    """Output made of `token_ids` alone, at every step (vLLM's `allowed_token_ids`): the end
+    id ends it only if it is among them. Ids, not text: no tokenizer's bytes are read."""
+
+    token_ids: tuple[int, ...]
+
+    def __post_init__(self):
+        ids = tuple(self.token_ids) if isinstance(self.token_ids, list | tuple) else ()
+        if not ids or not all(isinstance(i, int | np.integer) and not isinstance(i, bool)
+                              and i >= 0 for i in ids):
+            raise ValueError(f"AllowedTokens needs a non-empty list of token ids >= 0, got "
+                             f"{self.token_ids!r}")
+        object.__setattr__(self, "token_ids", tuple(sorted({int(i) for i in ids})))
+
+
+Constraint = Regex | Choice | JsonSchema | StartsWith | AllowedTokens
 
 
 def check_schema(schema: Any, path: str = "#") -> None:
@@ -191,14 +208,16 @@ def compile_constraint(constraint: Constraint, tokenizer,
                        end_id: int | None = None) -> TokenAutomaton:
     """`constraint` as an automaton over `tokenizer`'s ids (`token_bytes()`), ended by
     `end_id` (default: its EOS). Cached per tokenizer, constraint and end id."""
-    if not isinstance(constraint, Regex | Choice | JsonSchema | StartsWith):
-        raise ValueError(f"a constraint is a decode.Regex, Choice, JsonSchema or StartsWith, "
-                         f"got {type(constraint).__name__}")
+    if not isinstance(constraint, Regex | Choice | JsonSchema | StartsWith | AllowedTokens):
+        raise ValueError(f"a constraint is a decode.Regex, Choice, JsonSchema, StartsWith or "
+                         f"AllowedTokens, got {type(constraint).__name__}")
     end_id = tokenizer.eos_id if end_id is None else int(end_id)
     if end_id is None or not 0 <= end_id < tokenizer.vocab_size:
         raise ValueError(f"constrained output needs an end id in the vocabulary, got {end_id}")
     if isinstance(constraint, StartsWith):
         return _starts_with(constraint, end_id, tokenizer.vocab_size)
+    if isinstance(constraint, AllowedTokens):
+        return _allowed_tokens(constraint, end_id, tokenizer.vocab_size)
     with _lock:
         cached = _cache.setdefault(tokenizer, {"vocabularies": {},
                                                "automata": collections.OrderedDict()})
@@ -260,6 +279,18 @@ def _starts_with(constraint: StartsWith, end_id: int, vocab_size: int) -> TokenA
     next_states = np.concatenate([np.arange(1, k + 1), np.full(vocab_size, k)]).astype(np.int32)
     return TokenAutomaton(constraint, end_id, vocab_size, 0, starts, counts, tokens,
                           next_states)
+
+
+@functools.lru_cache(maxsize=_CACHED_AUTOMATA)
+def _allowed_tokens(constraint: AllowedTokens, end_id: int, vocab_size: int) -> TokenAutomaton:
+    """One state, allowing the listed ids and staying there."""
+    tokens = np.array(constraint.token_ids, np.int32)
+    if tokens.max() >= vocab_size:
+        raise ValueError(f"allowed token {int(tokens.max())} is outside the vocabulary "
+                         f"[0, {vocab_size})")
+    return TokenAutomaton(constraint, end_id, vocab_size, 0, np.zeros(1, np.int32),
+                          np.array([tokens.size], np.int32), tokens,
+                          np.zeros(tokens.size, np.int32))
 
 
 def _build(constraint: Constraint, vocabulary, end_id: int, vocab_size: int) -> TokenAutomaton:

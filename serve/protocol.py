@@ -74,7 +74,6 @@ class Parsed:
 _VLLM_UNSUPPORTED = [
     ("use_beam_search", False, " (kvjax serves beam search through decode.beam_search)"),
     ("include_stop_str_in_output", False, ""), ("skip_special_tokens", True, ""),
-    ("allowed_token_ids", [], " (structured_outputs choice or regex can hold the output)"),
     ("bad_words", [], " (logit_bias can ban their tokens)"),
     ("prompt_logprobs", None, " (echo with logprobs and max_tokens 0 gives a prompt's "
                               "logprobs)"),

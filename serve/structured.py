@@ -9,6 +9,8 @@
                      {"json": {...}}                  JSON valid for the schema;
   guided_regex, guided_choice, guided_json            the same, by vLLM's earlier names
                                                       (guided_json also as JSON text);
+  allowed_token_ids [id, ...]                         (vLLM's) those ids alone, at every
+                                                      step (the end id only if listed);
   tools with tool_choice "required" or a function     the calls (`tools.py`);
   target_language "fra_Latn"                          (an extension, a translator's) a
                                                       target that starts with the language's
@@ -20,7 +22,7 @@ One request takes one of these; a server's default target language (`kvjax serve
 compiled (`decode.compile_constraint`, cached per model and constraint) while the request is
 parsed, off the event loop; a schema keyword the automaton cannot enforce is a 400 naming
 it. The output ends with the model's end-of-text id, which the automaton allows only where
-the text is complete.
+the text is complete (or, for allowed_token_ids, where the list has it).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 from kvjax.decode.checks import InvalidValue
 from kvjax.decode.constraints import (
+    AllowedTokens,
     Choice,
     Constraint,
     JsonSchema,
@@ -84,6 +87,9 @@ def requested(body: dict, tools: Tools | None) -> tuple[Constraint | None, str |
         raise InvalidValue("guided_grammar", "guided_grammar (a context-free grammar) is not "
                                              "supported: guided_regex, guided_choice and "
                                              "guided_json are")
+    if body.get("allowed_token_ids") is not None:  # vLLM's
+        asked.append((_made("allowed_token_ids", AllowedTokens, body["allowed_token_ids"]),
+                      "allowed_token_ids"))
     if tools is not None and tools.constraint() is not None:
         asked.append((tools.constraint(), "tool_choice"))
     if len(asked) > 1:

@@ -90,6 +90,9 @@ def test_a_keyword_an_automaton_cannot_enforce_is_named(schema, keyword, where):
     (lambda: decode.StartsWith(()), "needs token ids >= 0"),
     (lambda: decode.StartsWith((3, -1)), "needs token ids >= 0"),
     (lambda: decode.StartsWith((True,)), "needs token ids >= 0"),
+    (lambda: decode.AllowedTokens([]), "a non-empty list of token ids >= 0"),
+    (lambda: decode.AllowedTokens([4, -1]), "a non-empty list of token ids >= 0"),
+    (lambda: decode.AllowedTokens("4"), "a non-empty list of token ids >= 0"),
 ])
 def test_a_bad_constraint_is_a_clear_error(make, message):
     with pytest.raises(ValueError, match=message):
@@ -128,6 +131,20 @@ def test_starts_with_allows_its_tokens_in_turn_then_any_and_reads_no_bytes():
     assert decode.compile_constraint(decode.StartsWith([7, 5]), tok) is automaton  # reused
     with pytest.raises(ValueError, match=f"StartsWith token {tok.vocab_size} is outside"):
         decode.compile_constraint(decode.StartsWith((1, tok.vocab_size)), tok)
+
+
+def test_allowed_tokens_are_allowed_alone_at_every_step_and_read_no_bytes():
+    tok = huggingface.load_tokenizer(HF_MODELS / "marian")
+    automaton = decode.compile_constraint(decode.AllowedTokens([9, 4, 9, tok.eos_id]), tok)
+    assert automaton.num_states == 1
+    assert automaton.allowed(automaton.initial).tolist() == sorted({4, 9, tok.eos_id})
+    for token in (4, 9, tok.eos_id):
+        assert automaton.next_state(automaton.initial, token) == automaton.initial
+    with pytest.raises(ValueError, match="not allowed"):
+        automaton.next_state(automaton.initial, 5)
+    assert decode.compile_constraint(decode.AllowedTokens((4, 9, tok.eos_id)), tok) is automaton
+    with pytest.raises(ValueError, match=f"allowed token {tok.vocab_size} is outside"):
+        decode.compile_constraint(decode.AllowedTokens([tok.vocab_size]), tok)
 
 
 def test_a_marian_tokenizer_is_refused_by_name():

@@ -98,7 +98,7 @@ def test_sampled_json_answers_that_end_validate(client):
         assert isinstance(json.loads(anything.choices[0].message.content), dict)
 
 
-def test_the_regex_and_choice_extensions(client):
+def test_the_regex_choice_and_allowed_tokens_extensions(client, loaded):
     answer = client.completions.create(
         model=MODEL, prompt="x = ", max_tokens=12, temperature=1.0, seed=1, n=3,
         extra_body={"structured_outputs": {"regex": "0x[0-9a-f]{4}"}})
@@ -109,6 +109,15 @@ def test_the_regex_and_choice_extensions(client):
         model=MODEL, messages=[{"role": "user", "content": "Which loop?"}], max_tokens=8,
         extra_body={"structured_outputs": {"choice": ["for", "while", "async for"]}})
     assert answer.choices[0].message.content in ("for", "while", "async for")
+    # vLLM's allowed_token_ids: those ids alone, read back through return_tokens_as_token_ids.
+    allowed = sorted(set(loaded.tokenizer.encode("0123456789 abc")))
+    answer = client.completions.create(
+        model=MODEL, prompt="x = ", max_tokens=6, temperature=1.0, seed=2, n=2, logprobs=0,
+        extra_body={"allowed_token_ids": allowed, "return_tokens_as_token_ids": True})
+    for choice in answer.choices:
+        made = [int(token.removeprefix("token_id:")) for token in choice.logprobs.tokens]
+        assert len(made) == 6 and set(made) <= set(allowed), made
+        assert choice.finish_reason == "length"  # the end id is not among them
 
 
 def test_required_and_named_tool_choices_answer_with_valid_tool_calls(client):

@@ -4,7 +4,7 @@ answers under these constraints are in test_server_structured.py)."""
 
 import pytest
 
-from kvjax.decode import Choice, JsonSchema, Regex
+from kvjax.decode import AllowedTokens, Choice, JsonSchema, Regex
 from kvjax.decode.checks import InvalidValue
 from kvjax.serve.structured import ANY_OBJECT, compiled, requested
 from kvjax.serve.tools import Tools
@@ -26,6 +26,7 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
     ({"guided_choice": ["yes", "no"]}, Choice(["yes", "no"]), "guided_choice"),
     ({"guided_json": SCHEMA}, JsonSchema(SCHEMA), "guided_json"),
     ({"guided_json": '{"type": "object"}'}, JsonSchema(ANY_OBJECT), "guided_json"),
+    ({"allowed_token_ids": [7, 3, 7]}, AllowedTokens((3, 7)), "allowed_token_ids"),
 ])
 def test_each_way_of_asking_holds_the_output_to_its_constraint(body, expected, field):
     assert requested(body, None) == (expected, field)
@@ -60,6 +61,10 @@ def test_a_required_tool_call_is_the_constraint_and_auto_is_none():
     ({"guided_grammar": "root ::= 'a'"}, "guided_grammar", r"grammar\) is not supported"),
     ({"structured_outputs": {"regex": "a"}, "guided_json": SCHEMA}, "guided_json",
      "structured_outputs and guided_json both hold the output"),
+    ({"allowed_token_ids": []}, "allowed_token_ids", "a non-empty list of token ids"),
+    ({"allowed_token_ids": 5}, "allowed_token_ids", "a non-empty list of token ids"),
+    ({"guided_regex": "a", "allowed_token_ids": [5]}, "allowed_token_ids",
+     "guided_regex and allowed_token_ids both hold the output"),
 ])
 def test_a_malformed_or_second_request_for_structure_is_refused_by_name(body, field, message):
     with pytest.raises(InvalidValue, match=message) as error:
