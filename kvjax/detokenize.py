@@ -29,11 +29,12 @@ class RowText:
     Text is decoded from all tokens so far and only its new suffix is sent, so a character
     split over byte pieces of two chunks comes out whole; a suffix that could still grow
     into a stop string waits. The text ends before the first of `stop_ids` (default: the
-    tokenizer's), the ids that end the sample."""
+    tokenizer's), the ids that end the sample, and before the stop string it meets, or after
+    it with `keep_stop` (vLLM's `include_stop_str_in_output`)."""
 
     def __init__(self, tokenizer: TextTokenizer, stop: tuple[str, ...],
-                 stop_ids: tuple[int, ...] | None = None):
-        self.tokenizer, self.stop = tokenizer, stop
+                 stop_ids: tuple[int, ...] | None = None, keep_stop: bool = False):
+        self.tokenizer, self.stop, self.keep_stop = tokenizer, stop, keep_stop
         self.stop_ids = frozenset(tokenizer.stop_ids if stop_ids is None else stop_ids)
         self.ids: list[int] = []
         self.sent = ""
@@ -61,7 +62,8 @@ class RowText:
             while self._stop_at(self._decode(self.ids[:checked + 1])) is None:
                 checked += 1
             self.ids = self.ids[:checked + 1]
-            self.text, self.stopped = text[:cut], True
+            met = next(s for s in self.stop if text.startswith(s, cut)) if self.keep_stop else ""
+            self.text, self.stopped = text[:cut + len(met)], True
             safe = self.text
         else:
             safe = text.rstrip("\ufffd")  # an unfinished UTF-8 sequence waits for its bytes

@@ -13,8 +13,9 @@ Sampling defaults are OpenAI's: temperature 1, top_p 1, presence and frequency p
 object of token ids, as strings, to biases in [-100, 100]); kvjax's extra settings (`top_k`,
 `min_p`, `repetition_penalty`, `no_repeat_ngram_size`, `min_tokens`, `stop_token_ids`,
 `ignore_eos`, `add_special_tokens`, whose false leaves a completion's text unframed, and
-`truncate_prompt_tokens`, which keeps a prompt's last tokens: `prompts.py`, and
-`return_tokens_as_token_ids`) are read where given, as vLLM does.
+`truncate_prompt_tokens`, which keeps a prompt's last tokens: `prompts.py`,
+`return_tokens_as_token_ids` and `include_stop_str_in_output`) are read where given, as
+vLLM does.
 Structured output (`response_format`, `structured_outputs`), a translator's
 `target_language` and tools are read by `structured.py` and `tools.py`. A chat request's
 `chat_template_kwargs` (an object) are more variables for the model's chat template, as vLLM
@@ -73,7 +74,7 @@ class Parsed:
 # (name, its no-op value, a hint). Refused rather than ignored as unknown fields are.
 _VLLM_UNSUPPORTED = [
     ("use_beam_search", False, " (kvjax serves beam search through decode.beam_search)"),
-    ("include_stop_str_in_output", False, ""), ("skip_special_tokens", True, ""),
+    ("skip_special_tokens", True, ""),
     ("bad_words", [], " (logit_bias can ban their tokens)"),
     ("prompt_logprobs", None, " (echo with logprobs and max_tokens 0 gives a prompt's "
                               "logprobs)"),
@@ -301,6 +302,7 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
         seed=get_field(body, "seed", INT), stop=_stops(body, max_stop_strings, max_stop_chars),
         logprobs=top or 0, adapter=names.index(model),
         cache_salt=get_field(body, "cache_salt", STR),
+        include_stop=get_field(body, "include_stop_str_in_output", BOOL, False),
         stop_ids=_stop_ids(body, loaded.tokenizer), forced_end_id=loaded.tokenizer.forced_end,
         banned_ids=loaded.tokenizer.banned_ids,
         constraint=None if constraint is None else structured.compiled(

@@ -50,7 +50,9 @@ class GenerationRequest:
                  `decode.generate` forces it (a translator's `forced_eos_token_id`), or None.
     banned_ids:  token ids a sample never makes (a generation config's one-token
                  `bad_words_ids`, Marian's pad), at most `MAX_BANNED_IDS`.
-    stop:        strings that end a sample's text (neither streamed nor returned).
+    stop:        strings that end a sample's text (neither streamed nor returned, unless
+                 `include_stop`: then the one met ends it, as vLLM's
+                 `include_stop_str_in_output`).
     seed:        the sample's tokens depend on it and on nothing else the batch holds;
                  None draws one.
     logprobs:    top logprobs to report per token (0: only the chosen token's).
@@ -76,6 +78,7 @@ class GenerationRequest:
     constraint: TokenAutomaton | None = None
     adapter: int = 0
     cache_salt: str | None = None
+    include_stop: bool = False
 
     def checked(self, vocab_size: int, capacity: int, prompt_slots: int | None = None,
                 source_capacity: int | None = None) -> GenerationRequest:

@@ -84,6 +84,25 @@ def test_streamed_text_is_the_text_before_the_first_stop_string_whatever_the_chu
             assert row.add(tokenizer.encode("more")) == ""
 
 
+@pytest.mark.parametrize("text", TEXTS)
+def test_a_stop_string_kept_ends_the_text_it_is_met_in_whatever_the_chunks(text):
+    """vLLM's include_stop_str_in_output: the text goes on to the end of the stop string
+    met first, and no further."""
+    stop = ("ends", "STO")
+    tokenizer = ByteTokenizer()
+    cuts = [text.find(s) for s in stop if s in text]
+    want = text[:min(cuts)] + next(s for s in stop if text.startswith(s, min(cuts))) \
+        if cuts else text
+    rng = np.random.default_rng(len(text))
+    for _ in range(5):
+        row = RowText(tokenizer, stop, keep_stop=True)
+        shown = "".join(row.add(chunk) for chunk in random_chunks(tokenizer.encode(text), rng))
+        if not row.stopped:
+            row.finish(row.ids)
+        assert row.text == want and want.startswith(shown)
+        assert row.stopped == bool(cuts) and (shown == want or not cuts)
+
+
 def test_text_after_a_stop_id_is_never_shown():
     tokenizer = ByteTokenizer()
     ids = tokenizer.encode("before") + [STOP_ID] + tokenizer.encode("after")

@@ -163,20 +163,21 @@ def test_first_tokens_compile_once_per_row_count_whatever_the_prompt_bucket(tiny
     assert (traces() - first_bucket).tolist() == [2, 0]
 
 
-def test_a_stop_string_ends_the_text_before_it_and_never_leaks(engine, tiny_lm):
+def test_a_stop_string_ends_the_text_before_it_or_after_it_and_never_leaks(engine, tiny_lm):
     request = GenerationRequest(prompt(50, 4), max_tokens=8)
     tokens = alone(tiny_lm, request)
     text = FakeTokenizer.decode(tokens)
     stop = text[5:7]
     cut = text.index(stop)
-    collector = Collector()
-    engine.submit(GenerationRequest(request.prompt, max_tokens=8, stop=(stop, "never")),
-                  collector)
-    engine.run_until_idle()
-    assert collector.text() == text[:cut]
-    assert collector.finish() == "stop"
-    # The tokens end with the one that completed the stop string.
-    assert collector.tokens() == tokens[:cut + len(stop)]
+    for keep in (False, True):  # vLLM's include_stop_str_in_output
+        collector = Collector()
+        engine.submit(GenerationRequest(request.prompt, max_tokens=8, stop=(stop, "never"),
+                                        include_stop=keep), collector)
+        engine.run_until_idle()
+        assert collector.text() == text[:cut + keep * len(stop)]
+        assert collector.finish() == "stop"
+        # The tokens end with the one that completed the stop string.
+        assert collector.tokens() == tokens[:cut + len(stop)]
 
 
 def test_a_cancelled_request_frees_its_slot_within_one_chunk(engine):

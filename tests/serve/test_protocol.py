@@ -56,6 +56,8 @@ def test_a_completion_body_becomes_one_request_per_prompt_setting_for_setting():
         *FakeTokenizer.stop_ids, 7)
     assert completion(stop_token_ids=[7], ignore_eos=True).requests[0].stop_ids == (7,)
     assert completion(ignore_eos=True).requests[0].stop_ids == ()
+    assert completion(include_stop_str_in_output=True).requests[0].include_stop
+    assert not completion().requests[0].include_stop
     assert parsed.stream and parsed.include_usage and parsed.logprobs and not parsed.chat
     assert [r.prompt for r in completion(prompt=[[5], [6, 7]]).requests] == [(5,), (6, 7)]
     assert [r.prompt for r in completion(prompt=["A", "B"]).requests] == [
