@@ -172,7 +172,8 @@ class ResponseAnswer:
                 "previous_response_id": body.get("previous_response_id"),
                 "reasoning": body.get("reasoning"),
                 "text": body.get("text") or {"format": {"type": "text"}},
-                "top_logprobs": body.get("top_logprobs") or 0, "truncation": "disabled",
+                "top_logprobs": body.get("top_logprobs") or 0,
+                "truncation": body.get("truncation") or "disabled",
                 "background": self.background, "usage": usage, "user": body.get("user")}
 
     # The stream ------------------------------------------------------------------------------

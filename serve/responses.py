@@ -10,11 +10,13 @@ and their outputs. A `background` request is answered at once with the response 
 client polls it (`GET /v1/responses/{id}`) or cancels it. What kvjax does not have is a 400
 naming the field: conversations (`conversation`), streaming a background response, prompt
 templates, built-in tools (web or file search, code interpreter, ...), input other than
-text, `truncation: "auto"` and reasoning summaries.
+text and reasoning summaries. With `truncation: "auto"` a conversation too long for a slot
+loses its earliest turns (`fitted`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from .protocol import APIError
@@ -30,8 +32,6 @@ SHARED_FIELDS = ("model", "temperature", "top_p", "top_k", "min_p", "repetition_
 _REFUSED = [("conversation", (None,), "send the conversation as input, or go on from a "
                                       "response with previous_response_id"),
             ("prompt", (None,), "prompt templates are not stored here"),
-            ("truncation", (None, "disabled"), "a prompt longer than a slot is refused, "
-                                               "never cut"),
             ("max_tool_calls", (None,), ""), ("context_management", (None,), "")]
 # The statuses of an answer a request may go on from.
 FINISHED = ("completed", "incomplete")
@@ -62,6 +62,9 @@ def chat_body(body: Any, store: ResponseStore | None = None) -> dict:
         if body.get(name, None) not in off:
             raise APIError(400, f"{name} is not supported by this server"
                                 + (f": {why}" if why else ""), name)
+    if body.get("truncation") not in (None, "disabled", "auto"):
+        raise APIError(400, f"truncation={body['truncation']!r} must be 'disabled' or 'auto'",
+                       "truncation")
     if body.get("background") not in (None, False, True):
         raise APIError(400, f"background={body['background']!r} must be a boolean", "background")
     if body.get("background") and (body.get("stream") or body.get("store") is False
@@ -96,6 +99,26 @@ def chat_body(body: Any, store: ResponseStore | None = None) -> dict:
     chat.update(_text_format(body.get("text")))
     chat.update(_reasoning(body.get("reasoning")))
     return chat
+
+
+def fitted(chat: dict, body: dict, prompt_length: Callable[[dict], int], capacity: int) -> dict:
+    """`chat` (what `chat_body` made of `body`) with its earliest turns dropped, each a user
+    message and what answered it, until its prompt (`prompt_length` tokens) and output fit
+    a slot of `capacity` tokens, where `body` asks for `truncation: "auto"`. The system
+    message stays; so does the last turn, which the chat path refuses if it still does not
+    fit."""
+    if body.get("truncation") != "auto":
+        return chat
+    room = chat.get("max_completion_tokens") or 1
+    messages = chat["messages"]
+    kept = 1 if messages and messages[0].get("role") in ("system", "developer") else 0
+    system, turns = messages[:kept], messages[kept:]
+    while prompt_length({**chat, "messages": system + turns}) + room > capacity:
+        later = next((i for i in range(1, len(turns)) if turns[i].get("role") == "user"), None)
+        if later is None:
+            break
+        turns = turns[later:]
+    return {**chat, "messages": system + turns}
 
 
 def _earlier(body: dict, store: ResponseStore | None) -> list[dict]:

@@ -40,10 +40,12 @@ from .background import BackgroundResponses
 from .engine import Engine, EngineFailed, QueueFull
 from .limits import Limits, authorized, read_json
 from .metrics import ServeMetrics
+from .prompts import chat_prompt
 from .protocol import APIError, Parsed, model_sampling_defaults, parse, requested_model
 from .response_answers import ResponseAnswer
 from .response_store import ResponseStore
 from .tokenization import detokenize, tokenize
+from .tools import parse_tools
 
 RETRY_AFTER_SECONDS = 1
 # Adapter slots and rank a server that loads adapters while serving has by default (vLLM's
@@ -225,9 +227,13 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
             # Off the event loop: tokenizing many or long prompts must not stall other
             # requests' streams, nor /health.
             chat = responses.chat_body(body, stored) if responses_api else body
+            whole = chat.get("messages")  # kept whole, though a slot may take less of it
+            if responses_api:
+                chat = await asyncio.to_thread(responses.fitted, chat, body, lambda c: len(
+                    chat_prompt(loaded, c, parse_tools(c))[0]), engine.capacity)
             parsed = await asyncio.to_thread(_parse_and_check, chat, chat_api)
             metrics.count_model_request(parsed.model)
-            answer = (ResponseAnswer(parsed, loaded.tokenizer, body, chat["messages"], stored)
+            answer = (ResponseAnswer(parsed, loaded.tokenizer, body, whole, stored)
                       if responses_api else Answer(parsed, loaded.tokenizer))
             if parsed.echo_prompt and parsed.logprobs:
                 for prompt, generation in enumerate(parsed.requests):

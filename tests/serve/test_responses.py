@@ -11,7 +11,7 @@ from conftest import FakeTokenizer
 from kvjax import model as M
 from kvjax.serve.protocol import APIError, parse
 from kvjax.serve.response_store import ResponseStore
-from kvjax.serve.responses import chat_body
+from kvjax.serve.responses import chat_body, fitted
 from kvjax.text import LoadedModel
 
 MODEL = "tiny"
@@ -137,7 +137,7 @@ def test_tools_formats_reasoning_and_logprobs_are_the_chats():
     (dict(background="yes"), "background", "background='yes' must be a boolean"),
     (dict(background=True), "background", "on a server that keeps responses"),
     (dict(prompt={"id": "p"}), "prompt", "prompt templates"),
-    (dict(truncation="auto"), "truncation", "never cut"),
+    (dict(truncation="middle"), "truncation", "truncation='middle' must be 'disabled' or"),
     (dict(input=None), "input", "input is required"),
     (dict(input=[]), "input", "a non-empty list of items"),
     (dict(input=[{"type": "item_reference", "id": "msg_1"}]), "input",
@@ -173,3 +173,25 @@ def test_what_the_chat_path_refuses_it_refuses_for_responses_too():
               LOADED, MODEL, 64, chat_api=True)
     with pytest.raises(APIError, match="The model `gpt-4` does not exist"):
         parse(chat_body({"model": "gpt-4", "input": "x"}), LOADED, MODEL, 64, chat_api=True)
+
+
+def test_auto_truncation_drops_the_earliest_turns_until_the_prompt_and_output_fit():
+    turns = [{"role": "user", "content": "1" * 10}, {"role": "assistant", "content": "2" * 10},
+             {"role": "user", "content": "3" * 10}, {"role": "assistant", "content": "",
+                                                    "tool_calls": [{"id": "c"}]},
+             {"role": "tool", "content": "4" * 10}, {"role": "user", "content": "5" * 10}]
+    chat = {"messages": [{"role": "system", "content": "S"}, *turns],
+            "max_completion_tokens": 8}
+
+    def length(c):  # a prompt's tokens: a character each
+        return sum(len(m["content"]) for m in c["messages"])
+
+    def kept(capacity, truncation="auto"):
+        return fitted(chat, {"truncation": truncation}, length, capacity)["messages"]
+
+    assert kept(59) == chat["messages"]  # 51 + 8 fit
+    assert kept(58) == [chat["messages"][0], *turns[2:]]  # a whole turn goes
+    assert kept(39) == [chat["messages"][0], *turns[2:]]
+    assert kept(38) == [chat["messages"][0], turns[-1]]  # a call goes with its output
+    assert kept(5) == [chat["messages"][0], turns[-1]]  # the last turn stays: then refused
+    assert kept(5, "disabled") == kept(5, None) == chat["messages"]

@@ -131,6 +131,13 @@ def test_the_responses_api_answers_what_the_chat_answers(client):
         client.responses.retrieve(then.id)
     with pytest.raises(openai.NotFoundError, match="Previous response with id 'resp_gone'"):
         client.responses.create(model=MODEL, input="hi", previous_response_id="resp_gone")
+    # Too long for a slot: refused, or with truncation auto its earliest turns dropped.
+    long = [{"role": "user", "content": "x" * 40}, {"role": "assistant", "content": "y"},
+            {"role": "user", "content": "Hi."}]
+    with pytest.raises(openai.BadRequestError, match="leaves no room in a slot of 64"):
+        client.responses.create(**{**settings, "input": long})
+    cut = client.responses.create(**{**settings, "input": long}, truncation="auto")
+    assert (cut.output_text, cut.truncation) == (whole.output_text, "auto")
     # What the chat path refuses names the Responses request's own field.
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(model=MODEL, input="hi", max_output_tokens=10_000)
