@@ -25,9 +25,12 @@ class BackgroundResponses:
     def start(self, answer: ResponseAnswer, tickets: list,
               next_delta: Callable[[], Awaitable]) -> dict:
         """Runs `answer`, whose `tickets` the engine serves, adding what each `next_delta()`
-        brings until it is done; the response as it stands now."""
+        brings until it is done; the response as it stands now, kept as it stands so that a
+        request going on from it is told it has not ended."""
         task = asyncio.ensure_future(self._run(answer, next_delta))
         self._running[answer.id] = (answer, tickets, task)
+        if answer.store is not None:
+            answer.store.put(answer.current(), [], answer.items)
         return answer.current()
 
     async def _run(self, answer: ResponseAnswer, next_delta) -> None:

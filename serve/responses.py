@@ -132,10 +132,11 @@ def _earlier(body: dict, store: ResponseStore | None) -> list[dict]:
                             f"keeps the most recent {store.capacity if store else 0} it "
                             "answered with store true", "previous_response_id",
                        kind="not_found_error")
-    if kept.response["status"] not in FINISHED:
-        raise APIError(400, f"Previous response {previous!r} is {kept.response['status']}: a "
-                            f"request goes on from a {' or '.join(FINISHED)} one",
-                       "previous_response_id")
+    status = kept.response["status"]
+    if status not in FINISHED:  # a background one running, cancelled or failed
+        why = "has not ended" if status in ("queued", "in_progress") else f"is {status}"
+        raise APIError(400, f"Previous response {previous!r} {why}: a request goes on from "
+                            f"a {' or '.join(FINISHED)} one", "previous_response_id")
     return [dict(message) for message in kept.conversation]
 
 

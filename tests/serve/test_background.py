@@ -78,6 +78,10 @@ def test_a_cancelled_background_response_frees_its_slot_and_stays_cancelled(serv
                     background=True)
     running = poll(client, client.responses.create(**settings).id, ("queued",))
     assert running.status == "in_progress"
+    with pytest.raises(openai.BadRequestError, match="has not ended: a request goes on from a "
+                                                     "completed or incomplete one"):
+        client.responses.create(model=SERVED_MODEL, input="go on",
+                                previous_response_id=running.id)
     cancelled = client.responses.cancel(running.id)
     assert (cancelled.status, cancelled.output) == ("cancelled", [])
     assert client.responses.retrieve(running.id).status == "cancelled"
