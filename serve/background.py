@@ -3,7 +3,7 @@ long tasks): the request is answered at once with the response queued; a task of
 loop gathers the engine's tokens while the client reads the response as it stands
 (`GET /v1/responses/{id}`), cancels it (`POST /v1/responses/{id}/cancel`, which frees its
 slot) or deletes it. Ended (completed, incomplete, cancelled or failed), it is kept in the
-response store as any other answer is.
+response store as any other answer is; a server shutting down cancels those still running.
 """
 
 from __future__ import annotations
@@ -63,3 +63,8 @@ class BackgroundResponses:
             ticket.cancel()
         self._count("cancelled")
         return answer.end("cancelled")
+
+    def cancel_all(self) -> None:
+        """Stops every running answer, as the server shuts down."""
+        for response_id in list(self._running):
+            self.cancel(response_id)

@@ -370,6 +370,7 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
         try:
             yield
         finally:
+            background.cancel_all()
             engine.close()
 
     app = Starlette(routes=[

@@ -102,12 +102,41 @@ def test_a_cancelled_background_response_frees_its_slot_and_stays_cancelled(serv
     assert metric(url, "kvjax_generated_tokens_total") - generated < 2 * 40
 
 
-def test_an_engine_failure_ends_a_background_response_failed_and_kept(tiny_loaded):
-    store, counted = ResponseStore(capacity=4), []
+def answer_of(loaded, store: ResponseStore) -> ResponseAnswer:
     body = {"model": SERVED_MODEL, "input": "Hi.", "background": True}
     chat = chat_body(body, store)
-    parsed = parse(chat, tiny_loaded, SERVED_MODEL, capacity=64, chat_api=True)
-    answer = ResponseAnswer(parsed, tiny_loaded.tokenizer, body, chat["messages"], store)
+    parsed = parse(chat, loaded, SERVED_MODEL, capacity=64, chat_api=True)
+    return ResponseAnswer(parsed, loaded.tokenizer, body, chat["messages"], store)
+
+
+def test_a_shutdown_cancels_every_running_background_response(tiny_loaded):
+    store, cancelled = ResponseStore(capacity=4), []
+
+    class Ticket:
+        def cancel(self):
+            cancelled.append(self)
+
+    async def never():
+        await asyncio.Event().wait()
+
+    async def run():
+        running = BackgroundResponses(lambda outcome: None)
+        answers = [answer_of(tiny_loaded, store) for _ in range(2)]
+        for answer in answers:
+            running.start(answer, [Ticket()], never)
+        await asyncio.sleep(0)
+        running.cancel_all()
+        await asyncio.sleep(0)
+        return answers, running
+
+    answers, running = asyncio.run(run())
+    assert len(cancelled) == 2 and all(running.get(a.id) is None for a in answers)
+    assert [store.get(a.id).response["status"] for a in answers] == ["cancelled"] * 2
+
+
+def test_an_engine_failure_ends_a_background_response_failed_and_kept(tiny_loaded):
+    store, counted = ResponseStore(capacity=4), []
+    answer = answer_of(tiny_loaded, store)
     running = BackgroundResponses(counted.append)
 
     async def engine_fails():
