@@ -63,21 +63,36 @@ def reference_greedy(lm, prompt_ids, automaton, steps):
     return generated
 
 
+def greedy_rows(lm, constraints):
+    """(prompts, greedy rows) of three prompts, each under its one of `constraints`."""
+    prompts = [prompt(lm, "The for statement"), prompt(lm, "A loop"),
+               prompt(lm, "The list type")]
+    out = decode.generate(lm.net, lm.params, prompts, max_new_tokens=40,
+                          eos_ids=lm.tokenizer.stop_ids, constraint=constraints)
+    return prompts, out.token_lists()
+
+
 def test_greedy_equals_the_argmax_over_allowed_tokens_and_other_rows_are_untouched(lm):
     tok = lm.tokenizer
     person = decode.compile_constraint(decode.JsonSchema(PERSON), tok)
     choice = decode.compile_constraint(decode.Choice(["for", "for each", "while"]), tok)
-    prompts = [prompt(lm, "The for statement"), prompt(lm, "A loop"),
-               prompt(lm, "The list type")]
-    out = decode.generate(lm.net, lm.params, prompts, max_new_tokens=40, eos_ids=tok.stop_ids,
-                          constraint=[person, choice, None])
+    prompts, rows = greedy_rows(lm, [person, choice, None])
     alone = decode.generate(lm.net, lm.params, prompts[2:], max_new_tokens=40,
                             eos_ids=tok.stop_ids)
-    rows = out.token_lists()
     assert rows[0] == reference_greedy(lm, prompts[0], person, 40)
     assert rows[1] == reference_greedy(lm, prompts[1], choice, 40)
     assert tok.decode(rows[1]) in ("for", "for each", "while")
     assert rows[2] == alone.token_lists()[0]
+
+
+def test_allowed_tokens_hold_every_step_to_their_ids_the_end_only_if_listed(lm):
+    tok = lm.tokenizer
+    ids = sorted(set(tok.encode("for each loop in a list")))
+    allowed = decode.compile_constraint(decode.AllowedTokens(ids), tok)
+    choice = decode.compile_constraint(decode.Choice(["for", "for each", "while"]), tok)
+    prompts, rows = greedy_rows(lm, [allowed, choice, None])
+    assert rows[0] == reference_greedy(lm, prompts[0], allowed, 40)
+    assert len(rows[0]) == 40 and set(rows[0]) <= set(ids)  # no end id among them
 
 
 @pytest.mark.parametrize("schema", [PERSON, NESTED, LISTS], ids=["flat", "nested", "refs"])
