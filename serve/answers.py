@@ -15,13 +15,16 @@ import dataclasses
 import json
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvjax.tokenizer import TextTokenizer
 
 from . import reasoning
 from .protocol import Parsed
 from .requests import Delta
+
+if TYPE_CHECKING:
+    from .prompt_logprobs import PromptScores
 
 
 @dataclasses.dataclass
@@ -33,6 +36,8 @@ class Choice:
     finish_reason: str | None = None
     # The echoed prompt's tokens, their logprobs and top logprobs (None for the first).
     prompt: tuple[list, list, list] = dataclasses.field(default_factory=lambda: ([], [], []))
+    # vLLM's prompt_logprobs: per prompt token None (the first) or {id: its logprob and rank}.
+    prompt_scores: list | None = None
     streamed: reasoning.Stream | None = None  # with a reasoning parser: what was sent
 
 
@@ -53,10 +58,35 @@ class Answer:
         self.created = int(time.time())
         self.tickets: list = []  # the engine's tickets of its prompts (`output.Ticket`)
 
-    def set_prompt_logprobs(self, prompt: int, tokens, logprobs, top) -> None:
-        """The logprobs of prompt `prompt`'s own tokens, reported before its choices'."""
+    @property
+    def scores_prompts(self) -> bool:
+        """Whether the answer reports its prompts' logprobs (`set_prompt_logprobs`)."""
+        parsed = self.parsed
+        return parsed.echo_prompt and parsed.logprobs or parsed.prompt_top is not None
+
+    def set_prompt_logprobs(self, prompt: int, scores: PromptScores) -> None:
+        """The logprobs of prompt `prompt`'s own tokens: with `echo`, reported before its
+        choices' as theirs are; with vLLM's `prompt_logprobs`, each token's with its rank,
+        beside the likeliest tokens and theirs (ranks 1, 2, ...)."""
+        request, top = self.parsed.requests[prompt], self.parsed.prompt_top
+        tokens = list(request.prompt)
+        echoed = (tokens, scores.logprobs,
+                  [None if pairs is None else pairs[:request.logprobs] for pairs in scores.top])
+        ranked = None if top is None else [None] + [
+            {str(token): self._ranked(token, logprob, rank)
+             for token, logprob, rank in [(own, scores.logprobs[t], scores.ranks[t]),
+                                          *((i, lp, r) for r, (i, lp) in
+                                            enumerate(scores.top[t][:top], 1) if i != own)]}
+            for t, own in enumerate(tokens) if t > 0]
         for choice in self.choices[prompt * self.n:(prompt + 1) * self.n]:
-            choice.prompt = (list(tokens), logprobs, top)
+            if self.parsed.echo_prompt and self.parsed.logprobs:
+                choice.prompt = echoed
+            choice.prompt_scores = ranked
+
+    def _ranked(self, token: int, logprob: float, rank: int) -> dict:
+        """One token of vLLM's prompt_logprobs (a logprob of -inf written -9999, as it does)."""
+        return {"logprob": max(logprob, -9999.0), "rank": rank,
+                "decoded_token": self.tokenizer.decode([token])}
 
     def index(self, prompt: int, delta: Delta) -> int:
         return prompt * self.n + delta.index
@@ -126,9 +156,14 @@ class Answer:
             else:
                 choices.append({"index": i, "text": c.text, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason})
-        return {"id": self.id, "object": "chat.completion" if self.parsed.chat
-                else "text_completion", "created": self.created, "model": self.parsed.model,
-                "choices": choices, "usage": self.usage()}
+                if self.parsed.prompt_top is not None:  # vLLM's: each choice its prompt's
+                    choices[-1]["prompt_logprobs"] = c.prompt_scores
+        answer = {"id": self.id, "object": "chat.completion" if self.parsed.chat
+                  else "text_completion", "created": self.created, "model": self.parsed.model,
+                  "choices": choices, "usage": self.usage()}
+        if self.parsed.chat and self.parsed.prompt_top is not None:  # vLLM's: the answer's
+            answer["prompt_logprobs"] = self.choices[0].prompt_scores
+        return answer
 
     @property
     def _reads_calls(self) -> bool:

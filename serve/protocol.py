@@ -7,15 +7,17 @@ as well. Fields this server does not implement with a value other than their no-
 (`best_of`, `suffix`; tools on /v1/completions; vLLM's extensions such as `use_beam_search`)
 are a 400 naming them, never ignored; fields it does not know are ignored, as OpenAI's API
 does.
-`max_tokens` 0 is accepted with `echo` (the answer is the prompt, with its logprobs if asked).
+`max_tokens` 0 is accepted with `echo` or vLLM's `prompt_logprobs` (the answer is the prompt,
+with its logprobs if asked).
 Sampling defaults are OpenAI's: temperature 1, top_p 1, presence and frequency penalties 0
 (counted over the request's output, as OpenAI and vLLM count them), no `logit_bias` (an
 object of token ids, as strings, to biases in [-100, 100]); kvjax's extra settings (`top_k`,
 `min_p`, `repetition_penalty`, `no_repeat_ngram_size`, `min_tokens`, `stop_token_ids`,
 `ignore_eos`, `add_special_tokens`, whose false leaves a completion's text unframed, and
 `truncate_prompt_tokens`, which keeps a prompt's last tokens: `prompts.py`,
-`return_tokens_as_token_ids` and `include_stop_str_in_output`) are read where given, as
-vLLM does.
+`return_tokens_as_token_ids`, `include_stop_str_in_output` and `prompt_logprobs`, each
+prompt token's logprob, rank and likeliest alternatives: `answers.py`) are read where given,
+as vLLM does.
 Structured output (`response_format`, `structured_outputs`), a translator's
 `target_language` and tools are read by `structured.py` and `tools.py`. A chat request's
 `chat_template_kwargs` (an object) are more variables for the model's chat template, as vLLM
@@ -39,6 +41,7 @@ from . import chat, harmony, reasoning, structured
 from .fields import BOOL, INT, NUMBER, OBJECT, STR, APIError, get_field, shown
 from .prompts import chat_prompt, completion_prompts, decode_prompt, truncated
 from .requests import GenerationRequest
+from .slots import MAX_TOP_LOGPROBS
 from .tools import Tools, parse_tools
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
@@ -68,6 +71,9 @@ class Parsed:
     role: str = "assistant"
     # vLLM's return_tokens_as_token_ids: a logprob's token is "token_id:{id}", not its text.
     tokens_as_ids: bool = False
+    # vLLM's prompt_logprobs: how many of the likeliest tokens each prompt position reports
+    # beside the prompt's own; None when not asked.
+    prompt_top: int | None = None
 
 
 # vLLM's extensions that would change the answer, which this server does not implement:
@@ -76,8 +82,6 @@ _VLLM_UNSUPPORTED = [
     ("use_beam_search", False, " (kvjax serves beam search through decode.beam_search)"),
     ("skip_special_tokens", True, ""),
     ("bad_words", [], " (logit_bias can ban their tokens)"),
-    ("prompt_logprobs", None, " (echo with logprobs and max_tokens 0 gives a prompt's "
-                              "logprobs)"),
     ("logits_processors", None, ""),
     ("priority", 0, " (the engine serves requests oldest first)")]
 
@@ -127,6 +131,29 @@ def _logit_bias(body: dict) -> tuple[tuple[int, Any], ...]:
                                 "of digits)", "logit_bias")
         pairs.append((int(key), value))
     return tuple(pairs)
+
+
+def _prompt_top(body: dict, loaded: T.LoadedModel, stream: bool) -> int | None:
+    """vLLM's `prompt_logprobs`: a count of top logprobs per prompt token (-1: every token
+    of the vocabulary), or None."""
+    top = get_field(body, "prompt_logprobs", INT)
+    if top is None:
+        return None
+    vocab = loaded.config.vocab_size
+    if top < -1:
+        raise APIError(400, f"prompt_logprobs={top} must be a count >= 0, or -1 for every "
+                            "token", "prompt_logprobs")
+    if top == -1 and vocab > MAX_TOP_LOGPROBS or top > MAX_TOP_LOGPROBS:
+        asked = f"-1 asks for all {vocab} tokens' logprobs" if top == -1 else f"{top}"
+        raise APIError(400, f"prompt_logprobs={asked}: this server reports at most "
+                            f"{MAX_TOP_LOGPROBS}", "prompt_logprobs")
+    if stream:
+        raise APIError(400, "prompt_logprobs are not available when stream is true",
+                       "prompt_logprobs")
+    if loaded.is_translation:
+        raise APIError(400, "an encoder-decoder's prompt is the source it reads, not text it "
+                            "predicts: its tokens have no logprobs", "prompt_logprobs")
+    return vocab if top == -1 else top
 
 
 def _top_k(body: dict, default: int = 0) -> int:
@@ -319,4 +346,5 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
     return Parsed(chat_api, model, tuple(requests), tuple(echo), echo_prompt, stream,
                   include_usage, want_logprobs, tools, splits, continuous_usage,
                   role if chat_api else "assistant",
-                  get_field(body, "return_tokens_as_token_ids", BOOL, False))
+                  get_field(body, "return_tokens_as_token_ids", BOOL, False),
+                  _prompt_top(body, loaded, stream))

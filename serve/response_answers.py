@@ -30,6 +30,8 @@ class ResponseAnswer:
     `background` one is read while it runs (`current`) and may end cancelled or failed
     (`end`)."""
 
+    scores_prompts = False  # a response reports no logprobs of its prompt
+
     def __init__(self, parsed: Parsed, tokenizer: TextTokenizer, body: dict,
                  messages: list[dict] | None = None, store: ResponseStore | None = None):
         self.chat, self.parsed, self.body = Answer(parsed, tokenizer), parsed, body

@@ -235,14 +235,15 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
             metrics.count_model_request(parsed.model)
             answer = (ResponseAnswer(parsed, loaded.tokenizer, body, whole, stored)
                       if responses_api else Answer(parsed, loaded.tokenizer))
-            if parsed.echo_prompt and parsed.logprobs:
+            if answer.scores_prompts:
                 for prompt, generation in enumerate(parsed.requests):
                     served_adapters.check_serves(parsed.model, generation.adapter)
-                    scores = await asyncio.wrap_future(
-                        engine.score_prompt(generation.prompt, generation.logprobs,
-                                            generation.adapter))
-                    answer.set_prompt_logprobs(prompt, generation.prompt, *scores)
-            if parsed.echo_prompt and all(r.max_tokens == 0 for r in parsed.requests):
+                    scores = await asyncio.wrap_future(engine.score_prompt(
+                        generation.prompt, max(generation.logprobs, parsed.prompt_top or 0),
+                        generation.adapter))
+                    answer.set_prompt_logprobs(prompt, scores)
+            if (parsed.echo_prompt or parsed.prompt_top is not None) and all(
+                    r.max_tokens == 0 for r in parsed.requests):
                 metrics.count_request("completed")
                 return JSONResponse(_echo_only(answer))
             events: asyncio.Queue = asyncio.Queue()
@@ -424,7 +425,7 @@ def adapter_stack(loaded: LoadedModel, adapters: dict, slots: int | None, rank: 
 
 
 def _echo_only(answer: Answer) -> dict:
-    """`echo` with max_tokens 0: each choice is its prompt."""
+    """max_tokens 0 (with `echo` or `prompt_logprobs`): each choice is its prompt."""
     for choice in answer.choices:
         choice.finish_reason = "length"
     return answer.final()

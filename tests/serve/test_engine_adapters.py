@@ -141,7 +141,7 @@ def test_prompt_logprobs_are_the_adapted_models(served, tiny_lm):
     engine, merged = served
     config = tiny_lm[0]
     tokens = prompt(70, 7)
-    chosen, _ = prompt_logprobs(config, engine.params, tokens, 2, 2, engine.adapters)
+    chosen, _, _ = prompt_logprobs(config, engine.params, tokens, 2, 2, engine.adapters)
     logits = run_full(config, merged[2], jnp.asarray([tokens]))[0]
     want = jax.nn.log_softmax(logits.astype(jnp.float32))
     np.testing.assert_allclose(chosen[1:], [want[t - 1, tokens[t]] for t in range(1, 7)],

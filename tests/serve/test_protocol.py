@@ -67,6 +67,15 @@ def test_a_completion_body_becomes_one_request_per_prompt_setting_for_setting():
                                          ).requests] == [tuple(FakeTokenizer.encode("AB")), (5,)]
 
 
+def test_vllms_prompt_logprobs_is_a_count_of_top_tokens_every_token_for_minus_one():
+    assert completion().prompt_top is None and chat().prompt_top is None
+    assert completion(prompt_logprobs=0).prompt_top == 0
+    assert chat(prompt_logprobs=20).prompt_top == 20
+    small = LoadedModel(M.preset("tiny", vocab_size=16), FakeTokenizer(), None, MODEL)
+    assert parse({"model": MODEL, "prompt": [3, 4], "prompt_logprobs": -1}, small, MODEL,
+                 CAPACITY, chat_api=False).prompt_top == 16
+
+
 def test_defaults_are_openais():
     plain = completion()
     request = plain.requests[0]
@@ -133,7 +142,13 @@ def test_a_chats_echo_is_the_final_message_its_answer_goes_on_with_in_its_role()
     (completion, dict(suffix="x"), 400, "suffix", "suffix='x' is not supported"),
     (completion, dict(use_beam_search=True), 400, "use_beam_search", "decode.beam_search"),
     (chat, dict(skip_special_tokens=False), 400, "skip_special_tokens", "is not supported"),
-    (completion, dict(prompt_logprobs=1), 400, "prompt_logprobs", "echo with logprobs"),
+    (completion, dict(prompt_logprobs=-2), 400, "prompt_logprobs", "must be a count >= 0, or -1"),
+    (completion, dict(prompt_logprobs=21), 400, "prompt_logprobs", "=21: this server reports at "
+                                                                  "most 20"),
+    (chat, dict(prompt_logprobs=-1), 400, "prompt_logprobs", "-1 asks for all 64 tokens'"),
+    (chat, dict(prompt_logprobs=0, stream=True), 400, "prompt_logprobs", "not available when "
+                                                                          "stream is true"),
+    (completion, dict(prompt_logprobs="2"), 400, "prompt_logprobs", "must be an integer"),
     (completion, dict(stop_token_ids=[1.5]), 400, "stop_token_ids", "must be a list of token"),
     (completion, dict(ignore_eos="yes"), 400, "ignore_eos", "must be a boolean"),
     (completion, dict(best_of=3), 400, "best_of", "best_of=3 is not supported: use n"),

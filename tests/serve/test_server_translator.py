@@ -33,6 +33,7 @@ def test_a_translator_answers_completions_as_kvjax_sample_does():
 
         answer = post("completions", prompt=sources, max_tokens=24, temperature=0).json()
         scored = post("completions", prompt="12", max_tokens=1, echo=True, logprobs=1)
+        ranked = post("completions", prompt="12", max_tokens=1, prompt_logprobs=1)
         chat = post("chat/completions", messages=[{"role": "user", "content": "12"}])
     finally:
         stop()
@@ -41,7 +42,8 @@ def test_a_translator_answers_completions_as_kvjax_sample_does():
     assert alone[0] == "four thousand twenty-one"
     assert answer["usage"]["prompt_tokens"] == sum(
         len(text.prompt_tokens(numbers, s)) for s in sources)
-    assert scored.status_code == 400 and "its tokens have no logprobs" in scored.text
+    for refused in (scored, ranked):
+        assert refused.status_code == 400 and "its tokens have no logprobs" in refused.text
     assert chat.status_code == 400 and "it has no chat" in chat.text
 
 
