@@ -20,15 +20,14 @@ class BackgroundResponses:
 
     def __init__(self, count: Callable[[str], None]):
         self._count = count
-        self._running: dict[str, tuple[ResponseAnswer, list, asyncio.Task]] = {}
+        self._running: dict[str, tuple[ResponseAnswer, asyncio.Task]] = {}
 
-    def start(self, answer: ResponseAnswer, tickets: list,
-              next_delta: Callable[[], Awaitable]) -> dict:
+    def start(self, answer: ResponseAnswer, next_delta: Callable[[], Awaitable]) -> dict:
         """Runs `answer`, whose `tickets` the engine serves, adding what each `next_delta()`
         brings until it is done; the response as it stands now, kept as it stands so that a
         request going on from it is told it has not ended."""
         task = asyncio.ensure_future(self._run(answer, next_delta))
-        self._running[answer.id] = (answer, tickets, task)
+        self._running[answer.id] = (answer, task)
         if answer.store is not None:
             answer.store.put(answer.current(), [], answer.items)
         return answer.current()
@@ -57,9 +56,9 @@ class BackgroundResponses:
         running = self._running.pop(response_id, None)
         if running is None:
             return None
-        answer, tickets, task = running
+        answer, task = running
         task.cancel()
-        for ticket in tickets:
+        for ticket in answer.tickets:
             ticket.cancel()
         self._count("cancelled")
         return answer.end("cancelled")

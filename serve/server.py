@@ -265,8 +265,7 @@ def build_app(loaded: LoadedModel, *, model_name: str | None = None, max_slots: 
                 error = APIError.invalid(error, chat_api)
             return error_response(responses.renamed(error) if responses_api else error)
         if responses_api and answer.background:
-            return JSONResponse(background.start(answer, tickets,
-                                                 lambda: _next(answer, events)))
+            return JSONResponse(background.start(answer, lambda: _next(answer, events)))
         if parsed.stream:
             return StreamingResponse(_stream(answer, events, tickets),
                                      media_type="text/event-stream")

@@ -123,7 +123,8 @@ def test_a_shutdown_cancels_every_running_background_response(tiny_loaded):
         running = BackgroundResponses(lambda outcome: None)
         answers = [answer_of(tiny_loaded, store) for _ in range(2)]
         for answer in answers:
-            running.start(answer, [Ticket()], never)
+            answer.tickets = [Ticket()]
+            running.start(answer, never)
         await asyncio.sleep(0)
         running.cancel_all()
         await asyncio.sleep(0)
@@ -143,7 +144,7 @@ def test_an_engine_failure_ends_a_background_response_failed_and_kept(tiny_loade
         raise RuntimeError("boom")
 
     async def run():
-        assert running.start(answer, [], engine_fails)["status"] == "queued"
+        assert running.start(answer, engine_fails)["status"] == "queued"
         while running.get(answer.id) is not None:
             await asyncio.sleep(0)
 

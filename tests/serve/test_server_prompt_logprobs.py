@@ -16,7 +16,8 @@ TIMEOUT = 30.0
 
 @pytest.fixture(scope="module")
 def client(tiny_loaded):
-    app = build_app(tiny_loaded, max_slots=2, max_queue=8, chunk_size=4, prefill_batch=2)
+    # test_server.py's settings: its programs, in the suite's shared compilation cache.
+    app = build_app(tiny_loaded, max_slots=4, max_queue=64, chunk_size=4, prefill_batch=4)
     url, stop = serve_app(app, TIMEOUT)
     yield openai_client(url, TIMEOUT)
     stop()
