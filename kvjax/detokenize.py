@@ -30,11 +30,14 @@ class RowText:
     split over byte pieces of two chunks comes out whole; a suffix that could still grow
     into a stop string waits. The text ends before the first of `stop_ids` (default: the
     tokenizer's), the ids that end the sample, and before the stop string it meets, or after
-    it with `keep_stop` (vLLM's `include_stop_str_in_output`)."""
+    it with `keep_stop` (vLLM's `include_stop_str_in_output`); special tokens are left out
+    unless `skip_special_tokens` is False."""
 
     def __init__(self, tokenizer: TextTokenizer, stop: tuple[str, ...],
-                 stop_ids: tuple[int, ...] | None = None, keep_stop: bool = False):
+                 stop_ids: tuple[int, ...] | None = None, keep_stop: bool = False,
+                 skip_special_tokens: bool = True):
         self.tokenizer, self.stop, self.keep_stop = tokenizer, stop, keep_stop
+        self.skip_special_tokens = skip_special_tokens
         self.stop_ids = frozenset(tokenizer.stop_ids if stop_ids is None else stop_ids)
         self.ids: list[int] = []
         self.sent = ""
@@ -43,7 +46,10 @@ class RowText:
         self._starts = [StopStart(s) for s in stop]
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(until_stop(ids, self.stop_ids))
+        ids = until_stop(ids, self.stop_ids)
+        if self.skip_special_tokens:
+            return self.tokenizer.decode(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _stop_at(self, text: str) -> int | None:
         found = [text.find(s) for s in self.stop if s in text]

@@ -144,7 +144,8 @@ class Outputs:
         `prefix_row` in place (-1: none) until it ends (then `release(prefix_row)`)."""
         request = ticket.request
         text = None if self.tokenizer is None else RowText(
-            self.tokenizer, request.stop, request.stop_ids, request.include_stop)
+            self.tokenizer, request.stop, request.stop_ids, request.include_stop,
+            request.skip_special_tokens)
         self.samples[sample_id] = Sample(ticket, index, sample_id, text, prefix_row=prefix_row)
 
     def take_preempted(self) -> list[Continuation]:

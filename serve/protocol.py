@@ -15,9 +15,9 @@ object of token ids, as strings, to biases in [-100, 100]); kvjax's extra settin
 `min_p`, `repetition_penalty`, `no_repeat_ngram_size`, `min_tokens`, `stop_token_ids`,
 `ignore_eos`, `add_special_tokens`, whose false leaves a completion's text unframed, and
 `truncate_prompt_tokens`, which keeps a prompt's last tokens: `prompts.py`,
-`return_tokens_as_token_ids`, `include_stop_str_in_output` and `prompt_logprobs`, each
-prompt token's logprob, rank and likeliest alternatives: `answers.py`) are read where given,
-as vLLM does.
+`return_tokens_as_token_ids`, `include_stop_str_in_output`, `skip_special_tokens` and
+`prompt_logprobs`, each prompt token's logprob, rank and likeliest alternatives:
+`answers.py`) are read where given, as vLLM does.
 Structured output (`response_format`, `structured_outputs`), a translator's
 `target_language` and tools are read by `structured.py` and `tools.py`. A chat request's
 `chat_template_kwargs` (an object) are more variables for the model's chat template, as vLLM
@@ -80,7 +80,6 @@ class Parsed:
 # (name, its no-op value, a hint). Refused rather than ignored as unknown fields are.
 _VLLM_UNSUPPORTED = [
     ("use_beam_search", False, " (kvjax serves beam search through decode.beam_search)"),
-    ("skip_special_tokens", True, ""),
     ("bad_words", [], " (logit_bias can ban their tokens)"),
     ("logits_processors", None, ""),
     ("priority", 0, " (the engine serves requests oldest first)")]
@@ -154,6 +153,18 @@ def _prompt_top(body: dict, loaded: T.LoadedModel, stream: bool) -> int | None:
         raise APIError(400, "an encoder-decoder's prompt is the source it reads, not text it "
                             "predicts: its tokens have no logprobs", "prompt_logprobs")
     return vocab if top == -1 else top
+
+
+def _skip_special_tokens(body: dict, loaded: T.LoadedModel) -> bool:
+    """vLLM's `skip_special_tokens`; false is refused where the tokenizer cannot write them."""
+    skip = get_field(body, "skip_special_tokens", BOOL, True)
+    if not skip:
+        try:
+            loaded.tokenizer.decode([], skip_special_tokens=False)
+        except ValueError as error:
+            raise APIError(400, f"skip_special_tokens=false: {error}",
+                           "skip_special_tokens") from None
+    return skip
 
 
 def _top_k(body: dict, default: int = 0) -> int:
@@ -330,6 +341,7 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
         logprobs=top or 0, adapter=names.index(model),
         cache_salt=get_field(body, "cache_salt", STR),
         include_stop=get_field(body, "include_stop_str_in_output", BOOL, False),
+        skip_special_tokens=_skip_special_tokens(body, loaded),
         stop_ids=_stop_ids(body, loaded.tokenizer), forced_end_id=loaded.tokenizer.forced_end,
         banned_ids=loaded.tokenizer.banned_ids,
         constraint=None if constraint is None else structured.compiled(

@@ -53,6 +53,8 @@ class GenerationRequest:
     stop:        strings that end a sample's text (neither streamed nor returned, unless
                  `include_stop`: then the one met ends it, as vLLM's
                  `include_stop_str_in_output`).
+    skip_special_tokens: False writes special tokens into the text (vLLM's, as
+                 transformers' `decode` takes it); ids that end a sample never are.
     seed:        the sample's tokens depend on it and on nothing else the batch holds;
                  None draws one.
     logprobs:    top logprobs to report per token (0: only the chosen token's).
@@ -79,6 +81,7 @@ class GenerationRequest:
     adapter: int = 0
     cache_salt: str | None = None
     include_stop: bool = False
+    skip_special_tokens: bool = True
 
     def checked(self, vocab_size: int, capacity: int, prompt_slots: int | None = None,
                 source_capacity: int | None = None) -> GenerationRequest:

@@ -348,7 +348,7 @@ class FakeTokenizer:
         return [5 + ord(c) % 50 for c in text]
 
     @staticmethod
-    def decode(ids):
+    def decode(ids, skip_special_tokens=True):
         return "".join(chr(65 + i % 26) for i in ids)
 
     @staticmethod

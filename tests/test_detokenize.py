@@ -122,6 +122,31 @@ def test_a_row_given_its_own_stop_ids_ends_its_text_there_alone():
     assert "".join(row.add([i]) for i in ids) == "beforeafter"
 
 
+class MarkedTokenizer(ByteTokenizer):
+    """ByteTokenizer with one special token, `MARK`, written "<m>" where kept (the texts
+    here hold no NUL byte, which stands for it while decoding)."""
+
+    MARK = 300
+
+    @classmethod
+    def decode(cls, ids, skip_special_tokens=True):
+        runs = bytes(i - 1 if i != cls.MARK else 0 for i in ids).split(b"\0")
+        return ("" if skip_special_tokens else "<m>").join(
+            run.decode("utf-8", errors="replace") for run in runs)
+
+
+def test_special_tokens_kept_stream_as_the_tokenizer_writes_them_whatever_the_chunks():
+    tokenizer, mark = MarkedTokenizer(), MarkedTokenizer.MARK
+    ids = [mark, *tokenizer.encode("ab"), mark, mark, *tokenizer.encode("é"), STOP_ID, mark]
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        cuts = sorted(rng.choice(np.arange(1, len(ids)), rng.integers(0, 4), replace=False))
+        chunks = np.split(np.asarray(ids), cuts)
+        for skip, want in ((False, "<m>ab<m><m>é"), (True, "abé")):
+            row = RowText(tokenizer, (), skip_special_tokens=skip)
+            assert "".join(row.add(chunk.tolist()) for chunk in chunks) == want
+
+
 def test_stop_strings_are_checked():
     assert check_stop_strings("x") == ("x",)
     assert check_stop_strings(["a", "bc"]) == ("a", "bc")

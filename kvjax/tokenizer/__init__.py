@@ -60,7 +60,9 @@ class TextTokenizer(Protocol):
       token's string inside the text is read as that token where the tokenizer does so
       (Hugging Face tokenizers do; kvjax's own spell `</s>` as plain text).
     - `decode(ids)`: the text of `ids` (any 1-D sequence or array) with special tokens left
-      out; an id outside the vocabulary is a ValueError naming it.
+      out; an id outside the vocabulary is a ValueError naming it. With
+      `skip_special_tokens=False` they are written as the vocabulary spells them, as
+      transformers' `decode` writes them (a ValueError where a tokenizer cannot).
     - `stop_ids`: the ids that end generation, `eos_id` first (plus a Hugging Face model's
       `generation_config.json` `eos_token_id`s).
     - `document_prefix`: what a language model's prompt starts with. kvjax's own LMs are
@@ -122,7 +124,7 @@ class TextTokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, ids: Iterable[int]) -> str: ...
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str: ...
 
     def pieces(self, ids: Iterable[int]) -> list[str]:
         """The vocabulary's string of each of `ids`, special tokens included (transformers'
@@ -274,18 +276,22 @@ class Tokenizer:
             ids.extend(self._processor.encode(part))
         return ids
 
-    def decode(self, ids: Iterable[int]) -> str:
-        """Text of ``ids`` (any 1-D sequence or array); PAD, BOS and EOS ids are dropped."""
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids`` (any 1-D sequence or array); PAD, BOS and EOS ids are dropped, or
+        with `skip_special_tokens=False` written as their pieces (`<pad>`, `<s>`, `</s>`)
+        between the texts of the ids around them."""
         vocab_size = self.vocab_size
-        kept = []
+        parts, run = [], []
         for i in ids:
             i = int(i)
-            if i in (PAD_ID, BOS_ID, EOS_ID):
-                continue
             if not 0 <= i < vocab_size:
                 raise ValueError(f"token id {i} is outside the vocabulary [0, {vocab_size})")
-            kept.append(i)
-        return self._processor.decode(kept)
+            if i not in (PAD_ID, BOS_ID, EOS_ID):
+                run.append(i)
+            elif not skip_special_tokens:
+                parts += [self._processor.decode(run), self._processor.id_to_piece(i)]
+                run = []
+        return "".join(parts) + self._processor.decode(run)
 
     def token_bytes(self) -> list[bytes | None]:
         """[vocab_size] the bytes each id stands for; None for PAD, BOS, EOS and UNK."""

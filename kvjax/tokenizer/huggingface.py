@@ -160,9 +160,10 @@ class HFTokenizer:
             raise TypeError(f"text must be str, got {type(text).__name__}")
         return self._backend.encode(text)
 
-    def decode(self, ids: Iterable[int]) -> str:
-        """Text of `ids` (any 1-D sequence or array), special tokens left out."""
-        return self._backend.decode(self._known_ids(ids))
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids` (any 1-D sequence or array), special tokens left out unless
+        `skip_special_tokens` is False."""
+        return self._backend.decode(self._known_ids(ids), skip_special_tokens)
 
     def pieces(self, ids: Iterable[int]) -> list[str]:
         return self._backend.pieces(self._known_ids(ids))

@@ -108,7 +108,10 @@ class MarianBackend:
         return [self._added_pieces.get(i) or self._pieces.get(i) or self._joiner.id_to_piece(i)
                 for i in ids]
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if not skip_special_tokens:
+            raise ValueError(f"a {type(self).__name__.removesuffix('Backend')} tokenizer "
+                             f"decodes text without its special tokens only")
         pieces = self.pieces([i for i in ids if i not in self._skipped])
         text = self._joiner.decode_pieces(pieces).replace(SPACE, " ").strip()
         return clean_up_spaces(text) if self._clean_up else text

@@ -123,8 +123,8 @@ class TokenizersBackend:
     def pieces(self, ids: list[int]) -> list[str]:
         return [self._tokenizer.id_to_token(i) for i in ids]
 
-    def decode(self, ids: list[int]) -> str:
-        text = self._tokenizer.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        text = self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
         return clean_up_spaces(text) if self._clean_up else text
 
 

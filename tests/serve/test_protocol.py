@@ -67,6 +67,25 @@ def test_a_completion_body_becomes_one_request_per_prompt_setting_for_setting():
                                          ).requests] == [tuple(FakeTokenizer.encode("AB")), (5,)]
 
 
+def test_special_tokens_are_written_if_asked_where_the_tokenizer_can():
+    """vLLM's skip_special_tokens=false reaches the request; a tokenizer that cannot write
+    special tokens (Marian's sentencepiece models) has it refused by name."""
+    from pathlib import Path
+
+    from kvjax.tokenizer.huggingface import load_tokenizer
+
+    assert not completion(skip_special_tokens=False).requests[0].skip_special_tokens
+    assert completion().requests[0].skip_special_tokens
+    marian = load_tokenizer(Path(__file__).resolve().parents[1] / "fixtures" /
+                            "hf_tokenizers" / "marian")
+    loaded = LoadedModel(M.preset("tiny", vocab_size=marian.vocab_size), marian, None, MODEL)
+    with pytest.raises(APIError, match="skip_special_tokens=false: a Marian tokenizer "
+                                       "decodes text without its special tokens only") as error:
+        parse({"model": MODEL, "prompt": [3, 4], "skip_special_tokens": False}, loaded, MODEL,
+              CAPACITY, chat_api=False)
+    assert error.value.param == "skip_special_tokens"
+
+
 def test_vllms_prompt_logprobs_is_a_count_of_top_tokens_every_token_for_minus_one():
     assert completion().prompt_top is None and chat().prompt_top is None
     assert completion(prompt_logprobs=0).prompt_top == 0
@@ -141,7 +160,7 @@ def test_a_chats_echo_is_the_final_message_its_answer_goes_on_with_in_its_role()
     (completion, dict(logit_bias={"x": 1}), 400, "logit_bias", "key 'x' must be a token id"),
     (completion, dict(suffix="x"), 400, "suffix", "suffix='x' is not supported"),
     (completion, dict(use_beam_search=True), 400, "use_beam_search", "decode.beam_search"),
-    (chat, dict(skip_special_tokens=False), 400, "skip_special_tokens", "is not supported"),
+    (chat, dict(skip_special_tokens="no"), 400, "skip_special_tokens", "must be a boolean"),
     (completion, dict(prompt_logprobs=-2), 400, "prompt_logprobs", "must be a count >= 0, or -1"),
     (completion, dict(prompt_logprobs=21), 400, "prompt_logprobs", "=21: this server reports at "
                                                                   "most 20"),

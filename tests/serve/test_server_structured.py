@@ -79,6 +79,21 @@ def test_greedy_structured_answers_equal_generate_alone(client, loaded):
     jsonschema.validate(json.loads(answer.choices[0].text), ITEM)
 
 
+def test_special_tokens_are_in_the_text_only_when_not_skipped(client, loaded):
+    """vLLM's skip_special_tokens=false: BOS, which a logit bias makes at every step, is
+    written as the tokenizer writes it, streamed or not; by default the text leaves it out."""
+    bos = loaded.tokenizer.bos_id
+    asked = dict(model=MODEL, prompt="The list type", max_tokens=3, temperature=0,
+                 logit_bias={str(bos): 100})
+    kept = dict(extra_body={"skip_special_tokens": False})
+    written = loaded.tokenizer.decode([bos] * 3, skip_special_tokens=False)
+    assert written == "<s><s><s>"
+    assert client.completions.create(**asked).choices[0].text == ""
+    assert client.completions.create(**asked, **kept).choices[0].text == written
+    streamed = client.completions.create(**asked, **kept, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == written
+
+
 def test_sampled_json_answers_that_end_validate(client):
     ended = total = 0
     for seed in range(3):

@@ -98,6 +98,22 @@ def test_decoding_is_transformers_decoding(all_loaded, name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_decoding_with_special_tokens_is_transformers_or_refused(all_loaded, name):
+    """vLLM's skip_special_tokens=false: transformers' decode keeping them, where the
+    `tokenizers` library decodes (every fixture but the two sentencepiece-only ones)."""
+    tokenizer, want = one(all_loaded, name), expected(name)
+    ids = want["ids_with_special_tokens"] + want["random_ids"]
+    texts = want["decoded_with_special_tokens"] + want["random_decoded_with_special_tokens"]
+    if name in ("marian", "m2m100"):
+        with pytest.raises(ValueError, match="decodes text without its special tokens only"):
+            tokenizer.decode(ids[0], skip_special_tokens=False)
+        return
+    assert texts != want["decoded"] + want["random_decoded"]  # some special token shows
+    for row, text_ in zip(ids, texts, strict=True):
+        assert tokenizer.decode(row, skip_special_tokens=False) == text_, row
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_pieces_are_transformers_tokens(all_loaded, name):
     tokenizer, want = one(all_loaded, name), expected(name)
     for ids, pieces in zip(want["ids_with_special_tokens"] + want["random_ids"],

@@ -109,6 +109,18 @@ def test_decode_drops_pad_bos_eos(tokenizer):
         tokenizer.decode([tokenizer.vocab_size])
 
 
+def test_decode_keeping_special_tokens_writes_their_pieces_between_the_texts(tokenizer):
+    """As transformers' sentencepiece tokenizers write them (non-legacy): each run of other
+    ids decoded on its own, the special tokens' pieces between."""
+    hello, world = tokenizer.encode("hello"), tokenizer.encode("world")
+    framed = [BOS_ID, *hello, PAD_ID, *world, EOS_ID, PAD_ID]
+    assert tokenizer.decode(framed, skip_special_tokens=False) == "<s>hello<pad>world</s><pad>"
+    assert tokenizer.decode(framed) == "helloworld" == tokenizer.decode(framed, True)
+    assert tokenizer.decode([], skip_special_tokens=False) == ""
+    with pytest.raises(ValueError, match=str(tokenizer.vocab_size)):
+        tokenizer.decode([EOS_ID, tokenizer.vocab_size], skip_special_tokens=False)
+
+
 def test_pieces_are_what_sentencepiece_splits_a_text_into(tokenizer):
     import sentencepiece as spm
 
