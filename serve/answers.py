@@ -73,15 +73,20 @@ class Answer:
         echoed = (tokens, scores.logprobs,
                   [None if pairs is None else pairs[:request.logprobs] for pairs in scores.top])
         ranked = None if top is None else [None] + [
-            {str(token): self._ranked(token, logprob, rank)
-             for token, logprob, rank in [(own, scores.logprobs[t], scores.ranks[t]),
-                                          *((i, lp, r) for r, (i, lp) in
-                                            enumerate(scores.top[t][:top], 1) if i != own)]}
+            self._ranked_place(own, scores.logprobs[t], scores.ranks[t], scores.top[t][:top])
             for t, own in enumerate(tokens) if t > 0]
         for choice in self.choices[prompt * self.n:(prompt + 1) * self.n]:
             if self.parsed.echo_prompt and self.parsed.logprobs:
                 choice.prompt = echoed
             choice.prompt_scores = ranked
+
+    def _ranked_place(self, own: int, logprob: float, rank: int, likeliest) -> dict:
+        """One prompt position of vLLM's prompt_logprobs: the prompt's token, then the
+        likeliest others ((id, logprob) pairs, ranks 1, 2, ...), each under its id."""
+        place = {str(own): self._ranked(own, logprob, rank)}
+        for likeliest_rank, (token, token_logprob) in enumerate(likeliest, 1):
+            place.setdefault(str(token), self._ranked(token, token_logprob, likeliest_rank))
+        return place
 
     def _ranked(self, token: int, logprob: float, rank: int) -> dict:
         """One token of vLLM's prompt_logprobs (a logprob of -inf written -9999, as it does)."""
