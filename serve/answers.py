@@ -59,10 +59,13 @@ class Answer:
         self.tickets: list = []  # the engine's tickets of its prompts (`output.Ticket`)
 
     @property
+    def _echoes_logprobs(self) -> bool:
+        return self.parsed.echo_prompt and self.parsed.logprobs
+
+    @property
     def scores_prompts(self) -> bool:
         """Whether the answer reports its prompts' logprobs (`set_prompt_logprobs`)."""
-        parsed = self.parsed
-        return parsed.echo_prompt and parsed.logprobs or parsed.prompt_top is not None
+        return self._echoes_logprobs or self.parsed.prompt_top is not None
 
     def set_prompt_logprobs(self, prompt: int, scores: PromptScores) -> None:
         """The logprobs of prompt `prompt`'s own tokens: with `echo`, reported before its
@@ -70,13 +73,14 @@ class Answer:
         beside the likeliest tokens and theirs (ranks 1, 2, ...)."""
         request, top = self.parsed.requests[prompt], self.parsed.prompt_top
         tokens = list(request.prompt)
-        echoed = (tokens, scores.logprobs,
-                  [None if pairs is None else pairs[:request.logprobs] for pairs in scores.top])
+        echoed = None if not self._echoes_logprobs else (
+            tokens, scores.logprobs,
+            [None if pairs is None else pairs[:request.logprobs] for pairs in scores.top])
         ranked = None if top is None else [None] + [
             self._ranked_place(own, scores.logprobs[t], scores.ranks[t], scores.top[t][:top])
             for t, own in enumerate(tokens) if t > 0]
         for choice in self.choices[prompt * self.n:(prompt + 1) * self.n]:
-            if self.parsed.echo_prompt and self.parsed.logprobs:
+            if echoed is not None:
                 choice.prompt = echoed
             choice.prompt_scores = ranked
 

@@ -61,9 +61,8 @@ def prompt_logprobs(config: M.TransformerConfig, params, prompt: tuple[int, ...]
     padded = np.zeros((1, bucket(len(prompt), config.max_len)), np.int32)
     padded[0, :len(prompt)] = prompt
     adapter_1 = None if adapters is None else np.array([adapter], np.int32)
-    chosen, values, ids, ranks = jax.device_get(_scores(config, params, padded,
-                                                 np.array([len(prompt)], np.int32), adapters,
-                                                 adapter_1))
+    chosen, values, ids, ranks = jax.device_get(_scores(
+        config, params, padded, np.array([len(prompt)], np.int32), adapters, adapter_1))
     count = len(prompt) - 1
     tops = [list(zip(ids[t, :top].tolist(), values[t, :top].tolist(), strict=True))
             for t in range(count)]
