@@ -1,5 +1,6 @@
 """The engine's decode chunk: up to `steps` decode steps over every slot, in one compiled
-program, with each slot that frees on the way taken at once by the oldest staged sample.
+program, with each slot that frees on the way taken at once by the next staged sample (of the
+lowest priority, the oldest).
 
 Admission happens on the device, between steps, so a chunk can be long without slots
 standing idle until it ends: the host's turns (handing out tokens, prefilling and staging
@@ -30,6 +31,7 @@ from .slots import (
     ID_SPACE,
     MAX_TOP_LOGPROBS,
     NO_SAMPLE,
+    PRIORITY_BOUND,
     Emitted,
     EngineState,
     SlotState,
@@ -41,22 +43,26 @@ COPY_BLOCK = 128  # cache positions a staged prompt is copied into its slot by
 INT_COLUMNS = 4  # a step's ints per row before its top ids: token, owner, made, reason
 
 
-def _oldest_staged(state: EngineState) -> jax.Array:
-    """The staged row of the waiting sample admitted next (any row when none waits)."""
+def _next_staged(state: EngineState) -> jax.Array:
+    """The staged row of the waiting sample admitted next: of the lowest priority, the
+    oldest (any row when none waits)."""
     staged = state.staged
+    first_priority = jnp.min(jnp.where(staged.running, staged.priority, PRIORITY_BOUND))
     age_Q = (staged.owner - state.last_admitted - 1) & (ID_SPACE - 1)
-    return jnp.argmin(jnp.where(staged.running, age_Q, ID_SPACE))
+    next_Q = staged.running & (staged.priority == first_priority)
+    return jnp.argmin(jnp.where(next_Q, age_Q, ID_SPACE))
 
 
 def admit(state: EngineState, reach: int | None = None) -> EngineState:
-    """Moves the oldest waiting staged sample into the first free slot (some must be both,
-    and with a paged cache its pages must be free: `_slot_free_and_sample_waiting`).
+    """Moves the next waiting staged sample (`_next_staged`) into the first free slot (some
+    must be both, and with a paged cache its pages must be free:
+    `_slot_free_and_sample_waiting`).
 
     Its prompt's cache positions are copied by blocks of `COPY_BLOCK` (or by pages, into the
     pages it takes: `pages.py`), as many as its length needs, so a slot of long capacity
     costs no more to fill than its prompt is long."""
     slots, staged = state.slots, state.staged
-    row = _oldest_staged(state)
+    row = _next_staged(state)
     slot = jnp.argmin(slots.running)  # False first: a free slot
 
     def take(slots_B, staged_Q):
@@ -78,7 +84,7 @@ def _slot_free_and_sample_waiting(state: EngineState, reach: int | None = None):
     waiting = jnp.any(~state.slots.running) & jnp.any(state.staged.running)
     if state.free_pages is None:
         return waiting
-    return waiting & pages.pages_free_for(state, _oldest_staged(state), reach)
+    return waiting & pages.pages_free_for(state, _next_staged(state), reach)
 
 
 def _release(state: EngineState) -> EngineState:
@@ -97,7 +103,7 @@ def decode_chunk(config: M.TransformerConfig, params, state: EngineState, cancel
                  adapters: lora_rows.AdapterStack | None = None) -> tuple[EngineState, Emitted]:
     """Up to `steps` decode steps over every running slot, after stopping every sample (in a
     slot or staged) whose id is in `cancel` (-2 pads): (state, `Emitted` [B, steps]). A slot
-    that is free before a step takes the oldest staged sample, if one waits; if none does
+    that is free before a step takes the next staged sample, if one waits; if none does
     and `queued` (a traced bool: the host holds requests to stage), the chunk ends. The top
     logprobs are left out (zeros) unless `want_top` (a traced bool): some request asked for
     them. On `mesh` each device steps its own slots, the state kept in its layout (see

@@ -5,17 +5,17 @@ The engine owns `max_slots` slots (a row of `max_len` positions each, or pages o
 schedules; what the programs make is handed out by `output.py`. Each turn of its host loop:
   0. scores the prompts whose logprobs were asked for (`score_prompt`);
   1. stages: prefills a part of a prompt too long for one turn (`prefill_part`); while the
-     oldest other waiting request's `n` samples fit the free staged rows, prefills its
+     first other waiting request's `n` samples (by `priority`, then age) fit, prefills its
      prompt once with others of its length (`prefill_groups.py`; on a CPU beside the chunk
      in flight, `prefill_thread.py`), after a kept prefix if it has one (`prefix_cache.py`),
-     into `n` staged rows, each sample with its first token (`staging.py`);
+     into `n` free staged rows, each sample with its first token (`staging.py`);
   2. dispatches one chunk of `chunk_size` decode steps over every slot (`chunk.py`): on the
-     device, each slot that frees is taken at once by the oldest staged sample, and the
+     device, each slot that frees is taken at once by the next staged sample, and the
      chunk ends early if a slot frees with none staged while requests wait on the host;
   3. while that chunk runs, hands out what the previous chunk and the staging made
      (`Outputs`): each sample's new tokens and text go to its request's callback; a sample
      that met a stop string or whose request was cancelled stops with the next chunk; one
-     preempted to give its pages to others (`pages.py`) is queued again, first in line.
+     preempted to give its pages to others (`pages.py`) is queued again, first of its priority.
 Slots wait for no host turn, so a chunk can be long; a request waits one turn to be staged,
 a cancelled one runs at most one chunk longer. `start` runs the loop on its own thread;
 `step` runs one turn where the caller is (tests, benchmarks). `warm_up.py` compiles first."""
@@ -210,7 +210,7 @@ class Engine:
             if len(self._pending) >= self.max_queue:
                 raise QueueFull(f"{len(self._pending)} requests are waiting for a slot, as "
                                 f"many as the queue holds (max_queue={self.max_queue})")
-            self._pending.append(ticket)
+            prefill_groups.enqueue(self._pending, ticket)
             self._wake.notify()
         self._report_load()
         return ticket
@@ -362,7 +362,7 @@ class Engine:
                     future.set_exception(error)
 
     def _admissible(self) -> list[Ticket]:
-        """Takes the oldest queued ticket and those of its length near it (`prefill_groups`)
+        """Takes the first queued ticket and those of its length near it (`prefill_groups`)
         whose samples fit the free staged rows (at most `prefill_batch`, prefilled together);
         cancelled ones are answered and dropped.
 
@@ -391,7 +391,7 @@ class Engine:
                 and self._prefixes.left_to_prefill(prompt, origin) > self.prefill_part)
 
     def _feed_long_prompt(self) -> None:
-        """Prefills a part of the oldest waiting prompt that is too long for one turn."""
+        """Prefills a part of the first waiting prompt that is too long for one turn."""
         with self._wake:
             self._long = next((t for t in self._pending
                                if not t.cancelled and self._too_long(t)), None)
@@ -408,9 +408,9 @@ class Engine:
         are free: those not waiting after it, and not filled by a program after it."""
         emitted = jax.device_get(dispatched.emitted)
         self.outputs.hand_out(emitted)
-        if preempted := self.outputs.take_preempted():  # first in line again
+        if preempted := self.outputs.take_preempted():  # first of their priority again
             with self._wake:
-                self._pending.extendleft(reversed(preempted))
+                prefill_groups.requeue_first(self._pending, preempted)
         filled = {r for later in self._dispatched for r in later.staged_rows}
         self._free_staged = [r for r in range(self.num_staged)
                              if not emitted.waiting[r] and r not in filled]

@@ -6,11 +6,12 @@ A staged sample takes a slot with the pages its prompt fills and one more positi
 pool keeps one page free for every other running slot after it (so that slots admitted
 together do not preempt each other at once). Its prompt's K/V are copied from its staged
 row into its pages page by page. Before each step a slot about to write past its pages
-takes one more page. When the pool has too few for every such slot, the slots admitted
-last are preempted, as few as give the others their pages: each stops with
-`StopReason.PREEMPTED` and gives its pages back, and the host queues it again, first in
-line, to be prefilled anew from its prompt and the tokens it made and to go on from there
-(`engine.py`). The slot admitted first never waits on another, so every sample ends. A
+takes one more page. When the pool has too few for every such slot, the slots of the
+highest priority value (`GenerationRequest.priority`), of those the ones admitted last, are
+preempted, as few as give the others their pages: each stops with `StopReason.PREEMPTED`
+and gives its pages back, and the host queues it again, first in line among its priority,
+to be prefilled anew from its prompt and the tokens it made and to go on from there
+(`engine.py`). The slot first in that order never waits on another, so every sample ends. A
 sample that reads a source (a translator's) takes the pages of its whole budget with its
 slot instead, and is never preempted (`holds_sources`); its source's K/V lie in its slot,
 beside the pool, as long as the engine's longest source (`max_source_len`). A slot
@@ -47,7 +48,7 @@ from kvjax.decode.loop import StopReason
 from kvjax.decode.tracing import count_trace
 from kvjax.model.paged import copy_row_into_pages, most_pages_a_row_holds
 
-from .slots import ID_SPACE, EngineState
+from .slots import ID_SPACE, PRIORITY_BOUND, EngineState
 
 
 def choose_pages(page_size: int | None, num_pages: int | None, capacity: int,
@@ -168,11 +169,12 @@ def _own(tables_BX: jax.Array, free_pages: jax.Array) -> jax.Array:
 def grow(state: EngineState, active, reach: int | None = None
          ) -> tuple[EngineState, jax.Array]:
     """(state, preempted [B] bool): every running slot whose next token falls past its pages
-    takes one more page (when `active`); if the pool has too few, the fewest slots admitted
-    last that leave enough are preempted first and their pages given back. With `reach`
-    (the model's `attention_reach`: every layer reads only that many positions back), each
-    running slot first gives back its own pages that lie wholly behind what its next token
-    reads (`release_behind`), so a long sample holds about a window's pages."""
+    takes one more page (when `active`); if the pool has too few, the fewest slots that leave
+    enough are preempted, of the highest priority value and admitted last first, and their
+    pages given back. With `reach` (the model's `attention_reach`: every layer reads only
+    that many positions back), each running slot first gives back its own pages that lie
+    wholly behind what its next token reads (`release_behind`), so a long sample holds about
+    a window's pages."""
     if reach is not None:
         state = release_behind(state, reach, active)
     slots, free = state.slots, state.free_pages
@@ -185,10 +187,11 @@ def grow(state: EngineState, active, reach: int | None = None
     next_page_B = jnp.take_along_axis(tables_BX, jnp.minimum(column_B, per_row - 1)[:, None],
                                       axis=1)[:, 0]
     need_B = active & slots.running & (column_B < per_row) & (next_page_B < 0)
-    # The slots by how recently they were admitted (ids grow in the order samples stage).
+    # The running slots in the order they are preempted: of the highest priority value
+    # first, then the most recently admitted (ids grow in the order samples stage).
     youth_B = jnp.where(slots.running, (state.last_admitted - slots.owner) & (ID_SPACE - 1),
                         ID_SPACE)
-    order_B = jnp.argsort(youth_B)
+    order_B = jnp.lexsort((youth_B, jnp.where(slots.running, -slots.priority, PRIORITY_BOUND + 1)))
 
     def after_each(x_B):  # [K]: the sum over the k youngest slots, for k = 0 .. B
         return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(x_B[order_B])])

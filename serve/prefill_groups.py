@@ -3,11 +3,13 @@
 One prefill pads every prompt of its group to the length bucket of the longest
 (`decode.buckets`), and its cost follows the padded positions, not the prompts' own. Taken in
 arrival order, a group of eight prompts of 8 to 48 tokens is nearly always padded to 48, so
-the engine groups by length instead: the oldest waiting prompt leads its group, which the
+the engine groups by length instead: the first waiting prompt leads its group, which the
 waiting prompts nearest its bucket fill, looked for among the next `LOOKAHEAD_GROUPS` groups'
 worth of the queue: those of its bucket first, then shorter ones (padded up to it), then the
-least longer. Every group takes the oldest waiting prompt, so a prompt waits at most until
-those queued before it are prefilled; prompts of other lengths queued after it may go first.
+least longer. The queue holds requests by priority (`GenerationRequest.priority`, lower
+first), then in arrival order (`enqueue`). Every group takes the first waiting prompt, so a
+prompt waits at most until those ahead of it are prefilled; prompts of other lengths behind
+it may go first.
 """
 
 from __future__ import annotations
@@ -19,6 +21,24 @@ from collections.abc import Callable, Sequence
 from kvjax.decode.buckets import bucket
 
 LOOKAHEAD_GROUPS = 4
+
+
+def enqueue(pending: collections.deque, ticket) -> None:
+    """Queues `ticket` after every waiting ticket of its priority or a lower one."""
+    at = len(pending)
+    while at and pending[at - 1].request.priority > ticket.request.priority:
+        at -= 1
+    pending.insert(at, ticket)
+
+
+def requeue_first(pending: collections.deque, tickets: list) -> None:
+    """Queues `tickets` (preempted samples), in their order, before every waiting ticket
+    of their priority or a higher one."""
+    for ticket in reversed(tickets):
+        at = 0
+        while at < len(pending) and pending[at].request.priority < ticket.request.priority:
+            at += 1
+        pending.insert(at, ticket)
 
 
 def companion_order(lead_length: int, lengths: Sequence[int], limit: int) -> list[int]:
@@ -37,7 +57,7 @@ def companion_order(lead_length: int, lengths: Sequence[int], limit: int) -> lis
 
 def take_group(pending: collections.deque, free: int, size: int, limit: int,
                too_long: Callable[[object], bool]) -> tuple[list, list]:
-    """(taken, dropped): the oldest waiting ticket and its companions (`take_companions`),
+    """(taken, dropped): the first waiting ticket and its companions (`take_companions`),
     at most `size` whose samples fit the `free` staged rows, and the cancelled tickets met
     before them, all moved out of `pending`. Tickets `too_long` names (fed a part per turn)
     stay in it, first."""

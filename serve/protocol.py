@@ -81,8 +81,7 @@ class Parsed:
 _VLLM_UNSUPPORTED = [
     ("use_beam_search", False, " (kvjax serves beam search through decode.beam_search)"),
     ("bad_words", [], " (logit_bias can ban their tokens)"),
-    ("logits_processors", None, ""),
-    ("priority", 0, " (the engine serves requests oldest first)")]
+    ("logits_processors", None, "")]
 
 
 _TOOLS, _IT = " (tools are for /v1/chat/completions)", " (it is for /v1/chat/completions)"
@@ -340,6 +339,7 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
         seed=get_field(body, "seed", INT), stop=_stops(body, max_stop_strings, max_stop_chars),
         logprobs=top or 0, adapter=names.index(model),
         cache_salt=get_field(body, "cache_salt", STR),
+        priority=get_field(body, "priority", INT, 0),
         include_stop=get_field(body, "include_stop_str_in_output", BOOL, False),
         skip_special_tokens=_skip_special_tokens(body, loaded),
         stop_ids=_stop_ids(body, loaded.tokenizer), forced_end_id=loaded.tokenizer.forced_end,

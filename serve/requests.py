@@ -26,6 +26,7 @@ from .slots import (
     MAX_LOGIT_BIAS,
     MAX_STOP_IDS,
     MAX_TOP_LOGPROBS,
+    PRIORITY_BOUND,
     RowSettings,
 )
 
@@ -64,6 +65,9 @@ class GenerationRequest:
                  for the first), 0 for the base model alone.
     cache_salt:  a non-empty string: its prompt reuses kept prefixes (`prefix_cache.py`)
                  only of requests with the same salt, or None: of unsalted ones.
+    priority:    lower is served first (vLLM's): a request waits for those of lower
+                 priority, then for those queued before it; when pages run short, samples
+                 of the highest priority value are preempted first. In [-2**30, 2**30].
     """
 
     prompt: tuple[int, ...]
@@ -82,6 +86,7 @@ class GenerationRequest:
     cache_salt: str | None = None
     include_stop: bool = False
     skip_special_tokens: bool = True
+    priority: int = 0
 
     def checked(self, vocab_size: int, capacity: int, prompt_slots: int | None = None,
                 source_capacity: int | None = None) -> GenerationRequest:
@@ -143,6 +148,7 @@ class GenerationRequest:
         seed = secrets.randbelow(MAX_SEED) if self.seed is None else self.seed
         checks.integer("seed", seed, 0, MAX_SEED)
         checks.integer("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
+        checks.integer("priority", self.priority, -PRIORITY_BOUND, PRIORITY_BOUND)
         if self.constraint is not None:
             _check_constraint(self.constraint, vocab_size, stop_ids)
             if self.sampling.min_tokens:
@@ -255,4 +261,5 @@ def row_settings(samples: list[tuple[GenerationRequest, int]],
         generated=np.array(generated, np.int32),
         prefix_row=np.array([row for row, _ in prefix_pages], np.int32),
         prefix_pages=np.array([n for _, n in prefix_pages], np.int32),
-        adapter=np.array([r.adapter for r, _ in samples], np.int32))
+        adapter=np.array([r.adapter for r, _ in samples], np.int32),
+        priority=np.array([r.priority for r, _ in samples], np.int32))

@@ -27,7 +27,7 @@ from .response_store import ResponseStore
 SHARED_FIELDS = ("model", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                  "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
                  "ignore_eos", "min_tokens", "logit_bias", "cache_salt", "chat_template_kwargs",
-                 "parallel_tool_calls", "stream")
+                 "parallel_tool_calls", "stream", "priority")
 # What needs state or a capability kvjax does not have: (field, its no-op values, why).
 _REFUSED = [("conversation", (None,), "send the conversation as input, or go on from a "
                                       "response with previous_response_id"),

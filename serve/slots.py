@@ -49,6 +49,7 @@ MAX_LOGIT_BIAS = 300  # tokens a request's logit_bias may name: a row of fixed s
 # ids counted from the last one admitted, which stays right however often the ids wrap.
 ID_SPACE = 1 << 30
 NO_SAMPLE = -1  # the id of a row that holds none
+PRIORITY_BOUND = 1 << 30  # a priority's bound either way: an int32 with room to spare
 
 
 @flax.struct.dataclass
@@ -77,6 +78,8 @@ class SlotState:
                      none): a staged sample takes them with its slot (`pages.py`).
     adapter:         [B] int32 the LoRA adapter the row's request adds (0: none;
                      `model.lora_rows`).
+    priority:        [B] int32 the row's request's priority (lower first: `chunk.py` admits,
+                     `pages.py` preempts by it).
     """
 
     cache: M.KVCache
@@ -98,6 +101,7 @@ class SlotState:
     prefix_row: jax.Array
     prefix_pages: jax.Array
     adapter: jax.Array
+    priority: jax.Array
 
     @property
     def num_slots(self) -> int:
@@ -145,7 +149,8 @@ class RowSettings:
     sample's index among its request's n, `sample_key`), sampling with [R] fields,
     logit_bias [R, MAX_LOGIT_BIAS], constraint_state [R] (the initial state of its automaton
     in the tables; -1: none), generated [R] (tokens the sample made before: a preempted one
-    goes on from its count) and prefix_row, prefix_pages, adapter [R] (as `SlotState`'s)."""
+    goes on from its count) and prefix_row, prefix_pages, adapter, priority [R] (as
+    `SlotState`'s)."""
 
     max_tokens: jax.Array
     forced_end: jax.Array
@@ -160,6 +165,7 @@ class RowSettings:
     prefix_row: jax.Array
     prefix_pages: jax.Array
     adapter: jax.Array
+    priority: jax.Array
 
 
 @flax.struct.dataclass
@@ -264,6 +270,7 @@ def _free_rows(config: M.TransformerConfig, rows: int, capacity: int,
         owner=jnp.full((rows,), NO_SAMPLE, jnp.int32),
         constraint_state=jnp.full((rows,), UNCONSTRAINED, jnp.int32),
         prefix_row=jnp.full((rows,), -1, jnp.int32), prefix_pages=zeros(), adapter=zeros(),
+        priority=zeros(),
     )
 
 
@@ -391,7 +398,8 @@ def _first_tokens(state: EngineState, logits_RV, context_RC, context_lengths_R, 
         stop_reason=jnp.where(new_Q, StopReason.RUNNING, rows.stop_reason),
         owner=put(rows.owner, ids_R), prefix_row=put(rows.prefix_row, settings.prefix_row),
         prefix_pages=put(rows.prefix_pages, settings.prefix_pages),
-        adapter=put(rows.adapter, settings.adapter))
+        adapter=put(rows.adapter, settings.adapter),
+        priority=put(rows.priority, settings.priority))
     constraints = state.constraints(settings.constraint_state)
     token_R, logprob_R, top_logprobs_RA, top_ids_RA, constraint_state_R = choose(
         logits_RV, context_RC, context_lengths_R, settings.sampling, settings.logit_bias,

@@ -1,6 +1,6 @@
-"""serve/chunk.py: the decode chunk's admission: the oldest staged sample takes a free slot,
-with its whole prompt's cache, however the sample ids wrap, into a windowed layer's ring
-where the slot keeps one; what such slots serve."""
+"""serve/chunk.py: the decode chunk's admission: the next staged sample (of the lowest
+priority, the oldest) takes a free slot, with its whole prompt's cache, however the sample
+ids wrap, into a windowed layer's ring where the slot keeps one; what such slots serve."""
 
 import jax
 import jax.numpy as jnp
@@ -30,13 +30,23 @@ def staged_state(config, ids, lengths, rng):
     return state.replace(staged=staged)
 
 
-def test_the_oldest_staged_sample_goes_first_across_the_ids_wrap(monkeypatch):
+TOP = slots.ID_SPACE - 1
+
+
+@pytest.mark.parametrize("priorities, expected", [
+    ([0, 0, 0, 0], [TOP, 0, 1]),  # by age: TOP, 0, 1, 2
+    ([0, 1, 0, -1], [2, 0, 1]),  # the lowest priority first, then by age
+    ([3, -5, 3, 3], [TOP, 0, 1]),
+])
+def test_the_next_staged_sample_is_of_the_lowest_priority_the_oldest_across_the_ids_wrap(
+        monkeypatch, priorities, expected):
     config = M.preset("tiny")
     monkeypatch.setattr(chunk, "COPY_BLOCK", 24)  # 50 positions: blocks at 0, 24 and 40
-    top = slots.ID_SPACE - 1
-    ids, lengths = [1, top, 0, 2], [7, 50, 3, 12]  # in order of age: top, 0, 1, 2
+    ids, lengths = [1, TOP, 0, 2], [7, 50, 3, 12]
     state = staged_state(config, ids, lengths, np.random.default_rng(0))
-    state = state.replace(last_admitted=jnp.asarray(top - 1, jnp.int32))
+    state = state.replace(last_admitted=jnp.asarray(TOP - 1, jnp.int32),
+                          staged=state.staged.replace(priority=jnp.asarray(priorities,
+                                                                           jnp.int32)))
     admit = jax.jit(chunk.admit)
     order = []
     for slot in range(3):
@@ -52,8 +62,12 @@ def test_the_oldest_staged_sample_goes_first_across_the_ids_wrap(monkeypatch):
                                  state.staged.cache.k + state.staged.cache.v, strict=True):
             np.testing.assert_array_equal(taken[:, slot, :, :length],
                                           source[:, row, :, :length])
-    assert order == [top, 0, 1]
-    assert np.asarray(state.staged.running).tolist() == [False, False, False, True]
+    assert order == expected
+    assert [bool(r) for r in state.slots.running] == [True] * 3
+    left = [i for i in ids if i not in expected]
+    assert np.asarray(state.staged.running).tolist() == [i in left for i in ids]
+    np.testing.assert_array_equal(state.slots.priority,
+                                  [priorities[ids.index(i)] for i in expected])
 
 
 def test_a_staged_row_enters_a_windowed_slots_ring_at_its_last_positions():

@@ -127,6 +127,31 @@ def test_a_sample_cancelled_while_preempted_ends_once_and_frees_everything(tiny_
     assert all_pages_free(engine) and engine.queue_length == 0
 
 
+def test_the_samples_of_the_highest_priority_value_are_preempted_first(tiny_lm):
+    """A sample admitted first but of priority 5 gives its pages to two of priority 0
+    admitted after it (a pool of 8 pages holds one sample's 28 positions whole), then the
+    one of those admitted last to the other; each goes on later, and makes what it makes
+    alone."""
+    config, _, params = tiny_lm
+    engine = Engine(config, params, max_slots=3, max_len=30, chunk_size=4, page_size=PAGE,
+                    num_pages=8, prefill_batch=4)
+    requests = [GenerationRequest(prompt(80 + i, 4), max_tokens=24, priority=p)
+                for i, p in enumerate((5, 0, 0))]
+    collectors = [Collector() for _ in requests]
+    tickets = [engine.submit(requests[0], collectors[0])]
+    engine.step()  # the first takes a slot before the others arrive
+    tickets += [engine.submit(r, c) for r, c in zip(requests[1:], collectors[1:], strict=True)]
+    preempted = []
+    for _ in range(200):
+        preempted += [tickets.index(t.origin) for t in engine._pending  # noqa: SLF001
+                      if t.origin is not t and tickets.index(t.origin) not in preempted]
+        if not engine.step():
+            break
+    assert preempted == [0, 2]
+    assert [c.tokens() for c in collectors] == [alone(tiny_lm, r) for r in requests]
+    assert all_pages_free(engine)
+
+
 def test_cancelled_and_stopped_samples_give_their_pages_back(tiny_lm):
     config, _, params = tiny_lm
     engine = Engine(config, params, max_slots=2, max_len=32, chunk_size=2, page_size=PAGE)

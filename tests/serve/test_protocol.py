@@ -113,6 +113,8 @@ def test_defaults_are_openais():
     assert chat(modalities=["text"], verbosity="medium", functions=[], function_call="none")
     assert [r.cache_salt for r in completion(prompt=["A", "B"], cache_salt="s").requests] == [
         "s", "s"]
+    assert request.priority == 0
+    assert [r.priority for r in chat(priority=-3).requests] == [-3]
 
 
 def test_a_chats_echo_is_the_final_message_its_answer_goes_on_with_in_its_role():
@@ -183,7 +185,7 @@ def test_a_chats_echo_is_the_final_message_its_answer_goes_on_with_in_its_role()
     (completion, dict(add_special_tokens=1), 400, "add_special_tokens", "must be a boolean"),
     (chat, dict(cache_salt=["a"]), 400, "cache_salt", "cache_salt=['a'] must be a string"),
     (chat, dict(functions=[{"name": "f"}]), 400, "functions", "(tools replaced it)"),
-    (completion, dict(priority=-1), 400, "priority", "serves requests oldest first"),
+    (completion, dict(priority="high"), 400, "priority", "must be an integer"),
     (chat, dict(function_call="auto"), 400, "function_call", "(tool_choice replaced it)"),
     (chat, dict(modalities=["text", "audio"]), 400, "modalities", "answers text"),
     (chat, dict(web_search_options={}), 400, "web_search_options", "is not supported"),

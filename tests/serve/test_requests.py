@@ -40,6 +40,9 @@ VOCAB, CAPACITY = 50, 32
     (dict(constraint="json"), "constraint must be a TokenAutomaton .*got str"),
     (dict(cache_salt=""), "cache_salt '' must be a non-empty string"),
     (dict(cache_salt=7), "cache_salt 7 must be a non-empty string"),
+    (dict(priority=2 ** 30 + 1), f"priority={2 ** 30 + 1} must be <= {2 ** 30}"),
+    (dict(priority=-2 ** 30 - 1), f"priority={-2 ** 30 - 1} must be >= {-2 ** 30}"),
+    (dict(priority=1.0), "priority=1.0 must be an int"),
     (dict(constraint=end_only_automaton(VOCAB + 8, 2), stop_ids=(2,)),
      "compiled for 58 token ids; the model has 50"),
     (dict(constraint=end_only_automaton(VOCAB, 2), stop_ids=(3,)),
@@ -67,7 +70,7 @@ def test_a_checked_request_keeps_its_values_and_draws_a_missing_seed():
 def test_samples_become_one_row_of_settings_each_in_their_order():
     greedy = GenerationRequest((5, 6), max_tokens=4, stop_ids=(2, 9), seed=11,
                                forced_end_id=2, banned_ids=(7,))
-    sampled = GenerationRequest((7,), max_tokens=9, seed=2**40 + 3,
+    sampled = GenerationRequest((7,), max_tokens=9, seed=2**40 + 3, priority=-4,
                                 sampling=Sampling(temperature=0.7, top_k=5, top_p=0.9))
     rows = row_settings([(greedy, 0), (sampled, 0), (sampled, 1)], constraint_states=[-1, 4, 4],
                         generated=[0, 0, 3], prefix_pages=[(-1, 0), (1, 2), (-1, 0)])
@@ -85,6 +88,7 @@ def test_samples_become_one_row_of_settings_each_in_their_order():
     np.testing.assert_array_equal(rows.generated, [0, 0, 3])
     np.testing.assert_array_equal(rows.prefix_row, [-1, 1, -1])
     np.testing.assert_array_equal(rows.prefix_pages, [0, 2, 0])
+    np.testing.assert_array_equal(rows.priority, [0, -4, -4])
     defaults = row_settings([(greedy, 0)])
     assert defaults.constraint_state.tolist() == [-1] and defaults.generated.tolist() == [0]
     assert defaults.prefix_row.tolist() == [-1] and defaults.prefix_pages.tolist() == [0]

@@ -23,15 +23,16 @@ TOOL = {"type": "function", "name": "is_even", "description": "Whether n is even
 def test_a_string_input_and_instructions_are_a_system_and_a_user_message():
     body = {"model": MODEL, "instructions": "Be brief.", "input": "hi", "temperature": 0.5,
             "top_p": 0.9, "max_output_tokens": 7, "seed": 3, "cache_salt": "s", "stream": True,
-            "metadata": {"k": "v"}, "store": True, "user": "u"}
+            "metadata": {"k": "v"}, "store": True, "user": "u", "priority": -2}
     assert chat_body(body) == {
         "model": MODEL, "messages": [{"role": "system", "content": "Be brief."},
                                      {"role": "user", "content": "hi"}],
         "temperature": 0.5, "top_p": 0.9, "max_completion_tokens": 7, "seed": 3,
-        "cache_salt": "s", "stream": True}
+        "cache_salt": "s", "stream": True, "priority": -2}
     parsed = parse(chat_body(body), LOADED, MODEL, 64, chat_api=True)
     request = parsed.requests[0]
     assert (request.max_tokens, request.seed, request.sampling.temperature) == (7, 3, 0.5)
+    assert request.priority == -2
 
 
 def test_items_become_the_conversation_a_chat_sends():
