@@ -168,7 +168,7 @@ def _decode_chunk(config, params, state, cancel_I, want_top, queued, steps, mesh
             logits_B1V[:, 0], slots.context, slots.context_lengths, slots.sampling,
             slots.logit_bias, slots.stop_ids, slots.keys, slots.generated, want_top,
             state.constraints(slots.constraint_state), live_B, slots.forced_now(),
-            slots.banned_ids)
+            slots.banned_ids, slots.bad_words)
         if constraint_state_B is not None:
             slots = slots.replace(constraint_state=constraint_state_B)
         slots = record(slots.replace(cache=cache), token_B, live_B)

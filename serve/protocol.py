@@ -34,6 +34,7 @@ from typing import Any
 
 from kvjax import model as M
 from kvjax import text as T
+from kvjax.decode.bad_words import word_ids
 from kvjax.decode.constraints import StartsWith
 from kvjax.decode.settings import Sampling
 
@@ -80,7 +81,6 @@ class Parsed:
 # (name, its no-op value, a hint). Refused rather than ignored as unknown fields are.
 _VLLM_UNSUPPORTED = [
     ("use_beam_search", False, " (kvjax serves beam search through decode.beam_search)"),
-    ("bad_words", [], " (logit_bias can ban their tokens)"),
     ("logits_processors", None, "")]
 
 
@@ -201,6 +201,23 @@ def _stop_ids(body: dict, tokenizer) -> tuple[int, ...]:
                        "stop_token_ids")
     own = () if get_field(body, "ignore_eos", BOOL, False) else tuple(tokenizer.stop_ids)
     return tuple(dict.fromkeys((*own, *extra)))
+
+
+def _bad_words(body: dict, loaded: T.LoadedModel) -> tuple[tuple[int, ...], ...]:
+    """vLLM's `bad_words`: texts, each the token sequences `decode.bad_words.word_ids`
+    makes of it; their count and lengths are checked by `GenerationRequest.checked`."""
+    words = body.get("bad_words")
+    if not words:
+        return ()
+    if not isinstance(words, list) or not all(isinstance(word, str) for word in words):
+        raise APIError(400, f"bad_words={shown(words)} must be a list of strings", "bad_words")
+    if loaded.is_translation:
+        raise APIError(400, "bad_words are not supported for a translator: its tokenizer "
+                            "writes source text, not its target's", "bad_words")
+    try:
+        return word_ids(loaded.tokenizer.encode, words)
+    except ValueError as error:
+        raise APIError(400, str(error), "bad_words") from None
 
 
 def _reasoning(parser: str | None, prompt_text: str, tokenizer: Any, tools: Tools | None):
@@ -343,7 +360,7 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
         include_stop=get_field(body, "include_stop_str_in_output", BOOL, False),
         skip_special_tokens=_skip_special_tokens(body, loaded),
         stop_ids=_stop_ids(body, loaded.tokenizer), forced_end_id=loaded.tokenizer.forced_end,
-        banned_ids=loaded.tokenizer.banned_ids,
+        banned_ids=loaded.tokenizer.banned_ids, bad_words=_bad_words(body, loaded),
         constraint=None if constraint is None else structured.compiled(
             constraint, field, loaded.tokenizer))
     requests = []

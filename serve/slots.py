@@ -36,6 +36,7 @@ from kvjax import device_loops, parallel
 from kvjax import model as M
 from kvjax.decode import loop as decode_loop
 from kvjax.decode.automaton import UNCONSTRAINED, RowConstraints
+from kvjax.decode.bad_words import banned_by_words
 from kvjax.decode.loop import StopReason
 from kvjax.decode.processors import ProcessorState, RowLogitBias
 from kvjax.decode.sampling import SamplingParams, sample_key
@@ -43,6 +44,7 @@ from kvjax.decode.tracing import count_trace
 
 MAX_STOP_IDS = 8  # stop ids travel as a fixed-size row so their number never recompiles
 MAX_BANNED_IDS = 8  # and so do the ids a request never makes
+MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 32, 8  # and its bad words' token sequences
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat; completions ask for at most 5
 MAX_LOGIT_BIAS = 300  # tokens a request's logit_bias may name: a row of fixed size
 # Sample ids cycle through [0, ID_SPACE): staged samples are admitted in the order of their
@@ -63,6 +65,8 @@ class SlotState:
     forced_end:      [B] int32 the token the request makes last at its budget (-1: none).
     stop_ids:        [B, E] int32 ids that end the request (-1 pads).
     banned_ids:      [B, banned] int32 ids the request never makes (-1 pads).
+    bad_words:       [B, words, tokens] int32 token sequences it never completes
+                     (`decode.bad_words.words_table`).
     keys:            [B, 2] uint32 the request's random key (its key data).
     sampling:        `SamplingParams` with [B] fields.
     logit_bias:      the request's `RowLogitBias` [B, MAX_LOGIT_BIAS].
@@ -89,6 +93,7 @@ class SlotState:
     forced_end: jax.Array
     stop_ids: jax.Array
     banned_ids: jax.Array
+    bad_words: jax.Array
     keys: jax.Array
     sampling: SamplingParams
     logit_bias: RowLogitBias
@@ -144,7 +149,7 @@ class EngineState:
 @flax.struct.dataclass
 class RowSettings:
     """The settings of R samples as slots hold them: max_tokens [R], forced_end [R],
-    stop_ids [R, E], banned_ids [R, banned], seed
+    stop_ids [R, E], banned_ids [R, banned], bad_words [R, words, tokens], seed
     [R, 2] uint32 (the request's prompt key, `decode.sampling.seed_key`), sample [R] (each
     sample's index among its request's n, `sample_key`), sampling with [R] fields,
     logit_bias [R, MAX_LOGIT_BIAS], constraint_state [R] (the initial state of its automaton
@@ -156,6 +161,7 @@ class RowSettings:
     forced_end: jax.Array
     stop_ids: jax.Array
     banned_ids: jax.Array
+    bad_words: jax.Array
     seed: jax.Array
     sample: jax.Array
     sampling: SamplingParams
@@ -260,6 +266,7 @@ def _free_rows(config: M.TransformerConfig, rows: int, capacity: int,
         forced_end=jnp.full((rows,), -1, jnp.int32),
         stop_ids=jnp.full((rows, MAX_STOP_IDS), -1, jnp.int32),
         banned_ids=jnp.full((rows, MAX_BANNED_IDS), -1, jnp.int32),
+        bad_words=jnp.full((rows, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), -1, jnp.int32),
         keys=jnp.zeros((rows, 2), jnp.uint32),
         sampling=SamplingParams.make(batch=rows),
         logit_bias=RowLogitBias.empty(rows, MAX_LOGIT_BIAS),
@@ -286,15 +293,20 @@ def _free_state_on(config: M.TransformerConfig, num_slots: int, num_staged: int,
 def choose(logits_BV, context_BC, context_lengths_B, sampling: SamplingParams,
            logit_bias: RowLogitBias, stop_ids_BE, keys_B2, positions_B, want_top=True,
            constraints: RowConstraints | None = None, live_B=None, forced_B=None,
-           banned_ids=None):
-    """(token [B], logprob [B], top_logprobs [B, W], top_ids [B, W], constraint_state [B]
+           banned_ids=None, bad_words=None):
+    """(token [B], logprob [B], top_logprobs [B, A], top_ids [B, A], constraint_state [B]
     or None): each row's next token as `decode` picks it (`decode.loop.choose`), drawn with
     the row's own key folded with its position (the tokens it has made so far, which are the
     last of its context, as the presence and frequency penalties count them, and which
     `min_tokens` compares to hold back its `stop_ids` [B, E]), its logit bias added after the
-    penalties, the ids `banned_ids` [B, banned] names banned, its forced token where `forced_B` [B]
-    names one (`forced_ends`), and each `live` row's constraint state after it. The top W
-    are zeros unless `want_top`."""
+    penalties, the ids `banned_ids` [B, banned] names banned and the last ids of the
+    `bad_words` [B, words, tokens] its newest tokens would complete
+    (`decode.bad_words.banned_by_words`), its forced token where `forced_B` [B] names one
+    (`forced_ends`), and each `live` row's constraint state after it. The top A are zeros
+    unless `want_top`."""
+    if bad_words is not None:
+        banned_ids = jnp.concatenate([banned_ids, banned_by_words(
+            bad_words, context_BC, context_lengths_B, positions_B)], axis=1)
     token_B, logprob_B, logprobs_BV = decode_loop.choose(
         logits_BV, ProcessorState(context_BC, context_lengths_B, jnp.zeros((), jnp.int32),
                                   sampling, positions_B, stop_ids_BE),
@@ -391,6 +403,7 @@ def _first_tokens(state: EngineState, logits_RV, context_RC, context_lengths_R, 
         forced_end=put(rows.forced_end, settings.forced_end),
         stop_ids=put(rows.stop_ids, settings.stop_ids),
         banned_ids=put(rows.banned_ids, settings.banned_ids),
+        bad_words=put(rows.bad_words, settings.bad_words),
         keys=put(rows.keys, keys_R2),
         sampling=jax.tree.map(put, rows.sampling, settings.sampling),
         logit_bias=jax.tree.map(put, rows.logit_bias, settings.logit_bias),
@@ -406,7 +419,7 @@ def _first_tokens(state: EngineState, logits_RV, context_RC, context_lengths_R, 
         settings.stop_ids, keys_R2, settings.generated, constraints=constraints,
         live_B=jnp.ones(staged_R.shape, bool),
         forced_B=forced_ends(settings.generated, settings.max_tokens, settings.forced_end),
-        banned_ids=settings.banned_ids)
+        banned_ids=settings.banned_ids, bad_words=settings.bad_words)
     if constraints is not None:
         rows = rows.replace(constraint_state=put(rows.constraint_state, constraint_state_R))
     token_Q = jnp.zeros(rows.num_slots, jnp.int32).at[staged_R].set(token_R, mode="drop")

@@ -2,14 +2,18 @@
 priority, the oldest) takes a free slot, with its whole prompt's cache, however the sample
 ids wrap, into a windowed layer's ring where the slot keeps one; what such slots serve."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_engine import Collector, alone, prompt
+from conftest import run_full
+from test_engine import CHUNK, SLOTS, Collector, alone, prompt
 from test_pages import all_pages_free, preemptions
 
 from kvjax import model as M
+from kvjax.decode import Sampling
 from kvjax.serve import Engine, GenerationRequest, chunk, slots
 from kvjax.serve.metrics import ServeMetrics
 
@@ -126,3 +130,51 @@ def test_a_windowed_models_slots_serve_what_generate_makes_alone(tiny_lm, page_s
     assert [c.tokens() for c in collectors] == [alone(windowed, r) for r in requests]
     if page_size:
         assert preemptions(metrics) >= 1 and all_pages_free(engine)
+
+
+def greedy_without_bad_words(tiny_lm, request):
+    """`request`'s greedy tokens from the uncached model, the repetition penalty applied
+    (transformers': over the prompt and the tokens made) and each step's bad words banned
+    as vLLM's rule reads them."""
+    config, _, params = tiny_lm
+    tokens, penalty = list(request.prompt), request.sampling.repetition_penalty
+    for _ in range(request.max_tokens):
+        padded = np.zeros((1, config.max_len), np.int32)  # one compiled forward for all
+        padded[0, :len(tokens)] = tokens
+        logits = np.array(run_full(config, params, padded))[0, len(tokens) - 1]
+        seen = sorted(set(tokens))
+        logits[seen] = np.where(logits[seen] < 0, logits[seen] * penalty,
+                                logits[seen] / penalty)
+        made = tokens[len(request.prompt):]
+        for word in request.bad_words:  # its last id, after the others made just now
+            if len(word) - 1 <= len(made) and made[len(made) + 1 - len(word):] == list(
+                    word[:-1]):
+                logits[word[-1]] = -np.inf
+        tokens.append(int(np.argmax(logits)))
+    return tokens[len(request.prompt):]
+
+
+def test_a_slot_never_completes_a_bad_word_from_the_tokens_it_made(tiny_lm):
+    """Words drawn from what each request makes freely (a repetition penalty keeps the
+    tiny model from repeating one token): one ending its prompt and starting its output
+    (the prompt's token does not count, as in vLLM), two of its own tokens, one token
+    alone; through the first-token program and the chunk alike."""
+    config, _, params = tiny_lm
+    engine = Engine(config, params, max_slots=SLOTS, chunk_size=CHUNK, max_queue=8,
+                    prefill_batch=4)
+    free = [GenerationRequest(prompt(150 + i, 5), max_tokens=10,
+                              sampling=Sampling(repetition_penalty=3.0)) for i in range(3)]
+    made = [alone(tiny_lm, r) for r in free]
+    words = [((free[0].prompt[-1], made[0][0]), (made[0][3], made[0][4])),
+             ((made[1][0],),),
+             ((made[2][1], made[2][2]), (made[2][6],), (made[2][2],) * 3)]
+    requests = [dataclasses.replace(r, bad_words=w) for r, w in zip(free, words, strict=True)]
+    collectors = [Collector() for _ in requests]
+    for request, collector in zip(requests, collectors, strict=True):
+        engine.submit(request, collector)
+    engine.run_until_idle()
+    tokens = [c.tokens() for c in collectors]
+    assert tokens == [greedy_without_bad_words(tiny_lm, r) for r in requests]
+    assert tokens[0][:4] == made[0][:4] and tokens[0][4] != made[0][4]
+    assert tokens[1][0] != made[1][0] and tokens[2][:2] == made[2][:2]
+    assert tokens[2][2] != made[2][2]

@@ -115,6 +115,10 @@ def test_defaults_are_openais():
         "s", "s"]
     assert request.priority == 0
     assert [r.priority for r in chat(priority=-3).requests] == [-3]
+    # vLLM's bad_words: each the ids of the word alone (after a space FakeTokenizer writes
+    # one id more, so not that too).
+    assert request.bad_words == ()
+    assert chat(bad_words=["AB", " C"]).requests[0].bad_words == ((20, 21), (22,))
 
 
 def test_a_chats_echo_is_the_final_message_its_answer_goes_on_with_in_its_role():
@@ -186,6 +190,8 @@ def test_a_chats_echo_is_the_final_message_its_answer_goes_on_with_in_its_role()
     (chat, dict(cache_salt=["a"]), 400, "cache_salt", "cache_salt=['a'] must be a string"),
     (chat, dict(functions=[{"name": "f"}]), 400, "functions", "(tools replaced it)"),
     (completion, dict(priority="high"), 400, "priority", "must be an integer"),
+    (completion, dict(bad_words="ab"), 400, "bad_words", "must be a list of strings"),
+    (chat, dict(bad_words=[" "]), 400, "bad_words", "bad word ' ' has no tokens"),
     (chat, dict(function_call="auto"), 400, "function_call", "(tool_choice replaced it)"),
     (chat, dict(modalities=["text", "audio"]), 400, "modalities", "answers text"),
     (chat, dict(web_search_options={}), 400, "web_search_options", "is not supported"),
@@ -287,6 +293,9 @@ def test_a_translators_target_language_is_its_own_else_the_servers_default():
     parsed = parse({"model": MODEL, "prompt": "in"}, m2m, MODEL, 16, chat_api=False)
     assert parsed.requests[0].forced_end_id == m2m.tokenizer.eos_id is not None
     assert parsed.requests[0].banned_ids == (5, 9)
+    with pytest.raises(APIError, match="bad_words are not supported for a translator"):
+        parse({"model": MODEL, "prompt": "in", "bad_words": ["a"]}, m2m, MODEL, 16,
+              chat_api=False)
     assert first_constraint(target_language="are") == are
     assert first_constraint(default=a) == a
     assert first_constraint(default=a, target_language="are") == are

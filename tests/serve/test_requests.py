@@ -43,6 +43,11 @@ VOCAB, CAPACITY = 50, 32
     (dict(priority=2 ** 30 + 1), f"priority={2 ** 30 + 1} must be <= {2 ** 30}"),
     (dict(priority=-2 ** 30 - 1), f"priority={-2 ** 30 - 1} must be >= {-2 ** 30}"),
     (dict(priority=1.0), "priority=1.0 must be an int"),
+    (dict(bad_words=((3,),) * 33), "33 bad word token sequences: at most 32"),
+    (dict(bad_words=((3,) * 9,)), r"bad word \[3, 3, .*\]: 1 to 8 ids in \[0, 50\)"),
+    (dict(bad_words=((3, 50),)), r"bad word \[3, 50\]: 1 to 8 ids"),
+    (dict(bad_words=((),)), r"bad word \[\]: 1 to 8 ids"),
+    (dict(bad_words="ab"), "bad_words 'ab' must be a list of token id sequences"),
     (dict(constraint=end_only_automaton(VOCAB + 8, 2), stop_ids=(2,)),
      "compiled for 58 token ids; the model has 50"),
     (dict(constraint=end_only_automaton(VOCAB, 2), stop_ids=(3,)),
@@ -89,6 +94,10 @@ def test_samples_become_one_row_of_settings_each_in_their_order():
     np.testing.assert_array_equal(rows.prefix_row, [-1, 1, -1])
     np.testing.assert_array_equal(rows.prefix_pages, [0, 2, 0])
     np.testing.assert_array_equal(rows.priority, [0, -4, -4])
+    assert (rows.bad_words == -1).all()
+    worded = row_settings([(dataclasses.replace(greedy, bad_words=((4,), (7, 8, 9))), 0)])
+    assert worded.bad_words.shape == (1, 32, 8)
+    assert worded.bad_words[0, :2].tolist() == [[-1] * 7 + [4], [-1] * 5 + [7, 8, 9]]
     defaults = row_settings([(greedy, 0)])
     assert defaults.constraint_state.tolist() == [-1] and defaults.generated.tolist() == [0]
     assert defaults.prefix_row.tolist() == [-1] and defaults.prefix_pages.tolist() == [0]

@@ -1,0 +1,67 @@
+"""Bad words: token sequences a sample never completes (vLLM's `bad_words`).
+
+A word of one token is banned at every step. A longer word's last token is banned where the
+sample's newest tokens are the word's others, so the word is never made whole; the sample
+may still make its first tokens, and go on with anything else. As vLLM counts them, only a
+sample's own tokens match a word's first tokens, never its prompt's.
+
+A text becomes the ids of both ways a tokenizer writes it, as vLLM tokenizes it: the word on
+its own (its leading spaces stripped), and after a space (where a word inside a sentence
+starts), when that is another token sequence of as many tokens (`word_ids`).
+
+On the device each row holds its words in a table [words, tokens], each word's ids
+right-aligned, -1 before them and in rows of no word (`words_table`). Shape letters: B rows,
+C a row's context; the tables' own axes (a row's words, a word's tokens) have none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def word_ids(encode: Callable[[str], Sequence[int]], words: Sequence[str]
+             ) -> tuple[tuple[int, ...], ...]:
+    """Each of `words` as token sequences: `encode(word.lstrip())`, then `encode(" " +
+    word.lstrip())` where its first token differs from the first's and it has as many.
+    A ValueError names a word that has no tokens."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        alone = tuple(encode(word.lstrip()))
+        if not alone:
+            raise ValueError(f"bad word {word!r} has no tokens")
+        sequences.append(alone)
+        spaced = tuple(encode(" " + word.lstrip()))
+        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            sequences.append(spaced)
+    return tuple(sequences)
+
+
+def words_table(words: Sequence[Sequence[int]], num_words: int, word_tokens: int
+                ) -> np.ndarray:
+    """[num_words, word_tokens] int32: `words` right-aligned, -1 before each and in the rows
+    after them."""
+    table = np.full((num_words, word_tokens), -1, np.int32)
+    for row, word in enumerate(words):
+        table[row, word_tokens - len(word):] = word
+    return table
+
+
+def banned_by_words(words: jax.Array, context_BC: jax.Array, context_lengths_B: jax.Array,
+                    generated_B: jax.Array) -> jax.Array:
+    """[B, words] int32: each word's last id where the row's newest tokens (the last of its
+    context) are the word's others, all among the `generated` ones it made itself; -1
+    elsewhere (and for rows of no word). `words` [B, words, tokens] as `words_table` writes
+    a row's. A word of one token is banned always."""
+    before_last = words.shape[-1] - 1
+    back = jnp.arange(before_last) - before_last  # the newest `before_last` tokens: -n .. -1
+    at = jnp.clip(context_lengths_B[:, None] + back, 0, context_BC.shape[1] - 1)
+    newest = jnp.take_along_axis(context_BC, at, axis=1)  # [B, before_last]
+    made = back[None, :] >= -generated_B[:, None]
+    first = words[:, :, :before_last]
+    matches = (first < 0) | ((first == newest[:, None]) & made[:, None])
+    last = words[:, :, before_last]
+    return jnp.where(jnp.all(matches, axis=-1) & (last >= 0), last, -1)
