@@ -63,7 +63,9 @@ class BeamState:
 
 @flax.struct.dataclass
 class BeamResult:
-    """The best hypothesis per row: tokens / logprobs [B, O], lengths / stop_reason / scores [B]."""
+    """The best `num_return` hypotheses of each row, best first, row b·num_return + j the
+    j-th of row b: tokens / logprobs [B·num_return, O], lengths / stop_reason / scores
+    [B·num_return]."""
 
     tokens: jax.Array
     lengths: jax.Array
@@ -152,9 +154,10 @@ def is_settled(state: BeamState, max_new_tokens, length_penalty) -> jax.Array:
 def beam_loop(tokens_to_logits: Callable, first_logits_BV: jax.Array, cache: Any,
               num_beams: int, buffer_len: int, stops: StopConditions,
               length_penalty: jax.Array,
-              constraints: RowConstraints | None = None) -> BeamResult:
+              constraints: RowConstraints | None = None, num_return: int = 1) -> BeamResult:
     """Beam search from the prefill's next-token logits; `cache` already has B·W rows, and
-    `constraints` (or None) a state per beam."""
+    `constraints` (or None) a state per beam. Returns the best `num_return` (at most W)
+    hypotheses of each row."""
     batch = first_logits_BV.shape[0]
     only_first = jnp.where(jnp.arange(num_beams) == 0, 0.0, NEG_INF)  # beams start identical
     state = BeamState(
@@ -187,24 +190,28 @@ def beam_loop(tokens_to_logits: Callable, first_logits_BV: jax.Array, cache: Any
         return state.replace(cache=state.cache.take_rows(rows))
 
     state = jax.lax.while_loop(cond_fn, body_fn, state)
-    return _best(state, stops, length_penalty)
+    return _ranked(state, stops, length_penalty, num_return)
 
 
-def _best(state: BeamState, stops: StopConditions, length_penalty) -> BeamResult:
-    """Best of the finished and the still-alive hypotheses (those ran out of tokens/cache).
+def _ranked(state: BeamState, stops: StopConditions, length_penalty,
+            count: int) -> BeamResult:
+    """The best `count` of the finished and the still-alive hypotheses (those ran out of
+    tokens/cache), as transformers adds the alive ones to the finished when the loop ends.
     One that its forced end finished stopped at its budget."""
     max_new_tokens = stops.max_new_tokens
     alive_score = jnp.where(state.alive_logprob > NEG_INF / 2,
                             _penalised(state.alive_logprob, state.step, length_penalty), NEG_INF)
     scores = jnp.concatenate([state.finished_score, alive_score], axis=1)
-    best = jnp.argmax(scores, axis=1)
-    def pick(a):
-        return jnp.take_along_axis(a, best.reshape((-1,) + (1,) * (a.ndim - 1)), axis=1)[:, 0]
+    _, ranked = jax.lax.top_k(scores, count)  # [B, count]: ties to the first, as argmax
+
+    def pick(a):  # rows b·count + j
+        index = ranked.reshape(ranked.shape + (1,) * (a.ndim - 2))
+        return jnp.take_along_axis(a, index, axis=1).reshape((-1,) + a.shape[2:])
 
     width = state.alive_tokens.shape[1]
     lengths = pick(jnp.concatenate(
         [state.finished_lengths, jnp.full_like(state.finished_lengths, state.step)], 1))
-    by_eos = best < width
+    by_eos = ranked.reshape(-1) < width
     if stops.forced_end_id is not None:
         by_eos &= ~((stops.forced_end_id >= 0) & (lengths >= max_new_tokens))
     return BeamResult(
@@ -220,13 +227,16 @@ def _best(state: BeamState, stops: StopConditions, length_penalty) -> BeamResult
     )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6), static_argnames="mesh")
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6),
+                   static_argnames=("mesh", "num_return"))
 def beam_search(config, params, tokens_BP, lengths_B, capacity: int, buffer_len: int,
                 num_beams: int, stops: StopConditions, length_penalty, mesh=None,
                 constraints: RowConstraints | None = None,
-                adapters: lora_rows.RowAdapters | None = None) -> BeamResult:
+                adapters: lora_rows.RowAdapters | None = None, num_return: int = 1
+                ) -> BeamResult:
     """Prefill each prompt once, copy its cache to W beams, then run `beam_loop` (each
-    beam starting in its prompt's automaton state if `constraints`, with a state per row).
+    beam starting in its prompt's automaton state if `constraints`, with a state per row),
+    returning each row's best `num_return` hypotheses.
 
     With a `mesh`, the B·W cache rows are split over `data` (the W beams of a row together,
     when `data` divides B) and the kv heads over `model`."""
@@ -242,4 +252,4 @@ def beam_search(config, params, tokens_BP, lengths_B, capacity: int, buffer_len:
         constraints = constraints.replace(state=jnp.repeat(constraints.state, num_beams))
     step = M.step_fn(config, params, lora_rows.collection_of(adapters, batch * num_beams))
     return beam_loop(parallel.keep_rows(step, mesh), first_logits_BV, cache, num_beams,
-                     buffer_len, stops, length_penalty, constraints)
+                     buffer_len, stops, length_penalty, constraints, num_return)

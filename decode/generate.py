@@ -245,11 +245,14 @@ def beam_search(net, params, prompts, *, max_new_tokens: int, num_beams: int,
                 constraint=None, adapters: lora_rows.AdapterStack | None = None,
                 adapter: int | Sequence[int] = 0,
                 forced_end_id: int | None = None,
-                banned_ids: Sequence[int] = ()) -> GenerateOutput:
+                banned_ids: Sequence[int] = (),
+                num_return_sequences: int = 1) -> GenerateOutput:
     """The `num_beams` likeliest continuations of each prompt, best first: each step keeps
     the best `num_beams` hypotheses by their summed logprobs, and finished ones are scored
-    by sum(logprobs) / length**length_penalty (`decode/beam.py`). Returns the best per
-    prompt, with its score in `scores`. Prompts, eos ids, lengths, `mesh` and `constraint`
+    by sum(logprobs) / length**length_penalty (`decode/beam.py`). Returns the best
+    `num_return_sequences` (at most `num_beams`) per prompt, best first, row b·n + j the
+    j-th of prompt b as transformers' `num_return_sequences` orders them, with their scores
+    in `scores`. Prompts, eos ids, lengths, `mesh` and `constraint`
     (the logprobs of the tokens it allows compete; the rest are never candidates) are as for
     `generate`, and so are `adapters`, `adapter`, `banned_ids` and `forced_end_id` (the end
     every beam makes at `max_new_tokens`, adding 0 to its summed logprobs as transformers
@@ -261,12 +264,17 @@ def beam_search(net, params, prompts, *, max_new_tokens: int, num_beams: int,
                        eos_ids=eos_ids, num_beams=num_beams, rng=None, mesh=mesh,
                        constraint=constraint, adapters=adapters, adapter=adapter,
                        forced_end_id=forced_end_id, banned_ids=banned_ids)
+    returned = checks.integer("num_return_sequences", num_return_sequences, 1)
+    if returned > prepared.num_beams:
+        raise checks.InvalidValue("num_return_sequences", f"num_return_sequences={returned} "
+                                  f"is more than num_beams={num_beams}: the search keeps "
+                                  "that many")
     result = beam.beam_search(
         net.config, params, prepared.tokens, prepared.lengths, prepared.capacity,
         prepared.buffer_len, prepared.num_beams, prepared.stops,
         jnp.asarray(length_penalty, jnp.float32), mesh=mesh,
-        constraints=prepared.constraints, adapters=prepared.adapters)
-    return _output(result, max_new_tokens, return_logprobs, prepared.batch,
+        constraints=prepared.constraints, adapters=prepared.adapters, num_return=returned)
+    return _output(result, max_new_tokens, return_logprobs, prepared.batch * returned,
                    scores=result.scores)
 
 

@@ -2,6 +2,7 @@
 with one beam, and hypothesis scores that match the model's own log-probabilities."""
 
 import functools
+import itertools
 
 import flax.struct
 import jax
@@ -47,17 +48,22 @@ def stops(eos_ids, max_new_tokens):
     return StopConditions(jnp.asarray(eos), jnp.asarray(max_new_tokens))
 
 
-def markov_beam(num_beams, eos_ids=(EOS,), max_new_tokens=5, length_penalty=0.0):
+def markov_beam(num_beams, eos_ids=(EOS,), max_new_tokens=5, length_penalty=0.0,
+                num_return=1):
     return _markov_beam(num_beams, tuple(eos_ids), max_new_tokens,
-                        jnp.asarray(length_penalty, jnp.float32))
+                        jnp.asarray(length_penalty, jnp.float32), num_return)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _markov_beam(num_beams, eos_ids, max_new_tokens, length_penalty):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 4))
+def _markov_beam(num_beams, eos_ids, max_new_tokens, length_penalty, num_return):
     first = jnp.asarray([START], jnp.float32)
     cache = MarkovCache(jnp.ones((num_beams,), jnp.int32))
     return beam_loop(markov, first, cache, num_beams, 8, stops(eos_ids, max_new_tokens),
-                     length_penalty)
+                     length_penalty, num_return=num_return)
+
+
+def markov_logprob(tokens):
+    return START[tokens[0]] + sum(TRANSITIONS[a, b] for a, b in itertools.pairwise(tokens))
 
 
 def test_beam_search_finds_the_best_sequence_greedy_misses():
@@ -66,6 +72,18 @@ def test_beam_search_finds_the_best_sequence_greedy_misses():
     np.testing.assert_allclose(result.scores[0], np.log(0.4 * 0.9), rtol=1e-6)
     assert decode.StopReason(int(result.stop_reason[0])).name == "EOS"
     np.testing.assert_allclose(result.logprobs[0, :2], np.log([0.4, 0.9]), rtol=1e-6)
+
+
+def test_every_returned_hypothesis_is_ranked_best_first_with_its_own_score():
+    best = markov_beam(num_beams=3, max_new_tokens=3)
+    every = markov_beam(num_beams=3, max_new_tokens=3, num_return=3)
+    hypotheses = [every.tokens[j, :int(every.lengths[j])].tolist() for j in range(3)]
+    assert hypotheses[0] == best.tokens[0, :int(best.lengths[0])].tolist()
+    # By hand: B EOS (0.36), A B EOS (0.135), A EOS (0.1) finish; the beams still alive
+    # after three tokens (A A A: 0.061 ...) and the other finished ones score less.
+    assert hypotheses == [[B, EOS], [A, B, EOS], [A, EOS]]
+    np.testing.assert_allclose(every.scores, [markov_logprob(h) for h in hypotheses],
+                               rtol=1e-6)
 
 
 def test_one_beam_equals_greedy():

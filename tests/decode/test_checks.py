@@ -62,6 +62,8 @@ def test_generate_refuses_before_compiling(tiny, prompts, kwargs, message):
     ({"num_beams": 0}, r"num_beams=0 must be >= 1"),
     ({"length_penalty": float("nan")}, r"length_penalty=nan must be finite"),
     ({"eos_ids": (2.7,)}, r"eos_ids: 2.7 is not an int token id"),
+    ({"num_return_sequences": 3}, r"num_return_sequences=3 is more than num_beams=2"),
+    ({"num_return_sequences": 0}, r"num_return_sequences=0 must be >= 1"),
 ])
 def test_beam_search_refuses_before_compiling(tiny, kwargs, message):
     net, params = tiny

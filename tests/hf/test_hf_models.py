@@ -322,6 +322,12 @@ def test_beam_search_equals_transformers(loaded, name):
                               num_beams=record["num_beams"], **generation_settings(record))
     assert beam.token_lists() == record["beam"]
     assert record["beam"] != record["greedy"]  # the beams found something else to prefer
+    if "beams" in record:  # every beam, as transformers' num_return_sequences ranks them
+        every = decode.beam_search(M.build_model(config), params, record["prompts"],
+                                   num_beams=record["num_beams"], **generation_settings(record),
+                                   num_return_sequences=record["num_beams"])
+        assert every.token_lists() == [tokens for beams in record["beams"] for tokens in beams]
+        assert np.all(np.diff(every.scores.reshape(len(record["prompts"]), -1)) <= 0)
 
 
 @pytest.mark.parametrize("name", ["llama_gqa", "smollm3"])  # SmolLM3: a traced NoPE layer
