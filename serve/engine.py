@@ -3,7 +3,7 @@
 The engine owns `max_slots` slots (a row of `max_len` positions each, or pages of a pool),
 `max_staged` staged rows and a bounded queue of requests waiting for those (`slots.py`). It
 schedules; what the programs make is handed out by `output.py`. Each turn of its host loop:
-  0. scores the prompts whose logprobs were asked for (`score_prompt`);
+  0. runs what waits between chunks: prompts' logprobs, beam searches (`between_chunks.py`);
   1. stages: prefills a part of a prompt too long for one turn (`prefill_part`); while the
      first other waiting request's `n` samples (by `priority`, then age) fit, prefills its
      prompt once with others of its length (`prefill_groups.py`; on a CPU beside the chunk
@@ -39,6 +39,7 @@ from kvjax.model import lora_rows
 from kvjax.tokenizer import TextTokenizer
 
 from . import (
+    between_chunks,
     chunk,
     constrained,
     memory,
@@ -94,7 +95,8 @@ class Engine:
 
     `adapters`, LoRA adapters trained on `params` (`(adapters, lora)` pairs, or a
     `lora_rows.AdapterStack` of them), are served unmerged beside the base: a request's
-    `adapter` (1 for the first, 0 for none) picks what each of its rows adds."""
+    `adapter` (1 for the first, 0 for none) picks what each of its rows adds. A request's
+    `beam_search` runs between chunks, on no slot (`between_chunks.py`)."""
 
     def __init__(self, config: M.TransformerConfig, params, *,
                  tokenizer: TextTokenizer | None = None, max_slots: int = 16,
@@ -148,7 +150,7 @@ class Engine:
                                  self.mesh, self.pages, self.source_capacity)
         self._dispatch_prefill = prefill_dispatcher(self.mesh)
         self._pending: collections.deque[Ticket] = collections.deque()
-        self._scoring: collections.deque = collections.deque()  # (prompt, top, future)
+        self._between = between_chunks.BetweenChunks()  # scoring and beam searches
         self._placing: collections.deque = collections.deque()  # (index, adapter, future)
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -205,6 +207,10 @@ class Engine:
         """Queues `request`; a ValueError names a bad value, `QueueFull` says to retry.
         `on_delta` is called on the engine's thread; should it raise, the request is cancelled."""
         ticket = Ticket(self.check(request), on_delta, self._notify)
+        if ticket.request.beam_search:
+            self._between_chunks(lambda: between_chunks.beam_deltas(self, ticket),
+                                 ticket.request.adapter, ticket)
+            return ticket
         with self._wake:
             self._refuse_if_broken()
             if len(self._pending) >= self.max_queue:
@@ -218,16 +224,19 @@ class Engine:
     def score_prompt(self, prompt: tuple[int, ...], top: int,
                      adapter: int = 0) -> concurrent.futures.Future:
         """A future of `prompt_logprobs(config, params, prompt, top)` (with `adapter`),
-        computed on the engine's thread between chunks, in one order with its other programs
-        (as processes serving a model over many hosts must). `QueueFull` when `max_queue`
-        prompts wait."""
-        future = concurrent.futures.Future()
+        computed on the engine's thread between chunks (`between_chunks.py`). `QueueFull`
+        when `max_queue` programs wait there."""
+        return self._between_chunks(lambda: prompt_logprobs(
+            self.config, self.params, prompt, top, adapter, self.adapters), adapter)
+
+    def _between_chunks(self, program, adapter: int, ticket=None) -> concurrent.futures.Future:
         with self._wake:
             self._refuse_if_broken()
-            if len(self._scoring) >= self.max_queue:
-                raise QueueFull(f"{len(self._scoring)} prompts are waiting to be scored, as "
-                                f"many as the queue holds (max_queue={self.max_queue})")
-            self._scoring.append((prompt, top, adapter, future))
+            if len(self._between) >= self.max_queue:
+                raise QueueFull(f"{len(self._between)} requests are waiting to be scored or "
+                                f"searched, as many as the queue holds (max_queue="
+                                f"{self.max_queue})")
+            future = self._between.add(program, adapter, ticket)
             self._wake.notify()
         return future
 
@@ -281,7 +290,7 @@ class Engine:
         return self._busy()
 
     def _busy(self) -> bool:
-        return bool(self._pending or self._scoring or self._placing or self.outputs.samples
+        return bool(self._pending or self._between or self._placing or self.outputs.samples
                     or self._dispatched)
 
     def _run(self) -> None:
@@ -308,7 +317,7 @@ class Engine:
         with `overlap`, the chunk's own tokens wait for the next turn, so that the host's
         work here runs while the device decodes."""
         self._place_adapters()
-        self._score_prompts()
+        self._between.run_all()
         self.outputs.end_cancelled()
         self._feed_long_prompt()
         while tickets := self._admissible():
@@ -337,7 +346,7 @@ class Engine:
             try:
                 with self._wake:
                     asked = {t.origin.request.adapter for t in (*self._pending, *self._staging)}
-                    asked |= {scored[2] for scored in self._scoring}
+                    asked |= self._between.adapters()
                 asked |= {s.ticket.request.adapter for s in self.outputs.samples.values()}
                 if index in asked:
                     raise ValueError(f"adapter {index} is asked for by a request still queued "
@@ -350,16 +359,6 @@ class Engine:
                 future.set_result(None)
             except Exception as error:  # noqa: BLE001 - it ends this call alone
                 future.set_exception(error)
-
-    def _score_prompts(self) -> None:
-        while self._scoring:
-            prompt, top, adapter, future = self._scoring.popleft()
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(prompt_logprobs(self.config, self.params, prompt, top,
-                                                      adapter, self.adapters))
-                except Exception as error:  # noqa: BLE001 - it ends this request alone
-                    future.set_exception(error)
 
     def _admissible(self) -> list[Ticket]:
         """Takes the first queued ticket and those of its length near it (`prefill_groups`)
@@ -436,10 +435,9 @@ class Engine:
                 self.failure = reset_error
                 tickets.update({id(t.origin): t.origin for t in self._pending})
                 self._pending.clear()
-                scoring, self._scoring = self._scoring, collections.deque()
-                scoring.extend(self._placing)
-                self._placing.clear()
-            for *_, future in scoring:
+                placing, self._placing = self._placing, collections.deque()
+            self._between.fail_all(EngineFailed(f"the engine failed: {reset_error}"))
+            for *_, future in placing:
                 future.set_exception(EngineFailed(f"the engine failed: {reset_error}"))
         for ticket in tickets.values():
             ticket.on_delta(error)

@@ -4,9 +4,8 @@
 naming the field) and builds one `GenerationRequest` per prompt; the ranges of the values
 are checked by `GenerationRequest.checked`, whose ValueError the server answers with a 400
 as well. Fields this server does not implement with a value other than their no-op one
-(`best_of`, `suffix`; tools on /v1/completions; vLLM's extensions such as `use_beam_search`)
-are a 400 naming them, never ignored; fields it does not know are ignored, as OpenAI's API
-does.
+(`best_of`, `suffix`; tools on /v1/completions; vLLM's `logits_processors`) are a 400
+naming them, never ignored; fields it does not know are ignored, as OpenAI's API does.
 `max_tokens` 0 is accepted with `echo` or vLLM's `prompt_logprobs` (the answer is the prompt,
 with its logprobs if asked).
 Sampling defaults are OpenAI's: temperature 1, top_p 1, presence and frequency penalties 0
@@ -80,7 +79,6 @@ class Parsed:
 # vLLM's extensions that would change the answer, which this server does not implement:
 # (name, its no-op value, a hint). Refused rather than ignored as unknown fields are.
 _VLLM_UNSUPPORTED = [
-    ("use_beam_search", False, " (kvjax serves beam search through decode.beam_search)"),
     ("logits_processors", None, "")]
 
 
@@ -201,6 +199,15 @@ def _stop_ids(body: dict, tokenizer) -> tuple[int, ...]:
                        "stop_token_ids")
     own = () if get_field(body, "ignore_eos", BOOL, False) else tuple(tokenizer.stop_ids)
     return tuple(dict.fromkeys((*own, *extra)))
+
+
+def _length_penalty(body: dict, beam: bool) -> float:
+    """vLLM's `length_penalty`, which only a beam search (`use_beam_search`) reads."""
+    penalty = get_field(body, "length_penalty", NUMBER, 1.0)
+    if penalty != 1.0 and not beam:
+        raise APIError(400, f"length_penalty={penalty} is for a beam search: set "
+                            "use_beam_search", "length_penalty")
+    return penalty
 
 
 def _bad_words(body: dict, loaded: T.LoadedModel) -> tuple[tuple[int, ...], ...]:
@@ -338,8 +345,10 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
         echo = [decode_prompt(loaded, ids) if len(ids) < len(whole) and echo_prompt else text
                 for ids, whole, text in zip(cut, prompts, echo, strict=True)]
         prompts = cut
-    unset = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
-             "repetition_penalty": 1.0} | (sampling_defaults or {})
+    # A beam search samples nothing: left out, every setting is greedy decoding's.
+    beam = get_field(body, "use_beam_search", BOOL, False)
+    unset = {"temperature": 0.0 if beam else 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+             "repetition_penalty": 1.0} | ({} if beam else sampling_defaults or {})
     settings = dict(
         n=get_field(body, "n", INT, 1),
         sampling=Sampling(temperature=get_field(body, "temperature", NUMBER, unset["temperature"]),
@@ -356,7 +365,8 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
         seed=get_field(body, "seed", INT), stop=_stops(body, max_stop_strings, max_stop_chars),
         logprobs=top or 0, adapter=names.index(model),
         cache_salt=get_field(body, "cache_salt", STR),
-        priority=get_field(body, "priority", INT, 0),
+        priority=get_field(body, "priority", INT, 0), beam_search=beam,
+        length_penalty=_length_penalty(body, beam),
         include_stop=get_field(body, "include_stop_str_in_output", BOOL, False),
         skip_special_tokens=_skip_special_tokens(body, loaded),
         stop_ids=_stop_ids(body, loaded.tokenizer), forced_end_id=loaded.tokenizer.forced_end,

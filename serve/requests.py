@@ -71,9 +71,13 @@ class GenerationRequest:
                  for the first), 0 for the base model alone.
     cache_salt:  a non-empty string: its prompt reuses kept prefixes (`prefix_cache.py`)
                  only of requests with the same salt, or None: of unsalted ones.
-    priority:    lower is served first (vLLM's): a request waits for those of lower
-                 priority, then for those queued before it; when pages run short, samples
-                 of the highest priority value are preempted first. In [-2**30, 2**30].
+    priority:    lower values are served first (vLLM's): a request waits for those of a
+                 lower value, then for those queued before it; when pages run short,
+                 samples of the highest value are preempted first. In [-2**30, 2**30].
+    beam_search: the `n` best hypotheses of a beam search `n` wide (vLLM's
+                 `use_beam_search`, `decode.beam_search`), run between chunks
+                 (`between_chunks.py`), scored with `length_penalty`; not with sampling,
+                 a logit bias, stop strings, bad words or top logprobs.
     """
 
     prompt: tuple[int, ...]
@@ -94,6 +98,8 @@ class GenerationRequest:
     include_stop: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
+    beam_search: bool = False
+    length_penalty: float = 1.0
 
     def checked(self, vocab_size: int, capacity: int, prompt_slots: int | None = None,
                 source_capacity: int | None = None) -> GenerationRequest:
@@ -157,6 +163,8 @@ class GenerationRequest:
         checks.integer("seed", seed, 0, MAX_SEED)
         checks.integer("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
         checks.integer("priority", self.priority, -PRIORITY_BOUND, PRIORITY_BOUND)
+        if self.beam_search:
+            _check_beam_search(self)
         if self.constraint is not None:
             _check_constraint(self.constraint, vocab_size, stop_ids)
             if self.sampling.min_tokens:
@@ -170,6 +178,18 @@ class GenerationRequest:
         return dataclasses.replace(self, prompt=prompt, logit_bias=logit_bias,
                                    stop_ids=stop_ids, banned_ids=banned_ids, stop=stop,
                                    seed=seed, bad_words=bad_words)
+
+
+def _check_beam_search(request: GenerationRequest) -> None:
+    """An InvalidValue names the first setting a beam search does not use."""
+    checks.real("length_penalty", request.length_penalty, lambda _: True, "finite")
+    unused = list(request.sampling.changed())
+    for name in ("logit_bias", "stop", "bad_words", "logprobs"):
+        if getattr(request, name):
+            unused.append(name)
+    if unused:
+        raise checks.InvalidValue(unused[0], f"{unused[0]} is not used by beam search, which "
+                                             "keeps the likeliest tokens")
 
 
 def _checked_bad_words(words, vocab_size: int) -> tuple[tuple[int, ...], ...]:

@@ -365,7 +365,7 @@ def test_prompt_scores_are_computed_on_the_engines_turn_and_queue_bounded(engine
 
     config, _, params = tiny_lm
     futures = [engine.score_prompt(prompt(60 + i, 5), 3) for i in range(8)]
-    with pytest.raises(QueueFull, match="8 prompts are waiting to be scored"):
+    with pytest.raises(QueueFull, match="8 requests are waiting to be scored or searched"):
         engine.score_prompt(prompt(70, 5), 3)
     assert not any(f.done() for f in futures)
     engine.step()

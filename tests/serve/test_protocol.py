@@ -119,6 +119,12 @@ def test_defaults_are_openais():
     # one id more, so not that too).
     assert request.bad_words == ()
     assert chat(bad_words=["AB", " C"]).requests[0].bad_words == ((20, 21), (22,))
+    # vLLM's use_beam_search: greedy settings unless the request sets others (which the
+    # engine's check refuses by name), its length_penalty.
+    beam = completion(use_beam_search=True, n=3, length_penalty=0.5).requests[0]
+    assert (beam.beam_search, beam.n, beam.length_penalty, beam.sampling) == (
+        True, 3, 0.5, Sampling())
+    assert not request.beam_search and request.length_penalty == 1.0
 
 
 def test_a_chats_echo_is_the_final_message_its_answer_goes_on_with_in_its_role():
@@ -165,7 +171,6 @@ def test_a_chats_echo_is_the_final_message_its_answer_goes_on_with_in_its_role()
     (completion, dict(logit_bias=[1]), 400, "logit_bias", "logit_bias=[1] must be an object"),
     (completion, dict(logit_bias={"x": 1}), 400, "logit_bias", "key 'x' must be a token id"),
     (completion, dict(suffix="x"), 400, "suffix", "suffix='x' is not supported"),
-    (completion, dict(use_beam_search=True), 400, "use_beam_search", "decode.beam_search"),
     (chat, dict(skip_special_tokens="no"), 400, "skip_special_tokens", "must be a boolean"),
     (completion, dict(prompt_logprobs=-2), 400, "prompt_logprobs", "must be a count >= 0, or -1"),
     (completion, dict(prompt_logprobs=21), 400, "prompt_logprobs", "=21: this server reports at "
@@ -191,6 +196,8 @@ def test_a_chats_echo_is_the_final_message_its_answer_goes_on_with_in_its_role()
     (chat, dict(functions=[{"name": "f"}]), 400, "functions", "(tools replaced it)"),
     (completion, dict(priority="high"), 400, "priority", "must be an integer"),
     (completion, dict(bad_words="ab"), 400, "bad_words", "must be a list of strings"),
+    (completion, dict(length_penalty=0.5), 400, "length_penalty", "set use_beam_search"),
+    (chat, dict(use_beam_search="yes"), 400, "use_beam_search", "must be a boolean"),
     (chat, dict(bad_words=[" "]), 400, "bad_words", "bad word ' ' has no tokens"),
     (chat, dict(function_call="auto"), 400, "function_call", "(tool_choice replaced it)"),
     (chat, dict(modalities=["text", "audio"]), 400, "modalities", "answers text"),
