@@ -22,6 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import checks
+
+# A table's size, fixed so that its number of words never compiles anew: token sequences,
+# and each one's tokens.
+MAX_WORDS, MAX_WORD_TOKENS = 32, 8
+
 
 def word_ids(encode: Callable[[str], Sequence[int]], words: Sequence[str]
              ) -> tuple[tuple[int, ...], ...]:
@@ -38,6 +44,25 @@ def word_ids(encode: Callable[[str], Sequence[int]], words: Sequence[str]
         if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
             sequences.append(spaced)
     return tuple(sequences)
+
+
+def checked_words(name: str, words) -> tuple[tuple[int, ...], ...]:
+    """`words` (token id sequences) as tuples; an InvalidValue naming `name` refuses more
+    than `MAX_WORDS`, an empty or longer one than `MAX_WORD_TOKENS`, or one not of ints.
+    The caller checks the ids against its vocabulary."""
+    if isinstance(words, str | bytes) or not isinstance(words, tuple | list):
+        raise checks.InvalidValue(name, f"{name} {words!r} must be a list of token id "
+                                        "sequences")
+    if len(words) > MAX_WORDS:
+        raise checks.InvalidValue(name, f"{len(words)} {name} token sequences: at most "
+                                        f"{MAX_WORDS} (a word after a space counts as one "
+                                        "more)")
+    sequences = tuple(checks.token_ids(name, word) for word in words)
+    for ids in sequences:
+        if not 1 <= len(ids) <= MAX_WORD_TOKENS:
+            raise checks.InvalidValue(name, f"{name} {list(ids)}: a sequence is 1 to "
+                                            f"{MAX_WORD_TOKENS} ids")
+    return sequences
 
 
 def words_table(words: Sequence[Sequence[int]], num_words: int, word_tokens: int

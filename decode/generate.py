@@ -180,7 +180,8 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
              constraint: Constrained = None, adapters: lora_rows.AdapterStack | None = None,
              adapter: int | Sequence[int] = 0,
              forced_end_id: int | None = None,
-             banned_ids: Sequence[int] = ()) -> GenerateOutput:
+             banned_ids: Sequence[int] = (),
+             bad_words: Sequence[Sequence[int]] = ()) -> GenerateOutput:
     """Generates up to `max_new_tokens` per prompt.
 
     `prompts`: a list of token-id lists (lengths may differ) or an int array [B, P] with
@@ -222,7 +223,10 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
     config may set): a row that reaches `max_new_tokens` makes this token last, whatever
     the model, a processor or a constraint would choose; it stops with `max_new_tokens`.
     `banned_ids` (at most 8; a generation config's one-token `bad_words_ids`, Marian's pad)
-    are never made.
+    are never made. `bad_words` (token sequences, up to 32 of up to 8 ids; a generation
+    config's longer `bad_words_ids`) are never completed: a word's last id is banned where
+    the row's tokens, its prompt's too, end with its others, as transformers bans them
+    (`decode/bad_words.py`). Not with `speculative`.
     """
     _refuse_kept_adapters(return_state, adapters)
     mesh, params = _placement(net.config, params, mesh, return_state)
@@ -231,7 +235,7 @@ def generate(net, params, prompts=None, *, max_new_tokens: int, lengths=None,
                        sampling=sampling, logit_processors=logit_processors, state=state,
                        mesh=mesh, speculative=speculative, constraint=constraint,
                        fill_rows=not return_state, adapters=adapters, adapter=adapter,
-                       forced_end_id=forced_end_id, banned_ids=banned_ids)
+                       forced_end_id=forced_end_id, banned_ids=banned_ids, bad_words=bad_words)
     config = net.config
     carry = _run(config, params, _first(config, params, prepared, return_state), prepared,
                  prepared.stops.max_new_tokens)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from .automaton import RowConstraints
+from .bad_words import banned_by_words
 from .plan import ON_DEVICE, LoopPlan
 from .processors import LogitProcessor, ProcessorState, apply_processors, ban, force_end
 from .sampling import SamplingParams, sample
@@ -80,19 +81,34 @@ class StopConditions:
     """eos_ids: [E] int32 ids that end a row (-1 pads unused slots); max_new_tokens: scalar;
     forced_end_id: scalar int32, the token a row that reaches `max_new_tokens` makes last
     (transformers' `forced_eos_token_id`); banned_ids: [banned] int32 ids no row makes (a
-    generation config's one-token `bad_words_ids`; -1 pads). None for either compiles
-    nothing for it."""
+    generation config's one-token `bad_words_ids`; -1 pads); bad_words: [words, tokens]
+    int32 token sequences no row completes (`decode.bad_words.words_table`: its longer
+    `bad_words_ids`). None for any of those compiles nothing for it."""
 
     eos_ids: jax.Array
     max_new_tokens: jax.Array
     forced_end_id: jax.Array | None = None
     banned_ids: jax.Array | None = None
+    bad_words: jax.Array | None = None
 
     def banned_rows(self, batch: int) -> jax.Array | None:
         """[B, banned] the banned ids of every row, or None."""
         if self.banned_ids is None:
             return None
         return jnp.broadcast_to(self.banned_ids, (batch, self.banned_ids.shape[0]))
+
+    def banned_next(self, context_BC: jax.Array, context_lengths_B: jax.Array
+                    ) -> jax.Array | None:
+        """[B, banned + words] the ids no row makes next: the banned ids, and the last id of
+        each bad word that the row's tokens (its prompt's too, as transformers matches
+        them) end with the others of; None without either."""
+        batch = context_BC.shape[0]
+        banned = self.banned_rows(batch)
+        if self.bad_words is None:
+            return banned
+        words = banned_by_words(jnp.broadcast_to(self.bad_words, (batch, *self.bad_words.shape)),
+                                context_BC, context_lengths_B, context_lengths_B)
+        return words if banned is None else jnp.concatenate([banned, words], axis=1)
 
     def forced_at(self, last_B: jax.Array) -> jax.Array | None:
         """[B] int32 the token each row must make now, given which rows make their last
@@ -161,7 +177,7 @@ def record(state: DecodeState, logits_BV: jax.Array, stops: StopConditions,
                                   jnp.broadcast_to(stops.eos_ids, (state.lengths.shape[0],
                                                                    stops.eos_ids.shape[0]))),
         state.keys, state.step, processors, plan, state.constraints, forced_B,
-        stops.banned_rows(state.lengths.shape[0]))
+        stops.banned_next(state.context, state.context_lengths))
     running_B = ~state.done if active is None else ~state.done & active
     after, token_B, _ = take(state, token_B, running_B, stops.eos_ids[None, :], reached_max,
                              forced_B)

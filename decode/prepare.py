@@ -21,6 +21,7 @@ from kvjax.model import lora_rows
 from . import automaton, checks, prompt_state
 from . import speculative as spec
 from .automaton import RowConstraints
+from .bad_words import MAX_WORD_TOKENS, MAX_WORDS, checked_words, words_table
 from .buckets import bucket, rows_bucket
 from .constraints import TokenAutomaton
 from .loop import StopConditions
@@ -123,7 +124,8 @@ def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams
              num_samples=1, sampling: Sampling = GREEDY, logit_processors=(), state=None,
              mesh=None, speculative=None, constraint: Constrained = None,
              fill_rows: bool = True, adapters=None, adapter=0,
-             forced_end_id: int | None = None, banned_ids: Sequence[int] = ()) -> Prepared:
+             forced_end_id: int | None = None, banned_ids: Sequence[int] = (),
+             bad_words: Sequence[Sequence[int]] = ()) -> Prepared:
     """Checks a call's arguments and lays them out as its compiled programs take them. The
     batch is filled up to its bucket (`rows_bucket`; on a mesh, to a multiple of the `data`
     axis too) with copies of its last prompt, which finish when it does and are dropped from
@@ -151,6 +153,14 @@ def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams
                                       f"outside the vocabulary [0, {config.vocab_size})")
     banned_ids = checks.token_ids("banned_ids", banned_ids)
     _check_ids("banned", banned_ids, config.vocab_size)
+    bad_words = checked_words("bad_words", bad_words)
+    for word in bad_words:
+        if any(not 0 <= token < config.vocab_size for token in word):
+            raise checks.InvalidValue("bad_words", f"bad_words {list(word)}: an id outside "
+                                                   f"the vocabulary [0, {config.vocab_size})")
+    if bad_words and speculative is not None:
+        raise ValueError("speculative decoding does not take bad_words: its verification "
+                         "would read each drafted token's own history")
     validate(config, params, tokens, lengths, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
              num_beams=num_beams, continuing=state is not None)
     check_num_samples(num_samples)
@@ -208,7 +218,9 @@ def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams
         stops=StopConditions(jnp.asarray(eos), jnp.asarray(max_new_tokens, jnp.int32),
                              None if forced_end_id is None else
                              jnp.asarray(forced_end_id, jnp.int32),
-                             jnp.asarray(bans) if banned_ids else None),
+                             jnp.asarray(bans) if banned_ids else None,
+                             jnp.asarray(words_table(bad_words, MAX_WORDS, MAX_WORD_TOKENS))
+                             if bad_words else None),
         sampling=params_rows, rng=rng,
         num_samples=num_samples, processors=processors, state=state, mesh=mesh,
         speculative=speculative, plan=default_plan(rows), num_beams=num_beams,

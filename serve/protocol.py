@@ -210,19 +210,25 @@ def _length_penalty(body: dict, beam: bool) -> float:
     return penalty
 
 
-def _bad_words(body: dict, loaded: T.LoadedModel) -> tuple[tuple[int, ...], ...]:
-    """vLLM's `bad_words`: texts, each the token sequences `decode.bad_words.word_ids`
-    makes of it; their count and lengths are checked by `GenerationRequest.checked`."""
+def _bad_words(body: dict, loaded: T.LoadedModel, beam: bool) -> tuple[tuple[int, ...], ...]:
+    """The model's generation config's `bad_words_ids` of several tokens, then vLLM's
+    `bad_words`: texts, each the token sequences `decode.bad_words.word_ids` makes of it;
+    their count and lengths are checked by `GenerationRequest.checked`."""
+    own = tuple(loaded.tokenizer.bad_words)
+    if own and beam:
+        raise APIError(400, f"the model's generation config bans bad_words_ids of several "
+                            f"tokens {[list(w) for w in own]}, which a beam search does not "
+                            "apply", "use_beam_search")
     words = body.get("bad_words")
     if not words:
-        return ()
+        return own
     if not isinstance(words, list) or not all(isinstance(word, str) for word in words):
         raise APIError(400, f"bad_words={shown(words)} must be a list of strings", "bad_words")
     if loaded.is_translation:
         raise APIError(400, "bad_words are not supported for a translator: its tokenizer "
                             "writes source text, not its target's", "bad_words")
     try:
-        return word_ids(loaded.tokenizer.encode, words)
+        return own + word_ids(loaded.tokenizer.encode, words)
     except ValueError as error:
         raise APIError(400, str(error), "bad_words") from None
 
@@ -370,7 +376,7 @@ def parse(body: Any, loaded: T.LoadedModel, served_name: str, capacity: int, *,
         include_stop=get_field(body, "include_stop_str_in_output", BOOL, False),
         skip_special_tokens=_skip_special_tokens(body, loaded),
         stop_ids=_stop_ids(body, loaded.tokenizer), forced_end_id=loaded.tokenizer.forced_end,
-        banned_ids=loaded.tokenizer.banned_ids, bad_words=_bad_words(body, loaded),
+        banned_ids=loaded.tokenizer.banned_ids, bad_words=_bad_words(body, loaded, beam),
         constraint=None if constraint is None else structured.compiled(
             constraint, field, loaded.tokenizer))
     requests = []

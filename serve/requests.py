@@ -13,8 +13,7 @@ import secrets
 
 import numpy as np
 
-from kvjax.decode import checks
-from kvjax.decode.bad_words import words_table
+from kvjax.decode import bad_words, checks
 from kvjax.decode.constraints import TokenAutomaton
 from kvjax.decode.processors import RowLogitBias
 from kvjax.decode.sampling import SamplingParams, seed_key
@@ -23,8 +22,6 @@ from kvjax.detokenize import check_stop_strings
 from kvjax.text import MAX_SEED
 
 from .slots import (
-    MAX_BAD_WORD_TOKENS,
-    MAX_BAD_WORDS,
     MAX_BANNED_IDS,
     MAX_LOGIT_BIAS,
     MAX_STOP_IDS,
@@ -55,8 +52,8 @@ class GenerationRequest:
     banned_ids:  token ids a sample never makes (a generation config's one-token
                  `bad_words_ids`, Marian's pad), at most `MAX_BANNED_IDS`.
     bad_words:   token sequences a sample never completes, as vLLM's `bad_words` ban them
-                 (`decode.bad_words`; `word_ids` tokenizes texts): at most `MAX_BAD_WORDS`,
-                 each of 1 to `MAX_BAD_WORD_TOKENS` ids.
+                 (`decode.bad_words`; `word_ids` tokenizes texts): at most 32, each of 1
+                 to 8 ids.
     stop:        strings that end a sample's text (neither streamed nor returned, unless
                  `include_stop`: then the one met ends it, as vLLM's
                  `include_stop_str_in_output`).
@@ -157,7 +154,7 @@ class GenerationRequest:
             raise checks.InvalidValue("banned_ids", f"banned_ids {banned_ids}: at most "
                                       f"{MAX_BANNED_IDS} ids in [0, {vocab_size})")
         logit_bias = _checked_logit_bias(self.logit_bias, vocab_size)
-        bad_words = _checked_bad_words(self.bad_words, vocab_size)
+        words = _checked_bad_words(self.bad_words, vocab_size)
         stop = check_stop_strings(self.stop)
         seed = secrets.randbelow(MAX_SEED) if self.seed is None else self.seed
         checks.integer("seed", seed, 0, MAX_SEED)
@@ -177,7 +174,7 @@ class GenerationRequest:
                                                     "a non-empty string (or None)")
         return dataclasses.replace(self, prompt=prompt, logit_bias=logit_bias,
                                    stop_ids=stop_ids, banned_ids=banned_ids, stop=stop,
-                                   seed=seed, bad_words=bad_words)
+                                   seed=seed, bad_words=words)
 
 
 def _check_beam_search(request: GenerationRequest) -> None:
@@ -193,25 +190,14 @@ def _check_beam_search(request: GenerationRequest) -> None:
 
 
 def _checked_bad_words(words, vocab_size: int) -> tuple[tuple[int, ...], ...]:
-    """`words` as tuples of ids; an InvalidValue names too many, an empty or too long one,
-    or an id outside the vocabulary."""
-    if isinstance(words, str | bytes) or not isinstance(words, tuple | list):
-        raise checks.InvalidValue("bad_words", f"bad_words {words!r} must be a list of token "
-                                               "id sequences")
-    if len(words) > MAX_BAD_WORDS:
-        raise checks.InvalidValue("bad_words", f"{len(words)} bad word token sequences: at "
-                                               f"most {MAX_BAD_WORDS} (a word after a space "
-                                               "counts as one more)")
-    checked = []
-    for word in words:
-        ids = checks.token_ids("bad_words", word)
-        if not 1 <= len(ids) <= MAX_BAD_WORD_TOKENS or any(not 0 <= t < vocab_size
-                                                           for t in ids):
-            raise checks.InvalidValue("bad_words", f"bad word {list(ids)}: 1 to "
-                                                   f"{MAX_BAD_WORD_TOKENS} ids in [0, "
-                                                   f"{vocab_size})")
-        checked.append(ids)
-    return tuple(checked)
+    """`words` as tuples of ids (`decode.bad_words.checked_words`), each id in the
+    vocabulary."""
+    words = bad_words.checked_words("bad_words", words)
+    for ids in words:
+        if any(not 0 <= t < vocab_size for t in ids):
+            raise checks.InvalidValue("bad_words", f"bad_words {list(ids)}: an id outside the "
+                                                   f"vocabulary [0, {vocab_size})")
+    return words
 
 
 def _checked_logit_bias(bias, vocab_size: int) -> tuple[tuple[int, float], ...]:
@@ -288,8 +274,8 @@ def row_settings(samples: list[tuple[GenerationRequest, int]],
     prefix_pages = [(-1, 0)] * count if prefix_pages is None else prefix_pages
     stop_ids = np.full((len(samples), MAX_STOP_IDS), -1, np.int32)
     banned_ids = np.full((len(samples), MAX_BANNED_IDS), -1, np.int32)
-    bad_words = np.stack([words_table(r.bad_words, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS)
-                          for r, _ in samples])
+    words = np.stack([bad_words.words_table(r.bad_words, bad_words.MAX_WORDS,
+                                            bad_words.MAX_WORD_TOKENS) for r, _ in samples])
     bias = RowLogitBias(np.zeros((count, MAX_LOGIT_BIAS), np.int32),
                         np.zeros((count, MAX_LOGIT_BIAS), np.float32))
     for row, (request, _) in enumerate(samples):
@@ -305,7 +291,7 @@ def row_settings(samples: list[tuple[GenerationRequest, int]],
         max_tokens=np.array([r.max_tokens for r, _ in samples], np.int32),
         forced_end=np.array([-1 if r.forced_end_id is None else r.forced_end_id
                              for r, _ in samples], np.int32), stop_ids=stop_ids,
-        banned_ids=banned_ids, bad_words=bad_words,
+        banned_ids=banned_ids, bad_words=words,
         seed=np.stack([seed_key(r.seed) for r, _ in samples]),
         sample=np.array([index for _, index in samples], np.int32), sampling=sampling,
         logit_bias=bias,

@@ -36,7 +36,7 @@ from kvjax import device_loops, parallel
 from kvjax import model as M
 from kvjax.decode import loop as decode_loop
 from kvjax.decode.automaton import UNCONSTRAINED, RowConstraints
-from kvjax.decode.bad_words import banned_by_words
+from kvjax.decode.bad_words import MAX_WORD_TOKENS, MAX_WORDS, banned_by_words
 from kvjax.decode.loop import StopReason
 from kvjax.decode.processors import ProcessorState, RowLogitBias
 from kvjax.decode.sampling import SamplingParams, sample_key
@@ -44,7 +44,6 @@ from kvjax.decode.tracing import count_trace
 
 MAX_STOP_IDS = 8  # stop ids travel as a fixed-size row so their number never recompiles
 MAX_BANNED_IDS = 8  # and so do the ids a request never makes
-MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 32, 8  # and its bad words' token sequences
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat; completions ask for at most 5
 MAX_LOGIT_BIAS = 300  # tokens a request's logit_bias may name: a row of fixed size
 # Sample ids cycle through [0, ID_SPACE): staged samples are admitted in the order of their
@@ -266,7 +265,7 @@ def _free_rows(config: M.TransformerConfig, rows: int, capacity: int,
         forced_end=jnp.full((rows,), -1, jnp.int32),
         stop_ids=jnp.full((rows, MAX_STOP_IDS), -1, jnp.int32),
         banned_ids=jnp.full((rows, MAX_BANNED_IDS), -1, jnp.int32),
-        bad_words=jnp.full((rows, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), -1, jnp.int32),
+        bad_words=jnp.full((rows, MAX_WORDS, MAX_WORD_TOKENS), -1, jnp.int32),
         keys=jnp.zeros((rows, 2), jnp.uint32),
         sampling=SamplingParams.make(batch=rows),
         logit_bias=RowLogitBias.empty(rows, MAX_LOGIT_BIAS),

@@ -340,7 +340,7 @@ class FakeTokenizer:
     stop_ids = document_prefix = source_suffix = (2,)
     source_prefix = target_prefix = ()
     forced_end = None
-    banned_ids = ()
+    banned_ids = bad_words = ()
     sampling_defaults: dict = {}
 
     @staticmethod

@@ -79,6 +79,8 @@ class TextTokenizer(Protocol):
       Marian's `</s>`).
     - `banned_ids`: ids generating never makes (kvjax: `()`; a Hugging Face model: its
       generation config's one-token `bad_words_ids`, Marian's pad).
+    - `bad_words`: token sequences generating never completes (kvjax: `()`; a Hugging Face
+      model: its generation config's `bad_words_ids` of several ids).
     - `sampling_defaults`: {setting: value} of `decode.Sampling` its authors chose, which a
       server takes for what a request leaves out (kvjax: none; a Hugging Face model: its
       generation config's `temperature`, `top_k`, `top_p`, `min_p`, `repetition_penalty`).
@@ -118,6 +120,9 @@ class TextTokenizer(Protocol):
 
     @property
     def banned_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def bad_words(self) -> tuple[tuple[int, ...], ...]: ...
 
     @property
     def sampling_defaults(self) -> dict[str, float | int]: ...
@@ -259,6 +264,10 @@ class Tokenizer:
 
     @property
     def banned_ids(self) -> tuple[int, ...]:
+        return ()
+
+    @property
+    def bad_words(self) -> tuple[tuple[int, ...], ...]:
         return ()
 
     @property

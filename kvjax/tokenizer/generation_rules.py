@@ -20,14 +20,16 @@ SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 class GenerationRules:
     """stop_ids: the ids that end generation, the tokenizer's eos first; target_prefix: what
     a target starts with; forced_end: the id made last at the limit, or None; banned_ids:
-    the ids never made; sampling: the (setting, value) pairs of `SAMPLING_KEYS` the file
-    names."""
+    the ids never made (one-token `bad_words_ids`); bad_words: the sequences of several ids
+    never completed (the longer `bad_words_ids`); sampling: the (setting, value) pairs of
+    `SAMPLING_KEYS` the file names."""
 
     stop_ids: tuple[int, ...]
     target_prefix: tuple[int, ...]
     forced_end: int | None
     banned_ids: tuple[int, ...]
     sampling: tuple[tuple[str, float | int], ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
     def read(cls, generation: dict, eos_id: int | None, known: np.ndarray) -> GenerationRules:
@@ -45,9 +47,9 @@ class GenerationRules:
                              f"kvjax forces one end token")
         bad_words = generation.get("bad_words_ids") or []
         if not isinstance(bad_words, list) or any(
-                not isinstance(w, list) or len(w) != 1 for w in bad_words):
-            raise ValueError(f"generation_config.json bad_words_ids {bad_words}: kvjax bans "
-                             f"single tokens, each a list of one id")
+                not isinstance(w, list) or not w for w in bad_words):
+            raise ValueError(f"generation_config.json bad_words_ids {bad_words}: a list of "
+                             f"token id lists")
         sampling = tuple((key, generation[key]) for key in SAMPLING_KEYS
                          if generation.get(key) is not None)
         for key, value in sampling:
@@ -55,12 +57,13 @@ class GenerationRules:
                 raise ValueError(f"generation_config.json {key} {value!r} is not a number")
         rules = cls(stop_ids=tuple(dict.fromkeys(stops)),
                     target_prefix=() if forced is None else (forced,), forced_end=forced_end,
-                    banned_ids=tuple(dict.fromkeys(w[0] for w in bad_words)),
-                    sampling=sampling)
+                    banned_ids=tuple(dict.fromkeys(w[0] for w in bad_words if len(w) == 1)),
+                    sampling=sampling,
+                    bad_words=tuple(dict.fromkeys(tuple(w) for w in bad_words if len(w) > 1)))
         for name, ids in (("eos_token_id", rules.stop_ids),
                           ("forced_bos_token_id", rules.target_prefix),
                           ("forced_eos_token_id", () if forced_end is None else (forced_end,)),
-                          ("bad_words_ids", rules.banned_ids)):
+                          ("bad_words_ids", rules.banned_ids + sum(rules.bad_words, ()))):
             for i in ids:
                 if not isinstance(i, int) or not 0 <= i < known.size or not known[i]:
                     raise ValueError(f"generation_config.json {name} {i!r} is not a token id")

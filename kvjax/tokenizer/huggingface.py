@@ -40,9 +40,9 @@ the directory by the files present:
 Special tokens come from tokenizer.json, tokenizer_config.json (or special_tokens_map.json)
 and the defaults of the class transformers would pick; `stop_ids` add generation_config.json's
 `eos_token_id`, `target_prefix` is its `forced_bos_token_id`, `forced_end` its
-`forced_eos_token_id`, `banned_ids` its one-token `bad_words_ids` (config.json's where the
-directory has no generation_config.json, as transformers reads them) and `sampling_defaults`
-its sampling settings (`generation_rules.py`). `chat_template` is
+`forced_eos_token_id`, `banned_ids` its one-token `bad_words_ids` and `bad_words` the longer
+ones (config.json's where the directory has no generation_config.json, as transformers reads
+them) and `sampling_defaults` its sampling settings (`generation_rules.py`). `chat_template` is
 the template `apply_chat_template` would render (from chat_template.jinja or
 tokenizer_config.json; `kvjax.serve.chat` renders it as transformers does), with
 `special_tokens` its named tokens' texts. `to_bytes` is a JSON bundle of the
@@ -151,6 +151,7 @@ class HFTokenizer:
                                      known)
         self.stop_ids, self.target_prefix = rules.stop_ids, rules.target_prefix
         self.forced_end, self.banned_ids = rules.forced_end, rules.banned_ids
+        self.bad_words = rules.bad_words
         self.sampling_defaults = dict(rules.sampling)
 
     def encode(self, text: str) -> list[int]:

@@ -1,6 +1,7 @@
 """decode/bad_words.py: which ids a row's bad words ban, against a plain reading of vLLM's
 rule, and how a text becomes the token sequences vLLM bans for it."""
 
+import json
 import re
 
 import jax
@@ -82,3 +83,38 @@ def test_a_text_is_banned_alone_and_after_a_space_as_vllm_tokenizes_it():
     assert word_ids(spaces_dropped, ["ab"]) == ((97, 98),)
     with pytest.raises(ValueError, match="bad word ' ' has no tokens"):
         word_ids(spaces_dropped, [" "])
+
+
+def test_generate_never_completes_bad_words_as_transformers_bans_them():
+    """A ragged batch through `generate` against transformers' `generate(bad_words_ids=...)`
+    on the GPT-2 fixture: words drawn from its free greedy tokens, one of them a prompt's
+    last token and its first (transformers reads the prompt too), one a single token."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from pathlib import Path
+
+    from kvjax import decode, hf
+    from kvjax import model as M
+
+    directory = Path(__file__).resolve().parents[1] / "fixtures" / "hf_models" / "gpt2"
+    record = json.loads((directory / "expected.json").read_text())
+    prompts, free = record["prompts"], record["greedy"]
+    words = [[prompts[0][-1], free[0][0]], [free[1][1], free[1][2]], [free[2][3]]]
+    config, _, params = hf.load_pretrained(directory)
+    got = decode.generate(M.build_model(config), params, prompts, bad_words=words,
+                          max_new_tokens=record["max_new_tokens"],
+                          eos_ids=(record["eos_id"],)).token_lists()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory,
+                                                                  dtype=torch.float32).eval()
+    for prompt, tokens, unbanned in zip(prompts, got, free, strict=True):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                     max_new_tokens=record["max_new_tokens"],
+                                     eos_token_id=record["eos_id"],
+                                     pad_token_id=record["eos_id"], bad_words_ids=words)
+        want = out[0, len(prompt):].tolist()
+        if record["eos_id"] in want:
+            want = want[:want.index(record["eos_id"]) + 1]
+        assert tokens == want
+        assert tokens != unbanned  # every word bit

@@ -47,6 +47,10 @@ def traces():
     ([[5, 6, 7], [8]], {"repetition_penalty": [1.0, 1e-46]},
      r"repetition_penalty\[1\]=1e-46 is 0.0 as float32"),
     ([[5, 6, 7]], {"temperature": 1e39}, r"temperature=1e\+39 is inf as float32"),
+    ([[5, 6, 7]], {"bad_words": [[5, 64]]}, r"bad_words \[5, 64\]: an id outside the vocab"),
+    ([[5, 6, 7]], {"bad_words": [[5] * 9]}, r"a sequence is 1 to 8 ids"),
+    ([[5, 6, 7]], {"bad_words": [[5, 6]], "speculative": decode.Speculative(num_draft_tokens=2)},
+     r"speculative decoding does not take bad_words"),
 ])
 def test_generate_refuses_before_compiling(tiny, prompts, kwargs, message):
     net, params = tiny

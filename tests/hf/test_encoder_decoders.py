@@ -3,6 +3,8 @@ tests/fixtures/hf_models, equal to transformers in tests/hf/test_hf_models.py): 
 language forced first (NLLB, M2M100, mBART-50), on the command line too; files that leave
 out what transformers fills in."""
 
+import re
+
 import numpy as np
 import pytest
 from conftest import run_cli
@@ -162,8 +164,7 @@ def test_a_generation_config_that_forces_an_end_ends_sampled_targets_with_it(tmp
 
 def test_the_tokens_a_generation_config_bans_are_never_sampled(tmp_path):
     """`text` sampling (and `kvjax serve`, test_protocol.py) bans a generation config's
-    one-token `bad_words_ids` (config.json's where there is no generation_config.json); a
-    word of several tokens is refused by name."""
+    `bad_words_ids` (config.json's where there is no generation_config.json)."""
     directory = copy_of("marian", tmp_path)
     source = "Hello world"
     plain = text.sample_text(text.load(directory), source, max_new_tokens=8)
@@ -181,9 +182,19 @@ def test_the_tokens_a_generation_config_bans_are_never_sampled(tmp_path):
     (directory / "generation_config.json").unlink()
     edit_config(directory, bad_words_ids=[[banned[0]]])
     assert tokenizer_from_bytes(load_tokenizer(directory).to_bytes()).banned_ids == (banned[0],)
-    edit_config(directory, bad_words_ids=[[banned[0], 7]])
-    with pytest.raises(ValueError, match=rf"bad_words_ids \[\[{banned[0]}, 7\]\]: kvjax bans"):
-        load_tokenizer(directory)
+    # A word of several tokens: its last never after the others, as `generate` bans it;
+    # beam search refuses it by name.
+    word = plain.tokens[1:3]
+    edit_config(directory, bad_words_ids=[word])
+    loaded = text.load(directory)
+    assert (loaded.tokenizer.banned_ids, loaded.tokenizer.bad_words) == ((), (tuple(word),))
+    direct = decode.generate(loaded.net, loaded.params, [text.prompt_tokens(loaded, source)],
+                             max_new_tokens=8, eos_ids=loaded.tokenizer.stop_ids,
+                             bad_words=[word])
+    sampled = text.sample_text(loaded, source, max_new_tokens=8)
+    assert sampled.tokens == direct.token_lists()[0] != plain.tokens
+    with pytest.raises(ValueError, match=re.escape(f"bad_words_ids of several tokens {[word]}")):
+        text.sample_text(loaded, source, max_new_tokens=8, num_beams=3)
 
 
 @pytest.mark.parametrize("name", ["marian", "bart"])

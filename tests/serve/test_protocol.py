@@ -119,6 +119,17 @@ def test_defaults_are_openais():
     # one id more, so not that too).
     assert request.bad_words == ()
     assert chat(bad_words=["AB", " C"]).requests[0].bad_words == ((20, 21), (22,))
+    # A generation config's bad_words_ids of several tokens come first; a beam search,
+    # which does not apply them, is refused.
+    class WordBanning(FakeTokenizer):
+        bad_words = ((3, 4),)
+
+    banning = LoadedModel(M.preset("tiny"), WordBanning(), None, LOADED.directory)
+    body = {"model": MODEL, "prompt": "AB"}
+    assert parse({**body, "bad_words": ["AB"]}, banning, MODEL, CAPACITY,
+                 chat_api=False).requests[0].bad_words == ((3, 4), (20, 21))
+    with pytest.raises(APIError, match=r"bans bad_words_ids of several tokens \[\[3, 4\]\]"):
+        parse({**body, "use_beam_search": True}, banning, MODEL, CAPACITY, chat_api=False)
     # vLLM's use_beam_search: greedy settings unless the request sets others (which the
     # engine's check refuses by name), its length_penalty.
     beam = completion(use_beam_search=True, n=3, length_penalty=0.5).requests[0]
