@@ -2,8 +2,9 @@
 
 A word of one token is banned at every step. A longer word's last token is banned where the
 sample's newest tokens are the word's others, so the word is never made whole; the sample
-may still make its first tokens, and go on with anything else. As vLLM counts them, only a
-sample's own tokens match a word's first tokens, never its prompt's.
+may still make its first tokens, and go on with anything else. The engine matches a word's
+first tokens against a sample's own tokens alone, as vLLM does; `generate` against its
+prompt's too, as transformers does (`banned_by_words`' `generated`).
 
 A text becomes the ids of both ways a tokenizer writes it, as vLLM tokenizes it: the word on
 its own (its leading spaces stripped), and after a space (where a word inside a sentence
@@ -46,10 +47,10 @@ def word_ids(encode: Callable[[str], Sequence[int]], words: Sequence[str]
     return tuple(sequences)
 
 
-def checked_words(name: str, words) -> tuple[tuple[int, ...], ...]:
+def checked_words(name: str, words, vocab_size: int) -> tuple[tuple[int, ...], ...]:
     """`words` (token id sequences) as tuples; an InvalidValue naming `name` refuses more
-    than `MAX_WORDS`, an empty or longer one than `MAX_WORD_TOKENS`, or one not of ints.
-    The caller checks the ids against its vocabulary."""
+    than `MAX_WORDS`, an empty or longer one than `MAX_WORD_TOKENS`, or an id outside the
+    vocabulary [0, `vocab_size`)."""
     if isinstance(words, str | bytes) or not isinstance(words, tuple | list):
         raise checks.InvalidValue(name, f"{name} {words!r} must be a list of token id "
                                         "sequences")
@@ -62,6 +63,9 @@ def checked_words(name: str, words) -> tuple[tuple[int, ...], ...]:
         if not 1 <= len(ids) <= MAX_WORD_TOKENS:
             raise checks.InvalidValue(name, f"{name} {list(ids)}: a sequence is 1 to "
                                             f"{MAX_WORD_TOKENS} ids")
+        if any(not 0 <= token < vocab_size for token in ids):
+            raise checks.InvalidValue(name, f"{name} {list(ids)}: an id outside the "
+                                            f"vocabulary [0, {vocab_size})")
     return sequences
 
 
@@ -78,9 +82,9 @@ def words_table(words: Sequence[Sequence[int]], num_words: int, word_tokens: int
 def banned_by_words(words: jax.Array, context_BC: jax.Array, context_lengths_B: jax.Array,
                     generated_B: jax.Array) -> jax.Array:
     """[B, words] int32: each word's last id where the row's newest tokens (the last of its
-    context) are the word's others, all among the `generated` ones it made itself; -1
-    elsewhere (and for rows of no word). `words` [B, words, tokens] as `words_table` writes
-    a row's. A word of one token is banned always."""
+    context) are the word's others, all among its newest `generated` [B] (those it made, or
+    its whole context); -1 elsewhere (and for rows of no word). `words` [B, words, tokens]
+    as `words_table` writes a row's. A word of one token is banned always."""
     before_last = words.shape[-1] - 1
     back = jnp.arange(before_last) - before_last  # the newest `before_last` tokens: -n .. -1
     at = jnp.clip(context_lengths_B[:, None] + back, 0, context_BC.shape[1] - 1)

@@ -153,11 +153,7 @@ def prepare(net, params, prompts, lengths, *, max_new_tokens, eos_ids, num_beams
                                       f"outside the vocabulary [0, {config.vocab_size})")
     banned_ids = checks.token_ids("banned_ids", banned_ids)
     _check_ids("banned", banned_ids, config.vocab_size)
-    bad_words = checked_words("bad_words", bad_words)
-    for word in bad_words:
-        if any(not 0 <= token < config.vocab_size for token in word):
-            raise checks.InvalidValue("bad_words", f"bad_words {list(word)}: an id outside "
-                                                   f"the vocabulary [0, {config.vocab_size})")
+    bad_words = checked_words("bad_words", bad_words, config.vocab_size)
     if bad_words and speculative is not None:
         raise ValueError("speculative decoding does not take bad_words: its verification "
                          "would read each drafted token's own history")

@@ -154,7 +154,7 @@ class GenerationRequest:
             raise checks.InvalidValue("banned_ids", f"banned_ids {banned_ids}: at most "
                                       f"{MAX_BANNED_IDS} ids in [0, {vocab_size})")
         logit_bias = _checked_logit_bias(self.logit_bias, vocab_size)
-        words = _checked_bad_words(self.bad_words, vocab_size)
+        words = bad_words.checked_words("bad_words", self.bad_words, vocab_size)
         stop = check_stop_strings(self.stop)
         seed = secrets.randbelow(MAX_SEED) if self.seed is None else self.seed
         checks.integer("seed", seed, 0, MAX_SEED)
@@ -187,17 +187,6 @@ def _check_beam_search(request: GenerationRequest) -> None:
     if unused:
         raise checks.InvalidValue(unused[0], f"{unused[0]} is not used by beam search, which "
                                              "keeps the likeliest tokens")
-
-
-def _checked_bad_words(words, vocab_size: int) -> tuple[tuple[int, ...], ...]:
-    """`words` as tuples of ids (`decode.bad_words.checked_words`), each id in the
-    vocabulary."""
-    words = bad_words.checked_words("bad_words", words)
-    for ids in words:
-        if any(not 0 <= t < vocab_size for t in ids):
-            raise checks.InvalidValue("bad_words", f"bad_words {list(ids)}: an id outside the "
-                                                   f"vocabulary [0, {vocab_size})")
-    return words
 
 
 def _checked_logit_bias(bias, vocab_size: int) -> tuple[tuple[int, float], ...]:
