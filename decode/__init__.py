@@ -10,7 +10,7 @@ from .constraints import (
     TokenAutomaton,
     compile_constraint,
 )
-from .generate import GenerateOutput, beam_search, generate, prefill, stream
+from .generate import GenerateOutput, beam_search, beam_search_chunks, generate, prefill, stream
 from .loop import DecodeState, StopReason, decode_loop
 from .processors import LogitBias, LogitProcessor, ProcessorState, forbid_tokens
 from .prompt_state import PromptState
@@ -23,6 +23,6 @@ __all__ = [
     "GREEDY", "AllowedTokens", "Choice", "DecodeState", "GenerateOutput", "JsonSchema", "LogitBias",
     "LogitProcessor", "ProcessorState", "PromptState", "Regex", "Sampling", "SamplingParams",
     "SpeculationStats", "Speculative", "StartsWith", "StopReason", "TokenAutomaton", "beam_search",
-    "compile_constraint", "decode_loop", "filter_logits", "forbid_tokens", "generate",
-    "prefill", "sample", "stream", "trace_count",
+    "beam_search_chunks", "compile_constraint", "decode_loop", "filter_logits", "forbid_tokens",
+    "generate", "prefill", "sample", "stream", "trace_count",
 ]

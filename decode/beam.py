@@ -1,4 +1,6 @@
-"""Beam search inside one compiled `lax.while_loop`, for both model variants.
+"""Beam search in a compiled `lax.while_loop`, for both model variants: `start` prefills
+and takes the first step, `advance` steps on to the end or to a step limit (a caller that
+runs other work between chunks of steps gives one).
 
 Each of the W beams of a row is one row of the cache (batch B·W). Every step extends each
 alive beam by every token, keeps the 2W best candidates, moves those ending in EOS to the
@@ -151,13 +153,11 @@ def is_settled(state: BeamState, max_new_tokens, length_penalty) -> jax.Array:
     return jnp.min(state.finished_score, axis=1) >= optimistic
 
 
-def beam_loop(tokens_to_logits: Callable, first_logits_BV: jax.Array, cache: Any,
-              num_beams: int, buffer_len: int, stops: StopConditions,
-              length_penalty: jax.Array,
-              constraints: RowConstraints | None = None, num_return: int = 1) -> BeamResult:
-    """Beam search from the prefill's next-token logits; `cache` already has B·W rows, and
-    `constraints` (or None) a state per beam. Returns the best `num_return` (at most W)
-    hypotheses of each row."""
+def beam_begin(first_logits_BV: jax.Array, cache: Any, num_beams: int, buffer_len: int,
+               stops: StopConditions, length_penalty: jax.Array,
+               constraints: RowConstraints | None = None) -> BeamState:
+    """The search after its first token, from the prefill's next-token logits; `cache`
+    already has B·W rows, and `constraints` (or None) a state per beam."""
     batch = first_logits_BV.shape[0]
     only_first = jnp.where(jnp.arange(num_beams) == 0, 0.0, NEG_INF)  # beams start identical
     state = BeamState(
@@ -175,12 +175,24 @@ def beam_loop(tokens_to_logits: Callable, first_logits_BV: jax.Array, cache: Any
     first_BWV = jnp.repeat(jax.nn.log_softmax(first_logits_BV.astype(jnp.float32))[:, None],
                            num_beams, axis=1)
     state, rows = beam_step(state, first_BWV, stops, length_penalty)
-    state = state.replace(cache=state.cache.take_rows(rows))
+    return state.replace(cache=state.cache.take_rows(rows))
+
+
+def is_done(state: BeamState, stops: StopConditions, length_penalty) -> jax.Array:
+    """Scalar bool: the search is over (its budget spent, every row settled, or a cache
+    full)."""
+    settled = is_settled(state, stops.max_new_tokens, length_penalty)
+    cache_full = jnp.any(state.cache.lengths >= state.cache.capacity)
+    return (state.step >= stops.max_new_tokens) | jnp.all(settled) | cache_full
+
+
+def beam_advance(tokens_to_logits: Callable, state: BeamState, stops: StopConditions,
+                 length_penalty: jax.Array, step_limit) -> BeamState:
+    """The search stepped on until it is done or has `step_limit` tokens."""
+    batch, num_beams = state.alive_logprob.shape
 
     def cond_fn(state: BeamState) -> jax.Array:
-        settled = is_settled(state, stops.max_new_tokens, length_penalty)
-        cache_full = jnp.any(state.cache.lengths >= state.cache.capacity)
-        return (state.step < stops.max_new_tokens) & ~jnp.all(settled) & ~cache_full
+        return ~is_done(state, stops, length_penalty) & (state.step < step_limit)
 
     def body_fn(state: BeamState) -> BeamState:
         logits, cache = tokens_to_logits(state.last_tokens.reshape(-1, 1), state.cache)
@@ -189,7 +201,18 @@ def beam_loop(tokens_to_logits: Callable, first_logits_BV: jax.Array, cache: Any
                                 logprobs.reshape(batch, num_beams, -1), stops, length_penalty)
         return state.replace(cache=state.cache.take_rows(rows))
 
-    state = jax.lax.while_loop(cond_fn, body_fn, state)
+    return jax.lax.while_loop(cond_fn, body_fn, state)
+
+
+def beam_loop(tokens_to_logits: Callable, first_logits_BV: jax.Array, cache: Any,
+              num_beams: int, buffer_len: int, stops: StopConditions,
+              length_penalty: jax.Array,
+              constraints: RowConstraints | None = None, num_return: int = 1) -> BeamResult:
+    """The whole search (`beam_begin`, then `beam_advance` to its end), returning the best
+    `num_return` (at most W) hypotheses of each row."""
+    state = beam_begin(first_logits_BV, cache, num_beams, buffer_len, stops, length_penalty,
+                       constraints)
+    state = beam_advance(tokens_to_logits, state, stops, length_penalty, stops.max_new_tokens)
     return _ranked(state, stops, length_penalty, num_return)
 
 
@@ -227,16 +250,14 @@ def _ranked(state: BeamState, stops: StopConditions, length_penalty,
     )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6),
-                   static_argnames=("mesh", "num_return"))
-def beam_search(config, params, tokens_BP, lengths_B, capacity: int, buffer_len: int,
-                num_beams: int, stops: StopConditions, length_penalty, mesh=None,
-                constraints: RowConstraints | None = None,
-                adapters: lora_rows.RowAdapters | None = None, num_return: int = 1
-                ) -> BeamResult:
-    """Prefill each prompt once, copy its cache to W beams, then run `beam_loop` (each
-    beam starting in its prompt's automaton state if `constraints`, with a state per row),
-    returning each row's best `num_return` hypotheses.
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6), static_argnames=("mesh",))
+def start(config, params, tokens_BP, lengths_B, capacity: int, buffer_len: int,
+          num_beams: int, stops: StopConditions, length_penalty, mesh=None,
+          constraints: RowConstraints | None = None,
+          adapters: lora_rows.RowAdapters | None = None) -> BeamState:
+    """Prefills each prompt once, copies its cache to W beams and takes the first step
+    (`beam_begin`; each beam starting in its prompt's automaton state if `constraints`, with
+    a state per row).
 
     With a `mesh`, the B·W cache rows are split over `data` (the W beams of a row together,
     when `data` divides B) and the kv heads over `model`."""
@@ -250,6 +271,24 @@ def beam_search(config, params, tokens_BP, lengths_B, capacity: int, buffer_len:
         cache = parallel.constrain_rows(cache, mesh)
     if constraints is not None:
         constraints = constraints.replace(state=jnp.repeat(constraints.state, num_beams))
-    step = M.step_fn(config, params, lora_rows.collection_of(adapters, batch * num_beams))
-    return beam_loop(parallel.keep_rows(step, mesh), first_logits_BV, cache, num_beams,
-                     buffer_len, stops, length_penalty, constraints, num_return)
+    return beam_begin(first_logits_BV, cache, num_beams, buffer_len, stops, length_penalty,
+                      constraints)
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("mesh", "num_return"),
+                   donate_argnums=2)
+def advance(config, params, state: BeamState, stops: StopConditions, length_penalty,
+            step_limit, mesh=None, adapters: lora_rows.RowAdapters | None = None,
+            num_return: int = 1) -> tuple[BeamState, jax.Array, BeamResult]:
+    """(state, done, result): the search from `start` (or an earlier call) stepped on
+    until it is done or has `step_limit` tokens; whether it is done (`is_done`); and each
+    row's best `num_return` hypotheses so far (`_ranked`), its result once done."""
+    count_trace("beam_advance")
+    if mesh is not None:
+        state = state.replace(cache=parallel.constrain_rows(state.cache, mesh))
+    step = M.step_fn(config, params,
+                     lora_rows.collection_of(adapters, state.alive_logprob.size))
+    state = beam_advance(parallel.keep_rows(step, mesh), state, stops, length_penalty,
+                         step_limit)
+    return (state, is_done(state, stops, length_penalty),
+            _ranked(state, stops, length_penalty, num_return))

@@ -261,7 +261,33 @@ def beam_search(net, params, prompts, *, max_new_tokens: int, num_beams: int,
     `generate`, and so are `adapters`, `adapter`, `banned_ids` and `forced_end_id` (the end
     every beam makes at `max_new_tokens`, adding 0 to its summed logprobs as transformers
     scores it);
-    one compiled loop, greedy in what it keeps, so there is no sampling."""
+    greedy in what it keeps, so there is no sampling."""
+    return _drain(_searched(
+        net, params, prompts, None, max_new_tokens=max_new_tokens, num_beams=num_beams,
+        length_penalty=length_penalty, eos_ids=eos_ids, lengths=lengths,
+        return_logprobs=return_logprobs, mesh=mesh, constraint=constraint, adapters=adapters,
+        adapter=adapter, forced_end_id=forced_end_id, banned_ids=banned_ids,
+        num_return_sequences=num_return_sequences))
+
+
+def beam_search_chunks(net, params, prompts, *, chunk_size: int = 8, **options: Any
+                       ) -> Generator[int, None, GenerateOutput]:
+    """`beam_search(net, params, prompts, **options)` a chunk of at most `chunk_size` steps
+    at a time: yields the tokens each hypothesis has after every chunk that leaves the search
+    unfinished, and returns (`StopIteration.value`) what `beam_search` returns. The caller
+    runs other work between chunks (a server's other requests decode there)."""
+    return _searched(net, params, prompts, checks.integer("chunk_size", chunk_size, 1),
+                     **options)
+
+
+def _searched(net, params, prompts, chunk_size: int | None, *, max_new_tokens: int,
+              num_beams: int, length_penalty: float = 1.0, eos_ids: Sequence[int] = (),
+              lengths=None, return_logprobs: bool = False, mesh: Mesh | None = None,
+              constraint=None, adapters: lora_rows.AdapterStack | None = None,
+              adapter: int | Sequence[int] = 0, forced_end_id: int | None = None,
+              banned_ids: Sequence[int] = (), num_return_sequences: int = 1
+              ) -> Generator[int, None, GenerateOutput]:
+    """The beam search in chunks of `chunk_size` steps (None: one call to its end)."""
     length_penalty = checks.real("length_penalty", length_penalty, lambda _: True, "finite")
     mesh, params = placement(net.config, params, mesh)
     prepared = prepare(net, params, prompts, lengths, max_new_tokens=max_new_tokens,
@@ -273,13 +299,31 @@ def beam_search(net, params, prompts, *, max_new_tokens: int, num_beams: int,
         raise checks.InvalidValue("num_return_sequences", f"num_return_sequences={returned} "
                                   f"is more than num_beams={num_beams}: the search keeps "
                                   "that many")
-    result = beam.beam_search(
-        net.config, params, prepared.tokens, prepared.lengths, prepared.capacity,
-        prepared.buffer_len, prepared.num_beams, prepared.stops,
-        jnp.asarray(length_penalty, jnp.float32), mesh=mesh,
-        constraints=prepared.constraints, adapters=prepared.adapters, num_return=returned)
-    return _output(result, max_new_tokens, return_logprobs, prepared.batch * returned,
-                   scores=result.scores)
+    penalty = jnp.asarray(length_penalty, jnp.float32)
+    state = beam.start(net.config, params, prepared.tokens, prepared.lengths,
+                       prepared.capacity, prepared.buffer_len, prepared.num_beams,
+                       prepared.stops, penalty, mesh=mesh, constraints=prepared.constraints,
+                       adapters=prepared.adapters)
+    limit = max_new_tokens
+    while True:
+        if chunk_size is not None:
+            limit = min(int(state.step) + chunk_size, max_new_tokens)
+        state, done, result = beam.advance(
+            net.config, params, state, prepared.stops, penalty, jnp.asarray(limit, jnp.int32),
+            mesh=mesh, adapters=prepared.adapters, num_return=returned)
+        if chunk_size is None or bool(done):
+            return _output(result, max_new_tokens, return_logprobs, prepared.batch * returned,
+                           scores=result.scores)
+        yield int(state.step)
+
+
+def _drain(generator: Generator[Any, None, Any]) -> Any:
+    """What `generator` returns, once it has run to its end."""
+    while True:
+        try:
+            next(generator)
+        except StopIteration as done:
+            return done.value
 
 
 def stream(net, params, prompts=None, *, max_new_tokens: int, chunk_size: int = 8,

@@ -7,7 +7,8 @@ _TRACE_COUNTS: dict[str, int] = {}
 
 
 def trace_count(name: str) -> int:
-    """How many times the compiled program `name` ('start', 'continue', 'beam') was traced."""
+    """How many times the compiled program `name` was traced: 'start' and
+    'continue' (`generate`), 'beam' and 'beam_advance' (`beam_search`)."""
     return _TRACE_COUNTS.get(name, 0)
 
 

@@ -96,6 +96,31 @@ def test_scanned_and_unrolled_layers_find_the_same_beams(tiny):
     np.testing.assert_allclose(other_out.scores, out.scores, rtol=1e-5)
 
 
+def test_a_beam_search_in_chunks_finds_what_one_call_finds(tiny):
+    _, net, params = tiny
+    whole = decode.beam_search(net, params, PROMPTS, max_new_tokens=6, num_beams=3,
+                               num_return_sequences=2, return_logprobs=True)
+    traced = decode.trace_count("beam_advance")
+    search = decode.beam_search_chunks(net, params, PROMPTS, chunk_size=2, max_new_tokens=6,
+                                       num_beams=3, num_return_sequences=2,
+                                       return_logprobs=True)
+    steps = []
+    while True:
+        try:
+            steps.append(next(search))
+        except StopIteration as done:
+            out = done.value
+            break
+    assert steps == [3, 5]  # the first token with the prefill, then 2 a chunk; no EOS
+    assert out.token_lists() == whole.token_lists()
+    np.testing.assert_array_equal(out.scores, whole.scores)
+    np.testing.assert_array_equal(out.logprobs, whole.logprobs)
+    assert decode.trace_count("beam_advance") == traced  # the step limit is traced
+    with pytest.raises(ValueError, match="chunk_size=0 must be >= 1"):
+        decode.beam_search_chunks(net, params, PROMPTS, chunk_size=0, max_new_tokens=6,
+                                  num_beams=3)
+
+
 def test_each_row_equals_the_prompt_alone(tiny):
     _, net, params = tiny
     eos = decode.generate(net, params, PROMPTS[:1], max_new_tokens=3).tokens[0, 2]

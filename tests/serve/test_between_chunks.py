@@ -1,6 +1,7 @@
 """serve/between_chunks.py: a beam search request (vLLM's `use_beam_search`) through the
-engine makes what `decode.beam_search` makes alone, while other requests decode beside it;
-through the official `openai` client too; cancelled or failing, it ends and says so."""
+engine makes what `decode.beam_search` makes alone, while other requests decode between its
+chunks; through the official `openai` client too; cancelled, queued or between chunks, it
+ends and says so."""
 
 import openai
 import pytest
@@ -36,6 +37,10 @@ def test_a_beam_search_request_makes_what_beam_search_makes_alone_beside_others(
     engine.step()  # a beam search waits for no slot: it runs between chunks
     for request, collector in zip(greedy[1:] + beams, collectors[1:], strict=True):
         engine.submit(request, collector)
+    made = len(collectors[0].tokens())
+    engine.step()  # each search runs one chunk of CHUNK steps, the slots one chunk after it
+    assert not collectors[2].deltas and not collectors[3].deltas  # neither search is done
+    assert len(collectors[0].tokens()) == made + CHUNK
     engine.run_until_idle()
     assert [c.tokens() for c in collectors[:2]] == [alone(tiny_lm, r) for r in greedy]
     for request, collector in zip(beams, collectors[2:], strict=True):
@@ -50,6 +55,14 @@ def test_a_beam_search_request_makes_what_beam_search_makes_alone_beside_others(
     engine.submit(beams[1], cancelled).cancel()
     engine.run_until_idle()
     assert [cancelled.finish(i) for i in range(2)] == ["cancelled"] * 2
+    # Cancelled between two of its chunks: it ends at the next turn, searched no further.
+    cancelled = Collector()
+    ticket = engine.submit(beams[0], cancelled)
+    assert engine.step() and not cancelled.deltas
+    ticket.cancel()
+    assert not engine.step()  # nothing left to run
+    assert [(cancelled.tokens(i), cancelled.finish(i)) for i in range(3)] == [
+        ([], "cancelled")] * 3
 
 
 def test_a_beam_search_through_the_openai_client_is_that_of_beam_search_alone(tiny_loaded,
