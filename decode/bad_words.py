@@ -79,6 +79,16 @@ def words_table(words: Sequence[Sequence[int]], num_words: int, word_tokens: int
     return table
 
 
+def newest_tokens(context_BC: jax.Array, context_lengths_B: jax.Array, count: int
+                  ) -> jax.Array:
+    """[B, count] int32 each row's newest `count` tokens of its context, right-aligned, -1
+    before them where the row has fewer (-1 matches no word's id)."""
+    back = jnp.arange(count) - count  # -count .. -1
+    at = context_lengths_B[:, None] + back
+    newest = jnp.take_along_axis(context_BC, jnp.clip(at, 0, context_BC.shape[1] - 1), axis=1)
+    return jnp.where(at >= 0, newest, -1).astype(jnp.int32)
+
+
 def banned_by_words(words: jax.Array, context_BC: jax.Array, context_lengths_B: jax.Array,
                     generated_B: jax.Array) -> jax.Array:
     """[B, words] int32: each word's last id where the row's newest tokens (the last of its

@@ -26,6 +26,7 @@ from kvjax import parallel
 from kvjax.model import lora_rows
 
 from .automaton import RowConstraints
+from .bad_words import MAX_WORD_TOKENS, newest_tokens
 from .loop import StopConditions, StopReason
 from .processors import ban
 from .tracing import count_trace
@@ -45,6 +46,9 @@ class BeamState:
     finished_score:      [B, W] float32 length-penalised score (NEG_INF: empty slot).
     cache:               model cache with batch B·W, row b·W + w for beam w of row b.
     constraints:         each beam's automaton state [B·W] and the tables, or None.
+    prompt_tail:         [B, MAX_WORD_TOKENS - 1] int32 each row's newest context tokens
+                         before the search (right-aligned, -1 before them), which bad words
+                         match with a beam's tokens; None without bad words.
     """
 
     step: jax.Array
@@ -57,6 +61,7 @@ class BeamState:
     finished_score: jax.Array
     cache: Any
     constraints: RowConstraints | None = None
+    prompt_tail: jax.Array | None = None
 
     @property
     def last_tokens(self) -> jax.Array:
@@ -91,9 +96,9 @@ def beam_step(state: BeamState, logprobs_BWV: jax.Array, stops: StopConditions,
               length_penalty: jax.Array) -> tuple[BeamState, jax.Array]:
     """Extends the beams by one token; returns the new state and the cache rows to gather."""
     batch, width, vocab = logprobs_BWV.shape
-    if stops.banned_ids is not None:
-        logprobs_BWV = jnp.maximum(ban(logprobs_BWV.reshape(batch * width, vocab),
-                                       stops.banned_rows(batch * width)),
+    banned = _banned(state, stops)
+    if banned is not None:
+        logprobs_BWV = jnp.maximum(ban(logprobs_BWV.reshape(batch * width, vocab), banned),
                                    NEG_INF).reshape(batch, width, vocab)
     if state.constraints is not None:
         logprobs_BWV = jnp.maximum(state.constraints.mask(
@@ -141,6 +146,21 @@ def beam_step(state: BeamState, logprobs_BWV: jax.Array, stops: StopConditions,
     return new_state, rows
 
 
+def _banned(state: BeamState, stops: StopConditions) -> jax.Array | None:
+    """[B·W, banned] the ids no beam makes next (`StopConditions.banned_next`: bad words
+    matched against the prompt's tail and the beam's tokens, as transformers matches them),
+    or None."""
+    batch, width, _ = state.alive_tokens.shape
+    if stops.bad_words is None:
+        return stops.banned_rows(batch * width)
+    tail = state.prompt_tail.shape[1]
+    context_BWC = jnp.concatenate(
+        [jnp.broadcast_to(state.prompt_tail[:, None], (batch, width, tail)), state.alive_tokens],
+        axis=2)
+    return stops.banned_next(context_BWC.reshape(batch * width, -1),
+                             jnp.full((batch * width,), tail + state.step, jnp.int32))
+
+
 def is_settled(state: BeamState, max_new_tokens, length_penalty) -> jax.Array:
     """Per row: W hypotheses are finished and no alive beam can still beat the worst one.
 
@@ -155,9 +175,11 @@ def is_settled(state: BeamState, max_new_tokens, length_penalty) -> jax.Array:
 
 def beam_begin(first_logits_BV: jax.Array, cache: Any, num_beams: int, buffer_len: int,
                stops: StopConditions, length_penalty: jax.Array,
-               constraints: RowConstraints | None = None) -> BeamState:
+               constraints: RowConstraints | None = None,
+               prompt_tail: jax.Array | None = None) -> BeamState:
     """The search after its first token, from the prefill's next-token logits; `cache`
-    already has B·W rows, and `constraints` (or None) a state per beam."""
+    already has B·W rows, `constraints` (or None) a state per beam, and `prompt_tail`
+    (`BeamState`'s; needed with bad words) each row's newest tokens."""
     batch = first_logits_BV.shape[0]
     only_first = jnp.where(jnp.arange(num_beams) == 0, 0.0, NEG_INF)  # beams start identical
     state = BeamState(
@@ -171,6 +193,7 @@ def beam_begin(first_logits_BV: jax.Array, cache: Any, num_beams: int, buffer_le
         finished_score=jnp.full((batch, num_beams), NEG_INF, jnp.float32),
         cache=cache,
         constraints=constraints,
+        prompt_tail=prompt_tail,
     )
     first_BWV = jnp.repeat(jax.nn.log_softmax(first_logits_BV.astype(jnp.float32))[:, None],
                            num_beams, axis=1)
@@ -207,11 +230,12 @@ def beam_advance(tokens_to_logits: Callable, state: BeamState, stops: StopCondit
 def beam_loop(tokens_to_logits: Callable, first_logits_BV: jax.Array, cache: Any,
               num_beams: int, buffer_len: int, stops: StopConditions,
               length_penalty: jax.Array,
-              constraints: RowConstraints | None = None, num_return: int = 1) -> BeamResult:
+              constraints: RowConstraints | None = None, num_return: int = 1,
+              prompt_tail: jax.Array | None = None) -> BeamResult:
     """The whole search (`beam_begin`, then `beam_advance` to its end), returning the best
     `num_return` (at most W) hypotheses of each row."""
     state = beam_begin(first_logits_BV, cache, num_beams, buffer_len, stops, length_penalty,
-                       constraints)
+                       constraints, prompt_tail)
     state = beam_advance(tokens_to_logits, state, stops, length_penalty, stops.max_new_tokens)
     return _ranked(state, stops, length_penalty, num_return)
 
@@ -271,8 +295,12 @@ def start(config, params, tokens_BP, lengths_B, capacity: int, buffer_len: int,
         cache = parallel.constrain_rows(cache, mesh)
     if constraints is not None:
         constraints = constraints.replace(state=jnp.repeat(constraints.state, num_beams))
+    prompt_tail = None
+    if stops.bad_words is not None:
+        context_BC, context_lengths_B = M.target_start(config, tokens_BP, lengths_B)
+        prompt_tail = newest_tokens(context_BC, context_lengths_B, MAX_WORD_TOKENS - 1)
     return beam_begin(first_logits_BV, cache, num_beams, buffer_len, stops, length_penalty,
-                      constraints)
+                      constraints, prompt_tail)
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("mesh", "num_return"),

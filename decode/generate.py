@@ -250,6 +250,7 @@ def beam_search(net, params, prompts, *, max_new_tokens: int, num_beams: int,
                 adapter: int | Sequence[int] = 0,
                 forced_end_id: int | None = None,
                 banned_ids: Sequence[int] = (),
+                bad_words: Sequence[Sequence[int]] = (),
                 num_return_sequences: int = 1) -> GenerateOutput:
     """The `num_beams` likeliest continuations of each prompt, best first: each step keeps
     the best `num_beams` hypotheses by their summed logprobs, and finished ones are scored
@@ -258,16 +259,16 @@ def beam_search(net, params, prompts, *, max_new_tokens: int, num_beams: int,
     j-th of prompt b as transformers' `num_return_sequences` orders them, with their scores
     in `scores`. Prompts, eos ids, lengths, `mesh` and `constraint`
     (the logprobs of the tokens it allows compete; the rest are never candidates) are as for
-    `generate`, and so are `adapters`, `adapter`, `banned_ids` and `forced_end_id` (the end
-    every beam makes at `max_new_tokens`, adding 0 to its summed logprobs as transformers
-    scores it);
+    `generate`, and so are `adapters`, `adapter`, `banned_ids`, `bad_words` (matched against
+    the prompt and each beam's tokens) and `forced_end_id` (the end every beam makes at
+    `max_new_tokens`, adding 0 to its summed logprobs as transformers scores it);
     greedy in what it keeps, so there is no sampling."""
     return _drain(_searched(
         net, params, prompts, None, max_new_tokens=max_new_tokens, num_beams=num_beams,
         length_penalty=length_penalty, eos_ids=eos_ids, lengths=lengths,
         return_logprobs=return_logprobs, mesh=mesh, constraint=constraint, adapters=adapters,
         adapter=adapter, forced_end_id=forced_end_id, banned_ids=banned_ids,
-        num_return_sequences=num_return_sequences))
+        bad_words=bad_words, num_return_sequences=num_return_sequences))
 
 
 def beam_search_chunks(net, params, prompts, *, chunk_size: int = 8, **options: Any
@@ -285,15 +286,15 @@ def _searched(net, params, prompts, chunk_size: int | None, *, max_new_tokens: i
               lengths=None, return_logprobs: bool = False, mesh: Mesh | None = None,
               constraint=None, adapters: lora_rows.AdapterStack | None = None,
               adapter: int | Sequence[int] = 0, forced_end_id: int | None = None,
-              banned_ids: Sequence[int] = (), num_return_sequences: int = 1
-              ) -> Generator[int, None, GenerateOutput]:
+              banned_ids: Sequence[int] = (), bad_words: Sequence[Sequence[int]] = (),
+              num_return_sequences: int = 1) -> Generator[int, None, GenerateOutput]:
     """The beam search in chunks of `chunk_size` steps (None: one call to its end)."""
     length_penalty = checks.real("length_penalty", length_penalty, lambda _: True, "finite")
     mesh, params = placement(net.config, params, mesh)
     prepared = prepare(net, params, prompts, lengths, max_new_tokens=max_new_tokens,
                        eos_ids=eos_ids, num_beams=num_beams, rng=None, mesh=mesh,
                        constraint=constraint, adapters=adapters, adapter=adapter,
-                       forced_end_id=forced_end_id, banned_ids=banned_ids)
+                       forced_end_id=forced_end_id, banned_ids=banned_ids, bad_words=bad_words)
     returned = checks.integer("num_return_sequences", num_return_sequences, 1)
     if returned > prepared.num_beams:
         raise checks.InvalidValue("num_return_sequences", f"num_return_sequences={returned} "

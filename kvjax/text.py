@@ -234,7 +234,7 @@ def sample_texts(loaded: LoadedModel, prompt: str | Sequence[int], *, num_sample
     (`forced_start`), and one whose generation config forces an end token
     (`forced_eos_token_id`, Marian's) makes it last where a sample reaches `max_new_tokens`,
     as transformers' `generate` does; the `bad_words_ids` it names (Marian's pad) are never
-    made (those of several tokens not with beam search). A sample
+    made, or, those of several tokens, never completed. A sample
     stops at its first `stop` string, which neither the streamed pieces nor the returned
     text include; text that might begin a stop string is held back until it cannot. Beam
     search only knows its answer at the end, so with `num_beams > 1` the text arrives in one piece.
@@ -271,16 +271,13 @@ def sample_texts(loaded: LoadedModel, prompt: str | Sequence[int], *, num_sample
             if changed:
                 raise ValueError(f"beam search (num_beams={num_beams}) does not sample: it "
                                  f"takes no {changed[0]}")
-            if settings["bad_words"]:
-                raise ValueError(f"beam search (num_beams={num_beams}) does not take the "
-                                 "generation config's bad_words_ids of several tokens "
-                                 f"{[list(w) for w in settings['bad_words']]}")
             output = decode.beam_search(loaded.net, loaded.params, [tokens],
                                         num_beams=num_beams, max_new_tokens=limit,
                                         eos_ids=settings["eos_ids"],
                                         constraint=settings.get("constraint"),
                                         forced_end_id=settings["forced_end_id"],
-                                        banned_ids=settings["banned_ids"])
+                                        banned_ids=settings["banned_ids"],
+                                        bad_words=settings["bad_words"])
             first = time.perf_counter() - start
             rows[0].add(output.token_lists()[0])
         else:

@@ -97,7 +97,8 @@ def beam_deltas(engine, ticket) -> Generator[None, None, None]:
         length_penalty=request.length_penalty, eos_ids=request.stop_ids,
         return_logprobs=True, mesh=engine.mesh, constraint=request.constraint,
         adapters=engine.adapters, adapter=request.adapter,
-        forced_end_id=request.forced_end_id, banned_ids=request.banned_ids)
+        forced_end_id=request.forced_end_id, banned_ids=request.banned_ids,
+        bad_words=request.bad_words)
     while True:
         if ticket.cancelled:
             search.close()

@@ -215,13 +215,12 @@ def _bad_words(body: dict, loaded: T.LoadedModel, beam: bool) -> tuple[tuple[int
     `bad_words`: texts, each the token sequences `decode.bad_words.word_ids` makes of it;
     their count and lengths are checked by `GenerationRequest.checked`."""
     own = tuple(loaded.tokenizer.bad_words)
-    if own and beam:
-        raise APIError(400, f"the model's generation config bans bad_words_ids of several "
-                            f"tokens {[list(w) for w in own]}, which a beam search does not "
-                            "apply", "use_beam_search")
     words = body.get("bad_words")
     if not words:
         return own
+    if beam:  # vLLM's beam search has no bad words; a beam search matches the prompt's too
+        raise APIError(400, "bad_words is not used by beam search, which keeps the likeliest "
+                            "tokens", "bad_words")
     if not isinstance(words, list) or not all(isinstance(word, str) for word in words):
         raise APIError(400, f"bad_words={shown(words)} must be a list of strings", "bad_words")
     if loaded.is_translation:

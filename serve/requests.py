@@ -53,7 +53,8 @@ class GenerationRequest:
                  `bad_words_ids`, Marian's pad), at most `MAX_BANNED_IDS`.
     bad_words:   token sequences a sample never completes, as vLLM's `bad_words` ban them
                  (`decode.bad_words`; `word_ids` tokenizes texts): at most 32, each of 1
-                 to 8 ids.
+                 to 8 ids. A beam search matches them against the prompt's tokens too, as
+                 `decode.beam_search` does.
     stop:        strings that end a sample's text (neither streamed nor returned, unless
                  `include_stop`: then the one met ends it, as vLLM's
                  `include_stop_str_in_output`).
@@ -181,7 +182,7 @@ def _check_beam_search(request: GenerationRequest) -> None:
     """An InvalidValue names the first setting a beam search does not use."""
     checks.real("length_penalty", request.length_penalty, lambda _: True, "finite")
     unused = list(request.sampling.changed())
-    for name in ("logit_bias", "stop", "bad_words", "logprobs"):
+    for name in ("logit_bias", "stop", "logprobs"):
         if getattr(request, name):
             unused.append(name)
     if unused:

@@ -105,3 +105,30 @@ def test_generate_never_completes_bad_words_as_transformers_bans_them():
     assert got == want
     assert all(banned != free for banned, free in zip(want, record["greedy"], strict=True))
     assert want[0][0] != record["greedy"][0][0]  # the word across the prompt's end bit
+
+
+def test_beam_search_never_completes_bad_words_as_transformers_bans_them():
+    """The same words through `beam_search` against transformers' beam search with them (its
+    3 beams, `bad_words_ids`) on the GPT-2 fixture; and a word of a prompt's last token and
+    the best hypothesis's first, which only the prompt's tokens can complete, bites."""
+    from pathlib import Path
+
+    from kvjax import decode, hf
+    from kvjax import model as M
+
+    directory = Path(__file__).resolve().parents[1] / "fixtures" / "hf_models" / "gpt2"
+    record = json.loads((directory / "expected.json").read_text())
+    words, want = record["bad_words"]["words"], record["bad_words"]["beam"]
+    config, _, params = hf.load_pretrained(directory)
+    net, prompts = M.build_model(config), record["prompts"]
+
+    def searched(bad_words):
+        return decode.beam_search(net, params, prompts, bad_words=bad_words,
+                                  num_beams=record["num_beams"],
+                                  max_new_tokens=record["max_new_tokens"],
+                                  eos_ids=(record["eos_id"],)).token_lists()
+
+    assert searched(words) == want
+    assert want[1:] != record["beam"][1:]  # two rows' best hypotheses held words
+    across = [[prompts[0][-1], record["beam"][0][0]]]
+    assert searched(across)[0][0] != record["beam"][0][0]

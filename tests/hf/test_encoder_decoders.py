@@ -3,7 +3,6 @@ tests/fixtures/hf_models, equal to transformers in tests/hf/test_hf_models.py): 
 language forced first (NLLB, M2M100, mBART-50), on the command line too; files that leave
 out what transformers fills in."""
 
-import re
 
 import numpy as np
 import pytest
@@ -182,8 +181,8 @@ def test_the_tokens_a_generation_config_bans_are_never_sampled(tmp_path):
     (directory / "generation_config.json").unlink()
     edit_config(directory, bad_words_ids=[[banned[0]]])
     assert tokenizer_from_bytes(load_tokenizer(directory).to_bytes()).banned_ids == (banned[0],)
-    # A word of several tokens: its last never after the others, as `generate` bans it;
-    # beam search refuses it by name.
+    # A word of several tokens: its last never after the others, as `generate` and
+    # `beam_search` ban it.
     word = plain.tokens[1:3]
     edit_config(directory, bad_words_ids=[word])
     loaded = text.load(directory)
@@ -193,8 +192,13 @@ def test_the_tokens_a_generation_config_bans_are_never_sampled(tmp_path):
                              bad_words=[word])
     sampled = text.sample_text(loaded, source, max_new_tokens=8)
     assert sampled.tokens == direct.token_lists()[0] != plain.tokens
-    with pytest.raises(ValueError, match=re.escape(f"bad_words_ids of several tokens {[word]}")):
-        text.sample_text(loaded, source, max_new_tokens=8, num_beams=3)
+    searched = decode.beam_search(loaded.net, loaded.params, [text.prompt_tokens(loaded, source)],
+                                  max_new_tokens=8, num_beams=3,
+                                  eos_ids=loaded.tokenizer.stop_ids, bad_words=[word])
+    assert text.sample_text(loaded, source, max_new_tokens=8,
+                            num_beams=3).tokens == searched.token_lists()[0]
+    best = searched.token_lists()[0]
+    assert all(best[i:i + 2] != word for i in range(len(best)))
 
 
 @pytest.mark.parametrize("name", ["marian", "bart"])

@@ -3,6 +3,8 @@ engine makes what `decode.beam_search` makes alone, while other requests decode 
 chunks; through the official `openai` client too; cancelled, queued or between chunks, it
 ends and says so."""
 
+import dataclasses
+
 import openai
 import pytest
 from conftest import SERVED_MODEL, FakeTokenizer, openai_client, serve_app
@@ -18,7 +20,8 @@ def searched(tiny_lm, request):
     config, net, params = tiny_lm
     out = decode.beam_search(net, params, [list(request.prompt)], num_beams=request.n,
                              num_return_sequences=request.n, max_new_tokens=request.max_tokens,
-                             eos_ids=request.stop_ids, length_penalty=request.length_penalty)
+                             eos_ids=request.stop_ids, length_penalty=request.length_penalty,
+                             bad_words=request.bad_words)
     return [(tokens, "stop" if reason == decode.StopReason.EOS else "length")
             for tokens, reason in zip(out.token_lists(), out.stop_reason, strict=True)]
 
@@ -32,6 +35,10 @@ def test_a_beam_search_request_makes_what_beam_search_makes_alone_beside_others(
     beams = [GenerationRequest(prompt(162, 6), max_tokens=8, n=3, beam_search=True,
                                length_penalty=0.5, stop_ids=(first_token[2],)),
              GenerationRequest(prompt(163, 3), max_tokens=6, n=2, beam_search=True)]
+    # A generation config's bad words (`kvjax serve` adds them): the best hypothesis's first
+    # two tokens, which the search then never makes together.
+    best = searched(tiny_lm, beams[1])[0][0]
+    beams.append(dataclasses.replace(beams[1], bad_words=(tuple(best[:2]),)))
     collectors = [Collector() for _ in greedy + beams]
     engine.submit(greedy[0], collectors[0])
     engine.step()  # a beam search waits for no slot: it runs between chunks
@@ -43,6 +50,7 @@ def test_a_beam_search_request_makes_what_beam_search_makes_alone_beside_others(
     assert len(collectors[0].tokens()) == made + CHUNK
     engine.run_until_idle()
     assert [c.tokens() for c in collectors[:2]] == [alone(tiny_lm, r) for r in greedy]
+    assert collectors[4].tokens() != best
     for request, collector in zip(beams, collectors[2:], strict=True):
         got = [(collector.tokens(i), collector.finish(i)) for i in range(request.n)]
         assert got == searched(tiny_lm, request)

@@ -119,8 +119,8 @@ def test_defaults_are_openais():
     # one id more, so not that too).
     assert request.bad_words == ()
     assert chat(bad_words=["AB", " C"]).requests[0].bad_words == ((20, 21), (22,))
-    # A generation config's bad_words_ids of several tokens come first; a beam search,
-    # which does not apply them, is refused.
+    # A generation config's bad_words_ids of several tokens come first; a beam search takes
+    # them, and refuses a request's own (vLLM's beam search has none).
     class WordBanning(FakeTokenizer):
         bad_words = ((3, 4),)
 
@@ -128,8 +128,11 @@ def test_defaults_are_openais():
     body = {"model": MODEL, "prompt": "AB"}
     assert parse({**body, "bad_words": ["AB"]}, banning, MODEL, CAPACITY,
                  chat_api=False).requests[0].bad_words == ((3, 4), (20, 21))
-    with pytest.raises(APIError, match=r"bans bad_words_ids of several tokens \[\[3, 4\]\]"):
-        parse({**body, "use_beam_search": True}, banning, MODEL, CAPACITY, chat_api=False)
+    searched = {**body, "use_beam_search": True, "n": 2}
+    assert parse(searched, banning, MODEL, CAPACITY,
+                 chat_api=False).requests[0].bad_words == ((3, 4),)
+    with pytest.raises(APIError, match="bad_words is not used by beam search"):
+        parse({**searched, "bad_words": ["AB"]}, banning, MODEL, CAPACITY, chat_api=False)
     # vLLM's use_beam_search: greedy settings unless the request sets others (which the
     # engine's check refuses by name), its length_penalty.
     beam = completion(use_beam_search=True, n=3, length_penalty=0.5).requests[0]
