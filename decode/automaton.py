@@ -43,7 +43,9 @@ class RowConstraints:
     `TokenAutomaton`); bits: [rows, Y] uint32, bit v % 32 of word v // 32 set where the
     states of row `bit_row[s]` allow token v (-1: a narrow state); static: narrow_width,
     the most tokens a narrow state allows, rounded up (0: none); search_steps, the binary
-    search's steps, enough for the state with the most transitions."""
+    search's steps, enough for the state with the most transitions. given: bool per state,
+    whether its one token is given rather than chosen (`TokenAutomaton.given`): a beam
+    search adds 0 for it to a beam's score."""
 
     state: jax.Array
     starts: jax.Array
@@ -52,11 +54,17 @@ class RowConstraints:
     next_states: jax.Array
     bit_row: jax.Array
     bits: jax.Array
+    given: jax.Array
     narrow_width: int = flax.struct.field(pytree_node=False)
     search_steps: int = flax.struct.field(pytree_node=False)
 
     # Every row reads every table (`parallel.constrain_rows` holds them whole on each device).
-    SHARED_BY_ROWS = ("starts", "counts", "tokens", "next_states", "bit_row", "bits")
+    SHARED_BY_ROWS = ("starts", "counts", "tokens", "next_states", "bit_row", "bits",
+                      "given")
+
+    def is_given(self) -> jax.Array:
+        """[B] bool: whether each row's token now is given, not chosen (`given`)."""
+        return (self.state >= 0) & self.given[jnp.maximum(self.state, 0)]
 
     def mask(self, logits_BV: jax.Array) -> jax.Array:
         """-inf on every token a constrained row's state does not allow."""
@@ -188,6 +196,7 @@ def build_tables(automata: Sequence[TokenAutomaton], least: tuple[int, int, int]
     starts = np.zeros(states, np.int32)
     counts = np.zeros_like(starts)
     bit_row = np.full_like(starts, -1)
+    given = np.zeros(states, bool)
     tokens = np.zeros(edges, np.int32)
     next_states = np.zeros_like(tokens)
     bits = np.zeros((rows, words), np.uint32)
@@ -198,6 +207,7 @@ def build_tables(automata: Sequence[TokenAutomaton], least: tuple[int, int, int]
         starts[s:s + automaton.num_states] = automaton.starts + e
         counts[s:s + automaton.num_states] = automaton.counts
         bit_row[s:s + automaton.num_states] = np.where(own_rows >= 0, own_rows + r, -1)
+        given[s:s + automaton.num_states] = automaton.given
         bits[r:r + len(own_bits)] = own_bits
         tokens[e:e + automaton.tokens.size] = automaton.tokens
         next_states[e:e + automaton.tokens.size] = automaton.next_states + s
@@ -205,7 +215,7 @@ def build_tables(automata: Sequence[TokenAutomaton], least: tuple[int, int, int]
     tables = RowConstraints(
         jnp.zeros((0,), jnp.int32), jnp.asarray(starts), jnp.asarray(counts),
         jnp.asarray(tokens), jnp.asarray(next_states), jnp.asarray(bit_row), jnp.asarray(bits),
-        narrow_width=max(narrow_width(a, words) for a in automata),
+        jnp.asarray(given), narrow_width=max(narrow_width(a, words) for a in automata),
         search_steps=search_steps(int(counts.max())))
     return tables, firsts
 

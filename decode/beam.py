@@ -3,12 +3,13 @@ and takes the first step, `advance` steps on to the end or to a step limit (a ca
 runs other work between chunks of steps gives one).
 
 Each of the W beams of a row is one row of the cache (batch B·W). Every step extends each
-alive beam by every token, keeps the 2W best candidates, moves those ending in EOS to the
-finished pool (scored with a length penalty) and keeps the W best others alive; the cache
-rows are then reordered by the beam each survivor came from. Under a constraint
-(`automaton.py`) each beam carries its automaton state: only the tokens it allows are
-candidates, and a survivor moves on from the state of the beam it came from. Shapes: B
-batch, W beams, O token buffer, V vocab.
+alive beam by every token, keeps the 2W best candidates, moves those ending in EOS among the
+best W to the finished pool (scored with a length penalty; a token a constraint gives, such as
+a translator's forced first token, adds 0, as transformers scores it) and keeps the W best
+others alive; the cache rows are then reordered by the beam each survivor came from. Under
+a constraint (`automaton.py`) each beam carries its automaton state: only the tokens it
+allows are candidates, and a survivor moves on from the state of the beam it came from.
+Shapes: B batch, W beams, O token buffer, V vocab.
 """
 
 from __future__ import annotations
@@ -100,14 +101,21 @@ def beam_step(state: BeamState, logprobs_BWV: jax.Array, stops: StopConditions,
     if banned is not None:
         logprobs_BWV = jnp.maximum(ban(logprobs_BWV.reshape(batch * width, vocab), banned),
                                    NEG_INF).reshape(batch, width, vocab)
+    scores_BWV = logprobs_BWV
     if state.constraints is not None:
         logprobs_BWV = jnp.maximum(state.constraints.mask(
             logprobs_BWV.reshape(batch * width, vocab)), NEG_INF).reshape(batch, width, vocab)
+        # A token the constraint gives (a `StartsWith`'s, transformers' forced first token)
+        # adds 0 to the beam's score, as a forced end does below; its logprob stays the model's.
+        given_BW = state.constraints.is_given().reshape(batch, width)
+        scores_BWV = jnp.where(given_BW[..., None] & (logprobs_BWV > NEG_INF / 2), 0.0,
+                               logprobs_BWV)
     # A forced end is each beam's only candidate, which adds 0 to its score (as transformers
     # scores it); its logprob stays the model's.
     forced = stops.forced_at(state.step + 1 >= stops.max_new_tokens)
-    scores_BWV = logprobs_BWV if forced is None else jnp.where(
-        forced >= 0, jnp.where(jnp.arange(vocab) == forced, 0.0, NEG_INF), logprobs_BWV)
+    if forced is not None:
+        scores_BWV = jnp.where(
+            forced >= 0, jnp.where(jnp.arange(vocab) == forced, 0.0, NEG_INF), scores_BWV)
     candidates = (state.alive_logprob[..., None] + scores_BWV).reshape(batch, width * vocab)
     cand_logprob, flat = jax.lax.top_k(candidates, 2 * width)  # [B, 2W]
     origin, token = flat // vocab, flat % vocab
@@ -131,7 +139,10 @@ def beam_step(state: BeamState, logprobs_BWV: jax.Array, stops: StopConditions,
         origin, *([] if constraints is None else [cand_state]))
     if constraints is not None:
         constraints = constraints.replace(state=alive_state[0].reshape(-1))
-    new_score = jnp.where(is_eos, _penalised(cand_logprob, length, length_penalty), NEG_INF)
+    # Of the 2W candidates, those ending in EOS among the best W finish, as transformers
+    # keeps them (the others only fill the alive beams up); none stays alive.
+    finishing = is_eos & (jnp.arange(2 * width) < width)
+    new_score = jnp.where(finishing, _penalised(cand_logprob, length, length_penalty), NEG_INF)
     finished_score, (finished_tokens, finished_token_logprobs, finished_lengths) = _top(
         jnp.concatenate([state.finished_score, new_score], axis=1), width,
         jnp.concatenate([state.finished_tokens, cand_tokens], axis=1),

@@ -192,6 +192,15 @@ class TokenAutomaton:
     def num_states(self) -> int:
         return int(self.counts.size)
 
+    @property
+    def given(self) -> np.ndarray:
+        """bool per state: its one token is given, not chosen (a `StartsWith`'s, as
+        transformers' `forced_bos_token_id` and a decoder's prompt are), so a beam search
+        adds 0 for it to a beam's summed logprobs, as transformers scores a forced token."""
+        if isinstance(self.constraint, StartsWith):
+            return np.arange(self.num_states) < len(self.constraint.token_ids)
+        return np.zeros(self.num_states, bool)
+
     def allowed(self, state: int) -> np.ndarray:
         """The token ids state `state` allows."""
         return self.tokens[self.starts[state]:self.starts[state] + self.counts[state]]

@@ -79,9 +79,10 @@ def test_every_returned_hypothesis_is_ranked_best_first_with_its_own_score():
     every = markov_beam(num_beams=3, max_new_tokens=3, num_return=3)
     hypotheses = [every.tokens[j, :int(every.lengths[j])].tolist() for j in range(3)]
     assert hypotheses[0] == best.tokens[0, :int(best.lengths[0])].tolist()
-    # By hand: B EOS (0.36), A B EOS (0.135), A EOS (0.1) finish; the beams still alive
-    # after three tokens (A A A: 0.061 ...) and the other finished ones score less.
-    assert hypotheses == [[B, EOS], [A, B, EOS], [A, EOS]]
+    # By hand: B EOS (0.36), A B EOS (0.135), A C EOS (0.0728) finish; A EOS (0.1) ranks
+    # fourth among its step's candidates, past the best 3, so it finishes no hypothesis (as
+    # in transformers); the beams still alive after three tokens (A A A: 0.061 ...) score less.
+    assert hypotheses == [[B, EOS], [A, B, EOS], [A, C, EOS]]
     np.testing.assert_allclose(every.scores, [markov_logprob(h) for h in hypotheses],
                                rtol=1e-6)
 

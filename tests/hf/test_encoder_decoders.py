@@ -25,7 +25,7 @@ from kvjax.tokenizer.huggingface import load_tokenizer
 def test_a_forced_first_token_leads_the_target_as_in_transformers():
     """NLLB and M2M100 are told the target language by its token, forced first after the
     decoder's start (transformers' `forced_bos_token_id`): by a `StartsWith` constraint, in
-    beam search too."""
+    beam search too, where the forced token adds 0 to a beam's score."""
     config, tokenizer, params = hf.load_pretrained(FIXTURES / "m2m_100")
     record, _ = expected("m2m_100")
     net = M.build_model(config)
@@ -39,6 +39,17 @@ def test_a_forced_first_token_leads_the_target_as_in_transformers():
     beam = decode.beam_search(net, params, record["prompts"], num_beams=record["num_beams"],
                               constraint=starts, **generation_settings(record))
     assert beam.token_lists() == record["forced_beam"] != record["forced_greedy"]
+    # The forced token adds 0 to a beam's score, as transformers' forced token does, and an
+    # end among the candidates past the best 3 finishes no hypothesis; the scores are
+    # transformers' `sequences_scores`.
+    for search in record["forced_beams"]:
+        starts = decode.compile_constraint(decode.StartsWith((search["forced"],)), tokenizer,
+                                           end_id=search["eos_id"])
+        beam = decode.beam_search(net, params, record["prompts"], num_beams=record["num_beams"],
+                                  constraint=starts, max_new_tokens=6,
+                                  eos_ids=(search["eos_id"],))
+        assert beam.token_lists() == search["beam"]
+        np.testing.assert_allclose(beam.scores, search["scores"], rtol=1e-5)
 
 
 def test_the_command_line_translates_into_the_target_language_it_is_given(capsys):
