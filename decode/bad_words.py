@@ -96,9 +96,8 @@ def banned_by_words(words: jax.Array, context_BC: jax.Array, context_lengths_B: 
     its whole context); -1 elsewhere (and for rows of no word). `words` [B, words, tokens]
     as `words_table` writes a row's. A word of one token is banned always."""
     before_last = words.shape[-1] - 1
-    back = jnp.arange(before_last) - before_last  # the newest `before_last` tokens: -n .. -1
-    at = jnp.clip(context_lengths_B[:, None] + back, 0, context_BC.shape[1] - 1)
-    newest = jnp.take_along_axis(context_BC, at, axis=1)  # [B, before_last]
+    newest = newest_tokens(context_BC, context_lengths_B, before_last)  # [B, before_last]
+    back = jnp.arange(before_last) - before_last  # their places from the newest: -n .. -1
     made = back[None, :] >= -generated_B[:, None]
     first = words[:, :, :before_last]
     matches = (first < 0) | ((first == newest[:, None]) & made[:, None])

@@ -305,17 +305,18 @@ def _searched(net, params, prompts, chunk_size: int | None, *, max_new_tokens: i
                        prepared.capacity, prepared.buffer_len, prepared.num_beams,
                        prepared.stops, penalty, mesh=mesh, constraints=prepared.constraints,
                        adapters=prepared.adapters)
-    limit = max_new_tokens
+    reached = 1  # `start` takes the first step
     while True:
-        if chunk_size is not None:
-            limit = min(int(state.step) + chunk_size, max_new_tokens)
+        limit = max_new_tokens if chunk_size is None else min(reached + chunk_size,
+                                                              max_new_tokens)
         state, done, result = beam.advance(
             net.config, params, state, prepared.stops, penalty, jnp.asarray(limit, jnp.int32),
             mesh=mesh, adapters=prepared.adapters, num_return=returned)
         if chunk_size is None or bool(done):
             return _output(result, max_new_tokens, return_logprobs, prepared.batch * returned,
                            scores=result.scores)
-        yield int(state.step)
+        reached = int(state.step)
+        yield reached
 
 
 def _drain(generator: Generator[Any, None, Any]) -> Any:
